@@ -51,7 +51,7 @@ int main(int argc, char **argv) {
         float *lse = malloc((size_t)B * NH * T * 4);
         for (size_t i = 0; i < nq; i++) qkv[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
         for (size_t i = 0; i < no; i++) dout[i] = (float)((i * 40503u) % 1000) / 1000.0f - 0.5f;
-        fl_attn_desc a = {B, T, T, NH, NKV, HD, W, W, W, (size_t)NH * HD, 1.0f / sqrtf((float)HD), 1};
+        fl_attn_desc a = {B, T, T, NH, NKV, HD, W, W, W, (size_t)NH * HD, 1.0f / sqrtf((float)HD), 1, 0, 0};
         double t[4][100];
         for (int r = 0; r < reps + 1; r++) { /* first round: warm-up, not counted */
             double t0 = now();

@@ -218,7 +218,7 @@ expect blip2_lora_reloads 0 "^loss [0-9.]+  ppl" -- "$FITLLM" loss "$T/b2lora/fi
 expect blip2_finetune_vision_too 0 "trains vision qformer lm" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --blip2.train vision,qformer,lm --out_dir "$T/b2vis"
 expect blip2_finetune_memory_by_part 0 "memory by part \(MiB\): vision PARAMS 0\.0[0-9]+ GRADS 0\.000 OPTIM 0\.000; qformer PARAMS [0-9.]+ GRADS 0\.0[1-9][0-9]* OPTIM" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --out_dir "$T/b2mem"
 expect blip2_finetune_bad_part 2 "blip2.train: unknown part 'text'" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --blip2.train text --out_dir "$T/b2x"
-expect blip2_finetune_precision 2 "--precision bf16-true: BLIP-2 fine-tuning runs 32-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision bf16-true --out_dir "$T/b2x"
+expect blip2_finetune_precision 2 "--precision 16-true: BLIP-2 fine-tuning runs 32-true, bf16-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision 16-true --out_dir "$T/b2x"
 # what the loop does not do is refused by name, exit 2, no folder written
 for v in "--train.max_time 60|--train.max_time: BLIP-2 fine-tuning stops at train.max_steps" \
          "--train.max_tokens 1000|--train.max_tokens: BLIP-2 fine-tuning stops at train.max_steps" \
@@ -229,9 +229,15 @@ for v in "--train.max_time 60|--train.max_time: BLIP-2 fine-tuning stops at trai
     read -r -a opt <<<"${v%%|*}"
     expect "blip2_finetune_refuses_${opt[0]#--}" 2 "${v#*|}" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" "${opt[@]}" --out_dir "$T/b2ref"
 done
-expect blip2_finetune_refuses_qlora 2 "--quantize bnb.nf4: QLoRA on BLIP-2 is not built yet" -- "$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --quantize bnb.nf4 --out_dir "$T/b2ref"
+# QLoRA (tests/test_blip2_qlora.c: the dequantized model's logits and loss bit for bit, the adapters' gradients within
+# fp32 noise): every part's block linears in 4 bits, the adapters on the language model; the loss falls, both variants
+for m in "$B2" tests/fixtures/blip2-tiny-t5; do
+    b2out=$("$FITLLM" finetune_lora "$m" "${B2RUN[@]}" --optimizer.lr 0.02 --lora_r 4 --quantize bnb.nf4 --precision bf16-true --out_dir "$T/b2q" 2>&1); rc=$?
+    l1=$(sed -n 's/^step 1\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out"); l8=$(sed -n 's/^step 8\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out")
+    expect "blip2_finetune_qlora_${m##*-}" 0 "" -- awk -v rc=$rc -v a="$l1" -v b="$l8" 'BEGIN { exit !(rc == 0 && a > 3 && b < a - 0.5) }'
+done
 expect blip2_refused_runs_write_nothing 1 "" -- test -e "$T/b2ref"
-expect blip2_finetune_precision_16mixed 2 "--precision 16-mixed: BLIP-2 fine-tuning runs 32-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision 16-mixed --out_dir "$T/b2x"
+expect blip2_finetune_precision_16mixed 2 "--precision 16-mixed: BLIP-2 fine-tuning runs 32-true, bf16-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision 16-mixed --out_dir "$T/b2x"
 # activation checkpointing on the three stacks (train.activation_checkpointing true: each keeps its blocks' inputs and
 # one block's slots per block graph, recomputed in the backward): the same final weights bit for bit as without it,
 # OPT and T5, every part trained, LoRA with dropout; ACTS smaller (the first peak row's ACTS column)
@@ -250,13 +256,18 @@ done
 b2out=$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --strategy deepspeed_stage_2_offload --out_dir "$T/b2off" 2>&1)
 expect blip2_offload_same_bits 0 "" -- cmp "$T/b2full/final/model.safetensors" "$T/b2off/final/model.safetensors"
 expect blip2_offload_optim_on_host 0 "" -- bash -c 'awk "/^peak/ { n++; if (n == 1) dev = \$7 \$8; if (n == 2) host = \$7 \$8 } END { exit !(dev == \"0B\" && host != \"0B\" && host != \"\") }" <<<"$1" && grep -q "^host tier (CPU offload: the optimizer state, outside the device.s budget)" <<<"$1"' _ "$b2out"
-# bf16-mixed (tests/test_blip2_prec.c: within 2 x PyTorch autocast's bf16 error of the float64 run): the loss falls as
-# under 32-true (step 8 below step 1 by > 0.5 nats), both variants
+# bf16-mixed (tests/test_blip2_prec.c: within 2 x PyTorch autocast's bf16 error of the float64 run) and bf16-true
+# (tests/test_blip2_bf16true.c: bf16-mixed's logits and loss on bf16-exact weights, its gradients rounded once): the
+# loss falls as under 32-true (step 8 below step 1 by > 0.5 nats), both variants; bf16-true's PARAMS are half
 for m in "$B2" tests/fixtures/blip2-tiny-t5; do
-    b2out=$("$FITLLM" finetune_full "$m" "${B2RUN[@]}" --precision bf16-mixed --out_dir "$T/b2bm" 2>&1); rc=$?
-    l1=$(sed -n 's/^step 1\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out"); l8=$(sed -n 's/^step 8\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out")
-    expect "blip2_finetune_bf16_mixed_${m##*-}" 0 "" -- awk -v rc=$rc -v a="$l1" -v b="$l8" 'BEGIN { exit !(rc == 0 && a > 3 && b < a - 0.5) }'
+    for pr in bf16-mixed bf16-true; do
+        b2out=$("$FITLLM" finetune_full "$m" "${B2RUN[@]}" --precision $pr --out_dir "$T/b2bm" 2>&1); rc=$?
+        l1=$(sed -n 's/^step 1\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out"); l8=$(sed -n 's/^step 8\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out")
+        n=bf16_mixed; [ $pr = bf16-true ] && n=bf16_true
+        expect "blip2_finetune_${n}_${m##*-}" 0 "" -- awk -v rc=$rc -v a="$l1" -v b="$l8" 'BEGIN { exit !(rc == 0 && a > 3 && b < a - 0.5) }'
+    done
 done
+expect blip2_bf16_true_params_half 0 "memory by part \(MiB\): vision PARAMS 0\.020 GRADS 0\.000 OPTIM 0\.000; qformer PARAMS 0\.027 GRADS 0\.027 OPTIM 0\.054" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --precision bf16-true --out_dir "$T/b2x"
 expect blip2_finetune_needs_captions 2 "trains on image captions: --data JSON --data.json_path" -- "$FITLLM" finetune_full "$B2" --out_dir "$T/b2x"
 mkdir -p "$T/b2bad" && cp "$IMG/one_1x1.png" "$IMG/rgb_13x7.png" "$T/b2bad/" && printf '3 4\n' > "$T/b2bad/one_1x1.txt"
 expect blip2_finetune_missing_txt 2 "rgb_13x7.png has no caption file rgb_13x7.txt" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad" --out_dir "$T/b2x"
@@ -285,8 +296,10 @@ expect blip2_finetune_jsonl_key 1 'c.jsonl: line 2: key "text" \(or "caption"\):
 # trained too, SGD with momentum, gradient accumulation, bf16-mixed, 8-bit AdamW, CPU offload (its host tier: below),
 # activation checkpointing
 for m in "$B2" tests/fixtures/blip2-tiny-t5; do
-    for v in full lora vis sgd accum mixed q8 offload ckpt; do
+    for v in full lora vis sgd accum mixed q8 offload ckpt btrue qlora; do
         case $v in
+            qlora) c=finetune_lora; x=(--lora_r 4 --quantize bnb.nf4-dq --precision bf16-true) ;;
+            btrue) c=finetune_full; x=(--precision bf16-true --blip2.train vision,qformer,lm) ;;
             ckpt) c=finetune_full; x=(--train.activation_checkpointing true --blip2.train vision,qformer,lm) ;;
             full) c=finetune_full; x=() ;; lora) c=finetune_lora; x=(--lora_r 4) ;;
             q8) c=finetune_full; x=(--optimizer bnb.optim.AdamW8bit) ;;
@@ -321,8 +334,10 @@ expect blip2_memory_snapshot_off 1 "" -- grep -q "^memory step" <<<"$("$FITLLM" 
 # dropout, bf16-mixed, SGD + momentum, the vision tower trained, 8-bit AdamW, SGD + momentum offloaded to the host); a
 # checkpoint of another run is refused by name
 for m in "$B2" tests/fixtures/blip2-tiny-t5; do
-    for v in full lora mixed sgd q8 offload vis; do
+    for v in full lora mixed sgd q8 offload btrue qlora vis; do
         case $v in
+            qlora) c=finetune_lora; x=(--lora_r 4 --lora_dropout 0.1 --quantize bnb.nf4) ;;
+            btrue) c=finetune_full; x=(--precision bf16-true --train.max_norm 1.0 --blip2.train vision,qformer,lm) ;;
             full) c=finetune_full; x=(--train.max_norm 1.0) ;; lora) c=finetune_lora; x=(--lora_r 4 --lora_dropout 0.1) ;;
             q8) c=finetune_full; x=(--optimizer bnb.optim.AdamW8bit) ;;
             offload) c=finetune_full; x=(--strategy deepspeed_stage_1_offload --optimizer SGD --optimizer.momentum 0.9) ;;
@@ -501,9 +516,21 @@ expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
 expect t5_finetune_act_ckpt_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5ckpt/final/model.safetensors"
-# config.json's dropout_rate: read, written back, range-checked; not applied yet, which training says
+# config.json's dropout_rate: read, written back, range-checked; applied in training (tests/test_t5_dropout.c, and
+# against transformers: tests/test_t5.c), which training says. The masks follow the run's seed and the global micro-batch:
+# a run resumed from step 2 ends on the uninterrupted run's bits, activation checkpointing gives the same bits, and
+# the weights are not those of the same run without dropout
 mkdir -p "$T/t5d" && cp "$T/t5m"/* "$T/t5d/" && sed -i 's/"dropout_rate": 0.0/"dropout_rate": 0.1/' "$T/t5d/config.json"
-expect t5_dropout_rate_noted 0 "note: config.json dropout_rate 0.1 is not applied: fitllm trains an encoder-decoder without dropout" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" --init random --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/t5dr"
+T5D=(--init random --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --train.max_steps 4
+     --train.global_batch_size 4 --train.micro_batch_size 2 --train.save_interval 2)
+expect t5_dropout_rate_noted 0 "note: config.json dropout_rate 0.1 is applied in training \(embeddings, attention weights, sublayer outputs, FFN, final norms; not in evaluation or generation\)" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" "${T5D[@]}" --out_dir "$T/t5dr"
+mkdir -p "$T/t5dr2" && cp -r "$T/t5dr/step-000002" "$T/t5dr2/"
+expect t5_dropout_resume 0 "Resuming training from .*step-000002 \(step 2, iter 4\)" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" "${T5D[@]}" --out_dir "$T/t5dr2" --resume auto
+expect t5_dropout_resume_bitexact 0 "" -- cmp "$T/t5dr/final/model.safetensors" "$T/t5dr2/final/model.safetensors"
+expect t5_dropout_act_ckpt 0 "activation checkpointing" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" "${T5D[@]}" --out_dir "$T/t5dr3" --train.activation_checkpointing true
+expect t5_dropout_act_ckpt_bitexact 0 "" -- cmp "$T/t5dr/final/model.safetensors" "$T/t5dr3/final/model.safetensors"
+expect t5_dropout_zero_run 0 "Saved|saved" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5m" "${T5D[@]}" --out_dir "$T/t5dr0"
+expect t5_dropout_changes_training 1 "" -- cmp -s "$T/t5dr/final/model.safetensors" "$T/t5dr0/final/model.safetensors"
 expect t5_dropout_rate_written_back 0 '"dropout_rate": 0.1,' -- cat "$T/t5dr/final/config.json"
 sed -i 's/"dropout_rate": 0.1/"dropout_rate": 1.5/' "$T/t5d/config.json"
 expect t5_dropout_rate_range 1 "config.json: key 'dropout_rate' = 1.5 must be in \[0, 1\)" -- "$FITLLM" loss "$T/t5d" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"

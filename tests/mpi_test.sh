@@ -532,13 +532,13 @@ fi
 # pipeline parallelism through the CLI (--pipeline_parallel, EXPERIMENTAL; tests/test_pp_model.c has the bit-identity
 # of untied models): micro ties lm_head to its token table, so its two gradients are summed across the first and last
 # stage instead of micro-batch by micro-batch, and clipping's norm is a sum over the stages: PP 2 (1F1B), PP 4 (GPipe)
-# and DP 2 x PP 2 (DDP, and ZeRO-2 on the data axis) train one process's losses within 1e-6 relative at every step, rank 0 alone reports, and the final
+# and DP 2 x PP 2 (DDP, ZeRO-2 and FULL_SHARD on the data axis) train one process's losses within 1e-6 relative at every step, rank 0 alone reports, and the final
 # folder holds the files and the tensor layout one process writes, the lead prints the stages' measured times and the
 # schedule simulated on them; PP 2's step-2 checkpoint resumes in one process
 # and continues PP 2's losses within 1e-6; the refusals name the option
 # the 3D grid (the 5th field: TP 2 x PP 2 at 4 ranks; tests/test_tp_train.c has the bounds' reasons) the same, and
 # its step-2 checkpoint resumes in one process too
-for grid in "2 2 1f1b ddp" "4 4 gpipe ddp" "4 2 1f1b ddp" "4 2 1f1b deepspeed_stage_2" "4 2 1f1b ddp 2"; do
+for grid in "2 2 1f1b ddp" "4 4 gpipe ddp" "4 2 1f1b ddp" "4 2 1f1b deepspeed_stage_2" "4 2 1f1b fsdp" "4 2 1f1b ddp 2"; do
     set -- $grid
     tp=${5:-1}; TPA=(); [ "$tp" = 1 ] || TPA=(--tensor_parallel "$tp")
     sfx=$([ "$4" = ddp ] || echo "_$4")$([ "$tp" = 1 ] || echo "_tp$tp")
@@ -584,6 +584,18 @@ if [ $rc -eq 0 ] && [ "$(grep -c "Saved the PEFT adapter" "$T/out")" = 1 ] \
 else
     bad "tp_lora_cli_np2_tp2" "exit $rc, losses within '$w'"
 fi
+# LoRA on the stages (dropout 0.05, LitGPT's default): PP 2 under mpirun logs one process's losses exactly, and its
+# final/ (stage 0 merges the gathered adapters into the gathered base) and final/adapter are one process's bytes
+timeout 300 "$FL" finetune_lora "${TARGS[@]}" --out_dir "$T/pp-lora-one" >"$T/out" 2>&1 || bad "pp_cli_lora_one_process" "exit $?"
+timeout 300 mpirun -np 2 "$FL" finetune_lora "${TARGS[@]}" --devices 2 --pipeline_parallel 2 --out_dir "$T/pp-lora2" \
+    >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/pp-lora2" "$T/pp-lora-one" 2>/dev/null)
+if [ $rc -eq 0 ] && [ "$w" = 0 ] && cmp -s "$T/pp-lora2/final/model.safetensors" "$T/pp-lora-one/final/model.safetensors" \
+    && cmp -s "$T/pp-lora2/final/adapter/adapter_model.safetensors" "$T/pp-lora-one/final/adapter/adapter_model.safetensors"; then
+    ok "pp_cli_np2_pp2_lora (losses and final/ one process's bits)"
+else
+    bad "pp_cli_np2_pp2_lora" "exit $rc, losses within '$w'"
+fi
 pp_refused() { # name, pattern, ranks, arguments...
     local name=$1 pat=$2 np=$3; shift 3
     timeout 120 mpirun -np "$np" "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?
@@ -591,10 +603,10 @@ pp_refused() { # name, pattern, ranks, arguments...
 }
 pp_refused pp_more_stages_than_layers "--pipeline_parallel 6: the model has 5 layers" 6 finetune_full micro --devices 6 \
     --pipeline_parallel 6 --train.global_batch_size 6 --out_dir "$T/pp-x1"
-pp_refused pp_lora_refused "--pipeline_parallel 2: finetune_lora is not pipelined yet" 2 finetune_lora micro --devices 2 \
-    --pipeline_parallel 2 --out_dir "$T/pp-x2"
-pp_refused pp_zero3_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_3: the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2" 4 \
-    finetune_full micro --devices 4 --pipeline_parallel 2 --strategy deepspeed_stage_3 --out_dir "$T/pp-x3"
+pp_refused pp_qlora_refused "--pipeline_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split" 2 finetune_lora \
+    micro --devices 2 --pipeline_parallel 2 --quantize bnb.nf4 --out_dir "$T/pp-x2"
+pp_refused pp_hybrid_shard_refused "--pipeline_parallel 2 with --strategy fsdp HYBRID_SHARD: the data-parallel axis runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD" 4 \
+    finetune_full micro --devices 4 --pipeline_parallel 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/pp-x3"
 pp_refused pp_t5_refused "--pipeline_parallel: T5 is not split into stages" 2 finetune_full t5-micro --devices 2 \
     --pipeline_parallel 2 --out_dir "$T/pp-x5"
 pp_refused pp_offload_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_2_offload: offload is not combined" 2 \

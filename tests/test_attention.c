@@ -187,7 +187,7 @@ static void acase_init(acase *c, int B, int Tq, int Tk, int NH, int NKV, int HD,
     fl_test_rng r = {seed};
     c->cross = cross, c->has_bias = bias, c->has_mask = mask;
     if (!cross) Tk = Tq;
-    fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, 0, 0, 0, 0, scale, causal};
+    fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, 0, 0, 0, 0, scale, causal, 0, 0};
     if (cross) {
         a.ldq = (size_t)NH * HD + 3;
         a.ldk = a.ldv = (size_t)2 * NKV * HD + 1;
@@ -773,7 +773,7 @@ FL_TEST(attn_ex_matches_fused_causal_op) {
 static void attn_ex_bad_arguments_on(fl_backend be) {
     float x[64] = {0}, out[64], lse[8];
     for (int i = 0; i < 64; i++) out[i] = 7.0f;
-    fl_attn_desc a = {1, 2, 2, 2, 1, 4, 16, 16, 16, 8, 0.5f, 0};
+    fl_attn_desc a = {1, 2, 2, 2, 1, 4, 16, 16, 16, 8, 0.5f, 0, 0, 0};
     FL_CHECK(be.attention_forward(&be, &a, out, lse, x, x, x, NULL, NULL) == FL_OK);
     fl_attn_desc bad = a;
     bad.NKV = 3; /* NH % NKV */
@@ -798,7 +798,7 @@ FL_TEST(attn_ex_bad_arguments) {
 
 /* No keys at all (Tk 0): every row is fully masked: out 0, lse -inf, gradients untouched. */
 static void attn_ex_no_keys_on(fl_backend be) {
-    fl_attn_desc a = {2, 3, 0, 2, 1, 4, 8, 4, 4, 8, 0.5f, 0};
+    fl_attn_desc a = {2, 3, 0, 2, 1, 4, 8, 4, 4, 8, 0.5f, 0, 0, 0};
     float q[48], out[48], lse[12], dq[48], d0[4] = {0}, dO[48];
     for (int i = 0; i < 48; i++) q[i] = 0.1f * i, out[i] = 7.0f, dq[i] = 3.0f, dO[i] = 1.0f;
     FL_REQUIRE_OP(&be, be.attention_forward(&be, &a, out, lse, q, d0, d0, NULL, NULL));

@@ -369,7 +369,7 @@ FL_TEST(cuda_attn_ex_wide_heads) {
 
 FL_TEST(cuda_attn_errors) {
     float x[64] = {0}, work[16];
-    fl_attn_desc a = {2, 3, 3, 4, 4, 300, 1200, 1200, 1200, 1200, 0.1f, 1};
+    fl_attn_desc a = {2, 3, 3, 4, 4, 300, 1200, 1200, 1200, 1200, 0.1f, 1, 0, 0};
     FL_CHECK(fl_cuemu_attention_forward_ex(&a, x, NULL, x, x, x, x, NULL, NULL, NULL) == FL_CU_ATTN_UNSUPPORTED);
     FL_CHECK(fl_cuemu_attention_forward(x, x, x, 1, 2, 2, 2, 300, NULL) == FL_CU_ATTN_UNSUPPORTED);
     FL_CHECK(fl_cuemu_attention_decode(x, x, x, x, 2, 2, 2, 300, 600, NULL) == FL_CU_ATTN_UNSUPPORTED);
@@ -391,7 +391,7 @@ FL_TEST(cuda_attn_fused) {
     fl_test_rng rng = {77};
     const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
     float *qkv = fl_test_frand(&rng, nx, -1.5f, 1.5f), *dout = fl_test_frand(&rng, no, -1, 1);
-    fl_attn_desc a = {B, T, T, NH, NKV, HD, W, W, W, OW, 1.0f / sqrtf((float)HD), 1};
+    fl_attn_desc a = {B, T, T, NH, NKV, HD, W, W, W, OW, 1.0f / sqrtf((float)HD), 1, 0, 0};
     ref_t R = {a, qkv, qkv + NH * HD, qkv + (NH + NKV) * HD, NULL, dout, NULL, NULL, NULL, NULL, NULL, NULL,
                NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL};
     R.out = dzeros(no), R.lse = dzeros(nl), R.dq = dzeros(no), R.Mo = dzeros(no), R.Mq = dzeros(no);
@@ -754,7 +754,7 @@ FL_TEST(cuda_attn_fa2) {
 
 FL_TEST(cuda_attn_tc_unsupported) {
     float x[64] = {0}, work[16];
-    fl_attn_desc a = {1, 3, 3, 2, 2, 80, 160, 160, 160, 160, 0.1f, 1};
+    fl_attn_desc a = {1, 3, 3, 2, 2, 80, 160, 160, 160, 160, 0.1f, 1, 0, 0};
     FL_CHECK(!fl_cu_attention_tc_supported(&a, NULL));
     FL_CHECK(fl_cuemu_attention_forward_tc(&a, x, NULL, x, x, x, x, NULL, NULL) == FL_CU_ATTN_UNSUPPORTED);
     FL_CHECK(fl_cuemu_attention_backward_tc(&a, x, x, x, x, x, x, x, NULL, x, x, work, NULL) == FL_CU_ATTN_UNSUPPORTED);

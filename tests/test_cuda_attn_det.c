@@ -32,7 +32,7 @@ static float *det_rand(size_t n, uint64_t *s) {
 static void det_case(const int c[7]) {
     const int B = c[0], Tq = c[1], Tk = c[2], NH = c[3], NKV = c[4], HD = c[5];
     fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, (size_t)NH * HD, (size_t)NKV * HD, (size_t)NKV * HD, (size_t)NH * HD,
-                      (float)(1.0 / sqrt((double)HD)), c[6]};
+                      (float)(1.0 / sqrt((double)HD)), c[6], 0, 0};
     const size_t nq = (size_t)B * Tq * NH * HD, nk = (size_t)B * Tk * NKV * HD, nl = (size_t)B * NH * Tq;
     uint64_t s = 0x1234 + (uint64_t)Tq * 7 + Tk;
     float *q = det_rand(nq, &s), *k = det_rand(nk, &s), *v = det_rand(nk, &s), *dout = det_rand(nq, &s);

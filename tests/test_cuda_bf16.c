@@ -217,11 +217,11 @@ static void act16_bwd_case(int kind, int N, int F) {
         fl_cu_emu_set_seed(k_seeds[k]);
         memcpy(got, d0, ni * 4);
         memset(g16, 0xff, ni * 2);
-        EMU_OK(fl_cuemu_act_backward16(kind, got, g16, dy, x, N, F, NULL));
+        EMU_OK(fl_cuemu_act_backward16(kind, got, g16, dy, x, NULL, N, F, NULL));
         FL_CHECKF(!memcmp(got, want, ni * 4) && !memcmp(g16, w16, ni * 2),
                   "act_backward16 kind %d N=%d F=%d: not the fp32 backward + its bf16 copy", kind, N, F);
     }
-    FL_CHECK(fl_cuemu_act_backward16(kind, got, NULL, dy, x, N, F, NULL) != 0); /* the copy is the point */
+    FL_CHECK(fl_cuemu_act_backward16(kind, got, NULL, dy, x, NULL, N, F, NULL) != 0); /* the copy is the point */
     free(x); free(dy); free(d0); free(want); free(got); free(w16); free(g16);
 }
 

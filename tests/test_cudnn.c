@@ -60,7 +60,7 @@ FL_TEST(cudnn_load_failures) {
 
 static fl_attn_desc desc(int B, int Tq, int Tk, int NH, int NKV, int HD, int causal) {
     fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, (size_t)NH * HD, (size_t)NKV * HD, (size_t)NKV * HD, (size_t)NH * HD,
-                      0.125f, causal};
+                      0.125f, causal, 0, 0};
     return a;
 }
 

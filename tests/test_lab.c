@@ -656,8 +656,11 @@ static void alloc_rows(const char *path, size_t n_rows) {
         memset(&mc, 0, sizeof mc);
         const fl_json *arch = fl_json_get(r, "arch"); /* absent: LLaMA */
         const char *an = arch && arch->type == FL_JSON_STRING ? arch->str : "llama";
-        mc.arch = !strcmp(an, "gpt2") ? FL_ARCH_GPT2 : !strcmp(an, "opt") ? FL_ARCH_OPT : FL_ARCH_LLAMA;
-        mc.tie_embeddings = mc.arch != FL_ARCH_LLAMA; /* HF GPT-2 and OPT tie their head; the LLaMA rows do not */
+        mc.arch = !strcmp(an, "gpt2") ? FL_ARCH_GPT2 : !strcmp(an, "opt") ? FL_ARCH_OPT : !strcmp(an, "t5") ?
+                  FL_ARCH_T5 : FL_ARCH_LLAMA;
+        /* HF GPT-2 and OPT tie their head; the LLaMA rows and Flan-T5 (gated GELU) do not */
+        mc.tie_embeddings = mc.arch == FL_ARCH_GPT2 || mc.arch == FL_ARCH_OPT;
+        mc.ffn_gated = mc.arch == FL_ARCH_T5, mc.n_dec_layers = (int)jint(r, "dec_layers");
         mc.n_layers = (int)jint(r, "layers"), mc.n_heads = (int)jint(r, "heads"), mc.n_kv_heads = (int)jint(r, "kv_heads");
         mc.dim = (int)jint(r, "dim"), mc.ffn_dim = (int)jint(r, "ffn"), mc.vocab_size = (int)jint(r, "vocab");
         mc.head_dim = (int)jint(r, "head_dim");
@@ -667,6 +670,7 @@ static void alloc_rows(const char *path, size_t n_rows) {
                    quant->type == FL_JSON_STRING);
         fl_lab_peer_setup u = {0};
         u.precision = prec->str, u.optim = opt->str, u.B = (int)jint(r, "B"), u.T = (int)jint(r, "T");
+        u.T_dec = (int)jint(r, "T_dec");
         u.act_ckpt = (int)jint(r, "ckpt"), u.lora_r = (int)jint(r, "lora_r"), u.nf4 = !strcmp(quant->str, "nf4");
         u.cpu_dropout = 1; /* measured on the CPU */
         fl_lab_peer p;
@@ -745,6 +749,29 @@ FL_TEST(lab_peer_pytorch_opt_matches_torch) {
     u.optim = "adamw8bit";
     FL_CHECK(fl_lab_peer_pytorch_setup(&o, n, &u, &p) == FL_ERR_UNSUPPORTED &&
              strstr(fl_error_message(), "OPT is modelled for full fine-tunes"));
+}
+
+/* Flan-T5 (BLIP-2's other language model): HF T5ForConditionalGeneration with its own head, every precision,
+ * checkpointing at three precisions, SGD (tests/ref/pytorch_alloc.py t5), byte for byte; T5 v1.0 and a missing
+ * decoder length are refused by name. */
+FL_TEST(lab_peer_pytorch_t5_matches_torch) {
+    alloc_rows("tests/fixtures/pytorch-alloc-t5.json", 20);
+    fl_model_config t;
+    FL_REQUIRE_OK(fl_preset_find("flan-t5-xl", &t));
+    fl_lab_peer_setup u = {0};
+    fl_lab_peer p;
+    u.precision = "bf16-true", u.B = 4, u.T = 64, u.T_dec = 16;
+    const size_t n = fl_sizing_param_count(&t);
+    FL_REQUIRE_OK(fl_lab_peer_pytorch_setup(&t, n, &u, &p));
+    FL_CHECKF(p.params == 2 * n && p.logits == (size_t)4 * 16 * t.vocab_size * 2 && p.peak > p.params + p.optim,
+              "params %zu of %zu", p.params, n);
+    u.T_dec = 0;
+    FL_CHECK(fl_lab_peer_pytorch_setup(&t, n, &u, &p) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "the decoder's length T_dec is 0"));
+    FL_REQUIRE_OK(fl_preset_find("t5-small", &t));
+    u.T_dec = 16;
+    FL_CHECK(fl_lab_peer_pytorch_setup(&t, n, &u, &p) == FL_ERR_UNSUPPORTED &&
+             strstr(fl_error_message(), "T5 v1.0 (ReLU, tied head) is not modelled"));
 }
 
 /* issue 33 Verify: `plan` at the real scale, at the course's settings (its recipes' models, precisions and batches;

@@ -15,7 +15,8 @@ static const fl_lab_row *b2row(const fl_lab_report *r, const char *name) {
 
 /* Every available row's verdict is the course's; the rows BLIP-2 fine-tuning has in this build are available. */
 static void check_verdicts(const fl_lab_report *rep, const char *scale) {
-    static const char *const built[] = {"baseline", "reduced-batch", "grad-accum", "bf16-mixed", "cpu-offload", "lora",
+    static const char *const built[] = {"baseline", "reduced-batch", "grad-accum", "bf16-true", "bf16-mixed",
+                                        "larger-model", "even-larger", "sgd", "act-ckpt", "cpu-offload", "lora", "qlora",
                                         "ddp"};
     FL_CHECK(rep->n == 14 && rep->n_errors == 0 && rep->blip2);
     for (int i = 0; i < rep->n; i++) {
@@ -39,6 +40,21 @@ static void check_verdicts(const fl_lab_report *rep, const char *scale) {
                   off->peak_total < rb->peak_total,
               "%s: device OPTIM %zu (without offload %zu): %s", scale, off->peak[FL_TAG_OPTIM], rb->peak[FL_TAG_OPTIM],
               off->note);
+    /* the course's bf16-true: much less memory than fp32 (PARAMS half, the optimizer state half) and than bf16-mixed */
+    const fl_lab_row *bt = b2row(rep, "bf16-true"), *bm = b2row(rep, "bf16-mixed");
+    FL_REQUIRE(bt && bm);
+    FL_CHECKF(bt->peak[FL_TAG_PARAMS] * 2 <= rb->peak[FL_TAG_PARAMS] + rb->peak[FL_TAG_PARAMS] / 100 &&
+                  bt->peak[FL_TAG_OPTIM] * 2 <= rb->peak[FL_TAG_OPTIM] + rb->peak[FL_TAG_OPTIM] / 100 &&
+                  bt->peak_total < rb->peak_total && bt->peak_total < bm->peak_total,
+              "%s bf16-true: PARAMS %zu OPTIM %zu peak %zu; 32-true %zu %zu %zu; bf16-mixed peak %zu", scale,
+              bt->peak[FL_TAG_PARAMS], bt->peak[FL_TAG_OPTIM], bt->peak_total, rb->peak[FL_TAG_PARAMS],
+              rb->peak[FL_TAG_OPTIM], rb->peak_total, bm->peak_total);
+    /* QLoRA: the 4-bit base is a fraction of LoRA's fp32 one, the whole run smaller still */
+    const fl_lab_row *ql = b2row(rep, "qlora"), *lo = b2row(rep, "lora");
+    FL_REQUIRE(ql && lo);
+    FL_CHECKF(ql->peak[FL_TAG_PARAMS] * 4 < lo->peak[FL_TAG_PARAMS] && ql->peak_total < lo->peak_total,
+              "%s qlora: PARAMS %zu peak %zu; lora %zu %zu", scale, ql->peak[FL_TAG_PARAMS], ql->peak_total,
+              lo->peak[FL_TAG_PARAMS], lo->peak_total);
 }
 
 FL_TEST(lab_blip2_real_scale_verdicts) {
@@ -80,7 +96,7 @@ FL_TEST(lab_blip2_lab_scale_trains_as_planned) {
 #if defined(__SANITIZE_ADDRESS__)
     o.only = "baseline,reduced-batch";
 #else
-    o.only = "baseline,reduced-batch,cpu-offload,lora,ddp";
+    o.only = "baseline,reduced-batch,bf16-true,cpu-offload,lora,ddp";
 #endif
     fl_lab_report ran;
     FL_REQUIRE_OK(fl_lab_run(&o, NULL, &ran));

@@ -243,7 +243,8 @@ static fl_cu_counters step_counts(const char *prec, int n_micro, float max_norm,
     FL_CHECKF(s == FL_OK, "%s: %s", prec, fl_error_message());
     *loss = res.loss;
     rig_free(&r);
-    return (fl_cu_counters){b.sync - a.sync, b.d2h - a.d2h, b.h2d - a.h2d};
+    return (fl_cu_counters){b.sync - a.sync, b.d2h - a.d2h, b.h2d - a.h2d, b.h2d_pinned - a.h2d_pinned,
+                            b.stage_waits - a.stage_waits};
 }
 
 /* What a step on a GPU makes the host wait for: no synchronization, one copy to the host per micro-batch
@@ -267,6 +268,9 @@ FL_TEST(cuda_sync_round_trips_per_step) {
                nm, (double)cases[i].max_norm, c.sync, c.d2h, c.h2d, loss);
         FL_CHECKF(c.sync == 0 && c.d2h == nm + 1 + amp && c.h2d == 2 * nm + amp,
                   "%s x%d: %ld syncs, %ld copies to the host, %ld from it", cases[i].prec, nm, c.sync, c.d2h, c.h2d);
+        /* the ids and targets through the page-locked ring (the overflow flag's reset is a direct copy) */
+        FL_CHECKF(c.h2d_pinned == 2 * nm, "%s x%d: %ld of %ld uploads through the pinned ring", cases[i].prec, nm,
+                  c.h2d_pinned, c.h2d);
         if (nm != 3) continue; /* the timed variant once (the emulator is slow) */
         fl_cu_counters t = step_counts(cases[i].prec, nm, cases[i].max_norm, 1, &loss_timed);
         FL_CHECKF(t.sync == 3 * nm + 1 && t.d2h == c.d2h && t.h2d == c.h2d, "%s x%d timed: %ld syncs", cases[i].prec, nm,
@@ -275,3 +279,55 @@ FL_TEST(cuda_sync_round_trips_per_step) {
     }
 }
 #endif
+
+/* Issue 30 item 5: small uploads go through the backend's page-locked ring (cuda-stage-impl.h): the caller's
+ * buffer is free on return, each slot's bytes reach their destination, a slot is reused only after its copy
+ * (the emulator's copies are synchronous, so after the ring wraps each reuse is one wait), an upload beyond a
+ * slot goes direct; FITLLM_CUDA_PINNED=0 copies straight, another value is refused by name. */
+#ifdef FL_HAVE_CUDA_EMU
+static void pinned_case(int on) {
+    fl_backend be;
+    if (!on) setenv("FITLLM_CUDA_PINNED", "0", 1);
+    fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_PINNED");
+    FL_REQUIRE_OK(s);
+    enum { K = 20, W = 37 };
+    int32_t host[W], dev[K][W];
+    for (int k = 0; k < K; k++) {
+        for (int i = 0; i < W; i++) host[i] = k * 1000 + i;
+        FL_CHECK(be.to_device(&be, dev[k], host, sizeof host) == FL_OK);
+        memset(host, 0xff, sizeof host); /* free on return */
+    }
+    int ok = 1;
+    for (int k = 0; k < K; k++)
+        for (int i = 0; i < W; i++) ok &= dev[k][i] == k * 1000 + i;
+    FL_CHECK(ok);
+    const size_t big = (2u << 20) + 4;
+    char *hb = malloc(big), *db = malloc(big);
+    FL_REQUIRE(hb && db);
+    for (size_t i = 0; i < big; i++) hb[i] = (char)(i * 7);
+    FL_CHECK(be.to_device(&be, db, hb, big) == FL_OK && !memcmp(db, hb, big));
+    fl_cu_counters c;
+    fl_cuemu_backend_counters(&be, &c);
+    FL_CHECKF(c.h2d == K + 1 && c.h2d_pinned == (on ? K : 0) && c.stage_waits == (on ? K - 8 : 0),
+              "pinned %d: %ld uploads, %ld through the ring, %ld waits", on, c.h2d, c.h2d_pinned, c.stage_waits);
+    free(hb), free(db);
+    fl_backend_free(&be);
+}
+#endif
+
+FL_TEST(cuda_emu_pinned_uploads) {
+#ifdef FL_HAVE_CUDA_EMU
+    pinned_case(1);
+    pinned_case(0);
+    setenv("FITLLM_CUDA_PINNED", "yes", 1);
+    fl_backend be;
+    fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_PINNED");
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_PINNED=yes"), "status %d: %s", (int)s,
+              fl_error_message());
+    if (s == FL_OK) fl_backend_free(&be);
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}

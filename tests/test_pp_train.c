@@ -133,8 +133,14 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
     for (int r = 0; r < W; r++) {
         if (lora) dr_config(&j->cfg[r], DR_LORA, W / pp, W, 1, 0, out);
         else pp_config(&j->cfg[r], W / pp, pp, "1f1b", out);
+        if (lora == 2) snprintf(j->cfg[r].lora.quantize, sizeof j->cfg[r].lora.quantize, "bnb.nf4");
+        if (lora == 3) j->cfg[r].tensor_parallel = 2;
         j->cfg[r].pipeline_parallel = pp;
         if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
+        if (strategy && !strcmp(strategy, "hybrid")) {
+            snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "fsdp");
+            snprintf(j->cfg[r].sharding_strategy, sizeof j->cfg[r].sharding_strategy, "HYBRID_SHARD");
+        }
     }
     backend_on();
     fl_status s = fl_comm_threads_run(W, pp_rank, j);
@@ -144,10 +150,11 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
 }
 
 FL_TEST(pp_train_threads_refusals) {
-    expect_refusal(2, 2, NULL, 1, "--pipeline_parallel 2: finetune_lora is not pipelined yet");
-    expect_refusal(4, 2, "deepspeed_stage_3", 0, "--pipeline_parallel 2 with --strategy deepspeed_stage_3");
+    expect_refusal(2, 2, NULL, 2, "--pipeline_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split");
+    expect_refusal(4, 2, NULL, 3, "--pipeline_parallel 2 with --tensor_parallel 2: finetune_lora is not combined with both");
+    expect_refusal(4, 2, "hybrid", 0, "--pipeline_parallel 2 with --strategy fsdp HYBRID_SHARD: the data-parallel axis "
+                   "runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 so far, not HYBRID_SHARD");
     expect_refusal(2, 2, "deepspeed_stage_2_offload", 0, "offload is not combined with pipeline parallelism");
-    expect_refusal(2, 2, "fsdp", 0, "the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2 so far, not FULL_SHARD");
 }
 
 /* checkpoints resume on a different grid: they hold the consolidated model and optimizer (the single-process form),
@@ -274,4 +281,160 @@ FL_TEST(pp_train_threads_failing_rank_stops_the_grid) {
     }
     for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
     free(j);
+}
+
+/* LoRA on the stages (finetune_lora on micro: the attention's q, v and the MLP's modules, dropout 0.1): each stage's
+ * adapters start and drop as the whole model's (module j + the stage's first block's modules), the stash carries the
+ * adapters' activations of a micro-batch in flight, a later stage's block 0 hands d(input) back; no tied sum and no
+ * clipping enter, so PP 2 (1F1B) and PP 3 (GPipe) give one process's losses bit for bit, DP 2 x PP 2 DDP's. */
+static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save,
+                           const char *resume) {
+    char out[700];
+    snprintf(out, sizeof out, "%s/pp-lora-%s-%d-%d", fl_test_tmpdir(), tag, dp, pp);
+    for (int r = 0; r < dp * pp; r++) {
+        dr_config(&j->cfg[r], DR_LORA, dp, dp * pp, 1, 1, out);
+        j->cfg[r].pipeline_parallel = pp;
+        snprintf(j->cfg[r].pipeline_schedule, sizeof j->cfg[r].pipeline_schedule, "%s", schedule);
+        if (steps) j->cfg[r].train.max_steps = steps;
+        j->cfg[r].train.save_interval = save;
+        if (resume) snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", resume);
+    }
+    backend_on();
+    fl_status s = fl_comm_threads_run(dp * pp, pp_rank, j);
+    backend_off();
+    FL_CHECKF(s == FL_OK, "LoRA DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
+}
+static void lora_grid(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save) {
+    lora_grid_from(j, dp, pp, schedule, tag, steps, save, NULL);
+}
+
+/* dir_a/name and dir_b/name hold the same bytes */
+static int same_file(const char *dir_a, const char *dir_b, const char *name) {
+    char pa[1600], pb[1600];
+    snprintf(pa, sizeof pa, "%s/%s", dir_a, name);
+    snprintf(pb, sizeof pb, "%s/%s", dir_b, name);
+    FILE *fa = fopen(pa, "rb"), *fb = fopen(pb, "rb");
+    int same = fa && fb;
+    while (same) {
+        const int x = fgetc(fa), y = fgetc(fb);
+        same = x == y;
+        if (x == EOF) break;
+    }
+    if (fa) fclose(fa);
+    if (fb) fclose(fb);
+    return same;
+}
+
+FL_TEST(pp_train_threads_lora_equals_one_process) {
+    /* the references: one process, and DDP over 2 ranks (its dropout masks are drawn per rank's micro-batch, as the
+     * data axis of DP 2 x PP 2 draws them) */
+    pp_job *ref = calloc(1, sizeof *ref);
+    FL_REQUIRE(ref != NULL);
+    dr_rec one[3];
+    lora_grid(ref, 1, 1, "1f1b", "l-one", 0, 0);
+    char one_dir[700];
+    snprintf(one_dir, sizeof one_dir, "%s", ref->cfg[0].out_dir);
+    one[1] = ref->rec[0];
+    memset(&ref->rec[0], 0, sizeof ref->rec[0]);
+    lora_grid(ref, 2, 1, "1f1b", "l-ddp", 0, 0);
+    one[2] = ref->rec[0];
+    memset(&ref->rec[0], 0, sizeof ref->rec[0]);
+    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&ref->rec[r]);
+    free(ref);
+    const struct { int dp, pp; const char *sched; } grids[3] = {{1, 2, "1f1b"}, {1, 3, "gpipe"}, {2, 2, "1f1b"}};
+    for (int g = 0; g < 3; g++) {
+        pp_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        lora_grid(j, grids[g].dp, grids[g].pp, grids[g].sched, "l", 0, 0);
+        for (int r = 0; r < grids[g].dp * grids[g].pp; r++) {
+            const dr_rec *a = &j->rec[r], *b = &one[grids[g].dp];
+            FL_CHECKF(a->steps == b->steps && a->steps > 0, "rank %d: %ld steps, one process %ld", r, a->steps, b->steps);
+            for (long k = 0; k < a->steps && k < b->steps; k++)
+                FL_CHECKF(a->loss[k] == b->loss[k], "LoRA DP %d x PP %d %s rank %d step %ld: loss %.9g, DP %d alone %.9g",
+                          grids[g].dp, grids[g].pp, grids[g].sched, r, k + 1, a->loss[k], grids[g].dp, b->loss[k]);
+        }
+        /* final/: the merged model (stage 0 merges the gathered adapters into the gathered base) and the PEFT adapter,
+         * the single process's bytes */
+        const char *files[2] = {"final/model.safetensors", "final/adapter/adapter_model.safetensors"};
+        for (int f = 0; g < 2 && f < 2; f++)
+            FL_CHECKF(same_file(j->cfg[0].out_dir, one_dir, files[f]), "LoRA PP %d: %s differs from one process's",
+                      grids[g].pp, files[f]);
+        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    dr_free(&one[1]);
+    dr_free(&one[2]);
+}
+
+/* LoRA checkpoints on the stages: the step checkpoint gathers the stages' adapters and their AdamW state into the
+ * single-process form (a PEFT adapter folder and the training state), so PP 2's step-2 checkpoint resumes in one
+ * process and at PP 3 (each stage taking its modules), and one process's at PP 2: the later losses are the
+ * uninterrupted one process's bit for bit */
+FL_TEST(pp_train_threads_lora_resume_on_another_grid) {
+    pp_job *a = calloc(1, sizeof *a), *b = calloc(1, sizeof *b);
+    FL_REQUIRE(a != NULL && b != NULL);
+    lora_grid(a, 1, 1, "1f1b", "lr-one", 0, 0); /* the uninterrupted run */
+    const int from[3] = {2, 2, 1}, to[3] = {1, 3, 2};
+    for (int c = 0; c < 3; c++) {
+        lora_grid(b, 1, from[c], "1f1b", "lr-save", 2, 2);
+        char ck[800];
+        snprintf(ck, sizeof ck, "%s/step-000002", b->cfg[0].out_dir);
+        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&b->rec[r]);
+        lora_grid_from(b, 1, to[c], "gpipe", "lr-resumed", 0, 0, ck);
+        for (int r = 0; r < to[c]; r++) {
+            FL_CHECKF(b->rec[r].steps == a->rec[0].steps, "PP %d -> %d rank %d: %ld steps, want %ld", from[c], to[c], r,
+                      b->rec[r].steps, a->rec[0].steps);
+            for (long k = 2; k < a->rec[0].steps && k < b->rec[r].steps; k++)
+                FL_CHECKF(b->rec[r].loss[k] == a->rec[0].loss[k], "LoRA PP %d's checkpoint resumed at PP %d, rank %d "
+                          "step %ld: loss %.9g, uninterrupted %.9g", from[c], to[c], r, k + 1, b->rec[r].loss[k],
+                          a->rec[0].loss[k]);
+        }
+        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&b->rec[r]);
+    }
+    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&a->rec[r]);
+    free(a), free(b);
+}
+
+/* FULL_SHARD / ZeRO-3 on the data axis: each stage's parameters, gradients and optimizer state sharded unit by unit
+ * over the axis (the stage model created sharded, its pieces taken from the whole load); the clipping norm sums each
+ * rank's pieces of the units the stage trains, over the axis then the stages; the tied table's two gradients summed
+ * piece by piece (unit 0 is the same size on both end stages, so the same piece on the same rank). DP 2 x PP 2 under
+ * fsdp FULL_SHARD and deepspeed_stage_3 (1F1B), DP 2 x PP 3 (GPipe) and DP 4 x PP 2: one process's losses within the
+ * 1e-6 relative bar (fl_ckpt's consolidated final/ the single process's files and sizes); a FULL_SHARD grid's step-2
+ * checkpoint resumes at DP 1 x PP 3 and in DP 2 x PP 2 FULL_SHARD, a DDP grid's under FULL_SHARD, within 1e-6 of the
+ * uninterrupted run's. */
+FL_TEST(pp_train_threads_full_shard_on_the_data_axis) {
+    dr_rec one[5];
+    memset(one, 0, sizeof one);
+    one_process(2, &one[2]);
+    one_process(4, &one[4]);
+    const struct { int dp, pp; const char *sched, *strategy, *sharding; } runs[4] = {
+        {2, 2, "1f1b", "fsdp", "FULL_SHARD"}, {2, 2, "1f1b", "deepspeed_stage_3", NULL}, {2, 3, "gpipe", "fsdp", NULL},
+        {4, 2, "1f1b", "fsdp", "FULL_SHARD"}};
+    for (int g = 0; g < 4; g++) {
+        pp_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        char tag[32];
+        snprintf(tag, sizeof tag, "fsdp%d", g);
+        run_grid_on(j, runs[g].dp, runs[g].pp, runs[g].sched, tag, 0, runs[g].strategy, runs[g].sharding);
+        for (int r = 0; r < runs[g].dp * runs[g].pp; r++) {
+            const double w = dr_loss_rel(&j->rec[r], &one[runs[g].dp], j->cfg[r].train.max_steps);
+            FL_CHECKF(w <= 1e-6, "DP %d x PP %d %s %s rank %d: losses %.3g relative from one process's", runs[g].dp,
+                      runs[g].pp, runs[g].strategy, runs[g].sched, r, w);
+        }
+        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    dr_free(&one[2]);
+    dr_free(&one[4]);
+    /* plan per rank = measured (PARAMS, GRADS, OPTIM the stage's shard; GATHER the gathered units) */
+    pp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    run_grid_on(j, 2, 2, "1f1b", "plan-fsdp", 1, "fsdp", "FULL_SHARD");
+    for (int r = 0; r < 4; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "DP 2 x PP 2 FULL_SHARD");
+    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+    resume_on("rs5", 2, 2, "fsdp", 1, 3, NULL);
+    resume_on("rs6", 2, 2, "fsdp", 2, 2, "fsdp");
+    resume_on("rs7", 2, 2, NULL, 2, 3, "deepspeed_stage_3");
 }

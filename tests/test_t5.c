@@ -56,7 +56,8 @@ typedef struct {
     int B, Ts, Tt, n_valid;
 } t5_case;
 
-static fl_status open_case_ex(t5_case *c, const char *dir, int ckpt) {
+/* drop > 0: config.json's dropout_rate replaced by it, applied in training passes (fl_model_set_dropout) */
+static fl_status open_case_ex(t5_case *c, const char *dir, int ckpt, float drop) {
     memset(c, 0, sizeof *c);
     FL_TRY(fl_test_backend(&c->be, 2));
     FL_TRY(fl_backend_pools_init(&c->be, &c->pool, &c->host, c->be.name, 0));
@@ -71,10 +72,12 @@ static fl_status open_case_ex(t5_case *c, const char *dir, int ckpt) {
     for (int i = 0; i < c->B * c->Tt; i++) c->n_valid += ((const int32_t *)c->labels->data)[i] != FL_IGNORE_INDEX;
     FL_TRY(fl_model_alloc_grads(&c->m));
     c->m.act_ckpt = ckpt;
+    if (drop > 0) c->m.cfg.dropout_rate = drop;
+    FL_TRY(fl_model_set_dropout(&c->m, drop > 0));
     return fl_model_alloc_acts_s2s(&c->m, c->B, c->Ts, c->Tt);
 }
 
-static fl_status open_case(t5_case *c, const char *dir) { return open_case_ex(c, dir, 0); }
+static fl_status open_case(t5_case *c, const char *dir) { return open_case_ex(c, dir, 0, 0); }
 
 static void close_case(t5_case *c) {
     fl_st_close(&c->x);
@@ -113,6 +116,29 @@ static const float *grad_host(const fl_model *m, const fl_param_info *p, float *
     return buf;
 }
 
+/* every gradient of m against the reference's grad.<name> within its bound (noise.<name>); gh, rf: scratch of the
+ * model's size */
+static void grads_vs(const fl_model *m, const fl_st_file *x, const char *dir, float *gh, float *rf) {
+    double worst = 0;
+    int checked = 0;
+    for (int i = 0; i < m->layout.n; i++) {
+        const fl_param_info *p = &m->layout.params[i];
+        const fl_st_tensor *g = ref_t(x, "grad.", p->name), *gn = ref_t(x, "noise.", p->name);
+        FL_CHECKF(g && gn && (size_t)(g->end - g->begin) == p->numel * 4, "%s: reference gradient of %s", dir, p->name);
+        if (!g || !gn) continue;
+        ours_from_ref(p, g, rf);
+        grad_host(m, p, gh);
+        double ge = 0, s = 0;
+        for (size_t k = 0; k < p->numel; k++) ge = fmax(ge, fabs((double)gh[k] - rf[k])), s = fmax(s, fabs(rf[k]));
+        FL_CHECKF(ge <= bound(gn, s), "%s: gradient of %s: error %.3g, bound %.3g (PyTorch fp32 %.3g, scale %.3g)", dir,
+                  p->name, ge, bound(gn, s), f32_at(gn), s);
+        worst = fmax(worst, ge / bound(gn, s));
+        checked++;
+    }
+    FL_CHECK(checked == m->layout.n);
+    printf("      %s: %d gradients, worst error %.2f of its bound\n", dir, checked, worst);
+}
+
 /* logits, loss, every gradient; then finite differences of the relative bias tables */
 static void check_pass(const char *dir) {
     t5_case c;
@@ -140,24 +166,7 @@ static void check_pass(const char *dir) {
     printf("      %s: logits error %.2g (PyTorch fp32 %.2g, bound %.2g), loss %.8f (ref %.8f)\n", dir, e, f32_at(nlg),
            bound(nlg, sc), loss, lref);
     FL_REQUIRE_OK(fl_model_backward_s2s(m));
-    double worst = 0;
-    int checked = 0;
-    for (int i = 0; i < m->layout.n; i++) {
-        const fl_param_info *p = &m->layout.params[i];
-        const fl_st_tensor *g = ref_t(&c.x, "grad.", p->name), *gn = ref_t(&c.x, "noise.", p->name);
-        FL_CHECKF(g && gn && (size_t)(g->end - g->begin) == p->numel * 4, "%s: reference gradient of %s", dir, p->name);
-        if (!g || !gn) continue;
-        ours_from_ref(p, g, rf);
-        grad_host(m, p, gh);
-        double ge = 0, s = 0;
-        for (size_t k = 0; k < p->numel; k++) ge = fmax(ge, fabs((double)gh[k] - rf[k])), s = fmax(s, fabs(rf[k]));
-        FL_CHECKF(ge <= bound(gn, s), "%s: gradient of %s: error %.3g, bound %.3g (PyTorch fp32 %.3g, scale %.3g)", dir,
-                  p->name, ge, bound(gn, s), f32_at(gn), s);
-        worst = fmax(worst, ge / bound(gn, s));
-        checked++;
-    }
-    FL_CHECK(checked == m->layout.n);
-    printf("      %s: %d gradients, worst error %.2f of its bound\n", dir, checked, worst);
+    grads_vs(m, &c.x, dir, gh, rf);
 
     /* central finite differences of a few relative bias entries (encoder and decoder tables): the loss has scale ~5
      * and fp32 noise ~1e-6, so with a step of 1e-2 the quotient carries ~1e-4 of rounding and O(h^2 f''') of
@@ -192,6 +201,39 @@ static void check_pass(const char *dir) {
 
 FL_TEST(t5_relu_tied_vs_transformers) { check_pass("tests/fixtures/t5-tiny-relu"); }
 FL_TEST(t5_gated_untied_vs_transformers) { check_pass("tests/fixtures/t5-tiny-gated"); }
+
+/* Dropout in training (tests/ref/make_t5_dropout_fixture.py: transformers in training mode with its nn.Dropout
+ * modules replaced by fitllm's masks of the same seeds, p 0.2): the loss and every gradient within the bounds above,
+ * so fitllm drops where transformers does, with the masks it says. A site in the wrong place, or a backward without
+ * its mask, moves them far (the loss without dropout is 0.25 / 0.30 away; tests/test_t5_dropout.c) */
+static void check_dropout(const char *dir) {
+    char p[256];
+    snprintf(p, sizeof p, "%s/expected-dropout.safetensors", dir);
+    fl_st_file y;
+    FL_REQUIRE_OK(fl_st_open(&y, p));
+    const fl_st_tensor *seed = fl_st_find(&y, "seed"), *pr = fl_st_find(&y, "p"), *rloss = fl_st_find(&y, "loss");
+    FL_REQUIRE(seed && pr && rloss);
+    t5_case c;
+    FL_REQUIRE_OK(open_case_ex(&c, dir, 0, f32_at(pr)));
+    fl_model *m = &c.m;
+    float *gh = malloc(m->layout.numel * sizeof(float)), *rf = malloc(m->layout.numel * sizeof(float));
+    FL_REQUIRE(gh && rf);
+    fl_model_zero_grads(m);
+    fl_model_adapters_seed(m, (uint64_t)((const int64_t *)seed->data)[0]);
+    double loss;
+    FL_REQUIRE_OK(forward(&c, 1.0f / (float)c.n_valid, NULL, &loss));
+    const double lref = ((const double *)rloss->data)[0];
+    FL_CHECKF(fabs(loss - lref) <= bound(fl_st_find(&y, "noise.loss"), lref), "%s: loss with dropout %.9f vs %.9f",
+              dir, loss, lref);
+    printf("      %s: loss with dropout %.8f (ref %.8f)\n", dir, loss, lref);
+    FL_REQUIRE_OK(fl_model_backward_s2s(m));
+    grads_vs(m, &y, dir, gh, rf);
+    free(gh), free(rf);
+    close_case(&c);
+    fl_st_close(&y);
+}
+FL_TEST(t5_relu_dropout_vs_transformers) { check_dropout("tests/fixtures/t5-tiny-relu"); }
+FL_TEST(t5_gated_dropout_vs_transformers) { check_dropout("tests/fixtures/t5-tiny-gated"); }
 
 /* 5 AdamW steps on the same batch (lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter, as
  * torch.optim.AdamW over model.parameters()): each step's loss against PyTorch fp32's, the weights after against the
@@ -426,7 +468,7 @@ FL_TEST(t5_weights_refusals_and_round_trip) {
  * the backward (all but each stack's last block): the same loss and every gradient bit for bit, in less ACTS. */
 FL_TEST(t5_checkpointing_same_bits) {
     t5_case c[2];
-    for (int k = 0; k < 2; k++) FL_REQUIRE_OK(open_case_ex(&c[k], "tests/fixtures/t5-tiny-gated", k));
+    for (int k = 0; k < 2; k++) FL_REQUIRE_OK(open_case_ex(&c[k], "tests/fixtures/t5-tiny-gated", k, 0));
     double loss[2];
     float *g[2];
     for (int k = 0; k < 2; k++) {

@@ -43,6 +43,8 @@ extern "C" {
 #define FL_CONVERT_MANY_MAX 16
 /* fl_backend.act_forward16's kinds */
 enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
+/* gemm_epilogue's epilogues */
+enum { FL_GEMM_EPI_BIAS = 1, FL_GEMM_EPI_BIAS_GELU = 2 };
 
 typedef struct fl_backend fl_backend;
 struct fl_comm; /* fitllm/comm.h */
@@ -95,6 +97,12 @@ typedef struct {
     float scale;               /* scores = scale * q.k + bias (1/sqrt(HD) usually; T5: 1) */
     int causal;                /* 1: query t sees keys j <= t + Tk - Tq (bottom-right aligned, as
                                 * flash-attention 2.1+; the usual j <= t when Tq == Tk); 0: all keys */
+    /* dropout on the attention weights (training; T5, issue 31): softmax(s)_j of query row t of head h, batch b is
+     * multiplied by keep(drop_seed, ((b*NH + h)*Tq + t)*Tk + j) / (1 - drop_p) (fitllm/lora.h's mask) before it
+     * weighs v_j; lse stays the undropped softmax's, the backward regenerates the mask. drop_p 0 (a zeroed
+     * descriptor): none; in [0, 1), else FL_ERR_INVALID. cpu, ref, opaque, cuda (its fp32 kernels) */
+    float drop_p;
+    uint64_t drop_seed;
 } fl_attn_desc;
 
 struct fl_backend {
@@ -152,11 +160,15 @@ struct fl_backend {
      * element widened exactly in the kernel: the bits of widening first. out16 (NULL or (N,C) bf16): the output stored in bf16 too, out
      * then holding its exact widening (round16's bits: a bf16-stored slot without the round16 launch). dinp16
      * (NULL or (N,C) bf16): bf16(dinp) (RNE) after the accumulation, dinp NOT rounded: the residual gradient the
-     * norm finishes is the next LINEAR's dy, whose bf16 operand it writes (its dyb16; exec.c). */
+     * norm finishes is the next LINEAR's dy, whose bf16 operand it writes (its dyb16; exec.c). The backward's
+     * inp16 (NULL or (N,C) bf16): the input read from its bf16 copy instead of inp (inp may be NULL), each element
+     * widened exactly (the bits over inp = its widening; a bf16 run's stored input without the widen-before-backward),
+     * and then wt may be F32 too (bf16-mixed's fp32 norm weight). */
     void (*rmsnorm_forward_w16)(const fl_backend *be, float *out, void *out16, float *rstd, const float *inp,
                                 const void *w, fl_dtype wt, int N, int C, float eps);
     void (*rmsnorm_backward_w16)(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,
-                                 const float *inp, const void *w, fl_dtype wt, const float *rstd, int N, int C);
+                                 const float *inp, const void *inp16, const void *w, fl_dtype wt, const float *rstd,
+                                 int N, int C);
     /* Optional bf16-stored outputs (NULL: the fp32 op, then round16; issue 30 item 1). Each writes out16, the
      * output's bf16 copy (RNE), and leaves in the fp32 output its exact widening: the fp32 op's value rounded as
      * round16 rounds it, without the round16 launch. UNSUPPORTED for a kind or dtype they do not take.
@@ -177,9 +189,11 @@ struct fl_backend {
      * the LINEAR that made the op's input (graph.c hands it that LINEAR's dyb16 scratch).
      * act_backward16: swiglu_backward / gelu_backward / relu_backward by kind (din += ..., shapes as
      * act_forward16), then din16 = bf16(din). rope_backward16: rope_backward over rows as rope_forward16's,
-     * then dx16 (B T, width) = bf16(dx), every element of the rows. */
+     * then dx16 (B T, width) = bf16(dx), every element of the rows. act_backward16's in16 (NULL or the input's bf16
+     * copy, in's shape): the input read from it instead of in (widened exactly: a bf16 run's stored activation
+     * without the widen-before-backward); din16 may then be NULL (no copy). */
     fl_status (*act_backward16)(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
-                                const float *in, int N, int F);
+                                const float *in, const void *in16, int N, int F);
     fl_status (*rope_backward16)(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD, int width,
                                  const float *cos_t, const float *sin_t, int pos0);
     /* Optional (NULL: attention_forward (below), then the caller rounds; issue 30 item 1): attention_forward that also
@@ -188,6 +202,13 @@ struct fl_backend {
     fl_status (*attention_forward16)(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16, float *lse,
                                      const float *q, const float *k, const float *v, const float *bias,
                                      const uint8_t *kmask);
+    /* Optional (NULL: the caller widens the stored activations and calls attention_backward; issue 30 item 1):
+     * attention_backward without bias (and dbias) reading q16, k16, v16 and out16, bf16 with the layouts and
+     * strides of q, k, v, out in a (elements): each element widened exactly, so the bits of attention_backward over
+     * the widened copies (a bf16 run's stored q|k|v and attention output, no widen-before-backward). */
+    fl_status (*attention_backward16)(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                      const float *dout, const void *q16, const void *k16, const void *v16,
+                                      const uint8_t *kmask, const void *out16, const float *lse);
 
     /* Optional (NULL: the cross_entropy op below, then a convert of its gradient): cross_entropy with the logits'
      * gradient
@@ -203,6 +224,24 @@ struct fl_backend {
      * stream. NULL: generated on the host and copied. (cuda, cuda-emu) */
     fl_status (*init_random)(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
                              int kind, double sd, uint64_t s);
+    /* Optional (issue 31: T5's dropout in training): y[i] = keep(seed, i) ? x[i] * fl_lora_dropout_scale(p) : 0
+     * (accumulate 0; y may be x: in place) or y[i] += that (accumulate 1), the mask of fitllm/lora.h's
+     * fl_lora_dropout_keep, a function of (seed, i) only: the backward is the same call on the gradient (the mask
+     * regenerated, nothing saved). p in [0, 1); p 0 copies (or adds) x. NULL: a model that drops refuses by name.
+     * (cpu, ref, opaque, null, cuda, cuda-emu) */
+    fl_status (*dropout)(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                         int accumulate);
+
+    /* Optional (issue 30 item 3): gemm (row-major, the gemm slot's types and semantics) with an F32 C and an epilogue
+     * fused into the matmul where the backend can (cuBLASLt's), for a linear's bias and GPT-2's GELU:
+     * FL_GEMM_EPI_BIAS: C = alpha op(A) op(B) + beta C, then C[i, j] += bias[j] (gemm then bias_forward);
+     * FL_GEMM_EPI_BIAS_GELU (beta 0): aux[i, j] = alpha op(A) op(B) + bias[j] (row stride ldaux, the pre-activation
+     * the backward reads) and C = gelu_tanh(aux) (gelu_forward's). bias (N) fp32. cuda-emu: the bits of the three ops
+     * (checked); cuda: cuBLASLt's epilogue (its GELU within fp32 rounding of gelu_forward's), the three ops where
+     * cuBLASLt refuses it or FITLLM_CUDA_EPILOGUE=0. NULL: callers run the separate ops. (cuda, cuda-emu) */
+    fl_status (*gemm_epilogue)(const fl_backend *be, int epi, const float *bias /*(N)*/, float *aux /*(M,ldaux)*/,
+                               int ldaux, int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
+                               fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc);
 
     /* Optional: the op scratch a model's self-attention needs BEYOND scratch_bytes under bf16 compute, for B
      * sequences of T, NH query and NKV key/value heads of size HD (causal, compact output rows); the model lends

@@ -39,12 +39,12 @@ extern "C" {
     X(swiglu_backward) X(gelu_forward) X(gelu_backward) X(relu_forward) X(relu_backward) X(gelu_erf_forward)         \
     X(gelu_erf_backward) X(geglu_forward) X(geglu_backward) X(act_forward16) X(act_backward16) X(add) X(add16)       \
     X(bias_forward) X(bias_backward) X(attention_forward) X(attention_backward) X(attention_decode)                  \
-    X(attention_forward16)                                                                                           \
-    X(q4_matmul_forward) X(q4_matmul_backward) X(lora_forward) X(lora_backward) X(cross_entropy)                     \
+    X(attention_forward16) X(attention_backward16)                                                                   \
+    X(q4_matmul_forward) X(q4_matmul_backward) X(lora_forward) X(lora_backward) X(dropout) X(cross_entropy)          \
     X(cross_entropy_dbf16) X(convert) X(convert_many) X(round16) X(accumulate16) X(adamw_update) X(sgd_update)       \
     X(adam8bit_update) X(sumsq)                                                                                      \
     X(check_finite) X(scale) X(zero) X(copy) X(to_device) X(to_host) X(sync) X(set_scratch) X(set_compute_dtype)     \
-    X(attention_qkv_forward) X(attention_qkv_backward)
+    X(attention_qkv_forward) X(attention_qkv_backward) X(gemm_epilogue)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -66,8 +66,8 @@ struct fl_op_rmsnorm_forward { float *out, *rstd; const float *inp, *w; int N, C
 struct fl_op_rmsnorm_forward_w16 { float *out; void *out16; float *rstd; const float *inp; const void *w; fl_dtype wt;
     int N, C; float eps; };
 struct fl_op_rmsnorm_backward { float *dinp, *dw; const float *dout, *inp, *w, *rstd; int N, C; };
-struct fl_op_rmsnorm_backward_w16 { float *dinp; void *dinp16; float *dw; const float *dout, *inp; const void *w;
-    fl_dtype wt; const float *rstd; int N, C; };
+struct fl_op_rmsnorm_backward_w16 { float *dinp; void *dinp16; float *dw; const float *dout, *inp; const void *inp16;
+    const void *w; fl_dtype wt; const float *rstd; int N, C; };
 struct fl_op_add_rmsnorm_forward { void *res, *out; float *rstd; const void *a, *b; const float *w; fl_dtype t;
     int N, C; float eps; };
 struct fl_op_layernorm_forward { float *out, *mean, *rstd; const float *inp, *w, *b; int N, C; float eps; };
@@ -87,7 +87,7 @@ struct fl_op_gelu_erf_backward { float *dinp; const float *dout, *inp; size_t n;
 struct fl_op_geglu_forward { float *out; const float *gu; int N, F; };
 struct fl_op_geglu_backward { float *dgu; const float *dout, *gu; int N, F; };
 struct fl_op_act_forward16 { int kind; float *out; void *out16; float *in; const void *in16; int N, F; };
-struct fl_op_act_backward16 { int kind; float *din; void *din16; const float *dout, *in; int N, F; };
+struct fl_op_act_backward16 { int kind; float *din; void *din16; const float *dout, *in; const void *in16; int N, F; };
 struct fl_op_add { float *out; const float *a, *b; size_t n; };
 struct fl_op_add16 { float *out; void *out16; const float *a, *b; size_t n; };
 struct fl_op_bias_forward { float *y; const float *b; int N, OC; };
@@ -99,12 +99,15 @@ struct fl_op_attention_backward { const fl_attn_desc *a; float *dq, *dk, *dv, *d
 struct fl_op_attention_decode { float *out; const float *q, *kcache, *vcache; int T, NH, NKV, HD; size_t head_stride; };
 struct fl_op_attention_forward16 { const fl_attn_desc *a; float *out; void *out16; float *lse;
     const float *q, *k, *v, *bias; const uint8_t *kmask; };
+struct fl_op_attention_backward16 { const fl_attn_desc *a; float *dq, *dk, *dv; const float *dout;
+    const void *q16, *k16, *v16; const uint8_t *kmask; const void *out16; const float *lse; };
 struct fl_op_q4_matmul_forward { float *y; int ldy; const float *x; const fl_q4_weight *w; int N; float beta; };
 struct fl_op_q4_matmul_backward { float *dx; const float *dy; int ldy; const fl_q4_weight *w; int N; float beta; };
 struct fl_op_lora_forward { float *y; int ldy; float *h, *xd; const float *x, *A, *B; int N, in, out, r;
     float scaling, dropout; uint64_t seed; };
 struct fl_op_lora_backward { float *dx, *dA, *dB; const float *dy; int ldy; const float *xb, *h, *A, *B;
     int N, in, out, r; float scaling, dropout; uint64_t seed; float *work; };
+struct fl_op_dropout { float *y; const float *x; size_t n; float p; uint64_t seed; int accumulate; };
 struct fl_op_cross_entropy { float *loss, *dlogits; const float *logits; const int32_t *targets; int N, V;
     float grad_scale; int ignore_index; };
 struct fl_op_cross_entropy_dbf16 { float *loss; void *dlogits16; const float *logits; const int32_t *targets;
@@ -132,6 +135,9 @@ struct fl_op_set_scratch { void *p; size_t bytes; };
 struct fl_op_set_compute_dtype { fl_dtype t; };
 struct fl_op_attention_qkv_forward { float *out, *lse; const float *qkv; int B, T, NH, NKV, HD; };
 struct fl_op_attention_qkv_backward { float *dqkv; const float *dout, *qkv, *out, *lse; int B, T, NH, NKV, HD; };
+struct fl_op_gemm_epilogue { int epi; const float *bias; float *aux; int ldaux; int trans_a, trans_b, M, N, K;
+    float alpha; const void *A; fl_dtype ta; int lda; const void *B; fl_dtype tb; int ldb; float beta; float *C;
+    int ldc; };
 
 struct fl_oprec {
     fl_opk kind;
@@ -171,10 +177,12 @@ struct fl_oprec {
         struct fl_op_attention_backward attention_backward;
         struct fl_op_attention_decode attention_decode;
         struct fl_op_attention_forward16 attention_forward16;
+        struct fl_op_attention_backward16 attention_backward16;
         struct fl_op_q4_matmul_forward q4_matmul_forward;
         struct fl_op_q4_matmul_backward q4_matmul_backward;
         struct fl_op_lora_forward lora_forward;
         struct fl_op_lora_backward lora_backward;
+        struct fl_op_dropout dropout;
         struct fl_op_cross_entropy cross_entropy;
         struct fl_op_cross_entropy_dbf16 cross_entropy_dbf16;
         struct fl_op_convert convert;
@@ -196,6 +204,7 @@ struct fl_oprec {
         struct fl_op_set_compute_dtype set_compute_dtype;
         struct fl_op_attention_qkv_forward attention_qkv_forward;
         struct fl_op_attention_qkv_backward attention_qkv_backward;
+        struct fl_op_gemm_epilogue gemm_epilogue;
     };
 };
 

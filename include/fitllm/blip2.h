@@ -46,6 +46,12 @@ int fl_blip2_is_folder(const char *dir);
 fl_status fl_blip2_create(fl_blip2 **out, const fl_blip2_config *c, const fl_backend *be, fl_mem_pool *pool,
                           uint64_t seed);
 fl_status fl_blip2_load(fl_blip2 **out, const char *dir, const fl_backend *be, fl_mem_pool *pool);
+/* The same with each part's storage (st[FL_BLIP2_PARTS], NULL: fp32): fl_model_storage_for(precision) gives
+ * bf16-true's bf16 store (the loader rounds the file's values to nearest even, as torch's .to(bfloat16)). */
+fl_status fl_blip2_create_ex(fl_blip2 **out, const fl_blip2_config *c, const fl_backend *be, fl_mem_pool *pool,
+                             uint64_t seed, const fl_model_storage *st);
+fl_status fl_blip2_load_ex(fl_blip2 **out, const char *dir, const fl_backend *be, fl_mem_pool *pool,
+                           const fl_model_storage *st);
 void fl_blip2_free(fl_blip2 *b);
 const fl_blip2_config *fl_blip2_get_config(const fl_blip2 *b);
 fl_model *fl_blip2_part(fl_blip2 *b, int part);
@@ -53,8 +59,10 @@ size_t fl_blip2_param_count(const fl_blip2_config *c);
 
 /* The precision policy of every part (after loading, before the activations): 32-true, or bf16-mixed (fp32 master
  * weights, a bf16 copy the matmuls read with fp32 accumulation, as PyTorch's autocast; the image parts' and the OPT
- * stack's activations stay fp32, the Flan-T5 language model's arena stores them in bf16 as its trainer does). Policies
- * with 16-bit storage or loss scaling are refused by name. */
+ * stack's activations stay fp32, the Flan-T5 language model's arena stores them in bf16 as its trainer does), or
+ * bf16-true (the parts created with bf16 storage: fl_blip2_create_ex / _load_ex; bf16 parameters, gradients and AdamW
+ * state, the entries the passes read as fp32 widened before use, each layout group's gradient staged in fp32 and
+ * rounded once per micro-batch). fp16 storage and loss scaling (16-true, 16-mixed) are refused by name. */
 fl_status fl_blip2_set_precision(fl_blip2 *b, const fl_precision *p);
 fl_status fl_blip2_alloc_grads(fl_blip2 *b);
 /* Gradient buffers for the parts in the mask (1 << FL_BLIP2_VISION | ...) only: the others are frozen (their backward

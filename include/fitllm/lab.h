@@ -60,6 +60,7 @@ typedef struct {
 typedef struct {
     const char *precision;   /* 32-true, bf16-true, bf16-mixed (autocast bf16), 16-mixed (autocast fp16) */
     int B, T;
+    int T_dec;               /* an encoder-decoder (Flan-T5): the decoder's length (the labels'); T is the encoder's */
     int act_ckpt;            /* HF gradient checkpointing (reentrant): each layer's input saved, recomputed */
     int lora_r;              /* > 0: PEFT LoRA of rank r on query and value (dropout > 0), fp32 adapters */
     int nf4;                 /* with lora_r, 32-true: QLoRA, the linears in bitsandbytes NF4 (fp32 compute) */

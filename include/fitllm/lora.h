@@ -112,6 +112,10 @@ fl_status fl_lora_merge_q4(float *dst, const fl_q4_weight *W, const float *A, co
  * chunk by chunk inside fl_model_forward (its activations hold one logits
  * chunk of rows), and in generation. */
 fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t seed);
+/* The same for a pipeline stage (fitllm/pp.h): its module j is the whole model's module j + base (the modules of the
+ * blocks before the stage's first) for the initial values and the dropout stream, so a stage's adapters start and
+ * drop as the whole model's do. */
+fl_status fl_model_lora_init_at(fl_model *m, const fl_lora_config *cfg, uint64_t seed, int base);
 /* Dropout seed of the next forward/backward (the trainer derives it from the
  * iteration, so a resumed run draws the same masks). */
 void fl_model_lora_set_seed(fl_model *m, uint64_t seed);

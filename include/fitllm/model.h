@@ -65,8 +65,11 @@ typedef struct {
     int ffn_gated;       /* T5 v1.1 / Flan: gated-GELU FFN (wi_0 | wi_1 fused, GEGLU); 0: ReLU (v1.0) */
     int head_scale;      /* T5 v1.0: the decoder output is scaled by dim^-0.5 before the (tied) head */
     int dec_start_id, pad_id, eos_id; /* T5: decoder_start_token_id, pad_token_id, eos_token_id */
-    float dropout_rate;  /* T5: config.json's dropout_rate (transformers' default 0.1), read and written back; NOT
-                          * applied yet: the trainer says so at set-up (the passes have no dropout) */
+    float dropout_rate;  /* T5: config.json's dropout_rate (transformers' default 0.1), read and written back;
+                          * applied in training passes when dropout_on (below) */
+    int dropout_on;      /* T5: apply dropout_rate in training forwards (the trainer sets it, fl_model_set_dropout,
+                          * before allocating the activations: the block graphs get their DROPOUT ops); 0: none (the
+                          * library's passes, loss, generate, BLIP-2). Never read from or written to config.json */
     /* Tensor parallelism (src/model/tp.c, fitllm/tp.h): this config is rank tp_rank's slice of a model split
      * over tp_size ranks (n_heads, n_kv_heads and ffn_dim are the rank's; head_dim and everything else the
      * model's); 0 or 1: the whole model. Never read from or written to config.json. The token embeddings and
@@ -414,6 +417,7 @@ typedef struct {
      * neither runs nor trains); out: its forward ends after the blocks (no final norm, head or loss) and its
      * backward starts from the next stage's d(output) (fl_model_stage_dout). Both 0: a whole model. */
     struct { int in, out; } stage;
+    uint64_t drop_seed;         /* the micro-batch's dropout seed (fl_model_adapters_seed: its masks, cfg.dropout_on) */
 } fl_model;
 
 /* ---- adapters on LINEAR ops: a graph rewrite --------------------------------------------------
@@ -455,6 +459,9 @@ typedef struct {
     void (*read_merged)(const fl_model *m, int i, float *dst);
     /* the owner's state goes (fl_model_free, fl_model_detach_adapters) */
     void (*release)(fl_model *m);
+    /* their whole activation buffer for the arena's (B, T) and its bytes (NULL / 0: none): a pipeline stage parks it
+     * with the arena for a micro-batch in flight (fitllm/pp.h's stash) */
+    size_t (*acts_region)(const fl_model *m, void **buf);
 } fl_adapter_hooks;
 /* The rewrite: fl_model_adapters_begin freezes the base and takes the owner's hooks (copied); then each
  * fl_model_attach_adapter puts adapter a (owned by the caller, alive until release) on block `block`'s LINEAR
@@ -463,8 +470,13 @@ typedef struct {
 fl_status fl_model_adapters_begin(fl_model *m, const fl_adapter_hooks *h);
 fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_linear_adapter *a);
 /* The seed of the adapters' random draws for the next micro-batch (the training step: src/train/step.c; a no-op
- * without adapters or a seed hook). */
+ * without adapters or a seed hook), and of the model's own dropout masks (T5, cfg.dropout_on). */
 void fl_model_adapters_seed(fl_model *m, uint64_t seed);
+/* T5's dropout (cfg.dropout_rate) in this model's training passes (on 1) or none (0: the default), before
+ * fl_model_alloc_acts_s2s (the block graphs change). The masks follow fl_model_adapters_seed's seed (each
+ * micro-batch's, so a resumed run draws the same); evaluation, loss and generation never drop. FL_ERR_UNSUPPORTED:
+ * a model other than an encoder-decoder, or a backend without the dropout op. */
+fl_status fl_model_set_dropout(fl_model *m, int on);
 /* Rows of the input of the adapted LINEAR at `param_index` (the weight's index in m->layout) of block `layer` that
  * an adapter's saved activations hold after the model's last pass (train: a training forward whose backward reads
  * them; otherwise 0): B*T of that pass (an encoder-decoder: of the stack whose rows the LINEAR reads), 0 for the

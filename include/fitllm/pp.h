@@ -124,6 +124,12 @@ fl_status fl_model_stage_input(fl_model *m, const float *x, int B, int T);
 fl_status fl_model_stage_output(const fl_model *m, float *y);
 fl_status fl_model_stage_dout(fl_model *m, const float *dy);
 fl_status fl_model_stage_dinput(const fl_model *m, float *dx, int B, int T);
+/* Before a stage's backward under a sharded store (FSDP FULL_SHARD on the data axis): the head group's gathered
+ * gradient (a later stage: the embeddings' too) open, zeroed if an earlier backward reduced it. A forward opens it
+ * (the head's gradient is written there) and the backward reduces it; with micro-batches in flight the forwards
+ * share one open buffer, which the first backward reduces, so the later ones reduce what came since (the sum is the
+ * same; its rounding differs). A no-op on a whole store. */
+fl_status fl_model_stage_open_grads(fl_model *m);
 /* A micro-batch in flight parked between its forward and backward: the ACTS arena, the token ids, the head's
  * d(lnf) (ACTS-tagged from the model's pool: fl_model_stage_stash_bytes each). */
 typedef struct fl_stage_stash fl_stage_stash;
@@ -151,6 +157,7 @@ typedef struct {
     size_t hx_n;
     fl_optim_dist dist;        /* the optimizer's hooks: the clipping norm and overflow verdict over the stages */
     const fl_optim_dist *inner; /* the data-parallel axis' (DDP), or NULL */
+    int adapters;              /* the optimizer trains the stage's LoRA adapters (fl_pp_optim_attach) */
     double fwd_ms, bwd_ms, step_ms; /* measured: the forwards' and backwards' compute (not the waits), the steps */
     long n_fwd, n_bwd, n_steps;
 } fl_pp;

@@ -40,12 +40,14 @@ fl_status fl_attn_check_args(const char *op, const fl_attn_desc *a, int max_hd, 
     if (!out || !lse || !q || !k || !v) return fl_errorf(FL_ERR_INVALID, "%s: NULL tensor", op);
     if (dbias && !bias) return fl_errorf(FL_ERR_INVALID, "%s: dbias given without bias", op);
     if (!isfinite(a->scale)) return fl_errorf(FL_ERR_INVALID, "%s: scale %g is not finite", op, (double)a->scale);
+    if (!(a->drop_p >= 0.0f && a->drop_p < 1.0f))
+        return fl_errorf(FL_ERR_INVALID, "%s: attention dropout %g outside [0, 1)", op, (double)a->drop_p);
     return FL_OK;
 }
 
 int fl_attn_is_qkv(const fl_attn_desc *a, const float *q, const float *k, const float *v, const float *bias,
                    const uint8_t *kmask, const float *dq, const float *dk, const float *dv, const float *dbias) {
-    if (!a || bias || kmask || dbias || !q || a->HD <= 0 || a->NKV <= 0 || a->NH <= 0) return 0;
+    if (!a || bias || kmask || dbias || !q || a->HD <= 0 || a->NKV <= 0 || a->NH <= 0 || a->drop_p > 0) return 0;
     const fl_attn_desc f = fl_attn_desc_qkv(a->B, a->Tq, a->NH, a->NKV, a->HD);
     const size_t ko = (size_t)a->NH * a->HD, vo = (size_t)(a->NH + a->NKV) * a->HD;
     if (a->Tk != f.Tk || !a->causal || a->ldq != f.ldq || a->ldk != f.ldk || a->ldv != f.ldv || a->ldo != f.ldo ||

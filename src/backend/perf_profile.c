@@ -16,7 +16,7 @@
 #include "fitllm/perf.h"
 
 #define PROF_OPS(X)                                                                                                    \
-    X(gemm, FL_PROF_GEMM) X(lora_forward, FL_PROF_GEMM) X(lora_backward, FL_PROF_GEMM)                                 \
+    X(gemm, FL_PROF_GEMM) X(gemm_epilogue, FL_PROF_GEMM) X(lora_forward, FL_PROF_GEMM) X(lora_backward, FL_PROF_GEMM)                                 \
     X(q4_matmul_forward, FL_PROF_GEMM) X(q4_matmul_backward, FL_PROF_GEMM)                                             \
     X(attention_forward, FL_PROF_ATTN) X(attention_backward, FL_PROF_ATTN) X(attention_decode, FL_PROF_ATTN)            \
     X(rope_forward, FL_PROF_ATTN) X(rope_backward, FL_PROF_ATTN)                                                       \
@@ -50,6 +50,7 @@ typedef struct {
 typedef struct {
     int ta, tb, M, N, K;
     fl_dtype tA, tB, tC;
+    int epi; /* gemm_epilogue's epilogue, 0: a plain gemm */
     double ms;
     long calls;
 } gemm_shape;
@@ -130,14 +131,16 @@ static void prof_out(fl_profiler *p, int timed, int op, double flops) {
 }
 
 /* The shape table's row of a GEMM (a new one while there is room; -1 when full). */
-static int shape_of(fl_profiler *p, int ta, int tb, int M, int N, int K, fl_dtype tA, fl_dtype tB, fl_dtype tC) {
+static int shape_of(fl_profiler *p, int ta, int tb, int M, int N, int K, fl_dtype tA, fl_dtype tB, fl_dtype tC,
+                    int epi) {
     for (int i = 0; i < p->n_shapes; i++) {
         const gemm_shape *g = &p->shapes[i];
-        if (g->ta == ta && g->tb == tb && g->M == M && g->N == N && g->K == K && g->tA == tA && g->tB == tB && g->tC == tC)
+        if (g->ta == ta && g->tb == tb && g->M == M && g->N == N && g->K == K && g->tA == tA && g->tB == tB &&
+            g->tC == tC && g->epi == epi)
             return i;
     }
     if (p->n_shapes == PROF_SHAPES) return -1;
-    p->shapes[p->n_shapes] = (gemm_shape){ta, tb, M, N, K, tA, tB, tC, 0.0, 0};
+    p->shapes[p->n_shapes] = (gemm_shape){ta, tb, M, N, K, tA, tB, tC, epi, 0.0, 0};
     return p->n_shapes++;
 }
 
@@ -171,8 +174,20 @@ static fl_status w_gemm(BE, int ta, int tb, int M, int N, int K, float alpha, co
     fl_profiler *p = prof_of(be);
     int tm = prof_in(p);
     fl_status s = p->orig.gemm(be, ta, tb, M, N, K, alpha, A, tA, lda, B, tB, ldb, beta, C, tC, ldc);
-    p->cur_shape = tm ? shape_of(p, ta, tb, M, N, K, tA, tB, tC) : -1;
+    p->cur_shape = tm ? shape_of(p, ta, tb, M, N, K, tA, tB, tC, 0) : -1;
     prof_out(p, tm, OP_gemm, 2.0 * M * N * K);
+    p->cur_shape = -1;
+    return s;
+}
+static fl_status w_gemm_epilogue(BE, int epi, const float *bias, float *aux, int ldaux, int ta, int tb, int M, int N,
+                                 int K, float alpha, const void *A, fl_dtype tA, int lda, const void *B, fl_dtype tB,
+                                 int ldb, float beta, float *C, int ldc) {
+    fl_profiler *p = prof_of(be);
+    int tm = prof_in(p);
+    fl_status s = p->orig.gemm_epilogue(be, epi, bias, aux, ldaux, ta, tb, M, N, K, alpha, A, tA, lda, B, tB, ldb, beta,
+                                        C, ldc);
+    p->cur_shape = tm ? shape_of(p, ta, tb, M, N, K, tA, tB, FL_F32, epi) : -1;
+    prof_out(p, tm, OP_gemm_epilogue, 2.0 * M * N * K);
     p->cur_shape = -1;
     return s;
 }
@@ -360,13 +375,14 @@ static void gemm_shape_table(const fl_profiler *p, double k, FILE *f) {
     memcpy(sh, p->shapes, (size_t)p->n_shapes * sizeof sh[0]);
     qsort(sh, (size_t)p->n_shapes, sizeof sh[0], shape_cmp);
     fprintf(f, "  GEMM shapes (row-major C(M,N) = op(A) op(B), K inner; the slowest first):\n");
-    fprintf(f, "    %6s %6s %6s %2s %2s %-14s %8s %10s %10s\n", "M", "N", "K", "tA", "tB", "A,B->C", "calls", "ms/step",
+    fprintf(f, "    %6s %6s %6s %2s %2s %-24s %8s %10s %10s\n", "M", "N", "K", "tA", "tB", "A,B->C (epilogue)", "calls", "ms/step",
             "TFLOP/s");
     for (int i = 0; i < p->n_shapes; i++) {
         const gemm_shape *g = &sh[i];
         char ty[40];
-        snprintf(ty, sizeof ty, "%s,%s->%s", fl_dtype_name(g->tA), fl_dtype_name(g->tB), fl_dtype_name(g->tC));
-        fprintf(f, "    %6d %6d %6d %2d %2d %-14s %8.0f %10.3f", g->M, g->N, g->K, g->ta, g->tb, ty, g->calls * k, g->ms * k);
+        snprintf(ty, sizeof ty, "%s,%s->%s%s", fl_dtype_name(g->tA), fl_dtype_name(g->tB), fl_dtype_name(g->tC),
+                 g->epi == FL_GEMM_EPI_BIAS ? "+bias" : g->epi == FL_GEMM_EPI_BIAS_GELU ? "+bias+gelu" : "");
+        fprintf(f, "    %6d %6d %6d %2d %2d %-24s %8.0f %10.3f", g->M, g->N, g->K, g->ta, g->tb, ty, g->calls * k, g->ms * k);
         if (g->ms > 0) fprintf(f, " %10.2f", 2.0 * g->M * g->N * (double)g->K * g->calls / (g->ms * 1e-3) / 1e12);
         fputc('\n', f);
     }

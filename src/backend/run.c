@@ -145,7 +145,7 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_act_backward16: {
         DOOR(act_backward16);
-        return be->act_backward16(be, r->kind, r->din, r->din16, r->dout, r->in, r->N, r->F);
+        return be->act_backward16(be, r->kind, r->din, r->din16, r->dout, r->in, r->in16, r->N, r->F);
     }
     case FL_OPK_add: {
         DOOR(add);
@@ -173,6 +173,11 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
     case FL_OPK_attention_forward16: {
         DOOR(attention_forward16);
         return be->attention_forward16(be, r->a, r->out, r->out16, r->lse, r->q, r->k, r->v, r->bias, r->kmask);
+    }
+    case FL_OPK_attention_backward16: {
+        DOOR(attention_backward16);
+        return be->attention_backward16(be, r->a, r->dq, r->dk, r->dv, r->dout, r->q16, r->k16, r->v16, r->kmask,
+                                        r->out16, r->lse);
     }
     case FL_OPK_attention_backward: {
         DOOR(attention_backward);
@@ -202,6 +207,10 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         return be->lora_backward(be, r->dx, r->dA, r->dB, r->dy, r->ldy, r->xb, r->h, r->A, r->B, r->N, r->in, r->out,
             r->r, r->scaling, r->dropout, r->seed, r->work);
     }
+    case FL_OPK_dropout: {
+        DOOR(dropout);
+        return be->dropout(be, r->y, r->x, r->n, r->p, r->seed, r->accumulate);
+    }
     case FL_OPK_cross_entropy: {
         DOOR(cross_entropy);
         be->cross_entropy(be, r->loss, r->dlogits, r->logits, r->targets, r->N, r->V, r->grad_scale, r->ignore_index);
@@ -225,6 +234,11 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
         DOOR(gemm);
         return be->gemm(be, r->trans_a, r->trans_b, r->M, r->N, r->K, r->alpha, r->A, r->ta, r->lda, r->B, r->tb,
             r->ldb, r->beta, r->C, r->tc, r->ldc);
+    }
+    case FL_OPK_gemm_epilogue: {
+        DOOR(gemm_epilogue);
+        return be->gemm_epilogue(be, r->epi, r->bias, r->aux, r->ldaux, r->trans_a, r->trans_b, r->M, r->N, r->K,
+            r->alpha, r->A, r->ta, r->lda, r->B, r->tb, r->ldb, r->beta, r->C, r->ldc);
     }
     case FL_OPK_embedding_forward: {
         DOOR(embedding_forward);
@@ -258,7 +272,8 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_rmsnorm_backward_w16: {
         DOOR(rmsnorm_backward_w16);
-        be->rmsnorm_backward_w16(be, r->dinp, r->dinp16, r->dw, r->dout, r->inp, r->w, r->wt, r->rstd, r->N, r->C);
+        be->rmsnorm_backward_w16(be, r->dinp, r->dinp16, r->dw, r->dout, r->inp, r->inp16, r->w, r->wt, r->rstd, r->N,
+                                 r->C);
         return FL_OK;
     }
     case FL_OPK_add_rmsnorm_forward: {

@@ -101,7 +101,7 @@ static int at_case(st_ctx *c, const char *choice, const at_shape *s, FILE *out) 
     const size_t len[9] = {nq, nk, nk, nq, nl, nq, nq, nk, nk};
     st_bufs bufs = {0};
     at_run r = {be, {s->B, s->T, s->T, s->NH, s->NKV, s->HD, (size_t)s->NH * s->HD, (size_t)s->NKV * s->HD,
-                     (size_t)s->NKV * s->HD, (size_t)s->NH * s->HD, (float)(1.0 / sqrt((double)s->HD)), 1}, {0}};
+                     (size_t)s->NKV * s->HD, (size_t)s->NH * s->HD, (float)(1.0 / sqrt((double)s->HD)), 1, 0, 0}, {0}};
     for (int i = 0; i < 9; i++) {
         h[i] = i < 3 || i == 5 ? fl_st_frand(c, len[i], -1.0f, 1.0f) : calloc(len[i], sizeof(float));
         if (i < 3 || i == 5)

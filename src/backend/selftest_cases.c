@@ -205,7 +205,7 @@ static void op_decode(const fl_backend *be, float **i, float **o, const int *s) 
 static void op_attn_ex(const fl_backend *be, float **i, float **o, const int *s) {
     /* s: B Tq Tk NH NKV HD causal; i: q k v dout bias; o: out|lse, dq|dk|dv, dbias */
     fl_attn_desc a = {s[0], s[1], s[2], s[3], s[4], s[5], (size_t)s[3] * s[5], (size_t)s[4] * s[5],
-                      (size_t)s[4] * s[5], (size_t)s[3] * s[5], 1.0f / sqrtf((float)s[5]), s[6]};
+                      (size_t)s[4] * s[5], (size_t)s[3] * s[5], 1.0f / sqrtf((float)s[5]), s[6], 0, 0};
     size_t nq = (size_t)s[0] * s[1] * s[3] * s[5], nk = (size_t)s[0] * s[2] * s[4] * s[5];
     float *out = o[0], *lse = o[0] + nq;
     if (be->attention_forward(be, &a, out, lse, i[0], i[1], i[2], i[4], NULL) != FL_OK) return;

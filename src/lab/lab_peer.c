@@ -19,6 +19,7 @@ typedef struct {
     size_t e;     /* the parameters' dtype: 4 (32-true, the mixed precisions, QLoRA's unquantized ones) or 2 */
     size_t a;     /* the linears' outputs: e, or 2 under autocast */
     int mixed, ckpt, lora_r, cpu_dropout;
+    size_t Tt, Ld; /* Flan-T5: the decoder's length and blocks (T, L: the encoder's) */
 } shape;
 
 static size_t labels_bytes(const shape *s) { /* HF pads the labels by one and shifts them: a view of the T + 1
@@ -89,6 +90,56 @@ static size_t saved_gpt2(const shape *s, int opt) {
     return once + s->L * (s->ckpt ? s->BT * s->d * h : layer_gpt2(s, opt));
 }
 
+/* Flan-T5 (HF T5ForConditionalGeneration, gated GELU, its own head, dropout off), measured on the CPU, where its
+ * self-attention (a position bias that needs a gradient) takes sdpa's math path: fp32 q, k^T, v and probabilities
+ * whatever the precision; the cross-attention (a bias without one) the flash kernel (q, k, v, out, fp32 logsumexp).
+ * One RMSNorm over B x t: its fp32 input (a copy unless fp32), fp32 rsqrt, the normalized input and its output in
+ * the parameter dtype; under autocast the fp32 input and normalized input only (the linears save their casts). */
+static size_t t5_norm(const shape *s, size_t t) {
+    const size_t n = s->B * t * s->d;
+    return (s->mixed ? 2 * n * 4 : (s->e == 4 ? 0 : n * 4) + 3 * n * s->e) + s->B * t * 4;
+}
+
+/* Self-attention and the FFN over B x t: the math path's four, the out projection's input; the gated GELU's seven
+ * (wi_0's output, tanh GELU's intermediates and output, wi_1's output, their product); under autocast each linear's
+ * input cast and weight copy. */
+static size_t t5_self_ffn(const shape *s, size_t t) {
+    const size_t HD = s->H * s->hd, Bt = s->B * t;
+    size_t b = (3 * Bt * HD + s->B * s->H * t * t) * 4 + Bt * HD * s->a + 7 * Bt * s->ff * s->a;
+    if (s->mixed) b += (3 + 2) * Bt * s->d * 2 + (4 * s->d * HD + 3 * s->d * s->ff) * 2;
+    return b;
+}
+
+/* Saved over the step. Encoder blocks: two norms, self-attention, FFN; decoder blocks three norms, the same and the
+ * cross-attention (sdpa's q, k, v, out and logsumexp; under autocast q's cast, k's and v's casts of the encoder's
+ * output in every block, the weights) and the causal mask (bool, each block its own). Once: the ids and
+ * relative-position buckets (int64) of each stack, the cross-attention's bias (zeros), both final norms, the head (under autocast its
+ * weight copy and input cast), the log-softmax (fp32 under autocast, else the parameter dtype: T5's loss does not
+ * upcast), the labels and a scalar. Checkpointing (HF's): each block's input, from the second block the position
+ * biases it is handed, the encoder's output (the decoder's input) under autocast, no buckets or mask. */
+static size_t saved_t5(const shape *s) {
+    const size_t h = s->mixed ? 4 : s->e, HD = s->H * s->hd, Ts = s->T, Tt = s->Tt, B = s->B;
+    size_t b = B * Ts * 8 + B * Tt * 8 + t5_norm(s, Ts) + t5_norm(s, Tt) + B * Tt * s->V * (s->mixed ? 4 : s->e) +
+               B * Tt * 8 + (s->mixed ? 4 : s->e) + (s->mixed ? s->d * s->V * 2 + B * Tt * s->d * 2 : 0);
+    if (s->ckpt)
+        return b + s->L * B * Ts * s->d * h + (s->L > 1 ? s->H * Ts * Ts * h : 0) + s->Ld * B * Tt * s->d * h +
+               (s->Ld > 1 ? s->H * Tt * Tt * h + s->H * Tt * Ts * s->a : 0) + (s->mixed ? B * Ts * s->d * 4 : 0);
+    b += Ts * Ts * 8 + Tt * Tt * 8 + s->H * Tt * Ts * s->a;
+    size_t cross = 2 * B * (Tt + Ts) * HD * s->a + B * s->H * Tt * 4 + Tt * Tt; /* + the causal mask, per block */
+    if (s->mixed) cross += (B * Tt + 2 * B * Ts) * s->d * 2 + 4 * s->d * HD * 2;
+    return b + s->L * (2 * t5_norm(s, Ts) + t5_self_ffn(s, Ts)) + s->Ld * (3 * t5_norm(s, Tt) + t5_self_ffn(s, Tt) + cross);
+}
+
+/* One block's saved tensors (checkpointing's recompute): the larger of an encoder's and a decoder's. */
+static size_t t5_block(const shape *s) {
+    shape f = *s;
+    f.ckpt = 0;
+    const size_t HD = s->H * s->hd, enc = 2 * t5_norm(&f, s->T) + t5_self_ffn(&f, s->T);
+    size_t dec = 3 * t5_norm(&f, s->Tt) + t5_self_ffn(&f, s->Tt) + 2 * s->B * (s->Tt + s->T) * HD * s->a +
+                 s->B * s->H * s->Tt * 4;
+    return enc > dec ? enc : dec;
+}
+
 /* bitsandbytes' AdamW8bit state of one tensor of n elements: from 4096 elements two uint8 states and fp32 absmax
  * per 256-block (the two 256-entry fp32 maps are shared by every tensor: counted once by the caller); below, two
  * fp32 states. */
@@ -120,9 +171,15 @@ static void nf4_bytes(const shape *s, size_t n_params, size_t *params, size_t *q
 static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup *u, const char **optim) {
     const char *p = u->precision ? u->precision : "";
     *optim = u->optim ? u->optim : "adamw";
-    if (mc->arch != FL_ARCH_LLAMA && mc->arch != FL_ARCH_GPT2 && mc->arch != FL_ARCH_OPT)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is not modelled (LLaMA's, GPT-2's and OPT's shapes "
-                         "are)", mc->name);
+    if (mc->arch != FL_ARCH_LLAMA && mc->arch != FL_ARCH_GPT2 && mc->arch != FL_ARCH_OPT && mc->arch != FL_ARCH_T5)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is not modelled (LLaMA's, GPT-2's, OPT's and Flan-T5's "
+                         "shapes are)", mc->name);
+    if (mc->arch == FL_ARCH_T5 && (!mc->ffn_gated || mc->tie_embeddings))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s: T5 v1.0 (ReLU, tied head) is not modelled "
+                         "(Flan-T5's shapes are)", mc->name);
+    if (mc->arch == FL_ARCH_T5 && u->T_dec <= 0)
+        return fl_errorf(FL_ERR_INVALID, "--peer pytorch: %s: the decoder's length T_dec is %d", mc->name,
+                         u->T_dec);
     if (mc->arch != FL_ARCH_LLAMA && (u->lora_r || u->nf4 || (u->optim && !strcmp(u->optim, "adamw8bit"))))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is modelled for full fine-tunes with AdamW or SGD "
                          "(measured), not LoRA, QLoRA or 8-bit AdamW", fl_arch_get(mc->arch)->display);
@@ -152,9 +209,11 @@ static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup 
 static void categories(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u, const shape *s,
                        const char *optim, fl_lab_peer *out) {
     /* tensors: GPT-2 12 a layer, OPT 16 (q, k, v apart), and the token and position tables and the final norm's two
-     * (+ an untied head); LLaMA 9 a layer, the table and the final norm (+ the head) */
-    const int gpt2 = mc->arch == FL_ARCH_GPT2, opt = mc->arch == FL_ARCH_OPT;
-    const size_t tensors = gpt2 || opt ? (opt ? 16 : 12) * s->L + (mc->tie_embeddings ? 4 : 5) :
+     * (+ an untied head); LLaMA 9 a layer, the table and the final norm (+ the head); Flan-T5 9 an encoder block, 14
+     * a decoder block, the table, the head, each stack's final norm and relative-position table */
+    const int gpt2 = mc->arch == FL_ARCH_GPT2, opt = mc->arch == FL_ARCH_OPT, t5 = mc->arch == FL_ARCH_T5;
+    const size_t tensors = t5 ? 9 * s->L + 14 * s->Ld + 6 :
+                           gpt2 || opt ? (opt ? 16 : 12) * s->L + (mc->tie_embeddings ? 4 : 5) :
                                          9 * s->L + (mc->tie_embeddings ? 2 : 3);
     size_t trainable = n_params, state_e = s->e;
     out->params = n_params * s->e;
@@ -169,8 +228,8 @@ static void categories(const fl_model_config *mc, size_t n_params, const fl_lab_
     if (!strcmp(optim, "sgd")) out->optim = 0; /* no momentum: stateless */
     else if (!strcmp(optim, "adamw8bit")) out->optim = adam8bit_state(mc, s);
     else out->optim = 2 * trainable * state_e + 4 * (u->lora_r ? 4 * s->L : tensors); /* + a fp32 step per tensor */
-    out->saved = gpt2 || opt ? saved_gpt2(s, opt) : saved_bytes(s);
-    out->logits = s->BT * s->V * s->a;
+    out->saved = t5 ? saved_t5(s) : gpt2 || opt ? saved_gpt2(s, opt) : saved_bytes(s);
+    out->logits = s->B * (t5 ? s->Tt : s->T) * s->V * s->a;
 }
 
 fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u,
@@ -182,10 +241,11 @@ fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, 
     shape s = {(size_t)u->B, (size_t)u->T, (size_t)u->B * u->T, (size_t)mc->dim, (size_t)mc->ffn_dim,
                (size_t)mc->n_heads, (size_t)mc->n_kv_heads, (size_t)mc->head_dim, (size_t)mc->vocab_size,
                (size_t)mc->n_layers, !strcmp(p, "bf16-true") ? 2 : 4, 0, strstr(p, "mixed") != NULL, u->act_ckpt,
-               u->lora_r, u->cpu_dropout};
+               u->lora_r, u->cpu_dropout, 0, 0};
     s.a = s.mixed ? 2 : s.e;
+    if (mc->arch == FL_ARCH_T5) s.Tt = (size_t)u->T_dec, s.Ld = (size_t)mc->n_dec_layers;
     categories(mc, n_params, u, &s, optim, out);
-    const size_t BTV = s.BT * s.V;
+    const size_t BTV = s.B * (mc->arch == FL_ARCH_T5 ? s.Tt : s.T) * s.V;
     /* modelled: the fp32 log-softmax input's gradient, then the logits' (in their dtype); QLoRA dequantizes one
      * linear at a time (fp32 compute) */
     out->transient = BTV * 4 + BTV * s.a + (u->nf4 ? s.d * s.ff * 4 : 0);
@@ -193,7 +253,8 @@ fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, 
     if (u->act_ckpt) {
         shape f = s;
         f.ckpt = 0;
-        out->recompute = mc->arch == FL_ARCH_LLAMA ? layer_full(&f) : layer_gpt2(&f, mc->arch == FL_ARCH_OPT);
+        out->recompute = mc->arch == FL_ARCH_LLAMA ? layer_full(&f) : mc->arch == FL_ARCH_T5 ? t5_block(&f) :
+                         layer_gpt2(&f, mc->arch == FL_ARCH_OPT);
     }
     /* modelled: AdamW's step (foreach, the default on a GPU) takes sqrt(exp_avg_sq) of every tensor at once, one
      * trainable-sized temporary; SGD and bitsandbytes' 8-bit kernel update in place */
@@ -210,7 +271,8 @@ fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, 
     } else if (u->ranks > 1) { /* modelled: FSDP FULL_SHARD per block: parameters, gradients and state sharded, two
                                 * blocks gathered (the current and the prefetched one) and one block's full
                                 * gradients before their reduce-scatter */
-        const size_t R = (size_t)u->ranks, unit = n_params / (s.L ? s.L : 1) > s.V * s.d ? n_params / s.L : s.V * s.d;
+        const size_t R = (size_t)u->ranks, nb = s.L + s.Ld ? s.L + s.Ld : 1; /* blocks (Flan-T5: both stacks') */
+        const size_t unit = n_params / nb > s.V * s.d ? n_params / nb : s.V * s.d;
         out->params /= R, dev_grads = out->grads / R, dev_optim = out->optim / R, out->step_temp /= R;
         comm = 3 * unit * s.e;
     }

@@ -19,7 +19,9 @@ typedef struct {
     float *xd;            /* (N, in) dropped input (ACTS) when dropout > 0, else NULL; lm_head: (chunk rows, in) */
     int row0, out, in, r; /* slice [row0, row0+out) of the linear's output */
     float scaling, dropout;
-    int index;            /* module index: part of the dropout seed */
+    int index;            /* module index (st->mods) */
+    int stream;           /* the whole model's module index: part of the init and dropout seeds (a pipeline stage's
+                           * modules count from its first block's) */
 } fl_lora_slot;
 
 /* LoRA state of a model (fl_model_lora_init; the model holds it as m->lora, opaque). */
@@ -34,6 +36,7 @@ struct fl_lora_state {
     fl_lora_slot *slots;  /* n_mods, grouped by (layer, linear kind), then lm_head's */
     int *first, *count;   /* (L * 4 + 1): slots of layer l, kind k (0 qkv, 1 o, 2 fc, 3 proj); [L * 4]: lm_head */
     float *acts;          /* h and xd of every slot for the arena's (B, T) (ACTS) */
+    size_t acts_bytes;
     float *work;          /* (N * (r + max in)) WORKSPACE */
     int merged;           /* fl_model_lora_merge ran: 4-bit entries read back merged */
     uint64_t seed;        /* dropout seed of the current micro-batch */

@@ -44,14 +44,14 @@ static void free_state(struct fl_lora_state *st, fl_mem_pool *pool) {
  * stream is offset by its index */
 static uint64_t slot_seed(const fl_lora_slot *a, int row_base) {
     uint64_t s = a->st->seed + (uint64_t)row_base * (uint64_t)a->in * 0x9E3779B97F4A7C15ULL;
-    return s + (uint64_t)a->index * 0x100000001b3ULL;
+    return s + (uint64_t)a->stream * 0x100000001b3ULL;
 }
 
 /* y[:, row0:row0+out] += scaling * drop(x) A^T B^T */
 static fl_status slot_forward(const fl_linear_adapter *ad, const fl_backend *be, float *y, int ldy, const float *x,
                               int N, int row_base) {
     const fl_lora_slot *a = (const fl_lora_slot *)ad;
-    return be->lora_forward(be, y + a->row0, ldy, a->h, a->xd, x, a->A, a->B, N, a->in, a->out, a->r, a->scaling,
+    return FL_RUN(be, lora_forward, y + a->row0, ldy, a->h, a->xd, x, a->A, a->B, N, a->in, a->out, a->r, a->scaling,
                             a->dropout, slot_seed(a, row_base));
 }
 
@@ -59,7 +59,7 @@ static fl_status slot_forward(const fl_linear_adapter *ad, const fl_backend *be,
 static fl_status slot_backward(const fl_linear_adapter *ad, const fl_backend *be, float *dx, const float *dy, int ldy,
                                const float *x, int N, int row_base) {
     const fl_lora_slot *a = (const fl_lora_slot *)ad;
-    return be->lora_backward(be, dx, a->dA, a->dB, dy + a->row0, ldy, a->xd ? a->xd : x, a->h, a->A, a->B, N, a->in,
+    return FL_RUN(be, lora_backward, dx, a->dA, a->dB, dy + a->row0, ldy, a->xd ? a->xd : x, a->h, a->A, a->B, N, a->in,
                              a->out, a->r, a->scaling, a->dropout, slot_seed(a, row_base), a->st->work);
 }
 
@@ -75,8 +75,13 @@ static void lora_free_acts(fl_model *m);
 static size_t lora_live_acts(const fl_model *m, int train, const void **buf);
 static void lora_seed(fl_model *m, uint64_t seed);
 static void lora_add_merged(const fl_model *m, int i, float *dst);
+static size_t lora_acts_region(const fl_model *m, void **buf);
 
 fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t seed) {
+    return fl_model_lora_init_at(m, cfg, seed, 0);
+}
+
+fl_status fl_model_lora_init_at(fl_model *m, const fl_lora_config *cfg, uint64_t seed, int base) {
     struct fl_lora_state *st = calloc(1, sizeof *st);
     if (!st) return fl_errorf(FL_ERR_OOM, "LoRA: out of host memory");
     st->cfg = *cfg;
@@ -122,7 +127,7 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
                 float *A = st->params + st->off[2 * j], *Bm = st->params + st->off[2 * j + 1];
                 if (!fl_backend_discards(m->be)) /* the planner's null backend keeps no values */
                     fl_lora_init_adapter(host + st->off[2 * j], host + st->off[2 * j + 1], cfg->r, md->in, md->out,
-                                         seed + (uint64_t)j * 0x9e3779b97f4a7c15ULL);
+                                         seed + (uint64_t)(j + base) * 0x9e3779b97f4a7c15ULL);
                 sl->A = A;
                 sl->B = Bm;
                 sl->dA = st->grads + st->off[2 * j];
@@ -134,16 +139,18 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
                 sl->scaling = st->scaling;
                 sl->dropout = cfg->dropout;
                 sl->index = j;
+                sl->stream = j + base;
                 sl->base.ops = &slot_ops;
                 sl->st = st;
             }
             st->count[l * K + k] = n - st->first[l * K + k];
         }
-    s = m->be->to_device(m->be, st->params, host, st->numel * sizeof(float));
+    s = FL_RUN(m->be, to_device, st->params, host, st->numel * sizeof(float));
     free(host);
     /* the rewrite: each slot attached to its LINEAR (block l's linear k; the lm_head: block -1), in slot order */
     fl_adapter_hooks h = {st->grads, st->numel, fl_lora_sizing_head_grads(&st->cfg, st->mods, st->n_mods),
-                          lora_alloc_acts, lora_free_acts, lora_live_acts, lora_seed, lora_add_merged, lora_release};
+                          lora_alloc_acts, lora_free_acts, lora_live_acts, lora_seed, lora_add_merged, lora_release,
+                          lora_acts_region};
     if (s == FL_OK) s = fl_model_adapters_begin(m, &h);
     if (s != FL_OK) {
         free_state(st, m->pool);
@@ -225,6 +232,12 @@ static size_t lora_live_acts(const fl_model *m, int train, const void **buf) {
 
 static void lora_seed(fl_model *m, uint64_t seed) { fl_model_lora_set_seed(m, seed); }
 
+static size_t lora_acts_region(const fl_model *m, void **buf) {
+    const struct fl_lora_state *st = m->lora;
+    *buf = st ? st->acts : NULL;
+    return st && st->acts ? st->acts_bytes : 0;
+}
+
 static fl_status lora_alloc_acts(fl_model *m, int B, int T) {
     struct fl_lora_state *st = m->lora;
     if (!st) return FL_OK;
@@ -232,6 +245,7 @@ static fl_status lora_alloc_acts(fl_model *m, int B, int T) {
     size_t ab, wb;
     fl_lora_sizing_acts(&st->cfg, st->mods, st->n_mods, B, T, &ab, &wb);
     FL_TRY(fl_mem_alloc(m->pool, FL_TAG_ACTS, ab, (void **)&st->acts));
+    st->acts_bytes = ab;
     fl_status s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, wb, (void **)&st->work);
     if (s != FL_OK) { lora_free_acts(m); return s; }
     size_t N = (size_t)B * T, o = 0;
@@ -251,6 +265,7 @@ static void lora_free_acts(fl_model *m) {
     fl_mem_free(m->pool, m->lora->acts);
     fl_mem_free(m->pool, m->lora->work);
     m->lora->acts = m->lora->work = NULL;
+    m->lora->acts_bytes = 0;
 }
 
 fl_status fl_model_lora_merge(fl_model *m) {
@@ -261,7 +276,7 @@ fl_status fl_model_lora_merge(fl_model *m) {
     const int dev = m->be && !fl_backend_host_memory(m->be);
     float *ad = dev ? malloc(st->numel * sizeof(float) + 1) : st->params;
     if (!ad) return fl_errorf(FL_ERR_OOM, "merging LoRA: out of host memory");
-    fl_status s = dev ? m->be->to_host(m->be, ad, st->params, st->numel * sizeof(float)) : FL_OK;
+    fl_status s = dev ? FL_RUN(m->be, to_host, ad, st->params, st->numel * sizeof(float)) : FL_OK;
     for (int j = 0; j < st->n_mods && s == FL_OK; j++) {
         const fl_lora_module *md = &st->mods[j];
         const fl_param_info *p = &m->layout.params[md->param_index];
@@ -298,8 +313,8 @@ static void lora_add_merged(const fl_model *m, int i, float *dst) {
         if (m->be && !fl_backend_host_memory(m->be)) { /* device memory: this module's A and B to the host */
             size_t na = (size_t)st->cfg.r * md->in, nb = (size_t)md->out * st->cfg.r;
             ab = malloc((na + nb) * sizeof(float));
-            if (!ab || m->be->to_host(m->be, ab, A, na * sizeof(float)) != FL_OK ||
-                m->be->to_host(m->be, ab + na, B, nb * sizeof(float)) != FL_OK) {
+            if (!ab || FL_RUN(m->be, to_host, ab, A, na * sizeof(float)) != FL_OK ||
+                FL_RUN(m->be, to_host, ab + na, B, nb * sizeof(float)) != FL_OK) {
                 free(ab);
                 continue; /* out of host memory: the weight reads back unmerged */
             }

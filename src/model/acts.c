@@ -165,6 +165,7 @@ static void wire_stream(fl_acts *a) {
  * bf16 stored: the block rounds each slot as it writes it (fl_block_ctx.store16), so nothing is left to narrow;
  * widening rebuilds its fp32 views from what is stored, the input always, the WIDE slots unless checkpointing
  * recomputes them (from that input: widened before the recompute). */
+/* done: the slots left out (narrowing: already stored; widening: read in bf16 by their backward ops) */
 static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned done) {
     fl_acts *a = m->acts;
     if (!a || a->act_dtype == FL_F32) return FL_OK;
@@ -177,7 +178,7 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned d
     const void *src[FL_GRAPH_MAX_SLOTS + 1];
     size_t len[FL_GRAPH_MAX_SLOTS + 1];
     int cnt = 0;
-    if (a->res16) { /* bf16 stored: widen (narrow returned above) */
+    if (a->res16 && !(done >> FL_GSLOT_IN & 1u)) { /* bf16 stored: widen (narrow returned above) */
         dst[cnt] = la->s[FL_GSLOT_IN], src[cnt] = la->s16[FL_GSLOT_IN], len[cnt++] = (size_t)N * m->cfg.dim;
     }
     for (int k = 0; k < g->n_prod && !(a->res16 && m->act_ckpt); k++) {
@@ -195,7 +196,7 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned d
 }
 
 fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done) { return convert_saved(m, l, N, 1, done); }
-fl_status fl_acts_widen(fl_model *m, int l, int N) { return convert_saved(m, l, N, 0, 0); }
+fl_status fl_acts_widen(fl_model *m, int l, int N, unsigned skip) { return convert_saved(m, l, N, 0, skip); }
 
 fl_status fl_acts_store_stream(fl_model *m, int l, int N) {
     fl_acts *a = m->acts;

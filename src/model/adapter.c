@@ -61,6 +61,7 @@ void fl_model_bind_adapters(const fl_model *m, int l, int p, fl_linear *lin, int
 }
 
 void fl_model_adapters_seed(fl_model *m, uint64_t seed) {
+    m->drop_seed = seed; /* the model's own dropout (T5) follows the same micro-batch seed */
     if (m->adapt && m->adapt->h.seed) m->adapt->h.seed(m, seed);
 }
 

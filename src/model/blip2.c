@@ -215,6 +215,11 @@ void fl_blip2_free(fl_blip2 *b) {
 
 fl_status fl_blip2_create(fl_blip2 **out, const fl_blip2_config *c, const fl_backend *be, fl_mem_pool *pool,
                           uint64_t seed) {
+    return fl_blip2_create_ex(out, c, be, pool, seed, NULL);
+}
+
+fl_status fl_blip2_create_ex(fl_blip2 **out, const fl_blip2_config *c, const fl_backend *be, fl_mem_pool *pool,
+                             uint64_t seed, const fl_model_storage *st) {
     *out = NULL;
     fl_blip2 *b = calloc(1, sizeof *b);
     if (!b) return fl_errorf(FL_ERR_OOM, "BLIP-2: out of host memory");
@@ -224,7 +229,7 @@ fl_status fl_blip2_create(fl_blip2 **out, const fl_blip2_config *c, const fl_bac
     const fl_model_config *pc[FL_BLIP2_PARTS] = {&c->vision, &c->qformer, &c->text};
     static const char *const what[FL_BLIP2_PARTS] = {"vision tower", "Q-Former", "language model"};
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
-        fl_status s = fl_model_init(&b->part[k], pc[k], be, pool);
+        fl_status s = fl_model_init_ex(&b->part[k], pc[k], be, pool, st ? &st[k] : NULL);
         if (s != FL_OK) {
             fl_blip2_free(b);
             return fl_error_prefix(s, "BLIP-2 %s", what[k]);
@@ -285,20 +290,25 @@ static fl_status read_f32(const fl_st_tensor *t, size_t k0, float *dst, size_t n
     return s;
 }
 
-/* A tensor in its entry's orientation into the (fp32, device) store in fixed slices: no whole-tensor copy */
+/* A tensor in its entry's orientation into the store in fixed slices (16-bit storage: each slice rounded to nearest
+ * even on the host, as torch's .to(bfloat16)): no whole-tensor copy */
 static fl_status copy_slices(fl_model *m, int i, const fl_st_tensor *t, const char *file) {
     enum { SLICE = 1 << 16 };
     fl_dtype dt;
-    float *dst = fl_model_param_data(m, i, &dt), *buf = malloc(SLICE * sizeof *buf);
-    fl_status s = buf ? FL_OK : fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", file, t->name);
-    if (s == FL_OK && (!dst || dt != FL_F32)) s = fl_errorf(FL_ERR_INTERNAL, "BLIP-2: fp32 storage expected");
-    const size_t numel = m->layout.params[i].numel;
+    char *dst = fl_model_param_data(m, i, &dt);
+    float *buf = malloc(SLICE * sizeof *buf);
+    uint16_t *b16 = malloc(SLICE * sizeof *b16);
+    fl_status s = buf && b16 ? FL_OK : fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", file, t->name);
+    if (s == FL_OK && !dst) s = fl_errorf(FL_ERR_INTERNAL, "BLIP-2: a whole dense store expected");
+    const size_t numel = m->layout.params[i].numel, es = fl_dtype_size(dt);
     for (size_t k = 0; s == FL_OK && k < numel; k += SLICE) {
         const size_t n = numel - k < SLICE ? numel - k : SLICE;
         s = read_f32(t, k, buf, n, file);
-        if (s == FL_OK) s = m->be->to_device(m->be, dst + k, buf, n * sizeof *buf);
+        if (s == FL_OK && dt != FL_F32 && fl_convert(b16, dt, buf, FL_F32, n))
+            s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", file, t->name);
+        if (s == FL_OK) s = FL_RUN(m->be, to_device, dst + k * es, dt == FL_F32 ? (void *)buf : (void *)b16, n * es);
     }
-    free(buf);
+    free(buf), free(b16);
     return s;
 }
 
@@ -344,11 +354,11 @@ static fl_status load_part(fl_model *m, const st_set *f, const char *prefix, con
             return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' has a shape that does not match config.json (%lld x %lld "
                              "expected)", dir, name, (long long)p->shape[0], (long long)(p->ndim == 2 ? p->shape[1] : 1));
         const int tr = p->ndim == 2 && p->transposed_on_disk;
-        if (!split && !tr) { /* the common case, slice by slice */
+        if (!split && !tr && !fl_model_param_is_q4(m, i)) { /* the common case, slice by slice */
             s = copy_slices(m, i, t, dir);
             continue;
         }
-        float *buf = malloc(p->numel * sizeof *buf); /* small: a (3C) bias, a relative bias table */
+        float *buf = malloc(p->numel * sizeof *buf); /* a (3C) bias, a relative bias table; QLoRA: a 4-bit weight, whole */
         if (!buf) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", dir, name);
         s = split ? load_split_qkv_bias(f, p, buf, dir) : read_f32(t, 0, buf, p->numel, dir);
         if (s == FL_OK && tr) s = transpose(buf, p->shape[1], p->shape[0]);
@@ -387,6 +397,11 @@ static fl_status check_unexpected(fl_blip2 *b, const st_set *f, const char *dir)
 }
 
 fl_status fl_blip2_load(fl_blip2 **out, const char *dir, const fl_backend *be, fl_mem_pool *pool) {
+    return fl_blip2_load_ex(out, dir, be, pool, NULL);
+}
+
+fl_status fl_blip2_load_ex(fl_blip2 **out, const char *dir, const fl_backend *be, fl_mem_pool *pool,
+                           const fl_model_storage *st) {
     char path[4096];
     *out = NULL;
     FL_TRY(fl_fs_join(path, sizeof path, dir, "config.json"));
@@ -395,7 +410,7 @@ fl_status fl_blip2_load(fl_blip2 **out, const char *dir, const fl_backend *be, f
     st_set f = {0};
     FL_TRY(fl_hf_open_weight_files(dir, &c.text, &f.files, &f.n));
     fl_blip2 *b = NULL;
-    fl_status s = fl_blip2_create(&b, &c, be, pool, 0);
+    fl_status s = fl_blip2_create_ex(&b, &c, be, pool, 0, st);
     if (s == FL_OK) s = check_unexpected(b, &f, dir);
     if (s == FL_OK) s = load_part(&b->part[0], &f, "", dir);
     if (s == FL_OK) s = load_part(&b->part[1], &f, "", dir);
@@ -410,9 +425,17 @@ fl_status fl_blip2_load(fl_blip2 **out, const char *dir, const fl_backend *be, f
 }
 
 fl_status fl_blip2_set_precision(fl_blip2 *b, const fl_precision *p) {
-    if (p->param_dtype != FL_F32 || p->loss_scaling)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 runs 32-true and bf16-mixed so far (%s)", p->name,
-                         p->loss_scaling ? "no loss scaling" : "its parts are stored in fp32");
+    if (p->loss_scaling || p->param_dtype == FL_F16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 runs 32-true, bf16-true and bf16-mixed so far (no "
+                         "fp16 storage or loss scaling)", p->name);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        fl_model_storage want;
+        fl_model_storage_for(p, &want);
+        if (fl_model_store_dtype(&b->part[k]) != want.param_dtype)
+            return fl_errorf(FL_ERR_INVALID, "--precision %s stores the parameters in %s: create or load the model with "
+                             "that storage (fl_blip2_create_ex / fl_blip2_load_ex)", p->name,
+                             fl_dtype_name(want.param_dtype));
+    }
     if (b->acts) return fl_errorf(FL_ERR_INVALID, "fl_blip2_set_precision: before the activations (fl_blip2_alloc_acts)");
     static const char *const what[FL_BLIP2_PARTS] = {"vision tower", "Q-Former", "language model"};
     for (int k = 0; k < FL_BLIP2_PARTS; k++)

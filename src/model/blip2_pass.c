@@ -530,7 +530,7 @@ static fl_status place_queries(fl_blip2 *b, const int32_t *ids, int B, int T) {
 }
 
 /* Part m has something to train: its gradient buffers, or LoRA adapters (the base frozen). */
-static int part_trains(const fl_model *m) { return fl_model_grads_f32(m) != NULL || m->adapt != NULL; }
+static int part_trains(const fl_model *m) { return fl_model_grads_data(m) != NULL || m->adapt != NULL; }
 
 /* The image parts: checks, the queries' rows among the language model's, the vision tower, the Q-Former and the
  * projection (qproj). */
@@ -540,9 +540,9 @@ static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const i
     if (B <= 0 || T <= 0 || B > b->B || T != b->T)
         return fl_errorf(FL_ERR_INVALID, "%s: batch %d x %d does not fit the arena's %d x %d", fn, B, T, b->B, b->T);
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (fl_model_provider(&b->part[k]) || fl_model_quant4(&b->part[k]))
-            return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 runs whole fp32 or 16-bit stores only so far (not sharded "
-                             "(FSDP / ZeRO-3) or 4-bit ones)");
+        if (fl_model_provider(&b->part[k]))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 runs whole stores only so far (fp32, 16-bit, 4-bit block "
+                             "linears), not sharded ones (FSDP / ZeRO-3)");
     int any = 0;
     for (int k = 0; k < FL_BLIP2_PARTS; k++) any |= part_trains(&b->part[k]);
     if (grad_scale > 0 && (!targets || !any))

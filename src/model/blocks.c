@@ -39,7 +39,7 @@ static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, int w
     lin->out = out;
     fl_linear_set_weight(m, lin, wi);
     fl_linear_set_dw_scratch(m, lin);
-    lin->b = P1(m, bi, cur);
+    lin->b = fl_store_bind_span_w(m->store, bi, (size_t)out, cur, wb); /* a fused bias: its `out` values */
     lin->dw = lin->n_q4 ? NULL : G(m, loff(m, wi));
     lin->db = G(m, loff(m, bi));
 }

@@ -114,6 +114,10 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
         }
     }
     *v = *k + d.KVD;
+    if (o->p >= 0 && x->drop_p > 0) { /* dropout on the weights (T5): the op's site of the block's seed */
+        a->drop_p = x->drop_p;
+        a->drop_seed = fl_dropout_seed(x->drop_seed, (uint64_t)o->p);
+    }
 }
 
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
@@ -159,11 +163,18 @@ static float *dslot(const fl_block_graph *g, int k, float *const *gb, const fl_b
     return g->slot[k].kind == FL_GSLOT_XSTREAM ? (x->dxs ? x->dxs[k] : NULL) : gb[g->slot[k].grad];
 }
 
+/* in16: the fused causal op's q|k|v rows and output read from their bf16 copies (attention_backward16) */
 static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
-                               float *const *gb, const fl_block_ctx *x, float *din, float *dout) {
+                               float *const *gb, const fl_block_ctx *x, float *din, float *dout, int in16) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
     const float *lse = o->a1 >= 0 ? s[o->a1] : NULL;
+    if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags && in16) {
+        const fl_attn_desc a = fl_attn_desc_qkv(x->B, x->T, d.NH, d.NKV, d.HD);
+        const uint16_t *q16 = x->s16[o->in];
+        return FL_RUN(be, attention_backward16, &a, din, din + d.QD, din + d.QD + d.KVD, dout, q16, q16 + d.QD,
+                      q16 + d.QD + d.KVD, NULL, x->s16[o->out], lse);
+    }
     if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags) {
         return FL_RUN(be, attention_qkv_backward, din, dout, s[o->in], s[o->out], lse, x->B, x->T, d.NH, d.NKV, d.HD);
     }
@@ -249,6 +260,20 @@ static void *norm_dy16_for(const fl_backend *be, const fl_block_graph *g, const 
     return bp->lin[pv->p].dyb16;
 }
 
+/* A biased linear straight into the tanh GELU (GPT-2's c_fc) as one GEMM with cuBLASLt's bias + GELU epilogue
+ * (issue 30 item 3): pre = x W^T + b (the slot the GELU's backward reads), out = gelu(pre); the backend's
+ * gemm_epilogue (cuda-emu: the bits of the GEMM, bias_forward and gelu_forward). Not with adapters (LoRA adds to
+ * pre before the GELU) or a 4-bit weight. */
+static int linear_gelu_fuses(const fl_backend *be, const fl_linear *lin) {
+    return be->gemm_epilogue && lin->b && lin->n_q4 == 0 && lin->n_adapters == 0;
+}
+static fl_status linear_bias_gelu(const fl_backend *be, float *out, float *pre, const float *x, const fl_linear *lin,
+                                  int N) {
+    const void *w = lin->wc ? lin->wc : (const void *)lin->w;
+    return FL_RUN(be, gemm_epilogue, FL_GEMM_EPI_BIAS_GELU, lin->b, pre, lin->out, 0, 1, N, lin->out, lin->in, 1.0f, x,
+                  FL_F32, lin->in, w, lin->wc ? lin->wct : FL_F32, lin->in, 0.0f, out, lin->out);
+}
+
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -289,6 +314,12 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 pend16 = o->out, done16 = 1;
                 break;
             }
+            const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+            if (!x->store16 && nx && nx->kind == FL_GOP_GELU && nx->in == o->out && linear_gelu_fuses(be, lin)) {
+                FL_TRY(linear_bias_gelu(be, s[nx->out], out, in, lin, N)); /* GPT-2's c_fc + GELU: one GEMM */
+                i++;
+                break;
+            }
             FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
             break;
         }
@@ -326,6 +357,10 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
             break;
+        case FL_GOP_DROPOUT:
+            if (x->drop_p > 0 || in != out)
+                FL_TRY(FL_RUN(be, dropout, out, in, (size_t)N * wo, x->drop_p, fl_dropout_seed(x->drop_seed, o->p), 0));
+            break;
         }
         if (last && !done16) FL_TRY(store16(be, g, o->out, s, x)); /* ROPE: in place */
     }
@@ -353,6 +388,55 @@ static unsigned grads_needed(const fl_block_graph *g, const fl_block_params *bp)
     return need;
 }
 
+/* Backward, bf16 stored (issue 30 item 1): op o reads its saved input (the attention: q|k|v and its output) from
+ * the bf16 copies, through the backend's bf16-input variant (rmsnorm_backward_w16's inp16, act_backward16's in16,
+ * attention_backward16), each element widened exactly in the kernel: the bits of the fp32 views the
+ * widen-before-backward rebuilt, which are then not needed. 0: the op reads the fp32 views. */
+static int bwd_reads16(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_gop *o,
+                       const fl_block_ctx *x) {
+    const fl_backend *be = m->be;
+    if (!x->s16 || !stored16(g, o->in, x)) return 0;
+    switch ((fl_gop_kind)o->kind) {
+    case FL_GOP_NORM: return be->rmsnorm_backward_w16 && (bp->norm_wt != FL_F32 || !fl_arch_get(m->cfg.arch)->layernorm);
+    case FL_GOP_ATTN:
+        return o->attn == FL_ATTN_CAUSAL && !o->attn_flags && !x->kv && be->attention_backward16 && stored16(g, o->out, x);
+    case FL_GOP_SWIGLU:
+    case FL_GOP_GELU:
+    case FL_GOP_RELU: return be->act_backward16 != NULL;
+    default: return 0;
+    }
+}
+
+unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                              const fl_block_ctx *x) {
+    unsigned r = 0;
+    for (int i = 0; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i];
+        switch ((fl_gop_kind)o->kind) {
+        case FL_GOP_LINEAR: { /* the dW GEMM reads the stored copy when there is one; the adapters read fp32 */
+            const fl_linear *l = &bp->lin[o->p];
+            const int x16 = x->s16 && x->s16[o->in];
+            if (l->n_adapters > 0 || (l->dw && !(fl_linear_wants_dy16(l) && x16))) r |= 1u << o->in;
+            break;
+        }
+        case FL_GOP_NORM:
+        case FL_GOP_ATTN:
+        case FL_GOP_SWIGLU:
+        case FL_GOP_GELU:
+        case FL_GOP_RELU:
+        case FL_GOP_GELU_ERF:
+        case FL_GOP_GEGLU:
+            if (bwd_reads16(m, g, bp, o, x)) break;
+            r |= 1u << o->in;
+            if (o->kind == FL_GOP_ATTN) r |= 1u << o->out;
+            if (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS) r |= 1u << o->in2;
+            break;
+        default: break; /* ROPE, ADD, ALLREDUCE: no saved slot read */
+        }
+    }
+    return r;
+}
+
 fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                             float *const *gb, const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -374,21 +458,26 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
-        if (!o->acc && o->kind != FL_GOP_LINEAR && !fl_gop_modifies(o))
+        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !fl_gop_modifies(o))
             FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
         void *dy16 = dy16_for(be, g, bp, i);
-        if (dy16 && act16_kind(o->kind) >= 0) {
-            FL_TRY(FL_RUN(be, act_backward16, act16_kind(o->kind), din, dy16, dout, s[o->in], N,
-                          o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
-            dy16_ready = 1;
+        const int in16 = bwd_reads16(m, g, bp, o, x); /* the saved input read in bf16 (its fp32 view not widened) */
+        if ((dy16 || in16) && act16_kind(o->kind) >= 0) {
+            FL_TRY(FL_RUN(be, act_backward16, act16_kind(o->kind), din, dy16, dout, s[o->in],
+                          in16 ? x->s16[o->in] : NULL, N, o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            dy16_ready = dy16 != NULL;
             continue;
         }
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM: {
             void *d16 = x->s16 ? norm_dy16_for(be, g, bp, i, x) : NULL;
-            fl_norm_backward_t(m, din, d16, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p],
-                               bp->norm_wt, S(o->a1), S(o->a2), N);
+            if (in16) /* RMSNorm over the stored bf16 input (the weight fp32 or 16-bit) */
+                FL_RUN(be, rmsnorm_backward_w16, din, d16, bp->d_norm_w[o->p], dout, s[o->in], x->s16[o->in],
+                       bp->norm_w[o->p], bp->norm_wt, S(o->a2), N, m->cfg.dim);
+            else
+                fl_norm_backward_t(m, din, d16, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in],
+                                   bp->norm_w[o->p], bp->norm_wt, S(o->a1), S(o->a2), N);
             dy16_ready = d16 != NULL;
             if (d16 && d16 == x->din16 && x->din16_done) *x->din16_done = 1;
             break;
@@ -398,7 +487,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
                                            &bp->lin[o->p], N));
             break;
         case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi)); break;
-        case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout)); break;
+        case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout, in16)); break;
         case FL_GOP_SWIGLU: FL_RUN(be, swiglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: FL_RUN(be, gelu_backward, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_RELU: FL_RUN(be, relu_backward, din, dout, s[o->in], (size_t)N * wi); break;
@@ -406,6 +495,11 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         case FL_GOP_GEGLU: FL_RUN(be, geglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
+            break;
+        case FL_GOP_DROPOUT: /* d(in) (+)= the forward's mask on d(out); in place: masked where it is */
+            if (x->drop_p > 0 || din != dout)
+                FL_TRY(FL_RUN(be, dropout, din, dout, (size_t)N * wi, x->drop_p, fl_dropout_seed(x->drop_seed, o->p),
+                              o->acc && din != dout));
             break;
         case FL_GOP_ADD: break;
         }
@@ -437,7 +531,7 @@ void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, flo
                         const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
     const fl_backend *be = m->be;
     if (wt != FL_F32)
-        FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
+        FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, NULL, w, wt, rstd, N, m->cfg.dim);
     else if (fl_arch_get(m->cfg.arch)->layernorm)
         FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
     else
@@ -513,6 +607,7 @@ fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, cons
 fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, const void *x16, const fl_linear *lin,
                                int N) {
     /* y (N,out) = x (N,in) @ W^T (in,out) */
+    int biased = 0;
     if (lin->n_q4) { /* 4-bit base: each part fills its rows of the (fused) output, dequantized tile by tile */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
             FL_TRY(FL_RUN(be, q4_matmul_forward, y + r0, lin->out, x, lin->q4[k], N, 0.0f));
@@ -522,10 +617,16 @@ fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, c
         fl_dtype wt = lin->wc ? lin->wct : FL_F32;
         /* a BF16 weight's GEMM rounds an F32 x to bf16: x16 is that operand already */
         const int a16 = x16 && wt == FL_BF16;
-        FL_TRY(FL_RUN(be, gemm, 0, 1, N, lin->out, lin->in, 1.0f, a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32,
+        if (lin->b && be->gemm_epilogue) { /* the bias in the GEMM's epilogue (issue 30 item 3) */
+            FL_TRY(FL_RUN(be, gemm_epilogue, FL_GEMM_EPI_BIAS, lin->b, NULL, 0, 0, 1, N, lin->out, lin->in, 1.0f,
+                          a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32, lin->in, w, wt, lin->in, 0.0f, y,
+                          lin->out));
+            biased = 1;
+        } else
+            FL_TRY(FL_RUN(be, gemm, 0, 1, N, lin->out, lin->in, 1.0f, a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32,
                       lin->in, w, wt, lin->in, 0.0f, y, FL_F32, lin->out));
     }
-    if (lin->b) FL_RUN(be, bias_forward, y, lin->b, N, lin->out);
+    if (lin->b && !biased) FL_RUN(be, bias_forward, y, lin->b, N, lin->out);
     for (int k = 0; k < lin->n_adapters; k++) { /* the adapters' branches (LoRA: y[:, rows] += scaling drop(x) A^T B^T) */
         const fl_linear_adapter *a = lin->adapters[k];
         FL_TRY(a->ops->forward(a, be, y, lin->out, x, N, lin->row_base));

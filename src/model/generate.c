@@ -113,11 +113,11 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
 static fl_status forward_rows(fl_model *m, fl_kv_cache *kv, const rows_scratch *w, const int32_t *ids, int n,
                               int pos0, float *logits) {
     void *sc = m->acts && m->acts->be_scratch ? m->acts->be_scratch : kv->be_scratch;
-    if (sc) m->be->set_scratch(m->be, sc, m->be->scratch_bytes);
+    if (sc) FL_RUN(m->be, set_scratch, sc, m->be->scratch_bytes);
     fl_model_tell_compute_dtype(m, 1);
     fl_status s = forward_rows_impl(m, kv, w, ids, n, pos0, logits);
     fl_model_tell_compute_dtype(m, 0);
-    if (sc) m->be->set_scratch(m->be, NULL, 0);
+    if (sc) FL_RUN(m->be, set_scratch, NULL, 0);
     return s;
 }
 
@@ -143,7 +143,7 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
     fl_outer_params op;
     const int32_t *dids = ids; /* host memory: the op reads the caller's ids */
     if (kv->dids) {
-        FL_TRY(be->to_device(be, kv->dids, ids, (size_t)n * sizeof *ids));
+        FL_TRY(FL_RUN(be, to_device, kv->dids, ids, (size_t)n * sizeof *ids));
         dids = kv->dids;
     }
     float *x = w->s[FL_GSLOT_IN]; // (n, C): every block's input and output (fl_block_rows_scratch)
@@ -161,8 +161,8 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
         const int t = m->emb_inject.rows[i];
         if (t < 0 || t >= n) return fl_errorf(FL_ERR_INVALID, "injected row %d outside the prefill's %d rows", t, n);
         float *r = x + (size_t)t * d.C;
-        FL_TRY(be->copy(be, r, m->emb_inject.src + (size_t)i * d.C, (size_t)d.C * sizeof(float)));
-        if (op.wpe) be->add(be, r, r, op.wpe + (size_t)t * d.C, (size_t)d.C);
+        FL_TRY(FL_RUN(be, copy, r, m->emb_inject.src + (size_t)i * d.C, (size_t)d.C * sizeof(float)));
+        if (op.wpe) FL_RUN(be, add, r, r, op.wpe + (size_t)t * d.C, (size_t)d.C);
     }
     if (!(tied && head)) fl_store_release(m->store, 0);
     /* the block graph with the cache: attention appends K/V rows (after RoPE), then attends causally

@@ -41,6 +41,9 @@ typedef enum {
     FL_GSLOT_STAT,   /* per-row fp32 statistics (norm mean / rstd, attention log-sum-exp): saved, never narrowed */
     FL_GSLOT_XSTREAM, /* a stream from outside the block (cross-attention's encoder output, B x Tk rows): bound by
                        * the caller in s[] like IN / OUT, its gradient accumulated into fl_block_ctx.dxs */
+    FL_GSLOT_TEMP,    /* an (N, width) activation only the forward's next op reads, never the backward (a linear's
+                       * output that a DROPOUT copies, masked, into a residual slot): not saved, the caller may give
+                       * every block the same buffer (seq2seq.c: one per model). Its gradient is a buffer as any */
 } fl_gslot_kind;
 
 /* Which workspace buffer holds a slot's gradient during the backward: RES the residual stream's,
@@ -74,6 +77,10 @@ typedef enum {
                        * (backward: identity; Megatron's g after a row-parallel linear), FL_GAR_BWD: in the backward
                        * (forward: identity; Megatron's f before a column-parallel one). No comm / one rank: no-op */
     FL_GOP_GELU_ERF, /* out = the exact GELU, in (1 + erf(in / sqrt 2)) / 2 (BLIP-2's vision tower and Q-Former) */
+    FL_GOP_DROPOUT, /* out = drop(in) in a training pass (fl_block_ctx.drop_p > 0; the mask of (drop_seed, site p,
+                     * element): backward.h's dropout op), else out = in. in == out: in place, on an off-path slot
+                     * only (a residual slot's gradient is its path's: the mask must not reach it); the backward
+                     * masks d(out) into d(in) with the same mask (nothing saved). T5's dropout (issue 31) */
 } fl_gop_kind;
 
 /* Attention kinds (fl_gop.attn). CAUSAL without bias or mask runs the fused causal kernels (the decoder's
@@ -87,7 +94,9 @@ typedef struct {
     uint8_t kind;        /* fl_gop_kind */
     int8_t in, out;      /* slots (ROPE: in == out) */
     int8_t a1, a2;       /* auxiliary output slots (statistics), -1 if none */
-    int8_t p;            /* NORM: norm index (fl_block_params.norm_*), LINEAR: linear index (lin[], LoRA kind) */
+    int8_t p;            /* NORM: norm index (fl_block_params.norm_*), LINEAR: linear index (lin[], LoRA kind);
+                          * DROPOUT, ATTN: the dropout site (its mask's seed within the block; ATTN -1: no dropout on
+                          * its weights) */
     int8_t role_w, role_b; /* NORM / LINEAR: the parameters' fl_param_role (role_b -1: none) */
     uint8_t acc;         /* derived: the backward adds to d(in) (the residual path, or a slot's later reader in
                           * the backward's order: its gradients are summed) instead of starting it */
@@ -96,8 +105,10 @@ typedef struct {
     uint8_t acc2;        /* derived: the backward adds to d(in2) */
 } fl_gop;
 
-/* An op that changes its input in place (in == out): RoPE, ALLREDUCE. */
-static inline int fl_gop_modifies(const fl_gop *o) { return o->kind == FL_GOP_ROPE || o->kind == FL_GOP_ALLREDUCE; }
+/* An op that changes its input in place (in == out): RoPE, ALLREDUCE, an in-place DROPOUT. */
+static inline int fl_gop_modifies(const fl_gop *o) {
+    return o->kind == FL_GOP_ROPE || o->kind == FL_GOP_ALLREDUCE || (o->kind == FL_GOP_DROPOUT && o->in == o->out);
+}
 
 #define FL_GRAPH_MAX_NORMS 3   /* T5's decoder block: self-attention, cross-attention, FFN */
 #define FL_GRAPH_MAX_LINEARS 8 /* T5's decoder block: 7 (0 qkv, 1 o, 2 fc, 3 proj as the decoders', 4.. its own) */
@@ -185,7 +196,20 @@ typedef struct {
     int dout16_ready;
     void *din16;
     int *din16_done;
+    /* DROPOUT ops (a training pass of a model with dropout; 0: off, out = in): the rate and this block's seed (each
+     * site's mask from fl_dropout_seed(drop_seed, site)); the recompute of a checkpointed block gets the same */
+    float drop_p;
+    uint64_t drop_seed;
 } fl_block_ctx;
+
+/* The seed of dropout site `site` under base seed `base` (a micro-batch's block, or a stack's embedding / final
+ * norm): splitmix64 of both, so neighbouring bases and sites give unrelated masks (backend.h dropout's streams). */
+static inline uint64_t fl_dropout_seed(uint64_t base, uint64_t site) {
+    uint64_t z = base ^ (site + 1) * 0xD6E8FEB86659FD93ULL;
+    z = (z ^ (z >> 32)) * 0xD6E8FEB86659FD93ULL;
+    z = (z ^ (z >> 32)) * 0xD6E8FEB86659FD93ULL;
+    return z ^ (z >> 32);
+}
 
 /* s: the slots' buffers (s[FL_GSLOT_IN] the input rows, s[FL_GSLOT_OUT] where the output goes; may alias
  * the input only when the graph's inference buffers say so). */
@@ -199,6 +223,10 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
 /* The dyb16 of the block's first LINEAR in the backward's order when it reads d(output) as a bf16 dy
  * (fl_block_ctx.dout16_ready), else NULL. */
 void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp);
+/* The slots (bit k: slot k) whose fp32 views fl_block_backward reads with context x; a bf16-stored slot read
+ * only through the backend's bf16-input ops (issue 30 item 1) is not among them, so its widening is skipped. */
+unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                              const fl_block_ctx *x);
 
 /* Inference scratch for n rows: the floats of the graph's shared buffers (64-byte aligned views), and with a
  * base, the slot views (s[FL_GSLOT_IN] and s[FL_GSLOT_OUT] point to the same buffer). */

@@ -109,7 +109,8 @@ fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done);
 void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts, size_t *work);
 /* The gradient buffer (the trained parameters' or the LoRA adapters'), NULL without one. */
 void *fl_model_grads_buffer(const fl_model *m);
-fl_status fl_acts_widen(fl_model *m, int l, int N);
+/* skip (bit k: slot k, FL_GSLOT_IN the input too): views not widened, their readers take the bf16 copies */
+fl_status fl_acts_widen(fl_model *m, int l, int N, unsigned skip);
 /* bf16 stored: residual rows res[l] (N rows, written by the embeddings) stored in res16[l], and the fp32 view
  * rounded to the same values (no-op otherwise). */
 fl_status fl_acts_store_stream(fl_model *m, int l, int N);

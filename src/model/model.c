@@ -160,7 +160,7 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
     if (fl_model_param_is_q4(m, i) && on_device(m)) { /* the 4-bit buffer to the host, dequantized there */
         fl_q4_weight hw;
         void *blob = q4_host_copy(m, i, &hw);
-        if (!blob || m->be->to_host(m->be, blob, m->store->q4[i].packed, fl_q4_bytes(hw.n, hw.double_quant)) != FL_OK) {
+        if (!blob || FL_RUN(m->be, to_host, blob, m->store->q4[i].packed, fl_q4_bytes(hw.n, hw.double_quant)) != FL_OK) {
             memset(dst, 0, m->layout.params[i].numel * sizeof(float));
         } else {
             fl_q4_dequantize(&hw, dst, m->be->n_threads);
@@ -183,14 +183,14 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
         return;
     }
     if (dt == FL_F32 || !m->be) { /* storage is device memory: it comes to the host through the backend */
-        if (m->be) (void)m->be->to_host(m->be, dst, src, n * sizeof(float));
+        if (m->be) (void)FL_RUN(m->be, to_host, dst, src, n * sizeof(float));
         else fl_convert(dst, FL_F32, src, dt, n);
         return;
     }
     uint16_t slice[8192]; /* 16-bit storage: copied out in slices, widened on the host */
     for (size_t k0 = 0; k0 < n; k0 += 8192) {
         size_t k = n - k0 < 8192 ? n - k0 : 8192;
-        (void)m->be->to_host(m->be, slice, src + k0 * es, k * es);
+        (void)FL_RUN(m->be, to_host, slice, src + k0 * es, k * es);
         fl_convert(dst + k0, FL_F32, slice, dt, k);
     }
 }
@@ -200,7 +200,7 @@ void fl_model_write_param(fl_model *m, int i, const float *src) {
         fl_q4_weight hw;
         void *blob = q4_host_copy(m, i, &hw);
         if (blob && fl_q4_quantize(&hw, src, m->be->n_threads) == FL_OK)
-            (void)m->be->to_device(m->be, m->store->q4[i].packed, blob, fl_q4_bytes(hw.n, hw.double_quant));
+            (void)FL_RUN(m->be, to_device, m->store->q4[i].packed, blob, fl_q4_bytes(hw.n, hw.double_quant));
         fl_mem_free(fl_mem_host_pool(m->pool), blob);
         return;
     }
@@ -213,7 +213,7 @@ void fl_model_write_param(fl_model *m, int i, const float *src) {
     const size_t n = m->layout.params[i].numel, es = fl_dtype_size(dt);
     if (!dst) return; /* sharded */
     if (dt == FL_F32 || !m->be) {
-        if (m->be) (void)m->be->to_device(m->be, dst, src, n * sizeof(float));
+        if (m->be) (void)FL_RUN(m->be, to_device, dst, src, n * sizeof(float));
         else fl_convert(dst, dt, src, FL_F32, n);
         return;
     }
@@ -221,7 +221,7 @@ void fl_model_write_param(fl_model *m, int i, const float *src) {
     for (size_t k0 = 0; k0 < n; k0 += 8192) {
         size_t k = n - k0 < 8192 ? n - k0 : 8192;
         fl_convert(slice, dt, src + k0, FL_F32, k);
-        (void)m->be->to_device(m->be, dst + k0 * es, slice, k * es);
+        (void)FL_RUN(m->be, to_device, dst + k0 * es, slice, k * es);
     }
 }
 
@@ -309,7 +309,7 @@ fl_status fl_model_alloc_grads(fl_model *m) { return fl_store_alloc_grads(m->sto
 
 void fl_model_zero_grads(fl_model *m) {
     fl_store_zero_grads(m->store);
-    if (m->adapt) m->be->zero(m->be, m->adapt->h.grads, m->adapt->h.grads_numel * sizeof(float));
+    if (m->adapt) FL_RUN(m->be, zero, m->adapt->h.grads, m->adapt->h.grads_numel * sizeof(float));
 }
 
 void *fl_model_grads_buffer(const fl_model *m) {

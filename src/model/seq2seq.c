@@ -50,6 +50,8 @@ struct fl_s2s_acts {
     void *be_scratch;     /* the backend's op scratch (bf16 matmuls, 4-bit weights), lent for each pass, or NULL */
     int32_t *targets;     /* device copy when the backend's memory is not host memory, else NULL */
     int chunk;            /* logits rows per chunk */
+    float drop_p;         /* the last forward's dropout rate: cfg.dropout_rate in a training forward with cfg.dropout_on,
+                           * else 0 (its backward regenerates the same masks from the model's drop_seed) */
     /* the training forward in progress between fl_model_forward_s2s_body and fl_model_forward_head: the last stack
      * stopped at its HEAD_LM op (defer set by the body), the head's targets, grad_scale and rows */
     struct { const int32_t *targets; float grad_scale; int N, defer, open; } head;
@@ -112,6 +114,7 @@ static size_t carve_acts(const fl_model *m, struct fl_s2s_acts *a, char *base) {
                 for (int k = 0; k < st->g.n_prod; k++) {
                     const int sl = st->g.prod[k];
                     const size_t n = B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width;
+                    if (st->g.slot[sl].kind == FL_GSLOT_TEMP) continue; /* not saved: WORKSPACE's (carve_work) */
                     if (a->act16 && st->g.slot[sl].kind == FL_GSLOT_WIDE) la.s16[sl] = take(&cv, n * sizeof(uint16_t));
                     else la.s[sl] = TAKEF(&cv, n);
                 }
@@ -146,6 +149,17 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
         for (int k = 0; k < st->g.n_gbuf; k++)
             if (st->g.gbuf_width[k] > width[k]) width[k] = st->g.gbuf_width[k];
     }
+    /* the blocks' TEMP slots (a dropped projection's output, read by the next op only): one buffer for all */
+    size_t tmp_n = 0;
+    for (int s = 0; s < a->n_stacks; s++)
+        for (int k = 0; k < a->st[s].g.n_slots; k++)
+            if (a->st[s].g.slot[k].kind == FL_GSLOT_TEMP && B * a->st[s].Tmax * a->st[s].g.slot[k].width > tmp_n)
+                tmp_n = B * a->st[s].Tmax * a->st[s].g.slot[k].width;
+    float *tmp = tmp_n ? TAKEF(&cv, tmp_n) : NULL;
+    for (int s = 0; base && s < a->n_stacks; s++)
+        for (int k = 0; k < a->st[s].g.n_slots; k++)
+            for (int l = 0; a->st[s].g.slot[k].kind == FL_GSLOT_TEMP && l < a->st[s].L; l++)
+                a->st[s].layer[l].s[k] = tmp;
     const size_t T0 = (size_t)a->st[0].Tmax, Tl = (size_t)a->st[a->n_stacks - 1].Tmax;
     uint8_t *km = take(&cv, B * T0);
     float *ds = TAKEF(&cv, B * T0 * C);
@@ -247,6 +261,7 @@ void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work)
         for (int k = 0; k < st->g.n_prod; k++) {
             const int sl = st->g.prod[k];
             const size_t n = B * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
+            if (st->g.slot[sl].kind == FL_GSLOT_TEMP) continue; /* the backward does not read it */
             if (a->act16 && st->g.slot[sl].kind == FL_GSLOT_WIDE) blk16 += n;
             else blk += n;
         }
@@ -402,8 +417,20 @@ static fl_status relbias_table(const fl_model *m, const s2s_stack *st, int grad,
     return FL_OK;
 }
 
-static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *dxs) {
-    fl_block_ctx x = {.B = a->Bp, .T = a->T[s]};
+/* Dropout seeds (fl_dropout_seed of the micro-batch's drop_seed): stack s's embedding 2s, its final norm's output
+ * 2s + 1, block b of either stack (its index among all the model's blocks) 16 + b (its sites within it) */
+static uint64_t drop_site(const fl_model *m, int site) { return fl_dropout_seed(m->drop_seed, (uint64_t)site); }
+
+/* the dropout of a stack's embedding (site 2s) or final norm output (2s + 1) over n values: in a training forward
+ * and, for the gradient, in its backward (the same mask); nothing without dropout */
+static fl_status drop_rows(const fl_model *m, float *x, size_t n, int site) {
+    const float p = m->acts->s2s->drop_p;
+    return p > 0 ? FL_RUN(m->be, dropout, x, x, n, p, drop_site(m, site), 0) : FL_OK;
+}
+
+static fl_block_ctx stack_ctx(const fl_model *m, const struct fl_s2s_acts *a, int s, int l, float *const *dxs) {
+    fl_block_ctx x = {.B = a->Bp, .T = a->T[s], .drop_p = a->drop_p};
+    x.drop_seed = drop_site(m, 16 + a->st[s].l0 + l);
     x.kmask = a->kmask_on ? a->kmask : NULL; /* the first stack's keys: its self-attention's and the cross-attention's */
     x.attn_bias = a->st[s].bias;
     x.Tk = s > 0 ? a->T[s - 1] : a->T[s];
@@ -483,6 +510,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
             FL_TRY(FL_RUN(be, to_device, st->ids, ids, (size_t)N * sizeof *ids));
             fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0);
             if (s == 0) FL_TRY(inject_rows(m, st->res[0], NULL));
+            FL_TRY(drop_rows(m, st->res[0], (size_t)N * m->cfg.dim, 2 * s)); /* after any injected rows (as HF) */
             break;
         case FL_MOP_RELBIAS: /* the table is in the stack's first block's group */
             FL_TRY(block_gather(m, st->l0 + 1));
@@ -493,7 +521,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
                 FL_TRY(block_gather(m, st->l0 + l + 1));
                 fl_block_params bp;
                 fl_get_block(m, &st->g, st->l0 + l, &bp);
-                fl_block_ctx x = stack_ctx(a, s, NULL);
+                fl_block_ctx x = stack_ctx(m, a, s, l, NULL);
                 FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
                 if (grad_scale > 0) FL_TRY(saved16(m, st, l, 1));
                 fl_store_release(m->store, st->l0 + l + 1);
@@ -501,6 +529,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
             break;
         case FL_MOP_NORM:
             fl_norm_forward(m, st->nout, NULL, st->nrstd, st->res[st->L], param_of(m, G, mg->op[i].role_w, 0), NULL, N);
+            FL_TRY(drop_rows(m, st->nout, (size_t)N * m->cfg.dim, 2 * s + 1));
             break;
         case FL_MOP_OUTPUT: break; /* nout is the next stack's XSTREAM (bound when carved) */
         case FL_MOP_HEAD_LM:
@@ -553,6 +582,7 @@ static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t 
     m->n_valid = 0;
     m->have_targets = targets != NULL;
     a->head.defer = defer;
+    a->drop_p = grad_scale > 0 && m->cfg.dropout_on ? m->cfg.dropout_rate : 0.0f; /* training forwards only */
     if (s == FL_OK) s = roots_gather(m);
     for (int k = 0; s == FL_OK && k < mg.n_stacks; k++)
         s = stack_forward(m, &mg, k, ids[k], targets, grad_scale, logits_out);
@@ -567,7 +597,7 @@ static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t 
 
 /* Stack s's backward: d(its final norm's output) in dnout, into its parameters' gradients; the cross-attention's
  * into d(the earlier stack's output) (a->dstream, zeroed here). */
-static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, const float *dnout) {
+static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, float *dnout) {
     const fl_backend *be = m->be;
     struct fl_s2s_acts *a = m->acts->s2s;
     s2s_stack *st = &a->st[s];
@@ -577,6 +607,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     for (int i = 0; i < mg->n_ops; i++)
         if (mg->op[i].stack == s && mg->op[i].kind == FL_MOP_NORM) role_norm = mg->op[i].role_w;
     FL_RUN(be, zero, dres, (size_t)N * C * sizeof(float));
+    FL_TRY(drop_rows(m, dnout, (size_t)N * C, 2 * s + 1)); /* d(the norm's output) through its dropout mask */
     stage_open(m, G);
     fl_norm_backward(m, dres, param_of(m, G, role_norm, 1), NULL, dnout, st->res[st->L], param_of(m, G, role_norm, 0),
                      NULL, st->nrstd, N);
@@ -599,7 +630,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
         FL_TRY(fl_store_grads_begin(m->store, g));
         fl_block_params bp;
         fl_get_block(m, &st->g, st->l0 + l, &bp);
-        fl_block_ctx x = stack_ctx(a, s, dxs);
+        fl_block_ctx x = stack_ctx(m, a, s, l, dxs);
         /* checkpointing: the block's slots again from its saved input (the last block's are still there: each stack
          * has its own shared buffer, and the same ops in the same order give the same bits) */
         if (m->act_ckpt && l < st->L - 1) {
@@ -617,6 +648,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     }
     fl_outer_params op;
     fl_get_outer(m, &op);
+    FL_TRY(drop_rows(m, dres, (size_t)N * C, 2 * s)); /* d(the embedding's output) through its dropout mask */
     if (s == 0) FL_TRY(inject_rows(m, NULL, dres));
     FL_TRY(fl_embed_backward(m, &op, dres, st->ids, a->Bp, T));
     if (s == 0) fl_store_release(m->store, 0);
@@ -756,6 +788,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
     a->Bp = B;
     a->T[0] = Ts;
     a->kmask_on = src_mask != NULL;
+    a->drop_p = 0; /* generation never drops */
     m->fwd_train = 0;
     fl_status s = src_mask ? FL_RUN(m->be, to_device, a->kmask, src_mask, (size_t)B * Ts) : FL_OK;
     if (s == FL_OK) s = roots_gather(m); /* sharded: every rank decodes in step, each block gathered per token */
@@ -874,4 +907,18 @@ fl_status fl_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *
 fl_status fl_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, const fl_gen_params *gp,
                           int32_t *out, int *n_out) {
     return fl_generate_s2s_batch(m, src, src_mask, 1, Ts, gp, out, n_out);
+}
+
+fl_status fl_model_set_dropout(fl_model *m, int on) {
+    if (!fl_model_is_s2s(&m->cfg))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_set_dropout: %s has no dropout of its own (encoder-decoders "
+                         "only)", fl_arch_get(m->cfg.arch)->display);
+    if (on && m->cfg.dropout_rate > 0 && !m->be->dropout)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "config.json dropout_rate %g: backend %s has no dropout op",
+                         (double)m->cfg.dropout_rate, m->be->name);
+    if (m->acts && !m->cfg.dropout_on != !on)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_set_dropout: call it before fl_model_alloc_acts_s2s (the blocks' "
+                         "graphs change)");
+    m->cfg.dropout_on = on != 0;
+    return FL_OK;
 }

@@ -17,6 +17,7 @@
 
 #include "fitllm/pp.h"
 #include "model-impl.h"
+#include "store.h"
 
 fl_status fl_pp_stage_config(const fl_model_config *whole, int first, int last, fl_model_config *out) {
     if (first < 0 || last <= first || last > whole->n_layers)
@@ -70,6 +71,22 @@ int fl_pp_layout_owns(const fl_param_layout *lay, int in, int out, int i) {
 
 int fl_pp_stage_owns(const fl_model *m, int i) { return fl_pp_layout_owns(&m->layout, m->stage.in, m->stage.out, i); }
 
+/* a sharded stage (FSDP FULL_SHARD on the data axis): entry i's piece this rank holds, from the whole entry w */
+static fl_status write_piece(fl_model *m, int i, const float *w) {
+    size_t k0, k1;
+    fl_dtype dt;
+    char *dst = fl_model_param_piece(m, i, &k0, &k1, &dt);
+    if (!dst || k1 <= k0) return FL_OK;
+    const size_t n = k1 - k0, es = fl_dtype_size(dt);
+    const fl_backend *be = fl_model_params_be(m);
+    void *tmp = malloc(n * es + 4);
+    if (!tmp) return fl_errorf(FL_ERR_OOM, "pipeline stage: out of host memory staging a piece of %s", m->layout.params[i].name);
+    fl_convert(tmp, dt, w + k0, FL_F32, n);
+    fl_status s = be ? be->to_device(be, dst, tmp, n * es) : (memcpy(dst, tmp, n * es), FL_OK);
+    free(tmp);
+    return s;
+}
+
 fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first) {
     size_t most = 0;
     for (int i = 0; i < whole->layout.n; i++)
@@ -84,7 +101,15 @@ fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first) {
                              stage->layout.params[i].name);
         }
         fl_model_read_param(whole, j, w);
-        fl_model_write_param(stage, i, w);
+        if (fl_model_provider(stage)) { /* sharded: its piece (write_param writes nothing there) */
+            fl_status s = write_piece(stage, i, w);
+            if (s != FL_OK) {
+                free(w);
+                return s;
+            }
+        } else {
+            fl_model_write_param(stage, i, w);
+        }
     }
     free(w);
     fl_model_sync_compute_copy(stage); /* bf16-mixed: the copy the matmuls read */
@@ -94,7 +119,16 @@ fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first) {
 fl_status fl_model_set_stage(fl_model *m, int in, int out) {
     m->stage.in = in != 0;
     m->stage.out = out != 0;
+    /* a later stage's d(input) goes to the previous stage: under adapters (a frozen base) block 0 still runs the ops
+     * whose gradient flows only to its input, which one process skips at the embeddings */
+    if (m->stage.in) m->keep_block0_din = 1;
     return FL_OK;
+}
+
+fl_status fl_model_stage_open_grads(fl_model *m) {
+    if (!fl_store_sharded(m->store) || !m->fwd_train) return FL_OK;
+    FL_TRY(fl_store_grads_begin(m->store, m->cfg.n_layers + 1));
+    return m->stage.in ? fl_store_grads_begin(m->store, 0) : FL_OK;
 }
 
 static size_t stream_bytes(const fl_model *m, int B, int T) { return (size_t)B * T * m->cfg.dim * sizeof(float); }
@@ -102,35 +136,45 @@ static size_t stream_bytes(const fl_model *m, int B, int T) { return (size_t)B *
 fl_status fl_model_stage_input(fl_model *m, const float *x, int B, int T) {
     if (!m->acts || !m->stage.in || B * T > m->B * m->T)
         return fl_errorf(FL_ERR_INVALID, "fl_model_stage_input: a later stage with an arena of at least (%d, %d) rows", B, T);
-    return m->be->to_device(m->be, m->acts->res[0], x, stream_bytes(m, B, T));
+    return FL_RUN(m->be, to_device, m->acts->res[0], x, stream_bytes(m, B, T));
 }
 
 fl_status fl_model_stage_output(const fl_model *m, float *y) {
     if (!m->acts || !m->stage.out) return fl_errorf(FL_ERR_INVALID, "fl_model_stage_output: not an earlier stage");
-    return m->be->to_host(m->be, y, m->acts->res[m->cfg.n_layers], stream_bytes(m, m->fwd_B, m->fwd_T));
+    return FL_RUN(m->be, to_host, y, m->acts->res[m->cfg.n_layers], stream_bytes(m, m->fwd_B, m->fwd_T));
 }
 
 fl_status fl_model_stage_dout(fl_model *m, const float *dy) {
     if (!m->acts || !m->stage.out || !m->fwd_train)
         return fl_errorf(FL_ERR_INVALID, "fl_model_stage_dout: an earlier stage after a training forward");
-    return m->be->to_device(m->be, m->acts->dres, dy, stream_bytes(m, m->fwd_B, m->fwd_T));
+    return FL_RUN(m->be, to_device, m->acts->dres, dy, stream_bytes(m, m->fwd_B, m->fwd_T));
 }
 
 fl_status fl_model_stage_dinput(const fl_model *m, float *dx, int B, int T) {
     if (!m->acts || !m->stage.in) return fl_errorf(FL_ERR_INVALID, "fl_model_stage_dinput: not a later stage");
-    return m->be->to_host(m->be, dx, m->acts->dres, stream_bytes(m, B, T));
+    return FL_RUN(m->be, to_host, dx, m->acts->dres, stream_bytes(m, B, T));
 }
 
 /* ---- the stash of a micro-batch in flight ---- */
 
 struct fl_stage_stash {
     void *acts, *ids, *dlnf;  /* the model's memory: the ACTS arena, the token ids, d(lnf) (the last stage) */
+    void *ad;                 /* the adapters' activations (LoRA: each module's h and dropped input) */
+    size_t ad_bytes;
     int fwd_B, fwd_T, fwd_train;
 };
 
+/* the adapters' activation buffer (outside the ACTS arena) and its bytes; 0 without adapters */
+static size_t adapter_region(const fl_model *m, void **buf) {
+    *buf = NULL;
+    return m->adapt && m->adapt->h.acts_region ? m->adapt->h.acts_region(m, buf) : 0;
+}
+
 size_t fl_model_stage_stash_bytes(const fl_model *m) {
     const size_t N = (size_t)m->B * m->T;
-    return m->sizes.acts_bytes + N * sizeof(int32_t) + (m->stage.out ? 0 : N * m->cfg.dim * sizeof(float));
+    void *ad;
+    return m->sizes.acts_bytes + N * sizeof(int32_t) + (m->stage.out ? 0 : N * m->cfg.dim * sizeof(float)) +
+           adapter_region(m, &ad);
 }
 
 void fl_model_stage_stash_free(fl_model *m, fl_stage_stash *s) {
@@ -138,19 +182,22 @@ void fl_model_stage_stash_free(fl_model *m, fl_stage_stash *s) {
     fl_mem_free(m->pool, s->acts);
     fl_mem_free(m->pool, s->ids);
     fl_mem_free(m->pool, s->dlnf);
+    fl_mem_free(m->pool, s->ad);
     free(s);
 }
 
 fl_status fl_model_stage_stash_new(fl_model *m, fl_stage_stash **out) {
     *out = NULL;
-    if (!m->acts || m->acts->s2s || m->adapt)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline stash: a decoder-only model's arena, no adapters");
+    if (!m->acts || m->acts->s2s) return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline stash: a decoder-only model's arena");
     fl_stage_stash *s = calloc(1, sizeof *s);
     if (!s) return fl_errorf(FL_ERR_OOM, "pipeline stash: out of host memory");
     const size_t N = (size_t)m->B * m->T;
     fl_status st = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, &s->acts);
     if (st == FL_OK) st = fl_mem_alloc(m->pool, FL_TAG_ACTS, N * sizeof(int32_t), &s->ids);
     if (st == FL_OK && !m->stage.out) st = fl_mem_alloc(m->pool, FL_TAG_ACTS, N * m->cfg.dim * sizeof(float), &s->dlnf);
+    void *ad;
+    s->ad_bytes = adapter_region(m, &ad);
+    if (st == FL_OK && s->ad_bytes) st = fl_mem_alloc(m->pool, FL_TAG_ACTS, s->ad_bytes, &s->ad);
     if (st != FL_OK) {
         fl_model_stage_stash_free(m, s);
         return fl_error_prefix(st, "pipeline stash (a micro-batch in flight)");
@@ -162,9 +209,14 @@ fl_status fl_model_stage_stash_new(fl_model *m, fl_stage_stash **out) {
 fl_status fl_model_stage_stash_save(fl_model *m, fl_stage_stash *s) {
     const fl_backend *be = m->be;
     const size_t N = (size_t)m->fwd_B * m->fwd_T;
-    FL_TRY(be->copy(be, s->acts, m->acts_arena, m->sizes.acts_bytes));
-    FL_TRY(be->copy(be, s->ids, m->acts->ids, N * sizeof(int32_t)));
-    if (s->dlnf) FL_TRY(be->copy(be, s->dlnf, m->acts->buf1, N * m->cfg.dim * sizeof(float)));
+    FL_TRY(FL_RUN(be, copy, s->acts, m->acts_arena, m->sizes.acts_bytes));
+    FL_TRY(FL_RUN(be, copy, s->ids, m->acts->ids, N * sizeof(int32_t)));
+    if (s->dlnf) FL_TRY(FL_RUN(be, copy, s->dlnf, m->acts->buf1, N * m->cfg.dim * sizeof(float)));
+    void *ad;
+    if (s->ad) {
+        if (adapter_region(m, &ad) != s->ad_bytes) return fl_errorf(FL_ERR_INTERNAL, "pipeline stash: the adapters' arena changed");
+        FL_TRY(FL_RUN(be, copy, s->ad, ad, s->ad_bytes));
+    }
     s->fwd_B = m->fwd_B, s->fwd_T = m->fwd_T, s->fwd_train = m->fwd_train;
     return FL_OK;
 }
@@ -178,7 +230,7 @@ static fl_status after_restore(fl_model *m) {
     const int L = m->cfg.n_layers;
     m->ckpt_last_live = 0;
     if (m->acts->res16 && !m->stage.out)
-        FL_TRY(m->be->convert(m->be, m->acts->res[L], FL_F32, m->acts->res16[L], FL_BF16,
+        FL_TRY(FL_RUN(m->be, convert, m->acts->res[L], FL_F32, m->acts->res16[L], FL_BF16,
                               (size_t)m->fwd_B * m->fwd_T * m->cfg.dim));
     return FL_OK;
 }
@@ -186,9 +238,12 @@ static fl_status after_restore(fl_model *m) {
 fl_status fl_model_stage_stash_restore(fl_model *m, const fl_stage_stash *s) {
     const fl_backend *be = m->be;
     const size_t N = (size_t)s->fwd_B * s->fwd_T;
-    FL_TRY(be->copy(be, m->acts_arena, s->acts, m->sizes.acts_bytes));
-    FL_TRY(be->copy(be, m->acts->ids, s->ids, N * sizeof(int32_t)));
-    if (s->dlnf) FL_TRY(be->copy(be, m->acts->buf1, s->dlnf, N * m->cfg.dim * sizeof(float)));
+    FL_TRY(FL_RUN(be, copy, m->acts_arena, s->acts, m->sizes.acts_bytes));
+    FL_TRY(FL_RUN(be, copy, m->acts->ids, s->ids, N * sizeof(int32_t)));
+    if (s->dlnf) FL_TRY(FL_RUN(be, copy, m->acts->buf1, s->dlnf, N * m->cfg.dim * sizeof(float)));
+    void *ad;
+    if (s->ad && adapter_region(m, &ad) != s->ad_bytes) return fl_errorf(FL_ERR_INTERNAL, "pipeline stash: the adapters' arena changed");
+    if (s->ad) FL_TRY(FL_RUN(be, copy, ad, s->ad, s->ad_bytes));
     m->fwd_B = s->fwd_B, m->fwd_T = s->fwd_T, m->fwd_train = s->fwd_train;
     return after_restore(m);
 }
@@ -197,9 +252,9 @@ fl_status fl_model_stage_stash_restore(fl_model *m, const fl_stage_stash *s) {
 static fl_status swap_bytes(const fl_backend *be, void *a, void *b, size_t n, void *scratch, size_t sb) {
     for (size_t o = 0; o < n; o += sb) {
         const size_t k = n - o < sb ? n - o : sb;
-        FL_TRY(be->copy(be, scratch, (char *)a + o, k));
-        FL_TRY(be->copy(be, (char *)a + o, (char *)b + o, k));
-        FL_TRY(be->copy(be, (char *)b + o, scratch, k));
+        FL_TRY(FL_RUN(be, copy, scratch, (char *)a + o, k));
+        FL_TRY(FL_RUN(be, copy, (char *)a + o, (char *)b + o, k));
+        FL_TRY(FL_RUN(be, copy, (char *)b + o, scratch, k));
     }
     return FL_OK;
 }
@@ -210,6 +265,9 @@ fl_status fl_model_stage_stash_swap(fl_model *m, fl_stage_stash *s, void *scratc
     FL_TRY(swap_bytes(be, m->acts_arena, s->acts, m->sizes.acts_bytes, scratch, scratch_bytes));
     FL_TRY(swap_bytes(be, m->acts->ids, s->ids, N * sizeof(int32_t), scratch, scratch_bytes));
     if (s->dlnf) FL_TRY(swap_bytes(be, m->acts->buf1, s->dlnf, N * m->cfg.dim * sizeof(float), scratch, scratch_bytes));
+    void *ad;
+    if (s->ad && adapter_region(m, &ad) != s->ad_bytes) return fl_errorf(FL_ERR_INTERNAL, "pipeline stash: the adapters' arena changed");
+    if (s->ad) FL_TRY(swap_bytes(be, ad, s->ad, s->ad_bytes, scratch, scratch_bytes));
     const int B = m->fwd_B, T = m->fwd_T, tr = m->fwd_train;
     m->fwd_B = s->fwd_B, m->fwd_T = s->fwd_T, m->fwd_train = s->fwd_train;
     s->fwd_B = B, s->fwd_T = T, s->fwd_train = tr;

@@ -46,19 +46,22 @@ void fl_store_widen_flush(const fl_param_store *s, fl_store_widen *w) {
 }
 
 const float *fl_store_bind_1d_w(const fl_param_store *s, int i, float **cur, fl_store_widen *w) {
+    return i < 0 ? NULL : fl_store_bind_span_w(s, i, s->lay->params[i].numel, cur, w);
+}
+
+const float *fl_store_bind_span_w(const fl_param_store *s, int i, size_t n, float **cur, fl_store_widen *w) {
     if (i < 0) return NULL;
-    const fl_param_info *p = &s->lay->params[i];
     const void *src = s->ops->param_at(s, fl_store_off(s, i));
     if (s->dtype == FL_F32) return src;
     float *v = *cur;
-    *cur += p->numel;
+    *cur += n;
     if (!src) return NULL; /* sharded: its group is not gathered */
     if (!w) {
-        FL_RUN(s->be, convert, v, FL_F32, src, s->dtype, p->numel);
+        FL_RUN(s->be, convert, v, FL_F32, src, s->dtype, n);
         return v;
     }
     if (w->n == FL_CONVERT_MANY_MAX) fl_store_widen_flush(s, w);
-    w->dst[w->n] = v, w->src[w->n] = src, w->len[w->n++] = p->numel;
+    w->dst[w->n] = v, w->src[w->n] = src, w->len[w->n++] = n;
     return v;
 }
 

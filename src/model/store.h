@@ -147,6 +147,9 @@ typedef struct {
     size_t len[FL_CONVERT_MANY_MAX];
 } fl_store_widen;
 const float *fl_store_bind_1d_w(const fl_param_store *s, int i, float **cur, fl_store_widen *w);
+/* The same for n elements from entry i's start: a fused bias whose parts are consecutive entries (OPT's and the
+ * Q-Former's q, k, v biases read as one (3C) bias) widened whole, not only its first entry. */
+const float *fl_store_bind_span_w(const fl_param_store *s, int i, size_t n, float **cur, fl_store_widen *w);
 void fl_store_widen_flush(const fl_param_store *s, fl_store_widen *w);
 /* fp32 gradient of the entry at layout offset off (-1: NULL): in place (fp32) or its place in gstage (16-bit). */
 float *fl_store_grad(const fl_param_store *s, size_t off);

@@ -212,8 +212,10 @@ static fl_status blocks_backward(fl_model *m, int B, int T, int dres16) {
         const size_t gn = fl_group_numel(m, l + 1);
         fl_store_stage_begin(m->store, gn);
         /* 16-bit saved activations: widen this block's back into the shared fp32 buffer (bf16 stored: its input too,
-         * which a recompute starts from, so before it) */
-        FL_TRY(fl_acts_widen(m, l, N));
+         * which a recompute starts from, so before it); bf16 stored without checkpointing: below, only what the
+         * block's backward reads in fp32 */
+        const int widen_some = a->act_dtype == FL_BF16 && !m->act_ckpt;
+        if (!widen_some) FL_TRY(fl_acts_widen(m, l, N, 0));
         /* checkpointing: rebuild this block's activations from its saved input (it also rewrites res[l+1] with
          * identical values; backward no longer needs it). Block L-1's are still there from the forward (the same
          * ops in the same order: the same bits). */
@@ -236,6 +238,7 @@ static fl_status blocks_backward(fl_model *m, int B, int T, int dres16) {
         x.din16 = l > 0 ? dy16 : NULL;
         dres16 = 0;
         x.din16_done = &dres16;
+        if (widen_some) FL_TRY(fl_acts_widen(m, l, N, ~fl_block_bwd_reads32(m, a->graph, &bp, &x)));
         FL_TRY(fl_block_backward(m, a->graph, &bp, a->layer[l].s, gb, &x));
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[l + 1], gn));
         PP_RELEASE(l + 1);

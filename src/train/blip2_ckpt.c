@@ -70,8 +70,11 @@ static const char *const k_part[FL_BLIP2_PARTS] = {"vision", "qformer", "lm"};
 /* ZeRO at several ranks: each trained part's optimizer state arrays (m, v, buf) gathered whole into host memory on
  * every rank (collective; checkpoint I/O staging outside the pools), what rank 0 writes. NULLs otherwise. */
 typedef struct {
-    float *a[FL_BLIP2_PARTS][3];
+    char *a[FL_BLIP2_PARTS][3];
 } b2gathered;
+
+/* the dtype of an optimizer's state arrays (bf16-true: bf16, as the trainer's) */
+static fl_dtype state_dt(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32; }
 static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g);
 
 static void gathered_free(b2gathered *g) {
@@ -86,11 +89,13 @@ static fl_status gather_state(b2run *r, b2gathered *g) {
         if (!r->has_opt[k]) continue;
         const fl_optimizer *o = &r->opt[k];
         const void *arr[3] = {o->st.m, o->st.v, o->st.buf};
+        const fl_dtype dt = state_dt(o);
+        const size_t es = fl_dtype_size(dt);
         for (int j = 0; j < 3; j++) {
             if (!arr[j]) continue;
-            if (!(g->a[k][j] = malloc(o->w.n * sizeof(float) + 1))) return fl_errorf(FL_ERR_OOM, "out of host memory");
-            FL_TRY(fl_optim_state_read(o, g->a[k][j] + o->shard.off, arr[j], o->shard.len * sizeof(float)));
-            FL_TRY(fl_error_prefix(fl_comm_all_gather(r->dp.comm, g->a[k][j] + o->shard.off, g->a[k][j], o->w.n, FL_F32),
+            if (!(g->a[k][j] = malloc(o->w.n * es + 1))) return fl_errorf(FL_ERR_OOM, "out of host memory");
+            FL_TRY(fl_optim_state_read(o, g->a[k][j] + o->shard.off * es, arr[j], o->shard.len * es));
+            FL_TRY(fl_error_prefix(fl_comm_all_gather(r->dp.comm, g->a[k][j] + o->shard.off * es, g->a[k][j], o->w.n, dt),
                                    "%s: gathering the optimizer state for a checkpoint", fl_dp_stage_name(&r->dp)));
         }
     }
@@ -115,8 +120,9 @@ static fl_status write_state(b2run *r, const b2pos *p, const char *path, const b
             if (!src[j]) continue;
             snprintf(names[nt], sizeof names[nt], "%s.%s", k_part[k], what[j]);
             const int host = j && g->a[k][j - 1]; /* ZeRO: the gathered state, in host memory */
-            t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = FL_F32, .ndim = 1, .shape = {(int64_t)o->w.n},
-                                         .data = host ? g->a[k][j - 1] : src[j], .src_dtype = FL_F32,
+            const fl_dtype dt = j ? state_dt(o) : o->w.pt; /* bf16-true: the stored bf16 parameters and state */
+            t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = dt, .ndim = 1, .shape = {(int64_t)o->w.n},
+                                         .data = host ? g->a[k][j - 1] : src[j], .src_dtype = dt,
                                          .be = host ? NULL : j ? o->home.be : &r->be};
             nt++;
         }
@@ -258,7 +264,7 @@ fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
         for (int j = 0; s == FL_OK && j < 4; j++) {
             char name[48];
             snprintf(name, sizeof name, "%s.%s", k_part[k], what[j]);
-            if (dst[j]) s = load_tensor(r, &f, path, name, dst[j], o->w.n, FL_F32, j ? o : NULL);
+            if (dst[j]) s = load_tensor(r, &f, path, name, dst[j], o->w.n, j ? state_dt(o) : o->w.pt, j ? o : NULL);
         }
         char name[48];
         snprintf(name, sizeof name, "%s.state8", k_part[k]);

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "blip2_train-impl.h"
+#include "fitllm/backend_op.h"
 
 fl_status fl_b2t_check_strategy(const fl_run_config *c) {
     int stage = 0;
@@ -90,6 +91,23 @@ fl_status fl_b2t_reduce(b2run *r, float *ml, int accum) {
     return fl_comm_all_reduce(r->comm, ml, ml, (size_t)accum, FL_F32, FL_COMM_SUM);
 }
 
+/* bf16-true: the 16-bit gradients times coef, each rounded once (PyTorch's clip_grad_norm_ multiplies the bf16
+ * gradients in place), in slices through the store's fp32 gradient staging (free between backwards) */
+static fl_status scale16(const fl_backend *be, fl_model *m, float coef) {
+    const fl_dtype dt = fl_model_store_dtype(m);
+    uint16_t *g = fl_model_grads_16(m);
+    float *st = fl_model_grad_stage(m);
+    const size_t n = fl_model_store_numel(m), S = fl_sizing_gstage_elems(&m->cfg);
+    if (!g || !st || !S) return fl_errorf(FL_ERR_INTERNAL, "clipping 16-bit gradients: no fp32 staging");
+    for (size_t a = 0; a < n; a += S) {
+        const size_t k = n - a < S ? n - a : S;
+        FL_TRY(FL_RUN(be, convert, st, FL_F32, g + a, dt, k));
+        FL_RUN(be, scale, st, k, coef);
+        FL_TRY(FL_RUN(be, convert, g + a, dt, st, FL_F32, k));
+    }
+    return FL_OK;
+}
+
 /* clip_grad_norm_ over every trained part's gradients at once (the norm over all of them, in double; coef =
  * max_norm / (norm + 1e-6) when below 1), before the parts' updates. */
 fl_status fl_b2t_clip(b2run *r, float max_norm) {
@@ -114,7 +132,8 @@ fl_status fl_b2t_clip(b2run *r, float max_norm) {
         fl_model *m = fl_blip2_part(r->b, k);
         fl_lora_adapters ad;
         if (fl_model_lora_adapters(m, &ad)) r->be.scale(&r->be, ad.grads, ad.numel, coef);
-        else r->be.scale(&r->be, fl_model_grads_f32(m), m->layout.numel, coef);
+        else if (fl_model_grads_f32(m)) r->be.scale(&r->be, fl_model_grads_f32(m), m->layout.numel, coef);
+        else FL_TRY(scale16(&r->be, m, coef));
     }
     return FL_OK;
 }

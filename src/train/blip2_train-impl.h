@@ -21,6 +21,7 @@ typedef struct {
     fl_backend be;
     fl_mem_pool pool, hpool;
     fl_blip2 *b;
+    fl_model_storage stg[FL_BLIP2_PARTS]; /* each part's storage (bf16-true; QLoRA's 4-bit block linears) */
     fl_img_proc proc;
     fl_img_captions caps;
     int32_t **ids;           /* per record: the caption's ids (BOS first when the language model has one) */

@@ -41,9 +41,9 @@ static fl_status check_run(const fl_run_config *c, int synth) {
     if (c->tensor_parallel > 1)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: BLIP-2 fine-tuning runs data-parallel (DDP) only so far",
                          c->tensor_parallel);
-    if (strcmp(c->precision, "32-true") && strcmp(c->precision, "bf16-mixed"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 fine-tuning runs 32-true and bf16-mixed only so far",
-                         c->precision);
+    if (strcmp(c->precision, "32-true") && strcmp(c->precision, "bf16-mixed") && strcmp(c->precision, "bf16-true"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 fine-tuning runs 32-true, bf16-true and bf16-mixed "
+                         "only so far", c->precision);
     FL_TRY(fl_b2t_check_strategy(c));
     /* what the trainer does that this loop does not: refused rather than ignored */
     if (c->train.max_time > 0 || c->train.max_tokens > 0)
@@ -55,8 +55,6 @@ static fl_status check_run(const fl_run_config *c, int synth) {
     if (c->eval.initial_validation)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--eval.initial_validation true: BLIP-2 fine-tuning validates every "
                          "eval.interval steps and at the end");
-    if (c->lora.quantize[0])
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s: QLoRA on BLIP-2 is not built yet", c->lora.quantize);
     if (!synth && (c->data.kind != FL_DATA_JSON || !c->data.json_path[0]))
         return fl_errorf(FL_ERR_INVALID, "a BLIP-2 checkpoint trains on image captions: --data JSON --data.json_path "
                          "CAPTIONS (a .json/.jsonl of {\"image\", \"text\"} records, or an image folder)");
@@ -282,13 +280,21 @@ static fl_status setup(b2run *r) {
                                  r->budget ? r->budget : c->max_memory));
     r->pools_ok = 1;
     fl_mem_set_phase(&r->pool, "model load");
-    /* a shape without weights: zeros on the plan's null backend (nothing computes), else random (bench-step) */
-    if (r->given) FL_TRY(fl_blip2_create(&r->b, r->given, &r->be, &r->pool, r->borrowed ? 0 : c->seed | 1));
-    else FL_TRY(fl_blip2_load(&r->b, c->checkpoint_dir, &r->be, &r->pool));
-    fl_mem_snapshot(&r->pool, "after_load");
-    fl_mem_set_phase(&r->pool, "setup");
     fl_precision prec;
     FL_TRY(fl_precision_find(c->precision, &prec));
+    /* bf16-true: every part stored in bf16; QLoRA (finetune_lora --quantize): the block linears of every part that does
+     * not train whole (the frozen ones and the one with the adapters) in 4 bits, as bitsandbytes quantizes the model */
+    fl_model_storage *stg = r->stg;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        const int whole = (r->parts & (1 << k)) && !(r->lora && k == FL_BLIP2_TEXT);
+        fl_model_storage_for(&prec, &stg[k]);
+        if (!whole) FL_TRY(fl_trainer_storage(c, &prec, &stg[k]));
+    }
+    /* a shape without weights: zeros on the plan's null backend (nothing computes), else random (bench-step) */
+    if (r->given) FL_TRY(fl_blip2_create_ex(&r->b, r->given, &r->be, &r->pool, r->borrowed ? 0 : c->seed | 1, stg));
+    else FL_TRY(fl_blip2_load_ex(&r->b, c->checkpoint_dir, &r->be, &r->pool, stg));
+    fl_mem_snapshot(&r->pool, "after_load");
+    fl_mem_set_phase(&r->pool, "setup");
     FL_TRY(fl_blip2_set_precision(r->b, &prec)); /* bf16-mixed: the parts' bf16 weight copies */
     /* train.activation_checkpointing true: every stack keeps its blocks' inputs, recomputes their slots in backward */
     FL_TRY(fl_blip2_set_act_ckpt(r->b, c->train.activation_checkpointing == 1));
@@ -443,9 +449,12 @@ static void part_bytes(const b2run *r, int k, size_t *pb, size_t *gb, size_t *ob
     const fl_model *m = fl_blip2_part(r->b, k);
     fl_lora_adapters ad;
     *lora = fl_model_lora_adapters(m, &ad);
-    *pb = m->layout.numel * sizeof(float) + (*lora ? ad.numel * sizeof(float) : 0) +
+    const size_t es = fl_dtype_size(fl_model_store_dtype(m)); /* bf16-true: 2 */
+    size_t dense = 0, q4 = 0; /* QLoRA: the 4-bit block linears beside the dense store */
+    fl_sizing_param_split(&m->cfg, &r->stg[k], &dense, &q4);
+    *pb = dense * es + q4 + (*lora ? ad.numel * sizeof(float) : 0) +
           (m->prec.name ? fl_precision_copy_bytes(&m->prec, m->layout.numel) : 0); /* bf16-mixed copy */
-    *gb = fl_model_grads_f32(m) ? m->layout.numel * sizeof(float) : *lora ? ad.numel * sizeof(float) : 0;
+    *gb = fl_model_grads_data(m) ? m->layout.numel * es : *lora ? ad.numel * sizeof(float) : 0;
     const fl_optimizer *o = &r->opt[k]; /* this rank's range of the state (ZeRO: its chunk); 8-bit: its blocks */
     *ob = !r->has_opt[k] ? 0 : o->q8.state ? o->q8.state_bytes + o->q8.x_bytes : fl_optim_state_bytes(&o->cfg, o->shard.len);
 }

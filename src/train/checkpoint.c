@@ -29,7 +29,7 @@ fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *b
     fl_peft_module *mods = calloc((size_t)st->n_mods + 1, sizeof *mods);
     /* the adapters are device memory: one host copy of them (small: r x (in + out) per module) */
     float *host = malloc(st->numel * sizeof(float) + 1);
-    fl_status cs = mods && host ? m->be->to_host(m->be, host, st->params, st->numel * sizeof(float)) : FL_ERR_OOM;
+    fl_status cs = mods && host ? FL_RUN(m->be, to_host, host, st->params, st->numel * sizeof(float)) : FL_ERR_OOM;
     if (cs != FL_OK) {
         free(mods);
         free(host);
@@ -351,7 +351,7 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         else if (fl_dtype_first_nonfinite(lt->data, FL_F32, tn) >= 0)
             s = fl_errorf(FL_ERR_FORMAT, "%s: tensor 'lora.params' holds a non-finite value (inf/NaN) at element %lld: "
                           "the checkpoint was saved from a diverged run", p, fl_dtype_first_nonfinite(lt->data, FL_F32, tn));
-        else s = m->be->to_device(m->be, ad.params, lt->data, tn * sizeof(float));
+        else s = FL_RUN(m->be, to_device, ad.params, lt->data, tn * sizeof(float));
     }
     const char *opt = meta(&f, "optimizer");
     if (s == FL_OK && o && opt && strcmp(opt, fl_optim_name(o->cfg.kind)))
@@ -390,14 +390,14 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
             void *h = calloc(1, o->q8.state_bytes + 4);
             s = h ? fl_optim_8bit_fsdp_copy(&m->layout, o->q8.p_a, o->q8.p_n, h, (void *)t->data, 0)
                   : fl_errorf(FL_ERR_OOM, "%s: out of host memory", p);
-            if (s == FL_OK && o->q8.state_bytes) s = m->be->to_device(m->be, o->q8.state, h, o->q8.state_bytes);
+            if (s == FL_OK && o->q8.state_bytes) s = FL_RUN(m->be, to_device, o->q8.state, h, o->q8.state_bytes);
             free(h);
         } else if (i < 3 && (o->shard.off != 0 || o->shard.len != tn)) { /* ZeRO: this rank's chunk, read alone */
             s = fl_optim_state_write(o, want[i].dst, (const char *)t->data + o->shard.off * es, o->shard.len * es);
         } else if (i < 3) { /* the state's memory (the device's; CPU offload: the host tier; NVMe: its files) */
             s = fl_optim_state_write(o, want[i].dst, t->data, want[i].bytes);
         } else {
-            s = m->be->to_device(m->be, want[i].dst, t->data, want[i].bytes);
+            s = FL_RUN(m->be, to_device, want[i].dst, t->data, want[i].bytes);
         }
     }
     if (s == FL_OK) s = fl_ckpt_read_state_meta(&f, p, o, st);

@@ -41,7 +41,7 @@ fl_status fl_dp_device_comm(fl_dp *dp, const fl_backend *be) {
 
 fl_status fl_dp_to_host(const fl_dp *dp, void *dst, const void *src, size_t bytes) {
     if (!bytes) return FL_OK;
-    if (dp->be) return dp->be->to_host(dp->be, dst, src, bytes);
+    if (dp->be) return FL_RUN(dp->be, to_host, dst, src, bytes);
     memcpy(dst, src, bytes);
     return FL_OK;
 }
@@ -118,14 +118,14 @@ static fl_status halo_8bit(fl_dp *dp, fl_optimizer *o) {
     char *g = o->w.g, *buf;
     FL_TRY(fl_mem_alloc(o->model->pool, FL_TAG_WORKSPACE, ((size_t)dp->world + 1) * per * es, (void **)&buf));
     char *mine = buf + (size_t)dp->world * per * es;
-    fl_status s = be->copy(be, mine, g + o->shard.off * es, H * es);
-    if (s == FL_OK) s = be->copy(be, mine + H * es, g + (o->shard.off + o->shard.len - H) * es, H * es);
+    fl_status s = FL_RUN(be, copy, mine, g + o->shard.off * es, H * es);
+    if (s == FL_OK) s = FL_RUN(be, copy, mine + H * es, g + (o->shard.off + o->shard.len - H) * es, H * es);
     if (s == FL_OK)
         s = fl_comm_all_gather(fl_dp_dcomm(dp), mine, buf, (size_t)dp->world * per, es == 4 ? FL_F32 : FL_BF16);
     if (s == FL_OK && dp->rank > 0) /* the tail of rank - 1's chunk ends where ours starts */
-        s = be->copy(be, g + (o->shard.off - H) * es, buf + ((size_t)(dp->rank - 1) * per + H) * es, H * es);
+        s = FL_RUN(be, copy, g + (o->shard.off - H) * es, buf + ((size_t)(dp->rank - 1) * per + H) * es, H * es);
     if (s == FL_OK && dp->rank < dp->world - 1) /* the head of rank + 1's */
-        s = be->copy(be, g + (o->shard.off + o->shard.len) * es, buf + (size_t)(dp->rank + 1) * per * es, H * es);
+        s = FL_RUN(be, copy, g + (o->shard.off + o->shard.len) * es, buf + (size_t)(dp->rank + 1) * per * es, H * es);
     fl_mem_free(o->model->pool, buf);
     return fl_error_prefix(s, "ZeRO-2: the 8-bit optimizer's neighbouring gradients");
 }

@@ -252,6 +252,9 @@ void fl_fsdp_free(fl_dp *dp);
 /* The whole parameters (layout order, storage dtype) on every rank, gathered unit by unit into a
  * malloc'd host buffer (the step hook's view). Collective. */
 fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes);
+/* The same for any array laid out as the shard (an optimizer state array; es bytes an element) into full (the
+ * model's layout.numel elements, host memory); a collective of the shard group. */
+fl_status fl_fsdp_whole_array(fl_dp *dp, const void *shard, size_t es, void *full);
 /* o->shard.dist's sum under stage 3 (the clipping norm, loss scaling's verdict): over the shard group, so that
  * each distinct shard counts once (HYBRID_SHARD: the node; every node holds the same reduced shards),
  * rank order, the same bits on every rank. Else fl_dp_sum. */

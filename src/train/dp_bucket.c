@@ -55,13 +55,13 @@ fl_status fl_dp_reduce_scatter(fl_comm *comm, const fl_backend *be, fl_mem_pool 
             fl_comm_chunk(n, N, r, &off, &len);
             size_t l = len > a ? (len - a < q ? len - a : q) : 0;
             char *to = pack + (size_t)r * q * es;
-            if (l) s = be->copy(be, to, (const char *)src + (off + a) * es, l * es);
-            if (l < q) be->zero(be, to + l * es, (q - l) * es); /* padding: summed, never read */
+            if (l) s = FL_RUN(be, copy, to, (const char *)src + (off + a) * es, l * es);
+            if (l < q) FL_RUN(be, zero, to + l * es, (q - l) * es); /* padding: summed, never read */
         }
         const size_t lm = lenm > a ? (lenm - a < q ? lenm - a : q) : 0;
         char *out = (char *)dst + a * es;
         if (s == FL_OK) s = fl_comm_reduce_scatter(comm, pack, lm == q ? out : spare, (size_t)N * q, dt, FL_COMM_SUM);
-        if (s == FL_OK && lm && lm < q) s = be->copy(be, out, spare, lm * es);
+        if (s == FL_OK && lm && lm < q) s = FL_RUN(be, copy, out, spare, lm * es);
     }
     fl_mem_free(pool, pack);
     return s;

@@ -194,9 +194,9 @@ static fl_status arrive(struct fl_fsdp *f, int g) {
             s = fl_mem_alloc(m->pool, FL_TAG_GATHER, bytes, &f->sbuf[g]);
             dst = f->sbuf[g];
         }
-        if (s == FL_OK) s = m->be->to_device(m->be, dst, f->hslot[g], bytes);
+        if (s == FL_OK) s = FL_RUN(m->be, to_device, dst, f->hslot[g], bytes);
         /* a queued copy (a GPU's stream) must have read the staging before it is freed and reused */
-        if (s == FL_OK && (m->be->caps & FL_CAP_ASYNC)) s = m->be->sync(m->be);
+        if (s == FL_OK && (m->be->caps & FL_CAP_ASYNC)) s = FL_RUN(m->be, sync);
         fl_mem_free(f->dp->ptier.host, f->hslot[g]);
         f->hslot[g] = NULL;
     }
@@ -222,11 +222,11 @@ static fl_status post(struct fl_fsdp *f, int g) {
         test_fetch_hold(f);
         if (f->afetch) return post_async(f, g, src);
         if (!f->sc) /* one rank: the piece is the unit */
-            return fl_error_prefix(m->be->to_device(m->be, f->pbuf[g], src, f->n[g] * f->es),
+            return fl_error_prefix(FL_RUN(m->be, to_device, f->pbuf[g], src, f->n[g] * f->es),
                                    "parameter offload: fetching unit %d (%zu elements) from the host", g, f->n[g]);
         if (f->staged) {
             FL_TRY(fl_mem_alloc(m->pool, FL_TAG_GATHER, f->clen[g] * f->es, &f->sbuf[g]));
-            FL_TRY(fl_error_prefix(m->be->to_device(m->be, f->sbuf[g], src, f->clen[g] * f->es),
+            FL_TRY(fl_error_prefix(FL_RUN(m->be, to_device, f->sbuf[g], src, f->clen[g] * f->es),
                                    "parameter offload: fetching unit %d's piece (%zu elements) from the host", g,
                                    f->clen[g]));
             src = f->sbuf[g];
@@ -269,7 +269,7 @@ static fl_status pp_gather(void *ud, int g, int next) {
         if (f->fw && fl_fetch_posted(f->fw, &f->job[g])) FL_TRY(arrive(f, g));
         free_stage(f, g);
         FL_TRY(tier_done(f, g));
-        if (f->ces) FL_TRY(m->be->convert(m->be, f->cbuf[g], m->prec.compute_dtype, f->pbuf[g], FL_F32, f->n[g]));
+        if (f->ces) FL_TRY(FL_RUN(m->be, convert, f->cbuf[g], m->prec.compute_dtype, f->pbuf[g], FL_F32, f->n[g]));
         f->views[g].p = f->pbuf[g];
         f->views[g].wc = f->cbuf[g];
     }
@@ -304,11 +304,11 @@ static fl_status pp_grads_begin(void *ud, int g) {
          * the ops accumulate into it, as they do into a whole model's gradient buffer (the one-process run's
          * arithmetic, hence its bits; grads_ready copies it back down) */
         const char *src = (const char *)fl_model_grads_data(f->m) + f->loc[g] * f->es;
-        fl_status s = f->m->be->to_device(f->m->be, f->views[g].g, src, f->n[g] * f->es);
+        fl_status s = FL_RUN(f->m->be, to_device, f->views[g].g, src, f->n[g] * f->es);
         if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_release(f->tpool, src, f->n[g] * f->es);
         return fl_error_prefix(s, "parameter offload: unit %d's gradient so far to the device", g);
     }
-    f->m->be->zero(f->m->be, f->views[g].g, f->n[g] * f->es);
+    FL_RUN(f->m->be, zero, f->views[g].g, f->n[g] * f->es);
     return FL_OK;
 }
 
@@ -321,18 +321,18 @@ static fl_status grads_down(struct fl_fsdp *f, int g, const void *red, char *dst
     const fl_backend *be = m->be, *hb = f->tbe;
     fl_status s = FL_OK;
     if (f->fresh[g]) {
-        s = be->to_host(be, dst, red, len * f->es);
+        s = FL_RUN(be, to_host, dst, red, len * f->es);
     } else if (len) {
         fl_mem_pool *hp = f->dp->ptier.host;
         void *h = NULL;
         s = fl_mem_alloc(hp, FL_TAG_WORKSPACE, len * sizeof(float), &h);
         if (s == FL_OK && gt == FL_F32) {
-            s = be->to_host(be, h, red, len * sizeof(float));
+            s = FL_RUN(be, to_host, h, red, len * sizeof(float));
             if (s == FL_OK) hb->add(hb, (float *)dst, (const float *)dst, h, len);
         } else if (s == FL_OK) {
             float *gstage = fl_model_grad_stage(m);
-            s = be->convert(be, gstage, FL_F32, red, gt, len);
-            if (s == FL_OK) s = be->to_host(be, h, gstage, len * sizeof(float));
+            s = FL_RUN(be, convert, gstage, FL_F32, red, gt, len);
+            if (s == FL_OK) s = FL_RUN(be, to_host, h, gstage, len * sizeof(float));
             if (s == FL_OK) s = hb->accumulate16(hb, (uint16_t *)dst, gt, h, len);
         }
         fl_mem_free(hp, h);
@@ -372,7 +372,7 @@ static fl_status pp_grads_ready(void *ud, int g) {
     fl_status s;
     if (f->tbe && !f->sc) { /* parameter offload at one rank: the unit's gradient (accumulated over the step's
                              * micro-batches on the device, pp_grads_begin) replaces the host's */
-        s = m->be->to_host(m->be, dst, f->views[g].g, len * f->es);
+        s = FL_RUN(m->be, to_host, dst, f->views[g].g, len * f->es);
         if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_release(f->tpool, dst, len * f->es);
         f->fresh[g] = 0;
     } else if (f->tbe) { /* reduced into device scratch (HYBRID: then over the nodes), then down to the host */
@@ -395,11 +395,11 @@ static fl_status pp_grads_ready(void *ud, int g) {
         if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, tmp, tmp, len, gt, FL_COMM_SUM);
         if (s == FL_OK && len) {
             if (gt == FL_F32) {
-                m->be->add(m->be, (float *)dst, (const float *)dst, tmp, len);
+                FL_RUN(m->be, add, (float *)dst, (const float *)dst, tmp, len);
             } else { /* widened into the (free) fp32 gradient staging, added into the 16-bit shard */
                 float *gstage = fl_model_grad_stage(m);
-                s = m->be->convert(m->be, gstage, FL_F32, tmp, gt, len);
-                if (s == FL_OK) s = m->be->accumulate16(m->be, (uint16_t *)dst, gt, gstage, len);
+                s = FL_RUN(m->be, convert, gstage, FL_F32, tmp, gt, len);
+                if (s == FL_OK) s = FL_RUN(m->be, accumulate16, (uint16_t *)dst, gt, gstage, len);
             }
         }
         fl_mem_free(m->pool, tmp);
@@ -678,6 +678,10 @@ fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes) {
     return s;
 }
 
+fl_status fl_fsdp_whole_array(fl_dp *dp, const void *shard, size_t es, void *full) {
+    return gather_whole(dp, shard, es, full, 0);
+}
+
 fl_status fl_fsdp_sum(fl_dp *dp, double *v, int n) {
     if (!dp->node) return fl_dp_sum(dp, v, n);
     const int w = fl_comm_size(dp->node);
@@ -697,7 +701,7 @@ fl_status fl_fsdp_sum(fl_dp *dp, double *v, int n) {
 
 fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {
     const fl_backend *be = o->home.params_host ? o->home.be : o->model->be; /* parameter offload: the host's */
-    FL_TRY(be->check_finite(be, o->w.p, o->w.pt, o->w.n, 1.0f, found));
+    FL_TRY(FL_RUN(be, check_finite, o->w.p, o->w.pt, o->w.n, 1.0f, found));
     double v = *found != 0; /* every rank decides alike */
     FL_TRY(fl_dp_sum(dp, &v, 1));
     *found = v > 0;

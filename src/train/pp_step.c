@@ -10,10 +10,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "fitllm/lora.h"
 #include "fitllm/pp.h"
 #include "dp.h"
 
 enum { TAG_ACT = 0, TAG_GRAD = 1, TAG_TIED = 2 };
+#define FL_PP_MAX_UNITS 1024 /* layout groups of a stage under FULL_SHARD (its blocks + 2) */
 
 void fl_pp_free(fl_pp *p) {
     for (int i = 0; i < p->n_stash; i++) fl_model_stage_stash_free(p->m, p->stash[i]);
@@ -54,6 +56,16 @@ static fl_status sum_stages(fl_comm *c, double v, double *out) {
     return s;
 }
 
+/* FULL_SHARD on the data axis (stage 3 of a full model): its units' ranges (fl_fsdp_ranges), else 0 */
+static int fsdp_units(const fl_pp *p, size_t *fo, size_t *so, size_t *ln) {
+    if (!p->inner || p->inner->stage != 3 || p->adapters) return 0;
+    const fl_dp *dp = p->inner->ud;
+    if (!dp->fsdp || p->m->layout.n_groups > FL_PP_MAX_UNITS) return 0;
+    return fl_fsdp_ranges(dp, fo, so, ln);
+}
+/* unit g (a layout group: 0 the embeddings, G - 1 the final norm and head) is trained by the stage */
+static int unit_owned(const fl_model *m, int g, int G) { return g == 0 ? !m->stage.in : g == G - 1 ? !m->stage.out : 1; }
+
 /* the whole model's squared gradient norm: each stage's trained entries, summed over the stages. Under DDP every
  * data-parallel rank holds the same reduced gradient; under ZeRO-1/2 a rank adds the part of each entry in its chunk
  * [off, off + len) of the stage's buffer (ZeRO-2 holds no other reduced gradient) and the axis sums the chunks in
@@ -65,7 +77,14 @@ static fl_status pp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const int zero = p->inner && p->inner->stage > 0;
     const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
     double v = 0;
-    for (int i = 0; i < m->layout.n; i++) {
+    /* LoRA: every adapter of the stage (a head adapter that only the last stage runs has a zero gradient elsewhere) */
+    if (p->adapters && c0 < c1) v = m->be->sumsq(m->be, (const char *)o->w.g + c0 * es, o->w.gt, c1 - c0);
+    /* FULL_SHARD: the rank's piece of each unit (a layout group) the stage trains, in the shard at shard_off[g] */
+    size_t fo[FL_PP_MAX_UNITS], so[FL_PP_MAX_UNITS], ln[FL_PP_MAX_UNITS];
+    const int G = fsdp_units(p, fo, so, ln);
+    for (int g = 0; g < G; g++)
+        if (unit_owned(m, g, G) && ln[g]) v += m->be->sumsq(m->be, (const char *)o->w.g + so[g] * es, o->w.gt, ln[g]);
+    for (int i = 0; !p->adapters && !G && i < m->layout.n; i++) {
         const fl_param_info *e = &m->layout.params[i];
         const size_t a = e->offset > c0 ? e->offset : c0, b = e->offset + e->numel < c1 ? e->offset + e->numel : c1;
         if (fl_pp_stage_owns(m, i) && a < b) v += m->be->sumsq(m->be, (const char *)o->w.g + a * es, o->w.gt, b - a);
@@ -101,12 +120,15 @@ static fl_status inner_max(void *ud, float *v, size_t n) {
 
 fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     const fl_optim_dist *in = o->shard.dist;
-    if (in && (in->stage > 2 || in->grad_sumsq))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2 "
-                         "(its optimizer is at stage %d)", p->stages, in->stage);
-    if (o->w.n != p->m->layout.numel || o->w.p != fl_model_params_data(p->m))
+    if (in && (in->stage > 3 || in->grad_sumsq))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the data-parallel axis runs DDP, ZeRO-1, ZeRO-2 or "
+                         "FULL_SHARD (its optimizer is at stage %d)", p->stages, in->stage);
+    fl_lora_adapters ad;
+    p->adapters = fl_model_lora_adapters(p->m, &ad);
+    if (p->adapters ? o->w.n != ad.numel || o->w.p != ad.params
+                    : o->w.n != fl_model_store_numel(p->m) || o->w.p != fl_model_params_data(p->m)) /* FULL_SHARD: the shard's */
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
-                         "(not LoRA adapters)", p->stages);
+                         "or its LoRA adapters", p->stages);
     p->inner = in;
     memset(&p->dist, 0, sizeof p->dist);
     p->dist.world = in ? in->world : 1;
@@ -156,10 +178,19 @@ typedef struct {
     double *stats;   /* (2 M) loss sum and valid targets (the last stage's) */
 } run;
 
+/* LoRA's dropout masks of micro-batch k: fl_step_run's seed (run seed, global micro-batch), set before its forward and
+ * again before its backward (which draws the same masks again), as other micro-batches ran in between */
+static void seed_micro(run *r, int k) {
+    const fl_step_ctx *c = r->c;
+    const int world = c->dp ? c->dp->world : 1, rank = c->dp ? c->dp->rank : 0;
+    if (c->seeded) fl_model_adapters_seed(r->p->m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
+}
+
 static fl_status fwd(run *r, int k) {
     fl_pp *p = r->p;
     fl_model *m = p->m;
     const fl_micro_batch *mb = &r->c->mbs[k];
+    seed_micro(r, k);
     const size_t n = (size_t)mb->B * mb->T * m->cfg.dim;
     if (r->live >= 0) FL_TRY(park(p, r->live, r->slot_of)); /* its backward comes later */
     r->live = -1;
@@ -200,7 +231,9 @@ static fl_status bwd(run *r, int k) {
         FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, p->stage + 1, TAG_GRAD));
         FL_TRY(fl_model_stage_dout(m, p->hx));
     }
+    seed_micro(r, k);
     if (r->c->dp) fl_dp_buckets_arm(r->c->dp, r->o, k == r->c->n_micro - 1); /* the last backward reduces */
+    FL_TRY(fl_model_stage_open_grads(m));
     const double t0 = now_ms();
     FL_TRY(fl_model_backward(m));
     p->bwd_ms += now_ms() - t0;
@@ -231,17 +264,22 @@ static fl_status whole_reduced(fl_pp *p, const fl_optimizer *o, float *a, size_t
 static fl_status tied_sum(fl_pp *p, fl_optimizer *o) {
     fl_model *m = p->m;
     const int S = p->stages, peer = p->stage == 0 ? S - 1 : 0;
-    if (!m->cfg.tie_embeddings || S < 2 || (p->stage != 0 && p->stage != S - 1)) return FL_OK;
+    if (!m->cfg.tie_embeddings || S < 2 || (p->stage != 0 && p->stage != S - 1) || p->adapters) return FL_OK;
     const int i = fl_layout_role(&m->layout, 0, FL_ROLE_EMBED);
     if (i < 0) return FL_OK;
-    const size_t n = m->layout.params[i].numel, es = fl_dtype_size(o->w.gt);
+    size_t n = m->layout.params[i].numel, es = fl_dtype_size(o->w.gt);
     char *g = (char *)o->w.g + m->layout.params[i].offset * es;
+    /* FULL_SHARD: the rank's piece of unit 0 (the embeddings' group, the same size on both end stages, so the same
+     * piece of it on the same rank of the axis); the other entries of the group (GPT-2's positions) add 0 */
+    size_t fo[FL_PP_MAX_UNITS], so[FL_PP_MAX_UNITS], ln[FL_PP_MAX_UNITS];
+    const int fsdp = fsdp_units(p, fo, so, ln) > 0;
+    if (fsdp) n = ln[0], g = (char *)o->w.g + so[0] * es;
     float *a = malloc(n * sizeof *a + 1), *b = malloc(n * sizeof *b + 1);
     void *raw = malloc(n * es + 1);
     fl_status s = a && b && raw ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline: out of host memory (tied embeddings)");
     if (s == FL_OK) s = m->be->to_host(m->be, raw, g, n * es);
     if (s == FL_OK) fl_convert(a, FL_F32, raw, o->w.gt, n);
-    if (s == FL_OK && p->inner && p->inner->stage == 2) s = whole_reduced(p, o, a, m->layout.params[i].offset, n);
+    if (s == FL_OK && !fsdp && p->inner && p->inner->stage == 2) s = whole_reduced(p, o, a, m->layout.params[i].offset, n);
     if (s == FL_OK) s = fl_comm_send(p->comm, a, n, FL_F32, peer, TAG_TIED);
     if (s == FL_OK) s = fl_comm_recv(p->comm, b, n, FL_F32, peer, TAG_TIED);
     for (size_t k = 0; s == FL_OK && k < n; k++) a[k] += b[k];

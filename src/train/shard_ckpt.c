@@ -614,7 +614,7 @@ fl_status fl_shard_ckpt_load(const char *dir, const fl_shard_set *set, const fl_
                 size_t lo = x->k0 > h->k0 ? x->k0 : h->k0, hi = x->k1 < h1 ? x->k1 : h1;
                 char *d = (char *)h->data + (lo - h->k0) * es;
                 if (lo < hi && b->opt) s = fl_optim_state_write(b->opt, d, x->src + (lo - x->k0) * es, (hi - lo) * es);
-                else if (lo < hi) s = set->be->to_device(set->be, d, x->src + (lo - x->k0) * es, (hi - lo) * es);
+                else if (lo < hi) s = FL_RUN(set->be, to_device, d, x->src + (lo - x->k0) * es, (hi - lo) * es);
             }
         }
     }

@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "fitllm/generate.h"
+#include "fitllm/lora.h"
 #include "fitllm/pp.h"
 #include "fitllm/tp.h"
 #include "fitllm/trainer.h"
@@ -205,6 +206,8 @@ fl_status fl_tr_pp_stage_range(trainer *t, const fl_model_config *whole);
 fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given);
 /* After the optimizer: the pipelined step (fl_pp_init) and its hooks. */
 fl_status fl_tr_pp_attach(trainer *t);
+/* LoRA on a stage: the whole model's index of the stage's first module (the modules of the blocks before it). */
+fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *base);
 /* Consolidated checkpoints (the first pipeline gathers on its stage 0, which writes as one process does); the
  * load reads the whole checkpoint and takes the stage. */
 fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st);

@@ -14,6 +14,7 @@
 
 #include "trainer-impl.h"
 #include "fitllm/checkpoint.h"
+#include "fitllm/lora.h"
 
 enum { TAG_CKPT = 3 };
 
@@ -21,16 +22,19 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     const fl_run_config *c = t->cfg;
     const int n = c->pipeline_parallel;
     if (n <= 1) return FL_OK;
-    if (c->command == FL_CMD_FINETUNE_LORA)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: finetune_lora is not pipelined yet; finetune_full "
-                         "and pretrain are", n);
+    if (c->command == FL_CMD_FINETUNE_LORA && c->lora.quantize[0])
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --quantize %s: QLoRA's 4-bit base is not split "
+                         "into stages yet (LoRA on a 16/32-bit base is)", n, c->lora.quantize);
+    if (c->command == FL_CMD_FINETUNE_LORA && c->tensor_parallel > 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --tensor_parallel %d: finetune_lora is not "
+                         "combined with both yet (LoRA runs with pipeline parallelism and data parallelism)", n,
+                         c->tensor_parallel);
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s: offload is not combined with "
                          "pipeline parallelism yet", n, c->strategy);
-    if (sc->stage > 2)
+    if (sc->stage > 2 && fl_cfg_hybrid_shard(sc->strategy, sc->sharding))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s%s%s: the data-parallel axis "
-                         "runs DDP, ZeRO-1 or ZeRO-2 so far, not FULL_SHARD (give --strategy ddp, deepspeed_stage_1, "
-                         "deepspeed_stage_2, or fsdp with --fsdp.sharding_strategy SHARD_GRAD_OP)", n, c->strategy,
+                         "runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 so far, not HYBRID_SHARD", n, c->strategy,
                          sc->sharding[0] ? " " : "", sc->sharding);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: AdamW8bit's block-wise state is not gathered into "
@@ -96,13 +100,26 @@ static fl_status plan_stage(trainer *t, const fl_model_config *given) {
     return FL_OK;
 }
 
+/* whole models are never sharded: FULL_SHARD on the data axis (fl_fsdp_prepare's storage hook in t->stg) shards the
+ * stage alone */
+static fl_status whole_unsharded(trainer *t, tp_whole *w, const fl_optimizer *o) {
+    const fl_model_storage keep = t->stg;
+    t->stg.shard = NULL;
+    fl_status s = fl_tr_whole_make(t, w, &t->pp.whole, o);
+    t->stg = keep;
+    return s;
+}
+
 fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
     if (fl_backend_discards(&t->hw.be)) return plan_stage(t, given);
     tp_whole w;
     memset(&w, 0, sizeof w);
     fl_status s = fl_backend_pools_init(&t->hw.be, &w.pool, &w.hpool, "pipeline parallel (whole model)", 0);
     w.pool_ok = s == FL_OK;
+    const fl_model_storage keep = t->stg; /* the whole model unsharded (whole_unsharded) */
+    t->stg.shard = NULL;
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
+    t->stg = keep;
     if (s == FL_OK) s = fl_tr_pp_stage_range(t, &w.m.cfg);
     fl_model_config sc;
     if (s == FL_OK) s = fl_pp_stage_config(&w.m.cfg, t->pp.first, t->pp.last, &sc);
@@ -117,6 +134,16 @@ fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
     }
     fl_tr_whole_free(&w);
     return s;
+}
+
+fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *base) {
+    fl_lora_module *mods = NULL;
+    int n = 0, per = 0;
+    FL_TRY(fl_lora_modules(lc, &t->model.layout, &t->model.cfg, &mods, &n));
+    for (int j = 0; j < n; j++) per += mods[j].layer == 0; /* decoder-only: every block adapts the same modules */
+    free(mods);
+    *base = t->pp.first * per;
+    return FL_OK;
 }
 
 fl_status fl_tr_pp_attach(trainer *t) {
@@ -169,8 +196,17 @@ static fl_status arr_write(const fl_optimizer *o, void *arr, char *host, fl_dtyp
 
 /* one stage's entries (parameters, then each state array) into the whole model, in the order every stage sends them:
  * stage 0's own from its model (src), a later stage's received (src NULL) */
+/* entry i of m as fp32: from pw (FULL_SHARD: the stage's parameters gathered over the data axis, the store's dtype)
+ * or the model */
+static void read_entry(const fl_model *m, const char *pw, int i, float *buf) {
+    const fl_param_info *p = &m->layout.params[i];
+    const fl_dtype pt = fl_model_store_dtype(m);
+    if (pw) fl_convert(buf, FL_F32, pw + p->offset * fl_dtype_size(pt), pt, p->numel);
+    else fl_model_read_param(m, i, buf);
+}
+
 static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, const fl_model *src,
-                            const fl_optimizer *so, char *const *full, float *buf, fl_dtype dt) {
+                            const fl_optimizer *so, char *const *full, float *buf, fl_dtype dt, const char *pw) {
     fl_model_config sc;
     fl_param_layout lay;
     FL_TRY(fl_pp_stage_config(&t->pp.whole, first[s], first[s + 1], &sc));
@@ -187,7 +223,7 @@ static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, co
             const int j = fl_pp_stage_entry(&w->m.layout, &lay, first[s], i);
             const fl_param_info *p = &w->m.layout.params[j];
             if (!src) st = fl_comm_recv(t->pp.grp, buf, p->numel, FL_F32, s, TAG_CKPT);
-            else if (a < 0) fl_model_read_param(src, i, buf);
+            else if (a < 0) read_entry(src, pw, i, buf);
             else st = arr_read(so, sarr[a], full[a], dt, &src->layout.params[i], buf);
             if (st != FL_OK) break;
             if (a < 0) fl_model_write_param(&w->m, j, buf);
@@ -200,7 +236,7 @@ static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, co
 
 /* a later stage (its model m): its entries to stage 0, in take_stage's order */
 static fl_status give_stage(trainer *t, const fl_model *m, const fl_optimizer *o, char *const *full, float *buf,
-                            fl_dtype dt) {
+                            fl_dtype dt, const char *pw) {
     void *arr[3] = {NULL, NULL, NULL};
     if (o) arrays(o, arr);
     for (int a = -1; a < 3; a++) {
@@ -208,12 +244,99 @@ static fl_status give_stage(trainer *t, const fl_model *m, const fl_optimizer *o
         for (int i = 0; i < m->layout.n; i++) {
             if (!fl_pp_stage_owns(m, i)) continue;
             const fl_param_info *p = &m->layout.params[i];
-            if (a < 0) fl_model_read_param(m, i, buf);
+            if (a < 0) read_entry(m, pw, i, buf);
             else FL_TRY(arr_read(o, arr[a], full[a], dt, p, buf));
             FL_TRY(fl_comm_send(t->pp.grp, buf, p->numel, FL_F32, 0, TAG_CKPT));
         }
     }
     return FL_OK;
+}
+
+/* ---- LoRA on the stages: the adapters gathered into (and taken from) a LoRA-attached whole model ---- */
+
+/* the whole model (the run's precision) with the run's adapters attached, and an optimizer over them when o */
+static fl_status lora_whole(trainer *t, tp_whole *w, const fl_optimizer *o) {
+    FL_TRY(whole_unsharded(t, w, NULL));
+    FL_TRY(fl_model_set_precision(&w->m, &t->model.prec));
+    fl_lora_config lc;
+    FL_TRY(fl_trainer_lora_config(t->cfg, &w->m.cfg, &lc));
+    FL_TRY(fl_model_lora_init(&w->m, &lc, t->cfg->seed));
+    if (!o) return FL_OK;
+    FL_TRY(fl_optim_init(&w->o, &w->m, &o->cfg));
+    w->o_ok = 1;
+    return FL_OK;
+}
+
+/* module j's A and B: r (in + out) elements from off[2 j] of the adapters' buffers (and their state arrays) */
+static fl_param_info mod_span(const fl_lora_adapters *ad, int j) {
+    fl_param_info p;
+    memset(&p, 0, sizeof p);
+    p.offset = ad->off[2 * j];
+    p.numel = (size_t)ad->cfg->r * (size_t)(ad->mods[j].in + ad->mods[j].out);
+    return p;
+}
+
+/* stage s's modules (its blocks', the head's) and the whole model's index of its first; a module the stage trains:
+ * its blocks' always, the head's on the last stage */
+static fl_status stage_mods(const trainer *t, int s, const fl_lora_config *lc, fl_lora_module **mods, int *n, int *base) {
+    fl_model_config sc;
+    fl_param_layout lay;
+    FL_TRY(fl_pp_stage_config(&t->pp.whole, t->pp.split[s], t->pp.split[s + 1], &sc));
+    FL_TRY(fl_layout_build(&lay, &sc));
+    fl_status st = fl_lora_modules(lc, &lay, &sc, mods, n);
+    fl_layout_free(&lay);
+    int per = 0;
+    for (int j = 0; st == FL_OK && j < *n; j++) per += (*mods)[j].layer == 0;
+    *base = t->pp.split[s] * per;
+    return st;
+}
+static int mod_whole(const fl_lora_module *md, int j, int base, int n_whole) { return md->layer >= 0 ? base + j : n_whole - 1; }
+static int mod_trained(const fl_lora_module *md, int s, int S) { return md->layer >= 0 || s == S - 1; }
+
+/* one array's elements of a module: a < 0 the adapters (the backend's memory), else state array a */
+static fl_status mod_read(const fl_model *m, const fl_optimizer *o, const fl_lora_adapters *ad, int a, void *const *arr,
+                          char *const *full, fl_dtype dt, int j, float *buf) {
+    const fl_param_info p = mod_span(ad, j);
+    if (a < 0) return m->be->to_host(m->be, buf, ad->params + p.offset, p.numel * sizeof(float));
+    return arr_read(o, arr[a], full ? full[a] : NULL, dt, &p, buf);
+}
+static fl_status mod_write(fl_model *m, fl_optimizer *o, const fl_lora_adapters *ad, int a, void *const *arr, char *host,
+                           fl_dtype dt, int j, float *buf) {
+    const fl_param_info p = mod_span(ad, j);
+    if (a < 0) return m->be->to_device(m->be, ad->params + p.offset, buf, p.numel * sizeof(float));
+    return arr_write(o, arr[a], host, dt, &p, buf);
+}
+
+/* the LoRA gather: every later stage of the first pipeline sends each module it trains (the adapters, then each state
+ * array), stage 0 puts them (and its own) at their whole-model modules (w NULL: a sender) */
+static fl_status lora_gather(trainer *t, tp_whole *w, const fl_optimizer *o, char *const *full, float *buf, fl_dtype dt) {
+    const int S = t->pp.size, me = t->pp.stage;
+    fl_lora_adapters mine, whole;
+    fl_model_lora_adapters(&t->model, &mine);
+    void *arr[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
+    if (o) arrays(o, arr);
+    if (w && w->o_ok) arrays(&w->o, dst);
+    if (w) fl_model_lora_adapters(&w->m, &whole);
+    fl_status st = FL_OK;
+    for (int s = me; s < (me == 0 ? S : me + 1) && st == FL_OK; s++) {
+        fl_lora_module *mods = NULL;
+        int n = 0, base = 0;
+        st = stage_mods(t, s, mine.cfg, &mods, &n, &base);
+        for (int a = -1; a < 3 && st == FL_OK; a++) {
+            if (a >= 0 && !arr[a]) continue;
+            for (int j = 0; j < n && st == FL_OK; j++) {
+                if (!mod_trained(&mods[j], s, S)) continue;
+                const size_t k = (size_t)mine.cfg->r * (size_t)(mods[j].in + mods[j].out);
+                if (s == me) st = mod_read(&t->model, o, &mine, a, arr, full, dt, j, buf);
+                else st = fl_comm_recv(t->pp.grp, buf, k, FL_F32, s, TAG_CKPT);
+                if (st == FL_OK && me > 0) st = fl_comm_send(t->pp.grp, buf, k, FL_F32, 0, TAG_CKPT);
+                else if (st == FL_OK && (a < 0 || dst[a]))
+                    st = mod_write(&w->m, &w->o, &whole, a, dst, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
+            }
+        }
+        free(mods);
+    }
+    return st;
 }
 
 fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
@@ -226,23 +349,44 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     /* ZeRO: every rank of the axis gives its chunks first (the same arrays in the same order on every rank) */
     for (int a = 0; a < 3 && o && state_chunked(o) && s == FL_OK; a++)
         if (arr[a]) s = fl_tr_state_whole(o, t->pp.dpc, arr[a], dt, (void **)&full[a]);
-    size_t most = 1;
+    /* FULL_SHARD on the data axis: the stage's parameters and state gathered unit by unit over the axis first */
+    const int fsdp = t->dp.fsdp && m == &t->model;
+    char *pw = NULL;
+    size_t pb = 0;
+    if (fsdp && s == FL_OK) s = fl_fsdp_whole_params(&t->dp, (void **)&pw, &pb);
+    for (int a = 0; a < 3 && fsdp && o && s == FL_OK; a++) {
+        if (!arr[a]) continue;
+        full[a] = malloc(m->layout.numel * fl_dtype_size(dt) + 4);
+        /* a failed allocation still takes part in the gathers (collective) */
+        const fl_status g = fl_fsdp_whole_array(&t->dp, arr[a], fl_dtype_size(dt), full[a]);
+        s = !full[a] ? fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory") : g;
+    }
+    /* LoRA: the adapters (and their state) of every stage; the final save (no optimizer) also the frozen base, which
+     * stage 0 merges them into as one process does */
+    fl_lora_adapters ad;
+    const int lora = fl_model_lora_adapters(m, &ad);
+    size_t most = lora ? ad.numel + 1 : 1;
     for (int i = 0; i < m->layout.n; i++)
         if (m->layout.params[i].numel > most) most = m->layout.params[i].numel;
     float *buf = t->dp.rank == 0 && s == FL_OK ? malloc(most * sizeof *buf) : NULL;
     if (t->dp.rank == 0 && s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory");
-    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0) s = give_stage(t, m, o, full, buf, dt);
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && (!lora || !o)) s = give_stage(t, m, lora ? NULL : o, full, buf, dt, pw);
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, NULL, o, full, buf, dt);
     if (t->dp.rank != 0 || s != FL_OK || t->pp.stage > 0) { /* the first pipeline gathers, its stage 0 writes */
         for (int a = 0; a < 3; a++) free(full[a]);
         free(buf);
+        free(pw);
         return s;
     }
     tp_whole w;
     memset(&w, 0, sizeof w);
-    s = fl_tr_whole_make(t, &w, &t->pp.whole, o);
-    for (int k = 0; s == FL_OK && k < t->pp.size; k++)
-        s = take_stage(t, &w, k, t->pp.split, k == 0 ? m : NULL, k == 0 ? o : NULL, full, buf, dt);
+    s = lora ? lora_whole(t, &w, o) : whole_unsharded(t, &w, o);
+    for (int k = 0; s == FL_OK && k < t->pp.size && (!lora || !o); k++)
+        s = take_stage(t, &w, k, t->pp.split, k == 0 ? m : NULL, k == 0 && !lora ? o : NULL, full, buf, dt, pw);
+    if (s == FL_OK && lora) s = lora_gather(t, &w, o, full, buf, dt);
+    if (s == FL_OK && lora && !o) s = fl_model_lora_merge(&w.m); /* final/: the merged model and the adapter */
     free(buf);
+    free(pw);
     for (int a = 0; a < 3; a++) free(full[a]);
     if (s == FL_OK && o) {
         w.o.step = o->step;
@@ -263,12 +407,51 @@ fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimiz
     return fl_dp_agree(&g, s);
 }
 
-fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
+/* LoRA: the whole checkpoint's adapters and their state (a LoRA-attached whole model reads it as one process does),
+ * then this stage's modules (the base is the run's checkpoint_dir, loaded already) */
+static fl_status lora_resume(trainer *t, const char *path) {
     tp_whole w;
     memset(&w, 0, sizeof w);
-    fl_status s = fl_tr_whole_make(t, &w, &t->pp.whole, &t->opt);
+    fl_optimizer *o = &t->opt;
+    fl_status s = lora_whole(t, &w, o);
     if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
-    if (s == FL_OK) s = fl_pp_stage_take(&w.m, &t->model, t->pp.first);
+    fl_lora_adapters mine, whole;
+    fl_model_lora_adapters(&t->model, &mine);
+    fl_lora_module *mods = NULL;
+    int n = 0, base = 0;
+    if (s == FL_OK && fl_model_lora_adapters(&w.m, &whole)) s = stage_mods(t, t->pp.stage, mine.cfg, &mods, &n, &base);
+    const fl_dtype dt = o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    const size_t es = fl_dtype_size(dt);
+    char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
+    float *buf = malloc((mine.numel + 1) * sizeof *buf);
+    if (s == FL_OK && (!buf || (state_chunked(o) && !h))) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
+    void *src[3] = {NULL, NULL, NULL}, *dst[3];
+    if (w.o_ok) arrays(&w.o, src);
+    arrays(o, dst);
+    for (int a = -1; a < 3 && s == FL_OK; a++) {
+        if (a >= 0 && (!src[a] || !dst[a])) continue;
+        for (int j = 0; j < n && s == FL_OK; j++) {
+            s = mod_read(&w.m, &w.o, &whole, a, src, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
+            if (s == FL_OK) s = mod_write(&t->model, o, &mine, a, dst, h, dt, j, buf);
+        }
+        if (s == FL_OK && a >= 0 && h) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
+    }
+    free(mods), free(h), free(buf);
+    if (s == FL_OK) {
+        o->step = w.o.step;
+        o->amp.ls = w.o.amp.ls;
+    }
+    fl_tr_whole_free(&w);
+    return s;
+}
+
+fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
+    if (t->model.lora) return lora_resume(t, path);
+    tp_whole w;
+    memset(&w, 0, sizeof w);
+    fl_status s = whole_unsharded(t, &w, &t->opt);
+    if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
+    if (s == FL_OK) s = fl_pp_stage_take(&w.m, &t->model, t->pp.first); /* FULL_SHARD: the rank's pieces */
     const fl_dtype dt = t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     void *src[3], *dst[3];
     arrays(&w.o, src);
@@ -280,8 +463,12 @@ fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
     /* ZeRO on the data axis: the stage's whole array in host memory, then this rank's chunk */
     const fl_optimizer *o = &t->opt;
     const size_t es = fl_dtype_size(dt);
-    char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
-    if (s == FL_OK && (!buf || (state_chunked(o) && !h))) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
+    /* FULL_SHARD on the data axis: the stage's whole array in host memory, then the rank's piece of each unit */
+    size_t fo[1024], so[1024], ln[1024];
+    const int G = t->dp.fsdp && t->model.layout.n_groups <= 1024 ? fl_fsdp_ranges(&t->dp, fo, so, ln) : 0;
+    const int staged = state_chunked(o) || G > 0;
+    char *h = staged ? malloc((G ? t->model.layout.numel : o->w.n) * es + 4) : NULL;
+    if (s == FL_OK && (!buf || (staged && !h))) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
     for (int a = 0; a < 3 && s == FL_OK; a++) {
         if (!src[a] || !dst[a]) continue;
         for (int i = 0; i < t->model.layout.n && s == FL_OK; i++) {
@@ -289,7 +476,9 @@ fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
             s = arr_read(&w.o, src[a], NULL, dt, &w.m.layout.params[j], buf);
             if (s == FL_OK) s = arr_write(&t->opt, dst[a], h, dt, &t->model.layout.params[i], buf);
         }
-        if (s == FL_OK && h) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
+        for (int g = 0; g < G && s == FL_OK; g++)
+            s = o->home.be->to_device(o->home.be, (char *)dst[a] + so[g] * es, h + fo[g] * es, ln[g] * es);
+        if (s == FL_OK && h && !G) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(h);
     free(buf);

@@ -209,11 +209,11 @@ static fl_status load_data_s2s(trainer *t) {
     if (!fl_s2s_count(t->in.s2s))
         return fl_errorf(FL_ERR_INVALID, "'%s': data.val_split_fraction %g leaves no training pairs of %zu",
                          c->data.json_path, (double)c->data.val_split_fraction, n);
-    /* T5's dropout (config.json dropout_rate: after the embeddings, on the attention weights, after each sublayer,
-     * inside the FFN, after the final norms) is not implemented: said, not silently dropped */
+    /* T5's dropout (config.json dropout_rate) in the training passes (fl_model_set_dropout before the arena), where
+     * transformers drops: said once, since it changes what training computes */
     if (t->model.cfg.dropout_rate > 0)
-        add_note(t, "config.json dropout_rate %g is not applied: fitllm trains an encoder-decoder without dropout so "
-                 "far (as dropout_rate 0)", (double)t->model.cfg.dropout_rate);
+        add_note(t, "config.json dropout_rate %g is applied in training (embeddings, attention weights, sublayer "
+                 "outputs, FFN, final norms; not in evaluation or generation)", (double)t->model.cfg.dropout_rate);
     t->sch.B = c->train.micro_batch_size;
     t->sch.Ts = ls;
     t->sch.T = lt;
@@ -418,7 +418,9 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
         /* adapters only: the base stays frozen and needs no gradient buffer */
         fl_lora_config lc;
         FL_TRY(fl_trainer_lora_config(cfg, &t->model.cfg, &lc));
-        FL_TRY(fl_model_lora_init(&t->model, &lc, cfg->seed));
+        int base = 0; /* a pipeline stage's modules count from its first block's (the whole model's seeds) */
+        if (t->pp.size > 1) FL_TRY(fl_tr_pp_lora_base(t, &lc, &base));
+        FL_TRY(fl_model_lora_init_at(&t->model, &lc, cfg->seed, base));
     } else {
         FL_TRY(fl_fsdp_init(&t->dp, rcfg, &t->model)); /* FULL_SHARD: the gathered units' compute copy */
         /* (sharded: of the gradients; parameter offload on NVMe: a disk that refuses them is an I/O error) */
@@ -432,6 +434,7 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
     if (t->opt.amp.on && cfg->loss_scale_init > 0) t->opt.amp.ls.scale = cfg->loss_scale_init;
     t->model.act_ckpt = sc->act_ckpt; /* given, or LitGPT's default under auto's FSDP */
     if (t->sch.Ts) {
+        FL_TRY(fl_model_set_dropout(&t->model, 1)); /* config.json's dropout_rate in the training passes */
         FL_TRY(fl_model_alloc_acts_s2s(&t->model, t->sch.B, t->sch.Ts, t->sch.T));
         size_t ps = (size_t)t->sch.accum * t->sch.B * t->sch.Ts;
         fl_status s = fl_mem_alloc(fl_mem_host_pool(&t->hw.pool), FL_TAG_OTHER, ps * sizeof(int32_t), (void **)&t->buf.src);

@@ -132,7 +132,7 @@ fl_status fl_zero8_take(fl_optimizer *o, const void *full) {
     void *host = calloc(1, o->q8.state_bytes + 4);
     if (!host) return fl_errorf(FL_ERR_OOM, "8-bit ZeRO state: out of host memory");
     fl_status s = unpack8(o, o->shard.dist->world, o->shard.dist->rank, host, (void *)full, 0);
-    if (s == FL_OK && o->q8.state_bytes) s = be->to_device(be, o->q8.state, host, o->q8.state_bytes);
+    if (s == FL_OK && o->q8.state_bytes) s = FL_RUN(be, to_device, o->q8.state, host, o->q8.state_bytes);
     free(host);
     return s;
 }

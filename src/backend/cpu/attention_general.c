@@ -38,6 +38,7 @@
 #include <omp.h>
 
 #include "backend/cpu/cpu-impl.h"
+#include "fitllm/lora.h"
 
 #define BQ 32 /* query rows per work item */
 #define BK FL_CPU_ATTN_BK /* keys per tile */
@@ -72,6 +73,13 @@ static inline void load_transposed(float *restrict Kt /*(HD,BK)*/, const float *
 /* km[j] = 1 if key k0+j exists (j < kn) and is not padding. */
 static inline void load_key_mask(int *km /*(BK)*/, const uint8_t *kmask /*(Tk) of this b, or NULL*/, int k0, int kn) {
     for (int j = 0; j < BK; j++) km[j] = j < kn && (!kmask || kmask[k0 + j]);
+}
+
+/* Dropout on the attention weights (fl_attn_desc.drop_p > 0): the factor of key k0 + j of query row t of head h,
+ * batch b: the mask of (drop_seed, ((b NH + h) Tq + t) Tk + k0 + j) times 1 / (1 - p), or 0 */
+static inline float drop_factor(const fl_attn_desc *a, int b, int h, int t, int k0, int j) {
+    const size_t i = (((size_t)b * a->NH + h) * a->Tq + t) * a->Tk + k0 + j;
+    return fl_lora_dropout_keep(a->drop_seed, i, a->drop_p) ? fl_lora_dropout_scale(a->drop_p) : 0.0f;
 }
 
 /* the argument checks every backend applies (src/backend/attn_args.c), with this backend's tiles */
@@ -146,6 +154,8 @@ static void fwd_item(const fl_attn_desc *a, float *out, float *lse, const float 
                 s[j2] = p;
                 ps += p;
             }
+            if (a->drop_p > 0) /* V sees the dropped weights; l keeps the softmax's own sum */
+                for (int j2 = 0; j2 < jmax; j2++) s[j2] *= drop_factor(a, b, h, q0 + r, k0, j2);
             l[r] = l[r] * corr + ps;
             m[r] = mnew;
             float *o = O + r * HD;
@@ -309,6 +319,15 @@ __attribute__((noinline)) static int rows_probs(const bw_ctx *c, bw_rows *r, con
         /* a row with no visible key at all has lse -inf: s - lse is +inf, expf clamps it,
          * and keep (0 for every key of such a row) clears it bitwise: no NaN */
         const float Lr = r->lt[i], Dr = r->D[i];
+        if (a->drop_p > 0) { /* dropped weights: dV reads f P, dS = P o (f dP - D) with the forward's factors f */
+            for (int j = 0; j < BK; j++) {
+                const float p = fl_cpu_keepf(fl_cpu_expf(r->s[i][j] - Lr), km[j] & (j < jmax));
+                const float f = j < jmax ? drop_factor(a, b, h, t0 + i, k0, j) : 0.0f;
+                r->s[i][j] = p * f;
+                r->dp[i][j] = p * (f * r->dp[i][j] - Dr);
+            }
+            continue;
+        }
         /* FL_VECTORIZE: attn_ex_bwd_exp */
 #pragma omp simd
         for (int j = 0; j < BK; j++) {

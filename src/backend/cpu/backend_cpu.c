@@ -59,6 +59,7 @@ static void fill_ops(fl_backend *be) {
     be->q4_matmul_backward = fl_cpu_q4_matmul_backward;
     be->lora_forward = fl_cpu_lora_forward;
     be->lora_backward = fl_cpu_lora_backward;
+    be->dropout = fl_cpu_dropout;
     be->accumulate16 = fl_cpu_accumulate16;
     be->set_scratch = fl_cpu_set_scratch;
     be->to_device = fl_cpu_to_device;

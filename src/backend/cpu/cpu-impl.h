@@ -136,6 +136,8 @@ fl_status fl_cpu_q4_matmul_forward(const fl_backend *be, float *y, int ldy, cons
                                    int N, float beta);
 fl_status fl_cpu_q4_matmul_backward(const fl_backend *be, float *dx, const float *dy, int ldy, const fl_q4_weight *w,
                                     int N, float beta);
+fl_status fl_cpu_dropout(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                         int accumulate);
 fl_status fl_cpu_lora_forward(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
                               const float *A, const float *B, int N, int in, int out, int r, float scaling,
                               float dropout, uint64_t seed);

@@ -64,3 +64,20 @@ fl_status fl_cpu_lora_backward(const fl_backend *be, float *dx, float *dA, float
         if (fl_lora_dropout_keep(seed, i, dropout)) dx[i] += t[i] * sc;
     return FL_OK;
 }
+
+/* backend.h dropout: the LoRA branch's mask on any tensor (T5's dropout), overwriting (in place too) or adding */
+fl_status fl_cpu_dropout(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                         int accumulate) {
+    if (!(p >= 0.0f && p < 1.0f)) return fl_errorf(FL_ERR_INVALID, "dropout: p %g outside [0, 1)", (double)p);
+    if (n && (!y || !x)) return fl_errorf(FL_ERR_INVALID, "dropout: NULL buffer (n=%zu)", n);
+    const float sc = fl_lora_dropout_scale(p);
+    if (accumulate) {
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+        for (size_t i = 0; i < n; i++)
+            if (fl_lora_dropout_keep(seed, i, p)) y[i] += x[i] * sc;
+    } else {
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+        for (size_t i = 0; i < n; i++) y[i] = fl_lora_dropout_keep(seed, i, p) ? x[i] * sc : 0.0f;
+    }
+    return FL_OK;
+}

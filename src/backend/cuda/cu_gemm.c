@@ -28,7 +28,26 @@ fl_status fl_cu_gemm_check(const fl_cu_gemm_desc *d) {
                          (long long)d->lda, (long long)ra, (long long)d->ldb, (long long)rb, (long long)d->ldc, d->m);
     if (d->m && d->n && (!d->C || (d->k && (!d->A || !d->B))))
         return fl_errorf(FL_ERR_INVALID, "cu_gemm: NULL matrix");
+    if (d->epilogue != FL_CU_EPI_NONE) {
+        if (d->epilogue != FL_CU_EPI_BIAS && d->epilogue != FL_CU_EPI_GELU_AUX_BIAS)
+            return fl_errorf(FL_ERR_INVALID, "cu_gemm: unknown epilogue %d", d->epilogue);
+        if (d->batch != 1 || d->tc != FL_F32)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: an epilogue takes one matrix and an F32 C (batch %d, C %s)",
+                             d->batch, fl_dtype_name(d->tc));
+        if (!d->bias) return fl_errorf(FL_ERR_INVALID, "cu_gemm: epilogue without a bias");
+        if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS && (!d->aux || d->ldaux < (d->m > 1 ? d->m : 1) || d->beta != 0.0f))
+            return fl_errorf(FL_ERR_INVALID, "cu_gemm: GELU epilogue needs aux with ldaux >= m (ldaux=%lld, m=%d) and "
+                             "beta 0 (%g)", (long long)d->ldaux, d->m, (double)d->beta);
+    }
     return FL_OK;
+}
+
+/* The GELU kernels' formula (kernels/act.cu, the CPU's act.c): x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3),
+ * in fp32 without contraction (CMake builds this file with -ffp-contract=off, as the emulated kernels): the
+ * stand-in's GELU epilogue gives the bits of a GEMM, the bias kernel and the GELU kernel on the emulator. */
+static float epi_gelu(float x) {
+    float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x * (1.0f / (1.0f + expf(-(2.0f * u))));
 }
 
 static double ld_elem(const void *p, fl_dtype t, int64_t i) {
@@ -37,10 +56,14 @@ static double ld_elem(const void *p, fl_dtype t, int64_t i) {
     return fl_f16_to_f32(((const uint16_t *)p)[i]);
 }
 
+unsigned long fl_cu_gemm_standin_epilogues, fl_cu_gemm_standin_gelus;
+
 fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
     (void)ctx;
     fl_status s = fl_cu_gemm_check(d);
     if (s != FL_OK) return s;
+    if (d->epilogue != FL_CU_EPI_NONE) fl_cu_gemm_standin_epilogues++;
+    if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS) fl_cu_gemm_standin_gelus++;
     for (int b = 0; b < d->batch; b++) {
         const char *A = (const char *)d->A + (size_t)(b * d->stride_a) * fl_dtype_size(d->ta);
         const char *B = (const char *)d->B + (size_t)(b * d->stride_b) * fl_dtype_size(d->tb);
@@ -57,7 +80,14 @@ fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
                 int64_t ci = i + (int64_t)j * d->ldc;
                 double v = (double)d->alpha * acc;
                 if (d->beta != 0.0f) v += (double)d->beta * ld_elem(C, d->tc, ci); /* beta 0: C not read */
-                if (d->tc == FL_F32) ((float *)C)[ci] = (float)v;
+                if (d->epilogue != FL_CU_EPI_NONE) { /* tc F32 (checked): rounded, then the epilogue in fp32 */
+                    float f = (float)v + d->bias[i];
+                    if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS) {
+                        d->aux[i + (int64_t)j * d->ldaux] = f;
+                        f = epi_gelu(f);
+                    }
+                    ((float *)C)[ci] = f;
+                } else if (d->tc == FL_F32) ((float *)C)[ci] = (float)v;
                 else if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16((float)v);
                 else ((uint16_t *)C)[ci] = fl_f32_to_f16((float)v);
             }
@@ -82,6 +112,19 @@ fl_status fl_cu_gemm_rowmajor(fl_cu_gemm_fn fn, void *ctx, int trans_a, int tran
     return fn(ctx, &d);
 }
 
+fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, const float *bias, float *aux, int ldaux,
+                                  int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
+                                  fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
+                                  fl_dtype tc, int ldc) {
+    /* as fl_cu_gemm_rowmajor; the row-major output's columns are cuBLASLt's rows, so the bias is per row of C^T */
+    fl_cu_gemm_desc d = {
+        .trans_a = trans_b, .trans_b = trans_a, .m = N, .n = M, .k = K, .alpha = alpha, .beta = beta,
+        .A = B, .ta = tb, .lda = ldb, .B = A, .tb = ta, .ldb = lda, .C = C, .tc = tc, .ldc = ldc, .batch = 1,
+        .epilogue = epilogue, .bias = bias, .aux = aux, .ldaux = ldaux,
+    };
+    return fn(ctx, &d);
+}
+
 /* ---- the plan cache (cu_gemm.h) ---------------------------------------------------------------- */
 
 uint32_t fl_cu_gemm_align_of(const void *p) {
@@ -95,11 +138,14 @@ void fl_cu_gemm_key_of(const fl_cu_gemm_desc *d, size_t workspace_bytes, fl_cu_g
     memset(k, 0, sizeof *k); /* every byte defined: keys compare as memory */
     int32_t v[] = {d->trans_a, d->trans_b, d->m, d->n, d->k, (int32_t)d->ta, (int32_t)d->tb, (int32_t)d->tc, d->batch,
                    (int32_t)fl_cu_gemm_align_of(d->A), (int32_t)fl_cu_gemm_align_of(d->B),
-                   (int32_t)fl_cu_gemm_align_of(d->C)};
+                   (int32_t)fl_cu_gemm_align_of(d->C), d->epilogue,
+                   d->epilogue ? (int32_t)fl_cu_gemm_align_of(d->bias) : 0,
+                   d->epilogue == FL_CU_EPI_GELU_AUX_BIAS ? (int32_t)fl_cu_gemm_align_of(d->aux) : 0};
     memcpy(k->v, v, sizeof v);
     k->ld[0] = d->lda;
     k->ld[1] = d->ldb;
     k->ld[2] = d->ldc;
+    k->ld[3] = d->epilogue == FL_CU_EPI_GELU_AUX_BIAS ? d->ldaux : 0;
     k->workspace_bytes = workspace_bytes;
     if (d->batch > 1) { /* one matrix: the strides are not read */
         k->stride[0] = d->stride_a;

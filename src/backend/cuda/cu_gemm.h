@@ -42,7 +42,18 @@ typedef struct {
     fl_dtype tc;
     int64_t ldc, stride_c;
     int batch; /* >= 1 */
+    /* Epilogue (issue 30 item 3), fused into the matmul by cuBLASLt; batch 1 and tc F32 only. The sum
+     * s = alpha op(A) op(B) + beta C is rounded to fp32 first, then FL_CU_EPI_BIAS: D[i, j] = s + bias[i] (one
+     * fp32 add: a GEMM then the bias kernel, the same bits on the stand-in); FL_CU_EPI_GELU_AUX_BIAS (beta 0):
+     * aux[i, j] = s + bias[i] (m x n, leading dimension ldaux >= m, fp32: the pre-activation the backward reads)
+     * and D[i, j] = gelu_tanh(aux[i, j]) (the stand-in: the GELU kernels' formula, x sigmoid(2u)). bias has m
+     * elements (the row-major output's columns). FL_CU_EPI_NONE (0): none. */
+    int epilogue;
+    const float *bias;
+    float *aux;
+    int64_t ldaux;
 } fl_cu_gemm_desc;
+enum { FL_CU_EPI_NONE = 0, FL_CU_EPI_BIAS = 1, FL_CU_EPI_GELU_AUX_BIAS = 2 };
 
 typedef fl_status (*fl_cu_gemm_fn)(void *ctx, const fl_cu_gemm_desc *d);
 
@@ -51,6 +62,8 @@ typedef fl_status (*fl_cu_gemm_fn)(void *ctx, const fl_cu_gemm_desc *d);
 fl_status fl_cu_gemm_check(const fl_cu_gemm_desc *d);
 /* Host stand-in (ctx unused): the contract above on host memory. */
 fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d);
+/* The stand-in's calls with an epilogue so far, and those with the GELU one (tests: that a run took the fused path). */
+extern unsigned long fl_cu_gemm_standin_epilogues, fl_cu_gemm_standin_gelus;
 
 /* The backend's gemm (row-major, fitllm/backend.h: C(M,N) = alpha op(A) op(B) + beta C with row
  * strides lda, ldb, ldc) as one column-major call through fn; batch >= 1 matrices with element
@@ -59,20 +72,27 @@ fl_status fl_cu_gemm_rowmajor(fl_cu_gemm_fn fn, void *ctx, int trans_a, int tran
                               const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
                               void *C, fl_dtype tc, int ldc, int batch, int64_t stride_a, int64_t stride_b,
                               int64_t stride_c);
+/* The same with an epilogue (one matrix): bias (N) per column of the row-major C, aux (M, N) with row stride ldaux
+ * for FL_CU_EPI_GELU_AUX_BIAS (column-major: bias per row of C^T, aux^T with leading dimension ldaux). */
+fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, const float *bias, float *aux, int ldaux,
+                                  int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
+                                  fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
+                                  fl_dtype tc, int ldc);
 
 /* Plan cache. A cublasLtMatmul needs an operation descriptor, three matrix layouts and an
  * algorithm from the heuristics (tens of microseconds of host time together, every call); a
  * training step issues the same few dozen GEMM shapes hundreds of times, so the real wrapper keeps
  * them per shape. The key is everything the descriptors and the heuristic query depend on: the
- * operations, m n k, the types, the leading dimensions, the batch and its strides (batch > 1), and
+ * operations, m n k, the types, the leading dimensions, the batch and its strides (batch > 1), the epilogue
+ * (its kind, aux's leading dimension and the bias / aux alignments; the pointers are set per call), and
  * the operands' alignments and the workspace size (the heuristic is told them: a sub-view of lesser alignment must not
  * reuse an algorithm chosen for 256-byte aligned operands). Pointers, alpha and beta are not in it:
  * they are passed to each matmul. At most `cap` plans, the least recently used one destroyed
  * (the destroy callback) when a new shape comes; the cache is host memory the library owns, like
  * cuBLASLt's own descriptors. The logic is host code, built and tested everywhere. */
 typedef struct {
-    int32_t v[12];
-    int64_t ld[3], stride[3];
+    int32_t v[16]; /* ..., the epilogue and the alignments of its bias and aux, one unused */
+    int64_t ld[4], stride[3]; /* ld[3]: the epilogue's aux */
     uint64_t workspace_bytes;
 } fl_cu_gemm_key;
 /* workspace_bytes: the most workspace the heuristic may pick an algorithm for (a plan chosen with a

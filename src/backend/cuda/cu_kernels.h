@@ -39,11 +39,13 @@ extern "C" {
                             const float *rstd, int N, int C, void *stream);                                    \
     /* the same two over a 16-bit weight (wt BF16/F16; -1 otherwise), widened exactly in the kernel; out16    \
      * (NULL or) the output's bf16 copy, out then its exact widening (round16's bits); dinp16 (NULL or) bf16  \
-     * of dinp after the accumulation, dinp not rounded (the next LINEAR's dy operand) */                     \
+     * of dinp after the accumulation, dinp not rounded (the next LINEAR's dy operand); inp16 (NULL or) the   \
+     * input's bf16 copy read instead of inp (then wt may be F32 too) */                                      \
     int P##rmsnorm_forward_w16(float *out, void *out16, float *rstd, const float *inp, const void *w,           \
                                fl_dtype wt, int N, int C, float eps, void *stream);                            \
     int P##rmsnorm_backward_w16(float *dinp, void *dinp16, float *dw, const float *dout, const float *inp,      \
-                                const void *w, fl_dtype wt, const float *rstd, int N, int C, void *stream);    \
+                                const void *inp16, const void *w, fl_dtype wt, const float *rstd, int N, int C, \
+                                void *stream);                                                                 \
     int P##cross_entropy(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, \
                          float grad_scale, int ignore_index, void *stream);                                    \
     /* the same with the gradient written as bf16 only (dlogits16 (N, V), not overlapping logits) */         \
@@ -67,8 +69,8 @@ extern "C" {
     int P##add16(float *out, void *out16, const float *a, const float *b, size_t n, void *stream);              \
     int P##rope_forward16(float *x, void *x16, int B, int T, int nh, int HD, int width, const float *cos_t,     \
                           const float *sin_t, int pos0, void *stream);                                         \
-    int P##act_backward16(int kind, float *din, void *din16, const float *dout, const float *in, int N, int F,   \
-                          void *stream);                                                                       \
+    int P##act_backward16(int kind, float *din, void *din16, const float *dout, const float *in,               \
+                          const void *in16, int N, int F, void *stream);                                       \
     int P##rope_backward16(float *dx, void *dx16, int B, int T, int nh, int HD, int width, const float *cos_t,  \
                            const float *sin_t, int pos0, void *stream);                                        \
     int P##layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,            \

@@ -44,7 +44,7 @@ static inline size_t fl_cu_attention_work_bytes_det(int B, int NH, int Tq) {
  * for runs whose compute dtype is bf16) take these shapes: HD 64 or 128, no bias. Anything else
  * is FL_CU_ATTN_UNSUPPORTED from their launchers: run the fp32 kernels. */
 static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const float *bias) {
-    return a && (a->HD == 64 || a->HD == 128) && !bias;
+    return a && (a->HD == 64 || a->HD == 128) && !bias && !(a->drop_p > 0); /* dropout: the fp32 kernels */
 }
 
 #define FL_CU_DECLARE_ATTN_KERNELS(P)                                                                          \
@@ -85,6 +85,19 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
                                      const float *q, const float *k, const float *v, const uint8_t *kmask,     \
                                      const float *out, const float *lse, void *work, int deterministic,        \
                                      void *stream);                                                          \
+    /* The three backwards above (the fp32 kernels without bias, _tc, _fa2_ex) reading q, k, v and out in bf16    \
+     * (the same layouts and strides, in elements): a bf16 run's stored activations without their widening;    \
+     * each element widened exactly, so the bits of the fp32 launcher over the widened copies (issue 30 item 1) */ \
+    int P##attention_backward_ex16(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,   \
+                                   const void *q16, const void *k16, const void *v16, const uint8_t *kmask,     \
+                                   const void *out16, const float *lse, void *work, void *stream);              \
+    int P##attention_backward_tc16(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,   \
+                                   const void *q16, const void *k16, const void *v16, const uint8_t *kmask,     \
+                                   const void *out16, const float *lse, void *work, void *stream);              \
+    int P##attention_backward_fa2_16(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, \
+                                     const void *q16, const void *k16, const void *v16, const uint8_t *kmask,   \
+                                     const void *out16, const float *lse, void *work, int deterministic,        \
+                                     void *stream);                                                             \
     /* dst (rows, cols; fp32, row stride ldd) += src (rows, cols; bf16 or fp16, row stride lds): cuDNN's      \
      * 16-bit attention gradients into the fp32 ones (kernels/attn_cudnn.cu) */                           \
     int P##attention_acc2d(float *dst, size_t ldd, const uint16_t *src, fl_dtype st, size_t lds, int rows,     \

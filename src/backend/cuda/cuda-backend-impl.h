@@ -46,6 +46,8 @@
 #include "fitllm/lora.h"
 #include "fitllm/perf.h"
 
+#include "backend/cuda/cuda-stage-impl.h"
+
 /* + 256: the lent region is re-aligned to 256 bytes (cuBLASLt's workspace, the panels) */
 #define FLB_SCRATCH_BYTES ((size_t)FLB_LT_WS_BYTES + (size_t)FLB_PANEL_BYTES + (size_t)FLB_WORK_BYTES + 256)
 
@@ -58,6 +60,7 @@ typedef struct {
     double *scalars;       /* device: [0] sumsq result, [1..PARTS] partials; int flag after */
     fl_dtype compute;      /* set_compute_dtype: FL_BF16 = tensor-core attention where it applies */
     int attn;              /* FITLLM_CUDA_ATTN: fl_cudnn_attn_choice (cudnn-impl.h; cuda-work-ops-impl.h) */
+    int epi;               /* FITLLM_CUDA_EPILOGUE (1 default): gemm_epilogue through cuBLASLt's epilogues; 0 after a refusal */
     int det;               /* FITLLM_CUDA_DETERMINISTIC=1: the fa2 backward's dq in key-block order, no cuDNN backward */
     struct flb_cudnn *dnn; /* cuDNN's attention (the plugin, when it loaded: cuda-cudnn-impl.h), else NULL */
     fl_status err;         /* sticky: the first failure */
@@ -65,6 +68,7 @@ typedef struct {
     char devname[256];     /* be->device_name */
     void **marks;          /* FL_PROF_MAX_MARKS markers, made on first use (profiling only) */
     fl_cu_counters count;  /* host round trips (FLB_PREFIX(backend_counters)) */
+    flb_stage stage;       /* the page-locked ring of small uploads (cuda-stage-impl.h) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
@@ -218,6 +222,79 @@ static fl_status flb_gemm(const fl_backend *be, int trans_a, int trans_b, int M,
     return FL_OK;
 }
 
+/* gemm_epilogue (issue 30 item 3): one matmul of rows of C with the bias (+ GELU) in cuBLASLt's epilogue; where
+ * cuBLASLt refuses it (said once; epilogues are off for this backend from then on) or FITLLM_CUDA_EPILOGUE=0, the
+ * GEMM then the bias and GELU kernels: the bits the stand-in's epilogue has (the emulator's kernels' formulas). */
+static fl_status flb_epi_part(const fl_backend *be, int epi, const float *bias, float *aux, int trans_a, int trans_b,
+                              int M, int N, int K, float alpha, const void *A, fl_dtype ta, int lda, const void *B,
+                              fl_dtype tb, int ldb, float beta, float *C) {
+    flb_impl *im = FLB_IMPL(be);
+    const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
+    if (im->epi > 0) {
+        fl_cu_blas *ctx = &im->blas;
+        void *s = flb_scratch(be);
+        if (!s) return flb_sticky(be);
+        ctx->workspace = FLB_LT_WS_BYTES ? s : NULL;
+        ctx->workspace_bytes = FLB_LT_WS_BYTES;
+        ctx->stream = im->stream;
+        fl_status st = fl_cu_gemm_rowmajor_epi(flb_gemm_fn, ctx, gelu ? FL_CU_EPI_GELU_AUX_BIAS : FL_CU_EPI_BIAS, bias,
+                                               aux, N, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta,
+                                               C, FL_F32, N);
+        if (st != FL_ERR_UNSUPPORTED) {
+            if (st != FL_OK) flb_set_error(be, st, "gemm_epilogue", fl_error_message());
+            return st;
+        }
+        fprintf(stderr, "fitllm: %s backend: cuBLASLt refused an epilogue (%s); the bias and GELU of the linears run as "
+                        "kernels after their GEMMs from here on\n", FLB_NAME, fl_error_message());
+        im->epi = 0;
+    }
+    float *y = gelu ? aux : C;
+    FL_TRY(flb_gemm_direct(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, y, FL_F32, N));
+    FLB_RUN_S(be, FLB_K(bias_forward)(y, bias, M, N, im->stream), "gemm_epilogue (bias)");
+    if (gelu) FLB_RUN_S(be, FLB_K(gelu_forward)(C, aux, (size_t)M * N, im->stream), "gemm_epilogue (gelu)");
+    return FL_OK;
+}
+
+static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const float *bias, float *aux, int ldaux, int trans_a,
+                                   int trans_b, int M, int N, int K, float alpha, const void *A, fl_dtype ta, int lda,
+                                   const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc) {
+    FL_TRY(flb_sticky(be));
+    const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
+    if ((epi != FL_GEMM_EPI_BIAS && !gelu) || !bias || ldc != N || (gelu && (!aux || ldaux != N || beta != 0.0f)))
+        return fl_errorf(FL_ERR_INVALID, "%s gemm_epilogue: epilogue %d, bias %s, ldc %d, ldaux %d, beta %g (expected "
+                         "bias or bias+GELU, a bias, compact rows ldc = ldaux = N = %d, beta 0 with GELU)", FLB_NAME,
+                         epi, bias ? "given" : "NULL", ldc, ldaux, (double)beta, N);
+    if (!flb_gemm_types_ok(ta, tb, FL_F32))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm_epilogue: types A=%s B=%s not supported", FLB_NAME,
+                         fl_dtype_name(ta), fl_dtype_name(tb));
+    if (M < 0 || N < 0 || K < 0)
+        return fl_errorf(FL_ERR_INVALID, "%s gemm_epilogue: bad shape %d x %d x %d", FLB_NAME, M, N, K);
+    if (M == 0 || N == 0) return FL_OK;
+    if (K > 0 && ta == tb) /* the library's own types: one matmul */
+        return flb_epi_part(be, epi, bias, aux, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C);
+    if (K > 0 && ta == FL_F32 && tb == FL_BF16 && !trans_a) { /* flb_gemm's bf16 row panels, each with the epilogue */
+        void *s = flb_scratch(be);
+        if (!s) return flb_sticky(be);
+        char *panel = (char *)s + FLB_LT_WS_BYTES;
+        const int rows = (int)(FLB_PANEL_BYTES / ((size_t)K * 2));
+        if (rows < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: K = %d too large for the panel", FLB_NAME, K);
+        for (int i0 = 0; i0 < M; i0 += rows) {
+            const int mr = M - i0 < rows ? M - i0 : rows;
+            FLB_RUN_S(be, FLB_K(convert2d)(panel, FL_BF16, (size_t)K, (const float *)A + (size_t)i0 * lda, FL_F32,
+                                           (size_t)lda, mr, K, FLB_IMPL(be)->stream), "gemm_epilogue (bf16 panel)");
+            FL_TRY(flb_epi_part(be, epi, bias, gelu ? aux + (size_t)i0 * N : NULL, 0, trans_b, mr, N, K, alpha, panel,
+                                FL_BF16, K, B, tb, ldb, beta, C + (size_t)i0 * N));
+        }
+        return FL_OK;
+    }
+    /* the other mixed types and K = 0: flb_gemm, then the kernels */
+    float *y = gelu ? aux : C;
+    FL_TRY(flb_gemm(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, y, FL_F32, N));
+    FLB_RUN_S(be, FLB_K(bias_forward)(y, bias, M, N, FLB_IMPL(be)->stream), "gemm_epilogue (bias)");
+    if (gelu) FLB_RUN_S(be, FLB_K(gelu_forward)(C, aux, (size_t)M * N, FLB_IMPL(be)->stream), "gemm_epilogue (gelu)");
+    return FL_OK;
+}
+
 /* ============================== ops over the kernels ============================== */
 #define STREAM (FLB_IMPL(be)->stream)
 
@@ -245,8 +322,9 @@ static void flb_rmsnorm_forward_w16(const fl_backend *be, float *out, void *out1
     FLB_RUN(be, FLB_K(rmsnorm_forward_w16)(out, out16, rstd, inp, w, wt, N, C, eps, STREAM), "rmsnorm_forward_w16");
 }
 static void flb_rmsnorm_backward_w16(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,
-                                     const float *inp, const void *w, fl_dtype wt, const float *rstd, int N, int C) {
-    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dinp16, dw, dout, inp, w, wt, rstd, N, C, STREAM),
+                                     const float *inp, const void *inp16, const void *w, fl_dtype wt,
+                                     const float *rstd, int N, int C) {
+    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dinp16, dw, dout, inp, inp16, w, wt, rstd, N, C, STREAM),
             "rmsnorm_backward_w16");
 }
 static void flb_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
@@ -398,11 +476,12 @@ static fl_status flb_rope_backward16(const fl_backend *be, float *dx, void *dx16
     return flb_rope16(be, dx, dx16, B, T, nh, HD, width, cos_t, sin_t, pos0, 1);
 }
 static fl_status flb_act_backward16(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
-                                    const float *in, int N, int F) {
+                                    const float *in, const void *in16, int N, int F) {
     FL_TRY(flb_sticky(be));
-    if ((kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU) || !din16)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_backward16: kind %d%s", FLB_NAME, kind, din16 ? "" : ", no copy");
-    FLB_RUN_S(be, FLB_K(act_backward16)(kind, din, din16, dout, in, N, F, STREAM), "act_backward16");
+    if ((kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU) || (!din16 && !in16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_backward16: kind %d%s", FLB_NAME, kind,
+                         din16 || in16 ? "" : ", neither a bf16 copy nor a bf16 input");
+    FLB_RUN_S(be, FLB_K(act_backward16)(kind, din, din16, dout, in, in16, N, F, STREAM), "act_backward16");
     return FL_OK;
 }
 _Static_assert(FL_CU_CONVERT_MANY_MAX == FL_CONVERT_MANY_MAX, "convert_many: the kernel's segment list");
@@ -507,6 +586,21 @@ static fl_status flb_lora_backward(const fl_backend *be, float *dx, float *dA, f
     return FL_OK;
 }
 
+/* backend.h dropout (T5's dropout in training): the LoRA dropout kernels on any tensor (the same mask bits) */
+static fl_status flb_dropout(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                             int accumulate) {
+    FL_TRY(flb_sticky(be));
+    if (!(p >= 0.0f && p < 1.0f)) return fl_errorf(FL_ERR_INVALID, "dropout: p %g outside [0, 1)", (double)p);
+    if (n == 0) return FL_OK;
+    if (p == 0.0f) { /* no mask: a copy or a sum */
+        if (accumulate) return be->add(be, y, y, x, n), FL_OK;
+        return y == x ? FL_OK : be->copy(be, y, x, n * sizeof(float));
+    }
+    if (accumulate) FLB_RUN_S(be, FLB_K(lora_dropout_dx)(y, x, n, p, seed, STREAM), "dropout (accumulate)");
+    else FLB_RUN_S(be, FLB_K(lora_dropout)(y, x, n, p, seed, STREAM), "dropout");
+    return FL_OK;
+}
+
 /* ============================== profiling markers ============================== */
 
 /* Marker i recorded on the stream (made on first use: a profiled step needs ~2 per op). */
@@ -541,8 +635,9 @@ static void flb_set_scratch(const fl_backend *be, void *p, size_t bytes) {
 static void flb_set_compute_dtype(const fl_backend *be, fl_dtype t) { FLB_IMPL(be)->compute = t; }
 static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
-    FLB_IMPL(be)->count.h2d += bytes > 0;
-    if (bytes && flb_h2d(dst, src, bytes, STREAM))
+    flb_impl *im = FLB_IMPL(be);
+    im->count.h2d += bytes > 0;
+    if (bytes && flb_stage_copy(&im->stage, &im->count, dst, src, bytes, STREAM))
         return fl_errorf(FL_ERR_IO, "%s to_device: copy of %zu bytes failed", FLB_NAME, bytes);
     return FL_OK;
 }
@@ -644,6 +739,12 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     /* FITLLM_CUDA_HEAD_DBF16=0: the LM head's loss gradient in fp32 then converted (the same bits; for A/B timing) */
     const char *eh = getenv("FITLLM_CUDA_HEAD_DBF16");
     const int head_dbf16 = !eh || !*eh || !strcmp(eh, "1");
+    /* FITLLM_CUDA_EPILOGUE=0: a linear's bias and GELU as kernels after the GEMM (A/B timing; issue 30 item 3) */
+    const char *ee = getenv("FITLLM_CUDA_EPILOGUE");
+    im->epi = !ee || !*ee || !strcmp(ee, "1");
+    /* FITLLM_CUDA_PINNED=0: the inputs' uploads straight from the caller's pageable memory (A/B) */
+    const char *ep = getenv("FITLLM_CUDA_PINNED");
+    im->stage.on = !ep || !*ep || !strcmp(ep, "1");
     s = im->attn < 0 ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (cuDNN's fused "
                                  "attention where it loads and takes the shape, else 'own'), 'cudnn' (cuDNN, "
                                  "experimental), 'own' (bf16 runs: the FlashAttention-2-structured kernels, "
@@ -653,6 +754,12 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_HEAD_DBF16=%s: expected 1 (the default: the "
                         "cross-entropy writes the LM head's gradient in bf16) or 0 (in fp32, then converted)",
                         FLB_NAME, eh)
+        : ee && *ee && !im->epi && strcmp(ee, "0")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_EPILOGUE=%s: expected 1 (the default: a linear's bias "
+                        "and GPT-2's GELU in cuBLASLt's epilogue) or 0 (as kernels after the GEMM)", FLB_NAME, ee)
+        : ep && *ep && !im->stage.on && strcmp(ep, "0")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_PINNED=%s: expected 1 (the default: small uploads "
+                        "through a page-locked ring) or 0 (straight from the caller's memory)", FLB_NAME, ep)
             : flb_attn_init(im);
     if (s != FL_OK) {
         flb_dev_free(im->scalars);
@@ -676,6 +783,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->set_compute_dtype = flb_set_compute_dtype;
     be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */
     be->gemm = flb_gemm;
+    be->gemm_epilogue = flb_gemm_epilogue;
     be->embedding_forward = flb_embedding_forward;
     be->embedding_forward16 = flb_embedding_forward16;
     be->embedding_backward = flb_embedding_backward;
@@ -691,6 +799,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->attention_forward = flb_attention_forward;
     be->attention_forward16 = flb_attention_forward16;
     be->attention_backward = flb_attention_backward;
+    be->attention_backward16 = flb_attention_backward16;
     be->swiglu_forward = flb_swiglu_forward;
     be->swiglu_backward = flb_swiglu_backward;
     be->gelu_forward = flb_gelu_forward;
@@ -729,6 +838,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->q4_matmul_forward = flb_q4_matmul_forward;
     be->q4_matmul_backward = flb_q4_matmul_backward;
     be->lora_forward = flb_lora_forward;
+    be->dropout = flb_dropout;
     be->lora_backward = flb_lora_backward;
     be->accumulate16 = flb_accumulate16;
     be->set_scratch = flb_set_scratch;
@@ -750,6 +860,7 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     flb_stream_sync(im->stream);
     if (im->own_scratch) flb_dev_free(im->own_scratch);
     if (im->scalars) flb_dev_free(im->scalars);
+    flb_stage_free(&im->stage);
     flb_attn_free(im);
     if (im->marks)
         for (int i = 0; i < FL_PROF_MAX_MARKS; i++)

@@ -168,9 +168,11 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
     return 1;
 }
 
+/* q, k, v, out of type it: F32, or BF16 (attention_backward16: a bf16 run's stored activations, copied compact) */
 static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
-                              const float *dout, const float *q, const float *k, const float *v, const float *bias,
-                              const uint8_t *kmask, const float *out, const float *lse, void *work, fl_status *st) {
+                              const float *dout, const void *q, const void *k, const void *v, fl_dtype it,
+                              const float *bias, const uint8_t *kmask, const void *out, const float *lse, void *work,
+                              fl_status *st) {
     flb_impl *im = FLB_IMPL(be);
     /* FITLLM_CUDA_DETERMINISTIC: the own backward, whose dq adds run in a fixed order */
     if (!im->dnn || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, bias, kmask)) return 0;
@@ -194,11 +196,11 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
     ptr[FL_CUDNN_UID_DV] = buf + 4 * bq + 3 * bk;
     ptr[FL_CUDNN_UID_STATS] = (void *)lse;
     ptr[FL_CUDNN_UID_DSUM] = work; /* rowsum(dO * O), B*NH*Tq floats: the op's work area */
-    int rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, FL_F32, a->ldq, rq, cq, STREAM);
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, out, FL_F32, a->ldo, rq, cq, STREAM);
+    int rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, it, a->ldq, rq, cq, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, out, it, a->ldo, rq, cq, STREAM);
     if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_DO], FL_BF16, (size_t)cq, dout, FL_F32, a->ldo, rq, cq, STREAM);
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, FL_F32, a->ldk, rk, ck, STREAM);
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, FL_F32, a->ldv, rk, ck, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, it, a->ldk, rk, ck, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, it, a->ldv, rk, ck, STREAM);
     if (rc) return (*st = flb_attn_status(be, rc, "attention_backward (cuDNN)")), 1;
     int s = fl_cudnn_plan_run(&im->dnn->api, im->dnn->handle, p, ptr, buf + used);
     if (s) {
@@ -225,5 +227,5 @@ static fl_status flb_attn_init(flb_impl *im) {
 }
 static void flb_attn_free(flb_impl *im) { (void)im; }
 #define flb_cudnn_forward(be, a, out, out16, lse, q, k, v, bias, kmask, st) 0
-#define flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, bias, kmask, out, lse, work, st) 0
+#define flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, it, bias, kmask, out, lse, work, st) 0
 #endif

@@ -39,9 +39,10 @@ void fl_cuemu_use_nccl(int on);
 
 /* What the backend made the host wait for, since it was made: sync calls, copies to the host (each waits
  * for the stream: sumsq's and check_finite's results, to_host), copies from the host (to_device,
- * check_finite's flag; from pageable memory the CUDA runtime stages them before returning). */
+ * check_finite's flag); of the latter, h2d_pinned went through the page-locked ring (cuda-stage-impl.h: no
+ * wait), and stage_waits counts the times a ring slot was still queued (the host waited for the GPU). */
 typedef struct {
-    long sync, d2h, h2d;
+    long sync, d2h, h2d, h2d_pinned, stage_waits;
 } fl_cu_counters;
 void fl_cuemu_backend_counters(const fl_backend *be, fl_cu_counters *out);
 /* cuda-emu made after fl_cuemu_set_host_memory(0) states the real GPU's capabilities (FL_CAP_DEVICE_MEMORY, not

@@ -105,36 +105,53 @@ static fl_status flb_attention_forward(const fl_backend *be, const fl_attn_desc 
                                        const uint8_t *kmask) {
     return flb_attention_forward16(be, a, out, NULL, lse, q, k, v, bias, kmask);
 }
-static fl_status flb_attention_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
-                                           float *dv, float *dbias, const float *dout, const float *q, const float *k,
-                                           const float *v, const float *bias, const uint8_t *kmask, const float *out,
-                                           const float *lse) {
+/* in16: q, k, v and out are bf16 (attention_backward16; no bias then), else fp32. The argument checks look at
+ * the pointers only (NULL or not), so they take either. */
+static fl_status flb_attn_bwd(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                              float *dbias, const float *dout, const void *q, const void *k, const void *v,
+                              const float *bias, const uint8_t *kmask, const void *out, const float *lse, int in16) {
     FL_TRY(flb_sticky(be));
-    fl_status st = fl_attn_check_args("attention_backward", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse,
-                                      q, k, v, bias, dbias);
-    if (st == FL_ERR_UNSUPPORTED && dq && fl_attn_is_qkv(a, q, k, v, bias, kmask, dq, dk, dv, dbias))
+    const float *qf = (const float *)q, *kf = (const float *)k, *vf = (const float *)v, *of = (const float *)out;
+    fl_status st = fl_attn_check_args("attention_backward", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", of, lse,
+                                      qf, kf, vf, bias, dbias);
+    if (st == FL_ERR_UNSUPPORTED && dq && fl_attn_is_qkv(a, qf, kf, vf, bias, kmask, dq, dk, dv, dbias))
         flb_nan_fill(be, dq, (size_t)a->B * a->Tq * a->ldq); /* NaN, as forward */
     FL_TRY(st);
     if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward: NULL gradient tensor");
+    if (in16 && (bias || dbias)) return fl_errorf(FL_ERR_UNSUPPORTED, "%s attention_backward16: no bias", FLB_NAME);
     void *work = flb_work(be, FLB_IMPL(be)->det ? fl_cu_attention_work_bytes_det(a->B, a->NH, a->Tq)
                                                 : fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward");
     if (!work) return flb_sticky(be);
     const int tc = flb_attn_tc(be, a, bias); /* no bias: no dbias either (checked above) */
-    if (tc == FLB_ATTN_OWN + 1 && flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, bias, kmask, out, lse, work, &st))
+    const fl_dtype it = in16 ? FL_BF16 : FL_F32;
+    (void)it; /* the emulator has no cuDNN path */
+    if (tc == FLB_ATTN_OWN + 1 &&
+        flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, it, bias, kmask, out, lse, work, &st))
         return st;
+    const int det = FLB_IMPL(be)->det;
+    int rc;
     if (tc == FLB_ATTN_OWN + 1)
-        return flb_attn_status(be,
-                               FLB_K(attention_backward_fa2_ex)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work,
-                                                                FLB_IMPL(be)->det, STREAM),
-                               "attention_backward");
-    if (tc)
-        return flb_attn_status(be,
-                               FLB_K(attention_backward_tc)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, STREAM),
-                               "attention_backward");
-    return flb_attn_status(be,
-                           FLB_K(attention_backward_ex)(a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse,
-                                                        work, STREAM),
-                           "attention_backward");
+        rc = in16 ? FLB_K(attention_backward_fa2_16)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, det, STREAM)
+                  : FLB_K(attention_backward_fa2_ex)(a, dq, dk, dv, dout, qf, kf, vf, kmask, of, lse, work, det, STREAM);
+    else if (tc)
+        rc = in16 ? FLB_K(attention_backward_tc16)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, STREAM)
+                  : FLB_K(attention_backward_tc)(a, dq, dk, dv, dout, qf, kf, vf, kmask, of, lse, work, STREAM);
+    else
+        rc = in16 ? FLB_K(attention_backward_ex16)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, STREAM)
+                  : FLB_K(attention_backward_ex)(a, dq, dk, dv, dbias, dout, qf, kf, vf, bias, kmask, of, lse, work,
+                                                 STREAM);
+    return flb_attn_status(be, rc, "attention_backward");
+}
+static fl_status flb_attention_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
+                                        float *dv, float *dbias, const float *dout, const float *q, const float *k,
+                                        const float *v, const float *bias, const uint8_t *kmask, const float *out,
+                                        const float *lse) {
+    return flb_attn_bwd(be, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse, 0);
+}
+static fl_status flb_attention_backward16(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
+                                          float *dv, const float *dout, const void *q16, const void *k16,
+                                          const void *v16, const uint8_t *kmask, const void *out16, const float *lse) {
+    return flb_attn_bwd(be, a, dq, dk, dv, NULL, dout, q16, k16, v16, NULL, kmask, out16, lse, 1);
 }
 static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                      const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,

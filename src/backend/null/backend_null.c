@@ -177,6 +177,11 @@ static fl_status n_lora_backward(const fl_backend *be, float *dx, float *dA, flo
     (void)in; (void)out; (void)r; (void)scaling; (void)dropout; (void)seed; (void)work;
     return FL_OK;
 }
+static fl_status n_dropout(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                          int accumulate) {
+    (void)be; (void)y; (void)x; (void)n; (void)p; (void)seed; (void)accumulate;
+    return FL_OK;
+}
 static fl_status n_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
     (void)be; (void)dst; (void)t; (void)src; (void)n;
     return FL_OK;
@@ -307,6 +312,7 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->q4_matmul_backward = n_q4_matmul_backward;
     be->lora_forward = n_lora_forward;
     be->lora_backward = n_lora_backward;
+    be->dropout = n_dropout;
     be->accumulate16 = n_accumulate16;
     be->set_scratch = n_set_scratch;
     be->to_device = n_to_device;

@@ -453,6 +453,10 @@ static fl_status op_lora_backward(const fl_backend *be, float *dx, float *dA, fl
     OPR(fl_status,
         IN->lora_backward(IN, dx, dA, dB, dy, ldy, xb, h, A, B, N, in, out, r, scaling, dropout, seed, work));
 }
+static fl_status op_dropout(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                           int accumulate) {
+    OPR(fl_status, IN->dropout(IN, y, x, n, p, seed, accumulate));
+}
 static fl_status op_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
     OPR(fl_status, IN->accumulate16(IN, dst, t, src, n));
 }
@@ -572,6 +576,7 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->q4_matmul_backward = op_q4_matmul_backward;
     be->lora_forward = op_lora_forward;
     be->lora_backward = op_lora_backward;
+    be->dropout = op_dropout;
     be->accumulate16 = op_accumulate16;
     be->set_scratch = op_set_scratch;
     be->to_device = op_to_device;

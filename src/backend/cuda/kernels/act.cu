@@ -256,29 +256,39 @@ extern "C" int FL_CUK(act_forward16)(int kind, float *out, void *out16, float *i
 }
 
 /* act_backward16: the fp32 backward's update of din (the same formulas, one element (SwiGLU: one gate/up pair)
- * per thread), then a bf16 copy of the result in d16 (the next LINEAR's dy operand), din not rounded */
+ * per thread), then a bf16 copy of the result in d16 (NULL: none; the next LINEAR's dy operand), din not rounded.
+ * in16 (NULL or): the input read in bf16 (a bf16 run's stored activation, widened exactly in the kernel: the bits
+ * of the fp32 kernel over its widening, without the widen launch before the backward) */
+FL_CU_DEV float act_x(const float *in, const uint16_t *in16, size_t i) {
+    return in16 ? fl_cu_bf16_to_f32(in16[i]) : in[i];
+}
+FL_CU_DEV void keep_d16(uint16_t *d16, size_t i, float v) {
+    if (d16) d16[i] = fl_cu_f32_to_bf16(v);
+}
 __global__ static void fl_cu_act16_bwd_k(int kind, float *din, uint16_t *d16, const float *dout, const float *in,
-                                         int N, int F) {
+                                         const uint16_t *in16, int N, int F) {
     const size_t total = (size_t)N * F;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         if (kind == FL_CU_ACT16_SWIGLU) {
             const size_t n = i / F, f = i % F, ig = n * 2 * F + f, iu = ig + F;
-            swiglu_b(in[ig], in[iu], dout[i], &din[ig], &din[iu]);
-            d16[ig] = fl_cu_f32_to_bf16(din[ig]);
-            d16[iu] = fl_cu_f32_to_bf16(din[iu]);
+            swiglu_b(act_x(in, in16, ig), act_x(in, in16, iu), dout[i], &din[ig], &din[iu]);
+            keep_d16(d16, ig, din[ig]);
+            keep_d16(d16, iu, din[iu]);
         } else {
-            if (kind == FL_CU_ACT16_GELU) din[i] += gelu_grad(in[i]) * dout[i];
-            else din[i] += in[i] <= 0.0f ? 0.0f : dout[i];
-            d16[i] = fl_cu_f32_to_bf16(din[i]);
+            const float x = act_x(in, in16, i);
+            if (kind == FL_CU_ACT16_GELU) din[i] += gelu_grad(x) * dout[i];
+            else din[i] += x <= 0.0f ? 0.0f : dout[i];
+            keep_d16(d16, i, din[i]);
         }
     }
 }
 
-extern "C" int FL_CUK(act_backward16)(int kind, float *din, void *din16, const float *dout, const float *in, int N,
-                                      int F, void *stream) {
-    if ((kind != FL_CU_ACT16_SWIGLU && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) || !din16) return -1;
+extern "C" int FL_CUK(act_backward16)(int kind, float *din, void *din16, const float *dout, const float *in,
+                                      const void *in16, int N, int F, void *stream) {
+    if ((kind != FL_CU_ACT16_SWIGLU && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) || (!din16 && !in16))
+        return -1;
     if (N <= 0 || F <= 0) return 0;
     FL_CU_LAUNCH(fl_cu_act16_bwd_k, dim3(act_blocks((size_t)N * F)), dim3(256), 0, (fl_cu_stream)stream, kind, din,
-                 (uint16_t *)din16, dout, in, N, F);
+                 (uint16_t *)din16, dout, in, (const uint16_t *)in16, N, F);
     return fl_cu_launch_error();
 }

@@ -32,8 +32,8 @@ template <class C> __global__ static void fl_cu_attn_fwd_k(fl_cu_attn_p p) {
     const int h = blockIdx.y, b = blockIdx.z, g = h / p.rep, HD = p.HD;
     const int q0 = qt * BQ, qn = p.Tq - q0 < BQ ? p.Tq - q0 : BQ;
     fl_cu_attn_load_tile<D, BQ>(Qs, p.q + ((size_t)b * p.Tq + q0) * p.ldq + (size_t)h * HD, p.ldq, qn, HD, p.scale);
-    const float *K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)g * HD; // (Tk, HD) stride ldk
-    const float *V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)g * HD; // (Tk, HD) stride ldv
+    const fl_cu_fptr K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)g * HD; // (Tk, HD) stride ldk
+    const fl_cu_fptr V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)g * HD; // (Tk, HD) stride ldv
     float m[RPT], l[RPT], o[RPT][DPT];
     int lim[RPT];
     for (int i = 0; i < RPT; i++) {
@@ -79,7 +79,8 @@ template <class C> __global__ static void fl_cu_attn_fwd_k(fl_cu_attn_p p) {
             float ps = 0.0f;
             for (int c = 0; c < KPT; c++) {
                 float pv = s[i][c] == -INFINITY ? 0.0f : expf(s[i][c] - mnew);
-                Ps[r * KP + tx + 8 * c] = pv;
+                /* dropout: V sees the dropped weights, l sums the softmax's own */
+                Ps[r * KP + tx + 8 * c] = p.drop_p > 0.0f ? pv * fl_cu_attn_dropf(p, b, h, q0 + r, k0 + tx + 8 * c) : pv;
                 ps += pv;
             }
             l[i] = l[i] * corr + ps;

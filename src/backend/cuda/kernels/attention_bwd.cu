@@ -86,7 +86,13 @@ template <class C> __global__ static void fl_cu_attn_dkdv_k(fl_cu_attn_p p) {
                         float sv = s[i][c];
                         if (p.bias) sv += p.bias[((size_t)h * p.Tq + t0 + r) * p.Tk + k0 + j];
                         pv = expf(sv - Ls[r]);
-                        ds = pv * (dp[i][c] - Ds[r]);
+                        if (p.drop_p > 0.0f) { /* dV reads the dropped weights, dS = P o (f dP - D) */
+                            const float f = fl_cu_attn_dropf(p, b, h, t0 + r, k0 + j);
+                            ds = pv * (f * dp[i][c] - Ds[r]);
+                            pv *= f;
+                        } else {
+                            ds = pv * (dp[i][c] - Ds[r]);
+                        }
                     }
                     Pt[j * QP + r] = pv;
                     St[j * QP + r] = ds;
@@ -161,8 +167,8 @@ template <class C> __global__ static void fl_cu_attn_dq_k(fl_cu_attn_p p) {
             Dr[i] = r < qn ? p.Dsum[row] : 0.0f;
             for (int c = 0; c < DPT; c++) acc[i][c] = 0.0f;
         }
-        const float *K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)g * HD; // (Tk, HD) stride ldk
-        const float *V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)g * HD; // (Tk, HD) stride ldv
+        const fl_cu_fptr K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)g * HD; // (Tk, HD) stride ldk
+        const fl_cu_fptr V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)g * HD; // (Tk, HD) stride ldv
         for (int k0 = 0; k0 < kend; k0 += BK) {
             const int kn = kend - k0 < BK ? kend - k0 : BK;
             __syncthreads(); /* the previous tile's Ks / Ss are read */
@@ -199,7 +205,8 @@ template <class C> __global__ static void fl_cu_attn_dq_k(fl_cu_attn_p p) {
                     if (km[j] && k0 + j < lim[i]) {
                         float sv = s[i][c];
                         if (p.bias) sv += p.bias[((size_t)h * p.Tq + q0 + r) * p.Tk + k0 + j];
-                        ds = expf(sv - L[i]) * (dp[i][c] - Dr[i]);
+                        const float f = p.drop_p > 0.0f ? fl_cu_attn_dropf(p, b, h, q0 + r, k0 + j) : 1.0f;
+                        ds = expf(sv - L[i]) * (p.drop_p > 0.0f ? f * dp[i][c] - Dr[i] : dp[i][c] - Dr[i]);
                     }
                     Ss[r * KP + j] = ds;
                     if (dbr && j < kn) dbr[j] += ds;
@@ -247,12 +254,12 @@ template <class C> static int fl_cu_attn_bwd_launch(const fl_cu_attn_p &p, void 
     return fl_cu_launch_error();
 }
 
-extern "C" int FL_CUK(attention_backward_ex)(const fl_attn_desc *a, float *dq, float *dk, float *dv, float *dbias,
-                                             const float *dout, const float *q, const float *k, const float *v,
-                                             const float *bias, const uint8_t *kmask, const float *out,
-                                             const float *lse, void *work, void *stream) {
+/* in16: q, k, v and out bf16 (attention_backward_ex16) */
+static int attn_bwd_ex(const fl_attn_desc *a, float *dq, float *dk, float *dv, float *dbias, const float *dout,
+                       const void *q, const void *k, const void *v, const float *bias, const uint8_t *kmask,
+                       const void *out, const float *lse, void *work, int in16, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse, work, 0);
+    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse, work, 0, in16);
     if (rc) return rc < 0 ? rc : 0;
     switch (fl_cu_attn_bucket(a->HD)) {
     case 32: return fl_cu_attn_bwd_launch<fl_cu_attn_cfg<32> >(p, stream);
@@ -260,6 +267,19 @@ extern "C" int FL_CUK(attention_backward_ex)(const fl_attn_desc *a, float *dq, f
     case 128: return fl_cu_attn_bwd_launch<fl_cu_attn_cfg<128> >(p, stream);
     default: return fl_cu_attn_bwd_launch<fl_cu_attn_cfg<256> >(p, stream);
     }
+}
+
+extern "C" int FL_CUK(attention_backward_ex)(const fl_attn_desc *a, float *dq, float *dk, float *dv, float *dbias,
+                                             const float *dout, const float *q, const float *k, const float *v,
+                                             const float *bias, const uint8_t *kmask, const float *out,
+                                             const float *lse, void *work, void *stream) {
+    return attn_bwd_ex(a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse, work, 0, stream);
+}
+extern "C" int FL_CUK(attention_backward_ex16)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                               const float *dout, const void *q16, const void *k16, const void *v16,
+                                               const uint8_t *kmask, const void *out16, const float *lse, void *work,
+                                               void *stream) {
+    return attn_bwd_ex(a, dq, dk, dv, NULL, dout, q16, k16, v16, NULL, kmask, out16, lse, work, 1, stream);
 }
 
 extern "C" int FL_CUK(attention_backward)(float *dqkv, const float *dout, const float *qkv, const float *out,

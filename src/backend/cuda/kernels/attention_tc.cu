@@ -54,7 +54,7 @@ template <int D> __global__ static void fl_cu_tc_fwd_k(fl_cu_attn_p p) {
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / p.rep;
     const int q0 = qt * BQ, qn = p.Tq - q0 < BQ ? p.Tq - q0 : BQ;
     const int r0 = warp * 16 + g, r1 = r0 + 8; /* the lane's two rows in the tile */
-    const float *Q = p.q + ((size_t)b * p.Tq + q0) * p.ldq + (size_t)h * D;
+    const fl_cu_fptr Q = p.q + ((size_t)b * p.Tq + q0) * p.ldq + (size_t)h * D;
     uint32_t qa[DK][4];
     for (int kk = 0; kk < DK; kk++) {
         qa[kk][0] = fl_cu_tc_ld2(Q, p.ldq, r0, qn, kk * 16 + 2 * tq);
@@ -71,8 +71,8 @@ template <int D> __global__ static void fl_cu_tc_fwd_k(fl_cu_attn_p p) {
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f, o[DT][4];
     for (int dt = 0; dt < DT; dt++)
         for (int i = 0; i < 4; i++) o[dt][i] = 0.0f;
-    const float *K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * D; // (Tk, D) stride ldk
-    const float *V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * D; // (Tk, D) stride ldv
+    const fl_cu_fptr K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * D; // (Tk, D) stride ldk
+    const fl_cu_fptr V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * D; // (Tk, D) stride ldv
     for (int k0 = 0; k0 < kend; k0 += BK) {
         const int kn = kend - k0 < BK ? kend - k0 : BK;
         __syncthreads(); /* the previous tile's Ks / Vt are read */
@@ -293,8 +293,8 @@ template <int D> __global__ static void fl_cu_tc_dq_k(fl_cu_attn_p p) {
     float acc[DT][4];
     for (int dt = 0; dt < DT; dt++)
         for (int i = 0; i < 4; i++) acc[dt][i] = 0.0f;
-    const float *K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * D; // (Tk, D) stride ldk
-    const float *V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * D; // (Tk, D) stride ldv
+    const fl_cu_fptr K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * D; // (Tk, D) stride ldk
+    const fl_cu_fptr V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * D; // (Tk, D) stride ldv
     for (int k0 = 0; k0 < kend; k0 += BK) {
         const int kn = kend - k0 < BK ? kend - k0 : BK;
         __syncthreads(); /* the previous tile's Ks / Vs / Kt are read */
@@ -386,13 +386,25 @@ extern "C" int FL_CUK(attention_forward_tc)(const fl_attn_desc *a, float *out, v
     return a->HD == 64 ? fl_cu_tc_fwd_launch<64>(p, stream) : fl_cu_tc_fwd_launch<128>(p, stream);
 }
 
+/* in16: q, k, v and out bf16 (attention_backward_tc16) */
+static int tc_bwd(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, const void *q,
+                  const void *k, const void *v, const uint8_t *kmask, const void *out, const float *lse, void *work,
+                  int in16, void *stream) {
+    fl_cu_attn_p p;
+    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, 1, in16);
+    if (rc) return rc < 0 ? rc : 0;
+    return a->HD == 64 ? fl_cu_tc_bwd_launch<64>(p, stream) : fl_cu_tc_bwd_launch<128>(p, stream);
+}
 extern "C" int FL_CUK(attention_backward_tc)(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,
                                              const float *q, const float *k, const float *v, const uint8_t *kmask,
                                              const float *out, const float *lse, void *work, void *stream) {
-    fl_cu_attn_p p;
-    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, 1);
-    if (rc) return rc < 0 ? rc : 0;
-    return a->HD == 64 ? fl_cu_tc_bwd_launch<64>(p, stream) : fl_cu_tc_bwd_launch<128>(p, stream);
+    return tc_bwd(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, 0, stream);
+}
+extern "C" int FL_CUK(attention_backward_tc16)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                               const float *dout, const void *q16, const void *k16, const void *v16,
+                                               const uint8_t *kmask, const void *out16, const float *lse, void *work,
+                                               void *stream) {
+    return tc_bwd(a, dq, dk, dv, dout, q16, k16, v16, kmask, out16, lse, work, 1, stream);
 }
 
 /* ---- the mma check: one warp, D = A B + C with the fragments loaded per cu_mma.h's table --------- */

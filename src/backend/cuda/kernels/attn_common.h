@@ -6,10 +6,30 @@
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels_attn.h"
 
+/* A read-only view of fp32 or bf16 elements (issue 30 item 1: the backward reads a bf16 run's stored q|k|v and
+ * attention output in bf16, the widen-before-backward gone): x[i] is element i widened exactly (bf16: the fp32
+ * view's value a widen launch would have written, so the same bits), x + n the view n elements on. From a
+ * const float * implicitly (fp32). The type is uniform per launch: the branch does not diverge. */
+struct fl_cu_fptr {
+    const void *p;
+    int b16;
+    fl_cu_fptr() = default;
+    __host__ __device__ fl_cu_fptr(const float *f) : p(f), b16(0) {}
+    __host__ __device__ fl_cu_fptr(const void *x, int is16) : p(x), b16(is16) {}
+    __device__ __forceinline__ float operator[](size_t i) const {
+        return b16 ? fl_cu_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    }
+    __host__ __device__ fl_cu_fptr operator+(size_t n) const {
+        return b16 ? fl_cu_fptr((const uint16_t *)p + n, 1) : fl_cu_fptr((const float *)p + n, 0);
+    }
+};
+
 /* Everything a kernel needs, passed by value. Views as fl_attn_desc: row (b, t) of q at
- * q + (b*Tq + t)*ldq, head h at + h*HD (k, v, out, and the gradients likewise). */
+ * q + (b*Tq + t)*ldq, head h at + h*HD (k, v, out, and the gradients likewise). q, k, v, out: fp32, or bf16 in
+ * the backward of attention_backward16 (the same strides, in elements). */
 struct fl_cu_attn_p {
-    const float *q, *k, *v, *bias, *dout, *out, *lse;
+    fl_cu_fptr q, k, v, out;
+    const float *bias, *dout, *lse;
     const uint8_t *kmask;
     float *o, *l, *dq, *dk, *dv, *dbias, *Dsum; /* forward outputs; gradients; D scratch (B,NH,Tq) */
     uint16_t *o16; /* forward: NULL or the output's bf16 copy (out's layout), o then its widening (issue 30 item 1) */
@@ -17,6 +37,8 @@ struct fl_cu_attn_p {
     size_t ldq, ldk, ldv, ldo;
     int B, Tq, Tk, NH, NKV, HD, rep, causal;
     float scale;
+    float drop_p, drop_sc; /* dropout on the weights (fl_attn_desc.drop_p; fp32 kernels only): p, 1 / (1 - p) */
+    uint64_t drop_seed;
 };
 
 /* Tile shapes per head-dimension bucket D (HD <= D; dims HD..D-1 are zero in shared memory).
@@ -59,6 +81,16 @@ FL_CU_DEV int fl_cu_attn_key_limit(const fl_cu_attn_p &p, int t) {
     long lim = (long)t + p.Tk - p.Tq + 1;
     return lim < 0 ? 0 : lim > p.Tk ? p.Tk : (int)lim;
 }
+/* Dropout on the attention weights: the factor of key j of query row t of head h, batch b (fitllm/lora.h's mask of
+ * (drop_seed, ((b NH + h) Tq + t) Tk + j), the same integer arithmetic and float compare: the CPU's bits) */
+FL_CU_DEV float fl_cu_attn_dropf(const fl_cu_attn_p &p, int b, int h, int t, int j) {
+    const size_t i = (((size_t)b * p.NH + h) * p.Tq + t) * p.Tk + j;
+    uint64_t z = p.drop_seed + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f) >= p.drop_p ? p.drop_sc : 0.0f;
+}
 /* First query row that sees key k (causal), in [0, Tq]. */
 FL_CU_DEV int fl_cu_attn_first_row(const fl_cu_attn_p &p, int k) {
     if (!p.causal) return 0;
@@ -69,7 +101,7 @@ FL_CU_DEV int fl_cu_attn_first_row(const fl_cu_attn_p &p, int k) {
 /* dst (R, D+1) <- rows r0..r0+n-1 of a (rows, HD) view (row stride ld) times mul; rows >= n and
  * dims >= HD zero. Consecutive threads read consecutive dims (coalesced). */
 template <int D, int R>
-FL_CU_DEV void fl_cu_attn_load_tile(float *dst, const float *src, size_t ld, int n, int HD, float mul) {
+FL_CU_DEV void fl_cu_attn_load_tile(float *dst, fl_cu_fptr src, size_t ld, int n, int HD, float mul) {
     for (int i = threadIdx.x; i < R * D; i += FL_CU_ATTN_THREADS) {
         int r = i / D, d = i % D;
         float x = 0.0f;
@@ -99,7 +131,7 @@ template <int unused_> __global__ static void fl_cu_attn_dsum_k(fl_cu_attn_p p) 
     const int t = (int)(row % p.Tq), h = (int)(row / p.Tq % p.NH);
     const size_t b = row / ((size_t)p.Tq * p.NH);
     const float *dO = p.dout + (b * p.Tq + t) * p.ldo + (size_t)h * p.HD;
-    const float *o = p.out + (b * p.Tq + t) * p.ldo + (size_t)h * p.HD;
+    const fl_cu_fptr o = p.out + ((b * p.Tq + t) * p.ldo + (size_t)h * p.HD);
     float s = 0.0f;
     for (int d = lane; d < p.HD; d += 32) s += dO[d] * o[d];
     s = fl_cu_warp_sum(s);
@@ -122,6 +154,7 @@ static inline int fl_cu_attn_check(const fl_attn_desc *a, const void *out, const
     if (a->ldq < wq || a->ldo < wq || a->ldk < wk || a->ldv < wk) return FL_CU_ATTN_INVALID;
     if (dbias && !bias) return FL_CU_ATTN_INVALID;
     if (!(a->scale == a->scale) || a->scale - a->scale != 0.0f) return FL_CU_ATTN_INVALID; /* NaN or inf */
+    if (!(a->drop_p >= 0.0f && a->drop_p < 1.0f)) return FL_CU_ATTN_INVALID;
     if (a->B > 65535 || a->NH > 65535) return FL_CU_ATTN_INVALID;                          /* grid y / z */
     return 0;
 }
@@ -142,6 +175,9 @@ static inline fl_cu_attn_p fl_cu_attn_params(const fl_attn_desc *a) {
     p.rep = a->NH / a->NKV;
     p.causal = a->causal != 0;
     p.scale = a->scale;
+    p.drop_p = a->drop_p;
+    p.drop_sc = a->drop_p > 0.0f ? 1.0f / (1.0f - a->drop_p) : 1.0f;
+    p.drop_seed = a->drop_seed;
     return p;
 }
 
@@ -161,18 +197,20 @@ static inline int fl_cu_attn_fwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, f
     p->o16 = (uint16_t *)out16;
     return 0;
 }
+/* in16: q, k, v and out are bf16 (attention_backward16), else fp32 */
 static inline int fl_cu_attn_bwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, float *dq, float *dk, float *dv,
-                                       float *dbias, const float *dout, const float *q, const float *k, const float *v,
-                                       const float *bias, const uint8_t *kmask, const float *out, const float *lse,
-                                       void *work, int tc) {
-    int rc = fl_cu_attn_check(a, out, lse, q, k, v, bias, dbias);
+                                       float *dbias, const float *dout, const void *q, const void *k, const void *v,
+                                       const float *bias, const uint8_t *kmask, const void *out, const float *lse,
+                                       void *work, int tc, int in16) {
+    int rc = fl_cu_attn_check(a, out, lse, (const float *)q, (const float *)k, (const float *)v, bias, dbias);
     if (rc) return rc;
     if (!dq || !dk || !dv || !dout) return FL_CU_ATTN_INVALID;
     if (tc && !fl_cu_attention_tc_supported(a, bias)) return FL_CU_ATTN_UNSUPPORTED;
     if (a->B == 0 || a->Tq == 0) return 1;
     if (!work) return FL_CU_ATTN_INVALID;
     *p = fl_cu_attn_params(a);
-    p->q = q, p->k = k, p->v = v, p->bias = bias, p->kmask = kmask, p->dout = dout, p->out = out, p->lse = lse;
+    p->q = fl_cu_fptr(q, in16), p->k = fl_cu_fptr(k, in16), p->v = fl_cu_fptr(v, in16), p->out = fl_cu_fptr(out, in16);
+    p->bias = bias, p->kmask = kmask, p->dout = dout, p->lse = lse;
     p->dq = dq, p->dk = dk, p->dv = dv, p->dbias = dbias, p->Dsum = (float *)work;
     return 0;
 }

@@ -70,8 +70,8 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
             FL_CU_UNROLL
             for (int i = 0; i < 4; i++) o[mt][dt][i] = 0.0f;
     }
-    const float *K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * D;
-    const float *V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * D;
+    const fl_cu_fptr K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * D;
+    const fl_cu_fptr V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * D;
     for (int k0 = 0; k0 < kend; k0 += BK) {
         const int kn = kend - k0 < BK ? kend - k0 : BK;
         __syncthreads(); /* the previous tile's Ks / Vs are read */
@@ -393,14 +393,26 @@ extern "C" int FL_CUK(attention_backward_fa2)(const fl_attn_desc *a, float *dq, 
     return FL_CUK(attention_backward_fa2_ex)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, 0, stream);
 }
 
-extern "C" int FL_CUK(attention_backward_fa2_ex)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
-                                                 const float *dout, const float *q, const float *k, const float *v,
-                                                 const uint8_t *kmask, const float *out, const float *lse, void *work,
-                                                 int deterministic, void *stream) {
+/* in16: q, k, v and out bf16 (attention_backward_fa2_16) */
+static int fa_bwd(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, const void *q,
+                  const void *k, const void *v, const uint8_t *kmask, const void *out, const float *lse, void *work,
+                  int deterministic, int in16, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, 1);
+    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, 1, in16);
     if (rc) return rc < 0 ? rc : 0;
     /* the counters after D's rows (work of fl_cu_attention_work_bytes_det) */
     if (deterministic) p.dq_lock = (int *)(p.Dsum + (size_t)a->B * a->NH * a->Tq);
     return a->HD == 64 ? fl_cu_fa_bwd_launch<64>(p, stream) : fl_cu_fa_bwd_launch<128>(p, stream);
+}
+extern "C" int FL_CUK(attention_backward_fa2_ex)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                                 const float *dout, const float *q, const float *k, const float *v,
+                                                 const uint8_t *kmask, const float *out, const float *lse, void *work,
+                                                 int deterministic, void *stream) {
+    return fa_bwd(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, deterministic, 0, stream);
+}
+extern "C" int FL_CUK(attention_backward_fa2_16)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                                 const float *dout, const void *q16, const void *k16, const void *v16,
+                                                 const uint8_t *kmask, const void *out16, const float *lse, void *work,
+                                                 int deterministic, void *stream) {
+    return fa_bwd(a, dq, dk, dv, dout, q16, k16, v16, kmask, out16, lse, work, deterministic, 1, stream);
 }

@@ -20,9 +20,9 @@
 #define FL_CU_TC_PAD 8
 
 /* Two consecutive fp32 elements of row r (0 past n rows) packed as bf16. */
-FL_CU_DEV uint32_t fl_cu_tc_ld2(const float *base, size_t ld, int r, int n, int c) {
+FL_CU_DEV uint32_t fl_cu_tc_ld2(fl_cu_fptr base, size_t ld, int r, int n, int c) {
     if (r >= n) return 0u;
-    const float *x = base + (size_t)r * ld + c;
+    const fl_cu_fptr x = base + ((size_t)r * ld + c);
     return fl_cu_pack_bf16(x[0], x[1]);
 }
 
@@ -30,7 +30,7 @@ FL_CU_DEV uint32_t fl_cu_tc_ld2(const float *base, size_t ld, int r, int n, int 
  * rows >= n zero; and, when dt is given, the transpose (D rows of pitch PT) likewise. Consecutive threads take
  * consecutive column pairs (coalesced reads). */
 template <int D, int R>
-FL_CU_DEV void fl_cu_tc_load(uint16_t *dst, int P, uint16_t *dt, int PT, const float *src, size_t ld, int n) {
+FL_CU_DEV void fl_cu_tc_load(uint16_t *dst, int P, uint16_t *dt, int PT, fl_cu_fptr src, size_t ld, int n) {
     for (int i = threadIdx.x; i < R * D / 2; i += FL_CU_TC_THREADS) {
         const int r = i / (D / 2), c = 2 * (i % (D / 2));
         const uint32_t w = fl_cu_tc_ld2(src, ld, r, n, c);

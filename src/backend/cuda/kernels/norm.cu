@@ -26,6 +26,10 @@ FL_CU_DEV float nw(const void *w, int wt, int c) {
     if (wt == (int)FL_F16) return fl_cu_f16_to_f32(((const uint16_t *)w)[c]);
     return ((const float *)w)[c];
 }
+/* element i on of a row of type t (F32 or 16-bit) */
+FL_CU_DEV const void *row_at(const void *p, int t, size_t i) {
+    return t == (int)FL_F32 ? (const void *)((const float *)p + i) : (const void *)((const uint16_t *)p + i);
+}
 /* four of them from c (fp32: one 128-bit load; 16-bit: four loads, the alignment check leaves w out) */
 FL_CU_DEV void nw4(const void *w, int wt, int c, float *g) {
     if (wt == (int)FL_F32) {
@@ -116,30 +120,33 @@ __global__ static void fl_cu_add_rmsnorm_fwd_k(float *res, float *out, float *rs
 FL_CU_DEV void keep16_only(uint16_t *o16, size_t i, float v) {
     if (o16) o16[i] = fl_cu_f32_to_bf16(v);
 }
-__global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, uint16_t *dinp16, const float *dout, const float *inp,
-                                              const void *w, int wt, const float *rstd, int C, int vec) {
+/* the input inp of type xt: F32, or BF16 (a bf16 run's stored row read as it is: its exact widening, the bits
+ * of widening it first) */
+__global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, uint16_t *dinp16, const float *dout, const void *inp,
+                                              int xt, const void *w, int wt, const float *rstd, int C, int vec) {
     __shared__ float buf[32];
     size_t row = blockIdx.x;
-    const float *x = inp + row * C, *dy = dout + row * C;
+    const void *x = row_at(inp, xt, row * C);
+    const float *dy = dout + row * C;
     float *dx = dinp + row * C;
     uint16_t *dx16 = dinp16 ? dinp16 + row * C : NULL;
     float r = rstd[row], dot = 0.0f;
     if (vec) {
         for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
             float xv[4], dv[4], g[4];
-            fl_cu_ld4(x + c, xv);
+            nw4(x, xt, c, xv);
             fl_cu_ld4(dy + c, dv);
             nw4(w, wt, c, g);
             for (int k = 0; k < 4; k++) dot += (dv[k] * g[k]) * (xv[k] * r);
         }
     } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dot += (dy[c] * nw(w, wt, c)) * (x[c] * r);
+        for (int c = threadIdx.x; c < C; c += blockDim.x) dot += (dy[c] * nw(w, wt, c)) * (nw(x, xt, c) * r);
     }
     float mdot = fl_cu_block_sum(dot, buf) / (float)C;
     if (vec) {
         for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
             float xv[4], dv[4], g[4], o[4];
-            fl_cu_ld4(x + c, xv);
+            nw4(x, xt, c, xv);
             fl_cu_ld4(dy + c, dv);
             nw4(w, wt, c, g);
             fl_cu_ld4(dx + c, o);
@@ -151,7 +158,7 @@ __global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, uint16_t *dinp16, con
         }
     } else {
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            dx[c] += r * (dy[c] * nw(w, wt, c) - x[c] * r * mdot);
+            dx[c] += r * (dy[c] * nw(w, wt, c) - nw(x, xt, c) * r * mdot);
             keep16_only(dx16, (size_t)c, dx[c]);
         }
     }
@@ -161,11 +168,13 @@ __global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, uint16_t *dinp16, con
  * xhat = x * rstd[n] (RMSNorm: mean NULL) or (x - mean[n]) * rstd[n] (LayerNorm). dw / db may be NULL. */
 #define FL_CU_CS_COLS 16
 #define FL_CU_CS_GROUPS 32
-FL_CU_DEV float cs_xhat(const float *inp, const float *mean, const float *rstd, size_t i, int n) {
-    return mean ? (inp[i] - mean[n]) * rstd[n] : inp[i] * rstd[n];
+FL_CU_DEV float cs_xhat(const void *inp, int xt, const float *mean, const float *rstd, size_t i, int n) {
+    const float x = xt == (int)FL_F32 ? ((const float *)inp)[i] : fl_cu_bf16_to_f32(((const uint16_t *)inp)[i]);
+    return mean ? (x - mean[n]) * rstd[n] : x * rstd[n];
 }
-__global__ static void fl_cu_colsum_k(float *dw, float *db, const float *dout, const float *inp, const float *mean,
-                                      const float *rstd, int N, int C) {
+/* inp of type xt (F32 or BF16, as the dx kernel's) */
+__global__ static void fl_cu_colsum_k(float *dw, float *db, const float *dout, const void *inp, int xt,
+                                      const float *mean, const float *rstd, int N, int C) {
     __shared__ float sw[FL_CU_CS_GROUPS * FL_CU_CS_COLS], sb[FL_CU_CS_GROUPS * FL_CU_CS_COLS];
     const int lc = (int)threadIdx.x % FL_CU_CS_COLS, g = (int)threadIdx.x / FL_CU_CS_COLS;
     const int G = (int)blockDim.x / FL_CU_CS_COLS; /* row groups: cs_threads(N) */
@@ -177,8 +186,8 @@ __global__ static void fl_cu_colsum_k(float *dw, float *db, const float *dout, c
             size_t i0 = (size_t)n * C + c, i1 = i0 + (size_t)G * C, i2 = i1 + (size_t)G * C, i3 = i2 + (size_t)G * C;
             float d0 = dout[i0], d1 = dout[i1], d2 = dout[i2], d3 = dout[i3];
             if (dw) {
-                float x0 = cs_xhat(inp, mean, rstd, i0, n), x1 = cs_xhat(inp, mean, rstd, i1, n + G);
-                float x2 = cs_xhat(inp, mean, rstd, i2, n + 2 * G), x3 = cs_xhat(inp, mean, rstd, i3, n + 3 * G);
+                float x0 = cs_xhat(inp, xt, mean, rstd, i0, n), x1 = cs_xhat(inp, xt, mean, rstd, i1, n + G);
+                float x2 = cs_xhat(inp, xt, mean, rstd, i2, n + 2 * G), x3 = cs_xhat(inp, xt, mean, rstd, i3, n + 3 * G);
                 aw += d0 * x0;
                 aw += d1 * x1;
                 aw += d2 * x2;
@@ -192,7 +201,7 @@ __global__ static void fl_cu_colsum_k(float *dw, float *db, const float *dout, c
         for (; n < N; n += G) {
             size_t i = (size_t)n * C + c;
             float d = dout[i];
-            if (dw) aw += d * cs_xhat(inp, mean, rstd, i, n);
+            if (dw) aw += d * cs_xhat(inp, xt, mean, rstd, i, n);
             ab += d;
         }
     }
@@ -246,26 +255,32 @@ extern "C" int FL_CUK(add_rmsnorm_forward)(float *res, float *out, float *rstd, 
     return fl_cu_launch_error();
 }
 
-static int rmsnorm_bwd(float *dinp, void *dinp16, float *dw, const float *dout, const float *inp, const void *w,
-                       fl_dtype wt, const float *rstd, int N, int C, void *stream) {
+/* inp of xt F32 or BF16 */
+static int rmsnorm_bwd(float *dinp, void *dinp16, float *dw, const float *dout, const void *inp, fl_dtype xt,
+                       const void *w, fl_dtype wt, const float *rstd, int N, int C, void *stream) {
     if (N <= 0 || C <= 0) return 0;
-    const int vec = C % 4 == 0 && fl_cu_aligned16(dinp, dout, inp, wt == FL_F32 ? w : NULL, NULL);
+    const int vec =
+        C % 4 == 0 && fl_cu_aligned16(dinp, dout, xt == FL_F32 ? inp : NULL, wt == FL_F32 ? w : NULL, NULL);
     if (dinp)
         FL_CU_LAUNCH(fl_cu_rmsnorm_bwd_dx_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0,
-                     (fl_cu_stream)stream, dinp, (uint16_t *)dinp16, dout, inp, w, (int)wt, rstd, C, vec);
+                     (fl_cu_stream)stream, dinp, (uint16_t *)dinp16, dout, inp, (int)xt, w, (int)wt, rstd, C, vec);
     if (dw)
         FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(C)), dim3(cs_threads(N)), 0,
-                     (fl_cu_stream)stream, dw, (float *)NULL, dout, inp, (const float *)NULL, rstd, N, C);
+                     (fl_cu_stream)stream, dw, (float *)NULL, dout, inp, (int)xt, (const float *)NULL, rstd, N, C);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                                         const float *rstd, int N, int C, void *stream) {
-    return rmsnorm_bwd(dinp, NULL, dw, dout, inp, w, FL_F32, rstd, N, C, stream);
+    return rmsnorm_bwd(dinp, NULL, dw, dout, inp, FL_F32, w, FL_F32, rstd, N, C, stream);
 }
+/* inp16 (NULL or the input's bf16 copy): read instead of inp; wt: F32 only with inp16 (a bf16-mixed run's fp32
+ * norm weight over its bf16-stored input) */
 extern "C" int FL_CUK(rmsnorm_backward_w16)(float *dinp, void *dinp16, float *dw, const float *dout, const float *inp,
-                                            const void *w, fl_dtype wt, const float *rstd, int N, int C, void *stream) {
-    if (wt != FL_BF16 && wt != FL_F16) return -1;
-    return rmsnorm_bwd(dinp, dinp16, dw, dout, inp, w, wt, rstd, N, C, stream);
+                                            const void *inp16, const void *w, fl_dtype wt, const float *rstd, int N,
+                                            int C, void *stream) {
+    if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && inp16)) return -1;
+    return rmsnorm_bwd(dinp, dinp16, dw, dout, inp16 ? inp16 : inp, inp16 ? FL_BF16 : FL_F32, w, wt, rstd, N, C,
+                       stream);
 }
 
 /* ---- LayerNorm (GPT-2): two block sums per row (mean, then the two-pass variance) ---------------- */
@@ -324,7 +339,7 @@ extern "C" int FL_CUK(layernorm_backward)(float *dinp, float *dw, float *db, con
                      dout, inp, w, mean, rstd, C);
     if (dw || db)
         FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(C)), dim3(cs_threads(N)), 0,
-                     (fl_cu_stream)stream, dw, db, dout, inp, mean, rstd, N, C);
+                     (fl_cu_stream)stream, dw, db, dout, inp, (int)FL_F32, mean, rstd, N, C);
     return fl_cu_launch_error();
 }
 
@@ -332,7 +347,7 @@ extern "C" int FL_CUK(layernorm_backward)(float *dinp, float *dw, float *db, con
 extern "C" int FL_CUK(bias_backward)(float *db, const float *dy, int N, int OC, void *stream) {
     if (db && N > 0 && OC > 0)
         FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(OC)), dim3(cs_threads(N)), 0,
-                     (fl_cu_stream)stream, (float *)NULL, db, dy, (const float *)NULL, (const float *)NULL,
-                     (const float *)NULL, N, OC);
+                     (fl_cu_stream)stream, (float *)NULL, db, dy, (const void *)NULL, (int)FL_F32,
+                     (const float *)NULL, (const float *)NULL, N, OC);
     return fl_cu_launch_error();
 }

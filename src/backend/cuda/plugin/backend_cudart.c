@@ -111,6 +111,7 @@ static int flb_mark_elapsed(void *a, void *b, float *ms) {
     return (int)e;
 }
 static void flb_mark_free(void *ev) { cudaEventDestroy((cudaEvent_t)ev); }
+static int flb_mark_wait(void *ev) { return (int)cudaEventSynchronize((cudaEvent_t)ev); }
 static fl_status flb_device_init(void **stream, fl_cu_blas *blas) {
     char why[256];
     int count = fl_cudart_device_count(why, sizeof why);

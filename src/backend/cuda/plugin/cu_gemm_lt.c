@@ -67,6 +67,28 @@ static cublasStatus_t layout(cublasLtMatrixLayout_t *l, fl_dtype t, int64_t rows
     return st;
 }
 
+/* The epilogue's attributes (issue 30 item 3): its kind and aux's leading dimension once per plan (all: 1), the
+ * bias and aux pointers every call (all: 0; the plan's descriptor is reused across calls). The bias is fp32: its
+ * type defaults to D's, and an epilogue's D is F32 (cu_gemm_check). */
+static cublasStatus_t lt_epilogue(cublasLtMatmulDesc_t op, const fl_cu_gemm_desc *d, int all) {
+    const int gelu = d->epilogue == FL_CU_EPI_GELU_AUX_BIAS;
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    if (all) {
+        cublasLtEpilogue_t e = gelu ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS;
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e);
+        int64_t ld = d->ldaux;
+        if (st == CUBLAS_STATUS_SUCCESS && gelu)
+            st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof ld);
+    }
+    const void *bias = d->bias;
+    void *aux = d->aux;
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias);
+    if (st == CUBLAS_STATUS_SUCCESS && gelu)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
+    return st;
+}
+
 /* The descriptors and the heuristic's algorithm for d's shape (a cache miss). */
 static cublasStatus_t lt_plan_create(fl_cu_blas *b, const fl_cu_gemm_desc *d, lt_plan **out) {
     *out = NULL;
@@ -77,6 +99,7 @@ static cublasStatus_t lt_plan_create(fl_cu_blas *b, const fl_cu_gemm_desc *d, lt
     cublasOperation_t opa = d->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, opb = d->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulDescSetAttribute(q->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa);
     if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulDescSetAttribute(q->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb);
+    if (st == CUBLAS_STATUS_SUCCESS && d->epilogue != FL_CU_EPI_NONE) st = lt_epilogue(q->op, d, 1);
     if (st == CUBLAS_STATUS_SUCCESS)
         st = layout(&q->la, d->ta, d->trans_a ? d->k : d->m, d->trans_a ? d->m : d->k, d->lda, d->batch, d->stride_a);
     if (st == CUBLAS_STATUS_SUCCESS)
@@ -125,12 +148,15 @@ fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d) {
         st = lt_plan_create(b, d, &q);
         if (st == CUBLAS_STATUS_SUCCESS) fl_cu_gemm_cache_put(&b->plans, &key, q);
     }
+    if (st == CUBLAS_STATUS_SUCCESS && d->epilogue != FL_CU_EPI_NONE) st = lt_epilogue(q->op, d, 0);
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatmul(b->lt, q->op, &d->alpha, d->A, q->la, d->B, q->lb, &d->beta, d->C, q->lc, d->C, q->lc,
                             &q->algo, b->workspace, b->workspace_bytes, (cudaStream_t)b->stream);
     if (st != CUBLAS_STATUS_SUCCESS)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt matmul m=%d n=%d k=%d (%s,%s,%s) batch %d: %s", d->m, d->n,
+        return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt matmul m=%d n=%d k=%d (%s,%s,%s) batch %d%s: %s", d->m, d->n,
                          d->k, fl_dtype_name(d->ta), fl_dtype_name(d->tb), fl_dtype_name(d->tc), d->batch,
+                         d->epilogue == FL_CU_EPI_BIAS ? " bias epilogue"
+                         : d->epilogue == FL_CU_EPI_GELU_AUX_BIAS ? " bias+GELU epilogue" : "",
                          cublasLtGetStatusString(st));
     return FL_OK;
 }

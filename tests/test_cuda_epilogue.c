@@ -1,0 +1,210 @@
+/* cuBLASLt epilogues (issue 30 item 3): a linear's bias, and GPT-2's bias + tanh GELU, fused into the GEMM.
+ *
+ * The stand-in (cu_gemm.c, what the emulator runs) against its contract: the epilogue adds the bias to the
+ * fp32-rounded sum (the bits of the plain stand-in then one fp32 add) and the GELU is within a few fp32
+ * roundings of a float64 evaluation of the tanh GELU (an independent anchor: tanh, not the kernels' sigmoid
+ * form); its refusals; and that the plan cache keeps epilogues apart. The backend's gemm_epilogue on cuda-emu
+ * against gemm + bias_forward (+ gelu_forward) on the same backend, bit for bit, for every type combination of
+ * the gemm slot (fused where cuBLASLt takes the types, composed otherwise), with FITLLM_CUDA_EPILOGUE=0 the same
+ * bits without the fused path, and the bad arguments by name. The training run's bits: test_cuda_model.c. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cuda/cu_gemm.h"
+#include "fitllm/backend.h"
+#include "fitllm/dtype.h"
+#include "test.h"
+
+/* float64 tanh GELU (transformers' gelu_new) */
+static double gelu64(double x) { return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))); }
+
+FL_TEST(cuda_gemm_epilogue_standin) {
+    enum { m = 13, n = 7, k = 19, ldc = 16, ldaux = 15 };
+    fl_test_rng rng = {0xe1b0};
+    float *A = fl_test_frand(&rng, m * k, -1, 1), *B = fl_test_frand(&rng, k * n, -1, 1);
+    float *bias = fl_test_frand(&rng, m, -2, 2), *C0 = fl_test_frand(&rng, ldc * n, -1, 1);
+    float *C = malloc(sizeof(float) * ldc * n), *P = malloc(sizeof(float) * ldc * n);
+    float *aux = malloc(sizeof(float) * ldaux * n);
+    FL_REQUIRE(A && B && bias && C0 && C && P && aux);
+    for (int beta_case = 0; beta_case < 2; beta_case++) {
+        const float beta = beta_case ? -0.4f : 0.0f;
+        fl_cu_gemm_desc d = {.m = m, .n = n, .k = k, .alpha = 0.7f, .beta = beta, .A = A, .ta = FL_F32, .lda = m,
+                             .B = B, .tb = FL_F32, .ldb = k, .C = P, .tc = FL_F32, .ldc = ldc, .batch = 1};
+        memcpy(P, C0, sizeof(float) * ldc * n);
+        FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &d)); /* the plain sum */
+        memcpy(C, C0, sizeof(float) * ldc * n);
+        d.C = C;
+        d.epilogue = FL_CU_EPI_BIAS;
+        d.bias = bias;
+        unsigned long e0 = fl_cu_gemm_standin_epilogues;
+        FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &d));
+        FL_CHECK(fl_cu_gemm_standin_epilogues == e0 + 1);
+        int same = 1;
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                float want = P[i + j * ldc] + bias[i];
+                same &= !memcmp(&want, &C[i + j * ldc], sizeof want);
+            }
+        FL_CHECKF(same, "bias epilogue (beta %g): not the plain sum + one fp32 add", (double)beta);
+        for (int i = m; i < ldc; i++) FL_CHECK(C[i] == C0[i]); /* padding rows untouched */
+    }
+    /* bias + GELU (beta 0): aux the biased sum, C its GELU within 8 fp32 roundings of float64 */
+    fl_cu_gemm_desc d = {.m = m, .n = n, .k = k, .alpha = 1.0f, .beta = 0.0f, .A = A, .ta = FL_F32, .lda = m,
+                         .B = B, .tb = FL_F32, .ldb = k, .C = P, .tc = FL_F32, .ldc = ldc, .batch = 1};
+    FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &d));
+    d.C = C;
+    d.epilogue = FL_CU_EPI_GELU_AUX_BIAS;
+    d.bias = bias;
+    d.aux = aux;
+    d.ldaux = ldaux;
+    FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &d));
+    int aux_ok = 1, gelu_ok = 1;
+    double worst = 0;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            float pre = P[i + j * ldc] + bias[i];
+            aux_ok &= !memcmp(&pre, &aux[i + j * ldaux], sizeof pre);
+            double g = gelu64(pre), err = fabs(C[i + j * ldc] - g), tol = 8 * 0x1p-24 * (fabs(g) + fabs(pre));
+            gelu_ok &= err <= tol;
+            if (err / tol > worst) worst = err / tol;
+        }
+    FL_CHECK(aux_ok);
+    FL_CHECKF(gelu_ok, "GELU epilogue: worst error %.3g of the bound", worst);
+    /* refusals */
+    fl_cu_gemm_desc e = d;
+    e.ldaux = m - 1;
+    FL_CHECK(fl_cu_gemm_standin(NULL, &e) == FL_ERR_INVALID && strstr(fl_error_message(), "ldaux"));
+    e = d, e.beta = 1.0f;
+    FL_CHECK(fl_cu_gemm_standin(NULL, &e) == FL_ERR_INVALID && strstr(fl_error_message(), "beta"));
+    e = d, e.aux = NULL;
+    FL_CHECK(fl_cu_gemm_standin(NULL, &e) == FL_ERR_INVALID);
+    e = d, e.bias = NULL;
+    FL_CHECK(fl_cu_gemm_standin(NULL, &e) == FL_ERR_INVALID && strstr(fl_error_message(), "bias"));
+    e = d, e.epilogue = 7;
+    FL_CHECK(fl_cu_gemm_standin(NULL, &e) == FL_ERR_INVALID && strstr(fl_error_message(), "epilogue 7"));
+    e = d, e.batch = 2;
+    FL_CHECK(fl_cu_gemm_standin(NULL, &e) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "one matrix"));
+    free(A), free(B), free(bias), free(C0), free(C), free(P), free(aux);
+}
+
+/* the plan cache: an epilogue's kind, aux's leading dimension and the bias / aux alignments make other plans;
+ * the pointers of equal alignment do not */
+FL_TEST(cuda_gemm_epilogue_plan_key) {
+    _Alignas(256) static float buf[2048];
+    fl_cu_gemm_desc d = {.m = 5, .n = 7, .k = 3, .alpha = 1, .A = buf, .ta = FL_F32, .lda = 5, .B = buf + 64,
+                         .tb = FL_F32, .ldb = 3, .C = buf + 128, .tc = FL_F32, .ldc = 5, .batch = 1,
+                         .epilogue = FL_CU_EPI_GELU_AUX_BIAS, .bias = buf + 256, .aux = buf + 512, .ldaux = 8};
+    fl_cu_gemm_key k0, k;
+    fl_cu_gemm_key_of(&d, 64, &k0);
+    fl_cu_gemm_desc e = d;
+    e.bias = buf + 768, e.aux = buf + 1024;
+    fl_cu_gemm_key_of(&e, 64, &k);
+    FL_CHECK(fl_cu_gemm_key_eq(&k0, &k));
+    for (int f = 0; f < 5; f++) {
+        e = d;
+        switch (f) {
+        case 0: e.epilogue = FL_CU_EPI_BIAS; break;
+        case 1: e.epilogue = FL_CU_EPI_NONE; break;
+        case 2: e.ldaux = 16; break;
+        case 3: e.bias = buf + 257; break;
+        case 4: e.aux = buf + 513; break;
+        }
+        fl_cu_gemm_key_of(&e, 64, &k);
+        FL_CHECKF(!fl_cu_gemm_key_eq(&k0, &k), "epilogue field %d ignored by the key", f);
+    }
+    /* without an epilogue its fields are not read */
+    d.epilogue = FL_CU_EPI_NONE;
+    fl_cu_gemm_key_of(&d, 64, &k0);
+    e = d, e.bias = buf + 3, e.aux = buf + 5, e.ldaux = 99;
+    fl_cu_gemm_key_of(&e, 64, &k);
+    FL_CHECK(fl_cu_gemm_key_eq(&k0, &k));
+}
+
+#ifdef FL_HAVE_CUDA_EMU
+/* operand of type t from floats (bf16 / f16: rounded) */
+static void *typed(const float *x, size_t n, fl_dtype t) {
+    if (t == FL_F32) {
+        float *y = malloc(n * sizeof *y);
+        memcpy(y, x, n * sizeof *y);
+        return y;
+    }
+    uint16_t *y = malloc(n * sizeof *y);
+    for (size_t i = 0; i < n; i++) y[i] = t == FL_BF16 ? fl_f32_to_bf16(x[i]) : fl_f32_to_f16(x[i]);
+    return y;
+}
+
+/* gemm_epilogue = gemm, bias_forward (+ gelu_forward) on one backend; *fused: the stand-in's epilogue ran */
+static void epi_case(const fl_backend *be, int epi, int trans_a, fl_dtype ta, fl_dtype tb, int K, float beta,
+                     int *fused) {
+    enum { M = 11, N = 9 };
+    fl_test_rng rng = {0x5eed + (uint64_t)K * 7 + (uint64_t)ta * 3 + (uint64_t)tb};
+    float *a = fl_test_frand(&rng, (size_t)M * (K ? K : 1), -1, 1), *b = fl_test_frand(&rng, (size_t)N * (K ? K : 1), -1, 1);
+    float *bias = fl_test_frand(&rng, N, -1, 1), *c0 = fl_test_frand(&rng, M * N, -1, 1);
+    void *A = typed(a, (size_t)M * (K ? K : 1), ta), *B = typed(b, (size_t)N * (K ? K : 1), tb);
+    float c1[M * N], c2[M * N], x1[M * N], x2[M * N];
+    memcpy(c1, c0, sizeof c1), memcpy(c2, c0, sizeof c2);
+    const int lda = trans_a ? M : K, gelu = epi == FL_GEMM_EPI_BIAS_GELU;
+    unsigned long e0 = fl_cu_gemm_standin_epilogues;
+    FL_CHECK(be->gemm_epilogue(be, epi, bias, gelu ? x1 : NULL, N, trans_a, 1, M, N, K, 0.5f, A, ta, lda, B, tb, K,
+                               beta, c1, N) == FL_OK);
+    *fused = fl_cu_gemm_standin_epilogues > e0;
+    float *y = gelu ? x2 : c2;
+    FL_CHECK(be->gemm(be, trans_a, 1, M, N, K, 0.5f, A, ta, lda, B, tb, K, beta, y, FL_F32, N) == FL_OK);
+    be->bias_forward(be, y, bias, M, N);
+    if (gelu) be->gelu_forward(be, c2, x2, (size_t)M * N);
+    FL_CHECKF(!memcmp(c1, c2, sizeof c1) && (!gelu || !memcmp(x1, x2, sizeof x1)),
+              "%s epilogue %d trans_a %d %s x %s K %d beta %g: not the separate ops' bits", be->name, epi, trans_a,
+              fl_dtype_name(ta), fl_dtype_name(tb), K, (double)beta);
+    free(a), free(b), free(bias), free(c0), free(A), free(B);
+}
+
+static void epi_cases(const fl_backend *be, int want_fused) {
+    static const struct { int trans_a; fl_dtype ta, tb; int fusable; } ty[] = {
+        {0, FL_F32, FL_F32, 1}, {1, FL_F32, FL_F32, 1}, {0, FL_BF16, FL_BF16, 1}, {0, FL_F32, FL_BF16, 1},
+        {1, FL_F32, FL_BF16, 0}, {0, FL_F32, FL_F16, 0}, {0, FL_F16, FL_F16, 1}};
+    for (size_t t = 0; t < sizeof ty / sizeof ty[0]; t++)
+        for (int c = 0; c < 3; c++) {
+            const int epi = c == 2 ? FL_GEMM_EPI_BIAS_GELU : FL_GEMM_EPI_BIAS;
+            int fused = -1;
+            epi_case(be, epi, ty[t].trans_a, ty[t].ta, ty[t].tb, 21, c == 1 ? 0.25f : 0.0f, &fused);
+            FL_CHECKF(fused == (want_fused && ty[t].fusable), "%s %s x %s trans_a %d: fused %d", be->name,
+                      fl_dtype_name(ty[t].ta), fl_dtype_name(ty[t].tb), ty[t].trans_a, fused);
+        }
+    int fused;
+    epi_case(be, FL_GEMM_EPI_BIAS, 0, FL_F32, FL_F32, 0, 0.5f, &fused); /* K = 0: beta C + bias */
+}
+
+FL_TEST(cuda_emu_gemm_epilogue_same_bits) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    FL_REQUIRE(be.gemm_epilogue != NULL);
+    epi_cases(&be, 1);
+    /* bad arguments, by name */
+    float x[64] = {0};
+    FL_CHECK(be.gemm_epilogue(&be, 9, x, NULL, 0, 0, 1, 2, 2, 2, 1, x, FL_F32, 2, x, FL_F32, 2, 0, x, 2) ==
+                 FL_ERR_INVALID && strstr(fl_error_message(), "epilogue 9"));
+    FL_CHECK(be.gemm_epilogue(&be, FL_GEMM_EPI_BIAS, NULL, NULL, 0, 0, 1, 2, 2, 2, 1, x, FL_F32, 2, x, FL_F32, 2, 0,
+                              x, 2) == FL_ERR_INVALID && strstr(fl_error_message(), "bias NULL"));
+    FL_CHECK(be.gemm_epilogue(&be, FL_GEMM_EPI_BIAS, x, NULL, 0, 0, 1, 2, 2, 2, 1, x, FL_F32, 2, x, FL_F32, 2, 0, x,
+                              3) == FL_ERR_INVALID && strstr(fl_error_message(), "ldc 3"));
+    FL_CHECK(be.gemm_epilogue(&be, FL_GEMM_EPI_BIAS_GELU, x, x + 16, 2, 0, 1, 2, 2, 2, 1, x, FL_F32, 2, x, FL_F32, 2,
+                              1.0f, x + 32, 2) == FL_ERR_INVALID && strstr(fl_error_message(), "beta"));
+    FL_CHECK(be.gemm_epilogue(&be, FL_GEMM_EPI_BIAS, x, NULL, 0, 0, 1, 2, 2, 2, 1, x, FL_BF16, 2, x, FL_F32, 2, 0, x,
+                              2) == FL_ERR_UNSUPPORTED);
+    fl_backend_free(&be);
+    /* FITLLM_CUDA_EPILOGUE=0: the same bits, never the fused path; another value is refused by name */
+    setenv("FITLLM_CUDA_EPILOGUE", "0", 1);
+    fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_EPILOGUE");
+    FL_REQUIRE_OK(s);
+    epi_cases(&be, 0);
+    fl_backend_free(&be);
+    setenv("FITLLM_CUDA_EPILOGUE", "on", 1);
+    s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_EPILOGUE");
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_EPILOGUE=on"), "status %d: %s", (int)s,
+              fl_error_message());
+    if (s == FL_OK) fl_backend_free(&be);
+}
+#endif
