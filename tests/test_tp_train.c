@@ -230,36 +230,32 @@ FL_TEST(tp_train_threads_zero_on_the_data_axis) {
  * checkpoint gathers each stage's slices on the group's rank 0, then the stages on the first stage) within 1e-5 of
  * each tensor's scale, the final weights within the AdamW bound. TP 2 x PP 2 (1F1B), DP 2 x TP 2 x PP 2, TP 4 x PP 2,
  * SGD at TP 2 x PP 3 under GPipe, and GPT-2 / OPT (gpt2-micro, opt-micro) at TP 2 x PP 2 under SGD. */
+/* one scenario per row: the grid, the schedule and model (NULL: 1f1b, micro), the data axis' strategy (NULL: ddp) */
+typedef struct { int sc, dp, tp, pp; const char *sched, *model, *strategy; } grid_case;
+static void grid_cases(const grid_case *k, int n) {
+    for (int i = 0; i < n; i++) {
+        g_pp = k[i].pp, g_sched = k[i].sched, g_model = k[i].model, g_strategy = k[i].strategy;
+        scenario(k[i].sc, k[i].dp, k[i].tp);
+    }
+    g_pp = 1, g_sched = g_model = g_strategy = NULL;
+}
+
 FL_TEST(tp_train_threads_tp_x_pp_matches_one_process) {
-    g_pp = 2;
-    scenario(DR_ADAMW, 1, 2);
-    scenario(DR_ADAMW, 2, 2);
-    scenario(DR_ADAMW, 1, 4);
-    g_pp = 3;
-    g_sched = "gpipe";
-    scenario(DR_SGD, 1, 2);
-    g_sched = NULL;
-    g_pp = 2; /* GPT-2 and OPT (2 blocks: one a stage; learned positions, LayerNorms, biases: the row-parallel ones on
-               * the group's rank 0; the tied table's halves summed across the stages) */
-    g_model = "gpt2-micro";
-    scenario(DR_SGD, 1, 2);
-    g_model = "opt-micro";
-    scenario(DR_SGD, 1, 2);
-    g_model = NULL;
-    g_pp = 1;
+    /* GPT-2 and OPT: 2 blocks, one a stage; learned positions, LayerNorms, biases (the row-parallel ones on the
+     * group's rank 0); the tied table's halves summed across the stages */
+    const grid_case k[] = {{DR_ADAMW, 1, 2, 2, NULL, NULL, NULL},      {DR_ADAMW, 2, 2, 2, NULL, NULL, NULL},
+                           {DR_ADAMW, 1, 4, 2, NULL, NULL, NULL},      {DR_SGD, 1, 2, 3, "gpipe", NULL, NULL},
+                           {DR_SGD, 1, 2, 2, NULL, "gpt2-micro", NULL}, {DR_SGD, 1, 2, 2, NULL, "opt-micro", NULL}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
 }
 
 /* ZeRO-1 and ZeRO-2 on the data axis of DP 2 x TP 2 x PP 2: a rank's optimizer state is its chunk of its slice of its
  * stage; ZeRO-2's norm sums the chunks over the axis, then the group, then the stages; the tied table's reduced
  * gradient is made whole on the axis before the first and last stage sum it. */
 FL_TEST(tp_train_threads_tp_x_pp_zero_on_the_data_axis) {
-    g_pp = 2;
-    g_strategy = "deepspeed_stage_1";
-    scenario(DR_ADAMW, 2, 2);
-    g_strategy = "deepspeed_stage_2";
-    scenario(DR_ADAMW, 2, 2);
-    g_strategy = NULL;
-    g_pp = 1;
+    const grid_case k[] = {{DR_ADAMW, 2, 2, 2, NULL, NULL, "deepspeed_stage_1"},
+                           {DR_ADAMW, 2, 2, 2, NULL, NULL, "deepspeed_stage_2"}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
 }
 
 /* LoRA on the slices (trainer_tp.c, src/train/tp.c): on q, k, v, gate, up (column-parallel) A is whole and B the
