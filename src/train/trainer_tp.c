@@ -144,7 +144,8 @@ fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, 
     FL_TRY(whole_pools(t, w));
     FL_TRY(fl_model_init_ex(&w->m, cfg, &t->hw.be, &w->pool, &t->stg));
     w->m_ok = 1;
-    if (t->model.lora) { /* a LoRA run's whole model carries the same adapters (their values: gathered or loaded) */
+    if (t->model.lora && t->tp.size > 1) { /* tensor parallel LoRA: the whole model carries the same adapters (their
+                                            * values: gathered or loaded; the pipeline's lora_whole attaches its own) */
         fl_lora_config lc;
         FL_TRY(fl_trainer_lora_config(t->cfg, cfg, &lc));
         FL_TRY(fl_model_lora_init(&w->m, &lc, t->cfg->seed));
