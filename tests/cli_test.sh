@@ -655,6 +655,9 @@ expect plan_suggest_grid_no_memory 2 "each rank's memory is needed \(--device-me
 # measured peak equals its plan (PP: the largest stage's)
 expect lab_grid_rows 0 "tp-2 +lab-7b +1x4x2 +32-true +AdamW +fits +yes +([0-9.]+) +\1 .*pp-2 +lab-7b +1x4x2 +32-true +AdamW +fits +yes +[0-9.]+-([0-9.]+) +\2 " -- \
     bash -c "'$FITLLM' lab --only tp-2,pp-2 --steps 1 --out_dir '$T/lab-grid' | tr '\n' ' '"
+# the 3D grid's row (TP 2 x PP 2 of lab-7b, 4 ranks as threads): the largest rank's measured peak = its plan
+expect lab_grid_row_tp2_pp2 0 "tp2-pp2 +lab-7b +1x4x4 +32-true +AdamW +fits +yes +[0-9.]+-([0-9.]+) +\1 " -- \
+    bash -c "'$FITLLM' lab --only tp2-pp2 --steps 1 --out_dir '$T/lab-grid3' | tr '\n' ' '"
 expect plan_suggest_and_largest 2 "--largest and --suggest are two questions" -- "$FITLLM" plan --suggest --largest "${GRID[@]}" \
     --device-memory 3MiB
 expect plan_largest_needs_host_memory 2 "a CPU machine needs its host memory \(--host-memory SIZE\)" -- "$FITLLM" plan --largest tiny
@@ -704,6 +707,14 @@ expect tp_plan_zero3_refused 2 "--tensor_parallel 2 with --strategy deepspeed_st
 # slice) + 5 x (2 x 64 norms + q 32 x 64 + k, v 16 x 64 + o 64 x 32 + gate, up 86 x 64 + down 64 x 86) + 64 =
 # 130368 floats = 509.25 KiB (573.25 KiB with the embeddings whole)
 expect tp_plan_slice 0 "^after_load +reserved +509\.25 KiB" -- "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy ddp
+# the 3D grid's rank 3 of TP 2 x PP 2 (the second tensor-parallel rank of stage 1: blocks [3, 5) of micro's 5), by hand:
+# embeddings 256 x 64 (vocabulary slice, on every stage) + 2 x (2 x 64 norms + q 32 x 64 + k, v 16 x 64 + o 64 x 32
+# + gate, up 86 x 64 + down 64 x 86) + 64 = 62016 floats = 242.25 KiB; LoRA on the slices refuses dropout on a
+# row-parallel target (down_proj), naming the option
+expect tpp_plan_stage_slice 0 "^after_load +reserved +242\.25 KiB" -- \
+    "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --strategy ddp --rank 3
+expect tp_plan_lora_dropout_row_refused 2 "--tensor_parallel 2: LoRA dropout \(0.1\) on the row-parallel model.layers.0.mlp.down_proj.*lora_dropout 0" -- \
+    "$FITLLM" plan micro --lora --devices 2 --tensor_parallel 2 --lora_mlp true --lora_dropout 0.1
 # --pipeline_parallel (EXPERIMENTAL; the runs: tests/mpi_test.sh, tests/test_pp_train.c): a grid it does not divide, an
 # unknown schedule, the plan of one stage, the help's label
 expect pp_not_dividing_devices 2 "--pipeline_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
 #   - tensor parallelism at 2 and 4 ranks (tests/mpi/tp_mpi_test.c) against one process, PyTorch and float64;
-#     through the CLI (--tensor_parallel): TP 2, TP 4 and DP 2 x TP 2 (DDP, ZeRO-2) against one process's losses, the
+#     through the CLI (--tensor_parallel): TP 2, TP 4, DP 2 x TP 2 (DDP, ZeRO-2), TP 2 x PP 2 and LoRA at TP 2 against one process's losses, the
 #     consolidated checkpoint resumed at TP 1 and 4, a killed rank ending the grid;
 #   - DDP training at 2 and 4 ranks, ZeRO-1/2 at 2, 3 and 4 (16-true at 2) and FULL_SHARD (AdamW, 8-bit AdamW) at 2,
 #     ZeRO-3 with the optimizer offloaded (cpu, nvme) at 3 = the device-resident ZeRO-3 checkpoints
@@ -536,14 +536,18 @@ fi
 # folder holds the files and the tensor layout one process writes, the lead prints the stages' measured times and the
 # schedule simulated on them; PP 2's step-2 checkpoint resumes in one process
 # and continues PP 2's losses within 1e-6; the refusals name the option
-for grid in "2 2 1f1b ddp" "4 4 gpipe ddp" "4 2 1f1b ddp" "4 2 1f1b deepspeed_stage_2" "4 2 1f1b fsdp"; do
+# the 3D grid (the 5th field: TP 2 x PP 2 at 4 ranks; tests/test_tp_train.c has the bounds' reasons) the same, and
+# its step-2 checkpoint resumes in one process too
+for grid in "2 2 1f1b ddp" "4 4 gpipe ddp" "4 2 1f1b ddp" "4 2 1f1b deepspeed_stage_2" "4 2 1f1b fsdp" "4 2 1f1b ddp 2"; do
     set -- $grid
-    sfx=$([ "$4" = ddp ] || echo "_$4")
+    tp=${5:-1}; TPA=(); [ "$tp" = 1 ] || TPA=(--tensor_parallel "$tp")
+    sfx=$([ "$4" = ddp ] || echo "_$4")$([ "$tp" = 1 ] || echo "_tp$tp")
     timeout 300 mpirun -np $1 "$FL" finetune_full "${TARGS[@]}" --devices $1 --pipeline_parallel $2 --pipeline_schedule $3 \
-        --strategy $4 --out_dir "$T/pp$1-$2-$3$sfx" >"$T/out" 2>&1; rc=$?
+        --strategy $4 "${TPA[@]}" --out_dir "$T/pp$1-$2-$3$sfx" >"$T/out" 2>&1; rc=$?
     w=$(loss_rel "$T/pp$1-$2-$3$sfx" "$T/tp-one" 2>/dev/null)
     if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
-        && grep -q "^pipeline parallel (EXPERIMENTAL): $2 stages x $(($1 / $2)) pipeline" "$T/out" \
+        && grep -q "^pipeline parallel (EXPERIMENTAL): $2 stages x $(($1 / $2 / tp)) pipeline" "$T/out" \
+        && { [ "$tp" = 1 ] || grep -q "^tensor parallel: $tp ranks per group x $(($1 / $2 / tp)) data-parallel group" "$T/out"; } \
         && [ "$(grep -cE "^pipeline timing \(EXPERIMENTAL\): forward \+ backward of a micro-batch per stage \(ms\):( [0-9.]+ \+ [0-9.]+){$2}; the $3 schedule on these times: [0-9.]+ ms per step, bubble [0-9.]+%" "$T/out")" = 1 ] \
         && grep -q "^model: micro, 260032 parameters" "$T/out" \
         && [ "$(ls "$T/pp$1-$2-$3$sfx/final")" = "$(ls "$T/tp-one/final")" ] \
@@ -554,13 +558,31 @@ for grid in "2 2 1f1b ddp" "4 4 gpipe ddp" "4 2 1f1b ddp" "4 2 1f1b deepspeed_st
         bad "pp_cli_np$1_pp$2_$3$sfx" "exit $rc, losses within '$w'"
     fi
 done
-timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/pp2-2-1f1b/step-000002" --out_dir "$T/pp-r1" >"$T/out" 2>&1; rc=$?
-w=$(loss_rel "$T/pp-r1" "$T/pp2-2-1f1b" 12 2>/dev/null) # resumed at iteration 8
-if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out" \
-    && awk -v a="$w" 'BEGIN { exit !(a <= 1e-6) }'; then
-    ok "pp_cli_checkpoint_resumes_in_one_process (later losses within $w)"
+for case in "pp2-2-1f1b pp" "pp4-2-1f1b_tp2 tpp"; do
+    set -- $case
+    timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/$1/step-000002" --out_dir "$T/$1-r1" >"$T/out" 2>&1; rc=$?
+    w=$(loss_rel "$T/$1-r1" "$T/$1" 12 2>/dev/null) # resumed at iteration 8
+    if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out" \
+        && awk -v a="$w" 'BEGIN { exit !(a <= 1e-6) }'; then
+        ok "$2_cli_checkpoint_resumes_in_one_process (later losses within $w)"
+    else
+        bad "$2_cli_checkpoint_resumes_in_one_process" "exit $rc, losses within '$w'"
+    fi
+done
+# LoRA on the slices through the CLI (finetune_lora --tensor_parallel 2 at 2 ranks, adapters on q, v and the MLP,
+# dropout 0): one process's losses within 1e-6 relative, final/ and final/adapter with one process's files
+LARGS=("${TARGS[@]}" --lora_mlp true --lora_dropout 0)
+timeout 300 "$FL" finetune_lora "${LARGS[@]}" --out_dir "$T/tpl-one" >"$T/out" 2>&1 || bad "tp_lora_cli_one_process" "exit $?"
+timeout 300 mpirun -np 2 "$FL" finetune_lora "${LARGS[@]}" --devices 2 --tensor_parallel 2 --strategy ddp \
+    --out_dir "$T/tpl2" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/tpl2" "$T/tpl-one" 2>/dev/null)
+if [ $rc -eq 0 ] && [ "$(grep -c "Saved the PEFT adapter" "$T/out")" = 1 ] \
+    && [ "$(ls "$T/tpl2/final")" = "$(ls "$T/tpl-one/final")" ] \
+    && [ "$(ls "$T/tpl2/final/adapter")" = "$(ls "$T/tpl-one/final/adapter")" ] \
+    && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
+    ok "tp_lora_cli_np2_tp2 (losses within $w of one process)"
 else
-    bad "pp_cli_checkpoint_resumes_in_one_process" "exit $rc, losses within '$w'"
+    bad "tp_lora_cli_np2_tp2" "exit $rc, losses within '$w'"
 fi
 # LoRA on the stages (dropout 0.05, LitGPT's default): PP 2 under mpirun logs one process's losses exactly, and its
 # final/ (stage 0 merges the gathered adapters into the gathered base) and final/adapter are one process's bytes

@@ -58,12 +58,16 @@ static double (*const k_no_control)(const dr_rec *, const dr_rec *) __attribute_
 static int g_small; /* the emulator's cut-down run */
 static const char *g_strategy; /* the data axis's (NULL: ddp) */
 static int g_pp = 1;           /* the 3D grid: stages per pipeline (1: none) */
+static int g_lora_mlp = 1, g_lora_dropout; /* DR_LORA: adapters on the MLP too (down_proj row-parallel); dropout 0.1 */
+static const char *g_model; /* another preset than micro (NULL: micro) */
 static const char *g_sched;    /* and their schedule (NULL: 1f1b) */
 
 /* scenario sc over dp groups x tp ranks (x g_pp stages: out: its out_dir) */
 static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out) {
     dr_config(c, sc, dp, dp * tp * g_pp, 1, 1, out);
     c->tensor_parallel = tp;
+    if (sc == DR_LORA) c->lora.mlp = g_lora_mlp, c->lora.dropout = g_lora_dropout ? 0.1f : 0.0f;
+    if (g_model) snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", g_model);
     if (g_pp > 1 && tp > 1) {
         c->pipeline_parallel = g_pp;
         snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", g_sched ? g_sched : "1f1b");
@@ -149,7 +153,8 @@ static void scenario(int sc, int dp, int tp) {
     tp_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     const int W = dp * tp * g_pp;
-    snprintf(out, sizeof out, "%s/%s-dp%d-tp%d-pp%d", fl_test_tmpdir(), dr_names[sc], dp, tp, g_pp);
+    snprintf(out, sizeof out, "%s/%s-%s-dp%d-tp%d-pp%d", fl_test_tmpdir(), dr_names[sc], g_model ? g_model : "micro", dp,
+             tp, g_pp);
     for (int r = 0; r < W; r++) tp_config(&j->cfg[r], sc, dp, tp, out);
     const long steps = j->cfg[0].train.max_steps;
     backend_on();
@@ -163,7 +168,7 @@ static void scenario(int sc, int dp, int tp) {
                   "rank 0's", dr_names[sc], r);
     fl_run_config c;
     dr_rec ref = {0};
-    snprintf(ref_out, sizeof ref_out, "%s/%s-one-dp%d", fl_test_tmpdir(), dr_names[sc], dp);
+    snprintf(ref_out, sizeof ref_out, "%s/%s-%s-one-dp%d", fl_test_tmpdir(), dr_names[sc], g_model ? g_model : "micro", dp);
     tp_config(&c, sc, dp, 1, ref_out);
     c.devices = 1;
     c.pipeline_parallel = 1;
@@ -224,30 +229,49 @@ FL_TEST(tp_train_threads_zero_on_the_data_axis) {
  * stage): the step losses within 1e-6 relative of one process, step 1's gradients re-assembled (the consolidated
  * checkpoint gathers each stage's slices on the group's rank 0, then the stages on the first stage) within 1e-5 of
  * each tensor's scale, the final weights within the AdamW bound. TP 2 x PP 2 (1F1B), DP 2 x TP 2 x PP 2, TP 4 x PP 2,
- * and SGD at TP 2 x PP 3 under GPipe. */
+ * SGD at TP 2 x PP 3 under GPipe, and GPT-2 / OPT (gpt2-micro, opt-micro) at TP 2 x PP 2 under SGD. */
+/* one scenario per row: the grid, the schedule and model (NULL: 1f1b, micro), the data axis' strategy (NULL: ddp) */
+typedef struct { int sc, dp, tp, pp; const char *sched, *model, *strategy; } grid_case;
+static void grid_cases(const grid_case *k, int n) {
+    for (int i = 0; i < n; i++) {
+        g_pp = k[i].pp, g_sched = k[i].sched, g_model = k[i].model, g_strategy = k[i].strategy;
+        scenario(k[i].sc, k[i].dp, k[i].tp);
+    }
+    g_pp = 1, g_sched = g_model = g_strategy = NULL;
+}
+
 FL_TEST(tp_train_threads_tp_x_pp_matches_one_process) {
-    g_pp = 2;
-    scenario(DR_ADAMW, 1, 2);
-    scenario(DR_ADAMW, 2, 2);
-    scenario(DR_ADAMW, 1, 4);
-    g_pp = 3;
-    g_sched = "gpipe";
-    scenario(DR_SGD, 1, 2);
-    g_sched = NULL;
-    g_pp = 1;
+    /* GPT-2 and OPT: 2 blocks, one a stage; learned positions, LayerNorms, biases (the row-parallel ones on the
+     * group's rank 0); the tied table's halves summed across the stages */
+    const grid_case k[] = {{DR_ADAMW, 1, 2, 2, NULL, NULL, NULL},      {DR_ADAMW, 2, 2, 2, NULL, NULL, NULL},
+                           {DR_ADAMW, 1, 4, 2, NULL, NULL, NULL},      {DR_SGD, 1, 2, 3, "gpipe", NULL, NULL},
+                           {DR_SGD, 1, 2, 2, NULL, "gpt2-micro", NULL}, {DR_SGD, 1, 2, 2, NULL, "opt-micro", NULL}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
 }
 
 /* ZeRO-1 and ZeRO-2 on the data axis of DP 2 x TP 2 x PP 2: a rank's optimizer state is its chunk of its slice of its
  * stage; ZeRO-2's norm sums the chunks over the axis, then the group, then the stages; the tied table's reduced
  * gradient is made whole on the axis before the first and last stage sum it. */
 FL_TEST(tp_train_threads_tp_x_pp_zero_on_the_data_axis) {
-    g_pp = 2;
-    g_strategy = "deepspeed_stage_1";
-    scenario(DR_ADAMW, 2, 2);
-    g_strategy = "deepspeed_stage_2";
-    scenario(DR_ADAMW, 2, 2);
-    g_strategy = NULL;
-    g_pp = 1;
+    const grid_case k[] = {{DR_ADAMW, 2, 2, 2, NULL, NULL, "deepspeed_stage_1"},
+                           {DR_ADAMW, 2, 2, 2, NULL, NULL, "deepspeed_stage_2"}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
+}
+
+/* LoRA on the slices (trainer_tp.c, src/train/tp.c): on q, k, v, gate, up (column-parallel) A is whole and B the
+ * rank's rows, on o, down (row-parallel) A the rank's columns and B whole; the whole matrices' gradients are partial
+ * sums the group adds before the step (fl_optim_dist.reduce), the norm counts them once; the row-parallel A start as
+ * the whole's columns (fl_tp_lora_init). The losses within 1e-6 relative of one process and the merged final weights
+ * (every rank merges its slice, gathered) within the AdamW bound: TP 2 and TP 4 with adapters on the MLP (no dropout),
+ * DP 2 x TP 2 (DDP on the adapters' axis), and TP 2 with dropout 0.1 on q and v (their input is whole on every rank:
+ * one process's mask). */
+FL_TEST(tp_train_threads_lora_matches_one_process) {
+    scenario(DR_LORA, 1, 2);
+    scenario(DR_LORA, 2, 2);
+    scenario(DR_LORA, 1, 4);
+    g_lora_mlp = 0, g_lora_dropout = 1;
+    scenario(DR_LORA, 1, 2);
+    g_lora_mlp = 1, g_lora_dropout = 0;
 }
 
 /* The same on the opaque backend (its memory unreadable by the host): the blocks' all-reduces and DDP's go
@@ -255,6 +279,10 @@ FL_TEST(tp_train_threads_tp_x_pp_zero_on_the_data_axis) {
 FL_TEST(tp_train_nccl_standin_opaque) {
     g_forced = "opaque";
     scenario(DR_ADAMW, 2, 2);
+    g_pp = 2; /* the 3D grid: the stream between stages through the host, the blocks' sums through the stand-in */
+    scenario(DR_ADAMW, 1, 2);
+    g_pp = 1;
+    scenario(DR_LORA, 1, 2); /* LoRA: the adapters' group sums on device memory through the stand-in */
     g_forced = NULL;
 }
 
@@ -279,10 +307,11 @@ FL_TEST(tp_train_nccl_standin_cuda_emu) {
  * scratch, comm_threads). On the cpu backend, whose plan this is (a device backend's host staging is planned with
  * --accelerator cuda). */
 FL_TEST(tp_train_threads_plan_equals_measured) {
-    /* DP x TP x PP; the last two: the 3D grid (each rank's slice of its stage; 1F1B: stage 0 a stash beside its arena) */
-    const int grids[5][3] = {{1, 2, 1}, {2, 2, 1}, {2, 2, 1}, {1, 2, 2}, {2, 2, 2}};
+    /* DP x TP x PP; then the 3D grid (each rank's slice of its stage; 1F1B: stage 0 a stash beside its arena); the
+     * last: LoRA at TP 2 (the slice's adapters, their gradients and state, activations) */
+    const int grids[6][3] = {{1, 2, 1}, {2, 2, 1}, {2, 2, 1}, {1, 2, 2}, {2, 2, 2}, {1, 2, 1}};
     g_forced = "cpu";
-    for (int g = 0; g < 5; g++) {
+    for (int g = 0; g < 6; g++) {
         const int dp = grids[g][0], tp = grids[g][1], W = dp * tp * grids[g][2];
         g_pp = grids[g][2];
         g_strategy = g == 2 || g == 4 ? "deepspeed_stage_2" : NULL; /* OPTIM: the chunk's state */
@@ -291,7 +320,7 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
         char out[700];
         snprintf(out, sizeof out, "%s/tp-plan-%d-%d-%d", fl_test_tmpdir(), dp, tp, g_pp);
         for (int r = 0; r < W; r++) {
-            tp_config(&j->cfg[r], DR_ADAMW, dp, tp, out); /* AdamW: OPTIM, ZeRO's chunk */
+            tp_config(&j->cfg[r], g == 5 ? DR_LORA : DR_ADAMW, dp, tp, out); /* AdamW: OPTIM, ZeRO's chunk */
             j->cfg[r].train.max_steps = 1;
         }
         backend_on();
@@ -300,7 +329,7 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
         FL_CHECKF(s == FL_OK, "DP %d x TP %d x PP %d: %s", dp, tp, g_pp, j->msg[0]);
         for (int r = 0; r < W && s == FL_OK; r++) {
             char grid[48];
-            snprintf(grid, sizeof grid, "DP %d x TP %d x PP %d", dp, tp, g_pp);
+            snprintf(grid, sizeof grid, "DP %d x TP %d x PP %d%s", dp, tp, g_pp, g == 5 ? " LoRA" : "");
             const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
             if (getenv("FL_TEST_VERBOSE") && (r == 0 || r == W - 1))
                 printf("    %s %s rank %d: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu, ACTS %zu)\n", grid,
@@ -431,6 +460,53 @@ FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
     free(j);
 }
 
+/* LoRA's checkpoints under TP (adapter folders + training state, as one process writes them: the adapters and their
+ * AdamW state gathered from the slices): TP 2's step 3 resumed in one process, that run's step 4 at TP 2, each with
+ * the later losses within 1e-6 relative of the uninterrupted TP 2 run's; final/ and final/adapter hold one process's
+ * files. */
+FL_TEST(tp_train_threads_lora_checkpoints_resume) {
+    char out[700], from[800], o2[760];
+    snprintf(out, sizeof out, "%s/tp-lora-resume", fl_test_tmpdir());
+    tp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
+    backend_on();
+    FL_REQUIRE_OK(fl_comm_threads_run(2, tp_rank, j));
+    dr_rec full = j->rec[0];
+    memset(&j->rec[0], 0, sizeof j->rec[0]);
+    const long steps = j->cfg[0].train.max_steps;
+    for (int k = 0; k < 2; k++) { /* k 0: TP 2's step 3 in one process; k 1: that run's step 4 at TP 2 */
+        const int tp = k ? 2 : 1;
+        const long from_step = 3 + k;
+        snprintf(from, sizeof from, k ? "%s-one/step-%06ld" : "%s/step-%06ld", out, from_step);
+        snprintf(o2, sizeof o2, "%s-%s", out, k ? "tp2" : "one");
+        for (int r = 0; r < tp; r++) {
+            dr_free(&j->rec[r]);
+            tp_config(&j->cfg[r], DR_LORA, 1, tp, o2);
+            snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
+        }
+        fl_status s = tp == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL)
+                              : fl_comm_threads_run(tp, tp_rank, j);
+        FL_CHECKF(s == FL_OK, "LoRA resumed at TP %d: %s", tp, j->msg[0][0] ? j->msg[0] : fl_error_message());
+        const double w = s == FL_OK ? later_diff(&j->rec[0], &full, from_step, steps) : 0;
+        FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "LoRA at TP %d resumed from '%s': steps %ld, "
+                  "later losses differ by %.3g relative from the uninterrupted TP 2 run", tp, from, j->rec[0].steps, w);
+        if (getenv("FL_TEST_VERBOSE")) printf("    LoRA at TP %d from %s: later losses within %.3g relative\n", tp, from, w);
+    }
+    backend_off();
+    /* the same files as one process's: the merged model, the PEFT adapter, the step folders' adapter and state */
+    const char *sub[3] = {"final", "final/adapter", "step-000004"};
+    for (int k = 0; k < 3; k++) {
+        char a[900], b[1800];
+        snprintf(a, sizeof a, "ls %s/%s > %s-ls-a 2>&1", out, sub[k], out);
+        snprintf(b, sizeof b, "ls %s-one/%s > %s-ls-b 2>&1 && cmp -s %s-ls-a %s-ls-b", out, sub[k], out, out, out);
+        FL_CHECKF(system(a) == 0 && system(b) == 0, "LoRA at TP 2: %s/ holds other files than one process's", sub[k]);
+    }
+    for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    dr_free(&full);
+    free(j);
+}
+
 /* What is refused, on every rank, naming the option and the dimension. */
 static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, const char *b) {
     tp_job *j = calloc(1, sizeof *j);
@@ -452,9 +528,11 @@ static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, 
 }
 
 static void e_heads(fl_run_config *c) { (void)c; }
-static void e_lora(fl_run_config *c) {
+static void e_lora(fl_run_config *c) { /* dropout on the row-parallel o_proj / down_proj */
     c->command = FL_CMD_FINETUNE_LORA;
     c->lora.r = 4;
+    c->lora.mlp = 1;
+    c->lora.dropout = 0.1f;
 }
 static void e_zero(fl_run_config *c) {
     c->tensor_parallel = 2;
@@ -479,7 +557,7 @@ static void e_rank(fl_run_config *c) { /* rank 1 alone was given another command
 FL_TEST(tp_train_threads_refusals) {
     /* micro: 8 attention heads, 4 key/value heads: 3 ranks do not split them */
     expect_refusal(3, e_heads, "--tensor_parallel 3", "num_attention_heads");
-    expect_refusal(2, e_lora, "--tensor_parallel 2", "finetune_lora");
+    expect_refusal(2, e_lora, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel", "lora_dropout 0");
     expect_refusal(4, e_zero, "not ZeRO-3", "deepspeed_stage_3");
     expect_refusal(3, e_grid, "--tensor_parallel 2: this run has 3 ranks, not a multiple", NULL);
     expect_refusal(6, e_grid3d, "--tensor_parallel 2 with --pipeline_parallel 2: this run has 6 ranks, not a multiple "

@@ -55,6 +55,17 @@ void fl_tp_take(const fl_model_config *whole_cfg, const fl_param_layout *whole_l
 void fl_tp_place(const fl_model_config *whole_cfg, const fl_param_layout *whole_lay, int i, int size, int r,
                  const float *slice, float *whole);
 
+/* LoRA on a split linear (the adapter of layout entry i, of rank lr; docs/ARCHITECTURE.md "Tensor parallelism"): on a
+ * column-parallel or vocabulary linear A (lr, in) is whole on every rank and B (out, lr) takes the rank's rows as the
+ * weight does; on a row-parallel one A takes the rank's columns and B is whole. take copies rank r's elements of the
+ * whole A (is_b 0) or B (is_b 1) out, place puts them back; fl_tp_lora_split: whether that matrix is split (else
+ * every rank holds it whole: its gradient is a partial sum the group adds, and it counts once in the norm). */
+void fl_tp_lora_take(const fl_model_config *whole_cfg, const fl_param_layout *whole_lay, int i, int size, int r, int lr,
+                     int is_b, const float *whole, float *slice);
+void fl_tp_lora_place(const fl_model_config *whole_cfg, const fl_param_layout *whole_lay, int i, int size, int r, int lr,
+                      int is_b, const float *slice, float *whole);
+int fl_tp_lora_split(const fl_param_layout *lay, int i, int is_b);
+
 /* Fill the slice model `part` (fl_tp_config of whole's config) with its elements of `whole`'s parameters,
  * entry by entry through fp32 (any storage of either). */
 fl_status fl_tp_scatter(const fl_model *whole, fl_model *part);
@@ -72,7 +83,8 @@ fl_status fl_tp_gather_array(fl_model *part, fl_comm *host_comm, const fl_backen
 fl_status fl_tp_scatter_array(fl_model *whole, const fl_backend *src_be, const void *src, fl_model *part,
                               const fl_backend *dst_be, void *dst, fl_dtype dt);
 
-/* The optimizer of a rank's slice (src/train/tp.c): clipping and fp16 overflow skips decide on the whole
+/* The optimizer of a rank's slice (src/train/tp.c; or of its LoRA adapters, the whole matrices' partial gradients
+ * summed over the group first: fl_optim_dist.reduce): clipping and fp16 overflow skips decide on the whole
  * model's gradient (the split entries' squared norms of every rank summed in rank order, in double, over
  * host_comm, the replicated entries counted once; an overflow on any rank), so every rank clips and skips
  * alike and the replicated parameters stay the same bits. d is the caller's storage, alive while o is; o
@@ -88,6 +100,18 @@ typedef struct {
                                  * and every sum and verdict runs over the group, then over the stages in order. */
 } fl_tp_dist;
 fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d);
+/* LoRA on a slice (fl_model_lora_init done with the run's seed): the row-parallel linears' A made the rank's
+ * columns of the whole model's initial A (the slice drew (r, in / N) values of its own), so the slices start
+ * where one process starts; column-parallel A and every B (zeros) are the whole's already. */
+fl_status fl_tp_lora_init(fl_model *m, uint64_t seed);
+/* One array at the adapters' offsets (the adapters, or an optimizer state array of theirs: F32 in the backend's
+ * memory) of the slices gathered into rank 0's whole model's (whole NULL elsewhere; collective over the group on
+ * host memory), and the reverse without communication (the slice's elements of the whole's). Both models carry the
+ * same LoRA config (the whole one made for the whole config). */
+fl_status fl_tp_lora_gather(const fl_model *part, fl_comm *host_comm, const fl_backend *src_be, const float *src,
+                            const fl_model *whole, const fl_backend *dst_be, float *dst);
+fl_status fl_tp_lora_scatter(const fl_model *whole, const fl_backend *src_be, const float *src, const fl_model *part,
+                             const fl_backend *dst_be, float *dst);
 
 #ifdef __cplusplus
 }

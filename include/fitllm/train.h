@@ -46,6 +46,9 @@ typedef struct fl_optim_dist {
      * so each rank clips and skips alike */
     fl_status (*grad_sumsq)(void *ud, const struct fl_optimizer *o, double *out);
     fl_status (*any)(void *ud, int *flag);
+    /* tensor-parallel LoRA (src/train/tp.c), else NULL: at the start of the step, the gradients that are partial
+     * sums of the ranks' (the adapters' whole A or B) summed over the group */
+    fl_status (*reduce)(void *ud, struct fl_optimizer *o);
 } fl_optim_dist;
 
 /* What an optimizer trains: the model's flat parameters, or its LoRA adapters. */

@@ -40,7 +40,7 @@ static void help(void) {
     printf("\n                    blip2 suite:");
     for (int i = 0; n[i]; i++) printf(" %s", n[i]);
     printf("\n                    by name only (issue 35, each rank's memory and step time of a split of lab-7b):\n"
-           "                    tp-2 tp-4 pp-2 pp-4 dp2-tp2");
+           "                    tp-2 tp-4 pp-2 pp-4 dp2-tp2 tp2-pp2");
     printf("\n                    fsdp suite: b1 b2 b4 b7 b8 b9 b16 .. b128, b1-ckpt .. b512-ckpt (32-true),\n"
            "                    amp-b1 .. amp-b512-ckpt (16-mixed)\n"
            "  --out_dir DIR     (default lab)  where the report, CSV, JSON and charts go\n"

@@ -81,11 +81,9 @@ static int col_parts(const fl_model_config *c, const fl_param_info *p, int64_t p
     return 1;
 }
 
-/* take (dir 0: whole -> slice) or place (dir 1: slice -> whole) rank r's elements of entry i */
-static void tp_map(const fl_model_config *c, const fl_param_layout *lay, int i, int size, int r, float *whole,
-                   float *slice, int dir) {
-    const fl_param_info *p = &lay->params[i];
-    const fl_tp_split sp = size > 1 ? fl_tp_entry_split(lay, i) : FL_TP_REPLICATED;
+/* take (dir 0: whole -> slice) or place (dir 1: slice -> whole) rank r's elements of a tensor p split as sp */
+static void tp_map_info(const fl_model_config *c, const fl_param_info *p, fl_tp_split sp, int size, int r, float *whole,
+                        float *slice, int dir) {
     const size_t K = p->ndim == 2 ? (size_t)p->shape[1] : 1;
 #define MOVE(w, s, n) (dir ? memcpy((w), (s), (n) * sizeof(float)) : memcpy((s), (w), (n) * sizeof(float)))
     if (sp == FL_TP_REPLICATED) {
@@ -109,6 +107,42 @@ static void tp_map(const fl_model_config *c, const fl_param_layout *lay, int i, 
         for (size_t row = 0; row < R; row++) MOVE(whole + row * K + (size_t)r * kl, slice + row * kl, kl);
     }
 #undef MOVE
+}
+
+/* the same of layout entry i */
+static void tp_map(const fl_model_config *c, const fl_param_layout *lay, int i, int size, int r, float *whole,
+                   float *slice, int dir) {
+    tp_map_info(c, &lay->params[i], size > 1 ? fl_tp_entry_split(lay, i) : FL_TP_REPLICATED, size, r, whole, slice, dir);
+}
+
+/* LoRA on entry i's linear (rank lr adapters): on a column-parallel or vocabulary linear B (out, lr) takes the
+ * rank's rows as the weight does (its parts, its vocabulary rows) and A is whole; on a row-parallel one A (lr, in)
+ * takes the rank's columns and B is whole */
+static void lora_map(const fl_model_config *c, const fl_param_layout *lay, int i, int size, int r, int lr, int is_b,
+                     float *whole, float *slice, int dir) {
+    const fl_tp_split sp = size > 1 ? fl_tp_entry_split(lay, i) : FL_TP_REPLICATED;
+    fl_param_info p = lay->params[i];
+    const int row = sp == FL_TP_ROW, split = sp != FL_TP_REPLICATED && (row ? !is_b : is_b);
+    p.ndim = 2;
+    if (is_b) p.shape[1] = lr; /* (out, lr): the weight's rows */
+    else p.shape[0] = lr;      /* (lr, in): the weight's columns */
+    p.numel = (size_t)p.shape[0] * (size_t)p.shape[1];
+    tp_map_info(c, &p, split ? sp : FL_TP_REPLICATED, size, r, whole, slice, dir);
+}
+
+void fl_tp_lora_take(const fl_model_config *c, const fl_param_layout *lay, int i, int size, int r, int lr, int is_b,
+                     const float *whole, float *slice) {
+    lora_map(c, lay, i, size, r, lr, is_b, (float *)whole, slice, 0);
+}
+
+void fl_tp_lora_place(const fl_model_config *c, const fl_param_layout *lay, int i, int size, int r, int lr, int is_b,
+                      const float *slice, float *whole) {
+    lora_map(c, lay, i, size, r, lr, is_b, whole, (float *)slice, 1);
+}
+
+int fl_tp_lora_split(const fl_param_layout *lay, int i, int is_b) {
+    const fl_tp_split sp = fl_tp_entry_split(lay, i);
+    return sp != FL_TP_REPLICATED && (sp == FL_TP_ROW ? !is_b : is_b);
 }
 
 void fl_tp_take(const fl_model_config *c, const fl_param_layout *lay, int i, int size, int r, const float *whole,

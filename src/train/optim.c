@@ -736,6 +736,7 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     fl_model *m = o->model;
     const fl_backend *be = m->be;
     if (!o->w.g) return fl_errorf(FL_ERR_INVALID, "optimizer step without gradient buffers");
+    if (o->shard.dist && o->shard.dist->reduce) FL_TRY(o->shard.dist->reduce(o->shard.dist->ud, o)); /* TP LoRA */
     double norm = -1.0;
     float scale = 1.0f;
     o->amp.skipped = 0;

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitllm/lora.h"
 #include "fitllm/pp.h"
 #include "fitllm/tp.h"
 
@@ -50,6 +51,49 @@ static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     return fl_error_prefix(sum_group(d, v, out), "tensor parallel: the gradient norm");
 }
 
+/* LoRA (the optimizer trains the adapters): the norm of every rank's split matrices (B of a column-parallel
+ * linear's adapter, A of a row-parallel one's) and rank 0's whole ones (summed over the group by tp_reduce first) */
+static fl_status tp_lora_sumsq(void *ud, const fl_optimizer *o, double *out) {
+    const fl_tp_dist *d = ud;
+    const fl_model *m = d->m;
+    fl_lora_adapters ad;
+    fl_model_lora_adapters(m, &ad);
+    const int rank = fl_comm_rank(d->comm);
+    double v = 0;
+    for (int j = 0; j < ad.n_mods; j++) {
+        const fl_lora_module *md = &ad.mods[j];
+        for (int b = 0; b < 2; b++) {
+            if (rank != 0 && !fl_tp_lora_split(&m->layout, md->param_index, b)) continue;
+            const size_t n = b ? (size_t)md->out * ad.cfg->r : (size_t)ad.cfg->r * md->in;
+            double x = 0;
+            FL_TRY(FL_RUN(m->be, sumsq, (const float *)o->w.g + ad.off[2 * j + b], FL_F32, n, &x));
+            v += x;
+        }
+    }
+    return fl_error_prefix(sum_group(d, v, out), "tensor parallel: the adapters' gradient norm");
+}
+
+/* LoRA: the whole matrices' gradients are partial sums of the ranks' (dA = B_r^T dy_r x^T on a column-parallel
+ * linear, dB = dy (A_r x_r)^T on a row-parallel one): summed over the group on the backend's memory before the
+ * optimizer reads them (every rank then holds the same bits) */
+static fl_status tp_reduce(void *ud, fl_optimizer *o) {
+    const fl_tp_dist *d = ud;
+    const fl_model *m = d->m;
+    fl_lora_adapters ad;
+    if (!fl_model_lora_adapters(m, &ad) || !m->tp_comm) return FL_OK;
+    for (int j = 0; j < ad.n_mods; j++) {
+        const fl_lora_module *md = &ad.mods[j];
+        for (int b = 0; b < 2; b++) {
+            if (fl_tp_lora_split(&m->layout, md->param_index, b)) continue;
+            const size_t n = b ? (size_t)md->out * ad.cfg->r : (size_t)ad.cfg->r * md->in;
+            float *g = (float *)o->w.g + ad.off[2 * j + b];
+            FL_TRY(fl_error_prefix(fl_comm_all_reduce(m->tp_comm, g, g, n, FL_F32, FL_COMM_SUM), "tensor parallel: the "
+                                   "adapter gradient of %s", md->name));
+        }
+    }
+    return FL_OK;
+}
+
 static fl_status tp_any(void *ud, int *flag) {
     const fl_tp_dist *d = ud;
     double v = *flag != 0;
@@ -80,9 +124,15 @@ fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d)
     if (in && (in->stage > 2 || in->grad_sumsq))
         return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2 (its "
                          "optimizer is at stage %d)", in->stage);
-    if (o->w.n != o->model->layout.numel || o->w.p != fl_model_params_data(o->model))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the optimizer must train the slice's parameters (not "
-                         "LoRA adapters)");
+    fl_lora_adapters ad;
+    const int lora = fl_model_lora_adapters(o->model, &ad);
+    if (lora ? o->w.n != ad.numel || o->w.p != ad.params
+             : o->w.n != o->model->layout.numel || o->w.p != fl_model_params_data(o->model))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the optimizer must train the slice's parameters or its "
+                         "LoRA adapters");
+    if (lora && ((in && in->stage > 0) || o->w.gt != FL_F32))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: LoRA's adapters train with fp32 gradients and DDP on the "
+                         "data-parallel axis so far");
     memset(d, 0, sizeof *d);
     d->comm = host_comm;
     d->m = o->model;
@@ -93,8 +143,88 @@ fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d)
         d->dist.world = in->world, d->dist.rank = in->rank, d->dist.stage = in->stage;
         d->dist.sum = inner_sum, d->dist.gather = inner_gather, d->dist.max = inner_max;
     }
-    d->dist.grad_sumsq = tp_grad_sumsq;
+    d->dist.grad_sumsq = lora ? tp_lora_sumsq : tp_grad_sumsq;
+    d->dist.reduce = lora ? tp_reduce : NULL;
     d->dist.any = tp_any;
     o->shard.dist = &d->dist;
     return FL_OK;
+}
+
+fl_status fl_tp_lora_init(fl_model *m, uint64_t seed) {
+    fl_lora_adapters ad;
+    const int size = m->cfg.tp_size, r = m->cfg.tp_rank;
+    if (size <= 1 || !fl_model_lora_adapters(m, &ad) || fl_backend_discards(m->be)) return FL_OK;
+    for (int j = 0; j < ad.n_mods; j++) {
+        const fl_lora_module *md = &ad.mods[j];
+        if (!fl_tp_lora_split(&m->layout, md->param_index, 0)) continue; /* A whole: the slice drew the whole's */
+        const int R = ad.cfg->r, in = md->in * size; /* the whole linear's input width */
+        float *whole = malloc((size_t)R * in * sizeof *whole), *part = malloc((size_t)R * md->in * sizeof *part);
+        fl_status s = whole && part ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel LoRA: out of host memory");
+        if (s == FL_OK) { /* the whole A of module j (fl_model_lora_init's seed for it), the rank's columns */
+            fl_lora_init_adapter(whole, NULL, R, in, md->out, seed + (uint64_t)j * 0x9e3779b97f4a7c15ULL);
+            for (int k = 0; k < R; k++) memcpy(part + (size_t)k * md->in, whole + (size_t)k * in + (size_t)r * md->in,
+                                               (size_t)md->in * sizeof *part);
+            s = m->be->to_device(m->be, ad.params + ad.off[2 * j], part, (size_t)R * md->in * sizeof *part);
+        }
+        free(whole), free(part);
+        FL_TRY(s);
+    }
+    return FL_OK;
+}
+
+/* the largest A or B of the adapters v (its elements) */
+static size_t lora_most(const fl_lora_adapters *v) {
+    size_t most = 1;
+    for (int j = 0; j < v->n_mods; j++) {
+        const size_t a = (size_t)v->cfg->r * v->mods[j].in, b = (size_t)v->mods[j].out * v->cfg->r;
+        most = a > most ? a : most;
+        most = b > most ? b : most;
+    }
+    return most;
+}
+
+static size_t lora_count(const fl_lora_adapters *v, int j, int b) {
+    return b ? (size_t)v->mods[j].out * v->cfg->r : (size_t)v->cfg->r * v->mods[j].in;
+}
+
+fl_status fl_tp_lora_gather(const fl_model *part, fl_comm *host_comm, const fl_backend *src_be, const float *src,
+                            const fl_model *whole, const fl_backend *dst_be, float *dst) {
+    fl_lora_adapters pa, wa;
+    if (!fl_model_lora_adapters(part, &pa) || (whole && !fl_model_lora_adapters(whole, &wa)))
+        return fl_errorf(FL_ERR_INVALID, "tensor parallel LoRA: a model without adapters");
+    const int n = fl_comm_size(host_comm), R = pa.cfg->r;
+    const size_t most = lora_most(&pa), wmost = whole ? lora_most(&wa) : 1;
+    float *mine = malloc(most * sizeof *mine), *all = malloc((size_t)n * most * sizeof *all),
+          *w = malloc(wmost * sizeof *w);
+    fl_status s = mine && all && w ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel LoRA: out of host memory");
+    for (int j = 0; j < pa.n_mods && s == FL_OK; j++)
+        for (int b = 0; b < 2 && s == FL_OK; b++) { /* A, then B of module j, the same order on every rank */
+            const size_t c = lora_count(&pa, j, b);
+            s = FL_RUN(src_be, to_host, mine, src + pa.off[2 * j + b], c * sizeof *mine);
+            if (s == FL_OK) s = fl_comm_all_gather(host_comm, mine, all, (size_t)n * c, FL_F32);
+            if (s != FL_OK || !whole) continue;
+            for (int k = 0; k < n; k++)
+                fl_tp_lora_place(&whole->cfg, &whole->layout, pa.mods[j].param_index, n, k, R, b, all + (size_t)k * c, w);
+            s = FL_RUN(dst_be, to_device, dst + wa.off[2 * j + b], w, lora_count(&wa, j, b) * sizeof *w);
+        }
+    free(mine), free(all), free(w);
+    return fl_error_prefix(s, "tensor parallel: gathering the LoRA adapters");
+}
+
+fl_status fl_tp_lora_scatter(const fl_model *whole, const fl_backend *src_be, const float *src, const fl_model *part,
+                             const fl_backend *dst_be, float *dst) {
+    fl_lora_adapters pa, wa;
+    if (!fl_model_lora_adapters(part, &pa) || !fl_model_lora_adapters(whole, &wa))
+        return fl_errorf(FL_ERR_INVALID, "tensor parallel LoRA: a model without adapters");
+    const int n = part->cfg.tp_size > 1 ? part->cfg.tp_size : 1, r = part->cfg.tp_rank;
+    float *w = malloc(lora_most(&wa) * sizeof *w), *mine = malloc(lora_most(&pa) * sizeof *mine);
+    fl_status s = w && mine ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel LoRA: out of host memory");
+    for (int j = 0; j < pa.n_mods && s == FL_OK; j++)
+        for (int b = 0; b < 2 && s == FL_OK; b++) {
+            s = FL_RUN(src_be, to_host, w, src + wa.off[2 * j + b], lora_count(&wa, j, b) * sizeof *w);
+            fl_tp_lora_take(&whole->cfg, &whole->layout, pa.mods[j].param_index, n, r, pa.cfg->r, b, w, mine);
+            if (s == FL_OK) s = FL_RUN(dst_be, to_device, dst + pa.off[2 * j + b], mine, lora_count(&pa, j, b) * sizeof *mine);
+        }
+    free(w), free(mine);
+    return fl_error_prefix(s, "tensor parallel: the LoRA adapters' slices");
 }

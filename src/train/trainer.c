@@ -564,9 +564,11 @@ static fl_status finish(trainer *t, run_loop *L) {
     FL_TRY(fl_tr_pp_report(t)); /* pipeline parallel: the stages' times and the schedule on them */
     fl_mem_set_phase(&t->hw.pool, "checkpoint");
     FL_TRY(fl_tr_diverged(t, fl_tr_check_weights(t), t->st.step, t->st.iter));
-    /* (pipeline stages: stage 0 merges the gathered adapters into the gathered base, fl_tr_pp_save) */
-    if (t->model.lora && L->lead && t->pp.size <= 1) FL_TRY(fl_model_lora_merge(&t->model));
-    if (t->tp.size > 1) FL_TRY(fl_tr_tp_save(t, L->lead, "final", &t->opt, &t->st));
+    /* LoRA: the lead merges (tensor parallel: every rank its slice, gathered merged; pipeline stages: stage 0 merges
+     * the gathered adapters into the gathered base, fl_tr_pp_save) */
+    if (t->model.lora && t->pp.size <= 1 && (L->lead || t->tp.size > 1)) FL_TRY(fl_model_lora_merge(&t->model));
+    if (t->tp.size > 1) FL_TRY(fl_tr_tp_save(t, L->lead, "final", t->model.lora ? NULL : &t->opt,
+                                             t->model.lora ? NULL : &t->st));
     else if (t->pp.size > 1) FL_TRY(fl_tr_pp_save(t, L->lead, "final", t->model.lora ? NULL : &t->opt,
                                                   t->model.lora ? NULL : &t->st));
     else FL_TRY(fl_dp_ckpt_save(&t->dp, L->lead, cfg->out_dir, "final", &t->model, t->model.lora ? NULL : &t->opt,

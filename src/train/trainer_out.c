@@ -203,11 +203,14 @@ void fl_tr_print_memory(trainer *t) {
     const fl_run_config *cfg = t->cfg;
     fl_tr_bar_clear(t);
     fprintf(t->out, "\n");
+    char stage[96] = ""; /* TP x PP: the slice is of pipeline stage 0's blocks */
+    if (t->tp.size > 1 && t->pp.size > 1)
+        snprintf(stage, sizeof stage, " of pipeline stage 0 of %d (blocks [%d, %d))", t->pp.size, t->pp.first, t->pp.last);
     if (t->tp.size > 1)
-        fprintf(t->out, "memory of rank 0 (tensor parallel %d%s%s: PARAMS, GRADS and OPTIM hold its slice, %zu of %zu "
+        fprintf(t->out, "memory of rank 0 (tensor parallel %d%s%s: PARAMS, GRADS and OPTIM hold its slice%s, %zu of %zu "
                 "parameters%s; ACTS its heads' and MLP columns' activations; the whole model was loaded outside the "
                 "pool and freed)\n", t->tp.size, t->dp.world > 1 ? " x " : "", t->dp.world > 1 ? fl_dp_stage_name(&t->dp) : "",
-                t->model.layout.numel, t->tp.whole_numel, t->dp.stage ? " (OPTIM: its chunk's state)" : "");
+                stage, t->model.layout.numel, t->tp.whole_numel, t->dp.stage ? " (OPTIM: its chunk's state)" : "");
     else if (t->pp.size > 1)
         fprintf(t->out, "memory of rank 0 (pipeline stage 0 of %d%s%s: PARAMS, GRADS and OPTIM hold blocks [%d, %d) and "
                 "copies of the embeddings and head, %zu of %zu parameters%s; ACTS its arena and a stash per further "

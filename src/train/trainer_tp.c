@@ -12,8 +12,10 @@
 
 #include "trainer-impl.h"
 #include "fitllm/checkpoint.h"
+#include "fitllm/lora.h"
 
 static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc);
+static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *whole);
 
 /* The 3D grid DP x TP x PP (--tensor_parallel N with --pipeline_parallel S): world rank w is rank w % N of the
  * tensor-parallel group of stage (w / N) % S of pipeline w / (N S), its tensor-parallel rank's pipeline being the
@@ -70,6 +72,7 @@ fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *give
     FL_TRY(tp_check(t->cfg, n, W / n, &sc));
     fl_model_config pc;
     if (given) FL_TRY(fl_tp_config(given, n, 0, &pc)); /* the planner's shape */
+    if (given) FL_TRY(lora_check(t, n, given));        /* (a run checks at its load) */
     FL_TRY(fl_error_prefix(fl_comm_split(world, w / n, w, &t->tp.grp), "--tensor_parallel %d: the group", n));
     FL_TRY(fl_error_prefix(fl_comm_split(world, w % n, w, &t->tp.dpc), "--tensor_parallel %d: the data-parallel axis", n));
     t->tp.size = n;
@@ -100,9 +103,12 @@ fl_status fl_tr_tp_check(const trainer *t, const fl_strategy_choice *sc) {
 }
 
 static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc) {
-    if (c->command == FL_CMD_FINETUNE_LORA)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: finetune_lora is not split yet (LoRA's adapters "
-                         "on the split linears); finetune_full and pretrain are", n);
+    if (c->command == FL_CMD_FINETUNE_LORA && c->lora.quantize[0])
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --quantize %s: QLoRA's 4-bit base is not split "
+                         "yet (LoRA on the fp32 / bf16 base is)", n, c->lora.quantize);
+    if (c->command == FL_CMD_FINETUNE_LORA && dp_world > 1 && sc->stage > 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with finetune_lora and --strategy %s: the adapters' "
+                         "data-parallel axis runs DDP so far (give --strategy ddp)", n, c->strategy);
     if (dp_world > 1 && sc->stage > 2)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s%s%s: the data-parallel axis (%d "
                          "groups) runs DDP, ZeRO-1 or ZeRO-2 so far, not ZeRO-3 / FSDP FULL_SHARD (give --strategy ddp, "
@@ -138,6 +144,12 @@ fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, 
     FL_TRY(whole_pools(t, w));
     FL_TRY(fl_model_init_ex(&w->m, cfg, &t->hw.be, &w->pool, &t->stg));
     w->m_ok = 1;
+    if (t->model.lora && t->tp.size > 1) { /* tensor parallel LoRA: the whole model carries the same adapters (their
+                                            * values: gathered or loaded; the pipeline's lora_whole attaches its own) */
+        fl_lora_config lc;
+        FL_TRY(fl_trainer_lora_config(t->cfg, cfg, &lc));
+        FL_TRY(fl_model_lora_init(&w->m, &lc, t->cfg->seed));
+    }
     if (!o) return FL_OK;
     FL_TRY(fl_model_set_precision(&w->m, &t->model.prec)); /* the state's dtype and loss scaling follow it */
     FL_TRY(fl_optim_init(&w->o, &w->m, &o->cfg));
@@ -165,11 +177,38 @@ static fl_status tpp_stage_model(trainer *t, const tp_whole *w, tp_whole *sw) {
     return fl_pp_stage_take(&w->m, &sw->m, t->pp.first);
 }
 
+/* LoRA on the slices: what is not split yet, refused on every rank alike from the whole config (the same modules on
+ * every rank), before the group's first collective (the device communicator: attach_group) */
+static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *whole) {
+    if (t->cfg->command != FL_CMD_FINETUNE_LORA) return FL_OK;
+    fl_lora_config lc;
+    fl_param_layout lay;
+    fl_lora_module *mods = NULL;
+    int n = 0;
+    FL_TRY(fl_trainer_lora_config(t->cfg, whole, &lc));
+    FL_TRY(fl_layout_build(&lay, whole));
+    fl_status s = fl_lora_modules(&lc, &lay, whole, &mods, &n);
+    for (int j = 0; j < n && s == FL_OK; j++) {
+        if (mods[j].layer < 0)
+            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA on lm_head (the vocabulary-parallel head) is "
+                          "not split yet (the blocks' linears are)", n_tp);
+        else if (lc.dropout > 0 && fl_tp_entry_split(&lay, mods[j].param_index) == FL_TP_ROW)
+            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA dropout (%g) on the row-parallel %s: its "
+                          "input is the rank's columns, whose part of one process's dropout mask is not drawn yet "
+                          "(give lora_dropout 0, or leave out the output and down projections)", n_tp,
+                          (double)lc.dropout, mods[j].name);
+    }
+    free(mods);
+    fl_layout_free(&lay);
+    return s;
+}
+
 fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
     tp_whole w, sw;
     fl_status s;
     if (fl_backend_discards(&t->hw.be)) { /* the planner's rehearsal: the slice of the given shape, no whole copy */
         fl_model_config pc, sc = *given;
+        FL_TRY(lora_check(t, t->tp.size, given));
         if (t->pp.size > 1) FL_TRY(tpp_stage_config(t, given, &sc)); /* TP x PP: the slice of its stage */
         FL_TRY(fl_tp_config(&sc, t->tp.size, t->tp.rank, &pc));
         t->tp.whole = sc;
@@ -182,6 +221,7 @@ fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
     s = whole_pools(t, &w);
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
     if (s == FL_OK) t->tp.whole_numel = w.m.layout.numel;
+    if (s == FL_OK) s = lora_check(t, t->tp.size, &w.m.cfg);
     if (s == FL_OK && t->pp.size > 1) s = tpp_stage_model(t, &w, &sw); /* TP x PP: the group slices its stage */
     const tp_whole *src = t->pp.size > 1 ? &sw : &w;
     fl_model_config pc;
@@ -226,7 +266,7 @@ fl_status fl_tr_tp_attach(trainer *t) {
     FL_TRY(fl_tp_optim_attach(&t->opt, t->tp.grp, &t->tp.dist));
     /* TP x PP: the norm counts the entries the stage trains; the sums and verdicts run over the stages too */
     t->tp.dist.pipe = t->pp.size > 1 ? t->pp.grp : NULL;
-    return FL_OK;
+    return fl_tp_lora_init(&t->model, t->cfg->seed); /* LoRA: the slices of the whole's initial adapters */
 }
 
 /* the optimizer's state arrays (AdamW's m, v; SGD's momentum) */
@@ -243,6 +283,29 @@ static fl_status state_whole(trainer *t, const fl_optimizer *o, const void *arr,
     return fl_error_prefix(fl_tr_state_whole(o, t->tp.dpc, arr, dt, full), "tensor parallel");
 }
 
+/* tp_assemble's LoRA part (s: rank 0's staging, g: the base's gather): the adapters, then each state array (F32 at
+ * the adapters' offsets) gathered into the whole model's (its LoRA) and optimizer */
+static fl_status tp_assemble_lora(trainer *t, const fl_optimizer *o, tp_whole *w, fl_status s, fl_status g) {
+    fl_lora_adapters pa, wa;
+    fl_model_lora_adapters(&t->model, &pa);
+    const fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w->m : NULL;
+    if (wm) fl_model_lora_adapters(wm, &wa);
+    if (g == FL_OK)
+        g = fl_tp_lora_gather(&t->model, t->tp.grp, t->model.be, pa.params, wm, wm ? wm->be : NULL, wm ? wa.params : NULL);
+    void *src[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
+    if (o) state_arrays(o, src);
+    if (o && wm) state_arrays(&w->o, dst);
+    for (int a = 0; a < 3 && g == FL_OK; a++)
+        if (src[a])
+            g = fl_tp_lora_gather(&t->model, t->tp.grp, o->home.be, src[a], wm, wm ? w->o.home.be : NULL, dst[a]);
+    if (s == FL_OK) s = g;
+    if (s == FL_OK && wm && o) {
+        w->o.step = o->step;
+        w->o.amp = o->amp;
+    }
+    return s;
+}
+
 /* The slices' parameters and state arrays (full[a]: the slice's whole array a in host memory under ZeRO, else NULL)
  * assembled into a model and optimizer of cfg on the group's rank 0 (w; collective over the group): the whole model,
  * or (TP x PP) the stage's. A failed staging on rank 0 still runs the group's gathers (their sums are dropped). */
@@ -254,6 +317,7 @@ static fl_status tp_assemble(trainer *t, const fl_model_config *cfg, const fl_op
     fl_status s = t->tp.rank == 0 ? fl_tr_whole_make(t, w, cfg, o) : FL_OK;
     fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w->m : NULL;
     fl_status g = fl_tp_gather(&t->model, t->tp.grp, wm, 0);
+    if (t->model.lora) return tp_assemble_lora(t, o, w, s, g); /* the adapters and their optimizer state */
     if (o) {
         state_arrays(o, src);
         if (wm) state_arrays(&w->o, dst);
@@ -312,6 +376,19 @@ fl_status fl_tr_sum_all(trainer *t, double *v, int n) {
 /* The slice of w's model and optimizer state (a whole model of t->tp.whole's config) into this rank's (under ZeRO
  * on the data axis: its chunk of the slice's arrays), the step and loss scale with them */
 static fl_status tp_take_state(trainer *t, tp_whole *w) {
+    if (t->model.lora) { /* the frozen base is the run's (loaded from checkpoint_dir): the adapters and their state */
+        fl_lora_adapters pa, wa;
+        fl_model_lora_adapters(&t->model, &pa);
+        fl_model_lora_adapters(&w->m, &wa);
+        fl_status s = fl_tp_lora_scatter(&w->m, w->m.be, wa.params, &t->model, t->model.be, pa.params);
+        void *src[3], *dst[3];
+        state_arrays(&w->o, src);
+        state_arrays(&t->opt, dst);
+        for (int a = 0; a < 3 && s == FL_OK; a++)
+            if (src[a] && dst[a]) s = fl_tp_lora_scatter(&w->m, w->o.home.be, src[a], &t->model, t->opt.home.be, dst[a]);
+        if (s == FL_OK) t->opt.step = w->o.step, t->opt.amp.ls = w->o.amp.ls;
+        return s;
+    }
     fl_status s = fl_tp_scatter(&w->m, &t->model);
     void *src[3], *dst[3];
     state_arrays(&w->o, src);

@@ -56,7 +56,7 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
     /* FULL_SHARD of LoRA: the frozen base stays whole on every rank and the adapters (the trainable
      * parameters) train as under ZeRO-2 (fl_fsdp_prepare shards full-model runs only) */
     if (dp->stage == 3 && !dp->fsdp) dp->stage = 2;
-    dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather, dist_max, NULL, NULL};
+    dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather, dist_max, NULL, NULL, NULL};
     /* ZeRO-3: the optimizer runs on this rank's shard (fl_model_provider) as on a whole buffer (8-bit AdamW: its
      * pieces of the tensors, placed by the shard group's size and this rank's place in it: HYBRID_SHARD
      * shards within the node) */
