@@ -54,6 +54,17 @@ void fl_test_skip(const char *why) {
 
 int fl_test_failed(void) { return g_failed; }
 
+int fl_test_asan_budget(void) {
+#ifdef __SANITIZE_ADDRESS__
+    const char *e = getenv("FITLLM_TEST_ASAN_ALL");
+    if (e && !strcmp(e, "1")) return 1;
+    fl_test_skip("the release pass runs it (FITLLM_TEST_ASAN_ALL=1 runs it under ASan)");
+    return 0;
+#else
+    return 1;
+#endif
+}
+
 static const char *test_backend_env(void) {
     const char *e = getenv("FITLLM_TEST_BACKEND");
     return e && *e ? e : "cpu";

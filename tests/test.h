@@ -16,6 +16,9 @@ typedef void (*fl_test_fn)(void);
 void fl_test_register(const char *name, const char *file, fl_test_fn fn);
 void fl_test_fail(const char *file, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void fl_test_skip(const char *why);
+/* 1 to run a slow test; 0 (skipped, saying so) in the ASan build unless FITLLM_TEST_ASAN_ALL=1: make test's
+ * 15-minute budget keeps the slowest emulated-kernel tests to the release pass, which runs them all. */
+int fl_test_asan_budget(void);
 int fl_test_failed(void);
 /* Path to the shared data folder: $FITLLM_DATA or ../shared/data. Returns NULL
  * (and the test should skip with a clear message) if it does not exist. */

@@ -187,7 +187,9 @@ FL_TEST(offload3_opaque_stages_the_shard_with_the_same_bits) {
     o3_device("opaque", 1, ZR_BF16, 3, 4);
 }
 
-FL_TEST(offload3_cuda_emu_two_ranks_same_bits) { o3_device("cuda-emu", 0, ZR_ADAMW, 2, 2); }
+FL_TEST(offload3_cuda_emu_two_ranks_same_bits) {
+    if (fl_test_asan_budget()) o3_device("cuda-emu", 0, ZR_ADAMW, 2, 2);
+}
 
 /* A checkpoint at step 2 of a run with global batch 12 (micro 2): saved by `save` (strategy, ranks,
  * state_dict_type), then resumed by each of `resume` at its ranks; every resumed run must end on the

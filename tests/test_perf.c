@@ -257,6 +257,7 @@ static fl_cu_counters step_counts(const char *prec, int n_micro, float max_norm,
  * goes up, the flag comes back). Copies up: each micro-batch's ids and targets. bench-step's phase times
  * (phase_times) add the syncs at the phase edges: 3 per micro-batch and 1 after the update. */
 FL_TEST(cuda_sync_round_trips_per_step) {
+    if (!fl_test_asan_budget()) return;
     static const struct {
         const char *prec;
         int n_micro;

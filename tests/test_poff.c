@@ -342,6 +342,7 @@ FL_TEST(poff_opaque_same_bits) {
 }
 
 FL_TEST(poff_cuda_emu_same_bits) {
+    if (!fl_test_asan_budget()) return;
     po_case("cuda-emu", ZR_ADAMW, 1, "fsdp_cpu_offload", "", 2, 0);
     po_case("cuda-emu", ZR_ADAMW, 2, "fsdp_cpu_offload", "", 2, 0);
 }
@@ -349,6 +350,7 @@ FL_TEST(poff_cuda_emu_same_bits) {
 /* issue 34's Verify: the CUDA emulator at 3 ranks too (the NCCL stand-in carries the gathers of device buffers;
  * the NVMe tier) */
 FL_TEST(poff_cuda_emu_three_ranks_same_bits) {
+    if (!fl_test_asan_budget()) return;
     po_case("cuda-emu", ZR_SGDM, 3, "deepspeed_stage_3_offload_nvme", "", 2, 0);
 }
 

@@ -274,15 +274,8 @@ static int sn_run(int emu) {
         return 0;
     }
 #endif
-#ifdef __SANITIZE_ADDRESS__
-    const char *e = getenv("FITLLM_TEST_ASAN_ALL");
-    if (e && !strcmp(e, "1")) return 1;
-    fl_test_skip("the release pass runs it (FITLLM_TEST_ASAN_ALL=1 runs it under ASan)");
-    return 0;
-#else
     (void)emu;
-    return 1;
-#endif
+    return fl_test_asan_budget();
 }
 
 FL_TEST(shard_nccl_zero_fsdp_32_true_equal_ddp_bits) {
