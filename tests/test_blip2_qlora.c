@@ -93,15 +93,14 @@ static void vs_dequantized(const char *dir, int t5, const char *mode) {
     FL_REQUIRE(gq && gd);
     FL_REQUIRE_OK(env.be.to_host(&env.be, gq, aq.grads, aq.numel * sizeof *gq));
     FL_REQUIRE_OK(env.be.to_host(&env.be, gd, ad.grads, ad.numel * sizeof *gd));
-    const int bits = !strcmp(env.be.name, "cpu");
+    /* Not bit for bit, on any backend: the 4-bit linears multiply dequantized panels with the fp32
+     * GEMM (q4matmul.c), whose kernel may sum in another order than the dense linear's call (Zen 4's
+     * AVX-512 build gave equal bits, Zen 3's AVX2 build 4.2e-7 of scale). The bound is fp32 GEMM
+     * reordering over this model's few layers of K <= 128 sums: K * 2^-24 per layer ~ 1e-5. */
+    const int bits = memcmp(lq, ld, nl * sizeof *lq) == 0 && lossq == lossd;
     const double el = rel_err(lq, ld, nl), eg = rel_err(gq, gd, aq.numel), eo = rel_err(lq, lo, nl);
-    if (bits) {
-        FL_CHECKF(memcmp(lq, ld, nl * sizeof *lq) == 0 && lossq == lossd, "%s %s: logits %.3g, loss %.9g vs %.9g", dir,
-                  mode, el, lossq, lossd);
-    } else {
-        FL_CHECKF(el <= 1e-5 && fabs(lossq - lossd) <= 1e-5 * fabs(lossd), "%s %s: logits %.3g, loss %.9g vs %.9g", dir,
-                  mode, el, lossq, lossd);
-    }
+    FL_CHECKF(el <= 1e-5 && fabs(lossq - lossd) <= 1e-5 * fabs(lossd), "%s %s: logits %.3g, loss %.9g vs %.9g", dir, mode,
+              el, lossq, lossd);
     FL_CHECKF(eg <= 1e-5, "%s %s: adapter gradients %.3g of their scale from the dequantized model's", dir, mode, eg);
     FL_CHECKF(eo > 1e-3, "%s %s: the 4-bit logits are the fp32 model's (%.3g): nothing quantized?", dir, mode, eo);
     double gs = 0;
@@ -109,7 +108,7 @@ static void vs_dequantized(const char *dir, int t5, const char *mode) {
     FL_CHECKF(gs > 0, "%s %s: the adapters got no gradient", dir, mode);
     printf("      %s %s: %d 4-bit entries; logits and loss (%.6f) = the dequantized fp32 model's (%s), %zu adapter "
            "gradients within %.2g; %.3g from the unquantized model's logits (loss %.6f)\n", t5 ? "T5" : "OPT", mode, nq,
-           lossq, bits ? "bits" : "1e-5", aq.numel, eg, eo, losso);
+           lossq, bits ? "bits" : "within 1e-5", aq.numel, eg, eo, losso);
     /* AdamW on the adapters over the 4-bit base */
     fl_optim_config oc;
     fl_optim_config_default(&oc, FL_OPT_ADAMW);
