@@ -290,12 +290,14 @@ static fl_status setup(b2run *r) {
         fl_model_storage_for(&prec, &stg[k]);
         if (!whole) FL_TRY(fl_trainer_storage(c, &prec, &stg[k]));
     }
+    FL_TRY(fl_b2t_fsdp_prepare(r, &prec)); /* FULL_SHARD: every part created sharded */
     /* a shape without weights: zeros on the plan's null backend (nothing computes), else random (bench-step) */
     if (r->given) FL_TRY(fl_blip2_create_ex(&r->b, r->given, &r->be, &r->pool, r->borrowed ? 0 : c->seed | 1, stg));
     else FL_TRY(fl_blip2_load_ex(&r->b, c->checkpoint_dir, &r->be, &r->pool, stg));
     fl_mem_snapshot(&r->pool, "after_load");
     fl_mem_set_phase(&r->pool, "setup");
     FL_TRY(fl_blip2_set_precision(r->b, &prec)); /* bf16-mixed: the parts' bf16 weight copies */
+    FL_TRY(fl_b2t_fsdp_init(r));
     /* train.activation_checkpointing true: every stack keeps its blocks' inputs, recomputes their slots in backward */
     FL_TRY(fl_blip2_set_act_ckpt(r->b, c->train.activation_checkpointing == 1));
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
@@ -452,9 +454,12 @@ static void part_bytes(const b2run *r, int k, size_t *pb, size_t *gb, size_t *ob
     const size_t es = fl_dtype_size(fl_model_store_dtype(m)); /* bf16-true: 2 */
     size_t dense = 0, q4 = 0; /* QLoRA: the 4-bit block linears beside the dense store */
     fl_sizing_param_split(&m->cfg, &r->stg[k], &dense, &q4);
+    /* FSDP: this rank's shard (the bf16-mixed copy exists per gathered unit only: GATHER) */
+    const int shard = fl_model_provider(m) != NULL;
+    if (shard) dense = fl_model_store_numel(m);
     *pb = dense * es + q4 + (*lora ? ad.numel * sizeof(float) : 0) +
-          (m->prec.name ? fl_precision_copy_bytes(&m->prec, m->layout.numel) : 0); /* bf16-mixed copy */
-    *gb = fl_model_grads_data(m) ? m->layout.numel * es : *lora ? ad.numel * sizeof(float) : 0;
+          (m->prec.name && !shard ? fl_precision_copy_bytes(&m->prec, m->layout.numel) : 0); /* bf16-mixed copy */
+    *gb = fl_model_grads_data(m) ? fl_model_store_numel(m) * es : *lora ? ad.numel * sizeof(float) : 0;
     const fl_optimizer *o = &r->opt[k]; /* this rank's range of the state (ZeRO: its chunk); 8-bit: its blocks */
     *ob = !r->has_opt[k] ? 0 : o->q8.state ? o->q8.state_bytes + o->q8.x_bytes : fl_optim_state_bytes(&o->cfg, o->shard.len);
 }
@@ -616,6 +621,7 @@ static void close_run(b2run *r) {
     for (size_t i = 0; r->ids && i < r->n_rec + r->n_val; i++) free(r->ids[i]);
     free(r->ids), free(r->n_ids);
     fl_img_captions_free(&r->caps);
+    fl_b2t_fsdp_free(r); /* the gathered units and the bookkeeping, before the parts */
     fl_blip2_free(r->b);
     fl_metrics_close(&r->metrics);
     fl_b2t_dist_free(r);

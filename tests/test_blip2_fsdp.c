@@ -1,0 +1,131 @@
+/* BLIP-2 fine-tuning under FSDP FULL_SHARD / ZeRO-3 (src/train/blip2_dist.c, the passes' units in blip2_pass.c), ranks
+ * as threads (fl_comm_threads_run), rehearsals of blip2-micro through the library's entry (fl_blip2_train).
+ *
+ * The anchors: at one micro-batch per rank and step without clipping FULL_SHARD's reduced gradient of every element is
+ * ZeRO-2's rank-order sum (a unit's reduce-scatter and ZeRO-2's reduce-scatter of the whole buffer add the same ranks'
+ * values in the same order) and the update is elementwise, so its losses are ZeRO-2's bit for bit; with clipping the
+ * norm sums the squared shards in another partition (its last bits may differ), with accumulation the ranks' sum comes
+ * before the micro-batches' (a reassociation): there DDP / ZeRO-2's losses within fp32 reduction-order noise. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/blip2.h"
+#include "fitllm/blip2_train.h"
+#include "fitllm/comm.h"
+#include "fitllm/config.h"
+#include "test.h"
+
+#define NSTEP 3
+
+typedef struct {
+    const fl_run_config *c;
+    const fl_blip2_config *bc;
+    double loss[3][NSTEP];
+    fl_blip2_train_result res[3];
+} fsdp_ctx;
+
+static fl_status rank_fn(fl_comm *comm, int rank, void *ud) {
+    fsdp_ctx *x = ud;
+    const fl_blip2_train_opts o = {.shape = x->bc, .synth_len = 6, .rehearse_steps = NSTEP, .comm = comm,
+                                   .step_loss = x->loss[rank], .n_step_out = NSTEP};
+    return fl_blip2_train(x->c, &o, &x->res[rank]);
+}
+
+/* A run at `world` ranks of c with strategy st into x (0 on success). */
+static int run_ranks(fl_run_config c, const char *st, int world, const fl_blip2_config *bc, fsdp_ctx *x) {
+    memset(x, 0, sizeof *x);
+    snprintf(c.strategy, sizeof c.strategy, "%s", st);
+    x->c = &c, x->bc = bc;
+    return fl_comm_threads_run(world, rank_fn, x) == FL_OK ? 0 : -1;
+}
+
+static fl_run_config base_cfg(const char *prec, const char *parts, int world) {
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    c.train.micro_batch_size = 1, c.train.global_batch_size = world;
+    c.optimizer.lr = 0.002f;
+    c.threads = 1;
+    snprintf(c.precision, sizeof c.precision, "%s", prec);
+    snprintf(c.blip2_train, sizeof c.blip2_train, "%s", parts);
+    return c;
+}
+
+/* FULL_SHARD and deepspeed_stage_3 = ZeRO-2 bit for bit at 2 and 3 ranks (the units split unevenly at 3), in every
+ * precision, every part trained or the vision tower frozen (the lab's script), SGD with momentum, checkpointing. */
+FL_TEST(blip2_fsdp_threads_equal_zero2_bits) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    static const struct {
+        const char *prec, *parts, *st;
+        int world, sgd, ckpt;
+    } cs[] = {
+        {"32-true", "vision,qformer,lm", "fsdp", 2, 0, 0},
+        {"32-true", "qformer,lm", "deepspeed_stage_3", 3, 0, 0},
+        {"bf16-mixed", "vision,qformer,lm", "fsdp", 2, 0, 1},
+        {"bf16-true", "qformer,lm", "fsdp", 2, 1, 0},
+        {"32-true", "qformer", "fsdp", 3, 1, 1},
+    };
+    fsdp_ctx *x = calloc(2, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        fl_run_config c = base_cfg(cs[i].prec, cs[i].parts, cs[i].world);
+        c.train.activation_checkpointing = cs[i].ckpt;
+        if (cs[i].sgd) c.optimizer.kind = FL_OPT_SGD, c.optimizer.momentum = 0.9f;
+        FL_CHECKF(run_ranks(c, "deepspeed_stage_2", cs[i].world, &bc, &x[0]) == 0, "case %zu ZeRO-2: %s", i,
+                  fl_error_message());
+        FL_CHECKF(run_ranks(c, cs[i].st, cs[i].world, &bc, &x[1]) == 0, "case %zu %s: %s", i, cs[i].st,
+                  fl_error_message());
+        for (int r = 0; r < cs[i].world; r++)
+            FL_CHECKF(!memcmp(x[1].loss[r], x[0].loss[0], sizeof x[0].loss[0]),
+                      "case %zu (%s %s %s, %d ranks) rank %d: losses %.9g %.9g %.9g, ZeRO-2's %.9g %.9g %.9g", i,
+                      cs[i].prec, cs[i].parts, cs[i].st, cs[i].world, r, x[1].loss[r][0], x[1].loss[r][1],
+                      x[1].loss[r][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+        FL_CHECKF(x[1].loss[0][NSTEP - 1] < x[1].loss[0][0], "case %zu: the loss does not fall", i);
+        /* each rank holds about 1/world of each part's parameters (frozen parts too) */
+        for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+            const size_t whole = x[0].res[0].part_params[k], shard = x[1].res[0].part_params[k];
+            FL_CHECKF(shard > 0 && shard * (size_t)cs[i].world <= whole + 64 * (size_t)cs[i].world,
+                      "case %zu part %d: rank 0 PARAMS %zu, the whole part's %zu", i, k, shard, whole);
+        }
+    }
+    free(x);
+}
+
+/* With clipping and accumulation (2 micro-batches per rank) FSDP's losses are DDP's within fp32 reduction-order noise
+ * (the rehearsal draws each rank's pixels from its own stream, so one process is no anchor here: tests/mpi_blip2_test.sh
+ * compares with one process on real data). Bound: 1e-6 relative, as tests/mpi_blip2_test.sh's DDP against one process. */
+FL_TEST(blip2_fsdp_threads_clip_accum_near_ddp) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(2, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    fl_run_config c = base_cfg("32-true", "vision,qformer,lm", 2);
+    c.train.global_batch_size = 4;
+    c.train.max_norm = 0.5f;
+    FL_REQUIRE(run_ranks(c, "ddp", 2, &bc, &x[0]) == 0);
+    FL_CHECKF(run_ranks(c, "fsdp", 2, &bc, &x[1]) == 0, "%s", fl_error_message());
+    for (int s = 0; s < NSTEP; s++) {
+        const double ddp = x[0].loss[0][s], fs = x[1].loss[0][s];
+        FL_CHECKF(fabs(fs - ddp) <= 1e-6 * fabs(ddp) && fs == x[1].loss[1][s], "step %d: DDP %.9g, FSDP %.9g (rank 1 %.9g)",
+                  s + 1, ddp, fs, x[1].loss[1][s]);
+    }
+    free(x);
+}
+
+/* What FULL_SHARD does not run for BLIP-2 is refused by name before any collective. */
+FL_TEST(blip2_fsdp_refusals) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(1, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    fl_run_config c = base_cfg("32-true", "qformer,lm", 2);
+    snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+    c.num_nodes = 2, c.devices = 1;
+    FL_CHECK(run_ranks(c, "fsdp", 2, &bc, x) != 0 && strstr(fl_error_message(), "HYBRID_SHARD is not built"));
+    c = base_cfg("32-true", "qformer,lm", 2);
+    c.optimizer.kind = FL_OPT_ADAMW8BIT;
+    FL_CHECK(run_ranks(c, "fsdp", 2, &bc, x) != 0 && strstr(fl_error_message(), "AdamW8bit"));
+    free(x);
+}
