@@ -128,6 +128,13 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
         note(p, "ZeRO-%d over %d ranks: each rank holds the whole model and its gradients, the optimizer state of its "
                 "chunk of each trained part (this plan is rank 0's) and runs %d of the step's %d micro-batches (the "
                 "reductions' MPI scratch is outside the pool)", stage, world, accum, accum * world);
+    } else if (world > 1 && stage == 3 && cfg->command != FL_CMD_FINETUNE_LORA) {
+        p->devices = world;
+        note(p, "FULL_SHARD over %d ranks: each rank holds its shard of every part's parameters, gradients and optimizer "
+                "state (the units: each part's embeddings / queries / patch embedding, each block, its last group), "
+                "gathers a unit around its use (GATHER) and runs %d of the step's %d micro-batches; this plan is rank "
+                "0's, the ranks rehearsed as threads (the reductions' MPI scratch is outside the pool)", world, accum,
+             accum * world);
     } else if (world > 1) {
         p->devices = world;
         note(p, "DDP over %d ranks: each rank holds the whole model, its gradients and optimizer state and runs %d of "

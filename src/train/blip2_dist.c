@@ -22,6 +22,7 @@
  * as ZeRO-2, as the trainer's LoRA does. What is not built is refused by name: HYBRID_SHARD, NVMe and parameter
  * offload, 8-bit AdamW under FULL_SHARD, checkpoints of 8-bit AdamW's state divided over the ranks. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "blip2_train-impl.h"
@@ -61,10 +62,15 @@ fl_status fl_b2t_fsdp_prepare(b2run *r, const fl_precision *prec) {
     FL_TRY(fl_cfg_zero_stage(r->cfg->strategy, r->cfg->sharding_strategy, &stage));
     if (r->world < 2 || stage != 3 || r->lora) return FL_OK;
     static const char *const what[FL_BLIP2_PARTS] = {"vision tower", "Q-Former", "language model"};
+    /* a plan's ranks (the null backend: fake addresses): the units move through its null device communicator, which
+     * moves nothing; a real run's host-memory buffers go through the run's communicator */
+    if (fl_backend_discards(&r->be) && r->be.comm_create && !r->fdev)
+        FL_TRY(fl_error_prefix(r->be.comm_create(&r->be, r->comm, &r->fdev), "FSDP: the null backend's communicator"));
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         fl_dp *d = &r->pdp[k];
         memset(d, 0, sizeof *d);
         d->comm = r->comm; /* the reductions' MPI scratch outside the pool, as the run's fl_dp */
+        d->dev = r->fdev;
         d->rank = r->rank, d->world = r->world;
         /* the part is created sharded: the loader (or the random init) fills this rank's pieces only */
         FL_TRY(fl_error_prefix(fl_fsdp_prepare(d, r->cfg, prec, &r->stg[k]), "FSDP of the BLIP-2 %s", what[k]));
@@ -80,6 +86,47 @@ fl_status fl_b2t_fsdp_init(b2run *r) {
 
 void fl_b2t_fsdp_free(b2run *r) {
     for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_fsdp_free(&r->pdp[k]);
+    fl_comm_destroy(r->fdev);
+    r->fdev = NULL;
+}
+
+/* plan --devices N / the lab's fsdp row under FULL_SHARD: rank 0's memory is its shard's, which only running the ranks
+ * gives (each unit's gather and reduce-scatter take GATHER as the run does): the N ranks' set-up and steps as threads
+ * on the null backend (fl_blip2_train per rank with the threads communicator), rank 0's result. */
+typedef struct {
+    const fl_run_config *cfg;
+    const fl_blip2_train_opts *o;
+    fl_blip2_train_result *res; /* (N) */
+} plan_ranks;
+
+static fl_status plan_rank(fl_comm *comm, int rank, void *ud) {
+    plan_ranks *x = ud;
+    fl_blip2_train_opts o = *x->o;
+    o.comm = comm, o.plan_world = 0;
+    if (rank) o.report = o.out = NULL, o.step_ms = o.step_loss = NULL, o.n_step_out = 0, o.stop = NULL;
+    return fl_blip2_train(x->cfg, &o, &x->res[rank]);
+}
+
+int fl_b2t_plan_ranks(const fl_run_config *c, const fl_blip2_train_opts *o) {
+    int stage = 0;
+    if (o->comm || !o->be || !fl_backend_discards(o->be) || o->rehearse_steps <= 0 || c->command == FL_CMD_FINETUNE_LORA ||
+        fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage) != FL_OK || stage != 3)
+        return 0;
+    const int n = o->plan_world > 1 ? o->plan_world : c->devices * (c->num_nodes > 1 ? c->num_nodes : 1);
+    return n > 1 ? n : 0;
+}
+
+fl_status fl_b2t_plan_fsdp(const fl_run_config *c, const fl_blip2_train_opts *o, int n, fl_blip2_train_result *res) {
+    fl_run_config all = *c; /* c is one rank's share of the step (global batch / N): the ranks' run has all of it */
+    const int B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
+    all.train.global_batch_size = (c->train.global_batch_size > 0 ? c->train.global_batch_size : B) * n;
+    all.devices = n, all.num_nodes = 1;
+    plan_ranks x = {&all, o, calloc((size_t)n, sizeof *res)};
+    if (!x.res) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    fl_status s = fl_comm_threads_run(n, plan_rank, &x);
+    *res = x.res[0];
+    free(x.res);
+    return s;
 }
 
 fl_status fl_b2t_dist_setup(b2run *r) {
@@ -125,6 +172,7 @@ fl_status fl_b2t_optim_init(b2run *r, int k) {
     /* plan --devices N under ZeRO: rank 0's chunk of the state, no communicator (the plan's rank moves nothing) */
     if (!r->dp.comm && r->o->plan_world > 1 && stage >= 1)
         return fl_optim_init_offload(&r->opt[k], m, &r->dcfg.optimizer, r->o->plan_world, 0, r->dp.offload);
+    if (r->pdp[k].fsdp) r->pdp[k].offload = r->dp.offload; /* deepspeed_stage_3_offload: the shard's state on the host */
     return fl_dp_optim_init(part_dp(r, k), &r->dcfg, &r->opt[k], m);
 }
 

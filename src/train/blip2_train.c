@@ -497,7 +497,7 @@ static void memory_report(b2run *r, FILE *f) {
 static size_t trained_count(const b2run *r) {
     size_t n = 0;
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (r->has_opt[k]) n += r->opt[k].w.n;
+        if (r->has_opt[k]) n += r->pdp[k].fsdp ? fl_blip2_part(r->b, k)->layout.numel : r->opt[k].w.n; /* FSDP: whole */
     return n;
 }
 
@@ -549,7 +549,8 @@ static fl_status train(b2run *r) {
     if (!p.order) return fl_errorf(FL_ERR_OOM, "out of host memory");
     for (size_t i = 0; i < r->n_rec; i++) p.order[i] = i;
     char ranks[48] = "";
-    if (r->world > 1) snprintf(ranks, sizeof ranks, " over %d ranks (%s)", r->world, fl_dp_stage_name(&r->dp));
+    if (r->world > 1)
+        snprintf(ranks, sizeof ranks, " over %d ranks (%s)", r->world, fl_b2t_fsdp(r) ? "FULL_SHARD" : fl_dp_stage_name(&r->dp));
     fl_b2t_say(r, "BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated%s, %ld steps; trains %s%s%s"
            "%s (%zu parameters), vision tower %s\n", r->n_rec, B, accum / (r->world > 1 ? r->world : 1), ranks, max_steps,
            r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
@@ -608,8 +609,8 @@ static fl_status train(b2run *r) {
     if (s == FL_OK && r->o->report && !r->rank) memory_report(r, r->o->report);
     free(p.order);
     char dir[4096];
-    if (s == FL_OK && !r->rank) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
-    if (s == FL_OK && !r->rank) s = fl_b2t_save_final(r, dir);
+    if (s == FL_OK && (!r->rank || fl_b2t_fsdp(r))) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
+    if (s == FL_OK && (!r->rank || fl_b2t_fsdp(r))) s = fl_b2t_save_final(r, dir); /* FSDP: the ranks gather */
     if (s == FL_OK && !r->rank) snprintf(r->res->final_dir, sizeof r->res->final_dir, "%s", dir);
     if (s == FL_OK) fl_b2t_say(r, "saved %s%s\n", dir, r->lora ? " (weights with the LoRA adapters merged; adapter/: PEFT)" : "");
     return s;
@@ -702,6 +703,8 @@ fl_status fl_blip2_train(const fl_run_config *cfg, const fl_blip2_train_opts *o,
     fl_blip2_train_result own;
     if (!o) o = &none;
     if (!res) res = &own;
+    const int plan_n = fl_b2t_plan_ranks(cfg, o); /* FULL_SHARD planned: the ranks rehearse as threads */
+    if (plan_n) return fl_b2t_plan_fsdp(cfg, o, plan_n, res);
     memset(res, 0, sizeof *res);
     res->val_loss = NAN;
     b2run r;
