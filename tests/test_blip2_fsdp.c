@@ -114,6 +114,28 @@ FL_TEST(blip2_fsdp_threads_clip_accum_near_ddp) {
     free(x);
 }
 
+/* LoRA under FULL_SHARD: the base stays whole on every rank, the adapters train as ZeRO-2 (the same bits; their state
+ * divided over the ranks, the parameters replicated). */
+FL_TEST(blip2_fsdp_threads_lora_as_zero2) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(2, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    fl_run_config c = base_cfg("32-true", "", 2);
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_LORA);
+    c.train.micro_batch_size = 1, c.train.global_batch_size = 2;
+    c.optimizer.lr = 0.01f;
+    c.threads = 1;
+    c.lora.r = 4, c.lora.alpha = 8;
+    FL_REQUIRE(run_ranks(c, "deepspeed_stage_2", 2, &bc, &x[0]) == 0);
+    FL_CHECKF(run_ranks(c, "fsdp", 2, &bc, &x[1]) == 0, "%s", fl_error_message());
+    FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && x[1].res[0].part_optim[FL_BLIP2_TEXT] > 0 &&
+                  x[1].res[0].part_params[FL_BLIP2_TEXT] == x[0].res[0].part_params[FL_BLIP2_TEXT],
+              "LoRA FSDP losses %.9g %.9g %.9g, ZeRO-2's %.9g %.9g %.9g", x[1].loss[0][0], x[1].loss[0][1],
+              x[1].loss[0][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+    free(x);
+}
+
 /* What FULL_SHARD does not run for BLIP-2 is refused by name before any collective. */
 FL_TEST(blip2_fsdp_refusals) {
     fl_blip2_config bc;
