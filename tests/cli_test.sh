@@ -1078,6 +1078,7 @@ expect lab_data_fsdp 2 "lab --data / --tokenizer: the quick and full suites' row
 # images and captions through fl_blip2_train; what BLIP-2 fine-tuning refuses in this build is n/a by name
 expect lab_blip2_real_plan 0 "baseline +opt-2.7b +64x1 +32-true +AdamW +OOM +yes .*reduced-batch +opt-2.7b +8x1 +32-true +AdamW +fits +yes .*lora +t5-xxl +4x1 .* fits +yes" -- bash -c "'$FITLLM' lab --suite blip2 --scale real --plan-only --out_dir '$T/labb2r' | tr '\n' ' '"
 expect lab_blip2_real_baseline_acts 0 "baseline\\*\\*: OOM during setup: ACTS 84.10 GiB requested, 29.72 GiB available \(planned; not run\)" -- cat "$T/labb2r/report.md"
+expect lab_blip2_real_fsdp 0 "fsdp +t5-xxl +1x1x4 +32-true +AdamW +fits +yes" -- bash -c "'$FITLLM' lab --suite blip2 --scale real --plan-only --only fsdp --out_dir '$T/labb2f' | tr '\n' ' '"
 expect lab_blip2_lab 0 "reduced-batch +lab-opt-2.7b +8x1 +32-true +AdamW +fits +yes .*ddp +lab-opt-2.7b +8x2x4 .* fits +yes" -- bash -c "'$FITLLM' lab --suite blip2 --only baseline,reduced-batch,ddp --steps 2 --out_dir '$T/labb2' | tr '\n' ' '"
 expect lab_blip2_files 0 "" -- bash -c "grep -q '^## How the BLIP-2 lab is scaled' '$T/labb2/report.md' && grep -q '\"ref_model\": \"blip2-opt-2.7b\"' '$T/labb2/results.json' && grep -q '^reduced-batch,lab-blip2-opt-2.7b,blip2-opt-2.7b,8,1,4,' '$T/labb2/results.csv'"
 expect lab_blip2_bad_only 2 "unknown experiment 'nope' in suite blip2" -- "$FITLLM" lab --suite blip2 --only nope --out_dir "$T/labb2x"
