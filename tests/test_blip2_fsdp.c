@@ -6,6 +6,7 @@
  * values in the same order) and the update is elementwise, so its losses are ZeRO-2's bit for bit; with clipping the
  * norm sums the squared shards in another partition (its last bits may differ), with accumulation the ranks' sum comes
  * before the micro-batches' (a reassociation): there DDP / ZeRO-2's losses within fp32 reduction-order noise. */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,7 +16,9 @@
 #include "fitllm/blip2_train.h"
 #include "fitllm/comm.h"
 #include "fitllm/config.h"
+#include "fitllm/io.h"
 #include "test.h"
+#include "train/dp.h"
 
 #define NSTEP 3
 
@@ -150,4 +153,160 @@ FL_TEST(blip2_fsdp_refusals) {
     c.optimizer.kind = FL_OPT_ADAMW8BIT;
     FL_CHECK(run_ranks(c, "fsdp", 2, &bc, x) != 0 && strstr(fl_error_message(), "AdamW8bit"));
     free(x);
+}
+
+/* The gradients tensor by tensor after re-assembly: the fixture's batch (tests/fixtures/blip2-tiny-opt: B 2 x 12 ids,
+ * transformers' float64 reference and PyTorch fp32's own distance to it, noise.*) split over 2 and 3 thread ranks (rank
+ * r the batch's sequence r; at 3 ranks rank 2 runs sequence 0 with every target ignored: no gradient, the collectives
+ * all the same), every part sharded and trained: each rank's gradient shards gathered unit by unit into the whole
+ * layout (fl_fsdp_whole_array) are within test_blip2.c's bound of the reference (8 x PyTorch fp32's error + 16 fp32
+ * roundings of the tensor's scale), as one process's are; and within that bound of one process's. */
+#define GFIX "tests/fixtures/blip2-tiny-opt"
+
+typedef struct {
+    float *g[FL_BLIP2_PARTS]; /* rank 0's re-assembled gradients */
+    size_t n[FL_BLIP2_PARTS];
+} grad_ctx;
+
+static fl_status grad_rank(fl_comm *comm, int rank, void *ud) {
+    grad_ctx *x = ud;
+    fl_backend be;
+    fl_mem_pool pool, host;
+    FL_TRY(fl_backend_init_by_name("cpu", &be, 1));
+    fl_status s = fl_backend_pools_init(&be, &pool, &host, "cpu", 0);
+    if (s != FL_OK) {
+        fl_backend_free(&be);
+        return s;
+    }
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    snprintf(c.strategy, sizeof c.strategy, "fsdp");
+    fl_precision prec;
+    fl_model_storage stg[FL_BLIP2_PARTS];
+    fl_dp dp[FL_BLIP2_PARTS];
+    memset(dp, 0, sizeof dp);
+    fl_blip2 *b = NULL;
+    fl_st_file f;
+    int fopen_ok = 0;
+    s = fl_precision_find("32-true", &prec);
+    for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++) {
+        fl_model_storage_for(&prec, &stg[k]);
+        dp[k].comm = comm, dp[k].rank = rank, dp[k].world = fl_comm_size(comm);
+        s = fl_fsdp_prepare(&dp[k], &c, &prec, &stg[k]);
+    }
+    if (s == FL_OK) s = fl_blip2_load_ex(&b, GFIX, &be, &pool, stg);
+    if (s == FL_OK) s = fl_blip2_set_precision(b, &prec);
+    for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++) s = fl_fsdp_init(&dp[k], &c, fl_blip2_part(b, k));
+    if (s == FL_OK) s = fl_blip2_alloc_grads(b);
+    if (s == FL_OK && (s = fl_st_open(&f, GFIX "/expected.safetensors")) == FL_OK) fopen_ok = 1;
+    const fl_st_tensor *px = fopen_ok ? fl_st_find(&f, "pixels") : NULL, *ids = fopen_ok ? fl_st_find(&f, "ids") : NULL;
+    const fl_st_tensor *lab = fopen_ok ? fl_st_find(&f, "labels") : NULL;
+    if (s == FL_OK && (!px || !ids || !lab)) s = fl_errorf(FL_ERR_FORMAT, "fixture incomplete");
+    if (s == FL_OK) {
+        const int B = (int)ids->shape[0], T = (int)ids->shape[1], TC = (int)lab->shape[1], NQ = T - TC, S = (int)px->shape[2];
+        const int row = rank < B ? rank : 0;
+        int32_t tg[64];
+        int n_valid = 0;
+        for (int bb = 0; bb < B; bb++) /* the whole batch's valid targets: each rank's scale */
+            for (int t = 0; t < T; t++) {
+                const int i = t - NQ, v = i >= 0 && i + 1 < TC ? ((const int32_t *)lab->data)[bb * TC + i + 1] : FL_IGNORE_INDEX;
+                if (bb == row) tg[t] = rank < B ? v : FL_IGNORE_INDEX;
+                n_valid += v != FL_IGNORE_INDEX;
+            }
+        float loss;
+        fl_blip2_zero_grads(b);
+        s = fl_blip2_alloc_acts(b, 1, T);
+        if (s == FL_OK)
+            s = fl_blip2_forward(b, (const float *)px->data + (size_t)row * 3 * S * S, (const int32_t *)ids->data + row * T,
+                                 tg, 1, T, 1.0f / (float)n_valid, NULL, &loss);
+        if (s == FL_OK) s = fl_blip2_backward(b);
+    }
+    for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++) {
+        const fl_model *m = fl_blip2_part(b, k);
+        float *full = malloc(m->layout.numel * sizeof *full + 4);
+        s = full ? fl_fsdp_whole_array(&dp[k], fl_model_grads_data(m), 4, full) : FL_ERR_OOM;
+        if (rank == 0) x->g[k] = full, x->n[k] = m->layout.numel;
+        else free(full);
+    }
+    if (fopen_ok) fl_st_close(&f);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_fsdp_free(&dp[k]);
+    fl_blip2_free(b);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+    return s;
+}
+
+static double gbound(const fl_st_tensor *noise, double scale) {
+    return 8.0 * ((const float *)noise->data)[0] + 16.0 * FLT_EPSILON * scale;
+}
+
+FL_TEST(blip2_fsdp_threads_gradients_vs_transformers) {
+    /* one process, the whole batch */
+    fl_backend be;
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cpu", &be, 1));
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, "cpu", 0));
+    fl_blip2 *one = NULL;
+    FL_REQUIRE_OK(fl_blip2_load(&one, GFIX, &be, &pool));
+    FL_REQUIRE_OK(fl_blip2_alloc_grads(one));
+    fl_st_file f;
+    FL_REQUIRE_OK(fl_st_open(&f, GFIX "/expected.safetensors"));
+    const fl_st_tensor *px = fl_st_find(&f, "pixels"), *ids = fl_st_find(&f, "ids"), *lab = fl_st_find(&f, "labels");
+    FL_REQUIRE(px && ids && lab);
+    const int B = (int)ids->shape[0], T = (int)ids->shape[1], TC = (int)lab->shape[1], NQ = T - TC;
+    int32_t tg[128];
+    int n_valid = 0;
+    FL_REQUIRE(B * T <= 128);
+    for (int bb = 0; bb < B; bb++)
+        for (int t = 0; t < T; t++) {
+            const int i = t - NQ, v = i >= 0 && i + 1 < TC ? ((const int32_t *)lab->data)[bb * TC + i + 1] : FL_IGNORE_INDEX;
+            tg[bb * T + t] = v;
+            n_valid += v != FL_IGNORE_INDEX;
+        }
+    float loss;
+    fl_blip2_zero_grads(one);
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(one, B, T));
+    FL_REQUIRE_OK(fl_blip2_forward(one, px->data, ids->data, tg, B, T, 1.0f / (float)n_valid, NULL, &loss));
+    FL_REQUIRE_OK(fl_blip2_backward(one));
+    for (int world = 2; world <= 3; world++) {
+        grad_ctx x;
+        memset(&x, 0, sizeof x);
+        FL_CHECKF(fl_comm_threads_run(world, grad_rank, &x) == FL_OK, "%d ranks: %s", world, fl_error_message());
+        int checked = 0;
+        double worst = 0, dist = 0;
+        for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+            const fl_model *m = fl_blip2_part(one, k);
+            if (!x.g[k] || x.n[k] != m->layout.numel) continue;
+            for (int i = 0; i < m->layout.n; i++) {
+                const fl_param_info *p = &m->layout.params[i];
+                char gk[200], nk[208];
+                snprintf(gk, sizeof gk, "grad.%s%s", k == FL_BLIP2_TEXT ? "language_model." : "", p->name);
+                snprintf(nk, sizeof nk, "noise.%s", gk + 5);
+                const fl_st_tensor *g = fl_st_find(&f, gk), *gn = fl_st_find(&f, nk);
+                FL_CHECKF(g && gn && (size_t)(g->end - g->begin) == p->numel * 4, "reference gradient of %s", gk);
+                if (!g || !gn || p->transposed_on_disk) continue;
+                const float *ref = g->data, *fs = x.g[k] + p->offset, *o1 = fl_model_grads_f32(m) + p->offset;
+                double e = 0, e1 = 0, sc = 0;
+                for (size_t j = 0; j < p->numel; j++) {
+                    e = fmax(e, fabs((double)fs[j] - ref[j]));
+                    e1 = fmax(e1, fabs((double)fs[j] - o1[j]));
+                    sc = fmax(sc, fabs(ref[j]));
+                }
+                FL_CHECKF(e <= gbound(gn, sc) && e1 <= gbound(gn, sc),
+                          "%d ranks: gradient of %s: error %.3g from the reference, %.3g from one process, bound %.3g",
+                          world, gk + 5, e, e1, gbound(gn, sc));
+                worst = fmax(worst, e / gbound(gn, sc));
+                dist = fmax(dist, e1 / gbound(gn, sc));
+                checked++;
+            }
+        }
+        FL_CHECKF(checked == 139, "%d ranks: %d gradients checked", world, checked);
+        printf("      %d ranks: %d gradients, worst %.2f of the bound from the reference, %.2f from one process\n", world,
+               checked, worst, dist);
+        for (int k = 0; k < FL_BLIP2_PARTS; k++) free(x.g[k]);
+    }
+    fl_st_close(&f);
+    fl_blip2_free(one);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
 }
