@@ -310,3 +310,37 @@ FL_TEST(blip2_fsdp_threads_gradients_vs_transformers) {
     fl_backend_pools_free(&pool, &host);
     fl_backend_free(&be);
 }
+
+/* plan = measured per rank: each of 3 thread ranks' pool (every phase's bytes and peak per tag, the all-time peaks) of a
+ * FULL_SHARD run on the CPU equals what `plan --devices 3 --strategy fsdp --rank R` rehearses for it on the null backend
+ * (the ranks as threads, the units through the null communicator), every part trained with checkpointing. */
+FL_TEST(blip2_fsdp_plan_equals_measured_per_rank) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(1, sizeof *x);
+    fl_blip2_train_result *pr = calloc(1, sizeof *pr);
+    FL_REQUIRE(x && pr);
+    fl_run_config c = base_cfg("32-true", "vision,qformer,lm", 3);
+    c.train.activation_checkpointing = 1;
+    FL_REQUIRE(run_ranks(c, "fsdp", 3, &bc, x) == 0);
+    fl_run_config one = c; /* the plan's configuration: one rank's share of the step */
+    snprintf(one.strategy, sizeof one.strategy, "fsdp");
+    one.train.global_batch_size = 1;
+    for (int r = 0; r < 3; r++) {
+        fl_backend nb;
+        FL_REQUIRE_OK(fl_null_backend_init_for(&nb, "cpu"));
+        const fl_blip2_train_opts o = {.shape = &bc, .be = &nb, .synth_len = 6, .rehearse_steps = NSTEP, .plan_world = 3,
+                                       .plan_rank = r};
+        const fl_status s = fl_blip2_train(&one, &o, pr);
+        fl_null_backend_free(&nb);
+        FL_CHECKF(s == FL_OK, "plan of rank %d: %s", r, fl_error_message());
+        const fl_blip2_train_result *m = &x->res[r];
+        FL_CHECKF(!memcmp(pr->peak, m->peak, sizeof m->peak) && pr->peak_total == m->peak_total &&
+                      pr->n_phases == m->n_phases && !memcmp(pr->phases, m->phases, (size_t)m->n_phases * sizeof m->phases[0]),
+                  "rank %d: planned peak %zu (GATHER %zu, %d phases), measured %zu (GATHER %zu, %d phases)", r,
+                  pr->peak_total, pr->peak[FL_TAG_GATHER], pr->n_phases, m->peak_total, m->peak[FL_TAG_GATHER],
+                  m->n_phases);
+        FL_CHECK(m->peak[FL_TAG_GATHER] > 0);
+    }
+    free(x), free(pr);
+}

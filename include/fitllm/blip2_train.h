@@ -56,6 +56,8 @@ typedef struct {
     void *stop_ud;
     double *step_ms, *step_loss;  /* NULL, or n_step_out entries: each step of this session's wall time and loss */
     long n_step_out;
+    int plan_rank;                /* a FULL_SHARD plan (plan_world ranks, or cfg->devices, rehearsed as threads on the
+                                   * borrowed null backend): whose memory the result is, 0 .. ranks - 1 */
 } fl_blip2_train_opts;
 
 typedef struct {

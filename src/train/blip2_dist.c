@@ -103,7 +103,8 @@ static fl_status plan_rank(fl_comm *comm, int rank, void *ud) {
     plan_ranks *x = ud;
     fl_blip2_train_opts o = *x->o;
     o.comm = comm, o.plan_world = 0;
-    if (rank) o.report = o.out = NULL, o.step_ms = o.step_loss = NULL, o.n_step_out = 0, o.stop = NULL;
+    o.plan_rank = 0;
+    if (rank != x->o->plan_rank) o.report = o.out = NULL, o.step_ms = o.step_loss = NULL, o.n_step_out = 0, o.stop = NULL;
     return fl_blip2_train(x->cfg, &o, &x->res[rank]);
 }
 
@@ -121,10 +122,12 @@ fl_status fl_b2t_plan_fsdp(const fl_run_config *c, const fl_blip2_train_opts *o,
     const int B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
     all.train.global_batch_size = (c->train.global_batch_size > 0 ? c->train.global_batch_size : B) * n;
     all.devices = n, all.num_nodes = 1;
+    if (o->plan_rank < 0 || o->plan_rank >= n)
+        return fl_errorf(FL_ERR_INVALID, "--rank %d: the run has %d ranks (0 .. %d)", o->plan_rank, n, n - 1);
     plan_ranks x = {&all, o, calloc((size_t)n, sizeof *res)};
     if (!x.res) return fl_errorf(FL_ERR_OOM, "out of host memory");
     fl_status s = fl_comm_threads_run(n, plan_rank, &x);
-    *res = x.res[0];
+    *res = x.res[o->plan_rank];
     free(x.res);
     return s;
 }
