@@ -62,15 +62,18 @@ fl_status fl_b2t_fsdp_prepare(b2run *r, const fl_precision *prec) {
     FL_TRY(fl_cfg_zero_stage(r->cfg->strategy, r->cfg->sharding_strategy, &stage));
     if (r->world < 2 || stage != 3 || r->lora) return FL_OK;
     static const char *const what[FL_BLIP2_PARTS] = {"vision tower", "Q-Former", "language model"};
-    /* a plan's ranks (the null backend: fake addresses): the units move through its null device communicator, which
-     * moves nothing; a real run's host-memory buffers go through the run's communicator */
-    if (fl_backend_discards(&r->be) && r->be.comm_create && !r->fdev)
-        FL_TRY(fl_error_prefix(r->be.comm_create(&r->be, r->comm, &r->fdev), "FSDP: the null backend's communicator"));
+    /* the units' gathers and reductions on the backend's buffers: a device backend's communicator (NCCL; its CPU
+     * stand-in on cuda-emu and opaque), a plan's null one (the null backend's fake addresses: it moves nothing); a
+     * host-memory backend's buffers go through the run's communicator */
+    if ((fl_backend_discards(&r->be) || !fl_backend_host_memory(&r->be)) && r->be.comm_create && !r->fdev)
+        FL_TRY(fl_error_prefix(r->be.comm_create(&r->be, r->comm, &r->fdev), "FSDP: the %s backend's communicator",
+                               r->be.name));
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         fl_dp *d = &r->pdp[k];
         memset(d, 0, sizeof *d);
         d->comm = r->comm; /* the reductions' MPI scratch outside the pool, as the run's fl_dp */
         d->dev = r->fdev;
+        d->be = &r->be; /* the checkpoints' gathers read the shards through its to_host */
         d->rank = r->rank, d->world = r->world;
         /* the part is created sharded: the loader (or the random init) fills this rank's pieces only */
         FL_TRY(fl_error_prefix(fl_fsdp_prepare(d, r->cfg, prec, &r->stg[k]), "FSDP of the BLIP-2 %s", what[k]));
