@@ -187,6 +187,33 @@ timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RU
 if [ $rc -eq 0 ] && cmp -s "$T/fs-opt-full/final/model.safetensors" "$T/fr2/final/model.safetensors"; then
     ok "blip2_fsdp_checkpoint_resumes_under_fsdp_bits"
 else bad "blip2_fsdp_checkpoint_resumes_under_fsdp_bits" "exit $rc"; fi
+# a DDP checkpoint (the one-process form) resumed under FULL_SHARD: steps 4-6 give DDP's final weights bit for bit
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy fsdp \
+    --resume "$T/ddp-opt-full/step-000003" --out_dir "$T/fr3" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000003 (step 3)" "$T/out" &&
+    cmp -s "$T/ddp-opt-full/final/model.safetensors" "$T/fr3/final/model.safetensors"; then ok "blip2_fsdp_resumes_ddp_checkpoint_bits"
+else bad "blip2_fsdp_resumes_ddp_checkpoint_bits" "exit $rc"; fi
+# 3 ranks (the units split unevenly; 2 micro-batches of 1 each per step) against one process (6 accumulated), with a
+# validation split (every rank runs the validation forwards: each gathers from every rank): the losses and val losses
+# within 1e-6; its step-3 checkpoint resumed by FULL_SHARD at 2 ranks: steps 4-6 as one process's within 1e-6
+R3=(--data JSON --data.json_path "$T/caps" --train.max_steps 6 --train.micro_batch_size 1 --train.global_batch_size 6
+    --optimizer.lr 0.003 --train.lr_warmup_steps 0 --threads 1 --quiet true --data.val_split_fraction 0.15 --eval.interval 3)
+vl() { grep -E '^step [0-9]+ val loss|^Final evaluation' "$1" | sed 's/.*val loss:* \([0-9.]*\).*/\1/'; }
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${R3[@]}" --out_dir "$T/o3" >"$T/o3.log" 2>&1
+timeout 300 mpirun -np 3 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${R3[@]}" --devices 3 --strategy fsdp \
+    --train.save_interval 3 --out_dir "$T/f3" >"$T/out" 2>&1; rc=$?
+a=$(losses "$T/out"); b=$(losses "$T/o3.log")
+if [ $rc -eq 0 ] && same "$b" "$a" && grep -q "over 3 ranks (FULL_SHARD)" "$T/out" && [ "$(vl "$T/out" | grep -c .)" = 2 ] &&
+    paste -d' ' <(vl "$T/o3.log") <(vl "$T/out") | awk 'NF != 2 { bad = 1 } { d = $1 - $2; if (d < 0) d = -d; if (d > 1e-6 * $1 + 5e-4) bad = 1 } END { exit bad }'; then
+    ok "blip2_fsdp_np3_validation (losses = one process's: $(tr '\n' ' ' <<<"$a"))"
+else echo "one process: $b" >>"$T/out"; bad "blip2_fsdp_np3_validation" "exit $rc"; fi
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${R3[@]}" --devices 2 --strategy fsdp \
+    --resume "$T/f3/step-000003" --out_dir "$T/f32" >"$T/out" 2>&1; rc=$?
+a=$(grep -E '^step [4-6]/6 loss' "$T/out" | awk '{ print $4 }'); b=$(losses "$T/o3.log" | tail -3)
+if [ $rc -eq 0 ] && [ "$(grep -c . <<<"$a")" = 3 ] &&
+    paste -d' ' <(printf '%s\n' "$a") <(printf '%s\n' "$b") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-6 * $1 + 5e-7) bad = 1 } END { exit bad }'; then
+    ok "blip2_fsdp_np3_checkpoint_resumes_at_np2"
+else bad "blip2_fsdp_np3_checkpoint_resumes_at_np2" "exit $rc"; fi
 # rank 0's memory report under FULL_SHARD (its shards, the gathered units in GATHER) = `plan --devices 2 --strategy fsdp`
 # (the plan rehearses the ranks as threads), every part trained, with activation checkpointing
 for x in "" "--blip2.train vision,qformer,lm --train.activation_checkpointing true"; do
