@@ -100,6 +100,8 @@ typedef struct {
     const fl_run_config *cfg;
     const fl_blip2_train_opts *o;
     fl_blip2_train_result *res; /* (N) */
+    fl_status *st;              /* (N) each rank's status */
+    char (*msg)[512];           /* (N) and its message */
 } plan_ranks;
 
 static fl_status plan_rank(fl_comm *comm, int rank, void *ud) {
@@ -108,7 +110,9 @@ static fl_status plan_rank(fl_comm *comm, int rank, void *ud) {
     o.comm = comm, o.plan_world = 0;
     o.plan_rank = 0;
     if (rank != x->o->plan_rank) o.report = o.out = NULL, o.step_ms = o.step_loss = NULL, o.n_step_out = 0, o.stop = NULL;
-    return fl_blip2_train(x->cfg, &o, &x->res[rank]);
+    x->st[rank] = fl_blip2_train(x->cfg, &o, &x->res[rank]);
+    if (x->st[rank] != FL_OK) snprintf(x->msg[rank], sizeof x->msg[rank], "%s", fl_error_message());
+    return x->st[rank];
 }
 
 int fl_b2t_plan_ranks(const fl_run_config *c, const fl_blip2_train_opts *o) {
@@ -127,11 +131,23 @@ fl_status fl_b2t_plan_fsdp(const fl_run_config *c, const fl_blip2_train_opts *o,
     all.devices = n, all.num_nodes = 1;
     if (o->plan_rank < 0 || o->plan_rank >= n)
         return fl_errorf(FL_ERR_INVALID, "--rank %d: the run has %d ranks (0 .. %d)", o->plan_rank, n, n - 1);
-    plan_ranks x = {&all, o, calloc((size_t)n, sizeof *res)};
-    if (!x.res) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    plan_ranks x = {&all, o, calloc((size_t)n, sizeof *res), calloc((size_t)n, sizeof(fl_status)),
+                    calloc((size_t)n, sizeof *x.msg)};
+    if (!x.res || !x.st || !x.msg) {
+        free(x.res), free(x.st), free(x.msg);
+        return fl_errorf(FL_ERR_OOM, "out of host memory");
+    }
     fl_status s = fl_comm_threads_run(n, plan_rank, &x);
-    *res = x.res[o->plan_rank];
-    free(x.res);
+    int pick = o->plan_rank;
+    /* a rank out of memory ends the run (the others then fail in the broken group): that rank's record and message */
+    for (int k = 0; s != FL_OK && k < n; k++)
+        if (x.st[k] == FL_ERR_OOM && x.res[k].oom.valid) {
+            pick = k;
+            s = fl_errorf(FL_ERR_OOM, "rank %d of %d: %s", k, n, x.msg[k]);
+            break;
+        }
+    *res = x.res[pick];
+    free(x.res), free(x.st), free(x.msg);
     return s;
 }
 
