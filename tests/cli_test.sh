@@ -224,8 +224,7 @@ for v in "--train.max_time 60|--train.max_time: BLIP-2 fine-tuning stops at trai
          "--train.max_tokens 1000|--train.max_tokens: BLIP-2 fine-tuning stops at train.max_steps" \
          "--train.lr_warmup_fraction 0.1|--train.lr_warmup_fraction: BLIP-2 fine-tuning warms up over" \
          "--eval.initial_validation true|--eval.initial_validation true: BLIP-2 fine-tuning validates every" \
-         "--strategy fsdp|--strategy fsdp: BLIP-2 fine-tuning runs one process, DDP, ZeRO-1 or ZeRO-2 .*FSDP / ZeRO-3 .* not built for BLIP-2" \
-         "--strategy deepspeed_stage_3_offload_nvme|--strategy deepspeed_stage_3_offload_nvme: BLIP-2 fine-tuning runs one process, DDP, ZeRO-1 or ZeRO-2"; do
+         "--strategy deepspeed_stage_3_offload_nvme|--strategy deepspeed_stage_3_offload_nvme: BLIP-2 fine-tuning offloads the optimizer to host memory .*NVMe and parameter offload are"; do
     read -r -a opt <<<"${v%%|*}"
     expect "blip2_finetune_refuses_${opt[0]#--}" 2 "${v#*|}" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" "${opt[@]}" --out_dir "$T/b2ref"
 done
@@ -375,7 +374,7 @@ expect blip2_metrics_csv 0 "" -- bash -c 'h=$(head -1 "$1"); [ "${h%%,mem_params
 expect blip2_plan_opt27b_fits 0 "largest micro_batch_size that fits: 16 \(accumulation 4 for global batch 64\)" -- "$FITLLM" plan blip2-opt-2.7b --device-memory 80GB --train.micro_batch_size 8 --train.global_batch_size 64
 expect blip2_plan_opt27b_64_oom 3 "OUT OF MEMORY during setup \(before_fwd\): ACTS for BLIP-2 activations for B=64" -- "$FITLLM" plan Salesforce/blip2-opt-2.7b --device-memory 80GB --train.micro_batch_size 64 --train.global_batch_size 64
 expect blip2_plan_json 0 '"source": "BLIP-2 preset"' -- "$FITLLM" plan blip2-micro --json
-expect blip2_plan_refuses_fsdp 2 "--strategy fsdp: BLIP-2 fine-tuning runs one process, DDP, ZeRO-1 or ZeRO-2" -- "$FITLLM" plan "$B2" --devices 2 --strategy fsdp
+expect blip2_plan_fsdp_rank 0 "FULL_SHARD over 2 ranks: each rank holds its shard of every part" -- "$FITLLM" plan "$B2" --devices 2 --strategy fsdp
 expect blip2_plan_ddp_rank 0 "DDP over 2 ranks: each rank holds the whole model" -- "$FITLLM" plan "$B2" --devices 2
 expect blip2_plan_refuses_target_len 2 "--target-len: a BLIP-2 plan sizes the caption with --seq-len" -- "$FITLLM" plan blip2-micro --target-len 8
 expect blip2_plan_seq_len 0 "captions of 7 tokens" -- "$FITLLM" plan "$B2" --seq-len 7
@@ -1079,6 +1078,7 @@ expect lab_data_fsdp 2 "lab --data / --tokenizer: the quick and full suites' row
 # images and captions through fl_blip2_train; what BLIP-2 fine-tuning refuses in this build is n/a by name
 expect lab_blip2_real_plan 0 "baseline +opt-2.7b +64x1 +32-true +AdamW +OOM +yes .*reduced-batch +opt-2.7b +8x1 +32-true +AdamW +fits +yes .*lora +t5-xxl +4x1 .* fits +yes" -- bash -c "'$FITLLM' lab --suite blip2 --scale real --plan-only --out_dir '$T/labb2r' | tr '\n' ' '"
 expect lab_blip2_real_baseline_acts 0 "baseline\\*\\*: OOM during setup: ACTS 84.10 GiB requested, 29.72 GiB available \(planned; not run\)" -- cat "$T/labb2r/report.md"
+expect lab_blip2_real_fsdp 0 "fsdp +t5-xxl +1x1x4 +32-true +AdamW +fits +yes" -- bash -c "'$FITLLM' lab --suite blip2 --scale real --plan-only --only fsdp --out_dir '$T/labb2f' | tr '\n' ' '"
 expect lab_blip2_lab 0 "reduced-batch +lab-opt-2.7b +8x1 +32-true +AdamW +fits +yes .*ddp +lab-opt-2.7b +8x2x4 .* fits +yes" -- bash -c "'$FITLLM' lab --suite blip2 --only baseline,reduced-batch,ddp --steps 2 --out_dir '$T/labb2' | tr '\n' ' '"
 expect lab_blip2_files 0 "" -- bash -c "grep -q '^## How the BLIP-2 lab is scaled' '$T/labb2/report.md' && grep -q '\"ref_model\": \"blip2-opt-2.7b\"' '$T/labb2/results.json' && grep -q '^reduced-batch,lab-blip2-opt-2.7b,blip2-opt-2.7b,8,1,4,' '$T/labb2/results.csv'"
 expect lab_blip2_bad_only 2 "unknown experiment 'nope' in suite blip2" -- "$FITLLM" lab --suite blip2 --only nope --out_dir "$T/labb2x"

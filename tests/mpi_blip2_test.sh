@@ -127,11 +127,6 @@ if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000003 (step 3)" "$T/
     cmp -s "$T/ddp-opt-full/final/model.safetensors" "$T/zr/final/model.safetensors"; then ok "blip2_zero2_checkpoint_resumes_under_ddp"
 else bad "blip2_zero2_checkpoint_resumes_under_ddp" "exit $rc"; fi
 # refusals: every rank refuses the same way, exit 2, the option named once
-for st in deepspeed_stage_3 fsdp; do
-    timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy $st --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
-    if [ $rc -eq 2 ] && [ "$(grep -c -- "--strategy $st: BLIP-2 fine-tuning runs one process, DDP, ZeRO-1 or ZeRO-2" "$T/out")" = 1 ]; then
-        ok "blip2_ddp_refuses_$st"; else bad "blip2_ddp_refuses_$st" "exit $rc"; fi
-done
 timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy deepspeed_stage_2 \
     --optimizer bnb.optim.AdamW8bit --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
 if [ $rc -eq 2 ] && [ "$(grep -c -- "with --optimizer AdamW8bit: BLIP-2 step checkpoints and --resume of the 8-bit state" "$T/out")" = 1 ]; then
@@ -151,6 +146,93 @@ timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt --dat
     --train.micro_batch_size 1 --train.global_batch_size 2 --threads 1 --devices 2 --out_dir "$T/x2" >"$T/out" 2>&1; rc=$?
 if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q "zz.jpg: corrupt JPEG" "$T/out" && [ ! -d "$T/x2/final" ]; then
     ok "blip2_ddp_corrupt_image_ends_job (exit $rc)"; else bad "blip2_ddp_corrupt_image_ends_job" "exit $rc"; fi
+
+# FSDP FULL_SHARD / ZeRO-3 (src/train/blip2_dist.c: every part sharded unit by unit, the passes gather and
+# reduce-scatter each unit): at one micro-batch per rank and step without clipping each element's reduced gradient is
+# DDP's rank-order sum and the update elementwise, so the losses are one process's within reduction noise (as DDP's)
+# and the final weights and the step-3 checkpoint (gathered into the one-process form) are DDP's byte for byte; OPT
+# (fsdp) and Flan-T5 (deepspeed_stage_3) in 32-true, bf16-mixed and bf16-true
+for m in opt t5; do
+    st=fsdp; [ $m = t5 ] && st=deepspeed_stage_3
+    for v in full mixed btrue; do
+        x=(); [ $v = mixed ] && x=(--precision bf16-mixed); [ $v = btrue ] && x=(--precision bf16-true)
+        D="$T/fs-$m-$v"; R="$T/ddp-$m-$v"
+        timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-$m "${RUN[@]}" "${x[@]}" --devices 2 --strategy $st \
+            --train.save_interval 3 --out_dir "$D" >"$T/out" 2>&1; rc=$?
+        a=$(losses "$T/out"); b=$(losses "$T/one-$m-$v.log")
+        eq() { same "$1" "$2"; }
+        [ $v = btrue ] && eq() { near "$1" "$2" "$(dist "$(losses "$T/one-$m-full.log")" "$(losses "$T/one-$m-mixed.log")")"; }
+        if [ $rc -eq 0 ] && eq "$b" "$a" && grep -q "over 2 ranks (FULL_SHARD)" "$T/out" && cmp -s "$R/final/model.safetensors" "$D/final/model.safetensors" &&
+            cmp -s "$R/step-000003/training_state.safetensors" "$D/step-000003/training_state.safetensors"; then
+            ok "blip2_fsdp_np2_${m}_${v}_${st} (losses = one process's, weights and checkpoint = DDP's: $(tr '\n' ' ' <<<"$a"))"
+        else echo "one process: $b" >>"$T/out"; bad "blip2_fsdp_np2_${m}_${v}_$st" "exit $rc"; fi
+    done
+done
+# FULL_SHARD with the shards' optimizer state offloaded to the host (deepspeed_stage_3_offload): the bits of FULL_SHARD
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy deepspeed_stage_3_offload \
+    --quiet false --out_dir "$T/fso" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && cmp -s "$T/fs-opt-full/final/model.safetensors" "$T/fso/final/model.safetensors" && grep -q "^host tier" "$T/out"; then
+    ok "blip2_fsdp_offload_equal_fsdp_bits"
+else bad "blip2_fsdp_offload_equal_fsdp_bits" "exit $rc"; fi
+# the FULL_SHARD checkpoint resumes in one process (steps 4-6 as one process's within reduction noise) and at 2 ranks
+# under FULL_SHARD (the uninterrupted run's final weights bit for bit)
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --resume "$T/fs-opt-full/step-000003" --out_dir "$T/fr1" >"$T/out" 2>&1; rc=$?
+a=$(grep -E '^step [4-6]/6 loss' "$T/out" | awk '{ print $4 }'); b=$(losses "$T/one-opt-full.log" | tail -3)
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000003 (step 3)" "$T/out" && [ "$(grep -c . <<<"$a")" = 3 ] &&
+    paste -d' ' <(printf '%s\n' "$a") <(printf '%s\n' "$b") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-6 * $1 + 5e-7) bad = 1 } END { exit bad }'; then
+    ok "blip2_fsdp_checkpoint_resumes_in_one_process"
+else bad "blip2_fsdp_checkpoint_resumes_in_one_process" "exit $rc"; fi
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy fsdp \
+    --resume "$T/fs-opt-full/step-000003" --out_dir "$T/fr2" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && cmp -s "$T/fs-opt-full/final/model.safetensors" "$T/fr2/final/model.safetensors"; then
+    ok "blip2_fsdp_checkpoint_resumes_under_fsdp_bits"
+else bad "blip2_fsdp_checkpoint_resumes_under_fsdp_bits" "exit $rc"; fi
+# a DDP checkpoint (the one-process form) resumed under FULL_SHARD: steps 4-6 give DDP's final weights bit for bit
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy fsdp \
+    --resume "$T/ddp-opt-full/step-000003" --out_dir "$T/fr3" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000003 (step 3)" "$T/out" &&
+    cmp -s "$T/ddp-opt-full/final/model.safetensors" "$T/fr3/final/model.safetensors"; then ok "blip2_fsdp_resumes_ddp_checkpoint_bits"
+else bad "blip2_fsdp_resumes_ddp_checkpoint_bits" "exit $rc"; fi
+# 3 ranks (the units split unevenly; 2 micro-batches of 1 each per step) against one process (6 accumulated), with a
+# validation split (every rank runs the validation forwards: each gathers from every rank): the losses and val losses
+# within 1e-6; its step-3 checkpoint resumed by FULL_SHARD at 2 ranks: steps 4-6 as one process's within 1e-6
+R3=(--data JSON --data.json_path "$T/caps" --train.max_steps 6 --train.micro_batch_size 1 --train.global_batch_size 6
+    --optimizer.lr 0.003 --train.lr_warmup_steps 0 --threads 1 --quiet true --data.val_split_fraction 0.15 --eval.interval 3)
+vl() { grep -E '^step [0-9]+ val loss|^Final evaluation' "$1" | sed 's/.*val loss:* \([0-9.]*\).*/\1/'; }
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${R3[@]}" --out_dir "$T/o3" >"$T/o3.log" 2>&1
+timeout 300 mpirun -np 3 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${R3[@]}" --devices 3 --strategy fsdp \
+    --train.save_interval 3 --out_dir "$T/f3" >"$T/out" 2>&1; rc=$?
+a=$(losses "$T/out"); b=$(losses "$T/o3.log")
+if [ $rc -eq 0 ] && same "$b" "$a" && grep -q "over 3 ranks (FULL_SHARD)" "$T/out" && [ "$(vl "$T/out" | grep -c .)" = 2 ] &&
+    paste -d' ' <(vl "$T/o3.log") <(vl "$T/out") | awk 'NF != 2 { bad = 1 } { d = $1 - $2; if (d < 0) d = -d; if (d > 1e-6 * $1 + 5e-4) bad = 1 } END { exit bad }'; then
+    ok "blip2_fsdp_np3_validation (losses = one process's: $(tr '\n' ' ' <<<"$a"))"
+else echo "one process: $b" >>"$T/out"; bad "blip2_fsdp_np3_validation" "exit $rc"; fi
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${R3[@]}" --devices 2 --strategy fsdp \
+    --resume "$T/f3/step-000003" --out_dir "$T/f32" >"$T/out" 2>&1; rc=$?
+a=$(grep -E '^step [4-6]/6 loss' "$T/out" | awk '{ print $4 }'); b=$(losses "$T/o3.log" | tail -3)
+if [ $rc -eq 0 ] && [ "$(grep -c . <<<"$a")" = 3 ] &&
+    paste -d' ' <(printf '%s\n' "$a") <(printf '%s\n' "$b") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-6 * $1 + 5e-7) bad = 1 } END { exit bad }'; then
+    ok "blip2_fsdp_np3_checkpoint_resumes_at_np2"
+else bad "blip2_fsdp_np3_checkpoint_resumes_at_np2" "exit $rc"; fi
+# rank 0's memory report under FULL_SHARD (its shards, the gathered units in GATHER) = `plan --devices 2 --strategy fsdp`
+# (the plan rehearses the ranks as threads), every part trained, with activation checkpointing
+for x in "" "--blip2.train vision,qformer,lm --train.activation_checkpointing true"; do
+    planned=$("$FL" plan tests/fixtures/blip2-tiny-opt "${PR[@]}" $x --devices 2 --strategy fsdp 2>&1 | awk '/^(after_|before_)/ { print; getline; print } /^peak/')
+    timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${PR[@]}" $x --devices 2 --strategy fsdp --out_dir "$T/pf" >"$T/out" 2>&1; rc=$?
+    measured=$(awk '/^(after_|before_)/ { print; getline; print } /^peak/' "$T/out")
+    if [ $rc -eq 0 ] && [ "$(grep -c . <<<"$planned")" = 11 ] && [ "$planned" = "$measured" ] && grep -q "GATHER" "$T/out"; then
+        ok "blip2_fsdp_rank0_peaks_equal_plan${x:+ (every part, checkpointing)}"
+    else printf 'planned:\n%s\n' "$planned" >>"$T/out"; bad "blip2_fsdp_rank0_peaks_equal_plan" "exit $rc"; fi
+done
+# what FULL_SHARD does not run for BLIP-2: refused on every rank, exit 2, the option named once
+for v in "--fsdp.sharding_strategy HYBRID_SHARD --num_nodes 2 --devices 1|HYBRID_SHARD is not built for it" \
+         "--optimizer bnb.optim.AdamW8bit --devices 2|8-bit AdamW on BLIP-2's FULL_SHARD shards is not built" \
+         "--strategy deepspeed_stage_3_offload_nvme --devices 2|NVMe and parameter offload are not built"; do
+    read -r -a opt <<<"${v%%|*}"
+    timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --strategy fsdp "${opt[@]}" --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
+    if [ $rc -eq 2 ] && [ "$(grep -c -- "${v#*|}" "$T/out")" = 1 ]; then ok "blip2_fsdp_refuses_${opt[0]#--}"
+    else bad "blip2_fsdp_refuses_${opt[0]#--}" "exit $rc"; fi
+done
 
 echo "BLIP-2 MPI tests: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -17,7 +17,7 @@ static const fl_lab_row *b2row(const fl_lab_report *r, const char *name) {
 static void check_verdicts(const fl_lab_report *rep, const char *scale) {
     static const char *const built[] = {"baseline", "reduced-batch", "grad-accum", "bf16-true", "bf16-mixed",
                                         "larger-model", "even-larger", "sgd", "act-ckpt", "cpu-offload", "lora", "qlora",
-                                        "ddp"};
+                                        "ddp", "fsdp"};
     FL_CHECK(rep->n == 14 && rep->n_errors == 0 && rep->blip2);
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
@@ -49,6 +49,15 @@ static void check_verdicts(const fl_lab_report *rep, const char *scale) {
               "%s bf16-true: PARAMS %zu OPTIM %zu peak %zu; 32-true %zu %zu %zu; bf16-mixed peak %zu", scale,
               bt->peak[FL_TAG_PARAMS], bt->peak[FL_TAG_OPTIM], bt->peak_total, rb->peak[FL_TAG_PARAMS],
               rb->peak[FL_TAG_OPTIM], rb->peak_total, bm->peak_total);
+    /* FSDP over 4 ranks (Flan-T5-XXL, 32-true): each rank holds a quarter of the fp32 parameters, i.e. half of the
+     * bf16-true sgd row's whole XXL (within 5%: the shards' rounding, the 16-bit row's fp32 views), and gathers units */
+    const fl_lab_row *fs = b2row(rep, "fsdp"), *sg = b2row(rep, "sgd");
+    FL_REQUIRE(fs && sg);
+    FL_CHECKF(fs->peak[FL_TAG_PARAMS] * 2 <= sg->peak[FL_TAG_PARAMS] + sg->peak[FL_TAG_PARAMS] / 20 &&
+                  fs->peak[FL_TAG_PARAMS] * 2 >= sg->peak[FL_TAG_PARAMS] - sg->peak[FL_TAG_PARAMS] / 20 &&
+                  fs->peak[FL_TAG_GATHER] > 0,
+              "%s fsdp: PARAMS %zu GATHER %zu per rank; sgd (bf16-true, whole) PARAMS %zu", scale, fs->peak[FL_TAG_PARAMS],
+              fs->peak[FL_TAG_GATHER], sg->peak[FL_TAG_PARAMS]);
     /* QLoRA: the 4-bit base is a fraction of LoRA's fp32 one, the whole run smaller still */
     const fl_lab_row *ql = b2row(rep, "qlora"), *lo = b2row(rep, "lora");
     FL_REQUIRE(ql && lo);

@@ -73,6 +73,10 @@ fl_status fl_blip2_alloc_grads_parts(fl_blip2 *b, int parts);
  * the names fl_blip2_load reads (each tensor in src_dir's own shape), src_dir's config.json,
  * preprocessor_config.json and tokenizer files copied. */
 fl_status fl_blip2_save(const fl_blip2 *b, const char *src_dir, const char *dst_dir);
+/* The same with part k's parameters read from whole[k] (host memory, the part's layout order in its storage dtype:
+ * an FSDP part's gathered parameters) where whole[k] is not NULL. */
+fl_status fl_blip2_save_whole(const fl_blip2 *b, const char *src_dir, const char *dst_dir,
+                              const void *const whole[FL_BLIP2_PARTS]);
 void fl_blip2_zero_grads(fl_blip2 *b);
 /* ACTS bytes of part k in the arena allocated now: its residual stream, saved slots and norms (the Flan-T5 language
  * model: its own encoder-decoder arena); LoRA adapters' activations not included. 0 without an arena. */

@@ -9,8 +9,10 @@
  * cfg->blip2_train names the parts that train (default qformer,lm; finetune_lora: LoRA on the language model). AdamW or
  * SGD per part, one clipping norm over all, the LR schedule, gradient accumulation, a validation split, step
  * checkpoints (out_dir/step-NNNNNN: an HF BLIP-2 folder + training_state.safetensors) and bit-exact --resume, the final
- * folder out_dir/final (the trained weights, LoRA merged; adapter/: PEFT). One process, or DDP over comm's ranks
- * (micro-batch a of a step is rank a % world's; gradients and losses summed). What is not built is refused by name.
+ * folder out_dir/final (the trained weights, LoRA merged; adapter/: PEFT). One process, or DDP / ZeRO-1/2 / FSDP
+ * FULL_SHARD (cfg->strategy) over comm's ranks (micro-batch a of a step is rank a % world's; gradients and losses
+ * summed; under FULL_SHARD every part sharded unit by unit, the checkpoints gathered into the one-process form). What
+ * is not built is refused by name.
  *
  * A rehearsal (rehearse_steps > 0): the same set-up and rehearse_steps steps at the configured LR on synthetic data
  * (every caption synth_len random ids, every image random pixels: no data read), no checkpoint, no validation, no
@@ -56,6 +58,8 @@ typedef struct {
     void *stop_ud;
     double *step_ms, *step_loss;  /* NULL, or n_step_out entries: each step of this session's wall time and loss */
     long n_step_out;
+    int plan_rank;                /* a FULL_SHARD plan (plan_world ranks, or cfg->devices, rehearsed as threads on the
+                                   * borrowed null backend): whose memory the result is, 0 .. ranks - 1 */
 } fl_blip2_train_opts;
 
 typedef struct {

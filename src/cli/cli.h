@@ -159,7 +159,7 @@ int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm)
 int fl_cli_interrupted(void);
 /* `fitllm plan` of BLIP-2 fine-tuning (a folder or a preset, fl_cli_is_blip2): the exit code. */
 int fl_cli_is_blip2(const char *name);
-int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_len, int json, int cuda);
+int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_len, int json, int cuda, int rank);
 /* `fitllm bench-step` of BLIP-2 fine-tuning: the exit code. */
 typedef struct {
     const char *model;

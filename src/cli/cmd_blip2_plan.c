@@ -42,13 +42,13 @@ static int caption_len(const fl_run_config *c, const fl_blip2_config *bc, int se
 
 /* One rehearsal on the null backend standing in for the CPU or a GPU; 1 fits, 0 out of memory, -1 another error. */
 static int rehearse(const fl_run_config *c, const fl_blip2_config *bc, int cuda, size_t budget, int L, int world,
-                    fl_blip2_train_result *rec, fl_status *err) {
+                    int rank, fl_blip2_train_result *rec, fl_status *err) {
     memset(rec, 0, sizeof *rec);
     fl_backend be;
     fl_status s = fl_null_backend_init_for(&be, cuda ? "cuda" : "cpu");
     if (s == FL_OK) {
         const fl_blip2_train_opts o = {.shape = bc, .be = &be, .budget = budget, .synth_len = L, .rehearse_steps = 1,
-                                       .plan_world = world};
+                                       .plan_world = world, .plan_rank = rank};
         s = fl_blip2_train(c, &o, rec);
         fl_null_backend_free(&be);
     }
@@ -92,7 +92,7 @@ static void copy_rec(fl_plan *p, const fl_blip2_train_result *r) {
     p->host_peak_total = r->host_peak_total;
 }
 
-int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_len, int json, int cuda) {
+int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_len, int json, int cuda, int rank) {
     const char *cmd = "plan";
     fl_blip2_config bc;
     const char *src = "";
@@ -110,6 +110,12 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
         one.devices = one.num_nodes = 1;
         one.train.global_batch_size = B * accum;
     }
+    int stage = 0;
+    const int fsdp = world > 1 && fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage) == FL_OK &&
+                     stage == 3 && cfg->command != FL_CMD_FINETUNE_LORA;
+    if (s == FL_OK && rank && !fsdp)
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "--rank %d: a BLIP-2 plan is rank 0's, except under FULL_SHARD (--strategy fsdp "
+                      "or deepspeed_stage_3 with --devices N: the ranks' shards differ)", rank);
     if (s == FL_OK && cfg->tensor_parallel > 1)
         s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: BLIP-2 fine-tuning runs data-parallel (DDP) only so far",
                       cfg->tensor_parallel);
@@ -122,12 +128,18 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
     }
     const int L = caption_len(cfg, &bc, seq_len);
     describe(p, cfg, &bc, src, L, B, accum);
-    int stage = 0;
     if (world > 1 && fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage) == FL_OK && (stage == 1 || stage == 2)) {
         p->devices = world;
         note(p, "ZeRO-%d over %d ranks: each rank holds the whole model and its gradients, the optimizer state of its "
                 "chunk of each trained part (this plan is rank 0's) and runs %d of the step's %d micro-batches (the "
                 "reductions' MPI scratch is outside the pool)", stage, world, accum, accum * world);
+    } else if (world > 1 && stage == 3 && cfg->command != FL_CMD_FINETUNE_LORA) {
+        p->devices = world;
+        note(p, "FULL_SHARD over %d ranks: each rank holds its shard of every part's parameters, gradients and optimizer "
+                "state (the units: each part's embeddings / queries / patch embedding, each block, its last group), "
+                "gathers a unit around its use (GATHER) and runs %d of the step's %d micro-batches; this plan is rank "
+                "%d's (--rank), the ranks rehearsed as threads (the reductions' MPI scratch is outside the pool)", world,
+             accum, accum * world, rank);
     } else if (world > 1) {
         p->devices = world;
         note(p, "DDP over %d ranks: each rank holds the whole model, its gradients and optimizer state and runs %d of "
@@ -136,7 +148,7 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
     }
     p->budget = device_memory ? device_memory : cfg->max_memory;
     fl_blip2_train_result rec;
-    int fits = rehearse(cfg, &bc, cuda, 0, L, world, &rec, &s); /* what the run needs */
+    int fits = rehearse(cfg, &bc, cuda, 0, L, world, rank, &rec, &s); /* what the run needs */
     if (fits < 0) {
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         free(p);
@@ -151,7 +163,7 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
     if (!p->budget) {
         note(p, "no budget given (--device-memory or --max-memory): the plan cannot say whether it fits");
     } else {
-        fits = rehearse(cfg, &bc, cuda, p->budget, L, world, &rec, NULL);
+        fits = rehearse(cfg, &bc, cuda, p->budget, L, world, rank, &rec, NULL);
         if (!fits) fl_plan_set_oom(p, &rec.oom, rec.n_phases, 1);
         p->verdict = fits == 1 ? FL_PLAN_FITS : FL_PLAN_OOM;
         /* the largest micro-batch dividing the global batch that fits */
@@ -161,7 +173,7 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
             fl_run_config v = *cfg;
             v.train.micro_batch_size = b;
             v.train.global_batch_size = p->global_batch;
-            if (rehearse(&v, &bc, cuda, p->budget, L, world, &rec, NULL) == 1) p->max_micro_batch_size = b;
+            if (rehearse(&v, &bc, cuda, p->budget, L, world, rank, &rec, NULL) == 1) p->max_micro_batch_size = b;
         }
     }
     if (json) fl_plan_write_json(p, stdout);

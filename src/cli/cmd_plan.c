@@ -227,12 +227,12 @@ int fl_cmd_plan(int argc, char **argv) {
     if (a.largest) return largest(&cfg, &a);
     if (a.suggest) return suggest_grid(&cfg, &a);
     if (fl_cli_is_blip2(cfg.checkpoint_dir)) { /* image-caption fine-tuning: its own loop (cmd_blip2_plan.c) */
-        if (a.target_len || a.rank || a.generation >= 0) {
-            fprintf(stderr, "fitllm plan: error: %s: a BLIP-2 plan sizes the caption with --seq-len (no --target-len, "
-                    "--rank or --generation)\n", a.target_len ? "--target-len" : a.rank ? "--rank" : "--generation");
+        if (a.target_len || a.generation >= 0) {
+            fprintf(stderr, "fitllm plan: error: %s: a BLIP-2 plan sizes the caption with --seq-len (no --target-len "
+                    "or --generation)\n", a.target_len ? "--target-len" : "--generation");
             return FL_EXIT_USAGE;
         }
-        return fl_cli_blip2_plan(&cfg, a.device_memory, a.seq_len, a.json, a.cuda);
+        return fl_cli_blip2_plan(&cfg, a.device_memory, a.seq_len, a.json, a.cuda, a.rank);
     }
     fl_plan *p = malloc(sizeof *p);
     if (!p) return fl_cli_fail(cmd, fl_errorf(FL_ERR_OOM, "out of host memory"), NULL);

@@ -295,20 +295,44 @@ static fl_status read_f32(const fl_st_tensor *t, size_t k0, float *dst, size_t n
 static fl_status copy_slices(fl_model *m, int i, const fl_st_tensor *t, const char *file) {
     enum { SLICE = 1 << 16 };
     fl_dtype dt;
-    char *dst = fl_model_param_data(m, i, &dt);
+    size_t k0 = 0, k1 = 0; /* FSDP (a sharded part): this rank's piece of the entry, the only bytes read */
+    char *dst = fl_model_param_piece(m, i, &k0, &k1, &dt);
+    if (k0 == k1) return FL_OK;
     float *buf = malloc(SLICE * sizeof *buf);
     uint16_t *b16 = malloc(SLICE * sizeof *b16);
     fl_status s = buf && b16 ? FL_OK : fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", file, t->name);
-    if (s == FL_OK && !dst) s = fl_errorf(FL_ERR_INTERNAL, "BLIP-2: a whole dense store expected");
-    const size_t numel = m->layout.params[i].numel, es = fl_dtype_size(dt);
-    for (size_t k = 0; s == FL_OK && k < numel; k += SLICE) {
-        const size_t n = numel - k < SLICE ? numel - k : SLICE;
+    if (s == FL_OK && !dst) s = fl_errorf(FL_ERR_INTERNAL, "BLIP-2: a dense store expected");
+    const size_t es = fl_dtype_size(dt);
+    dst -= k0 * es;
+    for (size_t k = k0; s == FL_OK && k < k1; k += SLICE) {
+        const size_t n = k1 - k < SLICE ? k1 - k : SLICE;
         s = read_f32(t, k, buf, n, file);
         if (s == FL_OK && dt != FL_F32 && fl_convert(b16, dt, buf, FL_F32, n))
             s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", file, t->name);
         if (s == FL_OK) s = FL_RUN(m->be, to_device, dst + k * es, dt == FL_F32 ? (void *)buf : (void *)b16, n * es);
     }
     free(buf), free(b16);
+    return s;
+}
+
+/* A whole entry in host fp32 into the store: fl_model_write_param, or under FSDP this rank's piece of it (16-bit
+ * storage rounded to nearest even, as the whole write). */
+static fl_status write_piece(fl_model *m, int i, const float *src) {
+    if (!fl_model_provider(m)) {
+        fl_model_write_param(m, i, src);
+        return FL_OK;
+    }
+    fl_dtype dt;
+    size_t k0 = 0, k1 = 0;
+    char *dst = fl_model_param_piece(m, i, &k0, &k1, &dt);
+    if (k0 == k1) return FL_OK;
+    const size_t n = k1 - k0;
+    if (dt == FL_F32) return FL_RUN(m->be, to_device, dst, src + k0, n * sizeof(float));
+    uint16_t *b16 = malloc(n * sizeof *b16);
+    if (!b16) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    fl_status s = fl_convert(b16, dt, src + k0, FL_F32, n) ? fl_errorf(FL_ERR_INTERNAL, "conversion failed")
+                                                           : FL_RUN(m->be, to_device, dst, b16, n * sizeof *b16);
+    free(b16);
     return s;
 }
 
@@ -362,7 +386,7 @@ static fl_status load_part(fl_model *m, const st_set *f, const char *prefix, con
         if (!buf) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", dir, name);
         s = split ? load_split_qkv_bias(f, p, buf, dir) : read_f32(t, 0, buf, p->numel, dir);
         if (s == FL_OK && tr) s = transpose(buf, p->shape[1], p->shape[0]);
-        if (s == FL_OK) fl_model_write_param(m, i, buf);
+        if (s == FL_OK) s = write_piece(m, i, buf);
         free(buf);
     }
     return s;
@@ -463,10 +487,18 @@ fl_status fl_blip2_alloc_grads_parts(fl_blip2 *b, int parts) {
 typedef struct {
     const fl_model *m;
     int i;
+    const void *whole; /* the part's whole parameters in host memory (FSDP: gathered), or NULL: the model's */
 } save_src;
 
 static fl_status save_fill(void *ud, float *dst) {
     const save_src *p = ud;
+    if (p->whole) {
+        const fl_dtype dt = fl_model_store_dtype(p->m);
+        const fl_param_info *e = &p->m->layout.params[p->i];
+        return fl_convert(dst, FL_F32, (const char *)p->whole + e->offset * fl_dtype_size(dt), dt, e->numel)
+                   ? fl_errorf(FL_ERR_INTERNAL, "saving BLIP-2: converting '%s'", e->name)
+                   : FL_OK;
+    }
     fl_model_read_param(p->m, p->i, dst); /* LoRA-merged after fl_model_lora_merge */
     return FL_OK;
 }
@@ -486,6 +518,11 @@ static fl_status copy_small(const char *src_dir, const char *dst_dir, const char
 }
 
 fl_status fl_blip2_save(const fl_blip2 *b, const char *src_dir, const char *dst_dir) {
+    return fl_blip2_save_whole(b, src_dir, dst_dir, NULL);
+}
+
+fl_status fl_blip2_save_whole(const fl_blip2 *b, const char *src_dir, const char *dst_dir,
+                              const void *const whole[FL_BLIP2_PARTS]) {
     FL_TRY(fl_fs_mkdir_p(dst_dir));
     st_set f = {0};
     FL_TRY(fl_hf_open_weight_files(src_dir, &b->cfg.text, &f.files, &f.n));
@@ -512,7 +549,7 @@ fl_status fl_blip2_save(const fl_blip2 *b, const char *src_dir, const char *dst_
                 e->ndim = o->ndim;
                 for (int d = 0; d < o->ndim; d++) e->shape[d] = o->shape[d];
             }
-            src[nt] = (save_src){m, i};
+            src[nt] = (save_src){m, i, whole ? whole[k] : NULL};
             e->fill = save_fill;
             e->fill_ud = &src[nt];
         }

@@ -239,6 +239,18 @@ static fl_status stage_close(fl_model *m, int g, size_t n) {
     return fl_store_stage_flush(m->store, m->layout.group_offset[g], n ? n : fl_group_numel(m, g));
 }
 
+/* FSDP FULL_SHARD / ZeRO-3 (a part created sharded: src/train/fsdp.c's provider behind its store): unit g of part m
+ * (its layout group) gathered around its use, `next` posted ahead (-1: none); its gradient buffer opened when the part
+ * trains and reduce-scattered when its backward is done. No-ops on a whole store (the bits of the passes before). */
+static fl_status ugather(fl_model *m, int g, int next) { return fl_store_gather(m->store, g, next); }
+static void urelease(fl_model *m, int g) { fl_store_release(m->store, g); }
+static fl_status ugrads(fl_model *m, int g) {
+    return fl_model_grads_data(m) ? fl_store_grads_begin(m->store, g) : FL_OK;
+}
+static fl_status uready(fl_model *m, int g) {
+    return fl_model_grads_data(m) ? fl_store_grads_ready(m->store, g) : FL_OK;
+}
+
 /* A linear of the parts' outer groups (the patch embedding, the language projection); its bias widened at *cur. */
 static fl_linear outer_linear(const fl_model *m, int g, int rw, int rb, float **cur) {
     const int wi = fl_layout_role(&m->layout, g, (fl_param_role)rw);
@@ -306,6 +318,8 @@ static fl_status patch_backward(fl_blip2 *b, const float *dres) {
     const fl_backend *be = b->be;
     fl_model *m = &b->part[0];
     const int C = m->cfg.dim, P = npatch(b), T0 = P + 1, B = b->Bp;
+    FL_TRY(ugather(m, 0, -1));
+    FL_TRY(ugrads(m, 0));
     stage_open(m, 0, 0);
     float *dcls = grd(m, 0, FL_ROLE_CLS_EMBED), *dpos = grd(m, 0, FL_ROLE_POS_EMBED), *dpe = b->gb[1];
     for (int n = 0; n < B; n++) {
@@ -317,7 +331,9 @@ static fl_status patch_backward(fl_blip2 *b, const float *dres) {
     float *cur = b->wstage;
     fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B, &cur);
     FL_TRY(fl_linear_backward(be, NULL, 0, dpe, b->patches, &lin, B * P));
-    return stage_close(m, 0, 0);
+    FL_TRY(stage_close(m, 0, 0));
+    urelease(m, 0);
+    return uready(m, 0);
 }
 
 /* The learned queries for every image, then the Q-Former's embedding LayerNorm into res[0]. */
@@ -341,12 +357,16 @@ static fl_status queries_backward(fl_blip2 *b, const float *dres) {
     const size_t n = (size_t)st->T * m->cfg.dim;
     float *din = b->gb[1], *cur = b->wstage;
     FL_RUN(be, zero, din, (size_t)b->Bp * n * sizeof(float));
+    FL_TRY(ugather(m, 0, -1));
+    FL_TRY(ugrads(m, 0));
     stage_open(m, 0, 0);
     fl_norm_backward(m, din, grd(m, 0, FL_ROLE_EMB_NORM_W), grd(m, 0, FL_ROLE_EMB_NORM_B), dres, st->nin,
                      par(m, 0, FL_ROLE_EMB_NORM_W, &cur), st->nmean, st->nrstd, b->Bp * st->T);
     float *dq = grd(m, 0, FL_ROLE_QUERY_EMBED);
     for (int i = 0; dq && i < b->Bp; i++) FL_RUN(be, add, dq, dq, din + i * n, n);
-    return stage_close(m, 0, 0);
+    FL_TRY(stage_close(m, 0, 0));
+    urelease(m, 0);
+    return uready(m, 0);
 }
 
 /* The language model's learned position of row t as fp32 (16-bit storage: widened into the staging). */
@@ -382,6 +402,7 @@ static fl_status embed_backward(fl_blip2 *b, float *dres) {
     const fl_backend *be = b->be;
     fl_model *m = &b->part[2];
     const int C = m->cfg.dim, TL = b->st[2].T, NQ = b->cfg.n_queries;
+    FL_TRY(ugrads(m, 0)); /* FSDP: the tables' weights are not read here (tied: opened at the head) */
     fl_outer_params op;
     fl_get_outer(m, &op);
     stage_open(m, 0, 0); /* the rows' positions and the tables' gradients: one stage of group 0 */
@@ -394,21 +415,26 @@ static fl_status embed_backward(fl_blip2 *b, float *dres) {
     }
     /* a frozen language model (the Q-Former trains through it): no table to update */
     if (op.dwte) FL_RUN(be, embedding_backward, op.dwte, op.dwpe, dres, b->ids, b->Bp, TL, C);
-    return stage_close(m, 0, 0);
+    FL_TRY(stage_close(m, 0, 0));
+    return uready(m, 0);
 }
 
 /* ---- the passes ------------------------------------------------------------------------------------ */
 
 static fl_status blocks_forward(fl_blip2 *b, int k) {
     fl_b2_stack *st = &b->st[k];
+    fl_model *m = &b->part[k];
+    const int HG = m->layout.n_groups - 1;
     for (int l = 0; l < st->L; l++) {
+        FL_TRY(ugather(m, l + 1, l + 2 <= st->L ? l + 2 : HG));
         const fl_block_graph *g = graph_of(b, k, l);
         fl_block_params bp;
-        fl_get_block(&b->part[k], g, l, &bp);
+        fl_get_block(m, g, l, &bp);
         fl_block_ctx x = ctx_of(b, k, NULL);
-        FL_TRY(fl_block_forward(&b->part[k], g, &bp, st->layer[l].s, &x));
+        FL_TRY(fl_block_forward(m, g, &bp, st->layer[l].s, &x));
+        urelease(m, l + 1);
     }
-    return FL_OK;
+    return ugather(m, HG, -1); /* the group after the blocks (final norm, head; the Q-Former's projection) */
 }
 
 /* gb[0] holds d(the stack's last residual rows) on entry and d(res[0]) on return. */
@@ -421,6 +447,8 @@ static fl_status blocks_backward(fl_blip2 *b, int k) {
     }
     const fl_block_graph *live[2] = {NULL, NULL}; /* checkpointing: the graphs whose shared slots hold a block now */
     for (int l = st->L - 1; l >= 0; l--) {
+        FL_TRY(ugather(&b->part[k], l + 1, l >= 1 ? l : k == FL_BLIP2_TEXT ? -1 : 0));
+        FL_TRY(ugrads(&b->part[k], l + 1));
         const fl_block_graph *g = graph_of(b, k, l);
         fl_block_params bp;
         fl_get_block(&b->part[k], g, l, &bp);
@@ -437,6 +465,8 @@ static fl_status blocks_backward(fl_blip2 *b, int k) {
         stage_open(&b->part[k], l + 1, 0);
         FL_TRY(fl_block_backward(&b->part[k], g, &bp, st->layer[l].s, b->gb, &x));
         FL_TRY(stage_close(&b->part[k], l + 1, 0));
+        urelease(&b->part[k], l + 1);
+        FL_TRY(uready(&b->part[k], l + 1));
     }
     return FL_OK;
 }
@@ -469,6 +499,10 @@ static fl_status part_forward(fl_blip2 *b, int k, const float *pixels, const int
     fl_model_graph mg;
     FL_TRY(fl_model_graph_build(&m->cfg, &mg));
     const int G = m->layout.n_groups - 1, N = b->Bp * st->T;
+    /* FSDP: the units in forward order, group 0 (patch embedding / query tokens / embeddings) first; the language
+     * model's stays for its tied head, whose gradient (and the final norm's) opens with the head */
+    const int keep0 = k == FL_BLIP2_TEXT && m->cfg.tie_embeddings;
+    FL_TRY(ugather(m, 0, st->L > 0 ? 1 : G));
     int after = 0;
     for (int i = 0; i < mg.n_ops; i++) {
         switch ((fl_mop_kind)mg.op[i].kind) {
@@ -483,25 +517,39 @@ static fl_status part_forward(fl_blip2 *b, int k, const float *pixels, const int
             }
             break;
         case FL_MOP_BLOCKS:
+            if (!keep0) urelease(m, 0);
             FL_TRY(blocks_forward(b, k));
             after = 1;
             break;
         case FL_MOP_OUTPUT: break; /* nout (or res[L] without a final norm) is what the next part reads */
-        case FL_MOP_HEAD_LM: FL_TRY(head_loss(b, targets, grad_scale, logits_out)); break;
+        case FL_MOP_HEAD_LM:
+            if (grad_scale > 0 && targets) { /* the head's gradient (tied: the embeddings') is written here */
+                FL_TRY(ugrads(m, G));
+                if (keep0) FL_TRY(ugrads(m, 0));
+            }
+            FL_TRY(head_loss(b, targets, grad_scale, logits_out));
+            break;
         default:
             return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 %s: model graph op %d is not executed here",
                              fl_arch_get(m->cfg.arch)->display, mg.op[i].kind);
         }
     }
+    urelease(m, 0);
+    /* the last group stays gathered where the backward reads it next: the Q-Former's projection (project_forward),
+     * a training forward's final norm of the language model */
+    if (k == FL_BLIP2_VISION || (k == FL_BLIP2_TEXT && !(grad_scale > 0 && targets))) urelease(m, G);
     return FL_OK;
 }
 
 /* The Q-Former's output (its last residual rows) through the language projection into qproj. */
 static fl_status project_forward(fl_blip2 *b) {
-    const fl_model *m = &b->part[1];
+    fl_model *m = &b->part[1];
+    FL_TRY(ugather(m, m->layout.n_groups - 1, -1)); /* gathered after the blocks already */
     float *cur = b->wstage;
     fl_linear lin = outer_linear(m, m->layout.n_groups - 1, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B, &cur);
-    return fl_linear_forward(b->be, b->qproj, b->st[1].res[b->st[1].L], &lin, b->Bp * b->st[1].T);
+    fl_status s = fl_linear_forward(b->be, b->qproj, b->st[1].res[b->st[1].L], &lin, b->Bp * b->st[1].T);
+    urelease(&b->part[1], m->layout.n_groups - 1);
+    return s;
 }
 
 /* The language model's ids with the queries' rows: the placeholders in order, or NQ rows in front (id 0, replaced). */
@@ -539,10 +587,6 @@ static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const i
     if (!b->acts) return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (fl_blip2_alloc_acts)", fn);
     if (B <= 0 || T <= 0 || B > b->B || T != b->T)
         return fl_errorf(FL_ERR_INVALID, "%s: batch %d x %d does not fit the arena's %d x %d", fn, B, T, b->B, b->T);
-    for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (fl_model_provider(&b->part[k]))
-            return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 runs whole stores only so far (fp32, 16-bit, 4-bit block "
-                             "linears), not sharded ones (FSDP / ZeRO-3)");
     int any = 0;
     for (int k = 0; k < FL_BLIP2_PARTS; k++) any |= part_trains(&b->part[k]);
     if (grad_scale > 0 && (!targets || !any))
@@ -613,10 +657,14 @@ static fl_status final_norm_backward(fl_blip2 *b, int k, const float *dout) {
     const int G = m->layout.n_groups - 1;
     const size_t n1 = fl_outer_1d(m);
     float *cur = b->wstage;
+    FL_TRY(ugather(m, G, st->L > 0 ? st->L : -1)); /* the language model's: kept from the forward */
+    FL_TRY(ugrads(m, G));
     stage_open(m, G, n1);
     fl_norm_backward(m, b->gb[0], grd(m, G, FL_ROLE_NORM_F_W), grd(m, G, FL_ROLE_NORM_F_B), dout, st->res[st->L],
                      par(m, G, FL_ROLE_NORM_F_W, &cur), st->nmean, st->nrstd, b->Bp * st->T);
-    return stage_close(m, G, n1);
+    FL_TRY(stage_close(m, G, n1));
+    urelease(m, G);
+    return uready(m, G);
 }
 
 fl_status fl_blip2_backward(fl_blip2 *b) {
@@ -642,10 +690,14 @@ fl_status fl_blip2_backward(fl_blip2 *b) {
     /* the projection: d(Q-Former output) into gb[0] */
     G = qf->layout.n_groups - 1;
     float *cur = b->wstage;
+    FL_TRY(ugather(qf, G, b->st[1].L > 0 ? b->st[1].L : 0));
+    FL_TRY(ugrads(qf, G));
     fl_linear proj = outer_linear(qf, G, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B, &cur);
     stage_open(qf, G, 0);
     FL_TRY(fl_linear_backward(be, b->gb[0], 0, b->dqproj, b->st[1].res[b->st[1].L], &proj, b->Bp * b->st[1].T));
     FL_TRY(stage_close(qf, G, 0));
+    urelease(qf, G);
+    FL_TRY(uready(qf, G));
     FL_TRY(blocks_backward(b, FL_BLIP2_QFORMER)); /* d(image features) into dimg */
     FL_TRY(queries_backward(b, b->gb[0]));
     if (!part_trains(vm)) return FL_OK;

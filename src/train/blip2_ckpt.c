@@ -49,8 +49,32 @@ static fl_status save_adapter(b2run *r, const char *dir) {
 }
 
 
+/* FSDP: every sharded part's whole parameters gathered unit by unit into host memory on every rank (collective;
+ * checkpoint I/O staging outside the pools), what rank 0 writes; NULL for a whole part. */
+static fl_status gather_params(b2run *r, void *whole[FL_BLIP2_PARTS]) {
+    fl_status s = FL_OK;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        whole[k] = NULL;
+        size_t bytes = 0;
+        if (s == FL_OK && r->pdp[k].fsdp) s = fl_fsdp_whole_params(&r->pdp[k], &whole[k], &bytes);
+    }
+    return s;
+}
+
+static void free_params(void *whole[FL_BLIP2_PARTS]) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) free(whole[k]), whole[k] = NULL;
+}
+
 fl_status fl_b2t_save_final(b2run *r, const char *dir) {
     fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
+    if (fl_b2t_fsdp(r)) { /* every rank gathers, rank 0 writes */
+        void *whole[FL_BLIP2_PARTS];
+        fl_status s = gather_params(r, whole);
+        if (s == FL_OK && !r->rank) s = fl_fs_mkdir_p(dir);
+        if (s == FL_OK && !r->rank) s = fl_blip2_save_whole(r->b, r->cfg->checkpoint_dir, dir, (const void *const *)whole);
+        free_params(whole);
+        return s;
+    }
     FL_TRY(fl_fs_mkdir_p(dir));
     if (lm->adapt) {
         char ad[4096];
@@ -71,6 +95,7 @@ static const char *const k_part[FL_BLIP2_PARTS] = {"vision", "qformer", "lm"};
  * every rank (collective; checkpoint I/O staging outside the pools), what rank 0 writes. NULLs otherwise. */
 typedef struct {
     char *a[FL_BLIP2_PARTS][3];
+    void *p[FL_BLIP2_PARTS]; /* FSDP: each sharded part's whole parameters */
 } b2gathered;
 
 /* the dtype of an optimizer's state arrays (bf16-true: bf16, as the trainer's) */
@@ -80,10 +105,30 @@ static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g);
 static void gathered_free(b2gathered *g) {
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
         for (int j = 0; j < 3; j++) free(g->a[k][j]);
+    free_params(g->p);
+}
+
+/* FSDP: each sharded part's parameters and optimizer state arrays gathered whole (layout order) on every rank. */
+static fl_status gather_fsdp(b2run *r, b2gathered *g) {
+    FL_TRY(gather_params(r, g->p));
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k] || !r->pdp[k].fsdp) continue;
+        const fl_optimizer *o = &r->opt[k];
+        const void *arr[3] = {o->st.m, o->st.v, o->st.buf};
+        const size_t es = fl_dtype_size(state_dt(o)), n = fl_blip2_part(r->b, k)->layout.numel;
+        for (int j = 0; j < 3; j++) {
+            if (!arr[j]) continue;
+            if (!(g->a[k][j] = malloc(n * es + 1))) return fl_errorf(FL_ERR_OOM, "out of host memory");
+            FL_TRY(fl_error_prefix(fl_fsdp_whole_array(&r->pdp[k], arr[j], es, g->a[k][j]),
+                                   "FULL_SHARD: gathering the optimizer state for a checkpoint"));
+        }
+    }
+    return FL_OK;
 }
 
 static fl_status gather_state(b2run *r, b2gathered *g) {
     memset(g, 0, sizeof *g);
+    if (fl_b2t_fsdp(r)) return gather_fsdp(r, g);
     if (!fl_b2t_sharded(r)) return FL_OK;
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         if (!r->has_opt[k]) continue;
@@ -116,14 +161,17 @@ static fl_status write_state(b2run *r, const b2pos *p, const char *path, const b
         const fl_optimizer *o = &r->opt[k];
         const void *src[4] = {o->w.p, o->st.m, o->st.v, o->st.buf};
         static const char *const what[4] = {"params", "exp_avg", "exp_avg_sq", "momentum_buffer"};
+        /* FSDP: the whole part's elements (gathered), not this rank's shard */
+        const size_t n = g->p[k] ? fl_blip2_part(r->b, k)->layout.numel : o->w.n;
         for (int j = 0; j < 4; j++) {
             if (!src[j]) continue;
             snprintf(names[nt], sizeof names[nt], "%s.%s", k_part[k], what[j]);
-            const int host = j && g->a[k][j - 1]; /* ZeRO: the gathered state, in host memory */
+            /* ZeRO / FSDP: the gathered state (FSDP: and parameters), in host memory */
+            const void *gat = j ? g->a[k][j - 1] : g->p[k];
             const fl_dtype dt = j ? state_dt(o) : o->w.pt; /* bf16-true: the stored bf16 parameters and state */
-            t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = dt, .ndim = 1, .shape = {(int64_t)o->w.n},
-                                         .data = host ? g->a[k][j - 1] : src[j], .src_dtype = dt,
-                                         .be = host ? NULL : j ? o->home.be : &r->be};
+            t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = dt, .ndim = 1, .shape = {(int64_t)n},
+                                         .data = gat ? gat : src[j], .src_dtype = dt,
+                                         .be = gat ? NULL : j ? o->home.be : &r->be};
             nt++;
         }
         if (o->q8.state) { /* 8-bit AdamW: the block-wise state of every tensor, bound in layout order: one blob */
@@ -181,8 +229,9 @@ static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g) 
     FL_TRY(fl_fs_join(tmp, sizeof tmp, r->cfg->out_dir, tname)); /* a too-long out_dir is refused, not cut */
     fl_fs_remove_dir(tmp);
     fl_status s = fl_fs_mkdir_p(tmp);
-    if (s == FL_OK) s = fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt ? save_adapter(r, tmp)
-                                                                  : fl_blip2_save(r->b, r->cfg->checkpoint_dir, tmp);
+    if (s == FL_OK) s = fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt
+                            ? save_adapter(r, tmp)
+                            : fl_blip2_save_whole(r->b, r->cfg->checkpoint_dir, tmp, (const void *const *)g->p);
     if (s == FL_OK) s = fl_fs_join(path, sizeof path, tmp, B2_STATE);
     if (s == FL_OK) s = write_state(r, p, path, g);
     if (s == FL_OK) {
@@ -222,6 +271,30 @@ static fl_status load_tensor(b2run *r, const fl_st_file *f, const char *path, co
     /* an optimizer's state: this rank's range of it (ZeRO: its chunk; else all of it) */
     return o ? fl_optim_state_write(o, dst, (const char *)t->data + o->shard.off * es, o->shard.len * es)
              : r->be.to_device(&r->be, dst, t->data, n * es);
+}
+
+/* FSDP: this rank's pieces (one per unit of part k) of a whole-part tensor into its shard dst (parameters through the
+ * backend; an optimizer's state through fl_optim_state_write). */
+static fl_status load_pieces(b2run *r, int k, const fl_st_file *f, const char *path, const char *name, void *dst,
+                             fl_dtype dt, const fl_optimizer *o) {
+    const fl_model *m = fl_blip2_part(r->b, k);
+    const fl_st_tensor *t = fl_st_find(f, name);
+    const size_t es = fl_dtype_size(dt), n = m->layout.numel;
+    if (!t || t->dtype != dt || t->end - t->begin != n * es)
+        return fl_errorf(FL_ERR_FORMAT, "%s: tensor %s is %s (this run has %zu elements of it: another run's "
+                         "checkpoint?)", path, name, t ? "of another size or dtype" : "missing", n);
+    const int G = m->layout.n_groups;
+    size_t *fo = calloc((size_t)G * 3, sizeof *fo);
+    if (!fo) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    size_t *so = fo + G, *len = fo + 2 * G;
+    fl_status s = fl_fsdp_ranges(&r->pdp[k], fo, so, len) == G ? FL_OK : fl_errorf(FL_ERR_INTERNAL, "FSDP ranges");
+    for (int g = 0; s == FL_OK && g < G; g++) {
+        const char *src = (const char *)t->data + fo[g] * es;
+        char *d = (char *)dst + so[g] * es;
+        if (len[g]) s = o ? fl_optim_state_write(o, d, src, len[g] * es) : r->be.to_device(&r->be, d, src, len[g] * es);
+    }
+    free(fo);
+    return s;
 }
 
 /* --resume true|auto (the newest committed step-* in out_dir; auto: none is a fresh start) or a checkpoint folder:
@@ -264,7 +337,9 @@ fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
         for (int j = 0; s == FL_OK && j < 4; j++) {
             char name[48];
             snprintf(name, sizeof name, "%s.%s", k_part[k], what[j]);
-            if (dst[j]) s = load_tensor(r, &f, path, name, dst[j], o->w.n, j ? state_dt(o) : o->w.pt, j ? o : NULL);
+            if (dst[j] && r->pdp[k].fsdp) /* FULL_SHARD: this rank's pieces of the one-process tensor */
+                s = load_pieces(r, k, &f, path, name, dst[j], j ? state_dt(o) : o->w.pt, j ? o : NULL);
+            else if (dst[j]) s = load_tensor(r, &f, path, name, dst[j], o->w.n, j ? state_dt(o) : o->w.pt, j ? o : NULL);
         }
         char name[48];
         snprintf(name, sizeof name, "%s.state8", k_part[k]);

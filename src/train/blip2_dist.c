@@ -10,10 +10,19 @@
  * per element). Clipping's norm: DDP and ZeRO-1 every trained part's whole gradient, ZeRO-2 the squared norms of the
  * chunks summed over the ranks in rank order (fl_dp_sum): equal to DDP's within the rounding of the sum's order.
  * Step checkpoints under ZeRO gather each part's state to every rank (blip2_ckpt.c) and rank 0 writes the one-process
- * form; a resume takes each rank's chunk of it, so they resume at any world size. What is not built is refused by
- * name: FSDP / ZeRO-3 (the parameters sharded), NVMe and parameter offload, checkpoints of 8-bit AdamW's state divided
- * over the ranks. */
+ * form; a resume takes each rank's chunk of it, so they resume at any world size.
+ *
+ * FSDP FULL_SHARD / ZeRO-3 (--strategy fsdp, deepspeed_stage_3; full fine-tuning at several ranks): one fl_dp per
+ * part (pdp[k], sharing the run's communicator), each with fsdp.c's sharding of its part: the units are the part's
+ * layout groups (group 0: patch embedding / query tokens + embedding norm / the language model's embeddings; each
+ * block; the last: the vision tower's post-LayerNorm / the language projection / the final norm with the head), every
+ * part sharded, the frozen ones too (no gradient, no optimizer); the passes (blip2_pass.c) gather and release each
+ * unit around its use and reduce-scatter its gradient when its backward ends. Each part's optimizer runs on its
+ * shard. LoRA under FULL_SHARD: the base stays whole on every rank and the adapters (and a part trained whole) train
+ * as ZeRO-2, as the trainer's LoRA does. What is not built is refused by name: HYBRID_SHARD, NVMe and parameter
+ * offload, 8-bit AdamW under FULL_SHARD, checkpoints of 8-bit AdamW's state divided over the ranks. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "blip2_train-impl.h"
@@ -22,11 +31,13 @@
 fl_status fl_b2t_check_strategy(const fl_run_config *c) {
     int stage = 0;
     FL_TRY(fl_error_prefix(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage), "--strategy"));
-    if (stage == 3)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process, DDP, ZeRO-1 or ZeRO-2 "
-                         "(ddp, deepspeed_stage_1, deepspeed_stage_2, their _offload forms, fsdp with "
-                         "--fsdp.sharding_strategy NO_SHARD or SHARD_GRAD_OP) so far; FSDP / ZeRO-3 (the parameters "
-                         "sharded) is not built for BLIP-2", c->strategy);
+    if (stage == 3 && fl_cfg_hybrid_shard(c->strategy, c->sharding_strategy))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s --fsdp.sharding_strategy %s: BLIP-2 fine-tuning shards over "
+                         "every rank (FULL_SHARD, deepspeed_stage_3); HYBRID_SHARD is not built for it", c->strategy,
+                         c->sharding_strategy);
+    if (stage == 3 && c->optimizer.kind == FL_OPT_ADAMW8BIT && c->command != FL_CMD_FINETUNE_LORA)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s with --optimizer AdamW8bit: 8-bit AdamW on BLIP-2's FULL_SHARD "
+                         "shards is not built; use AdamW or SGD, or ZeRO-2 (deepspeed_stage_2)", c->strategy);
     if (fl_cfg_param_offload(c) || fl_cfg_offload_nvme(c))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning offloads the optimizer to host memory "
                          "(deepspeed_stage_1_offload, deepspeed_stage_2_offload) so far: NVMe and parameter offload are "
@@ -36,6 +47,109 @@ fl_status fl_b2t_check_strategy(const fl_run_config *c) {
 
 /* 1 when the run's state is divided over several ranks (ZeRO-1/2 at world > 1) */
 int fl_b2t_sharded(const b2run *r) { return r->dp.comm && r->dp.stage >= 1; }
+
+int fl_b2t_fsdp(const b2run *r) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->pdp[k].fsdp) return 1;
+    return 0;
+}
+
+/* part k's data-parallel context: its FSDP one when the part is sharded, else the run's */
+static fl_dp *part_dp(b2run *r, int k) { return r->pdp[k].fsdp ? &r->pdp[k] : &r->dp; }
+
+fl_status fl_b2t_fsdp_prepare(b2run *r, const fl_precision *prec) {
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(r->cfg->strategy, r->cfg->sharding_strategy, &stage));
+    if (r->world < 2 || stage != 3 || r->lora) return FL_OK;
+    static const char *const what[FL_BLIP2_PARTS] = {"vision tower", "Q-Former", "language model"};
+    /* the units' gathers and reductions on the backend's buffers: a device backend's communicator (NCCL; its CPU
+     * stand-in on cuda-emu and opaque), a plan's null one (the null backend's fake addresses: it moves nothing); a
+     * host-memory backend's buffers go through the run's communicator */
+    if ((fl_backend_discards(&r->be) || !fl_backend_host_memory(&r->be)) && r->be.comm_create && !r->fdev)
+        FL_TRY(fl_error_prefix(r->be.comm_create(&r->be, r->comm, &r->fdev), "FSDP: the %s backend's communicator",
+                               r->be.name));
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        fl_dp *d = &r->pdp[k];
+        memset(d, 0, sizeof *d);
+        d->comm = r->comm; /* the reductions' MPI scratch outside the pool, as the run's fl_dp */
+        d->dev = r->fdev;
+        d->be = &r->be; /* the checkpoints' gathers read the shards through its to_host */
+        d->rank = r->rank, d->world = r->world;
+        /* the part is created sharded: the loader (or the random init) fills this rank's pieces only */
+        FL_TRY(fl_error_prefix(fl_fsdp_prepare(d, r->cfg, prec, &r->stg[k]), "FSDP of the BLIP-2 %s", what[k]));
+    }
+    return FL_OK;
+}
+
+fl_status fl_b2t_fsdp_init(b2run *r) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->pdp[k].comm) FL_TRY(fl_fsdp_init(&r->pdp[k], r->cfg, fl_blip2_part(r->b, k)));
+    return FL_OK;
+}
+
+void fl_b2t_fsdp_free(b2run *r) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_fsdp_free(&r->pdp[k]);
+    fl_comm_destroy(r->fdev);
+    r->fdev = NULL;
+}
+
+/* plan --devices N / the lab's fsdp row under FULL_SHARD: rank 0's memory is its shard's, which only running the ranks
+ * gives (each unit's gather and reduce-scatter take GATHER as the run does): the N ranks' set-up and steps as threads
+ * on the null backend (fl_blip2_train per rank with the threads communicator), rank 0's result. */
+typedef struct {
+    const fl_run_config *cfg;
+    const fl_blip2_train_opts *o;
+    fl_blip2_train_result *res; /* (N) */
+    fl_status *st;              /* (N) each rank's status */
+    char (*msg)[512];           /* (N) and its message */
+} plan_ranks;
+
+static fl_status plan_rank(fl_comm *comm, int rank, void *ud) {
+    plan_ranks *x = ud;
+    fl_blip2_train_opts o = *x->o;
+    o.comm = comm, o.plan_world = 0;
+    o.plan_rank = 0;
+    if (rank != x->o->plan_rank) o.report = o.out = NULL, o.step_ms = o.step_loss = NULL, o.n_step_out = 0, o.stop = NULL;
+    x->st[rank] = fl_blip2_train(x->cfg, &o, &x->res[rank]);
+    if (x->st[rank] != FL_OK) snprintf(x->msg[rank], sizeof x->msg[rank], "%s", fl_error_message());
+    return x->st[rank];
+}
+
+int fl_b2t_plan_ranks(const fl_run_config *c, const fl_blip2_train_opts *o) {
+    int stage = 0;
+    if (o->comm || !o->be || !fl_backend_discards(o->be) || o->rehearse_steps <= 0 || c->command == FL_CMD_FINETUNE_LORA ||
+        fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage) != FL_OK || stage != 3)
+        return 0;
+    const int n = o->plan_world > 1 ? o->plan_world : c->devices * (c->num_nodes > 1 ? c->num_nodes : 1);
+    return n > 1 ? n : 0;
+}
+
+fl_status fl_b2t_plan_fsdp(const fl_run_config *c, const fl_blip2_train_opts *o, int n, fl_blip2_train_result *res) {
+    fl_run_config all = *c; /* c is one rank's share of the step (global batch / N): the ranks' run has all of it */
+    const int B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
+    all.train.global_batch_size = (c->train.global_batch_size > 0 ? c->train.global_batch_size : B) * n;
+    all.devices = n, all.num_nodes = 1;
+    if (o->plan_rank < 0 || o->plan_rank >= n)
+        return fl_errorf(FL_ERR_INVALID, "--rank %d: the run has %d ranks (0 .. %d)", o->plan_rank, n, n - 1);
+    plan_ranks x = {&all, o, calloc((size_t)n, sizeof *res), calloc((size_t)n, sizeof(fl_status)),
+                    calloc((size_t)n, sizeof *x.msg)};
+    if (!x.res || !x.st || !x.msg) {
+        free(x.res), free(x.st), free(x.msg);
+        return fl_errorf(FL_ERR_OOM, "out of host memory");
+    }
+    fl_status s = fl_comm_threads_run(n, plan_rank, &x);
+    int pick = o->plan_rank;
+    /* a rank out of memory ends the run (the others then fail in the broken group): that rank's record and message */
+    for (int k = 0; s != FL_OK && k < n; k++)
+        if (x.st[k] == FL_ERR_OOM && x.res[k].oom.valid) {
+            pick = k;
+            s = fl_errorf(FL_ERR_OOM, "rank %d of %d: %s", k, n, x.msg[k]);
+            break;
+        }
+    *res = x.res[pick];
+    free(x.res), free(x.st), free(x.msg);
+    return s;
+}
 
 fl_status fl_b2t_dist_setup(b2run *r) {
     const fl_run_config *c = r->cfg;
@@ -80,14 +194,15 @@ fl_status fl_b2t_optim_init(b2run *r, int k) {
     /* plan --devices N under ZeRO: rank 0's chunk of the state, no communicator (the plan's rank moves nothing) */
     if (!r->dp.comm && r->o->plan_world > 1 && stage >= 1)
         return fl_optim_init_offload(&r->opt[k], m, &r->dcfg.optimizer, r->o->plan_world, 0, r->dp.offload);
-    return fl_dp_optim_init(&r->dp, &r->dcfg, &r->opt[k], m);
+    if (r->pdp[k].fsdp) r->pdp[k].offload = r->dp.offload; /* deepspeed_stage_3_offload: the shard's state on the host */
+    return fl_dp_optim_init(part_dp(r, k), &r->dcfg, &r->opt[k], m);
 }
 
 /* DDP / ZeRO: every trained part's gradients (the adapters' under LoRA) reduced as the stage does, and the
  * micro-batches' losses (each known to one rank, 0 on the others: their sum is exact) summed over the ranks. */
 fl_status fl_b2t_reduce(b2run *r, float *ml, int accum) {
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (r->has_opt[k]) FL_TRY(fl_dp_reduce_grads(&r->dp, &r->opt[k]));
+        if (r->has_opt[k]) FL_TRY(fl_dp_reduce_grads(part_dp(r, k), &r->opt[k]));
     return fl_comm_all_reduce(r->comm, ml, ml, (size_t)accum, FL_F32, FL_COMM_SUM);
 }
 
@@ -112,7 +227,8 @@ static fl_status scale16(const fl_backend *be, fl_model *m, float coef) {
  * max_norm / (norm + 1e-6) when below 1), before the parts' updates. */
 fl_status fl_b2t_clip(b2run *r, float max_norm) {
     double ss = 0;
-    const int chunks = r->dp.comm && r->dp.stage == 2; /* ZeRO-2: each rank holds its chunk of the sums */
+    /* ZeRO-2: each rank holds its chunk of the sums; FULL_SHARD: its shard of each part (o->shard: all of it) */
+    const int chunks = (r->dp.comm && r->dp.stage == 2) || fl_b2t_fsdp(r);
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         if (!r->has_opt[k]) continue;
         const fl_optimizer *o = &r->opt[k];
@@ -132,7 +248,7 @@ fl_status fl_b2t_clip(b2run *r, float max_norm) {
         fl_model *m = fl_blip2_part(r->b, k);
         fl_lora_adapters ad;
         if (fl_model_lora_adapters(m, &ad)) r->be.scale(&r->be, ad.grads, ad.numel, coef);
-        else if (fl_model_grads_f32(m)) r->be.scale(&r->be, fl_model_grads_f32(m), m->layout.numel, coef);
+        else if (fl_model_grads_f32(m)) r->be.scale(&r->be, fl_model_grads_f32(m), fl_model_store_numel(m), coef);
         else FL_TRY(scale16(&r->be, m, coef));
     }
     return FL_OK;

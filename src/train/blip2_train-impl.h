@@ -46,6 +46,8 @@ typedef struct {
     /* strategies (blip2_dist.c): the data-parallel context, the configuration fl_dp_optim_init reads, CPU offload's
      * host tier and the backend its update runs on */
     fl_dp dp;
+    fl_dp pdp[FL_BLIP2_PARTS];    /* FSDP FULL_SHARD / ZeRO-3: each part's sharding (pdp[k].fsdp), else zeros */
+    fl_comm *fdev;                /* their device communicator: a plan's null one (owned), else NULL */
     fl_run_config dcfg;
     fl_mem_pool opool;
     fl_backend hbe;
@@ -79,6 +81,17 @@ fl_status fl_b2t_reduce(b2run *r, float *ml, int accum);
 fl_status fl_b2t_clip(b2run *r, float max_norm);
 /* 1 when the optimizer state is divided over the ranks (ZeRO-1/2 at several ranks). */
 int fl_b2t_sharded(const b2run *r);
+/* FSDP FULL_SHARD / ZeRO-3 of full fine-tuning at several ranks: each part created sharded (before the load, with the
+ * parts' storage r->stg), the gathered units' compute copy (after the precision), given back (before the parts are
+ * freed). No-ops otherwise. fl_b2t_fsdp: some part is sharded. */
+fl_status fl_b2t_fsdp_prepare(b2run *r, const fl_precision *prec);
+fl_status fl_b2t_fsdp_init(b2run *r);
+void fl_b2t_fsdp_free(b2run *r);
+/* A plan (the null backend, no communicator) of FULL_SHARD over N ranks: N (plan_world, else devices), else 0; the
+ * ranks then rehearse as threads (fl_b2t_plan_fsdp: rank 0's result into res). */
+int fl_b2t_plan_ranks(const fl_run_config *c, const fl_blip2_train_opts *o);
+fl_status fl_b2t_plan_fsdp(const fl_run_config *c, const fl_blip2_train_opts *o, int n, fl_blip2_train_result *res);
+int fl_b2t_fsdp(const b2run *r);
 void fl_b2t_dist_free(b2run *r);
 
 /* ---- checkpoints (blip2_ckpt.c) ---- */

@@ -290,12 +290,14 @@ static fl_status setup(b2run *r) {
         fl_model_storage_for(&prec, &stg[k]);
         if (!whole) FL_TRY(fl_trainer_storage(c, &prec, &stg[k]));
     }
+    FL_TRY(fl_b2t_fsdp_prepare(r, &prec)); /* FULL_SHARD: every part created sharded */
     /* a shape without weights: zeros on the plan's null backend (nothing computes), else random (bench-step) */
     if (r->given) FL_TRY(fl_blip2_create_ex(&r->b, r->given, &r->be, &r->pool, r->borrowed ? 0 : c->seed | 1, stg));
     else FL_TRY(fl_blip2_load_ex(&r->b, c->checkpoint_dir, &r->be, &r->pool, stg));
     fl_mem_snapshot(&r->pool, "after_load");
     fl_mem_set_phase(&r->pool, "setup");
     FL_TRY(fl_blip2_set_precision(r->b, &prec)); /* bf16-mixed: the parts' bf16 weight copies */
+    FL_TRY(fl_b2t_fsdp_init(r));
     /* train.activation_checkpointing true: every stack keeps its blocks' inputs, recomputes their slots in backward */
     FL_TRY(fl_blip2_set_act_ckpt(r->b, c->train.activation_checkpointing == 1));
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
@@ -452,9 +454,12 @@ static void part_bytes(const b2run *r, int k, size_t *pb, size_t *gb, size_t *ob
     const size_t es = fl_dtype_size(fl_model_store_dtype(m)); /* bf16-true: 2 */
     size_t dense = 0, q4 = 0; /* QLoRA: the 4-bit block linears beside the dense store */
     fl_sizing_param_split(&m->cfg, &r->stg[k], &dense, &q4);
+    /* FSDP: this rank's shard (the bf16-mixed copy exists per gathered unit only: GATHER) */
+    const int shard = fl_model_provider(m) != NULL;
+    if (shard) dense = fl_model_store_numel(m);
     *pb = dense * es + q4 + (*lora ? ad.numel * sizeof(float) : 0) +
-          (m->prec.name ? fl_precision_copy_bytes(&m->prec, m->layout.numel) : 0); /* bf16-mixed copy */
-    *gb = fl_model_grads_data(m) ? m->layout.numel * es : *lora ? ad.numel * sizeof(float) : 0;
+          (m->prec.name && !shard ? fl_precision_copy_bytes(&m->prec, m->layout.numel) : 0); /* bf16-mixed copy */
+    *gb = fl_model_grads_data(m) ? fl_model_store_numel(m) * es : *lora ? ad.numel * sizeof(float) : 0;
     const fl_optimizer *o = &r->opt[k]; /* this rank's range of the state (ZeRO: its chunk); 8-bit: its blocks */
     *ob = !r->has_opt[k] ? 0 : o->q8.state ? o->q8.state_bytes + o->q8.x_bytes : fl_optim_state_bytes(&o->cfg, o->shard.len);
 }
@@ -492,7 +497,7 @@ static void memory_report(b2run *r, FILE *f) {
 static size_t trained_count(const b2run *r) {
     size_t n = 0;
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (r->has_opt[k]) n += r->opt[k].w.n;
+        if (r->has_opt[k]) n += r->pdp[k].fsdp ? fl_blip2_part(r->b, k)->layout.numel : r->opt[k].w.n; /* FSDP: whole */
     return n;
 }
 
@@ -544,7 +549,8 @@ static fl_status train(b2run *r) {
     if (!p.order) return fl_errorf(FL_ERR_OOM, "out of host memory");
     for (size_t i = 0; i < r->n_rec; i++) p.order[i] = i;
     char ranks[48] = "";
-    if (r->world > 1) snprintf(ranks, sizeof ranks, " over %d ranks (%s)", r->world, fl_dp_stage_name(&r->dp));
+    if (r->world > 1)
+        snprintf(ranks, sizeof ranks, " over %d ranks (%s)", r->world, fl_b2t_fsdp(r) ? "FULL_SHARD" : fl_dp_stage_name(&r->dp));
     fl_b2t_say(r, "BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated%s, %ld steps; trains %s%s%s"
            "%s (%zu parameters), vision tower %s\n", r->n_rec, B, accum / (r->world > 1 ? r->world : 1), ranks, max_steps,
            r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
@@ -603,8 +609,8 @@ static fl_status train(b2run *r) {
     if (s == FL_OK && r->o->report && !r->rank) memory_report(r, r->o->report);
     free(p.order);
     char dir[4096];
-    if (s == FL_OK && !r->rank) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
-    if (s == FL_OK && !r->rank) s = fl_b2t_save_final(r, dir);
+    if (s == FL_OK && (!r->rank || fl_b2t_fsdp(r))) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
+    if (s == FL_OK && (!r->rank || fl_b2t_fsdp(r))) s = fl_b2t_save_final(r, dir); /* FSDP: the ranks gather */
     if (s == FL_OK && !r->rank) snprintf(r->res->final_dir, sizeof r->res->final_dir, "%s", dir);
     if (s == FL_OK) fl_b2t_say(r, "saved %s%s\n", dir, r->lora ? " (weights with the LoRA adapters merged; adapter/: PEFT)" : "");
     return s;
@@ -616,6 +622,7 @@ static void close_run(b2run *r) {
     for (size_t i = 0; r->ids && i < r->n_rec + r->n_val; i++) free(r->ids[i]);
     free(r->ids), free(r->n_ids);
     fl_img_captions_free(&r->caps);
+    fl_b2t_fsdp_free(r); /* the gathered units and the bookkeeping, before the parts */
     fl_blip2_free(r->b);
     fl_metrics_close(&r->metrics);
     fl_b2t_dist_free(r);
@@ -696,6 +703,8 @@ fl_status fl_blip2_train(const fl_run_config *cfg, const fl_blip2_train_opts *o,
     fl_blip2_train_result own;
     if (!o) o = &none;
     if (!res) res = &own;
+    const int plan_n = fl_b2t_plan_ranks(cfg, o); /* FULL_SHARD planned: the ranks rehearse as threads */
+    if (plan_n) return fl_b2t_plan_fsdp(cfg, o, plan_n, res);
     memset(res, 0, sizeof *res);
     res->val_loss = NAN;
     b2run r;
