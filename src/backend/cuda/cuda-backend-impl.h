@@ -551,6 +551,7 @@ static fl_status flb_mark(const fl_backend *be, int i) {
         return fl_errorf(FL_ERR_OOM, "%s mark: out of host memory", FLB_NAME);
     if (!im->marks[i] && flb_mark_new(&im->marks[i]))
         return fl_errorf(FL_ERR_IO, "%s mark: cannot create marker %d", FLB_NAME, i);
+    FL_TRY(flb_graph_flush(&im->graph, be)); /* with FITLLM_CUDA_GRAPHS=1: a marker between graphs, never inside */
     if (flb_mark_record(im->marks[i], STREAM)) return fl_errorf(FL_ERR_IO, "%s mark: recording marker %d failed", FLB_NAME, i);
     return FL_OK;
 }
