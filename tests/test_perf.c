@@ -409,9 +409,10 @@ FL_TEST(cuda_emu_graphs_replay) {
         if (ok) {
             const fl_cu_graph_stats *g = &on.st;
             printf("      %s x%d clip %.0f%s: %s; captured %ld, replayed %ld, missed %ld, %ld graphs, %ld nodes, "
-                   "%ld launches, %ld ops captured, %ld outside\n", cases[c].prec, nm, (double)cases[c].max_norm,
-                   cases[c].miss ? " (step 4 masked)" : "", on.verdict, g->captured_steps, g->replayed_steps,
-                   g->missed_steps, g->graphs, g->nodes, g->launches, g->captured_ops, g->outside_ops);
+                   "%ld launches, %ld ops captured, %ld outside, %ld AdamW in graphs\n", cases[c].prec, nm,
+                   (double)cases[c].max_norm, cases[c].miss ? " (step 4 masked)" : "", on.verdict, g->captured_steps,
+                   g->replayed_steps,
+                   g->missed_steps, g->graphs, g->nodes, g->launches, g->captured_ops, g->outside_ops, g->graph_updates);
             for (int k = 0; k < GR_STEPS; k++)
                 FL_CHECKF(on.loss[k] == off.loss[k] && on.norm[k] == off.norm[k] && on.loss[k] > 0,
                           "%s step %d: loss %.9g / %.9g, norm %.9g / %.9g (graphs / op by op)", cases[c].prec, k + 1,
@@ -421,6 +422,7 @@ FL_TEST(cuda_emu_graphs_replay) {
             /* step 2 captured, the rest replayed (the masked step 4 op by op) */
             FL_CHECKF(g->captured_steps == 1 && g->replayed_steps == GR_STEPS - 2 - cases[c].miss &&
                           g->missed_steps == cases[c].miss && g->graphs >= nm && g->nodes > g->captured_ops &&
+                          g->graph_updates == g->captured_steps + g->replayed_steps && /* AdamW in the graphs */
                           strstr(on.verdict, "replaying the step as"), "%s", on.verdict);
             FL_CHECKF(!off.verdict[0] && !off.st.launches, "a verdict without FITLLM_CUDA_GRAPHS: %s", off.verdict);
         }

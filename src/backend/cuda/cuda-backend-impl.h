@@ -733,6 +733,18 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     im->compute = FL_F32;
     if (im->graph.on && FLB_HOST_MEMORY) /* the host would read what a pending graph has not yet written */
         flb_graph_give_up(&im->graph, "the backend's memory is the host's");
+    if (im->graph.on && im->graph.state != FLB_G_EAGER) { /* AdamW's per-step constants (cuda-graph-impl.h) */
+        const size_t kb = FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0);
+        im->graph.pin = flb_host_alloc(kb);
+        im->graph.dslot = flb_dev_alloc(kb);
+        if (flb_mark_new(&im->graph.ev)) im->graph.ev = NULL;
+        if (!im->graph.pin || !im->graph.dslot || !im->graph.ev) { /* the update then runs between the graphs */
+            if (im->graph.pin) flb_host_free(im->graph.pin);
+            if (im->graph.dslot) flb_dev_free(im->graph.dslot);
+            if (im->graph.ev) flb_mark_free(im->graph.ev);
+            im->graph.pin = im->graph.dslot = im->graph.ev = NULL;
+        }
+    }
     flb_device_name(im->devname, sizeof im->devname);
     be->device_name = im->devname;
     be->mark = flb_mark;

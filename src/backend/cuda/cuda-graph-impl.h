@@ -40,6 +40,7 @@ typedef struct {
 typedef struct {
     flb_grec *r;
     int n, cap;
+    int upd;    /* ends with AdamW's update, its constants read from the device slot */
     void *exec; /* the executable graph */
 } flb_gseg;
 
@@ -56,13 +57,29 @@ typedef struct {
     int bad, bad_run;       /* replay: this step fell back to op by op; steps in a row that did */
     fl_status saved_err;    /* the sticky error when the open capture began */
     int said;               /* the line on stderr */
+    void *pin, *dslot, *ev; /* AdamW's per-step constants: written to pin (page-locked), copied to dslot by the graph;
+                             * ev after the graph that copies them: pin is rewritten only once it passed */
+    int ev_armed;
     fl_cu_graph_stats st;
     char verdict[320];
 } flb_graph;
 
+static void flb_set_error(const fl_backend *be, fl_status s, const char *op, const char *why);
+
+/* AdamW's update inside a graph: its constants (step, learning rate, bias corrections, gradient scale: they change
+ * every step) in a device slot the graph fills from page-locked memory the host writes before the replay. */
+static int flb_graph_dev_update(const flb_graph *g, const fl_oprec *op) {
+    if (op->kind != FL_OPK_adamw_update || !g->pin || !g->dslot) return 0;
+    const struct fl_op_adamw_update *u = &op->adamw_update;
+    const int f3 = (u->tp == FL_F32 || u->tp == FL_BF16 || u->tp == FL_F16) &&
+                   (u->tg == FL_F32 || u->tg == FL_BF16 || u->tg == FL_F16);
+    return f3 && (u->ts == FL_F32 || u->ts == FL_BF16) && u->step >= 1;
+}
+
 /* Kinds that run outside the graphs (see above). */
-static int flb_graph_outside(fl_opk k) {
-    switch (k) {
+static int flb_graph_outside(const flb_graph *g, const fl_oprec *op) {
+    if (flb_graph_dev_update(g, op)) return 0;
+    switch (op->kind) {
     case FL_OPK_to_host: case FL_OPK_to_device: case FL_OPK_sync: case FL_OPK_sumsq: case FL_OPK_check_finite:
     case FL_OPK_adamw_update: case FL_OPK_sgd_update: case FL_OPK_adam8bit_update: case FL_OPK_set_scratch:
     case FL_OPK_set_compute_dtype: case FL_OPK_convert_many:
@@ -105,6 +122,11 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op) {
     if (op->kind != k->rec.kind) return 0;
     flb_grec t;
     flb_graph_keep(&t, op, k->aux);
+    if (op->kind == FL_OPK_adamw_update) { /* its per-step constants come from the device slot */
+        t.rec.adamw_update.lr = k->rec.adamw_update.lr;
+        t.rec.adamw_update.step = k->rec.adamw_update.step;
+        t.rec.adamw_update.grad_scale = k->rec.adamw_update.grad_scale;
+    }
     return !memcmp(&t, k, sizeof t);
 }
 
@@ -132,6 +154,38 @@ static fl_status flb_graph_run_kept(const fl_backend *be, const flb_gseg *s, int
     return FL_OK;
 }
 
+/* AdamW's constants for this step into the page-locked slot (once the graph that copied the last ones passed). */
+static fl_status flb_graph_upd_write(flb_graph *g, const fl_oprec *op) {
+    const struct fl_op_adamw_update *u = &op->adamw_update;
+    if (g->ev_armed && flb_mark_wait(g->ev))
+        return fl_errorf(FL_ERR_IO, "%s backend: CUDA graphs: waiting for the update's constants failed", FLB_NAME);
+    g->ev_armed = 0;
+    FLB_K(adamw_consts)(g->pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, u->grad_scale);
+    g->st.graph_updates++;
+    return FL_OK;
+}
+
+/* Capture: the constants copied to the device slot, the update reading them (the same bits as adamw_update). */
+static fl_status flb_graph_upd_run(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
+    const struct fl_op_adamw_update *u = &op->adamw_update;
+    FL_TRY(flb_graph_upd_write(g, op));
+    const size_t kb = FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0);
+    int rc = flb_h2d(g->dslot, g->pin, kb, g->stream);
+    if (!rc) rc = FLB_K(adamw_update_dev)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, g->dslot, g->stream);
+    if (rc) {
+        flb_set_error(be, FL_ERR_IO, "adamw_update", "the graph's update failed to launch");
+        return fl_errorf(FL_ERR_IO, "%s backend: adamw_update (CUDA graph): launch failed", FLB_NAME);
+    }
+    return FL_OK;
+}
+
+/* After a launch of a segment's graph: its constants' copy passed when ev does. */
+static int flb_graph_launched(flb_graph *g, const flb_gseg *s) {
+    if (!s->upd) return 0;
+    g->ev_armed = !flb_mark_record(g->ev, g->stream);
+    return g->ev_armed ? 0 : 1;
+}
+
 /* Capture: close the open segment (end the capture, make its graph, launch it). A failed capture ran nothing:
  * its ops run op by op from their records, and the run stays op by op. */
 static fl_status flb_graph_close(flb_graph *g, const fl_backend *be) {
@@ -156,7 +210,7 @@ static fl_status flb_graph_close(flb_graph *g, const fl_backend *be) {
     g->st.graphs++;
     g->st.nodes += (long)flb_graph_nodes(s->exec);
     g->st.launches++;
-    if (flb_graph_launch(s->exec, g->stream)) {
+    if (flb_graph_launch(s->exec, g->stream) || flb_graph_launched(g, s)) {
         flb_graph_give_up(g, "a graph launch failed");
         return fl_errorf(FL_ERR_IO, "%s backend: launching a CUDA graph failed", FLB_NAME);
     }
@@ -237,6 +291,7 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
         }
         g->nseg++;
         g->seg[g->nseg - 1].n = 0;
+        g->seg[g->nseg - 1].upd = 0;
     }
     flb_gseg *s = &g->seg[g->nseg - 1];
     if (s->n == s->cap) {
@@ -254,7 +309,9 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
     s->n++;
     g->pos = 1;
     g->st.captured_ops++;
-    fl_status st = fl_backend_run_slots(be, op);
+    const int upd = op->kind == FL_OPK_adamw_update;
+    s->upd |= upd;
+    fl_status st = upd ? flb_graph_upd_run(g, be, op) : fl_backend_run_slots(be, op);
     if (st != FL_OK) { /* end the capture; the error is the caller's */
         const char *why = NULL;
         void *x = NULL;
@@ -270,10 +327,12 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
 /* Replay: absorb op if it is the next kept record; launch the segment's graph after its last one. */
 static fl_status flb_graph_replay_op(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
     if (g->cur < g->nseg && flb_graph_same(&g->seg[g->cur].r[g->pos], op)) {
+        if (op->kind == FL_OPK_adamw_update) FL_TRY(flb_graph_upd_write(g, op));
         if (++g->pos < g->seg[g->cur].n) return FL_OK;
         g->pos = 0;
         g->st.launches++;
-        if (flb_graph_launch(g->seg[g->cur++].exec, g->stream)) {
+        const flb_gseg *s = &g->seg[g->cur++];
+        if (flb_graph_launch(s->exec, g->stream) || flb_graph_launched(g, s)) {
             flb_graph_give_up(g, "a graph launch failed");
             return fl_errorf(FL_ERR_IO, "%s backend: launching a CUDA graph failed", FLB_NAME);
         }
@@ -283,25 +342,30 @@ static fl_status flb_graph_replay_op(flb_graph *g, const fl_backend *be, const f
     return fl_backend_run_slots(be, op);
 }
 
+static int flb_graph_is_update(fl_opk k) {
+    return k == FL_OPK_adamw_update || k == FL_OPK_adam8bit_update || k == FL_OPK_sgd_update;
+}
+
 /* The door with FITLLM_CUDA_GRAPHS=1. */
 static fl_status flb_graph_run(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
+    fl_status st;
     if (g->state == FLB_G_FIRST || g->state == FLB_G_EAGER || g->state == FLB_G_OFF) {
-        fl_status st = fl_backend_run_slots(be, op);
-        if (op->kind == FL_OPK_adamw_update || op->kind == FL_OPK_adam8bit_update || op->kind == FL_OPK_sgd_update)
-            flb_graph_step_end(g);
-        return st;
-    }
-    if (flb_graph_outside(op->kind)) {
+        st = fl_backend_run_slots(be, op);
+    } else if (flb_graph_outside(g, op)) {
         FL_TRY(flb_graph_flush(g, be));
         g->st.outside_ops += g->state == FLB_G_CAPTURE;
-        fl_status st = fl_backend_run_slots(be, op);
-        if (op->kind == FL_OPK_adamw_update || op->kind == FL_OPK_adam8bit_update || op->kind == FL_OPK_sgd_update)
-            flb_graph_step_end(g);
-        return st;
+        st = fl_backend_run_slots(be, op);
+    } else if (g->state == FLB_G_CAPTURE) {
+        st = flb_graph_capture_op(g, be, op);
+    } else {
+        st = g->bad ? fl_backend_run_slots(be, op) : flb_graph_replay_op(g, be, op);
     }
-    if (g->state == FLB_G_CAPTURE) return flb_graph_capture_op(g, be, op);
-    if (g->bad) return fl_backend_run_slots(be, op);
-    return flb_graph_replay_op(g, be, op);
+    if (flb_graph_is_update(op->kind)) { /* the step ends: its last segment closed (capture) or checked (replay) */
+        if (st == FL_OK && g->state == FLB_G_CAPTURE) st = flb_graph_close(g, be);
+        if (st == FL_OK && g->state == FLB_G_REPLAY && !g->bad && g->pos) st = flb_graph_miss(g, be);
+        flb_graph_step_end(g);
+    }
+    return st;
 }
 
 static void flb_graph_free_all(flb_graph *g) {
@@ -313,4 +377,8 @@ static void flb_graph_free_all(flb_graph *g) {
     }
     g->nseg = g->capseg; /* every slot's executable graph */
     flb_graph_free_segs(g);
+    if (g->ev) flb_mark_free(g->ev);
+    if (g->pin) flb_host_free(g->pin);
+    if (g->dslot) flb_dev_free(g->dslot);
+    g->ev = g->pin = g->dslot = NULL;
 }

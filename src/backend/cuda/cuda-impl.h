@@ -55,9 +55,11 @@ void fl_cudart_backend_counters(const fl_backend *be, fl_cu_counters *out);
 const char *fl_cuemu_backend_graph_verdict(const fl_backend *be);
 const char *fl_cudart_backend_graph_verdict(const fl_backend *be);
 /* Its counts: steps captured / replayed whole / that fell back op by op part way, recaptures, graphs made, their
- * nodes (the emulator's), graph launches, ops captured, ops run outside the graphs during the captures. */
+ * nodes (the emulator's), graph launches, ops captured, ops run outside the graphs during the captures, AdamW
+ * updates run inside a graph (their per-step constants from the device slot). */
 typedef struct {
     long captured_steps, replayed_steps, missed_steps, recaptures, graphs, nodes, launches, captured_ops, outside_ops;
+    long graph_updates;
 } fl_cu_graph_stats;
 void fl_cuemu_backend_graph_stats(const fl_backend *be, fl_cu_graph_stats *out);
 void fl_cudart_backend_graph_stats(const fl_backend *be, fl_cu_graph_stats *out);
