@@ -33,8 +33,10 @@
  * _free / _nodes and flb_capture_clear. */
 
 typedef struct {
-    fl_oprec rec;       /* the record, its pointer to a header redirected to aux */
-    unsigned char aux[sizeof(fl_attn_desc) > sizeof(fl_q4_weight) ? sizeof(fl_attn_desc) : sizeof(fl_q4_weight)];
+    fl_oprec rec;       /* the record, its pointer to a header NULL (the header in aux when has_hdr) */
+    int has_hdr;
+    _Alignas(16) unsigned char aux[sizeof(fl_attn_desc) > sizeof(fl_q4_weight) ? sizeof(fl_attn_desc)
+                                                                               : sizeof(fl_q4_weight)];
 } flb_grec;
 
 typedef struct {
@@ -60,6 +62,7 @@ typedef struct {
     void *pin, *dslot, *ev; /* AdamW's per-step constants: written to pin (page-locked), copied to dslot by the graph;
                              * ev after the graph that copies them: pin is rewritten only once it passed */
     int ev_armed;
+    char miss[160];         /* where the last replay stopped */
     fl_cu_graph_stats st;
     char verdict[320];
 } flb_graph;
@@ -95,25 +98,53 @@ static size_t flb_graph_recbytes(fl_opk k) {
     return (unsigned)k < FL_OPK_COUNT ? sz[k] : 0;
 }
 
-/* A record's copy into d: the header it points to copied into d->aux and the pointer redirected to at. */
-static void flb_graph_keep(flb_grec *d, const fl_oprec *op, const void *at) {
+/* A record's bytes compare only with its padding cleared: a compound literal (FL_RUN) leaves the padding between
+ * members as the stack held it, which differs from call to call (GCC 11+ and Clang with the builtin; elsewhere a
+ * replay may miss, op by op, the same bits). */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_clear_padding)
+#define FLB_CLEAR_PADDING(p) __builtin_clear_padding(p)
+#endif
+#endif
+#ifndef FLB_CLEAR_PADDING
+#define FLB_CLEAR_PADDING(p) ((void)(p))
+#endif
+
+/* The header a record points to (an attention's descriptor, a 4-bit weight), its size; NULL: none. */
+static const void **flb_graph_hdr(fl_oprec *r, size_t *hb) {
+    *hb = sizeof(fl_attn_desc);
+    switch (r->kind) {
+    case FL_OPK_attention_forward: return (const void **)&r->attention_forward.a;
+    case FL_OPK_attention_backward: return (const void **)&r->attention_backward.a;
+    case FL_OPK_attention_forward16: return (const void **)&r->attention_forward16.a;
+    case FL_OPK_attention_backward16: return (const void **)&r->attention_backward16.a;
+    case FL_OPK_q4_matmul_forward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_forward.w;
+    case FL_OPK_q4_matmul_backward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_backward.w;
+    default: return NULL;
+    }
+}
+
+/* A record's copy into d, its padding cleared: the header it points to copied into d->aux and the pointer left
+ * NULL (a kept record moves as its segment grows: flb_graph_run_kept points it at its aux). */
+static void flb_graph_keep(flb_grec *d, const fl_oprec *op) {
     memset(d, 0, sizeof *d);
     d->rec.kind = op->kind;
     memcpy(&d->rec.gemm, &op->gemm, flb_graph_recbytes(op->kind));
-    const void **hp = NULL;
-    size_t hb = sizeof(fl_attn_desc);
     switch (op->kind) {
-    case FL_OPK_attention_forward: hp = (const void **)&d->rec.attention_forward.a; break;
-    case FL_OPK_attention_backward: hp = (const void **)&d->rec.attention_backward.a; break;
-    case FL_OPK_attention_forward16: hp = (const void **)&d->rec.attention_forward16.a; break;
-    case FL_OPK_attention_backward16: hp = (const void **)&d->rec.attention_backward16.a; break;
-    case FL_OPK_q4_matmul_forward: hp = (const void **)&d->rec.q4_matmul_forward.w, hb = sizeof(fl_q4_weight); break;
-    case FL_OPK_q4_matmul_backward: hp = (const void **)&d->rec.q4_matmul_backward.w, hb = sizeof(fl_q4_weight); break;
+#define FLB_GCLR_(slot)                                                                                              \
+    case FL_OPK_##slot: FLB_CLEAR_PADDING(&d->rec.slot); break;
+        FL_OPK_LIST(FLB_GCLR_)
+#undef FLB_GCLR_
     default: break;
     }
+    size_t hb;
+    const void **hp = flb_graph_hdr(&d->rec, &hb);
     if (hp && *hp) {
         memcpy(d->aux, *hp, hb);
-        *hp = at;
+        if (hb == sizeof(fl_attn_desc)) FLB_CLEAR_PADDING((fl_attn_desc *)(void *)d->aux);
+        else FLB_CLEAR_PADDING((fl_q4_weight *)(void *)d->aux);
+        *hp = NULL;
+        d->has_hdr = 1;
     }
 }
 
@@ -121,7 +152,7 @@ static void flb_graph_keep(flb_grec *d, const fl_oprec *op, const void *at) {
 static int flb_graph_same(const flb_grec *k, const fl_oprec *op) {
     if (op->kind != k->rec.kind) return 0;
     flb_grec t;
-    flb_graph_keep(&t, op, k->aux);
+    flb_graph_keep(&t, op);
     if (op->kind == FL_OPK_adamw_update) { /* its per-step constants come from the device slot */
         t.rec.adamw_update.lr = k->rec.adamw_update.lr;
         t.rec.adamw_update.step = k->rec.adamw_update.step;
@@ -150,7 +181,13 @@ static void flb_graph_give_up(flb_graph *g, const char *why) {
 
 /* Run the kept records [0, n) of segment s op by op (a segment replay that stopped part way). */
 static fl_status flb_graph_run_kept(const fl_backend *be, const flb_gseg *s, int n) {
-    for (int i = 0; i < n; i++) FL_TRY(fl_backend_run_slots(be, &s->r[i].rec));
+    for (int i = 0; i < n; i++) {
+        fl_oprec r = s->r[i].rec;
+        size_t hb;
+        const void **hp = flb_graph_hdr(&r, &hb);
+        if (hp && s->r[i].has_hdr) *hp = s->r[i].aux;
+        FL_TRY(fl_backend_run_slots(be, &r));
+    }
     return FL_OK;
 }
 
@@ -261,7 +298,10 @@ static void flb_graph_step_end(flb_graph *g) {
             g->st.missed_steps++;
             if (++g->bad_run >= 2) { /* the step changed for good: capture it again */
                 if (++g->st.recaptures > 4) {
-                    flb_graph_give_up(g, "the step's ops keep changing (4 captures)");
+                    char line[240];
+                    snprintf(line, sizeof line, "the step's ops keep changing (4 captures; the last replay stopped at %s)",
+                             g->miss[0] ? g->miss : "a host read inside a segment");
+                    flb_graph_give_up(g, line);
                 } else {
                     for (int i = 0; i < g->nseg; i++) free(g->seg[i].r), g->seg[i].r = NULL, g->seg[i].n = g->seg[i].cap = 0;
                     g->state = FLB_G_CAPTURE;
@@ -305,7 +345,7 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
         }
         s->r = r, s->cap = cap;
     }
-    flb_graph_keep(&s->r[s->n], op, s->r[s->n].aux);
+    flb_graph_keep(&s->r[s->n], op);
     s->n++;
     g->pos = 1;
     g->st.captured_ops++;
@@ -337,6 +377,17 @@ static fl_status flb_graph_replay_op(flb_graph *g, const fl_backend *be, const f
             return fl_errorf(FL_ERR_IO, "%s backend: launching a CUDA graph failed", FLB_NAME);
         }
         return FL_OK;
+    }
+    if (g->cur < g->nseg) {
+        const flb_grec *k = &g->seg[g->cur].r[g->pos];
+        flb_grec t;
+        flb_graph_keep(&t, op);
+        size_t at = 0;
+        while (at < sizeof t && ((const unsigned char *)&t)[at] == ((const unsigned char *)k)[at]) at++;
+        snprintf(g->miss, sizeof g->miss, "segment %d op %d: %s, then %s (byte %zu)", g->cur + 1, g->pos + 1,
+                 fl_opk_name(k->rec.kind), fl_opk_name(op->kind), at);
+    } else {
+        snprintf(g->miss, sizeof g->miss, "%s after the step's %d segments", fl_opk_name(op->kind), g->nseg);
     }
     FL_TRY(flb_graph_miss(g, be));
     return fl_backend_run_slots(be, op);
