@@ -339,10 +339,11 @@ FL_TEST(cuda_emu_pinned_uploads) {
 
 /* Issue 30 item 5, CUDA Graphs (EXPERIMENTAL): with FITLLM_CUDA_GRAPHS=1 the door runs step 1 op by op, captures
  * step 2 as graphs (the emulator records each launch with its arguments by value) and replays them from step 3 on
- * (cuda-graph-impl.h). Several steps with new ids every step, accumulation and a learning rate that changes every
- * step: every step's loss and gradient norm and the final weights are the op-by-op run's bits, and the later steps
- * are replays. `miss`: step 4's targets are partly masked (the cross-entropy's 1 / valid targets changes, so the
- * replay stops in that segment and the step runs op by op), the bits still equal, and step 5 replays again. A value other than 0 / 1
+ * (cuda-graph-impl.h). Several steps with new ids every step, accumulation, a learning rate and a count of valid
+ * targets (the cross-entropy's gradient scale) that change every step: every step's loss and gradient norm and the
+ * final weights are the op-by-op run's bits, and the later steps are replays (AdamW's constants and the
+ * cross-entropy's scale from device slots). `miss`: step 4 is shorter (T 8: other shapes, so the replay stops and
+ * the step runs op by op), the bits still equal, and step 5 replays again. A value other than 0 / 1
  * is refused by name. */
 #ifdef FL_HAVE_CUDA_EMU
 enum { GR_STEPS = 5 };
@@ -369,11 +370,14 @@ static int graph_case(int on, const char *prec, int n_micro, float max_norm, int
     int ok = 1;
     for (int step = 0; step < GR_STEPS && ok; step++) {
         long valid = 0;
-        for (int i = 0; i < 2 * N; i++) {
+        const int t = miss && step == 3 ? T / 2 : T; /* a shorter batch: other shapes */
+        for (int k = 0; k < 2; k++) mbs[k].T = t;
+        for (int i = 0; i < 2 * N; i++) { /* every (step + 3)-th target masked: 1 / valid changes every step */
             ids[i] = (i * 37 + 5 + 13 * step) % r.m.cfg.vocab_size;
-            tg[i] = miss && step == 3 && i % 5 == 0 ? FL_IGNORE_INDEX : (i * 11 + 3 + 7 * step) % r.m.cfg.vocab_size;
-            valid += i < n_micro * N && tg[i] != FL_IGNORE_INDEX;
+            tg[i] = i % (step + 3) == 0 ? FL_IGNORE_INDEX : (i * 11 + 3 + 7 * step) % r.m.cfg.vocab_size;
         }
+        for (int k = 0; k < n_micro; k++)
+            for (int i = 0; i < B * t; i++) valid += mbs[k].targets[i] != FL_IGNORE_INDEX;
         fl_step_ctx sc = {.mbs = mbs, .n_micro = n_micro, .step_valid = valid, .lr = 1e-3f * (float)(step + 1),
                           .max_norm = max_norm};
         fl_step_result res = {0};
@@ -410,7 +414,7 @@ FL_TEST(cuda_emu_graphs_replay) {
             const fl_cu_graph_stats *g = &on.st;
             printf("      %s x%d clip %.0f%s: %s; captured %ld, replayed %ld, missed %ld, %ld graphs, %ld nodes, "
                    "%ld launches, %ld ops captured, %ld outside, %ld AdamW in graphs\n", cases[c].prec, nm,
-                   (double)cases[c].max_norm, cases[c].miss ? " (step 4 masked)" : "", on.verdict, g->captured_steps,
+                   (double)cases[c].max_norm, cases[c].miss ? " (step 4 shorter)" : "", on.verdict, g->captured_steps,
                    g->replayed_steps,
                    g->missed_steps, g->graphs, g->nodes, g->launches, g->captured_ops, g->outside_ops, g->graph_updates);
             for (int k = 0; k < GR_STEPS; k++)

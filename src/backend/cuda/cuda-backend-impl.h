@@ -733,18 +733,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     im->compute = FL_F32;
     if (im->graph.on && FLB_HOST_MEMORY) /* the host would read what a pending graph has not yet written */
         flb_graph_give_up(&im->graph, "the backend's memory is the host's");
-    if (im->graph.on && im->graph.state != FLB_G_EAGER) { /* AdamW's per-step constants (cuda-graph-impl.h) */
-        const size_t kb = FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0);
-        im->graph.pin = flb_host_alloc(kb);
-        im->graph.dslot = flb_dev_alloc(kb);
-        if (flb_mark_new(&im->graph.ev)) im->graph.ev = NULL;
-        if (!im->graph.pin || !im->graph.dslot || !im->graph.ev) { /* the update then runs between the graphs */
-            if (im->graph.pin) flb_host_free(im->graph.pin);
-            if (im->graph.dslot) flb_dev_free(im->graph.dslot);
-            if (im->graph.ev) flb_mark_free(im->graph.ev);
-            im->graph.pin = im->graph.dslot = im->graph.ev = NULL;
-        }
-    }
+    if (im->graph.on && im->graph.state != FLB_G_EAGER) flb_graph_slots_init(&im->graph); /* per-step scalars */
     flb_device_name(im->devname, sizeof im->devname);
     be->device_name = im->devname;
     be->mark = flb_mark;
@@ -834,8 +823,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
 void FLB_PREFIX(backend_free)(fl_backend *be) {
     if (!be || !be->impl) return;
     flb_impl *im = FLB_IMPL(be);
-    flb_graph_free_all(&im->graph);
     flb_stream_sync(im->stream);
+    flb_graph_free_all(&im->graph); /* after the sync: a graph may still copy from its page-locked slots */
     if (im->own_scratch) flb_dev_free(im->own_scratch);
     if (im->scalars) flb_dev_free(im->scalars);
     flb_stage_free(&im->stage);

@@ -35,6 +35,7 @@
 typedef struct {
     fl_oprec rec;       /* the record, its pointer to a header NULL (the header in aux when has_hdr) */
     int has_hdr;
+    int slot;           /* its per-step scalars' slot (flb_graph_slot_op), -1: none */
     _Alignas(16) unsigned char aux[sizeof(fl_attn_desc) > sizeof(fl_q4_weight) ? sizeof(fl_attn_desc)
                                                                                : sizeof(fl_q4_weight)];
 } flb_grec;
@@ -42,11 +43,13 @@ typedef struct {
 typedef struct {
     flb_grec *r;
     int n, cap;
-    int upd;    /* ends with AdamW's update, its constants read from the device slot */
+    uint64_t slots; /* the per-step scalar slots its graph copies to the device */
     void *exec; /* the executable graph */
 } flb_gseg;
 
 enum { FLB_G_OFF, FLB_G_FIRST, FLB_G_CAPTURE, FLB_G_REPLAY, FLB_G_EAGER };
+#define FLB_GSLOTS 32
+#define FLB_GSLOT_BYTES 64
 
 typedef struct {
     int on;                 /* FITLLM_CUDA_GRAPHS=1 */
@@ -59,9 +62,13 @@ typedef struct {
     int bad, bad_run;       /* replay: this step fell back to op by op; steps in a row that did */
     fl_status saved_err;    /* the sticky error when the open capture began */
     int said;               /* the line on stderr */
-    void *pin, *dslot, *ev; /* AdamW's per-step constants: written to pin (page-locked), copied to dslot by the graph;
-                             * ev after the graph that copies them: pin is rewritten only once it passed */
-    int ev_armed;
+    /* per-step scalars (AdamW's constants, the cross-entropy's gradient scale): FLB_GSLOTS slots of FLB_GSLOT_BYTES,
+     * written to pin (page-locked) by the host, copied to dslot (device) by the graph that reads them; ev[i] after
+     * that graph's launch: slot i is rewritten only once it passed */
+    char *pin, *dslot;
+    void *ev[FLB_GSLOTS];
+    uint64_t armed;
+    int nslot; /* capture: the slots given out this step */
     char miss[160];         /* where the last replay stopped */
     fl_cu_graph_stats st;
     char verdict[320];
@@ -69,10 +76,13 @@ typedef struct {
 
 static void flb_set_error(const fl_backend *be, fl_status s, const char *op, const char *why);
 
-/* AdamW's update inside a graph: its constants (step, learning rate, bias corrections, gradient scale: they change
- * every step) in a device slot the graph fills from page-locked memory the host writes before the replay. */
-static int flb_graph_dev_update(const flb_graph *g, const fl_oprec *op) {
-    if (op->kind != FL_OPK_adamw_update || !g->pin || !g->dslot) return 0;
+/* Ops whose by-value arguments change every step and that read them from a device slot inside a graph: AdamW's
+ * update (step, learning rate, bias corrections, gradient scale) and the cross-entropy (its gradient scale,
+ * 1 / the step's valid targets). */
+static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
+    if (!g->pin) return 0;
+    if (op->kind == FL_OPK_cross_entropy || op->kind == FL_OPK_cross_entropy_dbf16) return 1;
+    if (op->kind != FL_OPK_adamw_update) return 0;
     const struct fl_op_adamw_update *u = &op->adamw_update;
     const int f3 = (u->tp == FL_F32 || u->tp == FL_BF16 || u->tp == FL_F16) &&
                    (u->tg == FL_F32 || u->tg == FL_BF16 || u->tg == FL_F16);
@@ -81,7 +91,7 @@ static int flb_graph_dev_update(const flb_graph *g, const fl_oprec *op) {
 
 /* Kinds that run outside the graphs (see above). */
 static int flb_graph_outside(const flb_graph *g, const fl_oprec *op) {
-    if (flb_graph_dev_update(g, op)) return 0;
+    if (flb_graph_slot_op(g, op)) return 0;
     switch (op->kind) {
     case FL_OPK_to_host: case FL_OPK_to_device: case FL_OPK_sync: case FL_OPK_sumsq: case FL_OPK_check_finite:
     case FL_OPK_adamw_update: case FL_OPK_sgd_update: case FL_OPK_adam8bit_update: case FL_OPK_set_scratch:
@@ -128,6 +138,7 @@ static const void **flb_graph_hdr(fl_oprec *r, size_t *hb) {
  * NULL (a kept record moves as its segment grows: flb_graph_run_kept points it at its aux). */
 static void flb_graph_keep(flb_grec *d, const fl_oprec *op) {
     memset(d, 0, sizeof *d);
+    d->slot = -1;
     d->rec.kind = op->kind;
     memcpy(&d->rec.gemm, &op->gemm, flb_graph_recbytes(op->kind));
     switch (op->kind) {
@@ -153,10 +164,15 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op) {
     if (op->kind != k->rec.kind) return 0;
     flb_grec t;
     flb_graph_keep(&t, op);
-    if (op->kind == FL_OPK_adamw_update) { /* its per-step constants come from the device slot */
+    t.slot = k->slot;
+    if (k->slot >= 0 && op->kind == FL_OPK_adamw_update) { /* per-step scalars: from the device slot */
         t.rec.adamw_update.lr = k->rec.adamw_update.lr;
         t.rec.adamw_update.step = k->rec.adamw_update.step;
         t.rec.adamw_update.grad_scale = k->rec.adamw_update.grad_scale;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy) {
+        t.rec.cross_entropy.grad_scale = k->rec.cross_entropy.grad_scale;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy_dbf16) {
+        t.rec.cross_entropy_dbf16.grad_scale = k->rec.cross_entropy_dbf16.grad_scale;
     }
     return !memcmp(&t, k, sizeof t);
 }
@@ -191,36 +207,56 @@ static fl_status flb_graph_run_kept(const fl_backend *be, const flb_gseg *s, int
     return FL_OK;
 }
 
-/* AdamW's constants for this step into the page-locked slot (once the graph that copied the last ones passed). */
-static fl_status flb_graph_upd_write(flb_graph *g, const fl_oprec *op) {
-    const struct fl_op_adamw_update *u = &op->adamw_update;
-    if (g->ev_armed && flb_mark_wait(g->ev))
-        return fl_errorf(FL_ERR_IO, "%s backend: CUDA graphs: waiting for the update's constants failed", FLB_NAME);
-    g->ev_armed = 0;
-    FLB_K(adamw_consts)(g->pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, u->grad_scale);
-    g->st.graph_updates++;
-    return FL_OK;
-}
-
-/* Capture: the constants copied to the device slot, the update reading them (the same bits as adamw_update). */
-static fl_status flb_graph_upd_run(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
-    const struct fl_op_adamw_update *u = &op->adamw_update;
-    FL_TRY(flb_graph_upd_write(g, op));
-    const size_t kb = FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0);
-    int rc = flb_h2d(g->dslot, g->pin, kb, g->stream);
-    if (!rc) rc = FLB_K(adamw_update_dev)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, g->dslot, g->stream);
-    if (rc) {
-        flb_set_error(be, FL_ERR_IO, "adamw_update", "the graph's update failed to launch");
-        return fl_errorf(FL_ERR_IO, "%s backend: adamw_update (CUDA graph): launch failed", FLB_NAME);
+/* This step's scalars of op into its page-locked slot (once the graph that copied the last ones passed). */
+static fl_status flb_graph_slot_write(flb_graph *g, const fl_oprec *op, int slot) {
+    if ((g->armed >> slot & 1) && flb_mark_wait(g->ev[slot]))
+        return fl_errorf(FL_ERR_IO, "%s backend: CUDA graphs: waiting for a per-step scalar's copy failed", FLB_NAME);
+    g->armed &= ~((uint64_t)1 << slot);
+    char *pin = g->pin + (size_t)slot * FLB_GSLOT_BYTES;
+    if (op->kind == FL_OPK_adamw_update) {
+        const struct fl_op_adamw_update *u = &op->adamw_update;
+        FLB_K(adamw_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, u->grad_scale);
+        g->st.graph_updates++;
+    } else {
+        const float gs = op->kind == FL_OPK_cross_entropy ? op->cross_entropy.grad_scale
+                                                           : op->cross_entropy_dbf16.grad_scale;
+        memcpy(pin, &gs, sizeof gs);
     }
     return FL_OK;
 }
 
-/* After a launch of a segment's graph: its constants' copy passed when ev does. */
+/* Capture: the scalars copied to the device slot, the kernel reading them (the bits of the op's own slot). */
+static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, const fl_oprec *op, int slot) {
+    FL_TRY(flb_graph_slot_write(g, op, slot));
+    void *d = g->dslot + (size_t)slot * FLB_GSLOT_BYTES;
+    int rc = flb_h2d(d, g->pin + (size_t)slot * FLB_GSLOT_BYTES, FLB_GSLOT_BYTES, g->stream);
+    if (!rc && op->kind == FL_OPK_adamw_update) {
+        const struct fl_op_adamw_update *u = &op->adamw_update;
+        rc = FLB_K(adamw_update_dev)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, g->stream);
+    } else if (!rc && op->kind == FL_OPK_cross_entropy) {
+        const struct fl_op_cross_entropy *c = &op->cross_entropy;
+        rc = FLB_K(cross_entropy_dev)(c->loss, c->dlogits, NULL, c->logits, c->targets, c->N, c->V,
+                                      (const float *)d, c->ignore_index, g->stream);
+    } else if (!rc) {
+        const struct fl_op_cross_entropy_dbf16 *c = &op->cross_entropy_dbf16;
+        rc = FLB_K(cross_entropy_dev)(c->loss, NULL, c->dlogits16, c->logits, c->targets, c->N, c->V,
+                                      (const float *)d, c->ignore_index, g->stream);
+    }
+    if (rc) {
+        flb_set_error(be, FL_ERR_IO, fl_opk_name(op->kind), "the graph's kernel failed to launch");
+        return fl_errorf(FL_ERR_IO, "%s backend: %s (CUDA graph): launch failed", FLB_NAME, fl_opk_name(op->kind));
+    }
+    return FL_OK;
+}
+
+/* After a launch of a segment's graph: its scalars' copies passed when their events do. */
 static int flb_graph_launched(flb_graph *g, const flb_gseg *s) {
-    if (!s->upd) return 0;
-    g->ev_armed = !flb_mark_record(g->ev, g->stream);
-    return g->ev_armed ? 0 : 1;
+    for (int i = 0; i < FLB_GSLOTS; i++)
+        if (s->slots >> i & 1) {
+            if (flb_mark_record(g->ev[i], g->stream)) return 1;
+            g->armed |= (uint64_t)1 << i;
+        }
+    return 0;
 }
 
 /* Capture: close the open segment (end the capture, make its graph, launch it). A failed capture ran nothing:
@@ -311,7 +347,7 @@ static void flb_graph_step_end(flb_graph *g) {
             }
         }
     }
-    g->cur = g->pos = g->bad = 0;
+    g->cur = g->pos = g->bad = g->nslot = 0;
 }
 
 static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
@@ -331,7 +367,7 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
         }
         g->nseg++;
         g->seg[g->nseg - 1].n = 0;
-        g->seg[g->nseg - 1].upd = 0;
+        g->seg[g->nseg - 1].slots = 0;
     }
     flb_gseg *s = &g->seg[g->nseg - 1];
     if (s->n == s->cap) {
@@ -345,13 +381,15 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
         }
         s->r = r, s->cap = cap;
     }
-    flb_graph_keep(&s->r[s->n], op);
-    s->n++;
+    flb_grec *k = &s->r[s->n++];
+    flb_graph_keep(k, op);
     g->pos = 1;
     g->st.captured_ops++;
-    const int upd = op->kind == FL_OPK_adamw_update;
-    s->upd |= upd;
-    fl_status st = upd ? flb_graph_upd_run(g, be, op) : fl_backend_run_slots(be, op);
+    if (flb_graph_slot_op(g, op) && g->nslot < FLB_GSLOTS) { /* (past the slots: captured with its values) */
+        k->slot = g->nslot++;
+        s->slots |= (uint64_t)1 << k->slot;
+    }
+    fl_status st = k->slot >= 0 ? flb_graph_slot_run(g, be, op, k->slot) : fl_backend_run_slots(be, op);
     if (st != FL_OK) { /* end the capture; the error is the caller's */
         const char *why = NULL;
         void *x = NULL;
@@ -367,7 +405,8 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
 /* Replay: absorb op if it is the next kept record; launch the segment's graph after its last one. */
 static fl_status flb_graph_replay_op(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
     if (g->cur < g->nseg && flb_graph_same(&g->seg[g->cur].r[g->pos], op)) {
-        if (op->kind == FL_OPK_adamw_update) FL_TRY(flb_graph_upd_write(g, op));
+        const flb_grec *k = &g->seg[g->cur].r[g->pos];
+        if (k->slot >= 0) FL_TRY(flb_graph_slot_write(g, op, k->slot));
         if (++g->pos < g->seg[g->cur].n) return FL_OK;
         g->pos = 0;
         g->st.launches++;
@@ -419,6 +458,24 @@ static fl_status flb_graph_run(flb_graph *g, const fl_backend *be, const fl_opre
     return st;
 }
 
+static void flb_graph_slots_free(flb_graph *g) {
+    for (int i = 0; i < FLB_GSLOTS; i++)
+        if (g->ev[i]) flb_mark_free(g->ev[i]), g->ev[i] = NULL;
+    if (g->pin) flb_host_free(g->pin);
+    if (g->dslot) flb_dev_free(g->dslot);
+    g->pin = g->dslot = NULL;
+}
+
+/* The slots (init; without them the ops with per-step scalars run between the graphs). */
+static void flb_graph_slots_init(flb_graph *g) {
+    const size_t bytes = (size_t)FLB_GSLOTS * FLB_GSLOT_BYTES;
+    if (FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0) > FLB_GSLOT_BYTES) return;
+    int ok = (g->pin = (char *)flb_host_alloc(bytes)) && (g->dslot = (char *)flb_dev_alloc(bytes));
+    for (int i = 0; ok && i < FLB_GSLOTS; i++) ok = !flb_mark_new(&g->ev[i]);
+    if (ok) memset(g->pin, 0, bytes);
+    else flb_graph_slots_free(g);
+}
+
 static void flb_graph_free_all(flb_graph *g) {
     if (g->state == FLB_G_CAPTURE && g->pos) {
         const char *why = NULL;
@@ -428,8 +485,5 @@ static void flb_graph_free_all(flb_graph *g) {
     }
     g->nseg = g->capseg; /* every slot's executable graph */
     flb_graph_free_segs(g);
-    if (g->ev) flb_mark_free(g->ev);
-    if (g->pin) flb_host_free(g->pin);
-    if (g->dslot) flb_dev_free(g->dslot);
-    g->ev = g->pin = g->dslot = NULL;
+    flb_graph_slots_free(g);
 }
