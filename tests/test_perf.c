@@ -337,48 +337,111 @@ FL_TEST(cuda_emu_pinned_uploads) {
 #endif
 }
 
-/* Issue 30 item 5, CUDA Graphs (EXPERIMENTAL): with FITLLM_CUDA_GRAPHS=1 the backend's door checks two consecutive
- * training steps for what blocks a capture and says it (cuda-graph-impl.h): here the loss and the gradient norm
- * read back to the host and AdamW's step argument; the ops and their bits are those of FITLLM_CUDA_GRAPHS=0; a value
- * other than 0 / 1 is refused by name. */
+/* Issue 30 item 5, CUDA Graphs (EXPERIMENTAL): with FITLLM_CUDA_GRAPHS=1 the door runs step 1 op by op, captures
+ * step 2 as graphs (the emulator records each launch with its arguments by value) and replays them from step 3 on
+ * (cuda-graph-impl.h). Several steps with new ids every step, accumulation, a learning rate and a count of valid
+ * targets (the cross-entropy's gradient scale) that change every step: every step's loss and gradient norm and the
+ * final weights are the op-by-op run's bits, and the later steps are replays (AdamW's constants and the
+ * cross-entropy's scale from device slots). `miss`: step 4 is shorter (T 8: other shapes, so the replay stops and
+ * the step runs op by op), the bits still equal, and step 5 replays again. A value other than 0 / 1
+ * is refused by name. */
 #ifdef FL_HAVE_CUDA_EMU
-static double graph_case(int on, char *verdict, size_t vn) {
+enum { GR_STEPS = 5 };
+typedef struct {
+    double loss[GR_STEPS], norm[GR_STEPS];
+    void *w;
+    size_t wbytes;
+    fl_cu_graph_stats st;
+    char verdict[320];
+} graph_run;
+
+static int graph_case(int on, const char *prec, int n_micro, float max_norm, int miss, graph_run *g) {
+    enum { B = 2, T = 16, N = B * T };
     if (on) setenv("FITLLM_CUDA_GRAPHS", "1", 1);
     perf_rig r;
-    fl_cuemu_set_host_memory(0);
-    const int made = rig_init_prec(&r, "cuda-emu", "32-true", 2, 16);
+    fl_cuemu_set_host_memory(0); /* the GPU's paths: without them the door stays op by op */
+    const int made = rig_init_prec(&r, "cuda-emu", prec, B, T);
     fl_cuemu_set_host_memory(1);
     unsetenv("FITLLM_CUDA_GRAPHS");
     FL_REQUIRE_R(made, 0);
-    int32_t ids[32], tg[32];
-    for (int i = 0; i < 32; i++) ids[i] = (i * 37 + 5) % r.m.cfg.vocab_size, tg[i] = (i * 11 + 3) % r.m.cfg.vocab_size;
-    fl_micro_batch mb = {.ids = ids, .targets = tg, .B = 2, .T = 16};
-    fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = 32, .lr = 1e-3f, .max_norm = 1.0f};
-    fl_step_result res = {0};
-    double loss = 0;
-    for (int k = 0; k < 3; k++) {
-        FL_CHECKF(fl_step_run(&r.m, &r.o, &sc, &res) == FL_OK, "%s", fl_error_message());
-        loss += res.loss;
+    int32_t ids[2 * N], tg[2 * N];
+    fl_micro_batch mbs[2];
+    for (int k = 0; k < 2; k++) mbs[k] = (fl_micro_batch){.ids = ids + N * k, .targets = tg + N * k, .B = B, .T = T};
+    int ok = 1;
+    for (int step = 0; step < GR_STEPS && ok; step++) {
+        long valid = 0;
+        const int t = miss && step == 3 ? T / 2 : T; /* a shorter batch: other shapes */
+        for (int k = 0; k < 2; k++) mbs[k].T = t;
+        for (int i = 0; i < 2 * N; i++) { /* every (step + 3)-th target masked: 1 / valid changes every step */
+            ids[i] = (i * 37 + 5 + 13 * step) % r.m.cfg.vocab_size;
+            tg[i] = i % (step + 3) == 0 ? FL_IGNORE_INDEX : (i * 11 + 3 + 7 * step) % r.m.cfg.vocab_size;
+        }
+        for (int k = 0; k < n_micro; k++)
+            for (int i = 0; i < B * t; i++) valid += mbs[k].targets[i] != FL_IGNORE_INDEX;
+        fl_step_ctx sc = {.mbs = mbs, .n_micro = n_micro, .step_valid = valid, .lr = 1e-3f * (float)(step + 1),
+                          .max_norm = max_norm};
+        fl_step_result res = {0};
+        fl_status s = fl_step_run(&r.m, &r.o, &sc, &res);
+        FL_CHECKF(s == FL_OK, "%s step %d: %s", prec, step, fl_error_message());
+        ok = s == FL_OK;
+        g->loss[step] = res.loss, g->norm[step] = res.grad_norm;
     }
-    snprintf(verdict, vn, "%s", fl_cuemu_backend_graph_verdict(&r.be));
+    g->wbytes = r.o.w.n * fl_dtype_size(r.o.w.pt);
+    g->w = malloc(g->wbytes);
+    if (g->w) ok &= r.be.to_host(&r.be, g->w, r.o.w.p, g->wbytes) == FL_OK;
+    fl_cuemu_backend_graph_stats(&r.be, &g->st);
+    snprintf(g->verdict, sizeof g->verdict, "%s", fl_cuemu_backend_graph_verdict(&r.be));
     rig_free(&r);
-    return loss;
+    return ok && g->w;
 }
 #endif
 
-FL_TEST(cuda_emu_graphs_verdict) {
+FL_TEST(cuda_emu_graphs_replay) {
 #ifdef FL_HAVE_CUDA_EMU
-    char on[640], off[640];
-    const double l_on = graph_case(1, on, sizeof on), l_off = graph_case(0, off, sizeof off);
-    printf("      FITLLM_CUDA_GRAPHS=1: %s\n", on);
-    FL_CHECKF(l_on == l_off && l_on > 0, "losses %.9g with the observing door, %.9g without", l_on, l_off);
-    FL_CHECKF(!off[0], "a verdict without FITLLM_CUDA_GRAPHS: %s", off);
-    FL_CHECKF(strstr(on, "capture skipped") && strstr(on, "to_host 1, sumsq 1, check_finite 0") &&
-                  strstr(on, "adamw_update takes per-step arguments (step 1 -> 2") && !strstr(on, "ops differ"),
-              "%s", on);
-    setenv("FITLLM_CUDA_GRAPHS", "2", 1);
+    if (!fl_test_asan_budget()) return; /* 20 emulated steps: the release pass */
+    static const struct {
+        const char *prec;
+        int n_micro;
+        float max_norm;
+        int miss;
+    } cases[] = {{"32-true", 2, 1.0f, 1}, {"bf16-true", 1, 0.0f, 0}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        graph_run on = {0}, off = {0};
+        const int nm = cases[c].n_micro;
+        int ok = graph_case(1, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &on);
+        ok = ok && graph_case(0, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &off);
+        if (ok) {
+            const fl_cu_graph_stats *g = &on.st;
+            printf("      %s x%d clip %.0f%s: %s; captured %ld, replayed %ld, missed %ld, %ld graphs, %ld nodes, "
+                   "%ld launches, %ld ops captured, %ld outside, %ld AdamW in graphs\n", cases[c].prec, nm,
+                   (double)cases[c].max_norm, cases[c].miss ? " (step 4 shorter)" : "", on.verdict, g->captured_steps,
+                   g->replayed_steps,
+                   g->missed_steps, g->graphs, g->nodes, g->launches, g->captured_ops, g->outside_ops, g->graph_updates);
+            for (int k = 0; k < GR_STEPS; k++)
+                FL_CHECKF(on.loss[k] == off.loss[k] && on.norm[k] == off.norm[k] && on.loss[k] > 0,
+                          "%s step %d: loss %.9g / %.9g, norm %.9g / %.9g (graphs / op by op)", cases[c].prec, k + 1,
+                          on.loss[k], off.loss[k], on.norm[k], off.norm[k]);
+            FL_CHECKF(on.wbytes == off.wbytes && !memcmp(on.w, off.w, on.wbytes), "%s: the weights differ",
+                      cases[c].prec);
+            /* step 2 captured, the rest replayed (the masked step 4 op by op) */
+            FL_CHECKF(g->captured_steps == 1 && g->replayed_steps == GR_STEPS - 2 - cases[c].miss &&
+                          g->missed_steps == cases[c].miss && g->graphs >= nm && g->nodes > g->captured_ops &&
+                          g->graph_updates == g->captured_steps + g->replayed_steps && /* AdamW in the graphs */
+                          strstr(on.verdict, "replaying the step as"), "%s", on.verdict);
+            FL_CHECKF(!off.verdict[0] && !off.st.launches, "a verdict without FITLLM_CUDA_GRAPHS: %s", off.verdict);
+        }
+        free(on.w), free(off.w);
+    }
+    /* where the host reads the device memory directly, the door stays op by op */
+    setenv("FITLLM_CUDA_GRAPHS", "1", 1);
     fl_backend be;
     fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    FL_REQUIRE_OK(s);
+    FL_CHECKF(strstr(fl_cuemu_backend_graph_verdict(&be), "op by op: the backend's memory is the host's"), "%s",
+              fl_cuemu_backend_graph_verdict(&be));
+    fl_backend_free(&be);
+    setenv("FITLLM_CUDA_GRAPHS", "2", 1);
+    s = fl_backend_init_by_name("cuda-emu", &be, 1);
     unsetenv("FITLLM_CUDA_GRAPHS");
     FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_GRAPHS=2"), "status %d: %s", (int)s,
               fl_error_message());

@@ -15,7 +15,10 @@
 #      (PyTorch's sdpa: flash, cudnn, efficient backends) beside it, and the TinyLlama step with
 #      FITLLM_CUDA_ATTN=own against the default (auto: cuDNN where it loads);
 #   6. GPT-2 (124M, 32-true and bf16-true, B 8 T 1024): cuBLASLt's bias / bias+GELU epilogues against
-#      FITLLM_CUDA_EPILOGUE=0, and the TinyLlama step with FITLLM_CUDA_PINNED=0 (pageable uploads) against the ring.
+#      FITLLM_CUDA_EPILOGUE=0, and the TinyLlama step with FITLLM_CUDA_PINNED=0 (pageable uploads) against the ring;
+#   7. CUDA graphs: the TinyLlama step and the `small` preset's (launch-bound: B 8, T 256) with FITLLM_CUDA_GRAPHS=1
+#      against 0 (bench-step's 2 warm-ups: step 1 op by op, step 2 captured, the timed steps replayed), and the
+#      line saying how many graphs a step became or why it stays op by op.
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
 # kernels; the issue's H200: 302 ms, 18.5%).
 set -u
@@ -86,3 +89,12 @@ for p in 32-true bf16-true; do
     done
 done
 FITLLM_CUDA_PINNED=0 bench full-nopin 60
+echo "== 7. CUDA graphs (FITLLM_CUDA_GRAPHS=1 against 0, EXPERIMENTAL)"
+FITLLM_CUDA_GRAPHS=1 bench full-graphs 60
+grep -E "FITLLM_CUDA_GRAPHS" "$OUT/full-graphs.log" | head -3
+for g in 0 1; do
+    FITLLM_CUDA_GRAPHS=$g timeout 60 "$F" bench-step small --accelerator cuda --precision bf16-true --micro-batch 8 \
+        --seq 256 --steps 10 --warmup 2 >"$OUT/small-graphs$g.log" 2>&1
+    echo "small bf16-true FITLLM_CUDA_GRAPHS=$g exit $?: $(grep -E '^median' "$OUT/small-graphs$g.log")"
+    grep -E "FITLLM_CUDA_GRAPHS" "$OUT/small-graphs$g.log" | head -2
+done

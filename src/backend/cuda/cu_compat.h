@@ -93,13 +93,19 @@ typedef void *fl_cu_stream;
 static inline int fl_cu_launch_error(void) { return fl_cu_emu_error() ? 1 : 0; }
 
 template <class F> static void fl_cu_emu_tramp(void *f) { (*(F *)f)(); }
+template <class F> static void fl_cu_emu_del(void *f) { delete (F *)f; }
 template <class F> static void fl_cu_emu_launch_fn(dim3 g, dim3 b, size_t smem, F f) {
+    if (fl_cu_emu_capturing()) { /* a graph node: the closure (the arguments by value) kept for the replays */
+        fl_cu_emu_capture_kernel(fl_cu_emu_dim{g.x, g.y, g.z}, fl_cu_emu_dim{b.x, b.y, b.z}, smem, fl_cu_emu_tramp<F>,
+                                 new F(f), fl_cu_emu_del<F>);
+        return;
+    }
     fl_cu_emu_launch(fl_cu_emu_dim{g.x, g.y, g.z}, fl_cu_emu_dim{b.x, b.y, b.z}, smem, fl_cu_emu_tramp<F>, &f);
 }
-/* The arguments are captured by reference: they live in the launcher's frame for the whole
- * (synchronous) launch, and each CUDA thread gets its own copy as the kernel's parameters. */
+/* The arguments are captured by value, as a launch passes them (a stream capture keeps them for its replays);
+ * each CUDA thread gets its own copy as the kernel's parameters. */
 #define FL_CU_LAUNCH(kernel, grid, block, smem, stream, ...)                                      \
-    fl_cu_emu_launch_fn((grid), (block), (smem), [&]() { kernel(__VA_ARGS__); })
+    fl_cu_emu_launch_fn((grid), (block), (smem), [=]() { kernel(__VA_ARGS__); })
 #define FL_CU_DYN_SMEM(T, name) T *name = (T *)fl_cu_emu_dyn_smem()
 
 /* Warp shuffles: the value travels as 64 bits through the warp's exchange slots. `mask` is not

@@ -51,12 +51,24 @@ extern "C" {
     /* the same with the gradient written as bf16 only (dlogits16 (N, V), not overlapping logits) */         \
     int P##cross_entropy_dbf16(float *loss, void *dlogits16, const float *logits, const int32_t *targets, int N, \
                                int V, float grad_scale, int ignore_index, void *stream);                       \
+    /* either of the two (dlogits or dlogits16, or neither) with grad_scale read from device memory when it runs  \
+     * (a CUDA graph's per-step scalar) */                                                                      \
+    int P##cross_entropy_dev(float *loss, float *dlogits, void *dlogits16, const float *logits,                 \
+                             const int32_t *targets, int N, int V, const float *grad_scale, int ignore_index,   \
+                             void *stream);                                                                     \
     int P##adamw_update(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,          \
                         float beta2, float eps, float weight_decay, int step, float grad_scale, void *stream);  \
     /* dtypes as the backend's adamw_update; unsupported ones return -1 (checked on the host) */             \
     int P##adamw_update_ex(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts,     \
                            size_t n, float lr, float beta1, float beta2, float eps, float weight_decay, int step, \
                            float grad_scale, void *stream);                                                    \
+    /* the same in two halves (a CUDA graph's update, its per-step constants in device memory): adamw_consts     \
+     * writes the constants adamw_update_ex would pass (out NULL: only their size), adamw_update_dev reads them    \
+     * from consts (device memory) when it runs */                                                              \
+    size_t P##adamw_consts(void *out, float lr, float beta1, float beta2, float eps, float weight_decay, int step, \
+                           float grad_scale);                                                                   \
+    int P##adamw_update_dev(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts,    \
+                            size_t n, const void *consts, void *stream);                                        \
     /* F32/BF16/F16, any pair; -1 for other dtypes */                                                          \
     int P##convert(void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n, void *stream);               \
     /* count <= FL_CU_CONVERT_MANY_MAX segments dst[k] (n[k], dt) = src[k] (n[k], st) in one launch */          \

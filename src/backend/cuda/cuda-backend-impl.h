@@ -70,7 +70,7 @@ typedef struct {
     void **marks;          /* FL_PROF_MAX_MARKS markers, made on first use (profiling only) */
     fl_cu_counters count;  /* host round trips (FLB_PREFIX(backend_counters)) */
     flb_stage stage;       /* the page-locked ring of small uploads (cuda-stage-impl.h) */
-    flb_graph graph;       /* FITLLM_CUDA_GRAPHS=1: the steps' capture blockers (cuda-graph-impl.h) */
+    flb_graph graph;       /* FITLLM_CUDA_GRAPHS=1: the step's CUDA graphs (cuda-graph-impl.h) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
@@ -336,6 +336,7 @@ static double flb_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t 
     const char *op = "sumsq";
     flb_impl *im = FLB_IMPL(be);
     double r = 0;
+    if (flb_graph_flush(&im->graph, be) != FL_OK) return NAN;
     if (FLB_RUN(be, FLB_K(sumsq_ex)(im->scalars, im->scalars + 1, x, t, n, STREAM), op)) return NAN;
     im->count.d2h++;
     if (flb_d2h(&r, im->scalars, sizeof r, im->stream)) {
@@ -459,6 +460,7 @@ static fl_status flb_check_finite(const fl_backend *be, const void *x, fl_dtype 
     if (!flb_float3(t))
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s check_finite: %s not supported", FLB_NAME, fl_dtype_name(t));
     flb_impl *im = FLB_IMPL(be);
+    FL_TRY(flb_graph_flush(&im->graph, be));
     int *dflag = (int *)(im->scalars + 1 + FL_CU_SUMSQ_PARTS), h = *found_inf ? 1 : 0;
     im->count.h2d++;
     im->count.d2h++;
@@ -549,6 +551,7 @@ static fl_status flb_mark(const fl_backend *be, int i) {
         return fl_errorf(FL_ERR_OOM, "%s mark: out of host memory", FLB_NAME);
     if (!im->marks[i] && flb_mark_new(&im->marks[i]))
         return fl_errorf(FL_ERR_IO, "%s mark: cannot create marker %d", FLB_NAME, i);
+    FL_TRY(flb_graph_flush(&im->graph, be)); /* with FITLLM_CUDA_GRAPHS=1: a marker between graphs, never inside */
     if (flb_mark_record(im->marks[i], STREAM)) return fl_errorf(FL_ERR_IO, "%s mark: recording marker %d failed", FLB_NAME, i);
     return FL_OK;
 }
@@ -573,6 +576,7 @@ static void flb_set_compute_dtype(const fl_backend *be, fl_dtype t) { FLB_IMPL(b
 static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
     flb_impl *im = FLB_IMPL(be);
+    FL_TRY(flb_graph_flush(&im->graph, be)); /* a direct call (set-up) inside a segment */
     im->count.h2d += bytes > 0;
     if (bytes && flb_stage_copy(&im->stage, &im->count, dst, src, bytes, STREAM))
         return fl_errorf(FL_ERR_IO, "%s to_device: copy of %zu bytes failed", FLB_NAME, bytes);
@@ -580,6 +584,7 @@ static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src,
 }
 static fl_status flb_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
+    FL_TRY(flb_graph_flush(&FLB_IMPL(be)->graph, be)); /* the graphs before it have run */
     FLB_IMPL(be)->count.d2h += bytes > 0;
     if (bytes && flb_d2h(dst, src, bytes, STREAM))
         return fl_errorf(FL_ERR_IO, "%s to_host: copy of %zu bytes failed", FLB_NAME, bytes);
@@ -592,6 +597,7 @@ static fl_status flb_copy(const fl_backend *be, void *dst, const void *src, size
     return FL_OK;
 }
 static fl_status flb_sync(const fl_backend *be) {
+    FL_TRY(flb_graph_flush(&FLB_IMPL(be)->graph, be));
     FLB_IMPL(be)->count.sync++;
     int rc = flb_stream_sync(STREAM);
     if (rc) flb_set_error(be, FL_ERR_IO, "sync", flb_last_error(rc));
@@ -646,6 +652,11 @@ static fl_status flb_host_pool_init(const fl_backend *be, fl_mem_pool *p, const 
 static fl_status flb_comm_create_be(const fl_backend *be, struct fl_comm *host, struct fl_comm **out) {
     *out = NULL;
     FL_TRY(flb_sticky(be));
+    flb_graph *g = &FLB_IMPL(be)->graph;
+    if (g->on) { /* the collectives are not captured */
+        FL_TRY(flb_graph_flush(g, be));
+        flb_graph_give_up(g, "several ranks (the collectives are not captured)");
+    }
     return flb_comm_create(be, FLB_IMPL(be)->stream, host, out);
 }
 
@@ -686,9 +697,12 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     /* FITLLM_CUDA_PINNED=0: the inputs' uploads straight from the caller's pageable memory (A/B) */
     const char *ep = getenv("FITLLM_CUDA_PINNED");
     im->stage.on = !ep || !*ep || !strcmp(ep, "1");
-    /* FITLLM_CUDA_GRAPHS=1 (experimental): the door checks whether the step could be captured (cuda-graph-impl.h) */
+    /* FITLLM_CUDA_GRAPHS=1 (experimental): the door captures the step as CUDA graphs and replays it (cuda-graph-impl.h) */
     const char *eg = getenv("FITLLM_CUDA_GRAPHS");
     im->graph.on = eg && !strcmp(eg, "1");
+    im->graph.state = im->graph.on ? FLB_G_FIRST : FLB_G_OFF;
+    im->graph.stream = im->stream;
+    im->graph.err = &im->err;
     s = im->attn < 0 ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (cuDNN's fused "
                                  "attention where it loads and takes the shape, else 'own'), 'cudnn' (cuDNN, "
                                  "experimental), 'own' (bf16 runs: the FlashAttention-2-structured kernels, "
@@ -706,7 +720,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                         "through a page-locked ring) or 0 (straight from the caller's memory)", FLB_NAME, ep)
         : eg && *eg && !im->graph.on && strcmp(eg, "0")
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_GRAPHS=%s: expected 0 (the default: the ops one by one) "
-                        "or 1 (experimental: capture the step as a CUDA Graph where it can be; today it says why not)",
+                        "or 1 (experimental: capture the training step as CUDA graphs and replay them)",
                         FLB_NAME, eg)
             : flb_attn_init(im);
     if (s != FL_OK) {
@@ -717,6 +731,9 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         return s;
     }
     im->compute = FL_F32;
+    if (im->graph.on && FLB_HOST_MEMORY) /* the host would read what a pending graph has not yet written */
+        flb_graph_give_up(&im->graph, "the backend's memory is the host's");
+    if (im->graph.on && im->graph.state != FLB_G_EAGER) flb_graph_slots_init(&im->graph); /* per-step scalars */
     flb_device_name(im->devname, sizeof im->devname);
     be->device_name = im->devname;
     be->mark = flb_mark;
@@ -807,6 +824,7 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     if (!be || !be->impl) return;
     flb_impl *im = FLB_IMPL(be);
     flb_stream_sync(im->stream);
+    flb_graph_free_all(&im->graph); /* after the sync: a graph may still copy from its page-locked slots */
     if (im->own_scratch) flb_dev_free(im->own_scratch);
     if (im->scalars) flb_dev_free(im->scalars);
     flb_stage_free(&im->stage);
@@ -820,8 +838,9 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     memset(be, 0, sizeof *be);
 }
 
-/* FITLLM_CUDA_GRAPHS=1: why the step is not captured (cuda-graph-impl.h); "" before two steps ran or without it. */
+/* FITLLM_CUDA_GRAPHS=1: what the door does with the step (cuda-graph-impl.h); "" before two steps ran or without it. */
 const char *FLB_PREFIX(backend_graph_verdict)(const fl_backend *be) { return FLB_IMPL(be)->graph.verdict; }
+void FLB_PREFIX(backend_graph_stats)(const fl_backend *be, fl_cu_graph_stats *out) { *out = FLB_IMPL(be)->graph.st; }
 
 /* The backend's own error state (tests; fl_backend has no slot for it): FL_OK, or the sticky error. */
 fl_status FLB_PREFIX(backend_error)(const fl_backend *be) { return flb_sticky(be); }

@@ -1,100 +1,489 @@
-/* fitllm CUDA backend: FITLLM_CUDA_GRAPHS (issue 30 item 5; EXPERIMENTAL, default 0). Included by
- * cuda-backend-impl.h (written once, compiled twice).
+/* fitllm CUDA backend: FITLLM_CUDA_GRAPHS=1, the training step as CUDA Graphs (issue 30 item 5; EXPERIMENTAL,
+ * default 0). Included by cuda-backend-impl.h (written once, compiled twice).
  *
- * A CUDA Graph replays a captured kernel sequence with the arguments it was captured with, and a capture region
- * must not read anything back to the host. So before a step can be captured and replayed, it must (1) issue the
- * same ops step after step, (2) pass no by-value argument that changes from step to step (AdamW's step and
- * learning rate, the cross-entropy's 1 / valid targets, LoRA dropout's seed) and (3) read nothing back (the
- * per-micro-batch losses, the gradient norm that clipping needs on the host, the overflow flag). The backend's
- * one door (fl_backend.run) sees every op of a step, so with FITLLM_CUDA_GRAPHS=1 it installs a run that
- * forwards each record to fl_backend_run_slots (the same bits) and checks those three conditions over two
- * consecutive steps (a step ends at its optimizer update), then says once on stderr why the step is not
- * captured, naming each blocker with its values (FLB_PREFIX(backend_graph_verdict) for tests). Capture and
- * replay themselves are not written: every step found so far has blockers (the device-resident per-step scalars
- * and the device-side loss / clipping they need are the next step; docs/ARCHITECTURE.md "MFU, the profile and
- * host round trips"). 0 (the default): the door is fl_backend_run_slots, nothing observed. */
+ * The backend's one door (fl_backend.run) sees every op of a step. A step ends at its optimizer update. With
+ * FITLLM_CUDA_GRAPHS=1 the door runs step 1 op by op, captures step 2 and replays it from step 3 on:
+ *
+ *   - The ops that cannot be in a graph run outside it, op by op, in stream order: what reads a value back to the
+ *     host or synchronizes (to_host, sync, sumsq, check_finite), what copies from host memory the caller may
+ *     reuse (to_device: the next micro-batch's ids), what takes arguments that change every step by value
+ *     (the optimizer updates' step and learning rate), and set-up (set_scratch, set_compute_dtype, convert_many's
+ *     host arrays). They cut the step into segments: each run of the other ops between two of them is one graph
+ *     (n_micro + 2 or so per step: a micro-batch's forward + head, its backward, the zeroing before).
+ *   - Capture (the second step): each segment's ops are issued inside cudaStreamBeginCapture / EndCapture
+ *     (the emulator: its capture records each launch with its arguments by value, cu_emu.h) and their records
+ *     kept (an attention's descriptor, a 4-bit weight's and an 8-bit state's header copied with them); the
+ *     graph is instantiated and launched.
+ *   - Replay (the later steps): an op that equals the kept record at its place (kind, arguments, the copied
+ *     headers) is absorbed; when a segment's last op is absorbed, its graph is launched. An op that differs
+ *     (a new shape, pointer or by-value argument: the cross-entropy's 1 / valid targets when the step's count
+ *     of targets changes, LoRA dropout's seed), an op more or less, or a read from the host in the middle of a
+ *     segment: the absorbed ops of the segment run op by op from their records (the same bits), the rest of the
+ *     step runs op by op, and the next step replays again; after two such steps in a row the step is captured
+ *     again (cudaGraphExecUpdate keeps an executable graph where only arguments changed), after 4 recaptures
+ *     the run stays op by op. Any capture that fails (an op inside it synchronized) or an error: op by op from
+ *     then on, with one line on stderr saying why.
+ *
+ * The bits are the op-by-op ones: a replay runs the same kernels with the same arguments in the same order
+ * (`cuda_emu_graphs_replay` checks losses, norms and weights over several steps, with accumulation and a changing
+ * learning rate). Not with several ranks (the collectives are not captured: the door stays op by op once a
+ * communicator is made), nor where the device memory is the host's (cuda-emu's default; the host would read
+ * results the graph has not yet written). FLB_PREFIX(backend_graph_verdict) says what happens;
+ * FLB_PREFIX(backend_graph_stats) counts. The including file defines flb_capture_begin / _end, flb_graph_launch /
+ * _free / _nodes and flb_capture_clear. */
 
 typedef struct {
-    long ops, to_host, sumsq, check_finite; /* this step's ops and host read-backs */
-    int upd_kind, step;                      /* the step's optimizer update (FL_OPK_*), its step number */
-    float lr, upd_scale, ce_scale;           /* its learning rate and gradient scale; the cross-entropy's */
-    uint64_t seed;                           /* a LoRA dropout seed (0: none) */
-} flb_graph_step;
+    fl_oprec rec;       /* the record, its pointer to a header NULL (the header in aux when has_hdr) */
+    int has_hdr;
+    int slot;           /* its per-step scalars' slot (flb_graph_slot_op), -1: none */
+    _Alignas(16) unsigned char aux[sizeof(fl_attn_desc) > sizeof(fl_q4_weight) ? sizeof(fl_attn_desc)
+                                                                               : sizeof(fl_q4_weight)];
+} flb_grec;
 
 typedef struct {
-    int on;         /* FITLLM_CUDA_GRAPHS=1 */
-    int said;       /* the verdict is made (and said once) */
-    int have_prev;  /* prev holds a complete step */
-    flb_graph_step prev, cur;
-    char verdict[640];
+    flb_grec *r;
+    int n, cap;
+    uint64_t slots; /* the per-step scalar slots its graph copies to the device */
+    void *exec; /* the executable graph */
+} flb_gseg;
+
+enum { FLB_G_OFF, FLB_G_FIRST, FLB_G_CAPTURE, FLB_G_REPLAY, FLB_G_EAGER };
+#define FLB_GSLOTS 32
+#define FLB_GSLOT_BYTES 64
+
+typedef struct {
+    int on;                 /* FITLLM_CUDA_GRAPHS=1 */
+    int state;              /* FLB_G_* */
+    void *stream;           /* the backend's */
+    fl_status *err;         /* the backend's sticky error (a failed capture's launches are not the run's) */
+    flb_gseg *seg;          /* the captured step's segments */
+    int nseg, capseg;
+    int cur, pos;           /* replay: the segment, the next record in it; capture: a segment is open (pos) */
+    int bad, bad_run;       /* replay: this step fell back to op by op; steps in a row that did */
+    fl_status saved_err;    /* the sticky error when the open capture began */
+    int said;               /* the line on stderr */
+    /* per-step scalars (AdamW's constants, the cross-entropy's gradient scale): FLB_GSLOTS slots of FLB_GSLOT_BYTES,
+     * written to pin (page-locked) by the host, copied to dslot (device) by the graph that reads them; ev[i] after
+     * that graph's launch: slot i is rewritten only once it passed */
+    char *pin, *dslot;
+    void *ev[FLB_GSLOTS];
+    uint64_t armed;
+    int nslot; /* capture: the slots given out this step */
+    char miss[160];         /* where the last replay stopped */
+    fl_cu_graph_stats st;
+    char verdict[320];
 } flb_graph;
 
-static void flb_graph_observe(flb_graph *g, const fl_oprec *op) {
-    flb_graph_step *c = &g->cur;
-    c->ops++;
+static void flb_set_error(const fl_backend *be, fl_status s, const char *op, const char *why);
+
+/* Ops whose by-value arguments change every step and that read them from a device slot inside a graph: AdamW's
+ * update (step, learning rate, bias corrections, gradient scale) and the cross-entropy (its gradient scale,
+ * 1 / the step's valid targets). */
+static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
+    if (!g->pin) return 0;
+    if (op->kind == FL_OPK_cross_entropy || op->kind == FL_OPK_cross_entropy_dbf16) return 1;
+    if (op->kind != FL_OPK_adamw_update) return 0;
+    const struct fl_op_adamw_update *u = &op->adamw_update;
+    const int f3 = (u->tp == FL_F32 || u->tp == FL_BF16 || u->tp == FL_F16) &&
+                   (u->tg == FL_F32 || u->tg == FL_BF16 || u->tg == FL_F16);
+    return f3 && (u->ts == FL_F32 || u->ts == FL_BF16) && u->step >= 1;
+}
+
+/* Kinds that run outside the graphs (see above). */
+static int flb_graph_outside(const flb_graph *g, const fl_oprec *op) {
+    if (flb_graph_slot_op(g, op)) return 0;
     switch (op->kind) {
-    case FL_OPK_to_host: c->to_host++; break;
-    case FL_OPK_sumsq: c->sumsq++; break;
-    case FL_OPK_check_finite: c->check_finite++; break;
-    case FL_OPK_cross_entropy: c->ce_scale = op->cross_entropy.grad_scale; break;
-    case FL_OPK_cross_entropy_dbf16: c->ce_scale = op->cross_entropy_dbf16.grad_scale; break;
-    case FL_OPK_lora_forward:
-        if (op->lora_forward.dropout > 0) c->seed = op->lora_forward.seed;
-        break;
-    case FL_OPK_adamw_update:
-        c->upd_kind = op->kind, c->step = op->adamw_update.step, c->lr = op->adamw_update.lr;
-        c->upd_scale = op->adamw_update.grad_scale;
-        break;
-    case FL_OPK_adam8bit_update:
-        c->upd_kind = op->kind, c->step = op->adam8bit_update.step, c->lr = op->adam8bit_update.lr;
-        c->upd_scale = op->adam8bit_update.grad_scale;
-        break;
-    case FL_OPK_sgd_update:
-        c->upd_kind = op->kind, c->step = op->sgd_update.first_step, c->lr = op->sgd_update.lr;
-        c->upd_scale = op->sgd_update.grad_scale;
-        break;
+    case FL_OPK_to_host: case FL_OPK_to_device: case FL_OPK_sync: case FL_OPK_sumsq: case FL_OPK_check_finite:
+    case FL_OPK_adamw_update: case FL_OPK_sgd_update: case FL_OPK_adam8bit_update: case FL_OPK_set_scratch:
+    case FL_OPK_set_compute_dtype: case FL_OPK_convert_many:
+        return 1;
+    default: return 0;
+    }
+}
+
+static size_t flb_graph_recbytes(fl_opk k) {
+#define FLB_GSZ_(slot) sizeof(struct fl_op_##slot),
+    static const size_t sz[] = {FL_OPK_LIST(FLB_GSZ_)};
+#undef FLB_GSZ_
+    return (unsigned)k < FL_OPK_COUNT ? sz[k] : 0;
+}
+
+/* A record's bytes compare only with its padding cleared: a compound literal (FL_RUN) leaves the padding between
+ * members as the stack held it, which differs from call to call (GCC 11+ and Clang with the builtin; elsewhere a
+ * replay may miss, op by op, the same bits). */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_clear_padding)
+#define FLB_CLEAR_PADDING(p) __builtin_clear_padding(p)
+#endif
+#endif
+#ifndef FLB_CLEAR_PADDING
+#define FLB_CLEAR_PADDING(p) ((void)(p))
+#endif
+
+/* The header a record points to (an attention's descriptor, a 4-bit weight), its size; NULL: none. */
+static const void **flb_graph_hdr(fl_oprec *r, size_t *hb) {
+    *hb = sizeof(fl_attn_desc);
+    switch (r->kind) {
+    case FL_OPK_attention_forward: return (const void **)&r->attention_forward.a;
+    case FL_OPK_attention_backward: return (const void **)&r->attention_backward.a;
+    case FL_OPK_attention_forward16: return (const void **)&r->attention_forward16.a;
+    case FL_OPK_attention_backward16: return (const void **)&r->attention_backward16.a;
+    case FL_OPK_q4_matmul_forward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_forward.w;
+    case FL_OPK_q4_matmul_backward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_backward.w;
+    default: return NULL;
+    }
+}
+
+/* A record's copy into d, its padding cleared: the header it points to copied into d->aux and the pointer left
+ * NULL (a kept record moves as its segment grows: flb_graph_run_kept points it at its aux). */
+static void flb_graph_keep(flb_grec *d, const fl_oprec *op) {
+    memset(d, 0, sizeof *d);
+    d->slot = -1;
+    d->rec.kind = op->kind;
+    memcpy(&d->rec.gemm, &op->gemm, flb_graph_recbytes(op->kind));
+    switch (op->kind) {
+#define FLB_GCLR_(slot)                                                                                              \
+    case FL_OPK_##slot: FLB_CLEAR_PADDING(&d->rec.slot); break;
+        FL_OPK_LIST(FLB_GCLR_)
+#undef FLB_GCLR_
     default: break;
     }
-}
-
-/* At a step's end (its update): with the previous step, the verdict. */
-static void flb_graph_step_end(flb_graph *g) {
-    if (g->have_prev && !g->said) {
-        const flb_graph_step *p = &g->prev, *c = &g->cur;
-        char *w = g->verdict;
-        size_t n = sizeof g->verdict, k = 0;
-#define FLB_GW(...) (k += (size_t)snprintf(w + k, k < n ? n - k : 0, __VA_ARGS__))
-        FLB_GW("capture skipped:");
-        if (p->ops != c->ops) FLB_GW(" the ops differ between steps (%ld, then %ld);", p->ops, c->ops);
-        if (c->to_host || c->sumsq || c->check_finite)
-            FLB_GW(" the step reads values back to the host (to_host %ld, sumsq %ld, check_finite %ld);", c->to_host,
-                   c->sumsq, c->check_finite);
-        if (p->step != c->step || p->lr != c->lr || p->upd_scale != c->upd_scale)
-            FLB_GW(" %s takes per-step arguments (step %d -> %d, lr %g -> %g, gradient scale %g -> %g);",
-                   fl_opk_name((fl_opk)c->upd_kind), p->step, c->step, (double)p->lr, (double)c->lr,
-                   (double)p->upd_scale, (double)c->upd_scale);
-        if (p->ce_scale != c->ce_scale)
-            FLB_GW(" the cross-entropy's gradient scale changes (%g -> %g);", (double)p->ce_scale, (double)c->ce_scale);
-        if (p->seed != c->seed) FLB_GW(" LoRA dropout's seed changes;");
-        if (k == strlen("capture skipped:"))
-            FLB_GW(" the step repeats with the same arguments and no read-back, but capture and replay are not "
-                   "written yet;");
-#undef FLB_GW
-        if (k && k <= n) w[k - 1] = 0; /* the last ';' */
-        g->said = 1;
-        fprintf(stderr, "fitllm: %s backend: FITLLM_CUDA_GRAPHS=1: %s (the ops run one by one, as before)\n",
-                FLB_NAME, g->verdict);
+    size_t hb;
+    const void **hp = flb_graph_hdr(&d->rec, &hb);
+    if (hp && *hp) {
+        memcpy(d->aux, *hp, hb);
+        if (hb == sizeof(fl_attn_desc)) FLB_CLEAR_PADDING((fl_attn_desc *)(void *)d->aux);
+        else FLB_CLEAR_PADDING((fl_q4_weight *)(void *)d->aux);
+        *hp = NULL;
+        d->has_hdr = 1;
     }
-    g->prev = g->cur;
-    g->have_prev = 1;
-    memset(&g->cur, 0, sizeof g->cur);
 }
 
-/* The door with FITLLM_CUDA_GRAPHS=1 (g: the backend's): the same slots, observed. */
+/* Whether op is the kept record k (its arguments, the headers' contents). */
+static int flb_graph_same(const flb_grec *k, const fl_oprec *op) {
+    if (op->kind != k->rec.kind) return 0;
+    flb_grec t;
+    flb_graph_keep(&t, op);
+    t.slot = k->slot;
+    if (k->slot >= 0 && op->kind == FL_OPK_adamw_update) { /* per-step scalars: from the device slot */
+        t.rec.adamw_update.lr = k->rec.adamw_update.lr;
+        t.rec.adamw_update.step = k->rec.adamw_update.step;
+        t.rec.adamw_update.grad_scale = k->rec.adamw_update.grad_scale;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy) {
+        t.rec.cross_entropy.grad_scale = k->rec.cross_entropy.grad_scale;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy_dbf16) {
+        t.rec.cross_entropy_dbf16.grad_scale = k->rec.cross_entropy_dbf16.grad_scale;
+    }
+    return !memcmp(&t, k, sizeof t);
+}
+
+static void flb_graph_free_segs(flb_graph *g) {
+    for (int i = 0; i < g->nseg; i++) {
+        free(g->seg[i].r);
+        if (g->seg[i].exec) flb_graph_free(g->seg[i].exec);
+    }
+    free(g->seg);
+    g->seg = NULL, g->nseg = g->capseg = 0;
+}
+
+/* Op by op from now on, saying why once. */
+static void flb_graph_give_up(flb_graph *g, const char *why) {
+    if (g->state == FLB_G_EAGER) return;
+    g->state = FLB_G_EAGER;
+    snprintf(g->verdict, sizeof g->verdict, "op by op: %s", why);
+    fprintf(stderr, "fitllm: %s backend: FITLLM_CUDA_GRAPHS=1: the step runs op by op: %s\n", FLB_NAME, why);
+    g->said = 1;
+}
+
+/* Run the kept records [0, n) of segment s op by op (a segment replay that stopped part way). */
+static fl_status flb_graph_run_kept(const fl_backend *be, const flb_gseg *s, int n) {
+    for (int i = 0; i < n; i++) {
+        fl_oprec r = s->r[i].rec;
+        size_t hb;
+        const void **hp = flb_graph_hdr(&r, &hb);
+        if (hp && s->r[i].has_hdr) *hp = s->r[i].aux;
+        FL_TRY(fl_backend_run_slots(be, &r));
+    }
+    return FL_OK;
+}
+
+/* This step's scalars of op into its page-locked slot (once the graph that copied the last ones passed). */
+static fl_status flb_graph_slot_write(flb_graph *g, const fl_oprec *op, int slot) {
+    if ((g->armed >> slot & 1) && flb_mark_wait(g->ev[slot]))
+        return fl_errorf(FL_ERR_IO, "%s backend: CUDA graphs: waiting for a per-step scalar's copy failed", FLB_NAME);
+    g->armed &= ~((uint64_t)1 << slot);
+    char *pin = g->pin + (size_t)slot * FLB_GSLOT_BYTES;
+    if (op->kind == FL_OPK_adamw_update) {
+        const struct fl_op_adamw_update *u = &op->adamw_update;
+        FLB_K(adamw_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, u->grad_scale);
+        g->st.graph_updates++;
+    } else {
+        const float gs = op->kind == FL_OPK_cross_entropy ? op->cross_entropy.grad_scale
+                                                           : op->cross_entropy_dbf16.grad_scale;
+        memcpy(pin, &gs, sizeof gs);
+    }
+    return FL_OK;
+}
+
+/* Capture: the scalars copied to the device slot, the kernel reading them (the bits of the op's own slot). */
+static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, const fl_oprec *op, int slot) {
+    FL_TRY(flb_graph_slot_write(g, op, slot));
+    void *d = g->dslot + (size_t)slot * FLB_GSLOT_BYTES;
+    int rc = flb_h2d(d, g->pin + (size_t)slot * FLB_GSLOT_BYTES, FLB_GSLOT_BYTES, g->stream);
+    if (!rc && op->kind == FL_OPK_adamw_update) {
+        const struct fl_op_adamw_update *u = &op->adamw_update;
+        rc = FLB_K(adamw_update_dev)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, g->stream);
+    } else if (!rc && op->kind == FL_OPK_cross_entropy) {
+        const struct fl_op_cross_entropy *c = &op->cross_entropy;
+        rc = FLB_K(cross_entropy_dev)(c->loss, c->dlogits, NULL, c->logits, c->targets, c->N, c->V,
+                                      (const float *)d, c->ignore_index, g->stream);
+    } else if (!rc) {
+        const struct fl_op_cross_entropy_dbf16 *c = &op->cross_entropy_dbf16;
+        rc = FLB_K(cross_entropy_dev)(c->loss, NULL, c->dlogits16, c->logits, c->targets, c->N, c->V,
+                                      (const float *)d, c->ignore_index, g->stream);
+    }
+    if (rc) {
+        flb_set_error(be, FL_ERR_IO, fl_opk_name(op->kind), "the graph's kernel failed to launch");
+        return fl_errorf(FL_ERR_IO, "%s backend: %s (CUDA graph): launch failed", FLB_NAME, fl_opk_name(op->kind));
+    }
+    return FL_OK;
+}
+
+/* After a launch of a segment's graph: its scalars' copies passed when their events do. */
+static int flb_graph_launched(flb_graph *g, const flb_gseg *s) {
+    for (int i = 0; i < FLB_GSLOTS; i++)
+        if (s->slots >> i & 1) {
+            if (flb_mark_record(g->ev[i], g->stream)) return 1;
+            g->armed |= (uint64_t)1 << i;
+        }
+    return 0;
+}
+
+/* Capture: close the open segment (end the capture, make its graph, launch it). A failed capture ran nothing:
+ * its ops run op by op from their records, and the run stays op by op. */
+static fl_status flb_graph_close(flb_graph *g, const fl_backend *be) {
+    if (g->state != FLB_G_CAPTURE || !g->pos) return FL_OK;
+    flb_gseg *s = &g->seg[g->nseg - 1];
+    g->pos = 0;
+    const char *why = NULL;
+    void *old = s->exec;
+    s->exec = NULL;
+    if (flb_capture_end(g->stream, &s->exec, old, &why) || !s->exec) {
+        *g->err = g->saved_err; /* the launches refused inside the broken capture are not the run's errors */
+        flb_capture_clear();
+        char line[200];
+        snprintf(line, sizeof line, "the capture of segment %d failed (%s)", g->nseg, why ? why : "?");
+        g->nseg--;
+        flb_graph_give_up(g, line);
+        fl_status st = flb_graph_run_kept(be, s, s->n);
+        free(s->r);
+        s->r = NULL, s->n = s->cap = 0;
+        return st;
+    }
+    g->st.graphs++;
+    g->st.nodes += (long)flb_graph_nodes(s->exec);
+    g->st.launches++;
+    if (flb_graph_launch(s->exec, g->stream) || flb_graph_launched(g, s)) {
+        flb_graph_give_up(g, "a graph launch failed");
+        return fl_errorf(FL_ERR_IO, "%s backend: launching a CUDA graph failed", FLB_NAME);
+    }
+    return FL_OK;
+}
+
+/* Replay: a segment begun but not finished (an op differs, or the host reads in the middle): its absorbed ops
+ * op by op, and the rest of the step too. */
+static fl_status flb_graph_miss(flb_graph *g, const fl_backend *be) {
+    fl_status st = FL_OK;
+    if (g->pos) st = flb_graph_run_kept(be, &g->seg[g->cur], g->pos);
+    g->pos = 0;
+    g->bad = 1;
+    return st;
+}
+
+/* Before an op outside the graphs, or a direct call that reads or synchronizes: nothing of a segment pending. */
+static fl_status flb_graph_flush(flb_graph *g, const fl_backend *be) {
+    if (g->state == FLB_G_CAPTURE) return flb_graph_close(g, be);
+    if (g->state == FLB_G_REPLAY && !g->bad && g->pos) return flb_graph_miss(g, be);
+    return FL_OK;
+}
+
+/* The step ended (its update ran). */
+static void flb_graph_step_end(flb_graph *g) {
+    if (g->state == FLB_G_FIRST) {
+        g->state = FLB_G_CAPTURE;
+    } else if (g->state == FLB_G_CAPTURE) {
+        g->st.captured_steps++;
+        if (!g->nseg) {
+            flb_graph_give_up(g, "no op of the step can be captured");
+        } else {
+            g->state = FLB_G_REPLAY;
+            long ops = 0;
+            for (int i = 0; i < g->nseg; i++) ops += g->seg[i].n;
+            snprintf(g->verdict, sizeof g->verdict, "replaying the step as %d CUDA graphs (%ld ops; %ld outside them)",
+                     g->nseg, ops, g->st.outside_ops);
+        }
+    } else if (g->state == FLB_G_REPLAY) {
+        if (!g->bad && g->cur == g->nseg) {
+            g->st.replayed_steps++;
+            g->bad_run = 0;
+            if (!g->said) {
+                fprintf(stderr, "fitllm: %s backend: FITLLM_CUDA_GRAPHS=1: %s\n", FLB_NAME, g->verdict);
+                g->said = 1;
+            }
+        } else {
+            g->st.missed_steps++;
+            if (++g->bad_run >= 2) { /* the step changed for good: capture it again */
+                if (++g->st.recaptures > 4) {
+                    char line[240];
+                    snprintf(line, sizeof line, "the step's ops keep changing (4 captures; the last replay stopped at %s)",
+                             g->miss[0] ? g->miss : "a host read inside a segment");
+                    flb_graph_give_up(g, line);
+                } else {
+                    for (int i = 0; i < g->nseg; i++) free(g->seg[i].r), g->seg[i].r = NULL, g->seg[i].n = g->seg[i].cap = 0;
+                    g->state = FLB_G_CAPTURE;
+                    g->bad_run = 0;
+                    g->nseg = 0; /* the executable graphs stay with their slots, updated by the next capture */
+                }
+            }
+        }
+    }
+    g->cur = g->pos = g->bad = g->nslot = 0;
+}
+
+static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
+    if (!g->pos) { /* a new segment */
+        if (g->nseg == g->capseg) {
+            int cap = g->capseg ? 2 * g->capseg : 8;
+            flb_gseg *s = (flb_gseg *)realloc(g->seg, (size_t)cap * sizeof *s);
+            if (!s) return fl_errorf(FL_ERR_OOM, "%s backend: CUDA graphs: out of host memory", FLB_NAME);
+            memset(s + g->capseg, 0, (size_t)(cap - g->capseg) * sizeof *s);
+            g->seg = s, g->capseg = cap;
+        }
+        g->saved_err = *g->err;
+        if (flb_capture_begin(g->stream)) {
+            flb_capture_clear();
+            flb_graph_give_up(g, "cudaStreamBeginCapture failed");
+            return fl_backend_run_slots(be, op);
+        }
+        g->nseg++;
+        g->seg[g->nseg - 1].n = 0;
+        g->seg[g->nseg - 1].slots = 0;
+    }
+    flb_gseg *s = &g->seg[g->nseg - 1];
+    if (s->n == s->cap) {
+        int cap = s->cap ? 2 * s->cap : 64;
+        flb_grec *r = (flb_grec *)realloc(s->r, (size_t)cap * sizeof *r);
+        if (!r) {
+            g->pos = 1;
+            (void)flb_graph_close(g, be);
+            flb_graph_give_up(g, "out of host memory for the records");
+            return fl_backend_run_slots(be, op);
+        }
+        s->r = r, s->cap = cap;
+    }
+    flb_grec *k = &s->r[s->n++];
+    flb_graph_keep(k, op);
+    g->pos = 1;
+    g->st.captured_ops++;
+    if (flb_graph_slot_op(g, op) && g->nslot < FLB_GSLOTS) { /* (past the slots: captured with its values) */
+        k->slot = g->nslot++;
+        s->slots |= (uint64_t)1 << k->slot;
+    }
+    fl_status st = k->slot >= 0 ? flb_graph_slot_run(g, be, op, k->slot) : fl_backend_run_slots(be, op);
+    if (st != FL_OK) { /* end the capture; the error is the caller's */
+        const char *why = NULL;
+        void *x = NULL;
+        if (!flb_capture_end(g->stream, &x, s->exec, &why) && x) flb_graph_free(x);
+        s->exec = NULL;
+        g->pos = 0;
+        g->nseg--;
+        flb_graph_give_up(g, "an op failed inside the capture");
+    }
+    return st;
+}
+
+/* Replay: absorb op if it is the next kept record; launch the segment's graph after its last one. */
+static fl_status flb_graph_replay_op(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
+    if (g->cur < g->nseg && flb_graph_same(&g->seg[g->cur].r[g->pos], op)) {
+        const flb_grec *k = &g->seg[g->cur].r[g->pos];
+        if (k->slot >= 0) FL_TRY(flb_graph_slot_write(g, op, k->slot));
+        if (++g->pos < g->seg[g->cur].n) return FL_OK;
+        g->pos = 0;
+        g->st.launches++;
+        const flb_gseg *s = &g->seg[g->cur++];
+        if (flb_graph_launch(s->exec, g->stream) || flb_graph_launched(g, s)) {
+            flb_graph_give_up(g, "a graph launch failed");
+            return fl_errorf(FL_ERR_IO, "%s backend: launching a CUDA graph failed", FLB_NAME);
+        }
+        return FL_OK;
+    }
+    if (g->cur < g->nseg) {
+        const flb_grec *k = &g->seg[g->cur].r[g->pos];
+        flb_grec t;
+        flb_graph_keep(&t, op);
+        size_t at = 0;
+        while (at < sizeof t && ((const unsigned char *)&t)[at] == ((const unsigned char *)k)[at]) at++;
+        snprintf(g->miss, sizeof g->miss, "segment %d op %d: %s, then %s (byte %zu)", g->cur + 1, g->pos + 1,
+                 fl_opk_name(k->rec.kind), fl_opk_name(op->kind), at);
+    } else {
+        snprintf(g->miss, sizeof g->miss, "%s after the step's %d segments", fl_opk_name(op->kind), g->nseg);
+    }
+    FL_TRY(flb_graph_miss(g, be));
+    return fl_backend_run_slots(be, op);
+}
+
+static int flb_graph_is_update(fl_opk k) {
+    return k == FL_OPK_adamw_update || k == FL_OPK_adam8bit_update || k == FL_OPK_sgd_update;
+}
+
+/* The door with FITLLM_CUDA_GRAPHS=1. */
 static fl_status flb_graph_run(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
-    fl_status s = fl_backend_run_slots(be, op);
-    flb_graph_observe(g, op);
-    if (op->kind == FL_OPK_adamw_update || op->kind == FL_OPK_adam8bit_update || op->kind == FL_OPK_sgd_update)
+    fl_status st;
+    if (g->state == FLB_G_FIRST || g->state == FLB_G_EAGER || g->state == FLB_G_OFF) {
+        st = fl_backend_run_slots(be, op);
+    } else if (flb_graph_outside(g, op)) {
+        FL_TRY(flb_graph_flush(g, be));
+        g->st.outside_ops += g->state == FLB_G_CAPTURE;
+        st = fl_backend_run_slots(be, op);
+    } else if (g->state == FLB_G_CAPTURE) {
+        st = flb_graph_capture_op(g, be, op);
+    } else {
+        st = g->bad ? fl_backend_run_slots(be, op) : flb_graph_replay_op(g, be, op);
+    }
+    if (flb_graph_is_update(op->kind)) { /* the step ends: its last segment closed (capture) or checked (replay) */
+        if (st == FL_OK && g->state == FLB_G_CAPTURE) st = flb_graph_close(g, be);
+        if (st == FL_OK && g->state == FLB_G_REPLAY && !g->bad && g->pos) st = flb_graph_miss(g, be);
         flb_graph_step_end(g);
-    return s;
+    }
+    return st;
+}
+
+static void flb_graph_slots_free(flb_graph *g) {
+    for (int i = 0; i < FLB_GSLOTS; i++)
+        if (g->ev[i]) flb_mark_free(g->ev[i]), g->ev[i] = NULL;
+    if (g->pin) flb_host_free(g->pin);
+    if (g->dslot) flb_dev_free(g->dslot);
+    g->pin = g->dslot = NULL;
+}
+
+/* The slots (init; without them the ops with per-step scalars run between the graphs). */
+static void flb_graph_slots_init(flb_graph *g) {
+    const size_t bytes = (size_t)FLB_GSLOTS * FLB_GSLOT_BYTES;
+    if (FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0) > FLB_GSLOT_BYTES) return;
+    int ok = (g->pin = (char *)flb_host_alloc(bytes)) && (g->dslot = (char *)flb_dev_alloc(bytes));
+    for (int i = 0; ok && i < FLB_GSLOTS; i++) ok = !flb_mark_new(&g->ev[i]);
+    if (ok) memset(g->pin, 0, bytes);
+    else flb_graph_slots_free(g);
+}
+
+static void flb_graph_free_all(flb_graph *g) {
+    if (g->state == FLB_G_CAPTURE && g->pos) {
+        const char *why = NULL;
+        void *x = NULL;
+        if (!flb_capture_end(g->stream, &x, NULL, &why) && x) flb_graph_free(x);
+        g->pos = 0;
+    }
+    g->nseg = g->capseg; /* every slot's executable graph */
+    flb_graph_free_segs(g);
+    flb_graph_slots_free(g);
 }

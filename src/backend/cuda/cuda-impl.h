@@ -50,10 +50,19 @@ void fl_cuemu_backend_counters(const fl_backend *be, fl_cu_counters *out);
  * syncs) over the emulator's host memory; 1 (default) = host memory. Set before fl_backend_init_by_name. */
 void fl_cuemu_set_host_memory(int on);
 void fl_cudart_backend_counters(const fl_backend *be, fl_cu_counters *out);
-/* FITLLM_CUDA_GRAPHS=1: why the training step is not captured as a CUDA Graph (cuda-graph-impl.h), once two steps
- * ran; "" otherwise. */
+/* FITLLM_CUDA_GRAPHS=1 (cuda-graph-impl.h): what the door does with the step ("replaying the step as N CUDA graphs
+ * ...", or "op by op: " and why), once two steps ran; "" otherwise. */
 const char *fl_cuemu_backend_graph_verdict(const fl_backend *be);
 const char *fl_cudart_backend_graph_verdict(const fl_backend *be);
+/* Its counts: steps captured / replayed whole / that fell back op by op part way, recaptures, graphs made, their
+ * nodes (the emulator's), graph launches, ops captured, ops run outside the graphs during the captures, AdamW
+ * updates run inside a graph (their per-step constants from the device slot). */
+typedef struct {
+    long captured_steps, replayed_steps, missed_steps, recaptures, graphs, nodes, launches, captured_ops, outside_ops;
+    long graph_updates;
+} fl_cu_graph_stats;
+void fl_cuemu_backend_graph_stats(const fl_backend *be, fl_cu_graph_stats *out);
+void fl_cudart_backend_graph_stats(const fl_backend *be, fl_cu_graph_stats *out);
 
 #ifdef __cplusplus
 }

@@ -23,8 +23,30 @@ void fl_cuemu_set_host_memory(int on) { g_host_memory = on; }
 #define FLB_LT_WS_BYTES 0u
 #define FLB_PANEL_BYTES (64u << 10)
 #define FLB_WORK_BYTES (1u << 20)
-#define flb_gemm_fn fl_cu_gemm_standin
+#define flb_gemm_fn flb_emu_gemm
 #define flb_gemm_bench_fn fl_cu_gemm_standin_bench
+
+/* Stream work under a capture (cu_emu.h) becomes a graph node: a copy or fill, a stand-in GEMM. */
+typedef struct {
+    void *d;
+    const void *s;
+    size_t n;
+    int fill, v;
+} flb_emu_copy;
+static void flb_emu_copy_run(void *a) {
+    const flb_emu_copy *c = (const flb_emu_copy *)a;
+    if (c->fill) memset(c->d, c->v, c->n);
+    else memmove(c->d, c->s, c->n);
+}
+static void flb_emu_gemm_run(void *a) {
+    if (fl_cu_gemm_standin(NULL, (const fl_cu_gemm_desc *)a) != FL_OK) fl_cu_emu_capture_invalidate("gemm");
+}
+static fl_status flb_emu_gemm(void *ctx, const fl_cu_gemm_desc *d) {
+    if (!fl_cu_emu_capturing()) return fl_cu_gemm_standin(ctx, d);
+    FL_TRY(fl_cu_gemm_check(d)); /* what cuBLASLt refuses at the call, refused at the capture */
+    fl_cu_emu_capture_call(flb_emu_gemm_run, d, sizeof *d);
+    return FL_OK;
+}
 
 static void *flb_dev_alloc(size_t bytes) { return aligned_alloc(256, (bytes + 255) / 256 * 256); }
 static void flb_dev_free(void *p) { free(p); }
@@ -32,20 +54,55 @@ static void *flb_host_alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63
 static void flb_host_free(void *p) { free(p); }
 static int flb_h2d(void *d, const void *h, size_t n, void *s) {
     (void)s;
+    if (fl_cu_emu_capturing()) {
+        const flb_emu_copy c = {d, h, n, 0, 0};
+        fl_cu_emu_capture_call(flb_emu_copy_run, &c, sizeof c);
+        return 0;
+    }
     memmove(d, h, n);
     return 0;
 }
-static int flb_d2h(void *h, const void *d, size_t n, void *s) { return flb_h2d(h, d, n, s); }
+static int flb_d2h(void *h, const void *d, size_t n, void *s) {
+    if (fl_cu_emu_capturing()) fl_cu_emu_capture_invalidate("a copy to the host inside the capture");
+    return flb_h2d(h, d, n, s);
+}
 static int flb_d2d(void *d, const void *src, size_t n, void *s) { return flb_h2d(d, src, n, s); }
 static int flb_memset(void *d, int v, size_t n, void *s) {
     (void)s;
+    if (fl_cu_emu_capturing()) {
+        const flb_emu_copy c = {d, NULL, n, 1, v};
+        fl_cu_emu_capture_call(flb_emu_copy_run, &c, sizeof c);
+        return 0;
+    }
     memset(d, v, n);
     return 0;
 }
 static int flb_stream_sync(void *s) {
     (void)s;
+    if (fl_cu_emu_capturing()) fl_cu_emu_capture_invalidate("a stream synchronization inside the capture");
     return 0;
 }
+/* CUDA Graphs (cuda-graph-impl.h): the emulator's capture of this OS thread */
+static int flb_capture_begin(void *s) {
+    (void)s;
+    return fl_cu_emu_capture_begin();
+}
+/* end the capture and make its executable graph (old: the segment's previous one, replaced) */
+static int flb_capture_end(void *s, void **exec, void *old, const char **why) {
+    (void)s;
+    fl_cu_emu_graph *g = fl_cu_emu_capture_end(why);
+    if (old) fl_cu_emu_graph_free((fl_cu_emu_graph *)old);
+    *exec = g;
+    return g ? 0 : 1;
+}
+static int flb_graph_launch(void *exec, void *s) {
+    (void)s;
+    fl_cu_emu_graph_launch((const fl_cu_emu_graph *)exec);
+    return fl_cu_emu_error() ? 1 : 0;
+}
+static void flb_graph_free(void *exec) { fl_cu_emu_graph_free((fl_cu_emu_graph *)exec); }
+static size_t flb_graph_nodes(void *exec) { return fl_cu_emu_graph_nodes((const fl_cu_emu_graph *)exec); }
+static void flb_capture_clear(void) {}
 static const char *flb_last_error(int rc) {
     (void)rc;
     const char *e = fl_cu_emu_error();

@@ -381,3 +381,101 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
 }
 
 unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches;
+
+/* ---- stream capture (CUDA Graphs) ----
+ * While this OS thread captures, launches and stream copies are recorded as nodes (a kernel's closure with its
+ * arguments by value; a copy's arguments) instead of run; a host read-back or a stream synchronization
+ * invalidates the capture, as it does on the GPU. fl_cu_emu_graph_launch runs the nodes in order. */
+typedef struct {
+    fl_cu_emu_dim grid, block; /* kernel nodes; grid.x == 0: a call node */
+    size_t smem;
+    void (*fn)(void *);
+    void *ctx;
+    void (*del)(void *);
+} emu_node;
+struct fl_cu_emu_graph {
+    emu_node *n;
+    size_t count, cap;
+};
+static __thread fl_cu_emu_graph *g_cap;
+static __thread const char *g_cap_bad;
+
+static void graph_free_nodes(fl_cu_emu_graph *gr) {
+    for (size_t i = 0; i < gr->count; i++)
+        if (gr->n[i].del) gr->n[i].del(gr->n[i].ctx);
+    free(gr->n);
+}
+
+int fl_cu_emu_capture_begin(void) {
+    if (g_cap) return -1;
+    g_cap = calloc(1, sizeof *g_cap);
+    g_cap_bad = NULL;
+    return g_cap ? 0 : -1;
+}
+int fl_cu_emu_capturing(void) { return g_cap != NULL; }
+
+static void capture_push(emu_node nd) {
+    if (g_cap_bad) {
+        if (nd.del) nd.del(nd.ctx);
+        return;
+    }
+    if (g_cap->count == g_cap->cap) {
+        size_t cap = g_cap->cap ? 2 * g_cap->cap : 64;
+        emu_node *n = realloc(g_cap->n, cap * sizeof *n);
+        if (!n) {
+            g_cap_bad = "out of host memory for the graph's nodes";
+            if (nd.del) nd.del(nd.ctx);
+            return;
+        }
+        g_cap->n = n, g_cap->cap = cap;
+    }
+    g_cap->n[g_cap->count++] = nd;
+}
+
+void fl_cu_emu_capture_kernel(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, void (*fn)(void *), void *ctx,
+                              void (*del)(void *)) {
+    capture_push((emu_node){grid, block, dyn_smem, fn, ctx, del});
+}
+
+void fl_cu_emu_capture_call(void (*fn)(void *), const void *args, size_t bytes) {
+    void *c = malloc(bytes ? bytes : 1);
+    if (!c) {
+        g_cap_bad = "out of host memory for the graph's nodes";
+        return;
+    }
+    memcpy(c, args, bytes);
+    capture_push((emu_node){{0, 0, 0}, {0, 0, 0}, 0, fn, c, free});
+}
+
+void fl_cu_emu_capture_invalidate(const char *why) {
+    if (g_cap && !g_cap_bad) g_cap_bad = why;
+}
+
+fl_cu_emu_graph *fl_cu_emu_capture_end(const char **why) {
+    fl_cu_emu_graph *gr = g_cap;
+    g_cap = NULL;
+    if (why) *why = g_cap_bad;
+    if (gr && g_cap_bad) {
+        graph_free_nodes(gr);
+        free(gr);
+        gr = NULL;
+    }
+    g_cap_bad = NULL;
+    return gr;
+}
+
+void fl_cu_emu_graph_launch(const fl_cu_emu_graph *gr) {
+    for (size_t i = 0; i < gr->count; i++) {
+        const emu_node *nd = &gr->n[i];
+        if (nd->grid.x) fl_cu_emu_launch(nd->grid, nd->block, nd->smem, nd->fn, nd->ctx);
+        else nd->fn(nd->ctx);
+    }
+}
+
+size_t fl_cu_emu_graph_nodes(const fl_cu_emu_graph *gr) { return gr ? gr->count : 0; }
+
+void fl_cu_emu_graph_free(fl_cu_emu_graph *gr) {
+    if (!gr) return;
+    graph_free_nodes(gr);
+    free(gr);
+}

@@ -60,6 +60,24 @@ void fl_cu_emu_clear_error(void);
 /* Fiber context switches on this OS thread so far (a test asserts a barrier switches). */
 uint64_t fl_cu_emu_switches(void);
 
+/* Stream capture (CUDA Graphs, issue 30 item 5), per OS thread. Between capture_begin and capture_end, launches
+ * (FL_CU_LAUNCH: capture_kernel, the closure with its arguments by value, owned by the graph and freed with del)
+ * and stream copies (capture_call: fn with a copy of `bytes` of args) are recorded as nodes, not run; a host
+ * read-back or stream synchronization calls capture_invalidate (the GPU refuses them inside a capture too), and
+ * capture_end then returns NULL with the reason. graph_launch runs the nodes in their order, with the captured
+ * arguments (the replay of a cudaGraphLaunch). */
+typedef struct fl_cu_emu_graph fl_cu_emu_graph;
+int fl_cu_emu_capture_begin(void); /* 0, or -1 when this thread already captures */
+int fl_cu_emu_capturing(void);
+void fl_cu_emu_capture_kernel(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, void (*fn)(void *), void *ctx,
+                              void (*del)(void *));
+void fl_cu_emu_capture_call(void (*fn)(void *), const void *args, size_t bytes);
+void fl_cu_emu_capture_invalidate(const char *why);
+fl_cu_emu_graph *fl_cu_emu_capture_end(const char **why);
+void fl_cu_emu_graph_launch(const fl_cu_emu_graph *g);
+size_t fl_cu_emu_graph_nodes(const fl_cu_emu_graph *g);
+void fl_cu_emu_graph_free(fl_cu_emu_graph *g);
+
 /* Convert-kernel launches since the process started (convert: 1-D, convert2d: the GEMM's
  * widen/narrow panels), counted by the kernels' host entry points under the emulator only: the
  * bf16-step test (tests/test_cuda_model.c) measures how many a bf16 training step still pays. */

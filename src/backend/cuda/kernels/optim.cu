@@ -54,8 +54,8 @@ FL_CU_DEV void adamw_one(void *p, int tp, void *m, void *v, int ts, size_t i, fl
 /* Elementwise; a thread loads four elements (one grid stride apart) before computing any, so that
  * enough loads are in flight to stream at memory speed (one element per iteration left an H100's
  * bf16-true AdamW at a third of its bandwidth). The same operations per element either way. */
-__global__ static void fl_cu_adamw_k_(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
-                               fl_cu_adamw_k k) {
+FL_CU_DEV void adamw_body(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
+                          const fl_cu_adamw_k &k) {
     const size_t S = (size_t)gridDim.x * blockDim.x;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     for (; i + 3 * S < n; i += 4 * S) {
@@ -72,6 +72,16 @@ __global__ static void fl_cu_adamw_k_(void *p, int tp, const void *g, int tg, vo
     for (; i < n; i += S)
         adamw_one(p, tp, m, v, ts, i, fl_cu_load(g, tg, i), fl_cu_load(p, tp, i), fl_cu_load(m, ts, i),
                   fl_cu_load(v, ts, i), k);
+}
+__global__ static void fl_cu_adamw_k_(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
+                               fl_cu_adamw_k k) {
+    adamw_body(p, tp, g, tg, m, v, ts, n, k);
+}
+/* the constants read from device memory (a CUDA graph's update: written there before each replay) */
+__global__ static void fl_cu_adamw_kd_(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
+                                       const fl_cu_adamw_k *kd) {
+    const fl_cu_adamw_k k = *kd;
+    adamw_body(p, tp, g, tg, m, v, ts, n, k);
 }
 
 /* four loads in flight per thread, as AdamW */
@@ -104,6 +114,22 @@ extern "C" int FL_CUK(adamw_update_ex)(void *p, fl_dtype tp, const void *g, fl_d
     fl_cu_adamw_k k = adamw_consts(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
     FL_CU_LAUNCH(fl_cu_adamw_k_, dim3(ew_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg, m, v,
                  (int)ts, n, k);
+    return fl_cu_launch_error();
+}
+
+extern "C" size_t FL_CUK(adamw_consts)(void *out, float lr, float beta1, float beta2, float eps, float weight_decay,
+                                       int step, float grad_scale) {
+    fl_cu_adamw_k k = adamw_consts(lr, beta1, beta2, eps, weight_decay, step < 1 ? 1 : step, grad_scale);
+    if (out) memcpy(out, &k, sizeof k);
+    return sizeof k;
+}
+
+extern "C" int FL_CUK(adamw_update_dev)(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v,
+                                        fl_dtype ts, size_t n, const void *consts, void *stream) {
+    if (!float_type(tp) || !float_type(tg) || (ts != FL_F32 && ts != FL_BF16)) return -1;
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_adamw_kd_, dim3(ew_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg, m, v,
+                 (int)ts, n, (const fl_cu_adamw_k *)consts);
     return fl_cu_launch_error();
 }
 

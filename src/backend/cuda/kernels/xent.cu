@@ -19,8 +19,10 @@ FL_CU_DEV void fl_cu_lse_merge(float *m, float *s, float m2, float s2) {
 }
 
 __global__ static void fl_cu_xent_k(float *loss, float *dlogits, uint16_t *dlogits16, const float *logits,
-                                    const int32_t *targets, int V, float grad_scale, int ignore_index) {
+                                    const int32_t *targets, int V, float grad_scale_arg, const float *grad_scale_dev,
+                                    int ignore_index) {
     __shared__ float wm[32], ws[32], xt;
+    const float grad_scale = grad_scale_dev ? *grad_scale_dev : grad_scale_arg;
     size_t row = blockIdx.x;
     const float *x = logits + row * V;
     float *dx = dlogits ? dlogits + row * V : NULL;
@@ -70,21 +72,29 @@ __global__ static void fl_cu_xent_k(float *loss, float *dlogits, uint16_t *dlogi
 }
 
 static int xent_launch(float *loss, float *dlogits, uint16_t *dlogits16, const float *logits, const int32_t *targets,
-                       int N, int V, float grad_scale, int ignore_index, void *stream) {
+                       int N, int V, float grad_scale, const float *grad_scale_dev, int ignore_index, void *stream) {
     if (N <= 0 || V <= 0) return 0;
     unsigned t = ((unsigned)V + 31u) & ~31u;
     if (t > 256u) t = 256u;
     FL_CU_LAUNCH(fl_cu_xent_k, dim3((unsigned)N), dim3(t), 0, (fl_cu_stream)stream, loss, dlogits, dlogits16, logits,
-                 targets, V, grad_scale, ignore_index);
+                 targets, V, grad_scale, grad_scale_dev, ignore_index);
     return fl_cu_launch_error();
 }
 
 extern "C" int FL_CUK(cross_entropy)(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N,
                                      int V, float grad_scale, int ignore_index, void *stream) {
-    return xent_launch(loss, dlogits, NULL, logits, targets, N, V, grad_scale, ignore_index, stream);
+    return xent_launch(loss, dlogits, NULL, logits, targets, N, V, grad_scale, NULL, ignore_index, stream);
 }
 
 extern "C" int FL_CUK(cross_entropy_dbf16)(float *loss, void *dlogits16, const float *logits, const int32_t *targets,
                                            int N, int V, float grad_scale, int ignore_index, void *stream) {
-    return xent_launch(loss, NULL, (uint16_t *)dlogits16, logits, targets, N, V, grad_scale, ignore_index, stream);
+    return xent_launch(loss, NULL, (uint16_t *)dlogits16, logits, targets, N, V, grad_scale, NULL, ignore_index,
+                       stream);
+}
+
+extern "C" int FL_CUK(cross_entropy_dev)(float *loss, float *dlogits, void *dlogits16, const float *logits,
+                                         const int32_t *targets, int N, int V, const float *grad_scale,
+                                         int ignore_index, void *stream) {
+    return xent_launch(loss, dlogits, (uint16_t *)dlogits16, logits, targets, N, V, 0.0f, grad_scale, ignore_index,
+                       stream);
 }

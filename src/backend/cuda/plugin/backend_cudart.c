@@ -62,6 +62,50 @@ static int flb_stream_sync(void *s) {
     return (int)e;
 }
 static const char *flb_last_error(int rc) { return cudaGetErrorString((cudaError_t)rc); }
+/* CUDA Graphs (cuda-graph-impl.h; EXPERIMENTAL: compiled, not yet run on a GPU). Relaxed mode: the first use of a
+ * shape inside a capture may still allocate (cudaMalloc is refused in the global mode). */
+static int flb_capture_begin(void *s) { return (int)cudaStreamBeginCapture((cudaStream_t)s, cudaStreamCaptureModeRelaxed); }
+/* End the capture; old (the segment's previous executable graph, when it is captured again because a pointer or
+ * an argument changed) is updated in place with cudaGraphExecUpdate where the topology allows, else replaced. */
+static int flb_capture_end(void *s, void **exec, void *old, const char **why) {
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture((cudaStream_t)s, &g);
+    *exec = NULL;
+    if (e != cudaSuccess || !g) {
+        *why = cudaGetErrorString(e != cudaSuccess ? e : cudaErrorStreamCaptureInvalidated);
+        (void)cudaGetLastError();
+        if (g) cudaGraphDestroy(g);
+        if (old) cudaGraphExecDestroy((cudaGraphExec_t)old);
+        return 1;
+    }
+    if (old) {
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate((cudaGraphExec_t)old, g, &info) == cudaSuccess) {
+            cudaGraphDestroy(g);
+            *exec = old;
+            return 0;
+        }
+        (void)cudaGetLastError();
+        cudaGraphExecDestroy((cudaGraphExec_t)old);
+    }
+    cudaGraphExec_t x = NULL;
+    e = cudaGraphInstantiate(&x, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) {
+        *why = cudaGetErrorString(e);
+        (void)cudaGetLastError();
+        return 1;
+    }
+    *exec = (void *)x;
+    return 0;
+}
+static int flb_graph_launch(void *exec, void *s) { return (int)cudaGraphLaunch((cudaGraphExec_t)exec, (cudaStream_t)s); }
+static void flb_graph_free(void *exec) { cudaGraphExecDestroy((cudaGraphExec_t)exec); }
+static size_t flb_graph_nodes(void *exec) {
+    (void)exec;
+    return 0; /* not asked of the runtime (the door counts the ops it captured) */
+}
+static void flb_capture_clear(void) { (void)cudaGetLastError(); }
 
 /* One process per GPU: a rank started by a launcher with several ranks on this node uses device
  * = its local rank; with one visible device per rank (srun --gpus-per-task=1, a per-rank
