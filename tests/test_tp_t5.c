@@ -238,10 +238,10 @@ FL_TEST(tp_t5_refusals) {
     FL_REQUIRE_OK(fl_config_validate(&c)); /* 3 heads, d_ff 52 */
     fl_status s = fl_tp_config(&c, 2, 0, &p);
     FL_CHECKF(s == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "--tensor_parallel 2") &&
-                  strstr(fl_error_message(), "3 attention heads"),
+                  strstr(fl_error_message(), "3 attention heads (num_heads)"),
               "3 heads over 2: %s", fl_error_message());
     s = fl_tp_config(&c, 3, 0, &p); /* heads split, d_ff 52 does not */
-    FL_CHECKF(s == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "52 MLP width"), "d_ff 52 over 3: %s",
+    FL_CHECKF(s == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "52 feed-forward width (d_ff)"), "d_ff 52 over 3: %s",
               fl_error_message());
     FL_REQUIRE_OK(t5tp_config("tests/fixtures/t5-tiny-gated", &c));
     FL_REQUIRE_OK(fl_tp_config(&c, 4, 3, &p));

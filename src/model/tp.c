@@ -17,9 +17,11 @@ fl_status fl_tp_config(const fl_model_config *whole, int size, int rank, fl_mode
     if (!ai || ((ai->block_graph || ai->model_graph) && !ai->tp_split))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: %s is not split yet (LLaMA, GPT-2, OPT and T5 are)",
                          size, ai ? ai->display : "this architecture");
-    struct { int v; const char *what; } need[] = {{whole->n_heads, "attention heads (num_attention_heads)"},
-                                                  {whole->n_kv_heads, "key/value heads (num_key_value_heads)"},
-                                                  {whole->ffn_dim, "MLP width (intermediate_size)"}};
+    const int s2s = whole->n_dec_layers > 0; /* T5's config.json keys */
+    struct { int v; const char *what; } need[] = {
+        {whole->n_heads, s2s ? "attention heads (num_heads)" : "attention heads (num_attention_heads)"},
+        {whole->n_kv_heads, "key/value heads (num_key_value_heads)"},
+        {whole->ffn_dim, s2s ? "feed-forward width (d_ff)" : "MLP width (intermediate_size)"}};
     if (whole->vocab_size < size)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: the model's %d-token vocabulary (vocab_size) has "
                          "fewer rows than ranks to split it over", size, whole->vocab_size);
