@@ -172,6 +172,9 @@ typedef struct {
     /* HF tensor names that are copies of the token embedding (skipped on load after a shape check, as a tied
      * lm_head.weight), and names transformers ignores on load; NULL-terminated, or NULL */
     const char *const *hf_embed_aliases, *const *hf_ignored;
+    /* its own graphs (block_graph, block_graph2, model_graph) are split by tensor parallelism (src/model/graph_tp.c's
+     * roles, fl_tp_entry_split: T5); 0 refuses --tensor_parallel for an architecture with graphs of its own */
+    int tp_split;
 } fl_arch_info;
 /* The descriptor of a (valid) architecture; NULL for a value outside fl_arch. */
 const fl_arch_info *fl_arch_get(fl_arch a);

@@ -62,10 +62,10 @@ static int ffn_entries(fl_layout_builder *b, const fl_model_config *c, const cha
 /* The relative position bias table is stored (NH, buckets): one head's row is what the bucket lookup reads
  * (seq2seq.c); on disk it is nn.Embedding(buckets, NH), so transposed. */
 static int layout(fl_layout_builder *b, const fl_model_config *c) {
-    const int Le = c->n_layers, Ld = c->n_dec_layers;
+    const int Le = c->n_layers, Ld = c->n_dec_layers, V = fl_config_vocab_rows(c, NULL); /* TP: the vocabulary slice */
     int err = 0;
     fl_layout_group(b, 0);
-    err |= fl_layout_add(b, FL_ROLE_EMBED, c->vocab_size, c->dim, 0, "shared.weight");
+    err |= fl_layout_add(b, FL_ROLE_EMBED, V, c->dim, 0, "shared.weight");
     for (int l = 0; l < Le; l++) {
         fl_layout_group(b, 1 + l);
         if (l == 0)
@@ -86,7 +86,7 @@ static int layout(fl_layout_builder *b, const fl_model_config *c) {
     fl_layout_group(b, 1 + Le + Ld);
     err |= fl_layout_add(b, FL_ROLE_NORM_E_W, c->dim, 0, 0, "encoder.final_layer_norm.weight");
     err |= fl_layout_add(b, FL_ROLE_NORM_F_W, c->dim, 0, 0, "decoder.final_layer_norm.weight");
-    if (!c->tie_embeddings) err |= fl_layout_add(b, FL_ROLE_HEAD, c->vocab_size, c->dim, 0, "lm_head.weight");
+    if (!c->tie_embeddings) err |= fl_layout_add(b, FL_ROLE_HEAD, V, c->dim, 0, "lm_head.weight");
     return err;
 }
 
@@ -255,4 +255,5 @@ const fl_arch_info fl_arch_t5 = {
     .model_graph = model_graph,
     .hf_embed_aliases = aliases,
     .hf_ignored = ignored,
+    .tp_split = 1,
 };

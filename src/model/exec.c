@@ -120,6 +120,47 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
     }
 }
 
+/* ---- dropout on a tensor-parallel rank's heads and columns (T5 under --tensor_parallel) --------------------------
+ * The masks are one process's: fitllm/lora.h's keep(seed, i) of an element's index i in the whole model's tensor,
+ * and keep(seed, i0 + j) = keep(seed + i0 K, j) (K its odd increment), so a rank's part starting at the whole's index
+ * i0 draws the same mask from the shifted seed. */
+#define TP_DROP_K 0x9E3779B97F4A7C15ULL
+static int tp_drops(const fl_model *m) { return m->cfg.tp_size > 1; }
+
+/* the attention's weights: batch element b's heads h0 .. h0 + NH - 1 of the whole's NH x tp_size, one call each
+ * (dropout's index ((b NHw + h0 + h) Tq + t) Tk + j) */
+static fl_status attn_tp_drop(const fl_model *m, const fl_attn_desc *a, int bwd, float *out, float *lse, const float *q,
+                              const float *k, const float *v, const float *bias, const uint8_t *kmask, float *dq,
+                              float *dk, float *dv, float *dbias, const float *dout) {
+    const size_t NHw = (size_t)a->NH * (size_t)m->cfg.tp_size, h0 = (size_t)a->NH * (size_t)m->cfg.tp_rank;
+    fl_attn_desc ab = *a;
+    ab.B = 1;
+    for (int b = 0; b < a->B; b++) {
+        const size_t qo = (size_t)b * a->Tq, ko = (size_t)b * a->Tk, lo = qo * (size_t)a->NH;
+        ab.drop_seed = a->drop_seed + (uint64_t)(((size_t)b * NHw + h0) * (size_t)a->Tq * (size_t)a->Tk) * TP_DROP_K;
+        const uint8_t *km = kmask ? kmask + ko : NULL;
+        if (!bwd)
+            FL_TRY(FL_RUN(m->be, attention_forward, &ab, out + qo * a->ldo, lse + lo, q + qo * a->ldq, k + ko * a->ldk,
+                          v + ko * a->ldv, bias, km));
+        else
+            FL_TRY(FL_RUN(m->be, attention_backward, &ab, dq + qo * a->ldq, dk + ko * a->ldk, dv + ko * a->ldv, dbias,
+                          dout + qo * a->ldo, q + qo * a->ldq, k + ko * a->ldk, v + ko * a->ldv, bias, km,
+                          out + qo * a->ldo, lse + lo));
+    }
+    return FL_OK;
+}
+
+/* DROPOUT of a slot of the rank's columns (fl_gop.tp_cols; n rows of w): row r's columns start at the whole's index
+ * r w N + rank w */
+static fl_status drop_tp_cols(const fl_model *m, float *y, const float *x, int n, size_t w, float p, uint64_t seed,
+                              int acc) {
+    const size_t W = w * (size_t)m->cfg.tp_size, c0 = w * (size_t)m->cfg.tp_rank;
+    for (int r = 0; r < n; r++)
+        FL_TRY(FL_RUN(m->be, dropout, y + (size_t)r * w, x + (size_t)r * w, w, p,
+                      seed + (uint64_t)((size_t)r * W + c0) * TP_DROP_K, acc));
+    return FL_OK;
+}
+
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
  * (*done16 = 1: no round16 after it) */
 static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
@@ -151,6 +192,8 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
     attn_views(m, g, o, x, s, &a, &q, &k, &v);
     const float *bias = o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL;
     const uint8_t *kmask = o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL;
+    if (a.drop_p > 0 && tp_drops(m)) /* the whole model's masks at the rank's heads */
+        return attn_tp_drop(m, &a, 0, out, lse, q, k, v, bias, kmask, NULL, NULL, NULL, NULL, NULL);
     if (o16 && be->attention_forward16) {
         *done16 = 1;
         return FL_RUN(be, attention_forward16, &a, out, o16, lse, q, k, v, bias, kmask);
@@ -189,6 +232,10 @@ static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const
     }
     dv = dk + d.KVD;
     const float *bias = o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL;
+    if (a.drop_p > 0 && tp_drops(m)) /* the whole model's masks at the rank's heads */
+        return attn_tp_drop(m, &a, 1, s[o->out], (float *)lse, q, k, v, bias,
+                            o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, din, dk, dv, bias ? x->dattn_bias : NULL,
+                            dout);
     return FL_RUN(be, attention_backward, &a, din, dk, dv, bias ? x->dattn_bias : NULL, dout, q, k, v, bias,
                   o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, s[o->out], lse);
 }
@@ -362,7 +409,9 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
             break;
         case FL_GOP_DROPOUT:
-            if (x->drop_p > 0 || in != out)
+            if (o->tp_cols && x->drop_p > 0)
+                FL_TRY(drop_tp_cols(m, out, in, N, wo, x->drop_p, fl_dropout_seed(x->drop_seed, o->p), 0));
+            else if (x->drop_p > 0 || in != out)
                 FL_TRY(FL_RUN(be, dropout, out, in, (size_t)N * wo, x->drop_p, fl_dropout_seed(x->drop_seed, o->p), 0));
             break;
         }
@@ -501,7 +550,10 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
             break;
         case FL_GOP_DROPOUT: /* d(in) (+)= the forward's mask on d(out); in place: masked where it is */
-            if (x->drop_p > 0 || din != dout)
+            if (o->tp_cols && x->drop_p > 0)
+                FL_TRY(drop_tp_cols(m, din, dout, N, wi, x->drop_p, fl_dropout_seed(x->drop_seed, o->p),
+                                    o->acc && din != dout));
+            else if (x->drop_p > 0 || din != dout)
                 FL_TRY(FL_RUN(be, dropout, din, dout, (size_t)N * wi, x->drop_p, fl_dropout_seed(x->drop_seed, o->p),
                               o->acc && din != dout));
             break;
@@ -852,10 +904,12 @@ fl_status fl_lm_sum_losses(fl_model *m, const int32_t *targets, int N) {
 fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *targets, int N, float grad_scale,
                        float *logits_out, double *loss_sum, long *n_valid) {
     const fl_backend *be = m->be;
-    const int C = m->cfg.dim, V = m->cfg.vocab_size, train = grad_scale > 0 && targets;
+    /* tensor parallel: the rank's vocabulary rows Vr of the head, the cross-entropy over the group's slices */
+    const int C = m->cfg.dim, V = m->cfg.vocab_size, Vr = fl_config_vocab_rows(&m->cfg, NULL);
+    const int train = grad_scale > 0 && targets;
     fl_outer_params op;
     fl_get_outer(m, &op);
-    fl_linear head = {.in = C, .out = V, .w = op.head, .dw = op.dhead};
+    fl_linear head = {.in = C, .out = Vr, .w = op.head, .dw = op.dhead};
     fl_linear_set_weight(m, &head, op.head_idx);
     const int32_t *tg = targets;
     if (targets && h->dtargets) {
@@ -866,14 +920,14 @@ fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *target
         const int rows = N - r0 < h->chunk ? N - r0 : h->chunk;
         const float *xr = h->x + (size_t)r0 * C;
         fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk */
-        FL_TRY(fl_linear_forward(be, h->logits, xr, &head, rows)); // (rows, V)
-        if (logits_out)
-            FL_TRY(FL_RUN(be, to_host, logits_out + (size_t)r0 * V, h->logits, (size_t)rows * V * sizeof(float)));
+        FL_TRY(fl_linear_forward(be, h->logits, xr, &head, rows)); // (rows, Vr)
+        if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r0 * V, h->logits, rows));
         if (!targets) continue;
-        FL_RUN(be, cross_entropy, h->losses + r0, train ? h->logits : NULL, h->logits, tg + r0, rows, V, grad_scale,
-               FL_IGNORE_INDEX);
+        FL_TRY(fl_head_cross_entropy(m, h->losses + r0, train ? h->logits : NULL, h->logits, tg + r0, targets + r0,
+                                     rows, grad_scale));
         if (train) FL_TRY(fl_linear_backward(be, h->dx + (size_t)r0 * C, 0, h->logits, xr, &head, rows));
     }
+    if (train) FL_TRY(fl_tp_head_dx_sum(m, h->dx, N)); /* a vocabulary slice's part of d(the head's input) */
     if (!targets) return FL_OK;
     float *l = malloc((size_t)N * sizeof *l);
     if (!l) return fl_errorf(FL_ERR_OOM, "losses: out of host memory");

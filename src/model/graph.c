@@ -285,6 +285,7 @@ fl_status fl_stack_graph_build(const fl_model_config *c, int stack, fl_block_gra
     if (!ai || stack != 1 || !ai->block_graph2)
         return fl_errorf(FL_ERR_UNSUPPORTED, "no block graph for stack %d of architecture %d", stack, (int)c->arch);
     ai->block_graph2(c, g);
+    if (c->tp_size > 1) FL_TRY(fl_block_graph_tp(g)); /* T5's decoder block: its slice too (graph_tp.c) */
     return fl_block_graph_finish(g);
 }
 

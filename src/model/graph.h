@@ -28,7 +28,7 @@
 #include "fitllm/model.h"
 
 #define FL_GRAPH_MAX_SLOTS 24 /* T5's decoder block: 20 */
-#define FL_GRAPH_MAX_OPS 24
+#define FL_GRAPH_MAX_OPS 32 /* T5's decoder block with dropout under tensor parallelism: 26 */
 _Static_assert(FL_GRAPH_MAX_SLOTS == sizeof(((fl_layer_acts *)0)->s) / sizeof(float *),
                "fl_layer_acts (model-impl.h) holds one view per slot");
 
@@ -103,6 +103,8 @@ typedef struct {
     uint8_t attn, attn_flags; /* ATTN: fl_attn_kind, FL_GATTN_* */
     int8_t in2;          /* ATTN CROSS: the fused k|v slot (else unused) */
     uint8_t acc2;        /* derived: the backward adds to d(in2) */
+    uint8_t tp_cols;     /* DROPOUT of a tensor-parallel rank's slot of 1/tp_size of the whole's columns (graph_tp.c):
+                          * its mask is the whole model's at the rank's columns */
 } fl_gop;
 
 /* An op that changes its input in place (in == out): RoPE, ALLREDUCE, an in-place DROPOUT. */

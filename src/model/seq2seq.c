@@ -21,6 +21,7 @@
 
 #include "model-impl.h"
 #include "store.h"
+#include "fitllm/comm.h"
 #include "fitllm/generate.h"
 
 typedef struct {
@@ -167,8 +168,8 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
         float *g = TAKEF(&cv, B * (size_t)Tx * (size_t)(k < 2 && width[k] < (int)C ? (int)C : width[k]));
         if (base) a->gb[k] = g;
     }
-    a->chunk = fl_logits_chunk_rows(m->cfg.vocab_size, (int)(B * Tl));
-    float *lg = TAKEF(&cv, (size_t)a->chunk * m->cfg.vocab_size), *ls = TAKEF(&cv, B * Tl);
+    a->chunk = fl_logits_chunk_rows(m->cfg.vocab_size, (int)(B * Tl)); /* one process's chunks; the rank's columns */
+    float *lg = TAKEF(&cv, (size_t)a->chunk * fl_config_vocab_rows(&m->cfg, NULL)), *ls = TAKEF(&cv, B * Tl);
     int32_t *tg = fl_backend_host_memory(m->be) ? NULL : take(&cv, B * Tl * sizeof(int32_t));
     const size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
                                                 m->be->scratch_bytes);
@@ -429,7 +430,7 @@ static fl_status drop_rows(const fl_model *m, float *x, size_t n, int site) {
 }
 
 static fl_block_ctx stack_ctx(const fl_model *m, const struct fl_s2s_acts *a, int s, int l, float *const *dxs) {
-    fl_block_ctx x = {.B = a->Bp, .T = a->T[s], .drop_p = a->drop_p};
+    fl_block_ctx x = {.B = a->Bp, .T = a->T[s], .drop_p = a->drop_p, .comm = m->tp_comm}; /* TP: the blocks' sums */
     x.drop_seed = drop_site(m, 16 + a->st[s].l0 + l);
     x.kmask = a->kmask_on ? a->kmask : NULL; /* the first stack's keys: its self-attention's and the cross-attention's */
     x.attn_bias = a->st[s].bias;
@@ -486,7 +487,7 @@ static fl_status head_run(fl_model *m, const int32_t *targets, int N, float grad
     /* 16-bit storage: the head's gradient staged alone, added into its 16-bit gradient after */
     fl_outer_params op;
     fl_get_outer(m, &op);
-    const size_t head_n = (size_t)m->cfg.vocab_size * m->cfg.dim;
+    const size_t head_n = (size_t)fl_config_vocab_rows(&m->cfg, NULL) * m->cfg.dim; /* TP: the rank's rows */
     const int stage_head = grad_scale > 0 && targets && op.dhead && m->store->g16;
     if (stage_head) fl_store_stage_begin(m->store, head_n);
     FL_TRY(fl_head_loss(m, &h, targets, N, grad_scale, logits_out, &m->loss_sum, &m->n_valid));
@@ -508,7 +509,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
         switch ((fl_mop_kind)mg->op[i].kind) {
         case FL_MOP_EMBED:
             FL_TRY(FL_RUN(be, to_device, st->ids, ids, (size_t)N * sizeof *ids));
-            fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0);
+            FL_TRY(fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0)); /* TP: summed over the group */
             if (s == 0) FL_TRY(inject_rows(m, st->res[0], NULL));
             FL_TRY(drop_rows(m, st->res[0], (size_t)N * m->cfg.dim, 2 * s)); /* after any injected rows (as HF) */
             break;
@@ -667,7 +668,15 @@ static fl_status s2s_backward(fl_model *m) {
     if (s == FL_OK && m->cfg.head_scale) /* d(norm out) = scale x d(head input) */
         FL_RUN(m->be, scale, a->gb[1], (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
     /* the last stack from the head's d(its norm's output); each earlier one from d(its output) the later left */
-    for (int k = last; s == FL_OK && k >= 0; k--) s = stack_backward(m, &mg, k, k == last ? a->gb[1] : a->dstream);
+    for (int k = last; s == FL_OK && k >= 0; k--) {
+        s = stack_backward(m, &mg, k, k == last ? a->gb[1] : a->dstream);
+        /* tensor parallel: d(the earlier stack's output) is each rank's part from its heads' cross k|v: summed over the
+         * group once for every block (Megatron's f of the column-parallel k|v linears, graph_tp.c) */
+        if (s == FL_OK && k > 0 && a->st[k].xslot >= 0 && m->tp_comm && fl_comm_size(m->tp_comm) > 1)
+            s = fl_error_prefix(fl_comm_all_reduce(m->tp_comm, a->dstream, a->dstream,
+                                                   (size_t)a->Bp * a->T[k - 1] * m->cfg.dim, FL_F32, FL_COMM_SUM),
+                                "tensor parallel: d(the encoder output)");
+    }
     m->fwd_train = 0;
     return s;
 }
@@ -707,7 +716,7 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, int b, const
     fl_outer_params op;
     fl_get_outer(m, &op);
     FL_TRY(FL_RUN(be, to_device, st->ids + r, tok, sizeof *tok));
-    fl_embed_forward(m, &op, st->res[0] + r * C, st->ids + r, tok, 1, 1, 0);
+    FL_TRY(fl_embed_forward(m, &op, st->res[0] + r * C, st->ids + r, tok, 1, 1, 0));
     for (int l = 0; l < st->L; l++) {
         float *sv[FL_GRAPH_MAX_SLOTS];
         for (int k = 0; k < st->g.n_slots; k++) /* row r of the per-row slots; the sequence's source rows of the rest */
@@ -715,7 +724,8 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, int b, const
         FL_TRY(block_gather(m, st->l0 + l + 1));
         fl_block_params bp;
         fl_get_block(m, &st->g, st->l0 + l, &bp);
-        fl_block_ctx x = {.B = 1, .T = 1, .attn_bias = st->bias, .Tk = Ts, .kv_rows = n, .xs_ready = n > 1};
+        fl_block_ctx x = {.B = 1, .T = 1, .attn_bias = st->bias, .Tk = Ts, .kv_rows = n, .xs_ready = n > 1,
+                          .comm = m->tp_comm};
         x.kmask = a->kmask_on ? a->kmask + xr : NULL;
         FL_TRY(fl_block_forward(m, &st->g, &bp, sv, &x));
         fl_store_release(m->store, st->l0 + l + 1);
@@ -727,11 +737,11 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, int b, const
     float *no = st->nout + r * C;
     fl_norm_forward(m, no, NULL, st->nrstd + r, st->res[st->L] + r * C, param_of(m, G, role, 0), NULL, 1);
     if (m->cfg.head_scale) FL_RUN(be, scale, no, (size_t)C, 1.0f / sqrtf((float)C));
-    fl_linear head = {.in = C, .out = m->cfg.vocab_size, .w = op.head};
+    fl_linear head = {.in = C, .out = fl_config_vocab_rows(&m->cfg, NULL), .w = op.head}; /* TP: the rank's rows */
     fl_linear_set_weight(m, &head, op.head_idx);
     fl_model_bind_adapters(m, -1, 0, &head, 0);
     FL_TRY(fl_linear_forward(be, a->logits, no, &head, 1));
-    return FL_RUN(be, to_host, lg, a->logits, (size_t)m->cfg.vocab_size * sizeof(float));
+    return fl_head_logits_out(m, lg, a->logits, 1); /* TP: the group's columns gathered */
 }
 
 static fl_status check_sources(const fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,

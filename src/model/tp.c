@@ -14,12 +14,14 @@ fl_status fl_tp_config(const fl_model_config *whole, int size, int rank, fl_mode
     out->tp_size = out->tp_rank = 0;
     if (size == 1) return FL_OK;
     const fl_arch_info *ai = fl_arch_get(whole->arch);
-    if (!ai || ai->block_graph || ai->model_graph)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: %s is not split yet (LLaMA, GPT-2 and OPT are)", size,
-                         ai ? ai->display : "this architecture");
-    struct { int v; const char *what; } need[] = {{whole->n_heads, "attention heads (num_attention_heads)"},
-                                                  {whole->n_kv_heads, "key/value heads (num_key_value_heads)"},
-                                                  {whole->ffn_dim, "MLP width (intermediate_size)"}};
+    if (!ai || ((ai->block_graph || ai->model_graph) && !ai->tp_split))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: %s is not split yet (LLaMA, GPT-2, OPT and T5 are)",
+                         size, ai ? ai->display : "this architecture");
+    const int s2s = whole->n_dec_layers > 0; /* T5's config.json keys */
+    struct { int v; const char *what; } need[] = {
+        {whole->n_heads, s2s ? "attention heads (num_heads)" : "attention heads (num_attention_heads)"},
+        {whole->n_kv_heads, "key/value heads (num_key_value_heads)"},
+        {whole->ffn_dim, s2s ? "feed-forward width (d_ff)" : "MLP width (intermediate_size)"}};
     if (whole->vocab_size < size)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: the model's %d-token vocabulary (vocab_size) has "
                          "fewer rows than ranks to split it over", size, whole->vocab_size);
@@ -51,7 +53,10 @@ fl_tp_split fl_tp_entry_split(const fl_param_layout *lay, int i) {
     while (j > 0 && lay->params[j].role == FL_ROLE_NONE && lay->params[j - 1].group == lay->params[i].group) j--;
     switch (lay->params[j].role) {
     case FL_ROLE_QKV_W: case FL_ROLE_QKV_B: case FL_ROLE_FC_W: case FL_ROLE_FC_B: return FL_TP_COLUMN;
-    case FL_ROLE_O_W: case FL_ROLE_PROJ_W: return FL_TP_ROW;
+    /* T5: the cross-attention's q and k|v column-parallel, its o row-parallel; the relative position bias table
+     * (NH, buckets) by rows = heads: each rank its heads' biases */
+    case FL_ROLE_XQ_W: case FL_ROLE_XKV_W: case FL_ROLE_REL_BIAS: return FL_TP_COLUMN;
+    case FL_ROLE_O_W: case FL_ROLE_PROJ_W: case FL_ROLE_XO_W: return FL_TP_ROW;
     case FL_ROLE_EMBED: case FL_ROLE_HEAD: return FL_TP_VOCAB;
     default: return FL_TP_REPLICATED;
     }

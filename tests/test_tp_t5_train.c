@@ -1,0 +1,324 @@
+/* finetune_full --tensor_parallel N on T5 (src/train/trainer_tp.c over the T5 slice, tests/test_tp_t5.c), the ranks as
+ * threads of this process. A T5 folder as tests/mpi_t5_test.sh makes it (the tiny gated config at vocab 500 with the
+ * t5-tok Unigram tokenizer, tests/fixtures/t5-pairs), with 4 heads instead of 3 and T5's own dropout 0.1 (real T5
+ * checkpoints' dropout_rate: the masks are one process's, test_tp_t5.c), random init, AdamW with clipping at 0.5,
+ * micro-batch 1 x 4 per step. Against one process training the same global batch (the bounds of the decoder TP
+ * trainer tests, tests/test_tp_train.c):
+ *   - the step loss at every step within 1e-6 relative (ddp_ref.h's bar: the slices sum the same terms grouped by
+ *     rank), every rank the same losses;
+ *   - step 1's gradient re-assembled tensor by tensor: the consolidated checkpoint's exp_avg after one AdamW step is
+ *     (1 - beta1) g_1, within 1e-5 of the tensor's scale (tests/tp_ref.h's bar);
+ *   - TP 2's consolidated step-3 checkpoint (one process's HF folder and training state) resumed at TP 4 and in one
+ *     process: the later losses within 1e-6 of the uninterrupted run's;
+ *   - every rank's plan = its measured peaks per tag (TP 2; DP 2 x TP 2 under ZeRO-2);
+ *   - on the opaque backend (memory the host cannot read: the blocks' sums through the NCCL stand-in) the same. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "ddp_ref.h"
+#include "fitllm/comm.h"
+#include "fitllm/io.h"
+#include "plan_ref.h"
+#include "test.h"
+
+#define T5T_MAX 4
+typedef struct {
+    fl_run_config cfg[T5T_MAX];
+    dr_rec rec[T5T_MAX];
+    fl_status st[T5T_MAX];
+    char msg[T5T_MAX][600];
+    fl_trainer_result res[T5T_MAX];
+} t5t_job;
+
+static fl_status t5t_rank(fl_comm *c, int rank, void *ud) {
+    t5t_job *j = ud;
+    fl_status s = fl_trainer_run_comm(&j->cfg[rank], c, NULL, 0, dr_record, &j->rec[rank], &j->res[rank]);
+    j->st[rank] = s;
+    snprintf(j->msg[rank], sizeof j->msg[rank], "%s", s != FL_OK ? fl_error_message() : "");
+    return s;
+}
+
+static int copy_file(const char *from, const char *to) {
+    FILE *a = fopen(from, "rb"), *b = a ? fopen(to, "wb") : NULL;
+    char buf[65536];
+    size_t n;
+    int ok = a && b;
+    while (ok && (n = fread(buf, 1, sizeof buf, a)) > 0) ok = fwrite(buf, 1, n, b) == n;
+    if (a) fclose(a);
+    if (b) fclose(b);
+    return ok;
+}
+
+/* the T5 folder (relu: v1.0 with the tied, scaled head; else v1.1 gated with lm_head) under the test's tmp dir */
+static const char *t5t_folder(int relu) {
+    static char dir[2][600];
+    char *d = dir[relu];
+    snprintf(d, sizeof dir[0], "%s/t5tp-%s", fl_test_tmpdir(), relu ? "relu" : "gated");
+    mkdir(d, 0755);
+    const char *files[3] = {"spiece.model", "tokenizer.json", "tokenizer_config.json"};
+    char a[700], b[700];
+    for (int k = 0; k < 3; k++) {
+        snprintf(a, sizeof a, "tests/fixtures/t5-tok/%s", files[k]);
+        snprintf(b, sizeof b, "%s/%s", d, files[k]);
+        FL_REQUIRE_R(copy_file(a, b), NULL);
+    }
+    snprintf(b, sizeof b, "%s/config.json", d);
+    FILE *f = fopen(b, "w");
+    FL_REQUIRE_R(f != NULL, NULL);
+    fprintf(f, "{\"architectures\": [\"T5ForConditionalGeneration\"], \"model_type\": \"t5\", \"d_model\": 36, "
+               "\"d_kv\": 10, \"d_ff\": 52, \"num_layers\": 2, \"num_decoder_layers\": 3, \"num_heads\": 4, "
+               "\"relative_attention_num_buckets\": 8, \"relative_attention_max_distance\": 20, "
+               "\"feed_forward_proj\": \"%s\", \"layer_norm_epsilon\": 1e-06, \"vocab_size\": 500, \"dropout_rate\": 0.1, "
+               "\"decoder_start_token_id\": 0, \"pad_token_id\": 0, \"eos_token_id\": 1, \"is_encoder_decoder\": true, "
+               "\"tie_word_embeddings\": %s}\n",
+            relu ? "relu" : "gated-gelu", relu ? "true" : "false");
+    fclose(f);
+    return d;
+}
+
+/* dp groups x tp ranks on folder `dir`, output under out */
+static void t5t_config(fl_run_config *c, const char *dir, int dp, int tp, const char *out) {
+    fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
+    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", dir);
+    snprintf(c->out_dir, sizeof c->out_dir, "%s", out);
+    c->init_random = 1;
+    c->data.kind = FL_DATA_JSON;
+    snprintf(c->data.json_path, sizeof c->data.json_path, "tests/fixtures/t5-pairs/pairs.json");
+    c->train.max_steps = 6;
+    c->train.epochs = 100;
+    c->train.global_batch_size = 4;
+    c->train.micro_batch_size = 1;
+    c->train.log_interval = 1;
+    c->train.lr_warmup_steps = 2;
+    c->train.max_norm = 0.5f; /* clipping: the group's norm */
+    c->train.save_interval = 1; /* step 1's state: the gradient of step 1 */
+    c->train.keep_checkpoints = 0;
+    c->eval.interval = 100;
+    c->eval.final_validation = 0;
+    c->optimizer.lr = 3e-3f;
+    c->threads = 1;
+    c->seed = 5;
+    c->devices = dp * tp;
+    c->tensor_parallel = tp;
+    snprintf(c->strategy, sizeof c->strategy, "ddp");
+}
+
+static fl_status t5t_run(t5t_job *j, int W) {
+    return W == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], &j->res[0])
+                  : fl_comm_threads_run(W, t5t_rank, j);
+}
+
+/* the step-1 checkpoints' exp_avg of two runs, tensor by tensor (the layout of dir's whole model) */
+static void t5t_grads(const char *dir, const char *a_out, const char *b_out, const char *what) {
+    char pa[800], pb[800];
+    snprintf(pa, sizeof pa, "%s/step-000001/training_state.safetensors", a_out);
+    snprintf(pb, sizeof pb, "%s/step-000001/training_state.safetensors", b_out);
+    fl_st_file a, b;
+    FL_REQUIRE_OK(fl_st_open(&a, pa));
+    FL_REQUIRE_OK(fl_st_open(&b, pb));
+    fl_model_config mc;
+    fl_param_layout lay;
+    snprintf(pa, sizeof pa, "%s/config.json", dir);
+    FL_REQUIRE_OK(fl_hf_load_config(pa, &mc));
+    FL_REQUIRE_OK(fl_config_validate(&mc));
+    FL_REQUIRE_OK(fl_layout_build(&lay, &mc));
+    const fl_st_tensor *ta = fl_st_find(&a, "optimizer.exp_avg"), *tb = fl_st_find(&b, "optimizer.exp_avg");
+    const int ok = ta && tb && ta->dtype == FL_F32 && ta->end - ta->begin == lay.numel * 4 &&
+                   tb->end - tb->begin == ta->end - ta->begin;
+    FL_CHECKF(ok, "%s: the step-1 checkpoints' exp_avg", what);
+    double worst = 0;
+    const char *at = "";
+    for (int i = 0; ok && i < lay.n; i++) {
+        const float *x = ta->data, *y = tb->data;
+        double d = 0, mx = 0;
+        for (size_t k = lay.params[i].offset; k < lay.params[i].offset + lay.params[i].numel; k++) {
+            d = fmax(d, fabs((double)x[k] - y[k]));
+            mx = fmax(mx, fabs((double)y[k]));
+        }
+        const double rel = d / (mx > 0 ? mx : 1);
+        FL_CHECKF(rel <= 1e-5, "%s: step 1's gradient of %s re-assembled differs by %.3g of its scale", what,
+                  lay.params[i].name, rel);
+        if (rel > worst) worst = rel, at = lay.params[i].name;
+    }
+    if (getenv("FL_TEST_VERBOSE")) printf("    %s: step-1 gradients within %.3g of scale (%s)\n", what, worst, at);
+    fl_layout_free(&lay);
+    fl_st_close(&a);
+    fl_st_close(&b);
+}
+
+/* DP dp x TP tp against one process on the folder (relu: v1.0), `steps` steps */
+static void t5t_scenario(int relu, int dp, int tp, const char *backend, int steps) {
+    const char *dir = t5t_folder(relu);
+    FL_REQUIRE(dir != NULL);
+    char out[700], ref_out[700];
+    snprintf(out, sizeof out, "%s/t5tp-%s-dp%d-tp%d-%s", fl_test_tmpdir(), relu ? "relu" : "gated", dp, tp, backend);
+    snprintf(ref_out, sizeof ref_out, "%s/t5tp-%s-one-%s", fl_test_tmpdir(), relu ? "relu" : "gated", backend);
+    t5t_job *j = calloc(1, sizeof *j), *one = calloc(1, sizeof *one);
+    FL_REQUIRE(j && one);
+    const int W = dp * tp;
+    for (int r = 0; r < W; r++) t5t_config(&j->cfg[r], dir, dp, tp, out), j->cfg[r].train.max_steps = steps;
+    t5t_config(&one->cfg[0], dir, 1, 1, ref_out);
+    one->cfg[0].train.max_steps = steps;
+    setenv("FITLLM_BACKEND", backend, 1);
+    fl_status s = t5t_run(j, W);
+    FL_CHECKF(s == FL_OK, "T5 at DP %d x TP %d on %s: %s", dp, tp, backend, j->msg[0][0] ? j->msg[0] : fl_error_message());
+    fl_status s1 = s == FL_OK ? t5t_run(one, 1) : s;
+    unsetenv("FITLLM_BACKEND");
+    FL_CHECKF(s1 == FL_OK, "T5 in one process on %s: %s", backend, fl_error_message());
+    if (s == FL_OK && s1 == FL_OK) {
+        for (int r = 1; r < W; r++)
+            FL_CHECKF(!memcmp(j->rec[r].loss, j->rec[0].loss, sizeof j->rec[0].loss), "T5 TP %d: rank %d's losses differ "
+                      "from rank 0's", tp, r);
+        const double lr = dr_loss_rel(&j->rec[0], &one->rec[0], steps);
+        FL_CHECKF(j->rec[0].steps == steps && lr <= 1e-6, "T5 %s at DP %d x TP %d on %s vs one process: %ld steps, step "
+                  "losses differ by %.3g relative", relu ? "v1.0" : "v1.1", dp, tp, backend, j->rec[0].steps, lr);
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    T5 %s DP %d x TP %d on %s: %d step losses within %.3g relative of one process\n",
+                   relu ? "v1.0" : "v1.1", dp, tp, backend, steps, lr);
+        char what[96];
+        snprintf(what, sizeof what, "T5 %s DP %d x TP %d on %s", relu ? "v1.0" : "v1.1", dp, tp, backend);
+        t5t_grads(dir, out, ref_out, what);
+    }
+    for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
+    free(j), free(one);
+}
+
+/* finetune_lora on the slices: adapters on every PEFT name of T5 (q, k, v, o of the three attentions, wi_0, wi_1, wo),
+ * lora_dropout 0 (on the row-parallel o and wo it is refused; tests/test_tp_train.c), T5's own dropout 0.1: the step
+ * losses of TP 2 within 1e-6 relative of one process's, every rank the same, the same final/adapter files (PEFT) */
+FL_TEST(tp_t5_train_lora_matches_one_process) {
+    const char *dir = t5t_folder(0);
+    FL_REQUIRE(dir != NULL);
+    t5t_job *j = calloc(1, sizeof *j), *one = calloc(1, sizeof *one);
+    FL_REQUIRE(j && one);
+    char out[700], ref_out[700];
+    snprintf(out, sizeof out, "%s/t5tp-lora-tp2", fl_test_tmpdir());
+    snprintf(ref_out, sizeof ref_out, "%s/t5tp-lora-one", fl_test_tmpdir());
+    for (int r = 0; r < 3; r++) {
+        fl_run_config *c = r < 2 ? &j->cfg[r] : &one->cfg[0];
+        t5t_config(c, dir, 1, r < 2 ? 2 : 1, r < 2 ? out : ref_out);
+        c->command = FL_CMD_FINETUNE_LORA;
+        c->lora.query = c->lora.key = c->lora.value = c->lora.projection = c->lora.mlp = 1;
+        c->lora.dropout = 0;
+        c->optimizer.lr = 1e-2f;
+        c->train.max_steps = 4;
+        c->train.save_interval = 0;
+    }
+    setenv("FITLLM_BACKEND", "cpu", 1);
+    fl_status s = t5t_run(j, 2);
+    FL_CHECKF(s == FL_OK, "T5 LoRA TP 2: %s", j->msg[0][0] ? j->msg[0] : fl_error_message());
+    fl_status s1 = s == FL_OK ? t5t_run(one, 1) : s;
+    unsetenv("FITLLM_BACKEND");
+    FL_CHECKF(s1 == FL_OK, "T5 LoRA in one process: %s", fl_error_message());
+    if (s == FL_OK && s1 == FL_OK) {
+        FL_CHECK(!memcmp(j->rec[1].loss, j->rec[0].loss, sizeof j->rec[0].loss));
+        const double lr = dr_loss_rel(&j->rec[0], &one->rec[0], 4);
+        FL_CHECKF(j->rec[0].steps == 4 && lr <= 1e-6, "T5 LoRA TP 2 vs one process: step losses differ by %.3g", lr);
+        if (getenv("FL_TEST_VERBOSE")) printf("    T5 LoRA TP 2: 4 step losses within %.3g relative\n", lr);
+        char pa[800], pb[800];
+        snprintf(pa, sizeof pa, "%s/final/adapter/adapter_model.safetensors", out);
+        snprintf(pb, sizeof pb, "%s/final/adapter/adapter_model.safetensors", ref_out);
+        fl_st_file a, b;
+        FL_REQUIRE_OK(fl_st_open(&a, pa));
+        FL_REQUIRE_OK(fl_st_open(&b, pb));
+        /* 47 modules: the encoder's 2 blocks x 7 (q, k, v, o, wi_0, wi_1, wo), the decoder's 3 x 11 (+ the cross q, k, v, o) */
+        FL_CHECKF(a.n_tensors == b.n_tensors && a.n_tensors == 2 * 47, "final/adapter: %d and %d tensors (2 x 47 modules)",
+                  a.n_tensors, b.n_tensors);
+        for (int i = 0; i < b.n_tensors; i++)
+            FL_CHECKF(fl_st_find(&a, b.tensors[i].name) != NULL, "final/adapter of TP 2 lacks %s", b.tensors[i].name);
+        fl_st_close(&a);
+        fl_st_close(&b);
+    }
+    for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
+    free(j), free(one);
+}
+
+FL_TEST(tp_t5_train_threads_match_one_process) {
+    t5t_scenario(0, 1, 2, "cpu", 4);
+    t5t_scenario(1, 1, 4, "cpu", 4);
+    t5t_scenario(0, 2, 2, "cpu", 4);
+}
+
+/* opaque: the blocks' sums, d(encoder output)'s and the embedding's through the NCCL stand-in on device memory */
+FL_TEST(tp_t5_train_nccl_standin_opaque) { t5t_scenario(0, 1, 2, "opaque", 2); }
+
+/* TP 2's step-3 checkpoint (consolidated) resumed at TP 4 and in one process: later losses = the uninterrupted run's */
+FL_TEST(tp_t5_train_checkpoint_resumes_at_another_size) {
+    const char *dir = t5t_folder(0);
+    FL_REQUIRE(dir != NULL);
+    char out[700], from[800];
+    snprintf(out, sizeof out, "%s/t5tp-resume-tp2", fl_test_tmpdir());
+    t5t_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    for (int r = 0; r < 2; r++) t5t_config(&j->cfg[r], dir, 1, 2, out);
+    setenv("FITLLM_BACKEND", "cpu", 1);
+    fl_status s = t5t_run(j, 2);
+    FL_CHECKF(s == FL_OK, "T5 TP 2: %s", j->msg[0]);
+    dr_rec full = j->rec[0];
+    memset(&j->rec[0], 0, sizeof j->rec[0]);
+    const long steps = j->cfg[0].train.max_steps, from_step = 3;
+    snprintf(from, sizeof from, "%s/step-000003", out);
+    const int sizes[2] = {4, 1};
+    for (int k = 0; k < 2 && s == FL_OK; k++) {
+        char o2[760];
+        snprintf(o2, sizeof o2, "%s-r%d", out, sizes[k]);
+        for (int r = 0; r < T5T_MAX; r++) {
+            dr_free(&j->rec[r]);
+            t5t_config(&j->cfg[r], dir, 1, sizes[k], o2);
+            j->cfg[r].train.save_interval = 0;
+            snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
+        }
+        fl_status s2 = t5t_run(j, sizes[k]);
+        FL_CHECKF(s2 == FL_OK, "T5 resumed at TP %d: %s", sizes[k], j->msg[0][0] ? j->msg[0] : fl_error_message());
+        double w = 0;
+        for (long st = from_step; s2 == FL_OK && st < steps; st++)
+            w = fmax(w, fabs(j->rec[0].loss[st] - full.loss[st]) / fabs(full.loss[st]));
+        FL_CHECKF(s2 != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "T5 TP 2's step 3 resumed at TP %d: %ld steps, "
+                  "later losses differ by %.3g relative", sizes[k], j->rec[0].steps, w);
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    T5 TP 2's step 3 resumed at TP %d: later losses within %.3g relative\n", sizes[k], w);
+    }
+    unsetenv("FITLLM_BACKEND");
+    for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]);
+    dr_free(&full);
+    free(j);
+}
+
+/* every rank's plan = its measured peaks per tag: TP 2 (DDP) and DP 2 x TP 2 under ZeRO-2 (OPTIM: the chunk's) */
+FL_TEST(tp_t5_train_plan_equals_measured) {
+    const char *dir = t5t_folder(0);
+    FL_REQUIRE(dir != NULL);
+    const int grids[2][2] = {{1, 2}, {2, 2}};
+    for (int g = 0; g < 2; g++) {
+        const int dp = grids[g][0], tp = grids[g][1], W = dp * tp;
+        t5t_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        char out[700];
+        snprintf(out, sizeof out, "%s/t5tp-plan-%d-%d", fl_test_tmpdir(), dp, tp);
+        for (int r = 0; r < W; r++) {
+            t5t_config(&j->cfg[r], dir, dp, tp, out);
+            j->cfg[r].train.max_steps = 1;
+            j->cfg[r].train.save_interval = 0;
+            j->cfg[r].data.max_source_length = 8; /* the arena's (and the plan's) rows: test_plan.c's t5_cfg */
+            j->cfg[r].data.max_target_length = 4;
+            if (g) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "deepspeed_stage_2");
+        }
+        setenv("FITLLM_BACKEND", "cpu", 1);
+        fl_status s = t5t_run(j, W);
+        unsetenv("FITLLM_BACKEND");
+        FL_CHECKF(s == FL_OK, "T5 DP %d x TP %d: %s", dp, tp, j->msg[0]);
+        for (int r = 0; r < W && s == FL_OK; r++) {
+            char grid[48];
+            snprintf(grid, sizeof grid, "T5 DP %d x TP %d", dp, tp);
+            const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
+            if (getenv("FL_TEST_VERBOSE") && (r == 0 || r == W - 1))
+                printf("    %s rank %d: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu, ACTS %zu)\n", grid, r, total,
+                       j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_OPTIM], j->res[r].peak[FL_TAG_ACTS]);
+        }
+        for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+}
