@@ -228,3 +228,46 @@ FL_TEST(blip2_generate_cache_equals_full_forward) {
     free(lg);
     close_tc(&c);
 }
+
+/* Frozen parts save nothing (PyTorch's autograd saves nothing where no gradient flows): a part that trains nothing,
+ * with no part before it that trains, is carved lean when the arena is allocated: 0 saved bytes, and its ACTS are the
+ * checkpointed carve's less L - 1 of its L + 1 residual buffers (two in turn). The same loss and gradients as when
+ * every part trains: blip2_frozen_parts_same_grads; a lean forward's logits: blip2_save_reload_same_bits. A training
+ * forward that would need a lean part's activations (gradients allocated after the arena) is refused by name. */
+FL_TEST(blip2_frozen_parts_save_nothing) {
+    tc all, two, lm, ck;
+    float l;
+    open_tc(&all, 7), open_tc(&two, 6), open_tc(&lm, 4), open_tc(&ck, 7);
+    FL_REQUIRE_OK(fl_blip2_set_act_ckpt(ck.b, 1));
+    train_fwd_bwd(&all, &l), train_fwd_bwd(&two, &l), train_fwd_bwd(&lm, &l), train_fwd_bwd(&ck, &l);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        const size_t sa = fl_blip2_acts_saved_bytes(all.b, k), s2 = fl_blip2_acts_saved_bytes(two.b, k),
+                     s1 = fl_blip2_acts_saved_bytes(lm.b, k);
+        FL_CHECKF(sa > 0 && sa == fl_blip2_acts_bytes(all.b, k), "part %d: every part trains: saved %zu of %zu", k, sa,
+                  fl_blip2_acts_bytes(all.b, k));
+        FL_CHECKF((k == FL_BLIP2_VISION) == (s2 == 0) && (k == FL_BLIP2_TEXT) == (s1 > 0), "part %d: saved %zu with the "
+                  "vision tower frozen, %zu with only the language model trained", k, s2, s1);
+        if (k == FL_BLIP2_TEXT) continue;
+        const fl_model_config *mc = &fl_blip2_part(lm.b, k)->cfg;
+        const size_t N = (size_t)lm.B * (k == FL_BLIP2_VISION ? (size_t)mc->max_seq : (size_t)lm.b->cfg.n_queries);
+        const size_t res = (N * (size_t)mc->dim * sizeof(float) + 63) / 64 * 64, L = (size_t)mc->n_layers;
+        FL_CHECKF(fl_blip2_acts_bytes(lm.b, k) + (L - 1) * res == fl_blip2_acts_bytes(ck.b, k) &&
+                      fl_blip2_acts_bytes(lm.b, k) < fl_blip2_acts_bytes(all.b, k),
+                  "part %d: lean ACTS %zu, checkpointed %zu, all %zu (residual %zu, L %zu)", k,
+                  fl_blip2_acts_bytes(lm.b, k), fl_blip2_acts_bytes(ck.b, k), fl_blip2_acts_bytes(all.b, k), res, L);
+    }
+    FL_CHECK(fl_blip2_acts_bytes(two.b, 0) == fl_blip2_acts_bytes(lm.b, 0));
+    close_tc(&all), close_tc(&two), close_tc(&lm), close_tc(&ck);
+    tc none;
+    open_tc(&none, 0);
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(none.b, none.B, none.T));
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) FL_CHECK(fl_blip2_acts_saved_bytes(none.b, k) == 0);
+    FL_REQUIRE_OK(fl_blip2_alloc_grads_parts(none.b, 1 << FL_BLIP2_QFORMER));
+    FL_CHECK(fl_blip2_forward(none.b, none.px, none.ids, none.tg, none.B, none.T, 1.0f, NULL, NULL) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "saves no activations of the Q-Former"));
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(none.b, none.B, none.T));
+    FL_REQUIRE_OK(fl_blip2_forward(none.b, none.px, none.ids, none.tg, none.B, none.T, 1.0f, NULL, NULL));
+    FL_CHECK(fl_blip2_acts_saved_bytes(none.b, FL_BLIP2_VISION) == 0 &&
+             fl_blip2_acts_saved_bytes(none.b, FL_BLIP2_TEXT) > 0);
+    close_tc(&none);
+}

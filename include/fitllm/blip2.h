@@ -81,6 +81,12 @@ void fl_blip2_zero_grads(fl_blip2 *b);
 /* ACTS bytes of part k in the arena allocated now: its residual stream, saved slots and norms (the Flan-T5 language
  * model: its own encoder-decoder arena); LoRA adapters' activations not included. 0 without an arena. */
 size_t fl_blip2_acts_bytes(const fl_blip2 *b, int part);
+/* Of those, the bytes kept for the backward. A part that trains nothing, with no part before it that trains (the frozen
+ * vision tower of a fine-tuning run, a frozen Q-Former above it, every part of a loss / generate forward), is carved
+ * lean when the arena is allocated: two residual buffers in turn and one block's slots, only its output kept for the
+ * next part: 0 saved bytes. Allocate the arena after the gradients and adapters (a training forward that would need a
+ * lean part's activations is refused). The Flan-T5 language model's own arena: all its ACTS. */
+size_t fl_blip2_acts_saved_bytes(const fl_blip2 *b, int part);
 /* Activation checkpointing on all three stacks (before the arena): each stack keeps its blocks' inputs (the residual
  * stream) and one block's saved slots per block graph, shared by its blocks and recomputed from the block's input in
  * the backward, as transformers' gradient_checkpointing (the Flan-T5 language model: its own arena's checkpointing).

@@ -50,6 +50,8 @@ void fl_lab_course_md(FILE *f, const fl_lab_report *rep);
 /* lab_peer_rows.c: --peer pytorch for the lab's rows (at the real scale: the plan p of the real model) */
 void fl_lab_row_peer(const lab_exp *e, int ranks, const fl_plan *p, fl_lab_row *r);
 void fl_lab_b2_row_peer(const lab_exp *e, int ranks, const fl_blip2_config *real, int T, fl_lab_row *r);
+/* PyTorch's modelled figure for a BLIP-2 row (q), whether or not --peer is given; 0: the row is not modelled */
+int fl_lab_b2_peer_of(const lab_exp *e, int ranks, const fl_blip2_config *real, int T, fl_lab_peer *q);
 void fl_lab_peer_rows_print(const fl_lab_report *rep, FILE *f);
 void fl_lab_peer_rows_md(FILE *f, const fl_lab_report *rep);
 void fl_lab_peer_json(FILE *f, const fl_lab_peer *q);

@@ -239,6 +239,44 @@ static void offload_note(const fl_blip2_train_result *res, fl_lab_row *r) {
                  fl_fmt_bytes(res->host_peak_total, b, sizeof b));
 }
 
+/* Real scale: where the row's plan (res: the whole run's) and PyTorch's modelled peak (--peer pytorch's model,
+ * src/lab/lab_peer.c) reach different verdicts on the 80 GB device, the plan's is not the course's, or the two
+ * figures differ by more than 25%, why in numbers: the phase of PyTorch's peak and what it holds there (the start of
+ * the backward holds no gradient: zero_grad(set_to_none=True) frees them every step; the optimizer step no saved
+ * tensor), against fitllm's tags, which it reserves for the whole step. */
+static void b2_why(const lab_exp *e, const fl_blip2_train_result *res, int fits, fl_lab_row *r) {
+    fl_blip2_config real;
+    fl_lab_peer q;
+    if (fl_lab_blip2_shape(e->ref_model, 0, &real) != FL_OK || !fl_lab_b2_peer_of(e, r->ranks, &real, B2_CAPTION, &q))
+        return;
+    const int pt_fits = q.peak <= B2_DEVICE, course_fits = e->expected == FL_LAB_FITS;
+    const double G = 1e9, ratio = (double)res->peak_total / (double)q.peak;
+    if (fits == pt_fits && fits == course_fits && ratio <= 1.25 && ratio >= 0.8) return;
+    const size_t dev_optim = q.host ? 0 : q.optim, base = q.params + q.quant + dev_optim + q.comm;
+    char pt[256], opt[32] = "", comm[48] = "";
+    if (dev_optim) snprintf(opt, sizeof opt, " + optimizer %.2f", dev_optim / G);
+    if (q.comm) snprintf(comm, sizeof comm, " + DDP's gradient buckets %.2f", q.comm / G);
+    if (q.peak == base + q.saved + q.logits + q.transient)
+        snprintf(pt, sizeof pt, "PyTorch peaks as the backward starts: params %.2f%s%s + saved %.2f + logits %.2f GB, no "
+                 "gradient yet (zero_grad(set_to_none=True))%s", (q.params + q.quant) / G, opt, comm, q.saved / G,
+                 (q.logits + q.transient) / G, q.host ? ", the state on the host (ZeRO-2 offload)" : "");
+    else if (!q.host && q.peak == base + q.grads + q.step_temp)
+        snprintf(pt, sizeof pt, "PyTorch peaks in the optimizer step: params %.2f%s%s + grads %.2f + AdamW's foreach "
+                 "temporary %.2f GB", (q.params + q.quant) / G, opt, comm, q.grads / G, q.step_temp / G);
+    else
+        snprintf(pt, sizeof pt, "PyTorch: params %.2f, grads %.2f, optimizer %.2f, saved %.2f, logits %.2f GB, its peak "
+                 "the largest of its phases", (q.params + q.quant) / G, q.grads / G, q.optim / G, q.saved / G,
+                 (q.logits + q.transient) / G);
+    const size_t *t = res->peak;
+    snprintf(r->course_why, sizeof r->course_why, "fitllm plans %.2f GB (%s on 80 GB; the course: %s), PyTorch's model "
+             "%.2f GB (%s). %s; fitllm reserves all for the whole step: PARAMS %.2f + GRADS %.2f + OPTIM %.2f + ACTS "
+             "%.2f (vision %.2f: frozen, saves nothing; Q-Former %.2f; language model %.2f; %+.2f on PyTorch's saved) + "
+             "WORKSPACE %.2f GB", res->peak_total / G, fits ? "fits" : "OOM", fl_lab_verdict_name(e->expected),
+             q.peak / G, pt_fits ? "fits" : "OOM", pt, t[FL_TAG_PARAMS] / G, t[FL_TAG_GRADS] / G, t[FL_TAG_OPTIM] / G,
+             t[FL_TAG_ACTS] / G, res->part_acts[FL_BLIP2_VISION] / G, res->part_acts[FL_BLIP2_QFORMER] / G,
+             res->part_acts[FL_BLIP2_TEXT] / G, (double)t[FL_TAG_ACTS] / G - q.saved / G, t[FL_TAG_WORKSPACE] / G);
+}
+
 /* The row's plan at its scale (and, at lab scale, at the real one): its verdict, peaks and phases; 0 when the fine-
  * tuning refuses the row (n/a, the note says why). */
 static int b2_plan_row(const lab_exp *e, const fl_lab_report *rep, const fl_blip2_config *shape, int cuda,
@@ -268,8 +306,10 @@ static int b2_plan_row(const lab_exp *e, const fl_lab_report *rep, const fl_blip
                 r->planned_peak = res->peak_total;
                 memcpy(r->planned_tag, res->peak, sizeof r->planned_tag);
                 copy_phases(r, res, 1);
+                if (rep->real_scale) b2_why(e, res, 0, r);
             }
         }
+        if (s == FL_OK && rep->real_scale) b2_why(e, res, 1, r);
     } else {
         r->planned = FL_PLAN_UNAVAILABLE;
         r->verdict = s == FL_ERR_UNSUPPORTED ? FL_LAB_NA : FL_LAB_ERROR;

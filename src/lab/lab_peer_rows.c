@@ -56,6 +56,12 @@ void fl_lab_b2_row_peer(const lab_exp *e, int ranks, const fl_blip2_config *real
     peer_done(fl_lab_peer_pytorch_blip2(real, &u, &r->peer), &u, r);
 }
 
+int fl_lab_b2_peer_of(const lab_exp *e, int ranks, const fl_blip2_config *real, int T, fl_lab_peer *q) {
+    fl_lab_peer_setup u;
+    row_setup(e, ranks, T, &u);
+    return fl_lab_peer_pytorch_blip2(real, &u, q) == FL_OK;
+}
+
 static int any_peer(const fl_lab_report *rep) {
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].peer_ok || rep->rows[i].peer_note[0]) return 1;

@@ -27,6 +27,8 @@ struct fl_blip2 {
     fl_b2_stack st[FL_BLIP2_PARTS];
     void *acts, *work;
     size_t acts_part[FL_BLIP2_PARTS]; /* each part's share of acts (carve_acts) */
+    size_t acts_saved[FL_BLIP2_PARTS]; /* of which kept for the backward (0 for a lean part) */
+    int lean[FL_BLIP2_PARTS]; /* carved without saved activations: the part and every part before it train nothing */
     float *patches, *pe;    /* (B P, 3 p p) the pixels patch by patch, (B P, Cv) their projection */
     float *qproj, *dqproj;  /* (B NQ, Ct) the projected queries, their gradient */
     float *dimg;            /* (B (P + 1), Cv) d(image features) */

@@ -26,19 +26,27 @@ static int npatch(const fl_blip2 *b) { return b->cfg.vision.max_seq - 1; }
 /* The parts this arena runs: an encoder-decoder language model runs in its own (seq2seq.c) */
 static int parts_here(const fl_blip2 *b) { return fl_model_is_s2s(&b->cfg.text) ? 2 : 3; }
 
-/* ACTS: per part its residual stream, every block's saved slots, its norm's buffers. */
+/* Part m has something to train: its gradient buffers, or LoRA adapters (the base frozen). */
+static int part_trains(const fl_model *m) { return fl_model_grads_data(m) != NULL || m->adapt != NULL; }
+
+/* ACTS: per part its residual stream, every block's saved slots, its norm's buffers. A lean part (it and every part
+ * before it train nothing: a frozen vision tower, also a frozen Q-Former above it, everything in a loss / generate
+ * forward) saves nothing for a backward that never reaches it: two residual buffers in turn (res[l] = buf[l % 2]) and
+ * one block's slots per block graph (as checkpointing shares them), only its output kept for the next part. */
 static size_t carve_acts(fl_blip2 *b, char *base) {
     fl_carver cv = {base, 0};
     const size_t B = (size_t)b->B, T0 = (size_t)b->st[0].T;
     for (int k = 0; k < parts_here(b); k++) {
         fl_b2_stack *st = &b->st[k];
         const size_t C = (size_t)b->part[k].cfg.dim, N = B * (size_t)st->T, off0 = cv.off;
+        const int lean = b->lean[k], share = lean || b->part[k].act_ckpt;
+        size_t shared_bytes = 0;
         for (int l = 0; l <= st->L; l++) {
-            float *r = TAKEF(&cv, N * C);
+            float *r = lean && l >= 2 ? st->res[l & 1] : TAKEF(&cv, N * C);
             if (base) st->res[l] = r;
         }
-        /* activation checkpointing: one block's slots per block graph (the Q-Former has two), shared by the stack's
-         * blocks of that graph and recomputed from their saved input in the backward */
+        /* checkpointing (and a lean part): one block's slots per block graph (the Q-Former has two), shared by the
+         * stack's blocks of that graph (checkpointing: recomputed from their saved input in the backward) */
         fl_layer_acts shared[2];
         int have[2] = {0, 0};
         for (int l = 0; l < st->L; l++) {
@@ -46,12 +54,14 @@ static size_t carve_acts(fl_blip2 *b, char *base) {
             const fl_block_graph *g = &st->g[v];
             fl_layer_acts la;
             memset(&la, 0, sizeof la);
-            if (b->part[k].act_ckpt && have[v]) la = shared[v];
-            for (int j = 0; !(b->part[k].act_ckpt && have[v]) && j < g->n_prod; j++) {
+            if (share && have[v]) la = shared[v];
+            const size_t at = cv.off;
+            for (int j = 0; !(share && have[v]) && j < g->n_prod; j++) {
                 const int sl = g->prod[j];
                 if (g->slot[sl].kind == FL_GSLOT_XSTREAM) continue;
                 la.s[sl] = TAKEF(&cv, (g->slot[sl].xrows ? B * T0 : N) * (size_t)g->slot[sl].width);
             }
+            if (share) shared_bytes += cv.off - at;
             shared[v] = la, have[v] = 1;
             if (!base) continue;
             la.s[FL_GSLOT_IN] = st->res[l];
@@ -63,6 +73,7 @@ static size_t carve_acts(fl_blip2 *b, char *base) {
         float *no = TAKEF(&cv, N * C), *nm = TAKEF(&cv, N), *nr = TAKEF(&cv, N);
         if (base) st->nin = ni, st->nout = no, st->nmean = nm, st->nrstd = nr;
         b->acts_part[k] = cv.off - off0;
+        b->acts_saved[k] = lean ? 0 : b->acts_part[k] - shared_bytes;
     }
     return cv.off;
 }
@@ -119,6 +130,13 @@ static size_t carve_work(fl_blip2 *b, char *base) {
     return cv.off;
 }
 
+size_t fl_blip2_acts_saved_bytes(const fl_blip2 *b, int part) {
+    if (!b->acts || part < 0 || part >= FL_BLIP2_PARTS) return 0;
+    const fl_model *m = &b->part[part];
+    /* the Flan-T5 language model's own arena keeps all it carves */
+    return (part < parts_here(b) ? b->acts_saved[part] : 0) + (m->acts_arena ? m->sizes.acts_bytes : 0);
+}
+
 size_t fl_blip2_acts_bytes(const fl_blip2 *b, int part) {
     if (!b->acts || part < 0 || part >= FL_BLIP2_PARTS) return 0;
     const fl_model *m = &b->part[part];
@@ -169,6 +187,10 @@ static fl_status alloc_parts(fl_blip2 *b, int B, int T, int Tt) {
         st->res = calloc((size_t)st->L + 1, sizeof *st->res);
         st->layer = calloc((size_t)st->L, sizeof *st->layer);
         if (s == FL_OK && (!st->res || !st->layer)) s = fl_errorf(FL_ERR_OOM, "BLIP-2 activation views: out of memory");
+    }
+    for (int k = 0, below = 0; k < parts_here(b); k++) { /* what trains now decides what the arena saves */
+        below |= part_trains(&b->part[k]);
+        b->lean[k] = !below;
     }
     b->hids = malloc((size_t)B * TL * sizeof *b->hids);
     b->qrow = malloc((size_t)B * NQ * sizeof *b->qrow);
@@ -577,9 +599,6 @@ static fl_status place_queries(fl_blip2 *b, const int32_t *ids, int B, int T) {
     return FL_OK;
 }
 
-/* Part m has something to train: its gradient buffers, or LoRA adapters (the base frozen). */
-static int part_trains(const fl_model *m) { return fl_model_grads_data(m) != NULL || m->adapt != NULL; }
-
 /* The image parts: checks, the queries' rows among the language model's, the vision tower, the Q-Former and the
  * projection (qproj). */
 static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const int32_t *ids, const int32_t *targets,
@@ -592,6 +611,14 @@ static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const i
     if (grad_scale > 0 && (!targets || !any))
         return fl_errorf(FL_ERR_INVALID, "%s: a training forward needs targets and a part that trains (gradient "
                          "buffers or LoRA adapters: fl_blip2_alloc_grads / fl_blip2_alloc_grads_parts)", fn);
+    for (int k = 0, below = 0; grad_scale > 0 && k < parts_here(b); k++) {
+        below |= part_trains(&b->part[k]);
+        if (below && b->lean[k])
+            return fl_errorf(FL_ERR_INVALID, "%s: the arena saves no activations of the %s (it trained nothing, nor did "
+                             "a part before it, when fl_blip2_alloc_acts ran): allocate the arena after the gradients "
+                             "and adapters", fn, k == FL_BLIP2_VISION ? "vision tower" : k == FL_BLIP2_QFORMER ?
+                             "Q-Former" : "language model");
+    }
     b->Bp = B;
     b->Tp = T;
     b->fwd_train = 0;
