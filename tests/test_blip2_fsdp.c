@@ -399,3 +399,24 @@ FL_TEST(blip2_fsdp_threads_t5_equal_zero2_bits) {
     }
     free(x);
 }
+
+/* A plan out of memory while the parts are created (the language model's shard does not fit after the vision tower's
+ * and the Q-Former's): the verdict is the failing rank's OOM record (PARAMS), the parts' sharding given back after the
+ * failed load freed them. */
+FL_TEST(blip2_fsdp_plan_oom_at_load) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fl_run_config c = base_cfg("32-true", "qformer,lm", 1);
+    snprintf(c.strategy, sizeof c.strategy, "fsdp");
+    fl_backend nb;
+    FL_REQUIRE_OK(fl_null_backend_init_for(&nb, "cpu"));
+    fl_blip2_train_result *res = calloc(1, sizeof *res);
+    FL_REQUIRE(res != NULL);
+    const fl_blip2_train_opts o = {.shape = &bc, .be = &nb, .budget = 300 << 10, .synth_len = 6, .rehearse_steps = 1,
+                                   .plan_world = 2};
+    const fl_status s = fl_blip2_train(&c, &o, res);
+    fl_null_backend_free(&nb);
+    FL_CHECKF(s == FL_ERR_OOM && res->oom.valid && res->oom.tag == FL_TAG_PARAMS && strstr(fl_error_message(), "rank "),
+              "status %d, OOM record %d tag %d: %s", s, res->oom.valid, res->oom.tag, fl_error_message());
+    free(res);
+}
