@@ -352,6 +352,39 @@ FL_TEST(blip2_fsdp_plan_equals_measured_per_rank) {
     free(x), free(pr);
 }
 
+/* On device memory (the opaque backend: the host never reads its buffers): the units' gathers and reduce-scatters go
+ * through the backend's device communicator, the NCCL stand-in or the staged one (the CUDA thread ranks' on one GPU),
+ * and give the CPU backend's FULL_SHARD losses bit for bit (opaque computes with the CPU kernels). */
+FL_TEST(blip2_fsdp_threads_opaque_equal_cpu_bits) {
+    if (!fl_test_asan_budget()) return; /* ~4 s in the release pass */
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(2, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    const char *prev = getenv("FITLLM_BACKEND");
+    char keep[64] = "";
+    if (prev) snprintf(keep, sizeof keep, "%s", prev);
+    fl_run_config c = base_cfg("32-true", "vision,qformer,lm", 2);
+    setenv("FITLLM_BACKEND", "cpu", 1);
+    const int ok0 = run_ranks(c, "fsdp", 2, &bc, &x[0]) == 0;
+    for (int staged = 0; ok0 && staged < 2; staged++) {
+        setenv("FITLLM_BACKEND", "opaque", 1);
+        fl_opaque_use_comm(staged ? 2 : 1);
+        const unsigned long c0 = staged ? fl_comm_staged_calls() : fl_nccl_standin_calls();
+        const int ok = run_ranks(c, "fsdp", 2, &bc, &x[1]) == 0;
+        const unsigned long calls = (staged ? fl_comm_staged_calls() : fl_nccl_standin_calls()) - c0;
+        fl_opaque_use_comm(1);
+        FL_CHECKF(ok && calls > 0 && !memcmp(x[1].loss, x[0].loss, sizeof x[0].loss),
+                  "opaque (%s): %s; %lu device collectives; losses %.9g %.9g %.9g, cpu's %.9g %.9g %.9g",
+                  staged ? "staged" : "NCCL stand-in", ok ? "ran" : fl_error_message(), calls, x[1].loss[0][0],
+                  x[1].loss[0][1], x[1].loss[0][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+    }
+    if (keep[0]) setenv("FITLLM_BACKEND", keep, 1);
+    else unsetenv("FITLLM_BACKEND");
+    FL_CHECKF(ok0, "cpu: %s", fl_error_message());
+    free(x);
+}
+
 /* The Flan-T5 variant (tests/fixtures/blip2-tiny-t5's shape: the language model an encoder-decoder, whose own
  * interpreter gathers its units, the queries entering the encoder's rows) = ZeRO-2 bit for bit at 3 ranks, every part
  * trained, in 32-true and in bf16-mixed with checkpointing. */
