@@ -315,34 +315,39 @@ FL_TEST(blip2_fsdp_threads_gradients_vs_transformers) {
 
 /* plan = measured per rank: each of 3 thread ranks' pool (every phase's bytes and peak per tag, the all-time peaks) of a
  * FULL_SHARD run on the CPU equals what `plan --devices 3 --strategy fsdp --rank R` rehearses for it on the null backend
- * (the ranks as threads, the units through the null communicator), every part trained with checkpointing. */
+ * (the ranks as threads, the units through the null communicator): every part trained with checkpointing in 32-true,
+ * bf16-mixed (the gathered units' bf16 copies in GATHER) and bf16-true. */
 FL_TEST(blip2_fsdp_plan_equals_measured_per_rank) {
     fl_blip2_config bc;
     FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
     fsdp_ctx *x = calloc(1, sizeof *x);
     fl_blip2_train_result *pr = calloc(1, sizeof *pr);
     FL_REQUIRE(x && pr);
-    fl_run_config c = base_cfg("32-true", "vision,qformer,lm", 3);
-    c.train.activation_checkpointing = 1;
-    FL_REQUIRE(run_ranks(c, "fsdp", 3, &bc, x) == 0);
-    fl_run_config one = c; /* the plan's configuration: one rank's share of the step */
-    snprintf(one.strategy, sizeof one.strategy, "fsdp");
-    one.train.global_batch_size = 1;
-    for (int r = 0; r < 3; r++) {
-        fl_backend nb;
-        FL_REQUIRE_OK(fl_null_backend_init_for(&nb, "cpu"));
-        const fl_blip2_train_opts o = {.shape = &bc, .be = &nb, .synth_len = 6, .rehearse_steps = NSTEP, .plan_world = 3,
-                                       .plan_rank = r};
-        const fl_status s = fl_blip2_train(&one, &o, pr);
-        fl_null_backend_free(&nb);
-        FL_CHECKF(s == FL_OK, "plan of rank %d: %s", r, fl_error_message());
-        const fl_blip2_train_result *m = &x->res[r];
-        FL_CHECKF(!memcmp(pr->peak, m->peak, sizeof m->peak) && pr->peak_total == m->peak_total &&
-                      pr->n_phases == m->n_phases && !memcmp(pr->phases, m->phases, (size_t)m->n_phases * sizeof m->phases[0]),
-                  "rank %d: planned peak %zu (GATHER %zu, %d phases), measured %zu (GATHER %zu, %d phases)", r,
-                  pr->peak_total, pr->peak[FL_TAG_GATHER], pr->n_phases, m->peak_total, m->peak[FL_TAG_GATHER],
-                  m->n_phases);
-        FL_CHECK(m->peak[FL_TAG_GATHER] > 0);
+    static const char *const precs[3] = {"32-true", "bf16-mixed", "bf16-true"};
+    for (int v = 0; v < 3; v++) {
+        fl_run_config c = base_cfg(precs[v], "vision,qformer,lm", 3);
+        c.train.activation_checkpointing = 1;
+        FL_REQUIRE(run_ranks(c, "fsdp", 3, &bc, x) == 0);
+        fl_run_config one = c; /* the plan's configuration: one rank's share of the step */
+        snprintf(one.strategy, sizeof one.strategy, "fsdp");
+        one.train.global_batch_size = 1;
+        for (int r = 0; r < 3; r++) {
+            fl_backend nb;
+            FL_REQUIRE_OK(fl_null_backend_init_for(&nb, "cpu"));
+            const fl_blip2_train_opts o = {.shape = &bc, .be = &nb, .synth_len = 6, .rehearse_steps = NSTEP,
+                                           .plan_world = 3, .plan_rank = r};
+            const fl_status s = fl_blip2_train(&one, &o, pr);
+            fl_null_backend_free(&nb);
+            FL_CHECKF(s == FL_OK, "%s plan of rank %d: %s", precs[v], r, fl_error_message());
+            const fl_blip2_train_result *m = &x->res[r];
+            FL_CHECKF(!memcmp(pr->peak, m->peak, sizeof m->peak) && pr->peak_total == m->peak_total &&
+                          pr->n_phases == m->n_phases &&
+                          !memcmp(pr->phases, m->phases, (size_t)m->n_phases * sizeof m->phases[0]),
+                      "%s rank %d: planned peak %zu (GATHER %zu, %d phases), measured %zu (GATHER %zu, %d phases)",
+                      precs[v], r, pr->peak_total, pr->peak[FL_TAG_GATHER], pr->n_phases, m->peak_total,
+                      m->peak[FL_TAG_GATHER], m->n_phases);
+            FL_CHECK(m->peak[FL_TAG_GATHER] > 0);
+        }
     }
     free(x), free(pr);
 }
@@ -398,4 +403,25 @@ FL_TEST(blip2_fsdp_threads_t5_equal_zero2_bits) {
                   x[1].loss[0][1], x[1].loss[0][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
     }
     free(x);
+}
+
+/* A plan out of memory while the parts are created (the language model's shard does not fit after the vision tower's
+ * and the Q-Former's): the verdict is the failing rank's OOM record (PARAMS), the parts' sharding given back after the
+ * failed load freed them. */
+FL_TEST(blip2_fsdp_plan_oom_at_load) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fl_run_config c = base_cfg("32-true", "qformer,lm", 1);
+    snprintf(c.strategy, sizeof c.strategy, "fsdp");
+    fl_backend nb;
+    FL_REQUIRE_OK(fl_null_backend_init_for(&nb, "cpu"));
+    fl_blip2_train_result *res = calloc(1, sizeof *res);
+    FL_REQUIRE(res != NULL);
+    const fl_blip2_train_opts o = {.shape = &bc, .be = &nb, .budget = 300 << 10, .synth_len = 6, .rehearse_steps = 1,
+                                   .plan_world = 2};
+    const fl_status s = fl_blip2_train(&c, &o, res);
+    fl_null_backend_free(&nb);
+    FL_CHECKF(s == FL_ERR_OOM && res->oom.valid && res->oom.tag == FL_TAG_PARAMS && strstr(fl_error_message(), "rank "),
+              "status %d, OOM record %d tag %d: %s", s, res->oom.valid, res->oom.tag, fl_error_message());
+    free(res);
 }

@@ -122,7 +122,7 @@ FL_TEST(lab_blip2_lab_scale_trains_as_planned) {
 #if defined(__SANITIZE_ADDRESS__)
     o.only = "baseline,reduced-batch";
 #else
-    o.only = "baseline,reduced-batch,bf16-true,cpu-offload,lora,ddp";
+    o.only = "baseline,reduced-batch,bf16-true,cpu-offload,lora,ddp,fsdp";
 #endif
     fl_lab_report ran;
     FL_REQUIRE_OK(fl_lab_run(&o, NULL, &ran));

@@ -49,14 +49,25 @@ static fl_status save_adapter(b2run *r, const char *dir) {
 }
 
 
-/* FSDP: every sharded part's whole parameters gathered unit by unit into host memory on every rank (collective;
- * checkpoint I/O staging outside the pools), what rank 0 writes; NULL for a whole part. */
+/* FSDP: the array `shard` of part k laid out as its shard (es bytes an element) gathered unit by unit (collective):
+ * whole into host memory on rank 0, what it writes (checkpoint I/O staging outside the pools; *out), one unit's buffer
+ * at a time on the others (*out NULL). A failed allocation on rank 0 still takes part, then says so. */
+static fl_status gather_array(b2run *r, int k, const void *shard, size_t es, void **out) {
+    const size_t n = fl_blip2_part(r->b, k)->layout.numel;
+    *out = r->rank ? NULL : malloc(n * es + 4);
+    fl_status s = fl_fsdp_whole_array(&r->pdp[k], shard, es, *out);
+    if (s == FL_OK && !r->rank && !*out) s = fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory (%zu bytes)", n * es);
+    return fl_error_prefix(s, "FULL_SHARD: gathering a checkpoint's arrays");
+}
+
+/* Every sharded part's parameters (rank 0: whole; NULL for a whole part and on the other ranks). */
 static fl_status gather_params(b2run *r, void *whole[FL_BLIP2_PARTS]) {
     fl_status s = FL_OK;
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        const fl_model *m = fl_blip2_part(r->b, k);
         whole[k] = NULL;
-        size_t bytes = 0;
-        if (s == FL_OK && r->pdp[k].fsdp) s = fl_fsdp_whole_params(&r->pdp[k], &whole[k], &bytes);
+        if (s == FL_OK && r->pdp[k].fsdp)
+            s = gather_array(r, k, fl_model_params_data(m), fl_dtype_size(fl_model_store_dtype(m)), &whole[k]);
     }
     return s;
 }
@@ -108,19 +119,17 @@ static void gathered_free(b2gathered *g) {
     free_params(g->p);
 }
 
-/* FSDP: each sharded part's parameters and optimizer state arrays gathered whole (layout order) on every rank. */
+/* FSDP: each sharded part's parameters and optimizer state arrays gathered whole (layout order) on rank 0. */
 static fl_status gather_fsdp(b2run *r, b2gathered *g) {
     FL_TRY(gather_params(r, g->p));
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         if (!r->has_opt[k] || !r->pdp[k].fsdp) continue;
         const fl_optimizer *o = &r->opt[k];
         const void *arr[3] = {o->st.m, o->st.v, o->st.buf};
-        const size_t es = fl_dtype_size(state_dt(o)), n = fl_blip2_part(r->b, k)->layout.numel;
         for (int j = 0; j < 3; j++) {
-            if (!arr[j]) continue;
-            if (!(g->a[k][j] = malloc(n * es + 1))) return fl_errorf(FL_ERR_OOM, "out of host memory");
-            FL_TRY(fl_error_prefix(fl_fsdp_whole_array(&r->pdp[k], arr[j], es, g->a[k][j]),
-                                   "FULL_SHARD: gathering the optimizer state for a checkpoint"));
+            void *w = NULL;
+            if (arr[j]) FL_TRY(gather_array(r, k, arr[j], fl_dtype_size(state_dt(o)), &w));
+            g->a[k][j] = w;
         }
     }
     return FL_OK;

@@ -292,8 +292,12 @@ static fl_status setup(b2run *r) {
     }
     FL_TRY(fl_b2t_fsdp_prepare(r, &prec)); /* FULL_SHARD: every part created sharded */
     /* a shape without weights: zeros on the plan's null backend (nothing computes), else random (bench-step) */
-    if (r->given) FL_TRY(fl_blip2_create_ex(&r->b, r->given, &r->be, &r->pool, r->borrowed ? 0 : c->seed | 1, stg));
-    else FL_TRY(fl_blip2_load_ex(&r->b, c->checkpoint_dir, &r->be, &r->pool, stg));
+    fl_status ls = r->given ? fl_blip2_create_ex(&r->b, r->given, &r->be, &r->pool, r->borrowed ? 0 : c->seed | 1, stg)
+                            : fl_blip2_load_ex(&r->b, c->checkpoint_dir, &r->be, &r->pool, stg);
+    if (ls != FL_OK) { /* the parts are freed already: FSDP's bookkeeping forgets them */
+        for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_fsdp_drop_model(&r->pdp[k]);
+        return ls;
+    }
     fl_mem_snapshot(&r->pool, "after_load");
     fl_mem_set_phase(&r->pool, "setup");
     FL_TRY(fl_blip2_set_precision(r->b, &prec)); /* bf16-mixed: the parts' bf16 weight copies */

@@ -249,6 +249,9 @@ fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m);
 int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t *len);
 /* Give back the gathered buffers and the bookkeeping (before fl_model_free). */
 void fl_fsdp_free(fl_dp *dp);
+/* The model was freed before fl_fsdp_free could run (a composite's failed load freed its parts): forget it, so that
+ * fl_fsdp_free gives back only the bookkeeping (nothing was gathered yet). */
+void fl_fsdp_drop_model(fl_dp *dp);
 /* The whole parameters (layout order, storage dtype) on every rank, gathered unit by unit into a
  * malloc'd host buffer (the step hook's view). Collective. */
 fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes);

@@ -433,6 +433,10 @@ void fl_fsdp_free(fl_dp *dp) {
     dp->fsdp = NULL;
 }
 
+void fl_fsdp_drop_model(fl_dp *dp) {
+    if (dp->fsdp) dp->fsdp->m = NULL;
+}
+
 /* The model's storage callback (fl_model_storage.shard), run by fl_model_init_ex in place of the
  * whole parameter buffer: the bookkeeping, this rank's shard (PARAMS) and the provider with its
  * pieces. The loaders and the random init then fill the shard alone (fl_model_param_piece). */
