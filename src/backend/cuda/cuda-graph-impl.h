@@ -10,19 +10,19 @@
  *     set_compute_dtype, convert_many's host arrays). They cut the step into segments: each run of the other ops
  *     between two of them is one graph (about 2 n_micro + 2 per step: a micro-batch's forward + head, its
  *     backward, the zeroing before, the update).
- *   - Per-step scalars: AdamW's constants (step, learning rate, bias corrections, gradient scale) and the
- *     cross-entropy's gradient scale (1 / the step's valid targets) change every step; inside a graph their
- *     kernels read them from a device slot the graph fills from page-locked memory, which the host rewrites before
- *     each replay (flb_graph_slot_*).
+ *   - Per-step scalars: AdamW's constants (step, learning rate, bias corrections, gradient scale), the
+ *     cross-entropy's gradient scale (1 / the step's valid targets) and the dropout seeds (LoRA's, T5's dropout op)
+ *     change every step; inside a graph their kernels read them from a device slot the graph fills from
+ *     page-locked memory, which the host rewrites before each replay (flb_graph_slot_*).
  *   - Capture (the second step): each segment's ops are issued inside cudaStreamBeginCapture / EndCapture
  *     (the emulator: its capture records each launch with its arguments by value, cu_emu.h) and their records
  *     kept (an attention's descriptor and a 4-bit weight's header copied with them, padding cleared); the
  *     graph is instantiated and launched.
  *   - Replay (the later steps): an op that equals the kept record at its place (kind, arguments, the copied
  *     headers) is absorbed; when a segment's last op is absorbed, its graph is launched. An op that differs
- *     (a new shape, pointer or by-value argument: LoRA dropout's seed), an op more or less, or a read from the
- *     host in the middle of a segment: the absorbed ops of the segment run op by op from their records (the same bits), the rest of the
- *     step runs op by op, and the next step replays again; after two such steps in a row the step is captured
+ *     (a new shape, pointer or by-value argument: T5's attention dropout seed), an op more or less, or a read
+ *     from the host in the middle of a segment: the absorbed ops of the segment run op by op as issued (the same
+ *     bits), the rest of the step runs op by op, and the next step replays again; after two such steps in a row the step is captured
  *     again (cudaGraphExecUpdate keeps an executable graph where only arguments changed), after 4 recaptures
  *     the run stays op by op. Any capture that fails (an op inside it synchronized) or an error: op by op from
  *     then on, with one line on stderr saying why.
