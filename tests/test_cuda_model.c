@@ -49,6 +49,8 @@ static int crecord(void *ud, long step, double loss, const void *params, size_t 
 static int g_hd64;
 /* non-NULL: pretrain this preset from random initialization (e.g. "gpt2-micro": LayerNorm, biases, GELU) */
 static const char *g_preset;
+/* > 0: that many steps (<= 8) instead of 2 */
+static int g_steps;
 
 static fl_status run_on(const char *backend, const char *prec, const char *opt, int lora, const char *out, crec *r) {
     fl_run_config c;
@@ -76,7 +78,7 @@ static fl_status run_on(const char *backend, const char *prec, const char *opt, 
     c.train.global_batch_size = 4;
     c.train.micro_batch_size = 2;
     c.train.lr_warmup_steps = 0; /* both steps update */
-    c.train.max_steps = 2;
+    c.train.max_steps = g_steps ? g_steps : 2;
     c.train.save_interval = 2;
     c.train.max_seq_length = g_hd64 ? 67 : 24; /* hd64: 2 key blocks, odd */
     c.train.max_norm = 1.0f;
@@ -326,6 +328,56 @@ FL_TEST(cuda_emu_gemm_epilogue_train_same_bits) {
 #elif defined(FL_HAVE_CUDA_EMU)
     epilogue_case("32-true");
     epilogue_case("bf16-true");
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* Issue 30 item 5: FITLLM_CUDA_GRAPHS=1 under the trainer (cuda-emu with the GPU's paths): 6 steps with accumulation
+ * (2 micro-batches), a decaying learning rate, a validation and a checkpoint after every second step (their ops come
+ * between two steps: the next step's replay misses and runs op by op, the one after replays again) train to the bits
+ * of FITLLM_CUDA_GRAPHS=0, every loss and parameter. gpt2-micro pretraining 32-true (LayerNorm, biases, GELU
+ * epilogues); with the data, stories260K LoRA bf16-mixed with dropout (its seed, new every micro-batch, from a
+ * device slot inside the graphs). */
+#ifdef FL_HAVE_CUDA_EMU
+#include "backend/cuda/cuda-impl.h"
+static void graphs_train_case(int lora) {
+    crec on = {0}, off = {0};
+    g_preset = lora ? NULL : "gpt2-micro";
+    g_steps = 6;
+    fl_cuemu_set_host_memory(0);
+    setenv("FITLLM_CUDA_GRAPHS", "1", 1);
+    const unsigned long l0 = fl_cu_emu_graph_launches;
+    fl_status s = run_on("cuda-emu", lora ? "bf16-mixed" : "32-true", "AdamW", lora, "-graphs", &on);
+    const unsigned long launches = fl_cu_emu_graph_launches - l0;
+    unsetenv("FITLLM_CUDA_GRAPHS");
+    if (s == FL_OK) s = run_on("cuda-emu", lora ? "bf16-mixed" : "32-true", "AdamW", lora, "-eager", &off);
+    fl_cuemu_set_host_memory(1);
+    g_preset = NULL;
+    g_steps = 0;
+    FL_REQUIRE_OK(s);
+    FL_REQUIRE(on.steps == 6 && off.steps == 6 && on.n == off.n);
+    FL_CHECKF(!memcmp(on.loss, off.loss, 6 * sizeof on.loss[0]), "%s: losses differ (step 3: %.9g / %.9g)",
+              lora ? "lora" : "gpt2-micro", on.loss[2], off.loss[2]);
+    FL_CHECKF(!memcmp(on.params, off.params, on.n), "%s: trained parameters differ", lora ? "lora" : "gpt2-micro");
+    /* step 2 captured, steps 4 and 6 replayed (3 and 5 follow a validation): 3 launches of each of the step's
+     * graphs (gpt2-micro 8, LoRA 18: the dropout seeds from device slots) */
+    FL_CHECKF(launches >= 3 * 8 && launches % 3 == 0, "%s: %lu graph launches", lora ? "lora" : "gpt2-micro",
+              launches);
+    printf("      %s 6 steps with FITLLM_CUDA_GRAPHS=1: the same bits, %lu graph launches\n",
+           lora ? "stories260K LoRA" : "gpt2-micro", launches);
+    free(on.params);
+    free(off.params);
+}
+#endif
+
+FL_TEST(cuda_emu_graphs_trainer_same_bits) {
+#if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (emulated kernels under ASan: minutes)");
+#elif defined(FL_HAVE_CUDA_EMU)
+    graphs_train_case(0);
+    FL_SKIP_IF_NO_DATA();
+    graphs_train_case(1);
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif

@@ -491,7 +491,7 @@ FL_TEST(cuda_more_lora_dropout) {
     for (int k = 0; k < 2; k++) {
         fl_cu_emu_set_seed(k_seeds[k]);
         xd[k] = malloc(n * 4);
-        EMU_OK(fl_cuemu_lora_dropout(xd[k], x, n, p, seed, NULL));
+        EMU_OK(fl_cuemu_lora_dropout(xd[k], x, n, p, seed, NULL, NULL));
     }
     FL_CHECKF(memcmp(xd[0], cxd, n * 4) == 0, "lora_dropout: not the CPU's xd");
     FL_CHECK(memcmp(xd[0], xd[1], n * 4) == 0);
@@ -510,7 +510,7 @@ FL_TEST(cuda_more_lora_dropout) {
     for (int k = 0; k < 2; k++) {
         fl_cu_emu_set_seed(k_seeds[k]);
         dx[k] = dup_bytes(dx0, n * 4);
-        EMU_OK(fl_cuemu_lora_dropout_dx(dx[k], t, n, p, seed, NULL));
+        EMU_OK(fl_cuemu_lora_dropout_dx(dx[k], t, n, p, seed, NULL, NULL));
     }
     FL_CHECK(memcmp(dx[0], dx[1], n * 4) == 0);
     const double u = 1.0 / 16777216.0, sc = fl_lora_dropout_scale(p);
@@ -527,7 +527,13 @@ FL_TEST(cuda_more_lora_dropout) {
         bad += !(fabs(cdx[i] - want) <= 2 * u * (fabs(dx0[i]) + fabs(ts)) * (1 + u));
     }
     FL_CHECKF(bad == 0, "lora_dropout_dx: %d elements off", bad);
-    FL_CHECK(fl_cuemu_lora_dropout(xd[0], x, n, 0.0f, seed, NULL) == -1); /* p = 0: no dropout kernel */
+    FL_CHECK(fl_cuemu_lora_dropout(xd[0], x, n, 0.0f, seed, NULL, NULL) == -1); /* p = 0: no dropout kernel */
+    /* the seed read from device memory (a CUDA graph's per-step slot) instead of the argument: the same bits */
+    float *xs = malloc(n * 4), *dxs = dup_bytes(dx0, n * 4);
+    EMU_OK(fl_cuemu_lora_dropout(xs, x, n, p, 0, &seed, NULL));
+    EMU_OK(fl_cuemu_lora_dropout_dx(dxs, t, n, p, 0, &seed, NULL));
+    FL_CHECK(xs && dxs && !memcmp(xs, xd[0], n * 4) && !memcmp(dxs, dx[0], n * 4));
+    free(xs), free(dxs);
     free(x); free(A); free(Bm); free(h); free(y); free(cxd); free(xd[0]); free(xd[1]); free(dy); free(dx0); free(cdx);
     free(work); free(g); free(t); free(dx[0]); free(dx[1]);
 }

@@ -146,8 +146,9 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_PINNED=1|0 (environment): 1 (default) = a step's inputs uploaded through a page-locked ring\n"
                "               (no wait for the GPU; EXPERIMENTAL); 0 = straight from the caller's memory\n");
     fprintf(f, "\n  FITLLM_CUDA_GRAPHS=0|1 (environment): 1 = EXPERIMENTAL: the training step captured as CUDA graphs on\n"
-               "               step 2 and replayed after (one process; what reads back to the host or changes per step\n"
-               "               runs outside them; op by op with a one-line reason where it cannot); 0 (default) = off\n");
+               "               step 2 and replayed after (one process; what reads back to the host runs between them,\n"
+               "               per-step values come from device slots; op by op with a one-line reason where it cannot);\n"
+               "               0 (default) = off\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

@@ -345,11 +345,11 @@ static void lora_check(size_t n) {
     const float sc = fl_lora_dropout_scale(p);
     for (size_t i = 0; i < n; i++) want[i] = fl_lora_dropout_keep(seed, i, p) ? x[i] * sc : 0.0f;
     float *dX = dcopy(x, n * 4), *dT = dcopy(t, n * 4), *dDx = dcopy(dx, n * 4), *dXd = dcopy(NULL, n * 4);
-    int ok = synced(fl_cuk_lora_dropout(dXd, dX, n, p, seed, NULL));
+    int ok = synced(fl_cuk_lora_dropout(dXd, dX, n, p, seed, NULL, NULL));
     hcopy(g, dXd, n * 4);
     bits("lora_dropout (CPU mask)", ok, g, want, n * 4);
-    fl_cuemu_lora_dropout_dx(dx, t, n, p, seed, NULL);
-    ok = synced(fl_cuk_lora_dropout_dx(dDx, dT, n, p, seed, NULL));
+    fl_cuemu_lora_dropout_dx(dx, t, n, p, seed, NULL, NULL);
+    ok = synced(fl_cuk_lora_dropout_dx(dDx, dT, n, p, seed, NULL, NULL));
     hcopy(g, dDx, n * 4);
     bits("lora_dropout_dx", ok, g, dx, n * 4);
     cudaFree(dX); cudaFree(dT); cudaFree(dDx); cudaFree(dXd);

@@ -51,11 +51,14 @@ extern "C" {
      * values (F32: the same bits; BF16: those rounded to nearest even). A panel for dequantize + GEMM. */    \
     int P##q4_dequantize(void *dst, fl_dtype dt, int ldd, const fl_q4_weight *w, int r0, int nr, void *stream);  \
     /* LoRA dropout (fitllm/lora.h's mask of (seed, i), bit-identical): xd[i] = keep(i) ? x[i] / (1-p) : 0     \
-     * for i < n (0 < p < 1). */                                                                            \
-    int P##lora_dropout(float *xd, const float *x, size_t n, float p, uint64_t seed, void *stream);             \
+     * for i < n (0 < p < 1); seed_dev (NULL or) device memory holding the seed, read when it runs instead    \
+     * (a CUDA graph's per-step scalar) */                                                                     \
+    int P##lora_dropout(float *xd, const float *x, size_t n, float p, uint64_t seed, const uint64_t *seed_dev,  \
+                        void *stream);                                                                          \
     /* LoRA backward's masked input gradient: dx[i] += t[i] / (1-p) where keep(i), t = scaling * (g @ A)      \
      * (the GEMM's alpha applies the scaling, as the CPU backend's lora_backward). */                        \
-    int P##lora_dropout_dx(float *dx, const float *t, size_t n, float p, uint64_t seed, void *stream);          \
+    int P##lora_dropout_dx(float *dx, const float *t, size_t n, float p, uint64_t seed,                        \
+                           const uint64_t *seed_dev, void *stream);                                             \
     /* test hook: the 256-entry dynamic code tables the kernels use (signed then unsigned, 512 floats), to     \
      * compare with fl_adam8bit_code_signed / _unsigned */                                                    \
     int P##adam8bit_codes(float *out /*(512)*/, void *stream);

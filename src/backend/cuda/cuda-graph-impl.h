@@ -6,20 +6,23 @@
  *
  *   - The ops that cannot be in a graph run outside it, op by op, in stream order: what reads a value back to the
  *     host or synchronizes (to_host, sync, sumsq, check_finite), what copies from host memory the caller may
- *     reuse (to_device: the next micro-batch's ids), what takes arguments that change every step by value
- *     (the optimizer updates' step and learning rate), and set-up (set_scratch, set_compute_dtype, convert_many's
- *     host arrays). They cut the step into segments: each run of the other ops between two of them is one graph
- *     (n_micro + 2 or so per step: a micro-batch's forward + head, its backward, the zeroing before).
+ *     reuse (to_device: the next micro-batch's ids), SGD's and 8-bit AdamW's updates, and set-up (set_scratch,
+ *     set_compute_dtype, convert_many's host arrays). They cut the step into segments: each run of the other ops
+ *     between two of them is one graph (about 2 n_micro + 2 per step: a micro-batch's forward + head, its
+ *     backward, the zeroing before, the update).
+ *   - Per-step scalars: AdamW's constants (step, learning rate, bias corrections, gradient scale), the
+ *     cross-entropy's gradient scale (1 / the step's valid targets) and the dropout seeds (LoRA's, T5's dropout op)
+ *     change every step; inside a graph their kernels read them from a device slot the graph fills from
+ *     page-locked memory, which the host rewrites before each replay (flb_graph_slot_*).
  *   - Capture (the second step): each segment's ops are issued inside cudaStreamBeginCapture / EndCapture
  *     (the emulator: its capture records each launch with its arguments by value, cu_emu.h) and their records
- *     kept (an attention's descriptor, a 4-bit weight's and an 8-bit state's header copied with them); the
+ *     kept (an attention's descriptor and a 4-bit weight's header copied with them, padding cleared); the
  *     graph is instantiated and launched.
  *   - Replay (the later steps): an op that equals the kept record at its place (kind, arguments, the copied
  *     headers) is absorbed; when a segment's last op is absorbed, its graph is launched. An op that differs
- *     (a new shape, pointer or by-value argument: the cross-entropy's 1 / valid targets when the step's count
- *     of targets changes, LoRA dropout's seed), an op more or less, or a read from the host in the middle of a
- *     segment: the absorbed ops of the segment run op by op from their records (the same bits), the rest of the
- *     step runs op by op, and the next step replays again; after two such steps in a row the step is captured
+ *     (a new shape, pointer or by-value argument: T5's attention dropout seed), an op more or less, or a read
+ *     from the host in the middle of a segment: the absorbed ops of the segment run op by op as issued (the same
+ *     bits), the rest of the step runs op by op, and the next step replays again; after two such steps in a row the step is captured
  *     again (cudaGraphExecUpdate keeps an executable graph where only arguments changed), after 4 recaptures
  *     the run stays op by op. Any capture that fails (an op inside it synchronized) or an error: op by op from
  *     then on, with one line on stderr saying why.
@@ -43,12 +46,14 @@ typedef struct {
 typedef struct {
     flb_grec *r;
     int n, cap;
-    uint64_t slots; /* the per-step scalar slots its graph copies to the device */
+    int s0, s1; /* the per-step scalar slots [s0, s1) its graph copies to the device (given out in order) */
+    void *ev;   /* recorded after its launch: its slots may be rewritten once it passed */
+    int armed;
     void *exec; /* the executable graph */
 } flb_gseg;
 
 enum { FLB_G_OFF, FLB_G_FIRST, FLB_G_CAPTURE, FLB_G_REPLAY, FLB_G_EAGER };
-#define FLB_GSLOTS 32
+#define FLB_GSLOTS 1024
 #define FLB_GSLOT_BYTES 64
 
 typedef struct {
@@ -62,19 +67,28 @@ typedef struct {
     int bad, bad_run;       /* replay: this step fell back to op by op; steps in a row that did */
     fl_status saved_err;    /* the sticky error when the open capture began */
     int said;               /* the line on stderr */
-    /* per-step scalars (AdamW's constants, the cross-entropy's gradient scale): FLB_GSLOTS slots of FLB_GSLOT_BYTES,
-     * written to pin (page-locked) by the host, copied to dslot (device) by the graph that reads them; ev[i] after
-     * that graph's launch: slot i is rewritten only once it passed */
+    /* per-step scalars (AdamW's constants, the cross-entropy's gradient scale, dropout seeds): FLB_GSLOTS slots of
+     * FLB_GSLOT_BYTES, written to pin (page-locked) by the host, copied to dslot (device) by the graph that reads
+     * them; a segment's slots are rewritten only once the event after its last launch passed */
     char *pin, *dslot;
-    void *ev[FLB_GSLOTS];
-    uint64_t armed;
     int nslot; /* capture: the slots given out this step */
     char miss[160];         /* where the last replay stopped */
+    flb_grec *live;         /* replay: the absorbed ops of the current segment as issued (a miss runs these) */
+    int live_cap;
     fl_cu_graph_stats st;
     char verdict[320];
 } flb_graph;
 
 static void flb_set_error(const fl_backend *be, fl_status s, const char *op, const char *why);
+static fl_status flb_lora_forward_s(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
+                                    const float *A, const float *B, int N, int in, int out, int r, float scaling,
+                                    float dropout, uint64_t seed, const uint64_t *dseed);
+static fl_status flb_lora_backward_s(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
+                                     const float *xb, const float *h, const float *A, const float *B, int N, int in,
+                                     int out, int r, float scaling, float dropout, uint64_t seed, float *work,
+                                     const uint64_t *dseed);
+static fl_status flb_dropout_s(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                               int accumulate, const uint64_t *dseed);
 
 /* Ops whose by-value arguments change every step and that read them from a device slot inside a graph: AdamW's
  * update (step, learning rate, bias corrections, gradient scale) and the cross-entropy (its gradient scale,
@@ -82,6 +96,9 @@ static void flb_set_error(const fl_backend *be, fl_status s, const char *op, con
 static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
     if (!g->pin) return 0;
     if (op->kind == FL_OPK_cross_entropy || op->kind == FL_OPK_cross_entropy_dbf16) return 1;
+    if (op->kind == FL_OPK_lora_forward) return op->lora_forward.dropout > 0.0f;
+    if (op->kind == FL_OPK_lora_backward) return op->lora_backward.dropout > 0.0f;
+    if (op->kind == FL_OPK_dropout) return op->dropout.p > 0.0f;
     if (op->kind != FL_OPK_adamw_update) return 0;
     const struct fl_op_adamw_update *u = &op->adamw_update;
     const int f3 = (u->tp == FL_F32 || u->tp == FL_BF16 || u->tp == FL_F16) &&
@@ -159,12 +176,13 @@ static void flb_graph_keep(flb_grec *d, const fl_oprec *op) {
     }
 }
 
-/* Whether op is the kept record k (its arguments, the headers' contents). */
-static int flb_graph_same(const flb_grec *k, const fl_oprec *op) {
+/* Whether op is the kept record k (its arguments, the headers' contents); live: op's own copy (with this step's
+ * scalars) for the replay that stops part way. */
+static int flb_graph_same(const flb_grec *k, const fl_oprec *op, flb_grec *live) {
     if (op->kind != k->rec.kind) return 0;
-    flb_grec t;
-    flb_graph_keep(&t, op);
-    t.slot = k->slot;
+    flb_graph_keep(live, op);
+    live->slot = k->slot;
+    flb_grec t = *live;
     if (k->slot >= 0 && op->kind == FL_OPK_adamw_update) { /* per-step scalars: from the device slot */
         t.rec.adamw_update.lr = k->rec.adamw_update.lr;
         t.rec.adamw_update.step = k->rec.adamw_update.step;
@@ -173,6 +191,12 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op) {
         t.rec.cross_entropy.grad_scale = k->rec.cross_entropy.grad_scale;
     } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy_dbf16) {
         t.rec.cross_entropy_dbf16.grad_scale = k->rec.cross_entropy_dbf16.grad_scale;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_lora_forward) {
+        t.rec.lora_forward.seed = k->rec.lora_forward.seed;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_lora_backward) {
+        t.rec.lora_backward.seed = k->rec.lora_backward.seed;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_dropout) {
+        t.rec.dropout.seed = k->rec.dropout.seed;
     }
     return !memcmp(&t, k, sizeof t);
 }
@@ -181,6 +205,7 @@ static void flb_graph_free_segs(flb_graph *g) {
     for (int i = 0; i < g->nseg; i++) {
         free(g->seg[i].r);
         if (g->seg[i].exec) flb_graph_free(g->seg[i].exec);
+        if (g->seg[i].ev) flb_mark_free(g->seg[i].ev);
     }
     free(g->seg);
     g->seg = NULL, g->nseg = g->capseg = 0;
@@ -208,28 +233,48 @@ static fl_status flb_graph_run_kept(const fl_backend *be, const flb_gseg *s, int
 }
 
 /* This step's scalars of op into its page-locked slot (once the graph that copied the last ones passed). */
-static fl_status flb_graph_slot_write(flb_graph *g, const fl_oprec *op, int slot) {
-    if ((g->armed >> slot & 1) && flb_mark_wait(g->ev[slot]))
+static fl_status flb_graph_slot_write(flb_graph *g, flb_gseg *s, const fl_oprec *op, int slot) {
+    if (s->armed && flb_mark_wait(s->ev))
         return fl_errorf(FL_ERR_IO, "%s backend: CUDA graphs: waiting for a per-step scalar's copy failed", FLB_NAME);
-    g->armed &= ~((uint64_t)1 << slot);
+    s->armed = 0;
     char *pin = g->pin + (size_t)slot * FLB_GSLOT_BYTES;
     if (op->kind == FL_OPK_adamw_update) {
         const struct fl_op_adamw_update *u = &op->adamw_update;
         FLB_K(adamw_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, u->grad_scale);
         g->st.graph_updates++;
-    } else {
+    } else if (op->kind == FL_OPK_cross_entropy || op->kind == FL_OPK_cross_entropy_dbf16) {
         const float gs = op->kind == FL_OPK_cross_entropy ? op->cross_entropy.grad_scale
                                                            : op->cross_entropy_dbf16.grad_scale;
         memcpy(pin, &gs, sizeof gs);
+    } else { /* a dropout's seed (LoRA's per micro-batch, T5's) */
+        const uint64_t seed = op->kind == FL_OPK_lora_forward    ? op->lora_forward.seed
+                              : op->kind == FL_OPK_lora_backward ? op->lora_backward.seed
+                                                                 : op->dropout.seed;
+        memcpy(pin, &seed, sizeof seed);
     }
     return FL_OK;
 }
 
 /* Capture: the scalars copied to the device slot, the kernel reading them (the bits of the op's own slot). */
-static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, const fl_oprec *op, int slot) {
-    FL_TRY(flb_graph_slot_write(g, op, slot));
+static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg *s, const fl_oprec *op, int slot) {
+    FL_TRY(flb_graph_slot_write(g, s, op, slot));
     void *d = g->dslot + (size_t)slot * FLB_GSLOT_BYTES;
     int rc = flb_h2d(d, g->pin + (size_t)slot * FLB_GSLOT_BYTES, FLB_GSLOT_BYTES, g->stream);
+    const uint64_t *ds = (const uint64_t *)d;
+    if (!rc && op->kind == FL_OPK_lora_forward) {
+        const struct fl_op_lora_forward *l = &op->lora_forward;
+        return flb_lora_forward_s(be, l->y, l->ldy, l->h, l->xd, l->x, l->A, l->B, l->N, l->in, l->out, l->r,
+                                  l->scaling, l->dropout, l->seed, ds);
+    }
+    if (!rc && op->kind == FL_OPK_lora_backward) {
+        const struct fl_op_lora_backward *l = &op->lora_backward;
+        return flb_lora_backward_s(be, l->dx, l->dA, l->dB, l->dy, l->ldy, l->xb, l->h, l->A, l->B, l->N, l->in,
+                                   l->out, l->r, l->scaling, l->dropout, l->seed, l->work, ds);
+    }
+    if (!rc && op->kind == FL_OPK_dropout) {
+        const struct fl_op_dropout *o = &op->dropout;
+        return flb_dropout_s(be, o->y, o->x, o->n, o->p, o->seed, o->accumulate, ds);
+    }
     if (!rc && op->kind == FL_OPK_adamw_update) {
         const struct fl_op_adamw_update *u = &op->adamw_update;
         rc = FLB_K(adamw_update_dev)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, g->stream);
@@ -250,12 +295,11 @@ static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, const fl
 }
 
 /* After a launch of a segment's graph: its scalars' copies passed when their events do. */
-static int flb_graph_launched(flb_graph *g, const flb_gseg *s) {
-    for (int i = 0; i < FLB_GSLOTS; i++)
-        if (s->slots >> i & 1) {
-            if (flb_mark_record(g->ev[i], g->stream)) return 1;
-            g->armed |= (uint64_t)1 << i;
-        }
+static int flb_graph_launched(flb_graph *g, flb_gseg *s) {
+    if (s->s1 <= s->s0) return 0;
+    if (!s->ev && flb_mark_new(&s->ev)) return 1;
+    if (flb_mark_record(s->ev, g->stream)) return 1;
+    s->armed = 1;
     return 0;
 }
 
@@ -291,10 +335,13 @@ static fl_status flb_graph_close(flb_graph *g, const fl_backend *be) {
 }
 
 /* Replay: a segment begun but not finished (an op differs, or the host reads in the middle): its absorbed ops
- * op by op, and the rest of the step too. */
+ * op by op (as issued this step: their per-step scalars are this step's), and the rest of the step too. */
 static fl_status flb_graph_miss(flb_graph *g, const fl_backend *be) {
     fl_status st = FL_OK;
-    if (g->pos) st = flb_graph_run_kept(be, &g->seg[g->cur], g->pos);
+    if (g->pos) {
+        const flb_gseg live = {g->live, g->pos, g->live_cap, 0, 0, NULL, 0, NULL};
+        st = flb_graph_run_kept(be, &live, g->pos);
+    }
     g->pos = 0;
     g->bad = 1;
     return st;
@@ -339,7 +386,11 @@ static void flb_graph_step_end(flb_graph *g) {
                              g->miss[0] ? g->miss : "a host read inside a segment");
                     flb_graph_give_up(g, line);
                 } else {
-                    for (int i = 0; i < g->nseg; i++) free(g->seg[i].r), g->seg[i].r = NULL, g->seg[i].n = g->seg[i].cap = 0;
+                    (void)flb_stream_sync(g->stream); /* the slots change hands: the graphs that read them ran */
+                    for (int i = 0; i < g->nseg; i++) {
+                        free(g->seg[i].r);
+                        g->seg[i].r = NULL, g->seg[i].n = g->seg[i].cap = 0, g->seg[i].armed = 0;
+                    }
                     g->state = FLB_G_CAPTURE;
                     g->bad_run = 0;
                     g->nseg = 0; /* the executable graphs stay with their slots, updated by the next capture */
@@ -367,7 +418,7 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
         }
         g->nseg++;
         g->seg[g->nseg - 1].n = 0;
-        g->seg[g->nseg - 1].slots = 0;
+        g->seg[g->nseg - 1].s0 = g->seg[g->nseg - 1].s1 = g->nslot;
     }
     flb_gseg *s = &g->seg[g->nseg - 1];
     if (s->n == s->cap) {
@@ -387,9 +438,9 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
     g->st.captured_ops++;
     if (flb_graph_slot_op(g, op) && g->nslot < FLB_GSLOTS) { /* (past the slots: captured with its values) */
         k->slot = g->nslot++;
-        s->slots |= (uint64_t)1 << k->slot;
+        s->s1 = k->slot + 1;
     }
-    fl_status st = k->slot >= 0 ? flb_graph_slot_run(g, be, op, k->slot) : fl_backend_run_slots(be, op);
+    fl_status st = k->slot >= 0 ? flb_graph_slot_run(g, be, s, op, k->slot) : fl_backend_run_slots(be, op);
     if (st != FL_OK) { /* end the capture; the error is the caller's */
         const char *why = NULL;
         void *x = NULL;
@@ -404,13 +455,22 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
 
 /* Replay: absorb op if it is the next kept record; launch the segment's graph after its last one. */
 static fl_status flb_graph_replay_op(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
-    if (g->cur < g->nseg && flb_graph_same(&g->seg[g->cur].r[g->pos], op)) {
+    if (g->cur < g->nseg && g->live_cap < g->seg[g->cur].n) {
+        flb_grec *l = (flb_grec *)realloc(g->live, (size_t)g->seg[g->cur].n * sizeof *l);
+        if (!l) {
+            flb_graph_give_up(g, "out of host memory for the records");
+            FL_TRY(flb_graph_miss(g, be));
+            return fl_backend_run_slots(be, op);
+        }
+        g->live = l, g->live_cap = g->seg[g->cur].n;
+    }
+    if (g->cur < g->nseg && flb_graph_same(&g->seg[g->cur].r[g->pos], op, &g->live[g->pos])) {
         const flb_grec *k = &g->seg[g->cur].r[g->pos];
-        if (k->slot >= 0) FL_TRY(flb_graph_slot_write(g, op, k->slot));
+        if (k->slot >= 0) FL_TRY(flb_graph_slot_write(g, &g->seg[g->cur], op, k->slot));
         if (++g->pos < g->seg[g->cur].n) return FL_OK;
         g->pos = 0;
         g->st.launches++;
-        const flb_gseg *s = &g->seg[g->cur++];
+        flb_gseg *s = &g->seg[g->cur++];
         if (flb_graph_launch(s->exec, g->stream) || flb_graph_launched(g, s)) {
             flb_graph_give_up(g, "a graph launch failed");
             return fl_errorf(FL_ERR_IO, "%s backend: launching a CUDA graph failed", FLB_NAME);
@@ -459,8 +519,6 @@ static fl_status flb_graph_run(flb_graph *g, const fl_backend *be, const fl_opre
 }
 
 static void flb_graph_slots_free(flb_graph *g) {
-    for (int i = 0; i < FLB_GSLOTS; i++)
-        if (g->ev[i]) flb_mark_free(g->ev[i]), g->ev[i] = NULL;
     if (g->pin) flb_host_free(g->pin);
     if (g->dslot) flb_dev_free(g->dslot);
     g->pin = g->dslot = NULL;
@@ -471,7 +529,6 @@ static void flb_graph_slots_init(flb_graph *g) {
     const size_t bytes = (size_t)FLB_GSLOTS * FLB_GSLOT_BYTES;
     if (FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0) > FLB_GSLOT_BYTES) return;
     int ok = (g->pin = (char *)flb_host_alloc(bytes)) && (g->dslot = (char *)flb_dev_alloc(bytes));
-    for (int i = 0; ok && i < FLB_GSLOTS; i++) ok = !flb_mark_new(&g->ev[i]);
     if (ok) memset(g->pin, 0, bytes);
     else flb_graph_slots_free(g);
 }
@@ -485,5 +542,7 @@ static void flb_graph_free_all(flb_graph *g) {
     }
     g->nseg = g->capseg; /* every slot's executable graph */
     flb_graph_free_segs(g);
+    free(g->live);
+    g->live = NULL, g->live_cap = 0;
     flb_graph_slots_free(g);
 }

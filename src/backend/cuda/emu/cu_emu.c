@@ -464,7 +464,9 @@ fl_cu_emu_graph *fl_cu_emu_capture_end(const char **why) {
     return gr;
 }
 
+unsigned long fl_cu_emu_graph_launches;
 void fl_cu_emu_graph_launch(const fl_cu_emu_graph *gr) {
+    fl_cu_emu_graph_launches++;
     for (size_t i = 0; i < gr->count; i++) {
         const emu_node *nd = &gr->n[i];
         if (nd->grid.x) fl_cu_emu_launch(nd->grid, nd->block, nd->smem, nd->fn, nd->ctx);

@@ -77,6 +77,8 @@ fl_cu_emu_graph *fl_cu_emu_capture_end(const char **why);
 void fl_cu_emu_graph_launch(const fl_cu_emu_graph *g);
 size_t fl_cu_emu_graph_nodes(const fl_cu_emu_graph *g);
 void fl_cu_emu_graph_free(fl_cu_emu_graph *g);
+/* graph launches since the process started (tests: that a run replayed) */
+extern unsigned long fl_cu_emu_graph_launches;
 
 /* Convert-kernel launches since the process started (convert: 1-D, convert2d: the GEMM's
  * widen/narrow panels), counted by the kernels' host entry points under the emulator only: the

@@ -19,12 +19,16 @@ FL_CU_DEV int lora_keep(uint64_t seed, size_t i, float p) {
     return (float)(z >> 40) * (1.0f / 16777216.0f) >= p;
 }
 
-__global__ static void fl_cu_lora_dropout_k(float *xd, const float *x, size_t n, float p, float sc, uint64_t seed) {
+__global__ static void fl_cu_lora_dropout_k(float *xd, const float *x, size_t n, float p, float sc, uint64_t seed_arg,
+                                            const uint64_t *seed_dev) {
+    const uint64_t seed = seed_dev ? *seed_dev : seed_arg;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         xd[i] = lora_keep(seed, i, p) ? x[i] * sc : 0.0f;
 }
 
-__global__ static void fl_cu_lora_dropout_dx_k(float *dx, const float *t, size_t n, float p, float sc, uint64_t seed) {
+__global__ static void fl_cu_lora_dropout_dx_k(float *dx, const float *t, size_t n, float p, float sc,
+                                               uint64_t seed_arg, const uint64_t *seed_dev) {
+    const uint64_t seed = seed_dev ? *seed_dev : seed_arg;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         if (lora_keep(seed, i, p)) dx[i] = fl_cu_add_rn(dx[i], fl_cu_mul_rn(t[i], sc));
 }
@@ -34,19 +38,22 @@ static unsigned lora_grid(size_t n) {
     return (unsigned)(b > 4096 ? 4096 : b);
 }
 
-extern "C" int FL_CUK(lora_dropout)(float *xd, const float *x, size_t n, float p, uint64_t seed, void *stream) {
+extern "C" int FL_CUK(lora_dropout)(float *xd, const float *x, size_t n, float p, uint64_t seed,
+                                    const uint64_t *seed_dev, void *stream) {
     if (!(p > 0.0f && p < 1.0f)) return -1;
     if (n == 0) return 0;
     const float sc = 1.0f / (1.0f - p);
-    FL_CU_LAUNCH(fl_cu_lora_dropout_k, dim3(lora_grid(n)), dim3(256), 0, (fl_cu_stream)stream, xd, x, n, p, sc, seed);
+    FL_CU_LAUNCH(fl_cu_lora_dropout_k, dim3(lora_grid(n)), dim3(256), 0, (fl_cu_stream)stream, xd, x, n, p, sc, seed,
+                 seed_dev);
     return fl_cu_launch_error();
 }
 
-extern "C" int FL_CUK(lora_dropout_dx)(float *dx, const float *t, size_t n, float p, uint64_t seed, void *stream) {
+extern "C" int FL_CUK(lora_dropout_dx)(float *dx, const float *t, size_t n, float p, uint64_t seed,
+                                       const uint64_t *seed_dev, void *stream) {
     if (!(p > 0.0f && p < 1.0f)) return -1;
     if (n == 0) return 0;
     const float sc = 1.0f / (1.0f - p);
     FL_CU_LAUNCH(fl_cu_lora_dropout_dx_k, dim3(lora_grid(n)), dim3(256), 0, (fl_cu_stream)stream, dx, t, n, p, sc,
-                 seed);
+                 seed, seed_dev);
     return fl_cu_launch_error();
 }
