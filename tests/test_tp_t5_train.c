@@ -52,11 +52,12 @@ static int copy_file(const char *from, const char *to) {
     return ok;
 }
 
-/* the T5 folder (relu: v1.0 with the tied, scaled head; else v1.1 gated with lm_head) under the test's tmp dir */
+/* the T5 folder (relu: v1.0 with the tied, scaled head; else v1.1 gated with lm_head; 2: v1.1 with the fixture's 3
+ * heads, which 2 ranks do not split) under the test's tmp dir */
 static const char *t5t_folder(int relu) {
-    static char dir[2][600];
+    static char dir[3][600];
     char *d = dir[relu];
-    snprintf(d, sizeof dir[0], "%s/t5tp-%s", fl_test_tmpdir(), relu ? "relu" : "gated");
+    snprintf(d, sizeof dir[0], "%s/t5tp-%s", fl_test_tmpdir(), relu == 1 ? "relu" : relu ? "heads3" : "gated");
     mkdir(d, 0755);
     const char *files[3] = {"spiece.model", "tokenizer.json", "tokenizer_config.json"};
     char a[700], b[700];
@@ -69,12 +70,12 @@ static const char *t5t_folder(int relu) {
     FILE *f = fopen(b, "w");
     FL_REQUIRE_R(f != NULL, NULL);
     fprintf(f, "{\"architectures\": [\"T5ForConditionalGeneration\"], \"model_type\": \"t5\", \"d_model\": 36, "
-               "\"d_kv\": 10, \"d_ff\": 52, \"num_layers\": 2, \"num_decoder_layers\": 3, \"num_heads\": 4, "
+               "\"d_kv\": 10, \"d_ff\": 52, \"num_layers\": 2, \"num_decoder_layers\": 3, \"num_heads\": %d, "
                "\"relative_attention_num_buckets\": 8, \"relative_attention_max_distance\": 20, "
                "\"feed_forward_proj\": \"%s\", \"layer_norm_epsilon\": 1e-06, \"vocab_size\": 500, \"dropout_rate\": 0.1, "
                "\"decoder_start_token_id\": 0, \"pad_token_id\": 0, \"eos_token_id\": 1, \"is_encoder_decoder\": true, "
                "\"tie_word_embeddings\": %s}\n",
-            relu ? "relu" : "gated-gelu", relu ? "true" : "false");
+            relu == 2 ? 3 : 4, relu == 1 ? "relu" : "gated-gelu", relu == 1 ? "true" : "false");
     fclose(f);
     return d;
 }
@@ -319,6 +320,36 @@ FL_TEST(tp_t5_train_plan_equals_measured) {
                        j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_OPTIM], j->res[r].peak[FL_TAG_ACTS]);
         }
         for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+}
+
+/* refused on every rank alike with the option and the dimension named: 3 heads over 2 ranks; LoRA dropout on the
+ * row-parallel o (its input is the rank's columns) */
+FL_TEST(tp_t5_train_refusals) {
+    for (int k = 0; k < 2; k++) {
+        const char *dir = t5t_folder(k ? 0 : 2);
+        FL_REQUIRE(dir != NULL);
+        t5t_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        char out[700];
+        snprintf(out, sizeof out, "%s/t5tp-refused-%d", fl_test_tmpdir(), k);
+        for (int r = 0; r < 2; r++) {
+            t5t_config(&j->cfg[r], dir, 1, 2, out);
+            if (!k) continue;
+            j->cfg[r].command = FL_CMD_FINETUNE_LORA;
+            j->cfg[r].lora.projection = 1;
+            j->cfg[r].lora.dropout = 0.1f;
+        }
+        setenv("FITLLM_BACKEND", "cpu", 1);
+        fl_status s = t5t_run(j, 2);
+        unsetenv("FITLLM_BACKEND");
+        const char *want = k ? "LoRA dropout (0.1) on the row-parallel" : "the model's 3 attention heads (num_heads) do "
+                                                                         "not split evenly over 2 ranks";
+        for (int r = 0; r < 2; r++)
+            FL_CHECKF(s != FL_OK && j->st[r] == FL_ERR_UNSUPPORTED && strstr(j->msg[r], "--tensor_parallel 2") &&
+                          strstr(j->msg[r], want),
+                      "case %d rank %d: %d '%s'", k, r, j->st[r], j->msg[r]);
         free(j);
     }
 }
