@@ -221,6 +221,20 @@ if [ $pok = 1 ]; then
         bad "t5_tp_checkpoint_resumes_in_one_process" "exit $rc, worst relative loss difference $w"
     fi
 fi
+# a validation split and the evaluation sample under TP 2: the lead's group decodes together (its blocks' sums), so
+# the val losses and the sampled text are one process's
+if [ $pok = 1 ]; then
+    EV=(--data.val_split_fraction 0.2 --eval.interval 2 --eval.max_new_tokens 8 --train.save_interval 0 --train.max_steps 4)
+    timeout 300 "$FL" finetune_full "${T5P[@]}" "${EV[@]}" --out_dir "$T/pe-one" >"$T/out-pe1" 2>&1; rc=$?
+    timeout 300 mpirun -np 2 "$FL" finetune_full "${T5P[@]}" "${EV[@]}" --devices 2 --tensor_parallel 2 --out_dir "$T/pe-2" \
+        >"$T/out-pe2" 2>&1 || rc=$?
+    ev() { grep -A1 "^Recommend a movie" "$1"; grep -o "val loss[: ]*[0-9.]*" "$1"; }
+    if [ $rc -eq 0 ] && [ "$(ev "$T/out-pe2" | grep -c "val loss")" = 3 ] && diff <(ev "$T/out-pe1") <(ev "$T/out-pe2") >/dev/null; then
+        ok "t5_tp_np2_validation_and_sample (val losses and the sampled text = one process's)"
+    else
+        cp "$T/out-pe2" "$T/out"; bad "t5_tp_np2_validation_and_sample" "exit $rc"
+    fi
+fi
 
 echo "T5 MPI tests: $pass passed, $fail failed"
 [ $fail -eq 0 ]
