@@ -150,6 +150,8 @@ static void t5t_grads(const char *dir, const char *a_out, const char *b_out, con
     fl_st_close(&b);
 }
 
+static int g_ckpt; /* activation checkpointing in both runs (the blocks' recompute runs their sums again) */
+
 /* DP dp x TP tp against one process on the folder (relu: v1.0), `steps` steps */
 static void t5t_scenario(int relu, int dp, int tp, const char *backend, int steps) {
     const char *dir = t5t_folder(relu);
@@ -163,6 +165,8 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
     for (int r = 0; r < W; r++) t5t_config(&j->cfg[r], dir, dp, tp, out), j->cfg[r].train.max_steps = steps;
     t5t_config(&one->cfg[0], dir, 1, 1, ref_out);
     one->cfg[0].train.max_steps = steps;
+    for (int r = 0; r < W; r++) j->cfg[r].train.activation_checkpointing = g_ckpt;
+    one->cfg[0].train.activation_checkpointing = g_ckpt;
     setenv("FITLLM_BACKEND", backend, 1);
     fl_status s = t5t_run(j, W);
     FL_CHECKF(s == FL_OK, "T5 at DP %d x TP %d on %s: %s", dp, tp, backend, j->msg[0][0] ? j->msg[0] : fl_error_message());
@@ -180,7 +184,8 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
             printf("    T5 %s DP %d x TP %d on %s: %d step losses within %.3g relative of one process\n",
                    relu ? "v1.0" : "v1.1", dp, tp, backend, steps, lr);
         char what[96];
-        snprintf(what, sizeof what, "T5 %s DP %d x TP %d on %s", relu ? "v1.0" : "v1.1", dp, tp, backend);
+        snprintf(what, sizeof what, "T5 %s DP %d x TP %d on %s%s", relu ? "v1.0" : "v1.1", dp, tp, backend,
+                 g_ckpt ? " (checkpointing)" : "");
         t5t_grads(dir, out, ref_out, what);
     }
     for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
@@ -240,7 +245,9 @@ FL_TEST(tp_t5_train_lora_matches_one_process) {
 FL_TEST(tp_t5_train_threads_match_one_process) {
     t5t_scenario(0, 1, 2, "cpu", 4);
     t5t_scenario(1, 1, 4, "cpu", 4);
+    g_ckpt = 1;
     t5t_scenario(0, 2, 2, "cpu", 4);
+    g_ckpt = 0;
 }
 
 /* opaque: the blocks' sums, d(encoder output)'s and the embedding's through the NCCL stand-in on device memory */
