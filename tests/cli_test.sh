@@ -1666,6 +1666,11 @@ if "$FITLLM" --version | grep -q "^comm: *MPI" && command -v mpirun >/dev/null 2
 else
     echo "skip ddp_log_plain_time_once: no MPI build or no mpirun"; skip=$((skip+1))
 fi
+# T5 under --tensor_parallel: heads (num_heads) or d_ff that N does not split are refused at set-up, naming T5's keys
+expect tp_t5_heads_not_divisible 2 "--tensor_parallel 3: the model's 4 attention heads \(num_heads\) do not split evenly over 3 ranks" -- \
+    "$FITLLM" plan t5-micro --devices 3 --tensor_parallel 3
+expect tp_t5_d_ff_not_divisible 2 "--tensor_parallel 3: the model's 52 feed-forward width \(d_ff\) do not split evenly" -- \
+    "$FITLLM" plan tests/fixtures/t5-tiny-gated --devices 3 --tensor_parallel 3
 
 echo
 echo "$pass passed, $fail failed, $skip skipped"

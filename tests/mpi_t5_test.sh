@@ -190,5 +190,51 @@ for st in ddp auto; do
     fi
 done
 
+# tensor parallelism (--tensor_parallel; tests/test_tp_t5_train.c has the bounds' reasons): the dropout folder with 4
+# heads (d_ff 52: 26 a rank at TP 2), TP 2 at 2 ranks and DP 2 x TP 2 at 4 ranks against one process (24 losses within
+# 1e-6 relative: the slices sum the same terms grouped by rank; the masks are one process's), then TP 2's consolidated
+# step-3 checkpoint (one process's HF folder) resumed in one process: iterations 16-24 within 1e-6 of the TP 2 run
+mkdir -p "$T/t5tp" && cp "$T/t5d"/* "$T/t5tp/" && sed -i 's/"num_heads": 3/"num_heads": 4/' "$T/t5tp/config.json"
+T5P=("${T5M[@]}" --checkpoint_dir "$T/t5tp")
+pok=1
+timeout 300 "$FL" finetune_full "${T5P[@]}" --out_dir "$T/p-one" >"$T/out" 2>&1 || { pok=0; bad "t5_tp_one_process" "exit $?"; }
+for grid in "2 2" "4 2"; do
+    set -- $grid
+    timeout 300 mpirun -np $1 "$FL" finetune_full "${T5P[@]}" --devices $1 --tensor_parallel $2 --strategy ddp \
+        --out_dir "$T/p-$1-$2" >"$T/out-p-$1-$2" 2>&1 || { pok=0; cp "$T/out-p-$1-$2" "$T/out"; bad "t5_tp_np$1_tp$2" "exit $?"; }
+    [ $pok = 1 ] || continue
+    w=$(paste <(losses "$T/p-one") <(losses "$T/p-$1-$2") | awk '{ d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 24) print "count " n; else printf "%.2g", w }')
+    if awk -v w="$w" 'BEGIN { exit !(w ~ /^[0-9.e+-]+$/ && w + 0 <= 1e-6) }' \
+        && grep -q "^tensor parallel: $2 ranks per group x $(($1 / $2)) data-parallel group" "$T/out-p-$1-$2" \
+        && [ -f "$T/p-$1-$2/final/model.safetensors" ]; then
+        ok "t5_tp_np$1_tp$2_vs_one_process (24 losses, worst relative difference $w)"
+    else
+        cp "$T/out-p-$1-$2" "$T/out"; bad "t5_tp_np$1_tp$2_vs_one_process" "worst relative loss difference $w"
+    fi
+done
+if [ $pok = 1 ]; then
+    timeout 300 "$FL" finetune_full "${T5P[@]}" --resume "$T/p-2-2/step-000003" --out_dir "$T/p-r1" >"$T/out" 2>&1; rc=$?
+    w=$(paste <(losses "$T/p-2-2" | tail -9) <(losses "$T/p-r1" | tail -9) | awk '{ d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 9) print "count " n; else printf "%.2g", w }')
+    if [ $rc -eq 0 ] && awk -v w="$w" 'BEGIN { exit !(w ~ /^[0-9.e+-]+$/ && w + 0 <= 1e-6) }'; then
+        ok "t5_tp_checkpoint_resumes_in_one_process (iters 16-24 within $w of the TP 2 run)"
+    else
+        bad "t5_tp_checkpoint_resumes_in_one_process" "exit $rc, worst relative loss difference $w"
+    fi
+fi
+# a validation split and the evaluation sample under TP 2: the lead's group decodes together (its blocks' sums), so
+# the val losses and the sampled text are one process's
+if [ $pok = 1 ]; then
+    EV=(--data.val_split_fraction 0.2 --eval.interval 2 --eval.max_new_tokens 8 --train.save_interval 0 --train.max_steps 4)
+    timeout 300 "$FL" finetune_full "${T5P[@]}" "${EV[@]}" --out_dir "$T/pe-one" >"$T/out-pe1" 2>&1; rc=$?
+    timeout 300 mpirun -np 2 "$FL" finetune_full "${T5P[@]}" "${EV[@]}" --devices 2 --tensor_parallel 2 --out_dir "$T/pe-2" \
+        >"$T/out-pe2" 2>&1 || rc=$?
+    ev() { grep -A1 "^Recommend a movie" "$1"; grep -o "val loss[: ]*[0-9.]*" "$1"; }
+    if [ $rc -eq 0 ] && [ "$(ev "$T/out-pe2" | grep -c "val loss")" = 3 ] && diff <(ev "$T/out-pe1") <(ev "$T/out-pe2") >/dev/null; then
+        ok "t5_tp_np2_validation_and_sample (val losses and the sampled text = one process's)"
+    else
+        cp "$T/out-pe2" "$T/out"; bad "t5_tp_np2_validation_and_sample" "exit $rc"
+    fi
+fi
+
 echo "T5 MPI tests: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -70,6 +70,7 @@ static fl_status t5tp_rank(fl_comm *comm, int rank, void *ud) {
     fl_mem_pool pool, host, ppool, phost;
     fl_model whole, part;
     fl_st_file x;
+    fl_comm *dev = NULL;
     int be_ok = 0, pools_ok = 0, ppools_ok = 0, whole_ok = 0, part_ok = 0, x_ok = 0;
     fl_status s = FL_OK;
     char p[512];
@@ -89,7 +90,10 @@ static fl_status t5tp_rank(fl_comm *comm, int rank, void *ud) {
     part_ok = 1;
     TT_TRY(fl_tp_scatter(&whole, &part));
     if (rank == 0) TT_TRY(fl_model_alloc_grads(&whole)); /* where the gradient is re-assembled */
-    TT_TRY(fl_model_set_tp(&part, N > 1 && !j->nosum ? comm : NULL));
+    /* a backend whose memory the host cannot read (opaque, cuda-emu): the blocks' sums through its device communicator
+     * (the NCCL stand-in over the threads) */
+    if (N > 1 && !fl_backend_host_memory(&be) && be.comm_create) TT_TRY(be.comm_create(&be, comm, &dev));
+    TT_TRY(fl_model_set_tp(&part, N > 1 && !j->nosum ? (dev ? dev : comm) : NULL));
     TT_TRY(fl_model_set_tp_host(&part, N > 1 ? comm : NULL));
     snprintf(p, sizeof p, "%s/expected.safetensors", j->dir);
     TT_TRY(fl_st_open(&x, p));
@@ -130,6 +134,7 @@ static fl_status t5tp_rank(fl_comm *comm, int rank, void *ud) {
 out:
     if (x_ok) fl_st_close(&x);
     if (part_ok) fl_model_free(&part);
+    if (dev) fl_comm_destroy(dev);
     if (whole_ok) fl_model_free(&whole);
     if (ppools_ok) fl_backend_pools_free(&ppool, &phost);
     if (pools_ok) fl_backend_pools_free(&pool, &host);

@@ -16,7 +16,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "ddp_ref.h"
 #include "fitllm/comm.h"
@@ -41,40 +40,24 @@ static fl_status t5t_rank(fl_comm *c, int rank, void *ud) {
     return s;
 }
 
-static int copy_file(const char *from, const char *to) {
-    FILE *a = fopen(from, "rb"), *b = a ? fopen(to, "wb") : NULL;
-    char buf[65536];
-    size_t n;
-    int ok = a && b;
-    while (ok && (n = fread(buf, 1, sizeof buf, a)) > 0) ok = fwrite(buf, 1, n, b) == n;
-    if (a) fclose(a);
-    if (b) fclose(b);
-    return ok;
-}
-
-/* the T5 folder (relu: v1.0 with the tied, scaled head; else v1.1 gated with lm_head) under the test's tmp dir */
+/* the T5 folder (relu: v1.0 with the tied, scaled head; else v1.1 gated with lm_head; 2: v1.1 with the fixture's 3
+ * heads, which 2 ranks do not split) under the test's tmp dir */
 static const char *t5t_folder(int relu) {
-    static char dir[2][600];
+    static char dir[3][600];
     char *d = dir[relu];
-    snprintf(d, sizeof dir[0], "%s/t5tp-%s", fl_test_tmpdir(), relu ? "relu" : "gated");
-    mkdir(d, 0755);
-    const char *files[3] = {"spiece.model", "tokenizer.json", "tokenizer_config.json"};
-    char a[700], b[700];
-    for (int k = 0; k < 3; k++) {
-        snprintf(a, sizeof a, "tests/fixtures/t5-tok/%s", files[k]);
-        snprintf(b, sizeof b, "%s/%s", d, files[k]);
-        FL_REQUIRE_R(copy_file(a, b), NULL);
-    }
+    snprintf(d, sizeof dir[0], "%s/t5tp-%s", fl_test_tmpdir(), relu == 1 ? "relu" : relu ? "heads3" : "gated");
+    FL_REQUIRE_R(fl_test_t5_folder(d, "t5-tiny-gated") == 0, NULL); /* the tokenizer; config.json rewritten here */
+    char b[700];
     snprintf(b, sizeof b, "%s/config.json", d);
     FILE *f = fopen(b, "w");
     FL_REQUIRE_R(f != NULL, NULL);
     fprintf(f, "{\"architectures\": [\"T5ForConditionalGeneration\"], \"model_type\": \"t5\", \"d_model\": 36, "
-               "\"d_kv\": 10, \"d_ff\": 52, \"num_layers\": 2, \"num_decoder_layers\": 3, \"num_heads\": 4, "
+               "\"d_kv\": 10, \"d_ff\": 52, \"num_layers\": 2, \"num_decoder_layers\": 3, \"num_heads\": %d, "
                "\"relative_attention_num_buckets\": 8, \"relative_attention_max_distance\": 20, "
                "\"feed_forward_proj\": \"%s\", \"layer_norm_epsilon\": 1e-06, \"vocab_size\": 500, \"dropout_rate\": 0.1, "
                "\"decoder_start_token_id\": 0, \"pad_token_id\": 0, \"eos_token_id\": 1, \"is_encoder_decoder\": true, "
                "\"tie_word_embeddings\": %s}\n",
-            relu ? "relu" : "gated-gelu", relu ? "true" : "false");
+            relu == 2 ? 3 : 4, relu == 1 ? "relu" : "gated-gelu", relu == 1 ? "true" : "false");
     fclose(f);
     return d;
 }
@@ -149,6 +132,8 @@ static void t5t_grads(const char *dir, const char *a_out, const char *b_out, con
     fl_st_close(&b);
 }
 
+static int g_ckpt; /* activation checkpointing in both runs (the blocks' recompute runs their sums again) */
+
 /* DP dp x TP tp against one process on the folder (relu: v1.0), `steps` steps */
 static void t5t_scenario(int relu, int dp, int tp, const char *backend, int steps) {
     const char *dir = t5t_folder(relu);
@@ -162,6 +147,8 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
     for (int r = 0; r < W; r++) t5t_config(&j->cfg[r], dir, dp, tp, out), j->cfg[r].train.max_steps = steps;
     t5t_config(&one->cfg[0], dir, 1, 1, ref_out);
     one->cfg[0].train.max_steps = steps;
+    for (int r = 0; r < W; r++) j->cfg[r].train.activation_checkpointing = g_ckpt;
+    one->cfg[0].train.activation_checkpointing = g_ckpt;
     setenv("FITLLM_BACKEND", backend, 1);
     fl_status s = t5t_run(j, W);
     FL_CHECKF(s == FL_OK, "T5 at DP %d x TP %d on %s: %s", dp, tp, backend, j->msg[0][0] ? j->msg[0] : fl_error_message());
@@ -179,7 +166,8 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
             printf("    T5 %s DP %d x TP %d on %s: %d step losses within %.3g relative of one process\n",
                    relu ? "v1.0" : "v1.1", dp, tp, backend, steps, lr);
         char what[96];
-        snprintf(what, sizeof what, "T5 %s DP %d x TP %d on %s", relu ? "v1.0" : "v1.1", dp, tp, backend);
+        snprintf(what, sizeof what, "T5 %s DP %d x TP %d on %s%s", relu ? "v1.0" : "v1.1", dp, tp, backend,
+                 g_ckpt ? " (checkpointing)" : "");
         t5t_grads(dir, out, ref_out, what);
     }
     for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
@@ -239,7 +227,9 @@ FL_TEST(tp_t5_train_lora_matches_one_process) {
 FL_TEST(tp_t5_train_threads_match_one_process) {
     t5t_scenario(0, 1, 2, "cpu", 4);
     t5t_scenario(1, 1, 4, "cpu", 4);
+    g_ckpt = 1;
     t5t_scenario(0, 2, 2, "cpu", 4);
+    g_ckpt = 0;
 }
 
 /* opaque: the blocks' sums, d(encoder output)'s and the embedding's through the NCCL stand-in on device memory */
@@ -319,6 +309,37 @@ FL_TEST(tp_t5_train_plan_equals_measured) {
                        j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_OPTIM], j->res[r].peak[FL_TAG_ACTS]);
         }
         for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+}
+
+/* refused with the option and the dimension named on every rank (a rank that fails first ends its peers' set-up
+ * with its message, as tests/test_tp_train.c's refusals): 3 heads over 2 ranks; LoRA dropout on the row-parallel o
+ * (its input is the rank's columns) */
+FL_TEST(tp_t5_train_refusals) {
+    for (int k = 0; k < 2; k++) {
+        const char *dir = t5t_folder(k ? 0 : 2);
+        FL_REQUIRE(dir != NULL);
+        t5t_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        char out[700];
+        snprintf(out, sizeof out, "%s/t5tp-refused-%d", fl_test_tmpdir(), k);
+        for (int r = 0; r < 2; r++) {
+            t5t_config(&j->cfg[r], dir, 1, 2, out);
+            if (!k) continue;
+            j->cfg[r].command = FL_CMD_FINETUNE_LORA;
+            j->cfg[r].lora.projection = 1;
+            j->cfg[r].lora.dropout = 0.1f;
+        }
+        setenv("FITLLM_BACKEND", "cpu", 1);
+        fl_status s = t5t_run(j, 2);
+        unsetenv("FITLLM_BACKEND");
+        const char *want = k ? "LoRA dropout (0.1) on the row-parallel" : "the model's 3 attention heads (num_heads) do "
+                                                                         "not split evenly over 2 ranks";
+        for (int r = 0; r < 2; r++)
+            FL_CHECKF(s != FL_OK && j->st[r] != FL_OK && strstr(j->msg[r], "--tensor_parallel 2") &&
+                          strstr(j->msg[r], want),
+                      "case %d rank %d: %d '%s'", k, r, j->st[r], j->msg[r]);
         free(j);
     }
 }

@@ -227,7 +227,7 @@ fl_status fl_tr_generate_example_s2s(trainer *t) {
     const fl_run_config *c = t->cfg;
     FILE *fo = t->out;
     if (c->eval.max_new_tokens <= 0) return FL_OK;
-    int lead = fo != NULL;
+    int lead = fo || (t->tp.size > 1 && t->dp.rank == 0); /* tensor parallel: the lead's group decodes with it */
     if (t->dp.fsdp && t->dp.world > 1) { /* sharded: every rank decodes in step (fl_tr_generate_example's reason) */
         double v = lead;
         FL_TRY(fl_dp_sum(&t->dp, &v, 1));

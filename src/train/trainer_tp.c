@@ -463,9 +463,12 @@ void fl_tr_tp_print(const trainer *t, fl_comm *world) {
             "%d attention heads, %d of the %d key/value heads and %d of the %d MLP columns (QKV and gate/up "
             "column-parallel, O and down row-parallel; the token embeddings and lm_head vocabulary-parallel (%d of the %d "
             "rows; the cross-entropy combines the ranks' row statistics): %zu of the %zu parameters); norms replicated; "
-            "2 all-reduces of (B T, C) per block forward and 2 backward; the group of rank 0 reports and writes "
+            "2 all-reduces of (B T, C) per block forward and 2 backward%s; the group of rank 0 reports and writes "
             "consolidated checkpoints\n",
             t->tp.size, t->dp.world, t->dp.world == 1 ? "" : "s", fl_comm_impl_name(world), p->n_heads, w->n_heads,
             p->n_kv_heads, w->n_kv_heads, p->ffn_dim, w->ffn_dim, vr, w->vocab_size, t->model.layout.numel,
-            t->tp.whole_numel);
+            t->tp.whole_numel,
+            p->n_dec_layers > 0 ? " (T5's decoder block 3 and 3: its cross-attention's q and k|v column-parallel, o "
+                                  "row-parallel; each stack's relative position bias split by heads; d(encoder output) "
+                                  "summed once per backward)" : "");
 }
