@@ -55,6 +55,7 @@ typedef struct {
     size_t recompute;      /* checkpointing: one layer's saved tensors, live while it is recomputed in backward */
     size_t comm;           /* DDP's gradient buckets; FSDP's gathered blocks and their full gradients */
     size_t host;           /* ZeRO-2 offload: what the host holds (state, fp32 gradients, fp32 master) */
+    size_t dev_grads, dev_optim; /* what of grads and optim is on the device (per rank; offload: the bucket) */
 } fl_lab_peer;
 
 /* One step's setup for fl_lab_peer_pytorch_setup (zero: a full fine-tune with AdamW on one device). */
@@ -142,6 +143,7 @@ typedef struct {
     /* planned at the real scale: the real model, T 1024, 80 GB */
     fl_plan_verdict ref_planned;
     size_t ref_peak;
+    size_t ref_tag[FL_TAG_COUNT]; /* its peak per tag (--peer pytorch's "why fitllm differs", by category) */
     /* reserved and live bytes per tag at each phase (after_load, before_fwd, after_fwd,
      * after_bwd, after_opt_step): measured for runs that fit, planned (no budget) otherwise */
     fl_mem_phase phases[FL_PLAN_MAX_PHASES];

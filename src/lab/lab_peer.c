@@ -280,6 +280,7 @@ static void model_peak(const fl_model_config *mc, size_t n_params, const fl_lab_
         comm = 3 * unit * s.e;
     }
     out->comm = comm;
+    out->dev_grads = dev_grads, out->dev_optim = dev_optim;
     size_t base = out->params + out->quant + dev_optim + comm;
     size_t start = base + out->saved + out->logits + out->transient;
     size_t recompute = base + out->saved + out->recompute + (s.V * s.d + s.d) * s.e; /* with the head's gradients */

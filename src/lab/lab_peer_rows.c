@@ -1,6 +1,7 @@
 /* `fitllm lab --peer pytorch` for the lab's own rows (issue 33): beside each row's plan at the real scale (the real
  * model, the plan's T, the row's micro batch, per rank), what PyTorch would need, from fl_lab_peer_pytorch_setup
  * (src/lab/lab_peer.c), and which part of that figure is measured (tests/ref/pytorch_alloc.py) and which modelled. */
+#include <math.h>
 #include <string.h>
 
 #include "lab-impl.h"
@@ -56,6 +57,43 @@ void fl_lab_b2_row_peer(const lab_exp *e, int ranks, const fl_blip2_config *real
     peer_done(fl_lab_peer_pytorch_blip2(real, &u, &r->peer), &u, r);
 }
 
+/* Why fitllm's plan of the row differs from PyTorch's figure, in numbers: the verdicts (the course's, fitllm's,
+ * PyTorch's) and each category at its own peak, fitllm's tags against PyTorch's measured / modelled parts. "" when
+ * fitllm has no plan of the row at the real scale. */
+void fl_lab_peer_why(const fl_lab_report *rep, const fl_lab_row *r, char *b, size_t n) {
+    b[0] = 0;
+    if (!r->peer_ok || (r->ref_planned != FL_PLAN_FITS && r->ref_planned != FL_PLAN_OOM)) return;
+    const fl_lab_peer *q = &r->peer;
+    const size_t *t = r->ref_tag;
+    const double G = 1e9, rest = (double)(t[FL_TAG_WORKSPACE] + t[FL_TAG_OTHER] + t[FL_TAG_GATHER]);
+    const int pt_fits = q->peak <= rep->ref_device, fl_fits = r->ref_planned == FL_PLAN_FITS;
+    char v[160] = "", nf4[64] = "", ex[128] = "";
+    if (fl_fits != pt_fits || (r->expected == FL_LAB_FITS) != fl_fits)
+        snprintf(v, sizeof v, "verdicts: the course %s, fitllm %s, PyTorch %s (before its CUDA context and caching "
+                 "allocator); ", fl_lab_verdict_name(r->expected), fl_fits ? "fits" : "OOM", pt_fits ? "fits" : "OOM");
+    if (q->quant) snprintf(nf4, sizeof nf4, " (PyTorch: %.3f of it NF4 absmax and codes)", q->quant / G);
+    size_t k = 0; /* PyTorch's modelled transients beside the logits, those it has */
+    if (q->recompute) k += (size_t)snprintf(ex + k, sizeof ex - k, ", one block's recompute %.2f", q->recompute / G);
+    if (q->step_temp && k < sizeof ex) k += (size_t)snprintf(ex + k, sizeof ex - k, ", AdamW's step %.2f", q->step_temp / G);
+    if (q->comm && k < sizeof ex) snprintf(ex + k, sizeof ex - k, ", DDP / FSDP buffers %.2f", q->comm / G);
+    const double pt_rest = (double)(q->logits + q->transient + q->step_temp + q->comm + q->recompute);
+    const double d[5] = {(double)t[FL_TAG_PARAMS] - (double)(q->params + q->quant),
+                         (double)t[FL_TAG_GRADS] - (double)q->dev_grads, (double)t[FL_TAG_OPTIM] - (double)q->dev_optim,
+                         (double)t[FL_TAG_ACTS] - (double)q->saved, rest - pt_rest};
+    static const char *const cat[5] = {"weights", "gradients", "optimizer state", "activations", "the rest"};
+    int big = 0;
+    for (int i = 1; i < 5; i++)
+        if (fabs(d[i]) > fabs(d[big])) big = i;
+    snprintf(b, n, "why fitllm differs: %sfitllm - PyTorch = %+.2f GB, most of it %s (%+.2f GB); fitllm vs PyTorch by "
+             "category (GB, each at its "
+             "own peak): weights %.2f vs %.2f%s, gradients %.2f vs %.2f, optimizer state %.2f vs %.2f, activations "
+             "(fitllm ACTS; PyTorch's saved tensors) %.2f vs %.2f, the rest (fitllm WORKSPACE + OTHER + GATHER; "
+             "PyTorch: logits %.2f and their gradients %.2f%s) %.2f vs %.2f", v,
+             ((double)r->ref_peak - (double)q->peak) / G, cat[big], d[big] / G, t[FL_TAG_PARAMS] / G, (q->params + q->quant) / G, nf4,
+             t[FL_TAG_GRADS] / G, q->dev_grads / G, t[FL_TAG_OPTIM] / G, q->dev_optim / G, t[FL_TAG_ACTS] / G,
+             q->saved / G, q->logits / G, q->transient / G, ex, rest / G, pt_rest / G);
+}
+
 static int any_peer(const fl_lab_report *rep) {
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].peer_ok || rep->rows[i].peer_note[0]) return 1;
@@ -91,6 +129,9 @@ void fl_lab_peer_rows_print(const fl_lab_report *rep, FILE *f) {
         fprintf(f, "%-17s %-17s %5d %9.2f %-7s | %9s %-7s %6s\n", r->name, r->ref_model, r->peer_T, r->peer.peak / 1e9,
                 r->peer.peak > rep->ref_device ? "OOM" : "fits", fl, fl_lab_plan_name(r->ref_planned), ratio);
         fl_lab_wrap(f, "    ", r->peer_note, 120, 4);
+        char why[1024];
+        fl_lab_peer_why(rep, r, why, sizeof why);
+        if (why[0]) fl_lab_wrap(f, "    ", why, 120, 4);
     }
 }
 
@@ -105,23 +146,26 @@ void fl_lab_peer_rows_md(FILE *f, const fl_lab_report *rep) {
                "**modelled**. Not counted: the CUDA caching allocator's rounding and fragmentation, the CUDA context. "
                "GB = 1e9 bytes; the verdict on one %.0f GB GPU per rank.\n\n| experiment | real model | T | micro "
                "batch | PyTorch: GB | verdict | params | grads | optimizer | saved | logits + grads | fitllm: GB | "
-               "verdict | fitllm / PyTorch | basis |\n|", rep->ref_device / 1e9);
-    for (int k = 0; k < 15; k++) fprintf(f, "---|");
+               "verdict | fitllm / PyTorch | basis | why fitllm differs |\n|", rep->ref_device / 1e9);
+    for (int k = 0; k < 16; k++) fprintf(f, "---|");
     fprintf(f, "\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         if (!r->peer_ok && !r->peer_note[0]) continue;
         fprintf(f, "| %s | %s | %d | %d |", r->name, r->ref_model, r->peer_T, r->B);
         if (!r->peer_ok) {
-            fprintf(f, " - | - | | | | | | %.2f | %s | | not modelled: %s |\n", r->ref_peak / 1e9,
+            fprintf(f, " - | - | | | | | | %.2f | %s | | not modelled: %s | |\n", r->ref_peak / 1e9,
                     fl_lab_plan_name(r->ref_planned), r->peer_note);
             continue;
         }
         const fl_lab_peer *q = &r->peer;
-        fprintf(f, " %.2f | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s | %.3f | %s |\n", q->peak / 1e9,
+        char why[1024];
+        fl_lab_peer_why(rep, r, why, sizeof why);
+        fprintf(f, " %.2f | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s | %.3f | %s | %s |\n", q->peak / 1e9,
                 q->peak > rep->ref_device ? "OOM" : "fits", (q->params + q->quant) / 1e9, q->grads / 1e9,
                 q->optim / 1e9, q->saved / 1e9, (q->logits + q->transient) / 1e9, r->ref_peak / 1e9,
-                fl_lab_plan_name(r->ref_planned), (double)r->ref_peak / (double)q->peak, r->peer_note);
+                fl_lab_plan_name(r->ref_planned), (double)r->ref_peak / (double)q->peak, r->peer_note,
+                why[0] ? why + strlen("why fitllm differs: ") : "-");
     }
     fprintf(f, "\n");
 }

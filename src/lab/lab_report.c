@@ -336,6 +336,10 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
             else fprintf(f, "null");
             fprintf(f, ", \"pytorch_seq_len\": %d, \"pytorch_basis\": ", r->peer_T);
             jstr(f, r->peer_note);
+            char why[1024];
+            fl_lab_peer_why(rep, r, why, sizeof why);
+            fprintf(f, ", \"pytorch_why\": ");
+            jstr(f, why);
         }
         fprintf(f, ", \"final_loss\": ");
         jnum(f, r->final_loss);
