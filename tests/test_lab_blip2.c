@@ -61,7 +61,8 @@ static void check_verdicts(const fl_lab_report *rep, const char *scale) {
  * why fitllm differs, in numbers: the difference of the two peaks (the row's own figures) and each category at its
  * own peak; the baseline names the verdicts (the course and fitllm: OOM; PyTorch's modelled figure fits, before its
  * CUDA context and caching allocator), and its largest difference is fitllm's activations (its arena carves every
- * part's blocks, the frozen vision tower's too). */
+ * part's blocks, the frozen vision tower's too); LoRA and QLoRA (Flan-T5-XXL) are modelled: PyTorch's adapters'
+ * gradients equal fitllm's. */
 static void check_peer_why(const fl_lab_report *rep) {
     int with_why = 0;
     for (int i = 0; i < rep->n; i++) {
@@ -72,18 +73,23 @@ static void check_peer_why(const fl_lab_report *rep) {
             FL_CHECKF(!why[0], "%s: %s", r->name, why);
             continue;
         }
-        if (!r->peer_ok && strstr(r->technique, "lora")) continue; /* LoRA / QLoRA: not modelled yet */
         FL_CHECKF(r->peer_ok, "%s: PyTorch not modelled: %s", r->name, r->peer_note);
         if (!r->peer_ok) continue;
         snprintf(diff, sizeof diff, "fitllm - PyTorch = %+.2f GB", ((double)r->ref_peak - (double)r->peer.peak) / 1e9);
         FL_CHECKF(strstr(why, diff) && strstr(why, "activations (fitllm ACTS; PyTorch's saved tensors)"), "%s: %s",
                   r->name, why);
         with_why++;
+        if (strstr(r->technique, "lora")) {
+            char g[64];
+            snprintf(g, sizeof g, "gradients %.2f vs %.2f", r->ref_tag[FL_TAG_GRADS] / 1e9, r->peer.dev_grads / 1e9);
+            FL_CHECKF(strstr(why, g) && r->ref_tag[FL_TAG_GRADS] == r->peer.grads, "%s: fitllm's adapter gradients "
+                      "%zu, PyTorch's %zu", r->name, r->ref_tag[FL_TAG_GRADS], r->peer.grads);
+        }
         if (!strcmp(r->name, "baseline"))
             FL_CHECKF(strstr(why, "verdicts: the course OOM, fitllm OOM, PyTorch fits") &&
                           strstr(why, "most of it activations (+"), "%s", why);
     }
-    FL_CHECKF(with_why >= 11, "%d rows say why", with_why); /* all but fsdp (n/a for BLIP-2 in this build) */
+    FL_CHECKF(with_why == 13, "%d rows say why", with_why); /* all but fsdp (n/a for BLIP-2 in this build) */
 }
 
 FL_TEST(lab_blip2_real_scale_verdicts) {

@@ -65,12 +65,14 @@ typedef struct {
     int T_dec;               /* an encoder-decoder (Flan-T5): the decoder's length (the labels'); T is the encoder's */
     int act_ckpt;            /* HF gradient checkpointing (reentrant): each layer's input saved, recomputed */
     int lora_r;              /* > 0: PEFT LoRA of rank r on query and value (dropout > 0), fp32 adapters */
-    int nf4;                 /* with lora_r, 32-true: QLoRA, the linears in bitsandbytes NF4 (fp32 compute) */
+    int nf4;                 /* with lora_r: QLoRA, the block linears in bitsandbytes NF4, computing in the precision's
+                              * dtype (32-true: fp32, bf16-true: bf16) */
     const char *optim;       /* "adamw" (NULL), "sgd" (no momentum), "adamw8bit" (bitsandbytes) */
     int cpu_dropout;         /* 1: dropout as the CPU runs it (fp32 noise: the fixture's); 0: CUDA's bool mask */
     int offload;             /* DeepSpeed ZeRO-2 offload: the optimizer on the host (modelled) */
     int ranks;               /* > 1: per rank under strategy "ddp" or "fsdp" (modelled) */
     const char *strategy;
+    int dq;                  /* with nf4: bitsandbytes' double quantization (the absmax in 8 bits) */
 } fl_lab_peer_setup;
 
 
