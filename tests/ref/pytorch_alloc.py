@@ -35,6 +35,13 @@
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py gpt2 > tests/fixtures/pytorch-alloc-gpt2.json
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py opt > tests/fixtures/pytorch-alloc-opt.json
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py t5 > tests/fixtures/pytorch-alloc-t5.json
+#   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py blip2 > tests/fixtures/pytorch-alloc-blip2.json
+#   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py peft > tests/fixtures/pytorch-alloc-peft.json
+# `peft`: LoRA and QLoRA beyond LLaMA's 32-true rows: LLaMA's QLoRA in bf16 and with double quantization ("nf4-dq"),
+# OPT and Flan-T5 under LoRA and QLoRA (fp32, bf16), BLIP-2 under LoRA and QLoRA (PEFT on the whole model, targets
+# the language model's query and value). Quantized models go through save_pretrained / from_pretrained with the
+# BitsAndBytesConfig, as QLoRA loads a checkpoint. bitsandbytes' dequantized weight (MatMul4Bit: forward and backward
+# each dequantize one weight to the compute dtype and drop it) is modelled in C from its source, not measured.
 # (FL_ALLOC_VERBOSE=1: every saved tensor's shape and dtype on stderr.)
 import contextlib, json, os, sys, tempfile, warnings, weakref
 import torch
