@@ -748,9 +748,13 @@ FL_TEST(lab_peer_pytorch_opt_matches_torch) {
     FL_REQUIRE_OK(fl_lab_peer_pytorch_setup(&o, n, &u, &p));
     FL_CHECKF(p.params == 2 * n && p.optim > 4 * n && p.peak > p.params + p.grads + p.optim, "params %zu of %zu",
               p.params, n);
-    u.optim = "adamw8bit"; /* LoRA and QLoRA are modelled (lab_peer_pytorch_peft_matches_torch), 8-bit AdamW not */
+    u.optim = "adamw8bit"; /* measured in lab_peer_pytorch_peft_matches_torch: 2 bytes a parameter + absmax per 256 */
+    fl_lab_peer q;
+    FL_REQUIRE_OK(fl_lab_peer_pytorch_setup(&o, n, &u, &q));
+    FL_CHECKF(q.optim > 2 * n && q.optim < 2 * n + n / 16 && q.params == p.params, "8-bit state %zu for %zu", q.optim, n);
+    u.optim = "sgd", u.precision = "16-true";
     FL_CHECK(fl_lab_peer_pytorch_setup(&o, n, &u, &p) == FL_ERR_UNSUPPORTED &&
-             strstr(fl_error_message(), "OPT with 8-bit AdamW is not modelled"));
+             strstr(fl_error_message(), "precision 16-true is not modelled"));
 }
 
 /* Flan-T5 (BLIP-2's other language model): HF T5ForConditionalGeneration with its own head, every precision,
@@ -869,10 +873,12 @@ FL_TEST(lab_peer_pytorch_blip2_matches_torch) {
 /* LoRA and QLoRA beyond LLaMA's 32-true rows (tests/ref/pytorch_alloc.py peft): LLaMA's QLoRA computing in bf16 and
  * with double quantization, OPT's and Flan-T5's LoRA and QLoRA (fp32 and bf16, NF4 with and without double
  * quantization), BLIP-2 with either under LoRA and QLoRA (PEFT on the whole model, the language model's query and
- * value the targets), byte for byte per category. */
+ * value the targets), byte for byte per category; and bitsandbytes' AdamW8bit on GPT-2's, OPT's and Flan-T5's full
+ * fine-tunes (tests/ref/pytorch_alloc.py 8bit). */
 FL_TEST(lab_peer_pytorch_peft_matches_torch) {
     alloc_rows("tests/fixtures/pytorch-alloc-peft.json", 38);
     FL_CHECK(blip2_rows("tests/fixtures/pytorch-alloc-peft.json") == 16);
+    alloc_rows("tests/fixtures/pytorch-alloc-8bit.json", 12); /* AdamW8bit on GPT-2, OPT, Flan-T5, fp32 and bf16 */
 }
 
 /* issue 33 Verify: `plan` at the real scale, at the course's settings (its recipes' models, precisions and batches;

@@ -56,7 +56,11 @@ typedef struct {
     size_t comm;           /* DDP's gradient buckets; FSDP's gathered blocks and their full gradients */
     size_t host;           /* ZeRO-2 offload: what the host holds (state, fp32 gradients, fp32 master) */
     size_t dev_grads, dev_optim; /* what of grads and optim is on the device (per rank; offload: the bucket) */
+    int peak_at;           /* where the peak is: FL_PEER_AT_* */
 } fl_lab_peer;
+/* fl_lab_peer.peak_at: the start of the backward (the saved tensors and the logits' gradients live), its end (the
+ * gradients, the saved tensors freed), the optimizer step (its temporary), a checkpointed block's recompute */
+enum { FL_PEER_AT_BWD_START = 0, FL_PEER_AT_BWD_END, FL_PEER_AT_STEP, FL_PEER_AT_RECOMPUTE };
 
 /* One step's setup for fl_lab_peer_pytorch_setup (zero: a full fine-tune with AdamW on one device). */
 typedef struct {

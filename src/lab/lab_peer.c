@@ -192,13 +192,31 @@ static size_t adam8bit_tensor(size_t n) {
     return n >= 4096 ? 2 * n + 2 * ((n + 255) / 256) * 4 : 8 * n;
 }
 
-static size_t adam8bit_state(const fl_model_config *mc, const shape *s) {
-    const size_t lin[7] = {s->d * s->H * s->hd, s->d * s->KV * s->hd, s->d * s->KV * s->hd, s->H * s->hd * s->d,
-                           s->d * s->ff, s->d * s->ff, s->ff * s->d};
-    size_t layer = 2 * adam8bit_tensor(s->d), total = 2048;
-    for (int i = 0; i < 7; i++) layer += adam8bit_tensor(lin[i]);
-    total += s->L * layer + adam8bit_tensor(s->d) + adam8bit_tensor(s->V * s->d);
-    if (!mc->tie_embeddings) total += adam8bit_tensor(s->V * s->d);
+/* bitsandbytes' AdamW8bit state of a full fine-tune, tensor by tensor (the two 256-entry fp32 maps once). The tables
+ * whose size the config does not give (GPT-2's and OPT's position tables, Flan-T5's two relative-position tables) are
+ * what n_params leaves. */
+static size_t adam8bit_state(const fl_model_config *mc, const shape *s, size_t n_params) {
+    const size_t d = s->d, ff = s->ff, HD = s->H * s->hd, KVD = s->KV * s->hd, L = s->L, Ld = s->Ld, V = s->V;
+    size_t total = 2048, known = 0;
+#define TENSORS(n, c) (total += (c) * adam8bit_tensor(n), known += (c) * (n))
+    if (mc->arch == FL_ARCH_GPT2) { /* per layer two LayerNorms (w, b), c_attn, attn c_proj, c_fc, mlp c_proj (w, b) */
+        TENSORS(d, 4 * L), TENSORS(d * 3 * HD, L), TENSORS(3 * HD, L), TENSORS(HD * d, L), TENSORS(d, L);
+        TENSORS(d * ff, L), TENSORS(ff, L), TENSORS(ff * d, L), TENSORS(d, L), TENSORS(d, 2), TENSORS(V * d, 1);
+    } else if (mc->arch == FL_ARCH_OPT) { /* per layer q, k, v, out (w, b), two LayerNorms, fc1, fc2 (w, b) */
+        TENSORS(d * HD, 4 * L), TENSORS(HD, 3 * L), TENSORS(d, L), TENSORS(d, 4 * L), TENSORS(d * ff, 2 * L);
+        TENSORS(ff, L), TENSORS(d, L), TENSORS(d, 2), TENSORS(V * d, 1);
+    } else if (mc->arch == FL_ARCH_T5) { /* q, k, v, o, the norms, wi_0, wi_1, wo; the decoder's cross-attention */
+        TENSORS(d * HD, 4 * L + 8 * Ld), TENSORS(d, 2 * L + 3 * Ld + 2), TENSORS(d * ff, 3 * (L + Ld)), TENSORS(V * d, 2);
+        const size_t rel = (n_params - known) / 2;
+        TENSORS(rel, 2);
+        return total;
+    } else { /* LLaMA: two norms, q, k, v, o, gate, up, down per layer; the final norm, the table (+ the head) */
+        TENSORS(d, 2 * L + 1), TENSORS(d * HD, 2 * L), TENSORS(d * KVD, 2 * L), TENSORS(d * ff, 3 * L);
+        TENSORS(V * d, mc->tie_embeddings ? 1 : 2);
+        return total;
+    }
+    TENSORS(n_params - known, 1); /* GPT-2's and OPT's position table */
+#undef TENSORS
     return total;
 }
 
@@ -273,12 +291,9 @@ static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup 
     if (mc->arch == FL_ARCH_T5 && u->T_dec <= 0)
         return fl_errorf(FL_ERR_INVALID, "--peer pytorch: %s: the decoder's length T_dec is %d", mc->name,
                          u->T_dec);
-    if (mc->arch == FL_ARCH_GPT2 && (u->lora_r || u->nf4 || (u->optim && !strcmp(u->optim, "adamw8bit"))))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is modelled for full fine-tunes with AdamW or SGD "
-                         "(measured), not LoRA, QLoRA or 8-bit AdamW", fl_arch_get(mc->arch)->display);
-    if (mc->arch != FL_ARCH_LLAMA && u->optim && !strcmp(u->optim, "adamw8bit"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s with 8-bit AdamW is not modelled (measured: LLaMA's)",
-                         fl_arch_get(mc->arch)->display);
+    if (mc->arch == FL_ARCH_GPT2 && (u->lora_r || u->nf4))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is modelled for full fine-tunes (measured), not LoRA "
+                         "or QLoRA", fl_arch_get(mc->arch)->display);
     if (strcmp(p, "32-true") && strcmp(p, "bf16-true") && strcmp(p, "bf16-mixed") && strcmp(p, "16-mixed"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: precision %s is not modelled (32-true, bf16-true, "
                          "bf16-mixed and 16-mixed are)", p);
@@ -324,7 +339,7 @@ static void categories(const fl_model_config *mc, size_t n_params, const fl_lab_
     out->trainable = trainable;
     out->grads = trainable * state_e;
     if (!strcmp(optim, "sgd")) out->optim = 0; /* no momentum: stateless */
-    else if (!strcmp(optim, "adamw8bit")) out->optim = adam8bit_state(mc, s);
+    else if (!strcmp(optim, "adamw8bit")) out->optim = adam8bit_state(mc, s, n_params);
     else out->optim = 2 * trainable * state_e + 4 * (u->lora_r ? 2 * modules : tensors); /* + a fp32 step per tensor */
     out->saved = u->lora_r && t5 ? saved_t5_lora(s) : u->lora_r && opt ? saved_opt_lora(s) : t5 ? saved_t5(s) :
                  gpt2 || opt ? saved_gpt2(s, opt) : saved_bytes(s);
@@ -386,9 +401,10 @@ static void model_peak(const fl_model_config *mc, size_t n_params, const fl_lab_
     size_t recompute = base + out->saved + out->recompute + (s.V * s.d + s.d) * s.e; /* with the head's gradients */
     size_t end = base + dev_grads + out->logits;
     size_t step = base + dev_grads + out->step_temp;
-    out->peak = start > end ? start : end;
-    if (step > out->peak) out->peak = step;
-    if (u->act_ckpt && recompute > out->peak) out->peak = recompute;
+    out->peak = start, out->peak_at = FL_PEER_AT_BWD_START;
+    if (end > out->peak) out->peak = end, out->peak_at = FL_PEER_AT_BWD_END;
+    if (step > out->peak) out->peak = step, out->peak_at = FL_PEER_AT_STEP;
+    if (u->act_ckpt && recompute > out->peak) out->peak = recompute, out->peak_at = FL_PEER_AT_RECOMPUTE;
 }
 
 fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u,

@@ -65,33 +65,39 @@ void fl_lab_peer_why(const fl_lab_report *rep, const fl_lab_row *r, char *b, siz
     if (!r->peer_ok || (r->ref_planned != FL_PLAN_FITS && r->ref_planned != FL_PLAN_OOM)) return;
     const fl_lab_peer *q = &r->peer;
     const size_t *t = r->ref_tag;
-    const double G = 1e9, rest = (double)(t[FL_TAG_WORKSPACE] + t[FL_TAG_OTHER] + t[FL_TAG_GATHER]);
-    const int pt_fits = q->peak <= rep->ref_device, fl_fits = r->ref_planned == FL_PLAN_FITS;
-    char v[160] = "", nf4[64] = "", ex[128] = "";
+    const double G = 1e9;
+    const int pt_fits = q->peak <= rep->ref_device, fl_fits = r->ref_planned == FL_PLAN_FITS, at = q->peak_at;
+    char v[160] = "", nf4[64] = "", freed[96] = "";
     if (fl_fits != pt_fits || (r->expected == FL_LAB_FITS) != fl_fits)
         snprintf(v, sizeof v, "verdicts: the course %s, fitllm %s, PyTorch %s (before its CUDA context and caching "
                  "allocator); ", fl_lab_verdict_name(r->expected), fl_fits ? "fits" : "OOM", pt_fits ? "fits" : "OOM");
     if (q->quant) snprintf(nf4, sizeof nf4, " (PyTorch: %.3f of it NF4 absmax and codes)", q->quant / G);
-    size_t k = 0; /* PyTorch's modelled transients beside the logits, those it has */
-    if (q->recompute) k += (size_t)snprintf(ex + k, sizeof ex - k, ", one block's recompute %.2f", q->recompute / G);
-    if (q->step_temp && k < sizeof ex) k += (size_t)snprintf(ex + k, sizeof ex - k, ", AdamW's step %.2f", q->step_temp / G);
-    if (q->comm && k < sizeof ex) snprintf(ex + k, sizeof ex - k, ", DDP / FSDP buffers %.2f", q->comm / G);
-    const double pt_rest = (double)(q->logits + q->transient + q->step_temp + q->comm + q->recompute);
-    const double d[5] = {(double)t[FL_TAG_PARAMS] - (double)(q->params + q->quant),
-                         (double)t[FL_TAG_GRADS] - (double)q->dev_grads, (double)t[FL_TAG_OPTIM] - (double)q->dev_optim,
-                         (double)t[FL_TAG_ACTS] - (double)q->saved, rest - pt_rest};
+    /* PyTorch's parts live at its peak (lab_peer.c model_peak): the rest is the logits, their gradients, the step's
+     * temporary, the head's gradients under a recompute, DDP / FSDP buffers */
+    const double pw = (double)(q->params + q->quant), po = (double)q->dev_optim;
+    const double pg = at == FL_PEER_AT_BWD_END || at == FL_PEER_AT_STEP ? (double)q->dev_grads : 0;
+    const double pa = at == FL_PEER_AT_BWD_START ? (double)q->saved :
+                      at == FL_PEER_AT_RECOMPUTE ? (double)(q->saved + q->recompute) : 0;
+    const double pr = (double)q->peak - pw - po - pg - pa;
+    const double fw = (double)t[FL_TAG_PARAMS], fg = (double)t[FL_TAG_GRADS], fo = (double)t[FL_TAG_OPTIM],
+                 fa = (double)t[FL_TAG_ACTS], fr = (double)(t[FL_TAG_WORKSPACE] + t[FL_TAG_OTHER] + t[FL_TAG_GATHER]);
+    const double d[5] = {fw - pw, fg - pg, fo - po, fa - pa, fr - pr};
     static const char *const cat[5] = {"weights", "gradients", "optimizer state", "activations", "the rest"};
+    static const char *const when[4] = {"the start of its backward", "the end of its backward", "its optimizer step",
+                                        "a checkpointed block's recompute"};
     int big = 0;
     for (int i = 1; i < 5; i++)
         if (fabs(d[i]) > fabs(d[big])) big = i;
-    snprintf(b, n, "why fitllm differs: %sfitllm - PyTorch = %+.2f GB, most of it %s (%+.2f GB); fitllm vs PyTorch by "
-             "category (GB, each at its "
-             "own peak): weights %.2f vs %.2f%s, gradients %.2f vs %.2f, optimizer state %.2f vs %.2f, activations "
-             "(fitllm ACTS; PyTorch's saved tensors) %.2f vs %.2f, the rest (fitllm WORKSPACE + OTHER + GATHER; "
-             "PyTorch: logits %.2f and their gradients %.2f%s) %.2f vs %.2f", v,
-             ((double)r->ref_peak - (double)q->peak) / G, cat[big], d[big] / G, t[FL_TAG_PARAMS] / G, (q->params + q->quant) / G, nf4,
-             t[FL_TAG_GRADS] / G, q->dev_grads / G, t[FL_TAG_OPTIM] / G, q->dev_optim / G, t[FL_TAG_ACTS] / G,
-             q->saved / G, q->logits / G, q->transient / G, ex, rest / G, pt_rest / G);
+    if (pa == 0 && q->saved)
+        snprintf(freed, sizeof freed, ", its saved tensors (%.2f) freed by then", q->saved / G);
+    else if (pg == 0 && q->dev_grads)
+        snprintf(freed, sizeof freed, ", its gradients (%.2f) not allocated yet", q->dev_grads / G);
+    snprintf(b, n, "why fitllm differs: %sfitllm - PyTorch = %+.2f GB, most of it %s (%+.2f GB); fitllm (each tag at its "
+             "own peak) vs PyTorch at its peak, GB: weights %.2f vs %.2f%s, gradients %.2f vs %.2f, optimizer state "
+             "%.2f vs %.2f, activations (fitllm ACTS; PyTorch's saved tensors) %.2f vs %.2f, the rest (fitllm "
+             "WORKSPACE + OTHER + GATHER; PyTorch's logits, their gradients, temporaries) %.2f vs %.2f; PyTorch's "
+             "peak is at %s%s", v, ((double)r->ref_peak - (double)q->peak) / G, cat[big], d[big] / G, fw / G, pw / G,
+             nf4, fg / G, pg / G, fo / G, po / G, fa / G, pa / G, fr / G, pr / G, when[at], freed);
 }
 
 static int any_peer(const fl_lab_report *rep) {
@@ -139,12 +145,15 @@ void fl_lab_peer_rows_md(FILE *f, const fl_lab_report *rep) {
     if (!rep->peer_pytorch || !any_peer(rep)) return;
     fprintf(f, "### PyTorch would need (`--peer pytorch`)\n\nEach row at the real scale (its real model, the real "
                "plan's T (BLIP-2: the caption's tokens), the row's micro batch, per rank) as PyTorch would run it (HF "
-               "LlamaForCausalLM, or Blip2ForConditionalGeneration with OPT or Flan-T5, the vision tower frozen; sdpa; the "
+               "LlamaForCausalLM or GPT2LMHeadModel, or Blip2ForConditionalGeneration with OPT or Flan-T5, the vision "
+               "tower frozen; sdpa; the "
                "row's optimizer, autocast, HF checkpointing, PEFT LoRA, bitsandbytes NF4, DeepSpeed ZeRO-2 offload, "
                "DDP, FSDP), from `fl_lab_peer_pytorch_setup` (src/lab/lab_peer.c). Each row says which categories are "
                "**measured** (tests/ref/pytorch_alloc.py on the CPU, reproduced byte for byte) and what is "
                "**modelled**. Not counted: the CUDA caching allocator's rounding and fragmentation, the CUDA context. "
-               "GB = 1e9 bytes; the verdict on one %.0f GB GPU per rank.\n\n| experiment | real model | T | micro "
+               "GB = 1e9 bytes; the verdict on one %.0f GB GPU per rank. The last column: why fitllm's plan differs, "
+               "category by category, each at its own peak (fitllm's tags against PyTorch's parts).\n\n| experiment "
+               "| real model | T | micro "
                "batch | PyTorch: GB | verdict | params | grads | optimizer | saved | logits + grads | fitllm: GB | "
                "verdict | fitllm / PyTorch | basis | why fitllm differs |\n|", rep->ref_device / 1e9);
     for (int k = 0; k < 16; k++) fprintf(f, "---|");

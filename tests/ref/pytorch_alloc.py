@@ -37,6 +37,7 @@
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py t5 > tests/fixtures/pytorch-alloc-t5.json
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py blip2 > tests/fixtures/pytorch-alloc-blip2.json
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py peft > tests/fixtures/pytorch-alloc-peft.json
+#   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py 8bit > tests/fixtures/pytorch-alloc-8bit.json
 # `peft`: LoRA and QLoRA beyond LLaMA's 32-true rows: LLaMA's QLoRA in bf16 and with double quantization ("nf4-dq"),
 # OPT and Flan-T5 under LoRA and QLoRA (fp32, bf16), BLIP-2 under LoRA and QLoRA (PEFT on the whole model, targets
 # the language model's query and value). Quantized models go through save_pretrained / from_pretrained with the
@@ -285,8 +286,18 @@ def main():
     SHAPES = ((2, 24, 1, 4, 4, 64, 172, 512, 16), (2, 24, 2, 4, 4, 64, 172, 512, 16), (1, 37, 2, 4, 2, 64, 172, 512, 16),
               (3, 20, 3, 8, 2, 96, 256, 300, 12))
     rows = []
-    ARCH = sys.argv[1] if sys.argv[1:] in (["gpt2"], ["opt"], ["t5"], ["blip2"], ["peft"]) else ""
-    if ARCH == "peft":  # LoRA and QLoRA beyond LLaMA's 32-true rows: bf16 compute, double quantization, OPT, T5, BLIP-2
+    ARCH = sys.argv[1] if sys.argv[1:] in (["gpt2"], ["opt"], ["t5"], ["blip2"], ["peft"], ["8bit"]) else ""
+    if ARCH == "8bit":  # bitsandbytes' AdamW8bit on GPT-2's, OPT's and Flan-T5's full fine-tunes (fp32 and bf16)
+        for arch, S in (("gpt2", ((2, 24, 1, 4, 4, 64, 256, 512, 16), (1, 37, 2, 4, 4, 64, 172, 300, 16))),
+                        ("opt", ((2, 24, 1, 4, 4, 64, 256, 512, 16), (1, 37, 2, 4, 4, 64, 172, 300, 16)))):
+            for s in S:
+                for prec in ("32-true", "bf16-true"):
+                    rows.append(measure(*s[:2], prec, *s[2:], optim="adamw8bit", arch=arch))
+        for s in ((2, 24, 1, 4, 4, 64, 96, 512, 16, 10, 1), (1, 37, 2, 4, 4, 64, 172, 300, 16, 5, 2)):
+            for prec in ("32-true", "bf16-true"):
+                rows.append(measure(*s[:2], prec, *s[2:9], optim="adamw8bit", arch="t5", Tt=s[9], Ld=s[10]))
+        SHAPES = ()
+    elif ARCH == "peft":  # LoRA and QLoRA beyond LLaMA's 32-true rows: bf16 compute, double quantization, OPT, T5, BLIP-2
         for s in ((2, 24, 2, 4, 2, 64, 192, 512, 16), (3, 20, 3, 8, 2, 96, 256, 300, 12)):
             rows.append(measure(*s[:2], "bf16-true", *s[2:], lora_r=8, quant="nf4"))
             rows.append(measure(*s[:2], "32-true", *s[2:], lora_r=8, quant="nf4-dq"))
