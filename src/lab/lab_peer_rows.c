@@ -179,11 +179,14 @@ void fl_lab_peer_rows_md(FILE *f, const fl_lab_report *rep) {
     fprintf(f, "\n");
 }
 
+static const char *const k_peak_at[4] = {"backward_start", "backward_end", "optimizer_step", "recompute"};
+
 void fl_lab_peer_json(FILE *f, const fl_lab_peer *q) {
     fprintf(f, "{\"params\": %zu, \"quant\": %zu, \"grads\": %zu, \"optim\": %zu, \"saved\": %zu, \"logits\": %zu, "
                "\"transient\": %zu, \"step_temp\": %zu, \"recompute\": %zu, \"comm\": %zu, \"host\": %zu, "
-               "\"peak\": %zu}", q->params, q->quant, q->grads, q->optim, q->saved, q->logits, q->transient,
-            q->step_temp, q->recompute, q->comm, q->host, q->peak);
+               "\"peak\": %zu, \"device_grads\": %zu, \"device_optim\": %zu, \"peak_at\": \"%s\"}", q->params,
+            q->quant, q->grads, q->optim, q->saved, q->logits, q->transient, q->step_temp, q->recompute, q->comm,
+            q->host, q->peak, q->dev_grads, q->dev_optim, k_peak_at[q->peak_at & 3]);
 }
 
 /* The course's memory reading of a lab row's run (GB; 0: none): TinyLlama fp32 at micro batch 8 (x 4), 30.41 GB. */
