@@ -88,6 +88,20 @@ void fl_lab_peer_why(const fl_lab_report *rep, const fl_lab_row *r, char *b, siz
     int big = 0;
     for (int i = 1; i < 5; i++)
         if (fabs(d[i]) > fabs(d[big])) big = i;
+    /* PyTorch's rest at its peak, item by item (what model_peak adds at that point) */
+    char rest[160] = "";
+    const double logits = at == FL_PEER_AT_BWD_START || at == FL_PEER_AT_BWD_END ? (double)q->logits : 0,
+                 lgrad = at == FL_PEER_AT_BWD_START ? (double)q->transient : 0,
+                 stept = at == FL_PEER_AT_STEP ? (double)q->step_temp : 0, comm = (double)q->comm;
+    const double head = pr - logits - lgrad - stept - comm; /* under a recompute: the head's gradients */
+    size_t k = 0;
+    const double item[5] = {logits, lgrad, stept, comm, head > 0.5e7 ? head : 0};
+    const char *const iname[5] = {"logits", q->quant ? "their gradients and a dequantized weight" : "their gradients",
+                                  "AdamW's foreach step temporary", "DDP / FSDP buffers", "the head's gradients"};
+    for (int i = 0; i < 5 && k < sizeof rest; i++)
+        if (item[i] > 0)
+            k += (size_t)snprintf(rest + k, sizeof rest - k, "%s%s %.2f", k ? ", " : "", iname[i], item[i] / G);
+    if (!k) snprintf(rest, sizeof rest, "nothing");
     if (pa == 0 && q->saved)
         snprintf(freed, sizeof freed, ", its saved tensors (%.2f) freed by then", q->saved / G);
     else if (pg == 0 && q->dev_grads)
@@ -95,9 +109,9 @@ void fl_lab_peer_why(const fl_lab_report *rep, const fl_lab_row *r, char *b, siz
     snprintf(b, n, "why fitllm differs: %sfitllm - PyTorch = %+.2f GB, most of it %s (%+.2f GB); fitllm (each tag at its "
              "own peak) vs PyTorch at its peak, GB: weights %.2f vs %.2f%s, gradients %.2f vs %.2f, optimizer state "
              "%.2f vs %.2f, activations (fitllm ACTS; PyTorch's saved tensors) %.2f vs %.2f, the rest (fitllm "
-             "WORKSPACE + OTHER + GATHER; PyTorch's logits, their gradients, temporaries) %.2f vs %.2f; PyTorch's "
-             "peak is at %s%s", v, ((double)r->ref_peak - (double)q->peak) / G, cat[big], d[big] / G, fw / G, pw / G,
-             nf4, fg / G, pg / G, fo / G, po / G, fa / G, pa / G, fr / G, pr / G, when[at], freed);
+             "WORKSPACE + OTHER + GATHER; PyTorch: %s) %.2f vs %.2f; PyTorch's peak is at %s%s", v,
+             ((double)r->ref_peak - (double)q->peak) / G, cat[big], d[big] / G, fw / G, pw / G, nf4, fg / G, pg / G,
+             fo / G, po / G, fa / G, pa / G, rest, fr / G, pr / G, when[at], freed);
 }
 
 static int any_peer(const fl_lab_report *rep) {
