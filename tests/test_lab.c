@@ -656,6 +656,7 @@ static void alloc_rows(const char *path, size_t n_rows) {
         memset(&mc, 0, sizeof mc);
         const fl_json *arch = fl_json_get(r, "arch"); /* absent: LLaMA */
         const char *an = arch && arch->type == FL_JSON_STRING ? arch->str : "llama";
+        if (!strcmp(an, "blip2")) continue; /* blip2_rows */
         mc.arch = !strcmp(an, "gpt2") ? FL_ARCH_GPT2 : !strcmp(an, "opt") ? FL_ARCH_OPT : !strcmp(an, "t5") ?
                   FL_ARCH_T5 : FL_ARCH_LLAMA;
         /* HF GPT-2 and OPT tie their head; the LLaMA rows and Flan-T5 (gated GELU) do not */
@@ -671,7 +672,8 @@ static void alloc_rows(const char *path, size_t n_rows) {
         fl_lab_peer_setup u = {0};
         u.precision = prec->str, u.optim = opt->str, u.B = (int)jint(r, "B"), u.T = (int)jint(r, "T");
         u.T_dec = (int)jint(r, "T_dec");
-        u.act_ckpt = (int)jint(r, "ckpt"), u.lora_r = (int)jint(r, "lora_r"), u.nf4 = !strcmp(quant->str, "nf4");
+        u.act_ckpt = (int)jint(r, "ckpt"), u.lora_r = (int)jint(r, "lora_r"), u.nf4 = !strncmp(quant->str, "nf4", 3);
+        u.dq = !strcmp(quant->str, "nf4-dq");
         u.cpu_dropout = 1; /* measured on the CPU */
         fl_lab_peer p;
         FL_REQUIRE_OK(fl_lab_peer_pytorch_setup(&mc, (size_t)jint(r, "n_params"), &u, &p));
@@ -746,9 +748,13 @@ FL_TEST(lab_peer_pytorch_opt_matches_torch) {
     FL_REQUIRE_OK(fl_lab_peer_pytorch_setup(&o, n, &u, &p));
     FL_CHECKF(p.params == 2 * n && p.optim > 4 * n && p.peak > p.params + p.grads + p.optim, "params %zu of %zu",
               p.params, n);
-    u.optim = "adamw8bit";
+    u.optim = "adamw8bit"; /* measured in lab_peer_pytorch_peft_matches_torch: 2 bytes a parameter + absmax per 256 */
+    fl_lab_peer q;
+    FL_REQUIRE_OK(fl_lab_peer_pytorch_setup(&o, n, &u, &q));
+    FL_CHECKF(q.optim > 2 * n && q.optim < 2 * n + n / 16 && q.params == p.params, "8-bit state %zu for %zu", q.optim, n);
+    u.optim = "sgd", u.precision = "16-true";
     FL_CHECK(fl_lab_peer_pytorch_setup(&o, n, &u, &p) == FL_ERR_UNSUPPORTED &&
-             strstr(fl_error_message(), "OPT is modelled for full fine-tunes"));
+             strstr(fl_error_message(), "precision 16-true is not modelled"));
 }
 
 /* Flan-T5 (BLIP-2's other language model): HF T5ForConditionalGeneration with its own head, every precision,
@@ -779,17 +785,19 @@ static int jat(const fl_json *o, const char *k, size_t i) { /* element i of arra
     return a && i < a->len ? (int)fl_json_at(a, i)->num : -1;
 }
 
-/* BLIP-2 (HF Blip2ForConditionalGeneration with OPT and Flan-T5; the vision tower frozen, the Q-Former and the
- * language model trained): every precision, checkpointing and SGD at two shapes each (tests/ref/pytorch_alloc.py
- * blip2), byte for byte, the parameter count HF's; at the real shapes the parts' count is fitllm's
- * fl_blip2_param_count; LoRA is refused by name. */
-FL_TEST(lab_peer_pytorch_blip2_matches_torch) {
+/* Every BLIP-2 row of a tests/ref/pytorch_alloc.py fixture reproduced byte for byte by fl_lab_peer_pytorch_blip2; the
+ * number of such rows. */
+static int blip2_rows(const char *path) {
     fl_json *j = NULL;
-    FL_REQUIRE_OK(fl_json_parse_file("tests/fixtures/pytorch-alloc-blip2.json", &j));
+    FL_REQUIRE_OK_R(fl_json_parse_file(path, &j), -1);
     const fl_json *rows = fl_json_get(j, "rows");
-    FL_REQUIRE(rows && rows->len == 24);
+    FL_REQUIRE_R(rows, -1);
+    int n = 0;
     for (size_t i = 0; i < rows->len; i++) {
         const fl_json *r = fl_json_at(rows, i);
+        const fl_json *an = fl_json_get(r, "arch");
+        if (!an || an->type != FL_JSON_STRING || strcmp(an->str, "blip2")) continue;
+        n++;
         const int t5 = !strcmp(fl_json_get(r, "lm")->str, "t5");
         fl_blip2_config c;
         memset(&c, 0, sizeof c);
@@ -806,21 +814,38 @@ FL_TEST(lab_peer_pytorch_blip2_matches_torch) {
         if (t5) t->n_dec_layers = jat(r, "text", 7), t->ffn_gated = 1, t->rel_buckets = 32, t->rel_max_dist = 128;
         else t->tie_embeddings = t->attention_bias = t->mlp_bias = 1;
         q->proj_dim = t->dim;
-        FL_REQUIRE_OK(fl_config_validate(t));
+        FL_REQUIRE_OK_R(fl_config_validate(t), -1);
         fl_lab_peer_setup u = {0};
         u.precision = fl_json_get(r, "precision")->str, u.optim = fl_json_get(r, "optimizer")->str;
         u.B = (int)jint(r, "B"), u.T = (int)jint(r, "T"), u.act_ckpt = (int)jint(r, "ckpt");
+        const fl_json *quant = fl_json_get(r, "quant"); /* the LoRA rows' (pytorch-alloc-peft.json) */
+        u.lora_r = fl_json_get(r, "lora_r") ? (int)jint(r, "lora_r") : 0, u.cpu_dropout = 1;
+        u.nf4 = quant && quant->type == FL_JSON_STRING && !strncmp(quant->str, "nf4", 3);
+        u.dq = u.nf4 && !strcmp(quant->str, "nf4-dq");
+        const long long qs = quant ? jint(r, "quant_state") : 0;
         fl_lab_peer p;
-        FL_REQUIRE_OK(fl_lab_peer_pytorch_blip2(&c, &u, &p));
+        FL_REQUIRE_OK_R(fl_lab_peer_pytorch_blip2(&c, &u, &p), -1);
         FL_CHECKF((long long)p.params == jint(r, "params") && (long long)p.grads == jint(r, "grads") &&
                       (long long)p.optim == jint(r, "optim") && (long long)p.saved == jint(r, "saved") &&
-                      (long long)p.logits == jint(r, "logits") && (long long)p.trainable == jint(r, "trainable"),
-                  "row %zu (%s %s %s ckpt %d): params %zu/%lld grads %zu/%lld optim %zu/%lld saved %zu/%lld logits "
-                  "%zu/%lld trainable %zu/%lld", i, t5 ? "t5" : "opt", u.precision, u.optim, u.act_ckpt, p.params,
+                      (long long)p.logits == jint(r, "logits") && (long long)p.trainable == jint(r, "trainable") &&
+                      (long long)p.quant == qs,
+                  "row %zu (%s %s %s ckpt %d lora %d nf4 %d): params %zu/%lld grads %zu/%lld optim %zu/%lld saved "
+                  "%zu/%lld logits %zu/%lld trainable %zu/%lld quant %zu/%lld", i, t5 ? "t5" : "opt", u.precision,
+                  u.optim, u.act_ckpt, u.lora_r, u.nf4 + u.dq, p.params,
                   jint(r, "params"), p.grads, jint(r, "grads"), p.optim, jint(r, "optim"), p.saved, jint(r, "saved"),
-                  p.logits, jint(r, "logits"), p.trainable, jint(r, "trainable"));
+                  p.logits, jint(r, "logits"), p.trainable, jint(r, "trainable"), p.quant, qs);
     }
     fl_json_free(j);
+    return n;
+}
+
+/* BLIP-2 (HF Blip2ForConditionalGeneration with OPT and Flan-T5; the vision tower frozen, the Q-Former and the
+ * language model trained): every precision, checkpointing and SGD at two shapes each (tests/ref/pytorch_alloc.py
+ * blip2), byte for byte, the parameter count HF's; at the real shapes the parts' count is fitllm's
+ * fl_blip2_param_count; LoRA trains far fewer parameters and saves less, QLoRA stores a quarter of the weights;
+ * 8-bit AdamW is refused by name. */
+FL_TEST(lab_peer_pytorch_blip2_matches_torch) {
+    FL_CHECK(blip2_rows("tests/fixtures/pytorch-alloc-blip2.json") == 24);
     const char *real[] = {"blip2-opt-2.7b", "blip2-flan-t5-xxl"};
     for (int k = 0; k < 2; k++) {
         fl_blip2_config c;
@@ -831,10 +856,29 @@ FL_TEST(lab_peer_pytorch_blip2_matches_torch) {
         FL_REQUIRE_OK(fl_lab_peer_pytorch_blip2(&c, &u, &p));
         FL_CHECKF(p.params == 4 * fl_blip2_param_count(&c) && p.peak > p.params + p.grads + p.optim,
                   "%s: params %zu, fitllm counts %zu", real[k], p.params / 4, fl_blip2_param_count(&c));
-        u.lora_r = 16;
+        u.lora_r = 16; /* LoRA: the language model's adapters alone train (tests/fixtures/pytorch-alloc-peft.json) */
+        fl_lab_peer l;
+        FL_REQUIRE_OK(fl_lab_peer_pytorch_blip2(&c, &u, &l));
+        FL_CHECKF(l.trainable < p.trainable / 100 && l.saved < p.saved && l.params > p.params, "%s: LoRA trains %zu",
+                  real[k], l.trainable);
+        u.nf4 = 1, u.precision = "bf16-true"; /* QLoRA: a quarter of the bf16 weights, roughly */
+        FL_REQUIRE_OK(fl_lab_peer_pytorch_blip2(&c, &u, &l));
+        FL_CHECKF(l.params < p.params / 4 && l.quant > 0, "%s: QLoRA weights %zu", real[k], l.params);
+        u.optim = "adamw8bit";
         FL_CHECK(fl_lab_peer_pytorch_blip2(&c, &u, &p) == FL_ERR_UNSUPPORTED &&
-                 strstr(fl_error_message(), "not LoRA, QLoRA or 8-bit AdamW"));
+                 strstr(fl_error_message(), "BLIP-2 is modelled with AdamW or SGD (measured), not adamw8bit"));
     }
+}
+
+/* LoRA and QLoRA beyond LLaMA's 32-true rows (tests/ref/pytorch_alloc.py peft): LLaMA's QLoRA computing in bf16 and
+ * with double quantization, OPT's and Flan-T5's LoRA and QLoRA (fp32 and bf16, NF4 with and without double
+ * quantization), BLIP-2 with either under LoRA and QLoRA (PEFT on the whole model, the language model's query and
+ * value the targets), byte for byte per category; and bitsandbytes' AdamW8bit on GPT-2's, OPT's and Flan-T5's full
+ * fine-tunes (tests/ref/pytorch_alloc.py 8bit). */
+FL_TEST(lab_peer_pytorch_peft_matches_torch) {
+    alloc_rows("tests/fixtures/pytorch-alloc-peft.json", 38);
+    FL_CHECK(blip2_rows("tests/fixtures/pytorch-alloc-peft.json") == 16);
+    alloc_rows("tests/fixtures/pytorch-alloc-8bit.json", 12); /* AdamW8bit on GPT-2, OPT, Flan-T5, fp32 and bf16 */
 }
 
 /* issue 33 Verify: `plan` at the real scale, at the course's settings (its recipes' models, precisions and batches;

@@ -55,7 +55,12 @@ typedef struct {
     size_t recompute;      /* checkpointing: one layer's saved tensors, live while it is recomputed in backward */
     size_t comm;           /* DDP's gradient buckets; FSDP's gathered blocks and their full gradients */
     size_t host;           /* ZeRO-2 offload: what the host holds (state, fp32 gradients, fp32 master) */
+    size_t dev_grads, dev_optim; /* what of grads and optim is on the device (per rank; offload: the bucket) */
+    int peak_at;           /* where the peak is: FL_PEER_AT_* */
 } fl_lab_peer;
+/* fl_lab_peer.peak_at: the start of the backward (the saved tensors and the logits' gradients live), its end (the
+ * gradients, the saved tensors freed), the optimizer step (its temporary), a checkpointed block's recompute */
+enum { FL_PEER_AT_BWD_START = 0, FL_PEER_AT_BWD_END, FL_PEER_AT_STEP, FL_PEER_AT_RECOMPUTE };
 
 /* One step's setup for fl_lab_peer_pytorch_setup (zero: a full fine-tune with AdamW on one device). */
 typedef struct {
@@ -64,12 +69,14 @@ typedef struct {
     int T_dec;               /* an encoder-decoder (Flan-T5): the decoder's length (the labels'); T is the encoder's */
     int act_ckpt;            /* HF gradient checkpointing (reentrant): each layer's input saved, recomputed */
     int lora_r;              /* > 0: PEFT LoRA of rank r on query and value (dropout > 0), fp32 adapters */
-    int nf4;                 /* with lora_r, 32-true: QLoRA, the linears in bitsandbytes NF4 (fp32 compute) */
+    int nf4;                 /* with lora_r: QLoRA, the block linears in bitsandbytes NF4, computing in the precision's
+                              * dtype (32-true: fp32, bf16-true: bf16) */
     const char *optim;       /* "adamw" (NULL), "sgd" (no momentum), "adamw8bit" (bitsandbytes) */
     int cpu_dropout;         /* 1: dropout as the CPU runs it (fp32 noise: the fixture's); 0: CUDA's bool mask */
     int offload;             /* DeepSpeed ZeRO-2 offload: the optimizer on the host (modelled) */
     int ranks;               /* > 1: per rank under strategy "ddp" or "fsdp" (modelled) */
     const char *strategy;
+    int dq;                  /* with nf4: bitsandbytes' double quantization (the absmax in 8 bits) */
 } fl_lab_peer_setup;
 
 
@@ -142,6 +149,7 @@ typedef struct {
     /* planned at the real scale: the real model, T 1024, 80 GB */
     fl_plan_verdict ref_planned;
     size_t ref_peak;
+    size_t ref_tag[FL_TAG_COUNT]; /* its peak per tag (--peer pytorch's "why fitllm differs", by category) */
     /* reserved and live bytes per tag at each phase (after_load, before_fwd, after_fwd,
      * after_bwd, after_opt_step): measured for runs that fit, planned (no budget) otherwise */
     fl_mem_phase phases[FL_PLAN_MAX_PHASES];
@@ -247,7 +255,8 @@ fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B,
 fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u,
                                     fl_lab_peer *out);
 /* BLIP-2 (HF Blip2ForConditionalGeneration: the vision tower frozen, the Q-Former, query tokens, projection and the
- * language model trained in full, AdamW or SGD): u->T is the caption's length (OPT reads the queries' placeholders
+ * language model trained in full, AdamW or SGD; or PEFT LoRA / QLoRA on the language model's query and value, all
+ * else frozen): u->T is the caption's length (OPT reads the queries' placeholders
  * then the caption; Flan-T5's encoder the placeholders, its decoder the caption); the figures cover all three parts
  * (tests/ref/pytorch_alloc.py blip2). */
 fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_setup *u, fl_lab_peer *out);

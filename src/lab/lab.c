@@ -573,6 +573,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     if (!rep->real_scale) {
         apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads, rep);
         plan_row(c, p, &r->ref_planned, &r->ref_peak);
+        if (r->ref_planned == FL_PLAN_FITS || r->ref_planned == FL_PLAN_OOM) memcpy(r->ref_tag, p->peak, sizeof r->ref_tag);
         if (rep->peer_pytorch && r->ref_planned != FL_PLAN_VERDICT_COUNT) fl_lab_row_peer(e, r->ranks, p, r);
     }
     /* the scale the row runs at */
@@ -583,6 +584,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     if (rep->real_scale) {
         r->ref_planned = r->planned;
         r->ref_peak = r->planned_peak;
+        if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM) memcpy(r->ref_tag, p->peak, sizeof r->ref_tag);
         if (rep->peer_pytorch && r->planned != FL_PLAN_VERDICT_COUNT) fl_lab_row_peer(e, r->ranks, p, r);
         if (!rep->sweep && r->planned != FL_PLAN_VERDICT_COUNT) fl_lab_row_course_diff(e, p, r);
     }

@@ -325,10 +325,12 @@ static int b2_plan_row(const lab_exp *e, const fl_lab_report *rep, const fl_blip
             s = b2_plan(&rc, &real, 1, B2_DEVICE, B2_CAPTION, res);
             r->ref_planned = s == FL_OK ? FL_PLAN_FITS : s == FL_ERR_OOM ? FL_PLAN_OOM : FL_PLAN_UNAVAILABLE;
             r->ref_peak = s == FL_OK ? res->peak_total : 0;
+            if (s == FL_OK) memcpy(r->ref_tag, res->peak, sizeof r->ref_tag);
         }
     } else {
         r->ref_planned = r->planned;
         r->ref_peak = r->planned_peak;
+        memcpy(r->ref_tag, r->planned_tag, sizeof r->ref_tag);
     }
     free(res);
     return ok;

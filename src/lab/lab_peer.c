@@ -1,6 +1,7 @@
-/* `fitllm lab --peer pytorch` (issue 33): what PyTorch would allocate for a LLaMA, GPT-2 or OPT fine-tune step, beside
- * fitllm's plan (GPT-2: HF GPT2LMHeadModel, OPT: HF OPTForCausalLM, full fine-tunes, fixtures
- * tests/fixtures/pytorch-alloc-gpt2.json, pytorch-alloc-opt.json). MEASURED (tests/ref/pytorch_alloc.py on the CPU: HF LlamaForCausalLM with sdpa, torch.optim.AdamW / SGD,
+/* `fitllm lab --peer pytorch` (issue 33): what PyTorch would allocate for a LLaMA, GPT-2, OPT, Flan-T5 or BLIP-2
+ * fine-tune step, beside fitllm's plan (GPT-2: HF GPT2LMHeadModel, full fine-tunes; OPT: HF OPTForCausalLM, Flan-T5:
+ * T5ForConditionalGeneration, BLIP-2: Blip2ForConditionalGeneration, full fine-tunes and PEFT LoRA / bitsandbytes
+ * QLoRA; fixtures tests/fixtures/pytorch-alloc-{gpt2,opt,t5,blip2,peft}.json). MEASURED (tests/ref/pytorch_alloc.py on the CPU: HF LlamaForCausalLM with sdpa, torch.optim.AdamW / SGD,
  * bitsandbytes' AdamW8bit, autocast for bf16-mixed and 16-mixed, HF gradient checkpointing, PEFT LoRA on query and
  * value, bitsandbytes NF4 for QLoRA; fixture tests/fixtures/pytorch-alloc.json, reproduced byte for byte by
  * fl_lab_peer_pytorch_setup in tests/test_lab.c): the parameters (and QLoRA's quantization state), gradients and
@@ -130,6 +131,50 @@ static size_t saved_t5(const shape *s) {
     return b + s->L * (2 * t5_norm(s, Ts) + t5_self_ffn(s, Ts)) + s->Ld * (3 * t5_norm(s, Tt) + t5_self_ffn(s, Tt) + cross);
 }
 
+/* ---- LoRA (PEFT) on a frozen base, OPT and Flan-T5 (tests/ref/pytorch_alloc.py peft) ----------------------------
+ * The base's linears save nothing (their weights need no gradient, their inputs are needed for none); what needs a
+ * gradient starts at the first adapter: until then (the embeddings, the first block's first norm) nothing is saved.
+ * An adapter on B x t rows (PEFT casts its input to the adapters' fp32): the dropped input and A's output, and
+ * dropout's noise (CPU: fp32) or mask (CUDA: bool) where its input needs a gradient. */
+static size_t lora_adapter(const shape *s, size_t t, int drop) {
+    const size_t n = s->B * t * s->d;
+    return n * 4 + s->B * t * (size_t)s->lora_r * 4 + (drop ? n * (s->cpu_dropout ? 4 : 1) : 0);
+}
+
+/* OPT per layer l: the attention's LayerNorm where its input needs a gradient (not layer 0's), q's and v's adapters,
+ * sdpa's q, k, v, out and fp32 logsumexp, the FFN's LayerNorm, the ReLU's output (fc2's input is not saved: fc2's
+ * weight is frozen, but the ReLU's backward keeps it). Once: the final LayerNorm, the fp32 log-softmax, the labels. */
+static size_t saved_opt_lora(const shape *s) {
+    const size_t ln = s->BT * s->d * s->e + 2 * s->BT * s->e, HD = s->H * s->hd;
+    size_t b = ln + s->BT * s->V * 4 + labels_bytes(s) + 4;
+    for (size_t l = 0; l < s->L; l++)
+        b += (l ? ln : 0) + 2 * lora_adapter(s, s->T, l > 0) + 4 * s->BT * HD * s->e + s->B * s->H * s->T * 4 + ln +
+             s->BT * s->ff * s->e;
+    return b;
+}
+
+/* Flan-T5 under LoRA: its RMSNorm saves the fp32 input and rsqrt, and under bf16 the bf16 input its product takes;
+ * the self-attention's position bias (no gradient now: sdpa's flash kernel takes it as a mask; each block its own),
+ * flash's q, k, v, out and fp32 logsumexp; the gated GELU's six (wo's input not). Decoder
+ * blocks add the cross-attention: its norm, q's adapter on the decoder's rows, v's on the encoder's output (which
+ * needs a gradient: dropout saves its noise in every block), flash over T x T_dec and its zero bias (once: the
+ * blocks share it). */
+static size_t saved_t5_lora(const shape *s) {
+    const size_t B = s->B, Ts = s->T, Tt = s->Tt, e = s->e, HD = s->H * s->hd;
+#define NORM(t) (B * (t) * s->d * 4 + B * (t) * 4 + (e == 4 ? 0 : B * (t) * s->d * e))
+#define ATTN(tq, tk) (2 * B * ((tq) + (tk)) * HD * e + B * s->H * (tq) * 4)
+    size_t b = NORM(Ts) + s->L * s->H * Ts * Ts * e + NORM(Tt) + s->Ld * s->H * Tt * Tt * e + s->H * Tt * Ts * e +
+               B * Tt * s->V * e + B * Tt * 8 + e;
+    for (size_t l = 0; l < s->L; l++)
+        b += (l ? NORM(Ts) : 0) + 2 * lora_adapter(s, Ts, l > 0) + ATTN(Ts, Ts) + NORM(Ts) + 6 * B * Ts * s->ff * e;
+    for (size_t l = 0; l < s->Ld; l++)
+        b += (l ? NORM(Tt) : 0) + 2 * lora_adapter(s, Tt, l > 0) + ATTN(Tt, Tt) + NORM(Tt) + lora_adapter(s, Tt, 1) +
+             lora_adapter(s, Ts, 1) + ATTN(Tt, Ts) + NORM(Tt) + 6 * B * Tt * s->ff * e;
+#undef NORM
+#undef ATTN
+    return b;
+}
+
 /* One block's saved tensors (checkpointing's recompute): the larger of an encoder's and a decoder's. */
 static size_t t5_block(const shape *s) {
     shape f = *s;
@@ -147,25 +192,91 @@ static size_t adam8bit_tensor(size_t n) {
     return n >= 4096 ? 2 * n + 2 * ((n + 255) / 256) * 4 : 8 * n;
 }
 
-static size_t adam8bit_state(const fl_model_config *mc, const shape *s) {
-    const size_t lin[7] = {s->d * s->H * s->hd, s->d * s->KV * s->hd, s->d * s->KV * s->hd, s->H * s->hd * s->d,
-                           s->d * s->ff, s->d * s->ff, s->ff * s->d};
-    size_t layer = 2 * adam8bit_tensor(s->d), total = 2048;
-    for (int i = 0; i < 7; i++) layer += adam8bit_tensor(lin[i]);
-    total += s->L * layer + adam8bit_tensor(s->d) + adam8bit_tensor(s->V * s->d);
-    if (!mc->tie_embeddings) total += adam8bit_tensor(s->V * s->d);
+/* bitsandbytes' AdamW8bit state of a full fine-tune, tensor by tensor (the two 256-entry fp32 maps once). The tables
+ * whose size the config does not give (GPT-2's and OPT's position tables, Flan-T5's two relative-position tables) are
+ * what n_params leaves. */
+static size_t adam8bit_state(const fl_model_config *mc, const shape *s, size_t n_params) {
+    const size_t d = s->d, ff = s->ff, HD = s->H * s->hd, KVD = s->KV * s->hd, L = s->L, Ld = s->Ld, V = s->V;
+    size_t total = 2048, known = 0;
+#define TENSORS(n, c) (total += (c) * adam8bit_tensor(n), known += (c) * (n))
+    if (mc->arch == FL_ARCH_GPT2) { /* per layer two LayerNorms (w, b), c_attn, attn c_proj, c_fc, mlp c_proj (w, b) */
+        TENSORS(d, 4 * L), TENSORS(d * 3 * HD, L), TENSORS(3 * HD, L), TENSORS(HD * d, L), TENSORS(d, L);
+        TENSORS(d * ff, L), TENSORS(ff, L), TENSORS(ff * d, L), TENSORS(d, L), TENSORS(d, 2), TENSORS(V * d, 1);
+    } else if (mc->arch == FL_ARCH_OPT) { /* per layer q, k, v, out (w, b), two LayerNorms, fc1, fc2 (w, b) */
+        TENSORS(d * HD, 4 * L), TENSORS(HD, 3 * L), TENSORS(d, L), TENSORS(d, 4 * L), TENSORS(d * ff, 2 * L);
+        TENSORS(ff, L), TENSORS(d, L), TENSORS(d, 2), TENSORS(V * d, 1);
+    } else if (mc->arch == FL_ARCH_T5) { /* q, k, v, o, the norms, wi_0, wi_1, wo; the decoder's cross-attention */
+        TENSORS(d * HD, 4 * L + 8 * Ld), TENSORS(d, 2 * L + 3 * Ld + 2), TENSORS(d * ff, 3 * (L + Ld)), TENSORS(V * d, 2);
+        const size_t rel = (n_params - known) / 2;
+        TENSORS(rel, 2);
+        return total;
+    } else { /* LLaMA: two norms, q, k, v, o, gate, up, down per layer; the final norm, the table (+ the head) */
+        TENSORS(d, 2 * L + 1), TENSORS(d * HD, 2 * L), TENSORS(d * KVD, 2 * L), TENSORS(d * ff, 3 * L);
+        TENSORS(V * d, mc->tie_embeddings ? 1 : 2);
+        return total;
+    }
+    TENSORS(n_params - known, 1); /* GPT-2's and OPT's position table */
+#undef TENSORS
     return total;
 }
 
-/* QLoRA: bitsandbytes NF4 weights (4 bits each, packed) and their state (fp32 absmax per 64-block, the 16-entry
- * fp32 code) per linear; the rest (embeddings, head, norms) stays fp32. */
-static void nf4_bytes(const shape *s, size_t n_params, size_t *params, size_t *quant) {
-    const size_t lin[7] = {s->d * s->H * s->hd, s->d * s->KV * s->hd, s->d * s->KV * s->hd, s->H * s->hd * s->d,
-                           s->d * s->ff, s->d * s->ff, s->ff * s->d};
-    size_t n_lin = 0, q = 0;
-    for (int i = 0; i < 7; i++) n_lin += lin[i], q += (lin[i] + 63) / 64 * 4 + 16 * 4;
-    *params = (n_params - s->L * n_lin) * 4 + s->L * n_lin / 2;
-    *quant = s->L * q;
+/* A kind of linear: its weight's elements and how many the model has. */
+typedef struct {
+    size_t n, count;
+} lin_kind;
+
+/* The block linears bitsandbytes quantizes (every nn.Linear but the head): LLaMA's 7 and OPT's 6 per layer, Flan-T5's
+ * 6 per encoder block and 10 per decoder block (its cross-attention's four; not wo). */
+static int block_linears(const fl_model_config *mc, const shape *s, lin_kind *k) {
+    const size_t HD = s->H * s->hd, KVD = s->KV * s->hd;
+    if (mc->arch == FL_ARCH_T5) { /* wo is not: T5's _keep_in_fp32_modules keeps it from bitsandbytes (in the
+                                   * parameters' dtype: measured) */
+        k[0] = (lin_kind){s->d * HD, 4 * s->L + 8 * s->Ld};
+        k[1] = (lin_kind){s->d * s->ff, 2 * (s->L + s->Ld)};
+        return 2;
+    }
+    if (mc->arch == FL_ARCH_OPT) {
+        k[0] = (lin_kind){s->d * HD, 4 * s->L};
+        k[1] = (lin_kind){s->d * s->ff, 2 * s->L};
+        return 2;
+    }
+    k[0] = (lin_kind){s->d * HD, 2 * s->L};
+    k[1] = (lin_kind){s->d * KVD, 2 * s->L};
+    k[2] = (lin_kind){s->d * s->ff, 3 * s->L};
+    return 3;
+}
+
+/* One NF4 weight of n elements: its state (bitsandbytes' absmax per 64-block, fp32, and the 16-entry fp32 code; with
+ * double quantization the absmax in uint8 with its own fp32 absmax per 256 of them, a 256-entry fp32 code and a fp32
+ * offset). The packed weight itself is n / 2 bytes. */
+static size_t nf4_state(size_t n, int dq) {
+    const size_t blocks = (n + 63) / 64;
+    return dq ? blocks + (blocks + 255) / 256 * 4 + 256 * 4 + 4 + 16 * 4 : blocks * 4 + 16 * 4;
+}
+
+/* QLoRA: the block linears in NF4 (packed, with their state); the rest (embeddings, head, norms, biases) stays in the
+ * parameters' dtype e. */
+static void nf4_bytes(const fl_model_config *mc, const shape *s, size_t n_params, int dq, size_t *params,
+                      size_t *quant) {
+    lin_kind k[3];
+    const int nk = block_linears(mc, s, k);
+    size_t n_lin = 0, packed = 0, q = 0;
+    for (int i = 0; i < nk; i++)
+        n_lin += k[i].n * k[i].count, packed += (k[i].n + 1) / 2 * k[i].count, q += nf4_state(k[i].n, dq) * k[i].count;
+    *params = (n_params - n_lin) * s->e + packed;
+    *quant = q;
+}
+
+/* PEFT LoRA on query and value: the adapted linears (LLaMA, OPT: q_proj and v_proj per layer; Flan-T5: q and v of
+ * each self-attention and of the decoder's cross-attention) and their adapters' elements (A: r x in, B: out x r). */
+static size_t lora_params(const fl_model_config *mc, const shape *s, size_t *modules) {
+    const size_t r = (size_t)s->lora_r, HD = s->H * s->hd, KVD = s->KV * s->hd;
+    if (mc->arch == FL_ARCH_T5) {
+        *modules = 2 * (s->L + 2 * s->Ld);
+        return *modules * r * (s->d + HD);
+    }
+    *modules = 2 * s->L;
+    return s->L * r * (2 * s->d + HD + KVD);
 }
 
 static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup *u, const char **optim) {
@@ -180,9 +291,9 @@ static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup 
     if (mc->arch == FL_ARCH_T5 && u->T_dec <= 0)
         return fl_errorf(FL_ERR_INVALID, "--peer pytorch: %s: the decoder's length T_dec is %d", mc->name,
                          u->T_dec);
-    if (mc->arch != FL_ARCH_LLAMA && (u->lora_r || u->nf4 || (u->optim && !strcmp(u->optim, "adamw8bit"))))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is modelled for full fine-tunes with AdamW or SGD "
-                         "(measured), not LoRA, QLoRA or 8-bit AdamW", fl_arch_get(mc->arch)->display);
+    if (mc->arch == FL_ARCH_GPT2 && (u->lora_r || u->nf4))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is modelled for full fine-tunes (measured), not LoRA "
+                         "or QLoRA", fl_arch_get(mc->arch)->display);
     if (strcmp(p, "32-true") && strcmp(p, "bf16-true") && strcmp(p, "bf16-mixed") && strcmp(p, "16-mixed"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: precision %s is not modelled (32-true, bf16-true, "
                          "bf16-mixed and 16-mixed are)", p);
@@ -193,8 +304,9 @@ static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup 
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: LoRA with %s is not modelled (measured: LoRA and QLoRA "
                          "alone, AdamW, 32-true or bf16-true)", u->act_ckpt ? "activation checkpointing" :
                          u->ranks > 1 ? "several ranks" : strstr(p, "mixed") ? p : *optim);
-    if (u->nf4 && (!u->lora_r || strcmp(p, "32-true")))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: NF4 is modelled as QLoRA with fp32 compute (32-true)");
+    if (u->nf4 && (!u->lora_r || (strcmp(p, "32-true") && strcmp(p, "bf16-true"))))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: NF4 is modelled as QLoRA computing in fp32 (32-true) or "
+                         "bf16 (bf16-true)");
     /* checkpointing changes the saved tensors only: it composes with the strategies' modelled state (the fsdp suite's
      * checkpointed rows); LoRA and the other optimizers were measured on one device */
     if ((u->lora_r || strcmp(*optim, "adamw")) && (u->offload || u->ranks > 1))
@@ -217,18 +329,20 @@ static void categories(const fl_model_config *mc, size_t n_params, const fl_lab_
                                          9 * s->L + (mc->tie_embeddings ? 2 : 3);
     size_t trainable = n_params, state_e = s->e;
     out->params = n_params * s->e;
+    size_t modules = 0;
     if (u->lora_r) {
-        trainable = s->L * (size_t)u->lora_r * (2 * s->d + s->H * s->hd + s->KV * s->hd);
+        trainable = lora_params(mc, s, &modules);
         state_e = 4; /* PEFT keeps the adapters in fp32 on a 16-bit base */
-        if (u->nf4) nf4_bytes(s, n_params, &out->params, &out->quant);
+        if (u->nf4) nf4_bytes(mc, s, n_params, u->dq, &out->params, &out->quant);
         out->params += trainable * 4;
     }
     out->trainable = trainable;
     out->grads = trainable * state_e;
     if (!strcmp(optim, "sgd")) out->optim = 0; /* no momentum: stateless */
-    else if (!strcmp(optim, "adamw8bit")) out->optim = adam8bit_state(mc, s);
-    else out->optim = 2 * trainable * state_e + 4 * (u->lora_r ? 4 * s->L : tensors); /* + a fp32 step per tensor */
-    out->saved = t5 ? saved_t5(s) : gpt2 || opt ? saved_gpt2(s, opt) : saved_bytes(s);
+    else if (!strcmp(optim, "adamw8bit")) out->optim = adam8bit_state(mc, s, n_params);
+    else out->optim = 2 * trainable * state_e + 4 * (u->lora_r ? 2 * modules : tensors); /* + a fp32 step per tensor */
+    out->saved = u->lora_r && t5 ? saved_t5_lora(s) : u->lora_r && opt ? saved_opt_lora(s) : t5 ? saved_t5(s) :
+                 gpt2 || opt ? saved_gpt2(s, opt) : saved_bytes(s);
     out->logits = s->B * (t5 ? s->Tt : s->T) * s->V * s->a;
 }
 
@@ -250,8 +364,9 @@ static void model_peak(const fl_model_config *mc, size_t n_params, const fl_lab_
     const shape s = *sp;
     const size_t BTV = s.B * (mc->arch == FL_ARCH_T5 ? s.Tt : s.T) * s.V;
     /* modelled: the fp32 log-softmax input's gradient, then the logits' (in their dtype); QLoRA dequantizes one
-     * linear at a time (fp32 compute) */
-    out->transient = BTV * 4 + BTV * s.a + (u->nf4 ? s.d * s.ff * 4 : 0);
+     * linear at a time, in the compute dtype (bitsandbytes' MatMul4Bit: forward and backward each dequantize the
+     * weight, use it and drop it) */
+    out->transient = BTV * 4 + BTV * s.a + (u->nf4 ? s.d * s.ff * s.a : 0);
     /* modelled: checkpointing recomputes one layer's forward in backward, its saved tensors live beside the rest */
     if (u->act_ckpt) {
         shape f = s;
@@ -280,14 +395,16 @@ static void model_peak(const fl_model_config *mc, size_t n_params, const fl_lab_
         comm = 3 * unit * s.e;
     }
     out->comm = comm;
+    out->dev_grads = dev_grads, out->dev_optim = dev_optim;
     size_t base = out->params + out->quant + dev_optim + comm;
     size_t start = base + out->saved + out->logits + out->transient;
     size_t recompute = base + out->saved + out->recompute + (s.V * s.d + s.d) * s.e; /* with the head's gradients */
     size_t end = base + dev_grads + out->logits;
     size_t step = base + dev_grads + out->step_temp;
-    out->peak = start > end ? start : end;
-    if (step > out->peak) out->peak = step;
-    if (u->act_ckpt && recompute > out->peak) out->peak = recompute;
+    out->peak = start, out->peak_at = FL_PEER_AT_BWD_START;
+    if (end > out->peak) out->peak = end, out->peak_at = FL_PEER_AT_BWD_END;
+    if (step > out->peak) out->peak = step, out->peak_at = FL_PEER_AT_STEP;
+    if (u->act_ckpt && recompute > out->peak) out->peak = recompute, out->peak_at = FL_PEER_AT_RECOMPUTE;
 }
 
 fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u,
@@ -367,9 +484,9 @@ fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_
     memset(out, 0, sizeof *out);
     const fl_model_config *t = &c->text;
     const int t5 = t->arch == FL_ARCH_T5;
-    if (u->lora_r || u->nf4 || (u->optim && strcmp(u->optim, "adamw") && strcmp(u->optim, "sgd")))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: BLIP-2 is modelled for the Q-Former and the language "
-                         "model trained in full with AdamW or SGD (measured), not LoRA, QLoRA or 8-bit AdamW");
+    if (u->optim && strcmp(u->optim, "adamw") && strcmp(u->optim, "sgd"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: BLIP-2 is modelled with AdamW or SGD (measured), not %s",
+                         u->optim);
     fl_lab_peer_setup lu = *u; /* the language model's step: its input rows and, for Flan-T5, the decoder's */
     lu.T = t5 ? c->n_queries : c->n_queries + u->T;
     lu.T_dec = t5 ? u->T : 0;
@@ -380,13 +497,29 @@ fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_
     size_t q_tensors, n_q = b2_qformer_params(&c->qformer, t, &q_tensors);
     const size_t n_proj = (size_t)c->qformer.dim * (size_t)t->dim + (size_t)t->dim, n_qf = n_q - n_proj;
     categories(t, n_text, &lu, &s, optim, out);
-    const size_t qe = 4; /* the Q-Former's dtype: fp32 whatever the precision (bf16-true keeps it) */
+    /* the Q-Former's dtype: fp32 whatever the precision (bf16-true keeps it), but loaded through bitsandbytes its
+     * _keep_in_fp32_modules only keep it out of the quantization: the parameters' dtype (measured) */
+    const size_t qe = u->nf4 ? s.e : 4;
     out->params += n_vision * s.e + n_qf * qe + n_proj * s.e;
-    out->trainable += n_q;
-    const size_t qgrads = n_qf * qe + n_proj * s.e;
-    out->grads += qgrads;
-    if (!strcmp(optim, "adamw")) out->optim += 2 * qgrads + 4 * q_tensors;
-    out->saved += b2_qformer_saved(c, &s) + (size_t)u->B * lu.T; /* + the placeholders' mask (bool) */
+    if (u->nf4) { /* QLoRA: the vision blocks' linears (qkv, projection, fc1, fc2) and the language projection in NF4 */
+        const fl_model_config *v = &c->vision;
+        const size_t vd = (size_t)v->dim, vf = (size_t)v->ffn_dim, pr = (size_t)c->qformer.dim * (size_t)t->dim;
+        const size_t lin[4] = {3 * vd * vd, vd * vd, vd * vf, vf * vd};
+        for (int i = 0; i < 4; i++) {
+            const size_t n = lin[i] * (size_t)v->n_layers;
+            out->params -= n * s.e - (lin[i] + 1) / 2 * (size_t)v->n_layers;
+            out->quant += nf4_state(lin[i], u->dq) * (size_t)v->n_layers;
+        }
+        out->params -= pr * s.e - (pr + 1) / 2;
+        out->quant += nf4_state(pr, u->dq);
+    }
+    if (!u->lora_r) {
+        out->trainable += n_q;
+        const size_t qgrads = n_qf * qe + n_proj * s.e;
+        out->grads += qgrads;
+        if (!strcmp(optim, "adamw")) out->optim += 2 * qgrads + 4 * q_tensors;
+        out->saved += b2_qformer_saved(c, &s) + (size_t)u->B * lu.T; /* + the placeholders' mask (bool) */
+    } /* LoRA: PEFT freezes all but the language model's adapters: the Q-Former saves nothing, no gradient reaches it */
     model_peak(t, n_text + n_vision + n_q, &lu, &s, optim, out);
     return FL_OK;
 }

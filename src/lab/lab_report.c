@@ -336,6 +336,10 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
             else fprintf(f, "null");
             fprintf(f, ", \"pytorch_seq_len\": %d, \"pytorch_basis\": ", r->peer_T);
             jstr(f, r->peer_note);
+            char why[1024];
+            fl_lab_peer_why(rep, r, why, sizeof why);
+            fprintf(f, ", \"pytorch_why\": ");
+            jstr(f, why);
         }
         fprintf(f, ", \"final_loss\": ");
         jnum(f, r->final_loss);
@@ -432,14 +436,16 @@ static int write_chart_data(const fl_lab_report *rep, const char *dir, char *why
     char path[4200];
     FILE *f = open_out(dir, "memory.dat", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
-    fprintf(f, "# experiment PARAMS GRADS OPTIM ACTS WORKSPACE OTHER GATHER (MiB); OOM rows: the planned need\n");
+    fprintf(f, "# experiment PARAMS GRADS OPTIM ACTS WORKSPACE OTHER GATHER (MiB); OOM rows: the planned need; "
+               "PyTorch's modelled peak of the same run (--peer pytorch at --scale real; NaN: none)\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         const size_t *b = r->verdict == FL_LAB_FITS ? r->peak : r->planned_tag;
         int show = r->verdict == FL_LAB_FITS || (r->verdict == FL_LAB_OOM && r->planned_peak);
         fprintf(f, "\"%s%s\"", r->name, r->verdict == FL_LAB_OOM ? " (OOM)" : r->verdict == FL_LAB_NA ? " (n/a)" : "");
         for (int t = 0; t < LAB_TAGS; t++) fprintf(f, " %.3f", show ? MIB(b[t]) : 0.0);
-        fprintf(f, "\n");
+        if (rep->real_scale && r->peer_ok) fprintf(f, " %.3f\n", MIB(r->peer.peak));
+        else fprintf(f, " NaN\n");
     }
     fclose(f);
     /* one block per experiment with phases (measured when it fits, planned when OOM); a run that marks no gradient,
@@ -609,7 +615,7 @@ static void write_chart_script(const fl_lab_report *rep, FILE *f, const chart_da
                "#   cd <this folder> && gnuplot charts.gp\n"
                "set terminal pngcairo size 1280,640 font 'sans,10'\n"
                "set output 'memory.png'\n"
-               "set title 'Memory by tag per experiment (all-time peak; budget %.1f MiB; OOM rows: planned need)'\n"
+               "set title 'Memory by tag per experiment (all-time peak; budget %.1f MiB; OOM rows: planned need%s)'\n"
                "set style data histograms\nset style histogram rowstacked\nset style fill solid 0.85 border -1\n"
                "set boxwidth 0.75\nset xtics rotate by -35 scale 0\nset ylabel 'MiB'\nset key outside right top\n"
                "set grid ytics\nset yrange [0:*]\n"
@@ -617,9 +623,12 @@ static void write_chart_script(const fl_lab_report *rep, FILE *f, const chart_da
                "set label 1 'budget' at graph 0.99, first %.3f right offset 0,0.8 tc rgb 'red'\n"
                "plot 'memory.dat' using 2:xtic(1) title 'PARAMS' lc rgb '%s', '' using 3 title 'GRADS' lc rgb '%s', "
                "'' using 4 title 'OPTIM' lc rgb '%s', '' using 5 title 'ACTS' lc rgb '%s', '' using 6 title "
-               "'WORKSPACE' lc rgb '%s', '' using 7 title 'OTHER' lc rgb '%s', '' using 8 title 'GATHER' lc rgb '%s'\n",
-            MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), k_tag_colour[0], k_tag_colour[1],
-            k_tag_colour[2], k_tag_colour[3], k_tag_colour[4], k_tag_colour[5], k_tag_colour[6]);
+               "'WORKSPACE' lc rgb '%s', '' using 7 title 'OTHER' lc rgb '%s', '' using 8 title 'GATHER' lc rgb '%s'%s\n",
+            MIB(rep->budget), rep->real_scale && rep->peer_pytorch ? "; triangles: what PyTorch would need, --peer "
+            "pytorch" : "", MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), k_tag_colour[0], k_tag_colour[1],
+            k_tag_colour[2], k_tag_colour[3], k_tag_colour[4], k_tag_colour[5], k_tag_colour[6],
+            rep->real_scale && rep->peer_pytorch ? ", '' using 0:9 with points pt 9 ps 2 lc rgb 'black' title "
+                                                   "'PyTorch'" : "");
     if (d->nblk) write_phases_script(rep, f, d);
     if (d->nfit) write_step_time_script(rep, f);
     if (d->n_blocks) fl_lab_sweep_script(rep, f, d->sweep_idx, d->sweep_fit);

@@ -35,6 +35,14 @@
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py gpt2 > tests/fixtures/pytorch-alloc-gpt2.json
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py opt > tests/fixtures/pytorch-alloc-opt.json
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py t5 > tests/fixtures/pytorch-alloc-t5.json
+#   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py blip2 > tests/fixtures/pytorch-alloc-blip2.json
+#   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py peft > tests/fixtures/pytorch-alloc-peft.json
+#   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py 8bit > tests/fixtures/pytorch-alloc-8bit.json
+# `peft`: LoRA and QLoRA beyond LLaMA's 32-true rows: LLaMA's QLoRA in bf16 and with double quantization ("nf4-dq"),
+# OPT and Flan-T5 under LoRA and QLoRA (fp32, bf16), BLIP-2 under LoRA and QLoRA (PEFT on the whole model, targets
+# the language model's query and value). Quantized models go through save_pretrained / from_pretrained with the
+# BitsAndBytesConfig, as QLoRA loads a checkpoint. bitsandbytes' dequantized weight (MatMul4Bit: forward and backward
+# each dequantize one weight to the compute dtype and drop it) is modelled in C from its source, not measured.
 # (FL_ALLOC_VERBOSE=1: every saved tensor's shape and dtype on stderr.)
 import contextlib, json, os, sys, tempfile, warnings, weakref
 import torch
@@ -58,21 +66,51 @@ CLS = {GPT2Config: GPT2LMHeadModel, OPTConfig: OPTForCausalLM, LlamaConfig: Llam
        T5Config: T5ForConditionalGeneration}
 
 
+def untie_t5(m):  # transformers 5 ties T5's head always; Flan-T5's checkpoints have their own
+    m.lm_head.weight = torch.nn.Parameter(m.shared.weight.detach().clone())
+    return m
+
+
+def nf4_config(prec, quant):
+    """bitsandbytes NF4 as QLoRA loads it: compute in the run's dtype (bf16-true: bf16; else fp32), double
+    quantization for "nf4-dq"."""
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DT[prec],
+                              bnb_4bit_use_double_quant=quant == "nf4-dq")
+
+
 def build(cfg, prec, quant):
     torch.manual_seed(0)
-    if isinstance(cfg, T5Config):  # transformers 5 ties T5's head always; Flan-T5's checkpoints have their own
-        m = T5ForConditionalGeneration(cfg)
-        m.lm_head.weight = torch.nn.Parameter(m.shared.weight.detach().clone())
-        return m.to(DT[prec])
-    if isinstance(cfg, (GPT2Config, OPTConfig)):
-        return CLS[type(cfg)](cfg).to(DT[prec])
     if not quant:
-        return LlamaForCausalLM(cfg).to(DT[prec])
+        m = CLS[type(cfg)](cfg)
+        return (untie_t5(m) if isinstance(cfg, T5Config) else m).to(DT[prec])
     d = tempfile.mkdtemp()
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-                           bnb_4bit_use_double_quant=False)
-    return LlamaForCausalLM.from_pretrained(d, quantization_config=q, dtype=torch.float32, device_map="cpu")
+    m = CLS[type(cfg)](cfg)
+    (untie_t5(m) if isinstance(cfg, T5Config) else m).save_pretrained(d)
+    m = CLS[type(cfg)].from_pretrained(d, quantization_config=nf4_config(prec, quant), dtype=DT[prec],
+                                       device_map="cpu")
+    if isinstance(cfg, T5Config) and m.lm_head.weight.data_ptr() == m.shared.weight.data_ptr():
+        untie_t5(m)
+    return m
+
+
+def quant_bytes(m):
+    """bytes of the 4-bit weights' quantization state: absmax and the NF4 code, with double quantization the uint8
+    absmax, its own fp32 absmax (state2), its 256-entry code and the offset; by storage (PEFT's wrapper shows its base
+    layer's weight as its own)."""
+    seen = {}
+    for mod in m.modules():
+        qs = getattr(getattr(mod, "weight", None), "quant_state", None)
+        if qs is None:
+            continue
+        ts = [qs.absmax, qs.code]
+        if getattr(qs, "nested", False):
+            ts += [qs.state2.absmax, qs.state2.code, qs.offset]
+        for t in ts:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "opt": ["q_proj", "v_proj"], "t5": ["q", "v"]}
 
 
 class Saved:
@@ -124,7 +162,7 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
         m.gradient_checkpointing_enable()
     if lora_r:
         m = peft.get_peft_model(m, peft.LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05,
-                                                   target_modules=["q_proj", "v_proj"]))
+                                                   target_modules=LORA_TARGETS[arch]))
     m.train()
     sv = Saved(m)
 
@@ -142,12 +180,7 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
            "adamw8bit": lambda: bitsandbytes.optim.AdamW8bit(train, lr=1e-3)}[optim]()
     opt.step()
     params = sum(p.untyped_storage().nbytes() for p in m.parameters())
-    qs_seen = {}  # by storage: PEFT's wrapper shows its base layer's weight as its own
-    for mod in m.modules():
-        qs = getattr(getattr(mod, "weight", None), "quant_state", None)
-        for t in (qs.absmax, qs.code) if qs is not None else ():
-            qs_seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    qstate = sum(qs_seen.values())
+    qstate = quant_bytes(m)
     grads = sum(p.grad.untyped_storage().nbytes() for p in train)
     ostate = sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in opt.state.values()
                   for v in st.values() if torch.is_tensor(v)}.values())
@@ -162,14 +195,18 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
                 optim=ostate, saved=saved, logits=logits)
 
 
-def measure_blip2(B, L, prec, lm, vis, qf, NQ, txt, ckpt=0, optim="adamw"):
+def measure_blip2(B, L, prec, lm, vis, qf, NQ, txt, ckpt=0, optim="adamw", lora_r=0, quant=""):
     """BLIP-2 (HF Blip2ForConditionalGeneration, transformers 5: NQ image-token placeholders in the ids) as fitllm's
     BLIP-2 fine-tuning runs it: the vision tower frozen, the Q-Former (with the query tokens and the language
     projection) and the language model trained; OPT: the ids are the placeholders then the L caption tokens, the
     labels the caption; Flan-T5: the placeholders are the encoder's input, the caption the labels. bf16-true keeps
     the Q-Former and the query tokens in fp32 as from_pretrained(dtype=bfloat16) does (_keep_in_fp32_modules).
     vis: (layers, heads, dim, ffn, image, patch); qf: (layers, heads, dim, ffn, cross every); txt: measure()'s shape
-    tail (L, H, KV, d, ff, V, head_dim[, decoder layers])."""
+    tail (L, H, KV, d, ff, V, head_dim[, decoder layers]). lora_r: PEFT LoRA on the whole model with the language
+    model's query and value as targets (T5's q, v; OPT's q_proj, v_proj: no Q-Former or vision module has those
+    names), everything else frozen, the Q-Former too; quant "nf4" / "nf4-dq": loaded through bitsandbytes (every
+    linear but the head and the Q-Former, which _keep_in_fp32_modules keeps out, in NF4; compute in the run's
+    dtype)."""
     Lt, H, KV, d, ff, V, hd = txt[:7]
     vc = dict(num_hidden_layers=vis[0], num_attention_heads=vis[1], hidden_size=vis[2], intermediate_size=vis[3],
               image_size=vis[4], patch_size=vis[5], attention_dropout=0.0)
@@ -191,17 +228,28 @@ def measure_blip2(B, L, prec, lm, vis, qf, NQ, txt, ckpt=0, optim="adamw"):
     torch.manual_seed(0)
     m = Blip2ForConditionalGeneration(cfg)
     if lm == "t5":  # Flan-T5's own head (transformers 5 ties it)
-        lmm = m.language_model
-        lmm.lm_head.weight = torch.nn.Parameter(lmm.shared.weight.detach().clone())
+        untie_t5(m.language_model)
     n_params = sum(p.numel() for p in m.parameters())
-    m = m.to(DT[prec])
-    if prec == "bf16-true":
-        m.qformer.float()
-        m.query_tokens.data = m.query_tokens.data.float()
+    if quant:
+        tmp = tempfile.mkdtemp()
+        m.save_pretrained(tmp)
+        m = Blip2ForConditionalGeneration.from_pretrained(tmp, quantization_config=nf4_config(prec, quant),
+                                                          dtype=DT[prec], device_map="cpu")
+        lmm = m.language_model
+        if lm == "t5" and lmm.lm_head.weight.data_ptr() == lmm.shared.weight.data_ptr():
+            untie_t5(lmm)
+    else:
+        m = m.to(DT[prec])
+        if prec == "bf16-true":
+            m.qformer.float()
+            m.query_tokens.data = m.query_tokens.data.float()
     for p in m.vision_model.parameters():
         p.requires_grad_(False)
     if ckpt:
         m.gradient_checkpointing_enable()
+    if lora_r:
+        m = peft.get_peft_model(m, peft.LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05,
+                                                   target_modules=LORA_TARGETS[lm]))
     m.train()
     sv = Saved(m)
 
@@ -218,7 +266,8 @@ def measure_blip2(B, L, prec, lm, vis, qf, NQ, txt, ckpt=0, optim="adamw"):
     logits = out.logits.untyped_storage().nbytes()
     out.loss.backward()
     train = [p for p in m.parameters() if p.requires_grad]
-    opt = {"adamw": lambda: torch.optim.AdamW(train, lr=1e-3), "sgd": lambda: torch.optim.SGD(train, lr=1e-3)}[optim]()
+    opt = {"adamw": lambda: torch.optim.AdamW(train, lr=1e-3), "sgd": lambda: torch.optim.SGD(train, lr=1e-3),
+           "adamw8bit": lambda: bitsandbytes.optim.AdamW8bit(train, lr=1e-3)}[optim]()
     opt.step()
     params = sum(p.untyped_storage().nbytes() for p in m.parameters())
     grads = sum(p.grad.untyped_storage().nbytes() for p in train)
@@ -228,6 +277,8 @@ def measure_blip2(B, L, prec, lm, vis, qf, NQ, txt, ckpt=0, optim="adamw"):
                qformer=list(qf), queries=NQ, text=list(txt), n_params=n_params,
                trainable=sum(p.numel() for p in train), params=params, grads=grads, optim=ostate, saved=saved,
                logits=logits)
+    if lora_r or quant:  # the older rows' fields unchanged
+        row.update(lora_r=lora_r, quant=quant, quant_state=quant_bytes(m))
     return row
 
 
@@ -235,8 +286,37 @@ def main():
     SHAPES = ((2, 24, 1, 4, 4, 64, 172, 512, 16), (2, 24, 2, 4, 4, 64, 172, 512, 16), (1, 37, 2, 4, 2, 64, 172, 512, 16),
               (3, 20, 3, 8, 2, 96, 256, 300, 12))
     rows = []
-    ARCH = sys.argv[1] if sys.argv[1:] in (["gpt2"], ["opt"], ["t5"], ["blip2"]) else ""
-    if ARCH == "blip2":  # vision (L, H, d, ff, image, patch), Q-Former (L, H, d, ff, cross every), queries, text
+    ARCH = sys.argv[1] if sys.argv[1:] in (["gpt2"], ["opt"], ["t5"], ["blip2"], ["peft"], ["8bit"]) else ""
+    if ARCH == "8bit":  # bitsandbytes' AdamW8bit on GPT-2's, OPT's and Flan-T5's full fine-tunes (fp32 and bf16)
+        for arch, S in (("gpt2", ((2, 24, 1, 4, 4, 64, 256, 512, 16), (1, 37, 2, 4, 4, 64, 172, 300, 16))),
+                        ("opt", ((2, 24, 1, 4, 4, 64, 256, 512, 16), (1, 37, 2, 4, 4, 64, 172, 300, 16)))):
+            for s in S:
+                for prec in ("32-true", "bf16-true"):
+                    rows.append(measure(*s[:2], prec, *s[2:], optim="adamw8bit", arch=arch))
+        for s in ((2, 24, 1, 4, 4, 64, 96, 512, 16, 10, 1), (1, 37, 2, 4, 4, 64, 172, 300, 16, 5, 2)):
+            for prec in ("32-true", "bf16-true"):
+                rows.append(measure(*s[:2], prec, *s[2:9], optim="adamw8bit", arch="t5", Tt=s[9], Ld=s[10]))
+        SHAPES = ()
+    elif ARCH == "peft":  # LoRA and QLoRA beyond LLaMA's 32-true rows: bf16 compute, double quantization, OPT, T5, BLIP-2
+        for s in ((2, 24, 2, 4, 2, 64, 192, 512, 16), (3, 20, 3, 8, 2, 96, 256, 300, 12)):
+            rows.append(measure(*s[:2], "bf16-true", *s[2:], lora_r=8, quant="nf4"))
+            rows.append(measure(*s[:2], "32-true", *s[2:], lora_r=8, quant="nf4-dq"))
+            rows.append(measure(*s[:2], "bf16-true", *s[2:], lora_r=4, quant="nf4-dq"))
+        for s in ((2, 24, 1, 4, 4, 64, 256, 512, 16), (3, 20, 3, 6, 6, 96, 384, 300, 16)):
+            for prec, q in (("32-true", ""), ("bf16-true", ""), ("32-true", "nf4"), ("bf16-true", "nf4-dq")):
+                rows.append(measure(*s[:2], prec, *s[2:], lora_r=8, quant=q, arch="opt"))
+        for s in ((2, 24, 1, 4, 4, 64, 96, 512, 16, 10, 1), (3, 20, 2, 4, 4, 96, 256, 300, 32, 12, 3)):
+            for prec, q in (("32-true", ""), ("bf16-true", ""), ("32-true", "nf4"), ("bf16-true", "nf4-dq")):
+                rows.append(measure(*s[:2], prec, *s[2:9], lora_r=8, quant=q, arch="t5", Tt=s[9], Ld=s[10]))
+        VIS, QF = ((1, 2, 32, 64, 8, 4), (2, 2, 24, 48, 12, 4)), ((2, 4, 48, 96, 2), (3, 2, 32, 80, 1))
+        TXT = {"opt": ((1, 4, 4, 64, 128, 300, 16), (2, 2, 2, 48, 96, 200, 24)),
+               "t5": ((1, 4, 4, 64, 96, 300, 16, 1), (2, 2, 2, 48, 80, 200, 32, 2))}
+        for lm in ("opt", "t5"):
+            for i, (B, L, NQ) in enumerate(((2, 6, 3), (1, 5, 4))):
+                for prec, q in (("32-true", ""), ("bf16-true", ""), ("32-true", "nf4"), ("bf16-true", "nf4")):
+                    rows.append(measure_blip2(B, L, prec, lm, VIS[i], QF[i], NQ, TXT[lm][i], lora_r=8, quant=q))
+        SHAPES = ()
+    elif ARCH == "blip2":  # vision (L, H, d, ff, image, patch), Q-Former (L, H, d, ff, cross every), queries, text
         VIS, QF = ((1, 2, 32, 64, 8, 4), (2, 2, 24, 48, 12, 4)), ((2, 4, 48, 96, 2), (3, 2, 32, 80, 1))
         TXT = {"opt": ((1, 4, 4, 64, 128, 300, 16), (2, 2, 2, 48, 96, 200, 24)),
                "t5": ((1, 4, 4, 64, 96, 300, 16, 1), (2, 2, 2, 48, 80, 200, 32, 2))}
