@@ -719,8 +719,8 @@ expect tp_plan_lora_dropout_row_refused 2 "--tensor_parallel 2: LoRA dropout \(0
 # unknown schedule, the plan of one stage, the help's label
 expect pp_not_dividing_devices 2 "--pipeline_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
     "$FITLLM" finetune_full micro --pipeline_parallel 2 --out_dir "$T/pp1"
-expect pp_unknown_schedule 2 "--pipeline_schedule 'interleaved': expected gpipe or 1f1b" -- \
-    "$FITLLM" finetune_full micro --devices 2 --pipeline_parallel 2 --pipeline_schedule interleaved --out_dir "$T/pp2"
+expect pp_unknown_schedule 2 "--pipeline_schedule 'zigzag': expected gpipe, 1f1b or interleaved" -- \
+    "$FITLLM" finetune_full micro --devices 2 --pipeline_parallel 2 --pipeline_schedule zigzag --out_dir "$T/pp2"
 expect pp_plan_stage 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 1 is stage 1" -- \
     "$FITLLM" plan micro --devices 2 --pipeline_parallel 2 --rank 1
 expect pp_help_experimental 0 "pipeline_parallel.*EXPERIMENTAL" -- "$FITLLM" finetune_full --help
@@ -732,8 +732,8 @@ expect pp_plan_split_by_cost 0 "blocks per stage \(balanced by training FLOPs at
     "$FITLLM" "${PPPLAN[@]}"
 expect pp_plan_bubble 0 "pipeline: expected step [0-9.]+ block times \(.*\), bubble [0-9.]+% \(equal stages: 42.9%\)" -- \
     "$FITLLM" "${PPPLAN[@]}"
-# the interleaved schedule's estimate beside 1F1B's (2 chunks per rank; Megatron-LM's order, not run yet)
-expect pp_plan_interleaved 0 "pipeline: interleaved 1F1B with 2 chunks per rank \(virtual stages; planned, not run yet\) would take [0-9.]+ block times, bubble [0-9.]+% \(equal stages: 11.1%\)" -- \
+# the interleaved schedule's estimate beside 1F1B's (2 chunks per rank; Megatron-LM's order)
+expect pp_plan_interleaved 0 "pipeline: interleaved 1F1B with 2 chunks per rank \(virtual stages; --pipeline_schedule interleaved\) would take [0-9.]+ block times, bubble [0-9.]+% \(equal stages: 11.1%\)" -- \
     "$FITLLM" plan micro --devices 2 --pipeline_parallel 2 --strategy ddp --train.micro_batch_size 2 --train.global_batch_size 8
 expect pp_plan_block_ms 0 "pipeline: expected step [0-9.]+ ms .* at --block-ms" -- "$FITLLM" "${PPPLAN[@]}" --block-ms 6
 expect pp_plan_block_ms_refused 2 "--block-ms: '0' is not a positive time in milliseconds" -- "$FITLLM" "${PPPLAN[@]}" --block-ms 0

@@ -596,6 +596,36 @@ if [ $rc -eq 0 ] && [ "$w" = 0 ] && cmp -s "$T/pp-lora2/final/model.safetensors"
 else
     bad "pp_cli_np2_pp2_lora" "exit $rc, losses within '$w'"
 fi
+# the interleaved schedule (--pipeline_schedule interleaved --pipeline_chunks 2: each rank two chunks of micro's 5
+# blocks, Megatron's order) at PP 2 and DP 2 x PP 2: one process's losses within 1e-6 relative (the tied table's and
+# the norm's sums, as above), one process's final files, the bubble measured beside the simulator's (S-1)/(M V+S-1);
+# PP 2's step-2 checkpoint resumes in one process
+for grid in "2 2" "4 2"; do
+    set -- $grid
+    timeout 300 mpirun -np $1 "$FL" finetune_full "${TARGS[@]}" --devices $1 --pipeline_parallel $2 --strategy ddp \
+        --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppi$1-$2" >"$T/out" 2>&1; rc=$?
+    w=$(loss_rel "$T/ppi$1-$2" "$T/tp-one" 2>/dev/null)
+    M=$((8 / ($1 / $2) / 2))
+    if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
+        && grep -q "^interleaved (EXPERIMENTAL): 2 model chunks per rank" "$T/out" \
+        && grep -qE "^pipeline timing \(EXPERIMENTAL\): forward \+ backward of a micro-batch per virtual stage \(ms\):( [0-9.]+ \+ [0-9.]+){4}; the interleaved schedule" "$T/out" \
+        && grep -qE "^pipeline bubble \(EXPERIMENTAL\): measured -?[0-9.]+%.*simulated on the measured times [0-9.]+%, equal stages \(S-1\)/\(M V\+S-1\) = [0-9.]+% \(S 2, M $M, V 2\)" "$T/out" \
+        && [ "$(ls "$T/ppi$1-$2/final")" = "$(ls "$T/tp-one/final")" ] \
+        && [ "$(stat -c %s "$T/ppi$1-$2/final/model.safetensors")" = "$(stat -c %s "$T/tp-one/final/model.safetensors")" ] \
+        && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
+        ok "pp_cli_np$1_pp$2_interleaved (losses within $w of one process)"
+    else
+        bad "pp_cli_np$1_pp$2_interleaved" "exit $rc, losses within '$w'"
+    fi
+done
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppi2-2/step-000002" --out_dir "$T/ppi-r1" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/ppi-r1" "$T/ppi2-2" 12 2>/dev/null)
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out" \
+    && awk -v a="$w" 'BEGIN { exit !(a <= 1e-6) }'; then
+    ok "ppi_cli_checkpoint_resumes_in_one_process (later losses within $w)"
+else
+    bad "ppi_cli_checkpoint_resumes_in_one_process" "exit $rc, losses within '$w'"
+fi
 pp_refused() { # name, pattern, ranks, arguments...
     local name=$1 pat=$2 np=$3; shift 3
     timeout 120 mpirun -np "$np" "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?

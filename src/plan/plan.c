@@ -678,9 +678,10 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     if (c->pipeline_parallel > 1) { /* the bubble and the expected step (fitllm/pp.h) */
         char pp[1200];
         fl_pp_schedule k;
-        FL_TRY(fl_pp_schedule_parse(c->pipeline_schedule, &k));
-        FL_TRY(fl_pp_estimate_text(&x.mc, c->train.max_seq_length > 0 ? c->train.max_seq_length : ctx,
-                                   c->pipeline_parallel, p->accum, k, opts.block_ms, pp, sizeof pp));
+        FL_TRY(fl_pp_schedule_parse_all(c->pipeline_schedule, &k));
+        FL_TRY(fl_pp_estimate_text_v(&x.mc, c->train.max_seq_length > 0 ? c->train.max_seq_length : ctx,
+                                     c->pipeline_parallel, k == FL_PP_INTERLEAVED ? c->pipeline_chunks : 1, p->accum, k,
+                                     opts.block_ms, pp, sizeof pp));
         for (char *line = strtok(pp, "\n"); line; line = strtok(NULL, "\n")) note(p, "%s", line);
     }
     snprintf(p->precision, sizeof p->precision, "%s", c->precision);
