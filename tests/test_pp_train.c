@@ -38,7 +38,8 @@ static void pp_config(fl_run_config *c, int dp, int pp, const char *schedule, co
     snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", schedule);
 }
 
-static void backend_on(void) { setenv("FITLLM_BACKEND", "cpu", 1); }
+static const char *g_pp_backend = "cpu"; /* the interleaved opaque case sets "opaque" */
+static void backend_on(void) { setenv("FITLLM_BACKEND", g_pp_backend, 1); }
 static void backend_off(void) { unsetenv("FITLLM_BACKEND"); }
 
 /* one process of dp ranks' global batch (micro dp x 2: ddp_ref.h's equivalence) */
@@ -522,6 +523,24 @@ FL_TEST(pp_train_threads_interleaved_equals_one_process) {
         }
         il_free(one), il_free(il), il_free(f1);
     }
+}
+
+/* The same on the opaque backend (its memory unreadable by the host: the stream and the checkpoints through its
+ * copies): PP 2 x 2 chunks against one process on opaque (DP 2 x PP 2 x 2 chunks, DDP's reductions of every chunk
+ * through the NCCL stand-in, passes too: FITLLM_TEST_PPI_OPAQUE_DP=1, 10 s more) */
+FL_TEST(pp_train_threads_interleaved_opaque) {
+    g_pp_backend = "opaque";
+    for (int dp = 1; dp <= (getenv("FITLLM_TEST_PPI_OPAQUE_DP") ? 2 : 1); dp++) {
+        pp_job *one = il_run(dp, 1, 1, "1f1b", 0, 0, "opq-one"), *il = il_run(dp, 2, 2, "interleaved", 0, 0, "opq");
+        FL_REQUIRE(one && il);
+        for (int r = 0; r < 2 * dp; r++) {
+            const double w = dr_loss_rel(&il->rec[r], &one->rec[0], 4);
+            FL_CHECKF(w <= 1e-6, "opaque DP %d x PP 2 x 2 chunks rank %d: losses %.3g relative from one process's", dp,
+                      r, w);
+        }
+        il_free(one), il_free(il);
+    }
+    g_pp_backend = "cpu";
 }
 
 /* plan per rank = measured: each rank's V chunk models (their parameters, gradients, optimizer state, arenas) and the
