@@ -220,6 +220,11 @@ fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimiz
 fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
                               const fl_train_state *st);
 fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path);
+/* TP x PP with LoRA: the stage's modules of a whole checkpoint's adapters and state (w) into sw (trainer_tp.c's resume). */
+fl_status fl_tr_pp_lora_stage_state(trainer *t, tp_whole *w, tp_whole *sw);
+/* LoRA on a pipeline stage: the run's seed shifted to the stage's first module (fl_tp_lora_init's draws as
+ * fl_model_lora_init_at's: module j + base of the whole model). */
+uint64_t fl_tr_pp_lora_seed(const trainer *t);
 /* The pipelined step and the interleaved schedule's later chunks (models, optimizers) freed, before the pool. */
 void fl_tr_pp_free_chunks(trainer *t);
 void fl_tr_pp_end(trainer *t);

@@ -25,10 +25,6 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     if (c->command == FL_CMD_FINETUNE_LORA && c->lora.quantize[0])
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --quantize %s: QLoRA's 4-bit base is not split "
                          "into stages yet (LoRA on a 16/32-bit base is)", n, c->lora.quantize);
-    if (c->command == FL_CMD_FINETUNE_LORA && c->tensor_parallel > 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --tensor_parallel %d: finetune_lora is not "
-                         "combined with both yet (LoRA runs with pipeline parallelism and data parallelism)", n,
-                         c->tensor_parallel);
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s: offload is not combined with "
                          "pipeline parallelism yet", n, c->strategy);
@@ -330,7 +326,7 @@ static fl_status lora_whole(trainer *t, tp_whole *w, const fl_optimizer *o) {
     FL_TRY(fl_model_set_precision(&w->m, &t->model.prec));
     fl_lora_config lc;
     FL_TRY(fl_trainer_lora_config(t->cfg, &w->m.cfg, &lc));
-    FL_TRY(fl_model_lora_init(&w->m, &lc, t->cfg->seed));
+    if (!w->m.lora) FL_TRY(fl_model_lora_init(&w->m, &lc, t->cfg->seed)); /* TP x PP: fl_tr_whole_make attached them */
     if (!o) return FL_OK;
     FL_TRY(fl_optim_init(&w->o, &w->m, &o->cfg));
     w->o_ok = 1;
@@ -379,10 +375,12 @@ static fl_status mod_write(fl_model *m, fl_optimizer *o, const fl_lora_adapters 
 
 /* the LoRA gather: every later stage of the first pipeline sends each module it trains (the adapters, then each state
  * array), stage 0 puts them (and its own) at their whole-model modules (w NULL: a sender) */
-static fl_status lora_gather(trainer *t, tp_whole *w, const fl_optimizer *o, char *const *full, float *buf, fl_dtype dt) {
+/* (src: the stage's model whose adapters travel: the run's, or under TP x PP its group's assembled stage) */
+static fl_status lora_gather(trainer *t, const fl_model *src, tp_whole *w, const fl_optimizer *o, char *const *full,
+                             float *buf, fl_dtype dt) {
     const int S = t->pp.size, me = t->pp.stage;
     fl_lora_adapters mine, whole;
-    fl_model_lora_adapters(&t->model, &mine);
+    fl_model_lora_adapters(src, &mine);
     void *arr[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
     if (o) arrays(o, arr);
     if (w && w->o_ok) arrays(&w->o, dst);
@@ -397,7 +395,7 @@ static fl_status lora_gather(trainer *t, tp_whole *w, const fl_optimizer *o, cha
             for (int j = 0; j < n && st == FL_OK; j++) {
                 if (!mod_trained(&mods[j], s, S)) continue;
                 const size_t k = (size_t)mine.cfg->r * (size_t)(mods[j].in + mods[j].out);
-                if (s == me) st = mod_read(&t->model, o, &mine, a, arr, full, dt, j, buf);
+                if (s == me) st = mod_read(src, o, &mine, a, arr, full, dt, j, buf);
                 else st = fl_comm_recv(t->pp.grp, buf, k, FL_F32, s, TAG_CKPT);
                 if (st == FL_OK && me > 0) st = fl_comm_send(t->pp.grp, buf, k, FL_F32, 0, TAG_CKPT);
                 else if (st == FL_OK && (a < 0 || dst[a]))
@@ -444,7 +442,7 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     /* interleaved: the later chunks' in virtual-stage order (DDP: whole arrays, no LoRA) */
     for (int c = 1; t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && c < t->pp.chunks; c++)
         s = give_stage(t, &t->pp.xm[c], o ? &t->pp.xo[c] : NULL, (char *[3]){NULL, NULL, NULL}, buf, dt, NULL);
-    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, NULL, o, full, buf, dt);
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, m, NULL, o, full, buf, dt);
     if (t->dp.rank != 0 || s != FL_OK || t->pp.stage > 0) { /* the first pipeline gathers, its stage 0 writes */
         for (int a = 0; a < 3; a++) free(full[a]);
         free(buf);
@@ -462,7 +460,7 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
         s = take_stage(t, &w, k, t->pp.split, src, so, c == 0 ? full : (char *[3]){NULL, NULL, NULL}, buf, dt,
                        c == 0 ? pw : NULL);
     }
-    if (s == FL_OK && lora) s = lora_gather(t, &w, o, full, buf, dt);
+    if (s == FL_OK && lora) s = lora_gather(t, m, &w, o, full, buf, dt);
     if (s == FL_OK && lora && !o) s = fl_model_lora_merge(&w.m); /* final/: the merged model and the adapter */
     free(buf);
     free(pw);
@@ -545,6 +543,43 @@ static fl_status chunk_resume(trainer *t, tp_whole *w, int c, float *buf) {
     o->step = w->o.step;
     fl_model_sync_compute_copy(m); /* mixed precision: the resumed master weights' copy */
     return FL_OK;
+}
+
+/* TP x PP with LoRA: this stage's modules of the whole checkpoint's adapters and their state (w, a LoRA-attached whole
+ * model and optimizer) into sw (the stage's LoRA-attached model and optimizer, whole across the group) */
+fl_status fl_tr_pp_lora_stage_state(trainer *t, tp_whole *w, tp_whole *sw) {
+    fl_lora_adapters mine, whole;
+    if (!fl_model_lora_adapters(&sw->m, &mine) || !fl_model_lora_adapters(&w->m, &whole))
+        return fl_errorf(FL_ERR_INTERNAL, "pipeline resume: the stage's or the checkpoint's adapters are missing");
+    fl_lora_module *mods = NULL;
+    int n = 0, base = 0;
+    fl_status s = stage_mods(t, t->pp.stage, mine.cfg, &mods, &n, &base);
+    const fl_dtype dt = sw->o.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    float *buf = malloc((mine.numel + 1) * sizeof *buf);
+    if (s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
+    void *src[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
+    if (w->o_ok) arrays(&w->o, src);
+    if (sw->o_ok) arrays(&sw->o, dst);
+    for (int a = -1; a < 3 && s == FL_OK; a++) {
+        if (a >= 0 && (!src[a] || !dst[a])) continue;
+        for (int j = 0; j < n && s == FL_OK; j++) {
+            s = mod_read(&w->m, &w->o, &whole, a, src, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
+            if (s == FL_OK) s = mod_write(&sw->m, &sw->o, &mine, a, dst, NULL, dt, j, buf);
+        }
+    }
+    free(mods), free(buf);
+    sw->o.step = w->o.step;
+    sw->o.amp.ls = w->o.amp.ls;
+    return s;
+}
+
+uint64_t fl_tr_pp_lora_seed(const trainer *t) {
+    fl_lora_config lc;
+    int base = 0;
+    if (t->pp.size > 1 && t->model.lora && fl_trainer_lora_config(t->cfg, &t->model.cfg, &lc) == FL_OK &&
+        fl_tr_pp_lora_base(t, &lc, &base) == FL_OK)
+        return t->cfg->seed + (uint64_t)base * 0x9e3779b97f4a7c15ULL; /* fl_model_lora_init_at's seed of module base */
+    return t->cfg->seed;
 }
 
 fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
