@@ -626,6 +626,19 @@ if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 
 else
     bad "ppi_cli_checkpoint_resumes_in_one_process" "exit $rc, losses within '$w'"
 fi
+# LoRA on the 3D grid (TP 2 x PP 2 at 4 ranks, adapters on q, v and the MLP, dropout 0): one process's losses within
+# 1e-6 relative, final/ and final/adapter (the PEFT folder) with one process's files
+timeout 300 mpirun -np 4 "$FL" finetune_lora "${LARGS[@]}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 \
+    --strategy ddp --out_dir "$T/tppl4" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/tppl4" "$T/tpl-one" 2>/dev/null)
+if [ $rc -eq 0 ] && [ "$(grep -c "Saved the PEFT adapter" "$T/out")" = 1 ] \
+    && [ "$(ls "$T/tppl4/final")" = "$(ls "$T/tpl-one/final")" ] \
+    && [ "$(ls "$T/tppl4/final/adapter")" = "$(ls "$T/tpl-one/final/adapter")" ] \
+    && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
+    ok "tpp_lora_cli_np4_tp2_pp2 (losses within $w of one process)"
+else
+    bad "tpp_lora_cli_np4_tp2_pp2" "exit $rc, losses within '$w'"
+fi
 pp_refused() { # name, pattern, ranks, arguments...
     local name=$1 pat=$2 np=$3; shift 3
     timeout 120 mpirun -np "$np" "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?
