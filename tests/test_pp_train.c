@@ -596,23 +596,28 @@ FL_TEST(pp_train_threads_interleaved_resume_across_schedules) {
     il_resume("ilr3", 2, "1f1b", 1, 2, "interleaved", 2);
 }
 
-/* what interleaved does not run yet is refused naming the option: LoRA, ZeRO on the data axis, micro-batches not a
- * multiple of the stages, more virtual stages than blocks */
+/* what interleaved does not run yet is refused naming the option: LoRA, tensor parallelism, ZeRO on the data axis,
+ * micro-batches not a multiple of the stages, more virtual stages than blocks */
 FL_TEST(pp_train_threads_interleaved_refusals) {
-    const struct { int dp, pp, V, lora; const char *strategy; int accum3; const char *want; } r[4] = {
+    const struct { int dp, pp, V, lora; const char *strategy; int accum3; const char *want; } r[5] = {
         {1, 2, 2, 1, NULL, 0, "--pipeline_schedule interleaved with finetune_lora"},
+        {1, 2, 2, 2, NULL, 0, "--pipeline_schedule interleaved with --tensor_parallel"},
         {2, 2, 2, 0, "deepspeed_stage_2", 0, "--pipeline_schedule interleaved with ZeRO / FSDP"},
         {1, 2, 2, 0, NULL, 1, "not a multiple of the 2 stages"},
         {1, 2, 3, 0, NULL, 0, "6 virtual stages for a model of 5 blocks"}};
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 5; k++) {
         pp_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         char out[700];
         snprintf(out, sizeof out, "%s/pp-il-refuse", fl_test_tmpdir());
-        const int W = r[k].dp * r[k].pp;
+        const int W = r[k].dp * r[k].pp * (r[k].lora == 2 ? 2 : 1);
         for (int q = 0; q < W; q++) {
             fl_run_config *c = &j->cfg[q];
-            if (r[k].lora) {
+            if (r[k].lora == 2) { /* TP 2 x PP 2 */
+                il_config(c, r[k].dp, r[k].pp, r[k].V, "interleaved", 0, 0, out);
+                c->tensor_parallel = 2;
+                c->devices = W;
+            } else if (r[k].lora) {
                 dr_config(c, DR_LORA, r[k].dp, W, 1, 0, out);
                 c->pipeline_parallel = r[k].pp;
                 snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "interleaved");

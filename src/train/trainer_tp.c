@@ -32,10 +32,10 @@ static fl_status tpp_begin(trainer *t, fl_comm *world, const fl_model_config *gi
                          "a multiple of %d (launch data-parallel groups x %d ranks: --devices %d, %d, ...)", n, S, W,
                          W == 1 ? "" : "s", n * S, n * S, n * S, 2 * n * S);
     fl_pp_schedule k;
-    FL_TRY(fl_error_prefix(fl_pp_schedule_parse(t->cfg->pipeline_schedule, &k), "--pipeline_schedule"));
+    FL_TRY(fl_error_prefix(fl_pp_schedule_parse_all(t->cfg->pipeline_schedule, &k), "--pipeline_schedule"));
     fl_strategy_choice sc;
     FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
-    FL_TRY(fl_tr_pp_check(t, &sc));
+    FL_TRY(fl_tr_pp_check(t, &sc)); /* (interleaved refused there) */
     FL_TRY(tp_check(t->cfg, n, W / (n * S), &sc));
     fl_model_config pc;
     if (given) FL_TRY(fl_tp_config(given, n, 0, &pc)); /* the planner's shape */
