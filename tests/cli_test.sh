@@ -743,7 +743,7 @@ PPIPLAN=(plan micro --devices 2 --pipeline_parallel 2 --pipeline_schedule interl
 expect pp_plan_interleaved_run 0 "interleaved, 2 stages x 2 chunks .*: \[0, 1\) \[1, 2\) \[2, 4\) \[4, 5\)" -- "$FITLLM" "${PPIPLAN[@]}" --rank 1
 expect pp_plan_interleaved_bubble 0 "bubble [0-9.]+% \(equal virtual stages: \(S-1\)/\(M V\+S-1\) = 11.1%\)" -- "$FITLLM" "${PPIPLAN[@]}"
 expect pp_interleaved_chunks_range 2 "--pipeline_chunks 9: 1 to 8 model chunks per rank" -- "$FITLLM" "${PPIPLAN[@]}" --pipeline_chunks 9
-expect pp_interleaved_too_many_chunks 1 "--pipeline_parallel 2 x --pipeline_chunks 3: 6 virtual stages for a model of 5 blocks" -- \
+expect pp_interleaved_too_many_chunks 2 "--pipeline_parallel 2 x --pipeline_chunks 3: 6 virtual stages for a model of 5 blocks" -- \
     "$FITLLM" "${PPIPLAN[@]}" --pipeline_chunks 3
 expect pp_plan_block_ms_refused 2 "--block-ms: '0' is not a positive time in milliseconds" -- "$FITLLM" "${PPPLAN[@]}" --block-ms 0
 # --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the

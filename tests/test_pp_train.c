@@ -547,13 +547,14 @@ FL_TEST(pp_train_threads_interleaved_opaque) {
 /* plan per rank = measured: each rank's V chunk models (their parameters, gradients, optimizer state, arenas) and the
  * stashes of the chunk-micro-batches in flight (Megatron's warm-up keeps more of them at stage 0) */
 FL_TEST(pp_train_threads_interleaved_plan_equals_measured) {
-    pp_job *j = il_run(1, 2, 2, "interleaved", 0, 0, "plan");
-    FL_REQUIRE(j != NULL);
-    for (int r = 0; r < 2; r++) {
-        j->cfg[r].train.max_steps = 4;
-        (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "PP 2 x 2 chunks");
+    for (int dp = 1; dp <= 2; dp++) { /* PP 2 x 2 chunks, DP 2 x PP 2 x 2 chunks */
+        pp_job *j = il_run(dp, 2, 2, "interleaved", 0, 0, "plan");
+        FL_REQUIRE(j != NULL);
+        char grid[48];
+        snprintf(grid, sizeof grid, "DP %d x PP 2 x 2 chunks", dp);
+        for (int r = 0; r < 2 * dp; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
+        il_free(j);
     }
-    il_free(j);
 }
 
 /* checkpoints: an interleaved run's step-2 checkpoint resumed under 1F1B at PP 3 and in one process, and a 1F1B

@@ -227,6 +227,9 @@ fl_status fl_pp_estimate_step_v(const fl_model_config *c, int T, int stages, int
     const int NV = stages * (chunks > 0 ? chunks : 1);
     if (NV > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 (virtual) stages", NV);
     const int L = c->n_layers;
+    if (chunks > 1 && NV > L)
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d x --pipeline_chunks %d: %d virtual stages for a model of "
+                         "%d blocks (each needs at least one)", stages, chunks, NV, L);
     FL_TRY(fl_pp_split_model(c, T, NV, e->first));
     double *cost = malloc((size_t)L * sizeof *cost + 1);
     if (!cost) return fl_errorf(FL_ERR_OOM, "pipeline estimate: out of host memory");
