@@ -639,6 +639,19 @@ if [ $rc -eq 0 ] && [ "$(grep -c "Saved the PEFT adapter" "$T/out")" = 1 ] \
 else
     bad "tpp_lora_cli_np4_tp2_pp2" "exit $rc, losses within '$w'"
 fi
+# QLoRA on the stages (--quantize bnb.nf4-dq, PP 2): each stage keeps the whole model's 4-bit stores as they are, so
+# the losses are one process's bits and final/ (the merged model) and final/adapter one process's bytes
+QARGS=("${TARGS[@]}" --quantize bnb.nf4-dq)
+timeout 300 "$FL" finetune_lora "${QARGS[@]}" --out_dir "$T/ppq-one" >"$T/out" 2>&1 || bad "pp_cli_qlora_one_process" "exit $?"
+timeout 300 mpirun -np 2 "$FL" finetune_lora "${QARGS[@]}" --devices 2 --pipeline_parallel 2 --out_dir "$T/ppq2" \
+    >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/ppq2" "$T/ppq-one" 2>/dev/null)
+if [ $rc -eq 0 ] && [ "$w" = 0 ] && cmp -s "$T/ppq2/final/model.safetensors" "$T/ppq-one/final/model.safetensors" \
+    && cmp -s "$T/ppq2/final/adapter/adapter_model.safetensors" "$T/ppq-one/final/adapter/adapter_model.safetensors"; then
+    ok "pp_cli_np2_pp2_qlora (losses and final/ one process's bits)"
+else
+    bad "pp_cli_np2_pp2_qlora" "exit $rc, losses within '$w'"
+fi
 pp_refused() { # name, pattern, ranks, arguments...
     local name=$1 pat=$2 np=$3; shift 3
     timeout 120 mpirun -np "$np" "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?
@@ -646,8 +659,8 @@ pp_refused() { # name, pattern, ranks, arguments...
 }
 pp_refused pp_more_stages_than_layers "--pipeline_parallel 6: the model has 5 layers" 6 finetune_full micro --devices 6 \
     --pipeline_parallel 6 --train.global_batch_size 6 --out_dir "$T/pp-x1"
-pp_refused pp_qlora_refused "--pipeline_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split" 2 finetune_lora \
-    micro --devices 2 --pipeline_parallel 2 --quantize bnb.nf4 --out_dir "$T/pp-x2"
+pp_refused pp_qlora_tp_refused "--tensor_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split" 4 finetune_lora \
+    micro --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --quantize bnb.nf4 --out_dir "$T/pp-x2"
 pp_refused pp_hybrid_shard_refused "--pipeline_parallel 2 with --strategy fsdp HYBRID_SHARD: the data-parallel axis runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD" 4 \
     finetune_full micro --devices 4 --pipeline_parallel 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/pp-x3"
 pp_refused pp_t5_refused "--pipeline_parallel: T5 is not split into stages" 2 finetune_full t5-micro --devices 2 \

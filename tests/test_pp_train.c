@@ -140,7 +140,8 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
     for (int r = 0; r < W; r++) {
         if (lora) dr_config(&j->cfg[r], DR_LORA, W / pp, W, 1, 0, out);
         else pp_config(&j->cfg[r], W / pp, pp, "1f1b", out);
-        if (lora == 2) snprintf(j->cfg[r].lora.quantize, sizeof j->cfg[r].lora.quantize, "bnb.nf4");
+        if (lora == 2) /* QLoRA runs on the stages (pp_train_threads_qlora_equals_one_process), not yet on TP x PP */
+            snprintf(j->cfg[r].lora.quantize, sizeof j->cfg[r].lora.quantize, "bnb.nf4"), j->cfg[r].tensor_parallel = 2;
         if (lora == 3) j->cfg[r].tensor_parallel = 2, j->cfg[r].lora.dropout = 0.1f; /* LoRA on the 3D grid runs: its
                                                                                       * row-parallel dropout does not */
         j->cfg[r].pipeline_parallel = pp;
@@ -158,7 +159,7 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
 }
 
 FL_TEST(pp_train_threads_refusals) {
-    expect_refusal(2, 2, NULL, 2, "--pipeline_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split");
+    expect_refusal(4, 2, NULL, 2, "--tensor_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split");
     expect_refusal(4, 2, NULL, 3, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel");
     expect_refusal(4, 2, "hybrid", 0, "--pipeline_parallel 2 with --strategy fsdp HYBRID_SHARD: the data-parallel axis "
                    "runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 so far, not HYBRID_SHARD");
@@ -295,6 +296,7 @@ FL_TEST(pp_train_threads_failing_rank_stops_the_grid) {
  * adapters start and drop as the whole model's (module j + the stage's first block's modules), the stash carries the
  * adapters' activations of a micro-batch in flight, a later stage's block 0 hands d(input) back; no tied sum and no
  * clipping enter, so PP 2 (1F1B) and PP 3 (GPipe) give one process's losses bit for bit, DP 2 x PP 2 DDP's. */
+static const char *g_quantize; /* QLoRA: the base's 4-bit mode (NULL: LoRA on the fp32 base) */
 static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save,
                            const char *resume, const char *strategy) {
     char out[700];
@@ -307,6 +309,7 @@ static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, cons
         j->cfg[r].train.save_interval = save;
         if (resume) snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", resume);
         if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
+        if (g_quantize) snprintf(j->cfg[r].lora.quantize, sizeof j->cfg[r].lora.quantize, "%s", g_quantize);
     }
     fl_status s = run_job(j, dp * pp);
     FL_CHECKF(s == FL_OK, "LoRA DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
@@ -634,4 +637,53 @@ FL_TEST(pp_train_threads_interleaved_refusals) {
                   fl_status_name(s), j->msg[0]);
         il_free(j);
     }
+}
+
+/* QLoRA on the stages (--quantize with --pipeline_parallel): each stage's blocks keep the whole model's 4-bit stores
+ * as they are (codes, absmax and double quantization's constants copied, not re-quantized), so PP 2 and DP 2 x PP 2
+ * give one process's (DDP's) losses bit for bit with dropout 0.1 (its masks keyed by the whole model's module index),
+ * final/ (the gathered dequantized base with the adapters merged, as one process reads its 4-bit base merged) and
+ * final/adapter are one process's bytes, every rank's plan = its measured peaks, and PP 2's step-2 checkpoint resumes
+ * in one process with the uninterrupted run's later losses bit for bit */
+FL_TEST(pp_train_threads_qlora_equals_one_process) {
+    g_quantize = "bnb.nf4-dq";
+    pp_job *one = calloc(1, sizeof *one), *ddp = calloc(1, sizeof *ddp);
+    FL_REQUIRE(one && ddp);
+    lora_grid(one, 1, 1, "1f1b", "q-one", 0, 0);
+    lora_grid(ddp, 2, 1, "1f1b", "q-ddp", 0, 0);
+    for (int dp = 1; dp <= 2; dp++) {
+        pp_job *j = calloc(1, sizeof *j), *ref = dp == 1 ? one : ddp;
+        FL_REQUIRE(j != NULL);
+        lora_grid(j, dp, 2, "1f1b", "q", 0, dp == 1 ? 2 : 0);
+        for (int r = 0; r < 2 * dp; r++) {
+            FL_CHECKF(j->rec[r].steps == ref->rec[0].steps && j->rec[r].steps > 0, "QLoRA DP %d x PP 2 rank %d: %ld steps",
+                      dp, r, j->rec[r].steps);
+            for (long k = 0; k < j->rec[r].steps && k < ref->rec[0].steps; k++)
+                FL_CHECKF(j->rec[r].loss[k] == ref->rec[0].loss[k], "QLoRA DP %d x PP 2 rank %d step %ld: loss %.9g, "
+                          "DP %d alone %.9g", dp, r, k + 1, j->rec[r].loss[k], dp, ref->rec[0].loss[k]);
+            if (dp == 1) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "QLoRA PP 2");
+        }
+        const char *files[3] = {"final/model.safetensors", "final/adapter/adapter_model.safetensors", "final/config.json"};
+        for (int f = 0; dp == 1 && f < 3; f++)
+            FL_CHECKF(same_file(j->cfg[0].out_dir, one->cfg[0].out_dir, files[f]), "QLoRA PP 2: %s differs from one "
+                      "process's", files[f]);
+        if (dp == 1) { /* PP 2's step-2 checkpoint resumed in one process */
+            char ck[1100];
+            snprintf(ck, sizeof ck, "%.1000s/step-000002", j->cfg[0].out_dir);
+            pp_job *b = calloc(1, sizeof *b);
+            FL_REQUIRE(b != NULL);
+            lora_grid_from(b, 1, 1, "1f1b", "q-resumed", 0, 0, ck, NULL);
+            for (long k = 2; k < j->rec[0].steps; k++)
+                FL_CHECKF(b->rec[0].steps == j->rec[0].steps && b->rec[0].loss[k] == j->rec[0].loss[k], "QLoRA PP 2 "
+                          "resumed in one process, step %ld: loss %.9g, uninterrupted %.9g", k + 1, b->rec[0].loss[k],
+                          j->rec[0].loss[k]);
+            for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&b->rec[r]);
+            free(b);
+        }
+        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&one->rec[r]), dr_free(&ddp->rec[r]);
+    free(one), free(ddp);
+    g_quantize = NULL;
 }

@@ -22,9 +22,6 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     const fl_run_config *c = t->cfg;
     const int n = c->pipeline_parallel;
     if (n <= 1) return FL_OK;
-    if (c->command == FL_CMD_FINETUNE_LORA && c->lora.quantize[0])
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --quantize %s: QLoRA's 4-bit base is not split "
-                         "into stages yet (LoRA on a 16/32-bit base is)", n, c->lora.quantize);
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s: offload is not combined with "
                          "pipeline parallelism yet", n, c->strategy);
@@ -140,10 +137,11 @@ static fl_status plan_stage(trainer *t, const fl_model_config *given) {
 }
 
 /* whole models are never sharded: FULL_SHARD on the data axis (fl_fsdp_prepare's storage hook in t->stg) shards the
- * stage alone */
+ * stage alone; nor quantized (the load's whole is: its 4-bit stores are copied into the stages as they are) */
 static fl_status whole_unsharded(trainer *t, tp_whole *w, const fl_optimizer *o) {
     const fl_model_storage keep = t->stg;
     t->stg.shard = NULL;
+    t->stg.quant4 = 0; /* QLoRA: the checkpoints' whole holds the dequantized base (fp32 reads of the 4-bit stores) */
     fl_status s = fl_tr_whole_make(t, w, &t->pp.whole, o);
     t->stg = keep;
     return s;
