@@ -718,8 +718,8 @@ expect tp_plan_lora_dropout_row_refused 2 "--tensor_parallel 2: LoRA dropout \(0
 # unknown schedule, the plan of one stage, the help's label
 expect pp_not_dividing_devices 2 "--pipeline_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
     "$FITLLM" finetune_full micro --pipeline_parallel 2 --out_dir "$T/pp1"
-expect pp_unknown_schedule 2 "--pipeline_schedule 'interleaved': expected gpipe or 1f1b" -- \
-    "$FITLLM" finetune_full micro --devices 2 --pipeline_parallel 2 --pipeline_schedule interleaved --out_dir "$T/pp2"
+expect pp_unknown_schedule 2 "--pipeline_schedule 'zigzag': expected gpipe, 1f1b or interleaved" -- \
+    "$FITLLM" finetune_full micro --devices 2 --pipeline_parallel 2 --pipeline_schedule zigzag --out_dir "$T/pp2"
 expect pp_plan_stage 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 1 is stage 1" -- \
     "$FITLLM" plan micro --devices 2 --pipeline_parallel 2 --rank 1
 expect pp_help_experimental 0 "pipeline_parallel.*EXPERIMENTAL" -- "$FITLLM" finetune_full --help
@@ -731,10 +731,19 @@ expect pp_plan_split_by_cost 0 "blocks per stage \(balanced by training FLOPs at
     "$FITLLM" "${PPPLAN[@]}"
 expect pp_plan_bubble 0 "pipeline: expected step [0-9.]+ block times \(.*\), bubble [0-9.]+% \(equal stages: 42.9%\)" -- \
     "$FITLLM" "${PPPLAN[@]}"
-# the interleaved schedule's estimate beside 1F1B's (2 chunks per rank; Megatron-LM's order, not run yet)
-expect pp_plan_interleaved 0 "pipeline: interleaved 1F1B with 2 chunks per rank \(virtual stages; planned, not run yet\) would take [0-9.]+ block times, bubble [0-9.]+% \(equal stages: 11.1%\)" -- \
+# the interleaved schedule's estimate beside 1F1B's (2 chunks per rank; Megatron-LM's order)
+expect pp_plan_interleaved 0 "pipeline: interleaved 1F1B with 2 chunks per rank \(virtual stages; --pipeline_schedule interleaved\) would take [0-9.]+ block times, bubble [0-9.]+% \(equal stages: 11.1%\)" -- \
     "$FITLLM" plan micro --devices 2 --pipeline_parallel 2 --strategy ddp --train.micro_batch_size 2 --train.global_batch_size 8
 expect pp_plan_block_ms 0 "pipeline: expected step [0-9.]+ ms .* at --block-ms" -- "$FITLLM" "${PPPLAN[@]}" --block-ms 6
+# the interleaved schedule planned as it runs (--pipeline_chunks 2: micro's 5 blocks in 4 virtual stages, rank 1's two
+# chunks), and the refusals: chunks out of range, more virtual stages than blocks
+PPIPLAN=(plan micro --devices 2 --pipeline_parallel 2 --pipeline_schedule interleaved --pipeline_chunks 2 --strategy ddp
+         --train.micro_batch_size 2 --train.global_batch_size 8 --train.max_seq_length 48)
+expect pp_plan_interleaved_run 0 "interleaved, 2 stages x 2 chunks .*: \[0, 1\) \[1, 2\) \[2, 4\) \[4, 5\)" -- "$FITLLM" "${PPIPLAN[@]}" --rank 1
+expect pp_plan_interleaved_bubble 0 "bubble [0-9.]+% \(equal virtual stages: \(S-1\)/\(M V\+S-1\) = 11.1%\)" -- "$FITLLM" "${PPIPLAN[@]}"
+expect pp_interleaved_chunks_range 2 "--pipeline_chunks 9: 1 to 8 model chunks per rank" -- "$FITLLM" "${PPIPLAN[@]}" --pipeline_chunks 9
+expect pp_interleaved_too_many_chunks 2 "--pipeline_parallel 2 x --pipeline_chunks 3: 6 virtual stages for a model of 5 blocks" -- \
+    "$FITLLM" "${PPIPLAN[@]}" --pipeline_chunks 3
 expect pp_plan_block_ms_refused 2 "--block-ms: '0' is not a positive time in milliseconds" -- "$FITLLM" "${PPPLAN[@]}" --block-ms 0
 # --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the
 # whole buffer's reduce-scatter scratch, 3/4 of 25.1 GiB of gradients); in buckets of 256 MiB (the default) 1.57 GiB

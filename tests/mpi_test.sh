@@ -569,33 +569,82 @@ for case in "pp2-2-1f1b pp" "pp4-2-1f1b_tp2 tpp"; do
         bad "$2_cli_checkpoint_resumes_in_one_process" "exit $rc, losses within '$w'"
     fi
 done
+# a LoRA run (name, its out_dir, one process's; $rc its exit): one process's losses within 1e-6 relative, one PEFT
+# adapter saved, final/ and final/adapter with one process's files
+lora_files_case() {
+    local w; w=$(loss_rel "$2" "$3" 2>/dev/null)
+    if [ $rc -eq 0 ] && [ "$(grep -c "Saved the PEFT adapter" "$T/out")" = 1 ] && [ "$(ls "$2/final")" = "$(ls "$3/final")" ] \
+        && [ "$(ls "$2/final/adapter")" = "$(ls "$3/final/adapter")" ] && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
+        ok "$1 (losses within $w of one process)"
+    else
+        bad "$1" "exit $rc, losses within '$w'"
+    fi
+}
+# the same, the losses one process's bits and final/model.safetensors and the PEFT adapter one process's bytes
+lora_bits_case() {
+    local w; w=$(loss_rel "$2" "$3" 2>/dev/null)
+    if [ $rc -eq 0 ] && [ "$w" = 0 ] && cmp -s "$2/final/model.safetensors" "$3/final/model.safetensors" \
+        && cmp -s "$2/final/adapter/adapter_model.safetensors" "$3/final/adapter/adapter_model.safetensors"; then
+        ok "$1 (losses and final/ one process's bits)"
+    else
+        bad "$1" "exit $rc, losses within '$w'"
+    fi
+}
 # LoRA on the slices through the CLI (finetune_lora --tensor_parallel 2 at 2 ranks, adapters on q, v and the MLP,
 # dropout 0): one process's losses within 1e-6 relative, final/ and final/adapter with one process's files
 LARGS=("${TARGS[@]}" --lora_mlp true --lora_dropout 0)
 timeout 300 "$FL" finetune_lora "${LARGS[@]}" --out_dir "$T/tpl-one" >"$T/out" 2>&1 || bad "tp_lora_cli_one_process" "exit $?"
 timeout 300 mpirun -np 2 "$FL" finetune_lora "${LARGS[@]}" --devices 2 --tensor_parallel 2 --strategy ddp \
     --out_dir "$T/tpl2" >"$T/out" 2>&1; rc=$?
-w=$(loss_rel "$T/tpl2" "$T/tpl-one" 2>/dev/null)
-if [ $rc -eq 0 ] && [ "$(grep -c "Saved the PEFT adapter" "$T/out")" = 1 ] \
-    && [ "$(ls "$T/tpl2/final")" = "$(ls "$T/tpl-one/final")" ] \
-    && [ "$(ls "$T/tpl2/final/adapter")" = "$(ls "$T/tpl-one/final/adapter")" ] \
-    && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
-    ok "tp_lora_cli_np2_tp2 (losses within $w of one process)"
-else
-    bad "tp_lora_cli_np2_tp2" "exit $rc, losses within '$w'"
-fi
+lora_files_case tp_lora_cli_np2_tp2 "$T/tpl2" "$T/tpl-one"
 # LoRA on the stages (dropout 0.05, LitGPT's default): PP 2 under mpirun logs one process's losses exactly, and its
 # final/ (stage 0 merges the gathered adapters into the gathered base) and final/adapter are one process's bytes
 timeout 300 "$FL" finetune_lora "${TARGS[@]}" --out_dir "$T/pp-lora-one" >"$T/out" 2>&1 || bad "pp_cli_lora_one_process" "exit $?"
 timeout 300 mpirun -np 2 "$FL" finetune_lora "${TARGS[@]}" --devices 2 --pipeline_parallel 2 --out_dir "$T/pp-lora2" \
     >"$T/out" 2>&1; rc=$?
-w=$(loss_rel "$T/pp-lora2" "$T/pp-lora-one" 2>/dev/null)
-if [ $rc -eq 0 ] && [ "$w" = 0 ] && cmp -s "$T/pp-lora2/final/model.safetensors" "$T/pp-lora-one/final/model.safetensors" \
-    && cmp -s "$T/pp-lora2/final/adapter/adapter_model.safetensors" "$T/pp-lora-one/final/adapter/adapter_model.safetensors"; then
-    ok "pp_cli_np2_pp2_lora (losses and final/ one process's bits)"
+lora_bits_case pp_cli_np2_pp2_lora "$T/pp-lora2" "$T/pp-lora-one"
+# the interleaved schedule (--pipeline_schedule interleaved --pipeline_chunks 2: each rank two chunks of micro's 5
+# blocks, Megatron's order) at PP 2 and DP 2 x PP 2: one process's losses within 1e-6 relative (the tied table's and
+# the norm's sums, as above), one process's final files, the bubble measured beside the simulator's (S-1)/(M V+S-1);
+# PP 2's step-2 checkpoint resumes in one process
+for grid in "2 2" "4 2"; do
+    set -- $grid
+    timeout 300 mpirun -np $1 "$FL" finetune_full "${TARGS[@]}" --devices $1 --pipeline_parallel $2 --strategy ddp \
+        --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppi$1-$2" >"$T/out" 2>&1; rc=$?
+    w=$(loss_rel "$T/ppi$1-$2" "$T/tp-one" 2>/dev/null)
+    M=$((8 / ($1 / $2) / 2))
+    if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
+        && grep -q "^interleaved (EXPERIMENTAL): 2 model chunks per rank" "$T/out" \
+        && grep -qE "^pipeline timing \(EXPERIMENTAL\): forward \+ backward of a micro-batch per virtual stage \(ms\):( [0-9.]+ \+ [0-9.]+){4}; the interleaved schedule" "$T/out" \
+        && grep -qE "^pipeline bubble \(EXPERIMENTAL\): measured -?[0-9.]+%.*simulated on the measured times [0-9.]+%, equal stages \(S-1\)/\(M V\+S-1\) = [0-9.]+% \(S 2, M $M, V 2\)" "$T/out" \
+        && [ "$(ls "$T/ppi$1-$2/final")" = "$(ls "$T/tp-one/final")" ] \
+        && [ "$(stat -c %s "$T/ppi$1-$2/final/model.safetensors")" = "$(stat -c %s "$T/tp-one/final/model.safetensors")" ] \
+        && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
+        ok "pp_cli_np$1_pp$2_interleaved (losses within $w of one process)"
+    else
+        bad "pp_cli_np$1_pp$2_interleaved" "exit $rc, losses within '$w'"
+    fi
+done
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppi2-2/step-000002" --out_dir "$T/ppi-r1" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/ppi-r1" "$T/ppi2-2" 12 2>/dev/null)
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out" \
+    && awk -v a="$w" 'BEGIN { exit !(a <= 1e-6) }'; then
+    ok "ppi_cli_checkpoint_resumes_in_one_process (later losses within $w)"
 else
-    bad "pp_cli_np2_pp2_lora" "exit $rc, losses within '$w'"
+    bad "ppi_cli_checkpoint_resumes_in_one_process" "exit $rc, losses within '$w'"
 fi
+# LoRA on the 3D grid (TP 2 x PP 2 at 4 ranks, adapters on q, v and the MLP, dropout 0): one process's losses within
+# 1e-6 relative, final/ and final/adapter (the PEFT folder) with one process's files
+timeout 300 mpirun -np 4 "$FL" finetune_lora "${LARGS[@]}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 \
+    --strategy ddp --out_dir "$T/tppl4" >"$T/out" 2>&1; rc=$?
+lora_files_case tpp_lora_cli_np4_tp2_pp2 "$T/tppl4" "$T/tpl-one"
+# QLoRA on the stages (--quantize bnb.nf4-dq, PP 2): each stage keeps the whole model's 4-bit stores as they are, so
+# the losses are one process's bits and final/ (the merged model) and final/adapter one process's bytes
+QARGS=("${TARGS[@]}" --quantize bnb.nf4-dq)
+timeout 300 "$FL" finetune_lora "${QARGS[@]}" --out_dir "$T/ppq-one" >"$T/out" 2>&1 || bad "pp_cli_qlora_one_process" "exit $?"
+timeout 300 mpirun -np 2 "$FL" finetune_lora "${QARGS[@]}" --devices 2 --pipeline_parallel 2 --out_dir "$T/ppq2" \
+    >"$T/out" 2>&1; rc=$?
+lora_bits_case pp_cli_np2_pp2_qlora "$T/ppq2" "$T/ppq-one"
 pp_refused() { # name, pattern, ranks, arguments...
     local name=$1 pat=$2 np=$3; shift 3
     timeout 120 mpirun -np "$np" "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?
@@ -603,8 +652,8 @@ pp_refused() { # name, pattern, ranks, arguments...
 }
 pp_refused pp_more_stages_than_layers "--pipeline_parallel 6: the model has 5 layers" 6 finetune_full micro --devices 6 \
     --pipeline_parallel 6 --train.global_batch_size 6 --out_dir "$T/pp-x1"
-pp_refused pp_qlora_refused "--pipeline_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split" 2 finetune_lora \
-    micro --devices 2 --pipeline_parallel 2 --quantize bnb.nf4 --out_dir "$T/pp-x2"
+pp_refused pp_qlora_tp_refused "--tensor_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split" 4 finetune_lora \
+    micro --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --quantize bnb.nf4 --out_dir "$T/pp-x2"
 pp_refused pp_hybrid_shard_refused "--pipeline_parallel 2 with --strategy fsdp HYBRID_SHARD: the data-parallel axis runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD" 4 \
     finetune_full micro --devices 4 --pipeline_parallel 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/pp-x3"
 pp_refused pp_t5_refused "--pipeline_parallel: T5 is not split into stages" 2 finetune_full t5-micro --devices 2 \

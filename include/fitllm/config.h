@@ -86,7 +86,8 @@ typedef struct {
                                        * (devices x num_nodes / tensor_parallel) data-parallel groups of it */
     int pipeline_parallel;            /* pipeline_parallel: stages per pipeline (1: none; EXPERIMENTAL), each a
                                        * contiguous block range; (devices x num_nodes / pipeline_parallel) pipelines */
-    char pipeline_schedule[32];       /* gpipe | 1f1b (default) */
+    char pipeline_schedule[32];       /* gpipe | 1f1b (default) | interleaved */
+    int pipeline_chunks;              /* interleaved: model chunks (virtual stages) per rank (default 2) */
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, _2, _3, their _offload, fsdp (Lightning's names) */
     char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP,
                                        * HYBRID_SHARD */

@@ -24,9 +24,9 @@ extern "C" {
 #endif
 
 /* FL_PP_INTERLEAVED: Megatron-LM's interleaved 1F1B over virtual stages (a rank holds `chunks` model chunks: chunk c
- * of rank s is virtual stage c S + s); the library's schedule, simulator and the plan's estimate; the trainer does not
- * run it yet (fl_pp_schedule_parse, which the trainer and the CLI use, accepts gpipe and 1f1b only). */
-/* FL_PP_SCHEDULE_COUNT counts the schedules the trainer runs (gpipe, 1f1b); interleaved comes after them. */
+ * of rank s is virtual stage c S + s); the trainer runs it with --pipeline_chunks V (fl_pp_init_v).
+ * fl_pp_schedule_parse accepts the one-chunk schedules (gpipe, 1f1b), fl_pp_schedule_parse_all interleaved too. */
+/* FL_PP_SCHEDULE_COUNT counts the one-chunk schedules (gpipe, 1f1b); interleaved comes after them. */
 typedef enum { FL_PP_GPIPE = 0, FL_PP_1F1B, FL_PP_SCHEDULE_COUNT, FL_PP_INTERLEAVED = FL_PP_SCHEDULE_COUNT } fl_pp_schedule;
 typedef enum { FL_PP_FWD = 0, FL_PP_BWD } fl_pp_kind;
 typedef struct {
@@ -38,6 +38,8 @@ typedef struct {
 /* "gpipe", "1f1b", "interleaved"; and the reverse of the first two (FL_ERR_INVALID naming the choices). */
 const char *fl_pp_schedule_name(fl_pp_schedule k);
 fl_status fl_pp_schedule_parse(const char *name, fl_pp_schedule *out);
+/* The same accepting "interleaved" too (what the trainer and the plan run). */
+fl_status fl_pp_schedule_parse_all(const char *name, fl_pp_schedule *out);
 
 /* Stage `stage`'s 2 M operations in order into ops[0 .. 2 M). FL_ERR_INVALID for stages < 1, stage outside
  * [0, stages), micro < 1. */
@@ -100,6 +102,9 @@ fl_status fl_pp_estimate_step_v(const fl_model_config *c, int T, int stages, int
  * block_ms > 0 (a block's measured forward + backward) else in units of a block's time. */
 fl_status fl_pp_estimate_text(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
                               double block_ms, char *buf, size_t n);
+/* The same for a run of `chunks` model chunks per rank (interleaved: the virtual stages' split, times and step). */
+fl_status fl_pp_estimate_text_v(const fl_model_config *c, int T, int stages, int chunks, int micro, fl_pp_schedule k,
+                                double block_ms, char *buf, size_t n);
 
 /* ---- a model stage (src/model/stage.c) ----
  * Stage s of a decoder-only model (LLaMA, GPT-2, OPT) holds its blocks [first, last) as an ordinary model of
@@ -143,27 +148,47 @@ fl_status fl_model_stage_stash_restore(fl_model *m, const fl_stage_stash *s);
 fl_status fl_model_stage_stash_swap(fl_model *m, fl_stage_stash *s, void *scratch, size_t scratch_bytes);
 
 /* ---- the pipelined step (src/train/pp_step.c) ---- */
+#define FL_PP_MAX_CHUNKS 8
+/* One model chunk of a rank (interleaved: virtual stage chunk S + stage; otherwise the rank's one stage). */
+typedef struct {
+    fl_model *m;               /* its model (fl_model_set_stage done by fl_pp_init_v) */
+    fl_optimizer *o;           /* its optimizer (chunk 0: the one fl_pp_step_run is given; later chunks: fl_pp_chunk_optim) */
+    fl_stage_stash **stash;    /* slots for micro-batches in flight beyond the arena's one */
+    int n_stash;
+    void *swap;                /* the stash swap's scratch (WORKSPACE of the model's pool) */
+    size_t swap_bytes;
+    double fwd_ms, bwd_ms;     /* measured: its forwards' and backwards' compute (not the waits) */
+    long n_fwd, n_bwd;
+} fl_pp_chunk;
+
 typedef struct {
     fl_comm *comm;             /* the pipeline group (borrowed): rank s is stage s */
     int stages, stage;
     fl_pp_schedule kind;
-    fl_model *m;               /* this stage (fl_model_set_stage done by fl_pp_init) */
-    fl_stage_stash **stash;    /* slots for micro-batches in flight beyond the arena's one */
-    int n_stash;
-    int peak_in_flight;        /* the most micro-batches whose forward ran and backward did not, measured */
+    fl_model *m;               /* this stage (chunk 0's model) */
+    int chunks;                /* model chunks per rank (1 but under interleaved) */
+    fl_pp_chunk ch[FL_PP_MAX_CHUNKS];
+    int n_stash;               /* stash slots over the chunks */
+    int peak_in_flight;        /* the most chunk-micro-batches whose forward ran and backward did not, measured */
     float *hx;                 /* host staging of one micro-batch's (B T, C) stream */
-    void *swap;                /* the stash swap's scratch (WORKSPACE of the model's pool) */
-    size_t swap_bytes;
     size_t hx_n;
     fl_optim_dist dist;        /* the optimizer's hooks: the clipping norm and overflow verdict over the stages */
     const fl_optim_dist *inner; /* the data-parallel axis' (DDP), or NULL */
     int adapters;              /* the optimizer trains the stage's LoRA adapters (fl_pp_optim_attach) */
+    double norm_sq;            /* interleaved: the step's squared norm over every chunk, computed once per step */
+    int norm_ok;
     double fwd_ms, bwd_ms, step_ms; /* measured: the forwards' and backwards' compute (not the waits), the steps */
     long n_fwd, n_bwd, n_steps;
 } fl_pp;
 
 /* m is stage fl_comm_rank(comm) of fl_comm_size(comm) (its arena allocated). */
 fl_status fl_pp_init(fl_pp *p, fl_model *m, fl_comm *comm, fl_pp_schedule kind);
+/* The same with `chunks` models per rank (interleaved; chunks 1 is fl_pp_init): ms[c] is virtual stage c S + s of
+ * S chunks, each its blocks' stage model (arena allocated). */
+fl_status fl_pp_init_v(fl_pp *p, fl_model *const *ms, int chunks, fl_comm *comm, fl_pp_schedule kind);
+/* Chunk c >= 1's optimizer (over ms[c]'s parameters; DDP's hooks or none): the step updates it after chunk 0's, with
+ * the clipping norm of every chunk of every stage (fl_pp_optim_attach first). */
+fl_status fl_pp_chunk_optim(fl_pp *p, int c, fl_optimizer *o);
 void fl_pp_free(fl_pp *p);
 /* The optimizer's norm and fp16 overflow verdict over every stage (composed with DDP's hooks when present). */
 fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o);
@@ -172,7 +197,8 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o);
  * non-finite loss (no loss scaling) fails every stage after the schedule, before the update (c->failed_k). */
 fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res);
 /* The run's measured means over the pipeline group (a collective of its stages): each stage's forward and
- * backward of one micro-batch, fwd[s] and bwd[s] (p->stages entries; 0 before any step), and a step's time. */
+ * backward of one micro-batch, fwd[s] and bwd[s] (p->stages entries; 0 before any step), and a step's time.
+ * Interleaved: each virtual stage's, fwd[v], bwd[v] for v = c S + s (S chunks entries). */
 fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms);
 /* An inference forward with targets through the stages (validation): every stage's m->loss_sum and m->n_valid
  * are the last stage's afterwards. */

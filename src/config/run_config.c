@@ -29,6 +29,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     c->tensor_parallel = 1;
     c->pipeline_parallel = 1;
     snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "1f1b");
+    c->pipeline_chunks = 2;
     snprintf(c->strategy, sizeof c->strategy, "auto");
     snprintf(c->state_dict_type, sizeof c->state_dict_type, "full");
     c->offload_prefetch = 1; /* the next unit, as FSDP's gather */
@@ -79,8 +80,9 @@ static const fl_cfg_key k_keys[] = {
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
     {"tensor_parallel", FL_CK_POS, OFF(tensor_parallel), "ranks per tensor-parallel group (Megatron-style: attention heads and MLP columns split over them, and the token embeddings, lm_head and cross-entropy vocabulary-parallel (V/N rows each; the counts differ by one when N does not divide the vocabulary); finetune_full, pretrain and LoRA fine-tuning (the adapters split with their linears) of LLaMA, GPT-2, OPT and T5 (both stacks; the cross-attention and relative position bias by heads); checkpoints consolidated, resumable at any size); devices x num_nodes = data-parallel groups x tensor_parallel (DDP, ZeRO-1 or ZeRO-2 on the data-parallel axis); with pipeline_parallel the 3D grid (EXPERIMENTAL): data-parallel groups x tensor_parallel x pipeline_parallel, each rank its slice of its stage; default 1"},
-    {"pipeline_parallel", FL_CK_POS, OFF(pipeline_parallel), "EXPERIMENTAL: stages per pipeline (GPipe / 1F1B pipeline parallelism): each rank of a pipeline holds a contiguous range of the decoder's blocks (balanced by their training FLOPs, lm_head's counted on the last; the first also runs the embeddings, the last the final norm, lm_head and loss), the micro-batches of a step are its gradient accumulation steps, activations and their gradients travel between neighbouring stages; finetune_full, pretrain and LoRA fine-tuning (not QLoRA's 4-bit base) of LLaMA, GPT-2, OPT; devices x num_nodes = pipelines (DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 between them) x pipeline_parallel; checkpoints consolidated as one process writes them; default 1"},
-    {"pipeline_schedule", FL_CK_STR32, OFF(pipeline_schedule), "EXPERIMENTAL, with --pipeline_parallel: gpipe (every forward, then every backward: each stage keeps all the step's micro-batches in flight) | 1f1b (default: stage s keeps at most min(stages - s, micro-batches) in flight)"},
+    {"pipeline_parallel", FL_CK_POS, OFF(pipeline_parallel), "EXPERIMENTAL: stages per pipeline (GPipe / 1F1B pipeline parallelism): each rank of a pipeline holds a contiguous range of the decoder's blocks (balanced by their training FLOPs, lm_head's counted on the last; the first also runs the embeddings, the last the final norm, lm_head and loss), the micro-batches of a step are its gradient accumulation steps, activations and their gradients travel between neighbouring stages; finetune_full, pretrain and LoRA / QLoRA fine-tuning (each stage keeps the whole model's 4-bit stores) of LLaMA, GPT-2, OPT; devices x num_nodes = pipelines (DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 between them) x pipeline_parallel; checkpoints consolidated as one process writes them; default 1"},
+    {"pipeline_schedule", FL_CK_STR32, OFF(pipeline_schedule), "EXPERIMENTAL, with --pipeline_parallel: gpipe (every forward, then every backward: each stage keeps all the step's micro-batches in flight) | 1f1b (default: stage s keeps at most min(stages - s, micro-batches) in flight) | interleaved (Megatron's interleaved 1F1B: each rank holds pipeline_chunks model chunks of non-contiguous blocks, chunk c of stage s being virtual stage c x stages + s; the bubble shrinks to (stages - 1) / (micro-batches x chunks + stages - 1); the micro-batches must be a multiple of the stages; DDP on the data-parallel axis, finetune_full and pretrain)"},
+    {"pipeline_chunks", FL_CK_POS, OFF(pipeline_chunks), "EXPERIMENTAL, with --pipeline_schedule interleaved: model chunks (virtual stages) per rank, 1 to 8 (stages x chunks <= the blocks); default 2"},
     {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | deepspeed_stage_3_offload | deepspeed_stage_3_offload_nvme | fsdp | fsdp_cpu_offload (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several; deepspeed_stage_3_offload: ZeRO-3 with the optimizer offloaded, the parameters' shards on the devices unless --offload_param_device cpu|nvme; fsdp_cpu_offload: FULL_SHARD with the parameters' and gradients' shards and the optimizer in host memory (Lightning's FSDP cpu_offload); deepspeed_stage_3_offload_nvme: ZeRO-3 with the parameters and the optimizer state in NVMe files under nvme_path (ZeRO-Infinity); one process or several)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp) | HYBRID_SHARD (FULL_SHARD within each node of --devices ranks, replicated across --num_nodes; pretrain's auto across nodes)"},
     {"fsdp.backward_prefetch", FL_CK_STR32, OFF(backward_prefetch), "--strategy fsdp FULL_SHARD / HYBRID_SHARD: BACKWARD_PRE or true (default: in backward the next unit's all-gather is posted while this one computes, PyTorch FSDP's default) | off or false (PyTorch's None: each unit gathered when its backward starts; less GATHER memory, no overlap)"},
@@ -683,10 +685,12 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
         return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d does not divide devices x num_nodes = %d ranks (the "
                          "ranks are pipelines of pipeline_parallel stages each)", c->pipeline_parallel,
                          c->devices * c->num_nodes);
-    if (strcmp(c->pipeline_schedule, "gpipe") && strcmp(c->pipeline_schedule, "1f1b"))
-        return fl_errorf(FL_ERR_INVALID, "--pipeline_schedule '%s': expected gpipe or 1f1b%s", c->pipeline_schedule,
-                         strcmp(c->pipeline_schedule, "interleaved") ? "" : " (interleaved is not run yet: `plan` under "
-                         "1f1b shows the step and bubble it would give)");
+    if (strcmp(c->pipeline_schedule, "gpipe") && strcmp(c->pipeline_schedule, "1f1b") &&
+        strcmp(c->pipeline_schedule, "interleaved"))
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_schedule '%s': expected gpipe, 1f1b or interleaved",
+                         c->pipeline_schedule);
+    if (c->pipeline_chunks < 1 || c->pipeline_chunks > 8)
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_chunks %d: 1 to 8 model chunks per rank", c->pipeline_chunks);
     const int dpr = fl_cfg_dp_ranks(c);
     int per_rank = t->global_batch_size / dpr;
     if (t->global_batch_size % dpr || per_rank % t->micro_batch_size)
@@ -922,6 +926,7 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
         if (strchr(k->name, '.')) continue; /* written with its group */
         if (!strcmp(k->name, "tensor_parallel") && c->tensor_parallel == 1) continue; /* only when given */
         if (!strncmp(k->name, "pipeline_", 9) && c->pipeline_parallel == 1) continue;
+        if (!strcmp(k->name, "pipeline_chunks") && strcmp(c->pipeline_schedule, "interleaved")) continue;
         if (k->type == FL_CK_MODEL_CONFIG && c->n_model_fields) {
             write_model_fields(c, f);
             continue;

@@ -87,6 +87,22 @@ static fl_status write_piece(fl_model *m, int i, const float *w) {
     return s;
 }
 
+/* QLoRA: a 4-bit entry's buffer copied as it is (the stage holds the whole model's codes and absmax, not a
+ * re-quantization of their dequantized values: double quantization's mean would move) */
+static fl_status take_q4(const fl_model *whole, int j, fl_model *stage, int i) {
+    const fl_q4_weight *a = &whole->store->q4[j], *b = &stage->store->q4[i];
+    const size_t bytes = fl_q4_bytes(a->n, a->double_quant);
+    if (a->n != b->n || a->double_quant != b->double_quant || a->type != b->type)
+        return fl_errorf(FL_ERR_INVALID, "pipeline stage: the 4-bit entry %s differs from the whole model's",
+                         stage->layout.params[i].name);
+    void *tmp = malloc(bytes + 4);
+    if (!tmp) return fl_errorf(FL_ERR_OOM, "pipeline stage: out of host memory staging %s", stage->layout.params[i].name);
+    fl_status s = whole->be ? FL_RUN(whole->be, to_host, tmp, a->packed, bytes) : (memcpy(tmp, a->packed, bytes), FL_OK);
+    if (s == FL_OK) s = stage->be ? FL_RUN(stage->be, to_device, b->packed, tmp, bytes) : (memcpy(b->packed, tmp, bytes), FL_OK);
+    free(tmp);
+    return s;
+}
+
 fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first) {
     size_t most = 0;
     for (int i = 0; i < whole->layout.n; i++)
@@ -99,6 +115,14 @@ fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first) {
             free(w);
             return fl_errorf(FL_ERR_INVALID, "pipeline stage: entry %s has no counterpart in the whole model",
                              stage->layout.params[i].name);
+        }
+        if (fl_model_param_is_q4(stage, i) && fl_model_param_is_q4(whole, j)) {
+            fl_status s = take_q4(whole, j, stage, i);
+            if (s != FL_OK) {
+                free(w);
+                return s;
+            }
+            continue;
         }
         fl_model_read_param(whole, j, w);
         if (fl_model_provider(stage)) { /* sharded: its piece (write_param writes nothing there) */

@@ -678,9 +678,10 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     if (c->pipeline_parallel > 1) { /* the bubble and the expected step (fitllm/pp.h) */
         char pp[1200];
         fl_pp_schedule k;
-        FL_TRY(fl_pp_schedule_parse(c->pipeline_schedule, &k));
-        FL_TRY(fl_pp_estimate_text(&x.mc, c->train.max_seq_length > 0 ? c->train.max_seq_length : ctx,
-                                   c->pipeline_parallel, p->accum, k, opts.block_ms, pp, sizeof pp));
+        FL_TRY(fl_pp_schedule_parse_all(c->pipeline_schedule, &k));
+        FL_TRY(fl_pp_estimate_text_v(&x.mc, c->train.max_seq_length > 0 ? c->train.max_seq_length : ctx,
+                                     c->pipeline_parallel, k == FL_PP_INTERLEAVED ? c->pipeline_chunks : 1, p->accum, k,
+                                     opts.block_ms, pp, sizeof pp));
         for (char *line = strtok(pp, "\n"); line; line = strtok(NULL, "\n")) note(p, "%s", line);
     }
     snprintf(p->precision, sizeof p->precision, "%s", c->precision);
@@ -744,7 +745,16 @@ static void strategy_notes(fl_plan *p, const fl_run_config *c, const fl_strategy
                            int fsdp) {
     const fl_strategy_choice sc = *scp;
     const fl_plan_opts opts = *o;
-    if (c->pipeline_parallel > 1)
+    if (c->pipeline_parallel > 1 && !strcmp(c->pipeline_schedule, "interleaved"))
+        note(p, "pipeline parallel %d (EXPERIMENTAL, schedule interleaved)%s: rank %d is stage %d: %d model chunks "
+                "(virtual stages c x %d + %d of non-contiguous blocks, balanced by their training FLOPs, lm_head's on the "
+                "last), each its own stage model (parameters, gradients, optimizer state, arena; copies of the embeddings "
+                "and head, run and trained on the first / last virtual stage only), and a stash per further "
+                "chunk-micro-batch in flight (Megatron's warm-up: up to 2 (stages - stage - 1) + (chunks - 1) stages + 1 "
+                "of them); the whole model the run loads, and the checkpoints' gathered copy, are outside the pool; no "
+                "sample generation", c->pipeline_parallel, fl_cfg_dp_ranks(c) > 1 ? " x DDP" : "", p->rank,
+             p->rank % c->pipeline_parallel, c->pipeline_chunks, c->pipeline_parallel, p->rank % c->pipeline_parallel);
+    else if (c->pipeline_parallel > 1)
         note(p, "pipeline parallel %d (EXPERIMENTAL, schedule %s)%s: rank %d is stage %d: its contiguous range of the "
                 "blocks (balanced by their training FLOPs, lm_head's on the last stage), a copy of the embeddings and head (run and trained on the first / last stage "
                 "only), their gradients and optimizer state, and the activations of the micro-batches it keeps in flight "

@@ -18,6 +18,15 @@ fl_status fl_pp_schedule_parse(const char *name, fl_pp_schedule *out) {
     return fl_errorf(FL_ERR_INVALID, "pipeline_schedule '%s': expected gpipe or 1f1b", name ? name : "(null)");
 }
 
+fl_status fl_pp_schedule_parse_all(const char *name, fl_pp_schedule *out) {
+    if (name && !strcmp(name, k_names[FL_PP_INTERLEAVED])) {
+        *out = FL_PP_INTERLEAVED;
+        return FL_OK;
+    }
+    if (fl_pp_schedule_parse(name, out) == FL_OK) return FL_OK;
+    return fl_errorf(FL_ERR_INVALID, "pipeline_schedule '%s': expected gpipe, 1f1b or interleaved", name ? name : "(null)");
+}
+
 /* Megatron-LM's interleaved order: forward i on micro-batch (i / (S V)) S + i % S of chunk (i / S) % V, backward i on
  * the same micro-batch of chunk V - 1 - (i / S) % V (the chunks run in reverse); the warm-up fills the virtual stages
  * after this rank's first chunk (2 (S - s - 1) + (V - 1) S forwards) */
@@ -218,6 +227,9 @@ fl_status fl_pp_estimate_step_v(const fl_model_config *c, int T, int stages, int
     const int NV = stages * (chunks > 0 ? chunks : 1);
     if (NV > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 (virtual) stages", NV);
     const int L = c->n_layers;
+    if (chunks > 1 && NV > L)
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d x --pipeline_chunks %d: %d virtual stages for a model of "
+                         "%d blocks (each needs at least one)", stages, chunks, NV, L);
     FL_TRY(fl_pp_split_model(c, T, NV, e->first));
     double *cost = malloc((size_t)L * sizeof *cost + 1);
     if (!cost) return fl_errorf(FL_ERR_OOM, "pipeline estimate: out of host memory");
@@ -240,8 +252,37 @@ fl_status fl_pp_estimate_step(const fl_model_config *c, int T, int stages, int m
     return fl_pp_estimate_step_v(c, T, stages, 1, micro, k, e);
 }
 
+/* the plan's notes of a run under interleaved: the virtual stages' blocks, each rank's chunks' times, the step */
+static fl_status interleaved_text(const fl_model_config *c, int T, int S, int V, int micro, double block_ms, char *buf,
+                                  size_t n) {
+    fl_pp_estimate e;
+    FL_TRY(fl_pp_estimate_step_v(c, T, S, V, micro, FL_PP_INTERLEAVED, &e));
+    const double u = block_ms > 0 ? block_ms : 1;
+    const char *unit = block_ms > 0 ? " ms" : " block times";
+    size_t at = (size_t)snprintf(buf, n, "pipeline step (EXPERIMENTAL): interleaved, %d stages x %d chunks (virtual "
+                                 "stages v = chunk x %d + stage), %d micro-batches; blocks per virtual stage (balanced "
+                                 "by training FLOPs at T = %d, lm_head's on the last):", S, V, S, micro, T);
+    for (int v = 0; v < S * V && at < n; v++) at += (size_t)snprintf(buf + at, n - at, " [%d, %d)", e.first[v], e.first[v + 1]);
+    if (at < n)
+        at += (size_t)snprintf(buf + at, n - at, "\npipeline: a micro-batch's forward + backward per virtual stage (%s):",
+                               unit + 1);
+    for (int v = 0; v < S * V && at < n; v++) at += (size_t)snprintf(buf + at, n - at, " %.3g", u * (e.fwd[v] + e.bwd[v]));
+    if (at < n)
+        snprintf(buf + at, n - at, "\npipeline: expected step %.4g%s (the schedule on those times, sends free; one "
+                 "process %.4g), bubble %.1f%% (equal virtual stages: (S-1)/(M V+S-1) = %.1f%%)%s", u * e.step, unit,
+                 u * e.one, 100 * e.bubble, 100.0 * (S - 1) / (micro * V + S - 1),
+                 block_ms > 0 ? " at --block-ms" : "; --block-ms MS: in ms");
+    return FL_OK;
+}
+
 fl_status fl_pp_estimate_text(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
                               double block_ms, char *buf, size_t n) {
+    return fl_pp_estimate_text_v(c, T, stages, 1, micro, k, block_ms, buf, n);
+}
+
+fl_status fl_pp_estimate_text_v(const fl_model_config *c, int T, int stages, int chunks, int micro, fl_pp_schedule k,
+                                double block_ms, char *buf, size_t n) {
+    if (k == FL_PP_INTERLEAVED) return interleaved_text(c, T, stages, chunks, micro, block_ms, buf, n);
     fl_pp_estimate e;
     FL_TRY(fl_pp_estimate_step(c, T, stages, micro, k, &e));
     const double u = block_ms > 0 ? block_ms : 1;
@@ -267,8 +308,8 @@ fl_status fl_pp_estimate_text(const fl_model_config *c, int T, int stages, int m
     at = strlen(buf);
     if (k == FL_PP_1F1B && stages > 1 && micro % stages == 0 && 2 * stages <= c->n_layers && at < n &&
         fl_pp_estimate_step_v(c, T, stages, 2, micro, FL_PP_INTERLEAVED, &v) == FL_OK)
-        snprintf(buf + at, n - at, "\npipeline: interleaved 1F1B with 2 chunks per rank (virtual stages; planned, not "
-                 "run yet) would take %.4g%s, bubble %.1f%% (equal stages: %.1f%%)", u * v.step, unit, 100 * v.bubble,
+        snprintf(buf + at, n - at, "\npipeline: interleaved 1F1B with 2 chunks per rank (virtual stages; "
+                 "--pipeline_schedule interleaved) would take %.4g%s, bubble %.1f%% (equal stages: %.1f%%)", u * v.step, unit, 100 * v.bubble,
                  100.0 * (stages - 1) / (2 * micro + stages - 1));
     return FL_OK;
 }

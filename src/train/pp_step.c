@@ -14,34 +14,55 @@
 #include "fitllm/pp.h"
 #include "dp.h"
 
-enum { TAG_ACT = 0, TAG_GRAD = 1, TAG_TIED = 2 };
+enum { TAG_ACT = 0, TAG_GRAD = 1, TAG_TIED = 2, TAG_CHUNK0 = 8 }; /* 3: the trainer's checkpoints */
 #define FL_PP_MAX_UNITS 1024 /* layout groups of a stage under FULL_SHARD (its blocks + 2) */
 
 void fl_pp_free(fl_pp *p) {
-    for (int i = 0; i < p->n_stash; i++) fl_model_stage_stash_free(p->m, p->stash[i]);
-    free(p->stash);
+    for (int c = 0; c < p->chunks; c++) {
+        fl_pp_chunk *h = &p->ch[c];
+        for (int i = 0; i < h->n_stash; i++) fl_model_stage_stash_free(h->m, h->stash[i]);
+        free(h->stash);
+        if (h->swap) fl_mem_free(h->m->pool, h->swap);
+    }
     free(p->hx);
-    if (p->swap) fl_mem_free(p->m->pool, p->swap);
     memset(p, 0, sizeof *p);
 }
 
-fl_status fl_pp_init(fl_pp *p, fl_model *m, fl_comm *comm, fl_pp_schedule kind) {
+fl_status fl_pp_init_v(fl_pp *p, fl_model *const *ms, int chunks, fl_comm *comm, fl_pp_schedule kind) {
     memset(p, 0, sizeof *p);
+    if (chunks < 1 || chunks > FL_PP_MAX_CHUNKS || (chunks > 1 && kind != FL_PP_INTERLEAVED))
+        return fl_errorf(FL_ERR_INVALID, "pipeline: %d model chunks per rank under %s (1 to %d, more than 1 under "
+                         "interleaved only)", chunks, fl_pp_schedule_name(kind), FL_PP_MAX_CHUNKS);
     p->comm = comm;
     p->stages = fl_comm_size(comm);
     p->stage = fl_comm_rank(comm);
     p->kind = kind;
-    p->m = m;
-    FL_TRY(fl_model_set_stage(m, p->stage > 0, p->stage < p->stages - 1));
-    p->hx_n = (size_t)m->B * m->T * m->cfg.dim;
+    p->m = ms[0];
+    p->chunks = chunks;
+    const int S = p->stages, NV = S * chunks;
+    size_t most = 0;
+    for (int c = 0; c < chunks; c++) {
+        const int v = c * S + p->stage; /* virtual stage */
+        p->ch[c].m = ms[c];
+        FL_TRY(fl_model_set_stage(ms[c], v > 0, v < NV - 1));
+        const size_t n = (size_t)ms[c]->B * ms[c]->T * ms[c]->cfg.dim;
+        if (n > most) most = n;
+    }
+    p->hx_n = most;
     p->hx = malloc(p->hx_n * sizeof *p->hx + 1);
     if (!p->hx) return fl_errorf(FL_ERR_OOM, "pipeline stage %d: out of host memory for the stream's staging", p->stage);
     const size_t chunk = (size_t)1 << 20;
-    p->swap_bytes = m->sizes.acts_bytes < chunk ? m->sizes.acts_bytes : chunk;
-    fl_status s = p->stages > 1 ? fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, p->swap_bytes, &p->swap) : FL_OK;
+    fl_status s = FL_OK;
+    for (int c = 0; c < chunks && s == FL_OK; c++) {
+        fl_pp_chunk *h = &p->ch[c];
+        h->swap_bytes = h->m->sizes.acts_bytes < chunk ? h->m->sizes.acts_bytes : chunk;
+        if (NV > 1) s = fl_mem_alloc(h->m->pool, FL_TAG_WORKSPACE, h->swap_bytes, &h->swap);
+    }
     if (s != FL_OK) fl_pp_free(p); /* the caller frees only a stage that started (a plan's OOM ends here) */
     return s;
 }
+
+fl_status fl_pp_init(fl_pp *p, fl_model *m, fl_comm *comm, fl_pp_schedule kind) { return fl_pp_init_v(p, &m, 1, comm, kind); }
 
 /* v summed over the stages in stage order (one double per stage, all-gathered as bits) */
 static fl_status sum_stages(fl_comm *c, double v, double *out) {
@@ -66,13 +87,10 @@ static int fsdp_units(const fl_pp *p, size_t *fo, size_t *so, size_t *ln) {
 /* unit g (a layout group: 0 the embeddings, G - 1 the final norm and head) is trained by the stage */
 static int unit_owned(const fl_model *m, int g, int G) { return g == 0 ? !m->stage.in : g == G - 1 ? !m->stage.out : 1; }
 
-/* the whole model's squared gradient norm: each stage's trained entries, summed over the stages. Under DDP every
+/* one chunk's squared gradient norm (its model m, its optimizer o): each entry it trains. Under DDP every
  * data-parallel rank holds the same reduced gradient; under ZeRO-1/2 a rank adds the part of each entry in its chunk
- * [off, off + len) of the stage's buffer (ZeRO-2 holds no other reduced gradient) and the axis sums the chunks in
- * rank order first */
-static fl_status pp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
-    const fl_pp *p = ud;
-    const fl_model *m = p->m;
+ * [off, off + len) of the stage's buffer (ZeRO-2 holds no other reduced gradient) */
+static double chunk_sumsq(const fl_pp *p, const fl_model *m, const fl_optimizer *o) {
     const size_t es = fl_dtype_size(o->w.gt);
     const int zero = p->inner && p->inner->stage > 0;
     const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
@@ -89,8 +107,28 @@ static fl_status pp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
         const size_t a = e->offset > c0 ? e->offset : c0, b = e->offset + e->numel < c1 ? e->offset + e->numel : c1;
         if (fl_pp_stage_owns(m, i) && a < b) v += m->be->sumsq(m->be, (const char *)o->w.g + a * es, o->w.gt, b - a);
     }
-    if (zero) FL_TRY(p->inner->sum(p->inner->ud, &v, 1));
-    return fl_error_prefix(sum_stages(p->comm, v, out), "pipeline: the gradient norm");
+    return v;
+}
+
+/* the whole model's squared gradient norm: each stage's chunks' trained entries, summed over the axis' chunks in
+ * rank order (ZeRO), then over the stages. Interleaved: the first chunk optimizer's call sums every chunk of the
+ * rank, the later ones (the same step) reuse it */
+static fl_status pp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
+    fl_pp *p = ud;
+    if (p->chunks > 1 && p->norm_ok) {
+        *out = p->norm_sq;
+        return FL_OK;
+    }
+    double v = 0;
+    if (p->chunks > 1)
+        for (int c = 0; c < p->chunks; c++) v += chunk_sumsq(p, p->ch[c].m, p->ch[c].o);
+    else
+        v = chunk_sumsq(p, p->m, o);
+    if (p->inner && p->inner->stage > 0) FL_TRY(p->inner->sum(p->inner->ud, &v, 1));
+    FL_TRY(fl_error_prefix(sum_stages(p->comm, v, out), "pipeline: the gradient norm"));
+    p->norm_sq = *out;
+    p->norm_ok = p->chunks > 1;
+    return FL_OK;
 }
 
 static fl_status pp_any(void *ud, int *flag) {
@@ -129,6 +167,10 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
                     : o->w.n != fl_model_store_numel(p->m) || o->w.p != fl_model_params_data(p->m)) /* FULL_SHARD: the shard's */
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
                          "or its LoRA adapters", p->stages);
+    if (p->chunks > 1 && (p->adapters || (in && in->stage > 0)))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved: DDP on the data-parallel axis and full "
+                         "fine-tuning / pretraining only so far (not LoRA, ZeRO or FSDP)");
+    p->ch[0].o = o;
     p->inner = in;
     memset(&p->dist, 0, sizeof p->dist);
     p->dist.world = in ? in->world : 1;
@@ -142,28 +184,43 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     return FL_OK;
 }
 
+fl_status fl_pp_chunk_optim(fl_pp *p, int c, fl_optimizer *o) {
+    if (c < 1 || c >= p->chunks || !p->ch[0].o)
+        return fl_errorf(FL_ERR_INVALID, "pipeline: chunk %d's optimizer (chunks 1 .. %d, after fl_pp_optim_attach)", c,
+                         p->chunks - 1);
+    if (o->shard.dist && o->shard.dist != p->inner)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer has other hooks than chunk 0's", c);
+    if (o->w.n != fl_model_store_numel(p->ch[c].m) || o->w.p != fl_model_params_data(p->ch[c].m) || o->amp.on)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer must train its model's parameters (no "
+                         "loss scaling)", c);
+    p->ch[c].o = o;
+    o->shard.dist = &p->dist;
+    return FL_OK;
+}
+
 static double now_ms(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
-/* the arena's micro-batch parked in a free stash slot (one more slot when all are taken) */
-static fl_status park(fl_pp *p, int mb, int *slot_of) {
+/* chunk h's arena's micro-batch parked in a free stash slot of h (one more slot when all are taken) */
+static fl_status park(fl_pp *p, fl_pp_chunk *h, int mb, int *slot_of) {
     int free_slot = -1;
-    for (int i = 0; i < p->n_stash && free_slot < 0; i++) {
+    for (int i = 0; i < h->n_stash && free_slot < 0; i++) {
         int used = 0;
         for (int k = 0; slot_of && k < 64 && !used; k++) used = slot_of[k] == i;
         if (!used) free_slot = i;
     }
     if (free_slot < 0) {
-        fl_stage_stash **ns = realloc(p->stash, (size_t)(p->n_stash + 1) * sizeof *ns);
+        fl_stage_stash **ns = realloc(h->stash, (size_t)(h->n_stash + 1) * sizeof *ns);
         if (!ns) return fl_errorf(FL_ERR_OOM, "pipeline: out of host memory");
-        p->stash = ns;
-        FL_TRY(fl_model_stage_stash_new(p->m, &p->stash[p->n_stash]));
-        free_slot = p->n_stash++;
+        h->stash = ns;
+        FL_TRY(fl_model_stage_stash_new(h->m, &h->stash[h->n_stash]));
+        free_slot = h->n_stash++;
+        p->n_stash++;
     }
-    FL_TRY(fl_model_stage_stash_save(p->m, p->stash[free_slot]));
+    FL_TRY(fl_model_stage_stash_save(h->m, h->stash[free_slot]));
     slot_of[mb] = free_slot;
     return FL_OK;
 }
@@ -173,40 +230,51 @@ typedef struct {
     fl_optimizer *o;
     fl_step_ctx *c;
     float grad_scale;
-    int live;        /* the micro-batch whose activations the arena holds (-1: none) */
-    int slot_of[64]; /* each micro-batch's stash slot (-1: none) */
-    double *stats;   /* (2 M) loss sum and valid targets (the last stage's) */
+    int live[FL_PP_MAX_CHUNKS];        /* the micro-batch whose activations each chunk's arena holds (-1: none) */
+    int slot_of[FL_PP_MAX_CHUNKS][64]; /* each chunk's micro-batches' stash slots (-1: none) */
+    double *stats;                     /* (2 M) loss sum and valid targets (the last virtual stage's) */
 } run;
+
+/* the stream's tags: one process of chunk per rank keeps 0 (activations) and 1 (their gradients); interleaved gives
+ * each receiving chunk its own pair (each tag's messages between two ranks arrive in order, and each chunk runs its
+ * forwards, and its backwards, in micro-batch order) */
+static int tag_act(const fl_pp *p, int c) { return p->chunks > 1 ? TAG_CHUNK0 + 2 * c : TAG_ACT; }
+static int tag_grad(const fl_pp *p, int c) { return p->chunks > 1 ? TAG_CHUNK0 + 2 * c + 1 : TAG_GRAD; }
 
 /* LoRA's dropout masks of micro-batch k: fl_step_run's seed (run seed, global micro-batch), set before its forward and
  * again before its backward (which draws the same masks again), as other micro-batches ran in between */
-static void seed_micro(run *r, int k) {
+static void seed_micro(run *r, fl_model *m, int k) {
     const fl_step_ctx *c = r->c;
     const int world = c->dp ? c->dp->world : 1, rank = c->dp ? c->dp->rank : 0;
-    if (c->seeded) fl_model_adapters_seed(r->p->m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
+    if (c->seeded) fl_model_adapters_seed(m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
 }
 
-static fl_status fwd(run *r, int k) {
+/* chunk ch's forward of micro-batch k: virtual stage v = ch S + stage, its input from v - 1 (the previous rank, or
+ * the last rank's previous chunk), its output to v + 1 */
+static fl_status fwd(run *r, int ch, int k) {
     fl_pp *p = r->p;
-    fl_model *m = p->m;
+    fl_pp_chunk *h = &p->ch[ch];
+    fl_model *m = h->m;
+    const int S = p->stages, v = ch * S + p->stage, NV = S * p->chunks;
     const fl_micro_batch *mb = &r->c->mbs[k];
-    seed_micro(r, k);
+    seed_micro(r, m, k);
     const size_t n = (size_t)mb->B * mb->T * m->cfg.dim;
-    if (r->live >= 0) FL_TRY(park(p, r->live, r->slot_of)); /* its backward comes later */
-    r->live = -1;
-    if (p->stage > 0) {
-        FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, p->stage - 1, TAG_ACT));
+    if (r->live[ch] >= 0) FL_TRY(park(p, h, r->live[ch], r->slot_of[ch])); /* its backward comes later */
+    r->live[ch] = -1;
+    if (v > 0) {
+        FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, (v - 1) % S, tag_act(p, ch)));
         FL_TRY(fl_model_stage_input(m, p->hx, mb->B, mb->T));
     }
     const double t0 = now_ms();
     FL_TRY(fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, r->grad_scale));
     FL_TRY(fl_model_forward_head(m, NULL));
-    p->fwd_ms += now_ms() - t0;
-    p->n_fwd++;
-    r->live = k;
-    if (p->stage < p->stages - 1) {
+    const double dt = now_ms() - t0;
+    p->fwd_ms += dt, h->fwd_ms += dt;
+    p->n_fwd++, h->n_fwd++;
+    r->live[ch] = k;
+    if (v < NV - 1) {
         FL_TRY(fl_model_stage_output(m, p->hx));
-        FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, p->stage + 1, TAG_ACT));
+        FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, (v + 1) % S, tag_act(p, (v + 1) / S)));
     } else {
         r->stats[2 * k] = m->loss_sum;
         r->stats[2 * k + 1] = (double)m->n_valid;
@@ -214,34 +282,39 @@ static fl_status fwd(run *r, int k) {
     return FL_OK;
 }
 
-static fl_status bwd(run *r, int k) {
+static fl_status bwd(run *r, int ch, int k) {
     fl_pp *p = r->p;
-    fl_model *m = p->m;
+    fl_pp_chunk *h = &p->ch[ch];
+    fl_model *m = h->m;
+    const int S = p->stages, v = ch * S + p->stage, NV = S * p->chunks;
     const fl_micro_batch *mb = &r->c->mbs[k];
     const size_t n = (size_t)mb->B * mb->T * m->cfg.dim;
-    if (r->live != k) { /* k back from its slot; the arena's micro-batch (if any) into that slot */
-        const int slot = r->slot_of[k];
-        if (r->live >= 0) FL_TRY(fl_model_stage_stash_swap(m, p->stash[slot], p->swap, p->swap_bytes));
-        else FL_TRY(fl_model_stage_stash_restore(m, p->stash[slot]));
-        if (r->live >= 0) r->slot_of[r->live] = slot;
-        r->slot_of[k] = -1;
-        r->live = k;
+    if (r->live[ch] != k) { /* k back from its slot; the arena's micro-batch (if any) into that slot */
+        const int slot = r->slot_of[ch][k];
+        if (r->live[ch] >= 0) FL_TRY(fl_model_stage_stash_swap(m, h->stash[slot], h->swap, h->swap_bytes));
+        else FL_TRY(fl_model_stage_stash_restore(m, h->stash[slot]));
+        if (r->live[ch] >= 0) r->slot_of[ch][r->live[ch]] = slot;
+        r->slot_of[ch][k] = -1;
+        r->live[ch] = k;
     }
-    if (p->stage < p->stages - 1) {
-        FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, p->stage + 1, TAG_GRAD));
+    if (v < NV - 1) {
+        FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, (v + 1) % S, tag_grad(p, ch)));
         FL_TRY(fl_model_stage_dout(m, p->hx));
     }
-    seed_micro(r, k);
-    if (r->c->dp) fl_dp_buckets_arm(r->c->dp, r->o, k == r->c->n_micro - 1); /* the last backward reduces */
+    seed_micro(r, m, k);
+    /* DDP's buckets hang on chunk 0's model: its last backward (the rank's last operation) reduces them; the later
+     * chunks' gradients are reduced after the schedule */
+    if (r->c->dp && ch == 0) fl_dp_buckets_arm(r->c->dp, r->o, k == r->c->n_micro - 1);
     FL_TRY(fl_model_stage_open_grads(m));
     const double t0 = now_ms();
     FL_TRY(fl_model_backward(m));
-    p->bwd_ms += now_ms() - t0;
-    p->n_bwd++;
-    r->live = -1;
-    if (p->stage > 0) {
+    const double dt = now_ms() - t0;
+    p->bwd_ms += dt, h->bwd_ms += dt;
+    p->n_bwd++, h->n_bwd++;
+    r->live[ch] = -1;
+    if (v > 0) {
         FL_TRY(fl_model_stage_dinput(m, p->hx, mb->B, mb->T));
-        FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, p->stage - 1, TAG_GRAD));
+        FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, (v - 1) % S, tag_grad(p, (v - 1) / S)));
     }
     return FL_OK;
 }
@@ -261,9 +334,12 @@ static fl_status whole_reduced(fl_pp *p, const fl_optimizer *o, float *a, size_t
 /* Tied embeddings: the first stage's gradient of the token table (its embeddings') and the last stage's (its
  * head's) swapped and added (a + b == b + a in IEEE arithmetic: both get the same bits), so both copies update
  * alike. One process adds the two micro-batch by micro-batch, so this sum differs from it by rounding. */
-static fl_status tied_sum(fl_pp *p, fl_optimizer *o) {
-    fl_model *m = p->m;
+static fl_status tied_sum(fl_pp *p, fl_optimizer *o0) {
     const int S = p->stages, peer = p->stage == 0 ? S - 1 : 0;
+    /* the ends: virtual stage 0 (chunk 0 of stage 0) and the last (chunk chunks - 1 of stage S - 1) */
+    const int ch = p->stage == 0 ? 0 : p->chunks - 1;
+    fl_model *m = p->ch[ch].m;
+    fl_optimizer *o = ch == 0 ? o0 : p->ch[ch].o;
     if (!m->cfg.tie_embeddings || S < 2 || (p->stage != 0 && p->stage != S - 1) || p->adapters) return FL_OK;
     const int i = fl_layout_role(&m->layout, 0, FL_ROLE_EMBED);
     if (i < 0) return FL_OK;
@@ -289,14 +365,17 @@ static fl_status tied_sum(fl_pp *p, fl_optimizer *o) {
     return fl_error_prefix(s, "pipeline: the tied embeddings' gradient");
 }
 
-/* the schedule's operations; the number of micro-batches in flight measured as they run */
+/* the schedule's operations; the number of chunk-micro-batches in flight measured as they run */
 static fl_status schedule(run *r, const fl_pp_op *ops, int n_ops) {
     int in_flight = 0;
     for (int i = 0; i < n_ops; i++) {
-        const int k = ops[i].mb;
-        fl_status s = ops[i].kind == FL_PP_FWD ? fwd(r, k) : bwd(r, k);
+        const int k = ops[i].mb, ch = ops[i].chunk;
+        fl_status s = ops[i].kind == FL_PP_FWD ? fwd(r, ch, k) : bwd(r, ch, k);
         if (s != FL_OK) {
             r->c->failed_k = k;
+            if (r->p->chunks > 1)
+                return fl_error_prefix(s, "pipeline stage %d chunk %d (virtual stage %d), micro-batch %d %s", r->p->stage,
+                                       ch, ch * r->p->stages + r->p->stage, k, ops[i].kind == FL_PP_FWD ? "forward" : "backward");
             return fl_error_prefix(s, "pipeline stage %d, micro-batch %d %s", r->p->stage, k,
                                    ops[i].kind == FL_PP_FWD ? "forward" : "backward");
         }
@@ -306,9 +385,25 @@ static fl_status schedule(run *r, const fl_pp_op *ops, int n_ops) {
     return FL_OK;
 }
 
+/* after the schedule: DDP's reduction (chunk 0's buckets; a later chunk's whole buffer), the tied table's sum, and
+ * each chunk's update (the clipping norm over every chunk of every stage: pp_grad_sumsq) */
+static fl_status reduce_and_update(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, double *norm) {
+    if (c->dp) FL_TRY(fl_dp_reduce_grads(c->dp, o));
+    for (int ch = 1; c->dp && ch < p->chunks; ch++) FL_TRY(fl_dp_reduce_grads(c->dp, p->ch[ch].o));
+    FL_TRY(tied_sum(p, o));
+    fl_mem_set_phase(p->m->pool, "optimizer step");
+    p->norm_ok = 0;
+    FL_TRY(fl_optim_step(o, c->lr, c->max_norm, norm));
+    for (int ch = 1; ch < p->chunks; ch++) {
+        double nc = 0;
+        FL_TRY(fl_optim_step(p->ch[ch].o, c->lr, c->max_norm, &nc));
+    }
+    return FL_OK;
+}
+
 fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
     fl_step_result rs = {0};
-    const int M = c->n_micro;
+    const int M = c->n_micro, V = p->chunks;
     const double t0 = now_ms();
     c->failed_k = -1;
     if (c->step_valid <= 0 && c->skip_empty) { /* every target masked (the count is the step's over every rank): no
@@ -325,25 +420,30 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel: %d micro-batches per step (gradient accumulation "
                          "steps): 1 to 64", M);
     if (c->step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
+    for (int ch = 1; ch < V; ch++)
+        if (!p->ch[ch].o) return fl_errorf(FL_ERR_INVALID, "pipeline: chunk %d has no optimizer (fl_pp_chunk_optim)", ch);
     for (int k = 0; k < M; k++)
         if ((size_t)c->mbs[k].B * c->mbs[k].T * p->m->cfg.dim > p->hx_n || c->mbs[k].src)
             return fl_errorf(FL_ERR_INVALID, "pipeline: micro-batch %d (%d, %d) exceeds the stage's arena", k,
                              c->mbs[k].B, c->mbs[k].T);
-    fl_pp_op *ops = malloc((size_t)2 * M * sizeof *ops);
+    fl_pp_op *ops = malloc((size_t)2 * M * V * sizeof *ops);
     double *stats = calloc((size_t)2 * M, sizeof *stats);
-    run r = {.p = p, .o = o, .c = c, .live = -1, .stats = stats};
-    for (int k = 0; k < 64; k++) r.slot_of[k] = -1;
+    run r = {.p = p, .o = o, .c = c, .stats = stats};
+    for (int ch = 0; ch < FL_PP_MAX_CHUNKS; ch++) {
+        r.live[ch] = -1;
+        for (int k = 0; k < 64; k++) r.slot_of[ch][k] = -1;
+    }
     r.grad_scale = (float)(1.0 / (double)c->step_valid);
     if (o && o->amp.on) r.grad_scale *= fl_loss_scale_value(&o->amp.ls);
     fl_status s = ops && stats ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline: out of host memory");
-    if (s == FL_OK) s = fl_pp_schedule_ops(p->kind, p->stages, p->stage, M, ops);
+    if (s == FL_OK) s = fl_pp_schedule_ops_v(p->kind, p->stages, V, p->stage, M, ops);
     if (s == FL_OK) {
-        fl_model_zero_grads(p->m);
+        for (int ch = 0; ch < V; ch++) fl_model_zero_grads(p->ch[ch].m);
         /* the phases of a pipelined step: its schedule (forwards and backwards interleaved), the update; snapshots
          * before, after the schedule (the micro-batches in flight at its peak) and after the update */
         fl_mem_snapshot(p->m->pool, "before_fwd");
         fl_mem_set_phase(p->m->pool, "pipeline schedule");
-        s = schedule(&r, ops, 2 * M);
+        s = schedule(&r, ops, 2 * M * V);
         if (s == FL_OK) fl_mem_snapshot(p->m->pool, "after_bwd");
     }
     /* the losses to every stage (doubles as pairs of F32 words: the bits travel) */
@@ -357,11 +457,8 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
             s = fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(stats[2 * k]) ? "NaN" : stats[2 * k] > 0 ? "+inf" : "-inf");
         }
     }
-    if (s == FL_OK && c->dp) s = fl_dp_reduce_grads(c->dp, o);
-    if (s == FL_OK) s = tied_sum(p, o);
     double norm = 0;
-    if (s == FL_OK) fl_mem_set_phase(p->m->pool, "optimizer step");
-    if (s == FL_OK) s = fl_optim_step(o, c->lr, c->max_norm, &norm);
+    if (s == FL_OK) s = reduce_and_update(p, o, c, &norm);
     if (s == FL_OK) fl_mem_snapshot(p->m->pool, "after_opt_step");
     if (s != FL_OK && c->failed_k < 0) c->failed_k = M;
     free(ops);
@@ -382,38 +479,49 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
 }
 
 fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms) {
-    const int S = p->stages;
-    /* per stage: its means (forward, backward, step), all-gathered as the bits of doubles */
-    double mine[3] = {p->n_fwd ? p->fwd_ms / p->n_fwd : 0, p->n_bwd ? p->bwd_ms / p->n_bwd : 0,
-                      p->n_steps ? p->step_ms / p->n_steps : 0};
-    double *all = malloc((size_t)3 * S * sizeof *all);
+    const int S = p->stages, V = p->chunks, w = 2 * V + 1;
+    /* per stage: each chunk's means (forward, backward), the step's, all-gathered as the bits of doubles */
+    double mine[2 * FL_PP_MAX_CHUNKS + 1];
+    for (int c = 0; c < V; c++) {
+        const fl_pp_chunk *h = &p->ch[c];
+        mine[2 * c] = h->n_fwd ? h->fwd_ms / h->n_fwd : 0;
+        mine[2 * c + 1] = h->n_bwd ? h->bwd_ms / h->n_bwd : 0;
+    }
+    mine[2 * V] = p->n_steps ? p->step_ms / p->n_steps : 0;
+    double *all = malloc((size_t)w * S * sizeof *all);
     if (!all) return fl_errorf(FL_ERR_OOM, "pipeline timing: out of host memory");
-    fl_status s = fl_comm_all_gather(p->comm, mine, all, (size_t)6 * S, FL_F32);
+    fl_status s = fl_comm_all_gather(p->comm, mine, all, (size_t)2 * w * S, FL_F32);
     *step_ms = 0;
     for (int k = 0; s == FL_OK && k < S; k++) {
-        fwd[k] = all[3 * k], bwd[k] = all[3 * k + 1];
-        if (all[3 * k + 2] > *step_ms) *step_ms = all[3 * k + 2]; /* the slowest stage's view of the step */
+        for (int c = 0; c < V; c++) fwd[c * S + k] = all[w * k + 2 * c], bwd[c * S + k] = all[w * k + 2 * c + 1];
+        if (all[w * k + 2 * V] > *step_ms) *step_ms = all[w * k + 2 * V]; /* the slowest stage's view of the step */
     }
     free(all);
     return fl_error_prefix(s, "pipeline timing");
 }
 
+/* validation: the virtual stages in order (each rank its chunks in turn), the losses from the last */
 fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T) {
-    fl_model *m = p->m;
-    const size_t n = (size_t)B * T * m->cfg.dim;
+    const int S = p->stages, NV = S * p->chunks;
+    const size_t n = (size_t)B * T * p->m->cfg.dim;
     if (n > p->hx_n) return fl_errorf(FL_ERR_INVALID, "pipeline: batch (%d, %d) exceeds the stage's arena", B, T);
-    if (p->stage > 0) {
-        FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, p->stage - 1, TAG_ACT));
-        FL_TRY(fl_model_stage_input(m, p->hx, B, T));
-    }
-    FL_TRY(fl_model_forward(m, ids, targets, B, T, 0.0f, NULL));
-    if (p->stage < p->stages - 1) {
-        FL_TRY(fl_model_stage_output(m, p->hx));
-        FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, p->stage + 1, TAG_ACT));
+    fl_model *m = p->m;
+    for (int c = 0; c < p->chunks; c++) {
+        const int v = c * S + p->stage;
+        m = p->ch[c].m;
+        if (v > 0) {
+            FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, (v - 1) % S, tag_act(p, c)));
+            FL_TRY(fl_model_stage_input(m, p->hx, B, T));
+        }
+        FL_TRY(fl_model_forward(m, ids, targets, B, T, 0.0f, NULL));
+        if (v < NV - 1) {
+            FL_TRY(fl_model_stage_output(m, p->hx));
+            FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, (v + 1) % S, tag_act(p, (v + 1) / S)));
+        }
     }
     double v[2] = {m->loss_sum, (double)m->n_valid};
-    FL_TRY(fl_comm_broadcast(p->comm, v, 4, FL_F32, p->stages - 1));
-    m->loss_sum = v[0];
-    m->n_valid = (long)v[1];
+    FL_TRY(fl_comm_broadcast(p->comm, v, 4, FL_F32, S - 1));
+    p->m->loss_sum = v[0];
+    p->m->n_valid = (long)v[1];
     return FL_OK;
 }

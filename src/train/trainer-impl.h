@@ -83,8 +83,12 @@ typedef struct {
  * the run's fl_dp is the data-parallel axis (the ranks of one stage across the pipelines). */
 typedef struct {
     int size, stage;            /* stages per pipeline (1: none) and this rank's */
-    int first, last;            /* this stage's blocks [first, last) of the whole model */
-    int split[65];              /* every stage's first block, split[size] = the blocks (fl_tr_pp_split) */
+    int first, last;            /* this stage's blocks [first, last) of the whole model (interleaved: chunk 0's) */
+    int split[65];              /* every (virtual) stage's first block, split[size x chunks] = the blocks */
+    int chunks;                 /* model chunks per rank: --pipeline_chunks under interleaved, else 1 */
+    fl_model xm[FL_PP_MAX_CHUNKS];     /* interleaved: chunks 1 .. chunks - 1 (virtual stage c size + stage) */
+    fl_optimizer xo[FL_PP_MAX_CHUNKS]; /* and their optimizers */
+    int xm_ok, xo_ok;           /* how many of xm[1 ..], xo[1 ..] exist */
     fl_comm *grp, *dpc;         /* the pipeline and the data-parallel axis (owned) */
     fl_model_config whole;      /* the whole model's config (checkpoints) */
     size_t whole_numel;
@@ -216,6 +220,13 @@ fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimiz
 fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
                               const fl_train_state *st);
 fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path);
+/* TP x PP with LoRA: the stage's modules of a whole checkpoint's adapters and state (w) into sw (trainer_tp.c's resume). */
+fl_status fl_tr_pp_lora_stage_state(trainer *t, tp_whole *w, tp_whole *sw);
+/* LoRA on a pipeline stage: the run's seed shifted to the stage's first module (fl_tp_lora_init's draws as
+ * fl_model_lora_init_at's: module j + base of the whole model). */
+uint64_t fl_tr_pp_lora_seed(const trainer *t);
+/* The pipelined step and the interleaved schedule's later chunks (models, optimizers) freed, before the pool. */
+void fl_tr_pp_free_chunks(trainer *t);
 void fl_tr_pp_end(trainer *t);
 void fl_tr_pp_print(const trainer *t);
 /* The stage's or slice's whole state array arr of o into host memory *full (malloc'd): ZeRO's chunks all-gathered

@@ -22,13 +22,6 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     const fl_run_config *c = t->cfg;
     const int n = c->pipeline_parallel;
     if (n <= 1) return FL_OK;
-    if (c->command == FL_CMD_FINETUNE_LORA && c->lora.quantize[0])
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --quantize %s: QLoRA's 4-bit base is not split "
-                         "into stages yet (LoRA on a 16/32-bit base is)", n, c->lora.quantize);
-    if (c->command == FL_CMD_FINETUNE_LORA && c->tensor_parallel > 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --tensor_parallel %d: finetune_lora is not "
-                         "combined with both yet (LoRA runs with pipeline parallelism and data parallelism)", n,
-                         c->tensor_parallel);
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s: offload is not combined with "
                          "pipeline parallelism yet", n, c->strategy);
@@ -42,6 +35,16 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     if (!strcmp(c->state_dict_type, "sharded"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: fsdp.state_dict_type sharded is not written yet "
                          "(full: consolidated)", n);
+    if (!strcmp(c->pipeline_schedule, "interleaved")) { /* V stage models per rank: what they do not compose with yet */
+        const char *why = c->command == FL_CMD_FINETUNE_LORA ? "finetune_lora (LoRA's adapters)"
+                          : c->tensor_parallel > 1           ? "--tensor_parallel"
+                          : sc->stage > 0                    ? "ZeRO / FSDP on the data-parallel axis (use --strategy ddp)"
+                          : !strncmp(c->precision, "16-", 3) ? "fp16's loss scaling (--precision 16-*)"
+                                                             : NULL;
+        if (why)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved with %s: not combined yet (interleaved "
+                             "runs finetune_full and pretrain with DDP between the pipelines; gpipe and 1f1b run it)", why);
+    }
     return FL_OK;
 }
 
@@ -53,7 +56,8 @@ fl_status fl_tr_pp_begin(trainer *t, fl_comm *world, const fl_model_config *give
         return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d: this run has %d rank%s, not a multiple of it (launch "
                          "pipelines x %d ranks: --devices %d, %d, ...)", n, W, W == 1 ? "" : "s", n, n, 2 * n);
     fl_pp_schedule k;
-    FL_TRY(fl_error_prefix(fl_pp_schedule_parse(t->cfg->pipeline_schedule, &k), "--pipeline_schedule"));
+    FL_TRY(fl_error_prefix(fl_pp_schedule_parse_all(t->cfg->pipeline_schedule, &k), "--pipeline_schedule"));
+    t->pp.chunks = k == FL_PP_INTERLEAVED ? t->cfg->pipeline_chunks : 1;
     fl_strategy_choice sc;
     FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
     FL_TRY(fl_tr_pp_check(t, &sc));
@@ -80,12 +84,44 @@ void fl_tr_pp_end(trainer *t) {
  * block) at the run's sequence length (train.max_seq_length, else the model's context): every rank computes the same
  * split from the same config, and the checkpoints gather by it */
 fl_status fl_tr_pp_stage_range(trainer *t, const fl_model_config *whole) {
-    if (t->pp.size > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 stages", t->pp.size);
+    const int V = t->pp.chunks > 1 ? t->pp.chunks : 1, NV = t->pp.size * V;
+    if (NV > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 (virtual) stages (%d x %d "
+                                  "chunks)", t->pp.size, t->pp.size, V);
     const int T = t->cfg->train.max_seq_length > 0 ? t->cfg->train.max_seq_length : whole->max_seq;
-    FL_TRY(fl_pp_split_model(whole, T, t->pp.size, t->pp.split));
+    /* interleaved: S V virtual stages split by cost, chunk c of this stage being virtual stage c S + stage */
+    fl_status s = fl_pp_split_model(whole, T, NV, t->pp.split);
+    if (s != FL_OK && V > 1)
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d x --pipeline_chunks %d: %d virtual stages for a model of "
+                         "%d blocks (each needs at least one)", t->pp.size, V, NV, whole->n_layers);
+    FL_TRY(s);
     t->pp.first = t->pp.split[t->pp.stage];
     t->pp.last = t->pp.split[t->pp.stage + 1];
     return FL_OK;
+}
+
+/* interleaved: chunks 1 .. V - 1 of this stage (virtual stages c S + stage) made in the run's pool, their parameters
+ * taken from the whole model (NULL: the planner's, random) */
+static fl_status chunk_models(trainer *t, const fl_model_config *whole, const fl_model *w) {
+    const int S = t->pp.size;
+    for (int c = 1; c < t->pp.chunks; c++) {
+        const int v = c * S + t->pp.stage;
+        fl_model_config sc;
+        FL_TRY(fl_pp_stage_config(whole, t->pp.split[v], t->pp.split[v + 1], &sc));
+        FL_TRY(fl_model_init_ex(&t->pp.xm[c], &sc, &t->hw.be, &t->hw.pool, &t->stg));
+        t->pp.xm_ok = c;
+        if (w) FL_TRY(fl_pp_stage_take(w, &t->pp.xm[c], t->pp.split[v]));
+        else fl_model_init_random_ex(&t->pp.xm[c], t->cfg->seed);
+    }
+    return FL_OK;
+}
+
+
+void fl_tr_pp_free_chunks(trainer *t) {
+    if (t->pp.rt_ok) fl_pp_free(&t->pp.rt);
+    t->pp.rt_ok = 0;
+    for (int c = 1; c <= t->pp.xo_ok; c++) fl_optim_free(&t->pp.xo[c]);
+    for (int c = 1; c <= t->pp.xm_ok; c++) fl_model_free(&t->pp.xm[c]);
+    t->pp.xo_ok = t->pp.xm_ok = 0;
 }
 
 /* the planner's rehearsal: the stage of the given shape made directly (no whole copy: it is outside the pool) */
@@ -97,14 +133,15 @@ static fl_status plan_stage(trainer *t, const fl_model_config *given) {
     FL_TRY(fl_model_init_ex(&t->model, &sc, &t->hw.be, &t->hw.pool, &t->stg));
     t->model_ok = 1;
     fl_model_init_random_ex(&t->model, t->cfg->seed);
-    return FL_OK;
+    return chunk_models(t, given, NULL);
 }
 
 /* whole models are never sharded: FULL_SHARD on the data axis (fl_fsdp_prepare's storage hook in t->stg) shards the
- * stage alone */
+ * stage alone; nor quantized (the load's whole is: its 4-bit stores are copied into the stages as they are) */
 static fl_status whole_unsharded(trainer *t, tp_whole *w, const fl_optimizer *o) {
     const fl_model_storage keep = t->stg;
     t->stg.shard = NULL;
+    t->stg.quant4 = 0; /* QLoRA: the checkpoints' whole holds the dequantized base (fp32 reads of the 4-bit stores) */
     fl_status s = fl_tr_whole_make(t, w, &t->pp.whole, o);
     t->stg = keep;
     return s;
@@ -132,6 +169,7 @@ fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
         t->model_ok = 1;
         s = fl_pp_stage_take(&w.m, &t->model, t->pp.first);
     }
+    if (s == FL_OK) s = chunk_models(t, &w.m.cfg, &w.m);
     fl_tr_whole_free(&w);
     return s;
 }
@@ -146,12 +184,37 @@ fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *ba
     return FL_OK;
 }
 
+/* interleaved: chunk c's precision, gradients, arena and optimizer, as fl_tr_setup_model / _training make chunk 0's */
+static fl_status chunk_setup(trainer *t, int c) {
+    fl_model *m = &t->pp.xm[c];
+    FL_TRY(fl_model_set_precision(m, &t->model.prec));
+    FL_TRY(fl_model_alloc_grads(m));
+    m->act_ckpt = t->model.act_ckpt;
+    FL_TRY(fl_model_alloc_acts(m, t->sch.B, t->sch.T));
+    FL_TRY(fl_optim_init(&t->pp.xo[c], m, &t->opt.cfg));
+    t->pp.xo_ok = c;
+    return FL_OK;
+}
+
 fl_status fl_tr_pp_attach(trainer *t) {
     fl_pp_schedule k;
-    FL_TRY(fl_pp_schedule_parse(t->cfg->pipeline_schedule, &k));
-    FL_TRY(fl_pp_init(&t->pp.rt, &t->model, t->pp.grp, k));
+    FL_TRY(fl_pp_schedule_parse_all(t->cfg->pipeline_schedule, &k));
+    if (k == FL_PP_INTERLEAVED && t->sch.accum % t->pp.size)
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_schedule interleaved: %d micro-batches per step (gradient "
+                         "accumulation: global_batch_size / (data-parallel ranks x micro_batch_size)) is not a multiple of "
+                         "the %d stages", t->sch.accum, t->pp.size);
+    fl_model *ms[FL_PP_MAX_CHUNKS];
+    ms[0] = &t->model;
+    for (int c = 1; c < t->pp.chunks; c++) {
+        FL_TRY(fl_error_prefix(chunk_setup(t, c), "--pipeline_schedule interleaved: chunk %d (virtual stage %d)", c,
+                               c * t->pp.size + t->pp.stage));
+        ms[c] = &t->pp.xm[c];
+    }
+    FL_TRY(fl_pp_init_v(&t->pp.rt, ms, t->pp.chunks > 1 ? t->pp.chunks : 1, t->pp.grp, k));
     t->pp.rt_ok = 1;
-    return fl_pp_optim_attach(&t->pp.rt, &t->opt);
+    FL_TRY(fl_pp_optim_attach(&t->pp.rt, &t->opt));
+    for (int c = 1; c < t->pp.chunks; c++) FL_TRY(fl_pp_chunk_optim(&t->pp.rt, c, &t->pp.xo[c]));
+    return FL_OK;
 }
 
 /* ---- consolidated checkpoints ---- */
@@ -205,13 +268,14 @@ static void read_entry(const fl_model *m, const char *pw, int i, float *buf) {
     else fl_model_read_param(m, i, buf);
 }
 
+/* s: the (virtual) stage, held by pipeline rank s % size (interleaved: its chunk s / size) */
 static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, const fl_model *src,
                             const fl_optimizer *so, char *const *full, float *buf, fl_dtype dt, const char *pw) {
     fl_model_config sc;
     fl_param_layout lay;
     FL_TRY(fl_pp_stage_config(&t->pp.whole, first[s], first[s + 1], &sc));
     FL_TRY(fl_layout_build(&lay, &sc));
-    const int S = t->pp.size;
+    const int S = t->pp.size * (t->pp.chunks > 1 ? t->pp.chunks : 1);
     void *dst[3] = {NULL, NULL, NULL}, *sarr[3] = {NULL, NULL, NULL};
     if (w->o_ok) arrays(&w->o, dst);
     if (so) arrays(so, sarr);
@@ -222,7 +286,7 @@ static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, co
             if (!fl_pp_layout_owns(&lay, s > 0, s < S - 1, i)) continue;
             const int j = fl_pp_stage_entry(&w->m.layout, &lay, first[s], i);
             const fl_param_info *p = &w->m.layout.params[j];
-            if (!src) st = fl_comm_recv(t->pp.grp, buf, p->numel, FL_F32, s, TAG_CKPT);
+            if (!src) st = fl_comm_recv(t->pp.grp, buf, p->numel, FL_F32, s % t->pp.size, TAG_CKPT);
             else if (a < 0) read_entry(src, pw, i, buf);
             else st = arr_read(so, sarr[a], full[a], dt, &src->layout.params[i], buf);
             if (st != FL_OK) break;
@@ -260,7 +324,7 @@ static fl_status lora_whole(trainer *t, tp_whole *w, const fl_optimizer *o) {
     FL_TRY(fl_model_set_precision(&w->m, &t->model.prec));
     fl_lora_config lc;
     FL_TRY(fl_trainer_lora_config(t->cfg, &w->m.cfg, &lc));
-    FL_TRY(fl_model_lora_init(&w->m, &lc, t->cfg->seed));
+    if (!w->m.lora) FL_TRY(fl_model_lora_init(&w->m, &lc, t->cfg->seed)); /* TP x PP: fl_tr_whole_make attached them */
     if (!o) return FL_OK;
     FL_TRY(fl_optim_init(&w->o, &w->m, &o->cfg));
     w->o_ok = 1;
@@ -309,10 +373,12 @@ static fl_status mod_write(fl_model *m, fl_optimizer *o, const fl_lora_adapters 
 
 /* the LoRA gather: every later stage of the first pipeline sends each module it trains (the adapters, then each state
  * array), stage 0 puts them (and its own) at their whole-model modules (w NULL: a sender) */
-static fl_status lora_gather(trainer *t, tp_whole *w, const fl_optimizer *o, char *const *full, float *buf, fl_dtype dt) {
+/* (src: the stage's model whose adapters travel: the run's, or under TP x PP its group's assembled stage) */
+static fl_status lora_gather(trainer *t, const fl_model *src, tp_whole *w, const fl_optimizer *o, char *const *full,
+                             float *buf, fl_dtype dt) {
     const int S = t->pp.size, me = t->pp.stage;
     fl_lora_adapters mine, whole;
-    fl_model_lora_adapters(&t->model, &mine);
+    fl_model_lora_adapters(src, &mine);
     void *arr[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
     if (o) arrays(o, arr);
     if (w && w->o_ok) arrays(&w->o, dst);
@@ -327,7 +393,7 @@ static fl_status lora_gather(trainer *t, tp_whole *w, const fl_optimizer *o, cha
             for (int j = 0; j < n && st == FL_OK; j++) {
                 if (!mod_trained(&mods[j], s, S)) continue;
                 const size_t k = (size_t)mine.cfg->r * (size_t)(mods[j].in + mods[j].out);
-                if (s == me) st = mod_read(&t->model, o, &mine, a, arr, full, dt, j, buf);
+                if (s == me) st = mod_read(src, o, &mine, a, arr, full, dt, j, buf);
                 else st = fl_comm_recv(t->pp.grp, buf, k, FL_F32, s, TAG_CKPT);
                 if (st == FL_OK && me > 0) st = fl_comm_send(t->pp.grp, buf, k, FL_F32, 0, TAG_CKPT);
                 else if (st == FL_OK && (a < 0 || dst[a]))
@@ -371,7 +437,10 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     float *buf = t->dp.rank == 0 && s == FL_OK ? malloc(most * sizeof *buf) : NULL;
     if (t->dp.rank == 0 && s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory");
     if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && (!lora || !o)) s = give_stage(t, m, lora ? NULL : o, full, buf, dt, pw);
-    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, NULL, o, full, buf, dt);
+    /* interleaved: the later chunks' in virtual-stage order (DDP: whole arrays, no LoRA) */
+    for (int c = 1; t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && c < t->pp.chunks; c++)
+        s = give_stage(t, &t->pp.xm[c], o ? &t->pp.xo[c] : NULL, (char *[3]){NULL, NULL, NULL}, buf, dt, NULL);
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, m, NULL, o, full, buf, dt);
     if (t->dp.rank != 0 || s != FL_OK || t->pp.stage > 0) { /* the first pipeline gathers, its stage 0 writes */
         for (int a = 0; a < 3; a++) free(full[a]);
         free(buf);
@@ -381,9 +450,15 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     tp_whole w;
     memset(&w, 0, sizeof w);
     s = lora ? lora_whole(t, &w, o) : whole_unsharded(t, &w, o);
-    for (int k = 0; s == FL_OK && k < t->pp.size && (!lora || !o); k++)
-        s = take_stage(t, &w, k, t->pp.split, k == 0 ? m : NULL, k == 0 && !lora ? o : NULL, full, buf, dt, pw);
-    if (s == FL_OK && lora) s = lora_gather(t, &w, o, full, buf, dt);
+    const int V = t->pp.chunks > 1 ? t->pp.chunks : 1;
+    for (int k = 0; s == FL_OK && k < t->pp.size * V && (!lora || !o); k++) {
+        const int own = k % t->pp.size == 0, c = k / t->pp.size; /* stage 0's chunk c, or a later stage's */
+        const fl_model *src = !own ? NULL : c == 0 ? m : &t->pp.xm[c];
+        const fl_optimizer *so = !own || lora ? NULL : c == 0 ? o : o ? &t->pp.xo[c] : NULL;
+        s = take_stage(t, &w, k, t->pp.split, src, so, c == 0 ? full : (char *[3]){NULL, NULL, NULL}, buf, dt,
+                       c == 0 ? pw : NULL);
+    }
+    if (s == FL_OK && lora) s = lora_gather(t, m, &w, o, full, buf, dt);
     if (s == FL_OK && lora && !o) s = fl_model_lora_merge(&w.m); /* final/: the merged model and the adapter */
     free(buf);
     free(pw);
@@ -445,6 +520,66 @@ static fl_status lora_resume(trainer *t, const char *path) {
     return s;
 }
 
+/* interleaved: chunk c's parameters and optimizer state from the whole checkpoint (DDP: whole arrays) */
+static fl_status chunk_resume(trainer *t, tp_whole *w, int c, float *buf) {
+    fl_model *m = &t->pp.xm[c];
+    fl_optimizer *o = &t->pp.xo[c];
+    const int first = t->pp.split[c * t->pp.size + t->pp.stage];
+    FL_TRY(fl_pp_stage_take(&w->m, m, first));
+    const fl_dtype dt = o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    void *src[3], *dst[3];
+    arrays(&w->o, src);
+    arrays(o, dst);
+    for (int a = 0; a < 3; a++) {
+        if (!src[a] || !dst[a]) continue;
+        for (int i = 0; i < m->layout.n; i++) {
+            const int j = fl_pp_stage_entry(&w->m.layout, &m->layout, first, i);
+            FL_TRY(arr_read(&w->o, src[a], NULL, dt, &w->m.layout.params[j], buf));
+            FL_TRY(arr_write(o, dst[a], NULL, dt, &m->layout.params[i], buf));
+        }
+    }
+    o->step = w->o.step;
+    fl_model_sync_compute_copy(m); /* mixed precision: the resumed master weights' copy */
+    return FL_OK;
+}
+
+/* TP x PP with LoRA: this stage's modules of the whole checkpoint's adapters and their state (w, a LoRA-attached whole
+ * model and optimizer) into sw (the stage's LoRA-attached model and optimizer, whole across the group) */
+fl_status fl_tr_pp_lora_stage_state(trainer *t, tp_whole *w, tp_whole *sw) {
+    fl_lora_adapters mine, whole;
+    if (!fl_model_lora_adapters(&sw->m, &mine) || !fl_model_lora_adapters(&w->m, &whole))
+        return fl_errorf(FL_ERR_INTERNAL, "pipeline resume: the stage's or the checkpoint's adapters are missing");
+    fl_lora_module *mods = NULL;
+    int n = 0, base = 0;
+    fl_status s = stage_mods(t, t->pp.stage, mine.cfg, &mods, &n, &base);
+    const fl_dtype dt = sw->o.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    float *buf = malloc((mine.numel + 1) * sizeof *buf);
+    if (s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
+    void *src[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
+    if (w->o_ok) arrays(&w->o, src);
+    if (sw->o_ok) arrays(&sw->o, dst);
+    for (int a = -1; a < 3 && s == FL_OK; a++) {
+        if (a >= 0 && (!src[a] || !dst[a])) continue;
+        for (int j = 0; j < n && s == FL_OK; j++) {
+            s = mod_read(&w->m, &w->o, &whole, a, src, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
+            if (s == FL_OK) s = mod_write(&sw->m, &sw->o, &mine, a, dst, NULL, dt, j, buf);
+        }
+    }
+    free(mods), free(buf);
+    sw->o.step = w->o.step;
+    sw->o.amp.ls = w->o.amp.ls;
+    return s;
+}
+
+uint64_t fl_tr_pp_lora_seed(const trainer *t) {
+    fl_lora_config lc;
+    int base = 0;
+    if (t->pp.size > 1 && t->model.lora && fl_trainer_lora_config(t->cfg, &t->model.cfg, &lc) == FL_OK &&
+        fl_tr_pp_lora_base(t, &lc, &base) == FL_OK)
+        return t->cfg->seed + (uint64_t)base * 0x9e3779b97f4a7c15ULL; /* fl_model_lora_init_at's seed of module base */
+    return t->cfg->seed;
+}
+
 fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
     if (t->model.lora) return lora_resume(t, path);
     tp_whole w;
@@ -481,6 +616,7 @@ fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
         if (s == FL_OK && h && !G) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(h);
+    for (int c = 1; c < t->pp.chunks && s == FL_OK; c++) s = chunk_resume(t, &w, c, buf);
     free(buf);
     if (s == FL_OK) {
         t->opt.step = w.o.step;
@@ -498,30 +634,43 @@ void fl_tr_pp_print(const trainer *t) {
             "checkpoints; no sample generation\n",
             t->pp.size, t->dp.world, t->dp.world == 1 ? "" : "s", t->cfg->pipeline_schedule, t->sch.accum, t->pp.first,
             t->pp.last, t->pp.whole.n_layers);
+    if (t->pp.chunks <= 1) return;
+    fprintf(t->out, "interleaved (EXPERIMENTAL): %d model chunks per rank, chunk c of stage s is virtual stage c x %d + "
+            "s; virtual stages' blocks:", t->pp.chunks, t->pp.size);
+    for (int v = 0; v < t->pp.size * t->pp.chunks; v++) fprintf(t->out, " [%d, %d)", t->pp.split[v], t->pp.split[v + 1]);
+    fprintf(t->out, "\n");
 }
 
 /* The end of a run: the stages' measured compute per micro-batch, the schedule simulated on those times (the step
  * the pipeline could take with free sends, and its bubble) beside the measured step, and a block's time (a stage's
- * compute over its cost in blocks, the slowest stage's) that `plan --block-ms` turns into an expected step time. */
+ * compute over its cost in blocks, the slowest stage's) that `plan --block-ms` turns into an expected step time.
+ * The measured bubble: 1 - M sum_v (f_v + b_v) / (S x the measured step), the fraction of the ranks' step time not
+ * spent computing (the sends, waits, broadcast and update included), beside the simulator's on the measured times
+ * and the equal-stage figure (S - 1) / (M V + S - 1). Interleaved: per virtual stage. */
 fl_status fl_tr_pp_report(trainer *t) {
     if (t->pp.size <= 1 || !t->pp.rt_ok) return FL_OK;
-    const int S = t->pp.size;
+    const int S = t->pp.size, V = t->pp.rt.chunks, NV = S * V, M = t->sch.accum;
     double fwd[64], bwd[64], step = 0, span = 0, bubble = 0;
     FL_TRY(fl_pp_timing(&t->pp.rt, fwd, bwd, &step));
     if (!t->out || t->pp.rt.n_steps == 0) return FL_OK;
-    FL_TRY(fl_pp_simulate(t->pp.rt.kind, S, t->sch.accum, fwd, bwd, &span, &bubble));
+    FL_TRY(fl_pp_simulate_v(t->pp.rt.kind, S, V, M, fwd, bwd, &span, &bubble));
     fl_pp_estimate e;
     const int T = t->cfg->train.max_seq_length > 0 ? t->cfg->train.max_seq_length : t->pp.whole.max_seq;
-    FL_TRY(fl_pp_estimate_step(&t->pp.whole, T, S, t->sch.accum, t->pp.rt.kind, &e));
-    double block = 0;
-    for (int s = 0; s < S; s++) {
-        const double b = (fwd[s] + bwd[s]) / (e.fwd[s] + e.bwd[s]);
+    FL_TRY(fl_pp_estimate_step_v(&t->pp.whole, T, S, V, M, t->pp.rt.kind, &e));
+    double block = 0, busy = 0;
+    for (int v = 0; v < NV; v++) {
+        const double b = (fwd[v] + bwd[v]) / (e.fwd[v] + e.bwd[v]);
         if (b > block) block = b;
+        busy += M * (fwd[v] + bwd[v]);
     }
-    fprintf(t->out, "pipeline timing (EXPERIMENTAL): forward + backward of a micro-batch per stage (ms):");
-    for (int s = 0; s < S; s++) fprintf(t->out, " %.3f + %.3f", fwd[s], bwd[s]);
+    fprintf(t->out, "pipeline timing (EXPERIMENTAL): forward + backward of a micro-batch per %sstage (ms):",
+            V > 1 ? "virtual " : "");
+    for (int v = 0; v < NV; v++) fprintf(t->out, " %.3f + %.3f", fwd[v], bwd[v]);
     fprintf(t->out, "; the %s schedule on these times: %.3f ms per step, bubble %.1f%%; measured %.3f ms per step "
             "(with the sends, waits, the losses' broadcast and the update); a block's forward + backward %.3f ms "
             "(plan --block-ms)\n", t->cfg->pipeline_schedule, span, 100 * bubble, step, block);
+    fprintf(t->out, "pipeline bubble (EXPERIMENTAL): measured %.1f%% (1 - the ranks' compute over %d x the measured "
+            "step), simulated on the measured times %.1f%%, equal stages (S-1)/(M V+S-1) = %.1f%% (S %d, M %d, V %d)\n",
+            step > 0 ? 100 * (1 - busy / (S * step)) : 0.0, S, 100 * bubble, 100.0 * (S - 1) / (M * V + S - 1), S, M, V);
     return FL_OK;
 }

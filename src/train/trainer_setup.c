@@ -485,8 +485,7 @@ void fl_tr_cleanup(trainer *t) {
     fl_tok_free(t->in.tok);
     fl_fsdp_free(&t->dp);
     fl_optim_free(&t->opt);
-    if (t->pp.rt_ok) fl_pp_free(&t->pp.rt); /* its stash is in the model's pool */
-    t->pp.rt_ok = 0;
+    fl_tr_pp_free_chunks(t); /* the pipelined step's stash and the interleaved chunks are in the model's pool */
     if (t->model_ok) fl_model_free(&t->model);
     if (t->hw.pool_ok) fl_backend_pools_free(&t->hw.pool, &t->hw.hpool);
     if (t->hw.dpool_ok) fl_mem_pool_free(&t->hw.dpool);

@@ -32,10 +32,10 @@ static fl_status tpp_begin(trainer *t, fl_comm *world, const fl_model_config *gi
                          "a multiple of %d (launch data-parallel groups x %d ranks: --devices %d, %d, ...)", n, S, W,
                          W == 1 ? "" : "s", n * S, n * S, n * S, 2 * n * S);
     fl_pp_schedule k;
-    FL_TRY(fl_error_prefix(fl_pp_schedule_parse(t->cfg->pipeline_schedule, &k), "--pipeline_schedule"));
+    FL_TRY(fl_error_prefix(fl_pp_schedule_parse_all(t->cfg->pipeline_schedule, &k), "--pipeline_schedule"));
     fl_strategy_choice sc;
     FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
-    FL_TRY(fl_tr_pp_check(t, &sc));
+    FL_TRY(fl_tr_pp_check(t, &sc)); /* (interleaved refused there) */
     FL_TRY(tp_check(t->cfg, n, W / (n * S), &sc));
     fl_model_config pc;
     if (given) FL_TRY(fl_tp_config(given, n, 0, &pc)); /* the planner's shape */
@@ -262,11 +262,13 @@ fl_status fl_tr_tp_attach(trainer *t) {
         FL_TRY(fl_pp_init(&t->pp.rt, &t->model, t->pp.grp, k));
         t->pp.rt_ok = 1;
         t->pp.rt.inner = axis; /* ZeRO-2's tied table is made whole over the axis (pp_step.c) */
+        t->pp.rt.adapters = t->model.lora != NULL; /* LoRA: the optimizer trains the adapters (no tied table's sum) */
     }
     FL_TRY(fl_tp_optim_attach(&t->opt, t->tp.grp, &t->tp.dist));
     /* TP x PP: the norm counts the entries the stage trains; the sums and verdicts run over the stages too */
     t->tp.dist.pipe = t->pp.size > 1 ? t->pp.grp : NULL;
-    return fl_tp_lora_init(&t->model, t->cfg->seed); /* LoRA: the slices of the whole's initial adapters */
+    return fl_tp_lora_init(&t->model, fl_tr_pp_lora_seed(t)); /* LoRA: the slices of the whole's initial adapters
+                                                                * (TP x PP: numbered from the stage's first module) */
 }
 
 /* the optimizer's state arrays (AdamW's m, v; SGD's momentum) */
@@ -416,6 +418,7 @@ static fl_status tp_take_state(trainer *t, tp_whole *w) {
  * the stage's config (t->tp.whole), entry by entry (the state arrays' bytes: both are whole, of one dtype) */
 static fl_status tpp_stage_state(trainer *t, tp_whole *w, tp_whole *sw) {
     FL_TRY(fl_tr_whole_make(t, sw, &t->tp.whole, &t->opt));
+    if (t->model.lora) return fl_tr_pp_lora_stage_state(t, w, sw); /* LoRA: the stage's adapters and their state */
     FL_TRY(fl_pp_stage_take(&w->m, &sw->m, t->pp.first));
     const size_t es = fl_dtype_size(t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32);
     void *src[3], *dst[3];
