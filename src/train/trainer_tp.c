@@ -475,4 +475,10 @@ void fl_tr_tp_print(const trainer *t, fl_comm *world) {
             t->tp.size, t->dp.world, t->dp.world == 1 ? "" : "s", fl_comm_impl_name(world), p->n_heads, w->n_heads,
             p->n_kv_heads, w->n_kv_heads, p->ffn_dim, w->ffn_dim, vr, w->vocab_size, t->model.layout.numel,
             t->tp.whole_numel);
+    if (t->model.sp)
+        fprintf(t->out, "sequence parallel: between the linears each rank holds %d of every pass's %d x %d rows (the "
+                "residual stream, the norms, the residual adds; the saved stream and statistics 1/%d); a reduce-scatter "
+                "after each row-parallel linear and an all-gather before each column-parallel one in place of the "
+                "all-reduces; the norms' weight gradients summed over the group\n", t->sch.B * t->sch.T / t->tp.size,
+                t->sch.B, t->sch.T, t->tp.size);
 }
