@@ -405,6 +405,18 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
 #undef S
 }
 
+/* Sequence parallel: op i reads a TEMP slot a GATHER made (not saved), and no later op reads it: the op the backward
+ * reaches first, which gathers the slot again from the GATHER's saved input. The GATHER's index, else -1. */
+static int regather_at(const fl_block_graph *g, int i) {
+    const fl_gop *o = &g->op[i];
+    if (g->sp <= 1 || g->slot[o->in].kind != FL_GSLOT_TEMP) return -1;
+    for (int j = i + 1; j < g->n_ops; j++)
+        if (g->op[j].in == o->in) return -1;
+    for (int j = i - 1; j >= 0; j--)
+        if (g->op[j].out == o->in) return g->op[j].kind == FL_GOP_GATHER ? j : -1;
+    return -1;
+}
+
 /* Slots whose gradient something reads (bit k: slot k), when d(input) is not read: in the forward's
  * order, an op's output needs its gradient when the op trains a parameter (or LoRA adapter) or its
  * input needs one. */
@@ -470,6 +482,8 @@ unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const 
             break;
         default: break; /* ROPE, ADD, ALLREDUCE: no saved slot read */
         }
+        const int j = regather_at(g, i); /* sequence parallel: the GATHER's saved input, gathered again */
+        if (j >= 0) r |= 1u << g->op[j].in;
     }
     return r;
 }
@@ -492,6 +506,8 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         if (!need_in && !op_trains(bp, o)) continue;
         float *din = need_in || o->kind != FL_GOP_LINEAR ? dslot(g, o->in, gb, x) : NULL, *dout = dslot(g, o->out, gb, x);
         const int N = rows(g, o->in, x);
+        const int rg = regather_at(g, i); /* sequence parallel: the whole rows of o's input, gathered again */
+        if (rg >= 0) FL_TRY(sp_move(x->comm, 1, s[o->in], s[g->op[rg].in], (size_t)N * si->width));
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */

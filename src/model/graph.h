@@ -43,7 +43,8 @@ typedef enum {
                        * the caller in s[] like IN / OUT, its gradient accumulated into fl_block_ctx.dxs */
     FL_GSLOT_TEMP,    /* an (N, width) activation only the forward's next op reads, never the backward (a linear's
                        * output that a DROPOUT copies, masked, into a residual slot): not saved, the caller may give
-                       * every block the same buffer (seq2seq.c: one per model). Its gradient is a buffer as any */
+                       * every block the same buffer (seq2seq.c: one per model). Its gradient is a buffer as any.
+                       * Sequence parallel: a GATHER's whole rows, gathered again before its readers' backward */
 } fl_gslot_kind;
 
 /* Which workspace buffer holds a slot's gradient during the backward: RES the residual stream's,

@@ -12,9 +12,10 @@
  * Sequence parallelism (fl_block_graph_sp, Megatron-LM's): the stream between the linears is the rank's
  * rows [r B T / n, (r + 1) B T / n) instead of a replicated copy, so the norms and residual adds run on 1/n of the
  * rows and what they save (the block's input, the mid residual, the norms' statistics) is 1/n; before the first
- * column-parallel LINEAR reading a slot a GATHER makes the whole rows (a new saved slot; the norm's own output is
- * then read by the GATHER only: TEMP), and a row-parallel LINEAR writes its partial output into a full-row TEMP
- * slot that a SCATTER sums over the group into the rank's rows of the stream (backward: the transposes). */
+ * column-parallel LINEAR reading a slot a GATHER makes the whole rows into a TEMP slot (not saved: what is saved is
+ * the norm's output, the rank's rows; the backward gathers them again before the linears' weight gradients read
+ * them, as Megatron-LM does), and a row-parallel LINEAR writes its partial output into a full-row TEMP slot that a
+ * SCATTER sums over the group into the rank's rows of the stream (backward: the transposes). */
 #include <string.h>
 
 #include "model-impl.h"
@@ -62,7 +63,7 @@ fl_status fl_block_graph_sp(fl_block_graph *g, int n) {
             return fl_errorf(FL_ERR_INTERNAL, "block graph: the sequence-parallel rewrite needs more than %d ops or "
                              "%d slots", FL_GRAPH_MAX_OPS, FL_GRAPH_MAX_SLOTS);
         if (col && gathered[c.in] < 0) { /* the whole rows, once per slot (a parallel block's shared norm) */
-            const int s = fl_graph_slot(g, "gathered", g->slot[c.in].width, FL_GSLOT_WIDE, 0);
+            const int s = fl_graph_slot(g, "gathered", g->slot[c.in].width, FL_GSLOT_TEMP, 0);
             ops[cnt++] = (fl_gop){.kind = FL_GOP_GATHER, .in = c.in, .out = (int8_t)s, .a1 = -1, .a2 = -1, .p = -1,
                                   .role_w = -1, .role_b = -1};
             gathered[c.in] = (int8_t)s;
@@ -82,13 +83,6 @@ fl_status fl_block_graph_sp(fl_block_graph *g, int n) {
     }
     for (int i = 0; i < cnt; i++) g->op[i] = ops[i];
     g->n_ops = cnt;
-    /* a gathered slot is read by its GATHER alone now, the next op: not saved */
-    for (int k = 0; k < g->n_slots; k++) {
-        if (gathered[k] < 0 || g->slot[k].kind != FL_GSLOT_WIDE || g->slot[k].resid) continue;
-        int others = 0;
-        for (int i = 0; i < cnt; i++) others += g->op[i].in == k && g->op[i].kind != FL_GOP_GATHER;
-        if (!others) g->slot[k].kind = FL_GSLOT_TEMP;
-    }
     g->sp = n;
     return FL_OK;
 }
