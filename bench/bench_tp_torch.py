@@ -63,6 +63,34 @@ def tp_plan(model):
     return plan
 
 
+def sp_plan(model):
+    """--sp: Megatron's sequence parallelism as PyTorch's tensor-parallel tutorial writes it (torchtitan's plan): the
+    norms SequenceParallel (the rank's T/N positions), an all-gather into the attention and the MLP (PrepareModuleInput
+    to Replicate), o / down RowwiseParallel into Shard(1) (a reduce-scatter), the embedding's output Shard(1), lm_head
+    reading the Shard(1) final norm."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan[p + "input_layernorm"] = SequenceParallel()
+        plan[p + "post_attention_layernorm"] = SequenceParallel()
+        plan[p + "self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                   desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[p + n] = ColwiseParallel()
+        for n in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[p + n] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
 def worker(rank, args, store_path):
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -78,19 +106,21 @@ def worker(rank, args, store_path):
     model = LlamaForCausalLM(cfg).float()
     model.train()
     mesh = init_device_mesh("cpu", (args.world,))
-    parallelize_module(model, mesh, tp_plan(model))
+    parallelize_module(model, mesh, sp_plan(model) if args.sp else tp_plan(model))
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     B, T, V = args.batch, args.seq, s["vocab_size"]
     g = torch.Generator().manual_seed(args.seed + 1)  # one micro-batch, the same on every rank of the group
     ids = torch.randint(0, V, (B, T), generator=g)
     tgt = torch.randint(0, V, (B, T), generator=g)
+    pos = torch.arange(T).unsqueeze(0).expand(B, T)
 
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, use_cache=False).logits  # a DTensor sharded on the vocabulary
+        # (--sp: the positions given, as the embedding's output holds T/N of them on a rank)
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits  # sharded on the vocabulary
         with loss_parallel():
             loss = F.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1))
             loss.backward()
@@ -121,7 +151,7 @@ def worker(rank, args, store_path):
         med = statistics.median(times)
         print(f"# torch {torch.__version__} transformers {transformers.__version__} backend=gloo world={args.world} "
               f"threads/rank={args.threads} B={B} T={T}", file=sys.stderr)
-        print(f"RESULT impl=torch-tp shape={args.shape} world={args.world} median_ms={med*1e3:.1f} "
+        print(f"RESULT impl=torch-{'sp' if args.sp else 'tp'} shape={args.shape} world={args.world} median_ms={med*1e3:.1f} "
               f"tok_s={B*T/med:.1f} state_bytes_per_rank={'/'.join(str(int(x[1])) for x in gathered)} "
               f"maxrss_mib={'/'.join(f'{x[0]:.0f}' for x in gathered)} losses={[round(x, 6) for x in losses]}",
               flush=True)
@@ -138,6 +168,7 @@ def main():
     ap.add_argument("--world", type=int, default=2, help="tensor-parallel ranks")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism too (SequenceParallel norms)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_tp_") as d:
         mp.spawn(worker, args=(args, os.path.join(d, "store")), nprocs=args.world, join=True)

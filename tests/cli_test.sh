@@ -1681,6 +1681,16 @@ expect tp_t5_heads_not_divisible 2 "--tensor_parallel 3: the model's 4 attention
 expect tp_t5_d_ff_not_divisible 2 "--tensor_parallel 3: the model's 52 feed-forward width \(d_ff\) do not split evenly" -- \
     "$FITLLM" plan tests/fixtures/t5-tiny-gated --devices 3 --tensor_parallel 3
 
+# sequence parallelism (--sequence_parallel true with --tensor_parallel): the plan's ACTS at TP 2 of micro (B 1 x T 32:
+# 545.94 KiB, TP alone 598.62 KiB; the threads tests check plan = measured), refused without a tensor-parallel group,
+# and the lab's tp2-sp row (lab-7b, its measured peak = its plan)
+expect sp_plan_acts_below_tp 0 "^peak +reserved +509\.25 KiB +509\.25 KiB +1018\.50 KiB +545\.94 KiB" -- \
+    "$FITLLM" plan micro --devices 2 --tensor_parallel 2 --sequence_parallel true --train.max_seq_length 33
+expect sp_without_tensor_parallel 2 "--sequence_parallel splits the rows of a tensor-parallel group: give --tensor_parallel N" -- \
+    "$FITLLM" plan micro --sequence_parallel true
+expect lab_grid_row_tp2_sp 0 "tp2-sp +lab-7b +1x4x2 +32-true +AdamW +fits +yes +([0-9.]+) +\1 " -- \
+    bash -c "'$FITLLM' lab --only tp2-sp --steps 1 --out_dir '$T/lab-sp' | tr '\n' ' '"
+
 echo
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]

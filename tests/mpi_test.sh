@@ -21,7 +21,7 @@
 #   - torchrun-style variables without mpirun, srun without an MPI plugin, another MPI's launcher:
 #     refused, naming what to run instead;
 #   - two nodes: one rank in each of two network namespaces over TCP (tests/netns_test.sh);
-#   - BLIP-2 fine-tuning under DDP (tests/mpi_blip2_test.sh).
+#   - BLIP-2 fine-tuning under DDP (tests/mpi_blip2_test.sh); sequence parallelism (tests/mpi_sp_test.sh).
 # Skips (exit 0, with the reason) when the build has no MPI or mpirun is missing.
 # Usage: tests/mpi_test.sh [build-dir]
 set -u
@@ -744,6 +744,13 @@ pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T
 grep -E "^(ok|FAIL|     )" "$T/out"
 pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))
 [ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_t5" "exit $rc"
+
+# sequence parallelism (--sequence_parallel with --tensor_parallel) over 2 and 4 ranks (tests/mpi_sp_test.sh: against one
+# process and TP alone, the checkpoint resumed in one process, rank 0's peaks = the plan, the sequence-length refusal)
+"$(dirname "$0")/mpi_sp_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
+grep -E "^(ok|FAIL|     )" "$T/out"
+pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))
+[ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_sp" "exit $rc"
 
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"

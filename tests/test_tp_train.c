@@ -61,6 +61,11 @@ static int g_pp = 1;           /* the 3D grid: stages per pipeline (1: none) */
 static int g_lora_mlp = 1, g_lora_dropout; /* DR_LORA: adapters on the MLP too (down_proj row-parallel); dropout 0.1 */
 static const char *g_model; /* another preset than micro (NULL: micro) */
 static const char *g_sched;    /* and their schedule (NULL: 1f1b) */
+static int g_sp;               /* --sequence_parallel */
+static int g_t20;              /* a sequence length 2 and 4 divide (T = 20; else 19) */
+static int g_ckpt;             /* activation checkpointing */
+static const char *g_prec;     /* the precision (NULL: 32-true) */
+static dr_rec *g_keep;         /* scenario(): rank 0's losses kept here too */
 
 /* scenario sc over dp groups x tp ranks (x g_pp stages: out: its out_dir) */
 static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out) {
@@ -73,6 +78,10 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
         snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", g_sched ? g_sched : "1f1b");
     }
     if (g_strategy && tp > 1) snprintf(c->strategy, sizeof c->strategy, "%s", g_strategy);
+    if (g_t20) c->train.max_seq_length = 21; /* T = 20 (the reference too): rows split over 2 or 4 ranks */
+    c->sequence_parallel = g_sp && tp > 1;
+    if (g_ckpt) c->train.activation_checkpointing = 1;
+    if (g_prec) snprintf(c->precision, sizeof c->precision, "%s", g_prec);
     c->train.save_interval = 1; /* step 1's state: the gradient of step 1 */
     c->train.keep_checkpoints = 0;
     if (!g_small) return;
@@ -153,8 +162,8 @@ static void scenario(int sc, int dp, int tp) {
     tp_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     const int W = dp * tp * g_pp;
-    snprintf(out, sizeof out, "%s/%s-%s-dp%d-tp%d-pp%d", fl_test_tmpdir(), dr_names[sc], g_model ? g_model : "micro", dp,
-             tp, g_pp);
+    snprintf(out, sizeof out, "%s/%s-%s-dp%d-tp%d-pp%d%s%s%s", fl_test_tmpdir(), dr_names[sc], g_model ? g_model : "micro",
+             dp, tp, g_pp, g_sp ? "-sp" : "", g_ckpt ? "-ckpt" : "", g_prec ? g_prec : "");
     for (int r = 0; r < W; r++) tp_config(&j->cfg[r], sc, dp, tp, out);
     const long steps = j->cfg[0].train.max_steps;
     backend_on();
@@ -166,9 +175,11 @@ static void scenario(int sc, int dp, int tp) {
     for (int r = 1; r < W && s == FL_OK; r++)
         FL_CHECKF(!memcmp(j->rec[r].loss, j->rec[0].loss, sizeof j->rec[0].loss), "%s: rank %d's losses differ from "
                   "rank 0's", dr_names[sc], r);
+    if (g_keep) memcpy(g_keep->loss, j->rec[0].loss, sizeof g_keep->loss), g_keep->steps = steps;
     fl_run_config c;
     dr_rec ref = {0};
-    snprintf(ref_out, sizeof ref_out, "%s/%s-%s-one-dp%d", fl_test_tmpdir(), dr_names[sc], g_model ? g_model : "micro", dp);
+    snprintf(ref_out, sizeof ref_out, "%s/%s-%s-one-dp%d%s%s%s", fl_test_tmpdir(), dr_names[sc],
+             g_model ? g_model : "micro", dp, g_t20 ? "-t20" : "", g_ckpt ? "-ckpt" : "", g_prec ? g_prec : "");
     tp_config(&c, sc, dp, 1, ref_out);
     c.devices = 1;
     c.pipeline_parallel = 1;
@@ -669,4 +680,153 @@ FL_TEST(tp_train_threads_failing_rank_stops_the_grid) {
     }
     for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
     free(j);
+}
+
+/* ---- sequence parallelism (--sequence_parallel; graph_tp.c fl_block_graph_sp, docs/ARCHITECTURE.md "Sequence
+ * parallelism"): the stream between the linears is the rank's T/N rows, the all-reduces become reduce-scatters and
+ * all-gathers. The bars are TP's (a rank adds the same terms, the group's sums in rank order): the step losses within
+ * 1e-6 relative of one process at T = 20 (the rows split over 2 and 4 ranks), step 1's gradients re-assembled from the
+ * consolidated checkpoint within 1e-5 of each tensor's scale, the final weights within the AdamW bound; and the losses
+ * within 1e-6 relative of TP without SP (every precision: there the one-process anchor is the same run's fp32). */
+
+/* rank 0's step losses of sc at DP dp x TP tp (g_sp, g_prec, g_ckpt as set) */
+static fl_status sp_losses(int sc, int dp, int tp, dr_rec *out, char *msg, size_t len) {
+    char dir[700];
+    tp_job *j = calloc(1, sizeof *j);
+    if (!j) return FL_ERR_OOM;
+    const int W = dp * tp;
+    snprintf(dir, sizeof dir, "%s/sp-%s-dp%d-tp%d-%d-%s-%d", fl_test_tmpdir(), dr_names[sc], dp, tp, g_sp,
+             g_prec ? g_prec : "32", g_ckpt);
+    for (int r = 0; r < W; r++) tp_config(&j->cfg[r], sc, dp, tp, dir);
+    backend_on();
+    fl_status s = fl_comm_threads_run(W, tp_rank, j);
+    backend_off();
+    snprintf(msg, len, "%s", j->msg[0]);
+    memcpy(out->loss, j->rec[0].loss, sizeof out->loss);
+    out->steps = j->cfg[0].train.max_steps;
+    for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+    return s;
+}
+
+FL_TEST(sp_train_threads_matches_one_process) {
+    g_sp = g_t20 = 1;
+    scenario(DR_ADAMW, 1, 2); /* + step 1's gradients tensor by tensor, the consolidated checkpoint */
+    scenario(DR_ADAMW, 2, 2); /* DP 2 x TP(SP) 2 */
+    scenario(DR_SGD, 1, 4);
+    g_model = "gpt2-micro"; /* learned positions (the rank's rows' positions), LayerNorms, biases on rank 0 */
+    scenario(DR_SGD, 1, 2);
+    g_model = "opt-micro";
+    scenario(DR_SGD, 1, 2);
+    g_model = NULL;
+    g_ckpt = 1; /* the recompute runs the block's gathers and scatters again */
+    scenario(DR_ADAMW, 1, 2);
+    g_ckpt = 0;
+    g_sp = g_t20 = 0;
+}
+
+/* SP against TP without it, every precision TP supports (16-bit: the one-process anchor is not fp32 noise away, the
+ * same grid without SP is: the rows' ops are the same per row) */
+FL_TEST(sp_train_threads_matches_tp_every_precision) {
+    if (!fl_test_asan_budget()) return; /* 8 runs */
+    const char *precs[] = {"bf16-mixed", "bf16-true", "16-mixed", "bf16-true"}; /* the last checkpointed */
+    for (int p = 0; p < 4; p++)
+        for (int ck = p == 3; ck == (p == 3); ck = 2) {
+            g_prec = precs[p], g_ckpt = ck, g_t20 = 1;
+            dr_rec tp = {0}, sp = {0};
+            char msg[600];
+            g_sp = 0;
+            fl_status s = sp_losses(DR_ADAMW, 1, 2, &tp, msg, sizeof msg);
+            FL_CHECKF(s == FL_OK, "TP 2 %s: %s", g_prec ? g_prec : "32-true", msg);
+            g_sp = 1;
+            if (s == FL_OK) s = sp_losses(DR_ADAMW, 1, 2, &sp, msg, sizeof msg);
+            FL_CHECKF(s == FL_OK, "TP 2 + SP %s: %s", g_prec ? g_prec : "32-true", msg);
+            if (s == FL_OK) {
+                const double lr = dr_loss_rel(&sp, &tp, tp.steps);
+                FL_CHECKF(lr <= 1e-6, "%s%s: SP's step losses differ from TP's by %.3g relative",
+                          g_prec ? g_prec : "32-true", ck ? " checkpointed" : "", lr);
+                if (getenv("FL_TEST_VERBOSE"))
+                    printf("    %s%s: TP 2 + SP within %.3g relative of TP 2 (%ld steps)\n", g_prec ? g_prec : "32-true",
+                           ck ? " checkpointed" : "", lr, tp.steps);
+            }
+            dr_free(&tp);
+            dr_free(&sp);
+        }
+    g_prec = NULL, g_ckpt = 0, g_sp = g_t20 = 0;
+}
+
+/* plan per rank = measured under SP (TP 2, DP 2 x TP 2 with ZeRO-2, TP 4), and the activations SP saves: ACTS below
+ * TP's at the same grid (the stream, the mid residual, the norms' statistics are 1/N; the gathered norm outputs
+ * feeding the linears stay whole) */
+FL_TEST(sp_train_threads_plan_equals_measured) {
+    if (!fl_test_asan_budget()) return; /* 6 runs */
+    const int grids[3][2] = {{1, 2}, {2, 2}, {1, 4}};
+    g_forced = "cpu";
+    g_t20 = 1;
+    for (int g = 0; g < 3; g++) {
+        const int dp = grids[g][0], tp = grids[g][1], W = dp * tp;
+        size_t acts[2] = {0, 0};
+        g_strategy = g == 1 ? "deepspeed_stage_2" : NULL;
+        for (int on = 0; on < 2; on++) {
+            g_sp = on;
+            tp_job *j = calloc(1, sizeof *j);
+            FL_REQUIRE(j != NULL);
+            char out[700];
+            snprintf(out, sizeof out, "%s/sp-plan-%d-%d-%d", fl_test_tmpdir(), dp, tp, on);
+            for (int r = 0; r < W; r++) {
+                tp_config(&j->cfg[r], DR_ADAMW, dp, tp, out);
+                j->cfg[r].train.max_steps = 1;
+            }
+            backend_on();
+            fl_status s = fl_comm_threads_run(W, tp_rank, j);
+            backend_off();
+            FL_CHECKF(s == FL_OK, "DP %d x TP %d%s: %s", dp, tp, on ? " + SP" : "", j->msg[0]);
+            for (int r = 0; on && r < W && s == FL_OK; r++) {
+                char grid[48];
+                snprintf(grid, sizeof grid, "DP %d x TP %d + SP", dp, tp);
+                const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
+                if (getenv("FL_TEST_VERBOSE") && r == 0)
+                    printf("    %s rank %d: planned = measured = %zu bytes (ACTS %zu)\n", grid, r, total,
+                           j->res[r].peak[FL_TAG_ACTS]);
+            }
+            if (s == FL_OK) acts[on] = j->res[0].peak[FL_TAG_ACTS];
+            for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+            free(j);
+        }
+        FL_CHECKF(acts[1] < acts[0], "DP %d x TP %d: ACTS with SP %zu, without %zu", dp, tp, acts[1], acts[0]);
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    DP %d x TP %d rank 0 ACTS: TP %zu, TP + SP %zu bytes\n", dp, tp, acts[0], acts[1]);
+    }
+    g_sp = g_t20 = 0;
+    g_forced = NULL;
+    g_strategy = NULL;
+}
+
+/* LoRA on the slices with SP (the adapters' inputs are the gathered rows), and the opaque backend (the gathers and
+ * scatters through the NCCL stand-in on device memory) */
+FL_TEST(sp_train_threads_lora_and_opaque) {
+    if (!fl_test_asan_budget()) return; /* the opaque backend's emulated device memory is slow */
+    g_sp = g_t20 = 1;
+    scenario(DR_LORA, 1, 2);
+    g_forced = "opaque";
+    scenario(DR_SGD, 1, 2);
+    g_forced = NULL;
+    g_sp = g_t20 = 0;
+}
+
+static void e_sp_t19(fl_run_config *c) { c->sequence_parallel = 1; c->train.max_seq_length = 20; } /* T = 19 */
+static void e_sp_alone(fl_run_config *c) { c->sequence_parallel = 1; c->tensor_parallel = 1; }
+static void e_sp_pp(fl_run_config *c) {
+    c->sequence_parallel = 1;
+    c->tensor_parallel = 2;
+    c->pipeline_parallel = 2;
+    c->devices = 4;
+    c->train.global_batch_size = 8;
+}
+
+FL_TEST(sp_train_threads_refusals) {
+    expect_refusal(2, e_sp_t19, "--sequence_parallel with --tensor_parallel 2: the sequence length 19 is not a "
+                   "multiple of 2", NULL);
+    expect_refusal(2, e_sp_alone, "--sequence_parallel", "--tensor_parallel N");
+    expect_refusal(4, e_sp_pp, "--sequence_parallel with --pipeline_parallel 2", NULL);
 }

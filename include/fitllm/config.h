@@ -88,6 +88,8 @@ typedef struct {
                                        * contiguous block range; (devices x num_nodes / pipeline_parallel) pipelines */
     char pipeline_schedule[32];       /* gpipe | 1f1b (default) | interleaved */
     int pipeline_chunks;              /* interleaved: model chunks (virtual stages) per rank (default 2) */
+    int sequence_parallel;            /* sequence_parallel (with tensor_parallel > 1): Megatron-LM's sequence
+                                       * parallelism, the stream between the linears split over the group's ranks */
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, _2, _3, their _offload, fsdp (Lightning's names) */
     char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP,
                                        * HYBRID_SHARD */

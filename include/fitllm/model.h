@@ -301,6 +301,8 @@ typedef struct {
     size_t backend_scratch; /* bytes of the backend's op scratch (fl_backend.scratch_bytes) carved
                    * from WORKSPACE and lent to its ops (fl_backend.set_scratch), for models whose
                    * ops need one: 16-bit matmuls or 4-bit weights (fl_model_backend_scratch) */
+    int seq_par;  /* sequence parallelism over the config's tp_size ranks (fl_model_set_sp): the residual stream,
+                   * the norms' statistics and the mid residual hold the rank's B T / tp_size rows */
 } fl_act_opts;
 /* The backend_scratch of a model whose matmuls read `compute_dtype` weights, `quant4` if it has
  * 4-bit weights, on a backend with `scratch_bytes` (the CPU's: fl_cpu_scratch_bytes). */
@@ -409,6 +411,7 @@ typedef struct {
     struct fl_comm *tp_host;    /* the same group on host memory (the vocabulary-parallel cross-entropy's row
                                  * statistics, gathered logits): tp_comm on a host-memory backend, else
                                  * fl_model_set_tp_host's */
+    int sp;                     /* sequence parallelism over tp_comm (fl_model_set_sp, before fl_model_alloc_acts) */
     /* An encoder-decoder's source rows supplied by the caller (BLIP-2's projected queries in place of the
      * image placeholders, fitllm/blip2.h): after the first stack's embedding, row rows[i] of the (B Ts) rows is
      * src[i] (n rows of C, device memory); the backward moves their gradient into dsrc and none reaches the

@@ -40,6 +40,11 @@ fl_status fl_model_set_tp(fl_model *m, fl_comm *comm);
  * and gathered logits go through it. fl_model_set_tp sets it to comm on a backend with host memory; a device
  * communicator's caller passes the host group it was made from. NULL: no sums (a test's broken group). */
 fl_status fl_model_set_tp_host(fl_model *m, fl_comm *host);
+/* Sequence parallelism (Megatron-LM's; docs/ARCHITECTURE.md "Sequence parallelism"): between the tensor-parallel
+ * linears the residual stream holds the rank's rows [r B T / N, (r + 1) B T / N) of each pass, the norms and residual
+ * adds run on them, and the blocks all-gather / reduce-scatter over tp_comm instead of all-reducing. Set on a slice
+ * (tp_size > 1) before fl_model_alloc_acts; a pass's B T must be a multiple of tp_size. Not with a pipeline stage. */
+fl_status fl_model_set_sp(fl_model *m, int on);
 
 /* How layout entry i is split (the same index in the whole and the slice's layouts). */
 typedef enum { FL_TP_REPLICATED = 0, FL_TP_COLUMN, FL_TP_ROW, FL_TP_VOCAB } fl_tp_split;

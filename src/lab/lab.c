@@ -76,7 +76,7 @@ static const lab_exp k_exps[] = {
     {"fsdp-larger-batch", "4x FSDP, larger micro batch", "fits: the shards leave room for activations",
      "open-llama-7b", "lab-7b", 0, 0, 1, "32-true", FL_OPT_ADAMW, 0, "fsdp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
     /* issue 35: what each split of the 7B model that does not fit one device buys, per rank (4 sequences a step). In no
-     * suite (run by name: --only tp-2,tp-4,pp-2,pp-4,dp2-tp2,tp2-pp2): the suites are the course's rows, which has no such */
+     * suite (run by name: --only tp-2,tp-4,pp-2,pp-4,dp2-tp2,tp2-pp2,tp2-sp): the suites are the course's rows, which has no such */
     {"tp-2", "7B, 2x tensor parallel", "fits: each rank holds half of every block", "open-llama-7b", "lab-7b", 1, 4, 1,
      "32-true", FL_OPT_ADAMW, 0, "tensor_parallel", FL_LAB_FITS, 0},
     {"tp-4", "7B, 4x tensor parallel", "a quarter of every block per rank", "open-llama-7b", "lab-7b", 1, 4, 1,
@@ -88,6 +88,8 @@ static const lab_exp k_exps[] = {
     {"dp2-tp2", "7B, 2x DDP of 2x tensor parallel", "TP 2's memory per rank, twice the samples", "open-llama-7b",
      "lab-7b", 1, 4, 1, "32-true", FL_OPT_ADAMW, 0, "tensor_parallel", FL_LAB_FITS, 0},
     {"tp2-pp2", "7B, 2x tensor parallel x 2 pipeline stages", "fits: half of every block of half the blocks per rank",
+     "open-llama-7b", "lab-7b", 1, 4, 1, "32-true", FL_OPT_ADAMW, 0, "tensor_parallel", FL_LAB_FITS, 0},
+    {"tp2-sp", "7B, 2x tensor parallel + sequence parallel", "fits: TP 2 less half its saved stream and statistics",
      "open-llama-7b", "lab-7b", 1, 4, 1, "32-true", FL_OPT_ADAMW, 0, "tensor_parallel", FL_LAB_FITS, 0},
 };
 #define N_EXPS (int)(sizeof k_exps / sizeof k_exps[0])
@@ -249,7 +251,7 @@ static int on_step(void *ud, long step, double loss, const void *p, size_t n) {
 /* The grid rows (techniques tensor_parallel, pipeline_parallel): their DP x TP x PP sizes */
 static const struct { const char *name; int dp, tp, pp; } k_grid[] = {
     {"tp-2", 1, 2, 1}, {"tp-4", 1, 4, 1}, {"pp-2", 1, 1, 2}, {"pp-4", 1, 1, 4}, {"dp2-tp2", 2, 2, 1},
-    {"tp2-pp2", 1, 2, 2},
+    {"tp2-pp2", 1, 2, 2}, {"tp2-sp", 1, 2, 1},
 };
 static const int *exp_grid(const lab_exp *e) { /* {dp, tp, pp}, NULL for another row */
     for (size_t i = 0; i < sizeof k_grid / sizeof k_grid[0]; i++)
@@ -325,6 +327,7 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
         c->devices = ranks;
         const int *g = exp_grid(e);
         if (g) c->tensor_parallel = g[1], c->pipeline_parallel = g[2];
+        if (g) c->sequence_parallel = !strcmp(e->name, "tp2-sp"); /* Megatron's sequence parallelism over the group */
         else snprintf(c->strategy, sizeof c->strategy, "%s", e->technique); /* a grid's data axis: auto (DDP) */
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         int all = threads > 0 ? threads : (int)(cores > 0 ? cores : 1);

@@ -42,6 +42,11 @@ int fl_logits_chunk_rows(int vocab_size, int N) {
 
 static int logits_chunk_rows(const fl_model_config *c, int N) { return fl_logits_chunk_rows(c->vocab_size, N); }
 
+/* Rows of the residual stream and of slot k for a pass of N rows: sequence parallel (g->sp > 1), the stream and the
+ * slots computed from it before a GATHER hold the rank's N / sp rows */
+static size_t stream_rows(const fl_block_graph *g, size_t N) { return g->sp > 1 ? N / (size_t)g->sp : N; }
+static size_t slot_rows(const fl_block_graph *g, int k, size_t N) { return g->slot[k].srows ? stream_rows(g, N) : N; }
+
 /* Layouts (N = B*T rows), the block's slots in the graph's production order (g->prod):
  *   fp32 (default):  res[0..L] | L x {the block's slots, all fp32} | lnf
  *   act_ckpt:        res[0..L] | ONE shared fp32 block buffer           | lnf
@@ -53,17 +58,17 @@ static int logits_chunk_rows(const fl_model_config *c, int N) { return fl_logits
 static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, const fl_model_graph *mg, int B, int T,
                          int ckpt, fl_dtype adt, char *base, fl_acts *a, size_t *saved) {
     fl_dims d = fl_model_dims(c);
-    size_t N = (size_t)B * T;
+    size_t N = (size_t)B * T, NS = stream_rows(g, N);
     int ln = fl_arch_get(c->arch)->layernorm; /* LayerNorm keeps the mean too */
     const int b16 = adt == FL_BF16, a16 = !ckpt && adt != FL_F32;
     carver cv = {base, 0, 1, 0};
     /* what backward reads: the residual stream (block inputs, res[L] for the final norm) ... */
     for (int l = 0; l <= d.L; l++) {
         if (b16) {
-            void *r = carve_bytes(&cv, N * d.C * sizeof(uint16_t));
+            void *r = carve_bytes(&cv, NS * d.C * sizeof(uint16_t));
             if (a) a->res16[l] = r;
         } else {
-            float *r = carve(&cv, N * d.C);
+            float *r = carve(&cv, NS * d.C);
             if (a) a->res[l] = r;
         }
     }
@@ -72,25 +77,34 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, cons
     if (a16) {
         cv.keep = 0; /* fp16: the shared fp32 buffer, the block being computed; backward widens into it */
         for (int k = 0; !b16 && d.L > 0 && k < g->n_prod; k++)
-            if (g->slot[g->prod[k]].kind == FL_GSLOT_WIDE) sh.s[g->prod[k]] = carve(&cv, N * g->slot[g->prod[k]].width);
+            if (g->slot[g->prod[k]].kind == FL_GSLOT_WIDE || g->slot[g->prod[k]].kind == FL_GSLOT_TEMP)
+                sh.s[g->prod[k]] = carve(&cv, slot_rows(g, g->prod[k], N) * g->slot[g->prod[k]].width);
         size_t es = fl_dtype_size(adt);
         cv.keep = 1; /* ... every block's statistics and 16-bit copies ... */
         for (int l = 0; l < d.L; l++) {
             fl_layer_acts la = sh;
             for (int k = 0; k < g->n_prod; k++)
-                if (g->slot[g->prod[k]].kind == FL_GSLOT_STAT) la.s[g->prod[k]] = carve(&cv, N * g->slot[g->prod[k]].width);
+                if (g->slot[g->prod[k]].kind == FL_GSLOT_STAT)
+                    la.s[g->prod[k]] = carve(&cv, slot_rows(g, g->prod[k], N) * g->slot[g->prod[k]].width);
             for (int k = 0; k < g->n_prod; k++)
                 if (g->slot[g->prod[k]].kind == FL_GSLOT_WIDE)
-                    la.s16[g->prod[k]] = carve_bytes(&cv, N * g->slot[g->prod[k]].width * es);
+                    la.s16[g->prod[k]] = carve_bytes(&cv, slot_rows(g, g->prod[k], N) * g->slot[g->prod[k]].width * es);
             if (a) a->layer[l] = la;
         }
     } else if (!b16) {
         /* checkpointing: one block buffer shared by all blocks (backward recomputes it: not kept) */
+        fl_layer_acts tmp; /* TEMP slots (read by the next op only): one buffer each for every block, not kept */
+        memset(&tmp, 0, sizeof tmp);
+        cv.keep = 0;
+        for (int k = 0; d.L > 0 && k < g->n_prod; k++)
+            if (g->slot[g->prod[k]].kind == FL_GSLOT_TEMP)
+                tmp.s[g->prod[k]] = carve(&cv, slot_rows(g, g->prod[k], N) * g->slot[g->prod[k]].width);
         cv.keep = !ckpt; /* ... every block's activations ... */
         for (int l = 0; l < (ckpt ? (d.L > 0 ? 1 : 0) : d.L); l++) {
-            fl_layer_acts la;
-            memset(&la, 0, sizeof la);
-            for (int k = 0; k < g->n_prod; k++) la.s[g->prod[k]] = carve(&cv, N * g->slot[g->prod[k]].width);
+            fl_layer_acts la = tmp;
+            for (int k = 0; k < g->n_prod; k++)
+                if (g->slot[g->prod[k]].kind != FL_GSLOT_TEMP)
+                    la.s[g->prod[k]] = carve(&cv, slot_rows(g, g->prod[k], N) * g->slot[g->prod[k]].width);
             if (a) {
                 if (ckpt) for (int k = 0; k < d.L; k++) a->layer[k] = la;
                 else a->layer[l] = la;
@@ -102,10 +116,10 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, cons
     float *lnf = NULL, *lnf_mean = NULL, *lnf_rstd = NULL;
     if (fl_model_graph_has(mg, FL_MOP_NORM, 1)) {
         cv.keep = 0;
-        lnf = b16 ? NULL : carve(&cv, N * d.C);
+        lnf = b16 ? NULL : carve(&cv, N * d.C); /* sequence parallel: the group's rows gathered for the head */
         cv.keep = 1;
-        lnf_mean = ln ? carve(&cv, N) : NULL;
-        lnf_rstd = carve(&cv, N);
+        lnf_mean = ln ? carve(&cv, NS) : NULL;
+        lnf_rstd = carve(&cv, NS);
     }
     /* an embedding norm (BERT): its input and statistics */
     float *emb_x = NULL, *emb_mean = NULL, *emb_rstd = NULL;
@@ -129,15 +143,16 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, cons
 static void carve_work16(carver *cv, const fl_model_config *c, const fl_block_graph *g, int B, int T, int ckpt,
                          fl_acts *a) {
     fl_dims d = fl_model_dims(c);
-    const size_t N = (size_t)B * T;
-    float *io[2] = {carve(cv, N * d.C), carve(cv, N * d.C)};
+    const size_t N = (size_t)B * T, NS = stream_rows(g, N);
+    float *io[2] = {carve(cv, NS * d.C), carve(cv, NS * d.C)};
     fl_layer_acts sh;
     memset(&sh, 0, sizeof sh);
     for (int k = 0; d.L > 0 && k < g->n_prod; k++) {
         const fl_gslot *sl = &g->slot[g->prod[k]];
-        if (sl->kind == FL_GSLOT_WIDE) sh.s[g->prod[k]] = carve(cv, N * sl->width);
-        if (ckpt && sl->kind == FL_GSLOT_STAT) sh.s[g->prod[k]] = carve(cv, N * sl->width);
-        if (ckpt && sl->kind == FL_GSLOT_WIDE) sh.s16[g->prod[k]] = carve_bytes(cv, N * sl->width * sizeof(uint16_t));
+        const size_t n = slot_rows(g, g->prod[k], N);
+        if (sl->kind == FL_GSLOT_WIDE || sl->kind == FL_GSLOT_TEMP) sh.s[g->prod[k]] = carve(cv, n * sl->width);
+        if (ckpt && sl->kind == FL_GSLOT_STAT) sh.s[g->prod[k]] = carve(cv, n * sl->width);
+        if (ckpt && sl->kind == FL_GSLOT_WIDE) sh.s16[g->prod[k]] = carve_bytes(cv, n * sl->width * sizeof(uint16_t));
     }
     float *lnf = carve(cv, N * d.C);
     if (!a) return;
@@ -145,7 +160,7 @@ static void carve_work16(carver *cv, const fl_model_config *c, const fl_block_gr
     for (int l = 0; l < d.L; l++)
         for (int k = 0; k < g->n_prod; k++) {
             const int sl = g->prod[k];
-            if (g->slot[sl].kind == FL_GSLOT_WIDE) a->layer[l].s[sl] = sh.s[sl];
+            if (g->slot[sl].kind == FL_GSLOT_WIDE || g->slot[sl].kind == FL_GSLOT_TEMP) a->layer[l].s[sl] = sh.s[sl];
             if (ckpt) { a->layer[l].s[sl] = sh.s[sl]; a->layer[l].s16[sl] = sh.s16[sl]; }
         }
     a->lnf = lnf;
@@ -179,14 +194,14 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned d
     size_t len[FL_GRAPH_MAX_SLOTS + 1];
     int cnt = 0;
     if (a->res16 && !(done >> FL_GSLOT_IN & 1u)) { /* bf16 stored: widen (narrow returned above) */
-        dst[cnt] = la->s[FL_GSLOT_IN], src[cnt] = la->s16[FL_GSLOT_IN], len[cnt++] = (size_t)N * m->cfg.dim;
+        dst[cnt] = la->s[FL_GSLOT_IN], src[cnt] = la->s16[FL_GSLOT_IN], len[cnt++] = stream_rows(g, N) * m->cfg.dim;
     }
     for (int k = 0; k < g->n_prod && !(a->res16 && m->act_ckpt); k++) {
         int sl = g->prod[k];
         if (g->slot[sl].kind != FL_GSLOT_WIDE || (done >> sl & 1u)) continue;
         dst[cnt] = narrow ? (void *)la->s16[sl] : (void *)la->s[sl];
         src[cnt] = narrow ? (const void *)la->s[sl] : (const void *)la->s16[sl];
-        len[cnt++] = (size_t)N * g->slot[sl].width;
+        len[cnt++] = slot_rows(g, sl, N) * g->slot[sl].width;
     }
     const fl_dtype dt = narrow ? a->act_dtype : FL_F32, st = narrow ? FL_F32 : a->act_dtype;
     if (be->convert_many && cnt > 1 && cnt <= FL_CONVERT_MANY_MAX)
@@ -202,7 +217,7 @@ fl_status fl_acts_store_stream(fl_model *m, int l, int N) {
     fl_acts *a = m->acts;
     if (!a || !a->res16) return FL_OK;
     const fl_backend *be = m->be;
-    const size_t n = (size_t)N * m->cfg.dim;
+    const size_t n = stream_rows(a->graph, N) * m->cfg.dim;
     if (be->round16) return FL_RUN(be, round16, a->res16[l], FL_BF16, a->res[l], n); /* one kernel */
     FL_TRY(FL_RUN(be, convert, a->res16[l], FL_BF16, a->res[l], FL_F32, n));
     return FL_RUN(be, convert, a->res[l], FL_F32, a->res16[l], FL_BF16, n);
@@ -228,6 +243,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
     float *more[2] = {NULL, NULL}; /* a graph with slots read by several ops: its further buffers */
     for (int k = FL_N_GBUF; k < g->n_gbuf; k++) more[k - FL_N_GBUF] = carve(&cv, N * (size_t)g->gbuf_width[k]);
     float *logits = carve(&cv, (size_t)logits_chunk_rows(c, (int)N) * d.V);
+    float *sp_dnorm = g->sp > 1 ? carve(&cv, 2 * (size_t)d.C) : NULL; /* sequence parallel: a norm's gradient part */
     float *losses = carve(&cv, N);
     float *ids = carve(&cv, N); /* int32 ids stored in float-sized slots */
     size_t half = fl_arch_get(c->arch)->rope ? (size_t)T * (d.HD / 2) : 0;
@@ -261,6 +277,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
         a->dyb16 = dyb16;
         a->dres = dres; a->buf1 = buf1; a->buf2 = buf2; a->gbuf_more[0] = more[0]; a->gbuf_more[1] = more[1]; a->logits = logits; a->losses = losses; a->ids = (int32_t *)ids;
         a->rope_cos = rc; a->rope_sin = rs; a->rope_T = T;
+        a->sp_dnorm = sp_dnorm;
     }
     return cv.off;
 }
@@ -291,7 +308,8 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
     memset(out, 0, sizeof *out);
     fl_block_graph g;
     fl_model_graph mg;
-    if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0 || fl_block_graph_build(&c, &g) != FL_OK ||
+    if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0 ||
+        fl_block_graph_build_ex(&c, opts && opts->seq_par, &g) != FL_OK ||
         fl_model_graph_build(&c, &mg) != FL_OK)
         return;
     out->acts_bytes = carve_acts(&c, &g, &mg, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
@@ -369,6 +387,10 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (T > m->cfg.max_seq)
         return fl_errorf(FL_ERR_INVALID, "sequence length %d exceeds the model's max_position_embeddings %d", T,
                          m->cfg.max_seq);
+    if (m->sp && T % m->cfg.tp_size)
+        return fl_errorf(FL_ERR_INVALID, "--sequence_parallel with --tensor_parallel %d: the sequence length %d is not a "
+                         "multiple of %d (each rank holds 1/%d of the stream's rows: give a sequence length that %d divides)",
+                         m->cfg.tp_size, T, m->cfg.tp_size, m->cfg.tp_size, m->cfg.tp_size);
     fl_model_free_acts(m);
     m->act_dtype = m->prec.name ? m->prec.act_dtype : FL_F32; /* zeroed policy = 32-true */
     /* bf16 weight-gradient GEMMs when the matmuls compute in bf16 and the weights train */
@@ -379,7 +401,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     /* bf16 compute: the attention's scratch (cuda: cuDNN's operand copies), lent with the rest, so it is planned */
     if (bes && m->prec.name && m->prec.compute_dtype == FL_BF16 && m->be->attn_scratch_bytes)
         bes += m->be->attn_scratch_bytes(B, T, m->cfg.n_heads, m->cfg.n_kv_heads, m->cfg.head_dim);
-    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes};
+    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp};
     fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     fl_acts *a = calloc(1, sizeof *a);
     if (!a) return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
@@ -395,7 +417,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     a->mgraph = mg;
     m->acts = a;
     if (!a->res || !a->layer || !both || (m->act_dtype == FL_BF16 && !a->res16)) { fl_model_free_acts(m); return fl_errorf(FL_ERR_OOM, "activation views: out of host memory"); }
-    fl_status s = fl_block_graph_build(&m->cfg, g);
+    fl_status s = fl_block_graph_build_ex(&m->cfg, m->sp, g);
     if (s == FL_OK) s = fl_model_graph_build(&m->cfg, mg);
     if (s != FL_OK) { fl_model_free_acts(m); return s; }
     s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);

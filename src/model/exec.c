@@ -68,7 +68,10 @@ static int final_after(const fl_block_graph *g, int i, int k) {
 }
 
 /* Rows of slot k in this pass: the block's B x T, or B x Tk for a stream from outside and what is computed from it. */
-static int rows(const fl_block_graph *g, int k, const fl_block_ctx *x) { return x->B * (g->slot[k].xrows ? x->Tk : x->T); }
+static int rows(const fl_block_graph *g, int k, const fl_block_ctx *x) {
+    const int n = x->B * (g->slot[k].xrows ? x->Tk : x->T);
+    return g->sp > 1 && g->slot[k].srows ? n / g->sp : n; /* sequence parallel: the rank's rows of the stream */
+}
 
 /* bf16 activations stored end to end (fl_block_ctx.store16): slot k, just written for the last time in the
  * block, is stored in bf16 (its s16 copy) and the fp32 view the later ops read holds the same value (round on
@@ -240,6 +243,34 @@ static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const
                   o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, s[o->out], lse);
 }
 
+/* Sequence parallelism's GATHER and SCATTER (and their transposes in the backward): whole (n rows x w) <-> the
+ * rank's n / size rows, over the group. gather: whole = the ranks' parts in rank order; else part = the rank's rows
+ * of the group's sum of whole. */
+static fl_status sp_move(struct fl_comm *c, int gather, float *whole, float *part, size_t n_whole) {
+    if (!c || fl_comm_size(c) <= 1) return fl_errorf(FL_ERR_INVALID, "sequence parallel: the block needs its group");
+    if (gather) return fl_comm_all_gather(c, part, whole, n_whole, FL_F32);
+    return fl_comm_reduce_scatter(c, whole, part, n_whole, FL_F32, FL_COMM_SUM);
+}
+
+void fl_sp_norm_begin(const fl_model *m, float *dw, float *db, float **sw, float **sb) {
+    float *z = m->acts->sp_dnorm;
+    const int C = m->cfg.dim;
+    FL_RUN(m->be, zero, z, 2 * (size_t)C * sizeof(float));
+    *sw = dw ? z : NULL;
+    *sb = db ? z + C : NULL;
+}
+
+fl_status fl_sp_norm_end(const fl_model *m, struct fl_comm *c, float *dw, float *db) {
+    float *z = m->acts->sp_dnorm;
+    const size_t C = (size_t)m->cfg.dim;
+    if (!dw && !db) return FL_OK;
+    FL_TRY(fl_error_prefix(fl_comm_all_reduce(c, z, z, 2 * C, FL_F32, FL_COMM_SUM), "sequence parallel: a norm's "
+                           "parameter gradients"));
+    if (dw) FL_RUN(m->be, add, dw, dw, z, C);
+    if (db) FL_RUN(m->be, add, db, db, z + C, C);
+    return FL_OK;
+}
+
 /* ALLREDUCE: the slot summed over the communicator's ranks (no communicator or one rank: nothing to do). */
 static fl_status allreduce(struct fl_comm *c, float *p, size_t n) {
     if (!c || fl_comm_size(c) <= 1) return FL_OK;
@@ -408,6 +439,8 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
             break;
+        case FL_GOP_GATHER: FL_TRY(sp_move(x->comm, 1, out, in, (size_t)rows(g, o->out, x) * wo)); break;
+        case FL_GOP_SCATTER: FL_TRY(sp_move(x->comm, 0, in, out, (size_t)N * wi)); break;
         case FL_GOP_DROPOUT:
             if (o->tp_cols && x->drop_p > 0)
                 FL_TRY(drop_tp_cols(m, out, in, N, wo, x->drop_p, fl_dropout_seed(x->drop_seed, o->p), 0));
@@ -419,6 +452,18 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
     }
     return FL_OK;
 #undef S
+}
+
+/* Sequence parallel: op i reads a TEMP slot a GATHER made (not saved), and no later op reads it: the op the backward
+ * reaches first, which gathers the slot again from the GATHER's saved input. The GATHER's index, else -1. */
+static int regather_at(const fl_block_graph *g, int i) {
+    const fl_gop *o = &g->op[i];
+    if (g->sp <= 1 || g->slot[o->in].kind != FL_GSLOT_TEMP) return -1;
+    for (int j = i + 1; j < g->n_ops; j++)
+        if (g->op[j].in == o->in) return -1;
+    for (int j = i - 1; j >= 0; j--)
+        if (g->op[j].out == o->in) return g->op[j].kind == FL_GOP_GATHER ? j : -1;
+    return -1;
 }
 
 /* Slots whose gradient something reads (bit k: slot k), when d(input) is not read: in the forward's
@@ -486,6 +531,8 @@ unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const 
             break;
         default: break; /* ROPE, ADD, ALLREDUCE: no saved slot read */
         }
+        const int j = regather_at(g, i); /* sequence parallel: the GATHER's saved input, gathered again */
+        if (j >= 0) r |= 1u << g->op[j].in;
     }
     return r;
 }
@@ -508,10 +555,15 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         if (!need_in && !op_trains(bp, o)) continue;
         float *din = need_in || o->kind != FL_GOP_LINEAR ? dslot(g, o->in, gb, x) : NULL, *dout = dslot(g, o->out, gb, x);
         const int N = rows(g, o->in, x);
+        const int rg = regather_at(g, i); /* sequence parallel: the whole rows of o's input, gathered again */
+        if (rg >= 0) FL_TRY(sp_move(x->comm, 1, s[o->in], s[g->op[rg].in], (size_t)N * si->width));
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
-        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !fl_gop_modifies(o))
+        const int moves = o->kind == FL_GOP_GATHER || o->kind == FL_GOP_SCATTER; /* overwrite d(in) */
+        if (moves && o->acc)
+            return fl_errorf(FL_ERR_INTERNAL, "block graph: sequence parallel op %d adds to d('%s')", i, si->name);
+        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !moves && !fl_gop_modifies(o))
             FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
         void *dy16 = dy16_for(be, g, bp, i);
@@ -525,12 +577,16 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM: {
             void *d16 = x->s16 ? norm_dy16_for(m, be, g, bp, i, x) : NULL;
+            float *dw = bp->d_norm_w[o->p], *db = bp->d_norm_b[o->p];
+            const int part = g->sp > 1 && si->srows; /* sequence parallel: the rank's rows' part, summed below */
+            if (part) fl_sp_norm_begin(m, bp->d_norm_w[o->p], bp->d_norm_b[o->p], &dw, &db);
             if (in16) /* RMSNorm over the stored bf16 input (the weight fp32 or 16-bit) */
-                FL_RUN(be, rmsnorm_backward_w16, din, d16, bp->d_norm_w[o->p], dout, s[o->in], x->s16[o->in],
-                       bp->norm_w[o->p], bp->norm_wt, S(o->a2), N, m->cfg.dim);
+                FL_RUN(be, rmsnorm_backward_w16, din, d16, dw, dout, s[o->in], x->s16[o->in], bp->norm_w[o->p],
+                       bp->norm_wt, S(o->a2), N, m->cfg.dim);
             else
-                fl_norm_backward_t(m, din, d16, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in],
-                                   bp->norm_w[o->p], bp->norm_wt, S(o->a1), S(o->a2), N);
+                fl_norm_backward_t(m, din, d16, dw, db, dout, s[o->in], bp->norm_w[o->p], bp->norm_wt, S(o->a1),
+                                   S(o->a2), N);
+            if (part) FL_TRY(fl_sp_norm_end(m, x->comm, bp->d_norm_w[o->p], bp->d_norm_b[o->p]));
             dy16_ready = d16 != NULL;
             if (d16 && d16 == x->din16 && x->din16_done) *x->din16_done = 1;
             break;
@@ -549,6 +605,8 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
             break;
+        case FL_GOP_GATHER: FL_TRY(sp_move(x->comm, 0, dout, din, (size_t)rows(g, o->out, x) * wo)); break;
+        case FL_GOP_SCATTER: FL_TRY(sp_move(x->comm, 1, din, dout, (size_t)N * wi)); break;
         case FL_GOP_DROPOUT: /* d(in) (+)= the forward's mask on d(out); in place: masked where it is */
             if (o->tp_cols && x->drop_p > 0)
                 FL_TRY(drop_tp_cols(m, din, dout, N, wi, x->drop_p, fl_dropout_seed(x->drop_seed, o->p),
@@ -562,7 +620,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
     }
     if (g->slot[FL_GSLOT_IN].grad != FL_GBUF_RES && !x->no_din) /* d(input) ended elsewhere (assign_grads) */
         FL_TRY(FL_RUN(be, copy, gb[FL_GBUF_RES], gb[g->slot[FL_GSLOT_IN].grad],
-                      (size_t)x->B * x->T * g->slot[FL_GSLOT_IN].width * sizeof(float)));
+                      (size_t)rows(g, FL_GSLOT_IN, x) * g->slot[FL_GSLOT_IN].width * sizeof(float)));
     return FL_OK;
 #undef S
 }

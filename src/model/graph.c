@@ -89,6 +89,7 @@ static fl_status forward_order(fl_block_graph *g, int *def, int *last, int *used
         def[s] = last[s] = merged[s] = -1;
         used[s] = 0;
         g->slot[s].xrows = g->slot[s].kind == FL_GSLOT_XSTREAM;
+        g->slot[s].srows = s == FL_GSLOT_IN && g->sp > 1; /* sequence parallel: the rank's rows of the stream */
     }
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
@@ -111,6 +112,11 @@ static fl_status forward_order(fl_block_graph *g, int *def, int *last, int *used
             last[s] = i;
         }
         if (o->kind == FL_GOP_ADD) merged[o->in] = o->out;
+        /* sequence parallel: an add joins rows of one kind; attention and RoPE read whole sequences */
+        if ((o->kind == FL_GOP_ADD && g->slot[o->in].srows != g->slot[o->out].srows) ||
+            ((o->kind == FL_GOP_ATTN || o->kind == FL_GOP_ROPE) && g->slot[o->in].srows))
+            return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d mixes the rank's rows of the sequence with whole "
+                             "ones ('%s')", i, g->slot[o->in].name);
         if (in_place(o) && !made[o->out])
             return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d modifies '%s' before it is made", i, g->slot[o->out].name);
         if (in_place(o)) last[o->out] = i;
@@ -123,6 +129,7 @@ static fl_status forward_order(fl_block_graph *g, int *def, int *last, int *used
             made[s] = 1;
             def[s] = last[s] = i;
             g->slot[s].xrows = g->slot[o->in].xrows; /* rows follow the (query) input */
+            g->slot[s].srows = o->kind == FL_GOP_SCATTER ? 1 : o->kind == FL_GOP_GATHER ? 0 : g->slot[o->in].srows;
             if (s != FL_GSLOT_OUT) g->prod[g->n_prod++] = (int8_t)s;
         }
     }
@@ -268,13 +275,16 @@ fl_status fl_block_graph_finish(fl_block_graph *g) {
     return inference_buffers(g, def, last);
 }
 
-fl_status fl_block_graph_build(const fl_model_config *c, fl_block_graph *g) {
+fl_status fl_block_graph_build(const fl_model_config *c, fl_block_graph *g) { return fl_block_graph_build_ex(c, 0, g); }
+
+fl_status fl_block_graph_build_ex(const fl_model_config *c, int sp, fl_block_graph *g) {
     memset(g, 0, sizeof *g);
     const fl_arch_info *ai = fl_arch_get(c->arch);
     if (!ai) return fl_errorf(FL_ERR_UNSUPPORTED, "no block graph for architecture %d", (int)c->arch);
     if (ai->block_graph) ai->block_graph(c, g); /* its own block (BERT's post-norm encoder block) */
     else decoder_block(c, g);                  /* the pre-norm decoder block, by the descriptor's feature flags */
-    if (c->tp_size > 1) FL_TRY(fl_block_graph_tp(g)); /* a tensor-parallel rank's slice (graph_tp.c) */
+    if (c->tp_size > 1 && sp) FL_TRY(fl_block_graph_sp(g, c->tp_size)); /* sequence parallel over the group */
+    else if (c->tp_size > 1) FL_TRY(fl_block_graph_tp(g)); /* a tensor-parallel rank's slice (graph_tp.c) */
     return fl_block_graph_finish(g);
 }
 

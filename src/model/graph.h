@@ -43,7 +43,8 @@ typedef enum {
                        * the caller in s[] like IN / OUT, its gradient accumulated into fl_block_ctx.dxs */
     FL_GSLOT_TEMP,    /* an (N, width) activation only the forward's next op reads, never the backward (a linear's
                        * output that a DROPOUT copies, masked, into a residual slot): not saved, the caller may give
-                       * every block the same buffer (seq2seq.c: one per model). Its gradient is a buffer as any */
+                       * every block the same buffer (seq2seq.c: one per model). Its gradient is a buffer as any.
+                       * Sequence parallel: a GATHER's whole rows, gathered again before its readers' backward */
 } fl_gslot_kind;
 
 /* Which workspace buffer holds a slot's gradient during the backward: RES the residual stream's,
@@ -60,6 +61,8 @@ typedef struct {
     uint8_t resid;     /* on the residual path: its gradient is the stream's (accumulated, never overwritten) */
     int8_t grad;       /* fl_gbuf of its gradient in the backward (FL_GBUF_NONE: statistics, an XSTREAM) */
     uint8_t xrows;     /* derived: B x Tk rows (an XSTREAM and what is computed from it alone), else B x T */
+    uint8_t srows;     /* derived (sequence parallel, fl_block_graph.sp > 1): the rank's B T / sp rows of the stream
+                        * (the block's input and what is computed from it up to a GATHER) */
 } fl_gslot;
 
 typedef enum {
@@ -81,6 +84,12 @@ typedef enum {
                      * element): backward.h's dropout op), else out = in. in == out: in place, on an off-path slot
                      * only (a residual slot's gradient is its path's: the mask must not reach it); the backward
                      * masks d(out) into d(in) with the same mask (nothing saved). T5's dropout (issue 31) */
+    FL_GOP_GATHER,  /* sequence parallel: out (B T rows) = the group's in (B T / sp rows each) concatenated in rank order
+                     * (all-gather over fl_block_ctx.comm); backward: d(in) = the rank's rows of the group's sum of
+                     * d(out) (reduce-scatter). Megatron's g-bar before a column-parallel linear */
+    FL_GOP_SCATTER, /* sequence parallel: out (the rank's B T / sp rows) = its rows of the group's sum of in (B T rows:
+                     * a row-parallel linear's partial output; reduce-scatter); backward: d(in) = the group's d(out)
+                     * rows gathered (all-gather). Megatron's g after a row-parallel linear */
 } fl_gop_kind;
 
 /* Attention kinds (fl_gop.attn). CAUSAL without bias or mask runs the fused causal kernels (the decoder's
@@ -121,6 +130,7 @@ typedef struct fl_block_graph_s {
     fl_gslot slot[FL_GRAPH_MAX_SLOTS];
     fl_gop op[FL_GRAPH_MAX_OPS];
     int n_norms, n_linears;
+    int sp;                       /* sequence parallel over sp ranks (> 1: the srows slots hold B T / sp rows) */
     /* derived (fl_block_graph_build) */
     int8_t prod[FL_GRAPH_MAX_SLOTS]; /* the block's own slots (not IN/OUT) in the order the ops produce them */
     int n_prod;
@@ -152,6 +162,13 @@ fl_status fl_block_graph_finish(fl_block_graph *g);
 /* Tensor parallelism (graph_tp.c): the ALLREDUCE ops around the column- and row-parallel LINEARs of a rank's
  * slice (before fl_block_graph_finish; fl_block_graph_build applies it when the config's tp_size > 1). */
 fl_status fl_block_graph_tp(fl_block_graph *g);
+/* Sequence parallelism (graph_tp.c, Megatron-LM's; instead of fl_block_graph_tp): the stream, the norms and the
+ * residual adds on the rank's B T / n rows; a GATHER before the first column-parallel LINEAR reading a slot, the
+ * row-parallel LINEARs' partial outputs into full-row TEMP slots and a SCATTER into the stream. */
+fl_status fl_block_graph_sp(fl_block_graph *g, int n);
+/* fl_block_graph_build with sequence parallelism over the config's tp_size ranks when sp (a training arena's graph:
+ * fl_act_opts.seq_par; generation keeps the tensor-parallel graph) */
+fl_status fl_block_graph_build_ex(const fl_model_config *c, int sp, fl_block_graph *g);
 
 /* Parameter and gradient pointers of one block, bound by the graph's NORM and LINEAR ops. */
 typedef struct fl_block_params {

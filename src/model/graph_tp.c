@@ -11,7 +11,17 @@
  * T5 (its encoder and decoder blocks): the cross-attention's q and k|v column-parallel, its o row-parallel; the
  * k|v linear reads the encoder output (an XSTREAM slot), whose d(in) sum the caller runs once for all the decoder's
  * blocks; a DROPOUT on the rank's columns (the FFN's activation) is marked (fl_gop.tp_cols) to draw the whole
- * model's mask at those columns (exec.c), the attention's weights likewise at the rank's heads. */
+ * model's mask at those columns (exec.c), the attention's weights likewise at the rank's heads.
+ *
+ * Sequence parallelism (fl_block_graph_sp, Megatron-LM's): the stream between the linears is the rank's
+ * rows [r B T / n, (r + 1) B T / n) instead of a replicated copy, so the norms and residual adds run on 1/n of the
+ * rows and what they save (the block's input, the mid residual, the norms' statistics) is 1/n; before the first
+ * column-parallel LINEAR reading a slot a GATHER makes the whole rows into a TEMP slot (not saved: what is saved is
+ * the norm's output, the rank's rows; the backward gathers them again before the linears' weight gradients read
+ * them, as Megatron-LM does), and a row-parallel LINEAR writes its partial output into a full-row TEMP slot that a
+ * SCATTER sums over the group into the rank's rows of the stream (backward: the transposes). */
+#include <string.h>
+
 #include "model-impl.h"
 
 static int column_parallel(const fl_gop *o) {
@@ -51,5 +61,41 @@ fl_status fl_block_graph_tp(fl_block_graph *g) {
     }
     for (int i = 0; i < n; i++) g->op[i] = ops[i];
     g->n_ops = n;
+    return FL_OK;
+}
+
+fl_status fl_block_graph_sp(fl_block_graph *g, int n) {
+    fl_gop ops[FL_GRAPH_MAX_OPS];
+    int8_t gathered[FL_GRAPH_MAX_SLOTS];
+    int cnt = 0;
+    memset(gathered, -1, sizeof gathered);
+    for (int i = 0; i < g->n_ops; i++) {
+        fl_gop c = g->op[i];
+        const int col = column_parallel(&c), row = row_parallel(&c);
+        if (cnt + 1 + col + row > FL_GRAPH_MAX_OPS || g->n_slots + col + row > FL_GRAPH_MAX_SLOTS)
+            return fl_errorf(FL_ERR_INTERNAL, "block graph: the sequence-parallel rewrite needs more than %d ops or "
+                             "%d slots", FL_GRAPH_MAX_OPS, FL_GRAPH_MAX_SLOTS);
+        if (col && gathered[c.in] < 0) { /* the whole rows, once per slot (a parallel block's shared norm) */
+            const int s = fl_graph_slot(g, "gathered", g->slot[c.in].width, FL_GSLOT_TEMP, 0);
+            ops[cnt++] = (fl_gop){.kind = FL_GOP_GATHER, .in = c.in, .out = (int8_t)s, .a1 = -1, .a2 = -1, .p = -1,
+                                  .role_w = -1, .role_b = -1};
+            gathered[c.in] = (int8_t)s;
+        }
+        if (col) c.in = gathered[c.in];
+        if (row) { /* the partial output (full rows), summed into the rank's rows of the stream */
+            const int s = fl_graph_slot(g, "partial", g->slot[c.out].width, FL_GSLOT_TEMP, 0);
+            ops[cnt++] = (fl_gop){.kind = FL_GOP_SCATTER, .in = (int8_t)s, .out = c.out, .a1 = -1, .a2 = -1, .p = -1,
+                                  .role_w = -1, .role_b = -1};
+            c.out = (int8_t)s;
+            ops[cnt] = ops[cnt - 1]; /* the linear first, then its scatter */
+            ops[cnt - 1] = c;
+            cnt++;
+            continue;
+        }
+        ops[cnt++] = c;
+    }
+    for (int i = 0; i < cnt; i++) g->op[i] = ops[i];
+    g->n_ops = cnt;
+    g->sp = n;
     return FL_OK;
 }

@@ -54,7 +54,9 @@ struct fl_acts {
     float *head_x;          /* (chunk, C) BF16: the chunk's input rounded to bf16, held in fp32 */
     void *head_t16;         /* (chunk, max(V, C)) BF16: rounding scratch (aliases dyb16 when that exists) */
     /* the forward in progress between fl_model_forward_body and fl_model_forward_head */
-    struct fl_fwd_pass { const int32_t *targets; float grad_scale; int B, T, open; } fwd;
+    struct fl_fwd_pass { const int32_t *targets; float grad_scale; int B, T, open, T_given; } fwd;
+    int32_t *sp_pad;        /* sequence parallel: a padded pass's ids and targets (host, 2 x B T; transformer.c) */
+    float *sp_dnorm;        /* sequence parallel: (2, C) a norm's weight and bias gradient of the rank's rows (WORKSPACE) */
     struct fl_s2s_acts *s2s; /* an encoder-decoder's stacks (seq2seq.c; then the views above are unused), or NULL */
     void *be_scratch;       /* the backend's scratch (fl_backend.scratch_bytes), lent to its ops in each
                              * forward and backward (fl_act_opts.backend_scratch), or NULL */
@@ -227,6 +229,20 @@ fl_status fl_tp_embed_backward(fl_model *m, const fl_outer_params *op, const flo
 fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *targets,
                               int rows, float grad_scale);
 fl_status fl_tp_head_dx_sum(fl_model *m, float *dx, int N);
+/* Sequence parallelism (m->sp): the rank's rows of a pass of N rows (the count; the first at *row0), and the
+ * group's rows (N, C) made whole from each rank's own part (n, C) (all-gather over tp_comm; part may be
+ * whole + row0 C: in place). */
+static inline int fl_sp_part(const fl_model *m, int N, size_t *row0) {
+    const int n = m->sp ? N / m->cfg.tp_size : N;
+    *row0 = m->sp ? (size_t)m->cfg.tp_rank * n : 0;
+    return n;
+}
+fl_status fl_sp_gather(fl_model *m, const float *part, float *whole, int N);
+/* A norm over the rank's rows computes its part of the weight's (and bias') gradient: begin points *sw, *sb at a
+ * zeroed scratch in place of dw, db (NULL stays NULL); end sums the group's parts over c and adds them to dw, db, so
+ * every rank adds the whole gradient (Megatron's sum of the sequence-parallel norms' gradients, here per norm). */
+void fl_sp_norm_begin(const fl_model *m, float *dw, float *db, float **sw, float **sb);
+fl_status fl_sp_norm_end(const fl_model *m, struct fl_comm *c, float *dw, float *db);
 fl_status fl_tp_logits_out(fl_model *m, float *out, const float *part, int rows);
 /* The head's chunk of `rows` rows either way (the backend's cross-entropy on device targets, or the slices'
  * on the host targets; the logits to the caller's host rows of the whole vocabulary). */

@@ -233,6 +233,7 @@ void fl_model_free_acts(fl_model *m) {
     if (m->acts) {
         fl_mem_free(m->pool, m->acts->targets);
         fl_s2s_acts_free(m->acts->s2s);
+        free(m->acts->sp_pad);
         free(m->acts->res);
         free(m->acts->res16);
         free(m->acts->layer);

@@ -153,8 +153,23 @@ fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const fl
 /* d(the head's input) (N, C): the group's sum of the ranks' parts (each rank's head sees its columns only) */
 fl_status fl_tp_head_dx_sum(fl_model *m, float *dx, int N) {
     if (!fl_tp_vocab_split(m) || !m->tp_comm || fl_comm_size(m->tp_comm) <= 1) return FL_OK;
+    if (m->sp) { /* sequence parallel: the final norm's backward reads the rank's rows only (reduce-scatter) */
+        size_t r0;
+        fl_sp_part(m, N, &r0);
+        return fl_error_prefix(fl_comm_reduce_scatter(m->tp_comm, dx, dx + r0 * m->cfg.dim, (size_t)N * m->cfg.dim,
+                                                      FL_F32, FL_COMM_SUM),
+                               "sequence parallel: the vocabulary-parallel head's input gradient");
+    }
     return fl_error_prefix(fl_comm_all_reduce(m->tp_comm, dx, dx, (size_t)N * m->cfg.dim, FL_F32, FL_COMM_SUM),
                            "tensor parallel: the vocabulary-parallel head's input gradient");
+}
+
+fl_status fl_sp_gather(fl_model *m, const float *part, float *whole, int N) {
+    if (!m->tp_comm || fl_comm_size(m->tp_comm) != m->cfg.tp_size)
+        return fl_errorf(FL_ERR_INVALID, "sequence parallel: the model has no group of %d (fl_model_set_tp)",
+                         m->cfg.tp_size);
+    return fl_error_prefix(fl_comm_all_gather(m->tp_comm, part, whole, (size_t)N * m->cfg.dim, FL_F32),
+                           "sequence parallel: gathering the stream's rows");
 }
 
 /* The whole (rows, V) logits on the host of every rank from the ranks' (rows, n) column slices (device memory; it

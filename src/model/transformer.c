@@ -150,7 +150,13 @@ static fl_status forward_body(fl_model *m, const pass *p) {
         const int rw = mg->op[i].role_w, rb = mg->op[i].role_b;
         switch ((fl_mop_kind)mg->op[i].kind) {
         case FL_MOP_EMBED: /* a later pipeline stage: res[0] holds the previous stage's output (stage.c) */
-            if (!m->stage.in) FL_TRY(fl_embed_forward16(m, &op, e, e16, &res0_stored, a->ids, p->ids, B, T, 0));
+            if (m->sp) { /* sequence parallel: the whole rows (the vocabulary slices' sum), the rank's kept */
+                size_t r0;
+                const int n = fl_sp_part(m, N, &r0);
+                FL_TRY(fl_embed_forward16(m, &op, a->buf1, NULL, NULL, a->ids, p->ids, B, T, 0));
+                FL_TRY(FL_RUN(be, copy, e, a->buf1 + r0 * C, (size_t)n * C * sizeof(float)));
+            } else if (!m->stage.in)
+                FL_TRY(fl_embed_forward16(m, &op, e, e16, &res0_stored, a->ids, p->ids, B, T, 0));
             break;
         case FL_MOP_EMBED_TYPE: /* through buf1 (N, C) */
             FL_RUN(be, embedding_forward, a->buf1, a->type_ids, role_param(m, 0, FL_ROLE_TYPE_EMBED, 0), NULL, B, T, C);
@@ -160,7 +166,14 @@ static fl_status forward_body(fl_model *m, const pass *p) {
             if (!after)
                 fl_norm_forward(m, a->res[0], a->emb_mean, a->emb_rstd, e, role_param(m, 0, rw, 0),
                                 role_param(m, 0, rb, 0), N);
-            else if (!m->stage.out) { /* an earlier pipeline stage ends at res[L] */
+            else if (m->sp) { /* sequence parallel: the rank's rows, then the whole rows for the head */
+                size_t r0;
+                const int n = fl_sp_part(m, N, &r0);
+                fl_norm_forward_t(m, a->lnf + r0 * C, NULL, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w, op.lnf_wt,
+                                  op.lnf_b, n);
+                a->lnf16 = NULL;
+                FL_TRY(fl_sp_gather(m, a->lnf + r0 * C, a->lnf, N));
+            } else if (!m->stage.out) { /* an earlier pipeline stage ends at res[L] */
                 /* the bf16 head's training chunks read the output's bf16 copy, which the norm stores */
                 void *x16 = a->act_dtype == FL_BF16 && p->grad_scale > 0 && p->targets && op.lnf_wt != FL_F32 &&
                                     end_op(mg) == FL_MOP_HEAD_LM ? fl_lm_head_x16(m) : NULL;
@@ -272,15 +285,20 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     if (m->stage.out) { /* an earlier pipeline stage: d res[L] is already in dres (fl_model_stage_dout) */
     } else if (has_final_norm(mg)) { /* d(lnf) (N, C) in buf1 -> d res[L] in dres */
         if (dhidden) FL_TRY(FL_RUN(be, to_device, a->buf1, dhidden, nc * sizeof(float)));
-        FL_RUN(be, zero, a->dres, nc * sizeof(float));
+        size_t r0; /* sequence parallel: the rank's rows of d(lnf) (fl_tp_head_dx_sum) and of the stream */
+        const int n = fl_sp_part(m, N, &r0);
+        FL_RUN(be, zero, a->dres, (size_t)n * m->cfg.dim * sizeof(float));
         /* the final norm's parameters open the head group (16-bit storage: staged) */
         const size_t n_lnf = fl_outer_1d(m);
         fl_store_stage_begin(m->store, n_lnf);
         /* the last block's bf16 dy too (an fp32 RMSNorm weight, bf16-mixed: through the w16 kernel) */
-        dres16 = a->act_dtype == FL_BF16 && a->dyb16 &&
+        dres16 = a->act_dtype == FL_BF16 && a->dyb16 && !m->sp &&
                  (op.lnf_wt != FL_F32 || (be->rmsnorm_backward_w16 && !fl_arch_get(m->cfg.arch)->layernorm));
-        fl_norm_backward_t(m, a->dres, dres16 ? a->dyb16 : NULL, op.dlnf_w, op.dlnf_b, a->buf1, a->res[L], op.lnf_w,
-                           op.lnf_wt, a->lnf_mean, a->lnf_rstd, N);
+        float *dw = op.dlnf_w, *db = op.dlnf_b;
+        if (m->sp) fl_sp_norm_begin(m, op.dlnf_w, op.dlnf_b, &dw, &db); /* the rank's rows' part, summed below */
+        fl_norm_backward_t(m, a->dres, dres16 ? a->dyb16 : NULL, dw, db, a->buf1 + r0 * m->cfg.dim, a->res[L],
+                           op.lnf_w, op.lnf_wt, a->lnf_mean, a->lnf_rstd, n);
+        if (m->sp) FL_TRY(fl_sp_norm_end(m, m->tp_comm, op.dlnf_w, op.dlnf_b));
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[HG], n_lnf));
     } else {
         FL_TRY(FL_RUN(be, to_device, a->dres, dhidden, nc * sizeof(float)));
@@ -289,13 +307,17 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     PP_RELEASE(HG);
     PP_READY(HG);
     FL_TRY(blocks_backward(m, B, T, dres16)); // d res[0] in dres
+    const float *de = a->dres; // d(the embeddings' sum)
+    if (m->sp) { /* sequence parallel: d res[0] of the group's rows (the rank's in dres), for the embeddings */
+        FL_TRY(fl_sp_gather(m, a->dres, a->buf1, N));
+        de = a->buf1;
+    }
     if (m->stage.in) { /* a later pipeline stage: d res[0] goes to the previous one (fl_model_stage_dinput); the
                         * embeddings' gradients (none here) are ready as they are */
         PP_READY(0);
         m->fwd_train = 0;
         return FL_OK;
     }
-    const float *de = a->dres; // d(the embeddings' sum)
     for (int i = 0; i < mg->n_ops && mg->op[i].kind != FL_MOP_BLOCKS; i++)
         if (mg->op[i].kind == FL_MOP_NORM) { /* the embedding norm: d(its input) into buf1 */
             const int rw = mg->op[i].role_w, rb = mg->op[i].role_b;
@@ -359,13 +381,44 @@ static fl_status lm_check(const fl_model *m, const char *fn, int B, int T, const
     return FL_OK;
 }
 
+/* Sequence parallelism: a pass whose B T rows the group does not divide runs at the shortest T' > T it divides (at
+ * most the arena's T, a multiple of the group: fl_model_alloc_acts), each sequence padded at its end with token 0 and
+ * ignored targets. The decoders attend causally: the padded rows read the real ones, never the reverse, and their
+ * losses are ignored, so the real rows' values, losses and gradients are the unpadded pass's. */
+static fl_status sp_pad(fl_model *m, const int32_t **ids, const int32_t **targets, int B, int *T) {
+    const int n = m->cfg.tp_size, T0 = *T;
+    if (!m->sp || (B * T0) % n == 0) return FL_OK;
+    int Tp = T0 + 1;
+    while ((B * Tp) % n) Tp++;
+    if (Tp > m->T)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_forward: sequence parallel over %d ranks: the batch's %d x %d rows "
+                         "padded to %d x %d exceed the arena's T %d", n, B, T0, B, Tp, m->T);
+    fl_acts *a = m->acts;
+    const size_t cap = (size_t)m->B * m->T;
+    if (!a->sp_pad && !(a->sp_pad = malloc(2 * cap * sizeof *a->sp_pad)))
+        return fl_errorf(FL_ERR_OOM, "sequence parallel: out of host memory for a padded batch");
+    int32_t *pi = a->sp_pad, *pt = *targets ? a->sp_pad + cap : NULL;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < Tp; t++) {
+            pi[b * Tp + t] = t < T0 ? (*ids)[b * T0 + t] : 0;
+            if (pt) pt[b * Tp + t] = t < T0 ? (*targets)[b * T0 + t] : FL_IGNORE_INDEX;
+        }
+    *ids = pi;
+    *targets = pt;
+    *T = Tp;
+    return FL_OK;
+}
+
 /* The two phases of fl_model_forward (the caller lends the scratch and tells the compute dtype). */
 static fl_status lm_body(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale) {
     FL_TRY(lm_check(m, "fl_model_forward", B, T, targets, grad_scale));
+    const int T_given = T;
+    FL_TRY(sp_pad(m, &ids, &targets, B, &T)); /* sequence parallel: rows the group divides */
     const pass p = {.ids = ids, .targets = targets, .B = B, .T = T, .train = grad_scale > 0, .grad_scale = grad_scale};
     m->acts->fwd.open = 0;
     FL_TRY(forward_body(m, &p));
-    m->acts->fwd = (fl_fwd_pass){.targets = targets, .grad_scale = grad_scale, .B = B, .T = T, .open = 1};
+    m->acts->fwd = (fl_fwd_pass){.targets = targets, .grad_scale = grad_scale, .B = B, .T = T, .open = 1,
+                                 .T_given = T_given};
     return FL_OK;
 }
 
@@ -373,6 +426,9 @@ static fl_status lm_head(fl_model *m, float *logits_out) {
     if (!m->acts || !m->acts->fwd.open)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward_head: needs a preceding fl_model_forward_body");
     const fl_fwd_pass f = m->acts->fwd;
+    if (logits_out && f.T != f.T_given)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward: the logits of a sequence-parallel pass padded from T %d "
+                         "to %d are not returned (give a T the group divides)", f.T_given, f.T);
     const pass p = {.targets = f.targets, .B = f.B, .T = f.T, .train = f.grad_scale > 0, .grad_scale = f.grad_scale};
     m->acts->fwd.open = 0;
     return forward_end(m, &p, logits_out, NULL);

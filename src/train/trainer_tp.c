@@ -58,6 +58,12 @@ fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *give
     *dp_comm = world;
     t->tp.size = 1;
     t->pp.size = 1;
+    if (t->cfg->sequence_parallel && n <= 1) /* every rank alike, before any collective */
+        return fl_errorf(FL_ERR_INVALID, "--sequence_parallel splits the rows of a tensor-parallel group: give "
+                         "--tensor_parallel N (N > 1) with it");
+    if (t->cfg->sequence_parallel && t->cfg->pipeline_parallel > 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--sequence_parallel with --pipeline_parallel %d: a stage's stream is not "
+                         "split over its tensor-parallel group yet (give one of them)", t->cfg->pipeline_parallel);
     if (t->cfg->pipeline_parallel > 1 && n > 1) return tpp_begin(t, world, given, dp_comm); /* the 3D grid */
     if (t->cfg->pipeline_parallel > 1) return fl_tr_pp_begin(t, world, given, dp_comm); /* trainer_pp.c */
     if (n == 1) return FL_OK;
@@ -249,6 +255,7 @@ static fl_status attach_group(trainer *t) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d on backend '%s' (whose memory the host cannot read) "
                          "needs a device-memory communicator, which it does not have", t->tp.size, t->hw.be.name);
     FL_TRY(fl_model_set_tp(&t->model, t->tp.dgrp ? t->tp.dgrp : t->tp.grp));
+    if (t->cfg->sequence_parallel) FL_TRY(fl_model_set_sp(&t->model, 1)); /* before the arena: its rows are 1/N */
     return fl_model_set_tp_host(&t->model, t->tp.grp); /* the vocabulary slices' cross-entropy statistics */
 }
 
@@ -474,4 +481,10 @@ void fl_tr_tp_print(const trainer *t, fl_comm *world) {
             p->n_dec_layers > 0 ? " (T5's decoder block 3 and 3: its cross-attention's q and k|v column-parallel, o "
                                   "row-parallel; each stack's relative position bias split by heads; d(encoder output) "
                                   "summed once per backward)" : "");
+    if (t->model.sp)
+        fprintf(t->out, "sequence parallel: between the linears each rank holds %d of every pass's %d x %d rows (the "
+                "residual stream, the norms, the residual adds; the saved stream and statistics 1/%d); a reduce-scatter "
+                "after each row-parallel linear and an all-gather before each column-parallel one in place of the "
+                "all-reduces; the norms' weight gradients summed over the group\n", t->sch.B * t->sch.T / t->tp.size,
+                t->sch.B, t->sch.T, t->tp.size);
 }
