@@ -369,8 +369,9 @@ expect blip2_val_final 0 "^Final evaluation \| val loss: [0-9.]+ \| val ppl: [0-
 # metrics.csv of the validated run: 8 step rows (loss, iter_time, learning_rate, the step's caption targets) and the
 # val_loss rows of steps 2, 4, 6 and the final evaluation
 expect blip2_metrics_csv 0 "" -- bash -c 'h=$(head -1 "$1"); [ "${h%%,mem_params*}" = "iter,step,epoch,loss,iter_time,tokens,total_tokens,learning_rate,val_loss,val_ppl,tok_s" ] && [ "$(awk -F, "NR > 1 && \$4 != \"\" && \$5 > 0 && \$6 > 0 && \$8 > 0" "$1" | wc -l)" = 8 ] && [ "$(awk -F, "NR > 1 && \$9 != \"\" { printf \"%s \", \$2 }" "$1")" = "2 4 6 8 " ]' _ "$T/b2val/logs/metrics.csv"
-# the lab's real shapes anywhere: blip2-opt-2.7b at micro batch 8 fits 80 GB (16 is the largest micro-batch of a global
-# 64), 64 at once is out of memory in its activations (the course's baseline 64/1 32-true OOM); refusals name the option
+# the lab's real shapes anywhere: blip2-opt-2.7b at micro batch 8 fits 80 GB (32 is the largest micro-batch of a global
+# 64: the frozen vision tower saves no activations), 64 at once is out of memory (the course's baseline 64/1 32-true
+# OOM: 81.57 GB planned, the arena's WORKSPACE the allocation that fails); refusals name the option
 expect blip2_plan_opt27b_fits 0 "largest micro_batch_size that fits: 32 \(accumulation 2 for global batch 64\)" -- "$FITLLM" plan blip2-opt-2.7b --device-memory 80GB --train.micro_batch_size 8 --train.global_batch_size 64
 expect blip2_plan_opt27b_64_oom 3 "OUT OF MEMORY during setup \(before_fwd\): WORKSPACE for BLIP-2 activations for B=64" -- "$FITLLM" plan Salesforce/blip2-opt-2.7b --device-memory 80GB --train.micro_batch_size 64 --train.global_batch_size 64
 expect blip2_plan_json 0 '"source": "BLIP-2 preset"' -- "$FITLLM" plan blip2-micro --json
@@ -1690,6 +1691,19 @@ expect sp_without_tensor_parallel 2 "--sequence_parallel splits the rows of a te
     "$FITLLM" plan micro --sequence_parallel true
 expect lab_grid_row_tp2_sp 0 "tp2-sp +lab-7b +1x4x2 +32-true +AdamW +fits +yes +([0-9.]+) +\1 " -- \
     bash -c "'$FITLLM' lab --only tp2-sp --steps 1 --out_dir '$T/lab-sp' | tr '\n' ' '"
+
+# BLIP-2's Flan-T5 language model drops in training (text_config.dropout_rate, the T5 trainer's masks): a copy of the
+# fixture at rate 0.3 says so, its losses are not rate 0's, and a run resumed from step 3 gives steps 4-6 and the final
+# weights of the uninterrupted run bit for bit (the masks follow the run seed and the global micro-batch)
+mkdir -p "$T/b2drop" && cp tests/fixtures/blip2-tiny-t5/*.json tests/fixtures/blip2-tiny-t5/model.safetensors "$T/b2drop/"
+sed -i 's/"dropout_rate": 0.0,/"dropout_rate": 0.3,/' "$T/b2drop/config.json"
+DR=("${B2RUN[@]}" --train.max_steps 6 --train.global_batch_size 4)
+d0=$("$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${DR[@]}" --out_dir "$T/b2d0" 2>&1 | grep '^step [1-6]/')
+da=$("$FITLLM" finetune_full "$T/b2drop" "${DR[@]}" --train.save_interval 3 --out_dir "$T/b2da" 2>&1)
+db=$("$FITLLM" finetune_full "$T/b2drop" "${DR[@]}" --resume "$T/b2da/step-000003" --out_dir "$T/b2db" 2>&1 | grep '^step [4-6]/')
+expect blip2_t5_dropout_said 0 "^text_config.dropout_rate 0.3 is applied in training" -- echo "$da"
+expect blip2_t5_dropout_changes_loss 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 6 ] && [ "$(grep -c "^step [1-6]/" <<<"$2")" = 6 ] && [ "$(head -1 <<<"$1")" != "$(grep "^step 1/" <<<"$2")" ]' _ "$d0" "$da"
+expect blip2_t5_dropout_resume_bit_identical 0 "" -- bash -c '[ "$(grep -c . <<<"$2")" = 3 ] && [ "$(grep "^step [4-6]/" <<<"$1")" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors"' _ "$da" "$db" "$T/b2da" "$T/b2db"
 
 echo
 echo "$pass passed, $fail failed, $skip skipped"

@@ -380,6 +380,51 @@ FL_TEST(blip2_t5_vs_transformers) {
     fl_backend_free(&be);
 }
 
+/* Dropout in the Flan-T5 language model (text_config.dropout_rate; the fine-tuning's fl_model_set_dropout and
+ * fl_model_adapters_seed) against transformers in training mode with fitllm's masks (tests/ref/
+ * make_blip2_dropout_fixture.py: expected-dropout.safetensors, p 0.2, the micro-batch seed S): the loss and every
+ * part's gradient within 8x PyTorch's fp32 noise, as blip2_t5_vs_transformers; the loss is not the one without. */
+FL_TEST(blip2_t5_dropout_vs_transformers) {
+    fl_backend be;
+    fl_mem_pool pool, host;
+    fl_blip2 *b = NULL;
+    fl_st_file x, y;
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    FL_REQUIRE_OK(fl_blip2_load(&b, "tests/fixtures/blip2-tiny-t5", &be, &pool));
+    FL_REQUIRE_OK(fl_st_open(&x, "tests/fixtures/blip2-tiny-t5/expected.safetensors"));
+    FL_REQUIRE_OK(fl_st_open(&y, "tests/fixtures/blip2-tiny-t5/expected-dropout.safetensors"));
+    const fl_st_tensor *px = fl_st_find(&x, "pixels"), *ids = fl_st_find(&x, "ids"), *dec = fl_st_find(&x, "dec");
+    const fl_st_tensor *lab = fl_st_find(&x, "labels"), *l0 = fl_st_find(&x, "loss"), *rloss = fl_st_find(&y, "loss");
+    const fl_st_tensor *nloss = fl_st_find(&y, "noise.loss"), *seed = fl_st_find(&y, "seed"), *p = fl_st_find(&y, "p");
+    FL_REQUIRE(px && ids && dec && lab && l0 && rloss && nloss && seed && p);
+    const int B = (int)ids->shape[0], Ts = (int)ids->shape[1], Tt = (int)lab->shape[1];
+    int nv = 0;
+    for (int i = 0; i < B * Tt; i++) nv += ((const int32_t *)lab->data)[i] != FL_IGNORE_INDEX;
+    fl_model *lm = fl_blip2_part(b, FL_BLIP2_TEXT);
+    lm->cfg.dropout_rate = f32_at(p);
+    FL_REQUIRE_OK(fl_model_set_dropout(lm, 1));
+    FL_REQUIRE_OK(fl_blip2_alloc_grads(b));
+    FL_REQUIRE_OK(fl_blip2_alloc_acts_s2s(b, B, Ts, Tt));
+    fl_model_adapters_seed(lm, (uint64_t)((const int64_t *)seed->data)[0]);
+    float loss;
+    FL_REQUIRE_OK(fl_blip2_forward_s2s(b, px->data, ids->data, dec->data, lab->data, B, Ts, Tt, 1.0f / (float)nv, NULL,
+                                       &loss));
+    const double lref = ((const double *)rloss->data)[0], lnone = ((const double *)l0->data)[0];
+    FL_CHECKF(fabs(loss - lref) <= bound(nloss, lref) && fabs(lref - lnone) > 100 * bound(nloss, lref),
+              "loss %.9f vs %.9f (without dropout %.9f)", (double)loss, lref, lnone);
+    FL_REQUIRE_OK(fl_blip2_backward(b));
+    double worst;
+    const int checked = check_grads(b, &be, &y, &worst);
+    FL_CHECK(checked == 169);
+    printf("      p %.2f: loss %.8f (ref %.8f, without dropout %.8f); %d gradients, worst error %.2f of its bound\n",
+           (double)f32_at(p), (double)loss, lref, lnone, checked, worst);
+    fl_st_close(&x), fl_st_close(&y);
+    fl_blip2_free(b);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+}
+
 /* A config without image_token_index (the layout before transformers 5): the queries go in front of the ids. The
  * language model then sees the same rows as with the placeholders, so the logits and the loss are the same bits,
  * and so are the gradients of the image parts. */

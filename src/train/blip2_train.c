@@ -311,6 +311,9 @@ static fl_status setup(b2run *r) {
     if (fl_model_is_s2s(&bc->text) && bc->image_token < 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: the Flan-T5 variant without image_token_index is not built for "
                          "fine-tuning", c->checkpoint_dir);
+    /* the Flan-T5 language model's dropout (text_config.dropout_rate) in the training forwards, where transformers'
+     * T5 drops (the T5 trainer's masks: run seed, global micro-batch, site, element); rate 0: nothing changes */
+    if (fl_model_is_s2s(&bc->text)) FL_TRY(fl_model_set_dropout(fl_blip2_part(r->b, FL_BLIP2_TEXT), 1));
     if (r->synth) {
         int B = 1, accum = 1;
         FL_TRY(batch_shape(c, &B, &accum));
@@ -415,7 +418,8 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
         long n_valid = 0;
         float l = 0;
         s = make_batch(r, p->order, starts[a], B, px, &ids, &tg, &T, &n_valid);
-        fl_model_lora_set_seed(fl_blip2_part(r->b, FL_BLIP2_TEXT), r->cfg->seed * 1000003u + (uint64_t)it * accum + a);
+        /* the micro-batch's seed: LoRA dropout's and the Flan-T5 language model's own dropout masks */
+        fl_model_adapters_seed(fl_blip2_part(r->b, FL_BLIP2_TEXT), r->cfg->seed * 1000003u + (uint64_t)it * accum + a);
         if (s == FL_OK) s = s2s ? fl_blip2_alloc_acts_s2s(r->b, B, NQ, T) : fl_blip2_alloc_acts(r->b, B, T);
         if (s == FL_OK && snap && a == mine) fl_mem_snapshot(&r->pool, "before_fwd");
         if (s == FL_OK && a == mine) phase_line(r, it + 1, "before_fwd");
@@ -560,6 +564,11 @@ static fl_status train(b2run *r) {
            r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
            r->parts & (1 << FL_BLIP2_TEXT) ? (r->lora ? "lm(LoRA)" : "lm") : "", "", trained_count(r),
            r->parts & (1 << FL_BLIP2_VISION) ? "trained" : "frozen");
+    const fl_model_config *tc = &fl_blip2_part(r->b, FL_BLIP2_TEXT)->cfg;
+    if (tc->dropout_on && tc->dropout_rate > 0)
+        fl_b2t_say(r, "text_config.dropout_rate %g is applied in training (the language model's embeddings, attention "
+                   "weights, sublayer outputs, FFN, final norms; not in evaluation or generation)\n",
+                   (double)tc->dropout_rate);
     if (r->n_val)
         fl_b2t_say(r, "%zu train / %zu val records (data.val_split_fraction %g)\n", r->n_rec, r->n_val,
                (double)c->data.val_split_fraction);

@@ -133,8 +133,13 @@ def run(d, batch, dtype):
 def make(d):
     x = load_file(os.path.join(d, "expected.safetensors"))
     batch = (x["src"], x["src_mask"], x["dec"], x["labels"])
-    s32, g32 = run(d, batch, torch.float32)
-    s64, g64 = run(d, batch, torch.float64)
+    save(d, run(d, batch, torch.float32), run(d, batch, torch.float64), x["loss"])
+
+
+def save(d, r32, r64, loss_without):
+    """expected-dropout.safetensors in d from the fp32 and float64 runs' (loss, gradients) (also
+    tests/ref/make_blip2_dropout_fixture.py's)"""
+    (s32, g32), (s64, g64) = r32, r64
     noise = lambda a, b: (a.double() - b).abs().max().float().reshape(1)
     out = {"loss": s64.reshape(1), "noise.loss": noise(s32, s64), "seed": torch.tensor([SEED], dtype=torch.int64),
            "p": torch.tensor([P], dtype=torch.float32)}
@@ -142,7 +147,7 @@ def make(d):
         out["grad." + n] = g64[n].float().contiguous()
         out["noise." + n] = noise(g32[n], g64[n])
     save_file(out, os.path.join(d, "expected-dropout.safetensors"))
-    print(f"{d}: loss with dropout {s64.item():.8f} (without: {x['loss'].item():.8f}), fp32 noise "
+    print(f"{d}: loss with dropout {s64.item():.8f} (without: {loss_without.item():.8f}), fp32 noise "
           f"{noise(s32, s64).item():.3g}, {len(g64)} gradients, worst grad noise "
           f"{max(noise(g32[n], g64[n]).item() for n in g64):.3g}")
 
