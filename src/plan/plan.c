@@ -745,23 +745,14 @@ static void strategy_notes(fl_plan *p, const fl_run_config *c, const fl_strategy
                            int fsdp) {
     const fl_strategy_choice sc = *scp;
     const fl_plan_opts opts = *o;
-    if (c->pipeline_parallel > 1 && !strcmp(c->pipeline_schedule, "interleaved"))
-        note(p, "pipeline parallel %d (EXPERIMENTAL, schedule interleaved)%s: rank %d is stage %d: %d model chunks "
-                "(virtual stages c x %d + %d of non-contiguous blocks, balanced by their training FLOPs, lm_head's on the "
-                "last), each its own stage model (parameters, gradients, optimizer state, arena; copies of the embeddings "
-                "and head, run and trained on the first / last virtual stage only), and a stash per further "
-                "chunk-micro-batch in flight (Megatron's warm-up: up to 2 (stages - stage - 1) + (chunks - 1) stages + 1 "
-                "of them); the whole model the run loads, and the checkpoints' gathered copy, are outside the pool; no "
-                "sample generation", c->pipeline_parallel, fl_cfg_dp_ranks(c) > 1 ? " x DDP" : "", p->rank,
-             p->rank % c->pipeline_parallel, c->pipeline_chunks, c->pipeline_parallel, p->rank % c->pipeline_parallel);
-    else if (c->pipeline_parallel > 1)
-        note(p, "pipeline parallel %d (EXPERIMENTAL, schedule %s)%s: rank %d is stage %d: its contiguous range of the "
+    if (c->pipeline_parallel > 1) /* (interleaved: its chunks' models and stashes, the schedule's notes say) */
+        note(p, "pipeline parallel %d (EXPERIMENTAL, schedule %s)%s: rank %d is stage %d: %s "
                 "blocks (balanced by their training FLOPs, lm_head's on the last stage), a copy of the embeddings and head (run and trained on the first / last stage "
                 "only), their gradients and optimizer state, and the activations of the micro-batches it keeps in flight "
                 "(the arena's one and a stash per further one: 1F1B at most min(stages - stage, micro-batches), GPipe all); "
                 "the whole model the run loads, and the checkpoints' gathered copy, are outside the pool; no sample "
                 "generation", c->pipeline_parallel, c->pipeline_schedule, fl_cfg_dp_ranks(c) > 1 ? (p->zero_stage == 1 ? " x ZeRO-1" : p->zero_stage == 2 ? " x ZeRO-2" : " x DDP") : "", p->rank,
-             p->rank % c->pipeline_parallel);
+             p->rank % c->pipeline_parallel, strcmp(c->pipeline_schedule, "interleaved") ? "its contiguous range of the" : "its chunks' (non-contiguous)");
     else if (c->tensor_parallel > 1)
         note(p, "tensor parallel %d%s: rank %d's memory: its slice of the model (1/%d of the attention heads, key/value "
                 "heads and MLP columns; norms, embeddings and the head whole), its gradients and optimizer state, its "

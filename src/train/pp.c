@@ -272,6 +272,11 @@ static fl_status interleaved_text(const fl_model_config *c, int T, int S, int V,
                  "process %.4g), bubble %.1f%% (equal virtual stages: (S-1)/(M V+S-1) = %.1f%%)%s", u * e.step, unit,
                  u * e.one, 100 * e.bubble, 100.0 * (S - 1) / (micro * V + S - 1),
                  block_ms > 0 ? " at --block-ms" : "; --block-ms MS: in ms");
+    at = strlen(buf);
+    if (at < n)
+        snprintf(buf + at, n - at, "\ninterleaved: a rank holds %d stage models (each its parameters, gradients, optimizer "
+                 "state and arena) and a stash per further chunk-micro-batch in flight (Megatron's warm-up: up to 2 "
+                 "(stages - stage - 1) + (chunks - 1) stages + 1 of them)", V);
     return FL_OK;
 }
 
