@@ -278,7 +278,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
         fl_store_stage_begin(m->store, n_lnf);
         /* the last block's bf16 dy too (an fp32 RMSNorm weight, bf16-mixed: through the w16 kernel) */
         dres16 = a->act_dtype == FL_BF16 && a->dyb16 &&
-                 (op.lnf_wt != FL_F32 || (be->rmsnorm_backward_w16 && !fl_arch_get(m->cfg.arch)->layernorm));
+                 (op.lnf_wt != FL_F32 || fl_norm16_have(m, 1));
         fl_norm_backward_t(m, a->dres, dres16 ? a->dyb16 : NULL, op.dlnf_w, op.dlnf_b, a->buf1, a->res[L], op.lnf_w,
                            op.lnf_wt, a->lnf_mean, a->lnf_rstd, N);
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[HG], n_lnf));
