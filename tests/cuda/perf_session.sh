@@ -15,7 +15,10 @@
 #      (PyTorch's sdpa: flash, cudnn, efficient backends) beside it, and the TinyLlama step with
 #      FITLLM_CUDA_ATTN=own against the default (auto: cuDNN where it loads);
 #   6. GPT-2 (124M, 32-true and bf16-true, B 8 T 1024): cuBLASLt's bias / bias+GELU epilogues against
-#      FITLLM_CUDA_EPILOGUE=0, and the TinyLlama step with FITLLM_CUDA_PINNED=0 (pageable uploads) against the ring.
+#      FITLLM_CUDA_EPILOGUE=0, and the TinyLlama step with FITLLM_CUDA_PINNED=0 (pageable uploads) against the ring;
+#   7. GPT-2 (124M, B 8 T 1024) bf16-true and bf16-mixed with --profile: the LayerNorm kernels over 16-bit weights
+#      and saved inputs (layernorm_*_w16: no convert around the norms; the "elementwise" group's convert share)
+#      (step 1 also checks them and the 128-bit elementwise paths against the element path: tests/cuda/check_vec16.c).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
 # kernels; the issue's H200: 302 ms, 18.5%).
 set -u
@@ -42,7 +45,8 @@ echo "== 1. fused and 128-bit kernels (fitllm_cuda_check)"
 if [ -x "$BIN/fitllm_cuda_check" ]; then
     timeout 150 "$BIN/fitllm_cuda_check" >"$OUT/cuda_check.log" 2>&1
     echo "fitllm_cuda_check exit $?" >>"$OUT/cuda_check.log"
-    grep -E "add_rmsnorm|swiglu|add\+rmsnorm|gemm epilogue|gemm bench|FAIL|all ok|FAILED|exit" "$OUT/cuda_check.log"
+    grep -E "add_rmsnorm|swiglu|add\+rmsnorm|gemm epilogue|gemm bench|layernorm_.*_w16|128-bit|FAIL|all ok|FAILED|exit" \
+        "$OUT/cuda_check.log"
 else
     echo "  (fitllm_cuda_check not in $BIN)"
 fi
@@ -86,3 +90,10 @@ for p in 32-true bf16-true; do
     done
 done
 FITLLM_CUDA_PINNED=0 bench full-nopin 60
+echo "== 7. GPT-2 bf16 with the LayerNorm w16 kernels (profile)"
+for p in bf16-true bf16-mixed; do
+    timeout 60 "$F" bench-step gpt2 --accelerator cuda --precision $p --micro-batch 8 --seq 1024 --steps 5 --warmup 2 \
+        --profile >"$OUT/gpt2-$p-profile.log" 2>&1
+    echo "gpt2 $p --profile exit $?: $(grep -E '^median' "$OUT/gpt2-$p-profile.log")"
+    sed -n '/^profile/,/^PROFILE/p' "$OUT/gpt2-$p-profile.log" | grep -E "norm|elementwise|convert" | head -6
+done

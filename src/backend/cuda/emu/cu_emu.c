@@ -380,4 +380,4 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
     free(e);
 }
 
-unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches;
+unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches, fl_cu_emu_vec_accesses;
