@@ -57,6 +57,12 @@ FL_CU_DEV void fl_cu_ld8h(const uint16_t *p, uint16_t *h) {
     const uint32_t w[4] = {t.x, t.y, t.z, t.w};
     for (int k = 0; k < 4; k++) h[2 * k] = (uint16_t)(w[k] & 0xffffu), h[2 * k + 1] = (uint16_t)(w[k] >> 16);
 }
+/* 4 consecutive 16-bit values at an 8-byte aligned address: one 64-bit load (uint2) */
+FL_CU_DEV void fl_cu_ld4h(const uint16_t *p, uint16_t *h) {
+    const uint2 t = *reinterpret_cast<const uint2 *>(p);
+    h[0] = (uint16_t)(t.x & 0xffffu), h[1] = (uint16_t)(t.x >> 16), h[2] = (uint16_t)(t.y & 0xffffu);
+    h[3] = (uint16_t)(t.y >> 16);
+}
 FL_CU_DEV void fl_cu_st8h(uint16_t *p, const uint16_t *h) {
     uint32_t w[4];
     for (int k = 0; k < 4; k++) w[k] = (uint32_t)h[2 * k] | (uint32_t)h[2 * k + 1] << 16;
@@ -164,6 +170,13 @@ FL_CU_DEV void fl_cu_st4(float *p, const float *v) {
 FL_CU_DEV void fl_cu_ld8h(const uint16_t *p, uint16_t *h) {
     fl_cu_check16(p);
     memcpy(h, p, 8 * sizeof(uint16_t));
+}
+FL_CU_DEV void fl_cu_ld4h(const uint16_t *p, uint16_t *h) {
+    if ((uintptr_t)p & 7u) {
+        fprintf(stderr, "cuda emulator: 64-bit access at %p, not 8-byte aligned (a GPU faults)\n", (const void *)p);
+        abort();
+    }
+    memcpy(h, p, 4 * sizeof(uint16_t));
 }
 FL_CU_DEV void fl_cu_st8h(uint16_t *p, const uint16_t *h) {
     fl_cu_check16(p);

@@ -30,10 +30,15 @@ FL_CU_DEV float nw(const void *w, int wt, int c) {
 FL_CU_DEV const void *row_at(const void *p, int t, size_t i) {
     return t == (int)FL_F32 ? (const void *)((const float *)p + i) : (const void *)((const uint16_t *)p + i);
 }
-/* four of them from c (fp32: one 128-bit load; 16-bit: four loads, the alignment check leaves w out) */
+/* four of them from c (fp32: one 128-bit load, the caller checked the alignment; 16-bit: one 64-bit load where the
+ * address allows, else four; the same values) */
 FL_CU_DEV void nw4(const void *w, int wt, int c, float *g) {
     if (wt == (int)FL_F32) {
         fl_cu_ld4((const float *)w + c, g);
+    } else if (((uintptr_t)((const uint16_t *)w + c) & 7u) == 0) {
+        uint16_t h[4];
+        fl_cu_ld4h((const uint16_t *)w + c, h);
+        for (int k = 0; k < 4; k++) g[k] = wt == (int)FL_BF16 ? fl_cu_bf16_to_f32(h[k]) : fl_cu_f16_to_f32(h[k]);
     } else {
         for (int k = 0; k < 4; k++) g[k] = nw(w, wt, c + k);
     }
