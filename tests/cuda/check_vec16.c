@@ -63,27 +63,7 @@ static void cmpv(const char *op, const void *dgpu, const void *emu, size_t n, in
     g_bad += !ok;
     free(g);
 }
-static int cmpf(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-static float time_ms(void (*fn)(void *), void *arg) {
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    float t[9];
-    for (int k = 0; k < 11; k++) {
-        cudaEventRecord(a, NULL);
-        fn(arg);
-        cudaEventRecord(b, NULL);
-        cudaEventSynchronize(b);
-        if (k >= 2) cudaEventElapsedTime(&t[k - 2], a, b);
-    }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    qsort(t, 9, sizeof t[0], cmpf);
-    return t[4];
-}
+float fl_cuda_check_time_ms(void (*fn)(void *), void *arg); /* check_fused.c: median of 9 after 2 warm-ups */
 
 /* ---- LayerNorm over 16-bit weights ---- */
 static void check_ln16(int N, int C) {
@@ -214,7 +194,7 @@ static void vec_case(const char *name, void (*fn)(void *), vz *h, const size_t *
             snprintf(nm, sizeof nm, "%s [%d]%s%s", name, k, off ? " (element path)" : "", emu ? "" : " vs 128-bit");
             cmpv(nm, zp[k], ep[k], bytes[k] / (is16[k] ? 2 : 4), is16[k], rtol);
         }
-        ms[off] = time_ms(fn, &z);
+        ms[off] = fl_cuda_check_time_ms(fn, &z);
         for (int k = 0; k < 9; k++)
             if (hp[k]) dfree(zp[k], off ? (is16[k] ? 2 : 4) : 0);
     }
