@@ -24,7 +24,7 @@
  * the final norm stored their bf16 copies; GPT-2 117 before the lookup's */
 #define FL_BF16_CONVERT_CEIL 0
 #define FL_BF16_CONVERT2D_CEIL 1
-#define FL_BF16_GPT2_CONVERT_CEIL 112
+#define FL_BF16_GPT2_CONVERT_CEIL 46
 #ifdef FL_HAVE_CUDA_EMU
 typedef struct {
     double loss[8];
@@ -285,6 +285,23 @@ FL_TEST(cuda_emu_gpt2_bf16_true_convert_launches) {
     FL_CHECKF(c <= FL_BF16_GPT2_CONVERT_CEIL, "gpt2 bf16-true run launched %lu convert kernels, more than today's %d",
               c, FL_BF16_GPT2_CONVERT_CEIL);
     free(r.params);
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* Issue 30 item 1: the LayerNorm models under 16-bit storage / bf16 activations read their 16-bit norm weights,
+ * biases and saved inputs directly (layernorm_forward_w16 / _backward_w16, op by op in test_cuda_ln16.c): a GPT-2
+ * pretrained 2 steps on cuda-emu against the CPU under compare()'s bound, bf16-true and bf16-mixed (OPT: bitident's
+ * opt-pretrain-bf16true on cuda-emu). */
+FL_TEST(cuda_emu_train_layernorm_models_bf16) {
+#if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (emulated kernels under ASan: minutes)");
+#elif defined(FL_HAVE_CUDA_EMU)
+    g_preset = "gpt2-micro";
+    compare("bf16-true", "AdamW", 0);
+    compare("bf16-mixed", "AdamW", 0);
+    g_preset = NULL;
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif

@@ -266,6 +266,8 @@ FL_TEST(cuda_more_embedding16) {
     embedding16_case(FL_BF16, 2, 5, 13, 1, 0);   /* one id, no positions (LLaMA) */
     embedding16_case(FL_F16, 4, 75, 300, 17, 1); /* two 256-column slices, fp16 */
     embedding16_case(FL_F16, 1, 3, 5, 4, 0);
+    embedding16_case(FL_BF16, 2, 5, 64, 9, 1);  /* C % 8 == 0: 8 columns per thread, 128-bit accesses */
+    embedding16_case(FL_F16, 1, 3, 2056, 5, 1); /* 257 groups of 8: two column steps per thread */
 }
 
 FL_TEST(cuda_more_embedding) {

@@ -171,6 +171,14 @@ struct fl_backend {
     void (*rmsnorm_backward_w16)(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,
                                  const float *inp, const void *inp16, const void *w, fl_dtype wt, const float *rstd,
                                  int N, int C);
+    /* Optional (NULL: the caller widens w and b first and converts around the fp32 ops): layernorm_forward /
+     * layernorm_backward (below) as the two above, w and b (NULL or) of wt, out16 / dinp16 / inp16 as theirs
+     * (GPT-2 and OPT under a 16-bit store or bf16 activations: no convert launch in the step, issue 30 item 1). */
+    void (*layernorm_forward_w16)(const fl_backend *be, float *out, void *out16, float *mean, float *rstd,
+                                  const float *inp, const void *w, const void *b, fl_dtype wt, int N, int C, float eps);
+    void (*layernorm_backward_w16)(const fl_backend *be, float *dinp, void *dinp16, float *dw, float *db,
+                                   const float *dout, const float *inp, const void *inp16, const void *w, fl_dtype wt,
+                                   const float *mean, const float *rstd, int N, int C);
     /* Optional bf16-stored outputs (NULL: the fp32 op, then round16; issue 30 item 1). Each writes out16, the
      * output's bf16 copy (RNE), and leaves in the fp32 output its exact widening: the fp32 op's value rounded as
      * round16 rounds it, without the round16 launch. UNSUPPORTED for a kind or dtype they do not take.

@@ -44,7 +44,8 @@ extern "C" {
     X(cross_entropy_dbf16) X(convert) X(convert_many) X(round16) X(accumulate16) X(adamw_update) X(sgd_update)       \
     X(adam8bit_update) X(sumsq)                                                                                      \
     X(check_finite) X(scale) X(zero) X(copy) X(to_device) X(to_host) X(sync) X(set_scratch) X(set_compute_dtype)     \
-    X(attention_qkv_forward) X(attention_qkv_backward) X(gemm_epilogue)
+    X(attention_qkv_forward) X(attention_qkv_backward) X(gemm_epilogue)                                            \
+    X(layernorm_forward_w16) X(layernorm_backward_w16)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -73,6 +74,10 @@ struct fl_op_add_rmsnorm_forward { void *res, *out; float *rstd; const void *a, 
     int N, C; float eps; };
 struct fl_op_layernorm_forward { float *out, *mean, *rstd; const float *inp, *w, *b; int N, C; float eps; };
 struct fl_op_layernorm_backward { float *dinp, *dw, *db; const float *dout, *inp, *w, *mean, *rstd; int N, C; };
+struct fl_op_layernorm_forward_w16 { float *out; void *out16; float *mean, *rstd; const float *inp; const void *w, *b;
+    fl_dtype wt; int N, C; float eps; };
+struct fl_op_layernorm_backward_w16 { float *dinp; void *dinp16; float *dw, *db; const float *dout, *inp;
+    const void *inp16, *w; fl_dtype wt; const float *mean, *rstd; int N, C; };
 struct fl_op_rope_forward { float *x; int B, T, nh, HD; size_t row_stride; const float *cos_t, *sin_t; int pos0; };
 struct fl_op_rope_forward16 { float *x; void *x16; int B, T, nh, HD, width; const float *cos_t, *sin_t; int pos0; };
 struct fl_op_rope_backward { float *dx; int B, T, nh, HD; size_t row_stride; const float *cos_t, *sin_t; int pos0; };
@@ -154,6 +159,8 @@ struct fl_oprec {
         struct fl_op_add_rmsnorm_forward add_rmsnorm_forward;
         struct fl_op_layernorm_forward layernorm_forward;
         struct fl_op_layernorm_backward layernorm_backward;
+        struct fl_op_layernorm_forward_w16 layernorm_forward_w16;
+        struct fl_op_layernorm_backward_w16 layernorm_backward_w16;
         struct fl_op_rope_forward rope_forward;
         struct fl_op_rope_forward16 rope_forward16;
         struct fl_op_rope_backward rope_backward;

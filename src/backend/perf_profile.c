@@ -30,7 +30,13 @@
     X(cross_entropy_dbf16, FL_PROF_LOSS)                                                                               \
     X(adamw_update, FL_PROF_OPTIM) X(sgd_update, FL_PROF_OPTIM) X(adam8bit_update, FL_PROF_OPTIM)                      \
     X(sumsq, FL_PROF_OPTIM) X(check_finite, FL_PROF_OPTIM)                                                             \
-    X(to_device, FL_PROF_COPY) X(to_host, FL_PROF_COPY) X(copy, FL_PROF_COPY) X(zero, FL_PROF_COPY)
+    X(to_device, FL_PROF_COPY) X(to_host, FL_PROF_COPY) X(copy, FL_PROF_COPY) X(zero, FL_PROF_COPY)                   \
+    /* the optional 16-bit variants (a bf16 step runs these instead of the ops above) */                             \
+    X(attention_forward16, FL_PROF_ATTN) X(attention_backward16, FL_PROF_ATTN) X(rope_forward16, FL_PROF_ATTN)         \
+    X(rope_backward16, FL_PROF_ATTN) X(rmsnorm_forward_w16, FL_PROF_NORM) X(rmsnorm_backward_w16, FL_PROF_NORM)        \
+    X(layernorm_forward_w16, FL_PROF_NORM) X(layernorm_backward_w16, FL_PROF_NORM) X(act_forward16, FL_PROF_ELEM)      \
+    X(act_backward16, FL_PROF_ELEM) X(add16, FL_PROF_ELEM) X(round16, FL_PROF_ELEM) X(convert_many, FL_PROF_ELEM)      \
+    X(embedding_forward16, FL_PROF_LOSS)
 
 #define PROF_ENUM(op, g) OP_##op,
 enum { PROF_OPS(PROF_ENUM) OP_COUNT };
@@ -276,6 +282,49 @@ WRAP_S(adam8bit_update, 0,
        (be, pp, tp, g, tg, st, lr, b1, b2, eps, wd, step, gs))
 WRAP_S(check_finite, 0, (BE, const void *x, fl_dtype t, size_t n, float inv, int *found), (be, x, t, n, inv, found))
 WRAP_V(zero, 0, (BE, void *x, size_t bytes), (be, x, bytes))
+WRAP_S(attention_forward16, attn_flops(a),
+       (BE, const fl_attn_desc *a, float *out, void *out16, float *lse, const float *q, const float *k, const float *v,
+        const float *bias, const uint8_t *kmask),
+       (be, a, out, out16, lse, q, k, v, bias, kmask))
+WRAP_S(attention_backward16, 2.0 * attn_flops(a),
+       (BE, const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, const void *q16, const void *k16,
+        const void *v16, const uint8_t *kmask, const void *out16, const float *lse),
+       (be, a, dq, dk, dv, dout, q16, k16, v16, kmask, out16, lse))
+WRAP_S(rope_forward16, 0,
+       (BE, float *x, void *x16, int B, int T, int nh, int HD, int w, const float *ct, const float *st, int p0),
+       (be, x, x16, B, T, nh, HD, w, ct, st, p0))
+WRAP_S(rope_backward16, 0,
+       (BE, float *x, void *x16, int B, int T, int nh, int HD, int w, const float *ct, const float *st, int p0),
+       (be, x, x16, B, T, nh, HD, w, ct, st, p0))
+WRAP_V(rmsnorm_forward_w16, 0,
+       (BE, float *out, void *out16, float *rstd, const float *inp, const void *w, fl_dtype wt, int N, int C, float eps),
+       (be, out, out16, rstd, inp, w, wt, N, C, eps))
+WRAP_V(rmsnorm_backward_w16, 0,
+       (BE, float *dinp, void *dinp16, float *dw, const float *dout, const float *inp, const void *inp16, const void *w,
+        fl_dtype wt, const float *rstd, int N, int C),
+       (be, dinp, dinp16, dw, dout, inp, inp16, w, wt, rstd, N, C))
+WRAP_V(layernorm_forward_w16, 0,
+       (BE, float *out, void *out16, float *mean, float *rstd, const float *inp, const void *w, const void *b,
+        fl_dtype wt, int N, int C, float eps),
+       (be, out, out16, mean, rstd, inp, w, b, wt, N, C, eps))
+WRAP_V(layernorm_backward_w16, 0,
+       (BE, float *dinp, void *dinp16, float *dw, float *db, const float *dout, const float *inp, const void *inp16,
+        const void *w, fl_dtype wt, const float *mean, const float *rstd, int N, int C),
+       (be, dinp, dinp16, dw, db, dout, inp, inp16, w, wt, mean, rstd, N, C))
+WRAP_S(act_forward16, 0, (BE, int kind, float *out, void *out16, float *in, const void *in16, int N, int F),
+       (be, kind, out, out16, in, in16, N, F))
+WRAP_S(act_backward16, 0,
+       (BE, int kind, float *din, void *din16, const float *dout, const float *in, const void *in16, int N, int F),
+       (be, kind, din, din16, dout, in, in16, N, F))
+WRAP_S(add16, 0, (BE, float *out, void *out16, const float *a, const float *b, size_t n), (be, out, out16, a, b, n))
+WRAP_S(round16, 0, (BE, void *dst, fl_dtype dt, float *x, size_t n), (be, dst, dt, x, n))
+WRAP_S(convert_many, 0,
+       (BE, int count, void *const *dst, fl_dtype dt, const void *const *src, fl_dtype st, const size_t *len),
+       (be, count, dst, dt, src, st, len))
+WRAP_V(embedding_forward16, 0,
+       (BE, float *out, void *out16, const int32_t *ids, const void *wte, const void *wpe, fl_dtype dt, int B, int T,
+        int C),
+       (be, out, out16, ids, wte, wpe, dt, B, T, C))
 WRAP_S(to_device, 0, (BE, void *dst, const void *src, size_t bytes), (be, dst, src, bytes))
 WRAP_S(to_host, 0, (BE, void *dst, const void *src, size_t bytes), (be, dst, src, bytes))
 WRAP_S(copy, 0, (BE, void *dst, const void *src, size_t bytes), (be, dst, src, bytes))

@@ -290,6 +290,18 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
         be->layernorm_backward(be, r->dinp, r->dw, r->db, r->dout, r->inp, r->w, r->mean, r->rstd, r->N, r->C);
         return FL_OK;
     }
+    case FL_OPK_layernorm_forward_w16: {
+        DOOR(layernorm_forward_w16);
+        be->layernorm_forward_w16(be, r->out, r->out16, r->mean, r->rstd, r->inp, r->w, r->b, r->wt, r->N, r->C,
+                                  r->eps);
+        return FL_OK;
+    }
+    case FL_OPK_layernorm_backward_w16: {
+        DOOR(layernorm_backward_w16);
+        be->layernorm_backward_w16(be, r->dinp, r->dinp16, r->dw, r->db, r->dout, r->inp, r->inp16, r->w, r->wt,
+                                   r->mean, r->rstd, r->N, r->C);
+        return FL_OK;
+    }
     case FL_OPK_rope_forward: {
         DOOR(rope_forward);
         be->rope_forward(be, r->x, r->B, r->T, r->nh, r->HD, r->row_stride, r->cos_t, r->sin_t, r->pos0);

@@ -48,13 +48,12 @@ size_t fl_group_numel(const fl_model *m, int g) {
     return m->layout.group_offset[g + 1] - m->layout.group_offset[g];
 }
 
-/* A norm weight (layout entry i) as the norm kernels read it: the stored 16-bit values when the storage is
- * 16-bit, the architecture's norm is RMSNorm and the backend's RMSNorm reads a 16-bit weight (*wt = the
+/* A norm weight or LayerNorm bias (layout entry i) as the norm kernels read it: the stored 16-bit values when the
+ * storage is 16-bit and the backend's kernels of the architecture's norm read them (fl_norm16_have; *wt = the
  * storage dtype: no widening launch per norm and pass); else its fp32 view (fl_store_bind_1d, *wt = F32). */
 static const void *norm_weight(const fl_model *m, int i, float **cur, fl_dtype *wt, fl_store_widen *wb) {
     const fl_param_store *s = m->store;
-    if (i >= 0 && s->dtype != FL_F32 && m->be->rmsnorm_forward_w16 && m->be->rmsnorm_backward_w16 &&
-        !fl_arch_get(m->cfg.arch)->layernorm) {
+    if (i >= 0 && s->dtype != FL_F32 && fl_norm16_have(m, 0) && fl_norm16_have(m, 1)) {
         *wt = s->dtype;
         return s->ops->param_at(s, fl_store_off(s, i)); /* NULL: a shard whose group is not gathered */
     }
@@ -75,7 +74,9 @@ void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_p
         if (o->kind != FL_GOP_NORM) continue;
         bp->norm_w[o->p] = norm_weight(m, R(o->role_w), cur, &bp->norm_wt, wb); /* the same wt for every norm */
         bp->d_norm_w[o->p] = G(m, loff(m, R(o->role_w)));
-        bp->norm_b[o->p] = P1(m, R(o->role_b), cur); bp->d_norm_b[o->p] = G(m, loff(m, R(o->role_b)));
+        fl_dtype bt; /* the bias (LayerNorm's) as its weight: the same dtype */
+        bp->norm_b[o->p] = norm_weight(m, R(o->role_b), cur, &bt, wb);
+        bp->d_norm_b[o->p] = G(m, loff(m, R(o->role_b)));
     }
     for (int i = 0; i < gr->n_ops; i++) {
         const fl_gop *o = &gr->op[i];
@@ -124,7 +125,8 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     o->dwpe = G(m, wpe);
     fl_store_widen w = {0}, *wb = &w; /* the final norm's weight and bias: one launch */
     o->lnf_w = norm_weight(m, ilw, cur, &o->lnf_wt, wb); o->dlnf_w = G(m, loff(m, ilw));
-    o->lnf_b = P1(m, ilb, cur); o->dlnf_b = G(m, loff(m, ilb));
+    fl_dtype bt;
+    o->lnf_b = norm_weight(m, ilb, cur, &bt, wb); o->dlnf_b = G(m, loff(m, ilb));
     fl_store_widen_flush(m->store, wb);
     o->head = f32 && ihd >= 0 ? paddr(m, fl_model_store_off(m, ihd)) : NULL; /* an encoder has none */
     o->dhead = f32 ? G(m, hd) : m->store->g16 ? m->store->gstage : NULL; /* 16-bit: the head is staged alone */

@@ -327,14 +327,19 @@ void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp) {
  * next LINEAR in the backward's order reads as its dy (a pre-norm block: the attention's output projection; the
  * block's input gradient: the previous block's last projection, x->din16): the norm writes that LINEAR's bf16 dy
  * as it accumulates (rmsnorm_backward_w16's dinp16). NULL: no such pair. */
-/* The RMSNorm w16 kernels take this norm: a 16-bit weight, or (bf16-mixed) an fp32 one with a bf16 copy to write */
-static int norm16_ok(const fl_model *m, fl_dtype wt, int have) {
-    return have && (wt != FL_F32 || !fl_arch_get(m->cfg.arch)->layernorm);
+/* The backend's w16 kernel of the architecture's norm (rmsnorm_*_w16 or layernorm_*_w16; bwd: the backward's): a
+ * 16-bit weight (and bias), or (bf16-mixed) an fp32 one with a bf16 copy to write or read */
+int fl_norm16_have(const fl_model *m, int bwd) {
+    const fl_backend *be = m->be;
+    if (fl_arch_get(m->cfg.arch)->layernorm)
+        return bwd ? be->layernorm_backward_w16 != NULL : be->layernorm_forward_w16 != NULL;
+    return bwd ? be->rmsnorm_backward_w16 != NULL : be->rmsnorm_forward_w16 != NULL;
 }
 static void *norm_dy16_for(const fl_model *m, const fl_backend *be, const fl_block_graph *g,
                            const fl_block_params *bp, int i, const fl_block_ctx *x) {
     const fl_gop *o = &g->op[i];
-    if (!norm16_ok(m, bp->norm_wt, be->rmsnorm_backward_w16 != NULL)) return NULL;
+    (void)be;
+    if (!fl_norm16_have(m, 1)) return NULL;
     const int j = next_bwd(g, i);
     if (j < 0) return o->in == FL_GSLOT_IN && !x->no_din ? x->din16 : NULL;
     const fl_gop *pv = &g->op[j];
@@ -495,7 +500,7 @@ static int bwd_reads16(const fl_model *m, const fl_block_graph *g, const fl_bloc
     const fl_backend *be = m->be;
     if (!x->s16 || !stored16(g, o->in, x)) return 0;
     switch ((fl_gop_kind)o->kind) {
-    case FL_GOP_NORM: return norm16_ok(m, bp->norm_wt, be->rmsnorm_backward_w16 != NULL);
+    case FL_GOP_NORM: return fl_norm16_have(m, 1);
     case FL_GOP_ATTN:
         return o->attn == FL_ATTN_CAUSAL && !o->attn_flags && !x->kv && be->attention_backward16 && stored16(g, o->out, x);
     case FL_GOP_SWIGLU:
@@ -536,6 +541,10 @@ unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const 
     }
     return r;
 }
+
+static void norm_backward(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
+                          const float *x, const void *x16, const void *w, fl_dtype wt, const float *mean,
+                          const float *rstd, int N);
 
 fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                             float *const *gb, const fl_block_ctx *x) {
@@ -580,12 +589,9 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             float *dw = bp->d_norm_w[o->p], *db = bp->d_norm_b[o->p];
             const int part = g->sp > 1 && si->srows; /* sequence parallel: the rank's rows' part, summed below */
             if (part) fl_sp_norm_begin(m, bp->d_norm_w[o->p], bp->d_norm_b[o->p], &dw, &db);
-            if (in16) /* RMSNorm over the stored bf16 input (the weight fp32 or 16-bit) */
-                FL_RUN(be, rmsnorm_backward_w16, din, d16, dw, dout, s[o->in], x->s16[o->in], bp->norm_w[o->p],
-                       bp->norm_wt, S(o->a2), N, m->cfg.dim);
-            else
-                fl_norm_backward_t(m, din, d16, dw, db, dout, s[o->in], bp->norm_w[o->p], bp->norm_wt, S(o->a1),
-                                   S(o->a2), N);
+            /* in16: over the stored bf16 input (the weight fp32 or 16-bit) */
+            norm_backward(m, din, d16, dw, db, dout, s[o->in], in16 ? x->s16[o->in] : NULL, bp->norm_w[o->p],
+                          bp->norm_wt, S(o->a1), S(o->a2), N);
             if (part) FL_TRY(fl_sp_norm_end(m, x->comm, bp->d_norm_w[o->p], bp->d_norm_b[o->p]));
             dy16_ready = d16 != NULL;
             if (d16 && d16 == x->din16 && x->din16_done) *x->din16_done = 1;
@@ -628,29 +634,45 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
 /* ---- the ops around the blocks --------------------------------------------------------------- */
 
 int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
-                      const void *w, fl_dtype wt, const float *b, int N) {
+                      const void *w, fl_dtype wt, const void *b, int N) {
     const fl_backend *be = m->be;
-    /* norm_weight's 16-bit binding; or an fp32 weight with a bf16 copy to store (bf16-mixed): the same kernel */
-    if (wt != FL_F32 || (out16 && norm16_ok(m, wt, be->rmsnorm_forward_w16 != NULL))) {
-        FL_RUN(be, rmsnorm_forward_w16, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
+    const int ln = fl_arch_get(m->cfg.arch)->layernorm;
+    /* norm_weight's 16-bit binding (w and b); or an fp32 weight with a bf16 copy to store (bf16-mixed): the same
+     * kernel */
+    if (wt != FL_F32 || (out16 && fl_norm16_have(m, 0))) {
+        if (ln)
+            FL_RUN(be, layernorm_forward_w16, out, out16, mean, rstd, x, w, b, wt, N, m->cfg.dim, m->cfg.norm_eps);
+        else
+            FL_RUN(be, rmsnorm_forward_w16, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
         return out16 != NULL;
     }
-    if (fl_arch_get(m->cfg.arch)->layernorm)
+    if (ln)
         FL_RUN(be, layernorm_forward, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
     else
         FL_RUN(be, rmsnorm_forward, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
     return 0;
 }
 
-void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
-                        const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
+/* x16 (NULL or): the input read from its bf16 copy (the w16 kernel, x may then be NULL) */
+static void norm_backward(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
+                          const float *x, const void *x16, const void *w, fl_dtype wt, const float *mean,
+                          const float *rstd, int N) {
     const fl_backend *be = m->be;
-    if (wt != FL_F32 || (dx16 && norm16_ok(m, wt, be->rmsnorm_backward_w16 != NULL)))
-        FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, NULL, w, wt, rstd, N, m->cfg.dim);
-    else if (fl_arch_get(m->cfg.arch)->layernorm)
+    const int ln = fl_arch_get(m->cfg.arch)->layernorm;
+    if (wt != FL_F32 || ((dx16 || x16) && fl_norm16_have(m, 1))) {
+        if (ln)
+            FL_RUN(be, layernorm_backward_w16, dx, dx16, dw, db, dout, x, x16, w, wt, mean, rstd, N, m->cfg.dim);
+        else
+            FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, x16, w, wt, rstd, N, m->cfg.dim);
+    } else if (ln)
         FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
     else
         FL_RUN(be, rmsnorm_backward, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
+}
+
+void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
+                        const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
+    norm_backward(m, dx, dx16, dw, db, dout, x, NULL, w, wt, mean, rstd, N);
 }
 
 void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,

@@ -172,9 +172,10 @@ fl_status fl_block_graph_build_ex(const fl_model_config *c, int sp, fl_block_gra
 
 /* Parameter and gradient pointers of one block, bound by the graph's NORM and LINEAR ops. */
 typedef struct fl_block_params {
-    /* norm_w of norm_wt: F32, or the stored 16-bit weights when the backend's RMSNorm reads them (fl_norm_*_t) */
+    /* norm_w and norm_b of norm_wt: F32, or the stored 16-bit values when the backend's norm kernels read them
+     * (fl_norm_*_t, fl_norm16_have) */
     const void *norm_w[FL_GRAPH_MAX_NORMS];
-    const float *norm_b[FL_GRAPH_MAX_NORMS];
+    const void *norm_b[FL_GRAPH_MAX_NORMS];
     fl_dtype norm_wt;
     float *d_norm_w[FL_GRAPH_MAX_NORMS], *d_norm_b[FL_GRAPH_MAX_NORMS];
     fl_linear lin[FL_GRAPH_MAX_LINEARS];

@@ -182,8 +182,8 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
 
 /* Embeddings, final norm and head (head == wte when tied). */
 typedef struct {
-    const float *wte, *wpe, *lnf_b, *head;
-    const void *lnf_w; /* of lnf_wt (as fl_block_params.norm_w) */
+    const float *wte, *wpe, *head;
+    const void *lnf_w, *lnf_b; /* of lnf_wt (as fl_block_params.norm_w, norm_b) */
     fl_dtype lnf_wt;
     float *dwte, *dwpe, *dlnf_w, *dlnf_b, *dhead;
     size_t head_off;  /* layout (gradient) offset of the head weight */
@@ -263,11 +263,14 @@ void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, co
                      const float *b, int N);
 void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                       const float *w, const float *mean, const float *rstd, int N);
-/* The same with the weight w of wt: F32, or BF16/F16 as blocks.c's norm_weight binds it (RMSNorm on a backend
- * with rmsnorm_*_w16: the kernel widens it, no convert launch); with a 16-bit w, out16 (NULL or) the output's
- * bf16 copy (out its widening: a stored slot, no round16). Returns whether out16 was written. */
+/* The same with the weight w (and LayerNorm's bias b) of wt: F32, or BF16/F16 as blocks.c's norm_weight binds it
+ * (a backend with the norm's *_w16 kernels, fl_norm16_have: the kernel widens it, no convert launch); with a 16-bit
+ * w, out16 (NULL or) the output's bf16 copy (out its widening: a stored slot, no round16). Returns whether out16 was
+ * written. */
 int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
-                      const void *w, fl_dtype wt, const float *b, int N);
+                      const void *w, fl_dtype wt, const void *b, int N);
+/* The backend has the w16 kernel of the architecture's norm (RMSNorm or LayerNorm; bwd: the backward's) */
+int fl_norm16_have(const fl_model *m, int bwd);
 /* dx16 (NULL or, 16-bit w only): bf16(dx) after the accumulation, dx not rounded (the next LINEAR's bf16 dy) */
 void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
                         const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N);

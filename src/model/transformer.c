@@ -292,8 +292,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
         const size_t n_lnf = fl_outer_1d(m);
         fl_store_stage_begin(m->store, n_lnf);
         /* the last block's bf16 dy too (an fp32 RMSNorm weight, bf16-mixed: through the w16 kernel) */
-        dres16 = a->act_dtype == FL_BF16 && a->dyb16 && !m->sp &&
-                 (op.lnf_wt != FL_F32 || (be->rmsnorm_backward_w16 && !fl_arch_get(m->cfg.arch)->layernorm));
+        dres16 = a->act_dtype == FL_BF16 && a->dyb16 && !m->sp && (op.lnf_wt != FL_F32 || fl_norm16_have(m, 1));
         float *dw = op.dlnf_w, *db = op.dlnf_b;
         if (m->sp) fl_sp_norm_begin(m, op.dlnf_w, op.dlnf_b, &dw, &db); /* the rank's rows' part, summed below */
         fl_norm_backward_t(m, a->dres, dres16 ? a->dyb16 : NULL, dw, db, a->buf1 + r0 * m->cfg.dim, a->res[L],

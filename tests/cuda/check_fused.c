@@ -53,8 +53,9 @@ static int cmpf(const void *a, const void *b) {
     float x = *(const float *)a, y = *(const float *)b;
     return (x > y) - (x < y);
 }
-/* median ms of fn(arg) over 9 runs after 2 warm-ups */
-static float time_ms(void (*fn)(void *), void *arg) {
+/* median ms of fn(arg) over 9 runs after 2 warm-ups (check_vec16.c times with it too) */
+float fl_cuda_check_time_ms(void (*fn)(void *), void *arg);
+float fl_cuda_check_time_ms(void (*fn)(void *), void *arg) {
     cudaEvent_t a, b;
     cudaEventCreate(&a);
     cudaEventCreate(&b);
@@ -114,7 +115,7 @@ static void check_add_rmsnorm(int N, int C, int pad) {
     snprintf(nm, sizeof nm, "add_rmsnorm out %dx%d%s", N, C, pad ? " (unaligned)" : "");
     cmp(nm, z.out, out, n, 1e-5, 1e-6);
     if (N >= 4096) {
-        float tf = time_ms(run_fused, &z), tu = time_ms(run_unfused, &z);
+        float tf = fl_cuda_check_time_ms(run_fused, &z), tu = fl_cuda_check_time_ms(run_unfused, &z);
         double gb = (4.0 * n + C) * 4 / 1e9; /* a, b in; res, out out */
         printf("  add+rmsnorm %dx%d: fused %.3f ms (%.0f GB/s), add + rmsnorm %.3f ms\n", N, C, tf, gb / (tf * 1e-3), tu);
     }
@@ -150,7 +151,7 @@ static void check_swiglu(int N, int F) {
         snprintf(nm, sizeof nm, "swiglu bwd %dx%d%s", N, F, pad ? " (element path)" : "");
         cmp(nm, z.dgu, dgu, 2 * n, 1e-5, 1e-6);
         if (N >= 4096) {
-            float tf = time_ms(run_swiglu_f, &z), tb = time_ms(run_swiglu_b, &z);
+            float tf = fl_cuda_check_time_ms(run_swiglu_f, &z), tb = fl_cuda_check_time_ms(run_swiglu_b, &z);
             printf("  swiglu %dx%d %s: forward %.3f ms (%.0f GB/s), backward %.3f ms (%.0f GB/s)\n", N, F,
                    pad ? "element path" : "128-bit", tf, 3.0 * n * 4 / 1e9 / (tf * 1e-3), tb,
                    7.0 * n * 4 / 1e9 / (tb * 1e-3));

@@ -19,6 +19,9 @@
 #   7. CUDA graphs: the TinyLlama step and the `small` preset's (launch-bound: B 8, T 256) with FITLLM_CUDA_GRAPHS=1
 #      against 0 (bench-step's 2 warm-ups: step 1 op by op, step 2 captured, the timed steps replayed), and the
 #      line saying how many graphs a step became or why it stays op by op.
+#   8. GPT-2 (124M, B 8 T 1024) bf16-true and bf16-mixed with --profile: the LayerNorm kernels over 16-bit weights
+#      and saved inputs (layernorm_*_w16: no convert around the norms; the "elementwise" group's convert share)
+#      (step 1 also checks them and the 128-bit elementwise paths against the element path: tests/cuda/check_vec16.c).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
 # kernels; the issue's H200: 302 ms, 18.5%).
 set -u
@@ -45,7 +48,8 @@ echo "== 1. fused and 128-bit kernels (fitllm_cuda_check)"
 if [ -x "$BIN/fitllm_cuda_check" ]; then
     timeout 150 "$BIN/fitllm_cuda_check" >"$OUT/cuda_check.log" 2>&1
     echo "fitllm_cuda_check exit $?" >>"$OUT/cuda_check.log"
-    grep -E "add_rmsnorm|swiglu|add\+rmsnorm|gemm epilogue|gemm bench|FAIL|all ok|FAILED|exit" "$OUT/cuda_check.log"
+    grep -E "add_rmsnorm|swiglu|add\+rmsnorm|gemm epilogue|gemm bench|layernorm_.*_w16|128-bit|FAIL|all ok|FAILED|exit" \
+        "$OUT/cuda_check.log"
 else
     echo "  (fitllm_cuda_check not in $BIN)"
 fi
@@ -97,4 +101,11 @@ for g in 0 1; do
         --seq 256 --steps 10 --warmup 2 >"$OUT/small-graphs$g.log" 2>&1
     echo "small bf16-true FITLLM_CUDA_GRAPHS=$g exit $?: $(grep -E '^median' "$OUT/small-graphs$g.log")"
     grep -E "FITLLM_CUDA_GRAPHS" "$OUT/small-graphs$g.log" | head -2
+done
+echo "== 8. GPT-2 bf16 with the LayerNorm w16 kernels (profile)"
+for p in bf16-true bf16-mixed; do
+    timeout 60 "$F" bench-step gpt2 --accelerator cuda --precision $p --micro-batch 8 --seq 1024 --steps 5 --warmup 2 \
+        --profile >"$OUT/gpt2-$p-profile.log" 2>&1
+    echo "gpt2 $p --profile exit $?: $(grep -E '^median' "$OUT/gpt2-$p-profile.log")"
+    sed -n '/^profile/,/^PROFILE/p' "$OUT/gpt2-$p-profile.log" | grep -E "norm|elementwise|convert" | head -6
 done

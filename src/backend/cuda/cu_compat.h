@@ -51,6 +51,23 @@ FL_CU_DEV void fl_cu_ld4(const float *p, float *v) {
     v[3] = t.w;
 }
 FL_CU_DEV void fl_cu_st4(float *p, const float *v) { *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]); }
+/* 8 consecutive 16-bit values (bf16 / fp16) at a 16-byte aligned address: one 128-bit load / store (uint4) */
+FL_CU_DEV void fl_cu_ld8h(const uint16_t *p, uint16_t *h) {
+    const uint4 t = *reinterpret_cast<const uint4 *>(p);
+    const uint32_t w[4] = {t.x, t.y, t.z, t.w};
+    for (int k = 0; k < 4; k++) h[2 * k] = (uint16_t)(w[k] & 0xffffu), h[2 * k + 1] = (uint16_t)(w[k] >> 16);
+}
+/* 4 consecutive 16-bit values at an 8-byte aligned address: one 64-bit load (uint2) */
+FL_CU_DEV void fl_cu_ld4h(const uint16_t *p, uint16_t *h) {
+    const uint2 t = *reinterpret_cast<const uint2 *>(p);
+    h[0] = (uint16_t)(t.x & 0xffffu), h[1] = (uint16_t)(t.x >> 16), h[2] = (uint16_t)(t.y & 0xffffu);
+    h[3] = (uint16_t)(t.y >> 16);
+}
+FL_CU_DEV void fl_cu_st8h(uint16_t *p, const uint16_t *h) {
+    uint32_t w[4];
+    for (int k = 0; k < 4; k++) w[k] = (uint32_t)h[2 * k] | (uint32_t)h[2 * k + 1] << 16;
+    *reinterpret_cast<uint4 *>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 #else /* ======================= host C++ compiler: the emulator ======================= */
 #include <math.h>
@@ -142,6 +159,7 @@ FL_CU_DEV uint32_t fl_cu_float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); re
 FL_CU_DEV float fl_cu_bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 /* The 128-bit accesses: a misaligned address faults on the GPU, so the emulator stops there too. */
 FL_CU_DEV void fl_cu_check16(const void *p) {
+    fl_cu_emu_vec_accesses++;
     if ((uintptr_t)p & 15u) {
         fprintf(stderr, "cuda emulator: 128-bit access at %p, not 16-byte aligned (a GPU faults)\n", p);
         abort();
@@ -154,6 +172,21 @@ FL_CU_DEV void fl_cu_ld4(const float *p, float *v) {
 FL_CU_DEV void fl_cu_st4(float *p, const float *v) {
     fl_cu_check16(p);
     memcpy(p, v, 4 * sizeof(float));
+}
+FL_CU_DEV void fl_cu_ld8h(const uint16_t *p, uint16_t *h) {
+    fl_cu_check16(p);
+    memcpy(h, p, 8 * sizeof(uint16_t));
+}
+FL_CU_DEV void fl_cu_ld4h(const uint16_t *p, uint16_t *h) {
+    if ((uintptr_t)p & 7u) {
+        fprintf(stderr, "cuda emulator: 64-bit access at %p, not 8-byte aligned (a GPU faults)\n", (const void *)p);
+        abort();
+    }
+    memcpy(h, p, 4 * sizeof(uint16_t));
+}
+FL_CU_DEV void fl_cu_st8h(uint16_t *p, const uint16_t *h) {
+    fl_cu_check16(p);
+    memcpy(p, h, 8 * sizeof(uint16_t));
 }
 #endif
 /* 1 when every pointer is 16-byte aligned (NULL counts as aligned): the 128-bit paths may run. */
@@ -179,6 +212,40 @@ FL_CU_DEV float fl_cu_keep16(uint16_t *o16, size_t i, float v) {
     if (!o16) return v;
     o16[i] = fl_cu_f32_to_bf16(v);
     return fl_cu_bf16_to_f32(o16[i]);
+}
+
+/* 8 consecutive elements from element i (a multiple of 8, the pointer 16-byte aligned) of a row of type t (F32: two
+ * 128-bit accesses; BF16 / F16: one), widened exactly / stored rounded as element-by-element code does (issue 30
+ * item 4: the vector paths of the elementwise kernels keep their bits) */
+FL_CU_DEV void fl_cu_ld8t(const void *p, int t, size_t i, float *v) {
+    if (t == FL_F32) {
+        fl_cu_ld4((const float *)p + i, v);
+        fl_cu_ld4((const float *)p + i + 4, v + 4);
+        return;
+    }
+    uint16_t h[8];
+    fl_cu_ld8h((const uint16_t *)p + i, h);
+    for (int k = 0; k < 8; k++) v[k] = t == FL_BF16 ? fl_cu_bf16_to_f32(h[k]) : fl_cu_f16_to_f32(h[k]);
+}
+FL_CU_DEV void fl_cu_st8t(void *p, int t, size_t i, const float *v) {
+    if (t == FL_F32) {
+        fl_cu_st4((float *)p + i, v);
+        fl_cu_st4((float *)p + i + 4, v + 4);
+        return;
+    }
+    uint16_t h[8];
+    for (int k = 0; k < 8; k++) h[k] = t == FL_BF16 ? fl_cu_f32_to_bf16(v[k]) : fl_cu_f32_to_f16(v[k]);
+    fl_cu_st8h((uint16_t *)p + i, h);
+}
+/* An 8-wide bf16 copy (o16 NULL: none): o16[i + k] = bf16(v[k]) and v[k] its widening (fl_cu_keep16's bits) */
+FL_CU_DEV void fl_cu_keep16x8(uint16_t *o16, size_t i, float *v) {
+    if (!o16) return;
+    uint16_t h[8];
+    for (int k = 0; k < 8; k++) {
+        h[k] = fl_cu_f32_to_bf16(v[k]);
+        v[k] = fl_cu_bf16_to_f32(h[k]);
+    }
+    fl_cu_st8h(o16 + i, h);
 }
 
 /* Sum over a warp (every lane gets it). */

@@ -89,6 +89,13 @@ extern "C" {
                              const float *b, int N, int C, float eps, void *stream);                           \
     int P##layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,            \
                               const float *w, const float *mean, const float *rstd, int N, int C, void *stream); \
+    /* the same over 16-bit w and b and a 16-bit saved input, as rmsnorm_forward_w16 / rmsnorm_backward_w16 */  \
+    int P##layernorm_forward_w16(float *out, void *out16, float *mean, float *rstd, const float *inp,          \
+                                 const void *w, const void *b, fl_dtype wt, int N, int C, float eps,           \
+                                 void *stream);                                                                \
+    int P##layernorm_backward_w16(float *dinp, void *dinp16, float *dw, float *db, const float *dout,          \
+                                  const float *inp, const void *inp16, const void *w, fl_dtype wt,             \
+                                  const float *mean, const float *rstd, int N, int C, void *stream);           \
     int P##swiglu_forward(float *out, const float *gu, int N, int F, void *stream);                             \
     int P##swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int F, void *stream);          \
     int P##gelu_forward(float *out, const float *inp, size_t n, void *stream);                                  \

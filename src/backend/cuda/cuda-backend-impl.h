@@ -273,6 +273,18 @@ static void flb_layernorm_backward(const fl_backend *be, float *dinp, float *dw,
                                    int C) {
     FLB_RUN(be, FLB_K(layernorm_backward)(dinp, dw, db, dout, inp, w, mean, rstd, N, C, STREAM), "layernorm_backward");
 }
+static void flb_layernorm_forward_w16(const fl_backend *be, float *out, void *out16, float *mean, float *rstd,
+                                      const float *inp, const void *w, const void *b, fl_dtype wt, int N, int C,
+                                      float eps) {
+    FLB_RUN(be, FLB_K(layernorm_forward_w16)(out, out16, mean, rstd, inp, w, b, wt, N, C, eps, STREAM),
+            "layernorm_forward_w16");
+}
+static void flb_layernorm_backward_w16(const fl_backend *be, float *dinp, void *dinp16, float *dw, float *db,
+                                       const float *dout, const float *inp, const void *inp16, const void *w,
+                                       fl_dtype wt, const float *mean, const float *rstd, int N, int C) {
+    FLB_RUN(be, FLB_K(layernorm_backward_w16)(dinp, dinp16, dw, db, dout, inp, inp16, w, wt, mean, rstd, N, C, STREAM),
+            "layernorm_backward_w16");
+}
 static void flb_rope_forward(const fl_backend *be, float *x, int B, int T, int nh, int HD, size_t row_stride,
                              const float *cos_t, const float *sin_t, int pos0) {
     FLB_RUN(be, FLB_K(rope)(x, B, T, nh, HD, row_stride, cos_t, sin_t, pos0, 0, STREAM), "rope_forward");
@@ -777,6 +789,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->add_rmsnorm_forward = flb_add_rmsnorm_forward;
     be->layernorm_forward = flb_layernorm_forward;
     be->layernorm_backward = flb_layernorm_backward;
+    be->layernorm_forward_w16 = flb_layernorm_forward_w16;
+    be->layernorm_backward_w16 = flb_layernorm_backward_w16;
     be->rope_forward = flb_rope_forward;
     be->rope_backward = flb_rope_backward;
     be->attention_forward = flb_attention_forward;

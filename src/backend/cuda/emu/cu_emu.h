@@ -84,6 +84,9 @@ extern unsigned long fl_cu_emu_graph_launches;
  * widen/narrow panels), counted by the kernels' host entry points under the emulator only: the
  * bf16-step test (tests/test_cuda_model.c) measures how many a bf16 training step still pays. */
 extern unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches;
+/* 128-bit accesses (fl_cu_ld4 / st4 / ld8h / st8h) made so far (not atomic: a test reads it around its own single-
+ * threaded launches to see that a vector path ran) */
+extern unsigned long fl_cu_emu_vec_accesses;
 
 #ifdef __cplusplus
 }

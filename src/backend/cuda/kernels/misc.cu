@@ -82,18 +82,42 @@ extern "C" int FL_CUK(rope_backward16)(float *dx, void *dx16, int B, int T, int 
 }
 
 /* ---- SGD (torch.optim.SGD), any storage dtype as sgd_update_ex ----------------------------------- */
-__global__ static void fl_cu_sgd_k(void *p, int tp, const void *g, int tg, void *buf, int ts, size_t n, float lr,
-                                   float momentum, float dampening, float weight_decay, int nesterov, int first_step,
-                                   float grad_scale, int use_mom) {
-    FL_CU_GRID_STRIDE(i, n) {
-        float pi = fl_cu_ld(p, tp, i);
-        float d = fl_cu_ld(g, tg, i) * grad_scale + weight_decay * pi;
-        if (use_mom) {
-            float b = first_step ? d : momentum * fl_cu_ld(buf, ts, i) + (1.0f - dampening) * d;
-            fl_cu_st(buf, ts, i, b);
-            d = nesterov ? d + momentum * b : b;
+typedef struct {
+    float lr, momentum, dampening, weight_decay, grad_scale;
+    int nesterov, first_step, use_mom;
+} fl_cu_sgd_c;
+/* one element: the new parameter; *b the momentum buffer's value in (not read on the first step) and out */
+FL_CU_DEV float sgd_one(float pi, float gi, float *b, const fl_cu_sgd_c &c) {
+    float d = gi * c.grad_scale + c.weight_decay * pi;
+    if (c.use_mom) {
+        *b = c.first_step ? d : c.momentum * *b + (1.0f - c.dampening) * d;
+        d = c.nesterov ? d + c.momentum * *b : *b;
+    }
+    return pi - c.lr * d;
+}
+/* vec (every pointer 16-byte aligned): groups of 8 with 128-bit accesses, then the tail; the same bits */
+__global__ static void fl_cu_sgd_k(void *p, int tp, const void *g, int tg, void *buf, int ts, size_t n, fl_cu_sgd_c c,
+                                   int vec) {
+    const size_t S = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int rb = c.use_mom && !c.first_step; /* the buffer is read */
+    size_t i0 = 0;
+    if (vec) {
+        for (size_t q = t0; q < n / 8; q += S) {
+            float pv[8], gv[8], bv[8] = {0};
+            fl_cu_ld8t(p, tp, 8 * q, pv);
+            fl_cu_ld8t(g, tg, 8 * q, gv);
+            if (rb) fl_cu_ld8t(buf, ts, 8 * q, bv);
+            for (int k = 0; k < 8; k++) pv[k] = sgd_one(pv[k], gv[k], &bv[k], c);
+            if (c.use_mom) fl_cu_st8t(buf, ts, 8 * q, bv);
+            fl_cu_st8t(p, tp, 8 * q, pv);
         }
-        fl_cu_st(p, tp, i, pi - lr * d);
+        i0 = n / 8 * 8;
+    }
+    for (size_t i = i0 + t0; i < n; i += S) {
+        float b = rb ? fl_cu_ld(buf, ts, i) : 0.0f;
+        const float pn = sgd_one(fl_cu_ld(p, tp, i), fl_cu_ld(g, tg, i), &b, c);
+        if (c.use_mom) fl_cu_st(buf, ts, i, b);
+        fl_cu_st(p, tp, i, pn);
     }
 }
 
@@ -102,9 +126,12 @@ extern "C" int FL_CUK(sgd_update_ex)(void *p, fl_dtype tp, const void *g, fl_dty
                                      int first_step, float grad_scale, void *stream) {
     if (!is_float(tp) || !is_float(tg) || (ts != FL_F32 && ts != FL_BF16)) return -1;
     if (n == 0) return 0;
-    int use_mom = momentum != 0.0f && buf != NULL;
-    FL_CU_LAUNCH(fl_cu_sgd_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg, buf,
-                 (int)ts, n, lr, momentum, dampening, weight_decay, nesterov, first_step, grad_scale, use_mom);
+    fl_cu_sgd_c c;
+    c.lr = lr, c.momentum = momentum, c.dampening = dampening, c.weight_decay = weight_decay, c.grad_scale = grad_scale;
+    c.nesterov = nesterov, c.first_step = first_step, c.use_mom = momentum != 0.0f && buf != NULL;
+    const int vec = fl_cu_aligned16(p, g, c.use_mom ? buf : NULL, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_sgd_k, dim3(ew_grid(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g,
+                 (int)tg, buf, (int)ts, n, c, vec);
     return fl_cu_launch_error();
 }
 
@@ -180,9 +207,30 @@ extern "C" int FL_CUK(sumsq_ex)(double *out, double *work, const void *x, fl_dty
 }
 
 /* ---- add, scale, bias ---------------------------------------------------------------------------- */
-/* o16 (add16): the sum stored in bf16 too, out its exact widening */
-__global__ static void fl_cu_add_k(float *out, uint16_t *o16, const float *a, const float *b, size_t n) {
-    FL_CU_GRID_STRIDE(i, n) out[i] = fl_cu_keep16(o16, i, a[i] + b[i]);
+/* o16 (add16): the sum stored in bf16 too, out its exact widening. vec (every pointer 16-byte aligned): the first
+ * n / 8 groups of 8 with 128-bit accesses, then the tail (< 8) one by one; the same bits either way. */
+__global__ static void fl_cu_add_k(float *out, uint16_t *o16, const float *a, const float *b, size_t n, int vec) {
+    const size_t S = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    size_t i0 = 0;
+    if (vec) {
+        for (size_t q = t0; q < n / 8; q += S) {
+            float x[8], y[8];
+            fl_cu_ld8t(a, FL_F32, 8 * q, x);
+            fl_cu_ld8t(b, FL_F32, 8 * q, y);
+            for (int k = 0; k < 8; k++) x[k] = x[k] + y[k];
+            fl_cu_keep16x8(o16, 8 * q, x);
+            fl_cu_st8t(out, FL_F32, 8 * q, x);
+        }
+        i0 = n / 8 * 8;
+    }
+    for (size_t i = i0 + t0; i < n; i += S) out[i] = fl_cu_keep16(o16, i, a[i] + b[i]);
+}
+static int add_launch(float *out, uint16_t *o16, const float *a, const float *b, size_t n, void *stream) {
+    if (!n) return fl_cu_launch_error();
+    const int vec = fl_cu_aligned16(out, o16, a, b, NULL);
+    FL_CU_LAUNCH(fl_cu_add_k, dim3(ew_grid(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, out, o16, a, b,
+                 n, vec);
+    return fl_cu_launch_error();
 }
 __global__ static void fl_cu_scale_k(float *x, size_t n, float s) {
     FL_CU_GRID_STRIDE(i, n) x[i] *= s;
@@ -192,12 +240,10 @@ __global__ static void fl_cu_bias_fwd_k(float *y, const float *b, int N, int OC)
 }
 
 extern "C" int FL_CUK(add)(float *out, const float *a, const float *b, size_t n, void *stream) {
-    if (n) FL_CU_LAUNCH(fl_cu_add_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, out, (uint16_t *)NULL, a, b, n);
-    return fl_cu_launch_error();
+    return add_launch(out, NULL, a, b, n, stream);
 }
 extern "C" int FL_CUK(add16)(float *out, void *out16, const float *a, const float *b, size_t n, void *stream) {
-    if (n) FL_CU_LAUNCH(fl_cu_add_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, out, (uint16_t *)out16, a, b, n);
-    return fl_cu_launch_error();
+    return add_launch(out, (uint16_t *)out16, a, b, n, stream);
 }
 extern "C" int FL_CUK(scale)(float *x, size_t n, float s, void *stream) {
     if (n) FL_CU_LAUNCH(fl_cu_scale_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, x, n, s);

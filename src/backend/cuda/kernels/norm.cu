@@ -30,10 +30,15 @@ FL_CU_DEV float nw(const void *w, int wt, int c) {
 FL_CU_DEV const void *row_at(const void *p, int t, size_t i) {
     return t == (int)FL_F32 ? (const void *)((const float *)p + i) : (const void *)((const uint16_t *)p + i);
 }
-/* four of them from c (fp32: one 128-bit load; 16-bit: four loads, the alignment check leaves w out) */
+/* four of them from c (fp32: one 128-bit load, the caller checked the alignment; 16-bit: one 64-bit load where the
+ * address allows, else four; the same values) */
 FL_CU_DEV void nw4(const void *w, int wt, int c, float *g) {
     if (wt == (int)FL_F32) {
         fl_cu_ld4((const float *)w + c, g);
+    } else if (((uintptr_t)((const uint16_t *)w + c) & 7u) == 0) {
+        uint16_t h[4];
+        fl_cu_ld4h((const uint16_t *)w + c, h);
+        for (int k = 0; k < 4; k++) g[k] = wt == (int)FL_BF16 ? fl_cu_bf16_to_f32(h[k]) : fl_cu_f16_to_f32(h[k]);
     } else {
         for (int k = 0; k < 4; k++) g[k] = nw(w, wt, c + k);
     }
@@ -283,64 +288,100 @@ extern "C" int FL_CUK(rmsnorm_backward_w16)(float *dinp, void *dinp16, float *dw
                        stream);
 }
 
-/* ---- LayerNorm (GPT-2): two block sums per row (mean, then the two-pass variance) ---------------- */
+/* ---- LayerNorm (GPT-2, OPT): two block sums per row (mean, then the two-pass variance) ------------- */
 
-__global__ static void fl_cu_layernorm_fwd_k(float *out, float *mean, float *rstd, const float *inp, const float *w,
-                                             const float *b, int C, float eps) {
+/* w and b (NULL or) of wt (F32, or BF16/F16 storage widened exactly: the bits of widening them first); o16 (NULL
+ * or) the output's bf16 copy, out then its exact widening (round16's bits) */
+__global__ static void fl_cu_layernorm_fwd_k(float *out, uint16_t *out16, float *mean, float *rstd, const float *inp,
+                                             const void *w, const void *b, int wt, int C, float eps) {
     __shared__ float buf[32];
     size_t row = blockIdx.x;
     const float *x = inp + row * C;
     float *o = out + row * C;
+    uint16_t *o16 = out16 ? out16 + row * C : NULL;
     float s = 0.0f;
     for (int c = threadIdx.x; c < C; c += blockDim.x) s += x[c];
     float m = fl_cu_block_sum(s, buf) / (float)C;
     float v = 0.0f;
     for (int c = threadIdx.x; c < C; c += blockDim.x) v += (x[c] - m) * (x[c] - m);
     float r = 1.0f / sqrtf(fl_cu_block_sum(v, buf) / (float)C + eps);
-    for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = (x[c] - m) * r * w[c] + (b ? b[c] : 0.0f);
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        o[c] = fl_cu_keep16(o16, (size_t)c, (x[c] - m) * r * nw(w, wt, c) + (b ? nw(b, wt, c) : 0.0f));
     if (threadIdx.x == 0) {
         if (mean) mean[row] = m;
         if (rstd) rstd[row] = r;
     }
 }
 
-/* dx += r * (dy*w - mean(dy*w) - xhat * mean(dy*w * xhat)) */
-__global__ static void fl_cu_layernorm_bwd_dx_k(float *dinp, const float *dout, const float *inp, const float *w,
-                                                const float *mean, const float *rstd, int C) {
+/* dx += r * (dy*w - mean(dy*w) - xhat * mean(dy*w * xhat)); the input inp of type xt (F32, or a bf16 run's stored
+ * row read as it is), w of wt; dx16 (NULL or): bf16(dx) after the add, dx not rounded (as the RMSNorm's) */
+__global__ static void fl_cu_layernorm_bwd_dx_k(float *dinp, uint16_t *dinp16, const float *dout, const void *inp,
+                                                int xt, const void *w, int wt, const float *mean, const float *rstd,
+                                                int C) {
     __shared__ float buf[32];
     size_t row = blockIdx.x;
-    const float *x = inp + row * C, *dy = dout + row * C;
+    const void *x = row_at(inp, xt, row * C);
+    const float *dy = dout + row * C;
     float *dx = dinp + row * C;
+    uint16_t *dx16 = dinp16 ? dinp16 + row * C : NULL;
     float m = mean[row], r = rstd[row], s1 = 0.0f, s2 = 0.0f;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float g = dy[c] * w[c];
+        float g = dy[c] * nw(w, wt, c);
         s1 += g;
-        s2 += g * ((x[c] - m) * r);
+        s2 += g * ((nw(x, xt, c) - m) * r);
     }
     float m1 = fl_cu_block_sum(s1, buf) / (float)C;
     float m2 = fl_cu_block_sum(s2, buf) / (float)C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) dx[c] += r * (dy[c] * w[c] - m1 - (x[c] - m) * r * m2);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        dx[c] += r * (dy[c] * nw(w, wt, c) - m1 - (nw(x, xt, c) - m) * r * m2);
+        keep16_only(dx16, (size_t)c, dx[c]);
+    }
 }
 
-extern "C" int FL_CUK(layernorm_forward)(float *out, float *mean, float *rstd, const float *inp, const float *w,
-                                         const float *b, int N, int C, float eps, void *stream) {
+static int layernorm_fwd(float *out, void *out16, float *mean, float *rstd, const float *inp, const void *w,
+                         const void *b, fl_dtype wt, int N, int C, float eps, void *stream) {
     if (N <= 0 || C <= 0) return 0;
-    FL_CU_LAUNCH(fl_cu_layernorm_fwd_k, dim3((unsigned)N), dim3(row_threads(C)), 0, (fl_cu_stream)stream, out, mean,
-                 rstd, inp, w, b, C, eps);
+    FL_CU_LAUNCH(fl_cu_layernorm_fwd_k, dim3((unsigned)N), dim3(row_threads(C)), 0, (fl_cu_stream)stream, out,
+                 (uint16_t *)out16, mean, rstd, inp, w, b, (int)wt, C, eps);
     return fl_cu_launch_error();
 }
+extern "C" int FL_CUK(layernorm_forward)(float *out, float *mean, float *rstd, const float *inp, const float *w,
+                                         const float *b, int N, int C, float eps, void *stream) {
+    return layernorm_fwd(out, NULL, mean, rstd, inp, w, b, FL_F32, N, C, eps, stream);
+}
+/* w and b (NULL or) of wt: BF16/F16, or F32 with out16 only (as rmsnorm_forward_w16) */
+extern "C" int FL_CUK(layernorm_forward_w16)(float *out, void *out16, float *mean, float *rstd, const float *inp,
+                                             const void *w, const void *b, fl_dtype wt, int N, int C, float eps,
+                                             void *stream) {
+    if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && out16)) return -1;
+    return layernorm_fwd(out, out16, mean, rstd, inp, w, b, wt, N, C, eps, stream);
+}
 
-extern "C" int FL_CUK(layernorm_backward)(float *dinp, float *dw, float *db, const float *dout, const float *inp,
-                                          const float *w, const float *mean, const float *rstd, int N, int C,
-                                          void *stream) {
+static int layernorm_bwd(float *dinp, void *dinp16, float *dw, float *db, const float *dout, const void *inp,
+                         fl_dtype xt, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N, int C,
+                         void *stream) {
     if (N <= 0 || C <= 0) return 0;
     if (dinp)
         FL_CU_LAUNCH(fl_cu_layernorm_bwd_dx_k, dim3((unsigned)N), dim3(row_threads(C)), 0, (fl_cu_stream)stream, dinp,
-                     dout, inp, w, mean, rstd, C);
+                     (uint16_t *)dinp16, dout, inp, (int)xt, w, (int)wt, mean, rstd, C);
     if (dw || db)
         FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(C)), dim3(cs_threads(N)), 0,
-                     (fl_cu_stream)stream, dw, db, dout, inp, (int)FL_F32, mean, rstd, N, C);
+                     (fl_cu_stream)stream, dw, db, dout, inp, (int)xt, mean, rstd, N, C);
     return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(layernorm_backward)(float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                                          const float *w, const float *mean, const float *rstd, int N, int C,
+                                          void *stream) {
+    return layernorm_bwd(dinp, NULL, dw, db, dout, inp, FL_F32, w, FL_F32, mean, rstd, N, C, stream);
+}
+/* as rmsnorm_backward_w16: inp16 (NULL or) the input's bf16 copy read instead of inp; wt BF16/F16, or F32 with inp16
+ * or dinp16 */
+extern "C" int FL_CUK(layernorm_backward_w16)(float *dinp, void *dinp16, float *dw, float *db, const float *dout,
+                                              const float *inp, const void *inp16, const void *w, fl_dtype wt,
+                                              const float *mean, const float *rstd, int N, int C, void *stream) {
+    if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && (inp16 || dinp16))) return -1;
+    return layernorm_bwd(dinp, dinp16, dw, db, dout, inp16 ? inp16 : inp, inp16 ? FL_BF16 : FL_F32, w, wt, mean, rstd,
+                         N, C, stream);
 }
 
 /* db[c] += sum over the N rows of dy (the linears' bias gradient): the same column sum */

@@ -39,25 +39,48 @@ static fl_cu_adamw_k adamw_consts(float lr, float beta1, float beta2, float eps,
     return k;
 }
 
+/* one element: p0, m0, v0 in, the new values out */
+FL_CU_DEV void adamw_val(float g, float *p0, float *m0, float *v0, const fl_cu_adamw_k &k) {
+    float gi = g * k.grad_scale;
+    float pi = *p0 * k.decay;
+    float mi = *m0 + k.w1 * (gi - *m0);
+    float vi = k.beta2 * *v0 + k.w2 * gi * gi;
+    float denom = sqrtf(vi) / k.bc2_sqrt + k.eps;
+    *p0 = pi - k.step_size * (mi / denom);
+    *m0 = mi;
+    *v0 = vi;
+}
 FL_CU_DEV void adamw_one(void *p, int tp, void *m, void *v, int ts, size_t i, float g, float p0, float m0, float v0,
                          const fl_cu_adamw_k &k) {
-    float gi = g * k.grad_scale;
-    float pi = p0 * k.decay;
-    float mi = m0 + k.w1 * (gi - m0);
-    float vi = k.beta2 * v0 + k.w2 * gi * gi;
-    float denom = sqrtf(vi) / k.bc2_sqrt + k.eps;
-    fl_cu_store(p, tp, i, pi - k.step_size * (mi / denom));
-    fl_cu_store(m, ts, i, mi);
-    fl_cu_store(v, ts, i, vi);
+    adamw_val(g, &p0, &m0, &v0, k);
+    fl_cu_store(p, tp, i, p0);
+    fl_cu_store(m, ts, i, m0);
+    fl_cu_store(v, ts, i, v0);
 }
 
 /* Elementwise; a thread loads four elements (one grid stride apart) before computing any, so that
  * enough loads are in flight to stream at memory speed (one element per iteration left an H100's
- * bf16-true AdamW at a third of its bandwidth). The same operations per element either way. */
+ * bf16-true AdamW at a third of its bandwidth). The same operations per element either way.
+ * vec (every pointer 16-byte aligned): 8 consecutive elements per thread with 128-bit accesses (one per 16-bit
+ * array, two per fp32 one), then the tail (< 8) as below. */
 FL_CU_DEV void adamw_body(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
-                          const fl_cu_adamw_k &k) {
+                          const fl_cu_adamw_k &k, int vec) {
     const size_t S = (size_t)gridDim.x * blockDim.x;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec) {
+        for (size_t q = i; q < n / 8; q += S) {
+            float gv[8], pv[8], mv[8], vv[8];
+            fl_cu_ld8t(g, tg, 8 * q, gv);
+            fl_cu_ld8t(p, tp, 8 * q, pv);
+            fl_cu_ld8t(m, ts, 8 * q, mv);
+            fl_cu_ld8t(v, ts, 8 * q, vv);
+            for (int u = 0; u < 8; u++) adamw_val(gv[u], &pv[u], &mv[u], &vv[u], k);
+            fl_cu_st8t(p, tp, 8 * q, pv);
+            fl_cu_st8t(m, ts, 8 * q, mv);
+            fl_cu_st8t(v, ts, 8 * q, vv);
+        }
+        i += n / 8 * 8;
+    }
     for (; i + 3 * S < n; i += 4 * S) {
         float gv[4], pv[4], mv[4], vv[4];
         for (int u = 0; u < 4; u++) {
@@ -74,20 +97,30 @@ FL_CU_DEV void adamw_body(void *p, int tp, const void *g, int tg, void *m, void 
                   fl_cu_load(v, ts, i), k);
 }
 __global__ static void fl_cu_adamw_k_(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
-                               fl_cu_adamw_k k) {
-    adamw_body(p, tp, g, tg, m, v, ts, n, k);
+                               fl_cu_adamw_k k, int vec) {
+    adamw_body(p, tp, g, tg, m, v, ts, n, k, vec);
 }
 /* the constants read from device memory (a CUDA graph's update: written there before each replay) */
 __global__ static void fl_cu_adamw_kd_(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
-                                       const fl_cu_adamw_k *kd) {
+                                       const fl_cu_adamw_k *kd, int vec) {
     const fl_cu_adamw_k k = *kd;
-    adamw_body(p, tp, g, tg, m, v, ts, n, k);
+    adamw_body(p, tp, g, tg, m, v, ts, n, k, vec);
 }
 
-/* four loads in flight per thread, as AdamW */
-__global__ static void fl_cu_convert_k(void *dst, int dt, const void *src, int st, size_t n) {
+/* vec: groups of 8 with 128-bit accesses (returns the first element of the tail: n rounded down to 8) */
+FL_CU_DEV size_t convert8(void *dst, int dt, const void *src, int st, size_t n, size_t t0, size_t S) {
+    for (size_t q = t0; q < n / 8; q += S) {
+        float x[8];
+        fl_cu_ld8t(src, st, 8 * q, x);
+        fl_cu_st8t(dst, dt, 8 * q, x);
+    }
+    return n / 8 * 8;
+}
+/* four loads in flight per thread, as AdamW; vec (both pointers 16-byte aligned): convert8, then the tail */
+__global__ static void fl_cu_convert_k(void *dst, int dt, const void *src, int st, size_t n, int vec) {
     const size_t S = (size_t)gridDim.x * blockDim.x;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec) i += convert8(dst, dt, src, st, n, i, S);
     for (; i + 3 * S < n; i += 4 * S) {
         float x0 = fl_cu_load(src, st, i), x1 = fl_cu_load(src, st, i + S), x2 = fl_cu_load(src, st, i + 2 * S),
               x3 = fl_cu_load(src, st, i + 3 * S);
@@ -112,8 +145,9 @@ extern "C" int FL_CUK(adamw_update_ex)(void *p, fl_dtype tp, const void *g, fl_d
     if (!float_type(tp) || !float_type(tg) || (ts != FL_F32 && ts != FL_BF16) || step < 1) return -1;
     if (n == 0) return 0;
     fl_cu_adamw_k k = adamw_consts(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
-    FL_CU_LAUNCH(fl_cu_adamw_k_, dim3(ew_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg, m, v,
-                 (int)ts, n, k);
+    const int vec = fl_cu_aligned16(p, g, m, v, NULL);
+    FL_CU_LAUNCH(fl_cu_adamw_k_, dim3(ew_blocks(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp,
+                 g, (int)tg, m, v, (int)ts, n, k, vec);
     return fl_cu_launch_error();
 }
 
@@ -128,8 +162,9 @@ extern "C" int FL_CUK(adamw_update_dev)(void *p, fl_dtype tp, const void *g, fl_
                                         fl_dtype ts, size_t n, const void *consts, void *stream) {
     if (!float_type(tp) || !float_type(tg) || (ts != FL_F32 && ts != FL_BF16)) return -1;
     if (n == 0) return 0;
-    FL_CU_LAUNCH(fl_cu_adamw_kd_, dim3(ew_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg, m, v,
-                 (int)ts, n, (const fl_cu_adamw_k *)consts);
+    const int vec = fl_cu_aligned16(p, g, m, v, NULL);
+    FL_CU_LAUNCH(fl_cu_adamw_kd_, dim3(ew_blocks(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp,
+                 g, (int)tg, m, v, (int)ts, n, (const fl_cu_adamw_k *)consts, vec);
     return fl_cu_launch_error();
 }
 
@@ -142,9 +177,20 @@ extern "C" int FL_CUK(adamw_update)(float *p, const float *g, float *m, float *v
 
 /* Store in 16 bits and keep the fp32 view equal: dst = round(x), x = widen(dst), in one pass (the
  * graph's narrow + widen pair of a stored slot: one read and two writes instead of two launches). */
-__global__ static void fl_cu_round16_k(uint16_t *dst, int dt, float *x, size_t n) {
+__global__ static void fl_cu_round16_k(uint16_t *dst, int dt, float *x, size_t n, int vec) {
     const size_t S = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += S) {
+    size_t i0 = 0;
+    if (vec) { /* groups of 8, 128-bit accesses; the tail below */
+        for (size_t q = (size_t)blockIdx.x * blockDim.x + threadIdx.x; q < n / 8; q += S) {
+            float v[8];
+            fl_cu_ld8t(x, FL_F32, 8 * q, v);
+            fl_cu_st8t(dst, dt, 8 * q, v);
+            fl_cu_ld8t(dst, dt, 8 * q, v);
+            fl_cu_st8t(x, FL_F32, 8 * q, v);
+        }
+        i0 = n / 8 * 8;
+    }
+    for (size_t i = i0 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += S) {
         fl_cu_store(dst, dt, i, x[i]);
         x[i] = fl_cu_load(dst, dt, i);
     }
@@ -156,8 +202,9 @@ extern "C" int FL_CUK(round16)(void *dst, fl_dtype dt, float *x, size_t n, void 
 #if FL_CU_EMULATED
     fl_cu_emu_convert_launches++; /* a conversion kernel: counted with convert */
 #endif
-    FL_CU_LAUNCH(fl_cu_round16_k, dim3(ew_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, (uint16_t *)dst, (int)dt, x,
-                 n);
+    const int vec = fl_cu_aligned16(dst, x, NULL, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_round16_k, dim3(ew_blocks(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream,
+                 (uint16_t *)dst, (int)dt, x, n, vec);
     return fl_cu_launch_error();
 }
 
@@ -172,7 +219,9 @@ __global__ static void fl_cu_convert_many_k(fl_cu_segs s, int dt, int st) {
     const size_t S = (size_t)gridDim.x * blockDim.x, n = s.n[blockIdx.y];
     void *dst = s.dst[blockIdx.y];
     const void *src = s.src[blockIdx.y];
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += S)
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((((uintptr_t)dst | (uintptr_t)src) & 15u) == 0) i += convert8(dst, dt, src, st, n, i, S); /* this segment */
+    for (; i < n; i += S)
         fl_cu_store(dst, dt, i, fl_cu_load(src, st, i));
 }
 
@@ -201,6 +250,8 @@ extern "C" int FL_CUK(convert)(void *dst, fl_dtype dt, const void *src, fl_dtype
 #if FL_CU_EMULATED
     fl_cu_emu_convert_launches++;
 #endif
-    FL_CU_LAUNCH(fl_cu_convert_k, dim3(ew_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dst, (int)dt, src, (int)st, n);
+    const int vec = fl_cu_aligned16(dst, src, NULL, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_convert_k, dim3(ew_blocks(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, dst,
+                 (int)dt, src, (int)st, n, vec);
     return fl_cu_launch_error();
 }
