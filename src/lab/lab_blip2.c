@@ -326,7 +326,9 @@ static int b2_plan_row(const lab_exp *e, const fl_lab_report *rep, const fl_blip
             s = b2_plan(&rc, &real, 1, B2_DEVICE, B2_CAPTION, res);
             r->ref_planned = s == FL_OK ? FL_PLAN_FITS : s == FL_ERR_OOM ? FL_PLAN_OOM : FL_PLAN_UNAVAILABLE;
             r->ref_peak = s == FL_OK ? res->peak_total : 0;
-            if (s == FL_OK) memcpy(r->ref_tag, res->peak, sizeof r->ref_tag);
+            if (s == FL_ERR_OOM && b2_plan(&rc, &real, 1, 0, B2_CAPTION, res) == FL_OK) /* what it needs, no budget */
+                s = FL_OK;
+            if (s == FL_OK) r->ref_peak = res->peak_total, memcpy(r->ref_tag, res->peak, sizeof r->ref_tag);
         }
     } else {
         r->ref_planned = r->planned;

@@ -68,7 +68,7 @@ int fl_lab_b2_peer_of(const lab_exp *e, int ranks, const fl_blip2_config *real, 
  * fitllm has no plan of the row at the real scale. */
 void fl_lab_peer_why(const fl_lab_report *rep, const fl_lab_row *r, char *b, size_t n) {
     b[0] = 0;
-    if (!r->peer_ok || (r->ref_planned != FL_PLAN_FITS && r->ref_planned != FL_PLAN_OOM)) return;
+    if (!r->peer_ok || (r->ref_planned != FL_PLAN_FITS && r->ref_planned != FL_PLAN_OOM) || !r->ref_peak) return;
     const fl_lab_peer *q = &r->peer;
     const size_t *t = r->ref_tag;
     const double G = 1e9;
