@@ -87,7 +87,7 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
     if (!g_small) return;
     snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "gpt2-micro"); /* 2 layers: fewer emulated launches */
     c->train.max_steps = 2;
-    c->train.max_seq_length = 8;
+    c->train.max_seq_length = g_sp ? 9 : 8; /* sequence parallel: T = 8, the group divides it */
     c->train.save_interval = 0;
     c->eval.interval = 100;
     c->eval.final_validation = 0;
@@ -741,6 +741,22 @@ FL_TEST(sp_train_threads_lora_and_opaque) {
     scenario(DR_SGD, 1, 2);
     g_forced = NULL;
     g_sp = g_t20 = 0;
+}
+
+/* The CUDA backend's code over the emulator (its device communicator: the NCCL stand-in): TP 2 + SP, 2 steps of a
+ * 2-layer GPT-2 at T = 8 (slow: as tp_train_nccl_standin_cuda_emu). */
+FL_TEST(sp_train_nccl_standin_cuda_emu) {
+#if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (emulated kernels under ASan are slow)");
+#elif defined(FL_HAVE_CUDA_EMU)
+    g_small = 1, g_sp = 1;
+    g_forced = "cuda-emu";
+    scenario(DR_SGD, 1, 2);
+    g_forced = NULL;
+    g_small = 0, g_sp = 0;
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
 }
 
 static void e_sp_t19(fl_run_config *c) { c->sequence_parallel = 1; c->train.max_seq_length = 20; } /* T = 19 */
