@@ -642,6 +642,7 @@ FL_TEST(sp_train_threads_matches_one_process) {
     g_sp = g_t20 = 1;
     scenario(DR_ADAMW, 1, 2); /* + step 1's gradients tensor by tensor, the consolidated checkpoint */
     scenario(DR_ADAMW, 2, 2); /* DP 2 x TP(SP) 2 */
+    scenario(DR_ADAMW, 1, 4); /* 4 ranks: step 1's gradients too */
     scenario(DR_SGD, 1, 4);
     g_model = "gpt2-micro"; /* learned positions (the rank's rows' positions), LayerNorms, biases on rank 0 */
     scenario(DR_SGD, 1, 2);
