@@ -87,7 +87,7 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
     if (!g_small) return;
     snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "gpt2-micro"); /* 2 layers: fewer emulated launches */
     c->train.max_steps = 2;
-    c->train.max_seq_length = 8;
+    c->train.max_seq_length = g_sp ? 9 : 8; /* sequence parallel: T = 8, the group divides it */
     c->train.save_interval = 0;
     c->eval.interval = 100;
     c->eval.final_validation = 0;
@@ -712,8 +712,16 @@ static fl_status sp_losses(int sc, int dp, int tp, dr_rec *out, char *msg, size_
 FL_TEST(sp_train_threads_matches_one_process) {
     g_sp = g_t20 = 1;
     scenario(DR_ADAMW, 1, 2); /* + step 1's gradients tensor by tensor, the consolidated checkpoint */
+    scenario(DR_SGD, 1, 4);   /* B 2 x T 19 batches: padded to T 20 */
+    g_sp = g_t20 = 0;
+}
+
+/* the other grids, models and checkpointing (the release pass) */
+FL_TEST(sp_train_threads_more_grids) {
+    if (!fl_test_asan_budget()) return; /* 6 scenarios */
+    g_sp = g_t20 = 1;
     scenario(DR_ADAMW, 2, 2); /* DP 2 x TP(SP) 2 */
-    scenario(DR_SGD, 1, 4);
+    scenario(DR_ADAMW, 1, 4); /* 4 ranks: step 1's gradients too */
     g_model = "gpt2-micro"; /* learned positions (the rank's rows' positions), LayerNorms, biases on rank 0 */
     scenario(DR_SGD, 1, 2);
     g_model = "opt-micro";
@@ -812,6 +820,22 @@ FL_TEST(sp_train_threads_lora_and_opaque) {
     scenario(DR_SGD, 1, 2);
     g_forced = NULL;
     g_sp = g_t20 = 0;
+}
+
+/* The CUDA backend's code over the emulator (its device communicator: the NCCL stand-in): TP 2 + SP, 2 steps of a
+ * 2-layer GPT-2 at T = 8 (slow: as tp_train_nccl_standin_cuda_emu). */
+FL_TEST(sp_train_nccl_standin_cuda_emu) {
+#if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (emulated kernels under ASan are slow)");
+#elif defined(FL_HAVE_CUDA_EMU)
+    g_small = 1, g_sp = 1;
+    g_forced = "cuda-emu";
+    scenario(DR_SGD, 1, 2);
+    g_forced = NULL;
+    g_small = 0, g_sp = 0;
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
 }
 
 static void e_sp_t19(fl_run_config *c) { c->sequence_parallel = 1; c->train.max_seq_length = 20; } /* T = 19 */
