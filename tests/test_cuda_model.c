@@ -24,7 +24,7 @@
  * the final norm stored their bf16 copies; GPT-2 117 before the lookup's */
 #define FL_BF16_CONVERT_CEIL 0
 #define FL_BF16_CONVERT2D_CEIL 1
-#define FL_BF16_GPT2_CONVERT_CEIL 46
+#define FL_BF16_GPT2_CONVERT_CEIL 36
 #ifdef FL_HAVE_CUDA_EMU
 typedef struct {
     double loss[8];

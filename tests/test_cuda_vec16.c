@@ -190,7 +190,36 @@ FL_TEST(cuda_vec16_elementwise) {
     add_case((size_t)8 * 1024 * 256 + 8 * 3 + 5, 1); /* more than one grid stride of groups */
 }
 
+/* act_forward16 with FL_CU_ACT16_ROUND_IN (a stored input not rounded yet): the bits of round16 then act_forward16
+ * over the rounded fp32 view (in16, in and out, out16), on the vector and the element path */
+static void round_in_case(int kind, int N, int F) {
+    const size_t no = (size_t)N * F, ni = kind == FL_CU_ACT16_SWIGLU ? 2 * no : no;
+    float *x = frand(ni, 12, -4, 4), *x1 = malloc(ni * 4), *o1 = malloc(no * 4);
+    uint16_t *h1 = malloc(ni * 2), *g1 = malloc(no * 2);
+    memcpy(x1, x, ni * 4);
+    EMU_OK(fl_cuemu_round16(h1, FL_BF16, x1, ni, NULL));
+    EMU_OK(fl_cuemu_act_forward16(kind, o1, g1, x1, NULL, N, F, NULL));
+    twin tin, tin16, tout, to16;
+    twin_init(&tin, x, ni * 4, 4), twin_init(&tin16, NULL, ni * 2, 2), twin_init(&tout, NULL, no * 4, 4);
+    twin_init(&to16, NULL, no * 2, 2);
+    for (int k = 0; k < 2; k++) {
+        EMU_OK(fl_cuemu_act_forward16(kind | FL_CU_ACT16_ROUND_IN, tout.a[k], to16.a[k], tin.a[k], tin16.a[k], N, F,
+                                      NULL));
+        FL_CHECKF(!memcmp(tin.a[k], x1, ni * 4) && !memcmp(tin16.a[k], h1, ni * 2) && !memcmp(tout.a[k], o1, no * 4) &&
+                      !memcmp(to16.a[k], g1, no * 2),
+                  "act_forward16 ROUND_IN kind %d N=%d F=%d (%s): not round16 + act_forward16's bits", kind, N, F,
+                  k ? "misaligned" : "aligned");
+    }
+    FL_CHECK(fl_cuemu_act_forward16(kind | FL_CU_ACT16_ROUND_IN, tout.a[0], NULL, tin.a[0], NULL, N, F, NULL) != 0);
+    twin_free(&tin), twin_free(&tin16), twin_free(&tout), twin_free(&to16);
+    free(x), free(x1), free(o1), free(h1), free(g1);
+}
+
 FL_TEST(cuda_vec16_act16) {
+    round_in_case(FL_CU_ACT16_GELU, 7, 45);
+    round_in_case(FL_CU_ACT16_RELU, 3, 5);
+    round_in_case(FL_CU_ACT16_SWIGLU, 3, 40);
+    round_in_case(FL_CU_ACT16_SWIGLU, 2, 37);
     for (int in16 = 0; in16 < 2; in16++) {
         act_case(FL_CU_ACT16_SWIGLU, 3, 40, in16); /* F % 8 == 0: the vector path */
         act_case(FL_CU_ACT16_SWIGLU, 3, 37, in16); /* the scalar loop either way */

@@ -43,6 +43,9 @@ extern "C" {
 #define FL_CONVERT_MANY_MAX 16
 /* fl_backend.act_forward16's kinds */
 enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
+/* act_forward16's kind | FL_ACT16_ROUND_IN: the fp32 input in is a stored slot not rounded yet: in16 = RNE(in) and in =
+ * its widening first (round16's bits), then the activation of that (a biased LINEAR's output, issue 30 item 1) */
+#define FL_ACT16_ROUND_IN 0x100
 /* gemm_epilogue's epilogues */
 enum { FL_GEMM_EPI_BIAS = 1, FL_GEMM_EPI_BIAS_GELU = 2 };
 

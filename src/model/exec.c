@@ -365,6 +365,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
     int pend16 = -1; /* a slot stored in bf16 only so far (gemm_to_act16) */
+    int pendr = -1;  /* a stored slot not rounded yet: the activation reading it rounds it (FL_ACT16_ROUND_IN) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
@@ -374,11 +375,12 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         const int last = x->store16 && final_after(g, i, o->out); /* the output is stored in bf16 after this op */
         void *o16 = last && stored16(g, o->out, x) ? x->s16[o->out] : NULL; /* its bf16 copy */
         int done16 = 0; /* the op wrote that bf16 copy itself */
-        if (act16_kind(o->kind) >= 0 && be->act_forward16 && (o16 || pend16 == o->in)) {
-            const void *in16 = pend16 == o->in ? x->s16[o->in] : NULL; /* its fp32 view is filled here */
-            FL_TRY(FL_RUN(be, act_forward16, act16_kind(o->kind), out, o16, in, in16, N,
-                          o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
-            pend16 = -1;
+        if (act16_kind(o->kind) >= 0 && be->act_forward16 && (o16 || pend16 == o->in || pendr == o->in)) {
+            /* its fp32 view is filled here (and first rounded, pendr) */
+            const void *in16 = pend16 == o->in || pendr == o->in ? x->s16[o->in] : NULL;
+            const int kind = act16_kind(o->kind) | (pendr == o->in ? FL_ACT16_ROUND_IN : 0);
+            FL_TRY(FL_RUN(be, act_forward16, kind, out, o16, in, in16, N, o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            pend16 = pendr = -1;
             continue;
         }
         switch ((fl_gop_kind)o->kind) {
@@ -399,6 +401,11 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (o16 && in16 && fl_linear_plain16(lin) && gemm_to_act16(be, g, i)) { /* bf16 only: see act16_kind */
                 FL_TRY(fl_linear_forward16(be, o16, in16, lin, N));
                 pend16 = o->out, done16 = 1;
+                break;
+            }
+            if (o16 && gemm_to_act16(be, g, i)) { /* a biased (or adapted, 4-bit) LINEAR: the activation rounds it */
+                FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
+                pendr = o->out, done16 = 1;
                 break;
             }
             const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;

@@ -27,6 +27,7 @@ extern "C" {
 #define FL_CU_ACT16_SWIGLU 0
 #define FL_CU_ACT16_GELU 1
 #define FL_CU_ACT16_RELU 2
+#define FL_CU_ACT16_ROUND_IN 0x100 /* backend.h's FL_ACT16_ROUND_IN: in16 = RNE(in), in its widening, first */
 
 #define FL_CU_DECLARE_KERNELS(P)                                                                              \
     int P##rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps,  \

@@ -390,12 +390,13 @@ static fl_status flb_round16(const fl_backend *be, void *dst, fl_dtype dt, float
 /* bf16-stored outputs (backend.h act_forward16 / add16 / rope_forward16): refused shapes and kinds answer
  * UNSUPPORTED here, before any launch */
 _Static_assert(FL_CU_ACT16_SWIGLU == FL_ACT16_SWIGLU && FL_CU_ACT16_GELU == FL_ACT16_GELU &&
-                   FL_CU_ACT16_RELU == FL_ACT16_RELU,
+                   FL_CU_ACT16_RELU == FL_ACT16_RELU && FL_CU_ACT16_ROUND_IN == FL_ACT16_ROUND_IN,
                "act_forward16: the kernels' kinds");
 static fl_status flb_act_forward16(const fl_backend *be, int kind, float *out, void *out16, float *in,
                                    const void *in16, int N, int F) {
     FL_TRY(flb_sticky(be));
-    if (kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU)
+    const int k = kind & ~FL_ACT16_ROUND_IN;
+    if ((k != FL_ACT16_SWIGLU && k != FL_ACT16_GELU && k != FL_ACT16_RELU) || ((kind & FL_ACT16_ROUND_IN) && !in16))
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_forward16: kind %d", FLB_NAME, kind);
     FLB_RUN_S(be, FLB_K(act_forward16)(kind, out, out16, in, in16, N, F, STREAM), "act_forward16");
     return FL_OK;

@@ -224,17 +224,23 @@ extern "C" int FL_CUK(geglu_backward)(float *dgu, const float *dout, const float
  * round16's bits, no round16 launch). in16 (NULL or): the input's bf16 copy, read instead of in, whose exact
  * widening is written to in (the fp32 view of an input a GEMM wrote in bf16 only). One element (SwiGLU: one
  * output and its gate/up pair) per thread. */
-FL_CU_DEV float act_in(float *in, const uint16_t *in16, size_t i) {
+/* rnd (FL_CU_ACT16_ROUND_IN): in16 is written, RNE(in), and in its widening (round16's bits), then read */
+FL_CU_DEV float act_in(float *in, const uint16_t *in16, size_t i, int rnd) {
     if (!in16) return in[i];
+    if (rnd) ((uint16_t *)in16)[i] = fl_cu_f32_to_bf16(in[i]);
     const float v = fl_cu_bf16_to_f32(in16[i]);
     in[i] = v;
     return v;
 }
 /* 8 inputs from element i (vector path): from in16 (their widening written to in) or in */
-FL_CU_DEV void act_in8(float *in, const uint16_t *in16, size_t i, float *v) {
+FL_CU_DEV void act_in8(float *in, const uint16_t *in16, size_t i, float *v, int rnd) {
     if (!in16) {
         fl_cu_ld8t(in, FL_F32, i, v);
         return;
+    }
+    if (rnd) {
+        fl_cu_ld8t(in, FL_F32, i, v);
+        fl_cu_st8t((uint16_t *)in16, FL_BF16, i, v);
     }
     fl_cu_ld8t(in16, FL_BF16, i, v);
     fl_cu_st8t(in, FL_F32, i, v);
@@ -242,15 +248,16 @@ FL_CU_DEV void act_in8(float *in, const uint16_t *in16, size_t i, float *v) {
 /* The vector path (vec: every pointer 16-byte aligned, and F % 8 == 0 for SwiGLU): 8 consecutive outputs per thread
  * with 128-bit accesses (SwiGLU: within a row; the others: the first total / 8 groups, then the tail below). Returns
  * the first element the scalar loop takes. */
-FL_CU_DEV size_t act16_fwd8(int kind, float *out, uint16_t *o16, float *in, const uint16_t *in16, int N, int F) {
+FL_CU_DEV size_t act16_fwd8(int kind, float *out, uint16_t *o16, float *in, const uint16_t *in16, int N, int F,
+                            int rnd) {
     const size_t S = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const size_t total = (size_t)N * F, F8 = (size_t)F / 8;
     if (kind == FL_CU_ACT16_SWIGLU) {
         for (size_t q = t0; q < (size_t)N * F8; q += S) {
             const size_t n = q / F8, f = 8 * (q % F8);
             float g[8], u[8];
-            act_in8(in, in16, n * 2 * F + f, g);
-            act_in8(in, in16, n * 2 * F + F + f, u);
+            act_in8(in, in16, n * 2 * F + f, g, rnd);
+            act_in8(in, in16, n * 2 * F + F + f, u, rnd);
             for (int k = 0; k < 8; k++) g[k] = swiglu_f(g[k], u[k]);
             fl_cu_keep16x8(o16, n * F + f, g);
             fl_cu_st8t(out, FL_F32, n * F + f, g);
@@ -259,7 +266,7 @@ FL_CU_DEV size_t act16_fwd8(int kind, float *out, uint16_t *o16, float *in, cons
     }
     for (size_t q = t0; q < total / 8; q += S) {
         float x[8];
-        act_in8(in, in16, 8 * q, x);
+        act_in8(in, in16, 8 * q, x, rnd);
         for (int k = 0; k < 8; k++) x[k] = kind == FL_CU_ACT16_GELU ? gelu_f(x[k]) : x[k] < 0.0f ? 0.0f : x[k];
         fl_cu_keep16x8(o16, 8 * q, x);
         fl_cu_st8t(out, FL_F32, 8 * q, x);
@@ -267,28 +274,31 @@ FL_CU_DEV size_t act16_fwd8(int kind, float *out, uint16_t *o16, float *in, cons
     return total / 8 * 8;
 }
 __global__ static void fl_cu_act16_k(int kind, float *out, uint16_t *o16, float *in, const uint16_t *in16, int N,
-                                     int F, int vec) {
-    const size_t total = (size_t)N * F, i0 = vec ? act16_fwd8(kind, out, o16, in, in16, N, F) : 0;
+                                     int F, int vec, int rnd) {
+    const size_t total = (size_t)N * F, i0 = vec ? act16_fwd8(kind, out, o16, in, in16, N, F, rnd) : 0;
     for (size_t i = i0 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         float y;
         if (kind == FL_CU_ACT16_SWIGLU) {
             const size_t n = i / F, f = i % F;
-            y = swiglu_f(act_in(in, in16, n * 2 * F + f), act_in(in, in16, n * 2 * F + F + f));
+            y = swiglu_f(act_in(in, in16, n * 2 * F + f, rnd), act_in(in, in16, n * 2 * F + F + f, rnd));
         } else {
-            const float x = act_in(in, in16, i);
+            const float x = act_in(in, in16, i, rnd);
             y = kind == FL_CU_ACT16_GELU ? gelu_f(x) : x < 0.0f ? 0.0f : x;
         }
         out[i] = fl_cu_keep16(o16, i, y);
     }
 }
 
+/* kind | FL_CU_ACT16_ROUND_IN (in16 required): in16 = RNE(in), in its widening, then as with a given in16 */
 extern "C" int FL_CUK(act_forward16)(int kind, float *out, void *out16, float *in, const void *in16, int N, int F,
                                      void *stream) {
-    if (kind != FL_CU_ACT16_SWIGLU && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) return -1;
+    const int rnd = (kind & FL_CU_ACT16_ROUND_IN) != 0;
+    kind &= ~FL_CU_ACT16_ROUND_IN;
+    if ((kind != FL_CU_ACT16_SWIGLU && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) || (rnd && !in16)) return -1;
     if (N <= 0 || F <= 0) return 0;
     const int vec = (kind != FL_CU_ACT16_SWIGLU || F % 8 == 0) && fl_cu_aligned16(out, out16, in, in16, NULL);
     FL_CU_LAUNCH(fl_cu_act16_k, dim3(act_blocks((size_t)N * F / (vec ? 8 : 1))), dim3(256), 0, (fl_cu_stream)stream,
-                 kind, out, (uint16_t *)out16, in, (const uint16_t *)in16, N, F, vec);
+                 kind, out, (uint16_t *)out16, in, (const uint16_t *)in16, N, F, vec, rnd);
     return fl_cu_launch_error();
 }
 
