@@ -154,7 +154,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
             else if (q4src)
                 memcpy((char *)dst + k0 * ds, cv, n * ds);
             else if (m->be)
-                s = fl_model_params_be(m)->to_device(fl_model_params_be(m), (char *)dst + k0 * ds, cv, n * ds);
+                s = FL_RUN(fl_model_params_be(m), to_device, (char *)dst + k0 * ds, cv, n * ds);
             else /* a model without a backend (the I/O tools): host memory */
                 memcpy((char *)dst + k0 * ds, cv, n * ds);
         }
@@ -177,7 +177,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
                 }
                 fl_convert(cv + (o - o0) * in * ds, dt, row, FL_F32, in);
             }
-            s = fl_model_params_be(m)->to_device(fl_model_params_be(m), (char *)dst + o0 * in * ds, cv, nb * in * ds);
+            s = FL_RUN(fl_model_params_be(m), to_device, (char *)dst + o0 * in * ds, cv, nb * in * ds);
         }
         free(row);
         free(cv);

@@ -53,7 +53,7 @@ static fl_status fl_llama2c_put_range(fl_model *m, const char *path, const char 
         fl_convert(h + (a - k0) * ds, dt, src + sr * cols + (a - r * cols), FL_F32, e - a);
         a = e;
     }
-    fl_status s = dev ? fl_model_params_be(m)->to_device(fl_model_params_be(m), dst, h, (k1 - k0) * ds) : FL_OK;
+    fl_status s = dev ? FL_RUN(fl_model_params_be(m), to_device, dst, h, (k1 - k0) * ds) : FL_OK;
     if (dev) free(h);
     return s;
 }

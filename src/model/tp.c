@@ -225,9 +225,9 @@ static fl_status io_read(const tp_io *x, int i, float *out) {
         fl_model_read_param(x->m, i, out);
         return FL_OK;
     }
-    if (x->kind == 1) return x->m->be->to_host(x->m->be, out, fl_model_grads_f32(x->m) + p->offset, p->numel * sizeof(float));
+    if (x->kind == 1) return FL_RUN(x->m->be, to_host, out, fl_model_grads_f32(x->m) + p->offset, p->numel * sizeof(float));
     const size_t es = fl_dtype_size(x->dt);
-    if (x->be) FL_TRY(x->be->to_host(x->be, out, (const char *)x->arr + p->offset * es, p->numel * es));
+    if (x->be) FL_TRY(FL_RUN(x->be, to_host, out, (const char *)x->arr + p->offset * es, p->numel * es));
     else memcpy(out, (const char *)x->arr + p->offset * es, p->numel * es); /* host memory */
     if (x->dt == FL_BF16) /* widened in place, from the end */
         for (size_t k = p->numel; k-- > 0;) out[k] = fl_bf16_to_f32(((const uint16_t *)out)[k]);
@@ -240,7 +240,7 @@ static fl_status io_write(const tp_io *x, int i, float *in) {
         fl_model_write_param(x->m, i, in);
         return FL_OK;
     }
-    if (x->kind == 1) return x->m->be->to_device(x->m->be, fl_model_grads_f32(x->m) + p->offset, in, p->numel * sizeof(float));
+    if (x->kind == 1) return FL_RUN(x->m->be, to_device, fl_model_grads_f32(x->m) + p->offset, in, p->numel * sizeof(float));
     const size_t es = fl_dtype_size(x->dt);
     if (x->dt == FL_BF16) /* narrowed in place (exact: the values came from BF16) */
         for (size_t k = 0; k < p->numel; k++) ((uint16_t *)in)[k] = fl_f32_to_bf16(in[k]);
@@ -248,7 +248,7 @@ static fl_status io_write(const tp_io *x, int i, float *in) {
         memcpy((char *)x->arr + p->offset * es, in, p->numel * es);
         return FL_OK;
     }
-    return x->be->to_device(x->be, (char *)x->arr + p->offset * es, in, p->numel * es);
+    return FL_RUN(x->be, to_device, (char *)x->arr + p->offset * es, in, p->numel * es);
 }
 
 /* rank 0's whole (wr) receives every entry of the ranks' parts (rd), split entries assembled */

@@ -20,7 +20,7 @@ static fl_status save_adapter(b2run *r, const char *dir) {
     if (!fl_model_lora_adapters(lm, &ad)) return FL_OK;
     fl_peft_module *mods = calloc((size_t)ad.n_mods + 1, sizeof *mods);
     float *host = malloc(ad.numel * sizeof(float) + 1);
-    fl_status s = mods && host ? lm->be->to_host(lm->be, host, ad.params, ad.numel * sizeof(float))
+    fl_status s = mods && host ? FL_RUN(lm->be, to_host, host, ad.params, ad.numel * sizeof(float))
                                : fl_errorf(FL_ERR_OOM, "out of host memory");
     for (int j = 0; s == FL_OK && j < ad.n_mods; j++) {
         static const char pre[] = "language_model.";
@@ -279,7 +279,7 @@ static fl_status load_tensor(b2run *r, const fl_st_file *f, const char *path, co
     if (!dst) return FL_OK;
     /* an optimizer's state: this rank's range of it (ZeRO: its chunk; else all of it) */
     return o ? fl_optim_state_write(o, dst, (const char *)t->data + o->shard.off * es, o->shard.len * es)
-             : r->be.to_device(&r->be, dst, t->data, n * es);
+             : FL_RUN(&r->be, to_device, dst, t->data, n * es);
 }
 
 /* FSDP: this rank's pieces (one per unit of part k) of a whole-part tensor into its shard dst (parameters through the
@@ -300,7 +300,7 @@ static fl_status load_pieces(b2run *r, int k, const fl_st_file *f, const char *p
     for (int g = 0; s == FL_OK && g < G; g++) {
         const char *src = (const char *)t->data + fo[g] * es;
         char *d = (char *)dst + so[g] * es;
-        if (len[g]) s = o ? fl_optim_state_write(o, d, src, len[g] * es) : r->be.to_device(&r->be, d, src, len[g] * es);
+        if (len[g]) s = o ? fl_optim_state_write(o, d, src, len[g] * es) : FL_RUN(&r->be, to_device, d, src, len[g] * es);
     }
     free(fo);
     return s;

@@ -234,7 +234,11 @@ fl_status fl_b2t_clip(b2run *r, float max_norm) {
         const fl_optimizer *o = &r->opt[k];
         if (chunks) {
             const size_t es = fl_dtype_size(o->w.gt);
-            if (o->shard.len) ss += r->be.sumsq(&r->be, (const char *)o->w.g + o->shard.off * es, o->w.gt, o->shard.len);
+            if (o->shard.len) {
+                double v = 0; /* sumsq's status ignored, as the slot has none */
+                (void)FL_RUN(&r->be, sumsq, (const char *)o->w.g + o->shard.off * es, o->w.gt, o->shard.len, &v);
+                ss += v;
+            }
         } else {
             const double n = fl_grad_norm(fl_blip2_part(r->b, k));
             ss += n * n;
@@ -247,8 +251,8 @@ fl_status fl_b2t_clip(b2run *r, float max_norm) {
         if (!r->has_opt[k]) continue;
         fl_model *m = fl_blip2_part(r->b, k);
         fl_lora_adapters ad;
-        if (fl_model_lora_adapters(m, &ad)) r->be.scale(&r->be, ad.grads, ad.numel, coef);
-        else if (fl_model_grads_f32(m)) r->be.scale(&r->be, fl_model_grads_f32(m), fl_model_store_numel(m), coef);
+        if (fl_model_lora_adapters(m, &ad)) (void)FL_RUN(&r->be, scale, ad.grads, ad.numel, coef);
+        else if (fl_model_grads_f32(m)) (void)FL_RUN(&r->be, scale, fl_model_grads_f32(m), fl_model_store_numel(m), coef);
         else FL_TRY(scale16(&r->be, m, coef));
     }
     return FL_OK;

@@ -640,7 +640,7 @@ static fl_status gather_unit_host(fl_dp *dp, const void *shard, size_t es, int g
     struct fl_fsdp *f = dp->fsdp;
     const char *piece = (const char *)shard + f->loc[g] * es;
     /* parameter offload: the shard is host memory of the tier's backend (NVMe: its pages dropped once copied) */
-    fl_status c = f->tbe ? f->tbe->to_host(f->tbe, stage, piece, f->clen[g] * es) : fl_dp_to_host(dp, stage, piece, f->clen[g] * es);
+    fl_status c = f->tbe ? FL_RUN(f->tbe, to_host, stage, piece, f->clen[g] * es) : fl_dp_to_host(dp, stage, piece, f->clen[g] * es);
     if (c == FL_OK && f->tbe && dp->ptier.disk)
         c = fl_mem_disk_advise(f->tpool, piece, f->clen[g] * es, FL_DISK_RELEASE);
     fl_status s = fl_comm_all_gather(f->hsc, stage, dst, f->n[g], es == 4 ? FL_F32 : FL_BF16); /* HYBRID: in the node */

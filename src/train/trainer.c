@@ -470,7 +470,7 @@ static fl_status call_hook(trainer *t, run_loop *L, double step_loss, long step_
         hp = fl_backend_host_memory(&t->hw.be) ? NULL : malloc(pb + 1);
         if (!fl_backend_host_memory(&t->hw.be) && !hp) return fl_errorf(FL_ERR_OOM, "out of host memory");
     }
-    fl_status s = hp && !whole ? t->hw.be.to_host(&t->hw.be, hp, t->opt.w.p, pb) : FL_OK;
+    fl_status s = hp && !whole ? FL_RUN(&t->hw.be, to_host, hp, t->opt.w.p, pb) : FL_OK;
     if (s == FL_OK) {
         int h = L->hook(L->hook_ud, t->st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t->opt.w.p, pb);
         stop[0] = h > 0;

@@ -36,7 +36,7 @@ fl_status fl_tr_diverged(const trainer *t, fl_status s, long step, long iter) {
 fl_status fl_tr_check_weights(trainer *t) {
     int found = 0;
     if (t->dp.fsdp) FL_TRY(fl_fsdp_check_finite(&t->dp, &t->opt, &found)); /* every rank's shard */
-    else FL_TRY(t->hw.be.check_finite(&t->hw.be, t->opt.w.p, t->opt.w.pt, t->opt.w.n, 1.0f, &found));
+    else FL_TRY(FL_RUN(&t->hw.be, check_finite, t->opt.w.p, t->opt.w.pt, t->opt.w.n, 1.0f, &found));
     if (found) return fl_errorf(FL_ERR_NONFINITE, "the weights hold inf/NaN after the update");
     return FL_OK;
 }

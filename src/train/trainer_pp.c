@@ -361,13 +361,13 @@ static int mod_trained(const fl_lora_module *md, int s, int S) { return md->laye
 static fl_status mod_read(const fl_model *m, const fl_optimizer *o, const fl_lora_adapters *ad, int a, void *const *arr,
                           char *const *full, fl_dtype dt, int j, float *buf) {
     const fl_param_info p = mod_span(ad, j);
-    if (a < 0) return m->be->to_host(m->be, buf, ad->params + p.offset, p.numel * sizeof(float));
+    if (a < 0) return FL_RUN(m->be, to_host, buf, ad->params + p.offset, p.numel * sizeof(float));
     return arr_read(o, arr[a], full ? full[a] : NULL, dt, &p, buf);
 }
 static fl_status mod_write(fl_model *m, fl_optimizer *o, const fl_lora_adapters *ad, int a, void *const *arr, char *host,
                            fl_dtype dt, int j, float *buf) {
     const fl_param_info p = mod_span(ad, j);
-    if (a < 0) return m->be->to_device(m->be, ad->params + p.offset, buf, p.numel * sizeof(float));
+    if (a < 0) return FL_RUN(m->be, to_device, ad->params + p.offset, buf, p.numel * sizeof(float));
     return arr_write(o, arr[a], host, dt, &p, buf);
 }
 
@@ -509,7 +509,7 @@ static fl_status lora_resume(trainer *t, const char *path) {
             s = mod_read(&w.m, &w.o, &whole, a, src, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
             if (s == FL_OK) s = mod_write(&t->model, o, &mine, a, dst, h, dt, j, buf);
         }
-        if (s == FL_OK && a >= 0 && h) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
+        if (s == FL_OK && a >= 0 && h) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(mods), free(h), free(buf);
     if (s == FL_OK) {
@@ -612,8 +612,8 @@ fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
             if (s == FL_OK) s = arr_write(&t->opt, dst[a], h, dt, &t->model.layout.params[i], buf);
         }
         for (int g = 0; g < G && s == FL_OK; g++)
-            s = o->home.be->to_device(o->home.be, (char *)dst[a] + so[g] * es, h + fo[g] * es, ln[g] * es);
-        if (s == FL_OK && h && !G) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
+            s = FL_RUN(o->home.be, to_device, (char *)dst[a] + so[g] * es, h + fo[g] * es, ln[g] * es);
+        if (s == FL_OK && h && !G) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(h);
     for (int c = 1; c < t->pp.chunks && s == FL_OK; c++) s = chunk_resume(t, &w, c, buf);

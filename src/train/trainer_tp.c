@@ -411,7 +411,7 @@ static fl_status tp_take_state(trainer *t, tp_whole *w) {
     for (int a = 0; a < 3 && s == FL_OK; a++) {
         if (!src[a] || !dst[a]) continue;
         s = fl_tp_scatter_array(&w->m, w->o.home.be, src[a], &t->model, h ? NULL : o->home.be, h ? h : dst[a], dt);
-        if (s == FL_OK && h) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
+        if (s == FL_OK && h) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(h);
     if (s == FL_OK) {
