@@ -252,25 +252,6 @@ static fl_status sp_move(struct fl_comm *c, int gather, float *whole, float *par
     return fl_comm_reduce_scatter(c, whole, part, n_whole, FL_F32, FL_COMM_SUM);
 }
 
-void fl_sp_norm_begin(const fl_model *m, float *dw, float *db, float **sw, float **sb) {
-    float *z = m->acts->sp_dnorm;
-    const int C = m->cfg.dim;
-    FL_RUN(m->be, zero, z, 2 * (size_t)C * sizeof(float));
-    *sw = dw ? z : NULL;
-    *sb = db ? z + C : NULL;
-}
-
-fl_status fl_sp_norm_end(const fl_model *m, struct fl_comm *c, float *dw, float *db) {
-    float *z = m->acts->sp_dnorm;
-    const size_t C = (size_t)m->cfg.dim;
-    if (!dw && !db) return FL_OK;
-    FL_TRY(fl_error_prefix(fl_comm_all_reduce(c, z, z, 2 * C, FL_F32, FL_COMM_SUM), "sequence parallel: a norm's "
-                           "parameter gradients"));
-    if (dw) FL_RUN(m->be, add, dw, dw, z, C);
-    if (db) FL_RUN(m->be, add, db, db, z + C, C);
-    return FL_OK;
-}
-
 /* ALLREDUCE: the slot summed over the communicator's ranks (no communicator or one rank: nothing to do). */
 static fl_status allreduce(struct fl_comm *c, float *p, size_t n) {
     if (!c || fl_comm_size(c) <= 1) return FL_OK;
@@ -327,14 +308,6 @@ void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp) {
  * next LINEAR in the backward's order reads as its dy (a pre-norm block: the attention's output projection; the
  * block's input gradient: the previous block's last projection, x->din16): the norm writes that LINEAR's bf16 dy
  * as it accumulates (rmsnorm_backward_w16's dinp16). NULL: no such pair. */
-/* The backend's w16 kernel of the architecture's norm (rmsnorm_*_w16 or layernorm_*_w16; bwd: the backward's): a
- * 16-bit weight (and bias), or (bf16-mixed) an fp32 one with a bf16 copy to write or read */
-int fl_norm16_have(const fl_model *m, int bwd) {
-    const fl_backend *be = m->be;
-    if (fl_arch_get(m->cfg.arch)->layernorm)
-        return bwd ? be->layernorm_backward_w16 != NULL : be->layernorm_forward_w16 != NULL;
-    return bwd ? be->rmsnorm_backward_w16 != NULL : be->rmsnorm_forward_w16 != NULL;
-}
 static void *norm_dy16_for(const fl_model *m, const fl_backend *be, const fl_block_graph *g,
                            const fl_block_params *bp, int i, const fl_block_ctx *x) {
     const fl_gop *o = &g->op[i];
@@ -549,10 +522,6 @@ unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const 
     return r;
 }
 
-static void norm_backward(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
-                          const float *x, const void *x16, const void *w, fl_dtype wt, const float *mean,
-                          const float *rstd, int N);
-
 fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                             float *const *gb, const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -597,8 +566,8 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             const int part = g->sp > 1 && si->srows; /* sequence parallel: the rank's rows' part, summed below */
             if (part) fl_sp_norm_begin(m, bp->d_norm_w[o->p], bp->d_norm_b[o->p], &dw, &db);
             /* in16: over the stored bf16 input (the weight fp32 or 16-bit) */
-            norm_backward(m, din, d16, dw, db, dout, s[o->in], in16 ? x->s16[o->in] : NULL, bp->norm_w[o->p],
-                          bp->norm_wt, S(o->a1), S(o->a2), N);
+            fl_norm_backward_x16(m, din, d16, dw, db, dout, s[o->in], in16 ? x->s16[o->in] : NULL,
+                                 bp->norm_w[o->p], bp->norm_wt, S(o->a1), S(o->a2), N);
             if (part) FL_TRY(fl_sp_norm_end(m, x->comm, bp->d_norm_w[o->p], bp->d_norm_b[o->p]));
             dy16_ready = d16 != NULL;
             if (d16 && d16 == x->din16 && x->din16_done) *x->din16_done = 1;
@@ -639,58 +608,6 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
 }
 
 /* ---- the ops around the blocks --------------------------------------------------------------- */
-
-int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
-                      const void *w, fl_dtype wt, const void *b, int N) {
-    const fl_backend *be = m->be;
-    const int ln = fl_arch_get(m->cfg.arch)->layernorm;
-    /* norm_weight's 16-bit binding (w and b); or an fp32 weight with a bf16 copy to store (bf16-mixed): the same
-     * kernel */
-    if (wt != FL_F32 || (out16 && fl_norm16_have(m, 0))) {
-        if (ln)
-            FL_RUN(be, layernorm_forward_w16, out, out16, mean, rstd, x, w, b, wt, N, m->cfg.dim, m->cfg.norm_eps);
-        else
-            FL_RUN(be, rmsnorm_forward_w16, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
-        return out16 != NULL;
-    }
-    if (ln)
-        FL_RUN(be, layernorm_forward, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
-    else
-        FL_RUN(be, rmsnorm_forward, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
-    return 0;
-}
-
-/* x16 (NULL or): the input read from its bf16 copy (the w16 kernel, x may then be NULL) */
-static void norm_backward(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
-                          const float *x, const void *x16, const void *w, fl_dtype wt, const float *mean,
-                          const float *rstd, int N) {
-    const fl_backend *be = m->be;
-    const int ln = fl_arch_get(m->cfg.arch)->layernorm;
-    if (wt != FL_F32 || ((dx16 || x16) && fl_norm16_have(m, 1))) {
-        if (ln)
-            FL_RUN(be, layernorm_backward_w16, dx, dx16, dw, db, dout, x, x16, w, wt, mean, rstd, N, m->cfg.dim);
-        else
-            FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, x16, w, wt, rstd, N, m->cfg.dim);
-    } else if (ln)
-        FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
-    else
-        FL_RUN(be, rmsnorm_backward, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
-}
-
-void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
-                        const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
-    norm_backward(m, dx, dx16, dw, db, dout, x, NULL, w, wt, mean, rstd, N);
-}
-
-void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
-                     const float *b, int N) {
-    fl_norm_forward_t(m, out, NULL, mean, rstd, x, w, FL_F32, b, N);
-}
-
-void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
-                      const float *w, const float *mean, const float *rstd, int N) {
-    fl_norm_backward_t(m, dx, NULL, dw, db, dout, x, w, FL_F32, mean, rstd, N);
-}
 
 /* out (n, C) = wte[ids] (+ wpe[pos0 ..]) for one sequence of n rows at position pos0,
  * or (B, T) rows (pos0 = 0) */

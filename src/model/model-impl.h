@@ -271,6 +271,10 @@ int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, f
                       const void *w, fl_dtype wt, const void *b, int N);
 /* The backend has the w16 kernel of the architecture's norm (RMSNorm or LayerNorm; bwd: the backward's) */
 int fl_norm16_have(const fl_model *m, int bwd);
+/* x16 (NULL or): the input read from its bf16 copy (the w16 kernel; x may then be NULL) */
+void fl_norm_backward_x16(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
+                          const float *x, const void *x16, const void *w, fl_dtype wt, const float *mean,
+                          const float *rstd, int N);
 /* dx16 (NULL or, 16-bit w only): bf16(dx) after the accumulation, dx not rounded (the next LINEAR's bf16 dy) */
 void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
                         const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N);

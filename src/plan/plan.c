@@ -759,9 +759,8 @@ static void strategy_notes(fl_plan *p, const fl_run_config *c, const fl_strategy
                 "heads' activations; the whole model the run loads and slices, and the checkpoints' gathered copy, "
                 "are outside the pool (host staging)%s", c->tensor_parallel, fl_cfg_dp_ranks(c) > 1 ? (p->zero_stage == 1 ? " x ZeRO-1"
                 : p->zero_stage == 2 ? " x ZeRO-2" : " x DDP") : "",
-             p->rank, c->tensor_parallel, c->sequence_parallel ? "; sequence parallel: the saved residual stream, mid "
-             "residuals and norm statistics are the rank's 1/N of the rows (ACTS), the norms' outputs gathered whole for "
-             "the linears" : "");
+             p->rank, c->tensor_parallel, c->sequence_parallel ? "; sequence parallel: the saved residual stream, mid residuals "
+             "and norm statistics are the rank's 1/N of the rows (ACTS), the norms' outputs gathered whole for the linears" : "");
     else if (p->devices > 1 && !p->zero_stage)
         note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "
                 "gradients and optimizer state)%s", p->devices,
