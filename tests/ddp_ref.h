@@ -92,6 +92,26 @@ static inline void dr_free(dr_rec *r) {
     memset(r, 0, sizeof *r);
 }
 
+/* One trainer run per rank of an in-process grid (fl_comm_threads_run's callback, or called with no communicator for
+ * one process): each rank's configuration in, its step records, status, error message and result out (the grid
+ * tests of TP, PP and T5 TP). */
+#define DR_JOB_RANKS 8 /* DP 2 x TP 2 x PP 2 */
+typedef struct {
+    fl_run_config cfg[DR_JOB_RANKS];
+    dr_rec rec[DR_JOB_RANKS];
+    fl_status st[DR_JOB_RANKS];
+    char msg[DR_JOB_RANKS][600];
+    fl_trainer_result res[DR_JOB_RANKS];
+} dr_job;
+
+static inline fl_status dr_job_rank(fl_comm *c, int rank, void *ud) {
+    dr_job *j = ud;
+    fl_status s = fl_trainer_run_comm(&j->cfg[rank], c, NULL, 0, dr_record, &j->rec[rank], &j->res[rank]);
+    j->st[rank] = s;
+    snprintf(j->msg[rank], sizeof j->msg[rank], "%s", s != FL_OK ? fl_error_message() : "");
+    return s;
+}
+
 /* Scenario sc for `world` ranks; micro_mult 1 (DDP and ref) or world (control: micro N*b). For
  * the single-process runs pass world_ranks 1 and the DDP world as `world`. */
 static inline void dr_config(fl_run_config *c, int sc, int world, int ranks, int micro_mult, int dropout, const char *out) {

@@ -15,23 +15,6 @@
 #include "plan_ref.h"
 #include "test.h"
 
-#define PP_MAX_RANKS 8
-typedef struct {
-    fl_run_config cfg[PP_MAX_RANKS];
-    dr_rec rec[PP_MAX_RANKS];
-    fl_status st[PP_MAX_RANKS];
-    char msg[PP_MAX_RANKS][600];
-    fl_trainer_result res[PP_MAX_RANKS];
-} pp_job;
-
-static fl_status pp_rank(fl_comm *c, int rank, void *ud) {
-    pp_job *j = ud;
-    fl_status s = fl_trainer_run_comm(&j->cfg[rank], c, NULL, 0, dr_record, &j->rec[rank], &j->res[rank]);
-    j->st[rank] = s;
-    snprintf(j->msg[rank], sizeof j->msg[rank], "%s", s != FL_OK ? fl_error_message() : "");
-    return s;
-}
-
 static void pp_config(fl_run_config *c, int dp, int pp, const char *schedule, const char *out) {
     dr_config(c, DR_ADAMW, dp, dp * pp, 1, 0, out);
     c->pipeline_parallel = pp;
@@ -55,15 +38,15 @@ static void one_process(int dp, dr_rec *rec) {
 }
 
 /* the job's W ranks as threads on the cpu backend */
-static fl_status run_job(pp_job *j, int W) {
+static fl_status run_job(dr_job *j, int W) {
     backend_on();
-    fl_status s = fl_comm_threads_run(W, pp_rank, j);
+    fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
     backend_off();
     return s;
 }
 
 /* strategy, sharding: the data axis' (NULL: ddp) */
-static void run_grid_on(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps,
+static void run_grid_on(dr_job *j, int dp, int pp, const char *schedule, const char *tag, long steps,
                         const char *strategy, const char *sharding) {
     char out[700];
     snprintf(out, sizeof out, "%s/pp-%s-%d-%d", fl_test_tmpdir(), tag, dp, pp);
@@ -77,7 +60,7 @@ static void run_grid_on(pp_job *j, int dp, int pp, const char *schedule, const c
     FL_CHECKF(s == FL_OK, "DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
 }
 
-static void run_grid(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps) {
+static void run_grid(dr_job *j, int dp, int pp, const char *schedule, const char *tag, long steps) {
     run_grid_on(j, dp, pp, schedule, tag, steps, NULL, NULL);
 }
 
@@ -88,7 +71,7 @@ FL_TEST(pp_train_threads_losses_match_one_process) {
     one_process(1, &one[1]);
     one_process(2, &one[2]);
     for (int g = 0; g < 4; g++) {
-        pp_job *j = calloc(1, sizeof *j);
+        dr_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         run_grid(j, grids[g].dp, grids[g].pp, grids[g].sched, "loss", 0);
         const int W = grids[g].dp * grids[g].pp;
@@ -100,7 +83,7 @@ FL_TEST(pp_train_threads_losses_match_one_process) {
                       "PP %d: the first step's loss %.9g, one process %.9g (before any update: the same bits)",
                       grids[g].pp, j->rec[r].loss[0], one[grids[g].dp].loss[0]);
         }
-        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
         free(j);
     }
     dr_free(&one[1]);
@@ -114,7 +97,7 @@ FL_TEST(pp_train_threads_plan_equals_measured) {
     size_t optim_ddp = 0;
     for (int g = 0; g < 3; g++) {
         const int dp = grids[g][0], pp = grids[g][1], W = dp * pp;
-        pp_job *j = calloc(1, sizeof *j);
+        dr_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         run_grid_on(j, dp, pp, "1f1b", g == 2 ? "plan-zero2" : "plan", 1, g == 2 ? "deepspeed_stage_2" : NULL, NULL);
         char grid[48];
@@ -127,13 +110,13 @@ FL_TEST(pp_train_threads_plan_equals_measured) {
         /* 1F1B: stage 0 holds one stash beside its arena, the last stage none */
         FL_CHECKF(j->res[0].peak[FL_TAG_ACTS] > j->res[1].peak[FL_TAG_ACTS], "PP 2: ACTS stage 0 %zu, stage 1 %zu",
                   j->res[0].peak[FL_TAG_ACTS], j->res[1].peak[FL_TAG_ACTS]);
-        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
         free(j);
     }
 }
 
 static void expect_refusal(int W, int pp, const char *strategy, int lora, const char *want) {
-    pp_job *j = calloc(1, sizeof *j);
+    dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     char out[700];
     snprintf(out, sizeof out, "%s/pp-refuse", fl_test_tmpdir());
@@ -152,7 +135,7 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
         }
     }
     backend_on();
-    fl_status s = fl_comm_threads_run(W, pp_rank, j);
+    fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
     backend_off();
     FL_CHECKF(s != FL_OK && strstr(j->msg[0], want), "PP %d of %d ranks: '%s', want '%s'", pp, W, j->msg[0], want);
     free(j);
@@ -173,11 +156,11 @@ FL_TEST(pp_train_threads_refusals) {
  * losses are the uninterrupted run's within the 1e-6 relative bar (the stages' split, the reduction order and the
  * tied embeddings' sum differ by rounding only) */
 static void resume_on(const char *tag, int dp0, int pp0, const char *strategy0, int dp1, int pp1, const char *strategy1) {
-    pp_job *a = calloc(1, sizeof *a), *b = calloc(1, sizeof *b);
+    dr_job *a = calloc(1, sizeof *a), *b = calloc(1, sizeof *b);
     FL_REQUIRE(a != NULL && b != NULL);
     run_grid_on(a, dp0, pp0, "1f1b", tag, 4, strategy0, NULL);
     /* the same run again, saving at step 2 */
-    pp_job *c = calloc(1, sizeof *c);
+    dr_job *c = calloc(1, sizeof *c);
     FL_REQUIRE(c != NULL);
     char out[700], ck[760];
     snprintf(out, sizeof out, "%s/pp-%s-save-%d-%d", fl_test_tmpdir(), tag, dp0, pp0);
@@ -188,7 +171,7 @@ static void resume_on(const char *tag, int dp0, int pp0, const char *strategy0, 
         if (strategy0) snprintf(c->cfg[r].strategy, sizeof c->cfg[r].strategy, "%s", strategy0);
     }
     backend_on();
-    fl_status s = fl_comm_threads_run(dp0 * pp0, pp_rank, c);
+    fl_status s = fl_comm_threads_run(dp0 * pp0, dr_job_rank, c);
     backend_off();
     FL_CHECKF(s == FL_OK, "DP %d x PP %d saving: %s", dp0, pp0, c->msg[0]);
     snprintf(ck, sizeof ck, "%s/step-000002", out);
@@ -201,7 +184,7 @@ static void resume_on(const char *tag, int dp0, int pp0, const char *strategy0, 
         if (strategy1) snprintf(b->cfg[r].strategy, sizeof b->cfg[r].strategy, "%s", strategy1);
     }
     backend_on();
-    s = fl_comm_threads_run(dp1 * pp1, pp_rank, b);
+    s = fl_comm_threads_run(dp1 * pp1, dr_job_rank, b);
     backend_off();
     FL_CHECKF(s == FL_OK, "resumed at DP %d x PP %d: %s", dp1, pp1, b->msg[0]);
     for (int r = 0; r < dp1 * pp1; r++)
@@ -211,7 +194,7 @@ static void resume_on(const char *tag, int dp0, int pp0, const char *strategy0, 
                       "loss %.9g, uninterrupted %.9g (%.3g relative; %ld steps)", dp0, pp0, dp1, pp1, r, k + 1, x, y,
                       w, b->rec[r].steps);
         }
-    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&a->rec[r]), dr_free(&b->rec[r]), dr_free(&c->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&a->rec[r]), dr_free(&b->rec[r]), dr_free(&c->rec[r]);
     free(a), free(b), free(c);
 }
 
@@ -237,7 +220,7 @@ FL_TEST(pp_train_threads_zero_on_the_data_axis) {
         {2, "deepspeed_stage_1", NULL}, {2, "deepspeed_stage_2", NULL}, {2, "fsdp", "SHARD_GRAD_OP"},
         {4, "deepspeed_stage_2", NULL}};
     for (int g = 0; g < 4; g++) {
-        pp_job *j = calloc(1, sizeof *j);
+        dr_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         char tag[32];
         snprintf(tag, sizeof tag, "zero%d", g);
@@ -247,7 +230,7 @@ FL_TEST(pp_train_threads_zero_on_the_data_axis) {
             FL_CHECKF(w <= 1e-6, "DP %d x PP 2 %s rank %d: losses %.3g relative from one process's", runs[g].dp,
                       runs[g].strategy, r, w);
         }
-        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
         free(j);
     }
     dr_free(&one[2]);
@@ -258,7 +241,7 @@ FL_TEST(pp_train_threads_zero_on_the_data_axis) {
  * the final save of DP 2 x PP 2 while the other stages and pipeline wait, and every rank returns that failure, naming
  * rank 0 (the save's agreement over the grid); no rank reports success. */
 FL_TEST(pp_train_threads_failing_rank_stops_the_grid) {
-    pp_job *j = calloc(1, sizeof *j);
+    dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     long writes = 0;
     for (int pass = 0; pass < 2; pass++) {
@@ -274,7 +257,7 @@ FL_TEST(pp_train_threads_failing_rank_stops_the_grid) {
             dr_free(&j->rec[r]);
         }
         backend_on();
-        fl_status s = fl_comm_threads_run(4, pp_rank, j);
+        fl_status s = fl_comm_threads_run(4, dr_job_rank, j);
         backend_off();
         const long left = fl_io_writes_left();
         fl_io_fail_writes_after(-1);
@@ -288,7 +271,7 @@ FL_TEST(pp_train_threads_failing_rank_stops_the_grid) {
             FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], "rank 0 of 4") && j->rec[r].steps == 3,
                       "rank %d (%ld steps): '%s'", r, j->rec[r].steps, j->msg[r]);
     }
-    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     free(j);
 }
 
@@ -297,7 +280,7 @@ FL_TEST(pp_train_threads_failing_rank_stops_the_grid) {
  * adapters' activations of a micro-batch in flight, a later stage's block 0 hands d(input) back; no tied sum and no
  * clipping enter, so PP 2 (1F1B) and PP 3 (GPipe) give one process's losses bit for bit, DP 2 x PP 2 DDP's. */
 static const char *g_quantize; /* QLoRA: the base's 4-bit mode (NULL: LoRA on the fp32 base) */
-static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save,
+static void lora_grid_from(dr_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save,
                            const char *resume, const char *strategy) {
     char out[700];
     snprintf(out, sizeof out, "%s/pp-lora-%s-%d-%d", fl_test_tmpdir(), tag, dp, pp);
@@ -314,7 +297,7 @@ static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, cons
     fl_status s = run_job(j, dp * pp);
     FL_CHECKF(s == FL_OK, "LoRA DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
 }
-static void lora_grid(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save) {
+static void lora_grid(dr_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save) {
     lora_grid_from(j, dp, pp, schedule, tag, steps, save, NULL, NULL);
 }
 
@@ -338,7 +321,7 @@ static int same_file(const char *dir_a, const char *dir_b, const char *name) {
 FL_TEST(pp_train_threads_lora_equals_one_process) {
     /* the references: one process, and DDP over 2 ranks (its dropout masks are drawn per rank's micro-batch, as the
      * data axis of DP 2 x PP 2 draws them) */
-    pp_job *ref = calloc(1, sizeof *ref);
+    dr_job *ref = calloc(1, sizeof *ref);
     FL_REQUIRE(ref != NULL);
     dr_rec one[3];
     lora_grid(ref, 1, 1, "1f1b", "l-one", 0, 0);
@@ -349,13 +332,13 @@ FL_TEST(pp_train_threads_lora_equals_one_process) {
     lora_grid(ref, 2, 1, "1f1b", "l-ddp", 0, 0);
     one[2] = ref->rec[0];
     memset(&ref->rec[0], 0, sizeof ref->rec[0]);
-    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&ref->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&ref->rec[r]);
     free(ref);
     /* and under fsdp (LoRA's adapters train as ZeRO-2 there: the same bits as DDP without clipping) */
     const struct { int dp, pp; const char *sched, *strategy; } grids[4] = {
         {1, 2, "1f1b", NULL}, {1, 3, "gpipe", NULL}, {2, 2, "1f1b", NULL}, {2, 2, "1f1b", "fsdp"}};
     for (int g = 0; g < 4; g++) {
-        pp_job *j = calloc(1, sizeof *j);
+        dr_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         lora_grid_from(j, grids[g].dp, grids[g].pp, grids[g].sched, "l", 0, 0, NULL, grids[g].strategy);
         for (int r = 0; r < grids[g].dp * grids[g].pp; r++) {
@@ -374,7 +357,7 @@ FL_TEST(pp_train_threads_lora_equals_one_process) {
         for (int f = 0; g < 2 && f < 2; f++)
             FL_CHECKF(same_file(j->cfg[0].out_dir, one_dir, files[f]), "LoRA PP %d: %s differs from one process's",
                       grids[g].pp, files[f]);
-        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
         free(j);
     }
     dr_free(&one[1]);
@@ -386,7 +369,7 @@ FL_TEST(pp_train_threads_lora_equals_one_process) {
  * process and at PP 3 (each stage taking its modules), and one process's at PP 2: the later losses are the
  * uninterrupted one process's bit for bit */
 FL_TEST(pp_train_threads_lora_resume_on_another_grid) {
-    pp_job *a = calloc(1, sizeof *a), *b = calloc(1, sizeof *b);
+    dr_job *a = calloc(1, sizeof *a), *b = calloc(1, sizeof *b);
     FL_REQUIRE(a != NULL && b != NULL);
     lora_grid(a, 1, 1, "1f1b", "lr-one", 0, 0); /* the uninterrupted run */
     const int from[3] = {2, 2, 1}, to[3] = {1, 3, 2};
@@ -394,7 +377,7 @@ FL_TEST(pp_train_threads_lora_resume_on_another_grid) {
         lora_grid(b, 1, from[c], "1f1b", "lr-save", 2, 2);
         char ck[sizeof ((fl_run_config *)0)->out_dir + 32];
         snprintf(ck, sizeof ck, "%s/step-000002", b->cfg[0].out_dir);
-        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&b->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&b->rec[r]);
         lora_grid_from(b, 1, to[c], "gpipe", "lr-resumed", 0, 0, ck, NULL);
         for (int r = 0; r < to[c]; r++) {
             FL_CHECKF(b->rec[r].steps == a->rec[0].steps, "PP %d -> %d rank %d: %ld steps, want %ld", from[c], to[c], r,
@@ -404,9 +387,9 @@ FL_TEST(pp_train_threads_lora_resume_on_another_grid) {
                           "step %ld: loss %.9g, uninterrupted %.9g", from[c], to[c], r, k + 1, b->rec[r].loss[k],
                           a->rec[0].loss[k]);
         }
-        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&b->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&b->rec[r]);
     }
-    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&a->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&a->rec[r]);
     free(a), free(b);
 }
 
@@ -427,7 +410,7 @@ FL_TEST(pp_train_threads_full_shard_on_the_data_axis) {
         {2, 2, "1f1b", "fsdp", "FULL_SHARD"}, {2, 2, "1f1b", "deepspeed_stage_3", NULL}, {2, 3, "gpipe", "fsdp", NULL},
         {4, 2, "1f1b", "fsdp", "FULL_SHARD"}};
     for (int g = 0; g < 4; g++) {
-        pp_job *j = calloc(1, sizeof *j);
+        dr_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         char tag[32];
         snprintf(tag, sizeof tag, "fsdp%d", g);
@@ -437,17 +420,17 @@ FL_TEST(pp_train_threads_full_shard_on_the_data_axis) {
             FL_CHECKF(w <= 1e-6, "DP %d x PP %d %s %s rank %d: losses %.3g relative from one process's", runs[g].dp,
                       runs[g].pp, runs[g].strategy, runs[g].sched, r, w);
         }
-        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
         free(j);
     }
     dr_free(&one[2]);
     dr_free(&one[4]);
     /* plan per rank = measured (PARAMS, GRADS, OPTIM the stage's shard; GATHER the gathered units) */
-    pp_job *j = calloc(1, sizeof *j);
+    dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     run_grid_on(j, 2, 2, "1f1b", "plan-fsdp", 1, "fsdp", "FULL_SHARD");
     for (int r = 0; r < 4; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "DP 2 x PP 2 FULL_SHARD");
-    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     free(j);
     resume_on("rs5", 2, 2, "fsdp", 1, 3, NULL);
     resume_on("rs6", 2, 2, "fsdp", 2, 2, "fsdp");
@@ -482,8 +465,8 @@ static void il_config(fl_run_config *c, int dp, int pp, int V, const char *sched
 }
 
 /* one run of W = dp x pp ranks (pp 1: one process) */
-static pp_job *il_run(int dp, int pp, int V, const char *sched, int deep, int ckpt, const char *tag) {
-    pp_job *j = calloc(1, sizeof *j);
+static dr_job *il_run(int dp, int pp, int V, const char *sched, int deep, int ckpt, const char *tag) {
+    dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE_R(j != NULL, NULL);
     char out[700];
     snprintf(out, sizeof out, "%s/pp-il-%s-%d-%d-%d", fl_test_tmpdir(), tag, dp, pp, V);
@@ -496,14 +479,14 @@ static pp_job *il_run(int dp, int pp, int V, const char *sched, int deep, int ck
             j->cfg[r].train.micro_batch_size = 2 * dp;
         }
     }
-    fl_status s = pp == 1 && dp >= 1 ? (backend_on(), pp_rank(NULL, 0, j)) : run_job(j, W);
+    fl_status s = pp == 1 && dp >= 1 ? (backend_on(), dr_job_rank(NULL, 0, j)) : run_job(j, W);
     backend_off();
     FL_CHECKF(s == FL_OK, "%s DP %d x PP %d x %d chunks %s: %s", tag, dp, pp, V, sched, j->msg[0]);
     return j;
 }
 
-static void il_free(pp_job *j) {
-    for (int r = 0; j && r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+static void il_free(dr_job *j) {
+    for (int r = 0; j && r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     free(j);
 }
 
@@ -512,9 +495,9 @@ FL_TEST(pp_train_threads_interleaved_equals_one_process) {
      * checkpointing; DP 2 x PP 2 x 2 chunks; PP 3 x 2 chunks of a 6-block micro (3 micro-batches) */
     const struct { int dp, pp, V, deep, ckpt; } g[4] = {{1, 2, 2, 0, 0}, {1, 2, 2, 0, 1}, {2, 2, 2, 0, 0}, {1, 3, 2, 1, 1}};
     for (int k = 0; k < 4; k++) {
-        pp_job *one = il_run(g[k].dp, 1, 1, "1f1b", g[k].deep, g[k].ckpt, "one");
-        pp_job *il = il_run(g[k].dp, g[k].pp, g[k].V, "interleaved", g[k].deep, g[k].ckpt, "run");
-        pp_job *f1 = il_run(g[k].dp, g[k].pp, 1, "1f1b", g[k].deep, g[k].ckpt, "1f1b");
+        dr_job *one = il_run(g[k].dp, 1, 1, "1f1b", g[k].deep, g[k].ckpt, "one");
+        dr_job *il = il_run(g[k].dp, g[k].pp, g[k].V, "interleaved", g[k].deep, g[k].ckpt, "run");
+        dr_job *f1 = il_run(g[k].dp, g[k].pp, 1, "1f1b", g[k].deep, g[k].ckpt, "1f1b");
         FL_REQUIRE(one && il && f1);
         for (int r = 0; r < g[k].dp * g[k].pp; r++) {
             const double w = dr_loss_rel(&il->rec[r], &one->rec[0], 4), w1 = dr_loss_rel(&f1->rec[r], &one->rec[0], 4);
@@ -535,7 +518,7 @@ FL_TEST(pp_train_threads_interleaved_equals_one_process) {
 FL_TEST(pp_train_threads_interleaved_opaque) {
     g_pp_backend = "opaque";
     for (int dp = 1; dp <= (getenv("FITLLM_TEST_PPI_OPAQUE_DP") ? 2 : 1); dp++) {
-        pp_job *one = il_run(dp, 1, 1, "1f1b", 0, 0, "opq-one"), *il = il_run(dp, 2, 2, "interleaved", 0, 0, "opq");
+        dr_job *one = il_run(dp, 1, 1, "1f1b", 0, 0, "opq-one"), *il = il_run(dp, 2, 2, "interleaved", 0, 0, "opq");
         FL_REQUIRE(one && il);
         for (int r = 0; r < 2 * dp; r++) {
             const double w = dr_loss_rel(&il->rec[r], &one->rec[0], 4);
@@ -551,7 +534,7 @@ FL_TEST(pp_train_threads_interleaved_opaque) {
  * stashes of the chunk-micro-batches in flight (Megatron's warm-up keeps more of them at stage 0) */
 FL_TEST(pp_train_threads_interleaved_plan_equals_measured) {
     for (int dp = 1; dp <= 2; dp++) { /* PP 2 x 2 chunks, DP 2 x PP 2 x 2 chunks */
-        pp_job *j = il_run(dp, 2, 2, "interleaved", 0, 0, "plan");
+        dr_job *j = il_run(dp, 2, 2, "interleaved", 0, 0, "plan");
         FL_REQUIRE(j != NULL);
         char grid[48];
         snprintf(grid, sizeof grid, "DP %d x PP 2 x 2 chunks", dp);
@@ -563,7 +546,7 @@ FL_TEST(pp_train_threads_interleaved_plan_equals_measured) {
 /* checkpoints: an interleaved run's step-2 checkpoint resumed under 1F1B at PP 3 and in one process, and a 1F1B
  * PP 2 checkpoint resumed interleaved; the later losses within 1e-6 of the uninterrupted run's */
 static void il_resume(const char *tag, int pp0, const char *s0, int V0, int pp1, const char *s1, int V1) {
-    pp_job *a = il_run(1, pp0, V0, s0, 0, 0, tag), *c = calloc(1, sizeof *c), *b = calloc(1, sizeof *b);
+    dr_job *a = il_run(1, pp0, V0, s0, 0, 0, tag), *c = calloc(1, sizeof *c), *b = calloc(1, sizeof *b);
     FL_REQUIRE(a && b && c);
     char out[700], ck[760];
     snprintf(out, sizeof out, "%s/pp-il-%s-save", fl_test_tmpdir(), tag);
@@ -582,7 +565,7 @@ static void il_resume(const char *tag, int pp0, const char *s0, int V0, int pp1,
         if (pp1 <= 1) b->cfg[r].pipeline_parallel = 1, b->cfg[r].devices = 1;
         snprintf(b->cfg[r].resume, sizeof b->cfg[r].resume, "%s", ck);
     }
-    s = W > 1 ? run_job(b, W) : (backend_on(), pp_rank(NULL, 0, b));
+    s = W > 1 ? run_job(b, W) : (backend_on(), dr_job_rank(NULL, 0, b));
     backend_off();
     FL_CHECKF(s == FL_OK, "%s resumed: %s", tag, b->msg[0]);
     for (int r = 0; r < W; r++)
@@ -610,7 +593,7 @@ FL_TEST(pp_train_threads_interleaved_refusals) {
         {1, 2, 2, 0, NULL, 1, "not a multiple of the 2 stages"},
         {1, 2, 3, 0, NULL, 0, "6 virtual stages for a model of 5 blocks"}};
     for (int k = 0; k < 5; k++) {
-        pp_job *j = calloc(1, sizeof *j);
+        dr_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         char out[700];
         snprintf(out, sizeof out, "%s/pp-il-refuse", fl_test_tmpdir());
@@ -647,12 +630,12 @@ FL_TEST(pp_train_threads_interleaved_refusals) {
  * in one process with the uninterrupted run's later losses bit for bit */
 FL_TEST(pp_train_threads_qlora_equals_one_process) {
     g_quantize = "bnb.nf4-dq";
-    pp_job *one = calloc(1, sizeof *one), *ddp = calloc(1, sizeof *ddp);
+    dr_job *one = calloc(1, sizeof *one), *ddp = calloc(1, sizeof *ddp);
     FL_REQUIRE(one && ddp);
     lora_grid(one, 1, 1, "1f1b", "q-one", 0, 0);
     lora_grid(ddp, 2, 1, "1f1b", "q-ddp", 0, 0);
     for (int dp = 1; dp <= 2; dp++) {
-        pp_job *j = calloc(1, sizeof *j), *ref = dp == 1 ? one : ddp;
+        dr_job *j = calloc(1, sizeof *j), *ref = dp == 1 ? one : ddp;
         FL_REQUIRE(j != NULL);
         lora_grid(j, dp, 2, "1f1b", "q", 0, dp == 1 ? 2 : 0);
         for (int r = 0; r < 2 * dp; r++) {
@@ -670,20 +653,20 @@ FL_TEST(pp_train_threads_qlora_equals_one_process) {
         if (dp == 1) { /* PP 2's step-2 checkpoint resumed in one process */
             char ck[1100];
             snprintf(ck, sizeof ck, "%.1000s/step-000002", j->cfg[0].out_dir);
-            pp_job *b = calloc(1, sizeof *b);
+            dr_job *b = calloc(1, sizeof *b);
             FL_REQUIRE(b != NULL);
             lora_grid_from(b, 1, 1, "1f1b", "q-resumed", 0, 0, ck, NULL);
             for (long k = 2; k < j->rec[0].steps; k++)
                 FL_CHECKF(b->rec[0].steps == j->rec[0].steps && b->rec[0].loss[k] == j->rec[0].loss[k], "QLoRA PP 2 "
                           "resumed in one process, step %ld: loss %.9g, uninterrupted %.9g", k + 1, b->rec[0].loss[k],
                           j->rec[0].loss[k]);
-            for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&b->rec[r]);
+            for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&b->rec[r]);
             free(b);
         }
-        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
         free(j);
     }
-    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&one->rec[r]), dr_free(&ddp->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&one->rec[r]), dr_free(&ddp->rec[r]);
     free(one), free(ddp);
     g_quantize = NULL;
 }

@@ -23,23 +23,6 @@
 #include "plan_ref.h"
 #include "test.h"
 
-#define T5T_MAX 4
-typedef struct {
-    fl_run_config cfg[T5T_MAX];
-    dr_rec rec[T5T_MAX];
-    fl_status st[T5T_MAX];
-    char msg[T5T_MAX][600];
-    fl_trainer_result res[T5T_MAX];
-} t5t_job;
-
-static fl_status t5t_rank(fl_comm *c, int rank, void *ud) {
-    t5t_job *j = ud;
-    fl_status s = fl_trainer_run_comm(&j->cfg[rank], c, NULL, 0, dr_record, &j->rec[rank], &j->res[rank]);
-    j->st[rank] = s;
-    snprintf(j->msg[rank], sizeof j->msg[rank], "%s", s != FL_OK ? fl_error_message() : "");
-    return s;
-}
-
 /* the T5 folder (relu: v1.0 with the tied, scaled head; else v1.1 gated with lm_head; 2: v1.1 with the fixture's 3
  * heads, which 2 ranks do not split) under the test's tmp dir */
 static const char *t5t_folder(int relu) {
@@ -89,9 +72,9 @@ static void t5t_config(fl_run_config *c, const char *dir, int dp, int tp, const 
     snprintf(c->strategy, sizeof c->strategy, "ddp");
 }
 
-static fl_status t5t_run(t5t_job *j, int W) {
+static fl_status t5t_run(dr_job *j, int W) {
     return W == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], &j->res[0])
-                  : fl_comm_threads_run(W, t5t_rank, j);
+                  : fl_comm_threads_run(W, dr_job_rank, j);
 }
 
 /* the step-1 checkpoints' exp_avg of two runs, tensor by tensor (the layout of dir's whole model) */
@@ -141,7 +124,7 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
     char out[700], ref_out[700];
     snprintf(out, sizeof out, "%s/t5tp-%s-dp%d-tp%d-%s", fl_test_tmpdir(), relu ? "relu" : "gated", dp, tp, backend);
     snprintf(ref_out, sizeof ref_out, "%s/t5tp-%s-one-%s", fl_test_tmpdir(), relu ? "relu" : "gated", backend);
-    t5t_job *j = calloc(1, sizeof *j), *one = calloc(1, sizeof *one);
+    dr_job *j = calloc(1, sizeof *j), *one = calloc(1, sizeof *one);
     FL_REQUIRE(j && one);
     const int W = dp * tp;
     for (int r = 0; r < W; r++) t5t_config(&j->cfg[r], dir, dp, tp, out), j->cfg[r].train.max_steps = steps;
@@ -170,7 +153,7 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
                  g_ckpt ? " (checkpointing)" : "");
         t5t_grads(dir, out, ref_out, what);
     }
-    for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
     free(j), free(one);
 }
 
@@ -180,7 +163,7 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
 FL_TEST(tp_t5_train_lora_matches_one_process) {
     const char *dir = t5t_folder(0);
     FL_REQUIRE(dir != NULL);
-    t5t_job *j = calloc(1, sizeof *j), *one = calloc(1, sizeof *one);
+    dr_job *j = calloc(1, sizeof *j), *one = calloc(1, sizeof *one);
     FL_REQUIRE(j && one);
     char out[700], ref_out[700];
     snprintf(out, sizeof out, "%s/t5tp-lora-tp2", fl_test_tmpdir());
@@ -220,7 +203,7 @@ FL_TEST(tp_t5_train_lora_matches_one_process) {
         fl_st_close(&a);
         fl_st_close(&b);
     }
-    for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
     free(j), free(one);
 }
 
@@ -241,7 +224,7 @@ FL_TEST(tp_t5_train_checkpoint_resumes_at_another_size) {
     FL_REQUIRE(dir != NULL);
     char out[700], from[800];
     snprintf(out, sizeof out, "%s/t5tp-resume-tp2", fl_test_tmpdir());
-    t5t_job *j = calloc(1, sizeof *j);
+    dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     for (int r = 0; r < 2; r++) t5t_config(&j->cfg[r], dir, 1, 2, out);
     setenv("FITLLM_BACKEND", "cpu", 1);
@@ -255,7 +238,7 @@ FL_TEST(tp_t5_train_checkpoint_resumes_at_another_size) {
     for (int k = 0; k < 2 && s == FL_OK; k++) {
         char o2[760];
         snprintf(o2, sizeof o2, "%s-r%d", out, sizes[k]);
-        for (int r = 0; r < T5T_MAX; r++) {
+        for (int r = 0; r < DR_JOB_RANKS; r++) {
             dr_free(&j->rec[r]);
             t5t_config(&j->cfg[r], dir, 1, sizes[k], o2);
             j->cfg[r].train.save_interval = 0;
@@ -272,7 +255,7 @@ FL_TEST(tp_t5_train_checkpoint_resumes_at_another_size) {
             printf("    T5 TP 2's step 3 resumed at TP %d: later losses within %.3g relative\n", sizes[k], w);
     }
     unsetenv("FITLLM_BACKEND");
-    for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&full);
     free(j);
 }
@@ -284,7 +267,7 @@ FL_TEST(tp_t5_train_plan_equals_measured) {
     const int grids[2][2] = {{1, 2}, {2, 2}};
     for (int g = 0; g < 2; g++) {
         const int dp = grids[g][0], tp = grids[g][1], W = dp * tp;
-        t5t_job *j = calloc(1, sizeof *j);
+        dr_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         char out[700];
         snprintf(out, sizeof out, "%s/t5tp-plan-%d-%d", fl_test_tmpdir(), dp, tp);
@@ -308,7 +291,7 @@ FL_TEST(tp_t5_train_plan_equals_measured) {
                 printf("    %s rank %d: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu, ACTS %zu)\n", grid, r, total,
                        j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_OPTIM], j->res[r].peak[FL_TAG_ACTS]);
         }
-        for (int r = 0; r < T5T_MAX; r++) dr_free(&j->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
         free(j);
     }
 }
@@ -320,7 +303,7 @@ FL_TEST(tp_t5_train_refusals) {
     for (int k = 0; k < 2; k++) {
         const char *dir = t5t_folder(k ? 0 : 2);
         FL_REQUIRE(dir != NULL);
-        t5t_job *j = calloc(1, sizeof *j);
+        dr_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         char out[700];
         snprintf(out, sizeof out, "%s/t5tp-refused-%d", fl_test_tmpdir(), k);

@@ -35,23 +35,6 @@ static const char *g_forced;
 static void backend_on(void) { setenv("FITLLM_BACKEND", g_forced ? g_forced : fl_test_backend_name(), 1); }
 static void backend_off(void) { unsetenv("FITLLM_BACKEND"); }
 
-#define TP_MAX_RANKS 8 /* DP 2 x TP 2 x PP 2 */
-typedef struct {
-    fl_run_config cfg[TP_MAX_RANKS];
-    dr_rec rec[TP_MAX_RANKS];
-    fl_status st[TP_MAX_RANKS];
-    char msg[TP_MAX_RANKS][600];
-    fl_trainer_result res[TP_MAX_RANKS];
-} tp_job;
-
-static fl_status tp_rank(fl_comm *c, int rank, void *ud) {
-    tp_job *j = ud;
-    fl_status s = fl_trainer_run_comm(&j->cfg[rank], c, NULL, 0, dr_record, &j->rec[rank], &j->res[rank]);
-    j->st[rank] = s;
-    snprintf(j->msg[rank], sizeof j->msg[rank], "%s", s != FL_OK ? fl_error_message() : "");
-    return s;
-}
-
 /* ddp_ref.h's control-pair distance has no use here (no control run: see the header's bounds) */
 static double (*const k_no_control)(const dr_rec *, const dr_rec *) __attribute__((unused)) = dr_max_diff;
 
@@ -159,7 +142,7 @@ static void final_params(const char *dir, dr_rec *r) {
 
 static void scenario(int sc, int dp, int tp) {
     char out[700], ref_out[700];
-    tp_job *j = calloc(1, sizeof *j);
+    dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     const int W = dp * tp * g_pp;
     snprintf(out, sizeof out, "%s/%s-%s-dp%d-tp%d-pp%d%s%s%s", fl_test_tmpdir(), dr_names[sc], g_model ? g_model : "micro",
@@ -168,7 +151,7 @@ static void scenario(int sc, int dp, int tp) {
     const long steps = j->cfg[0].train.max_steps;
     backend_on();
     const unsigned long calls0 = fl_nccl_standin_calls();
-    fl_status s = fl_comm_threads_run(W, tp_rank, j);
+    fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
     const unsigned long calls = fl_nccl_standin_calls() - calls0;
     FL_CHECKF(s == FL_OK, "%s at DP %d x TP %d x PP %d: %s", dr_names[sc], dp, tp, g_pp,
               j->msg[0][0] ? j->msg[0] : fl_error_message());
@@ -210,7 +193,7 @@ static void scenario(int sc, int dp, int tp) {
         dr_free(&a);
         dr_free(&b);
     }
-    for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&ref);
     free(j);
 }
@@ -298,7 +281,7 @@ FL_TEST(tp_train_threads_lora_on_the_3d_grid) {
 }
 
 /* run W = dp x tp x pp thread ranks (one process: W 1) of LoRA into out, resuming from resume when given */
-static void lora3d_run(tp_job *j, int dp, int tp, int pp, const char *out, const char *resume) {
+static void lora3d_run(dr_job *j, int dp, int tp, int pp, const char *out, const char *resume) {
     const int W = dp * tp * pp;
     for (int r = 0; r < W; r++) {
         fl_run_config *c = &j->cfg[r];
@@ -310,7 +293,7 @@ static void lora3d_run(tp_job *j, int dp, int tp, int pp, const char *out, const
         if (resume) snprintf(c->resume, sizeof c->resume, "%s", resume);
     }
     backend_on();
-    fl_status s = W > 1 ? fl_comm_threads_run(W, tp_rank, j) : tp_rank(NULL, 0, j);
+    fl_status s = W > 1 ? fl_comm_threads_run(W, dr_job_rank, j) : dr_job_rank(NULL, 0, j);
     backend_off();
     FL_CHECKF(s == FL_OK, "LoRA at DP %d x TP %d x PP %d%s: %s", dp, tp, pp, resume ? " (resumed)" : "", j->msg[0]);
 }
@@ -322,13 +305,13 @@ static void lora3d_run(tp_job *j, int dp, int tp, int pp, const char *out, const
 FL_TEST(tp_train_threads_lora_3d_resume_on_another_grid) {
     const int grids[3][3] = {{1, 1, 2}, {1, 1, 1}, {2, 2, 2}};
     char out[700], ck[760];
-    tp_job *a = calloc(1, sizeof *a);
+    dr_job *a = calloc(1, sizeof *a);
     FL_REQUIRE(a != NULL);
     snprintf(out, sizeof out, "%s/lora3d-tp2-pp2", fl_test_tmpdir());
     lora3d_run(a, 1, 2, 2, out, NULL);
     snprintf(ck, sizeof ck, "%s/step-000002", out);
     for (int g = 0; g < 3; g++) {
-        tp_job *b = calloc(1, sizeof *b);
+        dr_job *b = calloc(1, sizeof *b);
         FL_REQUIRE(b != NULL);
         char o2[760];
         snprintf(o2, sizeof o2, "%s-resumed-%d", out, g);
@@ -349,10 +332,10 @@ FL_TEST(tp_train_threads_lora_3d_resume_on_another_grid) {
                 FL_CHECKF(system(cmd) == 0, "LoRA at TP 2 x PP 2: %s/ holds other files than one process's", sub[k]);
             }
         }
-        for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&b->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&b->rec[r]);
         free(b);
     }
-    for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&a->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&a->rec[r]);
     free(a);
 }
 
@@ -397,7 +380,7 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
         const int dp = grids[g][0], tp = grids[g][1], W = dp * tp * grids[g][2];
         g_pp = grids[g][2];
         g_strategy = g == 2 || g == 4 ? "deepspeed_stage_2" : NULL; /* OPTIM: the chunk's state */
-        tp_job *j = calloc(1, sizeof *j);
+        dr_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         char out[700];
         snprintf(out, sizeof out, "%s/tp-plan-%d-%d-%d", fl_test_tmpdir(), dp, tp, g_pp);
@@ -406,7 +389,7 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
             j->cfg[r].train.max_steps = 1;
         }
         backend_on();
-        fl_status s = fl_comm_threads_run(W, tp_rank, j);
+        fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
         backend_off();
         FL_CHECKF(s == FL_OK, "DP %d x TP %d x PP %d: %s", dp, tp, g_pp, j->msg[0]);
         for (int r = 0; r < W && s == FL_OK; r++) {
@@ -421,7 +404,7 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
         if (g_pp > 1) /* 1F1B: stage 0 (ranks 0, 1) keeps a micro-batch in flight beside its arena, the last none */
             FL_CHECKF(j->res[0].peak[FL_TAG_ACTS] > j->res[2].peak[FL_TAG_ACTS], "%s: ACTS stage 0 %zu, stage 1 %zu",
                       "TP 2 x PP 2", j->res[0].peak[FL_TAG_ACTS], j->res[2].peak[FL_TAG_ACTS]);
-        for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
         free(j);
     }
     g_pp = 1;
@@ -430,12 +413,12 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
 }
 
 /* The uninterrupted TP 2 run of the resume tests (its step checkpoints under out): the job, its losses in *full */
-static tp_job *uninterrupted_tp2(const char *out, dr_rec *full, long *steps) {
-    tp_job *j = calloc(1, sizeof *j);
+static dr_job *uninterrupted_tp2(const char *out, dr_rec *full, long *steps) {
+    dr_job *j = calloc(1, sizeof *j);
     if (!j) return NULL;
     for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_ADAMW, 1, 2, out);
     backend_on();
-    if (fl_comm_threads_run(2, tp_rank, j) != FL_OK) {
+    if (fl_comm_threads_run(2, dr_job_rank, j) != FL_OK) {
         free(j);
         return NULL;
     }
@@ -463,7 +446,7 @@ FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
     snprintf(out, sizeof out, "%s/tp-resume-2", fl_test_tmpdir());
     dr_rec full;
     long steps;
-    tp_job *j = uninterrupted_tp2(out, &full, &steps);
+    dr_job *j = uninterrupted_tp2(out, &full, &steps);
     FL_REQUIRE(j != NULL);
     snprintf(from, sizeof from, "%s/step-000004", out);
     const int sizes[4] = {1, 4, 2, 2};
@@ -481,7 +464,7 @@ FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
             dr_free(&j->rec[r]);
         }
         fl_status s = tp == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL)
-                              : fl_comm_threads_run(dp * tp, tp_rank, j);
+                              : fl_comm_threads_run(dp * tp, dr_job_rank, j);
         FL_CHECKF(s == FL_OK, "resumed at DP %d x TP %d: %s", dp, tp, j->msg[0][0] ? j->msg[0] : fl_error_message());
         const double w = s == FL_OK ? later_diff(&j->rec[0], &full, from_step, steps) : 0;
         FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "resumed at TP %d from '%s': steps %ld, later "
@@ -509,7 +492,7 @@ FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
     snprintf(out, sizeof out, "%s/tp-xgrid", fl_test_tmpdir());
     dr_rec full;
     long steps;
-    tp_job *j = uninterrupted_tp2(out, &full, &steps);
+    dr_job *j = uninterrupted_tp2(out, &full, &steps);
     FL_REQUIRE(j != NULL);
     /* each: the checkpoint (under out + from), its step, the grid resuming it (the name of its out_dir) */
     const struct { const char *from; long step; int tp, pp; const char *name; } k_case[4] = {
@@ -529,7 +512,7 @@ FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
             j->cfg[r].pipeline_parallel = pp;
             snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
         }
-        fl_status s = fl_comm_threads_run(W, tp_rank, j);
+        fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
         FL_CHECKF(s == FL_OK, "resumed at %s: %s", k_case[k].name, j->msg[0][0] ? j->msg[0] : fl_error_message());
         const double w = s == FL_OK ? later_diff(&j->rec[0], &full, k_case[k].step, steps) : 0;
         FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "%s resumed from '%s': steps %ld, later losses "
@@ -537,7 +520,7 @@ FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
         if (getenv("FL_TEST_VERBOSE")) printf("    %s from %s: later losses within %.3g relative\n", k_case[k].name, from, w);
     }
     backend_off();
-    for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&full);
     free(j);
 }
@@ -549,11 +532,11 @@ FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
 FL_TEST(tp_train_threads_lora_checkpoints_resume) {
     char out[700], from[800], o2[760];
     snprintf(out, sizeof out, "%s/tp-lora-resume", fl_test_tmpdir());
-    tp_job *j = calloc(1, sizeof *j);
+    dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
     backend_on();
-    FL_REQUIRE_OK(fl_comm_threads_run(2, tp_rank, j));
+    FL_REQUIRE_OK(fl_comm_threads_run(2, dr_job_rank, j));
     dr_rec full = j->rec[0];
     memset(&j->rec[0], 0, sizeof j->rec[0]);
     const long steps = j->cfg[0].train.max_steps;
@@ -568,7 +551,7 @@ FL_TEST(tp_train_threads_lora_checkpoints_resume) {
             snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
         }
         fl_status s = tp == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL)
-                              : fl_comm_threads_run(tp, tp_rank, j);
+                              : fl_comm_threads_run(tp, dr_job_rank, j);
         FL_CHECKF(s == FL_OK, "LoRA resumed at TP %d: %s", tp, j->msg[0][0] ? j->msg[0] : fl_error_message());
         const double w = s == FL_OK ? later_diff(&j->rec[0], &full, from_step, steps) : 0;
         FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "LoRA at TP %d resumed from '%s': steps %ld, "
@@ -584,14 +567,14 @@ FL_TEST(tp_train_threads_lora_checkpoints_resume) {
         snprintf(b, sizeof b, "ls %s-one/%s > %s-ls-b 2>&1 && cmp -s %s-ls-a %s-ls-b", out, sub[k], out, out, out);
         FL_CHECKF(system(a) == 0 && system(b) == 0, "LoRA at TP 2: %s/ holds other files than one process's", sub[k]);
     }
-    for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&full);
     free(j);
 }
 
 /* What is refused, on every rank, naming the option and the dimension. */
 static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, const char *b) {
-    tp_job *j = calloc(1, sizeof *j);
+    dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     char out[700];
     snprintf(out, sizeof out, "%s/tp-refused", fl_test_tmpdir());
@@ -602,7 +585,7 @@ static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, 
         j->cfg[r].overwrite = 1;
         edit(&j->cfg[r]);
     }
-    FL_CHECK(fl_comm_threads_run(W, tp_rank, j) != FL_OK);
+    FL_CHECK(fl_comm_threads_run(W, dr_job_rank, j) != FL_OK);
     for (int r = 0; r < W; r++)
         FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], a) && (!b || strstr(j->msg[r], b)), "rank %d: '%s' (wanted "
                   "'%s' and '%s')", r, j->msg[r], a, b ? b : "");
@@ -652,7 +635,7 @@ FL_TEST(tp_train_threads_refusals) {
  * injected) in the final save, and every rank of the 2 x 2 grid returns that failure, naming rank 0 (the save's
  * agreement); no rank reports success. */
 FL_TEST(tp_train_threads_failing_rank_stops_the_grid) {
-    tp_job *j = calloc(1, sizeof *j);
+    dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     char out[700];
     for (int pass = 0; pass < 2; pass++) {
@@ -665,7 +648,7 @@ FL_TEST(tp_train_threads_failing_rank_stops_the_grid) {
         static long writes;
         const long big = 1000000;
         fl_io_fail_writes_after(pass ? writes - 1 : big); /* pass 1: the run's last write fails */
-        fl_status s = fl_comm_threads_run(4, tp_rank, j);
+        fl_status s = fl_comm_threads_run(4, dr_job_rank, j);
         const long left = fl_io_writes_left();
         fl_io_fail_writes_after(-1);
         if (!pass) {
@@ -692,19 +675,19 @@ FL_TEST(tp_train_threads_failing_rank_stops_the_grid) {
 /* rank 0's step losses of sc at DP dp x TP tp (g_sp, g_prec, g_ckpt as set) */
 static fl_status sp_losses(int sc, int dp, int tp, dr_rec *out, char *msg, size_t len) {
     char dir[700];
-    tp_job *j = calloc(1, sizeof *j);
+    dr_job *j = calloc(1, sizeof *j);
     if (!j) return FL_ERR_OOM;
     const int W = dp * tp;
     snprintf(dir, sizeof dir, "%s/sp-%s-dp%d-tp%d-%d-%s-%d", fl_test_tmpdir(), dr_names[sc], dp, tp, g_sp,
              g_prec ? g_prec : "32", g_ckpt);
     for (int r = 0; r < W; r++) tp_config(&j->cfg[r], sc, dp, tp, dir);
     backend_on();
-    fl_status s = fl_comm_threads_run(W, tp_rank, j);
+    fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
     backend_off();
     snprintf(msg, len, "%s", j->msg[0]);
     memcpy(out->loss, j->rec[0].loss, sizeof out->loss);
     out->steps = j->cfg[0].train.max_steps;
-    for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     free(j);
     return s;
 }
@@ -777,7 +760,7 @@ FL_TEST(sp_train_threads_plan_equals_measured) {
         g_strategy = g == 1 ? "deepspeed_stage_2" : NULL;
         for (int on = 0; on < 2; on++) {
             g_sp = on;
-            tp_job *j = calloc(1, sizeof *j);
+            dr_job *j = calloc(1, sizeof *j);
             FL_REQUIRE(j != NULL);
             char out[700];
             snprintf(out, sizeof out, "%s/sp-plan-%d-%d-%d", fl_test_tmpdir(), dp, tp, on);
@@ -786,7 +769,7 @@ FL_TEST(sp_train_threads_plan_equals_measured) {
                 j->cfg[r].train.max_steps = 1;
             }
             backend_on();
-            fl_status s = fl_comm_threads_run(W, tp_rank, j);
+            fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
             backend_off();
             FL_CHECKF(s == FL_OK, "DP %d x TP %d%s: %s", dp, tp, on ? " + SP" : "", j->msg[0]);
             for (int r = 0; on && r < W && s == FL_OK; r++) {
@@ -798,7 +781,7 @@ FL_TEST(sp_train_threads_plan_equals_measured) {
                            j->res[r].peak[FL_TAG_ACTS]);
             }
             if (s == FL_OK) acts[on] = j->res[0].peak[FL_TAG_ACTS];
-            for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+            for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
             free(j);
         }
         FL_CHECKF(acts[1] < acts[0], "DP %d x TP %d: ACTS with SP %zu, without %zu", dp, tp, acts[1], acts[0]);
