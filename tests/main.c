@@ -65,6 +65,17 @@ int fl_test_asan_budget(void) {
 #endif
 }
 
+/* Under ASan (unless FITLLM_TEST_ASAN_ALL=1) a test with many cases of one path runs a representative subset:
+ * every code path still runs under the sanitizers, the release pass runs every case. */
+int fl_test_asan_light(void) {
+#ifdef __SANITIZE_ADDRESS__
+    const char *e = getenv("FITLLM_TEST_ASAN_ALL");
+    return !(e && !strcmp(e, "1"));
+#else
+    return 0;
+#endif
+}
+
 static const char *test_backend_env(void) {
     const char *e = getenv("FITLLM_TEST_BACKEND");
     return e && *e ? e : "cpu";

@@ -19,6 +19,8 @@ void fl_test_skip(const char *why);
 /* 1 to run a slow test; 0 (skipped, saying so) in the ASan build unless FITLLM_TEST_ASAN_ALL=1: make test's
  * 15-minute budget keeps the slowest emulated-kernel tests to the release pass, which runs them all. */
 int fl_test_asan_budget(void);
+/* 1 under ASan unless FITLLM_TEST_ASAN_ALL=1: run a representative subset of a test's cases (every path once) */
+int fl_test_asan_light(void);
 int fl_test_failed(void);
 /* Path to the shared data folder: $FITLLM_DATA or ../shared/data. Returns NULL
  * (and the test should skip with a clear message) if it does not exist. */
