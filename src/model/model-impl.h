@@ -238,6 +238,13 @@ static inline int fl_sp_part(const fl_model *m, int N, size_t *row0) {
     return n;
 }
 fl_status fl_sp_gather(fl_model *m, const float *part, float *whole, int N);
+/* Sequence parallelism: the sequence length a pass of (B, T) runs at (sp_pad: the shortest T' >= T whose B T' rows the
+ * group divides; T itself without SP) */
+static inline int fl_sp_pass_T(const fl_model *m, int B, int T) {
+    if (!m->sp) return T;
+    while ((B * T) % m->cfg.tp_size) T++;
+    return T;
+}
 /* A norm over the rank's rows computes its part of the weight's (and bias') gradient: begin points *sw, *sb at a
  * zeroed scratch in place of dw, db (NULL stays NULL); end sums the group's parts over c and adds them to dw, db, so
  * every rank adds the whole gradient (Megatron's sum of the sequence-parallel norms' gradients, here per norm). */

@@ -61,9 +61,6 @@ fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *give
     if (t->cfg->sequence_parallel && n <= 1) /* every rank alike, before any collective */
         return fl_errorf(FL_ERR_INVALID, "--sequence_parallel splits the rows of a tensor-parallel group: give "
                          "--tensor_parallel N (N > 1) with it");
-    if (t->cfg->sequence_parallel && t->cfg->pipeline_parallel > 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--sequence_parallel with --pipeline_parallel %d: a stage's stream is not "
-                         "split over its tensor-parallel group yet (give one of them)", t->cfg->pipeline_parallel);
     if (t->cfg->pipeline_parallel > 1 && n > 1) return tpp_begin(t, world, given, dp_comm); /* the 3D grid */
     if (t->cfg->pipeline_parallel > 1) return fl_tr_pp_begin(t, world, given, dp_comm); /* trainer_pp.c */
     if (n == 1) return FL_OK;
