@@ -7,6 +7,7 @@
 #   - TP 2 + SP's step-2 checkpoint resumes in one process, continuing its losses within 1e-6;
 #   - rank 0's peaks per tag = `plan --devices 2 --tensor_parallel 2 --sequence_parallel` (as printed), and its ACTS
 #     below TP 2's plan;
+#   - TP 2 x PP 2 + SP at 4 ranks (the 3D grid) against one process, within 1e-6, one process's final files;
 #   - a sequence length the group does not divide is refused naming it.
 # Usage: tests/mpi_sp_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
 set -u
@@ -67,6 +68,17 @@ if [ $rc -eq 0 ] && [ -n "$planned" ] && [ "$planned" = "${measured:0:${#planned
     ok "sp_cli_plan_equals_measured (rank 0: $planned; ACTS TP 2 $acts_tp)"
 else
     bad "sp_cli_plan_equals_measured" "exit $rc, planned '$planned' measured '$measured' (TP 2 '$planned_tp')"
+fi
+
+# the 3D grid: TP 2 x PP 2 + SP (1F1B; a stage's stream is the rank's rows, sent to the same TP rank of the next stage)
+timeout 300 mpirun -np 4 "$FL" finetune_full "${SARGS[@]}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 \
+    --sequence_parallel true --out_dir "$T/sppp" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/sppp" "$T/one" 2>/dev/null)
+files=$(cd "$T/sppp/final" 2>/dev/null && ls | sort | tr '\n' ' '); ofiles=$(cd "$T/one/final" && ls | sort | tr '\n' ' ')
+if [ $rc -eq 0 ] && grep -q "sequence parallel" "$T/out" && [ "$files" = "$ofiles" ] && within "$w"; then
+    ok "sp_cli_np4_tp2_pp2 (losses within $w of one process)"
+else
+    bad "sp_cli_np4_tp2_pp2" "exit $rc, losses within '$w', files '$files' vs '$ofiles'"
 fi
 
 timeout 120 mpirun -np 2 "$FL" finetune_full "${SARGS[@]}" --devices 2 --tensor_parallel 2 --sequence_parallel true \
