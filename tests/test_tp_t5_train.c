@@ -45,6 +45,8 @@ static const char *t5t_folder(int relu) {
     return d;
 }
 
+static int g_sp; /* --sequence_parallel (with tp > 1) */
+
 /* dp groups x tp ranks on folder `dir`, output under out */
 static void t5t_config(fl_run_config *c, const char *dir, int dp, int tp, const char *out) {
     fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
@@ -69,6 +71,7 @@ static void t5t_config(fl_run_config *c, const char *dir, int dp, int tp, const 
     c->seed = 5;
     c->devices = dp * tp;
     c->tensor_parallel = tp;
+    c->sequence_parallel = g_sp && tp > 1;
     snprintf(c->strategy, sizeof c->strategy, "ddp");
 }
 
@@ -122,7 +125,8 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
     const char *dir = t5t_folder(relu);
     FL_REQUIRE(dir != NULL);
     char out[700], ref_out[700];
-    snprintf(out, sizeof out, "%s/t5tp-%s-dp%d-tp%d-%s", fl_test_tmpdir(), relu ? "relu" : "gated", dp, tp, backend);
+    snprintf(out, sizeof out, "%s/t5tp-%s-dp%d-tp%d-%s%s%s", fl_test_tmpdir(), relu ? "relu" : "gated", dp, tp, backend,
+             g_sp ? "-sp" : "", g_ckpt ? "-ckpt" : "");
     snprintf(ref_out, sizeof ref_out, "%s/t5tp-%s-one-%s", fl_test_tmpdir(), relu ? "relu" : "gated", backend);
     dr_job *j = calloc(1, sizeof *j), *one = calloc(1, sizeof *one);
     FL_REQUIRE(j && one);
@@ -146,11 +150,11 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
         FL_CHECKF(j->rec[0].steps == steps && lr <= 1e-6, "T5 %s at DP %d x TP %d on %s vs one process: %ld steps, step "
                   "losses differ by %.3g relative", relu ? "v1.0" : "v1.1", dp, tp, backend, j->rec[0].steps, lr);
         if (getenv("FL_TEST_VERBOSE"))
-            printf("    T5 %s DP %d x TP %d on %s: %d step losses within %.3g relative of one process\n",
-                   relu ? "v1.0" : "v1.1", dp, tp, backend, steps, lr);
+            printf("    T5 %s DP %d x TP %d%s on %s: %d step losses within %.3g relative of one process\n",
+                   relu ? "v1.0" : "v1.1", dp, tp, g_sp ? " + SP" : "", backend, steps, lr);
         char what[96];
-        snprintf(what, sizeof what, "T5 %s DP %d x TP %d on %s%s", relu ? "v1.0" : "v1.1", dp, tp, backend,
-                 g_ckpt ? " (checkpointing)" : "");
+        snprintf(what, sizeof what, "T5 %s DP %d x TP %d%s on %s%s", relu ? "v1.0" : "v1.1", dp, tp,
+                 g_sp ? " + SP" : "", backend, g_ckpt ? " (checkpointing)" : "");
         t5t_grads(dir, out, ref_out, what);
     }
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
@@ -325,4 +329,22 @@ FL_TEST(tp_t5_train_refusals) {
                       "case %d rank %d: %d '%s'", k, r, j->st[r], j->msg[r]);
         free(j);
     }
+}
+
+/* ---- sequence parallelism on T5 (--sequence_parallel; seq2seq.c, docs/ARCHITECTURE.md "Sequence parallelism"): both
+ * stacks' streams are the rank's rows between the linears; the encoder output is gathered once per pass for the
+ * decoder's cross k|v, d(encoder output) reduce-scattered into the rank's rows; T5's dropout draws one process's masks
+ * (a stream's rows: the whole pass's mask at the rank's rows). Micro-batches of 1 sequence: a pass whose B T rows the
+ * group does not divide runs padding sequences (masked sources, ignored targets) beside the real one. The bars are
+ * TP's (above). */
+FL_TEST(sp_t5_train_threads_match_one_process) {
+    g_sp = 1;
+    t5t_scenario(0, 1, 2, "cpu", 4); /* v1.1 (gated) */
+    if (fl_test_asan_budget()) {
+        t5t_scenario(1, 1, 4, "cpu", 4); /* v1.0 (tied, scaled head), 4 ranks */
+        g_ckpt = 1;
+        t5t_scenario(0, 2, 2, "cpu", 4); /* DP 2 x TP 2, checkpointing: the recompute gathers and scatters again */
+        g_ckpt = 0;
+    }
+    g_sp = 0;
 }
