@@ -42,6 +42,7 @@ static int g_small; /* the emulator's cut-down run */
 static const char *g_strategy; /* the data axis's (NULL: ddp) */
 static int g_pp = 1;           /* the 3D grid: stages per pipeline (1: none) */
 static int g_lora_mlp = 1, g_lora_dropout; /* DR_LORA: adapters on the MLP too (down_proj row-parallel); dropout 0.1 */
+static int g_lora_proj;                     /* DR_LORA: on o_proj too (row-parallel) */
 static const char *g_model; /* another preset than micro (NULL: micro) */
 static const char *g_sched;    /* and their schedule (NULL: 1f1b) */
 static int g_sp;               /* --sequence_parallel */
@@ -55,6 +56,7 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
     dr_config(c, sc, dp, dp * tp * g_pp, 1, 1, out);
     c->tensor_parallel = tp;
     if (sc == DR_LORA) c->lora.mlp = g_lora_mlp, c->lora.dropout = g_lora_dropout ? 0.1f : 0.0f;
+    if (sc == DR_LORA && g_lora_proj) c->lora.projection = 1;
     if (g_model) snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", g_model);
     if (g_pp > 1 && tp > 1) {
         c->pipeline_parallel = g_pp;
@@ -145,8 +147,9 @@ static void scenario(int sc, int dp, int tp) {
     dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     const int W = dp * tp * g_pp;
-    snprintf(out, sizeof out, "%s/%s-%s-dp%d-tp%d-pp%d%s%s%s", fl_test_tmpdir(), dr_names[sc], g_model ? g_model : "micro",
-             dp, tp, g_pp, g_sp ? "-sp" : "", g_ckpt ? "-ckpt" : "", g_prec ? g_prec : "");
+    snprintf(out, sizeof out, "%s/%s-%s-dp%d-tp%d-pp%d%s%s%s%s%s", fl_test_tmpdir(), dr_names[sc],
+             g_model ? g_model : "micro", dp, tp, g_pp, g_sp ? "-sp" : "", g_ckpt ? "-ckpt" : "", g_prec ? g_prec : "",
+             g_forced ? g_forced : "", g_lora_proj ? "-proj" : "");
     for (int r = 0; r < W; r++) tp_config(&j->cfg[r], sc, dp, tp, out);
     const long steps = j->cfg[0].train.max_steps;
     backend_on();
@@ -529,9 +532,9 @@ FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
  * AdamW state gathered from the slices): TP 2's step 3 resumed in one process, that run's step 4 at TP 2, each with
  * the later losses within 1e-6 relative of the uninterrupted TP 2 run's; final/ and final/adapter hold one process's
  * files. */
-FL_TEST(tp_train_threads_lora_checkpoints_resume) {
+static void lora_resume(const char *name) {
     char out[700], from[800], o2[760];
-    snprintf(out, sizeof out, "%s/tp-lora-resume", fl_test_tmpdir());
+    snprintf(out, sizeof out, "%s/%s", fl_test_tmpdir(), name);
     dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
@@ -562,7 +565,7 @@ FL_TEST(tp_train_threads_lora_checkpoints_resume) {
     /* the same files as one process's: the merged model, the PEFT adapter, the step folders' adapter and state */
     const char *sub[3] = {"final", "final/adapter", "step-000004"};
     for (int k = 0; k < 3; k++) {
-        char a[900], b[1800];
+        char a[1600], b[3700];
         snprintf(a, sizeof a, "ls %s/%s > %s-ls-a 2>&1", out, sub[k], out);
         snprintf(b, sizeof b, "ls %s-one/%s > %s-ls-b 2>&1 && cmp -s %s-ls-a %s-ls-b", out, sub[k], out, out, out);
         FL_CHECKF(system(a) == 0 && system(b) == 0, "LoRA at TP 2: %s/ holds other files than one process's", sub[k]);
@@ -570,6 +573,32 @@ FL_TEST(tp_train_threads_lora_checkpoints_resume) {
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&full);
     free(j);
+}
+
+FL_TEST(tp_train_threads_lora_checkpoints_resume) { lora_resume("tp-lora-resume"); }
+
+/* LoRA dropout on the row-parallel linears (o_proj, down_proj: their input is the rank's columns; lora_model.c draws
+ * each row's mask at the whole's columns, keep(seed, row in + c0 + j)): one process's masks, so the bars are TP's
+ * LoRA ones: TP 2 with adapters on q, v, o and the MLP, dropout 0.1, within 1e-6 of one process and the merged final
+ * weights within the AdamW bound; the release pass: TP 4, DP 2 x TP 2, TP 2 + SP, TP 2 x PP 2, the opaque backend
+ * (the rows' masks through the device's dropout op) and the checkpoints resumed in one process and at TP 2. */
+FL_TEST(tp_train_threads_lora_dropout_on_row_parallel) {
+    g_lora_dropout = g_lora_proj = 1;
+    scenario(DR_LORA, 1, 2);
+    if (fl_test_asan_budget()) {
+        scenario(DR_LORA, 1, 4);
+        scenario(DR_LORA, 2, 2);
+        g_sp = g_t20 = 1;
+        scenario(DR_LORA, 1, 2);
+        g_pp = 2;
+        scenario(DR_LORA, 1, 2);
+        g_sp = g_t20 = 0, g_pp = 1;
+        g_forced = "opaque";
+        scenario(DR_LORA, 1, 2);
+        g_forced = NULL;
+        lora_resume("tp-lora-dropout-resume");
+    }
+    g_lora_dropout = g_lora_proj = 0;
 }
 
 /* What is refused, on every rank, naming the option and the dimension. */
@@ -593,12 +622,6 @@ static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, 
 }
 
 static void e_heads(fl_run_config *c) { (void)c; }
-static void e_lora(fl_run_config *c) { /* dropout on the row-parallel o_proj / down_proj */
-    c->command = FL_CMD_FINETUNE_LORA;
-    c->lora.r = 4;
-    c->lora.mlp = 1;
-    c->lora.dropout = 0.1f;
-}
 static void e_zero(fl_run_config *c) {
     c->tensor_parallel = 2;
     snprintf(c->strategy, sizeof c->strategy, "deepspeed_stage_3");
@@ -622,7 +645,6 @@ static void e_rank(fl_run_config *c) { /* rank 1 alone was given another command
 FL_TEST(tp_train_threads_refusals) {
     /* micro: 8 attention heads, 4 key/value heads: 3 ranks do not split them */
     expect_refusal(3, e_heads, "--tensor_parallel 3", "num_attention_heads");
-    expect_refusal(2, e_lora, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel", "lora_dropout 0");
     expect_refusal(4, e_zero, "not ZeRO-3", "deepspeed_stage_3");
     expect_refusal(3, e_grid, "--tensor_parallel 2: this run has 3 ranks, not a multiple", NULL);
     expect_refusal(6, e_grid3d, "--tensor_parallel 2 with --pipeline_parallel 2: this run has 6 ranks, not a multiple "

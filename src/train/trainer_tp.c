@@ -195,11 +195,6 @@ static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *w
         if (mods[j].layer < 0)
             s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA on lm_head (the vocabulary-parallel head) is "
                           "not split yet (the blocks' linears are)", n_tp);
-        else if (lc.dropout > 0 && fl_tp_entry_split(&lay, mods[j].param_index) == FL_TP_ROW)
-            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA dropout (%g) on the row-parallel %s: its "
-                          "input is the rank's columns, whose part of one process's dropout mask is not drawn yet "
-                          "(give lora_dropout 0, or leave out the output and down projections)", n_tp,
-                          (double)lc.dropout, mods[j].name);
     }
     free(mods);
     fl_layout_free(&lay);
