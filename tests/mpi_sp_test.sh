@@ -10,6 +10,7 @@
 #   - TP 2 x PP 2 + SP at 4 ranks (the 3D grid) against one process, within 1e-6, one process's final files;
 #   - T5 at TP 2 + SP (dropout 0.1, micro-batches of 1) against one process, within 1e-6, with the val losses and the
 #     evaluation sample one process's;
+#   - LoRA dropout on the row-parallel o_proj / down_proj at TP 2 + SP against one process, within 1e-6;
 #   - a sequence length the group does not divide is refused naming it.
 # Usage: tests/mpi_sp_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
 set -u
@@ -104,6 +105,19 @@ if [ $rc -eq 0 ] && within "$w" && grep -q "sequence parallel" "$T/out" && [ "$(
     ok "sp_cli_t5_np2_tp2 (losses within $w of one process; val losses and the sampled text one process's)"
 else
     bad "sp_cli_t5_np2_tp2" "exit $rc, losses within '$w'; $(diff <(ev "$T/out-t5one") <(ev "$T/out") | head -4 | tr '\n' ' ')"
+fi
+
+# LoRA dropout 0.1 on every linear, the row-parallel o_proj and down_proj among them (each row's mask at the whole's
+# columns), at TP 2 + SP against one process
+LA=(finetune_lora "${SARGS[@]}" --lora_dropout 0.1 --lora_projection true --lora_mlp true)
+timeout 300 "$FL" "${LA[@]}" --out_dir "$T/lora-one" >"$T/out" 2>&1; rc=$?
+timeout 300 mpirun -np 2 "$FL" "${LA[@]}" --devices 2 --tensor_parallel 2 --sequence_parallel true \
+    --out_dir "$T/lora-sp" >"$T/out" 2>&1 || rc=$?
+w=$(loss_rel "$T/lora-sp" "$T/lora-one" 2>/dev/null)
+if [ $rc -eq 0 ] && within "$w" && [ -f "$T/lora-sp/final/adapter/adapter_model.safetensors" ]; then
+    ok "sp_cli_lora_dropout_row_parallel_np2 (losses within $w of one process)"
+else
+    bad "sp_cli_lora_dropout_row_parallel_np2" "exit $rc, losses within '$w'"
 fi
 
 timeout 120 mpirun -np 2 "$FL" finetune_full "${SARGS[@]}" --devices 2 --tensor_parallel 2 --sequence_parallel true \
