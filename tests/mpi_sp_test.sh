@@ -7,6 +7,10 @@
 #   - TP 2 + SP's step-2 checkpoint resumes in one process, continuing its losses within 1e-6;
 #   - rank 0's peaks per tag = `plan --devices 2 --tensor_parallel 2 --sequence_parallel` (as printed), and its ACTS
 #     below TP 2's plan;
+#   - TP 2 x PP 2 + SP at 4 ranks (the 3D grid) against one process, within 1e-6, one process's final files;
+#   - T5 at TP 2 + SP (dropout 0.1, micro-batches of 1) against one process, within 1e-6, with the val losses and the
+#     evaluation sample one process's;
+#   - LoRA dropout on the row-parallel o_proj / down_proj at TP 2 + SP against one process, within 1e-6;
 #   - a sequence length the group does not divide is refused naming it.
 # Usage: tests/mpi_sp_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
 set -u
@@ -67,6 +71,53 @@ if [ $rc -eq 0 ] && [ -n "$planned" ] && [ "$planned" = "${measured:0:${#planned
     ok "sp_cli_plan_equals_measured (rank 0: $planned; ACTS TP 2 $acts_tp)"
 else
     bad "sp_cli_plan_equals_measured" "exit $rc, planned '$planned' measured '$measured' (TP 2 '$planned_tp')"
+fi
+
+# the 3D grid: TP 2 x PP 2 + SP (1F1B; a stage's stream is the rank's rows, sent to the same TP rank of the next stage)
+timeout 300 mpirun -np 4 "$FL" finetune_full "${SARGS[@]}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 \
+    --sequence_parallel true --out_dir "$T/sppp" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/sppp" "$T/one" 2>/dev/null)
+files=$(cd "$T/sppp/final" 2>/dev/null && ls | sort | tr '\n' ' '); ofiles=$(cd "$T/one/final" && ls | sort | tr '\n' ' ')
+if [ $rc -eq 0 ] && grep -q "sequence parallel" "$T/out" && [ "$files" = "$ofiles" ] && within "$w"; then
+    ok "sp_cli_np4_tp2_pp2 (losses within $w of one process)"
+else
+    bad "sp_cli_np4_tp2_pp2" "exit $rc, losses within '$w', files '$files' vs '$ofiles'"
+fi
+
+# T5 (both stacks; dropout 0.1 with one process's masks; micro-batches of 1 sequence: padding sequences beside it) at
+# TP 2 + SP with a validation split and the evaluation sample (generation runs the TP graphs): every logged loss
+# within 1e-6 of one process, the val losses and the sampled text one process's
+mkdir -p "$T/t5sp" && cp tests/fixtures/t5-tok/spiece.model tests/fixtures/t5-tok/tokenizer.json \
+    tests/fixtures/t5-tok/tokenizer_config.json "$T/t5sp/"
+sed 's/"vocab_size": 97/"vocab_size": 500/; s/"dropout_rate": 0.0/"dropout_rate": 0.1/; s/"num_heads": 3/"num_heads": 4/' \
+    tests/fixtures/t5-tiny-gated/config.json > "$T/t5sp/config.json"
+T5S=(--checkpoint_dir "$T/t5sp" --init random --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json
+     --train.max_steps 4 --train.epochs 100 --train.global_batch_size 4 --train.micro_batch_size 1 --train.log_interval 1
+     --optimizer.lr 3e-3 --train.lr_warmup_steps 2 --train.save_interval 0 --threads 1 --data.val_split_fraction 0.2
+     --eval.interval 2 --eval.max_new_tokens 8)
+timeout 300 "$FL" finetune_full "${T5S[@]}" --out_dir "$T/t5-one" >"$T/out-t5one" 2>&1; rc=$?
+timeout 300 mpirun -np 2 "$FL" finetune_full "${T5S[@]}" --devices 2 --tensor_parallel 2 --sequence_parallel true \
+    --out_dir "$T/t5-sp" >"$T/out" 2>&1 || rc=$?
+w=$(loss_rel "$T/t5-sp" "$T/t5-one" 2>/dev/null)
+ev() { grep -A1 "^Recommend a movie" "$1"; grep -o "val loss[: ]*[0-9.]*" "$1"; }
+if [ $rc -eq 0 ] && within "$w" && grep -q "sequence parallel" "$T/out" && [ "$(ev "$T/out" | grep -c "val loss")" -ge 2 ] \
+    && diff <(ev "$T/out-t5one") <(ev "$T/out") >/dev/null; then
+    ok "sp_cli_t5_np2_tp2 (losses within $w of one process; val losses and the sampled text one process's)"
+else
+    bad "sp_cli_t5_np2_tp2" "exit $rc, losses within '$w'; $(diff <(ev "$T/out-t5one") <(ev "$T/out") | head -4 | tr '\n' ' ')"
+fi
+
+# LoRA dropout 0.1 on every linear, the row-parallel o_proj and down_proj among them (each row's mask at the whole's
+# columns), at TP 2 + SP against one process
+LA=(finetune_lora "${SARGS[@]}" --lora_dropout 0.1 --lora_projection true --lora_mlp true)
+timeout 300 "$FL" "${LA[@]}" --out_dir "$T/lora-one" >"$T/out" 2>&1; rc=$?
+timeout 300 mpirun -np 2 "$FL" "${LA[@]}" --devices 2 --tensor_parallel 2 --sequence_parallel true \
+    --out_dir "$T/lora-sp" >"$T/out" 2>&1 || rc=$?
+w=$(loss_rel "$T/lora-sp" "$T/lora-one" 2>/dev/null)
+if [ $rc -eq 0 ] && within "$w" && [ -f "$T/lora-sp/final/adapter/adapter_model.safetensors" ]; then
+    ok "sp_cli_lora_dropout_row_parallel_np2 (losses within $w of one process)"
+else
+    bad "sp_cli_lora_dropout_row_parallel_np2" "exit $rc, losses within '$w'"
 fi
 
 timeout 120 mpirun -np 2 "$FL" finetune_full "${SARGS[@]}" --devices 2 --tensor_parallel 2 --sequence_parallel true \

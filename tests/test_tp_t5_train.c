@@ -45,6 +45,8 @@ static const char *t5t_folder(int relu) {
     return d;
 }
 
+static int g_sp; /* --sequence_parallel (with tp > 1) */
+
 /* dp groups x tp ranks on folder `dir`, output under out */
 static void t5t_config(fl_run_config *c, const char *dir, int dp, int tp, const char *out) {
     fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
@@ -69,6 +71,7 @@ static void t5t_config(fl_run_config *c, const char *dir, int dp, int tp, const 
     c->seed = 5;
     c->devices = dp * tp;
     c->tensor_parallel = tp;
+    c->sequence_parallel = g_sp && tp > 1;
     snprintf(c->strategy, sizeof c->strategy, "ddp");
 }
 
@@ -122,7 +125,8 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
     const char *dir = t5t_folder(relu);
     FL_REQUIRE(dir != NULL);
     char out[700], ref_out[700];
-    snprintf(out, sizeof out, "%s/t5tp-%s-dp%d-tp%d-%s", fl_test_tmpdir(), relu ? "relu" : "gated", dp, tp, backend);
+    snprintf(out, sizeof out, "%s/t5tp-%s-dp%d-tp%d-%s%s%s", fl_test_tmpdir(), relu ? "relu" : "gated", dp, tp, backend,
+             g_sp ? "-sp" : "", g_ckpt ? "-ckpt" : "");
     snprintf(ref_out, sizeof ref_out, "%s/t5tp-%s-one-%s", fl_test_tmpdir(), relu ? "relu" : "gated", backend);
     dr_job *j = calloc(1, sizeof *j), *one = calloc(1, sizeof *one);
     FL_REQUIRE(j && one);
@@ -146,11 +150,11 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
         FL_CHECKF(j->rec[0].steps == steps && lr <= 1e-6, "T5 %s at DP %d x TP %d on %s vs one process: %ld steps, step "
                   "losses differ by %.3g relative", relu ? "v1.0" : "v1.1", dp, tp, backend, j->rec[0].steps, lr);
         if (getenv("FL_TEST_VERBOSE"))
-            printf("    T5 %s DP %d x TP %d on %s: %d step losses within %.3g relative of one process\n",
-                   relu ? "v1.0" : "v1.1", dp, tp, backend, steps, lr);
+            printf("    T5 %s DP %d x TP %d%s on %s: %d step losses within %.3g relative of one process\n",
+                   relu ? "v1.0" : "v1.1", dp, tp, g_sp ? " + SP" : "", backend, steps, lr);
         char what[96];
-        snprintf(what, sizeof what, "T5 %s DP %d x TP %d on %s%s", relu ? "v1.0" : "v1.1", dp, tp, backend,
-                 g_ckpt ? " (checkpointing)" : "");
+        snprintf(what, sizeof what, "T5 %s DP %d x TP %d%s on %s%s", relu ? "v1.0" : "v1.1", dp, tp,
+                 g_sp ? " + SP" : "", backend, g_ckpt ? " (checkpointing)" : "");
         t5t_grads(dir, out, ref_out, what);
     }
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
@@ -158,22 +162,23 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
 }
 
 /* finetune_lora on the slices: adapters on every PEFT name of T5 (q, k, v, o of the three attentions, wi_0, wi_1, wo),
- * lora_dropout 0 (on the row-parallel o and wo it is refused; tests/test_tp_train.c), T5's own dropout 0.1: the step
- * losses of TP 2 within 1e-6 relative of one process's, every rank the same, the same final/adapter files (PEFT) */
-FL_TEST(tp_t5_train_lora_matches_one_process) {
+ * lora_dropout 0, T5's own dropout 0.1: the step losses of TP 2 within 1e-6 relative of one process's, every rank the
+ * same, the same final/adapter files (PEFT); with lora_dropout 0.1 (the row-parallel o and wo draw one process's mask
+ * at the rank's columns, lora_model.c) the same */
+static void t5_lora(float lora_dropout) {
     const char *dir = t5t_folder(0);
     FL_REQUIRE(dir != NULL);
     dr_job *j = calloc(1, sizeof *j), *one = calloc(1, sizeof *one);
     FL_REQUIRE(j && one);
     char out[700], ref_out[700];
-    snprintf(out, sizeof out, "%s/t5tp-lora-tp2", fl_test_tmpdir());
-    snprintf(ref_out, sizeof ref_out, "%s/t5tp-lora-one", fl_test_tmpdir());
+    snprintf(out, sizeof out, "%s/t5tp-lora-tp2-%g", fl_test_tmpdir(), (double)lora_dropout);
+    snprintf(ref_out, sizeof ref_out, "%s/t5tp-lora-one-%g", fl_test_tmpdir(), (double)lora_dropout);
     for (int r = 0; r < 3; r++) {
         fl_run_config *c = r < 2 ? &j->cfg[r] : &one->cfg[0];
         t5t_config(c, dir, 1, r < 2 ? 2 : 1, r < 2 ? out : ref_out);
         c->command = FL_CMD_FINETUNE_LORA;
         c->lora.query = c->lora.key = c->lora.value = c->lora.projection = c->lora.mlp = 1;
-        c->lora.dropout = 0;
+        c->lora.dropout = lora_dropout;
         c->optimizer.lr = 1e-2f;
         c->train.max_steps = 4;
         c->train.save_interval = 0;
@@ -188,7 +193,8 @@ FL_TEST(tp_t5_train_lora_matches_one_process) {
         FL_CHECK(!memcmp(j->rec[1].loss, j->rec[0].loss, sizeof j->rec[0].loss));
         const double lr = dr_loss_rel(&j->rec[0], &one->rec[0], 4);
         FL_CHECKF(j->rec[0].steps == 4 && lr <= 1e-6, "T5 LoRA TP 2 vs one process: step losses differ by %.3g", lr);
-        if (getenv("FL_TEST_VERBOSE")) printf("    T5 LoRA TP 2: 4 step losses within %.3g relative\n", lr);
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    T5 LoRA (dropout %g) TP 2: 4 step losses within %.3g relative\n", (double)lora_dropout, lr);
         char pa[800], pb[800];
         snprintf(pa, sizeof pa, "%s/final/adapter/adapter_model.safetensors", out);
         snprintf(pb, sizeof pb, "%s/final/adapter/adapter_model.safetensors", ref_out);
@@ -206,6 +212,9 @@ FL_TEST(tp_t5_train_lora_matches_one_process) {
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
     free(j), free(one);
 }
+
+FL_TEST(tp_t5_train_lora_matches_one_process) { t5_lora(0.0f); }
+FL_TEST(tp_t5_train_lora_dropout_matches_one_process) { t5_lora(0.1f); }
 
 FL_TEST(tp_t5_train_threads_match_one_process) {
     t5t_scenario(0, 1, 2, "cpu", 4);
@@ -297,10 +306,9 @@ FL_TEST(tp_t5_train_plan_equals_measured) {
 }
 
 /* refused with the option and the dimension named on every rank (a rank that fails first ends its peers' set-up
- * with its message, as tests/test_tp_train.c's refusals): 3 heads over 2 ranks; LoRA dropout on the row-parallel o
- * (its input is the rank's columns) */
+ * with its message, as tests/test_tp_train.c's refusals): 3 heads over 2 ranks */
 FL_TEST(tp_t5_train_refusals) {
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 1; k++) {
         const char *dir = t5t_folder(k ? 0 : 2);
         FL_REQUIRE(dir != NULL);
         dr_job *j = calloc(1, sizeof *j);
@@ -325,4 +333,108 @@ FL_TEST(tp_t5_train_refusals) {
                       "case %d rank %d: %d '%s'", k, r, j->st[r], j->msg[r]);
         free(j);
     }
+}
+
+/* ---- sequence parallelism on T5 (--sequence_parallel; seq2seq.c, docs/ARCHITECTURE.md "Sequence parallelism"): both
+ * stacks' streams are the rank's rows between the linears; the encoder output is gathered once per pass for the
+ * decoder's cross k|v, d(encoder output) reduce-scattered into the rank's rows; T5's dropout draws one process's masks
+ * (a stream's rows: the whole pass's mask at the rank's rows). Micro-batches of 1 sequence: a pass whose B T rows the
+ * group does not divide runs padding sequences (masked sources, ignored targets) beside the real one. The bars are
+ * TP's (above). */
+FL_TEST(sp_t5_train_threads_match_one_process) {
+    g_sp = 1;
+    t5t_scenario(0, 1, 2, "cpu", 4); /* v1.1 (gated) */
+    if (fl_test_asan_budget()) {
+        t5t_scenario(1, 1, 4, "cpu", 4); /* v1.0 (tied, scaled head), 4 ranks */
+        g_ckpt = 1;
+        t5t_scenario(0, 2, 2, "cpu", 4); /* DP 2 x TP 2, checkpointing: the recompute gathers and scatters again */
+        g_ckpt = 0;
+    }
+    g_sp = 0;
+}
+
+/* T5 + SP: every rank's plan = its measured peaks per tag (TP 2, DP 2 x TP 2 under ZeRO-2), ACTS below TP 2's (micro-
+ * batches of 2: at 1 the arena also holds a padding sequence, seq2seq.c sp_pad); TP 2 +
+ * SP's step-3 checkpoint (one process's files) resumed in one process and at TP 4 + SP within 1e-6 of the
+ * uninterrupted run's later losses; the opaque backend (the gathers and scatters through the NCCL stand-in) */
+FL_TEST(sp_t5_train_plan_resume_opaque) {
+    if (!fl_test_asan_budget()) return; /* 7 runs */
+    const char *dir = t5t_folder(0);
+    FL_REQUIRE(dir != NULL);
+    size_t acts[2] = {0, 0};
+    for (int g = 0; g < 3; g++) { /* TP 2 without SP, with it, DP 2 x TP 2 + SP under ZeRO-2 */
+        const int dp = g == 2 ? 2 : 1, W = 2 * dp;
+        g_sp = g > 0;
+        dr_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        char out[700];
+        snprintf(out, sizeof out, "%s/t5sp-plan-%d", fl_test_tmpdir(), g);
+        for (int r = 0; r < W; r++) {
+            t5t_config(&j->cfg[r], dir, dp, 2, out);
+            j->cfg[r].train.max_steps = 1;
+            j->cfg[r].train.save_interval = 0;
+            j->cfg[r].data.max_source_length = 8;
+            j->cfg[r].data.max_target_length = 4;
+            j->cfg[r].train.micro_batch_size = 2; /* B a multiple of the group: no room for padding sequences */
+            if (g == 2) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "deepspeed_stage_2");
+        }
+        setenv("FITLLM_BACKEND", "cpu", 1);
+        fl_status s = t5t_run(j, W);
+        unsetenv("FITLLM_BACKEND");
+        FL_CHECKF(s == FL_OK, "T5 DP %d x TP 2%s: %s", dp, g_sp ? " + SP" : "", j->msg[0]);
+        for (int r = 0; r < W && s == FL_OK && g_sp; r++) {
+            char grid[48];
+            snprintf(grid, sizeof grid, "T5 DP %d x TP 2 + SP", dp);
+            const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
+            if (getenv("FL_TEST_VERBOSE") && r == 0)
+                printf("    %s rank %d: planned = measured = %zu bytes (ACTS %zu)\n", grid, r, total,
+                       j->res[r].peak[FL_TAG_ACTS]);
+        }
+        if (s == FL_OK && g < 2) acts[g] = j->res[0].peak[FL_TAG_ACTS];
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    FL_CHECKF(acts[1] < acts[0], "T5 TP 2: ACTS with SP %zu, without %zu", acts[1], acts[0]);
+    if (getenv("FL_TEST_VERBOSE")) printf("    T5 TP 2 rank 0 ACTS: TP %zu, TP + SP %zu bytes\n", acts[0], acts[1]);
+    /* resume */
+    char out[700], from[800];
+    snprintf(out, sizeof out, "%s/t5sp-resume-tp2", fl_test_tmpdir());
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    g_sp = 1;
+    for (int r = 0; r < 2; r++) t5t_config(&j->cfg[r], dir, 1, 2, out);
+    setenv("FITLLM_BACKEND", "cpu", 1);
+    fl_status s = t5t_run(j, 2);
+    FL_CHECKF(s == FL_OK, "T5 TP 2 + SP: %s", j->msg[0]);
+    dr_rec full = j->rec[0];
+    memset(&j->rec[0], 0, sizeof j->rec[0]);
+    const long steps = j->cfg[0].train.max_steps, from_step = 3;
+    snprintf(from, sizeof from, "%s/step-000003", out);
+    const int sizes[2] = {1, 4};
+    for (int k = 0; k < 2 && s == FL_OK; k++) {
+        char o2[760];
+        snprintf(o2, sizeof o2, "%s-r%d", out, sizes[k]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) {
+            dr_free(&j->rec[r]);
+            t5t_config(&j->cfg[r], dir, 1, sizes[k], o2);
+            j->cfg[r].train.save_interval = 0;
+            snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
+        }
+        fl_status s2 = t5t_run(j, sizes[k]);
+        FL_CHECKF(s2 == FL_OK, "T5 TP 2 + SP resumed at TP %d: %s", sizes[k], j->msg[0][0] ? j->msg[0] : fl_error_message());
+        double w = 0;
+        for (long st = from_step; s2 == FL_OK && st < steps; st++)
+            w = fmax(w, fabs(j->rec[0].loss[st] - full.loss[st]) / fabs(full.loss[st]));
+        FL_CHECKF(s2 != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "T5 TP 2 + SP's step 3 resumed at TP %d: %ld "
+                  "steps, later losses differ by %.3g relative", sizes[k], j->rec[0].steps, w);
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    T5 TP 2 + SP's step 3 resumed at TP %d%s: later losses within %.3g relative\n", sizes[k],
+                   sizes[k] > 1 ? " + SP" : "", w);
+    }
+    unsetenv("FITLLM_BACKEND");
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    dr_free(&full);
+    free(j);
+    t5t_scenario(0, 1, 2, "opaque", 2);
+    g_sp = 0;
 }

@@ -42,6 +42,7 @@ static int g_small; /* the emulator's cut-down run */
 static const char *g_strategy; /* the data axis's (NULL: ddp) */
 static int g_pp = 1;           /* the 3D grid: stages per pipeline (1: none) */
 static int g_lora_mlp = 1, g_lora_dropout; /* DR_LORA: adapters on the MLP too (down_proj row-parallel); dropout 0.1 */
+static int g_lora_proj;                     /* DR_LORA: on o_proj too (row-parallel) */
 static const char *g_model; /* another preset than micro (NULL: micro) */
 static const char *g_sched;    /* and their schedule (NULL: 1f1b) */
 static int g_sp;               /* --sequence_parallel */
@@ -55,6 +56,7 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
     dr_config(c, sc, dp, dp * tp * g_pp, 1, 1, out);
     c->tensor_parallel = tp;
     if (sc == DR_LORA) c->lora.mlp = g_lora_mlp, c->lora.dropout = g_lora_dropout ? 0.1f : 0.0f;
+    if (sc == DR_LORA && g_lora_proj) c->lora.projection = 1;
     if (g_model) snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", g_model);
     if (g_pp > 1 && tp > 1) {
         c->pipeline_parallel = g_pp;
@@ -145,8 +147,9 @@ static void scenario(int sc, int dp, int tp) {
     dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     const int W = dp * tp * g_pp;
-    snprintf(out, sizeof out, "%s/%s-%s-dp%d-tp%d-pp%d%s%s%s", fl_test_tmpdir(), dr_names[sc], g_model ? g_model : "micro",
-             dp, tp, g_pp, g_sp ? "-sp" : "", g_ckpt ? "-ckpt" : "", g_prec ? g_prec : "");
+    snprintf(out, sizeof out, "%s/%s-%s-dp%d-tp%d-pp%d%s%s%s%s%s", fl_test_tmpdir(), dr_names[sc],
+             g_model ? g_model : "micro", dp, tp, g_pp, g_sp ? "-sp" : "", g_ckpt ? "-ckpt" : "", g_prec ? g_prec : "",
+             g_forced ? g_forced : "", g_lora_proj ? "-proj" : "");
     for (int r = 0; r < W; r++) tp_config(&j->cfg[r], sc, dp, tp, out);
     const long steps = j->cfg[0].train.max_steps;
     backend_on();
@@ -529,9 +532,9 @@ FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
  * AdamW state gathered from the slices): TP 2's step 3 resumed in one process, that run's step 4 at TP 2, each with
  * the later losses within 1e-6 relative of the uninterrupted TP 2 run's; final/ and final/adapter hold one process's
  * files. */
-FL_TEST(tp_train_threads_lora_checkpoints_resume) {
+static void lora_resume(const char *name) {
     char out[700], from[800], o2[760];
-    snprintf(out, sizeof out, "%s/tp-lora-resume", fl_test_tmpdir());
+    snprintf(out, sizeof out, "%s/%s", fl_test_tmpdir(), name);
     dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
@@ -562,7 +565,7 @@ FL_TEST(tp_train_threads_lora_checkpoints_resume) {
     /* the same files as one process's: the merged model, the PEFT adapter, the step folders' adapter and state */
     const char *sub[3] = {"final", "final/adapter", "step-000004"};
     for (int k = 0; k < 3; k++) {
-        char a[900], b[1800];
+        char a[1600], b[3700];
         snprintf(a, sizeof a, "ls %s/%s > %s-ls-a 2>&1", out, sub[k], out);
         snprintf(b, sizeof b, "ls %s-one/%s > %s-ls-b 2>&1 && cmp -s %s-ls-a %s-ls-b", out, sub[k], out, out, out);
         FL_CHECKF(system(a) == 0 && system(b) == 0, "LoRA at TP 2: %s/ holds other files than one process's", sub[k]);
@@ -570,6 +573,32 @@ FL_TEST(tp_train_threads_lora_checkpoints_resume) {
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&full);
     free(j);
+}
+
+FL_TEST(tp_train_threads_lora_checkpoints_resume) { lora_resume("tp-lora-resume"); }
+
+/* LoRA dropout on the row-parallel linears (o_proj, down_proj: their input is the rank's columns; lora_model.c draws
+ * each row's mask at the whole's columns, keep(seed, row in + c0 + j)): one process's masks, so the bars are TP's
+ * LoRA ones: TP 2 with adapters on q, v, o and the MLP, dropout 0.1, within 1e-6 of one process and the merged final
+ * weights within the AdamW bound; the release pass: TP 4, DP 2 x TP 2, TP 2 + SP, TP 2 x PP 2, the opaque backend
+ * (the rows' masks through the device's dropout op) and the checkpoints resumed in one process and at TP 2. */
+FL_TEST(tp_train_threads_lora_dropout_on_row_parallel) {
+    g_lora_dropout = g_lora_proj = 1;
+    scenario(DR_LORA, 1, 2);
+    if (fl_test_asan_budget()) {
+        scenario(DR_LORA, 1, 4);
+        scenario(DR_LORA, 2, 2);
+        g_sp = g_t20 = 1;
+        scenario(DR_LORA, 1, 2);
+        g_pp = 2;
+        scenario(DR_LORA, 1, 2);
+        g_sp = g_t20 = 0, g_pp = 1;
+        g_forced = "opaque";
+        scenario(DR_LORA, 1, 2);
+        g_forced = NULL;
+        lora_resume("tp-lora-dropout-resume");
+    }
+    g_lora_dropout = g_lora_proj = 0;
 }
 
 /* What is refused, on every rank, naming the option and the dimension. */
@@ -593,12 +622,6 @@ static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, 
 }
 
 static void e_heads(fl_run_config *c) { (void)c; }
-static void e_lora(fl_run_config *c) { /* dropout on the row-parallel o_proj / down_proj */
-    c->command = FL_CMD_FINETUNE_LORA;
-    c->lora.r = 4;
-    c->lora.mlp = 1;
-    c->lora.dropout = 0.1f;
-}
 static void e_zero(fl_run_config *c) {
     c->tensor_parallel = 2;
     snprintf(c->strategy, sizeof c->strategy, "deepspeed_stage_3");
@@ -622,7 +645,6 @@ static void e_rank(fl_run_config *c) { /* rank 1 alone was given another command
 FL_TEST(tp_train_threads_refusals) {
     /* micro: 8 attention heads, 4 key/value heads: 3 ranks do not split them */
     expect_refusal(3, e_heads, "--tensor_parallel 3", "num_attention_heads");
-    expect_refusal(2, e_lora, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel", "lora_dropout 0");
     expect_refusal(4, e_zero, "not ZeRO-3", "deepspeed_stage_3");
     expect_refusal(3, e_grid, "--tensor_parallel 2: this run has 3 ranks, not a multiple", NULL);
     expect_refusal(6, e_grid3d, "--tensor_parallel 2 with --pipeline_parallel 2: this run has 6 ranks, not a multiple "
@@ -746,24 +768,26 @@ FL_TEST(sp_train_threads_matches_tp_every_precision) {
     g_prec = NULL, g_ckpt = 0, g_sp = g_t20 = 0;
 }
 
-/* plan per rank = measured under SP (TP 2, DP 2 x TP 2 with ZeRO-2, TP 4), and the activations SP saves: ACTS below
+/* plan per rank = measured under SP (TP 2, DP 2 x TP 2 with ZeRO-2, TP 4; the 3D grid: TP 2 x PP 2, DP 2 x TP 2 x PP 2
+ * with ZeRO-2), and the activations SP saves: ACTS below
  * TP's at the same grid (the stream, the mid residual, the norms' statistics are 1/N; the gathered norm outputs
  * feeding the linears stay whole) */
 FL_TEST(sp_train_threads_plan_equals_measured) {
-    if (!fl_test_asan_budget()) return; /* 6 runs */
-    const int grids[3][2] = {{1, 2}, {2, 2}, {1, 4}};
+    if (!fl_test_asan_budget()) return; /* 10 runs */
+    const int grids[5][3] = {{1, 2, 1}, {2, 2, 1}, {1, 4, 1}, {1, 2, 2}, {2, 2, 2}}; /* DP x TP x PP */
     g_forced = "cpu";
     g_t20 = 1;
-    for (int g = 0; g < 3; g++) {
-        const int dp = grids[g][0], tp = grids[g][1], W = dp * tp;
+    for (int g = 0; g < 5; g++) {
+        const int dp = grids[g][0], tp = grids[g][1], W = dp * tp * grids[g][2];
         size_t acts[2] = {0, 0};
-        g_strategy = g == 1 ? "deepspeed_stage_2" : NULL;
+        g_pp = grids[g][2];
+        g_strategy = g == 1 || g == 4 ? "deepspeed_stage_2" : NULL;
         for (int on = 0; on < 2; on++) {
             g_sp = on;
             dr_job *j = calloc(1, sizeof *j);
             FL_REQUIRE(j != NULL);
             char out[700];
-            snprintf(out, sizeof out, "%s/sp-plan-%d-%d-%d", fl_test_tmpdir(), dp, tp, on);
+            snprintf(out, sizeof out, "%s/sp-plan-%d-%d-%d-%d", fl_test_tmpdir(), dp, tp, g_pp, on);
             for (int r = 0; r < W; r++) {
                 tp_config(&j->cfg[r], DR_ADAMW, dp, tp, out);
                 j->cfg[r].train.max_steps = 1;
@@ -774,7 +798,7 @@ FL_TEST(sp_train_threads_plan_equals_measured) {
             FL_CHECKF(s == FL_OK, "DP %d x TP %d%s: %s", dp, tp, on ? " + SP" : "", j->msg[0]);
             for (int r = 0; on && r < W && s == FL_OK; r++) {
                 char grid[48];
-                snprintf(grid, sizeof grid, "DP %d x TP %d + SP", dp, tp);
+                snprintf(grid, sizeof grid, "DP %d x TP %d x PP %d + SP", dp, tp, g_pp);
                 const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
                 if (getenv("FL_TEST_VERBOSE") && r == 0)
                     printf("    %s rank %d: planned = measured = %zu bytes (ACTS %zu)\n", grid, r, total,
@@ -788,7 +812,7 @@ FL_TEST(sp_train_threads_plan_equals_measured) {
         if (getenv("FL_TEST_VERBOSE"))
             printf("    DP %d x TP %d rank 0 ACTS: TP %zu, TP + SP %zu bytes\n", dp, tp, acts[0], acts[1]);
     }
-    g_sp = g_t20 = 0;
+    g_sp = g_t20 = 0, g_pp = 1;
     g_forced = NULL;
     g_strategy = NULL;
 }
@@ -821,19 +845,75 @@ FL_TEST(sp_train_nccl_standin_cuda_emu) {
 #endif
 }
 
+/* Sequence parallelism on the 3D grid (DP x TP x PP, SP inside each stage's group): the stream a stage hands on is
+ * the rank's rows (rank r of stage s to rank r of stage s + 1, no gather at the boundary); the bars are TP's. TP 2 x
+ * PP 2 (AdamW: step 1's gradients re-assembled too), DP 2 x TP 2 x PP 2, and SGD (its B 2 x T 19 batches padded to T 20
+ * on every stage alike) under GPipe. */
+FL_TEST(sp_train_threads_on_the_3d_grid) {
+    g_sp = g_t20 = 1;
+    const grid_case k[] = {{DR_ADAMW, 1, 2, 2, NULL, NULL, NULL}, {DR_ADAMW, 2, 2, 2, NULL, NULL, NULL},
+                           {DR_SGD, 1, 2, 2, "gpipe", NULL, NULL}, {DR_LORA, 1, 2, 2, NULL, NULL, NULL},
+                           {DR_SGD, 1, 2, 2, NULL, "gpt2-micro", NULL}};
+    grid_cases(k, fl_test_asan_budget() ? (int)(sizeof k / sizeof k[0]) : 1); /* the release pass: all 5 */
+    g_sp = g_t20 = 0;
+}
+
+/* SP on the 3D grid's checkpoints (one process's files): TP 2 x PP 2 + SP's step 4 resumed in one process and at
+ * TP 2 + SP without the pipeline, one process's step 5 (that resume's) at TP 2 x PP 2 + SP: each with the later
+ * step losses within ddp_ref.h's 1e-6 relative of the uninterrupted run's; and the opaque backend (its stream
+ * through host staging, the group's sums through the NCCL stand-in) at TP 2 x PP 2 + SP against one process. */
+FL_TEST(sp_train_threads_3d_resume_and_opaque) {
+    if (!fl_test_asan_budget()) return; /* 4 runs on 4 ranks and the opaque backend's emulated device memory */
+    char out[700], from[800], o2[760];
+    snprintf(out, sizeof out, "%s/sp-3d-resume", fl_test_tmpdir());
+    g_sp = g_t20 = 1, g_pp = 2;
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    for (int r = 0; r < 4; r++) tp_config(&j->cfg[r], DR_ADAMW, 1, 2, out);
+    backend_on();
+    fl_status s = fl_comm_threads_run(4, dr_job_rank, j);
+    FL_CHECKF(s == FL_OK, "TP 2 x PP 2 + SP: %s", j->msg[0]);
+    dr_rec full = j->rec[0];
+    memset(&j->rec[0], 0, sizeof j->rec[0]);
+    const long steps = j->cfg[0].train.max_steps;
+    const struct { const char *from, *to; long step; int tp, pp; } k_case[3] = {
+        {"", "-one", 4, 1, 1}, {"", "-tp2", 4, 2, 1}, {"-one", "-tp2pp2", 5, 2, 2}};
+    for (int k = 0; k < 3 && s == FL_OK; k++) {
+        const int tp = k_case[k].tp, W = tp * k_case[k].pp;
+        g_pp = k_case[k].pp;
+        snprintf(from, sizeof from, "%s%s/step-%06ld", out, k_case[k].from, k_case[k].step);
+        snprintf(o2, sizeof o2, "%s%s", out, k_case[k].to);
+        for (int r = 0; r < W; r++) {
+            dr_free(&j->rec[r]);
+            tp_config(&j->cfg[r], DR_ADAMW, 1, tp, o2);
+            snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
+        }
+        s = W == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL)
+                   : fl_comm_threads_run(W, dr_job_rank, j);
+        FL_CHECKF(s == FL_OK, "'%s' resumed at TP %d x PP %d: %s", from, tp, g_pp,
+                  j->msg[0][0] ? j->msg[0] : fl_error_message());
+        const double w = s == FL_OK ? later_diff(&j->rec[0], &full, k_case[k].step, steps) : 0;
+        FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "TP %d x PP %d resumed from '%s': steps %ld, "
+                  "later losses differ by %.3g relative from the uninterrupted run", tp, g_pp, from, j->rec[0].steps, w);
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    TP %d x PP %d from %s: later losses within %.3g relative\n", tp, g_pp, from, w);
+    }
+    backend_off();
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    dr_free(&full);
+    free(j);
+    g_pp = 2;
+    g_forced = "opaque";
+    scenario(DR_SGD, 1, 2);
+    g_forced = NULL;
+    g_sp = g_t20 = 0, g_pp = 1;
+}
+
 static void e_sp_t19(fl_run_config *c) { c->sequence_parallel = 1; c->train.max_seq_length = 20; } /* T = 19 */
 static void e_sp_alone(fl_run_config *c) { c->sequence_parallel = 1; c->tensor_parallel = 1; }
-static void e_sp_pp(fl_run_config *c) {
-    c->sequence_parallel = 1;
-    c->tensor_parallel = 2;
-    c->pipeline_parallel = 2;
-    c->devices = 4;
-    c->train.global_batch_size = 8;
-}
 
 FL_TEST(sp_train_threads_refusals) {
     expect_refusal(2, e_sp_t19, "--sequence_parallel with --tensor_parallel 2: the sequence length 19 is not a "
                    "multiple of 2", NULL);
     expect_refusal(2, e_sp_alone, "--sequence_parallel", "--tensor_parallel N");
-    expect_refusal(4, e_sp_pp, "--sequence_parallel with --pipeline_parallel 2", NULL);
 }

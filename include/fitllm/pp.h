@@ -125,6 +125,10 @@ fl_status fl_model_set_stage(fl_model *m, int in, int out);
 /* The stream between stages, (B T, C) fp32 in host memory: the input of a later stage's forward (before
  * fl_model_forward_body), an earlier stage's output (after its forward), d(output) (before fl_model_backward)
  * and a later stage's d(input) (after it). */
+/* The stream's elements for a pass of (B, T): B T C; sequence parallel (--sequence_parallel with TP x PP): the
+ * rank's rows of the padded pass (fl_model_forward pads B T to a multiple of the group), sent to the same TP rank of
+ * the next stage as they are (no gather at the boundary). */
+size_t fl_model_stage_elems(const fl_model *m, int B, int T);
 fl_status fl_model_stage_input(fl_model *m, const float *x, int B, int T);
 fl_status fl_model_stage_output(const fl_model *m, float *y);
 fl_status fl_model_stage_dout(fl_model *m, const float *dy);

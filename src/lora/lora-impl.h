@@ -22,6 +22,8 @@ typedef struct {
     int index;            /* module index (st->mods) */
     int stream;           /* the whole model's module index: part of the init and dropout seeds (a pipeline stage's
                            * modules count from its first block's) */
+    int tp_n, tp_c0;      /* a row-parallel linear's slice (tensor parallel): its input is the rank's columns
+                           * [tp_c0, tp_c0 + in) of the whole's tp_n in (the dropout mask: the whole's at them); else 0 */
 } fl_lora_slot;
 
 /* LoRA state of a model (fl_model_lora_init; the model holds it as m->lora, opaque). */

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "lora-impl.h"
+#include "fitllm/tp.h"
 
 /* Which fl_linear of a block a module belongs to (0 qkv, 1 o, 2 fc, 3 proj: the block graph's linear
  * index), from the role of its weight's fused run (k, v, up carry no role: their run starts earlier). */
@@ -47,10 +48,42 @@ static uint64_t slot_seed(const fl_lora_slot *a, int row_base) {
     return s + (uint64_t)a->stream * 0x100000001b3ULL;
 }
 
+/* A row-parallel slice's dropout (tp_n > 0): its input rows are the rank's columns of the whole's rows, so each row
+ * draws one process's mask at the whole's index (row_base + i) in_whole + c0 (keep(seed, i0 + j) = keep(seed + i0 G,
+ * j)): the dropped input (xd) made row by row with the backend's dropout op, the branch run on it undropped; the
+ * backward's d(x) part masked the same way from the branch's undropped d(x) (the work buffer's second region, as the
+ * kernel's) */
+static uint64_t cols_seed(const fl_lora_slot *a, int row_base, int i) {
+    const size_t at = (size_t)(row_base + i) * (size_t)a->tp_n + (size_t)a->tp_c0;
+    return a->st->seed + (uint64_t)at * 0x9E3779B97F4A7C15ULL + (uint64_t)a->stream * 0x100000001b3ULL;
+}
+
+static fl_status cols_forward(const fl_lora_slot *a, const fl_backend *be, float *y, int ldy, const float *x, int N,
+                              int row_base) {
+    for (int i = 0; i < N; i++)
+        FL_TRY(FL_RUN(be, dropout, a->xd + (size_t)i * a->in, x + (size_t)i * a->in, (size_t)a->in, a->dropout,
+                      cols_seed(a, row_base, i), 0));
+    return FL_RUN(be, lora_forward, y + a->row0, ldy, a->h, NULL, a->xd, a->A, a->B, N, a->in, a->out, a->r, a->scaling,
+                  0.0f, 0);
+}
+
+static fl_status cols_backward(const fl_lora_slot *a, const fl_backend *be, float *dx, const float *dy, int ldy, int N,
+                               int row_base) {
+    float *t = a->st->work + (size_t)N * a->r; /* the branch's d(x) before the mask (the kernel's g before it) */
+    if (dx) FL_RUN(be, zero, t, (size_t)N * a->in * sizeof(float));
+    FL_TRY(FL_RUN(be, lora_backward, dx ? t : NULL, a->dA, a->dB, dy + a->row0, ldy, a->xd, a->h, a->A, a->B, N, a->in,
+                  a->out, a->r, a->scaling, 0.0f, 0, a->st->work));
+    for (int i = 0; dx && i < N; i++)
+        FL_TRY(FL_RUN(be, dropout, dx + (size_t)i * a->in, t + (size_t)i * a->in, (size_t)a->in, a->dropout,
+                      cols_seed(a, row_base, i), 1));
+    return FL_OK;
+}
+
 /* y[:, row0:row0+out] += scaling * drop(x) A^T B^T */
 static fl_status slot_forward(const fl_linear_adapter *ad, const fl_backend *be, float *y, int ldy, const float *x,
                               int N, int row_base) {
     const fl_lora_slot *a = (const fl_lora_slot *)ad;
+    if (a->tp_n && a->dropout > 0) return cols_forward(a, be, y, ldy, x, N, row_base);
     return FL_RUN(be, lora_forward, y + a->row0, ldy, a->h, a->xd, x, a->A, a->B, N, a->in, a->out, a->r, a->scaling,
                             a->dropout, slot_seed(a, row_base));
 }
@@ -59,6 +92,7 @@ static fl_status slot_forward(const fl_linear_adapter *ad, const fl_backend *be,
 static fl_status slot_backward(const fl_linear_adapter *ad, const fl_backend *be, float *dx, const float *dy, int ldy,
                                const float *x, int N, int row_base) {
     const fl_lora_slot *a = (const fl_lora_slot *)ad;
+    if (a->tp_n && a->dropout > 0) return cols_backward(a, be, dx, dy, ldy, N, row_base);
     return FL_RUN(be, lora_backward, dx, a->dA, a->dB, dy + a->row0, ldy, a->xd ? a->xd : x, a->h, a->A, a->B, N, a->in,
                              a->out, a->r, a->scaling, a->dropout, slot_seed(a, row_base), a->st->work);
 }
@@ -140,6 +174,8 @@ fl_status fl_model_lora_init_at(fl_model *m, const fl_lora_config *cfg, uint64_t
                 sl->dropout = cfg->dropout;
                 sl->index = j;
                 sl->stream = j + base;
+                if (m->cfg.tp_size > 1 && fl_tp_entry_split(&m->layout, md->param_index) == FL_TP_ROW)
+                    sl->tp_n = md->in * m->cfg.tp_size, sl->tp_c0 = md->in * m->cfg.tp_rank;
                 sl->base.ops = &slot_ops;
                 sl->st = st;
             }

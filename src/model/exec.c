@@ -164,6 +164,15 @@ static fl_status drop_tp_cols(const fl_model *m, float *y, const float *x, int n
     return FL_OK;
 }
 
+/* A DROPOUT's seed: the block's site p; sequence parallel, a slot of the rank's N rows (of w): the whole pass's mask at
+ * those rows, which start at the whole's element rank N w (keep(seed, i0 + j) = keep(seed + i0 K, j)) */
+static uint64_t drop_seed(const fl_model *m, const fl_block_graph *g, const fl_gop *o, const fl_block_ctx *x, int N,
+                          size_t w) {
+    const uint64_t s = fl_dropout_seed(x->drop_seed, o->p);
+    if (g->sp <= 1 || !g->slot[o->in].srows) return s;
+    return s + (uint64_t)((size_t)m->cfg.tp_rank * (size_t)N * w) * TP_DROP_K;
+}
+
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
  * (*done16 = 1: no round16 after it) */
 static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
@@ -430,7 +439,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (o->tp_cols && x->drop_p > 0)
                 FL_TRY(drop_tp_cols(m, out, in, N, wo, x->drop_p, fl_dropout_seed(x->drop_seed, o->p), 0));
             else if (x->drop_p > 0 || in != out)
-                FL_TRY(FL_RUN(be, dropout, out, in, (size_t)N * wo, x->drop_p, fl_dropout_seed(x->drop_seed, o->p), 0));
+                FL_TRY(FL_RUN(be, dropout, out, in, (size_t)N * wo, x->drop_p, drop_seed(m, g, o, x, N, wo), 0));
             break;
         }
         if (last && !done16) FL_TRY(store16(be, g, o->out, s, x)); /* ROPE: in place */
@@ -594,7 +603,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
                 FL_TRY(drop_tp_cols(m, din, dout, N, wi, x->drop_p, fl_dropout_seed(x->drop_seed, o->p),
                                     o->acc && din != dout));
             else if (x->drop_p > 0 || din != dout)
-                FL_TRY(FL_RUN(be, dropout, din, dout, (size_t)N * wi, x->drop_p, fl_dropout_seed(x->drop_seed, o->p),
+                FL_TRY(FL_RUN(be, dropout, din, dout, (size_t)N * wi, x->drop_p, drop_seed(m, g, o, x, N, wi),
                               o->acc && din != dout));
             break;
         case FL_GOP_ADD: break;

@@ -289,13 +289,18 @@ fl_status fl_block_graph_build_ex(const fl_model_config *c, int sp, fl_block_gra
 }
 
 fl_status fl_stack_graph_build(const fl_model_config *c, int stack, fl_block_graph *g) {
-    if (stack == 0) return fl_block_graph_build(c, g);
+    return fl_stack_graph_build_ex(c, stack, 0, g);
+}
+
+fl_status fl_stack_graph_build_ex(const fl_model_config *c, int stack, int sp, fl_block_graph *g) {
+    if (stack == 0) return fl_block_graph_build_ex(c, sp, g);
     memset(g, 0, sizeof *g);
     const fl_arch_info *ai = fl_arch_get(c->arch);
     if (!ai || stack != 1 || !ai->block_graph2)
         return fl_errorf(FL_ERR_UNSUPPORTED, "no block graph for stack %d of architecture %d", stack, (int)c->arch);
     ai->block_graph2(c, g);
-    if (c->tp_size > 1) FL_TRY(fl_block_graph_tp(g)); /* T5's decoder block: its slice too (graph_tp.c) */
+    if (c->tp_size > 1 && sp) FL_TRY(fl_block_graph_sp(g, c->tp_size)); /* T5's decoder block: sequence parallel */
+    else if (c->tp_size > 1) FL_TRY(fl_block_graph_tp(g)); /* T5's decoder block: its slice too (graph_tp.c) */
     return fl_block_graph_finish(g);
 }
 

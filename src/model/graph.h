@@ -27,7 +27,7 @@
 #include "fitllm/generate.h"
 #include "fitllm/model.h"
 
-#define FL_GRAPH_MAX_SLOTS 24 /* T5's decoder block: 20 */
+#define FL_GRAPH_MAX_SLOTS 32 /* T5's decoder block with dropout: 23, 29 under sequence parallelism */
 #define FL_GRAPH_MAX_OPS 32 /* T5's decoder block with dropout under tensor parallelism: 26 */
 _Static_assert(FL_GRAPH_MAX_SLOTS == sizeof(((fl_layer_acts *)0)->s) / sizeof(float *),
                "fl_layer_acts (model-impl.h) holds one view per slot");
@@ -290,6 +290,8 @@ void fl_model_graph_op(fl_model_graph *mg, fl_mop_kind kind, int role_w, int rol
 void fl_model_graph_stack(fl_model_graph *mg);
 /* The block graph of stack s (0: fl_arch_info.block_graph or the decoder block; 1: block_graph2). */
 fl_status fl_stack_graph_build(const fl_model_config *c, int stack, fl_block_graph *g);
+/* the same, sequence parallel (sp: fl_block_graph_sp instead of the tensor-parallel rewrite; needs tp_size > 1) */
+fl_status fl_stack_graph_build_ex(const fl_model_config *c, int stack, int sp, fl_block_graph *g);
 /* Has the model graph an op of this kind (before BLOCKS: where < 0, after: > 0, anywhere: 0)? */
 int fl_model_graph_has(const fl_model_graph *mg, fl_mop_kind kind, int where);
 

@@ -19,7 +19,9 @@
  * column-parallel LINEAR reading a slot a GATHER makes the whole rows into a TEMP slot (not saved: what is saved is
  * the norm's output, the rank's rows; the backward gathers them again before the linears' weight gradients read
  * them, as Megatron-LM does), and a row-parallel LINEAR writes its partial output into a full-row TEMP slot that a
- * SCATTER sums over the group into the rank's rows of the stream (backward: the transposes). */
+ * SCATTER sums over the group into the rank's rows of the stream (backward: the transposes). T5: the decoder's
+ * cross k|v reads the encoder output whole (the caller gathers it once per pass); a DROPOUT of the rank's rows (a
+ * sublayer's output into the stream) draws the whole pass's mask at those rows (exec.c). */
 #include <string.h>
 
 #include "model-impl.h"
@@ -67,21 +69,27 @@ fl_status fl_block_graph_tp(fl_block_graph *g) {
 fl_status fl_block_graph_sp(fl_block_graph *g, int n) {
     fl_gop ops[FL_GRAPH_MAX_OPS];
     int8_t gathered[FL_GRAPH_MAX_SLOTS];
-    int cnt = 0;
+    int cnt = 0, split[FL_GRAPH_MAX_SLOTS] = {0};
     memset(gathered, -1, sizeof gathered);
     for (int i = 0; i < g->n_ops; i++) {
         fl_gop c = g->op[i];
         const int col = column_parallel(&c), row = row_parallel(&c);
+        /* the rank's columns of a slot (as fl_block_graph_tp): a DROPOUT there draws the whole's mask at them */
+        if (c.kind != FL_GOP_ADD && c.kind != FL_GOP_NORM)
+            split[c.out] = col || (c.kind != FL_GOP_LINEAR && split[c.in]);
+        c.tp_cols = c.kind == FL_GOP_DROPOUT && split[c.in];
         if (cnt + 1 + col + row > FL_GRAPH_MAX_OPS || g->n_slots + col + row > FL_GRAPH_MAX_SLOTS)
             return fl_errorf(FL_ERR_INTERNAL, "block graph: the sequence-parallel rewrite needs more than %d ops or "
                              "%d slots", FL_GRAPH_MAX_OPS, FL_GRAPH_MAX_SLOTS);
-        if (col && gathered[c.in] < 0) { /* the whole rows, once per slot (a parallel block's shared norm) */
+        /* a stream from outside the block (T5's encoder output for the cross-attention's k|v) is whole already */
+        const int outside = g->slot[c.in].kind == FL_GSLOT_XSTREAM;
+        if (col && !outside && gathered[c.in] < 0) { /* the whole rows, once per slot (a parallel block's shared norm) */
             const int s = fl_graph_slot(g, "gathered", g->slot[c.in].width, FL_GSLOT_TEMP, 0);
             ops[cnt++] = (fl_gop){.kind = FL_GOP_GATHER, .in = c.in, .out = (int8_t)s, .a1 = -1, .a2 = -1, .p = -1,
                                   .role_w = -1, .role_b = -1};
             gathered[c.in] = (int8_t)s;
         }
-        if (col) c.in = gathered[c.in];
+        if (col && !outside) c.in = gathered[c.in];
         if (row) { /* the partial output (full rows), summed into the rank's rows of the stream */
             const int s = fl_graph_slot(g, "partial", g->slot[c.out].width, FL_GSLOT_TEMP, 0);
             ops[cnt++] = (fl_gop){.kind = FL_GOP_SCATTER, .in = (int8_t)s, .out = c.out, .a1 = -1, .a2 = -1, .p = -1,

@@ -6,9 +6,9 @@
 
 /* Per-layer views of the block graph's slots (graph.h), into m->acts_arena. N = B*T rows. */
 typedef struct {
-    float *s[24];      /* FL_GRAPH_MAX_SLOTS: each slot's (N, width) fp32 view; s[IN] = res[l], s[OUT] = res[l+1].
+    float *s[32];      /* FL_GRAPH_MAX_SLOTS: each slot's (N, width) fp32 view; s[IN] = res[l], s[OUT] = res[l+1].
                         * 16-bit saved activations: the WIDE slots alias ONE shared fp32 layer buffer */
-    void *s16[24];     /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): this layer's copy of
+    void *s16[32];     /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): this layer's copy of
                         * each WIDE slot in act_dtype; else NULL. bf16 stored: also s16[IN] = res16[l],
                         * s16[OUT] = res16[l+1], and with checkpointing the one recomputed block's copies */
 } fl_layer_acts;
@@ -238,6 +238,13 @@ static inline int fl_sp_part(const fl_model *m, int N, size_t *row0) {
     return n;
 }
 fl_status fl_sp_gather(fl_model *m, const float *part, float *whole, int N);
+/* Sequence parallelism: the sequence length a pass of (B, T) runs at (sp_pad: the shortest T' >= T whose B T' rows the
+ * group divides; T itself without SP) */
+static inline int fl_sp_pass_T(const fl_model *m, int B, int T) {
+    if (!m->sp) return T;
+    while ((B * T) % m->cfg.tp_size) T++;
+    return T;
+}
 /* A norm over the rank's rows computes its part of the weight's (and bias') gradient: begin points *sw, *sb at a
  * zeroed scratch in place of dw, db (NULL stays NULL); end sums the group's parts over c and adds them to dw, db, so
  * every rank adds the whole gradient (Megatron's sum of the sequence-parallel norms' gradients, here per norm). */

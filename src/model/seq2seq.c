@@ -6,7 +6,7 @@
  * Written as the interpreter the decoder-only passes (transformer.c) are to be folded into (issue 29): nothing here
  * knows T5 but the relative position buckets (T5's, the only RELBIAS there is).
  *
- * The arena: per stack its residual stream (L + 1 views of B x T rows), every block's saved slots (an XSTREAM's
+ * The arena (seq2seq_acts.c): per stack its residual stream (L + 1 views of B x T rows), every block's saved slots (an XSTREAM's
  * and what is computed from it alone, B x Tk rows: the earlier stack's), its final norm's output and statistics
  * (ACTS); the relative bias (NH, T, T), its gradient and bucket indices, the ids, the key padding mask, d(stream)
  * of the earlier stack, the backward's gradient buffers (rows B x max(T) of the stacks), one logits chunk and the
@@ -19,276 +19,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "model-impl.h"
+#include "seq2seq-impl.h"
 #include "store.h"
 #include "fitllm/comm.h"
 #include "fitllm/generate.h"
 
-typedef struct {
-    fl_block_graph g;
-    int L, l0;            /* blocks; the first one's index among all the model's blocks (layout group l0 + 1) */
-    int Tmax;             /* rows per sequence the arena holds */
-    int xslot;            /* the XSTREAM slot of its blocks (the earlier stack's output), -1 */
-    float **res;          /* L + 1 views (B Tmax, C) */
-    fl_layer_acts *layer; /* L */
-    float *nout, *nrstd;  /* the final norm's output (B Tmax, C) and rstd (B Tmax) */
-    float *bias, *dbias;  /* (NH, T, T) relative position bias and its gradient */
-    int32_t *buckets;     /* (T, T) bucket of each (query, key) (device memory) */
-    int32_t *ids;         /* (B T) (device memory) */
-} s2s_stack;
-
-struct fl_s2s_acts {
-    int B, n_stacks;      /* the arena's sequences; the stacks */
-    fl_dtype act16;       /* the WIDE slots saved in this 16-bit dtype (a bf16 policy without checkpointing), else 0 */
-    int Bp;               /* the last forward's sequences (<= B) */
-    s2s_stack st[FL_MODEL_GRAPH_MAX_STACKS];
-    int T[FL_MODEL_GRAPH_MAX_STACKS]; /* the last forward's rows per sequence */
-    uint8_t *kmask;       /* (B, T[0]) the first stack's key padding mask (device memory) */
-    int kmask_on;
-    float *dstream;       /* (B T[0], C) d(the first stack's output) */
-    float *gb[FL_GRAPH_MAX_GBUF]; /* the backward's gradient buffers, B x max Tmax rows; gb[1] also d(final norm out) */
-    float *logits, *losses;
-    void *be_scratch;     /* the backend's op scratch (bf16 matmuls, 4-bit weights), lent for each pass, or NULL */
-    int32_t *targets;     /* device copy when the backend's memory is not host memory, else NULL */
-    int chunk;            /* logits rows per chunk */
-    float drop_p;         /* the last forward's dropout rate: cfg.dropout_rate in a training forward with cfg.dropout_on,
-                           * else 0 (its backward regenerates the same masks from the model's drop_seed) */
-    /* the training forward in progress between fl_model_forward_s2s_body and fl_model_forward_head: the last stack
-     * stopped at its HEAD_LM op (defer set by the body), the head's targets, grad_scale and rows */
-    struct { const int32_t *targets; float grad_scale; int N, defer, open; } head;
-};
-
 int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0; }
-
-void fl_s2s_acts_free(struct fl_s2s_acts *s) {
-    if (!s) return;
-    for (int k = 0; k < FL_MODEL_GRAPH_MAX_STACKS; k++) free(s->st[k].res), free(s->st[k].layer);
-    free(s);
-}
-
-/* ---- the arena ---------------------------------------------------------------------------- */
-
-typedef struct {
-    char *base;
-    size_t off;
-} carver;
-
-static void *take(carver *cv, size_t bytes) {
-    void *p = cv->base ? (void *)(cv->base + cv->off) : NULL;
-    cv->off += (bytes + 63) / 64 * 64;
-    return p;
-}
-#define TAKEF(cv, n) ((float *)take((cv), (size_t)(n) * sizeof(float)))
-
-/* Rows of slot k of stack s's blocks per sequence: its own T, or the earlier stack's for an XSTREAM and what is
- * computed from it alone. */
-static int slot_T(const struct fl_s2s_acts *a, int s, int k, const int *T) {
-    return a->st[s].g.slot[k].xrows && s > 0 ? T[s - 1] : T[s];
-}
-
-/* ACTS: every stack's residual stream, saved slots and final norm (base NULL: count only). */
-static size_t carve_acts(const fl_model *m, struct fl_s2s_acts *a, char *base) {
-    carver cv = {base, 0};
-    const size_t C = (size_t)m->cfg.dim, B = (size_t)a->B;
-    int T[FL_MODEL_GRAPH_MAX_STACKS];
-    for (int s = 0; s < a->n_stacks; s++) T[s] = a->st[s].Tmax;
-    for (int s = 0; s < a->n_stacks; s++) {
-        s2s_stack *st = &a->st[s];
-        const size_t N = B * (size_t)st->Tmax;
-        for (int l = 0; l <= st->L; l++) {
-            float *r = TAKEF(&cv, N * C);
-            if (base) st->res[l] = r;
-        }
-        /* activation checkpointing: one block's slots shared by the stack's blocks (recomputed in the backward).
-         * 16-bit saved (a->act16): one fp32 buffer of the WIDE slots shared by the stack's blocks (the block being
-         * computed; the backward widens into it), every block's STAT slots in fp32 and WIDE slots in 16 bits */
-        fl_layer_acts la, sh;
-        memset(&sh, 0, sizeof sh);
-        for (int k = 0; a->act16 && st->L > 0 && k < st->g.n_prod; k++) {
-            const int sl = st->g.prod[k];
-            if (st->g.slot[sl].kind == FL_GSLOT_WIDE)
-                sh.s[sl] = TAKEF(&cv, B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width);
-        }
-        for (int l = 0; l < st->L; l++) {
-            if (l == 0 || !m->act_ckpt) {
-                la = sh;
-                for (int k = 0; k < st->g.n_prod; k++) {
-                    const int sl = st->g.prod[k];
-                    const size_t n = B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width;
-                    if (st->g.slot[sl].kind == FL_GSLOT_TEMP) continue; /* not saved: WORKSPACE's (carve_work) */
-                    if (a->act16 && st->g.slot[sl].kind == FL_GSLOT_WIDE) la.s16[sl] = take(&cv, n * sizeof(uint16_t));
-                    else la.s[sl] = TAKEF(&cv, n);
-                }
-            }
-            if (!base) continue;
-            la.s[FL_GSLOT_IN] = st->res[l];
-            la.s[FL_GSLOT_OUT] = st->res[l + 1];
-            st->layer[l] = la;
-        }
-        float *no = TAKEF(&cv, N * C), *nr = TAKEF(&cv, N);
-        if (base) st->nout = no, st->nrstd = nr;
-    }
-    /* the later stacks' blocks read the earlier stack's output */
-    for (int s = 1; base && s < a->n_stacks; s++)
-        for (int l = 0; a->st[s].xslot >= 0 && l < a->st[s].L; l++) a->st[s].layer[l].s[a->st[s].xslot] = a->st[s - 1].nout;
-    return cv.off;
-}
-
-/* WORKSPACE: relative biases, buckets, ids, mask, d(stream), gradient buffers, logits chunk, losses, targets. */
-static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
-    carver cv = {base, 0};
-    const size_t C = (size_t)m->cfg.dim, B = (size_t)a->B, NH = (size_t)m->cfg.n_heads;
-    int Tx = 0, width[FL_GRAPH_MAX_GBUF] = {0}, ngb = FL_N_GBUF;
-    for (int s = 0; s < a->n_stacks; s++) {
-        s2s_stack *st = &a->st[s];
-        const size_t T = (size_t)st->Tmax;
-        float *bi = TAKEF(&cv, NH * T * T), *db = TAKEF(&cv, NH * T * T);
-        int32_t *bk = take(&cv, T * T * sizeof(int32_t)), *ids = take(&cv, B * T * sizeof(int32_t));
-        if (base) st->bias = bi, st->dbias = db, st->buckets = bk, st->ids = ids;
-        if (st->Tmax > Tx) Tx = st->Tmax;
-        if (st->g.n_gbuf > ngb) ngb = st->g.n_gbuf;
-        for (int k = 0; k < st->g.n_gbuf; k++)
-            if (st->g.gbuf_width[k] > width[k]) width[k] = st->g.gbuf_width[k];
-    }
-    /* the blocks' TEMP slots (a dropped projection's output, read by the next op only): one buffer for all */
-    size_t tmp_n = 0;
-    for (int s = 0; s < a->n_stacks; s++)
-        for (int k = 0; k < a->st[s].g.n_slots; k++)
-            if (a->st[s].g.slot[k].kind == FL_GSLOT_TEMP && B * a->st[s].Tmax * a->st[s].g.slot[k].width > tmp_n)
-                tmp_n = B * a->st[s].Tmax * a->st[s].g.slot[k].width;
-    float *tmp = tmp_n ? TAKEF(&cv, tmp_n) : NULL;
-    for (int s = 0; base && s < a->n_stacks; s++)
-        for (int k = 0; k < a->st[s].g.n_slots; k++)
-            for (int l = 0; a->st[s].g.slot[k].kind == FL_GSLOT_TEMP && l < a->st[s].L; l++)
-                a->st[s].layer[l].s[k] = tmp;
-    const size_t T0 = (size_t)a->st[0].Tmax, Tl = (size_t)a->st[a->n_stacks - 1].Tmax;
-    uint8_t *km = take(&cv, B * T0);
-    float *ds = TAKEF(&cv, B * T0 * C);
-    for (int k = 0; k < ngb; k++) { /* dres and buf1 (d(final norm out)) at least C wide */
-        float *g = TAKEF(&cv, B * (size_t)Tx * (size_t)(k < 2 && width[k] < (int)C ? (int)C : width[k]));
-        if (base) a->gb[k] = g;
-    }
-    a->chunk = fl_logits_chunk_rows(m->cfg.vocab_size, (int)(B * Tl)); /* one process's chunks; the rank's columns */
-    float *lg = TAKEF(&cv, (size_t)a->chunk * fl_config_vocab_rows(&m->cfg, NULL)), *ls = TAKEF(&cv, B * Tl);
-    int32_t *tg = fl_backend_host_memory(m->be) ? NULL : take(&cv, B * Tl * sizeof(int32_t));
-    const size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
-                                                m->be->scratch_bytes);
-    void *sc = bes ? take(&cv, bes) : NULL;
-    if (base) a->kmask = km, a->dstream = ds, a->logits = lg, a->losses = ls, a->targets = tg, a->be_scratch = sc;
-    return cv.off;
-}
-
-fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
-    if (!fl_model_is_s2s(&m->cfg))
-        return fl_errorf(FL_ERR_INVALID, "fl_model_alloc_acts_s2s: %s has one stack (fl_model_alloc_acts)",
-                         fl_arch_get(m->cfg.arch)->display);
-    if (B <= 0 || Ts <= 0 || Tt <= 0)
-        return fl_errorf(FL_ERR_INVALID, "micro-batch must be positive (B=%d, source %d, target %d)", B, Ts, Tt);
-    fl_model_free_acts(m);
-    fl_acts *acts = calloc(1, sizeof *acts);
-    struct fl_s2s_acts *a = calloc(1, sizeof *a);
-    if (!acts || !a) {
-        free(acts), free(a);
-        return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
-    }
-    acts->s2s = a;
-    /* the bf16 policies save the blocks' WIDE slots in bf16 (not with checkpointing, which saves the stream only) */
-    const fl_dtype adt = m->prec.name ? m->prec.act_dtype : FL_F32;
-    a->act16 = adt != FL_F32 && !m->act_ckpt ? adt : (fl_dtype)0;
-    acts->act_dtype = a->act16 ? adt : FL_F32;
-    m->acts = acts;
-    m->act_dtype = acts->act_dtype;
-    a->B = B;
-    fl_model_graph mg;
-    fl_status s = fl_model_graph_build(&m->cfg, &mg);
-    a->n_stacks = mg.n_stacks;
-    const int Ls[2] = {m->cfg.n_layers, m->cfg.n_dec_layers}, Tm[2] = {Ts, Tt};
-    for (int k = 0; s == FL_OK && k < a->n_stacks; k++) {
-        s2s_stack *st = &a->st[k];
-        s = fl_stack_graph_build(&m->cfg, k, &st->g);
-        st->L = Ls[k];
-        st->l0 = k ? Ls[0] : 0;
-        st->Tmax = Tm[k];
-        st->xslot = -1;
-        for (int j = 0; j < st->g.n_slots; j++)
-            if (st->g.slot[j].kind == FL_GSLOT_XSTREAM) st->xslot = j;
-        st->res = calloc((size_t)st->L + 1, sizeof *st->res);
-        st->layer = calloc((size_t)st->L, sizeof *st->layer);
-        if (s == FL_OK && (!st->res || !st->layer)) s = fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
-    }
-    if (s != FL_OK) {
-        fl_model_free_acts(m);
-        return s;
-    }
-    memset(&m->sizes, 0, sizeof m->sizes);
-    m->sizes.acts_bytes = carve_acts(m, a, NULL);
-    m->sizes.workspace_bytes = carve_work(m, a, NULL);
-    m->sizes.logits_chunk_rows = a->chunk;
-    s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
-    if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
-    if (s != FL_OK) {
-        fl_model_free_acts(m);
-        return fl_error_prefix(s, "allocating activations for B=%d, source %d, target %d", B, Ts, Tt);
-    }
-    carve_acts(m, a, (char *)m->acts_arena);
-    carve_work(m, a, (char *)m->work_arena);
-    m->B = B;
-    m->T = Tt > Ts ? Tt : Ts;
-    /* the adapters' activations: rows of the longer stack (a cross k|v adapter sees the source's) */
-    s = m->adapt && m->adapt->h.alloc_acts ? m->adapt->h.alloc_acts(m, B, m->T) : FL_OK;
-    if (s != FL_OK) {
-        fl_model_free_acts(m);
-        return fl_error_prefix(s, "allocating the adapters' activations");
-    }
-    return FL_OK;
-}
-
-/* Live bytes after the last pass (fl_acts_live_bytes of an encoder-decoder), counted at that pass's (B, T) of each
- * stack without the arena's alignment. After a training forward (train): what the backward reads. ACTS: every
- * stack's residual stream (L + 1 views: the blocks' inputs, the final norm's), its blocks' saved slots (under
- * checkpointing the last block's, which the backward reuses without recomputing them), its final norm's rstd and,
- * where a later stack reads it (the encoder's output: the cross-attention's k|v), that norm's output. WORKSPACE:
- * every stack's relative bias (the attention backward re-forms its probabilities with it), bucket indices (the
- * table's gradient) and ids (the embedding's), the key padding mask, and d(the last norm's output) the head left
- * in gb[1]. Otherwise nothing: there are no constant tables (the bias is rebuilt by every forward). */
-void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work) {
-    const struct fl_s2s_acts *a = m->acts->s2s;
-    const size_t C = (size_t)m->cfg.dim, B = (size_t)a->Bp, NH = (size_t)m->cfg.n_heads, f = sizeof(float);
-    size_t ac = 0, wk = 0;
-    for (int s = 0; train && s < a->n_stacks; s++) {
-        const s2s_stack *st = &a->st[s];
-        const size_t T = (size_t)a->T[s], N = B * T;
-        size_t blk = 0, blk16 = 0; /* a block's saved fp32 elements, 16-bit ones */
-        for (int k = 0; k < st->g.n_prod; k++) {
-            const int sl = st->g.prod[k];
-            const size_t n = B * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
-            if (st->g.slot[sl].kind == FL_GSLOT_TEMP) continue; /* the backward does not read it */
-            if (a->act16 && st->g.slot[sl].kind == FL_GSLOT_WIDE) blk16 += n;
-            else blk += n;
-        }
-        const size_t nb = st->L > 0 ? (m->act_ckpt ? 1 : (size_t)st->L) : 0;
-        ac += (((size_t)st->L + 1) * N * C + nb * blk + N) * f + nb * blk16 * sizeof(uint16_t);
-        if (s + 1 < a->n_stacks && a->st[s + 1].xslot >= 0) ac += N * C * f;
-        wk += NH * T * T * f + T * T * sizeof(int32_t) + N * sizeof(int32_t);
-    }
-    if (train) wk += (a->kmask_on ? B * (size_t)a->T[0] : 0) + B * (size_t)a->T[a->n_stacks - 1] * C * f;
-    *acts = ac;
-    *work = wk;
-}
-
-/* The rows an adapter on the LINEAR at param_index of block `layer` saves in a training forward (its h and, with
- * dropout, its dropped input; fl_model_adapter_live_rows): the source's in the encoder and for the cross-attention's
- * k|v (it reads the encoder output), the target's elsewhere; under checkpointing only the last block of each
- * stack's (the others are recomputed before their backward reads them). */
-size_t fl_s2s_adapter_live_rows(const fl_model *m, int layer, int param_index) {
-    const struct fl_s2s_acts *a = m->acts->s2s;
-    const int Le = a->st[0].L, Lall = Le + (a->n_stacks > 1 ? a->st[1].L : 0);
-    if (m->act_ckpt && layer != Le - 1 && layer != Lall - 1) return 0;
-    int p = param_index; /* k, v of a fused run carry no role: the run's first entry has it */
-    while (p > 0 && m->layout.params[p].role == FL_ROLE_NONE) p--;
-    const int src_rows = layer < Le || m->layout.params[p].role == FL_ROLE_XKV_W;
-    return (size_t)a->Bp * (size_t)a->T[src_rows ? 0 : a->n_stacks - 1];
-}
 
 /* ---- relative position bias (T5) ------------------------------------------------------------- */
 
@@ -429,6 +165,14 @@ static fl_status drop_rows(const fl_model *m, float *x, size_t n, int site) {
     return p > 0 ? FL_RUN(m->be, dropout, x, x, n, p, drop_site(m, site), 0) : FL_OK;
 }
 
+/* sequence parallel: the same over the rank's n rows, the whole pass's mask at them (its rows from row0 on:
+ * keep(seed, i0 + j) = keep(seed + i0 K, j), K the mask's increment, fitllm/lora.h) */
+static fl_status drop_part(const fl_model *m, float *x, int n, size_t row0, int site) {
+    const float p = m->acts->s2s->drop_p;
+    const uint64_t at = (uint64_t)(row0 * (size_t)m->cfg.dim) * 0x9E3779B97F4A7C15ULL;
+    return p > 0 ? FL_RUN(m->be, dropout, x, x, (size_t)n * m->cfg.dim, p, drop_site(m, site) + at, 0) : FL_OK;
+}
+
 static fl_block_ctx stack_ctx(const fl_model *m, const struct fl_s2s_acts *a, int s, int l, float *const *dxs) {
     fl_block_ctx x = {.B = a->Bp, .T = a->T[s], .drop_p = a->drop_p, .comm = m->tp_comm}; /* TP: the blocks' sums */
     x.drop_seed = drop_site(m, 16 + a->st[s].l0 + l);
@@ -449,7 +193,7 @@ static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narr
     for (int k = 0; k < st->g.n_prod; k++) {
         const int sl = st->g.prod[k];
         if (st->g.slot[sl].kind != FL_GSLOT_WIDE) continue;
-        const size_t n = (size_t)a->Bp * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
+        const size_t n = slot_n(a, s, sl, a->T, (size_t)a->Bp) * (size_t)st->g.slot[sl].width;
         if (narrow)
             FL_TRY(FL_RUN(m->be, convert, la->s16[sl], a->act16, la->s[sl], FL_F32, n));
         else
@@ -507,12 +251,19 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
     for (int i = 0; i < mg->n_ops; i++) {
         if (mg->op[i].stack != s) continue;
         switch ((fl_mop_kind)mg->op[i].kind) {
-        case FL_MOP_EMBED:
+        case FL_MOP_EMBED: {
             FL_TRY(FL_RUN(be, to_device, st->ids, ids, (size_t)N * sizeof *ids));
-            FL_TRY(fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0)); /* TP: summed over the group */
-            if (s == 0) FL_TRY(inject_rows(m, st->res[0], NULL));
-            FL_TRY(drop_rows(m, st->res[0], (size_t)N * m->cfg.dim, 2 * s)); /* after any injected rows (as HF) */
+            float *e = a->spp ? a->gb[0] : st->res[0]; /* sequence parallel: the whole rows, the rank's kept */
+            FL_TRY(fl_embed_forward(m, &op, e, st->ids, ids, a->Bp, T, 0)); /* TP: summed over the group */
+            if (s == 0) FL_TRY(inject_rows(m, e, NULL));
+            FL_TRY(drop_rows(m, e, (size_t)N * m->cfg.dim, 2 * s)); /* after any injected rows (as HF) */
+            if (a->spp) {
+                size_t r0;
+                const int n = fl_sp_part(m, N, &r0);
+                FL_TRY(FL_RUN(be, copy, st->res[0], e + r0 * m->cfg.dim, (size_t)n * m->cfg.dim * sizeof(float)));
+            }
             break;
+        }
         case FL_MOP_RELBIAS: /* the table is in the stack's first block's group */
             FL_TRY(block_gather(m, st->l0 + 1));
             FL_TRY(relbias_forward(m, st, T, s < mg->n_stacks - 1));
@@ -529,6 +280,15 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
             }
             break;
         case FL_MOP_NORM:
+            if (a->spp) { /* sequence parallel: the rank's rows (their part of the whole mask), then the whole rows */
+                size_t r0;
+                const int n = fl_sp_part(m, N, &r0);
+                float *no = st->nout + r0 * m->cfg.dim;
+                fl_norm_forward(m, no, NULL, st->nrstd, st->res[st->L], param_of(m, G, mg->op[i].role_w, 0), NULL, n);
+                FL_TRY(drop_part(m, no, n, r0, 2 * s + 1));
+                FL_TRY(fl_sp_gather(m, no, st->nout, N));
+                break;
+            }
             fl_norm_forward(m, st->nout, NULL, st->nrstd, st->res[st->L], param_of(m, G, mg->op[i].role_w, 0), NULL, N);
             FL_TRY(drop_rows(m, st->nout, (size_t)N * m->cfg.dim, 2 * s + 1));
             break;
@@ -545,6 +305,42 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
                              mg->op[i].kind);
         }
     }
+    return FL_OK;
+}
+
+/* Sequence parallelism: a pass whose B Ts or B Tt rows the group does not divide runs B' > B sequences (the fewest it
+ * divides both ways, at most the arena's B, a multiple of the group): the added ones are sources of token 0 that the
+ * key padding mask hides entirely (no real query sees them, their own queries see nothing: out 0, no gradient) and
+ * decoder inputs of token 0 with ignored targets. The real sequences' rows keep their places, so their values, dropout
+ * masks (indexed from the pass's first element), losses and gradients are the unpadded pass's. The arrays are
+ * replaced by host copies in a->pad; *B the padded count. */
+static fl_status sp_pad(fl_model *m, const int32_t **src, const uint8_t **mask, const int32_t **dec,
+                        const int32_t **tg, int *B, int Ts, int Tt) {
+    struct fl_s2s_acts *a = m->acts->s2s;
+    const int n = a->sp, B0 = *B;
+    int Bp = B0;
+    while (n > 1 && ((Bp * Ts) % n || (Bp * Tt) % n)) Bp++;
+    if (Bp == B0) return FL_OK;
+    if (Bp > a->B) return fl_errorf(FL_ERR_INTERNAL, "sequence parallel: %d padded sequences exceed the arena's %d", Bp, a->B);
+    const size_t ns = (size_t)a->B * a->st[0].Tmax, nt = (size_t)a->B * a->st[1].Tmax;
+    if (!a->pad && !(a->pad = malloc((ns * 2 + nt * 2) * sizeof *a->pad)))
+        return fl_errorf(FL_ERR_OOM, "sequence parallel: out of host memory for a padded batch");
+    int32_t *ps = a->pad, *pd = ps + ns, *pt = pd + nt;
+    uint8_t *pm = (uint8_t *)(pt + nt);
+    const size_t s0 = (size_t)B0 * Ts, t0 = (size_t)B0 * Tt, s1 = (size_t)Bp * Ts, t1 = (size_t)Bp * Tt;
+    memcpy(ps, *src, s0 * sizeof *ps);
+    memset(ps + s0, 0, (s1 - s0) * sizeof *ps);
+    if (*mask) memcpy(pm, *mask, s0);
+    else memset(pm, 1, s0);
+    memset(pm + s0, 0, s1 - s0);
+    memcpy(pd, *dec, t0 * sizeof *pd);
+    memset(pd + t0, 0, (t1 - t0) * sizeof *pd);
+    if (*tg) {
+        memcpy(pt, *tg, t0 * sizeof *pt);
+        for (size_t i = t0; i < t1; i++) pt[i] = FL_IGNORE_INDEX;
+        *tg = pt;
+    }
+    *src = ps, *mask = pm, *dec = pd, *B = Bp;
     return FL_OK;
 }
 
@@ -574,6 +370,13 @@ static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t 
                              i, V);
     fl_model_graph mg;
     FL_TRY(fl_model_graph_build(&m->cfg, &mg));
+    const int B0 = B;
+    FL_TRY(sp_pad(m, &src_ids, &src_mask, &dec_ids, &targets, &B, Ts, Tt)); /* sequence parallel: rows it divides */
+    ids[0] = src_ids, ids[1] = dec_ids;
+    float *lg_pad = NULL; /* a padded pass's logits: the real sequences' rows handed back */
+    if (logits_out && B > B0 && !(lg_pad = malloc((size_t)B * Tt * V * sizeof *lg_pad)))
+        return fl_errorf(FL_ERR_OOM, "sequence parallel: out of host memory for a padded batch's logits");
+    a->spp = a->sp > 1 ? a->sp : 0;
     /* the arena's views are laid out for its maxima; a smaller pass uses them as contiguous (B, T) rows */
     a->Bp = B;
     a->T[0] = Ts, a->T[1] = Tt;
@@ -586,7 +389,9 @@ static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t 
     a->drop_p = grad_scale > 0 && m->cfg.dropout_on ? m->cfg.dropout_rate : 0.0f; /* training forwards only */
     if (s == FL_OK) s = roots_gather(m);
     for (int k = 0; s == FL_OK && k < mg.n_stacks; k++)
-        s = stack_forward(m, &mg, k, ids[k], targets, grad_scale, logits_out);
+        s = stack_forward(m, &mg, k, ids[k], targets, grad_scale, lg_pad ? lg_pad : logits_out);
+    if (lg_pad && s == FL_OK) memcpy(logits_out, lg_pad, (size_t)B0 * Tt * V * sizeof *lg_pad);
+    free(lg_pad);
     a->head.defer = 0;
     if (s != FL_OK || (grad_scale <= 0 && !defer)) roots_release(m); /* training: kept for the backward */
     if (s != FL_OK) a->head.open = 0;
@@ -607,11 +412,17 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
     int role_norm = -1;
     for (int i = 0; i < mg->n_ops; i++)
         if (mg->op[i].stack == s && mg->op[i].kind == FL_MOP_NORM) role_norm = mg->op[i].role_w;
-    FL_RUN(be, zero, dres, (size_t)N * C * sizeof(float));
-    FL_TRY(drop_rows(m, dnout, (size_t)N * C, 2 * s + 1)); /* d(the norm's output) through its dropout mask */
+    size_t r0 = 0; /* sequence parallel: the rank's rows of d(the norm's output) and of the stream */
+    const int n = a->spp ? fl_sp_part(m, N, &r0) : N;
+    FL_RUN(be, zero, dres, (size_t)n * C * sizeof(float));
+    if (a->spp) FL_TRY(drop_part(m, dnout + r0 * C, n, r0, 2 * s + 1));
+    else FL_TRY(drop_rows(m, dnout, (size_t)N * C, 2 * s + 1)); /* d(the norm's output) through its dropout mask */
     stage_open(m, G);
-    fl_norm_backward(m, dres, param_of(m, G, role_norm, 1), NULL, dnout, st->res[st->L], param_of(m, G, role_norm, 0),
-                     NULL, st->nrstd, N);
+    float *dw = param_of(m, G, role_norm, 1), *db = NULL;
+    if (a->spp) fl_sp_norm_begin(m, param_of(m, G, role_norm, 1), NULL, &dw, &db); /* the rank's rows' part */
+    fl_norm_backward(m, dres, dw, NULL, dnout + r0 * C, st->res[st->L], param_of(m, G, role_norm, 0), NULL, st->nrstd,
+                     n);
+    if (a->spp) FL_TRY(fl_sp_norm_end(m, m->tp_comm, param_of(m, G, role_norm, 1), NULL));
     FL_TRY(stage_close(m, G));
     if (s == 0) fl_store_release(m->store, G);
     /* data parallel: each layout group's gradient handed on as it becomes final (fl_store_grads_ready; its bucket
@@ -649,7 +460,13 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
     }
     fl_outer_params op;
     fl_get_outer(m, &op);
-    FL_TRY(drop_rows(m, dres, (size_t)N * C, 2 * s)); /* d(the embedding's output) through its dropout mask */
+    if (a->spp) { /* sequence parallel: the rank's rows through their part of the mask, then the whole rows */
+        FL_TRY(drop_part(m, dres, n, r0, 2 * s));
+        FL_TRY(fl_sp_gather(m, dres, a->gb[1], N));
+        dres = a->gb[1];
+    } else {
+        FL_TRY(drop_rows(m, dres, (size_t)N * C, 2 * s)); /* d(the embedding's output) through its dropout mask */
+    }
     if (s == 0) FL_TRY(inject_rows(m, NULL, dres));
     FL_TRY(fl_embed_backward(m, &op, dres, st->ids, a->Bp, T));
     if (s == 0) fl_store_release(m->store, 0);
@@ -669,10 +486,16 @@ static fl_status s2s_backward(fl_model *m) {
         FL_RUN(m->be, scale, a->gb[1], (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
     /* the last stack from the head's d(its norm's output); each earlier one from d(its output) the later left */
     for (int k = last; s == FL_OK && k >= 0; k--) {
-        s = stack_backward(m, &mg, k, k == last ? a->gb[1] : a->dstream);
+        s = stack_backward(m, &mg, k, k == last ? a->gb[1] : a->spp ? a->gb[1] : a->dstream);
         /* tensor parallel: d(the earlier stack's output) is each rank's part from its heads' cross k|v: summed over the
-         * group once for every block (Megatron's f of the column-parallel k|v linears, graph_tp.c) */
-        if (s == FL_OK && k > 0 && a->st[k].xslot >= 0 && m->tp_comm && fl_comm_size(m->tp_comm) > 1)
+         * group once for every block (Megatron's f of the column-parallel k|v linears, graph_tp.c); sequence
+         * parallel: reduce-scattered into the rank's rows (of gb[1], free now), which the earlier stack's norm reads */
+        if (s == FL_OK && k > 0 && a->st[k].xslot >= 0 && a->spp) {
+            const size_t nx = (size_t)a->Bp * a->T[k - 1] * m->cfg.dim;
+            s = fl_error_prefix(fl_comm_reduce_scatter(m->tp_comm, a->dstream, a->gb[1] + m->cfg.tp_rank * (nx / a->spp),
+                                                       nx, FL_F32, FL_COMM_SUM),
+                                "sequence parallel: d(the encoder output)");
+        } else if (s == FL_OK && k > 0 && a->st[k].xslot >= 0 && m->tp_comm && fl_comm_size(m->tp_comm) > 1)
             s = fl_error_prefix(fl_comm_all_reduce(m->tp_comm, a->dstream, a->dstream,
                                                    (size_t)a->Bp * a->T[k - 1] * m->cfg.dim, FL_F32, FL_COMM_SUM),
                                 "tensor parallel: d(the encoder output)");
@@ -771,9 +594,30 @@ static fl_status check_sources(const fl_model *m, const int32_t *src, const uint
  * new row alone in its own region of the arena (decode_step); without it (kv_cache 0, 16-bit saved activations,
  * checkpointing) the decoder reruns the batch's whole prefix for each token. Tokens are chosen row by row (the
  * sampler's draws in row order; greedy: the first of equal maxima). */
+static fl_status s2s_generate_run(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
+                                  int max_new, int kv_cache, fl_sampler *sp, int32_t *out, int *n_out);
+
+/* Sequence parallelism: generation runs the tensor-parallel graphs (gtp: a row per token, the stream whole on every
+ * rank) in the arena carved for the sequence-parallel ones, whose stream slots hold B / sp sequences' rows */
 static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts, int max_new,
                               int kv_cache, fl_sampler *sp, int32_t *out, int *n_out) {
     FL_TRY(check_model(m, "fl_model_generate_s2s"));
+    struct fl_s2s_acts *a = m->acts->s2s;
+    if (a->sp <= 1) return s2s_generate_run(m, src, src_mask, B, Ts, max_new, kv_cache, sp, out, n_out);
+    *n_out = 0;
+    if (B > a->B / a->sp)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_generate_s2s: sequence parallel over %d ranks: at most %d source(s) "
+                         "at once (the arena's %d / %d), not %d", a->sp, a->B / a->sp, a->B, a->sp, B);
+    fl_block_graph t;
+    for (int k = 0; k < a->n_stacks; k++) t = a->st[k].g, a->st[k].g = a->st[k].gtp, a->st[k].gtp = t;
+    a->spp = 0;
+    fl_status s = s2s_generate_run(m, src, src_mask, B, Ts, max_new, kv_cache, sp, out, n_out);
+    for (int k = 0; k < a->n_stacks; k++) t = a->st[k].g, a->st[k].g = a->st[k].gtp, a->st[k].gtp = t;
+    return s;
+}
+
+static fl_status s2s_generate_run(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
+                                  int max_new, int kv_cache, fl_sampler *sp, int32_t *out, int *n_out) {
     struct fl_s2s_acts *a = m->acts->s2s;
     const int V = m->cfg.vocab_size, W = max_new + 1;
     *n_out = 0;

@@ -155,7 +155,14 @@ fl_status fl_model_stage_open_grads(fl_model *m) {
     return m->stage.in ? fl_store_grads_begin(m->store, 0) : FL_OK;
 }
 
-static size_t stream_bytes(const fl_model *m, int B, int T) { return (size_t)B * T * m->cfg.dim * sizeof(float); }
+/* sequence parallel: the rank's rows of the pass (B, T) runs at (padded as fl_model_forward pads it) */
+size_t fl_model_stage_elems(const fl_model *m, int B, int T) {
+    const int Tp = fl_sp_pass_T(m, B, T);
+    size_t r0;
+    return (size_t)fl_sp_part(m, B * Tp, &r0) * m->cfg.dim;
+}
+
+static size_t stream_bytes(const fl_model *m, int B, int T) { return fl_model_stage_elems(m, B, T) * sizeof(float); }
 
 fl_status fl_model_stage_input(fl_model *m, const float *x, int B, int T) {
     if (!m->acts || !m->stage.in || B * T > m->B * m->T)

@@ -52,12 +52,6 @@ fl_status fl_model_set_sp(fl_model *m, int on) {
     if (on && m->cfg.tp_size <= 1)
         return fl_errorf(FL_ERR_INVALID, "--sequence_parallel needs --tensor_parallel N > 1 (it splits the tensor-parallel "
                          "group's replicated rows)");
-    if (on && (m->stage.in || m->stage.out))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--sequence_parallel with --pipeline_parallel: a stage's stream is not "
-                         "split over the group yet");
-    if (on && fl_model_is_s2s(&m->cfg))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--sequence_parallel: %s (an encoder-decoder) is not split yet",
-                         fl_arch_get(m->cfg.arch)->display);
     if (m->acts) return fl_errorf(FL_ERR_INVALID, "fl_model_set_sp: before fl_model_alloc_acts");
     m->sp = on != 0;
     return FL_OK;

@@ -149,13 +149,15 @@ static fl_status forward_body(fl_model *m, const pass *p) {
     for (int i = 0; i < mg->n_ops; i++) {
         const int rw = mg->op[i].role_w, rb = mg->op[i].role_b;
         switch ((fl_mop_kind)mg->op[i].kind) {
-        case FL_MOP_EMBED: /* a later pipeline stage: res[0] holds the previous stage's output (stage.c) */
-            if (m->sp) { /* sequence parallel: the whole rows (the vocabulary slices' sum), the rank's kept */
+        case FL_MOP_EMBED: /* a later pipeline stage: res[0] holds the previous stage's output (stage.c; sequence
+                            * parallel: the rank's rows) */
+            if (m->stage.in) {
+            } else if (m->sp) { /* sequence parallel: the whole rows (the vocabulary slices' sum), the rank's kept */
                 size_t r0;
                 const int n = fl_sp_part(m, N, &r0);
                 FL_TRY(fl_embed_forward16(m, &op, a->buf1, NULL, NULL, a->ids, p->ids, B, T, 0));
                 FL_TRY(FL_RUN(be, copy, e, a->buf1 + r0 * C, (size_t)n * C * sizeof(float)));
-            } else if (!m->stage.in)
+            } else
                 FL_TRY(fl_embed_forward16(m, &op, e, e16, &res0_stored, a->ids, p->ids, B, T, 0));
             break;
         case FL_MOP_EMBED_TYPE: /* through buf1 (N, C) */
@@ -166,14 +168,15 @@ static fl_status forward_body(fl_model *m, const pass *p) {
             if (!after)
                 fl_norm_forward(m, a->res[0], a->emb_mean, a->emb_rstd, e, role_param(m, 0, rw, 0),
                                 role_param(m, 0, rb, 0), N);
-            else if (m->sp) { /* sequence parallel: the rank's rows, then the whole rows for the head */
+            else if (m->stage.out) { /* an earlier pipeline stage ends at res[L] (sequence parallel: the rank's rows) */
+            } else if (m->sp) { /* sequence parallel: the rank's rows, then the whole rows for the head */
                 size_t r0;
                 const int n = fl_sp_part(m, N, &r0);
                 fl_norm_forward_t(m, a->lnf + r0 * C, NULL, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w, op.lnf_wt,
                                   op.lnf_b, n);
                 a->lnf16 = NULL;
                 FL_TRY(fl_sp_gather(m, a->lnf + r0 * C, a->lnf, N));
-            } else if (!m->stage.out) { /* an earlier pipeline stage ends at res[L] */
+            } else {
                 /* the bf16 head's training chunks read the output's bf16 copy, which the norm stores */
                 void *x16 = a->act_dtype == FL_BF16 && p->grad_scale > 0 && p->targets && op.lnf_wt != FL_F32 &&
                                     end_op(mg) == FL_MOP_HEAD_LM ? fl_lm_head_x16(m) : NULL;
@@ -306,16 +309,16 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     PP_RELEASE(HG);
     PP_READY(HG);
     FL_TRY(blocks_backward(m, B, T, dres16)); // d res[0] in dres
+    if (m->stage.in) { /* a later pipeline stage: d res[0] goes to the previous one (fl_model_stage_dinput; sequence
+                        * parallel: the rank's rows); the embeddings' gradients (none here) are ready as they are */
+        PP_READY(0);
+        m->fwd_train = 0;
+        return FL_OK;
+    }
     const float *de = a->dres; // d(the embeddings' sum)
     if (m->sp) { /* sequence parallel: d res[0] of the group's rows (the rank's in dres), for the embeddings */
         FL_TRY(fl_sp_gather(m, a->dres, a->buf1, N));
         de = a->buf1;
-    }
-    if (m->stage.in) { /* a later pipeline stage: d res[0] goes to the previous one (fl_model_stage_dinput); the
-                        * embeddings' gradients (none here) are ready as they are */
-        PP_READY(0);
-        m->fwd_train = 0;
-        return FL_OK;
     }
     for (int i = 0; i < mg->n_ops && mg->op[i].kind != FL_MOP_BLOCKS; i++)
         if (mg->op[i].kind == FL_MOP_NORM) { /* the embedding norm: d(its input) into buf1 */
@@ -385,10 +388,8 @@ static fl_status lm_check(const fl_model *m, const char *fn, int B, int T, const
  * ignored targets. The decoders attend causally: the padded rows read the real ones, never the reverse, and their
  * losses are ignored, so the real rows' values, losses and gradients are the unpadded pass's. */
 static fl_status sp_pad(fl_model *m, const int32_t **ids, const int32_t **targets, int B, int *T) {
-    const int n = m->cfg.tp_size, T0 = *T;
-    if (!m->sp || (B * T0) % n == 0) return FL_OK;
-    int Tp = T0 + 1;
-    while ((B * Tp) % n) Tp++;
+    const int n = m->cfg.tp_size, T0 = *T, Tp = fl_sp_pass_T(m, B, T0);
+    if (Tp == T0) return FL_OK;
     if (Tp > m->T)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: sequence parallel over %d ranks: the batch's %d x %d rows "
                          "padded to %d x %d exceed the arena's T %d", n, B, T0, B, Tp, m->T);

@@ -265,7 +265,7 @@ static fl_status fwd(run *r, int ch, int k) {
     const int S = p->stages, v = ch * S + p->stage, NV = S * p->chunks;
     const fl_micro_batch *mb = &r->c->mbs[k];
     seed_micro(r, m, k);
-    const size_t n = (size_t)mb->B * mb->T * m->cfg.dim;
+    const size_t n = fl_model_stage_elems(m, mb->B, mb->T); /* SP: the rank's rows */
     if (r->live[ch] >= 0) FL_TRY(park(p, h, r->live[ch], r->slot_of[ch])); /* its backward comes later */
     r->live[ch] = -1;
     if (v > 0) {
@@ -295,7 +295,7 @@ static fl_status bwd(run *r, int ch, int k) {
     fl_model *m = h->m;
     const int S = p->stages, v = ch * S + p->stage, NV = S * p->chunks;
     const fl_micro_batch *mb = &r->c->mbs[k];
-    const size_t n = (size_t)mb->B * mb->T * m->cfg.dim;
+    const size_t n = fl_model_stage_elems(m, mb->B, mb->T); /* SP: the rank's rows */
     if (r->live[ch] != k) { /* k back from its slot; the arena's micro-batch (if any) into that slot */
         const int slot = r->slot_of[ch][k];
         if (r->live[ch] >= 0) FL_TRY(fl_model_stage_stash_swap(m, h->stash[slot], h->swap, h->swap_bytes));
@@ -510,7 +510,7 @@ fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms) {
 /* validation: the virtual stages in order (each rank its chunks in turn), the losses from the last */
 fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T) {
     const int S = p->stages, NV = S * p->chunks;
-    const size_t n = (size_t)B * T * p->m->cfg.dim;
+    const size_t n = fl_model_stage_elems(p->m, B, T);
     if (n > p->hx_n) return fl_errorf(FL_ERR_INVALID, "pipeline: batch (%d, %d) exceeds the stage's arena", B, T);
     fl_model *m = p->m;
     for (int c = 0; c < p->chunks; c++) {

@@ -61,9 +61,6 @@ fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *give
     if (t->cfg->sequence_parallel && n <= 1) /* every rank alike, before any collective */
         return fl_errorf(FL_ERR_INVALID, "--sequence_parallel splits the rows of a tensor-parallel group: give "
                          "--tensor_parallel N (N > 1) with it");
-    if (t->cfg->sequence_parallel && t->cfg->pipeline_parallel > 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--sequence_parallel with --pipeline_parallel %d: a stage's stream is not "
-                         "split over its tensor-parallel group yet (give one of them)", t->cfg->pipeline_parallel);
     if (t->cfg->pipeline_parallel > 1 && n > 1) return tpp_begin(t, world, given, dp_comm); /* the 3D grid */
     if (t->cfg->pipeline_parallel > 1) return fl_tr_pp_begin(t, world, given, dp_comm); /* trainer_pp.c */
     if (n == 1) return FL_OK;
@@ -198,11 +195,6 @@ static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *w
         if (mods[j].layer < 0)
             s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA on lm_head (the vocabulary-parallel head) is "
                           "not split yet (the blocks' linears are)", n_tp);
-        else if (lc.dropout > 0 && fl_tp_entry_split(&lay, mods[j].param_index) == FL_TP_ROW)
-            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA dropout (%g) on the row-parallel %s: its "
-                          "input is the rank's columns, whose part of one process's dropout mask is not drawn yet "
-                          "(give lora_dropout 0, or leave out the output and down projections)", n_tp,
-                          (double)lc.dropout, mods[j].name);
     }
     free(mods);
     fl_layout_free(&lay);

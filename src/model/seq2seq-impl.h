@@ -1,0 +1,59 @@
+/* The encoder-decoder's activation views (seq2seq.c's passes, seq2seq_acts.c's arena): private to src/model. */
+#ifndef FL_SEQ2SEQ_IMPL_H
+#define FL_SEQ2SEQ_IMPL_H
+
+#include "model-impl.h"
+
+typedef struct {
+    fl_block_graph g;
+    int L, l0;            /* blocks; the first one's index among all the model's blocks (layout group l0 + 1) */
+    int Tmax;             /* rows per sequence the arena holds */
+    int xslot;            /* the XSTREAM slot of its blocks (the earlier stack's output), -1 */
+    float **res;          /* L + 1 views (B Tmax, C) */
+    fl_layer_acts *layer; /* L */
+    float *nout, *nrstd;  /* the final norm's output (B Tmax, C) and rstd (B Tmax) */
+    float *bias, *dbias;  /* (NH, T, T) relative position bias and its gradient */
+    int32_t *buckets;     /* (T, T) bucket of each (query, key) (device memory) */
+    int32_t *ids;         /* (B T) (device memory) */
+    fl_block_graph gtp;   /* sequence parallel: the tensor-parallel graph generation runs (its rows per token) */
+} s2s_stack;
+
+struct fl_s2s_acts {
+    int B, n_stacks;      /* the arena's sequences (sequence parallel: a multiple of the group); the stacks */
+    int sp;               /* sequence parallel: the group's size (the blocks' graphs fl_block_graph_sp), else 0 */
+    int spp;              /* the pass in progress runs the sequence-parallel graphs (a->sp; generation: 0) */
+    int32_t *pad;         /* sequence parallel: a pass's sequences padded to rows the group divides (host memory) */
+    fl_dtype act16;       /* the WIDE slots saved in this 16-bit dtype (a bf16 policy without checkpointing), else 0 */
+    int Bp;               /* the last forward's sequences (<= B) */
+    s2s_stack st[FL_MODEL_GRAPH_MAX_STACKS];
+    int T[FL_MODEL_GRAPH_MAX_STACKS]; /* the last forward's rows per sequence */
+    uint8_t *kmask;       /* (B, T[0]) the first stack's key padding mask (device memory) */
+    int kmask_on;
+    float *dstream;       /* (B T[0], C) d(the first stack's output) */
+    float *gb[FL_GRAPH_MAX_GBUF]; /* the backward's gradient buffers, B x max Tmax rows; gb[1] also d(final norm out) */
+    float *logits, *losses;
+    void *be_scratch;     /* the backend's op scratch (bf16 matmuls, 4-bit weights), lent for each pass, or NULL */
+    int32_t *targets;     /* device copy when the backend's memory is not host memory, else NULL */
+    int chunk;            /* logits rows per chunk */
+    float drop_p;         /* the last forward's dropout rate: cfg.dropout_rate in a training forward with cfg.dropout_on,
+                           * else 0 (its backward regenerates the same masks from the model's drop_seed) */
+    /* the training forward in progress between fl_model_forward_s2s_body and fl_model_forward_head: the last stack
+     * stopped at its HEAD_LM op (defer set by the body), the head's targets, grad_scale and rows */
+    struct { const int32_t *targets; float grad_scale; int N, defer, open; } head;
+};
+
+/* Rows of slot k of stack s's blocks per sequence: its own T, or the earlier stack's for an XSTREAM and what is
+ * computed from it alone. */
+static inline int slot_T(const struct fl_s2s_acts *a, int s, int k, const int *T) {
+    return a->st[s].g.slot[k].xrows && s > 0 ? T[s - 1] : T[s];
+}
+
+/* Elements per width of slot k of stack s for B sequences: sequence parallel, a slot of the stream's rows is the
+ * rank's B T / sp of them */
+static inline size_t slot_n(const struct fl_s2s_acts *a, int s, int k, const int *T, size_t B) {
+    const size_t n = B * (size_t)slot_T(a, s, k, T);
+    return a->sp > 1 && a->st[s].g.slot[k].srows ? n / (size_t)a->sp : n;
+}
+static inline size_t stream_n(const struct fl_s2s_acts *a, size_t N) { return a->sp > 1 ? N / (size_t)a->sp : N; }
+
+#endif
