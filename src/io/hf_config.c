@@ -208,6 +208,17 @@ static fl_status fl_hf_parse_opt(const char *path, const fl_json *r, fl_model_co
     c->attention_bias = c->mlp_bias = bias;
     c->norm_eps = 1e-5f; /* nn.LayerNorm's default: OPT has no epsilon key */
     c->rope_theta = 0.0f;
+    /* OPTDecoderLayer's dropout (the attention and FFN outputs) and attention_dropout (the weights): applied in
+     * training passes when the trainer turns them on (cfg.dropout_on); OPTConfig's defaults. activation_dropout is
+     * not read by transformers' OPT (nor here); layerdrop's random layer skipping is not applied */
+    const float drop = 0.1f, adrop = 0.0f;
+    FL_TRY(fl_hf_float(path, r, "dropout", &drop, &c->dropout_rate));
+    FL_TRY(fl_hf_float(path, r, "attention_dropout", &adrop, &c->attn_dropout_rate));
+    if (c->dropout_rate < 0 || c->dropout_rate >= 1)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'dropout' = %g must be in [0, 1)", path, (double)c->dropout_rate);
+    if (c->attn_dropout_rate < 0 || c->attn_dropout_rate >= 1)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'attention_dropout' = %g must be in [0, 1)", path,
+                         (double)c->attn_dropout_rate);
     return FL_OK;
 }
 

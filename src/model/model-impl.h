@@ -6,9 +6,9 @@
 
 /* Per-layer views of the block graph's slots (graph.h), into m->acts_arena. N = B*T rows. */
 typedef struct {
-    float *s[24];      /* FL_GRAPH_MAX_SLOTS: each slot's (N, width) fp32 view; s[IN] = res[l], s[OUT] = res[l+1].
+    float *s[28];      /* FL_GRAPH_MAX_SLOTS: each slot's (N, width) fp32 view; s[IN] = res[l], s[OUT] = res[l+1].
                         * 16-bit saved activations: the WIDE slots alias ONE shared fp32 layer buffer */
-    void *s16[24];     /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): this layer's copy of
+    void *s16[28];     /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): this layer's copy of
                         * each WIDE slot in act_dtype; else NULL. bf16 stored: also s16[IN] = res16[l],
                         * s16[OUT] = res16[l+1], and with checkpointing the one recomputed block's copies */
 } fl_layer_acts;

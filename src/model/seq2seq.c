@@ -430,7 +430,8 @@ static fl_status drop_rows(const fl_model *m, float *x, size_t n, int site) {
 }
 
 static fl_block_ctx stack_ctx(const fl_model *m, const struct fl_s2s_acts *a, int s, int l, float *const *dxs) {
-    fl_block_ctx x = {.B = a->Bp, .T = a->T[s], .drop_p = a->drop_p, .comm = m->tp_comm}; /* TP: the blocks' sums */
+    fl_block_ctx x = {.B = a->Bp, .T = a->T[s], .drop_p = a->drop_p, .attn_drop_p = a->drop_p, /* T5: one rate */
+                      .comm = m->tp_comm}; /* TP: the blocks' sums */
     x.drop_seed = drop_site(m, 16 + a->st[s].l0 + l);
     x.kmask = a->kmask_on ? a->kmask : NULL; /* the first stack's keys: its self-attention's and the cross-attention's */
     x.attn_bias = a->st[s].bias;
