@@ -1705,6 +1705,27 @@ expect blip2_t5_dropout_said 0 "^text_config.dropout_rate 0.3 is applied in trai
 expect blip2_t5_dropout_changes_loss 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 6 ] && [ "$(grep -c "^step [1-6]/" <<<"$2")" = 6 ] && [ "$(head -1 <<<"$1")" != "$(grep "^step 1/" <<<"$2")" ]' _ "$d0" "$da"
 expect blip2_t5_dropout_resume_bit_identical 0 "" -- bash -c '[ "$(grep -c . <<<"$2")" = 3 ] && [ "$(grep "^step [4-6]/" <<<"$1")" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors"' _ "$da" "$db" "$T/b2da" "$T/b2db"
 
+# BLIP-2's OPT variant drops in every part (the vision tower's attention weights, the Q-Former's embedding norm, dense
+# outputs and attention weights, OPT's sublayer outputs and attention weights; the masks: run seed, global micro-batch):
+# a copy of the fixture at rate 0.3 everywhere says so, its losses are not rate 0's, a run resumed from step 3 and one
+# with activation checkpointing give the uninterrupted run's losses and final weights bit for bit, plan = measured
+mkdir -p "$T/b2odrop" && cp "$B2"/*.json "$B2"/model.safetensors "$T/b2odrop/"
+sed -i -E 's/"(dropout|attention_dropout|hidden_dropout_prob|attention_probs_dropout_prob)": 0.0/"\1": 0.3/' "$T/b2odrop/config.json"
+DR=("${B2RUN[@]}" --train.max_steps 6 --train.global_batch_size 4 --blip2.train vision,qformer,lm)
+d0=$("$FITLLM" finetune_full "$B2" "${DR[@]}" --out_dir "$T/b2od0" 2>&1 | grep '^step [1-6]/')
+da=$("$FITLLM" finetune_full "$T/b2odrop" "${DR[@]}" --train.save_interval 3 --out_dir "$T/b2oda" 2>&1)
+db=$("$FITLLM" finetune_full "$T/b2odrop" "${DR[@]}" --resume "$T/b2oda/step-000003" --out_dir "$T/b2odb" 2>&1 | grep '^step [4-6]/')
+dc=$("$FITLLM" finetune_full "$T/b2odrop" "${DR[@]}" --train.activation_checkpointing true --out_dir "$T/b2odc" 2>&1 | grep '^step [1-6]/')
+expect blip2_opt_dropout_said 0 "" -- bash -c 'grep -q "^text_config.dropout 0.3 / attention_dropout 0.3 are applied in training" <<<"$1" && grep -q "^qformer_config.hidden_dropout_prob 0.3 / attention_probs_dropout_prob 0.3 are applied" <<<"$1" && grep -q "^vision_config.attention_dropout 0.3 is applied" <<<"$1"' _ "$da"
+expect blip2_opt_dropout_changes_loss 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 6 ] && [ "$(grep -c "^step [1-6]/" <<<"$2")" = 6 ] && [ "$(head -1 <<<"$1")" != "$(grep "^step 1/" <<<"$2")" ]' _ "$d0" "$da"
+expect blip2_opt_dropout_resume_bit_identical 0 "" -- bash -c '[ "$(grep -c . <<<"$2")" = 3 ] && [ "$(grep "^step [4-6]/" <<<"$1")" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors"' _ "$da" "$db" "$T/b2oda" "$T/b2odb"
+expect blip2_opt_dropout_checkpointing_bit_identical 0 "" -- bash -c '[ "$(grep -c . <<<"$2")" = 6 ] && [ "$(grep "^step [1-6]/" <<<"$1")" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors"' _ "$da" "$dc" "$T/b2oda" "$T/b2odc"
+for x in "" "--train.activation_checkpointing true"; do
+    planned=$("$FITLLM" plan "$T/b2odrop" "${B2RUN[@]}" --train.max_seq_length 4 --blip2.train vision,qformer,lm $x 2>&1 | awk '/^(after_|before_)/ { print; getline; print } /^peak/')
+    measured=$("$FITLLM" finetune_full "$T/b2odrop" "${B2RUN[@]}" --train.max_seq_length 4 --train.max_steps 2 --blip2.train vision,qformer,lm $x --out_dir "$T/b2odpm" 2>&1 | awk '/^host tier/ { exit } /^(after_|before_)/ { print; getline; print } /^peak/')
+    expect "blip2_opt_dropout_plan_equals_measured${x:+_ckpt}" 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 11 ] && [ "$1" = "$2" ] || { echo "planned:"; echo "$1"; echo "measured:"; echo "$2"; exit 1; }' _ "$planned" "$measured"
+done
+
 echo
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]
