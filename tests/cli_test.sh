@@ -1705,6 +1705,51 @@ expect blip2_t5_dropout_said 0 "^text_config.dropout_rate 0.3 is applied in trai
 expect blip2_t5_dropout_changes_loss 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 6 ] && [ "$(grep -c "^step [1-6]/" <<<"$2")" = 6 ] && [ "$(head -1 <<<"$1")" != "$(grep "^step 1/" <<<"$2")" ]' _ "$d0" "$da"
 expect blip2_t5_dropout_resume_bit_identical 0 "" -- bash -c '[ "$(grep -c . <<<"$2")" = 3 ] && [ "$(grep "^step [4-6]/" <<<"$1")" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors"' _ "$da" "$db" "$T/b2da" "$T/b2db"
 
+# BLIP-2's OPT variant drops in every part (the vision tower's attention weights, the Q-Former's embedding norm, dense
+# outputs and attention weights, OPT's sublayer outputs and attention weights; the masks: run seed, global micro-batch):
+# a copy of the fixture at rate 0.3 everywhere says so, its losses are not rate 0's, a run resumed from step 3 and one
+# with activation checkpointing give the uninterrupted run's losses and final weights bit for bit, plan = measured
+mkdir -p "$T/b2odrop" && cp "$B2"/*.json "$B2"/model.safetensors "$T/b2odrop/"
+sed -i -E 's/"(dropout|attention_dropout|hidden_dropout_prob|attention_probs_dropout_prob)": 0.0/"\1": 0.3/' "$T/b2odrop/config.json"
+DR=("${B2RUN[@]}" --train.max_steps 6 --train.global_batch_size 4 --blip2.train vision,qformer,lm)
+d0=$("$FITLLM" finetune_full "$B2" "${DR[@]}" --out_dir "$T/b2od0" 2>&1 | grep '^step [1-6]/')
+da=$("$FITLLM" finetune_full "$T/b2odrop" "${DR[@]}" --train.save_interval 3 --out_dir "$T/b2oda" 2>&1)
+db=$("$FITLLM" finetune_full "$T/b2odrop" "${DR[@]}" --resume "$T/b2oda/step-000003" --out_dir "$T/b2odb" 2>&1 | grep '^step [4-6]/')
+dc=$("$FITLLM" finetune_full "$T/b2odrop" "${DR[@]}" --train.activation_checkpointing true --out_dir "$T/b2odc" 2>&1 | grep '^step [1-6]/')
+expect blip2_opt_dropout_said 0 "" -- bash -c 'grep -q "^text_config.dropout 0.3 / attention_dropout 0.3 are applied in training" <<<"$1" && grep -q "^qformer_config.hidden_dropout_prob 0.3 / attention_probs_dropout_prob 0.3 are applied" <<<"$1" && grep -q "^vision_config.attention_dropout 0.3 is applied" <<<"$1"' _ "$da"
+expect blip2_opt_dropout_changes_loss 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 6 ] && [ "$(grep -c "^step [1-6]/" <<<"$2")" = 6 ] && [ "$(head -1 <<<"$1")" != "$(grep "^step 1/" <<<"$2")" ]' _ "$d0" "$da"
+expect blip2_opt_dropout_resume_bit_identical 0 "" -- bash -c '[ "$(grep -c . <<<"$2")" = 3 ] && [ "$(grep "^step [4-6]/" <<<"$1")" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors"' _ "$da" "$db" "$T/b2oda" "$T/b2odb"
+expect blip2_opt_dropout_checkpointing_bit_identical 0 "" -- bash -c '[ "$(grep -c . <<<"$2")" = 6 ] && [ "$(grep "^step [1-6]/" <<<"$1")" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors"' _ "$da" "$dc" "$T/b2oda" "$T/b2odc"
+for x in "" "--train.activation_checkpointing true"; do
+    planned=$("$FITLLM" plan "$T/b2odrop" "${B2RUN[@]}" --train.max_seq_length 4 --blip2.train vision,qformer,lm $x 2>&1 | awk '/^(after_|before_)/ { print; getline; print } /^peak/')
+    measured=$("$FITLLM" finetune_full "$T/b2odrop" "${B2RUN[@]}" --train.max_seq_length 4 --train.max_steps 2 --blip2.train vision,qformer,lm $x --out_dir "$T/b2odpm" 2>&1 | awk '/^host tier/ { exit } /^(after_|before_)/ { print; getline; print } /^peak/')
+    expect "blip2_opt_dropout_plan_equals_measured${x:+_ckpt}" 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 11 ] && [ "$1" = "$2" ] || { echo "planned:"; echo "$1"; echo "measured:"; echo "$2"; exit 1; }' _ "$planned" "$measured"
+done
+# OPT's dropout in the decoder trainer (config.json dropout / attention_dropout where OPTDecoderLayer drops; masks: run
+# seed, global micro-batch, block, site): a tiny OPT folder at 0.3 says so and writes the rates back, its losses are not
+# rate 0's, a run resumed from step 3 and one with activation checkpointing end on the uninterrupted run's losses and
+# weights bit for bit, plan = measured
+mkdir -p "$T/optd" && cp tests/fixtures/golden-opt/config.json "$T/optd/"
+sed -i -E 's/"(dropout|attention_dropout)": 0.0/"\1": 0.3/; s/"vocab_size": 257/"vocab_size": 264/' "$T/optd/config.json"
+OD=(--data Synthetic --train.max_steps 6 --train.micro_batch_size 2 --train.global_batch_size 4 --train.max_seq_length 16 --train.lr_warmup_steps 0)
+"$FITLLM" pretrain --model_config "$T/optd/config.json" "${OD[@]}" --train.max_steps 1 --out_dir "$T/optd1" >/dev/null 2>&1
+OM="$T/optd1/final"; mkdir -p "$T/optd0" && cp "$OM"/*.json "$OM"/model.safetensors "$T/optd0/"
+sed -i -E 's/"(dropout|attention_dropout)": [0-9.]+/"\1": 0.0/' "$T/optd0/config.json"
+olines() { grep '(step)' <<<"$1" | grep -o 'iter [0-9]* step [0-9]* | loss train: [0-9.]*'; } # each step's last micro-batch
+oa=$("$FITLLM" finetune_full "$OM" "${OD[@]}" --train.save_interval 3 --out_dir "$T/oda" 2>&1)
+ob=$("$FITLLM" finetune_full "$OM" "${OD[@]}" --resume "$T/oda/step-000003" --out_dir "$T/odb" 2>&1)
+oc=$("$FITLLM" finetune_full "$OM" "${OD[@]}" --train.activation_checkpointing true --out_dir "$T/odc" 2>&1)
+o0=$("$FITLLM" finetune_full "$T/optd0" "${OD[@]}" --out_dir "$T/od0" 2>&1)
+expect opt_dropout_said 0 "" -- bash -c 'grep -q "^note: config.json dropout 0.3 / attention_dropout 0.3 are applied in training" <<<"$1" && grep -q "\"dropout\": 0.300000012" "$2/final/config.json" && ! grep -q "dropout .* are applied" <<<"$3"' _ "$oa" "$T/oda" "$o0"
+expect opt_dropout_changes_loss 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 6 ] && [ "$(grep -c . <<<"$2")" = 6 ] && [ "$1" != "$2" ]' _ "$(olines "$oa")" "$(olines "$o0")"
+expect opt_dropout_resume_bit_identical 0 "" -- bash -c '[ "$(grep -c . <<<"$2")" = 3 ] && [ "$(tail -3 <<<"$1")" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors"' _ "$(olines "$oa")" "$(olines "$ob")" "$T/oda" "$T/odb"
+expect opt_dropout_checkpointing_bit_identical 0 "" -- bash -c '[ "$(grep -c . <<<"$2")" = 6 ] && [ "$1" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors"' _ "$(olines "$oa")" "$(olines "$oc")" "$T/oda" "$T/odc"
+for x in "" "--train.activation_checkpointing true" "--precision bf16-mixed"; do
+    planned=$("$FITLLM" plan "$OM" "${OD[@]}" $x 2>&1 | awk '/^(after_|before_)/ { print; getline; print } /^peak/')
+    measured=$("$FITLLM" finetune_full "$OM" "${OD[@]}" --train.max_steps 2 $x --out_dir "$T/odpm${x##* }" 2>&1 | awk '/^host tier/ { exit } /^(after_|before_)/ { print; getline; print } /^peak/')
+    expect "opt_dropout_plan_equals_measured${x:+_${x##* }}" 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 11 ] && [ "$1" = "$2" ] || { echo "planned:"; echo "$1"; echo "measured:"; echo "$2"; exit 1; }' _ "$planned" "$measured"
+done
+
 echo
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]

@@ -234,5 +234,17 @@ for v in "--fsdp.sharding_strategy HYBRID_SHARD --num_nodes 2 --devices 1|HYBRID
     else bad "blip2_fsdp_refuses_${opt[0]#--}" "exit $rc"; fi
 done
 
+# dropout in every part of the OPT variant (rate 0.3 at each site; masks from the run seed and the global micro-batch):
+# 2 ranks = one process's losses, and not the losses without dropout
+mkdir -p "$T/odrop" && cp tests/fixtures/blip2-tiny-opt/*.json tests/fixtures/blip2-tiny-opt/model.safetensors "$T/odrop/"
+sed -i -E 's/"(dropout|attention_dropout|hidden_dropout_prob|attention_probs_dropout_prob)": 0.0/"\1": 0.3/' "$T/odrop/config.json"
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --blip2.train vision,qformer,lm --out_dir "$T/od0" >"$T/zero" 2>&1
+timeout 300 "$FL" finetune_full "$T/odrop" "${RUN[@]}" --blip2.train vision,qformer,lm --out_dir "$T/od1" >"$T/one" 2>&1
+timeout 300 mpirun -np 2 "$FL" finetune_full "$T/odrop" "${RUN[@]}" --blip2.train vision,qformer,lm --devices 2 --out_dir "$T/od2" >"$T/out" 2>&1; rc=$?
+a=$(losses "$T/one"); b=$(losses "$T/out")
+if [ $rc -eq 0 ] && same "$a" "$b" && [ "$a" != "$(losses "$T/zero")" ] && grep -q "^qformer_config.hidden_dropout_prob 0.3" "$T/out"; then
+    ok "blip2_ddp_np2_opt_dropout (losses = one process's: $(tr '\n' ' ' <<<"$b"))"
+else echo "one process: $a" >>"$T/out"; bad "blip2_ddp_np2_opt_dropout" "exit $rc"; fi
+
 echo "BLIP-2 MPI tests: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -752,6 +752,27 @@ grep -E "^(ok|FAIL|     )" "$T/out"
 pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))
 [ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_sp" "exit $rc"
 
+# OPT's dropout in the decoder trainer (config.json dropout / attention_dropout 0.3; masks: run seed, global micro-batch):
+# DDP over 2 ranks = one process's losses (metrics.csv, each iteration within 1e-6 relative), not the losses at rate 0
+mkdir -p "$T/optd" && sed -E 's/"(dropout|attention_dropout)": 0.0/"\1": 0.3/; s/"vocab_size": 257/"vocab_size": 264/' \
+    tests/fixtures/golden-opt/config.json >"$T/optd/config.json"
+OD=(--data Synthetic --train.max_steps 4 --train.micro_batch_size 2 --train.global_batch_size 8 --train.max_seq_length 16
+    --train.lr_warmup_steps 0 --threads 1 --strategy ddp --eval.max_new_tokens 0)
+"$FL" pretrain --model_config "$T/optd/config.json" "${OD[@]}" --train.max_steps 1 --out_dir "$T/optd1" >/dev/null 2>&1
+mkdir -p "$T/optz" && cp "$T/optd1/final"/*.json "$T/optd1/final/model.safetensors" "$T/optz/"
+sed -i -E 's/"(dropout|attention_dropout)": [0-9.]+/"\1": 0.0/' "$T/optz/config.json"
+mloss() { awk -F, 'NR > 1 { print $4 }' "$1/logs/metrics.csv"; }
+timeout 300 "$FL" finetune_full "$T/optd1/final" "${OD[@]}" --out_dir "$T/od1" >"$T/out" 2>&1
+timeout 300 "$FL" finetune_full "$T/optz" "${OD[@]}" --out_dir "$T/od0" >>"$T/out" 2>&1
+timeout 300 mpirun -np 2 "$FL" finetune_full "$T/optd1/final" "${OD[@]}" --devices 2 --out_dir "$T/od2" >>"$T/out" 2>&1; rc=$?
+a=$(mloss "$T/od1"); b=$(mloss "$T/od2")
+if [ $rc -eq 0 ] && [ -n "$a" ] && [ "$a" != "$(mloss "$T/od0")" ] && grep -q "dropout 0.3 / attention_dropout 0.3 are applied" "$T/out" &&
+    paste -d' ' <(printf '%s\n' "$a") <(printf '%s\n' "$b") | awk 'NF != 2 { bad = 1 } { d = $1 - $2; if (d < 0) d = -d; if (d > 1e-6 * $1) bad = 1; n++ } END { exit bad || n < 4 }'; then
+    ok "opt_dropout_ddp_np2 (losses = one process's: $(tr '\n' ' ' <<<"$b"))"
+else
+    bad "opt_dropout_ddp_np2" "exit $rc"
+fi
+
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"
 [ $fail -eq 0 ]

@@ -37,7 +37,8 @@ typedef struct {
     int32_t *targets; /* labels as next-token targets at the caption's positions */
 } b2_case;
 
-static fl_status open_case(b2_case *c) {
+/* drop >= 0: every dropout rate of the three parts set to it and dropout on (fl_blip2_set_dropout) before the arena */
+static fl_status open_case_drop(b2_case *c, float drop) {
     memset(c, 0, sizeof *c);
     FL_TRY(fl_test_backend(&c->be, 2));
     FL_TRY(fl_backend_pools_init(&c->be, &c->pool, &c->host, c->be.name, 0));
@@ -59,8 +60,16 @@ static fl_status open_case(b2_case *c) {
             c->n_valid += v != FL_IGNORE_INDEX;
         }
     FL_TRY(fl_blip2_alloc_grads(c->b));
+    for (int k = 0; drop >= 0 && k < FL_BLIP2_PARTS; k++) {
+        fl_model_config *mc = &fl_blip2_part(c->b, k)->cfg;
+        mc->dropout_rate = k == FL_BLIP2_VISION ? 0.0f : drop; /* the vision tower drops its attention weights only */
+        mc->attn_dropout_rate = drop;
+    }
+    if (drop >= 0) FL_TRY(fl_blip2_set_dropout(c->b, 1));
     return fl_blip2_alloc_acts(c->b, c->B, c->T);
 }
+
+static fl_status open_case(b2_case *c) { return open_case_drop(c, -1.0f); }
 
 static void close_case(b2_case *c) {
     free(c->targets);
@@ -168,6 +177,48 @@ FL_TEST(blip2_opt_vs_transformers) {
     printf("      %d gradients, worst error %.2f of its bound\n", checked, worst);
     free(lg);
     close_case(&c);
+}
+
+/* Dropout in every part of the OPT variant (fl_blip2_set_dropout, the micro-batch seed of fl_model_adapters_seed on the
+ * language model) against transformers in training mode with fitllm's masks (tests/ref/
+ * make_blip2_opt_dropout_fixture.py: expected-dropout.safetensors, p 0.2 at every site: the vision tower's attention
+ * weights; the Q-Former's embedding norm output, attention weights and dense outputs; OPT's attention weights and
+ * sublayer outputs): the loss and all 139 gradients within 8x PyTorch's fp32 noise, as blip2_opt_vs_transformers; the
+ * loss is far from the one without dropout. An evaluation forward (grad_scale 0) drops nothing: the logits' bits of
+ * the model without dropout. */
+FL_TEST(blip2_opt_dropout_vs_transformers) {
+    fl_st_file y;
+    FL_REQUIRE_OK(fl_st_open(&y, FIX "/expected-dropout.safetensors"));
+    const fl_st_tensor *rloss = fl_st_find(&y, "loss"), *nloss = fl_st_find(&y, "noise.loss");
+    const fl_st_tensor *seed = fl_st_find(&y, "seed"), *p = fl_st_find(&y, "p");
+    FL_REQUIRE(rloss && nloss && seed && p);
+    b2_case c, c0;
+    FL_REQUIRE_OK(open_case_drop(&c, f32_at(p)));
+    FL_REQUIRE_OK(open_case(&c0));
+    fl_blip2 *b = c.b;
+    fl_model_adapters_seed(fl_blip2_part(b, FL_BLIP2_TEXT), (uint64_t)((const int64_t *)seed->data)[0]);
+    float loss, l0;
+    FL_REQUIRE_OK(forward(&c, 1.0f / (float)c.n_valid, NULL, &loss));
+    const double lref = ((const double *)rloss->data)[0], lnone = ((const double *)fl_st_find(&c.x, "loss")->data)[0];
+    FL_CHECKF(fabs(loss - lref) <= bound(nloss, lref) && fabs(lref - lnone) > 100 * bound(nloss, lref),
+              "loss %.9f vs %.9f (without dropout %.9f)", (double)loss, lref, lnone);
+    FL_REQUIRE_OK(fl_blip2_backward(b));
+    double worst;
+    const int checked = check_grads(b, &c.be, &y, &worst);
+    FL_CHECK(checked == 139);
+    printf("      p %.2f: loss %.8f (ref %.8f, without dropout %.8f); %d gradients, worst error %.2f of its bound\n",
+           (double)f32_at(p), (double)loss, lref, lnone, checked, worst);
+    /* evaluation: no dropout, the bits of the model without it */
+    const size_t nl = (size_t)c.B * c.T * b->cfg.text.vocab_size;
+    float *lg = malloc(nl * sizeof *lg), *lg0 = malloc(nl * sizeof *lg0);
+    FL_REQUIRE(lg && lg0);
+    FL_REQUIRE_OK(forward(&c, 0, lg, &loss));
+    FL_REQUIRE_OK(forward(&c0, 0, lg0, &l0));
+    FL_CHECK(memcmp(lg, lg0, nl * sizeof *lg) == 0 && loss == l0);
+    free(lg), free(lg0);
+    close_case(&c0);
+    close_case(&c);
+    fl_st_close(&y);
 }
 
 /* Greedy captions = transformers' generate(do_sample=False, max_new_tokens=8) of each image, and of image 0 with a

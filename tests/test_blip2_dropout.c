@@ -1,8 +1,11 @@
-/* Dropout in BLIP-2's Flan-T5 language model (issue 31's leftover, issue 32): text_config.dropout_rate applied by the
- * T5 interpreter's DROPOUT sites (src/model/seq2seq.c, arch_t5.c; their places and masks against transformers:
- * tests/test_t5.c t5_*_dropout_vs_transformers), with the projected queries injected into the encoder's embedding
- * rows before its dropout, as transformers' T5 stack drops its inputs_embeds. The fine-tuning (src/train/
- * blip2_train.c) turns it on and seeds each micro-batch (fl_model_adapters_seed: run seed, global micro-batch).
+/* Dropout in BLIP-2 (issue 32): the Flan-T5 language model's text_config.dropout_rate applied by the T5 interpreter's
+ * DROPOUT sites (src/model/seq2seq.c, arch_t5.c; their places and masks against transformers: tests/test_t5.c
+ * t5_*_dropout_vs_transformers), with the projected queries injected into the encoder's embedding rows before its
+ * dropout, as transformers' T5 stack drops its inputs_embeds; and the OPT variant's every part (fl_blip2_set_dropout:
+ * the vision tower's attention weights, the Q-Former's embedding norm output, dense outputs and attention weights,
+ * OPT's sublayer outputs and attention weights; their places and masks against transformers: tests/test_blip2.c
+ * blip2_opt_dropout_vs_transformers). The fine-tuning (src/train/blip2_train.c) turns it on and seeds each
+ * micro-batch (fl_model_adapters_seed: run seed, global micro-batch).
  *
  * Anchors, none of them fitllm's own output with dropout:
  *   - rate 0 with dropout on, and an evaluation forward at rate 0.5: the bits of the model without dropout;
@@ -22,16 +25,20 @@
 #include "fitllm/model.h"
 #include "test.h"
 
-#define FIX "tests/fixtures/blip2-tiny-t5"
+static const char *fix(int t5) { return t5 ? "tests/fixtures/blip2-tiny-t5" : "tests/fixtures/blip2-tiny-opt"; }
 
-/* The fixture with every part trained, the language model's dropout at rate p (on: fl_model_set_dropout). */
-static void open_drop(b2_env *e, float p, int on, int ckpt, fl_blip2 **out) {
+/* The fixture with every part trained and dropout at rate p (on: fl_blip2_set_dropout): T5's language model's
+ * dropout_rate; the OPT variant's every rate (the vision tower has its attention weights' only). */
+static void open_drop(b2_env *e, int t5, float p, int on, int ckpt, fl_blip2 **out) {
     fl_blip2 *b = *out = NULL;
-    FL_REQUIRE_OK(fl_blip2_load(&b, FIX, &e->be, &e->pool));
+    FL_REQUIRE_OK(fl_blip2_load(&b, fix(t5), &e->be, &e->pool));
     *out = b;
-    fl_model *lm = fl_blip2_part(b, FL_BLIP2_TEXT);
-    lm->cfg.dropout_rate = p;
-    FL_REQUIRE_OK(fl_model_set_dropout(lm, on));
+    for (int k = t5 ? FL_BLIP2_TEXT : 0; k < FL_BLIP2_PARTS; k++) {
+        fl_model_config *c = &fl_blip2_part(b, k)->cfg;
+        c->dropout_rate = k == FL_BLIP2_VISION ? 0.0f : p;
+        if (!t5) c->attn_dropout_rate = p;
+    }
+    FL_REQUIRE_OK(fl_blip2_set_dropout(b, on));
     FL_REQUIRE_OK(fl_blip2_set_act_ckpt(b, ckpt));
     FL_REQUIRE_OK(fl_blip2_alloc_grads(b));
 }
@@ -62,18 +69,22 @@ static float pass(fl_blip2 *b, const b2_batch *c, const fl_backend *be, uint64_t
 
 static float eval_loss(fl_blip2 *b, const b2_batch *c) {
     float loss = NAN;
-    FL_REQUIRE_OK_R(fl_blip2_forward_s2s(b, c->px, c->ids, c->dec, c->tg, c->B, c->T, c->Tt, 0.0f, NULL, &loss), NAN);
+    if (c->t5)
+        FL_REQUIRE_OK_R(fl_blip2_forward_s2s(b, c->px, c->ids, c->dec, c->tg, c->B, c->T, c->Tt, 0.0f, NULL, &loss),
+                        NAN);
+    else
+        FL_REQUIRE_OK_R(fl_blip2_forward(b, c->px, c->ids, c->tg, c->B, c->T, 0.0f, NULL, &loss), NAN);
     return loss;
 }
 
-FL_TEST(blip2_t5_dropout_off_same_bits_seeded) {
+static void off_same_bits_seeded(int t5) {
     b2_env e;
     b2_env_open(&e);
     b2_batch c;
-    b2_batch_open(&c, FIX, 1);
+    b2_batch_open(&c, fix(t5), t5);
     fl_blip2 *off, *zero, *on, *ck;
-    open_drop(&e, 0.5f, 0, 0, &off), open_drop(&e, 0.0f, 1, 0, &zero), open_drop(&e, 0.5f, 1, 0, &on);
-    open_drop(&e, 0.5f, 1, 1, &ck);
+    open_drop(&e, t5, 0.5f, 0, 0, &off), open_drop(&e, t5, 0.0f, 1, 0, &zero), open_drop(&e, t5, 0.5f, 1, 0, &on);
+    open_drop(&e, t5, 0.5f, 1, 1, &ck);
     const size_t n = all_numel(off);
     float *g0 = malloc(n * sizeof *g0), *gz = malloc(n * sizeof *gz), *g1 = malloc(n * sizeof *g1),
           *g2 = malloc(n * sizeof *g2);
@@ -99,15 +110,18 @@ FL_TEST(blip2_t5_dropout_off_same_bits_seeded) {
     b2_env_close(&e);
 }
 
+FL_TEST(blip2_t5_dropout_off_same_bits_seeded) { off_same_bits_seeded(1); }
+FL_TEST(blip2_opt_dropout_off_same_bits_seeded) { off_same_bits_seeded(0); }
+
 /* The backward against central finite differences at the two largest-gradient entries of a few tensors of every
  * part (a fixed mask: seed 9 for every evaluation). */
-FL_TEST(blip2_t5_dropout_gradients_finite_differences) {
+static void finite_differences(int t5) {
     b2_env e;
     b2_env_open(&e);
     b2_batch c;
-    b2_batch_open(&c, FIX, 1);
+    b2_batch_open(&c, fix(t5), t5);
     fl_blip2 *off, *b;
-    open_drop(&e, 0.5f, 0, 0, &off), open_drop(&e, 0.5f, 1, 0, &b);
+    open_drop(&e, t5, 0.5f, 0, 0, &off), open_drop(&e, t5, 0.5f, 1, 0, &b);
     const size_t n = all_numel(b);
     float *g = malloc(n * sizeof *g), *gn = malloc(n * sizeof *gn);
     FL_REQUIRE(g && gn);
@@ -162,3 +176,6 @@ FL_TEST(blip2_t5_dropout_gradients_finite_differences) {
     b2_batch_close(&c);
     b2_env_close(&e);
 }
+
+FL_TEST(blip2_t5_dropout_gradients_finite_differences) { finite_differences(1); }
+FL_TEST(blip2_opt_dropout_gradients_finite_differences) { finite_differences(0); }

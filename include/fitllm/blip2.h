@@ -92,6 +92,16 @@ size_t fl_blip2_acts_saved_bytes(const fl_blip2 *b, int part);
  * the backward, as transformers' gradient_checkpointing (the Flan-T5 language model: its own arena's checkpointing).
  * The same gradients bit for bit; ACTS shrinks to the residual streams, the norms and one block per graph. */
 fl_status fl_blip2_set_act_ckpt(fl_blip2 *b, int on);
+/* Dropout in the training forwards (on 1, before the arena; 0: none, the default), where transformers'
+ * Blip2ForConditionalGeneration drops in training mode at each config's rates: the vision tower's attention weights
+ * (vision_config.attention_dropout), the Q-Former's embedding LayerNorm output, its three dense outputs before their
+ * residual adds (hidden_dropout_prob) and its self- and cross-attention weights (attention_probs_dropout_prob), the
+ * OPT language model's attention and FFN outputs (text_config.dropout) and attention weights (attention_dropout), or
+ * the Flan-T5 one's (text_config.dropout_rate, fl_model_set_dropout). The masks follow the language model's
+ * micro-batch seed (fl_model_adapters_seed on fl_blip2_part(b, FL_BLIP2_TEXT)): nothing is saved, the backward and a
+ * checkpointed recompute regenerate them; a rate of 0 drops nothing (the bits without). FL_ERR_UNSUPPORTED: a
+ * backend without the dropout op while a rate is positive. */
+fl_status fl_blip2_set_dropout(fl_blip2 *b, int on);
 /* The arena for B images and T language-model ids per sequence. */
 fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T);
 

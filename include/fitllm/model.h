@@ -67,6 +67,10 @@ typedef struct {
     int dec_start_id, pad_id, eos_id; /* T5: decoder_start_token_id, pad_token_id, eos_token_id */
     float dropout_rate;  /* T5: config.json's dropout_rate (transformers' default 0.1), read and written back;
                           * applied in training passes when dropout_on (below) */
+    float attn_dropout_rate; /* dropout on the attention weights where it is its own key (OPT's attention_dropout,
+                              * BLIP-2's Q-Former attention_probs_dropout_prob and vision attention_dropout; T5 drops
+                              * its weights at dropout_rate); applied when dropout_on. OPT and BLIP-2's parts also read
+                              * dropout_rate (OPT's dropout, the Q-Former's hidden_dropout_prob) */
     int dropout_on;      /* T5: apply dropout_rate in training forwards (the trainer sets it, fl_model_set_dropout,
                           * before allocating the activations: the block graphs get their DROPOUT ops); 0: none (the
                           * library's passes, loss, generate, BLIP-2). Never read from or written to config.json */

@@ -208,6 +208,17 @@ static fl_status fl_hf_parse_opt(const char *path, const fl_json *r, fl_model_co
     c->attention_bias = c->mlp_bias = bias;
     c->norm_eps = 1e-5f; /* nn.LayerNorm's default: OPT has no epsilon key */
     c->rope_theta = 0.0f;
+    /* OPTDecoderLayer's dropout (the attention and FFN outputs) and attention_dropout (the weights): applied in
+     * training passes when the trainer turns them on (cfg.dropout_on); OPTConfig's defaults. activation_dropout is
+     * not read by transformers' OPT (nor here); layerdrop's random layer skipping is not applied */
+    const float drop = 0.1f, adrop = 0.0f;
+    FL_TRY(fl_hf_float(path, r, "dropout", &drop, &c->dropout_rate));
+    FL_TRY(fl_hf_float(path, r, "attention_dropout", &adrop, &c->attn_dropout_rate));
+    if (c->dropout_rate < 0 || c->dropout_rate >= 1)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'dropout' = %g must be in [0, 1)", path, (double)c->dropout_rate);
+    if (c->attn_dropout_rate < 0 || c->attn_dropout_rate >= 1)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'attention_dropout' = %g must be in [0, 1)", path,
+                         (double)c->attn_dropout_rate);
     return FL_OK;
 }
 
@@ -450,6 +461,9 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
                      c->dim, c->n_layers, c->n_heads, c->ffn_dim, c->max_seq, c->max_seq, c->vocab_size, eps,
                      c->tie_embeddings ? "true" : "false");
     } else if (c->arch == FL_ARCH_OPT) {
+        char drop[48], adrop[48]; /* written back as read (the trainer applies them) */
+        fl_hf_fmt_float(drop, sizeof drop, c->dropout_rate);
+        fl_hf_fmt_float(adrop, sizeof adrop, c->attn_dropout_rate);
         w = snprintf(buf, sizeof buf,
                      "{\n"
                      "  \"architectures\": [\"OPTForCausalLM\"],\n"
@@ -466,15 +480,15 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
                      "  \"enable_bias\": %s,\n"
                      "  \"layer_norm_elementwise_affine\": true,\n"
                      "  \"tie_word_embeddings\": %s,\n"
-                     "  \"dropout\": 0.0,\n"
-                     "  \"attention_dropout\": 0.0,\n"
+                     "  \"dropout\": %s,\n"
+                     "  \"attention_dropout\": %s,\n"
                      "  \"layerdrop\": 0.0,\n"
                      "  \"init_std\": 0.02,\n"
                      "  \"use_cache\": true,\n"
                      "  \"torch_dtype\": \"float32\"\n"
                      "}\n",
                      c->dim, c->dim, c->ffn_dim, c->n_layers, c->n_heads, c->max_seq, c->vocab_size,
-                     c->attention_bias ? "true" : "false", c->tie_embeddings ? "true" : "false");
+                     c->attention_bias ? "true" : "false", c->tie_embeddings ? "true" : "false", drop, adrop);
     } else if (c->arch == FL_ARCH_T5) {
         char sc[64] = "";
         if (c->head_scale != c->tie_embeddings) /* only transformers 5 writes it; the checkpoints' meaning otherwise */

@@ -175,7 +175,9 @@ static void vis_block(const fl_model_config *c, fl_block_graph *g) {
     const int fc = fl_graph_slot(g, "fc", F, FL_GSLOT_WIDE, 0), act = fl_graph_slot(g, "act", F, FL_GSLOT_WIDE, 0);
     fl_graph_op(g, FL_GOP_NORM, X, ln1, m1, r1, 0, FL_ROLE_LN1_W, FL_ROLE_LN1_B);
     fl_graph_op(g, FL_GOP_LINEAR, ln1, qkv, -1, -1, 0, FL_ROLE_QKV_W, FL_ROLE_QKV_B);
-    fl_graph_op(g, FL_GOP_ATTN, qkv, att, lse, -1, -1, -1, -1)->attn = FL_ATTN_BIDIR;
+    fl_gop *a = fl_graph_op(g, FL_GOP_ATTN, qkv, att, lse, -1, -1, -1, -1);
+    a->attn = FL_ATTN_BIDIR;
+    if (fl_drops_attn(c)) a->p = FL_DROP_ATTN_W; /* attention_dropout on the weights (Blip2Attention) */
     fl_graph_op(g, FL_GOP_LINEAR, att, mid, -1, -1, 1, FL_ROLE_O_W, FL_ROLE_O_B);
     fl_graph_op(g, FL_GOP_ADD, X, mid, -1, -1, -1, -1, -1);
     fl_graph_op(g, FL_GOP_NORM, mid, ln2, m2, r2, 1, FL_ROLE_LN2_W, FL_ROLE_LN2_B);
@@ -187,7 +189,9 @@ static void vis_block(const fl_model_config *c, fl_block_graph *g) {
     g->n_linears = 4;
 }
 
-/* A Q-Former block (Blip2QFormerLayer on the queries alone), post-norm, N = B x NQ rows:
+/* A Q-Former block (Blip2QFormerLayer on the queries alone), post-norm, N = B x NQ rows (with dropout on: the
+ * self- and cross-attention weights at attention_probs_dropout_prob, the three dense outputs before their residual
+ * adds at hidden_dropout_prob, as Blip2QFormerSelfOutput / Blip2QFormerOutput drop):
  *   qkv = x @ Wqkv^T + b; att = softmax(q k^T / sqrt(HD)) v (bidirectional); h1 = att @ Wo^T + bo + x; a1 = LN1(h1)
  *   with a cross-attention (xattn): xq = a1 @ Wxq^T + b; xkv = img @ Wxkv^T + b (B x Tk rows, from the XSTREAM of the
  *   image features, E wide); xatt = softmax(xq xk^T / sqrt(HD)) xv; h3 = xatt @ Wxo^T + b + a1; a = LN3(h3)
@@ -201,8 +205,10 @@ void fl_blip2_qformer_block(const fl_model_config *c, int xattn, fl_block_graph 
     const int a1 = fl_graph_slot(g, "a1", C, FL_GSLOT_WIDE, 1);
     const int a1m = fl_graph_slot(g, "a1_mean", 1, FL_GSLOT_STAT, 0), a1r = fl_graph_slot(g, "a1_rstd", 1, FL_GSLOT_STAT, 0);
     fl_graph_op(g, FL_GOP_LINEAR, X, qkv, -1, -1, 0, FL_ROLE_QKV_W, FL_ROLE_QKV_B);
-    fl_graph_op(g, FL_GOP_ATTN, qkv, att, lse, -1, -1, -1, -1)->attn = FL_ATTN_BIDIR;
-    fl_graph_op(g, FL_GOP_LINEAR, att, h1, -1, -1, 1, FL_ROLE_O_W, FL_ROLE_O_B);
+    fl_gop *sa = fl_graph_op(g, FL_GOP_ATTN, qkv, att, lse, -1, -1, -1, -1);
+    sa->attn = FL_ATTN_BIDIR;
+    if (fl_drops_attn(c)) sa->p = FL_DROP_ATTN_W;
+    fl_graph_sublayer_out(g, c, att, h1, 1, FL_ROLE_O_W, FL_ROLE_O_B, FL_DROP_ATTN);
     fl_graph_op(g, FL_GOP_ADD, X, h1, -1, -1, -1, -1, -1);
     fl_graph_op(g, FL_GOP_NORM, h1, a1, a1m, a1r, 0, FL_ROLE_LN1_W, FL_ROLE_LN1_B);
     int a = a1;
@@ -218,7 +224,8 @@ void fl_blip2_qformer_block(const fl_model_config *c, int xattn, fl_block_graph 
         fl_gop *x = fl_graph_op(g, FL_GOP_ATTN, xq, xatt, xlse, -1, -1, -1, -1);
         x->attn = FL_ATTN_CROSS;
         x->in2 = (int8_t)xkv;
-        fl_graph_op(g, FL_GOP_LINEAR, xatt, h3, -1, -1, 6, FL_ROLE_XO_W, FL_ROLE_XO_B);
+        if (fl_drops_attn(c)) x->p = FL_DROP_XATTN_W;
+        fl_graph_sublayer_out(g, c, xatt, h3, 6, FL_ROLE_XO_W, FL_ROLE_XO_B, FL_DROP_XATTN);
         fl_graph_op(g, FL_GOP_ADD, a1, h3, -1, -1, -1, -1, -1);
         fl_graph_op(g, FL_GOP_NORM, h3, a3, a3m, a3r, 2, FL_ROLE_LN3_W, FL_ROLE_LN3_B);
         a = a3;
@@ -228,7 +235,7 @@ void fl_blip2_qformer_block(const fl_model_config *c, int xattn, fl_block_graph 
     const int om = fl_graph_slot(g, "out_mean", 1, FL_GSLOT_STAT, 0), orr = fl_graph_slot(g, "out_rstd", 1, FL_GSLOT_STAT, 0);
     fl_graph_op(g, FL_GOP_LINEAR, a, fc, -1, -1, 2, FL_ROLE_FC_W, FL_ROLE_FC_B);
     fl_graph_op(g, c->gelu_exact ? FL_GOP_GELU_ERF : FL_GOP_GELU, fc, act, -1, -1, -1, -1, -1);
-    fl_graph_op(g, FL_GOP_LINEAR, act, h2, -1, -1, 3, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B);
+    fl_graph_sublayer_out(g, c, act, h2, 3, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B, FL_DROP_FFN);
     fl_graph_op(g, FL_GOP_ADD, a, h2, -1, -1, -1, -1, -1);
     fl_graph_op(g, FL_GOP_NORM, h2, OUT, om, orr, 1, FL_ROLE_LN2_W, FL_ROLE_LN2_B);
     g->n_norms = xattn ? 3 : 2;

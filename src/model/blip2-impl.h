@@ -42,6 +42,8 @@ struct fl_blip2 {
     int *qrow;               /* host (B NQ): the language-model row of each query */
     /* the last forward */
     int Bp, Tp, fwd_train;
+    int drop;               /* the last forward dropped (a training forward with dropout on): so does its backward */
+    float *temp;            /* WORKSPACE: the blocks' TEMP slots (a dropped projection's output), one buffer for all */
     long n_valid;
     double loss_sum;
 };

@@ -36,6 +36,14 @@ static fl_status cfg_num(const char *path, const fl_json *o, const char *sec, co
     return FL_OK;
 }
 
+/* a dropout probability in [0, 1) */
+static fl_status cfg_rate(const char *path, const fl_json *o, const char *sec, const char *key, float def, float *out) {
+    FL_TRY(cfg_num(path, o, sec, key, def, out));
+    if (*out < 0 || *out >= 1)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s%s' = %g must be in [0, 1)", path, sec, key, (double)*out);
+    return FL_OK;
+}
+
 static fl_status cfg_bool(const char *path, const fl_json *o, const char *sec, const char *key, int def, int *out) {
     const fl_json *j = o ? fl_json_get(o, key) : NULL;
     *out = def;
@@ -121,6 +129,10 @@ static fl_status parse_config(const char *path, const fl_json *r, fl_blip2_confi
     FL_TRY(cfg_int(path, qj, "qformer_config.", "cross_attention_frequency", 2, &q->xattn_every));
     FL_TRY(cfg_int(path, qj, "qformer_config.", "encoder_hidden_size", 1408, &q->xattn_dim));
     FL_TRY(cfg_bool(path, qj, "qformer_config.", "use_qformer_text_input", 0, &text_in));
+    /* dropout (applied in training passes when the fine-tuning turns it on, cfg.dropout_on): transformers' defaults */
+    FL_TRY(cfg_rate(path, vj, "vision_config.", "attention_dropout", 0.0f, &v->attn_dropout_rate));
+    FL_TRY(cfg_rate(path, qj, "qformer_config.", "hidden_dropout_prob", 0.1f, &q->dropout_rate));
+    FL_TRY(cfg_rate(path, qj, "qformer_config.", "attention_probs_dropout_prob", 0.1f, &q->attn_dropout_rate));
     if (text_in)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'qformer_config.use_qformer_text_input' = true (the Q-Former's text "
                          "FFN) is not supported", path);

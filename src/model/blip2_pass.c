@@ -58,7 +58,7 @@ static size_t carve_acts(fl_blip2 *b, char *base) {
             const size_t at = cv.off;
             for (int j = 0; !(share && have[v]) && j < g->n_prod; j++) {
                 const int sl = g->prod[j];
-                if (g->slot[sl].kind == FL_GSLOT_XSTREAM) continue;
+                if (g->slot[sl].kind == FL_GSLOT_XSTREAM || g->slot[sl].kind == FL_GSLOT_TEMP) continue;
                 la.s[sl] = TAKEF(&cv, (g->slot[sl].xrows ? B * T0 : N) * (size_t)g->slot[sl].width);
             }
             if (share) shared_bytes += cv.off - at;
@@ -122,6 +122,22 @@ static size_t carve_work(fl_blip2 *b, char *base) {
     int32_t *ids = fl_carve(&cv, NL * sizeof(int32_t));
     int32_t *tg = fl_backend_host_memory(b->be) ? NULL : fl_carve(&cv, NL * sizeof(int32_t));
     float *ws = TAKEF(&cv, wstage_elems(b));
+    size_t tmp_n = 0; /* the blocks' TEMP slots (dropout): one buffer for every part's, not kept */
+    for (int k = 0; k < parts_here(b); k++)
+        for (int j = 0; j < 2; j++)
+            for (int i = 0; i < b->st[k].g[j].n_slots; i++)
+                if (b->st[k].g[j].slot[i].kind == FL_GSLOT_TEMP && B * b->st[k].T * b->st[k].g[j].slot[i].width > tmp_n)
+                    tmp_n = B * b->st[k].T * (size_t)b->st[k].g[j].slot[i].width;
+    float *tmp = TAKEF(&cv, tmp_n);
+    if (base) {
+        b->temp = tmp;
+        for (int k = 0; k < parts_here(b); k++)
+            for (int l = 0; l < b->st[k].L; l++) {
+                const fl_block_graph *g = &b->st[k].g[k == FL_BLIP2_QFORMER && fl_blip2_has_xattn(&b->part[k].cfg, l)];
+                for (int i = 0; i < g->n_slots; i++)
+                    if (g->slot[i].kind == FL_GSLOT_TEMP) b->st[k].layer[l].s[i] = tmp;
+            }
+    }
     if (base) {
         b->wstage = ws;
         b->patches = pa, b->pe = pe, b->qproj = qp, b->dqproj = dqp, b->dimg = di, b->n_gb = ngb;
@@ -288,11 +304,35 @@ static const fl_block_graph *graph_of(const fl_blip2 *b, int k, int l) {
     return &b->st[k].g[k == FL_BLIP2_QFORMER && fl_blip2_has_xattn(&b->part[k].cfg, l)];
 }
 
-static fl_block_ctx ctx_of(const fl_blip2 *b, int k, float *const *dxs) {
+/* Dropout's seeds: the language model's micro-batch seed S (fl_model_adapters_seed); its blocks (OPT) 16 + l of S as
+ * the decoder's (T5's own: seq2seq.c), the vision tower's and the Q-Former's of their part seeds fl_dropout_seed(S, 8)
+ * and (S, 9): the Q-Former's embedding site 0, block l 16 + l. */
+static uint64_t part_seed(const fl_blip2 *b, int k) {
+    const uint64_t S = b->part[FL_BLIP2_TEXT].drop_seed;
+    return k == FL_BLIP2_TEXT ? S : fl_dropout_seed(S, 8 + (uint64_t)k);
+}
+
+/* Block l of part k's context: dropout's rates (a dropping pass) and the block's seed. */
+static fl_block_ctx ctx_of(const fl_blip2 *b, int k, int l, float *const *dxs) {
     fl_block_ctx x = {.B = b->Bp, .T = b->st[k].T};
     x.Tk = b->st[0].T;
     x.dxs = dxs;
+    const fl_model_config *c = &b->part[k].cfg;
+    if (b->drop && c->dropout_on) {
+        x.drop_p = c->dropout_rate;
+        x.attn_drop_p = c->attn_dropout_rate;
+        x.drop_seed = fl_dropout_seed(part_seed(b, k), 16 + (uint64_t)l);
+    }
     return x;
+}
+
+/* The Q-Former's embedding dropout (hidden_dropout_prob on its LayerNorm's output, in place; the backward masks the
+ * gradient the same way) */
+static fl_status drop_queries(fl_blip2 *b, float *x) {
+    const fl_model_config *c = &b->part[FL_BLIP2_QFORMER].cfg;
+    if (!b->drop || !fl_drops_hidden(c)) return FL_OK;
+    return FL_RUN(b->be, dropout, x, x, (size_t)b->Bp * b->st[FL_BLIP2_QFORMER].T * c->dim, c->dropout_rate,
+                  fl_dropout_seed(part_seed(b, FL_BLIP2_QFORMER), 0), 0);
 }
 
 /* ---- the ops around the blocks --------------------------------------------------------------------- */
@@ -369,15 +409,16 @@ static fl_status queries_forward(fl_blip2 *b) {
     for (int i = 0; i < b->Bp; i++) FL_TRY(FL_RUN(be, copy, st->nin + i * n, q, n * sizeof(float)));
     const float *w = par(m, 0, FL_ROLE_EMB_NORM_W, &cur), *bias = par(m, 0, FL_ROLE_EMB_NORM_B, &cur);
     fl_norm_forward(m, st->res[0], st->nmean, st->nrstd, st->nin, w, bias, b->Bp * st->T);
-    return FL_OK;
+    return drop_queries(b, st->res[0]);
 }
 
-static fl_status queries_backward(fl_blip2 *b, const float *dres) {
+static fl_status queries_backward(fl_blip2 *b, float *dres) {
     const fl_backend *be = b->be;
     fl_model *m = &b->part[1];
     fl_b2_stack *st = &b->st[1];
     const size_t n = (size_t)st->T * m->cfg.dim;
     float *din = b->gb[1], *cur = b->wstage;
+    FL_TRY(drop_queries(b, dres)); /* d(the norm's output) through the embedding dropout's mask */
     FL_RUN(be, zero, din, (size_t)b->Bp * n * sizeof(float));
     FL_TRY(ugather(m, 0, -1));
     FL_TRY(ugrads(m, 0));
@@ -452,7 +493,7 @@ static fl_status blocks_forward(fl_blip2 *b, int k) {
         const fl_block_graph *g = graph_of(b, k, l);
         fl_block_params bp;
         fl_get_block(m, g, l, &bp);
-        fl_block_ctx x = ctx_of(b, k, NULL);
+        fl_block_ctx x = ctx_of(b, k, l, NULL);
         FL_TRY(fl_block_forward(m, g, &bp, st->layer[l].s, &x));
         urelease(m, l + 1);
     }
@@ -478,17 +519,34 @@ static fl_status blocks_backward(fl_blip2 *b, int k) {
          * slots the forward left there (the same ops in the same order: the same bits) */
         const int v = g == &st->g[1];
         if (b->part[k].act_ckpt && live[v]) {
-            fl_block_ctx fx = ctx_of(b, k, NULL);
+            fl_block_ctx fx = ctx_of(b, k, l, NULL);
             FL_TRY(fl_block_forward(&b->part[k], g, &bp, st->layer[l].s, &fx));
             b->part[k].ckpt_recomputed++;
         }
         live[v] = g;
-        fl_block_ctx x = ctx_of(b, k, dxs);
+        fl_block_ctx x = ctx_of(b, k, l, dxs);
         stage_open(&b->part[k], l + 1, 0);
         FL_TRY(fl_block_backward(&b->part[k], g, &bp, st->layer[l].s, b->gb, &x));
         FL_TRY(stage_close(&b->part[k], l + 1, 0));
         urelease(&b->part[k], l + 1);
         FL_TRY(uready(&b->part[k], l + 1));
+    }
+    return FL_OK;
+}
+
+fl_status fl_blip2_set_dropout(fl_blip2 *b, int on) {
+    if (b->acts) return fl_errorf(FL_ERR_INVALID, "fl_blip2_set_dropout: before the arena (fl_blip2_alloc_acts)");
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        fl_model *m = &b->part[k];
+        if (fl_model_is_s2s(&m->cfg)) {
+            FL_TRY(fl_model_set_dropout(m, on));
+            continue;
+        }
+        if (on && (m->cfg.dropout_rate > 0 || m->cfg.attn_dropout_rate > 0) && !b->be->dropout)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 %s dropout %g / attention %g: backend %s has no dropout op",
+                             fl_arch_get(m->cfg.arch)->display, (double)m->cfg.dropout_rate,
+                             (double)m->cfg.attn_dropout_rate, b->be->name);
+        m->cfg.dropout_on = on != 0;
     }
     return FL_OK;
 }
@@ -622,6 +680,7 @@ static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const i
     b->Bp = B;
     b->Tp = T;
     b->fwd_train = 0;
+    b->drop = grad_scale > 0; /* dropout (the parts' dropout_on) in training forwards only */
     b->loss_sum = 0;
     b->n_valid = 0;
     FL_TRY(place_queries(b, ids, B, T));

@@ -117,8 +117,8 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
         }
     }
     *v = *k + d.KVD;
-    if (o->p >= 0 && x->drop_p > 0) { /* dropout on the weights (T5): the op's site of the block's seed */
-        a->drop_p = x->drop_p;
+    if (o->p >= 0 && x->attn_drop_p > 0) { /* dropout on the weights: the op's site of the block's seed */
+        a->drop_p = x->attn_drop_p;
         a->drop_seed = fl_dropout_seed(x->drop_seed, (uint64_t)o->p);
     }
 }
@@ -173,6 +173,11 @@ static uint64_t drop_seed(const fl_model *m, const fl_block_graph *g, const fl_g
     return s + (uint64_t)((size_t)m->cfg.tp_rank * (size_t)N * w) * TP_DROP_K;
 }
 
+/* causal self-attention without bias or mask: the fused kernels, unless it drops its weights (OPT in training) */
+static int fused_causal(const fl_gop *o, const fl_block_ctx *x) {
+    return o->attn == FL_ATTN_CAUSAL && !o->attn_flags && !(o->p >= 0 && x->attn_drop_p > 0);
+}
+
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
  * (*done16 = 1: no round16 after it) */
 static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
@@ -180,7 +185,7 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
     float *in = s[o->in], *out = s[o->out], *lse = o->a1 >= 0 ? s[o->a1] : NULL;
-    if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags) { /* the decoder's fused causal kernels */
+    if (fused_causal(o, x)) { /* the decoder's fused causal kernels */
         if (x->kv) FL_TRY(kv_append(m, in, x));
         if (x->kv && x->T == 1) {
             fl_kv_cache *kv = x->kv;
@@ -224,13 +229,13 @@ static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
     const float *lse = o->a1 >= 0 ? s[o->a1] : NULL;
-    if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags && in16) {
+    if (fused_causal(o, x) && in16) {
         const fl_attn_desc a = fl_attn_desc_qkv(x->B, x->T, d.NH, d.NKV, d.HD);
         const uint16_t *q16 = x->s16[o->in];
         return FL_RUN(be, attention_backward16, &a, din, din + d.QD, din + d.QD + d.KVD, dout, q16, q16 + d.QD,
                       q16 + d.QD + d.KVD, NULL, x->s16[o->out], lse);
     }
-    if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags) {
+    if (fused_causal(o, x)) {
         return FL_RUN(be, attention_qkv_backward, din, dout, s[o->in], s[o->out], lse, x->B, x->T, d.NH, d.NKV, d.HD);
     }
     fl_attn_desc a;
@@ -491,7 +496,7 @@ static int bwd_reads16(const fl_model *m, const fl_block_graph *g, const fl_bloc
     switch ((fl_gop_kind)o->kind) {
     case FL_GOP_NORM: return fl_norm16_have(m, 1);
     case FL_GOP_ATTN:
-        return o->attn == FL_ATTN_CAUSAL && !o->attn_flags && !x->kv && be->attention_backward16 && stored16(g, o->out, x);
+        return fused_causal(o, x) && !x->kv && be->attention_backward16 && stored16(g, o->out, x);
     case FL_GOP_SWIGLU:
     case FL_GOP_GELU:
     case FL_GOP_RELU: return be->act_backward16 != NULL;

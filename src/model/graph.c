@@ -35,6 +35,19 @@ fl_gop *fl_graph_op(fl_block_graph *g, fl_gop_kind kind, int in, int out, int a1
     return o;
 }
 
+int fl_drops_hidden(const fl_model_config *c) { return c->dropout_on && c->dropout_rate > 0; }
+int fl_drops_attn(const fl_model_config *c) { return c->dropout_on && c->attn_dropout_rate > 0; }
+
+void fl_graph_sublayer_out(fl_block_graph *g, const fl_model_config *c, int in, int res, int lin, int role_w,
+                           int role_b, int site) {
+    static const char *const names[] = {"o", "xo", "", "ffo"};
+    int y = res;
+    if (fl_drops_hidden(c)) /* the projection's output: TEMP (the backward reads only its gradient) */
+        y = fl_graph_slot(g, names[site], g->slot[res].width, FL_GSLOT_TEMP, 0);
+    fl_graph_op(g, FL_GOP_LINEAR, in, y, -1, -1, lin, role_w, role_b);
+    if (y != res) fl_graph_op(g, FL_GOP_DROPOUT, y, res, -1, -1, site, -1, -1);
+}
+
 #define slot fl_graph_slot
 #define op fl_graph_op
 
@@ -42,6 +55,8 @@ fl_gop *fl_graph_op(fl_block_graph *g, fl_gop_kind kind, int in, int out, int a1
  * GQA; GPT-2's LayerNorm, GELU, biases; OPT's LayerNorm, ReLU, biases):
  *   x -> norm1 -> qkv -> [rope] -> attention -> o -> (+ x) = res_mid
  *     -> norm2 -> fc -> swiglu | gelu | relu -> proj -> (+ res_mid) = out
+ * OPT's dropout (a config with dropout_on: its training passes) where OPTDecoderLayer drops: the attention's weights
+ * (attention_dropout) and the o and proj outputs before their residual adds (dropout); none otherwise.
  * The slots are declared in the order the ops produce them: that order is the arena's layout. */
 static void decoder_block(const fl_model_config *c, fl_block_graph *g) {
     fl_dims d = fl_model_dims(c);
@@ -59,13 +74,13 @@ static void decoder_block(const fl_model_config *c, fl_block_graph *g) {
     op(g, FL_GOP_NORM, X, ln1, ln1m, ln1r, 0, FL_ROLE_LN1_W, FL_ROLE_LN1_B);
     op(g, FL_GOP_LINEAR, ln1, qkv, -1, -1, 0, FL_ROLE_QKV_W, FL_ROLE_QKV_B); /* fused (QKV, C) */
     if (ai->rope) op(g, FL_GOP_ROPE, qkv, qkv, -1, -1, -1, -1, -1);
-    op(g, FL_GOP_ATTN, qkv, att, lse, -1, -1, -1, -1);
-    op(g, FL_GOP_LINEAR, att, mid, -1, -1, 1, FL_ROLE_O_W, FL_ROLE_O_B);
+    op(g, FL_GOP_ATTN, qkv, att, lse, -1, -1, -1, -1)->p = (int8_t)(fl_drops_attn(c) ? FL_DROP_ATTN_W : -1);
+    fl_graph_sublayer_out(g, c, att, mid, 1, FL_ROLE_O_W, FL_ROLE_O_B, FL_DROP_ATTN);
     op(g, FL_GOP_ADD, X, mid, -1, -1, -1, -1, -1);
     op(g, FL_GOP_NORM, mid, ln2, ln2m, ln2r, 1, FL_ROLE_LN2_W, FL_ROLE_LN2_B);
     op(g, FL_GOP_LINEAR, ln2, fc, -1, -1, 2, FL_ROLE_FC_W, FL_ROLE_FC_B); /* LLaMA: fused (2F, C) [gate | up] */
     op(g, ai->glu ? FL_GOP_SWIGLU : ai->relu ? FL_GOP_RELU : FL_GOP_GELU, fc, act, -1, -1, -1, -1, -1);
-    op(g, FL_GOP_LINEAR, act, OUT, -1, -1, 3, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B);
+    fl_graph_sublayer_out(g, c, act, OUT, 3, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B, FL_DROP_FFN);
     op(g, FL_GOP_ADD, mid, OUT, -1, -1, -1, -1, -1);
     g->n_norms = 2;
     g->n_linears = 4;

@@ -27,7 +27,7 @@
 #include "fitllm/generate.h"
 #include "fitllm/model.h"
 
-#define FL_GRAPH_MAX_SLOTS 32 /* T5's decoder block with dropout: 23, 29 under sequence parallelism */
+#define FL_GRAPH_MAX_SLOTS 32 /* T5's decoder block with dropout: 23, 29 under sequence parallelism; BLIP-2's Q-Former cross block with dropout: 26 */
 #define FL_GRAPH_MAX_OPS 32 /* T5's decoder block with dropout under tensor parallelism: 26 */
 _Static_assert(FL_GRAPH_MAX_SLOTS == sizeof(((fl_layer_acts *)0)->s) / sizeof(float *),
                "fl_layer_acts (model-impl.h) holds one view per slot");
@@ -170,6 +170,19 @@ fl_status fl_block_graph_sp(fl_block_graph *g, int n);
  * fl_act_opts.seq_par; generation keeps the tensor-parallel graph) */
 fl_status fl_block_graph_build_ex(const fl_model_config *c, int sp, fl_block_graph *g);
 
+/* Dropout sites within a block (fl_gop.p of a DROPOUT or ATTN op; each mask's seed fl_dropout_seed(block seed,
+ * site)): T5's (arch_t5.c), OPT's and BLIP-2's Q-Former's (the same numbers where they drop the same thing; a
+ * block's seed is fl_dropout_seed(micro-batch or part seed, 16 + block)). */
+enum { FL_DROP_ATTN, FL_DROP_XATTN, FL_DROP_ACT, FL_DROP_FFN, FL_DROP_ATTN_W, FL_DROP_XATTN_W };
+/* Does a config drop (dropout_on) its sublayer outputs (dropout_rate > 0) / its attention weights
+ * (attn_dropout_rate > 0)? OPT's and BLIP-2's parts' graphs (T5 drops both at dropout_rate: arch_t5.c) */
+int fl_drops_hidden(const fl_model_config *c);
+int fl_drops_attn(const fl_model_config *c);
+/* A sublayer's output projection (LINEAR lin, roles) from slot in into the residual slot res, through a DROPOUT
+ * (site) from a TEMP slot when the config drops its sublayer outputs (fl_drops_hidden) */
+void fl_graph_sublayer_out(fl_block_graph *g, const fl_model_config *c, int in, int res, int lin, int role_w,
+                           int role_b, int site);
+
 /* Parameter and gradient pointers of one block, bound by the graph's NORM and LINEAR ops. */
 typedef struct fl_block_params {
     /* norm_w and norm_b of norm_wt: F32, or the stored 16-bit values when the backend's norm kernels read them
@@ -220,6 +233,8 @@ typedef struct {
      * site's mask from fl_dropout_seed(drop_seed, site)); the recompute of a checkpointed block gets the same */
     float drop_p;
     uint64_t drop_seed;
+    float attn_drop_p; /* the ATTN ops' rate on their weights (their site fl_gop.p >= 0; T5: drop_p, OPT / BLIP-2: the
+                        * config's attn_dropout_rate); 0: none. A dropping causal ATTN takes the general kernels */
 } fl_block_ctx;
 
 /* The seed of dropout site `site` under base seed `base` (a micro-batch's block, or a stack's embedding / final

@@ -28,6 +28,7 @@ struct fl_acts {
     int32_t *type_ids;      /* (N) the token types (WORKSPACE) */
     uint8_t *kmask;         /* (N) the key padding mask (WORKSPACE) */
     int kmask_on;           /* the current pass has a mask */
+    int drop;               /* the last forward drops (a training forward with cfg.dropout_on: OPT), so its backward */
     float *lnf;             /* (N, C) */
     float *lnf_mean;        /* (N) */
     float *lnf_rstd;        /* (N) */

@@ -174,7 +174,8 @@ static fl_status drop_part(const fl_model *m, float *x, int n, size_t row0, int 
 }
 
 static fl_block_ctx stack_ctx(const fl_model *m, const struct fl_s2s_acts *a, int s, int l, float *const *dxs) {
-    fl_block_ctx x = {.B = a->Bp, .T = a->T[s], .drop_p = a->drop_p, .comm = m->tp_comm}; /* TP: the blocks' sums */
+    fl_block_ctx x = {.B = a->Bp, .T = a->T[s], .drop_p = a->drop_p, .attn_drop_p = a->drop_p, /* T5: one rate */
+                      .comm = m->tp_comm}; /* TP: the blocks' sums */
     x.drop_seed = drop_site(m, 16 + a->st[s].l0 + l);
     x.kmask = a->kmask_on ? a->kmask : NULL; /* the first stack's keys: its self-attention's and the cross-attention's */
     x.attn_bias = a->st[s].bias;
@@ -764,14 +765,14 @@ fl_status fl_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_ma
 }
 
 fl_status fl_model_set_dropout(fl_model *m, int on) {
-    if (!fl_model_is_s2s(&m->cfg))
+    if (!fl_model_is_s2s(&m->cfg) && m->cfg.arch != FL_ARCH_OPT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_set_dropout: %s has no dropout of its own (encoder-decoders "
-                         "only)", fl_arch_get(m->cfg.arch)->display);
-    if (on && m->cfg.dropout_rate > 0 && !m->be->dropout)
+                         "and OPT)", fl_arch_get(m->cfg.arch)->display);
+    if (on && (m->cfg.dropout_rate > 0 || m->cfg.attn_dropout_rate > 0) && !m->be->dropout)
         return fl_errorf(FL_ERR_UNSUPPORTED, "config.json dropout_rate %g: backend %s has no dropout op",
                          (double)m->cfg.dropout_rate, m->be->name);
     if (m->acts && !m->cfg.dropout_on != !on)
-        return fl_errorf(FL_ERR_INVALID, "fl_model_set_dropout: call it before fl_model_alloc_acts_s2s (the blocks' "
+        return fl_errorf(FL_ERR_INVALID, "fl_model_set_dropout: call it before fl_model_alloc_acts(_s2s) (the blocks' "
                          "graphs change)");
     m->cfg.dropout_on = on != 0;
     return FL_OK;

@@ -21,11 +21,18 @@ typedef struct {
     float grad_scale;                         /* > 0 with targets: the head's backward runs in the forward */
 } pass;
 
-/* A training pass's context: the arena's RoPE tables, the key mask, tensor parallelism's communicator. */
-static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
+/* Block l's context in a training pass: the arena's RoPE tables, the key mask, tensor parallelism's communicator, and
+ * in a dropping pass (OPT's dropout, fl_acts.drop) the rates and the block's seed: fl_dropout_seed(the micro-batch's
+ * seed, 16 + l), as T5's and BLIP-2's language model's. */
+static fl_block_ctx train_ctx(const fl_model *m, int B, int T, int l) {
     fl_block_ctx x = {.B = B, .T = T, .rope_cos = m->acts->rope_cos, .rope_sin = m->acts->rope_sin};
     x.kmask = m->acts->kmask_on ? m->acts->kmask : NULL; /* an encoder's key padding mask */
     x.comm = m->tp_comm; /* tensor parallel: the blocks' ALLREDUCE ops (graph_tp.c) */
+    if (m->acts->drop) {
+        x.drop_p = m->cfg.dropout_rate;
+        x.attn_drop_p = m->cfg.attn_dropout_rate;
+        x.drop_seed = fl_dropout_seed(m->drop_seed, 16 + (uint64_t)l);
+    }
     return x;
 }
 
@@ -36,7 +43,7 @@ static fl_status block_forward(fl_model *m, int l, int B, int T) {
     const fl_block_graph *g = m->acts->graph;
     fl_block_params bp;
     fl_get_block(m, g, l, &bp);
-    fl_block_ctx x = train_ctx(m, B, T);
+    fl_block_ctx x = train_ctx(m, B, T, l);
     if (m->acts->res16) { /* bf16 stored: every slot the block writes, after its last writer */
         x.s16 = m->acts->layer[l].s16;
         x.store16 = 1;
@@ -251,7 +258,7 @@ static fl_status blocks_backward(fl_model *m, int B, int T, int dres16) {
         /* the block's ops in reverse (graph.c): d res[l+1] in dres becomes d res[l] */
         fl_block_params bp;
         fl_get_block(m, a->graph, l, &bp);
-        fl_block_ctx x = train_ctx(m, B, T);
+        fl_block_ctx x = train_ctx(m, B, T, l);
         if (a->act_dtype == FL_BF16) x.s16 = a->layer[l].s16;
         /* LoRA: the embeddings are frozen, so block 0's input gradient has no reader */
         x.no_din = l == 0 && m->adapt && !m->keep_block0_din;
@@ -416,6 +423,7 @@ static fl_status lm_body(fl_model *m, const int32_t *ids, const int32_t *targets
     FL_TRY(sp_pad(m, &ids, &targets, B, &T)); /* sequence parallel: rows the group divides */
     const pass p = {.ids = ids, .targets = targets, .B = B, .T = T, .train = grad_scale > 0, .grad_scale = grad_scale};
     m->acts->fwd.open = 0;
+    m->acts->drop = p.train && m->cfg.dropout_on; /* OPT's dropout: training forwards (and their backward) only */
     FL_TRY(forward_body(m, &p));
     m->acts->fwd = (fl_fwd_pass){.targets = targets, .grad_scale = grad_scale, .B = B, .T = T, .open = 1,
                                  .T_given = T_given};
@@ -500,6 +508,7 @@ fl_status fl_model_encode(fl_model *m, const int32_t *ids, const int32_t *type_i
                           int train, float *hidden) {
     FL_TRY(encode_check(m, B, T));
     pass p = {.ids = ids, .type_ids = type_ids, .kmask = kmask, .B = B, .T = T, .train = train != 0};
+    m->acts->drop = 0;
     around(m, 1, 0);
     fl_status s = forward_body(m, &p);
     if (s == FL_OK) s = forward_end(m, &p, NULL, hidden);

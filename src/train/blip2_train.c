@@ -311,9 +311,10 @@ static fl_status setup(b2run *r) {
     if (fl_model_is_s2s(&bc->text) && bc->image_token < 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: the Flan-T5 variant without image_token_index is not built for "
                          "fine-tuning", c->checkpoint_dir);
-    /* the Flan-T5 language model's dropout (text_config.dropout_rate) in the training forwards, where transformers'
-     * T5 drops (the T5 trainer's masks: run seed, global micro-batch, site, element); rate 0: nothing changes */
-    if (fl_model_is_s2s(&bc->text)) FL_TRY(fl_model_set_dropout(fl_blip2_part(r->b, FL_BLIP2_TEXT), 1));
+    /* dropout in the training forwards at each part's config rates, where transformers' Blip2ForConditionalGeneration
+     * drops in training mode (the T5 trainer's masks: run seed, global micro-batch, site, element); rate 0: nothing
+     * changes */
+    FL_TRY(fl_blip2_set_dropout(r->b, 1));
     if (r->synth) {
         int B = 1, accum = 1;
         FL_TRY(batch_shape(c, &B, &accum));
@@ -565,10 +566,22 @@ static fl_status train(b2run *r) {
            r->parts & (1 << FL_BLIP2_TEXT) ? (r->lora ? "lm(LoRA)" : "lm") : "", "", trained_count(r),
            r->parts & (1 << FL_BLIP2_VISION) ? "trained" : "frozen");
     const fl_model_config *tc = &fl_blip2_part(r->b, FL_BLIP2_TEXT)->cfg;
-    if (tc->dropout_on && tc->dropout_rate > 0)
+    const fl_model_config *qc = &fl_blip2_part(r->b, FL_BLIP2_QFORMER)->cfg, *vc = &fl_blip2_part(r->b, 0)->cfg;
+    if (tc->dropout_on && tc->dropout_rate > 0 && fl_model_is_s2s(tc))
         fl_b2t_say(r, "text_config.dropout_rate %g is applied in training (the language model's embeddings, attention "
                    "weights, sublayer outputs, FFN, final norms; not in evaluation or generation)\n",
                    (double)tc->dropout_rate);
+    if (tc->dropout_on && !fl_model_is_s2s(tc) && (tc->dropout_rate > 0 || tc->attn_dropout_rate > 0))
+        fl_b2t_say(r, "text_config.dropout %g / attention_dropout %g are applied in training (the OPT language model's "
+                   "attention and FFN outputs / attention weights; not in evaluation or generation)\n",
+                   (double)tc->dropout_rate, (double)tc->attn_dropout_rate);
+    if (qc->dropout_on && (qc->dropout_rate > 0 || qc->attn_dropout_rate > 0))
+        fl_b2t_say(r, "qformer_config.hidden_dropout_prob %g / attention_probs_dropout_prob %g are applied in training "
+                   "(the Q-Former's embedding norm and dense outputs / attention weights)\n", (double)qc->dropout_rate,
+                   (double)qc->attn_dropout_rate);
+    if (vc->dropout_on && vc->attn_dropout_rate > 0)
+        fl_b2t_say(r, "vision_config.attention_dropout %g is applied in training (the vision tower's attention weights)"
+                   "\n", (double)vc->attn_dropout_rate);
     if (r->n_val)
         fl_b2t_say(r, "%zu train / %zu val records (data.val_split_fraction %g)\n", r->n_rec, r->n_val,
                (double)c->data.val_split_fraction);

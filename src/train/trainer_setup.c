@@ -409,6 +409,22 @@ fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
     return FL_OK;
 }
 
+/* OPT's dropout (config.json dropout, attention_dropout) in the training passes, where OPTDecoderLayer drops (masks: run
+ * seed, global micro-batch, block, site, element; fl_model_set_dropout before the arena). Not built with tensor,
+ * pipeline or sequence parallelism: there the run says it is not applied (the passes before). */
+static fl_status fl_tr_opt_dropout(trainer *t) {
+    const fl_model_config *c = &t->model.cfg;
+    if (c->arch != FL_ARCH_OPT || (c->dropout_rate <= 0 && c->attn_dropout_rate <= 0)) return FL_OK;
+    if (t->tp.size > 1 || t->pp.size > 1) {
+        add_note(t, "config.json dropout %g / attention_dropout %g are not applied with tensor or pipeline parallelism "
+                 "(not built)", (double)c->dropout_rate, (double)c->attn_dropout_rate);
+        return FL_OK;
+    }
+    add_note(t, "config.json dropout %g / attention_dropout %g are applied in training (OPT's attention and FFN outputs / "
+             "attention weights; not in evaluation or generation)", (double)c->dropout_rate, (double)c->attn_dropout_rate);
+    return fl_model_set_dropout(&t->model, 1);
+}
+
 /* "setup": gradients (or the LoRA adapters), optimizer state, the activation arena for
  * (t->sch.B, t->sch.T) and the step's buffers for t->sch.accum micro-batches (t->sch.G global). */
 fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_strategy_choice *sc) {
@@ -441,6 +457,7 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
         if (s == FL_OK) s = fl_mem_alloc(fl_mem_host_pool(&t->hw.pool), FL_TAG_OTHER, ps, (void **)&t->buf.src_mask);
         if (s != FL_OK) return fl_error_prefix(s, "the step's sources (%d x %d x %d)", t->sch.accum, t->sch.B, t->sch.Ts);
     } else {
+        FL_TRY(fl_tr_opt_dropout(t));
         FL_TRY(fl_model_alloc_acts(&t->model, t->sch.B, t->sch.T));
     }
     size_t per = (size_t)t->sch.B * t->sch.T;
