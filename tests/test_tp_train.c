@@ -252,6 +252,56 @@ FL_TEST(tp_train_threads_tp_x_pp_zero_on_the_data_axis) {
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
 }
 
+/* FULL_SHARD / ZeRO-3 on the data axis (--strategy fsdp or deepspeed_stage_3 with --tensor_parallel): each rank's slice
+ * is sharded over the axis unit by unit (its embeddings, blocks, final norm and head: FSDP's units of the slice), the
+ * units gathered over the axis before the blocks' sums over the group; the clipping norm adds the rank's pieces of
+ * the entries it counts (split: every rank; replicated: the group's rank 0), summed over the axis, then the group; the
+ * consolidated checkpoint gathers the pieces over the axis, then the slices over the group. The bars are TP's:
+ * FULL_SHARD sums the axis' ranks then the micro-batches (DDP the other way): reassociation only. */
+FL_TEST(tp_train_threads_full_shard_on_the_data_axis) {
+    const grid_case k[] = {{DR_ADAMW, 2, 2, 1, NULL, NULL, "fsdp"}, {DR_SGD, 2, 2, 1, NULL, NULL, "deepspeed_stage_3"},
+                           {DR_SGD, 2, 2, 1, NULL, "gpt2-micro", "fsdp"}, {DR_SGD, 2, 2, 1, NULL, "opt-micro", "fsdp"}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
+}
+
+/* plan per rank = measured under FULL_SHARD on the data axis (DP 2 x TP 2): every tag's peak and the total of every
+ * rank (GATHER: the units gathered over the axis; PARAMS, GRADS, OPTIM: the rank's pieces of its slice), and the
+ * pieces are what the rank holds: PARAMS after the load below DDP's at the same grid (the slice's, whole). */
+FL_TEST(tp_train_threads_full_shard_plan_equals_measured) {
+    g_forced = "cpu";
+    size_t params[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {
+        g_strategy = k ? "fsdp" : NULL;
+        dr_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        char out[700];
+        snprintf(out, sizeof out, "%s/tp-fsdp-plan-%d", fl_test_tmpdir(), k);
+        for (int r = 0; r < 4; r++) {
+            tp_config(&j->cfg[r], DR_ADAMW, 2, 2, out);
+            j->cfg[r].train.max_steps = 1;
+        }
+        backend_on();
+        fl_status s = fl_comm_threads_run(4, dr_job_rank, j);
+        backend_off();
+        FL_CHECKF(s == FL_OK, "DP 2 x TP 2 %s: %s", k ? "fsdp" : "ddp", j->msg[0]);
+        for (int r = 0; r < 4 && s == FL_OK && k; r++) {
+            const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "DP 2 x TP 2 fsdp");
+            if (getenv("FL_TEST_VERBOSE"))
+                printf("    DP 2 x TP 2 fsdp rank %d: planned = measured = %zu bytes (PARAMS %zu, GATHER %zu, OPTIM %zu)\n",
+                       r, total, j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_GATHER], j->res[r].peak[FL_TAG_OPTIM]);
+        }
+        params[k] = j->res[0].peak[FL_TAG_PARAMS];
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    /* the slice's parameters split over 2 ranks (+ 4-byte rounding of the pieces): about half */
+    FL_CHECKF(params[1] * 10 < params[0] * 6, "DP 2 x TP 2: rank 0's PARAMS under fsdp %zu, under ddp %zu", params[1],
+              params[0]);
+    if (getenv("FL_TEST_VERBOSE")) printf("    rank 0's PARAMS: ddp %zu, fsdp %zu bytes\n", params[0], params[1]);
+    g_forced = NULL;
+    g_strategy = NULL;
+}
+
 /* LoRA on the slices (trainer_tp.c, src/train/tp.c): on q, k, v, gate, up (column-parallel) A is whole and B the
  * rank's rows, on o, down (row-parallel) A the rank's columns and B whole; the whole matrices' gradients are partial
  * sums the group adds before the step (fl_optim_dist.reduce), the norm counts them once; the row-parallel A start as
@@ -348,6 +398,19 @@ FL_TEST(tp_train_nccl_standin_opaque) {
     scenario(DR_ADAMW, 1, 2);
     g_pp = 1;
     scenario(DR_LORA, 1, 2); /* LoRA: the adapters' group sums on device memory through the stand-in */
+    g_forced = NULL;
+}
+
+/* FULL_SHARD on the data axis of DP 2 x TP 2 on the opaque backend: the units' gathers and reduce-scatters over the
+ * axis and the blocks' sums over the group all through the NCCL stand-in (2 steps of gpt2-micro, AdamW). */
+FL_TEST(tp_train_full_shard_nccl_standin_opaque) {
+    if (!fl_test_asan_budget()) return;
+    g_forced = "opaque";
+    g_small = 1;
+    g_strategy = "fsdp";
+    scenario(DR_ADAMW, 2, 2);
+    g_strategy = NULL;
+    g_small = 0;
     g_forced = NULL;
 }
 
@@ -482,6 +545,63 @@ FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
     free(j);
 }
 
+/* FULL_SHARD on the data axis resumes and is resumed: TP 2's step-4 checkpoint at DP 2 x TP 2 under fsdp (each rank
+ * writes its pieces of its slice's parameters and state), that run's own step-5 checkpoint (the pieces gathered over
+ * the axis, then the slices over the group: one process's files) in one process and at DP 2 x TP 2 under
+ * deepspeed_stage_3 again: the later step losses within 1e-6 relative of the uninterrupted TP 2 run's (the same
+ * global batch). */
+FL_TEST(tp_train_threads_full_shard_checkpoints_resume) {
+    char out[700], from[800];
+    snprintf(out, sizeof out, "%s/tp-fsdp-resume", fl_test_tmpdir());
+    dr_rec full;
+    long steps;
+    dr_job *j = uninterrupted_tp2(out, &full, &steps);
+    FL_REQUIRE(j != NULL);
+    const struct { const char *from; long step; int dp, tp; const char *strategy, *name; } k_case[3] = {
+        {"", 4, 2, 2, "fsdp", "fsdp"},                /* TP 2's step 4 at DP 2 x TP 2 under FULL_SHARD */
+        {"-fsdp", 5, 1, 1, NULL, "one"},              /* that run's step 5 in one process */
+        {"-fsdp", 5, 2, 2, "deepspeed_stage_3", "z3"}, /* and at DP 2 x TP 2 under ZeRO-3 */
+    };
+    for (int k = 0; k < 3; k++) {
+        const int dp = k_case[k].dp, tp = k_case[k].tp, W = dp * tp;
+        char o2[760];
+        snprintf(from, sizeof from, "%s%s/step-%06ld", out, k_case[k].from, k_case[k].step);
+        snprintf(o2, sizeof o2, "%s-%s", out, k_case[k].name);
+        g_strategy = k_case[k].strategy;
+        for (int r = 0; r < W; r++) {
+            dr_free(&j->rec[r]);
+            tp_config(&j->cfg[r], DR_ADAMW, 1, tp, o2);
+            j->cfg[r].devices = W;
+            j->cfg[r].train.global_batch_size = 4; /* DP 2: 2 micro-batches per group and step, as TP 2's 4 */
+            snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
+        }
+        fl_status s = W == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL)
+                             : fl_comm_threads_run(W, dr_job_rank, j);
+        FL_CHECKF(s == FL_OK, "resumed at DP %d x TP %d %s: %s", dp, tp, k_case[k].name,
+                  j->msg[0][0] ? j->msg[0] : fl_error_message());
+        const double w = s == FL_OK ? later_diff(&j->rec[0], &full, k_case[k].step, steps) : 0;
+        FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "DP %d x TP %d %s resumed from '%s': steps %ld, "
+                  "later losses differ by %.3g relative from the uninterrupted TP 2 run", dp, tp, k_case[k].name, from,
+                  j->rec[0].steps, w);
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    DP %d x TP %d %s from %s: later losses within %.3g relative\n", dp, tp, k_case[k].name, from, w);
+    }
+    g_strategy = NULL;
+    backend_off();
+    /* the consolidated folders hold one process's files */
+    for (int k = 0; k < 2; k++) {
+        char a[900], b[1800];
+        snprintf(a, sizeof a, "ls %s-fsdp/%s > %s-ls-a 2>&1", out, k ? "final" : "step-000005", out);
+        snprintf(b, sizeof b, "ls %s-one/%s > %s-ls-b 2>&1 && cmp -s %s-ls-a %s-ls-b", out, k ? "final" : "step-000006",
+                 out, out, out);
+        FL_CHECKF(system(a) == 0 && system(b) == 0, "DP 2 x TP 2 fsdp: %s/ holds other files than one process's",
+                  k ? "final" : "step-000005");
+    }
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    dr_free(&full);
+    free(j);
+}
+
 /* Issue 35 item 5 across the axes: the checkpoints are consolidated (one process's HF folder and training state), so a
  * tensor-parallel run's resumes on a pipeline and a pipeline's on a tensor-parallel group: TP 2's step 4 resumed at
  * PP 2 (1F1B), that run's own step 5 at TP 2; the 3D grid's: TP 2's step 4 at TP 2 x PP 2, that run's step 5 at TP 4;
@@ -599,9 +719,10 @@ static void e_lora(fl_run_config *c) { /* dropout on the row-parallel o_proj / d
     c->lora.mlp = 1;
     c->lora.dropout = 0.1f;
 }
-static void e_zero(fl_run_config *c) {
+static void e_zero(fl_run_config *c) { /* (FULL_SHARD / ZeRO-3 runs: tp_train_threads_full_shard_on_the_data_axis) */
     c->tensor_parallel = 2;
-    snprintf(c->strategy, sizeof c->strategy, "deepspeed_stage_3");
+    snprintf(c->strategy, sizeof c->strategy, "fsdp");
+    snprintf(c->sharding_strategy, sizeof c->sharding_strategy, "HYBRID_SHARD");
     c->train.global_batch_size = 8;
 }
 static void e_grid(fl_run_config *c) {
@@ -623,7 +744,7 @@ FL_TEST(tp_train_threads_refusals) {
     /* micro: 8 attention heads, 4 key/value heads: 3 ranks do not split them */
     expect_refusal(3, e_heads, "--tensor_parallel 3", "num_attention_heads");
     expect_refusal(2, e_lora, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel", "lora_dropout 0");
-    expect_refusal(4, e_zero, "not ZeRO-3", "deepspeed_stage_3");
+    expect_refusal(4, e_zero, "not HYBRID_SHARD", "--strategy fsdp HYBRID_SHARD");
     expect_refusal(3, e_grid, "--tensor_parallel 2: this run has 3 ranks, not a multiple", NULL);
     expect_refusal(6, e_grid3d, "--tensor_parallel 2 with --pipeline_parallel 2: this run has 6 ranks, not a multiple "
                    "of 4", NULL);

@@ -79,6 +79,9 @@ fl_status fl_tp_scatter(const fl_model *whole, fl_model *part);
  * entry, split entries assembled from the ranks' slices (one entry's fp32 at a time in host memory).
  * grads: the gradients instead of the parameters (fp32 storage; whole's gradient buffer). */
 fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int grads);
+/* The same for the parameters from src, the part's whole flat store in host memory (dtype dt, the layout's
+ * offsets): FSDP on the data axis gathers them from the pieces first (the part holds a shard). */
+fl_status fl_tp_gather_params_host(fl_model *part, fl_comm *host_comm, const void *src, fl_dtype dt, fl_model *whole);
 /* The same for an array of one element per parameter at the layout's offsets (optimizer state: F32 or BF16,
  * src in src_be's memory, dst in dst_be's, a NULL backend: host memory; dst NULL but on rank 0), collective
  * over host_comm. */

@@ -115,12 +115,12 @@ static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_
     if (c->command == FL_CMD_FINETUNE_LORA && dp_world > 1 && sc->stage > 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with finetune_lora and --strategy %s: the adapters' "
                          "data-parallel axis runs DDP so far (give --strategy ddp)", n, c->strategy);
-    if (dp_world > 1 && sc->stage > 2)
+    if (dp_world > 1 && sc->stage > 2 && fl_cfg_hybrid_shard(sc->strategy, sc->sharding))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s%s%s: the data-parallel axis (%d "
-                         "groups) runs DDP, ZeRO-1 or ZeRO-2 so far, not ZeRO-3 / FSDP FULL_SHARD (give --strategy ddp, "
-                         "deepspeed_stage_1 or deepspeed_stage_2)", n, c->strategy, sc->sharding[0] ? " " : "",
+                         "groups) runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 so far, not HYBRID_SHARD (give "
+                         "--fsdp.sharding_strategy FULL_SHARD)", n, c->strategy, sc->sharding[0] ? " " : "",
                          sc->sharding, dp_world);
-    if (sc->offload)
+    if (sc->offload || sc->param_offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s: optimizer offload is not "
                          "combined with tensor parallelism yet", n, c->strategy);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
@@ -148,7 +148,11 @@ static fl_status whole_pools(trainer *t, tp_whole *w) {
 
 fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o) {
     FL_TRY(whole_pools(t, w));
-    FL_TRY(fl_model_init_ex(&w->m, cfg, &t->hw.be, &w->pool, &t->stg));
+    const fl_model_storage keep = t->stg;
+    t->stg.shard = NULL; /* whole models are never sharded (FULL_SHARD on the data axis shards the slice alone) */
+    const fl_status s = fl_model_init_ex(&w->m, cfg, &t->hw.be, &w->pool, &t->stg);
+    t->stg = keep;
+    FL_TRY(s);
     w->m_ok = 1;
     if (t->model.lora && t->tp.size > 1) { /* tensor parallel LoRA: the whole model carries the same adapters (their
                                             * values: gathered or loaded; the pipeline's lora_whole attaches its own) */
@@ -225,7 +229,10 @@ fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
     }
     memset(&sw, 0, sizeof sw);
     s = whole_pools(t, &w);
+    const fl_model_storage keep = t->stg; /* the whole model unsharded (FULL_SHARD on the data axis: the slice is) */
+    t->stg.shard = NULL;
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
+    t->stg = keep;
     if (s == FL_OK) t->tp.whole_numel = w.m.layout.numel;
     if (s == FL_OK) s = lora_check(t, t->tp.size, &w.m.cfg);
     if (s == FL_OK && t->pp.size > 1) s = tpp_stage_model(t, &w, &sw); /* TP x PP: the group slices its stage */
@@ -318,14 +325,17 @@ static fl_status tp_assemble_lora(trainer *t, const fl_optimizer *o, tp_whole *w
 /* The slices' parameters and state arrays (full[a]: the slice's whole array a in host memory under ZeRO, else NULL)
  * assembled into a model and optimizer of cfg on the group's rank 0 (w; collective over the group): the whole model,
  * or (TP x PP) the stage's. A failed staging on rank 0 still runs the group's gathers (their sums are dropped). */
+/* pw: FULL_SHARD on the data axis, the slice's parameters gathered from the axis' pieces (host memory, the store's
+ * dtype), else NULL (read from the model) */
 static fl_status tp_assemble(trainer *t, const fl_model_config *cfg, const fl_optimizer *o, void *const *full,
-                             tp_whole *w) {
+                             const void *pw, tp_whole *w) {
     const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     void *src[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
     memset(w, 0, sizeof *w);
     fl_status s = t->tp.rank == 0 ? fl_tr_whole_make(t, w, cfg, o) : FL_OK;
     fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w->m : NULL;
-    fl_status g = fl_tp_gather(&t->model, t->tp.grp, wm, 0);
+    fl_status g = pw ? fl_tp_gather_params_host(&t->model, t->tp.grp, pw, fl_model_store_dtype(&t->model), wm)
+                     : fl_tp_gather(&t->model, t->tp.grp, wm, 0);
     if (t->model.lora) return tp_assemble_lora(t, o, w, s, g); /* the adapters and their optimizer state */
     if (o) {
         state_arrays(o, src);
@@ -349,16 +359,29 @@ static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimi
     void *full[3] = {NULL, NULL, NULL}, *src[3] = {NULL, NULL, NULL};
     fl_status s = FL_OK;
     if (o) state_arrays(o, src);
+    /* FULL_SHARD: every rank of the axis gives its pieces of the slice's parameters and state, unit by unit */
+    const int fsdp = t->dp.fsdp != NULL;
+    void *pw = NULL;
+    size_t pb = 0;
+    if (fsdp) s = fl_fsdp_whole_params(&t->dp, &pw, &pb);
+    for (int a = 0; a < 3 && o && fsdp; a++) {
+        if (!src[a]) continue;
+        full[a] = malloc(t->model.layout.numel * fl_dtype_size(dt) + 4);
+        const fl_status g = fl_fsdp_whole_array(&t->dp, src[a], fl_dtype_size(dt), full[a]); /* collective: always */
+        if (s == FL_OK) s = !full[a] ? fl_errorf(FL_ERR_OOM, "tensor parallel checkpoint: out of host memory") : g;
+    }
     /* ZeRO: every rank of the axis gives its chunks first (the same arrays in the same order on every rank) */
-    for (int a = 0; a < 3 && o && state_chunked(o); a++)
+    for (int a = 0; a < 3 && o && !fsdp && state_chunked(o); a++)
         if (src[a] && s == FL_OK) s = state_whole(t, o, src[a], dt, &full[a]);
     if (t->dp.rank != 0 || s != FL_OK) { /* DDP / ZeRO: the first data-parallel group gathers and writes */
         for (int a = 0; a < 3; a++) free(full[a]);
+        free(pw);
         return s;
     }
     tp_whole w;
-    s = tp_assemble(t, &t->tp.whole, o, full, &w);
+    s = tp_assemble(t, &t->tp.whole, o, full, pw, &w);
     for (int a = 0; a < 3; a++) free(full[a]);
+    free(pw);
     if (s == FL_OK && t->pp.size > 1 && t->tp.rank == 0) {
         /* TP x PP: each stage assembled on its group's rank 0; their pipeline gathers it on stage 0, which writes */
         fl_model_set_stage(&w.m, t->pp.stage > 0, t->pp.stage < t->pp.size - 1);
@@ -405,15 +428,24 @@ static fl_status tp_take_state(trainer *t, tp_whole *w) {
     const fl_dtype dt = t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     const fl_optimizer *o = &t->opt;
     const size_t es = fl_dtype_size(dt);
+    /* FULL_SHARD on the data axis: the slice's whole array in host memory, then the rank's piece of each unit */
+    size_t *fo = NULL, *so = NULL, *ln = NULL;
+    const int G = t->dp.fsdp ? fl_fsdp_ranges(&t->dp, NULL, NULL, NULL) : 0;
+    if (G) fo = malloc(3 * (size_t)G * sizeof *fo), so = fo ? fo + G : NULL, ln = fo ? fo + 2 * G : NULL;
+    if (fo) fl_fsdp_ranges(&t->dp, fo, so, ln);
     /* ZeRO on the data axis: the slice's whole array in host memory, then this rank's chunk */
-    char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
-    if (s == FL_OK && state_chunked(o) && !h) s = fl_errorf(FL_ERR_OOM, "tensor parallel resume: out of host memory");
+    const int staged = state_chunked(o) || G > 0;
+    char *h = staged ? malloc((G ? t->model.layout.numel : o->w.n) * es + 4) : NULL;
+    if (s == FL_OK && ((staged && !h) || (G && !fo))) s = fl_errorf(FL_ERR_OOM, "tensor parallel resume: out of host memory");
     for (int a = 0; a < 3 && s == FL_OK; a++) {
         if (!src[a] || !dst[a]) continue;
         s = fl_tp_scatter_array(&w->m, w->o.home.be, src[a], &t->model, h ? NULL : o->home.be, h ? h : dst[a], dt);
-        if (s == FL_OK && h) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
+        for (int g = 0; g < G && s == FL_OK; g++)
+            s = FL_RUN(o->home.be, to_device, (char *)dst[a] + so[g] * es, h + fo[g] * es, ln[g] * es);
+        if (s == FL_OK && h && !G) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(h);
+    free(fo);
     if (s == FL_OK) {
         t->opt.step = w->o.step;
         t->opt.amp.ls = w->o.amp.ls;
