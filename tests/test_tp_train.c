@@ -264,40 +264,56 @@ FL_TEST(tp_train_threads_full_shard_on_the_data_axis) {
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
 }
 
-/* plan per rank = measured under FULL_SHARD on the data axis (DP 2 x TP 2): every tag's peak and the total of every
- * rank (GATHER: the units gathered over the axis; PARAMS, GRADS, OPTIM: the rank's pieces of its slice), and the
- * pieces are what the rank holds: PARAMS after the load below DDP's at the same grid (the slice's, whole). */
+/* FULL_SHARD on the data axis of the 3D grid DP 2 x TP 2 x PP 2: each rank's slice of its stage sharded over the axis
+ * (the stage's units); the norm adds the pieces of the entries the stage trains, over the axis, the group, the stages;
+ * micro's tied table summed piece by piece across the end stages (the pipeline's FULL_SHARD rule). */
+FL_TEST(tp_train_threads_full_shard_on_the_3d_grid) {
+    const grid_case k[] = {{DR_ADAMW, 2, 2, 2, NULL, NULL, "fsdp"}, {DR_SGD, 2, 2, 2, "gpipe", "gpt2-micro", "fsdp"}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
+}
+
+/* plan per rank = measured under FULL_SHARD on the data axis (DP 2 x TP 2, and the 3D grid DP 2 x TP 2 x PP 2): every
+ * tag's peak and the total of every rank (GATHER: the units gathered over the axis; PARAMS, GRADS, OPTIM: the rank's
+ * pieces of its slice), and the pieces are what the rank holds: PARAMS after the load below DDP's at the same grid. */
 FL_TEST(tp_train_threads_full_shard_plan_equals_measured) {
     g_forced = "cpu";
-    size_t params[2] = {0, 0};
-    for (int k = 0; k < 2; k++) {
-        g_strategy = k ? "fsdp" : NULL;
-        dr_job *j = calloc(1, sizeof *j);
-        FL_REQUIRE(j != NULL);
-        char out[700];
-        snprintf(out, sizeof out, "%s/tp-fsdp-plan-%d", fl_test_tmpdir(), k);
-        for (int r = 0; r < 4; r++) {
-            tp_config(&j->cfg[r], DR_ADAMW, 2, 2, out);
-            j->cfg[r].train.max_steps = 1;
+    for (int pp = 1; pp <= 2; pp++) {
+        size_t params[2] = {0, 0};
+        const int W = 4 * pp;
+        g_pp = pp;
+        for (int k = 0; k < 2; k++) {
+            g_strategy = k ? "fsdp" : NULL;
+            dr_job *j = calloc(1, sizeof *j);
+            FL_REQUIRE(j != NULL);
+            char out[700], grid[48];
+            snprintf(out, sizeof out, "%s/tp-fsdp-plan-%d-%d", fl_test_tmpdir(), pp, k);
+            snprintf(grid, sizeof grid, "DP 2 x TP 2 x PP %d %s", pp, k ? "fsdp" : "ddp");
+            for (int r = 0; r < W; r++) {
+                tp_config(&j->cfg[r], DR_ADAMW, 2, 2, out);
+                j->cfg[r].train.max_steps = 1;
+            }
+            backend_on();
+            fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
+            backend_off();
+            FL_CHECKF(s == FL_OK, "%s: %s", grid, j->msg[0]);
+            for (int r = 0; r < W && s == FL_OK && k; r++) {
+                const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
+                if (getenv("FL_TEST_VERBOSE") && (r == 0 || r == W - 1))
+                    printf("    %s rank %d: planned = measured = %zu bytes (PARAMS %zu, GATHER %zu, OPTIM %zu)\n", grid,
+                           r, total, j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_GATHER],
+                           j->res[r].peak[FL_TAG_OPTIM]);
+            }
+            params[k] = j->res[0].peak[FL_TAG_PARAMS];
+            for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+            free(j);
         }
-        backend_on();
-        fl_status s = fl_comm_threads_run(4, dr_job_rank, j);
-        backend_off();
-        FL_CHECKF(s == FL_OK, "DP 2 x TP 2 %s: %s", k ? "fsdp" : "ddp", j->msg[0]);
-        for (int r = 0; r < 4 && s == FL_OK && k; r++) {
-            const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "DP 2 x TP 2 fsdp");
-            if (getenv("FL_TEST_VERBOSE"))
-                printf("    DP 2 x TP 2 fsdp rank %d: planned = measured = %zu bytes (PARAMS %zu, GATHER %zu, OPTIM %zu)\n",
-                       r, total, j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_GATHER], j->res[r].peak[FL_TAG_OPTIM]);
-        }
-        params[k] = j->res[0].peak[FL_TAG_PARAMS];
-        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
-        free(j);
+        /* the slice's parameters split over 2 ranks (+ 4-byte rounding of the pieces): about half */
+        FL_CHECKF(params[1] * 10 < params[0] * 6, "DP 2 x TP 2 x PP %d: rank 0's PARAMS under fsdp %zu, under ddp %zu",
+                  pp, params[1], params[0]);
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    PP %d: rank 0's PARAMS ddp %zu, fsdp %zu bytes\n", pp, params[0], params[1]);
     }
-    /* the slice's parameters split over 2 ranks (+ 4-byte rounding of the pieces): about half */
-    FL_CHECKF(params[1] * 10 < params[0] * 6, "DP 2 x TP 2: rank 0's PARAMS under fsdp %zu, under ddp %zu", params[1],
-              params[0]);
-    if (getenv("FL_TEST_VERBOSE")) printf("    rank 0's PARAMS: ddp %zu, fsdp %zu bytes\n", params[0], params[1]);
+    g_pp = 1;
     g_forced = NULL;
     g_strategy = NULL;
 }
@@ -557,13 +573,15 @@ FL_TEST(tp_train_threads_full_shard_checkpoints_resume) {
     long steps;
     dr_job *j = uninterrupted_tp2(out, &full, &steps);
     FL_REQUIRE(j != NULL);
-    const struct { const char *from; long step; int dp, tp; const char *strategy, *name; } k_case[3] = {
-        {"", 4, 2, 2, "fsdp", "fsdp"},                /* TP 2's step 4 at DP 2 x TP 2 under FULL_SHARD */
-        {"-fsdp", 5, 1, 1, NULL, "one"},              /* that run's step 5 in one process */
-        {"-fsdp", 5, 2, 2, "deepspeed_stage_3", "z3"}, /* and at DP 2 x TP 2 under ZeRO-3 */
+    const struct { const char *from; long step; int dp, tp, pp; const char *strategy, *name; } k_case[4] = {
+        {"", 4, 2, 2, 1, "fsdp", "fsdp"},                /* TP 2's step 4 at DP 2 x TP 2 under FULL_SHARD */
+        {"-fsdp", 5, 1, 1, 1, NULL, "one"},              /* that run's step 5 in one process */
+        {"-fsdp", 5, 2, 2, 1, "deepspeed_stage_3", "z3"}, /* and at DP 2 x TP 2 under ZeRO-3 */
+        {"-fsdp", 5, 2, 2, 2, "fsdp", "3d"},             /* and on the 3D grid DP 2 x TP 2 x PP 2 under FULL_SHARD */
     };
-    for (int k = 0; k < 3; k++) {
-        const int dp = k_case[k].dp, tp = k_case[k].tp, W = dp * tp;
+    for (int k = 0; k < 4; k++) {
+        const int dp = k_case[k].dp, tp = k_case[k].tp, W = dp * tp * k_case[k].pp;
+        g_pp = k_case[k].pp;
         char o2[760];
         snprintf(from, sizeof from, "%s%s/step-%06ld", out, k_case[k].from, k_case[k].step);
         snprintf(o2, sizeof o2, "%s-%s", out, k_case[k].name);
@@ -586,6 +604,7 @@ FL_TEST(tp_train_threads_full_shard_checkpoints_resume) {
         if (getenv("FL_TEST_VERBOSE"))
             printf("    DP %d x TP %d %s from %s: later losses within %.3g relative\n", dp, tp, k_case[k].name, from, w);
     }
+    g_pp = 1;
     g_strategy = NULL;
     backend_off();
     /* the consolidated folders hold one process's files */
