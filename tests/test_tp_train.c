@@ -48,6 +48,7 @@ static int g_sp;               /* --sequence_parallel */
 static int g_t20;              /* a sequence length 2 and 4 divide (T = 20; else 19) */
 static int g_ckpt;             /* activation checkpointing */
 static const char *g_prec;     /* the precision (NULL: 32-true) */
+static int g_nodes;            /* > 1: --num_nodes with HYBRID_SHARD on the data axis (g_strategy fsdp) */
 static dr_rec *g_keep;         /* scenario(): rank 0's losses kept here too */
 
 /* scenario sc over dp groups x tp ranks (x g_pp stages: out: its out_dir) */
@@ -61,6 +62,10 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
         snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", g_sched ? g_sched : "1f1b");
     }
     if (g_strategy && tp > 1) snprintf(c->strategy, sizeof c->strategy, "%s", g_strategy);
+    if (g_nodes > 1 && tp > 1) { /* HYBRID_SHARD over g_nodes nodes of whole groups */
+        snprintf(c->sharding_strategy, sizeof c->sharding_strategy, "HYBRID_SHARD");
+        c->num_nodes = g_nodes, c->devices /= g_nodes;
+    }
     if (g_t20) c->train.max_seq_length = 21; /* T = 20 (the reference too): rows split over 2 or 4 ranks */
     c->sequence_parallel = g_sp && tp > 1;
     if (g_ckpt) c->train.activation_checkpointing = 1;
@@ -262,6 +267,17 @@ FL_TEST(tp_train_threads_full_shard_on_the_data_axis) {
     const grid_case k[] = {{DR_ADAMW, 2, 2, 1, NULL, NULL, "fsdp"}, {DR_SGD, 2, 2, 1, NULL, NULL, "deepspeed_stage_3"},
                            {DR_SGD, 2, 2, 1, NULL, "gpt2-micro", "fsdp"}, {DR_SGD, 2, 2, 1, NULL, "opt-micro", "fsdp"}};
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
+}
+
+/* HYBRID_SHARD on the data axis (--fsdp.sharding_strategy HYBRID_SHARD --num_nodes 2): the axis' ranks in 2 nodes of
+ * whole tensor-parallel groups, each slice FULL_SHARD within its node and replicated across them (fsdp.c); the norm
+ * adds each node's distinct pieces once. DP 4 x TP 2 (2 nodes of 2 groups), DP 2 x TP 2 x PP 2 (a node: one 2 x 2
+ * grid, its shard group one rank: DDP's order) against one process with TP's bars. */
+FL_TEST(tp_train_threads_hybrid_shard_on_the_data_axis) {
+    g_nodes = 2;
+    const grid_case k[] = {{DR_ADAMW, 4, 2, 1, NULL, NULL, "fsdp"}, {DR_ADAMW, 2, 2, 2, NULL, NULL, "fsdp"}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
+    g_nodes = 0;
 }
 
 /* FULL_SHARD on the data axis of the 3D grid DP 2 x TP 2 x PP 2: each rank's slice of its stage sharded over the axis
@@ -738,10 +754,12 @@ static void e_lora(fl_run_config *c) { /* dropout on the row-parallel o_proj / d
     c->lora.mlp = 1;
     c->lora.dropout = 0.1f;
 }
-static void e_zero(fl_run_config *c) { /* (FULL_SHARD / ZeRO-3 runs: tp_train_threads_full_shard_on_the_data_axis) */
+static void e_zero(fl_run_config *c) { /* (FULL_SHARD, ZeRO-3 and HYBRID_SHARD run: tp_train_threads_full_shard_*,
+                                        * _hybrid_shard_*): a node of one rank holds half a group */
     c->tensor_parallel = 2;
     snprintf(c->strategy, sizeof c->strategy, "fsdp");
     snprintf(c->sharding_strategy, sizeof c->sharding_strategy, "HYBRID_SHARD");
+    c->devices = 1, c->num_nodes = 4;
     c->train.global_batch_size = 8;
 }
 static void e_grid(fl_run_config *c) {
@@ -763,7 +781,8 @@ FL_TEST(tp_train_threads_refusals) {
     /* micro: 8 attention heads, 4 key/value heads: 3 ranks do not split them */
     expect_refusal(3, e_heads, "--tensor_parallel 3", "num_attention_heads");
     expect_refusal(2, e_lora, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel", "lora_dropout 0");
-    expect_refusal(4, e_zero, "not HYBRID_SHARD", "--strategy fsdp HYBRID_SHARD");
+    expect_refusal(4, e_zero, "HYBRID_SHARD on the data-parallel axis of a grid of 2 model-parallel ranks",
+                   "--devices 1 per node does not hold whole groups");
     expect_refusal(3, e_grid, "--tensor_parallel 2: this run has 3 ranks, not a multiple", NULL);
     expect_refusal(6, e_grid3d, "--tensor_parallel 2 with --pipeline_parallel 2: this run has 6 ranks, not a multiple "
                    "of 4", NULL);

@@ -145,7 +145,7 @@ static fl_status inner_max(void *ud, float *v, size_t n) {
 
 fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d) {
     const fl_optim_dist *in = o->shard.dist;
-    const int fsdp = in && in->stage == 3 && ((const fl_dp *)in->ud)->fsdp && !((const fl_dp *)in->ud)->node;
+    const int fsdp = in && in->stage == 3 && ((const fl_dp *)in->ud)->fsdp; /* (HYBRID_SHARD: the node's pieces) */
     if (in && ((in->stage > 2 && !fsdp) || in->grad_sumsq))
         return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the data-parallel axis runs DDP, ZeRO-1, ZeRO-2 or "
                          "FULL_SHARD (its optimizer is at stage %d)", in->stage);

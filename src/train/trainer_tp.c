@@ -115,11 +115,6 @@ static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_
     if (c->command == FL_CMD_FINETUNE_LORA && dp_world > 1 && sc->stage > 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with finetune_lora and --strategy %s: the adapters' "
                          "data-parallel axis runs DDP so far (give --strategy ddp)", n, c->strategy);
-    if (dp_world > 1 && sc->stage > 2 && fl_cfg_hybrid_shard(sc->strategy, sc->sharding))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s%s%s: the data-parallel axis (%d "
-                         "groups) runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 so far, not HYBRID_SHARD (give "
-                         "--fsdp.sharding_strategy FULL_SHARD)", n, c->strategy, sc->sharding[0] ? " " : "",
-                         sc->sharding, dp_world);
     if (sc->offload || sc->param_offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s: optimizer offload is not "
                          "combined with tensor parallelism yet", n, c->strategy);
