@@ -143,7 +143,10 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
 }
 
 FL_TEST(pp_train_threads_refusals) {
-    expect_refusal(4, 2, NULL, 2, "--tensor_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split");
+    /* QLoRA on the slices runs where a rank's parts are whole 4-bit blocks (tp_train_threads_qlora_*): micro's
+     * attention output (32 columns per rank) is not */
+    expect_refusal(4, 2, NULL, 2, "--tensor_parallel 2 with --quantize bnb.nf4: a rank's part of "
+                   "model.layers.0.self_attn.o_proj.weight (row-parallel: 32 elements of each row) cuts the 4-bit");
     expect_refusal(4, 2, NULL, 3, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel");
     /* HYBRID_SHARD runs on the data axis (pp_train_threads_hybrid_shard_on_the_data_axis) when a node holds whole
      * pipelines: 4 nodes of 1 rank do not */

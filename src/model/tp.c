@@ -101,6 +101,20 @@ static int col_parts(const fl_model_config *c, const fl_param_info *p, int64_t p
     return 1;
 }
 
+size_t fl_tp_q4_cut(const fl_model_config *whole, const fl_param_layout *lay, int size, int i) {
+    const fl_param_info *p = &lay->params[i];
+    if (size <= 1 || p->ndim != 2) return 0;
+    const size_t K = (size_t)p->shape[1];
+    const fl_tp_split sp = fl_tp_entry_split(lay, i);
+    if (sp == FL_TP_ROW) return (K / (size_t)size) % FL_Q4_BLOCK ? K / (size_t)size : 0; /* a row's columns */
+    if (sp != FL_TP_COLUMN) return 0;
+    int64_t parts[3];
+    const int np = col_parts(whole, p, parts);
+    for (int k = 0; k < np; k++) /* each part's rows of the rank: whole rows of K elements */
+        if ((size_t)parts[k] / (size_t)size * K % FL_Q4_BLOCK) return (size_t)parts[k] / (size_t)size * K;
+    return 0;
+}
+
 /* take (dir 0: whole -> slice) or place (dir 1: slice -> whole) rank r's elements of a tensor p split as sp */
 static void tp_map_info(const fl_model_config *c, const fl_param_info *p, fl_tp_split sp, int size, int r, float *whole,
                         float *slice, int dir) {
