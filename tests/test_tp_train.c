@@ -430,6 +430,15 @@ FL_TEST(tp_train_threads_lora_3d_resume_on_another_grid) {
  * relative of one process's QLoRA, the merged final weights within the AdamW bound. The micro presets' attention
  * output (64 columns: 32 per rank) cuts the blocks, so the runs use folders of the same architectures at width 128
  * (2 blocks; LLaMA 8 heads / 4 key-value heads of 16, MLP 256; GPT-2 and OPT 4 heads of 32, MLP 512). */
+static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, const char *b);
+static double later_diff(const dr_rec *a, const dr_rec *full, long from, long steps);
+static void e_qlora_micro(fl_run_config *c) {
+    c->command = FL_CMD_FINETUNE_LORA;
+    c->lora.r = 4;
+    c->lora.mlp = 1;
+    snprintf(c->lora.quantize, sizeof c->lora.quantize, "bnb.nf4-dq");
+}
+
 static void q4_folder(const char *preset, const char *dir) {
     fl_model_config mc;
     FL_REQUIRE_OK(fl_preset_find(preset, &mc));
@@ -482,6 +491,69 @@ FL_TEST(tp_train_threads_qlora_matches_one_process) {
     scenario(DR_LORA, 1, 2);
     g_model = NULL;
     g_quant = NULL;
+}
+
+/* QLoRA on the slices: plan = measured per rank (TP 2; PARAMS below LoRA's on the same slices: the 4-bit weights),
+ * one process's files (final/, final/adapter, a step folder), TP 2's step-3 checkpoint resumed in one process (later
+ * losses within 1e-6 of the uninterrupted TP 2 run's), the 3D grid TP 2 x PP 2 against one process, and a refusal:
+ * micro's attention output (32 columns per rank at TP 2) cuts the blocks. */
+FL_TEST(tp_train_threads_qlora_plan_resume_files) {
+    char dir[700], out[760], one[760], o2[800], from[900];
+    snprintf(dir, sizeof dir, "%s/q4-llama", fl_test_tmpdir());
+    q4_folder("micro", dir);
+    g_model = dir;
+    size_t params[2] = {0, 0};
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    backend_on();
+    for (int k = 0; k < 2; k++) { /* k 0: LoRA (unquantized), k 1: QLoRA nf4-dq, both at TP 2 */
+        g_quant = k ? "bnb.nf4-dq" : NULL;
+        snprintf(out, sizeof out, "%s/q4-tp2-%d", fl_test_tmpdir(), k);
+        for (int r = 0; r < 2; r++) dr_free(&j->rec[r]), tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
+        fl_status s = fl_comm_threads_run(2, dr_job_rank, j);
+        FL_CHECKF(s == FL_OK, "%s at TP 2: %s", k ? "QLoRA" : "LoRA", j->msg[0]);
+        for (int r = 0; r < 2 && s == FL_OK && k; r++)
+            (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "QLoRA TP 2");
+        params[k] = j->res[0].peak[FL_TAG_PARAMS];
+    }
+    FL_CHECKF(params[1] < params[0], "TP 2 rank 0's PARAMS: QLoRA %zu, LoRA %zu", params[1], params[0]);
+    if (getenv("FL_TEST_VERBOSE")) printf("    TP 2 rank 0's PARAMS: LoRA %zu, QLoRA %zu bytes\n", params[0], params[1]);
+    dr_rec full = j->rec[0];
+    memset(&j->rec[0], 0, sizeof j->rec[0]);
+    const long steps = j->cfg[0].train.max_steps;
+    /* one process's QLoRA run: the same files; then TP 2's step 3 resumed in one process */
+    snprintf(one, sizeof one, "%s/q4-one", fl_test_tmpdir());
+    tp_config(&j->cfg[0], DR_LORA, 1, 1, one);
+    FL_REQUIRE_OK(fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL));
+    const char *sub[3] = {"final", "final/adapter", "step-000003"};
+    for (int k = 0; k < 3; k++) {
+        char a[1900], b[3800];
+        snprintf(a, sizeof a, "ls %s/%s > %s-ls-a 2>&1", out, sub[k], out);
+        snprintf(b, sizeof b, "ls %s/%s > %s-ls-b 2>&1 && cmp -s %s-ls-a %s-ls-b", one, sub[k], out, out, out);
+        FL_CHECKF(system(a) == 0 && system(b) == 0, "QLoRA at TP 2: %s/ holds other files than one process's", sub[k]);
+    }
+    dr_free(&j->rec[0]);
+    snprintf(o2, sizeof o2, "%s-resumed", out);
+    snprintf(from, sizeof from, "%s/step-000003", out);
+    tp_config(&j->cfg[0], DR_LORA, 1, 1, o2);
+    snprintf(j->cfg[0].resume, sizeof j->cfg[0].resume, "%s", from);
+    fl_status s = fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL);
+    FL_CHECKF(s == FL_OK, "QLoRA TP 2's step 3 in one process: %s", fl_error_message());
+    const double w = s == FL_OK ? later_diff(&j->rec[0], &full, 3, steps) : 0;
+    FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "QLoRA TP 2's step 3 resumed in one process: "
+              "later losses %.3g relative from the uninterrupted run", w);
+    if (getenv("FL_TEST_VERBOSE")) printf("    QLoRA TP 2's step 3 in one process: later losses within %.3g\n", w);
+    backend_off();
+    g_pp = 2; /* the 3D grid: each stage's slices of one process's 4-bit blocks */
+    scenario(DR_LORA, 1, 2);
+    g_pp = 1;
+    g_quant = NULL;
+    g_model = NULL;
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    dr_free(&full);
+    free(j);
+    expect_refusal(2, e_qlora_micro, "--tensor_parallel 2 with --quantize bnb.nf4-dq: a rank's part of "
+                   "model.layers.0.self_attn.o_proj.weight (row-parallel: 32 elements of each row) cuts", NULL);
 }
 
 /* The same on the opaque backend (its memory unreadable by the host): the blocks' all-reduces and DDP's go
@@ -688,7 +760,7 @@ FL_TEST(tp_train_threads_full_shard_checkpoints_resume) {
     backend_off();
     /* the consolidated folders hold one process's files */
     for (int k = 0; k < 2; k++) {
-        char a[900], b[1800];
+        char a[1600], b[3600];
         snprintf(a, sizeof a, "ls %s-fsdp/%s > %s-ls-a 2>&1", out, k ? "final" : "step-000005", out);
         snprintf(b, sizeof b, "ls %s-one/%s > %s-ls-b 2>&1 && cmp -s %s-ls-a %s-ls-b", out, k ? "final" : "step-000006",
                  out, out, out);
