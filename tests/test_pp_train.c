@@ -132,6 +132,7 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
         if (strategy && !strcmp(strategy, "hybrid")) {
             snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "fsdp");
             snprintf(j->cfg[r].sharding_strategy, sizeof j->cfg[r].sharding_strategy, "HYBRID_SHARD");
+            j->cfg[r].devices = 1, j->cfg[r].num_nodes = W; /* a node of one rank: half a pipeline */
         }
     }
     backend_on();
@@ -142,10 +143,15 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
 }
 
 FL_TEST(pp_train_threads_refusals) {
-    expect_refusal(4, 2, NULL, 2, "--tensor_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split");
+    /* QLoRA on the slices runs where a rank's parts are whole 4-bit blocks (tp_train_threads_qlora_*): micro's
+     * attention output (32 columns per rank) is not */
+    expect_refusal(4, 2, NULL, 2, "--tensor_parallel 2 with --quantize bnb.nf4: a rank's part of "
+                   "model.layers.0.self_attn.o_proj.weight (row-parallel: 32 elements of each row) cuts the 4-bit");
     expect_refusal(4, 2, NULL, 3, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel");
-    expect_refusal(4, 2, "hybrid", 0, "--pipeline_parallel 2 with --strategy fsdp HYBRID_SHARD: the data-parallel axis "
-                   "runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 so far, not HYBRID_SHARD");
+    /* HYBRID_SHARD runs on the data axis (pp_train_threads_hybrid_shard_on_the_data_axis) when a node holds whole
+     * pipelines: 4 nodes of 1 rank do not */
+    expect_refusal(4, 2, "hybrid", 0, "HYBRID_SHARD on the data-parallel axis of a grid of 2 model-parallel ranks "
+                   "(--pipeline_parallel x --tensor_parallel): --devices 1 per node does not hold whole groups");
     expect_refusal(2, 2, "deepspeed_stage_2_offload", 0, "offload is not combined with pipeline parallelism");
 }
 
@@ -435,6 +441,96 @@ FL_TEST(pp_train_threads_full_shard_on_the_data_axis) {
     resume_on("rs5", 2, 2, "fsdp", 1, 3, NULL);
     resume_on("rs6", 2, 2, "fsdp", 2, 2, "fsdp");
     resume_on("rs7", 2, 2, NULL, 2, 3, "deepspeed_stage_3");
+}
+
+/* HYBRID_SHARD on the data axis (--strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --num_nodes K): the axis'
+ * ranks split into K nodes holding whole pipelines (a node's --devices / S pipelines; the launcher places ranks by node
+ * in blocks), each stage FULL_SHARD within its node and replicated across the nodes (fsdp.c: reduce-scatter in the
+ * node, all-reduce across the replicas; the norm sums each node's distinct pieces once). DP 4 x PP 2 as 2 nodes of 2
+ * pipelines (1F1B) and DP 2 x PP 2 as 2 nodes of one pipeline (GPipe; each node's shard group is one rank: DDP's
+ * order): one process's losses within the 1e-6 relative bar (HYBRID's sums are DDP's reassociated: ddp_ref.h's bound);
+ * plan = measured per rank (DP 4 x PP 2); the HYBRID grid's step-2 checkpoint (consolidated, gathered in the node)
+ * resumed at DP 1 x PP 3 (DDP) and under HYBRID again, within 1e-6 of the uninterrupted run's. */
+static void hybrid_grid(dr_job *j, int dp, int pp, const char *sched, const char *tag, long steps) {
+    char out[700];
+    snprintf(out, sizeof out, "%s/pp-%s-%d-%d", fl_test_tmpdir(), tag, dp, pp);
+    for (int r = 0; r < dp * pp; r++) {
+        pp_config(&j->cfg[r], dp, pp, sched, out);
+        if (steps) j->cfg[r].train.max_steps = steps;
+        if (steps == 2) j->cfg[r].train.save_interval = 2; /* the resumes' checkpoint */
+        snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "fsdp");
+        snprintf(j->cfg[r].sharding_strategy, sizeof j->cfg[r].sharding_strategy, "HYBRID_SHARD");
+        j->cfg[r].num_nodes = 2, j->cfg[r].devices = dp * pp / 2;
+    }
+    fl_status s = run_job(j, dp * pp);
+    FL_CHECKF(s == FL_OK, "DP %d x PP %d HYBRID_SHARD %s: %s", dp, pp, sched, j->msg[0]);
+}
+
+FL_TEST(pp_train_threads_hybrid_shard_on_the_data_axis) {
+    dr_rec one[5];
+    memset(one, 0, sizeof one);
+    one_process(2, &one[2]);
+    one_process(4, &one[4]);
+    const struct { int dp; const char *sched; } runs[2] = {{4, "1f1b"}, {2, "gpipe"}};
+    for (int g = 0; g < 2; g++) {
+        dr_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        hybrid_grid(j, runs[g].dp, 2, runs[g].sched, "hybrid", 0);
+        for (int r = 0; r < runs[g].dp * 2; r++) {
+            const double w = dr_loss_rel(&j->rec[r], &one[runs[g].dp], j->cfg[r].train.max_steps);
+            FL_CHECKF(w <= 1e-6, "DP %d x PP 2 HYBRID_SHARD rank %d: losses %.3g relative from one process's",
+                      runs[g].dp, r, w);
+            if (getenv("FL_TEST_VERBOSE") && r == 0)
+                printf("    DP %d x PP 2 HYBRID_SHARD (2 nodes) %s: losses within %.3g relative of one process\n",
+                       runs[g].dp, runs[g].sched, w);
+        }
+        if (g == 0) /* plan per rank = measured: the node's pieces, both reductions' scratch */
+            for (int r = 0; r < 8; r++)
+                (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "DP 4 x PP 2 HYBRID_SHARD");
+        if (getenv("FL_TEST_VERBOSE") && g == 0)
+            printf("    DP 4 x PP 2 HYBRID_SHARD rank 0: PARAMS %zu (plan = measured)\n", j->res[0].peak[FL_TAG_PARAMS]);
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    dr_free(&one[2]);
+    dr_free(&one[4]);
+    /* resumes: the HYBRID grid's checkpoint at DP 1 x PP 3 (the same global batch) and under HYBRID again */
+    dr_job *a = calloc(1, sizeof *a), *c = calloc(1, sizeof *c), *b = calloc(1, sizeof *b);
+    FL_REQUIRE(a != NULL && b != NULL && c != NULL);
+    hybrid_grid(a, 4, 2, "1f1b", "hy-full", 4); /* uninterrupted */
+    hybrid_grid(c, 4, 2, "1f1b", "hy-save", 2); /* saves step 2 (and final/) */
+    char ck[760], out[700];
+    snprintf(ck, sizeof ck, "%s/step-000002", c->cfg[0].out_dir);
+    for (int k = 0; k < 2; k++) {
+        const int dp = k ? 4 : 1, pp = k ? 2 : 3;
+        snprintf(out, sizeof out, "%s/pp-hy-resumed-%d", fl_test_tmpdir(), k);
+        for (int r = 0; r < dp * pp; r++) {
+            dr_free(&b->rec[r]);
+            pp_config(&b->cfg[r], dp, pp, "gpipe", out);
+            b->cfg[r].train.global_batch_size = a->cfg[0].train.global_batch_size;
+            b->cfg[r].train.max_steps = 4;
+            snprintf(b->cfg[r].resume, sizeof b->cfg[r].resume, "%s", ck);
+            if (k) {
+                snprintf(b->cfg[r].strategy, sizeof b->cfg[r].strategy, "fsdp");
+                snprintf(b->cfg[r].sharding_strategy, sizeof b->cfg[r].sharding_strategy, "HYBRID_SHARD");
+                b->cfg[r].num_nodes = 2, b->cfg[r].devices = dp * pp / 2;
+            }
+        }
+        fl_status s = run_job(b, dp * pp);
+        FL_CHECKF(s == FL_OK, "resumed at DP %d x PP %d: %s", dp, pp, b->msg[0]);
+        double worst = 0;
+        for (int st = 2; st < 4 && s == FL_OK; st++) {
+            const double x = b->rec[0].loss[st], y = a->rec[0].loss[st], w = fabs(x - y) / fabs(y);
+            FL_CHECKF(b->rec[0].steps == 4 && w <= 1e-6, "resumed at DP %d x PP %d, step %d: loss %.9g, uninterrupted "
+                      "%.9g (%.3g relative)", dp, pp, st + 1, x, y, w);
+            worst = w > worst ? w : worst;
+        }
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    HYBRID's step 2 resumed at DP %d x PP %d%s: later losses within %.3g relative\n", dp, pp,
+                   k ? " HYBRID_SHARD" : "", worst);
+    }
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&a->rec[r]), dr_free(&b->rec[r]), dr_free(&c->rec[r]);
+    free(a), free(b), free(c);
 }
 
 /* ---- the interleaved schedule (--pipeline_schedule interleaved --pipeline_chunks V) ----

@@ -556,6 +556,9 @@ size_t fl_sizing_gstage_elems(const fl_model_config *cfg);
  * the storage dtype (round to nearest even). */
 void fl_model_read_param(const fl_model *m, int i, float *dst);
 void fl_model_write_param(fl_model *m, int i, const float *src);
+/* The same for a model that may be sharded (FSDP FULL_SHARD: fl_model_provider): src is the whole entry, and a
+ * sharded model keeps only its piece of it (fl_model_param_piece; 16-bit storage rounded to nearest even). */
+fl_status fl_model_write_param_any(fl_model *m, int i, const float *src);
 /* Pointer to entry i in the dense storage and its dtype; NULL for a 4-bit entry
  * (read it with fl_model_read_param: dequantized, LoRA-merged after fl_model_lora_merge). */
 void *fl_model_param_data(const fl_model *m, int i, fl_dtype *dt);

@@ -79,6 +79,15 @@ fl_status fl_tp_scatter(const fl_model *whole, fl_model *part);
  * entry, split entries assembled from the ranks' slices (one entry's fp32 at a time in host memory).
  * grads: the gradients instead of the parameters (fp32 storage; whole's gradient buffer). */
 fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int grads);
+/* QLoRA on the slices: 0 when rank r's part of entry i of the whole layout (config whole, split over size ranks)
+ * is made of whole 64-element blocks of the whole's 4-bit entry (bitsandbytes' blocks run over the row-major
+ * weight): a column-parallel part's rows x the width, a row-parallel part's columns of each row, multiples of 64.
+ * Then the slice's own blocks hold exactly the whole's (re-quantizing the dequantized slice gives the whole's
+ * codes and, as fp32, its dequantized absmax). Else the elements of the part that cut a block. */
+size_t fl_tp_q4_cut(const fl_model_config *whole, const fl_param_layout *lay, int size, int i);
+/* The same for the parameters from src, the part's whole flat store in host memory (dtype dt, the layout's
+ * offsets): FSDP on the data axis gathers them from the pieces first (the part holds a shard). */
+fl_status fl_tp_gather_params_host(fl_model *part, fl_comm *host_comm, const void *src, fl_dtype dt, fl_model *whole);
 /* The same for an array of one element per parameter at the layout's offsets (optimizer state: F32 or BF16,
  * src in src_be's memory, dst in dst_be's, a NULL backend: host memory; dst NULL but on rank 0), collective
  * over host_comm. */

@@ -225,6 +225,25 @@ void fl_model_write_param(fl_model *m, int i, const float *src) {
     }
 }
 
+fl_status fl_model_write_param_any(fl_model *m, int i, const float *src) {
+    if (!fl_model_provider(m)) {
+        fl_model_write_param(m, i, src);
+        return FL_OK;
+    }
+    size_t k0, k1;
+    fl_dtype dt;
+    char *dst = fl_model_param_piece(m, i, &k0, &k1, &dt);
+    if (!dst || k1 <= k0) return FL_OK;
+    const size_t n = k1 - k0, es = fl_dtype_size(dt);
+    const fl_backend *be = fl_model_params_be(m);
+    void *tmp = malloc(n * es + 4);
+    if (!tmp) return fl_errorf(FL_ERR_OOM, "out of host memory staging a piece of %s", m->layout.params[i].name);
+    fl_convert(tmp, dt, src + k0, FL_F32, n);
+    fl_status s = be ? FL_RUN(be, to_device, dst, tmp, n * es) : (memcpy(dst, tmp, n * es), FL_OK);
+    free(tmp);
+    return s;
+}
+
 void fl_model_free_acts(fl_model *m) {
     if (m->adapt && m->adapt->h.free_acts) m->adapt->h.free_acts(m);
     fl_mem_free(m->pool, m->acts_arena);

@@ -71,22 +71,6 @@ int fl_pp_layout_owns(const fl_param_layout *lay, int in, int out, int i) {
 
 int fl_pp_stage_owns(const fl_model *m, int i) { return fl_pp_layout_owns(&m->layout, m->stage.in, m->stage.out, i); }
 
-/* a sharded stage (FSDP FULL_SHARD on the data axis): entry i's piece this rank holds, from the whole entry w */
-static fl_status write_piece(fl_model *m, int i, const float *w) {
-    size_t k0, k1;
-    fl_dtype dt;
-    char *dst = fl_model_param_piece(m, i, &k0, &k1, &dt);
-    if (!dst || k1 <= k0) return FL_OK;
-    const size_t n = k1 - k0, es = fl_dtype_size(dt);
-    const fl_backend *be = fl_model_params_be(m);
-    void *tmp = malloc(n * es + 4);
-    if (!tmp) return fl_errorf(FL_ERR_OOM, "pipeline stage: out of host memory staging a piece of %s", m->layout.params[i].name);
-    fl_convert(tmp, dt, w + k0, FL_F32, n);
-    fl_status s = be ? FL_RUN(be, to_device, dst, tmp, n * es) : (memcpy(dst, tmp, n * es), FL_OK);
-    free(tmp);
-    return s;
-}
-
 /* QLoRA: a 4-bit entry's buffer copied as it is (the stage holds the whole model's codes and absmax, not a
  * re-quantization of their dequantized values: double quantization's mean would move) */
 static fl_status take_q4(const fl_model *whole, int j, fl_model *stage, int i) {
@@ -125,14 +109,10 @@ fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first) {
             continue;
         }
         fl_model_read_param(whole, j, w);
-        if (fl_model_provider(stage)) { /* sharded: its piece (write_param writes nothing there) */
-            fl_status s = write_piece(stage, i, w);
-            if (s != FL_OK) {
-                free(w);
-                return s;
-            }
-        } else {
-            fl_model_write_param(stage, i, w);
+        fl_status s = fl_model_write_param_any(stage, i, w); /* sharded: its piece */
+        if (s != FL_OK) {
+            free(w);
+            return fl_error_prefix(s, "pipeline stage");
         }
     }
     free(w);

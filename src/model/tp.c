@@ -95,6 +95,20 @@ static int col_parts(const fl_model_config *c, const fl_param_info *p, int64_t p
     return 1;
 }
 
+size_t fl_tp_q4_cut(const fl_model_config *whole, const fl_param_layout *lay, int size, int i) {
+    const fl_param_info *p = &lay->params[i];
+    if (size <= 1 || p->ndim != 2) return 0;
+    const size_t K = (size_t)p->shape[1];
+    const fl_tp_split sp = fl_tp_entry_split(lay, i);
+    if (sp == FL_TP_ROW) return (K / (size_t)size) % FL_Q4_BLOCK ? K / (size_t)size : 0; /* a row's columns */
+    if (sp != FL_TP_COLUMN) return 0;
+    int64_t parts[3];
+    const int np = col_parts(whole, p, parts);
+    for (int k = 0; k < np; k++) /* each part's rows of the rank: whole rows of K elements */
+        if ((size_t)parts[k] / (size_t)size * K % FL_Q4_BLOCK) return (size_t)parts[k] / (size_t)size * K;
+    return 0;
+}
+
 /* take (dir 0: whole -> slice) or place (dir 1: slice -> whole) rank r's elements of a tensor p split as sp */
 static void tp_map_info(const fl_model_config *c, const fl_param_info *p, fl_tp_split sp, int size, int r, float *whole,
                         float *slice, int dir) {
@@ -194,20 +208,21 @@ fl_status fl_tp_scatter(const fl_model *whole, fl_model *part) {
         free(w), free(s);
         return fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory staging one entry");
     }
-    for (int i = 0; i < whole->layout.n; i++) {
+    fl_status st = FL_OK;
+    for (int i = 0; i < whole->layout.n && st == FL_OK; i++) {
         fl_model_read_param(whole, i, w);
         fl_tp_take(&whole->cfg, &whole->layout, i, size, r, w, s);
-        fl_model_write_param(part, i, s);
+        st = fl_model_write_param_any(part, i, s); /* FSDP on the data axis: the rank's piece of its slice */
     }
     free(w), free(s);
-    return FL_OK;
+    return fl_error_prefix(st, "tensor parallel");
 }
 
 /* One entry's elements as fp32 in host memory, read from or written to a model's parameters, gradients
  * or a flat array of the layout's offsets (optimizer state: F32 or BF16 in a backend's memory). */
 typedef struct {
     fl_model *m;
-    int kind;            /* 0 parameters, 1 gradients (fp32), 2 the array */
+    int kind;            /* 0 parameters, 1 gradients (fp32), 2 the array, 3 (read only) the parameters in host memory */
     const fl_backend *be;
     void *arr;
     fl_dtype dt;
@@ -221,6 +236,10 @@ static fl_status io_read(const tp_io *x, int i, float *out) {
     }
     if (x->kind == 1) return FL_RUN(x->m->be, to_host, out, fl_model_grads_f32(x->m) + p->offset, p->numel * sizeof(float));
     const size_t es = fl_dtype_size(x->dt);
+    if (x->kind == 3) { /* host memory of any dtype (the parameters gathered from FSDP's pieces) */
+        fl_convert(out, FL_F32, (const char *)x->arr + p->offset * es, x->dt, p->numel);
+        return FL_OK;
+    }
     if (x->be) FL_TRY(FL_RUN(x->be, to_host, out, (const char *)x->arr + p->offset * es, p->numel * es));
     else memcpy(out, (const char *)x->arr + p->offset * es, p->numel * es); /* host memory */
     if (x->dt == FL_BF16) /* widened in place, from the end */
@@ -283,6 +302,11 @@ fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int 
                   (whole && !fl_model_grads_f32(whole))))
         return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: gathering gradients needs fp32 gradient buffers");
     const tp_io rd = {part, grads ? 1 : 0, NULL, NULL, FL_F32}, wr = {whole, grads ? 1 : 0, NULL, NULL, FL_F32};
+    return gather_entries(part, host_comm, whole, &rd, &wr);
+}
+
+fl_status fl_tp_gather_params_host(fl_model *part, fl_comm *host_comm, const void *src, fl_dtype dt, fl_model *whole) {
+    const tp_io rd = {part, 3, NULL, (void *)src, dt}, wr = {whole, 0, NULL, NULL, FL_F32};
     return gather_entries(part, host_comm, whole, &rd, &wr);
 }
 

@@ -530,29 +530,38 @@ fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precisio
     if (dp->comm && fl_cfg_hybrid_shard(cfg->strategy, cfg->sharding_strategy) && cfg->num_nodes > 1 && !dp->node) {
         /* HYBRID_SHARD: the nodes and the replica groups (collective; every rank agrees first, so a rank
          * that failed earlier in set-up is not left alone in the split) */
-        if (cfg->devices * cfg->num_nodes != dp->world)
+        /* a model-parallel grid (pipeline stages x tensor-parallel ranks, M of them per data-parallel rank, placed
+         * consecutively: trainer_tp.c / trainer_pp.c): its axis holds one rank of each group, a node holds whole
+         * groups, so the axis' ranks per node are devices / M */
+        const int M = dp->grid && fl_comm_size(dp->grid) > dp->world ? fl_comm_size(dp->grid) / dp->world : 1;
+        if (cfg->devices % M)
+            return fl_errorf(FL_ERR_INVALID, "HYBRID_SHARD on the data-parallel axis of a grid of %d model-parallel ranks "
+                             "(--pipeline_parallel x --tensor_parallel): --devices %d per node does not hold whole groups "
+                             "(give a multiple of %d)", M, cfg->devices, M);
+        const int per = cfg->devices / M;
+        if (per * cfg->num_nodes != dp->world)
             return fl_errorf(FL_ERR_INVALID, "HYBRID_SHARD: devices x num_nodes = %d x %d, but the run has %d ranks",
-                             cfg->devices, cfg->num_nodes, dp->world);
+                             cfg->devices, cfg->num_nodes, dp->world * M);
         FL_TRY(fl_dp_agree(dp, FL_OK));
-        fl_status s = fl_comm_split(dp->comm, dp->rank / cfg->devices, dp->rank, &dp->node);
-        if (s == FL_OK) s = fl_comm_split(dp->comm, dp->rank % cfg->devices, dp->rank, &dp->rep);
+        fl_status s = fl_comm_split(dp->comm, dp->rank / per, dp->rank, &dp->node);
+        if (s == FL_OK) s = fl_comm_split(dp->comm, dp->rank % per, dp->rank, &dp->rep);
         if (s != FL_OK) {
             fl_comm_destroy(dp->rep), fl_comm_destroy(dp->node);
             dp->rep = dp->node = NULL;
             return fl_error_prefix(s, "HYBRID_SHARD: splitting the %d ranks into %d nodes of %d", dp->world,
-                                   cfg->num_nodes, cfg->devices);
+                                   cfg->num_nodes, per);
         }
         fl_comm_set_pool(dp->node, dp->comm->pool); /* their MPI scratch in the run's pool, as the world's */
         fl_comm_set_pool(dp->rep, dp->comm->pool);
         /* the same groups of the device communicator (NCCL: its host part split, a communicator bootstrapped
          * over each), for the gathers and reductions of device buffers */
-        if (s == FL_OK && dp->dev) s = fl_comm_split(dp->dev, dp->rank / cfg->devices, dp->rank, &dp->dnode);
-        if (s == FL_OK && dp->dev) s = fl_comm_split(dp->dev, dp->rank % cfg->devices, dp->rank, &dp->drep);
+        if (s == FL_OK && dp->dev) s = fl_comm_split(dp->dev, dp->rank / per, dp->rank, &dp->dnode);
+        if (s == FL_OK && dp->dev) s = fl_comm_split(dp->dev, dp->rank % per, dp->rank, &dp->drep);
         if (s != FL_OK) {
             fl_comm_destroy(dp->drep), fl_comm_destroy(dp->dnode);
             dp->drep = dp->dnode = NULL;
             return fl_error_prefix(s, "HYBRID_SHARD: splitting the device communicator into %d nodes of %d",
-                                   cfg->num_nodes, cfg->devices);
+                                   cfg->num_nodes, per);
         }
     }
     stg->shard = shard_model;

@@ -6,6 +6,7 @@
 #include "fitllm/lora.h"
 #include "fitllm/pp.h"
 #include "fitllm/tp.h"
+#include "dp.h"
 
 /* v (one double per rank, as pairs of F32 words: the all-gather copies bits) summed in rank order */
 static fl_status sum_ranks(fl_comm *c, double v, double *out) {
@@ -32,6 +33,18 @@ static fl_status sum_group(const fl_tp_dist *d, double v, double *out) {
  * every rank of it holds the same reduced gradient: the tensor-parallel group's sum is the whole norm. Under
  * ZeRO-1/2 there a rank adds the part of each entry in its chunk [off, off + len) of the slice's buffer (ZeRO-2
  * holds no other reduced gradient), the axis sums the chunks in rank order, then the group. */
+/* FULL_SHARD / ZeRO-3 on the data axis: the rank's pieces of the slice's units (fl_fsdp_ranges: unit g's elements
+ * [fo, fo + ln) of the slice's flat layout at shard offset so), else 0 */
+static int fsdp_pieces(const fl_tp_dist *d, size_t **fo, size_t **so, size_t **ln) {
+    if (!d->inner || d->inner->stage != 3 || !((const fl_dp *)d->inner->ud)->fsdp) return 0;
+    const fl_dp *dp = d->inner->ud;
+    const int G = fl_fsdp_ranges(dp, NULL, NULL, NULL);
+    *fo = malloc(3 * (size_t)(G + 1) * sizeof **fo);
+    if (!*fo) return -1;
+    *so = *fo + G + 1, *ln = *so + G + 1;
+    return fl_fsdp_ranges(dp, *fo, *so, *ln);
+}
+
 static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const fl_tp_dist *d = ud;
     const fl_model *m = d->m;
@@ -39,17 +52,25 @@ static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const int rank = fl_comm_rank(d->comm), zero = d->inner && d->inner->stage > 0;
     const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
     const size_t es = fl_dtype_size(o->w.gt);
+    size_t *fo = NULL, *so = NULL, *ln = NULL;
+    const int G = fsdp_pieces(d, &fo, &so, &ln); /* FULL_SHARD: each entry's part in the rank's piece of its unit */
+    if (G < 0) return fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory");
     double v = 0;
     for (int i = 0; i < m->layout.n; i++) {
         const fl_param_info *p = &m->layout.params[i];
         if (rank != 0 && fl_tp_entry_split(&m->layout, i) == FL_TP_REPLICATED) continue;
         if (!fl_pp_stage_owns(m, i)) continue; /* TP x PP: an end this stage does not run (always owned without PP) */
-        const size_t a = p->offset > c0 ? p->offset : c0, b = p->offset + p->numel < c1 ? p->offset + p->numel : c1;
-        if (a >= b) continue;
-        double w = 0; /* through the door; sumsq's status ignored, as the slot has none */
-        (void)FL_RUN(be, sumsq, (const char *)o->w.g + a * es, o->w.gt, b - a, &w);
-        v += w;
+        for (int g = 0; g < (G ? G : 1); g++) {
+            const size_t r0 = G ? fo[g] : c0, r1 = G ? fo[g] + ln[g] : c1; /* the held range, flat coordinates */
+            const size_t a = p->offset > r0 ? p->offset : r0, b = p->offset + p->numel < r1 ? p->offset + p->numel : r1;
+            if (a >= b) continue;
+            const size_t at = G ? so[g] + (a - fo[g]) : a; /* where it sits in the gradient buffer */
+            double w = 0; /* through the door; sumsq's status ignored, as the slot has none */
+            (void)FL_RUN(be, sumsq, (const char *)o->w.g + at * es, o->w.gt, b - a, &w);
+            v += w;
+        }
     }
+    free(fo);
     if (zero) FL_TRY(d->inner->sum(d->inner->ud, &v, 1));
     return fl_error_prefix(sum_group(d, v, out), "tensor parallel: the gradient norm");
 }
@@ -124,13 +145,14 @@ static fl_status inner_max(void *ud, float *v, size_t n) {
 
 fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d) {
     const fl_optim_dist *in = o->shard.dist;
-    if (in && (in->stage > 2 || in->grad_sumsq))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2 (its "
-                         "optimizer is at stage %d)", in->stage);
+    const int fsdp = in && in->stage == 3 && ((const fl_dp *)in->ud)->fsdp; /* (HYBRID_SHARD: the node's pieces) */
+    if (in && ((in->stage > 2 && !fsdp) || in->grad_sumsq))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the data-parallel axis runs DDP, ZeRO-1, ZeRO-2 or "
+                         "FULL_SHARD (its optimizer is at stage %d)", in->stage);
     fl_lora_adapters ad;
     const int lora = fl_model_lora_adapters(o->model, &ad);
     if (lora ? o->w.n != ad.numel || o->w.p != ad.params
-             : o->w.n != o->model->layout.numel || o->w.p != fl_model_params_data(o->model))
+             : o->w.n != fl_model_store_numel(o->model) || o->w.p != fl_model_params_data(o->model))
         return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the optimizer must train the slice's parameters or its "
                          "LoRA adapters");
     if (lora && ((in && in->stage > 0) || o->w.gt != FL_F32))

@@ -25,10 +25,6 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s: offload is not combined with "
                          "pipeline parallelism yet", n, c->strategy);
-    if (sc->stage > 2 && fl_cfg_hybrid_shard(sc->strategy, sc->sharding))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s%s%s: the data-parallel axis "
-                         "runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 so far, not HYBRID_SHARD", n, c->strategy,
-                         sc->sharding[0] ? " " : "", sc->sharding);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: AdamW8bit's block-wise state is not gathered into "
                          "checkpoints yet (AdamW and SGD are)", n);

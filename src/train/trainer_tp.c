@@ -106,18 +106,10 @@ fl_status fl_tr_tp_check(const trainer *t, const fl_strategy_choice *sc) {
 }
 
 static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc) {
-    if (c->command == FL_CMD_FINETUNE_LORA && c->lora.quantize[0])
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --quantize %s: QLoRA's 4-bit base is not split "
-                         "yet (LoRA on the fp32 / bf16 base is)", n, c->lora.quantize);
     if (c->command == FL_CMD_FINETUNE_LORA && dp_world > 1 && sc->stage > 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with finetune_lora and --strategy %s: the adapters' "
                          "data-parallel axis runs DDP so far (give --strategy ddp)", n, c->strategy);
-    if (dp_world > 1 && sc->stage > 2)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s%s%s: the data-parallel axis (%d "
-                         "groups) runs DDP, ZeRO-1 or ZeRO-2 so far, not ZeRO-3 / FSDP FULL_SHARD (give --strategy ddp, "
-                         "deepspeed_stage_1 or deepspeed_stage_2)", n, c->strategy, sc->sharding[0] ? " " : "",
-                         sc->sharding, dp_world);
-    if (sc->offload)
+    if (sc->offload || sc->param_offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s: optimizer offload is not "
                          "combined with tensor parallelism yet", n, c->strategy);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
@@ -145,7 +137,12 @@ static fl_status whole_pools(trainer *t, tp_whole *w) {
 
 fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o) {
     FL_TRY(whole_pools(t, w));
-    FL_TRY(fl_model_init_ex(&w->m, cfg, &t->hw.be, &w->pool, &t->stg));
+    const fl_model_storage keep = t->stg;
+    t->stg.shard = NULL; /* whole models are never sharded (FULL_SHARD on the data axis shards the slice alone) */
+    t->stg.quant4 = 0;   /* nor quantized (QLoRA: the staging holds the dequantized base; the load's is 4-bit) */
+    const fl_status s = fl_model_init_ex(&w->m, cfg, &t->hw.be, &w->pool, &t->stg);
+    t->stg = keep;
+    FL_TRY(s);
     w->m_ok = 1;
     if (t->model.lora && t->tp.size > 1) { /* tensor parallel LoRA: the whole model carries the same adapters (their
                                             * values: gathered or loaded; the pipeline's lora_whole attaches its own) */
@@ -191,6 +188,18 @@ static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *w
     FL_TRY(fl_trainer_lora_config(t->cfg, whole, &lc));
     FL_TRY(fl_layout_build(&lay, whole));
     fl_status s = fl_lora_modules(&lc, &lay, whole, &mods, &n);
+    /* QLoRA: every rank's part of a 4-bit weight must be whole blocks of 64 of the whole's (fl_tp_q4_cut) */
+    for (int i = 0; i < lay.n && s == FL_OK && t->cfg->lora.quantize[0]; i++) {
+        const size_t cut = fl_layout_entry_quantizable(&lay, i) ? fl_tp_q4_cut(whole, &lay, n_tp, i) : 0;
+        if (cut)
+            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --quantize %s: a rank's part of %s (%s-parallel: "
+                          "%zu elements %s) cuts the 4-bit weight's blocks of %d (each rank holds whole blocks of one "
+                          "process's quantization; give a tensor-parallel size that splits it in multiples of %d)", n_tp,
+                          t->cfg->lora.quantize, lay.params[i].name,
+                          fl_tp_entry_split(&lay, i) == FL_TP_ROW ? "row" : "column",
+                          cut, fl_tp_entry_split(&lay, i) == FL_TP_ROW ? "of each row" : "of a part", FL_Q4_BLOCK,
+                          FL_Q4_BLOCK);
+    }
     for (int j = 0; j < n && s == FL_OK; j++) {
         if (mods[j].layer < 0)
             s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA on lm_head (the vocabulary-parallel head) is "
@@ -199,6 +208,17 @@ static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *w
     free(mods);
     fl_layout_free(&lay);
     return s;
+}
+
+/* The slice's storage: the run's, but a 4-bit weight's absmax kept as fp32 (QLoRA): the slice holds whole blocks of one
+ * process's quantization (lora_check), re-quantized from their dequantized values, which gives the same codes and, as
+ * absmax, the whole's dequantized one; double quantization's 8-bit absmax would be re-quantized over another set of
+ * blocks (its mean and 256-groups are the whole tensor's) and move. So the slice's 4-bit weights cost 4.5 bits per
+ * parameter instead of nf4-dq's 4.127 (the plan's figure is this layout's). */
+static fl_model_storage slice_storage(const trainer *t) {
+    fl_model_storage ss = t->stg;
+    ss.q4_double_quant = 0;
+    return ss;
 }
 
 fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
@@ -210,14 +230,18 @@ fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
         if (t->pp.size > 1) FL_TRY(tpp_stage_config(t, given, &sc)); /* TP x PP: the slice of its stage */
         FL_TRY(fl_tp_config(&sc, t->tp.size, t->tp.rank, &pc));
         t->tp.whole = sc;
-        FL_TRY(fl_model_init_ex(&t->model, &pc, &t->hw.be, &t->hw.pool, &t->stg));
+        const fl_model_storage ss = slice_storage(t);
+        FL_TRY(fl_model_init_ex(&t->model, &pc, &t->hw.be, &t->hw.pool, &ss));
         t->model_ok = 1;
         FL_TRY(fl_model_init_random_ex(&t->model, t->cfg->seed));
         return attach_group(t);
     }
     memset(&sw, 0, sizeof sw);
     s = whole_pools(t, &w);
+    const fl_model_storage keep = t->stg; /* the whole model unsharded (FULL_SHARD on the data axis: the slice is) */
+    t->stg.shard = NULL;
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
+    t->stg = keep;
     if (s == FL_OK) t->tp.whole_numel = w.m.layout.numel;
     if (s == FL_OK) s = lora_check(t, t->tp.size, &w.m.cfg);
     if (s == FL_OK && t->pp.size > 1) s = tpp_stage_model(t, &w, &sw); /* TP x PP: the group slices its stage */
@@ -226,7 +250,8 @@ fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
     if (s == FL_OK) s = fl_tp_config(&src->m.cfg, t->tp.size, t->tp.rank, &pc);
     if (s == FL_OK) {
         t->tp.whole = src->m.cfg;
-        s = fl_model_init_ex(&t->model, &pc, &t->hw.be, &t->hw.pool, &t->stg);
+        const fl_model_storage ss = slice_storage(t);
+        s = fl_model_init_ex(&t->model, &pc, &t->hw.be, &t->hw.pool, &ss);
     }
     if (s == FL_OK) {
         t->model_ok = 1;
@@ -310,14 +335,17 @@ static fl_status tp_assemble_lora(trainer *t, const fl_optimizer *o, tp_whole *w
 /* The slices' parameters and state arrays (full[a]: the slice's whole array a in host memory under ZeRO, else NULL)
  * assembled into a model and optimizer of cfg on the group's rank 0 (w; collective over the group): the whole model,
  * or (TP x PP) the stage's. A failed staging on rank 0 still runs the group's gathers (their sums are dropped). */
+/* pw: FULL_SHARD on the data axis, the slice's parameters gathered from the axis' pieces (host memory, the store's
+ * dtype), else NULL (read from the model) */
 static fl_status tp_assemble(trainer *t, const fl_model_config *cfg, const fl_optimizer *o, void *const *full,
-                             tp_whole *w) {
+                             const void *pw, tp_whole *w) {
     const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     void *src[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
     memset(w, 0, sizeof *w);
     fl_status s = t->tp.rank == 0 ? fl_tr_whole_make(t, w, cfg, o) : FL_OK;
     fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w->m : NULL;
-    fl_status g = fl_tp_gather(&t->model, t->tp.grp, wm, 0);
+    fl_status g = pw ? fl_tp_gather_params_host(&t->model, t->tp.grp, pw, fl_model_store_dtype(&t->model), wm)
+                     : fl_tp_gather(&t->model, t->tp.grp, wm, 0);
     if (t->model.lora) return tp_assemble_lora(t, o, w, s, g); /* the adapters and their optimizer state */
     if (o) {
         state_arrays(o, src);
@@ -341,16 +369,29 @@ static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimi
     void *full[3] = {NULL, NULL, NULL}, *src[3] = {NULL, NULL, NULL};
     fl_status s = FL_OK;
     if (o) state_arrays(o, src);
+    /* FULL_SHARD: every rank of the axis gives its pieces of the slice's parameters and state, unit by unit */
+    const int fsdp = t->dp.fsdp != NULL;
+    void *pw = NULL;
+    size_t pb = 0;
+    if (fsdp) s = fl_fsdp_whole_params(&t->dp, &pw, &pb);
+    for (int a = 0; a < 3 && o && fsdp; a++) {
+        if (!src[a]) continue;
+        full[a] = malloc(t->model.layout.numel * fl_dtype_size(dt) + 4);
+        const fl_status g = fl_fsdp_whole_array(&t->dp, src[a], fl_dtype_size(dt), full[a]); /* collective: always */
+        if (s == FL_OK) s = !full[a] ? fl_errorf(FL_ERR_OOM, "tensor parallel checkpoint: out of host memory") : g;
+    }
     /* ZeRO: every rank of the axis gives its chunks first (the same arrays in the same order on every rank) */
-    for (int a = 0; a < 3 && o && state_chunked(o); a++)
+    for (int a = 0; a < 3 && o && !fsdp && state_chunked(o); a++)
         if (src[a] && s == FL_OK) s = state_whole(t, o, src[a], dt, &full[a]);
     if (t->dp.rank != 0 || s != FL_OK) { /* DDP / ZeRO: the first data-parallel group gathers and writes */
         for (int a = 0; a < 3; a++) free(full[a]);
+        free(pw);
         return s;
     }
     tp_whole w;
-    s = tp_assemble(t, &t->tp.whole, o, full, &w);
+    s = tp_assemble(t, &t->tp.whole, o, full, pw, &w);
     for (int a = 0; a < 3; a++) free(full[a]);
+    free(pw);
     if (s == FL_OK && t->pp.size > 1 && t->tp.rank == 0) {
         /* TP x PP: each stage assembled on its group's rank 0; their pipeline gathers it on stage 0, which writes */
         fl_model_set_stage(&w.m, t->pp.stage > 0, t->pp.stage < t->pp.size - 1);
@@ -397,15 +438,24 @@ static fl_status tp_take_state(trainer *t, tp_whole *w) {
     const fl_dtype dt = t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     const fl_optimizer *o = &t->opt;
     const size_t es = fl_dtype_size(dt);
+    /* FULL_SHARD on the data axis: the slice's whole array in host memory, then the rank's piece of each unit */
+    size_t *fo = NULL, *so = NULL, *ln = NULL;
+    const int G = t->dp.fsdp ? fl_fsdp_ranges(&t->dp, NULL, NULL, NULL) : 0;
+    if (G) fo = malloc(3 * (size_t)G * sizeof *fo), so = fo ? fo + G : NULL, ln = fo ? fo + 2 * G : NULL;
+    if (fo) fl_fsdp_ranges(&t->dp, fo, so, ln);
     /* ZeRO on the data axis: the slice's whole array in host memory, then this rank's chunk */
-    char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
-    if (s == FL_OK && state_chunked(o) && !h) s = fl_errorf(FL_ERR_OOM, "tensor parallel resume: out of host memory");
+    const int staged = state_chunked(o) || G > 0;
+    char *h = staged ? malloc((G ? t->model.layout.numel : o->w.n) * es + 4) : NULL;
+    if (s == FL_OK && ((staged && !h) || (G && !fo))) s = fl_errorf(FL_ERR_OOM, "tensor parallel resume: out of host memory");
     for (int a = 0; a < 3 && s == FL_OK; a++) {
         if (!src[a] || !dst[a]) continue;
         s = fl_tp_scatter_array(&w->m, w->o.home.be, src[a], &t->model, h ? NULL : o->home.be, h ? h : dst[a], dt);
-        if (s == FL_OK && h) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
+        for (int g = 0; g < G && s == FL_OK; g++)
+            s = FL_RUN(o->home.be, to_device, (char *)dst[a] + so[g] * es, h + fo[g] * es, ln[g] * es);
+        if (s == FL_OK && h && !G) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(h);
+    free(fo);
     if (s == FL_OK) {
         t->opt.step = w->o.step;
         t->opt.amp.ls = w->o.amp.ls;
