@@ -27,8 +27,8 @@
 typedef struct {
     const fl_run_config *c;
     const fl_blip2_config *bc;
-    double loss[3][NSTEP];
-    fl_blip2_train_result res[3];
+    double loss[4][NSTEP];
+    fl_blip2_train_result res[4];
 } fsdp_ctx;
 
 static fl_status rank_fn(fl_comm *comm, int rank, void *ud) {
@@ -141,19 +141,137 @@ FL_TEST(blip2_fsdp_threads_lora_as_zero2) {
     free(x);
 }
 
-/* What FULL_SHARD does not run for BLIP-2 is refused by name before any collective. */
+/* What FSDP does not run for BLIP-2 is refused by name before any collective: NVMe offload, parameter offload under
+ * LoRA (the base stays whole), 8-bit AdamW with the optimizer offloaded (the optimizer's own refusal). */
 FL_TEST(blip2_fsdp_refusals) {
     fl_blip2_config bc;
     FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
     fsdp_ctx *x = calloc(1, sizeof *x);
     FL_REQUIRE(x != NULL);
     fl_run_config c = base_cfg("32-true", "qformer,lm", 2);
-    snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
-    c.num_nodes = 2, c.devices = 1;
-    FL_CHECK(run_ranks(c, "fsdp", 2, &bc, x) != 0 && strstr(fl_error_message(), "HYBRID_SHARD is not built"));
+    FL_CHECK(run_ranks(c, "deepspeed_stage_3_offload_nvme", 2, &bc, x) != 0 &&
+             strstr(fl_error_message(), "NVMe offload is not built"));
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_LORA);
+    c.train.micro_batch_size = 1, c.train.global_batch_size = 2, c.threads = 1;
+    FL_CHECK(run_ranks(c, "fsdp_cpu_offload", 2, &bc, x) != 0 && strstr(fl_error_message(), "under finetune_lora"));
     c = base_cfg("32-true", "qformer,lm", 2);
     c.optimizer.kind = FL_OPT_ADAMW8BIT;
-    FL_CHECK(run_ranks(c, "fsdp", 2, &bc, x) != 0 && strstr(fl_error_message(), "AdamW8bit"));
+    FL_CHECK(run_ranks(c, "fsdp_cpu_offload", 2, &bc, x) != 0 && strstr(fl_error_message(), "AdamW8bit"));
+    free(x);
+}
+
+/* HYBRID_SHARD (FULL_SHARD within each node's --devices ranks, replicated across --num_nodes): 2 nodes of 1 rank sum
+ * each element's gradient in DDP's rank order (the node's sum is one rank's, the nodes' in node order), so its losses
+ * are ZeRO-2's bit for bit; 2 nodes of 2 ranks add (g0 + g1) + (g2 + g3) where DDP adds ((g0 + g1) + g2) + g3: DDP's
+ * losses within 1e-6 relative (the bound of the clip / accumulation case above), every rank the same; rank 0 holds
+ * half of each part (its node's shard), not a quarter. */
+FL_TEST(blip2_fsdp_threads_hybrid_shard) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(3, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    fl_run_config c = base_cfg("32-true", "vision,qformer,lm", 2);
+    snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+    c.devices = 1, c.num_nodes = 2;
+    FL_REQUIRE(run_ranks(c, "deepspeed_stage_2", 2, &bc, &x[0]) == 0);
+    FL_CHECKF(run_ranks(c, "fsdp", 2, &bc, &x[1]) == 0, "2 x 1: %s", fl_error_message());
+    FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && !memcmp(x[1].loss[1], x[0].loss[0], sizeof x[0].loss[0]),
+              "HYBRID 2 x 1 losses %.9g %.9g %.9g, ZeRO-2's %.9g %.9g %.9g", x[1].loss[0][0], x[1].loss[0][1],
+              x[1].loss[0][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) /* one rank per node: the node's shard is the whole part */
+        FL_CHECK(x[1].res[0].part_params[k] == x[0].res[0].part_params[k]);
+    c = base_cfg("32-true", "qformer,lm", 4);
+    snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+    c.devices = 2, c.num_nodes = 2;
+    FL_REQUIRE(run_ranks(c, "ddp", 4, &bc, &x[0]) == 0);
+    FL_CHECKF(run_ranks(c, "fsdp", 4, &bc, &x[1]) == 0, "2 x 2: %s", fl_error_message());
+    fl_run_config f = c; /* FULL_SHARD over the 4 ranks: each holds a quarter */
+    f.sharding_strategy[0] = 0;
+    FL_REQUIRE(run_ranks(f, "fsdp", 4, &bc, &x[2]) == 0);
+    for (int s = 0; s < NSTEP; s++) {
+        const double ddp = x[0].loss[0][s], hy = x[1].loss[0][s];
+        FL_CHECKF(fabs(hy - ddp) <= 1e-6 * fabs(ddp), "step %d: DDP %.9g, HYBRID 2 x 2 %.9g", s + 1, ddp, hy);
+        for (int r = 1; r < 4; r++) FL_CHECK(x[1].loss[r][s] == hy);
+    }
+    FL_CHECK(x[1].loss[0][NSTEP - 1] < x[1].loss[0][0]);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        const size_t whole = x[0].res[0].part_params[k], hy = x[1].res[0].part_params[k], fs = x[2].res[0].part_params[k];
+        FL_CHECKF(hy * 2 <= whole + 128 && hy * 2 + 128 >= whole && fs < hy,
+                  "part %d: rank 0 PARAMS %zu under HYBRID 2 x 2, %zu under FULL_SHARD at 4, whole %zu", k, hy, fs, whole);
+    }
+    free(x);
+}
+
+/* 8-bit AdamW on FULL_SHARD's shards: each rank updates its pieces of every tensor, a block cut by a rank edge takes the
+ * max of its parts' absmax over the ranks (optim.c), so every element gets one process's 8-bit arithmetic on DDP's
+ * reduced gradient: DDP's losses bit for bit at 2 and 3 ranks (the units cut blocks at 3), and under HYBRID_SHARD 2 x 1;
+ * the ranks' OPTIM adds up to DDP's (a rank's share is uneven: small tensors keep fp32 state, 8 bytes an element). */
+FL_TEST(blip2_fsdp_threads_adamw8bit_equal_ddp_bits) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(2, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    for (int v = 0; v < 3; v++) {
+        const int world = v == 1 ? 3 : 2;
+        fl_run_config c = base_cfg("32-true", v == 1 ? "qformer" : "qformer,lm", world);
+        c.optimizer.kind = FL_OPT_ADAMW8BIT;
+        if (v == 2) {
+            snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+            c.devices = 1, c.num_nodes = 2;
+        }
+        FL_REQUIRE(run_ranks(c, "ddp", world, &bc, &x[0]) == 0);
+        FL_CHECKF(run_ranks(c, "fsdp", world, &bc, &x[1]) == 0, "case %d: %s", v, fl_error_message());
+        for (int r = 0; r < world; r++)
+            FL_CHECKF(!memcmp(x[1].loss[r], x[0].loss[0], sizeof x[0].loss[0]),
+                      "case %d rank %d: 8-bit FSDP losses %.9g %.9g %.9g, DDP's %.9g %.9g %.9g", v, r, x[1].loss[r][0],
+                      x[1].loss[r][1], x[1].loss[r][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+        FL_CHECK(x[1].loss[0][NSTEP - 1] < x[1].loss[0][0]);
+        /* the shard group's pieces add up to the whole state, plus per rank the exchange scratch and the cut blocks'
+         * absmax (< 4 KiB here); HYBRID 2 x 1: each node (one rank) holds the whole state */
+        const int ws = v == 2 ? 1 : world;
+        for (int k = FL_BLIP2_QFORMER; k < FL_BLIP2_PARTS; k++) {
+            const size_t whole = x[0].res[0].part_optim[k];
+            if (!whole && k == FL_BLIP2_TEXT && v == 1) continue; /* the Q-Former alone */
+            size_t sum = 0;
+            for (int r = 0; r < ws; r++) sum += x[1].res[r].part_optim[k];
+            FL_CHECKF(sum >= whole && sum <= whole + 4096 * (size_t)ws && (ws == 1 || x[1].res[0].part_optim[k] < whole),
+                      "case %d part %d: the ranks' OPTIM add up to %zu (rank 0 %zu), DDP's %zu", v, k, sum,
+                      x[1].res[0].part_optim[k], whole);
+        }
+    }
+    free(x);
+}
+
+/* Parameter offload (fsdp_cpu_offload: FSDP's CPUOffload(offload_params=True)): the shards of the parameters and
+ * gradients and the optimizer live in the host tier, outside the device pool; each unit comes up for its use and its
+ * reduced gradient goes down. The same arithmetic: at 2 ranks FULL_SHARD's losses bit for bit, at one rank (the whole
+ * part is the rank's shard) the plain run's; PARAMS and OPTIM 0 in the device pool, the host tier holds them; bf16-mixed
+ * with checkpointing and clipping too. */
+FL_TEST(blip2_fsdp_threads_param_offload_bits) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(2, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    static const struct {
+        const char *prec, *ref;
+        int world, ckpt;
+        float clip;
+    } cs[] = {{"32-true", "fsdp", 2, 0, 0}, {"bf16-mixed", "fsdp", 2, 1, 0.5f}, {"32-true", "ddp", 1, 0, 0.5f}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        fl_run_config c = base_cfg(cs[i].prec, "vision,qformer,lm", cs[i].world);
+        c.train.activation_checkpointing = cs[i].ckpt;
+        c.train.max_norm = cs[i].clip;
+        FL_REQUIRE(run_ranks(c, cs[i].ref, cs[i].world, &bc, &x[0]) == 0);
+        FL_CHECKF(run_ranks(c, "fsdp_cpu_offload", cs[i].world, &bc, &x[1]) == 0, "case %zu: %s", i, fl_error_message());
+        const fl_blip2_train_result *m = &x[1].res[0];
+        FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && x[1].loss[0][NSTEP - 1] < x[1].loss[0][0],
+                  "case %zu: offload losses %.9g %.9g %.9g, %s's %.9g %.9g %.9g", i, x[1].loss[0][0], x[1].loss[0][1],
+                  x[1].loss[0][2], cs[i].ref, x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+        FL_CHECKF(m->offload && m->peak[FL_TAG_PARAMS] == 0 && m->peak[FL_TAG_OPTIM] == 0 && m->peak[FL_TAG_GRADS] == 0 &&
+                      m->host_peak[FL_TAG_PARAMS] > 0 && m->host_peak[FL_TAG_OPTIM] > 0 && m->peak[FL_TAG_GATHER] > 0,
+                  "case %zu: device PARAMS %zu GRADS %zu OPTIM %zu, host PARAMS %zu OPTIM %zu", i, m->peak[FL_TAG_PARAMS],
+                  m->peak[FL_TAG_GRADS], m->peak[FL_TAG_OPTIM], m->host_peak[FL_TAG_PARAMS], m->host_peak[FL_TAG_OPTIM]);
+    }
     free(x);
 }
 

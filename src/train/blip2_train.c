@@ -558,7 +558,8 @@ static fl_status train(b2run *r) {
     for (size_t i = 0; i < r->n_rec; i++) p.order[i] = i;
     char ranks[48] = "";
     if (r->world > 1)
-        snprintf(ranks, sizeof ranks, " over %d ranks (%s)", r->world, fl_b2t_fsdp(r) ? "FULL_SHARD" : fl_dp_stage_name(&r->dp));
+        snprintf(ranks, sizeof ranks, " over %d ranks (%s)", r->world,
+                 !fl_b2t_fsdp(r) ? fl_dp_stage_name(&r->dp) : r->pdp[0].node ? "HYBRID_SHARD" : "FULL_SHARD");
     fl_b2t_say(r, "BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated%s, %ld steps; trains %s%s%s"
            "%s (%zu parameters), vision tower %s\n", r->n_rec, B, accum / (r->world > 1 ? r->world : 1), ranks, max_steps,
            r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
