@@ -470,6 +470,51 @@ FL_TEST(blip2_fsdp_plan_equals_measured_per_rank) {
     free(x), free(pr);
 }
 
+/* plan = measured per rank under HYBRID_SHARD (2 nodes of 2: each rank its node's shard) and under parameter offload
+ * (fsdp_cpu_offload at 2 ranks and at one: the device pool and the host tier, phase by phase): what
+ * `plan --devices D --num_nodes N --strategy ... --rank R` rehearses on the null backend for each rank. */
+FL_TEST(blip2_fsdp_plan_equals_measured_hybrid_offload) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(1, sizeof *x);
+    fl_blip2_train_result *pr = calloc(1, sizeof *pr);
+    FL_REQUIRE(x && pr);
+    static const struct {
+        const char *st, *prec;
+        int devices, nodes;
+    } cs[] = {{"fsdp", "32-true", 2, 2}, {"fsdp_cpu_offload", "bf16-mixed", 2, 1}, {"fsdp_cpu_offload", "32-true", 1, 1}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        const int world = cs[i].devices * cs[i].nodes;
+        fl_run_config c = base_cfg(cs[i].prec, "vision,qformer,lm", world);
+        c.train.activation_checkpointing = 1;
+        if (cs[i].nodes > 1) snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+        c.devices = cs[i].devices, c.num_nodes = cs[i].nodes;
+        FL_REQUIRE(run_ranks(c, cs[i].st, world, &bc, x) == 0);
+        fl_run_config one = c; /* the plan's configuration: one rank's share of the step */
+        snprintf(one.strategy, sizeof one.strategy, "%s", cs[i].st);
+        one.train.global_batch_size = 1;
+        for (int r = 0; r < world; r++) {
+            fl_backend nb;
+            FL_REQUIRE_OK(fl_null_backend_init_for(&nb, "cpu"));
+            const fl_blip2_train_opts o = {.shape = &bc, .be = &nb, .synth_len = 6, .rehearse_steps = NSTEP,
+                                           .plan_world = world, .plan_rank = r};
+            const fl_status s = fl_blip2_train(&one, &o, pr);
+            fl_null_backend_free(&nb);
+            FL_CHECKF(s == FL_OK, "case %zu plan of rank %d: %s", i, r, fl_error_message());
+            const fl_blip2_train_result *m = &x->res[r];
+            FL_CHECKF(!memcmp(pr->peak, m->peak, sizeof m->peak) && pr->peak_total == m->peak_total &&
+                          pr->n_phases == m->n_phases &&
+                          !memcmp(pr->phases, m->phases, (size_t)m->n_phases * sizeof m->phases[0]) &&
+                          !memcmp(pr->host_peak, m->host_peak, sizeof m->host_peak) && pr->offload == m->offload,
+                      "case %zu rank %d: planned peak %zu (GATHER %zu, host %zu), measured %zu (GATHER %zu, host %zu)", i,
+                      r, pr->peak_total, pr->peak[FL_TAG_GATHER], pr->host_peak_total, m->peak_total,
+                      m->peak[FL_TAG_GATHER], m->host_peak_total);
+            FL_CHECK(m->peak[FL_TAG_GATHER] > 0);
+        }
+    }
+    free(x), free(pr);
+}
+
 /* On device memory (the opaque backend: the host never reads its buffers): the units' gathers and reduce-scatters go
  * through the backend's device communicator, the NCCL stand-in or the staged one (the CUDA thread ranks' on one GPU),
  * and give the CPU backend's FULL_SHARD losses bit for bit (opaque computes with the CPU kernels). */
