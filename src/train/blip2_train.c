@@ -497,7 +497,8 @@ static void memory_report(b2run *r, FILE *f) {
                 fl_dp_stage_name(&r->dp), r->dp.stage == 2 ? "; GRADS: each part's reduced chunk is what stays live" : "");
     fl_mem_print_report(&r->pool, f);
     if (r->opool_ok) {
-        fprintf(f, "\nhost tier (CPU offload: the optimizer state, outside the device's budget)\n");
+        fprintf(f, "\nhost tier (CPU offload: the optimizer state%s, outside the device's budget)\n",
+                r->off.params_host ? ", the parameters' and gradients' shards" : "");
         fl_mem_print_report(&r->opool, f);
     }
 }
