@@ -568,6 +568,37 @@ FL_TEST(blip2_fsdp_threads_t5_equal_zero2_bits) {
     free(x);
 }
 
+/* The Flan-T5 variant under the same three: HYBRID_SHARD 2 nodes x 1 = ZeRO-2's losses bit for bit, 8-bit AdamW on
+ * the shards at 3 ranks = DDP's 8-bit losses bit for bit, fsdp_cpu_offload at 2 ranks (bf16-mixed, checkpointing) =
+ * FULL_SHARD's bits; every part trained. */
+FL_TEST(blip2_fsdp_threads_t5_hybrid_8bit_offload) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_config_load("tests/fixtures/blip2-tiny-t5/config.json", &bc));
+    fsdp_ctx *x = calloc(2, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    static const struct {
+        const char *what, *ref, *st, *prec;
+        int world, hybrid, a8, ckpt;
+    } cs[] = {{"HYBRID 2 x 1", "deepspeed_stage_2", "fsdp", "32-true", 2, 1, 0, 0},
+              {"8-bit FULL_SHARD", "ddp", "deepspeed_stage_3", "32-true", 3, 0, 1, 0},
+              {"fsdp_cpu_offload", "fsdp", "fsdp_cpu_offload", "bf16-mixed", 2, 0, 0, 1}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        fl_run_config c = base_cfg(cs[i].prec, "vision,qformer,lm", cs[i].world);
+        c.train.activation_checkpointing = cs[i].ckpt;
+        if (cs[i].a8) c.optimizer.kind = FL_OPT_ADAMW8BIT;
+        if (cs[i].hybrid) {
+            snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+            c.devices = 1, c.num_nodes = 2;
+        }
+        FL_REQUIRE(run_ranks(c, cs[i].ref, cs[i].world, &bc, &x[0]) == 0);
+        FL_CHECKF(run_ranks(c, cs[i].st, cs[i].world, &bc, &x[1]) == 0, "%s: %s", cs[i].what, fl_error_message());
+        FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && x[1].loss[0][NSTEP - 1] < x[1].loss[0][0],
+                  "%s: losses %.9g %.9g %.9g, %s's %.9g %.9g %.9g", cs[i].what, x[1].loss[0][0], x[1].loss[0][1],
+                  x[1].loss[0][2], cs[i].ref, x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+    }
+    free(x);
+}
+
 /* A plan out of memory while the parts are created (the language model's shard does not fit after the vision tower's
  * and the Q-Former's): the verdict is the failing rank's OOM record (PARAMS), the parts' sharding given back after the
  * failed load freed them. */
