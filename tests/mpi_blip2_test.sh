@@ -224,15 +224,110 @@ for x in "" "--blip2.train vision,qformer,lm --train.activation_checkpointing tr
         ok "blip2_fsdp_rank0_peaks_equal_plan${x:+ (every part, checkpointing)}"
     else printf 'planned:\n%s\n' "$planned" >>"$T/out"; bad "blip2_fsdp_rank0_peaks_equal_plan" "exit $rc"; fi
 done
-# what FULL_SHARD does not run for BLIP-2: refused on every rank, exit 2, the option named once
-for v in "--fsdp.sharding_strategy HYBRID_SHARD --num_nodes 2 --devices 1|HYBRID_SHARD is not built for it" \
-         "--optimizer bnb.optim.AdamW8bit --devices 2|8-bit AdamW on BLIP-2's FULL_SHARD shards is not built" \
-         "--strategy deepspeed_stage_3_offload_nvme --devices 2|NVMe and parameter offload are not built"; do
-    read -r -a opt <<<"${v%%|*}"
-    timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --strategy fsdp "${opt[@]}" --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
-    if [ $rc -eq 2 ] && [ "$(grep -c -- "${v#*|}" "$T/out")" = 1 ]; then ok "blip2_fsdp_refuses_${opt[0]#--}"
-    else bad "blip2_fsdp_refuses_${opt[0]#--}" "exit $rc"; fi
+# HYBRID_SHARD (FULL_SHARD within each node's --devices ranks, replicated across --num_nodes): 2 nodes of 1 rank sum
+# in DDP's rank order, so the final weights and the step-3 checkpoint are DDP's byte for byte and the losses one
+# process's within 1e-6; its checkpoint resumed under HYBRID_SHARD gives the uninterrupted run's bytes; 2 nodes of 2
+# ranks (one micro-batch each, 4 per step) against one process (4 accumulated) within 1e-6; rank 0's report = the plan
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD \
+    --devices 1 --num_nodes 2 --train.save_interval 3 --out_dir "$T/hy" >"$T/out" 2>&1; rc=$?
+a=$(losses "$T/out"); b=$(losses "$T/one-opt-full.log")
+if [ $rc -eq 0 ] && same "$b" "$a" && grep -q "over 2 ranks (HYBRID_SHARD)" "$T/out" && cmp -s "$T/ddp-opt-full/final/model.safetensors" "$T/hy/final/model.safetensors" &&
+    cmp -s "$T/ddp-opt-full/step-000003/training_state.safetensors" "$T/hy/step-000003/training_state.safetensors"; then
+    ok "blip2_hybrid_shard_2x1_ddp_bits (losses = one process's: $(tr '\n' ' ' <<<"$a"))"
+else echo "one process: $b" >>"$T/out"; bad "blip2_hybrid_shard_2x1_ddp_bits" "exit $rc"; fi
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD \
+    --devices 1 --num_nodes 2 --resume "$T/hy/step-000003" --out_dir "$T/hyr" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000003 (step 3)" "$T/out" && cmp -s "$T/hy/final/model.safetensors" "$T/hyr/final/model.safetensors"; then
+    ok "blip2_hybrid_shard_checkpoint_resumes_bits"
+else bad "blip2_hybrid_shard_checkpoint_resumes_bits" "exit $rc"; fi
+R4=(--data JSON --data.json_path "$T/caps" --train.max_steps 6 --train.micro_batch_size 1 --train.global_batch_size 4
+    --optimizer.lr 0.003 --train.lr_warmup_steps 0 --threads 1 --quiet true)
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${R4[@]}" --out_dir "$T/o4" >"$T/o4.log" 2>&1
+timeout 300 mpirun -np 4 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${R4[@]}" --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD \
+    --devices 2 --num_nodes 2 --train.save_interval 3 --out_dir "$T/hy4" >"$T/out" 2>&1; rc=$?
+a=$(losses "$T/out"); b=$(losses "$T/o4.log")
+if [ $rc -eq 0 ] && same "$b" "$a" && grep -q "over 4 ranks (HYBRID_SHARD)" "$T/out"; then
+    ok "blip2_hybrid_shard_2x2_np4 (losses = one process's: $(tr '\n' ' ' <<<"$a"))"
+else echo "one process: $b" >>"$T/out"; bad "blip2_hybrid_shard_2x2_np4" "exit $rc"; fi
+# its step-3 checkpoint (one process's form) resumed in one process: steps 4-6 as one process's within 1e-6
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${R4[@]}" --resume "$T/hy4/step-000003" --out_dir "$T/hy41" >"$T/out" 2>&1; rc=$?
+a=$(grep -E '^step [4-6]/6 loss' "$T/out" | awk '{ print $4 }'); b=$(losses "$T/o4.log" | tail -3)
+if [ $rc -eq 0 ] && [ "$(grep -c . <<<"$a")" = 3 ] &&
+    paste -d' ' <(printf '%s\n' "$a") <(printf '%s\n' "$b") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-6 * $1 + 5e-7) bad = 1 } END { exit bad }'; then
+    ok "blip2_hybrid_shard_np4_checkpoint_resumes_in_one_process"
+else bad "blip2_hybrid_shard_np4_checkpoint_resumes_in_one_process" "exit $rc"; fi
+PH=(--data JSON --data.json_path "$T/caps" --train.max_steps 2 --train.micro_batch_size 2 --train.global_batch_size 8 --train.max_seq_length 4 --threads 1)
+planned=$("$FL" plan tests/fixtures/blip2-tiny-opt "${PH[@]}" --devices 2 --num_nodes 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD 2>&1 | awk '/^(after_|before_)/ { print; getline; print } /^peak/')
+timeout 300 mpirun -np 4 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${PH[@]}" --devices 2 --num_nodes 2 --strategy fsdp \
+    --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/ph" >"$T/out" 2>&1; rc=$?
+measured=$(awk '/^(after_|before_)/ { print; getline; print } /^peak/' "$T/out")
+if [ $rc -eq 0 ] && [ "$(grep -c . <<<"$planned")" = 11 ] && [ "$planned" = "$measured" ] && grep -q "GATHER" "$T/out"; then
+    ok "blip2_hybrid_shard_rank0_peaks_equal_plan"
+else printf 'planned:\n%s\n' "$planned" >>"$T/out"; bad "blip2_hybrid_shard_rank0_peaks_equal_plan" "exit $rc"; fi
+# 8-bit AdamW on FULL_SHARD's shards: one process's 8-bit arithmetic on DDP's reduced gradients (a block cut by a rank
+# edge takes the max of its parts' absmax), so the losses are one process's (8-bit) within 1e-6, the final weights
+# DDP's byte for byte, and the step-3 checkpoint
+# (each rank's pieces gathered into the one-process layout) too; resumed under FULL_SHARD: the uninterrupted bytes;
+# DDP's 8-bit checkpoint resumed under FULL_SHARD: DDP's final bytes
+A8=(--optimizer bnb.optim.AdamW8bit --train.save_interval 3)
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --optimizer bnb.optim.AdamW8bit --out_dir "$T/o8" >"$T/o8.log" 2>&1
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" "${A8[@]}" --devices 2 --out_dir "$T/d8" >"$T/d8.log" 2>&1
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" "${A8[@]}" --devices 2 --strategy fsdp --out_dir "$T/f8" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && same "$(losses "$T/o8.log")" "$(losses "$T/out")" && [ -f "$T/d8/final/model.safetensors" ] && cmp -s "$T/d8/final/model.safetensors" "$T/f8/final/model.safetensors" &&
+    cmp -s "$T/d8/step-000003/training_state.safetensors" "$T/f8/step-000003/training_state.safetensors" && grep -q "over 2 ranks (FULL_SHARD)" "$T/out"; then
+    ok "blip2_fsdp_adamw8bit_ddp_bits (losses = one process's: $(losses "$T/out" | tr '\n' ' '))"
+else cat "$T/d8.log" >>"$T/out"; bad "blip2_fsdp_adamw8bit_ddp_bits" "exit $rc"; fi
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" "${A8[@]}" --devices 2 --strategy fsdp \
+    --resume "$T/f8/step-000003" --out_dir "$T/f8r" >"$T/out" 2>&1; rc=$?
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" "${A8[@]}" --devices 2 --strategy fsdp \
+    --resume "$T/d8/step-000003" --out_dir "$T/f8d" >>"$T/out" 2>&1; rc2=$?
+if [ $rc -eq 0 ] && [ $rc2 -eq 0 ] && [ "$(grep -c "Resuming training from .*step-000003 (step 3)" "$T/out")" = 2 ] &&
+    cmp -s "$T/f8/final/model.safetensors" "$T/f8r/final/model.safetensors" && cmp -s "$T/d8/final/model.safetensors" "$T/f8d/final/model.safetensors"; then
+    ok "blip2_fsdp_adamw8bit_checkpoint_resumes_bits"
+else bad "blip2_fsdp_adamw8bit_checkpoint_resumes_bits" "exit $rc $rc2"; fi
+# the FULL_SHARD 8-bit checkpoint at another world size: resumed in one process, steps 4-6 as DDP's resumed the same way
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --optimizer bnb.optim.AdamW8bit --resume "$T/f8/step-000003" --out_dir "$T/f81" >"$T/out" 2>&1; rc=$?
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --optimizer bnb.optim.AdamW8bit --resume "$T/d8/step-000003" --out_dir "$T/d81" >"$T/d81.log" 2>&1
+if [ $rc -eq 0 ] && [ "$(grep -cE '^step [4-6]/6 loss' "$T/out")" = 3 ] && cmp -s "$T/d81/final/model.safetensors" "$T/f81/final/model.safetensors"; then
+    ok "blip2_fsdp_adamw8bit_checkpoint_resumes_in_one_process"
+else bad "blip2_fsdp_adamw8bit_checkpoint_resumes_in_one_process" "exit $rc"; fi
+# parameter offload (fsdp_cpu_offload: the parts' shards, their gradients and the optimizer in the host tier): the
+# arithmetic of FULL_SHARD, so its final weights and step-3 checkpoint are FULL_SHARD's bytes; resumed under it: the
+# uninterrupted bytes; in one process the plain run's final weights; rank 0's report (device and host tier) = the plan
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy fsdp_cpu_offload \
+    --train.save_interval 3 --quiet false --out_dir "$T/po" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && cmp -s "$T/fs-opt-full/final/model.safetensors" "$T/po/final/model.safetensors" &&
+    cmp -s "$T/fs-opt-full/step-000003/training_state.safetensors" "$T/po/step-000003/training_state.safetensors" && grep -q "^host tier" "$T/out"; then
+    ok "blip2_fsdp_cpu_offload_equal_fsdp_bits"
+else bad "blip2_fsdp_cpu_offload_equal_fsdp_bits" "exit $rc"; fi
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy fsdp_cpu_offload \
+    --resume "$T/po/step-000003" --out_dir "$T/por" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000003 (step 3)" "$T/out" && cmp -s "$T/po/final/model.safetensors" "$T/por/final/model.safetensors"; then
+    ok "blip2_fsdp_cpu_offload_checkpoint_resumes_bits"
+else bad "blip2_fsdp_cpu_offload_checkpoint_resumes_bits" "exit $rc"; fi
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --strategy fsdp_cpu_offload --out_dir "$T/po1" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && cmp -s "$T/one-opt-full/final/model.safetensors" "$T/po1/final/model.safetensors"; then
+    ok "blip2_fsdp_cpu_offload_one_process_bits"
+else bad "blip2_fsdp_cpu_offload_one_process_bits" "exit $rc"; fi
+dev() { awk '/^(after_|before_)/ { print; getline; print } /^peak/ { print; exit }'; }
+planned=$("$FL" plan tests/fixtures/blip2-tiny-opt "${PH[@]}" --devices 2 --strategy fsdp_cpu_offload 2>&1)
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${PH[@]}" --devices 2 --strategy fsdp_cpu_offload --out_dir "$T/pp" >"$T/out" 2>&1; rc=$?
+ph=$(grep '^host (offload) ' <<<"$planned" | sed 's/^host (offload) *//'); mh=$(sed -n '/^host tier/,$p' "$T/out" | grep '^peak' | sed 's/^peak *//')
+if [ $rc -eq 0 ] && [ "$(dev <<<"$planned" | grep -c .)" = 11 ] && [ "$(dev <<<"$planned")" = "$(dev <"$T/out")" ] && [ -n "$ph" ] && [ "$ph" = "$mh" ]; then
+    ok "blip2_fsdp_cpu_offload_rank0_peaks_equal_plan (host tier: $(sed "s/  */ /g" <<<"$mh"))"
+else printf 'planned:\n%s\n' "$planned" >>"$T/out"; bad "blip2_fsdp_cpu_offload_rank0_peaks_equal_plan" "exit $rc"; fi
+# what FSDP does not run for BLIP-2: refused on every rank, exit 2, the option named once
+for v in "nvme|--strategy deepspeed_stage_3_offload_nvme --devices 2|NVMe offload is not built for it" \
+         "8bit_offload|--strategy fsdp_cpu_offload --optimizer bnb.optim.AdamW8bit --devices 2|CPU offload of AdamW8bit is not supported"; do
+    IFS='|' read -r name args msg <<<"$v"; read -r -a opt <<<"$args"
+    timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" "${opt[@]}" --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
+    if [ $rc -eq 2 ] && [ "$(grep -c -- "$msg" "$T/out")" = 1 ]; then ok "blip2_fsdp_refuses_$name"
+    else bad "blip2_fsdp_refuses_$name" "exit $rc"; fi
 done
+timeout 120 mpirun -np 2 "$FL" finetune_lora tests/fixtures/blip2-tiny-opt "${RUN[@]}" --lora_r 4 --strategy fsdp_cpu_offload --devices 2 --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 2 ] && grep -q -- "parameter offload (offload_param_device cpu, --strategy fsdp_cpu_offload) shards and offloads the full model's parameters; finetune_lora" "$T/out"; then
+    ok "blip2_fsdp_refuses_param_offload_under_lora"
+else bad "blip2_fsdp_refuses_param_offload_under_lora" "exit $rc"; fi
 
 # dropout in every part of the OPT variant (rate 0.3 at each site; masks from the run seed and the global micro-batch):
 # 2 ranks = one process's losses, and not the losses without dropout

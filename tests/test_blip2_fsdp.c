@@ -27,8 +27,8 @@
 typedef struct {
     const fl_run_config *c;
     const fl_blip2_config *bc;
-    double loss[3][NSTEP];
-    fl_blip2_train_result res[3];
+    double loss[4][NSTEP];
+    fl_blip2_train_result res[4];
 } fsdp_ctx;
 
 static fl_status rank_fn(fl_comm *comm, int rank, void *ud) {
@@ -141,19 +141,137 @@ FL_TEST(blip2_fsdp_threads_lora_as_zero2) {
     free(x);
 }
 
-/* What FULL_SHARD does not run for BLIP-2 is refused by name before any collective. */
+/* What FSDP does not run for BLIP-2 is refused by name before any collective: NVMe offload, parameter offload under
+ * LoRA (the base stays whole), 8-bit AdamW with the optimizer offloaded (the optimizer's own refusal). */
 FL_TEST(blip2_fsdp_refusals) {
     fl_blip2_config bc;
     FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
     fsdp_ctx *x = calloc(1, sizeof *x);
     FL_REQUIRE(x != NULL);
     fl_run_config c = base_cfg("32-true", "qformer,lm", 2);
-    snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
-    c.num_nodes = 2, c.devices = 1;
-    FL_CHECK(run_ranks(c, "fsdp", 2, &bc, x) != 0 && strstr(fl_error_message(), "HYBRID_SHARD is not built"));
+    FL_CHECK(run_ranks(c, "deepspeed_stage_3_offload_nvme", 2, &bc, x) != 0 &&
+             strstr(fl_error_message(), "NVMe offload is not built"));
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_LORA);
+    c.train.micro_batch_size = 1, c.train.global_batch_size = 2, c.threads = 1;
+    FL_CHECK(run_ranks(c, "fsdp_cpu_offload", 2, &bc, x) != 0 && strstr(fl_error_message(), "under finetune_lora"));
     c = base_cfg("32-true", "qformer,lm", 2);
     c.optimizer.kind = FL_OPT_ADAMW8BIT;
-    FL_CHECK(run_ranks(c, "fsdp", 2, &bc, x) != 0 && strstr(fl_error_message(), "AdamW8bit"));
+    FL_CHECK(run_ranks(c, "fsdp_cpu_offload", 2, &bc, x) != 0 && strstr(fl_error_message(), "AdamW8bit"));
+    free(x);
+}
+
+/* HYBRID_SHARD (FULL_SHARD within each node's --devices ranks, replicated across --num_nodes): 2 nodes of 1 rank sum
+ * each element's gradient in DDP's rank order (the node's sum is one rank's, the nodes' in node order), so its losses
+ * are ZeRO-2's bit for bit; 2 nodes of 2 ranks add (g0 + g1) + (g2 + g3) where DDP adds ((g0 + g1) + g2) + g3: DDP's
+ * losses within 1e-6 relative (the bound of the clip / accumulation case above), every rank the same; rank 0 holds
+ * half of each part (its node's shard), not a quarter. */
+FL_TEST(blip2_fsdp_threads_hybrid_shard) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(3, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    fl_run_config c = base_cfg("32-true", "vision,qformer,lm", 2);
+    snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+    c.devices = 1, c.num_nodes = 2;
+    FL_REQUIRE(run_ranks(c, "deepspeed_stage_2", 2, &bc, &x[0]) == 0);
+    FL_CHECKF(run_ranks(c, "fsdp", 2, &bc, &x[1]) == 0, "2 x 1: %s", fl_error_message());
+    FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && !memcmp(x[1].loss[1], x[0].loss[0], sizeof x[0].loss[0]),
+              "HYBRID 2 x 1 losses %.9g %.9g %.9g, ZeRO-2's %.9g %.9g %.9g", x[1].loss[0][0], x[1].loss[0][1],
+              x[1].loss[0][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) /* one rank per node: the node's shard is the whole part */
+        FL_CHECK(x[1].res[0].part_params[k] == x[0].res[0].part_params[k]);
+    c = base_cfg("32-true", "qformer,lm", 4);
+    snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+    c.devices = 2, c.num_nodes = 2;
+    FL_REQUIRE(run_ranks(c, "ddp", 4, &bc, &x[0]) == 0);
+    FL_CHECKF(run_ranks(c, "fsdp", 4, &bc, &x[1]) == 0, "2 x 2: %s", fl_error_message());
+    fl_run_config f = c; /* FULL_SHARD over the 4 ranks: each holds a quarter */
+    f.sharding_strategy[0] = 0;
+    FL_REQUIRE(run_ranks(f, "fsdp", 4, &bc, &x[2]) == 0);
+    for (int s = 0; s < NSTEP; s++) {
+        const double ddp = x[0].loss[0][s], hy = x[1].loss[0][s];
+        FL_CHECKF(fabs(hy - ddp) <= 1e-6 * fabs(ddp), "step %d: DDP %.9g, HYBRID 2 x 2 %.9g", s + 1, ddp, hy);
+        for (int r = 1; r < 4; r++) FL_CHECK(x[1].loss[r][s] == hy);
+    }
+    FL_CHECK(x[1].loss[0][NSTEP - 1] < x[1].loss[0][0]);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        const size_t whole = x[0].res[0].part_params[k], hy = x[1].res[0].part_params[k], fs = x[2].res[0].part_params[k];
+        FL_CHECKF(hy * 2 <= whole + 128 && hy * 2 + 128 >= whole && fs < hy,
+                  "part %d: rank 0 PARAMS %zu under HYBRID 2 x 2, %zu under FULL_SHARD at 4, whole %zu", k, hy, fs, whole);
+    }
+    free(x);
+}
+
+/* 8-bit AdamW on FULL_SHARD's shards: each rank updates its pieces of every tensor, a block cut by a rank edge takes the
+ * max of its parts' absmax over the ranks (optim.c), so every element gets one process's 8-bit arithmetic on DDP's
+ * reduced gradient: DDP's losses bit for bit at 2 and 3 ranks (the units cut blocks at 3), and under HYBRID_SHARD 2 x 1;
+ * the ranks' OPTIM adds up to DDP's (a rank's share is uneven: small tensors keep fp32 state, 8 bytes an element). */
+FL_TEST(blip2_fsdp_threads_adamw8bit_equal_ddp_bits) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(2, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    for (int v = 0; v < 3; v++) {
+        const int world = v == 1 ? 3 : 2;
+        fl_run_config c = base_cfg("32-true", v == 1 ? "qformer" : "qformer,lm", world);
+        c.optimizer.kind = FL_OPT_ADAMW8BIT;
+        if (v == 2) {
+            snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+            c.devices = 1, c.num_nodes = 2;
+        }
+        FL_REQUIRE(run_ranks(c, "ddp", world, &bc, &x[0]) == 0);
+        FL_CHECKF(run_ranks(c, "fsdp", world, &bc, &x[1]) == 0, "case %d: %s", v, fl_error_message());
+        for (int r = 0; r < world; r++)
+            FL_CHECKF(!memcmp(x[1].loss[r], x[0].loss[0], sizeof x[0].loss[0]),
+                      "case %d rank %d: 8-bit FSDP losses %.9g %.9g %.9g, DDP's %.9g %.9g %.9g", v, r, x[1].loss[r][0],
+                      x[1].loss[r][1], x[1].loss[r][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+        FL_CHECK(x[1].loss[0][NSTEP - 1] < x[1].loss[0][0]);
+        /* the shard group's pieces add up to the whole state, plus per rank the exchange scratch and the cut blocks'
+         * absmax (< 4 KiB here); HYBRID 2 x 1: each node (one rank) holds the whole state */
+        const int ws = v == 2 ? 1 : world;
+        for (int k = FL_BLIP2_QFORMER; k < FL_BLIP2_PARTS; k++) {
+            const size_t whole = x[0].res[0].part_optim[k];
+            if (!whole && k == FL_BLIP2_TEXT && v == 1) continue; /* the Q-Former alone */
+            size_t sum = 0;
+            for (int r = 0; r < ws; r++) sum += x[1].res[r].part_optim[k];
+            FL_CHECKF(sum >= whole && sum <= whole + 4096 * (size_t)ws && (ws == 1 || x[1].res[0].part_optim[k] < whole),
+                      "case %d part %d: the ranks' OPTIM add up to %zu (rank 0 %zu), DDP's %zu", v, k, sum,
+                      x[1].res[0].part_optim[k], whole);
+        }
+    }
+    free(x);
+}
+
+/* Parameter offload (fsdp_cpu_offload: FSDP's CPUOffload(offload_params=True)): the shards of the parameters and
+ * gradients and the optimizer live in the host tier, outside the device pool; each unit comes up for its use and its
+ * reduced gradient goes down. The same arithmetic: at 2 ranks FULL_SHARD's losses bit for bit, at one rank (the whole
+ * part is the rank's shard) the plain run's; PARAMS and OPTIM 0 in the device pool, the host tier holds them; bf16-mixed
+ * with checkpointing and clipping too. */
+FL_TEST(blip2_fsdp_threads_param_offload_bits) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(2, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    static const struct {
+        const char *prec, *ref;
+        int world, ckpt;
+        float clip;
+    } cs[] = {{"32-true", "fsdp", 2, 0, 0}, {"bf16-mixed", "fsdp", 2, 1, 0.5f}, {"32-true", "ddp", 1, 0, 0.5f}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        fl_run_config c = base_cfg(cs[i].prec, "vision,qformer,lm", cs[i].world);
+        c.train.activation_checkpointing = cs[i].ckpt;
+        c.train.max_norm = cs[i].clip;
+        FL_REQUIRE(run_ranks(c, cs[i].ref, cs[i].world, &bc, &x[0]) == 0);
+        FL_CHECKF(run_ranks(c, "fsdp_cpu_offload", cs[i].world, &bc, &x[1]) == 0, "case %zu: %s", i, fl_error_message());
+        const fl_blip2_train_result *m = &x[1].res[0];
+        FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && x[1].loss[0][NSTEP - 1] < x[1].loss[0][0],
+                  "case %zu: offload losses %.9g %.9g %.9g, %s's %.9g %.9g %.9g", i, x[1].loss[0][0], x[1].loss[0][1],
+                  x[1].loss[0][2], cs[i].ref, x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+        FL_CHECKF(m->offload && m->peak[FL_TAG_PARAMS] == 0 && m->peak[FL_TAG_OPTIM] == 0 && m->peak[FL_TAG_GRADS] == 0 &&
+                      m->host_peak[FL_TAG_PARAMS] > 0 && m->host_peak[FL_TAG_OPTIM] > 0 && m->peak[FL_TAG_GATHER] > 0,
+                  "case %zu: device PARAMS %zu GRADS %zu OPTIM %zu, host PARAMS %zu OPTIM %zu", i, m->peak[FL_TAG_PARAMS],
+                  m->peak[FL_TAG_GRADS], m->peak[FL_TAG_OPTIM], m->host_peak[FL_TAG_PARAMS], m->host_peak[FL_TAG_OPTIM]);
+    }
     free(x);
 }
 
@@ -352,6 +470,51 @@ FL_TEST(blip2_fsdp_plan_equals_measured_per_rank) {
     free(x), free(pr);
 }
 
+/* plan = measured per rank under HYBRID_SHARD (2 nodes of 2: each rank its node's shard) and under parameter offload
+ * (fsdp_cpu_offload at 2 ranks and at one: the device pool and the host tier, phase by phase): what
+ * `plan --devices D --num_nodes N --strategy ... --rank R` rehearses on the null backend for each rank. */
+FL_TEST(blip2_fsdp_plan_equals_measured_hybrid_offload) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fsdp_ctx *x = calloc(1, sizeof *x);
+    fl_blip2_train_result *pr = calloc(1, sizeof *pr);
+    FL_REQUIRE(x && pr);
+    static const struct {
+        const char *st, *prec;
+        int devices, nodes;
+    } cs[] = {{"fsdp", "32-true", 2, 2}, {"fsdp_cpu_offload", "bf16-mixed", 2, 1}, {"fsdp_cpu_offload", "32-true", 1, 1}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        const int world = cs[i].devices * cs[i].nodes;
+        fl_run_config c = base_cfg(cs[i].prec, "vision,qformer,lm", world);
+        c.train.activation_checkpointing = 1;
+        if (cs[i].nodes > 1) snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+        c.devices = cs[i].devices, c.num_nodes = cs[i].nodes;
+        FL_REQUIRE(run_ranks(c, cs[i].st, world, &bc, x) == 0);
+        fl_run_config one = c; /* the plan's configuration: one rank's share of the step */
+        snprintf(one.strategy, sizeof one.strategy, "%s", cs[i].st);
+        one.train.global_batch_size = 1;
+        for (int r = 0; r < world; r++) {
+            fl_backend nb;
+            FL_REQUIRE_OK(fl_null_backend_init_for(&nb, "cpu"));
+            const fl_blip2_train_opts o = {.shape = &bc, .be = &nb, .synth_len = 6, .rehearse_steps = NSTEP,
+                                           .plan_world = world, .plan_rank = r};
+            const fl_status s = fl_blip2_train(&one, &o, pr);
+            fl_null_backend_free(&nb);
+            FL_CHECKF(s == FL_OK, "case %zu plan of rank %d: %s", i, r, fl_error_message());
+            const fl_blip2_train_result *m = &x->res[r];
+            FL_CHECKF(!memcmp(pr->peak, m->peak, sizeof m->peak) && pr->peak_total == m->peak_total &&
+                          pr->n_phases == m->n_phases &&
+                          !memcmp(pr->phases, m->phases, (size_t)m->n_phases * sizeof m->phases[0]) &&
+                          !memcmp(pr->host_peak, m->host_peak, sizeof m->host_peak) && pr->offload == m->offload,
+                      "case %zu rank %d: planned peak %zu (GATHER %zu, host %zu), measured %zu (GATHER %zu, host %zu)", i,
+                      r, pr->peak_total, pr->peak[FL_TAG_GATHER], pr->host_peak_total, m->peak_total,
+                      m->peak[FL_TAG_GATHER], m->host_peak_total);
+            FL_CHECK(m->peak[FL_TAG_GATHER] > 0);
+        }
+    }
+    free(x), free(pr);
+}
+
 /* On device memory (the opaque backend: the host never reads its buffers): the units' gathers and reduce-scatters go
  * through the backend's device communicator, the NCCL stand-in or the staged one (the CUDA thread ranks' on one GPU),
  * and give the CPU backend's FULL_SHARD losses bit for bit (opaque computes with the CPU kernels). */
@@ -401,6 +564,37 @@ FL_TEST(blip2_fsdp_threads_t5_equal_zero2_bits) {
         FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && x[1].loss[0][NSTEP - 1] < x[1].loss[0][0],
                   "%s: FSDP losses %.9g %.9g %.9g, ZeRO-2's %.9g %.9g %.9g", c.precision, x[1].loss[0][0],
                   x[1].loss[0][1], x[1].loss[0][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+    }
+    free(x);
+}
+
+/* The Flan-T5 variant under the same three: HYBRID_SHARD 2 nodes x 1 = ZeRO-2's losses bit for bit, 8-bit AdamW on
+ * the shards at 3 ranks = DDP's 8-bit losses bit for bit, fsdp_cpu_offload at 2 ranks (bf16-mixed, checkpointing) =
+ * FULL_SHARD's bits; every part trained. */
+FL_TEST(blip2_fsdp_threads_t5_hybrid_8bit_offload) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_config_load("tests/fixtures/blip2-tiny-t5/config.json", &bc));
+    fsdp_ctx *x = calloc(2, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    static const struct {
+        const char *what, *ref, *st, *prec;
+        int world, hybrid, a8, ckpt;
+    } cs[] = {{"HYBRID 2 x 1", "deepspeed_stage_2", "fsdp", "32-true", 2, 1, 0, 0},
+              {"8-bit FULL_SHARD", "ddp", "deepspeed_stage_3", "32-true", 3, 0, 1, 0},
+              {"fsdp_cpu_offload", "fsdp", "fsdp_cpu_offload", "bf16-mixed", 2, 0, 0, 1}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        fl_run_config c = base_cfg(cs[i].prec, "vision,qformer,lm", cs[i].world);
+        c.train.activation_checkpointing = cs[i].ckpt;
+        if (cs[i].a8) c.optimizer.kind = FL_OPT_ADAMW8BIT;
+        if (cs[i].hybrid) {
+            snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
+            c.devices = 1, c.num_nodes = 2;
+        }
+        FL_REQUIRE(run_ranks(c, cs[i].ref, cs[i].world, &bc, &x[0]) == 0);
+        FL_CHECKF(run_ranks(c, cs[i].st, cs[i].world, &bc, &x[1]) == 0, "%s: %s", cs[i].what, fl_error_message());
+        FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && x[1].loss[0][NSTEP - 1] < x[1].loss[0][0],
+                  "%s: losses %.9g %.9g %.9g, %s's %.9g %.9g %.9g", cs[i].what, x[1].loss[0][0], x[1].loss[0][1],
+                  x[1].loss[0][2], cs[i].ref, x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
     }
     free(x);
 }

@@ -107,7 +107,8 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
             s = fl_errorf(FL_ERR_INVALID, "train.global_batch_size %d is not divisible by devices x micro_batch_size = "
                           "%d x %d", gb, world, B);
         accum = gb / (B * world);
-        one.devices = one.num_nodes = 1;
+        /* HYBRID_SHARD: the ranks rehearsed keep their nodes (the shards within a node's --devices ranks) */
+        if (!fl_cfg_hybrid_shard(cfg->strategy, cfg->sharding_strategy)) one.devices = one.num_nodes = 1;
         one.train.global_batch_size = B * accum;
     }
     int stage = 0;
@@ -135,11 +136,13 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
                 "reductions' MPI scratch is outside the pool)", stage, world, accum, accum * world);
     } else if (world > 1 && stage == 3 && cfg->command != FL_CMD_FINETUNE_LORA) {
         p->devices = world;
-        note(p, "FULL_SHARD over %d ranks: each rank holds its shard of every part's parameters, gradients and optimizer "
+        const int hy = fl_cfg_hybrid_shard(cfg->strategy, cfg->sharding_strategy) && cfg->num_nodes > 1;
+        note(p, "%s over %d ranks%s: each rank holds its shard of every part's parameters, gradients and optimizer "
                 "state (the units: each part's embeddings / queries / patch embedding, each block, its last group), "
                 "gathers a unit around its use (GATHER) and runs %d of the step's %d micro-batches; this plan is rank "
-                "%d's (--rank), the ranks rehearsed as threads (the reductions' MPI scratch is outside the pool)", world,
-             accum, accum * world, rank);
+                "%d's (--rank), the ranks rehearsed as threads (the reductions' MPI scratch is outside the pool)",
+             hy ? "HYBRID_SHARD" : "FULL_SHARD", world, hy ? " (sharded within each node's --devices ranks, "
+             "replicated across the nodes)" : "", accum, accum * world, rank);
     } else if (world > 1) {
         p->devices = world;
         note(p, "DDP over %d ranks: each rank holds the whole model, its gradients and optimizer state and runs %d of "

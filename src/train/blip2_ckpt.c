@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "core/fs.h"
+#include "fitllm/adam8bit.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
 #include "fitllm/lora.h"
@@ -107,6 +108,8 @@ static const char *const k_part[FL_BLIP2_PARTS] = {"vision", "qformer", "lm"};
 typedef struct {
     char *a[FL_BLIP2_PARTS][3];
     void *p[FL_BLIP2_PARTS]; /* FSDP: each sharded part's whole parameters */
+    void *s8[FL_BLIP2_PARTS]; /* FSDP with 8-bit AdamW: the part's state in the one-process layout (s8n bytes) */
+    size_t s8n[FL_BLIP2_PARTS];
 } b2gathered;
 
 /* the dtype of an optimizer's state arrays (bf16-true: bf16, as the trainer's) */
@@ -114,9 +117,76 @@ static fl_dtype state_dt(const fl_optimizer *o) { return o->cfg.state_dtype == F
 static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g);
 
 static void gathered_free(b2gathered *g) {
-    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         for (int j = 0; j < 3; j++) free(g->a[k][j]);
+        free(g->s8[k]);
+    }
     free_params(g->p);
+}
+
+/* 8-bit AdamW under FULL_SHARD: rank q of the shard group (HYBRID_SHARD: the node) holds the pieces
+ * fl_optim_8bit_fsdp_piece(q) of every tensor of part k, packed one after another (its q8.state); the one-process
+ * layout is every tensor's fl_adam8bit_state_bytes in layout order (what one process's checkpoint holds). */
+static size_t full8_bytes(const fl_param_layout *lay) {
+    size_t n = 0;
+    for (int i = 0; i < lay->n; i++) n += fl_adam8bit_state_bytes(lay->params[i].numel);
+    return n;
+}
+
+/* rank q's pieces (a, len: lay->n each) and their packed bytes */
+static size_t pieces8(const fl_param_layout *lay, int W, int q, size_t *a, size_t *len) {
+    size_t bytes = 0, so;
+    for (int i = 0; i < lay->n; i++) {
+        fl_optim_8bit_fsdp_piece(lay, i, W, q, &a[i], &len[i], &so);
+        bytes += fl_adam8bit_piece_bytes(lay->params[i].numel, a[i], len[i]);
+    }
+    return bytes;
+}
+
+/* Part k's 8-bit state gathered into the one-process layout on rank 0 (*out, *n bytes; NULL elsewhere): each rank of
+ * the shard group in turn broadcasts its packed pieces (host staging outside the pools) and rank 0 places them (a block
+ * cut by a rank edge is written by both ranks holding a part of it, with the same absmax bits). Collective. */
+static fl_status gather8(b2run *r, int k, void **out, size_t *n) {
+    const fl_dp *dp = &r->pdp[k];
+    const fl_optimizer *o = &r->opt[k];
+    const fl_param_layout *lay = &fl_blip2_part(r->b, k)->layout;
+    fl_comm *grp = dp->node ? dp->node : dp->comm;
+    const int W = grp ? fl_comm_size(grp) : 1, me = grp ? fl_comm_rank(grp) : 0;
+    size_t *a = calloc(2 * (size_t)lay->n + 2, sizeof *a), cap = 0;
+    for (int q = 0; a && q < W; q++) {
+        const size_t b = pieces8(lay, W, q, a, a + lay->n);
+        cap = b > cap ? b : cap;
+    }
+    *n = full8_bytes(lay);
+    *out = r->rank ? NULL : calloc(1, *n + 4);
+    char *buf = malloc(cap + 4);
+    fl_status s = a && buf && (r->rank || *out) ? FL_OK : fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory");
+    if (grp) s = fl_dp_agree(&r->pdp[k], s); /* a failed allocation: every rank returns before the broadcasts */
+    for (int q = 0; s == FL_OK && q < W; q++) {
+        const size_t b = pieces8(lay, W, q, a, a + lay->n);
+        fl_status c = q == me ? fl_optim_state_read(o, buf, o->q8.state, b) : FL_OK;
+        /* the packed bytes as F32 words (each piece's span a multiple of 4 bytes): a broadcast copies bits */
+        fl_status t = grp ? fl_comm_broadcast(grp, buf, b / 4, FL_F32, q) : FL_OK;
+        s = c != FL_OK ? c : t;
+        if (s == FL_OK && *out) s = fl_optim_8bit_fsdp_copy(lay, a, a + lay->n, buf, *out, 1);
+    }
+    free(a), free(buf);
+    return fl_error_prefix(s, "FULL_SHARD: gathering the 8-bit AdamW state of a checkpoint");
+}
+
+/* --resume under FULL_SHARD: this rank's pieces of part k's 8-bit state out of the one-process layout (n bytes) */
+static fl_status take8(b2run *r, int k, const void *full, size_t n) {
+    fl_optimizer *o = &r->opt[k];
+    const fl_param_layout *lay = &fl_blip2_part(r->b, k)->layout;
+    if (n != full8_bytes(lay))
+        return fl_errorf(FL_ERR_FORMAT, "the 8-bit AdamW state has %zu bytes, this run's one-process layout %zu", n,
+                         full8_bytes(lay));
+    void *host = calloc(1, o->q8.state_bytes + 4);
+    if (!host) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    fl_status s = fl_optim_8bit_fsdp_copy(lay, o->q8.p_a, o->q8.p_n, host, (void *)full, 0);
+    if (s == FL_OK) s = fl_optim_state_write(o, o->q8.state, host, o->q8.state_bytes);
+    free(host);
+    return s;
 }
 
 /* FSDP: each sharded part's parameters and optimizer state arrays gathered whole (layout order) on rank 0. */
@@ -131,6 +201,7 @@ static fl_status gather_fsdp(b2run *r, b2gathered *g) {
             if (arr[j]) FL_TRY(gather_array(r, k, arr[j], fl_dtype_size(state_dt(o)), &w));
             g->a[k][j] = w;
         }
+        if (o->q8.state) FL_TRY(gather8(r, k, &g->s8[k], &g->s8n[k]));
     }
     return FL_OK;
 }
@@ -185,9 +256,11 @@ static fl_status write_state(b2run *r, const b2pos *p, const char *path, const b
         }
         if (o->q8.state) { /* 8-bit AdamW: the block-wise state of every tensor, bound in layout order: one blob */
             snprintf(names[nt], sizeof names[nt], "%s.state8", k_part[k]);
+            const int gat = g->s8[k] != NULL; /* FULL_SHARD: gathered into the one-process layout */
             t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = FL_U8, .ndim = 1,
-                                         .shape = {(int64_t)o->q8.state_bytes}, .data = o->q8.state,
-                                         .src_dtype = FL_U8, .be = &r->be};
+                                         .shape = {(int64_t)(gat ? g->s8n[k] : o->q8.state_bytes)},
+                                         .data = gat ? g->s8[k] : o->q8.state, .src_dtype = FL_U8,
+                                         .be = gat ? NULL : &r->be};
             nt++;
         }
     }
@@ -293,6 +366,8 @@ static fl_status load_pieces(b2run *r, int k, const fl_st_file *f, const char *p
         return fl_errorf(FL_ERR_FORMAT, "%s: tensor %s is %s (this run has %zu elements of it: another run's "
                          "checkpoint?)", path, name, t ? "of another size or dtype" : "missing", n);
     const int G = m->layout.n_groups;
+    /* parameter offload: the parameters' shard is host memory of the tier's backend */
+    const fl_backend *pbe = r->pdp[k].ptier.be ? r->pdp[k].ptier.be : &r->be;
     size_t *fo = calloc((size_t)G * 3, sizeof *fo);
     if (!fo) return fl_errorf(FL_ERR_OOM, "out of host memory");
     size_t *so = fo + G, *len = fo + 2 * G;
@@ -300,7 +375,7 @@ static fl_status load_pieces(b2run *r, int k, const fl_st_file *f, const char *p
     for (int g = 0; s == FL_OK && g < G; g++) {
         const char *src = (const char *)t->data + fo[g] * es;
         char *d = (char *)dst + so[g] * es;
-        if (len[g]) s = o ? fl_optim_state_write(o, d, src, len[g] * es) : FL_RUN(&r->be, to_device, d, src, len[g] * es);
+        if (len[g]) s = o ? fl_optim_state_write(o, d, src, len[g] * es) : FL_RUN(pbe, to_device, d, src, len[g] * es);
     }
     free(fo);
     return s;
@@ -352,7 +427,11 @@ fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
         }
         char name[48];
         snprintf(name, sizeof name, "%s.state8", k_part[k]);
-        if (s == FL_OK && o->q8.state) s = load_tensor(r, &f, path, name, o->q8.state, o->q8.state_bytes, FL_U8, NULL);
+        const fl_st_tensor *t8 = o->q8.state && r->pdp[k].fsdp ? fl_st_find(&f, name) : NULL;
+        if (s == FL_OK && o->q8.state && r->pdp[k].fsdp) /* FULL_SHARD: this rank's pieces of the one-process layout */
+            s = !t8 || t8->dtype != FL_U8 ? fl_errorf(FL_ERR_FORMAT, "%s: tensor %s is missing or not U8", path, name)
+                                          : fl_error_prefix(take8(r, k, t8->data, t8->end - t8->begin), "%s: %s", path, name);
+        else if (s == FL_OK && o->q8.state) s = load_tensor(r, &f, path, name, o->q8.state, o->q8.state_bytes, FL_U8, NULL);
         o->step = atoi(meta_of(&f, "optimizer_step"));
         fl_model_sync_compute_copy(fl_blip2_part(r->b, k)); /* bf16-mixed: the copy of the restored weights */
     }

@@ -31,17 +31,17 @@
 fl_status fl_b2t_check_strategy(const fl_run_config *c) {
     int stage = 0;
     FL_TRY(fl_error_prefix(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage), "--strategy"));
-    if (stage == 3 && fl_cfg_hybrid_shard(c->strategy, c->sharding_strategy))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s --fsdp.sharding_strategy %s: BLIP-2 fine-tuning shards over "
-                         "every rank (FULL_SHARD, deepspeed_stage_3); HYBRID_SHARD is not built for it", c->strategy,
-                         c->sharding_strategy);
-    if (stage == 3 && c->optimizer.kind == FL_OPT_ADAMW8BIT && c->command != FL_CMD_FINETUNE_LORA)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s with --optimizer AdamW8bit: 8-bit AdamW on BLIP-2's FULL_SHARD "
-                         "shards is not built; use AdamW or SGD, or ZeRO-2 (deepspeed_stage_2)", c->strategy);
-    if (fl_cfg_param_offload(c) || fl_cfg_offload_nvme(c))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning offloads the optimizer to host memory "
-                         "(deepspeed_stage_1_offload, deepspeed_stage_2_offload) so far: NVMe and parameter offload are "
-                         "not built for it", c->strategy);
+    /* parameter offload shards the parts over the ranks (one rank: the whole part is its shard, in the tier): full
+     * fine-tuning only, as the trainer's FULL_SHARD (LoRA keeps the base whole on every rank) */
+    if (fl_cfg_param_offload(c) && c->command == FL_CMD_FINETUNE_LORA)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s under finetune_lora: BLIP-2's parameter offload shards the "
+                         "parts (finetune_full); LoRA keeps the base whole on every rank: use deepspeed_stage_3_offload "
+                         "or deepspeed_stage_2_offload (the adapters' optimizer on the host)", c->strategy);
+    if (fl_cfg_param_offload(c) == 2 || fl_cfg_offload_nvme(c))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning offloads the optimizer and the "
+                         "parameters to host memory (deepspeed_stage_1_offload, deepspeed_stage_2_offload, "
+                         "deepspeed_stage_3_offload, fsdp_cpu_offload) so far: NVMe offload is not built for it",
+                         c->strategy);
     return FL_OK;
 }
 
@@ -57,25 +57,58 @@ int fl_b2t_fsdp(const b2run *r) {
 /* part k's data-parallel context: its FSDP one when the part is sharded, else the run's */
 static fl_dp *part_dp(b2run *r, int k) { return r->pdp[k].fsdp ? &r->pdp[k] : &r->dp; }
 
+/* CPU offload's host tier ("host (offload)", outside the device pool and its budget) and the backend the update runs
+ * on: the run's own on host memory (or where nothing is computed: the plan), else a CPU backend. Once: parameter
+ * offload makes it before the parts are created. */
+static fl_status offload_tier(b2run *r) {
+    if (r->opool_ok) return FL_OK;
+    const fl_backend *be = &r->be;
+    FL_TRY(be->host_pool_init ? be->host_pool_init(be, &r->opool, "host (offload)", 0)
+                              : fl_mem_pool_init(&r->opool, "host (offload)", 0));
+    r->opool_ok = 1;
+    if (fl_backend_host_memory(be) || fl_backend_discards(be)) {
+        r->off.be = be; /* the update in place on host memory (or nothing computed: the plan) */
+    } else {
+        FL_TRY(fl_error_prefix(fl_cpu_backend_init(&r->hbe, r->cfg->threads), "CPU offload: the host's optimizer"));
+        r->hbe_ok = 1;
+        r->off.be = &r->hbe;
+    }
+    r->off.pool = &r->opool;
+    return FL_OK;
+}
+
 fl_status fl_b2t_fsdp_prepare(b2run *r, const fl_precision *prec) {
     int stage = 0;
     FL_TRY(fl_cfg_zero_stage(r->cfg->strategy, r->cfg->sharding_strategy, &stage));
-    if (r->world < 2 || stage != 3 || r->lora) return FL_OK;
+    /* parameter offload (fsdp_cpu_offload) shards at one rank too: the whole part is the rank's shard, in the tier */
+    const int poff = fl_cfg_param_offload(r->cfg) == 1;
+    if ((r->world < 2 && !poff) || stage != 3 || r->lora) return FL_OK;
     static const char *const what[FL_BLIP2_PARTS] = {"vision tower", "Q-Former", "language model"};
     /* the units' gathers and reductions on the backend's buffers: a device backend's communicator (NCCL; its CPU
      * stand-in on cuda-emu and opaque), a plan's null one (the null backend's fake addresses: it moves nothing); a
      * host-memory backend's buffers go through the run's communicator */
-    if ((fl_backend_discards(&r->be) || !fl_backend_host_memory(&r->be)) && r->be.comm_create && !r->fdev)
+    if (r->world > 1 && (fl_backend_discards(&r->be) || !fl_backend_host_memory(&r->be)) && r->be.comm_create && !r->fdev)
         FL_TRY(fl_error_prefix(r->be.comm_create(&r->be, r->comm, &r->fdev), "FSDP: the %s backend's communicator",
                                r->be.name));
+    if (poff) { /* the parameters' and gradients' shards in the host tier, the optimizer updating them there */
+        FL_TRY(offload_tier(r));
+        r->off.params_host = 1;
+    }
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         fl_dp *d = &r->pdp[k];
         memset(d, 0, sizeof *d);
-        d->comm = r->comm; /* the reductions' MPI scratch outside the pool, as the run's fl_dp */
+        d->comm = r->world > 1 ? r->comm : NULL; /* the reductions' MPI scratch outside the pool, as the run's fl_dp */
         d->dev = r->fdev;
         d->be = &r->be; /* the checkpoints' gathers read the shards through its to_host */
         d->rank = r->rank, d->world = r->world;
-        /* the part is created sharded: the loader (or the random init) fills this rank's pieces only */
+        if (poff) {
+            d->ptier.be = r->off.be;
+            d->ptier.pool = d->ptier.host = &r->opool;
+            d->ptier.prefetch = r->cfg->offload_prefetch;
+            d->ptier.overlap = r->cfg->offload_overlap;
+        }
+        /* the part is created sharded: the loader (or the random init) fills this rank's pieces only; HYBRID_SHARD:
+         * each part's fl_dp splits the ranks into its nodes and replica groups (every rank in the same order) */
         FL_TRY(fl_error_prefix(fl_fsdp_prepare(d, r->cfg, prec, &r->stg[k]), "FSDP of the BLIP-2 %s", what[k]));
     }
     return FL_OK;
@@ -83,12 +116,18 @@ fl_status fl_b2t_fsdp_prepare(b2run *r, const fl_precision *prec) {
 
 fl_status fl_b2t_fsdp_init(b2run *r) {
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (r->pdp[k].comm) FL_TRY(fl_fsdp_init(&r->pdp[k], r->cfg, fl_blip2_part(r->b, k)));
+        if (r->pdp[k].fsdp) FL_TRY(fl_fsdp_init(&r->pdp[k], r->cfg, fl_blip2_part(r->b, k)));
     return FL_OK;
 }
 
 void fl_b2t_fsdp_free(b2run *r) {
-    for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_fsdp_free(&r->pdp[k]);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        fl_dp *d = &r->pdp[k];
+        fl_fsdp_free(d); /* its gathers in flight use the node's communicators */
+        fl_comm_destroy(d->drep), fl_comm_destroy(d->dnode); /* HYBRID_SHARD's groups (split from dev: first) */
+        fl_comm_destroy(d->rep), fl_comm_destroy(d->node);
+        d->drep = d->dnode = d->rep = d->node = NULL;
+    }
     fl_comm_destroy(r->fdev);
     r->fdev = NULL;
 }
@@ -128,7 +167,9 @@ fl_status fl_b2t_plan_fsdp(const fl_run_config *c, const fl_blip2_train_opts *o,
     fl_run_config all = *c; /* c is one rank's share of the step (global batch / N): the ranks' run has all of it */
     const int B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
     all.train.global_batch_size = (c->train.global_batch_size > 0 ? c->train.global_batch_size : B) * n;
-    all.devices = n, all.num_nodes = 1;
+    /* HYBRID_SHARD keeps its nodes (the shards within each node's --devices ranks); else one node of N */
+    if (!fl_cfg_hybrid_shard(c->strategy, c->sharding_strategy) || c->num_nodes <= 1 || c->devices * c->num_nodes != n)
+        all.devices = n, all.num_nodes = 1;
     if (o->plan_rank < 0 || o->plan_rank >= n)
         return fl_errorf(FL_ERR_INVALID, "--rank %d: the run has %d ranks (0 .. %d)", o->plan_rank, n, n - 1);
     plan_ranks x = {&all, o, calloc((size_t)n, sizeof *res), calloc((size_t)n, sizeof(fl_status)),
@@ -159,30 +200,22 @@ fl_status fl_b2t_dist_setup(b2run *r) {
     r->dp.rank = r->rank, r->dp.world = r->world;
     r->dcfg = *c; /* fl_dp_optim_init's view: auto is DDP here (not the trainer's FSDP for finetune_full) */
     if (!strcmp(r->dcfg.strategy, "auto")) snprintf(r->dcfg.strategy, sizeof r->dcfg.strategy, "ddp");
-    if (fl_cfg_offload(c->strategy)) {
-        const fl_backend *be = &r->be;
-        FL_TRY(be->host_pool_init ? be->host_pool_init(be, &r->opool, "host (offload)", 0)
-                                  : fl_mem_pool_init(&r->opool, "host (offload)", 0));
-        r->opool_ok = 1;
-        if (fl_backend_host_memory(be) || fl_backend_discards(be)) {
-            r->off.be = be; /* the update in place on host memory (or nothing computed: the plan) */
-        } else {
-            FL_TRY(fl_error_prefix(fl_cpu_backend_init(&r->hbe, c->threads), "CPU offload: the host's optimizer"));
-            r->hbe_ok = 1;
-            r->off.be = &r->hbe;
-        }
-        r->off.pool = &r->opool;
+    if (fl_cfg_offload(c->strategy) || r->off.params_host) { /* the optimizer with the parameters (fsdp_cpu_offload) */
+        FL_TRY(offload_tier(r));
         r->dp.offload = &r->off;
     }
     if (r->world > 1) {
         int stage = 0;
         FL_TRY(fl_cfg_zero_stage(r->dcfg.strategy, r->dcfg.sharding_strategy, &stage));
         const int ckpt = c->train.save_interval > 0 || c->train.save_on_signal || (c->resume[0] && strcmp(c->resume, "false"));
-        if (stage >= 1 && c->optimizer.kind == FL_OPT_ADAMW8BIT && ckpt)
+        /* FULL_SHARD's 8-bit state is gathered into the one-process layout (blip2_ckpt.c); ZeRO-1/2's (and LoRA's
+         * adapters under FULL_SHARD, which train as ZeRO-2) is not */
+        if (stage >= 1 && c->optimizer.kind == FL_OPT_ADAMW8BIT && ckpt && !fl_b2t_fsdp(r))
             return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s over %d ranks with --optimizer AdamW8bit: BLIP-2 step "
-                             "checkpoints and --resume of the 8-bit state divided over the ranks are not built yet: use "
-                             "--train.save_interval 0 --train.save_on_signal false without --resume, --strategy ddp, or "
-                             "AdamW", c->strategy, r->world);
+                             "checkpoints and --resume of the 8-bit state divided over the ranks are not built yet "
+                             "under ZeRO-1/2 (FULL_SHARD of finetune_full gathers it): use --train.save_interval 0 "
+                             "--train.save_on_signal false without --resume, --strategy ddp, or AdamW", c->strategy,
+                             r->world);
     }
     return FL_OK;
 }
@@ -223,20 +256,27 @@ static fl_status scale16(const fl_backend *be, fl_model *m, float coef) {
     return FL_OK;
 }
 
+/* the backend whose memory holds o's gradients: the host tier's under parameter offload, else the run's */
+static const fl_backend *grads_be(const b2run *r, const fl_optimizer *o) {
+    return o->home.params_host ? o->home.be : &r->be;
+}
+
 /* clip_grad_norm_ over every trained part's gradients at once (the norm over all of them, in double; coef =
  * max_norm / (norm + 1e-6) when below 1), before the parts' updates. */
 fl_status fl_b2t_clip(b2run *r, float max_norm) {
     double ss = 0;
     /* ZeRO-2: each rank holds its chunk of the sums; FULL_SHARD: its shard of each part (o->shard: all of it) */
     const int chunks = (r->dp.comm && r->dp.stage == 2) || fl_b2t_fsdp(r);
+    fl_dp *sum = &r->dp; /* FULL_SHARD: over the shard group (HYBRID_SHARD: the node; its replicas hold the same) */
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         if (!r->has_opt[k]) continue;
         const fl_optimizer *o = &r->opt[k];
+        if (r->pdp[k].fsdp) sum = &r->pdp[k];
         if (chunks) {
             const size_t es = fl_dtype_size(o->w.gt);
             if (o->shard.len) {
-                double v = 0; /* sumsq's status ignored, as the slot has none */
-                (void)FL_RUN(&r->be, sumsq, (const char *)o->w.g + o->shard.off * es, o->w.gt, o->shard.len, &v);
+                double v = 0; /* sumsq's status ignored, as the slot has none; parameter offload: the host's shard */
+                (void)FL_RUN(grads_be(r, o), sumsq, (const char *)o->w.g + o->shard.off * es, o->w.gt, o->shard.len, &v);
                 ss += v;
             }
         } else {
@@ -244,7 +284,7 @@ fl_status fl_b2t_clip(b2run *r, float max_norm) {
             ss += n * n;
         }
     }
-    if (chunks) FL_TRY(fl_dp_sum(&r->dp, &ss, 1));
+    if (chunks && sum->comm) FL_TRY(sum->fsdp ? fl_fsdp_sum(sum, &ss, 1) : fl_dp_sum(sum, &ss, 1));
     const float coef = max_norm / (float)(sqrt(ss) + 1e-6);
     if (!(coef < 1.0f)) return FL_OK;
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
@@ -252,8 +292,9 @@ fl_status fl_b2t_clip(b2run *r, float max_norm) {
         fl_model *m = fl_blip2_part(r->b, k);
         fl_lora_adapters ad;
         if (fl_model_lora_adapters(m, &ad)) (void)FL_RUN(&r->be, scale, ad.grads, ad.numel, coef);
-        else if (fl_model_grads_f32(m)) (void)FL_RUN(&r->be, scale, fl_model_grads_f32(m), fl_model_store_numel(m), coef);
-        else FL_TRY(scale16(&r->be, m, coef));
+        else if (fl_model_grads_f32(m))
+            (void)FL_RUN(grads_be(r, &r->opt[k]), scale, fl_model_grads_f32(m), fl_model_store_numel(m), coef);
+        else FL_TRY(scale16(grads_be(r, &r->opt[k]), m, coef));
     }
     return FL_OK;
 }

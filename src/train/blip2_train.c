@@ -498,7 +498,8 @@ static void memory_report(b2run *r, FILE *f) {
                 fl_dp_stage_name(&r->dp), r->dp.stage == 2 ? "; GRADS: each part's reduced chunk is what stays live" : "");
     fl_mem_print_report(&r->pool, f);
     if (r->opool_ok) {
-        fprintf(f, "\nhost tier (CPU offload: the optimizer state, outside the device's budget)\n");
+        fprintf(f, "\nhost tier (CPU offload: the optimizer state%s, outside the device's budget)\n",
+                r->off.params_host ? ", the parameters' and gradients' shards" : "");
         fl_mem_print_report(&r->opool, f);
     }
 }
@@ -559,7 +560,8 @@ static fl_status train(b2run *r) {
     for (size_t i = 0; i < r->n_rec; i++) p.order[i] = i;
     char ranks[48] = "";
     if (r->world > 1)
-        snprintf(ranks, sizeof ranks, " over %d ranks (%s)", r->world, fl_b2t_fsdp(r) ? "FULL_SHARD" : fl_dp_stage_name(&r->dp));
+        snprintf(ranks, sizeof ranks, " over %d ranks (%s)", r->world,
+                 !fl_b2t_fsdp(r) ? fl_dp_stage_name(&r->dp) : r->pdp[0].node ? "HYBRID_SHARD" : "FULL_SHARD");
     fl_b2t_say(r, "BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated%s, %ld steps; trains %s%s%s"
            "%s (%zu parameters), vision tower %s\n", r->n_rec, B, accum / (r->world > 1 ? r->world : 1), ranks, max_steps,
            r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
