@@ -18,9 +18,15 @@
  *     1.24 of scale (the loss is untouched: this is what the gradient check is for);
  *   - the check can fail: the group without its sums (fl_model_set_tp NULL: the partial outputs taken as the whole)
  *     misses the loss by orders of magnitude more than the bar.
- * The random init's seed is 1: with seed 1234 the ReLU variant's last wi gradient differed by 3.3% of its scale at
- * TP 2 and 4 alike (loss bits equal, other seeds, d_ff and the gated variant within 1.1e-6): most likely a
- * pre-activation on ReLU's kink, where the derivative jumps on fp32 noise (not root-caused). */
+ * The random init's seed is 1: with seed 1234 the ReLU variant's last wi gradient differs by 3.3% of its scale at
+ * TP 2 and 4 alike (loss bits equal, other seeds, d_ff and the gated variant within 1.1e-6). Cause (float64 from
+ * dumps, docs/ARCHITECTURE.md "Tensor parallelism", "T5 on the slices"): one pre-activation on ReLU's kink, not a bug. Last decoder
+ * block, token row 10, unit 0: the float64 dot product of each run's fp32 inputs is +1.71e-8 (one process), -6.2e-9
+ * (TP 2), -1.87e-8 (TP 4), with sum|x w| = 0.506; TP's other summation order of the row-parallel outputs moves the
+ * input row by up to 3.6e-7 (~1 ulp), i.e. the dot product by up to 6.3e-8, so fp32 rounding decides the sign. One
+ * process lets the incoming gradient -2.47e-4 through, TP does not: wi's gradient row 0 differs by -2.47e-4 x_10 =
+ * 5.885e-4 against its scale 0.0178 (3.306%); no other wi row differs by 1e-6 of scale, and it is the only sign flip
+ * in the backward's 5 ReLU layers (the FFN norm weight of that block and encoder.final_layer_norm follow, 2.2% / 0.9%). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

@@ -291,20 +291,11 @@ __attribute__((noinline)) static int rows_probs(const bw_ctx *c, bw_rows *r, con
             r->D[i] = r->lt[i] = 0.0f;
             r->jm[i] = 0;
         }
-        for (int j = 0; j < BK; j++) r->s[i][j] = r->dp[i][j] = 0.0f;
     }
-    for (int d = 0; d < HD; d++) {
-        const float *kt = Kt + d * BK, *vt = Vt + d * BK;
-        for (int i = 0; i < RB; i++) {
-            float qd = r->qs[i][d], gd = r->go[i][d];
-            /* FL_VECTORIZE: attn_ex_bwd_qk */
-#pragma omp simd
-            for (int j = 0; j < BK; j++) {
-                r->s[i][j] += qd * kt[j];
-                r->dp[i][j] += gd * vt[j];
-            }
-        }
-    }
+    /* S = (scale q) Kt and dP = dO Vt over all BK columns: register-tiled products (attn_mm.c),
+     * each element one multiply-add chain over d ascending from 0, as the forward's S */
+    fl_cpu_attn_mm(&r->s[0][0], BK, &r->qs[0][0], MAXHD, 1, Kt, BK, RB, BK, HD, 0);
+    fl_cpu_attn_mm(&r->dp[0][0], BK, &r->go[0][0], MAXHD, 1, Vt, BK, RB, BK, HD, 0);
     int jmx = 0;
     for (int i = 0; i < RB; i++) {
         const int jmax = r->jm[i];
@@ -346,21 +337,8 @@ __attribute__((noinline)) static void rows_dq(const bw_ctx *c, bw_rows *r, int b
     const fl_attn_desc *a = c->a;
     const int Tq = a->Tq, HD = a->HD, g = h / c->rep;
     const float *K = c->k + (size_t)b * a->Tk * a->ldk + (size_t)g * HD; // (Tk,HD) stride ldk
-    for (int i = 0; i < RB; i++)
-        for (int d = 0; d < HD; d++) r->dq[i][d] = 0.0f;
-    for (int j = 0; j < jmx; j++) {
-        const float *kr = K + (size_t)(k0 + j) * a->ldk;
-        float e0 = r->dp[0][j], e1 = r->dp[1][j], e2 = r->dp[2][j], e3 = r->dp[3][j];
-        /* FL_VECTORIZE: attn_ex_bwd_dq */
-#pragma omp simd
-        for (int d = 0; d < HD; d++) {
-            float kd = kr[d];
-            r->dq[0][d] += e0 * kd;
-            r->dq[1][d] += e1 * kd;
-            r->dq[2][d] += e2 * kd;
-            r->dq[3][d] += e3 * kd;
-        }
-    }
+    /* dq = dS K over the first jmx keys: one multiply-add chain per element, keys ascending from 0 */
+    fl_cpu_attn_mm(&r->dq[0][0], MAXHD, &r->dp[0][0], BK, 1, K + (size_t)k0 * a->ldk, (int)a->ldk, RB, HD, jmx, 0);
     for (int i = 0; i < RB && t0 + i < Tq; i++) {
         if (r->jm[i] <= 0) continue; /* nothing visible in this tile: no contribution */
         float *dqr = c->dq + ((size_t)b * Tq + t0 + i) * a->ldq + (size_t)h * HD;
