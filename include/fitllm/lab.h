@@ -68,7 +68,7 @@ typedef struct {
     int B, T;
     int T_dec;               /* an encoder-decoder (Flan-T5): the decoder's length (the labels'); T is the encoder's */
     int act_ckpt;            /* HF gradient checkpointing (reentrant): each layer's input saved, recomputed */
-    int lora_r;              /* > 0: PEFT LoRA of rank r on query and value (dropout > 0), fp32 adapters */
+    int lora_r;              /* > 0: PEFT LoRA of rank r on query and value (dropout > 0), fp32 adapters (GPT-2: c_attn) */
     int nf4;                 /* with lora_r: QLoRA, the block linears in bitsandbytes NF4, computing in the precision's
                               * dtype (32-true: fp32, bf16-true: bf16) */
     const char *optim;       /* "adamw" (NULL), "sgd" (no momentum), "adamw8bit" (bitsandbytes) */
@@ -77,6 +77,8 @@ typedef struct {
     int ranks;               /* > 1: per rank under strategy "ddp" or "fsdp" (modelled) */
     const char *strategy;
     int dq;                  /* with nf4: bitsandbytes' double quantization (the absmax in 8 bits) */
+    int lora_proj;           /* GPT-2 LoRA: PEFT's "c_proj" target too (attn.c_proj and mlp.c_proj: the suffix matches
+                              * both) beside c_attn (query and value are in c_attn) */
 } fl_lab_peer_setup;
 
 
