@@ -42,8 +42,8 @@ extern "C" {
 typedef enum { FL_LAB_FITS = 0, FL_LAB_OOM, FL_LAB_NA, FL_LAB_ERROR, FL_LAB_VERDICT_COUNT } fl_lab_verdict;
 const char *fl_lab_verdict_name(fl_lab_verdict v); /* "fits", "OOM", "n/a", "error" */
 
-/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, or GPT2LMHeadModel or OPTForCausalLM (full fine-tunes, AdamW
- * or SGD), sdpa;
+/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, GPT2LMHeadModel, OPTForCausalLM, T5ForConditionalGeneration or
+ * Blip2ForConditionalGeneration, sdpa;
  * torch.optim.AdamW, SGD or bitsandbytes' AdamW8bit;
  * autocast; HF checkpointing; PEFT LoRA, bitsandbytes NF4) allocates for one step on one device, bytes. params,
  * quant, grads, optim, saved (autograd's saved tensors) and logits are fitted byte for byte to measurements

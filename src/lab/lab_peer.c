@@ -1,7 +1,7 @@
 /* `fitllm lab --peer pytorch` (issue 33): what PyTorch would allocate for a LLaMA, GPT-2, OPT, Flan-T5 or BLIP-2
- * fine-tune step, beside fitllm's plan (GPT-2: HF GPT2LMHeadModel, full fine-tunes; OPT: HF OPTForCausalLM, Flan-T5:
- * T5ForConditionalGeneration, BLIP-2: Blip2ForConditionalGeneration, full fine-tunes and PEFT LoRA / bitsandbytes
- * QLoRA; fixtures tests/fixtures/pytorch-alloc-{gpt2,opt,t5,blip2,peft}.json). MEASURED (tests/ref/pytorch_alloc.py on the CPU: HF LlamaForCausalLM with sdpa, torch.optim.AdamW / SGD,
+ * fine-tune step, beside fitllm's plan (GPT-2: HF GPT2LMHeadModel, full fine-tunes and PEFT LoRA; OPT: HF
+ * OPTForCausalLM, Flan-T5: T5ForConditionalGeneration, BLIP-2: Blip2ForConditionalGeneration, full fine-tunes and PEFT
+ * LoRA / bitsandbytes QLoRA; fixtures tests/fixtures/pytorch-alloc-{gpt2,opt,t5,blip2,peft,8bit,extra}.json). MEASURED (tests/ref/pytorch_alloc.py on the CPU: HF LlamaForCausalLM with sdpa, torch.optim.AdamW / SGD,
  * bitsandbytes' AdamW8bit, autocast for bf16-mixed and 16-mixed, HF gradient checkpointing, PEFT LoRA on query and
  * value, bitsandbytes NF4 for QLoRA; fixture tests/fixtures/pytorch-alloc.json, reproduced byte for byte by
  * fl_lab_peer_pytorch_setup in tests/test_lab.c): the parameters (and QLoRA's quantization state), gradients and
