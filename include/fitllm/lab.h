@@ -42,8 +42,8 @@ extern "C" {
 typedef enum { FL_LAB_FITS = 0, FL_LAB_OOM, FL_LAB_NA, FL_LAB_ERROR, FL_LAB_VERDICT_COUNT } fl_lab_verdict;
 const char *fl_lab_verdict_name(fl_lab_verdict v); /* "fits", "OOM", "n/a", "error" */
 
-/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, or GPT2LMHeadModel or OPTForCausalLM (full fine-tunes, AdamW
- * or SGD), sdpa;
+/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, GPT2LMHeadModel, OPTForCausalLM, T5ForConditionalGeneration or
+ * Blip2ForConditionalGeneration, sdpa;
  * torch.optim.AdamW, SGD or bitsandbytes' AdamW8bit;
  * autocast; HF checkpointing; PEFT LoRA, bitsandbytes NF4) allocates for one step on one device, bytes. params,
  * quant, grads, optim, saved (autograd's saved tensors) and logits are fitted byte for byte to measurements
@@ -68,7 +68,7 @@ typedef struct {
     int B, T;
     int T_dec;               /* an encoder-decoder (Flan-T5): the decoder's length (the labels'); T is the encoder's */
     int act_ckpt;            /* HF gradient checkpointing (reentrant): each layer's input saved, recomputed */
-    int lora_r;              /* > 0: PEFT LoRA of rank r on query and value (dropout > 0), fp32 adapters */
+    int lora_r;              /* > 0: PEFT LoRA of rank r on query and value (dropout > 0), fp32 adapters (GPT-2: c_attn) */
     int nf4;                 /* with lora_r: QLoRA, the block linears in bitsandbytes NF4, computing in the precision's
                               * dtype (32-true: fp32, bf16-true: bf16) */
     const char *optim;       /* "adamw" (NULL), "sgd" (no momentum), "adamw8bit" (bitsandbytes) */
@@ -77,6 +77,8 @@ typedef struct {
     int ranks;               /* > 1: per rank under strategy "ddp" or "fsdp" (modelled) */
     const char *strategy;
     int dq;                  /* with nf4: bitsandbytes' double quantization (the absmax in 8 bits) */
+    int lora_proj;           /* GPT-2 LoRA: PEFT's "c_proj" target too (attn.c_proj and mlp.c_proj: the suffix matches
+                              * both) beside c_attn (query and value are in c_attn) */
 } fl_lab_peer_setup;
 
 

@@ -1,7 +1,7 @@
 /* `fitllm lab --peer pytorch` (issue 33): what PyTorch would allocate for a LLaMA, GPT-2, OPT, Flan-T5 or BLIP-2
- * fine-tune step, beside fitllm's plan (GPT-2: HF GPT2LMHeadModel, full fine-tunes; OPT: HF OPTForCausalLM, Flan-T5:
- * T5ForConditionalGeneration, BLIP-2: Blip2ForConditionalGeneration, full fine-tunes and PEFT LoRA / bitsandbytes
- * QLoRA; fixtures tests/fixtures/pytorch-alloc-{gpt2,opt,t5,blip2,peft}.json). MEASURED (tests/ref/pytorch_alloc.py on the CPU: HF LlamaForCausalLM with sdpa, torch.optim.AdamW / SGD,
+ * fine-tune step, beside fitllm's plan (GPT-2: HF GPT2LMHeadModel, full fine-tunes and PEFT LoRA; OPT: HF
+ * OPTForCausalLM, Flan-T5: T5ForConditionalGeneration, BLIP-2: Blip2ForConditionalGeneration, full fine-tunes and PEFT
+ * LoRA / bitsandbytes QLoRA; fixtures tests/fixtures/pytorch-alloc-{gpt2,opt,t5,blip2,peft,8bit,extra}.json). MEASURED (tests/ref/pytorch_alloc.py on the CPU: HF LlamaForCausalLM with sdpa, torch.optim.AdamW / SGD,
  * bitsandbytes' AdamW8bit, autocast for bf16-mixed and 16-mixed, HF gradient checkpointing, PEFT LoRA on query and
  * value, bitsandbytes NF4 for QLoRA; fixture tests/fixtures/pytorch-alloc.json, reproduced byte for byte by
  * fl_lab_peer_pytorch_setup in tests/test_lab.c): the parameters (and QLoRA's quantization state), gradients and
@@ -19,7 +19,7 @@ typedef struct {
     size_t B, T, BT, d, ff, H, KV, hd, V, L;
     size_t e;     /* the parameters' dtype: 4 (32-true, the mixed precisions, QLoRA's unquantized ones) or 2 */
     size_t a;     /* the linears' outputs: e, or 2 under autocast */
-    int mixed, ckpt, lora_r, cpu_dropout;
+    int mixed, ckpt, lora_r, cpu_dropout, lora_proj;
     size_t Tt, Ld; /* Flan-T5: the decoder's length and blocks (T, L: the encoder's) */
 } shape;
 
@@ -39,28 +39,40 @@ static size_t layer_full(const shape *s) {
            2 * s->BT * 4 + w;
 }
 
+/* One PEFT adapter (rank r) on `rows` rows of width w_in, w_out wide, its input needing a gradient or not (g). PEFT
+ * casts the input to the adapters' fp32. Without autocast A saves the dropped input and B A's output (fp32); under
+ * autocast A its input's 16-bit cast, B A's (16-bit) output and the 16-bit copy of its weight, A the copy of its own
+ * only where its input needs a gradient; dropout saves its noise (CPU: fp32) or mask (CUDA: bool) where its input
+ * needs a gradient. */
+static size_t lora_adapter(const shape *s, size_t rows, size_t w_in, size_t w_out, int g) {
+    const size_t r = (size_t)s->lora_r, drop = g ? rows * w_in * (s->cpu_dropout ? 4 : 1) : 0;
+    if (!s->mixed) return rows * w_in * 4 + rows * r * 4 + drop;
+    return rows * w_in * 2 + rows * r * 2 + w_out * r * 2 + (g ? drop + r * w_in * 2 : 0);
+}
+
 /* Per layer l, LoRA (PEFT) on a frozen base: a norm saves its fp32 input and rsqrt only where its input needs a
- * gradient (not layer 0's first: the embeddings are frozen); q and v's adapters (fp32) save the dropped input and
- * A's output, and dropout its noise (CPU: fp32) or mask (CUDA: bool) where its input needs a gradient; sdpa as
- * above; SwiGLU's three (down's input not: its weight is frozen). */
+ * gradient (not layer 0's first: the embeddings are frozen); q's and v's adapters; sdpa as above; SwiGLU's three
+ * (down's input not: its weight is frozen); under autocast the 16-bit copy of each frozen linear's weight whose input
+ * needs a gradient (q, k and v not in layer 0; o, gate, up and down in every layer). */
 static size_t layer_lora(const shape *s, size_t l) {
-    size_t norm = s->BT * s->d * 4 + s->BT * 4;
-    size_t drop = l ? s->BT * s->d * (s->cpu_dropout ? 4 : 1) : 0;
-    return (l ? 2 : 1) * norm + 2 * (s->BT * s->d * 4 + s->BT * (size_t)s->lora_r * 4 + drop) +
-           s->BT * s->hd * (2 * s->H + 2 * s->KV) * s->e + s->B * s->H * s->T * 4 + 3 * s->BT * s->ff * s->e;
+    const size_t HD = s->H * s->hd, KVD = s->KV * s->hd, norm = s->BT * s->d * 4 + s->BT * 4;
+    const size_t w = s->mixed ? ((l ? s->d * (HD + 2 * KVD) : 0) + HD * s->d + 3 * s->d * s->ff) * 2 : 0;
+    return (l ? 2 : 1) * norm + lora_adapter(s, s->BT, s->d, HD, l > 0) + lora_adapter(s, s->BT, s->d, KVD, l > 0) +
+           s->BT * s->hd * (2 * s->H + 2 * s->KV) * s->a + s->B * s->H * s->T * 4 + 3 * s->BT * s->ff * s->a + w;
 }
 
 /* Saved for backward over the step. Once: the final norm (as a layer's), the head's input, the rotary cos/sin
  * (T x head_dim each, in the hidden states' dtype), the ids (not with frozen embeddings), the shifted labels, the
  * loss's fp32 log-softmax (B x T x V) and a fp32 scalar; under autocast the head weight's 16-bit copy. With
- * checkpointing (HF's reentrant): each layer's input instead of its tensors, and no cos/sin. */
+ * checkpointing (HF's reentrant; under LoRA PEFT makes the embeddings' output need a gradient): each layer's input
+ * instead of its tensors, and no cos/sin. */
 static size_t saved_bytes(const shape *s) {
     const size_t h = s->mixed ? 4 : s->e; /* the hidden states' dtype */
     size_t once = s->BT * 4 + labels_bytes(s) + 4 + s->BT * s->V * 4 + (s->ckpt ? 0 : 2 * s->T * s->hd * h);
     if (s->lora_r) {
-        size_t layers = 0;
-        for (size_t l = 0; l < s->L; l++) layers += layer_lora(s, l);
-        return layers + once + s->BT * s->d * 4;
+        size_t layers = s->ckpt ? s->L * s->BT * s->d * h : 0;
+        for (size_t l = 0; l < s->L && !s->ckpt; l++) layers += layer_lora(s, l);
+        return layers + once + s->BT * s->d * 4 + (s->mixed ? s->d * s->V * 2 : 0);
     }
     once += s->BT * 8 + (s->mixed ? s->BT * s->d * (4 + 4 + 2) + s->d * s->V * 2 : s->BT * s->d * (4 + 2 * s->e));
     return once + s->L * (s->ckpt ? s->BT * s->d * h : layer_full(s));
@@ -131,25 +143,35 @@ static size_t saved_t5(const shape *s) {
     return b + s->L * (2 * t5_norm(s, Ts) + t5_self_ffn(s, Ts)) + s->Ld * (3 * t5_norm(s, Tt) + t5_self_ffn(s, Tt) + cross);
 }
 
-/* ---- LoRA (PEFT) on a frozen base, OPT and Flan-T5 (tests/ref/pytorch_alloc.py peft) ----------------------------
- * The base's linears save nothing (their weights need no gradient, their inputs are needed for none); what needs a
- * gradient starts at the first adapter: until then (the embeddings, the first block's first norm) nothing is saved.
- * An adapter on B x t rows (PEFT casts its input to the adapters' fp32): the dropped input and A's output, and
- * dropout's noise (CPU: fp32) or mask (CUDA: bool) where its input needs a gradient. */
-static size_t lora_adapter(const shape *s, size_t t, int drop) {
-    const size_t n = s->B * t * s->d;
-    return n * 4 + s->B * t * (size_t)s->lora_r * 4 + (drop ? n * (s->cpu_dropout ? 4 : 1) : 0);
+/* ---- LoRA (PEFT) on a frozen base, GPT-2, OPT and Flan-T5 (tests/ref/pytorch_alloc.py peft, extra) --------------
+ * The base's linears save nothing without autocast (their weights need no gradient, their inputs are needed for
+ * none; under autocast the 16-bit copy of the weight where the input needs a gradient); what needs a gradient starts
+ * at the first adapter: until then (the embeddings, the first block's first norm) nothing is saved. Adapters: above.
+ *
+ * GPT-2 and OPT per layer l: the attention's LayerNorm (input, mean, rstd in the hidden states' dtype) where its input
+ * needs a gradient (not layer 0's), the adapters (OPT: q_proj's and v_proj's; GPT-2: c_attn's, and with PEFT's c_proj
+ * target attn.c_proj's on sdpa's output and mlp.c_proj's on the GELU's output), sdpa's q, k, v (GPT-2: c_attn's one
+ * output), out and fp32 logsumexp, the FFN's LayerNorm, the activation (OPT: the ReLU's output, kept by its backward;
+ * GPT-2: the tanh GELU's four intermediates, its output not: mlp.c_proj's weight is frozen), under autocast the
+ * weight copies (q, k, v / c_attn from layer 1 on; the out projection and the FFN's two in every layer). */
+static size_t layer_gpt2_lora(const shape *s, int opt, size_t l) {
+    const size_t h = s->mixed ? 4 : s->e, HD = s->H * s->hd, BT = s->BT, d = s->d, ff = s->ff;
+    const size_t ln = BT * d * h + 2 * BT * h;
+    size_t b = (l ? ln : 0) + 4 * BT * HD * s->a + s->B * s->H * s->T * 4 + ln;
+    if (opt) b += 2 * lora_adapter(s, BT, d, HD, l > 0) + BT * ff * s->a;
+    else b += lora_adapter(s, BT, d, 3 * HD, l > 0) + 4 * BT * ff * s->a +
+              (s->lora_proj ? lora_adapter(s, BT, HD, d, 1) + lora_adapter(s, BT, ff, d, 1) : 0);
+    return b + (s->mixed ? ((l ? d * 3 * HD : 0) + HD * d + 2 * d * ff) * 2 : 0);
 }
 
-/* OPT per layer l: the attention's LayerNorm where its input needs a gradient (not layer 0's), q's and v's adapters,
- * sdpa's q, k, v, out and fp32 logsumexp, the FFN's LayerNorm, the ReLU's output (fc2's input is not saved: fc2's
- * weight is frozen, but the ReLU's backward keeps it). Once: the final LayerNorm, the fp32 log-softmax, the labels. */
-static size_t saved_opt_lora(const shape *s) {
-    const size_t ln = s->BT * s->d * s->e + 2 * s->BT * s->e, HD = s->H * s->hd;
-    size_t b = ln + s->BT * s->V * 4 + labels_bytes(s) + 4;
-    for (size_t l = 0; l < s->L; l++)
-        b += (l ? ln : 0) + 2 * lora_adapter(s, s->T, l > 0) + 4 * s->BT * HD * s->e + s->B * s->H * s->T * 4 + ln +
-             s->BT * s->ff * s->e;
+/* GPT-2 and OPT under LoRA over the step. Once: the final LayerNorm, under autocast the head weight's 16-bit copy, the
+ * fp32 log-softmax, the labels and a scalar. Checkpointing (HF's): each block's input instead of its tensors. */
+static size_t saved_gpt2_lora(const shape *s, int opt) {
+    const size_t h = s->mixed ? 4 : s->e;
+    size_t b = s->BT * s->d * h + 2 * s->BT * h + (s->mixed ? s->d * s->V * 2 : 0) + s->BT * s->V * 4 +
+               labels_bytes(s) + 4;
+    if (s->ckpt) return b + s->L * s->BT * s->d * h;
+    for (size_t l = 0; l < s->L; l++) b += layer_gpt2_lora(s, opt, l);
     return b;
 }
 
@@ -166,10 +188,12 @@ static size_t saved_t5_lora(const shape *s) {
     size_t b = NORM(Ts) + s->L * s->H * Ts * Ts * e + NORM(Tt) + s->Ld * s->H * Tt * Tt * e + s->H * Tt * Ts * e +
                B * Tt * s->V * e + B * Tt * 8 + e;
     for (size_t l = 0; l < s->L; l++)
-        b += (l ? NORM(Ts) : 0) + 2 * lora_adapter(s, Ts, l > 0) + ATTN(Ts, Ts) + NORM(Ts) + 6 * B * Ts * s->ff * e;
+        b += (l ? NORM(Ts) : 0) + 2 * lora_adapter(s, B * Ts, s->d, HD, l > 0) + ATTN(Ts, Ts) + NORM(Ts) +
+             6 * B * Ts * s->ff * e;
     for (size_t l = 0; l < s->Ld; l++)
-        b += (l ? NORM(Tt) : 0) + 2 * lora_adapter(s, Tt, l > 0) + ATTN(Tt, Tt) + NORM(Tt) + lora_adapter(s, Tt, 1) +
-             lora_adapter(s, Ts, 1) + ATTN(Tt, Ts) + NORM(Tt) + 6 * B * Tt * s->ff * e;
+        b += (l ? NORM(Tt) : 0) + 2 * lora_adapter(s, B * Tt, s->d, HD, l > 0) + ATTN(Tt, Tt) + NORM(Tt) +
+             lora_adapter(s, B * Tt, s->d, HD, 1) + lora_adapter(s, B * Ts, s->d, HD, 1) + ATTN(Tt, Ts) + NORM(Tt) +
+             6 * B * Tt * s->ff * e;
 #undef NORM
 #undef ATTN
     return b;
@@ -268,12 +292,17 @@ static void nf4_bytes(const fl_model_config *mc, const shape *s, size_t n_params
 }
 
 /* PEFT LoRA on query and value: the adapted linears (LLaMA, OPT: q_proj and v_proj per layer; Flan-T5: q and v of
- * each self-attention and of the decoder's cross-attention) and their adapters' elements (A: r x in, B: out x r). */
+ * each self-attention and of the decoder's cross-attention; GPT-2: c_attn, with lora_proj also both c_proj) and their
+ * adapters' elements (A: r x in, B: out x r). */
 static size_t lora_params(const fl_model_config *mc, const shape *s, size_t *modules) {
     const size_t r = (size_t)s->lora_r, HD = s->H * s->hd, KVD = s->KV * s->hd;
     if (mc->arch == FL_ARCH_T5) {
         *modules = 2 * (s->L + 2 * s->Ld);
         return *modules * r * (s->d + HD);
+    }
+    if (mc->arch == FL_ARCH_GPT2) { /* c_attn (d -> 3 HD); c_proj: attn's (HD -> d) and mlp's (ff -> d) */
+        *modules = (s->lora_proj ? 3 : 1) * s->L;
+        return s->L * r * (s->d + 3 * HD + (s->lora_proj ? HD + s->ff + 2 * s->d : 0));
     }
     *modules = 2 * s->L;
     return s->L * r * (2 * s->d + HD + KVD);
@@ -291,19 +320,26 @@ static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup 
     if (mc->arch == FL_ARCH_T5 && u->T_dec <= 0)
         return fl_errorf(FL_ERR_INVALID, "--peer pytorch: %s: the decoder's length T_dec is %d", mc->name,
                          u->T_dec);
-    if (mc->arch == FL_ARCH_GPT2 && (u->lora_r || u->nf4))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is modelled for full fine-tunes (measured), not LoRA "
-                         "or QLoRA", fl_arch_get(mc->arch)->display);
+    if (mc->arch == FL_ARCH_GPT2 && u->nf4)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s under QLoRA is not modelled (bitsandbytes quantizes "
+                         "nn.Linear, not GPT-2's Conv1D)", fl_arch_get(mc->arch)->display);
+    if (u->lora_proj && (mc->arch != FL_ARCH_GPT2 || !u->lora_r))
+        return fl_errorf(FL_ERR_INVALID, "--peer pytorch: the c_proj LoRA target is GPT-2's, with lora_r");
     if (strcmp(p, "32-true") && strcmp(p, "bf16-true") && strcmp(p, "bf16-mixed") && strcmp(p, "16-mixed"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: precision %s is not modelled (32-true, bf16-true, "
                          "bf16-mixed and 16-mixed are)", p);
     if (strcmp(*optim, "adamw") && strcmp(*optim, "sgd") && strcmp(*optim, "adamw8bit"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: optimizer %s is not modelled (adamw, sgd, adamw8bit are)",
                          *optim);
-    if (u->lora_r && (u->act_ckpt || strstr(p, "mixed") || strcmp(*optim, "adamw") || u->ranks > 1))
+    if (u->lora_r && mc->arch == FL_ARCH_T5 && (u->act_ckpt || strstr(p, "mixed")))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: Flan-T5's LoRA with %s is not modelled (measured: "
+                         "32-true or bf16-true, no checkpointing)", u->act_ckpt ? "activation checkpointing" : p);
+    if (u->lora_r && (strcmp(*optim, "adamw") || u->ranks > 1))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: LoRA with %s is not modelled (measured: LoRA and QLoRA "
-                         "alone, AdamW, 32-true or bf16-true)", u->act_ckpt ? "activation checkpointing" :
-                         u->ranks > 1 ? "several ranks" : strstr(p, "mixed") ? p : *optim);
+                         "with AdamW on one device)", u->ranks > 1 ? "several ranks" : *optim);
+    if (u->nf4 && u->act_ckpt && mc->arch != FL_ARCH_LLAMA)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: QLoRA with activation checkpointing is modelled for "
+                         "LLaMA (measured), not %s", fl_arch_get(mc->arch)->display);
     if (u->nf4 && (!u->lora_r || (strcmp(p, "32-true") && strcmp(p, "bf16-true"))))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: NF4 is modelled as QLoRA computing in fp32 (32-true) or "
                          "bf16 (bf16-true)");
@@ -341,8 +377,8 @@ static void categories(const fl_model_config *mc, size_t n_params, const fl_lab_
     if (!strcmp(optim, "sgd")) out->optim = 0; /* no momentum: stateless */
     else if (!strcmp(optim, "adamw8bit")) out->optim = adam8bit_state(mc, s, n_params);
     else out->optim = 2 * trainable * state_e + 4 * (u->lora_r ? 2 * modules : tensors); /* + a fp32 step per tensor */
-    out->saved = u->lora_r && t5 ? saved_t5_lora(s) : u->lora_r && opt ? saved_opt_lora(s) : t5 ? saved_t5(s) :
-                 gpt2 || opt ? saved_gpt2(s, opt) : saved_bytes(s);
+    out->saved = u->lora_r && t5 ? saved_t5_lora(s) : u->lora_r && (opt || gpt2) ? saved_gpt2_lora(s, opt) :
+                 t5 ? saved_t5(s) : gpt2 || opt ? saved_gpt2(s, opt) : saved_bytes(s);
     out->logits = s->B * (t5 ? s->Tt : s->T) * s->V * s->a;
 }
 
@@ -352,7 +388,7 @@ static shape make_shape(const fl_model_config *mc, const fl_lab_peer_setup *u) {
     shape s = {(size_t)u->B, (size_t)u->T, (size_t)u->B * u->T, (size_t)mc->dim, (size_t)mc->ffn_dim,
                (size_t)mc->n_heads, (size_t)mc->n_kv_heads, (size_t)mc->head_dim, (size_t)mc->vocab_size,
                (size_t)mc->n_layers, !strcmp(p, "bf16-true") ? 2 : 4, 0, strstr(p, "mixed") != NULL, u->act_ckpt,
-               u->lora_r, u->cpu_dropout, 0, 0};
+               u->lora_r, u->cpu_dropout, u->lora_proj, 0, 0};
     s.a = s.mixed ? 2 : s.e;
     if (mc->arch == FL_ARCH_T5) s.Tt = (size_t)u->T_dec, s.Ld = (size_t)mc->n_dec_layers;
     return s;
@@ -371,8 +407,10 @@ static void model_peak(const fl_model_config *mc, size_t n_params, const fl_lab_
     if (u->act_ckpt) {
         shape f = s;
         f.ckpt = 0;
-        out->recompute = mc->arch == FL_ARCH_LLAMA ? layer_full(&f) : mc->arch == FL_ARCH_T5 ? t5_block(&f) :
-                         layer_gpt2(&f, mc->arch == FL_ARCH_OPT);
+        const int opt = mc->arch == FL_ARCH_OPT; /* under LoRA: a later layer's (its input needs a gradient) */
+        out->recompute = mc->arch == FL_ARCH_LLAMA ? (s.lora_r ? layer_lora(&f, 1) : layer_full(&f)) :
+                         mc->arch == FL_ARCH_T5 ? t5_block(&f) :
+                         s.lora_r ? layer_gpt2_lora(&f, opt, 1) : layer_gpt2(&f, opt);
     }
     /* modelled: AdamW's step (foreach, the default on a GPU) takes sqrt(exp_avg_sq) of every tensor at once, one
      * trainable-sized temporary; SGD and bitsandbytes' 8-bit kernel update in place */
@@ -451,6 +489,17 @@ static size_t b2_qformer_params(const fl_model_config *q, const fl_model_config 
            C * (2 * d * d + 2 * x * d + 4 * d + 2 * d) + (size_t)q->n_queries * d + d * (size_t)t->dim + (size_t)t->dim;
 }
 
+/* bitsandbytes' AdamW8bit state of the Q-Former's tensors (as b2_qformer_params lists them; the two maps are the
+ * language model's, counted once there). */
+static size_t b2_qformer_adam8bit(const fl_model_config *q, const fl_model_config *t) {
+    const size_t d = (size_t)q->dim, f = (size_t)q->ffn_dim, x = (size_t)q->xattn_dim, L = (size_t)q->n_layers;
+    const size_t C = b2_cross_blocks(q), td = (size_t)t->dim;
+    return 2 * adam8bit_tensor(d) +
+           L * (4 * adam8bit_tensor(d * d) + 9 * adam8bit_tensor(d) + adam8bit_tensor(f) + 2 * adam8bit_tensor(d * f)) +
+           C * (2 * adam8bit_tensor(d * d) + 2 * adam8bit_tensor(x * d) + 6 * adam8bit_tensor(d)) +
+           adam8bit_tensor((size_t)q->n_queries * d) + adam8bit_tensor(d * td) + adam8bit_tensor(td);
+}
+
 /* What the Q-Former saves: per LayerNorm its input (not the first's: the query tokens) and fp32 mean and rstd, and
  * its output where the next linears take it as is (not under autocast: they save their casts and weight copies,
  * but for the cross-attention's k and v: their input needs no gradient, so their weights are not saved);
@@ -484,9 +533,10 @@ fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_
     memset(out, 0, sizeof *out);
     const fl_model_config *t = &c->text;
     const int t5 = t->arch == FL_ARCH_T5;
-    if (u->optim && strcmp(u->optim, "adamw") && strcmp(u->optim, "sgd"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: BLIP-2 is modelled with AdamW or SGD (measured), not %s",
-                         u->optim);
+    if (u->lora_r && (u->act_ckpt || (u->precision && strstr(u->precision, "mixed"))))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: BLIP-2's LoRA with %s is not modelled (measured: "
+                         "32-true or bf16-true, no checkpointing)", u->act_ckpt ? "activation checkpointing" :
+                         u->precision);
     fl_lab_peer_setup lu = *u; /* the language model's step: its input rows and, for Flan-T5, the decoder's */
     lu.T = t5 ? c->n_queries : c->n_queries + u->T;
     lu.T_dec = t5 ? u->T : 0;
@@ -518,6 +568,7 @@ fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_
         const size_t qgrads = n_qf * qe + n_proj * s.e;
         out->grads += qgrads;
         if (!strcmp(optim, "adamw")) out->optim += 2 * qgrads + 4 * q_tensors;
+        else if (!strcmp(optim, "adamw8bit")) out->optim += b2_qformer_adam8bit(&c->qformer, t);
         out->saved += b2_qformer_saved(c, &s) + (size_t)u->B * lu.T; /* + the placeholders' mask (bool) */
     } /* LoRA: PEFT freezes all but the language model's adapters: the Q-Former saves nothing, no gradient reaches it */
     model_peak(t, n_text + n_vision + n_q, &lu, &s, optim, out);

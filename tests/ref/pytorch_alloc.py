@@ -38,11 +38,18 @@
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py blip2 > tests/fixtures/pytorch-alloc-blip2.json
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py peft > tests/fixtures/pytorch-alloc-peft.json
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py 8bit > tests/fixtures/pytorch-alloc-8bit.json
+#   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py extra > tests/fixtures/pytorch-alloc-extra.json
 # `peft`: LoRA and QLoRA beyond LLaMA's 32-true rows: LLaMA's QLoRA in bf16 and with double quantization ("nf4-dq"),
 # OPT and Flan-T5 under LoRA and QLoRA (fp32, bf16), BLIP-2 under LoRA and QLoRA (PEFT on the whole model, targets
 # the language model's query and value). Quantized models go through save_pretrained / from_pretrained with the
 # BitsAndBytesConfig, as QLoRA loads a checkpoint. bitsandbytes' dequantized weight (MatMul4Bit: forward and backward
 # each dequantize one weight to the compute dtype and drop it) is modelled in C from its source, not measured.
+# `extra`: what no lab row used before: GPT-2 under PEFT LoRA (Conv1D c_attn, PEFT's default; with `targets`
+# ["c_attn", "c_proj"] also both c_proj, the suffix matching attn.c_proj and mlp.c_proj) at every precision and
+# checkpointed, LLaMA's and OPT's LoRA under autocast and checkpointing (LLaMA's QLoRA checkpointed), BLIP-2 with
+# bitsandbytes' AdamW8bit. Under autocast a frozen linear saves the 16-bit copy of its weight where its input needs a
+# gradient (autocast caches only the casts of weights that need one); with checkpointing PEFT makes the embeddings'
+# output need a gradient, so every block saves its input.
 # (FL_ALLOC_VERBOSE=1: every saved tensor's shape and dtype on stderr.)
 import contextlib, json, os, sys, tempfile, warnings, weakref
 import torch
@@ -110,7 +117,7 @@ def quant_bytes(m):
     return sum(seen.values())
 
 
-LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "opt": ["q_proj", "v_proj"], "t5": ["q", "v"]}
+LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "opt": ["q_proj", "v_proj"], "t5": ["q", "v"], "gpt2": ["c_attn"]}
 
 
 class Saved:
@@ -140,7 +147,39 @@ class Saved:
         return sum(seen.values())
 
 
-def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", optim="adamw", arch="llama", Tt=0, Ld=0):
+def prepare(m, ckpt, lora_r, targets):
+    """HF checkpointing, PEFT LoRA (r, alpha 2r, dropout 0.05 on targets), train mode; the saved-tensor counter."""
+    if ckpt:
+        m.gradient_checkpointing_enable()
+    if lora_r:
+        m = peft.get_peft_model(m, peft.LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05,
+                                                   target_modules=targets))
+    m.train()
+    return m, Saved(m)
+
+
+def step(m, sv, prec, optim, **inputs):
+    """One training step (the forward under autocast for the mixed precisions, backward, the optimizer's step): the
+    measured sizes of the row, in the fixtures' order."""
+    amp = torch.autocast("cpu", dtype=AMP[prec]) if prec in AMP else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(sv.pack, lambda t: t), amp:
+        out = m(**inputs)
+    saved = sv.total()
+    logits = out.logits.untyped_storage().nbytes()
+    out.loss.backward()
+    train = [p for p in m.parameters() if p.requires_grad]
+    opt = {"adamw": lambda: torch.optim.AdamW(train, lr=1e-3), "sgd": lambda: torch.optim.SGD(train, lr=1e-3),
+           "adamw8bit": lambda: bitsandbytes.optim.AdamW8bit(train, lr=1e-3)}[optim]()
+    opt.step()
+    ostate = sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in opt.state.values()
+                  for v in st.values() if torch.is_tensor(v)}.values())
+    return m, dict(trainable=sum(p.numel() for p in train), params=sum(p.untyped_storage().nbytes() for p in
+                   m.parameters()), grads=sum(p.grad.untyped_storage().nbytes() for p in train), optim=ostate,
+                   saved=saved, logits=logits)
+
+
+def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", optim="adamw", arch="llama", Tt=0, Ld=0,
+            targets=None):
     if arch == "gpt2":  # n_inner = ff; dropout off
         cfg = GPT2Config(vocab_size=V, n_embd=d, n_inner=ff, n_layer=L, n_head=H, n_positions=256, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa", use_cache=False)
@@ -157,42 +196,22 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
         cfg = LlamaConfig(vocab_size=V, hidden_size=d, intermediate_size=ff, num_hidden_layers=L,
                           num_attention_heads=H, num_key_value_heads=KV, head_dim=hd, max_position_embeddings=256,
                           attn_implementation="sdpa", tie_word_embeddings=False, use_cache=False)
-    m = build(cfg, prec, quant)
-    if ckpt:
-        m.gradient_checkpointing_enable()
-    if lora_r:
-        m = peft.get_peft_model(m, peft.LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05,
-                                                   target_modules=LORA_TARGETS[arch]))
-    m.train()
-    sv = Saved(m)
-
+    m, sv = prepare(build(cfg, prec, quant), ckpt, lora_r, targets or LORA_TARGETS.get(arch))
     torch.manual_seed(1)
     x = torch.randint(0, V, (B, T))
     y = torch.randint(0, V, (B, Tt)) if Tt else x
-    amp = torch.autocast("cpu", dtype=AMP[prec]) if prec in AMP else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(sv.pack, lambda t: t), amp:
-        out = m(input_ids=x, labels=y)
-    saved = sv.total()
-    logits = out.logits.untyped_storage().nbytes()
-    out.loss.backward()
-    train = [p for p in m.parameters() if p.requires_grad]
-    opt = {"adamw": lambda: torch.optim.AdamW(train, lr=1e-3), "sgd": lambda: torch.optim.SGD(train, lr=1e-3),
-           "adamw8bit": lambda: bitsandbytes.optim.AdamW8bit(train, lr=1e-3)}[optim]()
-    opt.step()
-    params = sum(p.untyped_storage().nbytes() for p in m.parameters())
-    qstate = quant_bytes(m)
-    grads = sum(p.grad.untyped_storage().nbytes() for p in train)
-    ostate = sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in opt.state.values()
-                  for v in st.values() if torch.is_tensor(v)}.values())
+    m, got = step(m, sv, prec, optim, input_ids=x, labels=y)
     full = build(cfg, "32-true", "") if arch == "t5" else CLS[type(cfg)](cfg)
     row = dict(arch=arch) if arch != "llama" else {}
     if Tt:
         row.update(T_dec=Tt, dec_layers=Ld)
+    if targets:  # the rows with their own LoRA targets (pytorch_alloc.py extra)
+        row.update(targets=targets)
     return dict(row, B=B, T=T, precision=prec, ckpt=ckpt, lora_r=lora_r, quant=quant, optimizer=optim, layers=L,
                 heads=H, kv_heads=KV, dim=d, ffn=ff, vocab=V, head_dim=hd,
-                n_params=sum(p.numel() for p in full.parameters()),
-                trainable=sum(p.numel() for p in train), params=params, quant_state=qstate, grads=grads,
-                optim=ostate, saved=saved, logits=logits)
+                n_params=sum(p.numel() for p in full.parameters()), trainable=got["trainable"],
+                params=got["params"], quant_state=quant_bytes(m), grads=got["grads"], optim=got["optim"],
+                saved=got["saved"], logits=got["logits"])
 
 
 def measure_blip2(B, L, prec, lm, vis, qf, NQ, txt, ckpt=0, optim="adamw", lora_r=0, quant=""):
@@ -245,38 +264,16 @@ def measure_blip2(B, L, prec, lm, vis, qf, NQ, txt, ckpt=0, optim="adamw", lora_
             m.query_tokens.data = m.query_tokens.data.float()
     for p in m.vision_model.parameters():
         p.requires_grad_(False)
-    if ckpt:
-        m.gradient_checkpointing_enable()
-    if lora_r:
-        m = peft.get_peft_model(m, peft.LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05,
-                                                   target_modules=LORA_TARGETS[lm]))
-    m.train()
-    sv = Saved(m)
-
+    m, sv = prepare(m, ckpt, lora_r, LORA_TARGETS[lm])
     torch.manual_seed(1)
     px = torch.randn(B, 3, vis[4], vis[4]).to(DT[prec])
     cap = torch.randint(0, V - 1, (B, L))
     img = torch.full((B, NQ), V - 1)
     ids, labels = (torch.cat([img, cap], 1), torch.cat([torch.full((B, NQ), -100), cap], 1)) if lm == "opt" else \
         (img, cap)
-    amp = torch.autocast("cpu", dtype=AMP[prec]) if prec in AMP else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(sv.pack, lambda t: t), amp:
-        out = m(pixel_values=px, input_ids=ids, labels=labels)
-    saved = sv.total()
-    logits = out.logits.untyped_storage().nbytes()
-    out.loss.backward()
-    train = [p for p in m.parameters() if p.requires_grad]
-    opt = {"adamw": lambda: torch.optim.AdamW(train, lr=1e-3), "sgd": lambda: torch.optim.SGD(train, lr=1e-3),
-           "adamw8bit": lambda: bitsandbytes.optim.AdamW8bit(train, lr=1e-3)}[optim]()
-    opt.step()
-    params = sum(p.untyped_storage().nbytes() for p in m.parameters())
-    grads = sum(p.grad.untyped_storage().nbytes() for p in train)
-    ostate = sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in opt.state.values()
-                  for v in st.values() if torch.is_tensor(v)}.values())
+    m, got = step(m, sv, prec, optim, pixel_values=px, input_ids=ids, labels=labels)
     row = dict(arch="blip2", lm=lm, B=B, T=L, precision=prec, ckpt=ckpt, optimizer=optim, vision=list(vis),
-               qformer=list(qf), queries=NQ, text=list(txt), n_params=n_params,
-               trainable=sum(p.numel() for p in train), params=params, grads=grads, optim=ostate, saved=saved,
-               logits=logits)
+               qformer=list(qf), queries=NQ, text=list(txt), n_params=n_params, **got)
     if lora_r or quant:  # the older rows' fields unchanged
         row.update(lora_r=lora_r, quant=quant, quant_state=quant_bytes(m))
     return row
@@ -286,8 +283,31 @@ def main():
     SHAPES = ((2, 24, 1, 4, 4, 64, 172, 512, 16), (2, 24, 2, 4, 4, 64, 172, 512, 16), (1, 37, 2, 4, 2, 64, 172, 512, 16),
               (3, 20, 3, 8, 2, 96, 256, 300, 12))
     rows = []
-    ARCH = sys.argv[1] if sys.argv[1:] in (["gpt2"], ["opt"], ["t5"], ["blip2"], ["peft"], ["8bit"]) else ""
-    if ARCH == "8bit":  # bitsandbytes' AdamW8bit on GPT-2's, OPT's and Flan-T5's full fine-tunes (fp32 and bf16)
+    ARCH = sys.argv[1] if sys.argv[1:] in (["gpt2"], ["opt"], ["t5"], ["blip2"], ["peft"], ["8bit"], ["extra"]) else ""
+    if ARCH == "extra":  # LoRA for GPT-2 (PEFT on the Conv1D c_attn, and c_attn + c_proj), LoRA under autocast and
+        # with checkpointing (LLaMA, GPT-2, OPT; QLoRA checkpointed), BLIP-2 with AdamW8bit
+        for s in ((2, 24, 2, 4, 2, 64, 192, 512, 16), (3, 20, 3, 8, 2, 96, 256, 300, 12)):
+            for prec, ck in (("bf16-mixed", 0), ("16-mixed", 0), ("32-true", 1), ("bf16-true", 1), ("bf16-mixed", 1)):
+                rows.append(measure(*s[:2], prec, *s[2:], ckpt=ck, lora_r=8))
+            rows.append(measure(*s[:2], "32-true", *s[2:], ckpt=1, lora_r=8, quant="nf4"))
+        for s in ((2, 24, 1, 4, 4, 64, 256, 512, 16), (1, 37, 2, 4, 4, 64, 172, 300, 16)):
+            for prec, ck in (("32-true", 0), ("bf16-true", 0), ("bf16-mixed", 0), ("16-mixed", 0), ("32-true", 1),
+                             ("bf16-mixed", 1)):
+                rows.append(measure(*s[:2], prec, *s[2:], ckpt=ck, lora_r=8, arch="gpt2"))
+            for prec in ("32-true", "bf16-true", "bf16-mixed"):
+                rows.append(measure(*s[:2], prec, *s[2:], lora_r=8, arch="gpt2", targets=["c_attn", "c_proj"]))
+        for s in ((2, 24, 1, 4, 4, 64, 256, 512, 16), (3, 20, 3, 6, 6, 96, 384, 300, 16)):
+            for prec, ck in (("bf16-mixed", 0), ("16-mixed", 0), ("32-true", 1), ("bf16-mixed", 1)):
+                rows.append(measure(*s[:2], prec, *s[2:], ckpt=ck, lora_r=8, arch="opt"))
+        VIS, QF = ((1, 2, 32, 64, 8, 4), (2, 2, 24, 48, 12, 4)), ((2, 4, 48, 96, 2), (3, 2, 32, 80, 1))
+        TXT = {"opt": ((1, 4, 4, 64, 128, 300, 16), (2, 2, 2, 48, 96, 200, 24)),
+               "t5": ((1, 4, 4, 64, 96, 300, 16, 1), (2, 2, 2, 48, 80, 200, 32, 2))}
+        for lm in ("opt", "t5"):
+            for i, (B, L, NQ) in enumerate(((2, 6, 3), (1, 5, 4))):
+                for prec in ("32-true", "bf16-true"):
+                    rows.append(measure_blip2(B, L, prec, lm, VIS[i], QF[i], NQ, TXT[lm][i], optim="adamw8bit"))
+        SHAPES = ()
+    elif ARCH == "8bit":  # bitsandbytes' AdamW8bit on GPT-2's, OPT's and Flan-T5's full fine-tunes (fp32 and bf16)
         for arch, S in (("gpt2", ((2, 24, 1, 4, 4, 64, 256, 512, 16), (1, 37, 2, 4, 4, 64, 172, 300, 16))),
                         ("opt", ((2, 24, 1, 4, 4, 64, 256, 512, 16), (1, 37, 2, 4, 4, 64, 172, 300, 16)))):
             for s in S:
