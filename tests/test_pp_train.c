@@ -125,8 +125,6 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
         else pp_config(&j->cfg[r], W / pp, pp, "1f1b", out);
         if (lora == 2) /* QLoRA runs on the stages (pp_train_threads_qlora_equals_one_process), not yet on TP x PP */
             snprintf(j->cfg[r].lora.quantize, sizeof j->cfg[r].lora.quantize, "bnb.nf4"), j->cfg[r].tensor_parallel = 2;
-        if (lora == 3) j->cfg[r].tensor_parallel = 2, j->cfg[r].lora.dropout = 0.1f; /* LoRA on the 3D grid runs: its
-                                                                                      * row-parallel dropout does not */
         j->cfg[r].pipeline_parallel = pp;
         if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
         if (strategy && !strcmp(strategy, "hybrid")) {
@@ -147,7 +145,6 @@ FL_TEST(pp_train_threads_refusals) {
      * attention output (32 columns per rank) is not */
     expect_refusal(4, 2, NULL, 2, "--tensor_parallel 2 with --quantize bnb.nf4: a rank's part of "
                    "model.layers.0.self_attn.o_proj.weight (row-parallel: 32 elements of each row) cuts the 4-bit");
-    expect_refusal(4, 2, NULL, 3, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel");
     /* HYBRID_SHARD runs on the data axis (pp_train_threads_hybrid_shard_on_the_data_axis) when a node holds whole
      * pipelines: 4 nodes of 1 rank do not */
     expect_refusal(4, 2, "hybrid", 0, "HYBRID_SHARD on the data-parallel axis of a grid of 2 model-parallel ranks "
