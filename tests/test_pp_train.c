@@ -125,8 +125,6 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
         else pp_config(&j->cfg[r], W / pp, pp, "1f1b", out);
         if (lora == 2) /* QLoRA runs on the stages (pp_train_threads_qlora_equals_one_process), not yet on TP x PP */
             snprintf(j->cfg[r].lora.quantize, sizeof j->cfg[r].lora.quantize, "bnb.nf4"), j->cfg[r].tensor_parallel = 2;
-        if (lora == 3) j->cfg[r].tensor_parallel = 2, j->cfg[r].lora.dropout = 0.1f; /* LoRA on the 3D grid runs: its
-                                                                                      * row-parallel dropout does not */
         j->cfg[r].pipeline_parallel = pp;
         if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
         if (strategy && !strcmp(strategy, "hybrid")) {
@@ -143,7 +141,6 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
 
 FL_TEST(pp_train_threads_refusals) {
     expect_refusal(4, 2, NULL, 2, "--tensor_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split");
-    expect_refusal(4, 2, NULL, 3, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel");
     expect_refusal(4, 2, "hybrid", 0, "--pipeline_parallel 2 with --strategy fsdp HYBRID_SHARD: the data-parallel axis "
                    "runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 so far, not HYBRID_SHARD");
     expect_refusal(2, 2, "deepspeed_stage_2_offload", 0, "offload is not combined with pipeline parallelism");
