@@ -746,7 +746,8 @@ pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T
 [ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_t5" "exit $rc"
 
 # sequence parallelism (--sequence_parallel with --tensor_parallel) over 2 and 4 ranks (tests/mpi_sp_test.sh: against one
-# process and TP alone, the checkpoint resumed in one process, rank 0's peaks = the plan, the sequence-length refusal)
+# process and TP alone, the checkpoint resumed in one process, rank 0's peaks = the plan, TP 2 x PP 2, T5 with its
+# evaluation sample, LoRA dropout on the row-parallel linears, the sequence-length refusal)
 "$(dirname "$0")/mpi_sp_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
 grep -E "^(ok|FAIL|     )" "$T/out"
 pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))

@@ -227,12 +227,13 @@ FL_TEST(tp_t5_train_threads_match_one_process) {
 /* opaque: the blocks' sums, d(encoder output)'s and the embedding's through the NCCL stand-in on device memory */
 FL_TEST(tp_t5_train_nccl_standin_opaque) { t5t_scenario(0, 1, 2, "opaque", 2); }
 
-/* TP 2's step-3 checkpoint (consolidated) resumed at TP 4 and in one process: later losses = the uninterrupted run's */
-FL_TEST(tp_t5_train_checkpoint_resumes_at_another_size) {
+/* TP 2's step-3 checkpoint (consolidated) resumed at TP 4 and in one process: later losses = the uninterrupted run's
+ * (g_sp: every run with tp > 1 sequence parallel) */
+static void t5_resume(const char *name) {
     const char *dir = t5t_folder(0);
     FL_REQUIRE(dir != NULL);
     char out[700], from[800];
-    snprintf(out, sizeof out, "%s/t5tp-resume-tp2", fl_test_tmpdir());
+    snprintf(out, sizeof out, "%s/%s", fl_test_tmpdir(), name);
     dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     for (int r = 0; r < 2; r++) t5t_config(&j->cfg[r], dir, 1, 2, out);
@@ -261,13 +262,16 @@ FL_TEST(tp_t5_train_checkpoint_resumes_at_another_size) {
         FL_CHECKF(s2 != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "T5 TP 2's step 3 resumed at TP %d: %ld steps, "
                   "later losses differ by %.3g relative", sizes[k], j->rec[0].steps, w);
         if (getenv("FL_TEST_VERBOSE"))
-            printf("    T5 TP 2's step 3 resumed at TP %d: later losses within %.3g relative\n", sizes[k], w);
+            printf("    T5 TP 2%s's step 3 resumed at TP %d: later losses within %.3g relative\n", g_sp ? " + SP" : "",
+                   sizes[k], w);
     }
     unsetenv("FITLLM_BACKEND");
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&full);
     free(j);
 }
+
+FL_TEST(tp_t5_train_checkpoint_resumes_at_another_size) { t5_resume("t5tp-resume-tp2"); }
 
 /* every rank's plan = its measured peaks per tag: TP 2 (DDP) and DP 2 x TP 2 under ZeRO-2 (OPTIM: the chunk's) */
 FL_TEST(tp_t5_train_plan_equals_measured) {
@@ -396,45 +400,8 @@ FL_TEST(sp_t5_train_plan_resume_opaque) {
     }
     FL_CHECKF(acts[1] < acts[0], "T5 TP 2: ACTS with SP %zu, without %zu", acts[1], acts[0]);
     if (getenv("FL_TEST_VERBOSE")) printf("    T5 TP 2 rank 0 ACTS: TP %zu, TP + SP %zu bytes\n", acts[0], acts[1]);
-    /* resume */
-    char out[700], from[800];
-    snprintf(out, sizeof out, "%s/t5sp-resume-tp2", fl_test_tmpdir());
-    dr_job *j = calloc(1, sizeof *j);
-    FL_REQUIRE(j != NULL);
     g_sp = 1;
-    for (int r = 0; r < 2; r++) t5t_config(&j->cfg[r], dir, 1, 2, out);
-    setenv("FITLLM_BACKEND", "cpu", 1);
-    fl_status s = t5t_run(j, 2);
-    FL_CHECKF(s == FL_OK, "T5 TP 2 + SP: %s", j->msg[0]);
-    dr_rec full = j->rec[0];
-    memset(&j->rec[0], 0, sizeof j->rec[0]);
-    const long steps = j->cfg[0].train.max_steps, from_step = 3;
-    snprintf(from, sizeof from, "%s/step-000003", out);
-    const int sizes[2] = {1, 4};
-    for (int k = 0; k < 2 && s == FL_OK; k++) {
-        char o2[760];
-        snprintf(o2, sizeof o2, "%s-r%d", out, sizes[k]);
-        for (int r = 0; r < DR_JOB_RANKS; r++) {
-            dr_free(&j->rec[r]);
-            t5t_config(&j->cfg[r], dir, 1, sizes[k], o2);
-            j->cfg[r].train.save_interval = 0;
-            snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
-        }
-        fl_status s2 = t5t_run(j, sizes[k]);
-        FL_CHECKF(s2 == FL_OK, "T5 TP 2 + SP resumed at TP %d: %s", sizes[k], j->msg[0][0] ? j->msg[0] : fl_error_message());
-        double w = 0;
-        for (long st = from_step; s2 == FL_OK && st < steps; st++)
-            w = fmax(w, fabs(j->rec[0].loss[st] - full.loss[st]) / fabs(full.loss[st]));
-        FL_CHECKF(s2 != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "T5 TP 2 + SP's step 3 resumed at TP %d: %ld "
-                  "steps, later losses differ by %.3g relative", sizes[k], j->rec[0].steps, w);
-        if (getenv("FL_TEST_VERBOSE"))
-            printf("    T5 TP 2 + SP's step 3 resumed at TP %d%s: later losses within %.3g relative\n", sizes[k],
-                   sizes[k] > 1 ? " + SP" : "", w);
-    }
-    unsetenv("FITLLM_BACKEND");
-    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
-    dr_free(&full);
-    free(j);
+    t5_resume("t5sp-resume-tp2");
     t5t_scenario(0, 1, 2, "opaque", 2);
     g_sp = 0;
 }

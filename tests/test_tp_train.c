@@ -870,8 +870,9 @@ FL_TEST(tp_train_threads_lora_checkpoints_resume) { lora_resume("tp-lora-resume"
 /* LoRA dropout on the row-parallel linears (o_proj, down_proj: their input is the rank's columns; lora_model.c draws
  * each row's mask at the whole's columns, keep(seed, row in + c0 + j)): one process's masks, so the bars are TP's
  * LoRA ones: TP 2 with adapters on q, v, o and the MLP, dropout 0.1, within 1e-6 of one process and the merged final
- * weights within the AdamW bound; the release pass: TP 4, DP 2 x TP 2, TP 2 + SP, TP 2 x PP 2, the opaque backend
- * (the rows' masks through the device's dropout op) and the checkpoints resumed in one process and at TP 2. */
+ * weights within the AdamW bound; the release pass: TP 4, DP 2 x TP 2, TP 2 + SP, TP 2 x PP 2 + SP, the opaque
+ * backend and the CUDA emulator (the rows' masks through the device's dropout op) and the checkpoints resumed in one
+ * process and at TP 2. */
 FL_TEST(tp_train_threads_lora_dropout_on_row_parallel) {
     g_lora_dropout = g_lora_proj = 1;
     scenario(DR_LORA, 1, 2);
@@ -885,6 +886,11 @@ FL_TEST(tp_train_threads_lora_dropout_on_row_parallel) {
         g_sp = g_t20 = 0, g_pp = 1;
         g_forced = "opaque";
         scenario(DR_LORA, 1, 2);
+#if defined(FL_HAVE_CUDA_EMU) && !defined(__SANITIZE_ADDRESS__)
+        g_small = 1, g_forced = "cuda-emu"; /* the CUDA backend's code: 2 steps of a 2-layer GPT-2 (c_proj twice) */
+        scenario(DR_LORA, 1, 2);
+        g_small = 0;
+#endif
         g_forced = NULL;
         lora_resume("tp-lora-dropout-resume");
     }

@@ -527,6 +527,7 @@ void fl_tr_tp_print(const trainer *t, fl_comm *world) {
         fprintf(t->out, "sequence parallel: between the linears each rank holds %d of every pass's %d x %d rows (the "
                 "residual stream, the norms, the residual adds; the saved stream and statistics 1/%d); a reduce-scatter "
                 "after each row-parallel linear and an all-gather before each column-parallel one in place of the "
-                "all-reduces; the norms' weight gradients summed over the group\n", t->sch.B * t->sch.T / t->tp.size,
-                t->sch.B, t->sch.T, t->tp.size);
+                "all-reduces; the norms' weight gradients summed over the group%s\n", t->sch.B * t->sch.T / t->tp.size,
+                t->sch.B, t->sch.T, t->tp.size, t->sch.Ts ? " (T5: both stacks, the target's rows shown; the encoder "
+                "output gathered once per pass for the cross-attention)" : "");
 }
