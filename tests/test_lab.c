@@ -987,10 +987,10 @@ FL_TEST(lab_peer_pytorch_peft_matches_torch) {
 
 /* The setups no lab row used before (tests/ref/pytorch_alloc.py extra), byte for byte per category: GPT-2 under PEFT
  * LoRA (its Conv1D c_attn, and with the c_proj target attn.c_proj and mlp.c_proj too) at every precision and
- * checkpointed; LLaMA's and OPT's LoRA under autocast (bf16-mixed, 16-mixed) and with checkpointing (LLaMA's QLoRA
- * too); BLIP-2 (OPT, Flan-T5) with bitsandbytes' AdamW8bit. What is still not measured is refused by name. */
+ * checkpointed; LLaMA's, OPT's and Flan-T5's LoRA under autocast (bf16-mixed, 16-mixed) and with checkpointing
+ * (LLaMA's QLoRA too); BLIP-2 (OPT, Flan-T5) with bitsandbytes' AdamW8bit. What is still not measured is refused by name. */
 FL_TEST(lab_peer_pytorch_extra_matches_torch) {
-    alloc_rows("tests/fixtures/pytorch-alloc-extra.json", 46);
+    alloc_rows("tests/fixtures/pytorch-alloc-extra.json", 56);
     FL_CHECK(blip2_rows("tests/fixtures/pytorch-alloc-extra.json") == 8);
     fl_model_config g, t;
     FL_REQUIRE_OK(fl_preset_find("gpt2-xl", &g));
@@ -1000,10 +1000,7 @@ FL_TEST(lab_peer_pytorch_extra_matches_torch) {
     u.precision = "16-mixed", u.B = 8, u.T = 128, u.lora_r = 16, u.nf4 = 1;
     FL_CHECK(fl_lab_peer_pytorch_setup(&g, fl_sizing_param_count(&g), &u, &p) == FL_ERR_UNSUPPORTED &&
              strstr(fl_error_message(), "GPT-2 under QLoRA is not modelled"));
-    u.nf4 = 0, u.T_dec = 16;
-    FL_CHECK(fl_lab_peer_pytorch_setup(&t, fl_sizing_param_count(&t), &u, &p) == FL_ERR_UNSUPPORTED &&
-             strstr(fl_error_message(), "Flan-T5's LoRA with 16-mixed is not modelled"));
-    u.lora_proj = 1;
+    u.nf4 = 0, u.T_dec = 16, u.lora_proj = 1;
     FL_CHECK(fl_lab_peer_pytorch_setup(&t, fl_sizing_param_count(&t), &u, &p) == FL_ERR_INVALID &&
              strstr(fl_error_message(), "the c_proj LoRA target is GPT-2's"));
 }
