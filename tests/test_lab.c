@@ -947,7 +947,7 @@ static int blip2_rows(const char *path) {
  * language model trained): every precision, checkpointing and SGD at two shapes each (tests/ref/pytorch_alloc.py
  * blip2), byte for byte, the parameter count HF's; at the real shapes the parts' count is fitllm's
  * fl_blip2_param_count; LoRA trains far fewer parameters and saves less, QLoRA stores a quarter of the weights;
- * 8-bit AdamW is refused by name. */
+ * LoRA with SGD is refused by name (8-bit AdamW and LoRA under autocast: lab_peer_pytorch_extra_matches_torch). */
 FL_TEST(lab_peer_pytorch_blip2_matches_torch) {
     FL_CHECK(blip2_rows("tests/fixtures/pytorch-alloc-blip2.json") == 24);
     const char *real[] = {"blip2-opt-2.7b", "blip2-flan-t5-xxl"};
@@ -968,9 +968,9 @@ FL_TEST(lab_peer_pytorch_blip2_matches_torch) {
         u.nf4 = 1, u.precision = "bf16-true"; /* QLoRA: a quarter of the bf16 weights, roughly */
         FL_REQUIRE_OK(fl_lab_peer_pytorch_blip2(&c, &u, &l));
         FL_CHECKF(l.params < p.params / 4 && l.quant > 0, "%s: QLoRA weights %zu", real[k], l.params);
-        u.precision = "bf16-mixed", u.nf4 = 0; /* BLIP-2's LoRA under autocast was not measured */
+        u.precision = "bf16-true", u.nf4 = 0, u.optim = "sgd"; /* LoRA with SGD was not measured */
         FL_CHECK(fl_lab_peer_pytorch_blip2(&c, &u, &p) == FL_ERR_UNSUPPORTED &&
-                 strstr(fl_error_message(), "BLIP-2's LoRA with bf16-mixed is not modelled"));
+                 strstr(fl_error_message(), "LoRA with sgd is not modelled"));
     }
 }
 
@@ -988,10 +988,11 @@ FL_TEST(lab_peer_pytorch_peft_matches_torch) {
 /* The setups no lab row used before (tests/ref/pytorch_alloc.py extra), byte for byte per category: GPT-2 under PEFT
  * LoRA (its Conv1D c_attn, and with the c_proj target attn.c_proj and mlp.c_proj too) at every precision and
  * checkpointed; LLaMA's, OPT's and Flan-T5's LoRA under autocast (bf16-mixed, 16-mixed) and with checkpointing
- * (LLaMA's QLoRA too); BLIP-2 (OPT, Flan-T5) with bitsandbytes' AdamW8bit. What is still not measured is refused by name. */
+ * (LLaMA's QLoRA too); BLIP-2 (OPT, Flan-T5) with bitsandbytes' AdamW8bit, and under LoRA with autocast (bf16-mixed)
+ * and checkpointing (32-true). What is still not measured is refused by name. */
 FL_TEST(lab_peer_pytorch_extra_matches_torch) {
-    alloc_rows("tests/fixtures/pytorch-alloc-extra.json", 56);
-    FL_CHECK(blip2_rows("tests/fixtures/pytorch-alloc-extra.json") == 8);
+    alloc_rows("tests/fixtures/pytorch-alloc-extra.json", 64);
+    FL_CHECK(blip2_rows("tests/fixtures/pytorch-alloc-extra.json") == 16);
     fl_model_config g, t;
     FL_REQUIRE_OK(fl_preset_find("gpt2-xl", &g));
     FL_REQUIRE_OK(fl_preset_find("flan-t5-xl", &t));
@@ -1003,6 +1004,15 @@ FL_TEST(lab_peer_pytorch_extra_matches_torch) {
     u.nf4 = 0, u.T_dec = 16, u.lora_proj = 1;
     FL_CHECK(fl_lab_peer_pytorch_setup(&t, fl_sizing_param_count(&t), &u, &p) == FL_ERR_INVALID &&
              strstr(fl_error_message(), "the c_proj LoRA target is GPT-2's"));
+    fl_blip2_config c; /* BLIP-2's LoRA checkpointed: measured at 32-true only */
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-opt-2.7b", &c));
+    fl_lab_peer_setup b = {0};
+    b.precision = "bf16-true", b.B = 2, b.T = 8, b.lora_r = 16, b.act_ckpt = 1;
+    FL_CHECK(fl_lab_peer_pytorch_blip2(&c, &b, &p) == FL_ERR_UNSUPPORTED &&
+             strstr(fl_error_message(), "BLIP-2's LoRA with activation checkpointing is modelled at 32-true"));
+    b.precision = "32-true";
+    FL_REQUIRE_OK(fl_lab_peer_pytorch_blip2(&c, &b, &p));
+    FL_CHECK(p.recompute > 0 && p.peak >= p.params + p.saved);
 }
 
 /* issue 33 Verify: `plan` at the real scale, at the course's settings (its recipes' models, precisions and batches;

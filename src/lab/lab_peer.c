@@ -557,10 +557,9 @@ fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_
     memset(out, 0, sizeof *out);
     const fl_model_config *t = &c->text;
     const int t5 = t->arch == FL_ARCH_T5;
-    if (u->lora_r && (u->act_ckpt || (u->precision && strstr(u->precision, "mixed"))))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: BLIP-2's LoRA with %s is not modelled (measured: "
-                         "32-true or bf16-true, no checkpointing)", u->act_ckpt ? "activation checkpointing" :
-                         u->precision);
+    if (u->lora_r && u->act_ckpt && (!u->precision || strcmp(u->precision, "32-true")))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: BLIP-2's LoRA with activation checkpointing is modelled "
+                         "at 32-true (measured), not %s", u->precision ? u->precision : "(none)");
     fl_lab_peer_setup lu = *u; /* the language model's step: its input rows and, for Flan-T5, the decoder's */
     lu.T = t5 ? c->n_queries : c->n_queries + u->T;
     lu.T_dec = t5 ? u->T : 0;
@@ -594,6 +593,16 @@ fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_
         if (!strcmp(optim, "adamw")) out->optim += 2 * qgrads + 4 * q_tensors;
         else if (!strcmp(optim, "adamw8bit")) out->optim += b2_qformer_adam8bit(&c->qformer, t);
         out->saved += b2_qformer_saved(c, &s) + (size_t)u->B * lu.T; /* + the placeholders' mask (bool) */
+    } else if (u->act_ckpt) { /* LoRA, checkpointed: PEFT makes every input embedding's output need a gradient (the
+                               * vision tower's too), so each checkpointed block of the frozen tower and Q-Former
+                               * keeps its input, the tower's post_layernorm its input and statistics, the pooled
+                               * output's LayerNorm the tower's output (a view) and its statistics; and the
+                               * placeholders' mask (bool) */
+        const fl_model_config *v = &c->vision, *q = &c->qformer;
+        const size_t B = (size_t)u->B, g = (size_t)v->image_size / (size_t)v->patch_size, NV = g * g + 1;
+        const size_t X = B * NV * (size_t)v->dim * 4;
+        out->saved += ((size_t)v->n_layers + 2) * X + 2 * B * NV * 4 + 2 * B * 4 +
+                      (size_t)q->n_layers * B * (size_t)c->n_queries * (size_t)q->dim * 4 + B * (size_t)lu.T;
     } /* LoRA: PEFT freezes all but the language model's adapters: the Q-Former saves nothing, no gradient reaches it */
     model_peak(t, n_text + n_vision + n_q, &lu, &s, optim, out);
     return FL_OK;

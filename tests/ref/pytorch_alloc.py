@@ -47,7 +47,7 @@
 # `extra`: what no lab row used before: GPT-2 under PEFT LoRA (Conv1D c_attn, PEFT's default; with `targets`
 # ["c_attn", "c_proj"] also both c_proj, the suffix matching attn.c_proj and mlp.c_proj) at every precision and
 # checkpointed, LLaMA's, OPT's and Flan-T5's LoRA under autocast and checkpointing (LLaMA's QLoRA checkpointed),
-# BLIP-2 with bitsandbytes' AdamW8bit. Under autocast a frozen linear saves the 16-bit copy of its weight where its input needs a
+# BLIP-2 with bitsandbytes' AdamW8bit and under LoRA with autocast or checkpointing. Under autocast a frozen linear saves the 16-bit copy of its weight where its input needs a
 # gradient (autocast caches only the casts of weights that need one); with checkpointing PEFT makes the embeddings'
 # output need a gradient, so every block saves its input.
 # (FL_ALLOC_VERBOSE=1: every saved tensor's shape and dtype on stderr.)
@@ -306,6 +306,8 @@ def main():
             for i, (B, L, NQ) in enumerate(((2, 6, 3), (1, 5, 4))):
                 for prec in ("32-true", "bf16-true"):
                     rows.append(measure_blip2(B, L, prec, lm, VIS[i], QF[i], NQ, TXT[lm][i], optim="adamw8bit"))
+                for prec, ck in (("bf16-mixed", 0), ("32-true", 1)):  # LoRA under autocast, checkpointed
+                    rows.append(measure_blip2(B, L, prec, lm, VIS[i], QF[i], NQ, TXT[lm][i], ckpt=ck, lora_r=8))
         for s in ((2, 24, 1, 4, 4, 64, 96, 512, 16, 10, 1), (3, 20, 2, 4, 4, 96, 256, 300, 32, 12, 3)):  # Flan-T5
             for prec, ck in (("bf16-mixed", 0), ("16-mixed", 0), ("32-true", 1), ("bf16-true", 1), ("bf16-mixed", 1)):
                 rows.append(measure(*s[:2], prec, *s[2:9], ckpt=ck, lora_r=8, arch="t5", Tt=s[9], Ld=s[10]))
