@@ -1113,7 +1113,7 @@ echo "     (quick suite: $(( $(date +%s) - t0 )) s)"
 if [ -f "$T/lab/results.csv" ]; then
     v() { awk -F, -v n="$1" '$1 == n { print $10 }' "$T/lab/results.csv"; }
     ok=1
-    for pair in baseline:OOM reduced-batch:fits grad-accum:fits grad-accum-lr:fits larger-model:fits even-larger:OOM \
+    for pair in baseline:OOM reduced-batch:fits grad-accum:fits grad-accum-lr:fits larger-model:fits even-larger:OOM cpu-offload:fits \
                 even-larger-b1:OOM sgd:fits adam8bit:fits act-ckpt:fits bf16-mixed:fits lora:fits bf16-true:fits qlora:fits ddp:fits fsdp:fits \
                 fsdp-larger-batch:fits; do
         got=$(v "${pair%%:*}"); [ "$got" = "${pair#*:}" ] || { echo "     ${pair%%:*}: $got, want ${pair#*:}"; ok=0; }

@@ -257,8 +257,8 @@ fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B,
 fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u,
                                     fl_lab_peer *out);
 /* BLIP-2 (HF Blip2ForConditionalGeneration: the vision tower frozen, the Q-Former, query tokens, projection and the
- * language model trained in full, AdamW or SGD; or PEFT LoRA / QLoRA on the language model's query and value, all
- * else frozen): u->T is the caption's length (OPT reads the queries' placeholders
+ * language model trained in full, AdamW, SGD or bitsandbytes' AdamW8bit; or PEFT LoRA / QLoRA on the language
+ * model's query and value, all else frozen; autocast and HF checkpointing with either): u->T is the caption's length (OPT reads the queries' placeholders
  * then the caption; Flan-T5's encoder the placeholders, its decoder the caption); the figures cover all three parts
  * (tests/ref/pytorch_alloc.py blip2). */
 fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_setup *u, fl_lab_peer *out);

@@ -611,7 +611,6 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         }
         goto done;
     }
-    if (real_scale_refused(e, rep, r)) goto done;
     int avail = e->technique[0] ? fl_plan_technique_available(e->technique) : 1;
     if (avail != 1 || r->planned == FL_PLAN_UNAVAILABLE) {
         r->verdict = FL_LAB_NA;
@@ -625,12 +624,14 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
                 snprintf(r->note, sizeof r->note, "%s not available in this build: %s", e->technique, ts[i].note);
         goto done;
     }
-    if (r->planned == FL_PLAN_OOM && !run_oom) { /* the plan's verdict: no model memory touched, < 1 s */
+    if (r->planned == FL_PLAN_OOM && !run_oom) { /* the plan's verdict: no model memory touched, < 1 s (at the real
+                                                  * scale too, whatever this machine holds: the budget decides it) */
         memcpy(r->peak, p->oom.cur, sizeof r->peak);
         r->peak_total = r->peak_min = r->peak_max = p->oom.in_use;
         fl_lab_set_oom(r, &p->oom, " (planned; not run)");
         goto done;
     }
+    if (real_scale_refused(e, rep, r)) goto done;
     r->ran = 1;
     step_log log;
     memset(&log, 0, sizeof log);

@@ -175,27 +175,52 @@ static size_t saved_gpt2_lora(const shape *s, int opt) {
     return b;
 }
 
-/* Flan-T5 under LoRA: its RMSNorm saves the fp32 input and rsqrt, and under bf16 the bf16 input its product takes;
- * the self-attention's position bias (no gradient now: sdpa's flash kernel takes it as a mask; each block its own),
- * flash's q, k, v, out and fp32 logsumexp; the gated GELU's six (wo's input not). Decoder
- * blocks add the cross-attention: its norm, q's adapter on the decoder's rows, v's on the encoder's output (which
- * needs a gradient: dropout saves its noise in every block), flash over T x T_dec and its zero bias (once: the
- * blocks share it). */
+/* Flan-T5 under LoRA: its RMSNorm saves the fp32 input and rsqrt, and under bf16 the bf16 input its product takes. */
+static size_t t5_lora_norm(const shape *s, size_t t) {
+    const size_t n = s->B * t * s->d;
+    return n * 4 + s->B * t * 4 + (s->e == 4 ? 0 : n * s->e);
+}
+
+/* sdpa's flash kernel over tq x tk: q, k, v, out (16-bit under autocast) and the fp32 logsumexp. */
+static size_t t5_lora_attn(const shape *s, size_t tq, size_t tk) {
+    return 2 * s->B * (tq + tk) * s->H * s->hd * s->a + s->B * s->H * tq * 4;
+}
+
+/* Block l of the encoder or the decoder: the self-attention's norm where its input needs a gradient (not block 0's),
+ * q's and v's adapters, flash, the FFN's norm and the gated GELU's six (wo's input not); a decoder block adds the
+ * cross-attention: its norm, q's adapter on the decoder's rows, v's on the encoder's output (which needs a gradient:
+ * dropout saves its noise in every block) and flash over T_dec x T. Under autocast the 16-bit copy of each frozen
+ * weight whose input needs a gradient: q, k, v from block 1 on, o, wi_0, wi_1, wo, and every cross-attention weight
+ * (its k and v take the encoder's output). */
+static size_t t5_lora_block(const shape *s, int dec, size_t l) {
+    const size_t B = s->B, Ts = s->T, Tt = s->Tt, HD = s->H * s->hd, t = dec ? Tt : Ts;
+    size_t b = (l ? t5_lora_norm(s, t) : 0) + 2 * lora_adapter(s, B * t, s->d, HD, l > 0) + t5_lora_attn(s, t, t) +
+               t5_lora_norm(s, t) + 6 * B * t * s->ff * s->a;
+    size_t w = ((l ? 3 : 0) + 1) * s->d * HD + 3 * s->d * s->ff;
+    if (dec) {
+        b += t5_lora_norm(s, Tt) + lora_adapter(s, B * Tt, s->d, HD, 1) + lora_adapter(s, B * Ts, s->d, HD, 1) +
+             t5_lora_attn(s, Tt, Ts);
+        w += 4 * s->d * HD;
+    }
+    return b + (s->mixed ? w * 2 : 0);
+}
+
+/* Flan-T5 under LoRA over the step. Once: both final norms, the log-softmax (T5's loss does not upcast: the
+ * parameters' dtype, fp32 under autocast), the labels, a scalar; under autocast the head weight's 16-bit copy. The
+ * self-attention's position bias needs no gradient now, so sdpa's flash kernel takes it as a mask (each block saves
+ * its own, in the compute dtype), and the cross-attention's zero bias once (the blocks share it). Checkpointing
+ * (HF's): each block's input, from the second block the biases it is handed, and the encoder's output (every
+ * decoder block's input: its norm saves no output under LoRA). */
 static size_t saved_t5_lora(const shape *s) {
-    const size_t B = s->B, Ts = s->T, Tt = s->Tt, e = s->e, HD = s->H * s->hd;
-#define NORM(t) (B * (t) * s->d * 4 + B * (t) * 4 + (e == 4 ? 0 : B * (t) * s->d * e))
-#define ATTN(tq, tk) (2 * B * ((tq) + (tk)) * HD * e + B * s->H * (tq) * 4)
-    size_t b = NORM(Ts) + s->L * s->H * Ts * Ts * e + NORM(Tt) + s->Ld * s->H * Tt * Tt * e + s->H * Tt * Ts * e +
-               B * Tt * s->V * e + B * Tt * 8 + e;
-    for (size_t l = 0; l < s->L; l++)
-        b += (l ? NORM(Ts) : 0) + 2 * lora_adapter(s, B * Ts, s->d, HD, l > 0) + ATTN(Ts, Ts) + NORM(Ts) +
-             6 * B * Ts * s->ff * e;
-    for (size_t l = 0; l < s->Ld; l++)
-        b += (l ? NORM(Tt) : 0) + 2 * lora_adapter(s, B * Tt, s->d, HD, l > 0) + ATTN(Tt, Tt) + NORM(Tt) +
-             lora_adapter(s, B * Tt, s->d, HD, 1) + lora_adapter(s, B * Ts, s->d, HD, 1) + ATTN(Tt, Ts) + NORM(Tt) +
-             6 * B * Tt * s->ff * e;
-#undef NORM
-#undef ATTN
+    const size_t B = s->B, Ts = s->T, Tt = s->Tt, h = s->mixed ? 4 : s->e;
+    size_t b = t5_lora_norm(s, Ts) + t5_lora_norm(s, Tt) + B * Tt * s->V * s->e + B * Tt * 8 + s->e +
+               (s->mixed ? s->d * s->V * 2 : 0);
+    if (s->ckpt)
+        return b + s->L * B * Ts * s->d * h + (s->L > 1 ? s->H * Ts * Ts * h : 0) + s->Ld * B * Tt * s->d * h +
+               (s->Ld > 1 ? s->H * Tt * Tt * h + s->H * Tt * Ts * s->a : 0) + B * Ts * s->d * h;
+    b += (s->L * Ts * Ts + s->Ld * Tt * Tt + Tt * Ts) * s->H * s->a;
+    for (size_t l = 0; l < s->L; l++) b += t5_lora_block(s, 0, l);
+    for (size_t l = 0; l < s->Ld; l++) b += t5_lora_block(s, 1, l);
     return b;
 }
 
@@ -331,9 +356,6 @@ static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup 
     if (strcmp(*optim, "adamw") && strcmp(*optim, "sgd") && strcmp(*optim, "adamw8bit"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: optimizer %s is not modelled (adamw, sgd, adamw8bit are)",
                          *optim);
-    if (u->lora_r && mc->arch == FL_ARCH_T5 && (u->act_ckpt || strstr(p, "mixed")))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: Flan-T5's LoRA with %s is not modelled (measured: "
-                         "32-true or bf16-true, no checkpointing)", u->act_ckpt ? "activation checkpointing" : p);
     if (u->lora_r && (strcmp(*optim, "adamw") || u->ranks > 1))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: LoRA with %s is not modelled (measured: LoRA and QLoRA "
                          "with AdamW on one device)", u->ranks > 1 ? "several ranks" : *optim);
@@ -409,6 +431,8 @@ static void model_peak(const fl_model_config *mc, size_t n_params, const fl_lab_
         f.ckpt = 0;
         const int opt = mc->arch == FL_ARCH_OPT; /* under LoRA: a later layer's (its input needs a gradient) */
         out->recompute = mc->arch == FL_ARCH_LLAMA ? (s.lora_r ? layer_lora(&f, 1) : layer_full(&f)) :
+                         mc->arch == FL_ARCH_T5 && s.lora_r ? (t5_lora_block(&f, 0, 1) > t5_lora_block(&f, 1, 1) ?
+                                                                t5_lora_block(&f, 0, 1) : t5_lora_block(&f, 1, 1)) :
                          mc->arch == FL_ARCH_T5 ? t5_block(&f) :
                          s.lora_r ? layer_gpt2_lora(&f, opt, 1) : layer_gpt2(&f, opt);
     }
@@ -533,10 +557,9 @@ fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_
     memset(out, 0, sizeof *out);
     const fl_model_config *t = &c->text;
     const int t5 = t->arch == FL_ARCH_T5;
-    if (u->lora_r && (u->act_ckpt || (u->precision && strstr(u->precision, "mixed"))))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: BLIP-2's LoRA with %s is not modelled (measured: "
-                         "32-true or bf16-true, no checkpointing)", u->act_ckpt ? "activation checkpointing" :
-                         u->precision);
+    if (u->lora_r && u->act_ckpt && (!u->precision || strcmp(u->precision, "32-true")))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: BLIP-2's LoRA with activation checkpointing is modelled "
+                         "at 32-true (measured), not %s", u->precision ? u->precision : "(none)");
     fl_lab_peer_setup lu = *u; /* the language model's step: its input rows and, for Flan-T5, the decoder's */
     lu.T = t5 ? c->n_queries : c->n_queries + u->T;
     lu.T_dec = t5 ? u->T : 0;
@@ -570,6 +593,16 @@ fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_
         if (!strcmp(optim, "adamw")) out->optim += 2 * qgrads + 4 * q_tensors;
         else if (!strcmp(optim, "adamw8bit")) out->optim += b2_qformer_adam8bit(&c->qformer, t);
         out->saved += b2_qformer_saved(c, &s) + (size_t)u->B * lu.T; /* + the placeholders' mask (bool) */
+    } else if (u->act_ckpt) { /* LoRA, checkpointed: PEFT makes every input embedding's output need a gradient (the
+                               * vision tower's too), so each checkpointed block of the frozen tower and Q-Former
+                               * keeps its input, the tower's post_layernorm its input and statistics, the pooled
+                               * output's LayerNorm the tower's output (a view) and its statistics; and the
+                               * placeholders' mask (bool) */
+        const fl_model_config *v = &c->vision, *q = &c->qformer;
+        const size_t B = (size_t)u->B, g = (size_t)v->image_size / (size_t)v->patch_size, NV = g * g + 1;
+        const size_t X = B * NV * (size_t)v->dim * 4;
+        out->saved += ((size_t)v->n_layers + 2) * X + 2 * B * NV * 4 + 2 * B * 4 +
+                      (size_t)q->n_layers * B * (size_t)c->n_queries * (size_t)q->dim * 4 + B * (size_t)lu.T;
     } /* LoRA: PEFT freezes all but the language model's adapters: the Q-Former saves nothing, no gradient reaches it */
     model_peak(t, n_text + n_vision + n_q, &lu, &s, optim, out);
     return FL_OK;

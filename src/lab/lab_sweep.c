@@ -151,10 +151,12 @@ void fl_lab_sweep_md(FILE *f, const fl_lab_report *rep, int charts) {
 }
 
 /* sweep.dat: one block per setting (precision, checkpointing): micro batch, peak MiB per rank (the most over the
- * ranks; OOM: the planned need), tok/s (? = OOM). idx[g]: the setting's block, -1 none; fit[g]: any fits. */
+ * ranks; OOM: the planned need), tok/s (? = OOM or not trained: --plan-only). idx[g]: the setting's block, -1 none;
+ * fit[g]: any row of it trained and fits (it has a tok/s). */
 int fl_lab_sweep_data(const fl_lab_report *rep, FILE *f, int idx[4], int fit[4]) {
     int n = 0;
-    fprintf(f, "# micro_batch peak_MiB_per_rank (the most over the ranks; OOM: planned need) tokens_per_s (? = OOM); "
+    fprintf(f, "# micro_batch peak_MiB_per_rank (the most over the ranks; OOM: planned need) tokens_per_s (? = OOM "
+               "or not trained); "
                "one block per setting:");
     for (int g = 0; g < 4; g++) idx[g] = -1, fit[g] = 0;
     for (int g = 0; g < 4; g++)
@@ -166,7 +168,7 @@ int fl_lab_sweep_data(const fl_lab_report *rep, FILE *f, int idx[4], int fit[4])
                 idx[g] = n++;
             }
             fprintf(f, "%d %.3f ", r->B, FL_LAB_MIB(r->verdict == FL_LAB_FITS ? r->peak_max : r->planned_peak));
-            if (r->verdict == FL_LAB_FITS) fprintf(f, "%.1f\n", r->tok_s), fit[g] = 1;
+            if (r->verdict == FL_LAB_FITS && r->ran) fprintf(f, "%.1f\n", r->tok_s), fit[g] = 1;
             else fprintf(f, "?\n");
         }
     return n;
@@ -175,17 +177,27 @@ int fl_lab_sweep_data(const fl_lab_report *rep, FILE *f, int idx[4], int fit[4])
 void fl_lab_sweep_script(const fl_lab_report *rep, FILE *f, const int idx[4], const int fit[4]) {
     static const char *col[4] = {"#4477aa", "#228833", "#ee6677", "#aa3377"};
     static const char *nm[4] = {"32-true", "32-true ckpt", "16-mixed", "16-mixed ckpt"};
+    const int any_tok = fit[0] || fit[1] || fit[2] || fit[3];
     fprintf(f, "reset\nset terminal pngcairo size 1280,640 font 'sans,10'\nset output 'sweep.png'\n"
-               "set title '%s%s 4x FSDP FULL_SHARD: memory per rank (solid, left) and tokens/s (dashed, right) vs "
-               "micro batch; OOM points: planned need' noenhanced\n"
+               "set title \"%s%s 4x FSDP FULL_SHARD: memory per rank (solid, left)%s vs micro batch\\nOOM points: "
+               "planned need; the largest batch that fits of each setting marked\" noenhanced\n"
                "set datafile missing '?'\nset logscale x 2\nset xlabel 'micro batch per rank'\n"
-               "set ylabel 'peak MiB per rank (most over the ranks)'\nset y2label 'tokens/s (global batch)'\n"
-               "set ytics nomirror\nset y2tics\nset grid\nset key outside right top\nset yrange [0:*]\n"
-               "set y2range [0:*]\n"
+               "set ylabel 'peak MiB per rank (most over the ranks)'\n%s"
+               "set grid\nset key outside right top\nset yrange [0:*]\n"
                "set arrow 1 from graph 0, first %.3f to graph 1, first %.3f nohead lw 2 dt 2 lc rgb 'red'\n"
-               "set label 1 'budget per rank' at graph 0.01, first %.3f left offset 0,0.8 tc rgb 'red'\nplot",
-            rep->real_scale ? "" : "lab-", rep->sweep_model, FL_LAB_MIB(rep->budget), FL_LAB_MIB(rep->budget),
-            FL_LAB_MIB(rep->budget));
+               "set label 1 'budget per rank' at graph 0.01, first %.3f left offset 0,0.8 tc rgb 'red'\n",
+            rep->real_scale ? "" : "lab-", rep->sweep_model,
+            any_tok ? " and tokens/s (dashed, right)" : " (planned: no row trained, so no tokens/s)",
+            any_tok ? "set y2label 'tokens/s (global batch)'\nset ytics nomirror\nset y2tics\nset y2range [0:*]\n" : "",
+            FL_LAB_MIB(rep->budget), FL_LAB_MIB(rep->budget), FL_LAB_MIB(rep->budget));
+    for (int i = 0, n = 2; i < rep->n; i++) { /* the largest fitting batch of each setting */
+        const fl_lab_row *r = &rep->rows[i];
+        const int g = fl_lab_sweep_group(r);
+        if (r->largest && g >= 0 && g < 4 && r->verdict == FL_LAB_FITS)
+            fprintf(f, "set label %d 'largest: %d' at first %d, first %.3f center offset 0,1.2 tc rgb '%s'\n", n++,
+                    r->B, r->B, FL_LAB_MIB(r->peak_max), col[g]);
+    }
+    fprintf(f, "plot");
     int k = 0;
     for (int g = 0; g < 4; g++) {
         if (idx[g] < 0) continue;

@@ -46,8 +46,8 @@
 # each dequantize one weight to the compute dtype and drop it) is modelled in C from its source, not measured.
 # `extra`: what no lab row used before: GPT-2 under PEFT LoRA (Conv1D c_attn, PEFT's default; with `targets`
 # ["c_attn", "c_proj"] also both c_proj, the suffix matching attn.c_proj and mlp.c_proj) at every precision and
-# checkpointed, LLaMA's and OPT's LoRA under autocast and checkpointing (LLaMA's QLoRA checkpointed), BLIP-2 with
-# bitsandbytes' AdamW8bit. Under autocast a frozen linear saves the 16-bit copy of its weight where its input needs a
+# checkpointed, LLaMA's, OPT's and Flan-T5's LoRA under autocast and checkpointing (LLaMA's QLoRA checkpointed),
+# BLIP-2 with bitsandbytes' AdamW8bit and under LoRA with autocast or checkpointing. Under autocast a frozen linear saves the 16-bit copy of its weight where its input needs a
 # gradient (autocast caches only the casts of weights that need one); with checkpointing PEFT makes the embeddings'
 # output need a gradient, so every block saves its input.
 # (FL_ALLOC_VERBOSE=1: every saved tensor's shape and dtype on stderr.)
@@ -285,7 +285,7 @@ def main():
     rows = []
     ARCH = sys.argv[1] if sys.argv[1:] in (["gpt2"], ["opt"], ["t5"], ["blip2"], ["peft"], ["8bit"], ["extra"]) else ""
     if ARCH == "extra":  # LoRA for GPT-2 (PEFT on the Conv1D c_attn, and c_attn + c_proj), LoRA under autocast and
-        # with checkpointing (LLaMA, GPT-2, OPT; QLoRA checkpointed), BLIP-2 with AdamW8bit
+        # with checkpointing (LLaMA, GPT-2, OPT, Flan-T5; QLoRA checkpointed), BLIP-2 with AdamW8bit
         for s in ((2, 24, 2, 4, 2, 64, 192, 512, 16), (3, 20, 3, 8, 2, 96, 256, 300, 12)):
             for prec, ck in (("bf16-mixed", 0), ("16-mixed", 0), ("32-true", 1), ("bf16-true", 1), ("bf16-mixed", 1)):
                 rows.append(measure(*s[:2], prec, *s[2:], ckpt=ck, lora_r=8))
@@ -306,6 +306,11 @@ def main():
             for i, (B, L, NQ) in enumerate(((2, 6, 3), (1, 5, 4))):
                 for prec in ("32-true", "bf16-true"):
                     rows.append(measure_blip2(B, L, prec, lm, VIS[i], QF[i], NQ, TXT[lm][i], optim="adamw8bit"))
+                for prec, ck in (("bf16-mixed", 0), ("32-true", 1)):  # LoRA under autocast, checkpointed
+                    rows.append(measure_blip2(B, L, prec, lm, VIS[i], QF[i], NQ, TXT[lm][i], ckpt=ck, lora_r=8))
+        for s in ((2, 24, 1, 4, 4, 64, 96, 512, 16, 10, 1), (3, 20, 2, 4, 4, 96, 256, 300, 32, 12, 3)):  # Flan-T5
+            for prec, ck in (("bf16-mixed", 0), ("16-mixed", 0), ("32-true", 1), ("bf16-true", 1), ("bf16-mixed", 1)):
+                rows.append(measure(*s[:2], prec, *s[2:9], ckpt=ck, lora_r=8, arch="t5", Tt=s[9], Ld=s[10]))
         SHAPES = ()
     elif ARCH == "8bit":  # bitsandbytes' AdamW8bit on GPT-2's, OPT's and Flan-T5's full fine-tunes (fp32 and bf16)
         for arch, S in (("gpt2", ((2, 24, 1, 4, 4, 64, 256, 512, 16), (1, 37, 2, 4, 4, 64, 172, 300, 16))),
