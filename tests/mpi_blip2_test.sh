@@ -309,6 +309,13 @@ timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --stra
 if [ $rc -eq 0 ] && cmp -s "$T/one-opt-full/final/model.safetensors" "$T/po1/final/model.safetensors"; then
     ok "blip2_fsdp_cpu_offload_one_process_bits"
 else bad "blip2_fsdp_cpu_offload_one_process_bits" "exit $rc"; fi
+# NVMe (deepspeed_stage_3_offload_nvme: the shards and the optimizer state in files under out_dir): FULL_SHARD's bytes
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy deepspeed_stage_3_offload_nvme \
+    --train.save_interval 3 --quiet false --out_dir "$T/pn" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && cmp -s "$T/fs-opt-full/final/model.safetensors" "$T/pn/final/model.safetensors" &&
+    cmp -s "$T/fs-opt-full/step-000003/training_state.safetensors" "$T/pn/step-000003/training_state.safetensors" && grep -q "^nvme tier" "$T/out"; then
+    ok "blip2_fsdp_nvme_offload_equal_fsdp_bits"
+else bad "blip2_fsdp_nvme_offload_equal_fsdp_bits" "exit $rc"; fi
 dev() { awk '/^(after_|before_)/ { print; getline; print } /^peak/ { print; exit }'; }
 planned=$("$FL" plan tests/fixtures/blip2-tiny-opt "${PH[@]}" --devices 2 --strategy fsdp_cpu_offload 2>&1)
 timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${PH[@]}" --devices 2 --strategy fsdp_cpu_offload --out_dir "$T/pp" >"$T/out" 2>&1; rc=$?
@@ -317,8 +324,7 @@ if [ $rc -eq 0 ] && [ "$(dev <<<"$planned" | grep -c .)" = 11 ] && [ "$(dev <<<"
     ok "blip2_fsdp_cpu_offload_rank0_peaks_equal_plan (host tier: $(sed "s/  */ /g" <<<"$mh"))"
 else printf 'planned:\n%s\n' "$planned" >>"$T/out"; bad "blip2_fsdp_cpu_offload_rank0_peaks_equal_plan" "exit $rc"; fi
 # what FSDP does not run for BLIP-2: refused on every rank, exit 2, the option named once
-for v in "nvme|--strategy deepspeed_stage_3_offload_nvme --devices 2|NVMe offload is not built for it" \
-         "8bit_offload|--strategy fsdp_cpu_offload --optimizer bnb.optim.AdamW8bit --devices 2|CPU offload of AdamW8bit is not supported"; do
+for v in "8bit_offload|--strategy fsdp_cpu_offload --optimizer bnb.optim.AdamW8bit --devices 2|CPU offload of AdamW8bit is not supported"; do
     IFS='|' read -r name args msg <<<"$v"; read -r -a opt <<<"$args"
     timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" "${opt[@]}" --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
     if [ $rc -eq 2 ] && [ "$(grep -c -- "$msg" "$T/out")" = 1 ]; then ok "blip2_fsdp_refuses_$name"
