@@ -57,6 +57,19 @@ static fl_run_config base_cfg(const char *prec, const char *parts, int world) {
     return c;
 }
 
+/* HYBRID_SHARD over `nodes` nodes of `devices` ranks */
+static void hybrid(fl_run_config *c, int devices, int nodes) {
+    snprintf(c->sharding_strategy, sizeof c->sharding_strategy, "HYBRID_SHARD");
+    c->devices = devices, c->num_nodes = nodes;
+}
+
+/* rank r's losses of got are ref's rank 0's bit for bit, and they fall */
+static void check_bits(const char *what, const fsdp_ctx *got, int r, const fsdp_ctx *ref, const char *ref_name) {
+    FL_CHECKF(!memcmp(got->loss[r], ref->loss[0], sizeof ref->loss[0]) && got->loss[r][NSTEP - 1] < got->loss[r][0],
+              "%s rank %d: losses %.9g %.9g %.9g, %s's %.9g %.9g %.9g", what, r, got->loss[r][0], got->loss[r][1],
+              got->loss[r][2], ref_name, ref->loss[0][0], ref->loss[0][1], ref->loss[0][2]);
+}
+
 /* FULL_SHARD and deepspeed_stage_3 = ZeRO-2 bit for bit at 2 and 3 ranks (the units split unevenly at 3), in every
  * precision, every part trained or the vision tower frozen (the lab's script), SGD with momentum, checkpointing. */
 FL_TEST(blip2_fsdp_threads_equal_zero2_bits) {
@@ -169,18 +182,14 @@ FL_TEST(blip2_fsdp_threads_hybrid_shard) {
     fsdp_ctx *x = calloc(3, sizeof *x);
     FL_REQUIRE(x != NULL);
     fl_run_config c = base_cfg("32-true", "vision,qformer,lm", 2);
-    snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
-    c.devices = 1, c.num_nodes = 2;
+    hybrid(&c, 1, 2);
     FL_REQUIRE(run_ranks(c, "deepspeed_stage_2", 2, &bc, &x[0]) == 0);
     FL_CHECKF(run_ranks(c, "fsdp", 2, &bc, &x[1]) == 0, "2 x 1: %s", fl_error_message());
-    FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && !memcmp(x[1].loss[1], x[0].loss[0], sizeof x[0].loss[0]),
-              "HYBRID 2 x 1 losses %.9g %.9g %.9g, ZeRO-2's %.9g %.9g %.9g", x[1].loss[0][0], x[1].loss[0][1],
-              x[1].loss[0][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+    for (int r = 0; r < 2; r++) check_bits("HYBRID 2 x 1", &x[1], r, &x[0], "ZeRO-2");
     for (int k = 0; k < FL_BLIP2_PARTS; k++) /* one rank per node: the node's shard is the whole part */
         FL_CHECK(x[1].res[0].part_params[k] == x[0].res[0].part_params[k]);
     c = base_cfg("32-true", "qformer,lm", 4);
-    snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
-    c.devices = 2, c.num_nodes = 2;
+    hybrid(&c, 2, 2);
     FL_REQUIRE(run_ranks(c, "ddp", 4, &bc, &x[0]) == 0);
     FL_CHECKF(run_ranks(c, "fsdp", 4, &bc, &x[1]) == 0, "2 x 2: %s", fl_error_message());
     fl_run_config f = c; /* FULL_SHARD over the 4 ranks: each holds a quarter */
@@ -213,17 +222,10 @@ FL_TEST(blip2_fsdp_threads_adamw8bit_equal_ddp_bits) {
         const int world = v == 1 ? 3 : 2;
         fl_run_config c = base_cfg("32-true", v == 1 ? "qformer" : "qformer,lm", world);
         c.optimizer.kind = FL_OPT_ADAMW8BIT;
-        if (v == 2) {
-            snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
-            c.devices = 1, c.num_nodes = 2;
-        }
+        if (v == 2) hybrid(&c, 1, 2);
         FL_REQUIRE(run_ranks(c, "ddp", world, &bc, &x[0]) == 0);
         FL_CHECKF(run_ranks(c, "fsdp", world, &bc, &x[1]) == 0, "case %d: %s", v, fl_error_message());
-        for (int r = 0; r < world; r++)
-            FL_CHECKF(!memcmp(x[1].loss[r], x[0].loss[0], sizeof x[0].loss[0]),
-                      "case %d rank %d: 8-bit FSDP losses %.9g %.9g %.9g, DDP's %.9g %.9g %.9g", v, r, x[1].loss[r][0],
-                      x[1].loss[r][1], x[1].loss[r][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
-        FL_CHECK(x[1].loss[0][NSTEP - 1] < x[1].loss[0][0]);
+        for (int r = 0; r < world; r++) check_bits(v == 2 ? "8-bit HYBRID 2 x 1" : "8-bit FULL_SHARD", &x[1], r, &x[0], "DDP");
         /* the shard group's pieces add up to the whole state, plus per rank the exchange scratch and the cut blocks'
          * absmax (< 4 KiB here); HYBRID 2 x 1: each node (one rank) holds the whole state */
         const int ws = v == 2 ? 1 : world;
@@ -262,9 +264,7 @@ FL_TEST(blip2_fsdp_threads_param_offload_bits) {
         FL_REQUIRE(run_ranks(c, cs[i].ref, cs[i].world, &bc, &x[0]) == 0);
         FL_CHECKF(run_ranks(c, "fsdp_cpu_offload", cs[i].world, &bc, &x[1]) == 0, "case %zu: %s", i, fl_error_message());
         const fl_blip2_train_result *m = &x[1].res[0];
-        FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && x[1].loss[0][NSTEP - 1] < x[1].loss[0][0],
-                  "case %zu: offload losses %.9g %.9g %.9g, %s's %.9g %.9g %.9g", i, x[1].loss[0][0], x[1].loss[0][1],
-                  x[1].loss[0][2], cs[i].ref, x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+        check_bits(cs[i].prec, &x[1], 0, &x[0], cs[i].ref);
         FL_CHECKF(m->offload && m->peak[FL_TAG_PARAMS] == 0 && m->peak[FL_TAG_OPTIM] == 0 && m->peak[FL_TAG_GRADS] == 0 &&
                       m->host_peak[FL_TAG_PARAMS] > 0 && m->host_peak[FL_TAG_OPTIM] > 0 && m->peak[FL_TAG_GATHER] > 0,
                   "case %zu: device PARAMS %zu GRADS %zu OPTIM %zu, host PARAMS %zu OPTIM %zu", i, m->peak[FL_TAG_PARAMS],
@@ -485,8 +485,7 @@ FL_TEST(blip2_fsdp_plan_equals_measured_hybrid_offload) {
         const int world = cs[i].devices * cs[i].nodes;
         fl_run_config c = base_cfg(cs[i].prec, "vision,qformer,lm", world);
         c.train.activation_checkpointing = 1;
-        if (cs[i].nodes > 1) snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
-        c.devices = cs[i].devices, c.num_nodes = cs[i].nodes;
+        if (cs[i].nodes > 1) hybrid(&c, cs[i].devices, cs[i].nodes);
         FL_REQUIRE(run_ranks(c, cs[i].st, world, &bc, x) == 0);
         fl_run_config one = c; /* the plan's configuration: one rank's share of the step */
         snprintf(one.strategy, sizeof one.strategy, "%s", cs[i].st);
@@ -584,15 +583,10 @@ FL_TEST(blip2_fsdp_threads_t5_hybrid_8bit_offload) {
         fl_run_config c = base_cfg(cs[i].prec, "vision,qformer,lm", cs[i].world);
         c.train.activation_checkpointing = cs[i].ckpt;
         if (cs[i].a8) c.optimizer.kind = FL_OPT_ADAMW8BIT;
-        if (cs[i].hybrid) {
-            snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "HYBRID_SHARD");
-            c.devices = 1, c.num_nodes = 2;
-        }
+        if (cs[i].hybrid) hybrid(&c, 1, 2);
         FL_REQUIRE(run_ranks(c, cs[i].ref, cs[i].world, &bc, &x[0]) == 0);
         FL_CHECKF(run_ranks(c, cs[i].st, cs[i].world, &bc, &x[1]) == 0, "%s: %s", cs[i].what, fl_error_message());
-        FL_CHECKF(!memcmp(x[1].loss[0], x[0].loss[0], sizeof x[0].loss[0]) && x[1].loss[0][NSTEP - 1] < x[1].loss[0][0],
-                  "%s: losses %.9g %.9g %.9g, %s's %.9g %.9g %.9g", cs[i].what, x[1].loss[0][0], x[1].loss[0][1],
-                  x[1].loss[0][2], cs[i].ref, x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+        check_bits(cs[i].what, &x[1], 0, &x[0], cs[i].ref);
     }
     free(x);
 }
