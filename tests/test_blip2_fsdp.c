@@ -274,9 +274,9 @@ FL_TEST(blip2_fsdp_threads_param_offload_bits) {
 }
 
 /* The gradients tensor by tensor after re-assembly: the fixture's batch (tests/fixtures/blip2-tiny-opt: B 2 x 12 ids,
- * transformers' float64 reference and PyTorch fp32's own distance to it, noise.*) split over 2 and 3 thread ranks (rank
- * r the batch's sequence r; at 3 ranks rank 2 runs sequence 0 with every target ignored: no gradient, the collectives
- * all the same), every part sharded and trained: each rank's gradient shards gathered unit by unit into the whole
+ * transformers' float64 reference and PyTorch fp32's own distance to it, noise.*) split over 2 and 3 thread ranks, 4 under
+ * HYBRID_SHARD 2 x 2 and 2 with parameter offload (rank r the batch's sequence r; ranks past the batch run sequence 0
+ * with every target ignored: no gradient, the collectives all the same), every part sharded and trained: each rank's gradient shards gathered unit by unit into the whole
  * layout (fl_fsdp_whole_array) are within test_blip2.c's bound of the reference (8 x PyTorch fp32's error + 16 fp32
  * roundings of the tensor's scale), as one process's are; and within that bound of one process's. */
 #define GFIX "tests/fixtures/blip2-tiny-opt"
@@ -284,6 +284,8 @@ FL_TEST(blip2_fsdp_threads_param_offload_bits) {
 typedef struct {
     float *g[FL_BLIP2_PARTS]; /* rank 0's re-assembled gradients */
     size_t n[FL_BLIP2_PARTS];
+    int nodes;                /* > 1: HYBRID_SHARD over this many nodes */
+    int poff;                 /* parameter offload: the shards in a host tier */
 } grad_ctx;
 
 static fl_status grad_rank(fl_comm *comm, int rank, void *ud) {
@@ -299,6 +301,9 @@ static fl_status grad_rank(fl_comm *comm, int rank, void *ud) {
     fl_run_config c;
     fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
     snprintf(c.strategy, sizeof c.strategy, "fsdp");
+    if (x->nodes > 1) hybrid(&c, fl_comm_size(comm) / x->nodes, x->nodes);
+    fl_mem_pool tier; /* parameter offload: the shards' host tier */
+    if (x->poff) fl_mem_pool_init(&tier, "host (offload)", 0);
     fl_precision prec;
     fl_model_storage stg[FL_BLIP2_PARTS];
     fl_dp dp[FL_BLIP2_PARTS];
@@ -310,6 +315,7 @@ static fl_status grad_rank(fl_comm *comm, int rank, void *ud) {
     for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++) {
         fl_model_storage_for(&prec, &stg[k]);
         dp[k].comm = comm, dp[k].rank = rank, dp[k].world = fl_comm_size(comm);
+        if (x->poff) dp[k].ptier.be = &be, dp[k].ptier.pool = dp[k].ptier.host = &tier;
         s = fl_fsdp_prepare(&dp[k], &c, &prec, &stg[k]);
     }
     if (s == FL_OK) s = fl_blip2_load_ex(&b, GFIX, &be, &pool, stg);
@@ -347,8 +353,9 @@ static fl_status grad_rank(fl_comm *comm, int rank, void *ud) {
         else free(full);
     }
     if (fopen_ok) fl_st_close(&f);
-    for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_fsdp_free(&dp[k]);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_dp_done(&dp[k]); /* the sharding, HYBRID's groups */
     fl_blip2_free(b);
+    if (x->poff) fl_mem_pool_free(&tier);
     fl_backend_pools_free(&pool, &host);
     fl_backend_free(&be);
     return s;
@@ -386,9 +393,17 @@ FL_TEST(blip2_fsdp_threads_gradients_vs_transformers) {
     FL_REQUIRE_OK(fl_blip2_alloc_acts(one, B, T));
     FL_REQUIRE_OK(fl_blip2_forward(one, px->data, ids->data, tg, B, T, 1.0f / (float)n_valid, NULL, &loss));
     FL_REQUIRE_OK(fl_blip2_backward(one));
-    for (int world = 2; world <= 3; world++) {
+    /* 2 and 3 ranks FULL_SHARD, 4 ranks HYBRID_SHARD 2 x 2 (ranks 2, 3 ignore every target), 2 ranks with the
+     * parameters' and gradients' shards in a host tier */
+    static const struct {
+        int world, nodes, poff;
+        const char *what;
+    } cs[] = {{2, 1, 0, "FULL_SHARD"}, {3, 1, 0, "FULL_SHARD"}, {4, 2, 0, "HYBRID 2 x 2"}, {2, 1, 1, "param offload"}};
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        const int world = cs[ci].world;
         grad_ctx x;
         memset(&x, 0, sizeof x);
+        x.nodes = cs[ci].nodes, x.poff = cs[ci].poff;
         FL_CHECKF(fl_comm_threads_run(world, grad_rank, &x) == FL_OK, "%d ranks: %s", world, fl_error_message());
         int checked = 0;
         double worst = 0, dist = 0;
@@ -419,8 +434,8 @@ FL_TEST(blip2_fsdp_threads_gradients_vs_transformers) {
             }
         }
         FL_CHECKF(checked == 139, "%d ranks: %d gradients checked", world, checked);
-        printf("      %d ranks: %d gradients, worst %.2f of the bound from the reference, %.2f from one process\n", world,
-               checked, worst, dist);
+        printf("      %d ranks %s: %d gradients, worst %.2f of the bound from the reference, %.2f from one process\n",
+               world, cs[ci].what, checked, worst, dist);
         for (int k = 0; k < FL_BLIP2_PARTS; k++) free(x.g[k]);
     }
     fl_st_close(&f);
