@@ -529,9 +529,10 @@ FL_TEST(blip2_fsdp_plan_equals_measured_hybrid_offload) {
 
 /* On device memory (the opaque backend: the host never reads its buffers): the units' gathers and reduce-scatters go
  * through the backend's device communicator, the NCCL stand-in or the staged one (the CUDA thread ranks' on one GPU),
- * and give the CPU backend's FULL_SHARD losses bit for bit (opaque computes with the CPU kernels). */
+ * and give the CPU backend's FULL_SHARD losses bit for bit (opaque computes with the CPU kernels); so do parameter
+ * offload (the shards in the host tier, the update on a CPU backend), HYBRID_SHARD and 8-bit AdamW on the shards. */
 FL_TEST(blip2_fsdp_threads_opaque_equal_cpu_bits) {
-    if (!fl_test_asan_budget()) return; /* ~4 s in the release pass */
+    if (!fl_test_asan_budget()) return; /* ~10 s in the release pass */
     fl_blip2_config bc;
     FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
     fsdp_ctx *x = calloc(2, sizeof *x);
@@ -539,20 +540,32 @@ FL_TEST(blip2_fsdp_threads_opaque_equal_cpu_bits) {
     const char *prev = getenv("FITLLM_BACKEND");
     char keep[64] = "";
     if (prev) snprintf(keep, sizeof keep, "%s", prev);
-    fl_run_config c = base_cfg("32-true", "vision,qformer,lm", 2);
-    setenv("FITLLM_BACKEND", "cpu", 1);
-    const int ok0 = run_ranks(c, "fsdp", 2, &bc, &x[0]) == 0;
-    for (int staged = 0; ok0 && staged < 2; staged++) {
+    /* FULL_SHARD (NCCL stand-in and staged), and over the stand-in: parameter offload (the units up from the host
+     * tier, their gradients down), HYBRID_SHARD 2 x 1, 8-bit AdamW on the shards */
+    static const struct {
+        const char *st, *what;
+        int staged, hybrid, a8;
+    } vs[] = {{"fsdp", "NCCL stand-in", 0, 0, 0}, {"fsdp", "staged", 1, 0, 0}, {"fsdp_cpu_offload", "param offload", 0, 0, 0},
+              {"fsdp", "HYBRID 2 x 1", 0, 1, 0}, {"fsdp", "8-bit AdamW", 0, 0, 1}};
+    int ok0 = 1;
+    for (size_t v = 0; ok0 && v < sizeof vs / sizeof vs[0]; v++) {
+        fl_run_config c = base_cfg("32-true", "vision,qformer,lm", 2);
+        if (vs[v].hybrid) hybrid(&c, 1, 2);
+        if (vs[v].a8) c.optimizer.kind = FL_OPT_ADAMW8BIT;
+        setenv("FITLLM_BACKEND", "cpu", 1);
+        ok0 = run_ranks(c, vs[v].st, 2, &bc, &x[0]) == 0;
+        if (!ok0) break;
+        const int staged = vs[v].staged;
         setenv("FITLLM_BACKEND", "opaque", 1);
         fl_opaque_use_comm(staged ? 2 : 1);
         const unsigned long c0 = staged ? fl_comm_staged_calls() : fl_nccl_standin_calls();
-        const int ok = run_ranks(c, "fsdp", 2, &bc, &x[1]) == 0;
+        const int ok = run_ranks(c, vs[v].st, 2, &bc, &x[1]) == 0;
         const unsigned long calls = (staged ? fl_comm_staged_calls() : fl_nccl_standin_calls()) - c0;
         fl_opaque_use_comm(1);
         FL_CHECKF(ok && calls > 0 && !memcmp(x[1].loss, x[0].loss, sizeof x[0].loss),
-                  "opaque (%s): %s; %lu device collectives; losses %.9g %.9g %.9g, cpu's %.9g %.9g %.9g",
-                  staged ? "staged" : "NCCL stand-in", ok ? "ran" : fl_error_message(), calls, x[1].loss[0][0],
-                  x[1].loss[0][1], x[1].loss[0][2], x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
+                  "opaque (%s): %s; %lu device collectives; losses %.9g %.9g %.9g, cpu's %.9g %.9g %.9g", vs[v].what,
+                  ok ? "ran" : fl_error_message(), calls, x[1].loss[0][0], x[1].loss[0][1], x[1].loss[0][2],
+                  x[0].loss[0][0], x[0].loss[0][1], x[0].loss[0][2]);
     }
     if (keep[0]) setenv("FITLLM_BACKEND", keep, 1);
     else unsetenv("FITLLM_BACKEND");

@@ -97,9 +97,16 @@ fl_status fl_b2t_fsdp_prepare(b2run *r, const fl_precision *prec) {
     /* the units' gathers and reductions on the backend's buffers: a device backend's communicator (NCCL; its CPU
      * stand-in on cuda-emu and opaque), a plan's null one (the null backend's fake addresses: it moves nothing); a
      * host-memory backend's buffers go through the run's communicator */
+    fl_status cs = FL_OK;
     if (r->world > 1 && (fl_backend_discards(&r->be) || !fl_backend_host_memory(&r->be)) && r->be.comm_create && !r->fdev)
-        FL_TRY(fl_error_prefix(r->be.comm_create(&r->be, r->comm, &r->fdev), "FSDP: the %s backend's communicator",
-                               r->be.name));
+        cs = fl_error_prefix(r->be.comm_create(&r->be, r->comm, &r->fdev), "FSDP: the %s backend's communicator",
+                             r->be.name);
+    if (r->world > 1 && fl_cfg_hybrid_shard(r->cfg->strategy, r->cfg->sharding_strategy) && r->cfg->num_nodes > 1) {
+        /* HYBRID_SHARD's splits are collectives: a rank whose communicator failed must not leave the others there */
+        fl_dp all = {.comm = r->comm, .rank = r->rank, .world = r->world};
+        cs = fl_dp_agree(&all, cs);
+    }
+    FL_TRY(cs);
     const int disk = poff == 2 && !fl_backend_discards(&r->be);
     if (poff) { /* the parameters' and gradients' shards in the host tier, the optimizer updating them there */
         FL_TRY(offload_tier(r));
