@@ -530,7 +530,8 @@ FL_TEST(blip2_fsdp_plan_equals_measured_hybrid_offload) {
 /* On device memory (the opaque backend: the host never reads its buffers): the units' gathers and reduce-scatters go
  * through the backend's device communicator, the NCCL stand-in or the staged one (the CUDA thread ranks' on one GPU),
  * and give the CPU backend's FULL_SHARD losses bit for bit (opaque computes with the CPU kernels); so do parameter
- * offload (the shards in the host tier, the update on a CPU backend), HYBRID_SHARD and 8-bit AdamW on the shards. */
+ * offload (the shards in the host tier, the update on a CPU backend; bf16-true clipped: the host's 16-bit gradients
+ * scaled through host staging), HYBRID_SHARD and 8-bit AdamW on the shards. */
 FL_TEST(blip2_fsdp_threads_opaque_equal_cpu_bits) {
     if (!fl_test_asan_budget()) return; /* ~10 s in the release pass */
     fl_blip2_config bc;
@@ -545,11 +546,16 @@ FL_TEST(blip2_fsdp_threads_opaque_equal_cpu_bits) {
     static const struct {
         const char *st, *what;
         int staged, hybrid, a8;
-    } vs[] = {{"fsdp", "NCCL stand-in", 0, 0, 0}, {"fsdp", "staged", 1, 0, 0}, {"fsdp_cpu_offload", "param offload", 0, 0, 0},
-              {"fsdp", "HYBRID 2 x 1", 0, 1, 0}, {"fsdp", "8-bit AdamW", 0, 0, 1}};
+        const char *prec;
+        float clip;
+    } vs[] = {{"fsdp", "NCCL stand-in", 0, 0, 0, "32-true", 0}, {"fsdp", "staged", 1, 0, 0, "32-true", 0},
+              {"fsdp_cpu_offload", "param offload", 0, 0, 0, "32-true", 0},
+              {"fsdp_cpu_offload", "param offload, bf16-true clipped", 0, 0, 0, "bf16-true", 0.01f},
+              {"fsdp", "HYBRID 2 x 1", 0, 1, 0, "32-true", 0}, {"fsdp", "8-bit AdamW", 0, 0, 1, "32-true", 0}};
     int ok0 = 1;
     for (size_t v = 0; ok0 && v < sizeof vs / sizeof vs[0]; v++) {
-        fl_run_config c = base_cfg("32-true", "vision,qformer,lm", 2);
+        fl_run_config c = base_cfg(vs[v].prec, "vision,qformer,lm", 2);
+        c.train.max_norm = vs[v].clip;
         if (vs[v].hybrid) hybrid(&c, 1, 2);
         if (vs[v].a8) c.optimizer.kind = FL_OPT_ADAMW8BIT;
         setenv("FITLLM_BACKEND", "cpu", 1);

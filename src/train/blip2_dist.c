@@ -262,19 +262,23 @@ fl_status fl_b2t_reduce(b2run *r, float *ml, int accum) {
 
 /* bf16-true: the 16-bit gradients times coef, each rounded once (PyTorch's clip_grad_norm_ multiplies the bf16
  * gradients in place), in slices through the store's fp32 gradient staging (free between backwards) */
-static fl_status scale16(const fl_backend *be, fl_model *m, float coef) {
+static fl_status scale16(const fl_backend *be, fl_model *m, float coef, fl_mem_pool *hp) {
     const fl_dtype dt = fl_model_store_dtype(m);
     uint16_t *g = fl_model_grads_16(m);
     float *st = fl_model_grad_stage(m);
     const size_t n = fl_model_store_numel(m), S = fl_sizing_gstage_elems(&m->cfg);
-    if (!g || !st || !S) return fl_errorf(FL_ERR_INTERNAL, "clipping 16-bit gradients: no fp32 staging");
-    for (size_t a = 0; a < n; a += S) {
+    void *own = NULL; /* parameter offload on a device backend: the host's gradients staged in the host tier */
+    if (hp && S) FL_TRY(fl_mem_alloc(hp, FL_TAG_WORKSPACE, S * sizeof(float), &own));
+    if (own) st = own;
+    fl_status s = g && st && S ? FL_OK : fl_errorf(FL_ERR_INTERNAL, "clipping 16-bit gradients: no fp32 staging");
+    for (size_t a = 0; s == FL_OK && a < n; a += S) {
         const size_t k = n - a < S ? n - a : S;
-        FL_TRY(FL_RUN(be, convert, st, FL_F32, g + a, dt, k));
-        FL_RUN(be, scale, st, k, coef);
-        FL_TRY(FL_RUN(be, convert, g + a, dt, st, FL_F32, k));
+        s = FL_RUN(be, convert, st, FL_F32, g + a, dt, k);
+        if (s == FL_OK) FL_RUN(be, scale, st, k, coef);
+        if (s == FL_OK) s = FL_RUN(be, convert, g + a, dt, st, FL_F32, k);
     }
-    return FL_OK;
+    if (own) fl_mem_free(hp, own);
+    return s;
 }
 
 /* the backend whose memory holds o's gradients: the host tier's under parameter offload, else the run's */
@@ -315,7 +319,8 @@ fl_status fl_b2t_clip(b2run *r, float max_norm) {
         if (fl_model_lora_adapters(m, &ad)) (void)FL_RUN(&r->be, scale, ad.grads, ad.numel, coef);
         else if (fl_model_grads_f32(m))
             (void)FL_RUN(grads_be(r, &r->opt[k]), scale, fl_model_grads_f32(m), fl_model_store_numel(m), coef);
-        else FL_TRY(scale16(grads_be(r, &r->opt[k]), m, coef));
+        else /* parameter offload with its own host backend: the device's staging is not the host's */
+            FL_TRY(scale16(grads_be(r, &r->opt[k]), m, coef, grads_be(r, &r->opt[k]) != &r->be ? &r->opool : NULL));
     }
     return FL_OK;
 }
