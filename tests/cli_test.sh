@@ -223,8 +223,7 @@ expect blip2_finetune_precision 2 "--precision 16-true: BLIP-2 fine-tuning runs 
 for v in "--train.max_time 60|--train.max_time: BLIP-2 fine-tuning stops at train.max_steps" \
          "--train.max_tokens 1000|--train.max_tokens: BLIP-2 fine-tuning stops at train.max_steps" \
          "--train.lr_warmup_fraction 0.1|--train.lr_warmup_fraction: BLIP-2 fine-tuning warms up over" \
-         "--eval.initial_validation true|--eval.initial_validation true: BLIP-2 fine-tuning validates every" \
-         "--strategy deepspeed_stage_3_offload_nvme|--strategy deepspeed_stage_3_offload_nvme: BLIP-2 fine-tuning offloads the optimizer and the parameters to host memory .*NVMe offload is not built"; do
+         "--eval.initial_validation true|--eval.initial_validation true: BLIP-2 fine-tuning validates every"; do
     read -r -a opt <<<"${v%%|*}"
     expect "blip2_finetune_refuses_${opt[0]#--}" 2 "${v#*|}" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" "${opt[@]}" --out_dir "$T/b2ref"
 done
@@ -260,6 +259,14 @@ expect blip2_offload_optim_on_host 0 "" -- bash -c 'awk "/^peak/ { n++; if (n ==
 b2out=$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --strategy fsdp_cpu_offload --out_dir "$T/b2poff" 2>&1)
 expect blip2_param_offload_same_bits 0 "" -- cmp "$T/b2full/final/model.safetensors" "$T/b2poff/final/model.safetensors"
 expect blip2_param_offload_on_host 0 "" -- bash -c 'awk "/^peak/ { n++; if (n == 1) dev = \$3 \$4 \$5 \$6 \$7 \$8; if (n == 2) host = \$3 \$4 } END { exit !(dev == \"0B0B0B\" && host != \"0B\" && host != \"\") }" <<<"$1" && grep -q "^host tier (CPU offload: the optimizer state, the parameters. and gradients. shards" <<<"$1"' _ "$b2out"
+# NVMe (deepspeed_stage_3_offload_nvme: the parameters' and gradients' shards and the optimizer state in files under
+# out_dir, unlinked at creation): the plain run's bits, the nvme tier in the report, no file left behind
+b2out=$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --strategy deepspeed_stage_3_offload_nvme --out_dir "$T/b2nv" 2>&1)
+expect blip2_nvme_offload_same_bits 0 "" -- cmp "$T/b2full/final/model.safetensors" "$T/b2nv/final/model.safetensors"
+expect blip2_nvme_offload_tier 0 "" -- bash -c 'grep -q "^nvme tier (the parameters. and gradients. shards and the optimizer state in files under" <<<"$1" && [ "$(ls -A "$2" | sort | tr "\n" " ")" = "final logs " ]' _ "$b2out" "$T/b2nv"
+planned=$("$FITLLM" plan "$B2" "${B2RUN[@]}" --strategy deepspeed_stage_3_offload_nvme 2>&1 | sed -n 's/^nvme (offload) *//p')
+measured=$(sed -n '/^nvme tier/,$p' <<<"$b2out" | sed -n 's/^peak *//p' | head -1)
+expect blip2_plan_nvme_tier 0 "" -- bash -c '[ -n "$1" ] && [ "$1" = "$2" ] || { echo "planned: $1"; echo "measured: $2"; exit 1; }' _ "$planned" "$measured"
 # bf16-mixed (tests/test_blip2_prec.c: within 2 x PyTorch autocast's bf16 error of the float64 run) and bf16-true
 # (tests/test_blip2_bf16true.c: bf16-mixed's logits and loss on bf16-exact weights, its gradients rounded once): the
 # loss falls as under 32-true (step 8 below step 1 by > 0.5 nats), both variants; bf16-true's PARAMS are half

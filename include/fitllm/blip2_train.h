@@ -84,6 +84,9 @@ typedef struct {
      * outside the device pool and its budget); 0 otherwise */
     int offload;
     size_t host_peak[FL_TAG_COUNT], host_peak_total;
+    /* NVMe offload (deepspeed_stage_3_offload_nvme, --offload_*_device nvme): 1, and the disk tier's peaks */
+    int nvme;
+    size_t nvme_peak[FL_TAG_COUNT], nvme_peak_total;
     int stopped;                  /* the stop callback's value that ended the run (0: it ran to the end) */
     int set_up;                   /* 1 when set-up succeeded (on every rank under DDP): a failure after it is the run's */
     int quiet;                    /* DDP: 1 when another rank reports this failure (it failed there first) */

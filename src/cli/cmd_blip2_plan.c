@@ -90,6 +90,9 @@ static void copy_rec(fl_plan *p, const fl_blip2_train_result *r) {
     p->offload = r->offload; /* CPU offload: the optimizer state in the host tier, outside the budget */
     memcpy(p->host_peak, r->host_peak, sizeof p->host_peak);
     p->host_peak_total = r->host_peak_total;
+    p->nvme = r->nvme; /* NVMe offload: the disk tier */
+    memcpy(p->nvme_peak, r->nvme_peak, sizeof p->nvme_peak);
+    p->nvme_peak_total = r->nvme_peak_total;
 }
 
 int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_len, int json, int cuda, int rank) {

@@ -321,7 +321,9 @@ static fl_status copy_slices(fl_model *m, int i, const fl_st_tensor *t, const ch
         s = read_f32(t, k, buf, n, file);
         if (s == FL_OK && dt != FL_F32 && fl_convert(b16, dt, buf, FL_F32, n))
             s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", file, t->name);
-        if (s == FL_OK) s = FL_RUN(m->be, to_device, dst + k * es, dt == FL_F32 ? (void *)buf : (void *)b16, n * es);
+        /* parameter offload: the shard is host memory of the tier's backend */
+        if (s == FL_OK)
+            s = FL_RUN(fl_model_params_be(m), to_device, dst + k * es, dt == FL_F32 ? (void *)buf : (void *)b16, n * es);
     }
     free(buf), free(b16);
     return s;
@@ -339,11 +341,11 @@ static fl_status write_piece(fl_model *m, int i, const float *src) {
     char *dst = fl_model_param_piece(m, i, &k0, &k1, &dt);
     if (k0 == k1) return FL_OK;
     const size_t n = k1 - k0;
-    if (dt == FL_F32) return FL_RUN(m->be, to_device, dst, src + k0, n * sizeof(float));
+    if (dt == FL_F32) return FL_RUN(fl_model_params_be(m), to_device, dst, src + k0, n * sizeof(float));
     uint16_t *b16 = malloc(n * sizeof *b16);
     if (!b16) return fl_errorf(FL_ERR_OOM, "out of host memory");
     fl_status s = fl_convert(b16, dt, src + k0, FL_F32, n) ? fl_errorf(FL_ERR_INTERNAL, "conversion failed")
-                                                           : FL_RUN(m->be, to_device, dst, b16, n * sizeof *b16);
+                                                           : FL_RUN(fl_model_params_be(m), to_device, dst, b16, n * sizeof *b16);
     free(b16);
     return s;
 }

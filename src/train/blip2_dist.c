@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "blip2_train-impl.h"
+#include "core/fs.h"
 #include "fitllm/backend_op.h"
 
 fl_status fl_b2t_check_strategy(const fl_run_config *c) {
@@ -37,11 +38,6 @@ fl_status fl_b2t_check_strategy(const fl_run_config *c) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s under finetune_lora: BLIP-2's parameter offload shards the "
                          "parts (finetune_full); LoRA keeps the base whole on every rank: use deepspeed_stage_3_offload "
                          "or deepspeed_stage_2_offload (the adapters' optimizer on the host)", c->strategy);
-    if (fl_cfg_param_offload(c) == 2 || fl_cfg_offload_nvme(c))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning offloads the optimizer and the "
-                         "parameters to host memory (deepspeed_stage_1_offload, deepspeed_stage_2_offload, "
-                         "deepspeed_stage_3_offload, fsdp_cpu_offload) so far: NVMe offload is not built for it",
-                         c->strategy);
     return FL_OK;
 }
 
@@ -74,6 +70,20 @@ static fl_status offload_tier(b2run *r) {
         r->off.be = &r->hbe;
     }
     r->off.pool = &r->opool;
+    const fl_run_config *c = r->cfg;
+    if (fl_cfg_offload_nvme(c) || fl_cfg_param_offload(c) == 2) {
+        /* NVMe (ZeRO-Infinity): files under nvme_path (out_dir by default; unlinked at creation), as the trainer's; the
+         * plan's null backend stands it in with its counted fake addresses */
+        if (fl_backend_discards(be)) {
+            FL_TRY(be->host_pool_init(be, &r->dpool, "nvme (offload)", 0));
+        } else {
+            const char *dir = c->nvme_path[0] ? c->nvme_path : c->out_dir;
+            if (!c->nvme_path[0]) FL_TRY(fl_fs_mkdir_p(dir));
+            FL_TRY(fl_mem_disk_pool_init(&r->dpool, "nvme (offload)", dir));
+        }
+        r->dpool_ok = 1;
+        if (fl_cfg_offload_nvme(c)) r->off.state_pool = &r->dpool;
+    }
     return FL_OK;
 }
 
@@ -81,18 +91,27 @@ fl_status fl_b2t_fsdp_prepare(b2run *r, const fl_precision *prec) {
     int stage = 0;
     FL_TRY(fl_cfg_zero_stage(r->cfg->strategy, r->cfg->sharding_strategy, &stage));
     /* parameter offload (fsdp_cpu_offload) shards at one rank too: the whole part is the rank's shard, in the tier */
-    const int poff = fl_cfg_param_offload(r->cfg) == 1;
+    const int poff = fl_cfg_param_offload(r->cfg); /* 1 the host tier, 2 NVMe files */
     if ((r->world < 2 && !poff) || stage != 3 || r->lora) return FL_OK;
     static const char *const what[FL_BLIP2_PARTS] = {"vision tower", "Q-Former", "language model"};
     /* the units' gathers and reductions on the backend's buffers: a device backend's communicator (NCCL; its CPU
      * stand-in on cuda-emu and opaque), a plan's null one (the null backend's fake addresses: it moves nothing); a
      * host-memory backend's buffers go through the run's communicator */
+    fl_status cs = FL_OK;
     if (r->world > 1 && (fl_backend_discards(&r->be) || !fl_backend_host_memory(&r->be)) && r->be.comm_create && !r->fdev)
-        FL_TRY(fl_error_prefix(r->be.comm_create(&r->be, r->comm, &r->fdev), "FSDP: the %s backend's communicator",
-                               r->be.name));
+        cs = fl_error_prefix(r->be.comm_create(&r->be, r->comm, &r->fdev), "FSDP: the %s backend's communicator",
+                             r->be.name);
+    if (r->world > 1 && fl_cfg_hybrid_shard(r->cfg->strategy, r->cfg->sharding_strategy) && r->cfg->num_nodes > 1) {
+        /* HYBRID_SHARD's splits are collectives: a rank whose communicator failed must not leave the others there */
+        fl_dp all = {.comm = r->comm, .rank = r->rank, .world = r->world};
+        cs = fl_dp_agree(&all, cs);
+    }
+    FL_TRY(cs);
+    const int disk = poff == 2 && !fl_backend_discards(&r->be);
     if (poff) { /* the parameters' and gradients' shards in the host tier, the optimizer updating them there */
         FL_TRY(offload_tier(r));
         r->off.params_host = 1;
+        if (disk) r->off.param_pool = &r->dpool; /* the update drops their pieces behind it */
     }
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         fl_dp *d = &r->pdp[k];
@@ -103,7 +122,9 @@ fl_status fl_b2t_fsdp_prepare(b2run *r, const fl_precision *prec) {
         d->rank = r->rank, d->world = r->world;
         if (poff) {
             d->ptier.be = r->off.be;
-            d->ptier.pool = d->ptier.host = &r->opool;
+            d->ptier.pool = poff == 2 ? &r->dpool : &r->opool;
+            d->ptier.host = &r->opool;
+            d->ptier.disk = disk;
             d->ptier.prefetch = r->cfg->offload_prefetch;
             d->ptier.overlap = r->cfg->offload_overlap;
         }
@@ -241,19 +262,23 @@ fl_status fl_b2t_reduce(b2run *r, float *ml, int accum) {
 
 /* bf16-true: the 16-bit gradients times coef, each rounded once (PyTorch's clip_grad_norm_ multiplies the bf16
  * gradients in place), in slices through the store's fp32 gradient staging (free between backwards) */
-static fl_status scale16(const fl_backend *be, fl_model *m, float coef) {
+static fl_status scale16(const fl_backend *be, fl_model *m, float coef, fl_mem_pool *hp) {
     const fl_dtype dt = fl_model_store_dtype(m);
     uint16_t *g = fl_model_grads_16(m);
     float *st = fl_model_grad_stage(m);
     const size_t n = fl_model_store_numel(m), S = fl_sizing_gstage_elems(&m->cfg);
-    if (!g || !st || !S) return fl_errorf(FL_ERR_INTERNAL, "clipping 16-bit gradients: no fp32 staging");
-    for (size_t a = 0; a < n; a += S) {
+    void *own = NULL; /* parameter offload on a device backend: the host's gradients staged in the host tier */
+    if (hp && S) FL_TRY(fl_mem_alloc(hp, FL_TAG_WORKSPACE, S * sizeof(float), &own));
+    if (own) st = own;
+    fl_status s = g && st && S ? FL_OK : fl_errorf(FL_ERR_INTERNAL, "clipping 16-bit gradients: no fp32 staging");
+    for (size_t a = 0; s == FL_OK && a < n; a += S) {
         const size_t k = n - a < S ? n - a : S;
-        FL_TRY(FL_RUN(be, convert, st, FL_F32, g + a, dt, k));
-        FL_RUN(be, scale, st, k, coef);
-        FL_TRY(FL_RUN(be, convert, g + a, dt, st, FL_F32, k));
+        s = FL_RUN(be, convert, st, FL_F32, g + a, dt, k);
+        if (s == FL_OK) FL_RUN(be, scale, st, k, coef);
+        if (s == FL_OK) s = FL_RUN(be, convert, g + a, dt, st, FL_F32, k);
     }
-    return FL_OK;
+    if (own) fl_mem_free(hp, own);
+    return s;
 }
 
 /* the backend whose memory holds o's gradients: the host tier's under parameter offload, else the run's */
@@ -294,13 +319,15 @@ fl_status fl_b2t_clip(b2run *r, float max_norm) {
         if (fl_model_lora_adapters(m, &ad)) (void)FL_RUN(&r->be, scale, ad.grads, ad.numel, coef);
         else if (fl_model_grads_f32(m))
             (void)FL_RUN(grads_be(r, &r->opt[k]), scale, fl_model_grads_f32(m), fl_model_store_numel(m), coef);
-        else FL_TRY(scale16(grads_be(r, &r->opt[k]), m, coef));
+        else /* parameter offload with its own host backend: the device's staging is not the host's */
+            FL_TRY(scale16(grads_be(r, &r->opt[k]), m, coef, grads_be(r, &r->opt[k]) != &r->be ? &r->opool : NULL));
     }
     return FL_OK;
 }
 
 void fl_b2t_dist_free(b2run *r) {
+    if (r->dpool_ok) fl_mem_pool_free(&r->dpool);
     if (r->opool_ok) fl_mem_pool_free(&r->opool);
     if (r->hbe_ok) fl_backend_free(&r->hbe);
-    r->opool_ok = r->hbe_ok = 0;
+    r->opool_ok = r->hbe_ok = r->dpool_ok = 0;
 }

@@ -50,9 +50,10 @@ typedef struct {
     fl_comm *fdev;                /* their device communicator: a plan's null one (owned), else NULL */
     fl_run_config dcfg;
     fl_mem_pool opool;
+    fl_mem_pool dpool;            /* NVMe offload: the disk tier (the state's and / or the parameters' shards) */
     fl_backend hbe;
     fl_optim_offload off;
-    int opool_ok, hbe_ok;
+    int opool_ok, hbe_ok, dpool_ok;
     fl_metrics metrics;           /* out_dir/logs/metrics.csv (rank 0 of a run) */
 } b2run;
 

@@ -498,9 +498,17 @@ static void memory_report(b2run *r, FILE *f) {
                 fl_dp_stage_name(&r->dp), r->dp.stage == 2 ? "; GRADS: each part's reduced chunk is what stays live" : "");
     fl_mem_print_report(&r->pool, f);
     if (r->opool_ok) {
-        fprintf(f, "\nhost tier (CPU offload: the optimizer state%s, outside the device's budget)\n",
-                r->off.params_host ? ", the parameters' and gradients' shards" : "");
+        fprintf(f, "\nhost tier (CPU offload: %s, outside the device's budget)\n",
+                r->dpool_ok ? "the pieces on their way to and from the nvme tier below"
+                : r->off.params_host ? "the optimizer state, the parameters' and gradients' shards" : "the optimizer state");
         fl_mem_print_report(&r->opool, f);
+    }
+    if (r->dpool_ok) {
+        const fl_run_config *c = r->cfg;
+        fprintf(f, "\nnvme tier (%s in files under '%s')\n", !r->off.param_pool ? "the optimizer state"
+                : r->off.state_pool ? "the parameters' and gradients' shards and the optimizer state"
+                : "the parameters' and gradients' shards", c->nvme_path[0] ? c->nvme_path : c->out_dir);
+        fl_mem_print_report(&r->dpool, f);
     }
 }
 
@@ -724,6 +732,9 @@ static void fill_memory(b2run *r) {
     res->offload = r->opool_ok;
     for (int k = 0; r->opool_ok && k < FL_TAG_COUNT; k++) res->host_peak[k] = r->opool.peak[k];
     res->host_peak_total = r->opool_ok ? r->opool.peak_total : 0;
+    res->nvme = r->dpool_ok;
+    for (int k = 0; r->dpool_ok && k < FL_TAG_COUNT; k++) res->nvme_peak[k] = r->dpool.peak[k];
+    res->nvme_peak_total = r->dpool_ok ? r->dpool.peak_total : 0;
 }
 
 fl_status fl_blip2_train(const fl_run_config *cfg, const fl_blip2_train_opts *o, fl_blip2_train_result *res) {
