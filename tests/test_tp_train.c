@@ -568,9 +568,10 @@ FL_TEST(tp_train_nccl_standin_opaque) {
     g_forced = NULL;
 }
 
-/* FULL_SHARD on the data axis of DP 2 x TP 2 on the opaque backend: the units' gathers and reduce-scatters over the
- * axis and the blocks' sums over the group all through the NCCL stand-in (2 steps of gpt2-micro, AdamW). */
-FL_TEST(tp_train_full_shard_nccl_standin_opaque) {
+/* The compositions on the opaque backend: FULL_SHARD on the data axis of DP 2 x TP 2 (the units' gathers and
+ * reduce-scatters over the axis and the blocks' sums over the group all through the NCCL stand-in; 2 steps of
+ * gpt2-micro, AdamW), and QLoRA at TP 2 (the slice's 4-bit weights quantized on the host and copied in). */
+FL_TEST(tp_train_compositions_nccl_standin_opaque) {
     if (!fl_test_asan_budget()) return;
     g_forced = "opaque";
     g_small = 1;
@@ -578,6 +579,12 @@ FL_TEST(tp_train_full_shard_nccl_standin_opaque) {
     scenario(DR_ADAMW, 2, 2);
     g_strategy = NULL;
     g_small = 0;
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/q4-opaque", fl_test_tmpdir());
+    q4_folder("micro", dir);
+    g_model = dir, g_quant = "bnb.nf4-dq";
+    scenario(DR_LORA, 1, 2);
+    g_model = NULL, g_quant = NULL;
     g_forced = NULL;
 }
 
