@@ -266,6 +266,7 @@ FL_TEST(tp_train_threads_tp_x_pp_zero_on_the_data_axis) {
  * consolidated checkpoint gathers the pieces over the axis, then the slices over the group. The bars are TP's:
  * FULL_SHARD sums the axis' ranks then the micro-batches (DDP the other way): reassociation only. */
 FL_TEST(tp_train_threads_full_shard_on_the_data_axis) {
+    if (!fl_test_asan_budget()) return; /* ~3 s in the release pass (the 3D grid's, plan and resume tests run under ASan) */
     const grid_case k[] = {{DR_ADAMW, 2, 2, 1, NULL, NULL, "fsdp"}, {DR_SGD, 2, 2, 1, NULL, NULL, "deepspeed_stage_3"},
                            {DR_SGD, 2, 2, 1, NULL, "gpt2-micro", "fsdp"}, {DR_SGD, 2, 2, 1, NULL, "opt-micro", "fsdp"}};
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
@@ -276,6 +277,7 @@ FL_TEST(tp_train_threads_full_shard_on_the_data_axis) {
  * adds each node's distinct pieces once. DP 4 x TP 2 (2 nodes of 2 groups), DP 2 x TP 2 x PP 2 (a node: one 2 x 2
  * grid, its shard group one rank: DDP's order) against one process with TP's bars. */
 FL_TEST(tp_train_threads_hybrid_shard_on_the_data_axis) {
+    if (!fl_test_asan_budget()) return; /* ~3 s in the release pass (the 3D grid's, plan and resume tests run under ASan) */
     g_nodes = 2;
     const grid_case k[] = {{DR_ADAMW, 4, 2, 1, NULL, NULL, "fsdp"}, {DR_ADAMW, 2, 2, 2, NULL, NULL, "fsdp"}};
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
@@ -470,6 +472,7 @@ static void q4_folder(const char *preset, const char *dir) {
 }
 
 FL_TEST(tp_train_threads_qlora_matches_one_process) {
+    if (!fl_test_asan_budget()) return; /* ~3 s in the release pass (the 3D grid's, plan and resume tests run under ASan) */
     const char *presets[3] = {"micro", "gpt2-micro", "opt-micro"};
     char dir[3][700];
     for (int k = 0; k < 3; k++) {
