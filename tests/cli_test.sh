@@ -708,13 +708,13 @@ expect offload_nvme_full_disk 1 "NVMe offload: .* cannot reserve [0-9]+ bytes in
     --offload_optimizer_device nvme --nvme_path "$T/nvf" --out_dir "$T/off6"
 [ -z "$(ls -A "$T/nvf")" ] || { echo "FAIL offload_nvme_full_disk_leaves_no_files: $(ls -A "$T/nvf")"; fail=$((fail+1)); }
 # --tensor_parallel (the runs themselves: tests/mpi_test.sh, tests/test_tp_train.c): a grid it does not divide, a
-# model it does not split (naming the key), ZeRO-3 on the data-parallel axis; the plan of one rank's slice
+# model it does not split (naming the key), optimizer offload on the data-parallel axis; the plan of one rank's slice
 expect tp_not_dividing_devices 2 "tensor_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
     "$FITLLM" finetune_full micro --tensor_parallel 2 --out_dir "$T/tp1"
 expect tp_plan_heads_not_divisible 2 "--tensor_parallel 3: the model's 8 attention heads \(num_attention_heads\) do not split evenly over 3 ranks" -- \
     "$FITLLM" plan micro --devices 3 --tensor_parallel 3
-expect tp_plan_zero3_refused 2 "--tensor_parallel 2 with --strategy deepspeed_stage_3: the data-parallel axis \(2 groups\) runs DDP, ZeRO-1 or ZeRO-2 so far" -- \
-    "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy deepspeed_stage_3
+expect tp_plan_offload_refused 2 "--tensor_parallel 2 with --strategy deepspeed_stage_2_offload: optimizer offload is not combined" -- \
+    "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy deepspeed_stage_2_offload
 # micro (V 512, C 64, F 172, 5 layers, 8 / 4 heads of 8, tied) at TP 2, by hand: embeddings 256 x 64 (vocabulary
 # slice) + 5 x (2 x 64 norms + q 32 x 64 + k, v 16 x 64 + o 64 x 32 + gate, up 86 x 64 + down 64 x 86) + 64 =
 # 130368 floats = 509.25 KiB (573.25 KiB with the embeddings whole)

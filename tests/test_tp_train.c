@@ -269,6 +269,7 @@ FL_TEST(tp_train_threads_tp_x_pp_zero_on_the_data_axis) {
  * consolidated checkpoint gathers the pieces over the axis, then the slices over the group. The bars are TP's:
  * FULL_SHARD sums the axis' ranks then the micro-batches (DDP the other way): reassociation only. */
 FL_TEST(tp_train_threads_full_shard_on_the_data_axis) {
+    if (!fl_test_asan_budget()) return; /* ~3 s in the release pass (the 3D grid's, plan and resume tests run under ASan) */
     const grid_case k[] = {{DR_ADAMW, 2, 2, 1, NULL, NULL, "fsdp"}, {DR_SGD, 2, 2, 1, NULL, NULL, "deepspeed_stage_3"},
                            {DR_SGD, 2, 2, 1, NULL, "gpt2-micro", "fsdp"}, {DR_SGD, 2, 2, 1, NULL, "opt-micro", "fsdp"}};
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
@@ -279,6 +280,7 @@ FL_TEST(tp_train_threads_full_shard_on_the_data_axis) {
  * adds each node's distinct pieces once. DP 4 x TP 2 (2 nodes of 2 groups), DP 2 x TP 2 x PP 2 (a node: one 2 x 2
  * grid, its shard group one rank: DDP's order) against one process with TP's bars. */
 FL_TEST(tp_train_threads_hybrid_shard_on_the_data_axis) {
+    if (!fl_test_asan_budget()) return; /* ~3 s in the release pass (the 3D grid's, plan and resume tests run under ASan) */
     g_nodes = 2;
     const grid_case k[] = {{DR_ADAMW, 4, 2, 1, NULL, NULL, "fsdp"}, {DR_ADAMW, 2, 2, 2, NULL, NULL, "fsdp"}};
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
@@ -473,6 +475,7 @@ static void q4_folder(const char *preset, const char *dir) {
 }
 
 FL_TEST(tp_train_threads_qlora_matches_one_process) {
+    if (!fl_test_asan_budget()) return; /* ~3 s in the release pass (the 3D grid's, plan and resume tests run under ASan) */
     const char *presets[3] = {"micro", "gpt2-micro", "opt-micro"};
     char dir[3][700];
     for (int k = 0; k < 3; k++) {
@@ -571,9 +574,10 @@ FL_TEST(tp_train_nccl_standin_opaque) {
     g_forced = NULL;
 }
 
-/* FULL_SHARD on the data axis of DP 2 x TP 2 on the opaque backend: the units' gathers and reduce-scatters over the
- * axis and the blocks' sums over the group all through the NCCL stand-in (2 steps of gpt2-micro, AdamW). */
-FL_TEST(tp_train_full_shard_nccl_standin_opaque) {
+/* The compositions on the opaque backend: FULL_SHARD on the data axis of DP 2 x TP 2 (the units' gathers and
+ * reduce-scatters over the axis and the blocks' sums over the group all through the NCCL stand-in; 2 steps of
+ * gpt2-micro, AdamW), and QLoRA at TP 2 (the slice's 4-bit weights quantized on the host and copied in). */
+FL_TEST(tp_train_compositions_nccl_standin_opaque) {
     if (!fl_test_asan_budget()) return;
     g_forced = "opaque";
     g_small = 1;
@@ -581,6 +585,12 @@ FL_TEST(tp_train_full_shard_nccl_standin_opaque) {
     scenario(DR_ADAMW, 2, 2);
     g_strategy = NULL;
     g_small = 0;
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/q4-opaque", fl_test_tmpdir());
+    q4_folder("micro", dir);
+    g_model = dir, g_quant = "bnb.nf4-dq";
+    scenario(DR_LORA, 1, 2);
+    g_model = NULL, g_quant = NULL;
     g_forced = NULL;
 }
 

@@ -210,13 +210,17 @@ void fl_tr_print_memory(trainer *t) {
         fprintf(t->out, "memory of rank 0 (tensor parallel %d%s%s: PARAMS, GRADS and OPTIM hold its slice%s, %zu of %zu "
                 "parameters%s; ACTS its heads' and MLP columns' activations; the whole model was loaded outside the "
                 "pool and freed)\n", t->tp.size, t->dp.world > 1 ? " x " : "", t->dp.world > 1 ? fl_dp_stage_name(&t->dp) : "",
-                stage, t->model.layout.numel, t->tp.whole_numel, t->dp.stage ? " (OPTIM: its chunk's state)" : "");
+                stage, t->model.layout.numel, t->tp.whole_numel,
+                t->dp.fsdp ? " (PARAMS, GRADS and OPTIM: the rank's pieces of the slice's units; GATHER the gathered units)"
+                : t->dp.stage ? " (OPTIM: its chunk's state)" : "");
     else if (t->pp.size > 1)
         fprintf(t->out, "memory of rank 0 (pipeline stage 0 of %d%s%s: PARAMS, GRADS and OPTIM hold blocks [%d, %d) and "
                 "copies of the embeddings and head, %zu of %zu parameters%s%s; ACTS its arena and a stash per further "
                 "micro-batch in flight; the whole model was loaded outside the pool and freed)\n", t->pp.size,
                 t->dp.world > 1 ? " x " : "", t->dp.world > 1 ? fl_dp_stage_name(&t->dp) : "", t->pp.first, t->pp.last,
-                t->model.layout.numel, t->pp.whole_numel, t->dp.stage ? " (OPTIM: its chunk's state)" : "",
+                t->model.layout.numel, t->pp.whole_numel,
+                t->dp.fsdp ? " (PARAMS, GRADS and OPTIM: the rank's pieces of the stage's units)"
+                : t->dp.stage ? " (OPTIM: its chunk's state)" : "",
                 t->pp.chunks > 1 ? ": chunk 0's; interleaved, its later chunks are stage models of their own in the same "
                                    "pool, each with its arena and stashes" : "");
     else if (t->dp.world > 1 && !t->dp.stage)
