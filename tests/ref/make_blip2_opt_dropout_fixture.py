@@ -26,16 +26,15 @@ Writes expected-dropout.safetensors there, as make_t5_dropout_fixture.save(): lo
 float64 gradients of the mean caption loss), noise.loss / noise.<name> (F32 [1]: max |PyTorch fp32 - float64|),
 seed (I64 [1]: S), p (F32 [1]).
 """
-import argparse
 import os
 import sys
 
 import torch
-from safetensors.torch import load_file
 from transformers import Blip2ForConditionalGeneration
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import make_t5_dropout_fixture as t5d  # noqa: E402  (FitDrop, dropout_seed, SEED, P, save())
+import make_blip2_dropout_fixture as b2t5  # noqa: E402  (make(): the batch, both runs, the file)
+import make_t5_dropout_fixture as t5d  # noqa: E402  (FitDrop, dropout_seed, SEED, P)
 
 ORIG_DROPOUT = torch.nn.functional.dropout
 CUR = []  # the module whose functional dropout calls are running (an attention, an OPT decoder layer)
@@ -105,12 +104,7 @@ def run(d, batch, dtype):
 
 
 def main():
-    a = argparse.ArgumentParser()
-    a.add_argument("--fixture", default="tests/fixtures/blip2-tiny-opt")
-    d = a.parse_args().fixture
-    x = load_file(os.path.join(d, "expected.safetensors"))
-    batch = (x["pixels"], x["ids"], x["labels"])
-    t5d.save(d, run(d, batch, torch.float32), run(d, batch, torch.float64), x["loss"])
+    b2t5.make(run, "tests/fixtures/blip2-tiny-opt")
 
 
 if __name__ == "__main__":
