@@ -37,30 +37,22 @@ import make_blip2_dropout_fixture as b2t5  # noqa: E402  (make(): the batch, bot
 import make_t5_dropout_fixture as t5d  # noqa: E402  (FitDrop, dropout_seed, SEED, P)
 
 ORIG_DROPOUT = torch.nn.functional.dropout
-CUR = []  # the module whose functional dropout calls are running (an attention, an OPT decoder layer)
 
 
 def fit_dropout(x, p=0.5, training=False, inplace=False):
-    """nn.functional.dropout: fitllm's mask of the innermost wrapped module (its FitDrop's seeds in call order)"""
+    """nn.functional.dropout: fitllm's mask of the innermost wrapped module (t5d.CUR: its FitDrop's seeds in call
+    order)"""
     if not training or p == 0:
         return x
-    if not CUR:
+    if not t5d.CUR:
         raise RuntimeError("a dropout outside the sites fitllm drops")
-    return CUR[-1].fit_drop(x)
+    return t5d.CUR[-1].fit_drop(x)
 
 
 def wrap(mod, seeds):
     """mod's functional dropout calls take fitllm's masks of `seeds`, one per call in order"""
+    t5d.wrap_attention(mod, seeds[0])
     mod.fit_drop = t5d.FitDrop(seeds)
-    fwd = mod.forward
-
-    def forward(*a, **kw):
-        CUR.append(mod)
-        try:
-            return fwd(*a, **kw)
-        finally:
-            CUR.pop()
-    mod.forward = forward
 
 
 def install(m):
