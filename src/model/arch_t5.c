@@ -137,19 +137,13 @@ static int lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL_ARC
  * blocks, the embeddings and each stack's final norm output: seq2seq.c). A residual slot's gradient is its path's,
  * so a sublayer's output projection writes an off-path slot (TEMP: not saved) that DROPOUT copies, masked, into the
  * residual one; the activation is masked in place. Without dropout the graphs are the ones before (the same bits).
- * The sites (fl_gop.p: each mask's seed within the block): */
-enum { T5_DROP_ATTN, T5_DROP_XATTN, T5_DROP_ACT, T5_DROP_FFN, T5_DROP_ATTN_W, T5_DROP_XATTN_W };
-/* (the last two: the self- and cross-attention's weights, after the softmax: the ATTN ops' fl_gop.p, exec.c) */
-static int drops(const fl_model_config *c) { return c->dropout_rate > 0 && c->dropout_on; }
+ * The sites (fl_gop.p: each mask's seed within the block): graph.h's FL_DROP_* (0 self-attention output, 1 cross, 2
+ * the FFN's activation, 3 the FFN's output, 4 / 5 the self- / cross-attention's weights: the ATTN ops' p, exec.c); a
+ * sublayer's output through fl_graph_sublayer_out (graph.c, OPT's and BLIP-2's too). */
+static int drops(const fl_model_config *c) { return fl_drops_hidden(c); }
 
-/* a sublayer's output projection (linear `lin`, role) from `in` into the residual slot `res`: through a DROPOUT
- * when the config drops */
 static void sublayer_out(fl_block_graph *g, const fl_model_config *c, int in, int res, int lin, int role, int site) {
-    int y = res;
-    if (drops(c)) /* the projection's output: TEMP (the backward reads only its gradient) */
-        y = fl_graph_slot(g, site == T5_DROP_FFN ? "ffo" : site ? "xo" : "o", c->dim, FL_GSLOT_TEMP, 0);
-    fl_graph_op(g, FL_GOP_LINEAR, in, y, -1, -1, lin, role, -1);
-    if (y != res) fl_graph_op(g, FL_GOP_DROPOUT, y, res, -1, -1, site, -1, -1);
+    fl_graph_sublayer_out(g, c, in, res, lin, role, -1, site);
 }
 
 /* The self-attention sublayer: x -> norm -> q|k|v -> attention (+ the stack's relative bias, unscaled) -> o -> + x
@@ -166,8 +160,8 @@ static int self_attn(fl_block_graph *g, const fl_model_config *c, int X, int att
     fl_gop *a = fl_graph_op(g, FL_GOP_ATTN, qkv, att, lse, -1, -1, -1, -1);
     a->attn = (uint8_t)attn;
     a->attn_flags = (uint8_t)(flags | FL_GATTN_BIAS | FL_GATTN_NOSCALE);
-    if (drops(c)) a->p = T5_DROP_ATTN_W;
-    sublayer_out(g, c, att, H, 1, FL_ROLE_O_W, T5_DROP_ATTN);
+    if (drops(c)) a->p = FL_DROP_ATTN_W;
+    sublayer_out(g, c, att, H, 1, FL_ROLE_O_W, FL_DROP_ATTN);
     fl_graph_op(g, FL_GOP_ADD, X, H, -1, -1, -1, -1, -1);
     return H;
 }
@@ -180,8 +174,8 @@ static void ffn(fl_block_graph *g, const fl_model_config *c, int H, int OUT) {
     fl_graph_op(g, FL_GOP_NORM, H, ln, -1, lr, 1, FL_ROLE_LN2_W, -1);
     fl_graph_op(g, FL_GOP_LINEAR, ln, fc, -1, -1, 2, FL_ROLE_FC_W, -1);
     fl_graph_op(g, c->ffn_gated ? FL_GOP_GEGLU : FL_GOP_RELU, fc, act, -1, -1, -1, -1, -1);
-    if (drops(c)) fl_graph_op(g, FL_GOP_DROPOUT, act, act, -1, -1, T5_DROP_ACT, -1, -1);
-    sublayer_out(g, c, act, OUT, 3, FL_ROLE_PROJ_W, T5_DROP_FFN);
+    if (drops(c)) fl_graph_op(g, FL_GOP_DROPOUT, act, act, -1, -1, FL_DROP_ACT, -1, -1);
+    sublayer_out(g, c, act, OUT, 3, FL_ROLE_PROJ_W, FL_DROP_FFN);
     fl_graph_op(g, FL_GOP_ADD, H, OUT, -1, -1, -1, -1, -1);
 }
 
@@ -213,8 +207,8 @@ static void decoder_block(const fl_model_config *c, fl_block_graph *g) {
     a->attn = FL_ATTN_CROSS;
     a->attn_flags = FL_GATTN_MASK | FL_GATTN_NOSCALE;
     a->in2 = (int8_t)xkv;
-    if (drops(c)) a->p = T5_DROP_XATTN_W;
-    sublayer_out(g, c, xatt, H2, 6, FL_ROLE_XO_W, T5_DROP_XATTN);
+    if (drops(c)) a->p = FL_DROP_XATTN_W;
+    sublayer_out(g, c, xatt, H2, 6, FL_ROLE_XO_W, FL_DROP_XATTN);
     fl_graph_op(g, FL_GOP_ADD, H1, H2, -1, -1, -1, -1, -1);
     ffn(g, c, H2, OUT);
     g->n_norms = 3;

@@ -51,13 +51,19 @@ def run(d, batch, dtype):
     return out.loss.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
-def main():
+def make(run_fn, default):
+    """--fixture (default) 's expected-dropout.safetensors from run_fn(dir, batch, dtype) on its expected.safetensors
+    batch (also tests/ref/make_blip2_opt_dropout_fixture.py's)"""
     a = argparse.ArgumentParser()
-    a.add_argument("--fixture", default="tests/fixtures/blip2-tiny-t5")
+    a.add_argument("--fixture", default=default)
     d = a.parse_args().fixture
     x = load_file(os.path.join(d, "expected.safetensors"))
     batch = (x["pixels"], x["ids"], x["labels"])
-    t5d.save(d, run(d, batch, torch.float32), run(d, batch, torch.float64), x["loss"])
+    t5d.save(d, run_fn(d, batch, torch.float32), run_fn(d, batch, torch.float64), x["loss"])
+
+
+def main():
+    make(run, "tests/fixtures/blip2-tiny-t5")
 
 
 if __name__ == "__main__":

@@ -26,42 +26,33 @@ Writes expected-dropout.safetensors there, as make_t5_dropout_fixture.save(): lo
 float64 gradients of the mean caption loss), noise.loss / noise.<name> (F32 [1]: max |PyTorch fp32 - float64|),
 seed (I64 [1]: S), p (F32 [1]).
 """
-import argparse
 import os
 import sys
 
 import torch
-from safetensors.torch import load_file
 from transformers import Blip2ForConditionalGeneration
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import make_t5_dropout_fixture as t5d  # noqa: E402  (FitDrop, dropout_seed, SEED, P, save())
+import make_blip2_dropout_fixture as b2t5  # noqa: E402  (make(): the batch, both runs, the file)
+import make_t5_dropout_fixture as t5d  # noqa: E402  (FitDrop, dropout_seed, SEED, P)
 
 ORIG_DROPOUT = torch.nn.functional.dropout
-CUR = []  # the module whose functional dropout calls are running (an attention, an OPT decoder layer)
 
 
 def fit_dropout(x, p=0.5, training=False, inplace=False):
-    """nn.functional.dropout: fitllm's mask of the innermost wrapped module (its FitDrop's seeds in call order)"""
+    """nn.functional.dropout: fitllm's mask of the innermost wrapped module (t5d.CUR: its FitDrop's seeds in call
+    order)"""
     if not training or p == 0:
         return x
-    if not CUR:
+    if not t5d.CUR:
         raise RuntimeError("a dropout outside the sites fitllm drops")
-    return CUR[-1].fit_drop(x)
+    return t5d.CUR[-1].fit_drop(x)
 
 
 def wrap(mod, seeds):
     """mod's functional dropout calls take fitllm's masks of `seeds`, one per call in order"""
+    t5d.wrap_attention(mod, seeds[0])
     mod.fit_drop = t5d.FitDrop(seeds)
-    fwd = mod.forward
-
-    def forward(*a, **kw):
-        CUR.append(mod)
-        try:
-            return fwd(*a, **kw)
-        finally:
-            CUR.pop()
-    mod.forward = forward
 
 
 def install(m):
@@ -105,12 +96,7 @@ def run(d, batch, dtype):
 
 
 def main():
-    a = argparse.ArgumentParser()
-    a.add_argument("--fixture", default="tests/fixtures/blip2-tiny-opt")
-    d = a.parse_args().fixture
-    x = load_file(os.path.join(d, "expected.safetensors"))
-    batch = (x["pixels"], x["ids"], x["labels"])
-    t5d.save(d, run(d, batch, torch.float32), run(d, batch, torch.float64), x["loss"])
+    b2t5.make(run, "tests/fixtures/blip2-tiny-opt")
 
 
 if __name__ == "__main__":
