@@ -234,6 +234,21 @@ typedef struct {
 
 struct fl_dp; /* data parallelism (src/train/dp.h) */
 
+/* Gradient synchronisation over the data-parallel ranks, the one interface the step calls for it (DDP's buckets,
+ * ZeRO-1/2's reduce-scatter, FSDP's per-unit reduce-scatter and offloaded update: src/train/dp.c installs it in
+ * fl_dp_init, over the run's struct fl_dp; one process: the same calls, each a no-op). The step calls, per step:
+ * arm(k) before each micro-batch's forward (last: k is the step's last, whose backward reduces as gradients become
+ * ready and may run an offloaded update unit by unit, lr / max_norm that update's), then reduce once after the last
+ * backward: the sum over the ranks of o's gradients in place (what fl_optim_step then reads), and in *live the
+ * bytes of o->w.g still live after it (SIZE_MAX: nothing to say; e.g. ZeRO-2's chunk) with *snap 1 when several
+ * ranks took part (the step's after_reduce snapshot). Either returns an error status with its message set. */
+typedef struct fl_grad_sync {
+    void *self;
+    int world, rank;
+    fl_status (*arm)(void *self, struct fl_optimizer *o, int last, float lr, float max_norm);
+    fl_status (*reduce)(void *self, struct fl_optimizer *o, size_t *live, int *snap);
+} fl_grad_sync;
+
 /* One training step, the one the trainer, bench-step, the demo and the tests all run
  * (fl_step_run): zero the gradients; for each micro-batch k the forward (phase "forward") and the
  * backward ("backward"), gradients accumulating; the reduction over the ranks (dp); the optimizer
@@ -245,8 +260,8 @@ typedef struct {
     long step_valid;           /* the step's valid targets over every rank: grad scale 1 / step_valid */
     int skip_empty;            /* step_valid <= 0: no forward, no update (else an error) */
     float lr, max_norm;
-    struct fl_dp *dp;          /* data parallel: the last micro-batch's backward reduces bucket by bucket
-                                * (fl_dp_buckets_arm), the reduction before the update; NULL: one process */
+    struct fl_dp *dp;          /* data parallel (the pipeline's step reads it); NULL: one process */
+    const fl_grad_sync *sync;  /* the gradient synchronisation fl_step_run calls (the run's dp->sync); NULL: none */
     int seeded;                /* set the LoRA dropout seed of each micro-batch: seed + its global index
                                 * iter0 + k x world + rank (the same masks at any world size, and resumed) */
     uint64_t seed;

@@ -60,6 +60,7 @@ typedef struct fl_dp {
         int disk, prefetch, overlap;
     } ptier;
     int update_overlap; /* --offload_update_overlap: fl_fsdp_update_arm may run the update unit by unit */
+    fl_grad_sync sync;  /* the step's interface to this context (fl_dp_init installs it; fitllm/train.h) */
 } fl_dp;
 
 /* The parameter-offload fetch worker (fetch.c): one thread copying units' pieces out of the tier in post order.
