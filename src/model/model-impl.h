@@ -58,6 +58,7 @@ struct fl_acts {
     int32_t *sp_pad;        /* sequence parallel: a padded pass's ids and targets (host, 2 x B T; transformer.c) */
     float *sp_dnorm;        /* sequence parallel: (2, C) a norm's weight and bias gradient of the rank's rows (WORKSPACE) */
     struct fl_s2s_acts *s2s; /* an encoder-decoder's stacks (seq2seq.c; then the views above are unused), or NULL */
+    const fl_model_kind *kind; /* another kind's passes (fitllm/model.h; seq2seq.c's with s2s), NULL: decoder-only */
     void *be_scratch;       /* the backend's scratch (fl_backend.scratch_bytes), lent to its ops in each
                              * forward and backward (fl_act_opts.backend_scratch), or NULL */
     size_t be_scratch_bytes; /* its bytes: scratch_bytes + the attention's (fl_backend.attn_scratch_bytes) */
@@ -89,12 +90,6 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
 
 /* An encoder-decoder's views (seq2seq.c), released with the arena (safe with NULL). */
 void fl_s2s_acts_free(struct fl_s2s_acts *s);
-/* fl_model_forward_head of an encoder-decoder: the head deferred by fl_model_forward_s2s_body (seq2seq.c). */
-fl_status fl_s2s_forward_head(fl_model *m, float *logits_out);
-/* An encoder-decoder's live bytes after its last pass (seq2seq.c; fl_acts_live_bytes and fl_model_live use them):
- * the ACTS / WORKSPACE arenas', and the rows an adapted LINEAR's adapters save (fl_model_adapter_live_rows). */
-void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work);
-size_t fl_s2s_adapter_live_rows(const fl_model *m, int layer, int param_index);
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
 /* fl_backend.set_compute_dtype around a model call (transformer.c): on = the precision's compute

@@ -58,8 +58,6 @@ struct fl_s2s_acts {
     struct { const int32_t *targets; float grad_scale; int N, defer, open; } head;
 };
 
-int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0; }
-
 void fl_s2s_acts_free(struct fl_s2s_acts *s) {
     if (!s) return;
     for (int k = 0; k < FL_MODEL_GRAPH_MAX_STACKS; k++) free(s->st[k].res), free(s->st[k].layer);
@@ -178,6 +176,8 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
     return cv.off;
 }
 
+static const fl_model_kind s2s_kind; /* the passes it installs (below) */
+
 fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
     if (!fl_model_is_s2s(&m->cfg))
         return fl_errorf(FL_ERR_INVALID, "fl_model_alloc_acts_s2s: %s has one stack (fl_model_alloc_acts)",
@@ -192,6 +192,7 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
         return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
     }
     acts->s2s = a;
+    acts->kind = &s2s_kind;
     /* the bf16 policies save the blocks' WIDE slots in bf16 (not with checkpointing, which saves the stream only) */
     const fl_dtype adt = m->prec.name ? m->prec.act_dtype : FL_F32;
     a->act16 = adt != FL_F32 && !m->act_ckpt ? adt : (fl_dtype)0;
@@ -243,7 +244,7 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
     return FL_OK;
 }
 
-/* Live bytes after the last pass (fl_acts_live_bytes of an encoder-decoder), counted at that pass's (B, T) of each
+/* Live bytes after the last pass (fl_model_kind.live_bytes of an encoder-decoder), counted at that pass's (B, T) of each
  * stack without the arena's alignment. After a training forward (train): what the backward reads. ACTS: every
  * stack's residual stream (L + 1 views: the blocks' inputs, the final norm's), its blocks' saved slots (under
  * checkpointing the last block's, which the backward reuses without recomputing them), its final norm's rstd and,
@@ -251,7 +252,7 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
  * every stack's relative bias (the attention backward re-forms its probabilities with it), bucket indices (the
  * table's gradient) and ids (the embedding's), the key padding mask, and d(the last norm's output) the head left
  * in gb[1]. Otherwise nothing: there are no constant tables (the bias is rebuilt by every forward). */
-void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work) {
+static void s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work) {
     const struct fl_s2s_acts *a = m->acts->s2s;
     const size_t C = (size_t)m->cfg.dim, B = (size_t)a->Bp, NH = (size_t)m->cfg.n_heads, f = sizeof(float);
     size_t ac = 0, wk = 0;
@@ -277,10 +278,10 @@ void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work)
 }
 
 /* The rows an adapter on the LINEAR at param_index of block `layer` saves in a training forward (its h and, with
- * dropout, its dropped input; fl_model_adapter_live_rows): the source's in the encoder and for the cross-attention's
+ * dropout, its dropped input; fl_model_kind.adapter_live_rows): the source's in the encoder and for the cross-attention's
  * k|v (it reads the encoder output), the target's elsewhere; under checkpointing only the last block of each
  * stack's (the others are recomputed before their backward reads them). */
-size_t fl_s2s_adapter_live_rows(const fl_model *m, int layer, int param_index) {
+static size_t s2s_adapter_live_rows(const fl_model *m, int layer, int param_index) {
     const struct fl_s2s_acts *a = m->acts->s2s;
     const int Le = a->st[0].L, Lall = Le + (a->n_stacks > 1 ? a->st[1].L : 0);
     if (m->act_ckpt && layer != Le - 1 && layer != Lall - 1) return 0;
@@ -868,7 +869,7 @@ fl_status fl_model_forward_s2s_body(fl_model *m, const int32_t *src_ids, const u
     return s;
 }
 
-fl_status fl_s2s_forward_head(fl_model *m, float *logits_out) {
+static fl_status s2s_forward_head(fl_model *m, float *logits_out) {
     struct fl_s2s_acts *a = m->acts->s2s;
     if (!a->head.open)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward_head: needs a preceding fl_model_forward_s2s_body");
@@ -887,6 +888,18 @@ fl_status fl_model_backward_s2s(fl_model *m) {
     s2s_lend(m, 0);
     return s;
 }
+
+static fl_status s2s_forward_micro(fl_model *m, const fl_micro_batch *mb, float grad_scale) {
+    return fl_model_forward_s2s_body(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T, grad_scale);
+}
+
+/* The encoder-decoder's passes behind the model's step entries (fitllm/model.h), installed with its arena. */
+static const fl_model_kind s2s_kind = {.name = "encoder-decoder",
+                                       .forward_micro = s2s_forward_micro,
+                                       .forward_head = s2s_forward_head,
+                                       .backward = fl_model_backward_s2s,
+                                       .live_bytes = s2s_live_bytes,
+                                       .adapter_live_rows = s2s_adapter_live_rows};
 
 fl_status fl_model_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
                                       int max_new, int kv_cache, int32_t *out, int *n_out) {

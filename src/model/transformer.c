@@ -441,16 +441,24 @@ fl_status fl_model_forward_body(fl_model *m, const int32_t *ids, const int32_t *
     return s;
 }
 
+/* Another kind's passes (fl_model_kind, installed with its arena), or NULL: the decoder-only stack's below. */
+static const fl_model_kind *kind_of(const fl_model *m) { return m->acts ? m->acts->kind : NULL; }
+
 fl_status fl_model_forward_micro(fl_model *m, const fl_micro_batch *mb, float grad_scale, const uint64_t *seed) {
     if (seed) fl_model_adapters_seed(m, *seed);
-    if (mb->src) /* an encoder-decoder: its two stacks, up to the head's input */
-        return fl_model_forward_s2s_body(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T,
-                                         grad_scale);
+    const fl_model_kind *k = kind_of(m);
+    if (mb->src && !k) /* a source is an encoder-decoder's, whose arena installs its kind */
+        return fl_errorf(FL_ERR_INVALID, "fl_model_forward_micro: a source sequence for %s (%s)",
+                         fl_arch_get(m->cfg.arch)->display,
+                         fl_model_is_s2s(&m->cfg) ? "activations not allocated: call fl_model_alloc_acts"
+                                                  : "one stack: no encoder");
+    if (k) return k->forward_micro(m, mb, grad_scale); /* an encoder-decoder: its stacks, up to the head's input */
     return fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale);
 }
 
 fl_status fl_model_forward_head(fl_model *m, float *logits_out) {
-    if (m->acts && m->acts->s2s) return fl_s2s_forward_head(m, logits_out); /* after fl_model_forward_s2s_body */
+    const fl_model_kind *k = kind_of(m);
+    if (k) return k->forward_head(m, logits_out); /* after its forward_micro */
     around(m, 1, 1);
     fl_status s = lm_head(m, logits_out);
     around(m, 0, 1);
@@ -467,7 +475,10 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
 }
 
 fl_status fl_model_backward(fl_model *m) {
-    if (fl_model_is_s2s(&m->cfg)) return fl_model_backward_s2s(m); /* the step's one backward */
+    const fl_model_kind *k = kind_of(m);
+    if (k) return k->backward(m); /* the step's one backward: an encoder-decoder's runs its stacks */
+    if (fl_model_is_s2s(&m->cfg))
+        return fl_errorf(FL_ERR_INVALID, "fl_model_backward: needs a preceding training forward (grad_scale > 0)");
     if (!m->acts || !m->fwd_train || end_op(m->acts->mgraph) != FL_MOP_HEAD_LM)
         return fl_errorf(FL_ERR_INVALID, "fl_model_backward: needs a preceding training forward (grad_scale > 0)");
     around(m, 1, 1);
