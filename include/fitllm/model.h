@@ -412,6 +412,8 @@ typedef struct {
                                  * statistics, gathered logits): tp_comm on a host-memory backend, else
                                  * fl_model_set_tp_host's */
     int sp;                     /* sequence parallelism over tp_comm (fl_model_set_sp, before fl_model_alloc_acts) */
+    const struct fl_model_tp_ops *tp_ops; /* tensor parallelism's part of the passes (src/model/model-impl.h), installed
+                                 * by fl_model_init_ex for a sliced config (cfg.tp_size > 1); NULL: one rank */
     /* An encoder-decoder's source rows supplied by the caller (BLIP-2's projected queries in place of the
      * image placeholders, fitllm/blip2.h): after the first stack's embedding, row rows[i] of the (B Ts) rows is
      * src[i] (n rows of C, device memory); the backward moves their gradient into dsrc and none reaches the

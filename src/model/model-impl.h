@@ -212,6 +212,34 @@ void *fl_lm_head_x16(fl_model *m);
 fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
                             int T);
 
+/* Tensor parallelism's part of the model's passes: the one interface the executor (exec.c) and the stack
+ * interpreters (transformer.c, seq2seq.c) call for it. tp_vocab.c implements it (fl_tp_model_ops) and
+ * fl_model_init_ex installs it in m->tp_ops when the config is a rank's slice (cfg.tp_size > 1); NULL: one rank,
+ * whose passes run the dense embedding and head and have no collectives. The vocabulary split: embed_forward /
+ * embed_backward the slice's embedding (host ids; device ids) summed over the group, cross_entropy a (rows, V/N)
+ * logits chunk's loss and gradient from the ranks' row statistics (host targets; dlogits may alias logits),
+ * logits_out the whole (rows, V) logits gathered on the host, head_dx_sum the group's sum of d(the head's input)
+ * (N, C) (sequence parallel: reduce-scattered to the rank's rows). The blocks' collective ops over c (tp_comm):
+ * sum (ALLREDUCE: p summed in place; no group or one rank: nothing), move (GATHER: whole = the ranks' parts in rank
+ * order; SCATTER: part = the rank's rows of the group's sum of whole), norm_sum (fl_sp_norm_end: the group's sum of
+ * a sequence-parallel norm's parameter gradients added to dw, db) and sp_gather (the stream's (N, C) rows made
+ * whole). Each returns an error status with its message set. */
+typedef struct fl_model_tp_ops {
+    fl_status (*embed_forward)(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *ids, int B,
+                               int T, int pos0);
+    fl_status (*embed_backward)(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *dids, int B,
+                                int T);
+    fl_status (*cross_entropy)(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *targets,
+                               int rows, float grad_scale);
+    fl_status (*logits_out)(fl_model *m, float *out, const float *part, int rows);
+    fl_status (*head_dx_sum)(fl_model *m, float *dx, int N);
+    fl_status (*sum)(struct fl_comm *c, float *p, size_t n);
+    fl_status (*move)(struct fl_comm *c, int gather, float *whole, float *part, size_t n_whole);
+    fl_status (*norm_sum)(const fl_model *m, struct fl_comm *c, float *dw, float *db);
+    fl_status (*sp_gather)(fl_model *m, const float *part, float *whole, int N);
+} fl_model_tp_ops;
+extern const fl_model_tp_ops fl_tp_model_ops;
+
 /* Tensor parallelism's vocabulary split (tp_vocab.c): whether m holds a vocabulary slice; the embedding
  * (forward: host ids; backward: device ids), the cross-entropy of a (rows, V/N) logits chunk (host targets;
  * dlogits may alias logits), the sum of d(the head's input) over the group, the whole logits gathered on the

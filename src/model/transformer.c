@@ -172,7 +172,7 @@ static fl_status forward_body(fl_model *m, const pass *p) {
                 fl_norm_forward_t(m, a->lnf + r0 * C, NULL, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w, op.lnf_wt,
                                   op.lnf_b, n);
                 a->lnf16 = NULL;
-                FL_TRY(fl_sp_gather(m, a->lnf + r0 * C, a->lnf, N));
+                FL_TRY(m->tp_ops->sp_gather(m, a->lnf + r0 * C, a->lnf, N));
             } else if (!m->stage.out) { /* an earlier pipeline stage ends at res[L] */
                 /* the bf16 head's training chunks read the output's bf16 copy, which the norm stores */
                 void *x16 = a->act_dtype == FL_BF16 && p->grad_scale > 0 && p->targets && op.lnf_wt != FL_F32 &&
@@ -297,7 +297,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
         if (m->sp) fl_sp_norm_begin(m, op.dlnf_w, op.dlnf_b, &dw, &db); /* the rank's rows' part, summed below */
         fl_norm_backward_t(m, a->dres, dres16 ? a->dyb16 : NULL, dw, db, a->buf1 + r0 * m->cfg.dim, a->res[L],
                            op.lnf_w, op.lnf_wt, a->lnf_mean, a->lnf_rstd, n);
-        if (m->sp) FL_TRY(fl_sp_norm_end(m, m->tp_comm, op.dlnf_w, op.dlnf_b));
+        if (m->sp) FL_TRY(m->tp_ops->norm_sum(m, m->tp_comm, op.dlnf_w, op.dlnf_b));
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[HG], n_lnf));
     } else {
         FL_TRY(FL_RUN(be, to_device, a->dres, dhidden, nc * sizeof(float)));
@@ -308,7 +308,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     FL_TRY(blocks_backward(m, B, T, dres16)); // d res[0] in dres
     const float *de = a->dres; // d(the embeddings' sum)
     if (m->sp) { /* sequence parallel: d res[0] of the group's rows (the rank's in dres), for the embeddings */
-        FL_TRY(fl_sp_gather(m, a->dres, a->buf1, N));
+        FL_TRY(m->tp_ops->sp_gather(m, a->dres, a->buf1, N));
         de = a->buf1;
     }
     if (m->stage.in) { /* a later pipeline stage: d res[0] goes to the previous one (fl_model_stage_dinput); the
