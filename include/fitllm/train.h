@@ -104,6 +104,18 @@ typedef struct {
     const fl_optim_dist *dist; /* NULL in one process */
 } fl_optim_shard;
 
+/* The update of the optimizer's range where it does not run in place in one call (CPU offload staged through the
+ * host tier, the state or the parameters on NVMe: src/train/optim_offload.c installs fl_optim_offload_update in
+ * fl_optim_init_offload; NULL: fl_optim_step updates the range in place with home.be's kernels). range updates
+ * elements [a, a + n) of the rank's range as update number `step`, the gradients times `scale` (the clipping and
+ * loss-scaling factor): AdamW or SGD, elementwise, so the pieces it walks give the bits of one call over the
+ * range. It returns an error status with its message set. */
+struct fl_optimizer;
+typedef struct fl_optim_update_ops {
+    const char *name;
+    fl_status (*range)(const struct fl_optimizer *o, size_t a, size_t n, float lr, float scale, int step);
+} fl_optim_update_ops;
+
 /* Where the state lives and the update runs: be's memory from pool (the model's backend and pool;
  * under CPU offload, fl_optim_init_offload, the host backend and the host tier). Checkpoints read
  * and write m, v and buf through be. */
@@ -123,6 +135,7 @@ typedef struct {
     int updated;               /* this step's update already ran unit by unit beside the backward (FULL_SHARD with
                                 * the optimizer offloaded, no clipping or loss scaling: src/train/fsdp.c): the next
                                 * fl_optim_step only counts it and reports the norm */
+    const fl_optim_update_ops *update; /* the offloaded update (fl_optim_init_offload), or NULL: in place */
 } fl_optim_home;
 
 typedef struct fl_optimizer {
