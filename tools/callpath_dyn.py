@@ -2,10 +2,11 @@
 """The files one training step actually enters (docs/ARCHITECTURE.md "The step's call path, counted"), beside
 tools/callpath.py's static count.
 
-Runs `fitllm bench-step` (default: the tiny LLaMA preset, a full fine-tune, fp32, one process, one thread, one
-timed step, no warm-up) under valgrind's callgrind with collection on inside fl_step_run only, then maps every
-function that ran there to the file that defines it with callpath.py's scan of src/ and include/ (a static function
-whose name several files define is counted once for each of them, so the figure is an upper bound). Functions the
+Runs `fitllm bench-step` (default: tests/fixtures/golden-llama, a 3-layer LLaMA from a Hugging Face folder, a full
+fine-tune in fp32, one process, one thread, one timed step of 16 tokens, no warm-up) under valgrind's callgrind with
+collection on inside fl_step_run only, then maps every function that ran there to the file that defines it with
+callpath.py's scan of src/ and include/ (a static function
+whose name several files define goes to those of them that ran another function, else to each of them). Functions the
 compiler inlined into their caller do not appear: they are counted with their caller's file (the figure is then a
 lower bound for a static inline of another file; a header's static inline is the case). The backend's kernels are
 reported apart (the static count stops at the door, include/fitllm/backend_op.h).
@@ -32,7 +33,8 @@ def main():
     a = ap.parse_args()
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     exe = os.path.join(a.build, "fitllm")
-    args = a.extra or ["tiny", "--micro-batch", "1", "--seq", "32", "--steps", "1", "--warmup", "0", "--threads", "1"]
+    model = os.path.join(root, "tests/fixtures/golden-llama")
+    args = a.extra or [model, "--micro-batch", "1", "--seq", "16", "--steps", "1", "--warmup", "0", "--threads", "1"]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cg.out")
         # the settings fl_cpu_process_init would otherwise re-exec the program to set (valgrind refuses that exec)
@@ -54,9 +56,13 @@ def main():
         by_name.setdefault(n, set()).add(f)
     for n, defs in funcs.items():
         by_name.setdefault(n, set()).update(defs)
+    # a name one file alone defines says that file ran; a name several define (a static carve_acts) goes to those of
+    # them that ran something else, or to all of them when none did
+    ran = {next(iter(by_name[n])) for n in names if len(by_name.get(n, ())) == 1}
     files, backend, seen = set(), set(), {}
     for n in sorted(names):
-        for f in sorted(by_name.get(n, ())):
+        defs = sorted(by_name.get(n, ()))
+        for f in [f for f in defs if f in ran] or defs:
             (backend if f.startswith("src/backend/") else files).add(f)
             seen.setdefault(f, []).append(n)
     print(f"fl_step_run ({' '.join(args)}): {len(files)} files entered outside the backend, "

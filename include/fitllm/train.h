@@ -264,7 +264,7 @@ typedef struct fl_grad_sync {
 
 /* One training step, the one the trainer, bench-step, the demo and the tests all run
  * (fl_step_run): zero the gradients; for each micro-batch k the forward (phase "forward") and the
- * backward ("backward"), gradients accumulating; the reduction over the ranks (dp); the optimizer
+ * backward ("backward"), gradients accumulating; the reduction over the ranks (sync, fl_grad_sync); the optimizer
  * update ("optimizer step"). Memory snapshots before_fwd, after_fwd, after_bwd (micro-batch 0's) and
  * after_opt_step; the live bytes of each phase (fl_model_live) recorded at its boundary. */
 typedef struct {
