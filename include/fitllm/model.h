@@ -416,6 +416,8 @@ typedef struct {
                                  * statistics, gathered logits): tp_comm on a host-memory backend, else
                                  * fl_model_set_tp_host's */
     int sp;                     /* sequence parallelism over tp_comm (fl_model_set_sp, before fl_model_alloc_acts) */
+    const struct fl_model_tp_ops *tp_ops; /* tensor parallelism's part of the passes (src/model/model-impl.h), installed
+                                 * by fl_model_init_ex for a sliced config (cfg.tp_size > 1); NULL: one rank */
     /* An encoder-decoder's source rows supplied by the caller (BLIP-2's projected queries in place of the
      * image placeholders, fitllm/blip2.h): after the first stack's embedding, row rows[i] of the (B Ts) rows is
      * src[i] (n rows of C, device memory); the backward moves their gradient into dsrc and none reaches the
@@ -639,6 +641,24 @@ fl_status fl_model_forward_head(fl_model *m, float *logits_out);
  * > 0; ACCUMULATES into m->grads (so micro-batches accumulate). An encoder-decoder: fl_model_backward_s2s. */
 fl_status fl_model_backward(fl_model *m);
 
+/* A model kind other than the core's decoder-only stack (transformer.c, which the step's entries run themselves):
+ * the passes its arena's set-up installs (an encoder-decoder: fl_model_alloc_acts_s2s installs seq2seq.c's), kept
+ * with the activations. The model's step entries dispatch to it: fl_model_forward_micro -> forward_micro (mb->src
+ * set: the stacks up to the head's input, the head's targets and grad_scale kept), fl_model_forward_head ->
+ * forward_head (that head and loss, in training its backward; logits_out as fl_model_forward_head's),
+ * fl_model_backward -> backward (every stack backward, gradients accumulating, each layout group handed to the
+ * grad-ready hook as it becomes final); fl_model_live -> live_bytes (the ACTS / WORKSPACE bytes still live after the
+ * last pass, train: after a training forward) and fl_model_adapter_live_rows -> adapter_live_rows. Each returns an
+ * error status with its message set, as the entry would. */
+typedef struct fl_model_kind {
+    const char *name;
+    fl_status (*forward_micro)(fl_model *m, const fl_micro_batch *mb, float grad_scale);
+    fl_status (*forward_head)(fl_model *m, float *logits_out);
+    fl_status (*backward)(fl_model *m);
+    void (*live_bytes)(const fl_model *m, int train, size_t *acts, size_t *work);
+    size_t (*adapter_live_rows)(const fl_model *m, int layer, int param_index);
+} fl_model_kind;
+
 /* Encoders (an architecture whose model graph ends in its hidden states, as BERT's: src/model/graph.h
  * fl_model_graph): the forward over (B, T) ids (B*T <= the arena's) with optional token types (NULL: 0)
  * and key padding mask ((B, T), nonzero = attend; NULL: all), copying the last hidden states (B*T, C) to
@@ -686,7 +706,7 @@ fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *
  * naming the row. */
 fl_status fl_model_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
                                       int max_new, int kv_cache, int32_t *out, int *n_out);
-/* The model has two stacks (an encoder-decoder: fl_model_forward_s2s). */
+/* The model has two stacks (an encoder-decoder: fl_model_forward_s2s; src/model/arch.c). */
 int fl_model_is_s2s(const fl_model_config *c);
 
 /* Live bytes (fl_mem_set_live: docs/ARCHITECTURE.md "Reserved and live memory") are a fact of a

@@ -104,6 +104,18 @@ typedef struct {
     const fl_optim_dist *dist; /* NULL in one process */
 } fl_optim_shard;
 
+/* The update of the optimizer's range where it does not run in place in one call (CPU offload staged through the
+ * host tier, the state or the parameters on NVMe: src/train/optim_offload.c installs fl_optim_offload_update in
+ * fl_optim_init_offload; NULL: fl_optim_step updates the range in place with home.be's kernels). range updates
+ * elements [a, a + n) of the rank's range as update number `step`, the gradients times `scale` (the clipping and
+ * loss-scaling factor): AdamW or SGD, elementwise, so the pieces it walks give the bits of one call over the
+ * range. It returns an error status with its message set. */
+struct fl_optimizer;
+typedef struct fl_optim_update_ops {
+    const char *name;
+    fl_status (*range)(const struct fl_optimizer *o, size_t a, size_t n, float lr, float scale, int step);
+} fl_optim_update_ops;
+
 /* Where the state lives and the update runs: be's memory from pool (the model's backend and pool;
  * under CPU offload, fl_optim_init_offload, the host backend and the host tier). Checkpoints read
  * and write m, v and buf through be. */
@@ -123,6 +135,7 @@ typedef struct {
     int updated;               /* this step's update already ran unit by unit beside the backward (FULL_SHARD with
                                 * the optimizer offloaded, no clipping or loss scaling: src/train/fsdp.c): the next
                                 * fl_optim_step only counts it and reports the norm */
+    const fl_optim_update_ops *update; /* the offloaded update (fl_optim_init_offload), or NULL: in place */
 } fl_optim_home;
 
 typedef struct fl_optimizer {
@@ -234,9 +247,24 @@ typedef struct {
 
 struct fl_dp; /* data parallelism (src/train/dp.h) */
 
+/* Gradient synchronisation over the data-parallel ranks, the one interface the step calls for it (DDP's buckets,
+ * ZeRO-1/2's reduce-scatter, FSDP's per-unit reduce-scatter and offloaded update: src/train/dp.c installs it in
+ * fl_dp_init, over the run's struct fl_dp; one process: the same calls, each a no-op). The step calls, per step:
+ * arm(k) before each micro-batch's forward (last: k is the step's last, whose backward reduces as gradients become
+ * ready and may run an offloaded update unit by unit, lr / max_norm that update's), then reduce once after the last
+ * backward: the sum over the ranks of o's gradients in place (what fl_optim_step then reads), and in *live the
+ * bytes of o->w.g still live after it (SIZE_MAX: nothing to say; e.g. ZeRO-2's chunk) with *snap 1 when several
+ * ranks took part (the step's after_reduce snapshot). Either returns an error status with its message set. */
+typedef struct fl_grad_sync {
+    void *self;
+    int world, rank;
+    fl_status (*arm)(void *self, struct fl_optimizer *o, int last, float lr, float max_norm);
+    fl_status (*reduce)(void *self, struct fl_optimizer *o, size_t *live, int *snap);
+} fl_grad_sync;
+
 /* One training step, the one the trainer, bench-step, the demo and the tests all run
  * (fl_step_run): zero the gradients; for each micro-batch k the forward (phase "forward") and the
- * backward ("backward"), gradients accumulating; the reduction over the ranks (dp); the optimizer
+ * backward ("backward"), gradients accumulating; the reduction over the ranks (sync, fl_grad_sync); the optimizer
  * update ("optimizer step"). Memory snapshots before_fwd, after_fwd, after_bwd (micro-batch 0's) and
  * after_opt_step; the live bytes of each phase (fl_model_live) recorded at its boundary. */
 typedef struct {
@@ -245,8 +273,8 @@ typedef struct {
     long step_valid;           /* the step's valid targets over every rank: grad scale 1 / step_valid */
     int skip_empty;            /* step_valid <= 0: no forward, no update (else an error) */
     float lr, max_norm;
-    struct fl_dp *dp;          /* data parallel: the last micro-batch's backward reduces bucket by bucket
-                                * (fl_dp_buckets_arm), the reduction before the update; NULL: one process */
+    struct fl_dp *dp;          /* data parallel (the pipeline's step reads it); NULL: one process */
+    const fl_grad_sync *sync;  /* the gradient synchronisation fl_step_run calls (the run's dp->sync); NULL: none */
     int seeded;                /* set the LoRA dropout seed of each micro-batch: seed + its global index
                                 * iter0 + k x world + rank (the same masks at any world size, and resumed) */
     uint64_t seed;

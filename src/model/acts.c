@@ -329,8 +329,8 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
  * (fl_sizing_acts_ex at its T) are these for a batch of the arena's shape. */
 void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts, size_t *work) {
     size_t saved = 0, handoff = 0, constant = 0;
-    if (m->acts->s2s) { /* an encoder-decoder: its stacks' passes (seq2seq.c) */
-        fl_s2s_live_bytes(m, train, acts, work);
+    if (m->acts->kind) { /* another kind (an encoder-decoder): its passes' (fl_model_kind) */
+        m->acts->kind->live_bytes(m, train, acts, work);
         return;
     }
     if (train) {
@@ -377,7 +377,7 @@ int fl_model_live(const fl_model *m, fl_live_phase phase, fl_live_region *out) {
 
 size_t fl_model_adapter_live_rows(const fl_model *m, int layer, int param_index, int train) {
     if (!train || layer < 0 || !m->acts) return 0; /* the head's run chunk by chunk inside the forward */
-    if (m->acts->s2s) return fl_s2s_adapter_live_rows(m, layer, param_index);
+    if (m->acts->kind) return m->acts->kind->adapter_live_rows(m, layer, param_index);
     return m->act_ckpt ? 0 : (size_t)m->fwd_B * (size_t)m->fwd_T; /* checkpointed: recomputed before the backward */
 }
 

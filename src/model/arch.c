@@ -12,3 +12,5 @@ const fl_arch_info *fl_arch_get(fl_arch a) {
                                                             [FL_ARCH_BLIP2_QFORMER] = &fl_arch_blip2_qformer};
     return a >= 0 && a < FL_ARCH_COUNT ? all[a] : NULL;
 }
+
+int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0; }

@@ -14,7 +14,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fitllm/comm.h"
 #include "model-impl.h"
 #include "store.h"
 
@@ -257,19 +256,16 @@ static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const
                   o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, s[o->out], lse);
 }
 
-/* Sequence parallelism's GATHER and SCATTER (and their transposes in the backward): whole (n rows x w) <-> the
- * rank's n / size rows, over the group. gather: whole = the ranks' parts in rank order; else part = the rank's rows
- * of the group's sum of whole. */
-static fl_status sp_move(struct fl_comm *c, int gather, float *whole, float *part, size_t n_whole) {
-    if (!c || fl_comm_size(c) <= 1) return fl_errorf(FL_ERR_INVALID, "sequence parallel: the block needs its group");
-    if (gather) return fl_comm_all_gather(c, part, whole, n_whole, FL_F32);
-    return fl_comm_reduce_scatter(c, whole, part, n_whole, FL_F32, FL_COMM_SUM);
+/* The blocks' collective ops run by tensor parallelism's interface (m->tp_ops: its ALLREDUCE, sequence
+ * parallelism's GATHER and SCATTER and their transposes in the backward); one rank: a sum is nothing to do and a
+ * move has no group. */
+static fl_status sp_move(const fl_model *m, struct fl_comm *c, int gather, float *whole, float *part, size_t n_whole) {
+    if (!m->tp_ops) return fl_errorf(FL_ERR_INVALID, "sequence parallel: the block needs its group");
+    return m->tp_ops->move(c, gather, whole, part, n_whole);
 }
 
-/* ALLREDUCE: the slot summed over the communicator's ranks (no communicator or one rank: nothing to do). */
-static fl_status allreduce(struct fl_comm *c, float *p, size_t n) {
-    if (!c || fl_comm_size(c) <= 1) return FL_OK;
-    return fl_comm_all_reduce(c, p, p, n, FL_F32, FL_COMM_SUM);
+static fl_status allreduce(const fl_model *m, struct fl_comm *c, float *p, size_t n) {
+    return m->tp_ops ? m->tp_ops->sum(c, p, n) : FL_OK;
 }
 
 /* bf16 stored, fused (issue 30 item 1): ops that write their stored output's bf16 copy themselves where the
@@ -436,10 +432,10 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             FL_RUN(be, geglu_forward, out, in, N, (int)wo);
             break;
         case FL_GOP_ALLREDUCE:
-            if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
+            if (o->p == FL_GAR_FWD) FL_TRY(allreduce(m, x->comm, out, (size_t)N * wo));
             break;
-        case FL_GOP_GATHER: FL_TRY(sp_move(x->comm, 1, out, in, (size_t)rows(g, o->out, x) * wo)); break;
-        case FL_GOP_SCATTER: FL_TRY(sp_move(x->comm, 0, in, out, (size_t)N * wi)); break;
+        case FL_GOP_GATHER: FL_TRY(sp_move(m, x->comm, 1, out, in, (size_t)rows(g, o->out, x) * wo)); break;
+        case FL_GOP_SCATTER: FL_TRY(sp_move(m, x->comm, 0, in, out, (size_t)N * wi)); break;
         case FL_GOP_DROPOUT:
             if (o->tp_cols && x->drop_p > 0)
                 FL_TRY(drop_tp_cols(m, out, in, N, wo, x->drop_p, fl_dropout_seed(x->drop_seed, o->p), 0));
@@ -555,7 +551,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         float *din = need_in || o->kind != FL_GOP_LINEAR ? dslot(g, o->in, gb, x) : NULL, *dout = dslot(g, o->out, gb, x);
         const int N = rows(g, o->in, x);
         const int rg = regather_at(g, i); /* sequence parallel: the whole rows of o's input, gathered again */
-        if (rg >= 0) FL_TRY(sp_move(x->comm, 1, s[o->in], s[g->op[rg].in], (size_t)N * si->width));
+        if (rg >= 0) FL_TRY(sp_move(m, x->comm, 1, s[o->in], s[g->op[rg].in], (size_t)N * si->width));
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
@@ -582,7 +578,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             /* in16: over the stored bf16 input (the weight fp32 or 16-bit) */
             fl_norm_backward_x16(m, din, d16, dw, db, dout, s[o->in], in16 ? x->s16[o->in] : NULL,
                                  bp->norm_w[o->p], bp->norm_wt, S(o->a1), S(o->a2), N);
-            if (part) FL_TRY(fl_sp_norm_end(m, x->comm, bp->d_norm_w[o->p], bp->d_norm_b[o->p]));
+            if (part) FL_TRY(m->tp_ops->norm_sum(m, x->comm, bp->d_norm_w[o->p], bp->d_norm_b[o->p]));
             dy16_ready = d16 != NULL;
             if (d16 && d16 == x->din16 && x->din16_done) *x->din16_done = 1;
             break;
@@ -599,10 +595,10 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         case FL_GOP_GELU_ERF: FL_RUN(be, gelu_erf_backward, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_GEGLU: FL_RUN(be, geglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_ALLREDUCE:
-            if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
+            if (o->p == FL_GAR_BWD) FL_TRY(allreduce(m, x->comm, din, (size_t)N * wi));
             break;
-        case FL_GOP_GATHER: FL_TRY(sp_move(x->comm, 0, dout, din, (size_t)rows(g, o->out, x) * wo)); break;
-        case FL_GOP_SCATTER: FL_TRY(sp_move(x->comm, 1, din, dout, (size_t)N * wi)); break;
+        case FL_GOP_GATHER: FL_TRY(sp_move(m, x->comm, 0, dout, din, (size_t)rows(g, o->out, x) * wo)); break;
+        case FL_GOP_SCATTER: FL_TRY(sp_move(m, x->comm, 1, din, dout, (size_t)N * wi)); break;
         case FL_GOP_DROPOUT: /* d(in) (+)= the forward's mask on d(out); in place: masked where it is */
             if (o->tp_cols && x->drop_p > 0)
                 FL_TRY(drop_tp_cols(m, din, dout, N, wi, x->drop_p, fl_dropout_seed(x->drop_seed, o->p),
@@ -635,7 +631,7 @@ fl_status fl_embed_forward16(const fl_model *m, const fl_outer_params *op, float
     const fl_backend *be = m->be;
     if (done16) *done16 = 0;
     const int C = m->cfg.dim;
-    if (fl_tp_vocab_split(m)) return fl_tp_embed_forward(m, op, out, ids, B, T, pos0);
+    if (m->tp_ops) return m->tp_ops->embed_forward(m, op, out, ids, B, T, pos0); /* a vocabulary slice */
     if (m->store->dtype == FL_F32) {
         FL_RUN(be, embedding_forward, out, dids, op->wte, op->wpe ? op->wpe + (size_t)pos0 * C : NULL, B, T, C);
         return FL_OK;
@@ -666,15 +662,15 @@ fl_status fl_embed_forward16(const fl_model *m, const fl_outer_params *op, float
 fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
                             int T) {
     const fl_backend *be = m->be;
-    const int tpv = fl_tp_vocab_split(m);
+    const fl_model_tp_ops *tpv = m->tp_ops; /* a vocabulary slice */
     if (!m->store->g16) {
-        if (tpv) return fl_tp_embed_backward(m, op, dout, ids, B, T);
+        if (tpv) return tpv->embed_backward(m, op, dout, ids, B, T);
         FL_RUN(be, embedding_backward, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
         return FL_OK;
     }
     size_t n0 = fl_group_numel(m, 0);
     fl_store_stage_begin(m->store, n0);
-    if (tpv) FL_TRY(fl_tp_embed_backward(m, op, dout, ids, B, T));
+    if (tpv) FL_TRY(tpv->embed_backward(m, op, dout, ids, B, T));
     else
         FL_RUN(be, embedding_backward, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
     return fl_store_stage_flush(m->store, m->layout.group_offset[0], n0);
@@ -793,11 +789,23 @@ static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx,
     return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW from dyb16 */
 }
 
+fl_status fl_head_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
+                                const int32_t *targets, int rows, float grad_scale) {
+    if (m->tp_ops) return m->tp_ops->cross_entropy(m, loss, dlogits, logits, targets, rows, grad_scale);
+    FL_RUN(m->be, cross_entropy, loss, dlogits, logits, dtargets, rows, m->cfg.vocab_size, grad_scale, FL_IGNORE_INDEX);
+    return FL_OK;
+}
+
+fl_status fl_head_logits_out(fl_model *m, float *out, const float *logits, int rows) {
+    if (m->tp_ops) return m->tp_ops->logits_out(m, out, logits, rows);
+    return FL_RUN(m->be, to_host, out, logits, (size_t)rows * m->cfg.vocab_size * sizeof(float));
+}
+
 /* The bf16 head's training chunks through cross_entropy_dbf16 (a plain trained bf16 weight, one vocabulary; a
  * frozen head has no bf16 scratch: fl_linear_wants_dy16); wide: the head widened to fp32 (fl_act_opts.head_widen) */
 static int head_dbf16(const fl_model *m, const fl_linear *head, int train_targets, int wide) {
     return train_targets && m->be->cross_entropy_dbf16 && !wide && fl_linear_wants_dy16(head) && head->wc &&
-           head->wct == FL_BF16 && head->n_q4 == 0 && !fl_model_head_adapted(m) && !fl_tp_vocab_split(m);
+           head->wct == FL_BF16 && head->n_q4 == 0 && !fl_model_head_adapted(m) && !m->tp_ops;
 }
 static void head_linear(fl_model *m, const fl_outer_params *op, fl_linear *head) {
     fl_dims d = fl_model_dims(&m->cfg);
@@ -879,7 +887,7 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
         }
         FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
     }
-    if (train && targets) FL_TRY(fl_tp_head_dx_sum(m, dlnf, N)); /* a vocabulary slice's part of d(lnf) */
+    if (train && targets && m->tp_ops) FL_TRY(m->tp_ops->head_dx_sum(m, dlnf, N)); /* a vocabulary slice's part of d(lnf) */
     if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)d.V * d.C));
     return FL_OK;
 }
@@ -945,7 +953,7 @@ fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *target
                                      rows, grad_scale));
         if (train) FL_TRY(fl_linear_backward(be, h->dx + (size_t)r0 * C, 0, h->logits, xr, &head, rows));
     }
-    if (train) FL_TRY(fl_tp_head_dx_sum(m, h->dx, N)); /* a vocabulary slice's part of d(the head's input) */
+    if (train && m->tp_ops) FL_TRY(m->tp_ops->head_dx_sum(m, h->dx, N)); /* a vocabulary slice's part of d(the head's input) */
     if (!targets) return FL_OK;
     float *l = malloc((size_t)N * sizeof *l);
     if (!l) return fl_errorf(FL_ERR_OOM, "losses: out of host memory");

@@ -59,6 +59,7 @@ struct fl_acts {
     int32_t *sp_pad;        /* sequence parallel: a padded pass's ids and targets (host, 2 x B T; transformer.c) */
     float *sp_dnorm;        /* sequence parallel: (2, C) a norm's weight and bias gradient of the rank's rows (WORKSPACE) */
     struct fl_s2s_acts *s2s; /* an encoder-decoder's stacks (seq2seq.c; then the views above are unused), or NULL */
+    const fl_model_kind *kind; /* another kind's passes (fitllm/model.h; seq2seq.c's with s2s), NULL: decoder-only */
     void *be_scratch;       /* the backend's scratch (fl_backend.scratch_bytes), lent to its ops in each
                              * forward and backward (fl_act_opts.backend_scratch), or NULL */
     size_t be_scratch_bytes; /* its bytes: scratch_bytes + the attention's (fl_backend.attn_scratch_bytes) */
@@ -90,12 +91,6 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
 
 /* An encoder-decoder's views (seq2seq.c), released with the arena (safe with NULL). */
 void fl_s2s_acts_free(struct fl_s2s_acts *s);
-/* fl_model_forward_head of an encoder-decoder: the head deferred by fl_model_forward_s2s_body (seq2seq.c). */
-fl_status fl_s2s_forward_head(fl_model *m, float *logits_out);
-/* An encoder-decoder's live bytes after its last pass (seq2seq.c; fl_acts_live_bytes and fl_model_live use them):
- * the ACTS / WORKSPACE arenas', and the rows an adapted LINEAR's adapters save (fl_model_adapter_live_rows). */
-void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work);
-size_t fl_s2s_adapter_live_rows(const fl_model *m, int layer, int param_index);
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
 /* fl_backend.set_compute_dtype around a model call (transformer.c): on = the precision's compute
@@ -217,6 +212,34 @@ fl_status fl_embed_forward16(const fl_model *m, const fl_outer_params *op, float
 void *fl_lm_head_x16(fl_model *m);
 fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
                             int T);
+
+/* Tensor parallelism's part of the model's passes: the one interface the executor (exec.c) and the stack
+ * interpreters (transformer.c, seq2seq.c) call for it. tp_vocab.c implements it (fl_tp_model_ops) and
+ * fl_model_init_ex installs it in m->tp_ops when the config is a rank's slice (cfg.tp_size > 1); NULL: one rank,
+ * whose passes run the dense embedding and head and have no collectives. The vocabulary split: embed_forward /
+ * embed_backward the slice's embedding (host ids; device ids) summed over the group, cross_entropy a (rows, V/N)
+ * logits chunk's loss and gradient from the ranks' row statistics (host targets; dlogits may alias logits),
+ * logits_out the whole (rows, V) logits gathered on the host, head_dx_sum the group's sum of d(the head's input)
+ * (N, C) (sequence parallel: reduce-scattered to the rank's rows). The blocks' collective ops over c (tp_comm):
+ * sum (ALLREDUCE: p summed in place; no group or one rank: nothing), move (GATHER: whole = the ranks' parts in rank
+ * order; SCATTER: part = the rank's rows of the group's sum of whole), norm_sum (fl_sp_norm_end: the group's sum of
+ * a sequence-parallel norm's parameter gradients added to dw, db) and sp_gather (the stream's (N, C) rows made
+ * whole). Each returns an error status with its message set. */
+typedef struct fl_model_tp_ops {
+    fl_status (*embed_forward)(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *ids, int B,
+                               int T, int pos0);
+    fl_status (*embed_backward)(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *dids, int B,
+                                int T);
+    fl_status (*cross_entropy)(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *targets,
+                               int rows, float grad_scale);
+    fl_status (*logits_out)(fl_model *m, float *out, const float *part, int rows);
+    fl_status (*head_dx_sum)(fl_model *m, float *dx, int N);
+    fl_status (*sum)(struct fl_comm *c, float *p, size_t n);
+    fl_status (*move)(struct fl_comm *c, int gather, float *whole, float *part, size_t n_whole);
+    fl_status (*norm_sum)(const fl_model *m, struct fl_comm *c, float *dw, float *db);
+    fl_status (*sp_gather)(fl_model *m, const float *part, float *whole, int N);
+} fl_model_tp_ops;
+extern const fl_model_tp_ops fl_tp_model_ops;
 
 /* Tensor parallelism's vocabulary split (tp_vocab.c): whether m holds a vocabulary slice; the embedding
  * (forward: host ids; backward: device ids), the cross-entropy of a (rows, V/N) logits chunk (host targets;

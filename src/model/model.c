@@ -58,6 +58,7 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
     FL_TRY(fl_config_validate(&m->cfg));
     m->be = be;
     m->pool = pool;
+    m->tp_ops = m->cfg.tp_size > 1 ? &fl_tp_model_ops : NULL; /* a rank's slice: tensor parallelism's passes */
     const fl_dtype dt = st ? st->param_dtype : FL_F32;
     if (dt != FL_F32 && dt != FL_BF16 && dt != FL_F16)
         return fl_errorf(FL_ERR_INVALID, "parameter storage must be F32, BF16 or F16 (got %s)", fl_dtype_name(dt));

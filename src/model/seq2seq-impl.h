@@ -56,4 +56,10 @@ static inline size_t slot_n(const struct fl_s2s_acts *a, int s, int k, const int
 }
 static inline size_t stream_n(const struct fl_s2s_acts *a, size_t N) { return a->sp > 1 ? N / (size_t)a->sp : N; }
 
+/* The encoder-decoder's passes behind the model's step entries (fl_model_kind, fitllm/model.h): seq2seq.c's table,
+ * installed with the arena (seq2seq_acts.c), whose live-byte and adapter-row queries it names */
+extern const fl_model_kind fl_s2s_kind;
+void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work);
+size_t fl_s2s_adapter_live_rows(const fl_model *m, int layer, int param_index);
+
 #endif

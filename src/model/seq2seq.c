@@ -24,7 +24,6 @@
 #include "fitllm/comm.h"
 #include "fitllm/generate.h"
 
-int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0; }
 
 /* ---- relative position bias (T5) ------------------------------------------------------------- */
 
@@ -713,7 +712,7 @@ fl_status fl_model_forward_s2s_body(fl_model *m, const int32_t *src_ids, const u
     return s;
 }
 
-fl_status fl_s2s_forward_head(fl_model *m, float *logits_out) {
+static fl_status s2s_forward_head(fl_model *m, float *logits_out) {
     struct fl_s2s_acts *a = m->acts->s2s;
     if (!a->head.open)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward_head: needs a preceding fl_model_forward_s2s_body");
@@ -732,6 +731,18 @@ fl_status fl_model_backward_s2s(fl_model *m) {
     s2s_lend(m, 0);
     return s;
 }
+
+static fl_status s2s_forward_micro(fl_model *m, const fl_micro_batch *mb, float grad_scale) {
+    return fl_model_forward_s2s_body(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T, grad_scale);
+}
+
+/* The encoder-decoder's passes behind the model's step entries (fitllm/model.h), installed with its arena. */
+const fl_model_kind fl_s2s_kind = {.name = "encoder-decoder",
+                                       .forward_micro = s2s_forward_micro,
+                                       .forward_head = s2s_forward_head,
+                                       .backward = fl_model_backward_s2s,
+                                       .live_bytes = fl_s2s_live_bytes,
+                                       .adapter_live_rows = fl_s2s_adapter_live_rows};
 
 fl_status fl_model_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
                                       int max_new, int kv_cache, int32_t *out, int *n_out) {

@@ -140,6 +140,7 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
         return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
     }
     acts->s2s = a;
+    acts->kind = &fl_s2s_kind;
     /* the bf16 policies save the blocks' WIDE slots in bf16 (not with checkpointing, which saves the stream only) */
     const fl_dtype adt = m->prec.name ? m->prec.act_dtype : FL_F32;
     a->act16 = adt != FL_F32 && !m->act_ckpt ? adt : (fl_dtype)0;
@@ -194,7 +195,7 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
     return FL_OK;
 }
 
-/* Live bytes after the last pass (fl_acts_live_bytes of an encoder-decoder), counted at that pass's (B, T) of each
+/* Live bytes after the last pass (fl_model_kind.live_bytes of an encoder-decoder), counted at that pass's (B, T) of each
  * stack without the arena's alignment. After a training forward (train): what the backward reads. ACTS: every
  * stack's residual stream (L + 1 views: the blocks' inputs, the final norm's), its blocks' saved slots (under
  * checkpointing the last block's, which the backward reuses without recomputing them), its final norm's rstd and,
@@ -228,7 +229,7 @@ void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work)
 }
 
 /* The rows an adapter on the LINEAR at param_index of block `layer` saves in a training forward (its h and, with
- * dropout, its dropped input; fl_model_adapter_live_rows): the source's in the encoder and for the cross-attention's
+ * dropout, its dropped input; fl_model_kind.adapter_live_rows): the source's in the encoder and for the cross-attention's
  * k|v (it reads the encoder output), the target's elsewhere; under checkpointing only the last block of each
  * stack's (the others are recomputed before their backward reads them). */
 size_t fl_s2s_adapter_live_rows(const fl_model *m, int layer, int param_index) {

@@ -194,14 +194,25 @@ fl_status fl_tp_logits_out(fl_model *m, float *out, const float *part, int rows)
     return s;
 }
 
-fl_status fl_head_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
-                                const int32_t *targets, int rows, float grad_scale) {
-    if (fl_tp_vocab_split(m)) return fl_tp_cross_entropy(m, loss, dlogits, logits, targets, rows, grad_scale);
-    FL_RUN(m->be, cross_entropy, loss, dlogits, logits, dtargets, rows, m->cfg.vocab_size, grad_scale, FL_IGNORE_INDEX);
-    return FL_OK;
+/* The blocks' collectives over the group c (fl_model_tp_ops.sum / move). */
+static fl_status tp_sum(struct fl_comm *c, float *p, size_t n) {
+    if (!c || fl_comm_size(c) <= 1) return FL_OK;
+    return fl_comm_all_reduce(c, p, p, n, FL_F32, FL_COMM_SUM);
 }
 
-fl_status fl_head_logits_out(fl_model *m, float *out, const float *logits, int rows) {
-    if (fl_tp_vocab_split(m)) return fl_tp_logits_out(m, out, logits, rows);
-    return FL_RUN(m->be, to_host, out, logits, (size_t)rows * m->cfg.vocab_size * sizeof(float));
+static fl_status tp_move(struct fl_comm *c, int gather, float *whole, float *part, size_t n_whole) {
+    if (!c || fl_comm_size(c) <= 1) return fl_errorf(FL_ERR_INVALID, "sequence parallel: the block needs its group");
+    if (gather) return fl_comm_all_gather(c, part, whole, n_whole, FL_F32);
+    return fl_comm_reduce_scatter(c, whole, part, n_whole, FL_F32, FL_COMM_SUM);
 }
+
+/* Tensor parallelism's passes (model-impl.h), installed by fl_model_init_ex in a rank's slice. */
+const fl_model_tp_ops fl_tp_model_ops = {.embed_forward = fl_tp_embed_forward,
+                                         .embed_backward = fl_tp_embed_backward,
+                                         .cross_entropy = fl_tp_cross_entropy,
+                                         .logits_out = fl_tp_logits_out,
+                                         .head_dx_sum = fl_tp_head_dx_sum,
+                                         .sum = tp_sum,
+                                         .move = tp_move,
+                                         .norm_sum = fl_sp_norm_end,
+                                         .sp_gather = fl_sp_gather};

@@ -182,7 +182,7 @@ static fl_status forward_body(fl_model *m, const pass *p) {
                 fl_norm_forward_t(m, a->lnf + r0 * C, NULL, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w, op.lnf_wt,
                                   op.lnf_b, n);
                 a->lnf16 = NULL;
-                FL_TRY(fl_sp_gather(m, a->lnf + r0 * C, a->lnf, N));
+                FL_TRY(m->tp_ops->sp_gather(m, a->lnf + r0 * C, a->lnf, N));
             } else {
                 /* the bf16 head's training chunks read the output's bf16 copy, which the norm stores */
                 void *x16 = a->act_dtype == FL_BF16 && p->grad_scale > 0 && p->targets && op.lnf_wt != FL_F32 &&
@@ -307,7 +307,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
         if (m->sp) fl_sp_norm_begin(m, op.dlnf_w, op.dlnf_b, &dw, &db); /* the rank's rows' part, summed below */
         fl_norm_backward_t(m, a->dres, dres16 ? a->dyb16 : NULL, dw, db, a->buf1 + r0 * m->cfg.dim, a->res[L],
                            op.lnf_w, op.lnf_wt, a->lnf_mean, a->lnf_rstd, n);
-        if (m->sp) FL_TRY(fl_sp_norm_end(m, m->tp_comm, op.dlnf_w, op.dlnf_b));
+        if (m->sp) FL_TRY(m->tp_ops->norm_sum(m, m->tp_comm, op.dlnf_w, op.dlnf_b));
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[HG], n_lnf));
     } else {
         FL_TRY(FL_RUN(be, to_device, a->dres, dhidden, nc * sizeof(float)));
@@ -324,7 +324,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     }
     const float *de = a->dres; // d(the embeddings' sum)
     if (m->sp) { /* sequence parallel: d res[0] of the group's rows (the rank's in dres), for the embeddings */
-        FL_TRY(fl_sp_gather(m, a->dres, a->buf1, N));
+        FL_TRY(m->tp_ops->sp_gather(m, a->dres, a->buf1, N));
         de = a->buf1;
     }
     for (int i = 0; i < mg->n_ops && mg->op[i].kind != FL_MOP_BLOCKS; i++)
@@ -450,16 +450,24 @@ fl_status fl_model_forward_body(fl_model *m, const int32_t *ids, const int32_t *
     return s;
 }
 
+/* Another kind's passes (fl_model_kind, installed with its arena), or NULL: the decoder-only stack's below. */
+static const fl_model_kind *kind_of(const fl_model *m) { return m->acts ? m->acts->kind : NULL; }
+
 fl_status fl_model_forward_micro(fl_model *m, const fl_micro_batch *mb, float grad_scale, const uint64_t *seed) {
     if (seed) fl_model_adapters_seed(m, *seed);
-    if (mb->src) /* an encoder-decoder: its two stacks, up to the head's input */
-        return fl_model_forward_s2s_body(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T,
-                                         grad_scale);
+    const fl_model_kind *k = kind_of(m);
+    if (mb->src && !k) /* a source is an encoder-decoder's, whose arena installs its kind */
+        return fl_errorf(FL_ERR_INVALID, "fl_model_forward_micro: a source sequence for %s (%s)",
+                         fl_arch_get(m->cfg.arch)->display,
+                         fl_model_is_s2s(&m->cfg) ? "activations not allocated: call fl_model_alloc_acts"
+                                                  : "one stack: no encoder");
+    if (k) return k->forward_micro(m, mb, grad_scale); /* an encoder-decoder: its stacks, up to the head's input */
     return fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale);
 }
 
 fl_status fl_model_forward_head(fl_model *m, float *logits_out) {
-    if (m->acts && m->acts->s2s) return fl_s2s_forward_head(m, logits_out); /* after fl_model_forward_s2s_body */
+    const fl_model_kind *k = kind_of(m);
+    if (k) return k->forward_head(m, logits_out); /* after its forward_micro */
     around(m, 1, 1);
     fl_status s = lm_head(m, logits_out);
     around(m, 0, 1);
@@ -476,7 +484,10 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
 }
 
 fl_status fl_model_backward(fl_model *m) {
-    if (fl_model_is_s2s(&m->cfg)) return fl_model_backward_s2s(m); /* the step's one backward */
+    const fl_model_kind *k = kind_of(m);
+    if (k) return k->backward(m); /* the step's one backward: an encoder-decoder's runs its stacks */
+    if (fl_model_is_s2s(&m->cfg))
+        return fl_errorf(FL_ERR_INVALID, "fl_model_backward: needs a preceding training forward (grad_scale > 0)");
     if (!m->acts || !m->fwd_train || end_op(m->acts->mgraph) != FL_MOP_HEAD_LM)
         return fl_errorf(FL_ERR_INVALID, "fl_model_backward: needs a preceding training forward (grad_scale > 0)");
     around(m, 1, 1);

@@ -8,10 +8,27 @@
 
 #include "core/text.h"
 
+/* fl_grad_sync over a fl_dp (fitllm/train.h): the buckets and FSDP's unit-by-unit update armed for the last
+ * micro-batch, then the reduction and what it leaves live. */
+static fl_status sync_arm(void *self, fl_optimizer *o, int last, float lr, float max_norm) {
+    fl_dp *dp = self;
+    fl_dp_buckets_arm(dp, o, last); /* the last backward reduces block by block */
+    return o && last ? fl_fsdp_update_arm(dp, o, lr, max_norm) : FL_OK;
+}
+
+static fl_status sync_reduce(void *self, fl_optimizer *o, size_t *live, int *snap) {
+    fl_dp *dp = self;
+    FL_TRY(fl_dp_reduce_grads(dp, o));
+    *snap = dp->comm != NULL;
+    *live = *snap ? fl_dp_reduced_live(dp, o) : SIZE_MAX;
+    return FL_OK;
+}
+
 void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool) {
     dp->comm = comm && fl_comm_size(comm) > 1 ? comm : NULL;
     dp->rank = dp->comm ? fl_comm_rank(comm) : 0;
     dp->world = dp->comm ? fl_comm_size(comm) : 1;
+    dp->sync = (fl_grad_sync){.self = dp, .world = dp->world, .rank = dp->rank, .arm = sync_arm, .reduce = sync_reduce};
     /* the MPI reduce-scatter's receive scratch ((N-1) x chunk) comes from the run's pool under
      * WORKSPACE, so the memory report and the budget see it */
     if (dp->comm) fl_comm_set_pool(dp->comm, pool);

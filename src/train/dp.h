@@ -60,6 +60,7 @@ typedef struct fl_dp {
         int disk, prefetch, overlap;
     } ptier;
     int update_overlap; /* --offload_update_overlap: fl_fsdp_update_arm may run the update unit by unit */
+    fl_grad_sync sync;  /* the step's interface to this context (fl_dp_init installs it; fitllm/train.h) */
 } fl_dp;
 
 /* The parameter-offload fetch worker (fetch.c): one thread copying units' pieces out of the tier in post order.
@@ -103,6 +104,13 @@ void fl_optim_state_source(const fl_optimizer *o, fl_st_write_tensor *t, const v
  * parts together are the whole update's bits. Safe on a second thread while the model computes (it allocates
  * nothing; NVMe: the same residency hints as the whole update, on the part's pages). */
 fl_status fl_optim_update_part(const fl_optimizer *o, size_t a, size_t n, float lr, int step);
+/* AdamW / SGD on be over n elements of parameters p and gradients g (this rank's range, or one piece of it) with the
+ * state from element st of the rank's state arrays (optim.c; the offloaded update's pieces run it too). */
+fl_status fl_optim_update_range(const fl_optimizer *o, const fl_backend *be, void *p, const void *g, size_t st, size_t n,
+                                float lr, float scale, int step);
+/* The offloaded update (optim_offload.c), fl_optim_init_offload's fl_optim_home.update where the update is staged
+ * through the host tier or the state or the parameters are on NVMe. */
+extern const fl_optim_update_ops fl_optim_offload_update;
 /* FULL_SHARD / ZeRO-3 with the optimizer offloaded (--offload_update_overlap, fsdp.c): before the LAST micro-batch
  * of a step, arm the unit-by-unit update: when a unit's gradient is final (its reduction in that backward) its
  * update is queued on the fetch worker, so it runs beside the next units' backward, fetches and reductions. Only

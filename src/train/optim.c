@@ -521,6 +521,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
         s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.pt), &o->home.hp);
         if (s == FL_OK) s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.gt), &o->home.hg);
     }
+    if (s == FL_OK && (o->home.hp || o->home.disk || o->home.ppool)) o->home.update = &fl_optim_offload_update;
     if (s != FL_OK && o->home.disk && o->home.pool->raw_why && o->home.pool->raw_why(o->home.pool->raw_ud)[0]) {
         /* the disk refused the state's files (missing space, a file-size limit): a disk fault, not a memory
          * budget (no smaller micro batch helps) */
@@ -626,10 +627,8 @@ double fl_grad_norm(const fl_model *m) {
     return sqrt(v);
 }
 
-/* AdamW / SGD on be over n elements of parameters p and gradients g (this rank's range, or one piece of
- * it) with the state from element st of the rank's state arrays */
-static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void *p, const void *g, size_t st, size_t n,
-                              float lr, float scale, int step) {
+fl_status fl_optim_update_range(const fl_optimizer *o, const fl_backend *be, void *p, const void *g, size_t st, size_t n,
+                                float lr, float scale, int step) {
     const fl_optim_config *c = &o->cfg;
     const size_t ses = c->state_dtype == FL_BF16 ? 2 : 4;
     void *m = o->st.m ? (char *)o->st.m + st * ses : NULL, *v = o->st.v ? (char *)o->st.v + st * ses : NULL;
@@ -643,65 +642,6 @@ static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void 
     return fl_errorf(FL_ERR_INTERNAL, "optimizer update: %s is not elementwise", fl_optim_name(c->kind));
 }
 
-/* The state of elements [a, a + len) of the rank's range, one call per state array (NVMe offload's
- * residency hints) */
-static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, fl_disk_advice what) {
-    const size_t ses = o->cfg.state_dtype == FL_BF16 ? 2 : 4;
-    const size_t at = o->shard.off + a, pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt);
-    /* the state's arrays in its pool; parameter offload on NVMe: the parameters and gradients in theirs */
-    const void *arr[5] = {o->st.m, o->st.v, o->st.buf, o->home.ppool ? (const char *)o->w.p + at * pes : NULL,
-                          o->home.ppool ? g_at(o, at) : NULL};
-    for (int i = 0; i < 5; i++) {
-        if (!arr[i] || !len) continue;
-        fl_mem_pool *pool = i < 3 ? o->home.pool : o->home.ppool;
-        const size_t es = i < 3 ? ses : i == 3 ? pes : ges, off = i < 3 ? a * ses : 0;
-        const char *x = (const char *)arr[i] + off;
-        FL_TRY(fl_mem_disk_advise(pool, x, len * es, what));
-    }
-    return FL_OK;
-}
-
-/* CPU offload (ZeRO-Offload), piece by piece over this rank's range:
- *   staged (a device the host cannot read): the (reduced) gradients and the parameters down to the host
- *   tier, the update there with the host backend's kernels and the state, the parameters back up. The
- *   device's stream orders piece k's upload before piece k + 1's download (to_host waits), so one staging
- *   piece serves every piece; the last upload is waited for before the step returns;
- *   NVMe (the state in a disk pool): before piece k, the read-ahead of piece k + 1's state starts; after
- *   it, piece k's write-back starts and piece k - 1's is waited for and its pages dropped, so the process
- *   holds about three pieces of the state while the disk reads and writes beside the update. */
-static fl_status offload_update(const fl_optimizer *o, size_t a0, size_t n, float lr, float scale, int step) {
-    const fl_backend *be = o->model->be;
-    const size_t pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt), P = o->home.piece ? o->home.piece : n;
-    const size_t end = a0 + n;
-    size_t prev = 0, prev_len = 0;
-    for (size_t a = a0; a < end; a += P) {
-        const size_t len = end - a < P ? end - a : P, at = o->shard.off + a;
-        char *p = (char *)o->w.p + at * pes;
-        if (o->home.disk || o->home.ppool) {
-            if (a == a0) FL_TRY(state_range(o, a, len, FL_DISK_PREFETCH));
-            FL_TRY(state_range(o, a + len, end - a - len < P ? end - a - len : P, FL_DISK_PREFETCH));
-        }
-        if (o->home.hp) {
-            FL_TRY(fl_error_prefix(FL_RUN(be, to_host, o->home.hg, g_at(o, at), len * ges),
-                                   "CPU offload: gradients to the host"));
-            FL_TRY(
-                fl_error_prefix(FL_RUN(be, to_host, o->home.hp, p, len * pes), "CPU offload: parameters to the host"));
-            FL_TRY(update_range(o, o->home.be, o->home.hp, o->home.hg, a, len, lr, scale, step));
-            FL_TRY(fl_error_prefix(FL_RUN(be, to_device, p, o->home.hp, len * pes),
-                                   "CPU offload: parameters to the device"));
-        } else { /* host memory: in place */
-            FL_TRY(update_range(o, o->home.be, p, g_at(o, at), a, len, lr, scale, step));
-        }
-        if (o->home.disk || o->home.ppool) {
-            FL_TRY(state_range(o, a, len, FL_DISK_WRITEBACK));
-            if (prev_len) FL_TRY(state_range(o, prev, prev_len, FL_DISK_RELEASE));
-            prev = a, prev_len = len;
-        }
-    }
-    if ((o->home.disk || o->home.ppool) && prev_len) FL_TRY(state_range(o, prev, prev_len, FL_DISK_RELEASE));
-    return o->home.hp ? fl_error_prefix(FL_RUN(be, sync), "CPU offload: the updated parameters") : FL_OK;
-}
-
 /* The update of elements [a, a + n) of the rank's range as update `step`, unscaled, where the update runs on host
  * memory in place (fsdp.c's unit-by-unit update on the fetch worker; not staged). Elementwise, so the units' calls
  * together give the bits of the whole range's (the offload's pieces already rely on it). */
@@ -709,9 +649,9 @@ fl_status fl_optim_update_part(const fl_optimizer *o, size_t a, size_t n, float 
     if (o->home.hp || o->cfg.kind == FL_OPT_ADAMW8BIT || a + n > o->shard.len)
         return fl_errorf(FL_ERR_INTERNAL, "optimizer: a part of the update [%zu, %zu) cannot run on its own", a, a + n);
     if (!n) return FL_OK;
-    if (o->home.disk || o->home.ppool) return offload_update(o, a, n, lr, 1.0f, step);
+    if (o->home.update) return o->home.update->range(o, a, n, lr, 1.0f, step); /* NVMe: its residency hints */
     const size_t at = o->shard.off + a;
-    return update_range(o, o->home.be, (char *)o->w.p + at * fl_dtype_size(o->w.pt), g_at(o, at), a, n, lr, 1.0f, step);
+    return fl_optim_update_range(o, o->home.be, (char *)o->w.p + at * fl_dtype_size(o->w.pt), g_at(o, at), a, n, lr, 1.0f, step);
 }
 
 /* The step whose update already ran part by part (o->home.updated): the norm it reports, the count. The gradients
@@ -770,10 +710,10 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
      * with the same arithmetic as the whole buffer does */
     size_t n = o->shard.len;
     void *p = (char *)o->w.p + o->shard.off * fl_dtype_size(o->w.pt), *g = (void *)g_at(o, o->shard.off);
-    if (c->kind != FL_OPT_ADAMW8BIT && (o->home.hp || o->home.disk || o->home.ppool)) {
-        FL_TRY(offload_update(o, 0, n, lr, scale, o->step));
+    if (c->kind != FL_OPT_ADAMW8BIT && o->home.update) { /* offloaded: staged, or on NVMe */
+        FL_TRY(o->home.update->range(o, 0, n, lr, scale, o->step));
     } else if (c->kind != FL_OPT_ADAMW8BIT) {
-        FL_TRY(update_range(o, o->home.be, p, g, 0, n, lr, scale, o->step)); /* offload on host memory: in place, host state */
+        FL_TRY(fl_optim_update_range(o, o->home.be, p, g, 0, n, lr, scale, o->step)); /* offload on host memory: in place, host state */
     } else if (o->q8.p_s) { /* FULL_SHARD: pieces of units, blocks cut by rank edges (above) */
         FL_TRY(fsdp8_step(o, lr, scale));
     } else {

@@ -8,7 +8,6 @@
 #include <time.h>
 
 #include "fitllm/train.h"
-#include "dp.h"
 
 static double now_ms(void) {
     struct timespec t;
@@ -83,20 +82,23 @@ static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, 
     return FL_OK;
 }
 
-/* The sum of the gradients over the ranks (dp NULL or one process: nothing), then what is live of
+/* The sum of the gradients over the ranks (no synchronisation: nothing), then what is live of
  * them (ZeRO-2: this rank's chunk) and, with several ranks, the after_reduce snapshot. */
-static fl_status reduce(fl_model *m, fl_optimizer *o, struct fl_dp *dp) {
-    if (!dp) return FL_OK;
-    FL_TRY(fl_dp_reduce_grads(dp, o));
-    if (!dp->comm) return FL_OK;
-    const fl_live_region r = {o->w.g, fl_dp_reduced_live(dp, o), 0}; /* SIZE_MAX: nothing to say */
+static fl_status reduce(fl_model *m, fl_optimizer *o, const fl_grad_sync *gs) {
+    if (!gs) return FL_OK;
+    size_t live = SIZE_MAX;
+    int snap = 0;
+    FL_TRY(gs->reduce(gs->self, o, &live, &snap));
+    if (!snap) return FL_OK;
+    const fl_live_region r = {o->w.g, live, 0}; /* SIZE_MAX: nothing to say */
     fl_mem_phase_edge(m->pool, &r, r.bytes != SIZE_MAX, "after_reduce", NULL);
     return FL_OK;
 }
 
 fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
     fl_step_result r = {0};
-    const int world = c->dp ? c->dp->world : 1, rank = c->dp ? c->dp->rank : 0;
+    const fl_grad_sync *gs = c->sync;
+    const int world = gs ? gs->world : 1, rank = gs ? gs->rank : 0;
     double t0 = now_ms(), loss_sum = 0;
     c->failed_k = -1;
     m->phase_sync = c->phase_times;
@@ -111,8 +113,7 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
             /* LoRA dropout masks depend on (seed, global micro-batch) only: a resumed run, and any world size,
              * draws the same (the forward seeds the adapters before it runs) */
             const uint64_t seed = c->seed + (uint64_t)(c->iter0 + (long)k * world + rank);
-            if (c->dp) fl_dp_buckets_arm(c->dp, o, k == c->n_micro - 1); /* the last backward reduces block by block */
-            fl_status s = c->dp && o && k == c->n_micro - 1 ? fl_fsdp_update_arm(c->dp, o, c->lr, c->max_norm) : FL_OK;
+            fl_status s = gs ? gs->arm(gs->self, o, k == c->n_micro - 1, c->lr, c->max_norm) : FL_OK;
             if (s == FL_OK) s = micro(m, o, &c->mbs[k], c->seeded ? &seed : NULL, k, c->step_valid, &ls_k, &nv_k, &r);
             if (s != FL_OK) {
                 c->failed_k = k;
@@ -130,7 +131,7 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         double u0 = now_ms();
         /* the sum over ranks, then one update: clipping and fp16 overflow skips see the same
          * reduced gradients on every rank, so they decide alike */
-        fl_status s = reduce(m, o, c->dp);
+        fl_status s = reduce(m, o, gs);
         if (s == FL_OK) s = update(m, o, c->lr, c->max_norm, &r);
         if (s != FL_OK) {
             c->failed_k = c->n_micro;

@@ -23,7 +23,7 @@
 static fl_step_ctx step_ctx(trainer *t, long iter0, long step_valid, float lr) {
     const fl_run_config *cfg = t->cfg;
     return (fl_step_ctx){.mbs = t->buf.mbs, .n_micro = t->sch.accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
-                         .max_norm = cfg->train.max_norm, .dp = &t->dp, .seeded = 1,
+                         .max_norm = cfg->train.max_norm, .dp = &t->dp, .sync = &t->dp.sync, .seeded = 1,
                          .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
                          .mb_stats = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum, .mb_ms = t->buf.mb_ms};
 }
