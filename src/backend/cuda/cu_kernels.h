@@ -119,7 +119,7 @@ extern "C" {
     /* *out (device double) = sum of squares; work: FL_CU_SUMSQ_PARTS doubles of device scratch */             \
     int P##sumsq_ex(double *out, double *work, const void *x, fl_dtype t, size_t n, void *stream);              \
     /* the step scalars (backend.h's grad_norm_dev, loss_sum_dev, adamw_update_ss / sgd_update_ss; ss device     \
-     * doubles): clip_scale from *sq (sumsq_ex's result); loss_sum one thread in index order; the updates read  \
+     * doubles): clip_scale from *sq (sumsq_ex's result); loss_sum in index order (one adding thread); the updates read  \
      * their grad_scale from ss[1] (NaN: nothing changes) */                                                    \
     int P##clip_scale(double *ss, const double *sq, float max_norm, float scale, void *stream);                 \
     int P##loss_sum(double *acc, const float *loss, const int32_t *targets, int N, int ignore_index,            \

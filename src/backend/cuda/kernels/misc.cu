@@ -238,7 +238,7 @@ extern "C" int FL_CUK(sumsq_ex)(double *out, double *work, const void *x, fl_dty
     return fl_cu_launch_error();
 }
 
-/* ---- the step scalars (backend.h grad_norm_dev / loss_sum_dev): one thread each, double arithmetic exactly as
+/* ---- the step scalars (backend.h grad_norm_dev / loss_sum_dev): one adding thread each, double arithmetic as
  * fl_optim_step's and fl_lm_sum_losses' on the host (no contraction: each product is rounded before the next
  * operation), so the norm, the clip scale and the loss sums have the host's bits ------------------------------ */
 __global__ static void fl_cu_clip_scale_k(double *ss, const double *sq, float max_norm, float scale) {
@@ -260,18 +260,32 @@ extern "C" int FL_CUK(clip_scale)(double *ss, const double *sq, float max_norm, 
     FL_CU_LAUNCH(fl_cu_clip_scale_k, dim3(1), dim3(32), 0, (fl_cu_stream)stream, ss, sq, max_norm, scale);
     return fl_cu_launch_error();
 }
-/* in index order in one thread: the host's order (a micro-batch's few thousand losses: microseconds on a GPU) */
+/* in index order, added by one thread: the host's order. The block loads each chunk of 1024 losses into shared
+ * memory first (coalesced, every load in flight at once), so thread 0's chain of double adds reads shared memory
+ * only (a TinyLlama micro-batch's 8192 losses: tens of microseconds, not one global-memory latency per loss). */
+#define FL_CU_LOSS_CHUNK 1024
 __global__ static void fl_cu_loss_sum_k(double *acc, const float *loss, const int32_t *targets, int N, int ignore) {
-    if (threadIdx.x || blockIdx.x) return;
-    double s = *acc;
-    for (int i = 0; i < N; i++)
-        if (targets[i] != ignore) s += loss[i];
-    *acc = s;
+    __shared__ float buf[FL_CU_LOSS_CHUNK];
+    __shared__ unsigned char valid[FL_CU_LOSS_CHUNK];
+    double s = threadIdx.x == 0 ? *acc : 0.0;
+    for (int c0 = 0; c0 < N; c0 += FL_CU_LOSS_CHUNK) {
+        const int n = N - c0 < FL_CU_LOSS_CHUNK ? N - c0 : FL_CU_LOSS_CHUNK;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            valid[i] = targets[c0 + i] != ignore;
+            buf[i] = loss[c0 + i];
+        }
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int i = 0; i < n; i++)
+                if (valid[i]) s += buf[i];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *acc = s;
 }
 extern "C" int FL_CUK(loss_sum)(double *acc, const float *loss, const int32_t *targets, int N, int ignore_index,
                                 void *stream) {
     if (N <= 0) return 0;
-    FL_CU_LAUNCH(fl_cu_loss_sum_k, dim3(1), dim3(32), 0, (fl_cu_stream)stream, acc, loss, targets, N, ignore_index);
+    FL_CU_LAUNCH(fl_cu_loss_sum_k, dim3(1), dim3(256), 0, (fl_cu_stream)stream, acc, loss, targets, N, ignore_index);
     return fl_cu_launch_error();
 }
 
