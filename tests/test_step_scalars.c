@@ -12,6 +12,8 @@
 
 #include "fitllm/backend.h"
 #include "fitllm/mem.h"
+#include "fitllm/model.h"
+#include "fitllm/train.h"
 #include "test.h"
 
 typedef struct {
@@ -26,13 +28,16 @@ static void *dev_copy(ss_rig *r, const void *host, size_t bytes) {
     return d;
 }
 
-/* grad_norm_dev then both updates on g (n, tg), max_norm; nan_at >= 0 puts a NaN into g there */
+/* grad_norm_dev then both updates on g (n, tg), max_norm; nan_at >= 0 puts a NaN into g there, nan_at == -2 a NaN
+ * into the second of two loss sums (the gradients finite) */
 static void norm_and_update(ss_rig *r, fl_dtype tg, size_t n, float max_norm, float scale, long nan_at) {
     const fl_backend *be = r->be;
     fl_test_rng rng = {31 + (uint64_t)n};
     float *g32 = fl_test_frand(&rng, n, -0.02f, 0.02f), *p0 = fl_test_frand(&rng, n, -1, 1);
     float *m0 = fl_test_frand(&rng, n, -0.01f, 0.01f), *v0 = fl_test_frand(&rng, n, 0, 1e-4f);
     if (nan_at >= 0) g32[nan_at] = NAN;
+    const int bad_loss = nan_at == -2;
+    if (bad_loss) nan_at = 0; /* skipped as for a NaN gradient */
     void *gh = malloc(n * 4);
     FL_REQUIRE(gh && be->convert);
     /* the stored gradient (tg) and its exact fp32 widening, from the CPU's conversion (the reference's) */
@@ -45,7 +50,9 @@ static void norm_and_update(ss_rig *r, fl_dtype tg, size_t n, float max_norm, fl
     void *g = dev_copy(r, gh, gb);
     double *ss = be->step_scalars(be, 4);
     FL_REQUIRE(g && ss && !be->step_scalars(be, FL_SS_MAX + 1));
-    FL_REQUIRE_OP(be, FL_RUN(be, grad_norm_dev, g, tg, n, max_norm, scale, ss));
+    const double losses[2] = {1.5, bad_loss ? NAN : 2.5};
+    FL_REQUIRE_OK(be->to_device(be, ss + FL_SS_LOSS, losses, sizeof losses));
+    FL_REQUIRE_OP(be, FL_RUN(be, grad_norm_dev, g, tg, n, max_norm, scale, 2, ss));
     double h[2];
     FL_REQUIRE_OK(be->to_host(be, h, ss, sizeof h));
     double want = 0; /* float64 */
@@ -58,7 +65,10 @@ static void norm_and_update(ss_rig *r, fl_dtype tg, size_t n, float max_norm, fl
         const double c = max_norm / (norm_host + 1e-6);
         if (c < 1.0) sc_host = (float)(c * sc_host);
     }
-    if (nan_at >= 0) {
+    if (bad_loss) {
+        FL_CHECKF(h[FL_SS_NORM] == norm_host && isnan(h[FL_SS_SCALE]), "%s: a NaN loss: norm %g, scale %g",
+                  fl_dtype_name(tg), h[FL_SS_NORM], h[FL_SS_SCALE]);
+    } else if (nan_at >= 0) {
         FL_CHECKF(!isfinite(h[FL_SS_NORM]) && isnan(h[FL_SS_SCALE]), "%s: a NaN gradient: norm %g, scale %g",
                   fl_dtype_name(tg), h[FL_SS_NORM], h[FL_SS_SCALE]);
     } else {
@@ -146,6 +156,7 @@ static void ss_case(fl_backend *be) {
     norm_and_update(&r, FL_F32, 1029, 0.0f, 0.125f, -1); /* no clipping, a loss scale's inverse */
     norm_and_update(&r, FL_F16, 1029, 0.01f, 0.5f, -1);
     norm_and_update(&r, FL_F32, 1029, 1.0f, 1.0f, 517); /* a NaN: skipped */
+    norm_and_update(&r, FL_F32, 1029, 1.0f, 1.0f, -2);  /* a NaN loss sum: skipped */
     loss_sum(&r);
     fl_backend_pools_free(&r.pool, &r.hpool);
 }
@@ -153,4 +164,65 @@ static void ss_case(fl_backend *be) {
 FL_TEST(step_scalars_ops) {
     fl_backend be;
     FL_FOR_EACH_BACKEND(be, 2) ss_case(&be);
+}
+
+/* A step whose loss is NaN (every parameter poisoned) with the step scalars and with FITLLM_CUDA_STEP_SCALARS=0: the
+ * same failure (FL_ERR_NONFINITE "the loss is NaN" at micro-batch 0), the weights and the optimizer's count as
+ * before: on the device path the NaN reaches the host only at the step's end, after the device skipped the update. */
+static void nan_step(int on, fl_status *st, char *msg, size_t msz, int *failed_k, int *changed, int *count) {
+    if (!on) setenv("FITLLM_CUDA_STEP_SCALARS", "0", 1);
+    fl_backend be;
+    fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_STEP_SCALARS");
+    FL_REQUIRE_OK(s);
+    FL_REQUIRE(!on == !be.step_scalars);
+    fl_mem_pool pool, hpool;
+    fl_model m;
+    fl_optimizer o;
+    fl_model_config c;
+    fl_optim_config oc;
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &hpool, "nan", 0));
+    FL_REQUIRE_OK(fl_preset_find("micro", &c));
+    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
+    fl_model_init_random(&m, 7);
+    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
+    FL_REQUIRE_OK(fl_model_alloc_acts(&m, 1, 8));
+    fl_optim_config_default(&oc, FL_OPT_ADAMW);
+    FL_REQUIRE_OK(fl_optim_init(&o, &m, &oc));
+    const size_t pb = o.w.n * fl_dtype_size(o.w.pt);
+    float *w0 = malloc(pb), *w1 = malloc(pb);
+    FL_REQUIRE(w0 && w1 && o.w.pt == FL_F32);
+    for (size_t i = 0; i < o.w.n; i++) w0[i] = NAN;
+    FL_REQUIRE_OK(be.to_device(&be, o.w.p, w0, pb));
+    int32_t ids[8], tg[8];
+    for (int i = 0; i < 8; i++) ids[i] = i + 1, tg[i] = i + 2;
+    fl_micro_batch mb = {.ids = ids, .targets = tg, .B = 1, .T = 8};
+    fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = 8, .lr = 1e-3f, .max_norm = 1.0f};
+    *st = fl_step_run(&m, &o, &sc, NULL);
+    snprintf(msg, msz, "%s", fl_error_message());
+    *failed_k = sc.failed_k;
+    FL_REQUIRE_OK(be.to_host(&be, w1, o.w.p, pb));
+    *changed = memcmp(w0, w1, pb) != 0;
+    *count = o.step;
+    free(w0), free(w1);
+    fl_optim_free(&o);
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &hpool);
+    fl_backend_free(&be);
+}
+
+FL_TEST(step_scalars_nan_loss_fails_alike) {
+#ifdef FL_HAVE_CUDA_EMU
+    fl_status s[2];
+    char msg[2][256];
+    int k[2], changed[2], count[2];
+    for (int on = 0; on < 2; on++) nan_step(on, &s[on], msg[on], sizeof msg[on], &k[on], &changed[on], &count[on]);
+    for (int on = 0; on < 2; on++)
+        FL_CHECKF(s[on] == FL_ERR_NONFINITE && strstr(msg[on], "the loss is NaN") && k[on] == 0 && !changed[on] &&
+                      count[on] == 0,
+                  "step scalars %d: status %d '%s', failed at %d, weights changed %d, %d updates counted", on, (int)s[on],
+                  msg[on], k[on], changed[on], count[on]);
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
 }

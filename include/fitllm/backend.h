@@ -562,9 +562,10 @@ struct fl_backend {
     double *(*step_scalars)(const fl_backend *be, int n);
     /* ss[FL_SS_NORM] = sqrt(sum of g^2) * scale (the sum as sumsq's, in double), ss[FL_SS_SCALE] = the update's
      * gradient scale: scale, times c = max_norm / (norm + 1e-6) when max_norm > 0 and c < 1 (in double, rounded to
-     * float: fl_optim_step's host arithmetic); NaN when the norm is not finite (the update is then skipped). */
+     * float: fl_optim_step's host arithmetic); NaN when the norm is not finite or one of the n_loss loss sums
+     * ss[FL_SS_LOSS + k] is not (the update is then skipped). */
     fl_status (*grad_norm_dev)(const fl_backend *be, const void *g, fl_dtype tg, size_t n, float max_norm, float scale,
-                               double *ss);
+                               int n_loss, double *ss);
     /* *acc += the sum of loss[i] over targets[i] != ignore_index (targets device memory), in index order, in double
      * (the host's sum, the same bits) */
     fl_status (*loss_sum_dev)(const fl_backend *be, const float *loss, const int32_t *targets, int N, int ignore_index,

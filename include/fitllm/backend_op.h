@@ -131,7 +131,7 @@ struct fl_op_sgd_update { void *p; fl_dtype tp; const void *g; fl_dtype tg; void
 struct fl_op_adam8bit_update { void *p; fl_dtype tp; const void *g; fl_dtype tg; const fl_adam8bit_state *st;
     float lr, beta1, beta2, eps, weight_decay; int step; float grad_scale; };
 struct fl_op_sumsq { const void *x; fl_dtype t; size_t n; double *result; };
-struct fl_op_grad_norm_dev { const void *g; fl_dtype tg; size_t n; float max_norm, scale; double *ss; };
+struct fl_op_grad_norm_dev { const void *g; fl_dtype tg; size_t n; float max_norm, scale; int n_loss; double *ss; };
 struct fl_op_loss_sum_dev { const float *loss; const int32_t *targets; int N, ignore_index; double *acc; };
 struct fl_op_adamw_update_ss { void *p; fl_dtype tp; const void *g; fl_dtype tg; void *m, *v; fl_dtype ts; size_t n;
     float lr, beta1, beta2, eps, weight_decay; int step; const double *ss; };

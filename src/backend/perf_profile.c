@@ -283,8 +283,8 @@ WRAP_S(adam8bit_update, 0,
        (BE, void *pp, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st, float lr, float b1,
         float b2, float eps, float wd, int step, float gs),
        (be, pp, tp, g, tg, st, lr, b1, b2, eps, wd, step, gs))
-WRAP_S(grad_norm_dev, 0, (BE, const void *g, fl_dtype tg, size_t n, float mx, float sc, double *ss),
-       (be, g, tg, n, mx, sc, ss))
+WRAP_S(grad_norm_dev, 0, (BE, const void *g, fl_dtype tg, size_t n, float mx, float sc, int nl, double *ss),
+       (be, g, tg, n, mx, sc, nl, ss))
 WRAP_S(loss_sum_dev, 0, (BE, const float *loss, const int32_t *tg, int N, int ii, double *acc),
        (be, loss, tg, N, ii, acc))
 WRAP_S(adamw_update_ss, 0,

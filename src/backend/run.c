@@ -58,7 +58,7 @@ static fl_status run_memory(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_grad_norm_dev: {
         DOOR(grad_norm_dev);
-        return be->grad_norm_dev(be, r->g, r->tg, r->n, r->max_norm, r->scale, r->ss);
+        return be->grad_norm_dev(be, r->g, r->tg, r->n, r->max_norm, r->scale, r->n_loss, r->ss);
     }
     case FL_OPK_loss_sum_dev: {
         DOOR(loss_sum_dev);

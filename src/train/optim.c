@@ -735,20 +735,23 @@ static fl_status step_updated(fl_optimizer *o, float max_norm, double *norm_out)
 /* Issue 30 item 5: whether this update keeps its norm and clip scale on the device (o->ss lent by the step): one
  * process (no data-parallel or tensor-parallel hooks), the update on the model's backend in place (no offload), AdamW
  * or SGD with the backend's _ss slot, a norm asked for. */
-static int norm_on_device(const fl_optimizer *o, float max_norm, const double *norm_out) {
+int fl_optim_device_step(const fl_optimizer *o) {
     const fl_backend *be = o->model->be;
     const fl_optim_kind k = o->cfg.kind;
-    if (!o->ss || !be->grad_norm_dev || (!norm_out && max_norm <= 0)) return 0;
+    if (!be->grad_norm_dev || o->home.updated) return 0;
     if (o->shard.dist || o->home.be != be || o->home.hp || o->home.disk || o->home.ppool || o->home.params_host)
         return 0;
     return (k == FL_OPT_ADAMW && be->adamw_update_ss) || (k == FL_OPT_SGD && be->sgd_update_ss);
+}
+static int norm_on_device(const fl_optimizer *o, float max_norm, const double *norm_out) {
+    return o->ss && (norm_out || max_norm > 0) && fl_optim_device_step(o);
 }
 
 /* The norm, the clip scale and the update on the device: ss[FL_SS_SCALE] is the scale (NaN: the update skipped) */
 static fl_status step_on_device(fl_optimizer *o, float lr, float max_norm, float scale) {
     const fl_backend *be = o->model->be;
     const fl_optim_config *c = &o->cfg;
-    FL_TRY(FL_RUN(be, grad_norm_dev, o->w.g, o->w.gt, o->w.n, max_norm, scale, o->ss));
+    FL_TRY(FL_RUN(be, grad_norm_dev, o->w.g, o->w.gt, o->w.n, max_norm, scale, o->ss_nloss, o->ss));
     o->ss_pending = 1;
     o->step++;
     const size_t n = o->shard.len;
@@ -765,8 +768,8 @@ fl_status fl_optim_step_finish(fl_optimizer *o, const double *ss, double *norm_o
     o->ss_pending = 0;
     const double norm = ss[FL_SS_NORM];
     if (norm_out) *norm_out = norm;
+    if (isnan(ss[FL_SS_SCALE])) o->step--; /* refused on the device: the weights stay as they were */
     if (isfinite(norm)) return FL_OK;
-    o->step--; /* refused on the device: the weights stay as they were */
     return fl_errorf(FL_ERR_NONFINITE, "the gradient norm is %s", isnan(norm) ? "NaN" : "inf");
 }
 

@@ -73,11 +73,13 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, c
 
 /* The optimizer update that ends a step: phase "optimizer step", fl_optim_step, the after_opt_step
  * snapshot, res's grad_norm / skipped / loss_scale / ms_opt. */
-static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, double *ss, fl_step_result *res) {
+static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, double *ss, int n_loss,
+                        fl_step_result *res) {
     double c = now_ms();
     edge(m, -1, NULL, "optimizer step");
     double norm = 0;
     o->ss = ss; /* the norm and clip scale may stay on the device: read at the step's end */
+    o->ss_nloss = o->amp.on ? 0 : n_loss; /* a non-finite loss refuses the update (loss scaling: its overflow check) */
     fl_status s = fl_optim_step(o, lr, max_norm, &norm);
     o->ss = NULL;
     FL_TRY(s);
@@ -107,7 +109,9 @@ static fl_status reduce(fl_model *m, fl_optimizer *o, struct fl_dp *dp) {
  * start; NULL: the host path (each micro-batch's losses read after its head, the norm read by the update). */
 static double *step_scalars(fl_model *m, const fl_optimizer *o, const fl_step_ctx *c) {
     const fl_backend *be = m->be;
-    if (!o || !be->step_scalars || !be->loss_sum_dev || c->n_micro + FL_SS_LOSS > FL_SS_MAX) return NULL;
+    /* only with the update on the device too: it skips itself on a non-finite loss, as the host path stops */
+    if (!o || !be->step_scalars || !be->loss_sum_dev || c->n_micro + FL_SS_LOSS > FL_SS_MAX || !fl_optim_device_step(o))
+        return NULL;
     double *ss = be->step_scalars(be, c->n_micro + FL_SS_LOSS);
     if (ss) FL_RUN(be, zero, ss, (size_t)(c->n_micro + FL_SS_LOSS) * sizeof *ss);
     return ss;
@@ -122,13 +126,13 @@ static fl_status read_scalars(fl_model *m, fl_optimizer *o, fl_step_ctx *c, cons
     FL_TRY(FL_RUN(m->be, to_host, h, ss, (size_t)(n + FL_SS_LOSS) * sizeof *h));
     for (int k = 0; k < n; k++)
         if (on_dev[k]) ls[k] = h[FL_SS_LOSS + k];
-    for (int k = 0; k < n; k++)
+    fl_status s = fl_optim_step_finish(o, h, &r->grad_norm); /* the count, the norm */
+    if (s != FL_OK) c->failed_k = n;
+    for (int k = 0; k < n; k++) /* a loss first, as the host path fails before the update */
         if (!isfinite(ls[k]) && !o->amp.on) {
             c->failed_k = k;
             return fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(ls[k]) ? "NaN" : ls[k] > 0 ? "+inf" : "-inf");
         }
-    fl_status s = fl_optim_step_finish(o, h, &r->grad_norm);
-    if (s != FL_OK) c->failed_k = n;
     return s;
 }
 
@@ -176,7 +180,7 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         /* the sum over ranks, then one update: clipping and fp16 overflow skips see the same
          * reduced gradients on every rank, so they decide alike */
         fl_status s = reduce(m, o, c->dp);
-        if (s == FL_OK) s = update(m, o, c->lr, c->max_norm, ss, &r);
+        if (s == FL_OK) s = update(m, o, c->lr, c->max_norm, ss, c->n_micro, &r);
         if (s != FL_OK) {
             c->failed_k = c->n_micro;
             return s;

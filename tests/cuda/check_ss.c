@@ -51,7 +51,7 @@ static void check_clip_and_update(size_t n, int with_nan) {
     double *dss = dput(NULL, 4 * sizeof(double)), *dwork = dput(NULL, (1 + FL_CU_SUMSQ_PARTS) * sizeof(double));
     const float max_norm = 0.5f, scale = 1.0f;
     int rc = fl_cuk_sumsq_ex(dwork, dwork + 1, dg, FL_F32, n, NULL);
-    rc = rc || fl_cuk_clip_scale(dss, dwork, max_norm, scale, NULL);
+    rc = rc || fl_cuk_clip_scale(dss, dwork, max_norm, scale, 0, NULL);
     double sq = 0, h[2] = {0, 0};
     cudaMemcpy(&sq, dwork, sizeof sq, cudaMemcpyDeviceToHost);
     cudaMemcpy(h, dss, sizeof h, cudaMemcpyDeviceToHost);
@@ -99,7 +99,7 @@ static void run_loss_sum(void *x) {
 }
 static void run_clip(void *x) {
     double *d = x;
-    fl_cuk_clip_scale(d + 2, d, 1.0f, 1.0f, NULL);
+    fl_cuk_clip_scale(d + 2, d, 1.0f, 1.0f, 0, NULL);
 }
 
 static void check_loss_sum(int N) {

@@ -121,7 +121,7 @@ extern "C" {
     /* the step scalars (backend.h's grad_norm_dev, loss_sum_dev, adamw_update_ss / sgd_update_ss; ss device     \
      * doubles): clip_scale from *sq (sumsq_ex's result); loss_sum in index order (one adding thread); the updates read  \
      * their grad_scale from ss[1] (NaN: nothing changes) */                                                    \
-    int P##clip_scale(double *ss, const double *sq, float max_norm, float scale, void *stream);                 \
+    int P##clip_scale(double *ss, const double *sq, float max_norm, float scale, int n_loss, void *stream);     \
     int P##loss_sum(double *acc, const float *loss, const int32_t *targets, int N, int ignore_index,            \
                     void *stream);                                                                             \
     int P##adamw_update_ss(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts,     \

@@ -365,13 +365,15 @@ static double *flb_step_scalars(const fl_backend *be, int n) {
     return n >= 0 && n <= FL_SS_MAX ? FLB_IMPL(be)->scalars + 2 + FL_CU_SUMSQ_PARTS : NULL;
 }
 static fl_status flb_grad_norm_dev(const fl_backend *be, const void *g, fl_dtype tg, size_t n, float max_norm,
-                                   float scale, double *ss) {
+                                   float scale, int n_loss, double *ss) {
     FL_TRY(flb_sticky(be));
     if (!flb_float3(tg))
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s grad_norm_dev: %s not supported", FLB_NAME, fl_dtype_name(tg));
     flb_impl *im = FLB_IMPL(be);
     FLB_RUN_S(be, FLB_K(sumsq_ex)(im->scalars, im->scalars + 1, g, tg, n, STREAM), "grad_norm_dev");
-    FLB_RUN_S(be, FLB_K(clip_scale)(ss, im->scalars, max_norm, scale, STREAM), "grad_norm_dev");
+    if (n_loss < 0 || n_loss > FL_SS_MAX - FL_SS_LOSS)
+        return fl_errorf(FL_ERR_INVALID, "%s grad_norm_dev: %d loss sums", FLB_NAME, n_loss);
+    FLB_RUN_S(be, FLB_K(clip_scale)(ss, im->scalars, max_norm, scale, n_loss, STREAM), "grad_norm_dev");
     return FL_OK;
 }
 static fl_status flb_loss_sum_dev(const fl_backend *be, const float *loss, const int32_t *targets, int N,

@@ -241,12 +241,14 @@ extern "C" int FL_CUK(sumsq_ex)(double *out, double *work, const void *x, fl_dty
 /* ---- the step scalars (backend.h grad_norm_dev / loss_sum_dev): one adding thread each, double arithmetic as
  * fl_optim_step's and fl_lm_sum_losses' on the host (no contraction: each product is rounded before the next
  * operation), so the norm, the clip scale and the loss sums have the host's bits ------------------------------ */
-__global__ static void fl_cu_clip_scale_k(double *ss, const double *sq, float max_norm, float scale) {
+__global__ static void fl_cu_clip_scale_k(double *ss, const double *sq, float max_norm, float scale, int n_loss) {
     if (threadIdx.x || blockIdx.x) return;
     const double norm = sqrt(*sq) * (double)scale;
     float s = scale;
-    if (norm - norm != 0.0) {
-        ss[1] = NAN; /* inf/NaN gradients: the update is skipped, the host says so when it reads */
+    int bad = norm - norm != 0.0;
+    for (int k = 0; k < n_loss; k++) bad |= ss[2 + k] - ss[2 + k] != 0.0;
+    if (bad) {
+        ss[1] = NAN; /* inf/NaN gradients or losses: the update is skipped, the host says so when it reads */
     } else {
         if (max_norm > 0.0f) {
             const double c = (double)max_norm / (norm + 1e-6);
@@ -256,8 +258,9 @@ __global__ static void fl_cu_clip_scale_k(double *ss, const double *sq, float ma
     }
     ss[0] = norm;
 }
-extern "C" int FL_CUK(clip_scale)(double *ss, const double *sq, float max_norm, float scale, void *stream) {
-    FL_CU_LAUNCH(fl_cu_clip_scale_k, dim3(1), dim3(32), 0, (fl_cu_stream)stream, ss, sq, max_norm, scale);
+extern "C" int FL_CUK(clip_scale)(double *ss, const double *sq, float max_norm, float scale, int n_loss,
+                                  void *stream) {
+    FL_CU_LAUNCH(fl_cu_clip_scale_k, dim3(1), dim3(32), 0, (fl_cu_stream)stream, ss, sq, max_norm, scale, n_loss);
     return fl_cu_launch_error();
 }
 /* in index order, added by one thread: the host's order. The block loads each chunk of 1024 losses into shared
