@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitllm/lora.h"
 #include "fitllm/model.h"
 #include "fitllm/perf.h"
 #include "fitllm/train.h"
@@ -72,7 +73,8 @@ typedef struct {
     fl_optimizer o;
 } perf_rig;
 
-static int rig_init_prec(perf_rig *r, const char *name, const char *prec, int B, int T) {
+/* lora: adapters (r 4) on q_proj and v_proj, the base frozen */
+static int rig_init_ex(perf_rig *r, const char *name, const char *prec, int B, int T, int lora) {
     fl_model_config c;
     FL_REQUIRE_OK_R(fl_preset_find("micro", &c), 0);
     fl_status s = name ? fl_backend_init_by_name(name, &r->be, 2) : fl_test_backend(&r->be, 2);
@@ -90,12 +92,20 @@ static int rig_init_prec(perf_rig *r, const char *name, const char *prec, int B,
         FL_REQUIRE_OK_R(fl_model_init(&r->m, &c, &r->be, &r->pool), 0);
         fl_model_init_random(&r->m, 7);
     }
+    if (lora) {
+        fl_lora_config lc;
+        FL_REQUIRE_OK_R(fl_lora_config_init(&lc, &c, 4, 8.0f, 0.0f, 0, "q_proj,v_proj"), 0);
+        FL_REQUIRE_OK_R(fl_model_lora_init(&r->m, &lc, 11), 0);
+    }
     FL_REQUIRE_OK_R(fl_model_alloc_grads(&r->m), 0);
     FL_REQUIRE_OK_R(fl_model_alloc_acts(&r->m, B, T), 0);
     fl_optim_config oc;
     fl_optim_config_default(&oc, FL_OPT_ADAMW);
     FL_REQUIRE_OK_R(fl_optim_init(&r->o, &r->m, &oc), 0);
     return 1;
+}
+static int rig_init_prec(perf_rig *r, const char *name, const char *prec, int B, int T) {
+    return rig_init_ex(r, name, prec, B, T, 0);
 }
 static int rig_init(perf_rig *r, const char *name, int B, int T) { return rig_init_prec(r, name, NULL, B, T); }
 static void rig_free(perf_rig *r) {
@@ -222,11 +232,12 @@ FL_TEST(perf_profile_groups_cuda_emu) { profile_case("cuda-emu"); }
  * own code on the emulator (fl_cuemu_backend_counters): synchronizations and copies per step ---- */
 #ifdef FL_HAVE_CUDA_EMU
 /* The round trips of one step (the second: the first makes first-use buffers), n_micro micro-batches. */
-static fl_cu_counters step_counts(const char *prec, int n_micro, float max_norm, int phase_times, double *loss) {
+static fl_cu_counters step_counts(const char *prec, int n_micro, float max_norm, int phase_times, int lora,
+                                  double *loss, double *norm) {
     const int B = 2, T = 16;
     perf_rig r;
     fl_cuemu_set_host_memory(0); /* the GPU's paths: host staging, ids copied, what waits for the device */
-    const int made = rig_init_prec(&r, "cuda-emu", prec, B, T);
+    const int made = rig_init_ex(&r, "cuda-emu", prec, B, T, lora);
     fl_cuemu_set_host_memory(1);
     FL_REQUIRE_R(made && !fl_backend_host_memory(&r.be), (fl_cu_counters){0});
     int32_t ids[4 * 32], tg[4 * 32];
@@ -246,41 +257,57 @@ static fl_cu_counters step_counts(const char *prec, int n_micro, float max_norm,
     fl_cuemu_backend_counters(&r.be, &b);
     FL_CHECKF(s == FL_OK, "%s: %s", prec, fl_error_message());
     *loss = res.loss;
+    *norm = res.grad_norm;
     rig_free(&r);
     return (fl_cu_counters){b.sync - a.sync, b.d2h - a.d2h, b.h2d - a.h2d, b.h2d_pinned - a.h2d_pinned,
                             b.stage_waits - a.stage_waits};
 }
 
-/* What a step on a GPU makes the host wait for: no synchronization, one copy to the host per micro-batch
- * (its per-token losses: the loss is logged, and a NaN stops the run before the update) and one for the
- * gradient norm (clipping is decided on the host); with fp16 loss scaling the overflow flag (its reset
- * goes up, the flag comes back). Copies up: each micro-batch's ids and targets. bench-step's phase times
- * (phase_times) add the syncs at the phase edges: 3 per micro-batch and 1 after the update. */
+/* What a step on a GPU makes the host wait for (issue 30 item 5): no synchronization and one copy to the host per
+ * step: the step scalars (each micro-batch's loss sum, the gradient norm) read at its end, the norm, the clip scale
+ * and the update computed on the device (fl_backend.step_scalars); with fp16 loss scaling one more (the overflow
+ * flag, read before the update: its reset goes up, the flag comes back). Copies up: each micro-batch's ids and
+ * targets. FITLLM_CUDA_STEP_SCALARS=0 (the host path: one copy per micro-batch for its losses, one for the norm)
+ * gives the same loss and norm bits. bench-step's phase times (phase_times) add the syncs at the phase edges: 3 per
+ * micro-batch and 1 after the update. */
 FL_TEST(cuda_sync_round_trips_per_step) {
     if (!fl_test_asan_budget()) return;
     static const struct {
         const char *prec;
         int n_micro;
         float max_norm;
-        int amp;
-    } cases[] = {{"32-true", 1, 1.0f, 0}, {"32-true", 3, 1.0f, 0}, {"32-true", 1, 0.0f, 0}, {"bf16-true", 1, 1.0f, 0},
-                 {"bf16-mixed", 2, 1.0f, 0}, {"16-mixed", 1, 1.0f, 1}};
+        int amp, lora, ab; /* ab: also with FITLLM_CUDA_STEP_SCALARS=0 */
+    } cases[] = {{"32-true", 1, 1.0f, 0, 0, 0}, {"32-true", 3, 1.0f, 0, 0, 1}, {"32-true", 1, 0.0f, 0, 0, 0},
+                 {"bf16-true", 1, 1.0f, 0, 0, 0}, {"bf16-mixed", 2, 1.0f, 0, 0, 0}, {"16-mixed", 1, 1.0f, 1, 0, 1},
+                 {"32-true", 2, 1.0f, 0, 1, 1}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        double loss, loss_timed;
+        double loss, norm, loss_b, norm_b;
         const int nm = cases[i].n_micro, amp = cases[i].amp;
-        fl_cu_counters c = step_counts(cases[i].prec, nm, cases[i].max_norm, 0, &loss);
-        printf("      %-10s x%d clip %.0f: %ld syncs, %ld copies to the host, %ld from it (loss %.5f)\n", cases[i].prec,
-               nm, (double)cases[i].max_norm, c.sync, c.d2h, c.h2d, loss);
-        FL_CHECKF(c.sync == 0 && c.d2h == nm + 1 + amp && c.h2d == 2 * nm + amp,
+        fl_cu_counters c = step_counts(cases[i].prec, nm, cases[i].max_norm, 0, cases[i].lora, &loss, &norm);
+        printf("      %-10s x%d clip %.0f%s: %ld syncs, %ld copies to the host, %ld from it (loss %.5f, norm %.5f)\n",
+               cases[i].prec, nm, (double)cases[i].max_norm, cases[i].lora ? " LoRA" : "", c.sync, c.d2h, c.h2d, loss,
+               norm);
+        FL_CHECKF(c.sync == 0 && c.d2h == 1 + amp && c.h2d == 2 * nm + amp,
                   "%s x%d: %ld syncs, %ld copies to the host, %ld from it", cases[i].prec, nm, c.sync, c.d2h, c.h2d);
+        FL_CHECKF(isfinite(loss) && isfinite(norm) && norm > 0, "%s x%d: loss %g, norm %g", cases[i].prec, nm, loss, norm);
         /* the ids and targets through the page-locked ring (the overflow flag's reset is a direct copy) */
         FL_CHECKF(c.h2d_pinned == 2 * nm, "%s x%d: %ld of %ld uploads through the pinned ring", cases[i].prec, nm,
                   c.h2d_pinned, c.h2d);
+        if (cases[i].ab) { /* the host path: the same bits, a copy per micro-batch and one for the norm */
+            setenv("FITLLM_CUDA_STEP_SCALARS", "0", 1);
+            fl_cu_counters h = step_counts(cases[i].prec, nm, cases[i].max_norm, 0, cases[i].lora, &loss_b, &norm_b);
+            unsetenv("FITLLM_CUDA_STEP_SCALARS");
+            FL_CHECKF(h.sync == 0 && h.d2h == nm + 1 + amp && h.h2d == c.h2d, "%s x%d host path: %ld syncs, %ld copies",
+                      cases[i].prec, nm, h.sync, h.d2h);
+            FL_CHECKF(loss_b == loss && norm_b == norm, "%s x%d: loss %.17g vs %.17g, norm %.17g vs %.17g on the host",
+                      cases[i].prec, nm, loss, loss_b, norm, norm_b);
+        }
         if (nm != 3) continue; /* the timed variant once (the emulator is slow) */
-        fl_cu_counters t = step_counts(cases[i].prec, nm, cases[i].max_norm, 1, &loss_timed);
+        double loss_timed, norm_timed;
+        fl_cu_counters t = step_counts(cases[i].prec, nm, cases[i].max_norm, 1, 0, &loss_timed, &norm_timed);
         FL_CHECKF(t.sync == 3 * nm + 1 && t.d2h == c.d2h && t.h2d == c.h2d, "%s x%d timed: %ld syncs", cases[i].prec, nm,
                   t.sync);
-        FL_CHECK(loss_timed == loss); /* the syncs change no result */
+        FL_CHECK(loss_timed == loss && norm_timed == norm); /* the syncs change no result */
     }
 }
 #endif

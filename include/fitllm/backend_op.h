@@ -45,7 +45,8 @@ extern "C" {
     X(adam8bit_update) X(sumsq)                                                                                      \
     X(check_finite) X(scale) X(zero) X(copy) X(to_device) X(to_host) X(sync) X(set_scratch) X(set_compute_dtype)     \
     X(attention_qkv_forward) X(attention_qkv_backward) X(gemm_epilogue)                                            \
-    X(layernorm_forward_w16) X(layernorm_backward_w16)
+    X(layernorm_forward_w16) X(layernorm_backward_w16) X(grad_norm_dev) X(loss_sum_dev) X(adamw_update_ss)          \
+    X(sgd_update_ss)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -130,6 +131,12 @@ struct fl_op_sgd_update { void *p; fl_dtype tp; const void *g; fl_dtype tg; void
 struct fl_op_adam8bit_update { void *p; fl_dtype tp; const void *g; fl_dtype tg; const fl_adam8bit_state *st;
     float lr, beta1, beta2, eps, weight_decay; int step; float grad_scale; };
 struct fl_op_sumsq { const void *x; fl_dtype t; size_t n; double *result; };
+struct fl_op_grad_norm_dev { const void *g; fl_dtype tg; size_t n; float max_norm, scale; int n_loss; double *ss; };
+struct fl_op_loss_sum_dev { const float *loss; const int32_t *targets; int N, ignore_index; double *acc; };
+struct fl_op_adamw_update_ss { void *p; fl_dtype tp; const void *g; fl_dtype tg; void *m, *v; fl_dtype ts; size_t n;
+    float lr, beta1, beta2, eps, weight_decay; int step; const double *ss; };
+struct fl_op_sgd_update_ss { void *p; fl_dtype tp; const void *g; fl_dtype tg; void *buf; fl_dtype ts; size_t n;
+    float lr, momentum, dampening, weight_decay; int nesterov, first_step; const double *ss; };
 struct fl_op_check_finite { const void *x; fl_dtype t; size_t n; float inv_scale; int *found_inf; };
 struct fl_op_scale { float *x; size_t n; float s; };
 struct fl_op_zero { void *x; size_t bytes; };
@@ -213,6 +220,10 @@ struct fl_oprec {
         struct fl_op_attention_qkv_forward attention_qkv_forward;
         struct fl_op_attention_qkv_backward attention_qkv_backward;
         struct fl_op_gemm_epilogue gemm_epilogue;
+        struct fl_op_grad_norm_dev grad_norm_dev;
+        struct fl_op_loss_sum_dev loss_sum_dev;
+        struct fl_op_adamw_update_ss adamw_update_ss;
+        struct fl_op_sgd_update_ss sgd_update_ss;
     };
 };
 

@@ -403,6 +403,10 @@ typedef struct {
     int phase_sync;         /* an asynchronous device: synchronize at the step's phase edges (around the head, after
                              * the backward and the update) so the phase times are its own (fl_step_ctx.phase_times
                              * sets it; 0: no sync inside a step) */
+    double *loss_dev;       /* issue 30 item 5: a device double the next forward's head adds its valid targets' losses
+                             * to (fl_backend.loss_sum_dev) instead of reading them to m->loss_sum; NULL: the host sum
+                             * (fl_step_run lends it, one step scalar per micro-batch) */
+    int loss_on_dev;        /* the last forward's losses went to *loss_dev (m->loss_sum stays 0; n_valid is counted) */
     int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */
     fl_dtype act_dtype;     /* storage of the saved activations of the current arena: prec.act_dtype when
                              * fl_model_alloc_acts ran (fl_model_set_precision re-sizes the arena) */

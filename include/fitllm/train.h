@@ -148,6 +148,13 @@ typedef struct fl_optimizer {
     fl_optim_amp amp;   /* loss scaling */
     fl_optim_shard shard; /* the range it updates, the data-parallel hooks */
     fl_optim_home home; /* where the state lives */
+    /* issue 30 item 5: the device's step scalars (fl_backend.step_scalars) the caller lends for one fl_optim_step
+     * (fl_step_run; NULL: none): where the backend has the slots and the update runs on the model's backend in one
+     * process (AdamW or SGD, no offload), the norm and the clip scale stay there (ss_pending = 1, *norm_out NaN)
+     * until fl_optim_step_finish gets them from the caller's read */
+    double *ss;
+    int ss_nloss;   /* the loss sums in ss (ss[FL_SS_LOSS + k]) that must be finite for the update to run */
+    int ss_pending;
 } fl_optimizer;
 
 /* CPU offload (ZeRO-Offload; fl_cfg_offload): the host backend the update runs on (the model's own
@@ -228,6 +235,14 @@ double fl_grad_norm(const fl_model *model);
  * skips the update (o->amp.skipped = 1, *norm_out = NAN) and backs the scale
  * off; otherwise the gradients are unscaled inside the update. */
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out);
+/* After an fl_optim_step that left its norm on the device (o->ss_pending): ss the step scalars read back
+ * (FL_SS_NORM, FL_SS_SCALE): *norm_out := the norm; a NaN scale (the device skipped the update: a non-finite norm
+ * or loss; the weights and state are as before) leaves the step uncounted, and a non-finite norm is
+ * FL_ERR_NONFINITE as fl_optim_step says it. */
+fl_status fl_optim_step_finish(fl_optimizer *o, const double *ss, double *norm_out);
+/* 1 when fl_optim_step, lent the step scalars, keeps the norm and the update's scale on the device (the backend
+ * has the slots; one process, no offload, AdamW or SGD) */
+int fl_optim_device_step(const fl_optimizer *o);
 
 typedef struct {
     double loss;        /* mean over valid targets of the step */

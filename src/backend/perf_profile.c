@@ -36,7 +36,10 @@
     X(rope_backward16, FL_PROF_ATTN) X(rmsnorm_forward_w16, FL_PROF_NORM) X(rmsnorm_backward_w16, FL_PROF_NORM)        \
     X(layernorm_forward_w16, FL_PROF_NORM) X(layernorm_backward_w16, FL_PROF_NORM) X(act_forward16, FL_PROF_ELEM)      \
     X(act_backward16, FL_PROF_ELEM) X(add16, FL_PROF_ELEM) X(round16, FL_PROF_ELEM) X(convert_many, FL_PROF_ELEM)      \
-    X(embedding_forward16, FL_PROF_LOSS)
+    X(embedding_forward16, FL_PROF_LOSS)                                                                               \
+    /* the step scalars (issue 30 item 5: the norm, the clip scale and the loss sums on the device) */                \
+    X(grad_norm_dev, FL_PROF_OPTIM) X(adamw_update_ss, FL_PROF_OPTIM) X(sgd_update_ss, FL_PROF_OPTIM)                  \
+    X(loss_sum_dev, FL_PROF_LOSS)
 
 #define PROF_ENUM(op, g) OP_##op,
 enum { PROF_OPS(PROF_ENUM) OP_COUNT };
@@ -280,6 +283,18 @@ WRAP_S(adam8bit_update, 0,
        (BE, void *pp, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st, float lr, float b1,
         float b2, float eps, float wd, int step, float gs),
        (be, pp, tp, g, tg, st, lr, b1, b2, eps, wd, step, gs))
+WRAP_S(grad_norm_dev, 0, (BE, const void *g, fl_dtype tg, size_t n, float mx, float sc, int nl, double *ss),
+       (be, g, tg, n, mx, sc, nl, ss))
+WRAP_S(loss_sum_dev, 0, (BE, const float *loss, const int32_t *tg, int N, int ii, double *acc),
+       (be, loss, tg, N, ii, acc))
+WRAP_S(adamw_update_ss, 0,
+       (BE, void *pp, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts, size_t n, float lr,
+        float b1, float b2, float eps, float wd, int step, const double *ss),
+       (be, pp, tp, g, tg, m, v, ts, n, lr, b1, b2, eps, wd, step, ss))
+WRAP_S(sgd_update_ss, 0,
+       (BE, void *pp, fl_dtype tp, const void *g, fl_dtype tg, void *buf, fl_dtype ts, size_t n, float lr, float mom,
+        float damp, float wd, int nest, int first, const double *ss),
+       (be, pp, tp, g, tg, buf, ts, n, lr, mom, damp, wd, nest, first, ss))
 WRAP_S(check_finite, 0, (BE, const void *x, fl_dtype t, size_t n, float inv, int *found), (be, x, t, n, inv, found))
 WRAP_V(zero, 0, (BE, void *x, size_t bytes), (be, x, bytes))
 WRAP_S(attention_forward16, attn_flops(a),

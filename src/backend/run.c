@@ -56,6 +56,24 @@ static fl_status run_memory(const fl_backend *be, const fl_oprec *op) {
         return be->adam8bit_update(be, r->p, r->tp, r->g, r->tg, r->st, r->lr, r->beta1, r->beta2, r->eps,
             r->weight_decay, r->step, r->grad_scale);
     }
+    case FL_OPK_grad_norm_dev: {
+        DOOR(grad_norm_dev);
+        return be->grad_norm_dev(be, r->g, r->tg, r->n, r->max_norm, r->scale, r->n_loss, r->ss);
+    }
+    case FL_OPK_loss_sum_dev: {
+        DOOR(loss_sum_dev);
+        return be->loss_sum_dev(be, r->loss, r->targets, r->N, r->ignore_index, r->acc);
+    }
+    case FL_OPK_adamw_update_ss: {
+        DOOR(adamw_update_ss);
+        return be->adamw_update_ss(be, r->p, r->tp, r->g, r->tg, r->m, r->v, r->ts, r->n, r->lr, r->beta1, r->beta2,
+            r->eps, r->weight_decay, r->step, r->ss);
+    }
+    case FL_OPK_sgd_update_ss: {
+        DOOR(sgd_update_ss);
+        return be->sgd_update_ss(be, r->p, r->tp, r->g, r->tg, r->buf, r->ts, r->n, r->lr, r->momentum, r->dampening,
+            r->weight_decay, r->nesterov, r->first_step, r->ss);
+    }
     case FL_OPK_sumsq: {
         DOOR(sumsq);
         *r->result = be->sumsq(be, r->x, r->t, r->n);

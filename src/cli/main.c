@@ -149,6 +149,9 @@ static void usage(FILE *f) {
                "               step 2 and replayed after (one process; what reads back to the host runs between them,\n"
                "               per-step values come from device slots; op by op with a one-line reason where it cannot);\n"
                "               0 (default) = off\n");
+    fprintf(f, "\n  FITLLM_CUDA_STEP_SCALARS=1|0 (environment): 1 (default) = EXPERIMENTAL: a step's gradient norm, clip\n"
+               "               scale and loss sums stay on the GPU, read once at the step's end (the same values);\n"
+               "               0 = read on the host per micro-batch and before the update\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

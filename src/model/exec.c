@@ -893,10 +893,25 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
 }
 
 /* The per-token losses come to the host in slices (a device's arena is not host memory), on a device in one copy
- * per micro-batch (each copy waits for the device: issue 30 item 5): m->loss_sum, n_valid. */
+ * per micro-batch (each copy waits for the device: issue 30 item 5): m->loss_sum, n_valid; with m->loss_dev lent
+ * (fl_step_run) on a backend with loss_sum_dev, summed into it on the device instead (m->loss_on_dev). */
 fl_status fl_lm_sum_losses(fl_model *m, const int32_t *targets, int N) {
     const fl_backend *be = m->be;
     const int V = m->cfg.vocab_size;
+    m->loss_on_dev = 0;
+    if (m->loss_dev && be->loss_sum_dev) { /* summed on the device (the host's order and bits), read at the step's end */
+        for (int i = 0; i < N; i++)
+            if (targets[i] != FL_IGNORE_INDEX) {
+                if (targets[i] < 0 || targets[i] >= V)
+                    return fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
+                                     targets[i], i, V);
+                m->n_valid++;
+            }
+        const int32_t *tg = m->acts->targets ? m->acts->targets : targets; /* device memory on a device backend */
+        FL_TRY(FL_RUN(be, loss_sum_dev, m->acts->losses, tg, N, FL_IGNORE_INDEX, m->loss_dev));
+        m->loss_on_dev = 1;
+        return FL_OK;
+    }
     float lstack[1024], *lheap = NULL, *lbuf = lstack;
     int slice = 1024;
     if (N > slice && !fl_backend_host_memory(be) && (lheap = malloc((size_t)N * sizeof *lheap))) {

@@ -672,6 +672,47 @@ static fl_status step_updated(fl_optimizer *o, float max_norm, double *norm_out)
     return FL_OK;
 }
 
+/* Issue 30 item 5: whether this update keeps its norm and clip scale on the device (o->ss lent by the step): one
+ * process (no data-parallel or tensor-parallel hooks), the update on the model's backend in place (no offload), AdamW
+ * or SGD with the backend's _ss slot, a norm asked for. */
+int fl_optim_device_step(const fl_optimizer *o) {
+    const fl_backend *be = o->model->be;
+    const fl_optim_kind k = o->cfg.kind;
+    if (!be->grad_norm_dev || o->home.updated) return 0;
+    if (o->shard.dist || o->home.be != be || o->home.hp || o->home.disk || o->home.ppool || o->home.params_host)
+        return 0;
+    return (k == FL_OPT_ADAMW && be->adamw_update_ss) || (k == FL_OPT_SGD && be->sgd_update_ss);
+}
+static int norm_on_device(const fl_optimizer *o, float max_norm, const double *norm_out) {
+    return o->ss && (norm_out || max_norm > 0) && fl_optim_device_step(o);
+}
+
+/* The norm, the clip scale and the update on the device: ss[FL_SS_SCALE] is the scale (NaN: the update skipped) */
+static fl_status step_on_device(fl_optimizer *o, float lr, float max_norm, float scale) {
+    const fl_backend *be = o->model->be;
+    const fl_optim_config *c = &o->cfg;
+    FL_TRY(FL_RUN(be, grad_norm_dev, o->w.g, o->w.gt, o->w.n, max_norm, scale, o->ss_nloss, o->ss));
+    o->ss_pending = 1;
+    o->step++;
+    const size_t n = o->shard.len;
+    void *p = (char *)o->w.p + o->shard.off * fl_dtype_size(o->w.pt), *g = (void *)g_at(o, o->shard.off);
+    if (c->kind == FL_OPT_ADAMW)
+        return FL_RUN(be, adamw_update_ss, p, o->w.pt, g, o->w.gt, o->st.m, o->st.v, c->state_dtype, n, lr, c->beta1,
+                      c->beta2, c->eps, c->weight_decay, o->step, o->ss);
+    return FL_RUN(be, sgd_update_ss, p, o->w.pt, g, o->w.gt, o->st.buf, c->state_dtype, n, lr, c->momentum,
+                  c->dampening, c->weight_decay, c->nesterov, o->step == 1, o->ss);
+}
+
+fl_status fl_optim_step_finish(fl_optimizer *o, const double *ss, double *norm_out) {
+    if (!o->ss_pending) return FL_OK;
+    o->ss_pending = 0;
+    const double norm = ss[FL_SS_NORM];
+    if (norm_out) *norm_out = norm;
+    if (isnan(ss[FL_SS_SCALE])) o->step--; /* refused on the device: the weights stay as they were */
+    if (isfinite(norm)) return FL_OK;
+    return fl_errorf(FL_ERR_NONFINITE, "the gradient norm is %s", isnan(norm) ? "NaN" : "inf");
+}
+
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out) {
     fl_model *m = o->model;
     const fl_backend *be = m->be;
@@ -680,6 +721,7 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     double norm = -1.0;
     float scale = 1.0f;
     o->amp.skipped = 0;
+    o->ss_pending = 0;
     if (o->home.updated) return step_updated(o, max_norm, norm_out); /* FULL_SHARD offload, unit by unit (fsdp.c) */
     if (o->amp.on) {
         float inv = fl_loss_scale_inv(&o->amp.ls);
@@ -691,6 +733,12 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
             return FL_OK;
         }
         scale = inv; /* unscale inside the update */
+    }
+    if (norm_on_device(o, max_norm, norm_out)) { /* read by the caller at the step's end: fl_optim_step_finish */
+        if (norm_out) *norm_out = NAN;
+        FL_TRY(step_on_device(o, lr, max_norm, scale));
+        if (!m->lora) fl_model_sync_compute_copy(m); /* mixed precision: matmuls read the refreshed copy */
+        return FL_OK;
     }
     if (max_norm > 0 || norm_out) {
         double sq;

@@ -33,7 +33,7 @@ static fl_status sync_device(const fl_model *m) {
 
 /* Forward + backward of micro-batch k (grad scale 1/step_valid); gradients accumulate. */
 static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, const uint64_t *seed, int k,
-                       long step_valid, double *loss_sum, long *n_valid, fl_step_result *res) {
+                       long step_valid, double *ss, double *loss_sum, long *n_valid, fl_step_result *res) {
     if (step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
     float grad_scale = (float)(1.0 / (double)step_valid);
     if (o && o->amp.on) grad_scale *= fl_loss_scale_value(&o->amp.ls); /* fp16: scaled loss */
@@ -43,14 +43,19 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, c
     /* the head (lm_head + cross-entropy + its backward, chunk by chunk) timed as its own phase */
     FL_TRY(sync_device(m));
     const double h = now_ms();
-    FL_TRY(fl_model_forward_head(m, NULL));
+    m->loss_dev = ss ? ss + FL_SS_LOSS + k : NULL; /* the losses summed on the device (step scalars) */
+    m->loss_on_dev = 0;
+    fl_status hs = fl_model_forward_head(m, NULL);
+    m->loss_dev = NULL;
+    FL_TRY(hs);
     FL_TRY(sync_device(m));
     const double hb = now_ms();
-    *loss_sum = m->loss_sum;
+    *loss_sum = m->loss_on_dev ? NAN : m->loss_sum; /* on the device: read at the step's end (fl_step_run) */
     *n_valid = m->n_valid;
-    /* a diverged run: stop before its NaN reaches the weights. Under fp16 loss
-     * scaling an overflow is expected now and then: the optimizer skips that update. */
-    const int diverged = !isfinite(m->loss_sum) && !(o && o->amp.on);
+    /* a diverged run: stop before its NaN reaches the weights (losses on the device: the update is skipped there and
+     * the step fails at its end, the weights as they were). Under fp16 loss scaling an overflow is expected now and
+     * then: the optimizer skips that update. */
+    const int diverged = !m->loss_on_dev && !isfinite(m->loss_sum) && !(o && o->amp.on);
     edge(m, FL_LIVE_FORWARD, k == 0 && !diverged ? "after_fwd" : NULL, diverged ? NULL : "backward");
     if (diverged)
         return fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(m->loss_sum) ? "NaN" : m->loss_sum > 0 ? "+inf" : "-inf");
@@ -67,11 +72,16 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, c
 
 /* The optimizer update that ends a step: phase "optimizer step", fl_optim_step, the after_opt_step
  * snapshot, res's grad_norm / skipped / loss_scale / ms_opt. */
-static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, fl_step_result *res) {
+static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, double *ss, int n_loss,
+                        fl_step_result *res) {
     double c = now_ms();
     edge(m, -1, NULL, "optimizer step");
     double norm = 0;
-    FL_TRY(fl_optim_step(o, lr, max_norm, &norm));
+    o->ss = ss; /* the norm and clip scale may stay on the device: read at the step's end */
+    o->ss_nloss = o->amp.on ? 0 : n_loss; /* a non-finite loss refuses the update (loss scaling: its overflow check) */
+    fl_status s = fl_optim_step(o, lr, max_norm, &norm);
+    o->ss = NULL;
+    FL_TRY(s);
     edge(m, FL_LIVE_UPDATED, NULL, NULL); /* the gradients are consumed (or, skipped, discarded) */
     FL_TRY(sync_device(m));
     edge(m, -1, "after_opt_step", NULL);
@@ -95,6 +105,38 @@ static fl_status reduce(fl_model *m, fl_optimizer *o, const fl_grad_sync *gs) {
     return FL_OK;
 }
 
+/* Issue 30 item 5: the step scalars (fl_backend.step_scalars): on a backend that has them, for n_micro + 2 <= FL_SS_MAX,
+ * the micro-batches' loss sums and the update's norm and clip scale stay in device memory, zeroed at the step's
+ * start; NULL: the host path (each micro-batch's losses read after its head, the norm read by the update). */
+static double *step_scalars(fl_model *m, const fl_optimizer *o, const fl_step_ctx *c) {
+    const fl_backend *be = m->be;
+    /* only with the update on the device too: it skips itself on a non-finite loss, as the host path stops */
+    if (!o || !be->step_scalars || !be->loss_sum_dev || c->n_micro + FL_SS_LOSS > FL_SS_MAX || !fl_optim_device_step(o))
+        return NULL;
+    double *ss = be->step_scalars(be, c->n_micro + FL_SS_LOSS);
+    if (ss) FL_RUN(be, zero, ss, (size_t)(c->n_micro + FL_SS_LOSS) * sizeof *ss);
+    return ss;
+}
+
+/* The step's one read of its scalars (when anything was left on the device): each micro-batch's loss sum into
+ * ls[k] (a non-finite one, without loss scaling, fails the step at micro-batch k, as the host path does before its
+ * backward: here the device skipped the update), then the norm (fl_optim_step_finish). */
+static fl_status read_scalars(fl_model *m, fl_optimizer *o, fl_step_ctx *c, const double *ss, double *ls,
+                              const unsigned char *on_dev, int n, fl_step_result *r) {
+    double h[FL_SS_MAX];
+    FL_TRY(FL_RUN(m->be, to_host, h, ss, (size_t)(n + FL_SS_LOSS) * sizeof *h));
+    for (int k = 0; k < n; k++)
+        if (on_dev[k]) ls[k] = h[FL_SS_LOSS + k];
+    fl_status s = fl_optim_step_finish(o, h, &r->grad_norm); /* the count, the norm */
+    if (s != FL_OK) c->failed_k = n;
+    for (int k = 0; k < n; k++) /* a loss first, as the host path fails before the update */
+        if (!isfinite(ls[k]) && !o->amp.on) {
+            c->failed_k = k;
+            return fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(ls[k]) ? "NaN" : ls[k] > 0 ? "+inf" : "-inf");
+        }
+    return s;
+}
+
 fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
     fl_step_result r = {0};
     const fl_grad_sync *gs = c->sync;
@@ -106,6 +148,9 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     edge(m, FL_LIVE_ZEROED, NULL, NULL);
     /* every target of the step masked: nothing to learn, no forward and no update (c->skip_empty) */
     const int learn = c->step_valid > 0 || !c->skip_empty;
+    double *ss = learn ? step_scalars(m, o, c) : NULL, ls[FL_SS_MAX];
+    unsigned char on_dev[FL_SS_MAX] = {0}; /* micro-batch k's loss sum left on the device */
+    int pending = 0;                       /* a loss or the norm left on the device */
     for (int k = 0; k < c->n_micro; k++) {
         double it0 = now_ms(), ls_k = 0;
         long nv_k = 0;
@@ -114,16 +159,20 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
              * draws the same (the forward seeds the adapters before it runs) */
             const uint64_t seed = c->seed + (uint64_t)(c->iter0 + (long)k * world + rank);
             fl_status s = gs ? gs->arm(gs->self, o, k == c->n_micro - 1, c->lr, c->max_norm) : FL_OK;
-            if (s == FL_OK) s = micro(m, o, &c->mbs[k], c->seeded ? &seed : NULL, k, c->step_valid, &ls_k, &nv_k, &r);
+            if (s == FL_OK)
+                s = micro(m, o, &c->mbs[k], c->seeded ? &seed : NULL, k, c->step_valid, ss, &ls_k, &nv_k, &r);
             if (s != FL_OK) {
                 c->failed_k = k;
                 return s;
             }
+            if (ss) on_dev[k] = (unsigned char)m->loss_on_dev;
+            pending |= m->loss_on_dev;
         }
-        loss_sum += ls_k;
-        if (c->mb_stats) {
-            c->mb_stats[2 * k] = ls_k;
-            c->mb_stats[2 * k + 1] = (double)nv_k;
+        if (ss) ls[k] = ls_k;
+        if (c->mb_stats) c->mb_stats[2 * k + 1] = (double)nv_k;
+        if (!ss) {
+            loss_sum += ls_k;
+            if (c->mb_stats) c->mb_stats[2 * k] = ls_k;
         }
         if (c->mb_ms) c->mb_ms[k] = now_ms() - it0;
     }
@@ -132,12 +181,18 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         /* the sum over ranks, then one update: clipping and fp16 overflow skips see the same
          * reduced gradients on every rank, so they decide alike */
         fl_status s = reduce(m, o, gs);
-        if (s == FL_OK) s = update(m, o, c->lr, c->max_norm, &r);
+        if (s == FL_OK) s = update(m, o, c->lr, c->max_norm, ss, c->n_micro, &r);
         if (s != FL_OK) {
             c->failed_k = c->n_micro;
             return s;
         }
+        pending |= o->ss_pending;
+        if (pending) FL_TRY(read_scalars(m, o, c, ss, ls, on_dev, c->n_micro, &r));
         if (c->mb_ms && c->n_micro > 0) c->mb_ms[c->n_micro - 1] += now_ms() - u0; /* the last iteration carries it */
+    }
+    for (int k = 0; ss && k < c->n_micro; k++) { /* the host path's sum, in its order */
+        loss_sum += ls[k];
+        if (c->mb_stats) c->mb_stats[2 * k] = ls[k];
     }
     r.loss = c->step_valid > 0 ? loss_sum / (double)c->step_valid : NAN;
     r.n_valid = c->step_valid;

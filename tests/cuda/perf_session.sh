@@ -22,6 +22,9 @@
 #   8. GPT-2 (124M, B 8 T 1024) bf16-true and bf16-mixed with --profile: the LayerNorm kernels over 16-bit weights
 #      and saved inputs (layernorm_*_w16: no convert around the norms; the "elementwise" group's convert share)
 #      (step 1 also checks them and the 128-bit elementwise paths against the element path: tests/cuda/check_vec16.c).
+#   9. the step scalars (issue 30 item 5: the gradient norm, clip scale and loss sums on the device, one read per
+#      step): the TinyLlama step, the `small` preset's (launch-bound) and the trainer's 2-micro-batch steps with
+#      clipping, each with FITLLM_CUDA_STEP_SCALARS=1 (the default) against 0 (the host reads), and with graphs.
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
 # kernels; the issue's H200: 302 ms, 18.5%).
 set -u
@@ -48,7 +51,7 @@ echo "== 1. fused and 128-bit kernels (fitllm_cuda_check)"
 if [ -x "$BIN/fitllm_cuda_check" ]; then
     timeout 150 "$BIN/fitllm_cuda_check" >"$OUT/cuda_check.log" 2>&1
     echo "fitllm_cuda_check exit $?" >>"$OUT/cuda_check.log"
-    grep -E "add_rmsnorm|swiglu|add\+rmsnorm|gemm epilogue|gemm bench|layernorm_.*_w16|128-bit|FAIL|all ok|FAILED|exit" \
+    grep -E "add_rmsnorm|swiglu|add\+rmsnorm|gemm epilogue|gemm bench|layernorm_.*_w16|128-bit|clip_scale|loss_sum|_update_ss|FAIL|all ok|FAILED|exit" \
         "$OUT/cuda_check.log"
 else
     echo "  (fitllm_cuda_check not in $BIN)"
@@ -108,4 +111,19 @@ for p in bf16-true bf16-mixed; do
         --profile >"$OUT/gpt2-$p-profile.log" 2>&1
     echo "gpt2 $p --profile exit $?: $(grep -E '^median' "$OUT/gpt2-$p-profile.log")"
     sed -n '/^profile/,/^PROFILE/p' "$OUT/gpt2-$p-profile.log" | grep -E "norm|elementwise|convert" | head -6
+done
+echo "== 9. step scalars: the norm, clip scale and losses on the device (FITLLM_CUDA_STEP_SCALARS=1 against 0)"
+for v in 1 0; do
+    FITLLM_CUDA_STEP_SCALARS=$v bench full-ss$v 60
+    for g in 0 1; do
+        FITLLM_CUDA_STEP_SCALARS=$v FITLLM_CUDA_GRAPHS=$g timeout 60 "$F" bench-step small --accelerator cuda \
+            --precision bf16-true --micro-batch 8 --seq 256 --steps 10 --warmup 2 >"$OUT/small-ss$v-graphs$g.log" 2>&1
+        echo "small bf16-true STEP_SCALARS=$v GRAPHS=$g exit $?: $(grep -E '^median' "$OUT/small-ss$v-graphs$g.log")"
+        grep -E "FITLLM_CUDA_GRAPHS" "$OUT/small-ss$v-graphs$g.log" | head -1
+    done
+    FITLLM_CUDA_STEP_SCALARS=$v timeout 60 "$F" finetune_full small --accelerator cuda --precision bf16-true \
+        --data Synthetic --train.max_steps 8 --train.global_batch_size 8 --train.micro_batch_size 4 \
+        --train.max_seq_length 256 --train.max_norm 1.0 --train.save_interval 100 --eval.interval 100 \
+        --train.log_interval 1 --overwrite true --out_dir "$OUT/small-ss$v" >"$OUT/train-ss$v.log" 2>&1
+    echo "finetune_full STEP_SCALARS=$v exit $?: $(grep -E 'iter 16 ' "$OUT/train-ss$v.log" | head -1)"
 done

@@ -118,6 +118,21 @@ extern "C" {
     int P##accumulate16(uint16_t *dst, fl_dtype t, const float *src, size_t n, void *stream);                   \
     /* *out (device double) = sum of squares; work: FL_CU_SUMSQ_PARTS doubles of device scratch */             \
     int P##sumsq_ex(double *out, double *work, const void *x, fl_dtype t, size_t n, void *stream);              \
+    /* the step scalars (backend.h's grad_norm_dev, loss_sum_dev, adamw_update_ss / sgd_update_ss; ss device     \
+     * doubles): clip_scale from *sq (sumsq_ex's result); loss_sum in index order (one adding thread); the updates read  \
+     * their grad_scale from ss[1] (NaN: nothing changes) */                                                    \
+    int P##clip_scale(double *ss, const double *sq, float max_norm, float scale, int n_loss, void *stream);     \
+    int P##loss_sum(double *acc, const float *loss, const int32_t *targets, int N, int ignore_index,            \
+                    void *stream);                                                                             \
+    int P##adamw_update_ss(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts,     \
+                           size_t n, float lr, float beta1, float beta2, float eps, float weight_decay, int step, \
+                           const double *ss, void *stream);                                                    \
+    /* adamw_update_ss with the other constants from adamw_consts' device copy (a CUDA graph's per-step slot) */ \
+    int P##adamw_update_dss(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts,    \
+                            size_t n, const void *consts, const double *ss, void *stream);                     \
+    int P##sgd_update_ss(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf, fl_dtype ts, size_t n,   \
+                         float lr, float momentum, float dampening, float weight_decay, int nesterov,          \
+                         int first_step, const double *ss, void *stream);                                      \
     int P##add(float *out, const float *a, const float *b, size_t n, void *stream);                             \
     int P##scale(float *x, size_t n, float s, void *stream);                                                    \
     /* elements [k0, k0 + n) of fl_model_init_random's stream (kind 0 zeros, 1 ones, 2 normal(0, sd)) from state s */ \

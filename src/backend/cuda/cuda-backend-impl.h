@@ -58,7 +58,8 @@ typedef struct {
     void *scratch;         /* lent by the caller (set_scratch), or own_scratch */
     void *own_scratch;     /* allocated on first use when nothing is lent */
     size_t scratch_lent;   /* bytes lent with scratch (beyond FLB_SCRATCH_BYTES: attn_scratch_bytes' region) */
-    double *scalars;       /* device: [0] sumsq result, [1..PARTS] partials; int flag after */
+    double *scalars;       /* device: [0] sumsq result, [1..PARTS] partials; int flag after; the step scalars
+                            * (FL_SS_MAX doubles, step_scalars) after that */
     fl_dtype compute;      /* set_compute_dtype: FL_BF16 = tensor-core attention where it applies */
     int attn;              /* FITLLM_CUDA_ATTN: fl_cudnn_attn_choice (cudnn-impl.h; cuda-work-ops-impl.h) */
     int epi;               /* FITLLM_CUDA_EPILOGUE (1 default): gemm_epilogue through cuBLASLt's epilogues; 0 after a refusal */
@@ -71,6 +72,7 @@ typedef struct {
     fl_cu_counters count;  /* host round trips (FLB_PREFIX(backend_counters)) */
     flb_stage stage;       /* the page-locked ring of small uploads (cuda-stage-impl.h) */
     flb_graph graph;       /* FITLLM_CUDA_GRAPHS=1: the step's CUDA graphs (cuda-graph-impl.h) */
+    int ss_on;             /* FITLLM_CUDA_STEP_SCALARS (1 default): the step scalars' slots (backend.h) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
@@ -356,6 +358,51 @@ static double flb_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t 
         return NAN;
     }
     return r;
+}
+/* ---- the step scalars (backend.h; issue 30 item 5): after the sumsq partials and the found-inf flag ---- */
+#define FLB_SCALARS (2 + FL_CU_SUMSQ_PARTS + FL_SS_MAX)
+static double *flb_step_scalars(const fl_backend *be, int n) {
+    return n >= 0 && n <= FL_SS_MAX ? FLB_IMPL(be)->scalars + 2 + FL_CU_SUMSQ_PARTS : NULL;
+}
+static fl_status flb_grad_norm_dev(const fl_backend *be, const void *g, fl_dtype tg, size_t n, float max_norm,
+                                   float scale, int n_loss, double *ss) {
+    FL_TRY(flb_sticky(be));
+    if (!flb_float3(tg))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s grad_norm_dev: %s not supported", FLB_NAME, fl_dtype_name(tg));
+    flb_impl *im = FLB_IMPL(be);
+    FLB_RUN_S(be, FLB_K(sumsq_ex)(im->scalars, im->scalars + 1, g, tg, n, STREAM), "grad_norm_dev");
+    if (n_loss < 0 || n_loss > FL_SS_MAX - FL_SS_LOSS)
+        return fl_errorf(FL_ERR_INVALID, "%s grad_norm_dev: %d loss sums", FLB_NAME, n_loss);
+    FLB_RUN_S(be, FLB_K(clip_scale)(ss, im->scalars, max_norm, scale, n_loss, STREAM), "grad_norm_dev");
+    return FL_OK;
+}
+static fl_status flb_loss_sum_dev(const fl_backend *be, const float *loss, const int32_t *targets, int N,
+                                  int ignore_index, double *acc) {
+    FL_TRY(flb_sticky(be));
+    FLB_RUN_S(be, FLB_K(loss_sum)(acc, loss, targets, N, ignore_index, STREAM), "loss_sum_dev");
+    return FL_OK;
+}
+static fl_status flb_adamw_update_ss(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                                     void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                                     float weight_decay, int step, const double *ss) {
+    FL_TRY(flb_sticky(be));
+    if (!flb_float3(tp) || !flb_float3(tg) || (ts != FL_F32 && ts != FL_BF16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s adamw_update_ss: p %s, g %s, state %s not supported", FLB_NAME,
+                         fl_dtype_name(tp), fl_dtype_name(tg), fl_dtype_name(ts));
+    FLB_RUN_S(be, FLB_K(adamw_update_ss)(p, tp, g, tg, m, v, ts, n, lr, beta1, beta2, eps, weight_decay, step, ss,
+                                         STREAM), "adamw_update_ss");
+    return FL_OK;
+}
+static fl_status flb_sgd_update_ss(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                                   fl_dtype ts, size_t n, float lr, float momentum, float dampening,
+                                   float weight_decay, int nesterov, int first_step, const double *ss) {
+    FL_TRY(flb_sticky(be));
+    if (!flb_float3(tp) || !flb_float3(tg) || (ts != FL_F32 && ts != FL_BF16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s sgd_update_ss: p %s, g %s, state %s not supported", FLB_NAME,
+                         fl_dtype_name(tp), fl_dtype_name(tg), fl_dtype_name(ts));
+    FLB_RUN_S(be, FLB_K(sgd_update_ss)(p, tp, g, tg, buf, ts, n, lr, momentum, dampening, weight_decay, nesterov,
+                                       first_step, ss, STREAM), "sgd_update_ss");
+    return FL_OK;
 }
 static void flb_scale(const fl_backend *be, float *x, size_t n, float s) {
     FLB_RUN(be, FLB_K(scale)(x, n, s, STREAM), "scale");
@@ -706,13 +753,13 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         be->impl = NULL;
         return s;
     }
-    im->scalars = (double *)flb_dev_alloc((2 + FL_CU_SUMSQ_PARTS) * sizeof(double));
+    im->scalars = (double *)flb_dev_alloc(FLB_SCALARS * sizeof(double));
     if (!im->scalars) {
         flb_device_free(im->stream, &im->blas);
         free(im);
         be->impl = NULL;
         return fl_errorf(FL_ERR_OOM, "%s backend: cannot allocate %zu bytes of device memory", FLB_NAME,
-                         (2 + FL_CU_SUMSQ_PARTS) * sizeof(double));
+                         FLB_SCALARS * sizeof(double));
     }
     const char *ea = getenv("FITLLM_CUDA_ATTN");
     im->attn = fl_cudnn_attn_parse(ea);
@@ -727,6 +774,9 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     /* FITLLM_CUDA_PINNED=0: the inputs' uploads straight from the caller's pageable memory (A/B) */
     const char *ep = getenv("FITLLM_CUDA_PINNED");
     im->stage.on = !ep || !*ep || !strcmp(ep, "1");
+    /* FITLLM_CUDA_STEP_SCALARS=0: the step reads its gradient norm and losses on the host as before (A/B) */
+    const char *ess = getenv("FITLLM_CUDA_STEP_SCALARS");
+    im->ss_on = !ess || !*ess || !strcmp(ess, "1");
     /* FITLLM_CUDA_GRAPHS=1 (experimental): the door captures the step as CUDA graphs and replays it (cuda-graph-impl.h) */
     const char *eg = getenv("FITLLM_CUDA_GRAPHS");
     im->graph.on = eg && !strcmp(eg, "1");
@@ -748,6 +798,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         : ep && *ep && !im->stage.on && strcmp(ep, "0")
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_PINNED=%s: expected 1 (the default: small uploads "
                         "through a page-locked ring) or 0 (straight from the caller's memory)", FLB_NAME, ep)
+        : ess && *ess && !im->ss_on && strcmp(ess, "0")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_STEP_SCALARS=%s: expected 1 (the default: the step's "
+                        "gradient norm, clip scale and losses stay on the device until its end) or 0 (read on the "
+                        "host)", FLB_NAME, ess)
         : eg && *eg && !im->graph.on && strcmp(eg, "0")
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_GRAPHS=%s: expected 0 (the default: the ops one by one) "
                         "or 1 (experimental: capture the training step as CUDA graphs and replay them)",
@@ -819,6 +873,13 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->adamw_update = flb_adamw_update;
     be->sgd_update = flb_sgd_update;
     be->sumsq = flb_sumsq;
+    if (FLB_IMPL(be)->ss_on) { /* FITLLM_CUDA_STEP_SCALARS (1 default) */
+        be->step_scalars = flb_step_scalars;
+        be->grad_norm_dev = flb_grad_norm_dev;
+        be->loss_sum_dev = flb_loss_sum_dev;
+        be->adamw_update_ss = flb_adamw_update_ss;
+        be->sgd_update_ss = flb_sgd_update_ss;
+    }
     be->scale = flb_scale;
     be->zero = flb_zero;
     be->init_random = flb_init_random;

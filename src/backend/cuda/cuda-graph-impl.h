@@ -93,17 +93,23 @@ static fl_status flb_dropout_s(const fl_backend *be, float *y, const float *x, s
 /* Ops whose by-value arguments change every step and that read them from a device slot inside a graph: AdamW's
  * update (step, learning rate, bias corrections, gradient scale) and the cross-entropy (its gradient scale,
  * 1 / the step's valid targets). */
+static int flb_graph_adamw_types(fl_dtype tp, fl_dtype tg, fl_dtype ts) {
+    const int f3 = (tp == FL_F32 || tp == FL_BF16 || tp == FL_F16) && (tg == FL_F32 || tg == FL_BF16 || tg == FL_F16);
+    return f3 && (ts == FL_F32 || ts == FL_BF16);
+}
 static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
     if (!g->pin) return 0;
     if (op->kind == FL_OPK_cross_entropy || op->kind == FL_OPK_cross_entropy_dbf16) return 1;
     if (op->kind == FL_OPK_lora_forward) return op->lora_forward.dropout > 0.0f;
     if (op->kind == FL_OPK_lora_backward) return op->lora_backward.dropout > 0.0f;
     if (op->kind == FL_OPK_dropout) return op->dropout.p > 0.0f;
+    if (op->kind == FL_OPK_adamw_update_ss) { /* the step scalars' update: its scale from ss, the rest from the slot */
+        const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
+        return flb_graph_adamw_types(u->tp, u->tg, u->ts) && u->step >= 1;
+    }
     if (op->kind != FL_OPK_adamw_update) return 0;
     const struct fl_op_adamw_update *u = &op->adamw_update;
-    const int f3 = (u->tp == FL_F32 || u->tp == FL_BF16 || u->tp == FL_F16) &&
-                   (u->tg == FL_F32 || u->tg == FL_BF16 || u->tg == FL_F16);
-    return f3 && (u->ts == FL_F32 || u->ts == FL_BF16) && u->step >= 1;
+    return flb_graph_adamw_types(u->tp, u->tg, u->ts) && u->step >= 1;
 }
 
 /* Kinds that run outside the graphs (see above). */
@@ -112,7 +118,7 @@ static int flb_graph_outside(const flb_graph *g, const fl_oprec *op) {
     switch (op->kind) {
     case FL_OPK_to_host: case FL_OPK_to_device: case FL_OPK_sync: case FL_OPK_sumsq: case FL_OPK_check_finite:
     case FL_OPK_adamw_update: case FL_OPK_sgd_update: case FL_OPK_adam8bit_update: case FL_OPK_set_scratch:
-    case FL_OPK_set_compute_dtype: case FL_OPK_convert_many:
+    case FL_OPK_set_compute_dtype: case FL_OPK_convert_many: case FL_OPK_adamw_update_ss: case FL_OPK_sgd_update_ss:
         return 1;
     default: return 0;
     }
@@ -187,6 +193,9 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op, flb_grec *live)
         t.rec.adamw_update.lr = k->rec.adamw_update.lr;
         t.rec.adamw_update.step = k->rec.adamw_update.step;
         t.rec.adamw_update.grad_scale = k->rec.adamw_update.grad_scale;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_adamw_update_ss) {
+        t.rec.adamw_update_ss.lr = k->rec.adamw_update_ss.lr;
+        t.rec.adamw_update_ss.step = k->rec.adamw_update_ss.step;
     } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy) {
         t.rec.cross_entropy.grad_scale = k->rec.cross_entropy.grad_scale;
     } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy_dbf16) {
@@ -242,6 +251,10 @@ static fl_status flb_graph_slot_write(flb_graph *g, flb_gseg *s, const fl_oprec 
         const struct fl_op_adamw_update *u = &op->adamw_update;
         FLB_K(adamw_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, u->grad_scale);
         g->st.graph_updates++;
+    } else if (op->kind == FL_OPK_adamw_update_ss) { /* grad_scale 1 here: the kernel reads ss[FL_SS_SCALE] */
+        const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
+        FLB_K(adamw_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, 1.0f);
+        g->st.graph_updates++;
     } else if (op->kind == FL_OPK_cross_entropy || op->kind == FL_OPK_cross_entropy_dbf16) {
         const float gs = op->kind == FL_OPK_cross_entropy ? op->cross_entropy.grad_scale
                                                            : op->cross_entropy_dbf16.grad_scale;
@@ -278,6 +291,9 @@ static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg
     if (!rc && op->kind == FL_OPK_adamw_update) {
         const struct fl_op_adamw_update *u = &op->adamw_update;
         rc = FLB_K(adamw_update_dev)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, g->stream);
+    } else if (!rc && op->kind == FL_OPK_adamw_update_ss) {
+        const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
+        rc = FLB_K(adamw_update_dss)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, u->ss, g->stream);
     } else if (!rc && op->kind == FL_OPK_cross_entropy) {
         const struct fl_op_cross_entropy *c = &op->cross_entropy;
         rc = FLB_K(cross_entropy_dev)(c->loss, c->dlogits, NULL, c->logits, c->targets, c->N, c->V,
@@ -493,7 +509,8 @@ static fl_status flb_graph_replay_op(flb_graph *g, const fl_backend *be, const f
 }
 
 static int flb_graph_is_update(fl_opk k) {
-    return k == FL_OPK_adamw_update || k == FL_OPK_adam8bit_update || k == FL_OPK_sgd_update;
+    return k == FL_OPK_adamw_update || k == FL_OPK_adam8bit_update || k == FL_OPK_sgd_update ||
+           k == FL_OPK_adamw_update_ss || k == FL_OPK_sgd_update_ss;
 }
 
 /* The door with FITLLM_CUDA_GRAPHS=1. */

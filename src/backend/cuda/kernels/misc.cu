@@ -1,6 +1,8 @@
 /* RoPE, SGD, the loss-scaling inf/NaN check, 16-bit gradient accumulation, the deterministic sum
  * of squares (gradient norm), add / scale / bias: semantics of the backend ops of the same names
  * (fitllm/backend.h), the CPU backend's formulas and operation order. */
+#include <math.h>
+
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels.h"
 
@@ -96,8 +98,8 @@ FL_CU_DEV float sgd_one(float pi, float gi, float *b, const fl_cu_sgd_c &c) {
     return pi - c.lr * d;
 }
 /* vec (every pointer 16-byte aligned): groups of 8 with 128-bit accesses, then the tail; the same bits */
-__global__ static void fl_cu_sgd_k(void *p, int tp, const void *g, int tg, void *buf, int ts, size_t n, fl_cu_sgd_c c,
-                                   int vec) {
+FL_CU_DEV void fl_cu_sgd_body(void *p, int tp, const void *g, int tg, void *buf, int ts, size_t n, const fl_cu_sgd_c &c,
+                               int vec) {
     const size_t S = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int rb = c.use_mom && !c.first_step; /* the buffer is read */
     size_t i0 = 0;
@@ -121,17 +123,47 @@ __global__ static void fl_cu_sgd_k(void *p, int tp, const void *g, int tg, void 
     }
 }
 
+__global__ static void fl_cu_sgd_k(void *p, int tp, const void *g, int tg, void *buf, int ts, size_t n, fl_cu_sgd_c c,
+                                   int vec) {
+    fl_cu_sgd_body(p, tp, g, tg, buf, ts, n, c, vec);
+}
+static fl_cu_sgd_c sgd_consts(float lr, float momentum, float dampening, float weight_decay, int nesterov,
+                              int first_step, float grad_scale, const void *buf) {
+    fl_cu_sgd_c c;
+    c.lr = lr, c.momentum = momentum, c.dampening = dampening, c.weight_decay = weight_decay, c.grad_scale = grad_scale;
+    c.nesterov = nesterov, c.first_step = first_step, c.use_mom = momentum != 0.0f && buf != NULL;
+    return c;
+}
+
 extern "C" int FL_CUK(sgd_update_ex)(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf, fl_dtype ts, size_t n,
                                      float lr, float momentum, float dampening, float weight_decay, int nesterov,
                                      int first_step, float grad_scale, void *stream) {
     if (!is_float(tp) || !is_float(tg) || (ts != FL_F32 && ts != FL_BF16)) return -1;
     if (n == 0) return 0;
-    fl_cu_sgd_c c;
-    c.lr = lr, c.momentum = momentum, c.dampening = dampening, c.weight_decay = weight_decay, c.grad_scale = grad_scale;
-    c.nesterov = nesterov, c.first_step = first_step, c.use_mom = momentum != 0.0f && buf != NULL;
+    fl_cu_sgd_c c = sgd_consts(lr, momentum, dampening, weight_decay, nesterov, first_step, grad_scale, buf);
     const int vec = fl_cu_aligned16(p, g, c.use_mom ? buf : NULL, NULL, NULL);
     FL_CU_LAUNCH(fl_cu_sgd_k, dim3(ew_grid(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g,
                  (int)tg, buf, (int)ts, n, c, vec);
+    return fl_cu_launch_error();
+}
+
+__global__ static void fl_cu_sgd_ks(void *p, int tp, const void *g, int tg, void *buf, int ts, size_t n, fl_cu_sgd_c c,
+                                    const double *ss, int vec) {
+    const double s = ss[1];
+    if (s != s) return; /* the step's norm was not finite: nothing changes */
+    c.grad_scale = (float)s;
+    fl_cu_sgd_body(p, tp, g, tg, buf, ts, n, c, vec);
+}
+
+extern "C" int FL_CUK(sgd_update_ss)(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf, fl_dtype ts, size_t n,
+                                     float lr, float momentum, float dampening, float weight_decay, int nesterov,
+                                     int first_step, const double *ss, void *stream) {
+    if (!is_float(tp) || !is_float(tg) || (ts != FL_F32 && ts != FL_BF16)) return -1;
+    if (n == 0) return 0;
+    fl_cu_sgd_c c = sgd_consts(lr, momentum, dampening, weight_decay, nesterov, first_step, 1.0f, buf);
+    const int vec = fl_cu_aligned16(p, g, c.use_mom ? buf : NULL, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_sgd_ks, dim3(ew_grid(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g,
+                 (int)tg, buf, (int)ts, n, c, ss, vec);
     return fl_cu_launch_error();
 }
 
@@ -203,6 +235,60 @@ extern "C" int FL_CUK(sumsq_ex)(double *out, double *work, const void *x, fl_dty
     P = P < 1 ? 1 : P > FL_CU_SUMSQ_PARTS ? FL_CU_SUMSQ_PARTS : P;
     FL_CU_LAUNCH(fl_cu_sumsq_part_k, dim3((unsigned)P), dim3(256), 0, (fl_cu_stream)stream, work, x, (int)t, n);
     FL_CU_LAUNCH(fl_cu_sumsq_total_k, dim3(1), dim3(256), 0, (fl_cu_stream)stream, out, work, (int)P);
+    return fl_cu_launch_error();
+}
+
+/* ---- the step scalars (backend.h grad_norm_dev / loss_sum_dev): one adding thread each, double arithmetic as
+ * fl_optim_step's and fl_lm_sum_losses' on the host (no contraction: each product is rounded before the next
+ * operation), so the norm, the clip scale and the loss sums have the host's bits ------------------------------ */
+__global__ static void fl_cu_clip_scale_k(double *ss, const double *sq, float max_norm, float scale, int n_loss) {
+    if (threadIdx.x || blockIdx.x) return;
+    const double norm = sqrt(*sq) * (double)scale;
+    float s = scale;
+    int bad = norm - norm != 0.0;
+    for (int k = 0; k < n_loss; k++) bad |= ss[2 + k] - ss[2 + k] != 0.0;
+    if (bad) {
+        ss[1] = NAN; /* inf/NaN gradients or losses: the update is skipped, the host says so when it reads */
+    } else {
+        if (max_norm > 0.0f) {
+            const double c = (double)max_norm / (norm + 1e-6);
+            if (c < 1.0) s = (float)(c * (double)s);
+        }
+        ss[1] = (double)s;
+    }
+    ss[0] = norm;
+}
+extern "C" int FL_CUK(clip_scale)(double *ss, const double *sq, float max_norm, float scale, int n_loss,
+                                  void *stream) {
+    FL_CU_LAUNCH(fl_cu_clip_scale_k, dim3(1), dim3(32), 0, (fl_cu_stream)stream, ss, sq, max_norm, scale, n_loss);
+    return fl_cu_launch_error();
+}
+/* in index order, added by one thread: the host's order. The block loads each chunk of 1024 losses into shared
+ * memory first (coalesced, every load in flight at once), so thread 0's chain of double adds reads shared memory
+ * only (a TinyLlama micro-batch's 8192 losses: tens of microseconds, not one global-memory latency per loss). */
+#define FL_CU_LOSS_CHUNK 1024
+__global__ static void fl_cu_loss_sum_k(double *acc, const float *loss, const int32_t *targets, int N, int ignore) {
+    __shared__ float buf[FL_CU_LOSS_CHUNK];
+    __shared__ unsigned char valid[FL_CU_LOSS_CHUNK];
+    double s = threadIdx.x == 0 ? *acc : 0.0;
+    for (int c0 = 0; c0 < N; c0 += FL_CU_LOSS_CHUNK) {
+        const int n = N - c0 < FL_CU_LOSS_CHUNK ? N - c0 : FL_CU_LOSS_CHUNK;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            valid[i] = targets[c0 + i] != ignore;
+            buf[i] = loss[c0 + i];
+        }
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int i = 0; i < n; i++)
+                if (valid[i]) s += buf[i];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *acc = s;
+}
+extern "C" int FL_CUK(loss_sum)(double *acc, const float *loss, const int32_t *targets, int N, int ignore_index,
+                                void *stream) {
+    if (N <= 0) return 0;
+    FL_CU_LAUNCH(fl_cu_loss_sum_k, dim3(1), dim3(256), 0, (fl_cu_stream)stream, acc, loss, targets, N, ignore_index);
     return fl_cu_launch_error();
 }
 

@@ -168,6 +168,47 @@ extern "C" int FL_CUK(adamw_update_dev)(void *p, fl_dtype tp, const void *g, fl_
     return fl_cu_launch_error();
 }
 
+/* grad_scale from the step scalars (ss[1]) when it runs: NaN = the step's norm was not finite, nothing changes */
+__global__ static void fl_cu_adamw_ks_(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
+                                       fl_cu_adamw_k k, const double *ss, int vec) {
+    const double s = ss[1];
+    if (s != s) return;
+    k.grad_scale = (float)s;
+    adamw_body(p, tp, g, tg, m, v, ts, n, k, vec);
+}
+
+/* both from device memory: the constants from a CUDA graph's slot, grad_scale from the step scalars */
+__global__ static void fl_cu_adamw_kds_(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
+                                        const fl_cu_adamw_k *kd, const double *ss, int vec) {
+    const double s = ss[1];
+    if (s != s) return;
+    fl_cu_adamw_k k = *kd;
+    k.grad_scale = (float)s;
+    adamw_body(p, tp, g, tg, m, v, ts, n, k, vec);
+}
+
+extern "C" int FL_CUK(adamw_update_dss)(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v,
+                                        fl_dtype ts, size_t n, const void *consts, const double *ss, void *stream) {
+    if (!float_type(tp) || !float_type(tg) || (ts != FL_F32 && ts != FL_BF16)) return -1;
+    if (n == 0) return 0;
+    const int vec = fl_cu_aligned16(p, g, m, v, NULL);
+    FL_CU_LAUNCH(fl_cu_adamw_kds_, dim3(ew_blocks(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, p,
+                 (int)tp, g, (int)tg, m, v, (int)ts, n, (const fl_cu_adamw_k *)consts, ss, vec);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(adamw_update_ss)(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts,
+                                       size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                                       int step, const double *ss, void *stream) {
+    if (!float_type(tp) || !float_type(tg) || (ts != FL_F32 && ts != FL_BF16) || step < 1) return -1;
+    if (n == 0) return 0;
+    fl_cu_adamw_k k = adamw_consts(lr, beta1, beta2, eps, weight_decay, step, 1.0f);
+    const int vec = fl_cu_aligned16(p, g, m, v, NULL);
+    FL_CU_LAUNCH(fl_cu_adamw_ks_, dim3(ew_blocks(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp,
+                 g, (int)tg, m, v, (int)ts, n, k, ss, vec);
+    return fl_cu_launch_error();
+}
+
 extern "C" int FL_CUK(adamw_update)(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,
                                     float beta2, float eps, float weight_decay, int step, float grad_scale,
                                     void *stream) {
