@@ -43,7 +43,7 @@
 #define BQ 32 /* query rows per work item */
 #define BK FL_CPU_ATTN_BK /* keys per tile */
 #define RB 4 /* query rows summed together into dK / dV (rows_dkdv's expression is unrolled for 4) */
-#define RR 32 /* query rows per backward call (a multiple of RB and of BQ's divisors: q items cover BQ) */
+#define RR 32 /* query rows per backward call (a multiple of RB) */
 #define NG (RR / RB)
 #define MAXHD FL_CPU_ATTN_MAX_HD
 
