@@ -25,7 +25,7 @@ swiglu_fwd swiglu_bwd gelu_fwd gelu_bwd relu_fwd relu_bwd
 rmsnorm_sumsq rmsnorm_out rmsnorm_bwd_dot rmsnorm_bwd_dx rmsnorm_dw
 layernorm_sum layernorm_var layernorm_out_bias layernorm_out layernorm_bwd_dots layernorm_bwd_dx layernorm_dw_db
 adamw adamw16 sgd scale add bias_fwd bias_bwd sumsq sumsq16 embedding_fwd embedding_bwd_wte embedding_bwd_wpe rope attn_fwd_max attn_fwd_exp attn_bwd_exp
-attn_ex_fwd_exp attn_ex_bwd_exp attn_bwd_dkdv"
+attn_ex_fwd_exp attn_ex_bwd_exp"
 
 if [ ! -f "$CC_JSON" ]; then
     echo "check_vectorized: FAIL: $CC_JSON not found (configure the build first: cmake -S . -B $BUILD)" >&2

@@ -42,7 +42,9 @@
 
 #define BQ 32 /* query rows per work item */
 #define BK FL_CPU_ATTN_BK /* keys per tile */
-#define RB 4 /* query rows processed together (register blocking); code below is unrolled for 4 */
+#define RB 4 /* query rows summed together into dK / dV (rows_dkdv's expression is unrolled for 4) */
+#define RR 32 /* query rows per backward call (a multiple of RB) */
+#define NG (RR / RB)
 #define MAXHD FL_CPU_ATTN_MAX_HD
 
 /* One past the last key row t may see (causal: t + Tk - Tq, bottom-right aligned),
@@ -233,43 +235,73 @@ typedef struct {
     int rep; /* NH / NKV */
 } bw_ctx;
 
-/* Per-thread state of RB query rows against one key tile. */
+/* Per-thread state of RR query rows (NG groups of RB) against one key tile. */
 typedef struct {
-    float qs[RB][MAXHD], go[RB][MAXHD], dq[RB][MAXHD]; // (RB,HD) scale*q, dO, dQ of the row block
-    float s[RB][BK], dp[RB][BK];                       // (RB,BK) scores -> P, dP -> dS
-    float D[RB], lt[RB];                               // (RB) dO.O and lse per row
-    int jm[RB];                                        // (RB) visible keys per row
+    /* (RR,HD) scale*q, dO, dQ of the rows, row stride ld = HD rounded up to 8 (not MAXHD: 32 rows 1 KiB
+     * apart would share a few L1 sets), columns HD..ld-1 of qs and go zero */
+    float qs[RR * MAXHD], go[RR * MAXHD], dq[RR * MAXHD];
+    int ld;
+    float s[RR][BK], dp[RR][BK];                       // (RR,BK) scores -> P, dP -> dS
+    float D[RR], lt[RR];                               // (RR) dO.O and lse per row
+    int jm[RR];                                        // (RR) visible keys per row
+    int gj[NG];                                        // (NG) visible keys of each group of RB rows (their max)
 } bw_rows;
 
-/* dV_j += P^T dO and dK_j += dS^T (scale q) for the first jmx keys of the tile. noinline: every
- * schedule runs this very code. */
+/* 8 floats as one value (GCC vector extension: a ymm register with AVX, two xmm without) */
+typedef float v8f __attribute__((vector_size(32)));
+static inline v8f v8_load(const float *p) {
+    v8f v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* dV_j += P^T dO and dK_j += dS^T (scale q) for the keys each group of RB rows sees, groups
+ * ascending, each group's RB rows first summed in one expression (p0 g0 + p1 g1 + p2 g2 + p3 g3,
+ * as the one-group kernel before it), then added to the accumulator: the accumulator stays in a
+ * register across the groups (8 columns of d at a time), instead of a load and store per group.
+ * noinline: every schedule runs this very code. */
 __attribute__((noinline)) static void rows_dkdv(const bw_rows *r, float *dK /*(BK,HD)*/, float *dV /*(BK,HD)*/,
                                                 int jmx, int HD) {
+    const int ld = r->ld;
     for (int j = 0; j < jmx; j++) {
         float *dv = dV + j * HD, *dk = dK + j * HD;
-        float p0 = r->s[0][j], p1 = r->s[1][j], p2 = r->s[2][j], p3 = r->s[3][j];
-        float e0 = r->dp[0][j], e1 = r->dp[1][j], e2 = r->dp[2][j], e3 = r->dp[3][j];
-        /* FL_VECTORIZE: attn_bwd_dkdv */
-#pragma omp simd
-        for (int d = 0; d < HD; d++) {
-            dv[d] += p0 * r->go[0][d] + p1 * r->go[1][d] + p2 * r->go[2][d] + p3 * r->go[3][d];
-            /* scale folded into qs */
-            dk[d] += e0 * r->qs[0][d] + e1 * r->qs[1][d] + e2 * r->qs[2][d] + e3 * r->qs[3][d];
+        for (int d0 = 0; d0 < HD; d0 += 8) {
+            const int w = HD - d0 < 8 ? HD - d0 : 8; /* columns d0.. of this chunk (reads past HD stay in the rows) */
+            v8f av = {0}, ak = {0};
+            if (w == 8) av = v8_load(dv + d0), ak = v8_load(dk + d0);
+            else
+                for (int x = 0; x < w; x++) av[x] = dv[d0 + x], ak[x] = dk[d0 + x];
+            for (int q = 0; q < NG; q++) {
+                if (j >= r->gj[q]) continue;
+                const int i = q * RB;
+                const float p0 = r->s[i][j], p1 = r->s[i + 1][j], p2 = r->s[i + 2][j], p3 = r->s[i + 3][j];
+                const float e0 = r->dp[i][j], e1 = r->dp[i + 1][j], e2 = r->dp[i + 2][j], e3 = r->dp[i + 3][j];
+                av = av + (p0 * v8_load(r->go + i * ld + d0) + p1 * v8_load(r->go + (i + 1) * ld + d0) +
+                           p2 * v8_load(r->go + (i + 2) * ld + d0) + p3 * v8_load(r->go + (i + 3) * ld + d0));
+                /* scale folded into qs */
+                ak = ak + (e0 * v8_load(r->qs + i * ld + d0) + e1 * v8_load(r->qs + (i + 1) * ld + d0) +
+                           e2 * v8_load(r->qs + (i + 2) * ld + d0) + e3 * v8_load(r->qs + (i + 3) * ld + d0));
+            }
+            if (w == 8) __builtin_memcpy(dv + d0, &av, sizeof av), __builtin_memcpy(dk + d0, &ak, sizeof ak);
+            else
+                for (int x = 0; x < w; x++) dv[d0 + x] = av[x], dk[d0 + x] = ak[x];
         }
     }
 }
 
-/* Rows t0..t0+RB-1 of head h, batch b against the key tile at k0 (kn keys, transposed
+/* Rows t0..t0+RR-1 of head h, batch b against the key tile at k0 (kn keys, transposed
  * in Kt/Vt, key mask km): P = exp(S - lse) into r->s, dS = P o (dP - D) into r->dp,
- * both exactly 0 for hidden keys and for padding rows (t >= Tq). Returns the largest
- * jm of the block. noinline: kv items and q items must run the very same code, so
- * that P and dS have the same bits in both. */
+ * both exactly 0 for hidden keys and for padding rows (t >= Tq); r->gj: each group's largest
+ * jm. Returns the largest jm of all. noinline: kv items and q items must run the very same
+ * code, so that P and dS have the same bits in both. */
 __attribute__((noinline)) static int rows_probs(const bw_ctx *c, bw_rows *r, const float *Kt /*(HD,BK)*/,
                                                 const float *Vt /*(HD,BK)*/, const int *km /*(BK)*/, int b, int h,
                                                 int k0, int kn, int t0) {
     const fl_attn_desc *a = c->a;
     const int Tq = a->Tq, HD = a->HD;
-    for (int i = 0; i < RB; i++) {
+    const int nr = Tq - t0 < RR ? (Tq - t0 + RB - 1) / RB * RB : RR; /* whole groups up to the last real row */
+    const int ld = r->ld = (HD + 7) & ~7;
+    for (int i = 0; i < nr; i++) {
         const int t = t0 + i;
         if (t < Tq) {
             const float *qr = c->q + ((size_t)b * Tq + t) * a->ldq + (size_t)h * HD;
@@ -278,31 +310,35 @@ __attribute__((noinline)) static int rows_probs(const bw_ctx *c, bw_rows *r, con
             float Dr = 0.0f;
 #pragma omp simd reduction(+ : Dr)
             for (int d = 0; d < HD; d++) Dr += dO[d] * o[d];
+            float *qs = r->qs + i * ld, *go = r->go + i * ld;
             for (int d = 0; d < HD; d++) {
-                r->qs[i][d] = qr[d] * a->scale;
-                r->go[i][d] = dO[d];
+                qs[d] = qr[d] * a->scale;
+                go[d] = dO[d];
             }
+            for (int d = HD; d < ld; d++) qs[d] = go[d] = 0.0f;
             r->D[i] = Dr;
             r->lt[i] = c->lse[((size_t)b * a->NH + h) * Tq + t];
             int j = key_limit(a, t) - k0;
             r->jm[i] = j < 0 ? 0 : j < kn ? j : kn;
         } else {
-            for (int d = 0; d < HD; d++) r->qs[i][d] = r->go[i][d] = 0.0f;
+            for (int d = 0; d < ld; d++) r->qs[i * ld + d] = r->go[i * ld + d] = 0.0f;
             r->D[i] = r->lt[i] = 0.0f;
             r->jm[i] = 0;
         }
     }
     /* S = (scale q) Kt and dP = dO Vt over all BK columns: register-tiled products (attn_mm.c),
      * each element one multiply-add chain over d ascending from 0, as the forward's S */
-    fl_cpu_attn_mm(&r->s[0][0], BK, &r->qs[0][0], MAXHD, 1, Kt, BK, RB, BK, HD, 0);
-    fl_cpu_attn_mm(&r->dp[0][0], BK, &r->go[0][0], MAXHD, 1, Vt, BK, RB, BK, HD, 0);
+    fl_cpu_attn_mm(&r->s[0][0], BK, r->qs, ld, 1, Kt, BK, nr, BK, HD, 0);
+    fl_cpu_attn_mm(&r->dp[0][0], BK, r->go, ld, 1, Vt, BK, nr, BK, HD, 0);
     int jmx = 0;
-    for (int i = 0; i < RB; i++) {
+    for (int q = 0; q < NG; q++) r->gj[q] = 0;
+    for (int i = 0; i < nr; i++) {
         const int jmax = r->jm[i];
         if (jmax <= 0) { /* nothing visible (or padding row): P = dS = 0 already */
             continue;
         }
         jmx = jmax > jmx ? jmax : jmx;
+        if (jmax > r->gj[i / RB]) r->gj[i / RB] = jmax;
         if (c->bias) {
             const float *br = c->bias + ((size_t)h * Tq + t0 + i) * a->Tk + k0; // (kn) of row t0+i
             for (int j = 0; j < jmax; j++) r->s[i][j] += br[j];
@@ -338,12 +374,13 @@ __attribute__((noinline)) static void rows_dq(const bw_ctx *c, bw_rows *r, int b
     const int Tq = a->Tq, HD = a->HD, g = h / c->rep;
     const float *K = c->k + (size_t)b * a->Tk * a->ldk + (size_t)g * HD; // (Tk,HD) stride ldk
     /* dq = dS K over the first jmx keys: one multiply-add chain per element, keys ascending from 0 */
-    fl_cpu_attn_mm(&r->dq[0][0], MAXHD, &r->dp[0][0], BK, 1, K + (size_t)k0 * a->ldk, (int)a->ldk, RB, HD, jmx, 0);
-    for (int i = 0; i < RB && t0 + i < Tq; i++) {
+    const int nr = Tq - t0 < RR ? Tq - t0 : RR;
+    fl_cpu_attn_mm(r->dq, r->ld, &r->dp[0][0], BK, 1, K + (size_t)k0 * a->ldk, (int)a->ldk, nr, HD, jmx, 0);
+    for (int i = 0; i < nr; i++) {
         if (r->jm[i] <= 0) continue; /* nothing visible in this tile: no contribution */
         float *dqr = c->dq + ((size_t)b * Tq + t0 + i) * a->ldq + (size_t)h * HD;
 #pragma omp simd
-        for (int d = 0; d < HD; d++) dqr[d] += a->scale * r->dq[i][d];
+        for (int d = 0; d < HD; d++) dqr[d] += a->scale * r->dq[i * r->ld + d];
         if (c->dbias) {
             float *dbr = c->dbias + ((size_t)h * Tq + t0 + i) * a->Tk + k0; // (kn) of row t0+i
             for (int j = 0; j < kn; j++) dbr[j] += r->dp[i][j];
@@ -352,7 +389,7 @@ __attribute__((noinline)) static void rows_dq(const bw_ctx *c, bw_rows *r, int b
 }
 
 /* Key tile k0 of kv head g of batch b: dK/dV over every head of g's group and every row
- * that can see the tile (rows ascending, RB at a time), added once into dk/dv; with_dq: also
+ * that can see the tile (rows ascending, RR at a time), added once into dk/dv; with_dq: also
  * the tile's dQ (and dbias) contributions to those rows (the fused schedule, whose item owns
  * all of them). */
 static void kv_item(const bw_ctx *c, int b, int g, int k0, int with_dq) {
@@ -372,7 +409,7 @@ static void kv_item(const bw_ctx *c, int b, int g, int k0, int with_dq) {
     memset(dV, 0, sizeof(float) * (size_t)kn * HD);
     const int tstart = first_row(a, k0);
     for (int h = g * c->rep; h < (g + 1) * c->rep; h++)
-        for (int t0 = tstart; t0 < a->Tq; t0 += RB) {
+        for (int t0 = tstart; t0 < a->Tq; t0 += RR) {
             int jmx = rows_probs(c, &r, Kt, Vt, km, b, h, k0, kn, t0);
             rows_dkdv(&r, dK, dV, jmx, HD);
             if (with_dq) rows_dq(c, &r, b, h, k0, kn, jmx, t0);
@@ -406,7 +443,7 @@ static void q_item(const bw_ctx *c, int b0, int b1, int h, int q0) {
             load_transposed(Kt, K + (size_t)k0 * a->ldk, a->ldk, kn, HD);
             load_transposed(Vt, V + (size_t)k0 * a->ldv, a->ldv, kn, HD);
             load_key_mask(km, c->kmask ? c->kmask + (size_t)b * Tk : NULL, k0, kn);
-            for (int t0 = q0; t0 < qend; t0 += RB) {
+            for (int t0 = q0; t0 < qend; t0 += RR) {
                 int jmx = rows_probs(c, &r, Kt, Vt, km, b, h, k0, kn, t0);
                 rows_dq(c, &r, b, h, k0, kn, jmx, t0);
             }
