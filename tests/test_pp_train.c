@@ -518,16 +518,22 @@ FL_TEST(pp_train_threads_interleaved_equals_one_process) {
 
 /* The same on the opaque backend (its memory unreadable by the host: the stream and the checkpoints through its
  * copies): PP 2 x 2 chunks against one process on opaque (DP 2 x PP 2 x 2 chunks, DDP's reductions of every chunk
- * through the NCCL stand-in, passes too: FITLLM_TEST_PPI_OPAQUE_DP=1, 10 s more) */
+ * through the NCCL stand-in, and the same under ZeRO-2 and 16-mixed against one 16-mixed process, pass too:
+ * FITLLM_TEST_PPI_OPAQUE_DP=1, 20 s more) */
 FL_TEST(pp_train_threads_interleaved_opaque) {
     g_pp_backend = "opaque";
-    for (int dp = 1; dp <= (getenv("FITLLM_TEST_PPI_OPAQUE_DP") ? 2 : 1); dp++) {
-        dr_job *one = il_run(dp, 1, 1, "1f1b", 0, 0, "opq-one"), *il = il_run(dp, 2, 2, "interleaved", 0, 0, "opq");
+    for (int k = 1; k <= (getenv("FITLLM_TEST_PPI_OPAQUE_DP") ? 3 : 1); k++) { /* 3: ZeRO-2 and 16-mixed at DP 2 */
+        const int dp = k == 1 ? 1 : 2;
+        g_il_prec = k == 3 ? "16-mixed" : NULL;
+        dr_job *one = il_run(dp, 1, 1, "1f1b", 0, 0, "opq-one");
+        g_il_strategy = k == 3 ? "deepspeed_stage_2" : NULL;
+        dr_job *il = il_run(dp, 2, 2, "interleaved", 0, 0, "opq");
+        g_il_strategy = g_il_prec = NULL;
         FL_REQUIRE(one && il);
         for (int r = 0; r < 2 * dp; r++) {
             const double w = dr_loss_rel(&il->rec[r], &one->rec[0], 4);
-            FL_CHECKF(w <= 1e-6, "opaque DP %d x PP 2 x 2 chunks rank %d: losses %.3g relative from one process's", dp,
-                      r, w);
+            FL_CHECKF(w <= 1e-6, "opaque DP %d x PP 2 x 2 chunks%s rank %d: losses %.3g relative from one process's", dp,
+                      k == 3 ? " ZeRO-2 16-mixed" : "", r, w);
         }
         il_free(one), il_free(il);
     }
