@@ -14,9 +14,12 @@
 #   result box's "peak total, ranks min - max").
 # torch: bench/bench_pp_torch.py with the same split (SPLIT, default fitllm's) and schedule; with EVEN=1 also the
 #   count-balanced split 0,3,6 (what a split by layer count gives), to show what the cost balance buys.
+# interleaved (SCHEDULES="interleaved"): fitllm --pipeline_chunks CHUNKS, torch ScheduleInterleaved1F1B with
+#   --chunks CHUNKS on ISPLIT (the S x CHUNKS virtual stages' first layers; default fitllm's for tiny x 2 x 2,
+#   printed in its log as "virtual stages' blocks"); EVEN=1 does not apply.
 # Env: FITLLM (./build/fitllm), FITLLM_PY (/work/venv-graph/bin/python), SHAPE (tiny), STAGES (2), BATCH (2),
 #   MICRO (4), SEQ (128), STEPS (6 timed), WARMUP (2), ROUNDS (3), SCHEDULES ("1f1b gpipe"), SPLIT (0,5,6),
-#   EVEN (1), DATA (/work/shared/data or ../shared/data), OUT (bench/out/pp-<date>.txt).
+#   EVEN (1), CHUNKS (2), ISPLIT (0,1,2,5,6), DATA (/work/shared/data or ../shared/data), OUT (bench/out/pp-<date>.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +35,8 @@ WARMUP=${WARMUP:-2}
 ROUNDS=${ROUNDS:-3}
 SCHEDULES=${SCHEDULES:-1f1b gpipe}
 SPLIT=${SPLIT:-0,5,6}
+CHUNKS=${CHUNKS:-2}
+ISPLIT=${ISPLIT:-0,1,2,5,6}
 EVEN=${EVEN:-1}
 DATA=${DATA:-$( [ -d ../shared/data ] && echo ../shared/data || echo /work/shared/data )}
 OUT=${OUT:-bench/out/pp-$(date -u +%Y%m%dT%H%M%SZ).txt}
@@ -59,6 +64,7 @@ fitllm_one() { # schedule -> prints "RESULT impl=fitllm-pp-<schedule> ..."
         --train.max_seq_length "$SEQ" --train.micro_batch_size "$BATCH" --train.global_batch_size $((MICRO * BATCH)) \
         --train.max_steps $((STEPS + WARMUP)) --train.lr_warmup_steps 0 --threads 1 --devices "$STAGES" \
         --pipeline_parallel "$STAGES" --pipeline_schedule "$k" --strategy ddp \
+        $([ "$k" = interleaved ] && echo "--pipeline_chunks $CHUNKS") \
         --eval.interval 100000 --eval.final_validation false --eval.max_new_tokens 0 --train.save_interval 100000 \
         --out_dir "$d" >"$d.log" 2>&1 || { echo "fitllm $k failed:" >&2; tail -5 "$d.log" >&2; return 1; }
     "$PY" - "$d/logs/metrics.csv" "$d.log" "$k" "$WARMUP" "$((MICRO * BATCH * SEQ))" "$MICRO" <<'EOF'
@@ -71,6 +77,9 @@ text = open(log).read()
 rss = [int(v) / 1024 for v in re.findall(r"MAXRSS_KB (\d+)", text)]
 pool = re.search(r"peak total, ranks min - max +([0-9.]+ \w+) - ([0-9.]+ \w+)", text)
 split = re.search(r"stage 0 holds blocks \[(\d+), (\d+)\)", text)
+vsplit = re.search(r"virtual stages' blocks:([^\n]*)", text)
+if vsplit:
+    k += " vblocks=" + vsplit.group(1).strip().replace(" ", "")
 print(f"RESULT impl=fitllm-pp-{k} median_ms={med*1e3:.1f} tok_s={tok/med:.1f} steps={len(t)} "
       f"stage0_blocks=[{split.group(1)},{split.group(2)}) rss_mib={'/'.join(f'{v:.0f}' for v in sorted(rss))} "
       f"pool_peak={pool.group(1)}..{pool.group(2)} losses={[round(float(r['loss']), 6) for r in rows]}"
@@ -80,15 +89,16 @@ EOF
 
 torch_one() { # schedule split
     OMP_NUM_THREADS=1 "$PY" bench/bench_pp_torch.py --shape "$SHAPE" --batch "$BATCH" --micro "$MICRO" --seq "$SEQ" \
-        --split "$2" --schedule "$1" --steps "$STEPS" --warmup "$WARMUP" --threads 1 2>"$TMP/t.err" | grep '^RESULT' \
+        --split "$2" --schedule "$1" --chunks "$CHUNKS" --steps "$STEPS" --warmup "$WARMUP" --threads 1 2>"$TMP/t.err" | grep '^RESULT' \
         || { echo "torch $1 $2 failed:" >&2; tail -5 "$TMP/t.err" >&2; return 1; }
 }
 
 for r in $(seq "$ROUNDS"); do
     for k in $SCHEDULES; do
-        torch_one "$k" "$SPLIT" | sed "s/^/round=$r /" | tee -a "$OUT"
+        sp=$SPLIT; [ "$k" = interleaved ] && sp=$ISPLIT
+        torch_one "$k" "$sp" | sed "s/^/round=$r /" | tee -a "$OUT"
         fitllm_one "$k" | sed "s/^/round=$r /" | tee -a "$OUT"
-        if [ "$EVEN" = 1 ]; then torch_one "$k" 0,3,6 | sed "s/^/round=$r /" | tee -a "$OUT"; fi
+        if [ "$EVEN" = 1 ] && [ "$k" != interleaved ]; then torch_one "$k" 0,3,6 | sed "s/^/round=$r /" | tee -a "$OUT"; fi
     done
 done
 echo "# medians over rounds (ms/step):" | tee -a "$OUT"

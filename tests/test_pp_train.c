@@ -556,9 +556,13 @@ FL_TEST(pp_train_threads_hybrid_shard_opaque) {
  * accumulating its micro-batches in order; the clipping norm (summed per chunk, then over the stages) and micro's tied
  * table (its two halves summed once) differ from one process by rounding, so the bar is ddp_ref.h's 1e-6 relative as
  * for 1F1B above. deep: a 6-block micro (pretrain of micro's shape, model_config fields) for PP 3 x 2 chunks. */
+static const char *g_il_strategy; /* the data axis' strategy (NULL: ddp) */
+static const char *g_il_prec;     /* the precision (NULL: 32-true) */
 static void il_config(fl_run_config *c, int dp, int pp, int V, const char *sched, int deep, int ckpt, const char *out) {
     pp_config(c, dp, pp, sched, out);
     c->pipeline_chunks = V;
+    if (g_il_strategy) snprintf(c->strategy, sizeof c->strategy, "%s", g_il_strategy);
+    if (g_il_prec) snprintf(c->precision, sizeof c->precision, "%s", g_il_prec);
     c->train.max_steps = 4;
     c->eval.interval = 2;
     c->train.activation_checkpointing = ckpt;
@@ -627,16 +631,22 @@ FL_TEST(pp_train_threads_interleaved_equals_one_process) {
 
 /* The same on the opaque backend (its memory unreadable by the host: the stream and the checkpoints through its
  * copies): PP 2 x 2 chunks against one process on opaque (DP 2 x PP 2 x 2 chunks, DDP's reductions of every chunk
- * through the NCCL stand-in, passes too: FITLLM_TEST_PPI_OPAQUE_DP=1, 10 s more) */
+ * through the NCCL stand-in, and the same under ZeRO-2 and 16-mixed against one 16-mixed process, pass too:
+ * FITLLM_TEST_PPI_OPAQUE_DP=1, 20 s more) */
 FL_TEST(pp_train_threads_interleaved_opaque) {
     g_pp_backend = "opaque";
-    for (int dp = 1; dp <= (getenv("FITLLM_TEST_PPI_OPAQUE_DP") ? 2 : 1); dp++) {
-        dr_job *one = il_run(dp, 1, 1, "1f1b", 0, 0, "opq-one"), *il = il_run(dp, 2, 2, "interleaved", 0, 0, "opq");
+    for (int k = 1; k <= (getenv("FITLLM_TEST_PPI_OPAQUE_DP") ? 3 : 1); k++) { /* 3: ZeRO-2 and 16-mixed at DP 2 */
+        const int dp = k == 1 ? 1 : 2;
+        g_il_prec = k == 3 ? "16-mixed" : NULL;
+        dr_job *one = il_run(dp, 1, 1, "1f1b", 0, 0, "opq-one");
+        g_il_strategy = k == 3 ? "deepspeed_stage_2" : NULL;
+        dr_job *il = il_run(dp, 2, 2, "interleaved", 0, 0, "opq");
+        g_il_strategy = g_il_prec = NULL;
         FL_REQUIRE(one && il);
         for (int r = 0; r < 2 * dp; r++) {
             const double w = dr_loss_rel(&il->rec[r], &one->rec[0], 4);
-            FL_CHECKF(w <= 1e-6, "opaque DP %d x PP 2 x 2 chunks rank %d: losses %.3g relative from one process's", dp,
-                      r, w);
+            FL_CHECKF(w <= 1e-6, "opaque DP %d x PP 2 x 2 chunks%s rank %d: losses %.3g relative from one process's", dp,
+                      k == 3 ? " ZeRO-2 16-mixed" : "", r, w);
         }
         il_free(one), il_free(il);
     }
@@ -646,36 +656,71 @@ FL_TEST(pp_train_threads_interleaved_opaque) {
 /* plan per rank = measured: each rank's V chunk models (their parameters, gradients, optimizer state, arenas) and the
  * stashes of the chunk-micro-batches in flight (Megatron's warm-up keeps more of them at stage 0) */
 FL_TEST(pp_train_threads_interleaved_plan_equals_measured) {
-    for (int dp = 1; dp <= 2; dp++) { /* PP 2 x 2 chunks, DP 2 x PP 2 x 2 chunks */
-        dr_job *j = il_run(dp, 2, 2, "interleaved", 0, 0, "plan");
+    for (int k = 1; k <= 3; k++) { /* PP 2 x 2 chunks, DP 2 x PP 2 x 2 chunks, the same under ZeRO-2 and 16-mixed */
+        const int dp = k == 1 ? 1 : 2;
+        if (k == 3) g_il_strategy = "deepspeed_stage_2", g_il_prec = "16-mixed";
+        dr_job *j = il_run(dp, 2, 2, "interleaved", 0, 0, k == 3 ? "plan-z2" : "plan");
+        g_il_strategy = g_il_prec = NULL;
         FL_REQUIRE(j != NULL);
-        char grid[48];
-        snprintf(grid, sizeof grid, "DP %d x PP 2 x 2 chunks", dp);
+        char grid[64];
+        snprintf(grid, sizeof grid, "DP %d x PP 2 x 2 chunks%s", dp, k == 3 ? " ZeRO-2 16-mixed" : "");
         for (int r = 0; r < 2 * dp; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
         il_free(j);
     }
 }
 
+/* ZeRO-1 / ZeRO-2 on the data axis of DP 2 x PP 2 x 2 chunks (each chunk's optimizer state and, ZeRO-2, its reduced
+ * gradient divided over the axis; the norm sums each chunk's pieces over the axis, then the stages): one process's
+ * losses within the 1e-6 bar above. 16-mixed (loss scaling) at PP 2 x 2 chunks and DP 2 x PP 2 x 2 chunks ZeRO-2
+ * against one process under 16-mixed (the anchor: its own difference from fp32 is not fp32 noise): the same losses
+ * within the bar, the same skipped steps and final scale (every chunk's optimizer takes one verdict over every chunk
+ * of every stage, pp_step.c amp_verdict). Not exercised: an actual overflow (micro's gradients stay finite on the
+ * CPU backends even at a first scale of 3e38; no test hook injects one) */
+FL_TEST(pp_train_threads_interleaved_zero_and_fp16) {
+    const struct { int dp; const char *strategy, *prec; } g[4] = {
+        {2, "deepspeed_stage_1", NULL}, {2, "deepspeed_stage_2", NULL}, {1, NULL, "16-mixed"}, {2, "deepspeed_stage_2", "16-mixed"}};
+    for (int k = 0; k < 4; k++) {
+        g_il_prec = g[k].prec;
+        g_il_strategy = NULL;
+        dr_job *one = il_run(g[k].dp, 1, 1, "1f1b", 0, 0, "z-one");
+        g_il_strategy = g[k].strategy;
+        dr_job *il = il_run(g[k].dp, 2, 2, "interleaved", 0, 0, "z");
+        g_il_strategy = g_il_prec = NULL;
+        FL_REQUIRE(one && il);
+        for (int r = 0; r < 2 * g[k].dp; r++) {
+            const double w = dr_loss_rel(&il->rec[r], &one->rec[0], 4);
+            FL_CHECKF(w <= 1e-6, "DP %d x PP 2 x 2 chunks %s %s rank %d: losses %.3g relative from one process's",
+                      g[k].dp, g[k].strategy ? g[k].strategy : "ddp", g[k].prec ? g[k].prec : "32-true", r, w);
+            FL_CHECKF(il->res[r].skipped_steps == one->res[0].skipped_steps && il->res[r].loss_scale == one->res[0].loss_scale,
+                      "DP %d x PP 2 x 2 chunks %s rank %d: %ld skipped steps, scale %g; one process %ld, %g", g[k].dp,
+                      g[k].prec ? g[k].prec : "32-true", r, il->res[r].skipped_steps, il->res[r].loss_scale,
+                      one->res[0].skipped_steps, one->res[0].loss_scale);
+        }
+        FL_CHECKF(!g[k].prec || one->res[0].loss_scale > 0, "16-mixed: no loss scale in the one-process run");
+        il_free(one), il_free(il);
+    }
+}
+
 /* checkpoints: an interleaved run's step-2 checkpoint resumed under 1F1B at PP 3 and in one process, and a 1F1B
  * PP 2 checkpoint resumed interleaved; the later losses within 1e-6 of the uninterrupted run's */
-static void il_resume(const char *tag, int pp0, const char *s0, int V0, int pp1, const char *s1, int V1) {
-    dr_job *a = il_run(1, pp0, V0, s0, 0, 0, tag), *c = calloc(1, sizeof *c), *b = calloc(1, sizeof *b);
+static void il_resume_dp(const char *tag, int dp, int pp0, const char *s0, int V0, int pp1, const char *s1, int V1) {
+    dr_job *a = il_run(dp, pp0, V0, s0, 0, 0, tag), *c = calloc(1, sizeof *c), *b = calloc(1, sizeof *b);
     FL_REQUIRE(a && b && c);
     char out[700], ck[760];
     snprintf(out, sizeof out, "%s/pp-il-%s-save", fl_test_tmpdir(), tag);
-    for (int r = 0; r < pp0; r++) {
-        il_config(&c->cfg[r], 1, pp0, V0, s0, 0, 0, out);
+    for (int r = 0; r < dp * pp0; r++) {
+        il_config(&c->cfg[r], dp, pp0, V0, s0, 0, 0, out);
         c->cfg[r].train.max_steps = 2;
         c->cfg[r].train.save_interval = 2;
     }
-    fl_status s = run_job(c, pp0);
+    fl_status s = run_job(c, dp * pp0);
     FL_CHECKF(s == FL_OK, "%s saving: %s", tag, c->msg[0]);
     snprintf(ck, sizeof ck, "%s/step-000002", out);
     snprintf(out, sizeof out, "%s/pp-il-%s-resumed", fl_test_tmpdir(), tag);
-    const int W = pp1 > 1 ? pp1 : 1;
+    const int W = pp1 > 1 ? dp * pp1 : 1;
     for (int r = 0; r < W; r++) {
-        il_config(&b->cfg[r], 1, pp1 > 1 ? pp1 : 2, V1, s1, 0, 0, out);
-        if (pp1 <= 1) b->cfg[r].pipeline_parallel = 1, b->cfg[r].devices = 1;
+        il_config(&b->cfg[r], dp, pp1 > 1 ? pp1 : 2, V1, s1, 0, 0, out);
+        if (pp1 <= 1) b->cfg[r].pipeline_parallel = 1, b->cfg[r].devices = 1, b->cfg[r].train.micro_batch_size = 2 * dp;
         snprintf(b->cfg[r].resume, sizeof b->cfg[r].resume, "%s", ck);
     }
     s = W > 1 ? run_job(b, W) : (backend_on(), dr_job_rank(NULL, 0, b));
@@ -690,10 +735,21 @@ static void il_resume(const char *tag, int pp0, const char *s0, int V0, int pp1,
     il_free(a), il_free(b), il_free(c);
 }
 
+static void il_resume(const char *tag, int pp0, const char *s0, int V0, int pp1, const char *s1, int V1) {
+    il_resume_dp(tag, 1, pp0, s0, V0, pp1, s1, V1);
+}
+
 FL_TEST(pp_train_threads_interleaved_resume_across_schedules) {
     il_resume("ilr1", 2, "interleaved", 2, 3, "1f1b", 1);
     il_resume("ilr2", 2, "interleaved", 2, 1, "1f1b", 1);
     il_resume("ilr3", 2, "1f1b", 1, 2, "interleaved", 2);
+    /* ZeRO-2 on the data axis: DP 2 x PP 2 x 2 chunks' checkpoint (each chunk's state gathered over the axis) resumed
+     * at DP 2 x PP 2 1F1B and in one process (DDP's optimizer: whole arrays), a DP 2 x PP 2 1F1B one interleaved */
+    g_il_strategy = "deepspeed_stage_2";
+    il_resume_dp("ilr4", 2, 2, "interleaved", 2, 2, "1f1b", 1);
+    il_resume_dp("ilr5", 2, 2, "interleaved", 2, 1, "1f1b", 1);
+    il_resume_dp("ilr6", 2, 2, "1f1b", 1, 2, "interleaved", 2);
+    g_il_strategy = NULL;
 }
 
 /* what interleaved does not run yet is refused naming the option: LoRA, tensor parallelism, ZeRO on the data axis,
@@ -702,7 +758,7 @@ FL_TEST(pp_train_threads_interleaved_refusals) {
     const struct { int dp, pp, V, lora; const char *strategy; int accum3; const char *want; } r[5] = {
         {1, 2, 2, 1, NULL, 0, "--pipeline_schedule interleaved with finetune_lora"},
         {1, 2, 2, 2, NULL, 0, "--pipeline_schedule interleaved with --tensor_parallel"},
-        {2, 2, 2, 0, "deepspeed_stage_2", 0, "--pipeline_schedule interleaved with ZeRO / FSDP"},
+        {2, 2, 2, 0, "deepspeed_stage_3", 0, "--pipeline_schedule interleaved with FSDP FULL_SHARD / ZeRO-3"},
         {1, 2, 2, 0, NULL, 1, "not a multiple of the 2 stages"},
         {1, 2, 3, 0, NULL, 0, "6 virtual stages for a model of 5 blocks"}};
     for (int k = 0; k < 5; k++) {

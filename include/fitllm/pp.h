@@ -181,6 +181,7 @@ typedef struct {
     int adapters;              /* the optimizer trains the stage's LoRA adapters (fl_pp_optim_attach) */
     double norm_sq;            /* interleaved: the step's squared norm over every chunk, computed once per step */
     int norm_ok;
+    int amp_ok, amp_found;     /* interleaved under loss scaling: the step's overflow verdict over every chunk */
     double fwd_ms, bwd_ms, step_ms; /* measured: the forwards' and backwards' compute (not the waits), the steps */
     long n_fwd, n_bwd, n_steps;
 } fl_pp;

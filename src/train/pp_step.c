@@ -140,6 +140,10 @@ static fl_status pp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
 
 static fl_status pp_any(void *ud, int *flag) {
     const fl_pp *p = ud;
+    if (p->amp_ok) { /* interleaved: the verdict over every chunk (amp_verdict) */
+        *flag = p->amp_found;
+        return FL_OK;
+    }
     double v = *flag != 0;
     FL_TRY(fl_error_prefix(sum_stages(p->comm, v, &v), "pipeline: the overflow check"));
     *flag = v > 0;
@@ -150,6 +154,10 @@ static fl_status pp_any(void *ud, int *flag) {
  * stages): its users decide for every rank (ZeRO-2's overflow verdict) */
 static fl_status inner_sum(void *ud, double *v, int n) {
     const fl_pp *p = ud;
+    if (p->amp_ok && n == 1) { /* ZeRO-2's overflow check (the norm has its own hook): interleaved's one verdict */
+        v[0] = p->amp_found;
+        return FL_OK;
+    }
     FL_TRY(p->inner->sum(p->inner->ud, v, n));
     for (int k = 0; k < n; k++) FL_TRY(fl_error_prefix(sum_stages(p->comm, v[k], &v[k]), "pipeline: a sum"));
     return FL_OK;
@@ -174,9 +182,9 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
                     : o->w.n != fl_model_store_numel(p->m) || o->w.p != fl_model_params_data(p->m)) /* FULL_SHARD: the shard's */
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
                          "or its LoRA adapters", p->stages);
-    if (p->chunks > 1 && (p->adapters || (in && in->stage > 0)))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved: DDP on the data-parallel axis and full "
-                         "fine-tuning / pretraining only so far (not LoRA, ZeRO or FSDP)");
+    if (p->chunks > 1 && (p->adapters || (in && in->stage > 2)))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved: DDP, ZeRO-1 or ZeRO-2 on the data-parallel "
+                         "axis and full fine-tuning / pretraining only so far (not LoRA or FULL_SHARD)");
     p->ch[0].o = o;
     p->inner = in;
     memset(&p->dist, 0, sizeof p->dist);
@@ -197,9 +205,10 @@ fl_status fl_pp_chunk_optim(fl_pp *p, int c, fl_optimizer *o) {
                          p->chunks - 1);
     if (o->shard.dist && o->shard.dist != p->inner)
         return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer has other hooks than chunk 0's", c);
-    if (o->w.n != fl_model_store_numel(p->ch[c].m) || o->w.p != fl_model_params_data(p->ch[c].m) || o->amp.on)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer must train its model's parameters (no "
-                         "loss scaling)", c);
+    if (o->w.n != fl_model_store_numel(p->ch[c].m) || o->w.p != fl_model_params_data(p->ch[c].m) ||
+        o->amp.on != p->ch[0].o->amp.on)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer must train its model's parameters (loss "
+                         "scaling as chunk 0's)", c);
     p->ch[c].o = o;
     o->shard.dist = &p->dist;
     return FL_OK;
@@ -394,18 +403,43 @@ static fl_status schedule(run *r, const fl_pp_op *ops, int n_ops) {
 
 /* after the schedule: DDP's reduction (chunk 0's buckets; a later chunk's whole buffer), the tied table's sum, and
  * each chunk's update (the clipping norm over every chunk of every stage: pp_grad_sumsq) */
+/* interleaved under loss scaling: one overflow verdict for the step, any inf/NaN among every chunk's reduced gradients
+ * (ZeRO-2: each rank's piece, summed over the axis) of every stage; each chunk optimizer's check then returns it
+ * (pp_any, inner_sum), so every chunk skips or updates alike and their scales (copies of one) stay equal */
+static fl_status amp_verdict(fl_pp *p, fl_optimizer *o0) {
+    const int zero2 = p->inner && p->inner->stage >= 2;
+    int any = 0;
+    for (int ch = 0; ch < p->chunks; ch++) {
+        const fl_optimizer *o = ch == 0 ? o0 : p->ch[ch].o;
+        const size_t off = zero2 ? o->shard.off : 0, n = zero2 ? o->shard.len : o->w.n;
+        int f = 0;
+        if (n) FL_TRY(FL_RUN(o->model->be, check_finite, (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, n,
+                             fl_loss_scale_inv(&o->amp.ls), &f));
+        any |= f != 0;
+    }
+    double v = any;
+    if (zero2) FL_TRY(p->inner->sum(p->inner->ud, &v, 1));
+    FL_TRY(fl_error_prefix(sum_stages(p->comm, v, &v), "pipeline: the overflow check"));
+    p->amp_found = v > 0;
+    p->amp_ok = 1;
+    return FL_OK;
+}
+
 static fl_status reduce_and_update(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, double *norm) {
     if (c->dp) FL_TRY(fl_dp_reduce_grads(c->dp, o));
     for (int ch = 1; c->dp && ch < p->chunks; ch++) FL_TRY(fl_dp_reduce_grads(c->dp, p->ch[ch].o));
     FL_TRY(tied_sum(p, o));
     fl_mem_set_phase(p->m->pool, "optimizer step");
     p->norm_ok = 0;
-    FL_TRY(fl_optim_step(o, c->lr, c->max_norm, norm));
-    for (int ch = 1; ch < p->chunks; ch++) {
+    p->amp_ok = 0;
+    if (p->chunks > 1 && o->amp.on) FL_TRY(amp_verdict(p, o));
+    fl_status s = fl_optim_step(o, c->lr, c->max_norm, norm);
+    for (int ch = 1; s == FL_OK && ch < p->chunks; ch++) {
         double nc = 0;
-        FL_TRY(fl_optim_step(p->ch[ch].o, c->lr, c->max_norm, &nc));
+        s = fl_optim_step(p->ch[ch].o, c->lr, c->max_norm, &nc);
     }
-    return FL_OK;
+    p->amp_ok = 0;
+    return s;
 }
 
 fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {

@@ -34,12 +34,12 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     if (!strcmp(c->pipeline_schedule, "interleaved")) { /* V stage models per rank: what they do not compose with yet */
         const char *why = c->command == FL_CMD_FINETUNE_LORA ? "finetune_lora (LoRA's adapters)"
                           : c->tensor_parallel > 1           ? "--tensor_parallel"
-                          : sc->stage > 0                    ? "ZeRO / FSDP on the data-parallel axis (use --strategy ddp)"
-                          : !strncmp(c->precision, "16-", 3) ? "fp16's loss scaling (--precision 16-*)"
+                          : sc->stage > 2                    ? "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (DDP, "
+                                                               "ZeRO-1 and ZeRO-2 run)"
                                                              : NULL;
         if (why)
             return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved with %s: not combined yet (interleaved "
-                             "runs finetune_full and pretrain with DDP between the pipelines; gpipe and 1f1b run it)", why);
+                             "runs finetune_full and pretrain; gpipe and 1f1b run it)", why);
     }
     return FL_OK;
 }
@@ -187,8 +187,10 @@ static fl_status chunk_setup(trainer *t, int c) {
     FL_TRY(fl_model_alloc_grads(m));
     m->act_ckpt = t->model.act_ckpt;
     FL_TRY(fl_model_alloc_acts(m, t->sch.B, t->sch.T));
-    FL_TRY(fl_optim_init(&t->pp.xo[c], m, &t->opt.cfg));
+    /* ZeRO-1/2 on the data axis: the chunk's state for this rank's piece of its elements, as chunk 0's */
+    FL_TRY(fl_dp_optim_init(&t->dp, t->cfg, &t->pp.xo[c], m));
     t->pp.xo_ok = c;
+    t->pp.xo[c].amp.ls = t->opt.amp.ls; /* 16-mixed: one scale for every chunk (one verdict per step: pp_step.c) */
     return FL_OK;
 }
 
@@ -401,6 +403,20 @@ static fl_status lora_gather(trainer *t, const fl_model *src, tp_whole *w, const
     return st;
 }
 
+/* ZeRO on the data axis: an optimizer's state arrays whole in host memory (every rank of the axis gives its chunk: the
+ * same arrays in the same order on every rank); nothing (NULLs) when the state is whole already */
+static fl_status chunk_state_whole(trainer *t, const fl_optimizer *o, fl_dtype dt, char *full[3]) {
+    void *arr[3];
+    arrays(o, arr);
+    for (int a = 0; a < 3 && state_chunked(o); a++)
+        if (arr[a]) FL_TRY(fl_tr_state_whole(o, t->pp.dpc, arr[a], dt, (void **)&full[a]));
+    return FL_OK;
+}
+static void free_chunk_state(char *fullc[FL_PP_MAX_CHUNKS][3]) {
+    for (int c = 0; c < FL_PP_MAX_CHUNKS; c++)
+        for (int a = 0; a < 3; a++) free(fullc[c][a]);
+}
+
 fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
                               const fl_train_state *st) {
     const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
@@ -409,8 +425,12 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     fl_status s = FL_OK;
     if (o) arrays(o, arr);
     /* ZeRO: every rank of the axis gives its chunks first (the same arrays in the same order on every rank) */
-    for (int a = 0; a < 3 && o && state_chunked(o) && s == FL_OK; a++)
-        if (arr[a]) s = fl_tr_state_whole(o, t->pp.dpc, arr[a], dt, (void **)&full[a]);
+    if (o) s = chunk_state_whole(t, o, dt, full);
+    /* interleaved under ZeRO: the later chunks' arrays too (fullc[c]: chunk c's) */
+    char *fullc[FL_PP_MAX_CHUNKS][3];
+    memset(fullc, 0, sizeof fullc);
+    for (int c = 1; o && c < t->pp.chunks && s == FL_OK; c++)
+        s = chunk_state_whole(t, &t->pp.xo[c], dt, fullc[c]);
     /* FULL_SHARD on the data axis: the stage's parameters and state gathered unit by unit over the axis first */
     const int fsdp = t->dp.fsdp && m == &t->model;
     char *pw = NULL;
@@ -435,10 +455,11 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && (!lora || !o)) s = give_stage(t, m, lora ? NULL : o, full, buf, dt, pw);
     /* interleaved: the later chunks' in virtual-stage order (DDP: whole arrays, no LoRA) */
     for (int c = 1; t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && c < t->pp.chunks; c++)
-        s = give_stage(t, &t->pp.xm[c], o ? &t->pp.xo[c] : NULL, (char *[3]){NULL, NULL, NULL}, buf, dt, NULL);
+        s = give_stage(t, &t->pp.xm[c], o ? &t->pp.xo[c] : NULL, fullc[c], buf, dt, NULL);
     if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, m, NULL, o, full, buf, dt);
     if (t->dp.rank != 0 || s != FL_OK || t->pp.stage > 0) { /* the first pipeline gathers, its stage 0 writes */
         for (int a = 0; a < 3; a++) free(full[a]);
+        free_chunk_state(fullc);
         free(buf);
         free(pw);
         return s;
@@ -451,14 +472,14 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
         const int own = k % t->pp.size == 0, c = k / t->pp.size; /* stage 0's chunk c, or a later stage's */
         const fl_model *src = !own ? NULL : c == 0 ? m : &t->pp.xm[c];
         const fl_optimizer *so = !own || lora ? NULL : c == 0 ? o : o ? &t->pp.xo[c] : NULL;
-        s = take_stage(t, &w, k, t->pp.split, src, so, c == 0 ? full : (char *[3]){NULL, NULL, NULL}, buf, dt,
-                       c == 0 ? pw : NULL);
+        s = take_stage(t, &w, k, t->pp.split, src, so, c == 0 ? full : fullc[c], buf, dt, c == 0 ? pw : NULL);
     }
     if (s == FL_OK && lora) s = lora_gather(t, m, &w, o, full, buf, dt);
     if (s == FL_OK && lora && !o) s = fl_model_lora_merge(&w.m); /* final/: the merged model and the adapter */
     free(buf);
     free(pw);
     for (int a = 0; a < 3; a++) free(full[a]);
+    free_chunk_state(fullc);
     if (s == FL_OK && o) {
         w.o.step = o->step;
         w.o.amp = o->amp;
@@ -523,18 +544,26 @@ static fl_status chunk_resume(trainer *t, tp_whole *w, int c, float *buf) {
     const int first = t->pp.split[c * t->pp.size + t->pp.stage];
     FL_TRY(fl_pp_stage_take(&w->m, m, first));
     const fl_dtype dt = o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    const size_t es = fl_dtype_size(dt);
     void *src[3], *dst[3];
     arrays(&w->o, src);
     arrays(o, dst);
-    for (int a = 0; a < 3; a++) {
+    /* ZeRO on the data axis: the chunk's whole array in host memory, then this rank's piece */
+    char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
+    fl_status s = state_chunked(o) && !h ? fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory") : FL_OK;
+    for (int a = 0; a < 3 && s == FL_OK; a++) {
         if (!src[a] || !dst[a]) continue;
-        for (int i = 0; i < m->layout.n; i++) {
+        for (int i = 0; i < m->layout.n && s == FL_OK; i++) {
             const int j = fl_pp_stage_entry(&w->m.layout, &m->layout, first, i);
-            FL_TRY(arr_read(&w->o, src[a], NULL, dt, &w->m.layout.params[j], buf));
-            FL_TRY(arr_write(o, dst[a], NULL, dt, &m->layout.params[i], buf));
+            s = arr_read(&w->o, src[a], NULL, dt, &w->m.layout.params[j], buf);
+            if (s == FL_OK) s = arr_write(o, dst[a], h, dt, &m->layout.params[i], buf);
         }
+        if (s == FL_OK && h) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
+    free(h);
+    FL_TRY(s);
     o->step = w->o.step;
+    o->amp.ls = w->o.amp.ls;
     fl_model_sync_compute_copy(m); /* mixed precision: the resumed master weights' copy */
     return FL_OK;
 }
