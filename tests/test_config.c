@@ -477,7 +477,7 @@ FL_TEST(cfg_strategy_auto_resolution) {
                       "%s: %d %s", what, sc.stage, sc.desc);
         } else if (refused) {
             FL_CHECKF(sc.stage == 0 && !strcmp(sc.strategy, "ddp") &&
-                      strstr(sc.desc, "auto: DDP, since FULL_SHARD does not support "), "%s: %d %s", what, sc.stage,
+                      strstr(sc.desc, "auto: DDP on the data-parallel axis of a "), "%s: %d %s", what, sc.stage,
                       sc.desc);
         } else {
             /* pretrain across nodes: LitGPT's HYBRID_SHARD (FULL_SHARD within a node); else FULL_SHARD */

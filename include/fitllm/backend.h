@@ -277,6 +277,31 @@ struct fl_backend {
      * over the kinds calling its own slots (the same bits as calling them). */
     fl_status (*run)(const fl_backend *be, const fl_oprec *op);
 
+    /* ==== device-resident step scalars (issue 30 item 5; optional: CUDA / cuda-emu, NULL elsewhere) ====
+     * A step keeps its gradient norm, the update's gradient scale and the micro-batches' loss sums in device memory,
+     * so nothing inside the step waits for the device; the step reads them once, at its end (fl_step_run). `ss`
+     * is an array of doubles from step_scalars: ss[FL_SS_NORM], ss[FL_SS_SCALE], ss[FL_SS_LOSS + k]. */
+    /* set-up: device memory for n doubles owned by the backend (the same for every call), NULL when n > FL_SS_MAX */
+    double *(*step_scalars)(const fl_backend *be, int n);
+    /* ss[FL_SS_NORM] = sqrt(sum of g^2) * scale (the sum as sumsq's, in double), ss[FL_SS_SCALE] = the update's
+     * gradient scale: scale, times c = max_norm / (norm + 1e-6) when max_norm > 0 and c < 1 (in double, rounded to
+     * float: fl_optim_step's host arithmetic); NaN when the norm is not finite or one of the n_loss loss sums
+     * ss[FL_SS_LOSS + k] is not (the update is then skipped). */
+    fl_status (*grad_norm_dev)(const fl_backend *be, const void *g, fl_dtype tg, size_t n, float max_norm, float scale,
+                               int n_loss, double *ss);
+    /* *acc += the sum of loss[i] over targets[i] != ignore_index (targets device memory), in index order, in double
+     * (the host's sum, the same bits) */
+    fl_status (*loss_sum_dev)(const fl_backend *be, const float *loss, const int32_t *targets, int N, int ignore_index,
+                              double *acc);
+    /* adamw_update / sgd_update with grad_scale read from ss[FL_SS_SCALE] when the kernel runs; a NaN there: no
+     * element changes (p and the state stay) */
+    fl_status (*adamw_update_ss)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                                 void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                                 float weight_decay, int step, const double *ss);
+    fl_status (*sgd_update_ss)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                               fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
+                               int nesterov, int first_step, const double *ss);
+
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
      * op(X) = X or X^T. lda/ldb/ldc are row strides of the stored matrices.
@@ -553,31 +578,6 @@ struct fl_backend {
      * link's speed without a bounce buffer; cpu, ref, opaque, cuda-emu: ordinary host memory; null: its
      * fake addresses (counted, never touched). */
     fl_status (*host_pool_init)(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget);
-
-    /* ==== device-resident step scalars (issue 30 item 5; optional: CUDA / cuda-emu, NULL elsewhere) ====
-     * A step keeps its gradient norm, the update's gradient scale and the micro-batches' loss sums in device memory,
-     * so nothing inside the step waits for the device; the step reads them once, at its end (fl_step_run). `ss`
-     * is an array of doubles from step_scalars: ss[FL_SS_NORM], ss[FL_SS_SCALE], ss[FL_SS_LOSS + k]. */
-    /* set-up: device memory for n doubles owned by the backend (the same for every call), NULL when n > FL_SS_MAX */
-    double *(*step_scalars)(const fl_backend *be, int n);
-    /* ss[FL_SS_NORM] = sqrt(sum of g^2) * scale (the sum as sumsq's, in double), ss[FL_SS_SCALE] = the update's
-     * gradient scale: scale, times c = max_norm / (norm + 1e-6) when max_norm > 0 and c < 1 (in double, rounded to
-     * float: fl_optim_step's host arithmetic); NaN when the norm is not finite or one of the n_loss loss sums
-     * ss[FL_SS_LOSS + k] is not (the update is then skipped). */
-    fl_status (*grad_norm_dev)(const fl_backend *be, const void *g, fl_dtype tg, size_t n, float max_norm, float scale,
-                               int n_loss, double *ss);
-    /* *acc += the sum of loss[i] over targets[i] != ignore_index (targets device memory), in index order, in double
-     * (the host's sum, the same bits) */
-    fl_status (*loss_sum_dev)(const fl_backend *be, const float *loss, const int32_t *targets, int N, int ignore_index,
-                              double *acc);
-    /* adamw_update / sgd_update with grad_scale read from ss[FL_SS_SCALE] when the kernel runs; a NaN there: no
-     * element changes (p and the state stay) */
-    fl_status (*adamw_update_ss)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
-                                 void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
-                                 float weight_decay, int step, const double *ss);
-    fl_status (*sgd_update_ss)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
-                               fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
-                               int nesterov, int first_step, const double *ss);
 
     void *impl; /* backend-private state (last: the op slots from gemm to here are the whole table) */
 };

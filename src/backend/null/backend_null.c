@@ -36,9 +36,9 @@ typedef struct {
 #define NUL_BASE ((uintptr_t)1 << 63)
 static void *nul_alloc(size_t bytes, void *ud) {
     nul *n = ud;
-    uintptr_t p = n->next;
-    n->next += (bytes + 127) & ~(uintptr_t)63; /* at least 64 apart: distinct even at 0 bytes */
-    return (void *)p;
+    /* at least 64 apart: distinct even at 0 bytes; atomic: a plan's ranks are threads that may share this backend
+     * (a plain += let two of them take overlapping ranges now and then: the communicator's overlap check failed) */
+    return (void *)__atomic_fetch_add(&n->next, (bytes + 127) & ~(uintptr_t)63, __ATOMIC_RELAXED);
 }
 
 static void nul_free(void *p, size_t bytes, void *ud) { (void)p; (void)bytes; (void)ud; }
