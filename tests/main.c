@@ -54,17 +54,6 @@ void fl_test_skip(const char *why) {
 
 int fl_test_failed(void) { return g_failed; }
 
-int fl_test_asan_budget(void) {
-#ifdef __SANITIZE_ADDRESS__
-    const char *e = getenv("FITLLM_TEST_ASAN_ALL");
-    if (e && !strcmp(e, "1")) return 1;
-    fl_test_skip("the release pass runs it (FITLLM_TEST_ASAN_ALL=1 runs it under ASan)");
-    return 0;
-#else
-    return 1;
-#endif
-}
-
 /* Under ASan (unless FITLLM_TEST_ASAN_ALL=1) a test with many cases of one path runs a representative subset:
  * every code path still runs under the sanitizers, the release pass runs every case. */
 int fl_test_asan_light(void) {
@@ -75,6 +64,13 @@ int fl_test_asan_light(void) {
     return 0;
 #endif
 }
+
+int fl_test_asan_budget(void) {
+    if (!fl_test_asan_light()) return 1;
+    fl_test_skip("the release pass runs it (FITLLM_TEST_ASAN_ALL=1 runs it under ASan)");
+    return 0;
+}
+
 
 static const char *test_backend_env(void) {
     const char *e = getenv("FITLLM_TEST_BACKEND");
