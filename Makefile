@@ -19,13 +19,16 @@ FUZZ_DEB_PKGS := clang libclang-rt-dev libomp-dev
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
-.PHONY: all setup build test test-fast asan demo bench bench-t5 bitident clean help fuzz fuzz-build fuzz-smoke
+.PHONY: all setup build test test-full test-fast asan demo bench bench-t5 bitident clean help fuzz fuzz-build fuzz-smoke
 
 all: build
 
 help:
 	@echo "make demo   - build and run the memory lab, quick suite (fitllm lab: table, lab/report.md, charts)"
-	@echo "make test   - build and run the whole test suite (release, CLI, MPI, 10 s fuzz smoke, AddressSanitizer pass)"
+	@echo "make test   - build and run the quick tier of the test suite, what CI runs (release, CLI, MPI, 3 s fuzz smoke,"
+	@echo "              AddressSanitizer pass; every code path once: sweeps thinned, release-only repeats skipped under ASan)"
+	@echo "make test-full - the same stages, every case (FITLLM_TEST_TIER=full: all sweeps, all under ASan, long CLI/MPI"
+	@echo "              cases, 10 s fuzz smoke); before a release or after changing what a sweep covers"
 	@echo "make build  - configure and build into $(BUILD)/ (CUDA=1: with the CUDA plugin, even without a GPU here)"
 	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
 	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
@@ -67,13 +70,19 @@ build: setup $(BUILD)/Makefile
 	$(if $(CUDA),cmake -S . -B $(BUILD) -DFL_CUDA=$(CUDA) >/dev/null)
 	cmake --build $(BUILD) -j $(JOBS)
 
-# Release suite, the CLI and MPI (mpirun -np 2 and 4) tests, a 10-second libFuzzer smoke run of every harness,
+# Release suite, the CLI and MPI (mpirun -np 2 and 4) tests, a libFuzzer smoke run of every harness,
 # then the unit tests again under ASan+UBSan (fault-injection sweeps and bad-input files must not leak or crash).
 # tests/run_all.sh runs the stages in order, goes on after a failing one, and ends with a table (stage, counts,
 # wall time) and one line "make test: N passed, N failed, N skipped"; logs in $(BUILD)/test-logs/.
+# Two tiers (tests/run_all.sh's header): `make test` the quick one (every path once, <= 15 min on 2 busy cores with
+# the builds), `make test-full` every case (FITLLM_TEST_TIER=full).
+TEST_TIER ?= quick
 test: SETUP_EXTRA_PKGS = $(FUZZ_DEB_PKGS)
 test: build
-	BUILD=$(BUILD) ASAN_FILTER="" JOBS=$(JOBS) FUZZ_JOBS=$(FUZZ_JOBS) tests/run_all.sh
+	BUILD=$(BUILD) ASAN_FILTER="" JOBS=$(JOBS) FUZZ_JOBS=$(FUZZ_JOBS) FITLLM_TEST_TIER=$(TEST_TIER) tests/run_all.sh
+
+test-full:
+	$(MAKE) --no-print-directory test TEST_TIER=full
 
 test-fast: build
 	./$(BUILD)/fitllm_tests $(FILTER)

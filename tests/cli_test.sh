@@ -6,8 +6,9 @@ set -u
 FITLLM=${1:-./build/fitllm}
 DATA=${FITLLM_DATA:-../shared/data}
 T=$(mktemp -d /tmp/fitllm-cli-XXXXXX)
-trap 'rm -rf "$T"' EXIT
 pass=0; fail=0; skip=0
+source "$(dirname "$0")/suite_lib.sh"   # per-case wall times ("ok NAME ... T ms"), the tier (full_tier, tier_skip)
+trap 'rm -rf "$T"; fl_case_laps_end' EXIT
 
 # expect NAME WANT_RC PATTERN -- cmd...
 expect() {

@@ -54,12 +54,28 @@ void fl_test_skip(const char *why) {
 
 int fl_test_failed(void) { return g_failed; }
 
-/* Under ASan (unless FITLLM_TEST_ASAN_ALL=1) a test with many cases of one path runs a representative subset:
- * every code path still runs under the sanitizers, the release pass runs every case. */
+/* The tier (FITLLM_TEST_TIER, tests/test.h): "full" runs every case everywhere; anything else (unset: the quick
+ * tier `make test` runs) lets the tests below keep to one case per path. */
+int fl_test_quick(void) {
+    const char *e = getenv("FITLLM_TEST_TIER");
+    return !(e && !strcmp(e, "full"));
+}
+
+int fl_test_full_only(const char *covered_by) {
+    if (!fl_test_quick()) return 1;
+    char why[256];
+    snprintf(why, sizeof why, "full tier only (FITLLM_TEST_TIER=full runs it); the quick tier covers its paths in %.180s",
+             covered_by);
+    fl_test_skip(why);
+    return 0;
+}
+
+/* Under ASan (unless FITLLM_TEST_ASAN_ALL=1 or the full tier) a test with many cases of one path runs a
+ * representative subset: every code path still runs under the sanitizers, the release pass runs every case. */
 int fl_test_asan_light(void) {
 #ifdef __SANITIZE_ADDRESS__
     const char *e = getenv("FITLLM_TEST_ASAN_ALL");
-    return !(e && !strcmp(e, "1"));
+    return !(e && !strcmp(e, "1")) && fl_test_quick();
 #else
     return 0;
 #endif
@@ -67,10 +83,9 @@ int fl_test_asan_light(void) {
 
 int fl_test_asan_budget(void) {
     if (!fl_test_asan_light()) return 1;
-    fl_test_skip("the release pass runs it (FITLLM_TEST_ASAN_ALL=1 runs it under ASan)");
+    fl_test_skip("the release pass runs it (FITLLM_TEST_TIER=full or FITLLM_TEST_ASAN_ALL=1 runs it under ASan)");
     return 0;
 }
-
 
 static const char *test_backend_env(void) {
     const char *e = getenv("FITLLM_TEST_BACKEND");

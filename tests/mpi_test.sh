@@ -43,7 +43,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 export OMP_NUM_THREADS=1
 pass=0; fail=0; skip=0
 T=$(mktemp -d /tmp/fitllm-mpi-XXXXXX)
-trap 'rm -rf "$T"' EXIT
+source "$(dirname "$0")/suite_lib.sh"   # per-case wall times ("ok NAME ... T ms"), the tier (full_tier, tier_skip)
+trap 'rm -rf "$T"; fl_case_laps_end' EXIT
 
 ok()  { echo "ok   $1"; pass=$((pass+1)); }
 bad() { echo "FAIL $1: $2"; sed 's/^/     /' "$T/out" | tail -15; fail=$((fail+1)); }

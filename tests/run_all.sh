@@ -7,22 +7,38 @@
 #   vectorized     tests/check_vectorized.sh (the marked hot loops still vectorize)
 #   cli            tests/cli_test.sh (exit codes and messages of the CLI)
 #   mpi            tests/mpi_test.sh (mpirun -np 2 and 4)
-#   fuzz-smoke     fuzz/build.sh (clang, libFuzzer) then every harness for FUZZ_SMOKE_TIME s (10) from
-#                  its seeds, 2 at a time (fuzz/run_all.sh; a crash input is kept in build-fuzz/artifacts/)
+#   fuzz-smoke     fuzz/build.sh (clang, libFuzzer) then every harness for FUZZ_SMOKE_TIME s from its seeds,
+#                  FUZZ_JOBS at a time (fuzz/run_all.sh; a crash input is kept in build-fuzz/artifacts/)
 #   asan           `make asan`: the unit tests again under ASan+UBSan+LSan ($ASAN_BUILD)
+# Two tiers (FITLLM_TEST_TIER in the environment; README "Testing"; tests/test.h says where a new test goes):
+#   quick (default; `make test`, what CI runs, <= 15 min on 2 busy cores with its builds): every code path
+#          once. Sweeps keep one case per path, tests that only re-run release-pass code at bigger shapes or more
+#          steps (bit-identity sweeps, emulated-GPU runs) skip under ASan (fl_test_asan_budget) or run a subset
+#          (fl_test_asan_light) - every fault-injection, bad-input, resume and checkpoint-failure path still runs
+#          under ASan -, CLI/MPI cases that repeat other cases' paths are left out (tier_skip, naming those),
+#          and the fuzz smoke runs FUZZ_SMOKE_TIME=3 s per harness: its seeds' replay is what catches regressions.
+#   full   (`make test-full`, FITLLM_TEST_TIER=full): everything, in both passes (the old FITLLM_TEST_ASAN_ALL=1),
+#          the long CLI / MPI cases and a 10 s fuzz smoke per harness. Run it before a release, or after changing
+#          what a sweep covers.
 # Every stage runs even after one fails. Each stage's output is shown as it runs and kept in
 # $BUILD/test-logs/<stage>.log; its counts are its last line of the form "N passed, N failed[, N
 # skipped]" (a stage that prints none counts as one check: passed when it exits 0). A stage that
 # exits non-zero counts at least one failure. The end: a table (stage, result, counts, wall time)
 # and one line "make test: N passed, N failed, N skipped"; the exit status is 1 when any stage failed.
-# Usage: tests/run_all.sh (from the Makefile: BUILD, ASAN_FILTER, JOBS, FUZZ_JOBS in the environment)
+# Usage: tests/run_all.sh (from the Makefile: BUILD, ASAN_FILTER, JOBS, FUZZ_JOBS, FITLLM_TEST_TIER in the environment)
 #        tests/run_all.sh STAGE...   runs only the stages named (e.g. tests/run_all.sh unit cli)
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 MAKE=${MAKE:-make}
 ASAN_FILTER=${ASAN_FILTER:-}
-FUZZ_SMOKE_TIME=${FUZZ_SMOKE_TIME:-10}
+FITLLM_TEST_TIER=${FITLLM_TEST_TIER:-quick}
+case $FITLLM_TEST_TIER in
+quick) FUZZ_SMOKE_TIME=${FUZZ_SMOKE_TIME:-3} ;;
+full)  FUZZ_SMOKE_TIME=${FUZZ_SMOKE_TIME:-10} ;;
+*) echo "tests/run_all.sh: FITLLM_TEST_TIER must be quick or full (got '$FITLLM_TEST_TIER')"; exit 2 ;;
+esac
+export FITLLM_TEST_TIER
 FUZZ_JOBS=${FUZZ_JOBS:-2}
 # the unit tests (release and ASan) in this many processes (tests/main.c, FITLLM_TEST_JOBS): one per
 # core, at least 2 (most tests keep one core busy), at most 4
@@ -64,7 +80,7 @@ for st in "${STAGES[@]}"; do
         continue
     fi
     echo
-    echo "==== make test: $st ===="
+    echo "==== make test: $st ($FITLLM_TEST_TIER tier) ===="
     t0=$SECONDS
     stage_cmd "$st" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
@@ -90,7 +106,7 @@ done
 
 total=$((SECONDS - t_all))
 echo
-echo "==== make test: summary (logs in $LOGS/) ===="
+echo "==== make test: summary, $FITLLM_TEST_TIER tier (logs in $LOGS/) ===="
 printf '%-14s %-18s %7s %7s %7s %9s\n' stage result passed failed skipped time
 for i in "${!R_NAME[@]}"; do
     printf '%-14s %-18s %7d %7d %7d %6d:%02d\n' "${R_NAME[$i]}" "${R_RES[$i]}" "${R_P[$i]}" "${R_F[$i]}" \

@@ -16,10 +16,30 @@ typedef void (*fl_test_fn)(void);
 void fl_test_register(const char *name, const char *file, fl_test_fn fn);
 void fl_test_fail(const char *file, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void fl_test_skip(const char *why);
-/* 1 to run a slow test; 0 (skipped, saying so) in the ASan build unless FITLLM_TEST_ASAN_ALL=1: make test's
- * 15-minute budget keeps the slowest emulated-kernel tests to the release pass, which runs them all. */
+/* ---- tiers: keeping `make test` under its budget (README "Testing") ------------------------
+ * FITLLM_TEST_TIER=full (`make test-full`) runs every case of every test in both passes; unset or "quick" (`make
+ * test`, and a plain ./build/fitllm_tests) is the quick tier: every path once, sweeps thinned, slow repeats of
+ * release-pass code left out of the ASan pass. Where a new test goes (a unit test: < 1.5 s in the release pass):
+ *   - many cases of one path (a sweep over sizes, dtypes, ranks):  `n = fl_test_quick() ? 1 : N;` (keep one case
+ *     of each path in the quick tier);
+ *   - release-pass code re-run at bigger shapes / more steps (bit-identity sweeps, emulated-GPU runs), > ~1 s:
+ *     `if (!fl_test_asan_budget()) return;` (skipped under ASan in the quick tier), or a subset under ASan with
+ *     `fl_test_asan_light()`. Fault-injection, bad-input, resume and checkpoint-failure tests run under ASan
+ *     (fewer cases is fine, each path once);
+ *   - a whole test whose paths quick-tier tests already cover: `if (!fl_test_full_only("test_a, test_b")) return;`
+ *     naming them (skipped, saying so, in the quick tier).
+ * The same in tests/cli_test.sh and tests/mpi_test.sh: `full_tier || { skip_case NAME; ...; }` (see there). */
+/* 1 in the quick tier (FITLLM_TEST_TIER unset or not "full") */
+int fl_test_quick(void);
+/* 1 to run a test that only the full tier runs; 0 (skipped, naming covered_by: the quick-tier tests that run its
+ * paths) in the quick tier */
+int fl_test_full_only(const char *covered_by);
+/* 1 to run a slow test; 0 (skipped, saying so) in the ASan build in the quick tier (FITLLM_TEST_TIER=full or
+ * FITLLM_TEST_ASAN_ALL=1 run it): the slowest emulated-kernel tests and bit-identity sweeps keep to the release
+ * pass, which runs them all. */
 int fl_test_asan_budget(void);
-/* 1 under ASan unless FITLLM_TEST_ASAN_ALL=1: run a representative subset of a test's cases (every path once) */
+/* 1 under ASan in the quick tier (not with FITLLM_TEST_TIER=full or FITLLM_TEST_ASAN_ALL=1): run a representative
+ * subset of a test's cases (every path once) */
 int fl_test_asan_light(void);
 int fl_test_failed(void);
 /* Path to the shared data folder: $FITLLM_DATA or ../shared/data. Returns NULL
