@@ -90,8 +90,12 @@ test-fast: build
 ASAN_FILTER ?=
 # FL_CUDA=OFF: the sanitizers check host code; the GPU plugin (nvcc, 4 architectures) is built by the
 # release pass where it is (a GPU here, or CUDA=1), and the same kernel sources run here under the emulator (host C++)
+# -g1 (line tables): the sanitizers' stack traces keep their file:line; full -g costs 15-25% more compile time
+# (trainer.c, model.c, test_poff.c with ASan: 2.4 / 1.7 / 1.4 CPU s at -O2 -g, 2.0 / 1.35 / 1.15 at -O2 -g1; medians of 2)
+ASAN_FLAGS := -O2 -g1 -DNDEBUG
 asan: setup
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFL_SANITIZE=ON -DFL_NATIVE=ON -DFL_CUDA=OFF >/dev/null
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFL_SANITIZE=ON -DFL_NATIVE=ON -DFL_CUDA=OFF \
+	  -DCMAKE_C_FLAGS_RELWITHDEBINFO="$(ASAN_FLAGS)" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$(ASAN_FLAGS)" >/dev/null
 	cmake --build $(ASAN_BUILD) -j $(JOBS) --target fitllm_tests
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 ./$(ASAN_BUILD)/fitllm_tests $(ASAN_FILTER)
 
