@@ -19,7 +19,7 @@ FUZZ_DEB_PKGS := clang libclang-rt-dev libomp-dev
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
-.PHONY: all setup build test test-full test-fast asan demo bench bench-t5 bitident clean help fuzz fuzz-build fuzz-smoke
+.PHONY: all setup build test test-full test-fast asan asan-build demo bench bench-t5 bitident clean help fuzz fuzz-build fuzz-smoke
 
 all: build
 
@@ -92,11 +92,14 @@ ASAN_FILTER ?=
 # release pass where it is (a GPU here, or CUDA=1), and the same kernel sources run here under the emulator (host C++)
 # -g1 (line tables): the sanitizers' stack traces keep their file:line; full -g costs 15-25% more compile time
 # (trainer.c, model.c, test_poff.c with ASan: 2.4 / 1.7 / 1.4 CPU s at -O2 -g, 2.0 / 1.35 / 1.15 at -O2 -g1; medians of 2)
-ASAN_FLAGS := -O2 -g1 -DNDEBUG
-asan: setup
+ASAN_FLAGS ?= -O2 -g1 -DNDEBUG
+# asan-build: configure and compile only (tests/run_all.sh runs it in the background during the CLI stage)
+asan-build: setup
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFL_SANITIZE=ON -DFL_NATIVE=ON -DFL_CUDA=OFF \
 	  -DCMAKE_C_FLAGS_RELWITHDEBINFO="$(ASAN_FLAGS)" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$(ASAN_FLAGS)" >/dev/null
 	cmake --build $(ASAN_BUILD) -j $(JOBS) --target fitllm_tests
+
+asan: asan-build
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 ./$(ASAN_BUILD)/fitllm_tests $(ASAN_FILTER)
 
 # The main job on its built-in default: the lab's experiments on scaled presets,

@@ -20,6 +20,9 @@
 #   full   (`make test-full`, FITLLM_TEST_TIER=full): everything, in both passes (the old FITLLM_TEST_ASAN_ALL=1),
 #          the long CLI / MPI cases and a 10 s fuzz smoke per harness. Run it before a release, or after changing
 #          what a sweep covers.
+# When both cli and asan are to run, the ASan build (`make asan-build`, ~330 CPU s from scratch) starts at nice 19
+# in the background with the cli stage (ASAN_PREBUILD=0: not): the CLI cases keep about one core busy (192 CPU s in
+# 207 s on 2 quiet cores), the build takes the other; the asan stage waits for it (log: $BUILD/test-logs/asan-build.log).
 # Every stage runs even after one fails. Each stage's output is shown as it runs and kept in
 # $BUILD/test-logs/<stage>.log; its counts are its last line of the form "N passed, N failed[, N
 # skipped]" (a stage that prints none counts as one check: passed when it exits 0). A stage that
@@ -65,12 +68,40 @@ stage_cmd() {
                    fuzz/build.sh || return 1
                    echo "fuzz-smoke: clang build $((SECONDS - t0)) s"
                    FUZZ_FRESH=1 fuzz/run_all.sh "$FUZZ_SMOKE_TIME" "$FUZZ_JOBS" ;;
-    asan)          "$MAKE" --no-print-directory asan ASAN_FILTER="$ASAN_FILTER" ;;
+    asan)          prebuild_wait || return 1
+                   "$MAKE" --no-print-directory asan ASAN_FILTER="$ASAN_FILTER" ;;
     *) echo "tests/run_all.sh: unknown stage '$1' (stages: ${STAGES[*]})"; return 2 ;;
     esac
 }
 
 [ $# -gt 0 ] && STAGES=("$@")
+
+# the background ASan build (above): started before the cli stage, waited for by the asan stage (a pipeline's
+# subshell: it polls the process and reads the exit status from a file)
+PREBUILD_PID=
+prebuild_start() {
+    rm -f "$LOGS/asan-build.rc"
+    ( nice -n 19 "$MAKE" --no-print-directory asan-build >"$LOGS/asan-build.log" 2>&1
+      echo $? >"$LOGS/asan-build.rc" ) &
+    PREBUILD_PID=$!
+    PREBUILD_T0=$SECONDS
+}
+prebuild_wait() {
+    [ -n "$PREBUILD_PID" ] || return 0
+    while kill -0 "$PREBUILD_PID" 2>/dev/null; do sleep 1; done
+    local rc
+    rc=$(cat "$LOGS/asan-build.rc" 2>/dev/null || echo 1)
+    echo "asan: the ASan build ran in the background from the cli stage on ($((SECONDS - PREBUILD_T0)) s since; exit $rc)"
+    [ "$rc" -eq 0 ] || { tail -n 30 "$LOGS/asan-build.log"; return 1; }
+}
+want_prebuild=0   # 1 when asan runs after cli
+if [ "${ASAN_PREBUILD:-1}" != 0 ]; then
+    seen_cli=0
+    for st in "${STAGES[@]}"; do
+        [ "$st" = cli ] && seen_cli=1
+        [ "$st" = asan ] && [ $seen_cli = 1 ] && want_prebuild=1
+    done
+fi
 declare -a R_NAME R_RES R_P R_F R_S R_T
 tp=0; tf=0; ts=0; nfail=0; t_all=$SECONDS
 for st in "${STAGES[@]}"; do
@@ -79,6 +110,7 @@ for st in "${STAGES[@]}"; do
         R_NAME+=("$st"); R_RES+=("not built"); R_P+=(0); R_F+=(0); R_S+=(0); R_T+=(0)
         continue
     fi
+    [ "$st" = cli ] && [ $want_prebuild = 1 ] && prebuild_start
     echo
     echo "==== make test: $st ($FITLLM_TEST_TIER tier) ===="
     t0=$SECONDS
