@@ -9,7 +9,9 @@ order and prints the files it enters and how often it climbs back up the layers:
   its first call only and its later calls are not counted (the call tree of the call graph, depth
   first: each call edge once); --every counts every call as a visit (descending at the first);
 - a function-like macro (FL_TRY, a file's own PP_GATHER) is a visit to the file that defines it,
-  and its body's calls are its own (the calls in its arguments are the caller's, made first);
+  and its body's calls are its own (the calls in its arguments are the caller's, made first); so is a
+  header's static (inline) function (store.h's fl_store_off), unless --no-inline (the rule before
+  2026-11-29, which did not see them);
 - a call through a backend table (`be->op(...)`) is a visit to include/fitllm/backend.h (the
   contract; which backend runs is a run-time choice); other calls through pointers are not
   followed (listed with --verbose);
@@ -17,7 +19,7 @@ order and prints the files it enters and how often it climbs back up the layers:
   include/fitllm/ belongs to its module). A climb is a step of the path from a file of a lower
   layer to one of a higher layer (a return, or a call upward).
 
-Usage: tools/callpath.py [--root DIR] [--file src/train/trainer.c] [--func train_step] [--verbose]
+Usage: tools/callpath.py [--root DIR] [--file src/train/trainer.c] [--func train_step] [--verbose] [--no-inline]
 Needs only Python 3 (no compiler); comments, strings and preprocessor lines but #define are dropped.
 """
 import argparse
@@ -175,8 +177,13 @@ def main():
     ap.add_argument("--func", default="train_step")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--every", action="store_true", help="count every call (default: a function's first call only)")
+    ap.add_argument("--no-inline", action="store_true", help="a header's static function is no visit (the old rule)")
     a = ap.parse_args()
     funcs, statics, macros = scan(a.root)
+    header_statics = {}
+    for (path, name), body in ([] if a.no_inline else sorted(statics.items())):
+        if path.endswith(".h"):
+            header_statics.setdefault(name, (path, body))
     path_files = []
     unresolved = set()
     expanded = set()
@@ -190,6 +197,8 @@ def main():
             return f, defs[f]
         if name in macros:
             return macros[name][0], macros[name][1]
+        if name in header_statics:
+            return header_statics[name]
         return None, None
 
     def walk(file, body, depth):

@@ -485,8 +485,9 @@ typedef struct {
  * (block -1), after those attached before (their order is the order they run in). */
 fl_status fl_model_adapters_begin(fl_model *m, const fl_adapter_hooks *h);
 fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_linear_adapter *a);
-/* The seed of the adapters' random draws for the next micro-batch (the training step: src/train/step.c; a no-op
- * without adapters or a seed hook), and of the model's own dropout masks (T5, cfg.dropout_on). */
+/* The seed of the model's own dropout masks (T5, cfg.dropout_on) for the next micro-batch, and of its adapters'
+ * random draws (the adapter table's owner's seed hook; none without adapters or a seed hook). The training step
+ * sets it through fl_model_forward_micro. */
 void fl_model_adapters_seed(fl_model *m, uint64_t seed);
 /* T5's dropout (cfg.dropout_rate) in this model's training passes (on 1) or none (0: the default), before
  * fl_model_alloc_acts_s2s (the block graphs change). The masks follow fl_model_adapters_seed's seed (each
@@ -501,7 +502,6 @@ size_t fl_model_adapter_live_rows(const fl_model *m, int layer, int param_index,
 /* The adapters were merged into the base weights: the model is then for saving only (fl_model_forward refuses;
  * 4-bit entries read back merged through read_merged). */
 void fl_model_adapters_merged(fl_model *m);
-int fl_model_adapters_are_merged(const fl_model *m);
 /* Remove every adapter (their owner's release runs). */
 void fl_model_detach_adapters(fl_model *m);
 /* Rows of the (rows, V) logits chunk the head processes at once for N = B*T rows (fl_act_sizes.logits_chunk_rows;

@@ -88,11 +88,26 @@ typedef struct {
     size_t x_bytes;
 } fl_optim_q8;
 
-/* Dynamic loss scaling (fp16 policies: 16-mixed, 16-true): the step multiplies d(loss) by ls.scale;
- * fl_optim_step checks the scaled gradients for inf/NaN, skips the update on overflow and otherwise
- * unscales inside the update (torch.amp.GradScaler). */
+/* Loss scaling, the one interface the step and the update call for it (fp16 policies: 16-mixed, 16-true). The
+ * optimizer's set-up installs fl_loss_scaler_dynamic (src/train/loss_scale.c: torch.amp.GradScaler over the
+ * optimizer's amp.ls) when the precision policy scales the loss (model->prec.loss_scaling); NULL: no scaling, and the
+ * step never enters loss_scale.c. Per step: the step multiplies d(loss) by value(o); before the update fl_optim_step
+ * calls unscale(o, &inv, &skip) once: the overflow check of the scaled gradients (every rank decides alike:
+ * fl_optim_found_inf) and the scale's update; *skip 1: an inf/NaN was found, the update is skipped (the scale
+ * backed off); else *inv is the factor the update multiplies the gradients by (times any clipping factor). unscale
+ * returns an error status with its message set (the check's collective). */
+typedef struct fl_loss_scaler {
+    const char *name;
+    float (*value)(const struct fl_optimizer *o);
+    fl_status (*unscale)(struct fl_optimizer *o, float *inv, int *skip);
+} fl_loss_scaler;
+extern const fl_loss_scaler fl_loss_scaler_dynamic;
+
+/* Dynamic loss scaling's state: on = the policy scales the loss (what the checkpoint and the trainers read), scaler
+ * the interface above (set with on), ls GradScaler's state. */
 typedef struct {
     int on;
+    const fl_loss_scaler *scaler;
     fl_loss_scale ls;
     int skipped; /* the last fl_optim_step skipped the update (overflow) */
 } fl_optim_amp;
@@ -140,6 +155,7 @@ typedef struct {
 
 typedef struct fl_optimizer {
     fl_optim_config cfg;
+    const char *name;   /* cfg.kind's name ("AdamW", "SGD", "AdamW8bit": fl_optim_name at set-up), for messages */
     fl_model *model;
     int step;           /* updates done */
     fl_optim_train w;   /* what it trains */
@@ -153,6 +169,8 @@ typedef struct fl_optimizer {
      * process (AdamW or SGD, no offload), the norm and the clip scale stay there (ss_pending = 1, *norm_out NaN)
      * until fl_optim_step_finish gets them from the caller's read */
     double *ss;
+    double *ss_home; /* the model's backend's step-scalar memory (its set-up slot step_scalars, asked once by the
+                      * optimizer's set-up: the same memory for every step), or NULL: the backend has none */
     int ss_nloss;   /* the loss sums in ss (ss[FL_SS_LOSS + k]) that must be finite for the update to run */
     int ss_pending;
 } fl_optimizer;
@@ -228,6 +246,10 @@ void fl_optim_free(fl_optimizer *o);
  * it clips with as the sum, in rank order, of the squared norms of the world's gradient chunks
  * (one chunk in one process: the same value), so DDP, ZeRO-1 and ZeRO-2 clip with the same bits. */
 double fl_grad_norm(const fl_model *model);
+/* Loss scaling's overflow check: *found 1 when any of the gradients o updates, times inv_scale, is inf or NaN; the
+ * verdict of every rank (ZeRO-2: each checks its range and the verdicts are summed; tensor / pipeline parallel:
+ * dist->any), so every rank skips alike. */
+fl_status fl_optim_found_inf(const fl_optimizer *o, float inv_scale, int *found);
 /* One update with learning rate lr. If max_norm > 0 the gradients are clipped
  * to that global norm (torch.nn.utils.clip_grad_norm_: coef = max_norm /
  * (norm + 1e-6), applied when < 1). *norm_out (may be NULL) gets the norm

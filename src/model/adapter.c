@@ -1,16 +1,35 @@
-/* Adapters on LINEAR ops (model.h): the rewrite's table and its binding. The model runs what is
- * attached (fl_linear_forward / _backward call each adapter after the base) and tells the owner about
- * the arena, live bytes, merged reads and teardown through its hooks; it never calls into the owner. */
+/* Adapters on LINEAR ops (model.h): the rewrite's table behind its interface (struct fl_adapter_table, model-impl.h).
+ * The model runs what is attached (fl_linear_forward / _backward call each adapter after the base), binds it through
+ * the table's bind and tells the owner about the arena, live bytes, merged reads and teardown through its hooks; it
+ * never calls into the owner, and a model without adapters never enters this file. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "model-impl.h"
 
+/* the table: per LINEAR (block l's linear p at l * FL_GRAPH_MAX_LINEARS + p, the head last) the adapters in attach
+ * order */
+typedef struct {
+    struct fl_adapter_table pub; /* first: m->adapt points here */
+    int n_keys;
+    const fl_linear_adapter ***list; /* (n_keys) */
+    int *count;                      /* (n_keys) */
+} table;
+
+static void bind(const struct fl_adapter_table *pub, int l, int p, fl_linear *lin, int row_base) {
+    const table *t = (const table *)pub;
+    const int k = l < 0 ? t->n_keys - 1 : l * FL_GRAPH_MAX_LINEARS + p;
+    lin->n_adapters = t->count[k];
+    lin->adapters = t->count[k] ? t->list[k] : NULL;
+    lin->row_base = row_base;
+}
+
 fl_status fl_model_adapters_begin(fl_model *m, const fl_adapter_hooks *h) {
     if (m->adapt) return fl_errorf(FL_ERR_INVALID, "the model has adapters attached already");
-    struct fl_adapter_table *t = calloc(1, sizeof *t);
+    table *t = calloc(1, sizeof *t);
     if (!t) return fl_errorf(FL_ERR_OOM, "adapters: out of host memory");
-    t->h = *h;
+    t->pub.h = *h;
+    t->pub.bind = bind;
     t->n_keys = (m->cfg.n_layers + m->cfg.n_dec_layers) * FL_GRAPH_MAX_LINEARS + 1; /* every stack's blocks */
     t->list = calloc((size_t)t->n_keys, sizeof *t->list);
     t->count = calloc((size_t)t->n_keys, sizeof *t->count);
@@ -18,12 +37,12 @@ fl_status fl_model_adapters_begin(fl_model *m, const fl_adapter_hooks *h) {
         free(t->list), free(t->count), free(t);
         return fl_errorf(FL_ERR_OOM, "adapters: out of host memory");
     }
-    m->adapt = t;
+    m->adapt = &t->pub;
     return FL_OK;
 }
 
 fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_linear_adapter *a) {
-    struct fl_adapter_table *t = m->adapt;
+    table *t = (table *)m->adapt;
     if (!t) return fl_errorf(FL_ERR_INVALID, "fl_model_attach_adapter: no fl_model_adapters_begin");
     if (block < -1 || block >= m->cfg.n_layers + m->cfg.n_dec_layers || (block >= 0 && (linear < 0 || linear >= FL_GRAPH_MAX_LINEARS)))
         return fl_errorf(FL_ERR_INVALID, "fl_model_attach_adapter: no LINEAR %d in block %d", linear, block);
@@ -32,6 +51,7 @@ fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_l
     if (!l) return fl_errorf(FL_ERR_OOM, "adapters: out of host memory");
     l[t->count[k]++] = a;
     t->list[k] = l;
+    t->pub.head = t->count[t->n_keys - 1] > 0;
     return FL_OK;
 }
 
@@ -39,30 +59,12 @@ void fl_model_adapters_merged(fl_model *m) {
     if (m->adapt) m->adapt->merged = 1;
 }
 
-int fl_model_adapters_are_merged(const fl_model *m) { return m->adapt && m->adapt->merged; }
-
 void fl_model_detach_adapters(fl_model *m) {
-    struct fl_adapter_table *t = m->adapt;
+    table *t = (table *)m->adapt;
     if (!t) return;
-    if (t->h.free_acts) t->h.free_acts(m);
-    if (t->h.release) t->h.release(m);
+    if (t->pub.h.free_acts) t->pub.h.free_acts(m);
+    if (t->pub.h.release) t->pub.h.release(m);
     for (int k = 0; k < t->n_keys; k++) free(t->list[k]);
     free(t->list), free(t->count), free(t);
     m->adapt = NULL;
 }
-
-void fl_model_bind_adapters(const fl_model *m, int l, int p, fl_linear *lin, int row_base) {
-    const struct fl_adapter_table *t = m->adapt;
-    if (!t) return;
-    const int k = l < 0 ? t->n_keys - 1 : l * FL_GRAPH_MAX_LINEARS + p;
-    lin->n_adapters = t->count[k];
-    lin->adapters = t->count[k] ? t->list[k] : NULL;
-    lin->row_base = row_base;
-}
-
-void fl_model_adapters_seed(fl_model *m, uint64_t seed) {
-    m->drop_seed = seed; /* the model's own dropout (T5) follows the same micro-batch seed */
-    if (m->adapt && m->adapt->h.seed) m->adapt->h.seed(m, seed);
-}
-
-int fl_model_head_adapted(const fl_model *m) { return m->adapt && m->adapt->count[m->adapt->n_keys - 1] > 0; }

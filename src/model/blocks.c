@@ -86,7 +86,7 @@ void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_p
                                 (o->role_w == FL_ROLE_O_W || o->role_w == FL_ROLE_PROJ_W));
         set_linear(m, &bp->lin[o->p], gr->slot[o->in].width, gr->slot[o->out].width, R(o->role_w),
                    bias_here ? R(o->role_b) : -1, cur, wb);
-        fl_model_bind_adapters(m, l, o->p, &bp->lin[o->p], 0); /* the adapters the rewrite attached to it */
+        if (m->adapt) m->adapt->bind(m->adapt, l, o->p, &bp->lin[o->p], 0); /* the adapters the rewrite attached to it */
     }
     fl_store_widen_flush(m->store, wb);
 #undef R

@@ -807,7 +807,7 @@ fl_status fl_head_logits_out(fl_model *m, float *out, const float *logits, int r
  * frozen head has no bf16 scratch: fl_linear_wants_dy16); wide: the head widened to fp32 (fl_act_opts.head_widen) */
 static int head_dbf16(const fl_model *m, const fl_linear *head, int train_targets, int wide) {
     return train_targets && m->be->cross_entropy_dbf16 && !wide && fl_linear_wants_dy16(head) && head->wc &&
-           head->wct == FL_BF16 && head->n_q4 == 0 && !fl_model_head_adapted(m) && !m->tp_ops;
+           head->wct == FL_BF16 && head->n_q4 == 0 && !(m->adapt && m->adapt->head) && !m->tp_ops;
 }
 static void head_linear(fl_model *m, const fl_outer_params *op, fl_linear *head) {
     fl_dims d = fl_model_dims(&m->cfg);
@@ -817,7 +817,7 @@ static void head_linear(fl_model *m, const fl_outer_params *op, fl_linear *head)
 }
 static int head_wide(const fl_model *m, const fl_linear *head) {
     const fl_acts *a = m->acts;
-    return a->head_w && head->wc && head->wct == a->head_dt && head->n_q4 == 0 && !fl_model_head_adapted(m);
+    return a->head_w && head->wc && head->wct == a->head_dt && head->n_q4 == 0 && !(m->adapt && m->adapt->head);
 }
 void *fl_lm_head_x16(fl_model *m) {
     fl_outer_params op;
@@ -876,7 +876,7 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
             FL_TRY(FL_RUN(be, convert, a->head_x, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.C));
             xr = a->head_x;
         }
-        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk, the batch's dropout mask */
+        if (m->adapt) m->adapt->bind(m->adapt, -1, 0, &head, r0); /* head adapters: this chunk, the batch's dropout mask */
         FL_TRY(fl_linear_forward(be, a->logits, xr, wide ? &hw : &head, rows)); // (rows, V)
         if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r0 * m->cfg.vocab_size, a->logits, rows));
         if (!targets) continue;
@@ -962,7 +962,7 @@ fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *target
     for (int r0 = 0; r0 < N; r0 += h->chunk) {
         const int rows = N - r0 < h->chunk ? N - r0 : h->chunk;
         const float *xr = h->x + (size_t)r0 * C;
-        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk */
+        if (m->adapt) m->adapt->bind(m->adapt, -1, 0, &head, r0); /* head adapters: this chunk */
         FL_TRY(fl_linear_forward(be, h->logits, xr, &head, rows)); // (rows, Vr)
         if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r0 * V, h->logits, rows));
         if (!targets) continue;

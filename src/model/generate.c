@@ -129,7 +129,7 @@ static fl_status head_logits(fl_model *m, fl_kv_cache *kv, const rows_scratch *w
     (void)fl_norm_forward_t(m, w->ln, NULL, w->mean, w->rstd, last, op->lnf_w, op->lnf_wt, op->lnf_b, 1);
     fl_linear head = {.in = d.C, .out = d.V, .w = op->head};
     fl_linear_set_weight(m, &head, op->head_idx);
-    fl_model_bind_adapters(m, -1, 0, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
+    if (m->adapt) m->adapt->bind(m->adapt, -1, 0, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
     if (!kv->dlogits && !fl_tp_vocab_split(m)) return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
     float *dl = kv->dlogits ? kv->dlogits : logits; /* tensor parallel on host memory: the slice, then gathered */
     FL_TRY(fl_linear_forward(be, dl, w->ln, &head, 1)); /* device logits, to the caller's host buffer */

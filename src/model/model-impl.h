@@ -133,19 +133,18 @@ typedef struct {
     void *xb16, *dyb16; /* bf16 scratch (N, in), (N, out): dW += bf16(dy)^T bf16(x), or NULL (fp32 dW) */
 } fl_linear;
 
-/* The adapters attached to LINEAR ops (fl_model_attach_adapter): the owner's hooks and, per LINEAR
- * (block l's linear p at l * FL_GRAPH_MAX_LINEARS + p, the head last), the adapters in attach order. */
+/* The adapter table, the one interface through which the model's core reaches the adapters attached to its LINEAR
+ * ops. fl_model_adapters_begin installs it (m->adapt; adapter.c keeps the rewrite's bookkeeping behind it: per LINEAR
+ * the adapters in attach order); a model without adapters has m->adapt NULL and its passes never enter adapter.c.
+ * The core reads h (the owner's hooks: the seed of its draws, its activations, live bytes, merged reads), merged and
+ * head, and calls bind: the adapters attached to block l's LINEAR p (l -1: the head) onto lin (its adapters and
+ * n_adapters; none: 0), row_base the head chunk's first row in the batch (what the adapters' dropout masks follow). */
 struct fl_adapter_table {
-    fl_adapter_hooks h;
-    int merged;
-    int n_keys;
-    const fl_linear_adapter ***list; /* (n_keys) */
-    int *count;                       /* (n_keys) */
+    fl_adapter_hooks h; /* the owner's hooks (copied by fl_model_adapters_begin) */
+    int merged;         /* fl_model_adapters_merged: the adapters are in the weights (a forward refuses) */
+    int head;           /* adapters attached to the lm_head */
+    void (*bind)(const struct fl_adapter_table *t, int l, int p, fl_linear *lin, int row_base);
 };
-/* Bind the adapters of block l's LINEAR p (l -1: the head) to lin; row_base: the head chunk's first row. */
-void fl_model_bind_adapters(const fl_model *m, int l, int p, fl_linear *lin, int row_base);
-/* An adapter sits on the lm_head. */
-int fl_model_head_adapted(const fl_model *m);
 
 /* y (N,out) = x (N,in) @ W^T + b */
 fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, const fl_linear *lin, int N);

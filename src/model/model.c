@@ -165,7 +165,7 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
             memset(dst, 0, m->layout.params[i].numel * sizeof(float));
         } else {
             fl_q4_dequantize(&hw, dst, m->be->n_threads);
-            if (fl_model_adapters_are_merged(m) && m->adapt->h.read_merged) m->adapt->h.read_merged(m, i, dst);
+            if (m->adapt && m->adapt->merged && m->adapt->h.read_merged) m->adapt->h.read_merged(m, i, dst);
         }
         fl_mem_free(fl_mem_host_pool(m->pool), blob);
         return;
@@ -173,7 +173,7 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
     if (fl_model_param_is_q4(m, i)) {
         fl_q4_dequantize(&m->store->q4[i], dst, m->be ? m->be->n_threads : 0);
         /* after the adapters were merged (fl_model_lora_merge): the merged weight */
-        if (fl_model_adapters_are_merged(m) && m->adapt->h.read_merged) m->adapt->h.read_merged(m, i, dst);
+        if (m->adapt && m->adapt->merged && m->adapt->h.read_merged) m->adapt->h.read_merged(m, i, dst);
         return;
     }
     fl_dtype dt;

@@ -211,7 +211,7 @@ static fl_status check_model(const fl_model *m, const char *fn) {
     const int st16 = m->store && m->store->dtype != FL_F32 && m->store->pstage;
     if (!fl_model_params_f32(m) && !st16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 or 16-bit storage only", fn);
-    if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights: running them again would double them */
+    if (m->adapt && m->adapt->merged) /* the adapters are in the weights: running them again would double them */
         return fl_errorf(FL_ERR_INVALID, "%s: the LoRA adapters were merged into the weights; save the model and reload "
                          "it to run it", fn);
     return FL_OK;
@@ -562,7 +562,7 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, int b, const
     if (m->cfg.head_scale) FL_RUN(be, scale, no, (size_t)C, 1.0f / sqrtf((float)C));
     fl_linear head = {.in = C, .out = fl_config_vocab_rows(&m->cfg, NULL), .w = op.head}; /* TP: the rank's rows */
     fl_linear_set_weight(m, &head, op.head_idx);
-    fl_model_bind_adapters(m, -1, 0, &head, 0);
+    if (m->adapt) m->adapt->bind(m->adapt, -1, 0, &head, 0);
     FL_TRY(fl_linear_forward(be, a->logits, no, &head, 1));
     return fl_head_logits_out(m, lg, a->logits, 1); /* TP: the group's columns gathered */
 }

@@ -380,7 +380,7 @@ static fl_status lm_check(const fl_model *m, const char *fn, int B, int T, const
     if (end_op(m->acts->mgraph) != FL_MOP_HEAD_LM)
         return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward: %s has no LM head (an encoder: fl_model_encode)",
                          fl_arch_get(m->cfg.arch)->display);
-    if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights now: running them again would double them */
+    if (m->adapt && m->adapt->merged) /* the adapters are in the weights now: running them again would double them */
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: the LoRA adapters were merged into the weights "
                                          "(fl_model_lora_merge); save the model and reload it to run it");
     if (B * T > m->B * m->T || T > m->T)
@@ -448,6 +448,12 @@ fl_status fl_model_forward_body(fl_model *m, const int32_t *ids, const int32_t *
     fl_status s = lm_body(m, ids, targets, B, T, grad_scale);
     around(m, 0, 1);
     return s;
+}
+
+/* The micro-batch's seed: the model's own dropout (T5, OPT), the adapters' draws through their table's owner */
+void fl_model_adapters_seed(fl_model *m, uint64_t seed) {
+    m->drop_seed = seed;
+    if (m->adapt && m->adapt->h.seed) m->adapt->h.seed(m, seed);
 }
 
 /* Another kind's passes (fl_model_kind, installed with its arena), or NULL: the decoder-only stack's below. */

@@ -103,6 +103,9 @@ void fl_optim_state_source(const fl_optimizer *o, fl_st_write_tensor *t, const v
  * scaling), in place on the host (optim.c; not where the update is staged through the host tier). Elementwise: the
  * parts together are the whole update's bits. Safe on a second thread while the model computes (it allocates
  * nothing; NVMe: the same residency hints as the whole update, on the part's pages). */
+/* The squared norm of the optimizer's gradients [off, off + len) of its buffer (double, on the backend that holds
+ * them; len 0: 0): the pieces every norm of the step sums (optim.c's one range, zero.c's chunks in rank order). */
+fl_status fl_optim_grad_sumsq(const fl_optimizer *o, size_t off, size_t len, double *v);
 fl_status fl_optim_update_part(const fl_optimizer *o, size_t a, size_t n, float lr, int step);
 /* AdamW / SGD on be over n elements of parameters p and gradients g (this rank's range, or one piece of it) with the
  * state from element st of the rank's state arrays (optim.c; the offloaded update's pieces run it too). */

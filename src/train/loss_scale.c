@@ -1,8 +1,11 @@
-/* Dynamic loss scaling (torch.amp.GradScaler semantics; see include/fitllm/loss_scale.h). */
+/* Dynamic loss scaling (torch.amp.GradScaler semantics; see include/fitllm/loss_scale.h) and its plug-in for the
+ * step and the update (fl_loss_scaler_dynamic, fitllm/train.h). */
 #include "fitllm/loss_scale.h"
 
 #include <math.h>
 #include <string.h>
+
+#include "fitllm/train.h"
 
 void fl_loss_scale_init(fl_loss_scale *ls) {
     memset(ls, 0, sizeof *ls);
@@ -63,3 +66,18 @@ int fl_loss_scale_update(fl_loss_scale *ls, int found_inf) {
     }
     return 0;
 }
+
+/* The plug-in over an optimizer's GradScaler state (o->amp.ls): the loss's factor, then per update the overflow check
+ * of the gradients times 1/scale and the scale's update; inv computed before the update, as torch does. */
+static float dynamic_value(const fl_optimizer *o) { return fl_loss_scale_value(&o->amp.ls); }
+
+static fl_status dynamic_unscale(fl_optimizer *o, float *inv, int *skip) {
+    const float i = fl_loss_scale_inv(&o->amp.ls);
+    int found;
+    FL_TRY(fl_optim_found_inf(o, i, &found));
+    *skip = fl_loss_scale_update(&o->amp.ls, found);
+    *inv = i;
+    return FL_OK;
+}
+
+const fl_loss_scaler fl_loss_scaler_dynamic = {"dynamic", dynamic_value, dynamic_unscale};

@@ -462,6 +462,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
                          "with a strategy without offload");
     if (off && (!off->be || !off->pool)) return fl_errorf(FL_ERR_INVALID, "CPU offload: no host backend or host pool");
     o->cfg = *cfg;
+    o->name = fl_optim_name(cfg->kind);
     o->model = model;
     o->home.be = off ? off->be : model->be;
     o->home.pool = off ? (off->state_pool ? off->state_pool : off->pool) : model->pool;
@@ -472,7 +473,8 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     /* the precision policy fixes the state dtype of the full parameters (bf16-true: bf16);
      * LoRA adapters are fp32 under every policy */
     if (!model->lora && model->prec.optim_dtype == FL_BF16) o->cfg.state_dtype = FL_BF16;
-    o->amp.on = model->prec.loss_scaling;
+    o->amp.on = model->prec.loss_scaling; /* the precision policy's loss scaling: its interface, GradScaler's state */
+    o->amp.scaler = o->amp.on ? &fl_loss_scaler_dynamic : NULL;
     fl_loss_scale_init(&o->amp.ls);
     fl_status s = trainable(o, model);
     const int sharded = fl_model_provider(model) && !model->lora; /* FULL_SHARD: the whole shard is this rank's */
@@ -522,6 +524,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
         if (s == FL_OK) s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.gt), &o->home.hg);
     }
     if (s == FL_OK && (o->home.hp || o->home.disk || o->home.ppool)) o->home.update = &fl_optim_offload_update;
+    if (s == FL_OK && model->be->step_scalars) o->ss_home = model->be->step_scalars(model->be, FL_SS_MAX);
     if (s != FL_OK && o->home.disk && o->home.pool->raw_why && o->home.pool->raw_why(o->home.pool->raw_ud)[0]) {
         /* the disk refused the state's files (missing space, a file-size limit): a disk fault, not a memory
          * budget (no smaller micro batch helps) */
@@ -568,9 +571,9 @@ static const void *g_at(const fl_optimizer *o, size_t off) { return (const char 
 /* the backend whose memory holds the gradients: the model's, or under parameter offload the host's */
 static const fl_backend *grads_be(const fl_optimizer *o) { return o->home.params_host ? o->home.be : o->model->be; }
 
-/* Loss scaling: any inf/NaN among the scaled gradients (times inv_scale); under ZeRO-2 each rank
- * checks its range and the verdicts are summed, so every rank decides alike. */
-static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
+/* Loss scaling's overflow check (fitllm/train.h): under ZeRO-2 each rank checks its range and the verdicts are
+ * summed, so every rank decides alike. */
+fl_status fl_optim_found_inf(const fl_optimizer *o, float inv_scale, int *found) {
     *found = 0;
     const fl_backend *be = grads_be(o);
     if (!grads_sharded(o)) {
@@ -584,36 +587,19 @@ static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
     return FL_OK;
 }
 
-static fl_status chunk_sumsq(const fl_optimizer *o, size_t off, size_t len, double *v) {
+fl_status fl_optim_grad_sumsq(const fl_optimizer *o, size_t off, size_t len, double *v) {
     const fl_backend *be = grads_be(o);
     *v = 0.0;
     if (!len) return FL_OK;
     return FL_RUN(be, sumsq, g_at(o, off), o->w.gt, len, v);
 }
 
-/* The squared global gradient norm: the squared norms of the world's chunks summed in rank order
- * in double. DDP and ZeRO-1 hold every chunk and add them here; ZeRO-2 ranks hold one each and add
- * them with dist->sum (the same order): all three clip with the same bits. */
+/* The squared global gradient norm: over several ranks the hooks' (data parallel: the ranks' chunks in rank order,
+ * src/train/zero.c; tensor / pipeline parallel: the whole model's), else the one range's in double (the bits of
+ * the one chunk a single rank's order has). */
 static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
-    if (o->shard.dist && o->shard.dist->grad_sumsq) return o->shard.dist->grad_sumsq(o->shard.dist->ud, o, out); /* tensor parallel */
-    if (grads_sharded(o)) {
-        double v;
-        FL_TRY(chunk_sumsq(o, o->shard.off, o->shard.len, &v));
-        FL_TRY(o->shard.dist->sum(o->shard.dist->ud, &v, 1));
-        *out = v;
-        return FL_OK;
-    }
-    int world = o->shard.dist ? o->shard.dist->world : 1;
-    double acc = 0;
-    for (int r = 0; r < world; r++) {
-        size_t off, len;
-        fl_comm_chunk(o->w.n, world, r, &off, &len);
-        double v;
-        FL_TRY(chunk_sumsq(o, off, len, &v));
-        acc += v;
-    }
-    *out = acc;
-    return FL_OK;
+    if (o->shard.dist && o->shard.dist->grad_sumsq) return o->shard.dist->grad_sumsq(o->shard.dist->ud, o, out);
+    return fl_optim_grad_sumsq(o, 0, o->w.n, out);
 }
 
 double fl_grad_norm(const fl_model *m) {
@@ -639,7 +625,7 @@ fl_status fl_optim_update_range(const fl_optimizer *o, const fl_backend *be, voi
     if (c->kind == FL_OPT_SGD)
         return FL_RUN(be, sgd_update, p, o->w.pt, g, o->w.gt, buf, c->state_dtype, n, lr, c->momentum, c->dampening,
                       c->weight_decay, c->nesterov, step == 1, scale);
-    return fl_errorf(FL_ERR_INTERNAL, "optimizer update: %s is not elementwise", fl_optim_name(c->kind));
+    return fl_errorf(FL_ERR_INTERNAL, "optimizer update: %s is not elementwise", o->name);
 }
 
 /* The update of elements [a, a + n) of the rank's range as update `step`, unscaled, where the update runs on host
@@ -723,16 +709,14 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     o->amp.skipped = 0;
     o->ss_pending = 0;
     if (o->home.updated) return step_updated(o, max_norm, norm_out); /* FULL_SHARD offload, unit by unit (fsdp.c) */
-    if (o->amp.on) {
-        float inv = fl_loss_scale_inv(&o->amp.ls);
-        int found;
-        FL_TRY(found_inf(o, inv, &found));
-        if (fl_loss_scale_update(&o->amp.ls, found)) { /* overflow: no update, scale backed off */
+    if (o->amp.scaler) { /* fp16 loss scaling (fl_loss_scaler): the overflow check, the scale's update */
+        int skip;
+        FL_TRY(o->amp.scaler->unscale(o, &scale, &skip)); /* unscale inside the update */
+        if (skip) { /* overflow: no update, scale backed off */
             o->amp.skipped = 1;
             if (norm_out) *norm_out = NAN;
             return FL_OK;
         }
-        scale = inv; /* unscale inside the update */
     }
     if (norm_on_device(o, max_norm, norm_out)) { /* read by the caller at the step's end: fl_optim_step_finish */
         if (norm_out) *norm_out = NAN;

@@ -173,7 +173,7 @@ static fl_status inner_max(void *ud, float *v, size_t n) {
 
 fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     const fl_optim_dist *in = o->shard.dist;
-    if (in && (in->stage > 3 || in->grad_sumsq))
+    if (in && (in->stage > 3 || in->any)) /* any: the hooks of another tensor / pipeline split */
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the data-parallel axis runs DDP, ZeRO-1, ZeRO-2 or "
                          "FULL_SHARD (its optimizer is at stage %d)", p->stages, in->stage);
     fl_lora_adapters ad;

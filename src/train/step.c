@@ -36,7 +36,7 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, c
                        long step_valid, double *ss, double *loss_sum, long *n_valid, fl_step_result *res) {
     if (step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
     float grad_scale = (float)(1.0 / (double)step_valid);
-    if (o && o->amp.on) grad_scale *= fl_loss_scale_value(&o->amp.ls); /* fp16: scaled loss */
+    if (o && o->amp.scaler) grad_scale *= o->amp.scaler->value(o); /* fp16: scaled loss (fl_loss_scaler) */
     double a = now_ms();
     edge(m, -1, k == 0 ? "before_fwd" : NULL, "forward");
     FL_TRY(fl_model_forward_micro(m, mb, grad_scale, seed)); /* either kind, up to the head's input */
@@ -55,7 +55,7 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, c
     /* a diverged run: stop before its NaN reaches the weights (losses on the device: the update is skipped there and
      * the step fails at its end, the weights as they were). Under fp16 loss scaling an overflow is expected now and
      * then: the optimizer skips that update. */
-    const int diverged = !m->loss_on_dev && !isfinite(m->loss_sum) && !(o && o->amp.on);
+    const int diverged = !m->loss_on_dev && !isfinite(m->loss_sum) && !(o && o->amp.scaler);
     edge(m, FL_LIVE_FORWARD, k == 0 && !diverged ? "after_fwd" : NULL, diverged ? NULL : "backward");
     if (diverged)
         return fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(m->loss_sum) ? "NaN" : m->loss_sum > 0 ? "+inf" : "-inf");
@@ -78,7 +78,7 @@ static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, 
     edge(m, -1, NULL, "optimizer step");
     double norm = 0;
     o->ss = ss; /* the norm and clip scale may stay on the device: read at the step's end */
-    o->ss_nloss = o->amp.on ? 0 : n_loss; /* a non-finite loss refuses the update (loss scaling: its overflow check) */
+    o->ss_nloss = o->amp.scaler ? 0 : n_loss; /* a non-finite loss refuses the update (loss scaling: its overflow check) */
     fl_status s = fl_optim_step(o, lr, max_norm, &norm);
     o->ss = NULL;
     FL_TRY(s);
@@ -87,7 +87,7 @@ static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, 
     edge(m, -1, "after_opt_step", NULL);
     res->grad_norm = norm;
     res->skipped = o->amp.skipped;
-    res->loss_scale = o->amp.on ? fl_loss_scale_value(&o->amp.ls) : 0.0f;
+    res->loss_scale = o->amp.scaler ? o->amp.scaler->value(o) : 0.0f;
     res->ms_opt += now_ms() - c;
     return FL_OK;
 }
@@ -110,12 +110,12 @@ static fl_status reduce(fl_model *m, fl_optimizer *o, const fl_grad_sync *gs) {
  * start; NULL: the host path (each micro-batch's losses read after its head, the norm read by the update). */
 static double *step_scalars(fl_model *m, const fl_optimizer *o, const fl_step_ctx *c) {
     const fl_backend *be = m->be;
-    /* only with the update on the device too: it skips itself on a non-finite loss, as the host path stops */
-    if (!o || !be->step_scalars || !be->loss_sum_dev || c->n_micro + FL_SS_LOSS > FL_SS_MAX || !fl_optim_device_step(o))
+    /* only with the update on the device too: it skips itself on a non-finite loss, as the host path stops. The
+     * memory is the backend's, asked for at the optimizer's set-up (o->ss_home) */
+    if (!o || !o->ss_home || !be->loss_sum_dev || c->n_micro + FL_SS_LOSS > FL_SS_MAX || !fl_optim_device_step(o))
         return NULL;
-    double *ss = be->step_scalars(be, c->n_micro + FL_SS_LOSS);
-    if (ss) FL_RUN(be, zero, ss, (size_t)(c->n_micro + FL_SS_LOSS) * sizeof *ss);
-    return ss;
+    FL_RUN(be, zero, o->ss_home, (size_t)(c->n_micro + FL_SS_LOSS) * sizeof *o->ss_home);
+    return o->ss_home;
 }
 
 /* The step's one read of its scalars (when anything was left on the device): each micro-batch's loss sum into
@@ -130,7 +130,7 @@ static fl_status read_scalars(fl_model *m, fl_optimizer *o, fl_step_ctx *c, cons
     fl_status s = fl_optim_step_finish(o, h, &r->grad_norm); /* the count, the norm */
     if (s != FL_OK) c->failed_k = n;
     for (int k = 0; k < n; k++) /* a loss first, as the host path fails before the update */
-        if (!isfinite(ls[k]) && !o->amp.on) {
+        if (!isfinite(ls[k]) && !o->amp.scaler) {
             c->failed_k = k;
             return fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(ls[k]) ? "NaN" : ls[k] > 0 ? "+inf" : "-inf");
         }

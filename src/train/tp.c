@@ -146,7 +146,7 @@ static fl_status inner_max(void *ud, float *v, size_t n) {
 fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d) {
     const fl_optim_dist *in = o->shard.dist;
     const int fsdp = in && in->stage == 3 && ((const fl_dp *)in->ud)->fsdp; /* (HYBRID_SHARD: the node's pieces) */
-    if (in && ((in->stage > 2 && !fsdp) || in->grad_sumsq))
+    if (in && ((in->stage > 2 && !fsdp) || in->any)) /* any: the hooks of another tensor / pipeline split */
         return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the data-parallel axis runs DDP, ZeRO-1, ZeRO-2 or "
                          "FULL_SHARD (its optimizer is at stage %d)", in->stage);
     fl_lora_adapters ad;

@@ -48,6 +48,29 @@ static fl_status dist_gather(void *ud, fl_optimizer *o) {
                            "%s: gathering the updated parameters", fl_dp_stage_name(dp));
 }
 
+/* The squared gradient norm every data-parallel stage clips with alike: the squared norms of the world's chunks
+ * (fl_comm_chunk: the reduce-scatter's layout, ZeRO's ranges) summed in rank order in double. DDP and ZeRO-1 hold
+ * every chunk and add them here; ZeRO-2 and FULL_SHARD ranks hold their own and add them with dist_sum (the same
+ * order): all clip with the same bits. */
+static fl_status dist_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
+    const fl_dp *dp = ud;
+    double acc = 0, v;
+    if (dp->stage >= 2) { /* this rank's reduced chunk only */
+        FL_TRY(fl_optim_grad_sumsq(o, o->shard.off, o->shard.len, &v));
+        FL_TRY(dist_sum((void *)dp, &v, 1));
+        *out = v;
+        return FL_OK;
+    }
+    for (int r = 0; r < dp->world; r++) {
+        size_t off, len;
+        fl_comm_chunk(o->w.n, dp->world, r, &off, &len);
+        FL_TRY(fl_optim_grad_sumsq(o, off, len, &v));
+        acc += v;
+    }
+    *out = acc;
+    return FL_OK;
+}
+
 fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o, fl_model *m) {
     int stage = 0;
     FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
@@ -56,7 +79,8 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
     /* FULL_SHARD of LoRA: the frozen base stays whole on every rank and the adapters (the trainable
      * parameters) train as under ZeRO-2 (fl_fsdp_prepare shards full-model runs only) */
     if (dp->stage == 3 && !dp->fsdp) dp->stage = 2;
-    dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather, dist_max, NULL, NULL, NULL};
+    dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather, dist_max,
+                              dist_grad_sumsq, NULL, NULL};
     /* ZeRO-3: the optimizer runs on this rank's shard (fl_model_provider) as on a whole buffer (8-bit AdamW: its
      * pieces of the tensors, placed by the shard group's size and this rank's place in it: HYBRID_SHARD
      * shards within the node) */
