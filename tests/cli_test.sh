@@ -1761,6 +1761,12 @@ for x in "" "--train.activation_checkpointing true" "--precision bf16-mixed"; do
     measured=$("$FITLLM" finetune_full "$OM" "${OD[@]}" --train.max_steps 2 $x --out_dir "$T/odpm${x##* }" 2>&1 | awk '/^host tier/ { exit } /^(after_|before_)/ { print; getline; print } /^peak/')
     expect "opt_dropout_plan_equals_measured${x:+_${x##* }}" 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 11 ] && [ "$1" = "$2" ] || { echo "planned:"; echo "$1"; echo "measured:"; echo "$2"; exit 1; }' _ "$planned" "$measured"
 done
+# fp16's overflow path (FITLLM_FAULT_GRAD_OVERFLOW, test-only: fitllm/fault.h; tests/test_fp16_fault.c runs the
+# grids): +inf in the gradients at step 2 skips that update, halves the scale, and the summary counts the skip; a
+# malformed value is refused naming the variable
+FF=(--precision 16-mixed --train.max_steps 3 --train.global_batch_size 4 --train.micro_batch_size 4 --eval.final_validation false)
+expect fp16_fault_overflow_skipped 0 "fp16 steps \(loss scaling\) +1 skipped, scale 32768" -- bash -c 'o=$(FITLLM_FAULT_GRAD_OVERFLOW=2 "$@" 2>&1) && grep -q "^step 2: inf/NaN in the fp16 gradients: update skipped, loss scale -> 32768" <<<"$o" && echo "$o"' _ "$FITLLM" finetune_full micro "${FF[@]}" --out_dir "$T/ffo"
+expect fp16_fault_bad_value 2 "FITLLM_FAULT_GRAD_OVERFLOW: '2:x' is not STEP\[:RANK\]" -- env FITLLM_FAULT_GRAD_OVERFLOW=2:x "$FITLLM" finetune_full micro "${FF[@]}" --out_dir "$T/ffx"
 
 echo
 echo "$pass passed, $fail failed, $skip skipped"

@@ -15,6 +15,7 @@
 #include "fitllm/checkpoint.h"
 #include "fitllm/comm.h"
 #include "fitllm/config.h"
+#include "fitllm/fault.h"
 #include "fitllm/trainer.h"
 
 static void help(const char *cmd, fl_cmd_kind kind) {
@@ -387,6 +388,12 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
     g_rank0 = rank == 0;
     g_cmd_name = cmd;
     g_out_dir = cfg_in->out_dir;
+    /* testing fp16's overflow path: FITLLM_FAULT_GRAD_OVERFLOW=STEP[:RANK] (fitllm/fault.h, README) */
+    fl_fault_clear();
+    if (fl_fault_from_env() != FL_OK) {
+        fl_cli_fail(cmd, FL_ERR_INVALID, NULL);
+        return FL_EXIT_USAGE;
+    }
     signals_begin(cfg.threads > 0 ? cfg.threads : fl_cpu_default_threads(), launched);
     fl_cli_faults_begin(cmd, &cfg, rank, world);
     /* on a GPU, rank 0 samples its utilization and memory through NVML for the summary (the course's nvtop);
