@@ -77,6 +77,7 @@ FL_TEST(fp16_fault_overflow_skips_on_every_rank) {
     FL_CHECK(one[1]->rec[0].loss[0] == clean->rec[0].loss[0] && one[1]->rec[0].loss[FF_AT - 1] == clean->rec[0].loss[FF_AT - 1]);
     FL_CHECK(one[1]->rec[0].loss[FF_AT] != clean->rec[0].loss[FF_AT]);
     for (size_t k = 0; k < sizeof g / sizeof g[0]; k++) {
+        if (fl_test_asan_light() && k != 3 && k != 4) continue; /* ASan: interleaved and the 3D grid (every verdict) */
         dr_job *j = ff_run(&g[k]);
         FL_REQUIRE(j != NULL);
         const int W = g[k].dp * g[k].tp * g[k].pp;
