@@ -1765,7 +1765,24 @@ for x in "" "--train.activation_checkpointing true" "--precision bf16-mixed"; do
     measured=$("$FITLLM" finetune_full "$OM" "${OD[@]}" --train.max_steps 2 $x --out_dir "$T/odpm${x##* }" 2>&1 | awk '/^host tier/ { exit } /^(after_|before_)/ { print; getline; print } /^peak/')
     expect "opt_dropout_plan_equals_measured${x:+_${x##* }}" 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 11 ] && [ "$1" = "$2" ] || { echo "planned:"; echo "$1"; echo "measured:"; echo "$2"; exit 1; }' _ "$planned" "$measured"
 done
+# fp16's overflow path (FITLLM_FAULT_GRAD_OVERFLOW, test-only: fitllm/fault.h; tests/test_fp16_fault.c runs the
+# grids): +inf in the gradients at step 2 skips that update, halves the scale, and the summary counts the skip; a
+# malformed value is refused naming the variable
+FF=(--precision 16-mixed --train.max_steps 3 --train.global_batch_size 4 --train.micro_batch_size 4 --eval.final_validation false)
+expect fp16_fault_overflow_skipped 0 "fp16 steps \(loss scaling\) +1 skipped, scale 32768" -- bash -c 'o=$(FITLLM_FAULT_GRAD_OVERFLOW=2 "$@" 2>&1) && grep -q "^step 2: inf/NaN in the fp16 gradients: update skipped, loss scale -> 32768" <<<"$o" && echo "$o"' _ "$FITLLM" finetune_full micro "${FF[@]}" --out_dir "$T/ffo"
+expect fp16_fault_bad_value 2 "FITLLM_FAULT_GRAD_OVERFLOW: '2:x' is not STEP\[:RANK\]" -- env FITLLM_FAULT_GRAD_OVERFLOW=2:x "$FITLLM" finetune_full micro "${FF[@]}" --out_dir "$T/ffx"
 
+# --strategy auto on TP / PP grids (src/plan/plan_auto.c; tests/test_plan_auto.c checks the rule against every
+# rank's plan): the first of DDP, ZeRO-1, ZeRO-2, FULL_SHARD, the offloads whose every rank fits --max_memory, the
+# reason printed (micro: DDP's largest rank 9.97 MiB at TP 2, 17.77 MiB at PP 2; ZeRO-1's 9.47 / 17.13 MiB); no
+# budget: DDP, saying so. (`finetune_full ... --devices 4 --tensor_parallel 2 --max_memory 9.5MiB` under mpirun prints
+# the same note and trains in the budget.)
+expect tp_auto_strategy_by_plan 0 "note: strategy auto: deepspeed_stage_1 on the data axis of DP 2 x TP 2 x PP 1: every rank's plan fits the budget 9.60 MiB" -- \
+    bash -c '"$@" | grep -q "before it: ddp needs [0-9.]* MiB on rank" && "$@"' _ "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --max_memory 9.6MiB
+expect pp_auto_strategy_by_plan 0 "note: strategy auto: deepspeed_stage_1 on the data axis of DP 2 x TP 1 x PP 2: every rank's plan fits the budget 17.45 MiB" -- \
+    "$FITLLM" plan micro --devices 4 --pipeline_parallel 2 --max_memory 17.45MiB
+expect tpp_auto_strategy_no_budget 0 "note: strategy auto: DDP on the data axis of DP 2 x TP 2 x PP 2 \(no memory budget given" -- \
+    "$FITLLM" plan micro --devices 8 --tensor_parallel 2 --pipeline_parallel 2
 echo
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]

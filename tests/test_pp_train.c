@@ -674,8 +674,8 @@ FL_TEST(pp_train_threads_interleaved_plan_equals_measured) {
  * losses within the 1e-6 bar above. 16-mixed (loss scaling) at PP 2 x 2 chunks and DP 2 x PP 2 x 2 chunks ZeRO-2
  * against one process under 16-mixed (the anchor: its own difference from fp32 is not fp32 noise): the same losses
  * within the bar, the same skipped steps and final scale (every chunk's optimizer takes one verdict over every chunk
- * of every stage, pp_step.c amp_verdict). Not exercised: an actual overflow (micro's gradients stay finite on the
- * CPU backends even at a first scale of 3e38; no test hook injects one) */
+ * of every stage, pp_step.c amp_verdict). An actual overflow (micro's gradients stay finite on the CPU backends even
+ * at a first scale of 3e38) is injected by tests/test_fp16_fault.c through fitllm/fault.h's hook */
 FL_TEST(pp_train_threads_interleaved_zero_and_fp16) {
     const struct { int dp; const char *strategy, *prec; } g[4] = {
         {2, "deepspeed_stage_1", NULL}, {2, "deepspeed_stage_2", NULL}, {1, NULL, "16-mixed"}, {2, "deepspeed_stage_2", "16-mixed"}};

@@ -431,8 +431,9 @@ typedef struct {
     /* Pipeline parallelism (fitllm/pp.h, src/model/stage.c): this model is a stage of a deeper one. in: its
      * blocks' input res[0] is the previous stage's output (fl_model_stage_input), not the embeddings (which it
      * neither runs nor trains); out: its forward ends after the blocks (no final norm, head or loss) and its
-     * backward starts from the next stage's d(output) (fl_model_stage_dout). Both 0: a whole model. */
-    struct { int in, out; } stage;
+     * backward starts from the next stage's d(output) (fl_model_stage_dout). Both 0: a whole model. first: the whole
+     * model's index of its block 0 (the blocks' dropout seeds: one process's masks; 0 for a whole model). */
+    struct { int in, out, first; } stage;
     uint64_t drop_seed;         /* the micro-batch's dropout seed (fl_model_adapters_seed: its masks, cfg.dropout_on) */
 } fl_model;
 

@@ -218,6 +218,17 @@ void fl_plan_grid_print(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *
 /* The same as JSON (plan --suggest --json; "version" FL_PLAN_JSON_VERSION, "kind" "grid_suggestion") */
 void fl_plan_grid_write_json(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *out);
 
+/* --strategy auto on a tensor- or pipeline-parallel grid with a data axis (src/plan/plan_auto.c): the data axis's
+ * strategy chosen by the per-rank plan, the first of ddp, deepspeed_stage_1, deepspeed_stage_2, fsdp (FULL_SHARD),
+ * deepspeed_stage_2_offload, deepspeed_stage_3_offload whose every rank's planned peak fits the budget
+ * (device_memory, else the config's max_memory); a candidate the trainer refuses on this grid is skipped, saying why;
+ * none fitting: the one with the smallest largest rank. No budget: ddp. *strategy "" when the rule does not apply (a
+ * strategy given, one data-parallel rank, no TP / PP, finetune_lora: fl_cfg_resolve_strategy's choice stands). why:
+ * the reason, one line. The planner (fl_plan_run) and the CLI's training commands call it; the library's trainer
+ * takes the strategy it is given. */
+fl_status fl_plan_auto_strategy(const fl_run_config *cfg, int cuda, size_t device_memory, char *strategy, size_t n,
+                                char *why, size_t why_n);
+
 /* Human report: summary, the phase table (as the runtime's memory report),
  * the verdict, the largest micro batch, suggestions. */
 void fl_plan_print(const fl_plan *p, FILE *f);

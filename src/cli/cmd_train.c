@@ -12,9 +12,11 @@
 #include "fitllm/backend.h"
 #include "fitllm/blip2.h"
 #include "fitllm/gpu_monitor.h"
+#include "fitllm/plan.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/comm.h"
 #include "fitllm/config.h"
+#include "fitllm/fault.h"
 #include "fitllm/trainer.h"
 
 static void help(const char *cmd, fl_cmd_kind kind) {
@@ -387,6 +389,23 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
     g_rank0 = rank == 0;
     g_cmd_name = cmd;
     g_out_dir = cfg_in->out_dir;
+    /* --strategy auto on a TP / PP grid: the data axis's strategy by the per-rank plan (fitllm/plan.h); every rank
+     * plans alike (the plan is deterministic), rank 0 says why */
+    fl_backend_facts af;
+    const int dev = fl_backend_facts_of(fl_backend_default_name(), &af) == FL_OK && (af.caps & FL_CAP_DEVICE_MEMORY);
+    char auto_s[32], auto_why[1024];
+    if (fl_plan_auto_strategy(&cfg, dev, 0, auto_s, sizeof auto_s, auto_why, sizeof auto_why) != FL_OK)
+        return fl_cli_fail(cmd, FL_ERR_INVALID, NULL);
+    if (auto_s[0]) {
+        snprintf(cfg.strategy, sizeof cfg.strategy, "%s", auto_s);
+        if (rank == 0 && !cfg.quiet) printf("note: strategy %s\n", auto_why);
+    }
+    /* testing fp16's overflow path: FITLLM_FAULT_GRAD_OVERFLOW=STEP[:RANK] (fitllm/fault.h, README) */
+    fl_fault_clear();
+    if (fl_fault_from_env() != FL_OK) {
+        fl_cli_fail(cmd, FL_ERR_INVALID, NULL);
+        return FL_EXIT_USAGE;
+    }
     signals_begin(cfg.threads > 0 ? cfg.threads : fl_cpu_default_threads(), launched);
     fl_cli_faults_begin(cmd, &cfg, rank, world);
     /* on a GPU, rank 0 samples its utilization and memory through NVML for the summary (the course's nvtop);

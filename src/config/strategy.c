@@ -85,8 +85,10 @@ fl_status fl_cfg_check_strategy(const char *s) {
  * (src/train/fsdp.c): none today, on host or device memory (a GPU communicator: FULL_SHARD gathers and
  * reduces through it, as LitGPT's FSDP on GPUs). tests/test_config.c checks that auto never picks
  * FULL_SHARD where an explicit fsdp is refused. */
-/* auto keeps DDP on a model-parallel grid: FULL_SHARD / HYBRID_SHARD run there when asked, but not with every
- * composition (the interleaved schedule, a node not holding whole groups), so auto does not pick them */
+/* auto here keeps DDP on a model-parallel grid: FULL_SHARD / HYBRID_SHARD run there when asked, but not with every
+ * composition (the interleaved schedule, a node not holding whole groups). The CLI's training commands and the planner
+ * choose for such a grid by the per-rank plan before this (fitllm/plan.h fl_plan_auto_strategy: DDP when it fits, then
+ * ZeRO-1/2, FULL_SHARD, the offloads) and pass the choice as given; a library caller's auto gets DDP. */
 static const char *full_shard_refusal(const fl_run_config *c, int device_comm) {
     (void)device_comm;
     return c->tensor_parallel > 1 ? "--tensor_parallel" : c->pipeline_parallel > 1 ? "--pipeline_parallel" : NULL;
@@ -109,8 +111,8 @@ static fl_status resolve_strategy(const fl_run_config *c, int device_comm, fl_st
     if (c->command == FL_CMD_FINETUNE_LORA) {
         snprintf(out->desc, sizeof out->desc, "auto: DDP over the adapters, as LitGPT's finetune_lora");
     } else if (why) {
-        snprintf(out->desc, sizeof out->desc, "auto: DDP on the data-parallel axis of a %s grid (FULL_SHARD runs there "
-                 "when asked: --strategy fsdp)", why);
+        snprintf(out->desc, sizeof out->desc, "auto: DDP on the data-parallel axis of a %s grid (the CLI and `fitllm "
+                 "plan` choose by the per-rank plan, fl_plan_auto_strategy)", why);
     } else {
         snprintf(out->strategy, sizeof out->strategy, "fsdp");
         /* pretrain across nodes: LitGPT's HYBRID_SHARD (FULL_SHARD within each node of --devices ranks,

@@ -23,7 +23,7 @@ typedef struct {
 
 /* Block l's context in a training pass: the arena's RoPE tables, the key mask, tensor parallelism's communicator, and
  * in a dropping pass (OPT's dropout, fl_acts.drop) the rates and the block's seed: fl_dropout_seed(the micro-batch's
- * seed, 16 + l), as T5's and BLIP-2's language model's. */
+ * seed, 16 + l), as T5's and BLIP-2's language model's (l the whole model's block: a pipeline stage's first + l). */
 static fl_block_ctx train_ctx(const fl_model *m, int B, int T, int l) {
     fl_block_ctx x = {.B = B, .T = T, .rope_cos = m->acts->rope_cos, .rope_sin = m->acts->rope_sin};
     x.kmask = m->acts->kmask_on ? m->acts->kmask : NULL; /* an encoder's key padding mask */
@@ -31,7 +31,7 @@ static fl_block_ctx train_ctx(const fl_model *m, int B, int T, int l) {
     if (m->acts->drop) {
         x.drop_p = m->cfg.dropout_rate;
         x.attn_drop_p = m->cfg.attn_dropout_rate;
-        x.drop_seed = fl_dropout_seed(m->drop_seed, 16 + (uint64_t)l);
+        x.drop_seed = fl_dropout_seed(m->drop_seed, 16 + (uint64_t)(m->stage.first + l)); /* the whole's block */
     }
     return x;
 }

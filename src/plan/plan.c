@@ -619,6 +619,14 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     }
     FL_TRY(fl_cfg_validate(c));
     p->devices = c->devices * c->num_nodes;
+    /* --strategy auto on a TP / PP grid: the data axis's strategy by the per-rank plan (plan_auto.c) */
+    char auto_s[32], auto_why[1024];
+    FL_TRY(fl_plan_auto_strategy(c, opts.cuda, opts.device_memory, auto_s, sizeof auto_s, auto_why, sizeof auto_why));
+    if (auto_s[0]) {
+        if (c != &cd) cd = *c;
+        snprintf(cd.strategy, sizeof cd.strategy, "%s", auto_s);
+        c = &cd;
+    }
     fl_strategy_choice sc; /* --strategy auto: the trainer's choice (fl_cfg_resolve_strategy) */
     FL_TRY(fl_cfg_resolve_strategy(c, opts.cuda, &sc));
     const int stage = sc.stage;
@@ -628,7 +636,13 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     p->zero_stage = p->devices > 1 ? stage : 0;
     if (p->zero_stage == 3 && c->command == FL_CMD_FINETUNE_LORA) p->zero_stage = 2; /* adapters: ZeRO-2 */
     const int fsdp = p->zero_stage == 3;
-    if (p->devices > 1) note(p, "strategy %s", sc.desc);
+    if (p->devices > 1 && auto_s[0]) { /* the choice, then what came before it (a note holds 240 characters) */
+        const char *more = strstr(auto_why, "; ");
+        note(p, "strategy %.*s", more ? (int)(more - auto_why) : (int)strlen(auto_why), auto_why);
+        if (more) note(p, "strategy auto, %s", more + 2);
+    } else if (p->devices > 1) {
+        note(p, "strategy %s", sc.desc);
+    }
     if (fsdp) {
         fl_precision fp;
         const char *why = fl_fsdp_refusal(c, fl_precision_find(c->precision, &fp) == FL_OK ? &fp : NULL);

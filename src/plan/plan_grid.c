@@ -45,7 +45,7 @@ static fl_status plan_ranks(const fl_run_config *c, const fl_plan_machine *mc, f
     r->micro_batches = p->accum;
     free(pk);
     FL_TRY(s);
-    if (r->dp > 1) { /* the data axis's strategy as the trainer resolves it (auto: DDP beside TP / PP, else FSDP) */
+    if (r->dp > 1) { /* the data axis's strategy as the trainer resolves it (auto beside TP / PP: by the plan, above) */
         fl_strategy_choice sc;
         FL_TRY(fl_cfg_resolve_strategy(c, mc->cuda, &sc));
         snprintf(r->strategy, sizeof r->strategy, "%s", sc.strategy);
@@ -103,7 +103,11 @@ fl_status fl_plan_suggest_grid(const fl_run_config *base, const fl_plan_machine 
             c->devices = per_node;
             c->tensor_parallel = tp;
             c->pipeline_parallel = pp;
-            fl_status e = plan_ranks(c, mc, p, r);
+            /* --strategy auto on a model-parallel grid: its data axis's strategy by the per-rank plan (plan_auto.c) */
+            char as[32], why[1024];
+            fl_status e = fl_plan_auto_strategy(c, mc->cuda, rank_budget(mc), as, sizeof as, why, sizeof why);
+            if (e == FL_OK && as[0]) snprintf(c->strategy, sizeof c->strategy, "%s", as);
+            if (e == FL_OK) e = plan_ranks(c, mc, p, r);
             /* data parallelism alone (the first grid) is the run as given: its error is the answer's. A model-parallel
              * grid's is a refusal (a rank's refusal reaches the others as a failed collective, whatever its code) */
             if (e != FL_OK && (tp > 1 || pp > 1)) {
@@ -121,11 +125,14 @@ fl_status fl_plan_suggest_grid(const fl_run_config *base, const fl_plan_machine 
         const fl_plan_grid_row *r = &out->rows[out->best];
         *c = *base;
         c->devices = per_node, c->tensor_parallel = r->tp, c->pipeline_parallel = r->pp;
+        char as[32], why[1024]; /* auto's choice on a model-parallel grid, as above */
+        s = fl_plan_auto_strategy(c, mc->cuda, rank_budget(mc), as, sizeof as, why, sizeof why);
+        if (as[0]) snprintf(c->strategy, sizeof c->strategy, "%s", as);
         fl_plan_opts o;
         fl_plan_opts_default(&o);
         o.cuda = mc->cuda, o.seq_len = mc->seq_len, o.generation = 0, o.no_suggestions = 1, o.rank = r->peak_rank;
         o.device_memory = rank_budget(mc) - (mc->cuda ? 0 : (r->host_peak < rank_budget(mc) ? r->host_peak : 0));
-        s = fl_plan_run(c, &o, p);
+        if (s == FL_OK) s = fl_plan_run(c, &o, p);
         out->verdict = s == FL_OK ? p->verdict : FL_PLAN_UNAVAILABLE;
         if (s == FL_OK && p->verdict != FL_PLAN_FITS)
             s = fl_errorf(FL_ERR_INTERNAL, "grid suggestion: DP %d x TP %d x PP %d needs %zu bytes on rank %d, within "
@@ -150,17 +157,17 @@ void fl_plan_grid_print(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *
     const int W = g->n ? g->rows[0].dp * g->rows[0].tp * g->rows[0].pp : 0;
     fprintf(out, "grids of %d rank(s), %s %s per rank%s:\n", W, mc->cuda ? "GPU memory" : "memory",
             fl_fmt_bytes(rank_budget(mc), a, sizeof a), mc->cuda || !mc->host_memory ? "" : " (the host's RAM shared)");
-    fprintf(out, "  %4s %4s %4s  %-12s %12s %6s %7s  %s\n", "DP", "TP", "PP", "DP axis", "largest rank", "rank", "bubble",
+    fprintf(out, "  %4s %4s %4s  %-17s %12s %6s %7s  %s\n", "DP", "TP", "PP", "DP axis", "largest rank", "rank", "bubble",
             "verdict");
     for (int i = 0; i < g->n; i++) {
         const fl_plan_grid_row *r = &g->rows[i];
         if (r->fits < 0) {
-            fprintf(out, "  %4d %4d %4d  %-12s %12s %6s %7s  not with this run: %s\n", r->dp, r->tp, r->pp, "-", "-", "-",
+            fprintf(out, "  %4d %4d %4d  %-17s %12s %6s %7s  not with this run: %s\n", r->dp, r->tp, r->pp, "-", "-", "-",
                     "-", r->why);
             continue;
         }
         snprintf(b, sizeof b, "%.1f%%", 100.0 * r->bubble);
-        fprintf(out, "  %4d %4d %4d  %-12s %12s %6d %7s  %s%s\n", r->dp, r->tp, r->pp, r->strategy[0] ? r->strategy : "-",
+        fprintf(out, "  %4d %4d %4d  %-17s %12s %6d %7s  %s%s\n", r->dp, r->tp, r->pp, r->strategy[0] ? r->strategy : "-",
                 fl_fmt_bytes(r->peak, a, sizeof a), r->peak_rank, r->pp > 1 ? b : "-", r->fits ? "fits" : "out of memory",
                 i == g->best ? "  <- suggested" : "");
     }

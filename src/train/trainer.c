@@ -12,6 +12,7 @@
 #include "trainer-impl.h"
 #include "core/fs.h"
 #include "fitllm/checkpoint.h"
+#include "fitllm/fault.h"
 #include "fitllm/generate.h"
 #include "fitllm/lora.h"
 #include "fitllm/tokenizer.h"
@@ -22,7 +23,9 @@
  * rank's slots of t->buf.mb_stats. A diverged micro-batch or update is said with its step and iteration. */
 static fl_step_ctx step_ctx(trainer *t, long iter0, long step_valid, float lr) {
     const fl_run_config *cfg = t->cfg;
-    return (fl_step_ctx){.mbs = t->buf.mbs, .n_micro = t->sch.accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
+    const int grid_rank = t->tp.world ? fl_comm_rank(t->tp.world) : t->dp.rank; /* a test's fault (fitllm/fault.h) */
+    return (fl_step_ctx){.fault_overflow = fl_fault_due(FL_FAULT_GRAD_OVERFLOW, grid_rank, t->st.step + 1),
+                         .mbs = t->buf.mbs, .n_micro = t->sch.accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
                          .max_norm = cfg->train.max_norm, .dp = &t->dp, .sync = &t->dp.sync, .seeded = 1,
                          .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
                          .mb_stats = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum, .mb_ms = t->buf.mb_ms};

@@ -74,6 +74,11 @@ void fl_tr_print_box(trainer *t, const fl_trainer_result *r) {
     fprintf(t->out, "| %-28s %30lld |\n", "tokens with prompt", r->tokens_real);
     fprintf(t->out, "| %-28s %30lld |\n", "total tokens with padding", r->tokens_padded);
     fprintf(t->out, "| %-28s %28.2f s |\n", "training time", r->train_seconds);
+    if (t->opt.model && t->opt.amp.on) { /* fp16 loss scaling: the steps an overflow skipped (every rank alike) */
+        char ls[64];
+        snprintf(ls, sizeof ls, "%lld skipped, scale %g", (long long)t->opt.amp.ls.n_skipped, (double)t->opt.amp.ls.scale);
+        fprintf(t->out, "| %-28s %30s |\n", "fp16 steps (loss scaling)", ls);
+    }
     fprintf(t->out, "| %-28s %30.1f |\n", "tokens/s (with prompt)", r->tokens_real / secs);
     fprintf(t->out, "| %-28s %30.4f |\n", "TFLOP/s (model FLOPs)", t->st.flops / secs / 1e12);
     fl_gpu_peak pk;

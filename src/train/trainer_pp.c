@@ -186,6 +186,7 @@ static fl_status chunk_setup(trainer *t, int c) {
     FL_TRY(fl_model_set_precision(m, &t->model.prec));
     FL_TRY(fl_model_alloc_grads(m));
     m->act_ckpt = t->model.act_ckpt;
+    if (t->model.cfg.dropout_on) FL_TRY(fl_model_set_dropout(m, 1)); /* OPT's dropout, as chunk 0's */
     FL_TRY(fl_model_alloc_acts(m, t->sch.B, t->sch.T));
     /* ZeRO-1/2 on the data axis: the chunk's state for this rank's piece of its elements, as chunk 0's */
     FL_TRY(fl_dp_optim_init(&t->dp, t->cfg, &t->pp.xo[c], m));
@@ -207,6 +208,7 @@ fl_status fl_tr_pp_attach(trainer *t) {
         FL_TRY(fl_error_prefix(chunk_setup(t, c), "--pipeline_schedule interleaved: chunk %d (virtual stage %d)", c,
                                c * t->pp.size + t->pp.stage));
         ms[c] = &t->pp.xm[c];
+        ms[c]->stage.first = t->pp.split[c * t->pp.size + t->pp.stage]; /* OPT's dropout: the whole's block seeds */
     }
     FL_TRY(fl_pp_init_v(&t->pp.rt, ms, t->pp.chunks > 1 ? t->pp.chunks : 1, t->pp.grp, k));
     t->pp.rt_ok = 1;

@@ -410,16 +410,13 @@ fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
 }
 
 /* OPT's dropout (config.json dropout, attention_dropout) in the training passes, where OPTDecoderLayer drops (masks: run
- * seed, global micro-batch, block, site, element; fl_model_set_dropout before the arena). Not built with tensor,
- * pipeline or sequence parallelism: there the run says it is not applied (the passes before). */
+ * seed, global micro-batch, block, site, element; fl_model_set_dropout before the arena). One process's masks on every
+ * grid: a tensor-parallel rank draws its heads' attention-weight masks at the whole's indices (exec.c attn_tp_drop) and
+ * the o / fc2 outputs' after their all-reduce (every rank the whole tensor's, sequence parallel its rows'); a pipeline
+ * stage seeds its blocks by the whole model's index (fl_model.stage.first); the micro-batch seed is the global one. */
 static fl_status fl_tr_opt_dropout(trainer *t) {
     const fl_model_config *c = &t->model.cfg;
     if (c->arch != FL_ARCH_OPT || (c->dropout_rate <= 0 && c->attn_dropout_rate <= 0)) return FL_OK;
-    if (t->tp.size > 1 || t->pp.size > 1) {
-        add_note(t, "config.json dropout %g / attention_dropout %g are not applied with tensor or pipeline parallelism "
-                 "(not built)", (double)c->dropout_rate, (double)c->attn_dropout_rate);
-        return FL_OK;
-    }
     add_note(t, "config.json dropout %g / attention_dropout %g are applied in training (OPT's attention and FFN outputs / "
              "attention weights; not in evaluation or generation)", (double)c->dropout_rate, (double)c->attn_dropout_rate);
     return fl_model_set_dropout(&t->model, 1);

@@ -277,6 +277,7 @@ static fl_status attach_group(trainer *t) {
 }
 
 fl_status fl_tr_tp_attach(trainer *t) {
+    t->model.stage.first = t->pp.size > 1 ? t->pp.first : 0; /* OPT's dropout: a stage seeds the whole's blocks */
     if (t->pp.size > 1 && t->tp.size <= 1) return fl_tr_pp_attach(t);
     if (t->tp.size <= 1) return FL_OK;
     if (t->pp.size > 1) { /* TP x PP: the pipelined step over the stages of this tensor-parallel rank */
