@@ -236,8 +236,10 @@ double fl_grad_norm(const fl_model *model);
  * off; otherwise the gradients are unscaled inside the update. */
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out);
 /* After an fl_optim_step that left its norm on the device (o->ss_pending): ss the step scalars read back
- * (FL_SS_NORM, FL_SS_SCALE): *norm_out := the norm; a NaN scale (the device skipped the update: a non-finite norm
- * or loss; the weights and state are as before) leaves the step uncounted, and a non-finite norm is
+ * (FL_SS_NORM, FL_SS_SCALE, FL_SS_FOUND): *norm_out := the norm; a NaN scale (the device skipped the update: a
+ * non-finite norm or loss, fp16's overflow; the weights and state are as before) leaves the step uncounted. Under
+ * loss scaling the overflow flag updates the scale (fl_loss_scale_update) and an overflow is a skipped step
+ * (o->amp.skipped, *norm_out NaN), as fl_optim_step's host check makes it; otherwise a non-finite norm is
  * FL_ERR_NONFINITE as fl_optim_step says it. */
 fl_status fl_optim_step_finish(fl_optimizer *o, const double *ss, double *norm_out);
 /* 1 when fl_optim_step, lent the step scalars, keeps the norm and the update's scale on the device (the backend
