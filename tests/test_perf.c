@@ -496,7 +496,8 @@ FL_TEST(cuda_emu_graphs_replay) {
  * norm, the update skips itself there, and the host reads the flag with the step's one copy (fl_step_run): every
  * step's loss, norm, skip and scale and the final weights, update count and skipped count are the bits of the host
  * check (FITLLM_CUDA_STEP_SCALARS=0: check_finite read back before the update), and the skip and scale sequence is
- * the CPU backend's. A step copies 1 value set to the host and nothing extra up. */
+ * the CPU backend's; with FITLLM_CUDA_GRAPHS=1 (the check inside the graphs) the same bits. A step copies once to
+ * the host and nothing extra up. */
 #ifdef FL_HAVE_CUDA_EMU
 enum { AMP_STEPS = 4 };
 typedef struct {
@@ -506,16 +507,19 @@ typedef struct {
     void *w;
     size_t wbytes;
     fl_cu_counters c; /* the last step's copies */
+    fl_cu_graph_stats g;
 } amp_run;
 
-static int amp_case(const char *backend, int ss_on, amp_run *a) {
+static int amp_case(const char *backend, int ss_on, int graphs, amp_run *a) {
     enum { B = 1, T = 8, N = B * T };
     if (!ss_on) setenv("FITLLM_CUDA_STEP_SCALARS", "0", 1);
+    if (graphs) setenv("FITLLM_CUDA_GRAPHS", "1", 1);
     perf_rig r;
     fl_cuemu_set_host_memory(0); /* the GPU's paths (copies counted) */
     const int made = rig_init_prec(&r, backend, "16-mixed", B, T);
     fl_cuemu_set_host_memory(1);
     unsetenv("FITLLM_CUDA_STEP_SCALARS");
+    unsetenv("FITLLM_CUDA_GRAPHS");
     FL_REQUIRE_R(made && r.o.amp.on, 0);
     r.o.amp.ls.growth_interval = 2;
     int32_t ids[2 * N], tg[2 * N];
@@ -542,6 +546,7 @@ static int amp_case(const char *backend, int ss_on, amp_run *a) {
         a->skipped[step] = res.skipped;
         a->c = (fl_cu_counters){c1.sync - c0.sync, c1.d2h - c0.d2h, c1.h2d - c0.h2d};
     }
+    if (emu) fl_cuemu_backend_graph_stats(&r.be, &a->g);
     a->count = r.o.step;
     a->n_skipped = (long)r.o.amp.ls.n_skipped;
     a->wbytes = r.o.w.n * fl_dtype_size(r.o.w.pt);
@@ -553,8 +558,9 @@ static int amp_case(const char *backend, int ss_on, amp_run *a) {
 
 FL_TEST(cuda_emu_fp16_overflow_on_device) {
     if (!fl_test_asan_budget()) return; /* 18 emulated steps: the release pass */
-    amp_run dev = {0}, host = {0}, cpu = {0};
-    int ok = amp_case("cuda-emu", 1, &dev) && amp_case("cuda-emu", 0, &host) && amp_case("cpu", 1, &cpu);
+    amp_run dev = {0}, host = {0}, cpu = {0}, gr = {0};
+    int ok = amp_case("cuda-emu", 1, 0, &dev) && amp_case("cuda-emu", 0, 0, &host) && amp_case("cpu", 1, 0, &cpu) &&
+             amp_case("cuda-emu", 1, 1, &gr);
     for (int k = 0; ok && k < AMP_STEPS; k++) {
         printf("      step %d: loss %.6f, norm %.6g, %s, scale %g (host check: %s, cpu: %s, scale %g)\n", k + 1,
                dev.loss[k], dev.norm[k], dev.skipped[k] ? "skipped" : "updated", dev.scale[k],
@@ -572,11 +578,22 @@ FL_TEST(cuda_emu_fp16_overflow_on_device) {
         FL_CHECKF(dev.count == host.count && dev.n_skipped == host.n_skipped && dev.count + dev.n_skipped == AMP_STEPS,
                   "updates %d / %d, skipped %ld / %ld", dev.count, host.count, dev.n_skipped, host.n_skipped);
         FL_CHECKF(dev.wbytes == host.wbytes && !memcmp(dev.w, host.w, dev.wbytes), "the weights differ");
+        /* under CUDA graphs (the check inside them; the scale's change makes a replay miss): the same bits */
+        for (int k = 0; k < AMP_STEPS; k++)
+            FL_CHECKF(gr.loss[k] == dev.loss[k] && gr.skipped[k] == dev.skipped[k] && gr.scale[k] == dev.scale[k],
+                      "graphs, step %d: loss %.17g / %.17g, skipped %d / %d", k + 1, gr.loss[k], dev.loss[k],
+                      gr.skipped[k], dev.skipped[k]);
+        FL_CHECKF(gr.count == dev.count && !memcmp(gr.w, dev.w, dev.wbytes) && gr.g.captured_steps >= 1 &&
+                      gr.g.launches > 0,
+                  "graphs: %d updates, %ld captured steps, %ld launches", gr.count, gr.g.captured_steps,
+                  gr.g.launches);
+        printf("      graphs: captured %ld, replayed %ld, missed %ld\n", gr.g.captured_steps, gr.g.replayed_steps,
+               gr.g.missed_steps);
         /* the device check: no wait, the step's one copy down; the host check: its flag up and down */
         FL_CHECKF(dev.c.sync == 0 && dev.c.d2h == 1 && dev.c.h2d == 4 && host.c.d2h == 2 + 1 + 1 && host.c.h2d == 4 + 1,
                   "copies down %ld / %ld, up %ld / %ld, syncs %ld (device / host check)", dev.c.d2h, host.c.d2h,
                   dev.c.h2d, host.c.h2d, dev.c.sync);
     }
-    free(dev.w), free(host.w), free(cpu.w);
+    free(dev.w), free(host.w), free(cpu.w), free(gr.w);
 }
 #endif
