@@ -48,10 +48,10 @@ static void norm_and_update(ss_rig *r, fl_dtype tg, size_t n, float max_norm, fl
     fl_cpu_backend_free(&cpu);
     const size_t gb = n * fl_dtype_size(tg);
     void *g = dev_copy(r, gh, gb);
-    double *ss = be->step_scalars(be, 4);
+    double *ss = be->step_scalars(be, FL_SS_LOSS + 2);
     FL_REQUIRE(g && ss && !be->step_scalars(be, FL_SS_MAX + 1));
-    const double losses[2] = {1.5, bad_loss ? NAN : 2.5};
-    FL_REQUIRE_OK(be->to_device(be, ss + FL_SS_LOSS, losses, sizeof losses));
+    const double head[FL_SS_LOSS + 2] = {[FL_SS_LOSS] = 1.5, [FL_SS_LOSS + 1] = bad_loss ? NAN : 2.5}; /* no overflow */
+    FL_REQUIRE_OK(be->to_device(be, ss, head, sizeof head));
     FL_REQUIRE_OP(be, FL_RUN(be, grad_norm_dev, g, tg, n, max_norm, scale, 2, ss));
     double h[2];
     FL_REQUIRE_OK(be->to_host(be, h, ss, sizeof h));
@@ -124,7 +124,7 @@ static void loss_sum(ss_rig *r) {
     for (int i = 0; i < N; i++) tg[i] = i % 7 == 3 ? -100 : i % 50;
     float *dl = dev_copy(r, l, sizeof(float) * N);
     int32_t *dt = dev_copy(r, tg, sizeof tg);
-    double *ss = be->step_scalars(be, 4), zero[4] = {0}, h[4];
+    double *ss = be->step_scalars(be, FL_SS_LOSS + 2), zero[FL_SS_LOSS + 2] = {0}, h[FL_SS_LOSS + 2];
     FL_REQUIRE(dl && dt && ss);
     FL_REQUIRE_OK(be->to_device(be, ss, zero, sizeof zero));
     FL_REQUIRE_OP(be, FL_RUN(be, loss_sum_dev, dl, dt, N, -100, ss + FL_SS_LOSS));
@@ -138,14 +138,58 @@ static void loss_sum(ss_rig *r) {
         if (tg[i] != -100) host2 += l[i];
     FL_CHECKF(h[FL_SS_LOSS] == host && fabs(h[FL_SS_LOSS] - f64) <= 1e-12 * f64 && h[FL_SS_LOSS + 1] == host2,
               "loss sum %.17g, host %.17g, float64 %.17g; two calls %.17g", h[FL_SS_LOSS], host, f64, h[FL_SS_LOSS + 1]);
-    FL_CHECK(h[0] == 0 && h[1] == 0); /* nothing else written */
+    FL_CHECK(h[0] == 0 && h[1] == 0 && h[FL_SS_FOUND] == 0); /* nothing else written */
     fl_mem_free(&r->pool, dl), fl_mem_free(&r->pool, dt);
     free(l);
 }
 
+/* check_finite_dev: ss[FL_SS_FOUND] as check_finite's verdict (x * inv_scale inf/NaN: a stored inf, a finite value
+ * that the unscaling overflows, none), nothing else written; a set flag makes grad_norm_dev skip the update (a NaN
+ * scale) with the norm still computed */
+static void overflow_flag(ss_rig *r, fl_dtype t) {
+    const fl_backend *be = r->be;
+    enum { N = 1029 };
+    static const struct { long at; float v, inv; } cases[] = {{-1, 0, 0.5f}, {517, INFINITY, 1.0f}, {N - 1, 3e38f, 4.0f},
+                                                              {3, NAN, 1.0f}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        if (t != FL_F32 && cases[c].v == 3e38f) continue; /* a 16-bit store would round it to inf already */
+        float x[N];
+        for (int i = 0; i < N; i++) x[i] = 0.01f * (float)(i % 13) - 0.05f;
+        if (cases[c].at >= 0) x[cases[c].at] = cases[c].v;
+        uint16_t x16[N];
+        fl_backend cpu;
+        FL_REQUIRE_OK(fl_cpu_backend_init(&cpu, 1));
+        if (t != FL_F32) FL_REQUIRE_OK(cpu.convert(&cpu, x16, t, x, FL_F32, N));
+        fl_cpu_backend_free(&cpu);
+        void *d = dev_copy(r, t == FL_F32 ? (const void *)x : x16, N * fl_dtype_size(t));
+        double *ss = be->step_scalars(be, FL_SS_LOSS + 1), z[FL_SS_LOSS + 1] = {0}, h[FL_SS_LOSS + 1];
+        FL_REQUIRE(d && ss);
+        FL_REQUIRE_OK(be->to_device(be, ss, z, sizeof z));
+        FL_REQUIRE_OP(be, FL_RUN(be, check_finite_dev, d, t, N, cases[c].inv, ss));
+        int found = 0;
+        FL_REQUIRE_OK(be->check_finite(be, d, t, N, cases[c].inv, &found));
+        FL_REQUIRE_OK(be->to_host(be, h, ss, sizeof h));
+        const int want = cases[c].at >= 0; /* every injected value is inf/NaN once unscaled */
+        FL_CHECKF(h[FL_SS_FOUND] == (double)want && found == want && h[0] == 0 && h[1] == 0 && h[FL_SS_LOSS] == 0,
+                  "%s case %zu: flag %g, check_finite %d, want %d", fl_dtype_name(t), c, h[FL_SS_FOUND], found, want);
+        if (want && c == 1 && t == FL_F32) { /* the update skipped on the flag alone: a finite gradient's norm */
+            x[cases[c].at] = 0.0f;
+            FL_REQUIRE_OK(be->to_device(be, d, x, sizeof x));
+            {
+                FL_REQUIRE_OP(be, FL_RUN(be, grad_norm_dev, d, t, N, 1.0f, 1.0f, 0, ss));
+                FL_REQUIRE_OK(be->to_host(be, h, ss, sizeof h));
+                FL_CHECKF(isfinite(h[FL_SS_NORM]) && h[FL_SS_NORM] > 0 && isnan(h[FL_SS_SCALE]),
+                          "an overflow flag: norm %g, scale %g", h[FL_SS_NORM], h[FL_SS_SCALE]);
+            }
+        }
+        fl_mem_free(&r->pool, d);
+    }
+}
+
 static void ss_case(fl_backend *be) {
     if (!be->step_scalars) { /* optional: the step reads its norm and losses on the host */
-        FL_CHECK(!be->grad_norm_dev && !be->loss_sum_dev && !be->adamw_update_ss && !be->sgd_update_ss);
+        FL_CHECK(!be->grad_norm_dev && !be->loss_sum_dev && !be->adamw_update_ss && !be->sgd_update_ss &&
+                 !be->check_finite_dev);
         return;
     }
     ss_rig r = {.be = be};
@@ -158,6 +202,8 @@ static void ss_case(fl_backend *be) {
     norm_and_update(&r, FL_F32, 1029, 1.0f, 1.0f, 517); /* a NaN: skipped */
     norm_and_update(&r, FL_F32, 1029, 1.0f, 1.0f, -2);  /* a NaN loss sum: skipped */
     loss_sum(&r);
+    overflow_flag(&r, FL_F32);
+    overflow_flag(&r, FL_F16);
     fl_backend_pools_free(&r.pool, &r.hpool);
 }
 
@@ -241,10 +287,12 @@ FL_TEST(step_scalars_variable) {
     s = fl_backend_init_by_name("cuda-emu", &be, 1);
     unsetenv("FITLLM_CUDA_STEP_SCALARS");
     FL_REQUIRE_OK(s);
-    FL_CHECK(!be.step_scalars && !be.grad_norm_dev && !be.loss_sum_dev && !be.adamw_update_ss && !be.sgd_update_ss);
+    FL_CHECK(!be.step_scalars && !be.grad_norm_dev && !be.loss_sum_dev && !be.adamw_update_ss && !be.sgd_update_ss &&
+             !be.check_finite_dev);
     fl_backend_free(&be);
     FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
-    FL_CHECK(be.step_scalars && be.grad_norm_dev && be.loss_sum_dev && be.adamw_update_ss && be.sgd_update_ss);
+    FL_CHECK(be.step_scalars && be.grad_norm_dev && be.loss_sum_dev && be.adamw_update_ss && be.sgd_update_ss &&
+             be.check_finite_dev);
     fl_backend_free(&be);
 #else
     fl_test_skip("no CUDA emulator in this build");

@@ -280,13 +280,14 @@ struct fl_backend {
     /* ==== device-resident step scalars (issue 30 item 5; optional: CUDA / cuda-emu, NULL elsewhere) ====
      * A step keeps its gradient norm, the update's gradient scale and the micro-batches' loss sums in device memory,
      * so nothing inside the step waits for the device; the step reads them once, at its end (fl_step_run). `ss`
-     * is an array of doubles from step_scalars: ss[FL_SS_NORM], ss[FL_SS_SCALE], ss[FL_SS_LOSS + k]. */
+     * is an array of doubles from step_scalars: ss[FL_SS_NORM], ss[FL_SS_SCALE], ss[FL_SS_FOUND], ss[FL_SS_LOSS + k]. */
     /* set-up: device memory for n doubles owned by the backend (the same for every call), NULL when n > FL_SS_MAX */
     double *(*step_scalars)(const fl_backend *be, int n);
     /* ss[FL_SS_NORM] = sqrt(sum of g^2) * scale (the sum as sumsq's, in double), ss[FL_SS_SCALE] = the update's
      * gradient scale: scale, times c = max_norm / (norm + 1e-6) when max_norm > 0 and c < 1 (in double, rounded to
-     * float: fl_optim_step's host arithmetic); NaN when the norm is not finite or one of the n_loss loss sums
-     * ss[FL_SS_LOSS + k] is not (the update is then skipped). */
+     * float: fl_optim_step's host arithmetic); NaN when the norm is not finite, one of the n_loss loss sums
+     * ss[FL_SS_LOSS + k] is not, or ss[FL_SS_FOUND] != 0 (fp16's overflow: check_finite_dev) (the update is then
+     * skipped). */
     fl_status (*grad_norm_dev)(const fl_backend *be, const void *g, fl_dtype tg, size_t n, float max_norm, float scale,
                                int n_loss, double *ss);
     /* *acc += the sum of loss[i] over targets[i] != ignore_index (targets device memory), in index order, in double
@@ -301,6 +302,11 @@ struct fl_backend {
     fl_status (*sgd_update_ss)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
                                fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
                                int nesterov, int first_step, const double *ss);
+    /* fp16 loss scaling's overflow check on the device (issue 30 item 5): ss[FL_SS_FOUND] = 1 when some
+     * x[i] * inv_scale is inf/NaN (check_finite's test), else unchanged; nothing reaches the host (the step reads
+     * the flag with its other scalars at its end, and grad_norm_dev skips the update on it) */
+    fl_status (*check_finite_dev)(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                                  double *ss);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
@@ -582,9 +588,10 @@ struct fl_backend {
     void *impl; /* backend-private state (last: the op slots from gemm to here are the whole table) */
 };
 
-/* The step scalars' layout (fl_backend.step_scalars): the norm, the update's gradient scale, a loss sum per
- * micro-batch; FL_SS_MAX doubles at most (a step of more micro-batches reads its losses on the host). */
-enum { FL_SS_NORM = 0, FL_SS_SCALE = 1, FL_SS_LOSS = 2, FL_SS_MAX = 64 };
+/* The step scalars' layout (fl_backend.step_scalars): the norm, the update's gradient scale, fp16's overflow flag
+ * (check_finite_dev), a loss sum per micro-batch; FL_SS_MAX doubles at most (a step of more micro-batches reads its
+ * losses on the host). */
+enum { FL_SS_NORM = 0, FL_SS_SCALE = 1, FL_SS_FOUND = 2, FL_SS_LOSS = 3, FL_SS_MAX = 64 };
 
 /* The two capabilities model/ and train/ ask most. Host memory: the backend's buffers are host memory
  * (cpu, ref, cuda-emu), so code may share one pool for tensors and host staging and read tensors

@@ -46,7 +46,7 @@ extern "C" {
     X(check_finite) X(scale) X(zero) X(copy) X(to_device) X(to_host) X(sync) X(set_scratch) X(set_compute_dtype)     \
     X(attention_qkv_forward) X(attention_qkv_backward) X(gemm_epilogue)                                            \
     X(layernorm_forward_w16) X(layernorm_backward_w16) X(grad_norm_dev) X(loss_sum_dev) X(adamw_update_ss)          \
-    X(sgd_update_ss)
+    X(sgd_update_ss) X(check_finite_dev)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -138,6 +138,7 @@ struct fl_op_adamw_update_ss { void *p; fl_dtype tp; const void *g; fl_dtype tg;
 struct fl_op_sgd_update_ss { void *p; fl_dtype tp; const void *g; fl_dtype tg; void *buf; fl_dtype ts; size_t n;
     float lr, momentum, dampening, weight_decay; int nesterov, first_step; const double *ss; };
 struct fl_op_check_finite { const void *x; fl_dtype t; size_t n; float inv_scale; int *found_inf; };
+struct fl_op_check_finite_dev { const void *x; fl_dtype t; size_t n; float inv_scale; double *ss; };
 struct fl_op_scale { float *x; size_t n; float s; };
 struct fl_op_zero { void *x; size_t bytes; };
 struct fl_op_copy { void *dst; const void *src; size_t bytes; };
@@ -224,6 +225,7 @@ struct fl_oprec {
         struct fl_op_loss_sum_dev loss_sum_dev;
         struct fl_op_adamw_update_ss adamw_update_ss;
         struct fl_op_sgd_update_ss sgd_update_ss;
+        struct fl_op_check_finite_dev check_finite_dev;
     };
 };
 

@@ -100,6 +100,11 @@ typedef struct fl_loss_scaler {
     const char *name;
     float (*value)(const struct fl_optimizer *o);
     fl_status (*unscale)(struct fl_optimizer *o, float *inv, int *skip);
+    /* Where the overflow check runs on the device (the backend's check_finite_dev beside the norm, the update
+     * skipping itself on the flag): inv(o) is the factor that update multiplies the gradients by, and update(o, found)
+     * takes the device's verdict when the step's scalars are read (the scale's update; returns 1: the step skipped). */
+    float (*inv)(const struct fl_optimizer *o);
+    int (*update)(struct fl_optimizer *o, int found);
 } fl_loss_scaler;
 extern const fl_loss_scaler fl_loss_scaler_dynamic;
 
@@ -258,8 +263,10 @@ fl_status fl_optim_found_inf(const fl_optimizer *o, float inv_scale, int *found)
  * off; otherwise the gradients are unscaled inside the update. */
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out);
 /* After an fl_optim_step that left its norm on the device (o->ss_pending): ss the step scalars read back
- * (FL_SS_NORM, FL_SS_SCALE): *norm_out := the norm; a NaN scale (the device skipped the update: a non-finite norm
- * or loss; the weights and state are as before) leaves the step uncounted, and a non-finite norm is
+ * (FL_SS_NORM, FL_SS_SCALE, FL_SS_FOUND): *norm_out := the norm; a NaN scale (the device skipped the update: a
+ * non-finite norm or loss, fp16's overflow; the weights and state are as before) leaves the step uncounted. Under
+ * loss scaling the overflow flag updates the scale (fl_loss_scale_update) and an overflow is a skipped step
+ * (o->amp.skipped, *norm_out NaN), as fl_optim_step's host check makes it; otherwise a non-finite norm is
  * FL_ERR_NONFINITE as fl_optim_step says it. */
 fl_status fl_optim_step_finish(fl_optimizer *o, const double *ss, double *norm_out);
 /* 1 when fl_optim_step, lent the step scalars, keeps the norm and the update's scale on the device (the backend

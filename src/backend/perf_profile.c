@@ -39,7 +39,7 @@
     X(embedding_forward16, FL_PROF_LOSS)                                                                               \
     /* the step scalars (issue 30 item 5: the norm, the clip scale and the loss sums on the device) */                \
     X(grad_norm_dev, FL_PROF_OPTIM) X(adamw_update_ss, FL_PROF_OPTIM) X(sgd_update_ss, FL_PROF_OPTIM)                  \
-    X(loss_sum_dev, FL_PROF_LOSS)
+    X(loss_sum_dev, FL_PROF_LOSS) X(check_finite_dev, FL_PROF_OPTIM)
 
 #define PROF_ENUM(op, g) OP_##op,
 enum { PROF_OPS(PROF_ENUM) OP_COUNT };
@@ -296,6 +296,7 @@ WRAP_S(sgd_update_ss, 0,
         float damp, float wd, int nest, int first, const double *ss),
        (be, pp, tp, g, tg, buf, ts, n, lr, mom, damp, wd, nest, first, ss))
 WRAP_S(check_finite, 0, (BE, const void *x, fl_dtype t, size_t n, float inv, int *found), (be, x, t, n, inv, found))
+WRAP_S(check_finite_dev, 0, (BE, const void *x, fl_dtype t, size_t n, float inv, double *ss), (be, x, t, n, inv, ss))
 WRAP_V(zero, 0, (BE, void *x, size_t bytes), (be, x, bytes))
 WRAP_S(attention_forward16, attn_flops(a),
        (BE, const fl_attn_desc *a, float *out, void *out16, float *lse, const float *q, const float *k, const float *v,

@@ -74,6 +74,10 @@ static fl_status run_memory(const fl_backend *be, const fl_oprec *op) {
         return be->sgd_update_ss(be, r->p, r->tp, r->g, r->tg, r->buf, r->ts, r->n, r->lr, r->momentum, r->dampening,
             r->weight_decay, r->nesterov, r->first_step, r->ss);
     }
+    case FL_OPK_check_finite_dev: {
+        DOOR(check_finite_dev);
+        return be->check_finite_dev(be, r->x, r->t, r->n, r->inv_scale, r->ss);
+    }
     case FL_OPK_sumsq: {
         DOOR(sumsq);
         *r->result = be->sumsq(be, r->x, r->t, r->n);

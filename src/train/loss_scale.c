@@ -71,13 +71,16 @@ int fl_loss_scale_update(fl_loss_scale *ls, int found_inf) {
  * of the gradients times 1/scale and the scale's update; inv computed before the update, as torch does. */
 static float dynamic_value(const fl_optimizer *o) { return fl_loss_scale_value(&o->amp.ls); }
 
+static float dynamic_inv(const fl_optimizer *o) { return fl_loss_scale_inv(&o->amp.ls); }
+static int dynamic_update(fl_optimizer *o, int found) { return fl_loss_scale_update(&o->amp.ls, found); }
+
 static fl_status dynamic_unscale(fl_optimizer *o, float *inv, int *skip) {
-    const float i = fl_loss_scale_inv(&o->amp.ls);
+    const float i = dynamic_inv(o);
     int found;
     FL_TRY(fl_optim_found_inf(o, i, &found));
-    *skip = fl_loss_scale_update(&o->amp.ls, found);
+    *skip = dynamic_update(o, found);
     *inv = i;
     return FL_OK;
 }
 
-const fl_loss_scaler fl_loss_scaler_dynamic = {"dynamic", dynamic_value, dynamic_unscale};
+const fl_loss_scaler fl_loss_scaler_dynamic = {"dynamic", dynamic_value, dynamic_unscale, dynamic_inv, dynamic_update};

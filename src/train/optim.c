@@ -695,6 +695,13 @@ fl_status fl_optim_step_finish(fl_optimizer *o, const double *ss, double *norm_o
     const double norm = ss[FL_SS_NORM];
     if (norm_out) *norm_out = norm;
     if (isnan(ss[FL_SS_SCALE])) o->step--; /* refused on the device: the weights stay as they were */
+    if (o->amp.scaler) { /* fp16: the device's overflow verdict, the scale's update as the host path makes it */
+        o->amp.skipped = o->amp.scaler->update(o, ss[FL_SS_FOUND] != 0.0);
+        if (o->amp.skipped) {
+            if (norm_out) *norm_out = NAN;
+            return FL_OK;
+        }
+    }
     if (isfinite(norm)) return FL_OK;
     return fl_errorf(FL_ERR_NONFINITE, "the gradient norm is %s", isnan(norm) ? "NaN" : "inf");
 }
@@ -709,6 +716,16 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     o->amp.skipped = 0;
     o->ss_pending = 0;
     if (o->home.updated) return step_updated(o, max_norm, norm_out); /* FULL_SHARD offload, unit by unit (fsdp.c) */
+    if (o->amp.scaler && be->check_finite_dev && norm_on_device(o, max_norm, norm_out)) {
+        /* fp16 on the device: the overflow flag beside the norm (the update skips itself on it), read with them at
+         * the step's end, where fl_optim_step_finish hands it to the scaler; no wait inside the step */
+        const float inv = o->amp.scaler->inv(o);
+        FL_TRY(FL_RUN(be, check_finite_dev, o->w.g, o->w.gt, o->w.n, inv, o->ss));
+        if (norm_out) *norm_out = NAN;
+        FL_TRY(step_on_device(o, lr, max_norm, inv));
+        if (!m->lora) fl_model_sync_compute_copy(m);
+        return FL_OK;
+    }
     if (o->amp.scaler) { /* fp16 loss scaling (fl_loss_scaler): the overflow check, the scale's update */
         int skip;
         FL_TRY(o->amp.scaler->unscale(o, &scale, &skip)); /* unscale inside the update */

@@ -190,6 +190,10 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         }
         pending |= o->ss_pending;
         if (pending) FL_TRY(read_scalars(m, o, c, ss, ls, on_dev, c->n_micro, &r));
+        if (pending && o->amp.scaler) { /* fp16's overflow verdict came with the scalars */
+            r.skipped = o->amp.skipped;
+            r.loss_scale = o->amp.scaler->value(o);
+        }
         if (c->mb_ms && c->n_micro > 0) c->mb_ms[c->n_micro - 1] += now_ms() - u0; /* the last iteration carries it */
     }
     for (int k = 0; ss && k < c->n_micro; k++) { /* the host path's sum, in its order */

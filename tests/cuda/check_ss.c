@@ -2,6 +2,7 @@
  * run on a GPU): the kernels that keep a step's gradient norm, clip scale and loss sums on the device.
  *   - clip_scale after sumsq_ex: the norm and the update's scale from the GPU's own sum, bit for bit the host's
  *     double arithmetic on that sum (fl_optim_step's); a NaN gradient gives a NaN scale;
+ *   - check_finite_ss (fp16's overflow flag in the step scalars) = check_finite's verdict;
  *   - loss_sum over TinyLlama's micro-batch (8192 tokens, every 7th ignored): the host's sum in index order, bits;
  *   - adamw_update_ss / sgd_update_ss with the scale read on the device: the bits of adamw_update_ex /
  *     sgd_update_ex given the same scale (the same kernel body), and nothing changed under a NaN scale;
@@ -48,7 +49,8 @@ static void check_clip_and_update(size_t n, int with_nan) {
     if (with_nan) g[n / 3] = NAN;
     float *dg = dput(g, n * 4), *dpa = dput(p, n * 4), *dma = dput(m, n * 4), *dva = dput(v, n * 4);
     float *dpb = dput(p, n * 4), *dmb = dput(m, n * 4), *dvb = dput(v, n * 4);
-    double *dss = dput(NULL, 4 * sizeof(double)), *dwork = dput(NULL, (1 + FL_CU_SUMSQ_PARTS) * sizeof(double));
+    double *dss = dput(NULL, (FL_CU_SS_LOSS + 1) * sizeof(double));
+    double *dwork = dput(NULL, (1 + FL_CU_SUMSQ_PARTS) * sizeof(double));
     const float max_norm = 0.5f, scale = 1.0f;
     int rc = fl_cuk_sumsq_ex(dwork, dwork + 1, dg, FL_F32, n, NULL);
     rc = rc || fl_cuk_clip_scale(dss, dwork, max_norm, scale, 0, NULL);
@@ -62,6 +64,16 @@ static void check_clip_and_update(size_t n, int with_nan) {
              (double)sc);
     say(with_nan ? "clip_scale (a NaN gradient)" : "clip_scale", !rc && (with_nan ? isnan(h[1]) : h[0] == norm &&
                                                                               h[1] == (double)sc), line);
+    /* fp16's overflow flag (check_finite_ss) = check_finite's verdict, in ss[FL_CU_SS_FOUND] */
+    int *dflag = dput(NULL, sizeof(int)), hf = -1;
+    double hfound = -1;
+    rc = rc || fl_cuk_check_finite_ss(dg, FL_F32, n, 1.0f, dss, NULL) ||
+         fl_cuk_check_finite(dg, FL_F32, n, 1.0f, dflag, NULL);
+    cudaMemcpy(&hf, dflag, sizeof hf, cudaMemcpyDeviceToHost);
+    cudaMemcpy(&hfound, dss + FL_CU_SS_FOUND, sizeof hfound, cudaMemcpyDeviceToHost);
+    snprintf(line, sizeof line, "flag %g, check_finite %d", hfound, hf);
+    say("check_finite_ss", !rc && hfound == (double)with_nan && hf == with_nan, line);
+    cudaFree(dflag);
     rc = fl_cuk_adamw_update_ss(dpa, FL_F32, dg, FL_F32, dma, dva, FL_F32, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, dss,
                                 NULL);
     if (!with_nan)
@@ -113,7 +125,8 @@ static void check_loss_sum(int N) {
         tg[i] = i % 7 == 3 ? -100 : i % 1000;
         if (tg[i] != -100) host += l[i];
     }
-    ls_arg a = {dput(NULL, 4 * sizeof(double)), dput(l, (size_t)N * 4), dput(tg, (size_t)N * 4), N};
+    /* acc: run_clip's step scalars start at acc + 2 */
+    ls_arg a = {dput(NULL, (2 + FL_CU_SS_LOSS + 1) * sizeof(double)), dput(l, (size_t)N * 4), dput(tg, (size_t)N * 4), N};
     double got = 0;
     int rc = fl_cuk_loss_sum(a.acc, a.loss, a.tg, N, -100, NULL) || cudaDeviceSynchronize() != cudaSuccess;
     cudaMemcpy(&got, a.acc, sizeof got, cudaMemcpyDeviceToHost);

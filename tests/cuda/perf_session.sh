@@ -25,6 +25,9 @@
 #   9. the step scalars (issue 30 item 5: the gradient norm, clip scale and loss sums on the device, one read per
 #      step): the TinyLlama step, the `small` preset's (launch-bound) and the trainer's 2-micro-batch steps with
 #      clipping, each with FITLLM_CUDA_STEP_SCALARS=1 (the default) against 0 (the host reads), and with graphs.
+#  10. fp16's overflow check on the device (16-mixed: the flag read with the step's one copy, no wait before the
+#      update): the `small` preset's step and the trainer's 2-micro-batch clipped steps, FITLLM_CUDA_STEP_SCALARS=1
+#      against 0 (check_finite read back mid-step), with and without graphs; the trainer's overflow lines side by side.
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
 # kernels; the issue's H200: 302 ms, 18.5%).
 set -u
@@ -126,4 +129,18 @@ for v in 1 0; do
         --train.max_seq_length 256 --train.max_norm 1.0 --train.save_interval 100 --eval.interval 100 \
         --train.log_interval 1 --overwrite true --out_dir "$OUT/small-ss$v" >"$OUT/train-ss$v.log" 2>&1
     echo "finetune_full STEP_SCALARS=$v exit $?: $(grep -E 'iter 16 ' "$OUT/train-ss$v.log" | head -1)"
+done
+echo "== 10. fp16 loss scaling: the overflow check on the device (FITLLM_CUDA_STEP_SCALARS=1 against 0, 16-mixed)"
+for v in 1 0; do
+    for g in 0 1; do
+        FITLLM_CUDA_STEP_SCALARS=$v FITLLM_CUDA_GRAPHS=$g timeout 60 "$F" bench-step small --accelerator cuda \
+            --precision 16-mixed --micro-batch 8 --seq 256 --steps 10 --warmup 2 >"$OUT/small-fp16-ss$v-graphs$g.log" 2>&1
+        echo "small 16-mixed STEP_SCALARS=$v GRAPHS=$g exit $?: $(grep -E '^median' "$OUT/small-fp16-ss$v-graphs$g.log")"
+    done
+    FITLLM_CUDA_STEP_SCALARS=$v timeout 60 "$F" finetune_full small --accelerator cuda --precision 16-mixed \
+        --data Synthetic --train.max_steps 8 --train.global_batch_size 8 --train.micro_batch_size 4 \
+        --train.max_seq_length 256 --train.max_norm 1.0 --train.save_interval 100 --eval.interval 100 \
+        --train.log_interval 1 --overwrite true --out_dir "$OUT/small-fp16-ss$v" >"$OUT/train-fp16-ss$v.log" 2>&1
+    echo "finetune_full 16-mixed STEP_SCALARS=$v exit $?: $(grep -E 'iter 16 ' "$OUT/train-fp16-ss$v.log" | head -1)"
+    grep -E "update skipped" "$OUT/train-fp16-ss$v.log" | head -3
 done

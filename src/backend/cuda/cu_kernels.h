@@ -21,6 +21,9 @@ extern "C" {
  * on the device). 64 parts (the first version) streamed a 1.1B-parameter gradient at 80 GB/s on an
  * H100 (28 ms per step). */
 #define FL_CU_SUMSQ_PARTS 1024
+/* The step scalars' layout (backend.h's FL_SS_FOUND, FL_SS_LOSS) */
+#define FL_CU_SS_FOUND 2
+#define FL_CU_SS_LOSS 3
 /* Segments one convert_many launch takes (backend.h's FL_CONVERT_MANY_MAX) */
 #define FL_CU_CONVERT_MANY_MAX 16
 /* act_forward16's kinds (backend.h's FL_ACT16_*) */
@@ -115,6 +118,8 @@ extern "C" {
                          int first_step, float grad_scale, void *stream);                                      \
     /* found_inf: a device int, set to 1 (never cleared) */                                                   \
     int P##check_finite(const void *x, fl_dtype t, size_t n, float inv_scale, int *found_inf, void *stream);    \
+    /* the same test, ss[FL_SS_FOUND] = 1 (device double; the step scalars' fp16 overflow flag) */              \
+    int P##check_finite_ss(const void *x, fl_dtype t, size_t n, float inv_scale, double *ss, void *stream);     \
     int P##accumulate16(uint16_t *dst, fl_dtype t, const float *src, size_t n, void *stream);                   \
     /* *out (device double) = sum of squares; work: FL_CU_SUMSQ_PARTS doubles of device scratch */             \
     int P##sumsq_ex(double *out, double *work, const void *x, fl_dtype t, size_t n, void *stream);              \

@@ -376,6 +376,15 @@ static fl_status flb_grad_norm_dev(const fl_backend *be, const void *g, fl_dtype
     FLB_RUN_S(be, FLB_K(clip_scale)(ss, im->scalars, max_norm, scale, n_loss, STREAM), "grad_norm_dev");
     return FL_OK;
 }
+_Static_assert(FL_CU_SS_FOUND == FL_SS_FOUND && FL_CU_SS_LOSS == FL_SS_LOSS, "the step scalars' layout");
+static fl_status flb_check_finite_dev(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                                      double *ss) {
+    FL_TRY(flb_sticky(be));
+    if (!flb_float3(t))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s check_finite_dev: %s not supported", FLB_NAME, fl_dtype_name(t));
+    FLB_RUN_S(be, FLB_K(check_finite_ss)(x, t, n, inv_scale, ss, STREAM), "check_finite_dev");
+    return FL_OK;
+}
 static fl_status flb_loss_sum_dev(const fl_backend *be, const float *loss, const int32_t *targets, int N,
                                   int ignore_index, double *acc) {
     FL_TRY(flb_sticky(be));
@@ -879,6 +888,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         be->loss_sum_dev = flb_loss_sum_dev;
         be->adamw_update_ss = flb_adamw_update_ss;
         be->sgd_update_ss = flb_sgd_update_ss;
+        be->check_finite_dev = flb_check_finite_dev;
     }
     be->scale = flb_scale;
     be->zero = flb_zero;

@@ -184,6 +184,22 @@ extern "C" int FL_CUK(check_finite)(const void *x, fl_dtype t, size_t n, float i
     return fl_cu_launch_error();
 }
 
+/* the step scalars' variant (backend.h check_finite_dev): the flag is ss[FL_CU_SS_FOUND], a double the step zeroed */
+__global__ static void fl_cu_check_finite_ss_k(const void *x, int t, size_t n, float inv_scale, double *ss) {
+    FL_CU_GRID_STRIDE(i, n) {
+        float y = fl_cu_ld(x, t, i) * inv_scale;
+        if (y - y != 0.0f) ss[FL_CU_SS_FOUND] = 1.0;
+    }
+}
+
+extern "C" int FL_CUK(check_finite_ss)(const void *x, fl_dtype t, size_t n, float inv_scale, double *ss, void *stream) {
+    if (!is_float(t)) return -1;
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_check_finite_ss_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, x, (int)t, n, inv_scale,
+                 ss);
+    return fl_cu_launch_error();
+}
+
 /* ---- accumulate16: dst = round(widen(dst) + src) ------------------------------------------------- */
 __global__ static void fl_cu_accumulate16_k(uint16_t *dst, int t, const float *src, size_t n) {
     FL_CU_GRID_STRIDE(i, n) fl_cu_st(dst, t, i, fl_cu_ld(dst, t, i) + src[i]);
@@ -245,10 +261,10 @@ __global__ static void fl_cu_clip_scale_k(double *ss, const double *sq, float ma
     if (threadIdx.x || blockIdx.x) return;
     const double norm = sqrt(*sq) * (double)scale;
     float s = scale;
-    int bad = norm - norm != 0.0;
-    for (int k = 0; k < n_loss; k++) bad |= ss[2 + k] - ss[2 + k] != 0.0;
+    int bad = norm - norm != 0.0 || ss[FL_CU_SS_FOUND] != 0.0; /* fp16's overflow flag (check_finite_ss) */
+    for (int k = 0; k < n_loss; k++) bad |= ss[FL_CU_SS_LOSS + k] - ss[FL_CU_SS_LOSS + k] != 0.0;
     if (bad) {
-        ss[1] = NAN; /* inf/NaN gradients or losses: the update is skipped, the host says so when it reads */
+        ss[1] = NAN; /* inf/NaN gradients or losses, an overflow: the update is skipped, the host says so when it reads */
     } else {
         if (max_norm > 0.0f) {
             const double c = (double)max_norm / (norm + 1e-6);
