@@ -25,6 +25,7 @@
 #include "fitllm/model.h"
 #include "fitllm/plan.h"
 #include "fitllm/comm_nccl.h"
+#include "fitllm/train.h"
 #include "plan_ref.h"
 #include "test.h"
 
@@ -1226,4 +1227,175 @@ FL_TEST(sp_train_threads_refusals) {
     expect_refusal(2, e_sp_t19, "--sequence_parallel with --tensor_parallel 2: the sequence length 19 is not a "
                    "multiple of 2", NULL);
     expect_refusal(2, e_sp_alone, "--sequence_parallel", "--tensor_parallel N");
+}
+
+/* Offload on the slices (issue 35: --strategy deepspeed_stage_1/2/3_offload, fsdp_cpu_offload,
+ * deepspeed_stage_3_offload_nvme with --tensor_parallel N). A rank's optimizer (and under parameter offload its pieces
+ * of the slice) are the slice's: the offload relocates them to the host tier (or NVMe files) and runs the elementwise
+ * update there with the device's own kernels (cpu, opaque), so the anchor is the same grid without offload: the SAME
+ * BITS, every rank's step losses and trained parameters. Memory per rank: the device's OPTIM 0 (parameter offload:
+ * PARAMS and GRADS 0 too), the tier holding what the device run held there. */
+static dr_job *off_run(int dp, int tp, const char *strategy, const char *tag, long steps, const char *resume) {
+    dr_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    char out[760], nv[800];
+    snprintf(out, sizeof out, "%s/tp-off-%s-%d-%d%s", fl_test_tmpdir(), tag, dp, tp, g_forced ? g_forced : "");
+    snprintf(nv, sizeof nv, "%s-nvme", out);
+    const int W = dp * tp, nvme = strstr(strategy, "nvme") != NULL;
+    if (nvme) {
+        char mk[900];
+        snprintf(mk, sizeof mk, "mkdir -p '%s'", nv);
+        FL_CHECK(system(mk) == 0);
+    }
+    g_strategy = strategy;
+    for (int r = 0; r < W; r++) {
+        tp_config(&j->cfg[r], DR_ADAMW, dp, tp, out); /* AdamW with clipping: the norm over the offloaded pieces */
+        j->cfg[r].train.max_steps = steps;
+        j->cfg[r].train.save_interval = resume ? 2 : 0;
+        j->cfg[r].eval.interval = 100;
+        if (nvme) snprintf(j->cfg[r].nvme_path, sizeof j->cfg[r].nvme_path, "%s", nv);
+        if (resume && resume[0]) snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", resume);
+    }
+    g_strategy = NULL;
+    backend_on();
+    const fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
+    backend_off();
+    FL_CHECKF(s == FL_OK, "DP %d x TP %d %s%s: %s", dp, tp, strategy, resume && resume[0] ? " resumed" : "", j->msg[0]);
+    if (nvme) {
+        char cmd[900];
+        snprintf(cmd, sizeof cmd, "test -z \"$(ls -A '%s')\"", nv);
+        FL_CHECKF(system(cmd) == 0, "DP %d x TP %d %s: files left in the NVMe folder", dp, tp, strategy);
+    }
+    return s == FL_OK ? j : (free(j), NULL);
+}
+
+static void off_free(dr_job *j) {
+    for (int r = 0; j && r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+}
+
+/* every rank's losses and trained parameters: the same bits */
+static void off_same_bits(const dr_job *a, const dr_job *b, int W, const char *what) {
+    for (int r = 0; a && b && r < W; r++) {
+        const dr_rec *x = &a->rec[r], *y = &b->rec[r];
+        FL_CHECKF(x->steps == y->steps && !memcmp(x->loss, y->loss, sizeof x->loss), "%s rank %d: the step losses differ "
+                  "(step 1: %.9g vs %.9g)", what, r, x->loss[0], y->loss[0]);
+        FL_CHECKF(x->numel == y->numel && x->params && y->params && !memcmp(x->params, y->params, x->numel * 4),
+                  "%s rank %d: the trained parameters differ from the run without offload (%zu vs %zu elements)", what,
+                  r, x->numel, y->numel);
+    }
+}
+
+/* what moved off the device (off) against the device run (base), rank by rank */
+static void off_memory(const dr_job *off, const dr_job *base, int W, int params, int nvme, const char *what) {
+    for (int r = 0; off && base && r < W; r++) {
+        const fl_trainer_result *a = &off->res[r], *b = &base->res[r];
+        const size_t *tier = nvme ? a->nvme_peak : a->host_peak;
+        FL_CHECKF(b->peak[FL_TAG_OPTIM] > 0 && a->peak[FL_TAG_OPTIM] == 0 && tier[FL_TAG_OPTIM] == b->peak[FL_TAG_OPTIM],
+                  "%s rank %d: device OPTIM %zu (without offload %zu), the tier's %zu", what, r, a->peak[FL_TAG_OPTIM],
+                  b->peak[FL_TAG_OPTIM], tier[FL_TAG_OPTIM]);
+        if (params)
+            FL_CHECKF(a->peak[FL_TAG_PARAMS] == 0 && a->peak[FL_TAG_GRADS] == 0 &&
+                      tier[FL_TAG_PARAMS] == b->peak[FL_TAG_PARAMS] && tier[FL_TAG_GRADS] == b->peak[FL_TAG_GRADS],
+                      "%s rank %d: device PARAMS %zu GRADS %zu, the tier's %zu %zu (without offload: %zu %zu)", what, r,
+                      a->peak[FL_TAG_PARAMS], a->peak[FL_TAG_GRADS], tier[FL_TAG_PARAMS], tier[FL_TAG_GRADS],
+                      b->peak[FL_TAG_PARAMS], b->peak[FL_TAG_GRADS]);
+    }
+}
+
+typedef struct { int dp; const char *base, *off; int params, nvme; } off_case;
+static const off_case k_off[] = {
+    {1, "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0}, /* TP 2: the rank's slice */
+    {2, "deepspeed_stage_1", "deepspeed_stage_1_offload", 0, 0}, /* DP 2 x TP 2: the chunk of the slice */
+    {2, "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0},
+    {2, "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0}, /* the pieces of the slice's units */
+    {2, "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},          /* the parameters' and gradients' pieces too */
+    {2, "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1},
+    {1, "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0}, /* TP 2 alone: the slice is its one piece, in the tier */
+};
+
+static void off_cases(const off_case *k, int n, long steps) {
+    for (int i = 0; i < n; i++) {
+        char what[160];
+        snprintf(what, sizeof what, "DP %d x TP 2 %s vs %s%s%s", k[i].dp, k[i].off, k[i].base, g_forced ? " on " : "",
+                 g_forced ? g_forced : "");
+        dr_job *b = off_run(k[i].dp, 2, k[i].base, "base", steps, NULL), *o = off_run(k[i].dp, 2, k[i].off, "off", steps, NULL);
+        off_same_bits(o, b, 2 * k[i].dp, what);
+        off_memory(o, b, 2 * k[i].dp, k[i].params, k[i].nvme, what);
+        if (getenv("FL_TEST_VERBOSE") && o && b)
+            printf("    %s: the same bits; rank 0's tier OPTIM %zu PARAMS %zu bytes, device peak %zu (without %zu)\n",
+                   what, (k[i].nvme ? o->res[0].nvme_peak : o->res[0].host_peak)[FL_TAG_OPTIM],
+                   (k[i].nvme ? o->res[0].nvme_peak : o->res[0].host_peak)[FL_TAG_PARAMS], o->res[0].peak_total,
+                   b->res[0].peak_total);
+        off_free(b), off_free(o);
+    }
+}
+
+/* 2 steps each: the clipped update twice (its norm over the offloaded pieces); under ASan one case of each test */
+FL_TEST(tp_train_threads_offload_keeps_the_bits) { off_cases(&k_off[fl_test_asan_light() ? 2 : 0], fl_test_asan_light() ? 1 : 4, 2); }
+
+FL_TEST(tp_train_threads_param_offload_keeps_the_bits) { off_cases(&k_off[4], fl_test_asan_light() ? 1 : 3, 2); }
+
+/* The same on the opaque backend (its memory the host cannot read): the optimizer's update staged through the host tier
+ * in pieces of 9973 elements (the slice's 130368 in 14, the last short), parameter offload's pieces fetched up from the
+ * tier and its gradients sent down; the blocks' sums and the axis' collectives through the NCCL stand-in (gpt2-micro:
+ * its slice's 2 x 64 x 256 / 2 + ... elements in several pieces). */
+FL_TEST(tp_train_offload_nccl_standin_opaque) {
+    if (!fl_test_asan_budget()) return; /* ~4 s (the opaque backend's copies); ASan: the threads' cases above */
+    g_forced = "opaque";
+    g_small = 1; /* gpt2-micro at T 8 */
+    fl_optim_set_offload_piece(9973);
+    off_cases(&k_off[2], 1, 2);
+    off_cases(&k_off[4], 1, 2);
+    fl_optim_set_offload_piece(0);
+    g_small = 0;
+    g_forced = NULL;
+}
+
+/* plan per rank = measured with offload on the slices: every rank's device tags and total, and its host tier's (the
+ * optimizer state, the staging, parameter offload's pieces) or NVMe files', at TP 2 and DP 2 x TP 2 */
+FL_TEST(tp_train_threads_offload_plan_equals_measured) {
+    g_forced = "cpu";
+    for (int i = 0; i < (int)(sizeof k_off / sizeof k_off[0]); i++) {
+        if (i == 0 || i == 3) continue; /* (the same set-up as a case below) */
+        const int W = 2 * k_off[i].dp;
+        dr_job *j = off_run(k_off[i].dp, 2, k_off[i].off, "plan", 1, NULL);
+        for (int r = 0; j && r < W; r++) {
+            char grid[96];
+            snprintf(grid, sizeof grid, "DP %d x TP 2 %s", k_off[i].dp, k_off[i].off);
+            const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
+            if (getenv("FL_TEST_VERBOSE") && r == 0)
+                printf("    %s rank 0: planned = measured: device %zu, host tier %zu, NVMe %zu bytes\n", grid, total,
+                       j->res[r].host_peak_total, j->res[r].nvme_peak_total);
+        }
+        off_free(j);
+    }
+    g_forced = NULL;
+}
+
+/* Checkpoints across offload settings (consolidated: one process's files whatever the tiers): DP 2 x TP 2 under
+ * deepspeed_stage_2_offload stopped at step 2 and resumed under deepspeed_stage_2 (the state read from the host tier,
+ * written to the device), and deepspeed_stage_3's resumed under fsdp_cpu_offload (the pieces written into the tier):
+ * each resumed run ends on the uninterrupted run's bits (the later step losses and the parameters). */
+FL_TEST(tp_train_threads_offload_resume_across_settings) {
+    const char *k[2][2] = {{"deepspeed_stage_2_offload", "deepspeed_stage_2"}, {"deepspeed_stage_3", "fsdp_cpu_offload"}};
+    for (int c = 0; c < 2; c++) {
+        char tag[32], from[4200];
+        snprintf(tag, sizeof tag, "full%d", c);
+        dr_job *a = off_run(2, 2, k[c][0], tag, 4, "");
+        if (!a) continue;
+        snprintf(from, sizeof from, "%s/step-000002", a->cfg[0].out_dir);
+        snprintf(tag, sizeof tag, "resumed%d", c);
+        dr_job *b = off_run(2, 2, k[c][1], tag, 4, from);
+        for (int r = 0; b && r < 4; r++) {
+            const dr_rec *x = &a->rec[r], *y = &b->rec[r];
+            FL_CHECKF(y->steps == 4 && !memcmp(&x->loss[2], &y->loss[2], 2 * sizeof x->loss[0]) && x->numel == y->numel &&
+                      !memcmp(x->params, y->params, x->numel * 4), "%s's step 2 resumed under %s, rank %d: steps %ld, "
+                      "the later losses (%.9g vs %.9g) or the parameters differ from the uninterrupted run's", k[c][0],
+                      k[c][1], r, y->steps, y->loss[3], x->loss[3]);
+        }
+        if (getenv("FL_TEST_VERBOSE") && b)
+            printf("    %s's step 2 resumed under %s: the uninterrupted run's bits\n", k[c][0], k[c][1]);
+        off_free(a), off_free(b);
+    }
 }

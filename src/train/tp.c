@@ -48,7 +48,7 @@ static int fsdp_pieces(const fl_tp_dist *d, size_t **fo, size_t **so, size_t **l
 static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const fl_tp_dist *d = ud;
     const fl_model *m = d->m;
-    const fl_backend *be = m->be;
+    const fl_backend *be = o->home.params_host ? o->home.be : m->be; /* parameter offload: the gradients are the host's */
     const int rank = fl_comm_rank(d->comm), zero = d->inner && d->inner->stage > 0;
     const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
     const size_t es = fl_dtype_size(o->w.gt);

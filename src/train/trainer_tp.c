@@ -109,9 +109,6 @@ static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_
     if (c->command == FL_CMD_FINETUNE_LORA && dp_world > 1 && sc->stage > 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with finetune_lora and --strategy %s: the adapters' "
                          "data-parallel axis runs DDP so far (give --strategy ddp)", n, c->strategy);
-    if (sc->offload || sc->param_offload)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s: optimizer offload is not "
-                         "combined with tensor parallelism yet", n, c->strategy);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: AdamW8bit's block-wise state is not split yet "
                          "(AdamW and SGD are)", n);
