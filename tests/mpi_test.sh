@@ -814,6 +814,24 @@ else
     bad "ppi_cli_np4_pp2_zero2_fp16" "exit $rc, losses within '$w', resumed within '$w1'"
 fi
 
+# offload on the slices (issue 35): DP 2 x TP 2 under fsdp_cpu_offload at 4 ranks (each rank's pieces of its slice's
+# parameters, gradients and state in the host tier) logs the device-resident grid's losses (tpf's above) and writes its
+# final weights byte for byte; tpf's step-2 checkpoint resumed under fsdp_cpu_offload ends on the same final weights
+# (tests/test_tp_train.c: ZeRO-1/2/3 offload and NVMe too)
+rc=0
+timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_parallel 2 --strategy fsdp_cpu_offload \
+    --out_dir "$T/tpo" >"$T/out" 2>&1 || rc=$?
+timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_parallel 2 --strategy fsdp_cpu_offload \
+    --resume "$T/tpf/step-000002" --out_dir "$T/tpo-r" >>"$T/out" 2>&1 || rc=$?
+if [ $rc -eq 0 ] && cmp -s "$T/tpo/final/model.safetensors" "$T/tpf/final/model.safetensors" \
+    && cmp -s <(cut -d, -f1-4 "$T/tpo/logs/metrics.csv") <(cut -d, -f1-4 "$T/tpf/logs/metrics.csv") \
+    && cmp -s "$T/tpo-r/final/model.safetensors" "$T/tpf/final/model.safetensors" \
+    && grep -q "host tier (offload) PARAMS  *254.62 KiB" "$T/out"; then
+    ok "tp_cli_np4_tp2_fsdp_cpu_offload (the device-resident grid's bytes; its checkpoint resumed with offload)"
+else
+    bad "tp_cli_np4_tp2_fsdp_cpu_offload" "exit $rc"
+fi
+
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"
 [ $fail -eq 0 ]
