@@ -44,6 +44,7 @@ static const char *g_strategy; /* the data axis's (NULL: ddp) */
 static int g_pp = 1;           /* the 3D grid: stages per pipeline (1: none) */
 static int g_lora_mlp = 1, g_lora_dropout; /* DR_LORA: adapters on the MLP too (down_proj row-parallel); dropout 0.1 */
 static int g_lora_proj;                     /* DR_LORA: on o_proj too (row-parallel) */
+static int g_lora_head;                     /* DR_LORA: on lm_head too (vocabulary-parallel; an untied model) */
 static const char *g_model; /* another preset than micro (NULL: micro) */
 static const char *g_sched;    /* and their schedule (NULL: 1f1b) */
 static int g_sp;               /* --sequence_parallel */
@@ -60,6 +61,7 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
     c->tensor_parallel = tp;
     if (sc == DR_LORA) c->lora.mlp = g_lora_mlp, c->lora.dropout = g_lora_dropout ? 0.1f : 0.0f;
     if (sc == DR_LORA && g_lora_proj) c->lora.projection = 1;
+    if (sc == DR_LORA && g_lora_head) c->lora.head = 1;
     if (sc == DR_LORA && g_quant) snprintf(c->lora.quantize, sizeof c->lora.quantize, "%s", g_quant);
     if (g_model) snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", g_model);
     if (g_pp > 1 && tp > 1) {
@@ -445,18 +447,14 @@ static void e_qlora_micro(fl_run_config *c) {
     snprintf(c->lora.quantize, sizeof c->lora.quantize, "bnb.nf4-dq");
 }
 
-static void q4_folder(const char *preset, const char *dir) {
-    fl_model_config mc;
-    FL_REQUIRE_OK(fl_preset_find(preset, &mc));
-    const int llama = !strcmp(preset, "micro");
-    mc.dim = 128, mc.n_layers = 2, mc.ffn_dim = llama ? 256 : 512;
-    mc.n_heads = llama ? 8 : 4, mc.n_kv_heads = llama ? 4 : 4, mc.head_dim = llama ? 16 : 32;
+/* a random model of config mc (the preset's architecture and byte tokenizer) saved as an HF folder */
+static void write_folder(const fl_model_config *mc, const char *preset, const char *dir) {
     fl_backend be;
     fl_mem_pool pool;
     fl_model m;
     FL_REQUIRE_OK(fl_backend_init_by_name("cpu", &be, 1));
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "test", 0));
-    FL_REQUIRE_OK(fl_model_init(&m, &mc, &be, &pool));
+    FL_REQUIRE_OK(fl_model_init(&m, mc, &be, &pool));
     FL_REQUIRE_OK(fl_model_init_random_ex(&m, 7));
     FL_REQUIRE_OK(fl_hf_save_model(&m, dir));
     fl_model_free(&m);
@@ -473,6 +471,15 @@ static void q4_folder(const char *preset, const char *dir) {
     FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
     snprintf(cmd, sizeof cmd, "cp %s/final/tokenizer.json %s/final/tokenizer_config.json %s/", out, out, dir);
     FL_REQUIRE(system(cmd) == 0);
+}
+
+static void q4_folder(const char *preset, const char *dir) {
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find(preset, &mc));
+    const int llama = !strcmp(preset, "micro");
+    mc.dim = 128, mc.n_layers = 2, mc.ffn_dim = llama ? 256 : 512;
+    mc.n_heads = llama ? 8 : 4, mc.n_kv_heads = llama ? 4 : 4, mc.head_dim = llama ? 16 : 32;
+    write_folder(&mc, preset, dir);
 }
 
 FL_TEST(tp_train_threads_qlora_matches_one_process) {
@@ -1398,4 +1405,125 @@ FL_TEST(tp_train_threads_offload_resume_across_settings) {
             printf("    %s's step 2 resumed under %s: the uninterrupted run's bits\n", k[c][0], k[c][1]);
         off_free(a), off_free(b);
     }
+}
+
+/* LoRA on the vocabulary-parallel head (issue 35; finetune_lora --lora_head true --tensor_parallel N, an untied model):
+ * lm_head's A (r, C) is whole on every rank (its input, the final norm's output, is), B (V, r) takes the rank's
+ * vocabulary rows as the head's weight does, so the rank's logits columns are its base columns plus s (x A^T) B_r^T and
+ * the parallel cross-entropy is unchanged; dA is a partial sum over the ranks' columns, added over the group with the
+ * other whole matrices' (fl_optim_dist.reduce), d(x)'s adapter part joins the head's d(x) before the group's sum. The
+ * same bars as LoRA on the blocks: the losses within 1e-6 relative of one process's LoRA-on-head run, the merged final
+ * weights within the AdamW bound; TP 2, DP 2 x TP 2, TP 4 (128 of the 512 rows each), dropout 0.1 on the head. */
+static int g_vocab; /* untied_folder: another vocabulary size than micro's 512 (0: 512) */
+static void untied_folder(const char *dir) {
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
+    mc.tie_embeddings = 0;
+    if (g_vocab) mc.vocab_size = g_vocab;
+    write_folder(&mc, "micro", dir);
+}
+
+FL_TEST(tp_train_threads_lora_head_matches_one_process) {
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/untied-micro", fl_test_tmpdir());
+    untied_folder(dir);
+    g_model = dir, g_lora_head = 1;
+    g_lora_dropout = 1, g_lora_mlp = 0; /* q, v and the head, dropout 0.1 (the head's input is whole: one mask) */
+    scenario(DR_LORA, 1, 2);
+    g_lora_dropout = 0, g_lora_mlp = 1;
+    g_model = NULL, g_lora_head = 0;
+}
+
+FL_TEST(tp_train_threads_lora_head_more_grids) {
+    if (!fl_test_asan_budget()) return; /* ~2 s in the release pass; ASan: TP 2 above, the files and resume below */
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/untied-micro-g", fl_test_tmpdir());
+    untied_folder(dir);
+    g_model = dir, g_lora_head = 1;
+    scenario(DR_LORA, 2, 2); /* DP 2 x TP 2 */
+    scenario(DR_LORA, 1, 4); /* TP 4: 128 of the 512 rows of B each */
+    g_model = NULL, g_lora_head = 0;
+}
+
+/* 509 rows at TP 2: B's slices of 254 and 255 rows (the checkpoints' gather pads them to one count); the 3D grid
+ * TP 2 x PP 2 (the head and its adapter on the last stage); the opaque backend (the adapters' group sums on device
+ * memory through the NCCL stand-in) */
+FL_TEST(tp_train_threads_lora_head_uneven_3d_opaque) {
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/untied-micro-509", fl_test_tmpdir());
+    g_vocab = 509;
+    untied_folder(dir);
+    g_vocab = 0;
+    g_model = dir, g_lora_head = 1;
+    scenario(DR_LORA, 1, 2);
+    if (fl_test_asan_budget()) {
+        g_pp = 2;
+        scenario(DR_LORA, 1, 2);
+        g_pp = 1;
+        g_forced = "opaque";
+        scenario(DR_LORA, 1, 2);
+        g_forced = NULL;
+    }
+    g_model = NULL, g_lora_head = 0;
+}
+
+/* the PEFT adapter of a run (final/adapter) against one process's: the same tensors (names, dtypes, shapes) and
+ * adapter_config.json byte for byte */
+static void same_adapter_files(const char *a_dir, const char *b_dir, const char *what) {
+    char pa[900], pb[900];
+    snprintf(pa, sizeof pa, "%s/final/adapter/adapter_model.safetensors", a_dir);
+    snprintf(pb, sizeof pb, "%s/final/adapter/adapter_model.safetensors", b_dir);
+    fl_st_file a, b;
+    FL_REQUIRE_OK(fl_st_open(&a, pa));
+    fl_status s = fl_st_open(&b, pb);
+    FL_REQUIRE_OK(s);
+    int head = 0;
+    FL_CHECKF(a.n_tensors == b.n_tensors, "%s: %d adapter tensors, one process %d", what, a.n_tensors, b.n_tensors);
+    for (int i = 0; i < a.n_tensors; i++) {
+        const fl_st_tensor *x = &a.tensors[i], *y = fl_st_find(&b, x->name);
+        FL_CHECKF(y && y->dtype == x->dtype && y->ndim == x->ndim && !memcmp(y->shape, x->shape, sizeof x->shape),
+                  "%s: adapter tensor %s is not one process's (dtype, shape)", what, x->name);
+        head += strstr(x->name, "lm_head") != NULL;
+    }
+    FL_CHECKF(head == 2, "%s: %d lm_head tensors in the adapter (want lora_A and lora_B)", what, head);
+    fl_st_close(&a);
+    fl_st_close(&b);
+    char cmd[1800];
+    snprintf(cmd, sizeof cmd, "cmp -s %s/final/adapter/adapter_config.json %s/final/adapter/adapter_config.json", a_dir,
+             b_dir);
+    FL_CHECKF(system(cmd) == 0, "%s: adapter_config.json differs from one process's", what);
+}
+
+/* LoRA on the head: plan = measured per rank at TP 2 (the slice's head adapter: A whole, B's rows, their gradients and
+ * state, the head chunk's h); the PEFT adapter as one process writes it; TP 2's step-3 checkpoint resumed in one
+ * process and one process's step 4 at TP 2 (lora_resume: later losses within 1e-6 of the uninterrupted TP 2 run's, the
+ * same files in final/, final/adapter and the step folders). */
+FL_TEST(tp_train_threads_lora_head_plan_files_resume) {
+    char dir[700], out[760], one[800];
+    snprintf(dir, sizeof dir, "%s/untied-micro-r", fl_test_tmpdir());
+    untied_folder(dir);
+    g_model = dir, g_lora_head = 1;
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    snprintf(out, sizeof out, "%s/lora-head-plan", fl_test_tmpdir());
+    snprintf(one, sizeof one, "%s-one", out);
+    for (int r = 0; r < 2; r++) {
+        tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
+        j->cfg[r].train.max_steps = 2;
+    }
+    g_forced = "cpu"; /* the plan is the cpu backend's */
+    backend_on();
+    fl_status s = fl_comm_threads_run(2, dr_job_rank, j);
+    FL_CHECKF(s == FL_OK, "LoRA on the head at TP 2: %s", j->msg[0]);
+    for (int r = 0; r < 2 && s == FL_OK; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "LoRA head TP 2");
+    tp_config(&j->cfg[0], DR_LORA, 1, 1, one);
+    j->cfg[0].train.max_steps = 2;
+    FL_REQUIRE_OK(fl_trainer_run(&j->cfg[0], NULL, 0, NULL, NULL, NULL));
+    backend_off();
+    g_forced = NULL;
+    if (s == FL_OK) same_adapter_files(out, one, "LoRA on the head at TP 2");
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+    lora_resume("tp-lora-head-resume");
+    g_model = NULL, g_lora_head = 0;
 }

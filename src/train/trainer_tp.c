@@ -197,11 +197,6 @@ static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *w
                           cut, fl_tp_entry_split(&lay, i) == FL_TP_ROW ? "of each row" : "of a part", FL_Q4_BLOCK,
                           FL_Q4_BLOCK);
     }
-    for (int j = 0; j < n && s == FL_OK; j++) {
-        if (mods[j].layer < 0)
-            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA on lm_head (the vocabulary-parallel head) is "
-                          "not split yet (the blocks' linears are)", n_tp);
-    }
     free(mods);
     fl_layout_free(&lay);
     return s;
