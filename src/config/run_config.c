@@ -181,7 +181,7 @@ static const fl_cfg_key k_keys[] = {
     {"lora_value", FL_CK_BOOL, OFF(lora.value), "finetune_lora: adapt the value projection"},
     {"lora_projection", FL_CK_BOOL, OFF(lora.projection), "finetune_lora: adapt the attention output projection"},
     {"lora_mlp", FL_CK_BOOL, OFF(lora.mlp), "finetune_lora: adapt the MLP projections"},
-    {"lora_head", FL_CK_BOOL, OFF(lora.head), "finetune_lora: adapt lm_head (untied heads only)"},
+    {"lora_head", FL_CK_BOOL, OFF(lora.head), "finetune_lora: adapt lm_head (untied heads only; with tensor_parallel: A whole, B split by the head's vocabulary rows)"},
     {"lora_target_modules", FL_CK_PATH256, OFF(lora.target_modules), "finetune_lora: PEFT target modules (overrides lora_*)"},
     {"use_rslora", FL_CK_BOOL, OFF(lora.use_rslora), "finetune_lora: scaling alpha / sqrt(r)"},
     {"quantize", FL_CK_STR32, OFF(lora.quantize), "finetune_lora (QLoRA): bnb.nf4 | bnb.nf4-dq | bnb.fp4 | bnb.fp4-dq"},
