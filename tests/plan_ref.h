@@ -1,6 +1,7 @@
 /* The planner against a measured multi-rank run, shared by the grid tests (tests/test_tp_train.c: DP x TP,
  * tests/test_pp_train.c: DP x PP): rank `rank`'s plan of cfg (thread ranks, no suggestions, no generation)
- * must equal that rank's measured peaks, tag by tag and in total (the device, and the offload's host tier and NVMe files). `grid` names the run in the messages. */
+ * must equal that rank's measured peaks, tag by tag and in total (the device, and the offload's host tier and NVMe
+ * files). `grid` names the run in the messages. */
 #ifndef FITLLM_TESTS_PLAN_REF_H
 #define FITLLM_TESTS_PLAN_REF_H
 

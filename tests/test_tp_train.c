@@ -98,15 +98,21 @@ static void span_diff(const float *a, const float *b, size_t off, size_t n, doub
     }
 }
 
+/* the files rel under folders a_dir and b_dir, opened (a test's requirement) */
+static void open_pair(const char *a_dir, const char *b_dir, const char *rel, fl_st_file *a, fl_st_file *b) {
+    char pa[900], pb[900];
+    snprintf(pa, sizeof pa, "%s/%s", a_dir, rel);
+    snprintf(pb, sizeof pb, "%s/%s", b_dir, rel);
+    FL_REQUIRE_OK(fl_st_open(a, pa));
+    fl_status s = fl_st_open(b, pb);
+    if (s != FL_OK) fl_st_close(a);
+    FL_REQUIRE_OK(s);
+}
+
 /* the consolidated step-1 checkpoints' exp_avg, tensor by tensor (the layout of the whole micro model) */
 static void check_grads(const char *tp_dir, const char *one_dir, const char *what) {
-    char pa[800], pb[800];
-    snprintf(pa, sizeof pa, "%s/step-000001/training_state.safetensors", tp_dir);
-    snprintf(pb, sizeof pb, "%s/step-000001/training_state.safetensors", one_dir);
     fl_st_file a, b;
-    FL_REQUIRE_OK(fl_st_open(&a, pa));
-    fl_status s = fl_st_open(&b, pb);
-    FL_REQUIRE_OK(s);
+    open_pair(tp_dir, one_dir, "step-000001/training_state.safetensors", &a, &b);
     const fl_st_tensor *ta = fl_st_find(&a, "optimizer.exp_avg"), *tb = fl_st_find(&b, "optimizer.exp_avg");
     fl_model_config mc;
     fl_param_layout lay;
@@ -1242,11 +1248,13 @@ FL_TEST(sp_train_threads_refusals) {
  * update there with the device's own kernels (cpu, opaque), so the anchor is the same grid without offload: the SAME
  * BITS, every rank's step losses and trained parameters. Memory per rank: the device's OPTIM 0 (parameter offload:
  * PARAMS and GRADS 0 too), the tier holding what the device run held there. */
+static int g_off_sc = DR_ADAMW; /* off_run's scenario */
 static dr_job *off_run(int dp, int tp, const char *strategy, const char *tag, long steps, const char *resume) {
     dr_job *j = calloc(1, sizeof *j);
     if (!j) return NULL;
     char out[760], nv[800];
-    snprintf(out, sizeof out, "%s/tp-off-%s-%d-%d%s", fl_test_tmpdir(), tag, dp, tp, g_forced ? g_forced : "");
+    snprintf(out, sizeof out, "%s/tp-off-%s-%s-%s-%d-%d%s", fl_test_tmpdir(), tag, dr_names[g_off_sc], strategy, dp, tp,
+             g_forced ? g_forced : "");
     snprintf(nv, sizeof nv, "%s-nvme", out);
     const int W = dp * tp, nvme = strstr(strategy, "nvme") != NULL;
     if (nvme) {
@@ -1256,7 +1264,7 @@ static dr_job *off_run(int dp, int tp, const char *strategy, const char *tag, lo
     }
     g_strategy = strategy;
     for (int r = 0; r < W; r++) {
-        tp_config(&j->cfg[r], DR_ADAMW, dp, tp, out); /* AdamW with clipping: the norm over the offloaded pieces */
+        tp_config(&j->cfg[r], g_off_sc, dp, tp, out); /* AdamW with clipping: the norm over the offloaded pieces */
         j->cfg[r].train.max_steps = steps;
         j->cfg[r].train.save_interval = resume ? 2 : 0;
         j->cfg[r].eval.interval = 100;
@@ -1285,8 +1293,8 @@ static void off_free(dr_job *j) {
 static void off_same_bits(const dr_job *a, const dr_job *b, int W, const char *what) {
     for (int r = 0; a && b && r < W; r++) {
         const dr_rec *x = &a->rec[r], *y = &b->rec[r];
-        FL_CHECKF(x->steps == y->steps && !memcmp(x->loss, y->loss, sizeof x->loss), "%s rank %d: the step losses differ "
-                  "(step 1: %.9g vs %.9g)", what, r, x->loss[0], y->loss[0]);
+        FL_CHECKF(x->steps == y->steps && !memcmp(x->loss, y->loss, sizeof x->loss), "%s rank %d: the step losses "
+                  "differ (step 1: %.9g vs %.9g)", what, r, x->loss[0], y->loss[0]);
         FL_CHECKF(x->numel == y->numel && x->params && y->params && !memcmp(x->params, y->params, x->numel * 4),
                   "%s rank %d: the trained parameters differ from the run without offload (%zu vs %zu elements)", what,
                   r, x->numel, y->numel);
@@ -1298,7 +1306,8 @@ static void off_memory(const dr_job *off, const dr_job *base, int W, int params,
     for (int r = 0; off && base && r < W; r++) {
         const fl_trainer_result *a = &off->res[r], *b = &base->res[r];
         const size_t *tier = nvme ? a->nvme_peak : a->host_peak;
-        FL_CHECKF(b->peak[FL_TAG_OPTIM] > 0 && a->peak[FL_TAG_OPTIM] == 0 && tier[FL_TAG_OPTIM] == b->peak[FL_TAG_OPTIM],
+        FL_CHECKF(b->peak[FL_TAG_OPTIM] > 0 && a->peak[FL_TAG_OPTIM] == 0 &&
+                      tier[FL_TAG_OPTIM] == b->peak[FL_TAG_OPTIM],
                   "%s rank %d: device OPTIM %zu (without offload %zu), the tier's %zu", what, r, a->peak[FL_TAG_OPTIM],
                   b->peak[FL_TAG_OPTIM], tier[FL_TAG_OPTIM]);
         if (params)
@@ -1310,23 +1319,28 @@ static void off_memory(const dr_job *off, const dr_job *base, int W, int params,
     }
 }
 
-typedef struct { int dp; const char *base, *off; int params, nvme; } off_case;
+typedef struct { int dp; const char *base, *off; int params, nvme, sc; } off_case;
 static const off_case k_off[] = {
-    {1, "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0}, /* TP 2: the rank's slice */
-    {2, "deepspeed_stage_1", "deepspeed_stage_1_offload", 0, 0}, /* DP 2 x TP 2: the chunk of the slice */
-    {2, "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0},
-    {2, "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0}, /* the pieces of the slice's units */
-    {2, "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},          /* the parameters' and gradients' pieces too */
-    {2, "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1},
-    {1, "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0}, /* TP 2 alone: the slice is its one piece, in the tier */
+    {1, "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, DR_ADAMW}, /* TP 2: the rank's slice */
+    {2, "deepspeed_stage_1", "deepspeed_stage_1_offload", 0, 0, DR_ADAMW}, /* DP 2 x TP 2: the chunk of the slice */
+    {2, "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, DR_ADAMW},
+    {2, "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0, DR_ADAMW}, /* the pieces of the slice's units */
+    {2, "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, DR_ADAMW}, /* the parameters' and gradients' pieces too */
+    {2, "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, DR_ADAMW},
+    {1, "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, DR_ADAMW}, /* TP 2 alone: the slice, one piece, in the tier */
+    {1, "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, DR_LORA}, /* LoRA's adapters at TP 2 (DDP's axis) */
 };
 
 static void off_cases(const off_case *k, int n, long steps) {
     for (int i = 0; i < n; i++) {
         char what[160];
-        snprintf(what, sizeof what, "DP %d x TP 2 %s vs %s%s%s", k[i].dp, k[i].off, k[i].base, g_forced ? " on " : "",
+        snprintf(what, sizeof what, "DP %d x TP 2 %s%s vs %s%s%s", k[i].dp, k[i].sc == DR_LORA ? "LoRA " : "", k[i].off,
+                 k[i].base, g_forced ? " on " : "",
                  g_forced ? g_forced : "");
-        dr_job *b = off_run(k[i].dp, 2, k[i].base, "base", steps, NULL), *o = off_run(k[i].dp, 2, k[i].off, "off", steps, NULL);
+        g_off_sc = k[i].sc;
+        dr_job *b = off_run(k[i].dp, 2, k[i].base, "base", steps, NULL);
+        dr_job *o = off_run(k[i].dp, 2, k[i].off, "off", steps, NULL);
+        g_off_sc = DR_ADAMW;
         off_same_bits(o, b, 2 * k[i].dp, what);
         off_memory(o, b, 2 * k[i].dp, k[i].params, k[i].nvme, what);
         if (getenv("FL_TEST_VERBOSE") && o && b)
@@ -1339,7 +1353,10 @@ static void off_cases(const off_case *k, int n, long steps) {
 }
 
 /* 2 steps each: the clipped update twice (its norm over the offloaded pieces); under ASan one case of each test */
-FL_TEST(tp_train_threads_offload_keeps_the_bits) { off_cases(&k_off[fl_test_asan_light() ? 2 : 0], fl_test_asan_light() ? 1 : 4, 2); }
+FL_TEST(tp_train_threads_offload_keeps_the_bits) {
+    off_cases(&k_off[fl_test_asan_light() ? 2 : 0], fl_test_asan_light() ? 1 : 4, 2);
+    off_cases(&k_off[7], 1, 2);
+}
 
 FL_TEST(tp_train_threads_param_offload_keeps_the_bits) { off_cases(&k_off[4], fl_test_asan_light() ? 1 : 3, 2); }
 
@@ -1366,10 +1383,13 @@ FL_TEST(tp_train_threads_offload_plan_equals_measured) {
     for (int i = 0; i < (int)(sizeof k_off / sizeof k_off[0]); i++) {
         if (i == 0 || i == 3) continue; /* (the same set-up as a case below) */
         const int W = 2 * k_off[i].dp;
+        g_off_sc = k_off[i].sc;
         dr_job *j = off_run(k_off[i].dp, 2, k_off[i].off, "plan", 1, NULL);
+        g_off_sc = DR_ADAMW;
         for (int r = 0; j && r < W; r++) {
             char grid[96];
-            snprintf(grid, sizeof grid, "DP %d x TP 2 %s", k_off[i].dp, k_off[i].off);
+            snprintf(grid, sizeof grid, "DP %d x TP 2 %s%s", k_off[i].dp, k_off[i].sc == DR_LORA ? "LoRA " : "",
+                     k_off[i].off);
             const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
             if (getenv("FL_TEST_VERBOSE") && r == 0)
                 printf("    %s rank 0: planned = measured: device %zu, host tier %zu, NVMe %zu bytes\n", grid, total,
@@ -1385,7 +1405,8 @@ FL_TEST(tp_train_threads_offload_plan_equals_measured) {
  * written to the device), and deepspeed_stage_3's resumed under fsdp_cpu_offload (the pieces written into the tier):
  * each resumed run ends on the uninterrupted run's bits (the later step losses and the parameters). */
 FL_TEST(tp_train_threads_offload_resume_across_settings) {
-    const char *k[2][2] = {{"deepspeed_stage_2_offload", "deepspeed_stage_2"}, {"deepspeed_stage_3", "fsdp_cpu_offload"}};
+    const char *k[2][2] = {{"deepspeed_stage_2_offload", "deepspeed_stage_2"},
+                           {"deepspeed_stage_3", "fsdp_cpu_offload"}};
     for (int c = 0; c < 2; c++) {
         char tag[32], from[4200];
         snprintf(tag, sizeof tag, "full%d", c);
@@ -1396,10 +1417,11 @@ FL_TEST(tp_train_threads_offload_resume_across_settings) {
         dr_job *b = off_run(2, 2, k[c][1], tag, 4, from);
         for (int r = 0; b && r < 4; r++) {
             const dr_rec *x = &a->rec[r], *y = &b->rec[r];
-            FL_CHECKF(y->steps == 4 && !memcmp(&x->loss[2], &y->loss[2], 2 * sizeof x->loss[0]) && x->numel == y->numel &&
-                      !memcmp(x->params, y->params, x->numel * 4), "%s's step 2 resumed under %s, rank %d: steps %ld, "
-                      "the later losses (%.9g vs %.9g) or the parameters differ from the uninterrupted run's", k[c][0],
-                      k[c][1], r, y->steps, y->loss[3], x->loss[3]);
+            FL_CHECKF(y->steps == 4 && !memcmp(&x->loss[2], &y->loss[2], 2 * sizeof x->loss[0]) &&
+                      x->numel == y->numel && !memcmp(x->params, y->params, x->numel * 4),
+                      "%s's step 2 resumed under %s, rank %d: steps %ld, the later losses (%.9g vs %.9g) or the "
+                      "parameters differ from the uninterrupted run's", k[c][0], k[c][1], r, y->steps, y->loss[3],
+                      x->loss[3]);
         }
         if (getenv("FL_TEST_VERBOSE") && b)
             printf("    %s's step 2 resumed under %s: the uninterrupted run's bits\n", k[c][0], k[c][1]);
@@ -1470,13 +1492,8 @@ FL_TEST(tp_train_threads_lora_head_uneven_3d_opaque) {
 /* the PEFT adapter of a run (final/adapter) against one process's: the same tensors (names, dtypes, shapes) and
  * adapter_config.json byte for byte */
 static void same_adapter_files(const char *a_dir, const char *b_dir, const char *what) {
-    char pa[900], pb[900];
-    snprintf(pa, sizeof pa, "%s/final/adapter/adapter_model.safetensors", a_dir);
-    snprintf(pb, sizeof pb, "%s/final/adapter/adapter_model.safetensors", b_dir);
     fl_st_file a, b;
-    FL_REQUIRE_OK(fl_st_open(&a, pa));
-    fl_status s = fl_st_open(&b, pb);
-    FL_REQUIRE_OK(s);
+    open_pair(a_dir, b_dir, "final/adapter/adapter_model.safetensors", &a, &b);
     int head = 0;
     FL_CHECKF(a.n_tensors == b.n_tensors, "%s: %d adapter tensors, one process %d", what, a.n_tensors, b.n_tensors);
     for (int i = 0; i < a.n_tensors; i++) {
@@ -1515,7 +1532,8 @@ FL_TEST(tp_train_threads_lora_head_plan_files_resume) {
     backend_on();
     fl_status s = fl_comm_threads_run(2, dr_job_rank, j);
     FL_CHECKF(s == FL_OK, "LoRA on the head at TP 2: %s", j->msg[0]);
-    for (int r = 0; r < 2 && s == FL_OK; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "LoRA head TP 2");
+    for (int r = 0; r < 2 && s == FL_OK; r++)
+        (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "LoRA head TP 2");
     tp_config(&j->cfg[0], DR_LORA, 1, 1, one);
     j->cfg[0].train.max_steps = 2;
     FL_REQUIRE_OK(fl_trainer_run(&j->cfg[0], NULL, 0, NULL, NULL, NULL));

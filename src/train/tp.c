@@ -48,7 +48,8 @@ static int fsdp_pieces(const fl_tp_dist *d, size_t **fo, size_t **so, size_t **l
 static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const fl_tp_dist *d = ud;
     const fl_model *m = d->m;
-    const fl_backend *be = o->home.params_host ? o->home.be : m->be; /* parameter offload: the gradients are the host's */
+    /* parameter offload: the gradients are the host tier's */
+    const fl_backend *be = o->home.params_host ? o->home.be : m->be;
     const int rank = fl_comm_rank(d->comm), zero = d->inner && d->inner->stage > 0;
     const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
     const size_t es = fl_dtype_size(o->w.gt);
@@ -229,7 +230,10 @@ fl_status fl_tp_lora_gather(const fl_model *part, fl_comm *host_comm, const fl_b
     const int n = fl_comm_size(host_comm), R = pa.cfg->r;
     size_t most = lora_most(&pa);
     const size_t wmost = whole ? lora_most(&wa) : 1;
-    for (int j = 0; j < pa.n_mods; j++) most = gather_count(part, &pa, j, 1, n) > most ? gather_count(part, &pa, j, 1, n) : most;
+    for (int j = 0; j < pa.n_mods; j++) {
+        const size_t c = gather_count(part, &pa, j, 1, n);
+        most = c > most ? c : most;
+    }
     float *mine = malloc(most * sizeof *mine), *all = malloc((size_t)n * most * sizeof *all),
           *w = malloc(wmost * sizeof *w);
     fl_status s = mine && all && w ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel LoRA: out of host memory");
