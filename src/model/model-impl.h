@@ -144,6 +144,10 @@ struct fl_adapter_table {
 };
 /* Bind the adapters of block l's LINEAR p (l -1: the head) to lin; row_base: the head chunk's first row. */
 void fl_model_bind_adapters(const fl_model *m, int l, int p, fl_linear *lin, int row_base);
+/* QLoRA where a rank's part cuts the blocks: entry i of the slice part (a row-mapped 4-bit weight, fl_tp_q4_map) takes
+ * its whole blocks from entry j of the whole model's 4-bit weight, codes and dequantized absmax (model.c) */
+fl_status fl_model_q4_take_blocks(const fl_model *whole, int j, fl_model *part, int i);
+int fl_model_q4_mapped(const fl_model *m, int i); /* entry i is such a part */
 /* An adapter sits on the lm_head. */
 int fl_model_head_adapted(const fl_model *m);
 

@@ -177,6 +177,7 @@ static fl_status tpp_stage_model(trainer *t, const tp_whole *w, tp_whole *sw) {
 /* LoRA on the slices: what is not split yet, refused on every rank alike from the whole config (the same modules on
  * every rank), before the group's first collective (the device communicator: attach_group) */
 static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *whole) {
+    (void)n_tp; /* (every part runs: lm_head's, and QLoRA's parts that cut a 4-bit block keep the whole blocks) */
     if (t->cfg->command != FL_CMD_FINETUNE_LORA) return FL_OK;
     fl_lora_config lc;
     fl_param_layout lay;
@@ -185,18 +186,6 @@ static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *w
     FL_TRY(fl_trainer_lora_config(t->cfg, whole, &lc));
     FL_TRY(fl_layout_build(&lay, whole));
     fl_status s = fl_lora_modules(&lc, &lay, whole, &mods, &n);
-    /* QLoRA: every rank's part of a 4-bit weight must be whole blocks of 64 of the whole's (fl_tp_q4_cut) */
-    for (int i = 0; i < lay.n && s == FL_OK && t->cfg->lora.quantize[0]; i++) {
-        const size_t cut = fl_layout_entry_quantizable(&lay, i) ? fl_tp_q4_cut(whole, &lay, n_tp, i) : 0;
-        if (cut)
-            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --quantize %s: a rank's part of %s (%s-parallel: "
-                          "%zu elements %s) cuts the 4-bit weight's blocks of %d (each rank holds whole blocks of one "
-                          "process's quantization; give a tensor-parallel size that splits it in multiples of %d)", n_tp,
-                          t->cfg->lora.quantize, lay.params[i].name,
-                          fl_tp_entry_split(&lay, i) == FL_TP_ROW ? "row" : "column",
-                          cut, fl_tp_entry_split(&lay, i) == FL_TP_ROW ? "of each row" : "of a part", FL_Q4_BLOCK,
-                          FL_Q4_BLOCK);
-    }
     free(mods);
     fl_layout_free(&lay);
     return s;
