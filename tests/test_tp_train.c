@@ -1557,11 +1557,18 @@ static void q4_cut_folder(const char *preset, const char *dir) {
 FL_TEST(tp_train_threads_qlora_cut_blocks_matches_one_process) {
     g_quant = "bnb.nf4-dq";
     scenario(DR_LORA, 1, 2); /* micro: o_proj and down_proj cut */
+    g_pp = 2;                /* TP 2 x PP 2: each stage's slices of the loaded blocks */
+    scenario(DR_LORA, 1, 2);
+    g_pp = 1;
     g_quant = NULL;
 }
 
-FL_TEST(tp_train_threads_qlora_cut_blocks_tp3) {
+FL_TEST(tp_train_threads_qlora_cut_blocks_tp3_and_opaque) {
     if (!fl_test_asan_budget()) return; /* ~3 s in the release pass; ASan: micro's TP 2 above */
+    g_forced = "opaque"; /* the blocks and the row map copied into device memory, the parts' sums through the stand-in */
+    g_quant = "bnb.nf4-dq";
+    scenario(DR_LORA, 1, 2);
+    g_forced = NULL;
     const char *presets[3] = {"micro", "gpt2-micro", "opt-micro"}, *modes[3] = {"bnb.nf4-dq", "bnb.fp4", "bnb.nf4"};
     for (int k = 0; k < 3; k++) {
         char dir[700];

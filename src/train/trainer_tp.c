@@ -132,11 +132,12 @@ static fl_status whole_pools(trainer *t, tp_whole *w) {
     return FL_OK;
 }
 
-fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o) {
+/* q4: keep the run's 4-bit storage (TP x PP's stage of the loaded whole: the slices that cut a block take its blocks) */
+static fl_status whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o, int q4) {
     FL_TRY(whole_pools(t, w));
     const fl_model_storage keep = t->stg;
     t->stg.shard = NULL; /* whole models are never sharded (FULL_SHARD on the data axis shards the slice alone) */
-    t->stg.quant4 = 0;   /* nor quantized (QLoRA: the staging holds the dequantized base; the load's is 4-bit) */
+    if (!q4) t->stg.quant4 = 0; /* nor quantized (QLoRA: the staging holds the dequantized base; the load's is 4-bit) */
     const fl_status s = fl_model_init_ex(&w->m, cfg, &t->hw.be, &w->pool, &t->stg);
     t->stg = keep;
     FL_TRY(s);
@@ -152,6 +153,10 @@ fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, 
     FL_TRY(fl_optim_init(&w->o, &w->m, &o->cfg));
     w->o_ok = 1;
     return FL_OK;
+}
+
+fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o) {
+    return whole_make(t, w, cfg, o, 0);
 }
 
 static void whole_free(tp_whole *w) { fl_tr_whole_free(w); }
@@ -170,7 +175,7 @@ static fl_status tpp_stage_model(trainer *t, const tp_whole *w, tp_whole *sw) {
     fl_model_config sc;
     FL_TRY(tpp_stage_config(t, &w->m.cfg, &sc));
     t->pp.whole_numel = w->m.layout.numel;
-    FL_TRY(fl_tr_whole_make(t, sw, &sc, NULL));
+    FL_TRY(whole_make(t, sw, &sc, NULL, 1)); /* (QLoRA: the loaded 4-bit blocks, taken as they are) */
     return fl_pp_stage_take(&w->m, &sw->m, t->pp.first);
 }
 
