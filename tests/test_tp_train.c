@@ -46,6 +46,7 @@ static int g_pp = 1;           /* the 3D grid: stages per pipeline (1: none) */
 static int g_lora_mlp = 1, g_lora_dropout; /* DR_LORA: adapters on the MLP too (down_proj row-parallel); dropout 0.1 */
 static int g_lora_proj;                     /* DR_LORA: on o_proj too (row-parallel) */
 static int g_lora_head;                     /* DR_LORA: on lm_head too (vocabulary-parallel; an untied model) */
+static long g_steps;                        /* > 0: that many steps (the opaque backend's slow copies) */
 static const char *g_model; /* another preset than micro (NULL: micro) */
 static const char *g_sched;    /* and their schedule (NULL: 1f1b) */
 static int g_sp;               /* --sequence_parallel */
@@ -74,6 +75,7 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
         snprintf(c->sharding_strategy, sizeof c->sharding_strategy, "HYBRID_SHARD");
         c->num_nodes = g_nodes, c->devices /= g_nodes;
     }
+    if (g_steps) c->train.max_steps = g_steps;
     if (g_t20) c->train.max_seq_length = 21; /* T = 20 (the reference too): rows split over 2 or 4 ranks */
     c->sequence_parallel = g_sp && tp > 1;
     if (g_ckpt) c->train.activation_checkpointing = 1;
@@ -1474,9 +1476,9 @@ FL_TEST(tp_train_threads_lora_head_uneven_3d_opaque) {
         g_pp = 2;
         scenario(DR_LORA, 1, 2);
         g_pp = 1;
-        g_forced = "opaque";
+        g_forced = "opaque", g_steps = 2;
         scenario(DR_LORA, 1, 2);
-        g_forced = NULL;
+        g_forced = NULL, g_steps = 0;
     }
     g_model = NULL, g_lora_head = 0;
 }
@@ -1566,9 +1568,9 @@ FL_TEST(tp_train_threads_qlora_cut_blocks_matches_one_process) {
 FL_TEST(tp_train_threads_qlora_cut_blocks_tp3_and_opaque) {
     if (!fl_test_asan_budget()) return; /* ~3 s in the release pass; ASan: micro's TP 2 above */
     g_forced = "opaque"; /* the blocks and the row map copied into device memory, the parts' sums through the stand-in */
-    g_quant = "bnb.nf4-dq";
+    g_quant = "bnb.nf4-dq", g_steps = 2;
     scenario(DR_LORA, 1, 2);
-    g_forced = NULL;
+    g_forced = NULL, g_steps = 0;
     const char *presets[3] = {"micro", "gpt2-micro", "opt-micro"}, *modes[3] = {"bnb.nf4-dq", "bnb.fp4", "bnb.nf4"};
     for (int k = 0; k < 3; k++) {
         char dir[700];
@@ -1578,6 +1580,29 @@ FL_TEST(tp_train_threads_qlora_cut_blocks_tp3_and_opaque) {
         scenario(DR_LORA, 1, 3);
     }
     g_model = NULL, g_quant = NULL;
+}
+
+/* The CUDA backend's q4 kernels read row r at r x cols: a mapped weight is refused by name (the CUDA emulator runs that
+ * backend's code), on every rank, not computed wrongly */
+FL_TEST(tp_train_qlora_cut_blocks_cuda_emu_refuses) {
+#if defined(FL_HAVE_CUDA_EMU) && !defined(__SANITIZE_ADDRESS__)
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700];
+    snprintf(out, sizeof out, "%s/q4cut-emu", fl_test_tmpdir());
+    g_quant = "bnb.nf4", g_small = 1; /* gpt2-micro: its c_proj's 32 of 64 columns per rank cut the blocks */
+    for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
+    g_quant = NULL, g_small = 0;
+    setenv("FITLLM_BACKEND", "cuda-emu", 1);
+    FL_CHECK(fl_comm_threads_run(2, dr_job_rank, j) != FL_OK);
+    backend_off();
+    FL_CHECKF(strstr(j->msg[0], "q4_matmul_forward: a 4-bit weight whose rank's part cuts the blocks") != NULL,
+              "rank 0: '%s'", j->msg[0]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+#else
+    fl_test_skip("no CUDA emulator in this build (or ASan: the release pass runs it)");
+#endif
 }
 
 /* plan = measured per rank with the whole blocks of micro's cut parts at TP 2; the extra bytes they cost over the part's
