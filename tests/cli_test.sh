@@ -709,12 +709,13 @@ expect offload_nvme_full_disk 1 "NVMe offload: .* cannot reserve [0-9]+ bytes in
     --offload_optimizer_device nvme --nvme_path "$T/nvf" --out_dir "$T/off6"
 [ -z "$(ls -A "$T/nvf")" ] || { echo "FAIL offload_nvme_full_disk_leaves_no_files: $(ls -A "$T/nvf")"; fail=$((fail+1)); }
 # --tensor_parallel (the runs themselves: tests/mpi_test.sh, tests/test_tp_train.c): a grid it does not divide, a
-# model it does not split (naming the key), optimizer offload on the data-parallel axis; the plan of one rank's slice
+# model it does not split (naming the key); the plan of one rank's slice; with offload (DP 2 x TP 2 under ZeRO-2
+# offload) the host tier's row holds the rank's chunk of its slice's AdamW state: 130368 floats x 2 / 2 = 509.25 KiB
 expect tp_not_dividing_devices 2 "tensor_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
     "$FITLLM" finetune_full micro --tensor_parallel 2 --out_dir "$T/tp1"
 expect tp_plan_heads_not_divisible 2 "--tensor_parallel 3: the model's 8 attention heads \(num_attention_heads\) do not split evenly over 3 ranks" -- \
     "$FITLLM" plan micro --devices 3 --tensor_parallel 3
-expect tp_plan_offload_refused 2 "--tensor_parallel 2 with --strategy deepspeed_stage_2_offload: optimizer offload is not combined" -- \
+expect tp_plan_offload_host_tier 0 "^host \(offload\) +reserved +0 B +0 B +509\.25 KiB" -- \
     "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy deepspeed_stage_2_offload
 # micro (V 512, C 64, F 172, 5 layers, 8 / 4 heads of 8, tied) at TP 2, by hand: embeddings 256 x 64 (vocabulary
 # slice) + 5 x (2 x 64 norms + q 32 x 64 + k, v 16 x 64 + o 64 x 32 + gate, up 86 x 64 + down 64 x 86) + 64 =

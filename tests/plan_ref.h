@@ -1,6 +1,7 @@
 /* The planner against a measured multi-rank run, shared by the grid tests (tests/test_tp_train.c: DP x TP,
  * tests/test_pp_train.c: DP x PP): rank `rank`'s plan of cfg (thread ranks, no suggestions, no generation)
- * must equal that rank's measured peaks, tag by tag and in total. `grid` names the run in the messages. */
+ * must equal that rank's measured peaks, tag by tag and in total (the device, and the offload's host tier and NVMe
+ * files). `grid` names the run in the messages. */
 #ifndef FITLLM_TESTS_PLAN_REF_H
 #define FITLLM_TESTS_PLAN_REF_H
 
@@ -29,6 +30,15 @@ static size_t plan_rank_equals_measured(const fl_run_config *cfg, int rank, cons
                       fl_mem_tag_name((fl_mem_tag)k), pl->peak[k], res->peak[k]);
         FL_CHECKF(pl->peak_total == res->peak_total, "%s rank %d: peak planned %zu, measured %zu", grid, rank,
                   pl->peak_total, res->peak_total);
+        /* offload: the host tier and the NVMe files too (0 = 0 without) */
+        for (int k = 0; k < FL_TAG_COUNT; k++)
+            FL_CHECKF(pl->host_peak[k] == res->host_peak[k] && pl->nvme_peak[k] == res->nvme_peak[k], "%s rank %d: tag "
+                      "%s host tier planned %zu, measured %zu; NVMe planned %zu, measured %zu", grid, rank,
+                      fl_mem_tag_name((fl_mem_tag)k), pl->host_peak[k], res->host_peak[k], pl->nvme_peak[k],
+                      res->nvme_peak[k]);
+        FL_CHECKF(pl->host_peak_total == res->host_peak_total && pl->nvme_peak_total == res->nvme_peak_total, "%s rank "
+                  "%d: host tier peak planned %zu, measured %zu; NVMe %zu, %zu", grid, rank, pl->host_peak_total,
+                  res->host_peak_total, pl->nvme_peak_total, res->nvme_peak_total);
         total = pl->peak_total;
     }
     free(pl);

@@ -25,6 +25,8 @@
 #include "fitllm/model.h"
 #include "fitllm/plan.h"
 #include "fitllm/comm_nccl.h"
+#include "fitllm/tp.h"
+#include "fitllm/train.h"
 #include "plan_ref.h"
 #include "test.h"
 
@@ -43,6 +45,8 @@ static const char *g_strategy; /* the data axis's (NULL: ddp) */
 static int g_pp = 1;           /* the 3D grid: stages per pipeline (1: none) */
 static int g_lora_mlp = 1, g_lora_dropout; /* DR_LORA: adapters on the MLP too (down_proj row-parallel); dropout 0.1 */
 static int g_lora_proj;                     /* DR_LORA: on o_proj too (row-parallel) */
+static int g_lora_head;                     /* DR_LORA: on lm_head too (vocabulary-parallel; an untied model) */
+static long g_steps;                        /* > 0: that many steps (the opaque backend's slow copies) */
 static const char *g_model; /* another preset than micro (NULL: micro) */
 static const char *g_sched;    /* and their schedule (NULL: 1f1b) */
 static int g_sp;               /* --sequence_parallel */
@@ -59,6 +63,7 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
     c->tensor_parallel = tp;
     if (sc == DR_LORA) c->lora.mlp = g_lora_mlp, c->lora.dropout = g_lora_dropout ? 0.1f : 0.0f;
     if (sc == DR_LORA && g_lora_proj) c->lora.projection = 1;
+    if (sc == DR_LORA && g_lora_head) c->lora.head = 1;
     if (sc == DR_LORA && g_quant) snprintf(c->lora.quantize, sizeof c->lora.quantize, "%s", g_quant);
     if (g_model) snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", g_model);
     if (g_pp > 1 && tp > 1) {
@@ -70,6 +75,7 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
         snprintf(c->sharding_strategy, sizeof c->sharding_strategy, "HYBRID_SHARD");
         c->num_nodes = g_nodes, c->devices /= g_nodes;
     }
+    if (g_steps) c->train.max_steps = g_steps;
     if (g_t20) c->train.max_seq_length = 21; /* T = 20 (the reference too): rows split over 2 or 4 ranks */
     c->sequence_parallel = g_sp && tp > 1;
     if (g_ckpt) c->train.activation_checkpointing = 1;
@@ -95,15 +101,21 @@ static void span_diff(const float *a, const float *b, size_t off, size_t n, doub
     }
 }
 
+/* the files rel under folders a_dir and b_dir, opened (a test's requirement) */
+static void open_pair(const char *a_dir, const char *b_dir, const char *rel, fl_st_file *a, fl_st_file *b) {
+    char pa[900], pb[900];
+    snprintf(pa, sizeof pa, "%s/%s", a_dir, rel);
+    snprintf(pb, sizeof pb, "%s/%s", b_dir, rel);
+    FL_REQUIRE_OK(fl_st_open(a, pa));
+    fl_status s = fl_st_open(b, pb);
+    if (s != FL_OK) fl_st_close(a);
+    FL_REQUIRE_OK(s);
+}
+
 /* the consolidated step-1 checkpoints' exp_avg, tensor by tensor (the layout of the whole micro model) */
 static void check_grads(const char *tp_dir, const char *one_dir, const char *what) {
-    char pa[800], pb[800];
-    snprintf(pa, sizeof pa, "%s/step-000001/training_state.safetensors", tp_dir);
-    snprintf(pb, sizeof pb, "%s/step-000001/training_state.safetensors", one_dir);
     fl_st_file a, b;
-    FL_REQUIRE_OK(fl_st_open(&a, pa));
-    fl_status s = fl_st_open(&b, pb);
-    FL_REQUIRE_OK(s);
+    open_pair(tp_dir, one_dir, "step-000001/training_state.safetensors", &a, &b);
     const fl_st_tensor *ta = fl_st_find(&a, "optimizer.exp_avg"), *tb = fl_st_find(&b, "optimizer.exp_avg");
     fl_model_config mc;
     fl_param_layout lay;
@@ -435,27 +447,16 @@ FL_TEST(tp_train_threads_lora_3d_resume_on_another_grid) {
  * relative of one process's QLoRA, the merged final weights within the AdamW bound. The micro presets' attention
  * output (64 columns: 32 per rank) cuts the blocks, so the runs use folders of the same architectures at width 128
  * (2 blocks; LLaMA 8 heads / 4 key-value heads of 16, MLP 256; GPT-2 and OPT 4 heads of 32, MLP 512). */
-static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, const char *b);
 static double later_diff(const dr_rec *a, const dr_rec *full, long from, long steps);
-static void e_qlora_micro(fl_run_config *c) {
-    c->command = FL_CMD_FINETUNE_LORA;
-    c->lora.r = 4;
-    c->lora.mlp = 1;
-    snprintf(c->lora.quantize, sizeof c->lora.quantize, "bnb.nf4-dq");
-}
 
-static void q4_folder(const char *preset, const char *dir) {
-    fl_model_config mc;
-    FL_REQUIRE_OK(fl_preset_find(preset, &mc));
-    const int llama = !strcmp(preset, "micro");
-    mc.dim = 128, mc.n_layers = 2, mc.ffn_dim = llama ? 256 : 512;
-    mc.n_heads = llama ? 8 : 4, mc.n_kv_heads = llama ? 4 : 4, mc.head_dim = llama ? 16 : 32;
+/* a random model of config mc (the preset's architecture and byte tokenizer) saved as an HF folder */
+static void write_folder(const fl_model_config *mc, const char *preset, const char *dir) {
     fl_backend be;
     fl_mem_pool pool;
     fl_model m;
     FL_REQUIRE_OK(fl_backend_init_by_name("cpu", &be, 1));
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "test", 0));
-    FL_REQUIRE_OK(fl_model_init(&m, &mc, &be, &pool));
+    FL_REQUIRE_OK(fl_model_init(&m, mc, &be, &pool));
     FL_REQUIRE_OK(fl_model_init_random_ex(&m, 7));
     FL_REQUIRE_OK(fl_hf_save_model(&m, dir));
     fl_model_free(&m);
@@ -472,6 +473,15 @@ static void q4_folder(const char *preset, const char *dir) {
     FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
     snprintf(cmd, sizeof cmd, "cp %s/final/tokenizer.json %s/final/tokenizer_config.json %s/", out, out, dir);
     FL_REQUIRE(system(cmd) == 0);
+}
+
+static void q4_folder(const char *preset, const char *dir) {
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find(preset, &mc));
+    const int llama = !strcmp(preset, "micro");
+    mc.dim = 128, mc.n_layers = 2, mc.ffn_dim = llama ? 256 : 512;
+    mc.n_heads = llama ? 8 : 4, mc.n_kv_heads = llama ? 4 : 4, mc.head_dim = llama ? 16 : 32;
+    write_folder(&mc, preset, dir);
 }
 
 FL_TEST(tp_train_threads_qlora_matches_one_process) {
@@ -501,8 +511,8 @@ FL_TEST(tp_train_threads_qlora_matches_one_process) {
 
 /* QLoRA on the slices: plan = measured per rank (TP 2; PARAMS below LoRA's on the same slices: the 4-bit weights),
  * one process's files (final/, final/adapter, a step folder), TP 2's step-3 checkpoint resumed in one process (later
- * losses within 1e-6 of the uninterrupted TP 2 run's), the 3D grid TP 2 x PP 2 against one process, and a refusal:
- * micro's attention output (32 columns per rank at TP 2) cuts the blocks. */
+ * losses within 1e-6 of the uninterrupted TP 2 run's), the 3D grid TP 2 x PP 2 against one process. (Parts that cut
+ * the blocks: tp_train_threads_qlora_cut_blocks_*.) */
 FL_TEST(tp_train_threads_qlora_plan_resume_files) {
     char dir[700], out[760], one[760], o2[800], from[900];
     snprintf(dir, sizeof dir, "%s/q4-llama", fl_test_tmpdir());
@@ -558,8 +568,6 @@ FL_TEST(tp_train_threads_qlora_plan_resume_files) {
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&full);
     free(j);
-    expect_refusal(2, e_qlora_micro, "--tensor_parallel 2 with --quantize bnb.nf4-dq: a rank's part of "
-                   "model.layers.0.self_attn.o_proj.weight (row-parallel: 32 elements of each row) cuts", NULL);
 }
 
 /* The same on the opaque backend (its memory unreadable by the host): the blocks' all-reduces and DDP's go
@@ -1226,4 +1234,416 @@ FL_TEST(sp_train_threads_refusals) {
     expect_refusal(2, e_sp_t19, "--sequence_parallel with --tensor_parallel 2: the sequence length 19 is not a "
                    "multiple of 2", NULL);
     expect_refusal(2, e_sp_alone, "--sequence_parallel", "--tensor_parallel N");
+}
+
+/* Offload on the slices (issue 35: --strategy deepspeed_stage_1/2/3_offload, fsdp_cpu_offload,
+ * deepspeed_stage_3_offload_nvme with --tensor_parallel N). A rank's optimizer (and under parameter offload its pieces
+ * of the slice) are the slice's: the offload relocates them to the host tier (or NVMe files) and runs the elementwise
+ * update there with the device's own kernels (cpu, opaque), so the anchor is the same grid without offload: the SAME
+ * BITS, every rank's step losses and trained parameters. Memory per rank: the device's OPTIM 0 (parameter offload:
+ * PARAMS and GRADS 0 too), the tier holding what the device run held there. */
+static int g_off_sc = DR_ADAMW; /* off_run's scenario */
+static dr_job *off_run(int dp, int tp, const char *strategy, const char *tag, long steps, const char *resume) {
+    dr_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    char out[760], nv[800];
+    snprintf(out, sizeof out, "%s/tp-off-%s-%s-%s-%d-%d%s", fl_test_tmpdir(), tag, dr_names[g_off_sc], strategy, dp, tp,
+             g_forced ? g_forced : "");
+    snprintf(nv, sizeof nv, "%s-nvme", out);
+    const int W = dp * tp, nvme = strstr(strategy, "nvme") != NULL;
+    if (nvme) {
+        char mk[900];
+        snprintf(mk, sizeof mk, "mkdir -p '%s'", nv);
+        FL_CHECK(system(mk) == 0);
+    }
+    g_strategy = strategy;
+    for (int r = 0; r < W; r++) {
+        tp_config(&j->cfg[r], g_off_sc, dp, tp, out); /* AdamW with clipping: the norm over the offloaded pieces */
+        j->cfg[r].train.max_steps = steps;
+        j->cfg[r].train.save_interval = resume ? 2 : 0;
+        j->cfg[r].eval.interval = 100;
+        if (nvme) snprintf(j->cfg[r].nvme_path, sizeof j->cfg[r].nvme_path, "%s", nv);
+        if (resume && resume[0]) snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", resume);
+    }
+    g_strategy = NULL;
+    backend_on();
+    const fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
+    backend_off();
+    FL_CHECKF(s == FL_OK, "DP %d x TP %d %s%s: %s", dp, tp, strategy, resume && resume[0] ? " resumed" : "", j->msg[0]);
+    if (nvme) {
+        char cmd[900];
+        snprintf(cmd, sizeof cmd, "test -z \"$(ls -A '%s')\"", nv);
+        FL_CHECKF(system(cmd) == 0, "DP %d x TP %d %s: files left in the NVMe folder", dp, tp, strategy);
+    }
+    return s == FL_OK ? j : (free(j), NULL);
+}
+
+static void off_free(dr_job *j) {
+    for (int r = 0; j && r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+}
+
+/* every rank's losses and trained parameters: the same bits */
+static void off_same_bits(const dr_job *a, const dr_job *b, int W, const char *what) {
+    for (int r = 0; a && b && r < W; r++) {
+        const dr_rec *x = &a->rec[r], *y = &b->rec[r];
+        FL_CHECKF(x->steps == y->steps && !memcmp(x->loss, y->loss, sizeof x->loss), "%s rank %d: the step losses "
+                  "differ (step 1: %.9g vs %.9g)", what, r, x->loss[0], y->loss[0]);
+        FL_CHECKF(x->numel == y->numel && x->params && y->params && !memcmp(x->params, y->params, x->numel * 4),
+                  "%s rank %d: the trained parameters differ from the run without offload (%zu vs %zu elements)", what,
+                  r, x->numel, y->numel);
+    }
+}
+
+/* what moved off the device (off) against the device run (base), rank by rank */
+static void off_memory(const dr_job *off, const dr_job *base, int W, int params, int nvme, const char *what) {
+    for (int r = 0; off && base && r < W; r++) {
+        const fl_trainer_result *a = &off->res[r], *b = &base->res[r];
+        const size_t *tier = nvme ? a->nvme_peak : a->host_peak;
+        FL_CHECKF(b->peak[FL_TAG_OPTIM] > 0 && a->peak[FL_TAG_OPTIM] == 0 &&
+                      tier[FL_TAG_OPTIM] == b->peak[FL_TAG_OPTIM],
+                  "%s rank %d: device OPTIM %zu (without offload %zu), the tier's %zu", what, r, a->peak[FL_TAG_OPTIM],
+                  b->peak[FL_TAG_OPTIM], tier[FL_TAG_OPTIM]);
+        if (params)
+            FL_CHECKF(a->peak[FL_TAG_PARAMS] == 0 && a->peak[FL_TAG_GRADS] == 0 &&
+                      tier[FL_TAG_PARAMS] == b->peak[FL_TAG_PARAMS] && tier[FL_TAG_GRADS] == b->peak[FL_TAG_GRADS],
+                      "%s rank %d: device PARAMS %zu GRADS %zu, the tier's %zu %zu (without offload: %zu %zu)", what, r,
+                      a->peak[FL_TAG_PARAMS], a->peak[FL_TAG_GRADS], tier[FL_TAG_PARAMS], tier[FL_TAG_GRADS],
+                      b->peak[FL_TAG_PARAMS], b->peak[FL_TAG_GRADS]);
+    }
+}
+
+typedef struct { int dp; const char *base, *off; int params, nvme, sc; } off_case;
+static const off_case k_off[] = {
+    {1, "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, DR_ADAMW}, /* TP 2: the rank's slice */
+    {2, "deepspeed_stage_1", "deepspeed_stage_1_offload", 0, 0, DR_ADAMW}, /* DP 2 x TP 2: the chunk of the slice */
+    {2, "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, DR_ADAMW},
+    {2, "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0, DR_ADAMW}, /* the pieces of the slice's units */
+    {2, "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, DR_ADAMW}, /* the parameters' and gradients' pieces too */
+    {2, "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, DR_ADAMW},
+    {1, "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, DR_ADAMW}, /* TP 2 alone: the slice, one piece, in the tier */
+    {1, "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, DR_LORA}, /* LoRA's adapters at TP 2 (DDP's axis) */
+};
+
+static void off_cases(const off_case *k, int n, long steps) {
+    for (int i = 0; i < n; i++) {
+        char what[160];
+        snprintf(what, sizeof what, "DP %d x TP 2 %s%s vs %s%s%s", k[i].dp, k[i].sc == DR_LORA ? "LoRA " : "", k[i].off,
+                 k[i].base, g_forced ? " on " : "",
+                 g_forced ? g_forced : "");
+        g_off_sc = k[i].sc;
+        dr_job *b = off_run(k[i].dp, 2, k[i].base, "base", steps, NULL);
+        dr_job *o = off_run(k[i].dp, 2, k[i].off, "off", steps, NULL);
+        g_off_sc = DR_ADAMW;
+        off_same_bits(o, b, 2 * k[i].dp, what);
+        off_memory(o, b, 2 * k[i].dp, k[i].params, k[i].nvme, what);
+        if (getenv("FL_TEST_VERBOSE") && o && b)
+            printf("    %s: the same bits; rank 0's tier OPTIM %zu PARAMS %zu bytes, device peak %zu (without %zu)\n",
+                   what, (k[i].nvme ? o->res[0].nvme_peak : o->res[0].host_peak)[FL_TAG_OPTIM],
+                   (k[i].nvme ? o->res[0].nvme_peak : o->res[0].host_peak)[FL_TAG_PARAMS], o->res[0].peak_total,
+                   b->res[0].peak_total);
+        off_free(b), off_free(o);
+    }
+}
+
+/* 2 steps each: the clipped update twice (its norm over the offloaded pieces); under ASan one case of each test */
+FL_TEST(tp_train_threads_offload_keeps_the_bits) {
+    off_cases(&k_off[fl_test_asan_light() ? 2 : 0], fl_test_asan_light() ? 1 : 4, 2);
+    off_cases(&k_off[7], 1, 2);
+}
+
+FL_TEST(tp_train_threads_param_offload_keeps_the_bits) { off_cases(&k_off[4], fl_test_asan_light() ? 1 : 3, 2); }
+
+/* The same on the opaque backend (its memory the host cannot read): the optimizer's update staged through the host tier
+ * in pieces of 9973 elements (the slice's 130368 in 14, the last short), parameter offload's pieces fetched up from the
+ * tier and its gradients sent down; the blocks' sums and the axis' collectives through the NCCL stand-in (gpt2-micro:
+ * its slice's 2 x 64 x 256 / 2 + ... elements in several pieces). */
+FL_TEST(tp_train_offload_nccl_standin_opaque) {
+    if (!fl_test_asan_budget()) return; /* ~4 s (the opaque backend's copies); ASan: the threads' cases above */
+    g_forced = "opaque";
+    g_small = 1; /* gpt2-micro at T 8 */
+    fl_optim_set_offload_piece(9973);
+    off_cases(&k_off[2], 1, 2);
+    off_cases(&k_off[4], 1, 2);
+    fl_optim_set_offload_piece(0);
+    g_small = 0;
+    g_forced = NULL;
+}
+
+/* plan per rank = measured with offload on the slices: every rank's device tags and total, and its host tier's (the
+ * optimizer state, the staging, parameter offload's pieces) or NVMe files', at TP 2 and DP 2 x TP 2 */
+FL_TEST(tp_train_threads_offload_plan_equals_measured) {
+    g_forced = "cpu";
+    for (int i = 0; i < (int)(sizeof k_off / sizeof k_off[0]); i++) {
+        if (i == 0 || i == 3) continue; /* (the same set-up as a case below) */
+        const int W = 2 * k_off[i].dp;
+        g_off_sc = k_off[i].sc;
+        dr_job *j = off_run(k_off[i].dp, 2, k_off[i].off, "plan", 1, NULL);
+        g_off_sc = DR_ADAMW;
+        for (int r = 0; j && r < W; r++) {
+            char grid[96];
+            snprintf(grid, sizeof grid, "DP %d x TP 2 %s%s", k_off[i].dp, k_off[i].sc == DR_LORA ? "LoRA " : "",
+                     k_off[i].off);
+            const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
+            if (getenv("FL_TEST_VERBOSE") && r == 0)
+                printf("    %s rank 0: planned = measured: device %zu, host tier %zu, NVMe %zu bytes\n", grid, total,
+                       j->res[r].host_peak_total, j->res[r].nvme_peak_total);
+        }
+        off_free(j);
+    }
+    g_forced = NULL;
+}
+
+/* Checkpoints across offload settings (consolidated: one process's files whatever the tiers): DP 2 x TP 2 under
+ * deepspeed_stage_2_offload stopped at step 2 and resumed under deepspeed_stage_2 (the state read from the host tier,
+ * written to the device), and deepspeed_stage_3's resumed under fsdp_cpu_offload (the pieces written into the tier):
+ * each resumed run ends on the uninterrupted run's bits (the later step losses and the parameters). */
+FL_TEST(tp_train_threads_offload_resume_across_settings) {
+    const char *k[2][2] = {{"deepspeed_stage_2_offload", "deepspeed_stage_2"},
+                           {"deepspeed_stage_3", "fsdp_cpu_offload"}};
+    for (int c = 0; c < 2; c++) {
+        char tag[32], from[4200];
+        snprintf(tag, sizeof tag, "full%d", c);
+        dr_job *a = off_run(2, 2, k[c][0], tag, 4, "");
+        if (!a) continue;
+        snprintf(from, sizeof from, "%s/step-000002", a->cfg[0].out_dir);
+        snprintf(tag, sizeof tag, "resumed%d", c);
+        dr_job *b = off_run(2, 2, k[c][1], tag, 4, from);
+        for (int r = 0; b && r < 4; r++) {
+            const dr_rec *x = &a->rec[r], *y = &b->rec[r];
+            FL_CHECKF(y->steps == 4 && !memcmp(&x->loss[2], &y->loss[2], 2 * sizeof x->loss[0]) &&
+                      x->numel == y->numel && !memcmp(x->params, y->params, x->numel * 4),
+                      "%s's step 2 resumed under %s, rank %d: steps %ld, the later losses (%.9g vs %.9g) or the "
+                      "parameters differ from the uninterrupted run's", k[c][0], k[c][1], r, y->steps, y->loss[3],
+                      x->loss[3]);
+        }
+        if (getenv("FL_TEST_VERBOSE") && b)
+            printf("    %s's step 2 resumed under %s: the uninterrupted run's bits\n", k[c][0], k[c][1]);
+        off_free(a), off_free(b);
+    }
+}
+
+/* LoRA on the vocabulary-parallel head (issue 35; finetune_lora --lora_head true --tensor_parallel N, an untied model):
+ * lm_head's A (r, C) is whole on every rank (its input, the final norm's output, is), B (V, r) takes the rank's
+ * vocabulary rows as the head's weight does, so the rank's logits columns are its base columns plus s (x A^T) B_r^T and
+ * the parallel cross-entropy is unchanged; dA is a partial sum over the ranks' columns, added over the group with the
+ * other whole matrices' (fl_optim_dist.reduce), d(x)'s adapter part joins the head's d(x) before the group's sum. The
+ * same bars as LoRA on the blocks: the losses within 1e-6 relative of one process's LoRA-on-head run, the merged final
+ * weights within the AdamW bound; TP 2, DP 2 x TP 2, TP 4 (128 of the 512 rows each), dropout 0.1 on the head. */
+static int g_vocab; /* untied_folder: another vocabulary size than micro's 512 (0: 512) */
+static void untied_folder(const char *dir) {
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
+    mc.tie_embeddings = 0;
+    if (g_vocab) mc.vocab_size = g_vocab;
+    write_folder(&mc, "micro", dir);
+}
+
+FL_TEST(tp_train_threads_lora_head_matches_one_process) {
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/untied-micro", fl_test_tmpdir());
+    untied_folder(dir);
+    g_model = dir, g_lora_head = 1;
+    g_lora_dropout = 1, g_lora_mlp = 0; /* q, v and the head, dropout 0.1 (the head's input is whole: one mask) */
+    scenario(DR_LORA, 1, 2);
+    g_lora_dropout = 0, g_lora_mlp = 1;
+    g_model = NULL, g_lora_head = 0;
+}
+
+FL_TEST(tp_train_threads_lora_head_more_grids) {
+    if (!fl_test_asan_budget()) return; /* ~2 s in the release pass; ASan: TP 2 above, the files and resume below */
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/untied-micro-g", fl_test_tmpdir());
+    untied_folder(dir);
+    g_model = dir, g_lora_head = 1;
+    scenario(DR_LORA, 2, 2); /* DP 2 x TP 2 */
+    scenario(DR_LORA, 1, 4); /* TP 4: 128 of the 512 rows of B each */
+    g_model = NULL, g_lora_head = 0;
+}
+
+/* 509 rows at TP 2: B's slices of 254 and 255 rows (the checkpoints' gather pads them to one count); the 3D grid
+ * TP 2 x PP 2 (the head and its adapter on the last stage); the opaque backend (the adapters' group sums on device
+ * memory through the NCCL stand-in) */
+FL_TEST(tp_train_threads_lora_head_uneven_3d_opaque) {
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/untied-micro-509", fl_test_tmpdir());
+    g_vocab = 509;
+    untied_folder(dir);
+    g_vocab = 0;
+    g_model = dir, g_lora_head = 1;
+    scenario(DR_LORA, 1, 2);
+    if (fl_test_asan_budget()) {
+        g_pp = 2;
+        scenario(DR_LORA, 1, 2);
+        g_pp = 1;
+        g_forced = "opaque", g_steps = 2;
+        scenario(DR_LORA, 1, 2);
+        g_forced = NULL, g_steps = 0;
+    }
+    g_model = NULL, g_lora_head = 0;
+}
+
+/* the PEFT adapter of a run (final/adapter) against one process's: the same tensors (names, dtypes, shapes) and
+ * adapter_config.json byte for byte */
+static void same_adapter_files(const char *a_dir, const char *b_dir, const char *what) {
+    fl_st_file a, b;
+    open_pair(a_dir, b_dir, "final/adapter/adapter_model.safetensors", &a, &b);
+    int head = 0;
+    FL_CHECKF(a.n_tensors == b.n_tensors, "%s: %d adapter tensors, one process %d", what, a.n_tensors, b.n_tensors);
+    for (int i = 0; i < a.n_tensors; i++) {
+        const fl_st_tensor *x = &a.tensors[i], *y = fl_st_find(&b, x->name);
+        FL_CHECKF(y && y->dtype == x->dtype && y->ndim == x->ndim && !memcmp(y->shape, x->shape, sizeof x->shape),
+                  "%s: adapter tensor %s is not one process's (dtype, shape)", what, x->name);
+        head += strstr(x->name, "lm_head") != NULL;
+    }
+    FL_CHECKF(head == 2, "%s: %d lm_head tensors in the adapter (want lora_A and lora_B)", what, head);
+    fl_st_close(&a);
+    fl_st_close(&b);
+    char cmd[1800];
+    snprintf(cmd, sizeof cmd, "cmp -s %s/final/adapter/adapter_config.json %s/final/adapter/adapter_config.json", a_dir,
+             b_dir);
+    FL_CHECKF(system(cmd) == 0, "%s: adapter_config.json differs from one process's", what);
+}
+
+/* LoRA on the head: plan = measured per rank at TP 2 (the slice's head adapter: A whole, B's rows, their gradients and
+ * state, the head chunk's h); the PEFT adapter as one process writes it; TP 2's step-3 checkpoint resumed in one
+ * process and one process's step 4 at TP 2 (lora_resume: later losses within 1e-6 of the uninterrupted TP 2 run's, the
+ * same files in final/, final/adapter and the step folders). */
+FL_TEST(tp_train_threads_lora_head_plan_files_resume) {
+    char dir[700], out[760], one[800];
+    snprintf(dir, sizeof dir, "%s/untied-micro-r", fl_test_tmpdir());
+    untied_folder(dir);
+    g_model = dir, g_lora_head = 1;
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    snprintf(out, sizeof out, "%s/lora-head-plan", fl_test_tmpdir());
+    snprintf(one, sizeof one, "%s-one", out);
+    for (int r = 0; r < 2; r++) {
+        tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
+        j->cfg[r].train.max_steps = 2;
+    }
+    g_forced = "cpu"; /* the plan is the cpu backend's */
+    backend_on();
+    fl_status s = fl_comm_threads_run(2, dr_job_rank, j);
+    FL_CHECKF(s == FL_OK, "LoRA on the head at TP 2: %s", j->msg[0]);
+    for (int r = 0; r < 2 && s == FL_OK; r++)
+        (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "LoRA head TP 2");
+    tp_config(&j->cfg[0], DR_LORA, 1, 1, one);
+    j->cfg[0].train.max_steps = 2;
+    FL_REQUIRE_OK(fl_trainer_run(&j->cfg[0], NULL, 0, NULL, NULL, NULL));
+    backend_off();
+    g_forced = NULL;
+    if (s == FL_OK) same_adapter_files(out, one, "LoRA on the head at TP 2");
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+    lora_resume("tp-lora-head-resume");
+    g_model = NULL, g_lora_head = 0;
+}
+
+/* QLoRA where a rank's part cuts a 4-bit block (issue 35): the rank keeps the whole blocks of one process's quantization
+ * that cover its part (fl_tp_q4_map: each run of the part's rows contiguous in the whole, at most one extra block at
+ * each end; the weight's row map says where each row starts among them), copied with their dequantized absmax, so its
+ * dequantized part is one process's bits. micro at TP 2: o_proj (32 of 64 columns per row) and down_proj (86 of 172:
+ * rows that start mid-block) cut; TP 3 on a width-96 folder (6 heads: o_proj 32 of 96 columns). The bars are QLoRA on
+ * the slices' (tp_train_threads_qlora_matches_one_process): the losses within 1e-6 relative of one process's QLoRA run,
+ * the merged final weights within the AdamW bound. */
+static void q4_cut_folder(const char *preset, const char *dir) {
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find(preset, &mc));
+    const int llama = !strcmp(preset, "micro");
+    mc.dim = 96, mc.n_layers = 2, mc.ffn_dim = llama ? 192 : 384;
+    mc.n_heads = 6, mc.n_kv_heads = llama ? 3 : 6, mc.head_dim = 16;
+    write_folder(&mc, preset, dir);
+}
+
+FL_TEST(tp_train_threads_qlora_cut_blocks_matches_one_process) {
+    g_quant = "bnb.nf4-dq";
+    scenario(DR_LORA, 1, 2); /* micro: o_proj and down_proj cut */
+    g_pp = 2;                /* TP 2 x PP 2: each stage's slices of the loaded blocks */
+    scenario(DR_LORA, 1, 2);
+    g_pp = 1;
+    g_quant = NULL;
+}
+
+FL_TEST(tp_train_threads_qlora_cut_blocks_tp3_and_opaque) {
+    if (!fl_test_asan_budget()) return; /* ~3 s in the release pass; ASan: micro's TP 2 above */
+    g_forced = "opaque"; /* the blocks and the row map copied into device memory, the parts' sums through the stand-in */
+    g_quant = "bnb.nf4-dq", g_steps = 2;
+    scenario(DR_LORA, 1, 2);
+    g_forced = NULL, g_steps = 0;
+    const char *presets[3] = {"micro", "gpt2-micro", "opt-micro"}, *modes[3] = {"bnb.nf4-dq", "bnb.fp4", "bnb.nf4"};
+    for (int k = 0; k < 3; k++) {
+        char dir[700];
+        snprintf(dir, sizeof dir, "%s/q4cut-%s", fl_test_tmpdir(), presets[k]);
+        q4_cut_folder(presets[k], dir);
+        g_model = dir, g_quant = modes[k];
+        scenario(DR_LORA, 1, 3);
+    }
+    g_model = NULL, g_quant = NULL;
+}
+
+/* The CUDA backend's q4 kernels read row r at r x cols: a mapped weight is refused by name (the CUDA emulator runs that
+ * backend's code), on every rank, not computed wrongly */
+FL_TEST(tp_train_qlora_cut_blocks_cuda_emu_refuses) {
+#if defined(FL_HAVE_CUDA_EMU) && !defined(__SANITIZE_ADDRESS__)
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700];
+    snprintf(out, sizeof out, "%s/q4cut-emu", fl_test_tmpdir());
+    g_quant = "bnb.nf4", g_small = 1; /* gpt2-micro: its c_proj's 32 of 64 columns per rank cut the blocks */
+    for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
+    g_quant = NULL, g_small = 0;
+    setenv("FITLLM_BACKEND", "cuda-emu", 1);
+    FL_CHECK(fl_comm_threads_run(2, dr_job_rank, j) != FL_OK);
+    backend_off();
+    FL_CHECKF(strstr(j->msg[0], "q4_matmul_forward: a 4-bit weight whose rank's part cuts the blocks") != NULL,
+              "rank 0: '%s'", j->msg[0]);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+#else
+    fl_test_skip("no CUDA emulator in this build (or ASan: the release pass runs it)");
+#endif
+}
+
+/* plan = measured per rank with the whole blocks of micro's cut parts at TP 2; the extra bytes they cost over the part's
+ * own elements at 4.5 bits (fl_tp_q4_map's blocks, the row map) are in both */
+FL_TEST(tp_train_threads_qlora_cut_blocks_plan_equals_measured) {
+    g_quant = "bnb.nf4-dq";
+    g_forced = "cpu";
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700];
+    snprintf(out, sizeof out, "%s/q4cut-plan", fl_test_tmpdir());
+    for (int r = 0; r < 2; r++) {
+        tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
+        j->cfg[r].train.max_steps = 1;
+    }
+    backend_on();
+    fl_status s = fl_comm_threads_run(2, dr_job_rank, j);
+    backend_off();
+    FL_CHECKF(s == FL_OK, "QLoRA micro at TP 2: %s", j->msg[0]);
+    for (int r = 0; r < 2 && s == FL_OK; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "QLoRA cut TP 2");
+    /* the cut entries' extra bytes on rank 0 */
+    fl_model_config whole, slice;
+    fl_param_layout lay;
+    FL_REQUIRE_OK(fl_preset_find("micro", &whole));
+    FL_REQUIRE_OK(fl_tp_config(&whole, 2, 0, &slice));
+    FL_REQUIRE_OK(fl_layout_build(&lay, &slice));
+    size_t extra = 0, cut = 0;
+    for (int i = 0; i < lay.n; i++) {
+        const size_t nb = fl_tp_q4_map(&slice, &lay, i, NULL, NULL);
+        if (!nb) continue;
+        cut++;
+        extra += fl_q4_mapped_bytes((int)lay.params[i].shape[0], nb) - fl_q4_bytes(lay.params[i].numel, 0);
+    }
+    FL_CHECKF(cut == 2 * (size_t)whole.n_layers && extra > 0, "micro TP 2: %zu cut entries (o_proj, down_proj of %d "
+              "blocks), %zu extra bytes", cut, whole.n_layers, extra);
+    if (getenv("FL_TEST_VERBOSE"))
+        printf("    QLoRA micro TP 2: %zu cut entries keep %zu bytes more than their parts at 4.5 bits; rank 0 PARAMS %zu "
+               "(planned = measured)\n", cut, extra, j->res[0].peak[FL_TAG_PARAMS]);
+    fl_layout_free(&lay);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+    g_forced = NULL;
+    g_quant = NULL;
 }

@@ -55,6 +55,10 @@ typedef struct {
     uint8_t *q_absmax;     /* (n_blocks) codes into fl_adam8bit_code_signed when double_quant */
     float *absmax_scale;   /* (n_dq_blocks) */
     float *offset;         /* (1) mean of the absmax values */
+    /* A tensor-parallel rank's part that cuts the blocks (src/model/tp.c fl_tp_q4_map): the stored data are whole
+     * blocks of one process's quantization (n_blocks of them, plain fp32 absmax), and element (r, c) is stored element
+     * row_start[r] + c (NULL: r * cols + c, the plain layout). Built by block copies, never by fl_q4_quantize. */
+    uint32_t *row_start;
 } fl_q4_weight;
 
 /* bnb's code books: NF4 (16 values, ascending, code 7 == 0) and FP4 by bit pattern
@@ -74,6 +78,12 @@ const char *fl_q4_mode_name(fl_q4_type type, int double_quant);
 
 /* Point w into mem (fl_q4_bytes(rows*cols, dq) bytes, 4-byte aligned). Does not touch mem. */
 fl_status fl_q4_bind(fl_q4_weight *w, int rows, int cols, fl_q4_type type, int double_quant, void *mem);
+
+/* The mapped layout (row_start): bytes of its buffer (packed n_blocks x 32 | absmax f32[n_blocks] | row_start
+ * u32[rows]), binding w into mem, and any bound weight's buffer bytes. */
+size_t fl_q4_mapped_bytes(int rows, size_t n_blocks);
+fl_status fl_q4_bind_mapped(fl_q4_weight *w, int rows, int cols, fl_q4_type type, size_t n_blocks, void *mem);
+size_t fl_q4_weight_bytes(const fl_q4_weight *w);
 
 /* Quantize src (rows, cols) f32 into a bound w. Parallel over blocks (OpenMP, n_threads <= 0:
  * default); the result does not depend on the thread count. */

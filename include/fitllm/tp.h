@@ -85,6 +85,15 @@ fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int 
  * Then the slice's own blocks hold exactly the whole's (re-quantizing the dequantized slice gives the whole's
  * codes and, as fp32, its dequantized absmax). Else the elements of the part that cut a block. */
 size_t fl_tp_q4_cut(const fl_model_config *whole, const fl_param_layout *lay, int size, int i);
+/* Where it does cut them (QLoRA where a rank's part cuts a 4-bit block): entry i of a slice's layout (config slice,
+ * tp_size > 1) is stored as the whole blocks of one process's quantization that cover the rank's part (fl_q4_weight's
+ * row map): returns their count (0: the entry does not cut a block, or is not 4-bit), and fills, where not NULL,
+ * src_block (the whole entry's block index of each stored block, in order) and row_start (each slice row's first
+ * element among the stored ones). Each maximal run of the part's rows that is contiguous in the whole (a
+ * column-parallel part; a row-parallel part's rows where the rows' gaps are under a block) stores its covering blocks
+ * once: at most one extra block at each end of a run. */
+size_t fl_tp_q4_map(const fl_model_config *slice, const fl_param_layout *lay, int i, size_t *src_block,
+                    uint32_t *row_start);
 /* The same for the parameters from src, the part's whole flat store in host memory (dtype dt, the layout's
  * offsets): FSDP on the data axis gathers them from the pieces first (the part holds a shard). */
 fl_status fl_tp_gather_params_host(fl_model *part, fl_comm *host_comm, const void *src, fl_dtype dt, fl_model *whole);

@@ -95,6 +95,22 @@ size_t fl_q4_bytes(size_t n, int double_quant) {
     return b + round4(nb) + 4 * ndq + 4;
 }
 
+size_t fl_q4_mapped_bytes(int rows, size_t n_blocks) {
+    return n_blocks * (FL_Q4_BLOCK / 2) + 4 * n_blocks + 4 * (size_t)rows;
+}
+
+size_t fl_q4_weight_bytes(const fl_q4_weight *w) {
+    return w->row_start ? fl_q4_mapped_bytes(w->rows, w->n_blocks) : fl_q4_bytes(w->n, w->double_quant);
+}
+
+fl_status fl_q4_bind_mapped(fl_q4_weight *w, int rows, int cols, fl_q4_type type, size_t n_blocks, void *mem) {
+    FL_TRY(fl_q4_bind(w, rows, cols, type, 0, mem));
+    w->n_blocks = n_blocks;
+    w->absmax = (float *)((uint8_t *)mem + n_blocks * (FL_Q4_BLOCK / 2));
+    w->row_start = (uint32_t *)(w->absmax + n_blocks);
+    return FL_OK;
+}
+
 fl_status fl_q4_parse_mode(const char *mode, fl_q4_type *type, int *double_quant) {
     static const char *valid = "bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq";
     if (!mode) return fl_errorf(FL_ERR_INVALID, "quantize: no mode given (valid: %s)", valid);
@@ -160,6 +176,9 @@ static float quant_block(const float *x, size_t len, size_t i0, uint8_t *packed,
 
 fl_status fl_q4_quantize(fl_q4_weight *w, const float *src, int n_threads) {
     if (!w || !w->packed || !src) return fl_errorf(FL_ERR_INVALID, "fl_q4_quantize: unbound weight or NULL source");
+    if (w->row_start)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_q4_quantize: a tensor-parallel part of whole blocks is copied from one "
+                         "process's quantization, not quantized");
     const size_t n = w->n, nb = w->n_blocks;
     int nt = n_threads > 0 ? n_threads : fl_cpu_default_threads();
     float *am = w->absmax;
@@ -204,7 +223,7 @@ void fl_q4_dequantize_tile(const fl_q4_weight *w, int r0, int nr, int c0, int c1
     const float *code = w->type == FL_Q4_NF4 ? fl_q4_nf4_code : fl_q4_fp4_code;
     const uint8_t *pk = w->packed;
     for (int r = 0; r < nr; r++) {
-        size_t i = (size_t)(r0 + r) * (size_t)w->cols + (size_t)c0;
+        size_t i = (w->row_start ? (size_t)w->row_start[r0 + r] : (size_t)(r0 + r) * (size_t)w->cols) + (size_t)c0;
         size_t iend = i + (size_t)(c1 - c0);
         float *d = dst + (size_t)r * ldd;
         while (i < iend) {

@@ -145,6 +145,10 @@ struct fl_adapter_table {
     int head;           /* adapters attached to the lm_head */
     void (*bind)(const struct fl_adapter_table *t, int l, int p, fl_linear *lin, int row_base);
 };
+/* QLoRA where a rank's part cuts the blocks: entry i of the slice part (a row-mapped 4-bit weight, fl_tp_q4_map) takes
+ * its whole blocks from entry j of the whole model's 4-bit weight, codes and dequantized absmax (model.c) */
+fl_status fl_model_q4_take_blocks(const fl_model *whole, int j, fl_model *part, int i);
+int fl_model_q4_mapped(const fl_model *m, int i); /* entry i is such a part */
 
 /* y (N,out) = x (N,in) @ W^T + b */
 fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, const fl_linear *lin, int N);

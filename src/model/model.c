@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitllm/tp.h"
 #include "model-impl.h"
 #include "store.h"
 
@@ -21,7 +22,7 @@ void fl_sizing_param_split(const fl_model_config *cfg, const fl_model_storage *s
     if (!st || !st->quant4) return;
     fl_param_layout lay;
     if (fl_layout_build(&lay, cfg) != FL_OK) return;
-    *dense_numel = fl_store_q4_plan(&lay, st, NULL, q4_bytes);
+    *dense_numel = fl_store_q4_plan(&lay, cfg, st, NULL, q4_bytes);
     fl_layout_free(&lay);
 }
 
@@ -145,10 +146,11 @@ void *fl_model_param_piece(const fl_model *m, int i, size_t *k0, size_t *k1, fl_
  * pool, one entry at a time) bound as *hw. NULL when out of host memory. */
 static void *q4_host_copy(const fl_model *m, int i, fl_q4_weight *hw) {
     const fl_q4_weight *w = &m->store->q4[i];
-    size_t bytes = fl_q4_bytes(w->n, w->double_quant);
+    size_t bytes = fl_q4_weight_bytes(w);
     void *blob = NULL;
     if (fl_mem_alloc(fl_mem_host_pool(m->pool), FL_TAG_WORKSPACE, bytes, &blob) != FL_OK) return NULL;
-    if (fl_q4_bind(hw, w->rows, w->cols, w->type, w->double_quant, blob) != FL_OK) {
+    if ((w->row_start ? fl_q4_bind_mapped(hw, w->rows, w->cols, w->type, w->n_blocks, blob)
+                      : fl_q4_bind(hw, w->rows, w->cols, w->type, w->double_quant, blob)) != FL_OK) {
         fl_mem_free(fl_mem_host_pool(m->pool), blob);
         return NULL;
     }
@@ -161,7 +163,7 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
     if (fl_model_param_is_q4(m, i) && on_device(m)) { /* the 4-bit buffer to the host, dequantized there */
         fl_q4_weight hw;
         void *blob = q4_host_copy(m, i, &hw);
-        if (!blob || FL_RUN(m->be, to_host, blob, m->store->q4[i].packed, fl_q4_bytes(hw.n, hw.double_quant)) != FL_OK) {
+        if (!blob || FL_RUN(m->be, to_host, blob, m->store->q4[i].packed, fl_q4_weight_bytes(&hw)) != FL_OK) {
             memset(dst, 0, m->layout.params[i].numel * sizeof(float));
         } else {
             fl_q4_dequantize(&hw, dst, m->be->n_threads);
@@ -196,12 +198,39 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
     }
 }
 
+int fl_model_q4_mapped(const fl_model *m, int i) { return fl_model_param_is_q4(m, i) && m->store->q4[i].row_start; }
+
+fl_status fl_model_q4_take_blocks(const fl_model *whole, int j, fl_model *part, int i) {
+    const fl_q4_weight *pw = &part->store->q4[i];
+    const size_t nb = pw->n_blocks, bytes = fl_q4_weight_bytes(pw), BB = FL_Q4_BLOCK / 2;
+    fl_q4_weight hw = whole->store->q4[j], tw;
+    void *wblob = on_device(whole) ? q4_host_copy(whole, j, &hw) : NULL;
+    char *blob = calloc(1, bytes + 4);
+    size_t *src = malloc(nb * sizeof *src);
+    fl_status s = blob && src && (wblob || !on_device(whole)) ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
+    if (s == FL_OK && wblob) s = FL_RUN(whole->be, to_host, wblob, whole->store->q4[j].packed, fl_q4_weight_bytes(&hw));
+    if (s == FL_OK) s = fl_q4_bind_mapped(&tw, pw->rows, pw->cols, pw->type, nb, blob);
+    if (s == FL_OK && fl_tp_q4_map(&part->cfg, &part->layout, i, src, tw.row_start) != nb)
+        s = fl_errorf(FL_ERR_INVALID, "the 4-bit blocks of %s: the map changed", part->layout.params[i].name);
+    for (size_t k = 0; s == FL_OK && k < nb; k++) { /* whole block src[k]: its codes and dequantized absmax */
+        const size_t b = src[k], left = (hw.n - b * FL_Q4_BLOCK + 1) / 2;
+        if (b >= hw.n_blocks) s = fl_errorf(FL_ERR_INVALID, "the 4-bit blocks of %s: block %zu of %zu",
+                                            part->layout.params[i].name, b, hw.n_blocks);
+        else memcpy(tw.packed + k * BB, hw.packed + b * BB, left < BB ? left : BB);
+        if (s == FL_OK) tw.absmax[k] = fl_q4_block_absmax(&hw, b);
+    }
+    if (s == FL_OK) s = FL_RUN(part->be, to_device, pw->packed, blob, bytes);
+    if (wblob) fl_mem_free(fl_mem_host_pool(whole->pool), wblob);
+    free(blob), free(src);
+    return fl_error_prefix(s, "tensor parallel: the whole 4-bit blocks of %s", part->layout.params[i].name);
+}
+
 void fl_model_write_param(fl_model *m, int i, const float *src) {
     if (fl_model_param_is_q4(m, i) && on_device(m)) { /* quantized on the host, copied in */
         fl_q4_weight hw;
         void *blob = q4_host_copy(m, i, &hw);
         if (blob && fl_q4_quantize(&hw, src, m->be->n_threads) == FL_OK)
-            (void)FL_RUN(m->be, to_device, m->store->q4[i].packed, blob, fl_q4_bytes(hw.n, hw.double_quant));
+            (void)FL_RUN(m->be, to_device, m->store->q4[i].packed, blob, fl_q4_weight_bytes(&hw));
         fl_mem_free(fl_mem_host_pool(m->pool), blob);
         return;
     }

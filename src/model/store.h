@@ -101,8 +101,9 @@ fl_status fl_store_set_compute(fl_param_store *s, const fl_precision *p);
 void fl_store_sync_compute(fl_param_store *s);
 /* 4-bit (store_q4.c): the storage plan (dense offsets, 4-bit bytes; soff may be NULL: count only), and
  * binding the entries into q4_mem. */
-size_t fl_store_q4_plan(const fl_param_layout *lay, const fl_model_storage *st, size_t *soff, size_t *q4_bytes);
-fl_status fl_store_q4_bind(fl_param_store *s);
+size_t fl_store_q4_plan(const fl_param_layout *lay, const fl_model_config *cfg, const fl_model_storage *st,
+                        size_t *soff, size_t *q4_bytes);
+fl_status fl_store_q4_bind(fl_param_store *s, const fl_model_config *cfg);
 /* The FSDP store (store_fsdp.c): the dense buffer becomes `shard`, groups come through pp. */
 void fl_store_make_shard(fl_param_store *s, void *shard, fl_param_provider *pp);
 void fl_store_make_whole(fl_param_store *s);

@@ -70,7 +70,7 @@ fl_status fl_store_create(const fl_param_layout *lay, const fl_model_config *cfg
         s->soff = malloc((size_t)lay->n * sizeof *s->soff);
         s->q4 = calloc((size_t)lay->n, sizeof *s->q4);
         if (!s->soff || !s->q4) st_ = fl_errorf(FL_ERR_OOM, "4-bit storage bookkeeping: out of host memory");
-        else s->dense_numel = fl_store_q4_plan(lay, &s->storage, s->soff, &s->q4_bytes);
+        else s->dense_numel = fl_store_q4_plan(lay, cfg, &s->storage, s->soff, &s->q4_bytes);
     }
     if (st_ == FL_OK && s->storage.shard) { /* sharded from the start: the owner allocates this rank's shard */
         if (s->dtype != FL_F32) s->pstage_n = fl_sizing_pstage_elems(cfg);
@@ -84,7 +84,7 @@ fl_status fl_store_create(const fl_param_layout *lay, const fl_model_config *cfg
     if (st_ == FL_OK && s->q4_bytes) st_ = fl_mem_alloc(pool, FL_TAG_PARAMS, s->q4_bytes, &s->q4_mem);
     if (st_ == FL_OK && s->pstage_n)
         st_ = fl_mem_alloc(pool, FL_TAG_WORKSPACE, s->pstage_n * sizeof(float), (void **)&s->pstage);
-    if (st_ == FL_OK) st_ = fl_store_q4_bind(s);
+    if (st_ == FL_OK) st_ = fl_store_q4_bind(s, cfg);
     if (st_ != FL_OK) {
         fl_store_destroy(s);
         *out = NULL;

@@ -109,6 +109,56 @@ size_t fl_tp_q4_cut(const fl_model_config *whole, const fl_param_layout *lay, in
     return 0;
 }
 
+/* The whole entry's flat start of each row of slice entry p (rank r of size; K columns in the slice): its whole
+ * width, or 0 when the entry is neither column- nor row-parallel */
+static size_t slice_row_starts(const fl_model_config *slice, const fl_param_info *p, fl_tp_split sp, size_t *starts) {
+    const int size = slice->tp_size, r = slice->tp_rank;
+    const size_t K = (size_t)p->shape[1];
+    if (sp == FL_TP_ROW) {
+        const size_t Kw = K * (size_t)size;
+        for (int64_t row = 0; row < p->shape[0]; row++) starts[row] = (size_t)row * Kw + (size_t)r * K;
+        return Kw;
+    }
+    if (sp != FL_TP_COLUMN) return 0;
+    int64_t parts[3];
+    const int np = col_parts(slice, p, parts);
+    size_t wbase = 0, out = 0;
+    for (int k = 0; k < np; k++) { /* the slice's part k: rows [r n, (r + 1) n) of the whole's part of N n rows */
+        for (int64_t j = 0; j < parts[k]; j++) starts[out++] = (wbase + (size_t)r * (size_t)parts[k] + (size_t)j) * K;
+        wbase += (size_t)parts[k] * (size_t)size;
+    }
+    return K;
+}
+
+size_t fl_tp_q4_map(const fl_model_config *slice, const fl_param_layout *lay, int i, size_t *src_block,
+                    uint32_t *row_start) {
+    const fl_param_info *p = &lay->params[i];
+    if (slice->tp_size <= 1 || !fl_layout_entry_quantizable(lay, i)) return 0;
+    const fl_tp_split sp = fl_tp_entry_split(lay, i);
+    const size_t K = (size_t)p->shape[1], R = (size_t)p->shape[0], B = FL_Q4_BLOCK;
+    size_t *st = malloc(R * sizeof *st);
+    if (!st || !slice_row_starts(slice, p, sp, st)) {
+        free(st);
+        return 0;
+    }
+    int cut = 0; /* whole blocks already: every contiguous run starts on a block and is whole blocks long */
+    for (size_t row = 0; row < R && !cut; row++) {
+        const int run_start = row == 0 || st[row] != st[row - 1] + K, run_end = row + 1 == R || st[row + 1] != st[row] + K;
+        if (run_start && st[row] % B) cut = 1;
+        if (run_end && (st[row] + K) % B) cut = 1;
+    }
+    size_t nb = 0, seg_base = 0, seg_b0 = 0, seg_b1 = 0;
+    for (size_t row = 0; row < R && cut; row++) {
+        const size_t b0 = st[row] / B, b1 = (st[row] + K + B - 1) / B;
+        if (nb == 0 || b0 < seg_b0 || b0 > seg_b1) seg_base = nb, seg_b0 = seg_b1 = b0; /* a new run of blocks */
+        for (; seg_b1 < b1; seg_b1++, nb++)
+            if (src_block) src_block[nb] = seg_b1;
+        if (row_start) row_start[row] = (uint32_t)(seg_base * B + (st[row] - seg_b0 * B));
+    }
+    free(st);
+    return nb;
+}
+
 /* take (dir 0: whole -> slice) or place (dir 1: slice -> whole) rank r's elements of a tensor p split as sp */
 static void tp_map_info(const fl_model_config *c, const fl_param_info *p, fl_tp_split sp, int size, int r, float *whole,
                         float *slice, int dir) {
@@ -210,6 +260,13 @@ fl_status fl_tp_scatter(const fl_model *whole, fl_model *part) {
     }
     fl_status st = FL_OK;
     for (int i = 0; i < whole->layout.n && st == FL_OK; i++) {
+        if (fl_model_q4_mapped(part, i)) { /* a part that cuts the 4-bit blocks */
+            st = fl_model_param_is_q4(whole, i) ? fl_model_q4_take_blocks(whole, i, part, i)
+                                                : fl_errorf(FL_ERR_UNSUPPORTED, "%s: a part that cuts the 4-bit "
+                                                            "blocks takes them from a 4-bit whole model",
+                                                            part->layout.params[i].name);
+            continue;
+        }
         fl_model_read_param(whole, i, w);
         fl_tp_take(&whole->cfg, &whole->layout, i, size, r, w, s);
         st = fl_model_write_param_any(part, i, s); /* FSDP on the data axis: the rank's piece of its slice */

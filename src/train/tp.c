@@ -48,7 +48,8 @@ static int fsdp_pieces(const fl_tp_dist *d, size_t **fo, size_t **so, size_t **l
 static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const fl_tp_dist *d = ud;
     const fl_model *m = d->m;
-    const fl_backend *be = m->be;
+    /* parameter offload: the gradients are the host tier's */
+    const fl_backend *be = o->home.params_host ? o->home.be : m->be;
     const int rank = fl_comm_rank(d->comm), zero = d->inner && d->inner->stage > 0;
     const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
     const size_t es = fl_dtype_size(o->w.gt);
@@ -212,20 +213,35 @@ static size_t lora_count(const fl_lora_adapters *v, int j, int b) {
     return b ? (size_t)v->mods[j].out * v->cfg->r : (size_t)v->cfg->r * v->mods[j].in;
 }
 
+/* the elements every rank gives to the all-gather of module j's A (b 0) or B (b 1): its own, but B of a vocabulary
+ * slice (lm_head: V / n rows rounded down or up) padded to the largest rank's, so the ranks' counts agree */
+static size_t gather_count(const fl_model *part, const fl_lora_adapters *v, int j, int b, int n) {
+    const int i = v->mods[j].param_index;
+    if (!b || fl_tp_entry_split(&part->layout, i) != FL_TP_VOCAB) return lora_count(v, j, b);
+    const size_t V = (size_t)part->cfg.vocab_size;
+    return (V + (size_t)n - 1) / (size_t)n * (size_t)v->cfg->r;
+}
+
 fl_status fl_tp_lora_gather(const fl_model *part, fl_comm *host_comm, const fl_backend *src_be, const float *src,
                             const fl_model *whole, const fl_backend *dst_be, float *dst) {
     fl_lora_adapters pa, wa;
     if (!fl_model_lora_adapters(part, &pa) || (whole && !fl_model_lora_adapters(whole, &wa)))
         return fl_errorf(FL_ERR_INVALID, "tensor parallel LoRA: a model without adapters");
     const int n = fl_comm_size(host_comm), R = pa.cfg->r;
-    const size_t most = lora_most(&pa), wmost = whole ? lora_most(&wa) : 1;
+    size_t most = lora_most(&pa);
+    const size_t wmost = whole ? lora_most(&wa) : 1;
+    for (int j = 0; j < pa.n_mods; j++) {
+        const size_t c = gather_count(part, &pa, j, 1, n);
+        most = c > most ? c : most;
+    }
     float *mine = malloc(most * sizeof *mine), *all = malloc((size_t)n * most * sizeof *all),
           *w = malloc(wmost * sizeof *w);
     fl_status s = mine && all && w ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel LoRA: out of host memory");
     for (int j = 0; j < pa.n_mods && s == FL_OK; j++)
         for (int b = 0; b < 2 && s == FL_OK; b++) { /* A, then B of module j, the same order on every rank */
-            const size_t c = lora_count(&pa, j, b);
-            s = FL_RUN(src_be, to_host, mine, src + pa.off[2 * j + b], c * sizeof *mine);
+            const size_t c = gather_count(part, &pa, j, b, n), own = lora_count(&pa, j, b);
+            memset(mine + own, 0, (c - own) * sizeof *mine);
+            s = FL_RUN(src_be, to_host, mine, src + pa.off[2 * j + b], own * sizeof *mine);
             if (s == FL_OK) s = fl_comm_all_gather(host_comm, mine, all, (size_t)n * c, FL_F32);
             if (s != FL_OK || !whole) continue;
             for (int k = 0; k < n; k++)

@@ -469,7 +469,7 @@ static fl_status call_hook(trainer *t, run_loop *L, double step_loss, long step_
     const int whole = t->dp.fsdp && cfg->hook_whole_params;
     if (whole) {
         FL_TRY(fl_fsdp_whole_params(&t->dp, &hp, &pb));
-    } else {
+    } else if (!t->opt.home.params_host) { /* (parameter offload: the shard is host memory already) */
         hp = fl_backend_host_memory(&t->hw.be) ? NULL : malloc(pb + 1);
         if (!fl_backend_host_memory(&t->hw.be) && !hp) return fl_errorf(FL_ERR_OOM, "out of host memory");
     }

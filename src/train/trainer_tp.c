@@ -109,9 +109,6 @@ static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_
     if (c->command == FL_CMD_FINETUNE_LORA && dp_world > 1 && sc->stage > 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with finetune_lora and --strategy %s: the adapters' "
                          "data-parallel axis runs DDP so far (give --strategy ddp)", n, c->strategy);
-    if (sc->offload || sc->param_offload)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s: optimizer offload is not "
-                         "combined with tensor parallelism yet", n, c->strategy);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: AdamW8bit's block-wise state is not split yet "
                          "(AdamW and SGD are)", n);
@@ -135,11 +132,12 @@ static fl_status whole_pools(trainer *t, tp_whole *w) {
     return FL_OK;
 }
 
-fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o) {
+/* q4: keep the run's 4-bit storage (TP x PP's stage of the loaded whole: the slices that cut a block take its blocks) */
+static fl_status whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o, int q4) {
     FL_TRY(whole_pools(t, w));
     const fl_model_storage keep = t->stg;
     t->stg.shard = NULL; /* whole models are never sharded (FULL_SHARD on the data axis shards the slice alone) */
-    t->stg.quant4 = 0;   /* nor quantized (QLoRA: the staging holds the dequantized base; the load's is 4-bit) */
+    if (!q4) t->stg.quant4 = 0; /* nor quantized (QLoRA: the staging holds the dequantized base; the load's is 4-bit) */
     const fl_status s = fl_model_init_ex(&w->m, cfg, &t->hw.be, &w->pool, &t->stg);
     t->stg = keep;
     FL_TRY(s);
@@ -155,6 +153,10 @@ fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, 
     FL_TRY(fl_optim_init(&w->o, &w->m, &o->cfg));
     w->o_ok = 1;
     return FL_OK;
+}
+
+fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o) {
+    return whole_make(t, w, cfg, o, 0);
 }
 
 static void whole_free(tp_whole *w) { fl_tr_whole_free(w); }
@@ -173,13 +175,14 @@ static fl_status tpp_stage_model(trainer *t, const tp_whole *w, tp_whole *sw) {
     fl_model_config sc;
     FL_TRY(tpp_stage_config(t, &w->m.cfg, &sc));
     t->pp.whole_numel = w->m.layout.numel;
-    FL_TRY(fl_tr_whole_make(t, sw, &sc, NULL));
+    FL_TRY(whole_make(t, sw, &sc, NULL, 1)); /* (QLoRA: the loaded 4-bit blocks, taken as they are) */
     return fl_pp_stage_take(&w->m, &sw->m, t->pp.first);
 }
 
 /* LoRA on the slices: what is not split yet, refused on every rank alike from the whole config (the same modules on
  * every rank), before the group's first collective (the device communicator: attach_group) */
 static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *whole) {
+    (void)n_tp; /* (every part runs: lm_head's, and QLoRA's parts that cut a 4-bit block keep the whole blocks) */
     if (t->cfg->command != FL_CMD_FINETUNE_LORA) return FL_OK;
     fl_lora_config lc;
     fl_param_layout lay;
@@ -188,23 +191,6 @@ static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *w
     FL_TRY(fl_trainer_lora_config(t->cfg, whole, &lc));
     FL_TRY(fl_layout_build(&lay, whole));
     fl_status s = fl_lora_modules(&lc, &lay, whole, &mods, &n);
-    /* QLoRA: every rank's part of a 4-bit weight must be whole blocks of 64 of the whole's (fl_tp_q4_cut) */
-    for (int i = 0; i < lay.n && s == FL_OK && t->cfg->lora.quantize[0]; i++) {
-        const size_t cut = fl_layout_entry_quantizable(&lay, i) ? fl_tp_q4_cut(whole, &lay, n_tp, i) : 0;
-        if (cut)
-            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --quantize %s: a rank's part of %s (%s-parallel: "
-                          "%zu elements %s) cuts the 4-bit weight's blocks of %d (each rank holds whole blocks of one "
-                          "process's quantization; give a tensor-parallel size that splits it in multiples of %d)", n_tp,
-                          t->cfg->lora.quantize, lay.params[i].name,
-                          fl_tp_entry_split(&lay, i) == FL_TP_ROW ? "row" : "column",
-                          cut, fl_tp_entry_split(&lay, i) == FL_TP_ROW ? "of each row" : "of a part", FL_Q4_BLOCK,
-                          FL_Q4_BLOCK);
-    }
-    for (int j = 0; j < n && s == FL_OK; j++) {
-        if (mods[j].layer < 0)
-            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA on lm_head (the vocabulary-parallel head) is "
-                          "not split yet (the blocks' linears are)", n_tp);
-    }
     free(mods);
     fl_layout_free(&lay);
     return s;
