@@ -814,6 +814,23 @@ else
     bad "ppi_cli_np4_pp2_zero2_fp16" "exit $rc, losses within '$w', resumed within '$w1'"
 fi
 
+# LoRA under the interleaved schedule (PP 2 x 2 chunks at 2 ranks, LitGPT's dropout 0.05: each chunk's adapters keyed
+# by the whole model's module index): one process's losses and final/ bytes (pp-lora-one above); the step-2
+# checkpoint (the virtual stages' adapters and AdamW state gathered in order) resumes in one process bit for bit
+timeout 300 mpirun -np 2 "$FL" finetune_lora "${TARGS[@]}" --devices 2 --pipeline_parallel 2 --pipeline_schedule interleaved \
+    --pipeline_chunks 2 --out_dir "$T/ppi-lora2" >"$T/out" 2>&1; rc=$?
+timeout 300 "$FL" finetune_lora "${TARGS[@]}" --resume "$T/ppi-lora2/step-000002" --out_dir "$T/ppi-lora-r1" \
+    >>"$T/out" 2>&1 || rc=$?
+w=$(loss_rel "$T/ppi-lora2" "$T/pp-lora-one" 2>/dev/null)
+w1=$(loss_rel "$T/ppi-lora-r1" "$T/pp-lora-one" 12 2>/dev/null)
+if [ $rc -eq 0 ] && [ "$w" = 0 ] && [ "$w1" = 0 ] \
+    && cmp -s "$T/ppi-lora2/final/model.safetensors" "$T/pp-lora-one/final/model.safetensors" \
+    && cmp -s "$T/ppi-lora2/final/adapter/adapter_model.safetensors" "$T/pp-lora-one/final/adapter/adapter_model.safetensors"; then
+    ok "ppi_cli_np2_pp2_lora (losses and final/ one process's bits; resumed in one process, the same bits)"
+else
+    bad "ppi_cli_np2_pp2_lora" "exit $rc, losses within '$w', resumed within '$w1'"
+fi
+
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"
 [ $fail -eq 0 ]

@@ -182,9 +182,9 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
                     : o->w.n != fl_model_store_numel(p->m) || o->w.p != fl_model_params_data(p->m)) /* FULL_SHARD: the shard's */
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
                          "or its LoRA adapters", p->stages);
-    if (p->chunks > 1 && (p->adapters || (in && in->stage > 2)))
+    if (p->chunks > 1 && in && in->stage > 2)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved: DDP, ZeRO-1 or ZeRO-2 on the data-parallel "
-                         "axis and full fine-tuning / pretraining only so far (not LoRA or FULL_SHARD)");
+                         "axis so far (not FULL_SHARD)");
     p->ch[0].o = o;
     p->inner = in;
     memset(&p->dist, 0, sizeof p->dist);
@@ -205,10 +205,14 @@ fl_status fl_pp_chunk_optim(fl_pp *p, int c, fl_optimizer *o) {
                          p->chunks - 1);
     if (o->shard.dist && o->shard.dist != p->inner)
         return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer has other hooks than chunk 0's", c);
-    if (o->w.n != fl_model_store_numel(p->ch[c].m) || o->w.p != fl_model_params_data(p->ch[c].m) ||
+    fl_lora_adapters ad; /* LoRA: every chunk trains its adapters (chunk 0 does: p->adapters) */
+    const int lora = fl_model_lora_adapters(p->ch[c].m, &ad);
+    if (lora != p->adapters ||
+        (lora ? o->w.n != ad.numel || o->w.p != ad.params
+              : o->w.n != fl_model_store_numel(p->ch[c].m) || o->w.p != fl_model_params_data(p->ch[c].m)) ||
         o->amp.on != p->ch[0].o->amp.on)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer must train its model's parameters (loss "
-                         "scaling as chunk 0's)", c);
+        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer must train its model's parameters or LoRA "
+                         "adapters, as chunk 0's does (loss scaling as chunk 0's)", c);
     p->ch[c].o = o;
     o->shard.dist = &p->dist;
     return FL_OK;
@@ -554,7 +558,10 @@ fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B
             FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, (v - 1) % S, tag_act(p, c)));
             FL_TRY(fl_model_stage_input(m, p->hx, B, T));
         }
-        FL_TRY(fl_model_forward(m, ids, targets, B, T, 0.0f, NULL));
+        if (c > 0) fl_model_lora_set_train(m, 0); /* LoRA: no dropout (the caller turns chunk 0's off) */
+        fl_status s = fl_model_forward(m, ids, targets, B, T, 0.0f, NULL);
+        if (c > 0) fl_model_lora_set_train(m, 1);
+        FL_TRY(s);
         if (v < NV - 1) {
             FL_TRY(fl_model_stage_output(m, p->hx));
             FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, (v + 1) % S, tag_act(p, (v + 1) / S)));

@@ -32,14 +32,14 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: fsdp.state_dict_type sharded is not written yet "
                          "(full: consolidated)", n);
     if (!strcmp(c->pipeline_schedule, "interleaved")) { /* V stage models per rank: what they do not compose with yet */
-        const char *why = c->command == FL_CMD_FINETUNE_LORA ? "finetune_lora (LoRA's adapters)"
-                          : c->tensor_parallel > 1           ? "--tensor_parallel"
-                          : sc->stage > 2                    ? "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (DDP, "
+        const char *why = c->tensor_parallel > 1           ? "--tensor_parallel"
+                          : sc->stage > 2 && c->command != FL_CMD_FINETUNE_LORA /* (LoRA's adapters: ZeRO-2) */
+                                                             ? "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (DDP, "
                                                                "ZeRO-1 and ZeRO-2 run)"
                                                              : NULL;
         if (why)
             return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved with %s: not combined yet (interleaved "
-                             "runs finetune_full and pretrain; gpipe and 1f1b run it)", why);
+                             "runs finetune_full, finetune_lora and pretrain; gpipe and 1f1b run it)", why);
     }
     return FL_OK;
 }
@@ -170,21 +170,35 @@ fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
     return s;
 }
 
-fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *base) {
+/* the whole model's index of (virtual) stage v's first LoRA module: its first block x the modules per block */
+static fl_status lora_base_of(const trainer *t, const fl_lora_config *lc, int v, int *base) {
     fl_lora_module *mods = NULL;
     int n = 0, per = 0;
     FL_TRY(fl_lora_modules(lc, &t->model.layout, &t->model.cfg, &mods, &n));
     for (int j = 0; j < n; j++) per += mods[j].layer == 0; /* decoder-only: every block adapts the same modules */
     free(mods);
-    *base = t->pp.first * per;
+    *base = t->pp.split[v] * per;
     return FL_OK;
+}
+
+fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *base) {
+    return lora_base_of(t, lc, t->pp.stage, base);
 }
 
 /* interleaved: chunk c's precision, gradients, arena and optimizer, as fl_tr_setup_model / _training make chunk 0's */
 static fl_status chunk_setup(trainer *t, int c) {
     fl_model *m = &t->pp.xm[c];
     FL_TRY(fl_model_set_precision(m, &t->model.prec));
-    FL_TRY(fl_model_alloc_grads(m));
+    if (t->model.lora) { /* LoRA: the chunk's adapters, keyed (initial values, dropout streams) by the whole model's
+                          * module index of its first block, as one process's */
+        fl_lora_config lc;
+        int base = 0;
+        FL_TRY(fl_trainer_lora_config(t->cfg, &m->cfg, &lc));
+        FL_TRY(lora_base_of(t, &lc, c * t->pp.size + t->pp.stage, &base));
+        FL_TRY(fl_model_lora_init_at(m, &lc, t->cfg->seed, base));
+    } else {
+        FL_TRY(fl_model_alloc_grads(m));
+    }
     m->act_ckpt = t->model.act_ckpt;
     FL_TRY(fl_model_alloc_acts(m, t->sch.B, t->sch.T));
     /* ZeRO-1/2 on the data axis: the chunk's state for this rank's piece of its elements, as chunk 0's */
@@ -370,29 +384,39 @@ static fl_status mod_write(fl_model *m, fl_optimizer *o, const fl_lora_adapters 
 }
 
 /* the LoRA gather: every later stage of the first pipeline sends each module it trains (the adapters, then each state
- * array), stage 0 puts them (and its own) at their whole-model modules (w NULL: a sender) */
+ * array), stage 0 puts them (and its own) at their whole-model modules (w NULL: a sender). Interleaved: the virtual
+ * stages in order, rank v % S giving its chunk v / S (fullc[c]: chunk c's staged state; chunk 0's is full) */
 /* (src: the stage's model whose adapters travel: the run's, or under TP x PP its group's assembled stage) */
 static fl_status lora_gather(trainer *t, const fl_model *src, tp_whole *w, const fl_optimizer *o, char *const *full,
-                             float *buf, fl_dtype dt) {
-    const int S = t->pp.size, me = t->pp.stage;
-    fl_lora_adapters mine, whole;
-    fl_model_lora_adapters(src, &mine);
-    void *arr[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
-    if (o) arrays(o, arr);
+                             char *(*fullc)[3], float *buf, fl_dtype dt) {
+    const int S = t->pp.size, me = t->pp.stage, V = t->pp.chunks > 1 ? t->pp.chunks : 1, NV = S * V;
+    fl_lora_adapters whole;
+    void *dst[3] = {NULL, NULL, NULL}, *arr0[3] = {NULL, NULL, NULL};
     if (w && w->o_ok) arrays(&w->o, dst);
+    if (o) arrays(o, arr0); /* every chunk's optimizer holds the same arrays */
     if (w) fl_model_lora_adapters(&w->m, &whole);
     fl_status st = FL_OK;
-    for (int s = me; s < (me == 0 ? S : me + 1) && st == FL_OK; s++) {
+    for (int v = 0; v < NV && st == FL_OK; v++) {
+        const int owner = v % S, c = v / S;
+        if (me > 0 && owner != me) continue;
+        /* the chunk's model, optimizer and staged state (its own, or the owner's shape for the sizes) */
+        const fl_model *cm = c == 0 ? src : &t->pp.xm[c];
+        const fl_optimizer *co = !o ? NULL : c == 0 ? o : &t->pp.xo[c];
+        char *const *cf = c == 0 ? full : fullc[c];
+        fl_lora_adapters mine;
+        fl_model_lora_adapters(cm, &mine);
+        void *arr[3] = {NULL, NULL, NULL};
+        if (co) arrays(co, arr);
         fl_lora_module *mods = NULL;
         int n = 0, base = 0;
-        st = stage_mods(t, s, mine.cfg, &mods, &n, &base);
+        st = stage_mods(t, v, mine.cfg, &mods, &n, &base);
         for (int a = -1; a < 3 && st == FL_OK; a++) {
-            if (a >= 0 && !arr[a]) continue;
+            if (a >= 0 && !arr0[a]) continue;
             for (int j = 0; j < n && st == FL_OK; j++) {
-                if (!mod_trained(&mods[j], s, S)) continue;
+                if (!mod_trained(&mods[j], v, NV)) continue;
                 const size_t k = (size_t)mine.cfg->r * (size_t)(mods[j].in + mods[j].out);
-                if (s == me) st = mod_read(src, o, &mine, a, arr, full, dt, j, buf);
-                else st = fl_comm_recv(t->pp.grp, buf, k, FL_F32, s, TAG_CKPT);
+                if (owner == me) st = mod_read(cm, co, &mine, a, arr, cf, dt, j, buf);
+                else st = fl_comm_recv(t->pp.grp, buf, k, FL_F32, owner, TAG_CKPT);
                 if (st == FL_OK && me > 0) st = fl_comm_send(t->pp.grp, buf, k, FL_F32, 0, TAG_CKPT);
                 else if (st == FL_OK && (a < 0 || dst[a]))
                     st = mod_write(&w->m, &w->o, &whole, a, dst, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
@@ -448,15 +472,19 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     fl_lora_adapters ad;
     const int lora = fl_model_lora_adapters(m, &ad);
     size_t most = lora ? ad.numel + 1 : 1;
+    for (int c = 1; lora && c < t->pp.chunks; c++) { /* interleaved: the largest chunk's adapters */
+        fl_lora_adapters ac;
+        if (fl_model_lora_adapters(&t->pp.xm[c], &ac) && ac.numel + 1 > most) most = ac.numel + 1;
+    }
     for (int i = 0; i < m->layout.n; i++)
         if (m->layout.params[i].numel > most) most = m->layout.params[i].numel;
     float *buf = t->dp.rank == 0 && s == FL_OK ? malloc(most * sizeof *buf) : NULL;
     if (t->dp.rank == 0 && s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory");
     if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && (!lora || !o)) s = give_stage(t, m, lora ? NULL : o, full, buf, dt, pw);
-    /* interleaved: the later chunks' in virtual-stage order (DDP: whole arrays, no LoRA) */
-    for (int c = 1; t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && c < t->pp.chunks; c++)
-        s = give_stage(t, &t->pp.xm[c], o ? &t->pp.xo[c] : NULL, fullc[c], buf, dt, NULL);
-    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, m, NULL, o, full, buf, dt);
+    /* interleaved: the later chunks' in virtual-stage order (LoRA: their frozen base, final/ only) */
+    for (int c = 1; t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && c < t->pp.chunks && (!lora || !o); c++)
+        s = give_stage(t, &t->pp.xm[c], o && !lora ? &t->pp.xo[c] : NULL, fullc[c], buf, dt, NULL);
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, m, NULL, o, full, fullc, buf, dt);
     if (t->dp.rank != 0 || s != FL_OK || t->pp.stage > 0) { /* the first pipeline gathers, its stage 0 writes */
         for (int a = 0; a < 3; a++) free(full[a]);
         free_chunk_state(fullc);
@@ -474,7 +502,7 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
         const fl_optimizer *so = !own || lora ? NULL : c == 0 ? o : o ? &t->pp.xo[c] : NULL;
         s = take_stage(t, &w, k, t->pp.split, src, so, c == 0 ? full : fullc[c], buf, dt, c == 0 ? pw : NULL);
     }
-    if (s == FL_OK && lora) s = lora_gather(t, m, &w, o, full, buf, dt);
+    if (s == FL_OK && lora) s = lora_gather(t, m, &w, o, full, fullc, buf, dt);
     if (s == FL_OK && lora && !o) s = fl_model_lora_merge(&w.m); /* final/: the merged model and the adapter */
     free(buf);
     free(pw);
@@ -499,40 +527,49 @@ fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimiz
     return fl_dp_agree(&g, s);
 }
 
-/* LoRA: the whole checkpoint's adapters and their state (a LoRA-attached whole model reads it as one process does),
- * then this stage's modules (the base is the run's checkpoint_dir, loaded already) */
-static fl_status lora_resume(trainer *t, const char *path) {
-    tp_whole w;
-    memset(&w, 0, sizeof w);
-    fl_optimizer *o = &t->opt;
-    fl_status s = lora_whole(t, &w, o);
-    if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
+/* LoRA: chunk c's modules (virtual stage c S + stage) and their state from the whole checkpoint's (w: a LoRA-attached
+ * whole model and optimizer that read it) */
+static fl_status lora_resume_chunk(trainer *t, tp_whole *w, int c) {
+    fl_model *m = c == 0 ? &t->model : &t->pp.xm[c];
+    fl_optimizer *o = c == 0 ? &t->opt : &t->pp.xo[c];
     fl_lora_adapters mine, whole;
-    fl_model_lora_adapters(&t->model, &mine);
+    fl_model_lora_adapters(m, &mine);
     fl_lora_module *mods = NULL;
     int n = 0, base = 0;
-    if (s == FL_OK && fl_model_lora_adapters(&w.m, &whole)) s = stage_mods(t, t->pp.stage, mine.cfg, &mods, &n, &base);
+    fl_status s = FL_OK;
+    if (fl_model_lora_adapters(&w->m, &whole)) s = stage_mods(t, c * t->pp.size + t->pp.stage, mine.cfg, &mods, &n, &base);
     const fl_dtype dt = o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     const size_t es = fl_dtype_size(dt);
     char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
     float *buf = malloc((mine.numel + 1) * sizeof *buf);
     if (s == FL_OK && (!buf || (state_chunked(o) && !h))) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
     void *src[3] = {NULL, NULL, NULL}, *dst[3];
-    if (w.o_ok) arrays(&w.o, src);
+    if (w->o_ok) arrays(&w->o, src);
     arrays(o, dst);
     for (int a = -1; a < 3 && s == FL_OK; a++) {
         if (a >= 0 && (!src[a] || !dst[a])) continue;
         for (int j = 0; j < n && s == FL_OK; j++) {
-            s = mod_read(&w.m, &w.o, &whole, a, src, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
-            if (s == FL_OK) s = mod_write(&t->model, o, &mine, a, dst, h, dt, j, buf);
+            s = mod_read(&w->m, &w->o, &whole, a, src, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
+            if (s == FL_OK) s = mod_write(m, o, &mine, a, dst, h, dt, j, buf);
         }
         if (s == FL_OK && a >= 0 && h) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(mods), free(h), free(buf);
     if (s == FL_OK) {
-        o->step = w.o.step;
-        o->amp.ls = w.o.amp.ls;
+        o->step = w->o.step;
+        o->amp.ls = w->o.amp.ls;
     }
+    return s;
+}
+
+/* LoRA: the whole checkpoint's adapters and their state (a LoRA-attached whole model reads it as one process does),
+ * then this stage's modules, every chunk's under interleaved (the base is the run's checkpoint_dir, loaded already) */
+static fl_status lora_resume(trainer *t, const char *path) {
+    tp_whole w;
+    memset(&w, 0, sizeof w);
+    fl_status s = lora_whole(t, &w, &t->opt);
+    if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
+    for (int c = 0; c < (t->pp.chunks > 1 ? t->pp.chunks : 1) && s == FL_OK; c++) s = lora_resume_chunk(t, &w, c);
     fl_tr_whole_free(&w);
     return s;
 }
