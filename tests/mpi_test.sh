@@ -831,6 +831,21 @@ else
     bad "ppi_cli_np2_pp2_lora" "exit $rc, losses within '$w', resumed within '$w1'"
 fi
 
+# FULL_SHARD on the data axis under the interleaved schedule (DP 2 x PP 2 x 2 chunks at 4 ranks: each chunk sharded
+# unit by unit over the axis on its own): one process's losses (tp-one) within 1e-6 relative, its final files; the
+# step-2 checkpoint (each chunk's units gathered over the axis, then the virtual stages) resumes in one process
+timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --pipeline_parallel 2 --strategy fsdp \
+    --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppif4" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/ppif4" "$T/tp-one" 2>/dev/null)
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppif4/step-000002" --out_dir "$T/ppif-r1" >>"$T/out" 2>&1 || rc=$?
+w1=$(loss_rel "$T/ppif-r1" "$T/ppif4" 12 2>/dev/null)
+if [ $rc -eq 0 ] && [ "$(ls "$T/ppif4/final")" = "$(ls "$T/tp-one/final")" ] \
+    && awk -v w="$w" -v a="$w1" 'BEGIN { exit !(w <= 1e-6 && a <= 1e-6) }'; then
+    ok "ppi_cli_np4_pp2_fsdp (losses within $w of one process, resumed in one process within $w1)"
+else
+    bad "ppi_cli_np4_pp2_fsdp" "exit $rc, losses within '$w', resumed within '$w1'"
+fi
+
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"
 [ $fail -eq 0 ]
