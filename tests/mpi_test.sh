@@ -799,20 +799,24 @@ fi
 # the interleaved schedule with ZeRO-2 on the data axis and 16-mixed's loss scaling (DP 2 x PP 2 x 2 chunks, 4 ranks):
 # a one-process 16-mixed run's losses within 1e-6 relative (pp_train_threads_interleaved_zero_and_fp16's bar), its
 # final files; the step-2 checkpoint (each chunk's state gathered over the axis) resumes in one process
+# ppi_check NAME RUN ONE RESUMED: the run's losses within 1e-6 relative of one process's, its final files one
+# process's, the resumed run's later losses within 1e-6 of the run's (rc: the commands' exit)
+ppi_check() {
+    local w w1; w=$(loss_rel "$2" "$3" 2>/dev/null); w1=$(loss_rel "$4" "$2" 12 2>/dev/null)
+    if [ $rc -eq 0 ] && [ "$(ls "$2/final")" = "$(ls "$3/final")" ] \
+        && awk -v w="$w" -v a="$w1" 'BEGIN { exit !(w <= 1e-6 && a <= 1e-6) }'; then
+        ok "$1 (losses within $w of one process, resumed in one process within $w1)"
+    else
+        bad "$1" "exit $rc, losses within '$w', resumed within '$w1'"
+    fi
+}
 timeout 300 "$FL" finetune_full "${TARGS[@]}" --precision 16-mixed --out_dir "$T/ppz-one" >"$T/out" 2>&1 \
     || bad "ppi_cli_zero2_fp16_one_process" "exit $?"
 timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --precision 16-mixed --devices 4 --pipeline_parallel 2 \
     --strategy deepspeed_stage_2 --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppz4" >"$T/out" 2>&1; rc=$?
-w=$(loss_rel "$T/ppz4" "$T/ppz-one" 2>/dev/null)
 timeout 300 "$FL" finetune_full "${TARGS[@]}" --precision 16-mixed --resume "$T/ppz4/step-000002" --out_dir "$T/ppz-r1" \
     >>"$T/out" 2>&1 || rc=$?
-w1=$(loss_rel "$T/ppz-r1" "$T/ppz4" 12 2>/dev/null)
-if [ $rc -eq 0 ] && [ "$(ls "$T/ppz4/final")" = "$(ls "$T/ppz-one/final")" ] \
-    && awk -v w="$w" -v a="$w1" 'BEGIN { exit !(w <= 1e-6 && a <= 1e-6) }'; then
-    ok "ppi_cli_np4_pp2_zero2_fp16 (losses within $w of one process, resumed in one process within $w1)"
-else
-    bad "ppi_cli_np4_pp2_zero2_fp16" "exit $rc, losses within '$w', resumed within '$w1'"
-fi
+ppi_check ppi_cli_np4_pp2_zero2_fp16 "$T/ppz4" "$T/ppz-one" "$T/ppz-r1"
 
 # LoRA under the interleaved schedule (PP 2 x 2 chunks at 2 ranks, LitGPT's dropout 0.05: each chunk's adapters keyed
 # by the whole model's module index): one process's losses and final/ bytes (pp-lora-one above); the step-2
@@ -836,15 +840,8 @@ fi
 # step-2 checkpoint (each chunk's units gathered over the axis, then the virtual stages) resumes in one process
 timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --pipeline_parallel 2 --strategy fsdp \
     --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppif4" >"$T/out" 2>&1; rc=$?
-w=$(loss_rel "$T/ppif4" "$T/tp-one" 2>/dev/null)
 timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppif4/step-000002" --out_dir "$T/ppif-r1" >>"$T/out" 2>&1 || rc=$?
-w1=$(loss_rel "$T/ppif-r1" "$T/ppif4" 12 2>/dev/null)
-if [ $rc -eq 0 ] && [ "$(ls "$T/ppif4/final")" = "$(ls "$T/tp-one/final")" ] \
-    && awk -v w="$w" -v a="$w1" 'BEGIN { exit !(w <= 1e-6 && a <= 1e-6) }'; then
-    ok "ppi_cli_np4_pp2_fsdp (losses within $w of one process, resumed in one process within $w1)"
-else
-    bad "ppi_cli_np4_pp2_fsdp" "exit $rc, losses within '$w', resumed within '$w1'"
-fi
+ppi_check ppi_cli_np4_pp2_fsdp "$T/ppif4" "$T/tp-one" "$T/ppif-r1"
 
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"

@@ -323,22 +323,29 @@ static int same_file(const char *dir_a, const char *dir_b, const char *name) {
     return same;
 }
 
-FL_TEST(pp_train_threads_lora_equals_one_process) {
-    /* the references: one process, and DDP over 2 ranks (its dropout masks are drawn per rank's micro-batch, as the
-     * data axis of DP 2 x PP 2 draws them) */
+/* the LoRA references: one process (one[1], its out_dir in one_dir), and DDP over 2 ranks (one[2]: its dropout masks
+ * are drawn per rank's micro-batch, as the data axis of DP 2 x PP 2 draws them) */
+static void lora_refs(const char *tag, dr_rec one[3], char *one_dir, size_t n) {
     dr_job *ref = calloc(1, sizeof *ref);
     FL_REQUIRE(ref != NULL);
-    dr_rec one[3];
-    lora_grid(ref, 1, 1, "1f1b", "l-one", 0, 0);
-    char one_dir[sizeof ((fl_run_config *)0)->out_dir];
-    snprintf(one_dir, sizeof one_dir, "%s", ref->cfg[0].out_dir);
+    char t[64];
+    snprintf(t, sizeof t, "%s-one", tag);
+    lora_grid(ref, 1, 1, "1f1b", t, 0, 0);
+    snprintf(one_dir, n, "%s", ref->cfg[0].out_dir);
     one[1] = ref->rec[0];
     memset(&ref->rec[0], 0, sizeof ref->rec[0]);
-    lora_grid(ref, 2, 1, "1f1b", "l-ddp", 0, 0);
+    snprintf(t, sizeof t, "%s-ddp", tag);
+    lora_grid(ref, 2, 1, "1f1b", t, 0, 0);
     one[2] = ref->rec[0];
     memset(&ref->rec[0], 0, sizeof ref->rec[0]);
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&ref->rec[r]);
     free(ref);
+}
+
+FL_TEST(pp_train_threads_lora_equals_one_process) {
+    dr_rec one[3];
+    char one_dir[sizeof ((fl_run_config *)0)->out_dir];
+    lora_refs("l", one, one_dir, sizeof one_dir);
     /* and under fsdp (LoRA's adapters train as ZeRO-2 there: the same bits as DDP without clipping) */
     const struct { int dp, pp; const char *sched, *strategy; } grids[4] = {
         {1, 2, "1f1b", NULL}, {1, 3, "gpipe", NULL}, {2, 2, "1f1b", NULL}, {2, 2, "1f1b", "fsdp"}};
@@ -763,17 +770,11 @@ FL_TEST(pp_train_threads_interleaved_resume_across_schedules) {
  * measured per rank; the step-2 checkpoint (the virtual stages' adapters and AdamW state gathered in order) resumes in
  * one process and at PP 3 GPipe, one process's resumes interleaved, continuing the uninterrupted losses bit for bit */
 FL_TEST(pp_train_threads_interleaved_lora) {
-    dr_job *ref = calloc(1, sizeof *ref), *j = calloc(1, sizeof *j);
-    FL_REQUIRE(ref != NULL && j != NULL);
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
     dr_rec one[3];
-    lora_grid(ref, 1, 1, "1f1b", "il-one", 0, 0);
     char one_dir[sizeof ((fl_run_config *)0)->out_dir];
-    snprintf(one_dir, sizeof one_dir, "%s", ref->cfg[0].out_dir);
-    one[1] = ref->rec[0];
-    memset(&ref->rec[0], 0, sizeof ref->rec[0]);
-    lora_grid(ref, 2, 1, "1f1b", "il-ddp", 0, 0);
-    one[2] = ref->rec[0];
-    memset(&ref->rec[0], 0, sizeof ref->rec[0]);
+    lora_refs("il", one, one_dir, sizeof one_dir);
     const struct { int dp; const char *strategy; } grids[3] = {{1, NULL}, {2, NULL}, {2, "fsdp"}};
     g_lora_chunks = 2;
     for (int g = 0; g < (fl_test_asan_light() ? 2 : 3); g++) {
@@ -794,66 +795,51 @@ FL_TEST(pp_train_threads_interleaved_lora) {
         for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     }
     g_lora_chunks = 0;
-    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&ref->rec[r]);
     dr_free(&one[1]);
     dr_free(&one[2]);
-    free(ref), free(j);
-}
-
-/* the same on the opaque backend (the stream, the stash and the adapters' checkpoints through its copies): PP 2 x 2
- * chunks, one process's losses bit for bit (3 steps) */
-FL_TEST(pp_train_threads_interleaved_lora_opaque) {
-    if (!fl_test_asan_budget()) return;
-    dr_job *j = calloc(1, sizeof *j);
-    FL_REQUIRE(j != NULL);
-    g_pp_backend = "opaque";
-    lora_grid(j, 1, 1, "1f1b", "ilo-one", 3, 0);
-    dr_rec one = j->rec[0];
-    memset(&j->rec[0], 0, sizeof j->rec[0]);
-    g_lora_chunks = 2;
-    lora_grid(j, 1, 2, "interleaved", "ilo", 3, 0);
-    g_lora_chunks = 0;
-    g_pp_backend = "cpu";
-    for (int r = 0; r < 2; r++) {
-        FL_CHECKF(j->rec[r].steps == one.steps && one.steps > 0, "opaque rank %d: %ld steps, one process %ld", r,
-                  j->rec[r].steps, one.steps);
-        for (long k = 0; k < one.steps && k < j->rec[r].steps; k++)
-            FL_CHECKF(j->rec[r].loss[k] == one.loss[k], "opaque LoRA PP 2 x 2 chunks rank %d step %ld: loss %.9g, one "
-                      "process %.9g", r, k + 1, j->rec[r].loss[k], one.loss[k]);
-    }
-    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
-    dr_free(&one);
     free(j);
 }
 
-/* QLoRA under interleaved (bnb.nf4-dq, dropout 0.1): each chunk's blocks keep the whole model's 4-bit stores as they
- * are, so PP 2 x 2 chunks logs one process's losses bit for bit and writes its final/ bytes */
-FL_TEST(pp_train_threads_interleaved_qlora) {
+/* LoRA (quantize: QLoRA's mode) at PP 2 x 2 chunks on backend against one process there, 3 steps: the losses bit for
+ * bit and (final) final/model.safetensors the same bytes */
+static void il_lora_pp2_equals_one(const char *backend, const char *quantize, const char *what, int final) {
     dr_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
-    g_quantize = "bnb.nf4-dq";
-    lora_grid(j, 1, 1, "1f1b", "ilq-one", 3, 0);
+    g_pp_backend = backend;
+    g_quantize = quantize;
+    lora_grid(j, 1, 1, "1f1b", "ilx-one", 3, 0);
     dr_rec one = j->rec[0];
     memset(&j->rec[0], 0, sizeof j->rec[0]);
     char one_dir[sizeof ((fl_run_config *)0)->out_dir];
     snprintf(one_dir, sizeof one_dir, "%s", j->cfg[0].out_dir);
     g_lora_chunks = 2;
-    lora_grid(j, 1, 2, "interleaved", "ilq", 3, 0);
+    lora_grid(j, 1, 2, "interleaved", "ilx", 3, 0);
     g_lora_chunks = 0;
     g_quantize = NULL;
+    g_pp_backend = "cpu";
     for (int r = 0; r < 2; r++) {
-        FL_CHECKF(j->rec[r].steps == one.steps && one.steps > 0, "QLoRA rank %d: %ld steps, one process %ld", r,
+        FL_CHECKF(j->rec[r].steps == one.steps && one.steps > 0, "%s rank %d: %ld steps, one process %ld", what, r,
                   j->rec[r].steps, one.steps);
         for (long k = 0; k < one.steps && k < j->rec[r].steps; k++)
-            FL_CHECKF(j->rec[r].loss[k] == one.loss[k], "QLoRA PP 2 x 2 chunks rank %d step %ld: loss %.9g, one process "
-                      "%.9g", r, k + 1, j->rec[r].loss[k], one.loss[k]);
+            FL_CHECKF(j->rec[r].loss[k] == one.loss[k], "%s PP 2 x 2 chunks rank %d step %ld: loss %.9g, one process "
+                      "%.9g", what, r, k + 1, j->rec[r].loss[k], one.loss[k]);
     }
-    FL_CHECKF(same_file(j->cfg[0].out_dir, one_dir, "final/model.safetensors"), "QLoRA PP 2 x 2 chunks: final/ differs "
-              "from one process's");
+    FL_CHECKF(!final || same_file(j->cfg[0].out_dir, one_dir, "final/model.safetensors"), "%s PP 2 x 2 chunks: final/ "
+              "differs from one process's", what);
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&one);
     free(j);
 }
+
+/* the same on the opaque backend (the stream, the stash and the adapters' checkpoints through its copies) */
+FL_TEST(pp_train_threads_interleaved_lora_opaque) {
+    if (!fl_test_asan_budget()) return;
+    il_lora_pp2_equals_one("opaque", NULL, "opaque LoRA", 0);
+}
+
+/* QLoRA under interleaved (bnb.nf4-dq, dropout 0.1): each chunk's blocks keep the whole model's 4-bit stores as they
+ * are, so PP 2 x 2 chunks logs one process's losses bit for bit and writes its final/ bytes */
+FL_TEST(pp_train_threads_interleaved_qlora) { il_lora_pp2_equals_one("cpu", "bnb.nf4-dq", "QLoRA", 1); }
 
 FL_TEST(pp_train_threads_interleaved_lora_resume) {
     dr_job *j = calloc(1, sizeof *j);
@@ -948,26 +934,29 @@ FL_TEST(pp_train_threads_interleaved_full_shard_resume) {
     g_il_strategy = NULL;
 }
 
-/* what interleaved does not run yet is refused naming the option: tensor parallelism, ZeRO-3 on the data axis,
- * micro-batches not a multiple of the stages, more virtual stages than blocks */
+/* what interleaved does not run yet is refused naming the option: tensor parallelism (with or without sequence
+ * parallelism); and micro-batches not a multiple of the stages (also under LoRA and ZeRO-3, which run now), more
+ * virtual stages than blocks */
 FL_TEST(pp_train_threads_interleaved_refusals) {
-    const struct { int dp, pp, V, lora; const char *strategy; int accum3; const char *want; } r[5] = {
+    const struct { int dp, pp, V, lora; const char *strategy; int accum3; const char *want; } r[6] = {
         {1, 2, 2, 1, NULL, 1, "not a multiple of the 2 stages"}, /* (LoRA runs interleaved now) */
         {1, 2, 2, 2, NULL, 0, "--pipeline_schedule interleaved with --tensor_parallel"},
+        {1, 2, 2, 3, NULL, 0, "--pipeline_schedule interleaved with --tensor_parallel and --sequence_parallel"},
         {2, 2, 2, 0, "deepspeed_stage_3", 1, "not a multiple of the 2 stages"}, /* (ZeRO-3 runs interleaved now) */
         {1, 2, 2, 0, NULL, 1, "not a multiple of the 2 stages"},
         {1, 2, 3, 0, NULL, 0, "6 virtual stages for a model of 5 blocks"}};
-    for (int k = 0; k < 5; k++) {
+    for (int k = 0; k < 6; k++) {
         dr_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         char out[700];
         snprintf(out, sizeof out, "%s/pp-il-refuse", fl_test_tmpdir());
-        const int W = r[k].dp * r[k].pp * (r[k].lora == 2 ? 2 : 1);
+        const int W = r[k].dp * r[k].pp * (r[k].lora >= 2 ? 2 : 1);
         for (int q = 0; q < W; q++) {
             fl_run_config *c = &j->cfg[q];
-            if (r[k].lora == 2) { /* TP 2 x PP 2 */
+            if (r[k].lora >= 2) { /* TP 2 x PP 2 (3: with sequence parallelism) */
                 il_config(c, r[k].dp, r[k].pp, r[k].V, "interleaved", 0, 0, out);
                 c->tensor_parallel = 2;
+                c->sequence_parallel = r[k].lora == 3;
                 c->devices = W;
             } else if (r[k].lora) {
                 dr_config(c, DR_LORA, r[k].dp, W, 1, 0, out);

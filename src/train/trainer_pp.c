@@ -32,11 +32,14 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: fsdp.state_dict_type sharded is not written yet "
                          "(full: consolidated)", n);
     if (!strcmp(c->pipeline_schedule, "interleaved")) { /* V stage models per rank: what they do not compose with yet */
-        const char *why = c->tensor_parallel > 1 ? "--tensor_parallel" : NULL;
+        const char *why = c->tensor_parallel <= 1 ? NULL
+                          : c->sequence_parallel ? "--tensor_parallel and --sequence_parallel"
+                                                 : "--tensor_parallel";
         (void)sc; /* every strategy of the data axis runs (FULL_SHARD / HYBRID_SHARD: each chunk sharded on its own) */
         if (why)
             return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved with %s: not combined yet (interleaved "
-                             "runs finetune_full, finetune_lora and pretrain; gpipe and 1f1b run it)", why);
+                             "runs finetune_full, finetune_lora and pretrain with any data-parallel strategy, without "
+                             "tensor parallelism; gpipe and 1f1b run it)", why);
     }
     return FL_OK;
 }
