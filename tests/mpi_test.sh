@@ -798,19 +798,40 @@ fi
 # the interleaved schedule with ZeRO-2 on the data axis and 16-mixed's loss scaling (DP 2 x PP 2 x 2 chunks, 4 ranks):
 # a one-process 16-mixed run's losses within 1e-6 relative (pp_train_threads_interleaved_zero_and_fp16's bar), its
 # final files; the step-2 checkpoint (each chunk's state gathered over the axis) resumes in one process
+# ppi_check NAME RUN ONE RESUMED: the run's losses within 1e-6 relative of one process's, its final files one
+# process's, the resumed run's later losses within 1e-6 of the run's (rc: the commands' exit)
+ppi_check() {
+    local w w1; w=$(loss_rel "$2" "$3" 2>/dev/null); w1=$(loss_rel "$4" "$2" 12 2>/dev/null)
+    if [ $rc -eq 0 ] && [ "$(ls "$2/final")" = "$(ls "$3/final")" ] \
+        && awk -v w="$w" -v a="$w1" 'BEGIN { exit !(w <= 1e-6 && a <= 1e-6) }'; then
+        ok "$1 (losses within $w of one process, resumed in one process within $w1)"
+    else
+        bad "$1" "exit $rc, losses within '$w', resumed within '$w1'"
+    fi
+}
 timeout 300 "$FL" finetune_full "${TARGS[@]}" --precision 16-mixed --out_dir "$T/ppz-one" >"$T/out" 2>&1 \
     || bad "ppi_cli_zero2_fp16_one_process" "exit $?"
 timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --precision 16-mixed --devices 4 --pipeline_parallel 2 \
     --strategy deepspeed_stage_2 --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppz4" >"$T/out" 2>&1; rc=$?
-w=$(loss_rel "$T/ppz4" "$T/ppz-one" 2>/dev/null)
 timeout 300 "$FL" finetune_full "${TARGS[@]}" --precision 16-mixed --resume "$T/ppz4/step-000002" --out_dir "$T/ppz-r1" \
     >>"$T/out" 2>&1 || rc=$?
-w1=$(loss_rel "$T/ppz-r1" "$T/ppz4" 12 2>/dev/null)
-if [ $rc -eq 0 ] && [ "$(ls "$T/ppz4/final")" = "$(ls "$T/ppz-one/final")" ] \
-    && awk -v w="$w" -v a="$w1" 'BEGIN { exit !(w <= 1e-6 && a <= 1e-6) }'; then
-    ok "ppi_cli_np4_pp2_zero2_fp16 (losses within $w of one process, resumed in one process within $w1)"
+ppi_check ppi_cli_np4_pp2_zero2_fp16 "$T/ppz4" "$T/ppz-one" "$T/ppz-r1"
+
+# LoRA under the interleaved schedule (PP 2 x 2 chunks at 2 ranks, LitGPT's dropout 0.05: each chunk's adapters keyed
+# by the whole model's module index): one process's losses and final/ bytes (pp-lora-one above); the step-2
+# checkpoint (the virtual stages' adapters and AdamW state gathered in order) resumes in one process bit for bit
+timeout 300 mpirun -np 2 "$FL" finetune_lora "${TARGS[@]}" --devices 2 --pipeline_parallel 2 --pipeline_schedule interleaved \
+    --pipeline_chunks 2 --out_dir "$T/ppi-lora2" >"$T/out" 2>&1; rc=$?
+timeout 300 "$FL" finetune_lora "${TARGS[@]}" --resume "$T/ppi-lora2/step-000002" --out_dir "$T/ppi-lora-r1" \
+    >>"$T/out" 2>&1 || rc=$?
+w=$(loss_rel "$T/ppi-lora2" "$T/pp-lora-one" 2>/dev/null)
+w1=$(loss_rel "$T/ppi-lora-r1" "$T/pp-lora-one" 12 2>/dev/null)
+if [ $rc -eq 0 ] && [ "$w" = 0 ] && [ "$w1" = 0 ] \
+    && cmp -s "$T/ppi-lora2/final/model.safetensors" "$T/pp-lora-one/final/model.safetensors" \
+    && cmp -s "$T/ppi-lora2/final/adapter/adapter_model.safetensors" "$T/pp-lora-one/final/adapter/adapter_model.safetensors"; then
+    ok "ppi_cli_np2_pp2_lora (losses and final/ one process's bits; resumed in one process, the same bits)"
 else
-    bad "ppi_cli_np4_pp2_zero2_fp16" "exit $rc, losses within '$w', resumed within '$w1'"
+    bad "ppi_cli_np2_pp2_lora" "exit $rc, losses within '$w', resumed within '$w1'"
 fi
 
 # offload on the slices (issue 35): DP 2 x TP 2 under fsdp_cpu_offload at 4 ranks (each rank's pieces of its slice's
@@ -847,6 +868,14 @@ if [ $rc -eq 0 ] && [ "$(ls "$T/tpq4/final")" = "$(ls "$T/tpq-one/final")" ] \
 else
     bad "tp_qlora_cut_blocks_np4" "exit $rc, losses within '$w'"
 fi
+
+# FULL_SHARD on the data axis under the interleaved schedule (DP 2 x PP 2 x 2 chunks at 4 ranks: each chunk sharded
+# unit by unit over the axis on its own): one process's losses (tp-one) within 1e-6 relative, its final files; the
+# step-2 checkpoint (each chunk's units gathered over the axis, then the virtual stages) resumes in one process
+timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --pipeline_parallel 2 --strategy fsdp \
+    --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppif4" >"$T/out" 2>&1; rc=$?
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppif4/step-000002" --out_dir "$T/ppif-r1" >>"$T/out" 2>&1 || rc=$?
+ppi_check ppi_cli_np4_pp2_fsdp "$T/ppif4" "$T/tp-one" "$T/ppif-r1"
 
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"

@@ -163,6 +163,7 @@ typedef struct {
     size_t swap_bytes;
     double fwd_ms, bwd_ms;     /* measured: its forwards' and backwards' compute (not the waits) */
     long n_fwd, n_bwd;
+    const fl_optim_dist *inner; /* its data-parallel hooks (FULL_SHARD: its own units' bookkeeping), or NULL */
 } fl_pp_chunk;
 
 typedef struct {
@@ -191,8 +192,9 @@ fl_status fl_pp_init(fl_pp *p, fl_model *m, fl_comm *comm, fl_pp_schedule kind);
 /* The same with `chunks` models per rank (interleaved; chunks 1 is fl_pp_init): ms[c] is virtual stage c S + s of
  * S chunks, each its blocks' stage model (arena allocated). */
 fl_status fl_pp_init_v(fl_pp *p, fl_model *const *ms, int chunks, fl_comm *comm, fl_pp_schedule kind);
-/* Chunk c >= 1's optimizer (over ms[c]'s parameters; DDP's hooks or none): the step updates it after chunk 0's, with
- * the clipping norm of every chunk of every stage (fl_pp_optim_attach first). */
+/* Chunk c >= 1's optimizer (over ms[c]'s parameters or LoRA adapters; the data axis' hooks of chunk 0's stage, its
+ * own under FULL_SHARD, or none): the step updates it after chunk 0's, with the clipping norm of every chunk of every
+ * stage (fl_pp_optim_attach first). */
 fl_status fl_pp_chunk_optim(fl_pp *p, int c, fl_optimizer *o);
 void fl_pp_free(fl_pp *p);
 /* The optimizer's norm and fp16 overflow verdict over every stage (composed with DDP's hooks when present). */

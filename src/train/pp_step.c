@@ -78,11 +78,15 @@ static fl_status sum_stages(fl_comm *c, double v, double *out) {
     return s;
 }
 
-/* FULL_SHARD on the data axis (stage 3 of a full model): its units' ranges (fl_fsdp_ranges), else 0 */
-static int fsdp_units(const fl_pp *p, size_t *fo, size_t *so, size_t *ln) {
-    if (!p->inner || p->inner->stage != 3 || p->adapters) return 0;
-    const fl_dp *dp = p->inner->ud;
-    if (!dp->fsdp || p->m->layout.n_groups > FL_PP_MAX_UNITS) return 0;
+/* chunk c's data-parallel hooks: chunk 0's are the stage's; a later chunk's its own (FULL_SHARD: its units) */
+static const fl_optim_dist *chunk_inner(const fl_pp *p, int c) { return c > 0 && p->ch[c].inner ? p->ch[c].inner : p->inner; }
+
+/* FULL_SHARD on the data axis (stage 3 of a full model): chunk c's units' ranges (fl_fsdp_ranges), else 0 */
+static int fsdp_units(const fl_pp *p, int c, size_t *fo, size_t *so, size_t *ln) {
+    const fl_optim_dist *in = chunk_inner(p, c);
+    if (!in || in->stage != 3 || p->adapters) return 0;
+    const fl_dp *dp = in->ud;
+    if (!dp->fsdp || p->ch[c].m->layout.n_groups > FL_PP_MAX_UNITS) return 0;
     return fl_fsdp_ranges(dp, fo, so, ln);
 }
 /* unit g (a layout group: 0 the embeddings, G - 1 the final norm and head) is trained by the stage */
@@ -98,7 +102,7 @@ static double door_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t
 /* one chunk's squared gradient norm (its model m, its optimizer o): each entry it trains. Under DDP every
  * data-parallel rank holds the same reduced gradient; under ZeRO-1/2 a rank adds the part of each entry in its chunk
  * [off, off + len) of the stage's buffer (ZeRO-2 holds no other reduced gradient) */
-static double chunk_sumsq(const fl_pp *p, const fl_model *m, const fl_optimizer *o) {
+static double chunk_sumsq(const fl_pp *p, int c, const fl_model *m, const fl_optimizer *o) {
     const size_t es = fl_dtype_size(o->w.gt);
     const int zero = p->inner && p->inner->stage > 0;
     const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
@@ -107,7 +111,7 @@ static double chunk_sumsq(const fl_pp *p, const fl_model *m, const fl_optimizer 
     if (p->adapters && c0 < c1) v = door_sumsq(m->be, (const char *)o->w.g + c0 * es, o->w.gt, c1 - c0);
     /* FULL_SHARD: the rank's piece of each unit (a layout group) the stage trains, in the shard at shard_off[g] */
     size_t fo[FL_PP_MAX_UNITS], so[FL_PP_MAX_UNITS], ln[FL_PP_MAX_UNITS];
-    const int G = fsdp_units(p, fo, so, ln);
+    const int G = fsdp_units(p, c, fo, so, ln);
     for (int g = 0; g < G; g++)
         if (unit_owned(m, g, G) && ln[g]) v += door_sumsq(m->be, (const char *)o->w.g + so[g] * es, o->w.gt, ln[g]);
     for (int i = 0; !p->adapters && !G && i < m->layout.n; i++) {
@@ -129,9 +133,9 @@ static fl_status pp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     }
     double v = 0;
     if (p->chunks > 1)
-        for (int c = 0; c < p->chunks; c++) v += chunk_sumsq(p, p->ch[c].m, p->ch[c].o);
+        for (int c = 0; c < p->chunks; c++) v += chunk_sumsq(p, c, p->ch[c].m, p->ch[c].o);
     else
-        v = chunk_sumsq(p, p->m, o);
+        v = chunk_sumsq(p, 0, p->m, o);
     if (p->inner && p->inner->stage > 0) FL_TRY(p->inner->sum(p->inner->ud, &v, 1));
     FL_TRY(fl_error_prefix(sum_stages(p->comm, v, out), "pipeline: the gradient norm"));
     p->norm_sq = *out;
@@ -183,10 +187,8 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
                     : o->w.n != fl_model_store_numel(p->m) || o->w.p != fl_model_params_data(p->m)) /* FULL_SHARD: the shard's */
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
                          "or its LoRA adapters", p->stages);
-    if (p->chunks > 1 && (p->adapters || (in && in->stage > 2)))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved: DDP, ZeRO-1 or ZeRO-2 on the data-parallel "
-                         "axis and full fine-tuning / pretraining only so far (not LoRA or FULL_SHARD)");
     p->ch[0].o = o;
+    p->ch[0].inner = in;
     p->inner = in;
     memset(&p->dist, 0, sizeof p->dist);
     p->dist.world = in ? in->world : 1;
@@ -204,13 +206,19 @@ fl_status fl_pp_chunk_optim(fl_pp *p, int c, fl_optimizer *o) {
     if (c < 1 || c >= p->chunks || !p->ch[0].o)
         return fl_errorf(FL_ERR_INVALID, "pipeline: chunk %d's optimizer (chunks 1 .. %d, after fl_pp_optim_attach)", c,
                          p->chunks - 1);
-    if (o->shard.dist && o->shard.dist != p->inner)
+    const fl_optim_dist *in = o->shard.dist; /* FULL_SHARD: the chunk's own bookkeeping's, of the same axis */
+    if (in && in != p->inner && (!p->inner || in->stage != 3 || p->inner->stage != 3 || in->world != p->inner->world))
         return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer has other hooks than chunk 0's", c);
-    if (o->w.n != fl_model_store_numel(p->ch[c].m) || o->w.p != fl_model_params_data(p->ch[c].m) ||
+    fl_lora_adapters ad; /* LoRA: every chunk trains its adapters (chunk 0 does: p->adapters) */
+    const int lora = fl_model_lora_adapters(p->ch[c].m, &ad);
+    if (lora != p->adapters ||
+        (lora ? o->w.n != ad.numel || o->w.p != ad.params
+              : o->w.n != fl_model_store_numel(p->ch[c].m) || o->w.p != fl_model_params_data(p->ch[c].m)) ||
         o->amp.on != p->ch[0].o->amp.on)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer must train its model's parameters (loss "
-                         "scaling as chunk 0's)", c);
+        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: chunk %d's optimizer must train its model's parameters or LoRA "
+                         "adapters, as chunk 0's does (loss scaling as chunk 0's)", c);
     p->ch[c].o = o;
+    p->ch[c].inner = in;
     o->shard.dist = &p->dist;
     return FL_OK;
 }
@@ -365,7 +373,7 @@ static fl_status tied_sum(fl_pp *p, fl_optimizer *o0) {
     /* FULL_SHARD: the rank's piece of unit 0 (the embeddings' group, the same size on both end stages, so the same
      * piece of it on the same rank of the axis); the other entries of the group (GPT-2's positions) add 0 */
     size_t fo[FL_PP_MAX_UNITS], so[FL_PP_MAX_UNITS], ln[FL_PP_MAX_UNITS];
-    const int fsdp = fsdp_units(p, fo, so, ln) > 0;
+    const int fsdp = fsdp_units(p, ch, fo, so, ln) > 0;
     if (fsdp) n = ln[0], g = (char *)o->w.g + so[0] * es;
     float *a = malloc(n * sizeof *a + 1), *b = malloc(n * sizeof *b + 1);
     void *raw = malloc(n * es + 1);
@@ -556,7 +564,10 @@ fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B
             FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, (v - 1) % S, tag_act(p, c)));
             FL_TRY(fl_model_stage_input(m, p->hx, B, T));
         }
-        FL_TRY(fl_model_forward(m, ids, targets, B, T, 0.0f, NULL));
+        if (c > 0) fl_model_lora_set_train(m, 0); /* LoRA: no dropout (the caller turns chunk 0's off) */
+        fl_status s = fl_model_forward(m, ids, targets, B, T, 0.0f, NULL);
+        if (c > 0) fl_model_lora_set_train(m, 1);
+        FL_TRY(s);
         if (v < NV - 1) {
             FL_TRY(fl_model_stage_output(m, p->hx));
             FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, (v + 1) % S, tag_act(p, (v + 1) / S)));

@@ -89,6 +89,8 @@ typedef struct {
     fl_model xm[FL_PP_MAX_CHUNKS];     /* interleaved: chunks 1 .. chunks - 1 (virtual stage c size + stage) */
     fl_optimizer xo[FL_PP_MAX_CHUNKS]; /* and their optimizers */
     int xm_ok, xo_ok;           /* how many of xm[1 ..], xo[1 ..] exist */
+    fl_dp xdp[FL_PP_MAX_CHUNKS]; /* FULL_SHARD on the data axis: chunk c's units' bookkeeping (xdp[c].fsdp), a copy of
+                                  * the axis' fl_dp sharing its communicators (only fl_fsdp_free'd) */
     fl_comm *grp, *dpc;         /* the pipeline and the data-parallel axis (owned) */
     fl_model_config whole;      /* the whole model's config (checkpoints) */
     size_t whole_numel;

@@ -76,8 +76,11 @@ fl_status fl_tr_validate(trainer *t, int max_iters, double *loss) {
     }
     /* FULL_SHARD: a forward gathers every unit from all ranks, so every rank runs as many; a rank
      * without a batch in the last round runs the last one again and discards it */
-    if (t->dp.fsdp && n % t->dp.world && t->dp.rank >= n % t->dp.world)
+    if (t->dp.fsdp && n % t->dp.world && t->dp.rank >= n % t->dp.world) {
         FL_TRY(fl_model_forward(&t->model, b.ids, b.targets, b.B, b.T, 0.0f, NULL));
+        for (int c = 1; c < t->pp.chunks; c++) /* interleaved: every chunk's units (each chunk's own gathers) */
+            FL_TRY(fl_model_forward(&t->pp.xm[c], b.ids, b.targets, b.B, b.T, 0.0f, NULL));
+    }
     fl_model_lora_set_train(&t->model, 1);
     double v[2] = {sum, (double)cnt};
     FL_TRY(fl_dp_sum(&t->dp, v, 2));

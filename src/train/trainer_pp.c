@@ -32,14 +32,14 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: fsdp.state_dict_type sharded is not written yet "
                          "(full: consolidated)", n);
     if (!strcmp(c->pipeline_schedule, "interleaved")) { /* V stage models per rank: what they do not compose with yet */
-        const char *why = c->command == FL_CMD_FINETUNE_LORA ? "finetune_lora (LoRA's adapters)"
-                          : c->tensor_parallel > 1           ? "--tensor_parallel"
-                          : sc->stage > 2                    ? "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (DDP, "
-                                                               "ZeRO-1 and ZeRO-2 run)"
-                                                             : NULL;
+        const char *why = c->tensor_parallel <= 1 ? NULL
+                          : c->sequence_parallel ? "--tensor_parallel and --sequence_parallel"
+                                                 : "--tensor_parallel";
+        (void)sc; /* every strategy of the data axis runs (FULL_SHARD / HYBRID_SHARD: each chunk sharded on its own) */
         if (why)
             return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved with %s: not combined yet (interleaved "
-                             "runs finetune_full and pretrain; gpipe and 1f1b run it)", why);
+                             "runs finetune_full, finetune_lora and pretrain with any data-parallel strategy, without "
+                             "tensor parallelism; gpipe and 1f1b run it)", why);
     }
     return FL_OK;
 }
@@ -103,7 +103,14 @@ static fl_status chunk_models(trainer *t, const fl_model_config *whole, const fl
         const int v = c * S + t->pp.stage;
         fl_model_config sc;
         FL_TRY(fl_pp_stage_config(whole, t->pp.split[v], t->pp.split[v + 1], &sc));
-        FL_TRY(fl_model_init_ex(&t->pp.xm[c], &sc, &t->hw.be, &t->hw.pool, &t->stg));
+        fl_model_storage stg = t->stg; /* FULL_SHARD on the data axis: the chunk's units sharded by a bookkeeping of
+                                        * its own (a copy of the axis' fl_dp, its communicators shared) */
+        if (stg.shard) {
+            t->pp.xdp[c] = t->dp;
+            t->pp.xdp[c].fsdp = NULL;
+            stg.shard_ud = &t->pp.xdp[c];
+        }
+        FL_TRY(fl_model_init_ex(&t->pp.xm[c], &sc, &t->hw.be, &t->hw.pool, &stg));
         t->pp.xm_ok = c;
         if (w) FL_TRY(fl_pp_stage_take(w, &t->pp.xm[c], t->pp.split[v]));
         else fl_model_init_random_ex(&t->pp.xm[c], t->cfg->seed);
@@ -116,7 +123,10 @@ void fl_tr_pp_free_chunks(trainer *t) {
     if (t->pp.rt_ok) fl_pp_free(&t->pp.rt);
     t->pp.rt_ok = 0;
     for (int c = 1; c <= t->pp.xo_ok; c++) fl_optim_free(&t->pp.xo[c]);
-    for (int c = 1; c <= t->pp.xm_ok; c++) fl_model_free(&t->pp.xm[c]);
+    for (int c = 1; c <= t->pp.xm_ok; c++) {
+        fl_fsdp_free(&t->pp.xdp[c]); /* (its bookkeeping alone: the communicators are the axis') */
+        fl_model_free(&t->pp.xm[c]);
+    }
     t->pp.xo_ok = t->pp.xm_ok = 0;
 }
 
@@ -170,26 +180,43 @@ fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
     return s;
 }
 
-fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *base) {
+/* the whole model's index of (virtual) stage v's first LoRA module: its first block x the modules per block */
+static fl_status lora_base_of(const trainer *t, const fl_lora_config *lc, int v, int *base) {
     fl_lora_module *mods = NULL;
     int n = 0, per = 0;
     FL_TRY(fl_lora_modules(lc, &t->model.layout, &t->model.cfg, &mods, &n));
     for (int j = 0; j < n; j++) per += mods[j].layer == 0; /* decoder-only: every block adapts the same modules */
     free(mods);
-    *base = t->pp.first * per;
+    *base = t->pp.split[v] * per;
     return FL_OK;
+}
+
+fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *base) {
+    return lora_base_of(t, lc, t->pp.stage, base);
 }
 
 /* interleaved: chunk c's precision, gradients, arena and optimizer, as fl_tr_setup_model / _training make chunk 0's */
 static fl_status chunk_setup(trainer *t, int c) {
     fl_model *m = &t->pp.xm[c];
+    const int fsdp = t->pp.xdp[c].fsdp != NULL;
     FL_TRY(fl_model_set_precision(m, &t->model.prec));
-    FL_TRY(fl_model_alloc_grads(m));
+    if (t->model.lora) { /* LoRA: the chunk's adapters, keyed (initial values, dropout streams) by the whole model's
+                          * module index of its first block, as one process's */
+        fl_lora_config lc;
+        int base = 0;
+        FL_TRY(fl_trainer_lora_config(t->cfg, &m->cfg, &lc));
+        FL_TRY(lora_base_of(t, &lc, c * t->pp.size + t->pp.stage, &base));
+        FL_TRY(fl_model_lora_init_at(m, &lc, t->cfg->seed, base));
+    } else {
+        if (fsdp) FL_TRY(fl_fsdp_init(&t->pp.xdp[c], t->cfg, m)); /* FULL_SHARD: the gathered units' compute copy */
+        FL_TRY(fl_model_alloc_grads(m));
+    }
     m->act_ckpt = t->model.act_ckpt;
     if (t->model.cfg.dropout_on) FL_TRY(fl_model_set_dropout(m, 1)); /* OPT's dropout, as chunk 0's */
     FL_TRY(fl_model_alloc_acts(m, t->sch.B, t->sch.T));
-    /* ZeRO-1/2 on the data axis: the chunk's state for this rank's piece of its elements, as chunk 0's */
-    FL_TRY(fl_dp_optim_init(&t->dp, t->cfg, &t->pp.xo[c], m));
+    /* ZeRO-1/2 on the data axis: the chunk's state for this rank's piece of its elements, as chunk 0's; FULL_SHARD:
+     * of its shard (its own bookkeeping's hooks) */
+    FL_TRY(fl_dp_optim_init(fsdp ? &t->pp.xdp[c] : &t->dp, t->cfg, &t->pp.xo[c], m));
     t->pp.xo_ok = c;
     t->pp.xo[c].amp.ls = t->opt.amp.ls; /* 16-mixed: one scale for every chunk (one verdict per step: pp_step.c) */
     return FL_OK;
@@ -372,29 +399,39 @@ static fl_status mod_write(fl_model *m, fl_optimizer *o, const fl_lora_adapters 
 }
 
 /* the LoRA gather: every later stage of the first pipeline sends each module it trains (the adapters, then each state
- * array), stage 0 puts them (and its own) at their whole-model modules (w NULL: a sender) */
+ * array), stage 0 puts them (and its own) at their whole-model modules (w NULL: a sender). Interleaved: the virtual
+ * stages in order, rank v % S giving its chunk v / S (fullc[c]: chunk c's staged state; chunk 0's is full) */
 /* (src: the stage's model whose adapters travel: the run's, or under TP x PP its group's assembled stage) */
 static fl_status lora_gather(trainer *t, const fl_model *src, tp_whole *w, const fl_optimizer *o, char *const *full,
-                             float *buf, fl_dtype dt) {
-    const int S = t->pp.size, me = t->pp.stage;
-    fl_lora_adapters mine, whole;
-    fl_model_lora_adapters(src, &mine);
-    void *arr[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
-    if (o) arrays(o, arr);
+                             char *(*fullc)[3], float *buf, fl_dtype dt) {
+    const int S = t->pp.size, me = t->pp.stage, V = t->pp.chunks > 1 ? t->pp.chunks : 1, NV = S * V;
+    fl_lora_adapters whole;
+    void *dst[3] = {NULL, NULL, NULL}, *arr0[3] = {NULL, NULL, NULL};
     if (w && w->o_ok) arrays(&w->o, dst);
+    if (o) arrays(o, arr0); /* every chunk's optimizer holds the same arrays */
     if (w) fl_model_lora_adapters(&w->m, &whole);
     fl_status st = FL_OK;
-    for (int s = me; s < (me == 0 ? S : me + 1) && st == FL_OK; s++) {
+    for (int v = 0; v < NV && st == FL_OK; v++) {
+        const int owner = v % S, c = v / S;
+        if (me > 0 && owner != me) continue;
+        /* the chunk's model, optimizer and staged state (its own, or the owner's shape for the sizes) */
+        const fl_model *cm = c == 0 ? src : &t->pp.xm[c];
+        const fl_optimizer *co = !o ? NULL : c == 0 ? o : &t->pp.xo[c];
+        char *const *cf = c == 0 ? full : fullc[c];
+        fl_lora_adapters mine;
+        fl_model_lora_adapters(cm, &mine);
+        void *arr[3] = {NULL, NULL, NULL};
+        if (co) arrays(co, arr);
         fl_lora_module *mods = NULL;
         int n = 0, base = 0;
-        st = stage_mods(t, s, mine.cfg, &mods, &n, &base);
+        st = stage_mods(t, v, mine.cfg, &mods, &n, &base);
         for (int a = -1; a < 3 && st == FL_OK; a++) {
-            if (a >= 0 && !arr[a]) continue;
+            if (a >= 0 && !arr0[a]) continue;
             for (int j = 0; j < n && st == FL_OK; j++) {
-                if (!mod_trained(&mods[j], s, S)) continue;
+                if (!mod_trained(&mods[j], v, NV)) continue;
                 const size_t k = (size_t)mine.cfg->r * (size_t)(mods[j].in + mods[j].out);
-                if (s == me) st = mod_read(src, o, &mine, a, arr, full, dt, j, buf);
-                else st = fl_comm_recv(t->pp.grp, buf, k, FL_F32, s, TAG_CKPT);
+                if (owner == me) st = mod_read(cm, co, &mine, a, arr, cf, dt, j, buf);
+                else st = fl_comm_recv(t->pp.grp, buf, k, FL_F32, owner, TAG_CKPT);
                 if (st == FL_OK && me > 0) st = fl_comm_send(t->pp.grp, buf, k, FL_F32, 0, TAG_CKPT);
                 else if (st == FL_OK && (a < 0 || dst[a]))
                     st = mod_write(&w->m, &w->o, &whole, a, dst, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
@@ -419,6 +456,23 @@ static void free_chunk_state(char *fullc[FL_PP_MAX_CHUNKS][3]) {
         for (int a = 0; a < 3; a++) free(fullc[c][a]);
 }
 
+/* FULL_SHARD on the data axis: a stage model's (a chunk's) parameters (*pw) and its optimizer's state arrays (full[a])
+ * whole in host memory, gathered unit by unit over the axis (dp: the model's bookkeeping; collective on the axis) */
+static fl_status fsdp_whole(fl_dp *dp, const fl_model *m, const fl_optimizer *o, fl_dtype dt, char **pw, char *full[3]) {
+    size_t pb = 0;
+    void *arr[3] = {NULL, NULL, NULL};
+    if (o) arrays(o, arr);
+    fl_status s = fl_fsdp_whole_params(dp, (void **)pw, &pb);
+    for (int a = 0; a < 3 && o && s == FL_OK; a++) {
+        if (!arr[a]) continue;
+        full[a] = malloc(m->layout.numel * fl_dtype_size(dt) + 4);
+        /* a failed allocation still takes part in the gathers (collective) */
+        const fl_status g = fl_fsdp_whole_array(dp, arr[a], fl_dtype_size(dt), full[a]);
+        s = !full[a] ? fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory") : g;
+    }
+    return s;
+}
+
 fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
                               const fl_train_state *st) {
     const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
@@ -435,35 +489,35 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
         s = chunk_state_whole(t, &t->pp.xo[c], dt, fullc[c]);
     /* FULL_SHARD on the data axis: the stage's parameters and state gathered unit by unit over the axis first */
     const int fsdp = t->dp.fsdp && m == &t->model;
-    char *pw = NULL;
-    size_t pb = 0;
-    if (fsdp && s == FL_OK) s = fl_fsdp_whole_params(&t->dp, (void **)&pw, &pb);
-    for (int a = 0; a < 3 && fsdp && o && s == FL_OK; a++) {
-        if (!arr[a]) continue;
-        full[a] = malloc(m->layout.numel * fl_dtype_size(dt) + 4);
-        /* a failed allocation still takes part in the gathers (collective) */
-        const fl_status g = fl_fsdp_whole_array(&t->dp, arr[a], fl_dtype_size(dt), full[a]);
-        s = !full[a] ? fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory") : g;
-    }
+    char *pw = NULL, *pwc[FL_PP_MAX_CHUNKS] = {NULL};
+    if (fsdp && s == FL_OK) s = fsdp_whole(&t->dp, m, o, dt, &pw, full);
+    /* interleaved: each later chunk's too (its own bookkeeping) */
+    for (int c = 1; fsdp && c < t->pp.chunks && s == FL_OK; c++)
+        s = fsdp_whole(&t->pp.xdp[c], &t->pp.xm[c], o ? &t->pp.xo[c] : NULL, dt, &pwc[c], fullc[c]);
     /* LoRA: the adapters (and their state) of every stage; the final save (no optimizer) also the frozen base, which
      * stage 0 merges them into as one process does */
     fl_lora_adapters ad;
     const int lora = fl_model_lora_adapters(m, &ad);
     size_t most = lora ? ad.numel + 1 : 1;
+    for (int c = 1; lora && c < t->pp.chunks; c++) { /* interleaved: the largest chunk's adapters */
+        fl_lora_adapters ac;
+        if (fl_model_lora_adapters(&t->pp.xm[c], &ac) && ac.numel + 1 > most) most = ac.numel + 1;
+    }
     for (int i = 0; i < m->layout.n; i++)
         if (m->layout.params[i].numel > most) most = m->layout.params[i].numel;
     float *buf = t->dp.rank == 0 && s == FL_OK ? malloc(most * sizeof *buf) : NULL;
     if (t->dp.rank == 0 && s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory");
     if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && (!lora || !o)) s = give_stage(t, m, lora ? NULL : o, full, buf, dt, pw);
-    /* interleaved: the later chunks' in virtual-stage order (DDP: whole arrays, no LoRA) */
-    for (int c = 1; t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && c < t->pp.chunks; c++)
-        s = give_stage(t, &t->pp.xm[c], o ? &t->pp.xo[c] : NULL, fullc[c], buf, dt, NULL);
-    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, m, NULL, o, full, buf, dt);
+    /* interleaved: the later chunks' in virtual-stage order (LoRA: their frozen base, final/ only) */
+    for (int c = 1; t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && c < t->pp.chunks && (!lora || !o); c++)
+        s = give_stage(t, &t->pp.xm[c], o && !lora ? &t->pp.xo[c] : NULL, fullc[c], buf, dt, pwc[c]);
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, m, NULL, o, full, fullc, buf, dt);
     if (t->dp.rank != 0 || s != FL_OK || t->pp.stage > 0) { /* the first pipeline gathers, its stage 0 writes */
         for (int a = 0; a < 3; a++) free(full[a]);
         free_chunk_state(fullc);
         free(buf);
         free(pw);
+        for (int c = 0; c < FL_PP_MAX_CHUNKS; c++) free(pwc[c]);
         return s;
     }
     tp_whole w;
@@ -474,12 +528,13 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
         const int own = k % t->pp.size == 0, c = k / t->pp.size; /* stage 0's chunk c, or a later stage's */
         const fl_model *src = !own ? NULL : c == 0 ? m : &t->pp.xm[c];
         const fl_optimizer *so = !own || lora ? NULL : c == 0 ? o : o ? &t->pp.xo[c] : NULL;
-        s = take_stage(t, &w, k, t->pp.split, src, so, c == 0 ? full : fullc[c], buf, dt, c == 0 ? pw : NULL);
+        s = take_stage(t, &w, k, t->pp.split, src, so, c == 0 ? full : fullc[c], buf, dt, c == 0 ? pw : pwc[c]);
     }
-    if (s == FL_OK && lora) s = lora_gather(t, m, &w, o, full, buf, dt);
+    if (s == FL_OK && lora) s = lora_gather(t, m, &w, o, full, fullc, buf, dt);
     if (s == FL_OK && lora && !o) s = fl_model_lora_merge(&w.m); /* final/: the merged model and the adapter */
     free(buf);
     free(pw);
+    for (int c = 0; c < FL_PP_MAX_CHUNKS; c++) free(pwc[c]);
     for (int a = 0; a < 3; a++) free(full[a]);
     free_chunk_state(fullc);
     if (s == FL_OK && o) {
@@ -501,58 +556,67 @@ fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimiz
     return fl_dp_agree(&g, s);
 }
 
-/* LoRA: the whole checkpoint's adapters and their state (a LoRA-attached whole model reads it as one process does),
- * then this stage's modules (the base is the run's checkpoint_dir, loaded already) */
-static fl_status lora_resume(trainer *t, const char *path) {
-    tp_whole w;
-    memset(&w, 0, sizeof w);
-    fl_optimizer *o = &t->opt;
-    fl_status s = lora_whole(t, &w, o);
-    if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
+/* LoRA: chunk c's modules (virtual stage c S + stage) and their state from the whole checkpoint's (w: a LoRA-attached
+ * whole model and optimizer that read it) */
+static fl_status lora_resume_chunk(trainer *t, tp_whole *w, int c) {
+    fl_model *m = c == 0 ? &t->model : &t->pp.xm[c];
+    fl_optimizer *o = c == 0 ? &t->opt : &t->pp.xo[c];
     fl_lora_adapters mine, whole;
-    fl_model_lora_adapters(&t->model, &mine);
+    fl_model_lora_adapters(m, &mine);
     fl_lora_module *mods = NULL;
     int n = 0, base = 0;
-    if (s == FL_OK && fl_model_lora_adapters(&w.m, &whole)) s = stage_mods(t, t->pp.stage, mine.cfg, &mods, &n, &base);
+    fl_status s = FL_OK;
+    if (fl_model_lora_adapters(&w->m, &whole)) s = stage_mods(t, c * t->pp.size + t->pp.stage, mine.cfg, &mods, &n, &base);
     const fl_dtype dt = o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     const size_t es = fl_dtype_size(dt);
     char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
     float *buf = malloc((mine.numel + 1) * sizeof *buf);
     if (s == FL_OK && (!buf || (state_chunked(o) && !h))) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
     void *src[3] = {NULL, NULL, NULL}, *dst[3];
-    if (w.o_ok) arrays(&w.o, src);
+    if (w->o_ok) arrays(&w->o, src);
     arrays(o, dst);
     for (int a = -1; a < 3 && s == FL_OK; a++) {
         if (a >= 0 && (!src[a] || !dst[a])) continue;
         for (int j = 0; j < n && s == FL_OK; j++) {
-            s = mod_read(&w.m, &w.o, &whole, a, src, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
-            if (s == FL_OK) s = mod_write(&t->model, o, &mine, a, dst, h, dt, j, buf);
+            s = mod_read(&w->m, &w->o, &whole, a, src, NULL, dt, mod_whole(&mods[j], j, base, whole.n_mods), buf);
+            if (s == FL_OK) s = mod_write(m, o, &mine, a, dst, h, dt, j, buf);
         }
         if (s == FL_OK && a >= 0 && h) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(mods), free(h), free(buf);
     if (s == FL_OK) {
-        o->step = w.o.step;
-        o->amp.ls = w.o.amp.ls;
+        o->step = w->o.step;
+        o->amp.ls = w->o.amp.ls;
     }
+    return s;
+}
+
+/* LoRA: the whole checkpoint's adapters and their state (a LoRA-attached whole model reads it as one process does),
+ * then this stage's modules, every chunk's under interleaved (the base is the run's checkpoint_dir, loaded already) */
+static fl_status lora_resume(trainer *t, const char *path) {
+    tp_whole w;
+    memset(&w, 0, sizeof w);
+    fl_status s = lora_whole(t, &w, &t->opt);
+    if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
+    for (int c = 0; c < (t->pp.chunks > 1 ? t->pp.chunks : 1) && s == FL_OK; c++) s = lora_resume_chunk(t, &w, c);
     fl_tr_whole_free(&w);
     return s;
 }
 
-/* interleaved: chunk c's parameters and optimizer state from the whole checkpoint (DDP: whole arrays) */
-static fl_status chunk_resume(trainer *t, tp_whole *w, int c, float *buf) {
-    fl_model *m = &t->pp.xm[c];
-    fl_optimizer *o = &t->pp.xo[c];
-    const int first = t->pp.split[c * t->pp.size + t->pp.stage];
-    FL_TRY(fl_pp_stage_take(&w->m, m, first));
+/* a stage model's (a chunk's) optimizer state from the whole checkpoint's (w), its entries from block `first` on:
+ * ZeRO on the data axis: the stage's whole array in host memory, then this rank's chunk; FULL_SHARD (dp->fsdp, the
+ * model's bookkeeping): the rank's piece of each unit */
+static fl_status state_resume(const fl_dp *dp, tp_whole *w, const fl_model *m, fl_optimizer *o, int first, float *buf) {
     const fl_dtype dt = o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     const size_t es = fl_dtype_size(dt);
     void *src[3], *dst[3];
     arrays(&w->o, src);
     arrays(o, dst);
-    /* ZeRO on the data axis: the chunk's whole array in host memory, then this rank's piece */
-    char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
-    fl_status s = state_chunked(o) && !h ? fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory") : FL_OK;
+    size_t fo[1024], so[1024], ln[1024];
+    const int G = dp->fsdp && m->layout.n_groups <= 1024 ? fl_fsdp_ranges(dp, fo, so, ln) : 0;
+    const int staged = state_chunked(o) || G > 0;
+    char *h = staged ? malloc((G ? m->layout.numel : o->w.n) * es + 4) : NULL;
+    fl_status s = staged && !h ? fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory") : FL_OK;
     for (int a = 0; a < 3 && s == FL_OK; a++) {
         if (!src[a] || !dst[a]) continue;
         for (int i = 0; i < m->layout.n && s == FL_OK; i++) {
@@ -560,10 +624,21 @@ static fl_status chunk_resume(trainer *t, tp_whole *w, int c, float *buf) {
             s = arr_read(&w->o, src[a], NULL, dt, &w->m.layout.params[j], buf);
             if (s == FL_OK) s = arr_write(o, dst[a], h, dt, &m->layout.params[i], buf);
         }
-        if (s == FL_OK && h) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
+        for (int g = 0; g < G && s == FL_OK; g++)
+            s = FL_RUN(o->home.be, to_device, (char *)dst[a] + so[g] * es, h + fo[g] * es, ln[g] * es);
+        if (s == FL_OK && h && !G) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(h);
-    FL_TRY(s);
+    return s;
+}
+
+/* interleaved: chunk c's parameters and optimizer state from the whole checkpoint */
+static fl_status chunk_resume(trainer *t, tp_whole *w, int c, float *buf) {
+    fl_model *m = &t->pp.xm[c];
+    fl_optimizer *o = &t->pp.xo[c];
+    const int first = t->pp.split[c * t->pp.size + t->pp.stage];
+    FL_TRY(fl_pp_stage_take(&w->m, m, first)); /* FULL_SHARD: the rank's pieces */
+    FL_TRY(state_resume(t->pp.xdp[c].fsdp ? &t->pp.xdp[c] : &t->dp, w, m, o, first, buf));
     o->step = w->o.step;
     o->amp.ls = w->o.amp.ls;
     fl_model_sync_compute_copy(m); /* mixed precision: the resumed master weights' copy */
@@ -614,35 +689,12 @@ fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
     fl_status s = whole_unsharded(t, &w, &t->opt);
     if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
     if (s == FL_OK) s = fl_pp_stage_take(&w.m, &t->model, t->pp.first); /* FULL_SHARD: the rank's pieces */
-    const fl_dtype dt = t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
-    void *src[3], *dst[3];
-    arrays(&w.o, src);
-    arrays(&t->opt, dst);
     size_t most = 1;
     for (int i = 0; i < w.m.layout.n; i++)
         if (w.m.layout.params[i].numel > most) most = w.m.layout.params[i].numel;
     float *buf = malloc(most * sizeof *buf);
-    /* ZeRO on the data axis: the stage's whole array in host memory, then this rank's chunk */
-    const fl_optimizer *o = &t->opt;
-    const size_t es = fl_dtype_size(dt);
-    /* FULL_SHARD on the data axis: the stage's whole array in host memory, then the rank's piece of each unit */
-    size_t fo[1024], so[1024], ln[1024];
-    const int G = t->dp.fsdp && t->model.layout.n_groups <= 1024 ? fl_fsdp_ranges(&t->dp, fo, so, ln) : 0;
-    const int staged = state_chunked(o) || G > 0;
-    char *h = staged ? malloc((G ? t->model.layout.numel : o->w.n) * es + 4) : NULL;
-    if (s == FL_OK && (!buf || (staged && !h))) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
-    for (int a = 0; a < 3 && s == FL_OK; a++) {
-        if (!src[a] || !dst[a]) continue;
-        for (int i = 0; i < t->model.layout.n && s == FL_OK; i++) {
-            const int j = fl_pp_stage_entry(&w.m.layout, &t->model.layout, t->pp.first, i);
-            s = arr_read(&w.o, src[a], NULL, dt, &w.m.layout.params[j], buf);
-            if (s == FL_OK) s = arr_write(&t->opt, dst[a], h, dt, &t->model.layout.params[i], buf);
-        }
-        for (int g = 0; g < G && s == FL_OK; g++)
-            s = FL_RUN(o->home.be, to_device, (char *)dst[a] + so[g] * es, h + fo[g] * es, ln[g] * es);
-        if (s == FL_OK && h && !G) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
-    }
-    free(h);
+    if (s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
+    if (s == FL_OK) s = state_resume(&t->dp, &w, &t->model, &t->opt, t->pp.first, buf);
     for (int c = 1; c < t->pp.chunks && s == FL_OK; c++) s = chunk_resume(t, &w, c, buf);
     free(buf);
     if (s == FL_OK) {
