@@ -45,7 +45,7 @@ fl_status fl_pp_init_v(fl_pp *p, fl_model *const *ms, int chunks, fl_comm *comm,
         const int v = c * S + p->stage; /* virtual stage */
         p->ch[c].m = ms[c];
         FL_TRY(fl_model_set_stage(ms[c], v > 0, v < NV - 1));
-        const size_t n = (size_t)ms[c]->B * ms[c]->T * ms[c]->cfg.dim;
+        const size_t n = fl_model_stage_max_elems(ms[c]); /* an encoder-decoder's: both stacks' streams */
         if (n > most) most = n;
     }
     p->hx_n = most;
@@ -185,6 +185,10 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     if (p->chunks > 1 && (p->adapters || (in && in->stage > 2)))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved: DDP, ZeRO-1 or ZeRO-2 on the data-parallel "
                          "axis and full fine-tuning / pretraining only so far (not LoRA or FULL_SHARD)");
+    if (p->m->cfg.pp_enc > 0 && (p->adapters || p->chunks > 1 || (in && in->stage > 2)))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder: full fine-tuning under GPipe "
+                         "or 1F1B with DDP, ZeRO-1 or ZeRO-2 on the data-parallel axis so far (not LoRA, interleaved or "
+                         "FULL_SHARD)", p->stages);
     p->ch[0].o = o;
     p->inner = in;
     memset(&p->dist, 0, sizeof p->dist);
@@ -267,6 +271,17 @@ static void seed_micro(run *r, fl_model *m, int k) {
 
 /* chunk ch's forward of micro-batch k: virtual stage v = ch S + stage, its input from v - 1 (the previous rank, or
  * the last rank's previous chunk), its output to v + 1 */
+/* the stream's elements of micro-batch mb at the chunk's input side (out 0) or output side (out 1) */
+static size_t stream_elems(const fl_model *m, const fl_micro_batch *mb, int out) {
+    if (fl_model_is_s2s(&m->cfg)) return fl_model_stage_elems_s2s(m, mb->B, mb->Ts, mb->T, out);
+    return fl_model_stage_elems(m, mb->B, mb->T); /* SP: the rank's rows */
+}
+
+static fl_status stage_input(fl_model *m, const float *x, const fl_micro_batch *mb) {
+    if (fl_model_is_s2s(&m->cfg)) return fl_model_stage_input_s2s(m, x, mb->B, mb->Ts, mb->T);
+    return fl_model_stage_input(m, x, mb->B, mb->T);
+}
+
 static fl_status fwd(run *r, int ch, int k) {
     fl_pp *p = r->p;
     fl_pp_chunk *h = &p->ch[ch];
@@ -274,15 +289,14 @@ static fl_status fwd(run *r, int ch, int k) {
     const int S = p->stages, v = ch * S + p->stage, NV = S * p->chunks;
     const fl_micro_batch *mb = &r->c->mbs[k];
     seed_micro(r, m, k);
-    const size_t n = fl_model_stage_elems(m, mb->B, mb->T); /* SP: the rank's rows */
     if (r->live[ch] >= 0) FL_TRY(park(p, h, r->live[ch], r->slot_of[ch])); /* its backward comes later */
     r->live[ch] = -1;
     if (v > 0) {
-        FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, (v - 1) % S, tag_act(p, ch)));
-        FL_TRY(fl_model_stage_input(m, p->hx, mb->B, mb->T));
+        FL_TRY(fl_comm_recv(p->comm, p->hx, stream_elems(m, mb, 0), FL_F32, (v - 1) % S, tag_act(p, ch)));
+        FL_TRY(stage_input(m, p->hx, mb));
     }
     const double t0 = now_ms();
-    FL_TRY(fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, r->grad_scale));
+    FL_TRY(fl_model_forward_micro(m, mb, r->grad_scale, NULL)); /* either kind, up to the head's input */
     FL_TRY(fl_model_forward_head(m, NULL));
     const double dt = now_ms() - t0;
     p->fwd_ms += dt, h->fwd_ms += dt;
@@ -290,7 +304,7 @@ static fl_status fwd(run *r, int ch, int k) {
     r->live[ch] = k;
     if (v < NV - 1) {
         FL_TRY(fl_model_stage_output(m, p->hx));
-        FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, (v + 1) % S, tag_act(p, (v + 1) / S)));
+        FL_TRY(fl_comm_send(p->comm, p->hx, stream_elems(m, mb, 1), FL_F32, (v + 1) % S, tag_act(p, (v + 1) / S)));
     } else {
         r->stats[2 * k] = m->loss_sum;
         r->stats[2 * k + 1] = (double)m->n_valid;
@@ -304,7 +318,6 @@ static fl_status bwd(run *r, int ch, int k) {
     fl_model *m = h->m;
     const int S = p->stages, v = ch * S + p->stage, NV = S * p->chunks;
     const fl_micro_batch *mb = &r->c->mbs[k];
-    const size_t n = fl_model_stage_elems(m, mb->B, mb->T); /* SP: the rank's rows */
     if (r->live[ch] != k) { /* k back from its slot; the arena's micro-batch (if any) into that slot */
         const int slot = r->slot_of[ch][k];
         if (r->live[ch] >= 0) FL_TRY(fl_model_stage_stash_swap(m, h->stash[slot], h->swap, h->swap_bytes));
@@ -314,7 +327,7 @@ static fl_status bwd(run *r, int ch, int k) {
         r->live[ch] = k;
     }
     if (v < NV - 1) {
-        FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, (v + 1) % S, tag_grad(p, ch)));
+        FL_TRY(fl_comm_recv(p->comm, p->hx, stream_elems(m, mb, 1), FL_F32, (v + 1) % S, tag_grad(p, ch)));
         FL_TRY(fl_model_stage_dout(m, p->hx));
     }
     seed_micro(r, m, k);
@@ -330,7 +343,7 @@ static fl_status bwd(run *r, int ch, int k) {
     r->live[ch] = -1;
     if (v > 0) {
         FL_TRY(fl_model_stage_dinput(m, p->hx, mb->B, mb->T));
-        FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, (v - 1) % S, tag_grad(p, (v - 1) / S)));
+        FL_TRY(fl_comm_send(p->comm, p->hx, stream_elems(m, mb, 0), FL_F32, (v - 1) % S, tag_grad(p, (v - 1) / S)));
     }
     return FL_OK;
 }
@@ -381,6 +394,41 @@ static fl_status tied_sum(fl_pp *p, fl_optimizer *o0) {
     return fl_error_prefix(s, "pipeline: the tied embeddings' gradient");
 }
 
+/* An encoder-decoder's stages: the shared embedding (each stage that runs an embedding, and the tied head, adds its
+ * part) and each stack's relative bias table (a copy on every stage holding blocks of the stack, each folding its
+ * blocks' d(bias)) summed over the pipeline in one all-reduce, so every copy gets the whole gradient and updates alike
+ * (the one process sums them micro-batch by micro-batch and block by block: this differs by rounding). ZeRO-2: each
+ * entry's reduced gradient made whole on the axis first (whole_reduced). A stage without a table adds zeros. */
+static fl_status s2s_shared_sum(fl_pp *p, fl_optimizer *o) {
+    fl_model *m = p->m;
+    if (p->stages < 2 || p->adapters) return FL_OK;
+    int idx[3] = {fl_layout_role(&m->layout, 0, FL_ROLE_EMBED), -1, -1};
+    for (int i = 0; i < m->layout.n; i++)
+        if (m->layout.params[i].role == FL_ROLE_REL_BIAS) idx[strncmp(m->layout.params[i].name, "decoder.", 8) ? 1 : 2] = i;
+    const size_t nt = (size_t)m->cfg.n_heads * m->cfg.rel_buckets, es = fl_dtype_size(o->w.gt);
+    const size_t len[3] = {(size_t)fl_config_vocab_rows(&m->cfg, NULL) * m->cfg.dim, nt, nt}, tot = len[0] + 2 * nt;
+    float *a = calloc(tot + 1, sizeof *a);
+    void *raw = malloc(len[0] * es + 1);
+    fl_status s = a && raw ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline: out of host memory (the shared gradients)");
+    for (int e = 0, at = 0; s == FL_OK && e < 3; at += (int)len[e], e++) {
+        if (idx[e] < 0) continue;
+        const fl_param_info *pi = &m->layout.params[idx[e]];
+        if (pi->numel != len[e]) s = fl_errorf(FL_ERR_INTERNAL, "pipeline: %s has %zu elements", pi->name, pi->numel);
+        if (s == FL_OK) s = FL_RUN(m->be, to_host, raw, (const char *)o->w.g + pi->offset * es, len[e] * es);
+        if (s == FL_OK) fl_convert(a + at, FL_F32, raw, o->w.gt, len[e]);
+        if (s == FL_OK && p->inner && p->inner->stage == 2) s = whole_reduced(p, o, a + at, pi->offset, len[e]);
+    }
+    if (s == FL_OK) s = fl_comm_all_reduce(p->comm, a, a, tot, FL_F32, FL_COMM_SUM);
+    for (int e = 0, at = 0; s == FL_OK && e < 3; at += (int)len[e], e++) {
+        if (idx[e] < 0) continue;
+        const fl_param_info *pi = &m->layout.params[idx[e]];
+        fl_convert(raw, o->w.gt, a + at, FL_F32, len[e]);
+        s = FL_RUN(m->be, to_device, (char *)o->w.g + pi->offset * es, raw, len[e] * es);
+    }
+    free(a), free(raw);
+    return fl_error_prefix(s, "pipeline: the shared embedding's and relative bias tables' gradients");
+}
+
 /* the schedule's operations; the number of chunk-micro-batches in flight measured as they run */
 static fl_status schedule(run *r, const fl_pp_op *ops, int n_ops) {
     int in_flight = 0;
@@ -428,7 +476,7 @@ static fl_status amp_verdict(fl_pp *p, fl_optimizer *o0) {
 static fl_status reduce_and_update(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, double *norm) {
     if (c->dp) FL_TRY(fl_dp_reduce_grads(c->dp, o));
     for (int ch = 1; c->dp && ch < p->chunks; ch++) FL_TRY(fl_dp_reduce_grads(c->dp, p->ch[ch].o));
-    FL_TRY(tied_sum(p, o));
+    FL_TRY(p->m->cfg.pp_enc > 0 ? s2s_shared_sum(p, o) : tied_sum(p, o));
     fl_mem_set_phase(p->m->pool, "optimizer step");
     p->norm_ok = 0;
     p->amp_ok = 0;
@@ -463,8 +511,10 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     if (c->step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
     for (int ch = 1; ch < V; ch++)
         if (!p->ch[ch].o) return fl_errorf(FL_ERR_INVALID, "pipeline: chunk %d has no optimizer (fl_pp_chunk_optim)", ch);
+    const int s2s = fl_model_is_s2s(&p->m->cfg);
     for (int k = 0; k < M; k++)
-        if ((size_t)c->mbs[k].B * c->mbs[k].T * p->m->cfg.dim > p->hx_n || c->mbs[k].src)
+        if (stream_elems(p->m, &c->mbs[k], 0) > p->hx_n || stream_elems(p->m, &c->mbs[k], 1) > p->hx_n ||
+            !c->mbs[k].src != !s2s)
             return fl_errorf(FL_ERR_INVALID, "pipeline: micro-batch %d (%d, %d) exceeds the stage's arena", k,
                              c->mbs[k].B, c->mbs[k].T);
     fl_pp_op *ops = malloc((size_t)2 * M * V * sizeof *ops);
@@ -544,6 +594,8 @@ fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms) {
 /* validation: the virtual stages in order (each rank its chunks in turn), the losses from the last */
 fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T) {
     const int S = p->stages, NV = S * p->chunks;
+    if (p->m->cfg.pp_enc > 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: validation of an encoder-decoder's stages is not run yet");
     const size_t n = fl_model_stage_elems(p->m, B, T);
     if (n > p->hx_n) return fl_errorf(FL_ERR_INVALID, "pipeline: batch (%d, %d) exceeds the stage's arena", B, T);
     fl_model *m = p->m;
