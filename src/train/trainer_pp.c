@@ -281,7 +281,7 @@ static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, co
     for (int a = -1; a < 3 && st == FL_OK; a++) {
         if (a >= 0 && !dst[a]) continue;
         for (int i = 0; i < lay.n && st == FL_OK; i++) {
-            if (!fl_pp_layout_owns(&lay, s > 0, s < S - 1, i)) continue;
+            if (!fl_pp_config_owns(&sc, &lay, s > 0, s < S - 1, i)) continue;
             const int j = fl_pp_stage_entry(&w->m.layout, &lay, first[s], i);
             const fl_param_info *p = &w->m.layout.params[j];
             if (!src) st = fl_comm_recv(t->pp.grp, buf, p->numel, FL_F32, s % t->pp.size, TAG_CKPT);

@@ -209,6 +209,10 @@ static fl_status load_data_s2s(trainer *t) {
     if (!fl_s2s_count(t->in.s2s))
         return fl_errorf(FL_ERR_INVALID, "'%s': data.val_split_fraction %g leaves no training pairs of %zu",
                          c->data.json_path, (double)c->data.val_split_fraction, n);
+    if (c->pipeline_parallel > 1 && fl_s2s_count(t->in.s2s_vdata)) /* every rank reads the same file: alike */
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder: data.val_split_fraction %g "
+                         "leaves %zu validation pairs, and the stages' validation is not run yet (0 runs)",
+                         c->pipeline_parallel, (double)c->data.val_split_fraction, fl_s2s_count(t->in.s2s_vdata));
     /* T5's dropout (config.json dropout_rate) in the training passes (fl_model_set_dropout before the arena), where
      * transformers drops: said once, since it changes what training computes */
     if (t->model.cfg.dropout_rate > 0)
@@ -234,7 +238,17 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     /* every strategy runs: DDP and ZeRO-1/2 (the optimizer offloaded too) keep the whole model on every rank;
      * FULL_SHARD / ZeRO-3 (and its parameter offload) shard it, the passes (seq2seq.c) gathering each layout group
      * (a block of either stack) around its use */
-    (void)sc;
+    if (c->pipeline_parallel > 1) { /* T5's stages (seq2seq_stage.c): full fine-tuning under GPipe / 1F1B so far */
+        const char *why = c->command == FL_CMD_FINETUNE_LORA ? "finetune_lora (LoRA's adapters)"
+                          : c->tensor_parallel > 1 ? "--tensor_parallel"
+                          : !strcmp(c->pipeline_schedule, "interleaved") ? "--pipeline_schedule interleaved"
+                          : sc && sc->stage > 2 ? "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (DDP, ZeRO-1 and "
+                                                  "ZeRO-2 run)"
+                                                : NULL;
+        if (why)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder (%s) and %s: not combined "
+                             "yet (finetune_full under gpipe or 1f1b runs)", c->pipeline_parallel, m, why);
+    }
     if (c->command == FL_CMD_PRETRAIN)
         return fl_errorf(FL_ERR_UNSUPPORTED, "pretrain: an encoder-decoder (%s) is fine-tuned only (finetune_full, "
                          "finetune_lora) so far", m);
