@@ -18,6 +18,8 @@
 #     of 3 pairs at 2 ranks (a rank repeats a forward) and the evaluation sample (every rank decodes in step) give
 #     DDP's val losses and text; rank 0's peaks per tag = `plan --devices 2 --strategy fsdp --rank 0`, the ranks'
 #     peak totals = the plan's of rank 0 and 1; the FULL_SHARD checkpoint resumes in one process.
+#   - pipeline parallelism (the end of the file): PP 2 and DP 2 x PP 2 ZeRO-2 against one process, plan = measured,
+#     checkpoints resumed across grids.
 # Usage: tests/mpi_t5_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
 set -u
 BUILD=${1:-build}
@@ -234,6 +236,47 @@ if [ $pok = 1 ]; then
     else
         cp "$T/out-pe2" "$T/out"; bad "t5_tp_np2_validation_and_sample" "exit $rc"
     fi
+fi
+
+# Pipeline parallelism (issue 35; src/model/seq2seq_stage.c): the stages split [encoder blocks; decoder blocks] (2 + 3
+# here, split by cost [0, 3) [3, 5): the encoder and the decoder's first block, then two decoder blocks). Against one
+# process: the shared embedding's and the relative bias tables' gradients are summed over the stages once per step
+# (one process sums them micro-batch by micro-batch), so 1e-6 as DDP; PP 2 (1F1B) and DP 2 x PP 2 under ZeRO-2
+# (GPipe); rank 0's peaks per tag = `plan --pipeline_parallel 2 --rank 0` (its ACTS with the micro-batch in flight) and
+# the ranks' totals = the plan's of ranks 0 and 1; PP 2's step-3 checkpoint resumed in one process, and one process's
+# at PP 2, continue within 1e-6 of one process resumed from its own.
+if [ $t5ok = 1 ]; then
+    losses() { awk -F, 'NR > 1 && $4 != "" { print $4 }' "$1/logs/metrics.csv"; }
+    within() { # $1 $2 runs, $3 the last n losses: the worst relative difference, or "count N"
+        paste <(losses "$1" | tail -n "$3") <(losses "$2" | tail -n "$3") | awk -v n0="$3" '{ d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > w) w = d; n++ }
+            END { if (n != n0) print "count " n; else printf "%.2g", w + 0 }'; }
+    small() { awk -v w="$1" 'BEGIN { exit !(w ~ /^[0-9.e+-]+$/ && w + 0 <= 1e-6) }'; }
+    PPA=(--devices 2 --pipeline_parallel 2)
+    PPL=(--data.max_source_length 40 --data.max_target_length 15) # the plan's: the data's longest pair, as above
+    timeout 300 mpirun -np 2 "$FL" finetune_full "${T5M[@]}" "${PPA[@]}" --out_dir "$T/pp-2" >"$T/out-pp2" 2>&1; rc=$?
+    w=$(within "$T/t5-one" "$T/pp-2" 24)
+    if [ $rc -eq 0 ] && small "$w"; then ok "t5_pp_np2_vs_one_process (24 losses, worst relative difference $w)"
+    else cp "$T/out-pp2" "$T/out"; bad "t5_pp_np2_vs_one_process" "exit $rc, worst relative loss difference $w"; fi
+    planned=$("$FL" plan "${T5M[@]}" "${PPA[@]}" "${PPL[@]}" --rank 0 | awk '/^peak +reserved/ { for (i = 3; i <= 16; i += 2) printf "%s %s,", $i, $(i + 1) }')
+    measured=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER) / { printf "%s %s,", $4, $5 }' "$T/out-pp2" | head -c 400)
+    exp_range=$(for r in 0 1; do "$FL" plan "${T5M[@]}" "${PPA[@]}" "${PPL[@]}" --rank $r | awk '/^peak +reserved/ { printf "%s %s\n", $17, $18 }'; done | sort -g | paste -sd' ')
+    got_range=$(awk '/^\| peak total, ranks min - max/ { print $8, $9, $11, $12 }' "$T/out-pp2")
+    if [ -n "$planned" ] && [ "$planned" = "${measured:0:${#planned}}" ] && [ "$got_range" = "$exp_range" ]; then
+        ok "t5_pp_np2_peaks_equal_plan (rank 0 per tag, ranks' totals $got_range)"
+    else bad "t5_pp_np2_peaks_equal_plan" "planned $planned measured $measured; totals $exp_range vs $got_range"; fi
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" --devices 4 --pipeline_parallel 2 --pipeline_schedule gpipe \
+        --strategy deepspeed_stage_2 --out_dir "$T/pp-z2" >"$T/out-ppz" 2>&1; rc=$?
+    w=$(within "$T/t5-one" "$T/pp-z2" 24)
+    if [ $rc -eq 0 ] && small "$w"; then ok "t5_pp_np4_dp2_pp2_zero2_gpipe_vs_one_process (24 losses, worst $w)"
+    else cp "$T/out-ppz" "$T/out"; bad "t5_pp_np4_dp2_pp2_zero2_gpipe_vs_one_process" "exit $rc, worst $w"; fi
+    timeout 300 "$FL" finetune_full "${T5M[@]}" --resume "$T/t5-one/step-000003" --out_dir "$T/pp-r0" >"$T/out" 2>&1; rc=$?
+    timeout 300 "$FL" finetune_full "${T5M[@]}" --resume "$T/pp-2/step-000003" --out_dir "$T/pp-r1" >"$T/out" 2>&1 || rc=$?
+    timeout 300 mpirun -np 2 "$FL" finetune_full "${T5M[@]}" --devices 2 --pipeline_parallel 2 --resume "$T/t5-one/step-000003" \
+        --out_dir "$T/pp-r2" >"$T/out" 2>&1 || rc=$?
+    w1=$(within "$T/pp-r0" "$T/pp-r1" 12); w2=$(within "$T/pp-r0" "$T/pp-r2" 12)
+    if [ $rc -eq 0 ] && small "$w1" && small "$w2"; then
+        ok "t5_pp_checkpoints_resume_across_grids (PP 2 -> one process $w1, one process -> PP 2 $w2)"
+    else bad "t5_pp_checkpoints_resume_across_grids" "exit $rc, worst $w1 / $w2"; fi
 fi
 
 echo "T5 MPI tests: $pass passed, $fail failed"
