@@ -274,6 +274,12 @@ if [ $t5ok = 1 ]; then
     timeout 300 mpirun -np 2 "$FL" finetune_full "${T5M[@]}" --devices 2 --pipeline_parallel 2 --resume "$T/t5-one/step-000003" \
         --out_dir "$T/pp-r2" >"$T/out" 2>&1 || rc=$?
     w1=$(within "$T/pp-r0" "$T/pp-r1" 12); w2=$(within "$T/pp-r0" "$T/pp-r2" 12)
+    # a validation split that leaves pairs: the stages' validation is not run yet, refused by name on every rank
+    timeout 60 mpirun -np 2 "$FL" finetune_full "${T5M[@]}" "${PPA[@]}" --data.val_split_fraction 0.3 --out_dir "$T/pp-v" \
+        >"$T/out-ppv" 2>&1; rv=$?
+    if [ $rv -ne 0 ] && grep -q "data.val_split_fraction 0.3 leaves [0-9]* validation pairs, and the stages' validation is not run yet" "$T/out-ppv"; then
+        ok "t5_pp_refuses_validation_split"
+    else cp "$T/out-ppv" "$T/out"; bad "t5_pp_refuses_validation_split" "exit $rv"; fi
     if [ $rc -eq 0 ] && small "$w1" && small "$w2"; then
         ok "t5_pp_checkpoints_resume_across_grids (PP 2 -> one process $w1, one process -> PP 2 $w2)"
     else bad "t5_pp_checkpoints_resume_across_grids" "exit $rc, worst $w1 / $w2"; fi
