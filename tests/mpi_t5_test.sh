@@ -19,7 +19,7 @@
 #     DDP's val losses and text; rank 0's peaks per tag = `plan --devices 2 --strategy fsdp --rank 0`, the ranks'
 #     peak totals = the plan's of rank 0 and 1; the FULL_SHARD checkpoint resumes in one process.
 #   - pipeline parallelism (the end of the file): PP 2 and DP 2 x PP 2 ZeRO-2 against one process, plan = measured,
-#     checkpoints resumed across grids.
+#     checkpoints resumed across grids, LoRA on the stages one process's bits.
 # Usage: tests/mpi_t5_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
 set -u
 BUILD=${1:-build}
@@ -274,6 +274,24 @@ if [ $t5ok = 1 ]; then
     timeout 300 mpirun -np 2 "$FL" finetune_full "${T5M[@]}" --devices 2 --pipeline_parallel 2 --resume "$T/t5-one/step-000003" \
         --out_dir "$T/pp-r2" >"$T/out" 2>&1 || rc=$?
     w1=$(within "$T/pp-r0" "$T/pp-r1" 12); w2=$(within "$T/pp-r0" "$T/pp-r2" 12)
+    # LoRA (dropout 0.1) on the stages: each stage's adapters keyed by the whole model's module index, the base frozen (no
+    # summed gradient): one process's losses, final/ and adapter bytes; PP 2's step-3 checkpoint resumed in one process
+    # and one process's at PP 2 end on one process resumed's adapter bits
+    LA=(--lora_r 4 --lora_dropout 0.1)
+    timeout 300 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --out_dir "$T/pl-1" >"$T/out" 2>&1; rc=$?
+    timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" "${PPA[@]}" --out_dir "$T/pl-2" >"$T/out" 2>&1 || rc=$?
+    timeout 300 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --resume "$T/pl-1/step-000003" --out_dir "$T/pl-r0" >"$T/out" 2>&1 || rc=$?
+    timeout 300 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --resume "$T/pl-2/step-000003" --out_dir "$T/pl-r1" >"$T/out" 2>&1 || rc=$?
+    timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" "${PPA[@]}" --resume "$T/pl-1/step-000003" \
+        --out_dir "$T/pl-r2" >"$T/out" 2>&1 || rc=$?
+    lsame=1
+    [ "$(losses "$T/pl-1" | md5sum)" = "$(losses "$T/pl-2" | md5sum)" ] && [ "$(losses "$T/pl-1" | grep -c .)" = 24 ] || lsame=0
+    for f in final/model.safetensors final/adapter/adapter_model.safetensors step-000003/adapter_model.safetensors; do
+        cmp -s "$T/pl-1/$f" "$T/pl-2/$f" || lsame=0
+    done
+    for r in pl-r1 pl-r2; do cmp -s "$T/pl-r0/final/adapter/adapter_model.safetensors" "$T/$r/final/adapter/adapter_model.safetensors" || lsame=0; done
+    if [ $rc -eq 0 ] && [ $lsame = 1 ]; then ok "t5_pp_np2_lora_equals_one_process (losses, final/, adapter; resumed across grids: bit for bit)"
+    else bad "t5_pp_np2_lora_equals_one_process" "exit $rc, same $lsame"; fi
     # a validation split that leaves pairs: the stages' validation is not run yet, refused by name on every rank
     timeout 60 mpirun -np 2 "$FL" finetune_full "${T5M[@]}" "${PPA[@]}" --data.val_split_fraction 0.3 --out_dir "$T/pp-v" \
         >"$T/out-ppv" 2>&1; rv=$?

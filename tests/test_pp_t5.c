@@ -18,6 +18,7 @@
 
 #include "fitllm/backend_op.h"
 #include "fitllm/comm.h"
+#include "fitllm/lora.h"
 #include "fitllm/model.h"
 #include "fitllm/pp.h"
 #include "fitllm/precision.h"
@@ -39,7 +40,7 @@ typedef struct {
     float *grads[8]; /* per stage: the step-0 gradients of the entries it owns at the whole layout's offsets */
     size_t numel;
     int first[9];
-    int no_shared_sum; /* the failure check: skip the pipeline's sum (a stage's own part only) */
+    int lora;          /* LoRA on q, v, o, wo (dropout 0.1) over the frozen base */
 } t5_case;
 
 static void case_data(t5_case *c) {
@@ -103,12 +104,22 @@ static fl_status make_model(const t5_case *c, const fl_model_config *cfg, const 
     return FL_OK;
 }
 
+/* LoRA: the adapters of a model whose first block is block `first` of the whole (whole: its config) at the whole's
+ * module index of its first module (encoder blocks' modules first, 4 per block here: q, v, o, wo; then the decoder's,
+ * 7 per block: its cross-attention's q, v, o too), so each starts and drops out as one process's */
+static fl_status lora_at(const t5_case *c, fl_model *m, int first) {
+    fl_lora_config lc;
+    FL_TRY(fl_lora_config_init(&lc, &m->cfg, 4, 8.0f, 0.1f, 0, "q,v,o,wo"));
+    const int Le = c->cfg.n_layers;
+    return fl_model_lora_init_at(m, &lc, 11, first < Le ? first * 4 : Le * 4 + (first - Le) * 7);
+}
+
 /* the precision, checkpointing, dropout, gradients, the arena (the longest source and target) and AdamW */
 static fl_status train_setup(const t5_case *c, fl_model *m, fl_optimizer *o) {
     FL_TRY(fl_model_set_precision(m, fl_precision_get((fl_precision_kind)c->prec)));
     m->act_ckpt = c->act_ckpt;
     if (c->dropout) FL_TRY(fl_model_set_dropout(m, 1));
-    FL_TRY(fl_model_alloc_grads(m));
+    if (!c->lora) FL_TRY(fl_model_alloc_grads(m));
     FL_TRY(fl_model_alloc_acts_s2s(m, TB, TS, TT));
     fl_optim_config oc;
     fl_optim_config_default(&oc, FL_OPT_ADAMW);
@@ -123,11 +134,12 @@ static void single(t5_case *c, double *loss, float **g0) {
     FL_REQUIRE_OK(fl_test_backend(&be, 1));
     FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &hpool, be.name, 0));
     FL_REQUIRE_OK(make_model(c, &c->cfg, &be, &pool, &m, 1));
+    if (c->lora) FL_REQUIRE_OK(lora_at(c, &m, 0));
     FL_REQUIRE_OK(train_setup(c, &m, &o));
     *g0 = calloc(m.layout.numel, sizeof **g0);
     FL_REQUIRE(*g0);
     c->numel = m.layout.numel;
-    FL_REQUIRE_OK(run_steps(&m, &o, NULL, c, loss, *g0, NULL, 0));
+    FL_REQUIRE_OK(run_steps(&m, &o, NULL, c, loss, c->lora ? NULL : *g0, NULL, 0));
     fl_optim_free(&o);
     fl_model_free(&m);
     fl_backend_pools_free(&pool, &hpool);
@@ -149,12 +161,13 @@ static fl_status stage_rank(fl_comm *comm, int s, void *ud) {
     FL_TRY(fl_pp_stage_config(&c->cfg, c->first[s], c->first[s + 1], &sc));
     FL_TRY(make_model(c, &sc, &be, &pool, &m, 0));
     FL_TRY(fl_pp_stage_take(&whole, &m, c->first[s]));
+    if (c->lora) FL_TRY(lora_at(c, &m, c->first[s]));
     FL_TRY(train_setup(c, &m, &o));
     FL_TRY(fl_pp_init(&p, &m, comm, c->kind));
     FL_TRY(fl_pp_optim_attach(&p, &o));
     c->grads[s] = calloc(whole.layout.numel, sizeof(float));
     if (!c->grads[s]) return fl_errorf(FL_ERR_OOM, "test");
-    FL_TRY(run_steps(&m, &o, &p, c, c->loss[s], c->grads[s], &whole, c->first[s]));
+    FL_TRY(run_steps(&m, &o, &p, c, c->loss[s], c->lora ? NULL : c->grads[s], &whole, c->first[s]));
     c->peak[s] = p.peak_in_flight;
     fl_pp_op ops[2 * TM];
     FL_TRY(fl_pp_schedule_ops(c->kind, S, s, TM, ops));
@@ -179,7 +192,7 @@ static void check_pipeline(t5_case *c, int S, const int *first, const double *wa
         for (int st = 0; st < TSTEPS; st++) {
             const double d = fabs(c->loss[s][st] - want[st]) / fabs(want[st]);
             if (d > worst) worst = d;
-            if (st == 0)
+            if (st == 0 || c->lora) /* LoRA: a frozen base, no summed gradient: every step one process's bits */
                 FL_CHECKF(c->loss[s][st] == want[st], "%s split %d..%d stage %d: first loss %.9g, one process %.9g",
                           fl_pp_schedule_name(c->kind), first[1], first[S - 1], s, c->loss[s][st], want[st]);
         }
@@ -188,6 +201,11 @@ static void check_pipeline(t5_case *c, int S, const int *first, const double *wa
     for (int s = 0; s < S; s++)
         FL_CHECKF(c->peak[s] == c->want_peak[s], "%s S %d stage %d: %d micro-batches in flight, pp.h says %d",
                   fl_pp_schedule_name(c->kind), S, s, c->peak[s], c->want_peak[s]);
+    *gworst = 0;
+    if (c->lora) {
+        for (int s = 0; s < S; s++) free(c->grads[s]);
+        return;
+    }
     /* the gradients re-assembled: each element from the one stage that owns its entry (zeros elsewhere) */
     fl_model_config wc = c->cfg;
     fl_param_layout lay;
@@ -261,4 +279,23 @@ FL_TEST(pp_t5_ckpt_bf16_dropout_clip) {
         check_pipeline(&c, 3, (const int[]){0, 2, 4, 6}, want, wg, &gw);
         free(wg);
     }
+}
+
+/* LoRA (q, v, o, wo with dropout 0.1; the encoder's and the decoder's self-attention, the cross-attention's q, v, o):
+ * each stage's adapters keyed by the whole model's module index, the base frozen (no summed gradient): every step's
+ * loss is one process's bits, under 1F1B and GPipe at 2 and 4 stages */
+FL_TEST(pp_t5_lora_equals_one_process) {
+    static t5_case c;
+    double gw = 0;
+    t5_config(&c, 0);
+    c.lora = 1;
+    c.dropout = 1; /* T5's own dropout too (the base's sites by the whole's block index) */
+    double want[TSTEPS];
+    float *wg = NULL;
+    single(&c, want, &wg);
+    for (int k = 0; k < 2; k++) {
+        c.kind = k ? FL_PP_GPIPE : FL_PP_1F1B;
+        check_pipeline(&c, splits[2 + k][0], &splits[2 + k][1], want, wg, &gw);
+    }
+    free(wg);
 }

@@ -102,7 +102,7 @@ struct fl_s2s_stash {
     float drop_p;
 };
 
-/* the regions: the ACTS arena; each stack's ids, relative bias and buckets (the bias and its buckets depend on the
+/* the regions (at most MAX_REGIONS): the ACTS arena; each stack's ids, relative bias and buckets (the bias and its buckets depend on the
  * pass's lengths), the key padding mask, and on the last stage d(the decoder's norm output) the head left in gb[1] */
 static int regions(const fl_model *m, void **at, size_t *bytes) {
     const struct fl_s2s_acts *a = m->acts->s2s;
@@ -117,6 +117,9 @@ static int regions(const fl_model *m, void **at, size_t *bytes) {
     }
     at[n] = a->kmask, bytes[n++] = B * (size_t)a->st[0].Tmax;
     if (!m->stage.out) at[n] = a->gb[1], bytes[n++] = B * (size_t)a->st[a->n_stacks - 1].Tmax * m->cfg.dim * sizeof(float);
+    void *ad = NULL; /* LoRA: the adapters' saved activations (their h, dropped inputs), outside the arena */
+    const size_t adb = m->adapt && m->adapt->h.acts_region ? m->adapt->h.acts_region(m, &ad) : 0;
+    if (adb) at[n] = ad, bytes[n++] = adb;
     return n;
 }
 
@@ -136,7 +139,6 @@ void fl_s2s_stash_free(fl_model *m, fl_s2s_stash *s) {
 
 fl_status fl_s2s_stash_new(fl_model *m, fl_s2s_stash **out) {
     *out = NULL;
-    if (m->adapt) return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline stash: an encoder-decoder's LoRA adapters (not yet)");
     fl_s2s_stash *s = calloc(1, sizeof *s);
     if (!s) return fl_errorf(FL_ERR_OOM, "pipeline stash: out of host memory");
     void *at[MAX_REGIONS];

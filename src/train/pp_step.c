@@ -185,10 +185,9 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     if (p->chunks > 1 && (p->adapters || (in && in->stage > 2)))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved: DDP, ZeRO-1 or ZeRO-2 on the data-parallel "
                          "axis and full fine-tuning / pretraining only so far (not LoRA or FULL_SHARD)");
-    if (p->m->cfg.pp_enc > 0 && (p->adapters || p->chunks > 1 || (in && in->stage > 2)))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder: full fine-tuning under GPipe "
-                         "or 1F1B with DDP, ZeRO-1 or ZeRO-2 on the data-parallel axis so far (not LoRA, interleaved or "
-                         "FULL_SHARD)", p->stages);
+    if (p->m->cfg.pp_enc > 0 && (p->chunks > 1 || (in && in->stage > 2)))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder: GPipe or 1F1B with DDP, "
+                         "ZeRO-1 or ZeRO-2 on the data-parallel axis so far (not interleaved or FULL_SHARD)", p->stages);
     p->ch[0].o = o;
     p->inner = in;
     memset(&p->dist, 0, sizeof p->dist);

@@ -47,7 +47,6 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
 fl_status fl_tr_pp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm) {
     const int n = t->cfg->pipeline_parallel;
     const int W = world ? fl_comm_size(world) : 1, w = world ? fl_comm_rank(world) : 0;
-    (void)given;
     if (W % n)
         return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d: this run has %d rank%s, not a multiple of it (launch "
                          "pipelines x %d ranks: --devices %d, %d, ...)", n, W, W == 1 ? "" : "s", n, n, 2 * n);
@@ -57,6 +56,7 @@ fl_status fl_tr_pp_begin(trainer *t, fl_comm *world, const fl_model_config *give
     fl_strategy_choice sc;
     FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
     FL_TRY(fl_tr_pp_check(t, &sc));
+    if (given) FL_TRY(fl_tr_pp_check_s2s(t->cfg, &sc, given)); /* the plan's: every rank alike, before any collective */
     FL_TRY(fl_error_prefix(fl_comm_split(world, w / n, w, &t->pp.grp), "--pipeline_parallel %d: the pipeline", n));
     FL_TRY(fl_error_prefix(fl_comm_split(world, w % n, w, &t->pp.dpc), "--pipeline_parallel %d: the data-parallel axis", n));
     t->pp.size = n;
@@ -170,14 +170,26 @@ fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
     return s;
 }
 
-fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *base) {
+/* the whole model's index of the first adapter module of the stage starting at block `first`: decoder-only, first x
+ * the modules of a block; an encoder-decoder's encoder and decoder blocks adapt different modules (the cross-attention),
+ * numbered encoder blocks first, so first x an encoder block's before the decoder, then Le x it + the decoder blocks'
+ * before (a stage's modules stay contiguous: one holding both stacks holds the encoder's end and the decoder's start) */
+static fl_status lora_base(const fl_model_config *whole, const fl_lora_config *lc, int first, int *base) {
+    fl_param_layout lay;
+    FL_TRY(fl_layout_build(&lay, whole));
     fl_lora_module *mods = NULL;
-    int n = 0, per = 0;
-    FL_TRY(fl_lora_modules(lc, &t->model.layout, &t->model.cfg, &mods, &n));
-    for (int j = 0; j < n; j++) per += mods[j].layer == 0; /* decoder-only: every block adapts the same modules */
+    int n = 0, ne = 0, nd = 0;
+    const int Le = whole->n_layers, s2s = fl_model_is_s2s(whole);
+    fl_status s = fl_lora_modules(lc, &lay, whole, &mods, &n);
+    for (int j = 0; s == FL_OK && j < n; j++) ne += mods[j].layer == 0, nd += s2s && mods[j].layer == Le;
     free(mods);
-    *base = t->pp.first * per;
-    return FL_OK;
+    fl_layout_free(&lay);
+    *base = !s2s || first < Le ? first * ne : Le * ne + (first - Le) * nd;
+    return s;
+}
+
+fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *base) {
+    return lora_base(&t->pp.whole, lc, t->pp.first, base);
 }
 
 /* interleaved: chunk c's precision, gradients, arena and optimizer, as fl_tr_setup_model / _training make chunk 0's */
@@ -347,9 +359,7 @@ static fl_status stage_mods(const trainer *t, int s, const fl_lora_config *lc, f
     FL_TRY(fl_layout_build(&lay, &sc));
     fl_status st = fl_lora_modules(lc, &lay, &sc, mods, n);
     fl_layout_free(&lay);
-    int per = 0;
-    for (int j = 0; st == FL_OK && j < *n; j++) per += (*mods)[j].layer == 0;
-    *base = t->pp.split[s] * per;
+    if (st == FL_OK) st = lora_base(&t->pp.whole, lc, t->pp.split[s], base);
     return st;
 }
 static int mod_whole(const fl_lora_module *md, int j, int base, int n_whole) { return md->layer >= 0 ? base + j : n_whole - 1; }
