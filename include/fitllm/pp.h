@@ -219,6 +219,8 @@ fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms);
 /* An inference forward with targets through the stages (validation): every stage's m->loss_sum and m->n_valid
  * are the last stage's afterwards. */
 fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T);
+/* The same for an encoder-decoder's micro-batch (its source with it; one chunk per rank). */
+fl_status fl_pp_eval_s2s(fl_pp *p, const fl_micro_batch *mb);
 
 #ifdef __cplusplus
 }

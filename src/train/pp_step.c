@@ -594,7 +594,7 @@ fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms) {
 fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T) {
     const int S = p->stages, NV = S * p->chunks;
     if (p->m->cfg.pp_enc > 0)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline: validation of an encoder-decoder's stages is not run yet");
+        return fl_errorf(FL_ERR_INVALID, "pipeline: an encoder-decoder's stages validate with fl_pp_eval_s2s");
     const size_t n = fl_model_stage_elems(p->m, B, T);
     if (n > p->hx_n) return fl_errorf(FL_ERR_INVALID, "pipeline: batch (%d, %d) exceeds the stage's arena", B, T);
     fl_model *m = p->m;
@@ -615,5 +615,31 @@ fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B
     FL_TRY(fl_comm_broadcast(p->comm, v, 4, FL_F32, S - 1));
     p->m->loss_sum = v[0];
     p->m->n_valid = (long)v[1];
+    return FL_OK;
+}
+
+/* an encoder-decoder's validation forward through the stages (one chunk per rank): the stream as in a training
+ * forward, without gradients; the losses from the last stage */
+fl_status fl_pp_eval_s2s(fl_pp *p, const fl_micro_batch *mb) {
+    fl_model *m = p->m;
+    const int S = p->stages, s = p->stage;
+    if (!fl_model_is_s2s(&m->cfg) || !mb->src || p->chunks > 1)
+        return fl_errorf(FL_ERR_INVALID, "fl_pp_eval_s2s: an encoder-decoder's micro-batch on one chunk per rank");
+    if (stream_elems(m, mb, 0) > p->hx_n || stream_elems(m, mb, 1) > p->hx_n)
+        return fl_errorf(FL_ERR_INVALID, "pipeline: batch (%d, %d, %d) exceeds the stage's arena", mb->B, mb->Ts, mb->T);
+    if (s > 0) {
+        FL_TRY(fl_comm_recv(p->comm, p->hx, stream_elems(m, mb, 0), FL_F32, s - 1, TAG_ACT));
+        FL_TRY(stage_input(m, p->hx, mb));
+    }
+    FL_TRY(fl_model_forward_micro(m, mb, 0.0f, NULL));
+    FL_TRY(fl_model_forward_head(m, NULL));
+    if (s < S - 1) {
+        FL_TRY(fl_model_stage_output(m, p->hx));
+        FL_TRY(fl_comm_send(p->comm, p->hx, stream_elems(m, mb, 1), FL_F32, s + 1, TAG_ACT));
+    }
+    double v[2] = {m->loss_sum, (double)m->n_valid};
+    FL_TRY(fl_comm_broadcast(p->comm, v, 4, FL_F32, S - 1));
+    m->loss_sum = v[0];
+    m->n_valid = (long)v[1];
     return FL_OK;
 }

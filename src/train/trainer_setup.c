@@ -209,10 +209,6 @@ static fl_status load_data_s2s(trainer *t) {
     if (!fl_s2s_count(t->in.s2s))
         return fl_errorf(FL_ERR_INVALID, "'%s': data.val_split_fraction %g leaves no training pairs of %zu",
                          c->data.json_path, (double)c->data.val_split_fraction, n);
-    if (c->pipeline_parallel > 1 && fl_s2s_count(t->in.s2s_vdata)) /* every rank reads the same file: alike */
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder: data.val_split_fraction %g "
-                         "leaves %zu validation pairs, and the stages' validation is not run yet (0 runs)",
-                         c->pipeline_parallel, (double)c->data.val_split_fraction, fl_s2s_count(t->in.s2s_vdata));
     /* T5's dropout (config.json dropout_rate) in the training passes (fl_model_set_dropout before the arena), where
      * transformers drops: said once, since it changes what training computes */
     if (t->model.cfg.dropout_rate > 0)
