@@ -19,7 +19,7 @@
 #     DDP's val losses and text; rank 0's peaks per tag = `plan --devices 2 --strategy fsdp --rank 0`, the ranks'
 #     peak totals = the plan's of rank 0 and 1; the FULL_SHARD checkpoint resumes in one process.
 #   - pipeline parallelism (the end of the file): PP 2 and DP 2 x PP 2 ZeRO-2 against one process, plan = measured,
-#     checkpoints resumed across grids, LoRA on the stages one process's bits, validation through the stages.
+#     checkpoints resumed across grids, LoRA on the stages one process's bits, validation through the stages, TP 2 x PP 2.
 # Usage: tests/mpi_t5_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
 set -u
 BUILD=${1:-build}
@@ -292,6 +292,26 @@ if [ $t5ok = 1 ]; then
     for r in pl-r1 pl-r2; do cmp -s "$T/pl-r0/final/adapter/adapter_model.safetensors" "$T/$r/final/adapter/adapter_model.safetensors" || lsame=0; done
     if [ $rc -eq 0 ] && [ $lsame = 1 ]; then ok "t5_pp_np2_lora_equals_one_process (losses, final/, adapter; resumed across grids: bit for bit)"
     else bad "t5_pp_np2_lora_equals_one_process" "exit $rc, same $lsame"; fi
+    # TP 2 x PP 2 (4 heads: the test config with num_heads 4): each stage's blocks split over its group; a decoder stage
+    # before the decoder's end sums its blocks' parts of d(encoder output) over the group before adding the later
+    # stages' (summing them again gave 5.5e-5): against one process 1e-6, the step-3 checkpoint resumed in one process,
+    # LoRA on the 3D grid, rank 0's peaks per tag = the plan's
+    mkdir -p "$T/t5m4" && cp "$T/t5m"/* "$T/t5m4/" && sed -i 's/"num_heads": 3/"num_heads": 4/' "$T/t5m4/config.json"
+    T5Q=("${T5M[@]}"); T5Q[1]="$T/t5m4"
+    TQ=(--devices 4 --tensor_parallel 2 --pipeline_parallel 2)
+    timeout 300 "$FL" finetune_full "${T5Q[@]}" --out_dir "$T/tq-1" >"$T/out" 2>&1; rq=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5Q[@]}" "${TQ[@]}" --out_dir "$T/tq-4" >"$T/out-tq" 2>&1 || rq=$?
+    timeout 300 "$FL" finetune_full "${T5Q[@]}" --resume "$T/tq-1/step-000003" --out_dir "$T/tq-r0" >"$T/out" 2>&1 || rq=$?
+    timeout 300 "$FL" finetune_full "${T5Q[@]}" --resume "$T/tq-4/step-000003" --out_dir "$T/tq-r1" >"$T/out" 2>&1 || rq=$?
+    timeout 300 "$FL" finetune_lora "${T5Q[@]}" --lora_r 4 --out_dir "$T/tq-l1" >"$T/out" 2>&1 || rq=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_lora "${T5Q[@]}" "${TQ[@]}" --lora_r 4 --out_dir "$T/tq-l4" >"$T/out" 2>&1 || rq=$?
+    q1=$(within "$T/tq-1" "$T/tq-4" 24); q2=$(within "$T/tq-r0" "$T/tq-r1" 12); q3=$(within "$T/tq-l1" "$T/tq-l4" 24)
+    qp=$("$FL" plan "${T5Q[@]}" "${TQ[@]}" "${PPL[@]}" --rank 0 | awk '/^peak +reserved/ { for (i = 3; i <= 16; i += 2) printf "%s %s,", $i, $(i + 1) }')
+    qm=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER) / { printf "%s %s,", $4, $5 }' "$T/out-tq" | head -c 400)
+    [ -n "$qp" ] && [ "$qp" = "${qm:0:${#qp}}" ] || { rq=1; echo "     TP x PP rank 0: planned $qp measured $qm"; }
+    if [ $rq -eq 0 ] && small "$q1" && small "$q2" && small "$q3"; then
+        ok "t5_pp_np4_tp2_pp2 (vs one process $q1, resumed in one process $q2, LoRA $q3; rank 0's peaks = plan)"
+    else cp "$T/out-tq" "$T/out"; bad "t5_pp_np4_tp2_pp2" "exit $rq, worst $q1 / $q2 / $q3"; fi
     # a validation split (3 pairs) through the stages in turn: the val losses within 1e-6 of one process's (the weights
     # differ by the pipeline's sums' rounding); no evaluation sample on a pipeline (said by the decoder-only runs too)
     EV=(--data.val_split_fraction 0.2 --eval.interval 2 --eval.max_new_tokens 8 --train.save_interval 0 --train.max_steps 4)

@@ -519,7 +519,17 @@ static fl_status s2s_backward(fl_model *m) {
             if (k == 0 && s == FL_OK) s = fl_store_grads_ready(m->store, 0);
             continue;
         }
-        s = stack_backward(m, &mg, k, k == last ? a->gb[1] : a->spp ? a->gb[1] : a->dstream);
+        /* TP x PP: a pipeline stage before the decoder's end received the later stages' d(encoder output), summed over
+         * the group already: parked on the host while its blocks' parts are summed, then added back */
+        const int tp = m->tp_comm && fl_comm_size(m->tp_comm) > 1, xs = k > 0 && a->st[k].xslot >= 0;
+        const size_t nxs = xs ? (size_t)a->Bp * a->T[k - 1] * m->cfg.dim : 0;
+        float *part = tp && xs && !fl_s2s_runs_norm(m, k) ? malloc(nxs * sizeof *part) : NULL;
+        if (tp && xs && !fl_s2s_runs_norm(m, k)) {
+            s = part ? FL_RUN(m->be, to_host, part, a->dstream, nxs * sizeof *part)
+                     : fl_errorf(FL_ERR_OOM, "pipeline stage: out of host memory");
+            if (s == FL_OK) FL_RUN(m->be, zero, a->dstream, nxs * sizeof *part);
+        }
+        if (s == FL_OK) s = stack_backward(m, &mg, k, k == last ? a->gb[1] : a->spp ? a->gb[1] : a->dstream);
         /* tensor parallel: d(the earlier stack's output) is each rank's part from its heads' cross k|v: summed over the
          * group once for every block (Megatron's f of the column-parallel k|v linears, graph_tp.c); sequence
          * parallel: reduce-scattered into the rank's rows (of gb[1], free now), which the earlier stack's norm reads */
@@ -532,6 +542,11 @@ static fl_status s2s_backward(fl_model *m) {
             s = fl_error_prefix(fl_comm_all_reduce(m->tp_comm, a->dstream, a->dstream,
                                                    (size_t)a->Bp * a->T[k - 1] * m->cfg.dim, FL_F32, FL_COMM_SUM),
                                 "tensor parallel: d(the encoder output)");
+        if (s == FL_OK && part) { /* gb[1] is free after the stack's blocks */
+            s = FL_RUN(m->be, to_device, a->gb[1], part, nxs * sizeof *part);
+            if (s == FL_OK) FL_RUN(m->be, add, a->dstream, a->dstream, a->gb[1], nxs);
+        }
+        free(part);
     }
     m->fwd_train = 0;
     return s;
