@@ -1763,7 +1763,8 @@ for x in "" "--train.activation_checkpointing true" "--precision bf16-mixed"; do
 done
 
 # T5 with --pipeline_parallel (issue 35; runs: tests/test_pp_t5.c, tests/mpi_t5_test.sh): the split of [encoder blocks;
-# decoder blocks] by training FLOPs, and what is not combined yet refused by name in the plan as in the trainer
+# decoder blocks] by training FLOPs (and into virtual stages), what is not combined yet refused by name in the plan as in
+# the trainer
 T5PP=(plan "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --devices 2 --pipeline_parallel 2)
 expect t5_pp_plan_split 0 "blocks per stage \(balanced by training FLOPs at T = 64, lm_head's on the last\): \[0, 1\) \[1, 3\) \[3, 4\) \[4, 5\)" -- \
     "$FITLLM" "${T5PP[@]}" --devices 4 --pipeline_parallel 4 --train.max_seq_length 64
@@ -1774,8 +1775,8 @@ expect t5_pp_plan_tp2_pp2 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\)
     "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --rank 3
 expect t5_pp_refuses_full_shard 2 "with an encoder-decoder \(t5\) and FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis" -- \
     "$FITLLM" "${T5PP[@]}" --strategy fsdp
-expect t5_pp_refuses_interleaved 2 "with an encoder-decoder \(t5\) and --pipeline_schedule interleaved: not combined yet" -- \
-    "$FITLLM" "${T5PP[@]}" --pipeline_schedule interleaved
+expect t5_pp_plan_interleaved 0 "blocks per virtual stage \(balanced by training FLOPs at T = 64, lm_head's on the last\): \[0, 1\) \[1, 3\) \[3, 4\) \[4, 5\)" -- \
+    "$FITLLM" "${T5PP[@]}" --pipeline_schedule interleaved --train.max_seq_length 64
 
 echo
 echo "$pass passed, $fail failed, $skip skipped"

@@ -19,7 +19,7 @@
 #     DDP's val losses and text; rank 0's peaks per tag = `plan --devices 2 --strategy fsdp --rank 0`, the ranks'
 #     peak totals = the plan's of rank 0 and 1; the FULL_SHARD checkpoint resumes in one process.
 #   - pipeline parallelism (the end of the file): PP 2 and DP 2 x PP 2 ZeRO-2 against one process, plan = measured,
-#     checkpoints resumed across grids, LoRA on the stages one process's bits, validation through the stages, TP 2 x PP 2.
+#     checkpoints resumed across grids, LoRA on the stages one process's bits, validation through the stages, TP 2 x PP 2, interleaved.
 # Usage: tests/mpi_t5_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
 set -u
 BUILD=${1:-build}
@@ -312,6 +312,15 @@ if [ $t5ok = 1 ]; then
     if [ $rq -eq 0 ] && small "$q1" && small "$q2" && small "$q3"; then
         ok "t5_pp_np4_tp2_pp2 (vs one process $q1, resumed in one process $q2, LoRA $q3; rank 0's peaks = plan)"
     else cp "$T/out-tq" "$T/out"; bad "t5_pp_np4_tp2_pp2" "exit $rq, worst $q1 / $q2 / $q3"; fi
+    # the interleaved schedule (2 chunks per rank: 4 virtual stages [0, 2) [2, 3) [3, 4) [4, 5)): the pipeline sum over
+    # every chunk of every rank; against one process 1e-6, its step-3 checkpoint resumed in one process
+    timeout 300 mpirun -np 2 "$FL" finetune_full "${T5M[@]}" "${PPA[@]}" --pipeline_schedule interleaved --out_dir "$T/pi-2" \
+        >"$T/out-pi" 2>&1; ri=$?
+    timeout 300 "$FL" finetune_full "${T5M[@]}" --resume "$T/pi-2/step-000003" --out_dir "$T/pi-r1" >"$T/out" 2>&1 || ri=$?
+    i1=$(within "$T/t5-one" "$T/pi-2" 24); i2=$(within "$T/pp-r0" "$T/pi-r1" 12)
+    if [ $ri -eq 0 ] && small "$i1" && small "$i2" && grep -q "virtual stages' blocks: \[0, 2) \[2, 3) \[3, 4) \[4, 5)" "$T/out-pi"; then
+        ok "t5_pp_np2_interleaved (vs one process $i1, resumed in one process $i2)"
+    else cp "$T/out-pi" "$T/out"; bad "t5_pp_np2_interleaved" "exit $ri, worst $i1 / $i2"; fi
     # a validation split (3 pairs) through the stages in turn: the val losses within 1e-6 of one process's (the weights
     # differ by the pipeline's sums' rounding); no evaluation sample on a pipeline (said by the decoder-only runs too)
     EV=(--data.val_split_fraction 0.2 --eval.interval 2 --eval.max_new_tokens 8 --train.save_interval 0 --train.max_steps 4)

@@ -185,9 +185,9 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     if (p->chunks > 1 && (p->adapters || (in && in->stage > 2)))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved: DDP, ZeRO-1 or ZeRO-2 on the data-parallel "
                          "axis and full fine-tuning / pretraining only so far (not LoRA or FULL_SHARD)");
-    if (p->m->cfg.pp_enc > 0 && (p->chunks > 1 || (in && in->stage > 2)))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder: GPipe or 1F1B with DDP, "
-                         "ZeRO-1 or ZeRO-2 on the data-parallel axis so far (not interleaved or FULL_SHARD)", p->stages);
+    if (p->m->cfg.pp_enc > 0 && in && in->stage > 2)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder: DDP, ZeRO-1 or ZeRO-2 on "
+                         "the data-parallel axis so far (not FULL_SHARD)", p->stages);
     p->ch[0].o = o;
     p->inner = in;
     memset(&p->dist, 0, sizeof p->dist);
@@ -398,32 +398,58 @@ static fl_status tied_sum(fl_pp *p, fl_optimizer *o0) {
  * blocks' d(bias)) summed over the pipeline in one all-reduce, so every copy gets the whole gradient and updates alike
  * (the one process sums them micro-batch by micro-batch and block by block: this differs by rounding). ZeRO-2: each
  * entry's reduced gradient made whole on the axis first (whole_reduced). A stage without a table adds zeros. */
+/* chunk model m's shared embedding (e 0) and encoder / decoder relative bias table (e 1, 2): its entry, -1 if none */
+static int shared_entry(const fl_model *m, int e) {
+    if (e == 0) return fl_layout_role(&m->layout, 0, FL_ROLE_EMBED);
+    for (int i = 0; i < m->layout.n; i++)
+        if (m->layout.params[i].role == FL_ROLE_REL_BIAS && !strncmp(m->layout.params[i].name, "decoder.", 8) == (e == 2))
+            return i;
+    return -1;
+}
+
+/* move entry e's gradient of chunk c between its optimizer's buffer and a (fp32, n): add 1 adds it into a (ZeRO-2:
+ * made whole on the axis first), else writes a into it */
+static fl_status shared_move(fl_pp *p, int c, fl_optimizer *o0, int e, float *a, size_t n, void *raw, float *tmp, int add) {
+    const fl_model *m = p->ch[c].m;
+    const fl_optimizer *o = c == 0 ? o0 : p->ch[c].o;
+    const int i = shared_entry(m, e);
+    if (i < 0) return FL_OK;
+    const fl_param_info *pi = &m->layout.params[i];
+    const size_t es = fl_dtype_size(o->w.gt);
+    if (pi->numel != n) return fl_errorf(FL_ERR_INTERNAL, "pipeline: %s has %zu elements, not %zu", pi->name, pi->numel, n);
+    char *g = (char *)o->w.g + pi->offset * es;
+    if (!add) {
+        fl_convert(raw, o->w.gt, a, FL_F32, n);
+        return FL_RUN(m->be, to_device, g, raw, n * es);
+    }
+    FL_TRY(FL_RUN(m->be, to_host, raw, g, n * es));
+    fl_convert(tmp, FL_F32, raw, o->w.gt, n);
+    if (p->inner && p->inner->stage == 2) FL_TRY(whole_reduced(p, o, tmp, pi->offset, n));
+    for (size_t k = 0; k < n; k++) a[k] += tmp[k];
+    return FL_OK;
+}
+
+/* An encoder-decoder's stages: the shared embedding (each stage that runs an embedding, and the tied head, adds its
+ * part) and each stack's relative bias table (a copy on every stage holding blocks of the stack, each folding its
+ * blocks' d(bias)) summed over the rank's chunks and then the pipeline in one all-reduce, so every copy gets the whole
+ * gradient and updates alike (the one process sums them micro-batch by micro-batch and block by block: this differs
+ * by rounding). ZeRO-2: each entry's reduced gradient made whole on the axis first (whole_reduced). A stage without a
+ * table adds zeros. LoRA: the base is frozen, nothing to sum. */
 static fl_status s2s_shared_sum(fl_pp *p, fl_optimizer *o) {
     fl_model *m = p->m;
     if (p->stages < 2 || p->adapters) return FL_OK;
-    int idx[3] = {fl_layout_role(&m->layout, 0, FL_ROLE_EMBED), -1, -1};
-    for (int i = 0; i < m->layout.n; i++)
-        if (m->layout.params[i].role == FL_ROLE_REL_BIAS) idx[strncmp(m->layout.params[i].name, "decoder.", 8) ? 1 : 2] = i;
-    const size_t nt = (size_t)m->cfg.n_heads * m->cfg.rel_buckets, es = fl_dtype_size(o->w.gt);
+    const size_t nt = (size_t)m->cfg.n_heads * m->cfg.rel_buckets;
     const size_t len[3] = {(size_t)fl_config_vocab_rows(&m->cfg, NULL) * m->cfg.dim, nt, nt}, tot = len[0] + 2 * nt;
-    float *a = calloc(tot + 1, sizeof *a);
-    void *raw = malloc(len[0] * es + 1);
+    float *a = calloc(tot + len[0] + 1, sizeof *a), *tmp = a ? a + tot : NULL;
+    void *raw = malloc(len[0] * sizeof(double) + 1); /* the widest gradient dtype's bytes */
     fl_status s = a && raw ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline: out of host memory (the shared gradients)");
-    for (int e = 0, at = 0; s == FL_OK && e < 3; at += (int)len[e], e++) {
-        if (idx[e] < 0) continue;
-        const fl_param_info *pi = &m->layout.params[idx[e]];
-        if (pi->numel != len[e]) s = fl_errorf(FL_ERR_INTERNAL, "pipeline: %s has %zu elements", pi->name, pi->numel);
-        if (s == FL_OK) s = FL_RUN(m->be, to_host, raw, (const char *)o->w.g + pi->offset * es, len[e] * es);
-        if (s == FL_OK) fl_convert(a + at, FL_F32, raw, o->w.gt, len[e]);
-        if (s == FL_OK && p->inner && p->inner->stage == 2) s = whole_reduced(p, o, a + at, pi->offset, len[e]);
-    }
+    for (int c = 0; s == FL_OK && c < p->chunks; c++)
+        for (size_t e = 0, at = 0; s == FL_OK && e < 3; at += len[e], e++)
+            s = shared_move(p, c, o, (int)e, a + at, len[e], raw, tmp, 1);
     if (s == FL_OK) s = fl_comm_all_reduce(p->comm, a, a, tot, FL_F32, FL_COMM_SUM);
-    for (int e = 0, at = 0; s == FL_OK && e < 3; at += (int)len[e], e++) {
-        if (idx[e] < 0) continue;
-        const fl_param_info *pi = &m->layout.params[idx[e]];
-        fl_convert(raw, o->w.gt, a + at, FL_F32, len[e]);
-        s = FL_RUN(m->be, to_device, (char *)o->w.g + pi->offset * es, raw, len[e] * es);
-    }
+    for (int c = 0; s == FL_OK && c < p->chunks; c++)
+        for (size_t e = 0, at = 0; s == FL_OK && e < 3; at += len[e], e++)
+            s = shared_move(p, c, o, (int)e, a + at, len[e], raw, tmp, 0);
     free(a), free(raw);
     return fl_error_prefix(s, "pipeline: the shared embedding's and relative bias tables' gradients");
 }

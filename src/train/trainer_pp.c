@@ -88,7 +88,7 @@ fl_status fl_tr_pp_stage_range(trainer *t, const fl_model_config *whole) {
     fl_status s = fl_pp_split_model(whole, T, NV, t->pp.split);
     if (s != FL_OK && V > 1)
         return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d x --pipeline_chunks %d: %d virtual stages for a model of "
-                         "%d blocks (each needs at least one)", t->pp.size, V, NV, whole->n_layers);
+                         "%d blocks (each needs at least one)", t->pp.size, V, NV, fl_pp_model_blocks(whole));
     FL_TRY(s);
     t->pp.first = t->pp.split[t->pp.stage];
     t->pp.last = t->pp.split[t->pp.stage + 1];
@@ -198,7 +198,12 @@ static fl_status chunk_setup(trainer *t, int c) {
     FL_TRY(fl_model_set_precision(m, &t->model.prec));
     FL_TRY(fl_model_alloc_grads(m));
     m->act_ckpt = t->model.act_ckpt;
-    FL_TRY(fl_model_alloc_acts(m, t->sch.B, t->sch.T));
+    if (t->sch.Ts) { /* an encoder-decoder's chunk: its dropout and arena as chunk 0's */
+        FL_TRY(fl_model_set_dropout(m, 1));
+        FL_TRY(fl_model_alloc_acts_s2s(m, t->sch.B, t->sch.Ts, t->sch.T));
+    } else {
+        FL_TRY(fl_model_alloc_acts(m, t->sch.B, t->sch.T));
+    }
     /* ZeRO-1/2 on the data axis: the chunk's state for this rank's piece of its elements, as chunk 0's */
     FL_TRY(fl_dp_optim_init(&t->dp, t->cfg, &t->pp.xo[c], m));
     t->pp.xo_ok = c;
@@ -668,7 +673,7 @@ void fl_tr_pp_print(const trainer *t) {
             "loss; activations and their gradients between neighbouring stages; stage 0 writes consolidated "
             "checkpoints; no sample generation\n",
             t->pp.size, t->dp.world, t->dp.world == 1 ? "" : "s", t->cfg->pipeline_schedule, t->sch.accum, t->pp.first,
-            t->pp.last, t->pp.whole.n_layers);
+            t->pp.last, fl_pp_model_blocks(&t->pp.whole));
     if (t->pp.chunks <= 1) return;
     fprintf(t->out, "interleaved (EXPERIMENTAL): %d model chunks per rank, chunk c of stage s is virtual stage c x %d + "
             "s; virtual stages' blocks:", t->pp.chunks, t->pp.size);
