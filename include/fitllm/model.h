@@ -87,6 +87,10 @@ typedef struct {
     int image_size, patch_size;
     int n_queries, xattn_dim, xattn_every, proj_dim;
     int gelu_exact; /* BLIP-2's parts: the MLP's GELU is the exact erf one (hidden_act "gelu"), else the tanh one */
+    /* A pipeline stage of an encoder-decoder (fitllm/pp.h, fl_pp_stage_config; 0 elsewhere): pp_enc the whole model's
+     * encoder blocks, pp_first the stage's first block among the whole's [encoder; decoder] blocks. n_layers and
+     * n_dec_layers are the stage's (either may be 0). Never read from or written to config.json. */
+    int pp_enc, pp_first;
 } fl_model_config;
 
 /* The token-embedding / lm_head rows a config holds: a tensor-parallel slice (tp_size > 1) holds rows

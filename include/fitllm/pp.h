@@ -107,7 +107,8 @@ fl_status fl_pp_estimate_text_v(const fl_model_config *c, int T, int stages, int
                                 double block_ms, char *buf, size_t n);
 
 /* ---- a model stage (src/model/stage.c) ----
- * Stage s of a decoder-only model (LLaMA, GPT-2, OPT) holds its blocks [first, last) as an ordinary model of
+ * T5 / Flan-T5: the stages split [encoder blocks; decoder blocks] (fl_pp_stage_config's header comment in stage.c;
+ * the streams between stages in seq2seq_stage.c). Stage s of a decoder-only model (LLaMA, GPT-2, OPT) holds its blocks [first, last) as an ordinary model of
  * last - first layers (fl_pp_stage_config), whose blocks run the unchanged forward and backward; the first stage
  * runs the embeddings, the last the final norm, head and loss (fl_model_set_stage). Its embeddings and head
  * entries exist on every stage but are read and trained only where they run (fl_pp_stage_owns). */
@@ -116,6 +117,10 @@ fl_status fl_pp_stage_config(const fl_model_config *whole, int first, int last, 
 int fl_pp_stage_entry(const fl_param_layout *whole, const fl_param_layout *stage, int first, int i);
 int fl_pp_stage_owns(const fl_model *stage, int i);
 int fl_pp_layout_owns(const fl_param_layout *stage, int in, int out, int i); /* the same, of a stage's layout */
+/* The same of a stage's config and layout (an encoder-decoder's stage: by where it sits, fl_pp_stage_config). */
+int fl_pp_config_owns(const fl_model_config *stage_cfg, const fl_param_layout *stage, int in, int out, int i);
+/* The blocks a split divides: n_layers, an encoder-decoder's encoder and decoder blocks in that order. */
+int fl_pp_model_blocks(const fl_model_config *c);
 /* The stage's parameters copied out of a model of the whole config (fp32 through the host, entry by entry). */
 fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first);
 /* in: the blocks' input comes from the previous stage; out: the forward ends after the blocks. A model that ties
@@ -130,6 +135,12 @@ fl_status fl_model_set_stage(fl_model *m, int in, int out);
  * the next stage as they are (no gather at the boundary). */
 size_t fl_model_stage_elems(const fl_model *m, int B, int T);
 fl_status fl_model_stage_input(fl_model *m, const float *x, int B, int T);
+/* An encoder-decoder's stage (seq2seq_stage.c): the message's elements at the stage's input side (out 0) or output
+ * side (out 1) for a pass of B sources of Ts and targets of Tt tokens, the stage's input before its forward; the
+ * most elements either side holds (the arena's); output, dout and dinput above serve it too (the pass's shapes). */
+size_t fl_model_stage_elems_s2s(const fl_model *m, int B, int Ts, int Tt, int out);
+fl_status fl_model_stage_input_s2s(fl_model *m, const float *x, int B, int Ts, int Tt);
+size_t fl_model_stage_max_elems(const fl_model *m);
 fl_status fl_model_stage_output(const fl_model *m, float *y);
 fl_status fl_model_stage_dout(fl_model *m, const float *dy);
 fl_status fl_model_stage_dinput(const fl_model *m, float *dx, int B, int T);
@@ -210,6 +221,8 @@ fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms);
 /* An inference forward with targets through the stages (validation): every stage's m->loss_sum and m->n_valid
  * are the last stage's afterwards. */
 fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T);
+/* The same for an encoder-decoder's micro-batch (its source with it; one chunk per rank). */
+fl_status fl_pp_eval_s2s(fl_pp *p, const fl_micro_batch *mb);
 
 #ifdef __cplusplus
 }

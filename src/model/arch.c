@@ -13,4 +13,4 @@ const fl_arch_info *fl_arch_get(fl_arch a) {
     return a >= 0 && a < FL_ARCH_COUNT ? all[a] : NULL;
 }
 
-int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0; }
+int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0 || c->pp_enc > 0; }

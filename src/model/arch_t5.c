@@ -18,7 +18,7 @@ static const char *const ignored[] = {"decoder.block.0.layer.1.EncDecAttention.r
 static fl_status check(fl_model_config *c) {
     c->n_kv_heads = c->n_heads;
     c->attention_bias = c->mlp_bias = 0;
-    if (c->n_dec_layers <= 0)
+    if (c->n_dec_layers <= 0 && c->pp_enc <= 0) /* a pipeline stage may hold encoder blocks only */
         return fl_errorf(FL_ERR_FORMAT, "model config: T5 needs num_decoder_layers > 0 (got %d)", c->n_dec_layers);
     if (c->rel_buckets < 2 || c->rel_max_dist <= 0)
         return fl_errorf(FL_ERR_FORMAT, "model config: T5 needs relative_attention_num_buckets >= 2 (got %d) and "

@@ -13,7 +13,8 @@ fl_status fl_config_validate(fl_model_config *c) {
     if (c->arch < 0 || c->arch >= FL_ARCH_COUNT) return fl_errorf(FL_ERR_UNSUPPORTED, "model config: unknown architecture %d", (int)c->arch);
     NEED_POS(vocab_size, "vocab_size");
     NEED_POS(dim, "hidden_size");
-    NEED_POS(n_layers, "num_hidden_layers");
+    if (c->pp_enc <= 0 || c->n_layers < 0) NEED_POS(n_layers, "num_hidden_layers"); /* an encoder-decoder's pipeline
+                                                                                        * stage may hold decoder blocks only */
     NEED_POS(n_heads, "num_attention_heads");
     if (c->n_kv_heads <= 0) c->n_kv_heads = c->n_heads;
     if (c->head_dim <= 0) {

@@ -62,4 +62,19 @@ extern const fl_model_kind fl_s2s_kind;
 void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work);
 size_t fl_s2s_adapter_live_rows(const fl_model *m, int layer, int param_index);
 
+/* A pipeline stage of an encoder-decoder (seq2seq.c): whether it runs stack s's embedding / its final norm (and the
+ * decoder's head); 1 for a whole model. The stage's streams and stash: seq2seq_stage.c. */
+int fl_s2s_runs_embed(const fl_model *m, int s);
+int fl_s2s_runs_norm(const fl_model *m, int s);
+fl_status fl_s2s_stage_output(const fl_model *m, float *y);
+fl_status fl_s2s_stage_dout(fl_model *m, const float *dy);
+fl_status fl_s2s_stage_dinput(const fl_model *m, float *dx);
+typedef struct fl_s2s_stash fl_s2s_stash;
+size_t fl_s2s_stash_bytes(const fl_model *m);
+fl_status fl_s2s_stash_new(fl_model *m, fl_s2s_stash **out);
+void fl_s2s_stash_free(fl_model *m, fl_s2s_stash *s);
+fl_status fl_s2s_stash_save(fl_model *m, fl_s2s_stash *s);
+fl_status fl_s2s_stash_restore(fl_model *m, const fl_s2s_stash *s);
+fl_status fl_s2s_stash_swap(fl_model *m, fl_s2s_stash *s, void *scratch, size_t scratch_bytes);
+
 #endif

@@ -157,6 +157,25 @@ static fl_status relbias_table(const fl_model *m, const s2s_stack *st, int grad,
  * 2s + 1, block b of either stack (its index among all the model's blocks) 16 + b (its sites within it) */
 static uint64_t drop_site(const fl_model *m, int site) { return fl_dropout_seed(m->drop_seed, (uint64_t)site); }
 
+/* A pipeline stage (cfg.pp_enc > 0, fitllm/pp.h): stack s's embedding runs where the stage holds the stack's first
+ * block, its final norm (and the decoder's head) where it holds the last; block l of stack s is block
+ * fl_s2s_block_index of the whole model (its dropout sites). A whole model runs every end. */
+int fl_s2s_runs_embed(const fl_model *m, int s) {
+    const fl_model_config *c = &m->cfg;
+    if (c->pp_enc <= 0) return 1;
+    return s == 0 ? c->n_layers > 0 && c->pp_first == 0 : c->n_dec_layers > 0 && c->pp_first <= c->pp_enc;
+}
+int fl_s2s_runs_norm(const fl_model *m, int s) {
+    const fl_model_config *c = &m->cfg;
+    if (c->pp_enc <= 0) return 1;
+    return s == 0 ? c->n_layers > 0 && c->pp_first + c->n_layers == c->pp_enc : c->n_dec_layers > 0 && !m->stage.out;
+}
+static int block_index(const fl_model *m, const s2s_stack *st, int s, int l) {
+    const fl_model_config *c = &m->cfg;
+    if (c->pp_enc <= 0) return st->l0 + l;
+    return s == 0 ? c->pp_first + l : (c->pp_first > c->pp_enc ? c->pp_first : c->pp_enc) + l;
+}
+
 /* the dropout of a stack's embedding (site 2s) or final norm output (2s + 1) over n values: in a training forward
  * and, for the gradient, in its backward (the same mask); nothing without dropout */
 static fl_status drop_rows(const fl_model *m, float *x, size_t n, int site) {
@@ -175,7 +194,7 @@ static fl_status drop_part(const fl_model *m, float *x, int n, size_t row0, int 
 static fl_block_ctx stack_ctx(const fl_model *m, const struct fl_s2s_acts *a, int s, int l, float *const *dxs) {
     fl_block_ctx x = {.B = a->Bp, .T = a->T[s], .drop_p = a->drop_p, .attn_drop_p = a->drop_p, /* T5: one rate */
                       .comm = m->tp_comm}; /* TP: the blocks' sums */
-    x.drop_seed = drop_site(m, 16 + a->st[s].l0 + l);
+    x.drop_seed = drop_site(m, 16 + block_index(m, &a->st[s], s, l));
     x.kmask = a->kmask_on ? a->kmask : NULL; /* the first stack's keys: its self-attention's and the cross-attention's */
     x.attn_bias = a->st[s].bias;
     x.Tk = s > 0 ? a->T[s - 1] : a->T[s];
@@ -252,6 +271,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
         if (mg->op[i].stack != s) continue;
         switch ((fl_mop_kind)mg->op[i].kind) {
         case FL_MOP_EMBED: {
+            if (!fl_s2s_runs_embed(m, s)) break; /* a later pipeline stage: res[0] is the previous stage's */
             FL_TRY(FL_RUN(be, to_device, st->ids, ids, (size_t)N * sizeof *ids));
             float *e = a->spp ? a->gb[0] : st->res[0]; /* sequence parallel: the whole rows, the rank's kept */
             FL_TRY(fl_embed_forward(m, &op, e, st->ids, ids, a->Bp, T, 0)); /* TP: summed over the group */
@@ -265,6 +285,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
             break;
         }
         case FL_MOP_RELBIAS: /* the table is in the stack's first block's group */
+            if (st->L == 0) break; /* a pipeline stage without blocks of the stack */
             FL_TRY(block_gather(m, st->l0 + 1));
             FL_TRY(relbias_forward(m, st, T, s < mg->n_stacks - 1));
             break;
@@ -280,6 +301,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
             }
             break;
         case FL_MOP_NORM:
+            if (!fl_s2s_runs_norm(m, s)) break; /* a pipeline stage before the stack's end */
             if (a->spp) { /* sequence parallel: the rank's rows (their part of the whole mask), then the whole rows */
                 size_t r0;
                 const int n = fl_sp_part(m, N, &r0);
@@ -298,7 +320,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
                 a->head.targets = targets, a->head.grad_scale = grad_scale, a->head.N = N, a->head.open = 1;
                 break;
             }
-            FL_TRY(head_run(m, targets, N, grad_scale, logits_out));
+            if (fl_s2s_runs_norm(m, s)) FL_TRY(head_run(m, targets, N, grad_scale, logits_out));
             break;
         default:
             return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward_s2s: model graph op %d is not executed in a stack",
@@ -414,16 +436,20 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
         if (mg->op[i].stack == s && mg->op[i].kind == FL_MOP_NORM) role_norm = mg->op[i].role_w;
     size_t r0 = 0; /* sequence parallel: the rank's rows of d(the norm's output) and of the stream */
     const int n = a->spp ? fl_sp_part(m, N, &r0) : N;
-    FL_RUN(be, zero, dres, (size_t)n * C * sizeof(float));
-    if (a->spp) FL_TRY(drop_part(m, dnout + r0 * C, n, r0, 2 * s + 1));
-    else FL_TRY(drop_rows(m, dnout, (size_t)N * C, 2 * s + 1)); /* d(the norm's output) through its dropout mask */
-    stage_open(m, G);
-    float *dw = param_of(m, G, role_norm, 1), *db = NULL;
-    if (a->spp) fl_sp_norm_begin(m, param_of(m, G, role_norm, 1), NULL, &dw, &db); /* the rank's rows' part */
-    fl_norm_backward(m, dres, dw, NULL, dnout + r0 * C, st->res[st->L], param_of(m, G, role_norm, 0), NULL, st->nrstd,
-                     n);
-    if (a->spp) FL_TRY(fl_sp_norm_end(m, m->tp_comm, param_of(m, G, role_norm, 1), NULL));
-    FL_TRY(stage_close(m, G));
+    /* a pipeline stage before the stack's end starts from d(its blocks' output) the next stage sent (in dres) */
+    const int norm = fl_s2s_runs_norm(m, s), embed = fl_s2s_runs_embed(m, s);
+    if (norm) {
+        FL_RUN(be, zero, dres, (size_t)n * C * sizeof(float));
+        if (a->spp) FL_TRY(drop_part(m, dnout + r0 * C, n, r0, 2 * s + 1));
+        else FL_TRY(drop_rows(m, dnout, (size_t)N * C, 2 * s + 1)); /* d(the norm's output) through its dropout mask */
+        stage_open(m, G);
+        float *dw = param_of(m, G, role_norm, 1), *db = NULL;
+        if (a->spp) fl_sp_norm_begin(m, param_of(m, G, role_norm, 1), NULL, &dw, &db); /* the rank's rows' part */
+        fl_norm_backward(m, dres, dw, NULL, dnout + r0 * C, st->res[st->L], param_of(m, G, role_norm, 0), NULL,
+                         st->nrstd, n);
+        if (a->spp) FL_TRY(fl_sp_norm_end(m, m->tp_comm, param_of(m, G, role_norm, 1), NULL));
+        FL_TRY(stage_close(m, G));
+    }
     if (s == 0) fl_store_release(m->store, G);
     /* data parallel: each layout group's gradient handed on as it becomes final (fl_store_grads_ready; its bucket
      * hook): the final norms and head's group once the first stack's norm is done (the stacks run backward in
@@ -432,9 +458,9 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
     if (s == 0) FL_TRY(fl_store_grads_ready(m->store, G));
     FL_RUN(be, zero, st->dbias, (size_t)m->cfg.n_heads * T * T * sizeof(float));
     float *dxs[FL_GRAPH_MAX_SLOTS] = {0};
-    if (st->xslot >= 0) {
+    if (st->xslot >= 0) { /* a pipeline stage before the decoder's end adds to the sum the next stage sent */
         dxs[st->xslot] = a->dstream;
-        FL_RUN(be, zero, a->dstream, (size_t)a->Bp * a->T[s - 1] * C * sizeof(float));
+        if (norm) FL_RUN(be, zero, a->dstream, (size_t)a->Bp * a->T[s - 1] * C * sizeof(float));
     }
     for (int l = st->L - 1; l >= 0; l--) {
         const int g = st->l0 + l + 1;
@@ -460,6 +486,8 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
     }
     fl_outer_params op;
     fl_get_outer(m, &op);
+    if (!embed) /* a later pipeline stage: d(its blocks' input) stays in dres for the previous stage */
+        return s == 0 ? fl_store_grads_ready(m->store, 0) : FL_OK;
     if (a->spp) { /* sequence parallel: the rank's rows through their part of the mask, then the whole rows */
         FL_TRY(drop_part(m, dres, n, r0, 2 * s));
         FL_TRY(fl_sp_gather(m, dres, a->gb[1], N));
@@ -482,11 +510,26 @@ static fl_status s2s_backward(fl_model *m) {
     fl_status s = fl_model_graph_build(&m->cfg, &mg);
     const int last = mg.n_stacks - 1, N = a->Bp * a->T[last];
     m->ckpt_recomputed = 0;
-    if (s == FL_OK && m->cfg.head_scale) /* d(norm out) = scale x d(head input) */
+    if (s == FL_OK && m->cfg.head_scale && fl_s2s_runs_norm(m, last)) /* d(norm out) = scale x d(head input) */
         FL_RUN(m->be, scale, a->gb[1], (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
     /* the last stack from the head's d(its norm's output); each earlier one from d(its output) the later left */
     for (int k = last; s == FL_OK && k >= 0; k--) {
-        s = stack_backward(m, &mg, k, k == last ? a->gb[1] : a->spp ? a->gb[1] : a->dstream);
+        if (a->st[k].L == 0) { /* a pipeline stage without blocks of the stack: the groups it would hand on */
+            if (k == 0) s = fl_store_grads_ready(m->store, m->layout.n_groups - 1);
+            if (k == 0 && s == FL_OK) s = fl_store_grads_ready(m->store, 0);
+            continue;
+        }
+        /* TP x PP: a pipeline stage before the decoder's end received the later stages' d(encoder output), summed over
+         * the group already: parked on the host while its blocks' parts are summed, then added back */
+        const int tp = m->tp_comm && fl_comm_size(m->tp_comm) > 1, xs = k > 0 && a->st[k].xslot >= 0;
+        const size_t nxs = xs ? (size_t)a->Bp * a->T[k - 1] * m->cfg.dim : 0;
+        float *part = tp && xs && !fl_s2s_runs_norm(m, k) ? malloc(nxs * sizeof *part) : NULL;
+        if (tp && xs && !fl_s2s_runs_norm(m, k)) {
+            s = part ? FL_RUN(m->be, to_host, part, a->dstream, nxs * sizeof *part)
+                     : fl_errorf(FL_ERR_OOM, "pipeline stage: out of host memory");
+            if (s == FL_OK) FL_RUN(m->be, zero, a->dstream, nxs * sizeof *part);
+        }
+        if (s == FL_OK) s = stack_backward(m, &mg, k, k == last ? a->gb[1] : a->spp ? a->gb[1] : a->dstream);
         /* tensor parallel: d(the earlier stack's output) is each rank's part from its heads' cross k|v: summed over the
          * group once for every block (Megatron's f of the column-parallel k|v linears, graph_tp.c); sequence
          * parallel: reduce-scattered into the rank's rows (of gb[1], free now), which the earlier stack's norm reads */
@@ -499,6 +542,11 @@ static fl_status s2s_backward(fl_model *m) {
             s = fl_error_prefix(fl_comm_all_reduce(m->tp_comm, a->dstream, a->dstream,
                                                    (size_t)a->Bp * a->T[k - 1] * m->cfg.dim, FL_F32, FL_COMM_SUM),
                                 "tensor parallel: d(the encoder output)");
+        if (s == FL_OK && part) { /* gb[1] is free after the stack's blocks */
+            s = FL_RUN(m->be, to_device, a->gb[1], part, nxs * sizeof *part);
+            if (s == FL_OK) FL_RUN(m->be, add, a->dstream, a->dstream, a->gb[1], nxs);
+        }
+        free(part);
     }
     m->fwd_train = 0;
     return s;
@@ -717,6 +765,10 @@ static fl_status s2s_forward_head(fl_model *m, float *logits_out) {
     if (!a->head.open)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward_head: needs a preceding fl_model_forward_s2s_body");
     a->head.open = 0;
+    if (!fl_s2s_runs_norm(m, a->n_stacks - 1)) { /* an earlier pipeline stage: no head */
+        m->fwd_train = a->head.grad_scale > 0;
+        return FL_OK;
+    }
     s2s_lend(m, 1);
     fl_status s = head_run(m, a->head.targets, a->head.N, a->head.grad_scale, logits_out);
     if (s != FL_OK || a->head.grad_scale <= 0) roots_release(m);

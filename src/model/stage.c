@@ -16,22 +16,57 @@
 #include <string.h>
 
 #include "fitllm/pp.h"
-#include "model-impl.h"
+#include "seq2seq-impl.h"
 #include "store.h"
 
+/* An encoder-decoder (T5) splits the sequence [encoder blocks; decoder blocks]: a stage holds a contiguous run of it,
+ * as a T5 config of its encoder and decoder block counts (either may be 0) that remembers where it sits (pp_enc,
+ * pp_first). Its layout is T5's: the shared embedding, its blocks, both final norms and the head, and a relative bias
+ * table in its first block of each stack it holds blocks of: a copy of the whole's where that block is not the
+ * stack's first, from which the stage computes the bias its blocks add (the copies' gradients are summed over the
+ * pipeline after the schedule, as the shared embedding's: fl_pp_step_run). */
+static fl_status stage_config_s2s(const fl_model_config *whole, int first, int last, fl_model_config *out) {
+    const int Le = whole->n_layers, L = Le + whole->n_dec_layers;
+    if (whole->pp_enc > 0)
+        return fl_errorf(FL_ERR_INVALID, "pipeline stage: the config is already a stage's");
+    if (first < 0 || last <= first || last > L)
+        return fl_errorf(FL_ERR_INVALID, "pipeline stage: blocks [%d, %d) of an encoder-decoder with %d (%d + %d)", first,
+                         last, L, Le, whole->n_dec_layers);
+    *out = *whole;
+    out->n_layers = (last < Le ? last : Le) - (first < Le ? first : Le);
+    out->n_dec_layers = (last > Le ? last : Le) - (first > Le ? first : Le);
+    out->pp_enc = Le;
+    out->pp_first = first;
+    return FL_OK;
+}
+
+int fl_pp_model_blocks(const fl_model_config *c) { return c->n_layers + (fl_model_is_s2s(c) ? c->n_dec_layers : 0); }
+
 fl_status fl_pp_stage_config(const fl_model_config *whole, int first, int last, fl_model_config *out) {
+    if (whole->arch == FL_ARCH_T5) return stage_config_s2s(whole, first, last, out);
     if (first < 0 || last <= first || last > whole->n_layers)
         return fl_errorf(FL_ERR_INVALID, "pipeline stage: layers [%d, %d) of a model with %d", first, last,
                          whole->n_layers);
     if (whole->arch != FL_ARCH_LLAMA && whole->arch != FL_ARCH_GPT2 && whole->arch != FL_ARCH_OPT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel: %s is not split into stages (decoder-only models "
-                         "are: LLaMA, GPT-2, OPT)", fl_arch_get(whole->arch)->display);
+                         "are: LLaMA, GPT-2, OPT; and T5)", fl_arch_get(whole->arch)->display);
     *out = *whole;
     out->n_layers = last - first;
     return FL_OK;
 }
 
 void fl_pp_block_costs(const fl_model_config *c, int T, double *cost) {
+    if (fl_model_is_s2s(c)) { /* T5: an encoder block's and a decoder block's FLOPs at source = target = T, the head's
+                               * (no blocks) on the last block */
+        fl_model_config e = *c, d = *c, none = *c;
+        e.n_layers = 1, e.n_dec_layers = 0, d.n_layers = 0, d.n_dec_layers = 1, none.n_layers = none.n_dec_layers = 0;
+        const double head = fl_model_train_flops_s2s(&none, 1, T, T);
+        const double eb = fl_model_train_flops_s2s(&e, 1, T, T) - head, db = fl_model_train_flops_s2s(&d, 1, T, T) - head;
+        const int L = fl_pp_model_blocks(c);
+        for (int i = 0; i < L; i++) cost[i] = i < c->n_layers ? eb : db;
+        if (L > 0) cost[L - 1] += head;
+        return;
+    }
     /* one block's FLOPs: the whole count's change with one more block (its matmuls and attention); the head's: the
      * count of no blocks (lm_head's GEMMs; the embeddings are a lookup) */
     fl_model_config one = *c, none = *c;
@@ -51,7 +86,42 @@ static int entry_group(const fl_param_layout *lay, int i, int *within) {
     return g;
 }
 
+/* T5: the group of a layout's relative bias table of the stack named by prefix ("encoder." / "decoder."), -1 */
+static int table_group(const fl_param_layout *lay, const char *prefix) {
+    for (int i = 0; i < lay->n; i++)
+        if (lay->params[i].role == FL_ROLE_REL_BIAS && !strncmp(lay->params[i].name, prefix, strlen(prefix))) {
+            int k;
+            return entry_group(lay, i, &k);
+        }
+    return -1;
+}
+
+/* T5: a block entry of the stage's group g (stack by its name), k-th of the group, in the whole layout: the block
+ * first (among the stack's) + g - the stage's first group of the stack; a relative bias table maps to the whole's
+ * (a copy where the stage's first block is not the stack's), the other entries skip the tables either side holds */
+static int stage_entry_s2s(const fl_param_layout *whole, const fl_param_layout *stage, int first, int i) {
+    int k;
+    const int g = entry_group(stage, i, &k), Gs = stage->n_groups - 1, Gw = whole->n_groups - 1;
+    const fl_param_info *e = &stage->params[i];
+    int wg = g == 0 ? 0 : g == Gs ? Gw : -1, wk = k;
+    if (wg < 0) {
+        const int dec = !strncmp(e->name, "decoder.", 8), Le = table_group(whole, "decoder.") - 1;
+        const int sg0 = table_group(stage, dec ? "decoder." : "encoder."), wg0 = dec ? 1 + Le : 1;
+        if (sg0 < 0 || Le < 0) return -1;
+        const int b0 = dec ? (first > Le ? first - Le : 0) : first; /* the stage's first block of the stack */
+        if (e->role == FL_ROLE_REL_BIAS) wg = wg0, wk = 0;
+        else wg = wg0 + b0 + (g - sg0), wk = k - (g == sg0) + (wg == wg0);
+    }
+    int j = 0;
+    while (j < whole->n && whole->params[j].offset < whole->group_offset[wg]) j++;
+    j += wk;
+    return j < whole->n && whole->params[j].numel == e->numel && whole->params[j].role == e->role ? j : -1;
+}
+
+static int layout_is_s2s(const fl_param_layout *lay) { return table_group(lay, "decoder.") >= 0 || table_group(lay, "encoder.") >= 0; }
+
 int fl_pp_stage_entry(const fl_param_layout *whole, const fl_param_layout *stage, int first, int i) {
+    if (layout_is_s2s(whole)) return stage_entry_s2s(whole, stage, first, i);
     int k;
     const int g = entry_group(stage, i, &k), Ls = stage->n_groups - 2, L = whole->n_groups - 2;
     const int wg = g == 0 ? 0 : g <= Ls ? first + g : L + 1;
@@ -69,7 +139,24 @@ int fl_pp_layout_owns(const fl_param_layout *lay, int in, int out, int i) {
     return 1;
 }
 
-int fl_pp_stage_owns(const fl_model *m, int i) { return fl_pp_layout_owns(&m->layout, m->stage.in, m->stage.out, i); }
+/* T5: the entries the stage is the one to train (its gradient is the model's; copies elsewhere get the same sum):
+ * the shared embedding on the first stage, a stack's relative bias table where the stage holds the stack's first
+ * block, the encoder's final norm where it holds the encoder's last, the decoder's and the head on the last stage */
+int fl_pp_config_owns(const fl_model_config *c, const fl_param_layout *lay, int in, int out, int i) {
+    if (c->pp_enc <= 0) return fl_pp_layout_owns(lay, in, out, i);
+    int k;
+    const int g = entry_group(lay, i, &k), Le = c->pp_enc, f = c->pp_first;
+    const fl_param_role r = lay->params[i].role;
+    if (g == 0) return !in;
+    if (r == FL_ROLE_REL_BIAS) return !strncmp(lay->params[i].name, "decoder.", 8) ? f <= Le : f == 0;
+    if (r == FL_ROLE_NORM_E_W) return c->n_layers > 0 && f + c->n_layers == Le;
+    if (g == lay->n_groups - 1) return !out;
+    return 1;
+}
+
+int fl_pp_stage_owns(const fl_model *m, int i) {
+    return fl_pp_config_owns(&m->cfg, &m->layout, m->stage.in, m->stage.out, i);
+}
 
 /* QLoRA: a 4-bit entry's buffer copied as it is (the stage holds the whole model's codes and absmax, not a
  * re-quantization of their dequantized values: double quantization's mean would move) */
@@ -130,6 +217,7 @@ fl_status fl_model_set_stage(fl_model *m, int in, int out) {
 }
 
 fl_status fl_model_stage_open_grads(fl_model *m) {
+    if (m->acts && m->acts->s2s) return FL_OK; /* FULL_SHARD on an encoder-decoder's pipeline is refused */
     if (!fl_store_sharded(m->store) || !m->fwd_train) return FL_OK;
     FL_TRY(fl_store_grads_begin(m->store, m->cfg.n_layers + 1));
     return m->stage.in ? fl_store_grads_begin(m->store, 0) : FL_OK;
@@ -151,17 +239,20 @@ fl_status fl_model_stage_input(fl_model *m, const float *x, int B, int T) {
 }
 
 fl_status fl_model_stage_output(const fl_model *m, float *y) {
+    if (m->acts && m->acts->s2s) return fl_s2s_stage_output(m, y);
     if (!m->acts || !m->stage.out) return fl_errorf(FL_ERR_INVALID, "fl_model_stage_output: not an earlier stage");
     return FL_RUN(m->be, to_host, y, m->acts->res[m->cfg.n_layers], stream_bytes(m, m->fwd_B, m->fwd_T));
 }
 
 fl_status fl_model_stage_dout(fl_model *m, const float *dy) {
+    if (m->acts && m->acts->s2s) return fl_s2s_stage_dout(m, dy);
     if (!m->acts || !m->stage.out || !m->fwd_train)
         return fl_errorf(FL_ERR_INVALID, "fl_model_stage_dout: an earlier stage after a training forward");
     return FL_RUN(m->be, to_device, m->acts->dres, dy, stream_bytes(m, m->fwd_B, m->fwd_T));
 }
 
 fl_status fl_model_stage_dinput(const fl_model *m, float *dx, int B, int T) {
+    if (m->acts && m->acts->s2s) return fl_s2s_stage_dinput(m, dx);
     if (!m->acts || !m->stage.in) return fl_errorf(FL_ERR_INVALID, "fl_model_stage_dinput: not a later stage");
     return FL_RUN(m->be, to_host, dx, m->acts->dres, stream_bytes(m, B, T));
 }
@@ -173,6 +264,7 @@ struct fl_stage_stash {
     void *ad;                 /* the adapters' activations (LoRA: each module's h and dropped input) */
     size_t ad_bytes;
     int fwd_B, fwd_T, fwd_train;
+    fl_s2s_stash *x;          /* an encoder-decoder's (seq2seq_stage.c), instead of the above */
 };
 
 /* the adapters' activation buffer (outside the ACTS arena) and its bytes; 0 without adapters */
@@ -182,6 +274,7 @@ static size_t adapter_region(const fl_model *m, void **buf) {
 }
 
 size_t fl_model_stage_stash_bytes(const fl_model *m) {
+    if (m->acts && m->acts->s2s) return fl_s2s_stash_bytes(m);
     const size_t N = (size_t)m->B * m->T;
     void *ad;
     return m->sizes.acts_bytes + N * sizeof(int32_t) + (m->stage.out ? 0 : N * m->cfg.dim * sizeof(float)) +
@@ -190,6 +283,7 @@ size_t fl_model_stage_stash_bytes(const fl_model *m) {
 
 void fl_model_stage_stash_free(fl_model *m, fl_stage_stash *s) {
     if (!s) return;
+    fl_s2s_stash_free(m, s->x);
     fl_mem_free(m->pool, s->acts);
     fl_mem_free(m->pool, s->ids);
     fl_mem_free(m->pool, s->dlnf);
@@ -199,9 +293,15 @@ void fl_model_stage_stash_free(fl_model *m, fl_stage_stash *s) {
 
 fl_status fl_model_stage_stash_new(fl_model *m, fl_stage_stash **out) {
     *out = NULL;
-    if (!m->acts || m->acts->s2s) return fl_errorf(FL_ERR_UNSUPPORTED, "pipeline stash: a decoder-only model's arena");
+    if (!m->acts) return fl_errorf(FL_ERR_INVALID, "pipeline stash: the model has no arena");
     fl_stage_stash *s = calloc(1, sizeof *s);
     if (!s) return fl_errorf(FL_ERR_OOM, "pipeline stash: out of host memory");
+    if (m->acts->s2s) {
+        fl_status st = fl_s2s_stash_new(m, &s->x);
+        if (st != FL_OK) free(s);
+        else *out = s;
+        return st;
+    }
     const size_t N = (size_t)m->B * m->T;
     fl_status st = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, &s->acts);
     if (st == FL_OK) st = fl_mem_alloc(m->pool, FL_TAG_ACTS, N * sizeof(int32_t), &s->ids);
@@ -218,6 +318,7 @@ fl_status fl_model_stage_stash_new(fl_model *m, fl_stage_stash **out) {
 }
 
 fl_status fl_model_stage_stash_save(fl_model *m, fl_stage_stash *s) {
+    if (s->x) return fl_s2s_stash_save(m, s->x);
     const fl_backend *be = m->be;
     const size_t N = (size_t)m->fwd_B * m->fwd_T;
     FL_TRY(FL_RUN(be, copy, s->acts, m->acts_arena, m->sizes.acts_bytes));
@@ -247,6 +348,7 @@ static fl_status after_restore(fl_model *m) {
 }
 
 fl_status fl_model_stage_stash_restore(fl_model *m, const fl_stage_stash *s) {
+    if (s->x) return fl_s2s_stash_restore(m, s->x);
     const fl_backend *be = m->be;
     const size_t N = (size_t)s->fwd_B * s->fwd_T;
     FL_TRY(FL_RUN(be, copy, m->acts_arena, s->acts, m->sizes.acts_bytes));
@@ -271,6 +373,7 @@ static fl_status swap_bytes(const fl_backend *be, void *a, void *b, size_t n, vo
 }
 
 fl_status fl_model_stage_stash_swap(fl_model *m, fl_stage_stash *s, void *scratch, size_t scratch_bytes) {
+    if (s->x) return fl_s2s_stash_swap(m, s->x, scratch, scratch_bytes);
     const fl_backend *be = m->be;
     const size_t N = (size_t)m->B * m->T; /* the arena's rows: both shapes fit */
     FL_TRY(swap_bytes(be, m->acts_arena, s->acts, m->sizes.acts_bytes, scratch, scratch_bytes));

@@ -212,7 +212,7 @@ fl_status fl_pp_simulate(fl_pp_schedule k, int stages, int micro, const double *
 }
 
 fl_status fl_pp_split_model(const fl_model_config *c, int T, int stages, int *first) {
-    const int L = c->n_layers;
+    const int L = fl_pp_model_blocks(c);
     double *cost = malloc(((size_t)(L > 0 ? L : 0) + 1) * sizeof *cost);
     if (!cost) return fl_errorf(FL_ERR_OOM, "pipeline split: out of host memory");
     fl_pp_block_costs(c, T > 0 ? T : 1, cost);
@@ -226,7 +226,7 @@ fl_status fl_pp_estimate_step_v(const fl_model_config *c, int T, int stages, int
     memset(e, 0, sizeof *e);
     const int NV = stages * (chunks > 0 ? chunks : 1);
     if (NV > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 (virtual) stages", NV);
-    const int L = c->n_layers;
+    const int L = fl_pp_model_blocks(c);
     if (chunks > 1 && NV > L)
         return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d x --pipeline_chunks %d: %d virtual stages for a model of "
                          "%d blocks (each needs at least one)", stages, chunks, NV, L);
@@ -311,7 +311,7 @@ fl_status fl_pp_estimate_text_v(const fl_model_config *c, int T, int stages, int
      * applies: 1F1B, micro-batches a multiple of the stages, two blocks per rank at least */
     fl_pp_estimate v;
     at = strlen(buf);
-    if (k == FL_PP_1F1B && stages > 1 && micro % stages == 0 && 2 * stages <= c->n_layers && at < n &&
+    if (k == FL_PP_1F1B && stages > 1 && micro % stages == 0 && 2 * stages <= fl_pp_model_blocks(c) && at < n &&
         fl_pp_estimate_step_v(c, T, stages, 2, micro, FL_PP_INTERLEAVED, &v) == FL_OK)
         snprintf(buf + at, n - at, "\npipeline: interleaved 1F1B with 2 chunks per rank (virtual stages; "
                  "--pipeline_schedule interleaved) would take %.4g%s, bubble %.1f%% (equal stages: %.1f%%)", u * v.step, unit, 100 * v.bubble,

@@ -46,7 +46,7 @@ fl_status fl_pp_init_v(fl_pp *p, fl_model *const *ms, int chunks, fl_comm *comm,
         const int v = c * S + p->stage; /* virtual stage */
         p->ch[c].m = ms[c];
         FL_TRY(fl_model_set_stage(ms[c], v > 0, v < NV - 1));
-        const size_t n = (size_t)ms[c]->B * ms[c]->T * ms[c]->cfg.dim;
+        const size_t n = fl_model_stage_max_elems(ms[c]); /* an encoder-decoder's: both stacks' streams */
         if (n > most) most = n;
     }
     p->hx_n = most;
@@ -187,6 +187,12 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
                     : o->w.n != fl_model_store_numel(p->m) || o->w.p != fl_model_params_data(p->m)) /* FULL_SHARD: the shard's */
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
                          "or its LoRA adapters", p->stages);
+    if (p->m->cfg.pp_enc > 0 && in && in->stage > 2)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder: DDP, ZeRO-1 or ZeRO-2 on "
+                         "the data-parallel axis so far (not FULL_SHARD)", p->stages);
+    if (p->m->cfg.pp_enc > 0 && p->chunks > 1 && p->adapters)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved with an encoder-decoder: full fine-tuning "
+                         "only so far (not LoRA)");
     p->ch[0].o = o;
     p->ch[0].inner = in;
     p->inner = in;
@@ -276,6 +282,17 @@ static void seed_micro(run *r, fl_model *m, int k) {
 
 /* chunk ch's forward of micro-batch k: virtual stage v = ch S + stage, its input from v - 1 (the previous rank, or
  * the last rank's previous chunk), its output to v + 1 */
+/* the stream's elements of micro-batch mb at the chunk's input side (out 0) or output side (out 1) */
+static size_t stream_elems(const fl_model *m, const fl_micro_batch *mb, int out) {
+    if (fl_model_is_s2s(&m->cfg)) return fl_model_stage_elems_s2s(m, mb->B, mb->Ts, mb->T, out);
+    return fl_model_stage_elems(m, mb->B, mb->T); /* SP: the rank's rows */
+}
+
+static fl_status stage_input(fl_model *m, const float *x, const fl_micro_batch *mb) {
+    if (fl_model_is_s2s(&m->cfg)) return fl_model_stage_input_s2s(m, x, mb->B, mb->Ts, mb->T);
+    return fl_model_stage_input(m, x, mb->B, mb->T);
+}
+
 static fl_status fwd(run *r, int ch, int k) {
     fl_pp *p = r->p;
     fl_pp_chunk *h = &p->ch[ch];
@@ -283,15 +300,14 @@ static fl_status fwd(run *r, int ch, int k) {
     const int S = p->stages, v = ch * S + p->stage, NV = S * p->chunks;
     const fl_micro_batch *mb = &r->c->mbs[k];
     seed_micro(r, m, k);
-    const size_t n = fl_model_stage_elems(m, mb->B, mb->T); /* SP: the rank's rows */
     if (r->live[ch] >= 0) FL_TRY(park(p, h, r->live[ch], r->slot_of[ch])); /* its backward comes later */
     r->live[ch] = -1;
     if (v > 0) {
-        FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, (v - 1) % S, tag_act(p, ch)));
-        FL_TRY(fl_model_stage_input(m, p->hx, mb->B, mb->T));
+        FL_TRY(fl_comm_recv(p->comm, p->hx, stream_elems(m, mb, 0), FL_F32, (v - 1) % S, tag_act(p, ch)));
+        FL_TRY(stage_input(m, p->hx, mb));
     }
     const double t0 = now_ms();
-    FL_TRY(fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, r->grad_scale));
+    FL_TRY(fl_model_forward_micro(m, mb, r->grad_scale, NULL)); /* either kind, up to the head's input */
     FL_TRY(fl_model_forward_head(m, NULL));
     const double dt = now_ms() - t0;
     p->fwd_ms += dt, h->fwd_ms += dt;
@@ -299,7 +315,7 @@ static fl_status fwd(run *r, int ch, int k) {
     r->live[ch] = k;
     if (v < NV - 1) {
         FL_TRY(fl_model_stage_output(m, p->hx));
-        FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, (v + 1) % S, tag_act(p, (v + 1) / S)));
+        FL_TRY(fl_comm_send(p->comm, p->hx, stream_elems(m, mb, 1), FL_F32, (v + 1) % S, tag_act(p, (v + 1) / S)));
     } else {
         r->stats[2 * k] = m->loss_sum;
         r->stats[2 * k + 1] = (double)m->n_valid;
@@ -313,7 +329,6 @@ static fl_status bwd(run *r, int ch, int k) {
     fl_model *m = h->m;
     const int S = p->stages, v = ch * S + p->stage, NV = S * p->chunks;
     const fl_micro_batch *mb = &r->c->mbs[k];
-    const size_t n = fl_model_stage_elems(m, mb->B, mb->T); /* SP: the rank's rows */
     if (r->live[ch] != k) { /* k back from its slot; the arena's micro-batch (if any) into that slot */
         const int slot = r->slot_of[ch][k];
         if (r->live[ch] >= 0) FL_TRY(fl_model_stage_stash_swap(m, h->stash[slot], h->swap, h->swap_bytes));
@@ -323,7 +338,7 @@ static fl_status bwd(run *r, int ch, int k) {
         r->live[ch] = k;
     }
     if (v < NV - 1) {
-        FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, (v + 1) % S, tag_grad(p, ch)));
+        FL_TRY(fl_comm_recv(p->comm, p->hx, stream_elems(m, mb, 1), FL_F32, (v + 1) % S, tag_grad(p, ch)));
         FL_TRY(fl_model_stage_dout(m, p->hx));
     }
     seed_micro(r, m, k);
@@ -339,7 +354,7 @@ static fl_status bwd(run *r, int ch, int k) {
     r->live[ch] = -1;
     if (v > 0) {
         FL_TRY(fl_model_stage_dinput(m, p->hx, mb->B, mb->T));
-        FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, (v - 1) % S, tag_grad(p, (v - 1) / S)));
+        FL_TRY(fl_comm_send(p->comm, p->hx, stream_elems(m, mb, 0), FL_F32, (v - 1) % S, tag_grad(p, (v - 1) / S)));
     }
     return FL_OK;
 }
@@ -390,6 +405,67 @@ static fl_status tied_sum(fl_pp *p, fl_optimizer *o0) {
     return fl_error_prefix(s, "pipeline: the tied embeddings' gradient");
 }
 
+/* An encoder-decoder's stages: the shared embedding (each stage that runs an embedding, and the tied head, adds its
+ * part) and each stack's relative bias table (a copy on every stage holding blocks of the stack, each folding its
+ * blocks' d(bias)) summed over the pipeline in one all-reduce, so every copy gets the whole gradient and updates alike
+ * (the one process sums them micro-batch by micro-batch and block by block: this differs by rounding). ZeRO-2: each
+ * entry's reduced gradient made whole on the axis first (whole_reduced). A stage without a table adds zeros. */
+/* chunk model m's shared embedding (e 0) and encoder / decoder relative bias table (e 1, 2): its entry, -1 if none */
+static int shared_entry(const fl_model *m, int e) {
+    if (e == 0) return fl_layout_role(&m->layout, 0, FL_ROLE_EMBED);
+    for (int i = 0; i < m->layout.n; i++)
+        if (m->layout.params[i].role == FL_ROLE_REL_BIAS && !strncmp(m->layout.params[i].name, "decoder.", 8) == (e == 2))
+            return i;
+    return -1;
+}
+
+/* move entry e's gradient of chunk c between its optimizer's buffer and a (fp32, n): add 1 adds it into a (ZeRO-2:
+ * made whole on the axis first), else writes a into it */
+static fl_status shared_move(fl_pp *p, int c, fl_optimizer *o0, int e, float *a, size_t n, void *raw, float *tmp, int add) {
+    const fl_model *m = p->ch[c].m;
+    const fl_optimizer *o = c == 0 ? o0 : p->ch[c].o;
+    const int i = shared_entry(m, e);
+    if (i < 0) return FL_OK;
+    const fl_param_info *pi = &m->layout.params[i];
+    const size_t es = fl_dtype_size(o->w.gt);
+    if (pi->numel != n) return fl_errorf(FL_ERR_INTERNAL, "pipeline: %s has %zu elements, not %zu", pi->name, pi->numel, n);
+    char *g = (char *)o->w.g + pi->offset * es;
+    if (!add) {
+        fl_convert(raw, o->w.gt, a, FL_F32, n);
+        return FL_RUN(m->be, to_device, g, raw, n * es);
+    }
+    FL_TRY(FL_RUN(m->be, to_host, raw, g, n * es));
+    fl_convert(tmp, FL_F32, raw, o->w.gt, n);
+    if (p->inner && p->inner->stage == 2) FL_TRY(whole_reduced(p, o, tmp, pi->offset, n));
+    for (size_t k = 0; k < n; k++) a[k] += tmp[k];
+    return FL_OK;
+}
+
+/* An encoder-decoder's stages: the shared embedding (each stage that runs an embedding, and the tied head, adds its
+ * part) and each stack's relative bias table (a copy on every stage holding blocks of the stack, each folding its
+ * blocks' d(bias)) summed over the rank's chunks and then the pipeline in one all-reduce, so every copy gets the whole
+ * gradient and updates alike (the one process sums them micro-batch by micro-batch and block by block: this differs
+ * by rounding). ZeRO-2: each entry's reduced gradient made whole on the axis first (whole_reduced). A stage without a
+ * table adds zeros. LoRA: the base is frozen, nothing to sum. */
+static fl_status s2s_shared_sum(fl_pp *p, fl_optimizer *o) {
+    fl_model *m = p->m;
+    if (p->stages < 2 || p->adapters) return FL_OK;
+    const size_t nt = (size_t)m->cfg.n_heads * m->cfg.rel_buckets;
+    const size_t len[3] = {(size_t)fl_config_vocab_rows(&m->cfg, NULL) * m->cfg.dim, nt, nt}, tot = len[0] + 2 * nt;
+    float *a = calloc(tot + len[0] + 1, sizeof *a), *tmp = a ? a + tot : NULL;
+    void *raw = malloc(len[0] * sizeof(double) + 1); /* the widest gradient dtype's bytes */
+    fl_status s = a && raw ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline: out of host memory (the shared gradients)");
+    for (int c = 0; s == FL_OK && c < p->chunks; c++)
+        for (size_t e = 0, at = 0; s == FL_OK && e < 3; at += len[e], e++)
+            s = shared_move(p, c, o, (int)e, a + at, len[e], raw, tmp, 1);
+    if (s == FL_OK) s = fl_comm_all_reduce(p->comm, a, a, tot, FL_F32, FL_COMM_SUM);
+    for (int c = 0; s == FL_OK && c < p->chunks; c++)
+        for (size_t e = 0, at = 0; s == FL_OK && e < 3; at += len[e], e++)
+            s = shared_move(p, c, o, (int)e, a + at, len[e], raw, tmp, 0);
+    free(a), free(raw);
+    return fl_error_prefix(s, "pipeline: the shared embedding's and relative bias tables' gradients");
+}
+
 /* the schedule's operations; the number of chunk-micro-batches in flight measured as they run */
 static fl_status schedule(run *r, const fl_pp_op *ops, int n_ops) {
     int in_flight = 0;
@@ -437,7 +513,7 @@ static fl_status amp_verdict(fl_pp *p, fl_optimizer *o0) {
 static fl_status reduce_and_update(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, double *norm) {
     if (c->dp) FL_TRY(fl_dp_reduce_grads(c->dp, o));
     for (int ch = 1; c->dp && ch < p->chunks; ch++) FL_TRY(fl_dp_reduce_grads(c->dp, p->ch[ch].o));
-    FL_TRY(tied_sum(p, o));
+    FL_TRY(p->m->cfg.pp_enc > 0 ? s2s_shared_sum(p, o) : tied_sum(p, o));
     fl_mem_set_phase(p->m->pool, "optimizer step");
     p->norm_ok = 0;
     p->amp_ok = 0;
@@ -472,8 +548,10 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     if (c->step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
     for (int ch = 1; ch < V; ch++)
         if (!p->ch[ch].o) return fl_errorf(FL_ERR_INVALID, "pipeline: chunk %d has no optimizer (fl_pp_chunk_optim)", ch);
+    const int s2s = fl_model_is_s2s(&p->m->cfg);
     for (int k = 0; k < M; k++)
-        if ((size_t)c->mbs[k].B * c->mbs[k].T * p->m->cfg.dim > p->hx_n || c->mbs[k].src)
+        if (stream_elems(p->m, &c->mbs[k], 0) > p->hx_n || stream_elems(p->m, &c->mbs[k], 1) > p->hx_n ||
+            !c->mbs[k].src != !s2s)
             return fl_errorf(FL_ERR_INVALID, "pipeline: micro-batch %d (%d, %d) exceeds the stage's arena", k,
                              c->mbs[k].B, c->mbs[k].T);
     fl_pp_op *ops = malloc((size_t)2 * M * V * sizeof *ops);
@@ -554,6 +632,8 @@ fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms) {
 /* validation: the virtual stages in order (each rank its chunks in turn), the losses from the last */
 fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T) {
     const int S = p->stages, NV = S * p->chunks;
+    if (p->m->cfg.pp_enc > 0)
+        return fl_errorf(FL_ERR_INVALID, "pipeline: an encoder-decoder's stages validate with fl_pp_eval_s2s");
     const size_t n = fl_model_stage_elems(p->m, B, T);
     if (n > p->hx_n) return fl_errorf(FL_ERR_INVALID, "pipeline: batch (%d, %d) exceeds the stage's arena", B, T);
     fl_model *m = p->m;
@@ -577,5 +657,31 @@ fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B
     FL_TRY(fl_comm_broadcast(p->comm, v, 4, FL_F32, S - 1));
     p->m->loss_sum = v[0];
     p->m->n_valid = (long)v[1];
+    return FL_OK;
+}
+
+/* an encoder-decoder's validation forward through the stages (one chunk per rank): the stream as in a training
+ * forward, without gradients; the losses from the last stage */
+fl_status fl_pp_eval_s2s(fl_pp *p, const fl_micro_batch *mb) {
+    fl_model *m = p->m;
+    const int S = p->stages, s = p->stage;
+    if (!fl_model_is_s2s(&m->cfg) || !mb->src || p->chunks > 1)
+        return fl_errorf(FL_ERR_INVALID, "fl_pp_eval_s2s: an encoder-decoder's micro-batch on one chunk per rank");
+    if (stream_elems(m, mb, 0) > p->hx_n || stream_elems(m, mb, 1) > p->hx_n)
+        return fl_errorf(FL_ERR_INVALID, "pipeline: batch (%d, %d, %d) exceeds the stage's arena", mb->B, mb->Ts, mb->T);
+    if (s > 0) {
+        FL_TRY(fl_comm_recv(p->comm, p->hx, stream_elems(m, mb, 0), FL_F32, s - 1, TAG_ACT));
+        FL_TRY(stage_input(m, p->hx, mb));
+    }
+    FL_TRY(fl_model_forward_micro(m, mb, 0.0f, NULL));
+    FL_TRY(fl_model_forward_head(m, NULL));
+    if (s < S - 1) {
+        FL_TRY(fl_model_stage_output(m, p->hx));
+        FL_TRY(fl_comm_send(p->comm, p->hx, stream_elems(m, mb, 1), FL_F32, s + 1, TAG_ACT));
+    }
+    double v[2] = {m->loss_sum, (double)m->n_valid};
+    FL_TRY(fl_comm_broadcast(p->comm, v, 4, FL_F32, S - 1));
+    m->loss_sum = v[0];
+    m->n_valid = (long)v[1];
     return FL_OK;
 }

@@ -26,7 +26,10 @@ static fl_status validate_s2s(trainer *t, long n, double *sum, long *cnt) {
         int ne;
         FL_TRY(fl_s2s_loader_next(t->in.s2s_val, &b, &ne));
         if (!fl_dp_mine(&t->dp, k)) continue;
-        FL_TRY(fl_model_forward_s2s(&t->model, b.src, b.src_mask, b.dec_in, b.labels, b.B, b.Ts, b.Tt, 0.0f, NULL));
+        const fl_micro_batch mb = {.ids = b.dec_in, .targets = b.labels, .B = b.B, .T = b.Tt, .src = b.src,
+                                   .src_mask = b.src_mask, .Ts = b.Ts};
+        if (t->pp.size > 1) FL_TRY(fl_pp_eval_s2s(&t->pp.rt, &mb)); /* the stages in turn */
+        else FL_TRY(fl_model_forward_s2s(&t->model, b.src, b.src_mask, b.dec_in, b.labels, b.B, b.Ts, b.Tt, 0.0f, NULL));
         *sum += t->model.loss_sum;
         *cnt += t->model.n_valid;
     }
@@ -229,7 +232,7 @@ out:
 fl_status fl_tr_generate_example_s2s(trainer *t) {
     const fl_run_config *c = t->cfg;
     FILE *fo = t->out;
-    if (c->eval.max_new_tokens <= 0) return FL_OK;
+    if (c->eval.max_new_tokens <= 0 || t->pp.size > 1) return FL_OK; /* pipelined decoding: not built */
     int lead = fo || (t->tp.size > 1 && t->dp.rank == 0); /* tensor parallel: the lead's group decodes with it */
     if (t->dp.fsdp && t->dp.world > 1) { /* sharded: every rank decodes in step (fl_tr_generate_example's reason) */
         double v = lead;

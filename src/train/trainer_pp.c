@@ -47,7 +47,6 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
 fl_status fl_tr_pp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm) {
     const int n = t->cfg->pipeline_parallel;
     const int W = world ? fl_comm_size(world) : 1, w = world ? fl_comm_rank(world) : 0;
-    (void)given;
     if (W % n)
         return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d: this run has %d rank%s, not a multiple of it (launch "
                          "pipelines x %d ranks: --devices %d, %d, ...)", n, W, W == 1 ? "" : "s", n, n, 2 * n);
@@ -57,6 +56,7 @@ fl_status fl_tr_pp_begin(trainer *t, fl_comm *world, const fl_model_config *give
     fl_strategy_choice sc;
     FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
     FL_TRY(fl_tr_pp_check(t, &sc));
+    if (given) FL_TRY(fl_tr_pp_check_s2s(t->cfg, &sc, given)); /* the plan's: every rank alike, before any collective */
     FL_TRY(fl_error_prefix(fl_comm_split(world, w / n, w, &t->pp.grp), "--pipeline_parallel %d: the pipeline", n));
     FL_TRY(fl_error_prefix(fl_comm_split(world, w % n, w, &t->pp.dpc), "--pipeline_parallel %d: the data-parallel axis", n));
     t->pp.size = n;
@@ -88,7 +88,7 @@ fl_status fl_tr_pp_stage_range(trainer *t, const fl_model_config *whole) {
     fl_status s = fl_pp_split_model(whole, T, NV, t->pp.split);
     if (s != FL_OK && V > 1)
         return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d x --pipeline_chunks %d: %d virtual stages for a model of "
-                         "%d blocks (each needs at least one)", t->pp.size, V, NV, whole->n_layers);
+                         "%d blocks (each needs at least one)", t->pp.size, V, NV, fl_pp_model_blocks(whole));
     FL_TRY(s);
     t->pp.first = t->pp.split[t->pp.stage];
     t->pp.last = t->pp.split[t->pp.stage + 1];
@@ -180,19 +180,26 @@ fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
     return s;
 }
 
-/* the whole model's index of (virtual) stage v's first LoRA module: its first block x the modules per block */
-static fl_status lora_base_of(const trainer *t, const fl_lora_config *lc, int v, int *base) {
+/* the whole model's index of the first adapter module of the stage starting at block `first`: decoder-only, first x
+ * the modules of a block; an encoder-decoder's encoder and decoder blocks adapt different modules (the cross-attention),
+ * numbered encoder blocks first, so first x an encoder block's before the decoder, then Le x it + the decoder blocks'
+ * before (a stage's modules stay contiguous: one holding both stacks holds the encoder's end and the decoder's start) */
+static fl_status lora_base(const fl_model_config *whole, const fl_lora_config *lc, int first, int *base) {
+    fl_param_layout lay;
+    FL_TRY(fl_layout_build(&lay, whole));
     fl_lora_module *mods = NULL;
-    int n = 0, per = 0;
-    FL_TRY(fl_lora_modules(lc, &t->model.layout, &t->model.cfg, &mods, &n));
-    for (int j = 0; j < n; j++) per += mods[j].layer == 0; /* decoder-only: every block adapts the same modules */
+    int n = 0, ne = 0, nd = 0;
+    const int Le = whole->n_layers, s2s = fl_model_is_s2s(whole);
+    fl_status s = fl_lora_modules(lc, &lay, whole, &mods, &n);
+    for (int j = 0; s == FL_OK && j < n; j++) ne += mods[j].layer == 0, nd += s2s && mods[j].layer == Le;
     free(mods);
-    *base = t->pp.split[v] * per;
-    return FL_OK;
+    fl_layout_free(&lay);
+    *base = !s2s || first < Le ? first * ne : Le * ne + (first - Le) * nd;
+    return s;
 }
 
 fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *base) {
-    return lora_base_of(t, lc, t->pp.stage, base);
+    return lora_base(&t->pp.whole, lc, t->pp.first, base);
 }
 
 /* interleaved: chunk c's precision, gradients, arena and optimizer, as fl_tr_setup_model / _training make chunk 0's */
@@ -205,15 +212,20 @@ static fl_status chunk_setup(trainer *t, int c) {
         fl_lora_config lc;
         int base = 0;
         FL_TRY(fl_trainer_lora_config(t->cfg, &m->cfg, &lc));
-        FL_TRY(lora_base_of(t, &lc, c * t->pp.size + t->pp.stage, &base));
+        FL_TRY(lora_base(&t->pp.whole, &lc, t->pp.split[c * t->pp.size + t->pp.stage], &base));
         FL_TRY(fl_model_lora_init_at(m, &lc, t->cfg->seed, base));
     } else {
         if (fsdp) FL_TRY(fl_fsdp_init(&t->pp.xdp[c], t->cfg, m)); /* FULL_SHARD: the gathered units' compute copy */
         FL_TRY(fl_model_alloc_grads(m));
     }
     m->act_ckpt = t->model.act_ckpt;
-    if (t->model.cfg.dropout_on) FL_TRY(fl_model_set_dropout(m, 1)); /* OPT's dropout, as chunk 0's */
-    FL_TRY(fl_model_alloc_acts(m, t->sch.B, t->sch.T));
+    if (t->sch.Ts) { /* an encoder-decoder's chunk: its dropout and arena as chunk 0's */
+        FL_TRY(fl_model_set_dropout(m, 1));
+        FL_TRY(fl_model_alloc_acts_s2s(m, t->sch.B, t->sch.Ts, t->sch.T));
+    } else {
+        if (t->model.cfg.dropout_on) FL_TRY(fl_model_set_dropout(m, 1)); /* OPT's dropout, as chunk 0's */
+        FL_TRY(fl_model_alloc_acts(m, t->sch.B, t->sch.T));
+    }
     /* ZeRO-1/2 on the data axis: the chunk's state for this rank's piece of its elements, as chunk 0's; FULL_SHARD:
      * of its shard (its own bookkeeping's hooks) */
     FL_TRY(fl_dp_optim_init(fsdp ? &t->pp.xdp[c] : &t->dp, t->cfg, &t->pp.xo[c], m));
@@ -310,7 +322,7 @@ static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, co
     for (int a = -1; a < 3 && st == FL_OK; a++) {
         if (a >= 0 && !dst[a]) continue;
         for (int i = 0; i < lay.n && st == FL_OK; i++) {
-            if (!fl_pp_layout_owns(&lay, s > 0, s < S - 1, i)) continue;
+            if (!fl_pp_config_owns(&sc, &lay, s > 0, s < S - 1, i)) continue;
             const int j = fl_pp_stage_entry(&w->m.layout, &lay, first[s], i);
             const fl_param_info *p = &w->m.layout.params[j];
             if (!src) st = fl_comm_recv(t->pp.grp, buf, p->numel, FL_F32, s % t->pp.size, TAG_CKPT);
@@ -376,9 +388,7 @@ static fl_status stage_mods(const trainer *t, int s, const fl_lora_config *lc, f
     FL_TRY(fl_layout_build(&lay, &sc));
     fl_status st = fl_lora_modules(lc, &lay, &sc, mods, n);
     fl_layout_free(&lay);
-    int per = 0;
-    for (int j = 0; st == FL_OK && j < *n; j++) per += (*mods)[j].layer == 0;
-    *base = t->pp.split[s] * per;
+    if (st == FL_OK) st = lora_base(&t->pp.whole, lc, t->pp.split[s], base);
     return st;
 }
 static int mod_whole(const fl_lora_module *md, int j, int base, int n_whole) { return md->layer >= 0 ? base + j : n_whole - 1; }
@@ -712,7 +722,7 @@ void fl_tr_pp_print(const trainer *t) {
             "loss; activations and their gradients between neighbouring stages; stage 0 writes consolidated "
             "checkpoints; no sample generation\n",
             t->pp.size, t->dp.world, t->dp.world == 1 ? "" : "s", t->cfg->pipeline_schedule, t->sch.accum, t->pp.first,
-            t->pp.last, t->pp.whole.n_layers);
+            t->pp.last, fl_pp_model_blocks(&t->pp.whole));
     if (t->pp.chunks <= 1) return;
     fprintf(t->out, "interleaved (EXPERIMENTAL): %d model chunks per rank, chunk c of stage s is virtual stage c x %d + "
             "s; virtual stages' blocks:", t->pp.chunks, t->pp.size);
