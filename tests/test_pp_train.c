@@ -123,8 +123,6 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
     for (int r = 0; r < W; r++) {
         if (lora) dr_config(&j->cfg[r], DR_LORA, W / pp, W, 1, 0, out);
         else pp_config(&j->cfg[r], W / pp, pp, "1f1b", out);
-        if (lora == 2) /* QLoRA runs on the stages (pp_train_threads_qlora_equals_one_process), not yet on TP x PP */
-            snprintf(j->cfg[r].lora.quantize, sizeof j->cfg[r].lora.quantize, "bnb.nf4"), j->cfg[r].tensor_parallel = 2;
         j->cfg[r].pipeline_parallel = pp;
         if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
         if (strategy && !strcmp(strategy, "hybrid")) {
@@ -141,10 +139,7 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
 }
 
 FL_TEST(pp_train_threads_refusals) {
-    /* QLoRA on the slices runs where a rank's parts are whole 4-bit blocks (tp_train_threads_qlora_*): micro's
-     * attention output (32 columns per rank) is not */
-    expect_refusal(4, 2, NULL, 2, "--tensor_parallel 2 with --quantize bnb.nf4: a rank's part of "
-                   "model.layers.0.self_attn.o_proj.weight (row-parallel: 32 elements of each row) cuts the 4-bit");
+    /* (QLoRA on TP x PP where a rank's part cuts a 4-bit block runs: tp_train_threads_qlora_cut_blocks_*) */
     /* HYBRID_SHARD runs on the data axis (pp_train_threads_hybrid_shard_on_the_data_axis) when a node holds whole
      * pipelines: 4 nodes of 1 rank do not */
     expect_refusal(4, 2, "hybrid", 0, "HYBRID_SHARD on the data-parallel axis of a grid of 2 model-parallel ranks "

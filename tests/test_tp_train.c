@@ -1540,13 +1540,13 @@ FL_TEST(tp_train_threads_lora_head_plan_files_resume) {
     g_model = NULL, g_lora_head = 0;
 }
 
-/* QLoRA where a rank's part cuts a 4-bit block (issue 35): the rank keeps the whole blocks of one process's quantization
- * that cover its part (fl_tp_q4_map: each run of the part's rows contiguous in the whole, at most one extra block at
- * each end; the weight's row map says where each row starts among them), copied with their dequantized absmax, so its
- * dequantized part is one process's bits. micro at TP 2: o_proj (32 of 64 columns per row) and down_proj (86 of 172:
- * rows that start mid-block) cut; TP 3 on a width-96 folder (6 heads: o_proj 32 of 96 columns). The bars are QLoRA on
- * the slices' (tp_train_threads_qlora_matches_one_process): the losses within 1e-6 relative of one process's QLoRA run,
- * the merged final weights within the AdamW bound. */
+/* QLoRA where a rank's part cuts a 4-bit block (issue 35): the rank keeps the whole blocks of one process's
+ * quantization that cover its part (fl_tp_q4_map: each run of the part's rows contiguous in the whole, at most one
+ * extra block at each end; the weight's row map says where each row starts among them), copied with their dequantized
+ * absmax, so its dequantized part is one process's bits. micro at TP 2: o_proj (32 of 64 columns per row) and
+ * down_proj (86 of 172: rows that start mid-block) cut; TP 3 on a width-96 folder (6 heads: o_proj 32 of 96 columns).
+ * The bars are QLoRA on the slices' (tp_train_threads_qlora_matches_one_process): the losses within 1e-6 relative of
+ * one process's QLoRA run, the merged final weights within the AdamW bound. */
 static void q4_cut_folder(const char *preset, const char *dir) {
     fl_model_config mc;
     FL_REQUIRE_OK(fl_preset_find(preset, &mc));
@@ -1567,7 +1567,7 @@ FL_TEST(tp_train_threads_qlora_cut_blocks_matches_one_process) {
 
 FL_TEST(tp_train_threads_qlora_cut_blocks_tp3_and_opaque) {
     if (!fl_test_asan_budget()) return; /* ~3 s in the release pass; ASan: micro's TP 2 above */
-    g_forced = "opaque"; /* the blocks and the row map copied into device memory, the parts' sums through the stand-in */
+    g_forced = "opaque"; /* the blocks and the row map copied into device memory, the sums through the stand-in */
     g_quant = "bnb.nf4-dq", g_steps = 2;
     scenario(DR_LORA, 1, 2);
     g_forced = NULL, g_steps = 0;
@@ -1605,8 +1605,8 @@ FL_TEST(tp_train_qlora_cut_blocks_cuda_emu_refuses) {
 #endif
 }
 
-/* plan = measured per rank with the whole blocks of micro's cut parts at TP 2; the extra bytes they cost over the part's
- * own elements at 4.5 bits (fl_tp_q4_map's blocks, the row map) are in both */
+/* plan = measured per rank with the whole blocks of micro's cut parts at TP 2; the extra bytes they cost over the
+ * part's own elements at 4.5 bits (fl_tp_q4_map's blocks, the row map) are in both */
 FL_TEST(tp_train_threads_qlora_cut_blocks_plan_equals_measured) {
     g_quant = "bnb.nf4-dq";
     g_forced = "cpu";
@@ -1622,7 +1622,8 @@ FL_TEST(tp_train_threads_qlora_cut_blocks_plan_equals_measured) {
     fl_status s = fl_comm_threads_run(2, dr_job_rank, j);
     backend_off();
     FL_CHECKF(s == FL_OK, "QLoRA micro at TP 2: %s", j->msg[0]);
-    for (int r = 0; r < 2 && s == FL_OK; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "QLoRA cut TP 2");
+    for (int r = 0; r < 2 && s == FL_OK; r++)
+        (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "QLoRA cut TP 2");
     /* the cut entries' extra bytes on rank 0 */
     fl_model_config whole, slice;
     fl_param_layout lay;
@@ -1639,8 +1640,8 @@ FL_TEST(tp_train_threads_qlora_cut_blocks_plan_equals_measured) {
     FL_CHECKF(cut == 2 * (size_t)whole.n_layers && extra > 0, "micro TP 2: %zu cut entries (o_proj, down_proj of %d "
               "blocks), %zu extra bytes", cut, whole.n_layers, extra);
     if (getenv("FL_TEST_VERBOSE"))
-        printf("    QLoRA micro TP 2: %zu cut entries keep %zu bytes more than their parts at 4.5 bits; rank 0 PARAMS %zu "
-               "(planned = measured)\n", cut, extra, j->res[0].peak[FL_TAG_PARAMS]);
+        printf("    QLoRA micro TP 2: %zu cut entries keep %zu bytes more than their parts at 4.5 bits; rank 0 PARAMS "
+               "%zu (planned = measured)\n", cut, extra, j->res[0].peak[FL_TAG_PARAMS]);
     fl_layout_free(&lay);
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     free(j);

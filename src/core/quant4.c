@@ -177,8 +177,8 @@ static float quant_block(const float *x, size_t len, size_t i0, uint8_t *packed,
 fl_status fl_q4_quantize(fl_q4_weight *w, const float *src, int n_threads) {
     if (!w || !w->packed || !src) return fl_errorf(FL_ERR_INVALID, "fl_q4_quantize: unbound weight or NULL source");
     if (w->row_start)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_q4_quantize: a tensor-parallel part of whole blocks is copied from one "
-                         "process's quantization, not quantized");
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_q4_quantize: a tensor-parallel part of whole blocks is copied "
+                         "from one process's quantization, not quantized");
     const size_t n = w->n, nb = w->n_blocks;
     int nt = n_threads > 0 ? n_threads : fl_cpu_default_threads();
     float *am = w->absmax;

@@ -143,7 +143,8 @@ size_t fl_tp_q4_map(const fl_model_config *slice, const fl_param_layout *lay, in
     }
     int cut = 0; /* whole blocks already: every contiguous run starts on a block and is whole blocks long */
     for (size_t row = 0; row < R && !cut; row++) {
-        const int run_start = row == 0 || st[row] != st[row - 1] + K, run_end = row + 1 == R || st[row + 1] != st[row] + K;
+        const int run_start = row == 0 || st[row] != st[row - 1] + K;
+        const int run_end = row + 1 == R || st[row + 1] != st[row] + K;
         if (run_start && st[row] % B) cut = 1;
         if (run_end && (st[row] + K) % B) cut = 1;
     }

@@ -133,7 +133,7 @@ static fl_status whole_pools(trainer *t, tp_whole *w) {
     return FL_OK;
 }
 
-/* q4: keep the run's 4-bit storage (TP x PP's stage of the loaded whole: the slices that cut a block take its blocks) */
+/* q4: keep the run's 4-bit storage (TP x PP's stage of the loaded whole: slices that cut a block take its blocks) */
 static fl_status whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o, int q4) {
     FL_TRY(whole_pools(t, w));
     const fl_model_storage keep = t->stg;
