@@ -252,6 +252,7 @@ FL_TEST(pp_t5_stages_equal_one_process) {
         float *wg = NULL;
         single(&c, want, &wg);
         for (int k = 0; k < 4; k++) {
+            if (v10 && (k == 1 || k == 2)) continue; /* v1.0: the stacks' boundary and 4 stages (the unit test's time) */
             c.kind = k % 2 ? FL_PP_GPIPE : FL_PP_1F1B;
             check_pipeline(&c, splits[k][0], &splits[k][1], want, wg, &gw);
             if (gw > worst) worst = gw;
