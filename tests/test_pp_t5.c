@@ -8,8 +8,8 @@
  * micro-batch by micro-batch and block by block: a reassociation. Everything else (every block on the same inputs,
  * d(encoder output) summed over the decoder blocks in the one process's order across the stages) is the same code.
  * Checked: the first step's loss (before any update) bit for bit; the later losses within ddp_ref.h's 1e-6 relative
- * (fp32 reassociation noise; a missing term is far outside: dropping the relative bias tables' sum moves the step-1
- * gradients by O(1) of their scale, checked); the step-0 gradients re-assembled from the stages (each entry from the
+ * (fp32 reassociation noise; a missing term is far outside: without the pipeline's sum the shared embedding's and the
+ * tables' step-0 gradients are 0.2 to 1 of their scale off, checked by hand); the step-0 gradients re-assembled from the stages (each entry from the
  * stage that owns it, fl_pp_stage_owns) tensor by tensor within 1e-5 of each tensor's largest value (fp32 sums of at
  * most a few dozen terms reassociated: ~1e-7); the micro-batches in flight = pp.h's count at every stage. */
 #include <math.h>
@@ -252,6 +252,7 @@ FL_TEST(pp_t5_stages_equal_one_process) {
         float *wg = NULL;
         single(&c, want, &wg);
         for (int k = 0; k < 4; k++) {
+            if (v10 && (k == 1 || k == 2)) continue; /* v1.0: the stacks' boundary and 4 stages (the unit test's time) */
             c.kind = k % 2 ? FL_PP_GPIPE : FL_PP_1F1B;
             check_pipeline(&c, splits[k][0], &splits[k][1], want, wg, &gw);
             if (gw > worst) worst = gw;
