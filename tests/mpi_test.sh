@@ -877,6 +877,19 @@ timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --pipelin
 timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppif4/step-000002" --out_dir "$T/ppif-r1" >>"$T/out" 2>&1 || rc=$?
 ppi_check ppi_cli_np4_pp2_fsdp "$T/ppif4" "$T/tp-one" "$T/ppif-r1"
 
+# fp16's overflow verdict across processes (FITLLM_FAULT_GRAD_OVERFLOW, fitllm/fault.h): +inf injected into rank 1's
+# gradients at step 2 of a 16-mixed TP 2 run; rank 0, which prints, skips that step too and counts it (the threads
+# version: tests/test_fp16_fault.c)
+timeout 300 env FITLLM_FAULT_GRAD_OVERFLOW=2:1 mpirun -np 2 "$FL" finetune_full micro --devices 2 --tensor_parallel 2 \
+    --precision 16-mixed --train.max_steps 3 --train.global_batch_size 4 --train.micro_batch_size 2 \
+    --eval.final_validation false --out_dir "$T/ffm" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "^step 2: inf/NaN in the fp16 gradients: update skipped, loss scale -> 32768" "$T/out" \
+    && grep -q "fp16 steps (loss scaling) *1 skipped, scale 32768" "$T/out"; then
+    ok "fp16_fault_np2_tp2_rank1_overflow_skipped_on_rank0"
+else
+    bad "fp16_fault_np2_tp2_rank1_overflow_skipped_on_rank0" "exit $rc"
+fi
+
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"
 [ $fail -eq 0 ]
