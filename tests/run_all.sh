@@ -10,7 +10,7 @@
 #   fuzz-smoke     fuzz/build.sh (clang, libFuzzer) then every harness for FUZZ_SMOKE_TIME s from its seeds,
 #                  FUZZ_JOBS at a time (fuzz/run_all.sh; a crash input is kept in build-fuzz/artifacts/)
 #   asan           `make asan`: the unit tests again under ASan+UBSan+LSan ($ASAN_BUILD)
-# Two tiers (FITLLM_TEST_TIER in the environment; README "Testing"; tests/test.h says where a new test goes):
+# Two tiers (FITLLM_TEST_TIER in the environment; README "Two tiers"; tests/test.h says where a new test goes):
 #   quick (default; `make test`, what CI runs, <= 15 min on 2 busy cores with its builds): every code path
 #          once. Sweeps keep one case per path, tests that only re-run release-pass code at bigger shapes or more
 #          steps (bit-identity sweeps, emulated-GPU runs) skip under ASan (fl_test_asan_budget) or run a subset

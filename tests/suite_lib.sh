@@ -1,6 +1,6 @@
 # Sourced by tests/cli_test.sh and tests/mpi_test.sh after their early exits (after pass/fail/skip are set).
 #
-# The tier (README "Testing", tests/test.h): FITLLM_TEST_TIER=full (`make test-full`) runs every case; unset or
+# The tier (README "Two tiers", tests/test.h): FITLLM_TEST_TIER=full (`make test-full`) runs every case; unset or
 # "quick" (`make test`) leaves out the cases that only repeat paths other quick-tier cases run. A long case (> ~5 s)
 # whose paths others cover goes in the full tier only:
 #   if full_tier; then

@@ -16,7 +16,7 @@ typedef void (*fl_test_fn)(void);
 void fl_test_register(const char *name, const char *file, fl_test_fn fn);
 void fl_test_fail(const char *file, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void fl_test_skip(const char *why);
-/* ---- tiers: keeping `make test` under its budget (README "Testing") ------------------------
+/* ---- tiers: keeping `make test` under its budget (README "Two tiers") ------------------------
  * FITLLM_TEST_TIER=full (`make test-full`) runs every case of every test in both passes; unset or "quick" (`make
  * test`, and a plain ./build/fitllm_tests) is the quick tier: every path once, sweeps thinned, slow repeats of
  * release-pass code left out of the ASan pass. Where a new test goes (a unit test: < 1.5 s in the release pass):
@@ -28,7 +28,8 @@ void fl_test_skip(const char *why);
  *     (fewer cases is fine, each path once);
  *   - a whole test whose paths quick-tier tests already cover: `if (!fl_test_full_only("test_a, test_b")) return;`
  *     naming them (skipped, saying so, in the quick tier).
- * The same in tests/cli_test.sh and tests/mpi_test.sh: `full_tier || { skip_case NAME; ...; }` (see there). */
+ * The same in tests/cli_test.sh and tests/mpi_test.sh (tests/suite_lib.sh): a long case (> ~5 s) whose paths other
+ * cases cover goes in `if full_tier; then ...; else tier_skip NAME "the covering cases"; fi`. */
 /* 1 in the quick tier (FITLLM_TEST_TIER unset or not "full") */
 int fl_test_quick(void);
 /* 1 to run a test that only the full tier runs; 0 (skipped, naming covered_by: the quick-tier tests that run its
