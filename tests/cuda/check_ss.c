@@ -53,7 +53,7 @@ static void check_clip_and_update(size_t n, int with_nan) {
     double *dwork = dput(NULL, (1 + FL_CU_SUMSQ_PARTS) * sizeof(double));
     const float max_norm = 0.5f, scale = 1.0f;
     int rc = fl_cuk_sumsq_ex(dwork, dwork + 1, dg, FL_F32, n, NULL);
-    rc = rc || fl_cuk_clip_scale(dss, dwork, max_norm, scale, 0, NULL);
+    rc = rc || fl_cuk_clip_scale(dss, dwork, max_norm, scale, NULL, 0, NULL);
     double sq = 0, h[2] = {0, 0};
     cudaMemcpy(&sq, dwork, sizeof sq, cudaMemcpyDeviceToHost);
     cudaMemcpy(h, dss, sizeof h, cudaMemcpyDeviceToHost);
@@ -67,7 +67,7 @@ static void check_clip_and_update(size_t n, int with_nan) {
     /* fp16's overflow flag (check_finite_ss) = check_finite's verdict, in ss[FL_CU_SS_FOUND] */
     int *dflag = dput(NULL, sizeof(int)), hf = -1;
     double hfound = -1;
-    rc = rc || fl_cuk_check_finite_ss(dg, FL_F32, n, 1.0f, dss, NULL) ||
+    rc = rc || fl_cuk_check_finite_ss(dg, FL_F32, n, 1.0f, NULL, dss, NULL) ||
          fl_cuk_check_finite(dg, FL_F32, n, 1.0f, dflag, NULL);
     cudaMemcpy(&hf, dflag, sizeof hf, cudaMemcpyDeviceToHost);
     cudaMemcpy(&hfound, dss + FL_CU_SS_FOUND, sizeof hfound, cudaMemcpyDeviceToHost);
@@ -111,7 +111,7 @@ static void run_loss_sum(void *x) {
 }
 static void run_clip(void *x) {
     double *d = x;
-    fl_cuk_clip_scale(d + 2, d, 1.0f, 1.0f, 0, NULL);
+    fl_cuk_clip_scale(d + 2, d, 1.0f, 1.0f, NULL, 0, NULL);
 }
 
 static void check_loss_sum(int N) {

@@ -118,15 +118,18 @@ extern "C" {
                          int first_step, float grad_scale, void *stream);                                      \
     /* found_inf: a device int, set to 1 (never cleared) */                                                   \
     int P##check_finite(const void *x, fl_dtype t, size_t n, float inv_scale, int *found_inf, void *stream);    \
-    /* the same test, ss[FL_SS_FOUND] = 1 (device double; the step scalars' fp16 overflow flag) */              \
-    int P##check_finite_ss(const void *x, fl_dtype t, size_t n, float inv_scale, double *ss, void *stream);     \
+    /* the same test, ss[FL_SS_FOUND] = 1 (device double; the step scalars' fp16 overflow flag); dinv (device, or  \
+     * NULL: inv_scale) the scale read when the kernel runs (a CUDA graph's per-step slot) */                  \
+    int P##check_finite_ss(const void *x, fl_dtype t, size_t n, float inv_scale, const float *dinv, double *ss, \
+                           void *stream);                                                                       \
     int P##accumulate16(uint16_t *dst, fl_dtype t, const float *src, size_t n, void *stream);                   \
     /* *out (device double) = sum of squares; work: FL_CU_SUMSQ_PARTS doubles of device scratch */             \
     int P##sumsq_ex(double *out, double *work, const void *x, fl_dtype t, size_t n, void *stream);              \
     /* the step scalars (backend.h's grad_norm_dev, loss_sum_dev, adamw_update_ss / sgd_update_ss; ss device     \
      * doubles): clip_scale from *sq (sumsq_ex's result); loss_sum in index order (one adding thread); the updates read  \
-     * their grad_scale from ss[1] (NaN: nothing changes) */                                                    \
-    int P##clip_scale(double *ss, const double *sq, float max_norm, float scale, int n_loss, void *stream);     \
+     * their grad_scale from ss[1] (NaN: nothing changes); clip_scale's dscale as check_finite_ss's dinv */     \
+    int P##clip_scale(double *ss, const double *sq, float max_norm, float scale, const float *dscale, int n_loss, \
+                      void *stream);                                                                            \
     int P##loss_sum(double *acc, const float *loss, const int32_t *targets, int N, int ignore_index,            \
                     void *stream);                                                                             \
     int P##adamw_update_ss(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts,     \

@@ -364,8 +364,9 @@ static double flb_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t 
 static double *flb_step_scalars(const fl_backend *be, int n) {
     return n >= 0 && n <= FL_SS_MAX ? FLB_IMPL(be)->scalars + 2 + FL_CU_SUMSQ_PARTS : NULL;
 }
-static fl_status flb_grad_norm_dev(const fl_backend *be, const void *g, fl_dtype tg, size_t n, float max_norm,
-                                   float scale, int n_loss, double *ss) {
+/* dscale (device, or NULL: scale): the scale read when the kernels run (a CUDA graph's per-step slot) */
+static fl_status flb_grad_norm_dev_s(const fl_backend *be, const void *g, fl_dtype tg, size_t n, float max_norm,
+                                     float scale, int n_loss, double *ss, const float *dscale) {
     FL_TRY(flb_sticky(be));
     if (!flb_float3(tg))
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s grad_norm_dev: %s not supported", FLB_NAME, fl_dtype_name(tg));
@@ -373,17 +374,25 @@ static fl_status flb_grad_norm_dev(const fl_backend *be, const void *g, fl_dtype
     FLB_RUN_S(be, FLB_K(sumsq_ex)(im->scalars, im->scalars + 1, g, tg, n, STREAM), "grad_norm_dev");
     if (n_loss < 0 || n_loss > FL_SS_MAX - FL_SS_LOSS)
         return fl_errorf(FL_ERR_INVALID, "%s grad_norm_dev: %d loss sums", FLB_NAME, n_loss);
-    FLB_RUN_S(be, FLB_K(clip_scale)(ss, im->scalars, max_norm, scale, n_loss, STREAM), "grad_norm_dev");
+    FLB_RUN_S(be, FLB_K(clip_scale)(ss, im->scalars, max_norm, scale, dscale, n_loss, STREAM), "grad_norm_dev");
     return FL_OK;
 }
+static fl_status flb_grad_norm_dev(const fl_backend *be, const void *g, fl_dtype tg, size_t n, float max_norm,
+                                   float scale, int n_loss, double *ss) {
+    return flb_grad_norm_dev_s(be, g, tg, n, max_norm, scale, n_loss, ss, NULL);
+}
 _Static_assert(FL_CU_SS_FOUND == FL_SS_FOUND && FL_CU_SS_LOSS == FL_SS_LOSS, "the step scalars' layout");
-static fl_status flb_check_finite_dev(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
-                                      double *ss) {
+static fl_status flb_check_finite_dev_s(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                                        double *ss, const float *dinv) {
     FL_TRY(flb_sticky(be));
     if (!flb_float3(t))
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s check_finite_dev: %s not supported", FLB_NAME, fl_dtype_name(t));
-    FLB_RUN_S(be, FLB_K(check_finite_ss)(x, t, n, inv_scale, ss, STREAM), "check_finite_dev");
+    FLB_RUN_S(be, FLB_K(check_finite_ss)(x, t, n, inv_scale, dinv, ss, STREAM), "check_finite_dev");
     return FL_OK;
+}
+static fl_status flb_check_finite_dev(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                                      double *ss) {
+    return flb_check_finite_dev_s(be, x, t, n, inv_scale, ss, NULL);
 }
 static fl_status flb_loss_sum_dev(const fl_backend *be, const float *loss, const int32_t *targets, int N,
                                   int ignore_index, double *acc) {

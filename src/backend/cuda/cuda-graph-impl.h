@@ -11,9 +11,10 @@
  *     between two of them is one graph (about 2 n_micro + 2 per step: a micro-batch's forward + head, its
  *     backward, the zeroing before, the update).
  *   - Per-step scalars: AdamW's constants (step, learning rate, bias corrections, gradient scale), the
- *     cross-entropy's gradient scale (1 / the step's valid targets) and the dropout seeds (LoRA's, T5's dropout op)
- *     change every step; inside a graph their kernels read them from a device slot the graph fills from
- *     page-locked memory, which the host rewrites before each replay (flb_graph_slot_*).
+ *     cross-entropy's gradient scale (1 / the step's valid targets), the dropout seeds (LoRA's, T5's dropout op)
+ *     and the step scalars' unscale (grad_norm_dev's and check_finite_dev's 1 / the fp16 loss scale) change;
+ *     inside a graph their kernels read them from a device slot the graph fills from page-locked memory, which the
+ *     host rewrites before each replay (flb_graph_slot_*).
  *   - Capture (the second step): each segment's ops are issued inside cudaStreamBeginCapture / EndCapture
  *     (the emulator: its capture records each launch with its arguments by value, cu_emu.h) and their records
  *     kept (an attention's descriptor and a 4-bit weight's header copied with them, padding cleared); the
@@ -89,6 +90,10 @@ static fl_status flb_lora_backward_s(const fl_backend *be, float *dx, float *dA,
                                      const uint64_t *dseed);
 static fl_status flb_dropout_s(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
                                int accumulate, const uint64_t *dseed);
+static fl_status flb_grad_norm_dev_s(const fl_backend *be, const void *g, fl_dtype tg, size_t n, float max_norm,
+                                     float scale, int n_loss, double *ss, const float *dscale);
+static fl_status flb_check_finite_dev_s(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                                        double *ss, const float *dinv);
 
 /* Ops whose by-value arguments change every step and that read them from a device slot inside a graph: AdamW's
  * update (step, learning rate, bias corrections, gradient scale) and the cross-entropy (its gradient scale,
@@ -103,6 +108,9 @@ static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
     if (op->kind == FL_OPK_lora_forward) return op->lora_forward.dropout > 0.0f;
     if (op->kind == FL_OPK_lora_backward) return op->lora_backward.dropout > 0.0f;
     if (op->kind == FL_OPK_dropout) return op->dropout.p > 0.0f;
+    /* the step scalars' norm and fp16's overflow check: the unscale 1 / the loss scale, which changes on an overflow
+     * or a growth */
+    if (op->kind == FL_OPK_grad_norm_dev || op->kind == FL_OPK_check_finite_dev) return 1;
     if (op->kind == FL_OPK_adamw_update_ss) { /* the step scalars' update: its scale from ss, the rest from the slot */
         const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
         return flb_graph_adamw_types(u->tp, u->tg, u->ts) && u->step >= 1;
@@ -206,6 +214,10 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op, flb_grec *live)
         t.rec.lora_backward.seed = k->rec.lora_backward.seed;
     } else if (k->slot >= 0 && op->kind == FL_OPK_dropout) {
         t.rec.dropout.seed = k->rec.dropout.seed;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_grad_norm_dev) {
+        t.rec.grad_norm_dev.scale = k->rec.grad_norm_dev.scale;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_check_finite_dev) {
+        t.rec.check_finite_dev.inv_scale = k->rec.check_finite_dev.inv_scale;
     }
     return !memcmp(&t, k, sizeof t);
 }
@@ -259,6 +271,9 @@ static fl_status flb_graph_slot_write(flb_graph *g, flb_gseg *s, const fl_oprec 
         const float gs = op->kind == FL_OPK_cross_entropy ? op->cross_entropy.grad_scale
                                                            : op->cross_entropy_dbf16.grad_scale;
         memcpy(pin, &gs, sizeof gs);
+    } else if (op->kind == FL_OPK_grad_norm_dev || op->kind == FL_OPK_check_finite_dev) {
+        const float sc = op->kind == FL_OPK_grad_norm_dev ? op->grad_norm_dev.scale : op->check_finite_dev.inv_scale;
+        memcpy(pin, &sc, sizeof sc);
     } else { /* a dropout's seed (LoRA's per micro-batch, T5's) */
         const uint64_t seed = op->kind == FL_OPK_lora_forward    ? op->lora_forward.seed
                               : op->kind == FL_OPK_lora_backward ? op->lora_backward.seed
@@ -287,6 +302,14 @@ static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg
     if (!rc && op->kind == FL_OPK_dropout) {
         const struct fl_op_dropout *o = &op->dropout;
         return flb_dropout_s(be, o->y, o->x, o->n, o->p, o->seed, o->accumulate, ds);
+    }
+    if (!rc && op->kind == FL_OPK_grad_norm_dev) {
+        const struct fl_op_grad_norm_dev *o = &op->grad_norm_dev;
+        return flb_grad_norm_dev_s(be, o->g, o->tg, o->n, o->max_norm, o->scale, o->n_loss, o->ss, (const float *)d);
+    }
+    if (!rc && op->kind == FL_OPK_check_finite_dev) {
+        const struct fl_op_check_finite_dev *o = &op->check_finite_dev;
+        return flb_check_finite_dev_s(be, o->x, o->t, o->n, o->inv_scale, o->ss, (const float *)d);
     }
     if (!rc && op->kind == FL_OPK_adamw_update) {
         const struct fl_op_adamw_update *u = &op->adamw_update;

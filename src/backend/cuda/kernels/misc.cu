@@ -185,18 +185,21 @@ extern "C" int FL_CUK(check_finite)(const void *x, fl_dtype t, size_t n, float i
 }
 
 /* the step scalars' variant (backend.h check_finite_dev): the flag is ss[FL_CU_SS_FOUND], a double the step zeroed */
-__global__ static void fl_cu_check_finite_ss_k(const void *x, int t, size_t n, float inv_scale, double *ss) {
+__global__ static void fl_cu_check_finite_ss_k(const void *x, int t, size_t n, float inv_scale, const float *dinv,
+                                               double *ss) {
+    if (dinv) inv_scale = *dinv; /* a CUDA graph's per-step slot */
     FL_CU_GRID_STRIDE(i, n) {
         float y = fl_cu_ld(x, t, i) * inv_scale;
         if (y - y != 0.0f) ss[FL_CU_SS_FOUND] = 1.0;
     }
 }
 
-extern "C" int FL_CUK(check_finite_ss)(const void *x, fl_dtype t, size_t n, float inv_scale, double *ss, void *stream) {
+extern "C" int FL_CUK(check_finite_ss)(const void *x, fl_dtype t, size_t n, float inv_scale, const float *dinv,
+                                       double *ss, void *stream) {
     if (!is_float(t)) return -1;
     if (n == 0) return 0;
     FL_CU_LAUNCH(fl_cu_check_finite_ss_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, x, (int)t, n, inv_scale,
-                 ss);
+                 dinv, ss);
     return fl_cu_launch_error();
 }
 
@@ -257,8 +260,10 @@ extern "C" int FL_CUK(sumsq_ex)(double *out, double *work, const void *x, fl_dty
 /* ---- the step scalars (backend.h grad_norm_dev / loss_sum_dev): one adding thread each, double arithmetic as
  * fl_optim_step's and fl_lm_sum_losses' on the host (no contraction: each product is rounded before the next
  * operation), so the norm, the clip scale and the loss sums have the host's bits ------------------------------ */
-__global__ static void fl_cu_clip_scale_k(double *ss, const double *sq, float max_norm, float scale, int n_loss) {
+__global__ static void fl_cu_clip_scale_k(double *ss, const double *sq, float max_norm, float scale,
+                                          const float *dscale, int n_loss) {
     if (threadIdx.x || blockIdx.x) return;
+    if (dscale) scale = *dscale; /* a CUDA graph's per-step slot */
     const double norm = sqrt(*sq) * (double)scale;
     float s = scale;
     int bad = norm - norm != 0.0 || ss[FL_CU_SS_FOUND] != 0.0; /* fp16's overflow flag (check_finite_ss) */
@@ -274,9 +279,10 @@ __global__ static void fl_cu_clip_scale_k(double *ss, const double *sq, float ma
     }
     ss[0] = norm;
 }
-extern "C" int FL_CUK(clip_scale)(double *ss, const double *sq, float max_norm, float scale, int n_loss,
-                                  void *stream) {
-    FL_CU_LAUNCH(fl_cu_clip_scale_k, dim3(1), dim3(32), 0, (fl_cu_stream)stream, ss, sq, max_norm, scale, n_loss);
+extern "C" int FL_CUK(clip_scale)(double *ss, const double *sq, float max_norm, float scale, const float *dscale,
+                                  int n_loss, void *stream) {
+    FL_CU_LAUNCH(fl_cu_clip_scale_k, dim3(1), dim3(32), 0, (fl_cu_stream)stream, ss, sq, max_norm, scale, dscale,
+                 n_loss);
     return fl_cu_launch_error();
 }
 /* in index order, added by one thread: the host's order. The block loads each chunk of 1024 losses into shared
