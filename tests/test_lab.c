@@ -39,6 +39,7 @@ static const fl_lab_row *row(const fl_lab_report *r, const char *name) {
 }
 
 FL_TEST(lab_ci_suite_verdicts) {
+    if (!fl_test_asan_budget()) return; /* make test time (quick tier); the lab rows train in the release pass; under ASan the lab's code runs in lab_fsdp_sweep, lab_fsdp_sweep_stops, lab_real_scale_oom_rows_decided_in_a_second */
     fl_lab_opts o;
     fl_lab_opts_default(&o);
     o.suite = "ci";
@@ -286,6 +287,7 @@ FL_TEST(lab_fsdp_sweep_stops) {
  * this skips the model's load and random init), and the verdict is the one the run reaches: with run_oom the same
  * rows train until the allocator refuses the same allocation (tag, bytes requested, bytes in use, phase). */
 FL_TEST(lab_oom_rows_decided_by_plan) {
+    if (!fl_test_asan_budget()) return; /* make test time (quick tier); the plan-decided rows under ASan: lab_real_scale_oom_rows_decided_in_a_second */
     fl_lab_opts o;
     fl_lab_opts_default(&o);
     o.suite = "ci";

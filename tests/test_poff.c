@@ -342,6 +342,7 @@ FL_TEST(poff_sharded_sample_ranks_must_agree) {
 /* opaque: every unit's piece goes up through the backend's copies and the gathers and reductions through
  * the device communicator (the NCCL stand-in at 2 and 3 ranks); the CUDA emulator likewise (slow: small) */
 FL_TEST(poff_opaque_same_bits) {
+    if (!fl_test_asan_budget()) return; /* make test time (quick tier); parameter offload under ASan: poff_threads_*, poff_overlap_* (cpu, light) */
     po_case("opaque", ZR_ADAMW, 1, "fsdp_cpu_offload", "", 3, 0);
     po_case("opaque", ZR_ADAMW, 2, "fsdp_cpu_offload", "", 3, 0);
     po_case("opaque", ZR_BF16, 3, "deepspeed_stage_3_offload_nvme", "", 3, 0);

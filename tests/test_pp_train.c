@@ -409,6 +409,7 @@ FL_TEST(pp_train_threads_lora_resume_on_another_grid) {
  * checkpoint resumes at DP 1 x PP 3 and in DP 2 x PP 2 FULL_SHARD, a DDP grid's under FULL_SHARD, within 1e-6 of the
  * uninterrupted run's. */
 FL_TEST(pp_train_threads_full_shard_on_the_data_axis) {
+    if (!fl_test_asan_budget()) return; /* make test time (quick tier); FULL_SHARD under ASan: fsdp_threads_*, tp_train_threads_full_shard_* */
     dr_rec one[5];
     memset(one, 0, sizeof one);
     one_process(2, &one[2]);
@@ -468,6 +469,7 @@ static void hybrid_grid(dr_job *j, int dp, int pp, const char *sched, const char
 }
 
 FL_TEST(pp_train_threads_hybrid_shard_on_the_data_axis) {
+    if (!fl_test_asan_budget()) return; /* make test time (quick tier); HYBRID_SHARD under ASan: fsdp hybrid tests (fsdp_threads_hybrid_*) */
     dr_rec one[5];
     memset(one, 0, sizeof one);
     one_process(2, &one[2]);
