@@ -228,6 +228,11 @@ void fl_plan_grid_write_json(const fl_plan_grid *g, const fl_plan_machine *mc, F
  * takes the strategy it is given. */
 fl_status fl_plan_auto_strategy(const fl_run_config *cfg, int cuda, size_t device_memory, char *strategy, size_t n,
                                 char *why, size_t why_n);
+/* fl_plan_run's use of it: where auto chooses, *c becomes cd (a copy of *c, or cd itself already) with the choice;
+ * head gets the choice's reason up to its first "; ", rest what came before it (both "" when auto does not choose:
+ * a note holds 240 characters) */
+fl_status fl_plan_auto_resolve(const fl_run_config **c, fl_run_config *cd, int cuda, size_t device_memory, char *head,
+                               size_t head_n, char *rest, size_t rest_n);
 
 /* Human report: summary, the phase table (as the runtime's memory report),
  * the verdict, the largest micro batch, suggestions. */

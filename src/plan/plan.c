@@ -603,8 +603,71 @@ static fl_status drawn_lengths(const fl_run_config *c, int ctx, plan_ctx *x, fl_
     return FL_OK;
 }
 
+/* The notes that say how the run's strategy divides the memory (tensor parallel, DDP, FSDP, ZeRO), how the gradients
+ * reduce (buckets) and which tiers hold what (parameter, CPU and NVMe offload), in that order. */
 static void strategy_notes(fl_plan *p, const fl_run_config *c, const fl_strategy_choice *scp, const fl_plan_opts *o,
-                           int fsdp);
+                           int fsdp) {
+    const fl_strategy_choice sc = *scp;
+    const fl_plan_opts opts = *o;
+    if (c->pipeline_parallel > 1) /* (interleaved: its chunks' models and stashes, the schedule's notes say) */
+        note(p, "pipeline parallel %d (EXPERIMENTAL, schedule %s)%s: rank %d is stage %d: %s "
+                "blocks (balanced by their training FLOPs, lm_head's on the last stage), a copy of the embeddings and head (run and trained on the first / last stage "
+                "only), their gradients and optimizer state, and the activations of the micro-batches it keeps in flight "
+                "(the arena's one and a stash per further one: 1F1B at most min(stages - stage, micro-batches), GPipe all); "
+                "the whole model the run loads, and the checkpoints' gathered copy, are outside the pool; no sample "
+                "generation", c->pipeline_parallel, c->pipeline_schedule, fl_cfg_dp_ranks(c) > 1 ? (fsdp ? " x FSDP" : p->zero_stage == 1 ? " x ZeRO-1" : p->zero_stage == 2 ? " x ZeRO-2" : " x DDP") : "", p->rank,
+             p->rank % c->pipeline_parallel, strcmp(c->pipeline_schedule, "interleaved") ? "its contiguous range of the" : "its chunks' (non-contiguous)");
+    else if (c->tensor_parallel > 1)
+        note(p, "tensor parallel %d%s: rank %d's memory: its slice of the model (1/%d of the attention heads, key/value "
+                "heads and MLP columns; norms, embeddings and the head whole), its gradients and optimizer state, its "
+                "heads' activations; the whole model the run loads and slices, and the checkpoints' gathered copy, "
+                "are outside the pool (host staging)%s", c->tensor_parallel, fl_cfg_dp_ranks(c) > 1 ? (p->zero_stage == 1 ? " x ZeRO-1"
+                : p->zero_stage == 2 ? " x ZeRO-2" : " x DDP") : "",
+             p->rank, c->tensor_parallel, c->sequence_parallel ? "; sequence parallel: the saved residual stream, mid residuals "
+             "and norm statistics are the rank's 1/N of the rows (ACTS), the norms' outputs gathered whole for the linears" : "");
+    else if (p->devices > 1 && !p->zero_stage)
+        note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "
+                "gradients and optimizer state)%s", p->devices,
+             opts.comm_threads ? "; the ranks are threads of one process: no all-reduce scratch"
+                               : ", with the gradient all-reduce's scratch in WORKSPACE");
+    else if (fsdp && c->num_nodes > 1 && fl_cfg_hybrid_shard(sc.strategy, sc.sharding))
+        note(p, "FSDP HYBRID_SHARD over %d nodes of %d ranks: rank %d's memory: FULL_SHARD within its node (PARAMS, "
+                "GRADS and OPTIM its shard of every unit, split over the node's %d ranks; GATHER the units gathered "
+                "in the node at a time), the same shards replicated on every node (gradients reduce-scattered in "
+                "the node, then all-reduced across the nodes)", c->num_nodes, c->devices, p->rank, c->devices);
+    else if (fsdp)
+        note(p, "FSDP FULL_SHARD (ZeRO-3) over %d ranks: rank %d's memory: PARAMS, GRADS and OPTIM its shard of "
+                "every unit (each unit split by fl_comm's chunk layout); GATHER the units gathered at a time (at most "
+                "2 blocks, the head group and, tied, the embeddings) and their unreduced gradients; the model is "
+                "created sharded (the load reads, or the random init generates, only the rank's pieces: it never "
+                "holds the whole model)", p->devices, p->rank);
+    else if (p->devices > 1)
+        note(p, "ZeRO-%d over %d ranks: rank %d's memory: OPTIM for its chunk of the parameters; %s; parameters "
+                "whole", p->zero_stage, p->devices, p->rank,
+             p->zero_stage == 2 ? "GRADS reserved in full (backward fills the flat buffer), live after the "
+                                  "reduce-scatter: the chunk" : "gradients whole (all-reduced)");
+    if (p->devices > 1) {
+        char bb[32];
+        if (c->bucket_size)
+            note(p, "gradient reductions in buckets of %s (--bucket_size): their WORKSPACE stays under twice it, "
+                    "whatever the model; the same bits", fl_fmt_bytes(c->bucket_size, bb, sizeof bb));
+        else
+            note(p, "gradient reductions unbucketed (--bucket_size null): their scratch grows with the model");
+    }
+    if (sc.param_offload)
+        note(p, "parameter offload (offload_param_device %s): PARAMS and GRADS are this rank's shards in the %s tier "
+                "(outside the device budget); GATHER holds the units fetched to the device at a time%s",
+             sc.param_offload == 2 ? "nvme" : "cpu", sc.param_offload == 2 ? "nvme" : "host",
+             opts.cuda ? " and each unit's piece staged before its all-gather" : "");
+    if (sc.offload && fl_cfg_offload_nvme(c))
+        note(p, "NVMe offload: OPTIM is in the nvme tier (its row: files under nvme_path, paged through a few "
+                "pieces of host memory), outside the device budget%s", opts.cuda ? "; the host tier: one piece staged"
+                                                                                 : "");
+    else if (sc.offload)
+        note(p, "CPU offload (ZeRO-Offload, %s): OPTIM is the host tier's, outside the device budget (the \"host "
+                "(offload)\" row: the optimizer state%s); every step moves the gradients to the host and the updated "
+                "parameters back", c->strategy, opts.cuda ? " and the update's staging of one piece" : "");
+}
 
 fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_plan *p) {
     fl_plan_opts opts;
@@ -619,14 +682,8 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     }
     FL_TRY(fl_cfg_validate(c));
     p->devices = c->devices * c->num_nodes;
-    /* --strategy auto on a TP / PP grid: the data axis's strategy by the per-rank plan (plan_auto.c) */
-    char auto_s[32], auto_why[1024];
-    FL_TRY(fl_plan_auto_strategy(c, opts.cuda, opts.device_memory, auto_s, sizeof auto_s, auto_why, sizeof auto_why));
-    if (auto_s[0]) {
-        if (c != &cd) cd = *c;
-        snprintf(cd.strategy, sizeof cd.strategy, "%s", auto_s);
-        c = &cd;
-    }
+    char auto_head[256], auto_rest[1024]; /* --strategy auto on a TP / PP grid: the data axis's by the per-rank plan */
+    FL_TRY(fl_plan_auto_resolve(&c, &cd, opts.cuda, opts.device_memory, auto_head, sizeof auto_head, auto_rest, sizeof auto_rest));
     fl_strategy_choice sc; /* --strategy auto: the trainer's choice (fl_cfg_resolve_strategy) */
     FL_TRY(fl_cfg_resolve_strategy(c, opts.cuda, &sc));
     const int stage = sc.stage;
@@ -636,13 +693,8 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     p->zero_stage = p->devices > 1 ? stage : 0;
     if (p->zero_stage == 3 && c->command == FL_CMD_FINETUNE_LORA) p->zero_stage = 2; /* adapters: ZeRO-2 */
     const int fsdp = p->zero_stage == 3;
-    if (p->devices > 1 && auto_s[0]) { /* the choice, then what came before it (a note holds 240 characters) */
-        const char *more = strstr(auto_why, "; ");
-        note(p, "strategy %.*s", more ? (int)(more - auto_why) : (int)strlen(auto_why), auto_why);
-        if (more) note(p, "strategy auto, %s", more + 2);
-    } else if (p->devices > 1) {
-        note(p, "strategy %s", sc.desc);
-    }
+    if (p->devices > 1) note(p, "strategy %s", auto_head[0] ? auto_head : sc.desc);
+    if (p->devices > 1 && auto_rest[0]) note(p, "strategy auto, %s", auto_rest); /* what came before the choice */
     if (fsdp) {
         fl_precision fp;
         const char *why = fl_fsdp_refusal(c, fl_precision_find(c->precision, &fp) == FL_OK ? &fp : NULL);
@@ -751,72 +803,6 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     p->max_micro_batch_size = max_micro_batch(&x, c, &c->optimizer, p->global_batch, p->budget);
     if (!fits && !opts.no_suggestions) suggest(p, &x, c);
     return FL_OK;
-}
-
-/* The notes that say how the run's strategy divides the memory (tensor parallel, DDP, FSDP, ZeRO), how the gradients
- * reduce (buckets) and which tiers hold what (parameter, CPU and NVMe offload), in that order. */
-static void strategy_notes(fl_plan *p, const fl_run_config *c, const fl_strategy_choice *scp, const fl_plan_opts *o,
-                           int fsdp) {
-    const fl_strategy_choice sc = *scp;
-    const fl_plan_opts opts = *o;
-    if (c->pipeline_parallel > 1) /* (interleaved: its chunks' models and stashes, the schedule's notes say) */
-        note(p, "pipeline parallel %d (EXPERIMENTAL, schedule %s)%s: rank %d is stage %d: %s "
-                "blocks (balanced by their training FLOPs, lm_head's on the last stage), a copy of the embeddings and head (run and trained on the first / last stage "
-                "only), their gradients and optimizer state, and the activations of the micro-batches it keeps in flight "
-                "(the arena's one and a stash per further one: 1F1B at most min(stages - stage, micro-batches), GPipe all); "
-                "the whole model the run loads, and the checkpoints' gathered copy, are outside the pool; no sample "
-                "generation", c->pipeline_parallel, c->pipeline_schedule, fl_cfg_dp_ranks(c) > 1 ? (fsdp ? " x FSDP" : p->zero_stage == 1 ? " x ZeRO-1" : p->zero_stage == 2 ? " x ZeRO-2" : " x DDP") : "", p->rank,
-             p->rank % c->pipeline_parallel, strcmp(c->pipeline_schedule, "interleaved") ? "its contiguous range of the" : "its chunks' (non-contiguous)");
-    else if (c->tensor_parallel > 1)
-        note(p, "tensor parallel %d%s: rank %d's memory: its slice of the model (1/%d of the attention heads, key/value "
-                "heads and MLP columns; norms, embeddings and the head whole), its gradients and optimizer state, its "
-                "heads' activations; the whole model the run loads and slices, and the checkpoints' gathered copy, "
-                "are outside the pool (host staging)%s", c->tensor_parallel, fl_cfg_dp_ranks(c) > 1 ? (p->zero_stage == 1 ? " x ZeRO-1"
-                : p->zero_stage == 2 ? " x ZeRO-2" : " x DDP") : "",
-             p->rank, c->tensor_parallel, c->sequence_parallel ? "; sequence parallel: the saved residual stream, mid residuals "
-             "and norm statistics are the rank's 1/N of the rows (ACTS), the norms' outputs gathered whole for the linears" : "");
-    else if (p->devices > 1 && !p->zero_stage)
-        note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "
-                "gradients and optimizer state)%s", p->devices,
-             opts.comm_threads ? "; the ranks are threads of one process: no all-reduce scratch"
-                               : ", with the gradient all-reduce's scratch in WORKSPACE");
-    else if (fsdp && c->num_nodes > 1 && fl_cfg_hybrid_shard(sc.strategy, sc.sharding))
-        note(p, "FSDP HYBRID_SHARD over %d nodes of %d ranks: rank %d's memory: FULL_SHARD within its node (PARAMS, "
-                "GRADS and OPTIM its shard of every unit, split over the node's %d ranks; GATHER the units gathered "
-                "in the node at a time), the same shards replicated on every node (gradients reduce-scattered in "
-                "the node, then all-reduced across the nodes)", c->num_nodes, c->devices, p->rank, c->devices);
-    else if (fsdp)
-        note(p, "FSDP FULL_SHARD (ZeRO-3) over %d ranks: rank %d's memory: PARAMS, GRADS and OPTIM its shard of "
-                "every unit (each unit split by fl_comm's chunk layout); GATHER the units gathered at a time (at most "
-                "2 blocks, the head group and, tied, the embeddings) and their unreduced gradients; the model is "
-                "created sharded (the load reads, or the random init generates, only the rank's pieces: it never "
-                "holds the whole model)", p->devices, p->rank);
-    else if (p->devices > 1)
-        note(p, "ZeRO-%d over %d ranks: rank %d's memory: OPTIM for its chunk of the parameters; %s; parameters "
-                "whole", p->zero_stage, p->devices, p->rank,
-             p->zero_stage == 2 ? "GRADS reserved in full (backward fills the flat buffer), live after the "
-                                  "reduce-scatter: the chunk" : "gradients whole (all-reduced)");
-    if (p->devices > 1) {
-        char bb[32];
-        if (c->bucket_size)
-            note(p, "gradient reductions in buckets of %s (--bucket_size): their WORKSPACE stays under twice it, "
-                    "whatever the model; the same bits", fl_fmt_bytes(c->bucket_size, bb, sizeof bb));
-        else
-            note(p, "gradient reductions unbucketed (--bucket_size null): their scratch grows with the model");
-    }
-    if (sc.param_offload)
-        note(p, "parameter offload (offload_param_device %s): PARAMS and GRADS are this rank's shards in the %s tier "
-                "(outside the device budget); GATHER holds the units fetched to the device at a time%s",
-             sc.param_offload == 2 ? "nvme" : "cpu", sc.param_offload == 2 ? "nvme" : "host",
-             opts.cuda ? " and each unit's piece staged before its all-gather" : "");
-    if (sc.offload && fl_cfg_offload_nvme(c))
-        note(p, "NVMe offload: OPTIM is in the nvme tier (its row: files under nvme_path, paged through a few "
-                "pieces of host memory), outside the device budget%s", opts.cuda ? "; the host tier: one piece staged"
-                                                                                 : "");
-    else if (sc.offload)
-        note(p, "CPU offload (ZeRO-Offload, %s): OPTIM is the host tier's, outside the device budget (the \"host "
-                "(offload)\" row: the optimizer state%s); every step moves the gradients to the host and the updated "
-                "parameters back", c->strategy, opts.cuda ? " and the update's staging of one piece" : "");
 }
 
 /* ---- output ------------------------------------------------------------------------------ */

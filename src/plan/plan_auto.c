@@ -96,3 +96,18 @@ fl_status fl_plan_auto_strategy(const fl_run_config *c, int cuda, size_t device_
     }
     return FL_OK;
 }
+
+fl_status fl_plan_auto_resolve(const fl_run_config **c, fl_run_config *cd, int cuda, size_t device_memory, char *head,
+                               size_t head_n, char *rest, size_t rest_n) {
+    char s[32], why[1024];
+    head[0] = rest[0] = 0;
+    FL_TRY(fl_plan_auto_strategy(*c, cuda, device_memory, s, sizeof s, why, sizeof why));
+    if (!s[0]) return FL_OK;
+    if (*c != cd) *cd = **c;
+    snprintf(cd->strategy, sizeof cd->strategy, "%s", s);
+    *c = cd;
+    const char *more = strstr(why, "; ");
+    snprintf(head, head_n, "%.*s", more ? (int)(more - why) : (int)strlen(why), why);
+    if (more) snprintf(rest, rest_n, "%s", more + 2);
+    return FL_OK;
+}
