@@ -44,6 +44,14 @@ fl_status fl_fault_from_env(void);
  * adapters' under LoRA) through the backend (device memory too). */
 fl_status fl_fault_overflow_grads(fl_model *m);
 
+/* The step's side: a fault is a plug-in, as the other optional features are. The trainer's set-up installs the query
+ * fl_fault_at only when a fault is armed (fl_fault_armed), and each step's context (fl_step_ctx.fault, fitllm/train.h)
+ * gets what it returns: the injection due for this rank at this step (fl_fault_overflow_grads), or NULL. A run with
+ * nothing armed never enters this module. */
+typedef fl_status (*fl_fault_fn)(fl_model *m);
+int fl_fault_armed(void);
+fl_fault_fn fl_fault_at(int rank, long step);
+
 #ifdef __cplusplus
 }
 #endif

@@ -326,7 +326,8 @@ typedef struct {
     double *mb_stats;          /* (2 n_micro) or NULL: each micro-batch's loss sum and valid targets */
     double *mb_ms;             /* (n_micro) or NULL: each micro-batch's wall ms, the last one's with the update */
     int failed_k;              /* out, on failure: the micro-batch that failed, n_micro the update; else -1 */
-    int fault_overflow;        /* test hook (fitllm/fault.h): +inf into this rank's gradients once they are zeroed */
+    fl_status (*fault)(fl_model *m); /* test hook (fitllm/fault.h): the fault injected into this rank's gradients once
+                                      * they are zeroed, or NULL */
     /* 1: an asynchronous device (FL_CAP_ASYNC without host memory: a GPU) is synchronized at the phase edges,
      * so ms_fwd / ms_head / ms_bwd / ms_opt are the device's times (bench-step). 0: no synchronization inside
      * the step (issue 30 item 5: the trainer), the host only waits where a value must reach it (the loss, the

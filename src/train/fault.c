@@ -73,3 +73,9 @@ fl_status fl_fault_overflow_grads(fl_model *m) {
     const uint16_t h16 = dt == FL_F16 ? 0x7c00u : 0x7f80u;     /* fp16's, bf16's */
     return FL_RUN(m->be, to_device, g, dt == FL_F32 ? (const void *)&f32 : (const void *)&h16, fl_dtype_size(dt));
 }
+
+int fl_fault_armed(void) { return g_n > 0; }
+
+fl_fault_fn fl_fault_at(int rank, long step) {
+    return fl_fault_due(FL_FAULT_GRAD_OVERFLOW, rank, step) ? fl_fault_overflow_grads : NULL;
+}

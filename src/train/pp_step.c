@@ -10,7 +10,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "fitllm/fault.h"
 #include "fitllm/lora.h"
 #include "fitllm/pp.h"
 #include "dp.h"
@@ -567,7 +566,7 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     if (s == FL_OK) s = fl_pp_schedule_ops_v(p->kind, p->stages, V, p->stage, M, ops);
     if (s == FL_OK) {
         for (int ch = 0; ch < V; ch++) fl_model_zero_grads(p->ch[ch].m);
-        if (c->fault_overflow) s = fl_fault_overflow_grads(p->ch[0].m); /* test-only (fitllm/fault.h) */
+        if (c->fault) s = c->fault(p->ch[0].m); /* test-only (fitllm/fault.h) */
         /* the phases of a pipelined step: its schedule (forwards and backwards interleaved), the update; snapshots
          * before, after the schedule (the micro-batches in flight at its peak) and after the update */
         fl_mem_snapshot(p->m->pool, "before_fwd");

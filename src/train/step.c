@@ -7,7 +7,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "fitllm/fault.h"
 #include "fitllm/train.h"
 
 static double now_ms(void) {
@@ -146,7 +145,7 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     c->failed_k = -1;
     m->phase_sync = c->phase_times;
     fl_model_zero_grads(m);
-    if (c->fault_overflow) FL_TRY(fl_fault_overflow_grads(m)); /* test-only (fitllm/fault.h) */
+    if (c->fault) FL_TRY(c->fault(m)); /* test-only (fitllm/fault.h) */
     edge(m, FL_LIVE_ZEROED, NULL, NULL);
     /* every target of the step masked: nothing to learn, no forward and no update (c->skip_empty) */
     const int learn = c->step_valid > 0 || !c->skip_empty;

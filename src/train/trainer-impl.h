@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <time.h>
 
+#include "fitllm/fault.h"
 #include "fitllm/generate.h"
 #include "fitllm/lora.h"
 #include "fitllm/pp.h"
@@ -116,6 +117,7 @@ typedef struct {
     trainer_pp pp;              /* pipeline parallel (size 1: none) */
     trainer_sched sch;
     fl_train_state st;
+    fl_fault_fn (*fault_at)(int rank, long step); /* fitllm/fault.h's query when a test armed a fault, else NULL */
 } trainer;
 
 static inline double fl_tr_now_s(void) {

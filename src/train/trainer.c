@@ -24,7 +24,7 @@
 static fl_step_ctx step_ctx(trainer *t, long iter0, long step_valid, float lr) {
     const fl_run_config *cfg = t->cfg;
     const int grid_rank = t->tp.world ? fl_comm_rank(t->tp.world) : t->dp.rank; /* a test's fault (fitllm/fault.h) */
-    return (fl_step_ctx){.fault_overflow = fl_fault_due(FL_FAULT_GRAD_OVERFLOW, grid_rank, t->st.step + 1),
+    return (fl_step_ctx){.fault = t->fault_at ? t->fault_at(grid_rank, t->st.step + 1) : NULL,
                          .mbs = t->buf.mbs, .n_micro = t->sch.accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
                          .max_norm = cfg->train.max_norm, .dp = &t->dp, .sync = &t->dp.sync, .seeded = 1,
                          .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
@@ -87,6 +87,7 @@ static int snapshot_eval_generate(void *ud, int32_t id) {
 static void trainer_begin(trainer *t, const fl_run_config *cfg, fl_comm *comm) {
     memset(t, 0, sizeof *t);
     t->cfg = cfg;
+    t->fault_at = fl_fault_armed() ? fl_fault_at : NULL; /* a test's fault (fitllm/fault.h): a plug-in when armed */
     fl_dp_init(&t->dp, comm, NULL);
 }
 
