@@ -223,17 +223,21 @@ static fl_status load_data_s2s(trainer *t) {
     return fl_s2s_loader_init(&t->in.s2s_train, t->in.s2s, t->sch.B, pad, start, c->seed, 1);
 }
 
-/* T5's pipeline stages (seq2seq_stage.c): GPipe / 1F1B, full fine-tuning or LoRA; what they do not compose with yet
- * refused by name (also from the grid's set-up when the model's config is known there: before any collective) */
+/* T5's pipeline stages (seq2seq_stage.c): GPipe / 1F1B / interleaved full fine-tuning, GPipe / 1F1B LoRA; what they
+ * do not compose with yet refused by name (also from the grid's set-up when the model's config is known there: before
+ * any collective) */
 fl_status fl_tr_pp_check_s2s(const fl_run_config *c, const fl_strategy_choice *sc, const fl_model_config *mc) {
     if (c->pipeline_parallel <= 1 || !fl_model_is_s2s(mc)) return FL_OK;
+    const int lora_interleaved = c->command == FL_CMD_FINETUNE_LORA && !strcmp(c->pipeline_schedule, "interleaved");
     const char *why = c->sequence_parallel ? "--sequence_parallel"
                       : sc && sc->stage > 2 ? "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (DDP, ZeRO-1 and "
                                               "ZeRO-2 run)"
+                      : lora_interleaved    ? "LoRA under --pipeline_schedule interleaved"
                                             : NULL;
     if (why)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder (%s) and %s: not combined "
-                         "yet (finetune_full and finetune_lora under gpipe or 1f1b run)", c->pipeline_parallel,
+                         "yet (finetune_full under gpipe, 1f1b or interleaved and finetune_lora under gpipe or 1f1b "
+                         "run)", c->pipeline_parallel,
                          mc->name[0] ? mc->name : "encoder-decoder", why);
     return FL_OK;
 }
