@@ -91,6 +91,10 @@ static int fsdp_units(const fl_pp *p, int c, size_t *fo, size_t *so, size_t *ln)
 /* unit g (a layout group: 0 the embeddings, G - 1 the final norm and head) is trained by the stage */
 static int unit_owned(const fl_model *m, int g, int G) { return g == 0 ? !m->stage.in : g == G - 1 ? !m->stage.out : 1; }
 
+/* the backend that reads optimizer o's gradients: parameter offload's are the host tier's (its host backend), else the
+ * chunk model's device memory */
+static const fl_backend *grad_be(const fl_optimizer *o) { return o->home.params_host ? o->home.be : o->model->be; }
+
 /* n entries' squared norm through the door (sumsq's status ignored, as the slot has none) */
 static double door_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
     double v = 0;
@@ -107,16 +111,16 @@ static double chunk_sumsq(const fl_pp *p, int c, const fl_model *m, const fl_opt
     const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
     double v = 0;
     /* LoRA: every adapter of the stage (a head adapter that only the last stage runs has a zero gradient elsewhere) */
-    if (p->adapters && c0 < c1) v = door_sumsq(m->be, (const char *)o->w.g + c0 * es, o->w.gt, c1 - c0);
+    if (p->adapters && c0 < c1) v = door_sumsq(grad_be(o), (const char *)o->w.g + c0 * es, o->w.gt, c1 - c0);
     /* FULL_SHARD: the rank's piece of each unit (a layout group) the stage trains, in the shard at shard_off[g] */
     size_t fo[FL_PP_MAX_UNITS], so[FL_PP_MAX_UNITS], ln[FL_PP_MAX_UNITS];
     const int G = fsdp_units(p, c, fo, so, ln);
     for (int g = 0; g < G; g++)
-        if (unit_owned(m, g, G) && ln[g]) v += door_sumsq(m->be, (const char *)o->w.g + so[g] * es, o->w.gt, ln[g]);
+        if (unit_owned(m, g, G) && ln[g]) v += door_sumsq(grad_be(o), (const char *)o->w.g + so[g] * es, o->w.gt, ln[g]);
     for (int i = 0; !p->adapters && !G && i < m->layout.n; i++) {
         const fl_param_info *e = &m->layout.params[i];
         const size_t a = e->offset > c0 ? e->offset : c0, b = e->offset + e->numel < c1 ? e->offset + e->numel : c1;
-        if (fl_pp_stage_owns(m, i) && a < b) v += door_sumsq(m->be, (const char *)o->w.g + a * es, o->w.gt, b - a);
+        if (fl_pp_stage_owns(m, i) && a < b) v += door_sumsq(grad_be(o), (const char *)o->w.g + a * es, o->w.gt, b - a);
     }
     return v;
 }
@@ -392,14 +396,14 @@ static fl_status tied_sum(fl_pp *p, fl_optimizer *o0) {
     float *a = malloc(n * sizeof *a + 1), *b = malloc(n * sizeof *b + 1);
     void *raw = malloc(n * es + 1);
     fl_status s = a && b && raw ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline: out of host memory (tied embeddings)");
-    if (s == FL_OK) s = FL_RUN(m->be, to_host, raw, g, n * es);
+    if (s == FL_OK) s = FL_RUN(grad_be(o), to_host, raw, g, n * es);
     if (s == FL_OK) fl_convert(a, FL_F32, raw, o->w.gt, n);
     if (s == FL_OK && !fsdp && p->inner && p->inner->stage == 2) s = whole_reduced(p, o, a, m->layout.params[i].offset, n);
     if (s == FL_OK) s = fl_comm_send(p->comm, a, n, FL_F32, peer, TAG_TIED);
     if (s == FL_OK) s = fl_comm_recv(p->comm, b, n, FL_F32, peer, TAG_TIED);
     for (size_t k = 0; s == FL_OK && k < n; k++) a[k] += b[k];
     if (s == FL_OK) fl_convert(raw, o->w.gt, a, FL_F32, n);
-    if (s == FL_OK) s = FL_RUN(m->be, to_device, g, raw, n * es);
+    if (s == FL_OK) s = FL_RUN(grad_be(o), to_device, g, raw, n * es);
     free(a), free(b), free(raw);
     return fl_error_prefix(s, "pipeline: the tied embeddings' gradient");
 }
@@ -431,9 +435,9 @@ static fl_status shared_move(fl_pp *p, int c, fl_optimizer *o0, int e, float *a,
     char *g = (char *)o->w.g + pi->offset * es;
     if (!add) {
         fl_convert(raw, o->w.gt, a, FL_F32, n);
-        return FL_RUN(m->be, to_device, g, raw, n * es);
+        return FL_RUN(grad_be(o), to_device, g, raw, n * es);
     }
-    FL_TRY(FL_RUN(m->be, to_host, raw, g, n * es));
+    FL_TRY(FL_RUN(grad_be(o), to_host, raw, g, n * es));
     fl_convert(tmp, FL_F32, raw, o->w.gt, n);
     if (p->inner && p->inner->stage == 2) FL_TRY(whole_reduced(p, o, tmp, pi->offset, n));
     for (size_t k = 0; k < n; k++) a[k] += tmp[k];
@@ -497,7 +501,7 @@ static fl_status amp_verdict(fl_pp *p, fl_optimizer *o0) {
         const fl_optimizer *o = ch == 0 ? o0 : p->ch[ch].o;
         const size_t off = zero2 ? o->shard.off : 0, n = zero2 ? o->shard.len : o->w.n;
         int f = 0;
-        if (n) FL_TRY(FL_RUN(o->model->be, check_finite, (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, n,
+        if (n) FL_TRY(FL_RUN(grad_be(o), check_finite, (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, n,
                              fl_loss_scale_inv(&o->amp.ls), &f));
         any |= f != 0;
     }

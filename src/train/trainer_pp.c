@@ -22,9 +22,6 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     const fl_run_config *c = t->cfg;
     const int n = c->pipeline_parallel;
     if (n <= 1) return FL_OK;
-    if (sc->offload)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s: offload is not combined with "
-                         "pipeline parallelism yet", n, c->strategy);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: AdamW8bit's block-wise state is not gathered into "
                          "checkpoints yet (AdamW and SGD are)", n);

@@ -229,9 +229,11 @@ static fl_status load_data_s2s(trainer *t) {
 fl_status fl_tr_pp_check_s2s(const fl_run_config *c, const fl_strategy_choice *sc, const fl_model_config *mc) {
     if (c->pipeline_parallel <= 1 || !fl_model_is_s2s(mc)) return FL_OK;
     const int lora_interleaved = c->command == FL_CMD_FINETUNE_LORA && !strcmp(c->pipeline_schedule, "interleaved");
+    char z3[192]; /* FULL_SHARD's parameter offload (fsdp_cpu_offload, ..._nvme) with it, named */
+    snprintf(z3, sizeof z3, "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (--strategy %s; DDP, ZeRO-1 and ZeRO-2 "
+             "run, their optimizer offload too)", c->strategy);
     const char *why = c->sequence_parallel ? "--sequence_parallel"
-                      : sc && sc->stage > 2 ? "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (DDP, ZeRO-1 and "
-                                              "ZeRO-2 run)"
+                      : sc && sc->stage > 2 ? z3
                       : lora_interleaved    ? "LoRA under --pipeline_schedule interleaved"
                                             : NULL;
     if (why)

@@ -1,0 +1,200 @@
+/* Offload on pipeline-parallel grids (issue 35: --strategy deepspeed_stage_1/2/3_offload, fsdp_cpu_offload,
+ * deepspeed_stage_3_offload_nvme with --pipeline_parallel N, GPipe, 1F1B and the interleaved schedule; with
+ * --tensor_parallel too: the 3D grid). A stage's (a chunk's) optimizer, and under parameter offload its pieces of the
+ * stage's units, are that stage's: the offload relocates them to the host tier (or NVMe files) and runs the
+ * elementwise update there with the device's own kernels (cpu, opaque), so the anchor is the same grid without
+ * offload: the SAME BITS, every rank's step losses and trained parameters (tests/test_pp_train.c has that grid against
+ * one process). Memory per rank: the device's OPTIM 0 (parameter offload: PARAMS and GRADS 0 too), the tier holding
+ * what the device run held there; the plan = the measured peaks per rank, device and tiers. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ddp_ref.h"
+#include "fitllm/comm.h"
+#include "fitllm/plan.h"
+#include "fitllm/train.h"
+#include "plan_ref.h"
+#include "test.h"
+
+typedef struct {
+    int dp, tp, pp, chunks; /* the grid; chunks > 1: the interleaved schedule */
+    const char *sched, *base, *off;
+    int params, nvme; /* parameter offload; in NVMe files */
+} po_case;
+
+static const char *g_po_backend = "cpu";
+
+static void po_config(fl_run_config *c, const po_case *k, const char *strategy, const char *out, long steps) {
+    const int W = k->dp * k->tp * k->pp;
+    dr_config(c, DR_ADAMW, k->dp, W, 1, 0, out); /* AdamW with clipping: the norm over the offloaded pieces */
+    c->pipeline_parallel = k->pp;
+    c->tensor_parallel = k->tp;
+    snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", k->sched);
+    if (k->chunks > 1) c->pipeline_chunks = k->chunks;
+    snprintf(c->strategy, sizeof c->strategy, "%s", strategy);
+    c->train.max_steps = steps;
+    c->eval.interval = 100;
+}
+
+/* the grid of case k under strategy, as threads (resume: a checkpoint folder, "" to save at step 2) */
+static dr_job *po_run(const po_case *k, const char *strategy, const char *tag, long steps, const char *resume) {
+    dr_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    char out[760], nv[800];
+    snprintf(out, sizeof out, "%s/pp-off-%s-%d-%d-%d-%d-%s-%s", fl_test_tmpdir(), tag, k->dp, k->tp, k->pp, k->chunks,
+             k->sched, g_po_backend);
+    snprintf(nv, sizeof nv, "%s-nvme", out);
+    const int W = k->dp * k->tp * k->pp, nvme = strstr(strategy, "nvme") != NULL;
+    if (nvme) {
+        char mk[900];
+        snprintf(mk, sizeof mk, "mkdir -p '%s'", nv);
+        FL_CHECK(system(mk) == 0);
+    }
+    for (int r = 0; r < W; r++) {
+        po_config(&j->cfg[r], k, strategy, out, steps);
+        j->cfg[r].train.save_interval = resume ? 2 : 0;
+        if (nvme) snprintf(j->cfg[r].nvme_path, sizeof j->cfg[r].nvme_path, "%s", nv);
+        if (resume && resume[0]) snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", resume);
+    }
+    setenv("FITLLM_BACKEND", g_po_backend, 1);
+    const fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
+    unsetenv("FITLLM_BACKEND");
+    FL_CHECKF(s == FL_OK, "DP %d x TP %d x PP %d %s %s%s: %s", k->dp, k->tp, k->pp, k->sched, strategy,
+              resume && resume[0] ? " resumed" : "", j->msg[0]);
+    if (nvme) {
+        char cmd[900];
+        snprintf(cmd, sizeof cmd, "test -z \"$(ls -A '%s')\"", nv);
+        FL_CHECKF(system(cmd) == 0, "DP %d x PP %d %s: files left in the NVMe folder", k->dp, k->pp, strategy);
+    }
+    return s == FL_OK ? j : (free(j), NULL);
+}
+
+static void po_free(dr_job *j) {
+    for (int r = 0; j && r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+}
+
+/* every rank's losses and trained parameters: the same bits */
+static void po_same_bits(const dr_job *a, const dr_job *b, int W, const char *what) {
+    for (int r = 0; a && b && r < W; r++) {
+        const dr_rec *x = &a->rec[r], *y = &b->rec[r];
+        FL_CHECKF(x->steps == y->steps && x->steps > 0 && !memcmp(x->loss, y->loss, sizeof x->loss), "%s rank %d: the "
+                  "step losses differ (step 1: %.9g vs %.9g)", what, r, x->loss[0], y->loss[0]);
+        FL_CHECKF(x->numel == y->numel && x->params && y->params && !memcmp(x->params, y->params, x->numel * 4),
+                  "%s rank %d: the trained parameters differ from the run without offload (%zu vs %zu elements)", what,
+                  r, x->numel, y->numel);
+    }
+}
+
+/* what moved off the device (off) against the device run (base), rank by rank */
+static void po_memory(const dr_job *off, const dr_job *base, int W, const po_case *k, const char *what) {
+    for (int r = 0; off && base && r < W; r++) {
+        const fl_trainer_result *a = &off->res[r], *b = &base->res[r];
+        const size_t *tier = k->nvme ? a->nvme_peak : a->host_peak;
+        FL_CHECKF(b->peak[FL_TAG_OPTIM] > 0 && a->peak[FL_TAG_OPTIM] == 0 && tier[FL_TAG_OPTIM] == b->peak[FL_TAG_OPTIM],
+                  "%s rank %d: device OPTIM %zu (without offload %zu), the tier's %zu", what, r, a->peak[FL_TAG_OPTIM],
+                  b->peak[FL_TAG_OPTIM], tier[FL_TAG_OPTIM]);
+        if (k->params)
+            FL_CHECKF(a->peak[FL_TAG_PARAMS] == 0 && a->peak[FL_TAG_GRADS] == 0 &&
+                      tier[FL_TAG_PARAMS] == b->peak[FL_TAG_PARAMS] && tier[FL_TAG_GRADS] == b->peak[FL_TAG_GRADS],
+                      "%s rank %d: device PARAMS %zu GRADS %zu, the tier's %zu %zu (without offload: %zu %zu)", what, r,
+                      a->peak[FL_TAG_PARAMS], a->peak[FL_TAG_GRADS], tier[FL_TAG_PARAMS], tier[FL_TAG_GRADS],
+                      b->peak[FL_TAG_PARAMS], b->peak[FL_TAG_GRADS]);
+    }
+}
+
+static void po_what(const po_case *k, char *what, size_t n) {
+    snprintf(what, n, "DP %d x TP %d x PP %d %s%s%s %s vs %s on %s", k->dp, k->tp, k->pp, k->sched,
+             k->chunks > 1 ? " x " : "", k->chunks > 1 ? (k->chunks == 2 ? "2 chunks" : "chunks") : "", k->off, k->base,
+             g_po_backend);
+}
+
+/* case k with and without offload: the same bits, the memory moved */
+static void po_case_run(const po_case *k, long steps) {
+    char what[200];
+    po_what(k, what, sizeof what);
+    const int W = k->dp * k->tp * k->pp;
+    dr_job *b = po_run(k, k->base, "base", steps, NULL), *o = po_run(k, k->off, "off", steps, NULL);
+    po_same_bits(o, b, W, what);
+    po_memory(o, b, W, k, what);
+    if (getenv("FL_TEST_VERBOSE") && o && b)
+        printf("    %s: the same bits; rank 0's tier OPTIM %zu PARAMS %zu bytes, device peak %zu (without %zu)\n", what,
+               (k->nvme ? o->res[0].nvme_peak : o->res[0].host_peak)[FL_TAG_OPTIM],
+               (k->nvme ? o->res[0].nvme_peak : o->res[0].host_peak)[FL_TAG_PARAMS], o->res[0].peak_total,
+               b->res[0].peak_total);
+    po_free(b), po_free(o);
+}
+
+static const po_case k_opt[] = {
+    {2, 1, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0},
+    {2, 1, 2, 1, "gpipe", "deepspeed_stage_1", "deepspeed_stage_1_offload", 0, 0},
+    {1, 1, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0}, /* one pipeline: the whole stage */
+    {2, 1, 2, 2, "interleaved", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0}, /* each chunk's optimizer */
+};
+
+/* 2 steps each: the clipped update twice (its norm over the offloaded pieces, summed over the stages) */
+FL_TEST(pp_offload_optimizer_keeps_the_bits) {
+    const int n = fl_test_asan_light() ? 1 : (int)(sizeof k_opt / sizeof k_opt[0]);
+    for (int i = 0; i < n; i++) po_case_run(&k_opt[i], 2);
+}
+
+/* Parameter offload where FULL_SHARD runs on the stages (the data axis' pieces of each stage's units, the interleaved
+ * schedule's each chunk sharded by its own bookkeeping): the pieces of the parameters and gradients in the tier (or
+ * NVMe files: none left afterwards), gathered up unit by unit */
+static const po_case k_par[] = {
+    {2, 1, 2, 1, "1f1b", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0}, /* the optimizer of the pieces */
+    {2, 1, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},          /* the pieces too */
+    {2, 1, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1},
+    {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},
+};
+
+FL_TEST(pp_offload_params_keep_the_bits) {
+    const int n = fl_test_asan_light() ? 1 : (int)(sizeof k_par / sizeof k_par[0]);
+    for (int i = 0; i < n; i++) po_case_run(&k_par[fl_test_asan_light() ? 1 : i], 2);
+}
+
+/* The 3D grid (DP 2 x TP 2 x PP 2, eight thread ranks): each rank's part of its slice of its stage in the tier */
+static const po_case k_3d[] = {
+    {2, 2, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0},
+    {2, 2, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},
+};
+
+FL_TEST(pp_offload_3d_grid_keeps_the_bits) {
+    if (!fl_test_asan_budget()) return; /* ASan: the DP x PP cases above, tp_train_threads_offload_* */
+    for (int i = 0; i < 2; i++) po_case_run(&k_3d[i], 2);
+}
+
+/* The opaque backend (its memory the host cannot read): the optimizer's update staged through the host tier in
+ * pieces of 9973 elements, parameter offload's pieces fetched up from the tier and its gradients sent down; the
+ * pipeline's tied sum and clipping norm read the tier's gradients through the host backend */
+FL_TEST(pp_offload_opaque) {
+    if (!fl_test_asan_budget()) return; /* the opaque backend's copies; ASan: the cpu cases above */
+    g_po_backend = "opaque";
+    fl_optim_set_offload_piece(9973);
+    if (!fl_test_quick()) po_case_run(&k_opt[0], 2); /* (the staged update: tp_train_offload_nccl_standin_opaque) */
+    po_case_run(&k_par[1], 2);
+    fl_optim_set_offload_piece(0);
+    g_po_backend = "cpu";
+}
+
+/* plan per rank = measured with offload on the stages: every rank's device tags and total, and its host tier's (the
+ * optimizer state, the staging, parameter offload's pieces) or NVMe files': DP 2 x PP 2 under each offload, the
+ * interleaved schedule's chunks, the 3D grid */
+FL_TEST(pp_offload_plan_equals_measured) {
+    const po_case *k[] = {&k_opt[0], &k_par[1], &k_par[2], &k_opt[3], &k_par[3], &k_3d[1]};
+    const int n = fl_test_quick() ? 4 : (int)(sizeof k / sizeof k[0]);
+    for (int i = 0; i < n; i++) {
+        const int W = k[i]->dp * k[i]->tp * k[i]->pp;
+        dr_job *j = po_run(k[i], k[i]->off, "plan", 1, NULL);
+        char grid[200];
+        po_what(k[i], grid, sizeof grid);
+        for (int r = 0; j && r < W; r++) {
+            const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
+            if (getenv("FL_TEST_VERBOSE") && r == 0)
+                printf("    %s rank 0: planned = measured: device %zu, host tier %zu, NVMe %zu bytes\n", grid, total,
+                       j->res[r].host_peak_total, j->res[r].nvme_peak_total);
+        }
+        po_free(j);
+    }
+}
