@@ -664,8 +664,11 @@ pp_refused pp_t5_full_shard_refused "with an encoder-decoder (t5-micro) and FSDP
 pp_refused pp_t5_lora_interleaved_refused "with an encoder-decoder (t5) and LoRA under --pipeline_schedule interleaved" 2 \
     finetune_lora tests/fixtures/t5-tiny-gated --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --devices 2 \
     --pipeline_parallel 2 --pipeline_schedule interleaved --out_dir "$T/pp-x6"
-pp_refused pp_offload_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_2_offload: offload is not combined" 2 \
-    finetune_full micro --devices 2 --pipeline_parallel 2 --strategy deepspeed_stage_2_offload --out_dir "$T/pp-x4"
+# the offloads run on the stages (ppo_cli_np4_pp2_interleaved_fsdp_cpu_offload below); T5's stages refuse FULL_SHARD's
+# parameter offload by name
+pp_refused pp_t5_param_offload_refused "and FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (--strategy fsdp_cpu_offload" 2 \
+    finetune_full t5-micro --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --devices 2 --pipeline_parallel 2 \
+    --strategy fsdp_cpu_offload --out_dir "$T/pp-x4"
 
 # a rank of the grid killed during training (rank 3: the second tensor-parallel rank of data-parallel group 1):
 # the whole job ends within seconds, non-zero, the launcher naming the rank
@@ -893,6 +896,24 @@ if [ $rc -eq 0 ] && grep -q "^step 2: inf/NaN in the fp16 gradients: update skip
     ok "fp16_fault_np2_tp2_rank1_overflow_skipped_on_rank0"
 else
     bad "fp16_fault_np2_tp2_rank1_overflow_skipped_on_rank0" "exit $rc"
+fi
+
+# offload on the stages (issue 35): DP 2 x PP 2 x 2 chunks under fsdp_cpu_offload (each chunk's pieces of its units'
+# parameters, gradients and state in the host tier) logs the device-resident grid's losses (ppif4's above) and writes
+# its step-2 and final weights byte for byte; its step-2 checkpoint resumed in one process without offload ends on the
+# device grid's resumed weights (tests/test_pp_offload.c: ZeRO-1/2 offload, NVMe, GPipe / 1F1B, the 3D grid)
+rc=0
+timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --pipeline_parallel 2 --strategy fsdp_cpu_offload \
+    --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppio4" >"$T/out" 2>&1 || rc=$?
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppio4/step-000002" --out_dir "$T/ppio-r1" >>"$T/out" 2>&1 || rc=$?
+if [ $rc -eq 0 ] && cmp -s "$T/ppio4/final/model.safetensors" "$T/ppif4/final/model.safetensors" \
+    && cmp -s "$T/ppio4/step-000002/model.safetensors" "$T/ppif4/step-000002/model.safetensors" \
+    && cmp -s <(cut -d, -f1-4 "$T/ppio4/logs/metrics.csv") <(cut -d, -f1-4 "$T/ppif4/logs/metrics.csv") \
+    && cmp -s "$T/ppio-r1/final/model.safetensors" "$T/ppif-r1/final/model.safetensors" \
+    && grep -q "host tier (offload) PARAMS  *394.50 KiB" "$T/out"; then
+    ok "ppo_cli_np4_pp2_interleaved_fsdp_cpu_offload (the device-resident grid's bytes; resumed in one process)"
+else
+    bad "ppo_cli_np4_pp2_interleaved_fsdp_cpu_offload" "exit $rc"
 fi
 
 echo
