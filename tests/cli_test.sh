@@ -1799,6 +1799,12 @@ expect t5_pp_refuses_full_shard 2 "with an encoder-decoder \(t5\) and FSDP FULL_
     "$FITLLM" "${T5PP[@]}" --strategy fsdp
 expect t5_pp_plan_interleaved 0 "blocks per virtual stage \(balanced by training FLOPs at T = 64, lm_head's on the last\): \[0, 1\) \[1, 3\) \[3, 4\) \[4, 5\)" -- \
     "$FITLLM" "${T5PP[@]}" --pipeline_schedule interleaved --train.max_seq_length 64
+# offload on the stages (issue 35; runs: tests/test_pp_offload.c, mpirun ppo_cli_*): rank 0's host tier under
+# fsdp_cpu_offload at DP 2 x PP 2, by hand: stage 0 of micro holds 169152 floats (its blocks, a copy of the embeddings
+# and head), rank 0's piece of the axis' half 84576 = 330.38 KiB of parameters, as much gradient, twice that of AdamW
+# state (660.75 KiB)
+expect pp_plan_offload_host_tier 0 "^host \(offload\) +reserved +330\.38 KiB +330\.38 KiB +660\.75 KiB" -- \
+    "$FITLLM" plan micro --devices 4 --pipeline_parallel 2 --strategy fsdp_cpu_offload
 
 echo
 echo "$pass passed, $fail failed, $skip skipped"

@@ -149,6 +149,7 @@ static const po_case k_par[] = {
     {2, 1, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},          /* the pieces too */
     {2, 1, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1},
     {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},
+    {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0},
 };
 
 FL_TEST(pp_offload_params_keep_the_bits) {
@@ -160,11 +161,12 @@ FL_TEST(pp_offload_params_keep_the_bits) {
 static const po_case k_3d[] = {
     {2, 2, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0},
     {2, 2, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},
+    {2, 2, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1}, /* (the full tier) */
 };
 
 FL_TEST(pp_offload_3d_grid_keeps_the_bits) {
     if (!fl_test_asan_budget()) return; /* ASan: the DP x PP cases above, tp_train_threads_offload_* */
-    for (int i = 0; i < 2; i++) po_case_run(&k_3d[i], 2);
+    for (int i = 0; i < (fl_test_quick() ? 2 : 3); i++) po_case_run(&k_3d[i], 2);
 }
 
 /* The opaque backend (its memory the host cannot read): the optimizer's update staged through the host tier in
@@ -267,4 +269,5 @@ static void po_resume(const po_case *k) {
 FL_TEST(pp_offload_checkpoints_resume_without_offload) {
     po_resume(&k_opt[0]); /* ZeRO-2 offload: the state gathered from the host tier over the axis, then the stages */
     if (!fl_test_asan_light()) po_resume(&k_par[1]); /* fsdp_cpu_offload: the pieces' parameters and state from the tier */
+    if (!fl_test_quick()) po_resume(&k_par[3]);      /* the interleaved chunks' pieces, each chunk's bookkeeping */
 }
