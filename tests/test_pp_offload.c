@@ -59,7 +59,8 @@ static dr_job *po_run(const po_case *k, const char *strategy, const char *tag, l
         if (nvme) snprintf(j->cfg[r].nvme_path, sizeof j->cfg[r].nvme_path, "%s", nv);
         if (resume && resume[0]) snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", resume);
     }
-    setenv("FITLLM_BACKEND", g_po_backend, 1);
+    /* (the suite's backend, FITLLM_TEST_BACKEND: cpu, ref, cuda-emu; the opaque case sets its own) */
+    setenv("FITLLM_BACKEND", strcmp(g_po_backend, "cpu") ? g_po_backend : fl_test_backend_name(), 1);
     const fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
     unsetenv("FITLLM_BACKEND");
     FL_CHECKF(s == FL_OK, "DP %d x TP %d x PP %d %s %s%s: %s", k->dp, k->tp, k->pp, k->sched, strategy,
@@ -109,7 +110,7 @@ static void po_memory(const dr_job *off, const dr_job *base, int W, const po_cas
 static void po_what(const po_case *k, char *what, size_t n) {
     snprintf(what, n, "DP %d x TP %d x PP %d %s%s%s %s vs %s on %s", k->dp, k->tp, k->pp, k->sched,
              k->chunks > 1 ? " x " : "", k->chunks > 1 ? (k->chunks == 2 ? "2 chunks" : "chunks") : "", k->off, k->base,
-             g_po_backend);
+             strcmp(g_po_backend, "cpu") ? g_po_backend : fl_test_backend_name());
 }
 
 /* case k with and without offload: the same bits, the memory moved */
@@ -252,7 +253,7 @@ static void po_resume(const po_case *k) {
     dr_rec one;
     memset(&one, 0, sizeof one);
     fl_trainer_result res;
-    setenv("FITLLM_BACKEND", g_po_backend, 1);
+    setenv("FITLLM_BACKEND", strcmp(g_po_backend, "cpu") ? g_po_backend : fl_test_backend_name(), 1);
     FL_REQUIRE_OK(fl_trainer_run_comm(&c, NULL, NULL, 0, dr_record, &one, &res));
     unsetenv("FITLLM_BACKEND");
     for (int s = 2; s < 4; s++) {
