@@ -16,6 +16,7 @@
 #include "fitllm/comm.h"
 #include "fitllm/plan.h"
 #include "fitllm/train.h"
+#include "offload_ref.h"
 #include "plan_ref.h"
 #include "test.h"
 
@@ -73,40 +74,6 @@ static dr_job *po_run(const po_case *k, const char *strategy, const char *tag, l
     return s == FL_OK ? j : (free(j), NULL);
 }
 
-static void po_free(dr_job *j) {
-    for (int r = 0; j && r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
-    free(j);
-}
-
-/* every rank's losses and trained parameters: the same bits */
-static void po_same_bits(const dr_job *a, const dr_job *b, int W, const char *what) {
-    for (int r = 0; a && b && r < W; r++) {
-        const dr_rec *x = &a->rec[r], *y = &b->rec[r];
-        FL_CHECKF(x->steps == y->steps && x->steps > 0 && !memcmp(x->loss, y->loss, sizeof x->loss), "%s rank %d: the "
-                  "step losses differ (step 1: %.9g vs %.9g)", what, r, x->loss[0], y->loss[0]);
-        FL_CHECKF(x->numel == y->numel && x->params && y->params && !memcmp(x->params, y->params, x->numel * 4),
-                  "%s rank %d: the trained parameters differ from the run without offload (%zu vs %zu elements)", what,
-                  r, x->numel, y->numel);
-    }
-}
-
-/* what moved off the device (off) against the device run (base), rank by rank */
-static void po_memory(const dr_job *off, const dr_job *base, int W, const po_case *k, const char *what) {
-    for (int r = 0; off && base && r < W; r++) {
-        const fl_trainer_result *a = &off->res[r], *b = &base->res[r];
-        const size_t *tier = k->nvme ? a->nvme_peak : a->host_peak;
-        FL_CHECKF(b->peak[FL_TAG_OPTIM] > 0 && a->peak[FL_TAG_OPTIM] == 0 && tier[FL_TAG_OPTIM] == b->peak[FL_TAG_OPTIM],
-                  "%s rank %d: device OPTIM %zu (without offload %zu), the tier's %zu", what, r, a->peak[FL_TAG_OPTIM],
-                  b->peak[FL_TAG_OPTIM], tier[FL_TAG_OPTIM]);
-        if (k->params)
-            FL_CHECKF(a->peak[FL_TAG_PARAMS] == 0 && a->peak[FL_TAG_GRADS] == 0 &&
-                      tier[FL_TAG_PARAMS] == b->peak[FL_TAG_PARAMS] && tier[FL_TAG_GRADS] == b->peak[FL_TAG_GRADS],
-                      "%s rank %d: device PARAMS %zu GRADS %zu, the tier's %zu %zu (without offload: %zu %zu)", what, r,
-                      a->peak[FL_TAG_PARAMS], a->peak[FL_TAG_GRADS], tier[FL_TAG_PARAMS], tier[FL_TAG_GRADS],
-                      b->peak[FL_TAG_PARAMS], b->peak[FL_TAG_GRADS]);
-    }
-}
-
 static void po_what(const po_case *k, char *what, size_t n) {
     snprintf(what, n, "DP %d x TP %d x PP %d %s%s%s %s vs %s on %s", k->dp, k->tp, k->pp, k->sched,
              k->chunks > 1 ? " x " : "", k->chunks > 1 ? (k->chunks == 2 ? "2 chunks" : "chunks") : "", k->off, k->base,
@@ -119,14 +86,14 @@ static void po_case_run(const po_case *k, long steps) {
     po_what(k, what, sizeof what);
     const int W = k->dp * k->tp * k->pp;
     dr_job *b = po_run(k, k->base, "base", steps, NULL), *o = po_run(k, k->off, "off", steps, NULL);
-    po_same_bits(o, b, W, what);
-    po_memory(o, b, W, k, what);
+    off_same_bits(o, b, W, what);
+    off_memory(o, b, W, k->params, k->nvme, what);
     if (getenv("FL_TEST_VERBOSE") && o && b)
         printf("    %s: the same bits; rank 0's tier OPTIM %zu PARAMS %zu bytes, device peak %zu (without %zu)\n", what,
                (k->nvme ? o->res[0].nvme_peak : o->res[0].host_peak)[FL_TAG_OPTIM],
                (k->nvme ? o->res[0].nvme_peak : o->res[0].host_peak)[FL_TAG_PARAMS], o->res[0].peak_total,
                b->res[0].peak_total);
-    po_free(b), po_free(o);
+    off_free(b), off_free(o);
 }
 
 static const po_case k_opt[] = {
@@ -200,7 +167,7 @@ FL_TEST(pp_offload_plan_equals_measured) {
                 printf("    %s rank 0: planned = measured: device %zu, host tier %zu, NVMe %zu bytes\n", grid, total,
                        j->res[r].host_peak_total, j->res[r].nvme_peak_total);
         }
-        po_free(j);
+        off_free(j);
     }
 }
 
@@ -264,7 +231,7 @@ static void po_resume(const po_case *k) {
             printf("    %s: step %d resumed in one process %.3g relative\n", what, s + 1, w);
     }
     dr_free(&one);
-    po_free(a), po_free(b);
+    off_free(a), off_free(b);
 }
 
 FL_TEST(pp_offload_checkpoints_resume_without_offload) {
