@@ -24,13 +24,15 @@ typedef struct {
     int dp, tp, pp, chunks; /* the grid; chunks > 1: the interleaved schedule */
     const char *sched, *base, *off;
     int params, nvme; /* parameter offload; in NVMe files */
+    int lora;         /* finetune_lora (the adapters' optimizer; dropout 0.1) */
 } po_case;
 
 static const char *g_po_backend = "cpu";
 
 static void po_config(fl_run_config *c, const po_case *k, const char *strategy, const char *out, long steps) {
     const int W = k->dp * k->tp * k->pp;
-    dr_config(c, DR_ADAMW, k->dp, W, 1, 0, out); /* AdamW with clipping: the norm over the offloaded pieces */
+    dr_config(c, k->lora ? DR_LORA : DR_ADAMW, k->dp, W, 1, k->lora, out); /* AdamW with clipping: the norm over the
+                                                                           * offloaded pieces */
     c->pipeline_parallel = k->pp;
     c->tensor_parallel = k->tp;
     snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", k->sched);
@@ -75,7 +77,8 @@ static dr_job *po_run(const po_case *k, const char *strategy, const char *tag, l
 }
 
 static void po_what(const po_case *k, char *what, size_t n) {
-    snprintf(what, n, "DP %d x TP %d x PP %d %s%s%s %s vs %s on %s", k->dp, k->tp, k->pp, k->sched,
+    snprintf(what, n, "%sDP %d x TP %d x PP %d %s%s%s %s vs %s on %s", k->lora ? "LoRA " : "", k->dp, k->tp, k->pp,
+             k->sched,
              k->chunks > 1 ? " x " : "", k->chunks > 1 ? (k->chunks == 2 ? "2 chunks" : "chunks") : "", k->off, k->base,
              strcmp(g_po_backend, "cpu") ? g_po_backend : fl_test_backend_name());
 }
@@ -97,27 +100,29 @@ static void po_case_run(const po_case *k, long steps) {
 }
 
 static const po_case k_opt[] = {
-    {2, 1, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0},
-    {2, 1, 2, 1, "gpipe", "deepspeed_stage_1", "deepspeed_stage_1_offload", 0, 0},
-    {1, 1, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0}, /* one pipeline: the whole stage */
-    {2, 1, 2, 2, "interleaved", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0}, /* each chunk's optimizer */
+    {2, 1, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, 0},
+    {2, 1, 2, 1, "gpipe", "deepspeed_stage_1", "deepspeed_stage_1_offload", 0, 0, 0},
+    {1, 1, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, 0}, /* one pipeline: the whole stage */
+    {2, 1, 2, 2, "interleaved", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, 0}, /* each chunk's optimizer */
+    {2, 1, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, 1}, /* LoRA: the adapters' state */
 };
 
 /* 2 steps each: the clipped update twice (its norm over the offloaded pieces, summed over the stages) */
 FL_TEST(pp_offload_optimizer_keeps_the_bits) {
     for (int i = 0; i < (int)(sizeof k_opt / sizeof k_opt[0]); i++)
-        if ((!fl_test_quick() || i == 0 || i == 3) && (!fl_test_asan_light() || i == 0)) po_case_run(&k_opt[i], 2);
+        if ((!fl_test_quick() || i == 0 || i == 3 || i == 4) && (!fl_test_asan_light() || i == 0))
+            po_case_run(&k_opt[i], 2);
 }
 
 /* Parameter offload where FULL_SHARD runs on the stages (the data axis' pieces of each stage's units, the interleaved
  * schedule's each chunk sharded by its own bookkeeping): the pieces of the parameters and gradients in the tier (or
  * NVMe files: none left afterwards), gathered up unit by unit */
 static const po_case k_par[] = {
-    {2, 1, 2, 1, "1f1b", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0}, /* the optimizer of the pieces */
-    {2, 1, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},          /* the pieces too */
-    {2, 1, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1},
-    {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},
-    {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0},
+    {2, 1, 2, 1, "1f1b", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0, 0}, /* the optimizer of the pieces */
+    {2, 1, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, 0},          /* the pieces too */
+    {2, 1, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, 0},
+    {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, 0},
+    {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0, 0},
 };
 
 FL_TEST(pp_offload_params_keep_the_bits) {
@@ -127,9 +132,9 @@ FL_TEST(pp_offload_params_keep_the_bits) {
 
 /* The 3D grid (DP 2 x TP 2 x PP 2, eight thread ranks): each rank's part of its slice of its stage in the tier */
 static const po_case k_3d[] = {
-    {2, 2, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0},
-    {2, 2, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0},
-    {2, 2, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1}, /* (the full tier) */
+    {2, 2, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, 0},
+    {2, 2, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, 0},
+    {2, 2, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, 0}, /* (the full tier) */
 };
 
 FL_TEST(pp_offload_3d_grid_keeps_the_bits) {
@@ -236,6 +241,6 @@ static void po_resume(const po_case *k) {
 
 FL_TEST(pp_offload_checkpoints_resume_without_offload) {
     po_resume(&k_opt[0]); /* ZeRO-2 offload: the state gathered from the host tier over the axis, then the stages */
-    if (!fl_test_asan_light()) po_resume(&k_par[1]); /* fsdp_cpu_offload: the pieces' parameters and state from the tier */
+    if (!fl_test_asan_light()) po_resume(&k_par[1]); /* fsdp_cpu_offload: the pieces' parameters, state from the tier */
     if (!fl_test_quick()) po_resume(&k_par[3]);      /* the interleaved chunks' pieces, each chunk's bookkeeping */
 }
