@@ -25,8 +25,8 @@ static void pa_config(fl_run_config *c, int dp, int tp, int pp) {
     c->eval.max_new_tokens = 0;
 }
 
-/* the largest rank's planned peak of c under strategy s (no budget); SIZE_MAX: the grid refuses s (the offloads
- * with pipeline stages) */
+/* the largest rank's planned peak of c under strategy s (no budget); SIZE_MAX: the grid refuses s (an offload the
+ * grid does not run) */
 static size_t largest(const fl_run_config *c0, const char *s, fl_plan *p) {
     fl_run_config c = *c0;
     snprintf(c.strategy, sizeof c.strategy, "%s", s);
