@@ -28,6 +28,7 @@
 #include "backend/cuda/cu_kernels_train.h"
 #include "backend/cuda/emu/cu_emu.h"
 #include "cuda_emu_test.h"
+#include "q4_part.h"
 
 static const uint64_t k_seeds[] = {0x51ed5eedull, 0xc0ffee11ull};
 
@@ -383,11 +384,12 @@ static int dot_close(const char *what, const float *got, const double *want, con
     return 1;
 }
 
-static void q4_case(int N, int OUT, int IN, fl_q4_type t, int dq) {
-    fl_test_rng r = {(unsigned long long)(N * 7919 + OUT * 131 + IN + t * 3 + dq)};
-    q4_fixture f;
-    FL_REQUIRE(q4_make(&f, OUT, IN, t, dq, &r));
-    const char *mode = fl_q4_mode_name(t, dq);
+/* the kernels on f's weight (OUT, IN) against f.deq: the dequantized panel bit for bit, the matmuls within the fp32
+ * dot-product bound of float64 sums over f.deq */
+static void q4_check(q4_fixture *f_, int N, const char *mode, fl_test_rng *rp) {
+    q4_fixture f = *f_;
+    fl_test_rng r = *rp;
+    const int OUT = f.w.rows, IN = f.w.cols;
     /* dequantize: a panel of rows into a strided F32 / BF16 destination */
     const int r0 = OUT > 3 ? 2 : 0, nr = OUT - r0 - (OUT > 5 ? 1 : 0), ldd = IN + 3;
     float *d32 = malloc((size_t)nr * ldd * 4);
@@ -468,7 +470,52 @@ static void q4_case(int N, int OUT, int IN, fl_q4_type t, int dq) {
     }
     FL_CHECK(fl_cuemu_q4_matmul_forward(got, ldy, x, &f.w, N, 0.5f, NULL) == -1); /* beta must be 0 or 1 */
     free(d32); free(d16); free(x); free(y0); free(want); free(absum); free(got); free(dy); free(dx0);
+}
+
+static void q4_case(int N, int OUT, int IN, fl_q4_type t, int dq) {
+    fl_test_rng r = {(unsigned long long)(N * 7919 + OUT * 131 + IN + t * 3 + dq)};
+    q4_fixture f;
+    FL_REQUIRE(q4_make(&f, OUT, IN, t, dq, &r));
+    q4_check(&f, N, fl_q4_mode_name(t, dq), &r);
     q4_free(&f);
+}
+
+/* QLoRA where a tensor-parallel rank's part cuts the blocks (issue 35): the part (R, K) of a whole (RW, KW) quantized
+ * as one, held as the whole blocks covering it with a row map (tests/q4_part.h); kind / a / b as q4p_starts. The
+ * expected values are the whole's dequantized values at the part's elements (the CPU's fl_q4_dequantize of the whole),
+ * so a wrong row map or block copy fails the bit check; the CPU's own dequantization of the part gives them too. */
+static void q4_cut_case(int N, q4p_kind kind, int RW, int KW, int R, int K, int a, int b, fl_q4_type t, int dq) {
+    fl_test_rng r = {(unsigned long long)(N * 7919 + RW * 131 + KW + R * 17 + K * 5 + kind + t * 3 + dq)};
+    q4_fixture whole, part = {0};
+    FL_REQUIRE(q4_make(&whole, RW, KW, t, dq, &r));
+    size_t *starts = malloc((size_t)R * sizeof *starts);
+    part.deq = malloc((size_t)R * K * sizeof(float));
+    q4p_starts(kind, R, KW, a, b, starts);
+    FL_REQUIRE(q4p_make(&whole.w, whole.deq, starts, R, K, &part.w, &part.mem, part.deq));
+    FL_CHECK(part.w.row_start && part.w.double_quant == 0 && part.w.n_blocks >= ((size_t)R * K + 63) / 64);
+    float *cpu = malloc((size_t)R * K * sizeof(float));
+    FL_REQUIRE_OK(fl_q4_dequantize(&part.w, cpu, 1));
+    FL_CHECKF(memcmp(cpu, part.deq, (size_t)R * K * sizeof(float)) == 0, "the CPU's dequantized cut part (%d x %d of "
+              "%d x %d) differs from the whole's values", R, K, RW, KW);
+    char mode[64];
+    snprintf(mode, sizeof mode, "%s cut part %d x %d of %d x %d", fl_q4_mode_name(t, dq), R, K, RW, KW);
+    q4_check(&part, N, mode, &r);
+    free(cpu);
+    free(starts);
+    q4_free(&part);
+    q4_free(&whole);
+}
+
+FL_TEST(cuda_more_q4_cut_blocks) {
+    /* row-parallel: 43 of each row's 131 columns from column 45 (every row starts and ends mid-block; 19 x 37: partial
+     * warps and tiles) */
+    q4_cut_case(19, Q4P_COLS, 37, 131, 37, 43, 45, 0, FL_Q4_NF4, 0);
+    q4_cut_case(19, Q4P_COLS, 37, 131, 37, 43, 45, 0, FL_Q4_FP4, 1); /* double-quantized whole: dequantized absmax */
+    /* column-parallel: rows 37 .. 111 of a 150 x 70 whole (one run, cut at both ends; > one 128-row tile of N, K tail
+     * of 6 in the forward) */
+    q4_cut_case(133, Q4P_ROWS, 150, 70, 75, 70, 37, 0, FL_Q4_NF4, 1);
+    /* a fused part (QKV / gate-up): rows 3 .. 22 and 60 .. 79 of a 90 x 45 whole, two runs of blocks */
+    q4_cut_case(5, Q4P_FUSED, 90, 45, 40, 45, 3, 60, FL_Q4_FP4, 0);
 }
 
 FL_TEST(cuda_more_q4) {

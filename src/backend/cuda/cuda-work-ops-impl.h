@@ -167,18 +167,12 @@ static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp,
 static fl_status flb_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
                                        int N, float beta) {
     FL_TRY(flb_sticky(be));
-    if (w->row_start) /* a tensor-parallel part of whole blocks (fl_q4_weight.row_start): the kernel reads r * cols */
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s q4_matmul_forward: a 4-bit weight whose rank's part cuts the "
-                         "blocks (a row map) is not run by this backend's kernel yet", FLB_NAME);
     FLB_RUN_S(be, FLB_K(q4_matmul_forward)(y, ldy, x, w, N, beta, STREAM), "q4_matmul_forward");
     return FL_OK;
 }
 static fl_status flb_q4_matmul_backward(const fl_backend *be, float *dx, const float *dy, int ldy,
                                         const fl_q4_weight *w, int N, float beta) {
     FL_TRY(flb_sticky(be));
-    if (w->row_start) /* a tensor-parallel part of whole blocks (fl_q4_weight.row_start): the kernel reads r * cols */
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s q4_matmul_backward: a 4-bit weight whose rank's part cuts the "
-                         "blocks (a row map) is not run by this backend's kernel yet", FLB_NAME);
     FLB_RUN_S(be, FLB_K(q4_matmul_backward)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
     return FL_OK;
 }

@@ -1,6 +1,9 @@
 /* 4-bit (bitsandbytes NF4/FP4) weights: the fused dequantize-matmuls of backend.h's
  * q4_matmul_forward / q4_matmul_backward, and a dequantize kernel (references:
  * src/backend/cpu/quant4.c, q4matmul.c; the format: fitllm/quant4.h).
+ * Every kernel takes the plain layout (element (r, c) stored at r * cols + c) and a tensor-parallel
+ * rank's part that cuts the blocks (fl_q4_weight.row_start, a device array: whole blocks of one
+ * process's quantization, element (r, c) at row_start[r] + c), as fl_q4_dequantize_tile does.
  *
  * Dequantization is the CPU's fl_q4_dequantize_tile value for value: code[q] * absmax(block),
  * where a double-quantized absmax is code8[q_absmax] * scale + offset with two roundings (no FMA:
@@ -40,6 +43,8 @@ typedef struct {
     const uint8_t *q_absmax;   /* dq */
     const float *absmax_scale; /* dq */
     const float *offset;       /* dq */
+    const uint32_t *row_start; /* a mapped part (fl_q4_weight.row_start): row r starts at element row_start[r] of the
+                                * kept blocks; NULL: at r * cols */
     int rows, cols, type, dq;
 } fl_cu_q4w;
 
@@ -47,7 +52,11 @@ FL_CU_DEV float q4_absmax(const fl_cu_q4w &w, float off, size_t b) {
     if (!w.dq) return w.absmax[b];
     return fl_cu_add_rn(fl_cu_mul_rn(fl_cu_code_signed[w.q_absmax[b]], w.absmax_scale[b / FL_Q4_DQ_BLOCK]), off);
 }
-/* element i of the flattened (rows, cols) weight; lut: the 16 code values */
+/* the stored element index of (r, 0): the plain layout's r * cols, or a mapped part's row map */
+FL_CU_DEV size_t q4_row(const fl_cu_q4w &w, int r) {
+    return w.row_start ? (size_t)w.row_start[r] : (size_t)r * (size_t)w.cols;
+}
+/* stored element i (q4_row(r) + c for element (r, c)); lut: the 16 code values */
 FL_CU_DEV float q4_value(const fl_cu_q4w &w, const float *lut, float off, size_t i) {
     const unsigned byte = w.packed[i >> 1];
     const unsigned q = (i & 1) ? (byte & 15u) : (byte >> 4);
@@ -106,10 +115,10 @@ __global__ static void fl_cu_q4_gemm_k(float *Cm, int ldc, const float *A, int l
             const int e = tid + 256 * r;
             if (!BWD) { /* Bs[kk][o] = W[n0 + o][k0 + kk] */
                 const int o = e >> 4, kk = e & 15, go = n0 + o, gk = k0 + kk;
-                Bs[kk][o] = go < Ncol && gk < K ? q4_value(w, lut, off, (size_t)go * w.cols + gk) : 0.0f;
+                Bs[kk][o] = go < Ncol && gk < K ? q4_value(w, lut, off, q4_row(w, go) + gk) : 0.0f;
             } else { /* Bs[kk][c] = W[k0 + kk][n0 + c] */
                 const int c = e & 127, kk = e >> 7, gc = n0 + c, gk = k0 + kk;
-                Bs[kk][c] = gc < Ncol && gk < K ? q4_value(w, lut, off, (size_t)gk * w.cols + gc) : 0.0f;
+                Bs[kk][c] = gc < Ncol && gk < K ? q4_value(w, lut, off, q4_row(w, gk) + gc) : 0.0f;
             }
         }
         __syncthreads();
@@ -143,7 +152,7 @@ __global__ static void fl_cu_q4_dequant_k(void *dst, int dt, int ldd, fl_cu_q4w 
     const size_t total = (size_t)nr * w.cols;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
         const size_t r = e / (size_t)w.cols, c = e % (size_t)w.cols;
-        const float v = q4_value(w, lut, off, ((size_t)r0 + r) * w.cols + c);
+        const float v = q4_value(w, lut, off, q4_row(w, r0 + (int)r) + c);
         if (dt == FL_F32) ((float *)dst)[r * ldd + c] = v;
         else ((uint16_t *)dst)[r * ldd + c] = fl_cu_f32_to_bf16(v);
     }
@@ -157,6 +166,7 @@ static int q4_view(const fl_q4_weight *w, fl_cu_q4w *v) {
     v->q_absmax = w->q_absmax;
     v->absmax_scale = w->absmax_scale;
     v->offset = w->offset;
+    v->row_start = w->row_start;
     v->rows = w->rows;
     v->cols = w->cols;
     v->type = (int)w->type;
