@@ -8,7 +8,8 @@
  *   - the 4-bit matmuls: the same FMA sequence as the emulator (fmaf in a fixed order), so the
  *     same bits are expected there too; against the CPU backend (another summation order) a
  *     sample of rows within the fp32 dot-product bound of float64, and all values within 1e-4
- *     relative to the largest.
+ *     relative to the largest. The 4-bit kernels also on tensor-parallel parts that cut the blocks (a row map:
+ *     q4_cut, issue 35).
  * Returns the number of failed checks. */
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -19,6 +20,7 @@
 #include "backend/cuda/cu_kernels_train.h"
 #include "fitllm/backend.h"
 #include "fitllm/lora.h"
+#include "../q4_part.h"
 
 static int m_fail;
 
@@ -229,12 +231,33 @@ static void q4_make(q4pair *q, int rows, int cols, fl_q4_type t, int dq, unsigne
 }
 static void q4_free(q4pair *q) { free(q->hmem); cudaFree(q->dmem); }
 
-static void q4_small(int N, int OUT, int IN, fl_q4_type t, int dq) {
-    q4pair q;
-    q4_make(&q, OUT, IN, t, dq, 31);
+/* QLoRA where a tensor-parallel rank's part cuts the blocks (issue 35; EXPERIMENTAL until run here): the part (R, K)
+ * of a whole (RW, KW), kind / a / b as tests/q4_part.h's q4p_starts, held as the whole blocks covering it with the row
+ * map (the map travels in the same buffer: device pointers after fl_q4_bind_mapped on the device copy) */
+static int q4_make_cut(q4pair *q, q4p_kind kind, int RW, int KW, int R, int K, int a, int b, fl_q4_type t, int dq) {
+    q4pair whole;
+    q4_make(&whole, RW, KW, t, dq, 33);
+    float *wdeq = malloc((size_t)RW * KW * 4), *deq = malloc((size_t)R * K * 4);
+    size_t *starts = malloc((size_t)R * sizeof *starts);
+    fl_q4_dequantize(&whole.h, wdeq, 0);
+    q4p_starts(kind, R, KW, a, b, starts);
+    int ok = q4p_make(&whole.h, wdeq, starts, R, K, &q->h, &q->hmem, deq);
+    if (ok) {
+        q->bytes = fl_q4_weight_bytes(&q->h);
+        q->dmem = dcopy(q->hmem, q->bytes);
+        ok = fl_q4_bind_mapped(&q->d, R, K, t, q->h.n_blocks, q->dmem) == FL_OK;
+    }
+    free(wdeq), free(deq), free(starts);
+    q4_free(&whole);
+    return ok;
+}
+
+/* the GPU's kernels on q (OUT, IN) against the emulator's: the dequantized panel and the matmuls */
+static void q4_run(q4pair *qp, int N, const char *mode) {
+    q4pair q = *qp;
+    const int OUT = q.h.rows, IN = q.h.cols;
     unsigned s = 32;
-    const char *mode = fl_q4_mode_name(t, dq);
-    char name[64];
+    char name[96];
     float *x = rnd(&s, (size_t)N * IN, -1, 1), *dy = rnd(&s, (size_t)N * OUT, -1, 1), *y = rnd(&s, (size_t)N * OUT, -1, 1);
     float *dx = rnd(&s, (size_t)N * IN, -1, 1), *deq = malloc((size_t)OUT * IN * 4);
     float *g = malloc(((size_t)N > (size_t)OUT ? (size_t)N : (size_t)OUT) * (IN > OUT ? IN : OUT) * 4);
@@ -257,6 +280,25 @@ static void q4_small(int N, int OUT, int IN, fl_q4_type t, int dq) {
     close_to(name, ok, g, dx, (size_t)N * IN, 1e-6);
     cudaFree(dX); cudaFree(dDy); cudaFree(dY); cudaFree(dDx); cudaFree(dDeq);
     free(x); free(dy); free(y); free(dx); free(deq); free(g);
+}
+
+static void q4_small(int N, int OUT, int IN, fl_q4_type t, int dq) {
+    q4pair q;
+    q4_make(&q, OUT, IN, t, dq, 31);
+    q4_run(&q, N, fl_q4_mode_name(t, dq));
+    q4_free(&q);
+}
+
+static void q4_cut(int N, q4p_kind kind, int RW, int KW, int R, int K, int a, int b, fl_q4_type t, int dq) {
+    q4pair q = {0};
+    char mode[96];
+    snprintf(mode, sizeof mode, "%s cut %dx%d of %dx%d", fl_q4_mode_name(t, dq), R, K, RW, KW);
+    if (!q4_make_cut(&q, kind, RW, KW, R, K, a, b, t, dq)) {
+        printf("FAIL %-40s (the part not built)\n", mode);
+        m_fail++;
+    } else {
+        q4_run(&q, N, mode);
+    }
     q4_free(&q);
 }
 
@@ -374,6 +416,9 @@ int fl_cuda_check_more(void) {
     adam8bit_check((size_t)1 << 24, FL_F32, 1);
     q4_small(19, 37, 131, FL_Q4_NF4, 0);
     q4_small(133, 150, 70, FL_Q4_FP4, 1);
+    q4_cut(19, Q4P_COLS, 37, 131, 37, 43, 45, 0, FL_Q4_NF4, 1); /* as test_cuda_more.c's cuda_more_q4_cut_blocks */
+    q4_cut(133, Q4P_ROWS, 150, 70, 75, 70, 37, 0, FL_Q4_FP4, 0);
+    q4_cut(5, Q4P_FUSED, 90, 45, 40, 45, 3, 60, FL_Q4_NF4, 0);
     q4_big();
     lora_check(100003);
     return m_fail;
