@@ -518,6 +518,90 @@ FL_TEST(cuda_more_q4_cut_blocks) {
     q4_cut_case(5, Q4P_FUSED, 90, 45, 40, 45, 3, 60, FL_Q4_FP4, 0);
 }
 
+/* The bf16 tensor-core matmuls (issue 30 item 7; EXPERIMENTAL): x / dy and the dequantized W rounded to bf16 (RNE) as
+ * they load, products exact in fp32, fp32 sums (the emulator's mma adds its 16 products in order): against float64
+ * sums of the RNE-rounded operands (rounded here, by fl_f32_to_bf16) within the same fp32 bound gamma(K+1) sum |a b|
+ * (+ |beta y|). A GPU's tensor cores sum in an unspecified order with truncation: check_more.c doubles it there. */
+static float rbf(float v) { return fl_bf16_to_f32(fl_f32_to_bf16(v)); }
+static void q4_tc_check(const q4_fixture *f, int N, const char *mode, fl_test_rng *r) {
+    const int OUT = f->w.rows, IN = f->w.cols, ldy = OUT + 3, K[2] = {IN, OUT}, Nout[2] = {OUT, IN};
+    float *x = fl_test_frand(r, (size_t)N * IN, -1, 1), *dy = fl_test_frand(r, (size_t)N * ldy, -1, 1);
+    float *y0 = fl_test_frand(r, (size_t)N * ldy, -1, 1), *dx0 = fl_test_frand(r, (size_t)N * IN, -1, 1);
+    const size_t nmax = (size_t)N * (ldy > IN ? ldy : IN);
+    double *want = malloc(nmax * 8), *absum = malloc(nmax * 8);
+    float *got = malloc(nmax * 4);
+    for (int bwd = 0; bwd <= 1; bwd++)
+        for (int beta = 0; beta <= 1; beta++) {
+            float *o[2];
+            const float *in = bwd ? dy : x, *o0 = bwd ? dx0 : y0;
+            const int ldi = bwd ? ldy : IN, ldo = bwd ? IN : ldy;
+            for (int k = 0; k < 2; k++) {
+                fl_cu_emu_set_seed(k_seeds[k]);
+                o[k] = dup_bytes(o0, (size_t)N * ldo * 4);
+                EMU_OK(bwd ? fl_cuemu_q4_matmul_backward_tc(o[k], dy, ldy, &f->w, N, (float)beta, NULL)
+                           : fl_cuemu_q4_matmul_forward_tc(o[k], ldy, x, &f->w, N, (float)beta, NULL));
+            }
+            FL_CHECK(memcmp(o[0], o[1], (size_t)N * ldo * 4) == 0);
+            size_t m = 0;
+            int pad_ok = 1;
+            for (int n = 0; n < N; n++) {
+                for (int c = 0; c < Nout[bwd]; c++, m++) {
+                    double s = beta ? o0[(size_t)n * ldo + c] : 0.0, a = fabs(s);
+                    for (int k = 0; k < K[bwd]; k++) {
+                        const float wv = bwd ? f->deq[(size_t)k * IN + c] : f->deq[(size_t)c * IN + k];
+                        const double p = (double)rbf(in[(size_t)n * ldi + k]) * rbf(wv);
+                        s += p;
+                        a += fabs(p);
+                    }
+                    want[m] = s, absum[m] = a, got[m] = o[0][(size_t)n * ldo + c];
+                }
+                for (int c = Nout[bwd]; c < ldo; c++) pad_ok &= o[0][(size_t)n * ldo + c] == o0[(size_t)n * ldo + c];
+            }
+            FL_CHECKF(dot_close(bwd ? "q4_matmul_backward_tc" : "q4_matmul_forward_tc", got, want, absum, m, K[bwd]),
+                      "%s %s N=%d %dx%d beta=%d", bwd ? "backward" : "forward", mode, N, OUT, IN, beta);
+            FL_CHECKF(pad_ok, "%s tc %s: columns past the output in the row stride were written", mode,
+                      bwd ? "backward" : "forward");
+            free(o[0]), free(o[1]);
+        }
+    FL_CHECK(fl_cuemu_q4_matmul_forward_tc(got, ldy, x, &f->w, N, 0.5f, NULL) == -1); /* beta must be 0 or 1 */
+    free(x), free(dy), free(y0), free(dx0), free(want), free(absum), free(got);
+}
+
+FL_TEST(cuda_more_q4_tc) {
+    const struct { int N, OUT, IN; fl_q4_type t; int dq; } c[3] = {
+        {19, 37, 131, FL_Q4_NF4, 1},  /* partial warps, tiles and k-steps; blocks straddle rows */
+        {70, 130, 48, FL_Q4_FP4, 0},  /* two tiles of output columns and rows, K 48 (one and a half k-steps) */
+        {1, 5, 3, FL_Q4_NF4, 0},      /* a 1-row x, K 3 */
+    };
+    for (int k = 0; k < 3; k++) {
+        fl_test_rng r = {(unsigned long long)(1000 + k)};
+        q4_fixture f;
+        FL_REQUIRE(q4_make(&f, c[k].OUT, c[k].IN, c[k].t, c[k].dq, &r));
+        q4_tc_check(&f, c[k].N, fl_q4_mode_name(c[k].t, c[k].dq), &r);
+        q4_free(&f);
+    }
+    /* a tensor-parallel part that cuts the blocks (the row map, issue 35): rows 37 .. 111 of a 150 x 70 whole */
+    fl_test_rng r = {2000};
+    q4_fixture whole, part = {0};
+    FL_REQUIRE(q4_make(&whole, 150, 70, FL_Q4_NF4, 1, &r));
+    size_t starts[75];
+    part.deq = malloc(75 * 70 * sizeof(float));
+    q4p_starts(Q4P_ROWS, 75, 70, 37, 0, starts);
+    FL_REQUIRE(q4p_make(&whole.w, whole.deq, starts, 75, 70, &part.w, &part.mem, part.deq));
+    q4_tc_check(&part, 33, "nf4-dq cut part 75 x 70 of 150 x 70", &r);
+    q4_free(&part);
+    q4_free(&whole);
+    /* the switch (FITLLM_CUDA_Q4=tc: a bf16 run's 4-bit matmuls on these kernels): anything else is refused by name */
+    fl_backend be;
+    setenv("FITLLM_CUDA_Q4", "bf16", 1);
+    FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "FITLLM_CUDA_Q4=bf16: expected fp32") != NULL, "'%s'", fl_error_message());
+    setenv("FITLLM_CUDA_Q4", "tc", 1);
+    FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_OK);
+    fl_backend_free(&be);
+    unsetenv("FITLLM_CUDA_Q4");
+}
+
 FL_TEST(cuda_more_q4) {
     q4_case(19, 37, 131, FL_Q4_NF4, 0);  /* odd everything: quantization blocks straddle rows, odd n */
     q4_case(19, 37, 131, FL_Q4_FP4, 1);

@@ -19,6 +19,7 @@
 
 #include "backend/cuda/cu_kernels_train.h"
 #include "fitllm/backend.h"
+#include "fitllm/dtype.h"
 #include "fitllm/lora.h"
 #include "../q4_part.h"
 
@@ -278,6 +279,22 @@ static void q4_run(q4pair *qp, int N, const char *mode) {
     hcopy(g, dDx, (size_t)N * IN * 4);
     snprintf(name, sizeof name, "q4_matmul_backward %s", mode);
     close_to(name, ok, g, dx, (size_t)N * IN, 1e-6);
+    /* the bf16 tensor-core variants (beta 0) against the emulator's: the same bf16 operands, the sums' order and
+     * rounding differ (cu_mma.h): within 1e-4 of the largest, as the big case against the CPU */
+    for (int bwd = 0; bwd <= 1; bwd++) {
+        float *h = bwd ? dx : y, *d = bwd ? dDx : dY;
+        const size_t n = (size_t)N * (bwd ? IN : OUT);
+        if (bwd) {
+            fl_cuemu_q4_matmul_backward_tc(h, dy, OUT, &q.h, N, 0.0f, NULL);
+            ok = synced(fl_cuk_q4_matmul_backward_tc(d, dDy, OUT, &q.d, N, 0.0f, NULL));
+        } else {
+            fl_cuemu_q4_matmul_forward_tc(h, OUT, x, &q.h, N, 0.0f, NULL);
+            ok = synced(fl_cuk_q4_matmul_forward_tc(d, OUT, dX, &q.d, N, 0.0f, NULL));
+        }
+        hcopy(g, d, n * 4);
+        snprintf(name, sizeof name, "q4_matmul_%s_tc %s", bwd ? "backward" : "forward", mode);
+        close_to(name, ok, g, h, n, 1e-4);
+    }
     cudaFree(dX); cudaFree(dDy); cudaFree(dY); cudaFree(dDx); cudaFree(dDeq);
     free(x); free(dy); free(y); free(dx); free(deq); free(g);
 }
@@ -301,6 +318,8 @@ static void q4_cut(int N, q4p_kind kind, int RW, int KW, int R, int K, int a, in
     }
     q4_free(&q);
 }
+
+static float q4_rbf(float v) { return fl_bf16_to_f32(fl_f32_to_bf16(v)); } /* RNE to bf16 and back */
 
 /* N = 4096 rows, in = out = 2048, nf4-dq: GPU against the CPU backend, sampled rows against
  * float64 within the fp32 dot-product bound, timed. */
@@ -361,6 +380,42 @@ static void q4_big(void) {
     cudaEventRecord(e1, 0);
     ms = elapsed(e0, e1) / reps;
     printf("%-28s time %.3f ms  (%.1f TFLOP/s fp32)\n", "  q4_matmul_backward", ms, flop / (ms * 1e-3) / 1e12);
+    /* the bf16 tensor-core variants (issue 30 item 7, EXPERIMENTAL): 16 sampled rows against float64 sums of the
+     * bf16-rounded operands within twice the fp32 dot bound (the tensor cores' order and truncation), timed beside */
+    okf = synced(fl_cuk_q4_matmul_forward_tc(dY, OUT, dX, &q.d, N, 0.0f, NULL));
+    okb = synced(fl_cuk_q4_matmul_backward_tc(dDx, dDy, OUT, &q.d, N, 0.0f, NULL));
+    hcopy(gy, dY, ny * 4);
+    hcopy(gdx, dDx, nx * 4);
+    bad = !okf || !okb;
+    for (int si = 0; si < 16 && okf && okb; si++) {
+        int n = (si * 257 + 3) % N;
+        for (int o = 0; o < OUT; o++) {
+            double sf = 0, af = 0, sb = 0, ab = 0;
+            for (int k = 0; k < IN; k++) {
+                double pf = (double)q4_rbf(x[(size_t)n * IN + k]) * q4_rbf(deq[(size_t)o * IN + k]);
+                sf += pf; af += fabs(pf);
+            }
+            bad += !(fabs(gy[(size_t)n * OUT + o] - sf) <= 2 * gam * af);
+            for (int r = 0; r < OUT; r++) {
+                double pb = (double)q4_rbf(dy[(size_t)n * OUT + r]) * q4_rbf(deq[(size_t)r * IN + o]);
+                sb += pb; ab += fabs(pb);
+            }
+            bad += !(fabs(gdx[(size_t)n * IN + o] - sb) <= 2 * gam * ab);
+        }
+    }
+    printf("%-28s %s  (16 rows of y and dx, bf16 operands, within 2x the fp32 dot bound: %d outside)\n",
+           "q4 tc 4096x2048x2048 vs f64", bad ? "FAIL" : "ok  ", bad);
+    m_fail += bad != 0;
+    cudaEventRecord(e0, 0);
+    for (int i = 0; i < reps; i++) fl_cuk_q4_matmul_forward_tc(dY, OUT, dX, &q.d, N, 0.0f, NULL);
+    cudaEventRecord(e1, 0);
+    ms = elapsed(e0, e1) / reps;
+    printf("%-28s time %.3f ms  (%.1f TFLOP/s bf16 mma)\n", "  q4_matmul_forward_tc", ms, flop / (ms * 1e-3) / 1e12);
+    cudaEventRecord(e0, 0);
+    for (int i = 0; i < reps; i++) fl_cuk_q4_matmul_backward_tc(dDx, dDy, OUT, &q.d, N, 0.0f, NULL);
+    cudaEventRecord(e1, 0);
+    ms = elapsed(e0, e1) / reps;
+    printf("%-28s time %.3f ms  (%.1f TFLOP/s bf16 mma)\n", "  q4_matmul_backward_tc", ms, flop / (ms * 1e-3) / 1e12);
     float *dDeq = dcopy(NULL, (size_t)OUT * IN * 4);
     cudaEventRecord(e0, 0);
     for (int i = 0; i < reps; i++) fl_cuk_q4_dequantize(dDeq, FL_F32, IN, &q.d, 0, OUT, NULL);

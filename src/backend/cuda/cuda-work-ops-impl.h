@@ -167,13 +167,19 @@ static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp,
 static fl_status flb_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
                                        int N, float beta) {
     FL_TRY(flb_sticky(be));
-    FLB_RUN_S(be, FLB_K(q4_matmul_forward)(y, ldy, x, w, N, beta, STREAM), "q4_matmul_forward");
+    if (FLB_IMPL(be)->q4tc && FLB_IMPL(be)->compute == FL_BF16) /* FITLLM_CUDA_Q4=tc */
+        FLB_RUN_S(be, FLB_K(q4_matmul_forward_tc)(y, ldy, x, w, N, beta, STREAM), "q4_matmul_forward");
+    else
+        FLB_RUN_S(be, FLB_K(q4_matmul_forward)(y, ldy, x, w, N, beta, STREAM), "q4_matmul_forward");
     return FL_OK;
 }
 static fl_status flb_q4_matmul_backward(const fl_backend *be, float *dx, const float *dy, int ldy,
                                         const fl_q4_weight *w, int N, float beta) {
     FL_TRY(flb_sticky(be));
-    FLB_RUN_S(be, FLB_K(q4_matmul_backward)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
+    if (FLB_IMPL(be)->q4tc && FLB_IMPL(be)->compute == FL_BF16)
+        FLB_RUN_S(be, FLB_K(q4_matmul_backward_tc)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
+    else
+        FLB_RUN_S(be, FLB_K(q4_matmul_backward)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
     return FL_OK;
 }
 

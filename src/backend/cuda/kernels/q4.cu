@@ -24,6 +24,7 @@
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels_train.h"
 #include "backend/cuda/cu_exact_dev.h"
+#include "backend/cuda/cu_mma.h"
 
 static __device__ const float fl_cu_nf4_code[16] = {
     -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
@@ -144,6 +145,92 @@ __global__ static void fl_cu_q4_gemm_k(float *Cm, int ldc, const float *A, int l
     }
 }
 
+/* ---- the same on bf16 tensor cores (issue 30 item 7: NF4 dequantization fused into the GEMM's B load) ----
+ * Block tile 64 (rows of x / dy) x 64 (output columns) x 32 (reduction), 128 threads = 4 warps of 32 x 32, each
+ * warp 2 x 4 mma m16n8k16 per 16 of the reduction. The load rounds A's fp32 and the dequantized W's fp32 values to
+ * bf16 (RNE) into shared memory, both stored (row, k) so every fragment register is one 32-bit read (cu_mma.h's
+ * table: A[g][2t, 2t+1], B[2t, 2t+1][g] = the (n, k) tile's row g). The backward's W tile is read along W's rows
+ * (consecutive nibbles) and stored transposed. */
+#define Q4T_BM 64
+#define Q4T_BN 64
+#define Q4T_BK 32
+#define Q4T_LD (Q4T_BK + 8) /* bf16 per shared row: 80 bytes, so the 32-bit reads at even k stay aligned */
+
+FL_CU_DEV uint32_t q4t_ld32(const uint16_t *p) {
+#ifdef __CUDACC__
+    return *reinterpret_cast<const uint32_t *>(p);
+#else
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 16);
+#endif
+}
+
+template <int BWD>
+__global__ static void fl_cu_q4_gemm_tc_k(float *Cm, int ldc, const float *A, int lda, fl_cu_q4w w, int M,
+                                          float beta) {
+    alignas(16) __shared__ uint16_t As[Q4T_BM][Q4T_LD]; /* (m, k) */
+    alignas(16) __shared__ uint16_t Bs[Q4T_BN][Q4T_LD]; /* (n, k) */
+    __shared__ float lut[16];
+    const int K = BWD ? w.rows : w.cols, Ncol = BWD ? w.cols : w.rows;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int m0 = blockIdx.y * Q4T_BM, n0 = blockIdx.x * Q4T_BN;
+    const float off = w.dq ? *w.offset : 0.0f;
+    q4_load_lut(lut, w.type);
+    __syncthreads();
+    float acc[2][4][4];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++)
+            for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += Q4T_BK) {
+        for (int r = 0; r < 16; r++) { /* A: 64 x 32, read along k */
+            const int e = tid + 128 * r, m = e >> 5, kk = e & 31, gm = m0 + m, gk = k0 + kk;
+            As[m][kk] = fl_cu_f32_to_bf16(gm < M && gk < K ? A[(size_t)gm * lda + gk] : 0.0f);
+        }
+        for (int r = 0; r < 16; r++) { /* W: 64 x 32 as (n, k), dequantized along W's rows */
+            const int e = tid + 128 * r;
+            float v;
+            int n, kk;
+            if (!BWD) { /* Bs[n][kk] = W[n0 + n][k0 + kk] */
+                n = e >> 5, kk = e & 31;
+                const int gn = n0 + n, gk = k0 + kk;
+                v = gn < Ncol && gk < K ? q4_value(w, lut, off, q4_row(w, gn) + gk) : 0.0f;
+            } else { /* Bs[n][kk] = W[k0 + kk][n0 + n] */
+                n = e & 63, kk = e >> 6;
+                const int gn = n0 + n, gk = k0 + kk;
+                v = gn < Ncol && gk < K ? q4_value(w, lut, off, q4_row(w, gk) + gn) : 0.0f;
+            }
+            Bs[n][kk] = fl_cu_f32_to_bf16(v);
+        }
+        __syncthreads();
+        for (int ks = 0; ks < Q4T_BK; ks += 16) {
+            uint32_t a[2][4], b[4][2];
+            for (int i = 0; i < 2; i++) {
+                const int r = wm + 16 * i + g, c = ks + 2 * t;
+                a[i][0] = q4t_ld32(&As[r][c]);
+                a[i][1] = q4t_ld32(&As[r + 8][c]);
+                a[i][2] = q4t_ld32(&As[r][c + 8]);
+                a[i][3] = q4t_ld32(&As[r + 8][c + 8]);
+            }
+            for (int j = 0; j < 4; j++) {
+                const int n = wn + 8 * j + g, c = ks + 2 * t;
+                b[j][0] = q4t_ld32(&Bs[n][c]);
+                b[j][1] = q4t_ld32(&Bs[n][c + 8]);
+            }
+            for (int i = 0; i < 2; i++)
+                for (int j = 0; j < 4; j++) fl_cu_mma_bf16_16816(acc[i][j], a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++)
+            for (int q = 0; q < 4; q++) {
+                const int gm = m0 + wm + 16 * i + g + 8 * (q >> 1), gn = n0 + wn + 8 * j + 2 * t + (q & 1);
+                if (gm >= M || gn >= Ncol) continue;
+                float *c = Cm + (size_t)gm * ldc + gn;
+                *c = beta != 0.0f ? *c + acc[i][j][q] : acc[i][j][q];
+            }
+}
+
 __global__ static void fl_cu_q4_dequant_k(void *dst, int dt, int ldd, fl_cu_q4w w, int r0, int nr) {
     __shared__ float lut[16];
     const float off = w.dq ? *w.offset : 0.0f;
@@ -191,6 +278,26 @@ extern "C" int FL_CUK(q4_matmul_backward)(float *dx, const float *dy, int ldy, c
     if (N == 0) return 0;
     dim3 grid((unsigned)(w->cols + Q4_BN - 1) / Q4_BN, (unsigned)(N + Q4_BM - 1) / Q4_BM);
     FL_CU_LAUNCH(fl_cu_q4_gemm_k<1>, grid, dim3(256), 0, (fl_cu_stream)stream, dx, w->cols, dy, ldy, v, N, beta);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(q4_matmul_forward_tc)(float *y, int ldy, const float *x, const fl_q4_weight *w, int N,
+                                            float beta, void *stream) {
+    fl_cu_q4w v;
+    if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
+    if (N == 0) return 0;
+    dim3 grid((unsigned)(w->rows + Q4T_BN - 1) / Q4T_BN, (unsigned)(N + Q4T_BM - 1) / Q4T_BM);
+    FL_CU_LAUNCH(fl_cu_q4_gemm_tc_k<0>, grid, dim3(128), 0, (fl_cu_stream)stream, y, ldy, x, w->cols, v, N, beta);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(q4_matmul_backward_tc)(float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N,
+                                             float beta, void *stream) {
+    fl_cu_q4w v;
+    if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
+    if (N == 0) return 0;
+    dim3 grid((unsigned)(w->cols + Q4T_BN - 1) / Q4T_BN, (unsigned)(N + Q4T_BM - 1) / Q4T_BM);
+    FL_CU_LAUNCH(fl_cu_q4_gemm_tc_k<1>, grid, dim3(128), 0, (fl_cu_stream)stream, dx, w->cols, dy, ldy, v, N, beta);
     return fl_cu_launch_error();
 }
 
