@@ -177,17 +177,20 @@ FL_TEST(cuda_emu_train_bf16_true_adamw8bit) {
 #endif
 }
 /* QLoRA bf16-true with FITLLM_CUDA_Q4=tc (issue 30 item 7, EXPERIMENTAL): the 4-bit matmuls on the emulated bf16
- * tensor cores (x and the dequantized NF4 weight rounded to bf16 as they load, bitsandbytes' bf16 compute dtype), 2
- * steps of stories260K against the CPU under compare()'s bound (the precision's own error: the CPU keeps the 4-bit
- * matmuls in fp32); the default path runs in cuda_emu_train_* and bitident's qlora cases */
+ * tensor cores (x and the dequantized NF4 weight rounded to bf16 as they load, bitsandbytes' bf16 compute dtype), and
+ * with =scratch (dequantized into a bf16 panel for the GEMM), 2 steps of stories260K against the CPU under compare()'s
+ * bound (the precision's own error: the CPU keeps the 4-bit matmuls in fp32); the default path runs in
+ * cuda_emu_train_* and bitident's qlora cases */
 FL_TEST(cuda_emu_train_qlora_bf16_true_q4_tc) {
 #if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
     fl_test_skip("the release pass runs it (emulated kernels under ASan: minutes; the op suite runs the same backend code here)");
 #elif defined(FL_HAVE_CUDA_EMU)
     FL_SKIP_IF_NO_DATA();
     if (!fl_test_full_only("cuda_more_q4_tc (the kernels vs float64), cuda_emu_train_bf16_true_adamw8bit")) return;
-    setenv("FITLLM_CUDA_Q4", "tc", 1);
     g_quant = "bnb.nf4";
+    setenv("FITLLM_CUDA_Q4", "tc", 1);
+    compare("bf16-true", "AdamW", 1);
+    setenv("FITLLM_CUDA_Q4", "scratch", 1);
     compare("bf16-true", "AdamW", 1);
     g_quant = NULL;
     unsetenv("FITLLM_CUDA_Q4");

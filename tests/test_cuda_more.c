@@ -523,7 +523,7 @@ FL_TEST(cuda_more_q4_cut_blocks) {
  * sums of the RNE-rounded operands (rounded here, by fl_f32_to_bf16) within the same fp32 bound gamma(K+1) sum |a b|
  * (+ |beta y|). A GPU's tensor cores sum in an unspecified order with truncation: check_more.c doubles it there. */
 static float rbf(float v) { return fl_bf16_to_f32(fl_f32_to_bf16(v)); }
-static void q4_tc_check(const q4_fixture *f, int N, const char *mode, fl_test_rng *r) {
+static void q4_tc_check(const q4_fixture *f, int N, const char *mode, fl_test_rng *r, const fl_backend *be) {
     const int OUT = f->w.rows, IN = f->w.cols, ldy = OUT + 3, K[2] = {IN, OUT}, Nout[2] = {OUT, IN};
     float *x = fl_test_frand(r, (size_t)N * IN, -1, 1), *dy = fl_test_frand(r, (size_t)N * ldy, -1, 1);
     float *y0 = fl_test_frand(r, (size_t)N * ldy, -1, 1), *dx0 = fl_test_frand(r, (size_t)N * IN, -1, 1);
@@ -538,8 +538,13 @@ static void q4_tc_check(const q4_fixture *f, int N, const char *mode, fl_test_rn
             for (int k = 0; k < 2; k++) {
                 fl_cu_emu_set_seed(k_seeds[k]);
                 o[k] = dup_bytes(o0, (size_t)N * ldo * 4);
-                EMU_OK(bwd ? fl_cuemu_q4_matmul_backward_tc(o[k], dy, ldy, &f->w, N, (float)beta, NULL)
-                           : fl_cuemu_q4_matmul_forward_tc(o[k], ldy, x, &f->w, N, (float)beta, NULL));
+                if (be) /* through the backend's slots (FITLLM_CUDA_Q4's path of a bf16 run) */
+                    FL_CHECK((bwd ? be->q4_matmul_backward(be, o[k], dy, ldy, &f->w, N, (float)beta)
+                                  : be->q4_matmul_forward(be, o[k], ldy, x, &f->w, N, (float)beta)) == FL_OK &&
+                             be->sync(be) == FL_OK);
+                else
+                    EMU_OK(bwd ? fl_cuemu_q4_matmul_backward_tc(o[k], dy, ldy, &f->w, N, (float)beta, NULL)
+                               : fl_cuemu_q4_matmul_forward_tc(o[k], ldy, x, &f->w, N, (float)beta, NULL));
             }
             FL_CHECK(memcmp(o[0], o[1], (size_t)N * ldo * 4) == 0);
             size_t m = 0;
@@ -577,7 +582,7 @@ FL_TEST(cuda_more_q4_tc) {
         fl_test_rng r = {(unsigned long long)(1000 + k)};
         q4_fixture f;
         FL_REQUIRE(q4_make(&f, c[k].OUT, c[k].IN, c[k].t, c[k].dq, &r));
-        q4_tc_check(&f, c[k].N, fl_q4_mode_name(c[k].t, c[k].dq), &r);
+        q4_tc_check(&f, c[k].N, fl_q4_mode_name(c[k].t, c[k].dq), &r, NULL);
         q4_free(&f);
     }
     /* a tensor-parallel part that cuts the blocks (the row map, issue 35): rows 37 .. 111 of a 150 x 70 whole */
@@ -588,17 +593,46 @@ FL_TEST(cuda_more_q4_tc) {
     part.deq = malloc(75 * 70 * sizeof(float));
     q4p_starts(Q4P_ROWS, 75, 70, 37, 0, starts);
     FL_REQUIRE(q4p_make(&whole.w, whole.deq, starts, 75, 70, &part.w, &part.mem, part.deq));
-    q4_tc_check(&part, 33, "nf4-dq cut part 75 x 70 of 150 x 70", &r);
+    q4_tc_check(&part, 33, "nf4-dq cut part 75 x 70 of 150 x 70", &r, NULL);
     q4_free(&part);
     q4_free(&whole);
-    /* the switch (FITLLM_CUDA_Q4=tc: a bf16 run's 4-bit matmuls on these kernels): anything else is refused by name */
+}
+
+FL_TEST(cuda_more_q4_bf16_paths) {
+    fl_test_rng r = {2000};
+    q4_fixture whole, part = {0};
+    FL_REQUIRE(q4_make(&whole, 150, 70, FL_Q4_NF4, 1, &r));
+    size_t starts[75];
+    part.deq = malloc(75 * 70 * sizeof(float));
+    q4p_starts(Q4P_ROWS, 75, 70, 37, 0, starts);
+    FL_REQUIRE(q4p_make(&whole.w, whole.deq, starts, 75, 70, &part.w, &part.mem, part.deq));
+    /* the switch, through the backend's q4_matmul slots in a bf16 run: tc (these kernels) and scratch (W dequantized
+     * into a bf16 panel of the work area, then the F32 x bf16 GEMM: the same bf16 operands, the stand-in GEMM's
+     * float64 sums rounded per panel; the backward adds its panels in fp32: within the same bound). scratch on 200 x
+     * 3000 too: 174 rows of 3000 per 1 MiB panel of the emulator's work area, two panels (the backward accumulates) */
+    const char *modes[2] = {"tc", "scratch"};
+    q4_fixture big = {0};
+    if (!fl_test_quick()) FL_REQUIRE(q4_make(&big, 200, 3000, FL_Q4_FP4, 1, &r));
+    for (int k = 0; k < 2; k++) {
+        fl_backend be;
+        setenv("FITLLM_CUDA_Q4", modes[k], 1);
+        FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+        be.set_compute_dtype(&be, FL_BF16);
+        char m[80];
+        snprintf(m, sizeof m, "FITLLM_CUDA_Q4=%s nf4-dq cut part", modes[k]);
+        q4_tc_check(&part, 33, m, &r, &be);
+        snprintf(m, sizeof m, "FITLLM_CUDA_Q4=%s fp4-dq 200 x 3000", modes[k]);
+        if (k == 1 && !fl_test_quick()) q4_tc_check(&big, 3, m, &r, &be); /* the full tier: ~1 s of emulation */
+        fl_backend_free(&be);
+    }
+    q4_free(&big);
+    q4_free(&part);
+    q4_free(&whole);
+    /* anything else is refused by name */
     fl_backend be;
     setenv("FITLLM_CUDA_Q4", "bf16", 1);
     FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_ERR_INVALID);
     FL_CHECKF(strstr(fl_error_message(), "FITLLM_CUDA_Q4=bf16: expected fp32") != NULL, "'%s'", fl_error_message());
-    setenv("FITLLM_CUDA_Q4", "tc", 1);
-    FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_OK);
-    fl_backend_free(&be);
     unsetenv("FITLLM_CUDA_Q4");
 }
 
