@@ -523,6 +523,14 @@ FL_TEST(cuda_more_q4_cut_blocks) {
  * sums of the RNE-rounded operands (rounded here, by fl_f32_to_bf16) within the same fp32 bound gamma(K+1) sum |a b|
  * (+ |beta y|). A GPU's tensor cores sum in an unspecified order with truncation: check_more.c doubles it there. */
 static float rbf(float v) { return fl_bf16_to_f32(fl_f32_to_bf16(v)); }
+/* a tensor-parallel part that cuts the blocks (the row map, issue 35): rows 37 .. 111 of a 150 x 70 nf4-dq whole */
+static int q4_cut_rows(q4_fixture *whole, q4_fixture *part, fl_test_rng *r) {
+    size_t starts[75];
+    if (!q4_make(whole, 150, 70, FL_Q4_NF4, 1, r)) return 0;
+    part->deq = malloc(75 * 70 * sizeof(float));
+    q4p_starts(Q4P_ROWS, 75, 70, 37, 0, starts);
+    return part->deq && q4p_make(&whole->w, whole->deq, starts, 75, 70, &part->w, &part->mem, part->deq);
+}
 static void q4_tc_check(const q4_fixture *f, int N, const char *mode, fl_test_rng *r, const fl_backend *be) {
     const int OUT = f->w.rows, IN = f->w.cols, ldy = OUT + 3, K[2] = {IN, OUT}, Nout[2] = {OUT, IN};
     float *x = fl_test_frand(r, (size_t)N * IN, -1, 1), *dy = fl_test_frand(r, (size_t)N * ldy, -1, 1);
@@ -587,14 +595,10 @@ FL_TEST(cuda_more_q4_tc) {
         q4_free(&f);
     }
     if (light) return; /* the row map under ASan: cuda_more_q4_cut_blocks, cuda_more_q4_bf16_paths */
-    /* a tensor-parallel part that cuts the blocks (the row map, issue 35): rows 37 .. 111 of a 150 x 70 whole */
+    /* a tensor-parallel part that cuts the blocks (q4_cut_rows) */
     fl_test_rng r = {2000};
     q4_fixture whole, part = {0};
-    FL_REQUIRE(q4_make(&whole, 150, 70, FL_Q4_NF4, 1, &r));
-    size_t starts[75];
-    part.deq = malloc(75 * 70 * sizeof(float));
-    q4p_starts(Q4P_ROWS, 75, 70, 37, 0, starts);
-    FL_REQUIRE(q4p_make(&whole.w, whole.deq, starts, 75, 70, &part.w, &part.mem, part.deq));
+    FL_REQUIRE(q4_cut_rows(&whole, &part, &r));
     q4_tc_check(&part, 33, "nf4-dq cut part 75 x 70 of 150 x 70", &r, NULL);
     q4_free(&part);
     q4_free(&whole);
@@ -603,11 +607,7 @@ FL_TEST(cuda_more_q4_tc) {
 FL_TEST(cuda_more_q4_bf16_paths) {
     fl_test_rng r = {2000};
     q4_fixture whole, part = {0};
-    FL_REQUIRE(q4_make(&whole, 150, 70, FL_Q4_NF4, 1, &r));
-    size_t starts[75];
-    part.deq = malloc(75 * 70 * sizeof(float));
-    q4p_starts(Q4P_ROWS, 75, 70, 37, 0, starts);
-    FL_REQUIRE(q4p_make(&whole.w, whole.deq, starts, 75, 70, &part.w, &part.mem, part.deq));
+    FL_REQUIRE(q4_cut_rows(&whole, &part, &r));
     /* the switch, through the backend's q4_matmul slots in a bf16 run: tc (these kernels) and scratch (W dequantized
      * into a bf16 panel of the work area, then the F32 x bf16 GEMM: the same bf16 operands, the stand-in GEMM's
      * float64 sums rounded per panel; the backward adds its panels in fp32: within the same bound). scratch on 200 x

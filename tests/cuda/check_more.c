@@ -320,6 +320,21 @@ static void q4_cut(int N, q4p_kind kind, int RW, int KW, int R, int K, int a, in
 }
 
 static float q4_rbf(float v) { return fl_bf16_to_f32(fl_f32_to_bf16(v)); } /* RNE to bf16 and back */
+/* 10 launches of a 4-bit matmul kernel (fwd, else bwd), timed with the events; out / in: device buffers */
+typedef int (*q4_fn)(float *, int, const float *, const fl_q4_weight *, int, float, void *);
+typedef int (*q4_bwd_fn)(float *, const float *, int, const fl_q4_weight *, int, float, void *);
+static void q4_time(const char *name, const char *kind, q4_fn fwd, q4_bwd_fn bwd, float *out, const float *in,
+                    const fl_q4_weight *w, int N, double flop, cudaEvent_t e0, cudaEvent_t e1) {
+    const int reps = 10;
+    cudaEventRecord(e0, 0);
+    for (int i = 0; i < reps; i++) {
+        if (fwd) fwd(out, w->rows, in, w, N, 0.0f, NULL);
+        else bwd(out, in, w->rows, w, N, 0.0f, NULL);
+    }
+    cudaEventRecord(e1, 0);
+    const float ms = elapsed(e0, e1) / reps;
+    printf("%-28s time %.3f ms  (%.1f TFLOP/s %s)\n", name, ms, flop / (ms * 1e-3) / 1e12, kind);
+}
 
 /* N = 4096 rows, in = out = 2048, nf4-dq: GPU against the CPU backend, sampled rows against
  * float64 within the fp32 dot-product bound, timed. */
@@ -370,16 +385,9 @@ static void q4_big(void) {
     cudaEventCreate(&e1);
     const int reps = 10;
     const double flop = 2.0 * N * OUT * IN;
-    cudaEventRecord(e0, 0);
-    for (int i = 0; i < reps; i++) fl_cuk_q4_matmul_forward(dY, OUT, dX, &q.d, N, 0.0f, NULL);
-    cudaEventRecord(e1, 0);
-    float ms = elapsed(e0, e1) / reps;
-    printf("%-28s time %.3f ms  (%.1f TFLOP/s fp32)\n", "  q4_matmul_forward", ms, flop / (ms * 1e-3) / 1e12);
-    cudaEventRecord(e0, 0);
-    for (int i = 0; i < reps; i++) fl_cuk_q4_matmul_backward(dDx, dDy, OUT, &q.d, N, 0.0f, NULL);
-    cudaEventRecord(e1, 0);
-    ms = elapsed(e0, e1) / reps;
-    printf("%-28s time %.3f ms  (%.1f TFLOP/s fp32)\n", "  q4_matmul_backward", ms, flop / (ms * 1e-3) / 1e12);
+    q4_time("  q4_matmul_forward", "fp32", fl_cuk_q4_matmul_forward, NULL, dY, dX, &q.d, N, flop, e0, e1);
+    q4_time("  q4_matmul_backward", "fp32", NULL, fl_cuk_q4_matmul_backward, dDx, dDy, &q.d, N, flop, e0, e1);
+    float ms;
     /* the bf16 tensor-core variants (issue 30 item 7, EXPERIMENTAL): 16 sampled rows against float64 sums of the
      * bf16-rounded operands within twice the fp32 dot bound (the tensor cores' order and truncation), timed beside */
     okf = synced(fl_cuk_q4_matmul_forward_tc(dY, OUT, dX, &q.d, N, 0.0f, NULL));
@@ -406,16 +414,9 @@ static void q4_big(void) {
     printf("%-28s %s  (16 rows of y and dx, bf16 operands, within 2x the fp32 dot bound: %d outside)\n",
            "q4 tc 4096x2048x2048 vs f64", bad ? "FAIL" : "ok  ", bad);
     m_fail += bad != 0;
-    cudaEventRecord(e0, 0);
-    for (int i = 0; i < reps; i++) fl_cuk_q4_matmul_forward_tc(dY, OUT, dX, &q.d, N, 0.0f, NULL);
-    cudaEventRecord(e1, 0);
-    ms = elapsed(e0, e1) / reps;
-    printf("%-28s time %.3f ms  (%.1f TFLOP/s bf16 mma)\n", "  q4_matmul_forward_tc", ms, flop / (ms * 1e-3) / 1e12);
-    cudaEventRecord(e0, 0);
-    for (int i = 0; i < reps; i++) fl_cuk_q4_matmul_backward_tc(dDx, dDy, OUT, &q.d, N, 0.0f, NULL);
-    cudaEventRecord(e1, 0);
-    ms = elapsed(e0, e1) / reps;
-    printf("%-28s time %.3f ms  (%.1f TFLOP/s bf16 mma)\n", "  q4_matmul_backward_tc", ms, flop / (ms * 1e-3) / 1e12);
+    q4_time("  q4_matmul_forward_tc", "bf16 mma", fl_cuk_q4_matmul_forward_tc, NULL, dY, dX, &q.d, N, flop, e0, e1);
+    q4_time("  q4_matmul_backward_tc", "bf16 mma", NULL, fl_cuk_q4_matmul_backward_tc, dDx, dDy, &q.d, N, flop, e0,
+            e1);
     float *dDeq = dcopy(NULL, (size_t)OUT * IN * 4);
     cudaEventRecord(e0, 0);
     for (int i = 0; i < reps; i++) fl_cuk_q4_dequantize(dDeq, FL_F32, IN, &q.d, 0, OUT, NULL);

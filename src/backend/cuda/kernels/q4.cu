@@ -261,44 +261,36 @@ static int q4_view(const fl_q4_weight *w, fl_cu_q4w *v) {
     return 0;
 }
 
+/* one launch of a 4-bit matmul: C (N, BWD ? cols : rows; ldc) from A (N, BWD ? rows : cols; lda), TC: the bf16
+ * tensor-core kernel; ldy: the row stride of y / dy (>= rows) */
+template <int BWD, int TC>
+static int q4_launch(float *C, int ldc, const float *A, int lda, int ldy, const fl_q4_weight *w, int N, float beta,
+                     void *stream) {
+    fl_cu_q4w v;
+    if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
+    if (N == 0) return 0;
+    const int ncol = BWD ? w->cols : w->rows, bn = TC ? Q4T_BN : Q4_BN, bm = TC ? Q4T_BM : Q4_BM;
+    dim3 grid((unsigned)(ncol + bn - 1) / bn, (unsigned)(N + bm - 1) / bm);
+    if (TC) FL_CU_LAUNCH(fl_cu_q4_gemm_tc_k<BWD>, grid, dim3(128), 0, (fl_cu_stream)stream, C, ldc, A, lda, v, N, beta);
+    else FL_CU_LAUNCH(fl_cu_q4_gemm_k<BWD>, grid, dim3(256), 0, (fl_cu_stream)stream, C, ldc, A, lda, v, N, beta);
+    return fl_cu_launch_error();
+}
+
 extern "C" int FL_CUK(q4_matmul_forward)(float *y, int ldy, const float *x, const fl_q4_weight *w, int N, float beta,
                                          void *stream) {
-    fl_cu_q4w v;
-    if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
-    if (N == 0) return 0;
-    dim3 grid((unsigned)(w->rows + Q4_BN - 1) / Q4_BN, (unsigned)(N + Q4_BM - 1) / Q4_BM);
-    FL_CU_LAUNCH(fl_cu_q4_gemm_k<0>, grid, dim3(256), 0, (fl_cu_stream)stream, y, ldy, x, w->cols, v, N, beta);
-    return fl_cu_launch_error();
+    return w ? q4_launch<0, 0>(y, ldy, x, w->cols, ldy, w, N, beta, stream) : -1;
 }
-
 extern "C" int FL_CUK(q4_matmul_backward)(float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N, float beta,
                                           void *stream) {
-    fl_cu_q4w v;
-    if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
-    if (N == 0) return 0;
-    dim3 grid((unsigned)(w->cols + Q4_BN - 1) / Q4_BN, (unsigned)(N + Q4_BM - 1) / Q4_BM);
-    FL_CU_LAUNCH(fl_cu_q4_gemm_k<1>, grid, dim3(256), 0, (fl_cu_stream)stream, dx, w->cols, dy, ldy, v, N, beta);
-    return fl_cu_launch_error();
+    return w ? q4_launch<1, 0>(dx, w->cols, dy, ldy, ldy, w, N, beta, stream) : -1;
 }
-
 extern "C" int FL_CUK(q4_matmul_forward_tc)(float *y, int ldy, const float *x, const fl_q4_weight *w, int N,
                                             float beta, void *stream) {
-    fl_cu_q4w v;
-    if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
-    if (N == 0) return 0;
-    dim3 grid((unsigned)(w->rows + Q4T_BN - 1) / Q4T_BN, (unsigned)(N + Q4T_BM - 1) / Q4T_BM);
-    FL_CU_LAUNCH(fl_cu_q4_gemm_tc_k<0>, grid, dim3(128), 0, (fl_cu_stream)stream, y, ldy, x, w->cols, v, N, beta);
-    return fl_cu_launch_error();
+    return w ? q4_launch<0, 1>(y, ldy, x, w->cols, ldy, w, N, beta, stream) : -1;
 }
-
 extern "C" int FL_CUK(q4_matmul_backward_tc)(float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N,
                                              float beta, void *stream) {
-    fl_cu_q4w v;
-    if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
-    if (N == 0) return 0;
-    dim3 grid((unsigned)(w->cols + Q4T_BN - 1) / Q4T_BN, (unsigned)(N + Q4T_BM - 1) / Q4T_BM);
-    FL_CU_LAUNCH(fl_cu_q4_gemm_tc_k<1>, grid, dim3(128), 0, (fl_cu_stream)stream, dx, w->cols, dy, ldy, v, N, beta);
-    return fl_cu_launch_error();
+    return w ? q4_launch<1, 1>(dx, w->cols, dy, ldy, ldy, w, N, beta, stream) : -1;
 }
 
 extern "C" int FL_CUK(q4_dequantize)(void *dst, fl_dtype dt, int ldd, const fl_q4_weight *w, int r0, int nr,
