@@ -1588,7 +1588,7 @@ FL_TEST(tp_train_threads_qlora_cut_blocks_tp3_and_opaque) {
  * mapped weight's rows through the row map (src/backend/cuda/kernels/q4.cu; per-op tests cuda_more_q4_cut_blocks,
  * q4_matmul_vs_dequant_gemm). gpt2-micro at TP 2 (its attention c_proj's 32 of 64 columns per rank cut the blocks),
  * 2 steps: TP 2 (nf4) and DP 2 x TP 2 (nf4-dq: the blocks' dequantized absmax; the full tier) within 1e-6 relative of
- * one process on cuda-emu (scenario's bar), and TP 2's losses within the same 1e-6 of the cpu backend's TP 2 run. Not
+ * one process on cuda-emu (scenario's bar), and within the same 1e-6 of the cpu backend's run on the same grid. Not
  * bit for bit: the kernel's tiled FMA sums reassociate the CPU's dequantize + GEMM (ddp_ref.h's reassociation bar). */
 FL_TEST(tp_train_qlora_cut_blocks_cuda_emu) {
 #if defined(FL_HAVE_CUDA_EMU) && !defined(__SANITIZE_ADDRESS__)
@@ -1612,9 +1612,18 @@ FL_TEST(tp_train_qlora_cut_blocks_cuda_emu) {
 FL_TEST(tp_train_qlora_cut_blocks_cuda_emu_dp2) {
 #if defined(FL_HAVE_CUDA_EMU) && !defined(__SANITIZE_ADDRESS__)
     if (!fl_test_full_only("tp_train_qlora_cut_blocks_cuda_emu, tp_train_threads_qlora_matches_one_process")) return;
-    g_quant = "bnb.nf4-dq", g_small = 1, g_forced = "cuda-emu";
+    dr_rec emu = {0}, cpu = {0};
+    g_quant = "bnb.nf4-dq", g_small = 1;
+    g_forced = "cuda-emu", g_keep = &emu;
     scenario(DR_LORA, 2, 2);
-    g_quant = NULL, g_small = 0, g_forced = NULL;
+    g_forced = "cpu", g_keep = &cpu;
+    scenario(DR_LORA, 2, 2);
+    g_keep = NULL, g_forced = NULL, g_quant = NULL, g_small = 0;
+    const double lr = dr_loss_rel(&emu, &cpu, emu.steps);
+    FL_CHECKF(emu.steps == 2 && cpu.steps == 2 && lr <= 1e-6, "QLoRA cut blocks at DP 2 x TP 2: cuda-emu vs cpu step "
+              "losses differ by %.3g relative", lr);
+    if (getenv("FL_TEST_VERBOSE"))
+        printf("    QLoRA cut blocks DP 2 x TP 2: cuda-emu vs cpu step losses within %.3g relative\n", lr);
 #else
     fl_test_skip("no CUDA emulator in this build (or ASan: the release pass runs it)");
 #endif
