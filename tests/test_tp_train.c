@@ -1590,20 +1590,28 @@ FL_TEST(tp_train_threads_qlora_cut_blocks_tp3_and_opaque) {
  * 2 steps: TP 2 (nf4) and DP 2 x TP 2 (nf4-dq: the blocks' dequantized absmax; the full tier) within 1e-6 relative of
  * one process on cuda-emu (scenario's bar), and within the same 1e-6 of the cpu backend's run on the same grid. Not
  * bit for bit: the kernel's tiled FMA sums reassociate the CPU's dequantize + GEMM (ddp_ref.h's reassociation bar). */
-FL_TEST(tp_train_qlora_cut_blocks_cuda_emu) {
 #if defined(FL_HAVE_CUDA_EMU) && !defined(__SANITIZE_ADDRESS__)
+/* gpt2-micro QLoRA (mode) at DP dp x TP 2 on cuda-emu and on cpu (each against one process: scenario), then the two
+ * grids' step losses within 1e-6 relative of each other */
+static void qlora_cut_emu_vs_cpu(const char *mode, int dp) {
     dr_rec emu = {0}, cpu = {0};
-    g_quant = "bnb.nf4", g_small = 1;
+    g_quant = mode, g_small = 1;
     g_forced = "cuda-emu", g_keep = &emu;
-    scenario(DR_LORA, 1, 2);
+    scenario(DR_LORA, dp, 2);
     g_forced = "cpu", g_keep = &cpu;
-    scenario(DR_LORA, 1, 2);
+    scenario(DR_LORA, dp, 2);
     g_keep = NULL, g_forced = NULL, g_quant = NULL, g_small = 0;
     const double lr = dr_loss_rel(&emu, &cpu, emu.steps);
-    FL_CHECKF(emu.steps == 2 && cpu.steps == 2 && lr <= 1e-6, "QLoRA cut blocks at TP 2: cuda-emu vs cpu step losses "
-              "differ by %.3g relative", lr);
+    FL_CHECKF(emu.steps == 2 && cpu.steps == 2 && lr <= 1e-6, "QLoRA cut blocks at DP %d x TP 2: cuda-emu vs cpu step "
+              "losses differ by %.3g relative", dp, lr);
     if (getenv("FL_TEST_VERBOSE"))
-        printf("    QLoRA cut blocks TP 2: cuda-emu vs cpu step losses within %.3g relative\n", lr);
+        printf("    QLoRA cut blocks DP %d x TP 2: cuda-emu vs cpu step losses within %.3g relative\n", dp, lr);
+}
+#endif
+
+FL_TEST(tp_train_qlora_cut_blocks_cuda_emu) {
+#if defined(FL_HAVE_CUDA_EMU) && !defined(__SANITIZE_ADDRESS__)
+    qlora_cut_emu_vs_cpu("bnb.nf4", 1);
 #else
     fl_test_skip("no CUDA emulator in this build (or ASan: the release pass runs it)");
 #endif
@@ -1612,18 +1620,7 @@ FL_TEST(tp_train_qlora_cut_blocks_cuda_emu) {
 FL_TEST(tp_train_qlora_cut_blocks_cuda_emu_dp2) {
 #if defined(FL_HAVE_CUDA_EMU) && !defined(__SANITIZE_ADDRESS__)
     if (!fl_test_full_only("tp_train_qlora_cut_blocks_cuda_emu, tp_train_threads_qlora_matches_one_process")) return;
-    dr_rec emu = {0}, cpu = {0};
-    g_quant = "bnb.nf4-dq", g_small = 1;
-    g_forced = "cuda-emu", g_keep = &emu;
-    scenario(DR_LORA, 2, 2);
-    g_forced = "cpu", g_keep = &cpu;
-    scenario(DR_LORA, 2, 2);
-    g_keep = NULL, g_forced = NULL, g_quant = NULL, g_small = 0;
-    const double lr = dr_loss_rel(&emu, &cpu, emu.steps);
-    FL_CHECKF(emu.steps == 2 && cpu.steps == 2 && lr <= 1e-6, "QLoRA cut blocks at DP 2 x TP 2: cuda-emu vs cpu step "
-              "losses differ by %.3g relative", lr);
-    if (getenv("FL_TEST_VERBOSE"))
-        printf("    QLoRA cut blocks DP 2 x TP 2: cuda-emu vs cpu step losses within %.3g relative\n", lr);
+    qlora_cut_emu_vs_cpu("bnb.nf4-dq", 2);
 #else
     fl_test_skip("no CUDA emulator in this build (or ASan: the release pass runs it)");
 #endif
