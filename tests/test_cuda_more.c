@@ -28,6 +28,7 @@
 #include "backend/cuda/cu_kernels_train.h"
 #include "backend/cuda/emu/cu_emu.h"
 #include "cuda_emu_test.h"
+#include "q4_part.h"
 
 static const uint64_t k_seeds[] = {0x51ed5eedull, 0xc0ffee11ull};
 
@@ -383,11 +384,12 @@ static int dot_close(const char *what, const float *got, const double *want, con
     return 1;
 }
 
-static void q4_case(int N, int OUT, int IN, fl_q4_type t, int dq) {
-    fl_test_rng r = {(unsigned long long)(N * 7919 + OUT * 131 + IN + t * 3 + dq)};
-    q4_fixture f;
-    FL_REQUIRE(q4_make(&f, OUT, IN, t, dq, &r));
-    const char *mode = fl_q4_mode_name(t, dq);
+/* the kernels on f's weight (OUT, IN) against f.deq: the dequantized panel bit for bit, the matmuls within the fp32
+ * dot-product bound of float64 sums over f.deq */
+static void q4_check(q4_fixture *f_, int N, const char *mode, fl_test_rng *rp) {
+    q4_fixture f = *f_;
+    fl_test_rng r = *rp;
+    const int OUT = f.w.rows, IN = f.w.cols;
     /* dequantize: a panel of rows into a strided F32 / BF16 destination */
     const int r0 = OUT > 3 ? 2 : 0, nr = OUT - r0 - (OUT > 5 ? 1 : 0), ldd = IN + 3;
     float *d32 = malloc((size_t)nr * ldd * 4);
@@ -468,7 +470,172 @@ static void q4_case(int N, int OUT, int IN, fl_q4_type t, int dq) {
     }
     FL_CHECK(fl_cuemu_q4_matmul_forward(got, ldy, x, &f.w, N, 0.5f, NULL) == -1); /* beta must be 0 or 1 */
     free(d32); free(d16); free(x); free(y0); free(want); free(absum); free(got); free(dy); free(dx0);
+}
+
+static void q4_case(int N, int OUT, int IN, fl_q4_type t, int dq) {
+    fl_test_rng r = {(unsigned long long)(N * 7919 + OUT * 131 + IN + t * 3 + dq)};
+    q4_fixture f;
+    FL_REQUIRE(q4_make(&f, OUT, IN, t, dq, &r));
+    q4_check(&f, N, fl_q4_mode_name(t, dq), &r);
     q4_free(&f);
+}
+
+/* QLoRA where a tensor-parallel rank's part cuts the blocks (issue 35): the part (R, K) of a whole (RW, KW) quantized
+ * as one, held as the whole blocks covering it with a row map (tests/q4_part.h); kind / a / b as q4p_starts. The
+ * expected values are the whole's dequantized values at the part's elements (the CPU's fl_q4_dequantize of the whole),
+ * so a wrong row map or block copy fails the bit check; the CPU's own dequantization of the part gives them too. */
+static void q4_cut_case(int N, q4p_kind kind, int RW, int KW, int R, int K, int a, int b, fl_q4_type t, int dq) {
+    fl_test_rng r = {(unsigned long long)(N * 7919 + RW * 131 + KW + R * 17 + K * 5 + kind + t * 3 + dq)};
+    q4_fixture whole, part = {0};
+    FL_REQUIRE(q4_make(&whole, RW, KW, t, dq, &r));
+    size_t *starts = malloc((size_t)R * sizeof *starts);
+    part.deq = malloc((size_t)R * K * sizeof(float));
+    q4p_starts(kind, R, KW, a, b, starts);
+    FL_REQUIRE(q4p_make(&whole.w, whole.deq, starts, R, K, &part.w, &part.mem, part.deq));
+    FL_CHECK(part.w.row_start && part.w.double_quant == 0 && part.w.n_blocks >= ((size_t)R * K + 63) / 64);
+    float *cpu = malloc((size_t)R * K * sizeof(float));
+    FL_REQUIRE_OK(fl_q4_dequantize(&part.w, cpu, 1));
+    FL_CHECKF(memcmp(cpu, part.deq, (size_t)R * K * sizeof(float)) == 0, "the CPU's dequantized cut part (%d x %d of "
+              "%d x %d) differs from the whole's values", R, K, RW, KW);
+    char mode[64];
+    snprintf(mode, sizeof mode, "%s cut part %d x %d of %d x %d", fl_q4_mode_name(t, dq), R, K, RW, KW);
+    q4_check(&part, N, mode, &r);
+    free(cpu);
+    free(starts);
+    q4_free(&part);
+    q4_free(&whole);
+}
+
+FL_TEST(cuda_more_q4_cut_blocks) {
+    /* row-parallel: 43 of each row's 131 columns from column 45 (every row starts and ends mid-block; 19 x 37: partial
+     * warps and tiles) */
+    q4_cut_case(19, Q4P_COLS, 37, 131, 37, 43, 45, 0, FL_Q4_NF4, 0);
+    q4_cut_case(19, Q4P_COLS, 37, 131, 37, 43, 45, 0, FL_Q4_FP4, 1); /* double-quantized whole: dequantized absmax */
+    /* column-parallel: rows 37 .. 111 of a 150 x 70 whole (one run, cut at both ends; > one 128-row tile of N, K tail
+     * of 6 in the forward) */
+    q4_cut_case(133, Q4P_ROWS, 150, 70, 75, 70, 37, 0, FL_Q4_NF4, 1);
+    /* a fused part (QKV / gate-up): rows 3 .. 22 and 60 .. 79 of a 90 x 45 whole, two runs of blocks */
+    q4_cut_case(5, Q4P_FUSED, 90, 45, 40, 45, 3, 60, FL_Q4_FP4, 0);
+}
+
+/* The bf16 tensor-core matmuls (issue 30 item 7; EXPERIMENTAL): x / dy and the dequantized W rounded to bf16 (RNE) as
+ * they load, products exact in fp32, fp32 sums (the emulator's mma adds its 16 products in order): against float64
+ * sums of the RNE-rounded operands (rounded here, by fl_f32_to_bf16) within the same fp32 bound gamma(K+1) sum |a b|
+ * (+ |beta y|). A GPU's tensor cores sum in an unspecified order with truncation: check_more.c doubles it there. */
+static float rbf(float v) { return fl_bf16_to_f32(fl_f32_to_bf16(v)); }
+/* a tensor-parallel part that cuts the blocks (the row map, issue 35): rows 37 .. 111 of a 150 x 70 nf4-dq whole */
+static int q4_cut_rows(q4_fixture *whole, q4_fixture *part, fl_test_rng *r) {
+    size_t starts[75];
+    if (!q4_make(whole, 150, 70, FL_Q4_NF4, 1, r)) return 0;
+    part->deq = malloc(75 * 70 * sizeof(float));
+    q4p_starts(Q4P_ROWS, 75, 70, 37, 0, starts);
+    return part->deq && q4p_make(&whole->w, whole->deq, starts, 75, 70, &part->w, &part->mem, part->deq);
+}
+static void q4_tc_check(const q4_fixture *f, int N, const char *mode, fl_test_rng *r, const fl_backend *be) {
+    const int OUT = f->w.rows, IN = f->w.cols, ldy = OUT + 3, K[2] = {IN, OUT}, Nout[2] = {OUT, IN};
+    float *x = fl_test_frand(r, (size_t)N * IN, -1, 1), *dy = fl_test_frand(r, (size_t)N * ldy, -1, 1);
+    float *y0 = fl_test_frand(r, (size_t)N * ldy, -1, 1), *dx0 = fl_test_frand(r, (size_t)N * IN, -1, 1);
+    const size_t nmax = (size_t)N * (ldy > IN ? ldy : IN);
+    double *want = malloc(nmax * 8), *absum = malloc(nmax * 8);
+    float *got = malloc(nmax * 4);
+    for (int bwd = 0; bwd <= 1; bwd++)
+        for (int beta = 0; beta <= 1; beta++) {
+            float *o[2];
+            const float *in = bwd ? dy : x, *o0 = bwd ? dx0 : y0;
+            const int ldi = bwd ? ldy : IN, ldo = bwd ? IN : ldy;
+            for (int k = 0; k < 2; k++) {
+                fl_cu_emu_set_seed(k_seeds[k]);
+                o[k] = dup_bytes(o0, (size_t)N * ldo * 4);
+                if (be) /* through the backend's slots (FITLLM_CUDA_Q4's path of a bf16 run) */
+                    FL_CHECK((bwd ? be->q4_matmul_backward(be, o[k], dy, ldy, &f->w, N, (float)beta)
+                                  : be->q4_matmul_forward(be, o[k], ldy, x, &f->w, N, (float)beta)) == FL_OK &&
+                             be->sync(be) == FL_OK);
+                else
+                    EMU_OK(bwd ? fl_cuemu_q4_matmul_backward_tc(o[k], dy, ldy, &f->w, N, (float)beta, NULL)
+                               : fl_cuemu_q4_matmul_forward_tc(o[k], ldy, x, &f->w, N, (float)beta, NULL));
+            }
+            FL_CHECK(memcmp(o[0], o[1], (size_t)N * ldo * 4) == 0);
+            size_t m = 0;
+            int pad_ok = 1;
+            for (int n = 0; n < N; n++) {
+                for (int c = 0; c < Nout[bwd]; c++, m++) {
+                    double s = beta ? o0[(size_t)n * ldo + c] : 0.0, a = fabs(s);
+                    for (int k = 0; k < K[bwd]; k++) {
+                        const float wv = bwd ? f->deq[(size_t)k * IN + c] : f->deq[(size_t)c * IN + k];
+                        const double p = (double)rbf(in[(size_t)n * ldi + k]) * rbf(wv);
+                        s += p;
+                        a += fabs(p);
+                    }
+                    want[m] = s, absum[m] = a, got[m] = o[0][(size_t)n * ldo + c];
+                }
+                for (int c = Nout[bwd]; c < ldo; c++) pad_ok &= o[0][(size_t)n * ldo + c] == o0[(size_t)n * ldo + c];
+            }
+            FL_CHECKF(dot_close(bwd ? "q4_matmul_backward_tc" : "q4_matmul_forward_tc", got, want, absum, m, K[bwd]),
+                      "%s %s N=%d %dx%d beta=%d", bwd ? "backward" : "forward", mode, N, OUT, IN, beta);
+            FL_CHECKF(pad_ok, "%s tc %s: columns past the output in the row stride were written", mode,
+                      bwd ? "backward" : "forward");
+            free(o[0]), free(o[1]);
+        }
+    FL_CHECK(fl_cuemu_q4_matmul_forward_tc(got, ldy, x, &f->w, N, 0.5f, NULL) == -1); /* beta must be 0 or 1 */
+    free(x), free(dy), free(y0), free(dx0), free(want), free(absum), free(got);
+}
+
+FL_TEST(cuda_more_q4_tc) {
+    const struct { int N, OUT, IN; fl_q4_type t; int dq; } c[3] = {
+        {19, 37, 131, FL_Q4_NF4, 1},  /* partial warps, tiles and k-steps; blocks straddle rows */
+        {70, 130, 48, FL_Q4_FP4, 0},  /* two tiles of output columns and rows, K 48 (one and a half k-steps) */
+        {1, 5, 3, FL_Q4_NF4, 0},      /* a 1-row x, K 3 */
+    };
+    const int light = fl_test_asan_light(); /* ASan's quick tier: the first shape (every path of the kernels) */
+    for (int k = 0; k < (light ? 1 : 3); k++) {
+        fl_test_rng r = {(unsigned long long)(1000 + k)};
+        q4_fixture f;
+        FL_REQUIRE(q4_make(&f, c[k].OUT, c[k].IN, c[k].t, c[k].dq, &r));
+        q4_tc_check(&f, c[k].N, fl_q4_mode_name(c[k].t, c[k].dq), &r, NULL);
+        q4_free(&f);
+    }
+    if (light) return; /* the row map under ASan: cuda_more_q4_cut_blocks, cuda_more_q4_bf16_paths */
+    /* a tensor-parallel part that cuts the blocks (q4_cut_rows) */
+    fl_test_rng r = {2000};
+    q4_fixture whole, part = {0};
+    FL_REQUIRE(q4_cut_rows(&whole, &part, &r));
+    q4_tc_check(&part, 33, "nf4-dq cut part 75 x 70 of 150 x 70", &r, NULL);
+    q4_free(&part);
+    q4_free(&whole);
+}
+
+FL_TEST(cuda_more_q4_bf16_paths) {
+    fl_test_rng r = {2000};
+    q4_fixture whole, part = {0};
+    FL_REQUIRE(q4_cut_rows(&whole, &part, &r));
+    /* the switch, through the backend's q4_matmul slots in a bf16 run: tc (these kernels) and scratch (W dequantized
+     * into a bf16 panel of the work area, then the F32 x bf16 GEMM: the same bf16 operands, the stand-in GEMM's
+     * float64 sums rounded per panel; the backward adds its panels in fp32: within the same bound). scratch on 200 x
+     * 3000 too: 174 rows of 3000 per 1 MiB panel of the emulator's work area, two panels (the backward accumulates) */
+    const char *modes[2] = {"tc", "scratch"};
+    q4_fixture big = {0};
+    if (!fl_test_quick()) FL_REQUIRE(q4_make(&big, 200, 3000, FL_Q4_FP4, 1, &r));
+    for (int k = 0; k < 2; k++) {
+        fl_backend be;
+        setenv("FITLLM_CUDA_Q4", modes[k], 1);
+        FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+        be.set_compute_dtype(&be, FL_BF16);
+        char m[80];
+        snprintf(m, sizeof m, "FITLLM_CUDA_Q4=%s nf4-dq cut part", modes[k]);
+        q4_tc_check(&part, 33, m, &r, &be);
+        snprintf(m, sizeof m, "FITLLM_CUDA_Q4=%s fp4-dq 200 x 3000", modes[k]);
+        if (k == 1 && !fl_test_quick()) q4_tc_check(&big, 3, m, &r, &be); /* the full tier: ~1 s of emulation */
+        fl_backend_free(&be);
+    }
+    q4_free(&big);
+    q4_free(&part);
+    q4_free(&whole);
+    /* anything else is refused by name */
+    fl_backend be;
+    setenv("FITLLM_CUDA_Q4", "bf16", 1);
+    FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "FITLLM_CUDA_Q4=bf16: expected fp32") != NULL, "'%s'", fl_error_message());
+    unsetenv("FITLLM_CUDA_Q4");
 }
 
 FL_TEST(cuda_more_q4) {

@@ -17,6 +17,7 @@
 #include "fitllm/quant4.h"
 #include "model/model-impl.h"
 #include "lora/lora-impl.h"
+#include "q4_part.h"
 #include "test.h"
 
 #define CHECK_MSG(s) FL_CHECKF(strstr(fl_error_message(), (s)) != NULL, "message '%s' lacks '%s'", fl_error_message(), (s))
@@ -140,18 +141,26 @@ FL_TEST(quant4_sizing_and_modes) {
 
 /* ---- fused 4-bit matmul ------------------------------------------------------------------ */
 
-static void q4_matmul_case_on(const char *be_name, int OUT, int IN, int N, fl_q4_type type, int dq) {
-    fl_test_rng r = {(unsigned long long)(OUT * 131 + IN * 7 + N + type * 3 + dq)};
-    size_t n = (size_t)OUT * IN;
+/* the weight (OUT, IN) quantized (a zero block first) and its dequantized values (deq: free() both) */
+static void *q4_make_weight(int OUT, int IN, fl_q4_type type, int dq, fl_test_rng *r, fl_q4_weight *q, float **deq) {
+    const size_t n = (size_t)OUT * IN;
     float *w = malloc(n * sizeof(float));
-    fl_test_fill(&r, w, n, -0.1f, 0.1f);
+    fl_test_fill(r, w, n, -0.1f, 0.1f);
     for (int i = 0; i < 64 && i < (int)n; i++) w[i] = 0; /* an all-zero block */
     void *mem = malloc(fl_q4_bytes(n, dq));
-    fl_q4_weight q;
-    FL_REQUIRE_OK(fl_q4_bind(&q, OUT, IN, type, dq, mem));
-    FL_REQUIRE_OK(fl_q4_quantize(&q, w, 0));
-    float *deq = malloc(n * sizeof(float));
-    FL_REQUIRE_OK(fl_q4_dequantize(&q, deq, 1));
+    *deq = malloc(n * sizeof(float));
+    if (fl_q4_bind(q, OUT, IN, type, dq, mem) != FL_OK || fl_q4_quantize(q, w, 0) != FL_OK ||
+        fl_q4_dequantize(q, *deq, 1) != FL_OK)
+        fl_test_fail(__FILE__, __LINE__, "4-bit weight %d x %d: %s", OUT, IN, fl_error_message());
+    free(w);
+    return mem;
+}
+
+/* the backend's q4 matmuls on q (OUT, IN) against float64 sums over deq, at 1, 2 and 3 threads (the same bits) */
+static void q4_matmul_case_on(const char *be_name, const fl_q4_weight *wq, const float *deq, int N, fl_test_rng *rp) {
+    fl_test_rng r = *rp;
+    const fl_q4_weight q = *wq;
+    const int OUT = q.rows, IN = q.cols;
     const int ldy = OUT + 5, off = 3; /* y is a row slice of a wider output */
     float *x = malloc((size_t)(N ? N : 1) * IN * sizeof(float));
     float *dy = malloc((size_t)(N ? N : 1) * ldy * sizeof(float));
@@ -220,13 +229,39 @@ static void q4_matmul_case_on(const char *be_name, int OUT, int IN, int N, fl_q4
         }
         fl_backend_free(&be);
     }
-    free(w); free(mem); free(deq); free(x); free(dy); free(y); free(dx); free(y0); free(dx0);
+    free(x); free(dy); free(y); free(dx); free(y0); free(dx0);
 }
 
 /* every registered backend, at 1, 2 and 3 threads (a fixed-thread backend: the same one thrice) */
 static void q4_matmul_case(int OUT, int IN, int N, fl_q4_type type, int dq) {
+    fl_test_rng r = {(unsigned long long)(OUT * 131 + IN * 7 + N + type * 3 + dq)};
+    fl_q4_weight q;
+    float *deq;
+    void *mem = q4_make_weight(OUT, IN, type, dq, &r, &q, &deq);
     fl_backend be;
-    FL_FOR_EACH_BACKEND(be, 1) q4_matmul_case_on(be.name, OUT, IN, N, type, dq);
+    FL_FOR_EACH_BACKEND(be, 1) q4_matmul_case_on(be.name, &q, deq, N, &r);
+    free(mem);
+    free(deq);
+}
+
+/* A tensor-parallel rank's part that cuts the blocks (issue 35; tests/q4_part.h): the part (R, K) of a whole
+ * (RW, KW) held as the whole blocks covering it with a row map, against float64 sums over the whole's dequantized
+ * values at the part's elements, on every backend */
+static void q4_matmul_cut_case(q4p_kind kind, int RW, int KW, int R, int K, int a, int b, int N, fl_q4_type type,
+                               int dq) {
+    fl_test_rng r = {(unsigned long long)(RW * 131 + KW * 7 + R * 3 + K + N + type * 3 + dq)};
+    fl_q4_weight whole, part;
+    float *wdeq, *deq = malloc((size_t)R * K * sizeof(float));
+    size_t *starts = malloc((size_t)R * sizeof *starts);
+    void *wmem = q4_make_weight(RW, KW, type, dq, &r, &whole, &wdeq), *mem = NULL;
+    q4p_starts(kind, R, KW, a, b, starts);
+    if (q4p_make(&whole, wdeq, starts, R, K, &part, &mem, deq)) {
+        fl_backend be;
+        FL_FOR_EACH_BACKEND(be, 1) q4_matmul_case_on(be.name, &part, deq, N, &r);
+    } else {
+        fl_test_fail(__FILE__, __LINE__, "the cut part %d x %d of %d x %d: not built", R, K, RW, KW);
+    }
+    free(wmem), free(wdeq), free(mem), free(deq), free(starts);
 }
 
 FL_TEST(q4_matmul_vs_dequant_gemm) {
@@ -235,6 +270,11 @@ FL_TEST(q4_matmul_vs_dequant_gemm) {
     q4_matmul_case(33, 257, 1, FL_Q4_FP4, 1);
     q4_matmul_case(64, 64, 4, FL_Q4_FP4, 0);
     q4_matmul_case(5, 3, 0, FL_Q4_NF4, 0);      /* N = 0 */
+    /* cut parts: a row-parallel part (41 of each row's 300 columns from 100: rows start and end mid-block), a
+     * column-parallel one (rows 5 .. 39 of 70 x 29), a fused one (rows 2 .. 12 and 40 .. 50 of 64 x 37) */
+    q4_matmul_cut_case(Q4P_COLS, 33, 300, 33, 41, 100, 0, 3, FL_Q4_NF4, 1);
+    q4_matmul_cut_case(Q4P_ROWS, 70, 29, 35, 29, 5, 0, 5, FL_Q4_FP4, 0);
+    q4_matmul_cut_case(Q4P_FUSED, 64, 37, 22, 37, 2, 40, 4, FL_Q4_FP4, 1);
 }
 
 /* ---- LoRA ops ------------------------------------------------------------------------------ */

@@ -84,6 +84,16 @@ fl_status fl_q4_bind(fl_q4_weight *w, int rows, int cols, fl_q4_type type, int d
 size_t fl_q4_mapped_bytes(int rows, size_t n_blocks);
 fl_status fl_q4_bind_mapped(fl_q4_weight *w, int rows, int cols, fl_q4_type type, size_t n_blocks, void *mem);
 size_t fl_q4_weight_bytes(const fl_q4_weight *w);
+/* The mapped layout of a part of a weight quantized as one: the part's R rows of K elements start at the whole's flat
+ * elements starts[0..R). Returns 0 when every maximal run of rows contiguous in the whole starts and ends on a block
+ * boundary (the part is whole blocks: no map), else the count of the whole's blocks kept (each run's covering blocks
+ * once), filling where not NULL src_block (the whole's block index of each kept block, in order) and row_start (each
+ * row's first element among the kept ones). Pure. (src/model/tp.c fl_tp_q4_map gives it a TP slice's starts.) */
+size_t fl_q4_map_rows(const size_t *starts, size_t R, size_t K, size_t *src_block, uint32_t *row_start);
+/* Fill a mapped part (bound by fl_q4_bind_mapped, row_start set) with the whole's blocks src_block[0..n_blocks):
+ * their codes and their fp32 absmax (dequantized when whole is double-quantized). FL_ERR_INVALID naming the block
+ * when one is past the whole's. */
+fl_status fl_q4_take_blocks(const fl_q4_weight *whole, const size_t *src_block, fl_q4_weight *part);
 
 /* Quantize src (rows, cols) f32 into a bound w. Parallel over blocks (OpenMP, n_threads <= 0:
  * default); the result does not depend on the thread count. */

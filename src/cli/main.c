@@ -152,6 +152,9 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_STEP_SCALARS=1|0 (environment): 1 (default) = EXPERIMENTAL: a step's gradient norm, clip\n"
                "               scale and loss sums stay on the GPU, read once at the step's end (the same values);\n"
                "               0 = read on the host per micro-batch and before the update\n");
+    fprintf(f, "\n  FITLLM_CUDA_Q4=fp32|tc|scratch (environment): EXPERIMENTAL, a bf16 run's QLoRA 4-bit matmuls on bf16\n"
+               "               operands: tc = tensor cores, NF4/FP4 dequantized in the GEMM's load; scratch = dequantized\n"
+               "               into a bf16 panel, then cuBLASLt; fp32 (default) = the fp32 kernels\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

@@ -111,6 +111,39 @@ fl_status fl_q4_bind_mapped(fl_q4_weight *w, int rows, int cols, fl_q4_type type
     return FL_OK;
 }
 
+size_t fl_q4_map_rows(const size_t *st, size_t R, size_t K, size_t *src_block, uint32_t *row_start) {
+    const size_t B = FL_Q4_BLOCK;
+    int cut = 0; /* whole blocks already: every contiguous run starts on a block and is whole blocks long */
+    for (size_t row = 0; row < R && !cut; row++) {
+        const int run_start = row == 0 || st[row] != st[row - 1] + K;
+        const int run_end = row + 1 == R || st[row + 1] != st[row] + K;
+        if (run_start && st[row] % B) cut = 1;
+        if (run_end && (st[row] + K) % B) cut = 1;
+    }
+    size_t nb = 0, seg_base = 0, seg_b0 = 0, seg_b1 = 0;
+    for (size_t row = 0; row < R && cut; row++) {
+        const size_t b0 = st[row] / B, b1 = (st[row] + K + B - 1) / B;
+        if (nb == 0 || b0 < seg_b0 || b0 > seg_b1) seg_base = nb, seg_b0 = seg_b1 = b0; /* a new run of blocks */
+        for (; seg_b1 < b1; seg_b1++, nb++)
+            if (src_block) src_block[nb] = seg_b1;
+        if (row_start) row_start[row] = (uint32_t)(seg_base * B + (st[row] - seg_b0 * B));
+    }
+    return nb;
+}
+
+fl_status fl_q4_take_blocks(const fl_q4_weight *whole, const size_t *src_block, fl_q4_weight *part) {
+    const size_t BB = FL_Q4_BLOCK / 2;
+    for (size_t k = 0; k < part->n_blocks; k++) { /* whole block src_block[k]: its codes and dequantized absmax */
+        const size_t b = src_block[k];
+        if (b >= whole->n_blocks)
+            return fl_errorf(FL_ERR_INVALID, "4-bit blocks: block %zu of %zu", b, whole->n_blocks);
+        const size_t left = (whole->n - b * FL_Q4_BLOCK + 1) / 2;
+        memcpy(part->packed + k * BB, whole->packed + b * BB, left < BB ? left : BB);
+        part->absmax[k] = fl_q4_block_absmax(whole, b);
+    }
+    return FL_OK;
+}
+
 fl_status fl_q4_parse_mode(const char *mode, fl_q4_type *type, int *double_quant) {
     static const char *valid = "bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq";
     if (!mode) return fl_errorf(FL_ERR_INVALID, "quantize: no mode given (valid: %s)", valid);

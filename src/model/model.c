@@ -202,7 +202,7 @@ int fl_model_q4_mapped(const fl_model *m, int i) { return fl_model_param_is_q4(m
 
 fl_status fl_model_q4_take_blocks(const fl_model *whole, int j, fl_model *part, int i) {
     const fl_q4_weight *pw = &part->store->q4[i];
-    const size_t nb = pw->n_blocks, bytes = fl_q4_weight_bytes(pw), BB = FL_Q4_BLOCK / 2;
+    const size_t nb = pw->n_blocks, bytes = fl_q4_weight_bytes(pw);
     fl_q4_weight hw = whole->store->q4[j], tw;
     void *wblob = on_device(whole) ? q4_host_copy(whole, j, &hw) : NULL;
     char *blob = calloc(1, bytes + 4);
@@ -212,13 +212,7 @@ fl_status fl_model_q4_take_blocks(const fl_model *whole, int j, fl_model *part, 
     if (s == FL_OK) s = fl_q4_bind_mapped(&tw, pw->rows, pw->cols, pw->type, nb, blob);
     if (s == FL_OK && fl_tp_q4_map(&part->cfg, &part->layout, i, src, tw.row_start) != nb)
         s = fl_errorf(FL_ERR_INVALID, "the 4-bit blocks of %s: the map changed", part->layout.params[i].name);
-    for (size_t k = 0; s == FL_OK && k < nb; k++) { /* whole block src[k]: its codes and dequantized absmax */
-        const size_t b = src[k], left = (hw.n - b * FL_Q4_BLOCK + 1) / 2;
-        if (b >= hw.n_blocks) s = fl_errorf(FL_ERR_INVALID, "the 4-bit blocks of %s: block %zu of %zu",
-                                            part->layout.params[i].name, b, hw.n_blocks);
-        else memcpy(tw.packed + k * BB, hw.packed + b * BB, left < BB ? left : BB);
-        if (s == FL_OK) tw.absmax[k] = fl_q4_block_absmax(&hw, b);
-    }
+    if (s == FL_OK) s = fl_q4_take_blocks(&hw, src, &tw); /* codes and dequantized absmax */
     if (s == FL_OK) s = FL_RUN(part->be, to_device, pw->packed, blob, bytes);
     if (wblob) fl_mem_free(fl_mem_host_pool(whole->pool), wblob);
     free(blob), free(src);

@@ -135,27 +135,13 @@ size_t fl_tp_q4_map(const fl_model_config *slice, const fl_param_layout *lay, in
     const fl_param_info *p = &lay->params[i];
     if (slice->tp_size <= 1 || !fl_layout_entry_quantizable(lay, i)) return 0;
     const fl_tp_split sp = fl_tp_entry_split(lay, i);
-    const size_t K = (size_t)p->shape[1], R = (size_t)p->shape[0], B = FL_Q4_BLOCK;
+    const size_t K = (size_t)p->shape[1], R = (size_t)p->shape[0];
     size_t *st = malloc(R * sizeof *st);
     if (!st || !slice_row_starts(slice, p, sp, st)) {
         free(st);
         return 0;
     }
-    int cut = 0; /* whole blocks already: every contiguous run starts on a block and is whole blocks long */
-    for (size_t row = 0; row < R && !cut; row++) {
-        const int run_start = row == 0 || st[row] != st[row - 1] + K;
-        const int run_end = row + 1 == R || st[row + 1] != st[row] + K;
-        if (run_start && st[row] % B) cut = 1;
-        if (run_end && (st[row] + K) % B) cut = 1;
-    }
-    size_t nb = 0, seg_base = 0, seg_b0 = 0, seg_b1 = 0;
-    for (size_t row = 0; row < R && cut; row++) {
-        const size_t b0 = st[row] / B, b1 = (st[row] + K + B - 1) / B;
-        if (nb == 0 || b0 < seg_b0 || b0 > seg_b1) seg_base = nb, seg_b0 = seg_b1 = b0; /* a new run of blocks */
-        for (; seg_b1 < b1; seg_b1++, nb++)
-            if (src_block) src_block[nb] = seg_b1;
-        if (row_start) row_start[row] = (uint32_t)(seg_base * B + (st[row] - seg_b0 * B));
-    }
+    const size_t nb = fl_q4_map_rows(st, R, K, src_block, row_start);
     free(st);
     return nb;
 }

@@ -8,7 +8,8 @@
  *   - the 4-bit matmuls: the same FMA sequence as the emulator (fmaf in a fixed order), so the
  *     same bits are expected there too; against the CPU backend (another summation order) a
  *     sample of rows within the fp32 dot-product bound of float64, and all values within 1e-4
- *     relative to the largest.
+ *     relative to the largest. The 4-bit kernels also on tensor-parallel parts that cut the blocks (a row map:
+ *     q4_cut, issue 35).
  * Returns the number of failed checks. */
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -18,7 +19,9 @@
 
 #include "backend/cuda/cu_kernels_train.h"
 #include "fitllm/backend.h"
+#include "fitllm/dtype.h"
 #include "fitllm/lora.h"
+#include "../q4_part.h"
 
 static int m_fail;
 
@@ -229,12 +232,33 @@ static void q4_make(q4pair *q, int rows, int cols, fl_q4_type t, int dq, unsigne
 }
 static void q4_free(q4pair *q) { free(q->hmem); cudaFree(q->dmem); }
 
-static void q4_small(int N, int OUT, int IN, fl_q4_type t, int dq) {
-    q4pair q;
-    q4_make(&q, OUT, IN, t, dq, 31);
+/* QLoRA where a tensor-parallel rank's part cuts the blocks (issue 35; EXPERIMENTAL until run here): the part (R, K)
+ * of a whole (RW, KW), kind / a / b as tests/q4_part.h's q4p_starts, held as the whole blocks covering it with the row
+ * map (the map travels in the same buffer: device pointers after fl_q4_bind_mapped on the device copy) */
+static int q4_make_cut(q4pair *q, q4p_kind kind, int RW, int KW, int R, int K, int a, int b, fl_q4_type t, int dq) {
+    q4pair whole;
+    q4_make(&whole, RW, KW, t, dq, 33);
+    float *wdeq = malloc((size_t)RW * KW * 4), *deq = malloc((size_t)R * K * 4);
+    size_t *starts = malloc((size_t)R * sizeof *starts);
+    fl_q4_dequantize(&whole.h, wdeq, 0);
+    q4p_starts(kind, R, KW, a, b, starts);
+    int ok = q4p_make(&whole.h, wdeq, starts, R, K, &q->h, &q->hmem, deq);
+    if (ok) {
+        q->bytes = fl_q4_weight_bytes(&q->h);
+        q->dmem = dcopy(q->hmem, q->bytes);
+        ok = fl_q4_bind_mapped(&q->d, R, K, t, q->h.n_blocks, q->dmem) == FL_OK;
+    }
+    free(wdeq), free(deq), free(starts);
+    q4_free(&whole);
+    return ok;
+}
+
+/* the GPU's kernels on q (OUT, IN) against the emulator's: the dequantized panel and the matmuls */
+static void q4_run(q4pair *qp, int N, const char *mode) {
+    q4pair q = *qp;
+    const int OUT = q.h.rows, IN = q.h.cols;
     unsigned s = 32;
-    const char *mode = fl_q4_mode_name(t, dq);
-    char name[64];
+    char name[96];
     float *x = rnd(&s, (size_t)N * IN, -1, 1), *dy = rnd(&s, (size_t)N * OUT, -1, 1), *y = rnd(&s, (size_t)N * OUT, -1, 1);
     float *dx = rnd(&s, (size_t)N * IN, -1, 1), *deq = malloc((size_t)OUT * IN * 4);
     float *g = malloc(((size_t)N > (size_t)OUT ? (size_t)N : (size_t)OUT) * (IN > OUT ? IN : OUT) * 4);
@@ -255,9 +279,61 @@ static void q4_small(int N, int OUT, int IN, fl_q4_type t, int dq) {
     hcopy(g, dDx, (size_t)N * IN * 4);
     snprintf(name, sizeof name, "q4_matmul_backward %s", mode);
     close_to(name, ok, g, dx, (size_t)N * IN, 1e-6);
+    /* the bf16 tensor-core variants (beta 0) against the emulator's: the same bf16 operands, the sums' order and
+     * rounding differ (cu_mma.h): within 1e-4 of the largest, as the big case against the CPU */
+    for (int bwd = 0; bwd <= 1; bwd++) {
+        float *h = bwd ? dx : y, *d = bwd ? dDx : dY;
+        const size_t n = (size_t)N * (bwd ? IN : OUT);
+        if (bwd) {
+            fl_cuemu_q4_matmul_backward_tc(h, dy, OUT, &q.h, N, 0.0f, NULL);
+            ok = synced(fl_cuk_q4_matmul_backward_tc(d, dDy, OUT, &q.d, N, 0.0f, NULL));
+        } else {
+            fl_cuemu_q4_matmul_forward_tc(h, OUT, x, &q.h, N, 0.0f, NULL);
+            ok = synced(fl_cuk_q4_matmul_forward_tc(d, OUT, dX, &q.d, N, 0.0f, NULL));
+        }
+        hcopy(g, d, n * 4);
+        snprintf(name, sizeof name, "q4_matmul_%s_tc %s", bwd ? "backward" : "forward", mode);
+        close_to(name, ok, g, h, n, 1e-4);
+    }
     cudaFree(dX); cudaFree(dDy); cudaFree(dY); cudaFree(dDx); cudaFree(dDeq);
     free(x); free(dy); free(y); free(dx); free(deq); free(g);
+}
+
+static void q4_small(int N, int OUT, int IN, fl_q4_type t, int dq) {
+    q4pair q;
+    q4_make(&q, OUT, IN, t, dq, 31);
+    q4_run(&q, N, fl_q4_mode_name(t, dq));
     q4_free(&q);
+}
+
+static void q4_cut(int N, q4p_kind kind, int RW, int KW, int R, int K, int a, int b, fl_q4_type t, int dq) {
+    q4pair q = {0};
+    char mode[96];
+    snprintf(mode, sizeof mode, "%s cut %dx%d of %dx%d", fl_q4_mode_name(t, dq), R, K, RW, KW);
+    if (!q4_make_cut(&q, kind, RW, KW, R, K, a, b, t, dq)) {
+        printf("FAIL %-40s (the part not built)\n", mode);
+        m_fail++;
+    } else {
+        q4_run(&q, N, mode);
+    }
+    q4_free(&q);
+}
+
+static float q4_rbf(float v) { return fl_bf16_to_f32(fl_f32_to_bf16(v)); } /* RNE to bf16 and back */
+/* 10 launches of a 4-bit matmul kernel (fwd, else bwd), timed with the events; out / in: device buffers */
+typedef int (*q4_fn)(float *, int, const float *, const fl_q4_weight *, int, float, void *);
+typedef int (*q4_bwd_fn)(float *, const float *, int, const fl_q4_weight *, int, float, void *);
+static void q4_time(const char *name, const char *kind, q4_fn fwd, q4_bwd_fn bwd, float *out, const float *in,
+                    const fl_q4_weight *w, int N, double flop, cudaEvent_t e0, cudaEvent_t e1) {
+    const int reps = 10;
+    cudaEventRecord(e0, 0);
+    for (int i = 0; i < reps; i++) {
+        if (fwd) fwd(out, w->rows, in, w, N, 0.0f, NULL);
+        else bwd(out, in, w->rows, w, N, 0.0f, NULL);
+    }
+    cudaEventRecord(e1, 0);
+    const float ms = elapsed(e0, e1) / reps;
+    printf("%-28s time %.3f ms  (%.1f TFLOP/s %s)\n", name, ms, flop / (ms * 1e-3) / 1e12, kind);
 }
 
 /* N = 4096 rows, in = out = 2048, nf4-dq: GPU against the CPU backend, sampled rows against
@@ -309,16 +385,38 @@ static void q4_big(void) {
     cudaEventCreate(&e1);
     const int reps = 10;
     const double flop = 2.0 * N * OUT * IN;
-    cudaEventRecord(e0, 0);
-    for (int i = 0; i < reps; i++) fl_cuk_q4_matmul_forward(dY, OUT, dX, &q.d, N, 0.0f, NULL);
-    cudaEventRecord(e1, 0);
-    float ms = elapsed(e0, e1) / reps;
-    printf("%-28s time %.3f ms  (%.1f TFLOP/s fp32)\n", "  q4_matmul_forward", ms, flop / (ms * 1e-3) / 1e12);
-    cudaEventRecord(e0, 0);
-    for (int i = 0; i < reps; i++) fl_cuk_q4_matmul_backward(dDx, dDy, OUT, &q.d, N, 0.0f, NULL);
-    cudaEventRecord(e1, 0);
-    ms = elapsed(e0, e1) / reps;
-    printf("%-28s time %.3f ms  (%.1f TFLOP/s fp32)\n", "  q4_matmul_backward", ms, flop / (ms * 1e-3) / 1e12);
+    q4_time("  q4_matmul_forward", "fp32", fl_cuk_q4_matmul_forward, NULL, dY, dX, &q.d, N, flop, e0, e1);
+    q4_time("  q4_matmul_backward", "fp32", NULL, fl_cuk_q4_matmul_backward, dDx, dDy, &q.d, N, flop, e0, e1);
+    float ms;
+    /* the bf16 tensor-core variants (issue 30 item 7, EXPERIMENTAL): 16 sampled rows against float64 sums of the
+     * bf16-rounded operands within twice the fp32 dot bound (the tensor cores' order and truncation), timed beside */
+    okf = synced(fl_cuk_q4_matmul_forward_tc(dY, OUT, dX, &q.d, N, 0.0f, NULL));
+    okb = synced(fl_cuk_q4_matmul_backward_tc(dDx, dDy, OUT, &q.d, N, 0.0f, NULL));
+    hcopy(gy, dY, ny * 4);
+    hcopy(gdx, dDx, nx * 4);
+    bad = !okf || !okb;
+    for (int si = 0; si < 16 && okf && okb; si++) {
+        int n = (si * 257 + 3) % N;
+        for (int o = 0; o < OUT; o++) {
+            double sf = 0, af = 0, sb = 0, ab = 0;
+            for (int k = 0; k < IN; k++) {
+                double pf = (double)q4_rbf(x[(size_t)n * IN + k]) * q4_rbf(deq[(size_t)o * IN + k]);
+                sf += pf; af += fabs(pf);
+            }
+            bad += !(fabs(gy[(size_t)n * OUT + o] - sf) <= 2 * gam * af);
+            for (int r = 0; r < OUT; r++) {
+                double pb = (double)q4_rbf(dy[(size_t)n * OUT + r]) * q4_rbf(deq[(size_t)r * IN + o]);
+                sb += pb; ab += fabs(pb);
+            }
+            bad += !(fabs(gdx[(size_t)n * IN + o] - sb) <= 2 * gam * ab);
+        }
+    }
+    printf("%-28s %s  (16 rows of y and dx, bf16 operands, within 2x the fp32 dot bound: %d outside)\n",
+           "q4 tc 4096x2048x2048 vs f64", bad ? "FAIL" : "ok  ", bad);
+    m_fail += bad != 0;
+    q4_time("  q4_matmul_forward_tc", "bf16 mma", fl_cuk_q4_matmul_forward_tc, NULL, dY, dX, &q.d, N, flop, e0, e1);
+    q4_time("  q4_matmul_backward_tc", "bf16 mma", NULL, fl_cuk_q4_matmul_backward_tc, dDx, dDy, &q.d, N, flop, e0,
+            e1);
     float *dDeq = dcopy(NULL, (size_t)OUT * IN * 4);
     cudaEventRecord(e0, 0);
     for (int i = 0; i < reps; i++) fl_cuk_q4_dequantize(dDeq, FL_F32, IN, &q.d, 0, OUT, NULL);
@@ -374,6 +472,9 @@ int fl_cuda_check_more(void) {
     adam8bit_check((size_t)1 << 24, FL_F32, 1);
     q4_small(19, 37, 131, FL_Q4_NF4, 0);
     q4_small(133, 150, 70, FL_Q4_FP4, 1);
+    q4_cut(19, Q4P_COLS, 37, 131, 37, 43, 45, 0, FL_Q4_NF4, 1); /* as test_cuda_more.c's cuda_more_q4_cut_blocks */
+    q4_cut(133, Q4P_ROWS, 150, 70, 75, 70, 37, 0, FL_Q4_FP4, 0);
+    q4_cut(5, Q4P_FUSED, 90, 45, 40, 45, 3, 60, FL_Q4_NF4, 0);
     q4_big();
     lora_check(100003);
     return m_fail;

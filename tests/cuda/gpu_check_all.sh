@@ -64,6 +64,9 @@ train micro-fp32 1e-5 finetune_full micro --precision 32-true
 train micro-bf16 2e-2 finetune_full micro --precision bf16-true
 train micro-8bit 1e-5 finetune_full micro --precision 32-true --optimizer bnb.optim.AdamW8bit
 train micro-qlora 1e-5 finetune_lora micro --quantize bnb.nf4-dq
+# the bf16 4-bit matmuls (FITLLM_CUDA_Q4=tc / scratch, EXPERIMENTAL: x and the dequantized NF4 weight in bf16)
+FITLLM_CUDA_Q4=tc train micro-qlora-bf16-tc 2e-2 finetune_lora micro --quantize bnb.nf4 --precision bf16-true
+FITLLM_CUDA_Q4=scratch train micro-qlora-bf16-scratch 2e-2 finetune_lora micro --quantize bnb.nf4 --precision bf16-true
 # CPU offload: on the GPU the update is staged through the page-locked host tier and runs on the host's cores
 train micro-offload 1e-5 finetune_full micro --precision 32-true --strategy deepspeed_stage_2_offload
 train micro-offload-nvme 1e-5 finetune_full micro --precision 32-true --strategy deepspeed_stage_2_offload \

@@ -28,6 +28,9 @@
 #  10. fp16's overflow check on the device (16-mixed: the flag read with the step's one copy, no wait before the
 #      update): the `small` preset's step and the trainer's 2-micro-batch clipped steps, FITLLM_CUDA_STEP_SCALARS=1
 #      against 0 (check_finite read back mid-step), with and without graphs; the trainer's overflow lines side by side.
+#  11. QLoRA's 4-bit matmuls (issue 30 item 7): the TinyLlama QLoRA step (nf4, LoRA r 8) with FITLLM_CUDA_Q4=fp32 (the
+#      fp32 kernels), tc (bf16 tensor cores, NF4 dequantized in the load) and scratch (dequantized into a bf16 panel,
+#      then cuBLASLt), and step 1's kernel timings of both 4-bit kernels (q4_matmul_* lines of fitllm_cuda_check).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
 # kernels; the issue's H200: 302 ms, 18.5%).
 set -u
@@ -54,7 +57,7 @@ echo "== 1. fused and 128-bit kernels (fitllm_cuda_check)"
 if [ -x "$BIN/fitllm_cuda_check" ]; then
     timeout 150 "$BIN/fitllm_cuda_check" >"$OUT/cuda_check.log" 2>&1
     echo "fitllm_cuda_check exit $?" >>"$OUT/cuda_check.log"
-    grep -E "add_rmsnorm|swiglu|add\+rmsnorm|gemm epilogue|gemm bench|layernorm_.*_w16|128-bit|clip_scale|check_finite_ss|loss_sum|_update_ss|FAIL|all ok|FAILED|exit" \
+    grep -E "q4_matmul|q4 tc|add_rmsnorm|swiglu|add\+rmsnorm|gemm epilogue|gemm bench|layernorm_.*_w16|128-bit|clip_scale|check_finite_ss|loss_sum|_update_ss|FAIL|all ok|FAILED|exit" \
         "$OUT/cuda_check.log"
 else
     echo "  (fitllm_cuda_check not in $BIN)"
@@ -143,4 +146,8 @@ for v in 1 0; do
         --train.log_interval 1 --overwrite true --out_dir "$OUT/small-fp16-ss$v" >"$OUT/train-fp16-ss$v.log" 2>&1
     echo "finetune_full 16-mixed STEP_SCALARS=$v exit $?: $(grep -E 'iter 16 ' "$OUT/train-fp16-ss$v.log" | head -1)"
     grep -E "update skipped" "$OUT/train-fp16-ss$v.log" | head -3
+done
+echo "== 11. QLoRA's 4-bit matmuls: FITLLM_CUDA_Q4=fp32 | tc | scratch (TinyLlama, nf4, LoRA r 8)"
+for q in fp32 tc scratch; do
+    FITLLM_CUDA_Q4=$q bench qlora-q4$q 90 --lora 8 --quantize bnb.nf4
 done

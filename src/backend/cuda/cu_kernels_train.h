@@ -50,6 +50,13 @@ extern "C" {
     /* dst (nr, w->cols; row stride ldd, F32 or BF16) = deq(W)[r0 : r0+nr, :]: fl_q4_dequantize_tile's       \
      * values (F32: the same bits; BF16: those rounded to nearest even). A panel for dequantize + GEMM. */    \
     int P##q4_dequantize(void *dst, fl_dtype dt, int ldd, const fl_q4_weight *w, int r0, int nr, void *stream);  \
+    /* The same matmuls on bf16 tensor cores (issue 30 item 7, EXPERIMENTAL: not yet timed on a GPU): x / dy and    \
+     * the dequantized W rounded to bf16 (RNE) as they are loaded into shared memory, fp32 accumulation (mma    \
+     * m16n8k16, cu_mma.h): not the fp32 kernels' values; the bound is bf16 operands' */                     \
+    int P##q4_matmul_forward_tc(float *y, int ldy, const float *x, const fl_q4_weight *w, int N, float beta,    \
+                                void *stream);                                                                  \
+    int P##q4_matmul_backward_tc(float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N, float beta, \
+                                 void *stream);                                                                 \
     /* LoRA dropout (fitllm/lora.h's mask of (seed, i), bit-identical): xd[i] = keep(i) ? x[i] / (1-p) : 0     \
      * for i < n (0 < p < 1); seed_dev (NULL or) device memory holding the seed, read when it runs instead    \
      * (a CUDA graph's per-step scalar) */                                                                     \

@@ -73,9 +73,11 @@ typedef struct {
     flb_stage stage;       /* the page-locked ring of small uploads (cuda-stage-impl.h) */
     flb_graph graph;       /* FITLLM_CUDA_GRAPHS=1: the step's CUDA graphs (cuda-graph-impl.h) */
     int ss_on;             /* FITLLM_CUDA_STEP_SCALARS (1 default): the step scalars' slots (backend.h) */
+    int q4;                /* FITLLM_CUDA_Q4: a bf16 run's 4-bit matmuls (FLB_Q4_*, cuda-work-ops-impl.h; experimental) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
+enum { FLB_Q4_FP32 = 0, FLB_Q4_TC = 1, FLB_Q4_SCRATCH = 2 }; /* flb_impl.q4 */
 
 static int flb_float3(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_F16; }
 
@@ -798,6 +800,12 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     /* FITLLM_CUDA_GRAPHS=1 (experimental): the door captures the step as CUDA graphs and replays it (cuda-graph-impl.h) */
     const char *eg = getenv("FITLLM_CUDA_GRAPHS");
     im->graph.on = eg && !strcmp(eg, "1");
+    /* FITLLM_CUDA_Q4 (experimental, issue 30 item 7): a bf16 run's 4-bit matmuls on bf16 tensor cores with the NF4 / FP4
+     * dequantization fused into the B load (tc), or dequantized a panel of rows at a time into a bf16 scratch for the
+     * GEMM (scratch); fp32 (the default): the fp32 kernels whatever the dtype */
+    const char *eq = getenv("FITLLM_CUDA_Q4");
+    im->q4 = !eq || !*eq || !strcmp(eq, "fp32") ? FLB_Q4_FP32 : !strcmp(eq, "tc") ? FLB_Q4_TC
+             : !strcmp(eq, "scratch") ? FLB_Q4_SCRATCH : -1;
     im->graph.state = im->graph.on ? FLB_G_FIRST : FLB_G_OFF;
     im->graph.stream = im->stream;
     im->graph.err = &im->err;
@@ -824,6 +832,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_GRAPHS=%s: expected 0 (the default: the ops one by one) "
                         "or 1 (experimental: capture the training step as CUDA graphs and replay them)",
                         FLB_NAME, eg)
+        : im->q4 < 0
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4=%s: expected fp32 (the default: the fp32 4-bit "
+                        "matmul kernels), tc (experimental: a bf16 run's on bf16 tensor cores, dequantized in the load) "
+                        "or scratch (experimental: dequantized into a bf16 scratch for the GEMM)", FLB_NAME, eq)
             : flb_attn_init(im);
     if (s != FL_OK) {
         flb_dev_free(im->scalars);

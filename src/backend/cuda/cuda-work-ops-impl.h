@@ -164,22 +164,55 @@ static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp,
                                          STREAM), "adam8bit_update");
     return FL_OK;
 }
+/* FITLLM_CUDA_Q4=scratch (a bf16 run): W dequantized a panel of rows at a time into a bf16 scratch (the work area), each
+ * panel one GEMM of the F32 x bf16 kind (flb_gemm: the activations rounded to bf16 in its panel, fp32 accumulation);
+ * forward: y[:, panel] = x @ panel^T; backward: dx (+)= dy[:, panel] @ panel, the panels accumulated in dx */
+static fl_status flb_q4_scratch(const fl_backend *be, int bwd, float *out, int ldo, const float *in, int ldi,
+                                const fl_q4_weight *w, int N, float beta, const char *op) {
+    const size_t row_bytes = (size_t)w->cols * sizeof(uint16_t);
+    const int rows = (int)(FLB_WORK_BYTES / row_bytes < (size_t)w->rows ? FLB_WORK_BYTES / row_bytes : (size_t)w->rows);
+    if (rows < 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s %s: FITLLM_CUDA_Q4=scratch: a row of %d columns exceeds the work area",
+                         FLB_NAME, op, w->cols);
+    uint16_t *panel = (uint16_t *)flb_work(be, (size_t)rows * row_bytes, op);
+    if (!panel) return flb_sticky(be);
+    for (int r0 = 0; r0 < w->rows && N > 0; r0 += rows) {
+        const int nr = w->rows - r0 < rows ? w->rows - r0 : rows;
+        FLB_RUN_S(be, FLB_K(q4_dequantize)(panel, FL_BF16, w->cols, w, r0, nr, STREAM), op);
+        FL_TRY(bwd ? flb_gemm(be, 0, 0, N, w->cols, nr, 1.0f, in + r0, FL_F32, ldi, panel, FL_BF16, w->cols,
+                              r0 ? 1.0f : beta, out, FL_F32, ldo)
+                   : flb_gemm(be, 0, 1, N, nr, w->cols, 1.0f, in, FL_F32, ldi, panel, FL_BF16, w->cols, beta, out + r0,
+                              FL_F32, ldo));
+    }
+    return FL_OK;
+}
+/* a bf16 run's 4-bit matmul path (FITLLM_CUDA_Q4): FLB_Q4_FP32 for an fp32 run whatever it says */
+static int flb_q4_mode(const fl_backend *be) {
+    return FLB_IMPL(be)->compute == FL_BF16 ? FLB_IMPL(be)->q4 : FLB_Q4_FP32;
+}
 static fl_status flb_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
                                        int N, float beta) {
     FL_TRY(flb_sticky(be));
-    if (w->row_start) /* a tensor-parallel part of whole blocks (fl_q4_weight.row_start): the kernel reads r * cols */
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s q4_matmul_forward: a 4-bit weight whose rank's part cuts the "
-                         "blocks (a row map) is not run by this backend's kernel yet", FLB_NAME);
-    FLB_RUN_S(be, FLB_K(q4_matmul_forward)(y, ldy, x, w, N, beta, STREAM), "q4_matmul_forward");
+    const int mode = flb_q4_mode(be);
+    if (mode == FLB_Q4_SCRATCH && w && w->rows > 0 && w->cols > 0 && ldy >= w->rows && N >= 0 &&
+        (beta == 0.0f || beta == 1.0f))
+        return flb_q4_scratch(be, 0, y, ldy, x, w->cols, w, N, beta, "q4_matmul_forward");
+    if (mode == FLB_Q4_TC)
+        FLB_RUN_S(be, FLB_K(q4_matmul_forward_tc)(y, ldy, x, w, N, beta, STREAM), "q4_matmul_forward");
+    else
+        FLB_RUN_S(be, FLB_K(q4_matmul_forward)(y, ldy, x, w, N, beta, STREAM), "q4_matmul_forward");
     return FL_OK;
 }
 static fl_status flb_q4_matmul_backward(const fl_backend *be, float *dx, const float *dy, int ldy,
                                         const fl_q4_weight *w, int N, float beta) {
     FL_TRY(flb_sticky(be));
-    if (w->row_start) /* a tensor-parallel part of whole blocks (fl_q4_weight.row_start): the kernel reads r * cols */
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s q4_matmul_backward: a 4-bit weight whose rank's part cuts the "
-                         "blocks (a row map) is not run by this backend's kernel yet", FLB_NAME);
-    FLB_RUN_S(be, FLB_K(q4_matmul_backward)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
+    const int mode = flb_q4_mode(be);
+    if (mode == FLB_Q4_SCRATCH && w && w->rows > 0 && w->cols > 0 && ldy >= w->rows && N >= 0 &&
+        (beta == 0.0f || beta == 1.0f))
+        return flb_q4_scratch(be, 1, dx, w->cols, dy, ldy, w, N, beta, "q4_matmul_backward");
+    if (mode == FLB_Q4_TC)
+        FLB_RUN_S(be, FLB_K(q4_matmul_backward_tc)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
+    else
+        FLB_RUN_S(be, FLB_K(q4_matmul_backward)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
     return FL_OK;
 }
-

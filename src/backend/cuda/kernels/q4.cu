@@ -1,6 +1,9 @@
 /* 4-bit (bitsandbytes NF4/FP4) weights: the fused dequantize-matmuls of backend.h's
  * q4_matmul_forward / q4_matmul_backward, and a dequantize kernel (references:
  * src/backend/cpu/quant4.c, q4matmul.c; the format: fitllm/quant4.h).
+ * Every kernel takes the plain layout (element (r, c) stored at r * cols + c) and a tensor-parallel
+ * rank's part that cuts the blocks (fl_q4_weight.row_start, a device array: whole blocks of one
+ * process's quantization, element (r, c) at row_start[r] + c), as fl_q4_dequantize_tile does.
  *
  * Dequantization is the CPU's fl_q4_dequantize_tile value for value: code[q] * absmax(block),
  * where a double-quantized absmax is code8[q_absmax] * scale + offset with two roundings (no FMA:
@@ -21,6 +24,7 @@
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels_train.h"
 #include "backend/cuda/cu_exact_dev.h"
+#include "backend/cuda/cu_mma.h"
 
 static __device__ const float fl_cu_nf4_code[16] = {
     -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
@@ -40,6 +44,8 @@ typedef struct {
     const uint8_t *q_absmax;   /* dq */
     const float *absmax_scale; /* dq */
     const float *offset;       /* dq */
+    const uint32_t *row_start; /* a mapped part (fl_q4_weight.row_start): row r starts at element row_start[r] of the
+                                * kept blocks; NULL: at r * cols */
     int rows, cols, type, dq;
 } fl_cu_q4w;
 
@@ -47,7 +53,11 @@ FL_CU_DEV float q4_absmax(const fl_cu_q4w &w, float off, size_t b) {
     if (!w.dq) return w.absmax[b];
     return fl_cu_add_rn(fl_cu_mul_rn(fl_cu_code_signed[w.q_absmax[b]], w.absmax_scale[b / FL_Q4_DQ_BLOCK]), off);
 }
-/* element i of the flattened (rows, cols) weight; lut: the 16 code values */
+/* the stored element index of (r, 0): the plain layout's r * cols, or a mapped part's row map */
+FL_CU_DEV size_t q4_row(const fl_cu_q4w &w, int r) {
+    return w.row_start ? (size_t)w.row_start[r] : (size_t)r * (size_t)w.cols;
+}
+/* stored element i (q4_row(r) + c for element (r, c)); lut: the 16 code values */
 FL_CU_DEV float q4_value(const fl_cu_q4w &w, const float *lut, float off, size_t i) {
     const unsigned byte = w.packed[i >> 1];
     const unsigned q = (i & 1) ? (byte & 15u) : (byte >> 4);
@@ -106,10 +116,10 @@ __global__ static void fl_cu_q4_gemm_k(float *Cm, int ldc, const float *A, int l
             const int e = tid + 256 * r;
             if (!BWD) { /* Bs[kk][o] = W[n0 + o][k0 + kk] */
                 const int o = e >> 4, kk = e & 15, go = n0 + o, gk = k0 + kk;
-                Bs[kk][o] = go < Ncol && gk < K ? q4_value(w, lut, off, (size_t)go * w.cols + gk) : 0.0f;
+                Bs[kk][o] = go < Ncol && gk < K ? q4_value(w, lut, off, q4_row(w, go) + gk) : 0.0f;
             } else { /* Bs[kk][c] = W[k0 + kk][n0 + c] */
                 const int c = e & 127, kk = e >> 7, gc = n0 + c, gk = k0 + kk;
-                Bs[kk][c] = gc < Ncol && gk < K ? q4_value(w, lut, off, (size_t)gk * w.cols + gc) : 0.0f;
+                Bs[kk][c] = gc < Ncol && gk < K ? q4_value(w, lut, off, q4_row(w, gk) + gc) : 0.0f;
             }
         }
         __syncthreads();
@@ -135,6 +145,92 @@ __global__ static void fl_cu_q4_gemm_k(float *Cm, int ldc, const float *A, int l
     }
 }
 
+/* ---- the same on bf16 tensor cores (issue 30 item 7: NF4 dequantization fused into the GEMM's B load) ----
+ * Block tile 64 (rows of x / dy) x 64 (output columns) x 32 (reduction), 128 threads = 4 warps of 32 x 32, each
+ * warp 2 x 4 mma m16n8k16 per 16 of the reduction. The load rounds A's fp32 and the dequantized W's fp32 values to
+ * bf16 (RNE) into shared memory, both stored (row, k) so every fragment register is one 32-bit read (cu_mma.h's
+ * table: A[g][2t, 2t+1], B[2t, 2t+1][g] = the (n, k) tile's row g). The backward's W tile is read along W's rows
+ * (consecutive nibbles) and stored transposed. */
+#define Q4T_BM 64
+#define Q4T_BN 64
+#define Q4T_BK 32
+#define Q4T_LD (Q4T_BK + 8) /* bf16 per shared row: 80 bytes, so the 32-bit reads at even k stay aligned */
+
+FL_CU_DEV uint32_t q4t_ld32(const uint16_t *p) {
+#ifdef __CUDACC__
+    return *reinterpret_cast<const uint32_t *>(p);
+#else
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 16);
+#endif
+}
+
+template <int BWD>
+__global__ static void fl_cu_q4_gemm_tc_k(float *Cm, int ldc, const float *A, int lda, fl_cu_q4w w, int M,
+                                          float beta) {
+    alignas(16) __shared__ uint16_t As[Q4T_BM][Q4T_LD]; /* (m, k) */
+    alignas(16) __shared__ uint16_t Bs[Q4T_BN][Q4T_LD]; /* (n, k) */
+    __shared__ float lut[16];
+    const int K = BWD ? w.rows : w.cols, Ncol = BWD ? w.cols : w.rows;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int m0 = blockIdx.y * Q4T_BM, n0 = blockIdx.x * Q4T_BN;
+    const float off = w.dq ? *w.offset : 0.0f;
+    q4_load_lut(lut, w.type);
+    __syncthreads();
+    float acc[2][4][4];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++)
+            for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += Q4T_BK) {
+        for (int r = 0; r < 16; r++) { /* A: 64 x 32, read along k */
+            const int e = tid + 128 * r, m = e >> 5, kk = e & 31, gm = m0 + m, gk = k0 + kk;
+            As[m][kk] = fl_cu_f32_to_bf16(gm < M && gk < K ? A[(size_t)gm * lda + gk] : 0.0f);
+        }
+        for (int r = 0; r < 16; r++) { /* W: 64 x 32 as (n, k), dequantized along W's rows */
+            const int e = tid + 128 * r;
+            float v;
+            int n, kk;
+            if (!BWD) { /* Bs[n][kk] = W[n0 + n][k0 + kk] */
+                n = e >> 5, kk = e & 31;
+                const int gn = n0 + n, gk = k0 + kk;
+                v = gn < Ncol && gk < K ? q4_value(w, lut, off, q4_row(w, gn) + gk) : 0.0f;
+            } else { /* Bs[n][kk] = W[k0 + kk][n0 + n] */
+                n = e & 63, kk = e >> 6;
+                const int gn = n0 + n, gk = k0 + kk;
+                v = gn < Ncol && gk < K ? q4_value(w, lut, off, q4_row(w, gk) + gn) : 0.0f;
+            }
+            Bs[n][kk] = fl_cu_f32_to_bf16(v);
+        }
+        __syncthreads();
+        for (int ks = 0; ks < Q4T_BK; ks += 16) {
+            uint32_t a[2][4], b[4][2];
+            for (int i = 0; i < 2; i++) {
+                const int r = wm + 16 * i + g, c = ks + 2 * t;
+                a[i][0] = q4t_ld32(&As[r][c]);
+                a[i][1] = q4t_ld32(&As[r + 8][c]);
+                a[i][2] = q4t_ld32(&As[r][c + 8]);
+                a[i][3] = q4t_ld32(&As[r + 8][c + 8]);
+            }
+            for (int j = 0; j < 4; j++) {
+                const int n = wn + 8 * j + g, c = ks + 2 * t;
+                b[j][0] = q4t_ld32(&Bs[n][c]);
+                b[j][1] = q4t_ld32(&Bs[n][c + 8]);
+            }
+            for (int i = 0; i < 2; i++)
+                for (int j = 0; j < 4; j++) fl_cu_mma_bf16_16816(acc[i][j], a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++)
+            for (int q = 0; q < 4; q++) {
+                const int gm = m0 + wm + 16 * i + g + 8 * (q >> 1), gn = n0 + wn + 8 * j + 2 * t + (q & 1);
+                if (gm >= M || gn >= Ncol) continue;
+                float *c = Cm + (size_t)gm * ldc + gn;
+                *c = beta != 0.0f ? *c + acc[i][j][q] : acc[i][j][q];
+            }
+}
+
 __global__ static void fl_cu_q4_dequant_k(void *dst, int dt, int ldd, fl_cu_q4w w, int r0, int nr) {
     __shared__ float lut[16];
     const float off = w.dq ? *w.offset : 0.0f;
@@ -143,7 +239,7 @@ __global__ static void fl_cu_q4_dequant_k(void *dst, int dt, int ldd, fl_cu_q4w 
     const size_t total = (size_t)nr * w.cols;
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
         const size_t r = e / (size_t)w.cols, c = e % (size_t)w.cols;
-        const float v = q4_value(w, lut, off, ((size_t)r0 + r) * w.cols + c);
+        const float v = q4_value(w, lut, off, q4_row(w, r0 + (int)r) + c);
         if (dt == FL_F32) ((float *)dst)[r * ldd + c] = v;
         else ((uint16_t *)dst)[r * ldd + c] = fl_cu_f32_to_bf16(v);
     }
@@ -157,6 +253,7 @@ static int q4_view(const fl_q4_weight *w, fl_cu_q4w *v) {
     v->q_absmax = w->q_absmax;
     v->absmax_scale = w->absmax_scale;
     v->offset = w->offset;
+    v->row_start = w->row_start;
     v->rows = w->rows;
     v->cols = w->cols;
     v->type = (int)w->type;
@@ -164,24 +261,36 @@ static int q4_view(const fl_q4_weight *w, fl_cu_q4w *v) {
     return 0;
 }
 
-extern "C" int FL_CUK(q4_matmul_forward)(float *y, int ldy, const float *x, const fl_q4_weight *w, int N, float beta,
-                                         void *stream) {
+/* one launch of a 4-bit matmul: C (N, BWD ? cols : rows; ldc) from A (N, BWD ? rows : cols; lda), TC: the bf16
+ * tensor-core kernel; ldy: the row stride of y / dy (>= rows) */
+template <int BWD, int TC>
+static int q4_launch(float *C, int ldc, const float *A, int lda, int ldy, const fl_q4_weight *w, int N, float beta,
+                     void *stream) {
     fl_cu_q4w v;
     if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
     if (N == 0) return 0;
-    dim3 grid((unsigned)(w->rows + Q4_BN - 1) / Q4_BN, (unsigned)(N + Q4_BM - 1) / Q4_BM);
-    FL_CU_LAUNCH(fl_cu_q4_gemm_k<0>, grid, dim3(256), 0, (fl_cu_stream)stream, y, ldy, x, w->cols, v, N, beta);
+    const int ncol = BWD ? w->cols : w->rows, bn = TC ? Q4T_BN : Q4_BN, bm = TC ? Q4T_BM : Q4_BM;
+    dim3 grid((unsigned)(ncol + bn - 1) / bn, (unsigned)(N + bm - 1) / bm);
+    if (TC) FL_CU_LAUNCH(fl_cu_q4_gemm_tc_k<BWD>, grid, dim3(128), 0, (fl_cu_stream)stream, C, ldc, A, lda, v, N, beta);
+    else FL_CU_LAUNCH(fl_cu_q4_gemm_k<BWD>, grid, dim3(256), 0, (fl_cu_stream)stream, C, ldc, A, lda, v, N, beta);
     return fl_cu_launch_error();
 }
 
+extern "C" int FL_CUK(q4_matmul_forward)(float *y, int ldy, const float *x, const fl_q4_weight *w, int N, float beta,
+                                         void *stream) {
+    return w ? q4_launch<0, 0>(y, ldy, x, w->cols, ldy, w, N, beta, stream) : -1;
+}
 extern "C" int FL_CUK(q4_matmul_backward)(float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N, float beta,
                                           void *stream) {
-    fl_cu_q4w v;
-    if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
-    if (N == 0) return 0;
-    dim3 grid((unsigned)(w->cols + Q4_BN - 1) / Q4_BN, (unsigned)(N + Q4_BM - 1) / Q4_BM);
-    FL_CU_LAUNCH(fl_cu_q4_gemm_k<1>, grid, dim3(256), 0, (fl_cu_stream)stream, dx, w->cols, dy, ldy, v, N, beta);
-    return fl_cu_launch_error();
+    return w ? q4_launch<1, 0>(dx, w->cols, dy, ldy, ldy, w, N, beta, stream) : -1;
+}
+extern "C" int FL_CUK(q4_matmul_forward_tc)(float *y, int ldy, const float *x, const fl_q4_weight *w, int N,
+                                            float beta, void *stream) {
+    return w ? q4_launch<0, 1>(y, ldy, x, w->cols, ldy, w, N, beta, stream) : -1;
+}
+extern "C" int FL_CUK(q4_matmul_backward_tc)(float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N,
+                                             float beta, void *stream) {
+    return w ? q4_launch<1, 1>(dx, w->cols, dy, ldy, ldy, w, N, beta, stream) : -1;
 }
 
 extern "C" int FL_CUK(q4_dequantize)(void *dst, fl_dtype dt, int ldd, const fl_q4_weight *w, int r0, int nr,
