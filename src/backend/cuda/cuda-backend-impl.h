@@ -47,6 +47,7 @@
 #include "fitllm/perf.h"
 
 #include "backend/cuda/cuda-stage-impl.h"
+#include "backend/cuda/cuda-input-impl.h"
 #include "backend/cuda/cuda-graph-impl.h"
 
 /* + 256: the lent region is re-aligned to 256 bytes (cuBLASLt's workspace, the panels) */
@@ -72,6 +73,7 @@ typedef struct {
     fl_cu_counters count;  /* host round trips (FLB_PREFIX(backend_counters)) */
     flb_stage stage;       /* the page-locked ring of small uploads (cuda-stage-impl.h) */
     flb_graph graph;       /* FITLLM_CUDA_GRAPHS=1: the step's CUDA graphs (cuda-graph-impl.h) */
+    flb_input in;          /* the input slots and the second stream (cuda-input-impl.h) */
     int ss_on;             /* FITLLM_CUDA_STEP_SCALARS (1 default): the step scalars' slots (backend.h) */
 } flb_impl;
 
@@ -90,6 +92,18 @@ static fl_status flb_sticky(const fl_backend *be) {
     if (im->err == FL_OK) return FL_OK;
     return fl_errorf(im->err, "%s", im->errmsg);
 }
+/* An op about to read p (an input slot's ids or targets): refused when a copy on the second stream is still to write
+ * it (the emulator knows; a GPU would race): the upload's input_wait is missing (cuda-input-impl.h). */
+static fl_status flb_in_check(const fl_backend *be, const void *p, const char *op) {
+    flb_impl *im = FLB_IMPL(be);
+    if (!im->in.s2 || !p || !flb_s2_pending(im->in.s2, p)) return FL_OK;
+    char why[160];
+    snprintf(why, sizeof why, "reads input slot bytes at %p that a copy on the second stream is still to write (no "
+             "input_wait for the slot before it)", p);
+    flb_set_error(be, FL_ERR_INTERNAL, op, why);
+    return flb_sticky(be);
+}
+
 /* A launcher's return: 0 ok, -1 bad arguments (types), else the CUDA / emulator error. */
 static int flb_launch(const fl_backend *be, int rc, const char *op) {
     if (rc == 0) return 0;
@@ -336,12 +350,14 @@ static void flb_bias_backward(const fl_backend *be, float *db, const float *dy, 
 }
 static void flb_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
                               const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
+    if (flb_in_check(be, targets, "cross_entropy")) return;
     FLB_RUN(be, FLB_K(cross_entropy)(loss, dlogits, logits, targets, N, V, grad_scale, ignore_index, STREAM),
             "cross_entropy");
 }
 static fl_status flb_cross_entropy_dbf16(const fl_backend *be, float *loss, void *dlogits16, const float *logits,
                                          const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
     FL_TRY(flb_sticky(be));
+    FL_TRY(flb_in_check(be, targets, "cross_entropy_dbf16"));
     FLB_RUN_S(be, FLB_K(cross_entropy_dbf16)(loss, dlogits16, logits, targets, N, V, grad_scale, ignore_index, STREAM),
               "cross_entropy_dbf16");
     return FL_OK;
@@ -397,6 +413,7 @@ static fl_status flb_check_finite_dev(const fl_backend *be, const void *x, fl_dt
 static fl_status flb_loss_sum_dev(const fl_backend *be, const float *loss, const int32_t *targets, int N,
                                   int ignore_index, double *acc) {
     FL_TRY(flb_sticky(be));
+    FL_TRY(flb_in_check(be, targets, "loss_sum_dev"));
     FLB_RUN_S(be, FLB_K(loss_sum)(acc, loss, targets, N, ignore_index, STREAM), "loss_sum_dev");
     return FL_OK;
 }
@@ -677,6 +694,51 @@ static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src,
         return fl_errorf(FL_ERR_IO, "%s to_device: copy of %zu bytes failed", FLB_NAME, bytes);
     return FL_OK;
 }
+
+/* ---- the input slots (cuda-input-impl.h; issue 30 item 5) ---- */
+static void *flb_input_slots(const fl_backend *be, size_t bytes, size_t *stride) {
+    return flb_input_make(&FLB_IMPL(be)->in, bytes, stride);
+}
+/* inside CUDA graphs (capture or replay) an upload is a node on the backend's stream (cuda-graph-impl.h); one that
+ * reaches the slot there (a replay that stopped part way) copies in stream order through the pinned ring */
+static int flb_input_in_graphs(const flb_impl *im) {
+    return im->graph.on && (im->graph.state == FLB_G_CAPTURE || im->graph.state == FLB_G_REPLAY);
+}
+static fl_status flb_input_upload(const fl_backend *be, int slot, const void *src0, size_t n0, const void *src1,
+                                  size_t n1, size_t off1) {
+    FL_TRY(flb_sticky(be));
+    flb_impl *im = FLB_IMPL(be);
+    flb_input *in = &im->in;
+    if (!flb_input_args_ok(in, slot, n0, n1, off1))
+        return fl_errorf(FL_ERR_INVALID, "%s input_upload: slot %d, %zu + %zu bytes at %zu (slots of %zu bytes%s)",
+                         FLB_NAME, slot, n0, n1, off1, in->stride, in->dev ? "" : ": none made");
+    int rc;
+    char *dev = in->dev + (size_t)slot * in->stride;
+    if (flb_input_in_graphs(im)) {
+        rc = n0 ? flb_stage_copy(&im->stage, &im->count, dev, src0, n0, STREAM) : 0;
+        if (!rc && n1) rc = flb_stage_copy(&im->stage, &im->count, dev + off1, src1, n1, STREAM);
+        im->count.h2d += (n0 > 0) + (n1 > 0);
+    } else {
+        rc = flb_input_upload_s2(in, &im->count, STREAM, slot, src0, n0, src1, n1, off1);
+    }
+    if (rc) {
+        flb_set_error(be, FL_ERR_IO, "input_upload", flb_last_error(rc));
+        return flb_sticky(be);
+    }
+    return FL_OK;
+}
+static fl_status flb_input_wait(const fl_backend *be, int slot) {
+    FL_TRY(flb_sticky(be));
+    flb_impl *im = FLB_IMPL(be);
+    if (slot < 0 || slot >= FL_INPUT_SLOTS || !im->in.dev)
+        return fl_errorf(FL_ERR_INVALID, "%s input_wait: slot %d (%s)", FLB_NAME, slot,
+                         im->in.dev ? "out of range" : "no slots made");
+    if (flb_input_in_graphs(im) || !im->in.recorded[slot]) return FL_OK; /* in stream order already */
+    int rc = flb_main_after_s2(STREAM, im->in.ready[slot]);
+    if (rc) flb_set_error(be, FL_ERR_IO, "input_wait", flb_last_error(rc));
+    return flb_sticky(be);
+}
+
 static fl_status flb_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
     FL_TRY(flb_graph_flush(&FLB_IMPL(be)->graph, be)); /* the graphs before it have run */
@@ -796,11 +858,15 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     const char *ess = getenv("FITLLM_CUDA_STEP_SCALARS");
     im->ss_on = !ess || !*ess || !strcmp(ess, "1");
     /* FITLLM_CUDA_GRAPHS=1 (experimental): the door captures the step as CUDA graphs and replays it (cuda-graph-impl.h) */
+    /* FITLLM_CUDA_PREFETCH=0: no input slots; the model uploads each micro-batch's inputs on the stream (A/B) */
+    const char *epf = getenv("FITLLM_CUDA_PREFETCH");
+    im->in.on = !epf || !*epf || !strcmp(epf, "1");
     const char *eg = getenv("FITLLM_CUDA_GRAPHS");
     im->graph.on = eg && !strcmp(eg, "1");
     im->graph.state = im->graph.on ? FLB_G_FIRST : FLB_G_OFF;
     im->graph.stream = im->stream;
     im->graph.err = &im->err;
+    im->graph.in = &im->in;
     s = im->attn < 0 ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (cuDNN's fused "
                                  "attention where it loads and takes the shape, else 'own'), 'cudnn' (cuDNN, "
                                  "experimental), 'own' (bf16 runs: the FlashAttention-2-structured kernels, "
@@ -820,6 +886,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_STEP_SCALARS=%s: expected 1 (the default: the step's "
                         "gradient norm, clip scale and losses stay on the device until its end) or 0 (read on the "
                         "host)", FLB_NAME, ess)
+        : epf && *epf && !im->in.on && strcmp(epf, "0")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_PREFETCH=%s: expected 1 (the default: the next "
+                        "micro-batch's inputs uploaded ahead on a second stream) or 0 (on the backend's stream, "
+                        "before the micro-batch)", FLB_NAME, epf)
         : eg && *eg && !im->graph.on && strcmp(eg, "0")
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_GRAPHS=%s: expected 0 (the default: the ops one by one) "
                         "or 1 (experimental: capture the training step as CUDA graphs and replay them)",
@@ -899,6 +969,11 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         be->sgd_update_ss = flb_sgd_update_ss;
         be->check_finite_dev = flb_check_finite_dev;
     }
+    if (im->in.on && !FLB_HOST_MEMORY) { /* FITLLM_CUDA_PREFETCH (1 default); host memory: nothing to upload */
+        be->input_slots = flb_input_slots;
+        be->input_upload = flb_input_upload;
+        be->input_wait = flb_input_wait;
+    }
     be->scale = flb_scale;
     be->zero = flb_zero;
     be->init_random = flb_init_random;
@@ -940,6 +1015,7 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     if (im->own_scratch) flb_dev_free(im->own_scratch);
     if (im->scalars) flb_dev_free(im->scalars);
     flb_stage_free(&im->stage);
+    flb_input_free(&im->in);
     flb_attn_free(im);
     if (im->marks)
         for (int i = 0; i < FL_PROF_MAX_MARKS; i++)

@@ -62,6 +62,7 @@ typedef struct {
     int state;              /* FLB_G_* */
     void *stream;           /* the backend's */
     fl_status *err;         /* the backend's sticky error (a failed capture's launches are not the run's) */
+    flb_input *in;          /* the backend's input slots (an upload is a per-step slot op: cuda-input-impl.h) */
     flb_gseg *seg;          /* the captured step's segments */
     int nseg, capseg;
     int cur, pos;           /* replay: the segment, the next record in it; capture: a segment is open (pos) */
@@ -104,6 +105,8 @@ static int flb_graph_adamw_types(fl_dtype tp, fl_dtype tg, fl_dtype ts) {
 }
 static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
     if (!g->pin) return 0;
+    if (op->kind == FL_OPK_input_upload) /* the inputs, copied up (past the slots: outside, between the graphs) */
+        return g->in && g->in->dev && g->in->gpin && (g->state != FLB_G_CAPTURE || g->nslot < FLB_GSLOTS);
     if (op->kind == FL_OPK_cross_entropy || op->kind == FL_OPK_cross_entropy_dbf16) return 1;
     if (op->kind == FL_OPK_lora_forward) return op->lora_forward.dropout > 0.0f;
     if (op->kind == FL_OPK_lora_backward) return op->lora_backward.dropout > 0.0f;
@@ -127,6 +130,7 @@ static int flb_graph_outside(const flb_graph *g, const fl_oprec *op) {
     case FL_OPK_to_host: case FL_OPK_to_device: case FL_OPK_sync: case FL_OPK_sumsq: case FL_OPK_check_finite:
     case FL_OPK_adamw_update: case FL_OPK_sgd_update: case FL_OPK_adam8bit_update: case FL_OPK_set_scratch:
     case FL_OPK_set_compute_dtype: case FL_OPK_convert_many: case FL_OPK_adamw_update_ss: case FL_OPK_sgd_update_ss:
+    case FL_OPK_input_upload:
         return 1;
     default: return 0;
     }
@@ -218,6 +222,9 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op, flb_grec *live)
         t.rec.grad_norm_dev.scale = k->rec.grad_norm_dev.scale;
     } else if (k->slot >= 0 && op->kind == FL_OPK_check_finite_dev) {
         t.rec.check_finite_dev.inv_scale = k->rec.check_finite_dev.inv_scale;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_input_upload) { /* the caller's host buffers: the bytes go up */
+        t.rec.input_upload.src0 = k->rec.input_upload.src0;
+        t.rec.input_upload.src1 = k->rec.input_upload.src1;
     }
     return !memcmp(&t, k, sizeof t);
 }
@@ -259,6 +266,18 @@ static fl_status flb_graph_slot_write(flb_graph *g, flb_gseg *s, const fl_oprec 
         return fl_errorf(FL_ERR_IO, "%s backend: CUDA graphs: waiting for a per-step scalar's copy failed", FLB_NAME);
     s->armed = 0;
     char *pin = g->pin + (size_t)slot * FLB_GSLOT_BYTES;
+    if (op->kind == FL_OPK_input_upload) { /* the inputs into this upload's own page-locked copy */
+        const struct fl_op_input_upload *u = &op->input_upload;
+        flb_input *in = g->in;
+        if (!in->gpin[slot] && !(in->gpin[slot] = (char *)flb_host_alloc(in->stride)))
+            return fl_errorf(FL_ERR_OOM, "%s backend: CUDA graphs: no page-locked memory for an input upload", FLB_NAME);
+        if (!flb_input_args_ok(in, u->slot, u->n0, u->n1, u->off1))
+            return fl_errorf(FL_ERR_INVALID, "%s input_upload: slot %d, %zu + %zu bytes at %zu", FLB_NAME, u->slot,
+                             u->n0, u->n1, u->off1);
+        if (u->n0) memcpy(in->gpin[slot], u->src0, u->n0);
+        if (u->n1) memcpy(in->gpin[slot] + u->off1, u->src1, u->n1);
+        return FL_OK;
+    }
     if (op->kind == FL_OPK_adamw_update) {
         const struct fl_op_adamw_update *u = &op->adamw_update;
         FLB_K(adamw_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, u->grad_scale);
@@ -287,6 +306,17 @@ static fl_status flb_graph_slot_write(flb_graph *g, flb_gseg *s, const fl_oprec 
 static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg *s, const fl_oprec *op, int slot) {
     FL_TRY(flb_graph_slot_write(g, s, op, slot));
     void *d = g->dslot + (size_t)slot * FLB_GSLOT_BYTES;
+    if (op->kind == FL_OPK_input_upload) { /* a node: this upload's page-locked copy -> the input slot */
+        const struct fl_op_input_upload *u = &op->input_upload;
+        char *dev = g->in->dev + (size_t)u->slot * g->in->stride;
+        int rc = u->n0 ? flb_h2d(dev, g->in->gpin[slot], u->n0, g->stream) : 0;
+        if (!rc && u->n1) rc = flb_h2d(dev + u->off1, g->in->gpin[slot] + u->off1, u->n1, g->stream);
+        if (rc) {
+            flb_set_error(be, FL_ERR_IO, "input_upload", "the graph's copy failed");
+            return fl_errorf(FL_ERR_IO, "%s backend: input_upload (CUDA graph): copy failed", FLB_NAME);
+        }
+        return FL_OK;
+    }
     int rc = flb_h2d(d, g->pin + (size_t)slot * FLB_GSLOT_BYTES, FLB_GSLOT_BYTES, g->stream);
     const uint64_t *ds = (const uint64_t *)d;
     if (!rc && op->kind == FL_OPK_lora_forward) {

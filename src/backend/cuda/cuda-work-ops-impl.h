@@ -29,15 +29,18 @@ static void flb_nan_fill(const fl_backend *be, float *p, size_t n) {
 
 static void flb_embedding_forward(const fl_backend *be, float *out, const int32_t *ids, const float *wte,
                                   const float *wpe, int B, int T, int C) {
+    if (flb_in_check(be, ids, "embedding_forward")) return;
     FLB_RUN(be, FLB_K(embedding_forward)(out, ids, wte, wpe, B, T, C, STREAM), "embedding_forward");
 }
 static void flb_embedding_forward16(const fl_backend *be, float *out, void *out16, const int32_t *ids,
                                     const void *wte, const void *wpe, fl_dtype dt, int B, int T, int C) {
+    if (flb_in_check(be, ids, "embedding_forward16")) return;
     FLB_RUN(be, FLB_K(embedding_forward16)(out, out16, ids, wte, wpe, dt, B, T, C, STREAM), "embedding_forward16");
 }
 static void flb_embedding_backward(const fl_backend *be, float *dwte, float *dwpe, const float *dout,
                                    const int32_t *ids, int B, int T, int C) {
     int32_t *work = NULL;
+    if (flb_in_check(be, ids, "embedding_backward")) return;
     if (dwte) {
         work = (int32_t *)flb_work(be, FL_CU_EMB_WORK_INTS((size_t)B * T) * sizeof(int32_t), "embedding_backward");
         if (!work) return;
