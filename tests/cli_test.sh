@@ -1800,6 +1800,13 @@ expect t5_pp_refuses_full_shard 2 "with an encoder-decoder \(t5\) and FSDP FULL_
 expect t5_pp_plan_interleaved 0 "blocks per virtual stage \(balanced by training FLOPs at T = 64, lm_head's on the last\): \[0, 1\) \[1, 3\) \[3, 4\) \[4, 5\)" -- \
     "$FITLLM" "${T5PP[@]}" --pipeline_schedule interleaved --train.max_seq_length 64
 
+# tests/cuda/perf_session.sh's plumbing on a CPU (PERF_DRY=1: each command logged with its FITLLM_CUDA_* settings, not
+# run): every A/B switch of its steps reaches a command with each value (step 11: FITLLM_CUDA_PREFETCH, issue 30)
+expect perf_session_dry 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1" tests/cuda/perf_session.sh "$(dirname "$2")" >/dev/null 2>&1
+    for v in FITLLM_CUDA_PREFETCH=0 FITLLM_CUDA_PREFETCH=1 "FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_PREFETCH=0" \
+        FITLLM_CUDA_STEP_SCALARS=0 FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_PINNED=0 FITLLM_CUDA_EPILOGUE=0 FITLLM_CUDA_ATTN=own; do
+        grep -q "^DRY .*$v .*bench-step\|^DRY .*$v .*finetune_full" "$1"/*.log || { echo "no command with $v"; exit 1; }
+    done; echo "plumbing ok"' _ "$T/pdry" "$FITLLM"
 echo
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]
