@@ -73,6 +73,9 @@ typedef struct {
     fl_optimizer o;
 } perf_rig;
 
+/* the rigs' optimizer: AdamW, or SGD with momentum 0.9 (set around a case: issue 30 item 5's SGD in the graphs) */
+static int g_rig_sgd = 0;
+
 /* lora: adapters (r 4) on q_proj and v_proj, the base frozen */
 static int rig_init_ex(perf_rig *r, const char *name, const char *prec, int B, int T, int lora) {
     fl_model_config c;
@@ -100,7 +103,8 @@ static int rig_init_ex(perf_rig *r, const char *name, const char *prec, int B, i
     FL_REQUIRE_OK_R(fl_model_alloc_grads(&r->m), 0);
     FL_REQUIRE_OK_R(fl_model_alloc_acts(&r->m, B, T), 0);
     fl_optim_config oc;
-    fl_optim_config_default(&oc, FL_OPT_ADAMW);
+    fl_optim_config_default(&oc, g_rig_sgd ? FL_OPT_SGD : FL_OPT_ADAMW);
+    if (g_rig_sgd) oc.momentum = 0.9f;
     FL_REQUIRE_OK_R(fl_optim_init(&r->o, &r->m, &oc), 0);
     return 1;
 }
@@ -277,15 +281,18 @@ FL_TEST(cuda_sync_round_trips_per_step) {
         int n_micro;
         float max_norm;
         int amp, lora, ab; /* ab: also with FITLLM_CUDA_STEP_SCALARS=0 */
-    } cases[] = {{"32-true", 1, 1.0f, 0, 0, 0}, {"32-true", 3, 1.0f, 0, 0, 1}, {"32-true", 1, 0.0f, 0, 0, 0},
-                 {"bf16-true", 1, 1.0f, 0, 0, 0}, {"bf16-mixed", 2, 1.0f, 0, 0, 0}, {"16-mixed", 1, 1.0f, 1, 0, 1},
-                 {"32-true", 2, 1.0f, 0, 1, 1}};
+        int sgd;           /* SGD with momentum (sgd_update_ss) */
+    } cases[] = {{"32-true", 1, 1.0f, 0, 0, 0, 0}, {"32-true", 3, 1.0f, 0, 0, 1, 0}, {"32-true", 1, 0.0f, 0, 0, 0, 0},
+                 {"bf16-true", 1, 1.0f, 0, 0, 0, 0}, {"bf16-mixed", 2, 1.0f, 0, 0, 0, 0}, {"16-mixed", 1, 1.0f, 1, 0, 1, 0},
+                 {"32-true", 2, 1.0f, 0, 1, 1, 0}, {"bf16-true", 2, 1.0f, 0, 0, 1, 1}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         double loss, norm, loss_b, norm_b;
         const int nm = cases[i].n_micro, amp = cases[i].amp;
+        g_rig_sgd = cases[i].sgd;
         fl_cu_counters c = step_counts(cases[i].prec, nm, cases[i].max_norm, 0, cases[i].lora, &loss, &norm);
         printf("      %-10s x%d clip %.0f%s: %ld syncs, %ld copies to the host, %ld from it (loss %.5f, norm %.5f)\n",
-               cases[i].prec, nm, (double)cases[i].max_norm, cases[i].lora ? " LoRA" : "", c.sync, c.d2h, c.h2d, loss,
+               cases[i].prec, nm, (double)cases[i].max_norm, cases[i].lora ? " LoRA" : cases[i].sgd ? " SGD" : "", c.sync,
+               c.d2h, c.h2d, loss,
                norm);
         FL_CHECKF(c.sync == 0 && c.d2h == 1 && c.h2d == 2 * nm,
                   "%s x%d: %ld syncs, %ld copies to the host, %ld from it", cases[i].prec, nm, c.sync, c.d2h, c.h2d);
@@ -304,6 +311,7 @@ FL_TEST(cuda_sync_round_trips_per_step) {
             FL_CHECKF(loss_b == loss && norm_b == norm, "%s x%d: loss %.17g vs %.17g, norm %.17g vs %.17g on the host",
                       cases[i].prec, nm, loss, loss_b, norm, norm_b);
         }
+        g_rig_sgd = 0;
         if (nm != 3) continue; /* the timed variant once (the emulator is slow) */
         double loss_timed, norm_timed;
         fl_cu_counters t = step_counts(cases[i].prec, nm, cases[i].max_norm, 1, 0, &loss_timed, &norm_timed);
@@ -441,18 +449,21 @@ FL_TEST(cuda_emu_graphs_replay) {
         const char *prec;
         int n_micro;
         float max_norm;
-        int miss;
-    } cases[] = {{"32-true", 2, 1.0f, 1}, {"bf16-true", 1, 0.0f, 0}};
+        int miss, sgd; /* sgd: SGD with momentum (sgd_update_ss inside the last graph, its lr from a slot) */
+    } cases[] = {{"32-true", 2, 1.0f, 1, 0}, {"bf16-true", 1, 0.0f, 0, 0}, {"32-true", 2, 1.0f, 0, 1}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         graph_run on = {0}, off = {0};
         const int nm = cases[c].n_micro;
+        g_rig_sgd = cases[c].sgd;
         int ok = graph_case(1, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &on);
         ok = ok && graph_case(0, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &off);
+        g_rig_sgd = 0;
         if (ok) {
             const fl_cu_graph_stats *g = &on.st;
-            printf("      %s x%d clip %.0f%s: %s; captured %ld, replayed %ld, missed %ld, %ld graphs, %ld nodes, "
-                   "%ld launches, %ld ops captured, %ld outside, %ld AdamW in graphs\n", cases[c].prec, nm,
-                   (double)cases[c].max_norm, cases[c].miss ? " (step 4 shorter)" : "", on.verdict, g->captured_steps,
+            printf("      %s x%d clip %.0f%s%s: %s; captured %ld, replayed %ld, missed %ld, %ld graphs, %ld nodes, "
+                   "%ld launches, %ld ops captured, %ld outside, %ld updates in graphs\n", cases[c].prec, nm,
+                   (double)cases[c].max_norm, cases[c].miss ? " (step 4 shorter)" : "", cases[c].sgd ? " SGD" : "",
+                   on.verdict, g->captured_steps,
                    g->replayed_steps,
                    g->missed_steps, g->graphs, g->nodes, g->launches, g->captured_ops, g->outside_ops, g->graph_updates);
             for (int k = 0; k < GR_STEPS; k++)

@@ -114,6 +114,10 @@ static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
     /* the step scalars' norm and fp16's overflow check: the unscale 1 / the loss scale, which changes on an overflow
      * or a growth */
     if (op->kind == FL_OPK_grad_norm_dev || op->kind == FL_OPK_check_finite_dev) return 1;
+    if (op->kind == FL_OPK_sgd_update_ss) { /* likewise: lr and first_step from the slot (sgd_update_dss) */
+        const struct fl_op_sgd_update_ss *u = &op->sgd_update_ss;
+        return flb_graph_adamw_types(u->tp, u->tg, u->ts);
+    }
     if (op->kind == FL_OPK_adamw_update_ss) { /* the step scalars' update: its scale from ss, the rest from the slot */
         const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
         return flb_graph_adamw_types(u->tp, u->tg, u->ts) && u->step >= 1;
@@ -208,6 +212,9 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op, flb_grec *live)
     } else if (k->slot >= 0 && op->kind == FL_OPK_adamw_update_ss) {
         t.rec.adamw_update_ss.lr = k->rec.adamw_update_ss.lr;
         t.rec.adamw_update_ss.step = k->rec.adamw_update_ss.step;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_sgd_update_ss) {
+        t.rec.sgd_update_ss.lr = k->rec.sgd_update_ss.lr;
+        t.rec.sgd_update_ss.first_step = k->rec.sgd_update_ss.first_step;
     } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy) {
         t.rec.cross_entropy.grad_scale = k->rec.cross_entropy.grad_scale;
     } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy_dbf16) {
@@ -282,6 +289,11 @@ static fl_status flb_graph_slot_write(flb_graph *g, flb_gseg *s, const fl_oprec 
         const struct fl_op_adamw_update *u = &op->adamw_update;
         FLB_K(adamw_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, u->grad_scale);
         g->st.graph_updates++;
+    } else if (op->kind == FL_OPK_sgd_update_ss) { /* likewise */
+        const struct fl_op_sgd_update_ss *u = &op->sgd_update_ss;
+        FLB_K(sgd_consts)(pin, u->lr, u->momentum, u->dampening, u->weight_decay, u->nesterov, u->first_step,
+                          u->buf != NULL);
+        g->st.graph_updates++;
     } else if (op->kind == FL_OPK_adamw_update_ss) { /* grad_scale 1 here: the kernel reads ss[FL_SS_SCALE] */
         const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
         FLB_K(adamw_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, 1.0f);
@@ -344,6 +356,10 @@ static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg
     if (!rc && op->kind == FL_OPK_adamw_update) {
         const struct fl_op_adamw_update *u = &op->adamw_update;
         rc = FLB_K(adamw_update_dev)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, g->stream);
+    } else if (!rc && op->kind == FL_OPK_sgd_update_ss) {
+        const struct fl_op_sgd_update_ss *u = &op->sgd_update_ss;
+        rc = FLB_K(sgd_update_dss)(u->p, u->tp, u->g, u->tg, u->buf, u->ts, u->n, d,
+                                   u->momentum != 0.0f && u->buf != NULL, u->ss, g->stream);
     } else if (!rc && op->kind == FL_OPK_adamw_update_ss) {
         const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
         rc = FLB_K(adamw_update_dss)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, u->ss, g->stream);
@@ -597,7 +613,9 @@ static void flb_graph_slots_free(flb_graph *g) {
 /* The slots (init; without them the ops with per-step scalars run between the graphs). */
 static void flb_graph_slots_init(flb_graph *g) {
     const size_t bytes = (size_t)FLB_GSLOTS * FLB_GSLOT_BYTES;
-    if (FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0) > FLB_GSLOT_BYTES) return;
+    if (FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0) > FLB_GSLOT_BYTES ||
+        FLB_K(sgd_consts)(NULL, 0, 0, 0, 0, 0, 0, 0) > FLB_GSLOT_BYTES)
+        return;
     int ok = (g->pin = (char *)flb_host_alloc(bytes)) && (g->dslot = (char *)flb_dev_alloc(bytes));
     if (ok) memset(g->pin, 0, bytes);
     else flb_graph_slots_free(g);
