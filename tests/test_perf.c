@@ -73,7 +73,8 @@ typedef struct {
     fl_optimizer o;
 } perf_rig;
 
-/* the rigs' optimizer: AdamW, or SGD with momentum 0.9 (set around a case: issue 30 item 5's SGD in the graphs) */
+/* the rigs' optimizer: 0 AdamW, 1 SGD with momentum 0.9, 2 8-bit AdamW (set around a case: issue 30 item 5's SGD and
+ * 8-bit AdamW on the step scalars' path) */
 static int g_rig_sgd = 0;
 
 /* lora: adapters (r 4) on q_proj and v_proj, the base frozen */
@@ -103,8 +104,8 @@ static int rig_init_ex(perf_rig *r, const char *name, const char *prec, int B, i
     FL_REQUIRE_OK_R(fl_model_alloc_grads(&r->m), 0);
     FL_REQUIRE_OK_R(fl_model_alloc_acts(&r->m, B, T), 0);
     fl_optim_config oc;
-    fl_optim_config_default(&oc, g_rig_sgd ? FL_OPT_SGD : FL_OPT_ADAMW);
-    if (g_rig_sgd) oc.momentum = 0.9f;
+    fl_optim_config_default(&oc, g_rig_sgd == 1 ? FL_OPT_SGD : g_rig_sgd == 2 ? FL_OPT_ADAMW8BIT : FL_OPT_ADAMW);
+    if (g_rig_sgd == 1) oc.momentum = 0.9f;
     FL_REQUIRE_OK_R(fl_optim_init(&r->o, &r->m, &oc), 0);
     return 1;
 }
@@ -281,17 +282,17 @@ FL_TEST(cuda_sync_round_trips_per_step) {
         int n_micro;
         float max_norm;
         int amp, lora, ab; /* ab: also with FITLLM_CUDA_STEP_SCALARS=0 */
-        int sgd;           /* SGD with momentum (sgd_update_ss) */
+        int sgd;           /* 1: SGD with momentum (sgd_update_ss), 2: 8-bit AdamW (adam8bit_update_ss) */
     } cases[] = {{"32-true", 1, 1.0f, 0, 0, 0, 0}, {"32-true", 3, 1.0f, 0, 0, 1, 0}, {"32-true", 1, 0.0f, 0, 0, 0, 0},
                  {"bf16-true", 1, 1.0f, 0, 0, 0, 0}, {"bf16-mixed", 2, 1.0f, 0, 0, 0, 0}, {"16-mixed", 1, 1.0f, 1, 0, 1, 0},
-                 {"32-true", 2, 1.0f, 0, 1, 1, 0}, {"bf16-true", 2, 1.0f, 0, 0, 1, 1}};
+                 {"32-true", 2, 1.0f, 0, 1, 1, 0}, {"bf16-true", 2, 1.0f, 0, 0, 1, 1}, {"bf16-true", 2, 1.0f, 0, 0, 1, 2}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         double loss, norm, loss_b, norm_b;
         const int nm = cases[i].n_micro, amp = cases[i].amp;
         g_rig_sgd = cases[i].sgd;
         fl_cu_counters c = step_counts(cases[i].prec, nm, cases[i].max_norm, 0, cases[i].lora, &loss, &norm);
         printf("      %-10s x%d clip %.0f%s: %ld syncs, %ld copies to the host, %ld from it (loss %.5f, norm %.5f)\n",
-               cases[i].prec, nm, (double)cases[i].max_norm, cases[i].lora ? " LoRA" : cases[i].sgd ? " SGD" : "", c.sync,
+               cases[i].prec, nm, (double)cases[i].max_norm, cases[i].lora ? " LoRA" : cases[i].sgd == 1 ? " SGD" : cases[i].sgd ? " 8-bit AdamW" : "", c.sync,
                c.d2h, c.h2d, loss,
                norm);
         FL_CHECKF(c.sync == 0 && c.d2h == 1 && c.h2d == 2 * nm,

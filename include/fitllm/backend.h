@@ -322,6 +322,11 @@ struct fl_backend {
     /* the ops queued after this one wait for the slot's last input_upload (an event on the second stream); an op
      * that reads the slot before it is a race (cuda-emu refuses it by name) */
     fl_status (*input_wait)(const fl_backend *be, int slot);
+    /* the step scalars' 8-bit AdamW (issue 30 item 5): adam8bit_update with grad_scale read from ss[FL_SS_SCALE] when
+     * the kernel runs (NaN: p and the state stay) */
+    fl_status (*adam8bit_update_ss)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                    const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
+                                    float weight_decay, int step, const double *ss);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with

@@ -86,6 +86,11 @@ static fl_status run_memory(const fl_backend *be, const fl_oprec *op) {
         DOOR(input_wait);
         return be->input_wait(be, r->slot);
     }
+    case FL_OPK_adam8bit_update_ss: {
+        DOOR(adam8bit_update_ss);
+        return be->adam8bit_update_ss(be, r->p, r->tp, r->g, r->tg, r->st, r->lr, r->beta1, r->beta2, r->eps,
+            r->weight_decay, r->step, r->ss);
+    }
     case FL_OPK_sumsq: {
         DOOR(sumsq);
         *r->result = be->sumsq(be, r->x, r->t, r->n);

@@ -968,6 +968,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         be->adamw_update_ss = flb_adamw_update_ss;
         be->sgd_update_ss = flb_sgd_update_ss;
         be->check_finite_dev = flb_check_finite_dev;
+        be->adam8bit_update_ss = flb_adam8bit_update_ss;
     }
     if (im->in.on && !FLB_HOST_MEMORY) { /* FITLLM_CUDA_PREFETCH (1 default); host memory: nothing to upload */
         be->input_slots = flb_input_slots;

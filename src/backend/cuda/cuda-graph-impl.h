@@ -134,7 +134,7 @@ static int flb_graph_outside(const flb_graph *g, const fl_oprec *op) {
     case FL_OPK_to_host: case FL_OPK_to_device: case FL_OPK_sync: case FL_OPK_sumsq: case FL_OPK_check_finite:
     case FL_OPK_adamw_update: case FL_OPK_sgd_update: case FL_OPK_adam8bit_update: case FL_OPK_set_scratch:
     case FL_OPK_set_compute_dtype: case FL_OPK_convert_many: case FL_OPK_adamw_update_ss: case FL_OPK_sgd_update_ss:
-    case FL_OPK_input_upload:
+    case FL_OPK_input_upload: case FL_OPK_adam8bit_update_ss:
         return 1;
     default: return 0;
     }
@@ -579,7 +579,7 @@ static fl_status flb_graph_replay_op(flb_graph *g, const fl_backend *be, const f
 
 static int flb_graph_is_update(fl_opk k) {
     return k == FL_OPK_adamw_update || k == FL_OPK_adam8bit_update || k == FL_OPK_sgd_update ||
-           k == FL_OPK_adamw_update_ss || k == FL_OPK_sgd_update_ss;
+           k == FL_OPK_adamw_update_ss || k == FL_OPK_sgd_update_ss || k == FL_OPK_adam8bit_update_ss;
 }
 
 /* The door with FITLLM_CUDA_GRAPHS=1. */

@@ -167,6 +167,17 @@ static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp,
                                          STREAM), "adam8bit_update");
     return FL_OK;
 }
+static fl_status flb_adam8bit_update_ss(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                        const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
+                                        float weight_decay, int step, const double *ss) {
+    FL_TRY(flb_sticky(be));
+    if (!fl_adam8bit_dtype_ok(tp) || !fl_adam8bit_dtype_ok(tg))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s adam8bit_update_ss: p %s, g %s not supported", FLB_NAME,
+                         fl_dtype_name(tp), fl_dtype_name(tg));
+    FLB_RUN_S(be, FLB_K(adam8bit_update_ss)(p, tp, g, tg, st, lr, beta1, beta2, eps, weight_decay, step, ss, STREAM),
+              "adam8bit_update_ss");
+    return FL_OK;
+}
 static fl_status flb_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
                                        int N, float beta) {
     FL_TRY(flb_sticky(be));
