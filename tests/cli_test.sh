@@ -1804,8 +1804,10 @@ expect t5_pp_plan_interleaved 0 "blocks per virtual stage \(balanced by training
 # run): every A/B switch of its steps reaches a command with each value (step 11: FITLLM_CUDA_PREFETCH, issue 30)
 expect perf_session_dry 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1" tests/cuda/perf_session.sh "$(dirname "$2")" >/dev/null 2>&1
     for v in FITLLM_CUDA_PREFETCH=0 FITLLM_CUDA_PREFETCH=1 "FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_PREFETCH=0" \
-        FITLLM_CUDA_STEP_SCALARS=0 FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_PINNED=0 FITLLM_CUDA_EPILOGUE=0 FITLLM_CUDA_ATTN=own; do
-        grep -q "^DRY .*$v .*bench-step\|^DRY .*$v .*finetune_full" "$1"/*.log || { echo "no command with $v"; exit 1; }
+        FITLLM_CUDA_STEP_SCALARS=0 FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_PINNED=0 FITLLM_CUDA_EPILOGUE=0 FITLLM_CUDA_ATTN=own \
+        "FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_STEP_SCALARS=0 .*--optimizer SGD" \
+        "FITLLM_CUDA_GRAPHS=0 FITLLM_CUDA_STEP_SCALARS=0 .*--optimizer bnb.optim.AdamW8bit"; do
+        grep -h "^DRY .*$v" "$1"/*.log | grep -qE "fitllm (bench-step|finetune_full) " || { echo "no command with $v"; exit 1; }
     done; echo "plumbing ok"' _ "$T/pdry" "$FITLLM"
 echo
 echo "$pass passed, $fail failed, $skip skipped"

@@ -31,6 +31,9 @@
 #  11. the next micro-batch's inputs uploaded ahead on a second stream (FITLLM_CUDA_PREFETCH=1, the default, against
 #      0): the TinyLlama step, the `small` preset's under graphs (the uploads inside the graphs: the line with the
 #      graphs' ops and those outside) and the trainer's 4-micro-batch steps (where the copy overlaps the compute).
+#  12. SGD (momentum) and 8-bit AdamW on the step scalars (their update reading the scale on the device; SGD's inside
+#      the graphs): the trainer's 2-micro-batch clipped steps with FITLLM_CUDA_STEP_SCALARS=1 against 0, SGD also with
+#      FITLLM_CUDA_GRAPHS=1 (the verdict line: how many graphs).
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -165,4 +168,19 @@ for v in 1 0; do
         --train.max_seq_length 256 --train.save_interval 100 --eval.interval 100 --train.log_interval 1 \
         --overwrite true --out_dir "$OUT/small-pf$v" >"$OUT/train-pf$v.log" 2>&1
     echo "finetune_full PREFETCH=$v exit $?: $(grep -E 'iter 24 ' "$OUT/train-pf$v.log" | head -1)"
+done
+echo "== 12. SGD and 8-bit AdamW on the step scalars (FITLLM_CUDA_STEP_SCALARS=1 against 0; SGD under graphs)"
+for opt in SGD bnb.optim.AdamW8bit; do
+    for v in 1 0; do
+        for g in 0 1; do
+            [ "$opt" != SGD ] && [ "$g" = 1 ] && continue
+            FITLLM_CUDA_STEP_SCALARS=$v FITLLM_CUDA_GRAPHS=$g timeout 60 "$F" finetune_full small --accelerator cuda \
+                --precision bf16-true --optimizer "$opt" --optimizer.momentum 0.9 --data Synthetic --train.max_steps 8 \
+                --train.global_batch_size 8 --train.micro_batch_size 4 --train.max_seq_length 256 --train.max_norm 1.0 \
+                --train.save_interval 100 --eval.interval 100 --train.log_interval 1 --overwrite true \
+                --out_dir "$OUT/opt-$opt-ss$v-g$g" >"$OUT/train-$opt-ss$v-g$g.log" 2>&1
+            echo "finetune_full $opt STEP_SCALARS=$v GRAPHS=$g exit $?: $(grep -E 'iter 16 ' "$OUT/train-$opt-ss$v-g$g.log" | head -1)"
+            grep -E "FITLLM_CUDA_GRAPHS" "$OUT/train-$opt-ss$v-g$g.log" | head -1
+        done
+    done
 done
