@@ -152,6 +152,9 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_STEP_SCALARS=1|0 (environment): 1 (default) = EXPERIMENTAL: a step's gradient norm, clip\n"
                "               scale and loss sums stay on the GPU, read once at the step's end (the same values);\n"
                "               0 = read on the host per micro-batch and before the update\n");
+    fprintf(f, "\n  FITLLM_CUDA_PREFETCH=1|0 (environment): 1 (default) = EXPERIMENTAL: the next micro-batch's ids and\n"
+               "               targets uploaded ahead on a second stream while the current one computes (inside the\n"
+               "               graphs under FITLLM_CUDA_GRAPHS=1); 0 = uploaded on the stream before each micro-batch\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 
