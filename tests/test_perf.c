@@ -451,7 +451,7 @@ FL_TEST(cuda_emu_graphs_replay) {
         int n_micro;
         float max_norm;
         int miss, sgd; /* sgd: SGD with momentum (sgd_update_ss inside the last graph, its lr from a slot) */
-    } cases[] = {{"32-true", 2, 1.0f, 1, 0}, {"bf16-true", 1, 0.0f, 0, 0}, {"32-true", 2, 1.0f, 0, 1}};
+    } cases[] = {{"32-true", 2, 1.0f, 1, 0}, {"bf16-true", 1, 0.0f, 0, 0}, {"32-true", 1, 1.0f, 0, 1}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         graph_run on = {0}, off = {0};
         const int nm = cases[c].n_micro;
@@ -488,13 +488,16 @@ FL_TEST(cuda_emu_graphs_replay) {
             graph_run on0 = {0}, off0 = {0};
             setenv("FITLLM_CUDA_PREFETCH", "0", 1);
             int ok0 = graph_case(1, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &on0);
-            ok0 = ok0 && graph_case(0, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &off0);
+            if (!fl_test_quick()) /* op by op too (the quick tier: on0's bits are the op-by-op ones of the same run) */
+                ok0 = ok0 && graph_case(0, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &off0);
+            else
+                off0 = (graph_run){.w = NULL};
             unsetenv("FITLLM_CUDA_PREFETCH");
             for (int k = 0; ok0 && k < GR_STEPS; k++)
-                FL_CHECKF(on0.loss[k] == on.loss[k] && off0.loss[k] == on.loss[k] && on0.norm[k] == on.norm[k] &&
-                              off0.norm[k] == on.norm[k], "FITLLM_CUDA_PREFETCH=0, step %d: loss %.9g / %.9g",
-                          k + 1, off0.loss[k], on.loss[k]);
-            FL_CHECK(ok0 && !memcmp(on0.w, on.w, on.wbytes) && !memcmp(off0.w, on.w, on.wbytes));
+                FL_CHECKF(on0.loss[k] == on.loss[k] && (!off0.w || off0.loss[k] == on.loss[k]) &&
+                              on0.norm[k] == on.norm[k] && (!off0.w || off0.norm[k] == on.norm[k]),
+                          "FITLLM_CUDA_PREFETCH=0, step %d: loss %.9g / %.9g", k + 1, on0.loss[k], on.loss[k]);
+            FL_CHECK(ok0 && !memcmp(on0.w, on.w, on.wbytes) && (!off0.w || !memcmp(off0.w, on.w, on.wbytes)));
             if (ok0) {
                 printf("      uploads on the stream (FITLLM_CUDA_PREFETCH=0): %ld graphs, %ld ops captured, %ld outside;"
                        " ahead on the second stream: %ld graphs, %ld ops captured, %ld outside\n", on0.st.graphs,
