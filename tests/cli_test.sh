@@ -1806,6 +1806,15 @@ expect t5_pp_plan_interleaved 0 "blocks per virtual stage \(balanced by training
 expect pp_plan_offload_host_tier 0 "^host \(offload\) +reserved +330\.38 KiB +330\.38 KiB +660\.75 KiB" -- \
     "$FITLLM" plan micro --devices 4 --pipeline_parallel 2 --strategy fsdp_cpu_offload
 
+# tests/cuda/perf_session.sh's plumbing on a CPU (PERF_DRY=1: each command logged with its FITLLM_CUDA_* settings, not
+# run): every A/B switch of its steps reaches a command with each value (step 11: FITLLM_CUDA_PREFETCH, issue 30)
+expect perf_session_dry 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1" tests/cuda/perf_session.sh "$(dirname "$2")" >/dev/null 2>&1
+    for v in FITLLM_CUDA_PREFETCH=0 FITLLM_CUDA_PREFETCH=1 "FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_PREFETCH=0" \
+        FITLLM_CUDA_STEP_SCALARS=0 FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_PINNED=0 FITLLM_CUDA_EPILOGUE=0 FITLLM_CUDA_ATTN=own \
+        "FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_STEP_SCALARS=0 .*--optimizer SGD" \
+        "FITLLM_CUDA_GRAPHS=0 FITLLM_CUDA_STEP_SCALARS=0 .*--optimizer bnb.optim.AdamW8bit"; do
+        grep -h "^DRY .*$v" "$1"/*.log | grep -qE "fitllm (bench-step|finetune_full) " || { echo "no command with $v"; exit 1; }
+    done; echo "plumbing ok"' _ "$T/pdry" "$FITLLM"
 echo
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]

@@ -73,6 +73,10 @@ typedef struct {
     fl_optimizer o;
 } perf_rig;
 
+/* the rigs' optimizer: 0 AdamW, 1 SGD with momentum 0.9, 2 8-bit AdamW (set around a case: issue 30 item 5's SGD and
+ * 8-bit AdamW on the step scalars' path) */
+static int g_rig_sgd = 0;
+
 /* lora: adapters (r 4) on q_proj and v_proj, the base frozen */
 static int rig_init_ex(perf_rig *r, const char *name, const char *prec, int B, int T, int lora) {
     fl_model_config c;
@@ -100,7 +104,8 @@ static int rig_init_ex(perf_rig *r, const char *name, const char *prec, int B, i
     FL_REQUIRE_OK_R(fl_model_alloc_grads(&r->m), 0);
     FL_REQUIRE_OK_R(fl_model_alloc_acts(&r->m, B, T), 0);
     fl_optim_config oc;
-    fl_optim_config_default(&oc, FL_OPT_ADAMW);
+    fl_optim_config_default(&oc, g_rig_sgd == 1 ? FL_OPT_SGD : g_rig_sgd == 2 ? FL_OPT_ADAMW8BIT : FL_OPT_ADAMW);
+    if (g_rig_sgd == 1) oc.momentum = 0.9f;
     FL_REQUIRE_OK_R(fl_optim_init(&r->o, &r->m, &oc), 0);
     return 1;
 }
@@ -260,7 +265,7 @@ static fl_cu_counters step_counts(const char *prec, int n_micro, float max_norm,
     *norm = res.grad_norm;
     rig_free(&r);
     return (fl_cu_counters){b.sync - a.sync, b.d2h - a.d2h, b.h2d - a.h2d, b.h2d_pinned - a.h2d_pinned,
-                            b.stage_waits - a.stage_waits};
+                            b.stage_waits - a.stage_waits, b.h2d_s2 - a.h2d_s2};
 }
 
 /* What a step on a GPU makes the host wait for (issue 30 item 5): no synchronization and one copy to the host per
@@ -277,15 +282,18 @@ FL_TEST(cuda_sync_round_trips_per_step) {
         int n_micro;
         float max_norm;
         int amp, lora, ab; /* ab: also with FITLLM_CUDA_STEP_SCALARS=0 */
-    } cases[] = {{"32-true", 1, 1.0f, 0, 0, 0}, {"32-true", 3, 1.0f, 0, 0, 1}, {"32-true", 1, 0.0f, 0, 0, 0},
-                 {"bf16-true", 1, 1.0f, 0, 0, 0}, {"bf16-mixed", 2, 1.0f, 0, 0, 0}, {"16-mixed", 1, 1.0f, 1, 0, 1},
-                 {"32-true", 2, 1.0f, 0, 1, 1}};
+        int sgd;           /* 1: SGD with momentum (sgd_update_ss), 2: 8-bit AdamW (adam8bit_update_ss) */
+    } cases[] = {{"32-true", 1, 1.0f, 0, 0, 0, 0}, {"32-true", 3, 1.0f, 0, 0, 1, 0}, {"32-true", 1, 0.0f, 0, 0, 0, 0},
+                 {"bf16-true", 1, 1.0f, 0, 0, 0, 0}, {"bf16-mixed", 2, 1.0f, 0, 0, 0, 0}, {"16-mixed", 1, 1.0f, 1, 0, 1, 0},
+                 {"32-true", 2, 1.0f, 0, 1, 1, 0}, {"bf16-true", 2, 1.0f, 0, 0, 1, 1}, {"bf16-true", 2, 1.0f, 0, 0, 1, 2}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         double loss, norm, loss_b, norm_b;
         const int nm = cases[i].n_micro, amp = cases[i].amp;
+        g_rig_sgd = cases[i].sgd;
         fl_cu_counters c = step_counts(cases[i].prec, nm, cases[i].max_norm, 0, cases[i].lora, &loss, &norm);
         printf("      %-10s x%d clip %.0f%s: %ld syncs, %ld copies to the host, %ld from it (loss %.5f, norm %.5f)\n",
-               cases[i].prec, nm, (double)cases[i].max_norm, cases[i].lora ? " LoRA" : "", c.sync, c.d2h, c.h2d, loss,
+               cases[i].prec, nm, (double)cases[i].max_norm, cases[i].lora ? " LoRA" : cases[i].sgd == 1 ? " SGD" : cases[i].sgd ? " 8-bit AdamW" : "", c.sync,
+               c.d2h, c.h2d, loss,
                norm);
         FL_CHECKF(c.sync == 0 && c.d2h == 1 && c.h2d == 2 * nm,
                   "%s x%d: %ld syncs, %ld copies to the host, %ld from it", cases[i].prec, nm, c.sync, c.d2h, c.h2d);
@@ -293,6 +301,8 @@ FL_TEST(cuda_sync_round_trips_per_step) {
         /* the ids and targets through the page-locked ring (the overflow flag's reset is a direct copy) */
         FL_CHECKF(c.h2d_pinned == 2 * nm, "%s x%d: %ld of %ld uploads through the pinned ring", cases[i].prec, nm,
                   c.h2d_pinned, c.h2d);
+        /* uploaded ahead on the second stream (cuda-input-impl.h), each read after its input_wait */
+        FL_CHECKF(c.h2d_s2 == 2 * nm, "%s x%d: %ld uploads on the second stream", cases[i].prec, nm, c.h2d_s2);
         if (cases[i].ab) { /* the host path: the same bits, a copy per micro-batch and one for the norm */
             setenv("FITLLM_CUDA_STEP_SCALARS", "0", 1);
             fl_cu_counters h = step_counts(cases[i].prec, nm, cases[i].max_norm, 0, cases[i].lora, &loss_b, &norm_b);
@@ -302,6 +312,7 @@ FL_TEST(cuda_sync_round_trips_per_step) {
             FL_CHECKF(loss_b == loss && norm_b == norm, "%s x%d: loss %.17g vs %.17g, norm %.17g vs %.17g on the host",
                       cases[i].prec, nm, loss, loss_b, norm, norm_b);
         }
+        g_rig_sgd = 0;
         if (nm != 3) continue; /* the timed variant once (the emulator is slow) */
         double loss_timed, norm_timed;
         fl_cu_counters t = step_counts(cases[i].prec, nm, cases[i].max_norm, 1, 0, &loss_timed, &norm_timed);
@@ -439,18 +450,21 @@ FL_TEST(cuda_emu_graphs_replay) {
         const char *prec;
         int n_micro;
         float max_norm;
-        int miss;
-    } cases[] = {{"32-true", 2, 1.0f, 1}, {"bf16-true", 1, 0.0f, 0}};
+        int miss, sgd; /* sgd: SGD with momentum (sgd_update_ss inside the last graph, its lr from a slot) */
+    } cases[] = {{"32-true", 2, 1.0f, 1, 0}, {"bf16-true", 1, 0.0f, 0, 0}, {"32-true", 1, 1.0f, 0, 1}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         graph_run on = {0}, off = {0};
         const int nm = cases[c].n_micro;
+        g_rig_sgd = cases[c].sgd;
         int ok = graph_case(1, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &on);
         ok = ok && graph_case(0, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &off);
+        g_rig_sgd = 0;
         if (ok) {
             const fl_cu_graph_stats *g = &on.st;
-            printf("      %s x%d clip %.0f%s: %s; captured %ld, replayed %ld, missed %ld, %ld graphs, %ld nodes, "
-                   "%ld launches, %ld ops captured, %ld outside, %ld AdamW in graphs\n", cases[c].prec, nm,
-                   (double)cases[c].max_norm, cases[c].miss ? " (step 4 shorter)" : "", on.verdict, g->captured_steps,
+            printf("      %s x%d clip %.0f%s%s: %s; captured %ld, replayed %ld, missed %ld, %ld graphs, %ld nodes, "
+                   "%ld launches, %ld ops captured, %ld outside, %ld updates in graphs\n", cases[c].prec, nm,
+                   (double)cases[c].max_norm, cases[c].miss ? " (step 4 shorter)" : "", cases[c].sgd ? " SGD" : "",
+                   on.verdict, g->captured_steps,
                    g->replayed_steps,
                    g->missed_steps, g->graphs, g->nodes, g->launches, g->captured_ops, g->outside_ops, g->graph_updates);
             for (int k = 0; k < GR_STEPS; k++)
@@ -468,6 +482,32 @@ FL_TEST(cuda_emu_graphs_replay) {
                            strstr(on.verdict, "replaying the step as")),
                       "%s", on.verdict);
             FL_CHECKF(!off.verdict[0] && !off.st.launches, "a verdict without FITLLM_CUDA_GRAPHS: %s", off.verdict);
+        }
+        if (ok && c == 0) { /* the inputs uploaded on the backend's stream before each micro-batch (to_device: outside
+                             * the graphs) instead of ahead on the second stream (inside them): the same bits */
+            graph_run on0 = {0}, off0 = {0};
+            setenv("FITLLM_CUDA_PREFETCH", "0", 1);
+            int ok0 = graph_case(1, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &on0);
+            if (!fl_test_quick()) /* op by op too (the quick tier: on0's bits are the op-by-op ones of the same run) */
+                ok0 = ok0 && graph_case(0, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &off0);
+            else
+                off0 = (graph_run){.w = NULL};
+            unsetenv("FITLLM_CUDA_PREFETCH");
+            for (int k = 0; ok0 && k < GR_STEPS; k++)
+                FL_CHECKF(on0.loss[k] == on.loss[k] && (!off0.w || off0.loss[k] == on.loss[k]) &&
+                              on0.norm[k] == on.norm[k] && (!off0.w || off0.norm[k] == on.norm[k]),
+                          "FITLLM_CUDA_PREFETCH=0, step %d: loss %.9g / %.9g", k + 1, on0.loss[k], on.loss[k]);
+            FL_CHECK(ok0 && !memcmp(on0.w, on.w, on.wbytes) && (!off0.w || !memcmp(off0.w, on.w, on.wbytes)));
+            if (ok0) {
+                printf("      uploads on the stream (FITLLM_CUDA_PREFETCH=0): %ld graphs, %ld ops captured, %ld outside;"
+                       " ahead on the second stream: %ld graphs, %ld ops captured, %ld outside\n", on0.st.graphs,
+                       on0.st.captured_ops, on0.st.outside_ops, on.st.graphs, on.st.captured_ops, on.st.outside_ops);
+                /* the uploads no longer run outside the graphs (2 per micro-batch: ids, targets) */
+                FL_CHECKF(!FL_TEST_CLEARS_PADDING || (on.st.outside_ops == on0.st.outside_ops - 2 * nm &&
+                                                      on.st.graphs <= on0.st.graphs),
+                          "outside %ld / %ld", on.st.outside_ops, on0.st.outside_ops);
+            }
+            free(on0.w), free(off0.w);
         }
         free(on.w), free(off.w);
     }
@@ -599,3 +639,93 @@ FL_TEST(cuda_emu_fp16_overflow_on_device) {
     free(dev.w), free(host.w), free(cpu.w), free(gr.w);
 }
 #endif
+
+/* Issue 30 item 5, the next micro-batch's inputs on a second stream (cuda-input-impl.h): the emulator models the
+ * stream and its events (its copies queued until something waits for them), so a slot read before input_wait still
+ * holds its old bytes and the ops that read the slots refuse it by name (a missing wait fails, it does not race);
+ * after input_wait the op has the bits of the same op on the bytes uploaded directly; the caller's buffers are free
+ * on return (page-locked staging), a second upload to a slot whose copy is still queued waits for it first (the
+ * staging is not overwritten under its copy); FITLLM_CUDA_PREFETCH=0 has no slots, another value is refused. */
+#ifdef FL_HAVE_CUDA_EMU
+static int prefetch_backend(fl_backend *be) {
+    fl_cuemu_set_host_memory(0); /* the GPU's split (the slots exist only on device memory) */
+    const fl_status s = fl_backend_init_by_name("cuda-emu", be, 1);
+    fl_cuemu_set_host_memory(1);
+    FL_REQUIRE_OK_R(s, 0);
+    return 1;
+}
+#endif
+
+FL_TEST(cuda_emu_input_prefetch_ops) {
+#ifdef FL_HAVE_CUDA_EMU
+    enum { B = 2, T = 5, N = B * T, C = 8, V = 11 };
+    fl_test_rng rng = {0x1d5};
+    float *wte = fl_test_frand(&rng, V * C, -1, 1), *wpe = fl_test_frand(&rng, T * C, -1, 1);
+    float want[N * C], got[N * C];
+    int32_t ids[N], tg[N], keep[N];
+    for (int i = 0; i < N; i++) ids[i] = (i * 7 + 3) % V, tg[i] = (i * 5 + 1) % V;
+    memcpy(keep, ids, sizeof ids);
+    fl_backend be;
+    FL_REQUIRE(wte && wpe && prefetch_backend(&be));
+    FL_REQUIRE(be.input_slots && be.input_upload && be.input_wait);
+    size_t stride = 0;
+    char *dev = (char *)be.input_slots(&be, 2 * 256, &stride);
+    FL_REQUIRE(dev && stride >= 2 * 256);
+    FL_CHECK(be.input_slots(&be, 256, &stride) == dev && !be.input_slots(&be, stride + 1, &stride)); /* fixed */
+    memset(dev, 0, FL_INPUT_SLOTS * stride);
+    const int32_t *d1 = (const int32_t *)(void *)(dev + stride), *d1t = (const int32_t *)(void *)(dev + stride + 256);
+    FL_REQUIRE_OK(FL_RUN(&be, embedding_forward, want, ids, wte, wpe, B, T, C)); /* the direct bytes */
+    FL_REQUIRE_OK(FL_RUN(&be, input_upload, 1, ids, sizeof ids, tg, sizeof tg, 256));
+    for (int i = 0; i < N; i++) ids[i] = -1; /* the caller's buffer is free on return */
+    fl_cu_counters c;
+    fl_cuemu_backend_counters(&be, &c);
+    FL_CHECKF(c.h2d_s2 == 2 && c.h2d_pinned == 2 && c.h2d == 2 && c.sync == 0, "%ld copies on the second stream",
+              c.h2d_s2);
+    FL_CHECK(d1[0] == 0 && d1t[0] == 0); /* queued: not yet in the slot */
+    FL_REQUIRE_OK(FL_RUN(&be, input_wait, 1));
+    FL_CHECK(!memcmp(d1, keep, sizeof keep) && d1t[N - 1] == tg[N - 1]);
+    FL_REQUIRE_OK(FL_RUN(&be, embedding_forward, got, d1, wte, wpe, B, T, C));
+    FL_CHECK(!memcmp(got, want, sizeof got));
+    /* a second upload to slot 1 while the first is queued: the host waits for it before reusing the staging */
+    int32_t a2[N], a3[N];
+    for (int i = 0; i < N; i++) a2[i] = (i + 1) % V, a3[i] = (i + 2) % V;
+    FL_REQUIRE_OK(FL_RUN(&be, input_upload, 1, a2, sizeof a2, NULL, 0, 0));
+    FL_REQUIRE_OK(FL_RUN(&be, input_upload, 1, a3, sizeof a3, NULL, 0, 0));
+    FL_CHECK(!memcmp(d1, a2, sizeof a2)); /* the first copy ran before the staging took the second's bytes */
+    FL_REQUIRE_OK(FL_RUN(&be, input_wait, 1));
+    FL_CHECK(!memcmp(d1, a3, sizeof a3));
+    FL_CHECK(FL_RUN(&be, input_upload, 2, a2, sizeof a2, NULL, 0, 0) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "input_upload"));
+    /* a read before the wait: refused by name (and the backend's error sticks) */
+    FL_REQUIRE_OK(FL_RUN(&be, input_upload, 0, keep, sizeof keep, tg, sizeof tg, 256));
+    FL_CHECK(FL_RUN(&be, embedding_forward, got, (const int32_t *)(void *)dev, wte, wpe, B, T, C) == FL_OK);
+    FL_CHECKF(fl_cuemu_backend_error(&be) == FL_ERR_INTERNAL && strstr(fl_error_message(), "embedding_forward") &&
+                  strstr(fl_error_message(), "input_wait"), "%s", fl_error_message());
+    fl_backend_free(&be);
+    /* the cross-entropy and the loss sum check the targets alike */
+    FL_REQUIRE(prefetch_backend(&be));
+    char *d = (char *)be.input_slots(&be, 512, &stride);
+    float logits[N * V], loss[N];
+    for (int i = 0; i < N * V; i++) logits[i] = (float)((i * 13) % 7) * 0.25f;
+    FL_REQUIRE(d);
+    FL_REQUIRE_OK(FL_RUN(&be, input_upload, 0, keep, sizeof keep, tg, sizeof tg, 256));
+    FL_RUN(&be, cross_entropy, loss, NULL, logits, (const int32_t *)(void *)(d + 256), N, V, 1.0f, FL_IGNORE_INDEX);
+    FL_CHECKF(fl_cuemu_backend_error(&be) == FL_ERR_INTERNAL && strstr(fl_error_message(), "cross_entropy"), "%s",
+              fl_error_message());
+    fl_backend_free(&be);
+    /* FITLLM_CUDA_PREFETCH: 0 = no slots; another value refused by name */
+    setenv("FITLLM_CUDA_PREFETCH", "0", 1);
+    FL_REQUIRE(prefetch_backend(&be));
+    FL_CHECK(!be.input_slots && !be.input_upload && !be.input_wait);
+    fl_backend_free(&be);
+    setenv("FITLLM_CUDA_PREFETCH", "on", 1);
+    const fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_PREFETCH");
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_PREFETCH=on"), "status %d: %s", (int)s,
+              fl_error_message());
+    if (s == FL_OK) fl_backend_free(&be);
+    free(wte), free(wpe);
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitllm/adam8bit.h"
 #include "fitllm/backend.h"
 #include "fitllm/mem.h"
 #include "fitllm/model.h"
@@ -26,6 +27,47 @@ static void *dev_copy(ss_rig *r, const void *host, size_t bytes) {
     if (fl_mem_alloc(&r->pool, FL_TAG_WORKSPACE, bytes, &d) != FL_OK) return NULL;
     if (r->be->to_device(r->be, d, host, bytes) != FL_OK) return NULL;
     return d;
+}
+
+/* 8-bit AdamW (adam8bit_update_ss: the 8-bit state when n >= FL_ADAM8BIT_MIN_SIZE, else the fp32 one) against
+ * adam8bit_update with the host's scale: p and every state byte equal; a NaN scale (nan_at >= 0): p as it was */
+static void adam8_pair(ss_rig *r, const void *g, fl_dtype tg, size_t n, const double *ss, float sc_host, long nan_at,
+                       const float *p0) {
+    const fl_backend *be = r->be;
+    if (!be->adam8bit_update_ss || !fl_adam8bit_dtype_ok(tg)) return;
+    const int q8 = n >= FL_ADAM8BIT_MIN_SIZE;
+    const size_t nb = q8 ? (n + FL_ADAM8BIT_BLOCK - 1) / FL_ADAM8BIT_BLOCK : 0;
+    /* one region per state: [q_m q_v (n bytes each)] [absmax_m absmax_v (nb floats each)] or [m v (n floats each)] */
+    const size_t sb = q8 ? 2 * n + 2 * nb * sizeof(float) : 2 * n * sizeof(float), fb = n * sizeof(float);
+    const size_t xb = sb > fb ? sb : fb;
+    unsigned char *zero = calloc(1, sb), *x = malloc(xb), *y = malloc(xb);
+    FL_REQUIRE(zero && x && y);
+    void *pd[2], *sd[2];
+    fl_adam8bit_state st[2];
+    for (int k = 0; k < 2; k++) {
+        pd[k] = dev_copy(r, p0, fb), sd[k] = dev_copy(r, zero, sb);
+        FL_REQUIRE(pd[k] && sd[k]);
+        char *b = (char *)sd[k];
+        st[k] = q8 ? (fl_adam8bit_state){.n = n, .n_blocks = nb, .q_m = (uint8_t *)b, .q_v = (uint8_t *)b + n,
+                                         .absmax_m = (float *)(void *)(b + 2 * n),
+                                         .absmax_v = (float *)(void *)(b + 2 * n) + nb}
+                   : (fl_adam8bit_state){.n = n, .m = (float *)(void *)b, .v = (float *)(void *)b + n};
+    }
+    FL_REQUIRE_OP(be, FL_RUN(be, adam8bit_update_ss, pd[0], FL_F32, g, tg, &st[0], 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 2,
+                             ss));
+    if (nan_at < 0)
+        FL_REQUIRE_OK(FL_RUN(be, adam8bit_update, pd[1], FL_F32, g, tg, &st[1], 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 2,
+                             sc_host));
+    FL_REQUIRE_OK(be->to_host(be, x, sd[0], sb));
+    FL_REQUIRE_OK(be->to_host(be, y, sd[1], sb));
+    FL_CHECKF(!memcmp(x, y, sb), "%s n %zu adam8bit_update_ss: the state differs from %s", fl_dtype_name(tg), n,
+              nan_at >= 0 ? "its value before" : "adam8bit_update's");
+    FL_REQUIRE_OK(be->to_host(be, x, pd[0], fb));
+    FL_REQUIRE_OK(be->to_host(be, y, pd[1], fb));
+    FL_CHECKF(!memcmp(x, y, fb) && (nan_at < 0 || !memcmp(x, p0, fb)), "%s n %zu adam8bit_update_ss: p differs",
+              fl_dtype_name(tg), n);
+    for (int k = 0; k < 2; k++) fl_mem_free(&r->pool, pd[k]), fl_mem_free(&r->pool, sd[k]);
+    free(zero), free(x), free(y);
 }
 
 /* grad_norm_dev then both updates on g (n, tg), max_norm; nan_at >= 0 puts a NaN into g there, nan_at == -2 a NaN
@@ -110,6 +152,7 @@ static void norm_and_update(ss_rig *r, fl_dtype tg, size_t n, float max_norm, fl
         FL_REQUIRE_OK(be->to_host(be, x, pa, fb));
         FL_CHECK(!memcmp(x, p0, fb));
     }
+    adam8_pair(r, g, tg, n, ss, sc_host, nan_at, p0);
     void *bufs[7] = {g, pa, ma, va, pb, mb, vb};
     for (int k = 0; k < 7; k++) fl_mem_free(&r->pool, bufs[k]);
     free(g32), free(p0), free(m0), free(v0), free(gh), free(x), free(y);

@@ -308,6 +308,26 @@ struct fl_backend {
     fl_status (*check_finite_dev)(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
                                   double *ss);
 
+    /* ==== the next micro-batch's inputs uploaded ahead on a second stream (issue 30 item 5; optional: CUDA /
+     * cuda-emu with device memory, NULL elsewhere and with FITLLM_CUDA_PREFETCH=0) ====
+     * set-up: FL_INPUT_SLOTS device slots of at least `bytes` each, owned by the backend at fixed addresses (a CUDA
+     * graph captures the reads); returns slot 0, slot s at + s * *stride; NULL: refused (too large, no memory). A
+     * later call with bytes <= the first's returns the same slots. */
+    void *(*input_slots)(const fl_backend *be, size_t bytes, size_t *stride);
+    /* copy n0 bytes of src0 to the slot's offset 0 and n1 bytes of src1 to its offset off1 on the backend's second
+     * stream, after every op already queued on its stream (the slot's last readers), from page-locked memory: the
+     * host does not wait (the caller's buffers are free on return) and the copy overlaps the ops queued next. */
+    fl_status (*input_upload)(const fl_backend *be, int slot, const void *src0, size_t n0, const void *src1, size_t n1,
+                              size_t off1);
+    /* the ops queued after this one wait for the slot's last input_upload (an event on the second stream); an op
+     * that reads the slot before it is a race (cuda-emu refuses it by name) */
+    fl_status (*input_wait)(const fl_backend *be, int slot);
+    /* the step scalars' 8-bit AdamW (issue 30 item 5): adam8bit_update with grad_scale read from ss[FL_SS_SCALE] when
+     * the kernel runs (NaN: p and the state stay) */
+    fl_status (*adam8bit_update_ss)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                    const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
+                                    float weight_decay, int step, const double *ss);
+
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
      * op(X) = X or X^T. lda/ldb/ldc are row strides of the stored matrices.
@@ -592,6 +612,8 @@ struct fl_backend {
  * (check_finite_dev), a loss sum per micro-batch; FL_SS_MAX doubles at most (a step of more micro-batches reads its
  * losses on the host). */
 enum { FL_SS_NORM = 0, FL_SS_SCALE = 1, FL_SS_FOUND = 2, FL_SS_LOSS = 3, FL_SS_MAX = 64 };
+/* The input slots (fl_backend.input_slots): double-buffered, micro-batch k of a step in slot k % FL_INPUT_SLOTS. */
+enum { FL_INPUT_SLOTS = 2 };
 
 /* The two capabilities model/ and train/ ask most. Host memory: the backend's buffers are host memory
  * (cpu, ref, cuda-emu), so code may share one pool for tensors and host staging and read tensors

@@ -46,7 +46,7 @@ extern "C" {
     X(check_finite) X(scale) X(zero) X(copy) X(to_device) X(to_host) X(sync) X(set_scratch) X(set_compute_dtype)     \
     X(attention_qkv_forward) X(attention_qkv_backward) X(gemm_epilogue)                                            \
     X(layernorm_forward_w16) X(layernorm_backward_w16) X(grad_norm_dev) X(loss_sum_dev) X(adamw_update_ss)          \
-    X(sgd_update_ss) X(check_finite_dev)
+    X(sgd_update_ss) X(check_finite_dev) X(input_upload) X(input_wait) X(adam8bit_update_ss)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -139,6 +139,10 @@ struct fl_op_sgd_update_ss { void *p; fl_dtype tp; const void *g; fl_dtype tg; v
     float lr, momentum, dampening, weight_decay; int nesterov, first_step; const double *ss; };
 struct fl_op_check_finite { const void *x; fl_dtype t; size_t n; float inv_scale; int *found_inf; };
 struct fl_op_check_finite_dev { const void *x; fl_dtype t; size_t n; float inv_scale; double *ss; };
+struct fl_op_input_upload { int slot; const void *src0; size_t n0; const void *src1; size_t n1, off1; };
+struct fl_op_input_wait { int slot; };
+struct fl_op_adam8bit_update_ss { void *p; fl_dtype tp; const void *g; fl_dtype tg; const fl_adam8bit_state *st;
+    float lr, beta1, beta2, eps, weight_decay; int step; const double *ss; };
 struct fl_op_scale { float *x; size_t n; float s; };
 struct fl_op_zero { void *x; size_t bytes; };
 struct fl_op_copy { void *dst; const void *src; size_t bytes; };
@@ -226,6 +230,9 @@ struct fl_oprec {
         struct fl_op_adamw_update_ss adamw_update_ss;
         struct fl_op_sgd_update_ss sgd_update_ss;
         struct fl_op_check_finite_dev check_finite_dev;
+        struct fl_op_input_upload input_upload;
+        struct fl_op_input_wait input_wait;
+        struct fl_op_adam8bit_update_ss adam8bit_update_ss;
     };
 };
 

@@ -644,6 +644,11 @@ typedef struct {
  * fl_model_forward_s2s_body), its random draws (LoRA dropout) seeded first by *seed when seed is non-NULL
  * (fl_model_adapters_seed): the one model entry the step (src/train/step.c) calls per micro-batch before the head. */
 fl_status fl_model_forward_micro(fl_model *m, const fl_micro_batch *mb, float grad_scale, const uint64_t *seed);
+/* Issue 30 item 5: upload mb's ids and targets ahead into the backend's input slot `slot` (fl_backend.input_upload:
+ * its second stream), for the next fl_model_forward_micro of exactly these host buffers, which then reads them there
+ * after an input_wait; *done 0 where it does not apply (no slots, host memory, another kind of model, sequence
+ * parallel): that pass uploads as before. mb NULL: forget what the slots hold (fl_step_run, at the step's end). */
+fl_status fl_model_prefetch(fl_model *m, const fl_micro_batch *mb, int slot, int *done);
 /* The head of the forward fl_model_forward_body or, of an encoder-decoder, fl_model_forward_s2s_body began. */
 fl_status fl_model_forward_head(fl_model *m, float *logits_out);
 /* Backward through all blocks and embeddings after a forward with grad_scale

@@ -78,6 +78,19 @@ static fl_status run_memory(const fl_backend *be, const fl_oprec *op) {
         DOOR(check_finite_dev);
         return be->check_finite_dev(be, r->x, r->t, r->n, r->inv_scale, r->ss);
     }
+    case FL_OPK_input_upload: {
+        DOOR(input_upload);
+        return be->input_upload(be, r->slot, r->src0, r->n0, r->src1, r->n1, r->off1);
+    }
+    case FL_OPK_input_wait: {
+        DOOR(input_wait);
+        return be->input_wait(be, r->slot);
+    }
+    case FL_OPK_adam8bit_update_ss: {
+        DOOR(adam8bit_update_ss);
+        return be->adam8bit_update_ss(be, r->p, r->tp, r->g, r->tg, r->st, r->lr, r->beta1, r->beta2, r->eps,
+            r->weight_decay, r->step, r->ss);
+    }
     case FL_OPK_sumsq: {
         DOOR(sumsq);
         *r->result = be->sumsq(be, r->x, r->t, r->n);

@@ -155,6 +155,9 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_Q4=fp32|tc|scratch (environment): EXPERIMENTAL, a bf16 run's QLoRA 4-bit matmuls on bf16\n"
                "               operands: tc = tensor cores, NF4/FP4 dequantized in the GEMM's load; scratch = dequantized\n"
                "               into a bf16 panel, then cuBLASLt; fp32 (default) = the fp32 kernels\n");
+    fprintf(f, "\n  FITLLM_CUDA_PREFETCH=1|0 (environment): 1 (default) = EXPERIMENTAL: the next micro-batch's ids and\n"
+               "               targets uploaded ahead on a second stream while the current one computes (inside the\n"
+               "               graphs under FITLLM_CUDA_GRAPHS=1); 0 = uploaded on the stream before each micro-batch\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

@@ -435,6 +435,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, (size_t)B * T * sizeof(int32_t), (void **)&a->targets);
         if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating the targets"); }
     }
+    a->ids_home = a->ids, a->targets_home = a->targets; /* (a prefetched pass points them at an input slot) */
     fl_mem_set_live(m->pool, m->work_arena, m->sizes.work_const_bytes); /* the RoPE tables */
     m->B = B;
     m->T = T;

@@ -44,6 +44,13 @@ struct fl_acts {
     int32_t *targets;       /* (N) the forward's targets in device memory (WORKSPACE, outside the sized
                              * arena), only when the backend's memory is not host memory; else NULL and
                              * cross_entropy reads the caller's host targets (as before the split) */
+    /* issue 30 item 5: a pass whose inputs fl_model_prefetch uploaded ahead reads ids / targets in the backend's
+     * input slot (fl_backend.input_slots): ids / targets point there for that pass, else at their homes */
+    int32_t *ids_home, *targets_home;
+    struct { const int32_t *ids, *targets; int N; } in_slot[FL_INPUT_SLOTS]; /* what each slot holds, not yet read */
+    char *in_dev;           /* the backend's slots (NULL: not asked yet, or refused: in_refused) */
+    size_t in_stride, in_off; /* a slot's bytes; the targets' offset in it */
+    int in_refused;
     float *rope_cos;        /* (T, HD/2) */
     float *rope_sin;        /* (T, HD/2) */
     int rope_T;

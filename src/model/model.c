@@ -274,7 +274,7 @@ void fl_model_free_acts(fl_model *m) {
     fl_mem_free(m->pool, m->work_arena);
     m->acts_arena = m->work_arena = NULL;
     if (m->acts) {
-        fl_mem_free(m->pool, m->acts->targets);
+        fl_mem_free(m->pool, m->acts->targets_home ? m->acts->targets_home : m->acts->targets);
         fl_s2s_acts_free(m->acts->s2s);
         free(m->acts->sp_pad);
         free(m->acts->res);

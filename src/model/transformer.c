@@ -74,6 +74,45 @@ static float *role_param(const fl_model *m, int g, int r, int grad) {
 static int end_op(const fl_model_graph *mg) { return mg->op[mg->n_ops - 1].kind; }
 static int has_final_norm(const fl_model_graph *mg) { return fl_model_graph_has(mg, FL_MOP_NORM, 1); }
 
+/* The input slot fl_model_prefetch filled with exactly this pass's ids and targets, or -1. */
+static int prefetched(const fl_acts *a, const pass *p, int N) {
+    for (int s = 0; a->in_dev && p->targets && !p->type_ids && !p->kmask && s < FL_INPUT_SLOTS; s++)
+        if (a->in_slot[s].N == N && a->in_slot[s].ids == p->ids && a->in_slot[s].targets == p->targets) return s;
+    return -1;
+}
+
+/* Issue 30 item 5: mb's ids and targets into the backend's input slot `slot` ahead of its pass, on the backend's
+ * second stream (fl_backend.input_upload), for a decoder-only LM's training pass on a backend with the slots (not
+ * host memory); *done 0 where it does not apply (the pass then uploads as before). mb NULL: forget what the slots
+ * hold (the step's end: a later pass of the same host buffers may hold other bytes). */
+fl_status fl_model_prefetch(fl_model *m, const fl_micro_batch *mb, int slot, int *done) {
+    fl_acts *a = m->acts;
+    const fl_backend *be = m->be;
+    if (done) *done = 0;
+    if (!mb) {
+        if (a) memset(a->in_slot, 0, sizeof a->in_slot);
+        return FL_OK;
+    }
+    const int N = mb->B * mb->T;
+    if (!a || a->kind || !be->input_slots || !be->input_upload || !be->input_wait || fl_backend_host_memory(be) ||
+        mb->src || !mb->ids || !mb->targets || !a->ids_home || !a->targets_home || a->type_ids ||
+        end_op(a->mgraph) != FL_MOP_HEAD_LM || m->cfg.tp_size > 1 || N <= 0 || N > m->B * m->T || mb->T > m->T ||
+        slot < 0 || slot >= FL_INPUT_SLOTS || a->in_refused)
+        return FL_OK;
+    if (!a->in_dev) { /* set-up: the slots, ids then targets at fixed offsets (so a CUDA graph's copies repeat) */
+        const size_t cap = (size_t)m->B * m->T * sizeof(int32_t);
+        a->in_off = (cap + 255) / 256 * 256;
+        a->in_dev = (char *)be->input_slots(be, a->in_off + cap, &a->in_stride);
+        a->in_refused = !a->in_dev;
+        if (!a->in_dev) return FL_OK;
+    }
+    const size_t bytes = (size_t)N * sizeof(int32_t);
+    FL_TRY(FL_RUN(be, input_upload, slot, mb->ids, bytes, mb->targets, bytes, a->in_off));
+    a->in_slot[slot].ids = mb->ids, a->in_slot[slot].targets = mb->targets, a->in_slot[slot].N = N;
+    if (done) *done = 1;
+    return FL_OK;
+}
+
 /* The pass's inputs into the arena: ids (and an encoder's token types and key mask), the targets on a device. */
 static fl_status upload(fl_model *m, const pass *p) {
     const fl_backend *be = m->be;
@@ -87,6 +126,16 @@ static fl_status upload(fl_model *m, const pass *p) {
                              "(types [0, %d))", p->ids[i], ty, i, V, m->cfg.type_vocab_size);
         return fl_errorf(FL_ERR_INVALID, "token id %d at position %d is outside the vocabulary [0, %d)", p->ids[i], i, V);
     }
+    if (a->ids_home) a->ids = a->ids_home, a->targets = a->targets_home;
+    a->kmask_on = p->kmask != NULL;
+    const int slot = prefetched(a, p, N);
+    if (slot >= 0) { /* uploaded ahead (fl_model_prefetch): read there once its copy passed */
+        memset(&a->in_slot[slot], 0, sizeof a->in_slot[slot]);
+        FL_TRY(FL_RUN(be, input_wait, slot));
+        a->ids = (int32_t *)(void *)(a->in_dev + (size_t)slot * a->in_stride);
+        a->targets = (int32_t *)(void *)(a->in_dev + (size_t)slot * a->in_stride + a->in_off);
+        return FL_OK;
+    }
     FL_TRY(FL_RUN(be, to_device, a->ids, p->ids, (size_t)N * sizeof *p->ids)); /* host ids -> the arena */
     if (a->type_ids) {
         if (p->type_ids)
@@ -94,7 +143,6 @@ static fl_status upload(fl_model *m, const pass *p) {
         else
             FL_RUN(be, zero, a->type_ids, (size_t)N * sizeof(int32_t));
     }
-    a->kmask_on = p->kmask != NULL;
     if (p->kmask) FL_TRY(FL_RUN(be, to_device, a->kmask, p->kmask, (size_t)N));
     if (p->targets && a->targets) FL_TRY(FL_RUN(be, to_device, a->targets, p->targets, (size_t)N * sizeof *p->targets));
     return FL_OK;

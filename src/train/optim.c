@@ -667,7 +667,8 @@ int fl_optim_device_step(const fl_optimizer *o) {
     if (!be->grad_norm_dev || o->home.updated) return 0;
     if (o->shard.dist || o->home.be != be || o->home.hp || o->home.disk || o->home.ppool || o->home.params_host)
         return 0;
-    return (k == FL_OPT_ADAMW && be->adamw_update_ss) || (k == FL_OPT_SGD && be->sgd_update_ss);
+    return (k == FL_OPT_ADAMW && be->adamw_update_ss) || (k == FL_OPT_SGD && be->sgd_update_ss) ||
+           (k == FL_OPT_ADAMW8BIT && be->adam8bit_update_ss && !o->q8.p_s); /* (not FULL_SHARD's pieces) */
 }
 static int norm_on_device(const fl_optimizer *o, float max_norm, const double *norm_out) {
     return o->ss && (norm_out || max_norm > 0) && fl_optim_device_step(o);
@@ -685,6 +686,16 @@ static fl_status step_on_device(fl_optimizer *o, float lr, float max_norm, float
     if (c->kind == FL_OPT_ADAMW)
         return FL_RUN(be, adamw_update_ss, p, o->w.pt, g, o->w.gt, o->st.m, o->st.v, c->state_dtype, n, lr, c->beta1,
                       c->beta2, c->eps, c->weight_decay, o->step, o->ss);
+    if (c->kind == FL_OPT_ADAMW8BIT) { /* per tensor, as the host path (its block-wise state is per tensor) */
+        for (int i = 0; i < o->w.n_tensors; i++) {
+            if (!o->q8.p_n[i]) continue;
+            const size_t off = o->w.t_off[i] + o->q8.p_a[i];
+            FL_TRY(FL_RUN(be, adam8bit_update_ss, (char *)o->w.p + off * fl_dtype_size(o->w.pt), o->w.pt,
+                          (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, &o->q8.st[i], lr, c->beta1,
+                          c->beta2, c->eps, c->weight_decay, o->step, o->ss));
+        }
+        return FL_OK;
+    }
     return FL_RUN(be, sgd_update_ss, p, o->w.pt, g, o->w.gt, o->st.buf, c->state_dtype, n, lr, c->momentum,
                   c->dampening, c->weight_decay, c->nesterov, o->step == 1, o->ss);
 }

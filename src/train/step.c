@@ -137,7 +137,14 @@ static fl_status read_scalars(fl_model *m, fl_optimizer *o, fl_step_ctx *c, cons
     return s;
 }
 
-fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
+/* Issue 30 item 5: micro-batch k's inputs uploaded ahead into input slot k % FL_INPUT_SLOTS (fl_model_prefetch: the
+ * backend's second stream), so micro-batch k + 1's copy runs while micro-batch k computes; a no-op where the backend
+ * has no input slots. */
+static fl_status prefetch(fl_model *m, const fl_step_ctx *c, int k) {
+    return k < c->n_micro ? fl_model_prefetch(m, &c->mbs[k], k % FL_INPUT_SLOTS, NULL) : FL_OK;
+}
+
+static fl_status step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
     fl_step_result r = {0};
     const fl_grad_sync *gs = c->sync;
     const int world = gs ? gs->world : 1, rank = gs ? gs->rank : 0;
@@ -159,7 +166,9 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
             /* LoRA dropout masks depend on (seed, global micro-batch) only: a resumed run, and any world size,
              * draws the same (the forward seeds the adapters before it runs) */
             const uint64_t seed = c->seed + (uint64_t)(c->iter0 + (long)k * world + rank);
-            fl_status s = gs ? gs->arm(gs->self, o, k == c->n_micro - 1, c->lr, c->max_norm) : FL_OK;
+            fl_status s = k == 0 ? prefetch(m, c, 0) : FL_OK;
+            if (s == FL_OK) s = prefetch(m, c, k + 1); /* the next one's copy while this one computes */
+            if (s == FL_OK && gs) s = gs->arm(gs->self, o, k == c->n_micro - 1, c->lr, c->max_norm);
             if (s == FL_OK)
                 s = micro(m, o, &c->mbs[k], c->seeded ? &seed : NULL, k, c->step_valid, ss, &ls_k, &nv_k, &r);
             if (s != FL_OK) {
@@ -204,6 +213,12 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     r.ms_total = now_ms() - t0;
     if (res) *res = r;
     return FL_OK;
+}
+
+fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
+    fl_status s = step_run(m, o, c, res);
+    (void)fl_model_prefetch(m, NULL, 0, NULL); /* what the input slots hold was this step's */
+    return s;
 }
 
 fl_status fl_train_step(fl_model *m, fl_optimizer *o, const int32_t *ids, const int32_t *targets, int n_micro, int B,

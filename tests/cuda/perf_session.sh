@@ -28,15 +28,27 @@
 #  10. fp16's overflow check on the device (16-mixed: the flag read with the step's one copy, no wait before the
 #      update): the `small` preset's step and the trainer's 2-micro-batch clipped steps, FITLLM_CUDA_STEP_SCALARS=1
 #      against 0 (check_finite read back mid-step), with and without graphs; the trainer's overflow lines side by side.
-#  11. QLoRA's 4-bit matmuls (issue 30 item 7): the TinyLlama QLoRA step (nf4, LoRA r 8) with FITLLM_CUDA_Q4=fp32 (the
+#  11. the next micro-batch's inputs uploaded ahead on a second stream (FITLLM_CUDA_PREFETCH=1, the default, against
+#      0): the TinyLlama step, the `small` preset's under graphs (the uploads inside the graphs: the line with the
+#      graphs' ops and those outside) and the trainer's 4-micro-batch steps (where the copy overlaps the compute).
+#  12. SGD (momentum) and 8-bit AdamW on the step scalars (their update reading the scale on the device; SGD's inside
+#      the graphs): the trainer's 2-micro-batch clipped steps with FITLLM_CUDA_STEP_SCALARS=1 against 0, SGD also with
+#      FITLLM_CUDA_GRAPHS=1 (the verdict line: how many graphs).
+#  13. QLoRA's 4-bit matmuls (issue 30 item 7): the TinyLlama QLoRA step (nf4, LoRA r 8) with FITLLM_CUDA_Q4=fp32 (the
 #      fp32 kernels), tc (bf16 tensor cores, NF4 dequantized in the load) and scratch (dequantized into a bf16 panel,
 #      then cuBLASLt), and step 1's kernel timings of both 4-bit kernels (q4_matmul_* lines of fitllm_cuda_check).
+# PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
+# log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
 # kernels; the issue's H200: 302 ms, 18.5%).
 set -u
 BIN=${1:-.gpupack/bin}
 OUT=${OUT:-/tmp/fitllm-perf-out}
 mkdir -p "$OUT"
+if [ "${PERF_DRY:-0}" = 1 ]; then
+    timeout() { shift; echo "DRY $(env | grep '^FITLLM_CUDA_' | sort | tr '\n' ' ')$*"; }
+    nvidia-smi() { echo "DRY nvidia-smi"; }
+fi
 F=$BIN/fitllm
 [ -x "$F" ] || { echo "perf_session: $F missing (tools/gpu_pack.sh here first, or name a CUDA build folder)"; exit 1; }
 if [ -f .gpupack/libs.tar.xz ] && [ "$BIN" = .gpupack/bin ]; then # the pack's libraries the machine lacks
@@ -147,7 +159,35 @@ for v in 1 0; do
     echo "finetune_full 16-mixed STEP_SCALARS=$v exit $?: $(grep -E 'iter 16 ' "$OUT/train-fp16-ss$v.log" | head -1)"
     grep -E "update skipped" "$OUT/train-fp16-ss$v.log" | head -3
 done
-echo "== 11. QLoRA's 4-bit matmuls: FITLLM_CUDA_Q4=fp32 | tc | scratch (TinyLlama, nf4, LoRA r 8)"
+echo "== 11. the next micro-batch's inputs ahead on a second stream (FITLLM_CUDA_PREFETCH=1 against 0, EXPERIMENTAL)"
+for v in 1 0; do
+    FITLLM_CUDA_PREFETCH=$v bench full-pf$v 60
+    FITLLM_CUDA_PREFETCH=$v FITLLM_CUDA_GRAPHS=1 timeout 60 "$F" bench-step small --accelerator cuda \
+        --precision bf16-true --micro-batch 8 --seq 256 --steps 10 --warmup 2 >"$OUT/small-pf$v-graphs1.log" 2>&1
+    echo "small bf16-true PREFETCH=$v GRAPHS=1 exit $?: $(grep -E '^median' "$OUT/small-pf$v-graphs1.log")"
+    grep -E "FITLLM_CUDA_GRAPHS" "$OUT/small-pf$v-graphs1.log" | head -1
+    FITLLM_CUDA_PREFETCH=$v timeout 60 "$F" finetune_full small --accelerator cuda --precision bf16-true \
+        --data Synthetic --train.max_steps 6 --train.global_batch_size 16 --train.micro_batch_size 4 \
+        --train.max_seq_length 256 --train.save_interval 100 --eval.interval 100 --train.log_interval 1 \
+        --overwrite true --out_dir "$OUT/small-pf$v" >"$OUT/train-pf$v.log" 2>&1
+    echo "finetune_full PREFETCH=$v exit $?: $(grep -E 'iter 24 ' "$OUT/train-pf$v.log" | head -1)"
+done
+echo "== 12. SGD and 8-bit AdamW on the step scalars (FITLLM_CUDA_STEP_SCALARS=1 against 0; SGD under graphs)"
+for opt in SGD bnb.optim.AdamW8bit; do
+    for v in 1 0; do
+        for g in 0 1; do
+            [ "$opt" != SGD ] && [ "$g" = 1 ] && continue
+            FITLLM_CUDA_STEP_SCALARS=$v FITLLM_CUDA_GRAPHS=$g timeout 60 "$F" finetune_full small --accelerator cuda \
+                --precision bf16-true --optimizer "$opt" --optimizer.momentum 0.9 --data Synthetic --train.max_steps 8 \
+                --train.global_batch_size 8 --train.micro_batch_size 4 --train.max_seq_length 256 --train.max_norm 1.0 \
+                --train.save_interval 100 --eval.interval 100 --train.log_interval 1 --overwrite true \
+                --out_dir "$OUT/opt-$opt-ss$v-g$g" >"$OUT/train-$opt-ss$v-g$g.log" 2>&1
+            echo "finetune_full $opt STEP_SCALARS=$v GRAPHS=$g exit $?: $(grep -E 'iter 16 ' "$OUT/train-$opt-ss$v-g$g.log" | head -1)"
+            grep -E "FITLLM_CUDA_GRAPHS" "$OUT/train-$opt-ss$v-g$g.log" | head -1
+        done
+    done
+done
+echo "== 13. QLoRA's 4-bit matmuls: FITLLM_CUDA_Q4=fp32 | tc | scratch (TinyLlama, nf4, LoRA r 8)"
 for q in fp32 tc scratch; do
     FITLLM_CUDA_Q4=$q bench qlora-q4$q 90 --lora 8 --quantize bnb.nf4
 done

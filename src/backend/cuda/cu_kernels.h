@@ -141,6 +141,12 @@ extern "C" {
     int P##sgd_update_ss(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf, fl_dtype ts, size_t n,   \
                          float lr, float momentum, float dampening, float weight_decay, int nesterov,          \
                          int first_step, const double *ss, void *stream);                                      \
+    /* sgd_update_ss with the other constants from sgd_consts' device copy (a CUDA graph's per-step slot; has_mom:  \
+     * momentum != 0 and a buffer, as sgd_consts was told) */                                                   \
+    size_t P##sgd_consts(void *out, float lr, float momentum, float dampening, float weight_decay, int nesterov,  \
+                         int first_step, int has_buf);                                                          \
+    int P##sgd_update_dss(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf, fl_dtype ts, size_t n,  \
+                          const void *consts, int has_mom, const double *ss, void *stream);                    \
     int P##add(float *out, const float *a, const float *b, size_t n, void *stream);                             \
     int P##scale(float *x, size_t n, float s, void *stream);                                                    \
     /* elements [k0, k0 + n) of fl_model_init_random's stream (kind 0 zeros, 1 ones, 2 normal(0, sd)) from state s */ \

@@ -41,6 +41,10 @@ extern "C" {
     int P##adam8bit_update(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,       \
                            float lr, float beta1, float beta2, float eps, float weight_decay, int step,          \
                            float grad_scale, void *stream);                                                     \
+    /* the same, grad_scale read from the step scalars' ss[1] when it runs (NaN: nothing changes) */           \
+    int P##adam8bit_update_ss(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,    \
+                              float lr, float beta1, float beta2, float eps, float weight_decay, int step,       \
+                              const double *ss, void *stream);                                                  \
     /* y (N, w->rows; row stride ldy) = x (N, w->cols) @ deq(W)^T + beta * y, beta in {0, 1} */              \
     int P##q4_matmul_forward(float *y, int ldy, const float *x, const fl_q4_weight *w, int N, float beta,       \
                              void *stream);                                                                     \

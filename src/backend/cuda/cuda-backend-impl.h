@@ -47,6 +47,7 @@
 #include "fitllm/perf.h"
 
 #include "backend/cuda/cuda-stage-impl.h"
+#include "backend/cuda/cuda-input-impl.h"
 #include "backend/cuda/cuda-graph-impl.h"
 
 /* + 256: the lent region is re-aligned to 256 bytes (cuBLASLt's workspace, the panels) */
@@ -72,6 +73,7 @@ typedef struct {
     fl_cu_counters count;  /* host round trips (FLB_PREFIX(backend_counters)) */
     flb_stage stage;       /* the page-locked ring of small uploads (cuda-stage-impl.h) */
     flb_graph graph;       /* FITLLM_CUDA_GRAPHS=1: the step's CUDA graphs (cuda-graph-impl.h) */
+    flb_input in;          /* the input slots and the second stream (cuda-input-impl.h) */
     int ss_on;             /* FITLLM_CUDA_STEP_SCALARS (1 default): the step scalars' slots (backend.h) */
     int q4;                /* FITLLM_CUDA_Q4: a bf16 run's 4-bit matmuls (FLB_Q4_*, cuda-work-ops-impl.h; experimental) */
 } flb_impl;
@@ -92,6 +94,18 @@ static fl_status flb_sticky(const fl_backend *be) {
     if (im->err == FL_OK) return FL_OK;
     return fl_errorf(im->err, "%s", im->errmsg);
 }
+/* An op about to read p (an input slot's ids or targets): refused when a copy on the second stream is still to write
+ * it (the emulator knows; a GPU would race): the upload's input_wait is missing (cuda-input-impl.h). */
+static fl_status flb_in_check(const fl_backend *be, const void *p, const char *op) {
+    flb_impl *im = FLB_IMPL(be);
+    if (!im->in.s2 || !p || !flb_s2_pending(im->in.s2, p)) return FL_OK;
+    char why[160];
+    snprintf(why, sizeof why, "reads input slot bytes at %p that a copy on the second stream is still to write (no "
+             "input_wait for the slot before it)", p);
+    flb_set_error(be, FL_ERR_INTERNAL, op, why);
+    return flb_sticky(be);
+}
+
 /* A launcher's return: 0 ok, -1 bad arguments (types), else the CUDA / emulator error. */
 static int flb_launch(const fl_backend *be, int rc, const char *op) {
     if (rc == 0) return 0;
@@ -338,12 +352,14 @@ static void flb_bias_backward(const fl_backend *be, float *db, const float *dy, 
 }
 static void flb_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
                               const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
+    if (flb_in_check(be, targets, "cross_entropy")) return;
     FLB_RUN(be, FLB_K(cross_entropy)(loss, dlogits, logits, targets, N, V, grad_scale, ignore_index, STREAM),
             "cross_entropy");
 }
 static fl_status flb_cross_entropy_dbf16(const fl_backend *be, float *loss, void *dlogits16, const float *logits,
                                          const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
     FL_TRY(flb_sticky(be));
+    FL_TRY(flb_in_check(be, targets, "cross_entropy_dbf16"));
     FLB_RUN_S(be, FLB_K(cross_entropy_dbf16)(loss, dlogits16, logits, targets, N, V, grad_scale, ignore_index, STREAM),
               "cross_entropy_dbf16");
     return FL_OK;
@@ -399,6 +415,7 @@ static fl_status flb_check_finite_dev(const fl_backend *be, const void *x, fl_dt
 static fl_status flb_loss_sum_dev(const fl_backend *be, const float *loss, const int32_t *targets, int N,
                                   int ignore_index, double *acc) {
     FL_TRY(flb_sticky(be));
+    FL_TRY(flb_in_check(be, targets, "loss_sum_dev"));
     FLB_RUN_S(be, FLB_K(loss_sum)(acc, loss, targets, N, ignore_index, STREAM), "loss_sum_dev");
     return FL_OK;
 }
@@ -679,6 +696,9 @@ static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src,
         return fl_errorf(FL_ERR_IO, "%s to_device: copy of %zu bytes failed", FLB_NAME, bytes);
     return FL_OK;
 }
+
+#include "backend/cuda/cuda-input-ops-impl.h" /* input_slots, input_upload, input_wait */
+
 static fl_status flb_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
     FL_TRY(flb_graph_flush(&FLB_IMPL(be)->graph, be)); /* the graphs before it have run */
@@ -798,6 +818,9 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     const char *ess = getenv("FITLLM_CUDA_STEP_SCALARS");
     im->ss_on = !ess || !*ess || !strcmp(ess, "1");
     /* FITLLM_CUDA_GRAPHS=1 (experimental): the door captures the step as CUDA graphs and replays it (cuda-graph-impl.h) */
+    /* FITLLM_CUDA_PREFETCH=0: no input slots; the model uploads each micro-batch's inputs on the stream (A/B) */
+    const char *epf = getenv("FITLLM_CUDA_PREFETCH");
+    im->in.on = !epf || !*epf || !strcmp(epf, "1");
     const char *eg = getenv("FITLLM_CUDA_GRAPHS");
     im->graph.on = eg && !strcmp(eg, "1");
     /* FITLLM_CUDA_Q4 (experimental, issue 30 item 7): a bf16 run's 4-bit matmuls on bf16 tensor cores with the NF4 / FP4
@@ -809,6 +832,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     im->graph.state = im->graph.on ? FLB_G_FIRST : FLB_G_OFF;
     im->graph.stream = im->stream;
     im->graph.err = &im->err;
+    im->graph.in = &im->in;
     s = im->attn < 0 ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (cuDNN's fused "
                                  "attention where it loads and takes the shape, else 'own'), 'cudnn' (cuDNN, "
                                  "experimental), 'own' (bf16 runs: the FlashAttention-2-structured kernels, "
@@ -828,6 +852,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_STEP_SCALARS=%s: expected 1 (the default: the step's "
                         "gradient norm, clip scale and losses stay on the device until its end) or 0 (read on the "
                         "host)", FLB_NAME, ess)
+        : epf && *epf && !im->in.on && strcmp(epf, "0")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_PREFETCH=%s: expected 1 (the default: the next "
+                        "micro-batch's inputs uploaded ahead on a second stream) or 0 (on the backend's stream, "
+                        "before the micro-batch)", FLB_NAME, epf)
         : eg && *eg && !im->graph.on && strcmp(eg, "0")
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_GRAPHS=%s: expected 0 (the default: the ops one by one) "
                         "or 1 (experimental: capture the training step as CUDA graphs and replay them)",
@@ -910,6 +938,12 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         be->adamw_update_ss = flb_adamw_update_ss;
         be->sgd_update_ss = flb_sgd_update_ss;
         be->check_finite_dev = flb_check_finite_dev;
+        be->adam8bit_update_ss = flb_adam8bit_update_ss;
+    }
+    if (im->in.on && !FLB_HOST_MEMORY) { /* FITLLM_CUDA_PREFETCH (1 default); host memory: nothing to upload */
+        be->input_slots = flb_input_slots;
+        be->input_upload = flb_input_upload;
+        be->input_wait = flb_input_wait;
     }
     be->scale = flb_scale;
     be->zero = flb_zero;
@@ -952,6 +986,7 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     if (im->own_scratch) flb_dev_free(im->own_scratch);
     if (im->scalars) flb_dev_free(im->scalars);
     flb_stage_free(&im->stage);
+    flb_input_free(&im->in);
     flb_attn_free(im);
     if (im->marks)
         for (int i = 0; i < FL_PROF_MAX_MARKS; i++)

@@ -62,6 +62,7 @@ typedef struct {
     int state;              /* FLB_G_* */
     void *stream;           /* the backend's */
     fl_status *err;         /* the backend's sticky error (a failed capture's launches are not the run's) */
+    flb_input *in;          /* the backend's input slots (an upload is a per-step slot op: cuda-input-impl.h) */
     flb_gseg *seg;          /* the captured step's segments */
     int nseg, capseg;
     int cur, pos;           /* replay: the segment, the next record in it; capture: a segment is open (pos) */
@@ -104,6 +105,8 @@ static int flb_graph_adamw_types(fl_dtype tp, fl_dtype tg, fl_dtype ts) {
 }
 static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
     if (!g->pin) return 0;
+    if (op->kind == FL_OPK_input_upload) /* the inputs, copied up (past the slots: outside, between the graphs) */
+        return g->in && g->in->dev && g->in->gpin && (g->state != FLB_G_CAPTURE || g->nslot < FLB_GSLOTS);
     if (op->kind == FL_OPK_cross_entropy || op->kind == FL_OPK_cross_entropy_dbf16) return 1;
     if (op->kind == FL_OPK_lora_forward) return op->lora_forward.dropout > 0.0f;
     if (op->kind == FL_OPK_lora_backward) return op->lora_backward.dropout > 0.0f;
@@ -111,6 +114,10 @@ static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
     /* the step scalars' norm and fp16's overflow check: the unscale 1 / the loss scale, which changes on an overflow
      * or a growth */
     if (op->kind == FL_OPK_grad_norm_dev || op->kind == FL_OPK_check_finite_dev) return 1;
+    if (op->kind == FL_OPK_sgd_update_ss) { /* likewise: lr and first_step from the slot (sgd_update_dss) */
+        const struct fl_op_sgd_update_ss *u = &op->sgd_update_ss;
+        return flb_graph_adamw_types(u->tp, u->tg, u->ts);
+    }
     if (op->kind == FL_OPK_adamw_update_ss) { /* the step scalars' update: its scale from ss, the rest from the slot */
         const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
         return flb_graph_adamw_types(u->tp, u->tg, u->ts) && u->step >= 1;
@@ -127,6 +134,7 @@ static int flb_graph_outside(const flb_graph *g, const fl_oprec *op) {
     case FL_OPK_to_host: case FL_OPK_to_device: case FL_OPK_sync: case FL_OPK_sumsq: case FL_OPK_check_finite:
     case FL_OPK_adamw_update: case FL_OPK_sgd_update: case FL_OPK_adam8bit_update: case FL_OPK_set_scratch:
     case FL_OPK_set_compute_dtype: case FL_OPK_convert_many: case FL_OPK_adamw_update_ss: case FL_OPK_sgd_update_ss:
+    case FL_OPK_input_upload: case FL_OPK_adam8bit_update_ss:
         return 1;
     default: return 0;
     }
@@ -204,6 +212,9 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op, flb_grec *live)
     } else if (k->slot >= 0 && op->kind == FL_OPK_adamw_update_ss) {
         t.rec.adamw_update_ss.lr = k->rec.adamw_update_ss.lr;
         t.rec.adamw_update_ss.step = k->rec.adamw_update_ss.step;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_sgd_update_ss) {
+        t.rec.sgd_update_ss.lr = k->rec.sgd_update_ss.lr;
+        t.rec.sgd_update_ss.first_step = k->rec.sgd_update_ss.first_step;
     } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy) {
         t.rec.cross_entropy.grad_scale = k->rec.cross_entropy.grad_scale;
     } else if (k->slot >= 0 && op->kind == FL_OPK_cross_entropy_dbf16) {
@@ -218,6 +229,9 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op, flb_grec *live)
         t.rec.grad_norm_dev.scale = k->rec.grad_norm_dev.scale;
     } else if (k->slot >= 0 && op->kind == FL_OPK_check_finite_dev) {
         t.rec.check_finite_dev.inv_scale = k->rec.check_finite_dev.inv_scale;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_input_upload) { /* the caller's host buffers: the bytes go up */
+        t.rec.input_upload.src0 = k->rec.input_upload.src0;
+        t.rec.input_upload.src1 = k->rec.input_upload.src1;
     }
     return !memcmp(&t, k, sizeof t);
 }
@@ -259,9 +273,26 @@ static fl_status flb_graph_slot_write(flb_graph *g, flb_gseg *s, const fl_oprec 
         return fl_errorf(FL_ERR_IO, "%s backend: CUDA graphs: waiting for a per-step scalar's copy failed", FLB_NAME);
     s->armed = 0;
     char *pin = g->pin + (size_t)slot * FLB_GSLOT_BYTES;
+    if (op->kind == FL_OPK_input_upload) { /* the inputs into this upload's own page-locked copy */
+        const struct fl_op_input_upload *u = &op->input_upload;
+        flb_input *in = g->in;
+        if (!in->gpin[slot] && !(in->gpin[slot] = (char *)flb_host_alloc(in->stride)))
+            return fl_errorf(FL_ERR_OOM, "%s backend: CUDA graphs: no page-locked memory for an input upload", FLB_NAME);
+        if (!flb_input_args_ok(in, u->slot, u->n0, u->n1, u->off1))
+            return fl_errorf(FL_ERR_INVALID, "%s input_upload: slot %d, %zu + %zu bytes at %zu", FLB_NAME, u->slot,
+                             u->n0, u->n1, u->off1);
+        if (u->n0) memcpy(in->gpin[slot], u->src0, u->n0);
+        if (u->n1) memcpy(in->gpin[slot] + u->off1, u->src1, u->n1);
+        return FL_OK;
+    }
     if (op->kind == FL_OPK_adamw_update) {
         const struct fl_op_adamw_update *u = &op->adamw_update;
         FLB_K(adamw_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, u->grad_scale);
+        g->st.graph_updates++;
+    } else if (op->kind == FL_OPK_sgd_update_ss) { /* likewise */
+        const struct fl_op_sgd_update_ss *u = &op->sgd_update_ss;
+        FLB_K(sgd_consts)(pin, u->lr, u->momentum, u->dampening, u->weight_decay, u->nesterov, u->first_step,
+                          u->buf != NULL);
         g->st.graph_updates++;
     } else if (op->kind == FL_OPK_adamw_update_ss) { /* grad_scale 1 here: the kernel reads ss[FL_SS_SCALE] */
         const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
@@ -287,6 +318,17 @@ static fl_status flb_graph_slot_write(flb_graph *g, flb_gseg *s, const fl_oprec 
 static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg *s, const fl_oprec *op, int slot) {
     FL_TRY(flb_graph_slot_write(g, s, op, slot));
     void *d = g->dslot + (size_t)slot * FLB_GSLOT_BYTES;
+    if (op->kind == FL_OPK_input_upload) { /* a node: this upload's page-locked copy -> the input slot */
+        const struct fl_op_input_upload *u = &op->input_upload;
+        char *dev = g->in->dev + (size_t)u->slot * g->in->stride;
+        int rc = u->n0 ? flb_h2d(dev, g->in->gpin[slot], u->n0, g->stream) : 0;
+        if (!rc && u->n1) rc = flb_h2d(dev + u->off1, g->in->gpin[slot] + u->off1, u->n1, g->stream);
+        if (rc) {
+            flb_set_error(be, FL_ERR_IO, "input_upload", "the graph's copy failed");
+            return fl_errorf(FL_ERR_IO, "%s backend: input_upload (CUDA graph): copy failed", FLB_NAME);
+        }
+        return FL_OK;
+    }
     int rc = flb_h2d(d, g->pin + (size_t)slot * FLB_GSLOT_BYTES, FLB_GSLOT_BYTES, g->stream);
     const uint64_t *ds = (const uint64_t *)d;
     if (!rc && op->kind == FL_OPK_lora_forward) {
@@ -314,6 +356,10 @@ static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg
     if (!rc && op->kind == FL_OPK_adamw_update) {
         const struct fl_op_adamw_update *u = &op->adamw_update;
         rc = FLB_K(adamw_update_dev)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, g->stream);
+    } else if (!rc && op->kind == FL_OPK_sgd_update_ss) {
+        const struct fl_op_sgd_update_ss *u = &op->sgd_update_ss;
+        rc = FLB_K(sgd_update_dss)(u->p, u->tp, u->g, u->tg, u->buf, u->ts, u->n, d,
+                                   u->momentum != 0.0f && u->buf != NULL, u->ss, g->stream);
     } else if (!rc && op->kind == FL_OPK_adamw_update_ss) {
         const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
         rc = FLB_K(adamw_update_dss)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, u->ss, g->stream);
@@ -533,7 +579,7 @@ static fl_status flb_graph_replay_op(flb_graph *g, const fl_backend *be, const f
 
 static int flb_graph_is_update(fl_opk k) {
     return k == FL_OPK_adamw_update || k == FL_OPK_adam8bit_update || k == FL_OPK_sgd_update ||
-           k == FL_OPK_adamw_update_ss || k == FL_OPK_sgd_update_ss;
+           k == FL_OPK_adamw_update_ss || k == FL_OPK_sgd_update_ss || k == FL_OPK_adam8bit_update_ss;
 }
 
 /* The door with FITLLM_CUDA_GRAPHS=1. */
@@ -567,7 +613,9 @@ static void flb_graph_slots_free(flb_graph *g) {
 /* The slots (init; without them the ops with per-step scalars run between the graphs). */
 static void flb_graph_slots_init(flb_graph *g) {
     const size_t bytes = (size_t)FLB_GSLOTS * FLB_GSLOT_BYTES;
-    if (FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0) > FLB_GSLOT_BYTES) return;
+    if (FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0) > FLB_GSLOT_BYTES ||
+        FLB_K(sgd_consts)(NULL, 0, 0, 0, 0, 0, 0, 0) > FLB_GSLOT_BYTES)
+        return;
     int ok = (g->pin = (char *)flb_host_alloc(bytes)) && (g->dslot = (char *)flb_dev_alloc(bytes));
     if (ok) memset(g->pin, 0, bytes);
     else flb_graph_slots_free(g);

@@ -43,6 +43,7 @@ void fl_cuemu_use_nccl(int on);
  * wait), and stage_waits counts the times a ring slot was still queued (the host waited for the GPU). */
 typedef struct {
     long sync, d2h, h2d, h2d_pinned, stage_waits;
+    long h2d_s2; /* of the copies from the host, those on the second stream (the next micro-batch's inputs) */
 } fl_cu_counters;
 void fl_cuemu_backend_counters(const fl_backend *be, fl_cu_counters *out);
 /* cuda-emu made after fl_cuemu_set_host_memory(0) states the real GPU's capabilities (FL_CAP_DEVICE_MEMORY, not

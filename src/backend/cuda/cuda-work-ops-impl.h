@@ -29,15 +29,18 @@ static void flb_nan_fill(const fl_backend *be, float *p, size_t n) {
 
 static void flb_embedding_forward(const fl_backend *be, float *out, const int32_t *ids, const float *wte,
                                   const float *wpe, int B, int T, int C) {
+    if (flb_in_check(be, ids, "embedding_forward")) return;
     FLB_RUN(be, FLB_K(embedding_forward)(out, ids, wte, wpe, B, T, C, STREAM), "embedding_forward");
 }
 static void flb_embedding_forward16(const fl_backend *be, float *out, void *out16, const int32_t *ids,
                                     const void *wte, const void *wpe, fl_dtype dt, int B, int T, int C) {
+    if (flb_in_check(be, ids, "embedding_forward16")) return;
     FLB_RUN(be, FLB_K(embedding_forward16)(out, out16, ids, wte, wpe, dt, B, T, C, STREAM), "embedding_forward16");
 }
 static void flb_embedding_backward(const fl_backend *be, float *dwte, float *dwpe, const float *dout,
                                    const int32_t *ids, int B, int T, int C) {
     int32_t *work = NULL;
+    if (flb_in_check(be, ids, "embedding_backward")) return;
     if (dwte) {
         work = (int32_t *)flb_work(be, FL_CU_EMB_WORK_INTS((size_t)B * T) * sizeof(int32_t), "embedding_backward");
         if (!work) return;
@@ -189,6 +192,17 @@ static fl_status flb_q4_scratch(const fl_backend *be, int bwd, float *out, int l
 /* a bf16 run's 4-bit matmul path (FITLLM_CUDA_Q4): FLB_Q4_FP32 for an fp32 run whatever it says */
 static int flb_q4_mode(const fl_backend *be) {
     return FLB_IMPL(be)->compute == FL_BF16 ? FLB_IMPL(be)->q4 : FLB_Q4_FP32;
+}
+static fl_status flb_adam8bit_update_ss(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                        const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
+                                        float weight_decay, int step, const double *ss) {
+    FL_TRY(flb_sticky(be));
+    if (!fl_adam8bit_dtype_ok(tp) || !fl_adam8bit_dtype_ok(tg))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s adam8bit_update_ss: p %s, g %s not supported", FLB_NAME,
+                         fl_dtype_name(tp), fl_dtype_name(tg));
+    FLB_RUN_S(be, FLB_K(adam8bit_update_ss)(p, tp, g, tg, st, lr, beta1, beta2, eps, weight_decay, step, ss, STREAM),
+              "adam8bit_update_ss");
+    return FL_OK;
 }
 static fl_status flb_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
                                        int N, float beta) {

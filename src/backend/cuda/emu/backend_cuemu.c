@@ -130,6 +130,77 @@ static int flb_mark_wait(void *ev) { /* the launches and copies are synchronous:
     (void)ev;
     return 0;
 }
+/* The second stream (cuda-input-impl.h: the next micro-batch's inputs), modelled: its copies are queued and run
+ * only when something waits for them (the backend's stream waiting for an event recorded after them, or the host
+ * waiting for one), never by themselves, so a read of a slot before its wait sees the old bytes; and while a copy
+ * is queued its destination is "pending" (flb_s2_pending), which the ops that read the input slots refuse by name.
+ * The backend's stream runs its work at once (launches are synchronous), so a wait of the second stream for it is
+ * already satisfied. */
+enum { FLB_S2_QUEUE = 16 };
+typedef struct {
+    struct { void *d; const void *h; size_t n; long seq; } q[FLB_S2_QUEUE];
+    int n;
+    long seq; /* copies queued so far */
+} flb_s2q;
+typedef struct {
+    flb_s2q *q;
+    long seq; /* the copies before the record */
+} flb_s2ev;
+static void flb_s2_run(flb_s2q *q, long upto) {
+    int k = 0;
+    for (int i = 0; i < q->n; i++) {
+        if (q->q[i].seq <= upto) memmove(q->q[i].d, q->q[i].h, q->q[i].n);
+        else q->q[k++] = q->q[i];
+    }
+    q->n = k;
+}
+static int flb_s2_new(void **s2) {
+    *s2 = calloc(1, sizeof(flb_s2q));
+    return *s2 ? 0 : 1;
+}
+static void flb_s2_free(void *s2) {
+    if (!s2) return;
+    flb_s2_run((flb_s2q *)s2, ((flb_s2q *)s2)->seq);
+    free(s2);
+}
+static int flb_s2_h2d(void *d, const void *h, size_t n, void *s2) {
+    flb_s2q *q = (flb_s2q *)s2;
+    if (q->n == FLB_S2_QUEUE) flb_s2_run(q, q->q[0].seq); /* (not reached: at most 2 copies per slot queued) */
+    q->q[q->n].d = d, q->q[q->n].h = h, q->q[q->n].n = n, q->q[q->n].seq = ++q->seq;
+    q->n++;
+    return 0;
+}
+static int flb_s2_ev_new(void **ev, void *s2) {
+    flb_s2ev *e = (flb_s2ev *)calloc(1, sizeof *e);
+    if (e) e->q = (flb_s2q *)s2;
+    *ev = e;
+    return e ? 0 : 1;
+}
+static void flb_s2_ev_free(void *ev) { free(ev); }
+static int flb_s2_record(void *ev, void *s2) {
+    ((flb_s2ev *)ev)->seq = ((flb_s2q *)s2)->seq;
+    return 0;
+}
+/* the second stream waits for the work queued on the backend's stream so far (ev: an event to record there) */
+static int flb_s2_after_main(void *s2, void *stream, void *ev) {
+    (void)s2, (void)stream, (void)ev;
+    return 0;
+}
+/* the backend's stream (or the host) waits for the second stream's event */
+static int flb_main_after_s2(void *stream, void *ev) {
+    (void)stream;
+    const flb_s2ev *e = (const flb_s2ev *)ev;
+    flb_s2_run(e->q, e->seq);
+    return 0;
+}
+static int flb_host_after_s2(void *ev) { return flb_main_after_s2(NULL, ev); }
+/* whether p lies in the destination of a queued copy */
+static int flb_s2_pending(void *s2, const void *p) {
+    const flb_s2q *q = (const flb_s2q *)s2;
+    for (int i = 0; q && i < q->n; i++)
+        if ((const char *)p >= (const char *)q->q[i].d && (const char *)p < (const char *)q->q[i].d + q->q[i].n) return 1;
+    return 0;
+}
 static fl_status flb_device_init(void **stream, fl_cu_blas *blas) {
     *stream = NULL;
     memset(blas, 0, sizeof *blas);

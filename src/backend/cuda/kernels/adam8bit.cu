@@ -80,9 +80,14 @@ FL_CU_DEV float a8_block_max(float v, float *buf) {
  * CPU's fmaxf chain started at the floor. */
 __global__ static void fl_cu_adam8bit_k(void *p, int tp, const void *g, int tg, uint8_t *q_m, uint8_t *q_v,
                                         float *absmax_m, float *absmax_v, const float *floor_m, const float *floor_v,
-                                        size_t n, size_t nb, fl_cu_a8_consts k) {
+                                        size_t n, size_t nb, fl_cu_a8_consts k, const double *ss) {
     __shared__ float cs[256], cu[256], red[16];
     const int tid = threadIdx.x;
+    if (ss) { /* the step scalars' gradient scale (NaN: the step's update is skipped, nothing changes) */
+        const double s = ss[1];
+        if (s != s) return;
+        k.grad_scale = (float)s;
+    }
     cs[tid] = fl_cu_code_signed[tid];
     cu[tid] = fl_cu_code_unsigned[tid];
     __syncthreads();
@@ -127,7 +132,12 @@ __global__ static void fl_cu_adam8bit_k(void *p, int tp, const void *g, int tg, 
 }
 
 __global__ static void fl_cu_adam32_k(void *p, int tp, const void *g, int tg, float *m, float *v, size_t n,
-                                      fl_cu_a8_consts k) {
+                                      fl_cu_a8_consts k, const double *ss) {
+    if (ss) {
+        const double s = ss[1];
+        if (s != s) return;
+        k.grad_scale = (float)s;
+    }
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float gi = a8_round(fl_cu_mul_rn(k.grad_scale, a8_load(g, tg, i)), tg);
         float s1 = fl_cu_add_rn(fl_cu_mul_rn(m[i], k.beta1), fl_cu_mul_rn(k.w1, gi));
@@ -155,9 +165,10 @@ static float host_mul(float a, float b) {
     return r;
 }
 
-extern "C" int FL_CUK(adam8bit_update)(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,
-                                       float lr, float beta1, float beta2, float eps, float weight_decay, int step,
-                                       float grad_scale, void *stream) {
+/* ss (device, or NULL: grad_scale): the gradient scale read when the kernel runs (the step scalars' ss[1]) */
+static int a8_update(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st, float lr,
+                     float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale,
+                     const double *ss, void *stream) {
     if (!fl_adam8bit_dtype_ok(tp) || !fl_adam8bit_dtype_ok(tg) || !st || step < 1) return -1;
     const size_t n = st->n;
     if (n == 0) return 0;
@@ -180,7 +191,7 @@ extern "C" int FL_CUK(adam8bit_update)(void *p, fl_dtype tp, const void *g, fl_d
         if (!st->m || !st->v) return -1;
         size_t blocks = (n + 255) / 256;
         FL_CU_LAUNCH(fl_cu_adam32_k, dim3((unsigned)blocks), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g,
-                     (int)tg, st->m, st->v, n, k);
+                     (int)tg, st->m, st->v, n, k, ss);
         return fl_cu_launch_error();
     }
     if (!st->q_m || !st->q_v || !st->absmax_m || !st->absmax_v ||
@@ -191,8 +202,19 @@ extern "C" int FL_CUK(adam8bit_update)(void *p, fl_dtype tp, const void *g, fl_d
     size_t grid = st->n_blocks < 2048 ? st->n_blocks : 2048;
     if (st->n_blocks / grid > 16) grid = (st->n_blocks + 15) / 16;
     FL_CU_LAUNCH(fl_cu_adam8bit_k, dim3((unsigned)grid), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg,
-                 st->q_m, st->q_v, st->absmax_m, st->absmax_v, st->floor_m, st->floor_v, n, st->n_blocks, k);
+                 st->q_m, st->q_v, st->absmax_m, st->absmax_v, st->floor_m, st->floor_v, n, st->n_blocks, k, ss);
     return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(adam8bit_update)(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,
+                                       float lr, float beta1, float beta2, float eps, float weight_decay, int step,
+                                       float grad_scale, void *stream) {
+    return a8_update(p, tp, g, tg, st, lr, beta1, beta2, eps, weight_decay, step, grad_scale, NULL, stream);
+}
+extern "C" int FL_CUK(adam8bit_update_ss)(void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                          const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
+                                          float weight_decay, int step, const double *ss, void *stream) {
+    return ss ? a8_update(p, tp, g, tg, st, lr, beta1, beta2, eps, weight_decay, step, 1.0f, ss, stream) : -1;
 }
 
 extern "C" int FL_CUK(adam8bit_codes)(float *out, void *stream) {

@@ -2,6 +2,7 @@
  * of squares (gradient norm), add / scale / bias: semantics of the backend ops of the same names
  * (fitllm/backend.h), the CPU backend's formulas and operation order. */
 #include <math.h>
+#include <string.h>
 
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels.h"
@@ -164,6 +165,36 @@ extern "C" int FL_CUK(sgd_update_ss)(void *p, fl_dtype tp, const void *g, fl_dty
     const int vec = fl_cu_aligned16(p, g, c.use_mom ? buf : NULL, NULL, NULL);
     FL_CU_LAUNCH(fl_cu_sgd_ks, dim3(ew_grid(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g,
                  (int)tg, buf, (int)ts, n, c, ss, vec);
+    return fl_cu_launch_error();
+}
+
+/* A CUDA graph's per-step slot (issue 30 item 5): sgd_update_ss's constants (learning rate, first step, ...) written
+ * to host memory `out` (NULL: only the size), the update then reading them from the slot's device copy */
+extern "C" size_t FL_CUK(sgd_consts)(void *out, float lr, float momentum, float dampening, float weight_decay,
+                                     int nesterov, int first_step, int has_buf) {
+    static const char some_buf = 1; /* sgd_consts asks only whether there is a momentum buffer */
+    fl_cu_sgd_c c = sgd_consts(lr, momentum, dampening, weight_decay, nesterov, first_step, 1.0f,
+                               has_buf ? (const void *)&some_buf : NULL);
+    if (out) memcpy(out, &c, sizeof c);
+    return sizeof c;
+}
+
+__global__ static void fl_cu_sgd_kds(void *p, int tp, const void *g, int tg, void *buf, int ts, size_t n,
+                                     const fl_cu_sgd_c *cd, const double *ss, int vec) {
+    const double s = ss[1];
+    if (s != s) return;
+    fl_cu_sgd_c c = *cd;
+    c.grad_scale = (float)s;
+    fl_cu_sgd_body(p, tp, g, tg, buf, ts, n, c, vec);
+}
+
+extern "C" int FL_CUK(sgd_update_dss)(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf, fl_dtype ts,
+                                      size_t n, const void *consts, int has_mom, const double *ss, void *stream) {
+    if (!is_float(tp) || !is_float(tg) || (ts != FL_F32 && ts != FL_BF16)) return -1;
+    if (n == 0) return 0;
+    const int vec = fl_cu_aligned16(p, g, has_mom ? buf : NULL, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_sgd_kds, dim3(ew_grid(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp,
+                 g, (int)tg, buf, (int)ts, n, (const fl_cu_sgd_c *)consts, ss, vec);
     return fl_cu_launch_error();
 }
 

@@ -157,6 +157,47 @@ static int flb_mark_elapsed(void *a, void *b, float *ms) {
 }
 static void flb_mark_free(void *ev) { cudaEventDestroy((cudaEvent_t)ev); }
 static int flb_mark_wait(void *ev) { return (int)cudaEventSynchronize((cudaEvent_t)ev); }
+/* The second stream of the inputs' uploads (cuda-input-impl.h; EXPERIMENTAL: compiled, not yet run on a GPU) */
+static int flb_s2_new(void **s2) {
+    cudaStream_t s;
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 1;
+    }
+    *s2 = (void *)s;
+    return 0;
+}
+static void flb_s2_free(void *s2) {
+    if (!s2) return;
+    cudaStreamSynchronize((cudaStream_t)s2);
+    cudaStreamDestroy((cudaStream_t)s2);
+}
+static int flb_s2_h2d(void *d, const void *h, size_t n, void *s2) { return flb_h2d(d, h, n, s2); }
+static int flb_s2_ev_new(void **ev, void *s2) {
+    (void)s2;
+    cudaEvent_t e;
+    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 1;
+    }
+    *ev = (void *)e;
+    return 0;
+}
+static void flb_s2_ev_free(void *ev) { cudaEventDestroy((cudaEvent_t)ev); }
+static int flb_s2_record(void *ev, void *s2) { return (int)cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)s2); }
+static int flb_s2_after_main(void *s2, void *stream, void *ev) {
+    cudaError_t e = cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent((cudaStream_t)s2, (cudaEvent_t)ev, 0);
+    return (int)e;
+}
+static int flb_main_after_s2(void *stream, void *ev) {
+    return (int)cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)ev, 0);
+}
+static int flb_host_after_s2(void *ev) { return (int)cudaEventSynchronize((cudaEvent_t)ev); }
+static int flb_s2_pending(void *s2, const void *p) { /* the emulator's check; the GPU does not know */
+    (void)s2, (void)p;
+    return 0;
+}
 static fl_status flb_device_init(void **stream, fl_cu_blas *blas) {
     char why[256];
     int count = fl_cudart_device_count(why, sizeof why);
