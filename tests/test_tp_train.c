@@ -266,6 +266,17 @@ FL_TEST(tp_train_threads_tp_x_pp_matches_one_process) {
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
 }
 
+/* The interleaved schedule on the 3D grid (--pipeline_schedule interleaved with --tensor_parallel; trainer_tp.c): each
+ * rank holds 2 model chunks, each its slice of its virtual stage's blocks (micro's 5 blocks in 4 virtual stages), their
+ * blocks' sums over the group and the stream between virtual stages per tensor-parallel rank; the clipping norm is
+ * every chunk's (summed on the rank, then over the group, then the stages), so the bars are TP x PP's above:
+ * reassociation only. TP 2 x PP 2 x 2 chunks and DP 2 x TP 2 x PP 2 x 2 chunks (8 thread ranks) under AdamW, each
+ * step-1 checkpoint gathered chunk by chunk (the slices over the group, then the virtual stages over the pipeline). */
+FL_TEST(tp_train_threads_tp_x_pp_interleaved) {
+    const grid_case k[] = {{DR_ADAMW, 1, 2, 2, "interleaved", NULL, NULL}, {DR_ADAMW, 2, 2, 2, "interleaved", NULL, NULL}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
+}
+
 /* ZeRO-1 and ZeRO-2 on the data axis of DP 2 x TP 2 x PP 2: a rank's optimizer state is its chunk of its slice of its
  * stage; ZeRO-2's norm sums the chunks over the axis, then the group, then the stages; the tied table's reduced
  * gradient is made whole on the axis before the first and last stage sum it. */
