@@ -266,17 +266,6 @@ FL_TEST(tp_train_threads_tp_x_pp_matches_one_process) {
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
 }
 
-/* The interleaved schedule on the 3D grid (--pipeline_schedule interleaved with --tensor_parallel; trainer_tp.c): each
- * rank holds 2 model chunks, each its slice of its virtual stage's blocks (micro's 5 blocks in 4 virtual stages), their
- * blocks' sums over the group and the stream between virtual stages per tensor-parallel rank; the clipping norm is
- * every chunk's (summed on the rank, then over the group, then the stages), so the bars are TP x PP's above:
- * reassociation only. TP 2 x PP 2 x 2 chunks and DP 2 x TP 2 x PP 2 x 2 chunks (8 thread ranks) under AdamW, each
- * step-1 checkpoint gathered chunk by chunk (the slices over the group, then the virtual stages over the pipeline). */
-FL_TEST(tp_train_threads_tp_x_pp_interleaved) {
-    const grid_case k[] = {{DR_ADAMW, 1, 2, 2, "interleaved", NULL, NULL}, {DR_ADAMW, 2, 2, 2, "interleaved", NULL, NULL}};
-    grid_cases(k, (int)(sizeof k / sizeof k[0]));
-}
-
 /* ZeRO-1 and ZeRO-2 on the data axis of DP 2 x TP 2 x PP 2: a rank's optimizer state is its chunk of its slice of its
  * stage; ZeRO-2's norm sums the chunks over the axis, then the group, then the stages; the tied table's reduced
  * gradient is made whole on the axis before the first and last stage sum it. */
@@ -1659,4 +1648,49 @@ FL_TEST(tp_train_threads_qlora_cut_blocks_plan_equals_measured) {
     free(j);
     g_forced = NULL;
     g_quant = NULL;
+}
+
+/* ---- tensor (and sequence) parallelism inside the interleaved schedule (--pipeline_schedule interleaved with
+ * --tensor_parallel; trainer_tp.c) ----
+ * Each rank holds 2 model chunks, each its slice of its virtual stage's blocks (micro's 5 blocks in 4 virtual stages;
+ * chunk c of stage s is virtual stage 2 c + s), their blocks' sums over the group, the stream between virtual stages
+ * per tensor-parallel rank (SP: the rank's rows). The clipping norm is every chunk's (summed on the rank, then over the
+ * group, then the stages), micro's tied table summed across the first and last virtual stage: reassociation only, so
+ * the bars are TP x PP's above (the step losses within 1e-6 relative of one process, step 1's gradients re-assembled
+ * within 1e-5 of each tensor's scale from the step-1 checkpoint gathered chunk by chunk: the slices over the group,
+ * then the virtual stages over the pipeline; the final weights within the AdamW bound). */
+/* TP 2 x PP 2 x 2 chunks and DP 2 x TP 2 x PP 2 x 2 chunks (8 thread ranks), AdamW with clipping */
+FL_TEST(tpi_train_threads_matches_one_process) {
+    const grid_case k[] = {{DR_ADAMW, 1, 2, 2, "interleaved", NULL, NULL}, {DR_ADAMW, 2, 2, 2, "interleaved", NULL, NULL}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
+}
+
+/* GPT-2 and OPT (4-block folders of the micro presets' shapes: learned positions, LayerNorms, biases, the row-parallel
+ * ones on the group's rank 0) under SGD, and LoRA on LLaMA's slices (each chunk's adapters keyed by the whole model's
+ * module index, the whole matrices' partial gradients summed over the group per chunk), at TP 2 x PP 2 x 2 chunks */
+static void deep_folder(const char *preset, const char *dir) {
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find(preset, &mc));
+    mc.n_layers = 4;
+    write_folder(&mc, preset, dir);
+}
+
+FL_TEST(tpi_train_threads_gpt2_opt_lora) {
+    char dir[2][700];
+    for (int m = 0; m < 2; m++) {
+        snprintf(dir[m], sizeof dir[m], "%s/tpi-%s4", fl_test_tmpdir(), m ? "opt" : "gpt2");
+        deep_folder(m ? "opt-micro" : "gpt2-micro", dir[m]);
+    }
+    const grid_case k[] = {{DR_SGD, 1, 2, 2, "interleaved", dir[0], NULL}, {DR_SGD, 1, 2, 2, "interleaved", dir[1], NULL},
+                           {DR_LORA, 1, 2, 2, "interleaved", NULL, NULL}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
+}
+
+/* sequence parallelism inside the interleaved schedule: each chunk's stream between the linears is the rank's 1/2 of
+ * the rows, and so is what travels between virtual stages (T = 20): TP 2 x PP 2 x 2 chunks and DP 2 x TP 2 x PP 2 x 2 */
+FL_TEST(tpi_train_threads_sequence_parallel) {
+    g_sp = 1, g_t20 = 1;
+    const grid_case k[] = {{DR_ADAMW, 1, 2, 2, "interleaved", NULL, NULL}, {DR_ADAMW, 2, 2, 2, "interleaved", NULL, NULL}};
+    grid_cases(k, (int)(sizeof k / sizeof k[0]));
+    g_sp = 0, g_t20 = 0;
 }
