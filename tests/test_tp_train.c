@@ -1753,3 +1753,41 @@ FL_TEST(tpi_train_threads_resume_across_grids) {
         free(j);
     }
 }
+
+/* plan per rank = measured under TP inside the interleaved schedule (every tag's peak and the total of every rank):
+ * each rank's 2 chunk slices (their parameters, gradients, optimizer state, arenas) and the stashes of the
+ * chunk-micro-batches in flight: TP 2 x PP 2 x 2 chunks under AdamW, DP 2 x TP 2 x PP 2 x 2 under ZeRO-2 (OPTIM: each
+ * chunk's state chunk), LoRA at TP 2 x PP 2 x 2, and SP at TP 2 x PP 2 x 2 (the saved stream's rows 1/2) */
+FL_TEST(tpi_train_threads_plan_equals_measured) {
+    const struct { int sc, dp, sp; const char *strategy; } g[4] = {
+        {DR_ADAMW, 1, 0, NULL}, {DR_ADAMW, 2, 0, "deepspeed_stage_2"}, {DR_LORA, 1, 0, NULL}, {DR_ADAMW, 1, 1, NULL}};
+    g_forced = "cpu";
+    g_pp = 2, g_sched = "interleaved";
+    for (int k = 0; k < 4; k++) {
+        const int W = g[k].dp * 2 * 2;
+        g_strategy = g[k].strategy, g_sp = g[k].sp, g_t20 = g[k].sp;
+        dr_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        char out[700], grid[64];
+        snprintf(out, sizeof out, "%s/tpi-plan-%d", fl_test_tmpdir(), k);
+        snprintf(grid, sizeof grid, "DP %d x TP 2 x PP 2 x 2 chunks %s%s%s", g[k].dp, dr_names[g[k].sc],
+                 g[k].strategy ? " ZeRO-2" : "", g[k].sp ? " SP" : "");
+        for (int r = 0; r < W; r++) {
+            tp_config(&j->cfg[r], g[k].sc, g[k].dp, 2, out);
+            j->cfg[r].train.max_steps = 1;
+        }
+        backend_on();
+        fl_status s = fl_comm_threads_run(W, dr_job_rank, j);
+        backend_off();
+        FL_CHECKF(s == FL_OK, "%s: %s", grid, j->msg[0]);
+        for (int r = 0; r < W && s == FL_OK; r++) {
+            const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
+            if (getenv("FL_TEST_VERBOSE") && (r == 0 || r == W - 1))
+                printf("    %s rank %d: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu, ACTS %zu)\n", grid, r,
+                       total, j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_OPTIM], j->res[r].peak[FL_TAG_ACTS]);
+        }
+        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    g_pp = 1, g_sched = NULL, g_forced = NULL, g_strategy = NULL, g_sp = 0, g_t20 = 0;
+}
