@@ -83,7 +83,8 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
     c->train.save_interval = 1; /* step 1's state: the gradient of step 1 */
     c->train.keep_checkpoints = 0;
     if (!g_small) return;
-    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "gpt2-micro"); /* 2 layers: fewer emulated launches */
+    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", g_model ? g_model : "gpt2-micro"); /* 2 layers: fewer
+                                                                                                   * emulated launches */
     c->train.max_steps = 2;
     c->train.max_seq_length = g_sp ? 9 : 8; /* sequence parallel: T = 8, the group divides it */
     c->train.save_interval = 0;
@@ -1790,4 +1791,38 @@ FL_TEST(tpi_train_threads_plan_equals_measured) {
         free(j);
     }
     g_pp = 1, g_sched = NULL, g_forced = NULL, g_strategy = NULL, g_sp = 0, g_t20 = 0;
+}
+
+/* TP inside the interleaved schedule on the device backends, the blocks' sums through the NCCL stand-in: opaque (its
+ * memory unreadable by the host: the stream between virtual stages, the norms and the checkpoints through its copies)
+ * TP 2 x PP 2 x 2 chunks, 2 AdamW steps with the step-1 gradients re-assembled; the CUDA backend's code over the
+ * emulator, TP 2 x PP 2 x 2 chunks of a 4-block GPT-2, 2 SGD steps (T 8; ~7 s on a loaded machine: the full tier).
+ * The bars are the thread ranks'. */
+FL_TEST(tpi_train_nccl_standin_opaque) {
+    if (!fl_test_asan_budget()) return; /* ~2 s; the same paths on cpu: tpi_train_threads_* */
+    g_forced = "opaque";
+    g_pp = 2, g_sched = "interleaved", g_steps = 2;
+    scenario(DR_ADAMW, 1, 2);
+    g_pp = 1, g_sched = NULL, g_steps = 0;
+    g_forced = NULL;
+}
+
+FL_TEST(tpi_train_nccl_standin_cuda_emu) {
+#if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (emulated kernels under ASan are slow)");
+#elif defined(FL_HAVE_CUDA_EMU)
+    if (!fl_test_full_only("tpi_train_nccl_standin_opaque, tp_train_nccl_standin_cuda_emu")) return;
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/tpi-emu-gpt2", fl_test_tmpdir());
+    deep_folder("gpt2-micro", dir);
+    g_small = 1, g_model = dir;
+    g_forced = "cuda-emu";
+    g_pp = 2, g_sched = "interleaved";
+    scenario(DR_SGD, 1, 2);
+    g_pp = 1, g_sched = NULL;
+    g_forced = NULL, g_model = NULL;
+    g_small = 0;
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
 }
