@@ -895,6 +895,15 @@ else
     bad "fp16_fault_np2_tp2_rank1_overflow_skipped_on_rank0" "exit $rc"
 fi
 
+# tensor parallelism inside the interleaved schedule (TP 2 x PP 2 x 2 chunks at 4 ranks: each chunk its slice of its
+# virtual stage, their blocks' sums over the group, one clipping norm over every chunk): one process's losses (tp-one)
+# within 1e-6 relative (tests/test_tp_train.c tpi_train_*), its final files; the step-2 checkpoint (each chunk gathered
+# over the group, then the virtual stages) resumes in one process
+timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 \
+    --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppit4" >"$T/out" 2>&1; rc=$?
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppit4/step-000002" --out_dir "$T/ppit-r1" >>"$T/out" 2>&1 || rc=$?
+ppi_check ppi_cli_np4_tp2_pp2 "$T/ppit4" "$T/tp-one" "$T/ppit-r1"
+
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"
 [ $fail -eq 0 ]
