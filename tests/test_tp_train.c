@@ -1660,15 +1660,19 @@ FL_TEST(tp_train_threads_qlora_cut_blocks_plan_equals_measured) {
  * the bars are TP x PP's above (the step losses within 1e-6 relative of one process, step 1's gradients re-assembled
  * within 1e-5 of each tensor's scale from the step-1 checkpoint gathered chunk by chunk: the slices over the group,
  * then the virtual stages over the pipeline; the final weights within the AdamW bound). */
-/* TP 2 x PP 2 x 2 chunks and DP 2 x TP 2 x PP 2 x 2 chunks (8 thread ranks), AdamW with clipping */
+/* TP 2 x PP 2 x 2 chunks and DP 2 x TP 2 x PP 2 x 2 chunks (8 thread ranks), AdamW with clipping, 4 steps (under ASan
+ * the quick tier runs TP 2 x PP 2 x 2 alone) */
 FL_TEST(tpi_train_threads_matches_one_process) {
     const grid_case k[] = {{DR_ADAMW, 1, 2, 2, "interleaved", NULL, NULL}, {DR_ADAMW, 2, 2, 2, "interleaved", NULL, NULL}};
-    grid_cases(k, (int)(sizeof k / sizeof k[0]));
+    g_steps = 4;
+    grid_cases(k, fl_test_asan_light() ? 1 : 2);
+    g_steps = 0;
 }
 
 /* GPT-2 and OPT (4-block folders of the micro presets' shapes: learned positions, LayerNorms, biases, the row-parallel
  * ones on the group's rank 0) under SGD, and LoRA on LLaMA's slices (each chunk's adapters keyed by the whole model's
- * module index, the whole matrices' partial gradients summed over the group per chunk), at TP 2 x PP 2 x 2 chunks */
+ * module index, the whole matrices' partial gradients summed over the group per chunk), at TP 2 x PP 2 x 2 chunks,
+ * 4 steps */
 static void deep_folder(const char *preset, const char *dir) {
     fl_model_config mc;
     FL_REQUIRE_OK(fl_preset_find(preset, &mc));
@@ -1677,23 +1681,28 @@ static void deep_folder(const char *preset, const char *dir) {
 }
 
 FL_TEST(tpi_train_threads_gpt2_opt_lora) {
+    if (!fl_test_asan_budget()) return; /* ~1 s of CPU; under ASan: tpi_train_threads_matches_one_process, _resume_* */
     char dir[2][700];
     for (int m = 0; m < 2; m++) {
         snprintf(dir[m], sizeof dir[m], "%s/tpi-%s4", fl_test_tmpdir(), m ? "opt" : "gpt2");
         deep_folder(m ? "opt-micro" : "gpt2-micro", dir[m]);
     }
-    const grid_case k[] = {{DR_SGD, 1, 2, 2, "interleaved", dir[0], NULL}, {DR_SGD, 1, 2, 2, "interleaved", dir[1], NULL},
-                           {DR_LORA, 1, 2, 2, "interleaved", NULL, NULL}};
+    const grid_case k[] = {{DR_LORA, 1, 2, 2, "interleaved", NULL, NULL}, {DR_SGD, 1, 2, 2, "interleaved", dir[0], NULL},
+                           {DR_SGD, 1, 2, 2, "interleaved", dir[1], NULL}};
+    g_steps = 4;
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
+    g_steps = 0;
 }
 
 /* sequence parallelism inside the interleaved schedule: each chunk's stream between the linears is the rank's 1/2 of
- * the rows, and so is what travels between virtual stages (T = 20): TP 2 x PP 2 x 2 chunks and DP 2 x TP 2 x PP 2 x 2 */
+ * the rows, and so is what travels between virtual stages (T = 20): TP 2 x PP 2 x 2 chunks and (the full tier) DP 2 x
+ * TP 2 x PP 2 x 2, 4 AdamW steps */
 FL_TEST(tpi_train_threads_sequence_parallel) {
-    g_sp = 1, g_t20 = 1;
+    if (!fl_test_asan_budget()) return; /* ~1 s of CPU; SP's plan under ASan: tpi_train_threads_plan_equals_measured */
+    g_sp = 1, g_t20 = 1, g_steps = 4;
     const grid_case k[] = {{DR_ADAMW, 1, 2, 2, "interleaved", NULL, NULL}, {DR_ADAMW, 2, 2, 2, "interleaved", NULL, NULL}};
-    grid_cases(k, (int)(sizeof k / sizeof k[0]));
-    g_sp = 0, g_t20 = 0;
+    grid_cases(k, fl_test_quick() ? 1 : 2); /* the quick tier: TP 2 x PP 2 x 2 (the 3D grid: _matches_one_process) */
+    g_sp = 0, g_t20 = 0, g_steps = 0;
 }
 
 /* run W = tp x pp thread ranks (one process: 1) of scenario sc into out under sched (NULL: 1f1b), resuming from resume
@@ -1717,11 +1726,12 @@ static fl_status tpi_run(dr_job *j, int sc, int tp, int pp, const char *sched, c
 
 /* Checkpoints across grids and schedules: TP 2 x PP 2 x 2 chunks' step-3 checkpoint (each chunk's slices gathered over
  * the group, the virtual stages over the pipeline: one process's consolidated files) resumed in one process and at
- * TP 2 x PP 2 under GPipe, that GPipe run's step 5 resumed interleaved; each resumed run's later losses within 1e-6
+ * TP 2 x PP 2 under GPipe, that GPipe run's step 4 resumed interleaved (5 steps); each resumed run's later losses within 1e-6
  * relative of the uninterrupted interleaved run's (ddp_ref.h's bar: the resumed grids differ by reassociation). LoRA
  * (AdamW on the adapters): the interleaved run's step 3 resumed in one process, the same bar. */
 FL_TEST(tpi_train_threads_resume_across_grids) {
     const int scs[2] = {DR_ADAMW, DR_LORA};
+    g_steps = 5;
     for (int q = 0; q < 2; q++) {
         const int sc = scs[q];
         char out[700], from[800], o2[760];
@@ -1735,7 +1745,7 @@ FL_TEST(tpi_train_threads_resume_across_grids) {
         const struct { const char *from, *sched; long step; int tp, pp; const char *name; } k_case[3] = {
             {"", "1f1b", 3, 1, 1, "one process"},
             {"", "gpipe", 3, 2, 2, "TP 2 x PP 2 gpipe"},
-            {"-gpipe", "interleaved", 5, 2, 2, "TP 2 x PP 2 interleaved"}, /* the reverse */
+            {"-gpipe", "interleaved", 4, 2, 2, "TP 2 x PP 2 interleaved"}, /* the reverse */
         };
         for (int k = 0; k < (sc == DR_LORA ? 1 : 3); k++) {
             snprintf(from, sizeof from, "%s%s/step-%06ld", out, k_case[k].from, k_case[k].step);
@@ -1753,6 +1763,7 @@ FL_TEST(tpi_train_threads_resume_across_grids) {
         dr_free(&full);
         free(j);
     }
+    g_steps = 0;
 }
 
 /* plan per rank = measured under TP inside the interleaved schedule (every tag's peak and the total of every rank):
@@ -1796,10 +1807,12 @@ FL_TEST(tpi_train_threads_plan_equals_measured) {
 /* TP inside the interleaved schedule on the device backends, the blocks' sums through the NCCL stand-in: opaque (its
  * memory unreadable by the host: the stream between virtual stages, the norms and the checkpoints through its copies)
  * TP 2 x PP 2 x 2 chunks, 2 AdamW steps with the step-1 gradients re-assembled; the CUDA backend's code over the
- * emulator, TP 2 x PP 2 x 2 chunks of a 4-block GPT-2, 2 SGD steps (T 8; ~7 s on a loaded machine: the full tier).
+ * emulator, TP 2 x PP 2 x 2 chunks of a 4-block GPT-2, 2 SGD steps (T 8; ~7 s on a loaded machine). Both in the full
+ * tier.
  * The bars are the thread ranks'. */
 FL_TEST(tpi_train_nccl_standin_opaque) {
-    if (!fl_test_asan_budget()) return; /* ~2 s; the same paths on cpu: tpi_train_threads_* */
+    /* ~2.4 s of CPU (the stand-in's waits, sys time; 11 s on a loaded machine): the full tier */
+    if (!fl_test_full_only("tpi_train_threads_matches_one_process, tp_train_nccl_standin_opaque")) return;
     g_forced = "opaque";
     g_pp = 2, g_sched = "interleaved", g_steps = 2;
     scenario(DR_ADAMW, 1, 2);
