@@ -1713,6 +1713,21 @@ FL_TEST(tpi_train_threads_zero_and_fp16) {
     g_prec = NULL, g_steps = 0;
 }
 
+/* FULL_SHARD on the data axis of DP 2 x TP 2 x PP 2 x 2 chunks: each later chunk's slice sharded over the axis unit by
+ * unit by a bookkeeping of its own (trainer_pp.c's rule), its units gathered over the axis before the blocks' sums over
+ * the group; the norm adds every chunk's pieces of the entries it trains (over the axis, the group, the stages), the
+ * checkpoint gathers each chunk's pieces over the axis, then its slices over the group. HYBRID_SHARD (2 nodes of one
+ * 2 x 2 grid each) in the full tier. 4 AdamW steps, TP's bars. */
+FL_TEST(tpi_train_threads_full_shard) {
+    if (!fl_test_asan_budget()) return; /* 8 ranks; FULL_SHARD's chunk resume under ASan: _resume_across_grids' fsdp case */
+    const grid_case k[] = {{DR_ADAMW, 2, 2, 2, "interleaved", NULL, "fsdp"}};
+    g_steps = 4;
+    grid_cases(k, 1);
+    g_nodes = fl_test_quick() ? 0 : 2;
+    if (g_nodes) grid_cases(k, 1);
+    g_nodes = 0, g_steps = 0;
+}
+
 FL_TEST(tpi_train_threads_sequence_parallel) {
     if (!fl_test_asan_budget()) return; /* ~1 s of CPU; SP's plan under ASan: tpi_train_threads_plan_equals_measured */
     g_sp = 1, g_t20 = 1, g_steps = 4;
@@ -1723,12 +1738,13 @@ FL_TEST(tpi_train_threads_sequence_parallel) {
 
 /* run W = tp x pp thread ranks (one process: 1) of scenario sc into out under sched (NULL: 1f1b), resuming from resume
  * when given; rank 0's losses in j->rec[0] */
+static int g_tpi_dp = 1; /* tpi_run's data-parallel groups */
 static fl_status tpi_run(dr_job *j, int sc, int tp, int pp, const char *sched, const char *out, const char *resume) {
-    const int W = tp * pp;
+    const int W = g_tpi_dp * tp * pp;
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
     for (int r = 0; r < W; r++) {
         fl_run_config *c = &j->cfg[r];
-        tp_config(c, sc, 1, tp, out);
+        tp_config(c, sc, g_tpi_dp, tp, out);
         c->devices = W;
         c->pipeline_parallel = pp;
         snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", sched ? sched : "1f1b");
@@ -1744,7 +1760,7 @@ static fl_status tpi_run(dr_job *j, int sc, int tp, int pp, const char *sched, c
  * the group, the virtual stages over the pipeline: one process's consolidated files) resumed in one process and at
  * TP 2 x PP 2 under GPipe, that GPipe run's step 4 resumed interleaved (5 steps); each resumed run's later losses within 1e-6
  * relative of the uninterrupted interleaved run's (ddp_ref.h's bar: the resumed grids differ by reassociation). LoRA
- * (AdamW on the adapters): the interleaved run's step 3 resumed in one process, the same bar. */
+ * (AdamW on the adapters): the interleaved run's step 3 resumed in one process, the same bar. FULL_SHARD: below. */
 FL_TEST(tpi_train_threads_resume_across_grids) {
     const int scs[2] = {DR_ADAMW, DR_LORA};
     g_steps = 5;
@@ -1780,18 +1796,42 @@ FL_TEST(tpi_train_threads_resume_across_grids) {
         free(j);
     }
     g_steps = 0;
+    /* FULL_SHARD on the data axis: DP 2 x TP 2 x PP 2 x 2 chunks' step-3 checkpoint (each chunk's pieces gathered over
+     * the axis, then its slices over the group) resumed on the same grid (each chunk's pieces written back) */
+    char out[700], from[800];
+    snprintf(out, sizeof out, "%s/tpi-fsdp-resume", fl_test_tmpdir());
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    g_tpi_dp = 2, g_strategy = "fsdp", g_steps = 5;
+    FL_REQUIRE_OK(tpi_run(j, DR_ADAMW, 2, 2, "interleaved", out, NULL));
+    dr_rec full = j->rec[0];
+    memset(&j->rec[0], 0, sizeof j->rec[0]);
+    snprintf(from, sizeof from, "%s/step-000003", out);
+    strcat(out, "-resumed");
+    fl_status s = tpi_run(j, DR_ADAMW, 2, 2, "interleaved", out, from);
+    FL_CHECKF(s == FL_OK, "DP 2 x TP 2 x PP 2 x 2 fsdp resumed: %s", j->msg[0]);
+    const double w = s == FL_OK ? later_diff(&j->rec[0], &full, 3, 5) : 0;
+    FL_CHECKF(s != FL_OK || (j->rec[0].steps == 5 && w <= 1e-6), "DP 2 x TP 2 x PP 2 x 2 fsdp resumed from step 3: steps "
+              "%ld, later losses %.3g relative from the uninterrupted run's", j->rec[0].steps, w);
+    if (getenv("FL_TEST_VERBOSE")) printf("    DP 2 x TP 2 x PP 2 x 2 fsdp resumed: later losses within %.3g\n", w);
+    g_tpi_dp = 1, g_strategy = NULL, g_steps = 0;
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    dr_free(&full);
+    free(j);
 }
 
 /* plan per rank = measured under TP inside the interleaved schedule (every tag's peak and the total of every rank):
  * each rank's 2 chunk slices (their parameters, gradients, optimizer state, arenas) and the stashes of the
  * chunk-micro-batches in flight: TP 2 x PP 2 x 2 chunks under AdamW, DP 2 x TP 2 x PP 2 x 2 under ZeRO-2 (OPTIM: each
- * chunk's state chunk), LoRA at TP 2 x PP 2 x 2, and SP at TP 2 x PP 2 x 2 (the saved stream's rows 1/2) */
+ * chunk's state chunk), LoRA at TP 2 x PP 2 x 2, SP at TP 2 x PP 2 x 2 (the saved stream's rows 1/2), and DP 2 x TP 2 x
+ * PP 2 x 2 under FULL_SHARD (GATHER: the units gathered over the axis; PARAMS: the pieces, about half of ZeRO-2's) */
 FL_TEST(tpi_train_threads_plan_equals_measured) {
-    const struct { int sc, dp, sp; const char *strategy; } g[4] = {
-        {DR_ADAMW, 1, 0, NULL}, {DR_ADAMW, 2, 0, "deepspeed_stage_2"}, {DR_LORA, 1, 0, NULL}, {DR_ADAMW, 1, 1, NULL}};
+    const struct { int sc, dp, sp; const char *strategy; } g[5] = {{DR_ADAMW, 1, 0, NULL}, {DR_ADAMW, 2, 0, "deepspeed_stage_2"},
+        {DR_LORA, 1, 0, NULL}, {DR_ADAMW, 1, 1, NULL}, {DR_ADAMW, 2, 0, "fsdp"}};
     g_forced = "cpu";
     g_pp = 2, g_sched = "interleaved";
-    for (int k = 0; k < 4; k++) {
+    size_t params[2] = {0, 0}; /* rank 0's PARAMS: DP 2 ZeRO-2, DP 2 fsdp */
+    for (int k = 0; k < 5; k++) {
         const int W = g[k].dp * 2 * 2;
         g_strategy = g[k].strategy, g_sp = g[k].sp, g_t20 = g[k].sp;
         dr_job *j = calloc(1, sizeof *j);
@@ -1799,7 +1839,7 @@ FL_TEST(tpi_train_threads_plan_equals_measured) {
         char out[700], grid[64];
         snprintf(out, sizeof out, "%s/tpi-plan-%d", fl_test_tmpdir(), k);
         snprintf(grid, sizeof grid, "DP %d x TP 2 x PP 2 x 2 chunks %s%s%s", g[k].dp, dr_names[g[k].sc],
-                 g[k].strategy ? " ZeRO-2" : "", g[k].sp ? " SP" : "");
+                 g[k].strategy ? (k == 4 ? " fsdp" : " ZeRO-2") : "", g[k].sp ? " SP" : "");
         for (int r = 0; r < W; r++) {
             tp_config(&j->cfg[r], g[k].sc, g[k].dp, 2, out);
             j->cfg[r].train.max_steps = 1;
@@ -1814,9 +1854,13 @@ FL_TEST(tpi_train_threads_plan_equals_measured) {
                 printf("    %s rank %d: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu, ACTS %zu)\n", grid, r,
                        total, j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_OPTIM], j->res[r].peak[FL_TAG_ACTS]);
         }
+        if (k == 1 || k == 4) params[k == 4] = j->res[0].peak[FL_TAG_PARAMS];
         for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
         free(j);
     }
+    /* FULL_SHARD: each chunk's slice split over the 2 ranks of the axis (+ the pieces' rounding): about half */
+    FL_CHECKF(params[1] * 10 < params[0] * 6, "DP 2 x TP 2 x PP 2 x 2 chunks: rank 0's PARAMS under fsdp %zu, ZeRO-2 %zu",
+              params[1], params[0]);
     g_pp = 1, g_sched = NULL, g_forced = NULL, g_strategy = NULL, g_sp = 0, g_t20 = 0;
 }
 

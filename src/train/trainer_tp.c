@@ -228,7 +228,13 @@ static fl_status chunk_slice(trainer *t, const fl_model_config *whole, const tp_
         s = whole_make(t, &sw, &vc, NULL, 1);
         if (s == FL_OK) s = fl_pp_stage_take(&w->m, &sw.m, t->pp.split[v]);
     }
-    const fl_model_storage ss = slice_storage(t);
+    fl_model_storage ss = slice_storage(t);
+    if (ss.shard) { /* FULL_SHARD on the data axis: the chunk's units sharded by a bookkeeping of its own (a copy of the
+                     * axis' fl_dp, its communicators shared), as trainer_pp.c's chunks */
+        t->pp.xdp[c] = t->dp;
+        t->pp.xdp[c].fsdp = NULL;
+        ss.shard_ud = &t->pp.xdp[c];
+    }
     if (s == FL_OK) s = fl_model_init_ex(&t->pp.xm[c], &pc, &t->hw.be, &t->hw.pool, &ss);
     if (s == FL_OK) t->pp.xm_ok = c;
     if (s == FL_OK) s = w ? fl_tp_scatter(&sw.m, &t->pp.xm[c]) : fl_model_init_random_ex(&t->pp.xm[c], t->cfg->seed);
@@ -426,7 +432,21 @@ static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimi
     memset(fullc, 0, sizeof fullc);
     for (int a = 0; a < 3 && o && !fsdp && state_chunked(o); a++)
         if (src[a] && s == FL_OK) s = state_whole(t, o, src[a], dt, &full[a]);
-    for (int ch = 1; ch < V && o && state_chunked(&t->pp.xo[ch]); ch++) {
+    void *pwc[FL_PP_MAX_CHUNKS] = {NULL};
+    for (int ch = 1; ch < V && fsdp; ch++) { /* FULL_SHARD: each chunk's pieces by its own bookkeeping */
+        fl_dp *xd = &t->pp.xdp[ch];
+        const fl_status g = fl_fsdp_whole_params(xd, &pwc[ch], &pb); /* collective: always */
+        if (s == FL_OK) s = g;
+        void *cs[3] = {NULL, NULL, NULL};
+        if (o) state_arrays(&t->pp.xo[ch], cs);
+        for (int a = 0; a < 3; a++) {
+            if (!cs[a]) continue;
+            fullc[ch][a] = malloc(t->pp.xm[ch].layout.numel * fl_dtype_size(dt) + 4);
+            const fl_status ga = fl_fsdp_whole_array(xd, cs[a], fl_dtype_size(dt), fullc[ch][a]);
+            if (s == FL_OK) s = !fullc[ch][a] ? fl_errorf(FL_ERR_OOM, "tensor parallel checkpoint: out of host memory") : ga;
+        }
+    }
+    for (int ch = 1; ch < V && o && !fsdp && state_chunked(&t->pp.xo[ch]); ch++) {
         void *cs[3];
         state_arrays(&t->pp.xo[ch], cs);
         for (int a = 0; a < 3; a++)
@@ -440,13 +460,14 @@ static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimi
         const int v = ch * t->pp.size + t->pp.stage;
         fl_model_config vc;
         s = chunk_config(t, &t->pp.whole, v, &vc);
-        if (s == FL_OK) s = tp_assemble(t, &t->pp.xm[ch], &vc, o ? &t->pp.xo[ch] : NULL, fullc[ch], NULL, &wc[ch]);
+        if (s == FL_OK) s = tp_assemble(t, &t->pp.xm[ch], &vc, o ? &t->pp.xo[ch] : NULL, fullc[ch], pwc[ch], &wc[ch]);
         if (s == FL_OK && t->tp.rank == 0) fl_model_set_stage(&wc[ch].m, 1, v < t->pp.size * V - 1);
     }
     for (int a = 0; a < 3; a++) {
         free(full[a]);
         for (int ch = 0; ch < FL_PP_MAX_CHUNKS; ch++) free(fullc[ch][a]);
     }
+    for (int ch = 0; ch < FL_PP_MAX_CHUNKS; ch++) free(pwc[ch]);
     free(pw);
     if (t->dp.rank == 0 && s == FL_OK && t->pp.size > 1 && t->tp.rank == 0) {
         /* TP x PP: each stage (interleaved: each chunk) assembled on its group's rank 0; their pipeline gathers it on
@@ -479,6 +500,13 @@ fl_status fl_tr_sum_all(trainer *t, double *v, int n) {
 /* The slice of w's model and optimizer state (a whole model of t->tp.whole's config) into this rank's (under ZeRO
  * on the data axis: its chunk of the slice's arrays), the step and loss scale with them (m, o: the run's model and
  * optimizer, or under interleaved a later chunk's, w of its virtual stage's config) */
+/* the data axis' bookkeeping of model m: the run's, or (FULL_SHARD under interleaved) a later chunk's own */
+static const fl_dp *dp_of(const trainer *t, const fl_model *m) {
+    for (int c = 1; c < t->pp.chunks; c++)
+        if (m == &t->pp.xm[c] && t->pp.xdp[c].fsdp) return &t->pp.xdp[c];
+    return &t->dp;
+}
+
 static fl_status tp_take_state(trainer *t, fl_model *m, fl_optimizer *o, tp_whole *w) {
     if (m->lora) { /* the frozen base is the run's (loaded from checkpoint_dir): the adapters and their state */
         fl_lora_adapters pa, wa;
@@ -501,9 +529,10 @@ static fl_status tp_take_state(trainer *t, fl_model *m, fl_optimizer *o, tp_whol
     const size_t es = fl_dtype_size(dt);
     /* FULL_SHARD on the data axis: the slice's whole array in host memory, then the rank's piece of each unit */
     size_t *fo = NULL, *so = NULL, *ln = NULL;
-    const int G = t->dp.fsdp && m == &t->model ? fl_fsdp_ranges(&t->dp, NULL, NULL, NULL) : 0;
+    const fl_dp *dp = dp_of(t, m); /* (interleaved: a later chunk's own bookkeeping) */
+    const int G = dp->fsdp ? fl_fsdp_ranges(dp, NULL, NULL, NULL) : 0;
     if (G) fo = malloc(3 * (size_t)G * sizeof *fo), so = fo ? fo + G : NULL, ln = fo ? fo + 2 * G : NULL;
-    if (fo) fl_fsdp_ranges(&t->dp, fo, so, ln);
+    if (fo) fl_fsdp_ranges(dp, fo, so, ln);
     /* ZeRO on the data axis: the slice's whole array in host memory, then this rank's chunk */
     const int staged = state_chunked(o) || G > 0;
     char *h = staged ? malloc((G ? m->layout.numel : o->w.n) * es + 4) : NULL;
