@@ -1674,7 +1674,7 @@ FL_TEST(tpi_train_threads_matches_one_process) {
 /* GPT-2 and OPT (4-block folders of the micro presets' shapes: learned positions, LayerNorms, biases, the row-parallel
  * ones on the group's rank 0) under SGD, and LoRA on LLaMA's slices (each chunk's adapters keyed by the whole model's
  * module index, the whole matrices' partial gradients summed over the group per chunk), at TP 2 x PP 2 x 2 chunks,
- * 4 steps */
+ * 4 steps; QLoRA (nf4-dq) in the full tier */
 static void deep_folder(const char *preset, const char *dir) {
     fl_model_config mc;
     FL_REQUIRE_OK(fl_preset_find(preset, &mc));
@@ -1693,7 +1693,15 @@ FL_TEST(tpi_train_threads_gpt2_opt_lora) {
                            {DR_SGD, 1, 2, 2, "interleaved", dir[1], NULL}};
     g_steps = 4;
     grid_cases(k, (int)(sizeof k / sizeof k[0]));
-    g_steps = 0;
+    /* QLoRA (the full tier): micro's shape with 4 blocks, nf4-dq; each chunk's slices keep the whole 4-bit blocks that
+     * cover their parts (o_proj, down_proj cut blocks), as TP x PP's do */
+    char q4[700];
+    snprintf(q4, sizeof q4, "%s/tpi-q4-micro4", fl_test_tmpdir());
+    if (!fl_test_quick()) deep_folder("micro", q4);
+    const grid_case q[] = {{DR_LORA, 1, 2, 2, "interleaved", q4, NULL}};
+    g_quant = "bnb.nf4-dq";
+    if (!fl_test_quick()) grid_cases(q, 1);
+    g_quant = NULL, g_steps = 0;
 }
 
 /* sequence parallelism inside the interleaved schedule: each chunk's stream between the linears is the rank's 1/2 of
