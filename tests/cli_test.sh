@@ -1799,6 +1799,13 @@ expect t5_pp_refuses_full_shard 2 "with an encoder-decoder \(t5\) and FSDP FULL_
     "$FITLLM" "${T5PP[@]}" --strategy fsdp
 expect t5_pp_plan_interleaved 0 "blocks per virtual stage \(balanced by training FLOPs at T = 64, lm_head's on the last\): \[0, 1\) \[1, 3\) \[3, 4\) \[4, 5\)" -- \
     "$FITLLM" "${T5PP[@]}" --pipeline_schedule interleaved --train.max_seq_length 64
+# TP inside the interleaved schedule: the plan runs the grid (rank 1: tensor-parallel rank 1 of stage 0, its two
+# chunks' slices); T5's chunks under TP refused by name before any collective
+expect ppi_plan_tp_stage 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule interleaved\): rank 1 is stage 0" -- \
+    "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --pipeline_schedule interleaved \
+    --train.global_batch_size 8 --train.micro_batch_size 2 --rank 1
+expect ppi_plan_t5_tp_refused 2 "with an encoder-decoder \(t5\) and --tensor_parallel under --pipeline_schedule interleaved" -- \
+    "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --pipeline_schedule interleaved
 
 echo
 echo "$pass passed, $fail failed, $skip skipped"
