@@ -1805,6 +1805,13 @@ expect t5_pp_plan_interleaved 0 "blocks per virtual stage \(balanced by training
 # state (660.75 KiB)
 expect pp_plan_offload_host_tier 0 "^host \(offload\) +reserved +330\.38 KiB +330\.38 KiB +660\.75 KiB" -- \
     "$FITLLM" plan micro --devices 4 --pipeline_parallel 2 --strategy fsdp_cpu_offload
+# TP inside the interleaved schedule: the plan runs the grid (rank 1: tensor-parallel rank 1 of stage 0, its two
+# chunks' slices); T5's chunks under TP refused by name before any collective
+expect ppi_plan_tp_stage 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule interleaved\): rank 1 is stage 0" -- \
+    "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --pipeline_schedule interleaved \
+    --train.global_batch_size 8 --train.micro_batch_size 2 --rank 1
+expect ppi_plan_t5_tp_refused 2 "with an encoder-decoder \(t5\) and --tensor_parallel under --pipeline_schedule interleaved" -- \
+    "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --pipeline_schedule interleaved
 
 # tests/cuda/perf_session.sh's plumbing on a CPU (PERF_DRY=1: each command logged with its FITLLM_CUDA_* settings, not
 # run): every A/B switch of its steps reaches a command with each value (step 11: FITLLM_CUDA_PREFETCH, issue 30)

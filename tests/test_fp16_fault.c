@@ -60,7 +60,8 @@ static void ff_free(dr_job *j) {
 FL_TEST(fp16_fault_overflow_skips_on_every_rank) {
     /* the grids; rank: the one injected (not the loss's stage under PP: the verdict must travel) */
     const ff_grid g[] = {{2, 1, 1, 1, NULL, 1, 0},       {1, 2, 1, 1, NULL, 1, 0},       {1, 1, 2, 1, "1f1b", 0, 0},
-                         {1, 1, 2, 2, "interleaved", 1, 0}, {2, 2, 2, 1, "1f1b", 5, 0}};
+                         {1, 1, 2, 2, "interleaved", 1, 0}, {2, 2, 2, 1, "1f1b", 5, 0},
+                         {1, 2, 2, 2, "interleaved", 3, 0}}; /* TP inside interleaved: the chunks', group's, stages' */
     /* one process (the global batch of DP 1 and DP 2): without the fault, and with it (rank 0 is the process) */
     dr_job *clean = ff_run(&(ff_grid){1, 1, 1, 1, NULL, -2, 1});
     dr_job *one[3] = {NULL, ff_run(&(ff_grid){1, 1, 1, 1, NULL, 0, 1}), ff_run(&(ff_grid){2, 1, 1, 1, NULL, 0, 1})};
@@ -77,7 +78,8 @@ FL_TEST(fp16_fault_overflow_skips_on_every_rank) {
     FL_CHECK(one[1]->rec[0].loss[0] == clean->rec[0].loss[0] && one[1]->rec[0].loss[FF_AT - 1] == clean->rec[0].loss[FF_AT - 1]);
     FL_CHECK(one[1]->rec[0].loss[FF_AT] != clean->rec[0].loss[FF_AT]);
     for (size_t k = 0; k < sizeof g / sizeof g[0]; k++) {
-        if (fl_test_asan_light() && k != 3 && k != 4) continue; /* ASan: interleaved and the 3D grid (every verdict) */
+        if (fl_test_asan_light() && k != 3 && k != 4) continue; /* ASan: interleaved and the 3D grid (every verdict; TP
+                                                                  * inside interleaved: the release pass) */
         dr_job *j = ff_run(&g[k]);
         FL_REQUIRE(j != NULL);
         const int W = g[k].dp * g[k].tp * g[k].pp;

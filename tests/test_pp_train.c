@@ -932,14 +932,14 @@ FL_TEST(pp_train_threads_interleaved_full_shard_resume) {
     g_il_strategy = NULL;
 }
 
-/* what interleaved does not run yet is refused naming the option: tensor parallelism (with or without sequence
- * parallelism); and micro-batches not a multiple of the stages (also under LoRA and ZeRO-3, which run now), more
- * virtual stages than blocks */
+/* what interleaved does not run yet is refused naming the option: micro-batches not a multiple of the stages (also
+ * under LoRA, ZeRO-3, TP x PP with FULL_SHARD and SP, which run interleaved now: their set-up reaches the check), more
+ * virtual stages than blocks (T5 with TP under interleaved: tests/mpi_test.sh ppi_t5_tp_refused) */
 FL_TEST(pp_train_threads_interleaved_refusals) {
     const struct { int dp, pp, V, lora; const char *strategy; int accum3; const char *want; } r[6] = {
         {1, 2, 2, 1, NULL, 1, "not a multiple of the 2 stages"}, /* (LoRA runs interleaved now) */
-        {1, 2, 2, 2, NULL, 0, "--pipeline_schedule interleaved with --tensor_parallel"},
-        {1, 2, 2, 3, NULL, 0, "--pipeline_schedule interleaved with --tensor_parallel and --sequence_parallel"},
+        {2, 2, 2, 2, "fsdp", 1, "not a multiple of the 2 stages"}, /* (TP with FULL_SHARD runs interleaved now) */
+        {1, 2, 2, 3, NULL, 1, "not a multiple of the 2 stages"}, /* (TP and SP run interleaved now) */
         {2, 2, 2, 0, "deepspeed_stage_3", 1, "not a multiple of the 2 stages"}, /* (ZeRO-3 runs interleaved now) */
         {1, 2, 2, 0, NULL, 1, "not a multiple of the 2 stages"},
         {1, 2, 3, 0, NULL, 0, "6 virtual stages for a model of 5 blocks"}};
@@ -951,10 +951,11 @@ FL_TEST(pp_train_threads_interleaved_refusals) {
         const int W = r[k].dp * r[k].pp * (r[k].lora >= 2 ? 2 : 1);
         for (int q = 0; q < W; q++) {
             fl_run_config *c = &j->cfg[q];
-            if (r[k].lora >= 2) { /* TP 2 x PP 2 (3: with sequence parallelism) */
+            if (r[k].lora >= 2) { /* TP 2 x PP 2 (2: DP 2 x TP 2 x PP 2 under FULL_SHARD; 3: with sequence parallelism) */
                 il_config(c, r[k].dp, r[k].pp, r[k].V, "interleaved", 0, 0, out);
                 c->tensor_parallel = 2;
                 c->sequence_parallel = r[k].lora == 3;
+                if (c->sequence_parallel) c->train.max_seq_length = 21; /* T = 20: rows split over 2 ranks */
                 c->devices = W;
             } else if (r[k].lora) {
                 dr_config(c, DR_LORA, r[k].dp, W, 1, 0, out);

@@ -194,6 +194,8 @@ typedef struct {
     double norm_sq;            /* interleaved: the step's squared norm over every chunk, computed once per step */
     int norm_ok;
     int amp_ok, amp_found;     /* interleaved under loss scaling: the step's overflow verdict over every chunk */
+    fl_comm *tp_comm;          /* TP x PP interleaved: the tensor-parallel group (host memory; NULL: none), which the
+                                * verdict is summed over too */
     double fwd_ms, bwd_ms, step_ms; /* measured: the forwards' and backwards' compute (not the waits), the steps */
     long n_fwd, n_bwd, n_steps;
 } fl_pp;

@@ -22,6 +22,7 @@
 
 #include "fitllm/comm.h"
 #include "fitllm/model.h"
+#include "fitllm/pp.h"
 #include "fitllm/train.h"
 
 #ifdef __cplusplus
@@ -121,6 +122,11 @@ typedef struct {
     fl_comm *pipe;              /* TP x PP: the pipeline of this rank's tensor-parallel rank (set after the attach;
                                  * NULL: none). The norm then counts the entries the stage trains (fl_pp_stage_owns)
                                  * and every sum and verdict runs over the group, then over the stages in order. */
+    fl_pp *pp;                  /* TP x PP under the interleaved schedule (set after the attach; NULL: one chunk per
+                                 * rank): every chunk's optimizer has a fl_tp_dist of its own (pp->ch[c].o); the norm
+                                 * is every chunk's, computed by the step's first call and kept in pp->norm_sq (the
+                                 * step resets pp->norm_ok), and the fp16 verdict is pp's over every chunk
+                                 * (pp->amp_found while pp->amp_ok) */
 } fl_tp_dist;
 fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d);
 /* LoRA on a slice (fl_model_lora_init done with the run's seed): the row-parallel linears' A made the rank's

@@ -508,6 +508,7 @@ static fl_status amp_verdict(fl_pp *p, fl_optimizer *o0) {
     double v = any;
     if (zero2) FL_TRY(p->inner->sum(p->inner->ud, &v, 1));
     FL_TRY(fl_error_prefix(sum_stages(p->comm, v, &v), "pipeline: the overflow check"));
+    if (p->tp_comm) FL_TRY(fl_error_prefix(sum_stages(p->tp_comm, v, &v), "pipeline: the overflow check (the group)"));
     p->amp_found = v > 0;
     p->amp_ok = 1;
     return FL_OK;

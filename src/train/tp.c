@@ -45,8 +45,9 @@ static int fsdp_pieces(const fl_tp_dist *d, size_t **fo, size_t **so, size_t **l
     return fl_fsdp_ranges(dp, *fo, *so, *ln);
 }
 
-static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
-    const fl_tp_dist *d = ud;
+/* the rank's part of one chunk's squared norm (d: its hooks, o: its optimizer), before any sum over ranks; < 0: out
+ * of host memory */
+static double grad_sumsq_local(const fl_tp_dist *d, const fl_optimizer *o) {
     const fl_model *m = d->m;
     /* parameter offload: the gradients are the host tier's */
     const fl_backend *be = o->home.params_host ? o->home.be : m->be;
@@ -55,7 +56,7 @@ static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const size_t es = fl_dtype_size(o->w.gt);
     size_t *fo = NULL, *so = NULL, *ln = NULL;
     const int G = fsdp_pieces(d, &fo, &so, &ln); /* FULL_SHARD: each entry's part in the rank's piece of its unit */
-    if (G < 0) return fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory");
+    if (G < 0) return -1;
     double v = 0;
     for (int i = 0; i < m->layout.n; i++) {
         const fl_param_info *p = &m->layout.params[i];
@@ -72,14 +73,50 @@ static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
         }
     }
     free(fo);
-    if (zero) FL_TRY(d->inner->sum(d->inner->ud, &v, 1));
-    return fl_error_prefix(sum_group(d, v, out), "tensor parallel: the gradient norm");
+    return v;
+}
+
+/* the interleaved schedule's chunks (d->pp): chunk c's hooks, their optimizer */
+static const fl_tp_dist *chunk_dist(const fl_tp_dist *d, int c) { return d->pp->ch[c].o->shard.dist->ud; }
+
+/* the rank's part of the squared norm: its one slice's, or (interleaved) every chunk's; < 0: out of host memory */
+static double rank_sumsq(const fl_tp_dist *d, const fl_optimizer *o, double (*one)(const fl_tp_dist *, const fl_optimizer *)) {
+    if (!d->pp || d->pp->chunks <= 1) return one(d, o);
+    double v = 0;
+    for (int c = 0; c < d->pp->chunks; c++) {
+        const double x = one(chunk_dist(d, c), d->pp->ch[c].o);
+        if (x < 0) return x;
+        v += x;
+    }
+    return v;
+}
+
+/* interleaved: the step's norm once (every chunk's optimizer asks; the first call computes it) */
+static int norm_kept(const fl_tp_dist *d, double *out) {
+    if (!d->pp || d->pp->chunks <= 1 || !d->pp->norm_ok) return 0;
+    *out = d->pp->norm_sq;
+    return 1;
+}
+static void norm_keep(const fl_tp_dist *d, double v) {
+    if (!d->pp || d->pp->chunks <= 1) return;
+    d->pp->norm_sq = v;
+    d->pp->norm_ok = 1;
+}
+
+static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
+    const fl_tp_dist *d = ud;
+    if (norm_kept(d, out)) return FL_OK;
+    double v = rank_sumsq(d, o, grad_sumsq_local);
+    if (v < 0) return fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory");
+    if (d->inner && d->inner->stage > 0) FL_TRY(d->inner->sum(d->inner->ud, &v, 1));
+    FL_TRY(fl_error_prefix(sum_group(d, v, out), "tensor parallel: the gradient norm"));
+    norm_keep(d, *out);
+    return FL_OK;
 }
 
 /* LoRA (the optimizer trains the adapters): the norm of every rank's split matrices (B of a column-parallel
  * linear's adapter, A of a row-parallel one's) and rank 0's whole ones (summed over the group by tp_reduce first) */
-static fl_status tp_lora_sumsq(void *ud, const fl_optimizer *o, double *out) {
-    const fl_tp_dist *d = ud;
+static double lora_sumsq_local(const fl_tp_dist *d, const fl_optimizer *o) {
     const fl_model *m = d->m;
     fl_lora_adapters ad;
     fl_model_lora_adapters(m, &ad);
@@ -90,12 +127,21 @@ static fl_status tp_lora_sumsq(void *ud, const fl_optimizer *o, double *out) {
         for (int b = 0; b < 2; b++) {
             if (rank != 0 && !fl_tp_lora_split(&m->layout, md->param_index, b)) continue;
             const size_t n = b ? (size_t)md->out * ad.cfg->r : (size_t)ad.cfg->r * md->in;
-            double x = 0;
-            FL_TRY(FL_RUN(m->be, sumsq, (const float *)o->w.g + ad.off[2 * j + b], FL_F32, n, &x));
+            double x = 0; /* through the door; sumsq's status ignored, as the slot has none */
+            (void)FL_RUN(m->be, sumsq, (const float *)o->w.g + ad.off[2 * j + b], FL_F32, n, &x);
             v += x;
         }
     }
-    return fl_error_prefix(sum_group(d, v, out), "tensor parallel: the adapters' gradient norm");
+    return v;
+}
+
+static fl_status tp_lora_sumsq(void *ud, const fl_optimizer *o, double *out) {
+    const fl_tp_dist *d = ud;
+    if (norm_kept(d, out)) return FL_OK;
+    FL_TRY(fl_error_prefix(sum_group(d, rank_sumsq(d, o, lora_sumsq_local), out), "tensor parallel: the adapters' "
+                           "gradient norm"));
+    norm_keep(d, *out);
+    return FL_OK;
 }
 
 /* LoRA: the whole matrices' gradients are partial sums of the ranks' (dA = B_r^T dy_r x^T on a column-parallel
@@ -121,6 +167,10 @@ static fl_status tp_reduce(void *ud, fl_optimizer *o) {
 
 static fl_status tp_any(void *ud, int *flag) {
     const fl_tp_dist *d = ud;
+    if (d->pp && d->pp->amp_ok) { /* interleaved: the verdict over every chunk (pp_step.c amp_verdict) */
+        *flag = d->pp->amp_found;
+        return FL_OK;
+    }
     double v = *flag != 0;
     FL_TRY(fl_error_prefix(sum_group(d, v, &v), "tensor parallel: the overflow check"));
     *flag = v > 0;
@@ -131,6 +181,10 @@ static fl_status tp_any(void *ud, int *flag) {
  * whole grid's (the axis, then the group): its users decide for every rank (ZeRO-2's overflow verdict). */
 static fl_status inner_sum(void *ud, double *v, int n) {
     const fl_tp_dist *d = ud;
+    if (d->pp && d->pp->amp_ok && n == 1) { /* ZeRO-2's overflow check under interleaved: the step's one verdict */
+        v[0] = d->pp->amp_found;
+        return FL_OK;
+    }
     FL_TRY(d->inner->sum(d->inner->ud, v, n));
     for (int k = 0; k < n; k++) FL_TRY(sum_group(d, v[k], &v[k]));
     return FL_OK;

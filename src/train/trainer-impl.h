@@ -78,6 +78,7 @@ typedef struct {
     fl_model_config whole;      /* the whole model's config (checkpoints) */
     size_t whole_numel;         /* and its parameters */
     fl_tp_dist dist;            /* the optimizer's hooks over the group */
+    fl_tp_dist xdist[FL_PP_MAX_CHUNKS]; /* TP x PP interleaved: chunk c's optimizer's (c >= 1) */
 } trainer_tp;
 
 /* Pipeline parallelism (--pipeline_parallel S > 1, trainer_pp.c): world rank w is stage w % S of pipeline w / S;
@@ -224,9 +225,13 @@ fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimiz
  * stage assembled from its tensor-parallel slices on their rank 0, whose first pipeline runs it). */
 fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
                               const fl_train_state *st);
+/* The same with the interleaved schedule's later chunks given (xm[c], xo[c] for c >= 1: TP x PP, each chunk assembled
+ * from its slices; NULL: the run's t->pp.xm, t->pp.xo). */
+fl_status fl_tr_pp_save_stage_v(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
+                                const fl_model *const *xm, const fl_optimizer *const *xo, const fl_train_state *st);
 fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path);
 /* TP x PP with LoRA: the stage's modules of a whole checkpoint's adapters and state (w) into sw (trainer_tp.c's resume). */
-fl_status fl_tr_pp_lora_stage_state(trainer *t, tp_whole *w, tp_whole *sw);
+fl_status fl_tr_pp_lora_stage_state(trainer *t, tp_whole *w, tp_whole *sw, int v);
 /* LoRA on a pipeline stage: the run's seed shifted to the stage's first module (fl_tp_lora_init's draws as
  * fl_model_lora_init_at's: module j + base of the whole model). */
 uint64_t fl_tr_pp_lora_seed(const trainer *t);

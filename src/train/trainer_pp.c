@@ -28,16 +28,9 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     if (!strcmp(c->state_dict_type, "sharded"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: fsdp.state_dict_type sharded is not written yet "
                          "(full: consolidated)", n);
-    if (!strcmp(c->pipeline_schedule, "interleaved")) { /* V stage models per rank: what they do not compose with yet */
-        const char *why = c->tensor_parallel <= 1 ? NULL
-                          : c->sequence_parallel ? "--tensor_parallel and --sequence_parallel"
-                                                 : "--tensor_parallel";
-        (void)sc; /* every strategy of the data axis runs (FULL_SHARD / HYBRID_SHARD: each chunk sharded on its own) */
-        if (why)
-            return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved with %s: not combined yet (interleaved "
-                             "runs finetune_full, finetune_lora and pretrain with any data-parallel strategy, without "
-                             "tensor parallelism; gpipe and 1f1b run it)", why);
-    }
+    /* V stage models per rank: every strategy of the data axis runs (FULL_SHARD / HYBRID_SHARD: each chunk sharded on
+     * its own), TP / SP too (each chunk a slice of its virtual stage) */
+    (void)sc;
     return FL_OK;
 }
 
@@ -211,6 +204,8 @@ static fl_status chunk_setup(trainer *t, int c) {
         FL_TRY(fl_trainer_lora_config(t->cfg, &m->cfg, &lc));
         FL_TRY(lora_base(&t->pp.whole, &lc, t->pp.split[c * t->pp.size + t->pp.stage], &base));
         FL_TRY(fl_model_lora_init_at(m, &lc, t->cfg->seed, base));
+        /* TP x PP: the row-parallel A the rank's columns of the whole's (module base + j's draws; no-op on a whole) */
+        FL_TRY(fl_tp_lora_init(m, t->cfg->seed + (uint64_t)base * 0x9e3779b97f4a7c15ULL));
     } else {
         if (fsdp) FL_TRY(fl_fsdp_init(&t->pp.xdp[c], t->cfg, m)); /* FULL_SHARD: the gathered units' compute copy */
         FL_TRY(fl_model_alloc_grads(m));
@@ -248,6 +243,7 @@ fl_status fl_tr_pp_attach(trainer *t) {
     }
     FL_TRY(fl_pp_init_v(&t->pp.rt, ms, t->pp.chunks > 1 ? t->pp.chunks : 1, t->pp.grp, k));
     t->pp.rt_ok = 1;
+    if (t->tp.size > 1) return FL_OK; /* TP x PP: the optimizers' hooks are the group's (fl_tr_tp_attach) */
     FL_TRY(fl_pp_optim_attach(&t->pp.rt, &t->opt));
     for (int c = 1; c < t->pp.chunks; c++) FL_TRY(fl_pp_chunk_optim(&t->pp.rt, c, &t->pp.xo[c]));
     return FL_OK;
@@ -408,9 +404,11 @@ static fl_status mod_write(fl_model *m, fl_optimizer *o, const fl_lora_adapters 
 /* the LoRA gather: every later stage of the first pipeline sends each module it trains (the adapters, then each state
  * array), stage 0 puts them (and its own) at their whole-model modules (w NULL: a sender). Interleaved: the virtual
  * stages in order, rank v % S giving its chunk v / S (fullc[c]: chunk c's staged state; chunk 0's is full) */
-/* (src: the stage's model whose adapters travel: the run's, or under TP x PP its group's assembled stage) */
-static fl_status lora_gather(trainer *t, const fl_model *src, tp_whole *w, const fl_optimizer *o, char *const *full,
-                             char *(*fullc)[3], float *buf, fl_dtype dt) {
+/* (src: the stage's model whose adapters travel: the run's, or under TP x PP its group's assembled stage; xm, xo: the
+ * later chunks', likewise) */
+static fl_status lora_gather(trainer *t, const fl_model *src, const fl_model *const *xm, const fl_optimizer *const *xo,
+                             tp_whole *w, const fl_optimizer *o, char *const *full, char *(*fullc)[3], float *buf,
+                             fl_dtype dt) {
     const int S = t->pp.size, me = t->pp.stage, V = t->pp.chunks > 1 ? t->pp.chunks : 1, NV = S * V;
     fl_lora_adapters whole;
     void *dst[3] = {NULL, NULL, NULL}, *arr0[3] = {NULL, NULL, NULL};
@@ -422,8 +420,8 @@ static fl_status lora_gather(trainer *t, const fl_model *src, tp_whole *w, const
         const int owner = v % S, c = v / S;
         if (me > 0 && owner != me) continue;
         /* the chunk's model, optimizer and staged state (its own, or the owner's shape for the sizes) */
-        const fl_model *cm = c == 0 ? src : &t->pp.xm[c];
-        const fl_optimizer *co = !o ? NULL : c == 0 ? o : &t->pp.xo[c];
+        const fl_model *cm = c == 0 ? src : xm[c];
+        const fl_optimizer *co = !o ? NULL : c == 0 ? o : xo[c];
         char *const *cf = c == 0 ? full : fullc[c];
         fl_lora_adapters mine;
         fl_model_lora_adapters(cm, &mine);
@@ -482,6 +480,14 @@ static fl_status fsdp_whole(fl_dp *dp, const fl_model *m, const fl_optimizer *o,
 
 fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
                               const fl_train_state *st) {
+    return fl_tr_pp_save_stage_v(t, lead, name, m, o, NULL, NULL, st);
+}
+
+fl_status fl_tr_pp_save_stage_v(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
+                                const fl_model *const *xm, const fl_optimizer *const *xo, const fl_train_state *st) {
+    const fl_model *cm[FL_PP_MAX_CHUNKS];      /* the later chunks' models and optimizers */
+    const fl_optimizer *co[FL_PP_MAX_CHUNKS];
+    for (int c = 1; c < t->pp.chunks; c++) cm[c] = xm ? xm[c] : &t->pp.xm[c], co[c] = xo ? xo[c] : &t->pp.xo[c];
     const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     char *full[3] = {NULL, NULL, NULL};
     void *arr[3] = {NULL, NULL, NULL};
@@ -493,14 +499,14 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     char *fullc[FL_PP_MAX_CHUNKS][3];
     memset(fullc, 0, sizeof fullc);
     for (int c = 1; o && c < t->pp.chunks && s == FL_OK; c++)
-        s = chunk_state_whole(t, &t->pp.xo[c], dt, fullc[c]);
+        s = chunk_state_whole(t, co[c], dt, fullc[c]);
     /* FULL_SHARD on the data axis: the stage's parameters and state gathered unit by unit over the axis first */
     const int fsdp = t->dp.fsdp && m == &t->model;
     char *pw = NULL, *pwc[FL_PP_MAX_CHUNKS] = {NULL};
     if (fsdp && s == FL_OK) s = fsdp_whole(&t->dp, m, o, dt, &pw, full);
     /* interleaved: each later chunk's too (its own bookkeeping) */
     for (int c = 1; fsdp && c < t->pp.chunks && s == FL_OK; c++)
-        s = fsdp_whole(&t->pp.xdp[c], &t->pp.xm[c], o ? &t->pp.xo[c] : NULL, dt, &pwc[c], fullc[c]);
+        s = fsdp_whole(&t->pp.xdp[c], cm[c], o ? co[c] : NULL, dt, &pwc[c], fullc[c]);
     /* LoRA: the adapters (and their state) of every stage; the final save (no optimizer) also the frozen base, which
      * stage 0 merges them into as one process does */
     fl_lora_adapters ad;
@@ -508,7 +514,7 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     size_t most = lora ? ad.numel + 1 : 1;
     for (int c = 1; lora && c < t->pp.chunks; c++) { /* interleaved: the largest chunk's adapters */
         fl_lora_adapters ac;
-        if (fl_model_lora_adapters(&t->pp.xm[c], &ac) && ac.numel + 1 > most) most = ac.numel + 1;
+        if (fl_model_lora_adapters(cm[c], &ac) && ac.numel + 1 > most) most = ac.numel + 1;
     }
     for (int i = 0; i < m->layout.n; i++)
         if (m->layout.params[i].numel > most) most = m->layout.params[i].numel;
@@ -517,8 +523,8 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && (!lora || !o)) s = give_stage(t, m, lora ? NULL : o, full, buf, dt, pw);
     /* interleaved: the later chunks' in virtual-stage order (LoRA: their frozen base, final/ only) */
     for (int c = 1; t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && c < t->pp.chunks && (!lora || !o); c++)
-        s = give_stage(t, &t->pp.xm[c], o && !lora ? &t->pp.xo[c] : NULL, fullc[c], buf, dt, pwc[c]);
-    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, m, NULL, o, full, fullc, buf, dt);
+        s = give_stage(t, cm[c], o && !lora ? co[c] : NULL, fullc[c], buf, dt, pwc[c]);
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, m, cm, co, NULL, o, full, fullc, buf, dt);
     if (t->dp.rank != 0 || s != FL_OK || t->pp.stage > 0) { /* the first pipeline gathers, its stage 0 writes */
         for (int a = 0; a < 3; a++) free(full[a]);
         free_chunk_state(fullc);
@@ -533,11 +539,11 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     const int V = t->pp.chunks > 1 ? t->pp.chunks : 1;
     for (int k = 0; s == FL_OK && k < t->pp.size * V && (!lora || !o); k++) {
         const int own = k % t->pp.size == 0, c = k / t->pp.size; /* stage 0's chunk c, or a later stage's */
-        const fl_model *src = !own ? NULL : c == 0 ? m : &t->pp.xm[c];
-        const fl_optimizer *so = !own || lora ? NULL : c == 0 ? o : o ? &t->pp.xo[c] : NULL;
+        const fl_model *src = !own ? NULL : c == 0 ? m : cm[c];
+        const fl_optimizer *so = !own || lora ? NULL : c == 0 ? o : o ? co[c] : NULL;
         s = take_stage(t, &w, k, t->pp.split, src, so, c == 0 ? full : fullc[c], buf, dt, c == 0 ? pw : pwc[c]);
     }
-    if (s == FL_OK && lora) s = lora_gather(t, m, &w, o, full, fullc, buf, dt);
+    if (s == FL_OK && lora) s = lora_gather(t, m, cm, co, &w, o, full, fullc, buf, dt);
     if (s == FL_OK && lora && !o) s = fl_model_lora_merge(&w.m); /* final/: the merged model and the adapter */
     free(buf);
     free(pw);
@@ -654,13 +660,13 @@ static fl_status chunk_resume(trainer *t, tp_whole *w, int c, float *buf) {
 
 /* TP x PP with LoRA: this stage's modules of the whole checkpoint's adapters and their state (w, a LoRA-attached whole
  * model and optimizer) into sw (the stage's LoRA-attached model and optimizer, whole across the group) */
-fl_status fl_tr_pp_lora_stage_state(trainer *t, tp_whole *w, tp_whole *sw) {
+fl_status fl_tr_pp_lora_stage_state(trainer *t, tp_whole *w, tp_whole *sw, int v) {
     fl_lora_adapters mine, whole;
     if (!fl_model_lora_adapters(&sw->m, &mine) || !fl_model_lora_adapters(&w->m, &whole))
         return fl_errorf(FL_ERR_INTERNAL, "pipeline resume: the stage's or the checkpoint's adapters are missing");
     fl_lora_module *mods = NULL;
     int n = 0, base = 0;
-    fl_status s = stage_mods(t, t->pp.stage, mine.cfg, &mods, &n, &base);
+    fl_status s = stage_mods(t, v, mine.cfg, &mods, &n, &base);
     const fl_dtype dt = sw->o.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     float *buf = malloc((mine.numel + 1) * sizeof *buf);
     if (s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");

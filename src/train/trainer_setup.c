@@ -228,18 +228,20 @@ static fl_status load_data_s2s(trainer *t) {
  * any collective) */
 fl_status fl_tr_pp_check_s2s(const fl_run_config *c, const fl_strategy_choice *sc, const fl_model_config *mc) {
     if (c->pipeline_parallel <= 1 || !fl_model_is_s2s(mc)) return FL_OK;
-    const int lora_interleaved = c->command == FL_CMD_FINETUNE_LORA && !strcmp(c->pipeline_schedule, "interleaved");
+    const int interleaved = !strcmp(c->pipeline_schedule, "interleaved");
+    const int lora_interleaved = c->command == FL_CMD_FINETUNE_LORA && interleaved;
     char z3[192]; /* FULL_SHARD's parameter offload (fsdp_cpu_offload, ..._nvme) with it, named */
     snprintf(z3, sizeof z3, "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (--strategy %s; DDP, ZeRO-1 and ZeRO-2 "
              "run, their optimizer offload too)", c->strategy);
     const char *why = c->sequence_parallel ? "--sequence_parallel"
+                      : c->tensor_parallel > 1 && interleaved ? "--tensor_parallel under --pipeline_schedule interleaved"
                       : sc && sc->stage > 2 ? z3
                       : lora_interleaved    ? "LoRA under --pipeline_schedule interleaved"
                                             : NULL;
     if (why)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder (%s) and %s: not combined "
                          "yet (finetune_full under gpipe, 1f1b or interleaved and finetune_lora under gpipe or 1f1b "
-                         "run)", c->pipeline_parallel,
+                         "run; tensor parallelism under gpipe or 1f1b)", c->pipeline_parallel,
                          mc->name[0] ? mc->name : "encoder-decoder", why);
     return FL_OK;
 }

@@ -33,9 +33,10 @@ static fl_status tpp_begin(trainer *t, fl_comm *world, const fl_model_config *gi
                          W == 1 ? "" : "s", n * S, n * S, n * S, 2 * n * S);
     fl_pp_schedule k;
     FL_TRY(fl_error_prefix(fl_pp_schedule_parse_all(t->cfg->pipeline_schedule, &k), "--pipeline_schedule"));
+    t->pp.chunks = k == FL_PP_INTERLEAVED ? t->cfg->pipeline_chunks : 1; /* interleaved: each chunk a slice */
     fl_strategy_choice sc;
     FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
-    FL_TRY(fl_tr_pp_check(t, &sc)); /* (interleaved refused there) */
+    FL_TRY(fl_tr_pp_check(t, &sc)); /* (what interleaved does not run with TP refused there) */
     if (given) FL_TRY(fl_tr_pp_check_s2s(t->cfg, &sc, given)); /* the plan's: before any collective */
     FL_TRY(tp_check(t->cfg, n, W / (n * S), &sc));
     fl_model_config pc;
@@ -208,6 +209,39 @@ static fl_model_storage slice_storage(const trainer *t) {
     return ss;
 }
 
+/* TP x PP interleaved: virtual stage v's blocks of the whole config (what the group slices into chunk v / S) */
+static fl_status chunk_config(const trainer *t, const fl_model_config *whole, int v, fl_model_config *out) {
+    return fl_pp_stage_config(whole, t->pp.split[v], t->pp.split[v + 1], out);
+}
+
+/* TP x PP interleaved: chunk c (virtual stage c S + stage) made in the run's pool as this rank's slice of its blocks,
+ * taken from the whole model w (NULL: the planner's, random) */
+static fl_status chunk_slice(trainer *t, const fl_model_config *whole, const tp_whole *w, int c) {
+    const int v = c * t->pp.size + t->pp.stage;
+    fl_model_config vc, pc;
+    tp_whole sw;
+    memset(&sw, 0, sizeof sw);
+    FL_TRY(chunk_config(t, whole, v, &vc));
+    FL_TRY(fl_tp_config(&vc, t->tp.size, t->tp.rank, &pc));
+    fl_status s = FL_OK;
+    if (w) { /* the virtual stage's blocks of the whole model (QLoRA: its 4-bit blocks as they are), then the slice */
+        s = whole_make(t, &sw, &vc, NULL, 1);
+        if (s == FL_OK) s = fl_pp_stage_take(&w->m, &sw.m, t->pp.split[v]);
+    }
+    fl_model_storage ss = slice_storage(t);
+    if (ss.shard) { /* FULL_SHARD on the data axis: the chunk's units sharded by a bookkeeping of its own (a copy of the
+                     * axis' fl_dp, its communicators shared), as trainer_pp.c's chunks */
+        t->pp.xdp[c] = t->dp;
+        t->pp.xdp[c].fsdp = NULL;
+        ss.shard_ud = &t->pp.xdp[c];
+    }
+    if (s == FL_OK) s = fl_model_init_ex(&t->pp.xm[c], &pc, &t->hw.be, &t->hw.pool, &ss);
+    if (s == FL_OK) t->pp.xm_ok = c;
+    if (s == FL_OK) s = w ? fl_tp_scatter(&sw.m, &t->pp.xm[c]) : fl_model_init_random_ex(&t->pp.xm[c], t->cfg->seed);
+    whole_free(&sw);
+    return fl_error_prefix(s, "--pipeline_schedule interleaved: chunk %d (virtual stage %d)", c, v);
+}
+
 fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
     tp_whole w, sw;
     fl_status s;
@@ -221,6 +255,7 @@ fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
         FL_TRY(fl_model_init_ex(&t->model, &pc, &t->hw.be, &t->hw.pool, &ss));
         t->model_ok = 1;
         FL_TRY(fl_model_init_random_ex(&t->model, t->cfg->seed));
+        for (int c = 1; c < t->pp.chunks; c++) FL_TRY(chunk_slice(t, given, NULL, c)); /* interleaved: the slices */
         return attach_group(t);
     }
     memset(&sw, 0, sizeof sw);
@@ -245,6 +280,7 @@ fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
         s = fl_tp_scatter(&src->m, &t->model);
     }
     whole_free(&sw);
+    for (int c = 1; c < t->pp.chunks && s == FL_OK; c++) s = chunk_slice(t, &w.m.cfg, &w, c); /* interleaved */
     whole_free(&w);
     if (s != FL_OK) return s;
     return attach_group(t);
@@ -258,9 +294,13 @@ static fl_status attach_group(trainer *t) {
     else if (!fl_backend_host_memory(&t->hw.be))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d on backend '%s' (whose memory the host cannot read) "
                          "needs a device-memory communicator, which it does not have", t->tp.size, t->hw.be.name);
-    FL_TRY(fl_model_set_tp(&t->model, t->tp.dgrp ? t->tp.dgrp : t->tp.grp));
-    if (t->cfg->sequence_parallel) FL_TRY(fl_model_set_sp(&t->model, 1)); /* before the arena: its rows are 1/N */
-    return fl_model_set_tp_host(&t->model, t->tp.grp); /* the vocabulary slices' cross-entropy statistics */
+    for (int c = 0; c < (t->pp.chunks > 1 ? t->pp.chunks : 1); c++) { /* interleaved: every chunk's slice */
+        fl_model *m = c == 0 ? &t->model : &t->pp.xm[c];
+        FL_TRY(fl_model_set_tp(m, t->tp.dgrp ? t->tp.dgrp : t->tp.grp));
+        if (t->cfg->sequence_parallel) FL_TRY(fl_model_set_sp(m, 1)); /* before the arena: its rows are 1/N */
+        FL_TRY(fl_model_set_tp_host(m, t->tp.grp)); /* the vocabulary slices' cross-entropy statistics */
+    }
+    return FL_OK;
 }
 
 fl_status fl_tr_tp_attach(trainer *t) {
@@ -270,17 +310,32 @@ fl_status fl_tr_tp_attach(trainer *t) {
     if (t->pp.size > 1) { /* TP x PP: the pipelined step over the stages of this tensor-parallel rank */
         fl_pp_schedule k;
         const fl_optim_dist *axis = t->opt.shard.dist;
-        FL_TRY(fl_pp_schedule_parse(t->cfg->pipeline_schedule, &k));
-        FL_TRY(fl_pp_init(&t->pp.rt, &t->model, t->pp.grp, k));
+        FL_TRY(fl_pp_schedule_parse_all(t->cfg->pipeline_schedule, &k));
+        if (k == FL_PP_INTERLEAVED) FL_TRY(fl_tr_pp_attach(t)); /* each chunk's set-up, the step over every chunk */
+        else FL_TRY(fl_pp_init(&t->pp.rt, &t->model, t->pp.grp, k));
         t->pp.rt_ok = 1;
         t->pp.rt.inner = axis; /* ZeRO-2's tied table is made whole over the axis (pp_step.c) */
         t->pp.rt.adapters = t->model.lora != NULL; /* LoRA: the optimizer trains the adapters (no tied table's sum) */
+        t->pp.rt.tp_comm = t->tp.grp;              /* interleaved's fp16 verdict over the group too */
     }
     FL_TRY(fl_tp_optim_attach(&t->opt, t->tp.grp, &t->tp.dist));
     /* TP x PP: the norm counts the entries the stage trains; the sums and verdicts run over the stages too */
     t->tp.dist.pipe = t->pp.size > 1 ? t->pp.grp : NULL;
+    if (t->pp.chunks > 1) { /* interleaved: every chunk's optimizer over the group, one norm and verdict for them all */
+        t->pp.rt.ch[0].o = &t->opt;
+        t->tp.dist.pp = &t->pp.rt;
+        for (int c = 1; c < t->pp.chunks; c++) {
+            fl_tp_dist *d = &t->tp.xdist[c];
+            t->pp.rt.ch[c].inner = t->pp.xo[c].shard.dist;
+            FL_TRY(fl_error_prefix(fl_tp_optim_attach(&t->pp.xo[c], t->tp.grp, d), "chunk %d", c));
+            d->pipe = t->pp.grp;
+            d->pp = &t->pp.rt;
+            t->pp.rt.ch[c].o = &t->pp.xo[c];
+        }
+    }
     return fl_tp_lora_init(&t->model, fl_tr_pp_lora_seed(t)); /* LoRA: the slices of the whole's initial adapters
-                                                                * (TP x PP: numbered from the stage's first module) */
+                                                                * (TP x PP: numbered from the stage's first module;
+                                                                * the later chunks': chunk_setup) */
 }
 
 /* the optimizer's state arrays (AdamW's m, v; SGD's momentum) */
@@ -299,19 +354,20 @@ static fl_status state_whole(trainer *t, const fl_optimizer *o, const void *arr,
 
 /* tp_assemble's LoRA part (s: rank 0's staging, g: the base's gather): the adapters, then each state array (F32 at
  * the adapters' offsets) gathered into the whole model's (its LoRA) and optimizer */
-static fl_status tp_assemble_lora(trainer *t, const fl_optimizer *o, tp_whole *w, fl_status s, fl_status g) {
+static fl_status tp_assemble_lora(trainer *t, fl_model *m, const fl_optimizer *o, tp_whole *w, fl_status s,
+                                  fl_status g) {
     fl_lora_adapters pa, wa;
-    fl_model_lora_adapters(&t->model, &pa);
+    fl_model_lora_adapters(m, &pa);
     const fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w->m : NULL;
     if (wm) fl_model_lora_adapters(wm, &wa);
     if (g == FL_OK)
-        g = fl_tp_lora_gather(&t->model, t->tp.grp, t->model.be, pa.params, wm, wm ? wm->be : NULL, wm ? wa.params : NULL);
+        g = fl_tp_lora_gather(m, t->tp.grp, m->be, pa.params, wm, wm ? wm->be : NULL, wm ? wa.params : NULL);
     void *src[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
     if (o) state_arrays(o, src);
     if (o && wm) state_arrays(&w->o, dst);
     for (int a = 0; a < 3 && g == FL_OK; a++)
         if (src[a])
-            g = fl_tp_lora_gather(&t->model, t->tp.grp, o->home.be, src[a], wm, wm ? w->o.home.be : NULL, dst[a]);
+            g = fl_tp_lora_gather(m, t->tp.grp, o->home.be, src[a], wm, wm ? w->o.home.be : NULL, dst[a]);
     if (s == FL_OK) s = g;
     if (s == FL_OK && wm && o) {
         w->o.step = o->step;
@@ -325,22 +381,23 @@ static fl_status tp_assemble_lora(trainer *t, const fl_optimizer *o, tp_whole *w
  * or (TP x PP) the stage's. A failed staging on rank 0 still runs the group's gathers (their sums are dropped). */
 /* pw: FULL_SHARD on the data axis, the slice's parameters gathered from the axis' pieces (host memory, the store's
  * dtype), else NULL (read from the model) */
-static fl_status tp_assemble(trainer *t, const fl_model_config *cfg, const fl_optimizer *o, void *const *full,
-                             const void *pw, tp_whole *w) {
+/* (m: the slice, t->model; TP x PP interleaved: a later chunk's, cfg its virtual stage's) */
+static fl_status tp_assemble(trainer *t, fl_model *m, const fl_model_config *cfg, const fl_optimizer *o,
+                             void *const *full, const void *pw, tp_whole *w) {
     const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     void *src[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
     memset(w, 0, sizeof *w);
     fl_status s = t->tp.rank == 0 ? fl_tr_whole_make(t, w, cfg, o) : FL_OK;
     fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w->m : NULL;
-    fl_status g = pw ? fl_tp_gather_params_host(&t->model, t->tp.grp, pw, fl_model_store_dtype(&t->model), wm)
-                     : fl_tp_gather(&t->model, t->tp.grp, wm, 0);
-    if (t->model.lora) return tp_assemble_lora(t, o, w, s, g); /* the adapters and their optimizer state */
+    fl_status g = pw ? fl_tp_gather_params_host(m, t->tp.grp, pw, fl_model_store_dtype(m), wm)
+                     : fl_tp_gather(m, t->tp.grp, wm, 0);
+    if (m->lora) return tp_assemble_lora(t, m, o, w, s, g); /* the adapters and their optimizer state */
     if (o) {
         state_arrays(o, src);
         if (wm) state_arrays(&w->o, dst);
         for (int a = 0; a < 3 && g == FL_OK; a++)
             if (src[a])
-                g = fl_tp_gather_array(&t->model, t->tp.grp, full[a] ? NULL : o->home.be, full[a] ? full[a] : src[a], wm,
+                g = fl_tp_gather_array(m, t->tp.grp, full[a] ? NULL : o->home.be, full[a] ? full[a] : src[a], wm,
                                        wm ? w->o.home.be : NULL, dst[a], dt);
     }
     if (s == FL_OK) s = g;
@@ -368,24 +425,61 @@ static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimi
         const fl_status g = fl_fsdp_whole_array(&t->dp, src[a], fl_dtype_size(dt), full[a]); /* collective: always */
         if (s == FL_OK) s = !full[a] ? fl_errorf(FL_ERR_OOM, "tensor parallel checkpoint: out of host memory") : g;
     }
-    /* ZeRO: every rank of the axis gives its chunks first (the same arrays in the same order on every rank) */
+    /* ZeRO: every rank of the axis gives its chunks first (the same arrays in the same order on every rank);
+     * interleaved: every model chunk's in turn (fullc[c]: chunk c's) */
+    const int V = t->pp.chunks > 1 ? t->pp.chunks : 1;
+    void *fullc[FL_PP_MAX_CHUNKS][3];
+    memset(fullc, 0, sizeof fullc);
     for (int a = 0; a < 3 && o && !fsdp && state_chunked(o); a++)
         if (src[a] && s == FL_OK) s = state_whole(t, o, src[a], dt, &full[a]);
-    if (t->dp.rank != 0 || s != FL_OK) { /* DDP / ZeRO: the first data-parallel group gathers and writes */
-        for (int a = 0; a < 3; a++) free(full[a]);
-        free(pw);
-        return s;
+    void *pwc[FL_PP_MAX_CHUNKS] = {NULL};
+    for (int ch = 1; ch < V && fsdp; ch++) { /* FULL_SHARD: each chunk's pieces by its own bookkeeping */
+        fl_dp *xd = &t->pp.xdp[ch];
+        const fl_status g = fl_fsdp_whole_params(xd, &pwc[ch], &pb); /* collective: always */
+        if (s == FL_OK) s = g;
+        void *cs[3] = {NULL, NULL, NULL};
+        if (o) state_arrays(&t->pp.xo[ch], cs);
+        for (int a = 0; a < 3; a++) {
+            if (!cs[a]) continue;
+            fullc[ch][a] = malloc(t->pp.xm[ch].layout.numel * fl_dtype_size(dt) + 4);
+            const fl_status ga = fl_fsdp_whole_array(xd, cs[a], fl_dtype_size(dt), fullc[ch][a]);
+            if (s == FL_OK) s = !fullc[ch][a] ? fl_errorf(FL_ERR_OOM, "tensor parallel checkpoint: out of host memory") : ga;
+        }
     }
-    tp_whole w;
-    s = tp_assemble(t, &t->tp.whole, o, full, pw, &w);
-    for (int a = 0; a < 3; a++) free(full[a]);
+    for (int ch = 1; ch < V && o && !fsdp && state_chunked(&t->pp.xo[ch]); ch++) {
+        void *cs[3];
+        state_arrays(&t->pp.xo[ch], cs);
+        for (int a = 0; a < 3; a++)
+            if (cs[a] && s == FL_OK) s = state_whole(t, &t->pp.xo[ch], cs[a], dt, &fullc[ch][a]);
+    }
+    tp_whole w, wc[FL_PP_MAX_CHUNKS];
+    memset(&w, 0, sizeof w), memset(wc, 0, sizeof wc);
+    /* DDP / ZeRO: the first data-parallel group gathers and writes */
+    if (t->dp.rank == 0 && s == FL_OK) s = tp_assemble(t, &t->model, &t->tp.whole, o, full, pw, &w);
+    for (int ch = 1; ch < V && t->dp.rank == 0 && s == FL_OK; ch++) { /* interleaved: each chunk's virtual stage */
+        const int v = ch * t->pp.size + t->pp.stage;
+        fl_model_config vc;
+        s = chunk_config(t, &t->pp.whole, v, &vc);
+        if (s == FL_OK) s = tp_assemble(t, &t->pp.xm[ch], &vc, o ? &t->pp.xo[ch] : NULL, fullc[ch], pwc[ch], &wc[ch]);
+        if (s == FL_OK && t->tp.rank == 0) fl_model_set_stage(&wc[ch].m, 1, v < t->pp.size * V - 1);
+    }
+    for (int a = 0; a < 3; a++) {
+        free(full[a]);
+        for (int ch = 0; ch < FL_PP_MAX_CHUNKS; ch++) free(fullc[ch][a]);
+    }
+    for (int ch = 0; ch < FL_PP_MAX_CHUNKS; ch++) free(pwc[ch]);
     free(pw);
-    if (s == FL_OK && t->pp.size > 1 && t->tp.rank == 0) {
-        /* TP x PP: each stage assembled on its group's rank 0; their pipeline gathers it on stage 0, which writes */
-        fl_model_set_stage(&w.m, t->pp.stage > 0, t->pp.stage < t->pp.size - 1);
-        s = fl_tr_pp_save_stage(t, lead, name, &w.m, o ? &w.o : NULL, st);
-    } else if (s == FL_OK && lead)
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.size > 1 && t->tp.rank == 0) {
+        /* TP x PP: each stage (interleaved: each chunk) assembled on its group's rank 0; their pipeline gathers it on
+         * stage 0, which writes */
+        const fl_model *xm[FL_PP_MAX_CHUNKS];
+        const fl_optimizer *xo[FL_PP_MAX_CHUNKS];
+        for (int ch = 1; ch < V; ch++) xm[ch] = &wc[ch].m, xo[ch] = o ? &wc[ch].o : NULL;
+        fl_model_set_stage(&w.m, t->pp.stage > 0, t->pp.stage < t->pp.size * V - 1);
+        s = fl_tr_pp_save_stage_v(t, lead, name, &w.m, o ? &w.o : NULL, xm, xo, st);
+    } else if (t->dp.rank == 0 && s == FL_OK && lead)
         s = fl_ckpt_save(c->out_dir, name, &w.m, o ? &w.o : NULL, st, c, t->in.tok_dir[0] ? t->in.tok_dir : NULL);
+    for (int ch = 1; ch < V; ch++) whole_free(&wc[ch]);
     whole_free(&w);
     return s;
 }
@@ -404,40 +498,48 @@ fl_status fl_tr_sum_all(trainer *t, double *v, int n) {
 }
 
 /* The slice of w's model and optimizer state (a whole model of t->tp.whole's config) into this rank's (under ZeRO
- * on the data axis: its chunk of the slice's arrays), the step and loss scale with them */
-static fl_status tp_take_state(trainer *t, tp_whole *w) {
-    if (t->model.lora) { /* the frozen base is the run's (loaded from checkpoint_dir): the adapters and their state */
+ * on the data axis: its chunk of the slice's arrays), the step and loss scale with them (m, o: the run's model and
+ * optimizer, or under interleaved a later chunk's, w of its virtual stage's config) */
+/* the data axis' bookkeeping of model m: the run's, or (FULL_SHARD under interleaved) a later chunk's own */
+static const fl_dp *dp_of(const trainer *t, const fl_model *m) {
+    for (int c = 1; c < t->pp.chunks; c++)
+        if (m == &t->pp.xm[c] && t->pp.xdp[c].fsdp) return &t->pp.xdp[c];
+    return &t->dp;
+}
+
+static fl_status tp_take_state(trainer *t, fl_model *m, fl_optimizer *o, tp_whole *w) {
+    if (m->lora) { /* the frozen base is the run's (loaded from checkpoint_dir): the adapters and their state */
         fl_lora_adapters pa, wa;
-        fl_model_lora_adapters(&t->model, &pa);
+        fl_model_lora_adapters(m, &pa);
         fl_model_lora_adapters(&w->m, &wa);
-        fl_status s = fl_tp_lora_scatter(&w->m, w->m.be, wa.params, &t->model, t->model.be, pa.params);
+        fl_status s = fl_tp_lora_scatter(&w->m, w->m.be, wa.params, m, m->be, pa.params);
         void *src[3], *dst[3];
         state_arrays(&w->o, src);
-        state_arrays(&t->opt, dst);
+        state_arrays(o, dst);
         for (int a = 0; a < 3 && s == FL_OK; a++)
-            if (src[a] && dst[a]) s = fl_tp_lora_scatter(&w->m, w->o.home.be, src[a], &t->model, t->opt.home.be, dst[a]);
-        if (s == FL_OK) t->opt.step = w->o.step, t->opt.amp.ls = w->o.amp.ls;
+            if (src[a] && dst[a]) s = fl_tp_lora_scatter(&w->m, w->o.home.be, src[a], m, o->home.be, dst[a]);
+        if (s == FL_OK) o->step = w->o.step, o->amp.ls = w->o.amp.ls;
         return s;
     }
-    fl_status s = fl_tp_scatter(&w->m, &t->model);
+    fl_status s = fl_tp_scatter(&w->m, m);
     void *src[3], *dst[3];
     state_arrays(&w->o, src);
-    state_arrays(&t->opt, dst);
-    const fl_dtype dt = t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
-    const fl_optimizer *o = &t->opt;
+    state_arrays(o, dst);
+    const fl_dtype dt = o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     const size_t es = fl_dtype_size(dt);
     /* FULL_SHARD on the data axis: the slice's whole array in host memory, then the rank's piece of each unit */
     size_t *fo = NULL, *so = NULL, *ln = NULL;
-    const int G = t->dp.fsdp ? fl_fsdp_ranges(&t->dp, NULL, NULL, NULL) : 0;
+    const fl_dp *dp = dp_of(t, m); /* (interleaved: a later chunk's own bookkeeping) */
+    const int G = dp->fsdp ? fl_fsdp_ranges(dp, NULL, NULL, NULL) : 0;
     if (G) fo = malloc(3 * (size_t)G * sizeof *fo), so = fo ? fo + G : NULL, ln = fo ? fo + 2 * G : NULL;
-    if (fo) fl_fsdp_ranges(&t->dp, fo, so, ln);
+    if (fo) fl_fsdp_ranges(dp, fo, so, ln);
     /* ZeRO on the data axis: the slice's whole array in host memory, then this rank's chunk */
     const int staged = state_chunked(o) || G > 0;
-    char *h = staged ? malloc((G ? t->model.layout.numel : o->w.n) * es + 4) : NULL;
+    char *h = staged ? malloc((G ? m->layout.numel : o->w.n) * es + 4) : NULL;
     if (s == FL_OK && ((staged && !h) || (G && !fo))) s = fl_errorf(FL_ERR_OOM, "tensor parallel resume: out of host memory");
     for (int a = 0; a < 3 && s == FL_OK; a++) {
         if (!src[a] || !dst[a]) continue;
-        s = fl_tp_scatter_array(&w->m, w->o.home.be, src[a], &t->model, h ? NULL : o->home.be, h ? h : dst[a], dt);
+        s = fl_tp_scatter_array(&w->m, w->o.home.be, src[a], m, h ? NULL : o->home.be, h ? h : dst[a], dt);
         for (int g = 0; g < G && s == FL_OK; g++)
             s = FL_RUN(o->home.be, to_device, (char *)dst[a] + so[g] * es, h + fo[g] * es, ln[g] * es);
         if (s == FL_OK && h && !G) s = FL_RUN(o->home.be, to_device, dst[a], h + o->shard.off * es, o->shard.len * es);
@@ -445,18 +547,20 @@ static fl_status tp_take_state(trainer *t, tp_whole *w) {
     free(h);
     free(fo);
     if (s == FL_OK) {
-        t->opt.step = w->o.step;
-        t->opt.amp.ls = w->o.amp.ls;
+        o->step = w->o.step;
+        o->amp.ls = w->o.amp.ls;
     }
     return s;
 }
 
 /* TP x PP: the stage's blocks of the whole checkpoint w (model and optimizer state) into sw, a model and optimizer of
  * the stage's config (t->tp.whole), entry by entry (the state arrays' bytes: both are whole, of one dtype) */
-static fl_status tpp_stage_state(trainer *t, tp_whole *w, tp_whole *sw) {
-    FL_TRY(fl_tr_whole_make(t, sw, &t->tp.whole, &t->opt));
-    if (t->model.lora) return fl_tr_pp_lora_stage_state(t, w, sw); /* LoRA: the stage's adapters and their state */
-    FL_TRY(fl_pp_stage_take(&w->m, &sw->m, t->pp.first));
+/* (interleaved: virtual stage v's, of config vc) */
+static fl_status tpp_stage_state(trainer *t, tp_whole *w, tp_whole *sw, int v, const fl_model_config *vc) {
+    const int first = t->pp.split[v];
+    FL_TRY(fl_tr_whole_make(t, sw, vc, &t->opt));
+    if (t->model.lora) return fl_tr_pp_lora_stage_state(t, w, sw, v); /* LoRA: the stage's adapters and their state */
+    FL_TRY(fl_pp_stage_take(&w->m, &sw->m, first));
     const size_t es = fl_dtype_size(t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32);
     void *src[3], *dst[3];
     state_arrays(&w->o, src);
@@ -470,7 +574,7 @@ static fl_status tpp_stage_state(trainer *t, tp_whole *w, tp_whole *sw) {
         if (!src[a] || !dst[a]) continue;
         for (int i = 0; i < sw->m.layout.n && s == FL_OK; i++) {
             const fl_param_info *p = &sw->m.layout.params[i];
-            const int j = fl_pp_stage_entry(&w->m.layout, &sw->m.layout, t->pp.first, i);
+            const int j = fl_pp_stage_entry(&w->m.layout, &sw->m.layout, first, i);
             s = fl_optim_state_read(&w->o, buf, (const char *)src[a] + w->m.layout.params[j].offset * es, p->numel * es);
             if (s == FL_OK) s = fl_optim_state_write(&sw->o, (char *)dst[a] + p->offset * es, buf, p->numel * es);
         }
@@ -487,9 +591,18 @@ fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path) {
     const fl_model_config *cfg = t->pp.size > 1 ? &t->pp.whole : &t->tp.whole;
     fl_status s = fl_tr_whole_make(t, &w, cfg, &t->opt);
     if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
-    if (s == FL_OK && t->pp.size > 1) s = tpp_stage_state(t, &w, &sw); /* TP x PP: the stage first */
-    if (s == FL_OK) s = tp_take_state(t, t->pp.size > 1 ? &sw : &w);
+    if (s == FL_OK && t->pp.size > 1) s = tpp_stage_state(t, &w, &sw, t->pp.stage, &t->tp.whole); /* TP x PP: the stage first */
+    if (s == FL_OK) s = tp_take_state(t, &t->model, &t->opt, t->pp.size > 1 ? &sw : &w);
     whole_free(&sw);
+    for (int c = 1; c < t->pp.chunks && s == FL_OK; c++) { /* interleaved: each later chunk's virtual stage, sliced */
+        const int v = c * t->pp.size + t->pp.stage;
+        fl_model_config vc;
+        s = chunk_config(t, &t->pp.whole, v, &vc);
+        if (s == FL_OK) s = tpp_stage_state(t, &w, &sw, v, &vc);
+        if (s == FL_OK) s = tp_take_state(t, &t->pp.xm[c], &t->pp.xo[c], &sw);
+        if (s == FL_OK) fl_model_sync_compute_copy(&t->pp.xm[c]); /* mixed precision: the resumed weights' copy */
+        whole_free(&sw);
+    }
     whole_free(&w);
     return s;
 }
