@@ -1373,9 +1373,10 @@ print('ok')" "$H"
     expect litgpt_recipe_tensorboard 0 "logger_name tensorboard: fitllm writes CSV metrics" -- "$FITLLM" pretrain --config "$R/pretrain/debug.yaml" \
         --model_name micro --data TextFiles --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/stories260K-hf" \
         --train.max_steps 1 --train.global_batch_size 5 --out_dir "$T/lg-pd" --quiet
+    # (--eval.final_validation false: the final pass over $DATA/text's 21,011 validation blocks took 8-14 s; small cases run it)
     expect pretrain_textfiles_context 0 "longest input 512" -- "$FITLLM" pretrain --model_name micro --data TextFiles \
         --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/stories260K-hf" --train.max_steps 1 --train.global_batch_size 1 \
-        --train.micro_batch_size 1 --devices auto --train.max_tokens 100_000 --out_dir "$T/lg-ctx" --quiet
+        --train.micro_batch_size 1 --devices auto --train.max_tokens 100_000 --eval.final_validation false --out_dir "$T/lg-ctx" --quiet
 else
     echo "skip real-model CLI checks: $DATA not found (set FITLLM_DATA)"; skip=$((skip+1))
 fi
@@ -1574,9 +1575,10 @@ if [ -d "$DATA/stories260K-hf" ]; then
     cmp -s "$DATA/stories260K-hf/tokenizer.json" "$T/tgr/step-000001/tokenizer.json" && cmp -s "$DATA/stories260K-hf/tokenizer.json" "$T/tgr/final/tokenizer.json" \
         && { echo "ok   tg_real_tokenizer_copied"; pass=$((pass+1)); } || { echo "FAIL tg_real_tokenizer_copied"; fail=$((fail+1)); }
     expect tg_real_generate_run 0 "^Once upon" -- "$FITLLM" generate "$T/tgr" --prompt "Once upon" --max_new_tokens 4
+    # (--eval.final_validation false: the final pass over $DATA/text's 21,011 validation blocks took 8-14 s; small cases run it)
     expect tg_l2c_pretrain 0 "Saved the final model" -- "$FITLLM" pretrain --model_name micro --data TextFiles --data.train_data_path "$DATA/text" \
         --tokenizer_dir "$DATA/stories260K/tok512.bin" --train.max_steps 1 --train.global_batch_size 1 --train.micro_batch_size 1 \
-        --train.max_seq_length 32 --out_dir "$T/tgb" --quiet
+        --train.max_seq_length 32 --eval.final_validation false --out_dir "$T/tgb" --quiet
     cmp -s "$DATA/stories260K/tok512.bin" "$T/tgb/final/tok512.bin" && { echo "ok   tg_l2c_tokenizer_file_copied"; pass=$((pass+1)); } \
         || { echo "FAIL tg_l2c_tokenizer_file_copied"; ls "$T/tgb/final" | sed 's/^/     /'; fail=$((fail+1)); }
     expect tg_l2c_generate 0 "^Once upon" -- "$FITLLM" generate "$T/tgb" --prompt "Once upon" --max_new_tokens 4
@@ -1666,9 +1668,10 @@ for be in ref opaque; do
     expect memory_report_names_$be 0 "^memory report \($be\)" -- env FITLLM_BACKEND=$be "$FITLLM" finetune_full micro "${TR[@]}" --out_dir "$T/mr-$be"
 done
 if [ -d "$DATA/text" ]; then
+    # (--eval.final_validation false: the final pass over $DATA/text's 21,011 validation blocks took 8-14 s; small cases run it)
     expect textfiles_names_val_file 0 "^validation: tinyshakespeare.txt, the first .txt of train_data_path in sorted order" -- \
         "$FITLLM" pretrain --model_name micro --data TextFiles --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/stories260K-hf" \
-        --train.max_steps 1 --train.global_batch_size 1 --train.micro_batch_size 1 --train.max_seq_length 32 --out_dir "$T/tf1" --quiet
+        --train.max_steps 1 --train.global_batch_size 1 --train.micro_batch_size 1 --train.max_seq_length 32 --eval.final_validation false --out_dir "$T/tf1" --quiet
     expect clamp_longest_sample_said 0 "note: the longest sample has 1030 input tokens, more than the model's 512 positions" -- \
         "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_steps 1 \
         --train.global_batch_size 1 --eval.max_iters 1 --eval.final_validation false --eval.max_new_tokens 0 --out_dir "$T/cl3" --quiet
