@@ -10,11 +10,16 @@ pass=0; fail=0; skip=0
 source "$(dirname "$0")/suite_lib.sh"   # per-case wall times ("ok NAME ... T ms"), the tier (full_tier, tier_skip)
 trap 'rm -rf "$T"; fl_case_laps_end' EXIT
 
-# expect NAME WANT_RC PATTERN -- cmd...
+# expect NAME WANT_RC PATTERN -- cmd...  (the output and exit status stay in EXPECT_OUT / EXPECT_RC)
 expect() {
     local name=$1 want=$2 pat=$3; shift 4
-    local out rc
-    out=$("$@" 2>&1); rc=$?
+    EXPECT_OUT=$("$@" 2>&1); EXPECT_RC=$?
+    expect_saved "$name" "$want" "$pat" "$EXPECT_OUT" "$EXPECT_RC"
+}
+# expect_saved NAME WANT_RC PATTERN OUT RC: expect's checks on the output of a command an earlier case ran (the same
+# command, deterministic: run once)
+expect_saved() {
+    local name=$1 want=$2 pat=$3 out=$4 rc=$5
     if [ "$rc" -ne "$want" ]; then
         echo "FAIL $name: exit $rc, want $want"; echo "$out" | tail -5 | sed 's/^/     /'; fail=$((fail+1)); return
     fi
@@ -525,9 +530,10 @@ expect plan_t5_needs_source 2 "an encoder-decoder \(t5-small\) needs a source le
 # (t5-small's dropout_rate 0.1 trains with dropout: its TEMP buffer, B x source x d_model floats of WORKSPACE, moved
 # the suggestion from 881 to 875 tokens)
 expect plan_t5_suggests_source 3 "max_seq_length +fits: --data.max_source_length 875 " -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
-expect plan_t5_bf16true_variant 3 "bf16-true +does not fit: bf16 parameters" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
+t5p_out=$EXPECT_OUT t5p_rc=$EXPECT_RC   # the same plan (2.6 CPU s) for the two variant checks below
+expect_saved plan_t5_bf16true_variant 3 "bf16-true +does not fit: bf16 parameters" "$t5p_out" "$t5p_rc"
 expect plan_t5_qlora_variant 3 "qlora +does not fit: LoRA on a 4-bit base" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB --precision bf16-mixed
-expect plan_t5_param_offload_variant 3 "param_offload +does not fit: the parameters, gradients and optimizer state in files" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
+expect_saved plan_t5_param_offload_variant 3 "param_offload +does not fit: the parameters, gradients and optimizer state in files" "$t5p_out" "$t5p_rc"
 expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16, 32-true" -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 2 --warmup 1 --threads 2
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
