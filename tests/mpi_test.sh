@@ -742,23 +742,29 @@ elif [ $rc -eq 0 ]; then pass=$((pass+1)); else bad "netns_two_nodes" "exit $rc"
 
 # BLIP-2 image-caption fine-tuning over 2 ranks (tests/mpi_blip2_test.sh: DDP against one process, OPT and Flan-T5,
 # full and LoRA; the self-started launcher; DDP's checkpoint resumed in one process; refusals; a rank's corrupt image)
+t_sub=$SECONDS  # its lines come out together at its end: the first one's lap time is the whole script's
 "$(dirname "$0")/mpi_blip2_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
 grep -E "^(ok|FAIL|     )" "$T/out"
+echo "     (tests/mpi_blip2_test.sh: $((SECONDS - t_sub)) s for its $(grep -cE '^(ok|FAIL)' "$T/out") cases)"
 pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))
 [ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_blip2" "exit $rc"
 
 # T5, an encoder-decoder, over 2 ranks (tests/mpi_t5_test.sh: DDP against one process, ZeRO-1/2 and ZeRO-2 offload
 # against DDP, rank 0's peaks against the plan)
+t_sub=$SECONDS  # its lines come out together at its end: the first one's lap time is the whole script's
 "$(dirname "$0")/mpi_t5_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
 grep -E "^(ok|FAIL|     )" "$T/out"
+echo "     (tests/mpi_t5_test.sh: $((SECONDS - t_sub)) s for its $(grep -cE '^(ok|FAIL)' "$T/out") cases)"
 pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))
 [ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_t5" "exit $rc"
 
 # sequence parallelism (--sequence_parallel with --tensor_parallel) over 2 and 4 ranks (tests/mpi_sp_test.sh: against one
 # process and TP alone, the checkpoint resumed in one process, rank 0's peaks = the plan, TP 2 x PP 2, T5 with its
 # evaluation sample, LoRA dropout on the row-parallel linears, the sequence-length refusal)
+t_sub=$SECONDS  # its lines come out together at its end: the first one's lap time is the whole script's
 "$(dirname "$0")/mpi_sp_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
 grep -E "^(ok|FAIL|     )" "$T/out"
+echo "     (tests/mpi_sp_test.sh: $((SECONDS - t_sub)) s for its $(grep -cE '^(ok|FAIL)' "$T/out") cases)"
 pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))
 [ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_sp" "exit $rc"
 

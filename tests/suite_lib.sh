@@ -6,6 +6,9 @@
 #   if full_tier; then
 #       ...the case(s)...
 #   else tier_skip NAME "the quick-tier cases that cover its paths"; fi
+# First look for a cheaper equivalent in both tiers where the case's checks allow it (no tolerance loosened): e.g.
+# the TextFiles pretrain cases skip the final validation pass none of their checks reads (8-14 s each), lab_quick
+# trains one step per row (its verdicts and files are those of two).
 FITLLM_TEST_TIER=${FITLLM_TEST_TIER:-quick}
 full_tier() { [ "$FITLLM_TEST_TIER" = full ]; }
 tier_skip() { echo "skip $1: full tier only (FITLLM_TEST_TIER=full); the quick tier covers it in $2"; skip=$((skip + 1)); }

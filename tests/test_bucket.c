@@ -100,7 +100,9 @@ FL_TEST(bucket_ddp_and_zero1_slices_keep_the_bits) {
 FL_TEST(bucket_opaque_two_ranks_keep_the_bits) {
     const size_t bk[1] = {64 << 10};
     bk_case(ZR_ADAMW, 2, "deepspeed_stage_2", "opaque", bk, 1);
-    bk_case(ZR_ADAMW, 2, "fsdp", "opaque", bk, 1);
+    /* make test time: under ASan in the quick tier ZeRO-2 alone (FULL_SHARD over the stand-in on opaque runs under
+     * ASan in shard_nccl_opaque_t5_fsdp_zero2_equal_cpu_bits, FULL_SHARD's buckets on cpu in the test above) */
+    if (!fl_test_asan_light()) bk_case(ZR_ADAMW, 2, "fsdp", "opaque", bk, 1);
 }
 
 /* The plan of a ZeRO-2 rank over MPI: the reduce-scatter's WORKSPACE is (N-1)/N of the gradients

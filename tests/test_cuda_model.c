@@ -264,6 +264,10 @@ FL_TEST(cuda_emu_train_bf16_true_hd64_attn) {
 #if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
     fl_test_skip("the release pass runs it (emulated kernels under ASan: minutes)");
 #elif defined(FL_HAVE_CUDA_EMU)
+    /* make test time (17 s): the quick tier runs the HD-64 kernels in cuda_attn_fa2 (against float64) and through
+     * the model's forward and backward in cuda_attn_tc_model, bf16-true training on cuda-emu against the CPU in
+     * cuda_emu_train_bf16_true_adamw8bit */
+    if (!fl_test_full_only("cuda_attn_fa2, cuda_attn_tc_model, cuda_emu_train_bf16_true_adamw8bit")) return;
     g_hd64 = 1;
     compare("bf16-true", "AdamW", 0);
     g_hd64 = 0;

@@ -112,6 +112,10 @@ typedef struct fl_nccl_api {
     int (*event_synchronize)(void *event);
     int (*stream_wait_event)(void *stream, void *event);
     const char *(*cuda_error_string)(int err);
+    /* optional (NULL: the communicator's wait polls event_query, as it must over CUDA events): block up to
+     * max_s seconds until event_query may find the event's work moved on; moves no data itself. The
+     * stand-in's ranks sleep here (a condition variable) instead of polling. Returns 0. */
+    int (*event_wait)(void *event, double max_s);
 } fl_nccl_api;
 
 /* A communicator over `api` for the ranks of `host` (same rank and size), whose collectives run

@@ -48,6 +48,12 @@ fl_status fl_comm_split_over(fl_comm *host, int color, int key, fl_comm_over_fn 
  * rank; *new_rank: this rank's place. */
 fl_status fl_comm_split_members(fl_comm *c, int color, int key, int *new_rank, int *new_size, int **members);
 
+/* The threads implementation only (any other request: returns at once): block until req's rank can
+ * move one of its requests on (every rank reached its stage), req is complete, the group broke, or max_s
+ * seconds passed. Moves no data and never breaks the group (fl_comm_test then does the work): the NCCL
+ * stand-in's blocking wait (src/comm/nccl_standin.c), so its ranks sleep instead of polling. */
+fl_status fl_comm_threads_idle_wait(fl_comm_req *req, double max_s);
+
 #ifdef FL_HAVE_MPI
 fl_status fl_comm_mpi_init(fl_comm **out, const fl_launch_info *li, int *argc, char ***argv);
 #endif

@@ -243,19 +243,23 @@ static fl_status n_wait(fl_comm *c, fl_comm_req *base) {
      * loop, it is stuck, or the ranks' collectives differ) shows as nothing at all: NCCL waits
      * forever, so after timeout_s this rank aborts the communicator and says so (PyTorch's watchdog) */
     while ((s = poll_req(c, r, what, &done)) == FL_OK && !done) {
-        if (++spins < 64) {
+        if (m->api->event_wait) { /* the stand-in: sleep until the peers move (slices: the watchdog below) */
+            m->api->event_wait(r->done, 0.05);
+        } else if (++spins < 64) {
             sched_yield();
+            continue;
         } else {
             struct timespec ts = {0, 20000}; /* 20 us */
             nanosleep(&ts, NULL);
-            if ((spins & 1023) == 0 && m->timeout_s > 0 && mono_s() - t0 > m->timeout_s) {
-                if (m->nc) m->api->comm_abort(m->nc); /* NCCL's communicator freed; later calls fail */
-                m->nc = NULL;
-                s = fl_comm_fail(c, FL_ERR_IO, what,
-                                 "no completion after %.4g s: a peer stopped or the ranks' collectives differ; the "
-                                 "communicator was aborted (FITLLM_NCCL_TIMEOUT sets the limit)", m->timeout_s);
-                break;
-            }
+            if ((spins & 1023) != 0) continue;
+        }
+        if (m->timeout_s > 0 && mono_s() - t0 > m->timeout_s) {
+            if (m->nc) m->api->comm_abort(m->nc); /* NCCL's communicator freed; later calls fail */
+            m->nc = NULL;
+            s = fl_comm_fail(c, FL_ERR_IO, what,
+                             "no completion after %.4g s: a peer stopped or the ranks' collectives differ; the "
+                             "communicator was aborted (FITLLM_NCCL_TIMEOUT sets the limit)", m->timeout_s);
+            break;
         }
     }
     unlink_free(c, r);

@@ -586,6 +586,44 @@ static const fl_comm_vtable k_threads = {
     .recv = t_recv,
 };
 
+/* Whether the rank can move one of its requests on now (the other ranks have reached its stage). Lock held. */
+static int can_progress(fl_comm *c) {
+    tcomm *t = c->impl;
+    group *g = t->g;
+    for (const treq *r = t->head; r; r = r->next) {
+        const slot *s = &g->slots[r->seq % SLOTS];
+        if ((r->stage == 0 && s->posted == g->n) || (r->stage == 1 && s->doneA == g->n) ||
+            (r->stage == 2 && s->doneB == g->n))
+            return 1;
+    }
+    return 0;
+}
+
+fl_status fl_comm_threads_idle_wait(fl_comm_req *req, double max_s) {
+    if (!req || req->comm->vt != &k_threads) return FL_OK;
+    fl_comm *c = req->comm;
+    const treq *r = (const treq *)req;
+    group *g = ((tcomm *)c->impl)->g;
+    struct timespec dl = deadline_after(max_s > 0 ? max_s : 0);
+    pthread_mutex_lock(&g->mu);
+    for (;;) {
+        int many = family_sync(g);
+        if (g->broken || r->stage == 3 || can_progress(c)) break;
+        struct timespec until = dl;
+        int last = 1;
+        if (many) { /* another group of the family may break: look every FAMILY_POLL_MS */
+            struct timespec poll = deadline_after(FAMILY_POLL_MS / 1000.0);
+            if (poll.tv_sec < dl.tv_sec || (poll.tv_sec == dl.tv_sec && poll.tv_nsec < dl.tv_nsec)) {
+                until = poll;
+                last = 0;
+            }
+        }
+        if (pthread_cond_timedwait(&g->cv, &g->mu, &until) != 0 && last) break;
+    }
+    pthread_mutex_unlock(&g->mu);
+    return FL_OK;
+}
+
 /* One rank's handle on g as rank r (its reference was counted in group_new). */
 static fl_status attach(group *g, int r, fl_comm **out) {
     tcomm *t = calloc(1, sizeof *t);

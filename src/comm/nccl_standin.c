@@ -21,7 +21,7 @@
  *    ncclCommGetAsyncError = ncclRemoteError; ncclGetLastError says why.
  * Streams and events: a stream is a FIFO of posted collectives; an event recorded on it
  * completes when every collective posted before the record has (cudaEventQuery progresses
- * them; cudaEventSynchronize waits). A NULL stream (the emulated backend's: its kernels run
+ * them; cudaEventSynchronize waits; the optional event_wait sleeps until they can move on). A NULL stream (the emulated backend's: its kernels run
  * synchronously) has nothing pending; a collective on it completes before the call returns. */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -448,6 +448,18 @@ static int s_event_progress(void *ev, int block) {
 }
 
 static int s_event_query(void *ev) { return s_event_progress(ev, 0); }
+/* Sleep until the first pending collective before the event can move on (its threads group's
+ * condition variable: a peer posted or finished a phase, or the group broke) or max_s passes. */
+static int s_event_wait(void *ev, double max_s) {
+    sevent *e = ev;
+    if (!e->s) return 0;
+    for (sent *x = e->s->head; x; x = x->next_s)
+        if (x->r && x->seq <= e->upto) {
+            fl_comm_threads_idle_wait(x->r, max_s);
+            break;
+        }
+    return 0;
+}
 static int s_event_synchronize(void *ev) { return s_event_progress(ev, 1); }
 
 static int s_stream_wait_event(void *stream, void *ev) {
@@ -483,6 +495,7 @@ static const fl_nccl_api k_standin = {
     .event_synchronize = s_event_synchronize,
     .stream_wait_event = s_stream_wait_event,
     .cuda_error_string = s_cuda_error_string,
+    .event_wait = s_event_wait,
 };
 
 const fl_nccl_api *fl_nccl_standin_api(void) { return &k_standin; }
