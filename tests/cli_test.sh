@@ -1795,8 +1795,8 @@ expect t5_pp_refuses_sequence_parallel 2 "with an encoder-decoder \(t5\) and --s
     "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --sequence_parallel true
 expect t5_pp_plan_tp2_pp2 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 3 is stage 1" -- \
     "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --rank 3
-expect t5_pp_refuses_full_shard 2 "with an encoder-decoder \(t5\) and FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis" -- \
-    "$FITLLM" "${T5PP[@]}" --strategy fsdp
+expect t5_pp_plan_full_shard 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\) x FSDP: rank 0 is stage 0" -- \
+    "$FITLLM" "${T5PP[@]}" --devices 4 --strategy fsdp
 expect t5_pp_plan_interleaved 0 "blocks per virtual stage \(balanced by training FLOPs at T = 64, lm_head's on the last\): \[0, 1\) \[1, 3\) \[3, 4\) \[4, 5\)" -- \
     "$FITLLM" "${T5PP[@]}" --pipeline_schedule interleaved --train.max_seq_length 64
 

@@ -331,6 +331,40 @@ if [ $t5ok = 1 ]; then
     if [ $rc -eq 0 ] && small "$w1" && small "$w2"; then
         ok "t5_pp_checkpoints_resume_across_grids (PP 2 -> one process $w1, one process -> PP 2 $w2)"
     else bad "t5_pp_checkpoints_resume_across_grids" "exit $rc, worst $w1 / $w2"; fi
+    # FULL_SHARD on the data axis (DP 2 x PP 2, 1F1B; each stage's units sharded over the axis, the root units gathered
+    # again and their gradients reopened before each backward, the shared embedding's and tables' gradients made whole on
+    # the axis before the pipeline's sum): one process's losses within 1e-6 (without regathering the roots after the
+    # update: 4.3e-2), rank 0's peaks per tag and the ranks' totals = the plan's; the step-3 checkpoint resumed in one
+    # process and one process's resumed on this grid within 1e-6 of one process resumed from its own; a validation
+    # split (a rank's padding forward through the stages) within 1e-6 of one process's
+    FA=(--devices 4 --pipeline_parallel 2 --strategy fsdp)
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" "${FA[@]}" --out_dir "$T/pf-4" >"$T/out-pf" 2>&1; rf=$?
+    timeout 300 "$FL" finetune_full "${T5M[@]}" --resume "$T/pf-4/step-000003" --out_dir "$T/pf-r1" >"$T/out" 2>&1 || rf=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" "${FA[@]}" --resume "$T/t5-one/step-000003" --out_dir "$T/pf-r2" \
+        >"$T/out" 2>&1 || rf=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" "${EV[@]}" "${FA[@]}" --out_dir "$T/pf-v" >"$T/out" 2>&1 || rf=$?
+    f1=$(within "$T/t5-one" "$T/pf-4" 24); f2=$(within "$T/pp-r0" "$T/pf-r1" 12); f3=$(within "$T/pp-r0" "$T/pf-r2" 12)
+    f4=$(paste <(vl "$T/pv-1") <(vl "$T/pf-v") | awk '{ d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 2) print "count " n; else printf "%.2g", w + 0 }')
+    fp=$("$FL" plan "${T5M[@]}" "${FA[@]}" "${PPL[@]}" --rank 0 | awk '/^peak +reserved/ { for (i = 3; i <= 16; i += 2) printf "%s %s,", $i, $(i + 1) }')
+    fm=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER) / { printf "%s %s,", $4, $5 }' "$T/out-pf" | head -c 400)
+    fr=$(for r in 0 1; do "$FL" plan "${T5M[@]}" "${FA[@]}" "${PPL[@]}" --rank $r | awk '/^peak +reserved/ { printf "%s %s\n", $17, $18 }'; done | sort -g | paste -sd' ')
+    fg=$(awk '/^\| peak total, ranks min - max/ { print $8, $9, $11, $12 }' "$T/out-pf")
+    [ -n "$fp" ] && [ "$fp" = "${fm:0:${#fp}}" ] && [ "$fr" = "$fg" ] || { rf=1; echo "     planned $fp / $fr, measured $fm / $fg"; }
+    if [ $rf -eq 0 ] && small "$f1" && small "$f2" && small "$f3" && small "$f4" && grep -q "ZeRO-3 (FSDP FULL_SHARD)" "$T/out-pf"; then
+        ok "t5_pp_np4_dp2_pp2_full_shard (vs one process $f1, resumed in one process $f2, one process's resumed $f3, val $f4; peaks = plan)"
+    else cp "$T/out-pf" "$T/out"; bad "t5_pp_np4_dp2_pp2_full_shard" "exit $rf, worst $f1 / $f2 / $f3 / $f4"; fi
+    # ZeRO-3 under GPipe, FULL_SHARD under the interleaved schedule (each chunk's units on their own bookkeeping) and
+    # HYBRID_SHARD as 2 nodes of 2 pipelines (8 ranks: FULL_SHARD in the node, replicated across): one process's losses
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" --devices 4 --pipeline_parallel 2 --strategy deepspeed_stage_3 \
+        --pipeline_schedule gpipe --out_dir "$T/pf-z3" >"$T/out" 2>&1; rz=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" "${FA[@]}" --pipeline_schedule interleaved --out_dir "$T/pf-i" \
+        >>"$T/out" 2>&1 || rz=$?
+    timeout 300 mpirun -np 8 "$FL" finetune_full "${T5M[@]}" --devices 4 --num_nodes 2 --pipeline_parallel 2 --strategy fsdp \
+        --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/pf-h" >>"$T/out" 2>&1 || rz=$?
+    z1=$(within "$T/t5-one" "$T/pf-z3" 24); z2=$(within "$T/t5-one" "$T/pf-i" 24); z3=$(within "$T/t5-one" "$T/pf-h" 24)
+    if [ $rz -eq 0 ] && small "$z1" && small "$z2" && small "$z3" && grep -q "data parallel (FSDP HYBRID_SHARD, strategy fsdp): 4 ranks" "$T/out"; then
+        ok "t5_pp_zero3_gpipe_interleaved_hybrid (vs one process: ZeRO-3 GPipe $z1, FULL_SHARD interleaved $z2, HYBRID 2 x 2 $z3)"
+    else bad "t5_pp_zero3_gpipe_interleaved_hybrid" "exit $rz, worst $z1 / $z2 / $z3"; fi
 fi
 
 echo "T5 MPI tests: $pass passed, $fail failed"

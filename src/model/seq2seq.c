@@ -486,6 +486,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
     }
     fl_outer_params op;
     fl_get_outer(m, &op);
+    if (!embed && s == 0) fl_store_release(m->store, 0); /* a later pipeline stage (sharded: regathered after the update) */
     if (!embed) /* a later pipeline stage: d(its blocks' input) stays in dres for the previous stage */
         return s == 0 ? fl_store_grads_ready(m->store, 0) : FL_OK;
     if (a->spp) { /* sequence parallel: the rank's rows through their part of the mask, then the whole rows */
@@ -514,7 +515,9 @@ static fl_status s2s_backward(fl_model *m) {
         FL_RUN(m->be, scale, a->gb[1], (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
     /* the last stack from the head's d(its norm's output); each earlier one from d(its output) the later left */
     for (int k = last; s == FL_OK && k >= 0; k--) {
-        if (a->st[k].L == 0) { /* a pipeline stage without blocks of the stack: the groups it would hand on */
+        if (a->st[k].L == 0) { /* a pipeline stage without blocks of the stack: the groups it would hand on (sharded:
+                                * the roots released, as stack_backward does, so the next step gathers the update) */
+            if (k == 0) fl_store_release(m->store, 0), fl_store_release(m->store, m->layout.n_groups - 1);
             if (k == 0) s = fl_store_grads_ready(m->store, m->layout.n_groups - 1);
             if (k == 0 && s == FL_OK) s = fl_store_grads_ready(m->store, 0);
             continue;

@@ -229,9 +229,8 @@ static fl_status load_data_s2s(trainer *t) {
 fl_status fl_tr_pp_check_s2s(const fl_run_config *c, const fl_strategy_choice *sc, const fl_model_config *mc) {
     if (c->pipeline_parallel <= 1 || !fl_model_is_s2s(mc)) return FL_OK;
     const int lora_interleaved = c->command == FL_CMD_FINETUNE_LORA && !strcmp(c->pipeline_schedule, "interleaved");
+    (void)sc; /* every data-parallel strategy runs on the axis (FULL_SHARD / ZeRO-3 and HYBRID_SHARD too) */
     const char *why = c->sequence_parallel ? "--sequence_parallel"
-                      : sc && sc->stage > 2 ? "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (DDP, ZeRO-1 and "
-                                              "ZeRO-2 run)"
                       : lora_interleaved    ? "LoRA under --pipeline_schedule interleaved"
                                             : NULL;
     if (why)
