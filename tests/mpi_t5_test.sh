@@ -365,6 +365,29 @@ if [ $t5ok = 1 ]; then
     if [ $rz -eq 0 ] && small "$z1" && small "$z2" && small "$z3" && grep -q "data parallel (FSDP HYBRID_SHARD, strategy fsdp): 4 ranks" "$T/out"; then
         ok "t5_pp_zero3_gpipe_interleaved_hybrid (vs one process: ZeRO-3 GPipe $z1, FULL_SHARD interleaved $z2, HYBRID 2 x 2 $z3)"
     else bad "t5_pp_zero3_gpipe_interleaved_hybrid" "exit $rz, worst $z1 / $z2 / $z3"; fi
+    # LoRA and QLoRA (bnb.nf4) under the interleaved schedule (PP 2 x 2 chunks: each chunk's adapters keyed by the whole
+    # model's module index of its first block, the base frozen): one process's losses, final/ and adapter bytes; the
+    # step-3 checkpoint resumed in one process ends on one process resumed's adapter bytes; DP 2 x PP 2 x 2 chunks under
+    # fsdp (the adapters train as ZeRO-2) DDP's losses and adapter bytes
+    IL=(--pipeline_schedule interleaved)
+    timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" "${PPA[@]}" "${IL[@]}" --out_dir "$T/li-2" >"$T/out" 2>&1; rl=$?
+    timeout 300 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --resume "$T/li-2/step-000003" --out_dir "$T/li-r1" >>"$T/out" 2>&1 || rl=$?
+    timeout 300 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --quantize bnb.nf4 --out_dir "$T/lq-1" >>"$T/out" 2>&1 || rl=$?
+    timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --quantize bnb.nf4 "${PPA[@]}" "${IL[@]}" --out_dir "$T/lq-2" \
+        >>"$T/out" 2>&1 || rl=$?
+    timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --devices 2 --out_dir "$T/ld-2" >>"$T/out" 2>&1 || rl=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --devices 4 --pipeline_parallel 2 "${IL[@]}" --strategy fsdp \
+        --out_dir "$T/li-4" >>"$T/out" 2>&1 || rl=$?
+    isame=1
+    for p in "pl-1 li-2" "lq-1 lq-2" "ld-2 li-4"; do
+        set -- $p
+        [ "$(losses "$T/$1" | md5sum)" = "$(losses "$T/$2" | md5sum)" ] && [ "$(losses "$T/$2" | grep -c .)" = 24 ] || isame=0
+        for f in final/model.safetensors final/adapter/adapter_model.safetensors; do cmp -s "$T/$1/$f" "$T/$2/$f" || isame=0; done
+    done
+    cmp -s "$T/pl-r0/final/adapter/adapter_model.safetensors" "$T/li-r1/final/adapter/adapter_model.safetensors" || isame=0
+    if [ $rl -eq 0 ] && [ $isame = 1 ] && grep -q "interleaved" "$T/out"; then
+        ok "t5_pp_lora_qlora_interleaved (PP 2 x 2 chunks LoRA and QLoRA, DP 2 x PP 2 x 2 fsdp, resumed: bit for bit)"
+    else bad "t5_pp_lora_qlora_interleaved" "exit $rl, same $isame"; fi
 fi
 
 echo "T5 MPI tests: $pass passed, $fail failed"

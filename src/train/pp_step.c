@@ -195,9 +195,6 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
                     : o->w.n != fl_model_store_numel(p->m) || o->w.p != fl_model_params_data(p->m)) /* FULL_SHARD: the shard's */
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
                          "or its LoRA adapters", p->stages);
-    if (p->m->cfg.pp_enc > 0 && p->chunks > 1 && p->adapters)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved with an encoder-decoder: full fine-tuning "
-                         "only so far (not LoRA)");
     p->ch[0].o = o;
     p->ch[0].inner = in;
     p->inner = in;

@@ -228,11 +228,9 @@ static fl_status load_data_s2s(trainer *t) {
  * any collective) */
 fl_status fl_tr_pp_check_s2s(const fl_run_config *c, const fl_strategy_choice *sc, const fl_model_config *mc) {
     if (c->pipeline_parallel <= 1 || !fl_model_is_s2s(mc)) return FL_OK;
-    const int lora_interleaved = c->command == FL_CMD_FINETUNE_LORA && !strcmp(c->pipeline_schedule, "interleaved");
-    (void)sc; /* every data-parallel strategy runs on the axis (FULL_SHARD / ZeRO-3 and HYBRID_SHARD too) */
-    const char *why = c->sequence_parallel ? "--sequence_parallel"
-                      : lora_interleaved    ? "LoRA under --pipeline_schedule interleaved"
-                                            : NULL;
+    (void)sc; /* every data-parallel strategy runs on the axis (FULL_SHARD / ZeRO-3 and HYBRID_SHARD too), LoRA under
+               * every schedule */
+    const char *why = NULL; /* sequence parallelism too (TP x PP) */
     if (why)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder (%s) and %s: not combined "
                          "yet (finetune_full under gpipe, 1f1b or interleaved and finetune_lora under gpipe or 1f1b "
