@@ -388,6 +388,25 @@ if [ $t5ok = 1 ]; then
     if [ $rl -eq 0 ] && [ $isame = 1 ] && grep -q "interleaved" "$T/out"; then
         ok "t5_pp_lora_qlora_interleaved (PP 2 x 2 chunks LoRA and QLoRA, DP 2 x PP 2 x 2 fsdp, resumed: bit for bit)"
     else bad "t5_pp_lora_qlora_interleaved" "exit $rl, same $isame"; fi
+    # sequence parallelism on the stages (TP 2 x PP 2, the 4-head config): the streams cross as the rank's rows, the
+    # encoder output whole, d(encoder output) as each rank's partial sum, reduce-scattered where the encoder's norm runs
+    # (TP 2 x PP 3: on stage 0, which holds the encoder alone, from the later stages' sums): one process's losses within
+    # 1e-6, the step-3 checkpoint resumed in one process, rank 0's peaks per tag and the ranks' totals = the plan's
+    SQ=(--devices 4 --tensor_parallel 2 --pipeline_parallel 2 --sequence_parallel true)
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5Q[@]}" "${SQ[@]}" --out_dir "$T/sq-4" >"$T/out-sq" 2>&1; rs=$?
+    timeout 300 "$FL" finetune_full "${T5Q[@]}" --resume "$T/sq-4/step-000003" --out_dir "$T/sq-r1" >"$T/out" 2>&1 || rs=$?
+    timeout 300 mpirun -np 6 "$FL" finetune_full "${T5Q[@]}" --devices 6 --tensor_parallel 2 --pipeline_parallel 3 \
+        --sequence_parallel true --out_dir "$T/sq-6" >>"$T/out" 2>&1 || rs=$?
+    s1=$(within "$T/tq-1" "$T/sq-4" 24); s2=$(within "$T/tq-r0" "$T/sq-r1" 12); s3=$(within "$T/tq-1" "$T/sq-6" 24)
+    sp=$("$FL" plan "${T5Q[@]}" "${SQ[@]}" "${PPL[@]}" --rank 0 | awk '/^peak +reserved/ { for (i = 3; i <= 16; i += 2) printf "%s %s,", $i, $(i + 1) }')
+    sm=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER) / { printf "%s %s,", $4, $5 }' "$T/out-sq" | head -c 400)
+    bytes() { awk '{ f = $2 == "GiB" ? 2^30 : $2 == "MiB" ? 2^20 : $2 == "KiB" ? 1024 : 1; printf "%.0f\n", $1 * f }'; }
+    sr=$(for r in 0 1 2 3; do "$FL" plan "${T5Q[@]}" "${SQ[@]}" "${PPL[@]}" --rank $r | awk '/^peak +reserved/ { printf "%s %s\n", $17, $18 }'; done | bytes | sort -g | sed -n '1p;$p' | paste -sd' ')
+    sg=$(awk '/^\| peak total, ranks min - max/ { print $8, $9; print $11, $12 }' "$T/out-sq" | bytes | paste -sd' ')
+    [ -n "$sp" ] && [ "$sp" = "${sm:0:${#sp}}" ] && [ "$sr" = "$sg" ] || { rs=1; echo "     planned $sp / $sr, measured $sm / $sg"; }
+    if [ $rs -eq 0 ] && small "$s1" && small "$s2" && small "$s3" && grep -q "^sequence parallel: " "$T/out-sq"; then
+        ok "t5_pp_np4_tp2_pp2_sequence_parallel (vs one process $s1, resumed in one process $s2, TP 2 x PP 3 $s3; peaks = plan)"
+    else cp "$T/out-sq" "$T/out"; bad "t5_pp_np4_tp2_pp2_sequence_parallel" "exit $rs, worst $s1 / $s2 / $s3"; fi
 fi
 
 echo "T5 MPI tests: $pass passed, $fail failed"

@@ -421,13 +421,13 @@ static int shared_entry(const fl_model *m, int e) {
     return -1;
 }
 
-/* FULL_SHARD: entry pi of chunk c sits in the rank's pieces of its unit(s) (unit g's whole elements [fo, fo + ln) at
- * shard offset so; the stages' units differ, so their pieces cut the entry at different places): add 1 adds the
- * entry's reduced gradient into a, made whole on the shard group first (the rank's parts kept, the rest zeroed, summed:
- * x + 0 == x; HYBRID: the node, every node holding the same reduced pieces), else writes the rank's parts from a */
+/* FULL_SHARD: entry pi of chunk c sits in the rank's piece of its unit (unit g's whole elements [fo, fo + ln) at shard
+ * offset so): add 1 adds the rank's part of the entry's reduced gradient into a (zeros elsewhere), else writes the
+ * rank's part from a. The units holding a shared entry have the same size and layout on every stage and chunk (unit 0:
+ * the shared embedding alone; a stack's first block's unit: a block with the table's copy), so a rank of the axis holds
+ * the same elements of the entry on every stage, and the pipeline's sum of the parts is the sum of the entry there */
 static fl_status shared_pieces(fl_pp *p, int c, const fl_optimizer *o, const fl_param_info *pi, int G, const size_t *fo,
                                const size_t *so, const size_t *ln, float *a, void *raw, float *tmp, int add) {
-    const fl_dp *dp = chunk_inner(p, c)->ud;
     const fl_backend *be = p->ch[c].m->be;
     const size_t es = fl_dtype_size(o->w.gt), n = pi->numel;
     if (add) memset(tmp, 0, n * sizeof *tmp);
@@ -445,10 +445,7 @@ static fl_status shared_pieces(fl_pp *p, int c, const fl_optimizer *o, const fl_
             FL_TRY(FL_RUN(be, to_device, at, raw, len * es));
         }
     }
-    if (!add) return FL_OK;
-    fl_comm *sg = dp->node ? dp->node : dp->comm;
-    if (sg) FL_TRY(fl_comm_all_reduce(sg, tmp, tmp, n, FL_F32, FL_COMM_SUM));
-    for (size_t k = 0; k < n; k++) a[k] += tmp[k];
+    for (size_t k = 0; add && k < n; k++) a[k] += tmp[k];
     return FL_OK;
 }
 
