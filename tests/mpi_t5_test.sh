@@ -370,7 +370,7 @@ if [ $t5ok = 1 ]; then
     # step-3 checkpoint resumed in one process ends on one process resumed's adapter bytes; DP 2 x PP 2 x 2 chunks under
     # fsdp (the adapters train as ZeRO-2) DDP's losses and adapter bytes
     IL=(--pipeline_schedule interleaved)
-    timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" "${PPA[@]}" "${IL[@]}" --out_dir "$T/li-2" >"$T/out" 2>&1; rl=$?
+    timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" "${PPA[@]}" "${IL[@]}" --out_dir "$T/li-2" >"$T/out-li" 2>&1; rl=$?
     timeout 300 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --resume "$T/li-2/step-000003" --out_dir "$T/li-r1" >>"$T/out" 2>&1 || rl=$?
     timeout 300 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --quantize bnb.nf4 --out_dir "$T/lq-1" >>"$T/out" 2>&1 || rl=$?
     timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --quantize bnb.nf4 "${PPA[@]}" "${IL[@]}" --out_dir "$T/lq-2" \
@@ -385,8 +385,13 @@ if [ $t5ok = 1 ]; then
         for f in final/model.safetensors final/adapter/adapter_model.safetensors; do cmp -s "$T/$1/$f" "$T/$2/$f" || isame=0; done
     done
     cmp -s "$T/pl-r0/final/adapter/adapter_model.safetensors" "$T/li-r1/final/adapter/adapter_model.safetensors" || isame=0
-    if [ $rl -eq 0 ] && [ $isame = 1 ] && grep -q "interleaved" "$T/out"; then
-        ok "t5_pp_lora_qlora_interleaved (PP 2 x 2 chunks LoRA and QLoRA, DP 2 x PP 2 x 2 fsdp, resumed: bit for bit)"
+    # plan = measured: rank 0's peaks per tag and total, and the ranks' totals
+    lp=$("$FL" plan "${T5M[@]}" --lora "${LA[@]}" "${PPA[@]}" "${IL[@]}" "${PPL[@]}" --rank 0 | awk '/^peak +reserved/ { for (i = 3; i <= 18; i += 2) printf "%s %s,", $i, $(i + 1) }')
+    lm=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER|total) / { printf "%s %s,", $4, $5 }' "$T/out-li" | head -c 400)
+    l1=$("$FL" plan "${T5M[@]}" --lora "${LA[@]}" "${PPA[@]}" "${IL[@]}" "${PPL[@]}" --rank 1 | awk '/^peak +reserved/ { print $17, $18 }')
+    grep -q "^| peak total, ranks min - max *$l1 - " "$T/out-li" && [ -n "$lp" ] && [ "$lp" = "${lm:0:${#lp}}" ] || { isame=0; echo "     planned $lp / $l1, measured $lm"; }
+    if [ $rl -eq 0 ] && [ $isame = 1 ] && grep -q "schedule interleaved" "$T/out-li"; then
+        ok "t5_pp_lora_qlora_interleaved (PP 2 x 2 chunks LoRA and QLoRA, DP 2 x PP 2 x 2 fsdp, resumed: bit for bit; peaks = plan)"
     else bad "t5_pp_lora_qlora_interleaved" "exit $rl, same $isame"; fi
     # sequence parallelism on the stages (TP 2 x PP 2, the 4-head config): the streams cross as the rank's rows, the
     # encoder output whole, d(encoder output) as each rank's partial sum, reduce-scattered where the encoder's norm runs
