@@ -1797,18 +1797,18 @@ expect pp_auto_strategy_by_plan 0 "note: strategy auto: deepspeed_stage_1 on the
 expect tpp_auto_strategy_no_budget 0 "note: strategy auto: DDP on the data axis of DP 2 x TP 2 x PP 2 \(no memory budget given" -- \
     "$FITLLM" plan micro --devices 8 --tensor_parallel 2 --pipeline_parallel 2
 # T5 with --pipeline_parallel (issue 35; runs: tests/test_pp_t5.c, tests/mpi_t5_test.sh): the split of [encoder blocks;
-# decoder blocks] by training FLOPs (and into virtual stages), what is not combined yet refused by name in the plan as in
-# the trainer
+# decoder blocks] by training FLOPs (and into virtual stages); the plan of TP 2 x PP 2 with sequence parallelism and of
+# FULL_SHARD on the data axis (which the trainer runs)
 T5PP=(plan "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --devices 2 --pipeline_parallel 2)
 expect t5_pp_plan_split 0 "blocks per stage \(balanced by training FLOPs at T = 64, lm_head's on the last\): \[0, 1\) \[1, 3\) \[3, 4\) \[4, 5\)" -- \
     "$FITLLM" "${T5PP[@]}" --devices 4 --pipeline_parallel 4 --train.max_seq_length 64
 mkdir -p "$T/t5m4" && cp "$T/t5m"/* "$T/t5m4/" && sed -i 's/"num_heads": 3/"num_heads": 4/' "$T/t5m4/config.json" # heads TP 2 splits
-expect t5_pp_refuses_sequence_parallel 2 "with an encoder-decoder \(t5\) and --sequence_parallel: not combined yet" -- \
-    "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --sequence_parallel true
+expect t5_pp_plan_sequence_parallel 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 1 is stage 1" -- \
+    "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --sequence_parallel true --rank 1
 expect t5_pp_plan_tp2_pp2 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 3 is stage 1" -- \
     "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --rank 3
-expect t5_pp_refuses_full_shard 2 "with an encoder-decoder \(t5\) and FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis" -- \
-    "$FITLLM" "${T5PP[@]}" --strategy fsdp
+expect t5_pp_plan_full_shard 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\) x FSDP: rank 0 is stage 0" -- \
+    "$FITLLM" "${T5PP[@]}" --devices 4 --strategy fsdp
 expect t5_pp_plan_interleaved 0 "blocks per virtual stage \(balanced by training FLOPs at T = 64, lm_head's on the last\): \[0, 1\) \[1, 3\) \[3, 4\) \[4, 5\)" -- \
     "$FITLLM" "${T5PP[@]}" --pipeline_schedule interleaved --train.max_seq_length 64
 # offload on the stages (issue 35; runs: tests/test_pp_offload.c, mpirun ppo_cli_*): rank 0's host tier under

@@ -331,6 +331,87 @@ if [ $t5ok = 1 ]; then
     if [ $rc -eq 0 ] && small "$w1" && small "$w2"; then
         ok "t5_pp_checkpoints_resume_across_grids (PP 2 -> one process $w1, one process -> PP 2 $w2)"
     else bad "t5_pp_checkpoints_resume_across_grids" "exit $rc, worst $w1 / $w2"; fi
+    # FULL_SHARD on the data axis (DP 2 x PP 2, 1F1B; each stage's units sharded over the axis, the root units gathered
+    # again and their gradients reopened before each backward, the shared embedding's and tables' gradients made whole on
+    # the axis before the pipeline's sum): one process's losses within 1e-6 (without regathering the roots after the
+    # update: 4.3e-2), rank 0's peaks per tag and the ranks' totals = the plan's; the step-3 checkpoint resumed in one
+    # process and one process's resumed on this grid within 1e-6 of one process resumed from its own; a validation
+    # split (a rank's padding forward through the stages) within 1e-6 of one process's
+    FA=(--devices 4 --pipeline_parallel 2 --strategy fsdp)
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" "${FA[@]}" --out_dir "$T/pf-4" >"$T/out-pf" 2>&1; rf=$?
+    timeout 300 "$FL" finetune_full "${T5M[@]}" --resume "$T/pf-4/step-000003" --out_dir "$T/pf-r1" >"$T/out" 2>&1 || rf=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" "${FA[@]}" --resume "$T/t5-one/step-000003" --out_dir "$T/pf-r2" \
+        >"$T/out" 2>&1 || rf=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" "${EV[@]}" "${FA[@]}" --out_dir "$T/pf-v" >"$T/out" 2>&1 || rf=$?
+    f1=$(within "$T/t5-one" "$T/pf-4" 24); f2=$(within "$T/pp-r0" "$T/pf-r1" 12); f3=$(within "$T/pp-r0" "$T/pf-r2" 12)
+    f4=$(paste <(vl "$T/pv-1") <(vl "$T/pf-v") | awk '{ d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 2) print "count " n; else printf "%.2g", w + 0 }')
+    fp=$("$FL" plan "${T5M[@]}" "${FA[@]}" "${PPL[@]}" --rank 0 | awk '/^peak +reserved/ { for (i = 3; i <= 16; i += 2) printf "%s %s,", $i, $(i + 1) }')
+    fm=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER) / { printf "%s %s,", $4, $5 }' "$T/out-pf" | head -c 400)
+    fr=$(for r in 0 1; do "$FL" plan "${T5M[@]}" "${FA[@]}" "${PPL[@]}" --rank $r | awk '/^peak +reserved/ { printf "%s %s\n", $17, $18 }'; done | sort -g | paste -sd' ')
+    fg=$(awk '/^\| peak total, ranks min - max/ { print $8, $9, $11, $12 }' "$T/out-pf")
+    [ -n "$fp" ] && [ "$fp" = "${fm:0:${#fp}}" ] && [ "$fr" = "$fg" ] || { rf=1; echo "     planned $fp / $fr, measured $fm / $fg"; }
+    if [ $rf -eq 0 ] && small "$f1" && small "$f2" && small "$f3" && small "$f4" && grep -q "ZeRO-3 (FSDP FULL_SHARD)" "$T/out-pf"; then
+        ok "t5_pp_np4_dp2_pp2_full_shard (vs one process $f1, resumed in one process $f2, one process's resumed $f3, val $f4; peaks = plan)"
+    else cp "$T/out-pf" "$T/out"; bad "t5_pp_np4_dp2_pp2_full_shard" "exit $rf, worst $f1 / $f2 / $f3 / $f4"; fi
+    # ZeRO-3 under GPipe, FULL_SHARD under the interleaved schedule (each chunk's units on their own bookkeeping) and
+    # HYBRID_SHARD as 2 nodes of 2 pipelines (8 ranks: FULL_SHARD in the node, replicated across): one process's losses
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" --devices 4 --pipeline_parallel 2 --strategy deepspeed_stage_3 \
+        --pipeline_schedule gpipe --out_dir "$T/pf-z3" >"$T/out" 2>&1; rz=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" "${FA[@]}" --pipeline_schedule interleaved --out_dir "$T/pf-i" \
+        >>"$T/out" 2>&1 || rz=$?
+    timeout 300 mpirun -np 8 "$FL" finetune_full "${T5M[@]}" --devices 4 --num_nodes 2 --pipeline_parallel 2 --strategy fsdp \
+        --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/pf-h" >>"$T/out" 2>&1 || rz=$?
+    z1=$(within "$T/t5-one" "$T/pf-z3" 24); z2=$(within "$T/t5-one" "$T/pf-i" 24); z3=$(within "$T/t5-one" "$T/pf-h" 24)
+    if [ $rz -eq 0 ] && small "$z1" && small "$z2" && small "$z3" && grep -q "data parallel (FSDP HYBRID_SHARD, strategy fsdp): 4 ranks" "$T/out"; then
+        ok "t5_pp_zero3_gpipe_interleaved_hybrid (vs one process: ZeRO-3 GPipe $z1, FULL_SHARD interleaved $z2, HYBRID 2 x 2 $z3)"
+    else bad "t5_pp_zero3_gpipe_interleaved_hybrid" "exit $rz, worst $z1 / $z2 / $z3"; fi
+    # LoRA and QLoRA (bnb.nf4) under the interleaved schedule (PP 2 x 2 chunks: each chunk's adapters keyed by the whole
+    # model's module index of its first block, the base frozen): one process's losses, final/ and adapter bytes; the
+    # step-3 checkpoint resumed in one process ends on one process resumed's adapter bytes; DP 2 x PP 2 x 2 chunks under
+    # fsdp (the adapters train as ZeRO-2) DDP's losses and adapter bytes
+    IL=(--pipeline_schedule interleaved)
+    timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" "${PPA[@]}" "${IL[@]}" --out_dir "$T/li-2" >"$T/out-li" 2>&1; rl=$?
+    timeout 300 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --resume "$T/li-2/step-000003" --out_dir "$T/li-r1" >>"$T/out" 2>&1 || rl=$?
+    timeout 300 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --quantize bnb.nf4 --out_dir "$T/lq-1" >>"$T/out" 2>&1 || rl=$?
+    timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --quantize bnb.nf4 "${PPA[@]}" "${IL[@]}" --out_dir "$T/lq-2" \
+        >>"$T/out" 2>&1 || rl=$?
+    timeout 300 mpirun -np 2 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --devices 2 --out_dir "$T/ld-2" >>"$T/out" 2>&1 || rl=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_lora "${T5M[@]}" "${LA[@]}" --devices 4 --pipeline_parallel 2 "${IL[@]}" --strategy fsdp \
+        --out_dir "$T/li-4" >>"$T/out" 2>&1 || rl=$?
+    isame=1
+    for p in "pl-1 li-2" "lq-1 lq-2" "ld-2 li-4"; do
+        set -- $p
+        [ "$(losses "$T/$1" | md5sum)" = "$(losses "$T/$2" | md5sum)" ] && [ "$(losses "$T/$2" | grep -c .)" = 24 ] || isame=0
+        for f in final/model.safetensors final/adapter/adapter_model.safetensors; do cmp -s "$T/$1/$f" "$T/$2/$f" || isame=0; done
+    done
+    cmp -s "$T/pl-r0/final/adapter/adapter_model.safetensors" "$T/li-r1/final/adapter/adapter_model.safetensors" || isame=0
+    # plan = measured: rank 0's peaks per tag and total, and the ranks' totals
+    lp=$("$FL" plan "${T5M[@]}" --lora "${LA[@]}" "${PPA[@]}" "${IL[@]}" "${PPL[@]}" --rank 0 | awk '/^peak +reserved/ { for (i = 3; i <= 18; i += 2) printf "%s %s,", $i, $(i + 1) }')
+    lm=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER|total) / { printf "%s %s,", $4, $5 }' "$T/out-li" | head -c 400)
+    l1=$("$FL" plan "${T5M[@]}" --lora "${LA[@]}" "${PPA[@]}" "${IL[@]}" "${PPL[@]}" --rank 1 | awk '/^peak +reserved/ { print $17, $18 }')
+    grep -q "^| peak total, ranks min - max *$l1 - " "$T/out-li" && [ -n "$lp" ] && [ "$lp" = "${lm:0:${#lp}}" ] || { isame=0; echo "     planned $lp / $l1, measured $lm"; }
+    if [ $rl -eq 0 ] && [ $isame = 1 ] && grep -q "schedule interleaved" "$T/out-li"; then
+        ok "t5_pp_lora_qlora_interleaved (PP 2 x 2 chunks LoRA and QLoRA, DP 2 x PP 2 x 2 fsdp, resumed: bit for bit; peaks = plan)"
+    else bad "t5_pp_lora_qlora_interleaved" "exit $rl, same $isame"; fi
+    # sequence parallelism on the stages (TP 2 x PP 2, the 4-head config): the streams cross as the rank's rows, the
+    # encoder output whole, d(encoder output) as each rank's partial sum, reduce-scattered where the encoder's norm runs
+    # (TP 2 x PP 3: on stage 0, which holds the encoder alone, from the later stages' sums): one process's losses within
+    # 1e-6, the step-3 checkpoint resumed in one process, rank 0's peaks per tag and the ranks' totals = the plan's
+    SQ=(--devices 4 --tensor_parallel 2 --pipeline_parallel 2 --sequence_parallel true)
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5Q[@]}" "${SQ[@]}" --out_dir "$T/sq-4" >"$T/out-sq" 2>&1; rs=$?
+    timeout 300 "$FL" finetune_full "${T5Q[@]}" --resume "$T/sq-4/step-000003" --out_dir "$T/sq-r1" >"$T/out" 2>&1 || rs=$?
+    timeout 300 mpirun -np 6 "$FL" finetune_full "${T5Q[@]}" --devices 6 --tensor_parallel 2 --pipeline_parallel 3 \
+        --sequence_parallel true --out_dir "$T/sq-6" >>"$T/out" 2>&1 || rs=$?
+    s1=$(within "$T/tq-1" "$T/sq-4" 24); s2=$(within "$T/tq-r0" "$T/sq-r1" 12); s3=$(within "$T/tq-1" "$T/sq-6" 24)
+    sp=$("$FL" plan "${T5Q[@]}" "${SQ[@]}" "${PPL[@]}" --rank 0 | awk '/^peak +reserved/ { for (i = 3; i <= 16; i += 2) printf "%s %s,", $i, $(i + 1) }')
+    sm=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER) / { printf "%s %s,", $4, $5 }' "$T/out-sq" | head -c 400)
+    bytes() { awk '{ f = $2 == "GiB" ? 2^30 : $2 == "MiB" ? 2^20 : $2 == "KiB" ? 1024 : 1; printf "%.0f\n", $1 * f }'; }
+    sr=$(for r in 0 1 2 3; do "$FL" plan "${T5Q[@]}" "${SQ[@]}" "${PPL[@]}" --rank $r | awk '/^peak +reserved/ { printf "%s %s\n", $17, $18 }'; done | bytes | sort -g | sed -n '1p;$p' | paste -sd' ')
+    sg=$(awk '/^\| peak total, ranks min - max/ { print $8, $9; print $11, $12 }' "$T/out-sq" | bytes | paste -sd' ')
+    [ -n "$sp" ] && [ "$sp" = "${sm:0:${#sp}}" ] && [ "$sr" = "$sg" ] || { rs=1; echo "     planned $sp / $sr, measured $sm / $sg"; }
+    if [ $rs -eq 0 ] && small "$s1" && small "$s2" && small "$s3" && grep -q "^sequence parallel: " "$T/out-sq"; then
+        ok "t5_pp_np4_tp2_pp2_sequence_parallel (vs one process $s1, resumed in one process $s2, TP 2 x PP 3 $s3; peaks = plan)"
+    else cp "$T/out-sq" "$T/out"; bad "t5_pp_np4_tp2_pp2_sequence_parallel" "exit $rs, worst $s1 / $s2 / $s3"; fi
 fi
 
 echo "T5 MPI tests: $pass passed, $fail failed"

@@ -148,7 +148,9 @@ fl_status fl_model_stage_dinput(const fl_model *m, float *dx, int B, int T);
  * gradient (a later stage: the embeddings' too) open, zeroed if an earlier backward reduced it. A forward opens it
  * (the head's gradient is written there) and the backward reduces it; with micro-batches in flight the forwards
  * share one open buffer, which the first backward reduces, so the later ones reduce what came since (the sum is the
- * same; its rounding differs). A no-op on a whole store. */
+ * same; its rounding differs). An encoder-decoder's stage: both root units (the shared embedding, the final norms
+ * and head) gathered again and their gradients open before every backward (any stage's backward hands them on).
+ * A no-op on a whole store. */
 fl_status fl_model_stage_open_grads(fl_model *m);
 /* A micro-batch in flight parked between its forward and backward: the ACTS arena, the token ids, the head's
  * d(lnf) (ACTS-tagged from the model's pool: fl_model_stage_stash_bytes each). */

@@ -486,6 +486,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
     }
     fl_outer_params op;
     fl_get_outer(m, &op);
+    if (!embed && s == 0) fl_store_release(m->store, 0); /* a later pipeline stage (sharded: regathered after the update) */
     if (!embed) /* a later pipeline stage: d(its blocks' input) stays in dres for the previous stage */
         return s == 0 ? fl_store_grads_ready(m->store, 0) : FL_OK;
     if (a->spp) { /* sequence parallel: the rank's rows through their part of the mask, then the whole rows */
@@ -501,6 +502,16 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
     return s == 0 ? fl_store_grads_ready(m->store, 0) : FL_OK;
 }
 
+/* sequence parallel: d(the earlier stack's output), each rank's partial sum over its heads' cross k|v (of every
+ * decoder block: a pipeline's later stages add theirs to the same rank's), reduce-scattered into the rank's rows of
+ * gb[1] (free now), which the earlier stack's norm reads */
+static fl_status sp_dstream(fl_model *m, struct fl_s2s_acts *a, int k) {
+    const size_t nx = (size_t)a->Bp * a->T[k - 1] * m->cfg.dim;
+    return fl_error_prefix(fl_comm_reduce_scatter(m->tp_comm, a->dstream, a->gb[1] + m->cfg.tp_rank * (nx / a->spp), nx,
+                                                  FL_F32, FL_COMM_SUM),
+                           "sequence parallel: d(the encoder output)");
+}
+
 static fl_status s2s_backward(fl_model *m) {
     FL_TRY(check_model(m, "fl_model_backward_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
@@ -514,17 +525,22 @@ static fl_status s2s_backward(fl_model *m) {
         FL_RUN(m->be, scale, a->gb[1], (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
     /* the last stack from the head's d(its norm's output); each earlier one from d(its output) the later left */
     for (int k = last; s == FL_OK && k >= 0; k--) {
-        if (a->st[k].L == 0) { /* a pipeline stage without blocks of the stack: the groups it would hand on */
+        if (a->st[k].L == 0) { /* a pipeline stage without blocks of the stack: the groups it would hand on (sharded:
+                                * the roots released, as stack_backward does, so the next step gathers the update) */
+            if (k == 0) fl_store_release(m->store, 0), fl_store_release(m->store, m->layout.n_groups - 1);
             if (k == 0) s = fl_store_grads_ready(m->store, m->layout.n_groups - 1);
             if (k == 0 && s == FL_OK) s = fl_store_grads_ready(m->store, 0);
+            if (k > 0 && a->spp && fl_s2s_runs_norm(m, k - 1)) /* SP: the later stages' d(encoder output) to the rows */
+                s = sp_dstream(m, a, k);
             continue;
         }
         /* TP x PP: a pipeline stage before the decoder's end received the later stages' d(encoder output), summed over
          * the group already: parked on the host while its blocks' parts are summed, then added back */
         const int tp = m->tp_comm && fl_comm_size(m->tp_comm) > 1, xs = k > 0 && a->st[k].xslot >= 0;
         const size_t nxs = xs ? (size_t)a->Bp * a->T[k - 1] * m->cfg.dim : 0;
-        float *part = tp && xs && !fl_s2s_runs_norm(m, k) ? malloc(nxs * sizeof *part) : NULL;
-        if (tp && xs && !fl_s2s_runs_norm(m, k)) {
+        const int park = tp && xs && !fl_s2s_runs_norm(m, k) && !a->spp; /* SP: the partial sum travels (above) */
+        float *part = park ? malloc(nxs * sizeof *part) : NULL;
+        if (park) {
             s = part ? FL_RUN(m->be, to_host, part, a->dstream, nxs * sizeof *part)
                      : fl_errorf(FL_ERR_OOM, "pipeline stage: out of host memory");
             if (s == FL_OK) FL_RUN(m->be, zero, a->dstream, nxs * sizeof *part);
@@ -534,10 +550,7 @@ static fl_status s2s_backward(fl_model *m) {
          * group once for every block (Megatron's f of the column-parallel k|v linears, graph_tp.c); sequence
          * parallel: reduce-scattered into the rank's rows (of gb[1], free now), which the earlier stack's norm reads */
         if (s == FL_OK && k > 0 && a->st[k].xslot >= 0 && a->spp) {
-            const size_t nx = (size_t)a->Bp * a->T[k - 1] * m->cfg.dim;
-            s = fl_error_prefix(fl_comm_reduce_scatter(m->tp_comm, a->dstream, a->gb[1] + m->cfg.tp_rank * (nx / a->spp),
-                                                       nx, FL_F32, FL_COMM_SUM),
-                                "sequence parallel: d(the encoder output)");
+            if (fl_s2s_runs_norm(m, k - 1)) s = sp_dstream(m, a, k); /* else a stage before the encoder's end: sent on */
         } else if (s == FL_OK && k > 0 && a->st[k].xslot >= 0 && m->tp_comm && fl_comm_size(m->tp_comm) > 1)
             s = fl_error_prefix(fl_comm_all_reduce(m->tp_comm, a->dstream, a->dstream,
                                                    (size_t)a->Bp * a->T[k - 1] * m->cfg.dim, FL_F32, FL_COMM_SUM),

@@ -22,9 +22,28 @@ static int boundary(const fl_model *m, int out) {
     return m->cfg.pp_first + (out ? m->cfg.n_layers + m->cfg.n_dec_layers : 0);
 }
 
+/* Sequence parallelism (a->sp > 1; TP x PP): the pass runs B padded as seq2seq.c's sp_pad pads it (rows the group
+ * divides), and the residual streams cross as the rank's rows (B T / sp), the encoder output whole (its final norm's
+ * output, gathered), d(encoder output) as the rank's partial sum over its heads (reduce-scattered once, where the
+ * encoder's norm runs) */
+static int sp_of(const fl_model *m) { return m->acts && m->acts->s2s && m->acts->s2s->sp > 1 ? m->acts->s2s->sp : 1; }
+static int pass_B(const fl_model *m, int B, int Ts, int Tt) {
+    const int n = sp_of(m);
+    while (n > 1 && ((B * Ts) % n || (B * Tt) % n)) B++;
+    return B;
+}
+/* the message's encoder part's and decoder part's elements (a pass of B sequences) at the stage's in or out side */
+static void part_elems(const fl_model *m, int out, int B, int Ts, int Tt, size_t *ne, size_t *nd) {
+    const size_t C = (size_t)m->cfg.dim, n = (size_t)sp_of(m), Bp = (size_t)pass_B(m, B, Ts, Tt);
+    const int b = boundary(m, out), Le = m->cfg.pp_enc;
+    *ne = Bp * Ts * C / (b < Le ? n : 1);
+    *nd = b > Le ? Bp * Tt * C / n : 0;
+}
+
 size_t fl_model_stage_elems_s2s(const fl_model *m, int B, int Ts, int Tt, int out) {
-    const size_t C = (size_t)m->cfg.dim;
-    return (size_t)B * Ts * C + (boundary(m, out) > m->cfg.pp_enc ? (size_t)B * Tt * C : 0);
+    size_t ne, nd;
+    part_elems(m, out, B, Ts, Tt, &ne, &nd);
+    return ne + nd;
 }
 
 size_t fl_model_stage_max_elems(const fl_model *m) {
@@ -52,7 +71,8 @@ static void parts(const fl_model *m, int out, int grad, float **enc, float **dec
 static fl_status move(const fl_model *m, int out, int grad, float *x, int to_dev, int B, int Ts, int Tt) {
     float *enc, *dec;
     parts(m, out, grad, &enc, &dec);
-    const size_t ne = (size_t)B * Ts * m->cfg.dim, nd = (size_t)B * Tt * m->cfg.dim;
+    size_t ne, nd;
+    part_elems(m, out, B, Ts, Tt, &ne, &nd);
     if (to_dev) FL_TRY(FL_RUN(m->be, to_device, enc, x, ne * sizeof(float)));
     else FL_TRY(FL_RUN(m->be, to_host, x, enc, ne * sizeof(float)));
     if (!dec) return FL_OK;

@@ -217,8 +217,16 @@ fl_status fl_model_set_stage(fl_model *m, int in, int out) {
 }
 
 fl_status fl_model_stage_open_grads(fl_model *m) {
-    if (m->acts && m->acts->s2s) return FL_OK; /* FULL_SHARD on an encoder-decoder's pipeline is refused */
     if (!fl_store_sharded(m->store) || !m->fwd_train) return FL_OK;
+    if (m->acts && m->acts->s2s) { /* an encoder-decoder's roots: the shared embedding (0) and the final norms and head
+                                    * (G - 1), which a backward releases and hands on from any stage (seq2seq.c):
+                                    * gathered again (the norms' backward reads them) and their gradients reopened */
+        const int G = m->layout.n_groups - 1;
+        FL_TRY(fl_store_gather(m->store, 0, -1));
+        FL_TRY(fl_store_gather(m->store, G, -1));
+        FL_TRY(fl_store_grads_begin(m->store, G));
+        return fl_store_grads_begin(m->store, 0);
+    }
     FL_TRY(fl_store_grads_begin(m->store, m->cfg.n_layers + 1));
     return m->stage.in ? fl_store_grads_begin(m->store, 0) : FL_OK;
 }

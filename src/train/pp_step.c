@@ -114,9 +114,18 @@ static double chunk_sumsq(const fl_pp *p, int c, const fl_model *m, const fl_opt
     if (p->adapters && c0 < c1) v = door_sumsq(grad_be(o), (const char *)o->w.g + c0 * es, o->w.gt, c1 - c0);
     /* FULL_SHARD: the rank's piece of each unit (a layout group) the stage trains, in the shard at shard_off[g] */
     size_t fo[FL_PP_MAX_UNITS], so[FL_PP_MAX_UNITS], ln[FL_PP_MAX_UNITS];
-    const int G = fsdp_units(p, c, fo, so, ln);
-    for (int g = 0; g < G; g++)
+    const int G = fsdp_units(p, c, fo, so, ln), s2s = m->cfg.pp_enc > 0;
+    for (int g = 0; !s2s && g < G; g++)
         if (unit_owned(m, g, G) && ln[g]) v += door_sumsq(grad_be(o), (const char *)o->w.g + so[g] * es, o->w.gt, ln[g]);
+    /* an encoder-decoder's units mix owned and copied entries (a block's unit holds a relative bias table's copy, the
+     * last unit the encoder's final norm): each entry the stage owns, its parts in the rank's pieces */
+    for (int i = 0; s2s && i < m->layout.n; i++)
+        for (int g = 0; fl_pp_stage_owns(m, i) && g < G; g++) {
+            const fl_param_info *e = &m->layout.params[i];
+            const size_t a = e->offset > fo[g] ? e->offset : fo[g];
+            const size_t b = e->offset + e->numel < fo[g] + ln[g] ? e->offset + e->numel : fo[g] + ln[g];
+            if (a < b) v += door_sumsq(grad_be(o), (const char *)o->w.g + (so[g] + a - fo[g]) * es, o->w.gt, b - a);
+        }
     for (int i = 0; !p->adapters && !G && i < m->layout.n; i++) {
         const fl_param_info *e = &m->layout.params[i];
         const size_t a = e->offset > c0 ? e->offset : c0, b = e->offset + e->numel < c1 ? e->offset + e->numel : c1;
@@ -190,12 +199,6 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
                     : o->w.n != fl_model_store_numel(p->m) || o->w.p != fl_model_params_data(p->m)) /* FULL_SHARD: the shard's */
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
                          "or its LoRA adapters", p->stages);
-    if (p->m->cfg.pp_enc > 0 && in && in->stage > 2)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder: DDP, ZeRO-1 or ZeRO-2 on "
-                         "the data-parallel axis so far (not FULL_SHARD)", p->stages);
-    if (p->m->cfg.pp_enc > 0 && p->chunks > 1 && p->adapters)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_schedule interleaved with an encoder-decoder: full fine-tuning "
-                         "only so far (not LoRA)");
     p->ch[0].o = o;
     p->ch[0].inner = in;
     p->inner = in;
@@ -422,8 +425,36 @@ static int shared_entry(const fl_model *m, int e) {
     return -1;
 }
 
+/* FULL_SHARD: entry pi of chunk c sits in the rank's piece of its unit (unit g's whole elements [fo, fo + ln) at shard
+ * offset so): add 1 adds the rank's part of the entry's reduced gradient into a (zeros elsewhere), else writes the
+ * rank's part from a. The units holding a shared entry have the same size and layout on every stage and chunk (unit 0:
+ * the shared embedding alone; a stack's first block's unit: a block with the table's copy), so a rank of the axis holds
+ * the same elements of the entry on every stage, and the pipeline's sum of the parts is the sum of the entry there */
+static fl_status shared_pieces(fl_pp *p, int c, const fl_optimizer *o, const fl_param_info *pi, int G, const size_t *fo,
+                               const size_t *so, const size_t *ln, float *a, void *raw, float *tmp, int add) {
+    const fl_backend *be = p->ch[c].m->be;
+    const size_t es = fl_dtype_size(o->w.gt), n = pi->numel;
+    if (add) memset(tmp, 0, n * sizeof *tmp);
+    for (int g = 0; g < G; g++) {
+        const size_t k0 = pi->offset > fo[g] ? pi->offset : fo[g];
+        const size_t k1 = pi->offset + n < fo[g] + ln[g] ? pi->offset + n : fo[g] + ln[g];
+        if (k0 >= k1) continue;
+        char *at = (char *)o->w.g + (so[g] + k0 - fo[g]) * es;
+        const size_t e0 = k0 - pi->offset, len = k1 - k0;
+        if (add) {
+            FL_TRY(FL_RUN(be, to_host, raw, at, len * es));
+            fl_convert(tmp + e0, FL_F32, raw, o->w.gt, len);
+        } else {
+            fl_convert(raw, o->w.gt, a + e0, FL_F32, len);
+            FL_TRY(FL_RUN(be, to_device, at, raw, len * es));
+        }
+    }
+    for (size_t k = 0; add && k < n; k++) a[k] += tmp[k];
+    return FL_OK;
+}
+
 /* move entry e's gradient of chunk c between its optimizer's buffer and a (fp32, n): add 1 adds it into a (ZeRO-2:
- * made whole on the axis first), else writes a into it */
+ * made whole on the axis first; FULL_SHARD: shared_pieces), else writes a into it */
 static fl_status shared_move(fl_pp *p, int c, fl_optimizer *o0, int e, float *a, size_t n, void *raw, float *tmp, int add) {
     const fl_model *m = p->ch[c].m;
     const fl_optimizer *o = c == 0 ? o0 : p->ch[c].o;
@@ -432,6 +463,9 @@ static fl_status shared_move(fl_pp *p, int c, fl_optimizer *o0, int e, float *a,
     const fl_param_info *pi = &m->layout.params[i];
     const size_t es = fl_dtype_size(o->w.gt);
     if (pi->numel != n) return fl_errorf(FL_ERR_INTERNAL, "pipeline: %s has %zu elements, not %zu", pi->name, pi->numel, n);
+    size_t fo[FL_PP_MAX_UNITS], so[FL_PP_MAX_UNITS], ln[FL_PP_MAX_UNITS];
+    const int G = fsdp_units(p, c, fo, so, ln);
+    if (G) return shared_pieces(p, c, o, pi, G, fo, so, ln, a, raw, tmp, add);
     char *g = (char *)o->w.g + pi->offset * es;
     if (!add) {
         fl_convert(raw, o->w.gt, a, FL_F32, n);

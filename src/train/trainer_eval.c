@@ -35,9 +35,11 @@ static fl_status validate_s2s(trainer *t, long n, double *sum, long *cnt) {
     }
     /* FULL_SHARD: every rank runs as many forwards (each gathers every unit from all ranks); a rank without a batch
      * in the last round runs the last one again and discards it, as the decoder-only validation */
-    if (n > 0 && t->dp.fsdp && n % t->dp.world && t->dp.rank >= n % t->dp.world)
-        FL_TRY(fl_model_forward_s2s(&t->model, b.src, b.src_mask, b.dec_in, b.labels, b.B, b.Ts, b.Tt, 0.0f, NULL));
-    return FL_OK;
+    if (!(n > 0 && t->dp.fsdp && n % t->dp.world && t->dp.rank >= n % t->dp.world)) return FL_OK;
+    const fl_micro_batch mb = {.ids = b.dec_in, .targets = b.labels, .B = b.B, .T = b.Tt, .src = b.src,
+                               .src_mask = b.src_mask, .Ts = b.Ts};
+    if (t->pp.size > 1) return fl_pp_eval_s2s(&t->pp.rt, &mb); /* the pipeline's stages together, as above */
+    return fl_model_forward_s2s(&t->model, b.src, b.src_mask, b.dec_in, b.labels, b.B, b.Ts, b.Tt, 0.0f, NULL);
 }
 
 fl_status fl_tr_validate(trainer *t, int max_iters, double *loss) {

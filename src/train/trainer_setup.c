@@ -223,25 +223,20 @@ static fl_status load_data_s2s(trainer *t) {
     return fl_s2s_loader_init(&t->in.s2s_train, t->in.s2s, t->sch.B, pad, start, c->seed, 1);
 }
 
-/* T5's pipeline stages (seq2seq_stage.c): GPipe / 1F1B / interleaved full fine-tuning, GPipe / 1F1B LoRA; what they
- * do not compose with yet refused by name (also from the grid's set-up when the model's config is known there: before
- * any collective) */
+/* T5's pipeline stages (seq2seq_stage.c): what they do not compose with yet refused by name (also from the grid's
+ * set-up when the model's config is known there: before any collective) */
 fl_status fl_tr_pp_check_s2s(const fl_run_config *c, const fl_strategy_choice *sc, const fl_model_config *mc) {
     if (c->pipeline_parallel <= 1 || !fl_model_is_s2s(mc)) return FL_OK;
     const int interleaved = !strcmp(c->pipeline_schedule, "interleaved");
-    const int lora_interleaved = c->command == FL_CMD_FINETUNE_LORA && interleaved;
-    char z3[192]; /* FULL_SHARD's parameter offload (fsdp_cpu_offload, ..._nvme) with it, named */
-    snprintf(z3, sizeof z3, "FSDP FULL_SHARD / ZeRO-3 on the data-parallel axis (--strategy %s; DDP, ZeRO-1 and ZeRO-2 "
-             "run, their optimizer offload too)", c->strategy);
-    const char *why = c->sequence_parallel ? "--sequence_parallel"
-                      : c->tensor_parallel > 1 && interleaved ? "--tensor_parallel under --pipeline_schedule interleaved"
-                      : sc && sc->stage > 2 ? z3
-                      : lora_interleaved    ? "LoRA under --pipeline_schedule interleaved"
-                                            : NULL;
+    char po[192]; /* FULL_SHARD's parameter offload (fsdp_cpu_offload, ..._nvme), named */
+    snprintf(po, sizeof po, "FULL_SHARD's parameter offload on the data-parallel axis (--strategy %s; FULL_SHARD / ZeRO-3 "
+             "and the optimizer offloads run)", c->strategy);
+    const char *why = c->tensor_parallel > 1 && interleaved ? "--tensor_parallel under --pipeline_schedule interleaved"
+                      : sc && sc->param_offload            ? po
+                                                           : NULL;
     if (why)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder (%s) and %s: not combined "
-                         "yet (finetune_full under gpipe, 1f1b or interleaved and finetune_lora under gpipe or 1f1b "
-                         "run; tensor parallelism under gpipe or 1f1b)", c->pipeline_parallel,
+                         "yet (tensor parallelism runs under gpipe or 1f1b)", c->pipeline_parallel,
                          mc->name[0] ? mc->name : "encoder-decoder", why);
     return FL_OK;
 }
@@ -257,7 +252,7 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     /* every strategy runs: DDP and ZeRO-1/2 (the optimizer offloaded too) keep the whole model on every rank;
      * FULL_SHARD / ZeRO-3 (and its parameter offload) shard it, the passes (seq2seq.c) gathering each layout group
      * (a block of either stack) around its use */
-    FL_TRY(fl_tr_pp_check_s2s(c, sc, &t->model.cfg));
+    FL_TRY(fl_tr_pp_check_s2s(c, sc, &t->model.cfg)); /* T5's pipeline stages: the two combinations not run yet */
     if (c->command == FL_CMD_PRETRAIN)
         return fl_errorf(FL_ERR_UNSUPPORTED, "pretrain: an encoder-decoder (%s) is fine-tuned only (finetune_full, "
                          "finetune_lora) so far", m);
