@@ -616,8 +616,7 @@ static void strategy_notes(fl_plan *p, const fl_run_config *c, const fl_strategy
                 "(the arena's one and a stash per further one: 1F1B at most min(stages - stage, micro-batches), GPipe all); "
                 "the whole model the run loads, and the checkpoints' gathered copy, are outside the pool; no sample "
                 "generation", c->pipeline_parallel, c->pipeline_schedule, fl_cfg_dp_ranks(c) > 1 ? (fsdp ? " x FSDP" : p->zero_stage == 1 ? " x ZeRO-1" : p->zero_stage == 2 ? " x ZeRO-2" : " x DDP") : "", p->rank,
-             (p->rank / (c->tensor_parallel > 1 ? c->tensor_parallel : 1)) % c->pipeline_parallel, /* (TP x PP: tpp_begin's) */
-             strcmp(c->pipeline_schedule, "interleaved") ? "its contiguous range of the" : "its chunks' (non-contiguous)");
+             (p->rank / (c->tensor_parallel > 1 ? c->tensor_parallel : 1)) % c->pipeline_parallel, strcmp(c->pipeline_schedule, "interleaved") ? "its contiguous range of the" : "its chunks' (non-contiguous)"); /* (stage: tpp_begin's) */
     else if (c->tensor_parallel > 1)
         note(p, "tensor parallel %d%s: rank %d's memory: its slice of the model (1/%d of the attention heads, key/value "
                 "heads and MLP columns; norms, embeddings and the head whole), its gradients and optimizer state, its "

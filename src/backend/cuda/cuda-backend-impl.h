@@ -94,18 +94,8 @@ static fl_status flb_sticky(const fl_backend *be) {
     if (im->err == FL_OK) return FL_OK;
     return fl_errorf(im->err, "%s", im->errmsg);
 }
-/* An op about to read p (an input slot's ids or targets): refused when a copy on the second stream is still to write
- * it (the emulator knows; a GPU would race): the upload's input_wait is missing (cuda-input-impl.h). */
-static fl_status flb_in_check(const fl_backend *be, const void *p, const char *op) {
-    flb_impl *im = FLB_IMPL(be);
-    if (!im->in.s2 || !p || !flb_s2_pending(im->in.s2, p)) return FL_OK;
-    char why[160];
-    snprintf(why, sizeof why, "reads input slot bytes at %p that a copy on the second stream is still to write (no "
-             "input_wait for the slot before it)", p);
-    flb_set_error(be, FL_ERR_INTERNAL, op, why);
-    return flb_sticky(be);
-}
-
+/* refused when a copy on the second stream is still to write p (cuda-input-ops-impl.h) */
+static fl_status flb_in_check(const fl_backend *be, const void *p, const char *op);
 /* A launcher's return: 0 ok, -1 bad arguments (types), else the CUDA / emulator error. */
 static int flb_launch(const fl_backend *be, int rc, const char *op) {
     if (rc == 0) return 0;
@@ -696,9 +686,7 @@ static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src,
         return fl_errorf(FL_ERR_IO, "%s to_device: copy of %zu bytes failed", FLB_NAME, bytes);
     return FL_OK;
 }
-
 #include "backend/cuda/cuda-input-ops-impl.h" /* input_slots, input_upload, input_wait */
-
 static fl_status flb_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
     FL_TRY(flb_graph_flush(&FLB_IMPL(be)->graph, be)); /* the graphs before it have run */

@@ -43,3 +43,14 @@ static fl_status flb_input_wait(const fl_backend *be, int slot) {
     if (rc) flb_set_error(be, FL_ERR_IO, "input_wait", flb_last_error(rc));
     return flb_sticky(be);
 }
+/* An op about to read p (an input slot's ids or targets): refused when a copy on the second stream is still to write
+ * it (the emulator knows; a GPU would race): the upload's input_wait is missing (cuda-input-impl.h). */
+static fl_status flb_in_check(const fl_backend *be, const void *p, const char *op) {
+    flb_impl *im = FLB_IMPL(be);
+    if (!im->in.s2 || !p || !flb_s2_pending(im->in.s2, p)) return FL_OK;
+    char why[160];
+    snprintf(why, sizeof why, "reads input slot bytes at %p that a copy on the second stream is still to write (no "
+             "input_wait for the slot before it)", p);
+    flb_set_error(be, FL_ERR_INTERNAL, op, why);
+    return flb_sticky(be);
+}
