@@ -1803,8 +1803,8 @@ T5PP=(plan "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.j
 expect t5_pp_plan_split 0 "blocks per stage \(balanced by training FLOPs at T = 64, lm_head's on the last\): \[0, 1\) \[1, 3\) \[3, 4\) \[4, 5\)" -- \
     "$FITLLM" "${T5PP[@]}" --devices 4 --pipeline_parallel 4 --train.max_seq_length 64
 mkdir -p "$T/t5m4" && cp "$T/t5m"/* "$T/t5m4/" && sed -i 's/"num_heads": 3/"num_heads": 4/' "$T/t5m4/config.json" # heads TP 2 splits
-expect t5_pp_plan_sequence_parallel 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 1 is stage 1" -- \
-    "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --sequence_parallel true --rank 1
+expect t5_pp_plan_sequence_parallel 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 2 is stage 1" -- \
+    "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --sequence_parallel true --rank 2
 expect t5_pp_plan_tp2_pp2 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 3 is stage 1" -- \
     "$FITLLM" plan "$T/t5m4" "${T5PP[@]:2}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 --rank 3
 expect t5_pp_plan_full_shard 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\) x FSDP: rank 0 is stage 0" -- \
