@@ -37,8 +37,8 @@ static void adam8_pair(ss_rig *r, const void *g, fl_dtype tg, size_t n, const do
     if (!be->adam8bit_update_ss || !fl_adam8bit_dtype_ok(tg)) return;
     const int q8 = n >= FL_ADAM8BIT_MIN_SIZE;
     const size_t nb = q8 ? (n + FL_ADAM8BIT_BLOCK - 1) / FL_ADAM8BIT_BLOCK : 0;
-    /* one region per state: [q_m q_v (n bytes each)] [absmax_m absmax_v (nb floats each)] or [m v (n floats each)] */
-    const size_t sb = q8 ? 2 * n + 2 * nb * sizeof(float) : 2 * n * sizeof(float), fb = n * sizeof(float);
+    /* one region per state in the library's layout (fl_adam8bit_state_bind_ex: the absmax arrays aligned) */
+    const size_t sb = fl_adam8bit_state_bytes_ex(n, q8), fb = n * sizeof(float);
     const size_t xb = sb > fb ? sb : fb;
     unsigned char *zero = calloc(1, sb), *x = malloc(xb), *y = malloc(xb);
     FL_REQUIRE(zero && x && y);
@@ -47,11 +47,8 @@ static void adam8_pair(ss_rig *r, const void *g, fl_dtype tg, size_t n, const do
     for (int k = 0; k < 2; k++) {
         pd[k] = dev_copy(r, p0, fb), sd[k] = dev_copy(r, zero, sb);
         FL_REQUIRE(pd[k] && sd[k]);
-        char *b = (char *)sd[k];
-        st[k] = q8 ? (fl_adam8bit_state){.n = n, .n_blocks = nb, .q_m = (uint8_t *)b, .q_v = (uint8_t *)b + n,
-                                         .absmax_m = (float *)(void *)(b + 2 * n),
-                                         .absmax_v = (float *)(void *)(b + 2 * n) + nb}
-                   : (fl_adam8bit_state){.n = n, .m = (float *)(void *)b, .v = (float *)(void *)b + n};
+        FL_REQUIRE_OK(fl_adam8bit_state_bind_ex(&st[k], n, q8, sd[k]));
+        FL_REQUIRE(st[k].n_blocks == nb);
     }
     FL_REQUIRE_OP(be, FL_RUN(be, adam8bit_update_ss, pd[0], FL_F32, g, tg, &st[0], 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 2,
                              ss));
