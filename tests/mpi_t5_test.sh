@@ -365,6 +365,23 @@ if [ $t5ok = 1 ]; then
     if [ $rz -eq 0 ] && small "$z1" && small "$z2" && small "$z3" && grep -q "data parallel (FSDP HYBRID_SHARD, strategy fsdp): 4 ranks" "$T/out"; then
         ok "t5_pp_zero3_gpipe_interleaved_hybrid (vs one process: ZeRO-3 GPipe $z1, FULL_SHARD interleaved $z2, HYBRID 2 x 2 $z3)"
     else bad "t5_pp_zero3_gpipe_interleaved_hybrid" "exit $rz, worst $z1 / $z2 / $z3"; fi
+    # FULL_SHARD's parameter offload on T5's stages (DP 2 x PP 2, 1F1B): each rank's pieces of its units' parameters,
+    # gradients and optimizer state in the host tier (fsdp_cpu_offload) or NVMe files: the device-resident FULL_SHARD
+    # grid's (pf-4's) losses and final bytes, no NVMe file left
+    mkdir -p "$T/pfo-nv"
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" --devices 4 --pipeline_parallel 2 --strategy fsdp_cpu_offload \
+        --out_dir "$T/pfo-c" >"$T/out" 2>&1; ro=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5M[@]}" --devices 4 --pipeline_parallel 2 \
+        --strategy deepspeed_stage_3_offload_nvme --nvme_path "$T/pfo-nv" --out_dir "$T/pfo-n" >>"$T/out" 2>&1 || ro=$?
+    same=1
+    for d in pfo-c pfo-n; do
+        cmp -s "$T/$d/final/model.safetensors" "$T/pf-4/final/model.safetensors" \
+            && cmp -s <(cut -d, -f1-4 "$T/$d/logs/metrics.csv") <(cut -d, -f1-4 "$T/pf-4/logs/metrics.csv") || same=0
+    done
+    if [ $ro -eq 0 ] && [ $same = 1 ] && [ -d "$T/pfo-nv" ] && [ -z "$(ls -A "$T/pfo-nv")" ] \
+        && grep -q "host tier (offload) PARAMS" "$T/out"; then
+        ok "t5_pp_param_offload_full_shard_bytes (fsdp_cpu_offload and NVMe: FULL_SHARD's losses and final bytes, no file left)"
+    else bad "t5_pp_param_offload_full_shard_bytes" "exit $ro"; fi
     # LoRA and QLoRA (bnb.nf4) under the interleaved schedule (PP 2 x 2 chunks: each chunk's adapters keyed by the whole
     # model's module index of its first block, the base frozen): one process's losses, final/ and adapter bytes; the
     # step-3 checkpoint resumed in one process ends on one process resumed's adapter bytes; DP 2 x PP 2 x 2 chunks under

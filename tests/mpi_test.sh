@@ -657,12 +657,8 @@ pp_refused pp_more_stages_than_layers "--pipeline_parallel 6: the model has 5 la
 # part cuts a 4-bit block runs: tp_qlora_cut_blocks_np4 below)
 pp_refused pp_hybrid_shard_refused "HYBRID_SHARD on the data-parallel axis of a grid of 2 model-parallel ranks" 4 \
     finetune_full micro --devices 1 --num_nodes 4 --pipeline_parallel 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/pp-x3"
-# T5 runs on pipeline stages (tests/mpi_t5_test.sh): FULL_SHARD / HYBRID on their data axis, LoRA under interleaved too
-# the offloads run on the stages (ppo_cli_np4_pp2_interleaved_fsdp_cpu_offload below); T5's stages refuse FULL_SHARD's
-# parameter offload by name
-pp_refused pp_t5_param_offload_refused "and FULL_SHARD's parameter offload on the data-parallel axis (--strategy fsdp_cpu_offload" 2 \
-    finetune_full t5-micro --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --devices 2 --pipeline_parallel 2 \
-    --strategy fsdp_cpu_offload --out_dir "$T/pp-x4"
+# T5 runs on pipeline stages (tests/mpi_t5_test.sh): FULL_SHARD / HYBRID on their data axis, LoRA under interleaved,
+# the offloads too (t5_pp_param_offload_full_shard_bytes; decoders: ppo_cli_np4_pp2_interleaved_fsdp_cpu_offload below)
 
 # a rank of the grid killed during training (rank 3: the second tensor-parallel rank of data-parallel group 1):
 # the whole job ends within seconds, non-zero, the launcher naming the rank

@@ -144,8 +144,8 @@ FL_TEST(pp_train_threads_refusals) {
      * pipelines: 4 nodes of 1 rank do not */
     expect_refusal(4, 2, "hybrid", 0, "HYBRID_SHARD on the data-parallel axis of a grid of 2 model-parallel ranks "
                    "(--pipeline_parallel x --tensor_parallel): --devices 1 per node does not hold whole groups");
-    /* (the offloads run on the stages: tests/test_pp_offload.c; T5's stages refuse parameter offload by name: mpirun
-     * pp_t5_param_offload_refused) */
+    /* (the offloads run on the stages: tests/test_pp_offload.c; T5's stages under parameter offload: mpirun
+     * t5_pp_param_offload_full_shard_bytes) */
 }
 
 /* checkpoints resume on a different grid: they hold the consolidated model and optimizer (the single-process form),
