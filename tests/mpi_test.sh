@@ -842,14 +842,17 @@ fi
 # parameters, gradients and state in the host tier) logs the device-resident grid's losses (tpf's above) and writes its
 # final weights byte for byte; tpf's step-2 checkpoint resumed under fsdp_cpu_offload ends on the same final weights
 # (tests/test_tp_train.c: ZeRO-1/2/3 offload and NVMe too)
+# same_run A B: run A logged B's losses (metrics' first four columns) and wrote B's final weights, byte for byte
+same_run() {
+    cmp -s "$1/final/model.safetensors" "$2/final/model.safetensors" \
+        && cmp -s <(cut -d, -f1-4 "$1/logs/metrics.csv") <(cut -d, -f1-4 "$2/logs/metrics.csv")
+}
 rc=0
 timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_parallel 2 --strategy fsdp_cpu_offload \
     --out_dir "$T/tpo" >"$T/out" 2>&1 || rc=$?
 timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_parallel 2 --strategy fsdp_cpu_offload \
     --resume "$T/tpf/step-000002" --out_dir "$T/tpo-r" >>"$T/out" 2>&1 || rc=$?
-if [ $rc -eq 0 ] && cmp -s "$T/tpo/final/model.safetensors" "$T/tpf/final/model.safetensors" \
-    && cmp -s <(cut -d, -f1-4 "$T/tpo/logs/metrics.csv") <(cut -d, -f1-4 "$T/tpf/logs/metrics.csv") \
-    && cmp -s "$T/tpo-r/final/model.safetensors" "$T/tpf/final/model.safetensors" \
+if [ $rc -eq 0 ] && same_run "$T/tpo" "$T/tpf" && cmp -s "$T/tpo-r/final/model.safetensors" "$T/tpf/final/model.safetensors" \
     && grep -q "host tier (offload) PARAMS  *254.62 KiB" "$T/out"; then
     ok "tp_cli_np4_tp2_fsdp_cpu_offload (the device-resident grid's bytes; its checkpoint resumed with offload)"
 else
@@ -902,9 +905,8 @@ rc=0
 timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --pipeline_parallel 2 --strategy fsdp_cpu_offload \
     --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppio4" >"$T/out" 2>&1 || rc=$?
 timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppio4/step-000002" --out_dir "$T/ppio-r1" >>"$T/out" 2>&1 || rc=$?
-if [ $rc -eq 0 ] && cmp -s "$T/ppio4/final/model.safetensors" "$T/ppif4/final/model.safetensors" \
+if [ $rc -eq 0 ] && same_run "$T/ppio4" "$T/ppif4" \
     && cmp -s "$T/ppio4/step-000002/model.safetensors" "$T/ppif4/step-000002/model.safetensors" \
-    && cmp -s <(cut -d, -f1-4 "$T/ppio4/logs/metrics.csv") <(cut -d, -f1-4 "$T/ppif4/logs/metrics.csv") \
     && cmp -s "$T/ppio-r1/final/model.safetensors" "$T/ppif-r1/final/model.safetensors" \
     && grep -q "host tier (offload) PARAMS  *394.50 KiB" "$T/out"; then
     ok "ppo_cli_np4_pp2_interleaved_fsdp_cpu_offload (the device-resident grid's bytes; resumed in one process)"
