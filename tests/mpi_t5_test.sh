@@ -429,6 +429,24 @@ if [ $t5ok = 1 ]; then
     if [ $rs -eq 0 ] && small "$s1" && small "$s2" && small "$s3" && grep -q "^sequence parallel: " "$T/out-sq"; then
         ok "t5_pp_np4_tp2_pp2_sequence_parallel (vs one process $s1, resumed in one process $s2, TP 2 x PP 3 $s3; peaks = plan)"
     else cp "$T/out-sq" "$T/out"; bad "t5_pp_np4_tp2_pp2_sequence_parallel" "exit $rs, worst $s1 / $s2 / $s3"; fi
+    # tensor parallelism inside the interleaved schedule (TP 2 x PP 2 x 2 chunks, the 4-head config: each
+    # chunk its TP slice of its virtual stage, d(encoder output) back through every chunk, one clipping norm): one
+    # process's losses within 1e-6, its step-3 checkpoint resumed in one process, TP 2 x PP 2 1F1B's step-3 checkpoint
+    # resumed interleaved (against it resumed in one process, tq-r1), rank 0's peaks per tag = the plan's
+    # (tests/test_tp_t5_train.c tpi_t5_train_*: gradients, SP, LoRA, 16-mixed, DP 2 x TP 2 x PP 2, opaque, cuda-emu)
+    TI=("${TQ[@]}" --pipeline_schedule interleaved)
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5Q[@]}" "${TI[@]}" --out_dir "$T/ti-4" >"$T/out-ti" 2>&1; rt=$?
+    timeout 300 "$FL" finetune_full "${T5Q[@]}" --resume "$T/ti-4/step-000003" --out_dir "$T/ti-r1" >"$T/out" 2>&1 || rt=$?
+    timeout 300 mpirun -np 4 "$FL" finetune_full "${T5Q[@]}" "${TI[@]}" --resume "$T/tq-4/step-000003" --out_dir "$T/ti-r4" \
+        >>"$T/out" 2>&1 || rt=$?
+    t1=$(within "$T/tq-1" "$T/ti-4" 24); t2=$(within "$T/tq-r0" "$T/ti-r1" 12); t3=$(within "$T/tq-r1" "$T/ti-r4" 12)
+    tp=$("$FL" plan "${T5Q[@]}" "${TI[@]}" "${PPL[@]}" --rank 0 | awk '/^peak +reserved/ { for (i = 3; i <= 16; i += 2) printf "%s %s,", $i, $(i + 1) }')
+    tm=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER) / { printf "%s %s,", $4, $5 }' "$T/out-ti" | head -c 400)
+    [ -n "$tp" ] && [ "$tp" = "${tm:0:${#tp}}" ] || { rt=1; echo "     TP x PP interleaved rank 0: planned $tp measured $tm"; }
+    if [ $rt -eq 0 ] && small "$t1" && small "$t2" && small "$t3" \
+        && grep -q "virtual stages' blocks: \[0, 2) \[2, 3) \[3, 4) \[4, 5)" "$T/out-ti"; then
+        ok "t5_ppi_np4_tp2_pp2 (vs one process $t1, resumed in one process $t2, 1F1B's resumed interleaved $t3; peaks = plan)"
+    else cp "$T/out-ti" "$T/out"; bad "t5_ppi_np4_tp2_pp2" "exit $rt, worst $t1 / $t2 / $t3"; fi
 fi
 
 echo "T5 MPI tests: $pass passed, $fail failed"

@@ -921,11 +921,8 @@ timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_
     --pipeline_schedule interleaved --pipeline_chunks 2 --out_dir "$T/ppit4" >"$T/out" 2>&1; rc=$?
 timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppit4/step-000002" --out_dir "$T/ppit-r1" >>"$T/out" 2>&1 || rc=$?
 ppi_check ppi_cli_np4_tp2_pp2 "$T/ppit4" "$T/tp-one" "$T/ppit-r1"
-# what TP inside the interleaved schedule does not run yet is refused by name: T5's chunks (TP x PP runs T5 under gpipe
-# and 1f1b); FULL_SHARD on the data axis: tests/test_pp_train.c pp_train_threads_interleaved_refusals
-pp_refused ppi_t5_tp_refused "with an encoder-decoder (t5-micro) and --tensor_parallel under --pipeline_schedule interleaved" 4 \
-    finetune_full t5-micro --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --devices 4 --pipeline_parallel 2 \
-    --tensor_parallel 2 --pipeline_schedule interleaved --out_dir "$T/ppit-x1"
+# T5's chunks run TP inside the interleaved schedule too: tests/mpi_t5_test.sh t5_ppi_np4_tp2_pp2 (one process's losses,
+# checkpoints resumed across grids; tests/test_tp_t5_train.c tpi_t5_train_*)
 
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"

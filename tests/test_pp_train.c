@@ -934,7 +934,7 @@ FL_TEST(pp_train_threads_interleaved_full_shard_resume) {
 
 /* what interleaved does not run yet is refused naming the option: micro-batches not a multiple of the stages (also
  * under LoRA, ZeRO-3, TP x PP with FULL_SHARD and SP, which run interleaved now: their set-up reaches the check), more
- * virtual stages than blocks (T5 with TP under interleaved: tests/mpi_test.sh ppi_t5_tp_refused) */
+ * virtual stages than blocks (T5 with TP and SP runs interleaved too: tests/test_tp_t5_train.c tpi_t5_train_*) */
 FL_TEST(pp_train_threads_interleaved_refusals) {
     const struct { int dp, pp, V, lora; const char *strategy; int accum3; const char *want; } r[6] = {
         {1, 2, 2, 1, NULL, 1, "not a multiple of the 2 stages"}, /* (LoRA runs interleaved now) */

@@ -46,6 +46,13 @@ static const char *t5t_folder(int relu) {
 }
 
 static int g_sp; /* --sequence_parallel (with tp > 1) */
+/* the 3D grid (tests of TP inside the interleaved schedule, below): pipeline stages of the grids with more than one
+ * rank (one process stays one process), their schedule (NULL: 1f1b) and the precision (NULL: 32-true) */
+static int g_pp = 1;
+static const char *g_sched, *g_prec;
+
+/* the ranks of DP dp x TP tp (x PP g_pp) */
+static int t5t_world(int dp, int tp) { return dp * tp > 1 ? dp * tp * g_pp : 1; }
 
 /* dp groups x tp ranks on folder `dir`, output under out */
 static void t5t_config(fl_run_config *c, const char *dir, int dp, int tp, const char *out) {
@@ -69,10 +76,13 @@ static void t5t_config(fl_run_config *c, const char *dir, int dp, int tp, const 
     c->optimizer.lr = 3e-3f;
     c->threads = 1;
     c->seed = 5;
-    c->devices = dp * tp;
+    c->devices = t5t_world(dp, tp);
     c->tensor_parallel = tp;
     c->sequence_parallel = g_sp && tp > 1;
     snprintf(c->strategy, sizeof c->strategy, "ddp");
+    c->pipeline_parallel = c->devices / (dp * tp);
+    if (c->pipeline_parallel > 1) snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", g_sched ? g_sched : "1f1b");
+    if (g_prec) snprintf(c->precision, sizeof c->precision, "%s", g_prec);
 }
 
 static fl_status t5t_run(dr_job *j, int W) {
@@ -120,17 +130,25 @@ static void t5t_grads(const char *dir, const char *a_out, const char *b_out, con
 
 static int g_ckpt; /* activation checkpointing in both runs (the blocks' recompute runs their sums again) */
 
-/* DP dp x TP tp against one process on the folder (relu: v1.0), `steps` steps */
+/* " x PP n (schedule)" of the 3D grid's tests, "" without stages */
+static const char *t5t_pp_name(void) {
+    static char b[48];
+    snprintf(b, sizeof b, " x PP %d (%s)", g_pp, g_sched ? g_sched : "1f1b");
+    return g_pp > 1 ? b : "";
+}
+
+/* DP dp x TP tp (x PP g_pp) against one process on the folder (relu: v1.0), `steps` steps */
 static void t5t_scenario(int relu, int dp, int tp, const char *backend, int steps) {
     const char *dir = t5t_folder(relu);
     FL_REQUIRE(dir != NULL);
-    char out[700], ref_out[700];
-    snprintf(out, sizeof out, "%s/t5tp-%s-dp%d-tp%d-%s%s%s", fl_test_tmpdir(), relu ? "relu" : "gated", dp, tp, backend,
-             g_sp ? "-sp" : "", g_ckpt ? "-ckpt" : "");
+    char out[700], ref_out[700], grid[96];
+    snprintf(out, sizeof out, "%s/t5tp-%s-dp%d-tp%d-pp%d%s-%s%s%s", fl_test_tmpdir(), relu ? "relu" : "gated", dp, tp, g_pp,
+             g_sched ? g_sched : "", backend, g_sp ? "-sp" : "", g_ckpt ? "-ckpt" : "");
     snprintf(ref_out, sizeof ref_out, "%s/t5tp-%s-one-%s", fl_test_tmpdir(), relu ? "relu" : "gated", backend);
+    snprintf(grid, sizeof grid, "DP %d x TP %d%s%s", dp, tp, t5t_pp_name(), g_sp ? " + SP" : "");
     dr_job *j = calloc(1, sizeof *j), *one = calloc(1, sizeof *one);
     FL_REQUIRE(j && one);
-    const int W = dp * tp;
+    const int W = t5t_world(dp, tp);
     for (int r = 0; r < W; r++) t5t_config(&j->cfg[r], dir, dp, tp, out), j->cfg[r].train.max_steps = steps;
     t5t_config(&one->cfg[0], dir, 1, 1, ref_out);
     one->cfg[0].train.max_steps = steps;
@@ -138,23 +156,23 @@ static void t5t_scenario(int relu, int dp, int tp, const char *backend, int step
     one->cfg[0].train.activation_checkpointing = g_ckpt;
     setenv("FITLLM_BACKEND", backend, 1);
     fl_status s = t5t_run(j, W);
-    FL_CHECKF(s == FL_OK, "T5 at DP %d x TP %d on %s: %s", dp, tp, backend, j->msg[0][0] ? j->msg[0] : fl_error_message());
+    FL_CHECKF(s == FL_OK, "T5 at %s on %s: %s", grid, backend, j->msg[0][0] ? j->msg[0] : fl_error_message());
     fl_status s1 = s == FL_OK ? t5t_run(one, 1) : s;
     unsetenv("FITLLM_BACKEND");
     FL_CHECKF(s1 == FL_OK, "T5 in one process on %s: %s", backend, fl_error_message());
     if (s == FL_OK && s1 == FL_OK) {
         for (int r = 1; r < W; r++)
-            FL_CHECKF(!memcmp(j->rec[r].loss, j->rec[0].loss, sizeof j->rec[0].loss), "T5 TP %d: rank %d's losses differ "
-                      "from rank 0's", tp, r);
+            FL_CHECKF(!memcmp(j->rec[r].loss, j->rec[0].loss, sizeof j->rec[0].loss), "T5 %s: rank %d's losses differ "
+                      "from rank 0's", grid, r);
         const double lr = dr_loss_rel(&j->rec[0], &one->rec[0], steps);
-        FL_CHECKF(j->rec[0].steps == steps && lr <= 1e-6, "T5 %s at DP %d x TP %d on %s vs one process: %ld steps, step "
-                  "losses differ by %.3g relative", relu ? "v1.0" : "v1.1", dp, tp, backend, j->rec[0].steps, lr);
+        FL_CHECKF(j->rec[0].steps == steps && lr <= 1e-6, "T5 %s at %s on %s vs one process: %ld steps, step "
+                  "losses differ by %.3g relative", relu ? "v1.0" : "v1.1", grid, backend, j->rec[0].steps, lr);
         if (getenv("FL_TEST_VERBOSE"))
-            printf("    T5 %s DP %d x TP %d%s on %s: %d step losses within %.3g relative of one process\n",
-                   relu ? "v1.0" : "v1.1", dp, tp, g_sp ? " + SP" : "", backend, steps, lr);
-        char what[96];
-        snprintf(what, sizeof what, "T5 %s DP %d x TP %d%s on %s%s", relu ? "v1.0" : "v1.1", dp, tp,
-                 g_sp ? " + SP" : "", backend, g_ckpt ? " (checkpointing)" : "");
+            printf("    T5 %s %s on %s: %d step losses within %.3g relative of one process\n", relu ? "v1.0" : "v1.1",
+                   grid, backend, steps, lr);
+        char what[160];
+        snprintf(what, sizeof what, "T5 %s %s on %s%s", relu ? "v1.0" : "v1.1", grid, backend,
+                 g_ckpt ? " (checkpointing)" : "");
         t5t_grads(dir, out, ref_out, what);
     }
     for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]), dr_free(&one->rec[r]);
@@ -404,4 +422,22 @@ FL_TEST(sp_t5_train_plan_resume_opaque) {
     t5_resume("t5sp-resume-tp2");
     t5t_scenario(0, 1, 2, "opaque", 2);
     g_sp = 0;
+}
+
+/* ---- T5 with tensor (and sequence) parallelism inside the interleaved schedule (--tensor_parallel 2
+ * --pipeline_parallel 2 --pipeline_schedule interleaved: trainer_tp.c's chunk slices over T5's stage models) ----
+ * The folder's 2 + 3 blocks in 4 virtual stages [0, 2) [2, 3) [3, 4) [4, 5): rank s's chunk 0 is virtual stage s, its
+ * chunk 1 virtual stage 2 + s, so the encoder (virtual stage 0) and the three decoder blocks sit on both ranks and
+ * both chunks; each chunk its TP slice of its virtual stage. d(encoder output) crosses back from the last virtual
+ * stage to the first through every chunk (each decoder chunk parks what it received, sums its blocks' parts over the
+ * group, adds it back), the shared embedding's and both tables' gradients are summed over every chunk and the stages,
+ * the clipping norm (0.5) is one number over every chunk, the group and the stages. The bars are TP's (above): step
+ * losses within 1e-6 relative of one process, step 1's gradients (the step-1 checkpoint gathered chunk by chunk over
+ * the group, then the virtual stages in order) within 1e-5 of each tensor's scale. */
+FL_TEST(tpi_t5_train_threads_match_one_process) {
+    g_pp = 2, g_sched = "interleaved";
+    t5t_scenario(0, 1, 2, "cpu", 4); /* v1.1 (gated, untied head) */
+    t5t_scenario(1, 1, 2, "cpu", 4); /* v1.0 (tied, scaled head: the head on the last virtual stage reads the table) */
+    if (!fl_test_asan_light()) t5t_scenario(0, 2, 2, "cpu", 4); /* DP 2 x TP 2 x PP 2 x 2 chunks: 8 thread ranks */
+    g_pp = 1, g_sched = NULL;
 }

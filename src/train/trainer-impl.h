@@ -136,7 +136,6 @@ fl_status fl_tr_load_tokenizer(trainer *t);
 fl_status fl_tr_load_data(trainer *t);
 /* An encoder-decoder's run: what it does not support yet refused, naming the option. */
 fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_strategy_choice *sc);
-fl_status fl_tr_pp_check_s2s(const fl_run_config *c, const fl_strategy_choice *sc, const fl_model_config *mc);
 /* The training loader's micro-batches per epoch and its state (either loader). */
 size_t fl_tr_batches_per_epoch(const trainer *t);
 void fl_tr_loader_get_state(const trainer *t, fl_loader_state *s);

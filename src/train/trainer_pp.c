@@ -46,7 +46,6 @@ fl_status fl_tr_pp_begin(trainer *t, fl_comm *world, const fl_model_config *give
     fl_strategy_choice sc;
     FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
     FL_TRY(fl_tr_pp_check(t, &sc));
-    if (given) FL_TRY(fl_tr_pp_check_s2s(t->cfg, &sc, given)); /* the plan's: every rank alike, before any collective */
     FL_TRY(fl_error_prefix(fl_comm_split(world, w / n, w, &t->pp.grp), "--pipeline_parallel %d: the pipeline", n));
     FL_TRY(fl_error_prefix(fl_comm_split(world, w % n, w, &t->pp.dpc), "--pipeline_parallel %d: the data-parallel axis", n));
     t->pp.size = n;

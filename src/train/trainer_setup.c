@@ -223,18 +223,6 @@ static fl_status load_data_s2s(trainer *t) {
     return fl_s2s_loader_init(&t->in.s2s_train, t->in.s2s, t->sch.B, pad, start, c->seed, 1);
 }
 
-/* T5's pipeline stages (seq2seq_stage.c): what they do not compose with yet refused by name (also from the grid's
- * set-up when the model's config is known there: before any collective) */
-fl_status fl_tr_pp_check_s2s(const fl_run_config *c, const fl_strategy_choice *sc, const fl_model_config *mc) {
-    (void)sc; /* every strategy runs on T5's stages, FULL_SHARD's parameter offload too (mpi_t5_test.sh) */
-    if (c->pipeline_parallel <= 1 || !fl_model_is_s2s(mc)) return FL_OK;
-    if (c->tensor_parallel > 1 && !strcmp(c->pipeline_schedule, "interleaved"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with an encoder-decoder (%s) and --tensor_parallel "
-                         "under --pipeline_schedule interleaved: not combined yet (tensor parallelism runs under gpipe or "
-                         "1f1b)", c->pipeline_parallel, mc->name[0] ? mc->name : "encoder-decoder");
-    return FL_OK;
-}
-
 fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_strategy_choice *sc) {
     const fl_run_config *c = t->cfg;
     const char *m = t->model.cfg.name[0] ? t->model.cfg.name : "encoder-decoder";
@@ -246,7 +234,8 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     /* every strategy runs: DDP and ZeRO-1/2 (the optimizer offloaded too) keep the whole model on every rank;
      * FULL_SHARD / ZeRO-3 (and its parameter offload) shard it, the passes (seq2seq.c) gathering each layout group
      * (a block of either stack) around its use */
-    FL_TRY(fl_tr_pp_check_s2s(c, sc, &t->model.cfg)); /* T5's pipeline stages: the two combinations not run yet */
+    /* T5's pipeline stages run every schedule, strategy and offload, TP and SP inside the interleaved one too
+     * (tests/test_tp_t5_train.c, mpi_t5_test.sh) */
     if (c->command == FL_CMD_PRETRAIN)
         return fl_errorf(FL_ERR_UNSUPPORTED, "pretrain: an encoder-decoder (%s) is fine-tuned only (finetune_full, "
                          "finetune_lora) so far", m);

@@ -37,7 +37,6 @@ static fl_status tpp_begin(trainer *t, fl_comm *world, const fl_model_config *gi
     fl_strategy_choice sc;
     FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
     FL_TRY(fl_tr_pp_check(t, &sc)); /* (what interleaved does not run with TP refused there) */
-    if (given) FL_TRY(fl_tr_pp_check_s2s(t->cfg, &sc, given)); /* the plan's: before any collective */
     FL_TRY(tp_check(t->cfg, n, W / (n * S), &sc));
     fl_model_config pc;
     if (given) FL_TRY(fl_tp_config(given, n, 0, &pc)); /* the planner's shape */
