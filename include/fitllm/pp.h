@@ -196,6 +196,8 @@ typedef struct {
     double norm_sq;            /* interleaved: the step's squared norm over every chunk, computed once per step */
     int norm_ok;
     int amp_ok, amp_found;     /* interleaved under loss scaling: the step's overflow verdict over every chunk */
+    int lora_reduced;          /* TP x PP interleaved LoRA: every chunk's whole adapter matrices summed over the
+                                * group this step (chunk 0's update does it, before the norm reads them) */
     fl_comm *tp_comm;          /* TP x PP interleaved: the tensor-parallel group (host memory; NULL: none), which the
                                 * verdict is summed over too */
     double fwd_ms, bwd_ms, step_ms; /* measured: the forwards' and backwards' compute (not the waits), the steps */

@@ -555,6 +555,7 @@ static fl_status reduce_and_update(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, do
     fl_mem_set_phase(p->m->pool, "optimizer step");
     p->norm_ok = 0;
     p->amp_ok = 0;
+    p->lora_reduced = 0;
     if (p->chunks > 1 && o->amp.on) FL_TRY(amp_verdict(p, o));
     fl_status s = fl_optim_step(o, c->lr, c->max_norm, norm);
     for (int ch = 1; s == FL_OK && ch < p->chunks; ch++) {

@@ -147,8 +147,7 @@ static fl_status tp_lora_sumsq(void *ud, const fl_optimizer *o, double *out) {
 /* LoRA: the whole matrices' gradients are partial sums of the ranks' (dA = B_r^T dy_r x^T on a column-parallel
  * linear, dB = dy (A_r x_r)^T on a row-parallel one): summed over the group on the backend's memory before the
  * optimizer reads them (every rank then holds the same bits) */
-static fl_status tp_reduce(void *ud, fl_optimizer *o) {
-    const fl_tp_dist *d = ud;
+static fl_status reduce_one(const fl_tp_dist *d, fl_optimizer *o) {
     const fl_model *m = d->m;
     fl_lora_adapters ad;
     if (!fl_model_lora_adapters(m, &ad) || !m->tp_comm) return FL_OK;
@@ -162,6 +161,18 @@ static fl_status tp_reduce(void *ud, fl_optimizer *o) {
                                    "adapter gradient of %s", md->name));
         }
     }
+    return FL_OK;
+}
+
+/* interleaved: the first chunk's update sums every chunk's before its clipping norm reads them all (rank_sumsq: rank 0
+ * adds each chunk's whole matrices; summing a later chunk's in its own update came after the norm: the rank's partial
+ * counted), the later chunks' updates find them summed */
+static fl_status tp_reduce(void *ud, fl_optimizer *o) {
+    const fl_tp_dist *d = ud;
+    if (!d->pp || d->pp->chunks <= 1) return reduce_one(d, o);
+    if (d->pp->lora_reduced) return FL_OK;
+    for (int c = 0; c < d->pp->chunks; c++) FL_TRY(reduce_one(chunk_dist(d, c), d->pp->ch[c].o));
+    d->pp->lora_reduced = 1;
     return FL_OK;
 }
 
