@@ -296,40 +296,47 @@ static void t5_resume(const char *name) {
 
 FL_TEST(tp_t5_train_checkpoint_resumes_at_another_size) { t5_resume("t5tp-resume-tp2"); }
 
-/* every rank's plan = its measured peaks per tag: TP 2 (DDP) and DP 2 x TP 2 under ZeRO-2 (OPTIM: the chunk's) */
-FL_TEST(tp_t5_train_plan_equals_measured) {
+/* every rank's plan of DP dp x TP 2 (x PP g_pp; ZeRO-2 when dp > 1, LoRA when lora) = its measured peaks per tag, one
+ * step of the arena's rows test_plan.c's t5_cfg plans */
+static void t5t_plan_grid(int dp, int lora) {
     const char *dir = t5t_folder(0);
     FL_REQUIRE(dir != NULL);
-    const int grids[2][2] = {{1, 2}, {2, 2}};
-    for (int g = 0; g < 2; g++) {
-        const int dp = grids[g][0], tp = grids[g][1], W = dp * tp;
-        dr_job *j = calloc(1, sizeof *j);
-        FL_REQUIRE(j != NULL);
-        char out[700];
-        snprintf(out, sizeof out, "%s/t5tp-plan-%d-%d", fl_test_tmpdir(), dp, tp);
-        for (int r = 0; r < W; r++) {
-            t5t_config(&j->cfg[r], dir, dp, tp, out);
-            j->cfg[r].train.max_steps = 1;
-            j->cfg[r].train.save_interval = 0;
-            j->cfg[r].data.max_source_length = 8; /* the arena's (and the plan's) rows: test_plan.c's t5_cfg */
-            j->cfg[r].data.max_target_length = 4;
-            if (g) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "deepspeed_stage_2");
-        }
-        setenv("FITLLM_BACKEND", "cpu", 1);
-        fl_status s = t5t_run(j, W);
-        unsetenv("FITLLM_BACKEND");
-        FL_CHECKF(s == FL_OK, "T5 DP %d x TP %d: %s", dp, tp, j->msg[0]);
-        for (int r = 0; r < W && s == FL_OK; r++) {
-            char grid[48];
-            snprintf(grid, sizeof grid, "T5 DP %d x TP %d", dp, tp);
-            const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
-            if (getenv("FL_TEST_VERBOSE") && (r == 0 || r == W - 1))
-                printf("    %s rank %d: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu, ACTS %zu)\n", grid, r, total,
-                       j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_OPTIM], j->res[r].peak[FL_TAG_ACTS]);
-        }
-        for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
-        free(j);
+    const int W = t5t_world(dp, 2);
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700], grid[160];
+    snprintf(out, sizeof out, "%s/t5tp-plan-%d-2-%d%s%s%s", fl_test_tmpdir(), dp, g_pp, g_sched ? g_sched : "",
+             g_sp ? "-sp" : "", lora ? "-lora" : "");
+    snprintf(grid, sizeof grid, "T5 DP %d x TP 2%s%s%s%s", dp, t5t_pp_name(), dp > 1 ? " ZeRO-2" : "", g_sp ? " + SP" : "",
+             lora ? " LoRA" : "");
+    for (int r = 0; r < W; r++) {
+        fl_run_config *c = &j->cfg[r];
+        t5t_config(c, dir, dp, 2, out);
+        c->train.max_steps = 1;
+        c->train.save_interval = 0;
+        c->data.max_source_length = 8; /* the arena's (and the plan's) rows: test_plan.c's t5_cfg */
+        c->data.max_target_length = 4;
+        if (dp > 1) snprintf(c->strategy, sizeof c->strategy, "deepspeed_stage_2");
+        if (lora) c->command = FL_CMD_FINETUNE_LORA, c->lora.query = c->lora.value = c->lora.projection = 1;
     }
+    setenv("FITLLM_BACKEND", "cpu", 1);
+    fl_status s = t5t_run(j, W);
+    unsetenv("FITLLM_BACKEND");
+    FL_CHECKF(s == FL_OK, "%s: %s", grid, j->msg[0]);
+    for (int r = 0; r < W && s == FL_OK; r++) {
+        const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
+        if (getenv("FL_TEST_VERBOSE") && (r == 0 || r == W - 1))
+            printf("    %s rank %d: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu, ACTS %zu)\n", grid, r, total,
+                   j->res[r].peak[FL_TAG_PARAMS], j->res[r].peak[FL_TAG_OPTIM], j->res[r].peak[FL_TAG_ACTS]);
+    }
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+}
+
+/* every rank's plan = its measured peaks per tag: TP 2 (DDP) and DP 2 x TP 2 under ZeRO-2 (OPTIM: the chunk's) */
+FL_TEST(tp_t5_train_plan_equals_measured) {
+    t5t_plan_grid(1, 0);
+    t5t_plan_grid(2, 0);
 }
 
 /* refused with the option and the dimension named on every rank (a rank that fails first ends its peers' set-up
@@ -532,4 +539,74 @@ FL_TEST(tpi_t5_train_nccl_standin_opaque_cuda_emu) {
     t5t_scenario(0, 1, 2, "cuda-emu", 1); /* one step (the emulated kernels are slow): its loss and gradients */
 #endif
     g_pp = 1, g_sched = NULL;
+}
+
+/* every rank's plan = its measured peaks per tag under TP inside the interleaved schedule (each rank's 2 chunk slices:
+ * their parameters, gradients, state and arenas, the stashes of the chunk-micro-batches in flight): TP 2 x PP 2 x 2
+ * chunks (AdamW), DP 2 x TP 2 x PP 2 x 2 under ZeRO-2 (the full tier), with SP, LoRA */
+FL_TEST(tpi_t5_train_plan_equals_measured) {
+    g_pp = 2, g_sched = "interleaved";
+    t5t_plan_grid(1, 0);
+    if (!fl_test_quick()) t5t_plan_grid(2, 0);
+    t5t_plan_grid(1, 1);
+    g_sp = 1;
+    t5t_plan_grid(1, 0);
+    g_pp = 1, g_sched = NULL, g_sp = 0;
+}
+
+/* run TP tp (x PP g_pp under g_sched; tp 1: one process) into out, 5 steps, a checkpoint every `save` steps (0: none),
+ * resuming from `resume` when given */
+static fl_status t5i_run(dr_job *j, int tp, const char *out, const char *resume, int save) {
+    const char *dir = t5t_folder(0);
+    FL_REQUIRE_R(dir != NULL, FL_ERR_INVALID);
+    const int W = t5t_world(1, tp);
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    for (int r = 0; r < W; r++) {
+        t5t_config(&j->cfg[r], dir, 1, tp, out);
+        j->cfg[r].train.max_steps = 5;
+        j->cfg[r].train.save_interval = save;
+        if (resume) snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", resume);
+    }
+    setenv("FITLLM_BACKEND", "cpu", 1);
+    fl_status s = t5t_run(j, W);
+    unsetenv("FITLLM_BACKEND");
+    return s;
+}
+
+/* checkpoints across grids and schedules: TP 2 x PP 2 x 2 chunks' step-3 checkpoint (each chunk gathered over the
+ * group, then the virtual stages in order: one process's HF folder and training state) resumed in one process, at TP 2
+ * x PP 2 under GPipe and interleaved with SP; the GPipe run's step 4 resumed interleaved (the reverse). Each resumed
+ * run's later losses within 1e-6 relative of the uninterrupted interleaved run's (TP's bar: the grids reassociate) */
+FL_TEST(tpi_t5_train_resume_across_grids) {
+    char out[700], from[800], o2[760];
+    snprintf(out, sizeof out, "%s/t5tpi-resume", fl_test_tmpdir());
+    dr_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    g_pp = 2, g_sched = "interleaved";
+    FL_REQUIRE_OK(t5i_run(j, 2, out, NULL, 3));
+    dr_rec full = j->rec[0];
+    memset(&j->rec[0], 0, sizeof j->rec[0]);
+    const struct { const char *from, *sched; long step; int tp, sp; const char *name; } k_case[4] = {
+        {"", NULL, 3, 1, 0, "one process"},
+        {"", "gpipe", 3, 2, 0, "TP 2 x PP 2 gpipe"},
+        {"-gpipe", "interleaved", 4, 2, 0, "TP 2 x PP 2 interleaved"},
+        {"", "interleaved", 3, 2, 1, "TP 2 x PP 2 interleaved + SP"},
+    };
+    for (int k = 0; k < (fl_test_asan_light() ? 2 : fl_test_quick() ? 3 : 4); k++) { /* SP: the full tier */
+        snprintf(from, sizeof from, "%s%s/step-%06ld", out, k_case[k].from, k_case[k].step);
+        snprintf(o2, sizeof o2, "%s-%s%s", out, k_case[k].sched ? k_case[k].sched : "one", k_case[k].sp ? "-sp" : "");
+        g_pp = k_case[k].tp > 1 ? 2 : 1, g_sched = k_case[k].sched, g_sp = k_case[k].sp;
+        fl_status s = t5i_run(j, k_case[k].tp, o2, from, k == 1 ? 4 : 0); /* GPipe's step 4: case 2's */
+        FL_CHECKF(s == FL_OK, "T5 resumed at %s: %s", k_case[k].name, j->msg[0][0] ? j->msg[0] : fl_error_message());
+        double w = 0;
+        for (long st = k_case[k].step; s == FL_OK && st < 5; st++)
+            w = fmax(w, fabs(j->rec[0].loss[st] - full.loss[st]) / fabs(full.loss[st]));
+        FL_CHECKF(s != FL_OK || (j->rec[0].steps == 5 && w <= 1e-6), "T5 %s resumed from '%s': steps %ld, later losses "
+                  "differ by %.3g relative from the uninterrupted interleaved run", k_case[k].name, from, j->rec[0].steps, w);
+        if (getenv("FL_TEST_VERBOSE")) printf("    T5 %s from %s: later losses within %.3g relative\n", k_case[k].name, from, w);
+    }
+    g_pp = 1, g_sched = NULL, g_sp = 0;
+    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    dr_free(&full);
+    free(j);
 }
