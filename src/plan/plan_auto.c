@@ -3,8 +3,7 @@
  * DDP (one all-reduce, nothing gathered), then ZeRO-1 (the optimizer state sharded), ZeRO-2 (the gradients too),
  * FULL_SHARD (the parameters too: all-gathers every step), then the CPU offloads (host traffic every step). Each
  * candidate's every rank is rehearsed without a budget (fl_plan_run's rank_peaks, as the grid suggestion does), so
- * the choice is the plan's exact numbers; a candidate the trainer refuses on the grid (TP inside the
- * interleaved schedule on T5's stages, ...) is skipped. */
+ * the choice is the plan's exact numbers; a candidate the trainer refuses on the grid is skipped. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
