@@ -11,7 +11,8 @@
  *   - TP 2's consolidated step-3 checkpoint (one process's HF folder and training state) resumed at TP 4 and in one
  *     process: the later losses within 1e-6 of the uninterrupted run's;
  *   - every rank's plan = its measured peaks per tag (TP 2; DP 2 x TP 2 under ZeRO-2);
- *   - on the opaque backend (memory the host cannot read: the blocks' sums through the NCCL stand-in) the same. */
+ *   - on the opaque backend (memory the host cannot read: the blocks' sums through the NCCL stand-in) the same.
+ * The same bars inside the interleaved pipeline schedule (TP x PP x 2 chunks): tpi_t5_train_* at the end. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
