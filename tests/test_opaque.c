@@ -5,6 +5,7 @@
  * checkpoints (training state, HF model, PEFT adapter files) byte for byte, a resumed run, and
  * generation with the KV cache (logits of prefill and every decode step, and the tokens). */
 #include <fcntl.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -26,20 +27,39 @@ static void on_segv(int sig) {
     siglongjmp(g_jmp, 1);
 }
 
-/* 1 if reading *p faults. */
-static int read_faults(const volatile float *p) {
+/* 1 if reading (write 0) or writing (write 1) *p faults. */
+static int access_faults(volatile float *p, int write) {
     struct sigaction sa, old;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_segv;
     sigaction(SIGSEGV, &sa, &old);
     int faulted = 1;
     if (!sigsetjmp(g_jmp, 1)) {
-        volatile float x = *p;
-        (void)x;
+        if (write) {
+            *p = 1.0f;
+        } else {
+            volatile float x = *p;
+            (void)x;
+        }
         faulted = 0;
     }
     sigaction(SIGSEGV, &old, NULL);
     return faulted;
+}
+static int read_faults(volatile float *p) { return access_faults(p, 0); }
+
+/* ops on another thread while the host reads: the handles stay closed throughout */
+typedef struct {
+    fl_backend *be;
+    float *x;
+    size_t n;
+    volatile int running;
+} busy_ops;
+static void *busy_run(void *ud) {
+    busy_ops *b = ud;
+    for (int i = 0; i < 400; i++) b->be->scale(b->be, b->x, b->n, 1.0f);
+    b->running = 0;
+    return NULL;
 }
 
 FL_TEST(opaque_memory_is_closed_outside_ops) {
@@ -64,6 +84,18 @@ FL_TEST(opaque_memory_is_closed_outside_ops) {
     FL_CHECK(ok);
     FL_CHECK(be.sumsq(&be, y, FL_F32, 3) == 0.0 + 4.0 + 16.0);
     FL_CHECK(read_faults(y)); /* closed again after the ops */
+    FL_CHECK(access_faults(y + 999, 1) && access_faults(x, 1)); /* writes too */
+    FL_CHECK(be.sumsq(&be, y, FL_F32, 3) == 0.0 + 4.0 + 16.0); /* and a faulted write changed nothing */
+    /* while another thread's ops run on it, the host still cannot read or write it */
+    busy_ops b = {&be, NULL, (size_t)1 << 18, 1};
+    FL_REQUIRE_OK(fl_mem_alloc(&pool, FL_TAG_ACTS, b.n * sizeof(float), (void **)&b.x));
+    pthread_t th;
+    FL_REQUIRE(pthread_create(&th, NULL, busy_run, &b) == 0);
+    int tries = 0, all_faulted = 1;
+    for (; b.running || tries < 3; tries++) all_faulted &= access_faults(b.x + tries % 1000, tries & 1);
+    pthread_join(th, NULL);
+    FL_CHECK(all_faulted);
+    fl_mem_free(&pool, b.x);
     fl_mem_free(&pool, x);
     fl_mem_free(&pool, y);
     /* a freed block is reused and reads as zeros (the pages went back to the system) */

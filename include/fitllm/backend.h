@@ -661,14 +661,14 @@ void fl_cpu_backend_free(fl_backend *be);
  * fast CPU ops are tested against it and against float64. */
 fl_status fl_ref_backend_init(fl_backend *be);
 
-/* The opaque test backend (src/backend/opaque/): the CPU kernels, but its pool's memory is
- * kept PROT_NONE except while one of its ops or copies runs, so a host dereference of tensor
+/* The opaque test backend (src/backend/opaque/): the CPU kernels, but its pool hands out addresses
+ * that stay PROT_NONE (its ops work on an aliased copy of the range), so a host dereference of tensor
  * memory anywhere above the backend faults (docs/ARCHITECTURE.md "The opaque test backend").
  * A testing aid: FITLLM_TEST_BACKEND=opaque (tests), FITLLM_BACKEND=opaque (CLI). */
 fl_status fl_opaque_backend_init(fl_backend *be, int n_threads);
 void fl_opaque_backend_free(fl_backend *be);
 /* Whether backends made from now on have a device communicator (comm_create), and which: 1 (default)
- * the NCCL stand-in with every opaque range open while a collective moves data; 2 the staged
+ * the NCCL stand-in with each collective's buffers taken at their storage; 2 the staged
  * communicator (fl_backend_comm_staged: through host buffers by the backend's own copies, as the CUDA
  * backend's thread ranks on one GPU); 0 none: tests see the refusal of several ranks on memory no
  * communicator can reach. */

@@ -1,30 +1,35 @@
 /* The opaque test backend ("opaque"): the CPU kernels over memory the host cannot read.
  *
- * Its pool (pool_init) hands out addresses in ONE reserved range of the address space
- * (mmap PROT_NONE, MAP_NORESERVE), kept PROT_NONE except while one of its ops or copies runs:
- * each op makes the range read-write, calls the CPU op, and closes it again. So any host
- * dereference of tensor memory outside the backend (model/, train/, io/, generation, lab)
- * faults at the line that did it, as a device pointer would on a GPU, and the results are
- * bit-identical to "cpu" (the same kernels with the same thread count). docs/ARCHITECTURE.md
- * "The opaque test backend" has the design and what it does not catch.
+ * Its pool (pool_init) hands out addresses in ONE reserved range of the address space, the
+ * handles (mmap PROT_NONE, MAP_NORESERVE), that is never made readable: the bytes live in a
+ * second reservation of the same size, the storage, at the same offset. Each op translates its
+ * pointer arguments that lie in the handle range (and those inside fl_q4_weight and
+ * fl_adam8bit_state) to the storage and calls the CPU op there. So any host dereference of tensor
+ * memory outside the backend (model/, train/, io/, generation, lab) faults at the line that did it,
+ * as a device pointer would on a GPU, on any thread at any time (also while another thread's op
+ * runs), with no system call per op; and the results are bit-identical to "cpu" (the same kernels
+ * with the same thread count). docs/ARCHITECTURE.md "The opaque test backend" has the design and
+ * what it does not catch.
  *
- * Concurrency: ops may run on several threads at once (the thread-rank fl_comm), so the range
- * is opened by the first op to enter and closed by the last to leave (a count under a mutex).
- * Allocation is page-granular first fit over the range; a freed block's pages go back to the
- * system (MADV_DONTNEED: they read as zeros when reused). Pointers outside the range (host
+ * Allocation is page-granular first fit over the range; the storage is made read-write as the
+ * range grows (one mprotect per growth, never per op); a freed block's storage pages go back to
+ * the system (MADV_DONTNEED: they read as zeros when reused). Pointers outside the range (host
  * buffers of the op tests, the host-pointer arguments of the contract: check_finite's flag)
  * pass through unchanged. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "fitllm/adam8bit.h"
 #include "fitllm/backend.h"
 #include "fitllm/comm_nccl.h"
+#include "fitllm/quant4.h"
 
-#define OPQ_RESERVE ((size_t)1 << 38) /* 256 GiB of address space (no memory until used) */
+#define OPQ_RESERVE ((size_t)1 << 38) /* 256 GiB of address space each for handles and storage (no memory until used) */
 
 typedef struct {
     size_t off, size; /* bytes from base, page multiples */
@@ -34,11 +39,11 @@ typedef struct {
 typedef struct {
     fl_backend cpu;         /* the CPU backend whose kernels run */
     pthread_mutex_t mu;
-    char *base;             /* the reserved range */
+    char *base;             /* the handles: the reserved range the pool hands out, PROT_NONE for ever */
+    char *mem;              /* the storage: handle base + off is mem + off; [mem, mem + top) read-write */
     size_t top;             /* [base, base + top) is the part blocks have ever covered */
     opq_block *blk;         /* sorted by off, covering [0, top) */
     int nblk, capblk;
-    int open;               /* ops and copies in flight: the range is read-write while > 0 */
     int n_used;             /* live blocks */
     int dead;               /* the backend was freed: release the range with the last block */
 } opq;
@@ -49,43 +54,37 @@ static size_t page_size(void) {
     return ps;
 }
 
+/* The storage address of p: a handle of this instance maps to its storage, anything else (host
+ * memory, NULL) is returned as it is. */
+static void *opq_at(const opq *o, const void *p) {
+    const uintptr_t c = (uintptr_t)p, b = (uintptr_t)o->base;
+    return c >= b && c - b < OPQ_RESERVE ? o->mem + (c - b) : (void *)c;
+}
+
 static void opq_unregister(opq *o);
 
 static void opq_release(opq *o) {
     opq_unregister(o);
     munmap(o->base, OPQ_RESERVE);
+    munmap(o->mem, OPQ_RESERVE);
     free(o->blk);
     pthread_mutex_destroy(&o->mu);
     fl_cpu_backend_free(&o->cpu);
     free(o);
 }
 
-static void opq_enter(const fl_backend *be) {
-    opq *o = be->impl;
-    pthread_mutex_lock(&o->mu);
-    if (o->open++ == 0 && o->top) mprotect(o->base, o->top, PROT_READ | PROT_WRITE);
-    pthread_mutex_unlock(&o->mu);
-}
-
-static void opq_leave(const fl_backend *be) {
-    opq *o = be->impl;
-    pthread_mutex_lock(&o->mu);
-    if (--o->open == 0 && o->top) mprotect(o->base, o->top, PROT_NONE);
-    pthread_mutex_unlock(&o->mu);
-}
-
-/* ---- the device communicator: the NCCL stand-in with every range open while it moves data ----
+/* ---- the device communicator: the NCCL stand-in over the ranks' storage ----
  *
  * Several ranks (threads, each with its own opaque backend and range) run data-parallel training
  * through the NCCL communicator (src/comm/comm_nccl.c) over the CPU stand-in, as "cuda-emu" does.
- * A collective copies between the ranks' ranges on whichever thread progresses it, so while any
- * thread is inside a stand-in call that can move data (a post, an event query or wait, a stream's
- * or communicator's end) EVERY instance's range is open: a registry of the live instances and one
- * count. Host code outside those calls and outside the ops still faults on any rank's memory, and a
- * collective handed a host buffer is refused (ncclInvalidArgument), as a GPU's NCCL would fail. */
+ * A collective copies between the ranks' ranges on whichever thread progresses it, so each
+ * collective's buffers are translated to the storage of the instance that owns them when it is
+ * posted (a registry of the live instances); the stand-in then moves bytes between storages only.
+ * Host code still faults on any rank's handles at any time, and a collective handed a host buffer
+ * is refused (ncclInvalidArgument), as a GPU's NCCL would fail. */
 static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER;
 static opq **g_reg;
-static int g_nreg, g_capreg, g_comm_open;
+static int g_nreg, g_capreg;
 
 static void opq_register(opq *o) {
     pthread_mutex_lock(&g_reg_mu);
@@ -94,14 +93,7 @@ static void opq_register(opq *o) {
         opq **n = realloc(g_reg, (size_t)cap * sizeof *n);
         if (n) g_reg = n, g_capreg = cap;
     }
-    if (g_nreg < g_capreg) {
-        g_reg[g_nreg++] = o;
-        if (g_comm_open) { /* a collective is moving data now: this range opens with the others */
-            pthread_mutex_lock(&o->mu);
-            if (o->open++ == 0 && o->top) mprotect(o->base, o->top, PROT_READ | PROT_WRITE);
-            pthread_mutex_unlock(&o->mu);
-        }
-    }
+    if (g_nreg < g_capreg) g_reg[g_nreg++] = o;
     pthread_mutex_unlock(&g_reg_mu);
 }
 
@@ -110,39 +102,15 @@ static void opq_unregister(opq *o) {
     for (int i = 0; i < g_nreg; i++)
         if (g_reg[i] == o) {
             g_reg[i] = g_reg[--g_nreg];
-            if (g_comm_open) o->open--; /* the range goes away with the instance */
             break;
         }
     pthread_mutex_unlock(&g_reg_mu);
 }
 
-static void comm_enter(void) {
-    pthread_mutex_lock(&g_reg_mu);
-    if (g_comm_open++ == 0)
-        for (int i = 0; i < g_nreg; i++) {
-            opq *o = g_reg[i];
-            pthread_mutex_lock(&o->mu);
-            if (o->open++ == 0 && o->top) mprotect(o->base, o->top, PROT_READ | PROT_WRITE);
-            pthread_mutex_unlock(&o->mu);
-        }
-    pthread_mutex_unlock(&g_reg_mu);
-}
-
-static void comm_leave(void) {
-    pthread_mutex_lock(&g_reg_mu);
-    if (--g_comm_open == 0)
-        for (int i = 0; i < g_nreg; i++) {
-            opq *o = g_reg[i];
-            pthread_mutex_lock(&o->mu);
-            if (--o->open == 0 && o->top) mprotect(o->base, o->top, PROT_NONE);
-            pthread_mutex_unlock(&o->mu);
-        }
-    pthread_mutex_unlock(&g_reg_mu);
-}
-
 /* Whether p is device memory of some live instance (a GPU's NCCL takes device buffers only: a host
- * buffer handed to the device communicator is a bug the stand-in alone would not see). */
-static int in_some_range(const void *p) {
+ * buffer handed to the device communicator is a bug the stand-in alone would not see); if so, *at
+ * is its storage address. */
+static int in_some_range(const void *p, void **at) {
     const char *c = p;
     int in = 0;
     pthread_mutex_lock(&g_reg_mu);
@@ -151,65 +119,53 @@ static int in_some_range(const void *p) {
         pthread_mutex_lock(&o->mu);
         in = c >= o->base && c < o->base + o->top;
         pthread_mutex_unlock(&o->mu);
+        if (in) *at = opq_at(o, p);
     }
     pthread_mutex_unlock(&g_reg_mu);
     return in;
 }
-/* the buffers of a collective of `count` elements: device memory (NULL: a non-root's absent recv) */
-#define DEV_ARGS(send, recv, count)                                                              \
-    do {                                                                                         \
-        if ((count) && (((send) && !in_some_range(send)) || ((recv) && !in_some_range(recv)))) \
-            return FL_NCCL_INVALID_ARGUMENT;                                                     \
+/* the buffers of a collective of `count` elements: device memory (NULL: a non-root's absent recv),
+ * translated to their storage in place */
+#define DEV_ARGS(send, recv, count)                                                                   \
+    do {                                                                                              \
+        void *s_ = (void *)(send), *r_ = (recv);                                                      \
+        if ((count) && ((s_ && !in_some_range(s_, &s_)) || (r_ && !in_some_range(r_, &r_))))          \
+            return FL_NCCL_INVALID_ARGUMENT;                                                          \
+        send = s_;                                                                                    \
+        recv = r_;                                                                                    \
     } while (0)
 
 #define SI fl_nccl_standin_api()
-#define COMM_OPEN(call) \
-    do {                \
-        comm_enter();   \
-        int r_ = call;  \
-        comm_leave();   \
-        return r_;      \
-    } while (0)
-static int x_comm_destroy(void *comm) { COMM_OPEN(SI->comm_destroy(comm)); }
-static int x_comm_abort(void *comm) { COMM_OPEN(SI->comm_abort(comm)); }
 static int x_all_reduce(const void *send, void *recv, size_t count, int dtype, int op, void *comm, void *stream) {
     DEV_ARGS(send, recv, count);
-    COMM_OPEN(SI->all_reduce(send, recv, count, dtype, op, comm, stream));
+    return SI->all_reduce(send, recv, count, dtype, op, comm, stream);
 }
 static int x_reduce_scatter(const void *send, void *recv, size_t n, int dtype, int op, void *comm, void *stream) {
     DEV_ARGS(send, recv, n);
-    COMM_OPEN(SI->reduce_scatter(send, recv, n, dtype, op, comm, stream));
+    return SI->reduce_scatter(send, recv, n, dtype, op, comm, stream);
 }
 static int x_all_gather(const void *send, void *recv, size_t n, int dtype, void *comm, void *stream) {
     DEV_ARGS(send, recv, n);
-    COMM_OPEN(SI->all_gather(send, recv, n, dtype, comm, stream));
+    return SI->all_gather(send, recv, n, dtype, comm, stream);
 }
 static int x_broadcast(const void *send, void *recv, size_t count, int dtype, int root, void *comm, void *stream) {
     DEV_ARGS(send, recv, count);
-    COMM_OPEN(SI->broadcast(send, recv, count, dtype, root, comm, stream));
+    return SI->broadcast(send, recv, count, dtype, root, comm, stream);
 }
 static int x_reduce(const void *send, void *recv, size_t count, int dtype, int op, int root, void *comm, void *stream) {
     DEV_ARGS(send, recv, count);
-    COMM_OPEN(SI->reduce(send, recv, count, dtype, op, root, comm, stream));
+    return SI->reduce(send, recv, count, dtype, op, root, comm, stream);
 }
-static int x_stream_destroy(void *stream) { COMM_OPEN(SI->stream_destroy(stream)); }
-static int x_event_query(void *ev) { COMM_OPEN(SI->event_query(ev)); }
-static int x_event_synchronize(void *ev) { COMM_OPEN(SI->event_synchronize(ev)); }
 
 static fl_nccl_api g_api;
 static void init_api(void) {
-    g_api = *SI; /* the stand-in's ids, streams and events; the data-moving calls wrapped */
+    g_api = *SI; /* the stand-in's ids, streams and events; the collectives' buffers translated */
     g_api.name = "nccl-standin (opaque)";
-    g_api.comm_destroy = x_comm_destroy;
-    g_api.comm_abort = x_comm_abort;
     g_api.all_reduce = x_all_reduce;
     g_api.reduce_scatter = x_reduce_scatter;
     g_api.all_gather = x_all_gather;
     g_api.broadcast = x_broadcast;
     g_api.reduce = x_reduce;
-    g_api.stream_destroy = x_stream_destroy;
-    g_api.event_query = x_event_query;
-    g_api.event_synchronize = x_event_synchronize;
 }
 
 static int g_use_comm = 1;
@@ -256,9 +212,10 @@ static void *opq_alloc(size_t bytes, void *ud) {
         b->used = 1;
         r = o->base + b->off;
     }
-    if (!r && o->top + n <= OPQ_RESERVE && blk_insert(o, o->nblk, (opq_block){o->top, n, 1}) == 0) {
+    /* the range grows: its storage becomes read-write (the handles never do) */
+    if (!r && o->top + n <= OPQ_RESERVE && mprotect(o->mem + o->top, n, PROT_READ | PROT_WRITE) == 0 &&
+        blk_insert(o, o->nblk, (opq_block){o->top, n, 1}) == 0) {
         r = o->base + o->top;
-        if (o->open) mprotect(r, n, PROT_READ | PROT_WRITE); /* an op is running: the range is open */
         o->top += n;
     }
     if (r) o->n_used++;
@@ -274,7 +231,7 @@ static void opq_free(void *ptr, size_t bytes, void *ud) {
     size_t off = (size_t)((char *)ptr - o->base);
     for (int i = 0; i < o->nblk; i++) {
         if (o->blk[i].off != off || !o->blk[i].used) continue;
-        madvise(ptr, o->blk[i].size, MADV_DONTNEED); /* the pages go back; reused ones read as 0 */
+        madvise(o->mem + off, o->blk[i].size, MADV_DONTNEED); /* the pages go back; reused ones read as 0 */
         o->blk[i].used = 0;
         if (i + 1 < o->nblk && !o->blk[i + 1].used) {
             o->blk[i].size += o->blk[i + 1].size;
@@ -302,180 +259,197 @@ static fl_status opq_host_pool_init(const fl_backend *be, fl_mem_pool *p, const 
     return fl_mem_pool_init(p, name, budget);
 }
 
-/* ---- the ops: open the range, run the CPU op, close it ----------------------------------- */
+/* ---- the ops: the CPU op on the storage of its pointer arguments --------------------------- */
 
 #define IN (&((opq *)be->impl)->cpu)
-#define OPV(call)          \
-    do {                   \
-        opq_enter(be);     \
-        call;              \
-        opq_leave(be);     \
-    } while (0)
-#define OPR(type, call)    \
-    do {                   \
-        opq_enter(be);     \
-        type r_ = call;    \
-        opq_leave(be);     \
-        return r_;         \
-    } while (0)
+#define D(p) opq_at((const opq *)be->impl, (p))
+
+/* the pointers inside the 4-bit weight and the 8-bit optimizer state, to their storage */
+static const fl_q4_weight *q4_at(const fl_backend *be, const fl_q4_weight *w, fl_q4_weight *tmp) {
+    if (!w) return NULL;
+    *tmp = *w;
+    tmp->packed = D(w->packed);
+    tmp->absmax = D(w->absmax);
+    tmp->q_absmax = D(w->q_absmax);
+    tmp->absmax_scale = D(w->absmax_scale);
+    tmp->offset = D(w->offset);
+    tmp->row_start = D(w->row_start);
+    return tmp;
+}
+static const fl_adam8bit_state *a8_at(const fl_backend *be, const fl_adam8bit_state *st, fl_adam8bit_state *tmp) {
+    if (!st) return NULL;
+    *tmp = *st;
+    tmp->q_m = D(st->q_m);
+    tmp->q_v = D(st->q_v);
+    tmp->absmax_m = D(st->absmax_m);
+    tmp->absmax_v = D(st->absmax_v);
+    tmp->m = D(st->m);
+    tmp->v = D(st->v);
+    tmp->floor_m = D(st->floor_m);
+    tmp->floor_v = D(st->floor_v);
+    return tmp;
+}
 
 static fl_status op_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                          const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
                          void *C, fl_dtype tc, int ldc) {
-    OPR(fl_status, IN->gemm(IN, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc));
+    return IN->gemm(IN, trans_a, trans_b, M, N, K, alpha, D(A), ta, lda, D(B), tb, ldb, beta, D(C), tc, ldc);
 }
 static void op_embedding_forward(const fl_backend *be, float *out, const int32_t *ids, const float *wte,
                                  const float *wpe, int B, int T, int C) {
-    OPV(IN->embedding_forward(IN, out, ids, wte, wpe, B, T, C));
+    IN->embedding_forward(IN, D(out), D(ids), D(wte), D(wpe), B, T, C);
 }
 static void op_embedding_backward(const fl_backend *be, float *dwte, float *dwpe, const float *dout,
                                   const int32_t *ids, int B, int T, int C) {
-    OPV(IN->embedding_backward(IN, dwte, dwpe, dout, ids, B, T, C));
+    IN->embedding_backward(IN, D(dwte), D(dwpe), D(dout), D(ids), B, T, C);
 }
 static void op_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, const float *inp, const float *w, int N,
                                int C, float eps) {
-    OPV(IN->rmsnorm_forward(IN, out, rstd, inp, w, N, C, eps));
+    IN->rmsnorm_forward(IN, D(out), D(rstd), D(inp), D(w), N, C, eps);
 }
 static fl_status op_add_rmsnorm_forward(const fl_backend *be, void *res, void *out, float *rstd, const void *a,
                                         const void *b, const float *w, fl_dtype t, int N, int C, float eps) {
-    OPR(fl_status, IN->add_rmsnorm_forward(IN, res, out, rstd, a, b, w, t, N, C, eps));
+    return IN->add_rmsnorm_forward(IN, D(res), D(out), D(rstd), D(a), D(b), D(w), t, N, C, eps);
 }
 static void op_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                 const float *w, const float *rstd, int N, int C) {
-    OPV(IN->rmsnorm_backward(IN, dinp, dw, dout, inp, w, rstd, N, C));
+    IN->rmsnorm_backward(IN, D(dinp), D(dw), D(dout), D(inp), D(w), D(rstd), N, C);
 }
 static void op_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
                                  const float *w, const float *b, int N, int C, float eps) {
-    OPV(IN->layernorm_forward(IN, out, mean, rstd, inp, w, b, N, C, eps));
+    IN->layernorm_forward(IN, D(out), D(mean), D(rstd), D(inp), D(w), D(b), N, C, eps);
 }
 static void op_layernorm_backward(const fl_backend *be, float *dinp, float *dw, float *db, const float *dout,
                                   const float *inp, const float *w, const float *mean, const float *rstd, int N,
                                   int C) {
-    OPV(IN->layernorm_backward(IN, dinp, dw, db, dout, inp, w, mean, rstd, N, C));
+    IN->layernorm_backward(IN, D(dinp), D(dw), D(db), D(dout), D(inp), D(w), D(mean), D(rstd), N, C);
 }
 static void op_rope_forward(const fl_backend *be, float *x, int B, int T, int nh, int HD, size_t row_stride,
                             const float *cos_t, const float *sin_t, int pos0) {
-    OPV(IN->rope_forward(IN, x, B, T, nh, HD, row_stride, cos_t, sin_t, pos0));
+    IN->rope_forward(IN, D(x), B, T, nh, HD, row_stride, D(cos_t), D(sin_t), pos0);
 }
 static void op_rope_backward(const fl_backend *be, float *dx, int B, int T, int nh, int HD, size_t row_stride,
                              const float *cos_t, const float *sin_t, int pos0) {
-    OPV(IN->rope_backward(IN, dx, B, T, nh, HD, row_stride, cos_t, sin_t, pos0));
+    IN->rope_backward(IN, D(dx), B, T, nh, HD, row_stride, D(cos_t), D(sin_t), pos0);
 }
 static void op_swiglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
-    OPV(IN->swiglu_forward(IN, out, gu, N, F));
+    IN->swiglu_forward(IN, D(out), D(gu), N, F);
 }
 static void op_swiglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F) {
-    OPV(IN->swiglu_backward(IN, dgu, dout, gu, N, F));
+    IN->swiglu_backward(IN, D(dgu), D(dout), D(gu), N, F);
 }
 static void op_gelu_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
-    OPV(IN->gelu_forward(IN, out, inp, n));
+    IN->gelu_forward(IN, D(out), D(inp), n);
 }
 static void op_gelu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
-    OPV(IN->gelu_backward(IN, dinp, dout, inp, n));
+    IN->gelu_backward(IN, D(dinp), D(dout), D(inp), n);
 }
 static void op_geglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
-    OPV(IN->geglu_forward(IN, out, gu, N, F));
+    IN->geglu_forward(IN, D(out), D(gu), N, F);
 }
 static void op_geglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F) {
-    OPV(IN->geglu_backward(IN, dgu, dout, gu, N, F));
+    IN->geglu_backward(IN, D(dgu), D(dout), D(gu), N, F);
 }
 static void op_relu_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
-    OPV(IN->relu_forward(IN, out, inp, n));
+    IN->relu_forward(IN, D(out), D(inp), n);
 }
 static void op_relu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
-    OPV(IN->relu_backward(IN, dinp, dout, inp, n));
+    IN->relu_backward(IN, D(dinp), D(dout), D(inp), n);
 }
 static void op_gelu_erf_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
-    OPV(IN->gelu_erf_forward(IN, out, inp, n));
+    IN->gelu_erf_forward(IN, D(out), D(inp), n);
 }
 static void op_gelu_erf_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
-    OPV(IN->gelu_erf_backward(IN, dinp, dout, inp, n));
+    IN->gelu_erf_backward(IN, D(dinp), D(dout), D(inp), n);
 }
 static void op_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n) {
-    OPV(IN->add(IN, out, a, b, n));
+    IN->add(IN, D(out), D(a), D(b), n);
 }
 static void op_bias_forward(const fl_backend *be, float *y, const float *b, int N, int OC) {
-    OPV(IN->bias_forward(IN, y, b, N, OC));
+    IN->bias_forward(IN, D(y), D(b), N, OC);
 }
 static void op_bias_backward(const fl_backend *be, float *db, const float *dy, int N, int OC) {
-    OPV(IN->bias_backward(IN, db, dy, N, OC));
+    IN->bias_backward(IN, D(db), D(dy), N, OC);
 }
 static void op_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
                              const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
-    OPV(IN->cross_entropy(IN, loss, dlogits, logits, targets, N, V, grad_scale, ignore_index));
+    IN->cross_entropy(IN, D(loss), D(dlogits), D(logits), D(targets), N, V, grad_scale, ignore_index);
 }
-static void op_scale(const fl_backend *be, float *x, size_t n, float s) { OPV(IN->scale(IN, x, n, s)); }
-static void op_zero(const fl_backend *be, void *x, size_t bytes) { OPV(IN->zero(IN, x, bytes)); }
+static void op_scale(const fl_backend *be, float *x, size_t n, float s) { IN->scale(IN, D(x), n, s); }
+static void op_zero(const fl_backend *be, void *x, size_t bytes) { IN->zero(IN, D(x), bytes); }
 static void op_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
                                 const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride) {
-    OPV(IN->attention_decode(IN, out, q, kcache, vcache, T, NH, NKV, HD, head_stride));
+    IN->attention_decode(IN, D(out), D(q), D(kcache), D(vcache), T, NH, NKV, HD, head_stride);
 }
 static fl_status op_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n) {
-    OPR(fl_status, IN->convert(IN, dst, dt, src, st, n));
+    return IN->convert(IN, D(dst), dt, D(src), st, n);
 }
 static fl_status op_adamw_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
                                     void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
                                     float weight_decay, int step, float grad_scale) {
-    OPR(fl_status,
-        IN->adamw_update(IN, p, tp, g, tg, m, v, ts, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
+    return IN->adamw_update(IN, D(p), tp, D(g), tg, D(m), D(v), ts, n, lr, beta1, beta2, eps, weight_decay, step,
+                            grad_scale);
 }
 static fl_status op_sgd_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
                                   fl_dtype ts, size_t n, float lr, float momentum, float dampening,
                                   float weight_decay, int nesterov, int first_step, float grad_scale) {
-    OPR(fl_status, IN->sgd_update(IN, p, tp, g, tg, buf, ts, n, lr, momentum, dampening, weight_decay, nesterov,
-                                     first_step, grad_scale));
+    return IN->sgd_update(IN, D(p), tp, D(g), tg, D(buf), ts, n, lr, momentum, dampening, weight_decay, nesterov,
+                          first_step, grad_scale);
 }
 static fl_status op_check_finite(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
                                  int *found_inf) {
-    OPR(fl_status, IN->check_finite(IN, x, t, n, inv_scale, found_inf));
+    return IN->check_finite(IN, D(x), t, n, inv_scale, D(found_inf));
 }
 static fl_status op_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                     const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                     float weight_decay, int step, float grad_scale) {
-    OPR(fl_status, IN->adam8bit_update(IN, p, tp, g, tg, st, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
+    fl_adam8bit_state s;
+    return IN->adam8bit_update(IN, D(p), tp, D(g), tg, a8_at(be, st, &s), lr, beta1, beta2, eps, weight_decay, step,
+                               grad_scale);
 }
 static fl_status op_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
                                       int N, float beta) {
-    OPR(fl_status, IN->q4_matmul_forward(IN, y, ldy, x, w, N, beta));
+    fl_q4_weight q;
+    return IN->q4_matmul_forward(IN, D(y), ldy, D(x), q4_at(be, w, &q), N, beta);
 }
 static fl_status op_q4_matmul_backward(const fl_backend *be, float *dx, const float *dy, int ldy,
                                        const fl_q4_weight *w, int N, float beta) {
-    OPR(fl_status, IN->q4_matmul_backward(IN, dx, dy, ldy, w, N, beta));
+    fl_q4_weight q;
+    return IN->q4_matmul_backward(IN, D(dx), D(dy), ldy, q4_at(be, w, &q), N, beta);
 }
 static fl_status op_lora_forward(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
                                  const float *A, const float *B, int N, int in, int out, int r, float scaling,
                                  float dropout, uint64_t seed) {
-    OPR(fl_status, IN->lora_forward(IN, y, ldy, h, xd, x, A, B, N, in, out, r, scaling, dropout, seed));
+    return IN->lora_forward(IN, D(y), ldy, D(h), D(xd), D(x), D(A), D(B), N, in, out, r, scaling, dropout, seed);
 }
 static fl_status op_lora_backward(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
                                   const float *xb, const float *h, const float *A, const float *B, int N, int in,
                                   int out, int r, float scaling, float dropout, uint64_t seed, float *work) {
-    OPR(fl_status,
-        IN->lora_backward(IN, dx, dA, dB, dy, ldy, xb, h, A, B, N, in, out, r, scaling, dropout, seed, work));
+    return IN->lora_backward(IN, D(dx), D(dA), D(dB), D(dy), ldy, D(xb), D(h), D(A), D(B), N, in, out, r, scaling,
+                             dropout, seed, D(work));
 }
 static fl_status op_dropout(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
                            int accumulate) {
-    OPR(fl_status, IN->dropout(IN, y, x, n, p, seed, accumulate));
+    return IN->dropout(IN, D(y), D(x), n, p, seed, accumulate);
 }
 static fl_status op_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
-    OPR(fl_status, IN->accumulate16(IN, dst, t, src, n));
+    return IN->accumulate16(IN, D(dst), t, D(src), n);
 }
-static double op_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
-    OPR(double, IN->sumsq(IN, x, t, n));
-}
+static double op_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t n) { return IN->sumsq(IN, D(x), t, n); }
 static fl_status op_attention_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
                                          const float *q, const float *k, const float *v, const float *bias,
                                          const uint8_t *kmask) {
-    OPR(fl_status, IN->attention_forward(IN, a, out, lse, q, k, v, bias, kmask));
+    return IN->attention_forward(IN, a, D(out), D(lse), D(q), D(k), D(v), D(bias), D(kmask));
 }
 static fl_status op_attention_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                           float *dbias, const float *dout, const float *q, const float *k,
                                           const float *v, const float *bias, const uint8_t *kmask, const float *out,
                                           const float *lse) {
-    OPR(fl_status, IN->attention_backward(IN, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse));
+    return IN->attention_backward(IN, a, D(dq), D(dk), D(dv), D(dbias), D(dout), D(q), D(k), D(v), D(bias), D(kmask),
+                                  D(out), D(lse));
 }
-/* the scratch is lent per thread to the CPU ops: nothing to open */
-static void op_set_scratch(const fl_backend *be, void *p, size_t bytes) { IN->set_scratch(IN, p, bytes); }
+/* the scratch (the model's WORKSPACE, from this pool) is lent to the CPU ops at its storage */
+static void op_set_scratch(const fl_backend *be, void *p, size_t bytes) { IN->set_scratch(IN, D(p), bytes); }
 /* The copies check which side is device memory, as a GPU's would fail (cudaMemcpy of a host
  * pointer named as device memory is an error there, a plain memcpy here): so a host buffer
  * passed where the contract wants a device one is caught on the CPU too. */
@@ -497,15 +471,15 @@ static fl_status opq_copy_check(const fl_backend *be, const char *op, const void
 }
 static fl_status op_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(opq_copy_check(be, "to_device", dst, 1, src, 0, bytes));
-    OPR(fl_status, IN->to_device(IN, dst, src, bytes));
+    return IN->to_device(IN, D(dst), src, bytes);
 }
 static fl_status op_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(opq_copy_check(be, "to_host", dst, 0, src, 1, bytes));
-    OPR(fl_status, IN->to_host(IN, dst, src, bytes));
+    return IN->to_host(IN, dst, D(src), bytes);
 }
 static fl_status op_copy(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(opq_copy_check(be, "copy", dst, 1, src, 1, bytes));
-    OPR(fl_status, IN->copy(IN, dst, src, bytes));
+    return IN->copy(IN, D(dst), D(src), bytes);
 }
 static fl_status op_sync(const fl_backend *be) { return IN->sync(IN); }
 static int op_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
@@ -513,7 +487,7 @@ static int op_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b
 }
 static fl_status op_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
                                 const fl_rope_scaling *scaling) {
-    OPR(fl_status, IN->rope_tables(IN, cos_t, sin_t, maxT, HD, theta, scaling));
+    return IN->rope_tables(IN, D(cos_t), D(sin_t), maxT, HD, theta, scaling);
 }
 
 fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
@@ -527,7 +501,11 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
         return s;
     }
     o->base = mmap(NULL, OPQ_RESERVE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (o->base == MAP_FAILED) {
+    o->mem = mmap(NULL, OPQ_RESERVE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (o->base == MAP_FAILED || o->mem == MAP_FAILED) {
+        if (o->base != MAP_FAILED) munmap(o->base, OPQ_RESERVE);
+        if (o->mem != MAP_FAILED) munmap(o->mem, OPQ_RESERVE);
+        fl_cpu_backend_free(&o->cpu);
         free(o);
         return fl_errorf(FL_ERR_OOM, "opaque backend: cannot reserve %zu GiB of address space", OPQ_RESERVE >> 30);
     }
