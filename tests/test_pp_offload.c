@@ -123,6 +123,7 @@ static const po_case k_par[] = {
     {2, 1, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, 0},
     {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, 0},
     {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0, 0},
+    {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, 0}, /* each chunk's files */
 };
 
 FL_TEST(pp_offload_params_keep_the_bits) {
@@ -135,11 +136,12 @@ static const po_case k_3d[] = {
     {2, 2, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, 0},
     {2, 2, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, 0},
     {2, 2, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, 0}, /* (the full tier) */
+    {2, 2, 2, 1, "1f1b", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0, 0}, /* the optimizer of the pieces */
 };
 
 FL_TEST(pp_offload_3d_grid_keeps_the_bits) {
     if (!fl_test_asan_budget()) return; /* ASan: the DP x PP cases above, tp_train_threads_offload_* */
-    for (int i = 0; i < (fl_test_quick() ? 2 : 3); i++) po_case_run(&k_3d[i], 2);
+    for (int i = 0; i < (fl_test_quick() ? 2 : (int)(sizeof k_3d / sizeof k_3d[0])); i++) po_case_run(&k_3d[i], 2);
 }
 
 /* The opaque backend (its memory the host cannot read): the optimizer's update staged through the host tier in
@@ -159,7 +161,7 @@ FL_TEST(pp_offload_opaque) {
  * optimizer state, the staging, parameter offload's pieces) or NVMe files': DP 2 x PP 2 under each offload, the
  * interleaved schedule's chunks, the 3D grid */
 FL_TEST(pp_offload_plan_equals_measured) {
-    const po_case *k[] = {&k_opt[0], &k_par[1], &k_par[2], &k_opt[3], &k_par[3], &k_3d[1]};
+    const po_case *k[] = {&k_opt[0], &k_par[1], &k_par[2], &k_opt[3], &k_par[3], &k_3d[1], &k_par[5], &k_3d[3]};
     const int n = fl_test_asan_light() ? 2 : fl_test_quick() ? 4 : (int)(sizeof k / sizeof k[0]);
     for (int i = 0; i < n; i++) {
         const int W = k[i]->dp * k[i]->tp * k[i]->pp;
