@@ -733,6 +733,28 @@ void fl_tr_pp_print(const trainer *t) {
     fprintf(t->out, "\n");
 }
 
+/* --offload_update_overlap on the stages: per stage, its units' updates (every chunk's) queued on the fetch worker
+ * and those already done when the step's wait began (they ran beside the rest of the schedule), gathered over the
+ * pipeline (collective); printed where any ran */
+static fl_status update_overlap_report(trainer *t) {
+    const int S = t->pp.size;
+    unsigned long e = 0, q = 0;
+    fl_fsdp_update_counts(&t->dp, &e, &q);
+    for (int c = 1; c < t->pp.chunks; c++) fl_fsdp_update_counts(&t->pp.xdp[c], &e, &q);
+    float mine[2] = {(float)e, (float)q}, all[2 * 64];
+    if (S > 64) return FL_OK;
+    FL_TRY(fl_error_prefix(fl_comm_all_gather(t->pp.rt.comm, mine, all, (size_t)2 * S, FL_F32), "pipeline: the update "
+                           "overlap's counts"));
+    double any = 0;
+    for (int k = 0; k < S; k++) any += all[2 * k + 1];
+    if (!t->out || any == 0) return FL_OK;
+    fprintf(t->out, "update overlap: units' updates on the fetch worker (--offload_update_overlap), done before the "
+            "step's wait / queued, per stage:");
+    for (int k = 0; k < S; k++) fprintf(t->out, " %.0f / %.0f", all[2 * k], all[2 * k + 1]);
+    fprintf(t->out, "\n");
+    return FL_OK;
+}
+
 /* The end of a run: the stages' measured compute per micro-batch, the schedule simulated on those times (the step
  * the pipeline could take with free sends, and its bubble) beside the measured step, and a block's time (a stage's
  * compute over its cost in blocks, the slowest stage's) that `plan --block-ms` turns into an expected step time.
@@ -744,6 +766,7 @@ fl_status fl_tr_pp_report(trainer *t) {
     const int S = t->pp.size, V = t->pp.rt.chunks, NV = S * V, M = t->sch.accum;
     double fwd[64], bwd[64], step = 0, span = 0, bubble = 0;
     FL_TRY(fl_pp_timing(&t->pp.rt, fwd, bwd, &step));
+    FL_TRY(update_overlap_report(t));
     if (!t->out || t->pp.rt.n_steps == 0) return FL_OK;
     FL_TRY(fl_pp_simulate_v(t->pp.rt.kind, S, V, M, fwd, bwd, &span, &bubble));
     fl_pp_estimate e;
