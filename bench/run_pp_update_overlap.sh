@@ -6,8 +6,8 @@
 # step, so that each stage's update is a visible part of its step. Alternating on / off, ROUNDS rounds; per run the
 # median of logs/metrics.csv's step times after WARMUP steps (iter_time x MICRO), per mode the median over rounds.
 # The losses must be the same in both modes (the same bits: tests/test_pp_offload.c
-# pp_offload_update_overlap_keeps_the_bits); the log's "update overlap" line says how many units' updates ran on the
-# fetch worker and how many had finished before their step's wait (the overlap happened).
+# pp_offload_update_overlap_keeps_the_bits); the log's "update overlap" line says, per stage, how many units' updates
+# had finished on the fetch worker when the stage's schedule ended and when the step's wait began, of those queued.
 # Env: FITLLM (./build/fitllm), SHAPE (small), STAGES (2), SCHEDULE (1f1b), CHUNKS (2, interleaved only), STRATEGY
 #   (fsdp_cpu_offload), BATCH (1), SEQ (16), MICRO (4), STEPS (5 timed), WARMUP (1), ROUNDS (3), THREADS (1),
 #   DATA (/work/shared/data or ../shared/data).
@@ -50,9 +50,9 @@ print(f"round={rnd} mode={mode} median_s={statistics.median(t):.3f} steps_s={'/'
       f"overlap=[{'; '.join(ov)}]")
 EOF
 }
-for r in $(seq "$ROUNDS"); do
-    one on "$r" | tee -a "$TMP/all"
-    one off "$r" | tee -a "$TMP/all"
+for r in $(seq "$ROUNDS"); do # on first in odd rounds, off first in even ones (ABBA: a drifting load hits both alike)
+    if [ $((r % 2)) = 1 ]; then order="on off"; else order="off on"; fi
+    for mode in $order; do one "$mode" "$r" | tee -a "$TMP/all"; done
 done
 for mode in on off; do
     grep "mode=$mode " "$TMP/all" | sed 's/.*median_s=\([0-9.]*\).*/\1/' | sort -n |

@@ -171,13 +171,13 @@ FL_TEST(pp_offload_update_overlap_keeps_the_bits) {
         po_what(k, what, sizeof what);
         snprintf(what + strlen(what), sizeof what - strlen(what), " (max_norm 0), offload_update_overlap");
         unsigned long q0, q1, q2, e1, e2;
-        fl_fsdp_update_counts(NULL, NULL, &q0);
+        fl_fsdp_update_counts(NULL, NULL, &q0, NULL);
         g_po_upd = 0; /* (the quick tier: on against the device grid alone) */
         dr_job *off = fl_test_quick() ? NULL : po_run(k, k->off, "upd-off", 2, NULL);
-        fl_fsdp_update_counts(NULL, &e1, &q1);
+        fl_fsdp_update_counts(NULL, &e1, &q1, NULL);
         g_po_upd = 1;
         dr_job *on = po_run(k, k->off, "upd-on", 2, NULL);
-        fl_fsdp_update_counts(NULL, &e2, &q2);
+        fl_fsdp_update_counts(NULL, &e2, &q2, NULL);
         dr_job *b = po_run(k, k->base, "upd-base", 2, NULL);
         g_po_upd = -1;
         if (off) off_same_bits(on, off, W, what);

@@ -133,8 +133,10 @@ fl_status fl_fsdp_update_hold(fl_dp *dp, int g);
 int fl_fsdp_update_armed(const fl_dp *dp);
 /* The units' updates queued on the fetch worker (queued) and those already finished when their step's wait began
  * (early: they ran beside the backward, the schedule's rest or the wait for the other stages): dp NULL: set to the
- * process's counts since it started (every rank, every step); else dp's bookkeeping's added to *early, *queued */
-void fl_fsdp_update_counts(const fl_dp *dp, unsigned long *early, unsigned long *queued);
+ * process's counts since it started (every rank, every step; sched unused); else dp's bookkeeping's added to *early,
+ * *queued and *sched (those finished when fl_fsdp_update_mark was called: the pipeline's schedule's end) */
+void fl_fsdp_update_counts(const fl_dp *dp, unsigned long *early, unsigned long *queued, unsigned long *sched);
+void fl_fsdp_update_mark(fl_dp *dp);
 /* comm may be NULL (rank 0 of 1). */
 void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool);
 /* Detach the scratch pool before it is freed; give back FSDP's bookkeeping (fl_fsdp_free) and destroy

@@ -112,7 +112,7 @@ struct fl_fsdp {
      * gradient becomes final; the optimizer, lr and update number of the step, each unit's job and argument */
     int uarmed, ustep, uposted;
     int uhold; /* fl_fsdp_update_hold: the unit whose update waits for fl_fsdp_update_wait (-1: none) */
-    unsigned long n_early, n_queued; /* fl_fsdp_update_counts, this bookkeeping's */
+    unsigned long n_early, n_queued, n_sched; /* fl_fsdp_update_counts, this bookkeeping's */
     float ulr;
     const fl_optimizer *uo;
     fl_fetch_job *ujob;     /* (G) */
@@ -625,10 +625,17 @@ fl_status fl_fsdp_update_hold(fl_dp *dp, int g) {
 static pthread_mutex_t g_early_mu = PTHREAD_MUTEX_INITIALIZER;
 static unsigned long g_early, g_queued; /* the units' updates done before their step's wait, and queued (all ranks) */
 
-void fl_fsdp_update_counts(const fl_dp *dp, unsigned long *early, unsigned long *queued) {
+void fl_fsdp_update_mark(fl_dp *dp) {
+    struct fl_fsdp *f = dp->fsdp;
+    for (int g = 0; f && f->uarmed && g < f->G; g++)
+        if (f->uarg[g].f && g != f->uhold) f->n_sched += fl_fetch_done(f->fw, &f->ujob[g]);
+}
+
+void fl_fsdp_update_counts(const fl_dp *dp, unsigned long *early, unsigned long *queued, unsigned long *sched) {
     if (dp) {
         *early += dp->fsdp ? dp->fsdp->n_early : 0;
         *queued += dp->fsdp ? dp->fsdp->n_queued : 0;
+        *sched += dp->fsdp ? dp->fsdp->n_sched : 0;
         return;
     }
     pthread_mutex_lock(&g_early_mu);

@@ -651,6 +651,8 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         fl_mem_snapshot(p->m->pool, "before_fwd");
         fl_mem_set_phase(p->m->pool, "pipeline schedule");
         if (s == FL_OK) s = schedule(&r, ops, 2 * M * V);
+        for (int ch = 0; s == FL_OK && ch < V; ch++) /* the units' updates done beside the schedule (counted) */
+            if (chunk_fsdp(p, c, ch)) fl_fsdp_update_mark(chunk_fsdp(p, c, ch));
         if (s == FL_OK) fl_mem_snapshot(p->m->pool, "after_bwd");
     }
     /* the losses to every stage (doubles as pairs of F32 words: the bits travel) */

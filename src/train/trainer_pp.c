@@ -738,19 +738,19 @@ void fl_tr_pp_print(const trainer *t) {
  * pipeline (collective); printed where any ran */
 static fl_status update_overlap_report(trainer *t) {
     const int S = t->pp.size;
-    unsigned long e = 0, q = 0;
-    fl_fsdp_update_counts(&t->dp, &e, &q);
-    for (int c = 1; c < t->pp.chunks; c++) fl_fsdp_update_counts(&t->pp.xdp[c], &e, &q);
-    float mine[2] = {(float)e, (float)q}, all[2 * 64];
+    unsigned long e = 0, q = 0, d = 0;
+    fl_fsdp_update_counts(&t->dp, &e, &q, &d);
+    for (int c = 1; c < t->pp.chunks; c++) fl_fsdp_update_counts(&t->pp.xdp[c], &e, &q, &d);
+    float mine[3] = {(float)d, (float)e, (float)q}, all[3 * 64];
     if (S > 64) return FL_OK;
-    FL_TRY(fl_error_prefix(fl_comm_all_gather(t->pp.rt.comm, mine, all, (size_t)2 * S, FL_F32), "pipeline: the update "
+    FL_TRY(fl_error_prefix(fl_comm_all_gather(t->pp.rt.comm, mine, all, (size_t)3 * S, FL_F32), "pipeline: the update "
                            "overlap's counts"));
     double any = 0;
-    for (int k = 0; k < S; k++) any += all[2 * k + 1];
+    for (int k = 0; k < S; k++) any += all[3 * k + 2];
     if (!t->out || any == 0) return FL_OK;
-    fprintf(t->out, "update overlap: units' updates on the fetch worker (--offload_update_overlap), done before the "
-            "step's wait / queued, per stage:");
-    for (int k = 0; k < S; k++) fprintf(t->out, " %.0f / %.0f", all[2 * k], all[2 * k + 1]);
+    fprintf(t->out, "update overlap: units' updates on the fetch worker (--offload_update_overlap), done when the "
+            "stage's schedule ended / done when the step's wait began / queued, per stage:");
+    for (int k = 0; k < S; k++) fprintf(t->out, " %.0f / %.0f / %.0f", all[3 * k], all[3 * k + 1], all[3 * k + 2]);
     fprintf(t->out, "\n");
     return FL_OK;
 }
