@@ -923,6 +923,22 @@ timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/ppit4/step-000002" --
 ppi_check ppi_cli_np4_tp2_pp2 "$T/ppit4" "$T/tp-one" "$T/ppit-r1"
 # T5's chunks run TP inside the interleaved schedule too: tests/mpi_t5_test.sh t5_ppi_np4_tp2_pp2 (one process's losses,
 # checkpoints resumed across grids; tests/test_tp_t5_train.c tpi_t5_train_*)
+# --offload_update_overlap on the stages (issue 35): PP 2 under fsdp_cpu_offload without clipping (which the switch
+# needs): each stage's units' host updates on its fetch worker beside the rest of the schedule log the losses and
+# write the final weights of the same run with the switch off, byte for byte (tests/test_pp_offload.c
+# pp_offload_update_overlap_keeps_the_bits), and the run's end counts the units' updates that ran there per stage
+rc=0
+timeout 300 mpirun -np 2 "$FL" finetune_full "${TARGS[@]}" --devices 2 --pipeline_parallel 2 --strategy fsdp_cpu_offload \
+    --train.max_norm 0 --offload_update_overlap false --out_dir "$T/ppu-off" >"$T/out" 2>&1 || rc=$?
+grep -q "^update overlap:" "$T/out" && rc=9
+timeout 300 mpirun -np 2 "$FL" finetune_full "${TARGS[@]}" --devices 2 --pipeline_parallel 2 --strategy fsdp_cpu_offload \
+    --train.max_norm 0 --out_dir "$T/ppu-on" >"$T/out" 2>&1 || rc=$?
+if [ $rc -eq 0 ] && same_run "$T/ppu-on" "$T/ppu-off" \
+    && grep -Eq "^update overlap: .* per stage: [0-9]+ / [0-9]+ / [1-9][0-9]* [0-9]+ / [0-9]+ / [1-9]" "$T/out"; then
+    ok "ppu_cli_np2_pp2_update_overlap_same_bytes (per stage, units' updates done at the schedule's end / at the wait / queued: $(sed -n 's/^update overlap: .*per stage: //p' "$T/out"))"
+else
+    bad "ppu_cli_np2_pp2_update_overlap_same_bytes" "exit $rc"
+fi
 
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"

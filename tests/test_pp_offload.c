@@ -18,6 +18,7 @@
 #include "fitllm/train.h"
 #include "offload_ref.h"
 #include "plan_ref.h"
+#include "train/dp.h"
 #include "test.h"
 
 typedef struct {
@@ -28,6 +29,8 @@ typedef struct {
 } po_case;
 
 static const char *g_po_backend = "cpu";
+/* pp_offload_update_overlap_keeps_the_bits: no clipping (max_norm 0), --offload_update_overlap as given (-1: default) */
+static int g_po_noclip, g_po_upd = -1;
 
 static void po_config(fl_run_config *c, const po_case *k, const char *strategy, const char *out, long steps) {
     const int W = k->dp * k->tp * k->pp;
@@ -40,6 +43,8 @@ static void po_config(fl_run_config *c, const po_case *k, const char *strategy, 
     snprintf(c->strategy, sizeof c->strategy, "%s", strategy);
     c->train.max_steps = steps;
     c->eval.interval = 100;
+    if (g_po_noclip) c->train.max_norm = 0;
+    if (g_po_upd >= 0) c->offload_update_overlap = g_po_upd;
 }
 
 /* the grid of case k under strategy, as threads (resume: a checkpoint folder, "" to save at step 2) */
@@ -123,6 +128,7 @@ static const po_case k_par[] = {
     {2, 1, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, 0},
     {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, 0},
     {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0, 0},
+    {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, 0}, /* each chunk's files */
 };
 
 FL_TEST(pp_offload_params_keep_the_bits) {
@@ -135,11 +141,56 @@ static const po_case k_3d[] = {
     {2, 2, 2, 1, "1f1b", "deepspeed_stage_2", "deepspeed_stage_2_offload", 0, 0, 0},
     {2, 2, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, 0},
     {2, 2, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, 0}, /* (the full tier) */
+    {2, 2, 2, 1, "1f1b", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0, 0}, /* the optimizer of the pieces */
 };
 
 FL_TEST(pp_offload_3d_grid_keeps_the_bits) {
     if (!fl_test_asan_budget()) return; /* ASan: the DP x PP cases above, tp_train_threads_offload_* */
-    for (int i = 0; i < (fl_test_quick() ? 2 : 3); i++) po_case_run(&k_3d[i], 2);
+    for (int i = 0; i < (fl_test_quick() ? 2 : (int)(sizeof k_3d / sizeof k_3d[0])); i++) po_case_run(&k_3d[i], 2);
+}
+
+/* --offload_update_overlap on the stages (no clipping, which it needs): FULL_SHARD's host update of each unit of a
+ * stage (of each chunk) queued on the fetch worker as the unit's gradient is final in the last backward, beside the
+ * rest of the schedule; the tied table's unit 0 on the end stages after their sum. Elementwise: on = off = the device
+ * grid (deepspeed_stage_3), every rank's losses and weights bit for bit. The fsdp counters prove the units were queued
+ * (on: every rank's units each step; off: none) */
+static const po_case k_upd[] = {
+    {2, 1, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, 0},           /* tied ends: unit 0 held */
+    {2, 1, 2, 2, "interleaved", "deepspeed_stage_3", "deepspeed_stage_3_offload", 0, 0, 0}, /* each chunk's units */
+    {1, 1, 2, 1, "gpipe", "deepspeed_stage_3", "deepspeed_stage_3_offload_nvme", 1, 1, 0}, /* one pipeline, NVMe */
+    {2, 2, 2, 1, "1f1b", "deepspeed_stage_3", "fsdp_cpu_offload", 1, 0, 0},           /* the 3D grid */
+};
+
+FL_TEST(pp_offload_update_overlap_keeps_the_bits) {
+    g_po_noclip = 1;
+    const int n = fl_test_asan_light() ? 1 : fl_test_quick() ? 2 : (int)(sizeof k_upd / sizeof k_upd[0]);
+    for (int i = 0; i < n; i++) {
+        const po_case *k = &k_upd[i];
+        const int W = k->dp * k->tp * k->pp;
+        char what[240];
+        po_what(k, what, sizeof what);
+        snprintf(what + strlen(what), sizeof what - strlen(what), " (max_norm 0), offload_update_overlap");
+        unsigned long q0, q1, q2, e1, e2;
+        fl_fsdp_update_counts(NULL, NULL, &q0, NULL);
+        g_po_upd = 0; /* (the quick tier: on against the device grid alone) */
+        dr_job *off = fl_test_quick() ? NULL : po_run(k, k->off, "upd-off", 2, NULL);
+        fl_fsdp_update_counts(NULL, &e1, &q1, NULL);
+        g_po_upd = 1;
+        dr_job *on = po_run(k, k->off, "upd-on", 2, NULL);
+        fl_fsdp_update_counts(NULL, &e2, &q2, NULL);
+        dr_job *b = po_run(k, k->base, "upd-base", 2, NULL);
+        g_po_upd = -1;
+        if (off) off_same_bits(on, off, W, what);
+        off_same_bits(on, b, W, what);
+        /* every rank's units (each chunk's; a held unit 0 not queued), 2 steps */
+        FL_CHECKF(q1 == q0 && q2 > q1, "%s: %lu units' updates queued with it false, %lu with it true", what, q1 - q0,
+                  q2 - q1);
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    %s on = off = %s: the same bits; %lu units' updates queued on the workers, %lu of them done "
+                   "before their step's wait\n", what, k->base, q2 - q1, e2 - e1);
+        off_free(off), off_free(on), off_free(b);
+    }
+    g_po_noclip = 0;
 }
 
 /* The opaque backend (its memory the host cannot read): the optimizer's update staged through the host tier in
@@ -159,7 +210,7 @@ FL_TEST(pp_offload_opaque) {
  * optimizer state, the staging, parameter offload's pieces) or NVMe files': DP 2 x PP 2 under each offload, the
  * interleaved schedule's chunks, the 3D grid */
 FL_TEST(pp_offload_plan_equals_measured) {
-    const po_case *k[] = {&k_opt[0], &k_par[1], &k_par[2], &k_opt[3], &k_par[3], &k_3d[1]};
+    const po_case *k[] = {&k_opt[0], &k_par[1], &k_par[2], &k_opt[3], &k_par[3], &k_3d[1], &k_par[5], &k_3d[3]};
     const int n = fl_test_asan_light() ? 2 : fl_test_quick() ? 4 : (int)(sizeof k / sizeof k[0]);
     for (int i = 0; i < n; i++) {
         const int W = k[i]->dp * k[i]->tp * k[i]->pp;

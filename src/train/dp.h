@@ -84,6 +84,7 @@ void fl_fetch_post(fl_fetch *w, fl_fetch_job *j, void *dst, const void *src, siz
 void fl_fetch_post_run(fl_fetch *w, fl_fetch_job *j, fl_status (*run)(void *ud), void *ud);
 void fl_fetch_wait(fl_fetch *w, fl_fetch_job *j);
 int fl_fetch_posted(fl_fetch *w, const fl_fetch_job *j); /* posted and not yet waited for */
+int fl_fetch_done(fl_fetch *w, const fl_fetch_job *j);   /* posted and finished (not yet waited for) */
 void fl_fetch_stop(fl_fetch *w); /* runs the queued jobs, then joins */
 unsigned long fl_fetch_count(void); /* copy jobs done so far by every worker of the process */
 unsigned long fl_fetch_run_count(void); /* function jobs (fl_fetch_post_run) done so far */
@@ -125,6 +126,17 @@ fl_status fl_fsdp_update_arm(fl_dp *dp, fl_optimizer *o, float lr, float max_nor
 /* Wait for the units' updates fl_fsdp_update_arm queued (none armed: nothing): the first failure (status and
  * message), a unit whose update was not queued (FL_ERR_INTERNAL); then o->home.updated = 1. */
 fl_status fl_fsdp_update_wait(fl_dp *dp, fl_optimizer *o);
+/* After fl_fsdp_update_arm (not armed: no-op): unit g's update is not queued when its gradient is final but run by
+ * fl_fsdp_update_wait on the caller's thread, after the queued ones (the pipeline's tied table: its gradient is summed
+ * over the end stages after the schedule, pp_step.c). fl_fsdp_update_armed: this step's updates are armed. */
+fl_status fl_fsdp_update_hold(fl_dp *dp, int g);
+int fl_fsdp_update_armed(const fl_dp *dp);
+/* The units' updates queued on the fetch worker (queued) and those already finished when their step's wait began
+ * (early: they ran beside the backward, the schedule's rest or the wait for the other stages): dp NULL: set to the
+ * process's counts since it started (every rank, every step; sched unused); else dp's bookkeeping's added to *early,
+ * *queued and *sched (those finished when fl_fsdp_update_mark was called: the pipeline's schedule's end) */
+void fl_fsdp_update_counts(const fl_dp *dp, unsigned long *early, unsigned long *queued, unsigned long *sched);
+void fl_fsdp_update_mark(fl_dp *dp);
 /* comm may be NULL (rank 0 of 1). */
 void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool);
 /* Detach the scratch pool before it is freed; give back FSDP's bookkeeping (fl_fsdp_free) and destroy

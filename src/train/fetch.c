@@ -123,6 +123,13 @@ int fl_fetch_posted(fl_fetch *w, const fl_fetch_job *j) {
     return posted;
 }
 
+int fl_fetch_done(fl_fetch *w, const fl_fetch_job *j) {
+    pthread_mutex_lock(&w->mu);
+    const int done = j->state == 2;
+    pthread_mutex_unlock(&w->mu);
+    return done;
+}
+
 void fl_fetch_stop(fl_fetch *w) {
     if (!w) return;
     pthread_mutex_lock(&w->mu);

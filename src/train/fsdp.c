@@ -59,6 +59,7 @@
  * The clipping norm sums each distinct shard once: over the node (fl_fsdp_sum), not over the
  * replicas. Checkpoints: consolidated ones are gathered within node 0 (rank 0 writes); sharded
  * ones are written by node 0's ranks (shard_ckpt.c). HYBRID on one node is FULL_SHARD (no split). */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -110,6 +111,8 @@ struct fl_fsdp {
     /* --offload_update_overlap (fl_fsdp_update_arm): this step's units' updates on fw, queued as each unit's
      * gradient becomes final; the optimizer, lr and update number of the step, each unit's job and argument */
     int uarmed, ustep, uposted;
+    int uhold; /* fl_fsdp_update_hold: the unit whose update waits for fl_fsdp_update_wait (-1: none) */
+    unsigned long n_early, n_queued, n_sched; /* fl_fsdp_update_counts, this bookkeeping's */
     float ulr;
     const fl_optimizer *uo;
     fl_fetch_job *ujob;     /* (G) */
@@ -357,7 +360,7 @@ static fl_status post_update(struct fl_fsdp *f, int g) {
     if (fl_fetch_posted(f->fw, &f->ujob[g]) || f->uarg[g].f)
         return fl_errorf(FL_ERR_INTERNAL, "FSDP: unit %d's gradient was reduced twice in the step's last backward", g);
     f->uarg[g] = (struct fsdp_unit_upd){f, g};
-    fl_fetch_post_run(f->fw, &f->ujob[g], unit_update, &f->uarg[g]);
+    if (g != f->uhold) fl_fetch_post_run(f->fw, &f->ujob[g], unit_update, &f->uarg[g]); /* held: updated at the wait */
     f->uposted++;
     return FL_OK;
 }
@@ -604,8 +607,41 @@ fl_status fl_fsdp_update_arm(fl_dp *dp, fl_optimizer *o, float lr, float max_nor
     f->ustep = o->step + 1; /* fl_optim_step counts it when the step ends */
     f->uposted = 0;
     memset(f->uarg, 0, (size_t)f->G * sizeof *f->uarg);
+    f->uhold = -1;
     f->uarmed = 1;
     return FL_OK;
+}
+
+int fl_fsdp_update_armed(const fl_dp *dp) { return dp->fsdp && dp->fsdp->uarmed; }
+
+fl_status fl_fsdp_update_hold(fl_dp *dp, int g) {
+    struct fl_fsdp *f = dp->fsdp;
+    if (!f || !f->uarmed) return FL_OK;
+    if (g < 0 || g >= f->G) return fl_errorf(FL_ERR_INTERNAL, "FSDP: no unit %d to hold (%d units)", g, f->G);
+    f->uhold = g;
+    return FL_OK;
+}
+
+static pthread_mutex_t g_early_mu = PTHREAD_MUTEX_INITIALIZER;
+static unsigned long g_early, g_queued; /* the units' updates done before their step's wait, and queued (all ranks) */
+
+void fl_fsdp_update_mark(fl_dp *dp) {
+    struct fl_fsdp *f = dp->fsdp;
+    for (int g = 0; f && f->uarmed && g < f->G; g++)
+        if (f->uarg[g].f && g != f->uhold) f->n_sched += fl_fetch_done(f->fw, &f->ujob[g]);
+}
+
+void fl_fsdp_update_counts(const fl_dp *dp, unsigned long *early, unsigned long *queued, unsigned long *sched) {
+    if (dp) {
+        *early += dp->fsdp ? dp->fsdp->n_early : 0;
+        *queued += dp->fsdp ? dp->fsdp->n_queued : 0;
+        *sched += dp->fsdp ? dp->fsdp->n_sched : 0;
+        return;
+    }
+    pthread_mutex_lock(&g_early_mu);
+    if (early) *early = g_early;
+    if (queued) *queued = g_queued;
+    pthread_mutex_unlock(&g_early_mu);
 }
 
 fl_status fl_fsdp_update_wait(fl_dp *dp, fl_optimizer *o) {
@@ -613,11 +649,20 @@ fl_status fl_fsdp_update_wait(fl_dp *dp, fl_optimizer *o) {
     if (!f || !f->uarmed) return FL_OK;
     f->uarmed = 0;
     fl_status s = FL_OK;
+    unsigned long early = 0, queued = 0; /* the overlap's evidence: updates already done when the wait began */
+    for (int g = 0; g < f->G; g++)
+        if (f->uarg[g].f && g != f->uhold) queued++, early += fl_fetch_done(f->fw, &f->ujob[g]);
+    pthread_mutex_lock(&g_early_mu);
+    g_early += early, g_queued += queued;
+    pthread_mutex_unlock(&g_early_mu);
+    f->n_early += early, f->n_queued += queued;
     for (int g = 0; g < f->G; g++) { /* every queued job waited for, failed or not */
-        if (!f->uarg[g].f) continue;
+        if (!f->uarg[g].f || g == f->uhold) continue;
         fl_fetch_wait(f->fw, &f->ujob[g]);
         if (s == FL_OK && f->ujob[g].st != FL_OK) s = fl_errorf(f->ujob[g].st, "%s", f->ujob[g].msg);
     }
+    /* the held unit (its gradient final only now: the pipeline's tied sum) on this thread, after the queued ones */
+    if (s == FL_OK && f->uhold >= 0 && f->uarg[f->uhold].f) s = unit_update(&f->uarg[f->uhold]);
     if (s == FL_OK && f->uposted != f->G)
         s = fl_errorf(FL_ERR_INTERNAL, "FSDP: %d of %d units' updates were queued in the step's last backward",
                       f->uposted, f->G);

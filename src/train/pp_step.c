@@ -329,6 +329,37 @@ static fl_status fwd(run *r, int ch, int k) {
     return FL_OK;
 }
 
+/* chunk ch's data-parallel context where FULL_SHARD shards it (chunk 0: the stage's; a later chunk: its own
+ * bookkeeping's, the hooks' ud), else NULL */
+static fl_dp *chunk_fsdp(const fl_pp *p, const fl_step_ctx *c, int ch) {
+    if (!c->dp) return NULL;
+    if (ch == 0) return c->dp->fsdp ? c->dp : NULL;
+    const fl_optim_dist *in = p->ch[ch].inner;
+    fl_dp *dp = in && in->stage == 3 ? in->ud : NULL;
+    return dp && dp->fsdp ? dp : NULL;
+}
+
+/* chunk ch holds an end of a tied table (tied_sum adds the other end's gradient to its unit 0 after the schedule) */
+static int tied_end(const fl_pp *p, int ch) {
+    const int S = p->stages;
+    return p->ch[ch].m->cfg.tie_embeddings && S >= 2 && !p->adapters &&
+           ((p->stage == 0 && ch == 0) || (p->stage == S - 1 && ch == p->chunks - 1));
+}
+
+/* --offload_update_overlap on a stage: before chunk ch's last backward, FULL_SHARD's unit-by-unit update armed on the
+ * chunk's bookkeeping (fl_fsdp_update_arm decides: offloaded, no clipping, no loss scaling, ...), so each unit's host
+ * update runs on the fetch worker as its gradient is final, beside the rest of the schedule (the chunk's lower units,
+ * the other chunks' backwards, the wait for the other stages). A tied table's unit 0 waits for the end stages' sum
+ * (fl_fsdp_update_hold); an encoder-decoder's shared sums touch every unit: not armed there. */
+static fl_status arm_update(run *r, int ch) {
+    fl_pp *p = r->p;
+    fl_dp *dp = chunk_fsdp(p, r->c, ch);
+    fl_optimizer *o = ch == 0 ? r->o : p->ch[ch].o;
+    if (!dp || !o || p->m->cfg.pp_enc > 0) return FL_OK;
+    FL_TRY(fl_fsdp_update_arm(dp, o, r->c->lr, r->c->max_norm));
+    return tied_end(p, ch) ? fl_fsdp_update_hold(dp, 0) : FL_OK;
+}
+
 static fl_status bwd(run *r, int ch, int k) {
     fl_pp *p = r->p;
     fl_pp_chunk *h = &p->ch[ch];
@@ -351,6 +382,7 @@ static fl_status bwd(run *r, int ch, int k) {
     /* DDP's buckets hang on chunk 0's model: its last backward (the rank's last operation) reduces them; the later
      * chunks' gradients are reduced after the schedule */
     if (r->c->dp && ch == 0) fl_dp_buckets_arm(r->c->dp, r->o, k == r->c->n_micro - 1);
+    if (k == r->c->n_micro - 1) FL_TRY(arm_update(r, ch));
     FL_TRY(fl_model_stage_open_grads(m));
     const double t0 = now_ms();
     FL_TRY(fl_model_backward(m));
@@ -549,9 +581,17 @@ static fl_status amp_verdict(fl_pp *p, fl_optimizer *o0) {
 }
 
 static fl_status reduce_and_update(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, double *norm) {
+    /* FULL_SHARD reduced each unit in the backward: the sums over the stages first, then the wait for the units'
+     * updates (fl_dp_reduce_grads; a held unit 0 updates there, after the tied sum). Otherwise the reduction first. */
+    const int fsdp = c->dp && c->dp->fsdp;
+    if (fsdp) FL_TRY(p->m->cfg.pp_enc > 0 ? s2s_shared_sum(p, o) : tied_sum(p, o));
     if (c->dp) FL_TRY(fl_dp_reduce_grads(c->dp, o));
-    for (int ch = 1; c->dp && ch < p->chunks; ch++) FL_TRY(fl_dp_reduce_grads(c->dp, p->ch[ch].o));
-    FL_TRY(p->m->cfg.pp_enc > 0 ? s2s_shared_sum(p, o) : tied_sum(p, o));
+    for (int ch = 1; c->dp && ch < p->chunks; ch++) {
+        fl_dp *xd = chunk_fsdp(p, c, ch);
+        if (xd && xd != c->dp) FL_TRY(fl_fsdp_update_wait(xd, p->ch[ch].o)); /* the chunk's own units' updates */
+        FL_TRY(fl_dp_reduce_grads(c->dp, p->ch[ch].o));
+    }
+    if (!fsdp) FL_TRY(p->m->cfg.pp_enc > 0 ? s2s_shared_sum(p, o) : tied_sum(p, o));
     fl_mem_set_phase(p->m->pool, "optimizer step");
     p->norm_ok = 0;
     p->amp_ok = 0;
@@ -612,6 +652,8 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         fl_mem_snapshot(p->m->pool, "before_fwd");
         fl_mem_set_phase(p->m->pool, "pipeline schedule");
         if (s == FL_OK) s = schedule(&r, ops, 2 * M * V);
+        for (int ch = 0; s == FL_OK && ch < V; ch++) /* the units' updates done beside the schedule (counted) */
+            if (chunk_fsdp(p, c, ch)) fl_fsdp_update_mark(chunk_fsdp(p, c, ch));
         if (s == FL_OK) fl_mem_snapshot(p->m->pool, "after_bwd");
     }
     /* the losses to every stage (doubles as pairs of F32 words: the bits travel) */

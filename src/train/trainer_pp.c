@@ -732,6 +732,28 @@ void fl_tr_pp_print(const trainer *t) {
     fprintf(t->out, "\n");
 }
 
+/* --offload_update_overlap on the stages: per stage, its units' updates (every chunk's) queued on the fetch worker
+ * and those already done when the step's wait began (they ran beside the rest of the schedule), gathered over the
+ * pipeline (collective); printed where any ran */
+static fl_status update_overlap_report(trainer *t) {
+    const int S = t->pp.size;
+    unsigned long e = 0, q = 0, d = 0;
+    fl_fsdp_update_counts(&t->dp, &e, &q, &d);
+    for (int c = 1; c < t->pp.chunks; c++) fl_fsdp_update_counts(&t->pp.xdp[c], &e, &q, &d);
+    float mine[3] = {(float)d, (float)e, (float)q}, all[3 * 64];
+    if (S > 64) return FL_OK;
+    FL_TRY(fl_error_prefix(fl_comm_all_gather(t->pp.rt.comm, mine, all, (size_t)3 * S, FL_F32), "pipeline: the update "
+                           "overlap's counts"));
+    double any = 0;
+    for (int k = 0; k < S; k++) any += all[3 * k + 2];
+    if (!t->out || any == 0) return FL_OK;
+    fprintf(t->out, "update overlap: units' updates on the fetch worker (--offload_update_overlap), done when the "
+            "stage's schedule ended / done when the step's wait began / queued, per stage:");
+    for (int k = 0; k < S; k++) fprintf(t->out, " %.0f / %.0f / %.0f", all[3 * k], all[3 * k + 1], all[3 * k + 2]);
+    fprintf(t->out, "\n");
+    return FL_OK;
+}
+
 /* The end of a run: the stages' measured compute per micro-batch, the schedule simulated on those times (the step
  * the pipeline could take with free sends, and its bubble) beside the measured step, and a block's time (a stage's
  * compute over its cost in blocks, the slowest stage's) that `plan --block-ms` turns into an expected step time.
@@ -743,6 +765,7 @@ fl_status fl_tr_pp_report(trainer *t) {
     const int S = t->pp.size, V = t->pp.rt.chunks, NV = S * V, M = t->sch.accum;
     double fwd[64], bwd[64], step = 0, span = 0, bubble = 0;
     FL_TRY(fl_pp_timing(&t->pp.rt, fwd, bwd, &step));
+    FL_TRY(update_overlap_report(t));
     if (!t->out || t->pp.rt.n_steps == 0) return FL_OK;
     FL_TRY(fl_pp_simulate_v(t->pp.rt.kind, S, V, M, fwd, bwd, &span, &bubble));
     fl_pp_estimate e;
