@@ -3,7 +3,7 @@
 # preset (SHAPE, default small: 12 layers, C 768, F 2048, vocab 32000, 0.13 B parameters) as S pipeline stages x 1
 # thread each, STRATEGY (default fsdp_cpu_offload: each stage's parameters, gradients and AdamW fp32 state in the host
 # tier) without clipping (--train.max_norm 0: the switch needs it), micro-batch B x T tokens, MICRO micro-batches per
-# step, so that each stage's update is a visible part of its step. Alternating on / off, ROUNDS rounds; per run the
+# step, so that each stage's update is a visible part of its step. Alternating on / off (ABBA), ROUNDS rounds; per run the
 # median of logs/metrics.csv's step times after WARMUP steps (iter_time x MICRO), per mode the median over rounds.
 # The losses must be the same in both modes (the same bits: tests/test_pp_offload.c
 # pp_offload_update_overlap_keeps_the_bits); the log's "update overlap" line says, per stage, how many units' updates
