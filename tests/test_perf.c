@@ -608,8 +608,10 @@ static int amp_case(const char *backend, int ss_on, int graphs, amp_run *a) {
 FL_TEST(cuda_emu_fp16_overflow_on_device) {
     if (!fl_test_asan_budget()) return; /* 18 emulated steps: the release pass */
     amp_run dev = {0}, host = {0}, cpu = {0}, gr = {0};
+    g_rig_layers = 2; /* per-step checks (the overflow, the copies, the bits of the host check and the graphs) */
     int ok = amp_case("cuda-emu", 1, 0, &dev) && amp_case("cuda-emu", 0, 0, &host) && amp_case("cpu", 1, 0, &cpu) &&
              amp_case("cuda-emu", 1, 1, &gr);
+    g_rig_layers = 0;
     for (int k = 0; ok && k < AMP_STEPS; k++) {
         printf("      step %d: loss %.6f, norm %.6g, %s, scale %g (host check: %s, cpu: %s, scale %g)\n", k + 1,
                dev.loss[k], dev.norm[k], dev.skipped[k] ? "skipped" : "updated", dev.scale[k],
