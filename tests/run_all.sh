@@ -20,9 +20,11 @@
 #   full   (`make test-full`, FITLLM_TEST_TIER=full): everything, in both passes (the old FITLLM_TEST_ASAN_ALL=1),
 #          the long CLI / MPI cases and a 10 s fuzz smoke per harness. Run it before a release, or after changing
 #          what a sweep covers.
-# When both cli and asan are to run, the ASan build (`make asan-build`, ~330 CPU s from scratch) starts at nice 19
-# in the background with the cli stage (ASAN_PREBUILD=0: not): the CLI cases keep about one core busy (192 CPU s in
-# 207 s on 2 quiet cores), the build takes the other; the asan stage waits for it (log: $BUILD/test-logs/asan-build.log).
+# When cli runs before fuzz-smoke and/or asan, their builds (fuzz/build.sh, ~100 CPU s from scratch, then `make
+# asan-build`, ~330 CPU s) run one after the other at nice 19 in the background from the cli stage on
+# (ASAN_PREBUILD=0: not): the CLI and MPI cases keep about one core busy (153 and 148 CPU s in 145 and 162 s on 2
+# quiet cores), the builds take the other; fuzz-smoke and asan wait for theirs (logs: $BUILD/test-logs/fuzz-build.log,
+# asan-build.log).
 # Every stage runs even after one fails. Each stage's output is shown as it runs and kept in
 # $BUILD/test-logs/<stage>.log; its counts are its last line of the form "N passed, N failed[, N
 # skipped]" (a stage that prints none counts as one check: passed when it exits 0). A stage that
@@ -65,10 +67,14 @@ stage_cmd() {
     cli)           tests/cli_test.sh "./$BUILD/fitllm" ;;
     mpi)           tests/mpi_test.sh "$BUILD" ;;
     fuzz-smoke)    local t0=$SECONDS
-                   fuzz/build.sh || return 1
-                   echo "fuzz-smoke: clang build $((SECONDS - t0)) s"
+                   if [ $want_prebuild_fuzz = 1 ]; then
+                       prebuild_wait fuzz-build || return 1
+                   else
+                       fuzz/build.sh || return 1
+                       echo "fuzz-smoke: clang build $((SECONDS - t0)) s"
+                   fi
                    FUZZ_FRESH=1 fuzz/run_all.sh "$FUZZ_SMOKE_TIME" "$FUZZ_JOBS" ;;
-    asan)          prebuild_wait || return 1
+    asan)          prebuild_wait asan-build || return 1
                    "$MAKE" --no-print-directory asan ASAN_FILTER="$ASAN_FILTER" ;;
     *) echo "tests/run_all.sh: unknown stage '$1' (stages: ${STAGES[*]})"; return 2 ;;
     esac
@@ -76,30 +82,40 @@ stage_cmd() {
 
 [ $# -gt 0 ] && STAGES=("$@")
 
-# the background ASan build (above): started before the cli stage, waited for by the asan stage (a pipeline's
-# subshell: it polls the process and reads the exit status from a file)
+# the background builds (above): started before the cli stage, one after the other at nice 19 - the clang fuzz
+# build first when fuzz-smoke runs after cli (it was a serial ~100 CPU s at the start of that stage), then the ASan
+# build when asan runs after cli -, each waited for by its stage (a pipeline's subshell: it polls for the exit
+# status file each build leaves, $LOGS/<build>.rc, and whether the chain still runs)
 PREBUILD_PID=
 prebuild_start() {
-    rm -f "$LOGS/asan-build.rc"
-    ( nice -n 19 "$MAKE" --no-print-directory asan-build >"$LOGS/asan-build.log" 2>&1
-      echo $? >"$LOGS/asan-build.rc" ) &
+    rm -f "$LOGS/fuzz-build.rc" "$LOGS/asan-build.rc"
+    ( if [ $want_prebuild_fuzz = 1 ]; then
+          nice -n 19 fuzz/build.sh >"$LOGS/fuzz-build.log" 2>&1
+          echo $? >"$LOGS/fuzz-build.rc"
+      fi
+      if [ $want_prebuild = 1 ]; then
+          nice -n 19 "$MAKE" --no-print-directory asan-build >"$LOGS/asan-build.log" 2>&1
+          echo $? >"$LOGS/asan-build.rc"
+      fi ) &
     PREBUILD_PID=$!
     PREBUILD_T0=$SECONDS
 }
-prebuild_wait() {
+prebuild_wait() { # asan-build | fuzz-build
     [ -n "$PREBUILD_PID" ] || return 0
-    while kill -0 "$PREBUILD_PID" 2>/dev/null; do sleep 1; done
+    while [ ! -f "$LOGS/$1.rc" ] && kill -0 "$PREBUILD_PID" 2>/dev/null; do sleep 1; done
     local rc
-    rc=$(cat "$LOGS/asan-build.rc" 2>/dev/null || echo 1)
-    echo "asan: the ASan build ran in the background from the cli stage on ($((SECONDS - PREBUILD_T0)) s since; exit $rc)"
-    [ "$rc" -eq 0 ] || { tail -n 30 "$LOGS/asan-build.log"; return 1; }
+    rc=$(cat "$LOGS/$1.rc" 2>/dev/null || echo 1)
+    echo "${1%-build}: the ${1%-build} build ran in the background from the cli stage on ($((SECONDS - PREBUILD_T0)) s since; exit $rc)"
+    [ "$rc" -eq 0 ] || { tail -n 30 "$LOGS/$1.log"; return 1; }
 }
-want_prebuild=0   # 1 when asan runs after cli
+want_prebuild=0        # 1 when asan runs after cli
+want_prebuild_fuzz=0   # 1 when fuzz-smoke runs after cli
 if [ "${ASAN_PREBUILD:-1}" != 0 ]; then
     seen_cli=0
     for st in "${STAGES[@]}"; do
         [ "$st" = cli ] && seen_cli=1
         [ "$st" = asan ] && [ $seen_cli = 1 ] && want_prebuild=1
+        [ "$st" = fuzz-smoke ] && [ $seen_cli = 1 ] && want_prebuild_fuzz=1
     done
 fi
 declare -a R_NAME R_RES R_P R_F R_S R_T
@@ -110,7 +126,7 @@ for st in "${STAGES[@]}"; do
         R_NAME+=("$st"); R_RES+=("not built"); R_P+=(0); R_F+=(0); R_S+=(0); R_T+=(0)
         continue
     fi
-    [ "$st" = cli ] && [ $want_prebuild = 1 ] && prebuild_start
+    [ "$st" = cli ] && [ $((want_prebuild + want_prebuild_fuzz)) -gt 0 ] && prebuild_start
     echo
     echo "==== make test: $st ($FITLLM_TEST_TIER tier) ===="
     t0=$SECONDS
