@@ -27,6 +27,10 @@
 #   dp2-zero2-offload  fitllm DP 2 x PP 2 1f1b --strategy deepspeed_stage_2_offload; torch 1f1b over FSDP2 stages
 #                      (--dp 2 --fsdp grad_op --offload: reshard_after_forward=False + CPUOffloadPolicy), split SPLIT.
 #   dp2-fsdp-offload   fitllm DP 2 x PP 2 1f1b --strategy fsdp_cpu_offload; torch --dp 2 --fsdp full --offload.
+#   t5-pp2             fitllm finetune_full on a T5 folder (T5, default t5-small, random, saved by --prepare with
+#                      tests/fixtures/t5-tok's tokenizer), PP 2 1f1b, JSON pairs cut to SOURCE (128) + SEQ tokens;
+#                      torch --t5: T5ForConditionalGeneration cut by hand into PipelineStages at T5SPLIT (fitllm's
+#                      split over the encoder's then the decoder's blocks; t5-small: 0,8,12), tied head summed.
 #   The sides alternate (odd rounds torch first, even rounds fitllm first). Step = iter_time x MICRO (fitllm), rank
 #   0's wall time (torch), medians; memory: fitllm's pool peak (ranks min - max) and rank 0's host tier, torch's
 #   local state bytes per rank (parameters + gradients + AdamW), both sides' peak RSS per rank.
@@ -52,11 +56,15 @@ CHUNKS=${CHUNKS:-2}
 ISPLIT=${ISPLIT:-0,1,2,5,6}
 EVEN=${EVEN:-1}
 CASES=${CASES:-}
+T5=${T5:-t5-small}
+SOURCE=${SOURCE:-128}
+T5SPLIT=${T5SPLIT:-0,8,12}
 DATA=${DATA:-$( [ -d ../shared/data ] && echo ../shared/data || echo /work/shared/data )}
 OUT=${OUT:-bench/out/pp-$(date -u +%Y%m%dT%H%M%SZ).txt}
 NP=$STAGES; [ -n "$CASES" ] && NP=$((2 * STAGES))
-MPIRUN=(mpirun --oversubscribe -np "$NP")
-[ "$(id -u)" = 0 ] && MPIRUN+=(--allow-run-as-root)
+MPIBASE=(mpirun --oversubscribe)
+[ "$(id -u)" = 0 ] && MPIBASE+=(--allow-run-as-root)
+MPIRUN=("${MPIBASE[@]}" -np "$NP")
 
 [ -x "$FITLLM" ] || { echo "error: $FITLLM not found (cmake --build build --target fitllm_cli)" >&2; exit 2; }
 command -v mpirun >/dev/null || { echo "error: mpirun not found (apt-get install openmpi-bin)" >&2; exit 2; }
@@ -113,7 +121,8 @@ case_flags() { # case -> "DP|fitllm flags|torch flags"
         tp2-interleaved) echo "1|--tensor_parallel 2 --pipeline_schedule interleaved --pipeline_chunks $CHUNKS --strategy ddp|--tp 2 --schedule interleaved --chunks $CHUNKS --split $ISPLIT" ;;
         dp2-zero2-offload) echo "2|--pipeline_schedule 1f1b --strategy deepspeed_stage_2_offload|--dp 2 --fsdp grad_op --offload --schedule 1f1b --split $SPLIT" ;;
         dp2-fsdp-offload) echo "2|--pipeline_schedule 1f1b --strategy fsdp_cpu_offload|--dp 2 --fsdp full --offload --schedule 1f1b --split $SPLIT" ;;
-        *) echo "error: unknown case $1 (tp2-interleaved dp2-zero2-offload dp2-fsdp-offload)" >&2; return 2 ;;
+        t5-pp2) echo "1|--pipeline_schedule 1f1b --strategy ddp|--t5 $T5 --source $SOURCE --schedule 1f1b --split $T5SPLIT" ;;
+        *) echo "error: unknown case $1 (tp2-interleaved dp2-zero2-offload dp2-fsdp-offload t5-pp2)" >&2; return 2 ;;
     esac
 }
 
@@ -121,16 +130,20 @@ compose_fitllm() { # case -> "RESULT impl=fitllm-<case> ..."
     local c=$1 dp ff tf d="$TMP/f-$1-$RANDOM"
     IFS='|' read -r dp ff tf <<<"$(case_flags "$c")"
     local prep="$TMP/prep$((MICRO * BATCH * dp))"
+    local model=(pretrain --model_name "$SHAPE" --initial_checkpoint_dir "$prep/init" --data TextFiles
+        --data.train_data_path "$prep/text" --data.val_data_path "$prep/text" --tokenizer_dir "$DATA/llama2-tokenizer"
+        --train.max_seq_length "$SEQ") np=$NP
+    [ "$c" = t5-pp2 ] && prep=$TMP/prep-t5 np=$STAGES model=(finetune_full --checkpoint_dir "$prep/init" --data JSON
+        --data.json_path "$prep/pairs/train.json" --data.max_source_length "$SOURCE" --data.max_target_length "$SEQ")
     # shellcheck disable=SC2086  # ff holds several flags
-    OMP_NUM_THREADS=1 "${MPIRUN[@]}" /usr/bin/time -f "MAXRSS_KB %M" "$FITLLM" pretrain --model_name "$SHAPE" \
-        --initial_checkpoint_dir "$prep/init" --data TextFiles --data.train_data_path "$prep/text" \
-        --data.val_data_path "$prep/text" --tokenizer_dir "$DATA/llama2-tokenizer" \
-        --train.max_seq_length "$SEQ" --train.micro_batch_size "$BATCH" --train.global_batch_size $((MICRO * BATCH * dp)) \
-        --train.max_steps $((STEPS + WARMUP)) --train.lr_warmup_steps 0 --threads 1 --devices "$NP" \
+    OMP_NUM_THREADS=1 "${MPIBASE[@]}" -np "$np" /usr/bin/time -f "MAXRSS_KB %M" "$FITLLM" "${model[@]}" \
+        --train.micro_batch_size "$BATCH" --train.global_batch_size $((MICRO * BATCH * dp)) \
+        --train.max_steps $((STEPS + WARMUP)) --train.lr_warmup_steps 0 --threads 1 --devices "$np" \
         --pipeline_parallel "$STAGES" $ff \
         --eval.interval 100000 --eval.final_validation false --eval.max_new_tokens 0 --train.save_interval 100000 \
         --out_dir "$d" >"$d.log" 2>&1 || { echo "fitllm $c failed:" >&2; tail -5 "$d.log" >&2; return 1; }
-    "$PY" - "$d/logs/metrics.csv" "$d.log" "$c" "$WARMUP" "$((MICRO * BATCH * dp * SEQ))" "$MICRO" "$((MICRO * dp))" <<'PYEOF'
+    local tok=$((MICRO * BATCH * dp * SEQ)); [ "$c" = t5-pp2 ] && tok=$((MICRO * BATCH * (SOURCE + SEQ)))
+    "$PY" - "$d/logs/metrics.csv" "$d.log" "$c" "$WARMUP" "$tok" "$MICRO" "$((MICRO * dp))" <<'PYEOF'
 import csv, re, statistics, sys
 path, log, c, warm, tok, m, per = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
 rows = [r for r in csv.DictReader(open(path)) if r["iter_time"] not in ("", "nan") and int(r["iter"]) % per == 0]
@@ -152,6 +165,7 @@ compose_torch() { # case -> "RESULT impl=torch-<case> ..."
     local c=$1 dp ff tf
     IFS='|' read -r dp ff tf <<<"$(case_flags "$c")"
     local prep="$TMP/prep$((MICRO * BATCH * dp))"
+    [ "$c" = t5-pp2 ] && prep=$TMP/prep-t5
     # shellcheck disable=SC2086
     OMP_NUM_THREADS=1 "$PY" bench/bench_pp_torch.py --shape "$SHAPE" --batch "$BATCH" --micro "$MICRO" --seq "$SEQ" \
         $tf --steps "$STEPS" --warmup "$WARMUP" --threads 1 --init "$prep/init" --ids "$prep/ids.json" \
@@ -164,6 +178,11 @@ if [ -n "$CASES" ]; then
     for c in $CASES; do
         IFS='|' read -r dp _ _ <<<"$(case_flags "$c")"
         n=$((MICRO * BATCH * dp))
+        if [ "$c" = t5-pp2 ]; then
+            "$PY" bench/bench_pp_torch.py --prepare "$TMP/prep-t5" --t5 "$T5" --blocks "$n" --source "$SOURCE" \
+                --seq "$SEQ" >/dev/null 2>"$TMP/prep.err" || { echo "prepare failed:" >&2; tail -5 "$TMP/prep.err" >&2; exit 1; }
+            continue
+        fi
         [ -d "$TMP/prep$n" ] || "$PY" bench/bench_pp_torch.py --prepare "$TMP/prep$n" --blocks "$n" --shape "$SHAPE" \
             --seq "$SEQ" --tokenizer "$DATA/llama2-tokenizer" >/dev/null 2>"$TMP/prep.err" ||
             { echo "prepare failed:" >&2; tail -5 "$TMP/prep.err" >&2; exit 1; }
