@@ -69,24 +69,12 @@ class Stage(nn.Module):
 
 
 def stage_tp_plan(mod):
-    """--tp: Megatron's plan on a Stage's modules, as bench_tp_torch.py's tp_plan on the whole model (column-parallel
-    q/k/v/gate/up, row-parallel o/down, the embedding's vocabulary rows, lm_head's vocabulary columns read by
-    loss_parallel's cross-entropy; the norms replicated)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    """--tp: Megatron's plan on a Stage's modules, bench_tp_torch.py's tp_plan (column-parallel q/k/v/gate/up,
+    row-parallel o/down, the embedding's vocabulary rows, lm_head's vocabulary columns read by loss_parallel's
+    cross-entropy; the norms replicated)."""
+    from bench_tp_torch import tp_plan
 
-    plan = {}
-    if mod.embed is not None:
-        plan["embed"] = RowwiseParallel(input_layouts=Replicate())
-    if mod.head is not None:
-        plan["head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    for i in range(len(mod.layers)):
-        p = f"layers.{i}."
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[p + n] = ColwiseParallel()
-        for n in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[p + n] = RowwiseParallel()
-    return plan
+    return tp_plan(mod, "embed" if mod.embed is not None else None, "head" if mod.head is not None else None, "layers")
 
 
 def local_bytes(t):
