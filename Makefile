@@ -19,7 +19,7 @@ FUZZ_DEB_PKGS := clang libclang-rt-dev libomp-dev
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
-.PHONY: all setup build test test-full test-fast asan asan-build demo bench bench-t5 bitident clean help fuzz fuzz-build fuzz-smoke
+.PHONY: all setup build test test-full test-fast asan asan-build demo bench bench-t5 bench-pp-compose bitident clean help fuzz fuzz-build fuzz-smoke
 
 all: build
 
@@ -33,6 +33,7 @@ help:
 	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
 	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
 	@echo "make bench-t5 - a t5-small training step, fitllm vs transformers' T5ForConditionalGeneration (torch venv)"
+	@echo "make bench-pp-compose - issue 35's compositions on 4 CPU ranks (TP x interleaved PP, DP x PP offload, T5 stages) vs torch.distributed.pipelining (torch venv, mpirun)"
 	@echo "make fuzz   - libFuzzer (clang) on every input parser, FUZZ_TIME s each (default 600), FUZZ_JOBS at a time"
 	@echo "make fuzz-smoke - the same, 30 s each"
 	@echo "make bitident BASE=DIR - does this build train bit for bit like the build in DIR (tests/bitident)"
@@ -113,6 +114,14 @@ bench: build
 # issue 31: fitllm's T5 step against transformers' (docs/BENCHMARKS.md); not part of make test
 bench-t5: build
 	bench/run_bench_t5.sh
+
+# issue 35: TP inside the interleaved schedule and offload on DP x PP grids, fitllm (mpirun, 4 CPU ranks) against
+# torch.distributed.pipelining with DTensor TP / FSDP2 CPUOffloadPolicy stages (docs/BENCHMARKS.md); not in make test
+PP_CASES ?= tp2-interleaved dp2-zero2-offload dp2-fsdp-offload t5-pp2
+PP_ROUNDS ?= 5
+PP_STEPS ?= 2
+bench-pp-compose: build
+	CASES="$(PP_CASES)" ROUNDS=$(PP_ROUNDS) STEPS=$(PP_STEPS) WARMUP=1 bench/run_pp_bench.sh
 
 # Does this build train bit-identically to another one (BASE=its build folder)? tests/bitident/README.md
 bitident: build

@@ -46,20 +46,28 @@ def local_bytes(t):
     return t.numel() * t.element_size()
 
 
-def tp_plan(model):
+def block_plan(p):
+    """Megatron's split of one LLaMA block whose modules are named p + "self_attn.q_proj" etc."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {p + n: ColwiseParallel() for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                "mlp.gate_proj", "mlp.up_proj")}
+    plan.update({p + n: RowwiseParallel() for n in ("self_attn.o_proj", "mlp.down_proj")})
+    return plan
+
+
+def tp_plan(model, embed="model.embed_tokens", head="lm_head", layers="model.layers"):
+    """The whole model's plan (bench_pp_torch.py: a stage's, with its own module names; None = not on the stage)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    }
-    for i in range(len(model.model.layers)):
-        p = f"model.layers.{i}."
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[p + n] = ColwiseParallel()
-        for n in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[p + n] = RowwiseParallel()
+    plan = {}
+    if embed:
+        plan[embed] = RowwiseParallel(input_layouts=Replicate())
+    if head:
+        plan[head] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    for i in range(len(model.get_submodule(layers))):
+        plan.update(block_plan(f"{layers}.{i}."))
     return plan
 
 
