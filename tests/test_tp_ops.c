@@ -223,7 +223,8 @@ FL_TEST(tp_ops_dropout_rows_same_bits) {
  * paths: fl_cuemu_set_host_memory(0)), counted by the backend (fl_cuemu_backend_counters) around one training forward
  * and backward of golden-gpt2 (B 2, T 8) at TP 1 and TP 2 through the NCCL stand-in: the vocabulary-parallel
  * cross-entropy's statistics stay on the device (vocab_stats, the device all-gather, vocab_xent), so TP 2 copies no
- * logits or statistics to the host (before the ops: one copy of each logits chunk to the host and two back per chunk). */
+ * logits or statistics to the host (the host path before the ops copied each logits chunk to the host and its loss and
+ * gradient back: the check fails on it). */
 #ifdef FL_HAVE_CUDA_EMU
 #include "backend/cuda/cuda-impl.h"
 #include "fitllm/comm.h"
