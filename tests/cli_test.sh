@@ -1834,6 +1834,11 @@ expect perf_session_dry 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1" tests/
         "FITLLM_CUDA_GRAPHS=0 FITLLM_CUDA_STEP_SCALARS=0 .*--optimizer bnb.optim.AdamW8bit"; do
         grep -h "^DRY .*$v" "$1"/*.log | grep -qE "fitllm (bench-step|finetune_full) " || { echo "no command with $v"; exit 1; }
     done; echo "plumbing ok"' _ "$T/pdry" "$FITLLM"
+# its step 14 (issue 35): tensor parallelism's device ops (vocab_xent, dropout_rows) reach the GPU's selftest
+expect perf_session_dry_tp_ops 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1" tests/cuda/perf_session.sh "$(dirname "$2")" >/dev/null 2>&1
+    for op in vocab_xent dropout_rows; do
+        grep -q "^DRY .*fitllm selftest --accelerator cuda --only $op\$" "$1/tp-$op.log" || { echo "no selftest of $op"; exit 1; }
+    done; echo "plumbing ok"' _ "$T/pdry-tp" "$FITLLM"
 echo
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]

@@ -23,6 +23,10 @@ static void run_pair(const char *dev_name, const char *ref_name) {
     /* the optional bf16-gradient cross-entropy is checked where the backend has it */
     FL_CHECKF(!dev.cross_entropy_dbf16 || (buf && strstr(buf, "cross_entropy_dbf16 5x1001")), "%s: no cross_entropy_dbf16 "
               "case:\n%s", dev_name, buf);
+    /* tensor parallelism's ops (issue 35), on every backend that has them */
+    FL_CHECKF(!dev.vocab_xent || (buf && strstr(buf, "vocab_xent 5x1001 over 3 slices") &&
+                                  strstr(buf, "dropout_rows 13x37 stride 111")),
+              "%s: no vocab_xent / dropout_rows case:\n%s", dev_name, buf);
     free(buf);
     fl_backend_free(&dev);
     fl_backend_free(&ref);

@@ -64,6 +64,7 @@ typedef enum {
     FL_OP_ACCUMULATE16, /* a = the 16-bit destination */
     FL_OP_SUMSQ,        /* a = the input */
     FL_OP_Q4_MATMUL,    /* 4-bit weights (no dtype) */
+    FL_OP_VOCAB_XENT,   /* vocab_stats and vocab_xent (the vocabulary-parallel cross-entropy on the device; F32) */
     FL_OP_COUNT
 } fl_op;
 const char *fl_op_name(fl_op op);
@@ -244,6 +245,28 @@ struct fl_backend {
      * (cpu, ref, opaque, null, cuda, cuda-emu) */
     fl_status (*dropout)(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
                          int accumulate);
+    /* Optional (issue 35; cpu, ref, opaque, null, cuda, cuda-emu): dropout over `rows` rows of w contiguous values
+     * whose masks are rows of a wider tensor: y[r w + j] = keep(seed, r stride + j) ? x[r w + j] * scale : 0 (or +=,
+     * accumulate 1), stride >= w: one call for a rank's columns of every row (the row-parallel LoRA adapters' input,
+     * T5's dropout on a tensor-parallel slot), the bits of one dropout call per row at seed + r stride K. */
+    fl_status (*dropout_rows)(const fl_backend *be, float *y, const float *x, int rows, size_t w, size_t stride,
+                              float p, uint64_t seed, int accumulate);
+    /* Optional (issue 35; supports_op FL_OP_VOCAB_XENT; cpu, ref, opaque, null, cuda, cuda-emu): the
+     * vocabulary-parallel cross-entropy on the device, in two halves around the group's all-gather of the row
+     * statistics (src/model/tp_vocab.c). vocab_stats: for each of `rows` rows of a rank's logits slice (rows, n),
+     * whose columns are the vocabulary ids [lo, lo + n): stats[3i] = its max m (a float), stats[3i + 1] = the sum
+     * of exp(l - m) in double, stats[3i + 2] = the logit of targets[i] when lo <= targets[i] < lo + n, else 0
+     * (targets device memory). vocab_xent: with all (P, rows, 3) the P ranks' statistics in rank order (rank k's
+     * slice is [k V / P, (k + 1) V / P)), per row M = max_k m_k, S = sum_k s_k exp(m_k - M) in rank order,
+     * lse = (float)M + (float)log(S), loss[i] = lse - (the target's owner's logit) (0 when no rank owns it);
+     * dlogits (NULL, or (rows, n), may alias logits) = grad_scale exp(l - lse) (in double, rounded) minus
+     * grad_scale at the target's column on its owner `me`; targets[i] == ignore_index: loss 0 and a zero row. */
+    fl_status (*vocab_stats)(const fl_backend *be, double *stats /*(rows,3)*/, const float *logits /*(rows,n)*/,
+                             const int32_t *targets /*(rows)*/, int rows, int n, int lo);
+    fl_status (*vocab_xent)(const fl_backend *be, float *loss /*(rows)*/, float *dlogits /*(rows,n) or NULL*/,
+                            const float *logits /*(rows,n)*/, const double *all /*(P,rows,3)*/,
+                            const int32_t *targets /*(rows)*/, int rows, int n, int lo, int P, int me, int V,
+                            float grad_scale, int ignore_index);
 
     /* Optional (issue 30 item 3): gemm (row-major, the gemm slot's types and semantics) with an F32 C and an epilogue
      * fused into the matmul where the backend can (cuBLASLt's), for a linear's bias and GPT-2's GELU:

@@ -46,7 +46,8 @@ extern "C" {
     X(check_finite) X(scale) X(zero) X(copy) X(to_device) X(to_host) X(sync) X(set_scratch) X(set_compute_dtype)     \
     X(attention_qkv_forward) X(attention_qkv_backward) X(gemm_epilogue)                                            \
     X(layernorm_forward_w16) X(layernorm_backward_w16) X(grad_norm_dev) X(loss_sum_dev) X(adamw_update_ss)          \
-    X(sgd_update_ss) X(check_finite_dev) X(input_upload) X(input_wait) X(adam8bit_update_ss)
+    X(sgd_update_ss) X(check_finite_dev) X(input_upload) X(input_wait) X(adam8bit_update_ss)                 \
+    X(dropout_rows) X(vocab_stats) X(vocab_xent)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -143,6 +144,11 @@ struct fl_op_input_upload { int slot; const void *src0; size_t n0; const void *s
 struct fl_op_input_wait { int slot; };
 struct fl_op_adam8bit_update_ss { void *p; fl_dtype tp; const void *g; fl_dtype tg; const fl_adam8bit_state *st;
     float lr, beta1, beta2, eps, weight_decay; int step; const double *ss; };
+struct fl_op_dropout_rows { float *y; const float *x; int rows; size_t w, stride; float p; uint64_t seed;
+    int accumulate; };
+struct fl_op_vocab_stats { double *stats; const float *logits; const int32_t *targets; int rows, n, lo; };
+struct fl_op_vocab_xent { float *loss, *dlogits; const float *logits; const double *all; const int32_t *targets;
+    int rows, n, lo, P, me, V; float grad_scale; int ignore_index; };
 struct fl_op_scale { float *x; size_t n; float s; };
 struct fl_op_zero { void *x; size_t bytes; };
 struct fl_op_copy { void *dst; const void *src; size_t bytes; };
@@ -233,6 +239,9 @@ struct fl_oprec {
         struct fl_op_input_upload input_upload;
         struct fl_op_input_wait input_wait;
         struct fl_op_adam8bit_update_ss adam8bit_update_ss;
+        struct fl_op_dropout_rows dropout_rows;
+        struct fl_op_vocab_stats vocab_stats;
+        struct fl_op_vocab_xent vocab_xent;
     };
 };
 

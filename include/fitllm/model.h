@@ -420,8 +420,8 @@ typedef struct {
                                  * set, the base is frozen and the adapters are what trains */
     struct fl_comm *tp_comm;    /* tensor parallel (cfg.tp_size > 1): the group the blocks' ALLREDUCE ops sum over
                                  * (fl_model_set_tp; on the backend's memory); NULL: one rank */
-    struct fl_comm *tp_host;    /* the same group on host memory (the vocabulary-parallel cross-entropy's row
-                                 * statistics, gathered logits): tp_comm on a host-memory backend, else
+    struct fl_comm *tp_host;    /* the same group on host memory (gathered logits; set: the cross-entropy's
+                                 * statistics have their group): tp_comm on a host-memory backend, else
                                  * fl_model_set_tp_host's */
     int sp;                     /* sequence parallelism over tp_comm (fl_model_set_sp, before fl_model_alloc_acts) */
     const struct fl_model_tp_ops *tp_ops; /* tensor parallelism's part of the passes (src/model/model-impl.h), installed

@@ -37,9 +37,10 @@ fl_status fl_tp_config(const fl_model_config *whole, int size, int rank, fl_mode
 /* The group the blocks' collectives run over (comm's size must be m->cfg.tp_size; on the backend's
  * memory: a device communicator for a backend whose memory the host cannot read). NULL: detach. */
 fl_status fl_model_set_tp(fl_model *m, fl_comm *comm);
-/* The same group on host memory (src/model/tp_vocab.c): the vocabulary-parallel cross-entropy's row statistics
- * and gathered logits go through it. fl_model_set_tp sets it to comm on a backend with host memory; a device
- * communicator's caller passes the host group it was made from. NULL: no sums (a test's broken group). */
+/* The same group on host memory (src/model/tp_vocab.c): the gathered logits of generation go through it, and set it
+ * says the cross-entropy has its group (its row statistics are all-gathered over tp_comm, on the device).
+ * fl_model_set_tp sets it to comm on a backend with host memory; a device communicator's caller passes the host group
+ * it was made from. NULL: no sums (a test's broken group). */
 fl_status fl_model_set_tp_host(fl_model *m, fl_comm *host);
 /* Sequence parallelism (Megatron-LM's; docs/ARCHITECTURE.md "Sequence parallelism"): between the tensor-parallel
  * linears the residual stream holds the rank's rows [r B T / N, (r + 1) B T / N) of each pass, the norms and residual

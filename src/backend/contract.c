@@ -20,7 +20,8 @@ fl_status fl_backend_add_rmsnorm_composed(const fl_backend *be, void *res, void 
 
 const char *fl_op_name(fl_op op) {
     static const char *const names[FL_OP_COUNT] = {"gemm",       "convert",   "adamw_update", "sgd_update",
-                                                    "adam8bit_update", "accumulate16", "sumsq", "q4_matmul"};
+                                                    "adam8bit_update", "accumulate16", "sumsq", "q4_matmul",
+                                                    "vocab_xent"};
     return (unsigned)op < FL_OP_COUNT ? names[op] : "?";
 }
 

@@ -39,7 +39,9 @@
     X(embedding_forward16, FL_PROF_LOSS)                                                                               \
     /* the step scalars (issue 30 item 5: the norm, the clip scale and the loss sums on the device) */                \
     X(grad_norm_dev, FL_PROF_OPTIM) X(adamw_update_ss, FL_PROF_OPTIM) X(sgd_update_ss, FL_PROF_OPTIM)                  \
-    X(loss_sum_dev, FL_PROF_LOSS) X(check_finite_dev, FL_PROF_OPTIM)
+    X(loss_sum_dev, FL_PROF_LOSS) X(check_finite_dev, FL_PROF_OPTIM)                                                   \
+    /* tensor parallelism's (issue 35): the vocabulary-parallel cross-entropy's halves, the row-strided dropout */     \
+    X(vocab_stats, FL_PROF_LOSS) X(vocab_xent, FL_PROF_LOSS) X(dropout_rows, FL_PROF_ELEM)
 
 #define PROF_ENUM(op, g) OP_##op,
 enum { PROF_OPS(PROF_ENUM) OP_COUNT };
@@ -287,6 +289,14 @@ WRAP_S(grad_norm_dev, 0, (BE, const void *g, fl_dtype tg, size_t n, float mx, fl
        (be, g, tg, n, mx, sc, nl, ss))
 WRAP_S(loss_sum_dev, 0, (BE, const float *loss, const int32_t *tg, int N, int ii, double *acc),
        (be, loss, tg, N, ii, acc))
+WRAP_S(vocab_stats, 0, (BE, double *st, const float *lg, const int32_t *tg, int rows, int n, int lo),
+       (be, st, lg, tg, rows, n, lo))
+WRAP_S(vocab_xent, 0,
+       (BE, float *loss, float *dl, const float *lg, const double *all, const int32_t *tg, int rows, int n, int lo, int np,
+        int me, int V, float gs, int ii),
+       (be, loss, dl, lg, all, tg, rows, n, lo, np, me, V, gs, ii))
+WRAP_S(dropout_rows, 0, (BE, float *y, const float *x, int rows, size_t w, size_t stride, float pr, uint64_t seed, int acc),
+       (be, y, x, rows, w, stride, pr, seed, acc))
 WRAP_S(adamw_update_ss, 0,
        (BE, void *pp, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts, size_t n, float lr,
         float b1, float b2, float eps, float wd, int step, const double *ss),

@@ -246,6 +246,19 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         DOOR(dropout);
         return be->dropout(be, r->y, r->x, r->n, r->p, r->seed, r->accumulate);
     }
+    case FL_OPK_dropout_rows: {
+        DOOR(dropout_rows);
+        return be->dropout_rows(be, r->y, r->x, r->rows, r->w, r->stride, r->p, r->seed, r->accumulate);
+    }
+    case FL_OPK_vocab_stats: {
+        DOOR(vocab_stats);
+        return be->vocab_stats(be, r->stats, r->logits, r->targets, r->rows, r->n, r->lo);
+    }
+    case FL_OPK_vocab_xent: {
+        DOOR(vocab_xent);
+        return be->vocab_xent(be, r->loss, r->dlogits, r->logits, r->all, r->targets, r->rows, r->n, r->lo, r->P, r->me,
+                              r->V, r->grad_scale, r->ignore_index);
+    }
     case FL_OPK_cross_entropy: {
         DOOR(cross_entropy);
         be->cross_entropy(be, r->loss, r->dlogits, r->logits, r->targets, r->N, r->V, r->grad_scale, r->ignore_index);

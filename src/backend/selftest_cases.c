@@ -633,6 +633,70 @@ static void st_case_lora(st_ctx *c, int N, int in, int out, int r_, float p) {
     free(wr); free(yd); free(dxh); free(dAh); free(dBh);
 }
 
+/* tensor parallelism's ops (issue 35): the vocabulary-parallel cross-entropy over P slices of a V-wide row (each
+ * rank's vocab_stats, the statistics assembled in rank order as the group's all-gather would, vocab_xent; the bounds
+ * of cross_entropy's case: the same sums), and dropout_rows against the reference's (the same mask) */
+static void st_case_vocab_xent(st_ctx *c, int N, int V, int P) {
+    char name[64];
+    snprintf(name, sizeof name, "vocab_xent %dx%d over %d slices", N, V, P);
+    if (!fl_st_want(c, name)) return;
+    float *x = fl_st_frand(c, (size_t)N * V, -6, 6), *h = malloc((size_t)N * V * 4);
+    int32_t *tg = malloc((size_t)N * 4);
+    double *ar = malloc((size_t)P * N * 3 * 8), *ad = malloc((size_t)P * N * 3 * 8);
+    float *lr = calloc(N, 4), *ld = calloc(N, 4), *gr = calloc((size_t)N * V, 4), *gd = calloc((size_t)N * V, 4);
+    for (int i = 0; i < N; i++) tg[i] = i % 7 == 3 ? FL_IGNORE_INDEX : (int32_t)(fl_st_rand(c, 0, 1) * (V - 1));
+    st_bufs b = {0};
+    int32_t *dt = fl_st_up(c, &b, tg, (size_t)N * 4);
+    double *dst = fl_st_up(c, &b, NULL, (size_t)N * 3 * 8), *dall = fl_st_up(c, &b, NULL, (size_t)P * N * 3 * 8);
+    float *dl = fl_st_up(c, &b, NULL, (size_t)N * 4);
+    fl_status s = b.failed ? FL_ERR_IO : FL_OK, s0 = FL_OK;
+    for (int pass = 0; pass < 2; pass++) /* the statistics, then the losses and gradients */
+        for (int k = 0, at = 0; k < P; k++) {
+            const int lo = (int)((long long)k * V / P), n = (int)((long long)(k + 1) * V / P) - lo;
+            for (int i = 0; i < N; i++) memcpy(h + (size_t)at + (size_t)i * n, x + (size_t)i * V + lo, (size_t)n * 4);
+            float *hk = h + at, *dx = fl_st_up(c, &b, hk, (size_t)N * n * 4);
+            if (pass == 0) {
+                if (s0 == FL_OK) s0 = c->ref->vocab_stats(c->ref, ar + (size_t)k * N * 3, hk, tg, N, n, lo);
+                if (s == FL_OK && !b.failed) s = c->dev->vocab_stats(c->dev, dst, dx, dt, N, n, lo);
+                fl_st_down(c, &b, ad + (size_t)k * N * 3, dst, (size_t)N * 3 * 8);
+            } else {
+                if (s0 == FL_OK)
+                    s0 = c->ref->vocab_xent(c->ref, lr, gr + at, hk, ar, tg, N, n, lo, P, k, V, 0.25f, FL_IGNORE_INDEX);
+                if (s == FL_OK && !b.failed)
+                    s = c->dev->vocab_xent(c->dev, dl, dx, dx, dall, dt, N, n, lo, P, k, V, 0.25f, FL_IGNORE_INDEX);
+                fl_st_down(c, &b, gd + at, dx, (size_t)N * n * 4);
+                fl_st_down(c, &b, ld, dl, (size_t)N * 4);
+            }
+            at += N * n;
+            if (pass == 0 && k == P - 1 && !b.failed && c->dev->to_device(c->dev, dall, ad, (size_t)P * N * 3 * 8) != FL_OK)
+                b.failed = 1;
+        }
+    st_cmp r = {0, s0 == FL_OK};
+    fl_st_compare(&r, ld, lr, NULL, 20, N, 8, V, U32, 0); /* cross_entropy's bounds */
+    fl_st_compare(&r, gd, gr, NULL, -1, (size_t)N * V, 8, V, U32, 1e-12);
+    fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+    fl_st_free(c, &b);
+    free(x); free(h); free(tg); free(ar); free(ad); free(lr); free(ld); free(gr); free(gd);
+}
+
+static void st_case_dropout_rows(st_ctx *c, int rows, int w, int stride, float p) {
+    char name[64];
+    snprintf(name, sizeof name, "dropout_rows %dx%d stride %d p %.2f", rows, w, stride, (double)p);
+    if (!fl_st_want(c, name)) return;
+    const size_t n = (size_t)rows * w;
+    float *x = fl_st_frand(c, n, -1, 1), *y0 = fl_st_frand(c, n, -1, 1), *yr = fl_st_dup(y0, n), *yd = malloc(n * 4);
+    st_bufs b = {0};
+    float *dx = fl_st_up(c, &b, x, n * 4), *dy = fl_st_up(c, &b, y0, n * 4);
+    fl_status s0 = c->ref->dropout_rows(c->ref, yr, x, rows, (size_t)w, (size_t)stride, p, 77, 1);
+    fl_status s = b.failed ? FL_ERR_IO : c->dev->dropout_rows(c->dev, dy, dx, rows, (size_t)w, (size_t)stride, p, 77, 1);
+    fl_st_down(c, &b, yd, dy, n * 4);
+    st_cmp r = {0, s0 == FL_OK};
+    fl_st_compare(&r, yd, yr, NULL, 1 + 1 / (1 - p), n, 2, 1, U32, 0); /* y + x / (1 - p): one or two roundings */
+    fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+    fl_st_free(c, &b);
+    free(x); free(y0); free(yr); free(yd);
+}
+
 void fl_st_run_all(st_ctx *c) {
     /* small: the shapes of `make test`, where the backend may run under the CUDA emulator (a fiber
      * per GPU thread); still odd, still across tile and block edges */
@@ -666,4 +730,6 @@ void fl_st_run_all(st_ctx *c) {
     st_case_q4(c, sm ? 5 : 67, sm ? 64 : 512, sm ? 320 : 1536, 1);
     st_case_lora(c, sm ? 17 : 257, sm ? 40 : 768, sm ? 56 : 1024, sm ? 4 : 8, 0.0f);
     st_case_lora(c, sm ? 17 : 257, sm ? 40 : 768, sm ? 56 : 1024, sm ? 4 : 8, 0.1f);
+    st_case_vocab_xent(c, sm ? 5 : 67, sm ? 1001 : 32000, sm ? 3 : 8);
+    st_case_dropout_rows(c, sm ? 13 : 257, sm ? 37 : 1376, sm ? 111 : 5504, 0.1f);
 }

@@ -50,9 +50,9 @@ static uint64_t slot_seed(const fl_lora_slot *a, int row_base) {
 
 /* A row-parallel slice's dropout (tp_n > 0): its input rows are the rank's columns of the whole's rows, so each row
  * draws one process's mask at the whole's index (row_base + i) in_whole + c0 (keep(seed, i0 + j) = keep(seed + i0 G,
- * j)): the dropped input (xd) made row by row with the backend's dropout op, the branch run on it undropped; the
- * backward's d(x) part masked the same way from the branch's undropped d(x) (the work buffer's second region, as the
- * kernel's) */
+ * j)): the dropped input (xd) made by the backend's dropout_rows op (one call, row i's mask at i in_whole past row 0's),
+ * the branch run on it undropped; the backward's d(x) part masked the same way from the branch's undropped d(x) (the
+ * work buffer's second region, as the kernel's) */
 static uint64_t cols_seed(const fl_lora_slot *a, int row_base, int i) {
     const size_t at = (size_t)(row_base + i) * (size_t)a->tp_n + (size_t)a->tp_c0;
     return a->st->seed + (uint64_t)at * 0x9E3779B97F4A7C15ULL + (uint64_t)a->stream * 0x100000001b3ULL;
@@ -60,9 +60,8 @@ static uint64_t cols_seed(const fl_lora_slot *a, int row_base, int i) {
 
 static fl_status cols_forward(const fl_lora_slot *a, const fl_backend *be, float *y, int ldy, const float *x, int N,
                               int row_base) {
-    for (int i = 0; i < N; i++)
-        FL_TRY(FL_RUN(be, dropout, a->xd + (size_t)i * a->in, x + (size_t)i * a->in, (size_t)a->in, a->dropout,
-                      cols_seed(a, row_base, i), 0));
+    FL_TRY(FL_RUN(be, dropout_rows, a->xd, x, N, (size_t)a->in, (size_t)a->tp_n, a->dropout, cols_seed(a, row_base, 0),
+                  0));
     return FL_RUN(be, lora_forward, y + a->row0, ldy, a->h, NULL, a->xd, a->A, a->B, N, a->in, a->out, a->r, a->scaling,
                   0.0f, 0);
 }
@@ -73,10 +72,8 @@ static fl_status cols_backward(const fl_lora_slot *a, const fl_backend *be, floa
     if (dx) FL_RUN(be, zero, t, (size_t)N * a->in * sizeof(float));
     FL_TRY(FL_RUN(be, lora_backward, dx ? t : NULL, a->dA, a->dB, dy + a->row0, ldy, a->xd, a->h, a->A, a->B, N, a->in,
                   a->out, a->r, a->scaling, 0.0f, 0, a->st->work));
-    for (int i = 0; dx && i < N; i++)
-        FL_TRY(FL_RUN(be, dropout, dx + (size_t)i * a->in, t + (size_t)i * a->in, (size_t)a->in, a->dropout,
-                      cols_seed(a, row_base, i), 1));
-    return FL_OK;
+    if (!dx) return FL_OK;
+    return FL_RUN(be, dropout_rows, dx, t, N, (size_t)a->in, (size_t)a->tp_n, a->dropout, cols_seed(a, row_base, 0), 1);
 }
 
 /* y[:, row0:row0+out] += scaling * drop(x) A^T B^T */

@@ -244,6 +244,8 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
     for (int k = FL_N_GBUF; k < g->n_gbuf; k++) more[k - FL_N_GBUF] = carve(&cv, N * (size_t)g->gbuf_width[k]);
     float *logits = carve(&cv, (size_t)logits_chunk_rows(c, (int)N) * d.V);
     float *sp_dnorm = g->sp > 1 ? carve(&cv, 2 * (size_t)d.C) : NULL; /* sequence parallel: a norm's gradient part */
+    const size_t tpr = c->tp_size > 1 ? (size_t)logits_chunk_rows(c, (int)N) : 0; /* tensor parallel: the statistics */
+    double *tp_stats = tpr ? carve_bytes(&cv, (size_t)(c->tp_size + 1) * 3 * tpr * sizeof(double)) : NULL;
     float *losses = carve(&cv, N);
     float *ids = carve(&cv, N); /* int32 ids stored in float-sized slots */
     size_t half = fl_arch_get(c->arch)->rope ? (size_t)T * (d.HD / 2) : 0;
@@ -278,6 +280,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
         a->dres = dres; a->buf1 = buf1; a->buf2 = buf2; a->gbuf_more[0] = more[0]; a->gbuf_more[1] = more[1]; a->logits = logits; a->losses = losses; a->ids = (int32_t *)ids;
         a->rope_cos = rc; a->rope_sin = rs; a->rope_T = T;
         a->sp_dnorm = sp_dnorm;
+        a->tp_stats = tp_stats, a->tp_stats_rows = (int)tpr;
     }
     return cv.off;
 }

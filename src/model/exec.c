@@ -153,14 +153,11 @@ static fl_status attn_tp_drop(const fl_model *m, const fl_attn_desc *a, int bwd,
 }
 
 /* DROPOUT of a slot of the rank's columns (fl_gop.tp_cols; n rows of w): row r's columns start at the whole's index
- * r w N + rank w */
+ * r w N + rank w (one dropout_rows call: row r's mask at r w N past row 0's) */
 static fl_status drop_tp_cols(const fl_model *m, float *y, const float *x, int n, size_t w, float p, uint64_t seed,
                               int acc) {
     const size_t W = w * (size_t)m->cfg.tp_size, c0 = w * (size_t)m->cfg.tp_rank;
-    for (int r = 0; r < n; r++)
-        FL_TRY(FL_RUN(m->be, dropout, y + (size_t)r * w, x + (size_t)r * w, w, p,
-                      seed + (uint64_t)((size_t)r * W + c0) * TP_DROP_K, acc));
-    return FL_OK;
+    return FL_RUN(m->be, dropout_rows, y, x, n, w, W, p, seed + (uint64_t)c0 * TP_DROP_K, acc);
 }
 
 /* A DROPOUT's seed: the block's site p; sequence parallel, a slot of the rank's N rows (of w): the whole pass's mask at
@@ -793,7 +790,8 @@ static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx,
 
 fl_status fl_head_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
                                 const int32_t *targets, int rows, float grad_scale) {
-    if (m->tp_ops) return m->tp_ops->cross_entropy(m, loss, dlogits, logits, targets, rows, grad_scale);
+    (void)targets; /* the host's copy (the device's read by both paths) */
+    if (m->tp_ops) return m->tp_ops->cross_entropy(m, loss, dlogits, logits, dtargets, rows, grad_scale);
     FL_RUN(m->be, cross_entropy, loss, dlogits, logits, dtargets, rows, m->cfg.vocab_size, grad_scale, FL_IGNORE_INDEX);
     return FL_OK;
 }

@@ -65,6 +65,9 @@ struct fl_acts {
     struct fl_fwd_pass { const int32_t *targets; float grad_scale; int B, T, open, T_given; } fwd;
     int32_t *sp_pad;        /* sequence parallel: a padded pass's ids and targets (host, 2 x B T; transformer.c) */
     float *sp_dnorm;        /* sequence parallel: (2, C) a norm's weight and bias gradient of the rank's rows (WORKSPACE) */
+    double *tp_stats;       /* tensor parallel: the cross-entropy's row statistics, the rank's (chunk, 3) then the
+                             * group's (tp_size, chunk, 3) doubles (WORKSPACE; tp_vocab.c), or NULL */
+    int tp_stats_rows;      /* the chunk rows they hold */
     struct fl_s2s_acts *s2s; /* an encoder-decoder's stacks (seq2seq.c; then the views above are unused), or NULL */
     const fl_model_kind *kind; /* another kind's passes (fitllm/model.h; seq2seq.c's with s2s), NULL: decoder-only */
     void *be_scratch;       /* the backend's scratch (fl_backend.scratch_bytes), lent to its ops in each
@@ -228,7 +231,7 @@ fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float 
  * fl_model_init_ex installs it in m->tp_ops when the config is a rank's slice (cfg.tp_size > 1); NULL: one rank,
  * whose passes run the dense embedding and head and have no collectives. The vocabulary split: embed_forward /
  * embed_backward the slice's embedding (host ids; device ids) summed over the group, cross_entropy a (rows, V/N)
- * logits chunk's loss and gradient from the ranks' row statistics (host targets; dlogits may alias logits),
+ * logits chunk's loss and gradient from the ranks' row statistics (device targets; dlogits may alias logits),
  * logits_out the whole (rows, V) logits gathered on the host, head_dx_sum the group's sum of d(the head's input)
  * (N, C) (sequence parallel: reduce-scattered to the rank's rows). The blocks' collective ops over c (tp_comm):
  * sum (ALLREDUCE: p summed in place; no group or one rank: nothing), move (GATHER: whole = the ranks' parts in rank
@@ -240,7 +243,7 @@ typedef struct fl_model_tp_ops {
                                int T, int pos0);
     fl_status (*embed_backward)(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *dids, int B,
                                 int T);
-    fl_status (*cross_entropy)(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *targets,
+    fl_status (*cross_entropy)(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
                                int rows, float grad_scale);
     fl_status (*logits_out)(fl_model *m, float *out, const float *part, int rows);
     fl_status (*head_dx_sum)(fl_model *m, float *dx, int N);
@@ -252,7 +255,7 @@ typedef struct fl_model_tp_ops {
 extern const fl_model_tp_ops fl_tp_model_ops;
 
 /* Tensor parallelism's vocabulary split (tp_vocab.c): whether m holds a vocabulary slice; the embedding
- * (forward: host ids; backward: device ids), the cross-entropy of a (rows, V/N) logits chunk (host targets;
+ * (forward: host ids; backward: device ids), the cross-entropy of a (rows, V/N) logits chunk (device targets;
  * dlogits may alias logits), the sum of d(the head's input) over the group, the whole logits gathered on the
  * host (out (rows, V); part the rank's (rows, V/N) in device memory, may alias out on a host-memory backend). */
 int fl_tp_vocab_split(const fl_model *m);
@@ -260,7 +263,7 @@ fl_status fl_tp_embed_forward(const fl_model *m, const fl_outer_params *op, floa
                               int T, int pos0);
 fl_status fl_tp_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *dids, int B,
                                int T);
-fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *targets,
+fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
                               int rows, float grad_scale);
 fl_status fl_tp_head_dx_sum(fl_model *m, float *dx, int N);
 /* Sequence parallelism (m->sp): the rank's rows of a pass of N rows (the count; the first at *row0), and the

@@ -119,6 +119,9 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
     a->chunk = fl_logits_chunk_rows(m->cfg.vocab_size, (int)(B * Tl)); /* one process's chunks; the rank's columns */
     float *lg = TAKEF(&cv, (size_t)a->chunk * fl_config_vocab_rows(&m->cfg, NULL)), *ls = TAKEF(&cv, B * Tl);
     int32_t *tg = fl_backend_host_memory(m->be) ? NULL : take(&cv, B * Tl * sizeof(int32_t));
+    const int tpr = m->cfg.tp_size > 1 ? a->chunk : 0; /* tensor parallel: the cross-entropy's statistics (tp_vocab.c) */
+    double *tps = tpr ? take(&cv, (size_t)(m->cfg.tp_size + 1) * 3 * (size_t)tpr * sizeof(double)) : NULL;
+    if (base) m->acts->tp_stats = tps, m->acts->tp_stats_rows = tpr;
     const size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
                                                 m->be->scratch_bytes);
     void *sc = bes ? take(&cv, bes) : NULL;

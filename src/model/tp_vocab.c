@@ -3,8 +3,8 @@
  * ranks' counts differ by at most one row when N does not divide V). The embedding looks up the rows it owns (zero elsewhere) and the group sums them: one
  * non-zero term per element, so the sum is exact and every rank holds the single process's bits. The head computes
  * its (rows, V/N) logits chunk; the cross-entropy combines the ranks' row statistics (max, sum of exponentials,
- * the target's logit from its owner) so the whole logits never exist on a rank; d(the head's input) is the group's
- * sum of the ranks' parts. The statistics are a few numbers per row: they go through the host (tp_host). */
+ * the target's logit from its owner: backend.h's vocab_stats / vocab_xent, on the device) so the whole logits never
+ * exist on a rank; d(the head's input) is the group's sum of the ranks' parts. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,71 +83,43 @@ fl_status fl_tp_embed_backward(fl_model *m, const fl_outer_params *op, const flo
     return FL_OK;
 }
 
-/* The vocabulary-parallel cross-entropy of `rows` rows: logits (rows, n) this rank's columns (device memory),
- * targets on the host (whole-vocabulary ids). Each rank's row statistics (its max m, sum of exp(l - m) in double, the
- * target's logit where it owns it) are all-gathered as bits and combined in rank order, so every rank computes the
- * same lse = M + log(S) and loss = lse - l[target] (the fp32 kernel's formula); dlogits (may alias logits) =
- * grad_scale (softmax - onehot) on the rank's columns. Ignored targets: loss 0, no gradient. */
-fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *targets,
+/* The vocabulary-parallel cross-entropy of `rows` rows: logits (rows, n) this rank's columns, dtargets the rows'
+ * whole-vocabulary ids, both device memory. The backend's vocab_stats writes each row's statistics of the rank's
+ * slice (its max m, the sum of exp(l - m) in double, the target's logit where it owns it: 3 doubles) into the arena's
+ * tp_stats; they are all-gathered as bits over the group on the device (tp_comm: NCCL on a GPU; a host-memory
+ * backend's group itself), and vocab_xent combines them in rank order, so every rank computes the same lse = M +
+ * log(S) and loss = lse - l[target] (the fp32 kernel's formula) and dlogits (may alias logits) = grad_scale (softmax -
+ * onehot) on the rank's columns; nothing goes through the host. Ignored targets: loss 0, no gradient. */
+fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
                               int rows, float grad_scale) {
     const fl_backend *be = m->be;
     const int P = m->cfg.tp_size, me = m->cfg.tp_rank;
     int lo;
     const int n = fl_config_vocab_rows(&m->cfg, &lo);
-    float *h = malloc((size_t)rows * n * sizeof *h), *l = malloc((size_t)rows * sizeof *l);
-    double *mine = malloc((size_t)rows * 3 * sizeof *mine), *all = malloc((size_t)P * rows * 3 * sizeof *all);
-    fl_status s = h && l && mine && all ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory for the "
-                                                            "cross-entropy's logits chunk");
-    if (s == FL_OK) s = FL_RUN(be, to_host, h, logits, (size_t)rows * n * sizeof *h);
-    /* the planner's null backend discards: its logits are no numbers, so the statistics' exp over every column (a 7B
-     * plan's whole cost) are skipped; the group's all-gather still runs, as its scratch is the run's */
-    const int compute = !fl_backend_discards(be);
-    if (!compute) memset(mine, 0, (size_t)rows * 3 * sizeof *mine);
-    for (int i = 0; compute && s == FL_OK && i < rows; i++) {
-        const float *x = h + (size_t)i * n;
-        float mx = -INFINITY;
-        for (int v = 0; v < n; v++) mx = x[v] > mx ? x[v] : mx;
-        double sum = 0;
-        for (int v = 0; v < n; v++) sum += exp((double)x[v] - mx);
-        const int t = targets[i] - lo;
-        mine[3 * i] = mx, mine[3 * i + 1] = sum, mine[3 * i + 2] = t >= 0 && t < n ? x[t] : 0;
+    const fl_acts *a = m->acts;
+    if (!be->supports_op(be, FL_OP_VOCAB_XENT, FL_F32, FL_F32, FL_F32))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: backend %s has no vocabulary-parallel cross-entropy "
+                         "(vocab_stats / vocab_xent)", be->name);
+    if (!a || !a->tp_stats || rows > a->tp_stats_rows)
+        return fl_errorf(FL_ERR_INTERNAL, "tensor parallel: the cross-entropy's statistics hold %d rows, not %d",
+                         a && a->tp_stats ? a->tp_stats_rows : 0, rows);
+    double *mine = a->tp_stats, *all = mine + (size_t)3 * rows;
+    FL_TRY(FL_RUN(be, vocab_stats, mine, logits, dtargets, rows, n, lo));
+    if (m->tp_host) {
+        FL_TRY(fl_error_prefix(fl_comm_all_gather(m->tp_comm ? m->tp_comm : m->tp_host, mine, all, (size_t)P * rows * 6,
+                                                  FL_F32),
+                               "tensor parallel: the cross-entropy's row statistics"));
+    } else { /* no group (a test's rank without the head's sums): the other ranks' terms are missing */
+        double *h = malloc((size_t)P * rows * 3 * sizeof *h);
+        if (!h) return fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory for the row statistics");
+        for (size_t i = 0; i < (size_t)P * rows; i++) h[3 * i] = -INFINITY, h[3 * i + 1] = h[3 * i + 2] = 0;
+        fl_status s = FL_RUN(be, to_device, all, h, (size_t)P * rows * 3 * sizeof *h);
+        free(h);
+        FL_TRY(s);
+        FL_TRY(FL_RUN(be, copy, all + (size_t)me * rows * 3, mine, (size_t)rows * 3 * sizeof *mine));
     }
-    if (s == FL_OK && m->tp_host)
-        s = fl_error_prefix(fl_comm_all_gather(m->tp_host, mine, all, (size_t)P * rows * 6, FL_F32),
-                            "tensor parallel: the cross-entropy's row statistics");
-    else if (s == FL_OK) /* no group (a test's rank without the sums): the other ranks' terms are missing */
-        for (int k = 0; k < P; k++)
-            for (int i = 0; i < rows; i++) {
-                double *a = all + ((size_t)k * rows + i) * 3;
-                if (k == me) memcpy(a, mine + 3 * i, 3 * sizeof *a);
-                else a[0] = -INFINITY, a[1] = a[2] = 0;
-            }
-    for (int i = 0; compute && s == FL_OK && i < rows; i++) {
-        const int tg = targets[i];
-        float *dx = h + (size_t)i * n;
-        if (tg == FL_IGNORE_INDEX) {
-            l[i] = 0;
-            memset(dx, 0, (size_t)n * sizeof *dx);
-            continue;
-        }
-        double M = -INFINITY, S = 0;
-        for (int k = 0; k < P; k++) M = all[((size_t)k * rows + i) * 3] > M ? all[((size_t)k * rows + i) * 3] : M;
-        for (int k = 0; k < P; k++) S += all[((size_t)k * rows + i) * 3 + 1] * exp(all[((size_t)k * rows + i) * 3] - M);
-        int owner = -1; /* out of range: sum_losses names it */
-        for (int k = 0; k < P; k++)
-            if (tg >= (int)((long long)k * m->cfg.vocab_size / P) && tg < (int)((long long)(k + 1) * m->cfg.vocab_size / P))
-                owner = k;
-        const float lse = (float)M + (float)log(S), xt = owner >= 0 ? (float)all[((size_t)owner * rows + i) * 3 + 2] : 0;
-        l[i] = lse - xt;
-        if (!dlogits) continue;
-        for (int v = 0; v < n; v++) dx[v] = grad_scale * (float)exp((double)dx[v] - lse);
-        if (owner == me) dx[tg - lo] -= grad_scale;
-    }
-    if (!compute) memset(l, 0, (size_t)rows * sizeof *l);
-    if (s == FL_OK) s = FL_RUN(be, to_device, loss, l, (size_t)rows * sizeof *l);
-    if (s == FL_OK && dlogits) s = FL_RUN(be, to_device, dlogits, h, (size_t)rows * n * sizeof *h);
-    free(h), free(l), free(mine), free(all);
-    return s;
+    return FL_RUN(be, vocab_xent, loss, dlogits, logits, all, dtargets, rows, n, lo, P, me, m->cfg.vocab_size,
+                  grad_scale, FL_IGNORE_INDEX);
 }
 
 /* d(the head's input) (N, C): the group's sum of the ranks' parts (each rank's head sees its columns only) */

@@ -37,6 +37,9 @@
 #  13. QLoRA's 4-bit matmuls (issue 30 item 7): the TinyLlama QLoRA step (nf4, LoRA r 8) with FITLLM_CUDA_Q4=fp32 (the
 #      fp32 kernels), tc (bf16 tensor cores, NF4 dequantized in the load) and scratch (dequantized into a bf16 panel,
 #      then cuBLASLt), and step 1's kernel timings of both 4-bit kernels (q4_matmul_* lines of fitllm_cuda_check).
+#  14. tensor parallelism's device ops (issue 35, EXPERIMENTAL: emulator-verified): `fitllm selftest --accelerator cuda
+#      --only vocab_xent` and `--only dropout_rows` (the vocabulary-parallel cross-entropy's row statistics and combine
+#      kernels, the row-strided dropout, on the GPU against the CPU backend at a 32000-token vocabulary over 8 slices).
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -190,4 +193,10 @@ done
 echo "== 13. QLoRA's 4-bit matmuls: FITLLM_CUDA_Q4=fp32 | tc | scratch (TinyLlama, nf4, LoRA r 8)"
 for q in fp32 tc scratch; do
     FITLLM_CUDA_Q4=$q bench qlora-q4$q 90 --lora 8 --quantize bnb.nf4
+done
+echo "== 14. tensor parallelism's device ops: the vocabulary-parallel cross-entropy, the row-strided dropout (selftest)"
+for op in vocab_xent dropout_rows; do
+    timeout 60 "$F" selftest --accelerator cuda --only $op >"$OUT/tp-$op.log" 2>&1
+    echo "selftest $op exit $?" >>"$OUT/tp-$op.log"
+    grep -E "$op|cases ok|FAIL|exit" "$OUT/tp-$op.log"
 done

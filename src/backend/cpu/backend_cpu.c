@@ -60,6 +60,9 @@ static void fill_ops(fl_backend *be) {
     be->lora_forward = fl_cpu_lora_forward;
     be->lora_backward = fl_cpu_lora_backward;
     be->dropout = fl_cpu_dropout;
+    be->dropout_rows = fl_cpu_dropout_rows;
+    be->vocab_stats = fl_cpu_vocab_stats;
+    be->vocab_xent = fl_cpu_vocab_xent;
     be->accumulate16 = fl_cpu_accumulate16;
     be->set_scratch = fl_cpu_set_scratch;
     be->to_device = fl_cpu_to_device;

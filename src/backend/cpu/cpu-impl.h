@@ -136,6 +136,13 @@ fl_status fl_cpu_q4_matmul_forward(const fl_backend *be, float *y, int ldy, cons
                                    int N, float beta);
 fl_status fl_cpu_q4_matmul_backward(const fl_backend *be, float *dx, const float *dy, int ldy, const fl_q4_weight *w,
                                     int N, float beta);
+fl_status fl_cpu_dropout_rows(const fl_backend *be, float *y, const float *x, int rows, size_t w, size_t stride, float p,
+                              uint64_t seed, int accumulate);
+fl_status fl_cpu_vocab_stats(const fl_backend *be, double *stats, const float *logits, const int32_t *targets, int rows,
+                             int n, int lo);
+fl_status fl_cpu_vocab_xent(const fl_backend *be, float *loss, float *dlogits, const float *logits, const double *all,
+                            const int32_t *targets, int rows, int n, int lo, int P, int me, int V, float grad_scale,
+                            int ignore_index);
 fl_status fl_cpu_dropout(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
                          int accumulate);
 fl_status fl_cpu_lora_forward(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,

@@ -81,3 +81,28 @@ fl_status fl_cpu_dropout(const fl_backend *be, float *y, const float *x, size_t 
     }
     return FL_OK;
 }
+
+/* backend.h dropout_rows: dropout's mask at index r stride + j of row r (keep(seed, i0 + j) is keep(seed + i0 K, j):
+ * the bits of one dropout call per row at the row's shifted seed) */
+fl_status fl_cpu_dropout_rows(const fl_backend *be, float *y, const float *x, int rows, size_t w, size_t stride, float p,
+                              uint64_t seed, int accumulate) {
+    if (!(p >= 0.0f && p < 1.0f)) return fl_errorf(FL_ERR_INVALID, "dropout_rows: p %g outside [0, 1)", (double)p);
+    if (rows < 0 || stride < w)
+        return fl_errorf(FL_ERR_INVALID, "dropout_rows: %d rows of %zu values, row stride %zu (< the width)", rows, w,
+                         stride);
+    if (rows && w && (!y || !x)) return fl_errorf(FL_ERR_INVALID, "dropout_rows: NULL buffer (%d rows)", rows);
+    const float sc = fl_lora_dropout_scale(p);
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float *yr = y + (size_t)r * w;
+        const float *xr = x + (size_t)r * w;
+        const size_t i0 = (size_t)r * stride;
+        if (accumulate) {
+            for (size_t j = 0; j < w; j++)
+                if (fl_lora_dropout_keep(seed, i0 + j, p)) yr[j] += xr[j] * sc;
+        } else {
+            for (size_t j = 0; j < w; j++) yr[j] = fl_lora_dropout_keep(seed, i0 + j, p) ? xr[j] * sc : 0.0f;
+        }
+    }
+    return FL_OK;
+}

@@ -56,6 +56,7 @@ int fl_cpu_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, f
     case FL_OP_ACCUMULATE16: return a == FL_BF16 || a == FL_F16;
     case FL_OP_SUMSQ: return isfloat(a);
     case FL_OP_Q4_MATMUL: return 1;
+    case FL_OP_VOCAB_XENT: return a == FL_F32;
     default: return 0;
     }
 }

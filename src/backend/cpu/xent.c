@@ -53,3 +53,54 @@ void fl_cpu_cross_entropy(const fl_backend *be, float *loss /*(N)*/, float *dlog
         }
     }
 }
+
+/* ---- backend.h vocab_stats / vocab_xent: the vocabulary-parallel cross-entropy's halves (issue 35). The arithmetic
+ * of src/model/tp_vocab.c's host loops before the op existed (the same bits): the max in float, the sums and the
+ * exponentials in double, rows in parallel (each row's order fixed). */
+fl_status fl_cpu_vocab_stats(const fl_backend *be, double *stats, const float *logits, const int32_t *targets, int rows,
+                             int n, int lo) {
+    if (rows < 0 || n <= 0 || (rows && (!stats || !logits || !targets)))
+        return fl_errorf(FL_ERR_INVALID, "vocab_stats: %d rows of %d logits (or a NULL buffer)", rows, n);
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (int i = 0; i < rows; i++) {
+        const float *x = logits + (size_t)i * n;
+        float mx = -INFINITY;
+        for (int v = 0; v < n; v++) mx = x[v] > mx ? x[v] : mx;
+        double sum = 0;
+        for (int v = 0; v < n; v++) sum += exp((double)x[v] - mx);
+        const int t = targets[i] - lo;
+        stats[3 * (size_t)i] = mx, stats[3 * (size_t)i + 1] = sum, stats[3 * (size_t)i + 2] = t >= 0 && t < n ? x[t] : 0;
+    }
+    return FL_OK;
+}
+
+fl_status fl_cpu_vocab_xent(const fl_backend *be, float *loss, float *dlogits, const float *logits, const double *all,
+                            const int32_t *targets, int rows, int n, int lo, int P, int me, int V, float grad_scale,
+                            int ignore_index) {
+    if (rows < 0 || n <= 0 || P <= 0 || me < 0 || me >= P || V < P || (rows && (!loss || !logits || !all || !targets)))
+        return fl_errorf(FL_ERR_INVALID, "vocab_xent: %d rows of %d logits, rank %d of %d, vocabulary %d (or a NULL "
+                         "buffer)", rows, n, me, P, V);
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (int i = 0; i < rows; i++) {
+        const int tg = targets[i];
+        float *dx = dlogits ? dlogits + (size_t)i * n : NULL;
+        if (tg == ignore_index) {
+            loss[i] = 0;
+            if (dx) memset(dx, 0, (size_t)n * sizeof *dx);
+            continue;
+        }
+        double M = -INFINITY, S = 0;
+        for (int k = 0; k < P; k++) M = all[((size_t)k * rows + i) * 3] > M ? all[((size_t)k * rows + i) * 3] : M;
+        for (int k = 0; k < P; k++) S += all[((size_t)k * rows + i) * 3 + 1] * exp(all[((size_t)k * rows + i) * 3] - M);
+        int owner = -1; /* out of range: the loss's sum names it */
+        for (int k = 0; k < P; k++)
+            if (tg >= (int)((long long)k * V / P) && tg < (int)((long long)(k + 1) * V / P)) owner = k;
+        const float lse = (float)M + (float)log(S), xt = owner >= 0 ? (float)all[((size_t)owner * rows + i) * 3 + 2] : 0;
+        loss[i] = lse - xt;
+        if (!dx) continue;
+        const float *x = logits + (size_t)i * n;
+        for (int v = 0; v < n; v++) dx[v] = grad_scale * (float)exp((double)x[v] - lse);
+        if (owner == me) dx[tg - lo] -= grad_scale;
+    }
+    return FL_OK;
+}

@@ -61,6 +61,7 @@ int fl_cuda_supports_op(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
     case FL_OP_ACCUMULATE16: return a == FL_BF16 || a == FL_F16;
     case FL_OP_SUMSQ: return fl_float_dt(a);
     case FL_OP_Q4_MATMUL: return 1;
+    case FL_OP_VOCAB_XENT: return a == FL_F32;
     default: return 0;
     }
 }

@@ -70,6 +70,15 @@ extern "C" {
      * (the GEMM's alpha applies the scaling, as the CPU backend's lora_backward). */                        \
     int P##lora_dropout_dx(float *dx, const float *t, size_t n, float p, uint64_t seed,                        \
                            const uint64_t *seed_dev, void *stream);                                             \
+    /* backend.h's dropout_rows (0 <= p < 1; p 0 copies or adds): row r's mask indices r stride + j */          \
+    int P##dropout_rows(float *y, const float *x, int rows, size_t w, size_t stride, float p, uint64_t seed,     \
+                        int accumulate, void *stream);                                                          \
+    /* backend.h's vocab_stats / vocab_xent (issue 35: the vocabulary-parallel cross-entropy; xent_vocab.cu) */  \
+    int P##vocab_stats(double *stats, const float *logits, const int32_t *targets, int rows, int n, int lo,     \
+                       void *stream);                                                                           \
+    int P##vocab_xent(float *loss, float *dlogits, const float *logits, const double *all,                      \
+                      const int32_t *targets, int rows, int n, int lo, int np, int me, int V, float grad_scale, \
+                      int ignore_index, void *stream);                                                          \
     /* test hook: the 256-entry dynamic code tables the kernels use (signed then unsigned, 512 floats), to     \
      * compare with fl_adam8bit_code_signed / _unsigned */                                                    \
     int P##adam8bit_codes(float *out /*(512)*/, void *stream);

@@ -643,6 +643,7 @@ static fl_status flb_dropout(const fl_backend *be, float *y, const float *x, siz
                              int accumulate) {
     return flb_dropout_s(be, y, x, n, p, seed, accumulate, NULL);
 }
+#include "backend/cuda/cuda-tp-ops-impl.h" /* dropout_rows, vocab_stats, vocab_xent */
 
 /* ============================== profiling markers ============================== */
 
@@ -951,6 +952,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->q4_matmul_backward = flb_q4_matmul_backward;
     be->lora_forward = flb_lora_forward;
     be->dropout = flb_dropout;
+    flb_tp_ops_fill(be);
     be->lora_backward = flb_lora_backward;
     be->accumulate16 = flb_accumulate16;
     be->set_scratch = flb_set_scratch;

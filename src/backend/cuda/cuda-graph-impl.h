@@ -130,6 +130,8 @@ static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
 /* Kinds that run outside the graphs (see above). */
 static int flb_graph_outside(const flb_graph *g, const fl_oprec *op) {
     if (flb_graph_slot_op(g, op)) return 0;
+    /* tensor parallelism's: a collective between them, their seeds and scales per call (outside, as the copies) */
+    if (op->kind == FL_OPK_dropout_rows || op->kind == FL_OPK_vocab_stats || op->kind == FL_OPK_vocab_xent) return 1;
     switch (op->kind) {
     case FL_OPK_to_host: case FL_OPK_to_device: case FL_OPK_sync: case FL_OPK_sumsq: case FL_OPK_check_finite:
     case FL_OPK_adamw_update: case FL_OPK_sgd_update: case FL_OPK_adam8bit_update: case FL_OPK_set_scratch:

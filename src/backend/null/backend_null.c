@@ -182,6 +182,23 @@ static fl_status n_dropout(const fl_backend *be, float *y, const float *x, size_
     (void)be; (void)y; (void)x; (void)n; (void)p; (void)seed; (void)accumulate;
     return FL_OK;
 }
+static fl_status n_dropout_rows(const fl_backend *be, float *y, const float *x, int rows, size_t w, size_t stride,
+                               float p, uint64_t seed, int accumulate) {
+    (void)be; (void)y; (void)x; (void)rows; (void)w; (void)stride; (void)p; (void)seed; (void)accumulate;
+    return FL_OK;
+}
+static fl_status n_vocab_stats(const fl_backend *be, double *stats, const float *logits, const int32_t *targets,
+                               int rows, int n, int lo) {
+    (void)be; (void)stats; (void)logits; (void)targets; (void)rows; (void)n; (void)lo;
+    return FL_OK;
+}
+static fl_status n_vocab_xent(const fl_backend *be, float *loss, float *dlogits, const float *logits, const double *all,
+                              const int32_t *targets, int rows, int n, int lo, int P, int me, int V, float grad_scale,
+                              int ignore_index) {
+    (void)be; (void)loss; (void)dlogits; (void)logits; (void)all; (void)targets; (void)rows; (void)n; (void)lo;
+    (void)P; (void)me; (void)V; (void)grad_scale; (void)ignore_index;
+    return FL_OK;
+}
 static fl_status n_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
     (void)be; (void)dst; (void)t; (void)src; (void)n;
     return FL_OK;
@@ -313,6 +330,9 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->lora_forward = n_lora_forward;
     be->lora_backward = n_lora_backward;
     be->dropout = n_dropout;
+    be->dropout_rows = n_dropout_rows;
+    be->vocab_stats = n_vocab_stats;
+    be->vocab_xent = n_vocab_xent;
     be->accumulate16 = n_accumulate16;
     be->set_scratch = n_set_scratch;
     be->to_device = n_to_device;

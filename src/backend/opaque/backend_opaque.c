@@ -432,6 +432,20 @@ static fl_status op_dropout(const fl_backend *be, float *y, const float *x, size
                            int accumulate) {
     return IN->dropout(IN, D(y), D(x), n, p, seed, accumulate);
 }
+static fl_status op_dropout_rows(const fl_backend *be, float *y, const float *x, int rows, size_t w, size_t stride,
+                                float p, uint64_t seed, int accumulate) {
+    OPR(fl_status, IN->dropout_rows(IN, y, x, rows, w, stride, p, seed, accumulate));
+}
+static fl_status op_vocab_stats(const fl_backend *be, double *stats, const float *logits, const int32_t *targets,
+                                int rows, int n, int lo) {
+    OPR(fl_status, IN->vocab_stats(IN, stats, logits, targets, rows, n, lo));
+}
+static fl_status op_vocab_xent(const fl_backend *be, float *loss, float *dlogits, const float *logits,
+                               const double *all, const int32_t *targets, int rows, int n, int lo, int P, int me,
+                               int V, float grad_scale, int ignore_index) {
+    OPR(fl_status, IN->vocab_xent(IN, loss, dlogits, logits, all, targets, rows, n, lo, P, me, V, grad_scale,
+                                  ignore_index));
+}
 static fl_status op_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
     return IN->accumulate16(IN, D(dst), t, D(src), n);
 }
@@ -555,6 +569,9 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->lora_forward = op_lora_forward;
     be->lora_backward = op_lora_backward;
     be->dropout = op_dropout;
+    be->dropout_rows = op_dropout_rows;
+    be->vocab_stats = op_vocab_stats;
+    be->vocab_xent = op_vocab_xent;
     be->accumulate16 = op_accumulate16;
     be->set_scratch = op_set_scratch;
     be->to_device = op_to_device;

@@ -57,3 +57,29 @@ extern "C" int FL_CUK(lora_dropout_dx)(float *dx, const float *t, size_t n, floa
                  seed, seed_dev);
     return fl_cu_launch_error();
 }
+
+/* backend.h dropout_rows: rows of w values whose mask indices are r stride + j (the same mask bits as one dropout call
+ * per row at a shifted seed; accumulate: the lora_dropout_dx kernel's separate roundings) */
+__global__ static void fl_cu_dropout_rows_k(float *y, const float *x, size_t n, size_t w, size_t stride, float p,
+                                            float sc, uint64_t seed, int accumulate) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / w, at = r * stride + (i - r * w);
+        const int keep = lora_keep(seed, at, p);
+        if (accumulate) {
+            if (keep) y[i] = fl_cu_add_rn(y[i], fl_cu_mul_rn(x[i], sc));
+        } else {
+            y[i] = keep ? x[i] * sc : 0.0f;
+        }
+    }
+}
+
+extern "C" int FL_CUK(dropout_rows)(float *y, const float *x, int rows, size_t w, size_t stride, float p, uint64_t seed,
+                                    int accumulate, void *stream) {
+    if (!(p >= 0.0f && p < 1.0f) || rows < 0 || stride < w) return -1;
+    const size_t n = (size_t)rows * w;
+    if (n == 0) return 0;
+    const float sc = 1.0f / (1.0f - p);
+    FL_CU_LAUNCH(fl_cu_dropout_rows_k, dim3(lora_grid(n)), dim3(256), 0, (fl_cu_stream)stream, y, x, n, w, stride, p, sc,
+                 seed, accumulate);
+    return fl_cu_launch_error();
+}
