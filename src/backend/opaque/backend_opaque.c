@@ -434,17 +434,17 @@ static fl_status op_dropout(const fl_backend *be, float *y, const float *x, size
 }
 static fl_status op_dropout_rows(const fl_backend *be, float *y, const float *x, int rows, size_t w, size_t stride,
                                 float p, uint64_t seed, int accumulate) {
-    OPR(fl_status, IN->dropout_rows(IN, y, x, rows, w, stride, p, seed, accumulate));
+    return IN->dropout_rows(IN, D(y), D(x), rows, w, stride, p, seed, accumulate);
 }
 static fl_status op_vocab_stats(const fl_backend *be, double *stats, const float *logits, const int32_t *targets,
                                 int rows, int n, int lo) {
-    OPR(fl_status, IN->vocab_stats(IN, stats, logits, targets, rows, n, lo));
+    return IN->vocab_stats(IN, D(stats), D(logits), D(targets), rows, n, lo);
 }
 static fl_status op_vocab_xent(const fl_backend *be, float *loss, float *dlogits, const float *logits,
                                const double *all, const int32_t *targets, int rows, int n, int lo, int P, int me,
                                int V, float grad_scale, int ignore_index) {
-    OPR(fl_status, IN->vocab_xent(IN, loss, dlogits, logits, all, targets, rows, n, lo, P, me, V, grad_scale,
-                                  ignore_index));
+    return IN->vocab_xent(IN, D(loss), D(dlogits), D(logits), D(all), D(targets), rows, n, lo, P, me, V,
+                          grad_scale, ignore_index);
 }
 static fl_status op_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
     return IN->accumulate16(IN, D(dst), t, D(src), n);
