@@ -42,6 +42,7 @@
 #include "backend/cuda/cu_gemm.h"
 #include "backend/cuda/cu_kernels.h"
 #include "backend/cuda/cu_kernels_be.h"
+#include "backend/cuda/cu_kernels_train.h" /* (the graphs: 8-bit AdamW's update from a slot) */
 #include "fitllm/backend.h"
 #include "fitllm/lora.h"
 #include "fitllm/perf.h"
