@@ -854,6 +854,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                         "matmul kernels), tc (experimental: a bf16 run's on bf16 tensor cores, dequantized in the load) "
                         "or scratch (experimental: dequantized into a bf16 scratch for the GEMM)", FLB_NAME, eq)
             : flb_attn_init(im);
+    if (s == FL_OK) s = flb_gelu16_init(be); /* FITLLM_CUDA_GELU16 (cuda-gemm-more-impl.h) */
     if (s != FL_OK) {
         flb_dev_free(im->scalars);
         flb_device_free(im->stream, &im->blas);
