@@ -207,4 +207,108 @@ FL_TEST(cuda_emu_gemm_epilogue_same_bits) {
               fl_error_message());
     if (s == FL_OK) fl_backend_free(&be);
 }
+
+/* Issue 30 item 3: bf16 activations' bias + GELU (fl_backend.gelu16_epilogue, FITLLM_CUDA_GELU16). The model stores
+ * a biased linear's pre-activation and its GELU in bf16; the fused path (gemm_epilogue's bias + GELU, then round16
+ * of both) takes the GELU of the fp32 pre-activation, the unfused one (gemm_epilogue's bias, then act_forward16 with
+ * FL_ACT16_ROUND_IN) the GELU of the bf16-rounded one. Against a float64 evaluation of gelu(x W^T + b) over the same
+ * bf16 operands, odd shapes: the fused output within one bf16 rounding (half an ulp, 2^-8 relative) plus the fp32
+ * sum's bound (gamma_K of sum |x w|, GELU's slope <= 1.13) and 8 fp32 roundings of the GELU; its mean error at most
+ * the unfused one's (the evidence for the default, printed with both maxima). The stored pre-activation (what the
+ * backward's GELU gradient reads) is the unfused path's bit for bit, and act_backward16 over it is the float64
+ * derivative at that stored value within 16 fp32 roundings. The switch: default 0, 1 on, another value refused. */
+static double dgelu64(double x) {
+    const double c = 0.7978845608028654, t = tanh(c * (x + 0.044715 * x * x * x));
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x);
+}
+static void round_pair(const fl_backend *be, uint16_t *d16, float *x, size_t n) {
+    if (be->round16) {
+        FL_CHECK(be->round16(be, d16, FL_BF16, x, n) == FL_OK);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) x[i] = fl_bf16_to_f32(d16[i] = fl_f32_to_bf16(x[i]));
+}
+static void gelu16_case(const fl_backend *be, int M, int N, int K, double *err_f, double *err_u, double *worst) {
+    fl_test_rng rng = {0x9e1 + (uint64_t)M * 131 + (uint64_t)K};
+    const float ws = 2.0f / sqrtf((float)K);
+    float *x = fl_test_frand(&rng, (size_t)M * K, -1, 1), *w = fl_test_frand(&rng, (size_t)N * K, -ws, ws);
+    float *bias = fl_test_frand(&rng, N, -1, 1), *dout = fl_test_frand(&rng, (size_t)M * N, -1, 1);
+    uint16_t *X = typed(x, (size_t)M * K, FL_BF16), *W = typed(w, (size_t)N * K, FL_BF16);
+    const size_t n = (size_t)M * N;
+    float *pre = malloc(n * 4), *out = malloc(n * 4), *pre_u = malloc(n * 4), *out_u = malloc(n * 4), *din = calloc(n, 4);
+    uint16_t *pre16 = malloc(n * 2), *out16 = malloc(n * 2), *pre16_u = malloc(n * 2), *out16_u = malloc(n * 2);
+    FL_REQUIRE(x && w && bias && dout && X && W && pre && out && pre_u && out_u && din && pre16 && out16 && pre16_u &&
+               out16_u);
+    /* fused: gemm_epilogue's bias + GELU, both then stored (exec.c) */
+    FL_CHECK(be->gemm_epilogue(be, FL_GEMM_EPI_BIAS_GELU, bias, pre, N, 0, 1, M, N, K, 1.0f, X, FL_BF16, K, W, FL_BF16,
+                               K, 0.0f, out, N) == FL_OK);
+    round_pair(be, out16, out, n);
+    round_pair(be, pre16, pre, n);
+    /* unfused: the bias in the GEMM, the pre-activation rounded by the GELU that reads it */
+    FL_CHECK(be->gemm_epilogue(be, FL_GEMM_EPI_BIAS, bias, NULL, 0, 0, 1, M, N, K, 1.0f, X, FL_BF16, K, W, FL_BF16, K,
+                               0.0f, pre_u, N) == FL_OK);
+    FL_CHECK(be->act_forward16(be, FL_ACT16_GELU | FL_ACT16_ROUND_IN, out_u, out16_u, pre_u, pre16_u, M, N) == FL_OK);
+    FL_CHECKF(!memcmp(pre16, pre16_u, n * 2) && !memcmp(pre, pre_u, n * 4),
+              "%d x %d x %d: the stored pre-activation differs from the unfused path's", M, N, K);
+    int ok = 1, bwd_ok = 1;
+    double sf = 0, su = 0;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double p = bias[j], a = fabs(bias[j]);
+            for (int k = 0; k < K; k++) {
+                const double t = (double)fl_bf16_to_f32(X[(size_t)i * K + k]) * fl_bf16_to_f32(W[(size_t)j * K + k]);
+                p += t, a += fabs(t);
+            }
+            const size_t e = (size_t)i * N + j;
+            const double ref = gelu64(p), ef = fabs(out[e] - ref), eu = fabs(out_u[e] - ref);
+            const double bound = 0x1p-8 * fabs(ref) + 1.13 * (K + 1) * 0x1p-24 * a + 8 * 0x1p-24 * (fabs(ref) + fabs(p));
+            ok &= ef <= bound && out[e] == fl_bf16_to_f32(out16[e]);
+            if (ef / bound > *worst) *worst = ef / bound;
+            sf += ef, su += eu;
+            if (ef > err_f[1]) err_f[1] = ef;
+            if (eu > err_u[1]) err_u[1] = eu;
+        }
+    err_f[0] += sf, err_u[0] += su, err_f[2] += (double)n;
+    FL_CHECKF(ok, "%d x %d x %d: the fused bf16 GELU beyond its bound (worst %.3g of it)", M, N, K, *worst);
+    /* the backward's GELU gradient from the stored pre-activation */
+    FL_CHECK(be->act_backward16(be, FL_ACT16_GELU, din, NULL, dout, pre, pre16, M, N) == FL_OK);
+    for (size_t e = 0; e < n; e++) {
+        const double xp = fl_bf16_to_f32(pre16[e]), ref = dgelu64(xp) * dout[e];
+        bwd_ok &= fabs(din[e] - ref) <= 16 * 0x1p-24 * fabs(dout[e]) * (1.0 + fabs(xp));
+    }
+    FL_CHECKF(bwd_ok, "%d x %d x %d: the GELU gradient is not the derivative at the stored pre-activation", M, N, K);
+    free(x), free(w), free(bias), free(dout), free(X), free(W), free(pre), free(out), free(pre_u), free(out_u);
+    free(din), free(pre16), free(out16), free(pre16_u), free(out16_u);
+}
+
+FL_TEST(cuda_emu_gemm_epilogue_gelu16) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    FL_REQUIRE(be.gemm_epilogue && be.act_forward16 && be.act_backward16);
+    static const int sh[][3] = {{37, 45, 67}, {3, 129, 17}, {65, 33, 255}, {1, 7, 1}};
+    double ef[3] = {0}, eu[3] = {0}, worst = 0;
+    for (size_t c = 0; c < sizeof sh / sizeof sh[0]; c++) gelu16_case(&be, sh[c][0], sh[c][1], sh[c][2], ef, eu, &worst);
+    printf("      bf16 GELU vs float64 over %.0f outputs: from the fp32 pre-activation mean %.3g max %.3g (worst %.2f of "
+           "its bound), from the bf16-rounded one mean %.3g max %.3g\n", ef[2], ef[0] / ef[2], ef[1], worst,
+           eu[0] / ef[2], eu[1]);
+    FL_CHECKF(ef[0] <= eu[0], "the fused GELU is further from float64 (mean %.3g) than the unfused (%.3g)",
+              ef[0] / ef[2], eu[0] / ef[2]);
+    FL_CHECK(be.gelu16_epilogue == 0); /* the default */
+    fl_backend_free(&be);
+    /* the switch: 1 on, another value refused by name; the CPU backends never take it */
+    setenv("FITLLM_CUDA_GELU16", "1", 1);
+    fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    FL_REQUIRE_OK(s);
+    FL_CHECK(be.gelu16_epilogue == 1);
+    fl_backend_free(&be);
+    setenv("FITLLM_CUDA_GELU16", "yes", 1);
+    s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_GELU16");
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_GELU16=yes"), "status %d: %s", (int)s,
+              fl_error_message());
+    if (s == FL_OK) fl_backend_free(&be);
+    FL_REQUIRE_OK(fl_backend_init_by_name("cpu", &be, 1));
+    FL_CHECK(be.gelu16_epilogue == 0);
+    fl_backend_free(&be);
+}
 #endif

@@ -342,31 +342,34 @@ FL_TEST(cuda_emu_train_layernorm_models_bf16) {
 
 /* Issue 30 item 3: a GPT-2's linear biases and its c_fc + GELU in the GEMM's epilogue (gemm_epilogue: on cuda-emu
  * the bits of gemm, bias_forward and gelu_forward) train to the bits of FITLLM_CUDA_EPILOGUE=0, every loss and
- * parameter: 32-true (bias + GELU fused) and bf16-true (bf16 operands; the GELU stays separate while bf16 is
- * stored). The fused path must have run (the stand-in's epilogue count). */
+ * parameter: 32-true (bias + GELU fused) and bf16-true (bf16 operands; the GELU stays separate while bf16 is stored,
+ * unless FITLLM_CUDA_GELU16=1 (experimental, 2026-11-30 00:35 wave): bias + GELU fused too, the GELU of the fp32
+ * pre-activation). The fused path must have run (the stand-in's epilogue count). */
 #ifdef FL_HAVE_CUDA_EMU
 #include "backend/cuda/cu_gemm.h"
-static void epilogue_case(const char *prec) {
+static void epilogue_case(const char *prec, int gelu16) {
     crec on = {0}, off = {0};
     g_preset = "gpt2-micro";
+    if (gelu16) setenv("FITLLM_CUDA_GELU16", "1", 1);
     unsigned long e0 = fl_cu_gemm_standin_epilogues, g0 = fl_cu_gemm_standin_gelus;
     fl_status s = run_on("cuda-emu", prec, "AdamW", 0, "-epi", &on);
     unsigned long e1 = fl_cu_gemm_standin_epilogues, g1 = fl_cu_gemm_standin_gelus;
     setenv("FITLLM_CUDA_EPILOGUE", "0", 1);
     if (s == FL_OK) s = run_on("cuda-emu", prec, "AdamW", 0, "-noepi", &off);
     unsetenv("FITLLM_CUDA_EPILOGUE");
+    unsetenv("FITLLM_CUDA_GELU16");
     g_preset = NULL;
     FL_REQUIRE_OK(s);
     FL_REQUIRE(on.steps == 2 && off.steps == 2 && on.n == off.n);
     FL_CHECKF(e1 > e0 && fl_cu_gemm_standin_epilogues == e1, "%s: %lu fused GEMMs with epilogues, %lu without", prec,
               e1 - e0, fl_cu_gemm_standin_epilogues - e1);
-    const int gelu_fused = !strcmp(prec, "32-true"); /* bf16 stored: the GELU is separate */
+    const int gelu_fused = !strcmp(prec, "32-true") || gelu16; /* bf16 stored: the GELU is separate (GELU16=0) */
     FL_CHECKF((g1 > g0) == gelu_fused, "%s: %lu GELU epilogues", prec, g1 - g0);
     FL_CHECKF(!memcmp(on.loss, off.loss, 2 * sizeof on.loss[0]), "%s: losses %.9g %.9g fused, %.9g %.9g not", prec,
               on.loss[0], on.loss[1], off.loss[0], off.loss[1]);
     FL_CHECKF(!memcmp(on.params, off.params, on.n), "%s: trained parameters differ", prec);
-    printf("      gpt2-micro %s 2 steps: the same bits; %lu GEMMs with an epilogue (%lu bias + GELU)\n", prec, e1 - e0,
-           g1 - g0);
+    printf("      gpt2-micro %s%s 2 steps: the same bits; %lu GEMMs with an epilogue (%lu bias + GELU); losses %.7g %.7g\n",
+           prec, gelu16 && strcmp(prec, "32-true") ? " FITLLM_CUDA_GELU16=1" : "", e1 - e0, g1 - g0, on.loss[0], on.loss[1]);
     free(on.params);
     free(off.params);
 }
@@ -376,8 +379,9 @@ FL_TEST(cuda_emu_gemm_epilogue_train_same_bits) {
 #if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
     fl_test_skip("the release pass runs it (emulated kernels under ASan: minutes)");
 #elif defined(FL_HAVE_CUDA_EMU)
-    epilogue_case("32-true");
-    epilogue_case("bf16-true");
+    epilogue_case("32-true", 0);
+    epilogue_case("bf16-true", 0);
+    epilogue_case("bf16-true", 1);
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif

@@ -121,6 +121,11 @@ struct fl_backend {
     size_t scratch_bytes;   /* bytes of the op scratch the caller lends (set_scratch below; 0: none) */
     unsigned caps;   /* FL_CAP_* flags (above), the one place they live; fl_backend_facts_of answers them without
                       * making the backend */
+    /* 1: with bf16 activations stored, a biased linear straight into the tanh GELU (GPT-2's c_fc) runs as
+     * gemm_epilogue's bias + GELU, the GELU of the fp32 pre-activation, both then stored in bf16 (the backward's GELU
+     * gradient reads the stored pre-activation as before); 0: the pre-activation is rounded to bf16 first and the
+     * GELU reads that. cuda, cuda-emu: FITLLM_CUDA_GELU16 (issue 30 item 3); 0 elsewhere */
+    int gelu16_epilogue;
     /* Several ranks (data-parallel training): a communicator whose collectives take this backend's
      * device memory, made over the host communicator `host` (same ranks; collective over it: every
      * rank calls it at the same point). NULL slot, or *out = NULL: the host communicator's own

@@ -143,6 +143,9 @@ static void usage(FILE *f) {
                "               in bf16 for the head's bf16 GEMMs; 0 = in fp32, then converted (the same bits; for timing)\n");
     fprintf(f, "\n  FITLLM_CUDA_EPILOGUE=1|0 (environment): 1 (default) = a linear's bias, and GPT-2's bias + GELU, in the\n"
                "               GEMM's cuBLASLt epilogue (EXPERIMENTAL: not yet run on a GPU); 0 = kernels after the GEMM\n");
+    fprintf(f, "\n  FITLLM_CUDA_GELU16=0|1 (environment): bf16 activations, GPT-2's bias + GELU: 0 (default) = the GELU of the\n"
+               "               bf16-rounded pre-activation after the GEMM; 1 = EXPERIMENTAL: in the GEMM's epilogue, the GELU\n"
+               "               of the fp32 pre-activation (closer to float64; the stored pre-activation is the same)\n");
     fprintf(f, "\n  FITLLM_CUDA_PINNED=1|0 (environment): 1 (default) = a step's inputs uploaded through a page-locked ring\n"
                "               (no wait for the GPU; EXPERIMENTAL); 0 = straight from the caller's memory\n");
     fprintf(f, "\n  FITLLM_CUDA_GRAPHS=0|1 (environment): 1 = EXPERIMENTAL: the training step captured as CUDA graphs on\n"

@@ -336,11 +336,12 @@ static void *norm_dy16_for(const fl_model *m, const fl_backend *be, const fl_blo
 static int linear_gelu_fuses(const fl_backend *be, const fl_linear *lin) {
     return be->gemm_epilogue && lin->b && lin->n_q4 == 0 && lin->n_adapters == 0;
 }
-static fl_status linear_bias_gelu(const fl_backend *be, float *out, float *pre, const float *x, const fl_linear *lin,
-                                  int N) {
+static fl_status linear_bias_gelu(const fl_backend *be, float *out, float *pre, const float *x, const void *x16,
+                                  const fl_linear *lin, int N) {
     const void *w = lin->wc ? lin->wc : (const void *)lin->w;
-    return FL_RUN(be, gemm_epilogue, FL_GEMM_EPI_BIAS_GELU, lin->b, pre, lin->out, 0, 1, N, lin->out, lin->in, 1.0f, x,
-                  FL_F32, lin->in, w, lin->wc ? lin->wct : FL_F32, lin->in, 0.0f, out, lin->out);
+    return FL_RUN(be, gemm_epilogue, FL_GEMM_EPI_BIAS_GELU, lin->b, pre, lin->out, 0, 1, N, lin->out, lin->in, 1.0f,
+                  x16 ? x16 : (const void *)x, x16 ? FL_BF16 : FL_F32, lin->in, w, lin->wc ? lin->wct : FL_F32, lin->in,
+                  0.0f, out, lin->out);
 }
 
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
@@ -380,6 +381,17 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                                        final_after(g, i, o->in)
                                    ? x->s16[o->in]
                                    : NULL;
+            const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+            if (o16 && be->gelu16_epilogue && nx && nx->kind == FL_GOP_GELU && nx->in == o->out &&
+                linear_gelu_fuses(be, lin)) {
+                /* bf16 stored (issue 30 item 3, fl_backend.gelu16_epilogue): the GELU of the fp32 pre-activation in
+                 * the GEMM's epilogue, then the GELU's output and (below, `last`) the pre-activation the backward
+                 * reads stored in bf16: the pre-activation's bits are the unfused path's, the output is rounded once */
+                FL_TRY(linear_bias_gelu(be, s[nx->out], out, in, in16, lin, N));
+                if (final_after(g, i + 1, nx->out)) FL_TRY(store16(be, g, nx->out, s, x));
+                i++;
+                break;
+            }
             if (o16 && in16 && fl_linear_plain16(lin) && gemm_to_act16(be, g, i)) { /* bf16 only: see act16_kind */
                 FL_TRY(fl_linear_forward16(be, o16, in16, lin, N));
                 pend16 = o->out, done16 = 1;
@@ -390,9 +402,8 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 pendr = o->out, done16 = 1;
                 break;
             }
-            const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
             if (!x->store16 && nx && nx->kind == FL_GOP_GELU && nx->in == o->out && linear_gelu_fuses(be, lin)) {
-                FL_TRY(linear_bias_gelu(be, s[nx->out], out, in, lin, N)); /* GPT-2's c_fc + GELU: one GEMM */
+                FL_TRY(linear_bias_gelu(be, s[nx->out], out, in, NULL, lin, N)); /* GPT-2's c_fc + GELU: one GEMM */
                 i++;
                 break;
             }

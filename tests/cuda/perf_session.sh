@@ -31,15 +31,19 @@
 #  11. the next micro-batch's inputs uploaded ahead on a second stream (FITLLM_CUDA_PREFETCH=1, the default, against
 #      0): the TinyLlama step, the `small` preset's under graphs (the uploads inside the graphs: the line with the
 #      graphs' ops and those outside) and the trainer's 4-micro-batch steps (where the copy overlaps the compute).
-#  12. SGD (momentum) and 8-bit AdamW on the step scalars (their update reading the scale on the device; SGD's inside
-#      the graphs): the trainer's 2-micro-batch clipped steps with FITLLM_CUDA_STEP_SCALARS=1 against 0, SGD also with
-#      FITLLM_CUDA_GRAPHS=1 (the verdict line: how many graphs).
+#  12. SGD (momentum) and 8-bit AdamW on the step scalars (their update reading the scale on the device; both inside
+#      the graphs): the trainer's 2-micro-batch clipped steps with FITLLM_CUDA_STEP_SCALARS=1 against 0, each also with
+#      FITLLM_CUDA_GRAPHS=1 (the verdict line: how many graphs; 8-bit AdamW's per-tensor updates captured since the
+#      2026-11-30 00:35 wave).
 #  13. QLoRA's 4-bit matmuls (issue 30 item 7): the TinyLlama QLoRA step (nf4, LoRA r 8) with FITLLM_CUDA_Q4=fp32 (the
 #      fp32 kernels), tc (bf16 tensor cores, NF4 dequantized in the load) and scratch (dequantized into a bf16 panel,
 #      then cuBLASLt), and step 1's kernel timings of both 4-bit kernels (q4_matmul_* lines of fitllm_cuda_check).
 #  14. tensor parallelism's device ops (issue 35, EXPERIMENTAL: emulator-verified): `fitllm selftest --accelerator cuda
 #      --only vocab_xent` and `--only dropout_rows` (the vocabulary-parallel cross-entropy's row statistics and combine
 #      kernels, the row-strided dropout, on the GPU against the CPU backend at a 32000-token vocabulary over 8 slices).
+#  15. bf16 activations' bias + GELU in the GEMM's epilogue (FITLLM_CUDA_GELU16=1 against 0, the default: the GELU
+#      of the bf16-rounded pre-activation after the GEMM): GPT-2 (124M, B 8 T 1024) bf16-true and bf16-mixed steps, and
+#      the profile's GEMM / elementwise groups of bf16-true with each.
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -179,7 +183,7 @@ echo "== 12. SGD and 8-bit AdamW on the step scalars (FITLLM_CUDA_STEP_SCALARS=1
 for opt in SGD bnb.optim.AdamW8bit; do
     for v in 1 0; do
         for g in 0 1; do
-            [ "$opt" != SGD ] && [ "$g" = 1 ] && continue
+            [ "$v" = 0 ] && [ "$g" = 1 ] && [ "$opt" != SGD ] && continue # (the host path's 8-bit: between the graphs)
             FITLLM_CUDA_STEP_SCALARS=$v FITLLM_CUDA_GRAPHS=$g timeout 60 "$F" finetune_full small --accelerator cuda \
                 --precision bf16-true --optimizer "$opt" --optimizer.momentum 0.9 --data Synthetic --train.max_steps 8 \
                 --train.global_batch_size 8 --train.micro_batch_size 4 --train.max_seq_length 256 --train.max_norm 1.0 \
@@ -199,4 +203,18 @@ for op in vocab_xent dropout_rows; do
     timeout 60 "$F" selftest --accelerator cuda --only $op >"$OUT/tp-$op.log" 2>&1
     echo "selftest $op exit $?" >>"$OUT/tp-$op.log"
     grep -E "$op|cases ok|FAIL|exit" "$OUT/tp-$op.log"
+done
+echo "== 15. bf16 bias + GELU in the GEMM's epilogue: FITLLM_CUDA_GELU16=1 against 0 (GPT-2, EXPERIMENTAL)"
+for p in bf16-true bf16-mixed; do
+    for v in 1 0; do
+        FITLLM_CUDA_GELU16=$v timeout 60 "$F" bench-step gpt2 --accelerator cuda --precision $p --micro-batch 8 \
+            --seq 1024 --steps 5 --warmup 2 >"$OUT/gpt2-$p-gelu16$v.log" 2>&1
+        echo "gpt2 $p FITLLM_CUDA_GELU16=$v exit $?: $(grep -E '^median' "$OUT/gpt2-$p-gelu16$v.log")"
+    done
+done
+for v in 1 0; do
+    FITLLM_CUDA_GELU16=$v timeout 60 "$F" bench-step gpt2 --accelerator cuda --precision bf16-true --micro-batch 8 \
+        --seq 1024 --steps 3 --warmup 2 --profile >"$OUT/gpt2-gelu16$v-profile.log" 2>&1
+    echo "gpt2 bf16-true FITLLM_CUDA_GELU16=$v --profile exit $?"
+    sed -n '/^profile/,/^PROFILE/p' "$OUT/gpt2-gelu16$v-profile.log" | grep -E "GEMM|elementwise|gelu|round16" | head -6
 done

@@ -45,6 +45,13 @@ extern "C" {
     int P##adam8bit_update_ss(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,    \
                               float lr, float beta1, float beta2, float eps, float weight_decay, int step,       \
                               const double *ss, void *stream);                                                  \
+    /* the same in two halves (a CUDA graph's update, issue 30 item 5): adam8bit_consts writes the step's        \
+     * constants (the expressions above, grad_scale 1) to out (NULL: only the size), adam8bit_update_dss reads    \
+     * them from consts (device memory) and grad_scale from ss[1] when it runs: the bits of adam8bit_update_ss */ \
+    size_t P##adam8bit_consts(void *out, float lr, float beta1, float beta2, float eps, float weight_decay,      \
+                              int step);                                                                         \
+    int P##adam8bit_update_dss(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,   \
+                               const void *consts, const double *ss, void *stream);                             \
     /* y (N, w->rows; row stride ldy) = x (N, w->cols) @ deq(W)^T + beta * y, beta in {0, 1} */              \
     int P##q4_matmul_forward(float *y, int ldy, const float *x, const fl_q4_weight *w, int N, float beta,       \
                              void *stream);                                                                     \

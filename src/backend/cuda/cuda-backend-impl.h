@@ -42,6 +42,7 @@
 #include "backend/cuda/cu_gemm.h"
 #include "backend/cuda/cu_kernels.h"
 #include "backend/cuda/cu_kernels_be.h"
+#include "backend/cuda/cu_kernels_train.h" /* (the graphs: 8-bit AdamW's update from a slot) */
 #include "fitllm/backend.h"
 #include "fitllm/lora.h"
 #include "fitllm/perf.h"
@@ -854,6 +855,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                         "matmul kernels), tc (experimental: a bf16 run's on bf16 tensor cores, dequantized in the load) "
                         "or scratch (experimental: dequantized into a bf16 scratch for the GEMM)", FLB_NAME, eq)
             : flb_attn_init(im);
+    if (s == FL_OK) s = flb_gelu16_init(be); /* FITLLM_CUDA_GELU16 (cuda-gemm-more-impl.h) */
     if (s != FL_OK) {
         flb_dev_free(im->scalars);
         flb_device_free(im->stream, &im->blas);

@@ -71,6 +71,24 @@ static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const float *b
     return FL_OK;
 }
 
+/* FITLLM_CUDA_GELU16 (issue 30 item 3; EXPERIMENTAL: emulator-verified, not yet timed on a GPU): fl_backend's
+ * gelu16_epilogue, whether a bf16-activation run's biased linear + tanh GELU (GPT-2's c_fc) is one gemm_epilogue whose
+ * GELU reads the fp32 pre-activation, both outputs then stored by round16 (1: closer to a float64 evaluation than the
+ * GELU of the bf16-rounded pre-activation, tests/test_cuda_epilogue.c) or the GEMM + bias, then the GELU of the
+ * rounded pre-activation in one act_forward16 (0, the default: the fused path stores with two round16 passes where
+ * act_forward16 makes one, and moves cuda-emu's bf16 losses off the CPU backend's). Another value is an init error. */
+#ifndef FLB_GELU16_DEFAULT
+#define FLB_GELU16_DEFAULT 0
+#endif
+static fl_status flb_gelu16_init(fl_backend *be) {
+    const char *e = getenv("FITLLM_CUDA_GELU16");
+    be->gelu16_epilogue = !e || !*e ? FLB_GELU16_DEFAULT : !strcmp(e, "1");
+    if (!e || !*e || !strcmp(e, "0") || !strcmp(e, "1")) return FL_OK;
+    return fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_GELU16=%s: expected 0 (the default: with bf16 activations "
+                     "a biased linear's GELU reads its bf16-rounded pre-activation, after the GEMM) or 1 (experimental: "
+                     "in the GEMM's epilogue, from the fp32 pre-activation)", FLB_NAME, e);
+}
+
 static fl_status flb_init_random(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
                                  int kind, double sd, uint64_t s);
 

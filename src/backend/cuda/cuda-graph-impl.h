@@ -6,10 +6,12 @@
  *
  *   - The ops that cannot be in a graph run outside it, op by op, in stream order: what reads a value back to the
  *     host or synchronizes (to_host, sync, sumsq, check_finite), what copies from host memory the caller may
- *     reuse (to_device: the next micro-batch's ids), SGD's and 8-bit AdamW's updates, and set-up (set_scratch,
+ *     reuse (to_device: the next micro-batch's ids), the host path's SGD and 8-bit AdamW updates, and set-up (set_scratch,
  *     set_compute_dtype, convert_many's host arrays). They cut the step into segments: each run of the other ops
  *     between two of them is one graph (about 2 n_micro + 2 per step: a micro-batch's forward + head, its
  *     backward, the zeroing before, the update).
+ *   - A step ends at its update; 8-bit AdamW updates tensor by tensor (adam8bit_update_ss, one per tensor, their
+ *     constants from one slot shared by the step's tensors): its step ends at the first other op after them.
  *   - Per-step scalars: AdamW's constants (step, learning rate, bias corrections, gradient scale), the
  *     cross-entropy's gradient scale (1 / the step's valid targets), the dropout seeds (LoRA's, T5's dropout op)
  *     and the step scalars' unscale (grad_norm_dev's and check_finite_dev's 1 / the fp16 loss scale) change;
@@ -40,8 +42,12 @@ typedef struct {
     fl_oprec rec;       /* the record, its pointer to a header NULL (the header in aux when has_hdr) */
     int has_hdr;
     int slot;           /* its per-step scalars' slot (flb_graph_slot_op), -1: none */
-    _Alignas(16) unsigned char aux[sizeof(fl_attn_desc) > sizeof(fl_q4_weight) ? sizeof(fl_attn_desc)
-                                                                               : sizeof(fl_q4_weight)];
+    int share;          /* 8-bit AdamW's next tensor: the slot of the record before it (the same constants) */
+#define FLB_GMAX_(a, b) (sizeof(a) > sizeof(b) ? sizeof(a) : sizeof(b))
+    _Alignas(16) unsigned char aux[FLB_GMAX_(fl_attn_desc, fl_q4_weight) > sizeof(fl_adam8bit_state)
+                                       ? FLB_GMAX_(fl_attn_desc, fl_q4_weight)
+                                       : sizeof(fl_adam8bit_state)];
+#undef FLB_GMAX_
 } flb_grec;
 
 typedef struct {
@@ -67,6 +73,7 @@ typedef struct {
     int nseg, capseg;
     int cur, pos;           /* replay: the segment, the next record in it; capture: a segment is open (pos) */
     int bad, bad_run;       /* replay: this step fell back to op by op; steps in a row that did */
+    int upd_open;           /* 8-bit AdamW's per-tensor updates ran: the step ends at the next other op */
     fl_status saved_err;    /* the sticky error when the open capture began */
     int said;               /* the line on stderr */
     /* per-step scalars (AdamW's constants, the cross-entropy's gradient scale, dropout seeds): FLB_GSLOTS slots of
@@ -114,6 +121,11 @@ static int flb_graph_slot_op(const flb_graph *g, const fl_oprec *op) {
     /* the step scalars' norm and fp16's overflow check: the unscale 1 / the loss scale, which changes on an overflow
      * or a growth */
     if (op->kind == FL_OPK_grad_norm_dev || op->kind == FL_OPK_check_finite_dev) return 1;
+    if (op->kind == FL_OPK_adam8bit_update_ss) { /* likewise, one update per tensor (adam8bit_update_dss): the
+                                                  * tensors of a step share one slot (flb_graph_a8_shares) */
+        const struct fl_op_adam8bit_update_ss *u = &op->adam8bit_update_ss;
+        return fl_adam8bit_dtype_ok(u->tp) && fl_adam8bit_dtype_ok(u->tg) && u->st && u->ss && u->step >= 1;
+    }
     if (op->kind == FL_OPK_sgd_update_ss) { /* likewise: lr and first_step from the slot (sgd_update_dss) */
         const struct fl_op_sgd_update_ss *u = &op->sgd_update_ss;
         return flb_graph_adamw_types(u->tp, u->tg, u->ts);
@@ -171,6 +183,7 @@ static const void **flb_graph_hdr(fl_oprec *r, size_t *hb) {
     case FL_OPK_attention_backward16: return (const void **)&r->attention_backward16.a;
     case FL_OPK_q4_matmul_forward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_forward.w;
     case FL_OPK_q4_matmul_backward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_backward.w;
+    case FL_OPK_adam8bit_update_ss: *hb = sizeof(fl_adam8bit_state); return (const void **)&r->adam8bit_update_ss.st;
     default: return NULL;
     }
 }
@@ -193,7 +206,8 @@ static void flb_graph_keep(flb_grec *d, const fl_oprec *op) {
     const void **hp = flb_graph_hdr(&d->rec, &hb);
     if (hp && *hp) {
         memcpy(d->aux, *hp, hb);
-        if (hb == sizeof(fl_attn_desc)) FLB_CLEAR_PADDING((fl_attn_desc *)(void *)d->aux);
+        if (op->kind == FL_OPK_adam8bit_update_ss) FLB_CLEAR_PADDING((fl_adam8bit_state *)(void *)d->aux);
+        else if (hb == sizeof(fl_attn_desc)) FLB_CLEAR_PADDING((fl_attn_desc *)(void *)d->aux);
         else FLB_CLEAR_PADDING((fl_q4_weight *)(void *)d->aux);
         *hp = NULL;
         d->has_hdr = 1;
@@ -206,6 +220,7 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op, flb_grec *live)
     if (op->kind != k->rec.kind) return 0;
     flb_graph_keep(live, op);
     live->slot = k->slot;
+    live->share = k->share;
     flb_grec t = *live;
     if (k->slot >= 0 && op->kind == FL_OPK_adamw_update) { /* per-step scalars: from the device slot */
         t.rec.adamw_update.lr = k->rec.adamw_update.lr;
@@ -214,6 +229,14 @@ static int flb_graph_same(const flb_grec *k, const fl_oprec *op, flb_grec *live)
     } else if (k->slot >= 0 && op->kind == FL_OPK_adamw_update_ss) {
         t.rec.adamw_update_ss.lr = k->rec.adamw_update_ss.lr;
         t.rec.adamw_update_ss.step = k->rec.adamw_update_ss.step;
+    } else if (k->slot >= 0 && op->kind == FL_OPK_adam8bit_update_ss) {
+        const struct fl_op_adam8bit_update_ss *a = &op->adam8bit_update_ss;
+        if (k->share) { /* its slot holds the tensor before's constants: this step's must equal them */
+            const struct fl_op_adam8bit_update_ss *b = &live[-1].rec.adam8bit_update_ss;
+            if (memcmp(&a->lr, &b->lr, sizeof a->lr) || a->step != b->step) return 0;
+        }
+        t.rec.adam8bit_update_ss.lr = k->rec.adam8bit_update_ss.lr;
+        t.rec.adam8bit_update_ss.step = k->rec.adam8bit_update_ss.step;
     } else if (k->slot >= 0 && op->kind == FL_OPK_sgd_update_ss) {
         t.rec.sgd_update_ss.lr = k->rec.sgd_update_ss.lr;
         t.rec.sgd_update_ss.first_step = k->rec.sgd_update_ss.first_step;
@@ -296,6 +319,10 @@ static fl_status flb_graph_slot_write(flb_graph *g, flb_gseg *s, const fl_oprec 
         FLB_K(sgd_consts)(pin, u->lr, u->momentum, u->dampening, u->weight_decay, u->nesterov, u->first_step,
                           u->buf != NULL);
         g->st.graph_updates++;
+    } else if (op->kind == FL_OPK_adam8bit_update_ss) { /* likewise (the step's first tensor: the others share it) */
+        const struct fl_op_adam8bit_update_ss *u = &op->adam8bit_update_ss;
+        FLB_K(adam8bit_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step);
+        g->st.graph_updates++;
     } else if (op->kind == FL_OPK_adamw_update_ss) { /* grad_scale 1 here: the kernel reads ss[FL_SS_SCALE] */
         const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
         FLB_K(adamw_consts)(pin, u->lr, u->beta1, u->beta2, u->eps, u->weight_decay, u->step, 1.0f);
@@ -317,9 +344,18 @@ static fl_status flb_graph_slot_write(flb_graph *g, flb_gseg *s, const fl_oprec 
 }
 
 /* Capture: the scalars copied to the device slot, the kernel reading them (the bits of the op's own slot). */
-static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg *s, const fl_oprec *op, int slot) {
-    FL_TRY(flb_graph_slot_write(g, s, op, slot));
+static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg *s, const fl_oprec *op, int slot,
+                                    int share) {
     void *d = g->dslot + (size_t)slot * FLB_GSLOT_BYTES;
+    if (share) { /* 8-bit AdamW's next tensor: the slot the tensor before copied up */
+        const struct fl_op_adam8bit_update_ss *u = &op->adam8bit_update_ss;
+        if (FLB_K(adam8bit_update_dss)(u->p, u->tp, u->g, u->tg, u->st, d, u->ss, g->stream)) {
+            flb_set_error(be, FL_ERR_IO, "adam8bit_update_ss", "the graph's kernel failed to launch");
+            return fl_errorf(FL_ERR_IO, "%s backend: adam8bit_update_ss (CUDA graph): launch failed", FLB_NAME);
+        }
+        return FL_OK;
+    }
+    FL_TRY(flb_graph_slot_write(g, s, op, slot));
     if (op->kind == FL_OPK_input_upload) { /* a node: this upload's page-locked copy -> the input slot */
         const struct fl_op_input_upload *u = &op->input_upload;
         char *dev = g->in->dev + (size_t)u->slot * g->in->stride;
@@ -362,6 +398,9 @@ static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg
         const struct fl_op_sgd_update_ss *u = &op->sgd_update_ss;
         rc = FLB_K(sgd_update_dss)(u->p, u->tp, u->g, u->tg, u->buf, u->ts, u->n, d,
                                    u->momentum != 0.0f && u->buf != NULL, u->ss, g->stream);
+    } else if (!rc && op->kind == FL_OPK_adam8bit_update_ss) {
+        const struct fl_op_adam8bit_update_ss *u = &op->adam8bit_update_ss;
+        rc = FLB_K(adam8bit_update_dss)(u->p, u->tp, u->g, u->tg, u->st, d, u->ss, g->stream);
     } else if (!rc && op->kind == FL_OPK_adamw_update_ss) {
         const struct fl_op_adamw_update_ss *u = &op->adamw_update_ss;
         rc = FLB_K(adamw_update_dss)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, u->ss, g->stream);
@@ -488,6 +527,15 @@ static void flb_graph_step_end(flb_graph *g) {
     g->cur = g->pos = g->bad = g->nslot = 0;
 }
 
+/* Capture: whether kept record k (8-bit AdamW's update of a tensor) can read the slot of prev, the record before it in
+ * its segment (the tensor before, with the same constants: one slot and one copy per step, not one per tensor). */
+static int flb_graph_a8_shares(const flb_grec *prev, const flb_grec *k) {
+    if (k->rec.kind != FL_OPK_adam8bit_update_ss || prev->rec.kind != FL_OPK_adam8bit_update_ss || prev->slot < 0)
+        return 0;
+    const struct fl_op_adam8bit_update_ss *a = &prev->rec.adam8bit_update_ss, *b = &k->rec.adam8bit_update_ss;
+    return !memcmp(&a->lr, &b->lr, 5 * sizeof a->lr) && a->step == b->step; /* lr, beta1, beta2, eps, weight_decay */
+}
+
 static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
     if (!g->pos) { /* a new segment */
         if (g->nseg == g->capseg) {
@@ -523,11 +571,14 @@ static fl_status flb_graph_capture_op(flb_graph *g, const fl_backend *be, const 
     flb_graph_keep(k, op);
     g->pos = 1;
     g->st.captured_ops++;
-    if (flb_graph_slot_op(g, op) && g->nslot < FLB_GSLOTS) { /* (past the slots: captured with its values) */
+    if (flb_graph_slot_op(g, op) && s->n >= 2 && flb_graph_a8_shares(&s->r[s->n - 2], k)) {
+        k->slot = s->r[s->n - 2].slot;
+        k->share = 1;
+    } else if (flb_graph_slot_op(g, op) && g->nslot < FLB_GSLOTS) { /* (past the slots: captured with its values) */
         k->slot = g->nslot++;
         s->s1 = k->slot + 1;
     }
-    fl_status st = k->slot >= 0 ? flb_graph_slot_run(g, be, s, op, k->slot) : fl_backend_run_slots(be, op);
+    fl_status st = k->slot >= 0 ? flb_graph_slot_run(g, be, s, op, k->slot, k->share) : fl_backend_run_slots(be, op);
     if (st != FL_OK) { /* end the capture; the error is the caller's */
         const char *why = NULL;
         void *x = NULL;
@@ -553,7 +604,7 @@ static fl_status flb_graph_replay_op(flb_graph *g, const fl_backend *be, const f
     }
     if (g->cur < g->nseg && flb_graph_same(&g->seg[g->cur].r[g->pos], op, &g->live[g->pos])) {
         const flb_grec *k = &g->seg[g->cur].r[g->pos];
-        if (k->slot >= 0) FL_TRY(flb_graph_slot_write(g, &g->seg[g->cur], op, k->slot));
+        if (k->slot >= 0 && !k->share) FL_TRY(flb_graph_slot_write(g, &g->seg[g->cur], op, k->slot));
         if (++g->pos < g->seg[g->cur].n) return FL_OK;
         g->pos = 0;
         g->st.launches++;
@@ -584,9 +635,20 @@ static int flb_graph_is_update(fl_opk k) {
            k == FL_OPK_adamw_update_ss || k == FL_OPK_sgd_update_ss || k == FL_OPK_adam8bit_update_ss;
 }
 
+/* The step's update ran: its last segment closed (capture) or checked (replay), the step ended. */
+static fl_status flb_graph_update_end(flb_graph *g, const fl_backend *be, fl_status st) {
+    g->upd_open = 0;
+    if (st == FL_OK && g->state == FLB_G_CAPTURE) st = flb_graph_close(g, be);
+    if (st == FL_OK && g->state == FLB_G_REPLAY && !g->bad && g->pos) st = flb_graph_miss(g, be);
+    flb_graph_step_end(g);
+    return st;
+}
+
 /* The door with FITLLM_CUDA_GRAPHS=1. */
 static fl_status flb_graph_run(flb_graph *g, const fl_backend *be, const fl_oprec *op) {
     fl_status st;
+    /* 8-bit AdamW updates tensor by tensor: its step ends at the first other op (the step scalars' read) */
+    if (g->upd_open && op->kind != FL_OPK_adam8bit_update_ss) FL_TRY(flb_graph_update_end(g, be, FL_OK));
     if (g->state == FLB_G_FIRST || g->state == FLB_G_EAGER || g->state == FLB_G_OFF) {
         st = fl_backend_run_slots(be, op);
     } else if (flb_graph_outside(g, op)) {
@@ -598,11 +660,8 @@ static fl_status flb_graph_run(flb_graph *g, const fl_backend *be, const fl_opre
     } else {
         st = g->bad ? fl_backend_run_slots(be, op) : flb_graph_replay_op(g, be, op);
     }
-    if (flb_graph_is_update(op->kind)) { /* the step ends: its last segment closed (capture) or checked (replay) */
-        if (st == FL_OK && g->state == FLB_G_CAPTURE) st = flb_graph_close(g, be);
-        if (st == FL_OK && g->state == FLB_G_REPLAY && !g->bad && g->pos) st = flb_graph_miss(g, be);
-        flb_graph_step_end(g);
-    }
+    if (op->kind == FL_OPK_adam8bit_update_ss && st == FL_OK) g->upd_open = 1; /* more tensors may follow */
+    else if (flb_graph_is_update(op->kind)) st = flb_graph_update_end(g, be, st); /* the step ends */
     return st;
 }
 
@@ -616,6 +675,7 @@ static void flb_graph_slots_free(flb_graph *g) {
 static void flb_graph_slots_init(flb_graph *g) {
     const size_t bytes = (size_t)FLB_GSLOTS * FLB_GSLOT_BYTES;
     if (FLB_K(adamw_consts)(NULL, 0, 0, 0, 0, 0, 1, 0) > FLB_GSLOT_BYTES ||
+        FLB_K(adam8bit_consts)(NULL, 0, 0, 0, 0, 0, 1) > FLB_GSLOT_BYTES ||
         FLB_K(sgd_consts)(NULL, 0, 0, 0, 0, 0, 0, 0) > FLB_GSLOT_BYTES)
         return;
     int ok = (g->pin = (char *)flb_host_alloc(bytes)) && (g->dslot = (char *)flb_dev_alloc(bytes));

@@ -16,6 +16,7 @@
  * fp32 path (small tensors): elementwise, grid-stride, likewise. */
 #include <float.h>
 #include <math.h>
+#include <string.h>
 
 #define FL_CU_NEED_CODE_SIGNED 1
 #define FL_CU_NEED_CODE_UNSIGNED 1
@@ -80,9 +81,11 @@ FL_CU_DEV float a8_block_max(float v, float *buf) {
  * CPU's fmaxf chain started at the floor. */
 __global__ static void fl_cu_adam8bit_k(void *p, int tp, const void *g, int tg, uint8_t *q_m, uint8_t *q_v,
                                         float *absmax_m, float *absmax_v, const float *floor_m, const float *floor_v,
-                                        size_t n, size_t nb, fl_cu_a8_consts k, const double *ss) {
+                                        size_t n, size_t nb, fl_cu_a8_consts k, const fl_cu_a8_consts *kd,
+                                        const double *ss) {
     __shared__ float cs[256], cu[256], red[16];
     const int tid = threadIdx.x;
+    if (kd) k = *kd; /* a CUDA graph's per-step slot (adam8bit_consts' bytes) */
     if (ss) { /* the step scalars' gradient scale (NaN: the step's update is skipped, nothing changes) */
         const double s = ss[1];
         if (s != s) return;
@@ -132,7 +135,8 @@ __global__ static void fl_cu_adam8bit_k(void *p, int tp, const void *g, int tg, 
 }
 
 __global__ static void fl_cu_adam32_k(void *p, int tp, const void *g, int tg, float *m, float *v, size_t n,
-                                      fl_cu_a8_consts k, const double *ss) {
+                                      fl_cu_a8_consts k, const fl_cu_a8_consts *kd, const double *ss) {
+    if (kd) k = *kd;
     if (ss) {
         const double s = ss[1];
         if (s != s) return;
@@ -165,16 +169,11 @@ static float host_mul(float a, float b) {
     return r;
 }
 
-/* ss (device, or NULL: grad_scale): the gradient scale read when the kernel runs (the step scalars' ss[1]) */
-static int a8_update(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st, float lr,
-                     float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale,
-                     const double *ss, void *stream) {
-    if (!fl_adam8bit_dtype_ok(tp) || !fl_adam8bit_dtype_ok(tg) || !st || step < 1) return -1;
-    const size_t n = st->n;
-    if (n == 0) return 0;
-    if (!p || !g) return -1;
-    /* the CPU backend's constants, the same expressions (powf, sqrtf of the host's libm) */
+/* the CPU backend's constants, the same expressions (powf, sqrtf of the host's libm) */
+static fl_cu_a8_consts a8_consts(float lr, float beta1, float beta2, float eps, float weight_decay, int step,
+                                 float grad_scale) {
     fl_cu_a8_consts k;
+    memset(&k, 0, sizeof k); /* (its bytes go into a CUDA graph's slot) */
     const float correction1 = 1.0f - powf(beta1, (float)step);
     const float correction2 = sqrtf(1.0f - powf(beta2, (float)step));
     k.step_size = host_mul(-lr, correction2) / correction1;
@@ -186,12 +185,23 @@ static int a8_update(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_
     k.beta2 = beta2;
     k.grad_scale = grad_scale;
     k.decay_on = weight_decay > 0.0f;
+    return k;
+}
+
+/* ss (device, or NULL: k.grad_scale): the gradient scale read when the kernel runs (the step scalars' ss[1]);
+ * kd (device, or NULL: k): the constants read when the kernel runs (a CUDA graph's per-step slot) */
+static int a8_launch(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,
+                     const fl_cu_a8_consts *k, const fl_cu_a8_consts *kd, const double *ss, void *stream) {
+    if (!fl_adam8bit_dtype_ok(tp) || !fl_adam8bit_dtype_ok(tg) || !st) return -1;
+    const size_t n = st->n;
+    if (n == 0) return 0;
+    if (!p || !g) return -1;
     if (!st->q_m) { /* the fp32 path (FULL_SHARD's floor is for 8-bit blocks: none here), as the CPU's: a small tensor, or a piece of one (ZeRO's pieces of a large
                      * tensor can be shorter than the 8-bit threshold and stay 8-bit: the state says which) */
         if (!st->m || !st->v) return -1;
         size_t blocks = (n + 255) / 256;
         FL_CU_LAUNCH(fl_cu_adam32_k, dim3((unsigned)blocks), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g,
-                     (int)tg, st->m, st->v, n, k, ss);
+                     (int)tg, st->m, st->v, n, *k, kd, ss);
         return fl_cu_launch_error();
     }
     if (!st->q_m || !st->q_v || !st->absmax_m || !st->absmax_v ||
@@ -202,8 +212,16 @@ static int a8_update(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_
     size_t grid = st->n_blocks < 2048 ? st->n_blocks : 2048;
     if (st->n_blocks / grid > 16) grid = (st->n_blocks + 15) / 16;
     FL_CU_LAUNCH(fl_cu_adam8bit_k, dim3((unsigned)grid), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg,
-                 st->q_m, st->q_v, st->absmax_m, st->absmax_v, st->floor_m, st->floor_v, n, st->n_blocks, k, ss);
+                 st->q_m, st->q_v, st->absmax_m, st->absmax_v, st->floor_m, st->floor_v, n, st->n_blocks, *k, kd, ss);
     return fl_cu_launch_error();
+}
+
+static int a8_update(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st, float lr,
+                     float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale,
+                     const double *ss, void *stream) {
+    if (step < 1) return -1;
+    const fl_cu_a8_consts k = a8_consts(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+    return a8_launch(p, tp, g, tg, st, &k, NULL, ss, stream);
 }
 
 extern "C" int FL_CUK(adam8bit_update)(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,
@@ -215,6 +233,20 @@ extern "C" int FL_CUK(adam8bit_update_ss)(void *p, fl_dtype tp, const void *g, f
                                           const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                           float weight_decay, int step, const double *ss, void *stream) {
     return ss ? a8_update(p, tp, g, tg, st, lr, beta1, beta2, eps, weight_decay, step, 1.0f, ss, stream) : -1;
+}
+
+extern "C" size_t FL_CUK(adam8bit_consts)(void *out, float lr, float beta1, float beta2, float eps,
+                                          float weight_decay, int step) {
+    const fl_cu_a8_consts k = a8_consts(lr, beta1, beta2, eps, weight_decay, step < 1 ? 1 : step, 1.0f);
+    if (out) memcpy(out, &k, sizeof k);
+    return sizeof k;
+}
+extern "C" int FL_CUK(adam8bit_update_dss)(void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                           const fl_adam8bit_state *st, const void *consts, const double *ss,
+                                           void *stream) {
+    if (!consts || !ss) return -1;
+    const fl_cu_a8_consts k = a8_consts(0.0f, 0.9f, 0.999f, 1e-8f, 0.0f, 1, 1.0f); /* (replaced by *consts) */
+    return a8_launch(p, tp, g, tg, st, &k, (const fl_cu_a8_consts *)consts, ss, stream);
 }
 
 extern "C" int FL_CUK(adam8bit_codes)(float *out, void *stream) {
