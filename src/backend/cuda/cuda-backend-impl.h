@@ -645,7 +645,6 @@ static fl_status flb_dropout(const fl_backend *be, float *y, const float *x, siz
     return flb_dropout_s(be, y, x, n, p, seed, accumulate, NULL);
 }
 #include "backend/cuda/cuda-tp-ops-impl.h" /* dropout_rows, vocab_stats, vocab_xent */
-
 /* ============================== profiling markers ============================== */
 
 /* Marker i recorded on the stream (made on first use: a profiled step needs ~2 per op). */
