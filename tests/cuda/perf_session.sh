@@ -89,6 +89,11 @@ bench() { # name timeout args...
     echo "bench-step $name exit $?" >>"$OUT/$name.log"
     grep -E "^median|^MFU|^RESULT|exit" "$OUT/$name.log"
 }
+gpt2_ab() { # precision log-tag label (the A/B switch set by the caller): a GPT-2 step (124M, B 8, T 1024)
+    timeout 60 "$F" bench-step gpt2 --accelerator cuda --precision "$1" --micro-batch 8 --seq 1024 --steps 5 \
+        --warmup 2 >"$OUT/gpt2-$1-$2.log" 2>&1
+    echo "gpt2 $1 $3 exit $?: $(grep -E '^median' "$OUT/gpt2-$1-$2.log")"
+}
 echo "== 2. TinyLlama-1.1B full bf16-true, B 4, T 2048"
 bench full 60
 bench full-profile 60 --profile
@@ -115,9 +120,7 @@ grep -E "cuDNN" "$OUT/full.log" "$OUT/full-own.log" | head -5
 echo "== 6. GEMM epilogues (GPT-2) and pinned uploads (A/B)"
 for p in 32-true bf16-true; do
     for e in 1 0; do
-        FITLLM_CUDA_EPILOGUE=$e timeout 60 "$F" bench-step gpt2 --accelerator cuda --precision $p --micro-batch 8 \
-            --seq 1024 --steps 5 --warmup 2 >"$OUT/gpt2-$p-epi$e.log" 2>&1
-        echo "gpt2 $p FITLLM_CUDA_EPILOGUE=$e exit $?: $(grep -E '^median' "$OUT/gpt2-$p-epi$e.log")"
+        FITLLM_CUDA_EPILOGUE=$e gpt2_ab $p epi$e FITLLM_CUDA_EPILOGUE=$e
     done
 done
 FITLLM_CUDA_PINNED=0 bench full-nopin 60
@@ -207,9 +210,7 @@ done
 echo "== 15. bf16 bias + GELU in the GEMM's epilogue: FITLLM_CUDA_GELU16=1 against 0 (GPT-2, EXPERIMENTAL)"
 for p in bf16-true bf16-mixed; do
     for v in 1 0; do
-        FITLLM_CUDA_GELU16=$v timeout 60 "$F" bench-step gpt2 --accelerator cuda --precision $p --micro-batch 8 \
-            --seq 1024 --steps 5 --warmup 2 >"$OUT/gpt2-$p-gelu16$v.log" 2>&1
-        echo "gpt2 $p FITLLM_CUDA_GELU16=$v exit $?: $(grep -E '^median' "$OUT/gpt2-$p-gelu16$v.log")"
+        FITLLM_CUDA_GELU16=$v gpt2_ab $p gelu16$v FITLLM_CUDA_GELU16=$v
     done
 done
 for v in 1 0; do
