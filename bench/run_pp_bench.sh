@@ -139,7 +139,7 @@ compose_fitllm() { # case -> "RESULT impl=fitllm-<case> ..."
     OMP_NUM_THREADS=1 "${MPIBASE[@]}" -np "$np" /usr/bin/time -f "MAXRSS_KB %M" "$FITLLM" "${model[@]}" \
         --train.micro_batch_size "$BATCH" --train.global_batch_size $((MICRO * BATCH * dp)) \
         --train.max_steps $((STEPS + WARMUP)) --train.lr_warmup_steps 0 --threads 1 --devices "$np" \
-        --pipeline_parallel "$STAGES" $ff \
+        --optimizer.lr 1e-4 --optimizer.weight_decay 0.1 --pipeline_parallel "$STAGES" $ff \
         --eval.interval 100000 --eval.final_validation false --eval.max_new_tokens 0 --train.save_interval 100000 \
         --out_dir "$d" >"$d.log" 2>&1 || { echo "fitllm $c failed:" >&2; tail -5 "$d.log" >&2; return 1; }
     local tok=$((MICRO * BATCH * dp * SEQ)); [ "$c" = t5-pp2 ] && tok=$((MICRO * BATCH * (SOURCE + SEQ)))
