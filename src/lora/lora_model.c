@@ -53,14 +53,14 @@ static uint64_t slot_seed(const fl_lora_slot *a, int row_base) {
  * j)): the dropped input (xd) made by the backend's dropout_rows op (one call, row i's mask at i in_whole past row 0's),
  * the branch run on it undropped; the backward's d(x) part masked the same way from the branch's undropped d(x) (the
  * work buffer's second region, as the kernel's) */
-static uint64_t cols_seed(const fl_lora_slot *a, int row_base, int i) {
-    const size_t at = (size_t)(row_base + i) * (size_t)a->tp_n + (size_t)a->tp_c0;
+static uint64_t cols_seed(const fl_lora_slot *a, int row_base) { /* row 0's: dropout_rows steps to the others */
+    const size_t at = (size_t)row_base * (size_t)a->tp_n + (size_t)a->tp_c0;
     return a->st->seed + (uint64_t)at * 0x9E3779B97F4A7C15ULL + (uint64_t)a->stream * 0x100000001b3ULL;
 }
 
 static fl_status cols_forward(const fl_lora_slot *a, const fl_backend *be, float *y, int ldy, const float *x, int N,
                               int row_base) {
-    FL_TRY(FL_RUN(be, dropout_rows, a->xd, x, N, (size_t)a->in, (size_t)a->tp_n, a->dropout, cols_seed(a, row_base, 0),
+    FL_TRY(FL_RUN(be, dropout_rows, a->xd, x, N, (size_t)a->in, (size_t)a->tp_n, a->dropout, cols_seed(a, row_base),
                   0));
     return FL_RUN(be, lora_forward, y + a->row0, ldy, a->h, NULL, a->xd, a->A, a->B, N, a->in, a->out, a->r, a->scaling,
                   0.0f, 0);
@@ -73,7 +73,7 @@ static fl_status cols_backward(const fl_lora_slot *a, const fl_backend *be, floa
     FL_TRY(FL_RUN(be, lora_backward, dx ? t : NULL, a->dA, a->dB, dy + a->row0, ldy, a->xd, a->h, a->A, a->B, N, a->in,
                   a->out, a->r, a->scaling, 0.0f, 0, a->st->work));
     if (!dx) return FL_OK;
-    return FL_RUN(be, dropout_rows, dx, t, N, (size_t)a->in, (size_t)a->tp_n, a->dropout, cols_seed(a, row_base, 0), 1);
+    return FL_RUN(be, dropout_rows, dx, t, N, (size_t)a->in, (size_t)a->tp_n, a->dropout, cols_seed(a, row_base), 1);
 }
 
 /* y[:, row0:row0+out] += scaling * drop(x) A^T B^T */
