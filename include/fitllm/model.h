@@ -404,6 +404,7 @@ typedef struct {
     int ckpt_recomputed;    /* act_ckpt: blocks the last backward recomputed (L - 1) */
     int keep_block0_din;    /* tests: run block 0's input-gradient ops under LoRA too (nothing reads their
                              * result: the embeddings are frozen; by default they are skipped) */
+    int host_memory;        /* the backend's memory is host memory (fl_backend_host_memory, recorded at set-up) */
     int phase_sync;         /* an asynchronous device: synchronize at the step's phase edges (around the head, after
                              * the backward and the update) so the phase times are its own (fl_step_ctx.phase_times
                              * sets it; 0: no sync inside a step) */

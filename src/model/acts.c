@@ -384,6 +384,21 @@ size_t fl_model_adapter_live_rows(const fl_model *m, int layer, int param_index,
     return m->act_ckpt ? 0 : (size_t)m->fwd_B * (size_t)m->fwd_T; /* checkpointed: recomputed before the backward */
 }
 
+/* Issue 30 item 5: the backend's input slots (fl_backend.input_slots, a device's second stream) for a decoder-only
+ * LM's training passes, made with the arena (set-up, not the step): ids then targets at fixed offsets, so a CUDA
+ * graph's copies repeat. None (a->in_dev NULL: the pass uploads through to_device) on host memory, without the
+ * slots, for an encoder's token types or a tensor-parallel slice, or when the backend refuses. */
+static void input_slots(fl_model *m, fl_acts *a, int B, int T) {
+    const fl_backend *be = m->be;
+    const fl_model_graph *mg = a->mgraph;
+    if (!a->targets_home || !be->input_slots || !be->input_upload || !be->input_wait || a->type_ids ||
+        mg->op[mg->n_ops - 1].kind != FL_MOP_HEAD_LM || m->cfg.tp_size > 1)
+        return;
+    const size_t cap = (size_t)B * T * sizeof(int32_t);
+    a->in_off = (cap + 255) / 256 * 256;
+    a->in_dev = (char *)be->input_slots(be, a->in_off + cap, &a->in_stride);
+}
+
 fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (fl_model_is_s2s(&m->cfg)) return fl_model_alloc_acts_s2s(m, B, T, T); /* an encoder-decoder: seq2seq.c */
     if (B <= 0 || T <= 0) return fl_errorf(FL_ERR_INVALID, "micro-batch must be positive (B=%d, T=%d)", B, T);
@@ -439,6 +454,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
         if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating the targets"); }
     }
     a->ids_home = a->ids, a->targets_home = a->targets; /* (a prefetched pass points them at an input slot) */
+    input_slots(m, a, B, T);
     fl_mem_set_live(m->pool, m->work_arena, m->sizes.work_const_bytes); /* the RoPE tables */
     m->B = B;
     m->T = T;

@@ -925,7 +925,7 @@ fl_status fl_lm_sum_losses(fl_model *m, const int32_t *targets, int N) {
     }
     float lstack[1024], *lheap = NULL, *lbuf = lstack;
     int slice = 1024;
-    if (N > slice && !fl_backend_host_memory(be) && (lheap = malloc((size_t)N * sizeof *lheap))) {
+    if (N > slice && !m->host_memory && (lheap = malloc((size_t)N * sizeof *lheap))) {
         lbuf = lheap;
         slice = N;
     }

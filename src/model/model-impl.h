@@ -48,9 +48,8 @@ struct fl_acts {
      * input slot (fl_backend.input_slots): ids / targets point there for that pass, else at their homes */
     int32_t *ids_home, *targets_home;
     struct { const int32_t *ids, *targets; int N; } in_slot[FL_INPUT_SLOTS]; /* what each slot holds, not yet read */
-    char *in_dev;           /* the backend's slots (NULL: not asked yet, or refused: in_refused) */
+    char *in_dev;           /* the backend's slots, made with the arena (NULL: none: no slots, or refused) */
     size_t in_stride, in_off; /* a slot's bytes; the targets' offset in it */
-    int in_refused;
     float *rope_cos;        /* (T, HD/2) */
     float *rope_sin;        /* (T, HD/2) */
     int rope_T;

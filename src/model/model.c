@@ -58,6 +58,7 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
     m->cfg = *cfg;
     FL_TRY(fl_config_validate(&m->cfg));
     m->be = be;
+    m->host_memory = be && fl_backend_host_memory(be);
     m->pool = pool;
     m->tp_ops = m->cfg.tp_size > 1 ? &fl_tp_model_ops : NULL; /* a rank's slice: tensor parallelism's passes */
     const fl_dtype dt = st ? st->param_dtype : FL_F32;

@@ -94,18 +94,10 @@ fl_status fl_model_prefetch(fl_model *m, const fl_micro_batch *mb, int slot, int
         return FL_OK;
     }
     const int N = mb->B * mb->T;
-    if (!a || a->kind || !be->input_slots || !be->input_upload || !be->input_wait || fl_backend_host_memory(be) ||
-        mb->src || !mb->ids || !mb->targets || !a->ids_home || !a->targets_home || a->type_ids ||
-        end_op(a->mgraph) != FL_MOP_HEAD_LM || m->cfg.tp_size > 1 || N <= 0 || N > m->B * m->T || mb->T > m->T ||
-        slot < 0 || slot >= FL_INPUT_SLOTS || a->in_refused)
-        return FL_OK;
-    if (!a->in_dev) { /* set-up: the slots, ids then targets at fixed offsets (so a CUDA graph's copies repeat) */
-        const size_t cap = (size_t)m->B * m->T * sizeof(int32_t);
-        a->in_off = (cap + 255) / 256 * 256;
-        a->in_dev = (char *)be->input_slots(be, a->in_off + cap, &a->in_stride);
-        a->in_refused = !a->in_dev;
-        if (!a->in_dev) return FL_OK;
-    }
+    if (!a || !a->in_dev || a->kind || mb->src || !mb->ids || !mb->targets || !a->ids_home || !a->targets_home ||
+        a->type_ids || end_op(a->mgraph) != FL_MOP_HEAD_LM || m->cfg.tp_size > 1 || N <= 0 || N > m->B * m->T ||
+        mb->T > m->T || slot < 0 || slot >= FL_INPUT_SLOTS)
+        return FL_OK; /* (the slots are made with the arena: acts.c's input_slots) */
     const size_t bytes = (size_t)N * sizeof(int32_t);
     FL_TRY(FL_RUN(be, input_upload, slot, mb->ids, bytes, mb->targets, bytes, a->in_off));
     a->in_slot[slot].ids = mb->ids, a->in_slot[slot].targets = mb->targets, a->in_slot[slot].N = N;

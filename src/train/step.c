@@ -28,7 +28,7 @@ static void edge(fl_model *m, int ph, const char *tag, const char *next) {
  * (fl_step_ctx.phase_times -> m->phase_sync), wait at the phase edges so they are the device's; otherwise no
  * synchronization inside a step (issue 30 item 5). */
 static fl_status sync_device(const fl_model *m) {
-    return !m->phase_sync || fl_backend_host_memory(m->be) ? FL_OK : FL_RUN(m->be, sync);
+    return !m->phase_sync || m->host_memory ? FL_OK : FL_RUN(m->be, sync);
 }
 
 /* Forward + backward of micro-batch k (grad scale 1/step_valid); gradients accumulate. */
