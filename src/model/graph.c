@@ -8,6 +8,17 @@
 #include "fitllm/comm.h"
 #include "model-impl.h"
 
+/* An op that changes its input in place, and a dropout site's seed (graph.h). */
+int fl_gop_modifies(const fl_gop *o) {
+    return o->kind == FL_GOP_ROPE || o->kind == FL_GOP_ALLREDUCE || (o->kind == FL_GOP_DROPOUT && o->in == o->out);
+}
+uint64_t fl_dropout_seed(uint64_t base, uint64_t site) {
+    uint64_t z = base ^ (site + 1) * 0xD6E8FEB86659FD93ULL;
+    z = (z ^ (z >> 32)) * 0xD6E8FEB86659FD93ULL;
+    z = (z ^ (z >> 32)) * 0xD6E8FEB86659FD93ULL;
+    return z ^ (z >> 32);
+}
+
 /* ---- building -------------------------------------------------------------------------- */
 
 int fl_graph_slot(fl_block_graph *g, const char *name, int width, fl_gslot_kind kind, int resid) {

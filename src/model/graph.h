@@ -117,9 +117,7 @@ typedef struct {
 } fl_gop;
 
 /* An op that changes its input in place (in == out): RoPE, ALLREDUCE, an in-place DROPOUT. */
-static inline int fl_gop_modifies(const fl_gop *o) {
-    return o->kind == FL_GOP_ROPE || o->kind == FL_GOP_ALLREDUCE || (o->kind == FL_GOP_DROPOUT && o->in == o->out);
-}
+int fl_gop_modifies(const fl_gop *o);
 
 #define FL_GRAPH_MAX_NORMS 3   /* T5's decoder block: self-attention, cross-attention, FFN */
 #define FL_GRAPH_MAX_LINEARS 8 /* T5's decoder block: 7 (0 qkv, 1 o, 2 fc, 3 proj as the decoders', 4.. its own) */
@@ -239,12 +237,7 @@ typedef struct {
 
 /* The seed of dropout site `site` under base seed `base` (a micro-batch's block, or a stack's embedding / final
  * norm): splitmix64 of both, so neighbouring bases and sites give unrelated masks (backend.h dropout's streams). */
-static inline uint64_t fl_dropout_seed(uint64_t base, uint64_t site) {
-    uint64_t z = base ^ (site + 1) * 0xD6E8FEB86659FD93ULL;
-    z = (z ^ (z >> 32)) * 0xD6E8FEB86659FD93ULL;
-    z = (z ^ (z >> 32)) * 0xD6E8FEB86659FD93ULL;
-    return z ^ (z >> 32);
-}
+uint64_t fl_dropout_seed(uint64_t base, uint64_t site);
 
 /* s: the slots' buffers (s[FL_GSLOT_IN] the input rows, s[FL_GSLOT_OUT] where the output goes; may alias
  * the input only when the graph's inference buffers say so). */

@@ -81,21 +81,7 @@ typedef struct {
     int C, QD, KVD, QKV, F, FCW, V, NH, NKV, HD, L;
 } fl_dims;
 
-static inline fl_dims fl_model_dims(const fl_model_config *c) {
-    fl_dims d;
-    d.C = c->dim;
-    d.NH = c->n_heads;
-    d.NKV = c->n_kv_heads;
-    d.HD = c->head_dim;
-    d.QD = d.NH * d.HD;
-    d.KVD = d.NKV * d.HD;
-    d.QKV = d.QD + 2 * d.KVD;
-    d.F = c->ffn_dim;
-    d.FCW = fl_arch_get(c->arch)->glu ? 2 * d.F : d.F;
-    d.V = fl_config_vocab_rows(c, NULL); /* tensor parallel: the vocabulary slice */
-    d.L = c->n_layers;
-    return d;
-}
+fl_dims fl_model_dims(const fl_model_config *c); /* (model.c) */
 
 
 /* An encoder-decoder's views (seq2seq.c), released with the arena (safe with NULL). */
@@ -268,19 +254,11 @@ fl_status fl_tp_head_dx_sum(fl_model *m, float *dx, int N);
 /* Sequence parallelism (m->sp): the rank's rows of a pass of N rows (the count; the first at *row0), and the
  * group's rows (N, C) made whole from each rank's own part (n, C) (all-gather over tp_comm; part may be
  * whole + row0 C: in place). */
-static inline int fl_sp_part(const fl_model *m, int N, size_t *row0) {
-    const int n = m->sp ? N / m->cfg.tp_size : N;
-    *row0 = m->sp ? (size_t)m->cfg.tp_rank * n : 0;
-    return n;
-}
+int fl_sp_part(const fl_model *m, int N, size_t *row0); /* (transformer.c) */
 fl_status fl_sp_gather(fl_model *m, const float *part, float *whole, int N);
 /* Sequence parallelism: the sequence length a pass of (B, T) runs at (sp_pad: the shortest T' >= T whose B T' rows the
  * group divides; T itself without SP) */
-static inline int fl_sp_pass_T(const fl_model *m, int B, int T) {
-    if (!m->sp) return T;
-    while ((B * T) % m->cfg.tp_size) T++;
-    return T;
-}
+int fl_sp_pass_T(const fl_model *m, int B, int T); /* (transformer.c) */
 /* A norm over the rank's rows computes its part of the weight's (and bias') gradient: begin points *sw, *sb at a
  * zeroed scratch in place of dw, db (NULL stays NULL); end sums the group's parts over c and adds them to dw, db, so
  * every rank adds the whole gradient (Megatron's sum of the sequence-parallel norms' gradients, here per norm). */

@@ -9,6 +9,23 @@
 #include "model-impl.h"
 #include "store.h"
 
+/* The model's dimensions (model-impl.h fl_dims) from its config. */
+fl_dims fl_model_dims(const fl_model_config *c) {
+    fl_dims d;
+    d.C = c->dim;
+    d.NH = c->n_heads;
+    d.NKV = c->n_kv_heads;
+    d.HD = c->head_dim;
+    d.QD = d.NH * d.HD;
+    d.KVD = d.NKV * d.HD;
+    d.QKV = d.QD + 2 * d.KVD;
+    d.F = c->ffn_dim;
+    d.FCW = fl_arch_get(c->arch)->glu ? 2 * d.F : d.F;
+    d.V = fl_config_vocab_rows(c, NULL); /* tensor parallel: the vocabulary slice */
+    d.L = c->n_layers;
+    return d;
+}
+
 /* ---- lifetime ------------------------------------------------------------ */
 
 fl_status fl_model_init(fl_model *m, const fl_model_config *cfg, const fl_backend *be, fl_mem_pool *pool) {

@@ -3,6 +3,14 @@
  * fl_linear_set_weight, the gradient staging): the same pointers, the same conversions. */
 #include "store.h"
 
+int fl_store_is_q4(const fl_param_store *s, int i) { return s->q4 && s->q4[i].packed != NULL; }
+size_t fl_store_off(const fl_param_store *s, int i) { return s->soff ? s->soff[i] : s->lay->params[i].offset; }
+int fl_store_sharded(const fl_param_store *s) { return !s->ops->whole; }
+void *fl_store_param_at(const fl_param_store *s, size_t so) { return s->ops->param_at(s, so); }
+fl_status fl_store_gather(fl_param_store *s, int g, int next) { return s->ops->gather(s, g, next); }
+void fl_store_release(fl_param_store *s, int g) { s->ops->release(s, g); }
+fl_status fl_store_grads_begin(fl_param_store *s, int g) { return s->ops->grads_begin(s, g); }
+
 int fl_store_group_of(const fl_param_store *s, size_t off) {
     const size_t *go = s->lay->group_offset;
     int g = 0;

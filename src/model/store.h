@@ -126,12 +126,10 @@ static inline const fl_backend *fl_store_buf_be(const fl_param_store *s) { retur
 extern const fl_param_store_ops fl_store_dense_ops, fl_store_fsdp_ops, fl_store_offload_ops;
 
 /* ---- binding (store.c): what the passes call ---- */
-static inline int fl_store_is_q4(const fl_param_store *s, int i) { return s->q4 && s->q4[i].packed != NULL; }
-static inline size_t fl_store_off(const fl_param_store *s, int i) {
-    return s->soff ? s->soff[i] : s->lay->params[i].offset;
-}
+int fl_store_is_q4(const fl_param_store *s, int i);  /* entry i is held 4-bit */
+size_t fl_store_off(const fl_param_store *s, int i); /* entry i's store offset */
 /* A shard: groups exist only between gather and release (FSDP). */
-static inline int fl_store_sharded(const fl_param_store *s) { return !s->ops->whole; }
+int fl_store_sharded(const fl_param_store *s);
 /* The layout group holding layout (or, sharded, store) offset off. */
 int fl_store_group_of(const fl_param_store *s, size_t off);
 /* The weight of entry wi for a LINEAR of `out` rows (a fused output's 4-bit parts are consecutive entries). */
@@ -157,10 +155,12 @@ float *fl_store_grad(const fl_param_store *s, size_t off);
 /* 16-bit storage: gstage zeroed over n elements / added into the gradient at layout offset off (no-ops in fp32). */
 void fl_store_stage_begin(fl_param_store *s, size_t n);
 fl_status fl_store_stage_flush(fl_param_store *s, size_t off, size_t n);
-static inline void *fl_store_param_at(const fl_param_store *s, size_t so) { return s->ops->param_at(s, so); }
-static inline fl_status fl_store_gather(fl_param_store *s, int g, int next) { return s->ops->gather(s, g, next); }
-static inline void fl_store_release(fl_param_store *s, int g) { s->ops->release(s, g); }
-static inline fl_status fl_store_grads_begin(fl_param_store *s, int g) { return s->ops->grads_begin(s, g); }
+/* the implementation's ops (fl_param_store_ops): the parameter at store offset so; group g gathered (next: the one
+ * to prefetch) / released; group g's gradient about to be written */
+void *fl_store_param_at(const fl_param_store *s, size_t so);
+fl_status fl_store_gather(fl_param_store *s, int g, int next);
+void fl_store_release(fl_param_store *s, int g);
+fl_status fl_store_grads_begin(fl_param_store *s, int g);
 /* group g's gradient is final: the implementation's (FSDP: reduce-scatter), then the data-parallel hook */
 fl_status fl_store_grads_ready(fl_param_store *s, int g);
 

@@ -70,6 +70,18 @@ static float *role_param(const fl_model *m, int g, int r, int grad) {
     return pr + fl_model_store_off(m, i);
 }
 
+/* Sequence parallelism (model-impl.h): the rank's rows of a pass of N rows, and a pass's sequence length. */
+int fl_sp_part(const fl_model *m, int N, size_t *row0) {
+    const int n = m->sp ? N / m->cfg.tp_size : N;
+    *row0 = m->sp ? (size_t)m->cfg.tp_rank * n : 0;
+    return n;
+}
+int fl_sp_pass_T(const fl_model *m, int B, int T) {
+    if (!m->sp) return T;
+    while ((B * T) % m->cfg.tp_size) T++;
+    return T;
+}
+
 /* The op that ends the table (HEAD_LM or OUTPUT) and its final norm, if any. */
 static int end_op(const fl_model_graph *mg) { return mg->op[mg->n_ops - 1].kind; }
 static int has_final_norm(const fl_model_graph *mg) { return fl_model_graph_has(mg, FL_MOP_NORM, 1); }
