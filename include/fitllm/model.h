@@ -721,7 +721,7 @@ fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *
  * naming the row. */
 fl_status fl_model_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
                                       int max_new, int kv_cache, int32_t *out, int *n_out);
-/* The model has two stacks (an encoder-decoder: fl_model_forward_s2s; src/model/arch.c). */
+/* The model has two stacks (an encoder-decoder: fl_model_forward_s2s; src/model/graph.c). */
 int fl_model_is_s2s(const fl_model_config *c);
 
 /* Live bytes (fl_mem_set_live: docs/ARCHITECTURE.md "Reserved and live memory") are a fact of a

@@ -8,7 +8,7 @@
  *   column-parallel (rank r keeps r's rows of each part): the fused q|k|v weight and bias (each of
  *     q, k, v split by heads), gate|up or fc weight and bias;
  *   row-parallel (rank r keeps r's columns): o_proj / c_proj / out_proj and down_proj / mlp.c_proj /
- *     fc2 weights; their biases are whole on every rank and added by rank 0 alone (src/model/blocks.c);
+ *     fc2 weights; their biases are whole on every rank and added by rank 0 alone (src/model/store.c);
  *   vocabulary-parallel (rank r keeps rows [r V / N, (r + 1) V / N)): the token embeddings, lm_head; the
  *     embedding's rows are summed over the group and the cross-entropy combines the ranks' row statistics
  *     (src/model/tp_vocab.c);

@@ -1,12 +1,48 @@
 /* The block graph (see graph.h): the decoder block of LLaMA, GPT-2 and OPT described once as a table
  * of ops over activation slots (another architecture's block comes from its descriptor), what is derived
  * from the table (production order, gradient buffers, widths, inference buffers by liveness) and the
- * model-level table around the blocks. The tables are run by the executor (exec.c). */
+ * model-level table around the blocks. The tables are run by the executor (exec.c). The registry of the
+ * architectures whose descriptors feed it (fl_arch_get) opens the file. */
 #include <math.h>
 #include <string.h>
 
 #include "fitllm/comm.h"
 #include "model-impl.h"
+
+/* ---- the architectures this build knows (fl_arch_get): one descriptor each, in src/model/arch_<name>.c ---- */
+
+extern const fl_arch_info fl_arch_llama, fl_arch_gpt2, fl_arch_opt, fl_arch_bert, fl_arch_t5, fl_arch_blip2_vision,
+    fl_arch_blip2_qformer;
+
+const fl_arch_info *fl_arch_get(fl_arch a) {
+    static const fl_arch_info *const all[FL_ARCH_COUNT] = {[FL_ARCH_LLAMA] = &fl_arch_llama, [FL_ARCH_GPT2] = &fl_arch_gpt2,
+                                                            [FL_ARCH_OPT] = &fl_arch_opt, [FL_ARCH_BERT] = &fl_arch_bert,
+                                                            [FL_ARCH_T5] = &fl_arch_t5,
+                                                            [FL_ARCH_BLIP2_VISION] = &fl_arch_blip2_vision,
+                                                            [FL_ARCH_BLIP2_QFORMER] = &fl_arch_blip2_qformer};
+    return a >= 0 && a < FL_ARCH_COUNT ? all[a] : NULL;
+}
+
+int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0 || c->pp_enc > 0; }
+
+/* ---- the graphs' small facts ---- */
+
+/* The model's dimensions (model-impl.h fl_dims) from its config. */
+fl_dims fl_model_dims(const fl_model_config *c) {
+    fl_dims d;
+    d.C = c->dim;
+    d.NH = c->n_heads;
+    d.NKV = c->n_kv_heads;
+    d.HD = c->head_dim;
+    d.QD = d.NH * d.HD;
+    d.KVD = d.NKV * d.HD;
+    d.QKV = d.QD + 2 * d.KVD;
+    d.F = c->ffn_dim;
+    d.FCW = fl_arch_get(c->arch)->glu ? 2 * d.F : d.F;
+    d.V = fl_config_vocab_rows(c, NULL); /* tensor parallel: the vocabulary slice */
+    d.L = c->n_layers;
+    return d;
+}
 
 /* An op that changes its input in place, and a dropout site's seed (graph.h). */
 int fl_gop_modifies(const fl_gop *o) {

@@ -81,7 +81,7 @@ typedef struct {
     int C, QD, KVD, QKV, F, FCW, V, NH, NKV, HD, L;
 } fl_dims;
 
-fl_dims fl_model_dims(const fl_model_config *c); /* (model.c) */
+fl_dims fl_model_dims(const fl_model_config *c); /* (graph.c) */
 
 
 /* An encoder-decoder's views (seq2seq.c), released with the arena (safe with NULL). */
@@ -141,7 +141,7 @@ struct fl_adapter_table {
     void (*bind)(const struct fl_adapter_table *t, int l, int p, fl_linear *lin, int row_base);
 };
 /* QLoRA where a rank's part cuts the blocks: entry i of the slice part (a row-mapped 4-bit weight, fl_tp_q4_map) takes
- * its whole blocks from entry j of the whole model's 4-bit weight, codes and dequantized absmax (model.c) */
+ * its whole blocks from entry j of the whole model's 4-bit weight, codes and dequantized absmax (store.c) */
 fl_status fl_model_q4_take_blocks(const fl_model *whole, int j, fl_model *part, int i);
 int fl_model_q4_mapped(const fl_model *m, int i); /* entry i is such a part */
 
@@ -172,7 +172,7 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
 
 #include "graph.h"
 
-/* ---- parameter lookup (blocks.c), shared by transformer.c and generate.c ---- */
+/* ---- parameter lookup (store.c), shared by transformer.c and generate.c ---- */
 
 /* Embeddings, final norm and head (head == wte when tied). */
 typedef struct {
@@ -284,7 +284,7 @@ void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, co
                      const float *b, int N);
 void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                       const float *w, const float *mean, const float *rstd, int N);
-/* The same with the weight w (and LayerNorm's bias b) of wt: F32, or BF16/F16 as blocks.c's norm_weight binds it
+/* The same with the weight w (and LayerNorm's bias b) of wt: F32, or BF16/F16 as store.c's norm_weight binds it
  * (a backend with the norm's *_w16 kernels, fl_norm16_have: the kernel widens it, no convert launch); with a 16-bit
  * w, out16 (NULL or) the output's bf16 copy (out its widening: a stored slot, no round16). Returns whether out16 was
  * written. */
@@ -306,7 +306,7 @@ int fl_blip2_has_xattn(const fl_model_config *c, int l);
 struct fl_block_graph_s;
 void fl_blip2_qformer_block(const fl_model_config *c, int xattn, struct fl_block_graph_s *g);
 
-/* The chunked LM head + cross-entropy (head.c) over x (N, C): logits / losses (chunk x V, N) scratch, dtargets a device
+/* The chunked LM head + cross-entropy (exec.c) over x (N, C): logits / losses (chunk x V, N) scratch, dtargets a device
  * copy of the targets or NULL (host memory), dx (N, C) d(x) in training (grad_scale > 0 with targets); the valid
  * targets' losses summed into *loss_sum, counted in *n_valid. */
 typedef struct {
@@ -317,7 +317,7 @@ typedef struct {
 } fl_head_bufs;
 /* One stack's HEAD_LM over the final norm's output (m->acts->lnf, N rows): logits chunk by chunk (logits_out: to
  * the host), with targets the per-token losses, in training (grad_scale > 0) the head's backward too, leaving
- * d(lnf) in buf1; fl_lm_sum_losses then adds the valid targets' losses into m->loss_sum / n_valid (exec.c). */
+ * d(lnf) in buf1; fl_lm_sum_losses then adds the valid targets' losses into m->loss_sum / n_valid (transformer.c). */
 fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out);
 fl_status fl_lm_sum_losses(fl_model *m, const int32_t *targets, int N);
 fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *targets, int N, float grad_scale,

@@ -1,5 +1,5 @@
-/* Model lifetime: parameters, gradients, activation arena (and its sizing,
- * shared with the planner), random init, FLOP count. */
+/* Model lifetime: the model made (its layout and store), its precision set, its activation arena freed, random
+ * init, FLOP count. Reading, writing and binding its parameters and gradients is the store's (store.c). */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -8,23 +8,6 @@
 #include "fitllm/tp.h"
 #include "model-impl.h"
 #include "store.h"
-
-/* The model's dimensions (model-impl.h fl_dims) from its config. */
-fl_dims fl_model_dims(const fl_model_config *c) {
-    fl_dims d;
-    d.C = c->dim;
-    d.NH = c->n_heads;
-    d.NKV = c->n_kv_heads;
-    d.HD = c->head_dim;
-    d.QD = d.NH * d.HD;
-    d.KVD = d.NKV * d.HD;
-    d.QKV = d.QD + 2 * d.KVD;
-    d.F = c->ffn_dim;
-    d.FCW = fl_arch_get(c->arch)->glu ? 2 * d.F : d.F;
-    d.V = fl_config_vocab_rows(c, NULL); /* tensor parallel: the vocabulary slice */
-    d.L = c->n_layers;
-    return d;
-}
 
 /* ---- lifetime ------------------------------------------------------------ */
 
@@ -93,197 +76,6 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
     m->prec = *fl_precision_get(dt == FL_BF16 ? FL_PREC_BF16_TRUE : dt == FL_F16 ? FL_PREC_16_TRUE : FL_PREC_32_TRUE);
     m->store->compute_dtype = m->prec.compute_dtype;
     return FL_OK;
-}
-
-/* ---- the store's accessors (model.h) ---- */
-
-/* (a model that failed to initialize, or was freed, has no store: NULL / defaults) */
-void *fl_model_params_data(const fl_model *m) {
-    const fl_param_store *s = m->store;
-    return !s ? NULL : s->params ? (void *)s->params : (void *)s->p16;
-}
-void *fl_model_grads_data(const fl_model *m) {
-    const fl_param_store *s = m->store;
-    return !s ? NULL : s->grads ? (void *)s->grads : (void *)s->g16;
-}
-float *fl_model_params_f32(const fl_model *m) { return m->store ? m->store->params : NULL; }
-float *fl_model_grads_f32(const fl_model *m) { return m->store ? m->store->grads : NULL; }
-uint16_t *fl_model_params_16(const fl_model *m) { return m->store ? m->store->p16 : NULL; }
-uint16_t *fl_model_grads_16(const fl_model *m) { return m->store ? m->store->g16 : NULL; }
-fl_dtype fl_model_store_dtype(const fl_model *m) { return m->store ? m->store->dtype : FL_F32; }
-size_t fl_model_store_numel(const fl_model *m) { return m->store ? m->store->numel : 0; }
-int fl_model_quant4(const fl_model *m) { return m->store && m->store->q4 != NULL; }
-const fl_param_provider *fl_model_provider(const fl_model *m) { return m->store ? m->store->pp : NULL; }
-const fl_backend *fl_model_params_be(const fl_model *m) { return m->store ? fl_store_buf_be(m->store) : m->be; }
-void fl_model_store_shard(fl_model *m, void *shard, fl_param_provider *pp) { fl_store_make_shard(m->store, shard, pp); }
-void fl_model_store_offload(fl_model *m, void *shard, fl_param_provider *pp, const fl_backend *tier_be,
-                            fl_mem_pool *tier_pool) {
-    fl_store_make_offloaded(m->store, shard, pp, tier_be, tier_pool);
-}
-void fl_model_store_unshard(fl_model *m) {
-    if (m->store) fl_store_make_whole(m->store);
-}
-float *fl_model_grad_stage(const fl_model *m) { return m->store ? m->store->gstage : NULL; }
-void fl_model_set_grad_ready(fl_model *m, fl_status (*fn)(void *ud, size_t off, size_t n), void *ud) {
-    m->store->grad_ready = fn;
-    m->store->grad_ready_ud = ud;
-}
-
-int fl_model_param_is_q4(const fl_model *m, int i) { return fl_store_is_q4(m->store, i); }
-
-size_t fl_model_store_off(const fl_model *m, int i) { return fl_store_off(m->store, i); }
-
-void *fl_model_param_data(const fl_model *m, int i, fl_dtype *dt) {
-    if (dt) *dt = m->store->dtype;
-    if (fl_model_param_is_q4(m, i)) return NULL;
-    if (!m->store->ops->whole) return NULL; /* sharded (FSDP): no whole entry here; src/train/fsdp.c stages a whole copy */
-    return fl_store_param_at(m->store, fl_model_store_off(m, i));
-}
-
-void *fl_model_param_piece(const fl_model *m, int i, size_t *k0, size_t *k1, fl_dtype *dt) {
-    const fl_param_info *p = &m->layout.params[i];
-    const fl_param_provider *pp = m->store->pp;
-    if (dt) *dt = m->store->dtype;
-    if (!pp || !pp->flat_off) {
-        *k0 = 0, *k1 = p->numel;
-        return fl_model_param_data(m, i, dt);
-    }
-    const int g = p->group; /* the entry [p->offset, + numel) meets the piece [a, b) of its group */
-    const size_t a = pp->flat_off[g], b = a + pp->len[g];
-    const size_t lo = p->offset > a ? p->offset : a, hi = p->offset + p->numel < b ? p->offset + p->numel : b;
-    if (lo >= hi) {
-        *k0 = *k1 = 0;
-        return NULL;
-    }
-    *k0 = lo - p->offset, *k1 = hi - p->offset;
-    size_t at = pp->shard_off[g] + (lo - a);
-    return m->store->params ? (void *)(m->store->params + at) : (void *)(m->store->p16 + at);
-}
-
-/* A 4-bit entry's buffer on a device whose memory is not host memory: a host copy (from the host
- * pool, one entry at a time) bound as *hw. NULL when out of host memory. */
-static void *q4_host_copy(const fl_model *m, int i, fl_q4_weight *hw) {
-    const fl_q4_weight *w = &m->store->q4[i];
-    size_t bytes = fl_q4_weight_bytes(w);
-    void *blob = NULL;
-    if (fl_mem_alloc(fl_mem_host_pool(m->pool), FL_TAG_WORKSPACE, bytes, &blob) != FL_OK) return NULL;
-    if ((w->row_start ? fl_q4_bind_mapped(hw, w->rows, w->cols, w->type, w->n_blocks, blob)
-                      : fl_q4_bind(hw, w->rows, w->cols, w->type, w->double_quant, blob)) != FL_OK) {
-        fl_mem_free(fl_mem_host_pool(m->pool), blob);
-        return NULL;
-    }
-    return blob;
-}
-
-static int on_device(const fl_model *m) { return m->be && !fl_backend_host_memory(m->be); }
-
-void fl_model_read_param(const fl_model *m, int i, float *dst) {
-    if (fl_model_param_is_q4(m, i) && on_device(m)) { /* the 4-bit buffer to the host, dequantized there */
-        fl_q4_weight hw;
-        void *blob = q4_host_copy(m, i, &hw);
-        if (!blob || FL_RUN(m->be, to_host, blob, m->store->q4[i].packed, fl_q4_weight_bytes(&hw)) != FL_OK) {
-            memset(dst, 0, m->layout.params[i].numel * sizeof(float));
-        } else {
-            fl_q4_dequantize(&hw, dst, m->be->n_threads);
-            if (m->adapt && m->adapt->merged && m->adapt->h.read_merged) m->adapt->h.read_merged(m, i, dst);
-        }
-        fl_mem_free(fl_mem_host_pool(m->pool), blob);
-        return;
-    }
-    if (fl_model_param_is_q4(m, i)) {
-        fl_q4_dequantize(&m->store->q4[i], dst, m->be ? m->be->n_threads : 0);
-        /* after the adapters were merged (fl_model_lora_merge): the merged weight */
-        if (m->adapt && m->adapt->merged && m->adapt->h.read_merged) m->adapt->h.read_merged(m, i, dst);
-        return;
-    }
-    fl_dtype dt;
-    const char *src = fl_model_param_data(m, i, &dt);
-    const size_t n = m->layout.params[i].numel, es = fl_dtype_size(dt);
-    if (!src) { /* sharded */
-        memset(dst, 0, n * sizeof(float));
-        return;
-    }
-    if (dt == FL_F32 || !m->be) { /* storage is device memory: it comes to the host through the backend */
-        if (m->be) (void)FL_RUN(m->be, to_host, dst, src, n * sizeof(float));
-        else fl_convert(dst, FL_F32, src, dt, n);
-        return;
-    }
-    uint16_t slice[8192]; /* 16-bit storage: copied out in slices, widened on the host */
-    for (size_t k0 = 0; k0 < n; k0 += 8192) {
-        size_t k = n - k0 < 8192 ? n - k0 : 8192;
-        (void)FL_RUN(m->be, to_host, slice, src + k0 * es, k * es);
-        fl_convert(dst + k0, FL_F32, slice, dt, k);
-    }
-}
-
-int fl_model_q4_mapped(const fl_model *m, int i) { return fl_model_param_is_q4(m, i) && m->store->q4[i].row_start; }
-
-fl_status fl_model_q4_take_blocks(const fl_model *whole, int j, fl_model *part, int i) {
-    const fl_q4_weight *pw = &part->store->q4[i];
-    const size_t nb = pw->n_blocks, bytes = fl_q4_weight_bytes(pw);
-    fl_q4_weight hw = whole->store->q4[j], tw;
-    void *wblob = on_device(whole) ? q4_host_copy(whole, j, &hw) : NULL;
-    char *blob = calloc(1, bytes + 4);
-    size_t *src = malloc(nb * sizeof *src);
-    fl_status s = blob && src && (wblob || !on_device(whole)) ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
-    if (s == FL_OK && wblob) s = FL_RUN(whole->be, to_host, wblob, whole->store->q4[j].packed, fl_q4_weight_bytes(&hw));
-    if (s == FL_OK) s = fl_q4_bind_mapped(&tw, pw->rows, pw->cols, pw->type, nb, blob);
-    if (s == FL_OK && fl_tp_q4_map(&part->cfg, &part->layout, i, src, tw.row_start) != nb)
-        s = fl_errorf(FL_ERR_INVALID, "the 4-bit blocks of %s: the map changed", part->layout.params[i].name);
-    if (s == FL_OK) s = fl_q4_take_blocks(&hw, src, &tw); /* codes and dequantized absmax */
-    if (s == FL_OK) s = FL_RUN(part->be, to_device, pw->packed, blob, bytes);
-    if (wblob) fl_mem_free(fl_mem_host_pool(whole->pool), wblob);
-    free(blob), free(src);
-    return fl_error_prefix(s, "tensor parallel: the whole 4-bit blocks of %s", part->layout.params[i].name);
-}
-
-void fl_model_write_param(fl_model *m, int i, const float *src) {
-    if (fl_model_param_is_q4(m, i) && on_device(m)) { /* quantized on the host, copied in */
-        fl_q4_weight hw;
-        void *blob = q4_host_copy(m, i, &hw);
-        if (blob && fl_q4_quantize(&hw, src, m->be->n_threads) == FL_OK)
-            (void)FL_RUN(m->be, to_device, m->store->q4[i].packed, blob, fl_q4_weight_bytes(&hw));
-        fl_mem_free(fl_mem_host_pool(m->pool), blob);
-        return;
-    }
-    if (fl_model_param_is_q4(m, i)) {
-        fl_q4_quantize(&m->store->q4[i], src, m->be ? m->be->n_threads : 0);
-        return;
-    }
-    fl_dtype dt;
-    char *dst = fl_model_param_data(m, i, &dt);
-    const size_t n = m->layout.params[i].numel, es = fl_dtype_size(dt);
-    if (!dst) return; /* sharded */
-    if (dt == FL_F32 || !m->be) {
-        if (m->be) (void)FL_RUN(m->be, to_device, dst, src, n * sizeof(float));
-        else fl_convert(dst, dt, src, FL_F32, n);
-        return;
-    }
-    uint16_t slice[8192]; /* 16-bit storage: rounded on the host in slices, copied in */
-    for (size_t k0 = 0; k0 < n; k0 += 8192) {
-        size_t k = n - k0 < 8192 ? n - k0 : 8192;
-        fl_convert(slice, dt, src + k0, FL_F32, k);
-        (void)FL_RUN(m->be, to_device, dst + k0 * es, slice, k * es);
-    }
-}
-
-fl_status fl_model_write_param_any(fl_model *m, int i, const float *src) {
-    if (!fl_model_provider(m)) {
-        fl_model_write_param(m, i, src);
-        return FL_OK;
-    }
-    size_t k0, k1;
-    fl_dtype dt;
-    char *dst = fl_model_param_piece(m, i, &k0, &k1, &dt);
-    if (!dst || k1 <= k0) return FL_OK;
-    const size_t n = k1 - k0, es = fl_dtype_size(dt);
-    const fl_backend *be = fl_model_params_be(m);
-    void *tmp = malloc(n * es + 4);
-    if (!tmp) return fl_errorf(FL_ERR_OOM, "out of host memory staging a piece of %s", m->layout.params[i].name);
-    fl_convert(tmp, dt, src + k0, FL_F32, n);
-    fl_status s = be ? FL_RUN(be, to_device, dst, tmp, n * es) : (memcpy(dst, tmp, n * es), FL_OK);
-    free(tmp);
-    return s;
 }
 
 void fl_model_free_acts(fl_model *m) {
@@ -356,8 +148,6 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
     return FL_OK;
 }
 
-void fl_model_sync_compute_copy(fl_model *m) { fl_store_sync_compute(m->store); }
-
 void fl_model_free(fl_model *m) {
     if (!m->pool) return;
     fl_model_free_acts(m);
@@ -365,29 +155,6 @@ void fl_model_free(fl_model *m) {
     fl_store_destroy(m->store);
     fl_layout_free(&m->layout);
     memset(m, 0, sizeof *m);
-}
-
-fl_status fl_model_alloc_grads(fl_model *m) { return fl_store_alloc_grads(m->store, &m->cfg); }
-
-void fl_model_zero_grads(fl_model *m) {
-    fl_store_zero_grads(m->store);
-    if (m->adapt) FL_RUN(m->be, zero, m->adapt->h.grads, m->adapt->h.grads_numel * sizeof(float));
-}
-
-void *fl_model_grads_buffer(const fl_model *m) {
-    return m->adapt ? (void *)m->adapt->h.grads : fl_model_grads_data(m);
-}
-
-float *fl_model_param(fl_model *m, const char *name) {
-    int i = fl_layout_find(&m->layout, name);
-    const fl_param_store *st = m->store;
-    return (i < 0 || !st->params || st->pp || fl_model_param_is_q4(m, i)) ? NULL : st->params + fl_model_store_off(m, i);
-}
-
-float *fl_model_grad(fl_model *m, const char *name) {
-    int i = fl_layout_find(&m->layout, name);
-    const fl_param_store *st = m->store;
-    return (i < 0 || !st->grads || st->pp) ? NULL : st->grads + m->layout.params[i].offset;
 }
 
 /* ---- random init ---------------------------------------------------------- */

@@ -4,7 +4,7 @@
  * the bound views (fl_weight_view, fp32 pointers, gradient pointers), never which storage holds them.
  *
  * Implementations (src/model/store_*.c), chosen when the model is created:
- *   - dense (store_dense.c): the flat layout in one buffer of fp32, bf16 or f16 (`params` / `p16`),
+ *   - dense (store.c): the flat layout in one buffer of fp32, bf16 or f16 (`params` / `p16`),
  *     its gradients (`grads` / `g16`), a mixed policy's compute-dtype copy (`wcompute`), and for
  *     16-bit storage the fp32 staging of 1-D parameters (`pstage`) and of one group's gradients
  *     (`gstage`, added into g16 once per group and micro-batch);
@@ -88,7 +88,7 @@ struct fl_param_store {
     void *grad_ready_ud;
 };
 
-/* ---- lifetime (store_dense.c, store_q4.c) ---- */
+/* ---- lifetime (store.c, store_q4.c) ---- */
 /* A store for lay with storage st (NULL: fp32): allocates the dense buffer (or calls st->shard, which
  * makes it a shard: fl_store_make_shard), the 4-bit entries, the staging. *out NULL on error. */
 fl_status fl_store_create(const fl_param_layout *lay, const fl_model_config *cfg, const fl_backend *be,
