@@ -3,17 +3,18 @@
  * reads top to bottom (transformer.c's stack interpreter, seq2seq.c's, generation, BLIP-2's) calls these:
  *   - the block table's ops in order (fl_block_forward: training, the checkpointed recompute, prefill,
  *     decode) and in reverse, each op's own backward (fl_block_backward);
- *   - the ops around the blocks: the norm (RMSNorm / LayerNorm, fp32 or 16-bit weights), the linear layer
- *     (dense in any dtype, 4-bit, with its adapters' branches), the embeddings forward and backward, and
- *     the chunked LM head with its cross-entropy and backward: one stack's HEAD_LM (fl_lm_head_loss, with the
- *     widened 16-bit head and the vocabulary-parallel cross-entropy; fl_lm_sum_losses) and the stacks of
- *     seq2seq.c / blip2_pass.c (fl_head_loss).
+ *   - the ops around the blocks: the norms (RMSNorm / LayerNorm, fp32 or 16-bit weights, the sequence-parallel
+ *     gradient sums), the linear layer (dense in any dtype, 4-bit, with its adapters' branches), the embeddings
+ *     forward and backward, the head's cross-entropy (dense or vocabulary-parallel) and the chunked head of the
+ *     stacks of seq2seq.c / blip2_pass.c (fl_head_loss); the decoder-only stack's own HEAD_LM (fl_lm_head_loss:
+ *     the widened 16-bit head, the bf16 loss gradient) is transformer.c's, with the pass that ends in it.
  * The model files describe (which slot, which weight, which op kind); the executor turns a description
  * into backend calls. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitllm/comm.h"
 #include "model-impl.h"
 #include "store.h"
 
@@ -627,6 +628,91 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
 #undef S
 }
 
+/* ---- the norms around and inside the blocks ------------------------------------------------------------------
+ * RMSNorm or LayerNorm, as the architecture says: the fp32 ops, the backends' w16 kernels over a 16-bit weight or a
+ * bf16 copy of the input / output (issue 30), and the sequence-parallel partial sums of a norm's parameter gradients
+ * (each rank sees its rows only). */
+
+/* The backend's w16 kernel of the architecture's norm (rmsnorm_*_w16 or layernorm_*_w16; bwd: the backward's): a
+ * 16-bit weight (and bias), or (bf16-mixed) an fp32 one with a bf16 copy to write or read */
+int fl_norm16_have(const fl_model *m, int bwd) {
+    const fl_backend *be = m->be;
+    if (fl_arch_get(m->cfg.arch)->layernorm)
+        return bwd ? be->layernorm_backward_w16 != NULL : be->layernorm_forward_w16 != NULL;
+    return bwd ? be->rmsnorm_backward_w16 != NULL : be->rmsnorm_forward_w16 != NULL;
+}
+
+int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
+                      const void *w, fl_dtype wt, const void *b, int N) {
+    const fl_backend *be = m->be;
+    const int ln = fl_arch_get(m->cfg.arch)->layernorm;
+    /* norm_weight's 16-bit binding (w and b); or an fp32 weight with a bf16 copy to store (bf16-mixed): the same
+     * kernel */
+    if (wt != FL_F32 || (out16 && fl_norm16_have(m, 0))) {
+        if (ln)
+            FL_RUN(be, layernorm_forward_w16, out, out16, mean, rstd, x, w, b, wt, N, m->cfg.dim, m->cfg.norm_eps);
+        else
+            FL_RUN(be, rmsnorm_forward_w16, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
+        return out16 != NULL;
+    }
+    if (ln)
+        FL_RUN(be, layernorm_forward, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
+    else
+        FL_RUN(be, rmsnorm_forward, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
+    return 0;
+}
+
+/* x16 (NULL or): the input read from its bf16 copy (the w16 kernel, x may then be NULL) */
+void fl_norm_backward_x16(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
+                          const float *x, const void *x16, const void *w, fl_dtype wt, const float *mean,
+                          const float *rstd, int N) {
+    const fl_backend *be = m->be;
+    const int ln = fl_arch_get(m->cfg.arch)->layernorm;
+    if (wt != FL_F32 || ((dx16 || x16) && fl_norm16_have(m, 1))) {
+        if (ln)
+            FL_RUN(be, layernorm_backward_w16, dx, dx16, dw, db, dout, x, x16, w, wt, mean, rstd, N, m->cfg.dim);
+        else
+            FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, x16, w, wt, rstd, N, m->cfg.dim);
+    } else if (ln)
+        FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
+    else
+        FL_RUN(be, rmsnorm_backward, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
+}
+
+void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
+                        const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
+    fl_norm_backward_x16(m, dx, dx16, dw, db, dout, x, NULL, w, wt, mean, rstd, N);
+}
+
+void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
+                     const float *b, int N) {
+    fl_norm_forward_t(m, out, NULL, mean, rstd, x, w, FL_F32, b, N);
+}
+
+void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
+                      const float *w, const float *mean, const float *rstd, int N) {
+    fl_norm_backward_t(m, dx, NULL, dw, db, dout, x, w, FL_F32, mean, rstd, N);
+}
+
+void fl_sp_norm_begin(const fl_model *m, float *dw, float *db, float **sw, float **sb) {
+    float *z = m->acts->sp_dnorm;
+    const int C = m->cfg.dim;
+    FL_RUN(m->be, zero, z, 2 * (size_t)C * sizeof(float));
+    *sw = dw ? z : NULL;
+    *sb = db ? z + C : NULL;
+}
+
+fl_status fl_sp_norm_end(const fl_model *m, struct fl_comm *c, float *dw, float *db) {
+    float *z = m->acts->sp_dnorm;
+    const size_t C = (size_t)m->cfg.dim;
+    if (!dw && !db) return FL_OK;
+    FL_TRY(fl_error_prefix(fl_comm_all_reduce(c, z, z, 2 * C, FL_F32, FL_COMM_SUM), "sequence parallel: a norm's "
+                           "parameter gradients"));
+    if (dw) FL_RUN(m->be, add, dw, dw, z, C);
+    if (db) FL_RUN(m->be, add, db, db, z + C, C);
+    return FL_OK;
+}
+
 /* ---- the ops around the blocks --------------------------------------------------------------- */
 
 /* out (n, C) = wte[ids] (+ wpe[pos0 ..]) for one sequence of n rows at position pos0,
@@ -777,27 +863,7 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
     return FL_OK;
 }
 
-/* ---- the decoders' and encoders' head (transformer.c's HEAD_LM) --------------------------------------- */
-
-/* One training chunk of a bf16 head on a backend with cross_entropy_dbf16 (issue 30 item 4): the chunk's input
- * rounded to bf16 once (xb16) for the forward and dW GEMMs, the loss's gradient written as bf16 straight into
- * dyb16 for the dx and dW GEMMs. Those are the operands the generic path's GEMMs round from fp32 (the same bits),
- * without its fp32 gradient's (rows, V) write and the converts that read it back. */
-/* x16: NULL (the chunk rounded here into xb16), or the chunk's rows of the final norm's bf16 copy */
-static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx, const float *x, const void *x16,
-                                  const int32_t *tg, float *losses, int rows, float grad_scale, float *logits_out) {
-    const fl_backend *be = m->be;
-    float *logits = m->acts->logits;
-    if (!x16) FL_TRY(FL_RUN(be, convert, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
-    fl_linear hx = *head;
-    if (x16) hx.xb16 = (void *)x16;
-    head = &hx;
-    FL_TRY(fl_linear_forward_ex(be, logits, x, head->xb16, head, rows)); // (rows, V) fp32
-    if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out, logits, rows));
-    FL_TRY(FL_RUN(be, cross_entropy_dbf16, losses, head->dyb16, logits, tg, rows, head->out, grad_scale,
-                  FL_IGNORE_INDEX));
-    return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW from dyb16 */
-}
+/* ---- the head's cross-entropy and logits, for every stack's head (transformer.c's HEAD_LM, fl_head_loss) ---- */
 
 fl_status fl_head_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
                                 const int32_t *targets, int rows, float grad_scale) {
@@ -810,142 +876,6 @@ fl_status fl_head_cross_entropy(fl_model *m, float *loss, float *dlogits, const 
 fl_status fl_head_logits_out(fl_model *m, float *out, const float *logits, int rows) {
     if (m->tp_ops) return m->tp_ops->logits_out(m, out, logits, rows);
     return FL_RUN(m->be, to_host, out, logits, (size_t)rows * m->cfg.vocab_size * sizeof(float));
-}
-
-/* The bf16 head's training chunks through cross_entropy_dbf16 (a plain trained bf16 weight, one vocabulary; a
- * frozen head has no bf16 scratch: fl_linear_wants_dy16); wide: the head widened to fp32 (fl_act_opts.head_widen) */
-static int head_dbf16(const fl_model *m, const fl_linear *head, int train_targets, int wide) {
-    return train_targets && m->be->cross_entropy_dbf16 && !wide && fl_linear_wants_dy16(head) && head->wc &&
-           head->wct == FL_BF16 && head->n_q4 == 0 && !(m->adapt && m->adapt->head) && !m->tp_ops;
-}
-static void head_linear(fl_model *m, const fl_outer_params *op, fl_linear *head) {
-    fl_dims d = fl_model_dims(&m->cfg);
-    *head = (fl_linear){.in = d.C, .out = d.V, .w = op->head, .dw = op->dhead};
-    fl_linear_set_weight(m, head, op->head_idx);
-    fl_linear_set_dw_scratch(m, head);
-}
-static int head_wide(const fl_model *m, const fl_linear *head) {
-    const fl_acts *a = m->acts;
-    return a->head_w && head->wc && head->wct == a->head_dt && head->n_q4 == 0 && !(m->adapt && m->adapt->head);
-}
-void *fl_lm_head_x16(fl_model *m) {
-    fl_outer_params op;
-    fl_get_outer(m, &op);
-    fl_linear head;
-    head_linear(m, &op, &head);
-    return head_dbf16(m, &head, 1, head_wide(m, &head)) ? head.xb16 : NULL;
-}
-
-/* HEAD_LM: logits (rows, V) = lnf @ head^T, chunked over rows, so at most (rows, V) logits exist; with targets the
- * per-token losses, and in training the head's backward too (dlogits overwrite the logits chunk), leaving d(lnf)
- * (N, C) in buf1 for the backward; an lm_head adapter gets its gradients here, chunk by chunk (the base head is
- * frozen). */
-fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out) {
-    const fl_backend *be = m->be;
-    fl_acts *a = m->acts;
-    fl_dims d = fl_model_dims(&m->cfg);
-    const int R = m->sizes.logits_chunk_rows, train = grad_scale > 0;
-    const int32_t *tg = a->targets && targets ? a->targets : targets; /* device memory on a device backend */
-    fl_outer_params op;
-    fl_get_outer(m, &op);
-    fl_linear head;
-    head_linear(m, &op, &head);
-    float *dlnf = a->buf1; // (N, C)
-    const void *lnf16 = a->lnf16; /* the final norm's bf16 copy (fl_lm_head_x16), for this pass only */
-    a->lnf16 = NULL;
-    /* 16-bit storage: the head's gradient accumulates over the chunks in fp32, then is added once */
-    const int stage_head = train && targets && head.dw && m->store->g16;
-    if (stage_head) fl_store_stage_begin(m->store, (size_t)d.V * d.C);
-    /* A 16-bit head on a backend whose 16-bit GEMM widens (fl_act_opts.head_widen): widen the weight once here
-     * instead of in every chunk's GEMMs, then run fp32 GEMMs on the same values: a BF16 head's GEMM operands are
-     * rounded to bf16 first (its chunk's rows into head_x; the logits' gradient in place, which only this head's
-     * dx and dW read), as the bf16 GEMM rounds an F32 A. An F16 GEMM does not round its F32 A, so nothing else
-     * changes. Not with a LoRA adapter on lm_head (its branch reads the unrounded x and dy). */
-    fl_linear hw = head;
-    const int wide = head_wide(m, &head);
-    const int round_bf16 = wide && a->head_dt == FL_BF16;
-    if (wide) {
-        FL_TRY(FL_RUN(be, convert, a->head_w, FL_F32, head.wc, head.wct, (size_t)d.V * d.C)); // (V, C)
-        hw.wc = a->head_w;
-        hw.wct = FL_F32;
-        hw.xb16 = hw.dyb16 = NULL; /* dW += dy^T x in fp32 on the rounded operands */
-    }
-    const int dbf16 = head_dbf16(m, &head, train && targets, wide);
-    for (int r0 = 0; r0 < N; r0 += R) {
-        int rows = N - r0 < R ? N - r0 : R;
-        const float *xr = a->lnf + (size_t)r0 * d.C;
-        if (dbf16) {
-            const void *x16 = lnf16 ? (const uint16_t *)lnf16 + (size_t)r0 * d.C : NULL;
-            FL_TRY(head_chunk_dbf16(m, &head, dlnf + (size_t)r0 * d.C, xr, x16, tg + r0, a->losses + r0, rows, grad_scale,
-                                    logits_out ? logits_out + (size_t)r0 * m->cfg.vocab_size : NULL));
-            continue;
-        }
-        if (round_bf16) { /* x (rows, C) -> bf16 -> fp32 */
-            FL_TRY(FL_RUN(be, convert, a->head_t16, FL_BF16, xr, FL_F32, (size_t)rows * d.C));
-            FL_TRY(FL_RUN(be, convert, a->head_x, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.C));
-            xr = a->head_x;
-        }
-        if (m->adapt) m->adapt->bind(m->adapt, -1, 0, &head, r0); /* head adapters: this chunk, the batch's dropout mask */
-        FL_TRY(fl_linear_forward(be, a->logits, xr, wide ? &hw : &head, rows)); // (rows, V)
-        if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r0 * m->cfg.vocab_size, a->logits, rows));
-        if (!targets) continue;
-        FL_TRY(fl_head_cross_entropy(m, a->losses + r0, train ? a->logits : NULL, a->logits, tg + r0, targets + r0,
-                                     rows, grad_scale)); /* tensor parallel: over the group's vocabulary slices */
-        if (!train) continue;
-        if (round_bf16) { /* dlogits (rows, V) -> bf16 -> fp32, in place */
-            FL_TRY(FL_RUN(be, convert, a->head_t16, FL_BF16, a->logits, FL_F32, (size_t)rows * d.V));
-            FL_TRY(FL_RUN(be, convert, a->logits, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.V));
-        }
-        FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
-    }
-    if (train && targets && m->tp_ops) FL_TRY(m->tp_ops->head_dx_sum(m, dlnf, N)); /* a vocabulary slice's part of d(lnf) */
-    if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)d.V * d.C));
-    return FL_OK;
-}
-
-/* The per-token losses come to the host in slices (a device's arena is not host memory), on a device in one copy
- * per micro-batch (each copy waits for the device: issue 30 item 5): m->loss_sum, n_valid; with m->loss_dev lent
- * (fl_step_run) on a backend with loss_sum_dev, summed into it on the device instead (m->loss_on_dev). */
-fl_status fl_lm_sum_losses(fl_model *m, const int32_t *targets, int N) {
-    const fl_backend *be = m->be;
-    const int V = m->cfg.vocab_size;
-    m->loss_on_dev = 0;
-    if (m->loss_dev && be->loss_sum_dev) { /* summed on the device (the host's order and bits), read at the step's end */
-        for (int i = 0; i < N; i++)
-            if (targets[i] != FL_IGNORE_INDEX) {
-                if (targets[i] < 0 || targets[i] >= V)
-                    return fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
-                                     targets[i], i, V);
-                m->n_valid++;
-            }
-        const int32_t *tg = m->acts->targets ? m->acts->targets : targets; /* device memory on a device backend */
-        FL_TRY(FL_RUN(be, loss_sum_dev, m->acts->losses, tg, N, FL_IGNORE_INDEX, m->loss_dev));
-        m->loss_on_dev = 1;
-        return FL_OK;
-    }
-    float lstack[1024], *lheap = NULL, *lbuf = lstack;
-    int slice = 1024;
-    if (N > slice && !m->host_memory && (lheap = malloc((size_t)N * sizeof *lheap))) {
-        lbuf = lheap;
-        slice = N;
-    }
-    fl_status s = FL_OK;
-    for (int i0 = 0; s == FL_OK && i0 < N; i0 += slice) {
-        int n = N - i0 < slice ? N - i0 : slice;
-        s = FL_RUN(be, to_host, lbuf, m->acts->losses + i0, (size_t)n * sizeof(float));
-        for (int i = i0; s == FL_OK && i < i0 + n; i++)
-            if (targets[i] != FL_IGNORE_INDEX) {
-                if (targets[i] < 0 || targets[i] >= V)
-                    s = fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
-                                  targets[i], i, V);
-                else {
-                    m->loss_sum += lbuf[i - i0];
-                    m->n_valid++;
-                }
-            }
-    }
-    free(lheap);
-    return s;
 }
 
 /* ---- the chunked LM head and cross-entropy over a stack's final norm output, shared by the interpreters of
