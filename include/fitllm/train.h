@@ -55,6 +55,7 @@ typedef struct fl_optim_dist {
 typedef struct {
     void *p, *g;         /* the parameters and their gradients */
     fl_dtype pt, gt;     /* their dtypes (BF16/F16 with 16-bit parameter storage) */
+    size_t pes, ges;     /* their element sizes (fl_dtype_size of pt, gt: set with them) */
     size_t n;
     int n_tensors;       /* tensors of p, for per-tensor (8-bit) state */
     size_t *t_off, *t_n; /* (n_tensors) element offset and size of each */

@@ -79,7 +79,7 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, cons
         for (int k = 0; !b16 && d.L > 0 && k < g->n_prod; k++)
             if (g->slot[g->prod[k]].kind == FL_GSLOT_WIDE || g->slot[g->prod[k]].kind == FL_GSLOT_TEMP)
                 sh.s[g->prod[k]] = carve(&cv, slot_rows(g, g->prod[k], N) * g->slot[g->prod[k]].width);
-        size_t es = fl_dtype_size(adt);
+        const size_t es = sizeof(uint16_t); /* a16: adt is BF16 or F16 (fl_precision's act_dtype: F32, BF16, F16) */
         cv.keep = 1; /* ... every block's statistics and 16-bit copies ... */
         for (int l = 0; l < d.L; l++) {
             fl_layer_acts la = sh;

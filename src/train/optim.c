@@ -36,6 +36,7 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
     if (!o->w.t_off || !o->w.t_n) return fl_errorf(FL_ERR_OOM, "optimizer bookkeeping: out of host memory");
     o->w.n_tensors = n;
     o->w.pt = o->w.gt = FL_F32;
+    o->w.pes = o->w.ges = sizeof(float);
     if (st) {
         o->w.p = st->params;
         o->w.g = st->grads;
@@ -50,6 +51,7 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
         o->w.p = fl_model_params_data(model);
         o->w.g = fl_model_grads_data(model);
         o->w.pt = o->w.gt = fl_model_store_dtype(model);
+        o->w.pes = o->w.ges = fl_dtype_size(o->w.pt);
         o->w.n = model->layout.numel;
         for (int i = 0; i < n; i++) {
             o->w.t_off[i] = model->layout.params[i].offset;
@@ -304,7 +306,7 @@ static int piece_view(const fl_optimizer *o, int i, int k, fl_adam8bit_state *v,
 static fl_status fsdp8_step(fl_optimizer *o, float lr, float scale) {
     const fl_backend *be = o->model->be;
     const fl_optim_config *c = &o->cfg;
-    const size_t pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt), S = (size_t)o->q8.n_slots;
+    const size_t pes = o->w.pes, ges = o->w.ges, S = (size_t)o->q8.n_slots;
     float *part = o->q8.x; /* (2 S): max |m| then max v of each cut block (the floors pass 2 reads) */
     char *sp = (char *)o->q8.x + 2 * S * sizeof(float);
     uint8_t *sq = (uint8_t *)(sp + FL_ADAM8BIT_BLOCK * 4);
@@ -520,8 +522,8 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
      * (host tier, held for the run as DeepSpeed's pinned buffers) */
     if (s == FL_OK && off) o->home.piece = o->shard.len < g_offload_piece ? o->shard.len : g_offload_piece;
     if (s == FL_OK && off && !off->params_host && !fl_backend_host_memory(model->be)) {
-        s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.pt), &o->home.hp);
-        if (s == FL_OK) s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.gt), &o->home.hg);
+        s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * o->w.pes, &o->home.hp);
+        if (s == FL_OK) s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * o->w.ges, &o->home.hg);
     }
     if (s == FL_OK && (o->home.hp || o->home.disk || o->home.ppool)) o->home.update = &fl_optim_offload_update;
     if (s == FL_OK && model->be->step_scalars) o->ss_home = model->be->step_scalars(model->be, FL_SS_MAX);
@@ -566,7 +568,7 @@ void fl_optim_free(fl_optimizer *o) {
  * optimizer sees only the rank's shard: [s_off, s_off + s_len) is the whole of it). */
 static int grads_sharded(const fl_optimizer *o) { return o->shard.dist && o->shard.dist->stage >= 2; }
 
-static const void *g_at(const fl_optimizer *o, size_t off) { return (const char *)o->w.g + off * fl_dtype_size(o->w.gt); }
+static const void *g_at(const fl_optimizer *o, size_t off) { return (const char *)o->w.g + off * o->w.ges; }
 
 /* the backend whose memory holds the gradients: the model's, or under parameter offload the host's */
 static const fl_backend *grads_be(const fl_optimizer *o) { return o->home.params_host ? o->home.be : o->model->be; }
@@ -637,7 +639,7 @@ fl_status fl_optim_update_part(const fl_optimizer *o, size_t a, size_t n, float 
     if (!n) return FL_OK;
     if (o->home.update) return o->home.update->range(o, a, n, lr, 1.0f, step); /* NVMe: its residency hints */
     const size_t at = o->shard.off + a;
-    return fl_optim_update_range(o, o->home.be, (char *)o->w.p + at * fl_dtype_size(o->w.pt), g_at(o, at), a, n, lr, 1.0f, step);
+    return fl_optim_update_range(o, o->home.be, (char *)o->w.p + at * o->w.pes, g_at(o, at), a, n, lr, 1.0f, step);
 }
 
 /* The step whose update already ran part by part (o->home.updated): the norm it reports, the count. The gradients
@@ -682,7 +684,7 @@ static fl_status step_on_device(fl_optimizer *o, float lr, float max_norm, float
     o->ss_pending = 1;
     o->step++;
     const size_t n = o->shard.len;
-    void *p = (char *)o->w.p + o->shard.off * fl_dtype_size(o->w.pt), *g = (void *)g_at(o, o->shard.off);
+    void *p = (char *)o->w.p + o->shard.off * o->w.pes, *g = (void *)g_at(o, o->shard.off);
     if (c->kind == FL_OPT_ADAMW)
         return FL_RUN(be, adamw_update_ss, p, o->w.pt, g, o->w.gt, o->st.m, o->st.v, c->state_dtype, n, lr, c->beta1,
                       c->beta2, c->eps, c->weight_decay, o->step, o->ss);
@@ -690,8 +692,8 @@ static fl_status step_on_device(fl_optimizer *o, float lr, float max_norm, float
         for (int i = 0; i < o->w.n_tensors; i++) {
             if (!o->q8.p_n[i]) continue;
             const size_t off = o->w.t_off[i] + o->q8.p_a[i];
-            FL_TRY(FL_RUN(be, adam8bit_update_ss, (char *)o->w.p + off * fl_dtype_size(o->w.pt), o->w.pt,
-                          (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, &o->q8.st[i], lr, c->beta1,
+            FL_TRY(FL_RUN(be, adam8bit_update_ss, (char *)o->w.p + off * o->w.pes, o->w.pt,
+                          (const char *)o->w.g + off * o->w.ges, o->w.gt, &o->q8.st[i], lr, c->beta1,
                           c->beta2, c->eps, c->weight_decay, o->step, o->ss));
         }
         return FL_OK;
@@ -769,7 +771,7 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     /* this rank's range (everything but under ZeRO): elementwise updates, so a range updates
      * with the same arithmetic as the whole buffer does */
     size_t n = o->shard.len;
-    void *p = (char *)o->w.p + o->shard.off * fl_dtype_size(o->w.pt), *g = (void *)g_at(o, o->shard.off);
+    void *p = (char *)o->w.p + o->shard.off * o->w.pes, *g = (void *)g_at(o, o->shard.off);
     if (c->kind != FL_OPT_ADAMW8BIT && o->home.update) { /* offloaded: staged, or on NVMe */
         FL_TRY(o->home.update->range(o, 0, n, lr, scale, o->step));
     } else if (c->kind != FL_OPT_ADAMW8BIT) {
@@ -781,8 +783,8 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
         for (int i = 0; i < o->w.n_tensors; i++) {
             if (!o->q8.p_n[i]) continue; /* ZeRO: not in this rank's chunk */
             size_t off = o->w.t_off[i] + o->q8.p_a[i];
-            FL_TRY(FL_RUN(be, adam8bit_update, (char *)o->w.p + off * fl_dtype_size(o->w.pt), o->w.pt,
-                          (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, &o->q8.st[i], lr, c->beta1,
+            FL_TRY(FL_RUN(be, adam8bit_update, (char *)o->w.p + off * o->w.pes, o->w.pt,
+                          (const char *)o->w.g + off * o->w.ges, o->w.gt, &o->q8.st[i], lr, c->beta1,
                           c->beta2, c->eps, c->weight_decay, o->step, scale));
         }
     }

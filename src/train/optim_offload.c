@@ -4,13 +4,13 @@
 #include "fitllm/train.h"
 #include "dp.h"
 
-static const void *g_at(const fl_optimizer *o, size_t off) { return (const char *)o->w.g + off * fl_dtype_size(o->w.gt); }
+static const void *g_at(const fl_optimizer *o, size_t off) { return (const char *)o->w.g + off * o->w.ges; }
 
 /* The state of elements [a, a + len) of the rank's range, one call per state array (NVMe offload's
  * residency hints) */
 static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, fl_disk_advice what) {
     const size_t ses = o->cfg.state_dtype == FL_BF16 ? 2 : 4;
-    const size_t at = o->shard.off + a, pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt);
+    const size_t at = o->shard.off + a, pes = o->w.pes, ges = o->w.ges;
     /* the state's arrays in its pool; parameter offload on NVMe: the parameters and gradients in theirs */
     const void *arr[5] = {o->st.m, o->st.v, o->st.buf, o->home.ppool ? (const char *)o->w.p + at * pes : NULL,
                           o->home.ppool ? g_at(o, at) : NULL};
@@ -34,7 +34,7 @@ static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, fl_dis
  *   holds about three pieces of the state while the disk reads and writes beside the update. */
 static fl_status offload_update(const fl_optimizer *o, size_t a0, size_t n, float lr, float scale, int step) {
     const fl_backend *be = o->model->be;
-    const size_t pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt), P = o->home.piece ? o->home.piece : n;
+    const size_t pes = o->w.pes, ges = o->w.ges, P = o->home.piece ? o->home.piece : n;
     const size_t end = a0 + n;
     size_t prev = 0, prev_len = 0;
     for (size_t a = a0; a < end; a += P) {
