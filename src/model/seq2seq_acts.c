@@ -107,7 +107,7 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
         for (int k = 0; k < a->st[s].g.n_slots; k++)
             for (int l = 0; a->st[s].g.slot[k].kind == FL_GSLOT_TEMP && l < a->st[s].L; l++)
                 a->st[s].layer[l].s[k] = tmp[a->sp > 1 ? k : 0];
-    float *spd = a->sp > 1 ? TAKEF(&cv, 2 * C) : NULL; /* sequence parallel: a norm's gradient part (norm.c) */
+    float *spd = a->sp > 1 ? TAKEF(&cv, 2 * C) : NULL; /* sequence parallel: a norm's gradient part (exec.c) */
     if (base) m->acts->sp_dnorm = spd;
     const size_t T0 = (size_t)a->st[0].Tmax, Tl = (size_t)a->st[a->n_stacks - 1].Tmax;
     uint8_t *km = take(&cv, B * T0);
