@@ -48,6 +48,21 @@ FL_TEST(cuda_gemm_epilogue_standin) {
             }
         FL_CHECKF(same, "bias epilogue (beta %g): not the plain sum + one fp32 add", (double)beta);
         for (int i = m; i < ldc; i++) FL_CHECK(C[i] == C0[i]); /* padding rows untouched */
+        /* a BF16 bias (BIAS_DATA_TYPE CUDA_R_16BF): the bits of its exact widening's fp32 add */
+        uint16_t b16[m];
+        for (int i = 0; i < m; i++) b16[i] = fl_f32_to_bf16(bias[i]);
+        memcpy(C, C0, sizeof(float) * ldc * n);
+        d.bias = b16, d.bias_t = FL_BF16;
+        FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &d));
+        same = 1;
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                float want = P[i + j * ldc] + fl_bf16_to_f32(b16[i]);
+                same &= !memcmp(&want, &C[i + j * ldc], sizeof want);
+            }
+        FL_CHECKF(same, "bf16 bias epilogue (beta %g): not the plain sum + the widened bias", (double)beta);
+        d.bias_t = FL_F16;
+        FL_CHECK(fl_cu_gemm_standin(NULL, &d) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "F16 bias"));
     }
     /* bias + GELU (beta 0): aux the biased sum, C its GELU within 8 fp32 roundings of float64 */
     fl_cu_gemm_desc d = {.m = m, .n = n, .k = k, .alpha = 1.0f, .beta = 0.0f, .A = A, .ta = FL_F32, .lda = m,
@@ -101,9 +116,10 @@ FL_TEST(cuda_gemm_epilogue_plan_key) {
     e.bias = buf + 768, e.aux = buf + 1024;
     fl_cu_gemm_key_of(&e, 64, &k);
     FL_CHECK(fl_cu_gemm_key_eq(&k0, &k));
-    for (int f = 0; f < 5; f++) {
+    for (int f = 0; f < 6; f++) {
         e = d;
         switch (f) {
+        case 5: e.bias_t = FL_BF16; break;
         case 0: e.epilogue = FL_CU_EPI_BIAS; break;
         case 1: e.epilogue = FL_CU_EPI_NONE; break;
         case 2: e.ldaux = 16; break;
@@ -135,6 +151,7 @@ static void *typed(const float *x, size_t n, fl_dtype t) {
 }
 
 /* gemm_epilogue = gemm, bias_forward (+ gelu_forward) on one backend; *fused: the stand-in's epilogue ran */
+/* (epi | FL_GEMM_EPI_BIAS_BF16: the bias given in bf16, the separate ops' bias its widening) */
 static void epi_case(const fl_backend *be, int epi, int trans_a, fl_dtype ta, fl_dtype tb, int K, float beta,
                      int *fused) {
     enum { M = 11, N = 9 };
@@ -144,10 +161,13 @@ static void epi_case(const fl_backend *be, int epi, int trans_a, fl_dtype ta, fl
     void *A = typed(a, (size_t)M * (K ? K : 1), ta), *B = typed(b, (size_t)N * (K ? K : 1), tb);
     float c1[M * N], c2[M * N], x1[M * N], x2[M * N];
     memcpy(c1, c0, sizeof c1), memcpy(c2, c0, sizeof c2);
-    const int lda = trans_a ? M : K, gelu = epi == FL_GEMM_EPI_BIAS_GELU;
+    uint16_t b16[N];
+    const int bf = (epi & FL_GEMM_EPI_BIAS_BF16) != 0;
+    for (int j = 0; j < N && bf; j++) b16[j] = fl_f32_to_bf16(bias[j]), bias[j] = fl_bf16_to_f32(b16[j]);
+    const int lda = trans_a ? M : K, gelu = (epi & ~FL_GEMM_EPI_BIAS_BF16) == FL_GEMM_EPI_BIAS_GELU;
     unsigned long e0 = fl_cu_gemm_standin_epilogues;
-    FL_CHECK(be->gemm_epilogue(be, epi, bias, gelu ? x1 : NULL, N, trans_a, 1, M, N, K, 0.5f, A, ta, lda, B, tb, K,
-                               beta, c1, N) == FL_OK);
+    FL_CHECK(be->gemm_epilogue(be, epi, bf ? (const void *)b16 : bias, gelu ? x1 : NULL, N, trans_a, 1, M, N, K, 0.5f,
+                               A, ta, lda, B, tb, K, beta, c1, N) == FL_OK);
     *fused = fl_cu_gemm_standin_epilogues > e0;
     float *y = gelu ? x2 : c2;
     FL_CHECK(be->gemm(be, trans_a, 1, M, N, K, 0.5f, A, ta, lda, B, tb, K, beta, y, FL_F32, N) == FL_OK);
@@ -164,15 +184,16 @@ static void epi_cases(const fl_backend *be, int want_fused) {
         {0, FL_F32, FL_F32, 1}, {1, FL_F32, FL_F32, 1}, {0, FL_BF16, FL_BF16, 1}, {0, FL_F32, FL_BF16, 1},
         {1, FL_F32, FL_BF16, 0}, {0, FL_F32, FL_F16, 0}, {0, FL_F16, FL_F16, 1}};
     for (size_t t = 0; t < sizeof ty / sizeof ty[0]; t++)
-        for (int c = 0; c < 3; c++) {
-            const int epi = c == 2 ? FL_GEMM_EPI_BIAS_GELU : FL_GEMM_EPI_BIAS;
+        for (int c = 0; c < 5; c++) { /* 3, 4: a bf16 bias */
+            const int epi = (c % 3 == 2 ? FL_GEMM_EPI_BIAS_GELU : FL_GEMM_EPI_BIAS) | (c > 2 ? FL_GEMM_EPI_BIAS_BF16 : 0);
             int fused = -1;
-            epi_case(be, epi, ty[t].trans_a, ty[t].ta, ty[t].tb, 21, c == 1 ? 0.25f : 0.0f, &fused);
+            epi_case(be, epi, ty[t].trans_a, ty[t].ta, ty[t].tb, 21, c == 1 || c == 3 ? 0.25f : 0.0f, &fused);
             FL_CHECKF(fused == (want_fused && ty[t].fusable), "%s %s x %s trans_a %d: fused %d", be->name,
                       fl_dtype_name(ty[t].ta), fl_dtype_name(ty[t].tb), ty[t].trans_a, fused);
         }
     int fused;
     epi_case(be, FL_GEMM_EPI_BIAS, 0, FL_F32, FL_F32, 0, 0.5f, &fused); /* K = 0: beta C + bias */
+    epi_case(be, FL_GEMM_EPI_BIAS | FL_GEMM_EPI_BIAS_BF16, 0, FL_F32, FL_F32, 0, 0.5f, &fused);
 }
 
 FL_TEST(cuda_emu_gemm_epilogue_same_bits) {

@@ -48,6 +48,8 @@ enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
 #define FL_ACT16_ROUND_IN 0x100
 /* gemm_epilogue's epilogues */
 enum { FL_GEMM_EPI_BIAS = 1, FL_GEMM_EPI_BIAS_GELU = 2 };
+/* or'ed into either: the bias is bf16 (a bf16 model's stored bias, read as it is stored: no widening launch) */
+enum { FL_GEMM_EPI_BIAS_BF16 = 0x100 };
 
 typedef struct fl_backend fl_backend;
 struct fl_comm; /* fitllm/comm.h */
@@ -277,10 +279,11 @@ struct fl_backend {
      * fused into the matmul where the backend can (cuBLASLt's), for a linear's bias and GPT-2's GELU:
      * FL_GEMM_EPI_BIAS: C = alpha op(A) op(B) + beta C, then C[i, j] += bias[j] (gemm then bias_forward);
      * FL_GEMM_EPI_BIAS_GELU (beta 0): aux[i, j] = alpha op(A) op(B) + bias[j] (row stride ldaux, the pre-activation
-     * the backward reads) and C = gelu_tanh(aux) (gelu_forward's). bias (N) fp32. cuda-emu: the bits of the three ops
+     * the backward reads) and C = gelu_tanh(aux) (gelu_forward's). bias (N) fp32, or bf16 with FL_GEMM_EPI_BIAS_BF16
+     * or'ed into epi (each element widened exactly: the bits of its fp32 widening). cuda-emu: the bits of the three ops
      * (checked); cuda: cuBLASLt's epilogue (its GELU within fp32 rounding of gelu_forward's), the three ops where
      * cuBLASLt refuses it or FITLLM_CUDA_EPILOGUE=0. NULL: callers run the separate ops. (cuda, cuda-emu) */
-    fl_status (*gemm_epilogue)(const fl_backend *be, int epi, const float *bias /*(N)*/, float *aux /*(M,ldaux)*/,
+    fl_status (*gemm_epilogue)(const fl_backend *be, int epi, const void *bias /*(N)*/, float *aux /*(M,ldaux)*/,
                                int ldaux, int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
                                fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc);
 

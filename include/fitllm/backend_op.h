@@ -159,7 +159,7 @@ struct fl_op_set_scratch { void *p; size_t bytes; };
 struct fl_op_set_compute_dtype { fl_dtype t; };
 struct fl_op_attention_qkv_forward { float *out, *lse; const float *qkv; int B, T, NH, NKV, HD; };
 struct fl_op_attention_qkv_backward { float *dqkv; const float *dout, *qkv, *out, *lse; int B, T, NH, NKV, HD; };
-struct fl_op_gemm_epilogue { int epi; const float *bias; float *aux; int ldaux; int trans_a, trans_b, M, N, K;
+struct fl_op_gemm_epilogue { int epi; const void *bias; float *aux; int ldaux; int trans_a, trans_b, M, N, K;
     float alpha; const void *A; fl_dtype ta; int lda; const void *B; fl_dtype tb; int ldb; float beta; float *C;
     int ldc; };
 

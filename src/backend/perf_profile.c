@@ -191,14 +191,15 @@ static fl_status w_gemm(BE, int ta, int tb, int M, int N, int K, float alpha, co
     p->cur_shape = -1;
     return s;
 }
-static fl_status w_gemm_epilogue(BE, int epi, const float *bias, float *aux, int ldaux, int ta, int tb, int M, int N,
+static fl_status w_gemm_epilogue(BE, int epi, const void *bias, float *aux, int ldaux, int ta, int tb, int M, int N,
                                  int K, float alpha, const void *A, fl_dtype tA, int lda, const void *B, fl_dtype tB,
                                  int ldb, float beta, float *C, int ldc) {
     fl_profiler *p = prof_of(be);
     int tm = prof_in(p);
     fl_status s = p->orig.gemm_epilogue(be, epi, bias, aux, ldaux, ta, tb, M, N, K, alpha, A, tA, lda, B, tB, ldb, beta,
                                         C, ldc);
-    p->cur_shape = tm ? shape_of(p, ta, tb, M, N, K, tA, tB, FL_F32, epi) : -1;
+    /* the shape's epilogue kind (a bf16 bias is timed as gemm_bench's fp32 one) */
+    p->cur_shape = tm ? shape_of(p, ta, tb, M, N, K, tA, tB, FL_F32, epi & ~FL_GEMM_EPI_BIAS_BF16) : -1;
     prof_out(p, tm, OP_gemm_epilogue, 2.0 * M * N * K);
     p->cur_shape = -1;
     return s;

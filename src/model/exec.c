@@ -334,12 +334,19 @@ static void *norm_dy16_for(const fl_model *m, const fl_backend *be, const fl_blo
  * gemm_epilogue (cuda-emu: the bits of the GEMM, bias_forward and gelu_forward). Not with adapters (LoRA adds to
  * pre before the GELU) or a 4-bit weight. */
 static int linear_gelu_fuses(const fl_backend *be, const fl_linear *lin) {
-    return be->gemm_epilogue && lin->b && lin->n_q4 == 0 && lin->n_adapters == 0;
+    return be->gemm_epilogue && (lin->b || lin->b16) && lin->n_q4 == 0 && lin->n_adapters == 0;
+}
+/* gemm_epilogue's bias argument of a linear: its bf16 stored bias (FL_GEMM_EPI_BIAS_BF16 or'ed into *epi) or fp32 */
+static const void *epi_bias(const fl_linear *lin, int *epi) {
+    if (lin->b16) *epi |= FL_GEMM_EPI_BIAS_BF16;
+    return lin->b16 ? lin->b16 : (const void *)lin->b;
 }
 static fl_status linear_bias_gelu(const fl_backend *be, float *out, float *pre, const float *x, const void *x16,
                                   const fl_linear *lin, int N) {
     const void *w = lin->wc ? lin->wc : (const void *)lin->w;
-    return FL_RUN(be, gemm_epilogue, FL_GEMM_EPI_BIAS_GELU, lin->b, pre, lin->out, 0, 1, N, lin->out, lin->in, 1.0f,
+    int epi = FL_GEMM_EPI_BIAS_GELU;
+    const void *b = epi_bias(lin, &epi);
+    return FL_RUN(be, gemm_epilogue, epi, b, pre, lin->out, 0, 1, N, lin->out, lin->in, 1.0f,
                   x16 ? x16 : (const void *)x, x16 ? FL_BF16 : FL_F32, lin->in, w, lin->wc ? lin->wct : FL_F32, lin->in,
                   0.0f, out, lin->out);
 }
@@ -705,8 +712,10 @@ fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, c
         fl_dtype wt = lin->wc ? lin->wct : FL_F32;
         /* a BF16 weight's GEMM rounds an F32 x to bf16: x16 is that operand already */
         const int a16 = x16 && wt == FL_BF16;
-        if (lin->b && be->gemm_epilogue) { /* the bias in the GEMM's epilogue (issue 30 item 3) */
-            FL_TRY(FL_RUN(be, gemm_epilogue, FL_GEMM_EPI_BIAS, lin->b, NULL, 0, 0, 1, N, lin->out, lin->in, 1.0f,
+        if ((lin->b || lin->b16) && be->gemm_epilogue) { /* the bias in the GEMM's epilogue (issue 30 item 3) */
+            int epi = FL_GEMM_EPI_BIAS;
+            const void *b = epi_bias(lin, &epi);
+            FL_TRY(FL_RUN(be, gemm_epilogue, epi, b, NULL, 0, 0, 1, N, lin->out, lin->in, 1.0f,
                           a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32, lin->in, w, wt, lin->in, 0.0f, y,
                           lin->out));
             biased = 1;
@@ -728,7 +737,7 @@ fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate,
 }
 
 int fl_linear_plain16(const fl_linear *lin) {
-    return lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && !lin->b && lin->n_adapters == 0;
+    return lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && !lin->b && !lin->b16 && lin->n_adapters == 0;
 }
 
 fl_status fl_linear_forward16(const fl_backend *be, void *y16, const void *x16, const fl_linear *lin, int N) {

@@ -36,6 +36,8 @@ fl_status fl_cu_gemm_check(const fl_cu_gemm_desc *d) {
             return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: an epilogue takes one matrix and an F32 C (batch %d, C %s)",
                              d->batch, fl_dtype_name(d->tc));
         if (!d->bias) return fl_errorf(FL_ERR_INVALID, "cu_gemm: epilogue without a bias");
+        if (d->bias_t != FL_F32 && d->bias_t != FL_BF16)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: a %s bias (F32 or BF16)", fl_dtype_name(d->bias_t));
         if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS && (!d->aux || d->ldaux < (d->m > 1 ? d->m : 1) || d->beta != 0.0f))
             return fl_errorf(FL_ERR_INVALID, "cu_gemm: GELU epilogue needs aux with ldaux >= m (ldaux=%lld, m=%d) and "
                              "beta 0 (%g)", (long long)d->ldaux, d->m, (double)d->beta);
@@ -82,7 +84,7 @@ fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
                 double v = (double)d->alpha * acc;
                 if (d->beta != 0.0f) v += (double)d->beta * ld_elem(C, d->tc, ci); /* beta 0: C not read */
                 if (d->epilogue != FL_CU_EPI_NONE) { /* tc F32 (checked): rounded, then the epilogue in fp32 */
-                    float f = (float)v + d->bias[i];
+                    float f = (float)v + (float)ld_elem(d->bias, d->bias_t, i); /* BF16: widened exactly */
                     if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS) {
                         d->aux[i + (int64_t)j * d->ldaux] = f;
                         f = epi_gelu(f);
@@ -134,14 +136,15 @@ void fl_cu_gemm_desc_rowmajor(fl_cu_gemm_desc *d, int trans_a, int trans_b, int 
     };
 }
 
-fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, const float *bias, float *aux, int ldaux,
+fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, const void *bias, fl_dtype bias_t,
+                                  float *aux, int ldaux,
                                   int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
                                   fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
                                   fl_dtype tc, int ldc) {
     /* the row-major output's columns are cuBLASLt's rows, so the bias is per row of C^T */
     fl_cu_gemm_desc d;
     fl_cu_gemm_desc_rowmajor(&d, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
-    d.epilogue = epilogue, d.bias = bias, d.aux = aux, d.ldaux = ldaux;
+    d.epilogue = epilogue, d.bias = bias, d.bias_t = bias_t, d.aux = aux, d.ldaux = ldaux;
     return fn(ctx, &d);
 }
 
@@ -160,7 +163,8 @@ void fl_cu_gemm_key_of(const fl_cu_gemm_desc *d, size_t workspace_bytes, fl_cu_g
                    (int32_t)fl_cu_gemm_align_of(d->A), (int32_t)fl_cu_gemm_align_of(d->B),
                    (int32_t)fl_cu_gemm_align_of(d->C), d->epilogue,
                    d->epilogue ? (int32_t)fl_cu_gemm_align_of(d->bias) : 0,
-                   d->epilogue == FL_CU_EPI_GELU_AUX_BIAS ? (int32_t)fl_cu_gemm_align_of(d->aux) : 0};
+                   d->epilogue == FL_CU_EPI_GELU_AUX_BIAS ? (int32_t)fl_cu_gemm_align_of(d->aux) : 0,
+                   d->epilogue ? (int32_t)d->bias_t : 0};
     memcpy(k->v, v, sizeof v);
     k->ld[0] = d->lda;
     k->ld[1] = d->ldb;
