@@ -298,7 +298,59 @@ FL_TEST(cuda_bf16_attention_forward16) {
     attn16_case(fl_cuemu_attention_forward_fa2, "fa2", 1, 33, 2, 1, 128, 8);
 }
 
+/* bias_backward16 (a biased linear's bias gradient that leaves its bf16 dy, issue 30 item 1): db the bits of
+ * bias_backward (the same column sum) and within the fp32 sum's bound of a float64 one, dy16 = RNE(dy) bit for bit;
+ * odd shapes (a partial 16-column block, row groups G = N / 128 with the 4-row unrolled loop and its tail, one row),
+ * two shuffle seeds; bad arguments refused by name; cpu / ref / opaque do not have the slot (the model converts). */
+static void bias16_case(const fl_backend *be, int N, int OC) {
+    fl_test_rng r = {(uint64_t)(N * 31 + OC)};
+    const size_t n = (size_t)N * OC;
+    float *dy = fl_test_frand(&r, n, -2, 2), *db0 = fl_test_frand(&r, (size_t)OC, -1, 1);
+    float *d1 = malloc((size_t)OC * 4), *d2 = malloc((size_t)OC * 4);
+    uint16_t *w16 = malloc(n * 2), *g16 = malloc(n * 2);
+    FL_REQUIRE_OK(fl_convert(w16, FL_BF16, dy, FL_F32, n));
+    memcpy(d1, db0, (size_t)OC * 4);
+    be->bias_backward(be, d1, dy, N, OC);
+    for (int s = 0; s < 2; s++) {
+        fl_cu_emu_set_seed(k_seeds[s]);
+        memcpy(d2, db0, (size_t)OC * 4);
+        memset(g16, 0xab, n * 2);
+        FL_CHECK(be->bias_backward16(be, d2, g16, dy, N, OC) == FL_OK);
+        FL_CHECKF(!memcmp(d1, d2, (size_t)OC * 4) && !memcmp(g16, w16, n * 2),
+                  "bias_backward16 N %d OC %d: db not bias_backward's bits or dy16 not RNE(dy)", N, OC);
+    }
+    int ok = 1;
+    for (int c = 0; c < OC; c++) { /* float64: an fp32 sum of N + 1 terms within (N + 1) 2^-24 of their magnitude */
+        double want = db0[c], mag = fabs(db0[c]);
+        for (int i = 0; i < N; i++) want += dy[(size_t)i * OC + c], mag += fabs(dy[(size_t)i * OC + c]);
+        ok &= fabs(d2[c] - want) <= (N + 1) * 0x1p-24 * mag;
+    }
+    FL_CHECKF(ok, "bias_backward16 N %d OC %d: db beyond the fp32 sum's bound of float64", N, OC);
+    free(dy), free(db0), free(d1), free(d2), free(w16), free(g16);
+}
+
+FL_TEST(cuda_bf16_bias_backward16) {
+    static const char *const others[] = {"cpu", "ref", "opaque"};
+    for (int k = 0; k < 3; k++) {
+        fl_backend o;
+        FL_REQUIRE_OK(fl_backend_init_by_name(others[k], &o, 1));
+        FL_CHECKF(o.bias_backward16 == NULL, "%s has bias_backward16 (this test checks only cuda-emu's)", others[k]);
+        fl_backend_free(&o);
+    }
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    FL_REQUIRE(be.bias_backward16 != NULL);
+    bias16_case(&be, 7, 37);
+    bias16_case(&be, 517, 19); /* 4 row groups: the unrolled rows and a tail */
+    bias16_case(&be, 1, 1);
+    float x[4] = {0};
+    uint16_t h[4];
+    FL_CHECK(be.bias_backward16(&be, x, NULL, x, 2, 2) == FL_ERR_INVALID && strstr(fl_error_message(), "dy16"));
+    FL_CHECK(be.bias_backward16(&be, x, h, x, -1, 2) == FL_ERR_INVALID && strstr(fl_error_message(), "N -1"));
+    fl_backend_free(&be);
+}
 #else
+FL_TEST(cuda_bf16_bias_backward16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_act_forward16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_attention_forward16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_add16) { fl_test_skip("no CUDA emulator in this build"); }

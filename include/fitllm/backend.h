@@ -230,6 +230,12 @@ struct fl_backend {
     fl_status (*attention_backward16)(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                       const float *dout, const void *q16, const void *k16, const void *v16,
                                       const uint8_t *kmask, const void *out16, const float *lse);
+    /* Optional (NULL: bias_backward, and the caller converts dy; issue 30 item 1): bias_backward (db += the column
+     * sums of dy, its bits) that also writes dy16 (N, OC) = bf16(dy) (RNE) as it reads dy: a biased linear's bf16
+     * dy for its dx and dW GEMMs without a convert launch (GPT-2's c_attn, whose dy the attention writes in fp32).
+     * (cuda, cuda-emu) */
+    fl_status (*bias_backward16)(const fl_backend *be, float *db /*(OC)*/, void *dy16 /*(N,OC) bf16*/,
+                                 const float *dy /*(N,OC)*/, int N, int OC);
 
     /* Optional (NULL: the cross_entropy op below, then a convert of its gradient): cross_entropy with the logits'
      * gradient

@@ -762,7 +762,12 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
      * once, here (or by the op that made dy: dy16_ready); the dx GEMM reads that copy, the same operand its own
      * rounding of an F32 dy gives */
     const int dy16 = fl_linear_wants_dy16(lin);
-    if (dy16 && !dy16_ready) FL_TRY(FL_RUN(be, convert, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
+    int db_done = 0; /* a biased linear's bias gradient writes that copy as it reads dy (bias_backward16) */
+    if (dy16 && !dy16_ready && lin->db && be->bias_backward16) {
+        FL_TRY(FL_RUN(be, bias_backward16, lin->db, lin->dyb16, dy, N, lin->out));
+        db_done = 1;
+    } else if (dy16 && !dy16_ready)
+        FL_TRY(FL_RUN(be, convert, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
     if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
             FL_TRY(FL_RUN(be, q4_matmul_backward, dx, dy + r0, lin->out, lin->q4[k], N,
@@ -778,7 +783,7 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
     } else if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
         FL_TRY(FL_RUN(be, gemm, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
                       lin->dw, FL_F32, lin->in));
-    if (lin->db) FL_RUN(be, bias_backward, lin->db, dy, N, lin->out);
+    if (lin->db && !db_done) FL_RUN(be, bias_backward, lin->db, dy, N, lin->out);
     for (int k = 0; k < lin->n_adapters; k++) { /* after the base dx: each adapter's branch adds to it */
         const fl_linear_adapter *a = lin->adapters[k];
         FL_TRY(a->ops->backward(a, be, dx, dy, lin->out, x, N, lin->row_base));

@@ -155,6 +155,7 @@ extern "C" {
     /* bias_forward with a bias of type bt: F32 (bias_forward) or BF16 (widened exactly; another type: -1) */     \
     int P##bias_forward_t(float *y, const void *b, fl_dtype bt, int N, int OC, void *stream);                   \
     int P##bias_backward(float *db, const float *dy, int N, int OC, void *stream);                              \
+    int P##bias_backward16(float *db, void *dy16, const float *dy, int N, int OC, void *stream);                \
     /* emulator self-test kernels (tests/test_cuda_emu.c): out[i] = in[i-1] of a block-wide shift through     \
      * shared memory (in[n-1] for i = 0), with or without the __syncthreads between the write and the read;    \
      * and every shuffle of cu_compat.h on lane ids (see kernels/selftest.cu) */                                \

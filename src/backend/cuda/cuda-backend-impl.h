@@ -342,6 +342,14 @@ static void flb_bias_forward(const fl_backend *be, float *y, const float *b, int
 static void flb_bias_backward(const fl_backend *be, float *db, const float *dy, int N, int OC) {
     FLB_RUN(be, FLB_K(bias_backward)(db, dy, N, OC, STREAM), "bias_backward");
 }
+static fl_status flb_bias_backward16(const fl_backend *be, float *db, void *dy16, const float *dy, int N, int OC) {
+    FL_TRY(flb_sticky(be));
+    if (!db || !dy16 || !dy || N < 0 || OC < 0)
+        return fl_errorf(FL_ERR_INVALID, "%s bias_backward16: %s NULL or a negative shape (N %d, OC %d)", FLB_NAME,
+                         !db ? "db" : !dy16 ? "dy16" : !dy ? "dy" : "nothing", N, OC);
+    FLB_RUN_S(be, FLB_K(bias_backward16)(db, dy16, dy, N, OC, STREAM), "bias_backward16");
+    return FL_OK;
+}
 static void flb_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
                               const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
     if (flb_in_check(be, targets, "cross_entropy")) return;
@@ -915,6 +923,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->add = flb_add;
     be->bias_forward = flb_bias_forward;
     be->bias_backward = flb_bias_backward;
+    be->bias_backward16 = flb_bias_backward16;
     be->cross_entropy = flb_cross_entropy;
     be->cross_entropy_dbf16 = head_dbf16 ? flb_cross_entropy_dbf16 : NULL;
 #ifdef FLB_HAVE_CUDNN /* cuDNN's attention copies in the model's lent scratch (the planner counts them) */
