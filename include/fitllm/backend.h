@@ -48,8 +48,11 @@ enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
 #define FL_ACT16_ROUND_IN 0x100
 /* gemm_epilogue's epilogues */
 enum { FL_GEMM_EPI_BIAS = 1, FL_GEMM_EPI_BIAS_GELU = 2 };
-/* or'ed into either: the bias is bf16 (a bf16 model's stored bias, read as it is stored: no widening launch) */
-enum { FL_GEMM_EPI_BIAS_BF16 = 0x100 };
+/* or'ed into either: the bias is bf16 (a bf16 model's stored bias, read as it is stored: no widening launch).
+ * FL_GEMM_EPI_OUT_BF16, with FL_GEMM_EPI_BIAS, beta 0 and bf16 A and B only: C is bf16 (passed as float *), C =
+ * RNE(the fp32 result), one rounding (a bf16 run's stored linear output); aux NULL or an fp32 (M, ldaux) buffer the
+ * backend may use as scratch where it cannot fuse (then its contents are undefined). */
+enum { FL_GEMM_EPI_BIAS_BF16 = 0x100, FL_GEMM_EPI_OUT_BF16 = 0x200 };
 
 typedef struct fl_backend fl_backend;
 struct fl_comm; /* fitllm/comm.h */
@@ -230,6 +233,13 @@ struct fl_backend {
     fl_status (*attention_backward16)(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                       const float *dout, const void *q16, const void *k16, const void *v16,
                                       const uint8_t *kmask, const void *out16, const float *lse);
+    /* Optional (NULL: the caller stores q|k|v in fp32 too and calls attention_forward16; issue 30 item 1):
+     * attention_forward16 without bias reading q16, k16, v16, bf16 with the layouts and strides of q, k, v in a
+     * (elements), each element widened exactly: the bits of attention_forward16 over the widened copies (a bf16
+     * run's q|k|v slot written by its GEMM in bf16 only, no fp32 view and no round16). */
+    fl_status (*attention_forward_in16)(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16,
+                                        float *lse, const void *q16, const void *k16, const void *v16,
+                                        const uint8_t *kmask);
     /* Optional (NULL: bias_backward, and the caller converts dy; issue 30 item 1): bias_backward (db += the column
      * sums of dy, its bits) that also writes dy16 (N, OC) = bf16(dy) (RNE) as it reads dy: a biased linear's bf16
      * dy for its dx and dW GEMMs without a convert launch (GPT-2's c_attn, whose dy the attention writes in fp32).

@@ -42,7 +42,7 @@
     X(loss_sum_dev, FL_PROF_LOSS) X(check_finite_dev, FL_PROF_OPTIM)                                                   \
     /* tensor parallelism's (issue 35): the vocabulary-parallel cross-entropy's halves, the row-strided dropout */     \
     X(vocab_stats, FL_PROF_LOSS) X(vocab_xent, FL_PROF_LOSS) X(dropout_rows, FL_PROF_ELEM)                             \
-    X(bias_backward16, FL_PROF_ELEM)
+    X(bias_backward16, FL_PROF_ELEM) X(attention_forward_in16, FL_PROF_ATTN)
 
 #define PROF_ENUM(op, g) OP_##op,
 enum { PROF_OPS(PROF_ENUM) OP_COUNT };
@@ -344,6 +344,10 @@ WRAP_S(act_forward16, 0, (BE, int kind, float *out, void *out16, float *in, cons
 WRAP_S(act_backward16, 0,
        (BE, int kind, float *din, void *din16, const float *dout, const float *in, const void *in16, int N, int F),
        (be, kind, din, din16, dout, in, in16, N, F))
+WRAP_S(attention_forward_in16, attn_flops(a),
+       (BE, const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q16, const void *k16,
+        const void *v16, const uint8_t *kmask),
+       (be, a, out, out16, lse, q16, k16, v16, kmask))
 WRAP_S(bias_backward16, 0, (BE, float *db, void *dy16, const float *dy, int N, int OC), (be, db, dy16, dy, N, OC))
 WRAP_S(add16, 0, (BE, float *out, void *out16, const float *a, const float *b, size_t n), (be, out, out16, a, b, n))
 WRAP_S(round16, 0, (BE, void *dst, fl_dtype dt, float *x, size_t n), (be, dst, dt, x, n))

@@ -32,9 +32,11 @@ fl_status fl_cu_gemm_check(const fl_cu_gemm_desc *d) {
     if (d->epilogue != FL_CU_EPI_NONE) {
         if (d->epilogue != FL_CU_EPI_BIAS && d->epilogue != FL_CU_EPI_GELU_AUX_BIAS)
             return fl_errorf(FL_ERR_INVALID, "cu_gemm: unknown epilogue %d", d->epilogue);
-        if (d->batch != 1 || d->tc != FL_F32)
-            return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: an epilogue takes one matrix and an F32 C (batch %d, C %s)",
-                             d->batch, fl_dtype_name(d->tc));
+        /* a BF16 D (C) with the bias epilogue: a bf16 run's stored linear output (beta 0: C not read) */
+        const int d16 = d->tc == FL_BF16 && d->epilogue == FL_CU_EPI_BIAS && d->beta == 0.0f;
+        if (d->batch != 1 || (d->tc != FL_F32 && !d16))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: an epilogue takes one matrix and an F32 C (or BF16 with the "
+                             "bias epilogue and beta 0) (batch %d, C %s)", d->batch, fl_dtype_name(d->tc));
         if (!d->bias) return fl_errorf(FL_ERR_INVALID, "cu_gemm: epilogue without a bias");
         if (d->bias_t != FL_F32 && d->bias_t != FL_BF16)
             return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: a %s bias (F32 or BF16)", fl_dtype_name(d->bias_t));
@@ -83,13 +85,14 @@ fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
                 int64_t ci = i + (int64_t)j * d->ldc;
                 double v = (double)d->alpha * acc;
                 if (d->beta != 0.0f) v += (double)d->beta * ld_elem(C, d->tc, ci); /* beta 0: C not read */
-                if (d->epilogue != FL_CU_EPI_NONE) { /* tc F32 (checked): rounded, then the epilogue in fp32 */
+                if (d->epilogue != FL_CU_EPI_NONE) { /* rounded to fp32, then the epilogue in fp32 (a BF16 D: then RNE) */
                     float f = (float)v + (float)ld_elem(d->bias, d->bias_t, i); /* BF16: widened exactly */
                     if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS) {
                         d->aux[i + (int64_t)j * d->ldaux] = f;
                         f = epi_gelu(f);
                     }
-                    ((float *)C)[ci] = f;
+                    if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16(f);
+                    else ((float *)C)[ci] = f;
                 } else if (d->tc == FL_F32) ((float *)C)[ci] = (float)v;
                 else if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16((float)v);
                 else ((uint16_t *)C)[ci] = fl_f32_to_f16((float)v);

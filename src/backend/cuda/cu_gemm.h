@@ -49,7 +49,8 @@ typedef struct {
      * and D[i, j] = gelu_tanh(aux[i, j]) (the stand-in: the GELU kernels' formula, x sigmoid(2u)). bias has m
      * elements (the row-major output's columns) of type bias_t: F32 (0, the default) or BF16 (a bf16 model's stored
      * bias, read as cuBLASLt's CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE CUDA_R_16BF: each element widened exactly, then
-     * the same fp32 add). FL_CU_EPI_NONE (0): none. */
+     * the same fp32 add). FL_CU_EPI_BIAS also takes a BF16 C with beta 0 (tc BF16: D = RNE of the fp32 s + bias, one
+     * rounding, as PyTorch's bf16 addmm). FL_CU_EPI_NONE (0): none. */
     int epilogue;
     const void *bias;
     float *aux;

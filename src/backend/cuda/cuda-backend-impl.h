@@ -66,6 +66,7 @@ typedef struct {
     int attn;              /* FITLLM_CUDA_ATTN: fl_cudnn_attn_choice (cudnn-impl.h; cuda-work-ops-impl.h) */
     int epi;               /* FITLLM_CUDA_EPILOGUE (1 default): gemm_epilogue through cuBLASLt's epilogues; 0 after a refusal */
     int epi_b16;           /* 1: with a bf16 bias too (BIAS_DATA_TYPE CUDA_R_16BF); 0 after cuBLASLt refused that */
+    int epi_c16;           /* 1: with a bf16 D too (the bias epilogue); 0 after cuBLASLt refused that */
     int det;               /* FITLLM_CUDA_DETERMINISTIC=1: the fa2 backward's dq in key-block order, no cuDNN backward */
     struct flb_cudnn *dnn; /* cuDNN's attention (the plugin, when it loaded: cuda-cudnn-impl.h), else NULL */
     fl_status err;         /* sticky: the first failure */
@@ -809,7 +810,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     /* FITLLM_CUDA_EPILOGUE=0: a linear's bias and GELU as kernels after the GEMM (A/B timing; issue 30 item 3) */
     const char *ee = getenv("FITLLM_CUDA_EPILOGUE");
     im->epi = !ee || !*ee || !strcmp(ee, "1");
-    im->epi_b16 = 1;
+    im->epi_b16 = im->epi_c16 = 1;
     /* FITLLM_CUDA_PINNED=0: the inputs' uploads straight from the caller's pageable memory (A/B) */
     const char *ep = getenv("FITLLM_CUDA_PINNED");
     im->stage.on = !ep || !*ep || !strcmp(ep, "1");
@@ -908,6 +909,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->rope_backward = flb_rope_backward;
     be->attention_forward = flb_attention_forward;
     be->attention_forward16 = flb_attention_forward16;
+    be->attention_forward_in16 = flb_attention_forward_in16;
     be->attention_backward = flb_attention_backward;
     be->attention_backward16 = flb_attention_backward16;
     be->swiglu_forward = flb_swiglu_forward;

@@ -69,9 +69,9 @@ static cublasStatus_t layout(cublasLtMatrixLayout_t *l, fl_dtype t, int64_t rows
 
 /* The epilogue's attributes (issue 30 item 3): its kind, aux's leading dimension and the bias type once per plan
  * (all: 1), the bias and aux pointers every call (all: 0; the plan's descriptor is reused across calls). An fp32
- * bias takes the default type (D's: an epilogue's D is F32, cu_gemm_check); a BF16 one (a bf16 model's stored bias)
- * is declared with CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE (a refusal: NOT_SUPPORTED from the heuristic, the caller's
- * fallback). */
+ * bias with an F32 D (and a BF16 one with a BF16 D) takes the default type, D's; another (a bf16 model's stored bias
+ * with an F32 D, an fp32 bias with a BF16 D) is declared with CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE (a refusal:
+ * NOT_SUPPORTED from the heuristic, the caller's fallback). */
 static cublasStatus_t lt_epilogue(cublasLtMatmulDesc_t op, const fl_cu_gemm_desc *d, int all) {
     const int gelu = d->epilogue == FL_CU_EPI_GELU_AUX_BIAS;
     cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
@@ -81,8 +81,8 @@ static cublasStatus_t lt_epilogue(cublasLtMatmulDesc_t op, const fl_cu_gemm_desc
         int64_t ld = d->ldaux;
         if (st == CUBLAS_STATUS_SUCCESS && gelu)
             st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof ld);
-        if (st == CUBLAS_STATUS_SUCCESS && d->bias_t == FL_BF16) {
-            cudaDataType_t bt = CUDA_R_16BF;
+        if (st == CUBLAS_STATUS_SUCCESS && d->bias_t != d->tc) { /* a type other than D's (the default) */
+            cudaDataType_t bt = cu_type(d->bias_t);
             st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt);
         }
     }
