@@ -258,13 +258,19 @@ static int fwd16_ex(const fl_attn_desc *a, float *o, void *o16, float *l, const 
                     const float *v, const uint8_t *m, void *st) {
     return fl_cuemu_attention_forward_ex(a, o, o16, l, q, k, v, NULL, m, st);
 }
-static void attn16_case(fwd16_fn f, const char *kn, int B, int T, int NH, int NKV, int HD, int pad) {
-    fl_test_rng r = {(uint64_t)(B * 131 + T * 7 + HD + pad)};
+/* causal self-attention over fused q|k|v rows (width *W, rows *N), out rows padded by pad */
+static fl_attn_desc qkv_desc(int B, int T, int NH, int NKV, int HD, int pad, size_t *W, size_t *N) {
     fl_attn_desc a = {.B = B, .Tq = T, .Tk = T, .NH = NH, .NKV = NKV, .HD = HD, .scale = 1.0f / sqrtf((float)HD),
                       .causal = 1};
-    const size_t W = (size_t)(NH + 2 * NKV) * HD, N = (size_t)B * T;
-    a.ldq = a.ldk = a.ldv = W;
+    *W = (size_t)(NH + 2 * NKV) * HD, *N = (size_t)B * T;
+    a.ldq = a.ldk = a.ldv = *W;
     a.ldo = (size_t)NH * HD + (size_t)pad;
+    return a;
+}
+static void attn16_case(fwd16_fn f, const char *kn, int B, int T, int NH, int NKV, int HD, int pad) {
+    fl_test_rng r = {(uint64_t)(B * 131 + T * 7 + HD + pad)};
+    size_t W, N;
+    fl_attn_desc a = qkv_desc(B, T, NH, NKV, HD, pad, &W, &N);
     float *qkv = fl_test_frand(&r, N * W, -1, 1), *q = qkv, *k = qkv + (size_t)NH * HD, *v = k + (size_t)NKV * HD;
     const size_t no = N * a.ldo, nl = (size_t)B * NH * T;
     float *o1 = malloc(no * 4), *o2 = malloc(no * 4), *l1 = malloc(nl * 4), *l2 = malloc(nl * 4);
@@ -307,11 +313,8 @@ typedef int (*fwdin16_fn)(const fl_attn_desc *, float *, void *, float *, const 
 static void attn_in16_case(fwd16_fn f32, fwdin16_fn f16, const char *kn, int B, int T, int NH, int NKV, int HD,
                            int pad) {
     fl_test_rng r = {(uint64_t)(B * 17 + T * 3 + HD + pad)};
-    fl_attn_desc a = {.B = B, .Tq = T, .Tk = T, .NH = NH, .NKV = NKV, .HD = HD, .scale = 1.0f / sqrtf((float)HD),
-                      .causal = 1};
-    const size_t W = (size_t)(NH + 2 * NKV) * HD, N = (size_t)B * T;
-    a.ldq = a.ldk = a.ldv = W;
-    a.ldo = (size_t)NH * HD + (size_t)pad;
+    size_t W, N;
+    fl_attn_desc a = qkv_desc(B, T, NH, NKV, HD, pad, &W, &N);
     float *qkv = fl_test_frand(&r, N * W, -1, 1);
     uint16_t *q16 = malloc(N * W * 2);
     round_ref(qkv, q16, N * W); /* qkv: the exact widening of q16 */
