@@ -64,9 +64,7 @@ typedef struct {
                             * (FL_SS_MAX doubles, step_scalars) after that */
     fl_dtype compute;      /* set_compute_dtype: FL_BF16 = tensor-core attention where it applies */
     int attn;              /* FITLLM_CUDA_ATTN: fl_cudnn_attn_choice (cudnn-impl.h; cuda-work-ops-impl.h) */
-    int epi;               /* FITLLM_CUDA_EPILOGUE (1 default): gemm_epilogue through cuBLASLt's epilogues; 0 after a refusal */
-    int epi_b16;           /* 1: with a bf16 bias too (BIAS_DATA_TYPE CUDA_R_16BF); 0 after cuBLASLt refused that */
-    int epi_c16;           /* 1: with a bf16 D too (the bias epilogue); 0 after cuBLASLt refused that */
+    int epi;               /* FITLLM_CUDA_EPILOGUE (1 default); 0 after a refusal, | 2 / 4 after a bf16 bias's / D's */
     int det;               /* FITLLM_CUDA_DETERMINISTIC=1: the fa2 backward's dq in key-block order, no cuDNN backward */
     struct flb_cudnn *dnn; /* cuDNN's attention (the plugin, when it loaded: cuda-cudnn-impl.h), else NULL */
     fl_status err;         /* sticky: the first failure */
@@ -342,14 +340,6 @@ static void flb_bias_forward(const fl_backend *be, float *y, const float *b, int
 }
 static void flb_bias_backward(const fl_backend *be, float *db, const float *dy, int N, int OC) {
     FLB_RUN(be, FLB_K(bias_backward)(db, dy, N, OC, STREAM), "bias_backward");
-}
-static fl_status flb_bias_backward16(const fl_backend *be, float *db, void *dy16, const float *dy, int N, int OC) {
-    FL_TRY(flb_sticky(be));
-    if (!db || !dy16 || !dy || N < 0 || OC < 0)
-        return fl_errorf(FL_ERR_INVALID, "%s bias_backward16: %s NULL or a negative shape (N %d, OC %d)", FLB_NAME,
-                         !db ? "db" : !dy16 ? "dy16" : !dy ? "dy" : "nothing", N, OC);
-    FLB_RUN_S(be, FLB_K(bias_backward16)(db, dy16, dy, N, OC, STREAM), "bias_backward16");
-    return FL_OK;
 }
 static void flb_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
                               const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
@@ -810,7 +800,6 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     /* FITLLM_CUDA_EPILOGUE=0: a linear's bias and GELU as kernels after the GEMM (A/B timing; issue 30 item 3) */
     const char *ee = getenv("FITLLM_CUDA_EPILOGUE");
     im->epi = !ee || !*ee || !strcmp(ee, "1");
-    im->epi_b16 = im->epi_c16 = 1;
     /* FITLLM_CUDA_PINNED=0: the inputs' uploads straight from the caller's pageable memory (A/B) */
     const char *ep = getenv("FITLLM_CUDA_PINNED");
     im->stage.on = !ep || !*ep || !strcmp(ep, "1");
@@ -865,7 +854,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                         "matmul kernels), tc (experimental: a bf16 run's on bf16 tensor cores, dequantized in the load) "
                         "or scratch (experimental: dequantized into a bf16 scratch for the GEMM)", FLB_NAME, eq)
             : flb_attn_init(im);
-    if (s == FL_OK) s = flb_gelu16_init(be); /* FITLLM_CUDA_GELU16 (cuda-gemm-more-impl.h) */
+    if (s == FL_OK) s = flb_gelu16_init(be); /* FITLLM_CUDA_GELU16, the issue-30 bf16 slots (cuda-gemm-more-impl.h) */
     if (s != FL_OK) {
         flb_dev_free(im->scalars);
         flb_device_free(im->stream, &im->blas);
@@ -909,7 +898,6 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->rope_backward = flb_rope_backward;
     be->attention_forward = flb_attention_forward;
     be->attention_forward16 = flb_attention_forward16;
-    be->attention_forward_in16 = flb_attention_forward_in16;
     be->attention_backward = flb_attention_backward;
     be->attention_backward16 = flb_attention_backward16;
     be->swiglu_forward = flb_swiglu_forward;
@@ -925,7 +913,6 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->add = flb_add;
     be->bias_forward = flb_bias_forward;
     be->bias_backward = flb_bias_backward;
-    be->bias_backward16 = flb_bias_backward16;
     be->cross_entropy = flb_cross_entropy;
     be->cross_entropy_dbf16 = head_dbf16 ? flb_cross_entropy_dbf16 : NULL;
 #ifdef FLB_HAVE_CUDNN /* cuDNN's attention copies in the model's lent scratch (the planner counts them) */

@@ -11,7 +11,7 @@ static fl_status flb_epi_part(const fl_backend *be, int epi, const void *bias, f
     flb_impl *im = FLB_IMPL(be);
     const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
     /* a bf16 bias and a bf16 D have their own switches: a cuBLASLt that refuses one keeps the others fused */
-    if (im->epi > 0 && (bt == FL_F32 || im->epi_b16 > 0) && (!c16 || im->epi_c16 > 0)) {
+    if (im->epi > 0 && (bt == FL_F32 || !(im->epi & 2)) && (!c16 || !(im->epi & 4))) {
         fl_cu_blas *ctx = flb_blas(be);
         if (!ctx) return flb_sticky(be);
         fl_status st = fl_cu_gemm_rowmajor_epi(flb_gemm_fn, ctx, gelu ? FL_CU_EPI_GELU_AUX_BIAS : FL_CU_EPI_BIAS, bias,
@@ -24,8 +24,8 @@ static fl_status flb_epi_part(const fl_backend *be, int epi, const void *bias, f
         fprintf(stderr, "fitllm: %s backend: cuBLASLt refused an epilogue%s (%s); the bias and GELU of the linears run "
                         "as kernels after their GEMMs from here on\n", FLB_NAME,
                 c16 ? " with a bf16 output" : bt == FL_BF16 ? " with a bf16 bias" : "", fl_error_message());
-        if (c16) im->epi_c16 = 0;
-        else if (bt == FL_BF16) im->epi_b16 = 0;
+        if (c16) im->epi |= 4;
+        else if (bt == FL_BF16) im->epi |= 2;
         else im->epi = 0;
     }
     if (c16 && !aux)
@@ -97,7 +97,14 @@ static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const void *bi
 #ifndef FLB_GELU16_DEFAULT
 #define FLB_GELU16_DEFAULT 0
 #endif
+static fl_status flb_bias_backward16(const fl_backend *be, float *db, void *dy16, const float *dy, int N, int OC);
+static fl_status flb_attention_forward_in16(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16,
+                                            float *lse, const void *q16, const void *k16, const void *v16,
+                                            const uint8_t *kmask);
+/* (also installs the issue-30 item-1 bf16 slots: bias_backward16, attention_forward_in16; cuda-work-ops-impl.h) */
 static fl_status flb_gelu16_init(fl_backend *be) {
+    be->bias_backward16 = flb_bias_backward16;
+    be->attention_forward_in16 = flb_attention_forward_in16;
     const char *e = getenv("FITLLM_CUDA_GELU16");
     be->gelu16_epilogue = !e || !*e ? FLB_GELU16_DEFAULT : !strcmp(e, "1");
     if (!e || !*e || !strcmp(e, "0") || !strcmp(e, "1")) return FL_OK;

@@ -174,6 +174,14 @@ static fl_status flb_attention_backward16(const fl_backend *be, const fl_attn_de
                                           const void *v16, const uint8_t *kmask, const void *out16, const float *lse) {
     return flb_attn_bwd(be, a, dq, dk, dv, NULL, dout, q16, k16, v16, NULL, kmask, out16, lse, 1);
 }
+static fl_status flb_bias_backward16(const fl_backend *be, float *db, void *dy16, const float *dy, int N, int OC) {
+    FL_TRY(flb_sticky(be));
+    if (!db || !dy16 || !dy || N < 0 || OC < 0)
+        return fl_errorf(FL_ERR_INVALID, "%s bias_backward16: %s NULL or a negative shape (N %d, OC %d)", FLB_NAME,
+                         !db ? "db" : !dy16 ? "dy16" : !dy ? "dy" : "nothing", N, OC);
+    FLB_RUN_S(be, FLB_K(bias_backward16)(db, dy16, dy, N, OC, STREAM), "bias_backward16");
+    return FL_OK;
+}
 static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                      const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int step, float grad_scale) {
