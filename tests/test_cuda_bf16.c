@@ -258,13 +258,19 @@ static int fwd16_ex(const fl_attn_desc *a, float *o, void *o16, float *l, const 
                     const float *v, const uint8_t *m, void *st) {
     return fl_cuemu_attention_forward_ex(a, o, o16, l, q, k, v, NULL, m, st);
 }
-static void attn16_case(fwd16_fn f, const char *kn, int B, int T, int NH, int NKV, int HD, int pad) {
-    fl_test_rng r = {(uint64_t)(B * 131 + T * 7 + HD + pad)};
+/* causal self-attention over fused q|k|v rows (width *W, rows *N), out rows padded by pad */
+static fl_attn_desc qkv_desc(int B, int T, int NH, int NKV, int HD, int pad, size_t *W, size_t *N) {
     fl_attn_desc a = {.B = B, .Tq = T, .Tk = T, .NH = NH, .NKV = NKV, .HD = HD, .scale = 1.0f / sqrtf((float)HD),
                       .causal = 1};
-    const size_t W = (size_t)(NH + 2 * NKV) * HD, N = (size_t)B * T;
-    a.ldq = a.ldk = a.ldv = W;
+    *W = (size_t)(NH + 2 * NKV) * HD, *N = (size_t)B * T;
+    a.ldq = a.ldk = a.ldv = *W;
     a.ldo = (size_t)NH * HD + (size_t)pad;
+    return a;
+}
+static void attn16_case(fwd16_fn f, const char *kn, int B, int T, int NH, int NKV, int HD, int pad) {
+    fl_test_rng r = {(uint64_t)(B * 131 + T * 7 + HD + pad)};
+    size_t W, N;
+    fl_attn_desc a = qkv_desc(B, T, NH, NKV, HD, pad, &W, &N);
     float *qkv = fl_test_frand(&r, N * W, -1, 1), *q = qkv, *k = qkv + (size_t)NH * HD, *v = k + (size_t)NKV * HD;
     const size_t no = N * a.ldo, nl = (size_t)B * NH * T;
     float *o1 = malloc(no * 4), *o2 = malloc(no * 4), *l1 = malloc(nl * 4), *l2 = malloc(nl * 4);
@@ -298,7 +304,129 @@ FL_TEST(cuda_bf16_attention_forward16) {
     attn16_case(fl_cuemu_attention_forward_fa2, "fa2", 1, 33, 2, 1, 128, 8);
 }
 
+/* attention_forward_*16 (issue 30 item 1: a bf16 run's q|k|v slot written by its GEMM in bf16 only): out, out16 and
+ * lse the bits of the fp32 launcher over the exact widening of q16|k16|v16, for the three forward kernels (causal
+ * GQA, partial query tiles, a strided out, odd fp32-kernel HD, tc / fa2 at HD 64 and 128), two shuffle seeds; the
+ * backend slot (cuda-emu) the bits of attention_forward16 over the widened copy; cpu / ref / opaque have none. */
+typedef int (*fwdin16_fn)(const fl_attn_desc *, float *, void *, float *, const void *, const void *, const void *,
+                          const uint8_t *, void *);
+static void attn_in16_case(fwd16_fn f32, fwdin16_fn f16, const char *kn, int B, int T, int NH, int NKV, int HD,
+                           int pad) {
+    fl_test_rng r = {(uint64_t)(B * 17 + T * 3 + HD + pad)};
+    size_t W, N;
+    fl_attn_desc a = qkv_desc(B, T, NH, NKV, HD, pad, &W, &N);
+    float *qkv = fl_test_frand(&r, N * W, -1, 1);
+    uint16_t *q16 = malloc(N * W * 2);
+    round_ref(qkv, q16, N * W); /* qkv: the exact widening of q16 */
+    const size_t no = N * a.ldo, nl = (size_t)B * NH * T, QD = (size_t)NH * HD, KVD = (size_t)NKV * HD;
+    float *o1 = calloc(no, 4), *o2 = malloc(no * 4), *l1 = malloc(nl * 4), *l2 = malloc(nl * 4);
+    uint16_t *w16 = calloc(no, 2), *g16 = malloc(no * 2);
+    EMU_OK(f32(&a, o1, w16, l1, qkv, qkv + QD, qkv + QD + KVD, NULL, NULL));
+    for (int s = 0; s < 2; s++) {
+        fl_cu_emu_set_seed(k_seeds[s]);
+        memset(o2, 0, no * 4);
+        memset(g16, 0, no * 2);
+        EMU_OK(f16(&a, o2, g16, l2, q16, q16 + QD, q16 + QD + KVD, NULL, NULL));
+        FL_CHECKF(!memcmp(o1, o2, no * 4) && !memcmp(w16, g16, no * 2) && !memcmp(l1, l2, nl * 4),
+                  "attention_forward %s in16 B%d T%d NH%d/%d HD%d pad %d: not the fp32 launcher's bits over the "
+                  "widened q|k|v", kn, B, T, NH, NKV, HD, pad);
+    }
+    free(qkv); free(q16); free(o1); free(o2); free(l1); free(l2); free(w16); free(g16);
+}
+static int fwd16_tc(const fl_attn_desc *a, float *o, void *o16, float *l, const float *q, const float *k,
+                    const float *v, const uint8_t *m, void *st) {
+    return fl_cuemu_attention_forward_tc(a, o, o16, l, q, k, v, m, st);
+}
+static int fwdin16_ex(const fl_attn_desc *a, float *o, void *o16, float *l, const void *q, const void *k,
+                      const void *v, const uint8_t *m, void *st) {
+    return fl_cuemu_attention_forward_ex16(a, o, o16, l, q, k, v, m, st);
+}
+
+FL_TEST(cuda_bf16_attention_forward_in16) {
+    attn_in16_case(fwd16_ex, fwdin16_ex, "fp32", 2, 7, 4, 2, 8, 0);
+    attn_in16_case(fwd16_ex, fwdin16_ex, "fp32", 1, 70, 3, 1, 24, 5); /* a partial query tile; strided out */
+    attn_in16_case(fwd16_tc, fl_cuemu_attention_forward_tc16, "tc", 1, 19, 2, 1, 64, 8);
+    attn_in16_case(fl_cuemu_attention_forward_fa2, fl_cuemu_attention_forward_fa2_16, "fa2", 2, 67, 2, 2, 64, 0);
+    attn_in16_case(fl_cuemu_attention_forward_fa2, fl_cuemu_attention_forward_fa2_16, "fa2", 1, 33, 2, 1, 128, 8);
+    static const char *const others[] = {"cpu", "ref", "opaque"};
+    for (int k = 0; k < 3; k++) {
+        fl_backend o;
+        FL_REQUIRE_OK(fl_backend_init_by_name(others[k], &o, 1));
+        FL_CHECKF(o.attention_forward_in16 == NULL, "%s has attention_forward_in16 (tested here on cuda-emu only)",
+                  others[k]);
+        fl_backend_free(&o);
+    }
+    fl_backend be; /* the slot: its kernel choice over the same rows, against attention_forward16 */
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    FL_REQUIRE(be.attention_forward_in16 != NULL);
+    enum { B = 1, T = 9, NH = 2, NKV = 1, HD = 8, W = (NH + 2 * NKV) * HD };
+    const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
+    fl_test_rng r = {0x9e16};
+    float *qkv = fl_test_frand(&r, T * W, -1, 1), o1[T * NH * HD], o2[T * NH * HD], l1[NH * T], l2[NH * T];
+    uint16_t q16[T * W], w16[T * NH * HD], g16[T * NH * HD];
+    round_ref(qkv, q16, (size_t)T * W);
+    FL_CHECK(be.attention_forward16(&be, &a, o1, w16, l1, qkv, qkv + NH * HD, qkv + (NH + NKV) * HD, NULL, NULL) ==
+             FL_OK);
+    FL_CHECK(be.attention_forward_in16(&be, &a, o2, g16, l2, q16, q16 + NH * HD, q16 + (NH + NKV) * HD, NULL) == FL_OK);
+    FL_CHECK(!memcmp(o1, o2, sizeof o1) && !memcmp(w16, g16, sizeof w16) && !memcmp(l1, l2, sizeof l1));
+    free(qkv);
+    fl_backend_free(&be);
+}
+
+/* bias_backward16 (a biased linear's bias gradient that leaves its bf16 dy, issue 30 item 1): db the bits of
+ * bias_backward (the same column sum) and within the fp32 sum's bound of a float64 one, dy16 = RNE(dy) bit for bit;
+ * odd shapes (a partial 16-column block, row groups G = N / 128 with the 4-row unrolled loop and its tail, one row),
+ * two shuffle seeds; bad arguments refused by name; cpu / ref / opaque do not have the slot (the model converts). */
+static void bias16_case(const fl_backend *be, int N, int OC) {
+    fl_test_rng r = {(uint64_t)(N * 31 + OC)};
+    const size_t n = (size_t)N * OC;
+    float *dy = fl_test_frand(&r, n, -2, 2), *db0 = fl_test_frand(&r, (size_t)OC, -1, 1);
+    float *d1 = malloc((size_t)OC * 4), *d2 = malloc((size_t)OC * 4);
+    uint16_t *w16 = malloc(n * 2), *g16 = malloc(n * 2);
+    FL_REQUIRE_OK(fl_convert(w16, FL_BF16, dy, FL_F32, n));
+    memcpy(d1, db0, (size_t)OC * 4);
+    be->bias_backward(be, d1, dy, N, OC);
+    for (int s = 0; s < 2; s++) {
+        fl_cu_emu_set_seed(k_seeds[s]);
+        memcpy(d2, db0, (size_t)OC * 4);
+        memset(g16, 0xab, n * 2);
+        FL_CHECK(be->bias_backward16(be, d2, g16, dy, N, OC) == FL_OK);
+        FL_CHECKF(!memcmp(d1, d2, (size_t)OC * 4) && !memcmp(g16, w16, n * 2),
+                  "bias_backward16 N %d OC %d: db not bias_backward's bits or dy16 not RNE(dy)", N, OC);
+    }
+    int ok = 1;
+    for (int c = 0; c < OC; c++) { /* float64: an fp32 sum of N + 1 terms within (N + 1) 2^-24 of their magnitude */
+        double want = db0[c], mag = fabs(db0[c]);
+        for (int i = 0; i < N; i++) want += dy[(size_t)i * OC + c], mag += fabs(dy[(size_t)i * OC + c]);
+        ok &= fabs(d2[c] - want) <= (N + 1) * 0x1p-24 * mag;
+    }
+    FL_CHECKF(ok, "bias_backward16 N %d OC %d: db beyond the fp32 sum's bound of float64", N, OC);
+    free(dy), free(db0), free(d1), free(d2), free(w16), free(g16);
+}
+
+FL_TEST(cuda_bf16_bias_backward16) {
+    static const char *const others[] = {"cpu", "ref", "opaque"};
+    for (int k = 0; k < 3; k++) {
+        fl_backend o;
+        FL_REQUIRE_OK(fl_backend_init_by_name(others[k], &o, 1));
+        FL_CHECKF(o.bias_backward16 == NULL, "%s has bias_backward16 (this test checks only cuda-emu's)", others[k]);
+        fl_backend_free(&o);
+    }
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    FL_REQUIRE(be.bias_backward16 != NULL);
+    bias16_case(&be, 7, 37);
+    bias16_case(&be, 517, 19); /* 4 row groups: the unrolled rows and a tail */
+    bias16_case(&be, 1, 1);
+    float x[4] = {0};
+    uint16_t h[4];
+    FL_CHECK(be.bias_backward16(&be, x, NULL, x, 2, 2) == FL_ERR_INVALID && strstr(fl_error_message(), "dy16"));
+    FL_CHECK(be.bias_backward16(&be, x, h, x, -1, 2) == FL_ERR_INVALID && strstr(fl_error_message(), "N -1"));
+    fl_backend_free(&be);
+}
 #else
+FL_TEST(cuda_bf16_bias_backward16) { fl_test_skip("no CUDA emulator in this build"); }
+FL_TEST(cuda_bf16_attention_forward_in16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_act_forward16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_attention_forward16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_add16) { fl_test_skip("no CUDA emulator in this build"); }

@@ -48,6 +48,21 @@ FL_TEST(cuda_gemm_epilogue_standin) {
             }
         FL_CHECKF(same, "bias epilogue (beta %g): not the plain sum + one fp32 add", (double)beta);
         for (int i = m; i < ldc; i++) FL_CHECK(C[i] == C0[i]); /* padding rows untouched */
+        /* a BF16 bias (BIAS_DATA_TYPE CUDA_R_16BF): the bits of its exact widening's fp32 add */
+        uint16_t b16[m];
+        for (int i = 0; i < m; i++) b16[i] = fl_f32_to_bf16(bias[i]);
+        memcpy(C, C0, sizeof(float) * ldc * n);
+        d.bias = b16, d.bias_t = FL_BF16;
+        FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &d));
+        same = 1;
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                float want = P[i + j * ldc] + fl_bf16_to_f32(b16[i]);
+                same &= !memcmp(&want, &C[i + j * ldc], sizeof want);
+            }
+        FL_CHECKF(same, "bf16 bias epilogue (beta %g): not the plain sum + the widened bias", (double)beta);
+        d.bias_t = FL_F16;
+        FL_CHECK(fl_cu_gemm_standin(NULL, &d) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "F16 bias"));
     }
     /* bias + GELU (beta 0): aux the biased sum, C its GELU within 8 fp32 roundings of float64 */
     fl_cu_gemm_desc d = {.m = m, .n = n, .k = k, .alpha = 1.0f, .beta = 0.0f, .A = A, .ta = FL_F32, .lda = m,
@@ -71,6 +86,25 @@ FL_TEST(cuda_gemm_epilogue_standin) {
         }
     FL_CHECK(aux_ok);
     FL_CHECKF(gelu_ok, "GELU epilogue: worst error %.3g of the bound", worst);
+    /* a BF16 D with the bias epilogue (beta 0): RNE of the plain sum + one fp32 add, one rounding */
+    {
+        uint16_t D16[ldc * n], A16[m * k], B16[k * n];
+        for (int i = 0; i < m * k; i++) A16[i] = fl_f32_to_bf16(A[i]);
+        for (int i = 0; i < k * n; i++) B16[i] = fl_f32_to_bf16(B[i]);
+        fl_cu_gemm_desc b = d; /* bf16 operands: the plain sum into P, then the epilogue into D16 */
+        b.A = A16, b.ta = FL_BF16, b.B = B16, b.tb = FL_BF16, b.C = P, b.epilogue = FL_CU_EPI_NONE;
+        FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &b));
+        b.epilogue = FL_CU_EPI_BIAS, b.aux = NULL, b.C = D16, b.tc = FL_BF16;
+        FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &b));
+        int same16 = 1;
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) same16 &= D16[i + j * ldc] == fl_f32_to_bf16(P[i + j * ldc] + bias[i]);
+        FL_CHECKF(same16, "bias epilogue with a BF16 D: not RNE(the sum + the bias)");
+        b.epilogue = FL_CU_EPI_GELU_AUX_BIAS, b.aux = aux; /* not built for a BF16 D */
+        FL_CHECK(fl_cu_gemm_standin(NULL, &b) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "BF16"));
+        b.epilogue = FL_CU_EPI_BIAS, b.beta = 1.0f;
+        FL_CHECK(fl_cu_gemm_standin(NULL, &b) == FL_ERR_UNSUPPORTED);
+    }
     /* refusals */
     fl_cu_gemm_desc e = d;
     e.ldaux = m - 1;
@@ -101,9 +135,10 @@ FL_TEST(cuda_gemm_epilogue_plan_key) {
     e.bias = buf + 768, e.aux = buf + 1024;
     fl_cu_gemm_key_of(&e, 64, &k);
     FL_CHECK(fl_cu_gemm_key_eq(&k0, &k));
-    for (int f = 0; f < 5; f++) {
+    for (int f = 0; f < 6; f++) {
         e = d;
         switch (f) {
+        case 5: e.bias_t = FL_BF16; break;
         case 0: e.epilogue = FL_CU_EPI_BIAS; break;
         case 1: e.epilogue = FL_CU_EPI_NONE; break;
         case 2: e.ldaux = 16; break;
@@ -135,6 +170,7 @@ static void *typed(const float *x, size_t n, fl_dtype t) {
 }
 
 /* gemm_epilogue = gemm, bias_forward (+ gelu_forward) on one backend; *fused: the stand-in's epilogue ran */
+/* (epi | FL_GEMM_EPI_BIAS_BF16: the bias given in bf16, the separate ops' bias its widening) */
 static void epi_case(const fl_backend *be, int epi, int trans_a, fl_dtype ta, fl_dtype tb, int K, float beta,
                      int *fused) {
     enum { M = 11, N = 9 };
@@ -144,10 +180,13 @@ static void epi_case(const fl_backend *be, int epi, int trans_a, fl_dtype ta, fl
     void *A = typed(a, (size_t)M * (K ? K : 1), ta), *B = typed(b, (size_t)N * (K ? K : 1), tb);
     float c1[M * N], c2[M * N], x1[M * N], x2[M * N];
     memcpy(c1, c0, sizeof c1), memcpy(c2, c0, sizeof c2);
-    const int lda = trans_a ? M : K, gelu = epi == FL_GEMM_EPI_BIAS_GELU;
+    uint16_t b16[N];
+    const int bf = (epi & FL_GEMM_EPI_BIAS_BF16) != 0;
+    for (int j = 0; j < N && bf; j++) b16[j] = fl_f32_to_bf16(bias[j]), bias[j] = fl_bf16_to_f32(b16[j]);
+    const int lda = trans_a ? M : K, gelu = (epi & ~FL_GEMM_EPI_BIAS_BF16) == FL_GEMM_EPI_BIAS_GELU;
     unsigned long e0 = fl_cu_gemm_standin_epilogues;
-    FL_CHECK(be->gemm_epilogue(be, epi, bias, gelu ? x1 : NULL, N, trans_a, 1, M, N, K, 0.5f, A, ta, lda, B, tb, K,
-                               beta, c1, N) == FL_OK);
+    FL_CHECK(be->gemm_epilogue(be, epi, bf ? (const void *)b16 : bias, gelu ? x1 : NULL, N, trans_a, 1, M, N, K, 0.5f,
+                               A, ta, lda, B, tb, K, beta, c1, N) == FL_OK);
     *fused = fl_cu_gemm_standin_epilogues > e0;
     float *y = gelu ? x2 : c2;
     FL_CHECK(be->gemm(be, trans_a, 1, M, N, K, 0.5f, A, ta, lda, B, tb, K, beta, y, FL_F32, N) == FL_OK);
@@ -164,24 +203,75 @@ static void epi_cases(const fl_backend *be, int want_fused) {
         {0, FL_F32, FL_F32, 1}, {1, FL_F32, FL_F32, 1}, {0, FL_BF16, FL_BF16, 1}, {0, FL_F32, FL_BF16, 1},
         {1, FL_F32, FL_BF16, 0}, {0, FL_F32, FL_F16, 0}, {0, FL_F16, FL_F16, 1}};
     for (size_t t = 0; t < sizeof ty / sizeof ty[0]; t++)
-        for (int c = 0; c < 3; c++) {
-            const int epi = c == 2 ? FL_GEMM_EPI_BIAS_GELU : FL_GEMM_EPI_BIAS;
+        for (int c = 0; c < 5; c++) { /* 3, 4: a bf16 bias */
+            const int epi = (c % 3 == 2 ? FL_GEMM_EPI_BIAS_GELU : FL_GEMM_EPI_BIAS) | (c > 2 ? FL_GEMM_EPI_BIAS_BF16 : 0);
             int fused = -1;
-            epi_case(be, epi, ty[t].trans_a, ty[t].ta, ty[t].tb, 21, c == 1 ? 0.25f : 0.0f, &fused);
+            epi_case(be, epi, ty[t].trans_a, ty[t].ta, ty[t].tb, 21, c == 1 || c == 3 ? 0.25f : 0.0f, &fused);
             FL_CHECKF(fused == (want_fused && ty[t].fusable), "%s %s x %s trans_a %d: fused %d", be->name,
                       fl_dtype_name(ty[t].ta), fl_dtype_name(ty[t].tb), ty[t].trans_a, fused);
         }
     int fused;
     epi_case(be, FL_GEMM_EPI_BIAS, 0, FL_F32, FL_F32, 0, 0.5f, &fused); /* K = 0: beta C + bias */
+    epi_case(be, FL_GEMM_EPI_BIAS | FL_GEMM_EPI_BIAS_BF16, 0, FL_F32, FL_F32, 0, 0.5f, &fused);
+}
+
+/* FL_GEMM_EPI_OUT_BF16 (a bf16 run's stored biased linear output, issue 30 item 1): C16 = RNE(gemm + bias_forward's
+ * fp32 result) bit for bit, fused (the stand-in's bf16 D) and composed (FITLLM_CUDA_EPILOGUE=0: through aux), an fp32
+ * or bf16 bias, odd shapes; within one bf16 rounding plus the fp32 sum's bound of float64; its refusals by name */
+static void out16_case(const fl_backend *be, int M, int N, int K, int b16, int want_fused) {
+    fl_test_rng rng = {(uint64_t)(M * 131 + N * 7 + K + b16)};
+    float *a = fl_test_frand(&rng, (size_t)M * K, -1, 1), *b = fl_test_frand(&rng, (size_t)N * K, -1, 1);
+    float *bias = fl_test_frand(&rng, N, -1, 1), *y = malloc((size_t)M * N * 4), *aux = malloc((size_t)M * N * 4);
+    uint16_t *A = typed(a, (size_t)M * K, FL_BF16), *B = typed(b, (size_t)N * K, FL_BF16), *bb = typed(bias, N, FL_BF16);
+    uint16_t *c16 = malloc((size_t)M * N * 2);
+    for (int j = 0; j < N && b16; j++) bias[j] = fl_bf16_to_f32(bb[j]);
+    FL_CHECK(be->gemm(be, 0, 1, M, N, K, 1.0f, A, FL_BF16, K, B, FL_BF16, K, 0.0f, y, FL_F32, N) == FL_OK);
+    be->bias_forward(be, y, bias, M, N);
+    unsigned long e0 = fl_cu_gemm_standin_epilogues;
+    const int epi = FL_GEMM_EPI_BIAS | FL_GEMM_EPI_OUT_BF16 | (b16 ? FL_GEMM_EPI_BIAS_BF16 : 0);
+    FL_CHECK(be->gemm_epilogue(be, epi, b16 ? (const void *)bb : bias, aux, N, 0, 1, M, N, K, 1.0f, A, FL_BF16, K, B,
+                               FL_BF16, K, 0.0f, (float *)c16, N) == FL_OK);
+    FL_CHECKF((fl_cu_gemm_standin_epilogues > e0) == want_fused, "out16 %dx%dx%d: fused %d", M, N, K, !want_fused);
+    int same = 1, near = 1;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            const size_t k = (size_t)i * N + j;
+            same &= c16[k] == fl_f32_to_bf16(y[k]);
+            double want = bias[j], mag = fabs(bias[j]);
+            for (int p = 0; p < K; p++) {
+                const double t = (double)fl_bf16_to_f32(A[(size_t)i * K + p]) * fl_bf16_to_f32(B[(size_t)j * K + p]);
+                want += t, mag += fabs(t);
+            }
+            near &= fabs(fl_bf16_to_f32(c16[k]) - want) <= 0x1p-8 * fabs(want) + (K + 2) * 0x1p-24 * mag;
+        }
+    FL_CHECKF(same, "out16 %dx%dx%d bias %s: not RNE(gemm + bias_forward)", M, N, K, b16 ? "bf16" : "fp32");
+    FL_CHECKF(near, "out16 %dx%dx%d: beyond one bf16 rounding of float64", M, N, K);
+    free(a), free(b), free(bias), free(y), free(aux), free(A), free(B), free(bb), free(c16);
+}
+static void out16_cases(const fl_backend *be, int want_fused) {
+    out16_case(be, 11, 9, 21, 0, want_fused);
+    out16_case(be, 37, 45, 67, 1, want_fused);
+    out16_case(be, 1, 3, 1, 1, want_fused);
 }
 
 FL_TEST(cuda_emu_gemm_epilogue_same_bits) {
     fl_backend be;
     FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
     FL_REQUIRE(be.gemm_epilogue != NULL);
-    epi_cases(&be, 1);
-    /* bad arguments, by name */
     float x[64] = {0};
+    epi_cases(&be, 1);
+    out16_cases(&be, 1);
+    {
+        const int o16 = FL_GEMM_EPI_BIAS | FL_GEMM_EPI_OUT_BF16;
+        uint16_t h[64] = {0};
+        FL_CHECK(be.gemm_epilogue(&be, o16, x, NULL, 0, 0, 1, 2, 2, 2, 1, h, FL_BF16, 2, h, FL_BF16, 2, 0.5f, x, 2) ==
+                     FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "bf16 output"));
+        FL_CHECK(be.gemm_epilogue(&be, o16, x, NULL, 0, 0, 1, 2, 2, 2, 1, x, FL_F32, 2, x, FL_F32, 2, 0, x, 2) ==
+                     FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "bf16 output"));
+        FL_CHECK(be.gemm_epilogue(&be, FL_GEMM_EPI_BIAS_GELU | FL_GEMM_EPI_OUT_BF16, x, x + 16, 2, 0, 1, 2, 2, 2, 1, h,
+                                  FL_BF16, 2, h, FL_BF16, 2, 0, x + 32, 2) == FL_ERR_UNSUPPORTED);
+    }
+    /* bad arguments, by name */
     FL_CHECK(be.gemm_epilogue(&be, 9, x, NULL, 0, 0, 1, 2, 2, 2, 1, x, FL_F32, 2, x, FL_F32, 2, 0, x, 2) ==
                  FL_ERR_INVALID && strstr(fl_error_message(), "epilogue 9"));
     FL_CHECK(be.gemm_epilogue(&be, FL_GEMM_EPI_BIAS, NULL, NULL, 0, 0, 1, 2, 2, 2, 1, x, FL_F32, 2, x, FL_F32, 2, 0,
@@ -199,6 +289,13 @@ FL_TEST(cuda_emu_gemm_epilogue_same_bits) {
     unsetenv("FITLLM_CUDA_EPILOGUE");
     FL_REQUIRE_OK(s);
     epi_cases(&be, 0);
+    out16_cases(&be, 0); /* composed: the fp32 result in aux, then rounded */
+    {
+        uint16_t h[64] = {0};
+        FL_CHECK(be.gemm_epilogue(&be, FL_GEMM_EPI_BIAS | FL_GEMM_EPI_OUT_BF16, x, NULL, 0, 0, 1, 2, 2, 2, 1, h,
+                                  FL_BF16, 2, h, FL_BF16, 2, 0, (float *)h + 8, 2) == FL_ERR_UNSUPPORTED &&
+                 strstr(fl_error_message(), "aux"));
+    }
     fl_backend_free(&be);
     setenv("FITLLM_CUDA_EPILOGUE", "on", 1);
     s = fl_backend_init_by_name("cuda-emu", &be, 1);

@@ -48,6 +48,11 @@ enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
 #define FL_ACT16_ROUND_IN 0x100
 /* gemm_epilogue's epilogues */
 enum { FL_GEMM_EPI_BIAS = 1, FL_GEMM_EPI_BIAS_GELU = 2 };
+/* or'ed into either: the bias is bf16 (a bf16 model's stored bias, read as it is stored: no widening launch).
+ * FL_GEMM_EPI_OUT_BF16, with FL_GEMM_EPI_BIAS, beta 0 and bf16 A and B only: C is bf16 (passed as float *), C =
+ * RNE(the fp32 result), one rounding (a bf16 run's stored linear output); aux NULL or an fp32 (M, ldaux) buffer the
+ * backend may use as scratch where it cannot fuse (then its contents are undefined). */
+enum { FL_GEMM_EPI_BIAS_BF16 = 0x100, FL_GEMM_EPI_OUT_BF16 = 0x200 };
 
 typedef struct fl_backend fl_backend;
 struct fl_comm; /* fitllm/comm.h */
@@ -228,6 +233,19 @@ struct fl_backend {
     fl_status (*attention_backward16)(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                       const float *dout, const void *q16, const void *k16, const void *v16,
                                       const uint8_t *kmask, const void *out16, const float *lse);
+    /* Optional (NULL: the caller stores q|k|v in fp32 too and calls attention_forward16; issue 30 item 1):
+     * attention_forward16 without bias reading q16, k16, v16, bf16 with the layouts and strides of q, k, v in a
+     * (elements), each element widened exactly: the bits of attention_forward16 over the widened copies (a bf16
+     * run's q|k|v slot written by its GEMM in bf16 only, no fp32 view and no round16). */
+    fl_status (*attention_forward_in16)(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16,
+                                        float *lse, const void *q16, const void *k16, const void *v16,
+                                        const uint8_t *kmask);
+    /* Optional (NULL: bias_backward, and the caller converts dy; issue 30 item 1): bias_backward (db += the column
+     * sums of dy, its bits) that also writes dy16 (N, OC) = bf16(dy) (RNE) as it reads dy: a biased linear's bf16
+     * dy for its dx and dW GEMMs without a convert launch (GPT-2's c_attn, whose dy the attention writes in fp32).
+     * (cuda, cuda-emu) */
+    fl_status (*bias_backward16)(const fl_backend *be, float *db /*(OC)*/, void *dy16 /*(N,OC) bf16*/,
+                                 const float *dy /*(N,OC)*/, int N, int OC);
 
     /* Optional (NULL: the cross_entropy op below, then a convert of its gradient): cross_entropy with the logits'
      * gradient
@@ -277,10 +295,11 @@ struct fl_backend {
      * fused into the matmul where the backend can (cuBLASLt's), for a linear's bias and GPT-2's GELU:
      * FL_GEMM_EPI_BIAS: C = alpha op(A) op(B) + beta C, then C[i, j] += bias[j] (gemm then bias_forward);
      * FL_GEMM_EPI_BIAS_GELU (beta 0): aux[i, j] = alpha op(A) op(B) + bias[j] (row stride ldaux, the pre-activation
-     * the backward reads) and C = gelu_tanh(aux) (gelu_forward's). bias (N) fp32. cuda-emu: the bits of the three ops
+     * the backward reads) and C = gelu_tanh(aux) (gelu_forward's). bias (N) fp32, or bf16 with FL_GEMM_EPI_BIAS_BF16
+     * or'ed into epi (each element widened exactly: the bits of its fp32 widening). cuda-emu: the bits of the three ops
      * (checked); cuda: cuBLASLt's epilogue (its GELU within fp32 rounding of gelu_forward's), the three ops where
      * cuBLASLt refuses it or FITLLM_CUDA_EPILOGUE=0. NULL: callers run the separate ops. (cuda, cuda-emu) */
-    fl_status (*gemm_epilogue)(const fl_backend *be, int epi, const float *bias /*(N)*/, float *aux /*(M,ldaux)*/,
+    fl_status (*gemm_epilogue)(const fl_backend *be, int epi, const void *bias /*(N)*/, float *aux /*(M,ldaux)*/,
                                int ldaux, int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
                                fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc);
 

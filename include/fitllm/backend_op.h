@@ -47,7 +47,8 @@ extern "C" {
     X(attention_qkv_forward) X(attention_qkv_backward) X(gemm_epilogue)                                            \
     X(layernorm_forward_w16) X(layernorm_backward_w16) X(grad_norm_dev) X(loss_sum_dev) X(adamw_update_ss)          \
     X(sgd_update_ss) X(check_finite_dev) X(input_upload) X(input_wait) X(adam8bit_update_ss)                 \
-    X(dropout_rows) X(vocab_stats) X(vocab_xent)
+    X(dropout_rows) X(vocab_stats) X(vocab_xent) X(bias_backward16)     \
+    X(attention_forward_in16)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -147,6 +148,9 @@ struct fl_op_adam8bit_update_ss { void *p; fl_dtype tp; const void *g; fl_dtype 
 struct fl_op_dropout_rows { float *y; const float *x; int rows; size_t w, stride; float p; uint64_t seed;
     int accumulate; };
 struct fl_op_vocab_stats { double *stats; const float *logits; const int32_t *targets; int rows, n, lo; };
+struct fl_op_attention_forward_in16 { const fl_attn_desc *a; float *out; void *out16; float *lse; const void *q16,
+    *k16, *v16; const uint8_t *kmask; };
+struct fl_op_bias_backward16 { float *db; void *dy16; const float *dy; int N, OC; };
 struct fl_op_vocab_xent { float *loss, *dlogits; const float *logits; const double *all; const int32_t *targets;
     int rows, n, lo, P, me, V; float grad_scale; int ignore_index; };
 struct fl_op_scale { float *x; size_t n; float s; };
@@ -159,7 +163,7 @@ struct fl_op_set_scratch { void *p; size_t bytes; };
 struct fl_op_set_compute_dtype { fl_dtype t; };
 struct fl_op_attention_qkv_forward { float *out, *lse; const float *qkv; int B, T, NH, NKV, HD; };
 struct fl_op_attention_qkv_backward { float *dqkv; const float *dout, *qkv, *out, *lse; int B, T, NH, NKV, HD; };
-struct fl_op_gemm_epilogue { int epi; const float *bias; float *aux; int ldaux; int trans_a, trans_b, M, N, K;
+struct fl_op_gemm_epilogue { int epi; const void *bias; float *aux; int ldaux; int trans_a, trans_b, M, N, K;
     float alpha; const void *A; fl_dtype ta; int lda; const void *B; fl_dtype tb; int ldb; float beta; float *C;
     int ldc; };
 
@@ -242,6 +246,8 @@ struct fl_oprec {
         struct fl_op_dropout_rows dropout_rows;
         struct fl_op_vocab_stats vocab_stats;
         struct fl_op_vocab_xent vocab_xent;
+        struct fl_op_bias_backward16 bias_backward16;
+        struct fl_op_attention_forward_in16 attention_forward_in16;
     };
 };
 

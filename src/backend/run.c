@@ -254,6 +254,14 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         DOOR(vocab_stats);
         return be->vocab_stats(be, r->stats, r->logits, r->targets, r->rows, r->n, r->lo);
     }
+    case FL_OPK_attention_forward_in16: {
+        DOOR(attention_forward_in16);
+        return be->attention_forward_in16(be, r->a, r->out, r->out16, r->lse, r->q16, r->k16, r->v16, r->kmask);
+    }
+    case FL_OPK_bias_backward16: {
+        DOOR(bias_backward16);
+        return be->bias_backward16(be, r->db, r->dy16, r->dy, r->N, r->OC);
+    }
     case FL_OPK_vocab_xent: {
         DOOR(vocab_xent);
         return be->vocab_xent(be, r->loss, r->dlogits, r->logits, r->all, r->targets, r->rows, r->n, r->lo, r->P, r->me,

@@ -176,9 +176,10 @@ static int fused_causal(const fl_gop *o, const fl_block_ctx *x) {
 }
 
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
- * (*done16 = 1: no round16 after it) */
+ * (*done16 = 1: no round16 after it); in16 (NULL or): the fused causal op's q|k|v rows in bf16 only (gemm_to_attn16:
+ * attention_forward_in16 reads them) */
 static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
-                              const fl_block_ctx *x, void *o16, int *done16) {
+                              const fl_block_ctx *x, void *o16, int *done16, const uint16_t *in16) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
     float *in = s[o->in], *out = s[o->out], *lse = o->a1 >= 0 ? s[o->a1] : NULL;
@@ -189,6 +190,10 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
             FL_RUN(be, attention_decode, out, in, kv->k + fl_kv_cache_index(kv, x->layer, 0, 0),
                    kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
                    (size_t)kv->max_T * d.HD);
+        } else if (in16) { /* gemm_to_attn16 */
+            const fl_attn_desc a = fl_attn_desc_qkv(x->B, x->T, d.NH, d.NKV, d.HD);
+            FL_TRY(FL_RUN(be, attention_forward_in16, &a, out, o16, lse, in16, in16 + d.QD, in16 + d.QD + d.KVD, NULL));
+            *done16 = o16 != NULL;
         } else if (o16 && be->attention_forward16) { /* (N, QD) and its stored copy */
             const fl_attn_desc a = fl_attn_desc_qkv(x->B, x->T, d.NH, d.NKV, d.HD);
             FL_TRY(FL_RUN(be, attention_forward16, &a, out, o16, lse, in, in + d.QD, in + d.QD + d.KVD, NULL, NULL));
@@ -335,12 +340,38 @@ static void *norm_dy16_for(const fl_model *m, const fl_backend *be, const fl_blo
  * gemm_epilogue (cuda-emu: the bits of the GEMM, bias_forward and gelu_forward). Not with adapters (LoRA adds to
  * pre before the GELU) or a 4-bit weight. */
 static int linear_gelu_fuses(const fl_backend *be, const fl_linear *lin) {
-    return be->gemm_epilogue && lin->b && lin->n_q4 == 0 && lin->n_adapters == 0;
+    return be->gemm_epilogue && (lin->b || lin->b16) && lin->n_q4 == 0 && lin->n_adapters == 0;
+}
+/* gemm_epilogue's bias argument of a linear: its bf16 stored bias (FL_GEMM_EPI_BIAS_BF16 or'ed into *epi) or fp32 */
+static const void *epi_bias(const fl_linear *lin, int *epi) {
+    if (lin->b16) *epi |= FL_GEMM_EPI_BIAS_BF16;
+    return lin->b16 ? lin->b16 : (const void *)lin->b;
+}
+/* A biased linear (GPT-2's c_attn, OPT's fused q|k|v) whose stored output only the next op, the fused causal attention,
+ * reads (issue 30 item 1): the GEMM writes it in bf16 only, into its stored copy (gemm_epilogue's bias epilogue with
+ * a bf16 D: RNE of the fp32 sum + bias, round16's bits of the unfused path's fp32 output), and the attention reads
+ * q|k|v in bf16 (attention_forward_in16); the fp32 view is not written (the backward reads the bf16 copy too:
+ * attention_backward16, else the views are widened from it). Not with adapters or a 4-bit weight. */
+static int gemm_to_attn16(const fl_backend *be, const fl_block_graph *g, int i, const fl_block_ctx *x,
+                          const fl_linear *lin) {
+    const fl_gop *o = &g->op[i], *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+    return be->attention_forward_in16 && be->gemm_epilogue && nx && nx->kind == FL_GOP_ATTN && nx->in == o->out &&
+           fused_causal(nx, x) && !x->kv && g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out) &&
+           (lin->b || lin->b16) && lin->n_q4 == 0 && lin->n_adapters == 0 && lin->wc && lin->wct == FL_BF16;
+}
+static fl_status linear_bias16(const fl_backend *be, void *y16, float *scratch, const void *x16, const fl_linear *lin,
+                               int N) {
+    int epi = FL_GEMM_EPI_BIAS | FL_GEMM_EPI_OUT_BF16;
+    const void *b = epi_bias(lin, &epi);
+    return FL_RUN(be, gemm_epilogue, epi, b, scratch, lin->out, 0, 1, N, lin->out, lin->in, 1.0f, x16, FL_BF16,
+                  lin->in, lin->wc, FL_BF16, lin->in, 0.0f, (float *)y16, lin->out);
 }
 static fl_status linear_bias_gelu(const fl_backend *be, float *out, float *pre, const float *x, const void *x16,
                                   const fl_linear *lin, int N) {
     const void *w = lin->wc ? lin->wc : (const void *)lin->w;
-    return FL_RUN(be, gemm_epilogue, FL_GEMM_EPI_BIAS_GELU, lin->b, pre, lin->out, 0, 1, N, lin->out, lin->in, 1.0f,
+    int epi = FL_GEMM_EPI_BIAS_GELU;
+    const void *b = epi_bias(lin, &epi);
+    return FL_RUN(be, gemm_epilogue, epi, b, pre, lin->out, 0, 1, N, lin->out, lin->in, 1.0f,
                   x16 ? x16 : (const void *)x, x16 ? FL_BF16 : FL_F32, lin->in, w, lin->wc ? lin->wct : FL_F32, lin->in,
                   0.0f, out, lin->out);
 }
@@ -350,6 +381,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
     const fl_backend *be = m->be;
     int pend16 = -1; /* a slot stored in bf16 only so far (gemm_to_act16) */
     int pendr = -1;  /* a stored slot not rounded yet: the activation reading it rounds it (FL_ACT16_ROUND_IN) */
+    int pendq = -1;  /* q|k|v stored in bf16 only (gemm_to_attn16): the attention reads that copy */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
@@ -393,6 +425,11 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 i++;
                 break;
             }
+            if (o16 && in16 && gemm_to_attn16(be, g, i, x, lin)) { /* bf16 only, its fp32 view as scratch */
+                FL_TRY(linear_bias16(be, o16, out, in16, lin, N));
+                pendq = o->out, done16 = 1;
+                break;
+            }
             if (o16 && in16 && fl_linear_plain16(lin) && gemm_to_act16(be, g, i)) { /* bf16 only: see act16_kind */
                 FL_TRY(fl_linear_forward16(be, o16, in16, lin, N));
                 pend16 = o->out, done16 = 1;
@@ -412,7 +449,10 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             break;
         }
         case FL_GOP_ROPE: FL_TRY(rope(m, in, o16, &done16, 0, x, wi)); break;
-        case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x, o16, &done16)); break;
+        case FL_GOP_ATTN:
+            FL_TRY(attn_forward(m, g, o, s, x, o16, &done16, pendq == o->in ? (const uint16_t *)x->s16[o->in] : NULL));
+            pendq = -1;
+            break;
         case FL_GOP_ADD: {
             /* a residual add straight into an RMSNorm of its sum: one fused op (issue 30 item 4; the CPU's is the
              * two ops, the same bits). Not when bf16 is stored (store16): the sum must be rounded to bf16 before
@@ -791,8 +831,10 @@ fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, c
         fl_dtype wt = lin->wc ? lin->wct : FL_F32;
         /* a BF16 weight's GEMM rounds an F32 x to bf16: x16 is that operand already */
         const int a16 = x16 && wt == FL_BF16;
-        if (lin->b && be->gemm_epilogue) { /* the bias in the GEMM's epilogue (issue 30 item 3) */
-            FL_TRY(FL_RUN(be, gemm_epilogue, FL_GEMM_EPI_BIAS, lin->b, NULL, 0, 0, 1, N, lin->out, lin->in, 1.0f,
+        if ((lin->b || lin->b16) && be->gemm_epilogue) { /* the bias in the GEMM's epilogue (issue 30 item 3) */
+            int epi = FL_GEMM_EPI_BIAS;
+            const void *b = epi_bias(lin, &epi);
+            FL_TRY(FL_RUN(be, gemm_epilogue, epi, b, NULL, 0, 0, 1, N, lin->out, lin->in, 1.0f,
                           a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32, lin->in, w, wt, lin->in, 0.0f, y,
                           lin->out));
             biased = 1;
@@ -814,7 +856,7 @@ fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate,
 }
 
 int fl_linear_plain16(const fl_linear *lin) {
-    return lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && !lin->b && lin->n_adapters == 0;
+    return lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && !lin->b && !lin->b16 && lin->n_adapters == 0;
 }
 
 fl_status fl_linear_forward16(const fl_backend *be, void *y16, const void *x16, const fl_linear *lin, int N) {
@@ -839,7 +881,12 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
      * once, here (or by the op that made dy: dy16_ready); the dx GEMM reads that copy, the same operand its own
      * rounding of an F32 dy gives */
     const int dy16 = fl_linear_wants_dy16(lin);
-    if (dy16 && !dy16_ready) FL_TRY(FL_RUN(be, convert, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
+    int db_done = 0; /* a biased linear's bias gradient writes that copy as it reads dy (bias_backward16) */
+    if (dy16 && !dy16_ready && lin->db && be->bias_backward16) {
+        FL_TRY(FL_RUN(be, bias_backward16, lin->db, lin->dyb16, dy, N, lin->out));
+        db_done = 1;
+    } else if (dy16 && !dy16_ready)
+        FL_TRY(FL_RUN(be, convert, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
     if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
             FL_TRY(FL_RUN(be, q4_matmul_backward, dx, dy + r0, lin->out, lin->q4[k], N,
@@ -855,7 +902,7 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
     } else if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
         FL_TRY(FL_RUN(be, gemm, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
                       lin->dw, FL_F32, lin->in));
-    if (lin->db) FL_RUN(be, bias_backward, lin->db, dy, N, lin->out);
+    if (lin->db && !db_done) FL_RUN(be, bias_backward, lin->db, dy, N, lin->out);
     for (int k = 0; k < lin->n_adapters; k++) { /* after the base dx: each adapter's branch adds to it */
         const fl_linear_adapter *a = lin->adapters[k];
         FL_TRY(a->ops->backward(a, be, dx, dy, lin->out, x, N, lin->row_base));

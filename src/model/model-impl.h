@@ -120,6 +120,7 @@ typedef struct {
     const void *wc;   /* (out, in) compute-dtype copy of w (mixed precision) or NULL */
     fl_dtype wct;     /* dtype of wc */
     const float *b;   /* (out) or NULL */
+    const void *b16;  /* (out) bf16, or NULL: a bf16 store's bias as stored (b NULL then), read by gemm_epilogue */
     float *dw;        /* (out, in) or NULL */
     float *db;        /* (out) or NULL */
     const fl_linear_adapter *const *adapters; /* attached by the rewrite (n_adapters, run in order), or NULL */

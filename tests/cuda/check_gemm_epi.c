@@ -37,11 +37,16 @@ static void cmp(const char *what, const float *gpu, const float *ref, size_t n, 
     if (!ok) epi_fail++;
 }
 
-/* row-major C (M, N) = A (M, K) B^T (B stored N x K) + bias [-> GELU], through cuBLASLt and the stand-in */
-static void epi_case(fl_cu_blas *b, int epi, fl_dtype t, float beta) {
+/* row-major C (M, N) = A (M, K) B^T (B stored N x K) + bias [-> GELU], through cuBLASLt and the stand-in; bt the
+ * bias's type (BF16: BIAS_DATA_TYPE), tc C's (BF16: a bf16 D with the bias epilogue; issue 30 item 1) */
+static void epi_case_t(fl_cu_blas *b, int epi, fl_dtype t, float beta, fl_dtype bt, fl_dtype tc) {
     enum { M = 67, N = 96, K = 80 };
     unsigned s = 11u + (unsigned)epi * 7u + (unsigned)t;
     float *A = rnd(&s, (size_t)M * K), *B = rnd(&s, (size_t)N * K), *bias = rnd(&s, N), *C0 = rnd(&s, (size_t)M * N);
+    uint16_t *bias16 = malloc((size_t)N * 2), *C16 = malloc((size_t)M * N * 2);
+    for (int j = 0; j < N; j++) bias16[j] = fl_f32_to_bf16(bias[j]);
+    const void *hb = bt == FL_BF16 ? (const void *)bias16 : bias;
+    const size_t bbytes = (size_t)N * fl_dtype_size(bt);
     const size_t es = fl_dtype_size(t);
     void *Ah = malloc((size_t)M * K * es), *Bh = malloc((size_t)N * K * es);
     for (size_t i = 0; i < (size_t)M * K; i++) {
@@ -56,21 +61,29 @@ static void epi_case(fl_cu_blas *b, int epi, fl_dtype t, float beta) {
     float *GX = malloc((size_t)M * N * 4);
     memcpy(C, C0, (size_t)M * N * 4);
     const int cu = epi == 2 ? FL_CU_EPI_GELU_AUX_BIAS : FL_CU_EPI_BIAS;
-    fl_status hs = fl_cu_gemm_rowmajor_epi(fl_cu_gemm_standin, NULL, cu, bias, X, N, 0, 1, M, N, K, 1.0f, Ah, t, K,
-                                           Bh, t, K, beta, C, FL_F32, N);
+    const int d16 = tc == FL_BF16;
+    fl_status hs = fl_cu_gemm_rowmajor_epi(fl_cu_gemm_standin, NULL, cu, hb, bt, X, N, 0, 1, M, N, K, 1.0f, Ah, t, K,
+                                           Bh, t, K, beta, d16 ? (void *)C16 : C, tc, N);
     void *dA = dev(Ah, (size_t)M * K * es), *dB = dev(Bh, (size_t)N * K * es), *dC = dev(C0, (size_t)M * N * 4);
-    void *dbias = dev(bias, (size_t)N * 4), *dX = dev(NULL, (size_t)M * N * 4);
-    fl_status ds = fl_cu_gemm_rowmajor_epi(fl_cu_gemm_cublaslt, b, cu, dbias, dX, N, 0, 1, M, N, K, 1.0f, dA, t, K, dB,
-                                           t, K, beta, dC, FL_F32, N);
+    void *dbias = dev(hb, bbytes), *dX = dev(NULL, (size_t)M * N * 4);
+    fl_status ds = fl_cu_gemm_rowmajor_epi(fl_cu_gemm_cublaslt, b, cu, dbias, bt, dX, N, 0, 1, M, N, K, 1.0f, dA, t, K,
+                                           dB, t, K, beta, dC, tc, N);
     char what[96];
-    snprintf(what, sizeof what, "gemm epilogue %s %s beta %g (cuBLASLt)", epi == 2 ? "bias+gelu" : "bias",
-             fl_dtype_name(t), (double)beta);
+    snprintf(what, sizeof what, "gemm epilogue %s %s%s%s beta %g (cuBLASLt)", epi == 2 ? "bias+gelu" : "bias",
+             fl_dtype_name(t), bt == FL_BF16 ? " bf16-bias" : "", d16 ? " bf16-D" : "", (double)beta);
     if (hs != FL_OK || ds != FL_OK || cudaDeviceSynchronize() != cudaSuccess) {
         printf("%-44s FAIL  (%s)\n", what, fl_error_message());
         epi_fail++;
     } else {
-        cudaMemcpy(G, dC, (size_t)M * N * 4, cudaMemcpyDeviceToHost);
-        cmp(what, G, C, (size_t)M * N, epi == 2 ? 2e-5 : 1e-5);
+        if (d16) { /* both rounded to bf16: sums a few fp32 ulps apart may round to neighbouring bf16 values: one bf16 ulp
+                    * (2^-7 relative to the largest) */
+            uint16_t *G16 = malloc((size_t)M * N * 2);
+            cudaMemcpy(G16, dC, (size_t)M * N * 2, cudaMemcpyDeviceToHost);
+            for (size_t i = 0; i < (size_t)M * N; i++) G[i] = fl_bf16_to_f32(G16[i]), C[i] = fl_bf16_to_f32(C16[i]);
+            free(G16);
+        } else
+            cudaMemcpy(G, dC, (size_t)M * N * 4, cudaMemcpyDeviceToHost);
+        cmp(what, G, C, (size_t)M * N, d16 ? 0x1p-7 : epi == 2 ? 2e-5 : 1e-5);
         if (epi == 2) {
             cudaMemcpy(GX, dX, (size_t)M * N * 4, cudaMemcpyDeviceToHost);
             cmp("  its aux (the pre-activation)", GX, X, (size_t)M * N, 1e-5);
@@ -78,7 +91,9 @@ static void epi_case(fl_cu_blas *b, int epi, fl_dtype t, float beta) {
     }
     cudaFree(dA), cudaFree(dB), cudaFree(dC), cudaFree(dbias), cudaFree(dX);
     free(A), free(B), free(bias), free(C0), free(Ah), free(Bh), free(C), free(X), free(G), free(GX);
+    free(bias16), free(C16);
 }
+static void epi_case(fl_cu_blas *b, int epi, fl_dtype t, float beta) { epi_case_t(b, epi, t, beta, FL_F32, FL_F32); }
 
 int fl_cuda_check_gemm_epi(void) {
     epi_fail = 0;
@@ -94,6 +109,10 @@ int fl_cuda_check_gemm_epi(void) {
     epi_case(&b, 1, FL_BF16, 0.0f);
     epi_case(&b, 2, FL_F32, 0.0f);
     epi_case(&b, 2, FL_BF16, 0.0f);
+    epi_case_t(&b, 1, FL_BF16, 0.0f, FL_BF16, FL_F32);  /* a bf16 model's stored bias */
+    epi_case_t(&b, 2, FL_BF16, 0.0f, FL_BF16, FL_F32);
+    epi_case_t(&b, 1, FL_BF16, 0.0f, FL_BF16, FL_BF16); /* c_attn: its output in bf16 only */
+    epi_case_t(&b, 1, FL_BF16, 0.0f, FL_F32, FL_BF16);  /* bf16-mixed: an fp32 bias, a bf16 D */
     /* the per-shape bench: TinyLlama's gate|up GEMM of a B 4 T 2048 step, bf16 -> fp32 (row-major 8192 x 11264 x 2048) */
     const int M = 8192, N = 11264, K = 2048;
     void *dA = dev(NULL, (size_t)M * K * 2), *dB = dev(NULL, (size_t)N * K * 2), *dC = dev(NULL, (size_t)M * N * 4);

@@ -43,7 +43,10 @@
 #      kernels, the row-strided dropout, on the GPU against the CPU backend at a 32000-token vocabulary over 8 slices).
 #  15. bf16 activations' bias + GELU in the GEMM's epilogue (FITLLM_CUDA_GELU16=1 against 0, the default: the GELU
 #      of the bf16-rounded pre-activation after the GEMM): GPT-2 (124M, B 8 T 1024) bf16-true and bf16-mixed steps, and
-#      the profile's GEMM / elementwise groups of bf16-true with each.
+#      the profile's GEMM / elementwise groups of bf16-true with each (either way the bf16-true linears' biases are
+#      read in bf16 by the epilogue, c_attn writes q|k|v in bf16 only and its bf16 dy comes from its bias-gradient
+#      kernel: 0 conversion launches per 2 emulated gpt2-micro steps, not 36; the profile's convert / round16 rows
+#      show any left).
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's

@@ -32,10 +32,14 @@ fl_status fl_cu_gemm_check(const fl_cu_gemm_desc *d) {
     if (d->epilogue != FL_CU_EPI_NONE) {
         if (d->epilogue != FL_CU_EPI_BIAS && d->epilogue != FL_CU_EPI_GELU_AUX_BIAS)
             return fl_errorf(FL_ERR_INVALID, "cu_gemm: unknown epilogue %d", d->epilogue);
-        if (d->batch != 1 || d->tc != FL_F32)
-            return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: an epilogue takes one matrix and an F32 C (batch %d, C %s)",
-                             d->batch, fl_dtype_name(d->tc));
+        /* a BF16 D (C) with the bias epilogue: a bf16 run's stored linear output (beta 0: C not read) */
+        const int d16 = d->tc == FL_BF16 && d->epilogue == FL_CU_EPI_BIAS && d->beta == 0.0f;
+        if (d->batch != 1 || (d->tc != FL_F32 && !d16))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: an epilogue takes one matrix and an F32 C (or BF16 with the "
+                             "bias epilogue and beta 0) (batch %d, C %s)", d->batch, fl_dtype_name(d->tc));
         if (!d->bias) return fl_errorf(FL_ERR_INVALID, "cu_gemm: epilogue without a bias");
+        if (d->bias_t != FL_F32 && d->bias_t != FL_BF16)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: a %s bias (F32 or BF16)", fl_dtype_name(d->bias_t));
         if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS && (!d->aux || d->ldaux < (d->m > 1 ? d->m : 1) || d->beta != 0.0f))
             return fl_errorf(FL_ERR_INVALID, "cu_gemm: GELU epilogue needs aux with ldaux >= m (ldaux=%lld, m=%d) and "
                              "beta 0 (%g)", (long long)d->ldaux, d->m, (double)d->beta);
@@ -81,13 +85,14 @@ fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
                 int64_t ci = i + (int64_t)j * d->ldc;
                 double v = (double)d->alpha * acc;
                 if (d->beta != 0.0f) v += (double)d->beta * ld_elem(C, d->tc, ci); /* beta 0: C not read */
-                if (d->epilogue != FL_CU_EPI_NONE) { /* tc F32 (checked): rounded, then the epilogue in fp32 */
-                    float f = (float)v + d->bias[i];
+                if (d->epilogue != FL_CU_EPI_NONE) { /* rounded to fp32, then the epilogue in fp32 (a BF16 D: then RNE) */
+                    float f = (float)v + (float)ld_elem(d->bias, d->bias_t, i); /* BF16: widened exactly */
                     if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS) {
                         d->aux[i + (int64_t)j * d->ldaux] = f;
                         f = epi_gelu(f);
                     }
-                    ((float *)C)[ci] = f;
+                    if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16(f);
+                    else ((float *)C)[ci] = f;
                 } else if (d->tc == FL_F32) ((float *)C)[ci] = (float)v;
                 else if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16((float)v);
                 else ((uint16_t *)C)[ci] = fl_f32_to_f16((float)v);
@@ -134,14 +139,15 @@ void fl_cu_gemm_desc_rowmajor(fl_cu_gemm_desc *d, int trans_a, int trans_b, int 
     };
 }
 
-fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, const float *bias, float *aux, int ldaux,
+fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, const void *bias, fl_dtype bias_t,
+                                  float *aux, int ldaux,
                                   int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
                                   fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
                                   fl_dtype tc, int ldc) {
     /* the row-major output's columns are cuBLASLt's rows, so the bias is per row of C^T */
     fl_cu_gemm_desc d;
     fl_cu_gemm_desc_rowmajor(&d, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
-    d.epilogue = epilogue, d.bias = bias, d.aux = aux, d.ldaux = ldaux;
+    d.epilogue = epilogue, d.bias = bias, d.bias_t = bias_t, d.aux = aux, d.ldaux = ldaux;
     return fn(ctx, &d);
 }
 
@@ -160,7 +166,8 @@ void fl_cu_gemm_key_of(const fl_cu_gemm_desc *d, size_t workspace_bytes, fl_cu_g
                    (int32_t)fl_cu_gemm_align_of(d->A), (int32_t)fl_cu_gemm_align_of(d->B),
                    (int32_t)fl_cu_gemm_align_of(d->C), d->epilogue,
                    d->epilogue ? (int32_t)fl_cu_gemm_align_of(d->bias) : 0,
-                   d->epilogue == FL_CU_EPI_GELU_AUX_BIAS ? (int32_t)fl_cu_gemm_align_of(d->aux) : 0};
+                   d->epilogue == FL_CU_EPI_GELU_AUX_BIAS ? (int32_t)fl_cu_gemm_align_of(d->aux) : 0,
+                   d->epilogue ? (int32_t)d->bias_t : 0};
     memcpy(k->v, v, sizeof v);
     k->ld[0] = d->lda;
     k->ld[1] = d->ldb;

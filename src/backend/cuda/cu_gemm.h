@@ -47,11 +47,15 @@ typedef struct {
      * fp32 add: a GEMM then the bias kernel, the same bits on the stand-in); FL_CU_EPI_GELU_AUX_BIAS (beta 0):
      * aux[i, j] = s + bias[i] (m x n, leading dimension ldaux >= m, fp32: the pre-activation the backward reads)
      * and D[i, j] = gelu_tanh(aux[i, j]) (the stand-in: the GELU kernels' formula, x sigmoid(2u)). bias has m
-     * elements (the row-major output's columns). FL_CU_EPI_NONE (0): none. */
+     * elements (the row-major output's columns) of type bias_t: F32 (0, the default) or BF16 (a bf16 model's stored
+     * bias, read as cuBLASLt's CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE CUDA_R_16BF: each element widened exactly, then
+     * the same fp32 add). FL_CU_EPI_BIAS also takes a BF16 C with beta 0 (tc BF16: D = RNE of the fp32 s + bias, one
+     * rounding, as PyTorch's bf16 addmm). FL_CU_EPI_NONE (0): none. */
     int epilogue;
-    const float *bias;
+    const void *bias;
     float *aux;
     int64_t ldaux;
+    fl_dtype bias_t; /* the bias's type (above) */
 } fl_cu_gemm_desc;
 enum { FL_CU_EPI_NONE = 0, FL_CU_EPI_BIAS = 1, FL_CU_EPI_GELU_AUX_BIAS = 2 };
 
@@ -76,9 +80,10 @@ fl_status fl_cu_gemm_rowmajor(fl_cu_gemm_fn fn, void *ctx, int trans_a, int tran
 void fl_cu_gemm_desc_rowmajor(fl_cu_gemm_desc *d, int trans_a, int trans_b, int M, int N, int K, float alpha,
                               const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
                               void *C, fl_dtype tc, int ldc);
-/* The same with an epilogue (one matrix): bias (N) per column of the row-major C, aux (M, N) with row stride ldaux
+/* The same with an epilogue (one matrix): bias (N, of type bias_t) per column of the row-major C, aux (M, N) with row stride ldaux
  * for FL_CU_EPI_GELU_AUX_BIAS (column-major: bias per row of C^T, aux^T with leading dimension ldaux). */
-fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, const float *bias, float *aux, int ldaux,
+fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, const void *bias, fl_dtype bias_t,
+                                  float *aux, int ldaux,
                                   int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
                                   fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
                                   fl_dtype tc, int ldc);
@@ -95,7 +100,7 @@ fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, con
  * (the destroy callback) when a new shape comes; the cache is host memory the library owns, like
  * cuBLASLt's own descriptors. The logic is host code, built and tested everywhere. */
 typedef struct {
-    int32_t v[16]; /* ..., the epilogue and the alignments of its bias and aux, one unused */
+    int32_t v[16]; /* ..., the epilogue, the alignments of its bias and aux, and the bias type */
     int64_t ld[4], stride[3]; /* ld[3]: the epilogue's aux */
     uint64_t workspace_bytes;
 } fl_cu_gemm_key;

@@ -152,7 +152,10 @@ extern "C" {
     /* elements [k0, k0 + n) of fl_model_init_random's stream (kind 0 zeros, 1 ones, 2 normal(0, sd)) from state s */ \
     int P##init_random(void *dst, fl_dtype dt, size_t k0, size_t n, int kind, double sd, uint64_t s, void *stream);  \
     int P##bias_forward(float *y, const float *b, int N, int OC, void *stream);                                 \
+    /* bias_forward with a bias of type bt: F32 (bias_forward) or BF16 (widened exactly; another type: -1) */     \
+    int P##bias_forward_t(float *y, const void *b, fl_dtype bt, int N, int OC, void *stream);                   \
     int P##bias_backward(float *db, const float *dy, int N, int OC, void *stream);                              \
+    int P##bias_backward16(float *db, void *dy16, const float *dy, int N, int OC, void *stream);                \
     /* emulator self-test kernels (tests/test_cuda_emu.c): out[i] = in[i-1] of a block-wide shift through     \
      * shared memory (in[n-1] for i = 0), with or without the __syncthreads between the write and the read;    \
      * and every shuffle of cu_compat.h on lane ids (see kernels/selftest.cu) */                                \

@@ -98,6 +98,15 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
                                      const void *q16, const void *k16, const void *v16, const uint8_t *kmask,   \
                                      const void *out16, const float *lse, void *work, int deterministic,        \
                                      void *stream);                                                             \
+    /* the forwards (no bias) reading q16, k16, v16 in bf16 (the layouts and strides of q, k, v, in elements): \
+     * a bf16 run's stored q|k|v written by its GEMM in bf16 only; each element widened exactly, so the bits of \
+     * the fp32 launcher over the widened copies (issue 30 item 1) */                                          \
+    int P##attention_forward_ex16(const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q16,  \
+                                  const void *k16, const void *v16, const uint8_t *kmask, void *stream);       \
+    int P##attention_forward_tc16(const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q16,  \
+                                  const void *k16, const void *v16, const uint8_t *kmask, void *stream);       \
+    int P##attention_forward_fa2_16(const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q16, \
+                                    const void *k16, const void *v16, const uint8_t *kmask, void *stream);     \
     /* dst (rows, cols; fp32, row stride ldd) += src (rows, cols; bf16 or fp16, row stride lds): cuDNN's      \
      * 16-bit attention gradients into the fp32 ones (kernels/attn_cudnn.cu) */                           \
     int P##attention_acc2d(float *dst, size_t ldd, const uint16_t *src, fl_dtype st, size_t lds, int rows,     \

@@ -64,7 +64,7 @@ typedef struct {
                             * (FL_SS_MAX doubles, step_scalars) after that */
     fl_dtype compute;      /* set_compute_dtype: FL_BF16 = tensor-core attention where it applies */
     int attn;              /* FITLLM_CUDA_ATTN: fl_cudnn_attn_choice (cudnn-impl.h; cuda-work-ops-impl.h) */
-    int epi;               /* FITLLM_CUDA_EPILOGUE (1 default): gemm_epilogue through cuBLASLt's epilogues; 0 after a refusal */
+    int epi;               /* FITLLM_CUDA_EPILOGUE (1 default); 0 after a refusal, | 2 / 4 after a bf16 bias's / D's */
     int det;               /* FITLLM_CUDA_DETERMINISTIC=1: the fa2 backward's dq in key-block order, no cuDNN backward */
     struct flb_cudnn *dnn; /* cuDNN's attention (the plugin, when it loaded: cuda-cudnn-impl.h), else NULL */
     fl_status err;         /* sticky: the first failure */
@@ -854,7 +854,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                         "matmul kernels), tc (experimental: a bf16 run's on bf16 tensor cores, dequantized in the load) "
                         "or scratch (experimental: dequantized into a bf16 scratch for the GEMM)", FLB_NAME, eq)
             : flb_attn_init(im);
-    if (s == FL_OK) s = flb_gelu16_init(be); /* FITLLM_CUDA_GELU16 (cuda-gemm-more-impl.h) */
+    if (s == FL_OK) s = flb_gelu16_init(be); /* FITLLM_CUDA_GELU16, the issue-30 bf16 slots (cuda-gemm-more-impl.h) */
     if (s != FL_OK) {
         flb_dev_free(im->scalars);
         flb_device_free(im->stream, &im->blas);

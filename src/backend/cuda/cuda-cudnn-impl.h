@@ -125,9 +125,10 @@ static char *flb_dnn_buf(const fl_backend *be, size_t bytes) {
 static size_t flb_al256(size_t b) { return (b + 255) & ~(size_t)255; }
 
 /* 1: cuDNN ran it (or failed: *st says); 0: run the own kernels */
+/* q, k, v of type it: F32, or BF16 (attention_forward_in16: a bf16 run's stored q|k|v, copied compact) */
 static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16, float *lse,
-                             const float *q, const float *k, const float *v, const float *bias, const uint8_t *kmask,
-                             fl_status *st) {
+                             const void *q, const void *k, const void *v, fl_dtype it, const float *bias,
+                             const uint8_t *kmask, fl_status *st) {
     flb_impl *im = FLB_IMPL(be);
     if (!im->dnn || im->compute != FL_BF16) return 0;
     const char *no = fl_cudnn_sdpa_refuse(a, bias, kmask);
@@ -150,9 +151,9 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
     /* out16 (bf16 stored): cuDNN's bf16 O goes there directly (the refused shapes leave compact rows, ldo = cq) */
     ptr[FL_CUDNN_UID_O] = out16 && a->ldo == (size_t)cq ? out16 : (void *)(buf + bq + 2 * bk);
     ptr[FL_CUDNN_UID_STATS] = lse;
-    int rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, FL_F32, a->ldq, rq, cq, STREAM);
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, FL_F32, a->ldk, rk, ck, STREAM);
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, FL_F32, a->ldv, rk, ck, STREAM);
+    int rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, it, a->ldq, rq, cq, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, it, a->ldk, rk, ck, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, it, a->ldv, rk, ck, STREAM);
     if (rc) return (*st = flb_attn_status(be, rc, "attention_forward (cuDNN)")), 1;
     int s = fl_cudnn_plan_run(&im->dnn->api, im->dnn->handle, p, ptr, buf + 2 * bq + 2 * bk);
     if (s) {
@@ -226,6 +227,6 @@ static fl_status flb_attn_init(flb_impl *im) {
     return FL_OK;
 }
 static void flb_attn_free(flb_impl *im) { (void)im; }
-#define flb_cudnn_forward(be, a, out, out16, lse, q, k, v, bias, kmask, st) 0
+#define flb_cudnn_forward(be, a, out, out16, lse, q, k, v, it, bias, kmask, st) 0
 #define flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, it, bias, kmask, out, lse, work, st) 0
 #endif

@@ -5,37 +5,53 @@
 /* gemm_epilogue (issue 30 item 3): one matmul of rows of C with the bias (+ GELU) in cuBLASLt's epilogue; where
  * cuBLASLt refuses it (said once; epilogues are off for this backend from then on) or FITLLM_CUDA_EPILOGUE=0, the
  * GEMM then the bias and GELU kernels: the bits the stand-in's epilogue has (the emulator's kernels' formulas). */
-static fl_status flb_epi_part(const fl_backend *be, int epi, const float *bias, float *aux, int trans_a, int trans_b,
-                              int M, int N, int K, float alpha, const void *A, fl_dtype ta, int lda, const void *B,
-                              fl_dtype tb, int ldb, float beta, float *C) {
+static fl_status flb_epi_part(const fl_backend *be, int epi, const void *bias, fl_dtype bt, float *aux, int trans_a,
+                              int trans_b, int M, int N, int K, float alpha, const void *A, fl_dtype ta, int lda,
+                              const void *B, fl_dtype tb, int ldb, float beta, float *C, int c16) {
     flb_impl *im = FLB_IMPL(be);
     const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
-    if (im->epi > 0) {
+    /* a bf16 bias and a bf16 D have their own switches: a cuBLASLt that refuses one keeps the others fused */
+    if (im->epi > 0 && (bt == FL_F32 || !(im->epi & 2)) && (!c16 || !(im->epi & 4))) {
         fl_cu_blas *ctx = flb_blas(be);
         if (!ctx) return flb_sticky(be);
         fl_status st = fl_cu_gemm_rowmajor_epi(flb_gemm_fn, ctx, gelu ? FL_CU_EPI_GELU_AUX_BIAS : FL_CU_EPI_BIAS, bias,
-                                               aux, N, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta,
-                                               C, FL_F32, N);
+                                               bt, gelu ? aux : NULL, N, trans_a, trans_b, M, N, K, alpha, A, ta, lda,
+                                               B, tb, ldb, beta, C, c16 ? FL_BF16 : FL_F32, N);
         if (st != FL_ERR_UNSUPPORTED) {
             if (st != FL_OK) flb_set_error(be, st, "gemm_epilogue", fl_error_message());
             return st;
         }
-        fprintf(stderr, "fitllm: %s backend: cuBLASLt refused an epilogue (%s); the bias and GELU of the linears run as "
-                        "kernels after their GEMMs from here on\n", FLB_NAME, fl_error_message());
-        im->epi = 0;
+        fprintf(stderr, "fitllm: %s backend: cuBLASLt refused an epilogue%s (%s); the bias and GELU of the linears run "
+                        "as kernels after their GEMMs from here on\n", FLB_NAME,
+                c16 ? " with a bf16 output" : bt == FL_BF16 ? " with a bf16 bias" : "", fl_error_message());
+        if (c16) im->epi |= 4;
+        else if (bt == FL_BF16) im->epi |= 2;
+        else im->epi = 0;
     }
-    float *y = gelu ? aux : C;
+    if (c16 && !aux)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm_epilogue: a bf16 output unfused needs the fp32 scratch (aux)",
+                         FLB_NAME);
+    float *y = gelu || c16 ? aux : C; /* c16: the fp32 result in aux, then rounded into C */
     FL_TRY(flb_gemm_direct(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, y, FL_F32, N));
-    FLB_RUN_S(be, FLB_K(bias_forward)(y, bias, M, N, im->stream), "gemm_epilogue (bias)");
+    FLB_RUN_S(be, FLB_K(bias_forward_t)(y, bias, bt, M, N, im->stream), "gemm_epilogue (bias)");
     if (gelu) FLB_RUN_S(be, FLB_K(gelu_forward)(C, aux, (size_t)M * N, im->stream), "gemm_epilogue (gelu)");
+    if (c16) FLB_RUN_S(be, FLB_K(convert)(C, FL_BF16, aux, FL_F32, (size_t)M * N, im->stream), "gemm_epilogue (bf16)");
     return FL_OK;
 }
 
-static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const float *bias, float *aux, int ldaux, int trans_a,
+static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const void *bias, float *aux, int ldaux, int trans_a,
                                    int trans_b, int M, int N, int K, float alpha, const void *A, fl_dtype ta, int lda,
                                    const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc) {
     FL_TRY(flb_sticky(be));
+    const fl_dtype bt = epi & FL_GEMM_EPI_BIAS_BF16 ? FL_BF16 : FL_F32; /* the bias as stored */
+    const int c16 = epi > 0 && (epi & FL_GEMM_EPI_OUT_BF16); /* C bf16 */
+    if (epi > 0) epi &= ~(FL_GEMM_EPI_BIAS_BF16 | FL_GEMM_EPI_OUT_BF16);
     const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
+    if (c16 && (epi != FL_GEMM_EPI_BIAS || beta != 0.0f || ta != FL_BF16 || tb != FL_BF16 || (aux && ldaux != N) ||
+                K < 1))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm_epilogue: a bf16 output takes the bias epilogue, beta 0, bf16 A "
+                         "and B, K >= 1 and an aux scratch of ldaux N or none (epilogue %d, beta %g, A %s, B %s, K %d, "
+                         "ldaux %d)", FLB_NAME, epi, (double)beta, fl_dtype_name(ta), fl_dtype_name(tb), K, ldaux);
     if ((epi != FL_GEMM_EPI_BIAS && !gelu) || !bias || ldc != N || (gelu && (!aux || ldaux != N || beta != 0.0f)))
         return fl_errorf(FL_ERR_INVALID, "%s gemm_epilogue: epilogue %d, bias %s, ldc %d, ldaux %d, beta %g (expected "
                          "bias or bias+GELU, a bias, compact rows ldc = ldaux = N = %d, beta 0 with GELU)", FLB_NAME,
@@ -47,7 +63,8 @@ static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const float *b
         return fl_errorf(FL_ERR_INVALID, "%s gemm_epilogue: bad shape %d x %d x %d", FLB_NAME, M, N, K);
     if (M == 0 || N == 0) return FL_OK;
     if (K > 0 && ta == tb) /* the library's own types: one matmul */
-        return flb_epi_part(be, epi, bias, aux, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C);
+        return flb_epi_part(be, epi, bias, bt, aux, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C,
+                            c16);
     if (K > 0 && ta == FL_F32 && tb == FL_BF16 && !trans_a) { /* flb_gemm's bf16 row panels, each with the epilogue */
         void *s = flb_scratch(be);
         if (!s) return flb_sticky(be);
@@ -58,15 +75,15 @@ static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const float *b
             const int mr = M - i0 < rows ? M - i0 : rows;
             FLB_RUN_S(be, FLB_K(convert2d)(panel, FL_BF16, (size_t)K, (const float *)A + (size_t)i0 * lda, FL_F32,
                                            (size_t)lda, mr, K, FLB_IMPL(be)->stream), "gemm_epilogue (bf16 panel)");
-            FL_TRY(flb_epi_part(be, epi, bias, gelu ? aux + (size_t)i0 * N : NULL, 0, trans_b, mr, N, K, alpha, panel,
-                                FL_BF16, K, B, tb, ldb, beta, C + (size_t)i0 * N));
+            FL_TRY(flb_epi_part(be, epi, bias, bt, gelu ? aux + (size_t)i0 * N : NULL, 0, trans_b, mr, N, K, alpha, panel,
+                                FL_BF16, K, B, tb, ldb, beta, C + (size_t)i0 * N, 0));
         }
         return FL_OK;
     }
     /* the other mixed types and K = 0: flb_gemm, then the kernels */
     float *y = gelu ? aux : C;
     FL_TRY(flb_gemm(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, y, FL_F32, N));
-    FLB_RUN_S(be, FLB_K(bias_forward)(y, bias, M, N, FLB_IMPL(be)->stream), "gemm_epilogue (bias)");
+    FLB_RUN_S(be, FLB_K(bias_forward_t)(y, bias, bt, M, N, FLB_IMPL(be)->stream), "gemm_epilogue (bias)");
     if (gelu) FLB_RUN_S(be, FLB_K(gelu_forward)(C, aux, (size_t)M * N, FLB_IMPL(be)->stream), "gemm_epilogue (gelu)");
     return FL_OK;
 }
@@ -80,7 +97,14 @@ static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const float *b
 #ifndef FLB_GELU16_DEFAULT
 #define FLB_GELU16_DEFAULT 0
 #endif
+static fl_status flb_bias_backward16(const fl_backend *be, float *db, void *dy16, const float *dy, int N, int OC);
+static fl_status flb_attention_forward_in16(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16,
+                                            float *lse, const void *q16, const void *k16, const void *v16,
+                                            const uint8_t *kmask);
+/* (also installs the issue-30 item-1 bf16 slots: bias_backward16, attention_forward_in16; cuda-work-ops-impl.h) */
 static fl_status flb_gelu16_init(fl_backend *be) {
+    be->bias_backward16 = flb_bias_backward16;
+    be->attention_forward_in16 = flb_attention_forward_in16;
     const char *e = getenv("FITLLM_CUDA_GELU16");
     be->gelu16_epilogue = !e || !*e ? FLB_GELU16_DEFAULT : !strcmp(e, "1");
     if (!e || !*e || !strcmp(e, "0") || !strcmp(e, "1")) return FL_OK;

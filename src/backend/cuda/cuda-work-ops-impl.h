@@ -80,10 +80,12 @@ static fl_status flb_attn_status(const fl_backend *be, int rc, const char *op) {
 
 /* The fused-QKV causal shape (fl_attn_is_qkv) needs no kernel of its own here: the general
  * kernels take its descriptor (the fused launchers of cu_kernels_attn.h build the same one). */
-static fl_status flb_attention_forward16(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16,
-                                         float *lse, const float *q, const float *k, const float *v, const float *bias,
-                                         const uint8_t *kmask) {
+/* in16: q, k, v bf16 (attention_forward_in16; no bias then), else fp32 */
+static fl_status flb_attn_fwd(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16, float *lse,
+                              const void *qv, const void *kv, const void *vv, const float *bias, const uint8_t *kmask,
+                              int in16) {
     FL_TRY(flb_sticky(be));
+    const float *q = (const float *)qv, *k = (const float *)kv, *v = (const float *)vv; /* checks: the pointers */
     fl_status st = fl_attn_check_args("attention_forward", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse,
                                       q, k, v, bias, NULL);
     if (st == FL_ERR_UNSUPPORTED && out && lse && fl_attn_is_qkv(a, q, k, v, bias, kmask, NULL, NULL, NULL, NULL)) {
@@ -92,16 +94,32 @@ static fl_status flb_attention_forward16(const fl_backend *be, const fl_attn_des
         flb_nan_fill(be, lse, (size_t)a->B * a->NH * a->Tq);
     }
     FL_TRY(st);
+    if (in16 && bias) return fl_errorf(FL_ERR_UNSUPPORTED, "%s attention_forward_in16: no bias", FLB_NAME);
     const int tc = flb_attn_tc(be, a, bias);
-    if (tc == FLB_ATTN_OWN + 1 && flb_cudnn_forward(be, a, out, out16, lse, q, k, v, bias, kmask, &st)) return st;
+    if (tc == FLB_ATTN_OWN + 1 &&
+        flb_cudnn_forward(be, a, out, out16, lse, qv, kv, vv, in16 ? FL_BF16 : FL_F32, bias, kmask, &st))
+        return st;
+    int rc;
     if (tc == FLB_ATTN_OWN + 1)
-        return flb_attn_status(be, FLB_K(attention_forward_fa2)(a, out, out16, lse, q, k, v, kmask, STREAM),
-                               "attention_forward");
-    if (tc)
-        return flb_attn_status(be, FLB_K(attention_forward_tc)(a, out, out16, lse, q, k, v, kmask, STREAM),
-                               "attention_forward");
-    return flb_attn_status(be, FLB_K(attention_forward_ex)(a, out, out16, lse, q, k, v, bias, kmask, STREAM),
-                           "attention_forward");
+        rc = in16 ? FLB_K(attention_forward_fa2_16)(a, out, out16, lse, qv, kv, vv, kmask, STREAM)
+                  : FLB_K(attention_forward_fa2)(a, out, out16, lse, q, k, v, kmask, STREAM);
+    else if (tc)
+        rc = in16 ? FLB_K(attention_forward_tc16)(a, out, out16, lse, qv, kv, vv, kmask, STREAM)
+                  : FLB_K(attention_forward_tc)(a, out, out16, lse, q, k, v, kmask, STREAM);
+    else
+        rc = in16 ? FLB_K(attention_forward_ex16)(a, out, out16, lse, qv, kv, vv, kmask, STREAM)
+                  : FLB_K(attention_forward_ex)(a, out, out16, lse, q, k, v, bias, kmask, STREAM);
+    return flb_attn_status(be, rc, "attention_forward");
+}
+static fl_status flb_attention_forward16(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16,
+                                         float *lse, const float *q, const float *k, const float *v, const float *bias,
+                                         const uint8_t *kmask) {
+    return flb_attn_fwd(be, a, out, out16, lse, q, k, v, bias, kmask, 0);
+}
+static fl_status flb_attention_forward_in16(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16,
+                                            float *lse, const void *q16, const void *k16, const void *v16,
+                                            const uint8_t *kmask) {
+    return flb_attn_fwd(be, a, out, out16, lse, q16, k16, v16, NULL, kmask, 1);
 }
 static fl_status flb_attention_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
                                        const float *q, const float *k, const float *v, const float *bias,
@@ -155,6 +173,14 @@ static fl_status flb_attention_backward16(const fl_backend *be, const fl_attn_de
                                           float *dv, const float *dout, const void *q16, const void *k16,
                                           const void *v16, const uint8_t *kmask, const void *out16, const float *lse) {
     return flb_attn_bwd(be, a, dq, dk, dv, NULL, dout, q16, k16, v16, NULL, kmask, out16, lse, 1);
+}
+static fl_status flb_bias_backward16(const fl_backend *be, float *db, void *dy16, const float *dy, int N, int OC) {
+    FL_TRY(flb_sticky(be));
+    if (!db || !dy16 || !dy || N < 0 || OC < 0)
+        return fl_errorf(FL_ERR_INVALID, "%s bias_backward16: %s NULL or a negative shape (N %d, OC %d)", FLB_NAME,
+                         !db ? "db" : !dy16 ? "dy16" : !dy ? "dy" : "nothing", N, OC);
+    FLB_RUN_S(be, FLB_K(bias_backward16)(db, dy16, dy, N, OC, STREAM), "bias_backward16");
+    return FL_OK;
 }
 static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                      const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,

@@ -122,11 +122,10 @@ template <class C> static int fl_cu_attn_fwd_launch(const fl_cu_attn_p &p, void 
     return fl_cu_launch_error();
 }
 
-extern "C" int FL_CUK(attention_forward_ex)(const fl_attn_desc *a, float *out, void *out16, float *lse,
-                                            const float *q, const float *k, const float *v, const float *bias,
-                                            const uint8_t *kmask, void *stream) {
+static int attn_fwd(const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q, const void *k,
+                    const void *v, const float *bias, const uint8_t *kmask, int in16, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, bias, kmask, 0);
+    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, bias, kmask, 0, in16);
     if (rc) return rc < 0 ? rc : 0;
     switch (fl_cu_attn_bucket(a->HD)) {
     case 32: return fl_cu_attn_fwd_launch<fl_cu_attn_cfg<32> >(p, stream);
@@ -134,6 +133,16 @@ extern "C" int FL_CUK(attention_forward_ex)(const fl_attn_desc *a, float *out, v
     case 128: return fl_cu_attn_fwd_launch<fl_cu_attn_cfg<128> >(p, stream);
     default: return fl_cu_attn_fwd_launch<fl_cu_attn_cfg<256> >(p, stream);
     }
+}
+extern "C" int FL_CUK(attention_forward_ex)(const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                            const float *q, const float *k, const float *v, const float *bias,
+                                            const uint8_t *kmask, void *stream) {
+    return attn_fwd(a, out, out16, lse, q, k, v, bias, kmask, 0, stream);
+}
+extern "C" int FL_CUK(attention_forward_ex16)(const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                              const void *q16, const void *k16, const void *v16, const uint8_t *kmask,
+                                              void *stream) {
+    return attn_fwd(a, out, out16, lse, q16, k16, v16, NULL, kmask, 1, stream);
 }
 
 extern "C" int FL_CUK(attention_forward)(float *out, float *lse, const float *qkv, int B, int T, int NH, int NKV,

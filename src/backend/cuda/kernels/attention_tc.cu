@@ -378,12 +378,21 @@ template <int D> static int fl_cu_tc_bwd_launch(const fl_cu_attn_p &p, void *str
     return fl_cu_launch_error();
 }
 
-extern "C" int FL_CUK(attention_forward_tc)(const fl_attn_desc *a, float *out, void *out16, float *lse,
-                                            const float *q, const float *k, const float *v, const uint8_t *kmask, void *stream) {
+static int tc_fwd(const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q, const void *k,
+                  const void *v, const uint8_t *kmask, int in16, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, NULL, kmask, 1);
+    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, NULL, kmask, 1, in16);
     if (rc) return rc < 0 ? rc : 0;
     return a->HD == 64 ? fl_cu_tc_fwd_launch<64>(p, stream) : fl_cu_tc_fwd_launch<128>(p, stream);
+}
+extern "C" int FL_CUK(attention_forward_tc)(const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                            const float *q, const float *k, const float *v, const uint8_t *kmask, void *stream) {
+    return tc_fwd(a, out, out16, lse, q, k, v, kmask, 0, stream);
+}
+extern "C" int FL_CUK(attention_forward_tc16)(const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                              const void *q16, const void *k16, const void *v16, const uint8_t *kmask,
+                                              void *stream) {
+    return tc_fwd(a, out, out16, lse, q16, k16, v16, kmask, 1, stream);
 }
 
 /* in16: q, k, v and out bf16 (attention_backward_tc16) */

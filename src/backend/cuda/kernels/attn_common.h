@@ -185,15 +185,18 @@ static inline fl_cu_attn_p fl_cu_attn_params(const fl_attn_desc *a) {
  * argument checks in their one order and the parameter block. tc: the tensor-core kernels' shapes
  * only (fl_cu_attention_tc_supported). Returns 0 (*p ready), 1 (nothing to run: B or Tq is 0), or
  * an FL_CU_ATTN_* code. */
+/* in16: q, k, v bf16 (attention_forward_*16; no bias then), else fp32 */
 static inline int fl_cu_attn_fwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, float *out, void *out16, float *lse,
-                                       const float *q, const float *k, const float *v, const float *bias,
-                                       const uint8_t *kmask, int tc) {
-    int rc = fl_cu_attn_check(a, out, lse, q, k, v, bias, NULL);
+                                       const void *q, const void *k, const void *v, const float *bias,
+                                       const uint8_t *kmask, int tc, int in16 = 0) {
+    int rc = fl_cu_attn_check(a, out, lse, (const float *)q, (const float *)k, (const float *)v, bias, NULL);
     if (rc) return rc;
+    if (in16 && bias) return FL_CU_ATTN_INVALID;
     if (tc && !fl_cu_attention_tc_supported(a, bias)) return FL_CU_ATTN_UNSUPPORTED;
     if (a->B == 0 || a->Tq == 0) return 1;
     *p = fl_cu_attn_params(a);
-    p->q = q, p->k = k, p->v = v, p->bias = bias, p->kmask = kmask, p->o = out, p->l = lse;
+    p->q = fl_cu_fptr(q, in16), p->k = fl_cu_fptr(k, in16), p->v = fl_cu_fptr(v, in16);
+    p->bias = bias, p->kmask = kmask, p->o = out, p->l = lse;
     p->o16 = (uint16_t *)out16;
     return 0;
 }

@@ -377,6 +377,10 @@ __global__ static void fl_cu_scale_k(float *x, size_t n, float s) {
 __global__ static void fl_cu_bias_fwd_k(float *y, const float *b, int N, int OC) {
     FL_CU_GRID_STRIDE(i, (size_t)N * OC) y[i] += b[i % OC];
 }
+/* a bf16 bias (a bf16 model's stored one): each element widened exactly, then bias_forward's fp32 add */
+__global__ static void fl_cu_bias_fwd16_k(float *y, const uint16_t *b, int N, int OC) {
+    FL_CU_GRID_STRIDE(i, (size_t)N * OC) y[i] += fl_cu_bf16_to_f32(b[i % OC]);
+}
 
 extern "C" int FL_CUK(add)(float *out, const float *a, const float *b, size_t n, void *stream) {
     return add_launch(out, NULL, a, b, n, stream);
@@ -391,6 +395,14 @@ extern "C" int FL_CUK(scale)(float *x, size_t n, float s, void *stream) {
 extern "C" int FL_CUK(bias_forward)(float *y, const float *b, int N, int OC, void *stream) {
     if (N > 0 && OC > 0)
         FL_CU_LAUNCH(fl_cu_bias_fwd_k, dim3(ew_grid((size_t)N * OC)), dim3(256), 0, (fl_cu_stream)stream, y, b, N, OC);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(bias_forward_t)(float *y, const void *b, fl_dtype bt, int N, int OC, void *stream) {
+    if (bt == FL_F32) return FL_CUK(bias_forward)(y, (const float *)b, N, OC, stream);
+    if (bt != FL_BF16) return -1;
+    if (N > 0 && OC > 0)
+        FL_CU_LAUNCH(fl_cu_bias_fwd16_k, dim3(ew_grid((size_t)N * OC)), dim3(256), 0, (fl_cu_stream)stream, y,
+                     (const uint16_t *)b, N, OC);
     return fl_cu_launch_error();
 }
 /* bias_backward: a column sum, kernels/norm.cu (fl_cu_colsum_k) */

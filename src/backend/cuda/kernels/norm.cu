@@ -177,9 +177,10 @@ FL_CU_DEV float cs_xhat(const void *inp, int xt, const float *mean, const float 
     const float x = xt == (int)FL_F32 ? ((const float *)inp)[i] : fl_cu_bf16_to_f32(((const uint16_t *)inp)[i]);
     return mean ? (x - mean[n]) * rstd[n] : x * rstd[n];
 }
-/* inp of type xt (F32 or BF16, as the dx kernel's) */
+/* inp of type xt (F32 or BF16, as the dx kernel's); d16 (NULL or): each dout element read is also stored there in
+ * bf16 (bias_backward16: a linear's bf16 dy) */
 __global__ static void fl_cu_colsum_k(float *dw, float *db, const float *dout, const void *inp, int xt,
-                                      const float *mean, const float *rstd, int N, int C) {
+                                      const float *mean, const float *rstd, int N, int C, uint16_t *d16) {
     __shared__ float sw[FL_CU_CS_GROUPS * FL_CU_CS_COLS], sb[FL_CU_CS_GROUPS * FL_CU_CS_COLS];
     const int lc = (int)threadIdx.x % FL_CU_CS_COLS, g = (int)threadIdx.x / FL_CU_CS_COLS;
     const int G = (int)blockDim.x / FL_CU_CS_COLS; /* row groups: cs_threads(N) */
@@ -190,6 +191,10 @@ __global__ static void fl_cu_colsum_k(float *dw, float *db, const float *dout, c
         for (; n + 3 * G < N; n += 4 * G) { /* four rows' loads in flight; summed in row order */
             size_t i0 = (size_t)n * C + c, i1 = i0 + (size_t)G * C, i2 = i1 + (size_t)G * C, i3 = i2 + (size_t)G * C;
             float d0 = dout[i0], d1 = dout[i1], d2 = dout[i2], d3 = dout[i3];
+            if (d16) {
+                d16[i0] = fl_cu_f32_to_bf16(d0), d16[i1] = fl_cu_f32_to_bf16(d1);
+                d16[i2] = fl_cu_f32_to_bf16(d2), d16[i3] = fl_cu_f32_to_bf16(d3);
+            }
             if (dw) {
                 float x0 = cs_xhat(inp, xt, mean, rstd, i0, n), x1 = cs_xhat(inp, xt, mean, rstd, i1, n + G);
                 float x2 = cs_xhat(inp, xt, mean, rstd, i2, n + 2 * G), x3 = cs_xhat(inp, xt, mean, rstd, i3, n + 3 * G);
@@ -206,6 +211,7 @@ __global__ static void fl_cu_colsum_k(float *dw, float *db, const float *dout, c
         for (; n < N; n += G) {
             size_t i = (size_t)n * C + c;
             float d = dout[i];
+            if (d16) d16[i] = fl_cu_f32_to_bf16(d);
             if (dw) aw += d * cs_xhat(inp, xt, mean, rstd, i, n);
             ab += d;
         }
@@ -271,7 +277,8 @@ static int rmsnorm_bwd(float *dinp, void *dinp16, float *dw, const float *dout, 
                      (fl_cu_stream)stream, dinp, (uint16_t *)dinp16, dout, inp, (int)xt, w, (int)wt, rstd, C, vec);
     if (dw)
         FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(C)), dim3(cs_threads(N)), 0,
-                     (fl_cu_stream)stream, dw, (float *)NULL, dout, inp, (int)xt, (const float *)NULL, rstd, N, C);
+                     (fl_cu_stream)stream, dw, (float *)NULL, dout, inp, (int)xt, (const float *)NULL, rstd, N, C,
+                     (uint16_t *)NULL);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
@@ -366,7 +373,7 @@ static int layernorm_bwd(float *dinp, void *dinp16, float *dw, float *db, const 
                      (uint16_t *)dinp16, dout, inp, (int)xt, w, (int)wt, mean, rstd, C);
     if (dw || db)
         FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(C)), dim3(cs_threads(N)), 0,
-                     (fl_cu_stream)stream, dw, db, dout, inp, (int)xt, mean, rstd, N, C);
+                     (fl_cu_stream)stream, dw, db, dout, inp, (int)xt, mean, rstd, N, C, (uint16_t *)NULL);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(layernorm_backward)(float *dinp, float *dw, float *db, const float *dout, const float *inp,
@@ -384,11 +391,14 @@ extern "C" int FL_CUK(layernorm_backward_w16)(float *dinp, void *dinp16, float *
                          N, C, stream);
 }
 
-/* db[c] += sum over the N rows of dy (the linears' bias gradient): the same column sum */
-extern "C" int FL_CUK(bias_backward)(float *db, const float *dy, int N, int OC, void *stream) {
+/* db[c] += sum over the N rows of dy (the linears' bias gradient): the same column sum; dy16 (NULL or): bf16(dy) */
+extern "C" int FL_CUK(bias_backward16)(float *db, void *dy16, const float *dy, int N, int OC, void *stream) {
     if (db && N > 0 && OC > 0)
         FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(OC)), dim3(cs_threads(N)), 0,
                      (fl_cu_stream)stream, (float *)NULL, db, dy, (const void *)NULL, (int)FL_F32,
-                     (const float *)NULL, (const float *)NULL, N, OC);
+                     (const float *)NULL, (const float *)NULL, N, OC, (uint16_t *)dy16);
     return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(bias_backward)(float *db, const float *dy, int N, int OC, void *stream) {
+    return FL_CUK(bias_backward16)(db, NULL, dy, N, OC, stream);
 }

@@ -67,9 +67,11 @@ static cublasStatus_t layout(cublasLtMatrixLayout_t *l, fl_dtype t, int64_t rows
     return st;
 }
 
-/* The epilogue's attributes (issue 30 item 3): its kind and aux's leading dimension once per plan (all: 1), the
- * bias and aux pointers every call (all: 0; the plan's descriptor is reused across calls). The bias is fp32: its
- * type defaults to D's, and an epilogue's D is F32 (cu_gemm_check). */
+/* The epilogue's attributes (issue 30 item 3): its kind, aux's leading dimension and the bias type once per plan
+ * (all: 1), the bias and aux pointers every call (all: 0; the plan's descriptor is reused across calls). An fp32
+ * bias with an F32 D (and a BF16 one with a BF16 D) takes the default type, D's; another (a bf16 model's stored bias
+ * with an F32 D, an fp32 bias with a BF16 D) is declared with CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE (a refusal:
+ * NOT_SUPPORTED from the heuristic, the caller's fallback). */
 static cublasStatus_t lt_epilogue(cublasLtMatmulDesc_t op, const fl_cu_gemm_desc *d, int all) {
     const int gelu = d->epilogue == FL_CU_EPI_GELU_AUX_BIAS;
     cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
@@ -79,6 +81,10 @@ static cublasStatus_t lt_epilogue(cublasLtMatmulDesc_t op, const fl_cu_gemm_desc
         int64_t ld = d->ldaux;
         if (st == CUBLAS_STATUS_SUCCESS && gelu)
             st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof ld);
+        if (st == CUBLAS_STATUS_SUCCESS && d->bias_t != d->tc) { /* a type other than D's (the default) */
+            cudaDataType_t bt = cu_type(d->bias_t);
+            st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt);
+        }
     }
     const void *bias = d->bias;
     void *aux = d->aux;
