@@ -199,8 +199,10 @@ static fl_status w_gemm_epilogue(BE, int epi, const void *bias, float *aux, int 
     int tm = prof_in(p);
     fl_status s = p->orig.gemm_epilogue(be, epi, bias, aux, ldaux, ta, tb, M, N, K, alpha, A, tA, lda, B, tB, ldb, beta,
                                         C, ldc);
-    /* the shape's epilogue kind (a bf16 bias is timed as gemm_bench's fp32 one) */
-    p->cur_shape = tm ? shape_of(p, ta, tb, M, N, K, tA, tB, FL_F32, epi & ~FL_GEMM_EPI_BIAS_BF16) : -1;
+    /* the shape's epilogue kind (a bf16 bias is timed as gemm_bench's fp32 one) and C's type */
+    const fl_dtype tC = epi > 0 && (epi & FL_GEMM_EPI_OUT_BF16) ? FL_BF16 : FL_F32;
+    p->cur_shape = tm ? shape_of(p, ta, tb, M, N, K, tA, tB, tC, epi & ~(FL_GEMM_EPI_BIAS_BF16 | FL_GEMM_EPI_OUT_BF16))
+                      : -1;
     prof_out(p, tm, OP_gemm_epilogue, 2.0 * M * N * K);
     p->cur_shape = -1;
     return s;
