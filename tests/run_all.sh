@@ -45,6 +45,8 @@ full)  FUZZ_SMOKE_TIME=${FUZZ_SMOKE_TIME:-10} ;;
 esac
 export FITLLM_TEST_TIER
 FUZZ_JOBS=${FUZZ_JOBS:-2}
+# the smoke run's clang build: -O0 (a quarter of -O1's compile time with ASan + coverage; fuzz/build.sh)
+export FUZZ_OPT=${FUZZ_OPT:--O0 -gline-tables-only}
 # the unit tests (release and ASan) in this many processes (tests/main.c, FITLLM_TEST_JOBS): one per
 # core, at least 2 (most tests keep one core busy), at most 4
 if [ -z "${FITLLM_TEST_JOBS:-}" ]; then
