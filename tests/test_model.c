@@ -444,8 +444,8 @@ static void ckpt_case(const char *preset, int n_layers) {
 }
 
 FL_TEST(model_act_ckpt_exact_llama) { ckpt_case("micro", 0); }
-/* GPT-2 small's widths with 3 of its 12 blocks (make test's time: 5.3 -> 1.3 CPU s, FITLLM_THREADS=1): a first, a middle and the last
- * block, the first two recomputed; the checks are per block or formulas in n_layers */
+/* GPT-2 small's widths with 3 of its 12 blocks (make test's time: 5.3 -> 1.3 CPU s, FITLLM_THREADS=1): a first,
+ * a middle and the last block, the first two recomputed; the checks are per block or formulas in n_layers */
 FL_TEST(model_act_ckpt_exact_gpt2) { ckpt_case("gpt2", 3); }
 
 /* bf16-mixed: fp32 master weights plus a bf16 copy that the matmuls read.
