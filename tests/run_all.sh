@@ -20,11 +20,14 @@
 #   full   (`make test-full`, FITLLM_TEST_TIER=full): everything, in both passes (the old FITLLM_TEST_ASAN_ALL=1),
 #          the long CLI / MPI cases and a 10 s fuzz smoke per harness. Run it before a release, or after changing
 #          what a sweep covers.
-# When cli runs before fuzz-smoke and/or asan, their builds (fuzz/build.sh, ~100 CPU s from scratch, then `make
-# asan-build`, ~330 CPU s) run one after the other at nice 19 in the background from the cli stage on
-# (ASAN_PREBUILD=0: not): the CLI and MPI cases keep about one core busy (153 and 148 CPU s in 145 and 162 s on 2
-# quiet cores), the builds take the other; fuzz-smoke and asan wait for theirs (logs: $BUILD/test-logs/fuzz-build.log,
-# asan-build.log).
+# When cli runs before fuzz-smoke and/or asan, their builds (fuzz/build.sh at FUZZ_OPT="-O0 -gline-tables-only",
+# 63 CPU s from scratch (-O1 -g: ~100 quiet); then `make asan-build`, ~295 CPU s with tests/*.c at -O1, the library at
+# -O2) run one after the other at nice 19 in the background from the cli stage on (ASAN_PREBUILD=0: not): the CLI
+# and MPI cases keep about one core busy (151 and 141 CPU s in 139 and 179 s of cases on 2 quiet cores), the builds
+# take the other (~340 CPU s spare, ~340 CPU s of builds); fuzz-smoke and asan wait for theirs (logs:
+# $BUILD/test-logs/fuzz-build.log, asan-build.log). The unit logs give each test's CPU and wall time
+# (`ok   NAME  [cpu C ms]  T ms`): `make test` is CPU-bound on 2 cores (~1,900 CPU s in all from a clean
+# checkout), so CPU seconds are what a change to it is measured in.
 # Every stage runs even after one fails. Each stage's output is shown as it runs and kept in
 # $BUILD/test-logs/<stage>.log; its counts are its last line of the form "N passed, N failed[, N
 # skipped]" (a stage that prints none counts as one check: passed when it exits 0). A stage that
@@ -45,6 +48,8 @@ full)  FUZZ_SMOKE_TIME=${FUZZ_SMOKE_TIME:-10} ;;
 esac
 export FITLLM_TEST_TIER
 FUZZ_JOBS=${FUZZ_JOBS:-2}
+# the smoke run's clang build: -O0 (a quarter of -O1's compile time with ASan + coverage; fuzz/build.sh)
+export FUZZ_OPT=${FUZZ_OPT:--O0 -gline-tables-only}
 # the unit tests (release and ASan) in this many processes (tests/main.c, FITLLM_TEST_JOBS): one per
 # core, at least 2 (most tests keep one core busy), at most 4
 if [ -z "${FITLLM_TEST_JOBS:-}" ]; then

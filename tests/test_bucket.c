@@ -80,12 +80,16 @@ FL_TEST(bucket_zero2_and_full_shard_keep_the_bits) {
     /* micro: 260032 elements (1 MiB fp32); 4000 bytes: pieces of 333 (2 ranks) / 250 (3) elements, hundreds
      * of buckets; 999 bytes: pieces of 83 / 62, not a divisor of anything; 64 KiB: a few buckets */
     const size_t bk[3] = {4000, 999, 64 << 10};
-    bk_case(ZR_ADAMW, 2, "deepspeed_stage_2", "cpu", bk, 3);
+    /* under ASan in the quick tier the 999-byte buckets alone where the release pass runs several sizes: the same
+     * packing code, its odd piece sizes the ones that end off any boundary (make test's time) */
+    const int asan1 = fl_test_asan_light();
+    bk_case(ZR_ADAMW, 2, "deepspeed_stage_2", "cpu", asan1 ? bk + 1 : bk, asan1 ? 1 : 3);
     const int light = fl_test_quick(); /* the quick tier (both passes): each strategy and gradient width once */
     if (!light) bk_case(ZR_SGDM, 3, "deepspeed_stage_2", "cpu", bk, 2);
     bk_case(ZR_BF16, 3, "deepspeed_stage_2", "cpu", bk + 1, 1); /* BF16 gradients: 2-byte elements */
     bk_case(ZR_ADAMW8, 2, "deepspeed_stage_2", "cpu", bk, 1);    /* + the 8-bit halo after the buckets */
-    bk_case(ZR_ADAMW, 3, "fsdp", "cpu", bk, 2);                  /* per unit (accumulation 2: the add path) */
+    /* per unit (accumulation 2: the add path) */
+    bk_case(ZR_ADAMW, 3, "fsdp", "cpu", asan1 ? bk + 1 : bk, asan1 ? 1 : 2);
     if (!light) bk_case(ZR_BF16, 2, "fsdp", "cpu", bk + 1, 1);
     bk_case(ZR_SGDM, 3, "deepspeed_stage_3_offload", "cpu", bk, 1);
 }

@@ -21,6 +21,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "fitllm/backend.h"
 #include "fitllm/config.h"
 #include "fitllm/trainer.h"
 
@@ -121,7 +122,11 @@ static int run(const char *label, fl_cmd_kind cmd, const char *ckpt, const char 
     return n != 0;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    (void)argc;
+    /* idle OpenMP workers sleep, as in the CLI and fitllm_tests (re-executes once): libgomp's default spinning
+     * took the cores from the working threads here (make test's time) */
+    fl_cpu_process_init(argv);
     ssize_t k = readlink("/proc/self/exe", g_exe, sizeof g_exe - 1);
     g_exe[k > 0 ? k : 0] = 0;
     char tmp[] = "/tmp/fitllm-alloc-XXXXXX";
