@@ -249,7 +249,7 @@ FL_TEST(perf_profile_groups_cuda_emu) {
 /* The round trips of one step (the second: the first makes first-use buffers), n_micro micro-batches. */
 static fl_cu_counters step_counts(const char *prec, int n_micro, float max_norm, int phase_times, int lora,
                                   double *loss, double *norm) {
-    const int B = 2, T = 16;
+    const int B = 2, T = 8; /* the counts are per step and per micro-batch, not per token */
     perf_rig r;
     fl_cuemu_set_host_memory(0); /* the GPU's paths: host staging, ids copied, what waits for the device */
     const int made = rig_init_ex(&r, "cuda-emu", prec, B, T, lora);
@@ -417,7 +417,7 @@ typedef struct {
 } graph_run;
 
 static int graph_case(int on, const char *prec, int n_micro, float max_norm, int miss, graph_run *g) {
-    enum { B = 2, T = 16, N = B * T };
+    enum { B = 2, T = 8, N = B * T }; /* what is captured and replayed does not depend on the length */
     if (on) setenv("FITLLM_CUDA_GRAPHS", "1", 1);
     perf_rig r;
     fl_cuemu_set_host_memory(0); /* the GPU's paths: without them the door stays op by op */
