@@ -747,7 +747,11 @@ FL_TEST(cuda_attn_fa2) {
     };
     g_tc_fwd = fl_cuemu_attention_forward_fa2;
     g_tc_bwd = fl_cuemu_attention_backward_fa2;
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) tc_run(&cases[i]);
+    /* under ASan (quick tier) all but the 131 x 131 GQA 4:1 case (half the pass's time here): its 2 forward tiles run
+     * in the 131 x 67 case, its 3 key blocks in the 77 x 131 one, GQA's head mapping at 2:1 in the first */
+    const size_t asan_skip = fl_test_asan_light() ? 5 : (size_t)-1;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (i != asan_skip) tc_run(&cases[i]);
     g_tc_fwd = fl_cuemu_attention_forward_tc;
     g_tc_bwd = fl_cuemu_attention_backward_tc;
 }
