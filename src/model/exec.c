@@ -335,12 +335,13 @@ static void *norm_dy16_for(const fl_model *m, const fl_backend *be, const fl_blo
     return bp->lin[pv->p].dyb16;
 }
 
-/* A biased linear straight into the tanh GELU (GPT-2's c_fc) as one GEMM with cuBLASLt's bias + GELU epilogue
- * (issue 30 item 3): pre = x W^T + b (the slot the GELU's backward reads), out = gelu(pre); the backend's
- * gemm_epilogue (cuda-emu: the bits of the GEMM, bias_forward and gelu_forward). Not with adapters (LoRA adds to
- * pre before the GELU) or a 4-bit weight. */
-static int linear_gelu_fuses(const fl_backend *be, const fl_linear *lin) {
-    return be->gemm_epilogue && (lin->b || lin->b16) && lin->n_q4 == 0 && lin->n_adapters == 0;
+static int lin_biased(const fl_linear *lin) { return lin->b || lin->b16; } /* an fp32 view or the stored bf16 bias */
+/* A biased linear whose bias (and a following op) the GEMM's epilogue takes, e.g. straight into the tanh GELU
+ * (GPT-2's c_fc) as one GEMM with cuBLASLt's bias + GELU epilogue (issue 30 item 3): pre = x W^T + b (the slot the
+ * GELU's backward reads), out = gelu(pre); the backend's gemm_epilogue (cuda-emu: the bits of the GEMM, bias_forward
+ * and gelu_forward). Not with adapters (LoRA adds to pre before the GELU) or a 4-bit weight. */
+static int epilogue_fuses(const fl_backend *be, const fl_linear *lin) {
+    return be->gemm_epilogue && lin_biased(lin) && lin->n_q4 == 0 && lin->n_adapters == 0;
 }
 /* gemm_epilogue's bias argument of a linear: its bf16 stored bias (FL_GEMM_EPI_BIAS_BF16 or'ed into *epi) or fp32 */
 static const void *epi_bias(const fl_linear *lin, int *epi) {
@@ -357,7 +358,7 @@ static int gemm_to_attn16(const fl_backend *be, const fl_block_graph *g, int i, 
     const fl_gop *o = &g->op[i], *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
     return be->attention_forward_in16 && be->gemm_epilogue && nx && nx->kind == FL_GOP_ATTN && nx->in == o->out &&
            fused_causal(nx, x) && !x->kv && g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out) &&
-           (lin->b || lin->b16) && lin->n_q4 == 0 && lin->n_adapters == 0 && lin->wc && lin->wct == FL_BF16;
+           epilogue_fuses(be, lin) && lin->wc && lin->wct == FL_BF16;
 }
 static fl_status linear_bias16(const fl_backend *be, void *y16, float *scratch, const void *x16, const fl_linear *lin,
                                int N) {
@@ -416,7 +417,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                                    : NULL;
             const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
             if (o16 && be->gelu16_epilogue && nx && nx->kind == FL_GOP_GELU && nx->in == o->out &&
-                linear_gelu_fuses(be, lin)) {
+                epilogue_fuses(be, lin)) {
                 /* bf16 stored (issue 30 item 3, fl_backend.gelu16_epilogue): the GELU of the fp32 pre-activation in
                  * the GEMM's epilogue, then the GELU's output and (below, `last`) the pre-activation the backward
                  * reads stored in bf16: the pre-activation's bits are the unfused path's, the output is rounded once */
@@ -440,7 +441,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 pendr = o->out, done16 = 1;
                 break;
             }
-            if (!x->store16 && nx && nx->kind == FL_GOP_GELU && nx->in == o->out && linear_gelu_fuses(be, lin)) {
+            if (!x->store16 && nx && nx->kind == FL_GOP_GELU && nx->in == o->out && epilogue_fuses(be, lin)) {
                 FL_TRY(linear_bias_gelu(be, s[nx->out], out, in, NULL, lin, N)); /* GPT-2's c_fc + GELU: one GEMM */
                 i++;
                 break;
@@ -831,7 +832,7 @@ fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, c
         fl_dtype wt = lin->wc ? lin->wct : FL_F32;
         /* a BF16 weight's GEMM rounds an F32 x to bf16: x16 is that operand already */
         const int a16 = x16 && wt == FL_BF16;
-        if ((lin->b || lin->b16) && be->gemm_epilogue) { /* the bias in the GEMM's epilogue (issue 30 item 3) */
+        if (lin_biased(lin) && be->gemm_epilogue) { /* the bias in the GEMM's epilogue (issue 30 item 3) */
             int epi = FL_GEMM_EPI_BIAS;
             const void *b = epi_bias(lin, &epi);
             FL_TRY(FL_RUN(be, gemm_epilogue, epi, b, NULL, 0, 0, 1, N, lin->out, lin->in, 1.0f,
@@ -856,7 +857,7 @@ fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate,
 }
 
 int fl_linear_plain16(const fl_linear *lin) {
-    return lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && !lin->b && !lin->b16 && lin->n_adapters == 0;
+    return lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && !lin_biased(lin) && lin->n_adapters == 0;
 }
 
 fl_status fl_linear_forward16(const fl_backend *be, void *y16, const void *x16, const fl_linear *lin, int N) {

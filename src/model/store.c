@@ -292,7 +292,7 @@ static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, int w
     if (bi >= 0 && m->store->dtype == FL_BF16 && m->be->gemm_epilogue && lin->n_q4 == 0) {
         /* a bf16 store's bias read as stored by the GEMM's epilogue (issue 30 item 1: no widening launch per block
          * and pass); its staging slot kept (the later entries' places unchanged) */
-        lin->b16 = m->store->ops->param_at(m->store, fl_store_off(m->store, bi)); /* NULL: a shard not gathered */
+        lin->b16 = paddr(m, fl_store_off(m->store, bi)); /* NULL: a shard not gathered */
         *cur += out;
     } else
         lin->b = fl_store_bind_span_w(m->store, bi, (size_t)out, cur, wb); /* a fused bias: its `out` values */
