@@ -246,6 +246,17 @@ struct fl_backend {
      * (cuda, cuda-emu) */
     fl_status (*bias_backward16)(const fl_backend *be, float *db /*(OC)*/, void *dy16 /*(N,OC) bf16*/,
                                  const float *dy /*(N,OC)*/, int N, int OC);
+    /* Optional (NULL: add16 (or add + round16), then the norm; issue 30 item 4): the residual add fused with the next
+     * norm under a bf16 store, one pass. res16 = RNE(a + b) and res (NULL or) its exact widening (add16's bits; res
+     * may alias a or b); then the norm (ln: layernorm_forward_w16, mean and bias; else rmsnorm_forward_w16) of the
+     * STORED sum widen(res16), w (and bias, NULL or) of wt (F32, BF16, F16), out16 = RNE of the norm and out (NULL
+     * or) its exact widening, rstd (and mean) as the norm's: the bits of the two ops. (cuda, cuda-emu: one kernel;
+     * cpu, ref, opaque: fl_backend_add_norm16_composed, which needs res and out, and wt F32 where the backend has
+     * no w16 norm) */
+    fl_status (*add_norm_forward16)(const fl_backend *be, int ln, float *res /*(N,C)*/, void *res16 /*(N,C) bf16*/,
+                                    float *out /*(N,C)*/, void *out16 /*(N,C) bf16*/, float *mean /*(N)*/,
+                                    float *rstd /*(N)*/, const float *a, const float *b, const void *w /*(C)*/,
+                                    const void *bias /*(C)*/, fl_dtype wt, int N, int C, float eps);
 
     /* Optional (NULL: the cross_entropy op below, then a convert of its gradient): cross_entropy with the logits'
      * gradient
@@ -819,6 +830,11 @@ fl_status fl_accel_resolve(fl_accel want, fl_accel *use);
 /* The registry's backend for a resolved accelerator: "cpu" or "cuda" (auto: "cpu"). */
 const char *fl_accel_backend(fl_accel a);
 
+/* add_norm_forward16 composed of be's add16 (or add and round16 / two converts), then its w16 norm (or the fp32 norm
+ * and the same rounding): the bits of exec.c's unfused ops (the CPU backends' implementation) */
+fl_status fl_backend_add_norm16_composed(const fl_backend *be, int ln, float *res, void *res16, float *out, void *out16,
+                                         float *mean, float *rstd, const float *a, const float *b, const void *w,
+                                         const void *bias, fl_dtype wt, int N, int C, float eps);
 /* add_rmsnorm_forward composed of be's add and rmsnorm_forward (the CPU backends' implementation: the same
  * bits as the two ops called in turn). */
 fl_status fl_backend_add_rmsnorm_composed(const fl_backend *be, void *res, void *out, float *rstd, const void *a,

@@ -18,6 +18,46 @@ fl_status fl_backend_add_rmsnorm_composed(const fl_backend *be, void *res, void 
     return FL_OK;
 }
 
+/* a bf16-stored slot without the backend's one-kernel rounding: round16, else two converts (exec.c's store16) */
+static fl_status keep16_composed(const fl_backend *be, void *x16, float *x, size_t n) {
+    if (be->round16) return be->round16(be, x16, FL_BF16, x, n);
+    FL_TRY(be->convert(be, x16, FL_BF16, x, FL_F32, n));
+    return be->convert(be, x, FL_F32, x16, FL_BF16, n);
+}
+
+fl_status fl_backend_add_norm16_composed(const fl_backend *be, int ln, float *res, void *res16, float *out, void *out16,
+                                         float *mean, float *rstd, const float *a, const float *b, const void *w,
+                                         const void *bias, fl_dtype wt, int N, int C, float eps) {
+    const int w16 = ln ? be->layernorm_forward_w16 != NULL : be->rmsnorm_forward_w16 != NULL;
+    if (!res || !res16 || !out || !out16 || !a || !b || !w)
+        return fl_errorf(FL_ERR_INVALID, "%s add_norm_forward16: res, res16, out, out16, a, b and w are required (the "
+                         "composed op keeps the fp32 views)", be->name);
+    if (wt != FL_F32 && !w16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s add_norm_forward16: a %s norm weight needs the backend's w16 norm",
+                         be->name, fl_dtype_name(wt));
+    if (N < 0 || C <= 0) return fl_errorf(FL_ERR_INVALID, "%s add_norm_forward16: bad shape %d x %d", be->name, N, C);
+    if (N == 0) return FL_OK;
+    const size_t n = (size_t)N * C;
+    if (be->add16)
+        FL_TRY(be->add16(be, res, res16, a, b, n));
+    else {
+        be->add(be, res, a, b, n);
+        FL_TRY(keep16_composed(be, res16, res, n));
+    }
+    if (w16) { /* the bf16 copy written by the norm */
+        if (ln)
+            be->layernorm_forward_w16(be, out, out16, mean, rstd, res, w, bias, wt, N, C, eps);
+        else
+            be->rmsnorm_forward_w16(be, out, out16, rstd, res, w, wt, N, C, eps);
+        return FL_OK;
+    }
+    if (ln)
+        be->layernorm_forward(be, out, mean, rstd, res, (const float *)w, (const float *)bias, N, C, eps);
+    else
+        be->rmsnorm_forward(be, out, rstd, res, (const float *)w, N, C, eps);
+    return keep16_composed(be, out16, out, n);
+}
+
 const char *fl_op_name(fl_op op) {
     static const char *const names[FL_OP_COUNT] = {"gemm",       "convert",   "adamw_update", "sgd_update",
                                                     "adam8bit_update", "accumulate16", "sumsq", "q4_matmul",

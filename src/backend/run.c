@@ -258,6 +258,11 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         DOOR(attention_forward_in16);
         return be->attention_forward_in16(be, r->a, r->out, r->out16, r->lse, r->q16, r->k16, r->v16, r->kmask);
     }
+    case FL_OPK_add_norm_forward16: {
+        DOOR(add_norm_forward16);
+        return be->add_norm_forward16(be, r->ln, r->res, r->res16, r->out, r->out16, r->mean, r->rstd, r->a, r->b, r->w,
+                                      r->bias, r->wt, r->N, r->C, r->eps);
+    }
     case FL_OPK_bias_backward16: {
         DOOR(bias_backward16);
         return be->bias_backward16(be, r->db, r->dy16, r->dy, r->N, r->OC);

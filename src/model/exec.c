@@ -377,6 +377,16 @@ static fl_status linear_bias_gelu(const fl_backend *be, float *out, float *pre, 
                   0.0f, out, lin->out);
 }
 
+/* A residual add's NORM (op j) under a bf16 store, fused with the add (add_norm_forward16) when the backend has the
+ * op and the norm would store its output's bf16 copy itself (the w16 kernel, or the fp32 one then store16): that
+ * copy, else NULL */
+static void *norm_out16(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, int j,
+                        const fl_block_ctx *x) {
+    const int k = g->op[j].out;
+    if (!m->be->add_norm_forward16 || !final_after(g, j, k) || !stored16(g, k, x)) return NULL;
+    return bp->norm_wt == FL_F32 || fl_norm16_have(m, 0) ? x->s16[k] : NULL;
+}
+
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -455,16 +465,25 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             pendq = -1;
             break;
         case FL_GOP_ADD: {
-            /* a residual add straight into an RMSNorm of its sum: one fused op (issue 30 item 4; the CPU's is the
-             * two ops, the same bits). Not when bf16 is stored (store16): the sum must be rounded to bf16 before
-             * the norm reads it, and the fused op has no bf16 variant yet. */
-            const fl_gop *nx = i + 1 < g->n_ops && !x->store16 ? &g->op[i + 1] : NULL;
-            if (nx && nx->kind == FL_GOP_NORM && nx->in == o->out && !fl_arch_get(m->cfg.arch)->layernorm &&
-                bp->norm_wt == FL_F32 &&
-                wo == (size_t)m->cfg.dim && rows(g, nx->in, x) == N) {
+            /* a residual add straight into a norm of its sum (issue 30 item 4): one fused op. fp32 activations:
+             * add_rmsnorm_forward (RMSNorm, fp32 weight; the CPU's is the two ops, the same bits); bf16 stored (the
+             * sum rounded to bf16 before the norm reads it): add_norm_forward16, RMSNorm or LayerNorm (the bits of
+             * add16 then the w16 norm) */
+            const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+            const int to_norm = nx && nx->kind == FL_GOP_NORM && nx->in == o->out && wo == (size_t)m->cfg.dim &&
+                                rows(g, nx->in, x) == N;
+            if (to_norm && !x->store16 && !fl_arch_get(m->cfg.arch)->layernorm && bp->norm_wt == FL_F32) {
                 FL_TRY(FL_RUN(be, add_rmsnorm_forward, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32,
                               N, m->cfg.dim, m->cfg.norm_eps));
                 i++; /* the norm is done */
+                break;
+            }
+            void *n16 = to_norm ? norm_out16(m, g, bp, i + 1, x) : NULL;
+            if (o16 && n16) {
+                FL_TRY(FL_RUN(be, add_norm_forward16, fl_arch_get(m->cfg.arch)->layernorm, out, o16, s[nx->out], n16,
+                              S(nx->a1), S(nx->a2), out, in, bp->norm_w[nx->p], bp->norm_b[nx->p], bp->norm_wt, N,
+                              m->cfg.dim, m->cfg.norm_eps));
+                i++, done16 = 1; /* the norm, and both bf16 copies, done */
                 break;
             }
             if (o16 && be->add16) {

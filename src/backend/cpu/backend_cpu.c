@@ -26,6 +26,7 @@ static void fill_ops(fl_backend *be) {
     be->rmsnorm_forward = fl_cpu_rmsnorm_forward;
     be->rmsnorm_backward = fl_cpu_rmsnorm_backward;
     be->add_rmsnorm_forward = fl_backend_add_rmsnorm_composed;
+    be->add_norm_forward16 = fl_backend_add_norm16_composed;
     be->layernorm_forward = fl_cpu_layernorm_forward;
     be->layernorm_backward = fl_cpu_layernorm_backward;
     be->rope_forward = fl_cpu_rope_forward;

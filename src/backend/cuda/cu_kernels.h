@@ -83,6 +83,10 @@ extern "C" {
     /* bf16-stored outputs (backend.h's act_forward16 / add16 / rope_forward16; out16 bf16, -1: kind/shape refused) */ \
     int P##act_forward16(int kind, float *out, void *out16, float *in, const void *in16, int N, int F, void *stream); \
     int P##add16(float *out, void *out16, const float *a, const float *b, size_t n, void *stream);              \
+    /* backend.h's add_norm_forward16 (ln: LayerNorm with mean / bias, else RMSNorm); -1: refused */           \
+    int P##add_norm_forward16(int ln, float *res, void *res16, float *out, void *out16, float *mean,           \
+                              float *rstd, const float *a, const float *b, const void *w, const void *bias,    \
+                              fl_dtype wt, int N, int C, float eps, void *stream);                             \
     int P##rope_forward16(float *x, void *x16, int B, int T, int nh, int HD, int width, const float *cos_t,     \
                           const float *sin_t, int pos0, void *stream);                                         \
     int P##act_backward16(int kind, float *din, void *din16, const float *dout, const float *in,               \

@@ -182,6 +182,19 @@ static fl_status flb_bias_backward16(const fl_backend *be, float *db, void *dy16
     FLB_RUN_S(be, FLB_K(bias_backward16)(db, dy16, dy, N, OC, STREAM), "bias_backward16");
     return FL_OK;
 }
+static fl_status flb_add_norm_forward16(const fl_backend *be, int ln, float *res, void *res16, float *out, void *out16,
+                                        float *mean, float *rstd, const float *a, const float *b, const void *w,
+                                        const void *bias, fl_dtype wt, int N, int C, float eps) {
+    FL_TRY(flb_sticky(be));
+    if (!res16 || !out16 || !a || !b || !w || N < 0 || C <= 0)
+        return fl_errorf(FL_ERR_INVALID, "%s add_norm_forward16: %s NULL or a bad shape (N %d, C %d)", FLB_NAME,
+                         !res16 ? "res16" : !out16 ? "out16" : !a ? "a" : !b ? "b" : !w ? "w" : "nothing", N, C);
+    if (wt != FL_F32 && wt != FL_BF16 && wt != FL_F16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s add_norm_forward16: %s norm weight", FLB_NAME, fl_dtype_name(wt));
+    FLB_RUN_S(be, FLB_K(add_norm_forward16)(ln, res, res16, out, out16, mean, rstd, a, b, w, bias, wt, N, C, eps, STREAM),
+              "add_norm_forward16");
+    return FL_OK;
+}
 static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                      const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int step, float grad_scale) {

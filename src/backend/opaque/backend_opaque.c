@@ -311,6 +311,12 @@ static fl_status op_add_rmsnorm_forward(const fl_backend *be, void *res, void *o
                                         const void *b, const float *w, fl_dtype t, int N, int C, float eps) {
     return IN->add_rmsnorm_forward(IN, D(res), D(out), D(rstd), D(a), D(b), D(w), t, N, C, eps);
 }
+static fl_status op_add_norm_forward16(const fl_backend *be, int ln, float *res, void *res16, float *out, void *out16,
+                                       float *mean, float *rstd, const float *a, const float *b, const void *w,
+                                       const void *bias, fl_dtype wt, int N, int C, float eps) {
+    return IN->add_norm_forward16(IN, ln, D(res), D(res16), D(out), D(out16), D(mean), D(rstd), D(a), D(b), D(w),
+                                  D(bias), wt, N, C, eps);
+}
 static void op_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                 const float *w, const float *rstd, int N, int C) {
     IN->rmsnorm_backward(IN, D(dinp), D(dw), D(dout), D(inp), D(w), D(rstd), N, C);
@@ -535,6 +541,7 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->rmsnorm_forward = op_rmsnorm_forward;
     be->rmsnorm_backward = op_rmsnorm_backward;
     be->add_rmsnorm_forward = op_add_rmsnorm_forward;
+    be->add_norm_forward16 = op_add_norm_forward16;
     be->layernorm_forward = op_layernorm_forward;
     be->layernorm_backward = op_layernorm_backward;
     be->rope_forward = op_rope_forward;

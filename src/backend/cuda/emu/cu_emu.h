@@ -87,6 +87,10 @@ extern unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches;
 /* 128-bit accesses (fl_cu_ld4 / st4 / ld8h / st8h) made so far (not atomic: a test reads it around its own single-
  * threaded launches to see that a vector path ran) */
 extern unsigned long fl_cu_emu_vec_accesses;
+/* Launches of the residual add (add / add16), the norms' forward kernels (RMSNorm, LayerNorm, either weight type) and
+ * the fused add + norm kernels (add_rmsnorm_forward, add_norm_forward16), counted by their host entry points under
+ * the emulator only: the launch-count ratchets of issue 30 item 4 (tests/test_cuda_model.c) */
+extern unsigned long fl_cu_emu_norm_add_launches;
 
 #ifdef __cplusplus
 }

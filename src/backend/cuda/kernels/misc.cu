@@ -366,6 +366,9 @@ __global__ static void fl_cu_add_k(float *out, uint16_t *o16, const float *a, co
 }
 static int add_launch(float *out, uint16_t *o16, const float *a, const float *b, size_t n, void *stream) {
     if (!n) return fl_cu_launch_error();
+#if FL_CU_EMULATED
+    fl_cu_emu_norm_add_launches++;
+#endif
     const int vec = fl_cu_aligned16(out, o16, a, b, NULL);
     FL_CU_LAUNCH(fl_cu_add_k, dim3(ew_grid(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, out, o16, a, b,
                  n, vec);

@@ -45,20 +45,35 @@ FL_CU_DEV void nw4(const void *w, int wt, int c, float *g) {
 }
 
 
-/* o = x * r * w over a row (the calling thread's columns; vec: 4 at a time, 128-bit accesses); o16: the
- * row's bf16 copy too (NULL: none) */
-FL_CU_DEV void rms_scale_row(float *o, uint16_t *o16, const float *x, const void *w, int wt, float r, int C, int vec) {
+/* o = x * r * w over a row (the calling thread's columns; vec: 4 at a time, 128-bit accesses to o); x of type xt (F32:
+ * 128-bit loads under vec; BF16: a bf16-stored row read as it is, its exact widening: the fused add + norm's second
+ * pass); o16: the row's bf16 copy too (NULL: none); o NULL: o16 only (the fp32 view not kept) */
+FL_CU_DEV void rms_scale_row(float *o, uint16_t *o16, const void *x, int xt, const void *w, int wt, float r, int C,
+                             int vec) {
     if (vec) {
         for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
             float v[4], g[4];
-            fl_cu_ld4(x + c, v);
+            nw4(x, xt, c, v);
             nw4(w, wt, c, g);
             for (int k = 0; k < 4; k++) v[k] = fl_cu_keep16(o16, (size_t)c + k, v[k] * r * g[k]);
-            fl_cu_st4(o + c, v);
+            if (o) fl_cu_st4(o + c, v);
         }
     } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = fl_cu_keep16(o16, (size_t)c, x[c] * r * nw(w, wt, c));
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            const float v = fl_cu_keep16(o16, (size_t)c, nw(x, xt, c) * r * nw(w, wt, c));
+            if (o) o[c] = v;
+        }
     }
+}
+/* the sum of squares over 4 values, in order (the vec paths of both forward kernels: one order, one set of bits) */
+FL_CU_DEV float sumsq4(float ss, const float *v) {
+    for (int k = 0; k < 4; k++) ss += v[k] * v[k];
+    return ss;
+}
+/* the row's 1 / rms from the threads' partial sums of squares (a block reduction; every thread gets it) */
+FL_CU_DEV float rms_rstd(float ss, float *buf, int C, float eps) {
+    ss = fl_cu_block_sum(ss, buf);
+    return 1.0f / sqrtf(ss / (float)C + eps); /* not rsqrtf: approximate on the GPU */
 }
 
 /* vec (C % 4 == 0, the pointers 16-byte aligned): 4 consecutive columns per thread and 128-bit accesses */
@@ -73,14 +88,13 @@ __global__ static void fl_cu_rmsnorm_fwd_k(float *out, uint16_t *out16, float *r
         for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
             float v[4];
             fl_cu_ld4(x + c, v);
-            for (int k = 0; k < 4; k++) ss += v[k] * v[k];
+            ss = sumsq4(ss, v);
         }
     } else {
         for (int c = threadIdx.x; c < C; c += blockDim.x) ss += x[c] * x[c];
     }
-    ss = fl_cu_block_sum(ss, buf);
-    float r = 1.0f / sqrtf(ss / (float)C + eps); /* not rsqrtf: approximate on the GPU */
-    rms_scale_row(o, out16 ? out16 + row * C : NULL, x, w, wt, r, C, vec);
+    const float r = rms_rstd(ss, buf, C, eps);
+    rms_scale_row(o, out16 ? out16 + row * C : NULL, x, (int)FL_F32, w, wt, r, C, vec);
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
 }
 
@@ -116,7 +130,51 @@ __global__ static void fl_cu_add_rmsnorm_fwd_k(float *res, float *out, float *rs
     }
     ss = fl_cu_block_sum(ss, buf);
     const float r = 1.0f / sqrtf(ss / (float)C + eps);
-    rms_scale_row(po, NULL, pr, w, (int)FL_F32, r, C, vec);
+    rms_scale_row(po, NULL, pr, (int)FL_F32, w, (int)FL_F32, r, C, vec);
+    if (threadIdx.x == 0 && rstd) rstd[row] = r;
+}
+
+/* The residual add fused with the next norm under a bf16 store (add_norm_forward16, issue 30 item 4): add16's element
+ * (the sum rounded to bf16 in res16, res (NULL or) its exact widening) returned widened: the value the norm reads */
+FL_CU_DEV float add_keep16(float *res, uint16_t *res16, size_t c, float a, float b) {
+    const float v = fl_cu_keep16(res16, c, a + b);
+    if (res) res[c] = v;
+    return v;
+}
+/* RMSNorm: one block per row, the threads' columns and sum order those of fl_cu_rmsnorm_fwd_k over the widened sum
+ * (vec: its 4-wide mapping, chosen by the same test of out, res and an fp32 w; the a / b / res accesses 128-bit when
+ * v4 says they are aligned too, else element by element: the same values), then rms_scale_row over res16 (each
+ * thread reads back what it wrote). res may alias a or b (each element read before the same thread writes it). */
+__global__ static void fl_cu_add_rmsnorm16_k(float *res, uint16_t *res16, float *out, uint16_t *out16, float *rstd,
+                                             const float *a, const float *b, const void *w, int wt, int C, float eps,
+                                             int vec, int v4) {
+    __shared__ float buf[32];
+    const size_t row = blockIdx.x;
+    const float *pa = a + row * C, *pb = b + row * C;
+    float *pr = res ? res + row * C : NULL;
+    uint16_t *r16 = res16 + row * C;
+    float ss = 0.0f;
+    if (vec) {
+        for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
+            float x[4], y[4];
+            if (v4) {
+                fl_cu_ld4(pa + c, x);
+                fl_cu_ld4(pb + c, y);
+                for (int k = 0; k < 4; k++) x[k] = fl_cu_keep16(r16, (size_t)c + k, x[k] + y[k]);
+                if (pr) fl_cu_st4(pr + c, x);
+            } else {
+                for (int k = 0; k < 4; k++) x[k] = add_keep16(pr, r16, (size_t)c + k, pa[c + k], pb[c + k]);
+            }
+            ss = sumsq4(ss, x);
+        }
+    } else {
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            const float v = add_keep16(pr, r16, (size_t)c, pa[c], pb[c]);
+            ss += v * v;
+        }
+    }
+    const float r = rms_rstd(ss, buf, C, eps);
+    rms_scale_row(out ? out + row * C : NULL, out16 + row * C, r16, (int)FL_BF16, w, wt, r, C, vec);
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
 }
 
@@ -242,6 +300,9 @@ static unsigned cs_threads(int N) {
 static int rmsnorm_fwd(float *out, void *out16, float *rstd, const float *inp, const void *w, fl_dtype wt, int N, int C,
                        float eps, void *stream) {
     if (N <= 0 || C <= 0) return 0;
+#if FL_CU_EMULATED
+    fl_cu_emu_norm_add_launches++;
+#endif
     const int vec = C % 4 == 0 && fl_cu_aligned16(out, inp, wt == FL_F32 ? w : NULL, NULL, NULL);
     FL_CU_LAUNCH(fl_cu_rmsnorm_fwd_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0, (fl_cu_stream)stream,
                  out, (uint16_t *)out16, rstd, inp, w, (int)wt, C, eps, vec);
@@ -260,6 +321,9 @@ extern "C" int FL_CUK(rmsnorm_forward_w16)(float *out, void *out16, float *rstd,
 extern "C" int FL_CUK(add_rmsnorm_forward)(float *res, float *out, float *rstd, const float *a, const float *b,
                                            const float *w, int N, int C, float eps, void *stream) {
     if (N <= 0 || C <= 0) return 0;
+#if FL_CU_EMULATED
+    fl_cu_emu_norm_add_launches++;
+#endif
     const int vec = C % 4 == 0 && fl_cu_aligned16(res, out, a, b, w);
     FL_CU_LAUNCH(fl_cu_add_rmsnorm_fwd_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0,
                  (fl_cu_stream)stream, res, out, rstd, a, b, w, C, eps, vec);
@@ -299,21 +363,51 @@ extern "C" int FL_CUK(rmsnorm_backward_w16)(float *dinp, void *dinp16, float *dw
 
 /* w and b (NULL or) of wt (F32, or BF16/F16 storage widened exactly: the bits of widening them first); o16 (NULL
  * or) the output's bf16 copy, out then its exact widening (round16's bits) */
+/* A LayerNorm row after its mean m: the two-pass variance, then o = (x - m) r w + b; x of type xt (F32, or BF16: the
+ * fused add's stored sum read as it is, its exact widening); o NULL: o16 only. Returns r. */
+FL_CU_DEV float ln_finish_row(float *o, uint16_t *o16, const void *x, int xt, float m, const void *w, const void *b,
+                              int wt, int C, float eps, float *buf) {
+    float v = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const float xc = nw(x, xt, c);
+        v += (xc - m) * (xc - m);
+    }
+    const float r = 1.0f / sqrtf(fl_cu_block_sum(v, buf) / (float)C + eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const float y = fl_cu_keep16(o16, (size_t)c, (nw(x, xt, c) - m) * r * nw(w, wt, c) + (b ? nw(b, wt, c) : 0.0f));
+        if (o) o[c] = y;
+    }
+    return r;
+}
 __global__ static void fl_cu_layernorm_fwd_k(float *out, uint16_t *out16, float *mean, float *rstd, const float *inp,
                                              const void *w, const void *b, int wt, int C, float eps) {
     __shared__ float buf[32];
     size_t row = blockIdx.x;
     const float *x = inp + row * C;
-    float *o = out + row * C;
-    uint16_t *o16 = out16 ? out16 + row * C : NULL;
     float s = 0.0f;
     for (int c = threadIdx.x; c < C; c += blockDim.x) s += x[c];
     float m = fl_cu_block_sum(s, buf) / (float)C;
-    float v = 0.0f;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) v += (x[c] - m) * (x[c] - m);
-    float r = 1.0f / sqrtf(fl_cu_block_sum(v, buf) / (float)C + eps);
-    for (int c = threadIdx.x; c < C; c += blockDim.x)
-        o[c] = fl_cu_keep16(o16, (size_t)c, (x[c] - m) * r * nw(w, wt, c) + (b ? nw(b, wt, c) : 0.0f));
+    float r = ln_finish_row(out + row * C, out16 ? out16 + row * C : NULL, x, (int)FL_F32, m, w, b, wt, C, eps, buf);
+    if (threadIdx.x == 0) {
+        if (mean) mean[row] = m;
+        if (rstd) rstd[row] = r;
+    }
+}
+/* LayerNorm (add_norm_forward16): the sum of fl_cu_add_rmsnorm16_k's element path (LayerNorm's forward has one
+ * mapping, one element per thread per step: its order), the mean over it, then ln_finish_row over res16 */
+__global__ static void fl_cu_add_layernorm16_k(float *res, uint16_t *res16, float *out, uint16_t *out16, float *mean,
+                                               float *rstd, const float *a, const float *b, const void *w,
+                                               const void *bias, int wt, int C, float eps) {
+    __shared__ float buf[32];
+    const size_t row = blockIdx.x;
+    const float *pa = a + row * C, *pb = b + row * C;
+    float *pr = res ? res + row * C : NULL;
+    uint16_t *r16 = res16 + row * C;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s += add_keep16(pr, r16, (size_t)c, pa[c], pb[c]);
+    const float m = fl_cu_block_sum(s, buf) / (float)C;
+    const float r = ln_finish_row(out ? out + row * C : NULL, out16 + row * C, r16, (int)FL_BF16, m, w, bias, wt, C,
+                                  eps, buf);
     if (threadIdx.x == 0) {
         if (mean) mean[row] = m;
         if (rstd) rstd[row] = r;
@@ -348,6 +442,9 @@ __global__ static void fl_cu_layernorm_bwd_dx_k(float *dinp, uint16_t *dinp16, c
 static int layernorm_fwd(float *out, void *out16, float *mean, float *rstd, const float *inp, const void *w,
                          const void *b, fl_dtype wt, int N, int C, float eps, void *stream) {
     if (N <= 0 || C <= 0) return 0;
+#if FL_CU_EMULATED
+    fl_cu_emu_norm_add_launches++;
+#endif
     FL_CU_LAUNCH(fl_cu_layernorm_fwd_k, dim3((unsigned)N), dim3(row_threads(C)), 0, (fl_cu_stream)stream, out,
                  (uint16_t *)out16, mean, rstd, inp, w, b, (int)wt, C, eps);
     return fl_cu_launch_error();
@@ -362,6 +459,29 @@ extern "C" int FL_CUK(layernorm_forward_w16)(float *out, void *out16, float *mea
                                              void *stream) {
     if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && out16)) return -1;
     return layernorm_fwd(out, out16, mean, rstd, inp, w, b, wt, N, C, eps, stream);
+}
+
+/* add_norm_forward16 (backend.h): one launch, one block per row. ln: LayerNorm (mean, bias), else RMSNorm. res16 and
+ * out16 required (bf16), res / out NULL or the fp32 views; w (and bias) of wt F32 / BF16 / F16. -1: refused. */
+extern "C" int FL_CUK(add_norm_forward16)(int ln, float *res, void *res16, float *out, void *out16, float *mean,
+                                          float *rstd, const float *a, const float *b, const void *w, const void *bias,
+                                          fl_dtype wt, int N, int C, float eps, void *stream) {
+    if ((wt != FL_BF16 && wt != FL_F16 && wt != FL_F32) || !res16 || !out16 || !a || !b || !w) return -1;
+    if (N <= 0 || C <= 0) return 0;
+#if FL_CU_EMULATED
+    fl_cu_emu_norm_add_launches++;
+#endif
+    if (ln) {
+        FL_CU_LAUNCH(fl_cu_add_layernorm16_k, dim3((unsigned)N), dim3(row_threads(C)), 0, (fl_cu_stream)stream, res,
+                     (uint16_t *)res16, out, (uint16_t *)out16, mean, rstd, a, b, w, bias, (int)wt, C, eps);
+        return fl_cu_launch_error();
+    }
+    /* the mapping rmsnorm_forward_w16 takes for (out, inp = res, w): its sum order */
+    const int vec = C % 4 == 0 && fl_cu_aligned16(out, res, wt == FL_F32 ? w : NULL, NULL, NULL);
+    const int v4 = vec && fl_cu_aligned16(a, b, NULL, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_add_rmsnorm16_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0, (fl_cu_stream)stream,
+                 res, (uint16_t *)res16, out, (uint16_t *)out16, rstd, a, b, w, (int)wt, C, eps, vec, v4);
+    return fl_cu_launch_error();
 }
 
 static int layernorm_bwd(float *dinp, void *dinp16, float *dw, float *db, const float *dout, const void *inp,
