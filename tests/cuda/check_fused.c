@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include "backend/cuda/cu_kernels.h"
+#include "fitllm/dtype.h"
 
 int fl_cuda_check_fused(void);
 
@@ -160,6 +161,86 @@ static void check_swiglu(int N, int F) {
     free(gu); free(dy); free(g0); free(o); free(dgu);
 }
 
+/* add_norm_forward16 (the residual add + norm under a bf16 store, one launch) vs add16 then the w16 norm (two): the
+ * same bits on the GPU, every output (res, res16, out, out16, rstd); ln: LayerNorm (bias, mean), else RMSNorm; wt the
+ * norm weight's type; pad: every tensor one float off (the element path); no_out: out NULL (only out16 written) */
+typedef struct {
+    int ln, N, C, no_out;
+    fl_dtype wt;
+    float *res, *out, *mean, *rstd, *a, *b, *res2, *out2, *mean2, *rstd2;
+    void *res16, *out16, *res16b, *out16b, *w, *bias;
+} fz16;
+static void run_an16_fused(void *p) {
+    fz16 *z = p;
+    fl_cuk_add_norm_forward16(z->ln, z->res, z->res16, z->no_out ? NULL : z->out, z->out16, z->mean, z->rstd, z->a,
+                              z->b, z->w, z->bias, z->wt, z->N, z->C, 1e-5f, NULL);
+}
+static void run_an16_unfused(void *p) {
+    fz16 *z = p;
+    fl_cuk_add16(z->res2, z->res16b, z->a, z->b, (size_t)z->N * z->C, NULL);
+    if (z->ln)
+        fl_cuk_layernorm_forward_w16(z->out2, z->out16b, z->mean2, z->rstd2, z->res2, z->w, z->bias, z->wt, z->N, z->C,
+                                     1e-5f, NULL);
+    else
+        fl_cuk_rmsnorm_forward_w16(z->out2, z->out16b, z->rstd2, z->res2, z->w, z->wt, z->N, z->C, 1e-5f, NULL);
+}
+static int same_dev(const void *x, const void *y, size_t bytes) {
+    char *hx = malloc(bytes), *hy = malloc(bytes);
+    cudaMemcpy(hx, x, bytes, cudaMemcpyDeviceToHost);
+    cudaMemcpy(hy, y, bytes, cudaMemcpyDeviceToHost);
+    const int same = !memcmp(hx, hy, bytes);
+    free(hx), free(hy);
+    return same;
+}
+static void check_add_norm16(int ln, int N, int C, fl_dtype wt, int pad, int no_out) {
+    unsigned s = 13u + (unsigned)C + 7u * (unsigned)ln;
+    const size_t n = (size_t)N * C;
+    float *a = frnd(&s, n, -2, 2), *b = frnd(&s, n, -2, 2), *w = frnd(&s, (size_t)C, 0.5f, 1.5f);
+    float *bi = frnd(&s, (size_t)C, -0.5f, 0.5f);
+    uint16_t *w16 = malloc((size_t)C * 2), *b16 = malloc((size_t)C * 2);
+    fl_convert(w16, wt == FL_F32 ? FL_BF16 : wt, w, FL_F32, (size_t)C);
+    fl_convert(b16, wt == FL_F32 ? FL_BF16 : wt, bi, FL_F32, (size_t)C);
+    fz16 z = {ln, N, C, no_out, wt};
+    z.a = dnew(a, n, pad), z.b = dnew(b, n, pad);
+    z.res = dnew(NULL, n, pad), z.out = dnew(NULL, n, pad), z.res2 = dnew(NULL, n, pad), z.out2 = dnew(NULL, n, pad);
+    z.res16 = dnew(NULL, n / 2 + 1, 0), z.out16 = dnew(NULL, n / 2 + 1, 0);
+    z.res16b = dnew(NULL, n / 2 + 1, 0), z.out16b = dnew(NULL, n / 2 + 1, 0);
+    z.mean = dnew(NULL, (size_t)N, 0), z.rstd = dnew(NULL, (size_t)N, 0);
+    z.mean2 = dnew(NULL, (size_t)N, 0), z.rstd2 = dnew(NULL, (size_t)N, 0);
+    if (wt == FL_F32) {
+        z.w = dnew(w, (size_t)C, 0), z.bias = ln ? dnew(bi, (size_t)C, 0) : NULL;
+    } else {
+        z.w = dnew(NULL, (size_t)C / 2 + 1, 0), z.bias = ln ? dnew(NULL, (size_t)C / 2 + 1, 0) : NULL;
+        cudaMemcpy(z.w, w16, (size_t)C * 2, cudaMemcpyHostToDevice);
+        if (ln) cudaMemcpy(z.bias, b16, (size_t)C * 2, cudaMemcpyHostToDevice);
+    }
+    run_an16_fused(&z);
+    run_an16_unfused(&z);
+    char nm[112];
+    snprintf(nm, sizeof nm, "add+%s16 %dx%d w %s%s%s", ln ? "layernorm" : "rmsnorm", N, C, fl_dtype_name(wt),
+             pad ? " (unaligned)" : "", no_out ? " out NULL" : "");
+    if (cudaDeviceSynchronize() != cudaSuccess) {
+        printf("%-34s FAIL (launch failed)\n", nm);
+        g_bad++;
+        return;
+    }
+    int same = same_dev(z.res, z.res2, n * 4) && same_dev(z.res16, z.res16b, n * 2) &&
+               same_dev(z.out16, z.out16b, n * 2) && same_dev(z.rstd, z.rstd2, (size_t)N * 4);
+    if (!no_out) same &= same_dev(z.out, z.out2, n * 4);
+    if (ln) same &= same_dev(z.mean, z.mean2, (size_t)N * 4);
+    printf("%-34s %s  (fused vs add16 + the w16 norm: %s)\n", nm, same ? "ok  " : "FAIL", same ? "same bits" : "differ");
+    g_bad += !same;
+    if (N >= 4096) {
+        float tf = fl_cuda_check_time_ms(run_an16_fused, &z), tu = fl_cuda_check_time_ms(run_an16_unfused, &z);
+        /* a, b in; res + res16, out (unless NULL) + out16 out; res16 read back (the second pass) */
+        double gb = ((8.0 + 6 + (no_out ? 2 : 6) + 2) * n) / 1e9;
+        printf("  add+%s16 %dx%d%s: fused %.3f ms (%.0f GB/s), add16 + %s_forward_w16 %.3f ms\n",
+               ln ? "layernorm" : "rmsnorm", N, C, no_out ? " out NULL" : "", tf, gb / (tf * 1e-3),
+               ln ? "layernorm" : "rmsnorm", tu);
+    }
+    free(a), free(b), free(w), free(bi), free(w16), free(b16);
+}
+
 int fl_cuda_check_fused(void) {
     g_bad = 0;
     check_add_rmsnorm(7, 13, 0);
@@ -168,5 +249,13 @@ int fl_cuda_check_fused(void) {
     check_add_rmsnorm(8192, 2048, 0);
     check_swiglu(7, 12);
     check_swiglu(8192, 5632);
+    for (int ln = 0; ln < 2; ln++) { /* issue 30 item 4 under bf16 storage: odd C, C % 8, unaligned, out NULL */
+        check_add_norm16(ln, 7, 13, FL_BF16, 0, 0);
+        check_add_norm16(ln, 33, 1028, FL_F32, 0, 0);
+        check_add_norm16(ln, 33, 1028, FL_BF16, 1, 0);
+        check_add_norm16(ln, 33, 1024, FL_F16, 0, 1);
+        check_add_norm16(ln, 8192, 2048, FL_BF16, 0, 0); /* TinyLlama's rows (B 4, T 2048) */
+        check_add_norm16(ln, 8192, 2048, FL_BF16, 0, 1);
+    }
     return g_bad;
 }

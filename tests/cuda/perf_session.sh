@@ -79,7 +79,7 @@ echo "== 1. fused and 128-bit kernels (fitllm_cuda_check)"
 if [ -x "$BIN/fitllm_cuda_check" ]; then
     timeout 150 "$BIN/fitllm_cuda_check" >"$OUT/cuda_check.log" 2>&1
     echo "fitllm_cuda_check exit $?" >>"$OUT/cuda_check.log"
-    grep -E "q4_matmul|q4 tc|add_rmsnorm|swiglu|add\+rmsnorm|gemm epilogue|gemm bench|layernorm_.*_w16|128-bit|clip_scale|check_finite_ss|loss_sum|_update_ss|FAIL|all ok|FAILED|exit" \
+    grep -E "q4_matmul|q4 tc|add_rmsnorm|swiglu|add\+rmsnorm|add\+layernorm|gemm epilogue|gemm bench|layernorm_.*_w16|128-bit|clip_scale|check_finite_ss|loss_sum|_update_ss|FAIL|all ok|FAILED|exit" \
         "$OUT/cuda_check.log"
 else
     echo "  (fitllm_cuda_check not in $BIN)"
