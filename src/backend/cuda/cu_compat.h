@@ -63,6 +63,10 @@ FL_CU_DEV void fl_cu_ld4h(const uint16_t *p, uint16_t *h) {
     h[0] = (uint16_t)(t.x & 0xffffu), h[1] = (uint16_t)(t.x >> 16), h[2] = (uint16_t)(t.y & 0xffffu);
     h[3] = (uint16_t)(t.y >> 16);
 }
+/* 4 consecutive 16-bit values at an 8-byte aligned address: one 64-bit store (uint2) */
+FL_CU_DEV void fl_cu_st4h(uint16_t *p, const uint16_t *h) {
+    *reinterpret_cast<uint2 *>(p) = make_uint2((uint32_t)h[0] | (uint32_t)h[1] << 16, (uint32_t)h[2] | (uint32_t)h[3] << 16);
+}
 FL_CU_DEV void fl_cu_st8h(uint16_t *p, const uint16_t *h) {
     uint32_t w[4];
     for (int k = 0; k < 4; k++) w[k] = (uint32_t)h[2 * k] | (uint32_t)h[2 * k + 1] << 16;
@@ -184,6 +188,13 @@ FL_CU_DEV void fl_cu_ld4h(const uint16_t *p, uint16_t *h) {
     }
     memcpy(h, p, 4 * sizeof(uint16_t));
 }
+FL_CU_DEV void fl_cu_st4h(uint16_t *p, const uint16_t *h) {
+    if ((uintptr_t)p & 7u) {
+        fprintf(stderr, "cuda emulator: 64-bit access at %p, not 8-byte aligned (a GPU faults)\n", (void *)p);
+        abort();
+    }
+    memcpy(p, h, 4 * sizeof(uint16_t));
+}
 FL_CU_DEV void fl_cu_st8h(uint16_t *p, const uint16_t *h) {
     fl_cu_check16(p);
     memcpy(p, h, 8 * sizeof(uint16_t));
@@ -246,6 +257,21 @@ FL_CU_DEV void fl_cu_keep16x8(uint16_t *o16, size_t i, float *v) {
         v[k] = fl_cu_bf16_to_f32(h[k]);
     }
     fl_cu_st8h(o16 + i, h);
+}
+
+/* A 4-wide bf16 copy (o16 NULL: none), fl_cu_keep16's bits: o16[i + k] = bf16(v[k]) and v[k] its widening; one
+ * 64-bit store where o16 + i is 8-byte aligned, else four */
+FL_CU_DEV void fl_cu_keep16x4(uint16_t *o16, size_t i, float *v) {
+    if (!o16) return;
+    uint16_t h[4];
+    for (int k = 0; k < 4; k++) {
+        h[k] = fl_cu_f32_to_bf16(v[k]);
+        v[k] = fl_cu_bf16_to_f32(h[k]);
+    }
+    if (((uintptr_t)(o16 + i) & 7u) == 0)
+        fl_cu_st4h(o16 + i, h);
+    else
+        for (int k = 0; k < 4; k++) o16[i + k] = h[k];
 }
 
 /* Sum over a warp (every lane gets it). */

@@ -55,7 +55,8 @@ FL_CU_DEV void rms_scale_row(float *o, uint16_t *o16, const void *x, int xt, con
             float v[4], g[4];
             nw4(x, xt, c, v);
             nw4(w, wt, c, g);
-            for (int k = 0; k < 4; k++) v[k] = fl_cu_keep16(o16, (size_t)c + k, v[k] * r * g[k]);
+            for (int k = 0; k < 4; k++) v[k] = v[k] * r * g[k];
+            fl_cu_keep16x4(o16, (size_t)c, v);
             if (o) fl_cu_st4(o + c, v);
         }
     } else {
@@ -160,7 +161,8 @@ __global__ static void fl_cu_add_rmsnorm16_k(float *res, uint16_t *res16, float 
             if (v4) {
                 fl_cu_ld4(pa + c, x);
                 fl_cu_ld4(pb + c, y);
-                for (int k = 0; k < 4; k++) x[k] = fl_cu_keep16(r16, (size_t)c + k, x[k] + y[k]);
+                for (int k = 0; k < 4; k++) x[k] = x[k] + y[k];
+                fl_cu_keep16x4(r16, (size_t)c, x);
                 if (pr) fl_cu_st4(pr + c, x);
             } else {
                 for (int k = 0; k < 4; k++) x[k] = add_keep16(pr, r16, (size_t)c + k, pa[c + k], pb[c + k]);
