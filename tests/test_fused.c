@@ -346,6 +346,9 @@ FL_TEST(fused_add_norm_forward16) {
             an16_case no = {ln, 5, 64, 0, FL_BF16, 0, 1, 0}, nr = {ln, 3, 37, 0, FL_F32, 0, 1, 1};
             an16_run(&be, &no); /* out == NULL: only the bf16 copy (cuda-emu; refused by the composed op) */
             an16_run(&be, &nr); /* res and out NULL */
+            an16_case many = {ln, 1030, 4, 0, FL_BF16, 0, 0, 0}; /* more blocks than add16's grid of 1024 (the fused
+                                                                  * kernel: one block per row, no grid stride) */
+            an16_run(&be, &many);
         }
 #ifdef FL_HAVE_CUDA_EMU
         if (emu) { /* another interleaving of the emulated threads: the same bits */
