@@ -230,9 +230,8 @@ static double an16_w(const void *w, fl_dtype wt, int c) {
 
 static void an16_run(const fl_backend *be, const an16_case *k) {
     const int N = k->N, C = k->C;
-    const size_t n = (size_t)N * C, off = k->mis ? 1 : 0, oab = k->mis ? 1 : 0, orest = k->mis == 1 ? 1 : 0;
+    const size_t n = (size_t)N * C, oab = k->mis ? 1 : 0, orest = k->mis == 1 ? 1 : 0;
     const float eps = 1e-5f;
-    (void)off;
     fl_test_rng r = {(unsigned long long)(N * 977 + C * 13 + k->ln * 5 + k->wt * 3 + k->mis)};
     float *x = fl_test_frand(&r, n, -2, 2), *y = fl_test_frand(&r, n, -2, 2);
     float *wf = fl_test_frand(&r, (size_t)C, 0.5f, 1.5f), *bf = fl_test_frand(&r, (size_t)C, -0.5f, 0.5f);
