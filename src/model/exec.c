@@ -478,7 +478,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 i++; /* the norm is done */
                 break;
             }
-            void *n16 = to_norm ? norm_out16(m, g, bp, i + 1, x) : NULL;
+            void *n16 = to_norm && o16 ? norm_out16(m, g, bp, i + 1, x) : NULL; /* o16: bf16 stored */
             if (o16 && n16) {
                 FL_TRY(FL_RUN(be, add_norm_forward16, fl_arch_get(m->cfg.arch)->layernorm, out, o16, s[nx->out], n16,
                               S(nx->a1), S(nx->a2), out, in, bp->norm_w[nx->p], bp->norm_b[nx->p], bp->norm_wt, N,
