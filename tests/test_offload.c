@@ -114,7 +114,8 @@ FL_TEST(offload_lora_adapters_equal_the_device_optimizer) {
 }
 
 FL_TEST(offload_zero_threads_equal_zero_bits) {
-    for (int world = 2; world <= 3; world++)
+    /* ASan, quick tier: both stages at 3 ranks (an uneven split), the release pass at 2 as well */
+    for (int world = fl_test_asan_light() ? 3 : 2; world <= 3; world++)
         for (int stage = 1; stage <= 2; stage++) {
             char dev[32], off[48], what[64];
             snprintf(dev, sizeof dev, "deepspeed_stage_%d", stage);

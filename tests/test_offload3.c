@@ -121,6 +121,7 @@ FL_TEST(offload3_threads_equal_zero3_bits_at_1_2_3_ranks) {
     for (int world = 1; world <= 3; world++)
         for (int i = 0; i < 2; i++) {
             if (i == 1 && world != 2) continue; /* SGD with momentum at 2 ranks */
+            if (i == 0 && world == 2 && fl_test_asan_light()) continue; /* ASan, quick tier: AdamW at 1 and 3 ranks */
             char what[96];
             snprintf(what, sizeof what, "ZeRO-3 offload %s at %d ranks", zr_names[scs[i]], world);
             o3job *b = o3_new(scs[i], world, "deepspeed_stage_3", "dev");

@@ -506,38 +506,72 @@ FL_TEST(ops_rope_tables) {
 
 /* ---- attention ---------------------------------------------------------------------- */
 
-typedef struct { double *qkv; const float *R; int B, T, NH, NKV, HD; double *out, *lse, *p; } attn_ctx;
-static void attn_ref(attn_ctx *c) {
+/* seen: the qkv of the last attn_loss (NULL before the first), dirty: a flag per output row (b, h, t) */
+typedef struct { double *qkv; const float *R; int B, T, NH, NKV, HD; double *out, *lse, *p, *seen; char *dirty; } attn_ctx;
+/* one output row (b, h, t) of the float64 reference (and its lse when asked) */
+static void attn_row(attn_ctx *c, int b, int h, int t) {
     int W = (c->NH + 2 * c->NKV) * c->HD, rep = c->NH / c->NKV, HD = c->HD, T = c->T;
     double sc = 1.0 / sqrt((double)HD);
+    int g = h / rep;
+    const double *q = c->qkv + (b * T + t) * W + h * HD;
+    double mx = -INFINITY;
+    for (int j = 0; j < T; j++) {
+        if (j > t) { c->p[j] = -INFINITY; continue; } /* explicit causal mask */
+        const double *k = c->qkv + (b * T + j) * W + (c->NH + g) * HD;
+        double s = 0;
+        for (int d = 0; d < HD; d++) s += q[d] * k[d];
+        c->p[j] = s * sc;
+        if (c->p[j] > mx) mx = c->p[j];
+    }
+    double sum = 0;
+    for (int j = 0; j < T; j++) sum += (c->p[j] = exp(c->p[j] - mx));
+    double *o = c->out + (b * T + t) * c->NH * HD + h * HD;
+    for (int d = 0; d < HD; d++) o[d] = 0;
+    for (int j = 0; j < T; j++) {
+        const double *v = c->qkv + (b * T + j) * W + (c->NH + c->NKV + g) * HD;
+        for (int d = 0; d < HD; d++) o[d] += c->p[j] / sum * v[d];
+    }
+    if (c->lse) c->lse[(b * c->NH + h) * T + t] = mx + log(sum);
+}
+static void attn_ref(attn_ctx *c) {
     for (int b = 0; b < c->B; b++)
         for (int h = 0; h < c->NH; h++)
-            for (int t = 0; t < T; t++) {
-                int g = h / rep;
-                const double *q = c->qkv + (b * T + t) * W + h * HD;
-                double mx = -INFINITY;
-                for (int j = 0; j < T; j++) {
-                    if (j > t) { c->p[j] = -INFINITY; continue; } /* explicit causal mask */
-                    const double *k = c->qkv + (b * T + j) * W + (c->NH + g) * HD;
-                    double s = 0;
-                    for (int d = 0; d < HD; d++) s += q[d] * k[d];
-                    c->p[j] = s * sc;
-                    if (c->p[j] > mx) mx = c->p[j];
-                }
-                double sum = 0;
-                for (int j = 0; j < T; j++) sum += (c->p[j] = exp(c->p[j] - mx));
-                double *o = c->out + (b * T + t) * c->NH * HD + h * HD;
-                for (int d = 0; d < HD; d++) o[d] = 0;
-                for (int j = 0; j < T; j++) {
-                    const double *v = c->qkv + (b * T + j) * W + (c->NH + c->NKV + g) * HD;
-                    for (int d = 0; d < HD; d++) o[d] += c->p[j] / sum * v[d];
-                }
-                if (c->lse) c->lse[(b * c->NH + h) * T + t] = mx + log(sum);
-            }
+            for (int t = 0; t < c->T; t++) attn_row(c, b, h, t);
 }
+/* The loss of the finite differences: after the first call, only the rows whose inputs changed since the last call
+ * are computed again (a query element: its row; a key or value element at position j: the rows t >= j of the heads
+ * reading that kv head) - each row is the same function of the same inputs, so out and the loss are bit for bit
+ * those of computing every row (make test's time: the reference was ~80% of ops_attention_* under ASan). */
 static double attn_loss(void *p) {
     attn_ctx *c = p;
-    attn_ref(c);
+    const int W = (c->NH + 2 * c->NKV) * c->HD, HD = c->HD, T = c->T, rep = c->NH / c->NKV;
+    const size_t nq = (size_t)c->B * T * W, rows = (size_t)c->B * c->NH * T;
+    if (!c->seen) {
+        attn_ref(c);
+        c->seen = malloc(nq * sizeof(double));
+        c->dirty = calloc(rows, 1);
+        memcpy(c->seen, c->qkv, nq * sizeof(double));
+    } else {
+        for (size_t i = 0; i < nq; i++) {
+            if (!memcmp(&c->seen[i], &c->qkv[i], sizeof(double))) continue;
+            c->seen[i] = c->qkv[i];
+            const int bt = (int)(i / W), col = (int)(i % W), b = bt / T, t = bt % T;
+            if (col < c->NH * HD) {
+                c->dirty[((size_t)b * c->NH + col / HD) * T + t] = 1;
+                continue;
+            }
+            const int g = (col < (c->NH + c->NKV) * HD ? col - c->NH * HD : col - (c->NH + c->NKV) * HD) / HD;
+            for (int h = g * rep; h < (g + 1) * rep; h++)
+                for (int u = t; u < T; u++) c->dirty[((size_t)b * c->NH + h) * T + u] = 1;
+        }
+        for (int b = 0; b < c->B; b++)
+            for (int h = 0; h < c->NH; h++)
+                for (int t = 0; t < T; t++)
+                    if (c->dirty[((size_t)b * c->NH + h) * T + t]) {
+                        c->dirty[((size_t)b * c->NH + h) * T + t] = 0;
+                        attn_row(c, b, h, t);
+                    }
+    }
     return dot_d(c->out, c->R, (size_t)c->B * c->T * c->NH * c->HD);
 }
 
@@ -546,7 +580,7 @@ static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, s
     size_t W = (size_t)(NH + 2 * NKV) * HD, nq = (size_t)B * T * W, no = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
     float *qkv = fl_test_frand(&r, nq, -1.5f, 1.5f), *R = fl_test_frand(&r, no, -1, 1);
     float *out = malloc(no * 4), *lse = malloc(nl * 4);
-    attn_ctx c = {d_of(qkv, nq), R, B, T, NH, NKV, HD, malloc(8 * no), malloc(8 * nl), malloc(8 * T)};
+    attn_ctx c = {d_of(qkv, nq), R, B, T, NH, NKV, HD, malloc(8 * no), malloc(8 * nl), malloc(8 * T), NULL, NULL};
     attn_ref(&c);
     fl_attention_qkv_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
     float *want = f_of(c.out, no), *wl = f_of(c.lse, nl);
@@ -592,7 +626,8 @@ static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, s
     float *o2 = malloc(no * 4), *l2 = malloc(nl * 4);
     fl_attention_qkv_forward(&be, o2, l2, qkv, B, T, NH, NKV, HD);
     FL_CHECKF(memcmp(o2, out, no * 4) == 0 && memcmp(l2, lse, nl * 4) == 0, "%s: forward not deterministic", what);
-    free(qkv); free(R); free(out); free(lse); free(c.qkv); free(c.out); free(c.p); free(want); free(wl); free(dqkv);
+    free(qkv); free(R); free(out); free(lse); free(c.qkv); free(c.out); free(c.p); free(c.seen); free(c.dirty); free(want);
+    free(wl); free(dqkv);
     free(pre); free(d2); free(d3); free(o2); free(l2);
 }
 static void attn_case(int B, int T, int NH, int NKV, int HD, size_t nsample) {

@@ -12,7 +12,8 @@
  * Requests progress in fl_comm_test/wait (an all-reduce's reduction and its all-gather are
  * started there when its first half has arrived). A blocking wait polls every outstanding
  * request rather than blocking in MPI, since another rank may be waiting for one of ours to
- * reach its second half; with a single outstanding request it blocks in MPI_Waitall.
+ * reach its second half; with a single outstanding request of more than 64 KiB it blocks in MPI_Waitall (a small one,
+ * and a barrier, wait for a peer rather than for a transfer: polled with the back-off, not spinning in MPI).
  *
  * Errors: the duplicated communicator uses MPI_ERRORS_RETURN, so a failed call becomes an
  * fl_status naming rank and operation. A rank that dies makes the launcher (mpirun, srun) end
@@ -305,14 +306,21 @@ static fl_status m_broadcast(fl_comm *c, void *buf, size_t count, fl_dtype dt, i
     return finish_post(c, r, s, req);
 }
 
+/* A collective of at most this many bytes moves in a few protocol steps (Open MPI's eager sizes: 4 KiB shared memory,
+ * 64 KiB TCP): a long wait for it is a wait for a peer that has not sent yet (rank 0 writing a checkpoint or running
+ * alone, a slower or descheduled rank), not for a transfer that needs MPI called to move. */
+#define SMALL_WAIT ((size_t)64 << 10)
+
 /* Poll until r completes, progressing everything; back off to short sleeps when nothing moves
- * (ranks are often oversubscribed on the cores: spinning would starve the rank we wait for). */
+ * (ranks are often oversubscribed on the cores: spinning would starve the rank we wait for). A single
+ * outstanding request blocks in MPI (whose wait spins at full speed: a transfer's pieces move only while
+ * MPI is called) unless it is small. */
 static fl_status m_wait(fl_comm *c, fl_comm_req *base) {
     mcomm *m = c->impl;
     mreq *r = (mreq *)base;
     long idle = 0;
     while (r->stage < 3 && r->err == FL_OK) {
-        if (m->nout == 1) {
+        if (m->nout == 1 && r->base.count * fl_dtype_size(r->base.dtype) > SMALL_WAIT) {
             progress_one(c, r, 1);
             break;
         }
@@ -350,11 +358,8 @@ static fl_status m_barrier(fl_comm *c) {
     MPI_Request q;
     int rc = MPI_Ibarrier(m->comm, &q);
     if (rc != MPI_SUCCESS) return mpi_fail(c, "barrier", "MPI_Ibarrier", rc);
-    if (m->nout == 0) {
-        rc = MPI_Wait(&q, MPI_STATUS_IGNORE);
-        return rc == MPI_SUCCESS ? FL_OK : mpi_fail(c, "barrier", "MPI_Wait", rc);
-    }
-    long idle = 0;
+    long idle = 0; /* polled with the same back-off as m_wait even when nothing else is outstanding: MPI_Wait
+                    * spins at full speed while e.g. rank 0 writes a checkpoint */
     for (;;) {
         int flag = 0;
         rc = MPI_Test(&q, &flag, MPI_STATUS_IGNORE);
