@@ -46,7 +46,7 @@ FL_CU_DEV void nw4(const void *w, int wt, int c, float *g) {
 
 
 /* o = x * r * w over a row (the calling thread's columns; vec: 4 at a time, 128-bit accesses); o16: the
- * row's bf16 copy too (NULL: none) */
+ * row's bf16 copy too (NULL: none); o NULL: that copy only */
 FL_CU_DEV void rms_scale_row(float *o, uint16_t *o16, const float *x, const void *w, int wt, float r, int C, int vec) {
     if (vec) {
         for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
@@ -54,10 +54,10 @@ FL_CU_DEV void rms_scale_row(float *o, uint16_t *o16, const float *x, const void
             fl_cu_ld4(x + c, v);
             nw4(w, wt, c, g);
             for (int k = 0; k < 4; k++) v[k] = fl_cu_keep16(o16, (size_t)c + k, v[k] * r * g[k]);
-            fl_cu_st4(o + c, v);
+            if (o) fl_cu_st4(o + c, v);
         }
     } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = fl_cu_keep16(o16, (size_t)c, x[c] * r * nw(w, wt, c));
+        for (int c = threadIdx.x; c < C; c += blockDim.x) fl_cu_put16(o, o16, (size_t)c, x[c] * r * nw(w, wt, c));
     }
 }
 
@@ -67,7 +67,7 @@ __global__ static void fl_cu_rmsnorm_fwd_k(float *out, uint16_t *out16, float *r
     __shared__ float buf[32];
     size_t row = blockIdx.x;
     const float *x = inp + row * C;
-    float *o = out + row * C;
+    float *o = out ? out + row * C : NULL; /* NULL: the bf16 copy only (rmsnorm_forward_w16) */
     float ss = 0.0f;
     if (vec) {
         for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
@@ -254,6 +254,7 @@ extern "C" int FL_CUK(rmsnorm_forward)(float *out, float *rstd, const float *inp
 extern "C" int FL_CUK(rmsnorm_forward_w16)(float *out, void *out16, float *rstd, const float *inp, const void *w,
                                            fl_dtype wt, int N, int C, float eps, void *stream) {
     if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && out16)) return -1; /* fp32: with the bf16 copy only */
+    if (!out && !out16) return -1; /* out NULL: the bf16 copy only */
     return rmsnorm_fwd(out, out16, rstd, inp, w, wt, N, C, eps, stream);
 }
 
@@ -304,7 +305,7 @@ __global__ static void fl_cu_layernorm_fwd_k(float *out, uint16_t *out16, float 
     __shared__ float buf[32];
     size_t row = blockIdx.x;
     const float *x = inp + row * C;
-    float *o = out + row * C;
+    float *o = out ? out + row * C : NULL; /* NULL: the bf16 copy only */
     uint16_t *o16 = out16 ? out16 + row * C : NULL;
     float s = 0.0f;
     for (int c = threadIdx.x; c < C; c += blockDim.x) s += x[c];
@@ -313,7 +314,7 @@ __global__ static void fl_cu_layernorm_fwd_k(float *out, uint16_t *out16, float 
     for (int c = threadIdx.x; c < C; c += blockDim.x) v += (x[c] - m) * (x[c] - m);
     float r = 1.0f / sqrtf(fl_cu_block_sum(v, buf) / (float)C + eps);
     for (int c = threadIdx.x; c < C; c += blockDim.x)
-        o[c] = fl_cu_keep16(o16, (size_t)c, (x[c] - m) * r * nw(w, wt, c) + (b ? nw(b, wt, c) : 0.0f));
+        fl_cu_put16(o, o16, (size_t)c, (x[c] - m) * r * nw(w, wt, c) + (b ? nw(b, wt, c) : 0.0f));
     if (threadIdx.x == 0) {
         if (mean) mean[row] = m;
         if (rstd) rstd[row] = r;
@@ -361,6 +362,7 @@ extern "C" int FL_CUK(layernorm_forward_w16)(float *out, void *out16, float *mea
                                              const void *w, const void *b, fl_dtype wt, int N, int C, float eps,
                                              void *stream) {
     if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && out16)) return -1;
+    if (!out && !out16) return -1; /* out NULL: the bf16 copy only */
     return layernorm_fwd(out, out16, mean, rstd, inp, w, b, wt, N, C, eps, stream);
 }
 
