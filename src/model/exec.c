@@ -277,8 +277,9 @@ static fl_status allreduce(const fl_model *m, struct fl_comm *c, float *p, size_
 /* bf16 stored, fused (issue 30 item 1): ops that write their stored output's bf16 copy themselves where the
  * backend has the optional variant (act_forward16, add16, rope_forward16: the fp32 op's value, then round16's
  * bits), and a plain linear feeding an activation stored by the GEMM in bf16 only (fl_linear_forward16), its fp32
- * view filled by that activation, its one reader. Backends without them (cpu, ref, opaque): the fp32 op, then
- * store16. */
+ * view (where one is carved: fl_block_views32) filled by that activation, its one reader. Backends without them (cpu,
+ * ref, opaque): the fp32 op, then store16. An fp32 view that was not carved is NULL: the ops then write the bf16
+ * copy alone. */
 static int act16_kind(uint8_t k) {
     return k == FL_GOP_SWIGLU ? FL_ACT16_SWIGLU : k == FL_GOP_GELU ? FL_ACT16_GELU : k == FL_GOP_RELU ? FL_ACT16_RELU : -1;
 }
