@@ -105,7 +105,9 @@ static void views_case(const char *preset, const char *prec, int ckpt, int lora,
 
 FL_TEST(cuda_emu_views16_workspace) {
 #ifdef FL_HAVE_CUDA_EMU
-    views_case("micro", "bf16-true", 0, 0, "ln1,att,ln2,fc,act", 1);
+    /* planned = measured on cuda-emu (under ASan's quick tier the plans alone: cuda_attn_scratch_planned_equals_lent
+     * measures the same step there) */
+    views_case("micro", "bf16-true", 0, 0, "ln1,att,ln2,fc,act", !fl_test_asan_light());
     views_case("micro", "bf16-mixed", 0, 0, "ln1,att,ln2,fc,act", 0);
     views_case("micro", "bf16-true", 1, 0, "ln1,att,ln2,fc,act", 0);
     views_case("micro", "bf16-true", 0, 1, "att,ln2,fc,act", 0); /* LoRA on q, v: their adapters read ln1 */
