@@ -77,6 +77,16 @@ static void act16_case(int kind, int N, int F, int bf16_in) {
                   "act_forward16 kind %d N=%d F=%d in16=%d: not the fp32 kernel's value rounded (or the input view)", kind,
                   N, F, bf16_in);
     }
+    /* out NULL (the act's fp32 view nothing reads, issue 30 item 1): the same copy; with in16 also in NULL (the
+     * fp32 view of a bf16-only input not filled) */
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memset(got16, 0xff, no * 2);
+        if (!bf16_in) memcpy(xin, x, ni * 4);
+        EMU_OK(fl_cuemu_act_forward16(kind, NULL, got16, bf16_in ? NULL : xin, bf16_in ? x16 : NULL, N, F, NULL));
+        FL_CHECKF(!memcmp(got16, want16, no * 2), "act_forward16 kind %d N=%d F=%d in16=%d out NULL: not the full path's "
+                  "copy", kind, N, F, bf16_in);
+    }
     double *want = malloc(no * sizeof(double));
     for (int n = 0; n < N; n++)
         for (int f = 0; f < F; f++) {
@@ -108,6 +118,9 @@ FL_TEST(cuda_bf16_act_forward16) {
     float y = 0, x = 0;
     uint16_t y16 = 0;
     FL_CHECK(fl_cuemu_act_forward16(7, &y, &y16, &x, NULL, 1, 1, NULL) != 0); /* no such kind */
+    FL_CHECK(fl_cuemu_act_forward16(FL_CU_ACT16_RELU, NULL, NULL, &x, NULL, 1, 1, NULL) != 0); /* no output */
+    FL_CHECK(fl_cuemu_act_forward16(FL_CU_ACT16_RELU, &y, &y16, NULL, NULL, 1, 1, NULL) != 0); /* no input */
+    FL_CHECK(fl_cuemu_act_forward16(FL_CU_ACT16_RELU | FL_CU_ACT16_ROUND_IN, &y, &y16, NULL, &y16, 1, 1, NULL) != 0);
 }
 
 /* add16: out = a + b stored; in place (out == a) as the graph's residual add */
@@ -292,7 +305,21 @@ static void attn16_case(fwd16_fn f, const char *kn, int B, int T, int NH, int NK
             }
         FL_CHECKF(ok && pad_ok, "attention_forward16 %s B%d T%d NH%d/%d HD%d pad %d: %s", kn, B, T, NH, NKV, HD, pad,
                   ok ? "wrote the padding" : "out16 not RNE(out), out not its widening, or lse changed");
+        /* out NULL (the attention output's fp32 view nothing reads, issue 30 item 1): the same copy and lse */
+        memset(g16, 0xab, no * 2);
+        memset(l2, 0xff, nl * 4);
+        EMU_OK(f(&a, NULL, g16, l2, q, k, v, NULL, NULL));
+        ok = !memcmp(l1, l2, nl * 4), pad_ok = 1;
+        for (size_t n = 0; n < N; n++)
+            for (size_t c = 0; c < a.ldo; c++) {
+                const size_t i = n * a.ldo + c;
+                if (c < (size_t)NH * HD) ok &= g16[i] == w16[i];
+                else pad_ok &= g16[i] == 0xabab;
+            }
+        FL_CHECKF(ok && pad_ok, "attention_forward16 %s B%d T%d NH%d/%d HD%d pad %d out NULL: %s", kn, B, T, NH, NKV, HD,
+                  pad, ok ? "wrote the padding" : "out16 or lse not the full path's");
     }
+    FL_CHECK(f(&a, NULL, NULL, l2, q, k, v, NULL, NULL) != 0); /* no output at all */
     free(qkv); free(o1); free(o2); free(l1); free(l2); free(w16); free(g16);
 }
 
@@ -330,6 +357,12 @@ static void attn_in16_case(fwd16_fn f32, fwdin16_fn f16, const char *kn, int B, 
         FL_CHECKF(!memcmp(o1, o2, no * 4) && !memcmp(w16, g16, no * 2) && !memcmp(l1, l2, nl * 4),
                   "attention_forward %s in16 B%d T%d NH%d/%d HD%d pad %d: not the fp32 launcher's bits over the "
                   "widened q|k|v", kn, B, T, NH, NKV, HD, pad);
+        memset(g16, 0, no * 2); /* out NULL: the copy and lse alone (issue 30 item 1) */
+        memset(l2, 0xff, nl * 4);
+        EMU_OK(f16(&a, NULL, g16, l2, q16, q16 + QD, q16 + QD + KVD, NULL, NULL));
+        FL_CHECKF(!memcmp(w16, g16, no * 2) && !memcmp(l1, l2, nl * 4),
+                  "attention_forward %s in16 B%d T%d NH%d/%d HD%d pad %d out NULL: not the full path's out16 / lse", kn,
+                  B, T, NH, NKV, HD, pad);
     }
     free(qkv); free(q16); free(o1); free(o2); free(l1); free(l2); free(w16); free(g16);
 }
@@ -369,6 +402,15 @@ FL_TEST(cuda_bf16_attention_forward_in16) {
              FL_OK);
     FL_CHECK(be.attention_forward_in16(&be, &a, o2, g16, l2, q16, q16 + NH * HD, q16 + (NH + NKV) * HD, NULL) == FL_OK);
     FL_CHECK(!memcmp(o1, o2, sizeof o1) && !memcmp(w16, g16, sizeof w16) && !memcmp(l1, l2, sizeof l1));
+    /* the slots with out NULL: the bf16 copy alone (issue 30 item 1), the same bits; neither output: refused */
+    memset(g16, 0, sizeof g16);
+    FL_CHECK(be.attention_forward_in16(&be, &a, NULL, g16, l2, q16, q16 + NH * HD, q16 + (NH + NKV) * HD, NULL) == FL_OK);
+    FL_CHECK(!memcmp(w16, g16, sizeof w16) && !memcmp(l1, l2, sizeof l1));
+    memset(g16, 0, sizeof g16);
+    FL_CHECK(be.attention_forward16(&be, &a, NULL, g16, l2, qkv, qkv + NH * HD, qkv + (NH + NKV) * HD, NULL, NULL) ==
+             FL_OK);
+    FL_CHECK(!memcmp(w16, g16, sizeof w16) && !memcmp(l1, l2, sizeof l1));
+    FL_CHECK(be.attention_forward_in16(&be, &a, NULL, NULL, l2, q16, q16 + NH * HD, q16 + (NH + NKV) * HD, NULL) != FL_OK);
     free(qkv);
     fl_backend_free(&be);
 }

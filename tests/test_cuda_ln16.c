@@ -82,6 +82,14 @@ static void ln16_case(fl_dtype wt, int N, int C, int with_bias) {
         EMU_OK(fl_cuemu_layernorm_forward_w16(o2, g16, m2, r2, x, wp, bp, wt, N, C, eps, NULL));
         FL_CHECKF(!memcmp(g16, o16w, nc * 2) && !memcmp(o2, o1w, nc * 4) && !memcmp(r1, r2, (size_t)N * 4),
                   "layernorm_forward_w16 out16 (%s N=%d C=%d): not the fp32 kernel + round16", fl_dtype_name(wt), N, C);
+        /* out NULL (an fp32 view nothing reads, issue 30 item 1): the same copy and statistics */
+        memset(g16, 0xff, nc * 2);
+        memset(m2, 0xff, (size_t)N * 4);
+        memset(r2, 0xff, (size_t)N * 4);
+        EMU_OK(fl_cuemu_layernorm_forward_w16(NULL, g16, m2, r2, x, wp, bp, wt, N, C, eps, NULL));
+        FL_CHECKF(!memcmp(g16, o16w, nc * 2) && !memcmp(m1, m2, (size_t)N * 4) && !memcmp(r1, r2, (size_t)N * 4),
+                  "layernorm_forward_w16 out NULL (%s N=%d C=%d): not the full path's out16 / statistics",
+                  fl_dtype_name(wt), N, C);
         for (int in16 = 0; in16 < 2; in16++) {
             if (wt == FL_F32 && !in16) continue; /* an fp32 weight needs a bf16 copy to read or write */
             memcpy(dx2, dx0, nc * 4);
@@ -102,6 +110,7 @@ static void ln16_case(fl_dtype wt, int N, int C, int with_bias) {
     FL_CHECK(fl_cuemu_layernorm_forward_w16(o2, NULL, m2, r2, x, w, bf, FL_F32, N, C, eps, NULL) != 0);
     FL_CHECK(fl_cuemu_layernorm_backward_w16(dx2, NULL, dw2, db2, dy, x, NULL, w, FL_F32, m1, r1, N, C, NULL) != 0);
     FL_CHECK(fl_cuemu_layernorm_forward_w16(o2, g16, m2, r2, x, w, bf, FL_F64, N, C, eps, NULL) != 0);
+    FL_CHECK(fl_cuemu_layernorm_forward_w16(NULL, NULL, m2, r2, x, wp, bp, wt, N, C, eps, NULL) != 0); /* no output */
     free(x); free(w); free(b); free(dy); free(dx0); free(dw0); free(db0); free(x16); free(w16); free(b16);
     free(o1); free(m1); free(r1); free(dx1); free(dw1); free(db1); free(o16w); free(dx16w); free(o1w);
     free(oc); free(mc); free(rc); free(o2); free(m2); free(r2); free(dx2); free(dw2); free(db2); free(g16);

@@ -239,6 +239,18 @@ static void rmsnorm_w16_case(fl_dtype dt, int N, int C, int off) {
     EMU_OK(fl_cuemu_rmsnorm_forward_w16(o3, g16, r2, x, w16, dt, N, C, 1e-5f, NULL));
     FL_CHECKF(!memcmp(g16, c16, nc * 2) && !memcmp(o3, o1, nc * 4), "rmsnorm w16 (%s N=%d C=%d off=%d): out16 not the rounded output",
               fl_dtype_name(dt), N, C, off);
+    /* out NULL (a stored slot's fp32 view nothing reads, issue 30 item 1): the same bf16 copy and rstd, vector and
+     * scalar paths; with an fp32 weight too (bf16-mixed) */
+    for (int f32w = 0; f32w < 2; f32w++) {
+        memset(g16, 0xff, nc * 2);
+        memset(r2, 0xff, (size_t)N * 4);
+        EMU_OK(fl_cuemu_rmsnorm_forward_w16(NULL, g16, r2, x, f32w ? (const void *)w : w16, f32w ? FL_F32 : dt, N, C,
+                                            1e-5f, NULL));
+        FL_CHECKF(!memcmp(g16, c16, nc * 2) && !memcmp(r1, r2, (size_t)N * 4),
+                  "rmsnorm w16 (%s N=%d C=%d off=%d f32w %d) out NULL: not the full path's out16 / rstd", fl_dtype_name(dt),
+                  N, C, off, f32w);
+    }
+    FL_CHECK(fl_cuemu_rmsnorm_forward_w16(NULL, NULL, r2, x, w16, dt, N, C, 1e-5f, NULL) != 0); /* no output at all */
     /* dinp16: bf16 of the accumulated dx (the CPU's rounding of dx1), dx itself and dw the unrounded bits */
     memcpy(dx2, dx0, nc * 4);
     memcpy(dw2, dw0, (size_t)C * 4);

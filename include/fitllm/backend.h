@@ -90,6 +90,13 @@ enum {
                                      * fl_backend_memory_capacity asks the device */
     FL_CAP_COMPUTE_BF16 = 1u << 4,  /* set_compute_dtype takes FL_BF16: bf16 matmul and attention kernels, so a bf16
                                      * run converts its fp32 activations (cuda, cuda-emu); else fp32 compute */
+    FL_CAP_VIEWS16 = 1u << 5,       /* bf16 storage without the unread fp32 views (issue 30 item 1; cuda, cuda-emu): the
+                                     * optional bf16 ops exec.c's stored paths take (rmsnorm / layernorm_forward_w16,
+                                     * act_forward16 / act_backward16, attention_forward16 / _in16 / attention_backward16,
+                                     * add16, rope_forward16, gemm_epilogue) are all there and the forward ones accept
+                                     * out == NULL (the bf16 copy only; act_forward16 also in == NULL with in16), so a
+                                     * stored slot's fp32 view nothing reads is neither written nor carved
+                                     * (fl_block_views32) */
 };
 
 /* Shape of one attention call (the attention_forward / attention_backward ops).

@@ -311,6 +311,9 @@ typedef struct {
                    * ops need one: 16-bit matmuls or 4-bit weights (fl_model_backend_scratch) */
     int seq_par;  /* sequence parallelism over the config's tp_size ranks (fl_model_set_sp): the residual stream,
                    * the norms' statistics and the mid residual hold the rank's B T / tp_size rows */
+    unsigned drop32; /* bf16 stored (act_dtype BF16): the block graph's WIDE slots (bit k: slot k) whose fp32 WORKSPACE
+                   * views are not carved, on a backend whose bf16 ops write those slots in bf16 only
+                   * (FL_CAP_VIEWS16: fl_model_alloc_acts asks the executor); 0: every view */
 } fl_act_opts;
 /* The backend_scratch of a model whose matmuls read `compute_dtype` weights, `quant4` if it has
  * 4-bit weights, on a backend with `scratch_bytes` (the CPU's: fl_cpu_scratch_bytes). */

@@ -51,7 +51,8 @@ static void null_facts(fl_backend_facts *f) { /* the registry's null: the CPU's 
 static size_t cuda_memory(void) { return fl_cuda_device_memory(0); }
 /* in every build: plan --accelerator cuda plans for a GPU without one */
 static void cuda_facts(fl_backend_facts *f) {
-    f->caps = FL_CAP_ASYNC | FL_CAP_DEVICE_MEMORY | FL_CAP_COMPUTE_BF16;
+    const char *ev = getenv("FITLLM_CUDA_VIEWS32"); /* 1: every fp32 view kept, as the backend (cuda-backend-impl.h) */
+    f->caps = FL_CAP_ASYNC | FL_CAP_DEVICE_MEMORY | FL_CAP_COMPUTE_BF16 | (ev && !strcmp(ev, "1") ? 0u : FL_CAP_VIEWS16);
     f->device = FL_DEV_CUDA;
     f->scratch_bytes = fl_cuda_scratch_bytes();
     f->gemm_widens16 = fl_cuda_gemm_widens16();

@@ -161,6 +161,9 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_PREFETCH=1|0 (environment): 1 (default) = EXPERIMENTAL: the next micro-batch's ids and\n"
                "               targets uploaded ahead on a second stream while the current one computes (inside the\n"
                "               graphs under FITLLM_CUDA_GRAPHS=1); 0 = uploaded on the stream before each micro-batch\n");
+    fprintf(f, "\n  FITLLM_CUDA_VIEWS32=0|1 (environment): 0 (default) = EXPERIMENTAL: a bf16 run's stored activations whose\n"
+               "               fp32 copy nothing reads are written in bf16 only and that copy is not allocated (less\n"
+               "               WORKSPACE; the same values); 1 = every fp32 copy kept (A/B)\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

@@ -135,13 +135,56 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, cons
     return cv.off;
 }
 
+/* The WIDE slots whose fp32 views the model's decoder-only training arena does not carve (0: every view): those
+ * fl_block_views32 leaves out in every block, with and without the config's dropout (training and evaluation passes),
+ * from the facts fl_get_block would bind (store.c's set_linear: a bias's role, a 4-bit base, the bf16 compute copy,
+ * a trained weight's bf16 dW scratch, the adapters attached), at set-up without touching a parameter (the planner's
+ * null backend standing in for the GPU takes the same path). block_forward checks each pass against it. */
+unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g) {
+    if (!(m->be->caps & FL_CAP_VIEWS16) || !m->prec.name || m->prec.act_dtype != FL_BF16) return 0;
+    static const char one;
+    void *const any = (void *)&one; /* a pointer the facts set (never dereferenced) */
+    void *s16[FL_GRAPH_MAX_SLOTS] = {0};
+    unsigned wide = 0, need = 0;
+    for (int k = 0; k < g->n_slots; k++) {
+        const uint8_t kind = g->slot[k].kind;
+        if (kind == FL_GSLOT_WIDE || kind == FL_GSLOT_STREAM) s16[k] = any;
+        if (kind == FL_GSLOT_WIDE) wide |= 1u << k;
+    }
+    fl_block_ctx x = {.s16 = s16, .store16 = 1};
+    const int q4 = fl_model_quant4(m) != 0, trains = fl_model_grads_data(m) != NULL;
+    const int bf16 = m->prec.compute_dtype == FL_BF16;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        fl_block_params bp;
+        memset(&bp, 0, sizeof bp);
+        for (int i = 0; i < g->n_ops; i++) {
+            const fl_gop *o = &g->op[i];
+            if (o->kind != FL_GOP_LINEAR) continue;
+            fl_linear *lin = &bp.lin[o->p];
+            lin->n_q4 = q4; /* 4-bit (QLoRA): every linear taken as 4-bit, its x read in fp32 */
+            lin->wc = bf16 && !q4 ? any : NULL;
+            lin->wct = FL_BF16;
+            if (o->role_b >= 0 && fl_layout_role(&m->layout, l + 1, (fl_param_role)o->role_b) >= 0) lin->b = any;
+            lin->dw = trains && !q4 ? any : NULL;
+            lin->xb16 = lin->dw && lin->wc ? any : NULL; /* fl_linear_set_dw_scratch */
+            if (m->adapt) m->adapt->bind(m->adapt, l, o->p, lin, 0);
+        }
+        for (int d = 0; d < 2; d++) {
+            x.attn_drop_p = d && m->cfg.dropout_on ? m->cfg.attn_dropout_rate : 0.0f;
+            need |= fl_block_views32(m, g, &bp, &x);
+        }
+    }
+    return wide & ~need;
+}
+
 /* bf16 stored: the fp32 views the ops compute in, WORKSPACE scratch (nothing in them outlives a block's
  * pass but res[L], read by the final norm's backward; the backward widens each block's stored bf16
  * into them again): the residual stream's two rows buffers (block l reads res[l] = io[l % 2] and writes
  * io[(l+1) % 2]), the WIDE slots, with checkpointing also the statistics and bf16 copies of the one block
- * being recomputed, and the final norm's output. */
+ * being recomputed, and the final norm's output. drop32: the WIDE slots without a view (fl_block_views_dropped: an
+ * FL_CAP_VIEWS16 backend writes them in bf16 only and nothing reads them in fp32); their s[] stay NULL. */
 static void carve_work16(carver *cv, const fl_model_config *c, const fl_block_graph *g, int B, int T, int ckpt,
-                         fl_acts *a) {
+                         unsigned drop32, fl_acts *a) {
     fl_dims d = fl_model_dims(c);
     const size_t N = (size_t)B * T, NS = stream_rows(g, N);
     float *io[2] = {carve(cv, NS * d.C), carve(cv, NS * d.C)};
@@ -150,7 +193,8 @@ static void carve_work16(carver *cv, const fl_model_config *c, const fl_block_gr
     for (int k = 0; d.L > 0 && k < g->n_prod; k++) {
         const fl_gslot *sl = &g->slot[g->prod[k]];
         const size_t n = slot_rows(g, g->prod[k], N);
-        if (sl->kind == FL_GSLOT_WIDE || sl->kind == FL_GSLOT_TEMP) sh.s[g->prod[k]] = carve(cv, n * sl->width);
+        if ((sl->kind == FL_GSLOT_WIDE && !(drop32 >> g->prod[k] & 1u)) || sl->kind == FL_GSLOT_TEMP)
+            sh.s[g->prod[k]] = carve(cv, n * sl->width);
         if (ckpt && sl->kind == FL_GSLOT_STAT) sh.s[g->prod[k]] = carve(cv, n * sl->width);
         if (ckpt && sl->kind == FL_GSLOT_WIDE) sh.s16[g->prod[k]] = carve_bytes(cv, n * sl->width * sizeof(uint16_t));
     }
@@ -230,7 +274,7 @@ static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
  * once, read by every pass). Everything else is scratch within one pass (the widened head and
  * the backend's scratch too). */
 static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, const fl_model_graph *mg, int B, int T,
-                         int ckpt, fl_dtype adt, int dw_bf16,
+                         int ckpt, fl_dtype adt, unsigned drop32, int dw_bf16,
                          fl_dtype head_widen, size_t be_scratch, char *base, fl_acts *a, size_t *handoff,
                          size_t *constant) {
     fl_dims d = fl_model_dims(c);
@@ -267,7 +311,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
     /* an encoder's inputs beside the ids: token types and the key padding mask */
     const int enc = fl_model_graph_has(mg, FL_MOP_OUTPUT, 1);
     void *types = enc ? carve_bytes(&cv, N * sizeof(int32_t)) : NULL, *kmask = enc ? carve_bytes(&cv, N) : NULL;
-    if (adt == FL_BF16) carve_work16(&cv, c, g, B, T, ckpt, a);
+    if (adt == FL_BF16) carve_work16(&cv, c, g, B, T, ckpt, drop32, a);
     if (a) {
         a->type_ids = types;
         a->kmask = kmask;
@@ -316,7 +360,7 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
         fl_model_graph_build(&c, &mg) != FL_OK)
         return;
     out->acts_bytes = carve_acts(&c, &g, &mg, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
-    out->workspace_bytes = carve_work(&c, &g, &mg, B, T, ckpt, adt, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
+    out->workspace_bytes = carve_work(&c, &g, &mg, B, T, ckpt, adt, opts ? opts->drop32 : 0, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
                                       opts ? opts->backend_scratch : 0, NULL, NULL, &out->work_handoff_bytes,
                                       &out->work_const_bytes);
     /* per layer: the difference between L and L-1 layers */
@@ -338,7 +382,7 @@ void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts
     }
     if (train) {
         carve_acts(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
-        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, FL_F32, 0, NULL, NULL, &handoff,
+        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, 0, FL_F32, 0, NULL, NULL, &handoff,
                    &constant);
     }
     *acts = saved;
@@ -419,7 +463,12 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     /* bf16 compute: the attention's scratch (cuda: cuDNN's operand copies), lent with the rest, so it is planned */
     if (bes && m->prec.name && m->prec.compute_dtype == FL_BF16 && m->be->attn_scratch_bytes)
         bes += m->be->attn_scratch_bytes(B, T, m->cfg.n_heads, m->cfg.n_kv_heads, m->cfg.head_dim);
-    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp};
+    /* bf16 stored on an FL_CAP_VIEWS16 backend: the fp32 views no block reads or writes are not carved */
+    fl_block_graph *vg = calloc(1, sizeof *vg);
+    if (!vg) return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
+    const unsigned drop32 = fl_block_graph_build_ex(&m->cfg, m->sp, vg) == FL_OK ? fl_block_views_dropped(m, vg) : 0;
+    free(vg);
+    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp, drop32};
     fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     fl_acts *a = calloc(1, sizeof *a);
     if (!a) return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
@@ -442,8 +491,9 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
     carve_acts(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
-    carve_work(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, (char *)m->work_arena, a,
-               NULL, NULL);
+    carve_work(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, drop32, dw_bf16, head_widen, bes,
+               (char *)m->work_arena, a, NULL, NULL);
+    a->drop32 = drop32;
     wire_stream(a);
     if (fl_arch_get(m->cfg.arch)->rope)
         s = m->be->rope_tables(m->be, a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta,

@@ -6,8 +6,9 @@
  *   - the ops around the blocks: the norms (RMSNorm / LayerNorm, fp32 or 16-bit weights, the sequence-parallel
  *     gradient sums), the linear layer (dense in any dtype, 4-bit, with its adapters' branches), the embeddings
  *     forward and backward, the head's cross-entropy (dense or vocabulary-parallel) and the chunked head of the
- *     stacks of seq2seq.c / blip2_pass.c (fl_head_loss); the decoder-only stack's own HEAD_LM (fl_lm_head_loss:
- *     the widened 16-bit head, the bf16 loss gradient) is transformer.c's, with the pass that ends in it.
+ *     stacks of seq2seq.c / blip2_pass.c (fl_head_loss, in seq2seq.c); the decoder-only stack's own HEAD_LM
+ *     (fl_lm_head_loss: the widened 16-bit head, the bf16 loss gradient) is transformer.c's, with the pass that ends
+ *     in it.
  * The model files describe (which slot, which weight, which op kind); the executor turns a description
  * into backend calls. */
 #include <math.h>
@@ -276,8 +277,9 @@ static fl_status allreduce(const fl_model *m, struct fl_comm *c, float *p, size_
 /* bf16 stored, fused (issue 30 item 1): ops that write their stored output's bf16 copy themselves where the
  * backend has the optional variant (act_forward16, add16, rope_forward16: the fp32 op's value, then round16's
  * bits), and a plain linear feeding an activation stored by the GEMM in bf16 only (fl_linear_forward16), its fp32
- * view filled by that activation, its one reader. Backends without them (cpu, ref, opaque): the fp32 op, then
- * store16. */
+ * view (where one is carved: fl_block_views32) filled by that activation, its one reader. Backends without them (cpu,
+ * ref, opaque): the fp32 op, then store16. An fp32 view that was not carved is NULL: the ops then write the bf16
+ * copy alone. */
 static int act16_kind(uint8_t k) {
     return k == FL_GOP_SWIGLU ? FL_ACT16_SWIGLU : k == FL_GOP_GELU ? FL_ACT16_GELU : k == FL_GOP_RELU ? FL_ACT16_RELU : -1;
 }
@@ -556,23 +558,23 @@ static unsigned grads_needed(const fl_block_graph *g, const fl_block_params *bp)
  * the bf16 copies, through the backend's bf16-input variant (rmsnorm_backward_w16's inp16, act_backward16's in16,
  * attention_backward16), each element widened exactly in the kernel: the bits of the fp32 views the
  * widen-before-backward rebuilt, which are then not needed. 0: the op reads the fp32 views. */
-static int bwd_reads16(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_gop *o,
-                       const fl_block_ctx *x) {
+/* plan: the planner's null backend standing in for an FL_CAP_VIEWS16 backend, whose bf16 ops it takes as there */
+static int bwd_reads16_p(const fl_model *m, const fl_block_graph *g, const fl_gop *o, const fl_block_ctx *x, int plan) {
     const fl_backend *be = m->be;
     if (!x->s16 || !stored16(g, o->in, x)) return 0;
     switch ((fl_gop_kind)o->kind) {
-    case FL_GOP_NORM: return fl_norm16_have(m, 1);
+    case FL_GOP_NORM: return plan || fl_norm16_have(m, 1);
     case FL_GOP_ATTN:
-        return fused_causal(o, x) && !x->kv && be->attention_backward16 && stored16(g, o->out, x);
+        return fused_causal(o, x) && !x->kv && (plan || be->attention_backward16) && stored16(g, o->out, x);
     case FL_GOP_SWIGLU:
     case FL_GOP_GELU:
-    case FL_GOP_RELU: return be->act_backward16 != NULL;
+    case FL_GOP_RELU: return plan || be->act_backward16 != NULL;
     default: return 0;
     }
 }
 
-unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
-                              const fl_block_ctx *x) {
+static unsigned bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                            const fl_block_ctx *x, int plan) {
     unsigned r = 0;
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
@@ -590,7 +592,7 @@ unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const 
         case FL_GOP_RELU:
         case FL_GOP_GELU_ERF:
         case FL_GOP_GEGLU:
-            if (bwd_reads16(m, g, bp, o, x)) break;
+            if (bwd_reads16_p(m, g, o, x, plan)) break;
             r |= 1u << o->in;
             if (o->kind == FL_GOP_ATTN) r |= 1u << o->out;
             if (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS) r |= 1u << o->in2;
@@ -601,6 +603,67 @@ unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const 
         if (j >= 0) r |= 1u << g->op[j].in;
     }
     return r;
+}
+unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                              const fl_block_ctx *x) {
+    return bwd_reads32(m, g, bp, x, 0);
+}
+
+/* Issue 30 item 1, bf16 stored on an FL_CAP_VIEWS16 backend: the slots (bit k) whose fp32 view a pass with context x
+ * writes or reads, the forward's ops as fl_block_forward takes them and the backward's (bwd_reads32); every other
+ * stored slot is written in bf16 only (the ops get out == NULL) and its view is not carved (acts.c). Where an op has
+ * no bf16-only form its fp32 output stays: a LINEAR's (the GEMM into RoPE's in-place input, the residual adds' o /
+ * down projections, a biased or adapted linear; gemm_to_attn16's refused-epilogue scratch), RoPE, the residual adds,
+ * dropout, the sequence-parallel moves; and every fp32 input: LoRA adapters and 4-bit GEMMs read x in fp32. ~0u:
+ * every view (another backend: the CPU ones compute in fp32). */
+unsigned fl_views_test_forget;
+unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x) {
+    const fl_backend *be = m->be;
+    if (!(be->caps & FL_CAP_VIEWS16) || !x->s16 || !x->store16) return ~0u;
+    const int plan = fl_backend_discards(be);
+    unsigned need = bwd_reads32(m, g, bp, x, plan);
+    int pend16 = -1, pendq = -1; /* as fl_block_forward's */
+    for (int i = 0; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i], *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+        const int o16 = final_after(g, i, o->out) && stored16(g, o->out, x);
+        unsigned rd = 1u << o->in, wr = 1u << o->out; /* op i's fp32 reads and writes, unless below */
+        if (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS) rd |= 1u << o->in2;
+        switch ((fl_gop_kind)o->kind) {
+        case FL_GOP_NORM: wr = o16 ? 0 : wr; break; /* the w16 kernel with out16 */
+        case FL_GOP_LINEAR: {
+            const fl_linear *lin = &bp->lin[o->p];
+            const int in16 = lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && final_after(g, i, o->in) &&
+                             stored16(g, o->in, x);
+            if (in16 && lin->n_adapters == 0) rd = 0;
+            if (o16 && be->gelu16_epilogue && nx && nx->kind == FL_GOP_GELU && nx->in == o->out && lin_biased(lin) &&
+                lin->n_q4 == 0 && lin->n_adapters == 0) /* FITLLM_CUDA_GELU16: the GELU's output in fp32 too */
+                wr |= 1u << nx->out | 1u << nx->in;
+            else if (o16 && in16 && nx && nx->kind == FL_GOP_ATTN && nx->in == o->out && fused_causal(nx, x) &&
+                     g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out) && lin_biased(lin) &&
+                     lin->n_adapters == 0)
+                pendq = o->out; /* gemm_to_attn16: bf16 only, the view its refused epilogue's scratch (wr kept) */
+            else if (o16 && in16 && fl_linear_plain16(lin) && nx && act16_kind(nx->kind) >= 0 && nx->in == o->out &&
+                     g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out))
+                pend16 = o->out, wr = 0; /* gemm_to_act16: bf16 only */
+            break;
+        }
+        case FL_GOP_ATTN:
+            if (pendq == o->in) rd = 0;
+            pendq = -1;
+            if (o16 && !(o->p >= 0 && x->attn_drop_p > 0 && tp_drops(m))) wr = 0; /* attention_forward16 / _in16 */
+            break;
+        case FL_GOP_SWIGLU:
+        case FL_GOP_GELU:
+        case FL_GOP_RELU:
+            if (pend16 == o->in) rd = 0; /* act_forward16 reads in16 (in NULL: not filled) */
+            if (o16) wr = 0;
+            pend16 = -1;
+            break;
+        default: break; /* ROPE, ADD, DROPOUT, the others: fp32 in and out */
+        }
+        need |= rd | wr;
+    }
+    return need & ~fl_views_test_forget;
 }
 
 fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
@@ -633,7 +696,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
         void *dy16 = dy16_for(be, g, bp, i);
-        const int in16 = bwd_reads16(m, g, bp, o, x); /* the saved input read in bf16 (its fp32 view not widened) */
+        const int in16 = bwd_reads16_p(m, g, o, x, 0); /* the saved input read in bf16 (its fp32 view not widened) */
         if ((dy16 || in16) && act16_kind(o->kind) >= 0) {
             FL_TRY(FL_RUN(be, act_backward16, act16_kind(o->kind), din, dy16, dout, s[o->in],
                           in16 ? x->s16[o->in] : NULL, N, o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
@@ -943,49 +1006,4 @@ fl_status fl_head_cross_entropy(fl_model *m, float *loss, float *dlogits, const 
 fl_status fl_head_logits_out(fl_model *m, float *out, const float *logits, int rows) {
     if (m->tp_ops) return m->tp_ops->logits_out(m, out, logits, rows);
     return FL_RUN(m->be, to_host, out, logits, (size_t)rows * m->cfg.vocab_size * sizeof(float));
-}
-
-/* ---- the chunked LM head and cross-entropy over a stack's final norm output, shared by the interpreters of
- * several stacks (seq2seq.c, blip2_pass.c): at most `chunk` rows of (rows, V) logits exist at once; in training
- * the head's backward runs chunk by chunk too (the logits' gradient overwrites them), leaving d(the head's
- * input) in dx. */
-
-fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *targets, int N, float grad_scale,
-                       float *logits_out, double *loss_sum, long *n_valid) {
-    const fl_backend *be = m->be;
-    /* tensor parallel: the rank's vocabulary rows Vr of the head, the cross-entropy over the group's slices */
-    const int C = m->cfg.dim, V = m->cfg.vocab_size, Vr = fl_config_vocab_rows(&m->cfg, NULL);
-    const int train = grad_scale > 0 && targets;
-    fl_outer_params op;
-    fl_get_outer(m, &op);
-    fl_linear head = {.in = C, .out = Vr, .w = op.head, .dw = op.dhead};
-    fl_linear_set_weight(m, &head, op.head_idx);
-    const int32_t *tg = targets;
-    if (targets && h->dtargets) {
-        FL_TRY(FL_RUN(be, to_device, h->dtargets, targets, (size_t)N * sizeof *targets));
-        tg = h->dtargets;
-    }
-    for (int r0 = 0; r0 < N; r0 += h->chunk) {
-        const int rows = N - r0 < h->chunk ? N - r0 : h->chunk;
-        const float *xr = h->x + (size_t)r0 * C;
-        if (m->adapt) m->adapt->bind(m->adapt, -1, 0, &head, r0); /* head adapters: this chunk */
-        FL_TRY(fl_linear_forward(be, h->logits, xr, &head, rows)); // (rows, Vr)
-        if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r0 * V, h->logits, rows));
-        if (!targets) continue;
-        FL_TRY(fl_head_cross_entropy(m, h->losses + r0, train ? h->logits : NULL, h->logits, tg + r0, targets + r0,
-                                     rows, grad_scale));
-        if (train) FL_TRY(fl_linear_backward(be, h->dx + (size_t)r0 * C, 0, h->logits, xr, &head, rows));
-    }
-    if (train && m->tp_ops) FL_TRY(m->tp_ops->head_dx_sum(m, h->dx, N)); /* a vocabulary slice's part of d(the head's input) */
-    if (!targets) return FL_OK;
-    float *l = malloc((size_t)N * sizeof *l);
-    if (!l) return fl_errorf(FL_ERR_OOM, "losses: out of host memory");
-    fl_status s = FL_RUN(be, to_host, l, h->losses, (size_t)N * sizeof *l);
-    for (int i = 0; s == FL_OK && i < N; i++)
-        if (targets[i] != FL_IGNORE_INDEX) {
-            *loss_sum += l[i];
-            (*n_valid)++;
-        }
-    free(l);
-    return s;
 }

@@ -255,6 +255,15 @@ void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp);
  * only through the backend's bf16-input ops (issue 30 item 1) is not among them, so its widening is skipped. */
 unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
                               const fl_block_ctx *x);
+/* bf16 stored on an FL_CAP_VIEWS16 backend (issue 30 item 1): the slots whose fp32 views a pass with context x writes
+ * or reads, forward and backward (~0u: every one, another backend; exec.c); fl_block_views_dropped (acts.c): the WIDE
+ * slots no block of the model's training arena needs, which acts.c does not carve (their views NULL, the ops writing
+ * bf16 only; fl_model_attach_adapter refuses an adapter that would read one). */
+unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x);
+unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);
+/* Testing only (0 otherwise): slots fl_block_views32 leaves out although a pass needs them, so the test shows that an op
+ * handed such a view (NULL) fails instead of reading or writing memory (tests/test_cuda_views.c). */
+extern unsigned fl_views_test_forget;
 
 /* Inference scratch for n rows: the floats of the graph's shared buffers (64-byte aligned views), and with a
  * base, the slot views (s[FL_GSLOT_IN] and s[FL_GSLOT_OUT] point to the same buffer). */

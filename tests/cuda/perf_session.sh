@@ -47,6 +47,9 @@
 #      read in bf16 by the epilogue, c_attn writes q|k|v in bf16 only and its bf16 dy comes from its bias-gradient
 #      kernel: 0 conversion launches per 2 emulated gpt2-micro steps, not 36; the profile's convert / round16 rows
 #      show any left).
+#  16. bf16 storage without the unread fp32 views (issue 30 item 1): the TinyLlama step and GPT-2's bf16-true step with
+#      FITLLM_CUDA_VIEWS32=1 (every stored slot's fp32 view written and allocated, the earlier layout) against 0 (the
+#      default: ln1 / att / ln2 / gate|up / act in bf16 only); bench-step's memory line shows WORKSPACE.
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -221,4 +224,9 @@ for v in 1 0; do
         --seq 1024 --steps 3 --warmup 2 --profile >"$OUT/gpt2-gelu16$v-profile.log" 2>&1
     echo "gpt2 bf16-true FITLLM_CUDA_GELU16=$v --profile exit $?"
     sed -n '/^profile/,/^PROFILE/p' "$OUT/gpt2-gelu16$v-profile.log" | grep -E "GEMM|elementwise|gelu|round16" | head -6
+done
+echo "== 16. bf16 storage without the unread fp32 views: FITLLM_CUDA_VIEWS32=1 (every view kept) against 0 (EXPERIMENTAL)"
+for v in 1 0; do
+    FITLLM_CUDA_VIEWS32=$v bench views32-$v 60
+    FITLLM_CUDA_VIEWS32=$v gpt2_ab bf16-true views32$v FITLLM_CUDA_VIEWS32=$v
 done

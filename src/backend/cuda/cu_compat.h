@@ -225,6 +225,13 @@ FL_CU_DEV float fl_cu_keep16(uint16_t *o16, size_t i, float v) {
     return fl_cu_bf16_to_f32(o16[i]);
 }
 
+/* out[i] = v through the bf16 copy o16 (fl_cu_keep16's bits); out NULL: the copy only (a stored slot's fp32 view that
+ * nothing reads is not written: issue 30 item 1) */
+FL_CU_DEV void fl_cu_put16(float *out, uint16_t *o16, size_t i, float v) {
+    v = fl_cu_keep16(o16, i, v);
+    if (out) out[i] = v;
+}
+
 /* 8 consecutive elements from element i (a multiple of 8, the pointer 16-byte aligned) of a row of type t (F32: two
  * 128-bit accesses; BF16 / F16: one), widened exactly / stored rounded as element-by-element code does (issue 30
  * item 4: the vector paths of the elementwise kernels keep their bits) */

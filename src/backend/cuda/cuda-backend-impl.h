@@ -107,6 +107,19 @@ static int flb_launch(const fl_backend *be, int rc, const char *op) {
     return rc;
 }
 #define FLB_RUN(be, call, op) flb_launch((be), (call), (op))
+/* A NULL tensor where the op reads or writes one: the sticky error, no launch (issue 30 item 1: a stored slot's fp32
+ * view that was not carved is NULL, acts.c; an op that still reads or writes it fails here instead of touching
+ * memory). 1: NULL found. */
+static int flb_null(const fl_backend *be, const char *op, const void *const *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!p[i]) {
+            flb_set_error(be, FL_ERR_INVALID, op, "a NULL tensor (an fp32 view that was not carved?)");
+            return 1;
+        }
+    return 0;
+}
+#define FLB_NULL(be, op, ...)                                                                                        \
+    flb_null((be), (op), (const void *const[]){__VA_ARGS__}, sizeof((const void *const[]){__VA_ARGS__}) / sizeof(void *))
 #define FLB_RUN_S(be, call, op)                                                                                      \
     do {                                                                                                             \
         if (flb_launch((be), (call), (op))) return flb_sticky(be);                                                  \
@@ -161,6 +174,7 @@ static fl_status flb_gemm(const fl_backend *be, int trans_a, int trans_b, int M,
                          fl_dtype_name(ta), fl_dtype_name(tb), fl_dtype_name(tc));
     if (M < 0 || N < 0 || K < 0) return fl_errorf(FL_ERR_INVALID, "%s gemm: bad shape %d x %d x %d", FLB_NAME, M, N, K);
     if (M == 0 || N == 0) return FL_OK;
+    if (FLB_NULL(be, "gemm", C) || (K > 0 && FLB_NULL(be, "gemm", A, B))) return flb_sticky(be);
     void *s = flb_scratch(be);
     if (!s) return flb_sticky(be);
     char *panel = (char *)s + FLB_LT_WS_BYTES;
@@ -246,6 +260,7 @@ static fl_status flb_gemm(const fl_backend *be, int trans_a, int trans_b, int M,
 
 static void flb_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, const float *inp, const float *w, int N,
                                 int C, float eps) {
+    if (N > 0 && FLB_NULL(be, "rmsnorm_forward", out, inp)) return;
     FLB_RUN(be, FLB_K(rmsnorm_forward)(out, rstd, inp, w, N, C, eps, STREAM), "rmsnorm_forward");
 }
 static fl_status flb_add_rmsnorm_forward(const fl_backend *be, void *res, void *out, float *rstd, const void *a,
@@ -265,6 +280,7 @@ static void flb_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, c
 }
 static void flb_rmsnorm_forward_w16(const fl_backend *be, float *out, void *out16, float *rstd, const float *inp,
                                     const void *w, fl_dtype wt, int N, int C, float eps) {
+    if (N > 0 && FLB_NULL(be, "rmsnorm_forward_w16", out ? (const void *)out : out16, inp)) return;
     FLB_RUN(be, FLB_K(rmsnorm_forward_w16)(out, out16, rstd, inp, w, wt, N, C, eps, STREAM), "rmsnorm_forward_w16");
 }
 static void flb_rmsnorm_backward_w16(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,
@@ -275,6 +291,7 @@ static void flb_rmsnorm_backward_w16(const fl_backend *be, float *dinp, void *di
 }
 static void flb_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
                                   const float *w, const float *b, int N, int C, float eps) {
+    if (N > 0 && FLB_NULL(be, "layernorm_forward", out, inp)) return;
     FLB_RUN(be, FLB_K(layernorm_forward)(out, mean, rstd, inp, w, b, N, C, eps, STREAM), "layernorm_forward");
 }
 static void flb_layernorm_backward(const fl_backend *be, float *dinp, float *dw, float *db, const float *dout,
@@ -285,6 +302,7 @@ static void flb_layernorm_backward(const fl_backend *be, float *dinp, float *dw,
 static void flb_layernorm_forward_w16(const fl_backend *be, float *out, void *out16, float *mean, float *rstd,
                                       const float *inp, const void *w, const void *b, fl_dtype wt, int N, int C,
                                       float eps) {
+    if (N > 0 && FLB_NULL(be, "layernorm_forward_w16", out ? (const void *)out : out16, inp)) return;
     FLB_RUN(be, FLB_K(layernorm_forward_w16)(out, out16, mean, rstd, inp, w, b, wt, N, C, eps, STREAM),
             "layernorm_forward_w16");
 }
@@ -296,6 +314,7 @@ static void flb_layernorm_backward_w16(const fl_backend *be, float *dinp, void *
 }
 static void flb_rope_forward(const fl_backend *be, float *x, int B, int T, int nh, int HD, size_t row_stride,
                              const float *cos_t, const float *sin_t, int pos0) {
+    if (B > 0 && T > 0 && FLB_NULL(be, "rope_forward", x)) return;
     FLB_RUN(be, FLB_K(rope)(x, B, T, nh, HD, row_stride, cos_t, sin_t, pos0, 0, STREAM), "rope_forward");
 }
 static void flb_rope_backward(const fl_backend *be, float *dx, int B, int T, int nh, int HD, size_t row_stride,
@@ -303,15 +322,19 @@ static void flb_rope_backward(const fl_backend *be, float *dx, int B, int T, int
     FLB_RUN(be, FLB_K(rope)(dx, B, T, nh, HD, row_stride, cos_t, sin_t, pos0, 1, STREAM), "rope_backward");
 }
 static void flb_swiglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
+    if (N > 0 && F > 0 && FLB_NULL(be, "swiglu_forward", out, gu)) return;
     FLB_RUN(be, FLB_K(swiglu_forward)(out, gu, N, F, STREAM), "swiglu_forward");
 }
 static void flb_swiglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F) {
+    if (N > 0 && F > 0 && FLB_NULL(be, "swiglu_backward", dgu, dout, gu)) return;
     FLB_RUN(be, FLB_K(swiglu_backward)(dgu, dout, gu, N, F, STREAM), "swiglu_backward");
 }
 static void flb_gelu_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
+    if (n && FLB_NULL(be, "gelu_forward", out, inp)) return;
     FLB_RUN(be, FLB_K(gelu_forward)(out, inp, n, STREAM), "gelu_forward");
 }
 static void flb_gelu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
+    if (n && FLB_NULL(be, "gelu_backward", dinp, dout, inp)) return;
     FLB_RUN(be, FLB_K(gelu_backward)(dinp, dout, inp, n, STREAM), "gelu_backward");
 }
 static void flb_geglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
@@ -321,9 +344,11 @@ static void flb_geglu_backward(const fl_backend *be, float *dgu, const float *do
     FLB_RUN(be, FLB_K(geglu_backward)(dgu, dout, gu, N, F, STREAM), "geglu_backward");
 }
 static void flb_relu_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
+    if (n && FLB_NULL(be, "relu_forward", out, inp)) return;
     FLB_RUN(be, FLB_K(relu_forward)(out, inp, n, STREAM), "relu_forward");
 }
 static void flb_relu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
+    if (n && FLB_NULL(be, "relu_backward", dinp, dout, inp)) return;
     FLB_RUN(be, FLB_K(relu_backward)(dinp, dout, inp, n, STREAM), "relu_backward");
 }
 static void flb_gelu_erf_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
@@ -333,9 +358,11 @@ static void flb_gelu_erf_backward(const fl_backend *be, float *dinp, const float
     FLB_RUN(be, FLB_K(gelu_erf_backward)(dinp, dout, inp, n, STREAM), "gelu_erf_backward");
 }
 static void flb_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n) {
+    if (n && FLB_NULL(be, "add", out, a, b)) return;
     FLB_RUN(be, FLB_K(add)(out, a, b, n, STREAM), "add");
 }
 static void flb_bias_forward(const fl_backend *be, float *y, const float *b, int N, int OC) {
+    if (N > 0 && OC > 0 && FLB_NULL(be, "bias_forward", y, b)) return;
     FLB_RUN(be, FLB_K(bias_forward)(y, b, N, OC, STREAM), "bias_forward");
 }
 static void flb_bias_backward(const fl_backend *be, float *db, const float *dy, int N, int OC) {
@@ -447,79 +474,7 @@ static fl_status flb_init_random(const fl_backend *be, void *dst, fl_dtype dt, s
 static void flb_zero(const fl_backend *be, void *x, size_t bytes) {
     if (bytes && flb_memset(x, 0, bytes, STREAM)) flb_set_error(be, FL_ERR_IO, "zero", "memset failed");
 }
-static fl_status flb_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n) {
-    FL_TRY(flb_sticky(be));
-    if (!flb_float3(dt) || !flb_float3(st))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s convert: %s -> %s not supported", FLB_NAME, fl_dtype_name(st),
-                         fl_dtype_name(dt));
-    FLB_RUN_S(be, FLB_K(convert)(dst, dt, src, st, n, STREAM), "convert");
-    return FL_OK;
-}
-static fl_status flb_round16(const fl_backend *be, void *dst, fl_dtype dt, float *x, size_t n) {
-    FL_TRY(flb_sticky(be));
-    if (dt != FL_BF16 && dt != FL_F16)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s round16: %s is not a 16-bit type", FLB_NAME, fl_dtype_name(dt));
-    FLB_RUN_S(be, FLB_K(round16)(dst, dt, x, n, STREAM), "round16");
-    return FL_OK;
-}
-/* bf16-stored outputs (backend.h act_forward16 / add16 / rope_forward16): refused shapes and kinds answer
- * UNSUPPORTED here, before any launch */
-_Static_assert(FL_CU_ACT16_SWIGLU == FL_ACT16_SWIGLU && FL_CU_ACT16_GELU == FL_ACT16_GELU &&
-                   FL_CU_ACT16_RELU == FL_ACT16_RELU && FL_CU_ACT16_ROUND_IN == FL_ACT16_ROUND_IN,
-               "act_forward16: the kernels' kinds");
-static fl_status flb_act_forward16(const fl_backend *be, int kind, float *out, void *out16, float *in,
-                                   const void *in16, int N, int F) {
-    FL_TRY(flb_sticky(be));
-    const int k = kind & ~FL_ACT16_ROUND_IN;
-    if ((k != FL_ACT16_SWIGLU && k != FL_ACT16_GELU && k != FL_ACT16_RELU) || ((kind & FL_ACT16_ROUND_IN) && !in16))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_forward16: kind %d", FLB_NAME, kind);
-    FLB_RUN_S(be, FLB_K(act_forward16)(kind, out, out16, in, in16, N, F, STREAM), "act_forward16");
-    return FL_OK;
-}
-static fl_status flb_add16(const fl_backend *be, float *out, void *out16, const float *a, const float *b, size_t n) {
-    FL_TRY(flb_sticky(be));
-    FLB_RUN_S(be, FLB_K(add16)(out, out16, a, b, n, STREAM), "add16");
-    return FL_OK;
-}
-static fl_status flb_rope16(const fl_backend *be, float *x, void *x16, int B, int T, int nh, int HD, int width,
-                            const float *cos_t, const float *sin_t, int pos0, int backward) {
-    FL_TRY(flb_sticky(be));
-    if (B < 0 || T < 0 || nh < 0 || HD < 0 || HD % 2 || width < nh * HD)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s rope_%s16: %d heads of %d in rows of %d", FLB_NAME,
-                         backward ? "backward" : "forward", nh, HD, width);
-    if (backward)
-        FLB_RUN_S(be, FLB_K(rope_backward16)(x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, STREAM), "rope_backward16");
-    else
-        FLB_RUN_S(be, FLB_K(rope_forward16)(x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, STREAM), "rope_forward16");
-    return FL_OK;
-}
-static fl_status flb_rope_forward16(const fl_backend *be, float *x, void *x16, int B, int T, int nh, int HD,
-                                    int width, const float *cos_t, const float *sin_t, int pos0) {
-    return flb_rope16(be, x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, 0);
-}
-static fl_status flb_rope_backward16(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD,
-                                     int width, const float *cos_t, const float *sin_t, int pos0) {
-    return flb_rope16(be, dx, dx16, B, T, nh, HD, width, cos_t, sin_t, pos0, 1);
-}
-static fl_status flb_act_backward16(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
-                                    const float *in, const void *in16, int N, int F) {
-    FL_TRY(flb_sticky(be));
-    if ((kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU) || (!din16 && !in16))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_backward16: kind %d%s", FLB_NAME, kind,
-                         din16 || in16 ? "" : ", neither a bf16 copy nor a bf16 input");
-    FLB_RUN_S(be, FLB_K(act_backward16)(kind, din, din16, dout, in, in16, N, F, STREAM), "act_backward16");
-    return FL_OK;
-}
-_Static_assert(FL_CU_CONVERT_MANY_MAX == FL_CONVERT_MANY_MAX, "convert_many: the kernel's segment list");
-static fl_status flb_convert_many(const fl_backend *be, int count, void *const *dst, fl_dtype dt,
-                                  const void *const *src, fl_dtype st, const size_t *len) {
-    FL_TRY(flb_sticky(be));
-    if (count < 0 || count > FL_CONVERT_MANY_MAX)
-        return fl_errorf(FL_ERR_INVALID, "%s convert_many: %d segments (at most %d)", FLB_NAME, count,
-                         FL_CONVERT_MANY_MAX);
-    FLB_RUN_S(be, FLB_K(convert_many)(count, dst, dt, src, st, len, STREAM), "convert_many");
-    return FL_OK;
-}
+#include "backend/cuda/cuda-bf16-ops-impl.h" /* convert, round16, convert_many, the bf16-stored outputs */
 static fl_status flb_adamw_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
                                      void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int step, float grad_scale) {
@@ -812,6 +767,9 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     im->in.on = !epf || !*epf || !strcmp(epf, "1");
     const char *eg = getenv("FITLLM_CUDA_GRAPHS");
     im->graph.on = eg && !strcmp(eg, "1");
+    /* FITLLM_CUDA_VIEWS32=1: every stored slot keeps its fp32 view (no FL_CAP_VIEWS16; the same bits; A/B) */
+    const char *ev = getenv("FITLLM_CUDA_VIEWS32");
+    const int views32 = ev && !strcmp(ev, "1");
     /* FITLLM_CUDA_Q4 (experimental, issue 30 item 7): a bf16 run's 4-bit matmuls on bf16 tensor cores with the NF4 / FP4
      * dequantization fused into the B load (tc), or dequantized a panel of rows at a time into a bf16 scratch for the
      * GEMM (scratch); fp32 (the default): the fp32 kernels whatever the dtype */
@@ -849,6 +807,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_GRAPHS=%s: expected 0 (the default: the ops one by one) "
                         "or 1 (experimental: capture the training step as CUDA graphs and replay them)",
                         FLB_NAME, eg)
+        : ev && *ev && !views32 && strcmp(ev, "0")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_VIEWS32=%s: expected 0 (the default: a bf16 run's "
+                        "stored slots whose fp32 view nothing reads are written in bf16 only, their views not "
+                        "allocated) or 1 (every fp32 view kept)", FLB_NAME, ev)
         : im->q4 < 0
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4=%s: expected fp32 (the default: the fp32 4-bit "
                         "matmul kernels), tc (experimental: a bf16 run's on bf16 tensor cores, dequantized in the load) "
@@ -876,7 +838,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->gemm_name = FLB_GEMM_NAME;
     be->gemm_widens16 = 1u << FL_F16; /* an F16 B is widened per call (the panels above); fl_cuda_gemm_widens16 */
     be->scratch_bytes = FLB_SCRATCH_BYTES;
-    be->caps = FL_CAP_ASYNC | FL_CAP_COMPUTE_BF16 | (FLB_HOST_MEMORY ? FL_CAP_HOST_MEMORY : FL_CAP_DEVICE_MEMORY);
+    be->caps = FL_CAP_ASYNC | FL_CAP_COMPUTE_BF16 | (views32 ? 0u : FL_CAP_VIEWS16) |
+               (FLB_HOST_MEMORY ? FL_CAP_HOST_MEMORY : FL_CAP_DEVICE_MEMORY);
     be->set_compute_dtype = flb_set_compute_dtype;
     be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */
     be->gemm = flb_gemm;

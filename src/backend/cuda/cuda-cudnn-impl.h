@@ -162,7 +162,8 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
         flb_set_error(be, FL_ERR_UNSUPPORTED, "attention_forward (cuDNN)", why);
         return (*st = flb_sticky(be)), 1;
     }
-    rc = FLB_K(convert2d)(out, FL_F32, a->ldo, ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, rq, cq, STREAM);
+    if (out) /* NULL: the bf16 copy only */
+        rc = FLB_K(convert2d)(out, FL_F32, a->ldo, ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, rq, cq, STREAM);
     if (!rc && out16 && ptr[FL_CUDNN_UID_O] != out16) /* not compact (not taken today): the copy */
         rc = FLB_K(convert2d)(out16, FL_BF16, a->ldo, ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, rq, cq, STREAM);
     *st = flb_attn_status(be, rc, "attention_forward (cuDNN)");

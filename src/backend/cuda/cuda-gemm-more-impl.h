@@ -62,6 +62,7 @@ static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const void *bi
     if (M < 0 || N < 0 || K < 0)
         return fl_errorf(FL_ERR_INVALID, "%s gemm_epilogue: bad shape %d x %d x %d", FLB_NAME, M, N, K);
     if (M == 0 || N == 0) return FL_OK;
+    if (FLB_NULL(be, "gemm_epilogue", C) || (K > 0 && FLB_NULL(be, "gemm_epilogue", A, B))) return flb_sticky(be);
     if (K > 0 && ta == tb) /* the library's own types: one matmul */
         return flb_epi_part(be, epi, bias, bt, aux, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C,
                             c16);

@@ -86,7 +86,9 @@ static fl_status flb_attn_fwd(const fl_backend *be, const fl_attn_desc *a, float
                               int in16) {
     FL_TRY(flb_sticky(be));
     const float *q = (const float *)qv, *k = (const float *)kv, *v = (const float *)vv; /* checks: the pointers */
-    fl_status st = fl_attn_check_args("attention_forward", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse,
+    /* out NULL with out16: the bf16 copy only (an fp32 view nothing reads; issue 30 item 1) */
+    float *oc = out ? out : (float *)out16;
+    fl_status st = fl_attn_check_args("attention_forward", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", oc, lse,
                                       q, k, v, bias, NULL);
     if (st == FL_ERR_UNSUPPORTED && out && lse && fl_attn_is_qkv(a, q, k, v, bias, kmask, NULL, NULL, NULL, NULL)) {
         /* as the CPU: the fused shape's outputs NaN (all-ones bytes) on a refused head size */

@@ -222,14 +222,15 @@ extern "C" int FL_CUK(geglu_backward)(float *dgu, const float *dout, const float
 /* ---- bf16-stored outputs (act_forward16, issue 30 item 1) -------------------------------------------------
  * The forward's value as above, stored in bf16 (o16) with its exact widening in the fp32 out (fl_cu_keep16:
  * round16's bits, no round16 launch). in16 (NULL or): the input's bf16 copy, read instead of in, whose exact
- * widening is written to in (the fp32 view of an input a GEMM wrote in bf16 only). One element (SwiGLU: one
+ * widening is written to in (the fp32 view of an input a GEMM wrote in bf16 only; in NULL: not written). out NULL: the
+ * bf16 copy only (a stored slot's fp32 view nothing reads, issue 30 item 1). One element (SwiGLU: one
  * output and its gate/up pair) per thread. */
 /* rnd (FL_CU_ACT16_ROUND_IN): in16 is written, RNE(in), and in its widening (round16's bits), then read */
 FL_CU_DEV float act_in(float *in, const uint16_t *in16, size_t i, int rnd) {
     if (!in16) return in[i];
     if (rnd) ((uint16_t *)in16)[i] = fl_cu_f32_to_bf16(in[i]);
     const float v = fl_cu_bf16_to_f32(in16[i]);
-    in[i] = v;
+    if (in) in[i] = v; /* NULL: an fp32 view nothing reads (issue 30 item 1) */
     return v;
 }
 /* 8 inputs from element i (vector path): from in16 (their widening written to in) or in */
@@ -243,7 +244,7 @@ FL_CU_DEV void act_in8(float *in, const uint16_t *in16, size_t i, float *v, int 
         fl_cu_st8t((uint16_t *)in16, FL_BF16, i, v);
     }
     fl_cu_ld8t(in16, FL_BF16, i, v);
-    fl_cu_st8t(in, FL_F32, i, v);
+    if (in) fl_cu_st8t(in, FL_F32, i, v);
 }
 /* The vector path (vec: every pointer 16-byte aligned, and F % 8 == 0 for SwiGLU): 8 consecutive outputs per thread
  * with 128-bit accesses (SwiGLU: within a row; the others: the first total / 8 groups, then the tail below). Returns
@@ -260,7 +261,7 @@ FL_CU_DEV size_t act16_fwd8(int kind, float *out, uint16_t *o16, float *in, cons
             act_in8(in, in16, n * 2 * F + F + f, u, rnd);
             for (int k = 0; k < 8; k++) g[k] = swiglu_f(g[k], u[k]);
             fl_cu_keep16x8(o16, n * F + f, g);
-            fl_cu_st8t(out, FL_F32, n * F + f, g);
+            if (out) fl_cu_st8t(out, FL_F32, n * F + f, g);
         }
         return total;
     }
@@ -269,7 +270,7 @@ FL_CU_DEV size_t act16_fwd8(int kind, float *out, uint16_t *o16, float *in, cons
         act_in8(in, in16, 8 * q, x, rnd);
         for (int k = 0; k < 8; k++) x[k] = kind == FL_CU_ACT16_GELU ? gelu_f(x[k]) : x[k] < 0.0f ? 0.0f : x[k];
         fl_cu_keep16x8(o16, 8 * q, x);
-        fl_cu_st8t(out, FL_F32, 8 * q, x);
+        if (out) fl_cu_st8t(out, FL_F32, 8 * q, x);
     }
     return total / 8 * 8;
 }
@@ -285,7 +286,7 @@ __global__ static void fl_cu_act16_k(int kind, float *out, uint16_t *o16, float 
             const float x = act_in(in, in16, i, rnd);
             y = kind == FL_CU_ACT16_GELU ? gelu_f(x) : x < 0.0f ? 0.0f : x;
         }
-        out[i] = fl_cu_keep16(o16, i, y);
+        fl_cu_put16(out, o16, i, y);
     }
 }
 
@@ -295,6 +296,8 @@ extern "C" int FL_CUK(act_forward16)(int kind, float *out, void *out16, float *i
     const int rnd = (kind & FL_CU_ACT16_ROUND_IN) != 0;
     kind &= ~FL_CU_ACT16_ROUND_IN;
     if ((kind != FL_CU_ACT16_SWIGLU && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) || (rnd && !in16)) return -1;
+    /* out NULL: out16 only; in NULL: read from in16 (not rounded here), its fp32 view not filled (issue 30 item 1) */
+    if ((!out && !out16) || (!in && (!in16 || rnd))) return -1;
     if (N <= 0 || F <= 0) return 0;
     const int vec = (kind != FL_CU_ACT16_SWIGLU || F % 8 == 0) && fl_cu_aligned16(out, out16, in, in16, NULL);
     FL_CU_LAUNCH(fl_cu_act16_k, dim3(act_blocks((size_t)N * F / (vec ? 8 : 1))), dim3(256), 0, (fl_cu_stream)stream,

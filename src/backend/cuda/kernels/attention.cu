@@ -102,12 +102,12 @@ template <class C> __global__ static void fl_cu_attn_fwd_k(fl_cu_attn_p p) {
         const float lsum = fl_cu_attn_sum8(l[i]);
         if (r >= qn) continue;
         const size_t at = ((size_t)b * p.Tq + q0 + r) * p.ldo + (size_t)h * HD;
-        float *dst = p.o + at;
+        float *dst = p.o ? p.o + at : NULL; /* NULL: the bf16 copy only */
         uint16_t *dst16 = p.o16 ? p.o16 + at : NULL;
         const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f; /* no visible key: out 0 */
         for (int c = 0; c < DPT; c++) {
             int d = tx + 8 * c;
-            if (d < HD) dst[d] = fl_cu_keep16(dst16, (size_t)d, o[i][c] * inv);
+            if (d < HD) fl_cu_put16(dst, dst16, (size_t)d, o[i][c] * inv);
         }
         if (tx == 0) p.l[((size_t)b * p.NH + h) * p.Tq + q0 + r] = lsum > 0.0f ? m[i] + logf(lsum) : -INFINITY;
     }

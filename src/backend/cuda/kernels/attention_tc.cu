@@ -143,18 +143,18 @@ template <int D> __global__ static void fl_cu_tc_fwd_k(fl_cu_attn_p p) {
     }
     const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f; /* no visible key: 0 */
     const size_t at = ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * D;
-    float *O = p.o + at;
+    float *O = p.o ? p.o + at : NULL; /* NULL: the bf16 copy only */
     uint16_t *O16 = p.o16 ? p.o16 + at : NULL; /* bf16 stored: the output's copy too */
     for (int dt = 0; dt < DT; dt++) {
         const int d = dt * 8 + 2 * tq;
         const size_t i0 = (size_t)r0 * p.ldo + d, i1 = (size_t)r1 * p.ldo + d;
         if (r0 < qn) {
-            O[i0] = fl_cu_keep16(O16, i0, o[dt][0] * inv0);
-            O[i0 + 1] = fl_cu_keep16(O16, i0 + 1, o[dt][1] * inv0);
+            fl_cu_put16(O, O16, i0, o[dt][0] * inv0);
+            fl_cu_put16(O, O16, i0 + 1, o[dt][1] * inv0);
         }
         if (r1 < qn) {
-            O[i1] = fl_cu_keep16(O16, i1, o[dt][2] * inv1);
-            O[i1 + 1] = fl_cu_keep16(O16, i1 + 1, o[dt][3] * inv1);
+            fl_cu_put16(O, O16, i1, o[dt][2] * inv1);
+            fl_cu_put16(O, O16, i1 + 1, o[dt][3] * inv1);
         }
     }
     if (tq == 0) {

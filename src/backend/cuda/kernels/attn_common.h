@@ -189,7 +189,9 @@ static inline fl_cu_attn_p fl_cu_attn_params(const fl_attn_desc *a) {
 static inline int fl_cu_attn_fwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, float *out, void *out16, float *lse,
                                        const void *q, const void *k, const void *v, const float *bias,
                                        const uint8_t *kmask, int tc, int in16 = 0) {
-    int rc = fl_cu_attn_check(a, out, lse, (const float *)q, (const float *)k, (const float *)v, bias, NULL);
+    /* out NULL: the bf16 copy only (an fp32 view nothing reads; issue 30 item 1) */
+    int rc = fl_cu_attn_check(a, out ? (const void *)out : out16, lse, (const float *)q, (const float *)k,
+                              (const float *)v, bias, NULL);
     if (rc) return rc;
     if (in16 && bias) return FL_CU_ATTN_INVALID;
     if (tc && !fl_cu_attention_tc_supported(a, bias)) return FL_CU_ATTN_UNSUPPORTED;

@@ -160,7 +160,7 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
             }
     }
     const size_t at = ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * D;
-    float *O = p.o + at;
+    float *O = p.o ? p.o + at : NULL; /* NULL: the bf16 copy only */
     uint16_t *O16 = p.o16 ? p.o16 + at : NULL; /* bf16 stored: the output's copy too */
     float *L = p.l + ((size_t)b * p.NH + h) * p.Tq + q0;
     FL_CU_UNROLL
@@ -176,8 +176,8 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
             for (int dt = 0; dt < DT; dt++) {
                 const int d = dt * 8 + 2 * tq;
                 const size_t i = (size_t)r * p.ldo + d;
-                O[i] = fl_cu_keep16(O16, i, o[mt][dt][2 * x] * inv);
-                O[i + 1] = fl_cu_keep16(O16, i + 1, o[mt][dt][2 * x + 1] * inv);
+                fl_cu_put16(O, O16, i, o[mt][dt][2 * x] * inv);
+                fl_cu_put16(O, O16, i + 1, o[mt][dt][2 * x + 1] * inv);
             }
             if (tq == 0) L[r] = l > 0.0f ? m_[mt][x] * FL_CU_LN2 + logf(l) : -INFINITY;
         }

@@ -83,7 +83,7 @@ __global__ static void fl_cu_rmsnorm_fwd_k(float *out, uint16_t *out16, float *r
     __shared__ float buf[32];
     size_t row = blockIdx.x;
     const float *x = inp + row * C;
-    float *o = out + row * C;
+    float *o = out ? out + row * C : NULL; /* NULL: the bf16 copy only (rmsnorm_forward_w16) */
     float ss = 0.0f;
     if (vec) {
         for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
@@ -317,6 +317,7 @@ extern "C" int FL_CUK(rmsnorm_forward)(float *out, float *rstd, const float *inp
 extern "C" int FL_CUK(rmsnorm_forward_w16)(float *out, void *out16, float *rstd, const float *inp, const void *w,
                                            fl_dtype wt, int N, int C, float eps, void *stream) {
     if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && out16)) return -1; /* fp32: with the bf16 copy only */
+    if (!out && !out16) return -1; /* out NULL: the bf16 copy only */
     return rmsnorm_fwd(out, out16, rstd, inp, w, wt, N, C, eps, stream);
 }
 
@@ -389,7 +390,9 @@ __global__ static void fl_cu_layernorm_fwd_k(float *out, uint16_t *out16, float 
     float s = 0.0f;
     for (int c = threadIdx.x; c < C; c += blockDim.x) s += x[c];
     float m = fl_cu_block_sum(s, buf) / (float)C;
-    float r = ln_finish_row(out + row * C, out16 ? out16 + row * C : NULL, x, (int)FL_F32, m, w, b, wt, C, eps, buf);
+    /* out NULL: the bf16 copy only */
+    float r = ln_finish_row(out ? out + row * C : NULL, out16 ? out16 + row * C : NULL, x, (int)FL_F32, m, w, b, wt, C,
+                            eps, buf);
     if (threadIdx.x == 0) {
         if (mean) mean[row] = m;
         if (rstd) rstd[row] = r;
@@ -460,6 +463,7 @@ extern "C" int FL_CUK(layernorm_forward_w16)(float *out, void *out16, float *mea
                                              const void *w, const void *b, fl_dtype wt, int N, int C, float eps,
                                              void *stream) {
     if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && out16)) return -1;
+    if (!out && !out16) return -1; /* out NULL: the bf16 copy only */
     return layernorm_fwd(out, out16, mean, rstd, inp, w, b, wt, N, C, eps, stream);
 }
 

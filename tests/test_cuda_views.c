@@ -1,0 +1,152 @@
+/* bf16 storage without the fp32 views nothing reads (issue 30 item 1, FL_CAP_VIEWS16: cuda, cuda-emu). A bf16 run's
+ * stored slots are written in bf16 by the ops that make them; on the CPU backends each also keeps an fp32 view in
+ * WORKSPACE (they compute in fp32). On a backend whose bf16 ops take out == NULL, the views no forward op, backward
+ * op or head reads (fl_block_views32, exec.c) are neither written nor carved. Checked here:
+ *   - the bytes: WORKSPACE's peak of one step with every view (FITLLM_CUDA_VIEWS32=1, the earlier layout) minus the
+ *     default's is at least the dropped slots' views (a ratchet: keeping one again fails), by slot name and width,
+ *     for LLaMA (RMSNorm, SwiGLU), GPT-2 and OPT (LayerNorm, biases, GELU / ReLU), bf16-true and bf16-mixed,
+ *     checkpointing and LoRA (whose adapters read their input's view: kept); planned (the null backend standing in
+ *     for cuda-emu) = measured on cuda-emu for every tag, both layouts;
+ *   - a needed view forgotten (fl_views_test_forget: the decision made wrong on purpose) fails the step with the
+ *     backend's error naming the NULL tensor, not a crash and not a silent read: the emulator's ops refuse NULL;
+ *   - the bits: tests/bitident (cuda-emu bf16 cases against the build before this change) and the op tests'
+ *     out == NULL paths (test_cuda_bf16.c, test_cuda_more.c, test_cuda_ln16.c). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cuda/cuda-impl.h"
+#include "fitllm/config.h"
+#include "fitllm/trainer.h"
+#include "model/model-impl.h"
+#include "model/graph.h"
+#include "test.h"
+
+#ifdef FL_HAVE_CUDA_EMU
+
+enum { B = 2, T = 24 };
+
+static fl_status step(const fl_backend *be, const char *preset, const char *prec, int ckpt, int lora,
+                      fl_trainer_result *r) {
+    fl_run_config c;
+    fl_cfg_defaults(&c, lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL);
+    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", preset);
+    c.train.max_seq_length = T;
+    FL_TRY(fl_cfg_set(&c, "precision", prec));
+    if (ckpt) FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));
+    fl_model_config mc;
+    FL_TRY(fl_preset_find(preset, &mc));
+    return fl_trainer_rehearse(&c, &mc, be, 0, B, T, 1, 0, r);
+}
+
+/* the null backend standing in for cuda-emu (views32: with FITLLM_CUDA_VIEWS32=1, every view kept), or cuda-emu */
+static fl_status backend(int null, int views32, fl_backend *be) {
+    if (views32) setenv("FITLLM_CUDA_VIEWS32", "1", 1);
+    fl_cuemu_set_host_memory(0); /* the GPU's paths: a device pool beside the host one */
+    fl_status s = null ? fl_null_backend_init_for(be, "cuda-emu") : fl_backend_init_by_name("cuda-emu", be, 1);
+    fl_cuemu_set_host_memory(1);
+    unsetenv("FITLLM_CUDA_VIEWS32");
+    return s;
+}
+static void backend_free(int null, fl_backend *be) {
+    if (null) fl_null_backend_free(be);
+    else fl_backend_free(be);
+}
+
+/* slot `name`'s index in the preset's block graph (-1: none), and its fp32 view's carved bytes at B x T rows */
+static int slot_of(const char *preset, const char *name, size_t *bytes) {
+    fl_model_config mc;
+    fl_block_graph g;
+    if (fl_preset_find(preset, &mc) != FL_OK || fl_block_graph_build_ex(&mc, 0, &g) != FL_OK) {
+        FL_CHECKF(0, "%s: no block graph", preset);
+        return -1;
+    }
+    for (int k = 0; k < g.n_slots; k++)
+        if (!strcmp(g.slot[k].name, name)) {
+            if (bytes) *bytes = ((size_t)B * T * g.slot[k].width * sizeof(float) + 63) / 64 * 64;
+            return k;
+        }
+    FL_CHECKF(0, "%s has no slot '%s'", preset, name);
+    return -1;
+}
+
+/* WORKSPACE with every view minus without >= the named slots' views (planned on the null backend; measure: also on
+ * cuda-emu, planned = measured for every tag) */
+static void views_case(const char *preset, const char *prec, int ckpt, int lora, const char *dropped, int measure) {
+    size_t want = 0;
+    char names[128];
+    snprintf(names, sizeof names, "%s", dropped);
+    for (char *t = strtok(names, ","); t; t = strtok(NULL, ",")) {
+        size_t b = 0;
+        FL_REQUIRE(slot_of(preset, t, &b) >= 0);
+        want += b;
+    }
+    fl_trainer_result r[2][2]; /* [views32][null] */
+    for (int v = 0; v < 2; v++)
+        for (int n = 1; n >= (measure ? 0 : 1); n--) {
+            fl_backend be;
+            FL_REQUIRE_OK(backend(n, v, &be));
+            memset(&r[v][n], 0, sizeof r[v][n]);
+            fl_status s = step(&be, preset, prec, ckpt, lora, &r[v][n]);
+            backend_free(n, &be);
+            FL_REQUIRE_OK(s);
+        }
+    const size_t all = r[1][1].peak[FL_TAG_WORKSPACE], none = r[0][1].peak[FL_TAG_WORKSPACE];
+    FL_CHECKF(all >= none && all - none >= want,
+              "%s %s%s%s: WORKSPACE %zu with every fp32 view, %zu without: %zd fewer bytes, the views of %s are %zu",
+              preset, prec, ckpt ? " ckpt" : "", lora ? " lora" : "", all, none, (ptrdiff_t)(all - none), dropped, want);
+    printf("      %-10s %-10s%s%s WORKSPACE %zu -> %zu bytes (%s not carved: %zu)\n", preset, prec, ckpt ? " ckpt" : "",
+           lora ? " lora" : "", all, none, dropped, want);
+    for (int v = 0; measure && v < 2; v++)
+        for (int t = 0; t < FL_TAG_COUNT; t++)
+            FL_CHECKF(r[v][1].peak[t] == r[v][0].peak[t], "%s %s views32 %d tag %d: planned %zu, measured %zu", preset,
+                      prec, v, t, r[v][1].peak[t], r[v][0].peak[t]);
+}
+#endif
+
+FL_TEST(cuda_emu_views16_workspace) {
+#ifdef FL_HAVE_CUDA_EMU
+    /* planned = measured on cuda-emu (under ASan's quick tier the plans alone: cuda_attn_scratch_planned_equals_lent
+     * measures the same step there) */
+    views_case("micro", "bf16-true", 0, 0, "ln1,att,ln2,fc,act", !fl_test_asan_light());
+    views_case("micro", "bf16-mixed", 0, 0, "ln1,att,ln2,fc,act", 0);
+    views_case("micro", "bf16-true", 1, 0, "ln1,att,ln2,fc,act", 0);
+    views_case("micro", "bf16-true", 0, 1, "att,ln2,fc,act", 0); /* LoRA on q, v: their adapters read ln1 */
+    /* GPT-2 / OPT: fc's view stays (a biased linear writes fp32, the activation rounds it as it reads), and qkv's
+     * (gemm_to_attn16's scratch where cuBLASLt refuses the bf16 output) */
+    views_case("gpt2-micro", "bf16-true", 0, 0, "ln1,att,ln2,act", 0);
+    views_case("opt-micro", "bf16-true", 0, 0, "ln1,att,ln2,act", 0);
+    setenv("FITLLM_CUDA_VIEWS32", "yes", 1); /* another value than 0 / 1: refused at set-up, by name */
+    fl_backend be;
+    fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_VIEWS32");
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_VIEWS32=yes"), "status %d: %s", (int)s,
+              fl_error_message());
+    if (s == FL_OK) fl_backend_free(&be);
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+FL_TEST(cuda_emu_views16_forgotten_view_fails) {
+#ifdef FL_HAVE_CUDA_EMU
+    static const char *const needed[] = {"res_mid", "qkv"}; /* o_proj's output the residual add reads; RoPE's input */
+    for (int k = 0; k < 2; k++) {
+        const int sl = slot_of("micro", needed[k], NULL);
+        FL_REQUIRE(sl >= 0);
+        fl_views_test_forget = 1u << sl;
+        fl_backend be;
+        fl_trainer_result r;
+        fl_status s = backend(0, 0, &be);
+        if (s == FL_OK) {
+            s = step(&be, "micro", "bf16-true", 0, 0, &r);
+            backend_free(0, &be);
+        }
+        fl_views_test_forget = 0;
+        FL_CHECKF(s != FL_OK && strstr(fl_error_message(), "NULL tensor"),
+                  "'%s' forgotten: status %d (%s), expected the backend's refusal of a NULL tensor", needed[k], (int)s,
+                  s == FL_OK ? "ok" : fl_error_message());
+    }
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
