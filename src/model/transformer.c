@@ -751,3 +751,18 @@ fl_status fl_lm_sum_losses(fl_model *m, const int32_t *targets, int N) {
     free(lheap);
     return s;
 }
+
+/* ---- the head's cross-entropy and logits, for every stack's head (this file's HEAD_LM, seq2seq.c's fl_head_loss) ---- */
+
+fl_status fl_head_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
+                                const int32_t *targets, int rows, float grad_scale) {
+    (void)targets; /* the host's copy (the device's read by both paths) */
+    if (m->tp_ops) return m->tp_ops->cross_entropy(m, loss, dlogits, logits, dtargets, rows, grad_scale);
+    FL_RUN(m->be, cross_entropy, loss, dlogits, logits, dtargets, rows, m->cfg.vocab_size, grad_scale, FL_IGNORE_INDEX);
+    return FL_OK;
+}
+
+fl_status fl_head_logits_out(fl_model *m, float *out, const float *logits, int rows) {
+    if (m->tp_ops) return m->tp_ops->logits_out(m, out, logits, rows);
+    return FL_RUN(m->be, to_host, out, logits, (size_t)rows * m->cfg.vocab_size * sizeof(float));
+}
