@@ -7,6 +7,7 @@
  *     for LLaMA (RMSNorm, SwiGLU), GPT-2 and OPT (LayerNorm, biases, GELU / ReLU), bf16-true and bf16-mixed,
  *     checkpointing and LoRA (whose adapters read their input's view: kept); planned (the null backend standing in
  *     for cuda-emu) = measured on cuda-emu for every tag, both layouts;
+ *   - an adapter attached after the arena that left out its input's view: refused by name, the model unchanged;
  *   - a needed view forgotten (fl_views_test_forget: the decision made wrong on purpose) fails the step with the
  *     backend's error naming the NULL tensor, not a crash and not a silent read: the emulator's ops refuse NULL;
  *   - the bits: tests/bitident (cuda-emu bf16 cases against the build before this change) and the op tests'
@@ -16,6 +17,7 @@
 
 #include "backend/cuda/cuda-impl.h"
 #include "fitllm/config.h"
+#include "fitllm/lora.h"
 #include "fitllm/trainer.h"
 #include "model/model-impl.h"
 #include "model/graph.h"
@@ -146,6 +148,39 @@ FL_TEST(cuda_emu_views16_forgotten_view_fails) {
                   "'%s' forgotten: status %d (%s), expected the backend's refusal of a NULL tensor", needed[k], (int)s,
                   s == FL_OK ? "ok" : fl_error_message());
     }
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* LoRA on q, v reads ln1's fp32 view: attached after fl_model_alloc_acts left that view out, the attach is refused
+ * naming the slot (not a NULL read at the first step), and the model keeps no adapter */
+FL_TEST(cuda_emu_views16_late_adapter_refused) {
+#ifdef FL_HAVE_CUDA_EMU
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find("micro", &c));
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, "views", 0));
+    fl_model m;
+    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
+    fl_model_init_random(&m, 5);
+    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_MIXED)));
+    FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
+    const int ln1 = slot_of("micro", "ln1", NULL);
+    FL_REQUIRE(ln1 >= 0);
+    FL_REQUIRE(m.acts->drop32 >> ln1 & 1u); /* the premise: ln1 written in bf16 only */
+    fl_lora_config lc;
+    FL_REQUIRE_OK(fl_lora_config_init(&lc, &c, 4, 8, 0.0f, 0, "q_proj,v_proj"));
+    fl_status s = fl_model_lora_init(&m, &lc, 7);
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "fp32 view of 'ln1'") &&
+                  strstr(fl_error_message(), "before fl_model_alloc_acts"),
+              "status %d: %s", (int)s, s == FL_OK ? "ok" : fl_error_message());
+    FL_CHECKF(m.lora == NULL, "the refused LoRA left its state on the model");
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif

@@ -463,13 +463,6 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     /* bf16 compute: the attention's scratch (cuda: cuDNN's operand copies), lent with the rest, so it is planned */
     if (bes && m->prec.name && m->prec.compute_dtype == FL_BF16 && m->be->attn_scratch_bytes)
         bes += m->be->attn_scratch_bytes(B, T, m->cfg.n_heads, m->cfg.n_kv_heads, m->cfg.head_dim);
-    /* bf16 stored on an FL_CAP_VIEWS16 backend: the fp32 views no block reads or writes are not carved */
-    fl_block_graph *vg = calloc(1, sizeof *vg);
-    if (!vg) return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
-    const unsigned drop32 = fl_block_graph_build_ex(&m->cfg, m->sp, vg) == FL_OK ? fl_block_views_dropped(m, vg) : 0;
-    free(vg);
-    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp, drop32};
-    fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     fl_acts *a = calloc(1, sizeof *a);
     if (!a) return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
     a->L = m->cfg.n_layers;
@@ -487,6 +480,10 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     fl_status s = fl_block_graph_build_ex(&m->cfg, m->sp, g);
     if (s == FL_OK) s = fl_model_graph_build(&m->cfg, mg);
     if (s != FL_OK) { fl_model_free_acts(m); return s; }
+    /* bf16 stored on an FL_CAP_VIEWS16 backend: the fp32 views no block reads or writes are not carved */
+    const unsigned drop32 = fl_block_views_dropped(m, g);
+    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp, drop32};
+    fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }

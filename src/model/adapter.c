@@ -57,10 +57,13 @@ fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_l
     const fl_acts *ac = m->acts;
     const unsigned lost = ac && ac->drop32 && !ac->kind ? ac->drop32 & ~fl_block_views_dropped(m, ac->graph) : 0;
     for (int s = 0; lost && s < FL_GRAPH_MAX_SLOTS; s++)
-        if (lost >> s & 1u)
+        if (lost >> s & 1u) {
+            t->count[k]--; /* refused: the table as it was */
+            t->pub.head = t->count[t->n_keys - 1] > 0;
             return fl_errorf(FL_ERR_INVALID, "fl_model_attach_adapter: the activations were allocated before it and "
                              "left out the fp32 view of '%s' it reads (attach adapters before fl_model_alloc_acts)",
                              ac->graph->slot[s].name);
+        }
     return FL_OK;
 }
 
