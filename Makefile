@@ -25,10 +25,10 @@ all: build
 
 help:
 	@echo "make demo   - build and run the memory lab, quick suite (fitllm lab: table, lab/report.md, charts)"
-	@echo "make test   - build and run the quick tier of the test suite, what CI runs (release, CLI, MPI, 3 s fuzz smoke,"
+	@echo "make test   - build and run the quick tier of the test suite, what CI runs (release, CLI, MPI, the fuzz seeds replayed,"
 	@echo "              AddressSanitizer pass; every code path once: sweeps thinned, release-only repeats skipped under ASan)"
 	@echo "make test-full - the same stages, every case (FITLLM_TEST_TIER=full: all sweeps, all under ASan, long CLI/MPI"
-	@echo "              cases, 10 s fuzz smoke); before a release or after changing what a sweep covers"
+	@echo "              cases, 10 s of libFuzzer per harness); before a release or after changing what a sweep covers"
 	@echo "make build  - configure and build into $(BUILD)/ (CUDA=1: with the CUDA plugin, even without a GPU here)"
 	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
 	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
@@ -78,9 +78,10 @@ build: setup $(BUILD)/Makefile
 # Two tiers (tests/run_all.sh's header): `make test` the quick one (every path once, <= 15 min on 2 busy cores with
 # the builds), `make test-full` every case (FITLLM_TEST_TIER=full).
 TEST_TIER ?= quick
-test: SETUP_EXTRA_PKGS = $(FUZZ_DEB_PKGS)
+# clang and libFuzzer for the full tier's fuzz campaigns only (the quick tier replays the seeds through the ASan build)
+test: SETUP_EXTRA_PKGS = $(if $(filter full,$(TEST_TIER)),$(FUZZ_DEB_PKGS))
 test: build
-	BUILD=$(BUILD) ASAN_FILTER="" JOBS=$(JOBS) FUZZ_JOBS=$(FUZZ_JOBS) FITLLM_TEST_TIER=$(TEST_TIER) tests/run_all.sh
+	BUILD=$(BUILD) ASAN_BUILD=$(ASAN_BUILD) ASAN_FILTER="" JOBS=$(JOBS) FUZZ_JOBS=$(FUZZ_JOBS) FITLLM_TEST_TIER=$(TEST_TIER) tests/run_all.sh
 
 test-full:
 	$(MAKE) --no-print-directory test TEST_TIER=full
@@ -97,11 +98,12 @@ ASAN_FLAGS ?= -O2 -g1 -DNDEBUG
 # the tests' own sources (tests/*.c) at -O1: a third less of their compile time; the time of the ASan pass goes
 # to the library and the emulated kernels (-O2 above)
 ASAN_TEST_OPT ?= -O1
-# asan-build: configure and compile only (tests/run_all.sh runs it in the background during the CLI stage)
+# asan-build: configure and compile only: the unit tests and the fuzz harnesses' seed-replay binaries (fuzz_replay);
+# tests/run_all.sh runs it in the background during the CLI stage
 asan-build: setup
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFL_SANITIZE=ON -DFL_NATIVE=ON -DFL_CUDA=OFF \
 	  -DCMAKE_C_FLAGS_RELWITHDEBINFO="$(ASAN_FLAGS)" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$(ASAN_FLAGS)" -DFL_TESTS_OPT="$(ASAN_TEST_OPT)" >/dev/null
-	cmake --build $(ASAN_BUILD) -j $(JOBS) --target fitllm_tests
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target fitllm_tests fuzz_replay
 
 asan: asan-build
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 ./$(ASAN_BUILD)/fitllm_tests $(ASAN_FILTER)

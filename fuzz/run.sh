@@ -10,7 +10,10 @@
 # ($FUZZ_MAX_LEN) and the seeds in fuzz/seeds-NAME/ (or fuzz/seeds-fuzz_NAME/, fuzz/seeds/NAME/).
 # FUZZ_FRESH=1 (the smoke run of `make test`): the corpus is build-fuzz/smoke/corpus-<name>/,
 # emptied first, so the run starts from the seeds only; its log is build-fuzz/smoke/<name>.log.
-# Exit status: non-zero when libFuzzer found something.
+# FUZZ_REPLAY=DIR (`make test`'s quick tier): no libFuzzer and no mutation: DIR/NAME (the sanitizer build's replay
+# binary, fuzz/replay_main.c; DIR = build-asan/fuzz-replay) runs once on every seed and the shared files above, each
+# cut to max_len as libFuzzer cuts them; SECONDS is ignored; the log is DIR/logs/NAME.log.
+# Exit status: non-zero when libFuzzer (or the replay) found something.
 set -e
 cd "$(dirname "$0")/.."
 name=$1
@@ -18,11 +21,11 @@ secs=${2:-600}
 [ -n "$name" ] && shift || { echo "usage: fuzz/run.sh NAME SECONDS [flags]"; exit 2; }
 [ $# -gt 0 ] && shift
 DATA=${FITLLM_DATA:-../shared/data}
-OUT=build-fuzz
+OUT=${FUZZ_REPLAY:-build-fuzz}
 short=${name#fuzz_}
 corpus=$OUT/corpus-$short
 mkdir -p "$OUT/artifacts/$name" "$OUT/logs"
-[ -x "$OUT/$name" ] || { echo "fuzz/run.sh: $OUT/$name not built (fuzz/build.sh)"; exit 2; }
+[ -x "$OUT/$name" ] || { echo "fuzz/run.sh: $OUT/$name not built (${FUZZ_REPLAY:+make asan-build: }fuzz/build.sh)"; exit 2; }
 SEP='
 @@FILE@@
 '
@@ -50,8 +53,15 @@ fuzz_image_jpeg)         maxlen=16384; seeds=fuzz/seeds-image-jpeg ;;
     for d in fuzz/seeds-$short fuzz/seeds-$name fuzz/seeds/$short; do [ -d "$d" ] && { seeds=$d; break; }; done
     [ -n "$seeds" ] || { seeds=$OUT/no-seeds; mkdir -p "$seeds"; echo "fuzz/run.sh: note: no fuzz/seeds-$short/ for $name" >&2; } ;;
 esac
+# fuzz/corpus/<short>/: the regression corpus (inputs libFuzzer found, merged to the coverage-distinct ones with
+# -merge=1; docs/FUZZING.md): read with the seeds by the campaigns and by the replay
+regress=
+[ -d "fuzz/corpus/$short" ] && regress=fuzz/corpus/$short
 log=$OUT/logs/$name.log
-if [ "${FUZZ_FRESH:-0}" = 1 ]; then
+if [ -n "${FUZZ_REPLAY:-}" ]; then
+    corpus=$OUT/replay-corpus/$short
+    rm -rf "$corpus"
+elif [ "${FUZZ_FRESH:-0}" = 1 ]; then
     corpus=$OUT/smoke/corpus-$short
     log=$OUT/smoke/$name.log
     rm -rf "$corpus"
@@ -77,8 +87,14 @@ fuzz_recipe_yaml)        for f in recipes/*.yaml recipes/cpu/*.yaml; do cp "$f" 
 esac
 export OMP_NUM_THREADS=1
 rc=0
+if [ -n "${FUZZ_REPLAY:-}" ]; then
+    ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1} timeout 300 "$OUT/$name" -max_len=$maxlen "$corpus" "$seeds" $regress > "$log" 2>&1 || rc=$?
+    echo "$name: rc=$rc $(grep -E '^replay: [0-9]+ inputs' "$log" || echo 'replay: did not finish')"
+    [ $rc -eq 0 ] || { grep -E 'ERROR|SUMMARY|check failed' "$log" | head -5; grep -E '^replay: ' "$log" | tail -1; echo "  log: $log"; }
+    exit $rc
+fi
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1} "$OUT/$name" -max_total_time="$secs" -rss_limit_mb=2048 -max_len=$maxlen \
-    -timeout=30 -print_final_stats=1 -artifact_prefix="$OUT/artifacts/$name/" "$@" "$corpus" "$seeds" > "$log" 2>&1 || rc=$?
+    -timeout=30 -print_final_stats=1 -artifact_prefix="$OUT/artifacts/$name/" "$@" "$corpus" "$seeds" $regress > "$log" 2>&1 || rc=$?
 last=$(grep -E '^#[0-9]+' "$log" | tail -1)
 execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
 echo "$name: rc=$rc ${secs}s execs=$execs | $last"

@@ -5,18 +5,21 @@
 # Prints one summary line per harness (fuzz/run.sh), then "fuzz: N passed, N failed, 0 skipped"
 # (failed = libFuzzer found a crash, leak, timeout, OOM or sanitizer report; the input is in
 # build-fuzz/artifacts/<name>/), and fails if any harness found something.
-# FUZZ_FRESH=1 starts each from its seeds only (`make test`'s smoke run; fuzz/run.sh).
+# FUZZ_FRESH=1 starts each from its seeds only (`make test-full`'s smoke run; fuzz/run.sh).
+# FUZZ_REPLAY=DIR: the seeds replayed once through DIR's replay binaries instead (`make test`'s quick tier: DIR =
+# build-asan/fuzz-replay, built by `make asan-build`; fuzz/replay_main.c); SECONDS is then ignored.
 cd "$(dirname "$0")/.."
 secs=${1:-600}
 jobs=${2:-2}
 [ $# -gt 0 ] && shift
 [ $# -gt 0 ] && shift
-list=build-fuzz/harnesses.txt
-[ -f "$list" ] || { echo "fuzz/run_all.sh: $list missing: run fuzz/build.sh first"; exit 2; }
+OUT=${FUZZ_REPLAY:-build-fuzz}
+list=$OUT/harnesses.txt
+[ -f "$list" ] || { echo "fuzz/run_all.sh: $list missing: run ${FUZZ_REPLAY:+make asan-build (the replay binaries) or }fuzz/build.sh first"; exit 2; }
 names=${*:-$(cat "$list")}
-mkdir -p build-fuzz/logs
-sum=build-fuzz/logs/summary.txt
-[ "${FUZZ_FRESH:-0}" = 1 ] && sum=build-fuzz/logs/smoke-summary.txt
+mkdir -p $OUT/logs
+sum=$OUT/logs/summary.txt
+[ "${FUZZ_FRESH:-0}" = 1 ] && sum=$OUT/logs/smoke-summary.txt
 : > "$sum"
 echo $names | tr ' ' '\n' | grep . |
     xargs -P "$jobs" -I{} sh -c "nice -n 19 fuzz/run.sh {} $secs >> $sum 2>&1"

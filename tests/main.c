@@ -9,6 +9,8 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <fcntl.h>
+#include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -340,7 +342,23 @@ static void job_worker(int w, int qfd, int rfd, const char *dir) {
     exit(0); /* atexit: this worker's scratch folder; then LeakSanitizer's check, on the terminal */
 }
 
-static int run_parallel(const int *sel, int nsel, int jobs, int *passed, int *failed, int *skipped) {
+static pid_t start_worker(int w, int q0, int r[2], const char *dir) {
+    fflush(stdout);
+    fflush(stderr);
+    pid_t p = fork();
+    if (p == 0) {
+        close(r[0]);
+        job_worker(w, q0, r[1], dir);
+    }
+    if (p < 0) perror("fork");
+    return p;
+}
+
+/* more_path / more_jobs (FITLLM_TEST_JOBS_MORE=PATH:N): when the file PATH appears, the workers become N (the ones
+ * started later read the same queue: the tests not yet taken). tests/run_all.sh starts the ASan pass with one worker
+ * while the MPI stage still runs, and gives it its second when that stage ends. */
+static int run_parallel(const int *sel, int nsel, int jobs, const char *more_path, int more_jobs, int *passed,
+                        int *failed, int *skipped) {
     char dir[] = "/tmp/fitllm-testjobs-XXXXXX";
     int q[2], r[2];
     if (!mkdtemp(dir) || pipe(q) != 0 || pipe(r) != 0) {
@@ -350,28 +368,43 @@ static int run_parallel(const int *sel, int nsel, int jobs, int *passed, int *fa
     /* every index up front (4 KB at most: fits the pipe), then EOF for the workers */
     if (write(q[1], sel, nsel * sizeof sel[0]) != (ssize_t)(nsel * sizeof sel[0])) return -1;
     close(q[1]);
-    fflush(stdout);
-    fflush(stderr);
     pid_t pid[16];
     int running[16];
+    if (more_jobs > 16) more_jobs = 16;
+    if (!more_path || more_jobs <= jobs) more_path = NULL;
     for (int w = 0; w < jobs; w++) {
-        pid[w] = fork();
-        if (pid[w] < 0) {
-            perror("fork");
-            return -1;
-        }
-        if (pid[w] == 0) {
-            close(r[0]);
-            job_worker(w, q[0], r[1], dir);
-        }
+        if ((pid[w] = start_worker(w, q[0], r, dir)) < 0) return -1;
         running[w] = -1;
     }
-    close(q[0]);
-    close(r[1]);
-    static unsigned char done[MAX_TESTS], started[MAX_TESTS];
+    if (!more_path) close(q[0]);
     job_msg m;
     char path[300];
-    while (read(r[0], &m, sizeof m) == (ssize_t)sizeof m) {
+    static unsigned char done[MAX_TESTS], started[MAX_TESTS];
+    for (;;) {
+        if (more_path) { /* the later workers: look for the file twice a second while the results come */
+            struct pollfd pf = {.fd = r[0], .events = POLLIN};
+            int queued = 0; /* bytes of test indices not yet taken: none left, no later worker is needed */
+            if (ioctl(q[0], FIONREAD, &queued) != 0) queued = 1;
+            if (queued == 0) {
+                close(q[0]);
+                more_path = NULL;
+            } else if (access(more_path, F_OK) == 0) {
+                for (int w = jobs; w < more_jobs; w++) {
+                    if ((pid[w] = start_worker(w, q[0], r, dir)) < 0) break;
+                    running[w] = -1;
+                    jobs = w + 1;
+                }
+                close(q[0]);
+                more_path = NULL;
+            } else if (poll(&pf, 1, 500) == 0) {
+                continue;
+            }
+        }
+        if (r[1] >= 0 && !more_path) { /* every worker started: their ends of the results pipe are theirs alone */
+            close(r[1]);
+            r[1] = -1;
+        }
+        if (read(r[0], &m, sizeof m) != (ssize_t)sizeof m) break;
         if (m.kind == 0) {
             running[m.worker] = m.idx;
             started[m.idx] = 1;
@@ -439,10 +472,24 @@ int main(int argc, char **argv) {
         if (run) sel[nsel++] = i;
     }
     int passed = 0, failed = 0, skipped = 0;
-    const char *je = getenv("FITLLM_TEST_JOBS");
+    const char *je = getenv("FITLLM_TEST_JOBS"), *jm = getenv("FITLLM_TEST_JOBS_MORE");
     int jobs = je ? atoi(je) : 1;
-    if (jobs > 1 && nsel > 1) {
-        if (run_parallel(sel, nsel, jobs < 16 ? jobs : 16, &passed, &failed, &skipped) != 0) return 2;
+    if (jobs < 1) jobs = 1;
+    char more_path[512] = "";
+    int more_jobs = 0;
+    if (jm && *jm) { /* PATH:N */
+        const char *colon = strrchr(jm, ':');
+        if (!colon || colon == jm || atoi(colon + 1) < 1 || (size_t)(colon - jm) >= sizeof more_path) {
+            fprintf(stderr, "FITLLM_TEST_JOBS_MORE must be PATH:N (got '%s')\n", jm);
+            return 2;
+        }
+        memcpy(more_path, jm, (size_t)(colon - jm));
+        more_jobs = atoi(colon + 1);
+    }
+    if ((jobs > 1 || more_jobs > jobs) && nsel > 1) {
+        if (run_parallel(sel, nsel, jobs < 16 ? jobs : 16, more_path[0] ? more_path : NULL, more_jobs, &passed, &failed,
+                         &skipped) != 0)
+            return 2;
     } else {
         for (int k = 0; k < nsel; k++) {
             int st = run_one(sel[k]);

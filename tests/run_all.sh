@@ -7,22 +7,31 @@
 #   vectorized     tests/check_vectorized.sh (the marked hot loops still vectorize)
 #   cli            tests/cli_test.sh (exit codes and messages of the CLI)
 #   mpi            tests/mpi_test.sh (mpirun -np 2 and 4)
-#   fuzz-smoke     fuzz/build.sh (clang, libFuzzer) then every harness for FUZZ_SMOKE_TIME s from its seeds,
-#                  FUZZ_JOBS at a time (fuzz/run_all.sh; a crash input is kept in build-fuzz/artifacts/)
-#   asan           `make asan`: the unit tests again under ASan+UBSan+LSan ($ASAN_BUILD)
+#   fuzz-smoke     quick tier: every harness's seeds (and the shared files fuzz/run.sh adds) replayed once through
+#                  the ASan build's replay binaries ($ASAN_BUILD/fuzz-replay: the harnesses linked with
+#                  fuzz/replay_main.c by `make asan-build`), FUZZ_JOBS at a time (FUZZ_REPLAY=DIR fuzz/run_all.sh);
+#                  full tier: fuzz/build.sh (clang, libFuzzer) then every harness for FUZZ_SMOKE_TIME s from its
+#                  seeds (fuzz/run_all.sh; a crash input is kept in build-fuzz/artifacts/)
+#   asan           `make asan`: the unit tests again under ASan+UBSan+LSan ($ASAN_BUILD); after a cli stage the pass
+#                  starts in the background as soon as its build ends (one test worker at nice 19 beside the MPI
+#                  stage, on the core the builds leave), and gets its FITLLM_TEST_JOBS-th worker when this stage
+#                  begins (tests/main.c FITLLM_TEST_JOBS_MORE); the stage prints its log when it ends
 # Two tiers (FITLLM_TEST_TIER in the environment; README "Two tiers"; tests/test.h says where a new test goes):
 #   quick (default; `make test`, what CI runs, <= 15 min on 2 busy cores with its builds): every code path
 #          once. Sweeps keep one case per path, tests that only re-run release-pass code at bigger shapes or more
 #          steps (bit-identity sweeps, emulated-GPU runs) skip under ASan (fl_test_asan_budget) or run a subset
 #          (fl_test_asan_light) - every fault-injection, bad-input, resume and checkpoint-failure path still runs
 #          under ASan -, CLI/MPI cases that repeat other cases' paths are left out (tier_skip, naming those),
-#          and the fuzz smoke runs FUZZ_SMOKE_TIME=3 s per harness: its seeds' replay is what catches regressions.
+#          and the fuzz stage replays every harness's seeds under ASan + UBSan (no clang build, no mutation: the
+#          seeds' replay is what catches regressions; it was 3 s of libFuzzer per harness, 63 CPU s of clang build
+#          and ~55 of fuzzing before 2026-11-30).
 #   full   (`make test-full`, FITLLM_TEST_TIER=full): everything, in both passes (the old FITLLM_TEST_ASAN_ALL=1),
-#          the long CLI / MPI cases and a 10 s fuzz smoke per harness. Run it before a release, or after changing
+#          the long CLI / MPI cases and 10 s of libFuzzer per harness from its seeds (the clang build). Run it before a release, or after changing
 #          what a sweep covers.
-# When cli runs before fuzz-smoke and/or asan, their builds (fuzz/build.sh at FUZZ_OPT="-O0 -gline-tables-only",
-# 63 CPU s from scratch (-O1 -g: ~100 quiet); then `make asan-build`, ~295 CPU s with tests/*.c at -O1, the library at
-# -O2) run one after the other at nice 19 in the background from the cli stage on (ASAN_PREBUILD=0: not): the CLI
+# When cli runs before fuzz-smoke and/or asan, their builds (the full tier's fuzz/build.sh at FUZZ_OPT="-O0
+# -gline-tables-only", 63 CPU s from scratch (-O1 -g: ~100 quiet); then `make asan-build`, ~295 CPU s with tests/*.c
+# at -O1, the library at -O2, and the replay binaries) run one after the other at nice 19 in the background from the
+# cli stage on (ASAN_PREBUILD=0: not): the CLI
 # and MPI cases keep about one core busy (151 and 141 CPU s in 139 and 179 s of cases on 2 quiet cores), the builds
 # take the other (~340 CPU s spare, ~340 CPU s of builds); fuzz-smoke and asan wait for theirs (logs:
 # $BUILD/test-logs/fuzz-build.log, asan-build.log). The unit logs give each test's CPU and wall time
@@ -38,6 +47,7 @@
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
+ASAN_BUILD=${ASAN_BUILD:-build-asan}
 MAKE=${MAKE:-make}
 ASAN_FILTER=${ASAN_FILTER:-}
 FITLLM_TEST_TIER=${FITLLM_TEST_TIER:-quick}
@@ -72,6 +82,12 @@ stage_cmd() {
     cli)           tests/cli_test.sh "./$BUILD/fitllm" ;;
     mpi)           tests/mpi_test.sh "$BUILD" ;;
     fuzz-smoke)    local t0=$SECONDS
+                   if [ "$FITLLM_TEST_TIER" = quick ]; then # the seeds replayed through the ASan build's binaries
+                       if [ $want_prebuild = 1 ]; then prebuild_wait asan-build || return 1
+                       else "$MAKE" --no-print-directory asan-build || return 1; fi
+                       FUZZ_REPLAY="$ASAN_BUILD/fuzz-replay" fuzz/run_all.sh 0 "$FUZZ_JOBS"
+                       return
+                   fi
                    if [ $want_prebuild_fuzz = 1 ]; then
                        prebuild_wait fuzz-build || return 1
                    else
@@ -80,6 +96,14 @@ stage_cmd() {
                    fi
                    FUZZ_FRESH=1 fuzz/run_all.sh "$FUZZ_SMOKE_TIME" "$FUZZ_JOBS" ;;
     asan)          prebuild_wait asan-build || return 1
+                   if [ $want_early_asan = 1 ]; then # started by the background chain with one worker: a second now
+                       touch "$LOGS/asan-more"
+                       while [ ! -f "$LOGS/asan-tests.rc" ] && kill -0 "$PREBUILD_PID" 2>/dev/null; do sleep 1; done
+                       echo "asan: the pass started in the background at the end of its build, one worker until this" \
+                            "stage, $FITLLM_TEST_JOBS since"
+                       cat "$LOGS/asan-tests.out"
+                       return "$(cat "$LOGS/asan-tests.rc" 2>/dev/null || echo 1)"
+                   fi
                    "$MAKE" --no-print-directory asan ASAN_FILTER="$ASAN_FILTER" ;;
     *) echo "tests/run_all.sh: unknown stage '$1' (stages: ${STAGES[*]})"; return 2 ;;
     esac
@@ -93,14 +117,23 @@ stage_cmd() {
 # status file each build leaves, $LOGS/<build>.rc, and whether the chain still runs)
 PREBUILD_PID=
 prebuild_start() {
-    rm -f "$LOGS/fuzz-build.rc" "$LOGS/asan-build.rc"
+    rm -f "$LOGS/fuzz-build.rc" "$LOGS/asan-build.rc" "$LOGS/asan-tests.rc" "$LOGS/asan-more"
     ( if [ $want_prebuild_fuzz = 1 ]; then
           nice -n 19 fuzz/build.sh >"$LOGS/fuzz-build.log" 2>&1
           echo $? >"$LOGS/fuzz-build.rc"
       fi
       if [ $want_prebuild = 1 ]; then
           nice -n 19 "$MAKE" --no-print-directory asan-build >"$LOGS/asan-build.log" 2>&1
-          echo $? >"$LOGS/asan-build.rc"
+          rc=$?
+          echo $rc >"$LOGS/asan-build.rc"
+          # the ASan pass itself, on the core the builds leave while the MPI stage runs: one worker at nice 19, its
+          # second when the asan stage begins ($LOGS/asan-more; tests/main.c FITLLM_TEST_JOBS_MORE)
+          if [ $rc = 0 ] && [ $want_early_asan = 1 ]; then
+              ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 FITLLM_TEST_JOBS=1 \
+                  FITLLM_TEST_JOBS_MORE="$PWD/$LOGS/asan-more:$FITLLM_TEST_JOBS" \
+                  nice -n 19 "./$ASAN_BUILD/fitllm_tests" $ASAN_FILTER >"$LOGS/asan-tests.out" 2>&1
+              echo $? >"$LOGS/asan-tests.rc"
+          fi
       fi ) &
     PREBUILD_PID=$!
     PREBUILD_T0=$SECONDS
@@ -115,12 +148,14 @@ prebuild_wait() { # asan-build | fuzz-build
 }
 want_prebuild=0        # 1 when asan runs after cli
 want_prebuild_fuzz=0   # 1 when fuzz-smoke runs after cli
+want_early_asan=0      # 1 when asan runs after cli: its pass starts in the background when its build ends
 if [ "${ASAN_PREBUILD:-1}" != 0 ]; then
     seen_cli=0
     for st in "${STAGES[@]}"; do
         [ "$st" = cli ] && seen_cli=1
-        [ "$st" = asan ] && [ $seen_cli = 1 ] && want_prebuild=1
-        [ "$st" = fuzz-smoke ] && [ $seen_cli = 1 ] && want_prebuild_fuzz=1
+        [ "$st" = asan ] && [ $seen_cli = 1 ] && want_prebuild=1 && want_early_asan=1
+        [ "$st" = fuzz-smoke ] && [ $seen_cli = 1 ] && [ "$FITLLM_TEST_TIER" = full ] && want_prebuild_fuzz=1
+        [ "$st" = fuzz-smoke ] && [ $seen_cli = 1 ] && [ "$FITLLM_TEST_TIER" = quick ] && want_prebuild=1
     done
 fi
 declare -a R_NAME R_RES R_P R_F R_S R_T
