@@ -1,11 +1,11 @@
 /* The cross-block residual add + norm (issue 30 item 4; exec_fuse.c, transformer.c blocks_forward): under a bf16
  * store a block's last add (res[l+1] = res_mid + the MLP's output) is left pending and done by the next block's
  * first op fused with its ln_1 (add_norm_forward16), or by the final norm. Checked on cuda-emu: every loss and every
- * parameter of a step (2 micro-batches) equal in bits with the fusion switched off (FITLLM_XBLOCK_FUSE=0: the block's own add),
+ * parameter of a step (2 micro-batches) equal in bits with the fusion switched off (FITLLM_CUDA_XBLOCK_NORM=0: the block's own add),
  * and fewer add / norm launches with it on, for LLaMA bf16-true (with and without activation checkpointing, whose
  * recompute starts from the stored row), bf16-mixed, LoRA on q, v, GPT-2 and OPT (LayerNorm), FULL_SHARD at 2 thread
  * ranks (each block's parameters gathered with its own group, the norm weight the fused op reads among them) and a
- * pipeline of 2 stages (the first stage's last block sends its row: not deferred). A bad FITLLM_XBLOCK_FUSE value
+ * pipeline of 2 stages (the first stage's last block sends its row: not deferred). A bad FITLLM_CUDA_XBLOCK_NORM value
  * fails the run naming it. */
 #include <stdlib.h>
 #include <string.h>
@@ -98,11 +98,11 @@ static void xb_free(xb_job *j) {
 static void xb_case(const char *preset, const char *prec, int ckpt, int lora, int ranks, int pp) {
     xb_job *off = calloc(1, sizeof *off), *on = calloc(1, sizeof *on);
     FL_REQUIRE(off && on);
-    setenv("FITLLM_XBLOCK_FUSE", "0", 1);
+    setenv("FITLLM_CUDA_XBLOCK_NORM", "0", 1);
     unsigned long n0 = fl_cu_emu_norm_add_launches;
     fl_status s = xb_run(off, preset, prec, ckpt, lora, ranks, pp, "off");
     const unsigned long n_off = fl_cu_emu_norm_add_launches - n0;
-    unsetenv("FITLLM_XBLOCK_FUSE");
+    unsetenv("FITLLM_CUDA_XBLOCK_NORM");
     FL_CHECKF(s == FL_OK, "%s %s unfused: %s", preset, prec, fl_error_message());
     n0 = fl_cu_emu_norm_add_launches;
     s = xb_run(on, preset, prec, ckpt, lora, ranks, pp, "on");
@@ -156,11 +156,11 @@ FL_TEST(xblock_fuse_bad_env) {
 #ifdef FL_HAVE_CUDA_EMU
     xb_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
-    setenv("FITLLM_XBLOCK_FUSE", "yes", 1);
+    setenv("FITLLM_CUDA_XBLOCK_NORM", "yes", 1);
     fl_status s = xb_run(j, "micro", "bf16-true", 0, 0, 1, 0, "bad");
-    unsetenv("FITLLM_XBLOCK_FUSE");
+    unsetenv("FITLLM_CUDA_XBLOCK_NORM");
     FL_CHECK(s != FL_OK);
-    FL_CHECKF(strstr(fl_error_message(), "FITLLM_XBLOCK_FUSE=yes") != NULL, "error: %s", fl_error_message());
+    FL_CHECKF(strstr(fl_error_message(), "FITLLM_CUDA_XBLOCK_NORM=yes") != NULL, "error: %s", fl_error_message());
     FL_CHECK(j->rec[0].steps == 0);
     xb_free(j);
 #else

@@ -20,14 +20,14 @@ fl_status fl_add_pending_norm(const fl_model *m, fl_add_pending *p, float *out, 
 }
 
 fl_status fl_xblock_fuse_on(int *on) {
-    const char *ev = getenv("FITLLM_XBLOCK_FUSE");
+    const char *ev = getenv("FITLLM_CUDA_XBLOCK_NORM");
     *on = 1;
     if (!ev || !*ev || !strcmp(ev, "1")) return FL_OK;
     if (!strcmp(ev, "0")) {
         *on = 0;
         return FL_OK;
     }
-    return fl_errorf(FL_ERR_INVALID, "FITLLM_XBLOCK_FUSE=%s: expected 0 (a block's last residual add and the next "
+    return fl_errorf(FL_ERR_INVALID, "FITLLM_CUDA_XBLOCK_NORM=%s: expected 0 (a block's last residual add and the next "
                      "norm in two launches) or 1 (the default: one fused launch under a bf16 store)", ev);
 }
 

@@ -282,7 +282,7 @@ fl_status fl_add_pending_norm(const fl_model *m, fl_add_pending *p, float *out, 
                               float *rstd, const void *w, const void *b, fl_dtype wt);
 fl_status fl_xblock_take(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                          const fl_block_ctx *x, void *n16, int *i0);
-/* FITLLM_XBLOCK_FUSE (unset or 1: on, 0: off): the cross-block add + norm; *on. An error for another value. */
+/* FITLLM_CUDA_XBLOCK_NORM (unset or 1: on, 0: off): the cross-block add + norm; *on. An error for another value. */
 fl_status fl_xblock_fuse_on(int *on);
 unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x);
 unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);

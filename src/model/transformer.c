@@ -56,7 +56,7 @@ static fl_status block_forward(fl_model *m, int l, int B, int T, fl_add_pending 
  * the norm that reads its sum next on this rank: block l+1's ln_1 (its first op, after its parameters are gathered)
  * or, after the last block, the final norm (forward_body; only where it follows BLOCKS: not a pipeline stage that
  * sends the row, not sequence parallel). Not with dropout (OPT's: the block does its add), nor where the block does
- * not end in an add and start with a norm (BERT's post-norm blocks), nor without the fused slot; FITLLM_XBLOCK_FUSE=0
+ * not end in an add and start with a norm (BERT's post-norm blocks), nor without the fused slot; FITLLM_CUDA_XBLOCK_NORM=0
  * off (the same bits either way: add_norm_forward16 is add16 then the norm). */
 static int xblock_defers(const fl_model *m, int l, int on) {
     const fl_acts *a = m->acts;
