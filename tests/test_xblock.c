@@ -1,12 +1,14 @@
 /* The cross-block residual add + norm (issue 30 item 4; exec_fuse.c, transformer.c blocks_forward): under a bf16
  * store a block's last add (res[l+1] = res_mid + the MLP's output) is left pending and done by the next block's
  * first op fused with its ln_1 (add_norm_forward16), or by the final norm. Checked on cuda-emu: every loss and every
- * parameter of a step (2 micro-batches) equal in bits with the fusion switched off (FITLLM_CUDA_XBLOCK_NORM=0: the block's own add),
+ * parameter of a step (2 micro-batches) equal in bits with the fusion switched off (FITLLM_CUDA_XBLOCK_NORM=0: the
+ * block's own add),
  * and fewer add / norm launches with it on, for LLaMA bf16-true (with and without activation checkpointing, whose
  * recompute starts from the stored row), bf16-mixed, LoRA on q, v, GPT-2 and OPT (LayerNorm), FULL_SHARD at 2 thread
  * ranks (each block's parameters gathered with its own group, the norm weight the fused op reads among them) and a
  * pipeline of 2 stages (the first stage's last block sends its row: not deferred). A bad FITLLM_CUDA_XBLOCK_NORM value
- * fails the run naming it. */
+ * fails the run naming it. Tensor parallel at 2 keeps every add (ln_1's output is stored after the backward's
+ * ALLREDUCE op on it: neither norm fuses, as before): the same bits and launches. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,7 +24,7 @@
 enum { XB_RANKS = 2 };
 
 typedef struct {
-    double loss[4];
+    double loss[1];
     unsigned char *params;
     size_t n;
     long steps;
@@ -36,7 +38,7 @@ typedef struct {
 
 static int xb_record(void *ud, long step, double loss, const void *params, size_t bytes) {
     xb_rec *r = ud;
-    if (step >= 1 && step <= 4) r->loss[step - 1] = loss;
+    if (step == 1) r->loss[0] = loss;
     r->steps = step;
     free(r->params);
     r->params = malloc(bytes + 1);
@@ -55,7 +57,7 @@ static fl_status xb_rank(fl_comm *c, int rank, void *ud) {
 /* 1 step of 2 micro-batches of 1 x 8 tokens from a random init of `preset` (the LoRA case fine-tunes it with
  * adapters on q, v), no validation. ranks 2: strategy or pipeline_parallel 2 over thread ranks. */
 static fl_status xb_run(xb_job *j, const char *preset, const char *prec, int ckpt, int lora, int ranks, int pp,
-                        const char *tag) {
+                        const char *tag) { /* pp: 2 = pipeline_parallel 2, -2 = tensor_parallel 2 */
     fl_run_config *c = &j->cfg;
     fl_cfg_defaults(c, lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL);
     snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", preset);
@@ -64,7 +66,7 @@ static fl_status xb_run(xb_job *j, const char *preset, const char *prec, int ckp
     c->data.synthetic_train = 16;
     c->data.synthetic_val = 2;
     c->train.micro_batch_size = 1;
-    c->train.global_batch_size = 2 * (ranks > 1 && !pp ? ranks : 1);
+    c->train.global_batch_size = 2 * (ranks > 1 && !pp ? ranks : 1); /* FULL_SHARD: data-parallel ranks */
     c->train.lr_warmup_steps = 0;
     c->train.max_steps = 1;
     c->train.save_interval = 0;
@@ -77,7 +79,8 @@ static fl_status xb_run(xb_job *j, const char *preset, const char *prec, int ckp
     c->seed = 7;
     c->devices = ranks;
     if (ranks > 1) snprintf(c->strategy, sizeof c->strategy, "%s", pp ? "ddp" : "fsdp");
-    if (pp) c->pipeline_parallel = pp;
+    if (pp > 0) c->pipeline_parallel = pp;
+    if (pp < 0) c->tensor_parallel = -pp;
     if (lora) c->lora.query = c->lora.value = 1, c->lora.mlp = 0;
     FL_TRY(fl_cfg_set(c, "precision", prec));
     if (ckpt) FL_TRY(fl_cfg_set(c, "train.activation_checkpointing", "true"));
@@ -95,6 +98,7 @@ static void xb_free(xb_job *j) {
 
 /* The same run with the fusion off and on: the same bits on every rank (the last stage's losses: rank 1 of a
  * pipeline), and fewer add / norm launches with it. */
+static const char *xb_par(int pp) { return pp > 0 ? " pipeline" : pp < 0 ? " tensor parallel" : ""; }
 static void xb_case(const char *preset, const char *prec, int ckpt, int lora, int ranks, int pp) {
     xb_job *off = calloc(1, sizeof *off), *on = calloc(1, sizeof *on);
     FL_REQUIRE(off && on);
@@ -112,15 +116,15 @@ static void xb_case(const char *preset, const char *prec, int ckpt, int lora, in
         const xb_rec *a = &off->rec[r], *b = &on->rec[r];
         FL_CHECKF(a->steps == 1 && b->steps == 1 && a->n && a->n == b->n && !memcmp(a->params, b->params, a->n),
                   "%s %s%s%s ranks %d%s: rank %d's parameters differ in bits with the cross-block fusion", preset,
-                  prec, ckpt ? " ckpt" : "", lora ? " lora" : "", ranks, pp ? " pipeline" : "", r);
-        for (int k = 0; k < 1; k++)
-            FL_CHECKF(a->loss[k] == b->loss[k], "%s %s: rank %d's step-%d loss %.9g fused, %.9g unfused", preset, prec,
-                      r, k + 1, b->loss[k], a->loss[k]);
+                  prec, ckpt ? " ckpt" : "", lora ? " lora" : "", ranks, xb_par(pp), r);
+        FL_CHECKF(a->loss[0] == b->loss[0], "%s %s: rank %d's loss %.9g fused, %.9g unfused", preset, prec, r,
+                  b->loss[0], a->loss[0]);
     }
     printf("      %s %s%s%s ranks %d%s: %lu add / norm launches unfused, %lu fused\n", preset, prec, ckpt ? " ckpt" : "",
-           lora ? " lora" : "", ranks, pp ? " pipeline" : "", n_off, n_on);
-    FL_CHECKF(n_on < n_off, "%s %s: %lu add / norm launches with the cross-block fusion, %lu without", preset, prec,
-              n_on, n_off);
+           lora ? " lora" : "", ranks, xb_par(pp), n_off, n_on);
+    /* tensor parallel: ln_1's output is stored after the ALLREDUCE op on it: no norm fused, in the block or across */
+    FL_CHECKF(pp < 0 ? n_on == n_off : n_on < n_off, "%s %s: %lu add / norm launches with the cross-block fusion, %lu "
+              "without", preset, prec, n_on, n_off);
     xb_free(off);
     xb_free(on);
 }
@@ -149,6 +153,7 @@ XB_TEST(xblock_fuse_llama, 1, "micro", "bf16-true", 0, 0, 1, 0)
 XB_TEST(xblock_fuse_llama_mixed, 1, "micro", "bf16-mixed", 0, 0, 1, 0)           /* the final norm: fp32 weight */
 XB_TEST(xblock_fuse_lora, 1, "micro", "bf16-true", 0, 1, 1, 0)                   /* adapters on q, v */
 XB_TEST(xblock_fuse_opt, 1, "opt-micro", "bf16-true", 0, 0, 1, 0)
+XB_TEST(xblock_fuse_tensor_parallel, 1, "micro", "bf16-true", 0, 0, 2, -2) /* not fused: the same bits, launches */
 XB_TEST(xblock_fuse_pipeline, 0, "micro", "bf16-true", 0, 0, 2, 2) /* the first stage's last block sends its row */
 
 /* A value other than 0 / 1: the run fails naming the variable, before any step. */

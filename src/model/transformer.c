@@ -55,14 +55,15 @@ static fl_status block_forward(fl_model *m, int l, int B, int T, fl_add_pending 
 /* Issue 30 item 4, bf16 stored: whether block l's last residual add may be left pending (fl_block_ctx.hand_on) for
  * the norm that reads its sum next on this rank: block l+1's ln_1 (its first op, after its parameters are gathered)
  * or, after the last block, the final norm (forward_body; only where it follows BLOCKS: not a pipeline stage that
- * sends the row, not sequence parallel). Not with dropout (OPT's: the block does its add), nor where the block does
- * not end in an add and start with a norm (BERT's post-norm blocks), nor without the fused slot; FITLLM_CUDA_XBLOCK_NORM=0
- * off (the same bits either way: add_norm_forward16 is add16 then the norm). */
+ * sends the row, not sequence parallel). Not with dropout (OPT's: the block does its add), nor tensor parallel (ln_1's
+ * output is stored after the backward's ALLREDUCE op on it, so its norm is not fused: as ln_2's), nor where the block
+ * does not end in an add and start with a norm (BERT's post-norm blocks), nor without the fused slot;
+ * FITLLM_CUDA_XBLOCK_NORM=0 off (the same bits either way: add_norm_forward16 is add16 then the norm). */
 static int xblock_defers(const fl_model *m, int l, int on) {
     const fl_acts *a = m->acts;
     const fl_block_graph *g = a->graph;
-    if (!on || !a->res16 || a->drop || m->sp || g->sp > 1 || !m->be->add_norm_forward16 || !m->be->add16 ||
-        g->n_ops < 2 || g->op[g->n_ops - 1].kind != FL_GOP_ADD || g->op[g->n_ops - 1].out != FL_GSLOT_OUT)
+    if (!on || !a->res16 || a->drop || m->sp || g->sp > 1 || m->cfg.tp_size > 1 || !m->be->add_norm_forward16 ||
+        !m->be->add16 || g->n_ops < 2 || g->op[g->n_ops - 1].kind != FL_GOP_ADD || g->op[g->n_ops - 1].out != FL_GSLOT_OUT)
         return 0;
     if (l + 1 < m->cfg.n_layers) return g->op[0].kind == FL_GOP_NORM && g->op[0].in == FL_GSLOT_IN;
     const fl_model_graph *mg = a->mgraph;
