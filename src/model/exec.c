@@ -396,7 +396,9 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
     int pendr = -1;  /* a stored slot not rounded yet: the activation reading it rounds it (FL_ACT16_ROUND_IN) */
     int pendq = -1;  /* q|k|v stored in bf16 only (gemm_to_attn16): the attention reads that copy */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
-    for (int i = 0; i < g->n_ops; i++) {
+    int i0 = 0; /* the previous block's last add, pending: done first, fused with op 0 where that norms its sum */
+    if (x->take && x->take->on) FL_TRY(fl_xblock_take(m, g, bp, s, x, norm_out16(m, g, bp, 0, x), &i0));
+    for (int i = i0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
         float *in = s[o->in], *out = s[o->out];
         const int N = rows(g, o->in, x);
@@ -488,7 +490,9 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 i++, done16 = 1; /* the norm, and both bf16 copies, done */
                 break;
             }
-            if (o16 && be->add16) {
+            if (o16 && be->add16 && x->hand_on && i == g->n_ops - 1 && o->out == FL_GSLOT_OUT) /* left pending */
+                *x->hand_on = (fl_add_pending){1, N, (int)wo, out, o16, out, in}, done16 = 1;
+            else if (o16 && be->add16) {
                 FL_TRY(FL_RUN(be, add16, out, o16, out, in, (size_t)N * wo));
                 done16 = 1;
             } else

@@ -193,6 +193,15 @@ typedef struct fl_block_params {
 } fl_block_params;
 
 /* Where a block pass runs. */
+/* A residual add left pending across two blocks (issue 30 item 4, exec_fuse.c): res (N, C) = a + b, stored in bf16
+ * (res16 = RNE(a + b), res its widening: add16's bits), not yet done; on 0: none. */
+typedef struct {
+    int on, N, C;
+    float *res;
+    void *res16;
+    const float *a, *b;
+} fl_add_pending;
+
 typedef struct {
     int B, T, pos0;                     /* B sequences of T rows at positions pos0 .. pos0+T-1 */
     const float *rope_cos, *rope_sin;   /* (>= pos0+T, HD/2) */
@@ -233,6 +242,13 @@ typedef struct {
     uint64_t drop_seed;
     float attn_drop_p; /* the ATTN ops' rate on their weights (their site fl_gop.p >= 0; T5: drop_p, OPT / BLIP-2: the
                         * config's attn_dropout_rate); 0: none. A dropping causal ATTN takes the general kernels */
+    /* the cross-block add + norm (issue 30 item 4, bf16 stored; NULL both: none, every caller but the decoder-only
+     * stack's training / eval forward): hand_on (NULL or): the block's last ADD (into its output row) may be left
+     * pending, recorded there for the caller (the next block's take, or the final norm: fl_add_pending_norm); take
+     * (NULL or): the previous block's pending add into this block's input row, done before op 0 (fused with op 0
+     * when that is a NORM of the input stored in bf16, else alone) */
+    fl_add_pending *hand_on;
+    const fl_add_pending *take;
 } fl_block_ctx;
 
 /* The seed of dropout site `site` under base seed `base` (a micro-batch's block, or a stack's embedding / final
@@ -259,6 +275,15 @@ unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const 
  * or reads, forward and backward (~0u: every one, another backend; exec.c); fl_block_views_dropped (acts.c): the WIDE
  * slots no block of the model's training arena needs, which acts.c does not carve (their views NULL, the ops writing
  * bf16 only; fl_model_attach_adapter refuses an adapter that would read one). */
+/* exec_fuse.c: p's pending add done, fused with the norm of its sum when out16 != NULL (add_norm_forward16: out (NULL
+ * or), out16, mean (LayerNorm), rstd; the norm's weight w, bias b of wt), else alone (add16); p->on cleared. The
+ * bits of add16 then the w16 norm. */
+fl_status fl_add_pending_norm(const fl_model *m, fl_add_pending *p, float *out, void *out16, float *mean,
+                              float *rstd, const void *w, const void *b, fl_dtype wt);
+fl_status fl_xblock_take(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
+                         const fl_block_ctx *x, void *n16, int *i0);
+/* FITLLM_CUDA_XBLOCK_NORM (unset or 1: on, 0: off): the cross-block add + norm; *on. An error for another value. */
+fl_status fl_xblock_fuse_on(int *on);
 unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x);
 unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);
 /* Testing only (0 otherwise): slots fl_block_views32 leaves out although a pass needs them, so the test shows that an op

@@ -39,7 +39,7 @@ static fl_block_ctx train_ctx(const fl_model *m, int B, int T, int l) {
 /* One block forward: res[l] (N, C) -> res[l+1] (N, C), saving the block's activations in its
  * slots (the block graph, graph.c). Used by the forward pass and, with activation checkpointing,
  * again in backward (same ops, same order: bit-identical). */
-static fl_status block_forward(fl_model *m, int l, int B, int T) {
+static fl_status block_forward(fl_model *m, int l, int B, int T, fl_add_pending *hand_on, const fl_add_pending *take) {
     const fl_block_graph *g = m->acts->graph;
     fl_block_params bp;
     fl_get_block(m, g, l, &bp);
@@ -48,7 +48,28 @@ static fl_status block_forward(fl_model *m, int l, int B, int T) {
         x.s16 = m->acts->layer[l].s16;
         x.store16 = 1;
     }
+    x.hand_on = hand_on, x.take = take; /* the cross-block add + norm (blocks_forward) */
     return fl_block_forward(m, g, &bp, m->acts->layer[l].s, &x);
+}
+
+/* Issue 30 item 4, bf16 stored: whether block l's last residual add may be left pending (fl_block_ctx.hand_on) for
+ * the norm that reads its sum next on this rank: block l+1's ln_1 (its first op, after its parameters are gathered)
+ * or, after the last block, the final norm (forward_body; only where it follows BLOCKS: not a pipeline stage that
+ * sends the row, not sequence parallel). Not with dropout (OPT's: the block does its add), nor tensor parallel (ln_1's
+ * output is stored after the backward's ALLREDUCE op on it, so its norm is not fused: as ln_2's), nor where the block
+ * does not end in an add and start with a norm (BERT's post-norm blocks), nor without the fused slot;
+ * FITLLM_CUDA_XBLOCK_NORM=0 off (the same bits either way: add_norm_forward16 is add16 then the norm). */
+static int xblock_defers(const fl_model *m, int l, int on) {
+    const fl_acts *a = m->acts;
+    const fl_block_graph *g = a->graph;
+    if (!on || !a->res16 || a->drop || m->sp || g->sp > 1 || m->cfg.tp_size > 1 || !m->be->add_norm_forward16 ||
+        !m->be->add16 || g->n_ops < 2 || g->op[g->n_ops - 1].kind != FL_GOP_ADD || g->op[g->n_ops - 1].out != FL_GSLOT_OUT)
+        return 0;
+    if (l + 1 < m->cfg.n_layers) return g->op[0].kind == FL_GOP_NORM && g->op[0].in == FL_GSLOT_IN;
+    const fl_model_graph *mg = a->mgraph;
+    for (int i = 0; i + 1 < mg->n_ops; i++) /* the final norm right after BLOCKS, on this stage */
+        if (mg->op[i].kind == FL_MOP_BLOCKS) return mg->op[i + 1].kind == FL_MOP_NORM && !m->stage.out;
+    return 0;
 }
 
 /* The parameter store (store.h) around each layout group: gathered right before use (the next one's
@@ -157,15 +178,20 @@ static fl_status upload(fl_model *m, const pass *p) {
  * and only res[l] survives. With 16-bit saved activations the blocks share one fp32 buffer of the wide
  * activations, and a training forward rounds each block's into its 16-bit region (the forward itself computes
  * in fp32 either way: the same loss). */
-static fl_status blocks_forward(fl_model *m, const pass *p, fl_outer_params *op, int res0_stored) {
+static fl_status blocks_forward(fl_model *m, const pass *p, fl_outer_params *op, int res0_stored, fl_add_pending *pend) {
     const int L = m->cfg.n_layers, HG = L + 1, N = p->B * p->T;
     if (!m->cfg.tie_embeddings) PP_RELEASE(0); /* tied: the head reads the embeddings again */
     m->ckpt_last_live = 0;
     /* bf16 stored: the stream the blocks read, as stored (res0_stored: the embedding lookup stored it) */
     if (!res0_stored) FL_TRY(fl_acts_store_stream(m, 0, N));
+    int xfuse;
+    FL_TRY(fl_xblock_fuse_on(&xfuse));
     for (int l = 0; l < L; l++) {
         PP_GATHER(l + 1, l + 2 <= L ? l + 2 : HG);
-        FL_TRY(block_forward(m, l, p->B, p->T));
+        /* block l-1's last add, pending, is done by this block's first op (fused with its ln_1) */
+        fl_add_pending take = *pend;
+        memset(pend, 0, sizeof *pend);
+        FL_TRY(block_forward(m, l, p->B, p->T, xblock_defers(m, l, xfuse) ? pend : NULL, &take));
         if (p->train) FL_TRY(fl_acts_narrow(m, l, N, 0));
         PP_RELEASE(l + 1);
     }
@@ -181,6 +207,14 @@ static fl_status blocks_forward(fl_model *m, const pass *p, fl_outer_params *op,
         fl_get_outer(m, op);
     }
     return FL_OK;
+}
+
+/* The final norm's output bf16 copy: the bf16 head's training chunks read it, and the norm stores it; else NULL */
+static void *lnf_x16(fl_model *m, const pass *p, const fl_outer_params *op) {
+    return m->acts->act_dtype == FL_BF16 && p->grad_scale > 0 && p->targets && op->lnf_wt != FL_F32 &&
+                   end_op(m->acts->mgraph) == FL_MOP_HEAD_LM
+               ? fl_lm_head_x16(m)
+               : NULL;
 }
 
 /* The forward up to the table's end:
@@ -205,6 +239,7 @@ static fl_status forward_body(fl_model *m, const pass *p) {
     /* bf16 stored: the lookup stores res[0] itself when it is the whole of it (no token types added) */
     void *e16 = a->res16 && e == a->res[0] && !fl_model_graph_has(mg, FL_MOP_EMBED_TYPE, -1) ? a->res16[0] : NULL;
     int res0_stored = 0;
+    fl_add_pending pend = {0}; /* the last block's add, left for the final norm (blocks_forward) */
     for (int i = 0; i < mg->n_ops; i++) {
         const int rw = mg->op[i].role_w, rb = mg->op[i].role_b;
         switch ((fl_mop_kind)mg->op[i].kind) {
@@ -227,7 +262,13 @@ static fl_status forward_body(fl_model *m, const pass *p) {
             if (!after)
                 fl_norm_forward(m, a->res[0], a->emb_mean, a->emb_rstd, e, role_param(m, 0, rw, 0),
                                 role_param(m, 0, rb, 0), N);
-            else if (m->stage.out) { /* an earlier pipeline stage ends at res[L] (sequence parallel: the rank's rows) */
+            else if (pend.on) { /* the last block's add, pending (blocks_forward): fused with the final norm */
+                void *x16 = lnf_x16(m, p, &op); /* (non-NULL: a 16-bit weight, the w16 norm's bits) */
+                FL_TRY(fl_add_pending_norm(m, &pend, a->lnf, x16, a->lnf_mean, a->lnf_rstd, op.lnf_w, op.lnf_b,
+                                           op.lnf_wt));
+                a->lnf16 = x16 || fl_norm_forward_t(m, a->lnf, x16, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w,
+                                                    op.lnf_wt, op.lnf_b, N) ? x16 : NULL; /* else: the norm alone */
+            } else if (m->stage.out) { /* an earlier pipeline stage ends at res[L] (sequence parallel: the rank's rows) */
             } else if (m->sp) { /* sequence parallel: the rank's rows, then the whole rows for the head */
                 size_t r0;
                 const int n = fl_sp_part(m, N, &r0);
@@ -236,15 +277,13 @@ static fl_status forward_body(fl_model *m, const pass *p) {
                 a->lnf16 = NULL;
                 FL_TRY(m->tp_ops->sp_gather(m, a->lnf + r0 * C, a->lnf, N));
             } else {
-                /* the bf16 head's training chunks read the output's bf16 copy, which the norm stores */
-                void *x16 = a->act_dtype == FL_BF16 && p->grad_scale > 0 && p->targets && op.lnf_wt != FL_F32 &&
-                                    end_op(mg) == FL_MOP_HEAD_LM ? fl_lm_head_x16(m) : NULL;
+                void *x16 = lnf_x16(m, p, &op);
                 a->lnf16 = fl_norm_forward_t(m, a->lnf, x16, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w, op.lnf_wt,
                                              op.lnf_b, N) ? x16 : NULL;
             }
             break;
         case FL_MOP_BLOCKS:
-            FL_TRY(blocks_forward(m, p, &op, res0_stored));
+            FL_TRY(blocks_forward(m, p, &op, res0_stored, &pend));
             after = 1;
             break;
         case FL_MOP_HEAD_LM:
@@ -254,7 +293,7 @@ static fl_status forward_body(fl_model *m, const pass *p) {
                              "not executed yet", mg->op[i].kind);
         }
     }
-    return FL_OK;
+    return fl_add_pending_norm(m, &pend, NULL, NULL, NULL, NULL, NULL, NULL, FL_F32); /* (none left: done above) */
 }
 
 /* The table's end: HEAD_LM (the loss) or OUTPUT (the last hidden states (N, C), the final norm's when there is
@@ -303,7 +342,7 @@ static fl_status blocks_backward(fl_model *m, int B, int T, int dres16) {
          * identical values; backward no longer needs it). Block L-1's are still there from the forward (the same
          * ops in the same order: the same bits). */
         if (m->act_ckpt && !(l == L - 1 && m->ckpt_last_live)) {
-            FL_TRY(block_forward(m, l, B, T));
+            FL_TRY(block_forward(m, l, B, T, NULL, NULL)); /* its input row stored: its ln_1 alone */
             m->ckpt_recomputed++;
         }
         m->ckpt_last_live = 0;

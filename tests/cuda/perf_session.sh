@@ -50,6 +50,9 @@
 #  16. bf16 storage without the unread fp32 views (issue 30 item 1): the TinyLlama step and GPT-2's bf16-true step with
 #      FITLLM_CUDA_VIEWS32=1 (every stored slot's fp32 view written and allocated, the earlier layout) against 0 (the
 #      default: ln1 / att / ln2 / gate|up / act in bf16 only); bench-step's memory line shows WORKSPACE.
+#  17. the cross-block residual add + norm (issue 30 item 4): the TinyLlama step and GPT-2's bf16-true step with
+#      FITLLM_CUDA_XBLOCK_NORM=1 (the default: a block's last add fused with the next block's ln_1 / the final norm)
+#      against 0 (each block's own add: one launch and one write + read-back of the row more per block and pass).
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -229,4 +232,9 @@ echo "== 16. bf16 storage without the unread fp32 views: FITLLM_CUDA_VIEWS32=1 (
 for v in 1 0; do
     FITLLM_CUDA_VIEWS32=$v bench views32-$v 60
     FITLLM_CUDA_VIEWS32=$v gpt2_ab bf16-true views32$v FITLLM_CUDA_VIEWS32=$v
+done
+echo "== 17. the cross-block add + norm: FITLLM_CUDA_XBLOCK_NORM=1 (the default) against 0 (EXPERIMENTAL)"
+for v in 1 0; do
+    FITLLM_CUDA_XBLOCK_NORM=$v bench xblock-$v 60
+    FITLLM_CUDA_XBLOCK_NORM=$v gpt2_ab bf16-true xblock$v FITLLM_CUDA_XBLOCK_NORM=$v
 done
