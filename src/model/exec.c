@@ -22,17 +22,24 @@
 /* ---- running ------------------------------------------------------------------------------ */
 
 /* x16 (NULL or): the q|k|v rows' bf16 copy, written in the same pass where the backend has the variant (forward:
- * stored, x rounded too; backward: the next LINEAR's dy, x not rounded; issue 30 item 1): *done16 = 1. */
+ * stored, x rounded too; backward: the next LINEAR's dy, x not rounded; issue 30 item 1): *done16 = 1. only16: the
+ * rotated rows' bf16 copy alone, x read and left as it was (fl_block_only16). */
+static int rope16_fused(const fl_model *m) {
+    fl_dims d = fl_model_dims(&m->cfg);
+    return d.QD == d.NH * d.HD; /* the q and k heads are consecutive: one pass over the rows */
+}
 static fl_status rope(const fl_model *m, float *x, void *x16, int *done16, int bwd, const fl_block_ctx *c,
-                      size_t row) {
+                      size_t row, int only16) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
-    if (x16 && (bwd ? be->rope_backward16 : be->rope_forward16) && d.QD == d.NH * d.HD) {
-        *done16 = 1; /* the q and k heads are consecutive: one pass over the rows */
+    if (x16 && (bwd ? be->rope_backward16 : be->rope_forward16) && rope16_fused(m)) {
+        *done16 = 1;
         const int nh = d.NH + d.NKV, w = (int)row;
-        return bwd ? FL_RUN(be, rope_backward16, x, x16, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0)
-                   : FL_RUN(be, rope_forward16, x, x16, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0);
+        float *out = only16 ? NULL : x;
+        return bwd ? FL_RUN(be, rope_backward16, out, x16, x, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0)
+                   : FL_RUN(be, rope_forward16, out, x16, x, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0);
     }
+    if (only16) return fl_errorf(FL_ERR_INTERNAL, "RoPE: a bf16-only result without rope_%s16", bwd ? "backward" : "forward");
     for (int k = 0; k < 2; k++) { /* the q heads, then the k heads */
         float *xk = k ? x + d.QD : x;
         const int nh = k ? d.NKV : d.NH;
@@ -389,15 +396,22 @@ static void *norm_out16(const fl_model *m, const fl_block_graph *g, const fl_blo
     return bp->norm_wt == FL_F32 || fl_norm16_have(m, 0) ? x->s16[k] : NULL;
 }
 
-fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
+fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s0,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
     int pend16 = -1; /* a slot stored in bf16 only so far (gemm_to_act16) */
     int pendr = -1;  /* a stored slot not rounded yet: the activation reading it rounds it (FL_ACT16_ROUND_IN) */
-    int pendq = -1;  /* q|k|v stored in bf16 only (gemm_to_attn16): the attention reads that copy */
+    int pendq = -1;  /* q|k|v stored in bf16 only (gemm_to_attn16, a bf16-only RoPE): the attention reads that copy */
+    const unsigned only16 = fl_block_only16(m, g, bp, x, 0);
+    float *s[FL_GRAPH_MAX_SLOTS]; /* the slots' fp32 views; NULL once stale (a bf16-only RoPE's) */
+    memcpy(s, s0, (size_t)g->n_slots * sizeof *s);
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
+        if (((!s[o->in] && s0[o->in]) || (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS && !s[o->in2] && s0[o->in2])) &&
+            !(o->kind == FL_GOP_ATTN && pendq == o->in))
+            return fl_errorf(FL_ERR_INTERNAL, "block op %d reads the fp32 view of '%s', which RoPE wrote in bf16 only "
+                             "(fl_block_only16)", i, g->slot[o->in].name);
         float *in = s[o->in], *out = s[o->out];
         const int N = rows(g, o->in, x);
         const size_t wi = (size_t)g->slot[o->in].width, wo = (size_t)g->slot[o->out].width;
@@ -461,7 +475,13 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
             break;
         }
-        case FL_GOP_ROPE: FL_TRY(rope(m, in, o16, &done16, 0, x, wi)); break;
+        case FL_GOP_ROPE:
+            FL_TRY(rope(m, in, o16, &done16, 0, x, wi, only16 >> i & 1u));
+            if (only16 >> i & 1u) { /* its fp32 view now stale: the attention reads the bf16 rows */
+                s[o->in] = NULL;
+                if (be->attention_forward_in16) pendq = o->in;
+            }
+            break;
         case FL_GOP_ATTN:
             FL_TRY(attn_forward(m, g, o, s, x, o16, &done16, pendq == o->in ? (const uint16_t *)x->s16[o->in] : NULL));
             pendq = -1;
@@ -666,12 +686,51 @@ unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_b
     return need & ~fl_views_test_forget;
 }
 
+/* Issue 30 item 1, the fp32 results no op reads (FL_CAP_VIEWS16: the kernels take a NULL fp32 output): bit i, op i
+ * writes its result's bf16 copy alone. Forward (bwd 0, bf16 stored): a ROPE whose rotated q|k|v only the next op, the
+ * fused causal attention, reads (attention_forward_in16: the bf16 rows), and whose fp32 view the backward does not
+ * read either (bwd_reads32: attention_backward16 reads the bf16 copy; checkpointing's recompute is this same pass).
+ * The view stays carved (the q|k|v GEMM's fp32 output is RoPE's input): traffic, not memory. Backward (bwd 1): an
+ * activation or ROPE whose d(in) only the LINEAR that made in reads, from the bf16 copy the op writes (dy16_for), with
+ * no bias gradient, adapter or 4-bit base (fl_linear_reads_dy32); an activation that starts d(in) (not acc: the update
+ * of a zero d(in), not cleared). Made once per block pass from the graph and the bound facts; block_forward /
+ * fl_block_backward hand a later fp32 reader NULL, and refuse it naming the slot. */
+unsigned fl_only16_test_force; /* testing: ops (bit i) taken as bf16-only although a later op reads their fp32 */
+unsigned fl_block_only16(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x,
+                         int bwd) {
+    const fl_backend *be = m->be;
+    if (!(be->caps & FL_CAP_VIEWS16)) return 0;
+    unsigned r = 0, f = 0;
+    if (!bwd && x->s16 && x->store16 && !x->kv && be->rope_forward16 && rope16_fused(m)) {
+        const unsigned rd = bwd_reads32(m, g, bp, x, 0);
+        for (int i = 0; i + 1 < g->n_ops; i++) {
+            const fl_gop *o = &g->op[i], *nx = &g->op[i + 1];
+            if (o->kind != FL_GOP_ROPE || !stored16(g, o->in, x) || !final_after(g, i, o->in)) continue;
+            f |= fl_only16_test_force & 1u << i;
+            if (nx->kind == FL_GOP_ATTN && nx->in == o->in && fused_causal(nx, x) && be->attention_forward_in16 &&
+                unread_after(g, i + 1, o->in) && !(rd >> o->in & 1u))
+                r |= 1u << i;
+        }
+    }
+    for (int i = 1; bwd && i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i];
+        if (!dy16_for(be, g, bp, i) || g->slot[o->in].kind == FL_GSLOT_XSTREAM) continue;
+        const int act = act16_kind(o->kind) >= 0;
+        if (!act && !rope16_fused(m)) continue;
+        f |= fl_only16_test_force & 1u << i;
+        if (!fl_linear_reads_dy32(&bp->lin[g->op[i - 1].p]) && (!act || !o->acc)) r |= 1u << i;
+    }
+    return r | f;
+}
+
 fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                             float *const *gb, const fl_block_ctx *x) {
     const fl_backend *be = m->be;
     const unsigned need = x->no_din ? grads_needed(g, bp) : ~0u;
     /* the next op's (a LINEAR's) dy already in its dyb16 (dy16_for, norm_dy16_for; the caller's for the first) */
     int dy16_ready = x->dout16_ready && x->s16 && fl_block_dout16(g, bp);
+    const unsigned only16 = fl_block_only16(m, g, bp, x, 1);
+    int stale = -1; /* the slot whose gradient the op before wrote in bf16 only (fl_block_only16) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {
         const fl_gop *o = &g->op[i];
@@ -679,10 +738,16 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         if (o->kind == FL_GOP_ADD) continue; /* both sides on one residual path: d(in) += d(out) is the identity */
         const int ready = dy16_ready; /* this op's dout was rounded into its dyb16 by the op before (dy16_for) */
         dy16_ready = 0;
+        const int dstale = stale == o->out, b16 = only16 >> i & 1u; /* d(out) in bf16 only; d(in) written so */
+        stale = -1;
+        if (dstale && (o->kind != FL_GOP_LINEAR || !ready || fl_linear_reads_dy32(&bp->lin[o->p])))
+            return fl_errorf(FL_ERR_INTERNAL, "block op %d reads d('%s') in fp32, which op %d wrote in bf16 only "
+                             "(fl_block_only16)", i, so->name, i + 1);
         /* nothing reads d(in): only an op that trains runs (a LINEAR without its dx) */
         const int need_in = need >> o->in & 1u;
         if (!need_in && !op_trains(bp, o)) continue;
         float *din = need_in || o->kind != FL_GOP_LINEAR ? dslot(g, o->in, gb, x) : NULL, *dout = dslot(g, o->out, gb, x);
+        if (dstale) dout = NULL; /* read in bf16 (its dyb16) */
         const int N = rows(g, o->in, x);
         const int rg = regather_at(g, i); /* sequence parallel: the whole rows of o's input, gathered again */
         if (rg >= 0) FL_TRY(sp_move(m, x->comm, 1, s[o->in], s[g->op[rg].in], (size_t)N * si->width));
@@ -692,10 +757,13 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         const int moves = o->kind == FL_GOP_GATHER || o->kind == FL_GOP_SCATTER; /* overwrite d(in) */
         if (moves && o->acc)
             return fl_errorf(FL_ERR_INTERNAL, "block graph: sequence parallel op %d adds to d('%s')", i, si->name);
-        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !moves && !fl_gop_modifies(o))
-            FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
-        /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
+        /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16); b16: that
+         * copy alone (an activation's: the update of a zero d(in), not cleared first) */
         void *dy16 = dy16_for(be, g, bp, i);
+        if (b16 && act16_kind(o->kind) >= 0) din = NULL;
+        if (b16) stale = o->in;
+        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !moves && !fl_gop_modifies(o) && din)
+            FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         const int in16 = bwd_reads16_p(m, g, o, x, 0); /* the saved input read in bf16 (its fp32 view not widened) */
         if ((dy16 || in16) && act16_kind(o->kind) >= 0) {
             FL_TRY(FL_RUN(be, act_backward16, act16_kind(o->kind), din, dy16, dout, s[o->in],
@@ -721,7 +789,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, s[o->in], x->s16 ? x->s16[o->in] : NULL,
                                            &bp->lin[o->p], N));
             break;
-        case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi)); break;
+        case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi, b16)); break;
         case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout, in16)); break;
         case FL_GOP_SWIGLU: FL_RUN(be, swiglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: FL_RUN(be, gelu_backward, din, dout, s[o->in], (size_t)N * wi); break;
@@ -955,6 +1023,9 @@ fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumula
 }
 
 int fl_linear_wants_dy16(const fl_linear *lin) { return lin->dw && lin->xb16; }
+int fl_linear_reads_dy32(const fl_linear *lin) {
+    return lin->db || lin->n_adapters > 0 || lin->n_q4 > 0 || !fl_linear_wants_dy16(lin);
+}
 
 fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
                                   const float *x, const void *x16, const fl_linear *lin, int N) {
@@ -964,6 +1035,8 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
      * once, here (or by the op that made dy: dy16_ready); the dx GEMM reads that copy, the same operand its own
      * rounding of an F32 dy gives */
     const int dy16 = fl_linear_wants_dy16(lin);
+    if (!dy && (!dy16_ready || fl_linear_reads_dy32(lin)))
+        return fl_errorf(FL_ERR_INVALID, "linear backward: no fp32 dy, which this linear reads");
     int db_done = 0; /* a biased linear's bias gradient writes that copy as it reads dy (bias_backward16) */
     if (dy16 && !dy16_ready && lin->db && be->bias_backward16) {
         FL_TRY(FL_RUN(be, bias_backward16, lin->db, lin->dyb16, dy, N, lin->out));
