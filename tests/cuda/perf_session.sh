@@ -49,7 +49,8 @@
 #      show any left).
 #  16. bf16 storage without the unread fp32 views (issue 30 item 1): the TinyLlama step and GPT-2's bf16-true step with
 #      FITLLM_CUDA_VIEWS32=1 (every stored slot's fp32 view written and allocated, the earlier layout) against 0 (the
-#      default: ln1 / att / ln2 / gate|up / act in bf16 only); bench-step's memory line shows WORKSPACE.
+#      default: ln1 / att / ln2 / gate|up / act in bf16 only, and RoPE's q|k|v and the backward's d(gate|up) / d(q|k|v)
+#      not written in fp32); bench-step's memory line shows WORKSPACE.
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
