@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "fitllm/comm.h"
+#include "exec-impl.h"
 #include "model-impl.h"
 #include "store.h"
 
@@ -24,10 +25,6 @@
 /* x16 (NULL or): the q|k|v rows' bf16 copy, written in the same pass where the backend has the variant (forward:
  * stored, x rounded too; backward: the next LINEAR's dy, x not rounded; issue 30 item 1): *done16 = 1. only16: the
  * rotated rows' bf16 copy alone, x read and left as it was (fl_block_only16). */
-static int rope16_fused(const fl_model *m) {
-    fl_dims d = fl_model_dims(&m->cfg);
-    return d.QD == d.NH * d.HD; /* the q and k heads are consecutive: one pass over the rows */
-}
 static fl_status rope(const fl_model *m, float *x, void *x16, int *done16, int bwd, const fl_block_ctx *c,
                       size_t row, int only16) {
     const fl_backend *be = m->be;
@@ -67,30 +64,13 @@ static fl_status kv_append(const fl_model *m, const float *qkv, const fl_block_c
     return FL_OK;
 }
 
-/* Slot k holds its final values once op i has run: no later op writes it (an output, or RoPE's / ALLREDUCE's
- * in-place change). */
-static int final_after(const fl_block_graph *g, int i, int k) {
-    for (int j = i + 1; j < g->n_ops; j++)
-        if (g->op[j].out == k || (fl_gop_modifies(&g->op[j]) && g->op[j].in == k)) return 0;
-    return 1;
-}
-
 /* Rows of slot k in this pass: the block's B x T, or B x Tk for a stream from outside and what is computed from it. */
 static int rows(const fl_block_graph *g, int k, const fl_block_ctx *x) {
     const int n = x->B * (g->slot[k].xrows ? x->Tk : x->T);
     return g->sp > 1 && g->slot[k].srows ? n / g->sp : n; /* sequence parallel: the rank's rows of the stream */
 }
 
-/* bf16 activations stored end to end (fl_block_ctx.store16): slot k, just written for the last time in the
- * block, is stored in bf16 (its s16 copy) and the fp32 view the later ops read holds the same value (round on
- * store, widen on load: the CPU backend computes in fp32, what it keeps is bf16). A slot written by several ops
- * (a LINEAR's output then RoPE, or the residual add) is stored once, after the last: the ops between act as one
- * fused kernel (bias + residual epilogue, RoPE in the attention's input preparation) that keeps its
- * intermediate in registers. Statistics stay fp32. */
-static int stored16(const fl_block_graph *g, int k, const fl_block_ctx *x) {
-    const uint8_t kind = g->slot[k].kind;
-    return (kind == FL_GSLOT_WIDE || kind == FL_GSLOT_STREAM) && x->s16[k];
-}
+/* slot k stored in bf16 (stored16, exec-impl.h): its copy written after its last writer */
 static fl_status store16(const fl_backend *be, const fl_block_graph *g, int k, float *const *s, const fl_block_ctx *x) {
     if (!stored16(g, k, x)) return FL_OK;
     const size_t n = (size_t)rows(g, k, x) * g->slot[k].width;
@@ -176,11 +156,6 @@ static uint64_t drop_seed(const fl_model *m, const fl_block_graph *g, const fl_g
     const uint64_t s = fl_dropout_seed(x->drop_seed, o->p);
     if (g->sp <= 1 || !g->slot[o->in].srows) return s;
     return s + (uint64_t)((size_t)m->cfg.tp_rank * (size_t)N * w) * TP_DROP_K;
-}
-
-/* causal self-attention without bias or mask: the fused kernels, unless it drops its weights (OPT in training) */
-static int fused_causal(const fl_gop *o, const fl_block_ctx *x) {
-    return o->attn == FL_ATTN_CAUSAL && !o->attn_flags && !(o->p >= 0 && x->attn_drop_p > 0);
 }
 
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
@@ -287,32 +262,11 @@ static fl_status allreduce(const fl_model *m, struct fl_comm *c, float *p, size_
  * view (where one is carved: fl_block_views32) filled by that activation, its one reader. Backends without them (cpu,
  * ref, opaque): the fp32 op, then store16. An fp32 view that was not carved is NULL: the ops then write the bf16
  * copy alone. */
-static int act16_kind(uint8_t k) {
-    return k == FL_GOP_SWIGLU ? FL_ACT16_SWIGLU : k == FL_GOP_GELU ? FL_ACT16_GELU : k == FL_GOP_RELU ? FL_ACT16_RELU : -1;
-}
-/* no op after op j reads slot k */
-static int unread_after(const fl_block_graph *g, int j, int k) {
-    for (int i = j + 1; i < g->n_ops; i++) {
-        const fl_gop *o = &g->op[i];
-        if (o->in == k || (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS && o->in2 == k)) return 0;
-    }
-    return 1;
-}
 /* op i is a LINEAR whose output only op i + 1 reads, an activation with a bf16 input variant */
 static int gemm_to_act16(const fl_backend *be, const fl_block_graph *g, int i) {
     const fl_gop *o = &g->op[i], *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
     return be->act_forward16 && nx && act16_kind(nx->kind) >= 0 && nx->in == o->out &&
            g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out);
-}
-/* Backward, bf16 compute: op i (an activation or ROPE) is the last to write d(in) and op i - 1, next in the
- * backward's order, is the LINEAR that made in and reads its dy in bf16: op i writes that copy into the linear's
- * dyb16 as it writes d(in) (act_backward16 / rope_backward16), and the linear skips its convert. NULL: no such
- * pair, or the backend lacks the op (cpu, ref, opaque). */
-static void *dy16_for(const fl_backend *be, const fl_block_graph *g, const fl_block_params *bp, int i) {
-    const fl_gop *o = &g->op[i], *pv = i > 0 ? &g->op[i - 1] : NULL;
-    if (!pv || pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_wants_dy16(&bp->lin[pv->p])) return NULL;
-    const int ok = (act16_kind(o->kind) >= 0 && be->act_backward16) || (o->kind == FL_GOP_ROPE && be->rope_backward16);
-    return ok ? bp->lin[pv->p].dyb16 : NULL;
 }
 
 /* The next op after op i in the backward's order that is not an ADD (whose backward is the identity on the
@@ -684,43 +638,6 @@ unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_b
         need |= rd | wr;
     }
     return need & ~fl_views_test_forget;
-}
-
-/* Issue 30 item 1, the fp32 results no op reads (FL_CAP_VIEWS16: the kernels take a NULL fp32 output): bit i, op i
- * writes its result's bf16 copy alone. Forward (bwd 0, bf16 stored): a ROPE whose rotated q|k|v only the next op, the
- * fused causal attention, reads (attention_forward_in16: the bf16 rows), and whose fp32 view the backward does not
- * read either (bwd_reads32: attention_backward16 reads the bf16 copy; checkpointing's recompute is this same pass).
- * The view stays carved (the q|k|v GEMM's fp32 output is RoPE's input): traffic, not memory. Backward (bwd 1): an
- * activation or ROPE whose d(in) only the LINEAR that made in reads, from the bf16 copy the op writes (dy16_for), with
- * no bias gradient, adapter or 4-bit base (fl_linear_reads_dy32); an activation that starts d(in) (not acc: the update
- * of a zero d(in), not cleared). Made once per block pass from the graph and the bound facts; block_forward /
- * fl_block_backward hand a later fp32 reader NULL, and refuse it naming the slot. */
-unsigned fl_only16_test_force; /* testing: ops (bit i) taken as bf16-only although a later op reads their fp32 */
-unsigned fl_block_only16(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x,
-                         int bwd) {
-    const fl_backend *be = m->be;
-    if (!(be->caps & FL_CAP_VIEWS16)) return 0;
-    unsigned r = 0, f = 0;
-    if (!bwd && x->s16 && x->store16 && !x->kv && be->rope_forward16 && rope16_fused(m)) {
-        const unsigned rd = bwd_reads32(m, g, bp, x, 0);
-        for (int i = 0; i + 1 < g->n_ops; i++) {
-            const fl_gop *o = &g->op[i], *nx = &g->op[i + 1];
-            if (o->kind != FL_GOP_ROPE || !stored16(g, o->in, x) || !final_after(g, i, o->in)) continue;
-            f |= fl_only16_test_force & 1u << i;
-            if (nx->kind == FL_GOP_ATTN && nx->in == o->in && fused_causal(nx, x) && be->attention_forward_in16 &&
-                unread_after(g, i + 1, o->in) && !(rd >> o->in & 1u))
-                r |= 1u << i;
-        }
-    }
-    for (int i = 1; bwd && i < g->n_ops; i++) {
-        const fl_gop *o = &g->op[i];
-        if (!dy16_for(be, g, bp, i) || g->slot[o->in].kind == FL_GSLOT_XSTREAM) continue;
-        const int act = act16_kind(o->kind) >= 0;
-        if (!act && !rope16_fused(m)) continue;
-        f |= fl_only16_test_force & 1u << i;
-        if (!fl_linear_reads_dy32(&bp->lin[g->op[i - 1].p]) && (!act || !o->acc)) r |= 1u << i;
-    }
-    return r | f;
 }
 
 fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,

@@ -266,7 +266,7 @@ unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);
 extern unsigned fl_views_test_forget;
 /* FL_CAP_VIEWS16 (issue 30 item 1): the ops (bit i: op i) of a block pass that write their fp32 result's bf16 copy
  * alone, since no op reads the fp32 (forward, bwd 0: RoPE before the fused causal attention's bf16 input; backward:
- * the activation's / RoPE's d(in) that only the LINEAR before reads, in bf16); 0 on other backends (exec.c).
+ * the activation's / RoPE's d(in) that only the LINEAR before reads, in bf16); 0 on other backends (exec16.c).
  * fl_only16_test_force (testing only, 0 otherwise): ops taken so although a later op reads the fp32, to show that
  * reader refused by name (tests/test_cuda_views.c). */
 unsigned fl_block_only16(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x,
