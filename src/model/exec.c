@@ -32,11 +32,12 @@ static fl_status rope(const fl_model *m, float *x, void *x16, int *done16, int b
     if (x16 && (bwd ? be->rope_backward16 : be->rope_forward16) && rope16_fused(m)) {
         *done16 = 1;
         const int nh = d.NH + d.NKV, w = (int)row;
-        float *out = only16 ? NULL : x;
-        return bwd ? FL_RUN(be, rope_backward16, out, x16, x, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0)
-                   : FL_RUN(be, rope_forward16, out, x16, x, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0);
+        float *o = only16 ? NULL : x;
+        return bwd ? FL_RUN(be, rope_backward16, o, x16, x, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0)
+                   : FL_RUN(be, rope_forward16, o, x16, x, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0);
     }
-    if (only16) return fl_errorf(FL_ERR_INTERNAL, "RoPE: a bf16-only result without rope_%s16", bwd ? "backward" : "forward");
+    if (only16)
+        return fl_errorf(FL_ERR_INTERNAL, "RoPE: a bf16-only result without rope_%s16", bwd ? "backward" : "forward");
     for (int k = 0; k < 2; k++) { /* the q heads, then the k heads */
         float *xk = k ? x + d.QD : x;
         const int nh = k ? d.NKV : d.NH;
@@ -362,8 +363,9 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
-        if (((!s[o->in] && s0[o->in]) || (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS && !s[o->in2] && s0[o->in2])) &&
-            !(o->kind == FL_GOP_ATTN && pendq == o->in))
+        const int cross = o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS;
+        const int stale = (!s[o->in] && s0[o->in]) || (cross && !s[o->in2] && s0[o->in2]);
+        if (stale && !(o->kind == FL_GOP_ATTN && pendq == o->in))
             return fl_errorf(FL_ERR_INTERNAL, "block op %d reads the fp32 view of '%s', which RoPE wrote in bf16 only "
                              "(fl_block_only16)", i, g->slot[o->in].name);
         float *in = s[o->in], *out = s[o->out];
