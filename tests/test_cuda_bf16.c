@@ -222,7 +222,7 @@ FL_TEST(cuda_bf16_rope_forward16) {
     rope16_case(2, 5, 3, 8, 8, 3);     /* GQA 2:1 q|k|v: 3 rotated heads, V stored only; pos0 > 0 */
     rope16_case(1, 7, 2, 6, 0, 0);     /* no tail */
     rope16_case(3, 33, 12, 64, 256, 0); /* head size 64, several blocks */
-    rope16_case(2, 300, 12, 64, 256, 5); /* more than one grid stride (1,024 blocks of 256) */
+    if (!fl_test_asan_light()) rope16_case(2, 300, 12, 64, 256, 5); /* more than one grid stride (1,024 x 256) */
 }
 
 /* act_backward16: din += the fp32 backward's terms (accumulating into a nonzero din) and din16 = RNE(din), din
