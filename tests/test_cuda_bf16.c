@@ -149,7 +149,9 @@ FL_TEST(cuda_bf16_add16) {
     add16_case(300001);
 }
 
-/* rope_forward16 / rope_backward16 (bwd) from x under both seeds: got and g16 equal want and w16 bit for bit */
+/* rope_forward16 / rope_backward16 (bwd) from x under both seeds: got and g16 equal want and w16 bit for bit; then
+ * with no fp32 output (out NULL, issue 30 item 1: a rotated q|k|v or d(q|k|v) no op reads in fp32): the same g16,
+ * x not written */
 static void rope16_same(int bwd, const float *x, float *got, uint16_t *g16, const float *want, const uint16_t *w16,
                         int B, int T, int nh, int HD, int width, const float *cs, const float *sn, int pos0) {
     const size_t n = (size_t)B * T * width;
@@ -157,12 +159,22 @@ static void rope16_same(int bwd, const float *x, float *got, uint16_t *g16, cons
         fl_cu_emu_set_seed(k_seeds[k]);
         memcpy(got, x, n * 4);
         memset(g16, 0xff, n * 2);
-        if (bwd) EMU_OK(fl_cuemu_rope_backward16(got, g16, B, T, nh, HD, width, cs, sn, pos0, NULL));
-        else EMU_OK(fl_cuemu_rope_forward16(got, g16, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        if (bwd) EMU_OK(fl_cuemu_rope_backward16(got, g16, got, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        else EMU_OK(fl_cuemu_rope_forward16(got, g16, got, B, T, nh, HD, width, cs, sn, pos0, NULL));
         FL_CHECKF(!memcmp(got, want, n * 4) && !memcmp(g16, w16, n * 2),
                   "rope_%s16 B=%d T=%d nh=%d HD=%d width=%d: not the fp32 rope + its bf16 copy (forward: x rounded)",
                   bwd ? "backward" : "forward", B, T, nh, HD, width);
+        memcpy(got, x, n * 4);
+        memset(g16, 0xff, n * 2);
+        if (bwd) EMU_OK(fl_cuemu_rope_backward16(NULL, g16, got, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        else EMU_OK(fl_cuemu_rope_forward16(NULL, g16, got, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        FL_CHECKF(!memcmp(got, x, n * 4) && !memcmp(g16, w16, n * 2),
+                  "rope_%s16 out NULL B=%d T=%d nh=%d HD=%d width=%d: %s", bwd ? "backward" : "forward", B, T, nh, HD,
+                  width, memcmp(got, x, n * 4) ? "wrote its input" : "not the full path's bf16 copy");
     }
+    /* no output at all, or no input: refused */
+    FL_CHECK(fl_cuemu_rope_forward16(NULL, NULL, got, B, T, nh, HD, width, cs, sn, pos0, NULL) != 0);
+    FL_CHECK(fl_cuemu_rope_backward16(got, g16, NULL, B, T, nh, HD, width, cs, sn, pos0, NULL) != 0);
 }
 
 /* rope_forward16 over fused q|k|v rows: nh rotated heads of HD, then tail floats stored only */
@@ -195,14 +207,14 @@ static void rope16_case(int B, int T, int nh, int HD, int tail, int pos0) {
     round_ref(want, w16, n);
     rope16_same(0, x, got, g16, want, w16, B, T, nh, HD, width, cs, sn, pos0);
     /* |x0 c| + |x1 s| <= 2 * 3: two products and a sum rounded in fp32, 3 * 2^-24 * 6 */
-    FL_CHECK(near64("rope_forward16", got, w64, n, 3 * 6 * ldexp(1, -24)));
+    FL_CHECK(near64("rope_forward16", want, w64, n, 3 * 6 * ldexp(1, -24))); /* = got, bit for bit (above) */
     /* the backward: rope_backward's bits in dx (unrounded) and their bf16 copy over the whole rows */
     memcpy(want, x, n * 4);
     EMU_OK(fl_cuemu_rope(want, B, T, nh, HD, (size_t)width, cs, sn, pos0, 1, NULL));
     FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, n));
     rope16_same(1, x, got, g16, want, w16, B, T, nh, HD, width, cs, sn, pos0);
-    FL_CHECK(fl_cuemu_rope_forward16(got, g16, B, T, nh, HD + 1, width, cs, sn, pos0, NULL) != 0); /* odd HD */
-    FL_CHECK(fl_cuemu_rope_forward16(got, g16, B, T, nh + 1, HD, nh * HD, cs, sn, pos0, NULL) != 0); /* too narrow */
+    FL_CHECK(fl_cuemu_rope_forward16(got, g16, got, B, T, nh, HD + 1, width, cs, sn, pos0, NULL) != 0); /* odd HD */
+    FL_CHECK(fl_cuemu_rope_forward16(got, g16, got, B, T, nh + 1, HD, nh * HD, cs, sn, pos0, NULL) != 0); /* narrow */
     free(x); free(cs); free(sn); free(want); free(got); free(w16); free(g16); free(w64);
 }
 
@@ -210,6 +222,7 @@ FL_TEST(cuda_bf16_rope_forward16) {
     rope16_case(2, 5, 3, 8, 8, 3);     /* GQA 2:1 q|k|v: 3 rotated heads, V stored only; pos0 > 0 */
     rope16_case(1, 7, 2, 6, 0, 0);     /* no tail */
     rope16_case(3, 33, 12, 64, 256, 0); /* head size 64, several blocks */
+    if (!fl_test_asan_light()) rope16_case(2, 300, 12, 64, 256, 5); /* more than one grid stride (1,024 x 256) */
 }
 
 /* act_backward16: din += the fp32 backward's terms (accumulating into a nonzero din) and din16 = RNE(din), din
@@ -235,6 +248,26 @@ static void act16_bwd_case(int kind, int N, int F) {
                   "act_backward16 kind %d N=%d F=%d: not the fp32 backward + its bf16 copy", kind, N, F);
     }
     FL_CHECK(fl_cuemu_act_backward16(kind, got, NULL, dy, x, NULL, N, F, NULL) != 0); /* the copy is the point */
+    /* din NULL (issue 30 item 1: a d(in) only the LINEAR before reads, in bf16): the full path's copy over a zeroed
+     * din, both seeds, with the input in fp32 and in bf16; no output at all, or no dy: refused */
+    uint16_t *z16 = malloc(ni * 2);
+    for (int in16 = 0; in16 < 2; in16++) {
+        uint16_t *xb = malloc(ni * 2);
+        FL_REQUIRE_OK(fl_convert(xb, FL_BF16, x, FL_F32, ni));
+        memset(got, 0, ni * 4);
+        EMU_OK(fl_cuemu_act_backward16(kind, got, z16, dy, in16 ? NULL : x, in16 ? xb : NULL, N, F, NULL));
+        for (int k = 0; k < 2; k++) {
+            fl_cu_emu_set_seed(k_seeds[k]);
+            memset(g16, 0xff, ni * 2);
+            EMU_OK(fl_cuemu_act_backward16(kind, NULL, g16, dy, in16 ? NULL : x, in16 ? xb : NULL, N, F, NULL));
+            FL_CHECKF(!memcmp(g16, z16, ni * 2), "act_backward16 din NULL kind %d N=%d F=%d in16 %d: not the copy of the "
+                      "update of a zeroed din", kind, N, F, in16);
+        }
+        free(xb);
+    }
+    FL_CHECK(fl_cuemu_act_backward16(kind, NULL, NULL, dy, x, NULL, N, F, NULL) != 0);
+    FL_CHECK(fl_cuemu_act_backward16(kind, NULL, g16, NULL, x, NULL, N, F, NULL) != 0);
+    free(z16);
     /* in16 (a bf16 run's stored input read as it is, issue 30 item 1): the fp32 backward over its exact widening,
      * with and without the copy */
     uint16_t *x16 = malloc(ni * 2);

@@ -27,6 +27,7 @@
 
 enum { B = 2, T = 24 };
 
+static int g_layers; /* the blocks of the preset's model (0: the preset's) */
 static fl_status step(const fl_backend *be, const char *preset, const char *prec, int ckpt, int lora,
                       fl_trainer_result *r) {
     fl_run_config c;
@@ -35,8 +36,10 @@ static fl_status step(const fl_backend *be, const char *preset, const char *prec
     c.train.max_seq_length = T;
     FL_TRY(fl_cfg_set(&c, "precision", prec));
     if (ckpt) FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));
+    if (lora == 2) FL_TRY(fl_cfg_set(&c, "quantize", "bnb.nf4")); /* QLoRA */
     fl_model_config mc;
     FL_TRY(fl_preset_find(preset, &mc));
+    if (g_layers) mc.n_layers = g_layers;
     return fl_trainer_rehearse(&c, &mc, be, 0, B, T, 1, 0, r);
 }
 
@@ -68,6 +71,16 @@ static int slot_of(const char *preset, const char *name, size_t *bytes) {
             return k;
         }
     FL_CHECKF(0, "%s has no slot '%s'", preset, name);
+    return -1;
+}
+
+/* the index of the preset's first block op of kind (-1: none) */
+static int op_of(const char *preset, int kind) {
+    fl_model_config mc;
+    fl_block_graph g;
+    if (fl_preset_find(preset, &mc) != FL_OK || fl_block_graph_build_ex(&mc, 0, &g) != FL_OK) return -1;
+    for (int i = 0; i < g.n_ops; i++)
+        if (g.op[i].kind == kind) return i;
     return -1;
 }
 
@@ -181,6 +194,88 @@ FL_TEST(cuda_emu_views16_late_adapter_refused) {
     fl_model_free(&m);
     fl_backend_pools_free(&pool, &host);
     fl_backend_free(&be);
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* The fp32 results no op reads (fl_block_only16, exec.c): RoPE's rotated q|k|v in the forward (the attention reads
+ * the bf16 rows), the activation's and RoPE's d(in) in the backward (the LINEAR before reads its bf16 dy). A ratchet
+ * on the emulator's count of those ops run with a NULL fp32 output (fl_cu_counters.only16) and the fp32 bytes not
+ * written, per step of micro cut to 2 LLaMA blocks: forward RoPE, backward SwiGLU and RoPE in each block (checkpointing:
+ * RoPE again in the recompute); LoRA on q, v and QLoRA: the forward's RoPE only, since the q|k|v linear's adapters
+ * read d(q|k|v) in fp32 and its frozen base takes no bf16 dy; every view kept (FITLLM_CUDA_VIEWS32=1): none (a step in
+ * the full tier; the quick tier checks that the knob drops FL_CAP_VIEWS16, which fl_block_only16 requires). Each
+ * step also succeeds, so no op was handed a NULL it reads. */
+#ifdef FL_HAVE_CUDA_EMU
+static void only16_case(const char *prec, int ckpt, int lora, int views32, long want_ops, long want_bytes) {
+    fl_backend be;
+    fl_trainer_result r;
+    FL_REQUIRE_OK(backend(0, views32, &be));
+    fl_cu_counters c0, c1;
+    fl_cuemu_backend_counters(&be, &c0);
+    fl_status s = step(&be, "micro", prec, ckpt, lora, &r);
+    fl_cuemu_backend_counters(&be, &c1);
+    backend_free(0, &be);
+    FL_CHECKF(s == FL_OK, "%s ckpt %d lora %d views32 %d: %s", prec, ckpt, lora, views32, fl_error_message());
+    const long ops = c1.only16 - c0.only16, bytes = c1.only16_bytes - c0.only16_bytes;
+    FL_CHECKF(ops == want_ops && bytes == want_bytes,
+              "%s ckpt %d lora %d views32 %d: %ld ops wrote bf16 only (%ld fp32 bytes not written), expected %ld (%ld)",
+              prec, ckpt, lora, views32, ops, bytes, want_ops, want_bytes);
+    printf("      micro %-10s%s%s%s: %ld ops bf16 only, %ld fp32 bytes not written\n", prec, ckpt ? " ckpt" : "",
+           lora == 1 ? " lora" : lora == 2 ? " qlora" : "", views32 ? " views32" : "", ops, bytes);
+}
+#endif
+
+FL_TEST(cuda_emu_only16_ratchet) {
+#ifdef FL_HAVE_CUDA_EMU
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
+    g_layers = 2; /* micro's blocks, two of its five (the time) */
+    const long L = g_layers, N = B * T, QKV = (long)(mc.n_heads + 2 * mc.n_kv_heads) * (mc.dim / mc.n_heads);
+    const long rope = N * QKV * 4, swiglu = N * 2L * mc.ffn_dim * 4; /* one op's fp32 bytes */
+    only16_case("bf16-true", 0, 0, 0, 3 * L, L * (2 * rope + swiglu));
+    only16_case("bf16-mixed", 1, 0, 0, 4 * L - 1, (2 * L - 1) * rope + L * (rope + swiglu)); /* block L-1 kept live */
+    if (!fl_test_asan_light()) {
+        only16_case("bf16-true", 0, 1, 0, L, L * rope);
+        only16_case("bf16-mixed", 0, 2, 0, L, L * rope);
+    }
+    if (!fl_test_quick()) only16_case("bf16-true", 0, 0, 1, 0, 0); /* full tier; quick: VIEWS32 drops the capability */
+    fl_backend be;
+    FL_REQUIRE_OK(backend(0, 1, &be));
+    FL_CHECKF(!(be.caps & FL_CAP_VIEWS16), "FITLLM_CUDA_VIEWS32=1 kept FL_CAP_VIEWS16 (fl_block_only16 would skip writes)");
+    backend_free(0, &be);
+    g_layers = 0;
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* A wrong decision fails the step naming the slot, not a read of stale or unwritten memory: RoPE made bf16-only
+ * where the attention reads fp32 (the backend without attention_forward_in16), and GELU's d(fc) made bf16-only where
+ * GPT-2's biased c_fc reads it in fp32 for its bias gradient (fl_only16_test_force) */
+FL_TEST(cuda_emu_only16_forced_fails) {
+#ifdef FL_HAVE_CUDA_EMU
+    static const struct { const char *preset; int kind; const char *want; } cs[] = {
+        {"micro", FL_GOP_ROPE, "fp32 view of 'qkv', which RoPE wrote in bf16 only"},
+        {"gpt2-micro", FL_GOP_GELU, "reads d('fc') in fp32"},
+    };
+    for (int k = 0; k < 2; k++) {
+        const int i = op_of(cs[k].preset, cs[k].kind);
+        FL_REQUIRE(i >= 0);
+        fl_backend be;
+        fl_trainer_result r;
+        FL_REQUIRE_OK(backend(0, 0, &be));
+        if (k == 0) be.attention_forward_in16 = NULL;
+        fl_only16_test_force = 1u << i;
+        g_layers = 1;
+        fl_status s = step(&be, cs[k].preset, "bf16-true", 0, 0, &r);
+        g_layers = 0;
+        fl_only16_test_force = 0;
+        backend_free(0, &be);
+        FL_CHECKF(s != FL_OK && strstr(fl_error_message(), cs[k].want), "%s op %d forced bf16-only: status %d (%s)",
+                  cs[k].preset, i, (int)s, s == FL_OK ? "ok" : fl_error_message());
+    }
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif

@@ -209,24 +209,27 @@ struct fl_backend {
      * add16: out = a + b (out may alias a or b), n elements.
      * rope_forward16: rope_forward over nh heads at the start of contiguous rows of `width` floats (the fused
      * q|k|v rows: q and k heads are consecutive), then every element of the rows stored as above (x16 (B T,
-     * width)). */
+     * width)); the rows read from x and written to out (in place: out == x; NULL: x16 alone, the same bits: a
+     * rotated q|k|v no op reads in fp32, FL_CAP_VIEWS16). */
     fl_status (*act_forward16)(const fl_backend *be, int kind, float *out, void *out16, float *in, const void *in16,
                                int N, int F);
     fl_status (*add16)(const fl_backend *be, float *out, void *out16, const float *a, const float *b, size_t n);
-    fl_status (*rope_forward16)(const fl_backend *be, float *x, void *x16, int B, int T, int nh, int HD, int width,
-                                const float *cos_t, const float *sin_t, int pos0);
+    fl_status (*rope_forward16)(const fl_backend *be, float *out, void *x16, const float *x, int B, int T, int nh,
+                                int HD, int width, const float *cos_t, const float *sin_t, int pos0);
     /* Optional backward halves (NULL: the fp32 op, then the LINEAR below rounds its dy with a convert): the fp32
      * op's gradient, and a bf16 copy of it (RNE) in d16, the gradient itself NOT rounded: the dy16 operand of
      * the LINEAR that made the op's input (graph.c hands it that LINEAR's dyb16 scratch).
      * act_backward16: swiglu_backward / gelu_backward / relu_backward by kind (din += ..., shapes as
-     * act_forward16), then din16 = bf16(din). rope_backward16: rope_backward over rows as rope_forward16's,
-     * then dx16 (B T, width) = bf16(dx), every element of the rows. act_backward16's in16 (NULL or the input's bf16
-     * copy, in's shape): the input read from it instead of in (widened exactly: a bf16 run's stored activation
-     * without the widen-before-backward); din16 may then be NULL (no copy). */
+     * act_forward16), then din16 = bf16(din). rope_backward16: rope_backward over rows as rope_forward16's
+     * (read from dx, written to dout: in place dout == dx), then dx16 (B T, width) = bf16(the result), every
+     * element of the rows. act_backward16's in16 (NULL or the input's bf16 copy, in's shape): the input read from
+     * it instead of in (widened exactly: a bf16 run's stored activation without the widen-before-backward); din16
+     * may then be NULL (no copy). FL_CAP_VIEWS16: din (act_backward16: the update of a zero din) and dout
+     * (rope_backward16) may be NULL, the bf16 copy alone with the same bits (an fp32 gradient no op reads). */
     fl_status (*act_backward16)(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
                                 const float *in, const void *in16, int N, int F);
-    fl_status (*rope_backward16)(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD, int width,
-                                 const float *cos_t, const float *sin_t, int pos0);
+    fl_status (*rope_backward16)(const fl_backend *be, float *dout, void *dx16, const float *dx, int B, int T, int nh,
+                                 int HD, int width, const float *cos_t, const float *sin_t, int pos0);
     /* Optional (NULL: attention_forward (below), then the caller rounds; issue 30 item 1): attention_forward that also
      * writes out16, the output's bf16 copy (RNE) in out's layout (ldo), leaving in out its exact widening: a
      * bf16-stored attention output without the round16 launch (exec.c). */

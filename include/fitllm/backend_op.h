@@ -82,9 +82,9 @@ struct fl_op_layernorm_forward_w16 { float *out; void *out16; float *mean, *rstd
 struct fl_op_layernorm_backward_w16 { float *dinp; void *dinp16; float *dw, *db; const float *dout, *inp;
     const void *inp16, *w; fl_dtype wt; const float *mean, *rstd; int N, C; };
 struct fl_op_rope_forward { float *x; int B, T, nh, HD; size_t row_stride; const float *cos_t, *sin_t; int pos0; };
-struct fl_op_rope_forward16 { float *x; void *x16; int B, T, nh, HD, width; const float *cos_t, *sin_t; int pos0; };
+struct fl_op_rope_forward16 { float *out; void *x16; const float *x; int B, T, nh, HD, width; const float *cos_t, *sin_t; int pos0; };
 struct fl_op_rope_backward { float *dx; int B, T, nh, HD; size_t row_stride; const float *cos_t, *sin_t; int pos0; };
-struct fl_op_rope_backward16 { float *dx; void *dx16; int B, T, nh, HD, width; const float *cos_t, *sin_t; int pos0; };
+struct fl_op_rope_backward16 { float *dout; void *dx16; const float *dx; int B, T, nh, HD, width; const float *cos_t, *sin_t; int pos0; };
 struct fl_op_swiglu_forward { float *out; const float *gu; int N, F; };
 struct fl_op_swiglu_backward { float *dgu; const float *dout, *gu; int N, F; };
 struct fl_op_gelu_forward { float *out; const float *inp; size_t n; };

@@ -322,11 +322,13 @@ WRAP_S(attention_backward16, 2.0 * attn_flops(a),
         const void *v16, const uint8_t *kmask, const void *out16, const float *lse),
        (be, a, dq, dk, dv, dout, q16, k16, v16, kmask, out16, lse))
 WRAP_S(rope_forward16, 0,
-       (BE, float *x, void *x16, int B, int T, int nh, int HD, int w, const float *ct, const float *st, int p0),
-       (be, x, x16, B, T, nh, HD, w, ct, st, p0))
+       (BE, float *o, void *x16, const float *x, int B, int T, int nh, int HD, int w, const float *ct, const float *st,
+        int p0),
+       (be, o, x16, x, B, T, nh, HD, w, ct, st, p0))
 WRAP_S(rope_backward16, 0,
-       (BE, float *x, void *x16, int B, int T, int nh, int HD, int w, const float *ct, const float *st, int p0),
-       (be, x, x16, B, T, nh, HD, w, ct, st, p0))
+       (BE, float *o, void *x16, const float *x, int B, int T, int nh, int HD, int w, const float *ct, const float *st,
+        int p0),
+       (be, o, x16, x, B, T, nh, HD, w, ct, st, p0))
 WRAP_V(rmsnorm_forward_w16, 0,
        (BE, float *out, void *out16, float *rstd, const float *inp, const void *w, fl_dtype wt, int N, int C, float eps),
        (be, out, out16, rstd, inp, w, wt, N, C, eps))

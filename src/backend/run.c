@@ -370,7 +370,7 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_rope_forward16: {
         DOOR(rope_forward16);
-        return be->rope_forward16(be, r->x, r->x16, r->B, r->T, r->nh, r->HD, r->width, r->cos_t, r->sin_t, r->pos0);
+        return be->rope_forward16(be, r->out, r->x16, r->x, r->B, r->T, r->nh, r->HD, r->width, r->cos_t, r->sin_t, r->pos0);
     }
     case FL_OPK_rope_backward: {
         DOOR(rope_backward);
@@ -379,7 +379,7 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_rope_backward16: {
         DOOR(rope_backward16);
-        return be->rope_backward16(be, r->dx, r->dx16, r->B, r->T, r->nh, r->HD, r->width, r->cos_t, r->sin_t, r->pos0);
+        return be->rope_backward16(be, r->dout, r->dx16, r->dx, r->B, r->T, r->nh, r->HD, r->width, r->cos_t, r->sin_t, r->pos0);
     }
     case FL_OPK_swiglu_forward: {
         DOOR(swiglu_forward);

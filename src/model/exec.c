@@ -16,23 +16,28 @@
 #include <string.h>
 
 #include "fitllm/comm.h"
+#include "exec-impl.h"
 #include "model-impl.h"
 #include "store.h"
 
 /* ---- running ------------------------------------------------------------------------------ */
 
 /* x16 (NULL or): the q|k|v rows' bf16 copy, written in the same pass where the backend has the variant (forward:
- * stored, x rounded too; backward: the next LINEAR's dy, x not rounded; issue 30 item 1): *done16 = 1. */
+ * stored, x rounded too; backward: the next LINEAR's dy, x not rounded; issue 30 item 1): *done16 = 1. only16: the
+ * rotated rows' bf16 copy alone, x read and left as it was (fl_block_only16). */
 static fl_status rope(const fl_model *m, float *x, void *x16, int *done16, int bwd, const fl_block_ctx *c,
-                      size_t row) {
+                      size_t row, int only16) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
-    if (x16 && (bwd ? be->rope_backward16 : be->rope_forward16) && d.QD == d.NH * d.HD) {
-        *done16 = 1; /* the q and k heads are consecutive: one pass over the rows */
+    if (x16 && (bwd ? be->rope_backward16 : be->rope_forward16) && rope16_fused(m)) {
+        *done16 = 1;
         const int nh = d.NH + d.NKV, w = (int)row;
-        return bwd ? FL_RUN(be, rope_backward16, x, x16, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0)
-                   : FL_RUN(be, rope_forward16, x, x16, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0);
+        float *o = only16 ? NULL : x;
+        return bwd ? FL_RUN(be, rope_backward16, o, x16, x, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0)
+                   : FL_RUN(be, rope_forward16, o, x16, x, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0);
     }
+    if (only16)
+        return fl_errorf(FL_ERR_INTERNAL, "RoPE: a bf16-only result without rope_%s16", bwd ? "backward" : "forward");
     for (int k = 0; k < 2; k++) { /* the q heads, then the k heads */
         float *xk = k ? x + d.QD : x;
         const int nh = k ? d.NKV : d.NH;
@@ -60,30 +65,13 @@ static fl_status kv_append(const fl_model *m, const float *qkv, const fl_block_c
     return FL_OK;
 }
 
-/* Slot k holds its final values once op i has run: no later op writes it (an output, or RoPE's / ALLREDUCE's
- * in-place change). */
-static int final_after(const fl_block_graph *g, int i, int k) {
-    for (int j = i + 1; j < g->n_ops; j++)
-        if (g->op[j].out == k || (fl_gop_modifies(&g->op[j]) && g->op[j].in == k)) return 0;
-    return 1;
-}
-
 /* Rows of slot k in this pass: the block's B x T, or B x Tk for a stream from outside and what is computed from it. */
 static int rows(const fl_block_graph *g, int k, const fl_block_ctx *x) {
     const int n = x->B * (g->slot[k].xrows ? x->Tk : x->T);
     return g->sp > 1 && g->slot[k].srows ? n / g->sp : n; /* sequence parallel: the rank's rows of the stream */
 }
 
-/* bf16 activations stored end to end (fl_block_ctx.store16): slot k, just written for the last time in the
- * block, is stored in bf16 (its s16 copy) and the fp32 view the later ops read holds the same value (round on
- * store, widen on load: the CPU backend computes in fp32, what it keeps is bf16). A slot written by several ops
- * (a LINEAR's output then RoPE, or the residual add) is stored once, after the last: the ops between act as one
- * fused kernel (bias + residual epilogue, RoPE in the attention's input preparation) that keeps its
- * intermediate in registers. Statistics stay fp32. */
-static int stored16(const fl_block_graph *g, int k, const fl_block_ctx *x) {
-    const uint8_t kind = g->slot[k].kind;
-    return (kind == FL_GSLOT_WIDE || kind == FL_GSLOT_STREAM) && x->s16[k];
-}
+/* slot k stored in bf16 (stored16, exec-impl.h): its copy written after its last writer */
 static fl_status store16(const fl_backend *be, const fl_block_graph *g, int k, float *const *s, const fl_block_ctx *x) {
     if (!stored16(g, k, x)) return FL_OK;
     const size_t n = (size_t)rows(g, k, x) * g->slot[k].width;
@@ -169,11 +157,6 @@ static uint64_t drop_seed(const fl_model *m, const fl_block_graph *g, const fl_g
     const uint64_t s = fl_dropout_seed(x->drop_seed, o->p);
     if (g->sp <= 1 || !g->slot[o->in].srows) return s;
     return s + (uint64_t)((size_t)m->cfg.tp_rank * (size_t)N * w) * TP_DROP_K;
-}
-
-/* causal self-attention without bias or mask: the fused kernels, unless it drops its weights (OPT in training) */
-static int fused_causal(const fl_gop *o, const fl_block_ctx *x) {
-    return o->attn == FL_ATTN_CAUSAL && !o->attn_flags && !(o->p >= 0 && x->attn_drop_p > 0);
 }
 
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
@@ -280,32 +263,11 @@ static fl_status allreduce(const fl_model *m, struct fl_comm *c, float *p, size_
  * view (where one is carved: fl_block_views32) filled by that activation, its one reader. Backends without them (cpu,
  * ref, opaque): the fp32 op, then store16. An fp32 view that was not carved is NULL: the ops then write the bf16
  * copy alone. */
-static int act16_kind(uint8_t k) {
-    return k == FL_GOP_SWIGLU ? FL_ACT16_SWIGLU : k == FL_GOP_GELU ? FL_ACT16_GELU : k == FL_GOP_RELU ? FL_ACT16_RELU : -1;
-}
-/* no op after op j reads slot k */
-static int unread_after(const fl_block_graph *g, int j, int k) {
-    for (int i = j + 1; i < g->n_ops; i++) {
-        const fl_gop *o = &g->op[i];
-        if (o->in == k || (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS && o->in2 == k)) return 0;
-    }
-    return 1;
-}
 /* op i is a LINEAR whose output only op i + 1 reads, an activation with a bf16 input variant */
 static int gemm_to_act16(const fl_backend *be, const fl_block_graph *g, int i) {
     const fl_gop *o = &g->op[i], *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
     return be->act_forward16 && nx && act16_kind(nx->kind) >= 0 && nx->in == o->out &&
            g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out);
-}
-/* Backward, bf16 compute: op i (an activation or ROPE) is the last to write d(in) and op i - 1, next in the
- * backward's order, is the LINEAR that made in and reads its dy in bf16: op i writes that copy into the linear's
- * dyb16 as it writes d(in) (act_backward16 / rope_backward16), and the linear skips its convert. NULL: no such
- * pair, or the backend lacks the op (cpu, ref, opaque). */
-static void *dy16_for(const fl_backend *be, const fl_block_graph *g, const fl_block_params *bp, int i) {
-    const fl_gop *o = &g->op[i], *pv = i > 0 ? &g->op[i - 1] : NULL;
-    if (!pv || pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_wants_dy16(&bp->lin[pv->p])) return NULL;
-    const int ok = (act16_kind(o->kind) >= 0 && be->act_backward16) || (o->kind == FL_GOP_ROPE && be->rope_backward16);
-    return ok ? bp->lin[pv->p].dyb16 : NULL;
 }
 
 /* The next op after op i in the backward's order that is not an ADD (whose backward is the identity on the
@@ -389,17 +351,25 @@ static void *norm_out16(const fl_model *m, const fl_block_graph *g, const fl_blo
     return bp->norm_wt == FL_F32 || fl_norm16_have(m, 0) ? x->s16[k] : NULL;
 }
 
-fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
+fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s0,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
     int pend16 = -1; /* a slot stored in bf16 only so far (gemm_to_act16) */
     int pendr = -1;  /* a stored slot not rounded yet: the activation reading it rounds it (FL_ACT16_ROUND_IN) */
-    int pendq = -1;  /* q|k|v stored in bf16 only (gemm_to_attn16): the attention reads that copy */
+    int pendq = -1;  /* q|k|v stored in bf16 only (gemm_to_attn16, a bf16-only RoPE): the attention reads that copy */
+    const unsigned only16 = fl_block_only16(m, g, bp, x, 0);
+    float *s[FL_GRAPH_MAX_SLOTS]; /* the slots' fp32 views; NULL once stale (a bf16-only RoPE's) */
+    memcpy(s, s0, (size_t)g->n_slots * sizeof *s);
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     int i0 = 0; /* the previous block's last add, pending: done first, fused with op 0 where that norms its sum */
     if (x->take && x->take->on) FL_TRY(fl_xblock_take(m, g, bp, s, x, norm_out16(m, g, bp, 0, x), &i0));
     for (int i = i0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
+        const int cross = o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS;
+        const int stale = (!s[o->in] && s0[o->in]) || (cross && !s[o->in2] && s0[o->in2]);
+        if (stale && !(o->kind == FL_GOP_ATTN && pendq == o->in))
+            return fl_errorf(FL_ERR_INTERNAL, "block op %d reads the fp32 view of '%s', which RoPE wrote in bf16 only "
+                             "(fl_block_only16)", i, g->slot[o->in].name);
         float *in = s[o->in], *out = s[o->out];
         const int N = rows(g, o->in, x);
         const size_t wi = (size_t)g->slot[o->in].width, wo = (size_t)g->slot[o->out].width;
@@ -463,7 +433,13 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
             break;
         }
-        case FL_GOP_ROPE: FL_TRY(rope(m, in, o16, &done16, 0, x, wi)); break;
+        case FL_GOP_ROPE:
+            FL_TRY(rope(m, in, o16, &done16, 0, x, wi, only16 >> i & 1u));
+            if (only16 >> i & 1u) { /* its fp32 view now stale: the attention reads the bf16 rows */
+                s[o->in] = NULL;
+                if (be->attention_forward_in16) pendq = o->in;
+            }
+            break;
         case FL_GOP_ATTN:
             FL_TRY(attn_forward(m, g, o, s, x, o16, &done16, pendq == o->in ? (const uint16_t *)x->s16[o->in] : NULL));
             pendq = -1;
@@ -676,6 +652,8 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
     const unsigned need = x->no_din ? grads_needed(g, bp) : ~0u;
     /* the next op's (a LINEAR's) dy already in its dyb16 (dy16_for, norm_dy16_for; the caller's for the first) */
     int dy16_ready = x->dout16_ready && x->s16 && fl_block_dout16(g, bp);
+    const unsigned only16 = fl_block_only16(m, g, bp, x, 1);
+    int stale = -1; /* the slot whose gradient the op before wrote in bf16 only (fl_block_only16) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {
         const fl_gop *o = &g->op[i];
@@ -683,10 +661,16 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         if (o->kind == FL_GOP_ADD) continue; /* both sides on one residual path: d(in) += d(out) is the identity */
         const int ready = dy16_ready; /* this op's dout was rounded into its dyb16 by the op before (dy16_for) */
         dy16_ready = 0;
+        const int dstale = stale == o->out, b16 = only16 >> i & 1u; /* d(out) in bf16 only; d(in) written so */
+        stale = -1;
+        if (dstale && (o->kind != FL_GOP_LINEAR || !ready || fl_linear_reads_dy32(&bp->lin[o->p])))
+            return fl_errorf(FL_ERR_INTERNAL, "block op %d reads d('%s') in fp32, which op %d wrote in bf16 only "
+                             "(fl_block_only16)", i, so->name, i + 1);
         /* nothing reads d(in): only an op that trains runs (a LINEAR without its dx) */
         const int need_in = need >> o->in & 1u;
         if (!need_in && !op_trains(bp, o)) continue;
         float *din = need_in || o->kind != FL_GOP_LINEAR ? dslot(g, o->in, gb, x) : NULL, *dout = dslot(g, o->out, gb, x);
+        if (dstale) dout = NULL; /* read in bf16 (its dyb16) */
         const int N = rows(g, o->in, x);
         const int rg = regather_at(g, i); /* sequence parallel: the whole rows of o's input, gathered again */
         if (rg >= 0) FL_TRY(sp_move(m, x->comm, 1, s[o->in], s[g->op[rg].in], (size_t)N * si->width));
@@ -696,10 +680,13 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         const int moves = o->kind == FL_GOP_GATHER || o->kind == FL_GOP_SCATTER; /* overwrite d(in) */
         if (moves && o->acc)
             return fl_errorf(FL_ERR_INTERNAL, "block graph: sequence parallel op %d adds to d('%s')", i, si->name);
-        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !moves && !fl_gop_modifies(o))
-            FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
-        /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
+        /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16); b16: that
+         * copy alone (an activation's: the update of a zero d(in), not cleared first) */
         void *dy16 = dy16_for(be, g, bp, i);
+        if (b16 && act16_kind(o->kind) >= 0) din = NULL;
+        if (b16) stale = o->in;
+        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !moves && !fl_gop_modifies(o) && din)
+            FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         const int in16 = bwd_reads16_p(m, g, o, x, 0); /* the saved input read in bf16 (its fp32 view not widened) */
         if ((dy16 || in16) && act16_kind(o->kind) >= 0) {
             FL_TRY(FL_RUN(be, act_backward16, act16_kind(o->kind), din, dy16, dout, s[o->in],
@@ -725,7 +712,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, s[o->in], x->s16 ? x->s16[o->in] : NULL,
                                            &bp->lin[o->p], N));
             break;
-        case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi)); break;
+        case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi, b16)); break;
         case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout, in16)); break;
         case FL_GOP_SWIGLU: FL_RUN(be, swiglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: FL_RUN(be, gelu_backward, din, dout, s[o->in], (size_t)N * wi); break;
@@ -959,6 +946,9 @@ fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumula
 }
 
 int fl_linear_wants_dy16(const fl_linear *lin) { return lin->dw && lin->xb16; }
+int fl_linear_reads_dy32(const fl_linear *lin) {
+    return lin->db || lin->n_adapters > 0 || lin->n_q4 > 0 || !fl_linear_wants_dy16(lin);
+}
 
 fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
                                   const float *x, const void *x16, const fl_linear *lin, int N) {
@@ -968,6 +958,8 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
      * once, here (or by the op that made dy: dy16_ready); the dx GEMM reads that copy, the same operand its own
      * rounding of an F32 dy gives */
     const int dy16 = fl_linear_wants_dy16(lin);
+    if (!dy && (!dy16_ready || fl_linear_reads_dy32(lin)))
+        return fl_errorf(FL_ERR_INVALID, "linear backward: no fp32 dy, which this linear reads");
     int db_done = 0; /* a biased linear's bias gradient writes that copy as it reads dy (bias_backward16) */
     if (dy16 && !dy16_ready && lin->db && be->bias_backward16) {
         FL_TRY(FL_RUN(be, bias_backward16, lin->db, lin->dyb16, dy, N, lin->out));

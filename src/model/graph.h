@@ -289,6 +289,14 @@ unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);
 /* Testing only (0 otherwise): slots fl_block_views32 leaves out although a pass needs them, so the test shows that an op
  * handed such a view (NULL) fails instead of reading or writing memory (tests/test_cuda_views.c). */
 extern unsigned fl_views_test_forget;
+/* FL_CAP_VIEWS16 (issue 30 item 1): the ops (bit i: op i) of a block pass that write their fp32 result's bf16 copy
+ * alone, since no op reads the fp32 (forward, bwd 0: RoPE before the fused causal attention's bf16 input; backward:
+ * the activation's / RoPE's d(in) that only the LINEAR before reads, in bf16); 0 on other backends (exec16.c).
+ * fl_only16_test_force (testing only, 0 otherwise): ops taken so although a later op reads the fp32, to show that
+ * reader refused by name (tests/test_cuda_views.c). */
+unsigned fl_block_only16(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x,
+                         int bwd);
+extern unsigned fl_only16_test_force;
 
 /* Inference scratch for n rows: the floats of the graph's shared buffers (64-byte aligned views), and with a
  * base, the slot views (s[FL_GSLOT_IN] and s[FL_GSLOT_OUT] point to the same buffer). */

@@ -169,6 +169,9 @@ fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumula
 /* The same, where the op that made dy may have written its bf16 copy into lin->dyb16 already (dy16_ready: the
  * convert is skipped; fl_linear_wants_dy16 says whether the linear reads that copy). */
 int fl_linear_wants_dy16(const fl_linear *lin);
+/* Whether its backward reads dy in fp32 even with dy16_ready (a bias gradient, an adapter, a 4-bit base, no bf16
+ * dy): else dy may be NULL there (an fp32 gradient written in bf16 only, fl_block_only16). */
+int fl_linear_reads_dy32(const fl_linear *lin);
 fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
                                   const float *x, const void *x16, const fl_linear *lin, int N);
 

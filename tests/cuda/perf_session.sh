@@ -49,7 +49,8 @@
 #      show any left).
 #  16. bf16 storage without the unread fp32 views (issue 30 item 1): the TinyLlama step and GPT-2's bf16-true step with
 #      FITLLM_CUDA_VIEWS32=1 (every stored slot's fp32 view written and allocated, the earlier layout) against 0 (the
-#      default: ln1 / att / ln2 / gate|up / act in bf16 only); bench-step's memory line shows WORKSPACE.
+#      default: ln1 / att / ln2 / gate|up / act in bf16 only, and RoPE's q|k|v and the backward's d(gate|up) / d(q|k|v)
+#      not written in fp32); bench-step's memory line shows WORKSPACE.
 #  17. the cross-block residual add + norm (issue 30 item 4): the TinyLlama step and GPT-2's bf16-true step with
 #      FITLLM_CUDA_XBLOCK_NORM=1 (the default: a block's last add fused with the next block's ln_1 / the final norm)
 #      against 0 (each block's own add: one launch and one write + read-back of the row more per block and pass).

@@ -87,12 +87,13 @@ extern "C" {
     int P##add_norm_forward16(int ln, float *res, void *res16, float *out, void *out16, float *mean,           \
                               float *rstd, const float *a, const float *b, const void *w, const void *bias,    \
                               fl_dtype wt, int N, int C, float eps, void *stream);                             \
-    int P##rope_forward16(float *x, void *x16, int B, int T, int nh, int HD, int width, const float *cos_t,     \
-                          const float *sin_t, int pos0, void *stream);                                         \
+    /* rope_forward16 / rope_backward16: rows read from x, written to out (== x in place; NULL: x16 only) */ \
+    int P##rope_forward16(float *out, void *x16, const float *x, int B, int T, int nh, int HD, int width,       \
+                          const float *cos_t, const float *sin_t, int pos0, void *stream);                     \
     int P##act_backward16(int kind, float *din, void *din16, const float *dout, const float *in,               \
                           const void *in16, int N, int F, void *stream);                                       \
-    int P##rope_backward16(float *dx, void *dx16, int B, int T, int nh, int HD, int width, const float *cos_t,  \
-                           const float *sin_t, int pos0, void *stream);                                        \
+    int P##rope_backward16(float *dout, void *dx16, const float *dx, int B, int T, int nh, int HD, int width,   \
+                           const float *cos_t, const float *sin_t, int pos0, void *stream);                    \
     int P##layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,            \
                              const float *b, int N, int C, float eps, void *stream);                           \
     int P##layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,            \

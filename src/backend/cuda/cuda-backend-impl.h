@@ -767,7 +767,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     im->in.on = !epf || !*epf || !strcmp(epf, "1");
     const char *eg = getenv("FITLLM_CUDA_GRAPHS");
     im->graph.on = eg && !strcmp(eg, "1");
-    /* FITLLM_CUDA_VIEWS32=1: every stored slot keeps its fp32 view (no FL_CAP_VIEWS16; the same bits; A/B) */
+    /* FITLLM_CUDA_VIEWS32=1: every stored slot keeps its fp32 view, and every fp32 result nothing reads is written
+     * (RoPE's, the backward's activation / RoPE gradients: fl_block_only16) (no FL_CAP_VIEWS16; the same bits; A/B) */
     const char *ev = getenv("FITLLM_CUDA_VIEWS32");
     const int views32 = ev && !strcmp(ev, "1");
     /* FITLLM_CUDA_Q4 (experimental, issue 30 item 7): a bf16 run's 4-bit matmuls on bf16 tensor cores with the NF4 / FP4
@@ -810,7 +811,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         : ev && *ev && !views32 && strcmp(ev, "0")
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_VIEWS32=%s: expected 0 (the default: a bf16 run's "
                         "stored slots whose fp32 view nothing reads are written in bf16 only, their views not "
-                        "allocated) or 1 (every fp32 view kept)", FLB_NAME, ev)
+                        "allocated, and fp32 results nothing reads are not written) or 1 (every fp32 view and result "
+                        "kept)", FLB_NAME, ev)
         : im->q4 < 0
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4=%s: expected fp32 (the default: the fp32 4-bit "
                         "matmul kernels), tc (experimental: a bf16 run's on bf16 tensor cores, dequantized in the load) "

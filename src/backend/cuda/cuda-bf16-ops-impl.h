@@ -41,26 +41,34 @@ static fl_status flb_add16(const fl_backend *be, float *out, void *out16, const 
     FLB_RUN_S(be, FLB_K(add16)(out, out16, a, b, n, STREAM), "add16");
     return FL_OK;
 }
-static fl_status flb_rope16(const fl_backend *be, float *x, void *x16, int B, int T, int nh, int HD, int width,
-                            const float *cos_t, const float *sin_t, int pos0, int backward) {
+/* an op that wrote the bf16 copy alone: n fp32 elements not written (fl_cu_counters.only16) */
+static void flb_count_only16(const fl_backend *be, size_t n) {
+    FLB_IMPL(be)->count.only16++;
+    FLB_IMPL(be)->count.only16_bytes += (long)(n * sizeof(float));
+}
+/* out (NULL: the bf16 copy alone, x16 then required) from the rows of x (in place: out == x) */
+static fl_status flb_rope16(const fl_backend *be, float *out, void *x16, const float *x, int B, int T, int nh, int HD,
+                            int width, const float *cos_t, const float *sin_t, int pos0, int backward) {
     FL_TRY(flb_sticky(be));
-    if (B > 0 && T > 0 && FLB_NULL(be, backward ? "rope_backward16" : "rope_forward16", x)) return flb_sticky(be);
+    const char *op = backward ? "rope_backward16" : "rope_forward16";
+    if (B > 0 && T > 0 && (FLB_NULL(be, op, x) || (!out && FLB_NULL(be, op, x16)))) return flb_sticky(be);
     if (B < 0 || T < 0 || nh < 0 || HD < 0 || HD % 2 || width < nh * HD)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s rope_%s16: %d heads of %d in rows of %d", FLB_NAME,
                          backward ? "backward" : "forward", nh, HD, width);
     if (backward)
-        FLB_RUN_S(be, FLB_K(rope_backward16)(x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, STREAM), "rope_backward16");
+        FLB_RUN_S(be, FLB_K(rope_backward16)(out, x16, x, B, T, nh, HD, width, cos_t, sin_t, pos0, STREAM), op);
     else
-        FLB_RUN_S(be, FLB_K(rope_forward16)(x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, STREAM), "rope_forward16");
+        FLB_RUN_S(be, FLB_K(rope_forward16)(out, x16, x, B, T, nh, HD, width, cos_t, sin_t, pos0, STREAM), op);
+    if (!out) flb_count_only16(be, (size_t)B * T * width);
     return FL_OK;
 }
-static fl_status flb_rope_forward16(const fl_backend *be, float *x, void *x16, int B, int T, int nh, int HD,
-                                    int width, const float *cos_t, const float *sin_t, int pos0) {
-    return flb_rope16(be, x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, 0);
+static fl_status flb_rope_forward16(const fl_backend *be, float *out, void *x16, const float *x, int B, int T, int nh,
+                                    int HD, int width, const float *cos_t, const float *sin_t, int pos0) {
+    return flb_rope16(be, out, x16, x, B, T, nh, HD, width, cos_t, sin_t, pos0, 0);
 }
-static fl_status flb_rope_backward16(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD,
-                                     int width, const float *cos_t, const float *sin_t, int pos0) {
-    return flb_rope16(be, dx, dx16, B, T, nh, HD, width, cos_t, sin_t, pos0, 1);
+static fl_status flb_rope_backward16(const fl_backend *be, float *dout, void *dx16, const float *dx, int B, int T,
+                                     int nh, int HD, int width, const float *cos_t, const float *sin_t, int pos0) {
+    return flb_rope16(be, dout, dx16, dx, B, T, nh, HD, width, cos_t, sin_t, pos0, 1);
 }
 static fl_status flb_act_backward16(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
                                     const float *in, const void *in16, int N, int F) {
@@ -68,7 +76,12 @@ static fl_status flb_act_backward16(const fl_backend *be, int kind, float *din, 
     if ((kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU) || (!din16 && !in16))
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_backward16: kind %d%s", FLB_NAME, kind,
                          din16 || in16 ? "" : ", neither a bf16 copy nor a bf16 input");
+    /* din NULL: the bf16 copy alone (of a zero din's update) */
+    if (N > 0 && F > 0 && (FLB_NULL(be, "act_backward16", din16 ? din16 : (void *)din, dout) ||
+                           FLB_NULL(be, "act_backward16", in16 ? in16 : (const void *)in)))
+        return flb_sticky(be);
     FLB_RUN_S(be, FLB_K(act_backward16)(kind, din, din16, dout, in, in16, N, F, STREAM), "act_backward16");
+    if (!din && N > 0 && F > 0) flb_count_only16(be, (size_t)N * F * (kind == FL_ACT16_SWIGLU ? 2 : 1));
     return FL_OK;
 }
 _Static_assert(FL_CU_CONVERT_MANY_MAX == FL_CONVERT_MANY_MAX, "convert_many: the kernel's segment list");

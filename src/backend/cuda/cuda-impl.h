@@ -44,6 +44,9 @@ void fl_cuemu_use_nccl(int on);
 typedef struct {
     long sync, d2h, h2d, h2d_pinned, stage_waits;
     long h2d_s2; /* of the copies from the host, those on the second stream (the next micro-batch's inputs) */
+    /* rope_forward16 / rope_backward16 / act_backward16 issued with a NULL fp32 output (the bf16 copy alone, issue 30
+     * item 1), and the fp32 bytes those ops did not write */
+    long only16, only16_bytes;
 } fl_cu_counters;
 void fl_cuemu_backend_counters(const fl_backend *be, fl_cu_counters *out);
 /* cuda-emu made after fl_cuemu_set_host_memory(0) states the real GPU's capabilities (FL_CAP_DEVICE_MEMORY, not

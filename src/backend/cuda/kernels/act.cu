@@ -307,13 +307,23 @@ extern "C" int FL_CUK(act_forward16)(int kind, float *out, void *out16, float *i
 
 /* act_backward16: the fp32 backward's update of din (the same formulas, one element (SwiGLU: one gate/up pair)
  * per thread), then a bf16 copy of the result in d16 (NULL: none; the next LINEAR's dy operand), din not rounded.
+ * din NULL (d16 then required): the update of a zero din, its bf16 copy alone (issue 30 item 1: an fp32 gradient
+ * nothing reads; the bits of the full path over a zeroed din).
  * in16 (NULL or): the input read in bf16 (a bf16 run's stored activation, widened exactly in the kernel: the bits
  * of the fp32 kernel over its widening, without the widen launch before the backward) */
 FL_CU_DEV float act_x(const float *in, const uint16_t *in16, size_t i) {
     return in16 ? fl_cu_bf16_to_f32(in16[i]) : in[i];
 }
-FL_CU_DEV void keep_d16(uint16_t *d16, size_t i, float v) {
+/* the updated gradient v of element i: into din (NULL: not written) and its bf16 copy into d16 (NULL: none) */
+FL_CU_DEV void act_dput(float *din, uint16_t *d16, size_t i, float v) {
+    if (din) din[i] = v;
     if (d16) d16[i] = fl_cu_f32_to_bf16(v);
+}
+/* 8 gradients from element i of din, or 8 zeros (din NULL) */
+FL_CU_DEV void act_din8(const float *din, size_t i, float *v) {
+    if (din) fl_cu_ld8t(din, FL_F32, i, v);
+    else
+        for (int k = 0; k < 8; k++) v[k] = 0.0f;
 }
 /* the vector path of the backward (as act16_fwd8's); d16 gets the 8 updated gradients rounded, din not */
 FL_CU_DEV void act_x8(const float *in, const uint16_t *in16, size_t i, float *v) {
@@ -331,11 +341,10 @@ FL_CU_DEV size_t act16_bwd8(int kind, float *din, uint16_t *d16, const float *do
             act_x8(in, in16, ig, g);
             act_x8(in, in16, iu, u);
             fl_cu_ld8t(dout, FL_F32, n * F + f, d);
-            fl_cu_ld8t(din, FL_F32, ig, dg);
-            fl_cu_ld8t(din, FL_F32, iu, du);
+            act_din8(din, ig, dg);
+            act_din8(din, iu, du);
             for (int k = 0; k < 8; k++) swiglu_b(g[k], u[k], d[k], &dg[k], &du[k]);
-            fl_cu_st8t(din, FL_F32, ig, dg);
-            fl_cu_st8t(din, FL_F32, iu, du);
+            if (din) fl_cu_st8t(din, FL_F32, ig, dg), fl_cu_st8t(din, FL_F32, iu, du);
             if (d16) fl_cu_st8t(d16, FL_BF16, ig, dg), fl_cu_st8t(d16, FL_BF16, iu, du);
         }
         return total;
@@ -344,12 +353,12 @@ FL_CU_DEV size_t act16_bwd8(int kind, float *din, uint16_t *d16, const float *do
         float x[8], d[8], g[8];
         act_x8(in, in16, 8 * q, x);
         fl_cu_ld8t(dout, FL_F32, 8 * q, d);
-        fl_cu_ld8t(din, FL_F32, 8 * q, g);
+        act_din8(din, 8 * q, g);
         for (int k = 0; k < 8; k++) {
             if (kind == FL_CU_ACT16_GELU) g[k] += gelu_grad(x[k]) * d[k];
             else g[k] += x[k] <= 0.0f ? 0.0f : d[k];
         }
-        fl_cu_st8t(din, FL_F32, 8 * q, g);
+        if (din) fl_cu_st8t(din, FL_F32, 8 * q, g);
         if (d16) fl_cu_st8t(d16, FL_BF16, 8 * q, g);
     }
     return total / 8 * 8;
@@ -360,14 +369,16 @@ __global__ static void fl_cu_act16_bwd_k(int kind, float *din, uint16_t *d16, co
     for (size_t i = i0 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         if (kind == FL_CU_ACT16_SWIGLU) {
             const size_t n = i / F, f = i % F, ig = n * 2 * F + f, iu = ig + F;
-            swiglu_b(act_x(in, in16, ig), act_x(in, in16, iu), dout[i], &din[ig], &din[iu]);
-            keep_d16(d16, ig, din[ig]);
-            keep_d16(d16, iu, din[iu]);
+            float dg = din ? din[ig] : 0.0f, du = din ? din[iu] : 0.0f;
+            swiglu_b(act_x(in, in16, ig), act_x(in, in16, iu), dout[i], &dg, &du);
+            act_dput(din, d16, ig, dg);
+            act_dput(din, d16, iu, du);
         } else {
             const float x = act_x(in, in16, i);
-            if (kind == FL_CU_ACT16_GELU) din[i] += gelu_grad(x) * dout[i];
-            else din[i] += x <= 0.0f ? 0.0f : dout[i];
-            keep_d16(d16, i, din[i]);
+            float g = din ? din[i] : 0.0f;
+            if (kind == FL_CU_ACT16_GELU) g += gelu_grad(x) * dout[i];
+            else g += x <= 0.0f ? 0.0f : dout[i];
+            act_dput(din, d16, i, g);
         }
     }
 }
@@ -377,6 +388,7 @@ extern "C" int FL_CUK(act_backward16)(int kind, float *din, void *din16, const f
     if ((kind != FL_CU_ACT16_SWIGLU && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) || (!din16 && !in16))
         return -1;
     if (N <= 0 || F <= 0) return 0;
+    if ((!din && !din16) || !dout || (!in && !in16)) return -1; /* no output, or an input missing */
     const int vec =
         (kind != FL_CU_ACT16_SWIGLU || F % 8 == 0) && fl_cu_aligned16(din, din16, dout, in16 ? NULL : in, in16);
     FL_CU_LAUNCH(fl_cu_act16_bwd_k, dim3(act_blocks((size_t)N * F / (vec ? 8 : 1))), dim3(256), 0,

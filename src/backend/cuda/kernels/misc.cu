@@ -28,32 +28,40 @@ static int is_float(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_
 /* ---- RoPE: one thread per (row, head, pair j); sign +1 forward, -1 backward (the transpose) --------
  * x16 (rope_forward16 / rope_backward16): the rows are contiguous, `width` floats each, and every element of
  * them is stored in bf16, with its exact widening left in x (keep, the forward: fl_cu_keep16) or x unrounded
- * (the backward's dy16 copy): a thread per rotated pair, then one per element past the nh heads. */
+ * (the backward's dy16 copy): a thread per rotated pair, then one per element past the nh heads. The rows are read
+ * from in and written to x (in place: x == in); x NULL: the bf16 copy only (issue 30 item 1: an fp32 result nothing
+ * reads), the same bits in x16. */
 FL_CU_DEV float rope16(uint16_t *r16, size_t c, float v, int keep) {
     if (keep || !r16) return fl_cu_keep16(r16, c, v);
     r16[c] = fl_cu_f32_to_bf16(v);
     return v;
 }
-__global__ static void fl_cu_rope_k(float *x, uint16_t *x16, int B, int T, int nh, int HD, size_t row_stride,
-                                    int width, const float *cos_t, const float *sin_t, int pos0, float sign, int keep) {
+FL_CU_DEV void rope_put(float *row, uint16_t *r16, size_t c, float v, int keep) {
+    v = rope16(r16, c, v, keep);
+    if (row) row[c] = v;
+}
+__global__ static void fl_cu_rope_k(float *x, const float *in, uint16_t *x16, int B, int T, int nh, int HD,
+                                    size_t row_stride, int width, const float *cos_t, const float *sin_t, int pos0,
+                                    float sign, int keep) {
     const int H = HD / 2;
     const size_t pairs = (size_t)nh * H, items = pairs + (x16 ? (size_t)width - (size_t)nh * HD : 0);
     const size_t total = (size_t)B * T * items;
     FL_CU_GRID_STRIDE(i, total) {
         const size_t n = i / items, r = i % items;
-        float *row = x + n * row_stride;
+        const float *rin = in + n * row_stride;
+        float *row = x ? x + n * row_stride : NULL;
         uint16_t *r16 = x16 ? x16 + n * (size_t)width : NULL;
         if (r >= pairs) { /* past the rotated heads: stored only */
             const size_t c = (size_t)nh * HD + (r - pairs);
-            row[c] = rope16(r16, c, row[c], keep);
+            rope_put(row, r16, c, rin[c], keep);
             continue;
         }
         const int j = (int)(r % H), h = (int)(r / H), t = (int)(n % T);
         float c = cos_t[(size_t)(pos0 + t) * H + j], sn = sign * sin_t[(size_t)(pos0 + t) * H + j];
         const size_t o = (size_t)h * HD;
-        float x0 = row[o + j], x1 = row[o + j + H];
-        row[o + j] = rope16(r16, o + j, x0 * c - x1 * sn, keep);
-        row[o + j + H] = rope16(r16, o + j + H, x1 * c + x0 * sn, keep);
+        float x0 = rin[o + j], x1 = rin[o + j + H];
+        rope_put(row, r16, o + j, x0 * c - x1 * sn, keep);
+        rope_put(row, r16, o + j + H, x1 * c + x0 * sn, keep);
     }
 }
 
@@ -61,27 +69,29 @@ extern "C" int FL_CUK(rope)(float *x, int B, int T, int nh, int HD, size_t row_s
                             const float *sin_t, int pos0, int backward, void *stream) {
     size_t total = (size_t)B * T * nh * (HD / 2);
     if (total == 0) return 0;
-    FL_CU_LAUNCH(fl_cu_rope_k, dim3(ew_grid(total)), dim3(256), 0, (fl_cu_stream)stream, x, (uint16_t *)NULL, B, T, nh,
-                 HD, row_stride, 0, cos_t, sin_t, pos0, backward ? -1.0f : 1.0f, 1);
+    FL_CU_LAUNCH(fl_cu_rope_k, dim3(ew_grid(total)), dim3(256), 0, (fl_cu_stream)stream, x, (const float *)x,
+                 (uint16_t *)NULL, B, T, nh, HD, row_stride, 0, cos_t, sin_t, pos0, backward ? -1.0f : 1.0f, 1);
     return fl_cu_launch_error();
 }
 
-static int rope16_launch(float *x, void *x16, int B, int T, int nh, int HD, int width, const float *cos_t,
-                         const float *sin_t, int pos0, int backward, void *stream) {
+/* out (NULL: x16 only, then required) and x16 (NULL or) from the rows of x; in place: out == x */
+static int rope16_launch(float *out, void *x16, const float *x, int B, int T, int nh, int HD, int width,
+                         const float *cos_t, const float *sin_t, int pos0, int backward, void *stream) {
     if (B < 0 || T < 0 || nh < 0 || HD < 0 || HD % 2 || width < nh * HD) return -1;
     const size_t total = (size_t)B * T * ((size_t)nh * (HD / 2) + (size_t)(width - nh * HD));
     if (total == 0) return 0;
-    FL_CU_LAUNCH(fl_cu_rope_k, dim3(ew_grid(total)), dim3(256), 0, (fl_cu_stream)stream, x, (uint16_t *)x16, B, T, nh,
-                 HD, (size_t)width, width, cos_t, sin_t, pos0, backward ? -1.0f : 1.0f, !backward);
+    if (!x || (!out && !x16)) return -1;
+    FL_CU_LAUNCH(fl_cu_rope_k, dim3(ew_grid(total)), dim3(256), 0, (fl_cu_stream)stream, out, x, (uint16_t *)x16, B,
+                 T, nh, HD, (size_t)width, width, cos_t, sin_t, pos0, backward ? -1.0f : 1.0f, !backward);
     return fl_cu_launch_error();
 }
-extern "C" int FL_CUK(rope_forward16)(float *x, void *x16, int B, int T, int nh, int HD, int width,
+extern "C" int FL_CUK(rope_forward16)(float *out, void *x16, const float *x, int B, int T, int nh, int HD, int width,
                                       const float *cos_t, const float *sin_t, int pos0, void *stream) {
-    return rope16_launch(x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, 0, stream);
+    return rope16_launch(out, x16, x, B, T, nh, HD, width, cos_t, sin_t, pos0, 0, stream);
 }
-extern "C" int FL_CUK(rope_backward16)(float *dx, void *dx16, int B, int T, int nh, int HD, int width,
-                                       const float *cos_t, const float *sin_t, int pos0, void *stream) {
-    return rope16_launch(dx, dx16, B, T, nh, HD, width, cos_t, sin_t, pos0, 1, stream);
+extern "C" int FL_CUK(rope_backward16)(float *dout, void *dx16, const float *dx, int B, int T, int nh, int HD,
+                                       int width, const float *cos_t, const float *sin_t, int pos0, void *stream) {
+    return rope16_launch(dout, dx16, dx, B, T, nh, HD, width, cos_t, sin_t, pos0, 1, stream);
 }
 
 /* ---- SGD (torch.optim.SGD), any storage dtype as sgd_update_ex ----------------------------------- */
