@@ -129,8 +129,8 @@ prebuild_start() {
           # the ASan pass itself, on the core the builds leave while the MPI stage runs: one worker at nice 19, its
           # second when the asan stage begins ($LOGS/asan-more; tests/main.c FITLLM_TEST_JOBS_MORE)
           if [ $rc = 0 ] && [ $want_early_asan = 1 ]; then
-              ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 FITLLM_TEST_JOBS=1 \
-                  FITLLM_TEST_JOBS_MORE="$PWD/$LOGS/asan-more:$FITLLM_TEST_JOBS" \
+              more="$PWD/$LOGS/asan-more:$FITLLM_TEST_JOBS" # (expanded before the one-worker setting below)
+              ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 FITLLM_TEST_JOBS=1 FITLLM_TEST_JOBS_MORE="$more" \
                   nice -n 19 "./$ASAN_BUILD/fitllm_tests" $ASAN_FILTER >"$LOGS/asan-tests.out" 2>&1
               echo $? >"$LOGS/asan-tests.rc"
           fi
