@@ -12,7 +12,7 @@
 #                  fuzz/replay_main.c by `make asan-build`), FUZZ_JOBS at a time (FUZZ_REPLAY=DIR fuzz/run_all.sh);
 #                  full tier: fuzz/build.sh (clang, libFuzzer) then every harness for FUZZ_SMOKE_TIME s from its
 #                  seeds (fuzz/run_all.sh; a crash input is kept in build-fuzz/artifacts/)
-#   asan           `make asan`: the unit tests again under ASan+UBSan+LSan ($ASAN_BUILD); after a cli stage the pass
+#   asan           `make asan`: the unit tests again under ASan+UBSan+LSan ($ASAN_BUILD); after a unit or cli stage the pass
 #                  starts in the background as soon as its build ends (one test worker at nice 19 beside the MPI
 #                  stage, on the core the builds leave), and gets its FITLLM_TEST_JOBS-th worker when this stage
 #                  begins (tests/main.c FITLLM_TEST_JOBS_MORE); the stage prints its log when it ends
@@ -28,10 +28,11 @@
 #   full   (`make test-full`, FITLLM_TEST_TIER=full): everything, in both passes (the old FITLLM_TEST_ASAN_ALL=1),
 #          the long CLI / MPI cases and 10 s of libFuzzer per harness from its seeds (the clang build). Run it before a release, or after changing
 #          what a sweep covers.
-# When cli runs before fuzz-smoke and/or asan, their builds (the full tier's fuzz/build.sh at FUZZ_OPT="-O0
+# When unit or cli runs before fuzz-smoke and/or asan, their builds (the full tier's fuzz/build.sh at FUZZ_OPT="-O0
 # -gline-tables-only", 63 CPU s from scratch (-O1 -g: ~100 quiet); then `make asan-build`, ~295 CPU s with tests/*.c
 # at -O1, the library at -O2, and the replay binaries) run one after the other at nice 19 in the background from the
-# cli stage on (ASAN_PREBUILD=0: not): the CLI
+# first of those stages on (ASAN_PREBUILD=0: not; from the unit stage since 2026-11-30: its thread-rank tests' waits
+# leave about a third of a core): the CLI
 # and MPI cases keep about one core busy (151 and 141 CPU s in 139 and 179 s of cases on 2 quiet cores), the builds
 # take the other (~340 CPU s spare, ~340 CPU s of builds); fuzz-smoke and asan wait for theirs (logs:
 # $BUILD/test-logs/fuzz-build.log, asan-build.log). The unit logs give each test's CPU and wall time
@@ -111,7 +112,7 @@ stage_cmd() {
 
 [ $# -gt 0 ] && STAGES=("$@")
 
-# the background builds (above): started before the cli stage, one after the other at nice 19 - the clang fuzz
+# the background builds (above): started before the unit (or cli) stage, one after the other at nice 19 - the clang fuzz
 # build first when fuzz-smoke runs after cli (it was a serial ~100 CPU s at the start of that stage), then the ASan
 # build when asan runs after cli -, each waited for by its stage (a pipeline's subshell: it polls for the exit
 # status file each build leaves, $LOGS/<build>.rc, and whether the chain still runs)
@@ -143,7 +144,7 @@ prebuild_wait() { # asan-build | fuzz-build
     while [ ! -f "$LOGS/$1.rc" ] && kill -0 "$PREBUILD_PID" 2>/dev/null; do sleep 1; done
     local rc
     rc=$(cat "$LOGS/$1.rc" 2>/dev/null || echo 1)
-    echo "${1%-build}: the ${1%-build} build ran in the background from the cli stage on ($((SECONDS - PREBUILD_T0)) s since; exit $rc)"
+    echo "${1%-build}: the ${1%-build} build ran in the background from the unit / cli stage on ($((SECONDS - PREBUILD_T0)) s since; exit $rc)"
     [ "$rc" -eq 0 ] || { tail -n 30 "$LOGS/$1.log"; return 1; }
 }
 want_prebuild=0        # 1 when asan runs after cli
@@ -152,7 +153,7 @@ want_early_asan=0      # 1 when asan runs after cli: its pass starts in the back
 if [ "${ASAN_PREBUILD:-1}" != 0 ]; then
     seen_cli=0
     for st in "${STAGES[@]}"; do
-        [ "$st" = cli ] && seen_cli=1
+        { [ "$st" = unit ] || [ "$st" = cli ]; } && seen_cli=1
         [ "$st" = asan ] && [ $seen_cli = 1 ] && want_prebuild=1 && want_early_asan=1
         [ "$st" = fuzz-smoke ] && [ $seen_cli = 1 ] && [ "$FITLLM_TEST_TIER" = full ] && want_prebuild_fuzz=1
         [ "$st" = fuzz-smoke ] && [ $seen_cli = 1 ] && [ "$FITLLM_TEST_TIER" = quick ] && want_prebuild=1
@@ -166,7 +167,10 @@ for st in "${STAGES[@]}"; do
         R_NAME+=("$st"); R_RES+=("not built"); R_P+=(0); R_F+=(0); R_S+=(0); R_T+=(0)
         continue
     fi
-    [ "$st" = cli ] && [ $((want_prebuild + want_prebuild_fuzz)) -gt 0 ] && prebuild_start
+    # the background chain from the first of the unit and cli stages on (the unit pass leaves a third of a core in its
+    # thread-rank tests' waits; the chain at nice 19 takes what the stages leave)
+    { [ "$st" = unit ] || [ "$st" = cli ]; } && [ -z "$PREBUILD_PID" ] && [ $((want_prebuild + want_prebuild_fuzz)) -gt 0 ] &&
+        prebuild_start
     echo
     echo "==== make test: $st ($FITLLM_TEST_TIER tier) ===="
     t0=$SECONDS
