@@ -280,3 +280,124 @@ FL_TEST(cuda_emu_only16_forced_fails) {
     fl_test_skip("no CUDA emulator in this build");
 #endif
 }
+
+/* The gradient buffers sized without the fp32 gradients no backward pass writes (fl_block_grads_dropped, exec16.c;
+ * acts.c's gdrop): a LLaMA block's d(gate|up) is held in bf16 only (act_backward16 with din NULL, the gate|up LINEAR
+ * reading its bf16 dy), so buffer 2 needs d(q|k|v)'s width only. Checked: which slots, by name, for LLaMA bf16-true /
+ * bf16-mixed / checkpointed (fc) and where the LINEAR reads d(fc) in fp32 (none: GPT-2 / OPT's biased c_fc, LoRA's
+ * frozen base, QLoRA); the bytes against the shapes (micro: B T x (2 F - (C + 2 KVD)) floats; TinyLlama-1.1B at B 4,
+ * T 2048 planned: 8,192 x (11,264 - 2,560) x 4 = 285,212,672); planned = measured on cuda-emu with it is
+ * cuda_emu_views16_workspace's; a pass that would write a dropped slot's fp32 gradient fails naming it, and an adapter
+ * attached after the arena whose linear would need one is refused naming it. */
+#ifdef FL_HAVE_CUDA_EMU
+static fl_status grads_model(const char *preset, int prec, int ckpt, const char *lora, fl_backend *be,
+                             fl_mem_pool *pool, fl_model *m) {
+    fl_model_config c;
+    FL_TRY(fl_preset_find(preset, &c));
+    c.n_layers = 2;
+    fl_model_storage st;
+    fl_model_storage_for(fl_precision_get(prec), &st);
+    FL_TRY(fl_model_init_ex(m, &c, be, pool, &st));
+    m->act_ckpt = ckpt;
+    fl_model_init_random(m, 5);
+    FL_TRY(fl_model_set_precision(m, fl_precision_get(prec)));
+    if (lora) {
+        fl_lora_config lc;
+        FL_TRY(fl_lora_config_init(&lc, &c, 4, 8, 0.0f, 0, lora));
+        FL_TRY(fl_model_lora_init(m, &lc, 7));
+    } else
+        FL_TRY(fl_model_alloc_grads(m));
+    return fl_model_alloc_acts(m, B, T);
+}
+static void grads_case(const char *preset, int prec, int ckpt, const char *lora, const char *want) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, "grads16", 0));
+    fl_model m;
+    memset(&m, 0, sizeof m);
+    fl_status s = grads_model(preset, prec, ckpt, lora, &be, &pool, &m);
+    FL_CHECKF(s == FL_OK, "%s: %s", preset, fl_error_message());
+    const unsigned want_bits = *want ? 1u << slot_of(preset, want, NULL) : 0;
+    if (s == FL_OK)
+        FL_CHECKF(m.acts->gdrop == want_bits, "%s prec %d ckpt %d lora %s: gradients held in bf16 only 0x%x, expected "
+                  "0x%x ('%s')", preset, prec, ckpt, lora ? lora : "-", m.acts->gdrop, want_bits, want);
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+}
+#endif
+
+FL_TEST(cuda_emu_grads16_sizing) {
+#ifdef FL_HAVE_CUDA_EMU
+    grads_case("micro", FL_PREC_BF16_TRUE, 0, NULL, "fc");
+    grads_case("micro", FL_PREC_BF16_MIXED, 1, NULL, "fc");
+    grads_case("micro", FL_PREC_32_TRUE, 0, NULL, ""); /* fp32 activations: no bf16 ops */
+    grads_case("micro", FL_PREC_BF16_TRUE, 0, "q_proj,v_proj", ""); /* a frozen base reads no bf16 dy */
+    grads_case("gpt2-micro", FL_PREC_BF16_TRUE, 0, NULL, ""); /* c_fc's bias gradient sums the fp32 d(fc) */
+    grads_case("opt-micro", FL_PREC_BF16_TRUE, 0, NULL, "");
+    /* the bytes: the sizing with and without, against the shapes */
+    static const struct { const char *preset; int B, T; } sh[] = {{"micro", B, T}, {"tinyllama-1.1b", 4, 2048}};
+    for (int k = 0; k < 2; k++) {
+        fl_model_config c;
+        FL_REQUIRE_OK(fl_preset_find(sh[k].preset, &c));
+        const int fc = slot_of("micro", "fc", NULL);
+        fl_act_opts o = {0, FL_BF16, 1, FL_F32, 0, 0, 0, 0};
+        fl_act_sizes with, without;
+        fl_sizing_acts_ex(&c, sh[k].B, sh[k].T, &o, &without);
+        o.gdrop = 1u << fc;
+        fl_sizing_acts_ex(&c, sh[k].B, sh[k].T, &o, &with);
+        const size_t n = (size_t)sh[k].B * sh[k].T, kvd = (size_t)c.n_kv_heads * (c.dim / c.n_heads);
+        const size_t want = n * (2 * (size_t)c.ffn_dim - (c.dim + 2 * kvd)) * sizeof(float);
+        FL_CHECKF(without.workspace_bytes - with.workspace_bytes == want,
+                  "%s B %d T %d: WORKSPACE %zu -> %zu, %zd fewer bytes, expected %zu", sh[k].preset, sh[k].B, sh[k].T,
+                  without.workspace_bytes, with.workspace_bytes,
+                  (ptrdiff_t)(without.workspace_bytes - with.workspace_bytes), want);
+        printf("      %-15s B %d T %-5d WORKSPACE %zu -> %zu bytes (d(gate|up) in bf16 only)\n", sh[k].preset, sh[k].B,
+               sh[k].T, without.workspace_bytes, with.workspace_bytes);
+    }
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* a pass that would write an fp32 gradient the buffers lack fails naming it (the sizing made wrong on purpose: 'qkv'
+ * taken as dropped); an adapter on the gate|up linear attached after the arena is refused naming d(fc) (its views
+ * taken as all carved, so the gradient's refusal is the one reached) */
+FL_TEST(cuda_emu_grads16_lacking_refused) {
+#ifdef FL_HAVE_CUDA_EMU
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, "grads16", 0));
+    fl_model m;
+    memset(&m, 0, sizeof m);
+    FL_REQUIRE_OK(grads_model("micro", FL_PREC_BF16_TRUE, 0, NULL, &be, &pool, &m));
+    const int qkv = slot_of("micro", "qkv", NULL), fc = slot_of("micro", "fc", NULL);
+    FL_REQUIRE(m.acts->gdrop == 1u << fc);
+    m.acts->gdrop |= 1u << qkv;
+    int32_t ids[B * T], tg[B * T];
+    for (int i = 0; i < B * T; i++) ids[i] = (i * 7 + 3) % m.cfg.vocab_size, tg[i] = (i * 5 + 1) % m.cfg.vocab_size;
+    fl_status s = fl_model_forward(&m, ids, tg, B, T, 1.0f / (B * T), NULL);
+    if (s == FL_OK) s = fl_model_backward(&m);
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "writes d('qkv') in fp32") &&
+                  strstr(fl_error_message(), "sized without"),
+              "status %d: %s", (int)s, s == FL_OK ? "ok" : fl_error_message());
+    fl_model_free(&m);
+    /* LoRA on gate|up (+ down) attached late: its frozen base reads d(fc) in fp32 */
+    memset(&m, 0, sizeof m);
+    FL_REQUIRE_OK(grads_model("micro", FL_PREC_BF16_TRUE, 0, NULL, &be, &pool, &m));
+    m.acts->drop32 = 0; /* (every view carved: the views' refusal is cuda_emu_views16_late_adapter_refused's) */
+    fl_model_config c = m.cfg;
+    fl_lora_config lc;
+    FL_REQUIRE_OK(fl_lora_config_init(&lc, &c, 4, 8, 0.0f, 0, "gate_proj,up_proj"));
+    s = fl_model_lora_init(&m, &lc, 7);
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "fp32 gradient of 'fc'"), "status %d: %s", (int)s,
+              s == FL_OK ? "ok" : fl_error_message());
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}

@@ -314,6 +314,9 @@ typedef struct {
     unsigned drop32; /* bf16 stored (act_dtype BF16): the block graph's WIDE slots (bit k: slot k) whose fp32 WORKSPACE
                    * views are not carved, on a backend whose bf16 ops write those slots in bf16 only
                    * (FL_CAP_VIEWS16: fl_model_alloc_acts asks the executor); 0: every view */
+    unsigned gdrop;  /* the same backends: the block graph's slots (bit k: slot k) whose gradient every backward pass
+                   * holds in bf16 only (an activation's input, e.g. d(gate|up)): the gradient buffers are sized
+                   * without their widths; 0: every slot's */
 } fl_act_opts;
 /* The backend_scratch of a model whose matmuls read `compute_dtype` weights, `quant4` if it has
  * 4-bit weights, on a backend with `scratch_bytes` (the CPU's: fl_cpu_scratch_bytes). */

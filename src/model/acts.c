@@ -135,10 +135,31 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, cons
     return cv.off;
 }
 
+/* The facts fl_get_block would bind for block l's LINEARs (store.c's set_linear and fl_linear_set_dw_scratch: a bias's
+ * role, a 4-bit base, the bf16 compute copy, a trained weight's bf16 dW scratch, the adapters attached), at set-up
+ * without touching a parameter: every pointer set is `any` (never dereferenced). */
+void fl_block_bind_facts(const fl_model *m, const fl_block_graph *g, int l, void *any, fl_block_params *bp) {
+    const int q4 = fl_model_quant4(m) != 0, trains = fl_model_grads_data(m) != NULL;
+    const int bf16 = m->prec.compute_dtype == FL_BF16;
+    memset(bp, 0, sizeof *bp);
+    for (int i = 0; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i];
+        if (o->kind != FL_GOP_LINEAR) continue;
+        fl_linear *lin = &bp->lin[o->p];
+        lin->n_q4 = q4; /* 4-bit (QLoRA): every linear taken as 4-bit, its x read in fp32 */
+        lin->wc = bf16 && !q4 ? any : NULL;
+        lin->wct = FL_BF16;
+        if (o->role_b >= 0 && fl_layout_role(&m->layout, l + 1, (fl_param_role)o->role_b) >= 0) lin->b = any;
+        lin->dw = trains && !q4 ? any : NULL;
+        lin->db = trains && lin->b ? any : NULL; /* a trained bias: its gradient sums the fp32 dy */
+        lin->xb16 = lin->dyb16 = lin->dw && lin->wc ? any : NULL; /* fl_linear_set_dw_scratch */
+        if (m->adapt) m->adapt->bind(m->adapt, l, o->p, lin, 0);
+    }
+}
+
 /* The WIDE slots whose fp32 views the model's decoder-only training arena does not carve (0: every view): those
  * fl_block_views32 leaves out in every block, with and without the config's dropout (training and evaluation passes),
- * from the facts fl_get_block would bind (store.c's set_linear: a bias's role, a 4-bit base, the bf16 compute copy,
- * a trained weight's bf16 dW scratch, the adapters attached), at set-up without touching a parameter (the planner's
+ * from the facts fl_get_block would bind (fl_block_bind_facts), at set-up without touching a parameter (the planner's
  * null backend standing in for the GPU takes the same path). block_forward checks each pass against it. */
 unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g) {
     if (!(m->be->caps & FL_CAP_VIEWS16) || !m->prec.name || m->prec.act_dtype != FL_BF16) return 0;
@@ -152,23 +173,9 @@ unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g) {
         if (kind == FL_GSLOT_WIDE) wide |= 1u << k;
     }
     fl_block_ctx x = {.s16 = s16, .store16 = 1};
-    const int q4 = fl_model_quant4(m) != 0, trains = fl_model_grads_data(m) != NULL;
-    const int bf16 = m->prec.compute_dtype == FL_BF16;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         fl_block_params bp;
-        memset(&bp, 0, sizeof bp);
-        for (int i = 0; i < g->n_ops; i++) {
-            const fl_gop *o = &g->op[i];
-            if (o->kind != FL_GOP_LINEAR) continue;
-            fl_linear *lin = &bp.lin[o->p];
-            lin->n_q4 = q4; /* 4-bit (QLoRA): every linear taken as 4-bit, its x read in fp32 */
-            lin->wc = bf16 && !q4 ? any : NULL;
-            lin->wct = FL_BF16;
-            if (o->role_b >= 0 && fl_layout_role(&m->layout, l + 1, (fl_param_role)o->role_b) >= 0) lin->b = any;
-            lin->dw = trains && !q4 ? any : NULL;
-            lin->xb16 = lin->dw && lin->wc ? any : NULL; /* fl_linear_set_dw_scratch */
-            if (m->adapt) m->adapt->bind(m->adapt, l, o->p, lin, 0);
-        }
+        fl_block_bind_facts(m, g, l, any, &bp);
         for (int d = 0; d < 2; d++) {
             x.attn_drop_p = d && m->cfg.dropout_on ? m->cfg.attn_dropout_rate : 0.0f;
             need |= fl_block_views32(m, g, &bp, &x);
@@ -269,23 +276,35 @@ fl_status fl_acts_store_stream(fl_model *m, int l, int N) {
 
 static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
 
+/* The gradient buffers' widths: graph.c's (the widest slot each holds) without the slots in gdrop */
+static void gbuf_widths(const fl_block_graph *g, unsigned gdrop, int *w) {
+    for (int b = 0; b < FL_GRAPH_MAX_GBUF; b++) w[b] = gdrop ? 0 : g->gbuf_width[b];
+    for (int k = 0; gdrop && k < g->n_slots; k++) {
+        const int b = g->slot[k].grad;
+        if (b > FL_GBUF_NONE && !(gdrop >> k & 1u) && w[b] < g->slot[k].width) w[b] = g->slot[k].width;
+    }
+}
+
 /* Workspace live bytes: *handoff = what a training forward leaves for the backward (d(lnf),
  * the first N x C floats of buf1, and the token ids), *constant = the RoPE tables (written
  * once, read by every pass). Everything else is scratch within one pass (the widened head and
  * the backend's scratch too). */
 static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, const fl_model_graph *mg, int B, int T,
-                         int ckpt, fl_dtype adt, unsigned drop32, int dw_bf16,
+                         int ckpt, fl_dtype adt, unsigned drop32, unsigned gdrop, int dw_bf16,
                          fl_dtype head_widen, size_t be_scratch, char *base, fl_acts *a, size_t *handoff,
                          size_t *constant) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
     carver cv = {base, 0, 0, 0};
-    /* the backward's gradient buffers (the graph's assignment); buf1 also takes d(lnf) (N, C) */
-    float *dres = carve(&cv, N * imax(d.C, (size_t)g->gbuf_width[FL_GBUF_RES]));
-    float *buf1 = carve(&cv, N * imax(d.C, (size_t)g->gbuf_width[FL_GBUF_1]));
-    float *buf2 = carve(&cv, N * (size_t)g->gbuf_width[FL_GBUF_2]);
+    /* the backward's gradient buffers (the graph's assignment) as wide as their slots' gradients the backward holds
+     * in fp32 (gdrop: those it does not, fl_block_grads_dropped); buf1 also takes d(lnf) (N, C) */
+    int gw[FL_GRAPH_MAX_GBUF];
+    gbuf_widths(g, gdrop, gw);
+    float *dres = carve(&cv, N * imax(d.C, (size_t)gw[FL_GBUF_RES]));
+    float *buf1 = carve(&cv, N * imax(d.C, (size_t)gw[FL_GBUF_1]));
+    float *buf2 = carve(&cv, N * (size_t)gw[FL_GBUF_2]);
     float *more[2] = {NULL, NULL}; /* a graph with slots read by several ops: its further buffers */
-    for (int k = FL_N_GBUF; k < g->n_gbuf; k++) more[k - FL_N_GBUF] = carve(&cv, N * (size_t)g->gbuf_width[k]);
+    for (int k = FL_N_GBUF; k < g->n_gbuf; k++) more[k - FL_N_GBUF] = carve(&cv, N * (size_t)gw[k]);
     float *logits = carve(&cv, (size_t)logits_chunk_rows(c, (int)N) * d.V);
     float *sp_dnorm = g->sp > 1 ? carve(&cv, 2 * (size_t)d.C) : NULL; /* sequence parallel: a norm's gradient part */
     const size_t tpr = c->tp_size > 1 ? (size_t)logits_chunk_rows(c, (int)N) : 0; /* tensor parallel: the statistics */
@@ -360,7 +379,8 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
         fl_model_graph_build(&c, &mg) != FL_OK)
         return;
     out->acts_bytes = carve_acts(&c, &g, &mg, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
-    out->workspace_bytes = carve_work(&c, &g, &mg, B, T, ckpt, adt, opts ? opts->drop32 : 0, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
+    out->workspace_bytes = carve_work(&c, &g, &mg, B, T, ckpt, adt, opts ? opts->drop32 : 0, opts ? opts->gdrop : 0,
+                                      opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
                                       opts ? opts->backend_scratch : 0, NULL, NULL, &out->work_handoff_bytes,
                                       &out->work_const_bytes);
     /* per layer: the difference between L and L-1 layers */
@@ -382,7 +402,7 @@ void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts
     }
     if (train) {
         carve_acts(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
-        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, 0, FL_F32, 0, NULL, NULL, &handoff,
+        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, 0, 0, FL_F32, 0, NULL, NULL, &handoff,
                    &constant);
     }
     *acts = saved;
@@ -481,16 +501,17 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (s == FL_OK) s = fl_model_graph_build(&m->cfg, mg);
     if (s != FL_OK) { fl_model_free_acts(m); return s; }
     /* bf16 stored on an FL_CAP_VIEWS16 backend: the fp32 views no block reads or writes are not carved */
-    const unsigned drop32 = fl_block_views_dropped(m, g);
-    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp, drop32};
+    const unsigned drop32 = fl_block_views_dropped(m, g), gdrop = fl_block_grads_dropped(m, g);
+    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp, drop32, gdrop};
     fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
     carve_acts(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
-    carve_work(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, drop32, dw_bf16, head_widen, bes,
+    carve_work(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, drop32, gdrop, dw_bf16, head_widen, bes,
                (char *)m->work_arena, a, NULL, NULL);
     a->drop32 = drop32;
+    a->gdrop = gdrop;
     wire_stream(a);
     if (fl_arch_get(m->cfg.arch)->rope)
         s = m->be->rope_tables(m->be, a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta,

@@ -56,13 +56,16 @@ fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_l
      * linear's input, acts.c's drop32) */
     const fl_acts *ac = m->acts;
     const unsigned lost = ac && ac->drop32 && !ac->kind ? ac->drop32 & ~fl_block_views_dropped(m, ac->graph) : 0;
-    for (int s = 0; lost && s < FL_GRAPH_MAX_SLOTS; s++)
-        if (lost >> s & 1u) {
+    /* ... or the width of an fp32 gradient its linear's backward then writes (acts.c's gdrop) */
+    const unsigned glost = ac && ac->gdrop && !ac->kind ? ac->gdrop & ~fl_block_grads_dropped(m, ac->graph) : 0;
+    for (int s = 0; (lost | glost) && s < FL_GRAPH_MAX_SLOTS; s++)
+        if ((lost | glost) >> s & 1u) {
             t->count[k]--; /* refused: the table as it was */
             t->pub.head = t->count[t->n_keys - 1] > 0;
             return fl_errorf(FL_ERR_INVALID, "fl_model_attach_adapter: the activations were allocated before it and "
-                             "left out the fp32 view of '%s' it reads (attach adapters before fl_model_alloc_acts)",
-                             ac->graph->slot[s].name);
+                             "left out the fp32 %s of '%s' it %s (attach adapters before fl_model_alloc_acts)",
+                             lost >> s & 1u ? "view" : "gradient", ac->graph->slot[s].name,
+                             lost >> s & 1u ? "reads" : "needs");
         }
     return FL_OK;
 }

@@ -653,6 +653,12 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
     /* the next op's (a LINEAR's) dy already in its dyb16 (dy16_for, norm_dy16_for; the caller's for the first) */
     int dy16_ready = x->dout16_ready && x->s16 && fl_block_dout16(g, bp);
     const unsigned only16 = fl_block_only16(m, g, bp, x, 1);
+    /* (the planner's stand-in lacks the bf16 ops, writes nothing, and sizes as the backend it plans: not checked) */
+    const char *lack = x->gdrop && !fl_backend_discards(be) ? fl_block_grads16_lacking(g, x->gdrop, only16) : NULL;
+    if (lack)
+        return fl_errorf(FL_ERR_INVALID, "block backward: this pass writes d('%s') in fp32, which the gradient buffers "
+                         "were sized without (fl_block_grads_dropped: set up before the adapters or weights it has now?)",
+                         lack);
     int stale = -1; /* the slot whose gradient the op before wrote in bf16 only (fl_block_only16) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {

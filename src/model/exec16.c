@@ -13,6 +13,8 @@
  * no bias gradient, adapter or 4-bit base (fl_linear_reads_dy32); an activation that starts d(in) (not acc: the update
  * of a zero d(in), not cleared). Made once per block pass from the graph and the bound facts; block_forward /
  * fl_block_backward hand a later fp32 reader NULL, and refuse it naming the slot. */
+static unsigned only16_bwd(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, int have_act,
+                           int have_rope, unsigned *forced);
 unsigned fl_only16_test_force; /* testing: ops (bit i) taken as bf16-only although a later op reads their fp32 */
 unsigned fl_block_only16(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x,
                          int bwd) {
@@ -30,14 +32,63 @@ unsigned fl_block_only16(const fl_model *m, const fl_block_graph *g, const fl_bl
                 r |= 1u << i;
         }
     }
-    for (int i = 1; bwd && i < g->n_ops; i++) {
-        const fl_gop *o = &g->op[i];
-        if (!dy16_for(be, g, bp, i) || g->slot[o->in].kind == FL_GSLOT_XSTREAM) continue;
-        const int act = act16_kind(o->kind) >= 0;
-        if (!act && !rope16_fused(m)) continue;
-        f |= fl_only16_test_force & 1u << i;
-        if (!fl_linear_reads_dy32(&bp->lin[g->op[i - 1].p]) && (!act || !o->acc)) r |= 1u << i;
-    }
+    if (bwd) r = only16_bwd(m, g, bp, be->act_backward16 != NULL, be->rope_backward16 != NULL, &f);
     return r | f;
+}
+
+/* The backward's half of fl_block_only16, with the backend's act_backward16 / rope_backward16 there or not (have_act,
+ * have_rope: dy16_for's test); *forced gets fl_only16_test_force's bits where they apply. */
+static unsigned only16_bwd(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, int have_act,
+                           int have_rope, unsigned *forced) {
+    unsigned r = 0;
+    for (int i = 1; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i], *pv = &g->op[i - 1];
+        const int act = act16_kind(o->kind) >= 0;
+        if (pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_wants_dy16(&bp->lin[pv->p]) ||
+            !bp->lin[pv->p].dyb16 || !(act ? have_act : o->kind == FL_GOP_ROPE && have_rope) ||
+            g->slot[o->in].kind == FL_GSLOT_XSTREAM)
+            continue; /* dy16_for: NULL */
+        if (!act && !rope16_fused(m)) continue;
+        *forced |= fl_only16_test_force & 1u << i;
+        if (!fl_linear_reads_dy32(&bp->lin[pv->p]) && (!act || !o->acc)) r |= 1u << i;
+    }
+    return r;
+}
+
+/* The slots whose gradient a pass of this op set holds in bf16 only: an activation's input (its d(in) not written in
+ * fp32: act_backward16 with din NULL); RoPE's d(q|k|v) is written in fp32 by the attention's backward before it. */
+static unsigned grads16_of(const fl_block_graph *g, unsigned only16) {
+    unsigned r = 0;
+    for (int i = 0; i < g->n_ops; i++)
+        if ((only16 >> i & 1u) && act16_kind(g->op[i].kind) >= 0) r |= 1u << g->op[i].in;
+    return r;
+}
+
+/* The slots whose fp32 gradient no backward pass of the model writes (bit k: slot k; 0: every one): those every block's
+ * backward holds in bf16 only (fl_block_only16's, from the facts fl_get_block would bind: fl_block_bind_facts), so
+ * acts.c sizes the gradient buffers without them (a TinyLlama block: d(gate|up), 11,264 floats a row, leaves buffer 2
+ * at d(q|k|v)'s 2,560). FL_CAP_VIEWS16 says the backend has act_backward16 and rope_backward16 taking a NULL fp32
+ * gradient, so the planner's null backend standing in for it decides the same. fl_block_backward refuses a pass
+ * that would write one (fl_block_ctx.gdrop). */
+unsigned fl_block_grads_dropped(const fl_model *m, const fl_block_graph *g) {
+    if (!(m->be->caps & FL_CAP_VIEWS16) || !m->prec.name || m->prec.act_dtype != FL_BF16 || m->cfg.n_layers < 1)
+        return 0;
+    static const char one;
+    unsigned r = ~0u, forced = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        fl_block_params bp;
+        fl_block_bind_facts(m, g, l, (void *)&one, &bp);
+        r &= grads16_of(g, only16_bwd(m, g, &bp, 1, 1, &forced));
+    }
+    return r;
+}
+
+/* fl_block_backward's check of a pass against the buffers' sizing: NULL, or the first slot in gdrop whose fp32
+ * gradient this pass (only16: its fl_block_only16) would write. */
+const char *fl_block_grads16_lacking(const fl_block_graph *g, unsigned gdrop, unsigned only16) {
+    const unsigned lack = gdrop & ~grads16_of(g, only16);
+    for (int k = 0; lack && k < g->n_slots; k++)
+        if (lack >> k & 1u) return g->slot[k].name;
+    return NULL;
 }
 

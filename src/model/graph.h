@@ -249,6 +249,9 @@ typedef struct {
      * when that is a NORM of the input stored in bf16, else alone) */
     fl_add_pending *hand_on;
     const fl_add_pending *take;
+    /* the slots whose fp32 gradient gb's buffers were sized without (fl_block_grads_dropped; 0: every one fits): a
+     * backward pass that would write one fails naming it */
+    unsigned gdrop;
 } fl_block_ctx;
 
 /* The seed of dropout site `site` under base seed `base` (a micro-batch's block, or a stack's embedding / final
@@ -297,6 +300,13 @@ extern unsigned fl_views_test_forget;
 unsigned fl_block_only16(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x,
                          int bwd);
 extern unsigned fl_only16_test_force;
+/* The slots whose fp32 gradient no backward pass of the model's training arena writes (exec16.c; acts.c sizes the
+ * gradient buffers without them: fl_act_opts.gdrop), and a pass's check against it (the slot's name, NULL: none
+ * lacking). fl_block_bind_facts (acts.c): the facts fl_get_block would bind for block l's LINEARs, every pointer
+ * `any`, for these set-up decisions. */
+unsigned fl_block_grads_dropped(const fl_model *m, const fl_block_graph *g);
+const char *fl_block_grads16_lacking(const fl_block_graph *g, unsigned gdrop, unsigned only16);
+void fl_block_bind_facts(const fl_model *m, const fl_block_graph *g, int l, void *any, fl_block_params *bp);
 
 /* Inference scratch for n rows: the floats of the graph's shared buffers (64-byte aligned views), and with a
  * base, the slot views (s[FL_GSLOT_IN] and s[FL_GSLOT_OUT] point to the same buffer). */

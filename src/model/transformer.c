@@ -351,6 +351,7 @@ static fl_status blocks_backward(fl_model *m, int B, int T, int dres16) {
         fl_get_block(m, a->graph, l, &bp);
         fl_block_ctx x = train_ctx(m, B, T, l);
         if (a->act_dtype == FL_BF16) x.s16 = a->layer[l].s16;
+        x.gdrop = a->gdrop; /* the gradient buffers sized without these slots' fp32 (acts.c) */
         /* LoRA: the embeddings are frozen, so block 0's input gradient has no reader */
         x.no_din = l == 0 && m->adapt && !m->keep_block0_din;
         /* the residual gradient's bf16 copy, where the norms write it (the copy lives in the shared dyb16,
