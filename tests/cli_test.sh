@@ -1848,6 +1848,18 @@ expect perf_session_dry_tp_ops 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1"
     for op in vocab_xent dropout_rows; do
         grep -q "^DRY .*fitllm selftest --accelerator cuda --only $op\$" "$1/tp-$op.log" || { echo "no selftest of $op"; exit 1; }
     done; echo "plumbing ok"' _ "$T/pdry-tp" "$FITLLM"
+# fitllm_emu (the command line over the CUDA emulator, a developer's tool: tests/cuda/fitllm_emu.c): a bf16-true step's
+# profile lists every op the CUDA backend issues; no conversion op among them (issue 30 item 1's ratchet, as
+# cuda_emu_bf16_true_convert_launches counts the kernels)
+EMU="$(dirname "$FITLLM")/fitllm_emu"
+if [ -x "$EMU" ]; then
+    expect emu_bf16_step_no_convert 0 "^no conversion op: ok$" -- bash -c 'out=$(FITLLM_BACKEND=cuda-emu "$1" bench-step micro \
+        --precision bf16-true --profile --steps 1 --warmup 0 --seq 16 --micro-batch 1 2>&1) || { echo "$out"; exit 1; }
+        echo "$out" | grep -qE "^ +gemm +[0-9.]+ .* 63 " || { echo "$out"; echo "no gemm row with 63 calls"; exit 1; }
+        echo "$out" | grep -E "^ +(convert|convert_many|round16) " && exit 1; echo "no conversion op: ok"' _ "$EMU"
+else
+    echo "skip emu_bf16_step_no_convert: no fitllm_emu beside $FITLLM (a build without the CUDA emulator)"; skip=$((skip+1))
+fi
 echo
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]
