@@ -70,6 +70,11 @@ typedef enum {
     FL_OP_SUMSQ,        /* a = the input */
     FL_OP_Q4_MATMUL,    /* 4-bit weights (no dtype) */
     FL_OP_VOCAB_XENT,   /* vocab_stats and vocab_xent (the vocabulary-parallel cross-entropy on the device; F32) */
+    /* gemm with a 16-bit C read (beta != 0; a, b, c as FL_OP_GEMM): D = C = round(fp32(alpha op(A) op(B)) + beta C)
+     * with fp32 accumulation, the sum's fp32 value plus beta C in fp32, rounded to C's type once (accumulate16's bits
+     * after a gemm into a zeroed fp32 buffer). cuda, cuda-emu (BF16); issue 30 item 1: a bf16 weight gradient written
+     * by its GEMM in place */
+    FL_OP_GEMM_ACC16,
     FL_OP_COUNT
 } fl_op;
 const char *fl_op_name(fl_op op);

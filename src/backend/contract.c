@@ -61,7 +61,7 @@ fl_status fl_backend_add_norm16_composed(const fl_backend *be, int ln, float *re
 const char *fl_op_name(fl_op op) {
     static const char *const names[FL_OP_COUNT] = {"gemm",       "convert",   "adamw_update", "sgd_update",
                                                     "adam8bit_update", "accumulate16", "sumsq", "q4_matmul",
-                                                    "vocab_xent"};
+                                                    "vocab_xent", "gemm_acc16"};
     return (unsigned)op < FL_OP_COUNT ? names[op] : "?";
 }
 

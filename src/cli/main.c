@@ -167,6 +167,9 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_XBLOCK_NORM=0|1 (environment): 1 (default) = EXPERIMENTAL: under bf16 storage a block's last\n"
                "               residual add runs fused with the next block's first norm (or the final norm), one launch\n"
                "               (the same bits); 0 = each block does its own add (A/B)\n");
+    fprintf(f, "\n  FITLLM_CUDA_DW16=0|1 (environment): 1 (default) = EXPERIMENTAL: under bf16-true a block's bias-free\n"
+               "               linears' dW GEMMs add into the bf16 gradient in place, rounded once (the same bits);\n"
+               "               0 = staged in fp32, zeroed and added back by accumulate16 (A/B)\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

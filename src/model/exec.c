@@ -982,8 +982,10 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
                       lin->in));
     if (dy16) { /* dW += bf16(dy)^T @ bf16(x), fp32 accumulation; bf16(x): the saved copy when there is one */
         if (!x16) FL_TRY(FL_RUN(be, convert, lin->xb16, FL_BF16, x, FL_F32, (size_t)N * lin->in));
+        /* dw16: into the bf16 gradient in place, rounded once (fl_store_direct16); else the fp32 stage */
         FL_TRY(FL_RUN(be, gemm, 1, 0, lin->out, lin->in, N, 1.0f, lin->dyb16, FL_BF16, lin->out, x16 ? x16 : lin->xb16,
-                      FL_BF16, lin->in, 1.0f, lin->dw, FL_F32, lin->in));
+                      FL_BF16, lin->in, 1.0f, lin->dw16 ? lin->dw16 : (void *)lin->dw, lin->dw16 ? FL_BF16 : FL_F32,
+                      lin->in));
     } else if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
         FL_TRY(FL_RUN(be, gemm, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
                       lin->dw, FL_F32, lin->in));

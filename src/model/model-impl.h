@@ -129,6 +129,10 @@ typedef struct {
     int n_adapters;
     int row_base;     /* the head: the chunk's first row in the batch (what the adapters' dropout masks follow) */
     void *xb16, *dyb16; /* bf16 scratch (N, in), (N, out): dW += bf16(dy)^T bf16(x), or NULL (fp32 dW) */
+    /* (out, in) bf16, or NULL: the weight's 16-bit gradient itself, which that dW GEMM then adds into in place
+     * (FL_OP_GEMM_ACC16: bf16(fp32 sum + g16), rounded once; dw's staging slot unused). Set per block pass by
+     * fl_store_direct16 (issue 30 item 1) */
+    void *dw16;
 } fl_linear;
 
 /* The adapter table, the one interface through which the model's core reaches the adapters attached to its LINEAR
@@ -179,6 +183,18 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
 #include "graph.h"
 
 /* ---- parameter lookup (store.c), shared by transformer.c and generate.c ---- */
+
+/* 16-bit weight gradients written by their GEMMs in place (issue 30 item 1; store.c). fl_store_dw16_knob:
+ * FITLLM_CUDA_DW16 (unset or 1: on, 0: off; an error naming it otherwise). fl_store_dw16_model: the store and backend
+ * allow it (a dense bf16 gradient, FL_OP_GEMM_ACC16, no tensor / sequence parallelism). fl_store_direct16: in block
+ * params bp bound for layout group grp, each LINEAR with a plain bf16-operand weight gradient (no bias, adapter or
+ * 4-bit base) that no other dW GEMM of the pass writes gets dw16 = its bf16 gradient; rng receives the group-relative
+ * ranges [r0, r1) still staged in fp32 (norm weights, biases, the rest), in order; returns their count. */
+enum { FL_STAGE_RANGES_MAX = FL_GRAPH_MAX_LINEARS + 1 };
+fl_status fl_store_dw16_knob(int *on);
+int fl_store_dw16_model(const fl_model *m);
+int fl_store_direct16(const fl_model *m, const fl_block_graph *g, fl_block_params *bp, int grp,
+                      size_t rng[FL_STAGE_RANGES_MAX][2]);
 
 /* Embeddings, final norm and head (head == wte when tied). */
 typedef struct {

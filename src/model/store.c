@@ -111,6 +111,24 @@ fl_status fl_store_stage_flush(fl_param_store *s, size_t off, size_t n) {
     return FL_RUN(s->be, accumulate16, dst, s->dtype, s->gstage, n);
 }
 
+void fl_store_stage_begin_ranges(fl_param_store *s, const size_t (*r)[2], int n) {
+    for (int k = 0; k < n; k++)
+        if (s->g16 && r[k][1] > r[k][0]) FL_RUN(s->be, zero, s->gstage + r[k][0], (r[k][1] - r[k][0]) * sizeof(float));
+}
+
+fl_status fl_store_stage_flush_ranges(fl_param_store *s, size_t goff, const size_t (*r)[2], int n) {
+    if (!s->g16) return FL_OK;
+    for (int k = 0; k < n; k++) {
+        if (r[k][1] <= r[k][0]) continue;
+        void *dst = s->ops->grad_at(s, goff + r[k][0]);
+        if (!dst)
+            return fl_errorf(FL_ERR_INTERNAL, "sharded gradients: group %d has no gradient buffer",
+                             fl_store_group_of(s, goff));
+        FL_TRY(FL_RUN(s->be, accumulate16, dst, s->dtype, s->gstage + r[k][0], r[k][1] - r[k][0]));
+    }
+    return FL_OK;
+}
+
 fl_status fl_store_grads_ready(fl_param_store *s, int g) {
     FL_TRY(s->ops->grads_ready(s, g));
     if (s->grad_ready) {
@@ -604,4 +622,75 @@ float *fl_model_grad(fl_model *m, const char *name) {
     int i = fl_layout_find(&m->layout, name);
     const fl_param_store *st = m->store;
     return (i < 0 || !st->grads || st->pp) ? NULL : st->grads + m->layout.params[i].offset;
+}
+
+/* ---- 4. 16-bit weight gradients written by their GEMMs in place (issue 30 item 1) ---- */
+
+fl_status fl_store_dw16_knob(int *on) {
+    const char *ev = getenv("FITLLM_CUDA_DW16");
+    *on = 1;
+    if (!ev || !*ev || !strcmp(ev, "1")) return FL_OK;
+    if (!strcmp(ev, "0")) {
+        *on = 0;
+        return FL_OK;
+    }
+    return fl_errorf(FL_ERR_INVALID, "FITLLM_CUDA_DW16=%s: expected 0 (every weight gradient staged in fp32, then added "
+                     "into the bf16 gradient) or 1 (the default: a block's plain linears' dW GEMMs add into it in place)",
+                     ev);
+}
+
+int fl_store_dw16_model(const fl_model *m) {
+    const fl_param_store *s = m->store;
+    const fl_backend *be = m->be;
+    /* a dense bf16 gradient of the whole model on the device (FSDP / offload: the shards' reductions read the stage;
+     * tensor / sequence parallel: kept staged, not checked) */
+    return s && s->g16 && s->gstage && s->dtype == FL_BF16 && s->ops->whole && !s->tpool && !s->pp &&
+           m->cfg.tp_size <= 1 && !m->sp && be && be->supports_op &&
+           be->supports_op(be, FL_OP_GEMM_ACC16, FL_BF16, FL_BF16, FL_BF16);
+}
+
+int fl_store_direct16(const fl_model *m, const fl_block_graph *g, fl_block_params *bp, int grp,
+                      size_t rng[FL_STAGE_RANGES_MAX][2]) {
+    fl_param_store *s = m->store;
+    const size_t goff = m->layout.group_offset[grp], gn = fl_group_numel(m, grp);
+    size_t iv[FL_GRAPH_MAX_LINEARS][2];
+    fl_linear *lv[FL_GRAPH_MAX_LINEARS];
+    int n = 0;
+    for (int i = 0; i < g->n_ops && n < FL_GRAPH_MAX_LINEARS; i++) {
+        const fl_gop *o = &g->op[i];
+        if (o->kind != FL_GOP_LINEAR) continue;
+        fl_linear *lin = &bp->lin[o->p];
+        lin->dw16 = NULL;
+        /* a plain trained weight whose dW GEMM reads bf16 operands, its gradient staged in this group */
+        if (!lin->dw || !fl_linear_wants_dy16(lin) || lin->b || lin->b16 || lin->db || lin->n_adapters || lin->n_q4 ||
+            lin->dw < s->gstage || lin->dw >= s->gstage + gn)
+            continue;
+        const size_t a = (size_t)(lin->dw - s->gstage);
+        iv[n][0] = a, iv[n][1] = a + (size_t)lin->out * lin->in;
+        lv[n++] = lin;
+    }
+    /* a weight two dW GEMMs of one pass write (the same op twice, overlapping fused weights) stays staged: its fp32
+     * sum rounded once */
+    int keep[FL_GRAPH_MAX_LINEARS], nk = 0;
+    for (int i = 0; i < n; i++) {
+        int twice = iv[i][1] > gn;
+        for (int j = 0; j < n; j++)
+            if (j != i && iv[j][0] < iv[i][1] && iv[i][0] < iv[j][1]) twice = 1;
+        if (!twice) keep[nk++] = i;
+    }
+    for (int i = 1; i < nk; i++) /* by offset */
+        for (int j = i; j > 0 && iv[keep[j]][0] < iv[keep[j - 1]][0]; j--) {
+            int t = keep[j];
+            keep[j] = keep[j - 1], keep[j - 1] = t;
+        }
+    int nr = 0;
+    size_t at = 0;
+    for (int k = 0; k < nk; k++) {
+        const int i = keep[k];
+        lv[i]->dw16 = s->ops->grad_at(s, goff + iv[i][0]);
+        if (iv[i][0] > at) rng[nr][0] = at, rng[nr++][1] = iv[i][0];
+        at = iv[i][1];
+    }
+    if (at < gn) rng[nr][0] = at, rng[nr++][1] = gn;
+    return nr;
 }

@@ -155,6 +155,10 @@ float *fl_store_grad(const fl_param_store *s, size_t off);
 /* 16-bit storage: gstage zeroed over n elements / added into the gradient at layout offset off (no-ops in fp32). */
 void fl_store_stage_begin(fl_param_store *s, size_t n);
 fl_status fl_store_stage_flush(fl_param_store *s, size_t off, size_t n);
+/* The same over ranges r[k] = [r0, r1) of a group (relative to its layout offset goff): the parts still staged when
+ * the linears' dW GEMMs write the 16-bit gradient in place (fl_store_direct16) */
+void fl_store_stage_begin_ranges(fl_param_store *s, const size_t (*r)[2], int n);
+fl_status fl_store_stage_flush_ranges(fl_param_store *s, size_t goff, const size_t (*r)[2], int n);
 /* the implementation's ops (fl_param_store_ops): the parameter at store offset so; group g gathered (next: the one
  * to prefetch) / released; group g's gradient about to be written */
 void *fl_store_param_at(const fl_param_store *s, size_t so);

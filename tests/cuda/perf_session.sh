@@ -54,6 +54,9 @@
 #  17. the cross-block residual add + norm (issue 30 item 4): the TinyLlama step and GPT-2's bf16-true step with
 #      FITLLM_CUDA_XBLOCK_NORM=1 (the default: a block's last add fused with the next block's ln_1 / the final norm)
 #      against 0 (each block's own add: one launch and one write + read-back of the row more per block and pass).
+#  18. bf16 weight gradients written by their GEMMs (issue 30 item 1): the TinyLlama step with FITLLM_CUDA_DW16=1 (the
+#      default: a block's dW GEMMs BF16,BF16->BF16 in place in the bf16 gradient) against 0 (staged in fp32, zeroed
+#      and added back by accumulate16: 704 MB more traffic per block and micro-batch), with the profile's GEMM rows.
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -238,4 +241,9 @@ echo "== 17. the cross-block add + norm: FITLLM_CUDA_XBLOCK_NORM=1 (the default)
 for v in 1 0; do
     FITLLM_CUDA_XBLOCK_NORM=$v bench xblock-$v 60
     FITLLM_CUDA_XBLOCK_NORM=$v gpt2_ab bf16-true xblock$v FITLLM_CUDA_XBLOCK_NORM=$v
+done
+echo "== 18. bf16 weight gradients by their GEMMs: FITLLM_CUDA_DW16=1 (the default) against 0 (EXPERIMENTAL)"
+for v in 1 0; do
+    FITLLM_CUDA_DW16=$v bench dw16-$v 60 --profile
+    sed -n '/^profile/,/^PROFILE/p' "$OUT/dw16-$v.log" | grep -E "GEMM|accumulate16|zero" | head -6
 done

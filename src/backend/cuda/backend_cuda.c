@@ -62,6 +62,8 @@ int fl_cuda_supports_op(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
     case FL_OP_SUMSQ: return fl_float_dt(a);
     case FL_OP_Q4_MATMUL: return 1;
     case FL_OP_VOCAB_XENT: return a == FL_F32;
+    /* cuBLASLt: C = D bf16, read with beta, compute and scale type fp32: D = bf16(alpha acc + beta C), rounded once */
+    case FL_OP_GEMM_ACC16: return a == FL_BF16 && b == FL_BF16 && c == FL_BF16;
     default: return 0;
     }
 }

@@ -84,6 +84,15 @@ fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
                 }
                 int64_t ci = i + (int64_t)j * d->ldc;
                 double v = (double)d->alpha * acc;
+                if (d->tc != FL_F32 && d->beta != 0.0f && d->epilogue == FL_CU_EPI_NONE) {
+                    /* a 16-bit C read (FL_OP_GEMM_ACC16): the sum rounded to fp32, beta C added in fp32, then one
+                     * rounding to C's type, as cuBLASLt's fp32 compute and scale type (and accumulate16 after a
+                     * GEMM into a zeroed fp32 buffer: the same bits) */
+                    float f = (float)v + d->beta * (float)ld_elem(C, d->tc, ci);
+                    if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16(f);
+                    else ((uint16_t *)C)[ci] = fl_f32_to_f16(f);
+                    continue;
+                }
                 if (d->beta != 0.0f) v += (double)d->beta * ld_elem(C, d->tc, ci); /* beta 0: C not read */
                 if (d->epilogue != FL_CU_EPI_NONE) { /* rounded to fp32, then the epilogue in fp32 (a BF16 D: then RNE) */
                     float f = (float)v + (float)ld_elem(d->bias, d->bias_t, i); /* BF16: widened exactly */

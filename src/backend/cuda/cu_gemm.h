@@ -5,7 +5,9 @@
  * A stored as rows x cols = (trans_a ? k x m : m x k) with leading dimension lda >= rows (column
  * j starts at A + j*lda), B likewise ((trans_b ? n x k : k x n), ldb), C m x n with ldc >= m;
  * `batch` matrices, the i-th at A + i*stride_a elements (B, C likewise; strided batch); beta == 0
- * means C is not read (cuBLAS: C need not hold valid numbers). Compute type fp32
+ * means C is not read (cuBLAS: C need not hold valid numbers); a 16-bit C read (beta != 0, no epilogue; the
+ * backend's FL_OP_GEMM_ACC16) gives D = round(fp32(alpha op(A) op(B)) + beta C), the sum and beta C added in fp32 and
+ * rounded to C's type once (cuBLASLt's fp32 scale type; the stand-in likewise). Compute type fp32
  * (CUBLAS_COMPUTE_32F: no TF32 for fp32 operands; bf16/fp16 tensor cores accumulate in fp32).
  * Types (ta, tb, tc): (F32, F32, F32), (BF16, BF16, F32), (BF16, BF16, BF16), (F16, F16, F32),
  * (F16, F16, F16).

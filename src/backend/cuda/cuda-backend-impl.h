@@ -198,6 +198,7 @@ static fl_status flb_gemm(const fl_backend *be, int trans_a, int trans_b, int M,
         }
         return FL_OK;
     }
+    if (tc != FL_F32 && beta != 0.0f) FLB_IMPL(be)->count.gemm_acc16++; /* FL_OP_GEMM_ACC16 */
     if (ta == tb) /* the library's own types: (F32, F32), (BF16, BF16), (F16, F16) */
         return flb_gemm_direct(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
     if (ta == FL_F32 && tb == FL_BF16) {
@@ -472,6 +473,7 @@ static fl_status flb_init_random(const fl_backend *be, void *dst, fl_dtype dt, s
     return FL_OK;
 }
 static void flb_zero(const fl_backend *be, void *x, size_t bytes) {
+    FLB_IMPL(be)->count.zero_bytes += (long)bytes;
     if (bytes && flb_memset(x, 0, bytes, STREAM)) flb_set_error(be, FL_ERR_IO, "zero", "memset failed");
 }
 #include "backend/cuda/cuda-bf16-ops-impl.h" /* convert, round16, convert_many, the bf16-stored outputs */
@@ -517,6 +519,7 @@ static fl_status flb_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype 
     FL_TRY(flb_sticky(be));
     if (t != FL_BF16 && t != FL_F16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s accumulate16: %s not supported", FLB_NAME, fl_dtype_name(t));
+    FLB_IMPL(be)->count.acc16_bytes += (long)(n * sizeof(float));
     FLB_RUN_S(be, FLB_K(accumulate16)(dst, t, src, n, STREAM), "accumulate16");
     return FL_OK;
 }

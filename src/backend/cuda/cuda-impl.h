@@ -47,6 +47,9 @@ typedef struct {
     /* rope_forward16 / rope_backward16 / act_backward16 issued with a NULL fp32 output (the bf16 copy alone, issue 30
      * item 1), and the fp32 bytes those ops did not write */
     long only16, only16_bytes;
+    /* the fp32 gradient staging's traffic (issue 30 item 1): bytes `zero` filled, fp32 bytes accumulate16 read, and
+     * the GEMMs that added into a 16-bit C in place (beta != 0: a weight gradient written straight into g16) */
+    long zero_bytes, acc16_bytes, gemm_acc16;
 } fl_cu_counters;
 void fl_cuemu_backend_counters(const fl_backend *be, fl_cu_counters *out);
 /* cuda-emu made after fl_cuemu_set_host_memory(0) states the real GPU's capabilities (FL_CAP_DEVICE_MEMORY, not
