@@ -203,8 +203,9 @@ FL_TEST(cuda_emu_views16_late_adapter_refused) {
  * the bf16 rows), the activation's and RoPE's d(in) in the backward (the LINEAR before reads its bf16 dy). A ratchet
  * on the emulator's count of those ops run with a NULL fp32 output (fl_cu_counters.only16) and the fp32 bytes not
  * written, per step of micro cut to 2 LLaMA blocks: forward RoPE, backward SwiGLU and RoPE in each block (checkpointing:
- * RoPE again in the recompute); LoRA on q, v and QLoRA: the forward's RoPE only, since the q|k|v linear's adapters
- * read d(q|k|v) in fp32 and its frozen base takes no bf16 dy; every view kept (FITLLM_CUDA_VIEWS32=1): none (a step in
+ * RoPE again in the recompute); LoRA on q, v: the forward's RoPE and the backward's SwiGLU (the frozen gate|up base
+ * reads its dy in bf16 alone: fl_act_opts.dy_bf16), not the backward's RoPE (the q|k|v linear's adapters read
+ * d(q|k|v) in fp32); QLoRA: the forward's RoPE only (4-bit bases read dy in fp32); every view kept (FITLLM_CUDA_VIEWS32=1): none (a step in
  * the full tier; the quick tier checks that the knob drops FL_CAP_VIEWS16, which fl_block_only16 requires). Each
  * step also succeeds, so no op was handed a NULL it reads. */
 #ifdef FL_HAVE_CUDA_EMU
@@ -237,7 +238,7 @@ FL_TEST(cuda_emu_only16_ratchet) {
     only16_case("bf16-true", 0, 0, 0, 3 * L, L * (2 * rope + swiglu));
     only16_case("bf16-mixed", 1, 0, 0, 4 * L - 1, (2 * L - 1) * rope + L * (rope + swiglu)); /* block L-1 kept live */
     if (!fl_test_asan_light()) {
-        only16_case("bf16-true", 0, 1, 0, L, L * rope);
+        only16_case("bf16-true", 0, 1, 0, 2 * L, L * (rope + swiglu));
         only16_case("bf16-mixed", 0, 2, 0, L, L * rope);
     }
     if (!fl_test_quick()) only16_case("bf16-true", 0, 0, 1, 0, 0); /* full tier; quick: VIEWS32 drops the capability */
@@ -245,6 +246,47 @@ FL_TEST(cuda_emu_only16_ratchet) {
     FL_REQUIRE_OK(backend(0, 1, &be));
     FL_CHECKF(!(be.caps & FL_CAP_VIEWS16), "FITLLM_CUDA_VIEWS32=1 kept FL_CAP_VIEWS16 (fl_block_only16 would skip writes)");
     backend_free(0, &be);
+    g_layers = 0;
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* A frozen bf16 base's dy scratch (fl_act_opts.dy_bf16: LoRA on an FL_CAP_COMPUTE_BF16 backend, not 4-bit;
+ * test_cuda_lora16.c checks its bits): WORKSPACE grows by exactly N x max(C, QKV, FCW) bf16 against
+ * FITLLM_CUDA_LORA16=0, planned (the null backend standing in for cuda-emu) = measured on cuda-emu for every tag, both
+ * ways; QLoRA takes none. */
+FL_TEST(cuda_emu_lora16_workspace) {
+#ifdef FL_HAVE_CUDA_EMU
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
+    fl_block_graph g;
+    FL_REQUIRE_OK(fl_block_graph_build_ex(&mc, 0, &g));
+    g_layers = 2;
+    const size_t wide = (size_t)(g.lin_out_max > mc.dim ? g.lin_out_max : mc.dim), dy16 = (size_t)B * T * wide * 2;
+    for (int lora = 1; lora <= (fl_test_asan_light() ? 1 : 2); lora++) {
+        fl_trainer_result r[2][2]; /* [knob on][null] */
+        for (int on = 0; on < 2; on++)
+            for (int n = 1; n >= 0; n--) {
+                fl_backend be;
+                FL_REQUIRE_OK(backend(n, 0, &be));
+                memset(&r[on][n], 0, sizeof r[on][n]);
+                if (!on) setenv("FITLLM_CUDA_LORA16", "0", 1);
+                fl_status s = step(&be, "micro", "bf16-true", 0, lora, &r[on][n]);
+                unsetenv("FITLLM_CUDA_LORA16");
+                backend_free(n, &be);
+                FL_REQUIRE_OK(s);
+                for (int t = 0; n == 0 && t < FL_TAG_COUNT; t++)
+                    FL_CHECKF(r[on][1].peak[t] == r[on][0].peak[t], "%s knob %d tag %d: planned %zu, measured %zu",
+                              lora == 1 ? "LoRA" : "QLoRA", on, t, r[on][1].peak[t], r[on][0].peak[t]);
+            }
+        const size_t w0 = r[0][0].peak[FL_TAG_WORKSPACE], w1 = r[1][0].peak[FL_TAG_WORKSPACE];
+        const size_t want = lora == 1 ? dy16 : 0;
+        FL_CHECKF(w1 - w0 == want, "%s bf16-true: WORKSPACE %zu with the dy scratch, %zu without: %zd bytes, want %zu",
+                  lora == 1 ? "LoRA" : "QLoRA", w1, w0, (ptrdiff_t)(w1 - w0), want);
+        printf("      micro %s bf16-true WORKSPACE %zu -> %zu bytes (the dy scratch: %zu)\n", lora == 1 ? "LoRA" : "QLoRA",
+               w0, w1, want);
+    }
     g_layers = 0;
 #else
     fl_test_skip("no CUDA emulator in this build");

@@ -31,6 +31,18 @@ fl_status fl_xblock_fuse_on(int *on) {
                      "norm in two launches) or 1 (the default: one fused launch under a bf16 store)", ev);
 }
 
+fl_status fl_lora16_on(int *on) {
+    const char *ev = getenv("FITLLM_CUDA_LORA16");
+    *on = 1;
+    if (!ev || !*ev || !strcmp(ev, "1")) return FL_OK;
+    if (!strcmp(ev, "0")) {
+        *on = 0;
+        return FL_OK;
+    }
+    return fl_errorf(FL_ERR_INVALID, "FITLLM_CUDA_LORA16=%s: expected 0 (a frozen base's dx GEMM rounds its fp32 dy, the "
+                     "adapters read their input in fp32) or 1 (the default: the bf16 dy and input as stored)", ev);
+}
+
 /* fl_block_forward's start: x->take (on) done before op 0, fused with it where op 0 is a NORM of the block's input
  * row (that row's pending sum) whose output is stored in bf16 by a w16 norm (n16: its bf16 copy, exec.c norm_out16;
  * NULL: the add alone, then op 0 as usual). *i0 = 1: op 0 done. */

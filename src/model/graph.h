@@ -284,6 +284,9 @@ fl_status fl_xblock_take(const fl_model *m, const fl_block_graph *g, const fl_bl
                          const fl_block_ctx *x, void *n16, int *i0);
 /* FITLLM_CUDA_XBLOCK_NORM (unset or 1: on, 0: off): the cross-block add + norm; *on. An error for another value. */
 fl_status fl_xblock_fuse_on(int *on);
+/* FITLLM_CUDA_LORA16 (unset or 1: on, 0: off): a frozen bf16 base's bf16 dy (fl_act_opts.dy_bf16) and the adapters'
+ * backward over the stored bf16 input (lora_backward_x16); *on. An error for another value. */
+fl_status fl_lora16_on(int *on);
 unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x);
 unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);
 /* Testing only (0 otherwise): slots fl_block_views32 leaves out although a pass needs them, so the test shows that an op

@@ -127,7 +127,8 @@ typedef struct {
     const fl_linear_adapter *const *adapters; /* attached by the rewrite (n_adapters, run in order), or NULL */
     int n_adapters;
     int row_base;     /* the head: the chunk's first row in the batch (what the adapters' dropout masks follow) */
-    void *xb16, *dyb16; /* bf16 scratch (N, in), (N, out): dW += bf16(dy)^T bf16(x), or NULL (fp32 dW) */
+    void *xb16, *dyb16; /* bf16 scratch (N, in), (N, out): dW += bf16(dy)^T bf16(x), or NULL (fp32 dW); dyb16 alone:
+                         * a frozen base's dx GEMM reads bf16(dy) (fl_linear_dx16) */
 } fl_linear;
 
 /* The adapter table, the one interface through which the model's core reaches the adapters attached to its LINEAR
@@ -169,6 +170,9 @@ fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumula
 /* The same, where the op that made dy may have written its bf16 copy into lin->dyb16 already (dy16_ready: the
  * convert is skipped; fl_linear_wants_dy16 says whether the linear reads that copy). */
 int fl_linear_wants_dy16(const fl_linear *lin);
+/* Whether its dx GEMM reads dy in bf16 from lin->dyb16: a trained linear's (fl_linear_wants_dy16), or a frozen bf16
+ * base given the dy scratch alone (xb16 NULL: fl_act_opts.dy_bf16), which the op that made dy may have written too */
+int fl_linear_dx16(const fl_linear *lin);
 /* Whether its backward reads dy in fp32 even with dy16_ready (a bias gradient, an adapter, a 4-bit base, no bf16
  * dy): else dy may be NULL there (an fp32 gradient written in bf16 only, fl_block_only16). */
 int fl_linear_reads_dy32(const fl_linear *lin);

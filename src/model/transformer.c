@@ -666,6 +666,7 @@ static void head_linear(fl_model *m, const fl_outer_params *op, fl_linear *head)
     *head = (fl_linear){.in = d.C, .out = d.V, .w = op->head, .dw = op->dhead};
     fl_linear_set_weight(m, head, op->head_idx);
     fl_linear_set_dw_scratch(m, head);
+    if (!head->xb16) head->dyb16 = NULL; /* frozen: its GEMM rounds the fp32 dlogits (dy_bf16 is the blocks' only) */
 }
 static int head_wide(const fl_model *m, const fl_linear *head) {
     const fl_acts *a = m->acts;
