@@ -465,6 +465,12 @@ typedef struct {
      * adapter's own parameter gradients accumulate. dy: the LINEAR's whole output gradient (N, ldy) */
     fl_status (*backward)(const fl_linear_adapter *a, const fl_backend *be, float *dx, const float *dy, int ldy,
                           const float *x, int N, int row_base);
+    /* Optional (NULL: none): x16_only says whether backward16 on be reads the input in bf16 alone (x16 (N, in), the
+     * stored copy, whose widening is the fp32 x backward reads: the same bits), so the model need not widen it into
+     * x's fp32 view for the backward (issue 30 items 1 and 7) */
+    int (*x16_only)(const fl_linear_adapter *a, const fl_backend *be);
+    fl_status (*backward16)(const fl_linear_adapter *a, const fl_backend *be, float *dx, const float *dy, int ldy,
+                            const void *x16, int N, int row_base);
 } fl_linear_adapter_ops;
 struct fl_linear_adapter {
     const fl_linear_adapter_ops *ops; /* an implementation embeds this first in its own adapter */

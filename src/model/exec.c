@@ -555,14 +555,18 @@ static int bwd_reads16_p(const fl_model *m, const fl_block_graph *g, const fl_go
 
 static unsigned bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
                             const fl_block_ctx *x, int plan) {
+    const fl_backend *be = m->be;
     unsigned r = 0;
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
         switch ((fl_gop_kind)o->kind) {
-        case FL_GOP_LINEAR: { /* the dW GEMM reads the stored copy when there is one; the adapters read fp32 */
+        case FL_GOP_LINEAR: { /* the dW GEMM reads the stored copy when there is one; the adapters fp32 unless
+                               * they all take the stored copy (fl_linear_adapters_x16) */
             const fl_linear *l = &bp->lin[o->p];
             const int x16 = x->s16 && x->s16[o->in];
-            if (l->n_adapters > 0 || (l->dw && !(fl_linear_wants_dy16(l) && x16))) r |= 1u << o->in;
+            if ((l->n_adapters > 0 && !(x16 && fl_linear_adapters_x16(be, l))) ||
+                (l->dw && !(fl_linear_wants_dy16(l) && x16)))
+                r |= 1u << o->in;
             break;
         }
         case FL_GOP_NORM:
@@ -653,6 +657,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
     /* the next op's (a LINEAR's) dy already in its dyb16 (dy16_for, norm_dy16_for; the caller's for the first) */
     int dy16_ready = x->dout16_ready && x->s16 && fl_block_dout16(g, bp);
     const unsigned only16 = fl_block_only16(m, g, bp, x, 1);
+    const unsigned reads32 = bwd_reads32(m, g, bp, x, 0); /* the saved slots read in fp32 (the others not widened) */
     int stale = -1; /* the slot whose gradient the op before wrote in bf16 only (fl_block_only16) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {
@@ -708,9 +713,9 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             if (d16 && d16 == x->din16 && x->din16_done) *x->din16_done = 1;
             break;
         }
-        case FL_GOP_LINEAR:
-            FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, s[o->in], x->s16 ? x->s16[o->in] : NULL,
-                                           &bp->lin[o->p], N));
+        case FL_GOP_LINEAR: /* x NULL: its fp32 view not widened (bwd_reads32), the adapters read x16 */
+            FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, reads32 >> o->in & 1u ? s[o->in] : NULL,
+                                           x->s16 ? x->s16[o->in] : NULL, &bp->lin[o->p], N));
             break;
         case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi, b16)); break;
         case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout, in16)); break;
@@ -946,6 +951,13 @@ fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumula
 }
 
 int fl_linear_wants_dy16(const fl_linear *lin) { return lin->dw && lin->xb16; }
+int fl_linear_adapters_x16(const fl_backend *be, const fl_linear *lin) {
+    for (int k = 0; k < lin->n_adapters; k++) {
+        const fl_linear_adapter *a = lin->adapters[k];
+        if (!a->ops->x16_only || !a->ops->x16_only(a, be)) return 0;
+    }
+    return lin->n_adapters > 0;
+}
 int fl_linear_dx16(const fl_linear *lin) {
     return fl_linear_wants_dy16(lin) || (!lin->dw && !lin->xb16 && lin->dyb16 && lin->n_q4 == 0);
 }
@@ -990,7 +1002,10 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
     if (lin->db && !db_done) FL_RUN(be, bias_backward, lin->db, dy, N, lin->out);
     for (int k = 0; k < lin->n_adapters; k++) { /* after the base dx: each adapter's branch adds to it */
         const fl_linear_adapter *a = lin->adapters[k];
-        FL_TRY(a->ops->backward(a, be, dx, dy, lin->out, x, N, lin->row_base));
+        if (!x && x16 && a->ops->x16_only && a->ops->x16_only(a, be)) /* x's view not widened: its stored copy */
+            FL_TRY(a->ops->backward16(a, be, dx, dy, lin->out, x16, N, lin->row_base));
+        else
+            FL_TRY(a->ops->backward(a, be, dx, dy, lin->out, x, N, lin->row_base));
     }
     return FL_OK;
 }

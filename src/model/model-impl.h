@@ -173,6 +173,9 @@ int fl_linear_wants_dy16(const fl_linear *lin);
 /* Whether its dx GEMM reads dy in bf16 from lin->dyb16: a trained linear's (fl_linear_wants_dy16), or a frozen bf16
  * base given the dy scratch alone (xb16 NULL: fl_act_opts.dy_bf16), which the op that made dy may have written too */
 int fl_linear_dx16(const fl_linear *lin);
+/* Whether it has adapters and every one reads its input in bf16 alone on be (fl_linear_adapter_ops.x16_only): the
+ * backward then need not widen x's fp32 view (fl_linear_backward_dy16 takes x NULL and the stored x16) */
+int fl_linear_adapters_x16(const fl_backend *be, const fl_linear *lin);
 /* Whether its backward reads dy in fp32 even with dy16_ready (a bias gradient, an adapter, a 4-bit base, no bf16
  * dy): else dy may be NULL there (an fp32 gradient written in bf16 only, fl_block_only16). */
 int fl_linear_reads_dy32(const fl_linear *lin);

@@ -54,6 +54,10 @@
 #  17. the cross-block residual add + norm (issue 30 item 4): the TinyLlama step and GPT-2's bf16-true step with
 #      FITLLM_CUDA_XBLOCK_NORM=1 (the default: a block's last add fused with the next block's ln_1 / the final norm)
 #      against 0 (each block's own add: one launch and one write + read-back of the row more per block and pass).
+#  18. LoRA / QLoRA bf16 without conversions (issue 30 items 1 and 7): the TinyLlama LoRA r 8 q,v and QLoRA (nf4)
+#      steps with FITLLM_CUDA_LORA16=1 (the default: the frozen bases' dx GEMMs read a bf16 dy their producers write,
+#      the adapters' backward reads ln1's stored bf16 copy) against 0 (a dy panel conversion in every frozen dx GEMM,
+#      ln1 widened before each block's backward).
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -238,4 +242,9 @@ echo "== 17. the cross-block add + norm: FITLLM_CUDA_XBLOCK_NORM=1 (the default)
 for v in 1 0; do
     FITLLM_CUDA_XBLOCK_NORM=$v bench xblock-$v 60
     FITLLM_CUDA_XBLOCK_NORM=$v gpt2_ab bf16-true xblock$v FITLLM_CUDA_XBLOCK_NORM=$v
+done
+echo "== 18. LoRA / QLoRA bf16 without conversions: FITLLM_CUDA_LORA16=1 (the default) against 0 (EXPERIMENTAL)"
+for v in 1 0; do
+    FITLLM_CUDA_LORA16=$v bench lora16-$v 60 --lora 8
+    FITLLM_CUDA_LORA16=$v bench qlora16-$v 90 --lora 8 --quantize bnb.nf4
 done
