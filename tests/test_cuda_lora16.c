@@ -39,8 +39,10 @@ static int l16_record(void *ud, long step, double loss, const void *params, size
     return 0;
 }
 
-enum { L16_QV = 1, L16_ALL = 2, L16_QLORA = 3 };
-static const char *l16_name(int kind) { return kind == L16_QV ? "LoRA q,v" : kind == L16_ALL ? "LoRA all" : "QLoRA"; }
+enum { L16_QV = 1, L16_ALL = 2, L16_QLORA = 3, L16_CKPT = 4 };
+static const char *l16_name(int kind) {
+    return kind == L16_QV ? "LoRA q,v" : kind == L16_ALL ? "LoRA all" : kind == L16_CKPT ? "LoRA q,v ckpt" : "QLoRA";
+}
 
 /* 1 step of 2 micro-batches of 1 x 16 tokens, finetune_lora of a random-init micro (5 blocks), bf16-true;
  * *conv: the conversion launches it made (convert, convert_many, convert2d: the GEMMs' panels) */
@@ -67,6 +69,10 @@ static fl_status l16_run(l16_rec *r, int kind, const char *knob, unsigned long *
     if (kind == L16_ALL) c.lora.key = c.lora.projection = c.lora.mlp = 1, c.lora.dropout = 0.0f; /* lora_backward_x16 */
     FL_TRY(fl_cfg_set(&c, "precision", "bf16-true"));
     if (kind == L16_QLORA) FL_TRY(fl_cfg_set(&c, "quantize", "bnb.nf4"));
+    if (kind == L16_CKPT) { /* the recompute's views, the adapters reading the stored copies */
+        c.lora.dropout = 0.0f;
+        FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));
+    }
     setenv("FITLLM_BACKEND", "cuda-emu", 1);
     if (knob) setenv("FITLLM_CUDA_LORA16", knob, 1);
     const unsigned long c0 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
@@ -111,6 +117,7 @@ FL_TEST(cuda_emu_lora16_bits) {
     if (!fl_test_quick()) { /* the full tier (a second each) */
         l16_case(L16_ALL, 52, 4);
         l16_case(L16_QLORA, 14, 4); /* 4-bit bases: q4_matmul_backward reads the fp32 dy (no panel); the widening goes */
+        l16_case(L16_CKPT, 52, 14); /* checkpointed: each block's input widened for its recompute (5 a micro-batch) */
     }
 #else
     fl_test_skip("no CUDA emulator in this build");
