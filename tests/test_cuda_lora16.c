@@ -110,14 +110,15 @@ FL_TEST(cuda_emu_lora16_bits) {
 #ifdef FL_HAVE_CUDA_EMU
     if (!fl_test_asan_budget()) return; /* emulated training runs (~1 s): the release pass */
     /* per step (2 micro-batches): the frozen bases' dx GEMMs' dy panels (19 a micro-batch: 4 linears in each of 5
-     * blocks, block 0's q|k|v dx skipped) and the adapted inputs' widening before each block's backward (5 a
-     * micro-batch) go; left: 2 a micro-batch outside the blocks. LoRA q,v with dropout 0.05 (the adapters read
-     * their dropped copy), on every linear without dropout (lora_backward_x16 over the stored bf16 inputs) */
-    l16_case(L16_QV, 52, 4);
+     * blocks, block 0's q|k|v dx skipped, and the frozen head's: cross_entropy_dbf16 writes its bf16 dlogits) and
+     * the adapted inputs' widening before each block's backward (5 a micro-batch) go; left: the head forward's x
+     * panel (1 a micro-batch). LoRA q,v with dropout 0.05 (the adapters read their dropped copy), on every linear
+     * without dropout (lora_backward_x16 over the stored bf16 inputs) */
+    l16_case(L16_QV, 52, 2);
     if (!fl_test_quick()) { /* the full tier (a second each) */
-        l16_case(L16_ALL, 52, 4);
-        l16_case(L16_QLORA, 14, 4); /* 4-bit bases: q4_matmul_backward reads the fp32 dy (no panel); the widening goes */
-        l16_case(L16_CKPT, 52, 14); /* checkpointed: each block's input widened for its recompute (5 a micro-batch) */
+        l16_case(L16_ALL, 52, 2);
+        l16_case(L16_QLORA, 14, 2); /* 4-bit bases: q4_matmul_backward reads the fp32 dy (no panel); the widening goes */
+        l16_case(L16_CKPT, 52, 12); /* checkpointed: each block's input widened for its recompute (5 a micro-batch) */
     }
 #else
     fl_test_skip("no CUDA emulator in this build");

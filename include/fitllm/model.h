@@ -315,8 +315,10 @@ typedef struct {
                    * views are not carved, on a backend whose bf16 ops write those slots in bf16 only
                    * (FL_CAP_VIEWS16: fl_model_alloc_acts asks the executor); 0: every view */
     int dy_bf16;  /* without dw_bf16 (LoRA: a frozen bf16 base) on an FL_CAP_COMPUTE_BF16 backend: the bf16 dy scratch
-                   * alone, N x max(C, QKV, FCW) bf16 in WORKSPACE, which the ops that make a frozen base linear's
-                   * dy write beside it and its dx GEMM reads (fl_model_alloc_acts; FITLLM_CUDA_LORA16=0: off) */
+                   * alone, N x max(C, QKV, FCW) or a logits chunk (chunk, V) bf16 in WORKSPACE, which the ops that make
+                   * a frozen base linear's dy write beside it and its dx GEMM reads (the head's: cross_entropy_dbf16);
+                   * 2 (QLoRA: 4-bit blocks, which read the fp32 dy): the chunk's alone, for the head
+                   * (fl_model_alloc_acts; FITLLM_CUDA_LORA16=0: off) */
 } fl_act_opts;
 /* The backend_scratch of a model whose matmuls read `compute_dtype` weights, `quant4` if it has
  * 4-bit weights, on a backend with `scratch_bytes` (the CPU's: fl_cpu_scratch_bytes). */

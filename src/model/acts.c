@@ -297,7 +297,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
     /* bf16 dW scratch: the widest linear input and output (the head's: (N, C) and a logits chunk) */
     void *xb16 = dw_bf16 ? carve_bytes(&cv, N * imax(d.C, (size_t)g->lin_in_max) * sizeof(uint16_t)) : NULL;
     size_t dyn = imax(N * imax(d.C, (size_t)g->lin_out_max), (size_t)logits_chunk_rows(c, (int)N) * d.V);
-    if (!dw_bf16) dyn = N * imax(d.C, (size_t)g->lin_out_max); /* dy_bf16: the blocks' frozen bases (not the head) */
+    if (!dw_bf16 && dy_bf16 == 2) dyn = (size_t)logits_chunk_rows(c, (int)N) * d.V; /* QLoRA: the head's alone */
     void *dyb16 = dw_bf16 || dy_bf16 ? carve_bytes(&cv, dyn * sizeof(uint16_t)) : NULL;
     if (handoff) *handoff = N * d.C * sizeof(float) + N * sizeof(int32_t);
     if (constant) *constant = 2 * half * sizeof(float);
@@ -466,7 +466,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     int lora16 = 1;
     FL_TRY(fl_lora16_on(&lora16));
     const int dy_bf16 = !dw_bf16 && lora16 && m->prec.name && m->prec.compute_dtype == FL_BF16 && m->adapt &&
-                        !fl_model_quant4(m) && (m->be->caps & FL_CAP_COMPUTE_BF16);
+                        (m->be->caps & FL_CAP_COMPUTE_BF16) ? (fl_model_quant4(m) ? 2 : 1) : 0; /* 2: 4-bit blocks */
     fl_dtype head_widen = fl_head_widen_dtype(m->prec.name ? m->prec.compute_dtype : FL_F32, m->be->gemm_widens16);
     size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
                                           m->be->scratch_bytes);
