@@ -203,8 +203,9 @@ FL_TEST(cuda_emu_views16_late_adapter_refused) {
  * the bf16 rows), the activation's and RoPE's d(in) in the backward (the LINEAR before reads its bf16 dy). A ratchet
  * on the emulator's count of those ops run with a NULL fp32 output (fl_cu_counters.only16) and the fp32 bytes not
  * written, per step of micro cut to 2 LLaMA blocks: forward RoPE, backward SwiGLU and RoPE in each block (checkpointing:
- * RoPE again in the recompute); LoRA on q, v and QLoRA: the forward's RoPE only, since the q|k|v linear's adapters
- * read d(q|k|v) in fp32 and its frozen base takes no bf16 dy; every view kept (FITLLM_CUDA_VIEWS32=1): none (a step in
+ * RoPE again in the recompute); LoRA on q, v: the forward's RoPE and the backward's SwiGLU (the frozen gate|up base
+ * reads its dy in bf16 alone: fl_act_opts.dy_bf16), not the backward's RoPE (the q|k|v linear's adapters read
+ * d(q|k|v) in fp32); QLoRA: the forward's RoPE only (4-bit bases read dy in fp32); every view kept (FITLLM_CUDA_VIEWS32=1): none (a step in
  * the full tier; the quick tier checks that the knob drops FL_CAP_VIEWS16, which fl_block_only16 requires). Each
  * step also succeeds, so no op was handed a NULL it reads. */
 #ifdef FL_HAVE_CUDA_EMU
@@ -237,7 +238,7 @@ FL_TEST(cuda_emu_only16_ratchet) {
     only16_case("bf16-true", 0, 0, 0, 3 * L, L * (2 * rope + swiglu));
     only16_case("bf16-mixed", 1, 0, 0, 4 * L - 1, (2 * L - 1) * rope + L * (rope + swiglu)); /* block L-1 kept live */
     if (!fl_test_asan_light()) {
-        only16_case("bf16-true", 0, 1, 0, L, L * rope);
+        only16_case("bf16-true", 0, 1, 0, 2 * L, L * (rope + swiglu));
         only16_case("bf16-mixed", 0, 2, 0, L, L * rope);
     }
     if (!fl_test_quick()) only16_case("bf16-true", 0, 0, 1, 0, 0); /* full tier; quick: VIEWS32 drops the capability */
@@ -245,6 +246,54 @@ FL_TEST(cuda_emu_only16_ratchet) {
     FL_REQUIRE_OK(backend(0, 1, &be));
     FL_CHECKF(!(be.caps & FL_CAP_VIEWS16), "FITLLM_CUDA_VIEWS32=1 kept FL_CAP_VIEWS16 (fl_block_only16 would skip writes)");
     backend_free(0, &be);
+    g_layers = 0;
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* A frozen bf16 base's dy scratch (fl_act_opts.dy_bf16: LoRA on an FL_CAP_COMPUTE_BF16 backend; test_cuda_lora16.c
+ * checks its bits): WORKSPACE grows by exactly max(N x max(C, QKV, FCW), a logits chunk x V) bf16 against
+ * FITLLM_CUDA_LORA16=0 (QLoRA: the chunk's alone, for the head), less LoRA's d(gate|up) gradient width (held in
+ * bf16 only once its frozen base reads a bf16 dy: cuda_emu_grads16_sizing), planned (the null backend standing in for cuda-emu)
+ * = measured on cuda-emu for every tag, both ways. */
+FL_TEST(cuda_emu_lora16_workspace) {
+#ifdef FL_HAVE_CUDA_EMU
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
+    fl_block_graph g;
+    FL_REQUIRE_OK(fl_block_graph_build_ex(&mc, 0, &g));
+    g_layers = 2;
+    const size_t wide = (size_t)(g.lin_out_max > mc.dim ? g.lin_out_max : mc.dim), blocks = (size_t)B * T * wide * 2;
+    const size_t head = (size_t)fl_logits_chunk_rows(mc.vocab_size, B * T) * mc.vocab_size * 2;
+    for (int lora = 1; lora <= (fl_test_asan_light() ? 1 : 2); lora++) {
+        fl_trainer_result r[2][2]; /* [knob on][null] */
+        for (int on = 0; on < 2; on++)
+            for (int n = 1; n >= 0; n--) {
+                fl_backend be;
+                FL_REQUIRE_OK(backend(n, 0, &be));
+                memset(&r[on][n], 0, sizeof r[on][n]);
+                if (!on) setenv("FITLLM_CUDA_LORA16", "0", 1);
+                fl_status s = step(&be, "micro", "bf16-true", 0, lora, &r[on][n]);
+                unsetenv("FITLLM_CUDA_LORA16");
+                backend_free(n, &be);
+                FL_REQUIRE_OK(s);
+                for (int t = 0; n == 0 && t < FL_TAG_COUNT; t++)
+                    FL_CHECKF(r[on][1].peak[t] == r[on][0].peak[t], "%s knob %d tag %d: planned %zu, measured %zu",
+                              lora == 1 ? "LoRA" : "QLoRA", on, t, r[on][1].peak[t], r[on][0].peak[t]);
+            }
+        const size_t w0 = r[0][0].peak[FL_TAG_WORKSPACE], w1 = r[1][0].peak[FL_TAG_WORKSPACE];
+        const size_t want = lora == 1 ? (blocks > head ? blocks : head) : head;
+        /* LoRA (not 4-bit): the frozen gate|up base then reads its dy in bf16 alone, so SwiGLU's d(gate|up) is not held
+         * in fp32 and gradient buffer 2 shrinks to d(q|k|v)'s width (fl_block_grads_dropped) */
+        const size_t kvd = (size_t)mc.n_kv_heads * (mc.dim / mc.n_heads);
+        const size_t gsave = lora == 1 ? (size_t)B * T * (2 * (size_t)mc.ffn_dim - (mc.dim + 2 * kvd)) * sizeof(float) : 0;
+        FL_CHECKF((ptrdiff_t)(w1 - w0) == (ptrdiff_t)want - (ptrdiff_t)gsave,
+                  "%s bf16-true: WORKSPACE %zu with the dy scratch, %zu without: %zd bytes, want %zu - %zu",
+                  lora == 1 ? "LoRA" : "QLoRA", w1, w0, (ptrdiff_t)(w1 - w0), want, gsave);
+        printf("      micro %s bf16-true WORKSPACE %zu -> %zu bytes (the dy scratch: %zu; d(gate|up) in bf16 only: -%zu)\n",
+               lora == 1 ? "LoRA" : "QLoRA", w0, w1, want, gsave);
+    }
     g_layers = 0;
 #else
     fl_test_skip("no CUDA emulator in this build");
@@ -284,8 +333,8 @@ FL_TEST(cuda_emu_only16_forced_fails) {
 /* The gradient buffers sized without the fp32 gradients no backward pass writes (fl_block_grads_dropped, exec16.c;
  * acts.c's gdrop): a LLaMA block's d(gate|up) is held in bf16 only (act_backward16 with din NULL, the gate|up LINEAR
  * reading its bf16 dy), so buffer 2 needs d(q|k|v)'s width only. Checked: which slots, by name, for LLaMA bf16-true /
- * bf16-mixed / checkpointed (fc) and where the LINEAR reads d(fc) in fp32 (none: GPT-2 / OPT's biased c_fc, LoRA's
- * frozen base, QLoRA); the bytes against the shapes (micro: B T x (2 F - (C + 2 KVD)) floats; TinyLlama-1.1B at B 4,
+ * bf16-mixed / checkpointed and LoRA on q, v (its frozen gate|up base reads a bf16 dy: fc) and where the LINEAR reads
+ * d(fc) in fp32 (none: GPT-2 / OPT's biased c_fc, LoRA on gate|up (its adapters), FITLLM_CUDA_LORA16=0, QLoRA); the bytes against the shapes (micro: B T x (2 F - (C + 2 KVD)) floats; TinyLlama-1.1B at B 4,
  * T 2048 planned: 8,192 x (11,264 - 2,560) x 4 = 285,212,672); planned = measured on cuda-emu with it is
  * cuda_emu_views16_workspace's; a pass that would write a dropped slot's fp32 gradient fails naming it, and an adapter
  * attached after the arena whose linear would need one is refused naming it. */
@@ -333,7 +382,11 @@ FL_TEST(cuda_emu_grads16_sizing) {
     grads_case("micro", FL_PREC_BF16_TRUE, 0, NULL, "fc");
     grads_case("micro", FL_PREC_BF16_MIXED, 1, NULL, "fc");
     grads_case("micro", FL_PREC_32_TRUE, 0, NULL, ""); /* fp32 activations: no bf16 ops */
-    grads_case("micro", FL_PREC_BF16_TRUE, 0, "q_proj,v_proj", ""); /* a frozen base reads no bf16 dy */
+    grads_case("micro", FL_PREC_BF16_TRUE, 0, "q_proj,v_proj", "fc"); /* the frozen gate|up reads its bf16 dy alone */
+    grads_case("micro", FL_PREC_BF16_TRUE, 0, "q_proj,v_proj,gate_proj,up_proj", ""); /* its adapters read fp32 dy */
+    setenv("FITLLM_CUDA_LORA16", "0", 1); /* the frozen bases read the fp32 dy */
+    grads_case("micro", FL_PREC_BF16_TRUE, 0, "q_proj,v_proj", "");
+    unsetenv("FITLLM_CUDA_LORA16");
     grads_case("gpt2-micro", FL_PREC_BF16_TRUE, 0, NULL, ""); /* c_fc's bias gradient sums the fp32 d(fc) */
     grads_case("opt-micro", FL_PREC_BF16_TRUE, 0, NULL, "");
     /* the bytes: the sizing with and without, against the shapes */
@@ -342,7 +395,7 @@ FL_TEST(cuda_emu_grads16_sizing) {
         fl_model_config c;
         FL_REQUIRE_OK(fl_preset_find(sh[k].preset, &c));
         const int fc = slot_of("micro", "fc", NULL);
-        fl_act_opts o = {0, FL_BF16, 1, FL_F32, 0, 0, 0, 0};
+        fl_act_opts o = {0, FL_BF16, 1, FL_F32, 0, 0, 0, 0, 0};
         fl_act_sizes with, without;
         fl_sizing_acts_ex(&c, sh[k].B, sh[k].T, &o, &without);
         o.gdrop = 1u << fc;

@@ -317,6 +317,11 @@ typedef struct {
     unsigned gdrop;  /* the same backends: the block graph's slots (bit k: slot k) whose gradient every backward pass
                    * holds in bf16 only (an activation's input, e.g. d(gate|up)): the gradient buffers are sized
                    * without their widths; 0: every slot's */
+    int dy_bf16;  /* without dw_bf16 (LoRA: a frozen bf16 base) on an FL_CAP_COMPUTE_BF16 backend: the bf16 dy scratch
+                   * alone, N x max(C, QKV, FCW) or a logits chunk (chunk, V) bf16 in WORKSPACE, which the ops that make
+                   * a frozen base linear's dy write beside it and its dx GEMM reads (the head's: cross_entropy_dbf16);
+                   * 2 (QLoRA: 4-bit blocks, which read the fp32 dy): the chunk's alone, for the head
+                   * (fl_model_alloc_acts; FITLLM_CUDA_LORA16=0: off) */
 } fl_act_opts;
 /* The backend_scratch of a model whose matmuls read `compute_dtype` weights, `quant4` if it has
  * 4-bit weights, on a backend with `scratch_bytes` (the CPU's: fl_cpu_scratch_bytes). */
@@ -465,6 +470,12 @@ typedef struct {
      * adapter's own parameter gradients accumulate. dy: the LINEAR's whole output gradient (N, ldy) */
     fl_status (*backward)(const fl_linear_adapter *a, const fl_backend *be, float *dx, const float *dy, int ldy,
                           const float *x, int N, int row_base);
+    /* Optional (NULL: none): x16_only says whether backward16 on be reads the input in bf16 alone (x16 (N, in), the
+     * stored copy, whose widening is the fp32 x backward reads: the same bits), so the model need not widen it into
+     * x's fp32 view for the backward (issue 30 items 1 and 7) */
+    int (*x16_only)(const fl_linear_adapter *a, const fl_backend *be);
+    fl_status (*backward16)(const fl_linear_adapter *a, const fl_backend *be, float *dx, const float *dy, int ldy,
+                            const void *x16, int N, int row_base);
 } fl_linear_adapter_ops;
 struct fl_linear_adapter {
     const fl_linear_adapter_ops *ops; /* an implementation embeds this first in its own adapter */

@@ -94,7 +94,22 @@ static fl_status slot_backward(const fl_linear_adapter *ad, const fl_backend *be
                              a->out, a->r, a->scaling, a->dropout, slot_seed(a, row_base), a->st->work);
 }
 
-static const fl_linear_adapter_ops slot_ops = {slot_forward, slot_backward};
+/* backward16 (issue 30 items 1 and 7), on a backend with lora_backward_x16 (cuda, cuda-emu; FITLLM_CUDA_LORA16=0:
+ * none): without dropout that op over the stored bf16 input (lora_backward's bits on its widening); with dropout the
+ * branch reads its own dropped copy (xd), x not at all */
+static int slot_x16_only(const fl_linear_adapter *ad, const fl_backend *be) {
+    const fl_lora_slot *a = (const fl_lora_slot *)ad;
+    return be->lora_backward_x16 != NULL && (a->dropout <= 0 || a->xd != NULL);
+}
+static fl_status slot_backward16(const fl_linear_adapter *ad, const fl_backend *be, float *dx, const float *dy, int ldy,
+                                 const void *x16, int N, int row_base) {
+    const fl_lora_slot *a = (const fl_lora_slot *)ad;
+    if (a->dropout > 0) return slot_backward(ad, be, dx, dy, ldy, NULL, N, row_base); /* reads a->xd */
+    return FL_RUN(be, lora_backward_x16, dx, a->dA, a->dB, dy + a->row0, ldy, x16, a->h, a->A, a->B, N, a->in, a->out,
+                  a->r, a->scaling, a->st->work);
+}
+
+static const fl_linear_adapter_ops slot_ops = {slot_forward, slot_backward, slot_x16_only, slot_backward16};
 
 /* the model's hooks (fl_adapter_hooks) */
 static void lora_release(fl_model *m) {

@@ -137,8 +137,9 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, cons
 
 /* The facts fl_get_block would bind for block l's LINEARs (store.c's set_linear and fl_linear_set_dw_scratch: a bias's
  * role, a 4-bit base, the bf16 compute copy, a trained weight's bf16 dW scratch, the adapters attached), at set-up
- * without touching a parameter: every pointer set is `any` (never dereferenced). */
-void fl_block_bind_facts(const fl_model *m, const fl_block_graph *g, int l, void *any, fl_block_params *bp) {
+ * without touching a parameter: every pointer set is `any` (never dereferenced); dy16: the arena has the dy scratch
+ * alone for frozen bases (fl_act_opts.dy_bf16 1), which fl_linear_set_dw_scratch hands every bf16 linear. */
+void fl_block_bind_facts(const fl_model *m, const fl_block_graph *g, int l, int dy16, void *any, fl_block_params *bp) {
     const int q4 = fl_model_quant4(m) != 0, trains = fl_model_grads_data(m) != NULL;
     const int bf16 = m->prec.compute_dtype == FL_BF16;
     memset(bp, 0, sizeof *bp);
@@ -152,7 +153,8 @@ void fl_block_bind_facts(const fl_model *m, const fl_block_graph *g, int l, void
         if (o->role_b >= 0 && fl_layout_role(&m->layout, l + 1, (fl_param_role)o->role_b) >= 0) lin->b = any;
         lin->dw = trains && !q4 ? any : NULL;
         lin->db = trains && lin->b ? any : NULL; /* a trained bias: its gradient sums the fp32 dy */
-        lin->xb16 = lin->dyb16 = lin->dw && lin->wc ? any : NULL; /* fl_linear_set_dw_scratch */
+        lin->xb16 = lin->dw && lin->wc ? any : NULL; /* fl_linear_set_dw_scratch */
+        lin->dyb16 = (lin->xb16 || dy16) && lin->wc ? any : NULL; /* (dy16: the arena's dy scratch alone, dy_bf16) */
         if (m->adapt) m->adapt->bind(m->adapt, l, o->p, lin, 0);
     }
 }
@@ -175,7 +177,7 @@ unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g) {
     fl_block_ctx x = {.s16 = s16, .store16 = 1};
     for (int l = 0; l < m->cfg.n_layers; l++) {
         fl_block_params bp;
-        fl_block_bind_facts(m, g, l, any, &bp);
+        fl_block_bind_facts(m, g, l, 0, any, &bp);
         for (int d = 0; d < 2; d++) {
             x.attn_drop_p = d && m->cfg.dropout_on ? m->cfg.attn_dropout_rate : 0.0f;
             need |= fl_block_views32(m, g, &bp, &x);
@@ -290,7 +292,7 @@ static void gbuf_widths(const fl_block_graph *g, unsigned gdrop, int *w) {
  * once, read by every pass). Everything else is scratch within one pass (the widened head and
  * the backend's scratch too). */
 static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, const fl_model_graph *mg, int B, int T,
-                         int ckpt, fl_dtype adt, unsigned drop32, unsigned gdrop, int dw_bf16,
+                         int ckpt, fl_dtype adt, unsigned drop32, unsigned gdrop, int dw_bf16, int dy_bf16,
                          fl_dtype head_widen, size_t be_scratch, char *base, fl_acts *a, size_t *handoff,
                          size_t *constant) {
     fl_dims d = fl_model_dims(c);
@@ -316,7 +318,8 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
     /* bf16 dW scratch: the widest linear input and output (the head's: (N, C) and a logits chunk) */
     void *xb16 = dw_bf16 ? carve_bytes(&cv, N * imax(d.C, (size_t)g->lin_in_max) * sizeof(uint16_t)) : NULL;
     size_t dyn = imax(N * imax(d.C, (size_t)g->lin_out_max), (size_t)logits_chunk_rows(c, (int)N) * d.V);
-    void *dyb16 = dw_bf16 ? carve_bytes(&cv, dyn * sizeof(uint16_t)) : NULL;
+    if (!dw_bf16 && dy_bf16 == 2) dyn = (size_t)logits_chunk_rows(c, (int)N) * d.V; /* QLoRA: the head's alone */
+    void *dyb16 = dw_bf16 || dy_bf16 ? carve_bytes(&cv, dyn * sizeof(uint16_t)) : NULL;
     if (handoff) *handoff = N * d.C * sizeof(float) + N * sizeof(int32_t);
     if (constant) *constant = 2 * half * sizeof(float);
     /* the widened lm_head (fl_act_opts.head_widen); a BF16 head also rounds its chunk's input
@@ -325,7 +328,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
     int hw = head_widen == FL_BF16 || head_widen == FL_F16, hb = head_widen == FL_BF16;
     float *head_w = hw ? carve(&cv, (size_t)d.V * d.C) : NULL;
     float *head_x = hb ? carve(&cv, R * d.C) : NULL;
-    void *head_t16 = !hb ? NULL : dyb16 ? dyb16 : carve_bytes(&cv, R * imax(d.V, d.C) * sizeof(uint16_t));
+    void *head_t16 = !hb ? NULL : dw_bf16 ? dyb16 : carve_bytes(&cv, R * imax(d.V, d.C) * sizeof(uint16_t));
     void *bes = be_scratch ? carve_bytes(&cv, be_scratch) : NULL;
     /* an encoder's inputs beside the ids: token types and the key padding mask */
     const int enc = fl_model_graph_has(mg, FL_MOP_OUTPUT, 1);
@@ -380,7 +383,7 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
         return;
     out->acts_bytes = carve_acts(&c, &g, &mg, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
     out->workspace_bytes = carve_work(&c, &g, &mg, B, T, ckpt, adt, opts ? opts->drop32 : 0, opts ? opts->gdrop : 0,
-                                      opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
+                                      opts && opts->dw_bf16, opts ? opts->dy_bf16 : 0, opts ? opts->head_widen : FL_F32,
                                       opts ? opts->backend_scratch : 0, NULL, NULL, &out->work_handoff_bytes,
                                       &out->work_const_bytes);
     /* per layer: the difference between L and L-1 layers */
@@ -402,7 +405,7 @@ void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts
     }
     if (train) {
         carve_acts(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
-        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, 0, 0, FL_F32, 0, NULL, NULL, &handoff,
+        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, 0, 0, 0, FL_F32, 0, NULL, NULL, &handoff,
                    &constant);
     }
     *acts = saved;
@@ -477,6 +480,14 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     m->act_dtype = m->prec.name ? m->prec.act_dtype : FL_F32; /* zeroed policy = 32-true */
     /* bf16 weight-gradient GEMMs when the matmuls compute in bf16 and the weights train */
     int dw_bf16 = m->prec.name && m->prec.compute_dtype == FL_BF16 && fl_model_grads_data(m) != NULL;
+    /* a frozen bf16 base (LoRA, not 4-bit) on a backend with bf16 matmul kernels (FL_CAP_COMPUTE_BF16): its dy's bf16
+     * copy, which the op that makes dy writes as it writes dy (act_backward16, rope_backward16, the w16 norms), read
+     * by its dx GEMM instead of the backend rounding the fp32 dy into a panel inside every such GEMM (issue 30 items
+     * 1 and 7; the same RNE, the same bits) */
+    int lora16 = 1;
+    FL_TRY(fl_lora16_on(&lora16));
+    const int dy_bf16 = !dw_bf16 && lora16 && m->prec.name && m->prec.compute_dtype == FL_BF16 && m->adapt &&
+                        (m->be->caps & FL_CAP_COMPUTE_BF16) ? (fl_model_quant4(m) ? 2 : 1) : 0; /* 2: 4-bit blocks */
     fl_dtype head_widen = fl_head_widen_dtype(m->prec.name ? m->prec.compute_dtype : FL_F32, m->be->gemm_widens16);
     size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
                                           m->be->scratch_bytes);
@@ -501,14 +512,14 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (s == FL_OK) s = fl_model_graph_build(&m->cfg, mg);
     if (s != FL_OK) { fl_model_free_acts(m); return s; }
     /* bf16 stored on an FL_CAP_VIEWS16 backend: the fp32 views no block reads or writes are not carved */
-    const unsigned drop32 = fl_block_views_dropped(m, g), gdrop = fl_block_grads_dropped(m, g);
-    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp, drop32, gdrop};
+    const unsigned drop32 = fl_block_views_dropped(m, g), gdrop = fl_block_grads_dropped(m, g, dy_bf16 == 1);
+    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp, drop32, gdrop, dy_bf16};
     fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
     carve_acts(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
-    carve_work(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, drop32, gdrop, dw_bf16, head_widen, bes,
+    carve_work(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, drop32, gdrop, dw_bf16, dy_bf16, head_widen, bes,
                (char *)m->work_arena, a, NULL, NULL);
     a->drop32 = drop32;
     a->gdrop = gdrop;

@@ -57,7 +57,7 @@ fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_l
     const fl_acts *ac = m->acts;
     const unsigned lost = ac && ac->drop32 && !ac->kind ? ac->drop32 & ~fl_block_views_dropped(m, ac->graph) : 0;
     /* ... or the width of an fp32 gradient its linear's backward then writes (acts.c's gdrop) */
-    const unsigned glost = ac && ac->gdrop && !ac->kind ? ac->gdrop & ~fl_block_grads_dropped(m, ac->graph) : 0;
+    const unsigned glost = ac && ac->gdrop && !ac->kind ? ac->gdrop & ~fl_block_grads_dropped(m, ac->graph, ac->dyb16 && !ac->xb16) : 0;
     for (int s = 0; (lost | glost) && s < FL_GRAPH_MAX_SLOTS; s++)
         if ((lost | glost) >> s & 1u) {
             t->count[k]--; /* refused: the table as it was */

@@ -49,7 +49,7 @@ static inline int unread_after(const fl_block_graph *g, int j, int k) {
  * pair, or the backend lacks the op (cpu, ref, opaque). */
 static inline void *dy16_for(const fl_backend *be, const fl_block_graph *g, const fl_block_params *bp, int i) {
     const fl_gop *o = &g->op[i], *pv = i > 0 ? &g->op[i - 1] : NULL;
-    if (!pv || pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_wants_dy16(&bp->lin[pv->p])) return NULL;
+    if (!pv || pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_dx16(&bp->lin[pv->p])) return NULL;
     const int ok = (act16_kind(o->kind) >= 0 && be->act_backward16) || (o->kind == FL_GOP_ROPE && be->rope_backward16);
     return ok ? bp->lin[pv->p].dyb16 : NULL;
 }

@@ -280,7 +280,7 @@ static int next_bwd(const fl_block_graph *g, int i) {
 void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp) {
     const int j = next_bwd(g, g->n_ops);
     const fl_gop *o = j >= 0 ? &g->op[j] : NULL;
-    if (!o || o->kind != FL_GOP_LINEAR || o->out != FL_GSLOT_OUT || !fl_linear_wants_dy16(&bp->lin[o->p])) return NULL;
+    if (!o || o->kind != FL_GOP_LINEAR || o->out != FL_GSLOT_OUT || !fl_linear_dx16(&bp->lin[o->p])) return NULL;
     return bp->lin[o->p].dyb16;
 }
 /* A NORM (op i, 16-bit RMSNorm weight: the backend's w16 kernel) finishes the residual gradient d(in), which the
@@ -295,7 +295,7 @@ static void *norm_dy16_for(const fl_model *m, const fl_backend *be, const fl_blo
     const int j = next_bwd(g, i);
     if (j < 0) return o->in == FL_GSLOT_IN && !x->no_din ? x->din16 : NULL;
     const fl_gop *pv = &g->op[j];
-    if (pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_wants_dy16(&bp->lin[pv->p])) return NULL;
+    if (pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_dx16(&bp->lin[pv->p])) return NULL;
     return bp->lin[pv->p].dyb16;
 }
 
@@ -555,14 +555,18 @@ static int bwd_reads16_p(const fl_model *m, const fl_block_graph *g, const fl_go
 
 static unsigned bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
                             const fl_block_ctx *x, int plan) {
+    const fl_backend *be = m->be;
     unsigned r = 0;
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
         switch ((fl_gop_kind)o->kind) {
-        case FL_GOP_LINEAR: { /* the dW GEMM reads the stored copy when there is one; the adapters read fp32 */
+        case FL_GOP_LINEAR: { /* the dW GEMM reads the stored copy when there is one; the adapters fp32 unless
+                               * they all take the stored copy (fl_linear_adapters_x16) */
             const fl_linear *l = &bp->lin[o->p];
             const int x16 = x->s16 && x->s16[o->in];
-            if (l->n_adapters > 0 || (l->dw && !(fl_linear_wants_dy16(l) && x16))) r |= 1u << o->in;
+            if ((l->n_adapters > 0 && !(x16 && fl_linear_adapters_x16(be, l))) ||
+                (l->dw && !(fl_linear_wants_dy16(l) && x16)))
+                r |= 1u << o->in;
             break;
         }
         case FL_GOP_NORM:
@@ -659,6 +663,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         return fl_errorf(FL_ERR_INVALID, "block backward: this pass writes d('%s') in fp32, which the gradient buffers "
                          "were sized without (fl_block_grads_dropped: set up before the adapters or weights it has now?)",
                          lack);
+    const unsigned reads32 = bwd_reads32(m, g, bp, x, 0); /* the saved slots read in fp32 (the others not widened) */
     int stale = -1; /* the slot whose gradient the op before wrote in bf16 only (fl_block_only16) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {
@@ -714,9 +719,9 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             if (d16 && d16 == x->din16 && x->din16_done) *x->din16_done = 1;
             break;
         }
-        case FL_GOP_LINEAR:
-            FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, s[o->in], x->s16 ? x->s16[o->in] : NULL,
-                                           &bp->lin[o->p], N));
+        case FL_GOP_LINEAR: /* x NULL: its fp32 view not widened (bwd_reads32), the adapters read x16 */
+            FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, reads32 >> o->in & 1u ? s[o->in] : NULL,
+                                           x->s16 ? x->s16[o->in] : NULL, &bp->lin[o->p], N));
             break;
         case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi, b16)); break;
         case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout, in16)); break;
@@ -952,8 +957,18 @@ fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumula
 }
 
 int fl_linear_wants_dy16(const fl_linear *lin) { return lin->dw && lin->xb16; }
+int fl_linear_adapters_x16(const fl_backend *be, const fl_linear *lin) {
+    for (int k = 0; k < lin->n_adapters; k++) {
+        const fl_linear_adapter *a = lin->adapters[k];
+        if (!a->ops->x16_only || !a->ops->x16_only(a, be)) return 0;
+    }
+    return lin->n_adapters > 0;
+}
+int fl_linear_dx16(const fl_linear *lin) {
+    return fl_linear_wants_dy16(lin) || (!lin->dw && !lin->xb16 && lin->dyb16 && lin->n_q4 == 0);
+}
 int fl_linear_reads_dy32(const fl_linear *lin) {
-    return lin->db || lin->n_adapters > 0 || lin->n_q4 > 0 || !fl_linear_wants_dy16(lin);
+    return lin->db || lin->n_adapters > 0 || lin->n_q4 > 0 || !fl_linear_dx16(lin);
 }
 
 fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
@@ -964,21 +979,24 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
      * once, here (or by the op that made dy: dy16_ready); the dx GEMM reads that copy, the same operand its own
      * rounding of an F32 dy gives */
     const int dy16 = fl_linear_wants_dy16(lin);
+    /* dx16: the dx GEMM reads that copy; a frozen bf16 base's too (dyb16 alone: fl_act_opts.dy_bf16), where the op
+     * that made dy wrote it (dy16_ready) or here (the same RNE the GEMM's rounding of an F32 dy does) */
+    const int dx16 = fl_linear_dx16(lin);
     if (!dy && (!dy16_ready || fl_linear_reads_dy32(lin)))
         return fl_errorf(FL_ERR_INVALID, "linear backward: no fp32 dy, which this linear reads");
     int db_done = 0; /* a biased linear's bias gradient writes that copy as it reads dy (bias_backward16) */
     if (dy16 && !dy16_ready && lin->db && be->bias_backward16) {
         FL_TRY(FL_RUN(be, bias_backward16, lin->db, lin->dyb16, dy, N, lin->out));
         db_done = 1;
-    } else if (dy16 && !dy16_ready)
+    } else if (dx16 && !dy16_ready && (dy16 || dx))
         FL_TRY(FL_RUN(be, convert, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
     if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
             FL_TRY(FL_RUN(be, q4_matmul_backward, dx, dy + r0, lin->out, lin->q4[k], N,
                           (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
     } else if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
-        FL_TRY(FL_RUN(be, gemm, 0, 0, N, lin->in, lin->out, 1.0f, dy16 ? (const void *)lin->dyb16 : (const void *)dy,
-                      dy16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, FL_F32,
+        FL_TRY(FL_RUN(be, gemm, 0, 0, N, lin->in, lin->out, 1.0f, dx16 ? (const void *)lin->dyb16 : (const void *)dy,
+                      dx16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, FL_F32,
                       lin->in));
     if (dy16) { /* dW += bf16(dy)^T @ bf16(x), fp32 accumulation; bf16(x): the saved copy when there is one */
         if (!x16) FL_TRY(FL_RUN(be, convert, lin->xb16, FL_BF16, x, FL_F32, (size_t)N * lin->in));
@@ -992,7 +1010,10 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
     if (lin->db && !db_done) FL_RUN(be, bias_backward, lin->db, dy, N, lin->out);
     for (int k = 0; k < lin->n_adapters; k++) { /* after the base dx: each adapter's branch adds to it */
         const fl_linear_adapter *a = lin->adapters[k];
-        FL_TRY(a->ops->backward(a, be, dx, dy, lin->out, x, N, lin->row_base));
+        if (!x && x16 && a->ops->x16_only && a->ops->x16_only(a, be)) /* x's view not widened: its stored copy */
+            FL_TRY(a->ops->backward16(a, be, dx, dy, lin->out, x16, N, lin->row_base));
+        else
+            FL_TRY(a->ops->backward(a, be, dx, dy, lin->out, x, N, lin->row_base));
     }
     return FL_OK;
 }

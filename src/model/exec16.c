@@ -37,14 +37,14 @@ unsigned fl_block_only16(const fl_model *m, const fl_block_graph *g, const fl_bl
 }
 
 /* The backward's half of fl_block_only16, with the backend's act_backward16 / rope_backward16 there or not (have_act,
- * have_rope: dy16_for's test); *forced gets fl_only16_test_force's bits where they apply. */
+ * have_rope: dy16_for's test, which it repeats); *forced gets fl_only16_test_force's bits where they apply. */
 static unsigned only16_bwd(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, int have_act,
                            int have_rope, unsigned *forced) {
     unsigned r = 0;
     for (int i = 1; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i], *pv = &g->op[i - 1];
         const int act = act16_kind(o->kind) >= 0;
-        if (pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_wants_dy16(&bp->lin[pv->p]) ||
+        if (pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_dx16(&bp->lin[pv->p]) ||
             !bp->lin[pv->p].dyb16 || !(act ? have_act : o->kind == FL_GOP_ROPE && have_rope) ||
             g->slot[o->in].kind == FL_GSLOT_XSTREAM)
             continue; /* dy16_for: NULL */
@@ -69,15 +69,16 @@ static unsigned grads16_of(const fl_block_graph *g, unsigned only16) {
  * acts.c sizes the gradient buffers without them (a TinyLlama block: d(gate|up), 11,264 floats a row, leaves buffer 2
  * at d(q|k|v)'s 2,560). FL_CAP_VIEWS16 says the backend has act_backward16 and rope_backward16 taking a NULL fp32
  * gradient, so the planner's null backend standing in for it decides the same. fl_block_backward refuses a pass
- * that would write one (fl_block_ctx.gdrop). */
-unsigned fl_block_grads_dropped(const fl_model *m, const fl_block_graph *g) {
+ * that would write one (fl_block_ctx.gdrop). dy16: the arena has the dy scratch alone (LoRA's frozen bases: their dy in
+ * bf16 too, fl_act_opts.dy_bf16 1). */
+unsigned fl_block_grads_dropped(const fl_model *m, const fl_block_graph *g, int dy16) {
     if (!(m->be->caps & FL_CAP_VIEWS16) || !m->prec.name || m->prec.act_dtype != FL_BF16 || m->cfg.n_layers < 1)
         return 0;
     static const char one;
     unsigned r = ~0u, forced = 0;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         fl_block_params bp;
-        fl_block_bind_facts(m, g, l, (void *)&one, &bp);
+        fl_block_bind_facts(m, g, l, dy16, (void *)&one, &bp);
         r &= grads16_of(g, only16_bwd(m, g, &bp, 1, 1, &forced));
     }
     return r;

@@ -19,16 +19,27 @@ fl_status fl_add_pending_norm(const fl_model *m, fl_add_pending *p, float *out, 
     return FL_RUN(be, add16, p->res, p->res16, p->a, p->b, (size_t)p->N * p->C); /* the block's own add */
 }
 
-fl_status fl_xblock_fuse_on(int *on) {
-    const char *ev = getenv("FITLLM_CUDA_XBLOCK_NORM");
+/* An on / off knob in the environment: unset, empty or 1 on, 0 off (*on); another value an error naming it and what
+ * 0 and 1 mean (`expect`) */
+static fl_status knob01(const char *name, int *on, const char *expect) {
+    const char *ev = getenv(name);
     *on = 1;
     if (!ev || !*ev || !strcmp(ev, "1")) return FL_OK;
     if (!strcmp(ev, "0")) {
         *on = 0;
         return FL_OK;
     }
-    return fl_errorf(FL_ERR_INVALID, "FITLLM_CUDA_XBLOCK_NORM=%s: expected 0 (a block's last residual add and the next "
-                     "norm in two launches) or 1 (the default: one fused launch under a bf16 store)", ev);
+    return fl_errorf(FL_ERR_INVALID, "%s=%s: expected %s", name, ev, expect);
+}
+
+fl_status fl_xblock_fuse_on(int *on) {
+    return knob01("FITLLM_CUDA_XBLOCK_NORM", on, "0 (a block's last residual add and the next norm in two launches) or "
+                  "1 (the default: one fused launch under a bf16 store)");
+}
+
+fl_status fl_lora16_on(int *on) {
+    return knob01("FITLLM_CUDA_LORA16", on, "0 (a frozen base's dx GEMM rounds its fp32 dy, the adapters read their "
+                  "input in fp32) or 1 (the default: the bf16 dy and input as stored)");
 }
 
 /* fl_block_forward's start: x->take (on) done before op 0, fused with it where op 0 is a NORM of the block's input

@@ -287,6 +287,9 @@ fl_status fl_xblock_take(const fl_model *m, const fl_block_graph *g, const fl_bl
                          const fl_block_ctx *x, void *n16, int *i0);
 /* FITLLM_CUDA_XBLOCK_NORM (unset or 1: on, 0: off): the cross-block add + norm; *on. An error for another value. */
 fl_status fl_xblock_fuse_on(int *on);
+/* FITLLM_CUDA_LORA16 (unset or 1: on, 0: off): a frozen bf16 base's bf16 dy (fl_act_opts.dy_bf16) and the adapters'
+ * backward over the stored bf16 input (lora_backward_x16); *on. An error for another value. */
+fl_status fl_lora16_on(int *on);
 unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x);
 unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);
 /* Testing only (0 otherwise): slots fl_block_views32 leaves out although a pass needs them, so the test shows that an op
@@ -304,9 +307,9 @@ extern unsigned fl_only16_test_force;
  * gradient buffers without them: fl_act_opts.gdrop), and a pass's check against it (the slot's name, NULL: none
  * lacking). fl_block_bind_facts (acts.c): the facts fl_get_block would bind for block l's LINEARs, every pointer
  * `any`, for these set-up decisions. */
-unsigned fl_block_grads_dropped(const fl_model *m, const fl_block_graph *g);
+unsigned fl_block_grads_dropped(const fl_model *m, const fl_block_graph *g, int dy16);
 const char *fl_block_grads16_lacking(const fl_block_graph *g, unsigned gdrop, unsigned only16);
-void fl_block_bind_facts(const fl_model *m, const fl_block_graph *g, int l, void *any, fl_block_params *bp);
+void fl_block_bind_facts(const fl_model *m, const fl_block_graph *g, int l, int dy16, void *any, fl_block_params *bp);
 
 /* Inference scratch for n rows: the floats of the graph's shared buffers (64-byte aligned views), and with a
  * base, the slot views (s[FL_GSLOT_IN] and s[FL_GSLOT_OUT] point to the same buffer). */

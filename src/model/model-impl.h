@@ -128,7 +128,8 @@ typedef struct {
     const fl_linear_adapter *const *adapters; /* attached by the rewrite (n_adapters, run in order), or NULL */
     int n_adapters;
     int row_base;     /* the head: the chunk's first row in the batch (what the adapters' dropout masks follow) */
-    void *xb16, *dyb16; /* bf16 scratch (N, in), (N, out): dW += bf16(dy)^T bf16(x), or NULL (fp32 dW) */
+    void *xb16, *dyb16; /* bf16 scratch (N, in), (N, out): dW += bf16(dy)^T bf16(x), or NULL (fp32 dW); dyb16 alone:
+                         * a frozen base's dx GEMM reads bf16(dy) (fl_linear_dx16) */
     /* (out, in) bf16, or NULL: the weight's 16-bit gradient itself, which that dW GEMM then adds into in place
      * (FL_OP_GEMM_ACC16: bf16(fp32 sum + g16), rounded once; dw's staging slot unused). Set per block pass by
      * fl_store_direct16 (issue 30 item 1) */
@@ -174,6 +175,12 @@ fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumula
 /* The same, where the op that made dy may have written its bf16 copy into lin->dyb16 already (dy16_ready: the
  * convert is skipped; fl_linear_wants_dy16 says whether the linear reads that copy). */
 int fl_linear_wants_dy16(const fl_linear *lin);
+/* Whether its dx GEMM reads dy in bf16 from lin->dyb16: a trained linear's (fl_linear_wants_dy16), or a frozen bf16
+ * base given the dy scratch alone (xb16 NULL: fl_act_opts.dy_bf16), which the op that made dy may have written too */
+int fl_linear_dx16(const fl_linear *lin);
+/* Whether it has adapters and every one reads its input in bf16 alone on be (fl_linear_adapter_ops.x16_only): the
+ * backward then need not widen x's fp32 view (fl_linear_backward_dy16 takes x NULL and the stored x16) */
+int fl_linear_adapters_x16(const fl_backend *be, const fl_linear *lin);
 /* Whether its backward reads dy in fp32 even with dy16_ready (a bias gradient, an adapter, a 4-bit base, no bf16
  * dy): else dy may be NULL there (an fp32 gradient written in bf16 only, fl_block_only16). */
 int fl_linear_reads_dy32(const fl_linear *lin);

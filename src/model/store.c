@@ -295,9 +295,9 @@ void fl_linear_set_weight(const fl_model *m, fl_linear *lin, int wi) {
 }
 
 void fl_linear_set_dw_scratch(const fl_model *m, fl_linear *lin) {
-    int on = m->acts && m->acts->xb16 && lin->wc && lin->wct == FL_BF16;
+    int on = m->acts && m->acts->dyb16 && lin->wc && lin->wct == FL_BF16;
     lin->xb16 = on ? m->acts->xb16 : NULL;
-    lin->dyb16 = on ? m->acts->dyb16 : NULL;
+    lin->dyb16 = on ? m->acts->dyb16 : NULL; /* without xb16 (fl_act_opts.dy_bf16): a frozen base's dy (fl_linear_dx16) */
 }
 
 /* A linear layer from its weight and bias entries (indices; bias -1: none). */

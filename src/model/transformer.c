@@ -651,8 +651,8 @@ static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx,
                                   const int32_t *tg, float *losses, int rows, float grad_scale, float *logits_out) {
     const fl_backend *be = m->be;
     float *logits = m->acts->logits;
-    if (!x16) FL_TRY(FL_RUN(be, convert, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
-    fl_linear hx = *head;
+    if (!x16 && head->xb16) FL_TRY(FL_RUN(be, convert, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
+    fl_linear hx = *head; /* frozen (no xb16): the forward GEMM rounds x itself, the same operand */
     if (x16) hx.xb16 = (void *)x16;
     head = &hx;
     FL_TRY(fl_linear_forward_ex(be, logits, x, head->xb16, head, rows)); // (rows, V) fp32
@@ -662,10 +662,11 @@ static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx,
     return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW from dyb16 */
 }
 
-/* The bf16 head's training chunks through cross_entropy_dbf16 (a plain trained bf16 weight, one vocabulary; a
- * frozen head has no bf16 scratch: fl_linear_wants_dy16); wide: the head widened to fp32 (fl_act_opts.head_widen) */
+/* The bf16 head's training chunks through cross_entropy_dbf16 (a plain bf16 weight, trained or frozen with the dy
+ * scratch (fl_linear_dx16: LoRA's, fl_act_opts.dy_bf16), one vocabulary); wide: the head widened to fp32
+ * (fl_act_opts.head_widen) */
 static int head_dbf16(const fl_model *m, const fl_linear *head, int train_targets, int wide) {
-    return train_targets && m->be->cross_entropy_dbf16 && !wide && fl_linear_wants_dy16(head) && head->wc &&
+    return train_targets && m->be->cross_entropy_dbf16 && !wide && fl_linear_dx16(head) && head->wc &&
            head->wct == FL_BF16 && head->n_q4 == 0 && !(m->adapt && m->adapt->head) && !m->tp_ops;
 }
 static void head_linear(fl_model *m, const fl_outer_params *op, fl_linear *head) {

@@ -57,6 +57,10 @@
 #  18. bf16 weight gradients written by their GEMMs (issue 30 item 1): the TinyLlama step with FITLLM_CUDA_DW16=1 (the
 #      default: a block's dW GEMMs BF16,BF16->BF16 in place in the bf16 gradient) against 0 (staged in fp32, zeroed
 #      and added back by accumulate16: 704 MB more traffic per block and micro-batch), with the profile's GEMM rows.
+#  19. LoRA / QLoRA bf16 without conversions (issue 30 items 1 and 7): the TinyLlama LoRA r 8 q,v and QLoRA (nf4)
+#      steps with FITLLM_CUDA_LORA16=1 (the default: the frozen bases' dx GEMMs read a bf16 dy their producers write,
+#      the adapters' backward reads ln1's stored bf16 copy) against 0 (a dy panel conversion in every frozen dx GEMM,
+#      ln1 widened before each block's backward).
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -246,4 +250,9 @@ echo "== 18. bf16 weight gradients by their GEMMs: FITLLM_CUDA_DW16=1 (the defau
 for v in 1 0; do
     FITLLM_CUDA_DW16=$v bench dw16-$v 60 --profile
     sed -n '/^profile/,/^PROFILE/p' "$OUT/dw16-$v.log" | grep -E "GEMM|accumulate16|zero" | head -6
+done
+echo "== 19. LoRA / QLoRA bf16 without conversions: FITLLM_CUDA_LORA16=1 (the default) against 0 (EXPERIMENTAL)"
+for v in 1 0; do
+    FITLLM_CUDA_LORA16=$v bench lora16-$v 60 --lora 8
+    FITLLM_CUDA_LORA16=$v bench qlora16-$v 90 --lora 8 --quantize bnb.nf4
 done

@@ -578,6 +578,24 @@ static fl_status flb_lora_backward_s(const fl_backend *be, float *dx, float *dA,
               "lora_backward (dropout)");
     return FL_OK;
 }
+/* backend.h lora_backward_x16: lora_backward's GEMMs without dropout, dA from the stored bf16 input (lora_da_x16: the
+ * GEMM stand-in's bits on its widening; on a GPU a float64 sum where cuBLASLt's fp32 GEMM read the widened copy) */
+static fl_status flb_lora_backward_x16(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
+                                       const void *x16, const float *h, const float *A, const float *B, int N, int in,
+                                       int out, int r, float scaling, float *work) {
+    FL_TRY(flb_sticky(be));
+    FL_TRY(flb_lora_check("lora_backward_x16", N, in, out, r, ldy, 0.0f));
+    if (N == 0) return FL_OK;
+    if (!work) return fl_errorf(FL_ERR_INVALID, "lora_backward_x16: NULL work buffer");
+    if (dA && !x16) return fl_errorf(FL_ERR_INVALID, "lora_backward_x16: NULL x16 (the bf16 input dA reads)");
+    if (dB) FL_TRY(flb_gemm(be, 1, 0, out, r, N, scaling, dy, FL_F32, ldy, h, FL_F32, r, 1.0f, dB, FL_F32, r));
+    if (!dA && !dx) return FL_OK;
+    float *g = work;
+    FL_TRY(flb_gemm(be, 0, 0, N, r, out, 1.0f, dy, FL_F32, ldy, B, FL_F32, r, 0.0f, g, FL_F32, r));
+    if (dA) FLB_RUN_S(be, FLB_K(lora_da_x16)(dA, g, x16, N, r, in, scaling, STREAM), "lora_backward_x16 (dA)");
+    if (!dx) return FL_OK;
+    return flb_gemm(be, 0, 0, N, in, r, scaling, g, FL_F32, r, A, FL_F32, in, 1.0f, dx, FL_F32, in);
+}
 static fl_status flb_lora_backward(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
                                    const float *xb, const float *h, const float *A, const float *B, int N, int in,
                                    int out, int r, float scaling, float dropout, uint64_t seed, float *work) {
