@@ -203,6 +203,9 @@ FL_TEST(cuda_emu_lora_backward_x16) {
     x16_case(&be, 37, 70, 33, 5, 40);
     x16_case(&be, 1, 1, 1, 1, 1);
     x16_case(&be, 130, 129, 9, 3, 9);
+    /* x16 widened a column tile at a time into the panel (the emulated backend's: 64 KiB), each tile an fp32 GEMM over
+     * all N rows: 130 x 129 above takes 126 + 3 columns, 300 x 200 takes 54 + 54 + 54 + 38; still lora_backward's bits */
+    x16_case(&be, 300, 200, 7, 4, 7);
     float f[4] = {0};
     FL_CHECK(be.lora_backward_x16(&be, f, f, f, f, 1, NULL, f, f, f, 1, 1, 1, 1, 1.0f, f) == FL_ERR_INVALID &&
              strstr(fl_error_message(), "x16"));

@@ -18,14 +18,6 @@ FL_CU_DEV float fl_cu_mul_rn(float a, float b) { return a * b; }
 FL_CU_DEV float fl_cu_add_rn(float a, float b) { return a + b; }
 #endif
 
-#ifdef __CUDACC__
-FL_CU_DEV double fl_cu_dmul_rn(double a, double b) { return __dmul_rn(a, b); }
-FL_CU_DEV double fl_cu_dadd_rn(double a, double b) { return __dadd_rn(a, b); }
-#else
-FL_CU_DEV double fl_cu_dmul_rn(double a, double b) { return a * b; }
-FL_CU_DEV double fl_cu_dadd_rn(double a, double b) { return a + b; }
-#endif
-
 FL_CU_DEV int fl_cu_isfinite(float x) { return (fl_cu_float_bits(x) & 0x7f800000u) != 0x7f800000u; }
 FL_CU_DEV int fl_cu_signbit(float x) { return (int)(fl_cu_float_bits(x) >> 31); }
 

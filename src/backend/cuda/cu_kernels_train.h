@@ -77,11 +77,6 @@ extern "C" {
      * (the GEMM's alpha applies the scaling, as the CPU backend's lora_backward). */                        \
     int P##lora_dropout_dx(float *dx, const float *t, size_t n, float p, uint64_t seed,                        \
                            const uint64_t *seed_dev, void *stream);                                             \
-    /* lora_backward_x16's dA (issue 30 items 1 and 7): dA (r, in) += scaling * g^T @ x16, g (N, r) fp32, x16 \
-     * (N, in) bf16, each element summed over the N rows in order in float64 (exact products), scaled and added \
-     * to dA in float64, rounded to fp32 once: the GEMM stand-in's bits for the fp32 operands (cu_gemm.c) */      \
-    int P##lora_da_x16(float *dA, const float *g, const void *x16, int N, int r, int in, float scaling,         \
-                       void *stream);                                                                           \
     /* backend.h's dropout_rows (0 <= p < 1; p 0 copies or adds): row r's mask indices r stride + j */          \
     int P##dropout_rows(float *y, const float *x, int rows, size_t w, size_t stride, float p, uint64_t seed,     \
                         int accumulate, void *stream);                                                          \

@@ -83,28 +83,3 @@ extern "C" int FL_CUK(dropout_rows)(float *y, const float *x, int rows, size_t w
                  seed, accumulate);
     return fl_cu_launch_error();
 }
-
-/* lora_backward_x16's dA += scaling * g^T @ widen(x16) (cu_kernels_train.h): a thread per element (i, j), j along the
- * block (coalesced x16 reads, g's row a broadcast), summing its N products in row order in float64 (each product of
- * an fp32 and a bf16 value is exact in float64), then scaling * sum + dA in float64, rounded once: the GEMM
- * stand-in's (cu_gemm.c) arithmetic on the fp32 operands, so the emulator's bits of lora_backward on widen(x16). On a
- * GPU the float64 chain is the cost (N dependent adds a thread; EXPERIMENTAL, not yet timed). */
-__global__ static void fl_cu_lora_da_x16_k(float *dA, const float *g, const uint16_t *x16, int N, int r, int in,
-                                           float scaling) {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x, i = blockIdx.y;
-    if (j >= in) return;
-    double acc = 0.0;
-    const uint16_t *xc = x16 + j;
-    for (int p = 0; p < N; p++)
-        acc = fl_cu_dadd_rn(acc, fl_cu_dmul_rn((double)g[(size_t)p * r + i], (double)fl_cu_bf16_to_f32(xc[(size_t)p * in])));
-    float *o = dA + (size_t)i * in + j;
-    *o = (float)fl_cu_dadd_rn(fl_cu_dmul_rn((double)scaling, acc), (double)*o);
-}
-
-extern "C" int FL_CUK(lora_da_x16)(float *dA, const float *g, const void *x16, int N, int r, int in, float scaling,
-                                   void *stream) {
-    if (N < 0 || r <= 0 || in <= 0 || r > 65535) return -1;
-    FL_CU_LAUNCH(fl_cu_lora_da_x16_k, dim3((unsigned)((in + 63) / 64), (unsigned)r), dim3(64), 0, (fl_cu_stream)stream,
-                 dA, g, (const uint16_t *)x16, N, r, in, scaling);
-    return fl_cu_launch_error();
-}
