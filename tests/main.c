@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "fitllm/backend.h"
+#include "fitllm/config.h"
 #include "fitllm/status.h"
 #include "test.h"
 #ifdef FL_HAVE_CUDA_EMU
@@ -179,6 +180,26 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
 
 static void remove_tmp_root(void) {
     if (g_tmp_root[0] && !getenv("FITLLM_KEEP_TMP")) nftw(g_tmp_root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+void fl_test_tiny_run_config(fl_run_config *c, fl_cmd_kind cmd, const char *preset, const char *out, int T) {
+    fl_cfg_defaults(c, cmd);
+    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", preset);
+    snprintf(c->out_dir, sizeof c->out_dir, "%s/%s", fl_test_tmpdir(), out);
+    c->data.kind = FL_DATA_SYNTHETIC;
+    c->data.synthetic_train = 16;
+    c->data.synthetic_val = 2;
+    c->train.micro_batch_size = 1;
+    c->train.global_batch_size = 2;
+    c->train.lr_warmup_steps = 0;
+    c->train.max_steps = 1;
+    c->train.save_interval = 0;
+    c->train.max_seq_length = T;
+    c->eval.interval = 100;
+    c->eval.final_validation = 0;
+    c->optimizer.lr = 3e-3f;
+    c->threads = 1;
+    c->seed = 7;
 }
 
 const char *fl_test_tmpdir(void) {

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "fitllm/backend.h"
+#include "fitllm/config.h"
 
 typedef void (*fl_test_fn)(void);
 void fl_test_register(const char *name, const char *file, fl_test_fn fn);
@@ -54,6 +55,11 @@ const char *fl_test_data_path(const char *rel);
 double fl_test_scaled_err(const float *a, const float *ref, size_t n, size_t *worst);
 /* A fresh temporary directory for this test (created). */
 const char *fl_test_tmpdir(void);
+/* A short synthetic run for A/B tests of one switch (tests/test_xblock.c, test_cuda_dw16.c, test_cuda_lora16.c):
+ * `cmd` of the model `preset` (random init for a preset), 16 training and 2 validation samples, micro-batch 1 of a
+ * global batch of 2, no warm-up, 1 step, no saving, no validation, T tokens, lr 3e-3, 1 thread, seed 7, out_dir
+ * `out` under this test's temporary directory. The caller sets the rest. */
+void fl_test_tiny_run_config(fl_run_config *c, fl_cmd_kind cmd, const char *preset, const char *out, int T);
 /* The tensor data of a safetensors file (after the 8-byte length and the JSON header), malloc'd; NULL if the
  * file cannot be read. Checkpoints of two runs compare on it (their headers differ: wall times). */
 unsigned char *fl_test_st_data(const char *path, size_t *len);

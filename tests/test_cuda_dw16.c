@@ -229,23 +229,9 @@ static int dw_record(void *ud, long step, double loss, const void *params, size_
 
 static fl_status dw_run(const char *knob, int ckpt, dw_rec *r) {
     fl_run_config c;
-    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
-    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "micro");
-    snprintf(c.out_dir, sizeof c.out_dir, "%s/dw16-%s-%d", fl_test_tmpdir(), knob ? knob : "on", ckpt);
-    c.data.kind = FL_DATA_SYNTHETIC;
-    c.data.synthetic_train = 16;
-    c.data.synthetic_val = 2;
-    c.train.micro_batch_size = 1;
-    c.train.global_batch_size = 2;
-    c.train.lr_warmup_steps = 0;
-    c.train.max_steps = 1;
-    c.train.save_interval = 0;
-    c.train.max_seq_length = 8;
-    c.eval.interval = 100;
-    c.eval.final_validation = 0;
-    c.optimizer.lr = 3e-3f;
-    c.threads = 1;
-    c.seed = 7;
+    char out[64];
+    snprintf(out, sizeof out, "dw16-%s-%d", knob ? knob : "on", ckpt);
+    fl_test_tiny_run_config(&c, FL_CMD_FINETUNE_FULL, "micro", out, 8);
     FL_TRY(fl_cfg_set(&c, "precision", "bf16-true"));
     if (ckpt) FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));
     setenv("FITLLM_BACKEND", "cuda-emu", 1);

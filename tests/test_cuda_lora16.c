@@ -48,23 +48,9 @@ static const char *l16_name(int kind) {
  * *conv: the conversion launches it made (convert, convert_many, convert2d: the GEMMs' panels) */
 static fl_status l16_run(l16_rec *r, int kind, const char *knob, unsigned long *conv) {
     fl_run_config c;
-    fl_cfg_defaults(&c, FL_CMD_FINETUNE_LORA);
-    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "micro");
-    snprintf(c.out_dir, sizeof c.out_dir, "%s/lora16-%d-%s", fl_test_tmpdir(), kind, knob ? knob : "on");
-    c.data.kind = FL_DATA_SYNTHETIC;
-    c.data.synthetic_train = 16;
-    c.data.synthetic_val = 2;
-    c.train.micro_batch_size = 1;
-    c.train.global_batch_size = 2;
-    c.train.lr_warmup_steps = 0;
-    c.train.max_steps = 1;
-    c.train.save_interval = 0;
-    c.train.max_seq_length = 16;
-    c.eval.interval = 100;
-    c.eval.final_validation = 0;
-    c.optimizer.lr = 3e-3f;
-    c.threads = 1;
-    c.seed = 7;
+    char out[64];
+    snprintf(out, sizeof out, "lora16-%d-%s", kind, knob ? knob : "on");
+    fl_test_tiny_run_config(&c, FL_CMD_FINETUNE_LORA, "micro", out, 16);
     c.lora.query = c.lora.value = 1;
     if (kind == L16_ALL) c.lora.key = c.lora.projection = c.lora.mlp = 1, c.lora.dropout = 0.0f; /* lora_backward_x16 */
     FL_TRY(fl_cfg_set(&c, "precision", "bf16-true"));

@@ -59,24 +59,11 @@ static fl_status xb_rank(fl_comm *c, int rank, void *ud) {
 static fl_status xb_run(xb_job *j, const char *preset, const char *prec, int ckpt, int lora, int ranks, int pp,
                         const char *tag) { /* pp: 2 = pipeline_parallel 2, -2 = tensor_parallel 2 */
     fl_run_config *c = &j->cfg;
-    fl_cfg_defaults(c, lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL);
-    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", preset);
-    snprintf(c->out_dir, sizeof c->out_dir, "%s/xblock-%s-%s-%s", fl_test_tmpdir(), preset, prec, tag);
-    c->data.kind = FL_DATA_SYNTHETIC;
-    c->data.synthetic_train = 16;
-    c->data.synthetic_val = 2;
-    c->train.micro_batch_size = 1;
+    char out[160];
+    snprintf(out, sizeof out, "xblock-%s-%s-%s", preset, prec, tag);
+    fl_test_tiny_run_config(c, lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL, preset, out, 8);
     c->train.global_batch_size = 2 * (ranks > 1 && !pp ? ranks : 1); /* FULL_SHARD: data-parallel ranks */
-    c->train.lr_warmup_steps = 0;
-    c->train.max_steps = 1;
-    c->train.save_interval = 0;
-    c->train.max_seq_length = 8;
     c->train.max_norm = 1.0f;
-    c->eval.interval = 100;
-    c->eval.final_validation = 0;
-    c->optimizer.lr = 3e-3f;
-    c->threads = 1;
-    c->seed = 7;
     c->devices = ranks;
     if (ranks > 1) snprintf(c->strategy, sizeof c->strategy, "%s", pp ? "ddp" : "fsdp");
     if (pp > 0) c->pipeline_parallel = pp;
