@@ -1848,6 +1848,10 @@ expect perf_session_dry_tp_ops 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1"
     for op in vocab_xent dropout_rows; do
         grep -q "^DRY .*fitllm selftest --accelerator cuda --only $op\$" "$1/tp-$op.log" || { echo "no selftest of $op"; exit 1; }
     done; echo "plumbing ok"' _ "$T/pdry-tp" "$FITLLM"
+# PERF_STEPS splits the session into calls the device's 10-minute limit takes: only the steps named run
+expect perf_session_steps 0 "^steps ok$" -- bash -c 'PERF_DRY=1 PERF_STEPS=2,18-19 OUT="$1" tests/cuda/perf_session.sh \
+    "$(dirname "$2")" 2>&1 | grep "^== " | cut -d. -f1 | tr "\n" " " | grep -qx "== 2 == 18 == 19 " && echo "steps ok"' \
+    _ "$T/psteps" "$FITLLM"
 # fitllm_emu (the command line over the CUDA emulator, a developer's tool: tests/cuda/fitllm_emu.c): a bf16-true step's
 # profile lists every op the CUDA backend issues; no conversion op among them (issue 30 item 1's ratchet, as
 # cuda_emu_bf16_true_convert_launches counts the kernels)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 30's speed measurements on a lent GPU, in one command of under 5 minutes (the device's time is short):
+# Issue 30's speed measurements on a lent GPU (the device's time is short: about 10 minutes for all 19 steps, not
+# measured since step 9; PERF_STEPS below splits it into two calls):
 #   tests/cuda/perf_session.sh [bin-dir]          (default .gpupack/bin, made here by tools/gpu_pack.sh; or a
 #                                                  CUDA build folder with fitllm, libfitllm_cuda.so, fitllm_cuda_check)
 # Writes to $OUT (default /tmp/fitllm-perf-out) and prints the summary:
@@ -89,16 +90,6 @@ fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader; "$F" --version | grep -i cuda; } \
     | tee "$OUT/env.txt"
 
-echo "== 1. fused and 128-bit kernels (fitllm_cuda_check)"
-if [ -x "$BIN/fitllm_cuda_check" ]; then
-    timeout 150 "$BIN/fitllm_cuda_check" >"$OUT/cuda_check.log" 2>&1
-    echo "fitllm_cuda_check exit $?" >>"$OUT/cuda_check.log"
-    grep -E "q4_matmul|q4 tc|add_rmsnorm|swiglu|add\+rmsnorm|add\+layernorm|gemm epilogue|gemm bench|layernorm_.*_w16|128-bit|clip_scale|check_finite_ss|loss_sum|_update_ss|FAIL|all ok|FAILED|exit" \
-        "$OUT/cuda_check.log"
-else
-    echo "  (fitllm_cuda_check not in $BIN)"
-fi
-
 bench() { # name timeout args...
     local name=$1 t=$2; shift 2
     timeout "$t" "$F" bench-step tinyllama-1.1b --accelerator cuda --precision bf16-true --micro-batch 4 --seq 2048 \
@@ -111,18 +102,48 @@ gpt2_ab() { # precision log-tag label (the A/B switch set by the caller): a GPT-
         --warmup 2 >"$OUT/gpt2-$1-$2.log" 2>&1
     echo "gpt2 $1 $3 exit $?: $(grep -E '^median' "$OUT/gpt2-$1-$2.log")"
 }
+# PERF_STEPS (default: all): the steps to run, e.g. "1-5,18" (the device's calls are limited to 10 minutes: run the
+# session in two calls, PERF_STEPS=1-9 then 10-19, when it does not fit one)
+want_step() {
+    local n=$1 part a b
+    [ -z "${PERF_STEPS:-}" ] && return 0
+    for part in ${PERF_STEPS//,/ }; do
+        a=${part%-*}; b=${part#*-}
+        [ "$n" -ge "$a" ] && [ "$n" -le "$b" ] && return 0
+    done
+    return 1
+}
+if want_step 1; then
+echo "== 1. fused and 128-bit kernels (fitllm_cuda_check)"
+if [ -x "$BIN/fitllm_cuda_check" ]; then
+    timeout 150 "$BIN/fitllm_cuda_check" >"$OUT/cuda_check.log" 2>&1
+    echo "fitllm_cuda_check exit $?" >>"$OUT/cuda_check.log"
+    grep -E "q4_matmul|q4 tc|add_rmsnorm|swiglu|add\+rmsnorm|add\+layernorm|gemm epilogue|gemm bench|layernorm_.*_w16|128-bit|clip_scale|check_finite_ss|loss_sum|_update_ss|FAIL|all ok|FAILED|exit" \
+        "$OUT/cuda_check.log"
+else
+    echo "  (fitllm_cuda_check not in $BIN)"
+fi
+
+fi
+if want_step 2; then
 echo "== 2. TinyLlama-1.1B full bf16-true, B 4, T 2048"
 bench full 60
 bench full-profile 60 --profile
 sed -n '/^profile/,/^PROFILE/p' "$OUT/full-profile.log"
+fi
+if want_step 3; then
 echo "== 3. LoRA r 8"
 bench lora 60 --lora 8
+fi
+if want_step 4; then
 echo "== 4. the trainer's summary (small preset, Synthetic data, 6 steps)"
 timeout 60 "$F" finetune_full small --accelerator cuda --precision bf16-true --data Synthetic --train.max_steps 6 \
     --train.global_batch_size 8 --train.micro_batch_size 8 --train.max_seq_length 1024 --train.save_interval 100 \
     --eval.interval 100 --train.log_interval 1 --overwrite true --out_dir "$OUT/small-run" >"$OUT/train.log" 2>&1
 echo "finetune_full exit $?" >>"$OUT/train.log"
 grep -E "TFLOP/s|MFU|exit" "$OUT/train.log"
+fi
+if want_step 5; then
 echo "== 5. attention: cuDNN vs own vs PyTorch sdpa (TinyLlama shape, forward + backward)"
 timeout 120 "$F" selftest --accelerator cuda --only attention_choices >"$OUT/attn_choices.log" 2>&1
 echo "selftest attention_choices exit $?" >>"$OUT/attn_choices.log"
@@ -134,6 +155,8 @@ if python3 -c "import torch" 2>/dev/null; then
 fi
 FITLLM_CUDA_ATTN=own bench full-own 60
 grep -E "cuDNN" "$OUT/full.log" "$OUT/full-own.log" | head -5
+fi
+if want_step 6; then
 echo "== 6. GEMM epilogues (GPT-2) and pinned uploads (A/B)"
 for p in 32-true bf16-true; do
     for e in 1 0; do
@@ -141,6 +164,8 @@ for p in 32-true bf16-true; do
     done
 done
 FITLLM_CUDA_PINNED=0 bench full-nopin 60
+fi
+if want_step 7; then
 echo "== 7. CUDA graphs (FITLLM_CUDA_GRAPHS=1 against 0, EXPERIMENTAL)"
 FITLLM_CUDA_GRAPHS=1 bench full-graphs 60
 grep -E "FITLLM_CUDA_GRAPHS" "$OUT/full-graphs.log" | head -3
@@ -150,6 +175,8 @@ for g in 0 1; do
     echo "small bf16-true FITLLM_CUDA_GRAPHS=$g exit $?: $(grep -E '^median' "$OUT/small-graphs$g.log")"
     grep -E "FITLLM_CUDA_GRAPHS" "$OUT/small-graphs$g.log" | head -2
 done
+fi
+if want_step 8; then
 echo "== 8. GPT-2 bf16 with the LayerNorm w16 kernels (profile)"
 for p in bf16-true bf16-mixed; do
     timeout 60 "$F" bench-step gpt2 --accelerator cuda --precision $p --micro-batch 8 --seq 1024 --steps 5 --warmup 2 \
@@ -157,6 +184,8 @@ for p in bf16-true bf16-mixed; do
     echo "gpt2 $p --profile exit $?: $(grep -E '^median' "$OUT/gpt2-$p-profile.log")"
     sed -n '/^profile/,/^PROFILE/p' "$OUT/gpt2-$p-profile.log" | grep -E "norm|elementwise|convert" | head -6
 done
+fi
+if want_step 9; then
 echo "== 9. step scalars: the norm, clip scale and losses on the device (FITLLM_CUDA_STEP_SCALARS=1 against 0)"
 for v in 1 0; do
     FITLLM_CUDA_STEP_SCALARS=$v bench full-ss$v 60
@@ -172,6 +201,8 @@ for v in 1 0; do
         --train.log_interval 1 --overwrite true --out_dir "$OUT/small-ss$v" >"$OUT/train-ss$v.log" 2>&1
     echo "finetune_full STEP_SCALARS=$v exit $?: $(grep -E 'iter 16 ' "$OUT/train-ss$v.log" | head -1)"
 done
+fi
+if want_step 10; then
 echo "== 10. fp16 loss scaling: the overflow check on the device (FITLLM_CUDA_STEP_SCALARS=1 against 0, 16-mixed)"
 for v in 1 0; do
     for g in 0 1; do
@@ -186,6 +217,8 @@ for v in 1 0; do
     echo "finetune_full 16-mixed STEP_SCALARS=$v exit $?: $(grep -E 'iter 16 ' "$OUT/train-fp16-ss$v.log" | head -1)"
     grep -E "update skipped" "$OUT/train-fp16-ss$v.log" | head -3
 done
+fi
+if want_step 11; then
 echo "== 11. the next micro-batch's inputs ahead on a second stream (FITLLM_CUDA_PREFETCH=1 against 0, EXPERIMENTAL)"
 for v in 1 0; do
     FITLLM_CUDA_PREFETCH=$v bench full-pf$v 60
@@ -199,6 +232,8 @@ for v in 1 0; do
         --overwrite true --out_dir "$OUT/small-pf$v" >"$OUT/train-pf$v.log" 2>&1
     echo "finetune_full PREFETCH=$v exit $?: $(grep -E 'iter 24 ' "$OUT/train-pf$v.log" | head -1)"
 done
+fi
+if want_step 12; then
 echo "== 12. SGD and 8-bit AdamW on the step scalars (FITLLM_CUDA_STEP_SCALARS=1 against 0; SGD under graphs)"
 for opt in SGD bnb.optim.AdamW8bit; do
     for v in 1 0; do
@@ -214,16 +249,22 @@ for opt in SGD bnb.optim.AdamW8bit; do
         done
     done
 done
+fi
+if want_step 13; then
 echo "== 13. QLoRA's 4-bit matmuls: FITLLM_CUDA_Q4=fp32 | tc | scratch (TinyLlama, nf4, LoRA r 8)"
 for q in fp32 tc scratch; do
     FITLLM_CUDA_Q4=$q bench qlora-q4$q 90 --lora 8 --quantize bnb.nf4
 done
+fi
+if want_step 14; then
 echo "== 14. tensor parallelism's device ops: the vocabulary-parallel cross-entropy, the row-strided dropout (selftest)"
 for op in vocab_xent dropout_rows; do
     timeout 60 "$F" selftest --accelerator cuda --only $op >"$OUT/tp-$op.log" 2>&1
     echo "selftest $op exit $?" >>"$OUT/tp-$op.log"
     grep -E "$op|cases ok|FAIL|exit" "$OUT/tp-$op.log"
 done
+fi
+if want_step 15; then
 echo "== 15. bf16 bias + GELU in the GEMM's epilogue: FITLLM_CUDA_GELU16=1 against 0 (GPT-2, EXPERIMENTAL)"
 for p in bf16-true bf16-mixed; do
     for v in 1 0; do
@@ -236,23 +277,32 @@ for v in 1 0; do
     echo "gpt2 bf16-true FITLLM_CUDA_GELU16=$v --profile exit $?"
     sed -n '/^profile/,/^PROFILE/p' "$OUT/gpt2-gelu16$v-profile.log" | grep -E "GEMM|elementwise|gelu|round16" | head -6
 done
+fi
+if want_step 16; then
 echo "== 16. bf16 storage without the unread fp32 views: FITLLM_CUDA_VIEWS32=1 (every view kept) against 0 (EXPERIMENTAL)"
 for v in 1 0; do
     FITLLM_CUDA_VIEWS32=$v bench views32-$v 60
     FITLLM_CUDA_VIEWS32=$v gpt2_ab bf16-true views32$v FITLLM_CUDA_VIEWS32=$v
 done
+fi
+if want_step 17; then
 echo "== 17. the cross-block add + norm: FITLLM_CUDA_XBLOCK_NORM=1 (the default) against 0 (EXPERIMENTAL)"
 for v in 1 0; do
     FITLLM_CUDA_XBLOCK_NORM=$v bench xblock-$v 60
     FITLLM_CUDA_XBLOCK_NORM=$v gpt2_ab bf16-true xblock$v FITLLM_CUDA_XBLOCK_NORM=$v
 done
+fi
+if want_step 18; then
 echo "== 18. bf16 weight gradients by their GEMMs: FITLLM_CUDA_DW16=1 (the default) against 0 (EXPERIMENTAL)"
 for v in 1 0; do
     FITLLM_CUDA_DW16=$v bench dw16-$v 60 --profile
     sed -n '/^profile/,/^PROFILE/p' "$OUT/dw16-$v.log" | grep -E "GEMM|accumulate16|zero" | head -6
 done
+fi
+if want_step 19; then
 echo "== 19. LoRA / QLoRA bf16 without conversions: FITLLM_CUDA_LORA16=1 (the default) against 0 (EXPERIMENTAL)"
 for v in 1 0; do
     FITLLM_CUDA_LORA16=$v bench lora16-$v 60 --lora 8
     FITLLM_CUDA_LORA16=$v bench qlora16-$v 90 --lora 8 --quantize bnb.nf4
 done
+fi
