@@ -401,16 +401,6 @@ struct fl_backend {
                                     const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                     float weight_decay, int step, const double *ss);
 
-    /* ==== LoRA's backward over a stored bf16 input (issue 30 items 1 and 7; optional: cuda, cuda-emu, NULL elsewhere
-     * and with FITLLM_CUDA_LORA16=0; NULL: widen x, then lora_backward) ====
-     * lora_backward without dropout over x16 (N, in) bf16, the stored copy of the branch's input, read as lora_backward
-     * reads xb = its exact widening: every element of dA the sum lora_backward's GEMM forms on widen(x16) (the CUDA
-     * backend widens x16 a column tile at a time into its panel scratch, one fp32 GEMM per tile over all N rows), so
-     * no fp32 copy of the whole x is kept for the backward. work: N*r floats. */
-    fl_status (*lora_backward_x16)(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
-                                   const void *x16, const float *h, const float *A, const float *B, int N, int in,
-                                   int out, int r, float scaling, float *work);
-
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
      * op(X) = X or X^T. lda/ldb/ldc are row strides of the stored matrices.

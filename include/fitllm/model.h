@@ -470,9 +470,9 @@ typedef struct {
      * adapter's own parameter gradients accumulate. dy: the LINEAR's whole output gradient (N, ldy) */
     fl_status (*backward)(const fl_linear_adapter *a, const fl_backend *be, float *dx, const float *dy, int ldy,
                           const float *x, int N, int row_base);
-    /* Optional (NULL: none): x16_only says whether backward16 on be reads the input in bf16 alone (x16 (N, in), the
-     * stored copy, whose widening is the fp32 x backward reads: the same bits), so the model need not widen it into
-     * x's fp32 view for the backward (issue 30 items 1 and 7) */
+    /* Optional (NULL: none): x16_only says whether backward16 on be needs no fp32 x (it may read x16 (N, in), the
+     * stored copy, or nothing: LoRA with dropout reads its own dropped copy), so the model need not widen the input
+     * into x's fp32 view for the backward (issue 30 items 1 and 7) */
     int (*x16_only)(const fl_linear_adapter *a, const fl_backend *be);
     fl_status (*backward16)(const fl_linear_adapter *a, const fl_backend *be, float *dx, const float *dy, int ldy,
                             const void *x16, int N, int row_base);

@@ -43,7 +43,7 @@
     /* tensor parallelism's (issue 35): the vocabulary-parallel cross-entropy's halves, the row-strided dropout */     \
     X(vocab_stats, FL_PROF_LOSS) X(vocab_xent, FL_PROF_LOSS) X(dropout_rows, FL_PROF_ELEM)                             \
     X(bias_backward16, FL_PROF_ELEM) X(attention_forward_in16, FL_PROF_ATTN)                          \
-    X(add_norm_forward16, FL_PROF_NORM) X(lora_backward_x16, FL_PROF_GEMM)
+    X(add_norm_forward16, FL_PROF_NORM)
 
 #define PROF_ENUM(op, g) OP_##op,
 enum { PROF_OPS(PROF_ENUM) OP_COUNT };
@@ -216,10 +216,6 @@ WRAP_S(lora_backward, 2.0 * N * r * ((double)(dB ? out : 0) + out + (dA ? in : 0
        (BE, float *dx, float *dA, float *dB, const float *dy, int ldy, const float *xb, const float *h, const float *A,
         const float *B, int N, int in, int out, int r, float scaling, float dropout, uint64_t seed, float *work),
        (be, dx, dA, dB, dy, ldy, xb, h, A, B, N, in, out, r, scaling, dropout, seed, work))
-WRAP_S(lora_backward_x16, 2.0 * N * r * ((double)(dB ? out : 0) + out + (dA ? in : 0) + (dx ? in : 0)),
-       (BE, float *dx, float *dA, float *dB, const float *dy, int ldy, const void *x16, const float *h, const float *A,
-        const float *B, int N, int in, int out, int r, float scaling, float *work),
-       (be, dx, dA, dB, dy, ldy, x16, h, A, B, N, in, out, r, scaling, work))
 WRAP_S(q4_matmul_forward, 2.0 * N * (double)w->n, (BE, float *y, int ldy, const float *x, const fl_q4_weight *w, int N, float beta),
        (be, y, ldy, x, w, N, beta))
 WRAP_S(q4_matmul_backward, 2.0 * N * (double)w->n,

@@ -242,11 +242,6 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         return be->lora_backward(be, r->dx, r->dA, r->dB, r->dy, r->ldy, r->xb, r->h, r->A, r->B, r->N, r->in, r->out,
             r->r, r->scaling, r->dropout, r->seed, r->work);
     }
-    case FL_OPK_lora_backward_x16: {
-        DOOR(lora_backward_x16);
-        return be->lora_backward_x16(be, r->dx, r->dA, r->dB, r->dy, r->ldy, r->x16, r->h, r->A, r->B, r->N, r->in,
-            r->out, r->r, r->scaling, r->work);
-    }
     case FL_OPK_dropout: {
         DOOR(dropout);
         return be->dropout(be, r->y, r->x, r->n, r->p, r->seed, r->accumulate);

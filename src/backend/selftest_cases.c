@@ -8,7 +8,6 @@
 
 #include "backend/selftest-impl.h"
 #include "fitllm/adam8bit.h"
-#include "fitllm/dtype.h"
 #include "fitllm/lora.h"
 #include "fitllm/quant4.h"
 
@@ -587,43 +586,12 @@ static void st_case_q4(st_ctx *c, int N, int rows, int cols, int dq) {
     free(W); free(x); free(dy); free(hq); free(yr); free(yd); free(xr); free(xd);
 }
 
-/* The device's lora_backward_x16 (issue 30: the stored bf16 input; cuda) after st_case_lora's forward, against the
- * reference's lora_backward on the same (bf16-valued) x, with that case's bounds */
-static void st_case_lora_x16(st_ctx *c, const float *x, const float *dxr, const float *dAr, const float *dBr,
-                             const float *ddy, const float *dh, const float *dA_, const float *dB_, int N, int in,
-                             int out, int r_) {
-    char name[80];
-    snprintf(name, sizeof name, "lora_backward_x16 N%d %d->%d r%d", N, in, out, r_);
-    uint16_t *x16 = malloc((size_t)N * in * 2);
-    float *h[3] = {malloc((size_t)N * in * 4), malloc((size_t)r_ * in * 4), malloc((size_t)out * r_ * 4)};
-    st_bufs b = {0};
-    fl_status s = x16 ? fl_convert(x16, FL_BF16, x, FL_F32, (size_t)N * in) : FL_ERR_OOM;
-    void *dx16 = fl_st_up(c, &b, x16, (size_t)N * in * 2), *dw = fl_st_up(c, &b, NULL, (size_t)N * r_ * 4);
-    float *d[3] = {fl_st_up(c, &b, NULL, (size_t)N * in * 4), fl_st_up(c, &b, NULL, (size_t)r_ * in * 4),
-                   fl_st_up(c, &b, NULL, (size_t)out * r_ * 4)};
-    if (s == FL_OK && !b.failed)
-        s = c->dev->lora_backward_x16(c->dev, d[0], d[1], d[2], ddy, out, dx16, dh, dA_, dB_, N, in, out, r_, 2.0f, dw);
-    fl_st_down(c, &b, h[0], d[0], (size_t)N * in * 4);
-    fl_st_down(c, &b, h[1], d[1], (size_t)r_ * in * 4);
-    fl_st_down(c, &b, h[2], d[2], (size_t)out * r_ * 4);
-    st_cmp r = {0, 1};
-    fl_st_compare(&r, h[2], dBr, NULL, 2 * 0.1 * in * N, (size_t)out * r_, 4, N + in, U32, 0);
-    fl_st_compare(&r, h[1], dAr, NULL, 2 * 0.1 * out * N, (size_t)r_ * in, 4, N + out, U32, 0);
-    fl_st_compare(&r, h[0], dxr, NULL, 2 * 0.01 * out * r_, (size_t)N * in, 4, out + r_, U32, 0);
-    fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
-    fl_st_free(c, &b);
-    free(x16); free(h[0]); free(h[1]); free(h[2]);
-}
-
-/* LoRA forward + backward with dropout; without dropout on a device with lora_backward_x16 its x is bf16-valued (the
- * stored input that op reads) and that op is checked too */
+/* LoRA forward + backward with dropout */
 static void st_case_lora(st_ctx *c, int N, int in, int out, int r_, float p) {
     char name[80];
     snprintf(name, sizeof name, "lora fwd+bwd N%d %d->%d r%d dropout %.2f", N, in, out, r_, (double)p);
     if (!fl_st_want(c, name)) return;
     float *x = fl_st_frand(c, (size_t)N * in, -1, 1), *A = fl_st_frand(c, (size_t)r_ * in, -0.1f, 0.1f);
-    const int x16 = p == 0.0f && c->dev->lora_backward_x16;
-    for (size_t i = 0; x16 && i < (size_t)N * in; i++) x[i] = fl_bf16_to_f32(fl_f32_to_bf16(x[i]));
     float *B = fl_st_frand(c, (size_t)out * r_, -0.1f, 0.1f), *dy = fl_st_frand(c, (size_t)N * out, -1, 1);
     float *y0 = fl_st_frand(c, (size_t)N * out, -1, 1);
     size_t nw = (size_t)N * r_ + (size_t)N * in;
@@ -660,7 +628,6 @@ static void st_case_lora(st_ctx *c, int N, int in, int out, int r_, float p) {
     fl_st_compare(&r, dAh, dAr, NULL, 2 * 0.1 * out * sc * N, (size_t)r_ * in, 4, N + out, U32, 0);
     fl_st_compare(&r, dxh, dxr, NULL, 2 * 0.01 * out * r_ * sc, (size_t)N * in, 4, out + r_, U32, 0);
     fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
-    if (x16 && s == FL_OK && s0 == FL_OK && !b.failed) st_case_lora_x16(c, x, dxr, dAr, dBr, ddy, dh, dA_, dB_, N, in, out, r_);
     fl_st_free(c, &b);
     free(x); free(A); free(B); free(dy); free(y0); free(yr); free(hr); free(xdr); free(dxr); free(dAr); free(dBr);
     free(wr); free(yd); free(dxh); free(dAh); free(dBh);

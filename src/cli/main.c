@@ -171,9 +171,9 @@ static void usage(FILE *f) {
                "               linears' dW GEMMs add into the bf16 gradient in place, rounded once (the same bits);\n"
                "               0 = staged in fp32, zeroed and added back by accumulate16 (A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_LORA16=1|0 (environment): 1 (default) = EXPERIMENTAL: LoRA / QLoRA with bf16 compute: a\n"
-               "               frozen base's dx GEMM reads a bf16 dy written by the op that makes dy, and the adapters'\n"
-               "               backward reads its stored bf16 input (no conversion kernels; the same bits); 0 = the\n"
-               "               GEMM rounds the fp32 dy, the input is widened first (A/B)\n");
+               "               frozen base's dx GEMM reads a bf16 dy written by the op that makes dy, and adapters\n"
+               "               with dropout read their dropped copy, the input not widened (no conversion kernels;\n"
+               "               the same bits); 0 = the GEMM rounds the fp32 dy, the input is widened first (A/B)\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

@@ -6,6 +6,8 @@
 
 #include "lora-impl.h"
 #include "fitllm/tp.h"
+#include "model/model-impl.h"
+#include "model/graph.h" /* fl_lora16_on */
 
 /* Which fl_linear of a block a module belongs to (0 qkv, 1 o, 2 fc, 3 proj: the block graph's linear
  * index), from the role of its weight's fused run (k, v, up carry no role: their run starts earlier). */
@@ -94,19 +96,20 @@ static fl_status slot_backward(const fl_linear_adapter *ad, const fl_backend *be
                              a->out, a->r, a->scaling, a->dropout, slot_seed(a, row_base), a->st->work);
 }
 
-/* backward16 (issue 30 items 1 and 7), on a backend with lora_backward_x16 (cuda, cuda-emu; FITLLM_CUDA_LORA16=0:
- * none): without dropout that op over the stored bf16 input (lora_backward's bits on its widening); with dropout the
- * branch reads its own dropped copy (xd), x not at all */
+/* backward16 (issue 30 items 1 and 7): with dropout the branch's backward reads its own dropped copy (xd, made in the
+ * forward), never x, so on a bf16-compute backend (FL_CAP_COMPUTE_BF16; FITLLM_CUDA_LORA16=0: off) the input's fp32
+ * view need not be widened for it. Without dropout it reads x: the executor widens the input once for every adapter
+ * on it (an op reading the stored bf16 copy instead was tried: each adapter then widened its own tiles for its fp32
+ * dA GEMM, more launches and bytes than the one shared widening; removed). */
 static int slot_x16_only(const fl_linear_adapter *ad, const fl_backend *be) {
     const fl_lora_slot *a = (const fl_lora_slot *)ad;
-    return be->lora_backward_x16 != NULL && (a->dropout <= 0 || a->xd != NULL);
+    int on = 1;
+    return (be->caps & FL_CAP_COMPUTE_BF16) && a->dropout > 0 && a->xd != NULL && fl_lora16_on(&on) == FL_OK && on;
 }
 static fl_status slot_backward16(const fl_linear_adapter *ad, const fl_backend *be, float *dx, const float *dy, int ldy,
                                  const void *x16, int N, int row_base) {
-    const fl_lora_slot *a = (const fl_lora_slot *)ad;
-    if (a->dropout > 0) return slot_backward(ad, be, dx, dy, ldy, NULL, N, row_base); /* reads a->xd */
-    return FL_RUN(be, lora_backward_x16, dx, a->dA, a->dB, dy + a->row0, ldy, x16, a->h, a->A, a->B, N, a->in, a->out,
-                  a->r, a->scaling, a->st->work);
+    (void)x16;
+    return slot_backward(ad, be, dx, dy, ldy, NULL, N, row_base); /* reads a->xd (slot_x16_only) */
 }
 
 static const fl_linear_adapter_ops slot_ops = {slot_forward, slot_backward, slot_x16_only, slot_backward16};

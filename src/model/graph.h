@@ -288,7 +288,7 @@ fl_status fl_xblock_take(const fl_model *m, const fl_block_graph *g, const fl_bl
 /* FITLLM_CUDA_XBLOCK_NORM (unset or 1: on, 0: off): the cross-block add + norm; *on. An error for another value. */
 fl_status fl_xblock_fuse_on(int *on);
 /* FITLLM_CUDA_LORA16 (unset or 1: on, 0: off): a frozen bf16 base's bf16 dy (fl_act_opts.dy_bf16) and the adapters'
- * backward over the stored bf16 input (lora_backward_x16); *on. An error for another value. */
+ * backward without widening its input where it has dropout (lora_model.c's x16_only); *on. An error for another value. */
 fl_status fl_lora16_on(int *on);
 unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x);
 unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);

@@ -60,7 +60,7 @@
 #      and added back by accumulate16: 704 MB more traffic per block and micro-batch), with the profile's GEMM rows.
 #  19. LoRA / QLoRA bf16 without conversions (issue 30 items 1 and 7): the TinyLlama LoRA r 8 q,v and QLoRA (nf4)
 #      steps with FITLLM_CUDA_LORA16=1 (the default: the frozen bases' dx GEMMs read a bf16 dy their producers write,
-#      the adapters' backward reads ln1's stored bf16 copy) against 0 (a dy panel conversion in every frozen dx GEMM,
+#      adapters with dropout read their dropped copies) against 0 (a dy panel conversion in every frozen dx GEMM,
 #      ln1 widened before each block's backward).
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).

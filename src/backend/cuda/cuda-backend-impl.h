@@ -578,40 +578,6 @@ static fl_status flb_lora_backward_s(const fl_backend *be, float *dx, float *dA,
               "lora_backward (dropout)");
     return FL_OK;
 }
-/* backend.h lora_backward_x16: lora_backward's GEMMs without dropout, dA from the stored bf16 input: x16's columns
- * widened exactly into the panel scratch a tile at a time (convert2d), each tile one fp32 GEMM over all N rows, so
- * every element of dA is the sum lora_backward's one GEMM forms on the widened input (the K of the product unsplit:
- * the emulator's bits of lora_backward on widen(x16); on a GPU cuBLASLt's fp32 GEMM, as the fp32 path, over a copy of
- * at most FLB_PANEL_BYTES instead of the whole widened input) */
-static fl_status flb_lora_backward_x16(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
-                                       const void *x16, const float *h, const float *A, const float *B, int N, int in,
-                                       int out, int r, float scaling, float *work) {
-    FL_TRY(flb_sticky(be));
-    FL_TRY(flb_lora_check("lora_backward_x16", N, in, out, r, ldy, 0.0f));
-    if (N == 0) return FL_OK;
-    if (!work) return fl_errorf(FL_ERR_INVALID, "lora_backward_x16: NULL work buffer");
-    if (dA && !x16) return fl_errorf(FL_ERR_INVALID, "lora_backward_x16: NULL x16 (the bf16 input dA reads)");
-    const size_t cols = FLB_PANEL_BYTES / ((size_t)N * sizeof(float)); /* x16's columns a panel holds widened */
-    if (dA && cols < 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s lora_backward_x16: N = %d rows too many for the panel", FLB_NAME, N);
-    if (dB) FL_TRY(flb_gemm(be, 1, 0, out, r, N, scaling, dy, FL_F32, ldy, h, FL_F32, r, 1.0f, dB, FL_F32, r));
-    if (!dA && !dx) return FL_OK;
-    float *g = work;
-    FL_TRY(flb_gemm(be, 0, 0, N, r, out, 1.0f, dy, FL_F32, ldy, B, FL_F32, r, 0.0f, g, FL_F32, r));
-    if (dA) {
-        void *s = flb_scratch(be);
-        if (!s) return flb_sticky(be);
-        float *panel = (float *)((char *)s + FLB_LT_WS_BYTES); /* an (F32, F32) GEMM does not use it */
-        for (int j0 = 0; j0 < in; j0 += (int)cols) {
-            const int cw = in - j0 < (int)cols ? in - j0 : (int)cols;
-            FLB_RUN_S(be, FLB_K(convert2d)(panel, FL_F32, (size_t)cw, (const uint16_t *)x16 + j0, FL_BF16, (size_t)in, N,
-                                           cw, STREAM), "lora_backward_x16 (x16 widened)");
-            FL_TRY(flb_gemm(be, 1, 0, r, cw, N, scaling, g, FL_F32, r, panel, FL_F32, cw, 1.0f, dA + j0, FL_F32, in));
-        }
-    }
-    if (!dx) return FL_OK;
-    return flb_gemm(be, 0, 0, N, in, r, scaling, g, FL_F32, r, A, FL_F32, in, 1.0f, dx, FL_F32, in);
-}
 static fl_status flb_lora_backward(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
                                    const float *xb, const float *h, const float *A, const float *B, int N, int in,
                                    int out, int r, float scaling, float dropout, uint64_t seed, float *work) {

@@ -107,12 +107,7 @@ static fl_status flb_add_norm_forward16(const fl_backend *be, int ln, float *res
                                         const void *bias, fl_dtype wt, int N, int C, float eps);
 /* (also installs the issue-30 bf16 slots: bias_backward16, attention_forward_in16, add_norm_forward16 (item 4);
  * cuda-work-ops-impl.h) */
-static fl_status flb_lora_backward_x16(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
-                                       const void *x16, const float *h, const float *A, const float *B, int N, int in,
-                                       int out, int r, float scaling, float *work);
 static fl_status flb_gelu16_init(fl_backend *be) {
-    const char *el = getenv("FITLLM_CUDA_LORA16"); /* 0: none (the model names a bad value: fl_lora16_on) */
-    be->lora_backward_x16 = el && !strcmp(el, "0") ? NULL : flb_lora_backward_x16;
     be->bias_backward16 = flb_bias_backward16;
     be->add_norm_forward16 = flb_add_norm_forward16;
     be->attention_forward_in16 = flb_attention_forward_in16;
