@@ -54,4 +54,18 @@ static inline void *dy16_for(const fl_backend *be, const fl_block_graph *g, cons
     return ok ? bp->lin[pv->p].dyb16 : NULL;
 }
 
+static inline int lin_biased(const fl_linear *lin) { return lin->b || lin->b16; } /* an fp32 view or the stored bf16 bias */
+/* A biased linear whose bias (and a following op) the GEMM's epilogue takes, e.g. straight into the tanh GELU
+ * (GPT-2's c_fc) as one GEMM with cuBLASLt's bias + GELU epilogue (issue 30 item 3): pre = x W^T + b (the slot the
+ * GELU's backward reads), out = gelu(pre); the backend's gemm_epilogue (cuda-emu: the bits of the GEMM, bias_forward
+ * and gelu_forward). Not with adapters (LoRA adds to pre before the GELU) or a 4-bit weight. */
+static inline int epilogue_fuses(const fl_backend *be, const fl_linear *lin) {
+    return be->gemm_epilogue && lin_biased(lin) && lin->n_q4 == 0 && lin->n_adapters == 0;
+}
+/* gemm_epilogue's bias argument of a linear: its bf16 stored bias (FL_GEMM_EPI_BIAS_BF16 or'ed into *epi) or fp32 */
+static inline const void *epi_bias(const fl_linear *lin, int *epi) {
+    if (lin->b16) *epi |= FL_GEMM_EPI_BIAS_BF16;
+    return lin->b16 ? lin->b16 : (const void *)lin->b;
+}
+
 #endif
