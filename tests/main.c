@@ -202,6 +202,18 @@ void fl_test_tiny_run_config(fl_run_config *c, fl_cmd_kind cmd, const char *pres
     c->seed = 7;
 }
 
+int fl_test_record_step(void *ud, long step, double loss, const void *params, size_t bytes) {
+    fl_test_step_rec *r = ud;
+    if (step == 1) r->loss = loss;
+    r->steps = step;
+    free(r->params);
+    r->params = malloc(bytes + 1);
+    if (!r->params) return 1;
+    memcpy(r->params, params, bytes);
+    r->n = bytes;
+    return 0;
+}
+
 const char *fl_test_tmpdir(void) {
     static char buf[256];
     static int k;

@@ -60,6 +60,15 @@ const char *fl_test_tmpdir(void);
  * global batch of 2, no warm-up, 1 step, no saving, no validation, T tokens, lr 3e-3, 1 thread, seed 7, out_dir
  * `out` under this test's temporary directory. The caller sets the rest. */
 void fl_test_tiny_run_config(fl_run_config *c, fl_cmd_kind cmd, const char *preset, const char *out, int T);
+/* A run's last step as fl_trainer_run's step callback sees it (fl_test_record_step, ud = the record): step 1's loss,
+ * the number of steps, the trained parameters' bytes (malloc'd: free(params)) */
+typedef struct {
+    double loss;
+    unsigned char *params;
+    size_t n;
+    long steps;
+} fl_test_step_rec;
+int fl_test_record_step(void *ud, long step, double loss, const void *params, size_t bytes);
 /* The tensor data of a safetensors file (after the 8-byte length and the JSON header), malloc'd; NULL if the
  * file cannot be read. Checkpoints of two runs compare on it (their headers differ: wall times). */
 unsigned char *fl_test_st_data(const char *path, size_t *len);

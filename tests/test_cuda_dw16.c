@@ -210,22 +210,7 @@ static fl_status counted(const char *knob, int ckpt, int lora, fl_cu_counters *d
 
 /* the bits: 1 step of 2 micro-batches (accumulated into the bf16 gradient) of 1 x 8 tokens of micro, trained from
  * a random init with FITLLM_CUDA_DW16=knob; the step's loss and the trained parameters' bytes */
-typedef struct {
-    double loss;
-    unsigned char *params;
-    size_t n;
-} dw_rec;
-
-static int dw_record(void *ud, long step, double loss, const void *params, size_t bytes) {
-    dw_rec *r = ud;
-    if (step == 1) r->loss = loss;
-    free(r->params);
-    r->params = malloc(bytes + 1);
-    if (!r->params) return 1;
-    memcpy(r->params, params, bytes);
-    r->n = bytes;
-    return 0;
-}
+typedef fl_test_step_rec dw_rec;
 
 static fl_status dw_run(const char *knob, int ckpt, dw_rec *r) {
     fl_run_config c;
@@ -236,7 +221,7 @@ static fl_status dw_run(const char *knob, int ckpt, dw_rec *r) {
     if (ckpt) FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));
     setenv("FITLLM_BACKEND", "cuda-emu", 1);
     if (knob) setenv("FITLLM_CUDA_DW16", knob, 1);
-    fl_status s = fl_trainer_run(&c, NULL, 0, dw_record, r, NULL);
+    fl_status s = fl_trainer_run(&c, NULL, 0, fl_test_record_step, r, NULL);
     unsetenv("FITLLM_BACKEND");
     unsetenv("FITLLM_CUDA_DW16");
     return s;

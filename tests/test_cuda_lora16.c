@@ -20,24 +20,7 @@
 #endif
 
 #ifdef FL_HAVE_CUDA_EMU
-typedef struct {
-    double loss;
-    unsigned char *params;
-    size_t n;
-    long steps;
-} l16_rec;
-
-static int l16_record(void *ud, long step, double loss, const void *params, size_t bytes) {
-    l16_rec *r = ud;
-    if (step == 1) r->loss = loss;
-    r->steps = step;
-    free(r->params);
-    r->params = malloc(bytes + 1);
-    if (!r->params) return 1;
-    memcpy(r->params, params, bytes);
-    r->n = bytes;
-    return 0;
-}
+typedef fl_test_step_rec l16_rec;
 
 enum { L16_QV = 1, L16_ALL = 2, L16_QLORA = 3, L16_CKPT = 4 };
 static const char *l16_name(int kind) {
@@ -62,7 +45,7 @@ static fl_status l16_run(l16_rec *r, int kind, const char *knob, unsigned long *
     setenv("FITLLM_BACKEND", "cuda-emu", 1);
     if (knob) setenv("FITLLM_CUDA_LORA16", knob, 1);
     const unsigned long c0 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
-    fl_status s = fl_trainer_run(&c, NULL, 0, l16_record, r, NULL);
+    fl_status s = fl_trainer_run(&c, NULL, 0, fl_test_record_step, r, NULL);
     *conv = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches - c0;
     unsetenv("FITLLM_CUDA_LORA16");
     unsetenv("FITLLM_BACKEND");
