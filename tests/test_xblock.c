@@ -23,12 +23,7 @@
 #ifdef FL_HAVE_CUDA_EMU
 enum { XB_RANKS = 2 };
 
-typedef struct {
-    double loss[1];
-    unsigned char *params;
-    size_t n;
-    long steps;
-} xb_rec;
+typedef fl_test_step_rec xb_rec; /* (tests/main.c: fl_test_record_step) */
 
 typedef struct {
     fl_run_config cfg;
@@ -36,21 +31,9 @@ typedef struct {
     fl_status st[XB_RANKS];
 } xb_job;
 
-static int xb_record(void *ud, long step, double loss, const void *params, size_t bytes) {
-    xb_rec *r = ud;
-    if (step == 1) r->loss[0] = loss;
-    r->steps = step;
-    free(r->params);
-    r->params = malloc(bytes + 1);
-    if (!r->params) return 1;
-    memcpy(r->params, params, bytes);
-    r->n = bytes;
-    return 0;
-}
-
 static fl_status xb_rank(fl_comm *c, int rank, void *ud) {
     xb_job *j = ud;
-    j->st[rank] = fl_trainer_run_comm(&j->cfg, c, NULL, 0, xb_record, &j->rec[rank], NULL);
+    j->st[rank] = fl_trainer_run_comm(&j->cfg, c, NULL, 0, fl_test_record_step, &j->rec[rank], NULL);
     return j->st[rank];
 }
 
@@ -73,7 +56,7 @@ static fl_status xb_run(xb_job *j, const char *preset, const char *prec, int ckp
     if (ckpt) FL_TRY(fl_cfg_set(c, "train.activation_checkpointing", "true"));
     setenv("FITLLM_BACKEND", "cuda-emu", 1);
     fl_status s = ranks > 1 ? fl_comm_threads_run(ranks, xb_rank, j)
-                            : fl_trainer_run(c, NULL, 0, xb_record, &j->rec[0], NULL);
+                            : fl_trainer_run(c, NULL, 0, fl_test_record_step, &j->rec[0], NULL);
     unsetenv("FITLLM_BACKEND");
     return s;
 }
@@ -104,8 +87,8 @@ static void xb_case(const char *preset, const char *prec, int ckpt, int lora, in
         FL_CHECKF(a->steps == 1 && b->steps == 1 && a->n && a->n == b->n && !memcmp(a->params, b->params, a->n),
                   "%s %s%s%s ranks %d%s: rank %d's parameters differ in bits with the cross-block fusion", preset,
                   prec, ckpt ? " ckpt" : "", lora ? " lora" : "", ranks, xb_par(pp), r);
-        FL_CHECKF(a->loss[0] == b->loss[0], "%s %s: rank %d's loss %.9g fused, %.9g unfused", preset, prec, r,
-                  b->loss[0], a->loss[0]);
+        FL_CHECKF(a->loss == b->loss, "%s %s: rank %d's loss %.9g fused, %.9g unfused", preset, prec, r,
+                  b->loss, a->loss);
     }
     printf("      %s %s%s%s ranks %d%s: %lu add / norm launches unfused, %lu fused\n", preset, prec, ckpt ? " ckpt" : "",
            lora ? " lora" : "", ranks, xb_par(pp), n_off, n_on);
