@@ -63,50 +63,90 @@ static double ld_elem(const void *p, fl_dtype t, int64_t i) {
 
 unsigned long fl_cu_gemm_standin_epilogues, fl_cu_gemm_standin_gelus;
 
+/* One element of C from its fp64 sum over p (in order from p = 0): alpha, beta C, the epilogue, C's type */
+static void standin_store(const fl_cu_gemm_desc *d, char *C, int i, int j, double acc) {
+    int64_t ci = i + (int64_t)j * d->ldc;
+    double v = (double)d->alpha * acc;
+    if (d->tc != FL_F32 && d->beta != 0.0f && d->epilogue == FL_CU_EPI_NONE) {
+        /* a 16-bit C read (FL_OP_GEMM_ACC16): the sum rounded to fp32, beta C added in fp32, then one
+         * rounding to C's type, as cuBLASLt's fp32 compute and scale type (and accumulate16 after a
+         * GEMM into a zeroed fp32 buffer: the same bits) */
+        float f = (float)v + d->beta * (float)ld_elem(C, d->tc, ci);
+        if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16(f);
+        else ((uint16_t *)C)[ci] = fl_f32_to_f16(f);
+        return;
+    }
+    if (d->beta != 0.0f) v += (double)d->beta * ld_elem(C, d->tc, ci); /* beta 0: C not read */
+    if (d->epilogue != FL_CU_EPI_NONE) { /* rounded to fp32, then the epilogue in fp32 (a BF16 D: then RNE) */
+        float f = (float)v + (float)ld_elem(d->bias, d->bias_t, i); /* BF16: widened exactly */
+        if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS) {
+            d->aux[i + (int64_t)j * d->ldaux] = f;
+            f = epi_gelu(f);
+        }
+        if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16(f);
+        else ((float *)C)[ci] = f;
+    } else if (d->tc == FL_F32) ((float *)C)[ci] = (float)v;
+    else if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16((float)v);
+    else ((uint16_t *)C)[ci] = fl_f32_to_f16((float)v);
+}
+
+/* A 4 x 4 tile of sums: acc[4 jj + ii] = sum over p, in order, of a[4p + ii] b[4p + jj] in fp64. Each product of two
+ * fp32 values is exact in fp64, so each element is the same chain of fp64 additions as one sum at a time (and the
+ * same with or without fused multiply-adds); sixteen independent chains instead of one at a time */
+static void standin_tile(const float *a, const float *b, int k, double *acc) {
+    double s[16] = {0};
+    for (int p = 0; p < k; p++, a += 4, b += 4)
+        for (int jj = 0; jj < 4; jj++)
+            for (int ii = 0; ii < 4; ii++) s[4 * jj + ii] += (double)a[ii] * (double)b[jj];
+    memcpy(acc, s, sizeof s);
+}
+
+/* The host stand-in: C = alpha op(A) op(B) + beta C, each element's sum over p in fp64 in order (the operands are
+ * 16- or 32-bit floats, exact in fp32), then rounded. op(A) is packed once per matrix in 4-row panels and op(B) per
+ * 4 columns, contiguous in p, and 4 x 4 elements are summed at a time: the bits of one element at a time, faster. */
 fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
     (void)ctx;
     fl_status s = fl_cu_gemm_check(d);
     if (s != FL_OK) return s;
     if (d->epilogue != FL_CU_EPI_NONE) fl_cu_gemm_standin_epilogues++;
     if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS) fl_cu_gemm_standin_gelus++;
+    if (d->m == 0 || d->n == 0) return FL_OK;
+    const int mb = (d->m + 3) / 4, kk = d->k;
+    float *ap = malloc(((size_t)mb * kk * 4 + (size_t)kk * 4 + 1) * sizeof(float));
+    if (!ap) return fl_errorf(FL_ERR_OOM, "cu_gemm stand-in: out of host memory for a %d x %d panel", d->m, d->k);
+    float *bp = ap + (size_t)mb * kk * 4;
     for (int b = 0; b < d->batch; b++) {
         const char *A = (const char *)d->A + (size_t)(b * d->stride_a) * fl_dtype_size(d->ta);
         const char *B = (const char *)d->B + (size_t)(b * d->stride_b) * fl_dtype_size(d->tb);
         char *C = (char *)d->C + (size_t)(b * d->stride_c) * fl_dtype_size(d->tc);
-        for (int j = 0; j < d->n; j++)
-            for (int i = 0; i < d->m; i++) {
-                double acc = 0;
-                for (int p = 0; p < d->k; p++) {
-                    /* op(A)[i,p]: A[i + p*lda] (N) or A[p + i*lda] (T); op(B)[p,j] likewise */
-                    double a = ld_elem(A, d->ta, d->trans_a ? p + (int64_t)i * d->lda : i + (int64_t)p * d->lda);
-                    double bb = ld_elem(B, d->tb, d->trans_b ? j + (int64_t)p * d->ldb : p + (int64_t)j * d->ldb);
-                    acc += a * bb;
+        /* op(A)[i,p]: A[i + p*lda] (N) or A[p + i*lda] (T); rows past m are zeros (computed, not stored) */
+        for (int ib = 0; ib < mb; ib++)
+            for (int p = 0; p < kk; p++)
+                for (int ii = 0; ii < 4; ii++) {
+                    const int i = 4 * ib + ii;
+                    ap[((size_t)ib * kk + p) * 4 + ii] =
+                        i < d->m ? (float)ld_elem(A, d->ta, d->trans_a ? p + (int64_t)i * d->lda : i + (int64_t)p * d->lda)
+                                 : 0.0f;
                 }
-                int64_t ci = i + (int64_t)j * d->ldc;
-                double v = (double)d->alpha * acc;
-                if (d->tc != FL_F32 && d->beta != 0.0f && d->epilogue == FL_CU_EPI_NONE) {
-                    /* a 16-bit C read (FL_OP_GEMM_ACC16): the sum rounded to fp32, beta C added in fp32, then one
-                     * rounding to C's type, as cuBLASLt's fp32 compute and scale type (and accumulate16 after a
-                     * GEMM into a zeroed fp32 buffer: the same bits) */
-                    float f = (float)v + d->beta * (float)ld_elem(C, d->tc, ci);
-                    if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16(f);
-                    else ((uint16_t *)C)[ci] = fl_f32_to_f16(f);
-                    continue;
+        for (int j0 = 0; j0 < d->n; j0 += 4) {
+            /* op(B)[p,j]: B[p + j*ldb] (N) or B[j + p*ldb] (T) */
+            for (int p = 0; p < kk; p++)
+                for (int jj = 0; jj < 4; jj++) {
+                    const int j = j0 + jj;
+                    bp[(size_t)p * 4 + jj] =
+                        j < d->n ? (float)ld_elem(B, d->tb, d->trans_b ? j + (int64_t)p * d->ldb : p + (int64_t)j * d->ldb)
+                                 : 0.0f;
                 }
-                if (d->beta != 0.0f) v += (double)d->beta * ld_elem(C, d->tc, ci); /* beta 0: C not read */
-                if (d->epilogue != FL_CU_EPI_NONE) { /* rounded to fp32, then the epilogue in fp32 (a BF16 D: then RNE) */
-                    float f = (float)v + (float)ld_elem(d->bias, d->bias_t, i); /* BF16: widened exactly */
-                    if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS) {
-                        d->aux[i + (int64_t)j * d->ldaux] = f;
-                        f = epi_gelu(f);
-                    }
-                    if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16(f);
-                    else ((float *)C)[ci] = f;
-                } else if (d->tc == FL_F32) ((float *)C)[ci] = (float)v;
-                else if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16((float)v);
-                else ((uint16_t *)C)[ci] = fl_f32_to_f16((float)v);
+            for (int ib = 0; ib < mb; ib++) {
+                double acc[16];
+                standin_tile(ap + (size_t)ib * kk * 4, bp, kk, acc);
+                for (int jj = 0; jj < 4 && j0 + jj < d->n; jj++)
+                    for (int ii = 0; ii < 4 && 4 * ib + ii < d->m; ii++)
+                        standin_store(d, C, 4 * ib + ii, j0 + jj, acc[4 * jj + ii]);
             }
+        }
     }
+    free(ap);
     return FL_OK;
 }
 

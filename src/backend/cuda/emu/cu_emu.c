@@ -11,6 +11,7 @@
 #define _GNU_SOURCE
 #include "backend/cuda/emu/cu_emu.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -35,12 +36,19 @@
 #else
 #define FL_EMU_STACK (64u << 10)
 #endif
+/* The distance between two fibers' stacks: three cache lines more than a stack, so that the fibers' stack tops (where
+ * each switch pushes and pops) fall in different cache sets; at a power-of-two distance they all shared one set of
+ * L1 and L2 and every switch missed to L3 (half of an emulated step's time in the switch's first pop). */
+#define FL_EMU_STRIDE (FL_EMU_STACK + 192u)
 #define FL_EMU_MAX_THREADS 1024
 
 /* The fiber switch. glibc's swapcontext saves and restores the signal mask with a system call at
  * every switch (rt_sigprocmask): three quarters of an emulated training step went to it. On
- * x86-64 a switch is the System V ABI's callee-saved state only: rbx, rbp, r12-r15, the MXCSR control word and the
- * x87 control word, pushed on the old stack; the stack pointer is stored and the other's loaded.
+ * x86-64 a switch is the System V ABI's callee-saved registers only: rbx, rbp, r12-r15, pushed on the old stack; the
+ * stack pointer is stored and the other's loaded. The MXCSR and x87 control words (callee-saved too) are not switched:
+ * every fiber runs on the launching thread with its control words, which nothing in fitllm changes (saving and
+ * loading them, stmxcsr / fnstcw / ldmxcsr / fldcw, was four fifths of a switch's time, a quarter of an emulated
+ * step's).
  * A fiber is entered the first time through a prepared stack whose "return address" is
  * fiber_main. Elsewhere: ucontext. Under ASan the switches keep their fiber annotations (the
  * interface is made for hand-written switches), and a stack is unpoisoned before it is prepared
@@ -55,10 +63,8 @@ __asm__(".text\n"
         ".type fl_emu_switch, @function\n"
         "fl_emu_switch:\n"
         "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
-        "  subq $8, %rsp\n  stmxcsr (%rsp)\n  fnstcw 4(%rsp)\n"
         "  movq %rsp, (%rdi)\n"
         "  movq %rsi, %rsp\n"
-        "  ldmxcsr (%rsp)\n  fldcw 4(%rsp)\n  addq $8, %rsp\n"
         "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
         "  ret\n"
         ".size fl_emu_switch, .-fl_emu_switch\n");
@@ -97,6 +103,7 @@ typedef struct {
     uint64_t xchg[FL_EMU_MAX_THREADS];
     unsigned char gat[FL_EMU_MAX_THREADS][FL_CU_EMU_GATHER_MAX]; /* fl_cu_emu_warp_gather's slots */
     int order[FL_EMU_MAX_THREADS];
+    int nrun[FL_EMU_MAX_THREADS / 32]; /* each warp's RUNNABLE fibers (run_block's choice without a scan) */
 #ifdef FL_EMU_ASAN
     const void *sched_bottom;
     size_t sched_size;
@@ -218,7 +225,7 @@ static void run_fiber(emu *e, fiber *f) {
     g_switches++;
 #ifdef FL_EMU_ASAN
     void *fake = NULL;
-    __sanitizer_start_switch_fiber(&fake, (char *)e->stacks + (size_t)f->linear * FL_EMU_STACK, FL_EMU_STACK);
+    __sanitizer_start_switch_fiber(&fake, (char *)e->stacks + (size_t)f->linear * FL_EMU_STRIDE, FL_EMU_STACK);
 #endif
 #ifdef FL_EMU_FAST_SWITCH
     fl_emu_switch(&e->sched_sp, f->sp);
@@ -247,17 +254,15 @@ static void run_warp(emu *e, int w) {
         if (e->f[i].state == AT_WARP) waiting++;
         else if (e->f[i].state != DONE) other++;
     }
-    if (waiting && !other)
+    e->nrun[w / 32] = 0; /* each ran until it blocked or returned */
+    if (waiting && !other) {
         for (int i = w; i < end; i++)
             if (e->f[i].state == AT_WARP) e->f[i].state = RUNNABLE;
+        e->nrun[w / 32] = waiting;
+    }
 }
 
-static int warp_runnable(const emu *e, int w) {
-    int end = w + 32 < e->nthreads ? w + 32 : e->nthreads;
-    for (int i = w; i < end; i++)
-        if (e->f[i].state == RUNNABLE) return 1;
-    return 0;
-}
+static int warp_runnable(const emu *e, int w) { return e->nrun[w / 32] > 0; }
 
 /* One block. Warps progress independently between block barriers, as on a GPU: the scheduler
  * picks one warp with runnable fibers at a time, and (shuffled runs) keeps running the same
@@ -288,9 +293,67 @@ static int run_block(emu *e) {
         if (live == 0) return 0;
         if (at_block != live) return -1; /* some wait at a warp barrier their warp cannot complete */
         for (int i = 0; i < e->nthreads; i++)
-            if (e->f[i].state == AT_BLOCK) e->f[i].state = RUNNABLE;
+            if (e->f[i].state == AT_BLOCK) e->f[i].state = RUNNABLE, e->nrun[i / 32]++;
         last = -1;
     }
+}
+
+/* What a launch needs, kept per OS thread from one launch to the next (grown when a launch needs more): the
+ * scheduler's state, the fibers, the stacks and the dynamic shared memory. A fresh mapping per launch page-faulted
+ * and zero-filled every fiber's stack top at every launch (a tenth of an emulated step), and the unmapping was as
+ * much again. Returned at the thread's exit (a key's destructor); the process's first thread keeps its own. */
+typedef struct {
+    emu *e;
+    fiber *f;
+    size_t nf;
+    char *stacks;
+    size_t stacks_bytes;
+    unsigned char *smem;
+    size_t smem_bytes;
+} emu_cache;
+static __thread emu_cache t_cache;
+static pthread_key_t g_cache_key;
+static pthread_once_t g_cache_once = PTHREAD_ONCE_INIT;
+
+static void cache_release(void *p) {
+    emu_cache *c = p;
+    if (c->stacks) munmap(c->stacks, c->stacks_bytes);
+    free(c->smem);
+    free(c->f);
+    free(c->e);
+    memset(c, 0, sizeof *c);
+}
+static void cache_key_make(void) {
+    if (pthread_key_create(&g_cache_key, cache_release) != 0) g_cache_key = (pthread_key_t)-1;
+}
+
+/* the cache grown to nt fibers and dyn_smem bytes (0: out of host memory) */
+static int cache_get(size_t nt, size_t dyn_smem) {
+    emu_cache *c = &t_cache;
+    if (!c->e) {
+        pthread_once(&g_cache_once, cache_key_make);
+        if (g_cache_key != (pthread_key_t)-1) pthread_setspecific(g_cache_key, c);
+        if (!(c->e = calloc(1, sizeof *c->e))) return 0;
+    }
+    if (c->nf < nt) {
+        fiber *f = realloc(c->f, nt * sizeof *f);
+        if (!f) return 0;
+        c->f = f, c->nf = nt;
+    }
+    const size_t sbytes = nt * FL_EMU_STRIDE;
+    if (c->stacks_bytes < sbytes) {
+        if (c->stacks) munmap(c->stacks, c->stacks_bytes);
+        c->stacks = NULL, c->stacks_bytes = 0;
+        char *st = mmap(NULL, sbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (st == MAP_FAILED) return 0;
+        c->stacks = st, c->stacks_bytes = sbytes;
+    }
+    if (c->smem_bytes < dyn_smem || !c->smem) {
+        unsigned char *m = realloc(c->smem, dyn_smem ? dyn_smem : 1);
+        if (!m) return 0;
+        c->smem = m, c->smem_bytes = dyn_smem ? dyn_smem : 1;
+    }
+    return 1;
 }
 
 void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, void (*fn)(void *), void *ctx) {
@@ -304,21 +367,19 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
         set_err("launch: a kernel launched another kernel (dynamic parallelism is not emulated)");
         return;
     }
-    emu *e = calloc(1, sizeof *e);
-    fiber *f = calloc(nt, sizeof *f);
-    size_t sbytes = nt * FL_EMU_STACK;
-    char *stacks = mmap(NULL, sbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    unsigned char *smem = malloc(dyn_smem ? dyn_smem : 1);
-    if (!e || !f || stacks == MAP_FAILED || !smem) {
+    if (!cache_get(nt, dyn_smem)) {
         set_err("launch: out of host memory for %zu fibers", nt);
-        free(e); free(f); free(smem);
-        if (stacks != MAP_FAILED) munmap(stacks, sbytes);
         return;
     }
+    emu *e = t_cache.e;
+    fiber *f = t_cache.f;
+    char *stacks = t_cache.stacks;
+    unsigned char *smem = t_cache.smem;
     e->f = f;
     e->nthreads = (int)nt;
     e->stacks = stacks;
-    e->stacks_bytes = sbytes;
+    e->stacks_bytes = nt * FL_EMU_STRIDE;
+    e->cur = NULL;
     e->grid = grid;
     e->block = block;
     e->fn = fn;
@@ -339,29 +400,27 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
                                               (unsigned)(i / ((size_t)block.x * block.y))};
                     fb->state = RUNNABLE;
 #ifdef FL_EMU_FAST_SWITCH
-                    /* the top of the stack as fl_emu_switch leaves it: control words, six
-                     * callee-saved registers (zero), then fiber_main as the return address; the
-                     * zero above it stands for fiber_main's own return address, so that at its
-                     * entry rsp + 8 is 16-byte aligned as the ABI requires */
+                    /* the top of the stack as fl_emu_switch leaves it: six callee-saved registers
+                     * (zero), then fiber_main as the return address; the zero above it stands for
+                     * fiber_main's own return address, so that at its entry rsp + 8 is 16-byte
+                     * aligned as the ABI requires */
 #ifdef FL_EMU_ASAN
-                    __asan_unpoison_memory_region(stacks + i * FL_EMU_STACK, FL_EMU_STACK);
+                    __asan_unpoison_memory_region(stacks + i * FL_EMU_STRIDE, FL_EMU_STACK);
 #endif
-                    uint64_t *top = (uint64_t *)(stacks + (i + 1) * FL_EMU_STACK);
-                    uint32_t cw[2];
-                    __asm__ volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(cw[0]), "=m"(cw[1]));
+                    uint64_t *top = (uint64_t *)(stacks + i * FL_EMU_STRIDE + FL_EMU_STACK);
                     top[-1] = 0;
                     top[-2] = (uint64_t)(uintptr_t)fiber_main;
                     for (int r = 3; r <= 8; r++) top[-r] = 0;
-                    memcpy(&top[-9], cw, 8);
-                    fb->sp = &top[-9];
+                    fb->sp = &top[-8];
 #else
                     getcontext(&fb->ctx);
-                    fb->ctx.uc_stack.ss_sp = stacks + i * FL_EMU_STACK;
+                    fb->ctx.uc_stack.ss_sp = stacks + i * FL_EMU_STRIDE;
                     fb->ctx.uc_stack.ss_size = FL_EMU_STACK;
                     fb->ctx.uc_link = NULL; /* fiber_main never returns: it setcontext()s back */
                     makecontext(&fb->ctx, fiber_main, 0);
 #endif
                 }
+                for (size_t w = 0; w < nt; w += 32) e->nrun[w / 32] = (int)(nt - w < 32 ? nt - w : 32);
                 if (run_block(e) < 0) {
                     set_err("block (%u,%u,%u): barrier deadlock (a __syncthreads or shuffle not reached by "
                             "every live thread of its block or warp)", bx, by, bz);
@@ -371,13 +430,9 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
     g_emu = NULL;
 #ifdef FL_EMU_ASAN
     /* a fiber's last frames (fiber_main's, which never returns) leave their redzones poisoned: clear the
-     * shadow before the pages go, or the next mapping at these addresses reads as a stack underflow */
-    __asan_unpoison_memory_region(stacks, sbytes);
+     * shadow before the next launch prepares these stacks again */
+    __asan_unpoison_memory_region(stacks, nt * FL_EMU_STRIDE);
 #endif
-    munmap(stacks, sbytes);
-    free(smem);
-    free(f);
-    free(e);
 }
 
 unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches, fl_cu_emu_vec_accesses;
