@@ -74,6 +74,20 @@ static int slot_of(const char *preset, const char *name, size_t *bytes) {
     return -1;
 }
 
+/* micro's bytes at B x T rows (0: no preset or graph): *blocks the blocks' bf16 dy scratch (N x max(C, QKV, FCW)), *head
+ * a logits chunk's (chunk x V), *gsave the gradient buffer's width without d(gate|up) (2 F - (C + 2 KVD) floats a row) */
+static int dy16_sizes(size_t *blocks, size_t *head, size_t *gsave) {
+    fl_model_config mc;
+    fl_block_graph g;
+    if (fl_preset_find("micro", &mc) != FL_OK || fl_block_graph_build_ex(&mc, 0, &g) != FL_OK) return 0;
+    const size_t wide = (size_t)(g.lin_out_max > mc.dim ? g.lin_out_max : mc.dim);
+    const size_t kvd = (size_t)mc.n_kv_heads * (mc.dim / mc.n_heads);
+    *blocks = (size_t)B * T * wide * 2;
+    *head = (size_t)fl_logits_chunk_rows(mc.vocab_size, B * T) * mc.vocab_size * 2;
+    *gsave = (size_t)B * T * (2 * (size_t)mc.ffn_dim - (mc.dim + 2 * kvd)) * sizeof(float);
+    return 1;
+}
+
 /* the index of the preset's first block op of kind (-1: none) */
 static int op_of(const char *preset, int kind) {
     fl_model_config mc;
@@ -259,13 +273,9 @@ FL_TEST(cuda_emu_only16_ratchet) {
  * = measured on cuda-emu for every tag, both ways. */
 FL_TEST(cuda_emu_lora16_workspace) {
 #ifdef FL_HAVE_CUDA_EMU
-    fl_model_config mc;
-    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
-    fl_block_graph g;
-    FL_REQUIRE_OK(fl_block_graph_build_ex(&mc, 0, &g));
+    size_t blocks, head, gs;
+    FL_REQUIRE(dy16_sizes(&blocks, &head, &gs));
     g_layers = 2;
-    const size_t wide = (size_t)(g.lin_out_max > mc.dim ? g.lin_out_max : mc.dim), blocks = (size_t)B * T * wide * 2;
-    const size_t head = (size_t)fl_logits_chunk_rows(mc.vocab_size, B * T) * mc.vocab_size * 2;
     for (int lora = 1; lora <= (fl_test_asan_light() ? 1 : 2); lora++) {
         fl_trainer_result r[2][2]; /* [knob on][null] */
         for (int on = 0; on < 2; on++)
@@ -286,8 +296,7 @@ FL_TEST(cuda_emu_lora16_workspace) {
         const size_t want = lora == 1 ? (blocks > head ? blocks : head) : head;
         /* LoRA (not 4-bit): the frozen gate|up base then reads its dy in bf16 alone, so SwiGLU's d(gate|up) is not held
          * in fp32 and gradient buffer 2 shrinks to d(q|k|v)'s width (fl_block_grads_dropped) */
-        const size_t kvd = (size_t)mc.n_kv_heads * (mc.dim / mc.n_heads);
-        const size_t gsave = lora == 1 ? (size_t)B * T * (2 * (size_t)mc.ffn_dim - (mc.dim + 2 * kvd)) * sizeof(float) : 0;
+        const size_t gsave = lora == 1 ? gs : 0;
         FL_CHECKF((ptrdiff_t)(w1 - w0) == (ptrdiff_t)want - (ptrdiff_t)gsave,
                   "%s bf16-true: WORKSPACE %zu with the dy scratch, %zu without: %zd bytes, want %zu - %zu",
                   lora == 1 ? "LoRA" : "QLoRA", w1, w0, (ptrdiff_t)(w1 - w0), want, gsave);
@@ -308,10 +317,8 @@ FL_TEST(cuda_emu_lora16_workspace) {
  * in each block (its fp32 d(gate|up) not written). */
 FL_TEST(cuda_emu_q416_workspace) {
 #ifdef FL_HAVE_CUDA_EMU
-    fl_model_config mc;
-    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
-    fl_block_graph g;
-    FL_REQUIRE_OK(fl_block_graph_build_ex(&mc, 0, &g));
+    size_t blocks, head, gsave;
+    FL_REQUIRE(dy16_sizes(&blocks, &head, &gsave));
     g_layers = 2;
     size_t views = 0, v;
     FL_REQUIRE(slot_of("micro", "att", &v) >= 0);
@@ -320,10 +327,6 @@ FL_TEST(cuda_emu_q416_workspace) {
     views += v;
     FL_REQUIRE(slot_of("micro", "act", &v) >= 0);
     views += v;
-    const size_t wide = (size_t)(g.lin_out_max > mc.dim ? g.lin_out_max : mc.dim), blocks = (size_t)B * T * wide * 2;
-    const size_t head = (size_t)fl_logits_chunk_rows(mc.vocab_size, B * T) * mc.vocab_size * 2;
-    const size_t kvd = (size_t)mc.n_kv_heads * (mc.dim / mc.n_heads);
-    const size_t gsave = (size_t)B * T * (2 * (size_t)mc.ffn_dim - (mc.dim + 2 * kvd)) * sizeof(float);
     fl_trainer_result r[2][2]; /* [knob on][null] */
     long only16[2] = {0, 0};
     setenv("FITLLM_CUDA_Q4", "tc", 1);
