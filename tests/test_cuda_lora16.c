@@ -24,10 +24,11 @@ typedef fl_test_step_rec l16_rec;
 
 /* L16_Q4TC, L16_Q4SCRATCH: QLoRA with FITLLM_CUDA_Q4=tc / scratch, the knob FITLLM_CUDA_Q4X16 (the 4-bit bases over
  * the stored bf16 x and the bf16 dy: q4_matmul_forward16 / _backward16) */
-enum { L16_QV = 1, L16_ALL = 2, L16_QLORA = 3, L16_CKPT = 4, L16_Q4TC = 5, L16_Q4SCRATCH = 6 };
+enum { L16_QV = 1, L16_ALL = 2, L16_QLORA = 3, L16_CKPT = 4, L16_Q4TC = 5, L16_Q4SCRATCH = 6, L16_Q4ALL = 7 };
 static const char *l16_name(int kind) {
     return kind == L16_QV ? "LoRA q,v" : kind == L16_ALL ? "LoRA all" : kind == L16_CKPT ? "LoRA q,v ckpt"
-           : kind == L16_Q4TC ? "QLoRA tc" : kind == L16_Q4SCRATCH ? "QLoRA scratch" : "QLoRA";
+           : kind == L16_Q4TC ? "QLoRA tc" : kind == L16_Q4SCRATCH ? "QLoRA scratch"
+           : kind == L16_Q4ALL ? "QLoRA tc all" : "QLoRA";
 }
 static const char *l16_knob(int kind) { return kind >= L16_Q4TC ? "FITLLM_CUDA_Q4X16" : "FITLLM_CUDA_LORA16"; }
 
@@ -39,10 +40,10 @@ static fl_status l16_run(l16_rec *r, int kind, const char *knob, unsigned long *
     snprintf(out, sizeof out, "lora16-%d-%s", kind, knob ? knob : "on");
     fl_test_tiny_run_config(&c, FL_CMD_FINETUNE_LORA, "micro", out, 16);
     c.lora.query = c.lora.value = 1;
-    if (kind == L16_ALL) c.lora.key = c.lora.projection = c.lora.mlp = 1, c.lora.dropout = 0.0f; /* x widened */
+    if (kind == L16_ALL || kind == L16_Q4ALL) c.lora.key = c.lora.projection = c.lora.mlp = 1, c.lora.dropout = 0.0f; /* x widened */
     FL_TRY(fl_cfg_set(&c, "precision", "bf16-true"));
     if (kind == L16_QLORA || kind >= L16_Q4TC) FL_TRY(fl_cfg_set(&c, "quantize", "bnb.nf4"));
-    if (kind >= L16_Q4TC) setenv("FITLLM_CUDA_Q4", kind == L16_Q4TC ? "tc" : "scratch", 1);
+    if (kind >= L16_Q4TC) setenv("FITLLM_CUDA_Q4", kind == L16_Q4SCRATCH ? "scratch" : "tc", 1);
     if (kind == L16_CKPT) { /* the recompute's views, the adapters reading the stored copies */
         c.lora.dropout = 0.0f;
         FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));
@@ -110,7 +111,11 @@ FL_TEST(cuda_emu_q416_bits) {
      * x / dy as they load them; the bytes saved: cuda_emu_q416_workspace); scratch 136 -> 2 (each 4-bit matmul's
      * F32 x bf16 GEMM rounded its fp32 x / dy into a panel, convert2d, 67 a micro-batch) */
     l16_case(L16_Q4TC, 2, 2);
-    if (!fl_test_quick()) l16_case(L16_Q4SCRATCH, 136, 2); /* the full tier */
+    if (!fl_test_quick()) { /* the full tier */
+        l16_case(L16_Q4SCRATCH, 136, 2);
+        l16_case(L16_Q4ALL, 12, 12); /* adapters on every linear without dropout: they read x (widened once a block) and
+                                       * the fp32 dy; the bases the bf16 copies */
+    }
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif
