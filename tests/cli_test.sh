@@ -1840,7 +1840,8 @@ expect perf_session_dry 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1" tests/
         "FITLLM_CUDA_GRAPHS=0 FITLLM_CUDA_STEP_SCALARS=0 .*--optimizer bnb.optim.AdamW8bit" \
         "FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_STEP_SCALARS=1 .*--optimizer bnb.optim.AdamW8bit" FITLLM_CUDA_GELU16=0 \
         FITLLM_CUDA_GELU16=1 FITLLM_CUDA_VIEWS32=1 FITLLM_CUDA_VIEWS32=0 FITLLM_CUDA_XBLOCK_NORM=1 \
-        FITLLM_CUDA_XBLOCK_NORM=0 FITLLM_CUDA_DW16=1 FITLLM_CUDA_DW16=0 FITLLM_CUDA_LORA16=1 FITLLM_CUDA_LORA16=0; do
+        FITLLM_CUDA_XBLOCK_NORM=0 FITLLM_CUDA_DW16=1 FITLLM_CUDA_DW16=0 FITLLM_CUDA_LORA16=1 FITLLM_CUDA_LORA16=0 \
+        FITLLM_CUDA_Q4X16=1 FITLLM_CUDA_Q4X16=0; do
         grep -h "^DRY .*$v" "$1"/*.log | grep -qE "fitllm (bench-step|finetune_full) " || { echo "no command with $v"; exit 1; }
     done; echo "plumbing ok"' _ "$T/pdry" "$FITLLM"
 # its step 14 (issue 35): tensor parallelism's device ops (vocab_xent, dropout_rows) reach the GPU's selftest

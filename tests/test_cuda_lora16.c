@@ -22,10 +22,15 @@
 #ifdef FL_HAVE_CUDA_EMU
 typedef fl_test_step_rec l16_rec;
 
-enum { L16_QV = 1, L16_ALL = 2, L16_QLORA = 3, L16_CKPT = 4 };
+/* L16_Q4TC, L16_Q4SCRATCH: QLoRA with FITLLM_CUDA_Q4=tc / scratch, the knob FITLLM_CUDA_Q4X16 (the 4-bit bases over
+ * the stored bf16 x and the bf16 dy: q4_matmul_forward16 / _backward16) */
+enum { L16_QV = 1, L16_ALL = 2, L16_QLORA = 3, L16_CKPT = 4, L16_Q4TC = 5, L16_Q4SCRATCH = 6, L16_Q4ALL = 7 };
 static const char *l16_name(int kind) {
-    return kind == L16_QV ? "LoRA q,v" : kind == L16_ALL ? "LoRA all" : kind == L16_CKPT ? "LoRA q,v ckpt" : "QLoRA";
+    return kind == L16_QV ? "LoRA q,v" : kind == L16_ALL ? "LoRA all" : kind == L16_CKPT ? "LoRA q,v ckpt"
+           : kind == L16_Q4TC ? "QLoRA tc" : kind == L16_Q4SCRATCH ? "QLoRA scratch"
+           : kind == L16_Q4ALL ? "QLoRA tc all" : "QLoRA";
 }
+static const char *l16_knob(int kind) { return kind >= L16_Q4TC ? "FITLLM_CUDA_Q4X16" : "FITLLM_CUDA_LORA16"; }
 
 /* 1 step of 2 micro-batches of 1 x 16 tokens, finetune_lora of a random-init micro (5 blocks), bf16-true;
  * *conv: the conversion launches it made (convert, convert_many, convert2d: the GEMMs' panels) */
@@ -35,19 +40,21 @@ static fl_status l16_run(l16_rec *r, int kind, const char *knob, unsigned long *
     snprintf(out, sizeof out, "lora16-%d-%s", kind, knob ? knob : "on");
     fl_test_tiny_run_config(&c, FL_CMD_FINETUNE_LORA, "micro", out, 16);
     c.lora.query = c.lora.value = 1;
-    if (kind == L16_ALL) c.lora.key = c.lora.projection = c.lora.mlp = 1, c.lora.dropout = 0.0f; /* x widened */
+    if (kind == L16_ALL || kind == L16_Q4ALL) c.lora.key = c.lora.projection = c.lora.mlp = 1, c.lora.dropout = 0.0f; /* x widened */
     FL_TRY(fl_cfg_set(&c, "precision", "bf16-true"));
-    if (kind == L16_QLORA) FL_TRY(fl_cfg_set(&c, "quantize", "bnb.nf4"));
+    if (kind == L16_QLORA || kind >= L16_Q4TC) FL_TRY(fl_cfg_set(&c, "quantize", "bnb.nf4"));
+    if (kind >= L16_Q4TC) setenv("FITLLM_CUDA_Q4", kind == L16_Q4SCRATCH ? "scratch" : "tc", 1);
     if (kind == L16_CKPT) { /* the recompute's views, the adapters reading the stored copies */
         c.lora.dropout = 0.0f;
         FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));
     }
     setenv("FITLLM_BACKEND", "cuda-emu", 1);
-    if (knob) setenv("FITLLM_CUDA_LORA16", knob, 1);
+    if (knob) setenv(l16_knob(kind), knob, 1);
     const unsigned long c0 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
     fl_status s = fl_trainer_run(&c, NULL, 0, fl_test_record_step, r, NULL);
     *conv = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches - c0;
-    unsetenv("FITLLM_CUDA_LORA16");
+    unsetenv(l16_knob(kind));
+    unsetenv("FITLLM_CUDA_Q4");
     unsetenv("FITLLM_BACKEND");
     return s;
 }
@@ -57,12 +64,13 @@ static void l16_case(int kind, unsigned long want_off, unsigned long want_on) {
     l16_rec off = {0}, on = {0};
     unsigned long n_off = 0, n_on = 0;
     fl_status s = l16_run(&off, kind, "0", &n_off);
-    FL_CHECKF(s == FL_OK, "%s, FITLLM_CUDA_LORA16=0: %s", l16_name(kind), fl_error_message());
+    FL_CHECKF(s == FL_OK, "%s, %s=0: %s", l16_name(kind), l16_knob(kind), fl_error_message());
     if (s == FL_OK) s = l16_run(&on, kind, NULL, &n_on);
     FL_CHECKF(s == FL_OK, "%s: %s", l16_name(kind), fl_error_message());
     if (s == FL_OK) {
         FL_CHECKF(off.steps == 1 && on.steps == 1 && off.n && off.n == on.n && !memcmp(off.params, on.params, off.n),
-                  "%s bf16-true: the trained parameters differ in bits with FITLLM_CUDA_LORA16 on and off", l16_name(kind));
+                  "%s bf16-true: the trained parameters differ in bits with %s on and off", l16_name(kind),
+                  l16_knob(kind));
         FL_CHECKF(off.loss == on.loss, "%s: loss %.9g on, %.9g off", l16_name(kind), on.loss, off.loss);
         FL_CHECKF(n_off == want_off && n_on == want_on,
                   "%s: %lu conversion launches with the knob off, %lu on; expected %lu -> %lu", l16_name(kind), n_off,
@@ -88,6 +96,25 @@ FL_TEST(cuda_emu_lora16_bits) {
         l16_case(L16_ALL, 52, 12);
         l16_case(L16_QLORA, 14, 2); /* 4-bit bases: q4_matmul_backward reads the fp32 dy (no panel); the widening goes */
         l16_case(L16_CKPT, 52, 12); /* checkpointed: each block's input widened for its recompute (5 a micro-batch) */
+    }
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* QLoRA's 4-bit bases over the stored bf16 input and the bf16 dy (FL_CAP_Q4X16: FITLLM_CUDA_Q4=tc | scratch): the
+ * same loss and trained bits as FITLLM_CUDA_Q4X16=0, for both paths; conversion launches per step as a ratchet */
+FL_TEST(cuda_emu_q416_bits) {
+#ifdef FL_HAVE_CUDA_EMU
+    if (!fl_test_asan_budget()) return; /* emulated training runs: the release pass */
+    /* conversions per step: tc 2 -> 2 (the head forward's x panel, 1 a micro-batch, either way: the tc kernels round
+     * x / dy as they load them; the bytes saved: cuda_emu_q416_workspace); scratch 136 -> 2 (each 4-bit matmul's
+     * F32 x bf16 GEMM rounded its fp32 x / dy into a panel, convert2d, 67 a micro-batch) */
+    l16_case(L16_Q4TC, 2, 2);
+    if (!fl_test_quick()) { /* the full tier */
+        l16_case(L16_Q4SCRATCH, 136, 2);
+        l16_case(L16_Q4ALL, 12, 12); /* adapters on every linear without dropout: they read x (widened once a block) and
+                                       * the fp32 dy; the bases the bf16 copies */
     }
 #else
     fl_test_skip("no CUDA emulator in this build");

@@ -650,6 +650,103 @@ FL_TEST(cuda_more_q4_bf16_paths) {
     unsetenv("FITLLM_CUDA_Q4");
 }
 
+/* q4_matmul_forward16 / _backward16 (issue 30 items 1 and 7, FL_CAP_Q4X16): over x16 / dy16 = RNE(x / dy) they give
+ * the bits of q4_matmul_forward / _backward on the fp32 x / dy in a bf16 run's tc and scratch paths (both round x / dy
+ * to bf16 before any product: the claim checked bit for bit, each output element), N past the 64-row tile, rows and
+ * columns at and across the 64-element blocks, a cut part (row map), row strides that take the 128-bit loads (a
+ * multiple of 8) and those that do not, beta 0 and 1; scratch with K past the emulator's GEMM panel (its row panels).
+ * Refused in an fp32 run; absent with FITLLM_CUDA_Q4=fp32 (the default) or FITLLM_CUDA_Q4X16=0; a bad knob named. */
+static void q416_check(const fl_backend *be, const q4_fixture *f, int N, int ldy, const char *what, fl_test_rng *r) {
+    const int OUT = f->w.rows, IN = f->w.cols;
+    const size_t nx = (size_t)N * IN, ny = (size_t)N * ldy;
+    float *x = fl_test_frand(r, nx, -2, 2), *dy = fl_test_frand(r, ny, -2, 2);
+    float *y0 = fl_test_frand(r, ny, -1, 1), *dx0 = fl_test_frand(r, nx, -1, 1);
+    uint16_t *x16 = malloc(nx * 2), *dy16 = malloc(ny * 2);
+    for (size_t i = 0; i < nx; i++) x16[i] = fl_f32_to_bf16(x[i]);
+    for (size_t i = 0; i < ny; i++) dy16[i] = fl_f32_to_bf16(dy[i]);
+    for (int bwd = 0; bwd <= 1; bwd++)
+        for (int beta = 0; beta <= 1; beta++) {
+            const size_t n = bwd ? nx : ny;
+            float *a = dup_bytes(bwd ? dx0 : y0, n * 4), *b = dup_bytes(bwd ? dx0 : y0, n * 4);
+            fl_status s0 = bwd ? be->q4_matmul_backward(be, a, dy, ldy, &f->w, N, (float)beta)
+                               : be->q4_matmul_forward(be, a, ldy, x, &f->w, N, (float)beta);
+            fl_status s1 = bwd ? be->q4_matmul_backward16(be, b, dy16, ldy, &f->w, N, (float)beta)
+                               : be->q4_matmul_forward16(be, b, ldy, x16, &f->w, N, (float)beta);
+            FL_CHECKF(s0 == FL_OK && s1 == FL_OK && be->sync(be) == FL_OK, "%s %s: %s", what,
+                      bwd ? "backward16" : "forward16", fl_error_message());
+            size_t diff = 0;
+            for (size_t i = 0; i < n; i++) diff += memcmp(&a[i], &b[i], 4) != 0;
+            FL_CHECKF(diff == 0, "%s %s N=%d %dx%d ldy %d beta %d: %zu of %zu elements differ in bits from the fp32 op",
+                      what, bwd ? "backward16" : "forward16", N, OUT, IN, ldy, beta, diff, n);
+            free(a), free(b);
+        }
+    free(x), free(dy), free(y0), free(dx0), free(x16), free(dy16);
+}
+
+FL_TEST(cuda_more_q416_bits) {
+    const struct { int N, OUT, IN, ldy; fl_q4_type t; int dq; } c[] = {
+        {19, 37, 131, 40, FL_Q4_NF4, 1},  /* partial tiles, blocks straddling rows; x rows not 8-aligned, dy rows are */
+        {70, 64, 128, 67, FL_Q4_NF4, 0},  /* rows and columns on the block edges, N past the 64-row tile; dy unaligned */
+        {5, 130, 48, 136, FL_Q4_FP4, 0},  /* two tiles of output columns, K 48 (one and a half k-steps) */
+        {40, 24, 1100, 24, FL_Q4_NF4, 1}, /* scratch: K 1100 over the emulator's GEMM panel (29 rows a panel) */
+    };
+    const char *modes[2] = {"tc", "scratch"};
+    for (int k = 0; k < 2; k++) {
+        fl_backend be;
+        setenv("FITLLM_CUDA_Q4", modes[k], 1);
+        FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+        FL_CHECKF((be.caps & FL_CAP_Q4X16) && be.q4_matmul_forward16 && be.q4_matmul_backward16,
+                  "FITLLM_CUDA_Q4=%s: no FL_CAP_Q4X16 or its slots", modes[k]);
+        if (!be.q4_matmul_forward16) { fl_backend_free(&be); continue; }
+        /* an fp32 run computes its 4-bit matmuls in fp32: refused */
+        float y = 0;
+        uint16_t x16 = 0;
+        fl_test_rng r = {3000 + (unsigned)k};
+        q4_fixture f;
+        FL_REQUIRE(q4_make(&f, 3, 5, FL_Q4_NF4, 0, &r));
+        FL_CHECK(be.q4_matmul_forward16(&be, &y, 3, &x16, &f.w, 1, 0.0f) == FL_ERR_UNSUPPORTED &&
+                 strstr(fl_error_message(), "FITLLM_CUDA_Q4=tc or scratch only"));
+        q4_free(&f);
+        be.set_compute_dtype(&be, FL_BF16);
+        for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+            if (fl_test_asan_light() && i) break;
+            FL_REQUIRE(q4_make(&f, c[i].OUT, c[i].IN, c[i].t, c[i].dq, &r));
+            char w[64];
+            snprintf(w, sizeof w, "FITLLM_CUDA_Q4=%s %s", modes[k], fl_q4_mode_name(c[i].t, c[i].dq));
+            q416_check(&be, &f, c[i].N, c[i].ldy, w, &r);
+            q4_free(&f);
+        }
+        q4_fixture whole, part = {0};
+        FL_REQUIRE(q4_cut_rows(&whole, &part, &r));
+        q416_check(&be, &part, 33, 80, modes[k], &r); /* the row map (a tensor-parallel part cutting the blocks) */
+        q4_free(&part);
+        q4_free(&whole);
+        FL_CHECK(be.q4_matmul_forward16(&be, &y, 3, &x16, NULL, 1, 0.0f) == FL_ERR_INVALID);
+        fl_backend_free(&be);
+    }
+    /* absent: the fp32 path (the default), the knob off; a bad knob value named */
+    const char *env[3][2] = {{NULL, NULL}, {"tc", "0"}, {"scratch", "0"}};
+    for (int k = 0; k < 3; k++) {
+        fl_backend be;
+        if (env[k][0]) setenv("FITLLM_CUDA_Q4", env[k][0], 1);
+        else unsetenv("FITLLM_CUDA_Q4");
+        if (env[k][1]) setenv("FITLLM_CUDA_Q4X16", env[k][1], 1);
+        FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+        FL_CHECKF(!(be.caps & FL_CAP_Q4X16) && !be.q4_matmul_forward16 && !be.q4_matmul_backward16,
+                  "FITLLM_CUDA_Q4=%s FITLLM_CUDA_Q4X16=%s: the bf16-input 4-bit slots are there", env[k][0] ? env[k][0] : "",
+                  env[k][1] ? env[k][1] : "");
+        fl_backend_free(&be);
+        unsetenv("FITLLM_CUDA_Q4X16");
+    }
+    fl_backend be;
+    setenv("FITLLM_CUDA_Q4", "tc", 1);
+    setenv("FITLLM_CUDA_Q4X16", "yes", 1);
+    FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "FITLLM_CUDA_Q4X16=yes: expected 1"));
+    unsetenv("FITLLM_CUDA_Q4X16");
+    unsetenv("FITLLM_CUDA_Q4");
+}
+
 FL_TEST(cuda_more_q4) {
     q4_case(19, 37, 131, FL_Q4_NF4, 0);  /* odd everything: quantization blocks straddle rows, odd n */
     q4_case(19, 37, 131, FL_Q4_FP4, 1);

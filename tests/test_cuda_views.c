@@ -74,6 +74,20 @@ static int slot_of(const char *preset, const char *name, size_t *bytes) {
     return -1;
 }
 
+/* micro's bytes at B x T rows (0: no preset or graph): *blocks the blocks' bf16 dy scratch (N x max(C, QKV, FCW)), *head
+ * a logits chunk's (chunk x V), *gsave the gradient buffer's width without d(gate|up) (2 F - (C + 2 KVD) floats a row) */
+static int dy16_sizes(size_t *blocks, size_t *head, size_t *gsave) {
+    fl_model_config mc;
+    fl_block_graph g;
+    if (fl_preset_find("micro", &mc) != FL_OK || fl_block_graph_build_ex(&mc, 0, &g) != FL_OK) return 0;
+    const size_t wide = (size_t)(g.lin_out_max > mc.dim ? g.lin_out_max : mc.dim);
+    const size_t kvd = (size_t)mc.n_kv_heads * (mc.dim / mc.n_heads);
+    *blocks = (size_t)B * T * wide * 2;
+    *head = (size_t)fl_logits_chunk_rows(mc.vocab_size, B * T) * mc.vocab_size * 2;
+    *gsave = (size_t)B * T * (2 * (size_t)mc.ffn_dim - (mc.dim + 2 * kvd)) * sizeof(float);
+    return 1;
+}
+
 /* the index of the preset's first block op of kind (-1: none) */
 static int op_of(const char *preset, int kind) {
     fl_model_config mc;
@@ -259,13 +273,9 @@ FL_TEST(cuda_emu_only16_ratchet) {
  * = measured on cuda-emu for every tag, both ways. */
 FL_TEST(cuda_emu_lora16_workspace) {
 #ifdef FL_HAVE_CUDA_EMU
-    fl_model_config mc;
-    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
-    fl_block_graph g;
-    FL_REQUIRE_OK(fl_block_graph_build_ex(&mc, 0, &g));
+    size_t blocks, head, gs;
+    FL_REQUIRE(dy16_sizes(&blocks, &head, &gs));
     g_layers = 2;
-    const size_t wide = (size_t)(g.lin_out_max > mc.dim ? g.lin_out_max : mc.dim), blocks = (size_t)B * T * wide * 2;
-    const size_t head = (size_t)fl_logits_chunk_rows(mc.vocab_size, B * T) * mc.vocab_size * 2;
     for (int lora = 1; lora <= (fl_test_asan_light() ? 1 : 2); lora++) {
         fl_trainer_result r[2][2]; /* [knob on][null] */
         for (int on = 0; on < 2; on++)
@@ -286,14 +296,83 @@ FL_TEST(cuda_emu_lora16_workspace) {
         const size_t want = lora == 1 ? (blocks > head ? blocks : head) : head;
         /* LoRA (not 4-bit): the frozen gate|up base then reads its dy in bf16 alone, so SwiGLU's d(gate|up) is not held
          * in fp32 and gradient buffer 2 shrinks to d(q|k|v)'s width (fl_block_grads_dropped) */
-        const size_t kvd = (size_t)mc.n_kv_heads * (mc.dim / mc.n_heads);
-        const size_t gsave = lora == 1 ? (size_t)B * T * (2 * (size_t)mc.ffn_dim - (mc.dim + 2 * kvd)) * sizeof(float) : 0;
+        const size_t gsave = lora == 1 ? gs : 0;
         FL_CHECKF((ptrdiff_t)(w1 - w0) == (ptrdiff_t)want - (ptrdiff_t)gsave,
                   "%s bf16-true: WORKSPACE %zu with the dy scratch, %zu without: %zd bytes, want %zu - %zu",
                   lora == 1 ? "LoRA" : "QLoRA", w1, w0, (ptrdiff_t)(w1 - w0), want, gsave);
         printf("      micro %s bf16-true WORKSPACE %zu -> %zu bytes (the dy scratch: %zu; d(gate|up) in bf16 only: -%zu)\n",
                lora == 1 ? "LoRA" : "QLoRA", w0, w1, want, gsave);
     }
+    g_layers = 0;
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* QLoRA's 4-bit bases over the stored bf16 input and dy (FL_CAP_Q4X16: FITLLM_CUDA_Q4=tc; test_cuda_lora16.c checks the
+ * bits): against FITLLM_CUDA_Q4X16=0, WORKSPACE loses exactly the fp32 views only the bases read (att, ln2, act: LoRA on
+ * q, v keeps ln1's, its adapters read it) and SwiGLU's d(gate|up) gradient width (the frozen gate|up base reads its dy
+ * in bf16 alone), and gains the blocks' dy scratch over the head's chunk (fl_act_opts.dy_bf16 2 -> 1); planned (the
+ * null backend standing in for cuda-emu) = measured for every tag, both ways; fl_block_only16 adds SwiGLU's backward
+ * in each block (its fp32 d(gate|up) not written). */
+FL_TEST(cuda_emu_q416_workspace) {
+#ifdef FL_HAVE_CUDA_EMU
+    size_t blocks, head, gsave;
+    FL_REQUIRE(dy16_sizes(&blocks, &head, &gsave));
+    g_layers = 2;
+    size_t views = 0, v;
+    FL_REQUIRE(slot_of("micro", "att", &v) >= 0);
+    views += v;
+    FL_REQUIRE(slot_of("micro", "ln2", &v) >= 0);
+    views += v;
+    FL_REQUIRE(slot_of("micro", "act", &v) >= 0);
+    views += v;
+    fl_trainer_result r[2][2]; /* [knob on][null] */
+    long only16[2] = {0, 0};
+    setenv("FITLLM_CUDA_Q4", "tc", 1);
+    for (int on = 0; on < 2; on++)
+        for (int n = 1; n >= 0; n--) {
+            fl_backend be;
+            if (!on) setenv("FITLLM_CUDA_Q4X16", "0", 1);
+            fl_status s = backend(n, 0, &be);
+            memset(&r[on][n], 0, sizeof r[on][n]);
+            fl_cu_counters c0 = {0}, c1 = {0};
+            if (s == FL_OK && !n) fl_cuemu_backend_counters(&be, &c0);
+            if (s == FL_OK) s = step(&be, "micro", "bf16-true", 0, 2, &r[on][n]);
+            if (s == FL_OK && !n) fl_cuemu_backend_counters(&be, &c1), only16[on] = (long)(c1.only16 - c0.only16);
+            unsetenv("FITLLM_CUDA_Q4X16");
+            backend_free(n, &be);
+            FL_CHECKF(s == FL_OK, "QLoRA tc knob %d %s: %s", on, n ? "planned" : "measured", fl_error_message());
+            if (s != FL_OK) break;
+            for (int t = 0; n == 0 && t < FL_TAG_COUNT; t++)
+                FL_CHECKF(r[on][1].peak[t] == r[on][0].peak[t], "QLoRA tc knob %d tag %d: planned %zu, measured %zu",
+                          on, t, r[on][1].peak[t], r[on][0].peak[t]);
+        }
+    unsetenv("FITLLM_CUDA_Q4");
+    const size_t w0 = r[0][0].peak[FL_TAG_WORKSPACE], w1 = r[1][0].peak[FL_TAG_WORKSPACE];
+    const ptrdiff_t want = (ptrdiff_t)(blocks > head ? blocks - head : 0) - (ptrdiff_t)views - (ptrdiff_t)gsave;
+    FL_CHECKF((ptrdiff_t)(w1 - w0) == want,
+              "QLoRA tc bf16-true: WORKSPACE %zu with the bf16 4-bit inputs, %zu without: %zd bytes, want +%zu (dy "
+              "scratch) - %zu (att, ln2, act views) - %zu (d(gate|up))", w1, w0, (ptrdiff_t)(w1 - w0),
+              blocks > head ? blocks - head : 0, views, gsave);
+    FL_CHECKF(only16[0] == g_layers && only16[1] == 2 * g_layers,
+              "QLoRA tc: %ld ops bf16-only with the knob off, %ld on; expected %d -> %d", only16[0], only16[1], g_layers,
+              2 * g_layers);
+    printf("      micro QLoRA tc bf16-true WORKSPACE %zu -> %zu bytes; ops bf16-only %ld -> %ld\n", w0, w1, only16[0],
+           only16[1]);
+    /* a wrong decision fails the step naming the slot: the 4-bit linears bound without q416 (fl_q416_test_unbind)
+     * where set-up left their inputs' views out (the o projection reads att first) */
+    fl_backend be;
+    fl_trainer_result rr;
+    setenv("FITLLM_CUDA_Q4", "tc", 1);
+    FL_REQUIRE_OK(backend(0, 0, &be));
+    fl_q416_test_unbind = 1;
+    fl_status s = step(&be, "micro", "bf16-true", 0, 2, &rr);
+    fl_q416_test_unbind = 0;
+    backend_free(0, &be);
+    unsetenv("FITLLM_CUDA_Q4");
+    FL_CHECKF(s != FL_OK && strstr(fl_error_message(), "fp32 view of 'att'"), "QLoRA tc unbound: status %d (%s)",
+              (int)s, s == FL_OK ? "ok" : fl_error_message());
     g_layers = 0;
 #else
     fl_test_skip("no CUDA emulator in this build");

@@ -102,6 +102,10 @@ enum {
                                      * out == NULL (the bf16 copy only; act_forward16 also in == NULL with in16), so a
                                      * stored slot's fp32 view nothing reads is neither written nor carved
                                      * (fl_block_views32) */
+    FL_CAP_Q4X16 = 1u << 6,         /* a bf16 run's 4-bit matmuls read bf16 inputs (issue 30 items 1 and 7; cuda, cuda-emu
+                                     * with FITLLM_CUDA_Q4=tc|scratch, FITLLM_CUDA_Q4X16 unset or 1): the optional
+                                     * q4_matmul_forward16 / q4_matmul_backward16 are there, so a QLoRA base linear reads
+                                     * its input's stored bf16 copy and its dy's bf16 copy (no fp32 view, no fp32 dy) */
 };
 
 /* Shape of one attention call (the attention_forward / attention_backward ops).
@@ -400,6 +404,17 @@ struct fl_backend {
     fl_status (*adam8bit_update_ss)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                     const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                     float weight_decay, int step, const double *ss);
+    /* ==== the 4-bit matmuls over bf16 inputs (issue 30 items 1 and 7; optional: cuda, cuda-emu under FL_CAP_Q4X16,
+     * NULL elsewhere) ====
+     * q4_matmul_forward / q4_matmul_backward (below) with x16 (N, in) / dy16 (N, out; row stride ldy) bf16: the bits of
+     * the fp32 op in a bf16 run on the widened input, the bf16 paths (FITLLM_CUDA_Q4=tc: the tensor-core kernels;
+     * scratch: the dequantized bf16 panel's GEMM) rounding x / dy to bf16 (RNE) before any product, so a stored copy
+     * (the RNE of the fp32 value) is the same operand, read without an fp32 copy. Refused (UNSUPPORTED) where the op
+     * would not round (an fp32 run, FITLLM_CUDA_Q4=fp32). */
+    fl_status (*q4_matmul_forward16)(const fl_backend *be, float *y, int ldy, const void *x16, const fl_q4_weight *w,
+                                     int N, float beta);
+    fl_status (*q4_matmul_backward16)(const fl_backend *be, float *dx, const void *dy16, int ldy,
+                                      const fl_q4_weight *w, int N, float beta);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with

@@ -48,7 +48,7 @@ extern "C" {
     X(layernorm_forward_w16) X(layernorm_backward_w16) X(grad_norm_dev) X(loss_sum_dev) X(adamw_update_ss)          \
     X(sgd_update_ss) X(check_finite_dev) X(input_upload) X(input_wait) X(adam8bit_update_ss)                 \
     X(dropout_rows) X(vocab_stats) X(vocab_xent) X(bias_backward16)     \
-    X(attention_forward_in16) X(add_norm_forward16)
+    X(attention_forward_in16) X(add_norm_forward16) X(q4_matmul_forward16) X(q4_matmul_backward16)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -111,7 +111,9 @@ struct fl_op_attention_forward16 { const fl_attn_desc *a; float *out; void *out1
 struct fl_op_attention_backward16 { const fl_attn_desc *a; float *dq, *dk, *dv; const float *dout;
     const void *q16, *k16, *v16; const uint8_t *kmask; const void *out16; const float *lse; };
 struct fl_op_q4_matmul_forward { float *y; int ldy; const float *x; const fl_q4_weight *w; int N; float beta; };
+struct fl_op_q4_matmul_forward16 { float *y; int ldy; const void *x16; const fl_q4_weight *w; int N; float beta; };
 struct fl_op_q4_matmul_backward { float *dx; const float *dy; int ldy; const fl_q4_weight *w; int N; float beta; };
+struct fl_op_q4_matmul_backward16 { float *dx; const void *dy16; int ldy; const fl_q4_weight *w; int N; float beta; };
 struct fl_op_lora_forward { float *y; int ldy; float *h, *xd; const float *x, *A, *B; int N, in, out, r;
     float scaling, dropout; uint64_t seed; };
 struct fl_op_lora_backward { float *dx, *dA, *dB; const float *dy; int ldy; const float *xb, *h, *A, *B;
@@ -251,6 +253,8 @@ struct fl_oprec {
         struct fl_op_bias_backward16 bias_backward16;
         struct fl_op_attention_forward_in16 attention_forward_in16;
         struct fl_op_add_norm_forward16 add_norm_forward16;
+        struct fl_op_q4_matmul_forward16 q4_matmul_forward16;
+        struct fl_op_q4_matmul_backward16 q4_matmul_backward16;
     };
 };
 

@@ -320,7 +320,8 @@ typedef struct {
     int dy_bf16;  /* without dw_bf16 (LoRA: a frozen bf16 base) on an FL_CAP_COMPUTE_BF16 backend: the bf16 dy scratch
                    * alone, N x max(C, QKV, FCW) or a logits chunk (chunk, V) bf16 in WORKSPACE, which the ops that make
                    * a frozen base linear's dy write beside it and its dx GEMM reads (the head's: cross_entropy_dbf16);
-                   * 2 (QLoRA: 4-bit blocks, which read the fp32 dy): the chunk's alone, for the head
+                   * 2 (QLoRA: 4-bit blocks, which read the fp32 dy): the chunk's alone, for the head; QLoRA whose
+                   * 4-bit blocks read bf16 dy (FL_CAP_Q4X16: FITLLM_CUDA_Q4=tc|scratch) takes 1
                    * (fl_model_alloc_acts; FITLLM_CUDA_LORA16=0: off) */
 } fl_act_opts;
 /* The backend_scratch of a model whose matmuls read `compute_dtype` weights, `quant4` if it has

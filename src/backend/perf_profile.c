@@ -43,7 +43,7 @@
     /* tensor parallelism's (issue 35): the vocabulary-parallel cross-entropy's halves, the row-strided dropout */     \
     X(vocab_stats, FL_PROF_LOSS) X(vocab_xent, FL_PROF_LOSS) X(dropout_rows, FL_PROF_ELEM)                             \
     X(bias_backward16, FL_PROF_ELEM) X(attention_forward_in16, FL_PROF_ATTN)                          \
-    X(add_norm_forward16, FL_PROF_NORM)
+    X(add_norm_forward16, FL_PROF_NORM) X(q4_matmul_forward16, FL_PROF_GEMM) X(q4_matmul_backward16, FL_PROF_GEMM)
 
 #define PROF_ENUM(op, g) OP_##op,
 enum { PROF_OPS(PROF_ENUM) OP_COUNT };
@@ -220,6 +220,11 @@ WRAP_S(q4_matmul_forward, 2.0 * N * (double)w->n, (BE, float *y, int ldy, const 
        (be, y, ldy, x, w, N, beta))
 WRAP_S(q4_matmul_backward, 2.0 * N * (double)w->n,
        (BE, float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N, float beta), (be, dx, dy, ldy, w, N, beta))
+WRAP_S(q4_matmul_forward16, 2.0 * N * (double)w->n,
+       (BE, float *y, int ldy, const void *x16, const fl_q4_weight *w, int N, float beta), (be, y, ldy, x16, w, N, beta))
+WRAP_S(q4_matmul_backward16, 2.0 * N * (double)w->n,
+       (BE, float *dx, const void *dy16, int ldy, const fl_q4_weight *w, int N, float beta),
+       (be, dx, dy16, ldy, w, N, beta))
 WRAP_S(attention_forward, attn_flops(a),
        (BE, const fl_attn_desc *a, float *out, float *lse, const float *q, const float *k, const float *v,
         const float *bias, const uint8_t *kmask),

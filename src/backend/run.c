@@ -232,6 +232,14 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         DOOR(q4_matmul_backward);
         return be->q4_matmul_backward(be, r->dx, r->dy, r->ldy, r->w, r->N, r->beta);
     }
+    case FL_OPK_q4_matmul_forward16: {
+        DOOR(q4_matmul_forward16);
+        return be->q4_matmul_forward16(be, r->y, r->ldy, r->x16, r->w, r->N, r->beta);
+    }
+    case FL_OPK_q4_matmul_backward16: {
+        DOOR(q4_matmul_backward16);
+        return be->q4_matmul_backward16(be, r->dx, r->dy16, r->ldy, r->w, r->N, r->beta);
+    }
     case FL_OPK_lora_forward: {
         DOOR(lora_forward);
         return be->lora_forward(be, r->y, r->ldy, r->h, r->xd, r->x, r->A, r->B, r->N, r->in, r->out, r->r, r->scaling,

@@ -158,6 +158,9 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_Q4=fp32|tc|scratch (environment): EXPERIMENTAL, a bf16 run's QLoRA 4-bit matmuls on bf16\n"
                "               operands: tc = tensor cores, NF4/FP4 dequantized in the GEMM's load; scratch = dequantized\n"
                "               into a bf16 panel, then cuBLASLt; fp32 (default) = the fp32 kernels\n");
+    fprintf(f, "\n  FITLLM_CUDA_Q4X16=1|0 (environment): 1 (default) = EXPERIMENTAL: under FITLLM_CUDA_Q4=tc|scratch the\n"
+               "               4-bit linears read their input's and their dy's stored bf16 copies (fp32 copies nothing\n"
+               "               else reads not written or allocated; the same bits); 0 = their fp32 values (A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_PREFETCH=1|0 (environment): 1 (default) = EXPERIMENTAL: the next micro-batch's ids and\n"
                "               targets uploaded ahead on a second stream while the current one computes (inside the\n"
                "               graphs under FITLLM_CUDA_GRAPHS=1); 0 = uploaded on the stream before each micro-batch\n");

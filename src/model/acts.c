@@ -147,14 +147,16 @@ void fl_block_bind_facts(const fl_model *m, const fl_block_graph *g, int l, int 
         const fl_gop *o = &g->op[i];
         if (o->kind != FL_GOP_LINEAR) continue;
         fl_linear *lin = &bp->lin[o->p];
-        lin->n_q4 = q4; /* 4-bit (QLoRA): every linear taken as 4-bit, its x read in fp32 */
+        lin->n_q4 = q4; /* 4-bit (QLoRA): every linear taken as 4-bit, its x and dy read in fp32 unless q416 */
+        lin->q416 = q4 && fl_model_q4x16(m);
         lin->wc = bf16 && !q4 ? any : NULL;
         lin->wct = FL_BF16;
         if (o->role_b >= 0 && fl_layout_role(&m->layout, l + 1, (fl_param_role)o->role_b) >= 0) lin->b = any;
         lin->dw = trains && !q4 ? any : NULL;
         lin->db = trains && lin->b ? any : NULL; /* a trained bias: its gradient sums the fp32 dy */
         lin->xb16 = lin->dw && lin->wc ? any : NULL; /* fl_linear_set_dw_scratch */
-        lin->dyb16 = (lin->xb16 || dy16) && lin->wc ? any : NULL; /* (dy16: the arena's dy scratch alone, dy_bf16) */
+        lin->dyb16 = (lin->xb16 || dy16) && (lin->wc || lin->q416) ? any : NULL; /* (dy16: the arena's dy scratch
+                                                                                   * alone, dy_bf16) */
         if (m->adapt) m->adapt->bind(m->adapt, l, o->p, lin, 0);
     }
 }
@@ -487,7 +489,8 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     int lora16 = 1;
     FL_TRY(fl_lora16_on(&lora16));
     const int dy_bf16 = !dw_bf16 && lora16 && m->prec.name && m->prec.compute_dtype == FL_BF16 && m->adapt &&
-                        (m->be->caps & FL_CAP_COMPUTE_BF16) ? (fl_model_quant4(m) ? 2 : 1) : 0; /* 2: 4-bit blocks */
+                        (m->be->caps & FL_CAP_COMPUTE_BF16) ? (fl_model_quant4(m) && !fl_model_q4x16(m) ? 2 : 1) : 0;
+    /* 2: 4-bit blocks reading their dy in fp32 (1 with fl_model_q4x16: they read its bf16 copy too) */
     fl_dtype head_widen = fl_head_widen_dtype(m->prec.name ? m->prec.compute_dtype : FL_F32, m->be->gemm_widens16);
     size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
                                           m->be->scratch_bytes);

@@ -59,6 +59,9 @@ static inline int lin_biased(const fl_linear *lin) { return lin->b || lin->b16; 
  * (GPT-2's c_fc) as one GEMM with cuBLASLt's bias + GELU epilogue (issue 30 item 3): pre = x W^T + b (the slot the
  * GELU's backward reads), out = gelu(pre); the backend's gemm_epilogue (cuda-emu: the bits of the GEMM, bias_forward
  * and gelu_forward). Not with adapters (LoRA adds to pre before the GELU) or a 4-bit weight. */
+/* whether a LINEAR reads its input's stored bf16 copy where there is one: a bf16 weight's GEMM (it rounds an fp32 x
+ * to it), a 4-bit base with q416 (q4_matmul_forward16) */
+static inline int lin_x16(const fl_linear *lin) { return lin->n_q4 ? lin->q416 : lin->wc && lin->wct == FL_BF16; }
 static inline int epilogue_fuses(const fl_backend *be, const fl_linear *lin) {
     return be->gemm_epilogue && lin_biased(lin) && lin->n_q4 == 0 && lin->n_adapters == 0;
 }

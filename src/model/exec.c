@@ -311,6 +311,13 @@ static int gemm_to_attn16(const fl_backend *be, const fl_block_graph *g, int i, 
            fused_causal(nx, x) && !x->kv && g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out) &&
            epilogue_fuses(be, lin) && lin->wc && lin->wct == FL_BF16;
 }
+/* a LINEAR's fp32 input x: there, or not read (the bf16 copy in16 read instead, no adapter); else set-up left the view
+ * out (fl_block_views_dropped) although this pass reads it: refused naming the slot */
+static fl_status lin_in32(const fl_block_graph *g, int i, const float *in, const void *in16, const fl_linear *lin) {
+    if (in || (in16 && lin->n_adapters == 0)) return FL_OK;
+    return fl_errorf(FL_ERR_INTERNAL, "block op %d (a linear) reads the fp32 view of '%s', which the arena does not "
+                     "carve (set-up took its readers as bf16 ones)", i, g->slot[g->op[i].in].name);
+}
 static fl_status linear_bias16(const fl_backend *be, void *y16, float *scratch, const void *x16, const fl_linear *lin,
                                int N) {
     int epi = FL_GEMM_EPI_BIAS | FL_GEMM_EPI_OUT_BF16;
@@ -382,10 +389,8 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (x->xs_ready && g->slot[o->in].kind == FL_GSLOT_XSTREAM) break; /* kept from an earlier pass */
             /* stored in bf16: the input's copy is the GEMM's bf16 operand (a BF16 weight rounds an F32 x to it);
              * a slot still to be changed by a later op is not stored yet (the GEMM rounds the fp32 view itself) */
-            const void *in16 = x->store16 && lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 &&
-                                       final_after(g, i, o->in)
-                                   ? x->s16[o->in]
-                                   : NULL;
+            const void *in16 = x->store16 && lin_x16(lin) && final_after(g, i, o->in) ? x->s16[o->in] : NULL;
+            FL_TRY(lin_in32(g, i, in, in16, lin));
             const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
             if (o16 && be->gelu16_epilogue && nx && nx->kind == FL_GOP_GELU && nx->in == o->out &&
                 epilogue_fuses(be, lin)) {
@@ -585,7 +590,8 @@ unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const 
  * stored slot is written in bf16 only (the ops get out == NULL) and its view is not carved (acts.c). Where an op has
  * no bf16-only form its fp32 output stays: a LINEAR's (the GEMM into RoPE's in-place input, the residual adds' o /
  * down projections, a biased or adapted linear; gemm_to_attn16's refused-epilogue scratch), RoPE, the residual adds,
- * dropout, the sequence-parallel moves; and every fp32 input: LoRA adapters and 4-bit GEMMs read x in fp32. ~0u:
+ * dropout, the sequence-parallel moves; and every fp32 input: LoRA adapters and 4-bit GEMMs without q416 read x in
+ * fp32. ~0u:
  * every view (another backend: the CPU ones compute in fp32). */
 unsigned fl_views_test_forget;
 unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x) {
@@ -603,15 +609,14 @@ unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_b
         case FL_GOP_NORM: wr = o16 ? 0 : wr; break; /* the w16 kernel with out16 */
         case FL_GOP_LINEAR: {
             const fl_linear *lin = &bp->lin[o->p];
-            const int in16 = lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && final_after(g, i, o->in) &&
-                             stored16(g, o->in, x);
+            const int in16 = lin_x16(lin) && final_after(g, i, o->in) && stored16(g, o->in, x);
             if (in16 && lin->n_adapters == 0) rd = 0;
             if (o16 && be->gelu16_epilogue && nx && nx->kind == FL_GOP_GELU && nx->in == o->out && lin_biased(lin) &&
                 lin->n_q4 == 0 && lin->n_adapters == 0) /* FITLLM_CUDA_GELU16: the GELU's output in fp32 too */
                 wr |= 1u << nx->out | 1u << nx->in;
             else if (o16 && in16 && nx && nx->kind == FL_GOP_ATTN && nx->in == o->out && fused_causal(nx, x) &&
                      g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out) && lin_biased(lin) &&
-                     lin->n_adapters == 0)
+                     lin->n_adapters == 0 && lin->n_q4 == 0)
                 pendq = o->out; /* gemm_to_attn16: bf16 only, the view its refused epilogue's scratch (wr kept) */
             else if (o16 && in16 && fl_linear_plain16(lin) && nx && act16_kind(nx->kind) >= 0 && nx->in == o->out &&
                      g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out))

@@ -10,7 +10,7 @@
  * read either (fl_block_bwd_reads32: attention_backward16 reads the bf16 copy; checkpointing's recompute is this same pass).
  * The view stays carved (the q|k|v GEMM's fp32 output is RoPE's input): traffic, not memory. Backward (bwd 1): an
  * activation or ROPE whose d(in) only the LINEAR that made in reads, from the bf16 copy the op writes (dy16_for), with
- * no bias gradient, adapter or 4-bit base (fl_linear_reads_dy32); an activation that starts d(in) (not acc: the update
+ * no bias gradient, adapter or 4-bit base reading dy in fp32 (fl_linear_reads_dy32); an activation that starts d(in) (not acc: the update
  * of a zero d(in), not cleared). Made once per block pass from the graph and the bound facts; block_forward /
  * fl_block_backward hand a later fp32 reader NULL, and refuse it naming the slot. */
 static unsigned only16_bwd(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, int have_act,

@@ -118,6 +118,8 @@ typedef struct {
     int in, out;
     const fl_q4_weight *q4[3]; /* 4-bit base (QLoRA): parts of the fused output, in row order */
     int n_q4;
+    int q416;         /* the 4-bit parts read bf16 x / dy (q4_matmul_forward16 / _backward16: FL_CAP_Q4X16 in a bf16 run,
+                       * FITLLM_CUDA_Q4X16; fl_linear_q416) */
     const float *w;   /* (out, in) */
     const void *wc;   /* (out, in) compute-dtype copy of w (mixed precision) or NULL */
     fl_dtype wct;     /* dtype of wc */
@@ -181,9 +183,15 @@ int fl_linear_dx16(const fl_linear *lin);
 /* Whether it has adapters and every one reads its input in bf16 alone on be (fl_linear_adapter_ops.x16_only): the
  * backward then need not widen x's fp32 view (fl_linear_backward_dy16 takes x NULL and the stored x16) */
 int fl_linear_adapters_x16(const fl_backend *be, const fl_linear *lin);
-/* Whether its backward reads dy in fp32 even with dy16_ready (a bias gradient, an adapter, a 4-bit base, no bf16
- * dy): else dy may be NULL there (an fp32 gradient written in bf16 only, fl_block_only16). */
+/* Whether its backward reads dy in fp32 even with dy16_ready (a bias gradient, an adapter, a 4-bit base without q416,
+ * no bf16 dy): else dy may be NULL there (an fp32 gradient written in bf16 only, fl_block_only16). */
 int fl_linear_reads_dy32(const fl_linear *lin);
+/* Whether m's 4-bit linears read bf16 x / dy (fl_linear.q416): a bf16-compute QLoRA run on a backend with
+ * q4_matmul_forward16 / _backward16 (FL_CAP_Q4X16: cuda, cuda-emu under FITLLM_CUDA_Q4=tc|scratch, FITLLM_CUDA_Q4X16) */
+int fl_model_q4x16(const fl_model *m);
+/* Testing only (0 otherwise): the blocks' 4-bit linears bound without q416 although set-up took them with it, so a test
+ * shows that the views set-up left out fail the step by name */
+extern int fl_q416_test_unbind;
 fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
                                   const float *x, const void *x16, const fl_linear *lin, int N);
 

@@ -292,11 +292,13 @@ void fl_linear_set_weight(const fl_model *m, fl_linear *lin, int wi) {
     lin->wct = v.wct;
     lin->n_q4 = v.n_q4;
     for (int k = 0; k < v.n_q4; k++) lin->q4[k] = v.q4[k];
+    lin->q416 = v.n_q4 > 0 && fl_model_q4x16(m) && !fl_q416_test_unbind;
 }
 
 void fl_linear_set_dw_scratch(const fl_model *m, fl_linear *lin) {
-    int on = m->acts && m->acts->dyb16 && lin->wc && lin->wct == FL_BF16;
-    lin->xb16 = on ? m->acts->xb16 : NULL;
+    /* a 4-bit base reading bf16 dy (q416) takes the dy scratch too, never xb16 (no weight gradient) */
+    int on = m->acts && m->acts->dyb16 && ((lin->wc && lin->wct == FL_BF16) || lin->q416);
+    lin->xb16 = on && lin->wc ? m->acts->xb16 : NULL;
     lin->dyb16 = on ? m->acts->dyb16 : NULL; /* without xb16 (fl_act_opts.dy_bf16): a frozen base's dy (fl_linear_dx16) */
 }
 

@@ -294,6 +294,20 @@ static void q4_run(q4pair *qp, int N, const char *mode) {
         hcopy(g, d, n * 4);
         snprintf(name, sizeof name, "q4_matmul_%s_tc %s", bwd ? "backward" : "forward", mode);
         close_to(name, ok, g, h, n, 1e-4);
+        /* over the bf16 copy of x / dy (q4_matmul_forward16 / _backward16's kernels, issue 30 items 1 and 7): the GPU's
+         * bits of the fp32 variant just run (the same tile, the same mma order) */
+        const size_t na = (size_t)N * (bwd ? OUT : IN);
+        uint16_t *a16 = malloc(na * 2);
+        for (size_t i = 0; i < na; i++) a16[i] = fl_f32_to_bf16((bwd ? dy : x)[i]);
+        void *dA16 = dcopy(a16, na * 2);
+        float *g16 = malloc(n * 4);
+        ok = synced(bwd ? fl_cuk_q4_matmul_backward16_tc(d, dA16, OUT, &q.d, N, 0.0f, NULL)
+                        : fl_cuk_q4_matmul_forward16_tc(d, OUT, dA16, &q.d, N, 0.0f, NULL));
+        hcopy(g16, d, n * 4);
+        snprintf(name, sizeof name, "q4_matmul_%s16_tc %s", bwd ? "backward" : "forward", mode);
+        bits(name, ok, g16, g, n * 4);
+        cudaFree(dA16);
+        free(a16), free(g16);
     }
     cudaFree(dX); cudaFree(dDy); cudaFree(dY); cudaFree(dDx); cudaFree(dDeq);
     free(x); free(dy); free(y); free(dx); free(deq); free(g);

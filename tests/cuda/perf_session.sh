@@ -62,6 +62,10 @@
 #      steps with FITLLM_CUDA_LORA16=1 (the default: the frozen bases' dx GEMMs read a bf16 dy their producers write,
 #      adapters with dropout read their dropped copies) against 0 (a dy panel conversion in every frozen dx GEMM,
 #      ln1 widened before each block's backward).
+#  20. QLoRA's 4-bit bases over bf16 inputs (issue 30 items 1 and 7): the TinyLlama QLoRA (nf4) step under
+#      FITLLM_CUDA_Q4=tc and scratch with FITLLM_CUDA_Q4X16=1 (the default: q4_matmul_forward16 / _backward16 read the
+#      stored bf16 x and the bf16 dy; the att, ln2, act fp32 views and the bases' fp32 dy not written) against 0, with
+#      the profile's GEMM rows.
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -103,7 +107,7 @@ gpt2_ab() { # precision log-tag label (the A/B switch set by the caller): a GPT-
     echo "gpt2 $1 $3 exit $?: $(grep -E '^median' "$OUT/gpt2-$1-$2.log")"
 }
 # PERF_STEPS (default: all): the steps to run, e.g. "1-5,18" (the device's calls are limited to 10 minutes: run the
-# session in two calls, PERF_STEPS=1-9 then 10-19, when it does not fit one)
+# session in two calls, PERF_STEPS=1-9 then 10-20, when it does not fit one)
 want_step() {
     local n=$1 part a b
     [ -z "${PERF_STEPS:-}" ] && return 0
@@ -304,5 +308,14 @@ echo "== 19. LoRA / QLoRA bf16 without conversions: FITLLM_CUDA_LORA16=1 (the de
 for v in 1 0; do
     FITLLM_CUDA_LORA16=$v bench lora16-$v 60 --lora 8
     FITLLM_CUDA_LORA16=$v bench qlora16-$v 90 --lora 8 --quantize bnb.nf4
+done
+fi
+if want_step 20; then
+echo "== 20. QLoRA 4-bit bases over bf16 inputs: FITLLM_CUDA_Q4X16=1 (the default) against 0, Q4 tc / scratch (EXPERIMENTAL)"
+for q in tc scratch; do
+    for v in 1 0; do
+        FITLLM_CUDA_Q4=$q FITLLM_CUDA_Q4X16=$v bench q4x16-$q-$v 90 --lora 8 --quantize bnb.nf4 --profile
+        sed -n '/^profile/,/^PROFILE/p' "$OUT/q4x16-$q-$v.log" | grep -E "q4_matmul|convert" | head -6
+    done
 done
 fi

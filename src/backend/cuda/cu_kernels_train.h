@@ -68,6 +68,13 @@ extern "C" {
                                 void *stream);                                                                  \
     int P##q4_matmul_backward_tc(float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N, float beta, \
                                  void *stream);                                                                 \
+    /* the tc kernels over a bf16 x / dy (backend.h q4_matmul_forward16 / _backward16, issue 30 items 1 and 7): \
+     * x16 / dy16 loaded 8 bf16 (128 bits) at a time into the same shared tiles the fp32 kernels round theirs   \
+     * into: the bits of the _tc kernels on widen(x16) / widen(dy16) */                                         \
+    int P##q4_matmul_forward16_tc(float *y, int ldy, const void *x16, const fl_q4_weight *w, int N, float beta, \
+                                  void *stream);                                                                \
+    int P##q4_matmul_backward16_tc(float *dx, const void *dy16, int ldy, const fl_q4_weight *w, int N,          \
+                                   float beta, void *stream);                                                   \
     /* LoRA dropout (fitllm/lora.h's mask of (seed, i), bit-identical): xd[i] = keep(i) ? x[i] / (1-p) : 0     \
      * for i < n (0 < p < 1); seed_dev (NULL or) device memory holding the seed, read when it runs instead    \
      * (a CUDA graph's per-step scalar) */                                                                     \

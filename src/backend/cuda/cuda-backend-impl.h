@@ -780,6 +780,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     const char *eq = getenv("FITLLM_CUDA_Q4");
     im->q4 = !eq || !*eq || !strcmp(eq, "fp32") ? FLB_Q4_FP32 : !strcmp(eq, "tc") ? FLB_Q4_TC
              : !strcmp(eq, "scratch") ? FLB_Q4_SCRATCH : -1;
+    /* FITLLM_CUDA_Q4X16 (issue 30 items 1 and 7; unset or 1: on, 0: off, A/B): under tc / scratch the 4-bit matmuls
+     * over bf16 x / dy (q4_matmul_forward16 / _backward16, FL_CAP_Q4X16), so QLoRA's bases read the stored copies */
+    const char *eqx = getenv("FITLLM_CUDA_Q4X16");
+    const int q4x16 = !eqx || !*eqx || !strcmp(eqx, "1") ? 1 : !strcmp(eqx, "0") ? 0 : -1;
     im->graph.state = im->graph.on ? FLB_G_FIRST : FLB_G_OFF;
     im->graph.stream = im->stream;
     im->graph.err = &im->err;
@@ -820,6 +824,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4=%s: expected fp32 (the default: the fp32 4-bit "
                         "matmul kernels), tc (experimental: a bf16 run's on bf16 tensor cores, dequantized in the load) "
                         "or scratch (experimental: dequantized into a bf16 scratch for the GEMM)", FLB_NAME, eq)
+        : q4x16 < 0
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4X16=%s: expected 1 (the default: under "
+                        "FITLLM_CUDA_Q4=tc or scratch a 4-bit linear reads its input's and its dy's stored bf16 "
+                        "copies) or 0 (their fp32 values)", FLB_NAME, eqx)
             : flb_attn_init(im);
     if (s == FL_OK) s = flb_gelu16_init(be); /* FITLLM_CUDA_GELU16, the issue-30 bf16 slots (cuda-gemm-more-impl.h) */
     if (s != FL_OK) {
@@ -844,7 +852,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->gemm_widens16 = 1u << FL_F16; /* an F16 B is widened per call (the panels above); fl_cuda_gemm_widens16 */
     be->scratch_bytes = FLB_SCRATCH_BYTES;
     be->caps = FL_CAP_ASYNC | FL_CAP_COMPUTE_BF16 | (views32 ? 0u : FL_CAP_VIEWS16) |
-               (FLB_HOST_MEMORY ? FL_CAP_HOST_MEMORY : FL_CAP_DEVICE_MEMORY);
+               (FLB_HOST_MEMORY ? FL_CAP_HOST_MEMORY : FL_CAP_DEVICE_MEMORY) |
+               (q4x16 && (im->q4 == FLB_Q4_TC || im->q4 == FLB_Q4_SCRATCH) ? FL_CAP_Q4X16 : 0u);
     be->set_compute_dtype = flb_set_compute_dtype;
     be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */
     be->gemm = flb_gemm;
@@ -919,6 +928,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->adam8bit_update = flb_adam8bit_update;
     be->q4_matmul_forward = flb_q4_matmul_forward;
     be->q4_matmul_backward = flb_q4_matmul_backward;
+    be->q4_matmul_forward16 = be->caps & FL_CAP_Q4X16 ? flb_q4_matmul_forward16 : NULL;
+    be->q4_matmul_backward16 = be->caps & FL_CAP_Q4X16 ? flb_q4_matmul_backward16 : NULL;
     be->lora_forward = flb_lora_forward;
     be->dropout = flb_dropout;
     flb_tp_ops_fill(be);

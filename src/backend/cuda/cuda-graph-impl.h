@@ -184,6 +184,8 @@ static const void **flb_graph_hdr(fl_oprec *r, size_t *hb) {
     case FL_OPK_attention_forward_in16: return (const void **)&r->attention_forward_in16.a;
     case FL_OPK_q4_matmul_forward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_forward.w;
     case FL_OPK_q4_matmul_backward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_backward.w;
+    case FL_OPK_q4_matmul_forward16: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_forward16.w;
+    case FL_OPK_q4_matmul_backward16: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_backward16.w;
     case FL_OPK_adam8bit_update_ss: *hb = sizeof(fl_adam8bit_state); return (const void **)&r->adam8bit_update_ss.st;
     default: return NULL;
     }

@@ -210,9 +210,11 @@ static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp,
 }
 /* FITLLM_CUDA_Q4=scratch (a bf16 run): W dequantized a panel of rows at a time into a bf16 scratch (the work area), each
  * panel one GEMM of the F32 x bf16 kind (flb_gemm: the activations rounded to bf16 in its panel, fp32 accumulation);
- * forward: y[:, panel] = x @ panel^T; backward: dx (+)= dy[:, panel] @ panel, the panels accumulated in dx */
-static fl_status flb_q4_scratch(const fl_backend *be, int bwd, float *out, int ldo, const float *in, int ldi,
-                                const fl_q4_weight *w, int N, float beta, const char *op) {
+ * forward: y[:, panel] = x @ panel^T; backward: dx (+)= dy[:, panel] @ panel, the panels accumulated in dx. A BF16 `in`
+ * (q4_matmul_forward16 / _backward16: the stored copy, the RNE that panel holds) is the GEMM's A as it is, in the row
+ * panels flb_gemm's F32 A takes (the same GEMM shapes, hence the library's same algorithm and bits) */
+static fl_status flb_q4_scratch(const fl_backend *be, int bwd, float *out, int ldo, const void *in, fl_dtype it,
+                                int ldi, const fl_q4_weight *w, int N, float beta, const char *op) {
     const size_t row_bytes = (size_t)w->cols * sizeof(uint16_t);
     const int rows = (int)(FLB_WORK_BYTES / row_bytes < (size_t)w->rows ? FLB_WORK_BYTES / row_bytes : (size_t)w->rows);
     if (rows < 1)
@@ -220,13 +222,19 @@ static fl_status flb_q4_scratch(const fl_backend *be, int bwd, float *out, int l
                          FLB_NAME, op, w->cols);
     uint16_t *panel = (uint16_t *)flb_work(be, (size_t)rows * row_bytes, op);
     if (!panel) return flb_sticky(be);
+    const size_t es = it == FL_F32 ? sizeof(float) : sizeof(uint16_t);
     for (int r0 = 0; r0 < w->rows && N > 0; r0 += rows) {
         const int nr = w->rows - r0 < rows ? w->rows - r0 : rows;
+        const int K = bwd ? nr : w->cols, Nc = bwd ? w->cols : nr;
+        const char *a = (const char *)in + (bwd ? (size_t)r0 * es : 0);
+        float *o = bwd ? out : out + r0;
+        const float b = bwd && r0 ? 1.0f : beta;
         FLB_RUN_S(be, FLB_K(q4_dequantize)(panel, FL_BF16, w->cols, w, r0, nr, STREAM), op);
-        FL_TRY(bwd ? flb_gemm(be, 0, 0, N, w->cols, nr, 1.0f, in + r0, FL_F32, ldi, panel, FL_BF16, w->cols,
-                              r0 ? 1.0f : beta, out, FL_F32, ldo)
-                   : flb_gemm(be, 0, 1, N, nr, w->cols, 1.0f, in, FL_F32, ldi, panel, FL_BF16, w->cols, beta, out + r0,
-                              FL_F32, ldo));
+        const int pr = it == FL_F32 ? N : (int)(FLB_PANEL_BYTES / ((size_t)K * 2)); /* flb_gemm's F32 A panels */
+        if (pr < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s %s: K = %d too large for the panel", FLB_NAME, op, K);
+        for (int i0 = 0; i0 < N; i0 += pr)
+            FL_TRY(flb_gemm(be, 0, !bwd, N - i0 < pr ? N - i0 : pr, Nc, K, 1.0f, a + (size_t)i0 * ldi * es, it, ldi,
+                            panel, FL_BF16, w->cols, b, o + (size_t)i0 * ldo, FL_F32, ldo));
     }
     return FL_OK;
 }
@@ -251,7 +259,7 @@ static fl_status flb_q4_matmul_forward(const fl_backend *be, float *y, int ldy, 
     const int mode = flb_q4_mode(be);
     if (mode == FLB_Q4_SCRATCH && w && w->rows > 0 && w->cols > 0 && ldy >= w->rows && N >= 0 &&
         (beta == 0.0f || beta == 1.0f))
-        return flb_q4_scratch(be, 0, y, ldy, x, w->cols, w, N, beta, "q4_matmul_forward");
+        return flb_q4_scratch(be, 0, y, ldy, x, FL_F32, w->cols, w, N, beta, "q4_matmul_forward");
     if (mode == FLB_Q4_TC)
         FLB_RUN_S(be, FLB_K(q4_matmul_forward_tc)(y, ldy, x, w, N, beta, STREAM), "q4_matmul_forward");
     else
@@ -264,10 +272,37 @@ static fl_status flb_q4_matmul_backward(const fl_backend *be, float *dx, const f
     const int mode = flb_q4_mode(be);
     if (mode == FLB_Q4_SCRATCH && w && w->rows > 0 && w->cols > 0 && ldy >= w->rows && N >= 0 &&
         (beta == 0.0f || beta == 1.0f))
-        return flb_q4_scratch(be, 1, dx, w->cols, dy, ldy, w, N, beta, "q4_matmul_backward");
+        return flb_q4_scratch(be, 1, dx, w->cols, dy, FL_F32, ldy, w, N, beta, "q4_matmul_backward");
     if (mode == FLB_Q4_TC)
         FLB_RUN_S(be, FLB_K(q4_matmul_backward_tc)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
     else
         FLB_RUN_S(be, FLB_K(q4_matmul_backward)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
     return FL_OK;
+}
+/* backend.h q4_matmul_forward16 / _backward16 (FL_CAP_Q4X16): a bf16 run's tc or scratch path over the bf16 x / dy
+ * (the same operand those paths round the fp32 one to); refused where the path computes in fp32 (FLB_Q4_FP32) */
+static fl_status flb_q4_16(const fl_backend *be, int bwd, float *out, int ldo, const void *in, int ldi, int ldy,
+                           const fl_q4_weight *w, int N, float beta) {
+    const char *op = bwd ? "q4_matmul_backward16" : "q4_matmul_forward16";
+    FL_TRY(flb_sticky(be));
+    const int mode = flb_q4_mode(be);
+    if (mode != FLB_Q4_TC && mode != FLB_Q4_SCRATCH)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s %s: a bf16 run's FITLLM_CUDA_Q4=tc or scratch only (this one computes "
+                         "its 4-bit matmuls in fp32)", FLB_NAME, op);
+    if (!w || w->rows <= 0 || w->cols <= 0 || ldy < w->rows || N < 0 || (beta != 0.0f && beta != 1.0f) ||
+        (N > 0 && (!out || !in)))
+        return fl_errorf(FL_ERR_INVALID, "%s %s: NULL argument or a bad shape (N %d, ldy %d, beta %g)", FLB_NAME, op, N,
+                         ldy, (double)beta);
+    if (mode == FLB_Q4_SCRATCH) return flb_q4_scratch(be, bwd, out, ldo, in, FL_BF16, ldi, w, N, beta, op);
+    if (bwd) FLB_RUN_S(be, FLB_K(q4_matmul_backward16_tc)(out, in, ldy, w, N, beta, STREAM), op);
+    else FLB_RUN_S(be, FLB_K(q4_matmul_forward16_tc)(out, ldy, in, w, N, beta, STREAM), op);
+    return FL_OK;
+}
+static fl_status flb_q4_matmul_forward16(const fl_backend *be, float *y, int ldy, const void *x16,
+                                         const fl_q4_weight *w, int N, float beta) {
+    return flb_q4_16(be, 0, y, ldy, x16, w ? w->cols : 0, ldy, w, N, beta);
+}
+static fl_status flb_q4_matmul_backward16(const fl_backend *be, float *dx, const void *dy16, int ldy,
+                                          const fl_q4_weight *w, int N, float beta) {
+    return flb_q4_16(be, 1, dx, w ? w->cols : 0, dy16, ldy, ldy, w, N, beta);
 }

@@ -163,6 +163,17 @@ static fl_status n_q4_matmul_backward(const fl_backend *be, float *dx, const flo
     (void)be; (void)dx; (void)dy; (void)ldy; (void)w; (void)N; (void)beta;
     return FL_OK;
 }
+/* FL_CAP_Q4X16's 4-bit matmuls over bf16 inputs, where the planned backend has them */
+static fl_status n_q4_matmul_forward16(const fl_backend *be, float *y, int ldy, const void *x16, const fl_q4_weight *w,
+                                       int N, float beta) {
+    (void)be; (void)y; (void)ldy; (void)x16; (void)w; (void)N; (void)beta;
+    return FL_OK;
+}
+static fl_status n_q4_matmul_backward16(const fl_backend *be, float *dx, const void *dy16, int ldy,
+                                        const fl_q4_weight *w, int N, float beta) {
+    (void)be; (void)dx; (void)dy16; (void)ldy; (void)w; (void)N; (void)beta;
+    return FL_OK;
+}
 static fl_status n_lora_forward(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
                                 const float *A, const float *B, int N, int in, int out, int r, float scaling,
                                 float dropout, uint64_t seed) {
@@ -290,7 +301,7 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->attn_scratch_bytes = f.attn_scratch_bytes; /* the planned GPU's cuDNN attention copies */
     /* FL_CAP_VIEWS16: the fp32 views the planned backend does not carve; FL_CAP_COMPUTE_BF16: a frozen base's bf16 dy
      * scratch it carves (acts.c) */
-    be->caps = (f.caps & (FL_CAP_HOST_MEMORY | FL_CAP_VIEWS16 | FL_CAP_COMPUTE_BF16)) | FL_CAP_DISCARDS;
+    be->caps = (f.caps & (FL_CAP_HOST_MEMORY | FL_CAP_VIEWS16 | FL_CAP_COMPUTE_BF16 | FL_CAP_Q4X16)) | FL_CAP_DISCARDS;
     be->impl = n;
     be->gemm = n_gemm;
     be->embedding_forward = n_embedding_forward;
@@ -329,6 +340,8 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->adam8bit_update = n_adam8bit_update;
     be->q4_matmul_forward = n_q4_matmul_forward;
     be->q4_matmul_backward = n_q4_matmul_backward;
+    be->q4_matmul_forward16 = be->caps & FL_CAP_Q4X16 ? n_q4_matmul_forward16 : NULL;
+    be->q4_matmul_backward16 = be->caps & FL_CAP_Q4X16 ? n_q4_matmul_backward16 : NULL;
     be->lora_forward = n_lora_forward;
     be->lora_backward = n_lora_backward;
     be->dropout = n_dropout;

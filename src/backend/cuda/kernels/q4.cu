@@ -164,9 +164,23 @@ FL_CU_DEV uint32_t q4t_ld32(const uint16_t *p) {
 #endif
 }
 
-template <int BWD>
-__global__ static void fl_cu_q4_gemm_tc_k(float *Cm, int ldc, const float *A, int lda, fl_cu_q4w w, int M,
-                                          float beta) {
+/* 8 bf16 (16 bytes) of global memory into shared memory: one 128-bit load and store on the GPU (both 16-byte aligned) */
+FL_CU_DEV void q4t_cp16(uint16_t *dst, const uint16_t *src) {
+#ifdef __CUDACC__
+    *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
+#else
+    memcpy(dst, src, 16);
+#endif
+}
+
+/* A16: A is bf16 (q4_matmul_forward16 / _backward16: the stored copy, RNE of the fp32 value the A16 = 0 kernel rounds
+ * as it loads), copied into the same tile 8 values (128 bits) at a time where a row's 8 are inside and vec (lda and
+ * A's address multiples of 8 values) says they are aligned; else value by value. The tile, hence every bit, is the
+ * A16 = 0 kernel's on widen(A). */
+template <int MODE> /* BWD = MODE & 1, A16 = MODE >> 1 (one template argument: FL_CU_LAUNCH's macro) */
+__global__ static void fl_cu_q4_gemm_tc_k(float *Cm, int ldc, const void *Av, int lda, fl_cu_q4w w, int M,
+                                          float beta, int vec) {
+    constexpr int BWD = MODE & 1, A16 = MODE >> 1;
     alignas(16) __shared__ uint16_t As[Q4T_BM][Q4T_LD]; /* (m, k) */
     alignas(16) __shared__ uint16_t Bs[Q4T_BN][Q4T_LD]; /* (n, k) */
     __shared__ float lut[16];
@@ -182,9 +196,21 @@ __global__ static void fl_cu_q4_gemm_tc_k(float *Cm, int ldc, const float *A, in
         for (int j = 0; j < 4; j++)
             for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
     for (int k0 = 0; k0 < K; k0 += Q4T_BK) {
-        for (int r = 0; r < 16; r++) { /* A: 64 x 32, read along k */
-            const int e = tid + 128 * r, m = e >> 5, kk = e & 31, gm = m0 + m, gk = k0 + kk;
-            As[m][kk] = fl_cu_f32_to_bf16(gm < M && gk < K ? A[(size_t)gm * lda + gk] : 0.0f);
+        if (A16) { /* A: 64 x 32 bf16, 4 runs of 8 a row, 2 a thread */
+            const uint16_t *A = (const uint16_t *)Av;
+            for (int r = 0; r < 2; r++) {
+                const int e = tid + 128 * r, m = e >> 2, kk = (e & 3) * 8, gm = m0 + m, gk = k0 + kk;
+                const uint16_t *src = A + (size_t)gm * lda + gk;
+                if (vec && gm < M && gk + 8 <= K) q4t_cp16(&As[m][kk], src);
+                else
+                    for (int j = 0; j < 8; j++) As[m][kk + j] = gm < M && gk + j < K ? src[j] : (uint16_t)0;
+            }
+        } else {
+            const float *A = (const float *)Av;
+            for (int r = 0; r < 16; r++) { /* A: 64 x 32, read along k */
+                const int e = tid + 128 * r, m = e >> 5, kk = e & 31, gm = m0 + m, gk = k0 + kk;
+                As[m][kk] = fl_cu_f32_to_bf16(gm < M && gk < K ? A[(size_t)gm * lda + gk] : 0.0f);
+            }
         }
         for (int r = 0; r < 16; r++) { /* W: 64 x 32 as (n, k), dequantized along W's rows */
             const int e = tid + 128 * r;
@@ -261,18 +287,26 @@ static int q4_view(const fl_q4_weight *w, fl_cu_q4w *v) {
     return 0;
 }
 
-/* one launch of a 4-bit matmul: C (N, BWD ? cols : rows; ldc) from A (N, BWD ? rows : cols; lda), TC: the bf16
- * tensor-core kernel; ldy: the row stride of y / dy (>= rows) */
+/* one launch of a 4-bit matmul: C (N, BWD ? cols : rows; ldc) from A (N, BWD ? rows : cols; lda), TC: 1 the bf16
+ * tensor-core kernel, 2 the same over a bf16 A, 0 the fp32 kernel; ldy: the row stride of y / dy (>= rows) */
 template <int BWD, int TC>
-static int q4_launch(float *C, int ldc, const float *A, int lda, int ldy, const fl_q4_weight *w, int N, float beta,
+static int q4_launch(float *C, int ldc, const void *A, int lda, int ldy, const fl_q4_weight *w, int N, float beta,
                      void *stream) {
     fl_cu_q4w v;
     if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
     if (N == 0) return 0;
     const int ncol = BWD ? w->cols : w->rows, bn = TC ? Q4T_BN : Q4_BN, bm = TC ? Q4T_BM : Q4_BM;
     dim3 grid((unsigned)(ncol + bn - 1) / bn, (unsigned)(N + bm - 1) / bm);
-    if (TC) FL_CU_LAUNCH(fl_cu_q4_gemm_tc_k<BWD>, grid, dim3(128), 0, (fl_cu_stream)stream, C, ldc, A, lda, v, N, beta);
-    else FL_CU_LAUNCH(fl_cu_q4_gemm_k<BWD>, grid, dim3(256), 0, (fl_cu_stream)stream, C, ldc, A, lda, v, N, beta);
+    if (TC == 2) { /* bf16 A: 128-bit runs where lda and A's address keep 8 values 16-byte aligned */
+        const int vec = lda % 8 == 0 && ((uintptr_t)A & 15u) == 0;
+        FL_CU_LAUNCH(fl_cu_q4_gemm_tc_k<BWD | 2>, grid, dim3(128), 0, (fl_cu_stream)stream, C, ldc, A, lda, v, N, beta,
+                     vec);
+    } else if (TC)
+        FL_CU_LAUNCH(fl_cu_q4_gemm_tc_k<BWD>, grid, dim3(128), 0, (fl_cu_stream)stream, C, ldc, A, lda, v, N, beta,
+                     0);
+    else
+        FL_CU_LAUNCH(fl_cu_q4_gemm_k<BWD>, grid, dim3(256), 0, (fl_cu_stream)stream, C, ldc, (const float *)A, lda, v, N,
+                     beta);
     return fl_cu_launch_error();
 }
 
@@ -291,6 +325,15 @@ extern "C" int FL_CUK(q4_matmul_forward_tc)(float *y, int ldy, const float *x, c
 extern "C" int FL_CUK(q4_matmul_backward_tc)(float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N,
                                              float beta, void *stream) {
     return w ? q4_launch<1, 1>(dx, w->cols, dy, ldy, ldy, w, N, beta, stream) : -1;
+}
+
+extern "C" int FL_CUK(q4_matmul_forward16_tc)(float *y, int ldy, const void *x16, const fl_q4_weight *w, int N,
+                                              float beta, void *stream) {
+    return w ? q4_launch<0, 2>(y, ldy, x16, w->cols, ldy, w, N, beta, stream) : -1;
+}
+extern "C" int FL_CUK(q4_matmul_backward16_tc)(float *dx, const void *dy16, int ldy, const fl_q4_weight *w, int N,
+                                               float beta, void *stream) {
+    return w ? q4_launch<1, 2>(dx, w->cols, dy16, ldy, ldy, w, N, beta, stream) : -1;
 }
 
 extern "C" int FL_CUK(q4_dequantize)(void *dst, fl_dtype dt, int ldd, const fl_q4_weight *w, int r0, int nr,
