@@ -613,7 +613,7 @@ static int amp_case(const char *backend, int ss_on, int graphs, amp_run *a) {
         ok = s == FL_OK;
         a->loss[step] = res.loss, a->norm[step] = res.grad_norm, a->scale[step] = res.loss_scale;
         a->skipped[step] = res.skipped;
-        a->c = (fl_cu_counters){c1.sync - c0.sync, c1.d2h - c0.d2h, c1.h2d - c0.h2d};
+        a->c = (fl_cu_counters){.sync = c1.sync - c0.sync, .d2h = c1.d2h - c0.d2h, .h2d = c1.h2d - c0.h2d};
     }
     if (emu) fl_cuemu_backend_graph_stats(&r.be, &a->g);
     a->count = r.o.step;
