@@ -348,6 +348,13 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
     float *s[FL_GRAPH_MAX_SLOTS]; /* the slots' fp32 views; NULL once stale (a bf16-only RoPE's) */
     memcpy(s, s0, (size_t)g->n_slots * sizeof *s);
 #define S(k) ((k) >= 0 ? s[k] : NULL)
+    if (x->stream16) { /* the residual slots' views share one buffer: this pass reads each while the buffer holds it */
+        const char *bad = fl_block_stream16_lacks(m, g, bp, x, x->stream16);
+        if (bad)
+            return fl_errorf(FL_ERR_INVALID, "block forward: the fp32 view of '%s' shares the residual stream's buffer "
+                             "(fl_block_stream16) but this pass would read it after another slot overwrote it (set up "
+                             "before the adapters or weights it has now?)", bad);
+    }
     int i0 = 0; /* the previous block's last add, pending: done first, fused with op 0 where that norms its sum */
     if (x->take && x->take->on) FL_TRY(fl_xblock_take(m, g, bp, s, x, norm_out16(m, g, bp, 0, x), &i0));
     for (int i = i0; i < g->n_ops; i++) {
@@ -446,6 +453,29 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 break;
             }
             void *n16 = to_norm && o16 ? norm_out16(m, g, bp, i + 1, x) : NULL; /* o16: bf16 stored */
+            /* stream16: the residual operand read from its stored bf16 rows (its view shares out's buffer; the
+             * planner's null backend, which writes nothing, takes the fp32 ops) */
+            const void *b16 = x->stream16 >> o->in & 1u && be->add_norm_forward16_b16 ? x->s16[o->in] : NULL;
+            if (b16 && !o16)
+                return fl_errorf(FL_ERR_INTERNAL, "block op %d: '%s' is not stored in bf16 (stream16)", i,
+                                 g->slot[o->out].name);
+            if (b16 && n16) {
+                FL_TRY(FL_RUN(be, add_norm_forward16_b16, fl_arch_get(m->cfg.arch)->layernorm, out, o16, s[nx->out],
+                              n16, S(nx->a1), S(nx->a2), out, b16, bp->norm_w[nx->p], bp->norm_b[nx->p], bp->norm_wt,
+                              N, m->cfg.dim, m->cfg.norm_eps));
+                i++, done16 = 1;
+                break;
+            }
+            if (b16 && x->hand_on && i == g->n_ops - 1 && o->out == FL_GSLOT_OUT) { /* left pending */
+                *x->hand_on = (fl_add_pending){1, N, (int)wo, out, o16, out, NULL, b16}, done16 = 1;
+                break;
+            }
+            if (b16) { /* the add alone */
+                FL_TRY(FL_RUN(be, add_norm_forward16_b16, 0, out, o16, NULL, NULL, NULL, NULL, out, b16, NULL, NULL,
+                              FL_F32, N, (int)wo, 0.0f));
+                done16 = 1;
+                break;
+            }
             if (o16 && n16) {
                 FL_TRY(FL_RUN(be, add_norm_forward16, fl_arch_get(m->cfg.arch)->layernorm, out, o16, s[nx->out], n16,
                               S(nx->a1), S(nx->a2), out, in, bp->norm_w[nx->p], bp->norm_b[nx->p], bp->norm_wt, N,
@@ -454,7 +484,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 break;
             }
             if (o16 && be->add16 && x->hand_on && i == g->n_ops - 1 && o->out == FL_GSLOT_OUT) /* left pending */
-                *x->hand_on = (fl_add_pending){1, N, (int)wo, out, o16, out, in}, done16 = 1;
+                *x->hand_on = (fl_add_pending){1, N, (int)wo, out, o16, out, in, NULL}, done16 = 1;
             else if (o16 && be->add16) {
                 FL_TRY(FL_RUN(be, add16, out, o16, out, in, (size_t)N * wo));
                 done16 = 1;
@@ -579,6 +609,10 @@ unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const 
                               const fl_block_ctx *x) {
     return bwd_reads32(m, g, bp, x, 0);
 }
+unsigned fl_block_bwd_reads32_p(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                                const fl_block_ctx *x) {
+    return bwd_reads32(m, g, bp, x, fl_backend_discards(m->be));
+}
 
 /* Issue 30 item 1, bf16 stored on an FL_CAP_VIEWS16 backend: the slots (bit k) whose fp32 view a pass with context x
  * writes or reads, the forward's ops as fl_block_forward takes them and the backward's (bwd_reads32); every other
@@ -651,6 +685,13 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
                          "were sized without (fl_block_grads_dropped: set up before the adapters or weights it has now?)",
                          lack);
     const unsigned reads32 = bwd_reads32(m, g, bp, x, 0); /* the saved slots read in fp32 (the others not widened) */
+    /* their views share one buffer (stream16; the planner's stand-in lacks the bf16 ops and reads nothing) */
+    const unsigned shared32 = fl_backend_discards(be) ? 0 : reads32 & x->stream16;
+    for (int k = 0; shared32 && k < g->n_slots; k++)
+        if (shared32 >> k & 1u)
+            return fl_errorf(FL_ERR_INVALID, "block backward: this pass reads the fp32 view of '%s', which shares the "
+                             "residual stream's buffer (fl_block_stream16: set up before the adapters it has now?)",
+                             g->slot[k].name);
     int stale = -1; /* the slot whose gradient the op before wrote in bf16 only (fl_block_only16) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {
