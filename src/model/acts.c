@@ -204,9 +204,10 @@ static void carve_work16(carver *cv, const fl_model_config *c, const fl_block_gr
     for (int k = 0; d.L > 0 && k < g->n_prod; k++) {
         const fl_gslot *sl = &g->slot[g->prod[k]];
         const size_t n = slot_rows(g, g->prod[k], N);
+        const int dropped = drop32 >> g->prod[k] & 1u; /* no view (a stream slot too: no fp32 write or read) */
         if (stream16 >> g->prod[k] & 1u)
-            sh.s[g->prod[k]] = io[0];
-        else if ((sl->kind == FL_GSLOT_WIDE && !(drop32 >> g->prod[k] & 1u)) || sl->kind == FL_GSLOT_TEMP)
+            sh.s[g->prod[k]] = dropped ? NULL : io[0];
+        else if ((sl->kind == FL_GSLOT_WIDE && !dropped) || sl->kind == FL_GSLOT_TEMP)
             sh.s[g->prod[k]] = carve(cv, n * sl->width);
         if (ckpt && sl->kind == FL_GSLOT_STAT) sh.s[g->prod[k]] = carve(cv, n * sl->width);
         if (ckpt && sl->kind == FL_GSLOT_WIDE) sh.s16[g->prod[k]] = carve_bytes(cv, n * sl->width * sizeof(uint16_t));
