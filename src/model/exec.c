@@ -459,8 +459,9 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (b16 && !o16)
                 return fl_errorf(FL_ERR_INTERNAL, "block op %d: '%s' is not stored in bf16 (stream16)", i,
                                  g->slot[o->out].name);
-            if (b16 && n16) {
-                FL_TRY(FL_RUN(be, add_norm_forward16_b16, fl_arch_get(m->cfg.arch)->layernorm, out, o16, s[nx->out],
+            if (b16 && n16) { /* the sum's fp32 rows written only where a later op reads them */
+                float *res = fl_block_stream16_dead(g, x->stream16, i + 1, o->out) ? NULL : out;
+                FL_TRY(FL_RUN(be, add_norm_forward16_b16, fl_arch_get(m->cfg.arch)->layernorm, res, o16, s[nx->out],
                               n16, S(nx->a1), S(nx->a2), out, b16, bp->norm_w[nx->p], bp->norm_b[nx->p], bp->norm_wt,
                               N, m->cfg.dim, m->cfg.norm_eps));
                 i++, done16 = 1;

@@ -110,6 +110,19 @@ static unsigned stream_slots(const fl_block_graph *g, int C) {
     return r;
 }
 
+/* Whether slot k's fp32 view (in the shared buffer) is overwritten before any read after op i: a later op writes another
+ * shared slot first (the residual add's sum that only its fused norm reads: its fp32 rows need not be written) */
+int fl_block_stream16_dead(const fl_block_graph *g, unsigned shared, int i, int k) {
+    for (int j = i + 1; j < g->n_ops; j++) {
+        const fl_gop *o = &g->op[j];
+        const int reads = o->in == k || (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS && o->in2 == k) ||
+                          ((o->kind == FL_GOP_ADD || fl_gop_modifies(o)) && o->out == k);
+        if (reads) return 0;
+        if (shared >> o->out & 1u) return 1;
+    }
+    return 0; /* still there at the block's end (its output: the next block, the final norm read it) */
+}
+
 const char *fl_block_stream16_lacks(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
                                     const fl_block_ctx *x, unsigned shared) {
     if (!x->s16 || !x->store16) return g->slot[FL_GSLOT_IN].name;

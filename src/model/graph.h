@@ -304,6 +304,7 @@ unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);
  * at set-up); 0: off (another backend, FITLLM_CUDA_STREAM16=0, tensor / sequence parallel). fl_block_stream16_lacks:
  * NULL, or the slot a pass with context x would read from the shared buffer while it holds another (the check). */
 unsigned fl_block_stream16(const fl_model *m, const fl_block_graph *g);
+int fl_block_stream16_dead(const fl_block_graph *g, unsigned shared, int i, int k);
 const char *fl_block_stream16_lacks(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
                                     const fl_block_ctx *x, unsigned shared);
 /* fl_block_bwd_reads32 as the planner's null backend takes it (the bf16 ops of the backend it stands in for) */
