@@ -163,26 +163,36 @@ void fl_block_bind_facts(const fl_model *m, const fl_block_graph *g, int l, int 
  * fl_block_views32 leaves out in every block, with and without the config's dropout (training and evaluation passes),
  * from the facts fl_get_block would bind (fl_block_bind_facts), at set-up without touching a parameter (the planner's
  * null backend standing in for the GPU takes the same path). block_forward checks each pass against it. */
-unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g) {
-    if (!(m->be->caps & FL_CAP_VIEWS16) || !m->prec.name || m->prec.act_dtype != FL_BF16) return 0;
+unsigned fl_block_facts_walk(const fl_model *m, const fl_block_graph *g, fl_block_facts_fn f, void *ud) {
     static const char one;
     void *const any = (void *)&one; /* a pointer the facts set (never dereferenced) */
     void *s16[FL_GRAPH_MAX_SLOTS] = {0};
-    unsigned wide = 0, need = 0;
-    for (int k = 0; k < g->n_slots; k++) {
-        const uint8_t kind = g->slot[k].kind;
-        if (kind == FL_GSLOT_WIDE || kind == FL_GSLOT_STREAM) s16[k] = any;
-        if (kind == FL_GSLOT_WIDE) wide |= 1u << k;
-    }
+    for (int k = 0; k < g->n_slots; k++)
+        if (g->slot[k].kind == FL_GSLOT_WIDE || g->slot[k].kind == FL_GSLOT_STREAM) s16[k] = any;
     fl_block_ctx x = {.s16 = s16, .store16 = 1};
     for (int l = 0; l < m->cfg.n_layers; l++) {
         fl_block_params bp;
         fl_block_bind_facts(m, g, l, 0, any, &bp);
         for (int d = 0; d < 2; d++) {
             x.attn_drop_p = d && m->cfg.dropout_on ? m->cfg.attn_dropout_rate : 0.0f;
-            need |= fl_block_views32(m, g, &bp, &x);
+            const unsigned r = f(m, g, &bp, &x, ud);
+            if (r) return r;
         }
     }
+    return 0;
+}
+
+static unsigned views_needed(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                             const fl_block_ctx *x, void *need) {
+    *(unsigned *)need |= fl_block_views32(m, g, bp, x);
+    return 0;
+}
+unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g) {
+    if (!(m->be->caps & FL_CAP_VIEWS16) || !m->prec.name || m->prec.act_dtype != FL_BF16) return 0;
+    unsigned wide = 0, need = 0;
+    for (int k = 0; k < g->n_slots; k++)
+        if (g->slot[k].kind == FL_GSLOT_WIDE) wide |= 1u << k;
+    fl_block_facts_walk(m, g, views_needed, &need);
     return wide & ~need;
 }
 

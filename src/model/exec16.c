@@ -146,26 +146,16 @@ const char *fl_block_stream16_lacks(const fl_model *m, const fl_block_graph *g, 
     return own == FL_GSLOT_OUT ? NULL : g->slot[FL_GSLOT_OUT].name; /* the next block / the final norm read it */
 }
 
+static unsigned stream16_refused(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                                 const fl_block_ctx *x, void *shared) {
+    return fl_block_stream16_lacks(m, g, bp, x, *(const unsigned *)shared) != NULL;
+}
 unsigned fl_block_stream16(const fl_model *m, const fl_block_graph *g) {
     const fl_backend *be = m->be;
     const unsigned caps = FL_CAP_VIEWS16 | FL_CAP_STREAM16;
     if ((be->caps & caps) != caps || !m->prec.name || m->prec.act_dtype != FL_BF16 || m->sp || g->sp > 1 ||
         m->cfg.tp_size > 1 || m->cfg.n_layers < 1 || (!be->add_norm_forward16_b16 && !fl_backend_discards(be)))
         return 0;
-    static const char one;
-    void *const any = (void *)&one; /* a pointer the facts set (never dereferenced) */
-    void *s16[FL_GRAPH_MAX_SLOTS] = {0};
-    for (int k = 0; k < g->n_slots; k++)
-        if (g->slot[k].kind == FL_GSLOT_WIDE || g->slot[k].kind == FL_GSLOT_STREAM) s16[k] = any;
-    const unsigned shared = stream_slots(g, m->cfg.dim);
-    fl_block_ctx x = {.s16 = s16, .store16 = 1};
-    for (int l = 0; l < m->cfg.n_layers; l++) {
-        fl_block_params bp;
-        fl_block_bind_facts(m, g, l, 0, any, &bp);
-        for (int d = 0; d < 2; d++) {
-            x.attn_drop_p = d && m->cfg.dropout_on ? m->cfg.attn_dropout_rate : 0.0f;
-            if (fl_block_stream16_lacks(m, g, &bp, &x, shared)) return 0;
-        }
-    }
-    return shared;
+    unsigned shared = stream_slots(g, m->cfg.dim);
+    return fl_block_facts_walk(m, g, stream16_refused, &shared) ? 0 : shared;
 }

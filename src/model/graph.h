@@ -297,6 +297,11 @@ fl_status fl_xblock_fuse_on(int *on);
 fl_status fl_lora16_on(int *on);
 unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x);
 unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);
+/* acts.c: f over every block's bound facts (fl_block_bind_facts) in a bf16-stored pass (every WIDE and stream slot
+ * stored), with and without the config's attention dropout: the set-up decisions' walk; the first nonzero f, or 0 */
+typedef unsigned (*fl_block_facts_fn)(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                                      const fl_block_ctx *x, void *ud);
+unsigned fl_block_facts_walk(const fl_model *m, const fl_block_graph *g, fl_block_facts_fn f, void *ud);
 /* exec16.c, issue 30 item 1 (bf16 stored, FL_CAP_STREAM16): the residual slots (bit k; the input, the output and the
  * slots residual adds write) whose fp32 views may share one buffer in every block of the model's training arena, the
  * adds reading the residual operand in bf16: every pass (training and evaluation, checkpointing's recompute) reads
