@@ -245,29 +245,21 @@ FL_TEST(cuda_emu_stream16_workspace) {
 FL_TEST(cuda_emu_stream16_wrong_decision_fails) {
 #ifdef FL_HAVE_CUDA_EMU
     fl_backend be;
-    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
-    fl_model_config c;
-    FL_REQUIRE_OK(fl_preset_find("micro", &c));
     fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, "stream16", 0));
     fl_model m;
-    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
-    fl_model_init_random(&m, 5);
-    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_MIXED)));
     enum { B = 2, T = 8 };
-    FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
+    FL_REQUIRE_OK(fl_test_emu_micro(&be, &pool, &host, &m, "stream16", B, T));
+    const int V = m.cfg.vocab_size;
     FL_REQUIRE(m.acts->stream16 & 1u); /* the premise: the input rows' view shared */
     int32_t ids[B * T];
-    for (int i = 0; i < B * T; i++) ids[i] = i % c.vocab_size;
+    for (int i = 0; i < B * T; i++) ids[i] = i % V;
     FL_REQUIRE_OK(fl_model_forward(&m, ids, NULL, B, T, 0.0f, NULL)); /* as decided: fine */
     be.rmsnorm_backward_w16 = NULL; /* now ln_1's backward would read the input's fp32 view */
     fl_status s = fl_model_forward(&m, ids, NULL, B, T, 0.0f, NULL);
     FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "fp32 view of 'x'") &&
                   strstr(fl_error_message(), "residual stream"),
               "status %d: %s", (int)s, s == FL_OK ? "ok" : fl_error_message());
-    fl_model_free(&m);
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    fl_test_emu_micro_free(&be, &pool, &host, &m);
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif
