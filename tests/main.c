@@ -182,6 +182,23 @@ static void remove_tmp_root(void) {
     if (g_tmp_root[0] && !getenv("FITLLM_KEEP_TMP")) nftw(g_tmp_root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
+fl_status fl_test_emu_micro(fl_backend *be, fl_mem_pool *pool, fl_mem_pool *host, fl_model *m, const char *tag, int B,
+                            int T) {
+    fl_model_config c;
+    FL_TRY(fl_backend_init_by_name("cuda-emu", be, 1));
+    FL_TRY(fl_preset_find("micro", &c));
+    FL_TRY(fl_backend_pools_init(be, pool, host, tag, 0));
+    FL_TRY(fl_model_init(m, &c, be, pool));
+    fl_model_init_random(m, 5);
+    FL_TRY(fl_model_set_precision(m, fl_precision_get(FL_PREC_BF16_MIXED)));
+    return fl_model_alloc_acts(m, B, T);
+}
+void fl_test_emu_micro_free(fl_backend *be, fl_mem_pool *pool, fl_mem_pool *host, fl_model *m) {
+    fl_model_free(m);
+    fl_backend_pools_free(pool, host);
+    fl_backend_free(be);
+}
+
 void fl_test_tiny_run_config(fl_run_config *c, fl_cmd_kind cmd, const char *preset, const char *out, int T) {
     fl_cfg_defaults(c, cmd);
     snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", preset);

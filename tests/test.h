@@ -12,6 +12,7 @@
 
 #include "fitllm/backend.h"
 #include "fitllm/config.h"
+#include "fitllm/model.h"
 
 typedef void (*fl_test_fn)(void);
 void fl_test_register(const char *name, const char *file, fl_test_fn fn);
@@ -60,6 +61,11 @@ const char *fl_test_tmpdir(void);
  * global batch of 2, no warm-up, 1 step, no saving, no validation, T tokens, lr 3e-3, 1 thread, seed 7, out_dir
  * `out` under this test's temporary directory. The caller sets the rest. */
 void fl_test_tiny_run_config(fl_run_config *c, fl_cmd_kind cmd, const char *preset, const char *out, int T);
+/* A bf16-mixed `micro` model on cuda-emu (random init, seed 5) with its activations for B x T: *be, the pools and *m
+ * set up (the caller's storage; fl_test_emu_micro_free); FL_OK or the first failure. */
+fl_status fl_test_emu_micro(fl_backend *be, fl_mem_pool *pool, fl_mem_pool *host, fl_model *m, const char *tag, int B,
+                            int T);
+void fl_test_emu_micro_free(fl_backend *be, fl_mem_pool *pool, fl_mem_pool *host, fl_model *m);
 /* A run's last step as fl_trainer_run's step callback sees it (fl_test_record_step, ud = the record): step 1's loss,
  * the number of steps, the trained parameters' bytes (malloc'd: free(params)) */
 typedef struct {

@@ -185,16 +185,11 @@ FL_TEST(cuda_emu_views16_forgotten_view_fails) {
 FL_TEST(cuda_emu_views16_late_adapter_refused) {
 #ifdef FL_HAVE_CUDA_EMU
     fl_backend be;
-    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    fl_mem_pool pool, host;
+    fl_model m;
+    FL_REQUIRE_OK(fl_test_emu_micro(&be, &pool, &host, &m, "views", B, T));
     fl_model_config c;
     FL_REQUIRE_OK(fl_preset_find("micro", &c));
-    fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, "views", 0));
-    fl_model m;
-    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
-    fl_model_init_random(&m, 5);
-    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_MIXED)));
-    FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
     const int ln1 = slot_of("micro", "ln1", NULL);
     FL_REQUIRE(ln1 >= 0);
     FL_REQUIRE(m.acts->drop32 >> ln1 & 1u); /* the premise: ln1 written in bf16 only */
@@ -205,9 +200,7 @@ FL_TEST(cuda_emu_views16_late_adapter_refused) {
                   strstr(fl_error_message(), "before fl_model_alloc_acts"),
               "status %d: %s", (int)s, s == FL_OK ? "ok" : fl_error_message());
     FL_CHECKF(m.lora == NULL, "the refused LoRA left its state on the model");
-    fl_model_free(&m);
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    fl_test_emu_micro_free(&be, &pool, &host, &m);
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif

@@ -106,6 +106,10 @@ enum {
                                      * with FITLLM_CUDA_Q4=tc|scratch, FITLLM_CUDA_Q4X16 unset or 1): the optional
                                      * q4_matmul_forward16 / q4_matmul_backward16 are there, so a QLoRA base linear reads
                                      * its input's stored bf16 copy and its dy's bf16 copy (no fp32 view, no fp32 dy) */
+    FL_CAP_STREAM16 = 1u << 7,      /* with FL_CAP_VIEWS16, a bf16 run's residual stream held in bf16 (issue 30 item 1;
+                                     * cuda, cuda-emu; FITLLM_CUDA_STREAM16=0 off): the residual adds read the stored
+                                     * bf16 rows (add_norm_forward16_b16), so the stream's fp32 rows buffers and the
+                                     * mid residual's view share one WORKSPACE buffer (fl_block_stream16, acts.c) */
 };
 
 /* Shape of one attention call (the attention_forward / attention_backward ops).
@@ -276,6 +280,14 @@ struct fl_backend {
                                     float *out /*(N,C)*/, void *out16 /*(N,C) bf16*/, float *mean /*(N)*/,
                                     float *rstd /*(N)*/, const float *a, const float *b, const void *w /*(C)*/,
                                     const void *bias /*(C)*/, fl_dtype wt, int N, int C, float eps);
+    /* Optional (NULL: add16 / add_norm_forward16 over the residual's fp32 view; issue 30 item 1, FL_CAP_STREAM16):
+     * add_norm_forward16 (out16 != NULL) or add16 alone (out16 NULL: out, mean, rstd, w, bias unused) with the
+     * operand b read from b16, its bf16 copy (N, C), each element widened exactly: the bits of the fp32 op over the
+     * view holding widen(b16) (a bf16 run's residual stream, whose fp32 rows then need not exist); res (NULL or) the
+     * sum's exact widening, may alias a. (cuda, cuda-emu; NULL on cpu, ref, opaque, null) */
+    fl_status (*add_norm_forward16_b16)(const fl_backend *be, int ln, float *res, void *res16, float *out, void *out16,
+                                        float *mean, float *rstd, const float *a, const void *b16, const void *w,
+                                        const void *bias, fl_dtype wt, int N, int C, float eps);
 
     /* Optional (NULL: the cross_entropy op below, then a convert of its gradient): cross_entropy with the logits'
      * gradient

@@ -48,7 +48,8 @@ extern "C" {
     X(layernorm_forward_w16) X(layernorm_backward_w16) X(grad_norm_dev) X(loss_sum_dev) X(adamw_update_ss)          \
     X(sgd_update_ss) X(check_finite_dev) X(input_upload) X(input_wait) X(adam8bit_update_ss)                 \
     X(dropout_rows) X(vocab_stats) X(vocab_xent) X(bias_backward16)     \
-    X(attention_forward_in16) X(add_norm_forward16) X(q4_matmul_forward16) X(q4_matmul_backward16)
+    X(attention_forward_in16) X(add_norm_forward16) X(add_norm_forward16_b16) X(q4_matmul_forward16) \
+    X(q4_matmul_backward16)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -155,6 +156,8 @@ struct fl_op_attention_forward_in16 { const fl_attn_desc *a; float *out; void *o
 struct fl_op_bias_backward16 { float *db; void *dy16; const float *dy; int N, OC; };
 struct fl_op_add_norm_forward16 { int ln; float *res; void *res16; float *out; void *out16; float *mean, *rstd;
     const float *a, *b; const void *w, *bias; fl_dtype wt; int N, C; float eps; };
+struct fl_op_add_norm_forward16_b16 { int ln; float *res; void *res16; float *out; void *out16; float *mean, *rstd;
+    const float *a; const void *b16, *w, *bias; fl_dtype wt; int N, C; float eps; };
 struct fl_op_vocab_xent { float *loss, *dlogits; const float *logits; const double *all; const int32_t *targets;
     int rows, n, lo, P, me, V; float grad_scale; int ignore_index; };
 struct fl_op_scale { float *x; size_t n; float s; };
@@ -255,6 +258,7 @@ struct fl_oprec {
         struct fl_op_add_norm_forward16 add_norm_forward16;
         struct fl_op_q4_matmul_forward16 q4_matmul_forward16;
         struct fl_op_q4_matmul_backward16 q4_matmul_backward16;
+        struct fl_op_add_norm_forward16_b16 add_norm_forward16_b16;
     };
 };
 

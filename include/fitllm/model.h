@@ -317,6 +317,10 @@ typedef struct {
     unsigned gdrop;  /* the same backends: the block graph's slots (bit k: slot k) whose gradient every backward pass
                    * holds in bf16 only (an activation's input, e.g. d(gate|up)): the gradient buffers are sized
                    * without their widths; 0: every slot's */
+    unsigned stream16; /* bf16 stored on an FL_CAP_STREAM16 backend (issue 30 item 1): the block graph's residual slots
+                   * (bit k: slot k; the input, the output, the mid residual) whose fp32 WORKSPACE views share ONE
+                   * (N, C) buffer, the residual adds reading the other operand's stored bf16 rows
+                   * (fl_block_stream16); 0: two rows buffers and the mid residual's own view */
     int dy_bf16;  /* without dw_bf16 (LoRA: a frozen bf16 base) on an FL_CAP_COMPUTE_BF16 backend: the bf16 dy scratch
                    * alone, N x max(C, QKV, FCW) or a logits chunk (chunk, V) bf16 in WORKSPACE, which the ops that make
                    * a frozen base linear's dy write beside it and its dx GEMM reads (the head's: cross_entropy_dbf16);

@@ -43,7 +43,8 @@
     /* tensor parallelism's (issue 35): the vocabulary-parallel cross-entropy's halves, the row-strided dropout */     \
     X(vocab_stats, FL_PROF_LOSS) X(vocab_xent, FL_PROF_LOSS) X(dropout_rows, FL_PROF_ELEM)                             \
     X(bias_backward16, FL_PROF_ELEM) X(attention_forward_in16, FL_PROF_ATTN)                          \
-    X(add_norm_forward16, FL_PROF_NORM) X(q4_matmul_forward16, FL_PROF_GEMM) X(q4_matmul_backward16, FL_PROF_GEMM)
+    X(add_norm_forward16, FL_PROF_NORM) X(add_norm_forward16_b16, FL_PROF_NORM) X(q4_matmul_forward16, FL_PROF_GEMM)
+    X(q4_matmul_backward16, FL_PROF_GEMM)
 
 #define PROF_ENUM(op, g) OP_##op,
 enum { PROF_OPS(PROF_ENUM) OP_COUNT };
@@ -363,6 +364,10 @@ WRAP_S(add_norm_forward16, 0,
        (BE, int ln, float *res, void *res16, float *out, void *out16, float *mean, float *rstd, const float *a,
         const float *b, const void *w, const void *bias, fl_dtype wt, int N, int C, float eps),
        (be, ln, res, res16, out, out16, mean, rstd, a, b, w, bias, wt, N, C, eps))
+WRAP_S(add_norm_forward16_b16, 0,
+       (BE, int ln, float *res, void *res16, float *out, void *out16, float *mean, float *rstd, const float *a,
+        const void *b16, const void *w, const void *bias, fl_dtype wt, int N, int C, float eps),
+       (be, ln, res, res16, out, out16, mean, rstd, a, b16, w, bias, wt, N, C, eps))
 WRAP_S(add16, 0, (BE, float *out, void *out16, const float *a, const float *b, size_t n), (be, out, out16, a, b, n))
 WRAP_S(round16, 0, (BE, void *dst, fl_dtype dt, float *x, size_t n), (be, dst, dt, x, n))
 WRAP_S(convert_many, 0,

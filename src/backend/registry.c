@@ -52,7 +52,10 @@ static size_t cuda_memory(void) { return fl_cuda_device_memory(0); }
 /* in every build: plan --accelerator cuda plans for a GPU without one */
 static void cuda_facts(fl_backend_facts *f) {
     const char *ev = getenv("FITLLM_CUDA_VIEWS32"); /* 1: every fp32 view kept, as the backend (cuda-backend-impl.h) */
-    f->caps = FL_CAP_ASYNC | FL_CAP_DEVICE_MEMORY | FL_CAP_COMPUTE_BF16 | (ev && !strcmp(ev, "1") ? 0u : FL_CAP_VIEWS16);
+    const char *es = getenv("FITLLM_CUDA_STREAM16"); /* 0: the stream's fp32 rows kept, as the backend */
+    const int v32 = ev && !strcmp(ev, "1");
+    f->caps = FL_CAP_ASYNC | FL_CAP_DEVICE_MEMORY | FL_CAP_COMPUTE_BF16 | (v32 ? 0u : FL_CAP_VIEWS16) |
+              (v32 || (es && !strcmp(es, "0")) ? 0u : FL_CAP_STREAM16);
     /* FITLLM_CUDA_Q4=tc|scratch and FITLLM_CUDA_Q4X16 not 0: the 4-bit matmuls over bf16 inputs, as the backend */
     const char *eq = getenv("FITLLM_CUDA_Q4"), *ex = getenv("FITLLM_CUDA_Q4X16");
     if (eq && (!strcmp(eq, "tc") || !strcmp(eq, "scratch")) && !(ex && !strcmp(ex, "0"))) f->caps |= FL_CAP_Q4X16;

@@ -167,6 +167,9 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_VIEWS32=0|1 (environment): 0 (default) = EXPERIMENTAL: a bf16 run's stored activations whose\n"
                "               fp32 copy nothing reads are written in bf16 only and that copy is not allocated (less\n"
                "               WORKSPACE; the same values); 1 = every fp32 copy kept (A/B)\n");
+    fprintf(f, "\n  FITLLM_CUDA_STREAM16=1|0 (environment): 1 (default) = EXPERIMENTAL: under bf16 storage the residual adds\n"
+               "               read the stream's stored bf16 rows, so its fp32 rows take one buffer, not three (less\n"
+               "               WORKSPACE and traffic; the same bits); 0 = the fp32 rows as before (A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_XBLOCK_NORM=0|1 (environment): 1 (default) = EXPERIMENTAL: under bf16 storage a block's last\n"
                "               residual add runs fused with the next block's first norm (or the final norm), one launch\n"
                "               (the same bits); 0 = each block does its own add (A/B)\n");

@@ -165,26 +165,36 @@ void fl_block_bind_facts(const fl_model *m, const fl_block_graph *g, int l, int 
  * fl_block_views32 leaves out in every block, with and without the config's dropout (training and evaluation passes),
  * from the facts fl_get_block would bind (fl_block_bind_facts), at set-up without touching a parameter (the planner's
  * null backend standing in for the GPU takes the same path). block_forward checks each pass against it. */
-unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g) {
-    if (!(m->be->caps & FL_CAP_VIEWS16) || !m->prec.name || m->prec.act_dtype != FL_BF16) return 0;
+unsigned fl_block_facts_walk(const fl_model *m, const fl_block_graph *g, fl_block_facts_fn f, void *ud) {
     static const char one;
     void *const any = (void *)&one; /* a pointer the facts set (never dereferenced) */
     void *s16[FL_GRAPH_MAX_SLOTS] = {0};
-    unsigned wide = 0, need = 0;
-    for (int k = 0; k < g->n_slots; k++) {
-        const uint8_t kind = g->slot[k].kind;
-        if (kind == FL_GSLOT_WIDE || kind == FL_GSLOT_STREAM) s16[k] = any;
-        if (kind == FL_GSLOT_WIDE) wide |= 1u << k;
-    }
+    for (int k = 0; k < g->n_slots; k++)
+        if (g->slot[k].kind == FL_GSLOT_WIDE || g->slot[k].kind == FL_GSLOT_STREAM) s16[k] = any;
     fl_block_ctx x = {.s16 = s16, .store16 = 1};
     for (int l = 0; l < m->cfg.n_layers; l++) {
         fl_block_params bp;
         fl_block_bind_facts(m, g, l, 0, any, &bp);
         for (int d = 0; d < 2; d++) {
             x.attn_drop_p = d && m->cfg.dropout_on ? m->cfg.attn_dropout_rate : 0.0f;
-            need |= fl_block_views32(m, g, &bp, &x);
+            const unsigned r = f(m, g, &bp, &x, ud);
+            if (r) return r;
         }
     }
+    return 0;
+}
+
+static unsigned views_needed(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                             const fl_block_ctx *x, void *need) {
+    *(unsigned *)need |= fl_block_views32(m, g, bp, x);
+    return 0;
+}
+unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g) {
+    if (!(m->be->caps & FL_CAP_VIEWS16) || !m->prec.name || m->prec.act_dtype != FL_BF16) return 0;
+    unsigned wide = 0, need = 0;
+    for (int k = 0; k < g->n_slots; k++)
+        if (g->slot[k].kind == FL_GSLOT_WIDE) wide |= 1u << k;
+    fl_block_facts_walk(m, g, views_needed, &need);
     return wide & ~need;
 }
 
@@ -193,18 +203,23 @@ unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g) {
  * into them again): the residual stream's two rows buffers (block l reads res[l] = io[l % 2] and writes
  * io[(l+1) % 2]), the WIDE slots, with checkpointing also the statistics and bf16 copies of the one block
  * being recomputed, and the final norm's output. drop32: the WIDE slots without a view (fl_block_views_dropped: an
- * FL_CAP_VIEWS16 backend writes them in bf16 only and nothing reads them in fp32); their s[] stay NULL. */
+ * FL_CAP_VIEWS16 backend writes them in bf16 only and nothing reads them in fp32); their s[] stay NULL. stream16
+ * (fl_block_stream16): the residual slots whose views share ONE rows buffer (io[0], also the mid residual's view). */
 static void carve_work16(carver *cv, const fl_model_config *c, const fl_block_graph *g, int B, int T, int ckpt,
-                         unsigned drop32, fl_acts *a) {
+                         unsigned drop32, unsigned stream16, fl_acts *a) {
     fl_dims d = fl_model_dims(c);
     const size_t N = (size_t)B * T, NS = stream_rows(g, N);
-    float *io[2] = {carve(cv, NS * d.C), carve(cv, NS * d.C)};
+    float *io[2] = {carve(cv, NS * d.C), NULL};
+    io[1] = stream16 ? io[0] : carve(cv, NS * d.C);
     fl_layer_acts sh;
     memset(&sh, 0, sizeof sh);
     for (int k = 0; d.L > 0 && k < g->n_prod; k++) {
         const fl_gslot *sl = &g->slot[g->prod[k]];
         const size_t n = slot_rows(g, g->prod[k], N);
-        if ((sl->kind == FL_GSLOT_WIDE && !(drop32 >> g->prod[k] & 1u)) || sl->kind == FL_GSLOT_TEMP)
+        const int dropped = drop32 >> g->prod[k] & 1u; /* no view (a stream slot too: no fp32 write or read) */
+        if (stream16 >> g->prod[k] & 1u)
+            sh.s[g->prod[k]] = dropped ? NULL : io[0];
+        else if ((sl->kind == FL_GSLOT_WIDE && !dropped) || sl->kind == FL_GSLOT_TEMP)
             sh.s[g->prod[k]] = carve(cv, n * sl->width);
         if (ckpt && sl->kind == FL_GSLOT_STAT) sh.s[g->prod[k]] = carve(cv, n * sl->width);
         if (ckpt && sl->kind == FL_GSLOT_WIDE) sh.s16[g->prod[k]] = carve_bytes(cv, n * sl->width * sizeof(uint16_t));
@@ -294,8 +309,8 @@ static void gbuf_widths(const fl_block_graph *g, unsigned gdrop, int *w) {
  * once, read by every pass). Everything else is scratch within one pass (the widened head and
  * the backend's scratch too). */
 static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, const fl_model_graph *mg, int B, int T,
-                         int ckpt, fl_dtype adt, unsigned drop32, unsigned gdrop, int dw_bf16, int dy_bf16,
-                         fl_dtype head_widen, size_t be_scratch, char *base, fl_acts *a, size_t *handoff,
+                         int ckpt, fl_dtype adt, unsigned drop32, unsigned gdrop, unsigned stream16, int dw_bf16,
+                         int dy_bf16, fl_dtype head_widen, size_t be_scratch, char *base, fl_acts *a, size_t *handoff,
                          size_t *constant) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
@@ -335,7 +350,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
     /* an encoder's inputs beside the ids: token types and the key padding mask */
     const int enc = fl_model_graph_has(mg, FL_MOP_OUTPUT, 1);
     void *types = enc ? carve_bytes(&cv, N * sizeof(int32_t)) : NULL, *kmask = enc ? carve_bytes(&cv, N) : NULL;
-    if (adt == FL_BF16) carve_work16(&cv, c, g, B, T, ckpt, drop32, a);
+    if (adt == FL_BF16) carve_work16(&cv, c, g, B, T, ckpt, drop32, stream16, a);
     if (a) {
         a->type_ids = types;
         a->kmask = kmask;
@@ -385,7 +400,7 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
         return;
     out->acts_bytes = carve_acts(&c, &g, &mg, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
     out->workspace_bytes = carve_work(&c, &g, &mg, B, T, ckpt, adt, opts ? opts->drop32 : 0, opts ? opts->gdrop : 0,
-                                      opts && opts->dw_bf16, opts ? opts->dy_bf16 : 0, opts ? opts->head_widen : FL_F32,
+                                      opts ? opts->stream16 : 0, opts && opts->dw_bf16, opts ? opts->dy_bf16 : 0, opts ? opts->head_widen : FL_F32,
                                       opts ? opts->backend_scratch : 0, NULL, NULL, &out->work_handoff_bytes,
                                       &out->work_const_bytes);
     /* per layer: the difference between L and L-1 layers */
@@ -407,7 +422,7 @@ void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts
     }
     if (train) {
         carve_acts(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
-        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, 0, 0, 0, FL_F32, 0, NULL, NULL, &handoff,
+        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, 0, 0, 0, 0, FL_F32, 0, NULL, NULL, &handoff,
                    &constant);
     }
     *acts = saved;
@@ -516,15 +531,17 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (s != FL_OK) { fl_model_free_acts(m); return s; }
     /* bf16 stored on an FL_CAP_VIEWS16 backend: the fp32 views no block reads or writes are not carved */
     const unsigned drop32 = fl_block_views_dropped(m, g), gdrop = fl_block_grads_dropped(m, g, dy_bf16 == 1);
-    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp, drop32, gdrop, dy_bf16};
+    const unsigned stream16 = fl_block_stream16(m, g); /* the residual slots' fp32 views in one buffer */
+    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, m->sp, drop32, gdrop, stream16, dy_bf16};
     fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
     carve_acts(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
-    carve_work(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, drop32, gdrop, dw_bf16, dy_bf16, head_widen, bes,
-               (char *)m->work_arena, a, NULL, NULL);
+    carve_work(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, drop32, gdrop, stream16, dw_bf16, dy_bf16, head_widen,
+               bes, (char *)m->work_arena, a, NULL, NULL);
     a->drop32 = drop32;
+    a->stream16 = stream16;
     a->gdrop = gdrop;
     wire_stream(a);
     if (fl_arch_get(m->cfg.arch)->rope)

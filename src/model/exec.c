@@ -345,6 +345,55 @@ static void *norm_out16(const fl_model *m, const fl_block_graph *g, const fl_blo
     return bp->norm_wt == FL_F32 || fl_norm16_have(m, 0) ? x->s16[k] : NULL;
 }
 
+/* A residual ADD (op i: out += in) of fl_block_forward, rows N; o16 (NULL or): the sum's bf16 copy (*done16 = 1 when
+ * the op wrote it). Fused with the next op, a norm of the sum, where one op does both (*fused = 1: the norm done):
+ * fp32 activations, add_rmsnorm_forward (RMSNorm, fp32 weight; the CPU's is the two ops, the same bits); bf16 stored
+ * (the sum rounded to bf16 before the norm reads it), add_norm_forward16, RMSNorm or LayerNorm (the bits of add16
+ * then the w16 norm; issue 30 item 4). A block's last add may be left pending (x->hand_on). stream16 (x->stream16,
+ * issue 30 item 1): the residual operand read from its stored bf16 rows, its view sharing out's buffer
+ * (add_norm_forward16_b16; the planner's null backend, which writes nothing, takes the fp32 ops). */
+static fl_status residual_add(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
+                              const fl_block_ctx *x, int i, int N, void *o16, int *done16, int *fused) {
+    const fl_backend *be = m->be;
+    const fl_gop *o = &g->op[i], *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+    float *in = s[o->in], *out = s[o->out];
+    const size_t wo = (size_t)g->slot[o->out].width;
+    const int ln = fl_arch_get(m->cfg.arch)->layernorm, C = m->cfg.dim;
+    const float eps = m->cfg.norm_eps;
+    const int to_norm = nx && nx->kind == FL_GOP_NORM && nx->in == o->out && wo == (size_t)C && rows(g, nx->in, x) == N;
+    float *nout = to_norm ? s[nx->out] : NULL, *mean = to_norm && nx->a1 >= 0 ? s[nx->a1] : NULL;
+    float *rstd = to_norm && nx->a2 >= 0 ? s[nx->a2] : NULL;
+    const void *w = to_norm ? bp->norm_w[nx->p] : NULL, *b = to_norm ? bp->norm_b[nx->p] : NULL;
+    const int pend = x->hand_on && i == g->n_ops - 1 && o->out == FL_GSLOT_OUT; /* a block's last add, left pending */
+    if (to_norm && !x->store16 && !ln && bp->norm_wt == FL_F32) {
+        *fused = 1;
+        return FL_RUN(be, add_rmsnorm_forward, out, nout, rstd, out, in, w, FL_F32, N, C, eps);
+    }
+    void *n16 = to_norm && o16 ? norm_out16(m, g, bp, i + 1, x) : NULL; /* o16: bf16 stored */
+    const void *b16 = x->stream16 >> o->in & 1u && be->add_norm_forward16_b16 ? x->s16[o->in] : NULL;
+    if (b16 && !o16)
+        return fl_errorf(FL_ERR_INTERNAL, "block op %d: '%s' is not stored in bf16 (stream16)", i, g->slot[o->out].name);
+    *done16 = o16 && (b16 || be->add16 || n16);
+    *fused = n16 != NULL;
+    if (b16 && n16) { /* the sum's fp32 rows written only where a later op reads them */
+        float *res = fl_block_stream16_dead(g, x->stream16, i + 1, o->out) ? NULL : out;
+        return FL_RUN(be, add_norm_forward16_b16, ln, res, o16, nout, n16, mean, rstd, out, b16, w, b, bp->norm_wt, N,
+                      C, eps);
+    }
+    if (n16) /* the norm, and both bf16 copies */
+        return FL_RUN(be, add_norm_forward16, ln, out, o16, nout, n16, mean, rstd, out, in, w, b, bp->norm_wt, N, C, eps);
+    if (*done16 && pend) {
+        *x->hand_on = (fl_add_pending){1, N, (int)wo, out, o16, out, b16 ? NULL : in, b16};
+        return FL_OK;
+    }
+    if (b16) /* the add alone */
+        return FL_RUN(be, add_norm_forward16_b16, 0, out, o16, NULL, NULL, NULL, NULL, out, b16, NULL, NULL, FL_F32, N,
+                      (int)wo, 0.0f);
+    if (*done16) return FL_RUN(be, add16, out, o16, out, in, (size_t)N * wo);
+    FL_RUN(be, add, out, out, in, (size_t)N * wo);
+    return FL_OK;
+}
+
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s0,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -355,6 +404,13 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
     float *s[FL_GRAPH_MAX_SLOTS]; /* the slots' fp32 views; NULL once stale (a bf16-only RoPE's) */
     memcpy(s, s0, (size_t)g->n_slots * sizeof *s);
 #define S(k) ((k) >= 0 ? s[k] : NULL)
+    if (x->stream16) { /* the residual slots' views share one buffer: this pass reads each while the buffer holds it */
+        const char *bad = fl_block_stream16_lacks(m, g, bp, x, x->stream16);
+        if (bad)
+            return fl_errorf(FL_ERR_INVALID, "block forward: the fp32 view of '%s' shares the residual stream's buffer "
+                             "(fl_block_stream16) but this pass would read it after another slot overwrote it (set up "
+                             "before the adapters or weights it has now?)", bad);
+    }
     int i0 = 0; /* the previous block's last add, pending: done first, fused with op 0 where that norms its sum */
     if (x->take && x->take->on) FL_TRY(fl_xblock_take(m, g, bp, s, x, norm_out16(m, g, bp, 0, x), &i0));
     for (int i = i0; i < g->n_ops; i++) {
@@ -437,34 +493,9 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             pendq = -1;
             break;
         case FL_GOP_ADD: {
-            /* a residual add straight into a norm of its sum (issue 30 item 4): one fused op. fp32 activations:
-             * add_rmsnorm_forward (RMSNorm, fp32 weight; the CPU's is the two ops, the same bits); bf16 stored (the
-             * sum rounded to bf16 before the norm reads it): add_norm_forward16, RMSNorm or LayerNorm (the bits of
-             * add16 then the w16 norm) */
-            const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
-            const int to_norm = nx && nx->kind == FL_GOP_NORM && nx->in == o->out && wo == (size_t)m->cfg.dim &&
-                                rows(g, nx->in, x) == N;
-            if (to_norm && !x->store16 && !fl_arch_get(m->cfg.arch)->layernorm && bp->norm_wt == FL_F32) {
-                FL_TRY(FL_RUN(be, add_rmsnorm_forward, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32,
-                              N, m->cfg.dim, m->cfg.norm_eps));
-                i++; /* the norm is done */
-                break;
-            }
-            void *n16 = to_norm && o16 ? norm_out16(m, g, bp, i + 1, x) : NULL; /* o16: bf16 stored */
-            if (o16 && n16) {
-                FL_TRY(FL_RUN(be, add_norm_forward16, fl_arch_get(m->cfg.arch)->layernorm, out, o16, s[nx->out], n16,
-                              S(nx->a1), S(nx->a2), out, in, bp->norm_w[nx->p], bp->norm_b[nx->p], bp->norm_wt, N,
-                              m->cfg.dim, m->cfg.norm_eps));
-                i++, done16 = 1; /* the norm, and both bf16 copies, done */
-                break;
-            }
-            if (o16 && be->add16 && x->hand_on && i == g->n_ops - 1 && o->out == FL_GSLOT_OUT) /* left pending */
-                *x->hand_on = (fl_add_pending){1, N, (int)wo, out, o16, out, in}, done16 = 1;
-            else if (o16 && be->add16) {
-                FL_TRY(FL_RUN(be, add16, out, o16, out, in, (size_t)N * wo));
-                done16 = 1;
-            } else
-                FL_RUN(be, add, out, out, in, (size_t)N * wo);
+            int fused = 0; /* the next op, a norm of the sum, done with it */
+            FL_TRY(residual_add(m, g, bp, s, x, i, N, o16, &done16, &fused));
+            i += fused;
             break;
         }
         case FL_GOP_SWIGLU: FL_RUN(be, swiglu_forward, out, in, N, (int)wo); break;
@@ -584,6 +615,10 @@ unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const 
                               const fl_block_ctx *x) {
     return bwd_reads32(m, g, bp, x, 0);
 }
+unsigned fl_block_bwd_reads32_p(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                                const fl_block_ctx *x) {
+    return bwd_reads32(m, g, bp, x, fl_backend_discards(m->be));
+}
 
 /* Issue 30 item 1, bf16 stored on an FL_CAP_VIEWS16 backend: the slots (bit k) whose fp32 view a pass with context x
  * writes or reads, the forward's ops as fl_block_forward takes them and the backward's (bwd_reads32); every other
@@ -656,6 +691,13 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
                          "were sized without (fl_block_grads_dropped: set up before the adapters or weights it has now?)",
                          lack);
     const unsigned reads32 = bwd_reads32(m, g, bp, x, 0); /* the saved slots read in fp32 (the others not widened) */
+    /* their views share one buffer (stream16; the planner's stand-in lacks the bf16 ops and reads nothing) */
+    const unsigned shared32 = fl_backend_discards(be) ? 0 : reads32 & x->stream16;
+    for (int k = 0; shared32 && k < g->n_slots; k++)
+        if (shared32 >> k & 1u)
+            return fl_errorf(FL_ERR_INVALID, "block backward: this pass reads the fp32 view of '%s', which shares the "
+                             "residual stream's buffer (fl_block_stream16: set up before the adapters it has now?)",
+                             g->slot[k].name);
     int stale = -1; /* the slot whose gradient the op before wrote in bf16 only (fl_block_only16) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {

@@ -93,3 +93,69 @@ const char *fl_block_grads16_lacking(const fl_block_graph *g, unsigned gdrop, un
     return NULL;
 }
 
+
+/* ---- the residual stream held in bf16 (issue 30 item 1, FL_CAP_STREAM16) ------------------------------------------
+ * Under a bf16 store the residual slots' fp32 views hold the exact widening of their stored rows (add16 / the fused
+ * add + norm / round16 write both), so a residual add that reads its residual operand from the bf16 copy
+ * (add_norm_forward16_b16) gives the same bits, and each view is read in fp32 only by the ops right after its writer:
+ * the views of the input, the mid residual and the output may then share one buffer, which holds the slot last
+ * written (the projection's fp32 output, then the sum written in place over it). */
+static unsigned stream_slots(const fl_block_graph *g, int C) {
+    unsigned r = 1u << FL_GSLOT_IN | 1u << FL_GSLOT_OUT;
+    for (int i = 0; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i];
+        if (o->kind == FL_GOP_ADD && g->slot[o->out].kind == FL_GSLOT_WIDE && g->slot[o->out].width == C)
+            r |= 1u << o->out;
+    }
+    return r;
+}
+
+/* Whether slot k's fp32 view (in the shared buffer) is overwritten before any read after op i: a later op writes another
+ * shared slot first (the residual add's sum that only its fused norm reads: its fp32 rows need not be written) */
+int fl_block_stream16_dead(const fl_block_graph *g, unsigned shared, int i, int k) {
+    for (int j = i + 1; j < g->n_ops; j++) {
+        const fl_gop *o = &g->op[j];
+        const int reads = o->in == k || (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS && o->in2 == k) ||
+                          ((o->kind == FL_GOP_ADD || fl_gop_modifies(o)) && o->out == k);
+        if (reads) return 0;
+        if (shared >> o->out & 1u) return 1;
+    }
+    return 0; /* still there at the block's end (its output: the next block, the final norm read it) */
+}
+
+const char *fl_block_stream16_lacks(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                                    const fl_block_ctx *x, unsigned shared) {
+    if (!x->s16 || !x->store16) return g->slot[FL_GSLOT_IN].name;
+    const unsigned rd = fl_block_bwd_reads32_p(m, g, bp, x) & shared; /* the backward reads none of them */
+    for (int k = 0; rd && k < g->n_slots; k++)
+        if (rd >> k & 1u) return g->slot[k].name;
+    int own = FL_GSLOT_IN; /* the slot the buffer holds: a block starts on its input (or the pending sum's operand) */
+    for (int i = 0; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i];
+        if (o->kind == FL_GOP_ADD && (shared >> o->in & 1u)) { /* out += in: out's fp32 (just written), in's bf16 */
+            if (!stored16(g, o->in, x) || !final_after(g, i, o->in)) return g->slot[o->in].name;
+            if (own != o->out) return g->slot[o->out].name;
+            continue;
+        }
+        const int8_t rds[3] = {o->in, o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS ? o->in2 : -1,
+                               o->kind == FL_GOP_ADD || fl_gop_modifies(o) ? o->out : -1};
+        for (int k = 0; k < 3; k++)
+            if (rds[k] >= 0 && (shared >> rds[k] & 1u) && own != rds[k]) return g->slot[rds[k]].name;
+        if (shared >> o->out & 1u) own = o->out;
+    }
+    return own == FL_GSLOT_OUT ? NULL : g->slot[FL_GSLOT_OUT].name; /* the next block / the final norm read it */
+}
+
+static unsigned stream16_refused(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                                 const fl_block_ctx *x, void *shared) {
+    return fl_block_stream16_lacks(m, g, bp, x, *(const unsigned *)shared) != NULL;
+}
+unsigned fl_block_stream16(const fl_model *m, const fl_block_graph *g) {
+    const fl_backend *be = m->be;
+    const unsigned caps = FL_CAP_VIEWS16 | FL_CAP_STREAM16;
+    if ((be->caps & caps) != caps || !m->prec.name || m->prec.act_dtype != FL_BF16 || m->sp || g->sp > 1 ||
+        m->cfg.tp_size > 1 || m->cfg.n_layers < 1 || (!be->add_norm_forward16_b16 && !fl_backend_discards(be)))
+        return 0;
+    unsigned shared = stream_slots(g, m->cfg.dim);
+    return fl_block_facts_walk(m, g, stream16_refused, &shared) ? 0 : shared;
+}

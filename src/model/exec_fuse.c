@@ -13,9 +13,13 @@ fl_status fl_add_pending_norm(const fl_model *m, fl_add_pending *p, float *out, 
     const fl_backend *be = m->be;
     if (!p || !p->on) return FL_OK;
     p->on = 0;
+    const int ln = fl_arch_get(m->cfg.arch)->layernorm;
+    if (p->b16) /* stream16: the residual operand's stored bf16 rows (exec16.c) */
+        return FL_RUN(be, add_norm_forward16_b16, ln, p->res, p->res16, out16 ? out : NULL, out16, mean, rstd, p->a,
+                      p->b16, w, b, wt, p->N, p->C, m->cfg.norm_eps);
     if (out16)
-        return FL_RUN(be, add_norm_forward16, fl_arch_get(m->cfg.arch)->layernorm, p->res, p->res16, out, out16, mean,
-                      rstd, p->a, p->b, w, b, wt, p->N, p->C, m->cfg.norm_eps);
+        return FL_RUN(be, add_norm_forward16, ln, p->res, p->res16, out, out16, mean, rstd, p->a, p->b, w, b, wt, p->N,
+                      p->C, m->cfg.norm_eps);
     return FL_RUN(be, add16, p->res, p->res16, p->a, p->b, (size_t)p->N * p->C); /* the block's own add */
 }
 

@@ -200,6 +200,7 @@ typedef struct {
     float *res;
     void *res16;
     const float *a, *b;
+    const void *b16; /* (NULL or) b read from its stored bf16 rows instead (stream16: add_norm_forward16_b16) */
 } fl_add_pending;
 
 typedef struct {
@@ -252,6 +253,10 @@ typedef struct {
     /* the slots whose fp32 gradient gb's buffers were sized without (fl_block_grads_dropped; 0: every one fits): a
      * backward pass that would write one fails naming it */
     unsigned gdrop;
+    /* bf16 stored (fl_block_stream16, issue 30 item 1): the residual slots whose fp32 views share one buffer; their
+     * residual adds read the other operand's bf16 rows (add_norm_forward16_b16). A pass that would read one of those
+     * views after another slot overwrote it fails naming it. 0: every slot its own view */
+    unsigned stream16;
 } fl_block_ctx;
 
 /* The seed of dropout site `site` under base seed `base` (a micro-batch's block, or a stack's embedding / final
@@ -292,6 +297,24 @@ fl_status fl_xblock_fuse_on(int *on);
 fl_status fl_lora16_on(int *on);
 unsigned fl_block_views32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x);
 unsigned fl_block_views_dropped(const fl_model *m, const fl_block_graph *g);
+/* acts.c: f over every block's bound facts (fl_block_bind_facts) in a bf16-stored pass (every WIDE and stream slot
+ * stored), with and without the config's attention dropout: the set-up decisions' walk; the first nonzero f, or 0 */
+typedef unsigned (*fl_block_facts_fn)(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                                      const fl_block_ctx *x, void *ud);
+unsigned fl_block_facts_walk(const fl_model *m, const fl_block_graph *g, fl_block_facts_fn f, void *ud);
+/* exec16.c, issue 30 item 1 (bf16 stored, FL_CAP_STREAM16): the residual slots (bit k; the input, the output and the
+ * slots residual adds write) whose fp32 views may share one buffer in every block of the model's training arena, the
+ * adds reading the residual operand in bf16: every pass (training and evaluation, checkpointing's recompute) reads
+ * such a view only while the buffer holds it and the backward reads none (from the facts fl_get_block would bind,
+ * at set-up); 0: off (another backend, FITLLM_CUDA_STREAM16=0, tensor / sequence parallel). fl_block_stream16_lacks:
+ * NULL, or the slot a pass with context x would read from the shared buffer while it holds another (the check). */
+unsigned fl_block_stream16(const fl_model *m, const fl_block_graph *g);
+int fl_block_stream16_dead(const fl_block_graph *g, unsigned shared, int i, int k);
+const char *fl_block_stream16_lacks(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                                    const fl_block_ctx *x, unsigned shared);
+/* fl_block_bwd_reads32 as the planner's null backend takes it (the bf16 ops of the backend it stands in for) */
+unsigned fl_block_bwd_reads32_p(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                                const fl_block_ctx *x);
 /* Testing only (0 otherwise): slots fl_block_views32 leaves out although a pass needs them, so the test shows that an op
  * handed such a view (NULL) fails instead of reading or writing memory (tests/test_cuda_views.c). */
 extern unsigned fl_views_test_forget;

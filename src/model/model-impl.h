@@ -17,10 +17,12 @@ struct fl_acts {
     int L;
     fl_dtype act_dtype;     /* storage of the saved activations (F32: in place, no conversion) */
     float **res;            /* L+1 views (N, C): res[l] = input of block l; res[L] = final residual (bf16 stored:
-                             * fp32 WORKSPACE views of what res16 holds, two buffers alternating) */
+                             * fp32 WORKSPACE views of what res16 holds, two buffers alternating; stream16: one
+                             * buffer, also the mid residual's view) */
     void **res16;           /* bf16 stored (act_dtype BF16): the L+1 residual rows in bf16 (ACTS), else NULL */
     unsigned drop32;        /* bf16 stored: the WIDE slots whose fp32 views are not carved (fl_act_opts.drop32) */
     unsigned gdrop;         /* the slots whose fp32 gradient the buffers were sized without (fl_act_opts.gdrop) */
+    unsigned stream16;      /* bf16 stored: the residual slots whose fp32 views share one buffer (fl_act_opts.stream16) */
     fl_layer_acts *layer;   /* L */
     const struct fl_block_graph_s *graph; /* the block graph the views follow (m->acts owns it) */
     const struct fl_model_graph_s *mgraph; /* the model graph around the blocks (m->acts owns it) */

@@ -47,6 +47,7 @@ static fl_status block_forward(fl_model *m, int l, int B, int T, fl_add_pending 
     if (m->acts->res16) { /* bf16 stored: every slot the block writes, after its last writer */
         x.s16 = m->acts->layer[l].s16;
         x.store16 = 1;
+        x.stream16 = m->acts->stream16; /* the residual slots' views in one buffer (fl_block_stream16) */
     }
     x.hand_on = hand_on, x.take = take; /* the cross-block add + norm (blocks_forward) */
     return fl_block_forward(m, g, &bp, m->acts->layer[l].s, &x);
@@ -358,6 +359,7 @@ static fl_status blocks_backward(fl_model *m, int B, int T, int dres16) {
         fl_block_ctx x = train_ctx(m, B, T, l);
         if (a->act_dtype == FL_BF16) x.s16 = a->layer[l].s16;
         x.gdrop = a->gdrop; /* the gradient buffers sized without these slots' fp32 (acts.c) */
+        x.stream16 = a->stream16;
         /* LoRA: the embeddings are frozen, so block 0's input gradient has no reader */
         x.no_din = l == 0 && m->adapt && !m->keep_block0_din;
         /* the residual gradient's bf16 copy, where the norms write it (the copy lives in the shared dyb16,

@@ -200,6 +200,11 @@ static void check_add_norm16(int ln, int N, int C, fl_dtype wt, int pad, int no_
     uint16_t *w16 = malloc((size_t)C * 2), *b16 = malloc((size_t)C * 2);
     fl_convert(w16, wt == FL_F32 ? FL_BF16 : wt, w, FL_F32, (size_t)C);
     fl_convert(b16, wt == FL_F32 ? FL_BF16 : wt, bi, FL_F32, (size_t)C);
+    uint16_t *bh = malloc(n * 2); /* b as a bf16 run stores it: add_norm_forward16_b16 reads that copy */
+    fl_convert(bh, FL_BF16, b, FL_F32, n);
+    fl_convert(b, FL_F32, bh, FL_BF16, n);
+    uint16_t *bd16 = (uint16_t *)(void *)dnew(NULL, n / 2 + 2, 0) + pad;
+    cudaMemcpy(bd16, bh, n * 2, cudaMemcpyHostToDevice);
     fz16 z = {ln, N, C, no_out, wt};
     z.a = dnew(a, n, pad), z.b = dnew(b, n, pad);
     z.res = dnew(NULL, n, pad), z.out = dnew(NULL, n, pad), z.res2 = dnew(NULL, n, pad), z.out2 = dnew(NULL, n, pad);
@@ -230,6 +235,20 @@ static void check_add_norm16(int ln, int N, int C, fl_dtype wt, int pad, int no_
     if (ln) same &= same_dev(z.mean, z.mean2, (size_t)N * 4);
     printf("%-34s %s  (fused vs add16 + the w16 norm: %s)\n", nm, same ? "ok  " : "FAIL", same ? "same bits" : "differ");
     g_bad += !same;
+    /* the residual stream held in bf16 (FL_CAP_STREAM16): b read from its bf16 copy, the norm's and the add's alone */
+    fl_cuk_add_norm_forward16_b16(ln, z.res2, z.res16b, no_out ? NULL : z.out2, z.out16b, z.mean2, z.rstd2, z.a, bd16,
+                                  z.w, z.bias, wt, N, C, 1e-5f, NULL);
+    cudaDeviceSynchronize();
+    int same16 = same_dev(z.res, z.res2, n * 4) && same_dev(z.res16, z.res16b, n * 2) &&
+                 same_dev(z.out16, z.out16b, n * 2) && same_dev(z.rstd, z.rstd2, (size_t)N * 4) &&
+                 (no_out || same_dev(z.out, z.out2, n * 4)) && (!ln || same_dev(z.mean, z.mean2, (size_t)N * 4));
+    fl_cuk_add16(z.res, z.res16, z.a, z.b, n, NULL);
+    fl_cuk_add16_b16(z.res2, z.res16b, z.a, bd16, n, NULL);
+    same16 = same16 && cudaDeviceSynchronize() == cudaSuccess && same_dev(z.res, z.res2, n * 4) &&
+             same_dev(z.res16, z.res16b, n * 2);
+    printf("%-34s %s  (add_norm_forward16_b16 / add16_b16 vs the fp32 b: %s)\n", nm, same16 ? "ok  " : "FAIL",
+           same16 ? "same bits" : "differ");
+    g_bad += !same16;
     if (N >= 4096) {
         float tf = fl_cuda_check_time_ms(run_an16_fused, &z), tu = fl_cuda_check_time_ms(run_an16_unfused, &z);
         /* a, b in; res + res16, out (unless NULL) + out16 out; res16 read back (the second pass) */
@@ -238,7 +257,7 @@ static void check_add_norm16(int ln, int N, int C, fl_dtype wt, int pad, int no_
                ln ? "layernorm" : "rmsnorm", N, C, no_out ? " out NULL" : "", tf, gb / (tf * 1e-3),
                ln ? "layernorm" : "rmsnorm", tu);
     }
-    free(a), free(b), free(w), free(bi), free(w16), free(b16);
+    free(a), free(b), free(w), free(bi), free(w16), free(b16), free(bh);
 }
 
 int fl_cuda_check_fused(void) {

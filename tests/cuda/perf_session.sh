@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 30's speed measurements on a lent GPU (the device's time is short: about 10 minutes for all 19 steps, not
+# Issue 30's speed measurements on a lent GPU (the device's time is short: about 10 minutes for all 21 steps, not
 # measured since step 9; PERF_STEPS below splits it into two calls):
 #   tests/cuda/perf_session.sh [bin-dir]          (default .gpupack/bin, made here by tools/gpu_pack.sh; or a
 #                                                  CUDA build folder with fitllm, libfitllm_cuda.so, fitllm_cuda_check)
@@ -66,6 +66,10 @@
 #      FITLLM_CUDA_Q4=tc and scratch with FITLLM_CUDA_Q4X16=1 (the default: q4_matmul_forward16 / _backward16 read the
 #      stored bf16 x and the bf16 dy; the att, ln2, act fp32 views and the bases' fp32 dy not written) against 0, with
 #      the profile's GEMM rows.
+#  21. the residual stream held in bf16 (issue 30 item 1): the TinyLlama step and GPT-2's bf16-true step with
+#      FITLLM_CUDA_STREAM16=1 (the default: the residual adds read the stream's stored bf16 rows, the mid residual's
+#      fp32 sum not written, one fp32 rows buffer) against 0 (the fp32 rows: 128 MiB more traffic per block and
+#      forward pass, 2 buffers more WORKSPACE); bench-step's memory line shows WORKSPACE.
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -107,7 +111,7 @@ gpt2_ab() { # precision log-tag label (the A/B switch set by the caller): a GPT-
     echo "gpt2 $1 $3 exit $?: $(grep -E '^median' "$OUT/gpt2-$1-$2.log")"
 }
 # PERF_STEPS (default: all): the steps to run, e.g. "1-5,18" (the device's calls are limited to 10 minutes: run the
-# session in two calls, PERF_STEPS=1-9 then 10-20, when it does not fit one)
+# session in two calls, PERF_STEPS=1-9 then 10-21, when it does not fit one)
 want_step() {
     local n=$1 part a b
     [ -z "${PERF_STEPS:-}" ] && return 0
@@ -317,5 +321,12 @@ for q in tc scratch; do
         FITLLM_CUDA_Q4=$q FITLLM_CUDA_Q4X16=$v bench q4x16-$q-$v 90 --lora 8 --quantize bnb.nf4 --profile
         sed -n '/^profile/,/^PROFILE/p' "$OUT/q4x16-$q-$v.log" | grep -E "q4_matmul|convert" | head -6
     done
+done
+fi
+if want_step 21; then
+echo "== 21. the residual stream held in bf16: FITLLM_CUDA_STREAM16=1 (the default) against 0 (EXPERIMENTAL)"
+for v in 1 0; do
+    FITLLM_CUDA_STREAM16=$v bench stream16-$v 60
+    FITLLM_CUDA_STREAM16=$v gpt2_ab bf16-true stream16$v FITLLM_CUDA_STREAM16=$v
 done
 fi

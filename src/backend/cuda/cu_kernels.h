@@ -87,6 +87,11 @@ extern "C" {
     int P##add_norm_forward16(int ln, float *res, void *res16, float *out, void *out16, float *mean,           \
                               float *rstd, const float *a, const float *b, const void *w, const void *bias,    \
                               fl_dtype wt, int N, int C, float eps, void *stream);                             \
+    /* backend.h's add_norm_forward16_b16: the norm's (out16 != NULL), and the add alone (add16_b16) */          \
+    int P##add_norm_forward16_b16(int ln, float *res, void *res16, float *out, void *out16, float *mean,       \
+                                  float *rstd, const float *a, const void *b16, const void *w,                 \
+                                  const void *bias, fl_dtype wt, int N, int C, float eps, void *stream);       \
+    int P##add16_b16(float *out, void *out16, const float *a, const void *b16, size_t n, void *stream);       \
     /* rope_forward16 / rope_backward16: rows read from x, written to out (== x in place; NULL: x16 only) */ \
     int P##rope_forward16(float *out, void *x16, const float *x, int B, int T, int nh, int HD, int width,       \
                           const float *cos_t, const float *sin_t, int pos0, void *stream);                     \

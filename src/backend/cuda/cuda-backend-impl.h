@@ -774,6 +774,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
      * (RoPE's, the backward's activation / RoPE gradients: fl_block_only16) (no FL_CAP_VIEWS16; the same bits; A/B) */
     const char *ev = getenv("FITLLM_CUDA_VIEWS32");
     const int views32 = ev && !strcmp(ev, "1");
+    /* FITLLM_CUDA_STREAM16=0: the residual adds read the stream's fp32 rows, each block's in its own buffer (no
+     * FL_CAP_STREAM16; the same bits; A/B). Off with FITLLM_CUDA_VIEWS32=1 too. */
+    const char *es16 = getenv("FITLLM_CUDA_STREAM16");
+    const int stream16 = !views32 && (!es16 || !*es16 || !strcmp(es16, "1"));
     /* FITLLM_CUDA_Q4 (experimental, issue 30 item 7): a bf16 run's 4-bit matmuls on bf16 tensor cores with the NF4 / FP4
      * dequantization fused into the B load (tc), or dequantized a panel of rows at a time into a bf16 scratch for the
      * GEMM (scratch); fp32 (the default): the fp32 kernels whatever the dtype */
@@ -820,6 +824,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                         "stored slots whose fp32 view nothing reads are written in bf16 only, their views not "
                         "allocated, and fp32 results nothing reads are not written) or 1 (every fp32 view and result "
                         "kept)", FLB_NAME, ev)
+        : es16 && *es16 && strcmp(es16, "0") && strcmp(es16, "1")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_STREAM16=%s: expected 1 (the default: a bf16 run's "
+                        "residual adds read the stream's stored bf16 rows, its fp32 rows in one buffer) or 0 (the fp32 "
+                        "rows, two buffers and the mid residual's view)", FLB_NAME, es16)
         : im->q4 < 0
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4=%s: expected fp32 (the default: the fp32 4-bit "
                         "matmul kernels), tc (experimental: a bf16 run's on bf16 tensor cores, dequantized in the load) "
@@ -851,7 +859,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->gemm_name = FLB_GEMM_NAME;
     be->gemm_widens16 = 1u << FL_F16; /* an F16 B is widened per call (the panels above); fl_cuda_gemm_widens16 */
     be->scratch_bytes = FLB_SCRATCH_BYTES;
-    be->caps = FL_CAP_ASYNC | FL_CAP_COMPUTE_BF16 | (views32 ? 0u : FL_CAP_VIEWS16) |
+    be->caps = FL_CAP_ASYNC | FL_CAP_COMPUTE_BF16 | (views32 ? 0u : FL_CAP_VIEWS16) | (stream16 ? FL_CAP_STREAM16 : 0u) |
                (FLB_HOST_MEMORY ? FL_CAP_HOST_MEMORY : FL_CAP_DEVICE_MEMORY) |
                (q4x16 && (im->q4 == FLB_Q4_TC || im->q4 == FLB_Q4_SCRATCH) ? FL_CAP_Q4X16 : 0u);
     be->set_compute_dtype = flb_set_compute_dtype;

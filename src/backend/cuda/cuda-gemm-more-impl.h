@@ -105,11 +105,15 @@ static fl_status flb_attention_forward_in16(const fl_backend *be, const fl_attn_
 static fl_status flb_add_norm_forward16(const fl_backend *be, int ln, float *res, void *res16, float *out, void *out16,
                                         float *mean, float *rstd, const float *a, const float *b, const void *w,
                                         const void *bias, fl_dtype wt, int N, int C, float eps);
+static fl_status flb_add_norm_forward16_b16(const fl_backend *be, int ln, float *res, void *res16, float *out,
+                                            void *out16, float *mean, float *rstd, const float *a, const void *b16,
+                                            const void *w, const void *bias, fl_dtype wt, int N, int C, float eps);
 /* (also installs the issue-30 bf16 slots: bias_backward16, attention_forward_in16, add_norm_forward16 (item 4);
  * cuda-work-ops-impl.h) */
 static fl_status flb_gelu16_init(fl_backend *be) {
     be->bias_backward16 = flb_bias_backward16;
     be->add_norm_forward16 = flb_add_norm_forward16;
+    be->add_norm_forward16_b16 = flb_add_norm_forward16_b16;
     be->attention_forward_in16 = flb_attention_forward_in16;
     const char *e = getenv("FITLLM_CUDA_GELU16");
     be->gelu16_epilogue = !e || !*e ? FLB_GELU16_DEFAULT : !strcmp(e, "1");

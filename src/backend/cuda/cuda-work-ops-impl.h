@@ -197,6 +197,23 @@ static fl_status flb_add_norm_forward16(const fl_backend *be, int ln, float *res
               "add_norm_forward16");
     return FL_OK;
 }
+static fl_status flb_add_norm_forward16_b16(const fl_backend *be, int ln, float *res, void *res16, float *out,
+                                            void *out16, float *mean, float *rstd, const float *a, const void *b16,
+                                            const void *w, const void *bias, fl_dtype wt, int N, int C, float eps) {
+    FL_TRY(flb_sticky(be));
+    if (!res16 || !a || !b16 || (out16 && !w) || N < 0 || C <= 0)
+        return fl_errorf(FL_ERR_INVALID, "%s add_norm_forward16_b16: %s NULL or a bad shape (N %d, C %d)", FLB_NAME,
+                         !res16 ? "res16" : !a ? "a" : !b16 ? "b16" : out16 && !w ? "w" : "nothing", N, C);
+    if (out16 && wt != FL_F32 && wt != FL_BF16 && wt != FL_F16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s add_norm_forward16_b16: %s norm weight", FLB_NAME, fl_dtype_name(wt));
+    if (!out16) /* the add alone */
+        FLB_RUN_S(be, FLB_K(add16_b16)(res, res16, a, b16, (size_t)N * C, STREAM), "add_norm_forward16_b16");
+    else
+        FLB_RUN_S(be, FLB_K(add_norm_forward16_b16)(ln, res, res16, out, out16, mean, rstd, a, b16, w, bias, wt, N, C,
+                                                    eps, STREAM),
+                  "add_norm_forward16_b16");
+    return FL_OK;
+}
 static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                      const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int step, float grad_scale) {

@@ -301,7 +301,8 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->attn_scratch_bytes = f.attn_scratch_bytes; /* the planned GPU's cuDNN attention copies */
     /* FL_CAP_VIEWS16: the fp32 views the planned backend does not carve; FL_CAP_COMPUTE_BF16: a frozen base's bf16 dy
      * scratch it carves (acts.c) */
-    be->caps = (f.caps & (FL_CAP_HOST_MEMORY | FL_CAP_VIEWS16 | FL_CAP_COMPUTE_BF16 | FL_CAP_Q4X16)) | FL_CAP_DISCARDS;
+    be->caps = (f.caps & (FL_CAP_HOST_MEMORY | FL_CAP_VIEWS16 | FL_CAP_STREAM16 | FL_CAP_COMPUTE_BF16 | FL_CAP_Q4X16)) |
+               FL_CAP_DISCARDS;
     be->impl = n;
     be->gemm = n_gemm;
     be->embedding_forward = n_embedding_forward;

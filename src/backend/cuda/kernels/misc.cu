@@ -356,32 +356,37 @@ extern "C" int FL_CUK(loss_sum)(double *acc, const float *loss, const int32_t *t
 }
 
 /* ---- add, scale, bias ---------------------------------------------------------------------------- */
-/* o16 (add16): the sum stored in bf16 too, out its exact widening. vec (every pointer 16-byte aligned): the first
+/* o16 (add16): the sum stored in bf16 too, out its exact widening (NULL: o16 alone). b of type bt: F32, or BF16
+ * (add16_b16: the residual operand read as stored, its exact widening). vec (every pointer 16-byte aligned): the first
  * n / 8 groups of 8 with 128-bit accesses, then the tail (< 8) one by one; the same bits either way. */
-__global__ static void fl_cu_add_k(float *out, uint16_t *o16, const float *a, const float *b, size_t n, int vec) {
+FL_CU_DEV float elem_t(const void *p, int t, size_t i) {
+    return t == (int)FL_F32 ? ((const float *)p)[i] : fl_cu_bf16_to_f32(((const uint16_t *)p)[i]);
+}
+__global__ static void fl_cu_add_k(float *out, uint16_t *o16, const float *a, const void *b, int bt, size_t n,
+                                   int vec) {
     const size_t S = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     size_t i0 = 0;
     if (vec) {
         for (size_t q = t0; q < n / 8; q += S) {
             float x[8], y[8];
             fl_cu_ld8t(a, FL_F32, 8 * q, x);
-            fl_cu_ld8t(b, FL_F32, 8 * q, y);
+            fl_cu_ld8t(b, bt, 8 * q, y);
             for (int k = 0; k < 8; k++) x[k] = x[k] + y[k];
             fl_cu_keep16x8(o16, 8 * q, x);
-            fl_cu_st8t(out, FL_F32, 8 * q, x);
+            if (out) fl_cu_st8t(out, FL_F32, 8 * q, x);
         }
         i0 = n / 8 * 8;
     }
-    for (size_t i = i0 + t0; i < n; i += S) out[i] = fl_cu_keep16(o16, i, a[i] + b[i]);
+    for (size_t i = i0 + t0; i < n; i += S) fl_cu_put16(out, o16, i, a[i] + elem_t(b, bt, i));
 }
-static int add_launch(float *out, uint16_t *o16, const float *a, const float *b, size_t n, void *stream) {
+static int add_launch(float *out, uint16_t *o16, const float *a, const void *b, fl_dtype bt, size_t n, void *stream) {
     if (!n) return fl_cu_launch_error();
 #if FL_CU_EMULATED
     fl_cu_emu_norm_add_launches++;
 #endif
     const int vec = fl_cu_aligned16(out, o16, a, b, NULL);
     FL_CU_LAUNCH(fl_cu_add_k, dim3(ew_grid(vec ? (n + 7) / 8 : n)), dim3(256), 0, (fl_cu_stream)stream, out, o16, a, b,
-                 n, vec);
+                 (int)bt, n, vec);
     return fl_cu_launch_error();
 }
 __global__ static void fl_cu_scale_k(float *x, size_t n, float s) {
@@ -396,10 +401,15 @@ __global__ static void fl_cu_bias_fwd16_k(float *y, const uint16_t *b, int N, in
 }
 
 extern "C" int FL_CUK(add)(float *out, const float *a, const float *b, size_t n, void *stream) {
-    return add_launch(out, NULL, a, b, n, stream);
+    return add_launch(out, NULL, a, b, FL_F32, n, stream);
 }
 extern "C" int FL_CUK(add16)(float *out, void *out16, const float *a, const float *b, size_t n, void *stream) {
-    return add_launch(out, (uint16_t *)out16, a, b, n, stream);
+    return add_launch(out, (uint16_t *)out16, a, b, FL_F32, n, stream);
+}
+/* backend.h's add_norm_forward16_b16 without a norm: out (NULL or) and out16 = a + widen(b16) */
+extern "C" int FL_CUK(add16_b16)(float *out, void *out16, const float *a, const void *b16, size_t n, void *stream) {
+    if (!out16 || !a || !b16) return -1;
+    return add_launch(out, (uint16_t *)out16, a, b16, FL_BF16, n, stream);
 }
 extern "C" int FL_CUK(scale)(float *x, size_t n, float s, void *stream) {
     if (n) FL_CU_LAUNCH(fl_cu_scale_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, x, n, s);

@@ -146,12 +146,15 @@ FL_CU_DEV float add_keep16(float *res, uint16_t *res16, size_t c, float a, float
  * (vec: its 4-wide mapping, chosen by the same test of out, res and an fp32 w; the a / b / res accesses 128-bit when
  * v4 says they are aligned too, else element by element: the same values), then rms_scale_row over res16 (each
  * thread reads back what it wrote). res may alias a or b (each element read before the same thread writes it). */
+/* b of type bt: F32, or BF16 (add_norm_forward16_b16: the residual operand read as stored, its exact widening: the
+ * bits of the fp32 view that holds it; 4 elements one 64-bit load under v4) */
 __global__ static void fl_cu_add_rmsnorm16_k(float *res, uint16_t *res16, float *out, uint16_t *out16, float *rstd,
-                                             const float *a, const float *b, const void *w, int wt, int C, float eps,
-                                             int vec, int v4) {
+                                             const float *a, const void *b, int bt, const void *w, int wt, int C,
+                                             float eps, int vec, int v4) {
     __shared__ float buf[32];
     const size_t row = blockIdx.x;
-    const float *pa = a + row * C, *pb = b + row * C;
+    const float *pa = a + row * C;
+    const void *pb = row_at(b, bt, row * C);
     float *pr = res ? res + row * C : NULL;
     uint16_t *r16 = res16 + row * C;
     float ss = 0.0f;
@@ -160,18 +163,18 @@ __global__ static void fl_cu_add_rmsnorm16_k(float *res, uint16_t *res16, float 
             float x[4], y[4];
             if (v4) {
                 fl_cu_ld4(pa + c, x);
-                fl_cu_ld4(pb + c, y);
+                nw4(pb, bt, c, y);
                 for (int k = 0; k < 4; k++) x[k] = x[k] + y[k];
                 fl_cu_keep16x4(r16, (size_t)c, x);
                 if (pr) fl_cu_st4(pr + c, x);
             } else {
-                for (int k = 0; k < 4; k++) x[k] = add_keep16(pr, r16, (size_t)c + k, pa[c + k], pb[c + k]);
+                for (int k = 0; k < 4; k++) x[k] = add_keep16(pr, r16, (size_t)c + k, pa[c + k], nw(pb, bt, c + k));
             }
             ss = sumsq4(ss, x);
         }
     } else {
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            const float v = add_keep16(pr, r16, (size_t)c, pa[c], pb[c]);
+            const float v = add_keep16(pr, r16, (size_t)c, pa[c], nw(pb, bt, c));
             ss += v * v;
         }
     }
@@ -401,15 +404,16 @@ __global__ static void fl_cu_layernorm_fwd_k(float *out, uint16_t *out16, float 
 /* LayerNorm (add_norm_forward16): the sum of fl_cu_add_rmsnorm16_k's element path (LayerNorm's forward has one
  * mapping, one element per thread per step: its order), the mean over it, then ln_finish_row over res16 */
 __global__ static void fl_cu_add_layernorm16_k(float *res, uint16_t *res16, float *out, uint16_t *out16, float *mean,
-                                               float *rstd, const float *a, const float *b, const void *w,
-                                               const void *bias, int wt, int C, float eps) {
+                                               float *rstd, const float *a, const void *b, int bt,
+                                               const void *w, const void *bias, int wt, int C, float eps) {
     __shared__ float buf[32];
     const size_t row = blockIdx.x;
-    const float *pa = a + row * C, *pb = b + row * C;
+    const float *pa = a + row * C;
+    const void *pb = row_at(b, bt, row * C);
     float *pr = res ? res + row * C : NULL;
     uint16_t *r16 = res16 + row * C;
     float s = 0.0f;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) s += add_keep16(pr, r16, (size_t)c, pa[c], pb[c]);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s += add_keep16(pr, r16, (size_t)c, pa[c], nw(pb, bt, c));
     const float m = fl_cu_block_sum(s, buf) / (float)C;
     const float r = ln_finish_row(out ? out + row * C : NULL, out16 + row * C, r16, (int)FL_BF16, m, w, bias, wt, C,
                                   eps, buf);
@@ -468,10 +472,11 @@ extern "C" int FL_CUK(layernorm_forward_w16)(float *out, void *out16, float *mea
 }
 
 /* add_norm_forward16 (backend.h): one launch, one block per row. ln: LayerNorm (mean, bias), else RMSNorm. res16 and
- * out16 required (bf16), res / out NULL or the fp32 views; w (and bias) of wt F32 / BF16 / F16. -1: refused. */
-extern "C" int FL_CUK(add_norm_forward16)(int ln, float *res, void *res16, float *out, void *out16, float *mean,
-                                          float *rstd, const float *a, const float *b, const void *w, const void *bias,
-                                          fl_dtype wt, int N, int C, float eps, void *stream) {
+ * out16 required (bf16), res / out NULL or the fp32 views; w (and bias) of wt F32 / BF16 / F16; b of bt (F32, or BF16:
+ * add_norm_forward16_b16). -1: refused. */
+static int add_norm16(int ln, float *res, void *res16, float *out, void *out16, float *mean, float *rstd,
+                      const float *a, const void *b, fl_dtype bt, const void *w, const void *bias, fl_dtype wt, int N,
+                      int C, float eps, void *stream) {
     if ((wt != FL_BF16 && wt != FL_F16 && wt != FL_F32) || !res16 || !out16 || !a || !b || !w) return -1;
     if (N <= 0 || C <= 0) return 0;
 #if FL_CU_EMULATED
@@ -479,15 +484,26 @@ extern "C" int FL_CUK(add_norm_forward16)(int ln, float *res, void *res16, float
 #endif
     if (ln) {
         FL_CU_LAUNCH(fl_cu_add_layernorm16_k, dim3((unsigned)N), dim3(row_threads(C)), 0, (fl_cu_stream)stream, res,
-                     (uint16_t *)res16, out, (uint16_t *)out16, mean, rstd, a, b, w, bias, (int)wt, C, eps);
+                     (uint16_t *)res16, out, (uint16_t *)out16, mean, rstd, a, b, (int)bt, w, bias, (int)wt, C, eps);
         return fl_cu_launch_error();
     }
     /* the mapping rmsnorm_forward_w16 takes for (out, inp = res, w): its sum order */
     const int vec = C % 4 == 0 && fl_cu_aligned16(out, res, wt == FL_F32 ? w : NULL, NULL, NULL);
     const int v4 = vec && fl_cu_aligned16(a, b, NULL, NULL, NULL);
     FL_CU_LAUNCH(fl_cu_add_rmsnorm16_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0, (fl_cu_stream)stream,
-                 res, (uint16_t *)res16, out, (uint16_t *)out16, rstd, a, b, w, (int)wt, C, eps, vec, v4);
+                 res, (uint16_t *)res16, out, (uint16_t *)out16, rstd, a, b, (int)bt, w, (int)wt, C, eps, vec, v4);
     return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(add_norm_forward16)(int ln, float *res, void *res16, float *out, void *out16, float *mean,
+                                          float *rstd, const float *a, const float *b, const void *w, const void *bias,
+                                          fl_dtype wt, int N, int C, float eps, void *stream) {
+    return add_norm16(ln, res, res16, out, out16, mean, rstd, a, b, FL_F32, w, bias, wt, N, C, eps, stream);
+}
+/* backend.h's add_norm_forward16_b16 with a norm (out16 != NULL): b16 (N, C) bf16, the residual operand as stored */
+extern "C" int FL_CUK(add_norm_forward16_b16)(int ln, float *res, void *res16, float *out, void *out16, float *mean,
+                                              float *rstd, const float *a, const void *b16, const void *w,
+                                              const void *bias, fl_dtype wt, int N, int C, float eps, void *stream) {
+    return add_norm16(ln, res, res16, out, out16, mean, rstd, a, b16, FL_BF16, w, bias, wt, N, C, eps, stream);
 }
 
 static int layernorm_bwd(float *dinp, void *dinp16, float *dw, float *db, const float *dout, const void *inp,
