@@ -467,7 +467,7 @@ FL_TEST(cuda_emu_grads16_sizing) {
         fl_model_config c;
         FL_REQUIRE_OK(fl_preset_find(sh[k].preset, &c));
         const int fc = slot_of("micro", "fc", NULL);
-        fl_act_opts o = {0, FL_BF16, 1, FL_F32, 0, 0, 0, 0, 0};
+        fl_act_opts o = {0, FL_BF16, 1, FL_F32, 0, 0, 0, 0, 0, 0};
         fl_act_sizes with, without;
         fl_sizing_acts_ex(&c, sh[k].B, sh[k].T, &o, &without);
         o.gdrop = 1u << fc;

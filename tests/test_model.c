@@ -426,7 +426,7 @@ static void ckpt_case(const char *preset, int n_layers) {
     FL_CHECK(loss[0] == loss[1]);
     FL_CHECKF(memcmp(g[0], g[1], m.layout.numel * sizeof(float)) == 0, "%s: checkpointed gradients differ", preset);
     fl_act_sizes full, ck;
-    fl_act_opts on = {1, FL_F32, 0, FL_F32, 0, 0, 0, 0, 0};
+    fl_act_opts on = {1, FL_F32, 0, FL_F32, 0, 0, 0, 0, 0, 0};
     fl_sizing_acts(&c, B, T, &full);
     fl_sizing_acts_ex(&c, B, T, &on, &ck);
     FL_CHECK(acts[0] == full.acts_bytes && acts[1] == ck.acts_bytes);
@@ -547,7 +547,7 @@ static void acts16_sizing_case(const char *preset) {
     const size_t FCW = c.arch == FL_ARCH_LLAMA ? 2 * F : F;
     const size_t w[7] = {C, QKV, QD, C, C, FCW, F}; /* ln1 qkv att res_mid ln2 fc act */
     fl_act_sizes s32, s16, h16, ck32, ck16;
-    fl_act_opts o16 = {0, FL_BF16, 0, FL_F32, 0, 0, 0, 0, 0}, oh = {0, FL_F16, 0, FL_F32, 0, 0, 0, 0, 0}, c32 = {1, FL_F32, 0, FL_F32, 0, 0, 0, 0, 0}, c16 = {1, FL_BF16, 0, FL_F32, 0, 0, 0, 0, 0};
+    fl_act_opts o16 = {0, FL_BF16, 0, FL_F32, 0, 0, 0, 0, 0, 0}, oh = {0, FL_F16, 0, FL_F32, 0, 0, 0, 0, 0, 0}, c32 = {1, FL_F32, 0, FL_F32, 0, 0, 0, 0, 0, 0}, c16 = {1, FL_BF16, 0, FL_F32, 0, 0, 0, 0, 0, 0};
     fl_sizing_acts(&c, B, T, &s32);
     fl_sizing_acts_ex(&c, B, T, &o16, &s16);
     fl_sizing_acts_ex(&c, B, T, &oh, &h16);
@@ -639,7 +639,7 @@ static void acts16_grad_case(fl_model *m, const int32_t *ids, const int32_t *tg,
         for (int k = 0; k < 2; k++) {
             FL_REQUIRE_OK(fl_model_set_precision(m, k ? &p : &p32));
             fl_act_sizes sz;
-            fl_act_opts ao = {0, k ? p.act_dtype : FL_F32, 0, FL_F32, 0, 0, 0, 0, 0};
+            fl_act_opts ao = {0, k ? p.act_dtype : FL_F32, 0, FL_F32, 0, 0, 0, 0, 0, 0};
             fl_sizing_acts_ex(&m->cfg, B, T, &ao, &sz);
             FL_CHECK(m->pool->cur[FL_TAG_ACTS] == sz.acts_bytes);
             fl_model_zero_grads(m);

@@ -43,7 +43,7 @@
     /* tensor parallelism's (issue 35): the vocabulary-parallel cross-entropy's halves, the row-strided dropout */     \
     X(vocab_stats, FL_PROF_LOSS) X(vocab_xent, FL_PROF_LOSS) X(dropout_rows, FL_PROF_ELEM)                             \
     X(bias_backward16, FL_PROF_ELEM) X(attention_forward_in16, FL_PROF_ATTN)                          \
-    X(add_norm_forward16, FL_PROF_NORM) X(add_norm_forward16_b16, FL_PROF_NORM) X(q4_matmul_forward16, FL_PROF_GEMM)
+    X(add_norm_forward16, FL_PROF_NORM) X(add_norm_forward16_b16, FL_PROF_NORM) X(q4_matmul_forward16, FL_PROF_GEMM) \
     X(q4_matmul_backward16, FL_PROF_GEMM)
 
 #define PROF_ENUM(op, g) OP_##op,
