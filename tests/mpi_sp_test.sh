@@ -20,8 +20,7 @@ if [ ! -x "$BUILD/fitllm_comm_mpi_test" ] || ! command -v mpirun >/dev/null 2>&1
     echo "skip sequence-parallel MPI tests: no MPI build or no mpirun"
     exit 0
 fi
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export OMP_NUM_THREADS=1
+source "$(dirname "$0")/mpi_env.sh"   # root, oversubscription, 1 OpenMP thread, Open MPI's start-up
 pass=0; fail=0
 T=$(mktemp -d /tmp/fitllm-mpi-sp-XXXXXX)
 trap '[ -n "${KEEP:-}" ] || rm -rf "$T"' EXIT

@@ -37,10 +37,8 @@ if ! command -v mpirun >/dev/null 2>&1; then
     echo "MPI tests: 0 passed, 0 failed, 1 skipped"
     exit 0
 fi
-# Open MPI refuses root without these; more ranks than cores needs oversubscription.
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-# one OpenMP thread per rank: the ranks share the machine's cores
-export OMP_NUM_THREADS=1
+# root, oversubscription, one OpenMP thread per rank, Open MPI's start-up trimmed to shared memory
+source "$(dirname "$0")/mpi_env.sh"
 pass=0; fail=0; skip=0
 T=$(mktemp -d /tmp/fitllm-mpi-XXXXXX)
 source "$(dirname "$0")/suite_lib.sh"   # per-case wall times ("ok NAME ... T ms"), the tier (full_tier, tier_skip)

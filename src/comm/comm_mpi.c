@@ -12,8 +12,8 @@
  * Requests progress in fl_comm_test/wait (an all-reduce's reduction and its all-gather are
  * started there when its first half has arrived). A blocking wait polls every outstanding
  * request rather than blocking in MPI, since another rank may be waiting for one of ours to
- * reach its second half; with a single outstanding request of more than 64 KiB it blocks in MPI_Waitall (a small one,
- * and a barrier, wait for a peer rather than for a transfer: polled with the back-off, not spinning in MPI).
+ * reach its second half; a single outstanding request is polled too (with the back-off, not spinning in MPI: a small
+ * one, and a barrier, wait for a peer rather than for a transfer; a large one's back-off stops at 20 us sleeps).
  *
  * Errors: the duplicated communicator uses MPI_ERRORS_RETURN, so a failed call becomes an
  * fl_status naming rank and operation. A rank that dies makes the launcher (mpirun, srun) end
@@ -190,15 +190,14 @@ static fl_status advance(fl_comm *c, mreq *r) {
 }
 
 /* Test r's messages; advance through the stages that are done. */
-static fl_status progress_one(fl_comm *c, mreq *r, int block) {
+static fl_status progress_one(fl_comm *c, mreq *r) {
     while (r->stage < 3 && r->err == FL_OK) {
         int flag = 1, rc;
         if (r->nreq) {
-            if (block) rc = MPI_Waitall(r->nreq, r->reqs, MPI_STATUSES_IGNORE);
-            else rc = MPI_Testall(r->nreq, r->reqs, &flag, MPI_STATUSES_IGNORE);
+            rc = MPI_Testall(r->nreq, r->reqs, &flag, MPI_STATUSES_IGNORE);
             if (rc != MPI_SUCCESS) {
                 char what[128];
-                r->err = mpi_fail(c, req_what(r, what, sizeof what), block ? "MPI_Waitall" : "MPI_Testall", rc);
+                r->err = mpi_fail(c, req_what(r, what, sizeof what), "MPI_Testall", rc);
                 snprintf(r->errmsg, sizeof r->errmsg, "%s", fl_error_message());
                 break;
             }
@@ -215,7 +214,7 @@ static fl_status progress_one(fl_comm *c, mreq *r, int block) {
 
 static void progress_all(fl_comm *c) {
     mcomm *m = c->impl;
-    for (mreq *r = m->head; r; r = r->next) progress_one(c, r, 0);
+    for (mreq *r = m->head; r; r = r->next) progress_one(c, r);
 }
 
 static void release(fl_comm *c, mreq *r) {
@@ -308,27 +307,24 @@ static fl_status m_broadcast(fl_comm *c, void *buf, size_t count, fl_dtype dt, i
 
 /* A collective of at most this many bytes moves in a few protocol steps (Open MPI's eager sizes: 4 KiB shared memory,
  * 64 KiB TCP): a long wait for it is a wait for a peer that has not sent yet (rank 0 writing a checkpoint or running
- * alone, a slower or descheduled rank), not for a transfer that needs MPI called to move. */
+ * alone, a slower or descheduled rank), not for a transfer that needs MPI called to move. A larger one may (pipelined
+ * fragments when no single-copy mechanism is available), so its back-off stops at the short sleep. */
 #define SMALL_WAIT ((size_t)64 << 10)
 
-/* Poll until r completes, progressing everything; back off to short sleeps when nothing moves
- * (ranks are often oversubscribed on the cores: spinning would starve the rank we wait for). A single
- * outstanding request blocks in MPI (whose wait spins at full speed: a transfer's pieces move only while
- * MPI is called) unless it is small. */
+/* Poll until r completes, progressing everything; back off to short sleeps when nothing moves (ranks are often
+ * oversubscribed on the cores: spinning would starve the rank we wait for). Never blocks in MPI: Open MPI's wait spins
+ * at full speed (sched_yield in a loop when oversubscribed), a core taken from the peer it waits for. */
 static fl_status m_wait(fl_comm *c, fl_comm_req *base) {
     mcomm *m = c->impl;
     mreq *r = (mreq *)base;
     long idle = 0;
     while (r->stage < 3 && r->err == FL_OK) {
-        if (m->nout == 1 && r->base.count * fl_dtype_size(r->base.dtype) > SMALL_WAIT) {
-            progress_one(c, r, 1);
-            break;
-        }
+        int large = m->nout == 1 && r->base.count * fl_dtype_size(r->base.dtype) > SMALL_WAIT;
         int before = r->stage;
         progress_all(c);
         if (r->stage != before) idle = 0;
         else if (++idle > 200) {
-            struct timespec ts = {0, idle > 2000 ? 200000 : 20000};
+            struct timespec ts = {0, idle > 2000 && !large ? 200000 : 20000};
             nanosleep(&ts, NULL);
         } else {
             sched_yield();
