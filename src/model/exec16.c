@@ -173,8 +173,8 @@ unsigned fl_block_resgemm(const fl_model *m, const fl_block_graph *g, const fl_b
         if (o->kind != FL_GOP_ADD || pv->kind != FL_GOP_LINEAR || pv->out != o->out || !(x->stream16 >> o->in & 1u))
             continue;
         const fl_linear *lin = &bp->lin[pv->p];
-        if (!fl_linear_plain16(lin) || lin->out != m->cfg.dim || g->slot[o->out].kind != FL_GSLOT_WIDE ||
-            g->slot[o->out].width != m->cfg.dim || (x->xs_ready && g->slot[pv->in].kind == FL_GSLOT_XSTREAM))
+        if (!fl_linear_plain16(lin) || lin->out != m->cfg.dim || g->slot[o->out].width != m->cfg.dim ||
+            (x->xs_ready && g->slot[pv->in].kind == FL_GSLOT_XSTREAM))
             continue;
         /* the GEMM's operands: its input's and the residual's stored bf16 rows; its output: the sum's */
         if (!final_after(g, i - 1, pv->in) || !stored16(g, pv->in, x) || !x->s16[pv->in] ||

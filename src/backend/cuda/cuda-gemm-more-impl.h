@@ -106,6 +106,7 @@ static fl_status flb_gemm_res16(const fl_backend *be, int trans_a, int trans_b, 
     fl_cu_gemm_desc_rowmajor(&d, trans_a, trans_b, M, N, K, alpha, A, FL_BF16, lda, B, FL_BF16, ldb, 1.0f,
                              (void *)c16, FL_BF16, ldc);
     d.D = d16;
+    FL_TRY(fl_cu_gemm_check(&d)); /* a bad argument (D overlapping C) is the caller's: not the backend's sticky error */
     fl_status st = flb_gemm_fn(ctx, &d);
     if (st != FL_OK) {
         flb_set_error(be, st, "gemm_res16", fl_error_message());
