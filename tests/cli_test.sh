@@ -1861,7 +1861,8 @@ EMU="$(dirname "$FITLLM")/fitllm_emu"
 if [ -x "$EMU" ]; then
     expect emu_bf16_step_no_convert 0 "^no conversion op: ok$" -- bash -c 'out=$(FITLLM_BACKEND=cuda-emu "$1" bench-step micro \
         --precision bf16-true --profile --steps 1 --warmup 0 --seq 16 --micro-batch 1 2>&1) || { echo "$out"; exit 1; }
-        echo "$out" | grep -qE "^ +gemm +[0-9.]+ .* 63 " || { echo "$out"; echo "no gemm row with 63 calls"; exit 1; }
+        echo "$out" | grep -qE "^ +gemm +[0-9.]+ .* 53 " || { echo "$out"; echo "no gemm row with 53 calls"; exit 1; }
+        echo "$out" | grep -qE "^ +gemm_res16 +[0-9.]+ .* 10 " || { echo "$out"; echo "no gemm_res16 row with 10 calls (o and down, 5 blocks)"; exit 1; }
         echo "$out" | grep -E "^ +(convert|convert_many|round16) " && exit 1; echo "no conversion op: ok"' _ "$EMU"
 else
     echo "skip emu_bf16_step_no_convert: no fitllm_emu beside $FITLLM (a build without the CUDA emulator)"; skip=$((skip+1))
