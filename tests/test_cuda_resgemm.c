@@ -93,6 +93,11 @@ static void norm_case(const fl_backend *be, int N, int C, fl_dtype wt, int no_re
                                                                    : NULL;
     FL_CHECKF(!what, "N %d C %d wt %s no_res %d: %s differs from the w16 norm of the stored sum", N, C,
               fl_dtype_name(wt), no_res, what);
+    /* no norm (the add alone: nothing to add): res the stored sum's widening, the sum not written */
+    memset(res, 0xff, n * 4);
+    s = be->add_norm_forward16_b16(be, 0, res, s16, NULL, NULL, NULL, NULL, NULL, s16, NULL, NULL, FL_F32, N, C, 0.0f);
+    FL_CHECKF(s == FL_OK && !memcmp(res, sw, n * 4) && !memcmp(s16, s0, n * 2), "N %d C %d: the widening alone: %s",
+              N, C, s == FL_OK ? "differs" : fl_error_message());
     void *all[] = {s16, s0, o16, o16b, w16, sw, res, out, out2, rs, w};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
 }
@@ -153,26 +158,6 @@ FL_TEST(cuda_emu_resgemm_op) {
 }
 
 #ifdef FL_HAVE_CUDA_EMU
-/* 1 step of 2 micro-batches of 1 x 8 tokens on cuda-emu, FITLLM_CUDA_RESGEMM = knob */
-static fl_status ab_run(fl_test_step_rec *rec, const char *preset, const char *prec, int ckpt, int lora,
-                        const char *knob) {
-    fl_run_config c;
-    char out[160];
-    snprintf(out, sizeof out, "resgemm-%s-%s-%s", preset, prec, knob);
-    fl_test_tiny_run_config(&c, lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL, preset, out, 8);
-    c.train.global_batch_size = 2;
-    c.train.max_norm = 1.0f;
-    if (lora) c.lora.query = c.lora.value = 1, c.lora.mlp = 0;
-    FL_TRY(fl_cfg_set(&c, "precision", prec));
-    if (ckpt) FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));
-    setenv("FITLLM_BACKEND", "cuda-emu", 1);
-    setenv("FITLLM_CUDA_RESGEMM", knob, 1);
-    fl_status s = fl_trainer_run(&c, NULL, 0, fl_test_record_step, rec, NULL);
-    unsetenv("FITLLM_CUDA_RESGEMM");
-    unsetenv("FITLLM_BACKEND");
-    return s;
-}
-
 /* one rehearsed step of B x T on cuda-emu with FITLLM_CUDA_RESGEMM = knob: the change of its counters */
 static fl_status counted(const char *knob, const char *preset, int ckpt, int B, int T, fl_cu_counters *d) {
     setenv("FITLLM_CUDA_RESGEMM", knob, 1);
@@ -201,22 +186,7 @@ static fl_status counted(const char *knob, const char *preset, int ckpt, int B, 
 }
 
 static void ab_case(const char *preset, const char *prec, int ckpt, int lora) {
-    fl_test_step_rec off, on;
-    memset(&off, 0, sizeof off), memset(&on, 0, sizeof on);
-    fl_status s = ab_run(&off, preset, prec, ckpt, lora, "0");
-    FL_CHECKF(s == FL_OK, "%s %s off: %s", preset, prec, fl_error_message());
-    if (s == FL_OK) s = ab_run(&on, preset, prec, ckpt, lora, "1");
-    FL_CHECKF(s == FL_OK, "%s %s on: %s", preset, prec, fl_error_message());
-    if (s == FL_OK) {
-        FL_CHECKF(off.steps == 1 && on.steps == 1 && off.n && off.n == on.n && !memcmp(off.params, on.params, off.n),
-                  "%s %s%s%s: the parameters differ in bits with the adds in the GEMMs", preset, prec,
-                  ckpt ? " ckpt" : "", lora ? " lora" : "");
-        FL_CHECKF(off.loss == on.loss, "%s %s: loss %.9g with the adds in the GEMMs, %.9g without", preset, prec,
-                  on.loss, off.loss);
-        printf("      %s %s%s%s: loss %.9g both ways, %zu parameter bytes equal\n", preset, prec, ckpt ? " ckpt" : "",
-               lora ? " lora" : "", on.loss, on.n);
-    }
-    free(off.params), free(on.params);
+    fl_test_emu_knob_ab("FITLLM_CUDA_RESGEMM", "resgemm", preset, prec, ckpt, lora);
     if (lora || strcmp(prec, "bf16-true")) return;
     /* the sums the projections wrote: LLaMA 2 per block and forward pass (a checkpointed step: the recompute's too,
      * of every block but the last, whose activations the backward starts on: transformer.c), N x C x 4 fp32 bytes
@@ -225,7 +195,7 @@ static void ab_case(const char *preset, const char *prec, int ckpt, int lora) {
     fl_model_config mc;
     FL_REQUIRE_OK(fl_preset_find(preset, &mc));
     fl_cu_counters a = {0}, b = {0};
-    s = counted("0", preset, ckpt, B, T, &a);
+    fl_status s = counted("0", preset, ckpt, B, T, &a);
     if (s == FL_OK) s = counted("1", preset, ckpt, B, T, &b);
     FL_CHECKF(s == FL_OK, "%s counted: %s", preset, fl_error_message());
     const int llama = !fl_arch_get(mc.arch)->layernorm;

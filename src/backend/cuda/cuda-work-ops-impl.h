@@ -209,10 +209,7 @@ static fl_status flb_add_norm_forward16_b16(const fl_backend *be, int ln, float 
                          "RMSNorm (ln %d, res16 %s b16)", FLB_NAME, ln, res16 == b16 ? "==" : "!=");
     if (out16 && wt != FL_F32 && wt != FL_BF16 && wt != FL_F16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s add_norm_forward16_b16: %s norm weight", FLB_NAME, fl_dtype_name(wt));
-    if (!a && !out16) { /* nothing to add or norm: res (NULL or) the sum's exact widening */
-        if (res) FLB_RUN_S(be, FLB_K(convert)(res, FL_F32, b16, FL_BF16, (size_t)N * C, STREAM), "add_norm_forward16_b16");
-        return FL_OK;
-    }
+    if (!a && !out16 && !res) return FL_OK; /* nothing to add, norm or widen */
     if (!out16) /* the add alone */
         FLB_RUN_S(be, FLB_K(add16_b16)(res, res16, a, b16, (size_t)N * C, STREAM), "add_norm_forward16_b16");
     else
