@@ -1841,7 +1841,8 @@ expect perf_session_dry 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1" tests/
         "FITLLM_CUDA_GRAPHS=1 FITLLM_CUDA_STEP_SCALARS=1 .*--optimizer bnb.optim.AdamW8bit" FITLLM_CUDA_GELU16=0 \
         FITLLM_CUDA_GELU16=1 FITLLM_CUDA_VIEWS32=1 FITLLM_CUDA_VIEWS32=0 FITLLM_CUDA_XBLOCK_NORM=1 \
         FITLLM_CUDA_XBLOCK_NORM=0 FITLLM_CUDA_DW16=1 FITLLM_CUDA_DW16=0 FITLLM_CUDA_LORA16=1 FITLLM_CUDA_LORA16=0 \
-        FITLLM_CUDA_Q4X16=1 FITLLM_CUDA_Q4X16=0 FITLLM_CUDA_STREAM16=1 FITLLM_CUDA_STREAM16=0; do
+        FITLLM_CUDA_Q4X16=1 FITLLM_CUDA_Q4X16=0 FITLLM_CUDA_STREAM16=1 FITLLM_CUDA_STREAM16=0 \
+        FITLLM_CUDA_RESGEMM=1 FITLLM_CUDA_RESGEMM=0; do
         grep -h "^DRY .*$v" "$1"/*.log | grep -qE "fitllm (bench-step|finetune_full) " || { echo "no command with $v"; exit 1; }
     done; echo "plumbing ok"' _ "$T/pdry" "$FITLLM"
 # its step 14 (issue 35): tensor parallelism's device ops (vocab_xent, dropout_rows) reach the GPU's selftest
@@ -1850,8 +1851,8 @@ expect perf_session_dry_tp_ops 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1"
         grep -q "^DRY .*fitllm selftest --accelerator cuda --only $op\$" "$1/tp-$op.log" || { echo "no selftest of $op"; exit 1; }
     done; echo "plumbing ok"' _ "$T/pdry-tp" "$FITLLM"
 # PERF_STEPS splits the session into calls the device's 10-minute limit takes: only the steps named run
-expect perf_session_steps 0 "^steps ok$" -- bash -c 'PERF_DRY=1 PERF_STEPS=2,18-21 OUT="$1" tests/cuda/perf_session.sh \
-    "$(dirname "$2")" 2>&1 | grep "^== " | cut -d. -f1 | tr "\n" " " | grep -qx "== 2 == 18 == 19 == 20 == 21 " && echo "steps ok"' \
+expect perf_session_steps 0 "^steps ok$" -- bash -c 'PERF_DRY=1 PERF_STEPS=2,18-22 OUT="$1" tests/cuda/perf_session.sh \
+    "$(dirname "$2")" 2>&1 | grep "^== " | cut -d. -f1 | tr "\n" " " | grep -qx "== 2 == 18 == 19 == 20 == 21 == 22 " && echo "steps ok"' \
     _ "$T/psteps" "$FITLLM"
 # fitllm_emu (the command line over the CUDA emulator, a developer's tool: tests/cuda/fitllm_emu.c): a bf16-true step's
 # profile lists every op the CUDA backend issues; no conversion op among them (issue 30 item 1's ratchet, as
@@ -1860,7 +1861,8 @@ EMU="$(dirname "$FITLLM")/fitllm_emu"
 if [ -x "$EMU" ]; then
     expect emu_bf16_step_no_convert 0 "^no conversion op: ok$" -- bash -c 'out=$(FITLLM_BACKEND=cuda-emu "$1" bench-step micro \
         --precision bf16-true --profile --steps 1 --warmup 0 --seq 16 --micro-batch 1 2>&1) || { echo "$out"; exit 1; }
-        echo "$out" | grep -qE "^ +gemm +[0-9.]+ .* 63 " || { echo "$out"; echo "no gemm row with 63 calls"; exit 1; }
+        echo "$out" | grep -qE "^ +gemm +[0-9.]+ .* 53 " || { echo "$out"; echo "no gemm row with 53 calls"; exit 1; }
+        echo "$out" | grep -qE "^ +gemm_res16 +[0-9.]+ .* 10 " || { echo "$out"; echo "no gemm_res16 row with 10 calls (o and down, 5 blocks)"; exit 1; }
         echo "$out" | grep -E "^ +(convert|convert_many|round16) " && exit 1; echo "no conversion op: ok"' _ "$EMU"
 else
     echo "skip emu_bf16_step_no_convert: no fitllm_emu beside $FITLLM (a build without the CUDA emulator)"; skip=$((skip+1))

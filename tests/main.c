@@ -17,6 +17,7 @@
 #include "fitllm/backend.h"
 #include "fitllm/config.h"
 #include "fitllm/status.h"
+#include "fitllm/trainer.h"
 #include "test.h"
 #ifdef FL_HAVE_CUDA_EMU
 #include "backend/cuda/cuda-impl.h"
@@ -229,6 +230,42 @@ int fl_test_record_step(void *ud, long step, double loss, const void *params, si
     memcpy(r->params, params, bytes);
     r->n = bytes;
     return 0;
+}
+
+static fl_status knob_run(fl_test_step_rec *rec, const char *knob, const char *v, const char *tag,
+                          const char *preset, const char *prec, int ckpt, int lora) {
+    fl_run_config c;
+    char out[160];
+    snprintf(out, sizeof out, "%s-%s-%s-%s%s%s", tag, preset, prec, v, ckpt ? "-ckpt" : "", lora ? "-lora" : "");
+    fl_test_tiny_run_config(&c, lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL, preset, out, 8);
+    c.train.global_batch_size = 2;
+    c.train.max_norm = 1.0f;
+    if (lora) c.lora.query = c.lora.value = 1, c.lora.mlp = 0;
+    FL_TRY(fl_cfg_set(&c, "precision", prec));
+    if (ckpt) FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));
+    setenv("FITLLM_BACKEND", "cuda-emu", 1);
+    setenv(knob, v, 1);
+    fl_status s = fl_trainer_run(&c, NULL, 0, fl_test_record_step, rec, NULL);
+    unsetenv(knob);
+    unsetenv("FITLLM_BACKEND");
+    return s;
+}
+void fl_test_emu_knob_ab(const char *knob, const char *tag, const char *preset, const char *prec, int ckpt, int lora) {
+    fl_test_step_rec off, on;
+    memset(&off, 0, sizeof off), memset(&on, 0, sizeof on);
+    fl_status s = knob_run(&off, knob, "0", tag, preset, prec, ckpt, lora);
+    FL_CHECKF(s == FL_OK, "%s %s %s=0: %s", preset, prec, knob, fl_error_message());
+    if (s == FL_OK) s = knob_run(&on, knob, "1", tag, preset, prec, ckpt, lora);
+    FL_CHECKF(s == FL_OK, "%s %s %s=1: %s", preset, prec, knob, fl_error_message());
+    if (s == FL_OK) {
+        FL_CHECKF(off.steps == 1 && on.steps == 1 && off.n && off.n == on.n && !memcmp(off.params, on.params, off.n),
+                  "%s %s%s%s: the parameters differ in bits with %s", preset, prec, ckpt ? " ckpt" : "",
+                  lora ? " lora" : "", tag);
+        FL_CHECKF(off.loss == on.loss, "%s %s: loss %.9g with %s, %.9g without", preset, prec, on.loss, tag, off.loss);
+        printf("      %s %s%s%s: loss %.9g both ways, %zu parameter bytes equal (%s 0 / 1)\n", preset, prec,
+               ckpt ? " ckpt" : "", lora ? " lora" : "", on.loss, on.n, knob);
+    }
+    free(off.params), free(on.params);
 }
 
 const char *fl_test_tmpdir(void) {

@@ -75,6 +75,10 @@ typedef struct {
     long steps;
 } fl_test_step_rec;
 int fl_test_record_step(void *ud, long step, double loss, const void *params, size_t bytes);
+/* An A/B knob's bits (FITLLM_CUDA_<NAME>=0 against 1): 1 step of 2 micro-batches of 1 x 8 tokens of `preset` (LoRA:
+ * on q, v) trained on cuda-emu with the environment's `knob` 0, then 1; checks the same loss and parameter bits and
+ * prints them (`tag`: the runs' folder names, what the messages call the setting) */
+void fl_test_emu_knob_ab(const char *knob, const char *tag, const char *preset, const char *prec, int ckpt, int lora);
 /* The tensor data of a safetensors file (after the 8-byte length and the JSON header), malloc'd; NULL if the
  * file cannot be read. Checkpoints of two runs compare on it (their headers differ: wall times). */
 unsigned char *fl_test_st_data(const char *path, size_t *len);

@@ -33,7 +33,7 @@ FL_TEST(cuda_gemm_standin_column_major) {
                 float *C0 = malloc((size_t)(sc * batch) * sizeof(float));
                 memcpy(C0, C, (size_t)(sc * batch) * sizeof(float));
                 fl_cu_gemm_desc d = {ta, tb, m, n, k, alpha, beta, A, FL_F32, lda, sa, B, FL_F32, ldb, sb,
-                                     C, FL_F32, ldc, sc, batch, FL_CU_EPI_NONE, NULL, NULL, 0, FL_F32};
+                                     C, FL_F32, ldc, sc, batch, FL_CU_EPI_NONE, NULL, NULL, 0, FL_F32, NULL};
                 FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &d));
                 int ok = 1;
                 for (int b = 0; b < batch; b++)
@@ -132,7 +132,8 @@ FL_TEST(cuda_gemm_rowmajor_batched) {
 
 FL_TEST(cuda_gemm_errors) {
     float x[64] = {0};
-    fl_cu_gemm_desc d = {0, 0, 4, 3, 2, 1.0f, 0.0f, x, FL_F32, 4, 0, x, FL_F32, 2, 0, x, FL_F32, 4, 0, 1, FL_CU_EPI_NONE, NULL, NULL, 0, FL_F32};
+    fl_cu_gemm_desc d = {0, 0, 4, 3, 2, 1.0f, 0.0f, x, FL_F32, 4, 0, x, FL_F32, 2, 0, x, FL_F32, 4, 0, 1, FL_CU_EPI_NONE, NULL, NULL, 0, FL_F32,
+                         NULL};
     FL_CHECK(fl_cu_gemm_standin(NULL, &d) == FL_OK);
     d.lda = 3; /* < m rows of A (op N) */
     FL_CHECK(fl_cu_gemm_standin(NULL, &d) == FL_ERR_INVALID);

@@ -119,45 +119,6 @@ FL_TEST(cuda_emu_stream16_op) {
 }
 
 #ifdef FL_HAVE_CUDA_EMU
-/* 1 step of 2 micro-batches of 1 x 8 tokens on cuda-emu, FITLLM_CUDA_STREAM16 = knob */
-static fl_status ab_run(fl_test_step_rec *rec, const char *preset, const char *prec, int ckpt, int lora,
-                        const char *knob) {
-    fl_run_config c;
-    char out[160];
-    snprintf(out, sizeof out, "stream16-%s-%s-%s", preset, prec, knob);
-    fl_test_tiny_run_config(&c, lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL, preset, out, 8);
-    c.train.global_batch_size = 2;
-    c.train.max_norm = 1.0f;
-    if (lora) c.lora.query = c.lora.value = 1, c.lora.mlp = 0;
-    FL_TRY(fl_cfg_set(&c, "precision", prec));
-    if (ckpt) FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));
-    setenv("FITLLM_BACKEND", "cuda-emu", 1);
-    setenv("FITLLM_CUDA_STREAM16", knob, 1);
-    fl_status s = fl_trainer_run(&c, NULL, 0, fl_test_record_step, rec, NULL);
-    unsetenv("FITLLM_CUDA_STREAM16");
-    unsetenv("FITLLM_BACKEND");
-    return s;
-}
-
-static void ab_case(const char *preset, const char *prec, int ckpt, int lora) {
-    fl_test_step_rec off, on;
-    memset(&off, 0, sizeof off), memset(&on, 0, sizeof on);
-    fl_status s = ab_run(&off, preset, prec, ckpt, lora, "0");
-    FL_CHECKF(s == FL_OK, "%s %s off: %s", preset, prec, fl_error_message());
-    if (s == FL_OK) s = ab_run(&on, preset, prec, ckpt, lora, "1");
-    FL_CHECKF(s == FL_OK, "%s %s on: %s", preset, prec, fl_error_message());
-    if (s == FL_OK) {
-        FL_CHECKF(off.steps == 1 && on.steps == 1 && off.n && off.n == on.n && !memcmp(off.params, on.params, off.n),
-                  "%s %s%s%s: the parameters differ in bits with the stream in bf16", preset, prec, ckpt ? " ckpt" : "",
-                  lora ? " lora" : "");
-        FL_CHECKF(off.loss == on.loss, "%s %s: loss %.9g with the stream in bf16, %.9g without", preset, prec, on.loss,
-                  off.loss);
-        printf("      %s %s%s%s: loss %.9g both ways, %zu parameter bytes equal\n", preset, prec, ckpt ? " ckpt" : "",
-               lora ? " lora" : "", on.loss, on.n);
-    }
-    free(off.params), free(on.params);
-}
-
 enum { WB = 2, WT = 24 };
 /* WORKSPACE's peak of one rehearsed step (null: planned on the stand-in, else measured on cuda-emu) */
 static size_t ws_peak(int null, const char *knob, const char *preset, const char *prec, int ckpt, int lora) {
@@ -207,7 +168,7 @@ static void ws_case(const char *preset, const char *prec, int ckpt, int lora, in
 #define S16_TEST(name, full, preset, prec, ckpt, lora)                                                                \
     FL_TEST(name) {                                                                                                    \
         if (full && !fl_test_full_only("cuda_emu_stream16_llama_ckpt, cuda_emu_stream16_gpt2")) return;               \
-        ab_case(preset, prec, ckpt, lora);                                                                             \
+        fl_test_emu_knob_ab("FITLLM_CUDA_STREAM16", "stream16", preset, prec, ckpt, lora);                            \
     }
 #elif defined(FL_HAVE_CUDA_EMU)
 #define S16_TEST(name, full, preset, prec, ckpt, lora)                                                                \

@@ -277,7 +277,8 @@ static fl_cu_counters step_counts(const char *prec, int n_micro, float max_norm,
     return (fl_cu_counters){b.sync - a.sync, b.d2h - a.d2h, b.h2d - a.h2d, b.h2d_pinned - a.h2d_pinned,
                             b.stage_waits - a.stage_waits, b.h2d_s2 - a.h2d_s2, b.only16 - a.only16,
                             b.only16_bytes - a.only16_bytes,
-                            b.zero_bytes - a.zero_bytes, b.acc16_bytes - a.acc16_bytes, b.gemm_acc16 - a.gemm_acc16};
+                            b.zero_bytes - a.zero_bytes, b.acc16_bytes - a.acc16_bytes, b.gemm_acc16 - a.gemm_acc16,
+                            b.gemm_res16 - a.gemm_res16, b.res16_bytes - a.res16_bytes};
 }
 
 /* What a step on a GPU makes the host wait for (issue 30 item 5): no synchronization and one copy to the host per

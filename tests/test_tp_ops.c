@@ -276,7 +276,8 @@ static fl_status rt_rank(fl_comm *c, int rank, void *ud) {
     j->c[rank] = (fl_cu_counters){b.sync - a.sync, b.d2h - a.d2h, b.h2d - a.h2d, b.h2d_pinned - a.h2d_pinned,
                                   b.stage_waits - a.stage_waits, b.h2d_s2 - a.h2d_s2, b.only16 - a.only16,
                                   b.only16_bytes - a.only16_bytes,
-                                  b.zero_bytes - a.zero_bytes, b.acc16_bytes - a.acc16_bytes, b.gemm_acc16 - a.gemm_acc16};
+                                  b.zero_bytes - a.zero_bytes, b.acc16_bytes - a.acc16_bytes, b.gemm_acc16 - a.gemm_acc16,
+                                  b.gemm_res16 - a.gemm_res16, b.res16_bytes - a.res16_bytes};
     if (s == FL_OK && rank == 0) j->loss = m->loss_sum / (double)m->n_valid;
     if (s != FL_OK) snprintf(j->msg[rank], sizeof j->msg[rank], "%s", fl_error_message());
     j->st[rank] = s;

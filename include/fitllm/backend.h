@@ -284,7 +284,9 @@ struct fl_backend {
      * add_norm_forward16 (out16 != NULL) or add16 alone (out16 NULL: out, mean, rstd, w, bias unused) with the
      * operand b read from b16, its bf16 copy (N, C), each element widened exactly: the bits of the fp32 op over the
      * view holding widen(b16) (a bf16 run's residual stream, whose fp32 rows then need not exist); res (NULL or) the
-     * sum's exact widening, may alias a. (cuda, cuda-emu; NULL on cpu, ref, opaque, null) */
+     * sum's exact widening, may alias a. a NULL (res16 == b16, RMSNorm): no add, b16 is the sum already (a GEMM wrote
+     * it: gemm_res16), the norm of its stored rows (the bits of the fused op's norm over the same stored sum) and res
+     * (NULL or) their widening. (cuda, cuda-emu; NULL on cpu, ref, opaque, null) */
     fl_status (*add_norm_forward16_b16)(const fl_backend *be, int ln, float *res, void *res16, float *out, void *out16,
                                         float *mean, float *rstd, const float *a, const void *b16, const void *w,
                                         const void *bias, fl_dtype wt, int N, int C, float eps);
@@ -344,6 +346,16 @@ struct fl_backend {
     fl_status (*gemm_epilogue)(const fl_backend *be, int epi, const void *bias /*(N)*/, float *aux /*(M,ldaux)*/,
                                int ldaux, int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
                                fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc);
+
+    /* Optional (issue 30 items 1 and 3): gemm (row-major; BF16 A and B, fp32 accumulation, no bias) whose bf16 output
+     * d16 is apart from its bf16 C c16, both (M, N) with row stride ldc: d16 = RNE(fp32(alpha op(A) op(B)) + widen(c16))
+     * (the fp32 sum plus C in fp32, rounded once: FL_OP_GEMM_ACC16's bits with beta 1 on a copy of C; add16's
+     * RNE(y + widen(c16)) of the fp32 GEMM output y, alpha 1), c16 only read; d16 == c16 is the in-place form, other
+     * overlaps are refused. A bf16 run's residual add inside its output projection (LLaMA's o and down): C the stored
+     * residual, D the sum's stored rows (fl_block_resgemm). K >= 1. (cuda: cuBLASLt's separate C and D pointers;
+     * cuda-emu: the stand-in; FITLLM_CUDA_RESGEMM=0 or another backend: NULL) */
+    fl_status (*gemm_res16)(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                            const void *A, int lda, const void *B, int ldb, const void *c16, void *d16, int ldc);
 
     /* Optional (issue 30 item 3; bench-step --profile): the library's own rate for one shape of gemm (row-major, the
      * gemm slot's types; epi as gemm_epilogue's, 0 none), on operands of the backend's own: *best_ms the fastest of

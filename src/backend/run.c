@@ -314,6 +314,11 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
         return be->gemm_epilogue(be, r->epi, r->bias, r->aux, r->ldaux, r->trans_a, r->trans_b, r->M, r->N, r->K,
             r->alpha, r->A, r->ta, r->lda, r->B, r->tb, r->ldb, r->beta, r->C, r->ldc);
     }
+    case FL_OPK_gemm_res16: {
+        DOOR(gemm_res16);
+        return be->gemm_res16(be, r->trans_a, r->trans_b, r->M, r->N, r->K, r->alpha, r->A, r->lda, r->B, r->ldb,
+            r->c16, r->d16, r->ldc);
+    }
     case FL_OPK_embedding_forward: {
         DOOR(embedding_forward);
         be->embedding_forward(be, r->out, r->ids, r->wte, r->wpe, r->B, r->T, r->C);

@@ -170,6 +170,10 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_STREAM16=1|0 (environment): 1 (default) = EXPERIMENTAL: under bf16 storage the residual adds\n"
                "               read the stream's stored bf16 rows, so its fp32 rows take one buffer, not three (less\n"
                "               WORKSPACE and traffic; the same bits); 0 = the fp32 rows as before (A/B)\n");
+    fprintf(f, "\n  FITLLM_CUDA_RESGEMM=1|0 (environment): 1 (default) = EXPERIMENTAL: under bf16 storage with the stream in\n"
+               "               bf16, LLaMA's o and down GEMMs write the residual sum's bf16 rows themselves (cuBLASLt's C\n"
+               "               the stored residual, D the sum: less traffic; the same bits); 0 = their fp32 outputs,\n"
+               "               then the add (A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_XBLOCK_NORM=0|1 (environment): 1 (default) = EXPERIMENTAL: under bf16 storage a block's last\n"
                "               residual add runs fused with the next block's first norm (or the final norm), one launch\n"
                "               (the same bits); 0 = each block does its own add (A/B)\n");

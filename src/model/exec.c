@@ -353,7 +353,7 @@ static void *norm_out16(const fl_model *m, const fl_block_graph *g, const fl_blo
  * issue 30 item 1): the residual operand read from its stored bf16 rows, its view sharing out's buffer
  * (add_norm_forward16_b16; the planner's null backend, which writes nothing, takes the fp32 ops). */
 static fl_status residual_add(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
-                              const fl_block_ctx *x, int i, int N, void *o16, int *done16, int *fused) {
+                              const fl_block_ctx *x, int i, int N, void *o16, int rg, int *done16, int *fused) {
     const fl_backend *be = m->be;
     const fl_gop *o = &g->op[i], *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
     float *in = s[o->in], *out = s[o->out];
@@ -370,6 +370,20 @@ static fl_status residual_add(const fl_model *m, const fl_block_graph *g, const 
         return FL_RUN(be, add_rmsnorm_forward, out, nout, rstd, out, in, w, FL_F32, N, C, eps);
     }
     void *n16 = to_norm && o16 ? norm_out16(m, g, bp, i + 1, x) : NULL; /* o16: bf16 stored */
+    if (rg) { /* the projection's GEMM wrote the sum's bf16 rows (gemm_res16): its norm, or its fp32 view, alone */
+        float *res = fl_block_stream16_dead(g, x->stream16, i + 1, o->out) ? NULL : out;
+        *done16 = 1;
+        *fused = n16 != NULL;
+        if (n16)
+            return FL_RUN(be, add_norm_forward16_b16, 0, res, o16, nout, n16, mean, rstd, NULL, o16, w, b,
+                          bp->norm_wt, N, C, eps);
+        if (pend) {
+            *x->hand_on = (fl_add_pending){1, N, (int)wo, out, o16, NULL, NULL, o16};
+            return FL_OK;
+        }
+        return FL_RUN(be, add_norm_forward16_b16, 0, out, o16, NULL, NULL, NULL, NULL, NULL, o16, NULL, NULL, FL_F32,
+                      N, (int)wo, 0.0f);
+    }
     const void *b16 = x->stream16 >> o->in & 1u && be->add_norm_forward16_b16 ? x->s16[o->in] : NULL;
     if (b16 && !o16)
         return fl_errorf(FL_ERR_INTERNAL, "block op %d: '%s' is not stored in bf16 (stream16)", i, g->slot[o->out].name);
@@ -401,6 +415,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
     int pendr = -1;  /* a stored slot not rounded yet: the activation reading it rounds it (FL_ACT16_ROUND_IN) */
     int pendq = -1;  /* q|k|v stored in bf16 only (gemm_to_attn16, a bf16-only RoPE): the attention reads that copy */
     const unsigned only16 = fl_block_only16(m, g, bp, x, 0);
+    const unsigned resgemm = fl_block_resgemm(m, g, bp, x); /* ADDs whose sum their projection's GEMM writes */
     float *s[FL_GRAPH_MAX_SLOTS]; /* the slots' fp32 views; NULL once stale (a bf16-only RoPE's) */
     memcpy(s, s0, (size_t)g->n_slots * sizeof *s);
 #define S(k) ((k) >= 0 ? s[k] : NULL)
@@ -448,6 +463,11 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             const void *in16 = x->store16 && lin_x16(lin) && final_after(g, i, o->in) ? x->s16[o->in] : NULL;
             FL_TRY(lin_in32(g, i, in, in16, lin));
             const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+            if (resgemm >> (i + 1) & 1u) { /* out + residual in one GEMM: C the residual's bf16 rows, D the sum's */
+                FL_TRY(FL_RUN(be, gemm_res16, 0, 1, N, lin->out, lin->in, 1.0f, in16, lin->in, lin->wc, lin->in,
+                              x->s16[nx->in], x->s16[o->out], lin->out));
+                break;
+            }
             if (o16 && be->gelu16_epilogue && nx && nx->kind == FL_GOP_GELU && nx->in == o->out &&
                 epilogue_fuses(be, lin)) {
                 /* bf16 stored (issue 30 item 3, fl_backend.gelu16_epilogue): the GELU of the fp32 pre-activation in
@@ -494,7 +514,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             break;
         case FL_GOP_ADD: {
             int fused = 0; /* the next op, a norm of the sum, done with it */
-            FL_TRY(residual_add(m, g, bp, s, x, i, N, o16, &done16, &fused));
+            FL_TRY(residual_add(m, g, bp, s, x, i, N, o16, resgemm >> i & 1u, &done16, &fused));
             i += fused;
             break;
         }

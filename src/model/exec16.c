@@ -159,3 +159,29 @@ unsigned fl_block_stream16(const fl_model *m, const fl_block_graph *g) {
     unsigned shared = stream_slots(g, m->cfg.dim);
     return fl_block_facts_walk(m, g, stream16_refused, &shared) ? 0 : shared;
 }
+
+/* ---- the residual add inside its projection's GEMM (issue 30 items 1 and 3, gemm_res16) -------------------------- */
+unsigned fl_block_resgemm(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                          const fl_block_ctx *x) {
+    const fl_backend *be = m->be;
+    if (!be->gemm_res16 || !be->add_norm_forward16_b16 || !x->stream16 || !x->store16 || !x->s16 || x->kv ||
+        fl_arch_get(m->cfg.arch)->layernorm)
+        return 0;
+    unsigned r = 0;
+    for (int i = 1; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i], *pv = &g->op[i - 1];
+        if (o->kind != FL_GOP_ADD || pv->kind != FL_GOP_LINEAR || pv->out != o->out || !(x->stream16 >> o->in & 1u))
+            continue;
+        const fl_linear *lin = &bp->lin[pv->p];
+        if (!fl_linear_plain16(lin) || lin->out != m->cfg.dim || g->slot[o->out].width != m->cfg.dim ||
+            (x->xs_ready && g->slot[pv->in].kind == FL_GSLOT_XSTREAM))
+            continue;
+        /* the GEMM's operands: its input's and the residual's stored bf16 rows; its output: the sum's */
+        if (!final_after(g, i - 1, pv->in) || !stored16(g, pv->in, x) || !x->s16[pv->in] ||
+            !final_after(g, i, o->in) || !stored16(g, o->in, x) || !x->s16[o->in] || !final_after(g, i, o->out) ||
+            !stored16(g, o->out, x) || !x->s16[o->out] || g->sp > 1) /* (stream16: no sequence parallel) */
+            continue;
+        r |= 1u << i;
+    }
+    return r;
+}

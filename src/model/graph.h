@@ -309,6 +309,13 @@ unsigned fl_block_facts_walk(const fl_model *m, const fl_block_graph *g, fl_bloc
  * at set-up); 0: off (another backend, FITLLM_CUDA_STREAM16=0, tensor / sequence parallel). fl_block_stream16_lacks:
  * NULL, or the slot a pass with context x would read from the shared buffer while it holds another (the check). */
 unsigned fl_block_stream16(const fl_model *m, const fl_block_graph *g);
+/* exec16.c, issue 30 items 1 and 3 (bf16 stored, stream16, the backend's gemm_res16; FITLLM_CUDA_RESGEMM=0 off): bit i,
+ * op i is a residual ADD whose sum the LINEAR op i - 1 writes with its GEMM (C the residual's stored bf16 rows, D the
+ * sum's): an unbiased, unadapted bf16 linear (LLaMA's o and down) whose output only the ADD reads, the residual operand
+ * read from its bf16 rows (stream16), RMSNorm. The ADD then adds nothing: its norm (or the pending add's) reads the
+ * stored sum (add_norm_forward16_b16 with a NULL). Per pass, from the bound facts; no memory depends on it. */
+unsigned fl_block_resgemm(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                          const fl_block_ctx *x);
 int fl_block_stream16_dead(const fl_block_graph *g, unsigned shared, int i, int k);
 const char *fl_block_stream16_lacks(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
                                     const fl_block_ctx *x, unsigned shared);

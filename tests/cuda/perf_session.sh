@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 30's speed measurements on a lent GPU (the device's time is short: about 10 minutes for all 21 steps, not
+# Issue 30's speed measurements on a lent GPU (the device's time is short: about 10 minutes for all 22 steps, not
 # measured since step 9; PERF_STEPS below splits it into two calls):
 #   tests/cuda/perf_session.sh [bin-dir]          (default .gpupack/bin, made here by tools/gpu_pack.sh; or a
 #                                                  CUDA build folder with fitllm, libfitllm_cuda.so, fitllm_cuda_check)
@@ -70,6 +70,10 @@
 #      FITLLM_CUDA_STREAM16=1 (the default: the residual adds read the stream's stored bf16 rows, the mid residual's
 #      fp32 sum not written, one fp32 rows buffer) against 0 (the fp32 rows: 128 MiB more traffic per block and
 #      forward pass, 2 buffers more WORKSPACE); bench-step's memory line shows WORKSPACE.
+#  22. the residual add inside its projection's GEMM (issue 30 items 1 and 3): the TinyLlama step with
+#      FITLLM_CUDA_RESGEMM=1 (the default: o and down write the residual sum's bf16 rows, cuBLASLt's C the stored
+#      residual, D the sum) against 0 (their fp32 outputs, then the add: 256 MiB more traffic per block and forward
+#      pass), with the profile's GEMM rows (gemm_res16's shapes).
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -111,7 +115,7 @@ gpt2_ab() { # precision log-tag label (the A/B switch set by the caller): a GPT-
     echo "gpt2 $1 $3 exit $?: $(grep -E '^median' "$OUT/gpt2-$1-$2.log")"
 }
 # PERF_STEPS (default: all): the steps to run, e.g. "1-5,18" (the device's calls are limited to 10 minutes: run the
-# session in two calls, PERF_STEPS=1-9 then 10-21, when it does not fit one)
+# session in two calls, PERF_STEPS=1-9 then 10-22, when it does not fit one)
 want_step() {
     local n=$1 part a b
     [ -z "${PERF_STEPS:-}" ] && return 0
@@ -328,5 +332,12 @@ echo "== 21. the residual stream held in bf16: FITLLM_CUDA_STREAM16=1 (the defau
 for v in 1 0; do
     FITLLM_CUDA_STREAM16=$v bench stream16-$v 60
     FITLLM_CUDA_STREAM16=$v gpt2_ab bf16-true stream16$v FITLLM_CUDA_STREAM16=$v
+done
+fi
+if want_step 22; then
+echo "== 22. the residual add inside its projection's GEMM: FITLLM_CUDA_RESGEMM=1 (the default) against 0 (EXPERIMENTAL)"
+for v in 1 0; do
+    FITLLM_CUDA_RESGEMM=$v bench resgemm-$v 60 --profile
+    sed -n '/^profile/,/^PROFILE/p' "$OUT/resgemm-$v.log" | grep -E "gemm|norm" | head -8
 done
 fi

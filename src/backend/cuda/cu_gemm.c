@@ -29,6 +29,18 @@ fl_status fl_cu_gemm_check(const fl_cu_gemm_desc *d) {
                          (long long)d->lda, (long long)ra, (long long)d->ldb, (long long)rb, (long long)d->ldc, d->m);
     if (d->m && d->n && (!d->C || (d->k && (!d->A || !d->B))))
         return fl_errorf(FL_ERR_INVALID, "cu_gemm: NULL matrix");
+    if (d->D && d->D != d->C) { /* a separate output: C's layout, C read only, no overlap */
+        if (d->epilogue != FL_CU_EPI_NONE || d->beta == 0.0f)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: an output D apart from C takes no epilogue and a C read "
+                             "(beta != 0; epilogue %d, beta %g)", d->epilogue, (double)d->beta);
+        const size_t es = fl_dtype_size(d->tc);
+        const size_t span = ((size_t)(d->batch - 1) * (size_t)d->stride_c + (size_t)(d->n - 1) * (size_t)d->ldc +
+                             (size_t)d->m) * es;
+        const char *c = (const char *)d->C, *o = (const char *)d->D;
+        if (d->m && d->n && c < o + span && o < c + span)
+            return fl_errorf(FL_ERR_INVALID, "cu_gemm: the output D overlaps C (%zu bytes each, %td apart)", span,
+                             o - c);
+    }
     if (d->epilogue != FL_CU_EPI_NONE) {
         if (d->epilogue != FL_CU_EPI_BIAS && d->epilogue != FL_CU_EPI_GELU_AUX_BIAS)
             return fl_errorf(FL_ERR_INVALID, "cu_gemm: unknown epilogue %d", d->epilogue);
@@ -63,17 +75,18 @@ static double ld_elem(const void *p, fl_dtype t, int64_t i) {
 
 unsigned long fl_cu_gemm_standin_epilogues, fl_cu_gemm_standin_gelus;
 
-/* One element of C from its fp64 sum over p (in order from p = 0): alpha, beta C, the epilogue, C's type */
-static void standin_store(const fl_cu_gemm_desc *d, char *C, int i, int j, double acc) {
+/* One element of C from its fp64 sum over p (in order from p = 0): alpha, beta C, the epilogue, C's type; written to
+ * D (C's layout: C itself in place) */
+static void standin_store(const fl_cu_gemm_desc *d, char *C, char *D, int i, int j, double acc) {
     int64_t ci = i + (int64_t)j * d->ldc;
     double v = (double)d->alpha * acc;
     if (d->tc != FL_F32 && d->beta != 0.0f && d->epilogue == FL_CU_EPI_NONE) {
-        /* a 16-bit C read (FL_OP_GEMM_ACC16): the sum rounded to fp32, beta C added in fp32, then one
+        /* a 16-bit C read (FL_OP_GEMM_ACC16, gemm_res16): the sum rounded to fp32, beta C added in fp32, then one
          * rounding to C's type, as cuBLASLt's fp32 compute and scale type (and accumulate16 after a
          * GEMM into a zeroed fp32 buffer: the same bits) */
         float f = (float)v + d->beta * (float)ld_elem(C, d->tc, ci);
-        if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16(f);
-        else ((uint16_t *)C)[ci] = fl_f32_to_f16(f);
+        if (d->tc == FL_BF16) ((uint16_t *)D)[ci] = fl_f32_to_bf16(f);
+        else ((uint16_t *)D)[ci] = fl_f32_to_f16(f);
         return;
     }
     if (d->beta != 0.0f) v += (double)d->beta * ld_elem(C, d->tc, ci); /* beta 0: C not read */
@@ -83,11 +96,11 @@ static void standin_store(const fl_cu_gemm_desc *d, char *C, int i, int j, doubl
             d->aux[i + (int64_t)j * d->ldaux] = f;
             f = epi_gelu(f);
         }
-        if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16(f);
-        else ((float *)C)[ci] = f;
-    } else if (d->tc == FL_F32) ((float *)C)[ci] = (float)v;
-    else if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16((float)v);
-    else ((uint16_t *)C)[ci] = fl_f32_to_f16((float)v);
+        if (d->tc == FL_BF16) ((uint16_t *)D)[ci] = fl_f32_to_bf16(f);
+        else ((float *)D)[ci] = f;
+    } else if (d->tc == FL_F32) ((float *)D)[ci] = (float)v;
+    else if (d->tc == FL_BF16) ((uint16_t *)D)[ci] = fl_f32_to_bf16((float)v);
+    else ((uint16_t *)D)[ci] = fl_f32_to_f16((float)v);
 }
 
 /* A 4 x 4 tile of sums: acc[4 jj + ii] = sum over p, in order, of a[4p + ii] b[4p + jj] in fp64. Each product of two
@@ -119,6 +132,7 @@ fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
         const char *A = (const char *)d->A + (size_t)(b * d->stride_a) * fl_dtype_size(d->ta);
         const char *B = (const char *)d->B + (size_t)(b * d->stride_b) * fl_dtype_size(d->tb);
         char *C = (char *)d->C + (size_t)(b * d->stride_c) * fl_dtype_size(d->tc);
+        char *D = d->D ? (char *)d->D + (size_t)(b * d->stride_c) * fl_dtype_size(d->tc) : C;
         /* op(A)[i,p]: A[i + p*lda] (N) or A[p + i*lda] (T); rows past m are zeros (computed, not stored) */
         for (int ib = 0; ib < mb; ib++)
             for (int p = 0; p < kk; p++)
@@ -142,7 +156,7 @@ fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
                 standin_tile(ap + (size_t)ib * kk * 4, bp, kk, acc);
                 for (int jj = 0; jj < 4 && j0 + jj < d->n; jj++)
                     for (int ii = 0; ii < 4 && 4 * ib + ii < d->m; ii++)
-                        standin_store(d, C, 4 * ib + ii, j0 + jj, acc[4 * jj + ii]);
+                        standin_store(d, C, D, 4 * ib + ii, j0 + jj, acc[4 * jj + ii]);
             }
         }
     }
@@ -216,7 +230,8 @@ void fl_cu_gemm_key_of(const fl_cu_gemm_desc *d, size_t workspace_bytes, fl_cu_g
                    (int32_t)fl_cu_gemm_align_of(d->C), d->epilogue,
                    d->epilogue ? (int32_t)fl_cu_gemm_align_of(d->bias) : 0,
                    d->epilogue == FL_CU_EPI_GELU_AUX_BIAS ? (int32_t)fl_cu_gemm_align_of(d->aux) : 0,
-                   d->epilogue ? (int32_t)d->bias_t : 0};
+                   d->epilogue ? (int32_t)d->bias_t : 0, d->D && d->D != d->C,
+                   d->D && d->D != d->C ? (int32_t)fl_cu_gemm_align_of(d->D) : 0};
     memcpy(k->v, v, sizeof v);
     k->ld[0] = d->lda;
     k->ld[1] = d->ldb;

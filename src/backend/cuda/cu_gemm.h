@@ -58,6 +58,11 @@ typedef struct {
     float *aux;
     int64_t ldaux;
     fl_dtype bias_t; /* the bias's type (above) */
+    /* The output (issue 30 items 1 and 3, the backend's gemm_res16): NULL (or C) in place, D == C; else a separate
+     * matrix of C's type, layout and strides (ldc, stride_c) not overlapping C, which is then only read: D = round(
+     * fp32(alpha op(A) op(B)) + beta C) as the 16-bit C read above (cuBLASLt's separate C and D pointers; no
+     * epilogue). A bf16 run's residual add in its output projection: C the stored residual, D the sum's rows. */
+    void *D;
 } fl_cu_gemm_desc;
 enum { FL_CU_EPI_NONE = 0, FL_CU_EPI_BIAS = 1, FL_CU_EPI_GELU_AUX_BIAS = 2 };
 
@@ -95,14 +100,16 @@ fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, con
  * training step issues the same few dozen GEMM shapes hundreds of times, so the real wrapper keeps
  * them per shape. The key is everything the descriptors and the heuristic query depend on: the
  * operations, m n k, the types, the leading dimensions, the batch and its strides (batch > 1), the epilogue
- * (its kind, aux's leading dimension and the bias / aux alignments; the pointers are set per call), and
+ * (its kind, aux's leading dimension and the bias / aux alignments; the pointers are set per call), whether D is a
+ * matrix apart from C (and its alignment), and
  * the operands' alignments and the workspace size (the heuristic is told them: a sub-view of lesser alignment must not
  * reuse an algorithm chosen for 256-byte aligned operands). Pointers, alpha and beta are not in it:
  * they are passed to each matmul. At most `cap` plans, the least recently used one destroyed
  * (the destroy callback) when a new shape comes; the cache is host memory the library owns, like
  * cuBLASLt's own descriptors. The logic is host code, built and tested everywhere. */
 typedef struct {
-    int32_t v[16]; /* ..., the epilogue, the alignments of its bias and aux, and the bias type */
+    int32_t v[18]; /* ..., the epilogue, the alignments of its bias and aux, the bias type, whether D is apart from C
+                    * and D's alignment */
     int64_t ld[4], stride[3]; /* ld[3]: the epilogue's aux */
     uint64_t workspace_bytes;
 } fl_cu_gemm_key;

@@ -89,6 +89,34 @@ static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const void *bi
     return FL_OK;
 }
 
+/* gemm_res16 (issue 30 items 1 and 3): one matmul, cuBLASLt's C the bf16 c16 read with beta 1 and its D the separate
+ * d16 (the stand-in: the same contract, cu_gemm.h), so a bf16 run's residual sum is written by the projection's GEMM:
+ * no fp32 output, no add launch. Installed unless FITLLM_CUDA_RESGEMM=0 (flb_gelu16_init). */
+static fl_status flb_gemm_res16(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                                const void *A, int lda, const void *B, int ldb, const void *c16, void *d16, int ldc) {
+    FL_TRY(flb_sticky(be));
+    if (M < 0 || N < 0 || K < 1 || ldc < N)
+        return fl_errorf(FL_ERR_INVALID, "%s gemm_res16: bad shape %d x %d x %d, ldc %d (K >= 1, ldc >= N)", FLB_NAME,
+                         M, N, K, ldc);
+    if (M == 0 || N == 0) return FL_OK;
+    if (FLB_NULL(be, "gemm_res16", A, B, c16, d16)) return flb_sticky(be);
+    fl_cu_blas *ctx = flb_blas(be);
+    if (!ctx) return flb_sticky(be);
+    fl_cu_gemm_desc d;
+    fl_cu_gemm_desc_rowmajor(&d, trans_a, trans_b, M, N, K, alpha, A, FL_BF16, lda, B, FL_BF16, ldb, 1.0f,
+                             (void *)c16, FL_BF16, ldc);
+    d.D = d16;
+    FL_TRY(fl_cu_gemm_check(&d)); /* a bad argument (D overlapping C) is the caller's: not the backend's sticky error */
+    fl_status st = flb_gemm_fn(ctx, &d);
+    if (st != FL_OK) {
+        flb_set_error(be, st, "gemm_res16", fl_error_message());
+        return st;
+    }
+    FLB_IMPL(be)->count.gemm_res16++;
+    FLB_IMPL(be)->count.res16_bytes += (long)M * N * 4;
+    return FL_OK;
+}
+
 /* FITLLM_CUDA_GELU16 (issue 30 item 3; EXPERIMENTAL: emulator-verified, not yet timed on a GPU): fl_backend's
  * gelu16_epilogue, whether a bf16-activation run's biased linear + tanh GELU (GPT-2's c_fc) is one gemm_epilogue whose
  * GELU reads the fp32 pre-activation, both outputs then stored by round16 (1: closer to a float64 evaluation than the
@@ -115,6 +143,13 @@ static fl_status flb_gelu16_init(fl_backend *be) {
     be->add_norm_forward16 = flb_add_norm_forward16;
     be->add_norm_forward16_b16 = flb_add_norm_forward16_b16;
     be->attention_forward_in16 = flb_attention_forward_in16;
+    /* FITLLM_CUDA_RESGEMM=0: no gemm_res16, a bf16 run's residual adds after their projections' fp32 outputs (A/B) */
+    const char *er = getenv("FITLLM_CUDA_RESGEMM");
+    if (er && *er && strcmp(er, "0") && strcmp(er, "1"))
+        return fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_RESGEMM=%s: expected 1 (the default: a bf16 run's "
+                         "residual add written by its projection's GEMM, C the stored residual) or 0 (the GEMM's fp32 "
+                         "output, then the add)", FLB_NAME, er);
+    be->gemm_res16 = er && !strcmp(er, "0") ? NULL : flb_gemm_res16;
     const char *e = getenv("FITLLM_CUDA_GELU16");
     be->gelu16_epilogue = !e || !*e ? FLB_GELU16_DEFAULT : !strcmp(e, "1");
     if (!e || !*e || !strcmp(e, "0") || !strcmp(e, "1")) return FL_OK;

@@ -50,6 +50,9 @@ typedef struct {
     /* the fp32 gradient staging's traffic (issue 30 item 1): bytes `zero` filled, fp32 bytes accumulate16 read, and
      * the GEMMs that added into a 16-bit C in place (beta != 0: a weight gradient written straight into g16) */
     long zero_bytes, acc16_bytes, gemm_acc16;
+    /* gemm_res16's calls (issue 30 items 1 and 3: a residual add inside its projection's GEMM) and the fp32 bytes of
+     * their products not written (the fp32 output the separate add would have read) */
+    long gemm_res16, res16_bytes;
 } fl_cu_counters;
 void fl_cuemu_backend_counters(const fl_backend *be, fl_cu_counters *out);
 /* cuda-emu made after fl_cuemu_set_host_memory(0) states the real GPU's capabilities (FL_CAP_DEVICE_MEMORY, not

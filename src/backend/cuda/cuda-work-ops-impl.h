@@ -201,11 +201,15 @@ static fl_status flb_add_norm_forward16_b16(const fl_backend *be, int ln, float 
                                             void *out16, float *mean, float *rstd, const float *a, const void *b16,
                                             const void *w, const void *bias, fl_dtype wt, int N, int C, float eps) {
     FL_TRY(flb_sticky(be));
-    if (!res16 || !a || !b16 || (out16 && !w) || N < 0 || C <= 0)
+    if (!res16 || !b16 || (out16 && !w) || N < 0 || C <= 0)
         return fl_errorf(FL_ERR_INVALID, "%s add_norm_forward16_b16: %s NULL or a bad shape (N %d, C %d)", FLB_NAME,
-                         !res16 ? "res16" : !a ? "a" : !b16 ? "b16" : out16 && !w ? "w" : "nothing", N, C);
+                         !res16 ? "res16" : !b16 ? "b16" : out16 && !w ? "w" : "nothing", N, C);
+    if (!a && (res16 != b16 || (out16 && ln))) /* a NULL: b16 is the sum already (gemm_res16) */
+        return fl_errorf(FL_ERR_INVALID, "%s add_norm_forward16_b16: a NULL takes res16 == b16 (the stored sum) and "
+                         "RMSNorm (ln %d, res16 %s b16)", FLB_NAME, ln, res16 == b16 ? "==" : "!=");
     if (out16 && wt != FL_F32 && wt != FL_BF16 && wt != FL_F16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s add_norm_forward16_b16: %s norm weight", FLB_NAME, fl_dtype_name(wt));
+    if (!a && !out16 && !res) return FL_OK; /* nothing to add, norm or widen */
     if (!out16) /* the add alone */
         FLB_RUN_S(be, FLB_K(add16_b16)(res, res16, a, b16, (size_t)N * C, STREAM), "add_norm_forward16_b16");
     else

@@ -369,15 +369,19 @@ __global__ static void fl_cu_add_k(float *out, uint16_t *o16, const float *a, co
     if (vec) {
         for (size_t q = t0; q < n / 8; q += S) {
             float x[8], y[8];
-            fl_cu_ld8t(a, FL_F32, 8 * q, x);
             fl_cu_ld8t(b, bt, 8 * q, y);
-            for (int k = 0; k < 8; k++) x[k] = x[k] + y[k];
+            if (a) {
+                fl_cu_ld8t(a, FL_F32, 8 * q, x);
+                for (int k = 0; k < 8; k++) x[k] = x[k] + y[k];
+            } else {
+                for (int k = 0; k < 8; k++) x[k] = y[k];
+            }
             fl_cu_keep16x8(o16, 8 * q, x);
             if (out) fl_cu_st8t(out, FL_F32, 8 * q, x);
         }
         i0 = n / 8 * 8;
     }
-    for (size_t i = i0 + t0; i < n; i += S) fl_cu_put16(out, o16, i, a[i] + elem_t(b, bt, i));
+    for (size_t i = i0 + t0; i < n; i += S) fl_cu_put16(out, o16, i, a ? a[i] + elem_t(b, bt, i) : elem_t(b, bt, i));
 }
 static int add_launch(float *out, uint16_t *o16, const float *a, const void *b, fl_dtype bt, size_t n, void *stream) {
     if (!n) return fl_cu_launch_error();
@@ -406,10 +410,11 @@ extern "C" int FL_CUK(add)(float *out, const float *a, const float *b, size_t n,
 extern "C" int FL_CUK(add16)(float *out, void *out16, const float *a, const float *b, size_t n, void *stream) {
     return add_launch(out, (uint16_t *)out16, a, b, FL_F32, n, stream);
 }
-/* backend.h's add_norm_forward16_b16 without a norm: out (NULL or) and out16 = a + widen(b16) */
+/* backend.h's add_norm_forward16_b16 without a norm: out (NULL or) and out16 = a + widen(b16); a NULL (out16 == b16,
+ * the stored sum a GEMM wrote: gemm_res16): out = widen(b16) alone, the stored rows not written again */
 extern "C" int FL_CUK(add16_b16)(float *out, void *out16, const float *a, const void *b16, size_t n, void *stream) {
-    if (!out16 || !a || !b16) return -1;
-    return add_launch(out, (uint16_t *)out16, a, b16, FL_BF16, n, stream);
+    if (!out16 || !b16 || (!a && (!out || out16 != b16))) return -1;
+    return add_launch(out, a ? (uint16_t *)out16 : NULL, a, b16, FL_BF16, n, stream);
 }
 extern "C" int FL_CUK(scale)(float *x, size_t n, float s, void *stream) {
     if (n) FL_CU_LAUNCH(fl_cu_scale_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, x, n, s);

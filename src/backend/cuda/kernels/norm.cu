@@ -153,7 +153,7 @@ __global__ static void fl_cu_add_rmsnorm16_k(float *res, uint16_t *res16, float 
                                              float eps, int vec, int v4) {
     __shared__ float buf[32];
     const size_t row = blockIdx.x;
-    const float *pa = a + row * C;
+    const float *pa = a ? a + row * C : NULL; /* NULL: no add, b16 holds the sum already (res16 == b16, gemm_res16) */
     const void *pb = row_at(b, bt, row * C);
     float *pr = res ? res + row * C : NULL;
     uint16_t *r16 = res16 + row * C;
@@ -161,7 +161,10 @@ __global__ static void fl_cu_add_rmsnorm16_k(float *res, uint16_t *res16, float 
     if (vec) {
         for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
             float x[4], y[4];
-            if (v4) {
+            if (!pa) { /* the stored sum as it is (exact in fp32: rounding it again is the identity, not written) */
+                nw4(pb, bt, c, x);
+                if (pr) fl_cu_st4(pr + c, x);
+            } else if (v4) {
                 fl_cu_ld4(pa + c, x);
                 nw4(pb, bt, c, y);
                 for (int k = 0; k < 4; k++) x[k] = x[k] + y[k];
@@ -174,7 +177,8 @@ __global__ static void fl_cu_add_rmsnorm16_k(float *res, uint16_t *res16, float 
         }
     } else {
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            const float v = add_keep16(pr, r16, (size_t)c, pa[c], nw(pb, bt, c));
+            const float v = pa ? add_keep16(pr, r16, (size_t)c, pa[c], nw(pb, bt, c)) : nw(pb, bt, c);
+            if (!pa && pr) pr[c] = v;
             ss += v * v;
         }
     }
@@ -477,7 +481,8 @@ extern "C" int FL_CUK(layernorm_forward_w16)(float *out, void *out16, float *mea
 static int add_norm16(int ln, float *res, void *res16, float *out, void *out16, float *mean, float *rstd,
                       const float *a, const void *b, fl_dtype bt, const void *w, const void *bias, fl_dtype wt, int N,
                       int C, float eps, void *stream) {
-    if ((wt != FL_BF16 && wt != FL_F16 && wt != FL_F32) || !res16 || !out16 || !a || !b || !w) return -1;
+    if ((wt != FL_BF16 && wt != FL_F16 && wt != FL_F32) || !res16 || !out16 || !b || !w) return -1;
+    if (!a && (ln || bt != FL_BF16 || res16 != b)) return -1; /* a NULL: RMSNorm of the stored sum b16 (res16 == b16) */
     if (N <= 0 || C <= 0) return 0;
 #if FL_CU_EMULATED
     fl_cu_emu_norm_add_launches++;
@@ -489,7 +494,7 @@ static int add_norm16(int ln, float *res, void *res16, float *out, void *out16, 
     }
     /* the mapping rmsnorm_forward_w16 takes for (out, inp = res, w): its sum order */
     const int vec = C % 4 == 0 && fl_cu_aligned16(out, res, wt == FL_F32 ? w : NULL, NULL, NULL);
-    const int v4 = vec && fl_cu_aligned16(a, b, NULL, NULL, NULL);
+    const int v4 = vec && fl_cu_aligned16(a ? a : res, b, NULL, NULL, NULL);
     FL_CU_LAUNCH(fl_cu_add_rmsnorm16_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0, (fl_cu_stream)stream,
                  res, (uint16_t *)res16, out, (uint16_t *)out16, rstd, a, b, (int)bt, w, (int)wt, C, eps, vec, v4);
     return fl_cu_launch_error();

@@ -118,6 +118,7 @@ static cublasStatus_t lt_plan_create(fl_cu_blas *b, const fl_cu_gemm_desc *d, lt
      * often sub-views (a head, a row offset) */
     uint64_t ws = b->workspace_bytes;
     uint32_t al_a = fl_cu_gemm_align_of(d->A), al_b = fl_cu_gemm_align_of(d->B), al_c = fl_cu_gemm_align_of(d->C);
+    uint32_t al_d = d->D ? fl_cu_gemm_align_of(d->D) : al_c; /* a D apart from C (gemm_res16): C's layout */
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
     if (st == CUBLAS_STATUS_SUCCESS)
@@ -127,7 +128,7 @@ static cublasStatus_t lt_plan_create(fl_cu_blas *b, const fl_cu_gemm_desc *d, lt
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c);
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c);
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d);
     *found = 0;
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatmulAlgoGetHeuristic(b->lt, q->op, q->la, q->lb, q->lc, q->lc, pref, n_req, heur, found);
@@ -158,8 +159,9 @@ fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d) {
         if (st == CUBLAS_STATUS_SUCCESS) fl_cu_gemm_cache_put(&b->plans, &key, q);
     }
     if (st == CUBLAS_STATUS_SUCCESS && d->epilogue != FL_CU_EPI_NONE) st = lt_epilogue(q->op, d, 0);
+    void *out = d->D ? d->D : d->C; /* D: C's layout (q->lc), the sum written apart from C (gemm_res16) */
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmul(b->lt, q->op, &d->alpha, d->A, q->la, d->B, q->lb, &d->beta, d->C, q->lc, d->C, q->lc,
+        st = cublasLtMatmul(b->lt, q->op, &d->alpha, d->A, q->la, d->B, q->lb, &d->beta, d->C, q->lc, out, q->lc,
                             &q->algo, b->workspace, b->workspace_bytes, (cudaStream_t)b->stream);
     if (st != CUBLAS_STATUS_SUCCESS)
         return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt matmul m=%d n=%d k=%d (%s,%s,%s) batch %d%s: %s", d->m, d->n,
@@ -192,8 +194,8 @@ fl_status fl_cu_gemm_cublaslt_bench(void *ctx, const fl_cu_gemm_desc *d, int rep
         if (d->epilogue != FL_CU_EPI_NONE) st = lt_epilogue(q->op, d, 0);
         for (int r = -1; st == CUBLAS_STATUS_SUCCESS && r < reps; r++) { /* r = -1: the warm-up */
             if (r == 0) ce = cudaEventRecord(e0, s);
-            st = cublasLtMatmul(b->lt, q->op, &d->alpha, d->A, q->la, d->B, q->lb, &d->beta, d->C, q->lc, d->C, q->lc,
-                                &heur[a].algo, b->workspace, b->workspace_bytes, s);
+            st = cublasLtMatmul(b->lt, q->op, &d->alpha, d->A, q->la, d->B, q->lb, &d->beta, d->C, q->lc,
+                                d->D ? d->D : d->C, q->lc, &heur[a].algo, b->workspace, b->workspace_bytes, s);
         }
         float ms = 0;
         if (st == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess) ce = cudaEventRecord(e1, s);
