@@ -381,7 +381,8 @@ static fl_status residual_add(const fl_model *m, const fl_block_graph *g, const 
             *x->hand_on = (fl_add_pending){1, N, (int)wo, out, o16, NULL, NULL, o16};
             return FL_OK;
         }
-        return FL_RUN(be, add_norm_forward16_b16, 0, out, o16, NULL, NULL, NULL, NULL, NULL, o16, NULL, NULL, FL_F32,
+        if (!res) return FL_OK; /* its fp32 view is overwritten before any read: nothing to widen */
+        return FL_RUN(be, add_norm_forward16_b16, 0, res, o16, NULL, NULL, NULL, NULL, NULL, o16, NULL, NULL, FL_F32,
                       N, (int)wo, 0.0f);
     }
     const void *b16 = x->stream16 >> o->in & 1u && be->add_norm_forward16_b16 ? x->s16[o->in] : NULL;
