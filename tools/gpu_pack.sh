@@ -13,7 +13,7 @@ if [ ! -f "$B/CMakeCache.txt" ]; then
     cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release -DFL_CUDA=ON -DFL_CUDA_ARCHS=90 -DFL_NCCL=OFF -DFL_MPI=OFF \
         -DFL_NATIVE=OFF >/dev/null
 fi
-cmake --build "$B" -j2 --target fitllm fitllm_cuda_plugin fitllm_cuda_check >/dev/null
+cmake --build "$B" -j2 --target fitllm_cli fitllm_cuda_plugin fitllm_cuda_check >/dev/null
 rm -rf .gpupack && mkdir -p .gpupack/bin .gpupack/stage
 for f in fitllm libfitllm_cuda.so fitllm_cuda_check; do
     [ -f "$B/$f" ] || { echo "gpu_pack: $B/$f was not built" >&2; exit 1; }

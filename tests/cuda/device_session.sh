@@ -19,6 +19,11 @@ for f in "$LIB"/*; do
     if ldconfig -p | grep -q "/$n\$"; then rm -f "$f"; fi
 done
 export LD_LIBRARY_PATH="$LIB:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# cuDNN for the attention (opened at run time): the system's, else the one inside PyTorch's wheel (as perf_session.sh)
+if ! ldconfig -p | grep -q 'libcudnn.so.9' && [ -z "${FITLLM_CUDNN_LIB:-}" ]; then
+    D=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
+    [ -n "$D" ] && [ -f "$D/libcudnn.so.9" ] && export LD_LIBRARY_PATH="$D${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 {
     date -u; nvidia-smi; lscpu | grep -m1 'Model name'; echo "libraries taken from the pack: $(ls "$LIB" | tr '\n' ' ')"
     ldd "$PACK/bin/fitllm" | grep 'not found' || echo "ldd: nothing missing"
@@ -30,10 +35,11 @@ bench=--bench
 [ "${1:-}" = "--quick" ] && bench=
 # shellcheck disable=SC2086
 timeout 420 tests/cuda/gpu_check_all.sh "$PACK/bin" $bench >"$OUT/gpu_check.log" 2>&1
-echo "gpu_check_all exit $?" >>"$OUT/gpu_check.log"
+echo "gpu_check_all exit $? after ${SECONDS} s of the session" >>"$OUT/gpu_check.log"
 tail -40 "$OUT/gpu_check.log"
 if [ -n "$bench" ] && "$PACK/bin/fitllm" bench-step --help 2>&1 | grep -q -- '--profile'; then
     timeout 120 "$PACK/bin/fitllm" bench-step tinyllama-1.1b --accelerator cuda --precision bf16-true --micro-batch 4 \
         --seq 2048 --steps 5 --warmup 2 --profile >"$OUT/profile.log" 2>&1
     tail -30 "$OUT/profile.log"
 fi
+echo "device_session: done after ${SECONDS} s" | tee -a "$OUT/env.txt"

@@ -19,7 +19,9 @@ BENCH=0
 [ "${2:-}" = "--bench" ] && BENCH=1
 F=$BUILD/fitllm
 T=$(mktemp -d /tmp/fitllm-gpu-XXXXXX)
-trap 'rm -rf "$T"' EXIT
+# the logs come back with the device tool's $OUT (a failure on a lent GPU must be readable afterwards: its time is short)
+keep_logs() { if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/gpu_check_logs" && cp "$T"/*.log "$OUT/gpu_check_logs/" 2>/dev/null; fi; rm -rf "$T"; }
+trap keep_logs EXIT
 fail=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || { echo "skip: no nvidia-smi"; exit 0; }
 "$F" --version | grep -i cuda
@@ -92,5 +94,5 @@ if [ $BENCH = 1 ]; then
         fi
     done
 fi
-[ $fail = 0 ] && echo "gpu_check_all: every check passed" || echo "gpu_check_all: FAILED (logs were in $T)"
+[ $fail = 0 ] && echo "gpu_check_all: every check passed" || echo "gpu_check_all: FAILED (logs: ${OUT:+$OUT/gpu_check_logs, }$T while it ran)"
 exit $fail
