@@ -18,15 +18,17 @@ static size_t up256(size_t b) { return (b + 255) / 256 * 256; }
 
 FL_TEST(cudnn_sdpa_scratch_bytes_counts) {
     /* B 1, T 7, NH 3, NKV 1, HD 64: q-sized copies 1*7*3*64*2 = 2688 -> 2816 bytes, k-sized 896 -> 1024; the
-     * backward's q o dO dQ | k v dK dV, then an fp32 dQ-sized allowance 7*3*64*4 = 5376 */
-    FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 64) == 4 * 2816 + 4 * 1024 + 5376);
+     * backward's q o dO dQ | k v dK dV, the graph's fp32 dQ accumulator 7*3*64*4 = 5376 bytes, then an allowance
+     * of the same size for the plan's own workspace */
+    FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 64) == 4 * 2816 + 4 * 1024 + 2 * 5376);
     FL_CHECK(fl_cudnn_sdpa_scratch_bytes(2, 33, 8, 2, 128) ==
-             4 * up256(2 * 33 * 8 * 128 * 2) + 4 * up256(2 * 33 * 2 * 128 * 2) + up256(2 * 33 * 8 * 128 * 4));
+             4 * up256(2 * 33 * 8 * 128 * 2) + 4 * up256(2 * 33 * 2 * 128 * 2) + 2 * up256(2 * 33 * 8 * 128 * 4));
     FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 80) == 0); /* shapes cuDNN's graphs are not asked for */
     FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 2, 64) == 0);
     fl_attn_desc a = {.B = 1, .Tq = 5, .Tk = 9, .NH = 4, .NKV = 2, .HD = 64};
     FL_CHECK(fl_cudnn_sdpa_copy_bytes(&a, 0) == 2 * up256(5 * 4 * 64 * 2) + 2 * up256(9 * 2 * 64 * 2));
     FL_CHECK(fl_cudnn_sdpa_copy_bytes(&a, 1) == 4 * up256(5 * 4 * 64 * 2) + 4 * up256(9 * 2 * 64 * 2));
+    FL_CHECK(fl_cudnn_sdpa_dqacc_bytes(&a) == up256(5 * 4 * 64 * 4));
 }
 
 /* A plan for a GPU on this machine counts cuDNN's copies exactly when the backend would load cuDNN here. */

@@ -108,7 +108,7 @@ FL_TEST(cudnn_refuse_and_layout) {
 
 /* ---- injected functions: descriptors that record what is set on them -------------------------- */
 typedef struct {
-    int type, dt, virt, byval, fin;
+    int type, dt, virt, byval, fin, mode, prec, redop;
     int64_t uid, dim[4], stride[4], nuid;
     int64_t uids[16];
     void *ptrs[16];
@@ -135,6 +135,9 @@ static int fk_set(void *d, int name, int type, int64_t n, const void *v) {
     fk_desc *x = d;
     (void)type;
     if (name == CUDNN_ATTR_TENSOR_DATA_TYPE) x->dt = *(const int *)v;
+    if (name == CUDNN_ATTR_POINTWISE_MODE) x->mode = *(const int *)v;
+    if (name == CUDNN_ATTR_POINTWISE_MATH_PREC) x->prec = *(const int *)v;
+    if (name == CUDNN_ATTR_REDUCTION_OPERATOR) x->redop = *(const int *)v;
     if (name == CUDNN_ATTR_TENSOR_DIMENSIONS && n == 4) memcpy(x->dim, v, 32);
     if (name == CUDNN_ATTR_TENSOR_STRIDES && n == 4) memcpy(x->stride, v, 32);
     if (name == CUDNN_ATTR_TENSOR_UNIQUE_ID) x->uid = *(const int64_t *)v;
@@ -190,13 +193,14 @@ FL_TEST(cudnn_graph_injected) {
     void *ptr[FL_CUDNN_UID_COUNT] = {0};
     for (int u = 1; u < FL_CUDNN_UID_COUNT; u++) ptr[u] = (void *)(uintptr_t)(0x1000 * u);
     FL_CHECK(fl_cudnn_plan_run(&api, (void *)0x1, p, ptr, (void *)0x99) == 0);
-    FL_CHECK(fk_last_pack.nuid == 12 && fk_last_pack.ws == (void *)0x99);
+    FL_CHECK(fk_last_pack.nuid == 14 && fk_last_pack.ws == (void *)0x99);
     int seen = 0;
     for (int i = 0; i < fk_last_pack.nuid; i++) {
         int64_t u = fk_last_pack.uids[i];
         seen |= 1 << u;
         if (u == FL_CUDNN_UID_SCALE) FL_CHECK(*(const float *)fk_last_pack.ptrs[i] == 0.125f);
         else if (u == FL_CUDNN_UID_NEG) FL_CHECK(*(const float *)fk_last_pack.ptrs[i] < -1e38f);
+        else if (u == FL_CUDNN_UID_ONE) FL_CHECK(*(const float *)fk_last_pack.ptrs[i] == 1.0f);
         else FL_CHECK(fk_last_pack.ptrs[i] == ptr[u]);
     }
     FL_CHECK(seen == ((1 << FL_CUDNN_UID_COUNT) - 2)); /* every uid 1..COUNT-1 once */
@@ -220,18 +224,24 @@ FL_TEST(cudnn_graph_tensors) {
     fl_cudnn_plan *p = NULL;
     fk_keep = 1;
     FL_REQUIRE(fl_cudnn_sdpa_build(&api, NULL, &L, 1, &p, why, sizeof why) == 0 && !p);
+    /* K and V enter the backward as K^T and V^T: their own memory with the last two dims and strides swapped (what
+     * cuDNN's pattern takes, not a reshape); the fp32 dQ accumulator packed (b, h, s, d) */
+    fl_cudnn_t4 kt = L.k, vt = L.v, acc = {{2, 6, 40, 128}, {6 * 40 * 128, 40 * 128, 128, 1}};
+    kt.dim[2] = L.k.dim[3], kt.dim[3] = L.k.dim[2], kt.stride[2] = L.k.stride[3], kt.stride[3] = L.k.stride[2];
+    vt.dim[2] = L.v.dim[3], vt.dim[3] = L.v.dim[2], vt.stride[2] = L.v.stride[3], vt.stride[3] = L.v.stride[2];
     const struct { int64_t uid; const fl_cudnn_t4 *t; int dt; } want[] = {
-        {FL_CUDNN_UID_Q, &L.q, 9}, {FL_CUDNN_UID_K, &L.k, 9}, {FL_CUDNN_UID_V, &L.v, 9}, {FL_CUDNN_UID_O, &L.o, 9},
+        {FL_CUDNN_UID_Q, &L.q, 9}, {FL_CUDNN_UID_K, &kt, 9}, {FL_CUDNN_UID_V, &vt, 9}, {FL_CUDNN_UID_O, &L.o, 9},
         {FL_CUDNN_UID_DO, &L.o, 9}, {FL_CUDNN_UID_DQ, &L.q, 9}, {FL_CUDNN_UID_DK, &L.k, 9},
-        {FL_CUDNN_UID_DV, &L.v, 9}, {FL_CUDNN_UID_STATS, &L.stats, 0}, {FL_CUDNN_UID_DSUM, &L.stats, 0}};
+        {FL_CUDNN_UID_DV, &L.v, 9}, {FL_CUDNN_UID_STATS, &L.stats, 0}, {FL_CUDNN_UID_DSUM, &L.stats, 0},
+        {FL_CUDNN_UID_DQACC, &acc, 0}};
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         const fk_desc *t = fk_tensor(want[i].uid);
         FL_CHECKF(t && !t->virt && t->fin && t->dt == want[i].dt && !memcmp(t->dim, want[i].t->dim, 32) &&
                       !memcmp(t->stride, want[i].t->stride, 32),
                   "tensor uid %lld", (long long)want[i].uid);
     }
-    const fk_desc *sc = fk_tensor(FL_CUDNN_UID_SCALE), *ng = fk_tensor(FL_CUDNN_UID_NEG);
-    FL_CHECK(sc && sc->byval && ng && ng->byval && sc->dt == 0);
+    const fk_desc *sc = fk_tensor(FL_CUDNN_UID_SCALE), *ng = fk_tensor(FL_CUDNN_UID_NEG), *on = fk_tensor(FL_CUDNN_UID_ONE);
+    FL_CHECK(sc && sc->byval && ng && ng->byval && sc->dt == 0 && on && on->byval && on->dt == 0);
     /* grouped heads (6 / 3): dK, dV summed from full-head virtual tensors by a reduction each */
     int red = 0;
     for (int i = 0; i < fk_ndesc; i++) red += fk_all[i]->type == CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR;
@@ -239,6 +249,69 @@ FL_TEST(cudnn_graph_tensors) {
     fk_keep = 0;
     while (fk_ndesc) fk_destroy(fk_all[fk_ndesc - 1]);
     fk_live = 0;
+}
+
+/* The node sequence against cuDNN's own frontend: cuDNN's fused flash engines match their graph node for node
+ * (ours, equivalent but written differently, got "no engine for the graph" on an H200 with cuDNN 9.19). The
+ * expected sequences are the backend graphs cudnn-frontend built for PyTorch 2.11's sdpa (cuDNN backend, causal,
+ * bf16, heads not grouped) on that machine, dumped with CUDNN_LOGLEVEL_DBG=3: each operation in order, pointwise
+ * ops by mode ("cmp_ge" with a boolean math precision, every other pointwise op fp32). */
+static void fk_sequence(char *out, size_t n) {
+    size_t k = 0;
+    out[0] = '\0';
+    for (int i = 0; i < fk_ndesc && k < n; i++) {
+        const fk_desc *d = fk_all[i];
+        const char *t = NULL;
+        char b[32], c[48];
+        if (d->type == CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR) t = "matmul";
+        else if (d->type == CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR) t = "reshape";
+        else if (d->type == CUDNN_BACKEND_REDUCTION_DESCRIPTOR) t = d->redop == CUDNN_REDUCE_TENSOR_MAX ? "max" : "sum";
+        else if (d->type == CUDNN_BACKEND_POINTWISE_DESCRIPTOR) {
+            static const struct { int mode; const char *name; } m[] = {
+                {CUDNN_POINTWISE_ADD, "add"}, {CUDNN_POINTWISE_MUL, "mul"}, {CUDNN_POINTWISE_SUB, "sub"},
+                {CUDNN_POINTWISE_DIV, "div"}, {CUDNN_POINTWISE_EXP, "exp"}, {CUDNN_POINTWISE_LOG, "log"},
+                {CUDNN_POINTWISE_IDENTITY, "identity"}, {CUDNN_POINTWISE_GEN_INDEX, "index"},
+                {CUDNN_POINTWISE_CMP_GE, "cmp_ge"}, {CUDNN_POINTWISE_BINARY_SELECT, "select"}};
+            snprintf(b, sizeof b, "mode%d", d->mode);
+            t = b;
+            for (size_t j = 0; j < sizeof m / sizeof m[0]; j++)
+                if (m[j].mode == d->mode) t = m[j].name;
+            const int want = d->mode == CUDNN_POINTWISE_CMP_GE ? CUDNN_DATA_BOOLEAN : CUDNN_DATA_FLOAT;
+            if (d->prec != want) snprintf(c, sizeof c, "%s(prec %d)", t, d->prec), t = c;
+        }
+        if (t) k += (size_t)snprintf(out + k, n - k, "%s%s", k ? " " : "", t);
+    }
+}
+FL_TEST(cudnn_graph_follows_frontend) {
+    fl_cudnn_api api = {0};
+    api.error_string = fk_err, api.be_create = fk_create, api.be_destroy = fk_destroy_keep, api.be_set = fk_set;
+    api.be_get = fk_get, api.be_finalize = fk_fin, api.be_execute = fk_exec;
+    static const char *const want[2] = {
+        "matmul mul index index cmp_ge select max sub exp sum log add div matmul",
+        "matmul matmul mul reshape mul sub index index cmp_ge select exp reshape matmul sum mul sub mul mul matmul "
+        "identity reshape matmul"};
+    for (int bwd = 0; bwd < 2; bwd++) {
+        fl_attn_desc a = desc(4, 64, 64, 8, 8, 64, 1);
+        fl_cudnn_sdpa_layout L;
+        fl_cudnn_sdpa_layout_of(&a, FL_BF16, &L);
+        char why[256], seq[512];
+        fl_cudnn_plan *p = NULL;
+        fk_keep = 1;
+        FL_REQUIRE(fl_cudnn_sdpa_build(&api, NULL, &L, bwd, &p, why, sizeof why) == 0 && !p);
+        fk_sequence(seq, sizeof seq);
+        FL_CHECKF(!strcmp(seq, want[bwd]), "%s graph:\n  got  %s\n  want %s", bwd ? "backward" : "forward", seq,
+                  want[bwd]);
+        /* the matmuls' K^T (forward and backward) and V^T (backward) are the non-virtual K and V, never a reshape */
+        int reshaped_kv = 0;
+        for (int i = 0; i < fk_ndesc; i++)
+            if (fk_all[i]->type == CUDNN_BACKEND_TENSOR_DESCRIPTOR && fk_all[i]->virt && fk_all[i]->dim[2] == 64 &&
+                fk_all[i]->dim[3] == 64 && fk_all[i]->stride[2] == 1 && fk_all[i]->stride[3] == 8 * 64)
+                reshaped_kv++; /* a virtual (b, h, d, s) view with K's row stride: a reshaped K^T */
+        FL_CHECK(reshaped_kv == 0);
+        fk_keep = 0;
+        while (fk_ndesc) fk_destroy(fk_all[fk_ndesc - 1]);
+        fk_live = 0;
+    }
 }
 
 /* the real library, where installed: every descriptor short of the operation graph finalized by cuDNN */

@@ -184,7 +184,8 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
     if (!p) return 0;
     const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
     const size_t bq = flb_al256((size_t)rq * cq * 2), bk = flb_al256((size_t)rk * ck * 2);
-    const size_t used = fl_cudnn_sdpa_copy_bytes(a, 1); /* 4 bq + 4 bk: q o do dq | k v dk dv */
+    /* 4 bq + 4 bk: q o do dq | k v dk dv, then the fp32 dQ accumulator */
+    const size_t copies = fl_cudnn_sdpa_copy_bytes(a, 1), used = copies + fl_cudnn_sdpa_dqacc_bytes(a);
     char *buf = flb_dnn_buf(be, used + fl_cudnn_plan_workspace(p));
     if (!buf) return (*st = flb_sticky(be)), 1;
     void *ptr[FL_CUDNN_UID_COUNT] = {0};
@@ -198,11 +199,14 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
     ptr[FL_CUDNN_UID_DV] = buf + 4 * bq + 3 * bk;
     ptr[FL_CUDNN_UID_STATS] = (void *)lse;
     ptr[FL_CUDNN_UID_DSUM] = work; /* rowsum(dO * O), B*NH*Tq floats: the op's work area */
+    ptr[FL_CUDNN_UID_DQACC] = buf + copies;
     int rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, it, a->ldq, rq, cq, STREAM);
     if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, out, it, a->ldo, rq, cq, STREAM);
     if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_DO], FL_BF16, (size_t)cq, dout, FL_F32, a->ldo, rq, cq, STREAM);
     if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, it, a->ldk, rk, ck, STREAM);
     if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, it, a->ldv, rk, ck, STREAM);
+    if (!rc && fl_cudnn_dqacc_needs_zero(im->dnn->api.version)) /* cuDNN < 9.6: the accumulator starts at 0 */
+        rc = flb_memset(ptr[FL_CUDNN_UID_DQACC], 0, fl_cudnn_sdpa_dqacc_bytes(a), STREAM);
     if (rc) return (*st = flb_attn_status(be, rc, "attention_backward (cuDNN)")), 1;
     int s = fl_cudnn_plan_run(&im->dnn->api, im->dnn->handle, p, ptr, buf + used);
     if (s) {

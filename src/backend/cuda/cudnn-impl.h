@@ -81,6 +81,8 @@ static inline int fl_cudnn_attn_wants(int choice) {
 enum {
     FL_CUDNN_UID_Q = 1, FL_CUDNN_UID_K, FL_CUDNN_UID_V, FL_CUDNN_UID_O, FL_CUDNN_UID_STATS, FL_CUDNN_UID_SCALE,
     FL_CUDNN_UID_NEG, FL_CUDNN_UID_DO, FL_CUDNN_UID_DQ, FL_CUDNN_UID_DK, FL_CUDNN_UID_DV, FL_CUDNN_UID_DSUM,
+    FL_CUDNN_UID_DQACC, /* backward: dQ accumulated in fp32, (B, NH, Tq, HD) packed: fl_cudnn_sdpa_dqacc_bytes */
+    FL_CUDNN_UID_ONE,   /* backward: a by-value 1 (the softmax-sum's dropout scale, as cuDNN's pattern has it) */
     FL_CUDNN_UID_COUNT
 };
 
@@ -109,6 +111,10 @@ const char *fl_cudnn_sdpa_refuse(const fl_attn_desc *a, const float *bias, const
 /* The backend's cuDNN buffer for one call (cuda-cudnn-impl.h): the bf16 copies, each 256-aligned (forward q k v o;
  * backward q o dO dQ k v dK dV), before cuDNN's workspace. */
 size_t fl_cudnn_sdpa_copy_bytes(const fl_attn_desc *a, int backward);
+/* The backward graph's fp32 dQ accumulator (FL_CUDNN_UID_DQACC): B * NH * Tq * HD floats, 256-aligned; cuDNN
+ * before 9.6.0 needs it zeroed before each run (fl_cudnn_dqacc_needs_zero), later versions initialize it. */
+size_t fl_cudnn_sdpa_dqacc_bytes(const fl_attn_desc *a);
+static inline int fl_cudnn_dqacc_needs_zero(size_t version) { return version < 90600; }
 /* fl_backend.attn_scratch_bytes of the cuda backend with cuDNN: a model's causal self-attention (B, T, NH, NKV,
  * HD) lends the backward's copies (the larger) plus an allowance for cuDNN's workspace, an fp32 array of dQ's
  * size (FlashAttention-2-style backward engines accumulate dQ in fp32). An estimate until timed on a GPU: a plan

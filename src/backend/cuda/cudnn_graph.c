@@ -21,7 +21,7 @@ struct fl_cudnn_plan {
     void *plan;       /* CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR */
     size_t workspace; /* bytes */
     int backward, causal;
-    float scale, lowest; /* the by-value scalars' host values */
+    float scale, lowest, one; /* the by-value scalars' host values */
 };
 
 /* one graph being built: every descriptor made (freed at the end), the operation nodes in order, and
@@ -118,7 +118,8 @@ static void gb_matmul(gb *g, void *a, void *b, void *c, const char *what) {
 }
 /* y = mode(x[, b[, t]]); axis >= 0: GEN_INDEX's axis */
 static void gb_pw(gb *g, cudnnPointwiseMode_t mode, void *x, void *b, void *t, void *y, int64_t axis, const char *what) {
-    cudnnDataType_t f = CUDNN_DATA_FLOAT;
+    /* the compare's math precision is boolean, everything else fp32: what cuDNN's pattern matcher expects */
+    cudnnDataType_t f = mode == CUDNN_POINTWISE_CMP_GE ? CUDNN_DATA_BOOLEAN : CUDNN_DATA_FLOAT;
     void *p = gb_new(g, CUDNN_BACKEND_POINTWISE_DESCRIPTOR, what);
     gb_set(g, p, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode, what);
     gb_set(g, p, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &f, what);
@@ -144,11 +145,15 @@ static void gb_reduce(gb *g, cudnnReduceTensorOp_t how, void *x, void *y, const 
     gb_set(g, op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &r, what);
     gb_op(g, op, what);
 }
-/* y: x's last two dims swapped (a view: the same memory, strides swapped) */
+/* t with its last two dims and strides swapped */
+static fl_cudnn_t4 t4_swap(const fl_cudnn_t4 *t) {
+    fl_cudnn_t4 r = {{t->dim[0], t->dim[1], t->dim[3], t->dim[2]}, {t->stride[0], t->stride[1], t->stride[3], t->stride[2]}};
+    return r;
+}
+/* y (virtual, of type dt): x's last two dims swapped by a reshape node (xt: x's dims and strides) */
 static void *gb_transpose(gb *g, void *x, cudnnDataType_t dt, const fl_cudnn_t4 *xt, const char *what) {
-    int64_t dim[4] = {xt->dim[0], xt->dim[1], xt->dim[3], xt->dim[2]};
-    int64_t str[4] = {xt->stride[0], xt->stride[1], xt->stride[3], xt->stride[2]};
-    void *y = gb_tensor(g, 0, dt, dim, str, 0, what);
+    const fl_cudnn_t4 yt = t4_swap(xt);
+    void *y = gb_tensor(g, 0, dt, yt.dim, yt.stride, 0, what);
     void *op = gb_new(g, CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, what);
     gb_set(g, op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x, what);
     gb_set(g, op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y, what);
@@ -160,30 +165,28 @@ static fl_cudnn_t4 packed(int64_t b, int64_t h, int64_t r, int64_t c) {
     return t;
 }
 
-/* S = mask(scale * Q.K^T), fp32 (b, h, sq, skv): the part both graphs share */
-static void *gb_scores(gb *g, const fl_cudnn_sdpa_layout *L, void *q, void *k, void *scale, void *lowest) {
-    const int64_t B = L->q.dim[0], H = L->q.dim[1], SQ = L->q.dim[2], SK = L->k.dim[2];
-    void *kt = gb_transpose(g, k, (cudnnDataType_t)L->io_dtype, &L->k, "reshape K^T");
-    void *s = gb_virt(g, CUDNN_DATA_FLOAT, B, H, SQ, SK, "tensor S");
-    gb_matmul(g, q, kt, s, "matmul S = Q.K^T");
-    void *ss = gb_virt(g, CUDNN_DATA_FLOAT, B, H, SQ, SK, "tensor S*scale");
-    gb_pw(g, CUDNN_POINTWISE_MUL, s, scale, NULL, ss, -1, "pointwise S*scale");
-    if (!L->causal) return ss;
-    void *row = gb_virt(g, CUDNN_DATA_INT32, B, H, SQ, SK, "tensor row index");
+/* the causal mask on x (b, h, sq, skv) fp32: (row >= col) ? x : lowest */
+static void *gb_causal(gb *g, void *x, int64_t B, int64_t H, int64_t SQ, int64_t SK, void *lowest) {
     void *col = gb_virt(g, CUDNN_DATA_INT32, B, H, SQ, SK, "tensor column index");
+    void *row = gb_virt(g, CUDNN_DATA_INT32, B, H, SQ, SK, "tensor row index");
     void *keep = gb_virt(g, CUDNN_DATA_BOOLEAN, B, H, SQ, SK, "tensor causal mask");
-    void *sm = gb_virt(g, CUDNN_DATA_FLOAT, B, H, SQ, SK, "tensor masked S");
-    gb_pw(g, CUDNN_POINTWISE_GEN_INDEX, ss, NULL, NULL, row, 2, "pointwise row index");
-    gb_pw(g, CUDNN_POINTWISE_GEN_INDEX, ss, NULL, NULL, col, 3, "pointwise column index");
+    void *y = gb_virt(g, CUDNN_DATA_FLOAT, B, H, SQ, SK, "tensor masked S");
+    gb_pw(g, CUDNN_POINTWISE_GEN_INDEX, x, NULL, NULL, col, 3, "pointwise column index");
+    gb_pw(g, CUDNN_POINTWISE_GEN_INDEX, x, NULL, NULL, row, 2, "pointwise row index");
     gb_pw(g, CUDNN_POINTWISE_CMP_GE, row, col, NULL, keep, -1, "pointwise row >= column");
-    gb_pw(g, CUDNN_POINTWISE_BINARY_SELECT, ss, lowest, keep, sm, -1, "pointwise causal select");
-    return sm;
+    gb_pw(g, CUDNN_POINTWISE_BINARY_SELECT, x, lowest, keep, y, -1, "pointwise causal select");
+    return y;
 }
 
-static void gb_forward(gb *g, const fl_cudnn_sdpa_layout *L, void *q, void *k, void *v, void *scale, void *lowest) {
+/* kt, vt: the non-virtual K^T / V^T views; s_*: what both graphs name alike */
+static void gb_forward(gb *g, const fl_cudnn_sdpa_layout *L, void *q, void *kt, void *v, void *scale, void *lowest) {
     const cudnnDataType_t io = (cudnnDataType_t)L->io_dtype, f = CUDNN_DATA_FLOAT;
     const int64_t B = L->q.dim[0], H = L->q.dim[1], SQ = L->q.dim[2], SK = L->k.dim[2];
-    void *s = gb_scores(g, L, q, k, scale, lowest);
+    void *s0 = gb_virt(g, f, B, H, SQ, SK, "tensor S");
+    gb_matmul(g, q, kt, s0, "matmul S = Q.K^T");
+    void *s = gb_virt(g, f, B, H, SQ, SK, "tensor S*scale");
+    gb_pw(g, CUDNN_POINTWISE_MUL, s0, scale, NULL, s, -1, "pointwise S*scale");
+    if (L->causal) s = gb_causal(g, s, B, H, SQ, SK, lowest);
     void *m = gb_virt(g, f, B, H, SQ, 1, "tensor row max");
     gb_reduce(g, CUDNN_REDUCE_TENSOR_MAX, s, m, "reduction row max");
     void *d = gb_virt(g, f, B, H, SQ, SK, "tensor S - max");
@@ -202,55 +205,64 @@ static void gb_forward(gb *g, const fl_cudnn_sdpa_layout *L, void *q, void *k, v
     gb_matmul(g, p, v, o, "matmul O = P.V");
 }
 
-/* out (b, hk, s, d) = the sum over each group of NH/NKV heads of full (b, h, s, d), or full itself */
-static void *gb_grouped(gb *g, const fl_cudnn_sdpa_layout *L, int64_t uid, const fl_cudnn_t4 *t, const char *what) {
+/* out (b, hk, s, d) = at . b: directly when the heads are not grouped, else through a full-head 16-bit tensor
+ * summed over each group of NH/NKV heads by a reduction (the frontend's dK / dV "fullhead") */
+static void gb_matmul_grouped(gb *g, const fl_cudnn_sdpa_layout *L, void *at, void *b, int64_t uid,
+                              const fl_cudnn_t4 *t, const char *what) {
     const cudnnDataType_t io = (cudnnDataType_t)L->io_dtype;
-    if (L->q.dim[1] == t->dim[1]) return gb_t4(g, uid, io, t, what);
-    return gb_virt(g, CUDNN_DATA_FLOAT, t->dim[0], L->q.dim[1], t->dim[2], t->dim[3], what);
-}
-static void gb_group_sum(gb *g, const fl_cudnn_sdpa_layout *L, void *full, int64_t uid, const fl_cudnn_t4 *t,
-                         const char *what) {
-    if (L->q.dim[1] == t->dim[1]) return;
-    void *out = gb_t4(g, uid, (cudnnDataType_t)L->io_dtype, t, what);
-    gb_reduce(g, CUDNN_REDUCE_TENSOR_ADD, full, out, what);
+    if (L->q.dim[1] == t->dim[1]) {
+        gb_matmul(g, at, b, gb_t4(g, uid, io, t, what), what);
+        return;
+    }
+    void *full = gb_virt(g, io, t->dim[0], L->q.dim[1], t->dim[2], t->dim[3], what);
+    gb_matmul(g, at, b, full, what);
+    gb_reduce(g, CUDNN_REDUCE_TENSOR_ADD, full, gb_t4(g, uid, io, t, what), what);
 }
 
-static void gb_backward(gb *g, const fl_cudnn_sdpa_layout *L, void *q, void *k, void *v, void *scale, void *lowest) {
+static void gb_backward(gb *g, const fl_cudnn_sdpa_layout *L, void *q, void *kt, void *vt, void *scale, void *lowest,
+                        void *one) {
     const cudnnDataType_t io = (cudnnDataType_t)L->io_dtype, f = CUDNN_DATA_FLOAT;
     const int64_t B = L->q.dim[0], H = L->q.dim[1], SQ = L->q.dim[2], SK = L->k.dim[2], D = L->q.dim[3];
     void *o = gb_t4(g, FL_CUDNN_UID_O, io, &L->o, "tensor O");
     void *dout = gb_t4(g, FL_CUDNN_UID_DO, io, &L->o, "tensor dO");
     void *stats = gb_t4(g, FL_CUDNN_UID_STATS, f, &L->stats, "tensor stats");
-    void *dsum = gb_t4(g, FL_CUDNN_UID_DSUM, f, &L->stats, "tensor Dsum");
-    void *doo = gb_virt(g, f, B, H, SQ, D, "tensor dO*O");
-    gb_pw(g, CUDNN_POINTWISE_MUL, dout, o, NULL, doo, -1, "pointwise dO*O");
-    gb_reduce(g, CUDNN_REDUCE_TENSOR_ADD, doo, dsum, "reduction Dsum");
-    void *s = gb_scores(g, L, q, k, scale, lowest);
-    void *d = gb_virt(g, f, B, H, SQ, SK, "tensor S - stats");
-    gb_pw(g, CUDNN_POINTWISE_SUB, s, stats, NULL, d, -1, "pointwise S - stats");
-    void *p = gb_virt(g, f, B, H, SQ, SK, "tensor P");
-    gb_pw(g, CUDNN_POINTWISE_EXP, d, NULL, NULL, p, -1, "pointwise P = exp");
-    const fl_cudnn_t4 ps = packed(B, H, SQ, SK);
-    void *pt = gb_transpose(g, p, f, &ps, "reshape P^T");
-    void *dvf = gb_grouped(g, L, FL_CUDNN_UID_DV, &L->v, "tensor dV");
-    gb_matmul(g, pt, dout, dvf, "matmul dV = P^T.dO");
-    gb_group_sum(g, L, dvf, FL_CUDNN_UID_DV, &L->v, "reduction dV over the group");
-    void *vt = gb_transpose(g, v, io, &L->v, "reshape V^T");
     void *dp = gb_virt(g, f, B, H, SQ, SK, "tensor dP");
     gb_matmul(g, dout, vt, dp, "matmul dP = dO.V^T");
-    void *dpd = gb_virt(g, f, B, H, SQ, SK, "tensor dP - Dsum");
-    gb_pw(g, CUDNN_POINTWISE_SUB, dp, dsum, NULL, dpd, -1, "pointwise dP - Dsum");
-    void *ds0 = gb_virt(g, f, B, H, SQ, SK, "tensor P*(dP - Dsum)");
-    gb_pw(g, CUDNN_POINTWISE_MUL, p, dpd, NULL, ds0, -1, "pointwise P*(dP - Dsum)");
-    void *ds = gb_virt(g, io, B, H, SQ, SK, "tensor dS");
-    gb_pw(g, CUDNN_POINTWISE_MUL, ds0, scale, NULL, ds, -1, "pointwise dS*scale");
+    void *s0 = gb_virt(g, f, B, H, SQ, SK, "tensor S");
+    gb_matmul(g, q, kt, s0, "matmul S = Q.K^T");
+    const int64_t dd[4] = {B, H, SQ, D}, ds[4] = {H * SQ * D, SQ * D, H * D, 1}; /* the frontend's strides */
+    void *doo = gb_tensor(g, 0, f, dd, ds, 0, "tensor dO*O");
+    gb_pw(g, CUDNN_POINTWISE_MUL, dout, o, NULL, doo, -1, "pointwise dO*O");
+    const fl_cudnn_t4 ktt = t4_swap(&L->k); /* K^T's dims and strides, whose swap is K's */
+    void *k = gb_transpose(g, kt, f, &ktt, "reshape K");
+    void *s1 = gb_virt(g, f, B, H, SQ, SK, "tensor S*scale");
+    gb_pw(g, CUDNN_POINTWISE_MUL, s0, scale, NULL, s1, -1, "pointwise S*scale");
+    void *s = gb_virt(g, f, B, H, SQ, SK, "tensor S - stats");
+    gb_pw(g, CUDNN_POINTWISE_SUB, s1, stats, NULL, s, -1, "pointwise S - stats");
+    if (L->causal) s = gb_causal(g, s, B, H, SQ, SK, lowest);
+    void *p = gb_virt(g, f, B, H, SQ, SK, "tensor P");
+    gb_pw(g, CUDNN_POINTWISE_EXP, s, NULL, NULL, p, -1, "pointwise P = exp");
+    const fl_cudnn_t4 ps = packed(B, H, SQ, SK);
+    void *pt = gb_transpose(g, p, io, &ps, "reshape P^T");
+    gb_matmul_grouped(g, L, pt, dout, FL_CUDNN_UID_DV, &L->v, "matmul dV = P^T.dO");
+    void *rs = gb_virt(g, f, B, H, SQ, 1, "tensor rowsum(dO*O)");
+    gb_reduce(g, CUDNN_REDUCE_TENSOR_ADD, doo, rs, "reduction rowsum(dO*O)");
+    void *dsum = gb_t4(g, FL_CUDNN_UID_DSUM, f, &L->stats, "tensor Dsum");
+    gb_pw(g, CUDNN_POINTWISE_MUL, rs, one, NULL, dsum, -1, "pointwise Dsum = rowsum * 1");
+    void *t1 = gb_virt(g, f, B, H, SQ, SK, "tensor dP - Dsum");
+    gb_pw(g, CUDNN_POINTWISE_SUB, dp, dsum, NULL, t1, -1, "pointwise dP - Dsum");
+    void *t2 = gb_virt(g, f, B, H, SQ, SK, "tensor (dP - Dsum)*P");
+    gb_pw(g, CUDNN_POINTWISE_MUL, t1, p, NULL, t2, -1, "pointwise (dP - Dsum)*P");
+    void *dsf = gb_virt(g, f, B, H, SQ, SK, "tensor dS");
+    gb_pw(g, CUDNN_POINTWISE_MUL, t2, scale, NULL, dsf, -1, "pointwise dS*scale");
+    const fl_cudnn_t4 qa = packed(B, H, SQ, D);
+    void *dqacc = gb_t4(g, FL_CUDNN_UID_DQACC, f, &qa, "tensor dQ accumulator");
+    gb_matmul(g, dsf, k, dqacc, "matmul dQ = dS.K");
     void *dq = gb_t4(g, FL_CUDNN_UID_DQ, io, &L->q, "tensor dQ");
-    gb_matmul(g, ds, k, dq, "matmul dQ = dS.K");
+    gb_pw(g, CUDNN_POINTWISE_IDENTITY, dqacc, NULL, NULL, dq, -1, "pointwise dQ = identity(dQ accumulator)");
     const fl_cudnn_t4 dss = packed(B, H, SQ, SK);
-    void *dst = gb_transpose(g, ds, io, &dss, "reshape dS^T");
-    void *dkf = gb_grouped(g, L, FL_CUDNN_UID_DK, &L->k, "tensor dK");
-    gb_matmul(g, dst, q, dkf, "matmul dK = dS^T.Q");
-    gb_group_sum(g, L, dkf, FL_CUDNN_UID_DK, &L->k, "reduction dK over the group");
+    void *dst = gb_transpose(g, dsf, io, &dss, "reshape dS^T");
+    gb_matmul_grouped(g, L, dst, q, FL_CUDNN_UID_DK, &L->k, "matmul dK = dS^T.Q");
 }
 
 /* the execution plan of the finalized operation graph: heuristics (mode A), the first
@@ -301,13 +313,19 @@ int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sd
     if (why && n) why[0] = '\0';
     const cudnnDataType_t io = (cudnnDataType_t)L->io_dtype;
     static const int64_t one[4] = {1, 1, 1, 1};
+    /* K enters every graph as K^T (its own memory, dims and strides swapped); V as V^T in the backward */
+    const fl_cudnn_t4 kt = t4_swap(&L->k), vt = t4_swap(&L->v);
     void *q = gb_t4(&g, FL_CUDNN_UID_Q, io, &L->q, "tensor Q");
-    void *k = gb_t4(&g, FL_CUDNN_UID_K, io, &L->k, "tensor K");
-    void *v = gb_t4(&g, FL_CUDNN_UID_V, io, &L->v, "tensor V");
+    void *k = gb_t4(&g, FL_CUDNN_UID_K, io, &kt, "tensor K^T");
+    void *v = gb_t4(&g, FL_CUDNN_UID_V, io, backward ? &vt : &L->v, backward ? "tensor V^T" : "tensor V");
     void *scale = gb_tensor(&g, FL_CUDNN_UID_SCALE, CUDNN_DATA_FLOAT, one, one, 1, "tensor scale");
     void *lowest = L->causal ? gb_tensor(&g, FL_CUDNN_UID_NEG, CUDNN_DATA_FLOAT, one, one, 1, "tensor lowest") : NULL;
-    if (backward) gb_backward(&g, L, q, k, v, scale, lowest);
-    else gb_forward(&g, L, q, k, v, scale, lowest);
+    if (backward) {
+        void *unit = gb_tensor(&g, FL_CUDNN_UID_ONE, CUDNN_DATA_FLOAT, one, one, 1, "tensor one");
+        gb_backward(&g, L, q, k, v, scale, lowest, unit);
+    } else {
+        gb_forward(&g, L, q, k, v, scale, lowest);
+    }
     void *graph = gb_new(&g, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "operation graph");
     gb_set(&g, graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, g.nops, g.ops, "operation graph");
     if (!handle || g.bad) { /* no handle: everything up to the graph checked (the tests) */
@@ -326,7 +344,7 @@ int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sd
         snprintf(why, n, "out of host memory");
         return -1;
     }
-    p->plan = plan, p->workspace = ws, p->backward = backward, p->causal = L->causal, p->scale = L->scale, p->lowest = -FLT_MAX;
+    p->plan = plan, p->workspace = ws, p->backward = backward, p->causal = L->causal, p->scale = L->scale, p->lowest = -FLT_MAX, p->one = 1.0f;
     *out = p;
     return 0;
 }
@@ -342,7 +360,8 @@ int fl_cudnn_plan_run(const fl_cudnn_api *api, void *handle, fl_cudnn_plan *p, v
                       void *workspace) {
     static const int fwd[] = {FL_CUDNN_UID_Q, FL_CUDNN_UID_K, FL_CUDNN_UID_V, FL_CUDNN_UID_O, FL_CUDNN_UID_STATS};
     static const int bwd[] = {FL_CUDNN_UID_Q,  FL_CUDNN_UID_K,  FL_CUDNN_UID_V,  FL_CUDNN_UID_O, FL_CUDNN_UID_STATS,
-                              FL_CUDNN_UID_DO, FL_CUDNN_UID_DQ, FL_CUDNN_UID_DK, FL_CUDNN_UID_DV, FL_CUDNN_UID_DSUM};
+                              FL_CUDNN_UID_DO, FL_CUDNN_UID_DQ, FL_CUDNN_UID_DK, FL_CUDNN_UID_DV, FL_CUDNN_UID_DSUM,
+                              FL_CUDNN_UID_DQACC};
     const int *ids = p->backward ? bwd : fwd;
     const int n = p->backward ? (int)(sizeof bwd / sizeof bwd[0]) : (int)(sizeof fwd / sizeof fwd[0]);
     int64_t uid[16];
@@ -351,6 +370,7 @@ int fl_cudnn_plan_run(const fl_cudnn_api *api, void *handle, fl_cudnn_plan *p, v
     for (int i = 0; i < n; i++) uid[m] = ids[i], dp[m++] = ptr[ids[i]];
     uid[m] = FL_CUDNN_UID_SCALE, dp[m++] = &p->scale; /* by value: host pointers */
     if (p->causal) uid[m] = FL_CUDNN_UID_NEG, dp[m++] = &p->lowest;
+    if (p->backward) uid[m] = FL_CUDNN_UID_ONE, dp[m++] = &p->one;
     void *vp = NULL;
     int s = api->be_create(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
     if (s) return s;

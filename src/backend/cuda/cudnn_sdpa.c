@@ -1,19 +1,29 @@
 /* cuDNN's fused scaled-dot-product attention as backend-API operation graphs (contract: cudnn-impl.h;
  * EXPERIMENTAL: the descriptors are finalized against the real library in the tests, which needs no
- * GPU, but the graphs have not yet run on one: `fitllm selftest --accelerator cuda` checks them).
+ * GPU; the graphs, engines and numbers are checked on a GPU by `fitllm selftest --accelerator cuda`).
  *
- * Forward (tensors (b, h, s, d); S and P fp32, virtual):
- *   S = Q . K^T          matmul (K^T: a reshape of K; grouped K/V heads broadcast over the batch dim h)
- *   S = S * scale        pointwise MUL by a by-value scalar
- *   causal: S = (row >= col) ? S : lowest     GEN_INDEX (axis 2, 3), CMP_GE, BINARY_SELECT
+ * cuDNN's fused flash engines recognize their graphs by pattern, node for node: an equivalent graph
+ * written differently gets "no engine for the graph" (CUDNN_STATUS_NOT_SUPPORTED_GRAPH_PATTERN, "Not
+ * supported node in flash fprop"), as ours did on an H200 with cuDNN 9.19 until 2026-11-30. The graphs
+ * below are therefore the ones cuDNN's own frontend emits (cudnn-frontend's SDPA nodes; checked against the
+ * backend graph PyTorch 2.11's sdpa built on that machine, dumped with CUDNN_LOGLEVEL_DBG=3): K^T and V^T
+ * are the non-virtual K and V tensors declared with their last two dims and strides swapped (not a
+ * reshape of K), the causal compare has a boolean math precision, and the backward accumulates dQ in a
+ * non-virtual fp32 tensor copied out by an identity.
+ *
+ * Forward (tensors (b, h, s, d); S and P virtual):
+ *   S = Q . K^T;  S = S * scale
+ *   causal: S = (row >= col) ? S : lowest     GEN_INDEX (axis 3, then 2), CMP_GE, BINARY_SELECT
  *   M = max_row S; E = exp(S - M); Z = sum_row E;  stats = M + log Z  (written out, fp32)
- *   P = E / Z;  O = P . V
- * Backward (stats, O, dO in; dQ, dK, dV out; Dsum = rowsum(dO * O) a tensor of our own work area):
- *   Dsum = sum_d (dO * O)
- *   S as forward (scale, mask); P = exp(S - stats)
- *   dV = P^T . dO                  (P^T a reshape; grouped heads: summed over the group by a reduction)
- *   dP = dO . V^T;  dS = P * (dP - Dsum) * scale
- *   dQ = dS . K;  dK = dS^T . Q    (grouped heads: summed as dV)
+ *   P = E / Z (16-bit);  O = P . V
+ * Backward (stats, O, dO in; dQ, dK, dV out):
+ *   dP = dO . V^T;  S = Q . K^T;  dO*O;  K = reshape(K^T) (for dQ)
+ *   S = S * scale - stats;  causal mask;  P = exp(S)
+ *   dV = reshape(P)^T . dO          (grouped heads: a full-head dV summed over the group by a reduction)
+ *   Dsum = rowsum(dO * O) * 1        (non-virtual fp32, the op's work area)
+ *   dS = (dP - Dsum) * P * scale
+ *   dQacc = dS . K (fp32, non-virtual);  dQ = identity(dQacc)
+ *   dK = reshape(dS)^T . Q           (grouped heads: summed as dV)
  * The engines that fuse these are found by cuDNN's heuristics (mode A); the first configuration that
  * finalizes into an execution plan is kept. */
 #include <float.h>
@@ -63,9 +73,14 @@ size_t fl_cudnn_sdpa_copy_bytes(const fl_attn_desc *a, int backward) {
     return backward ? 4 * bq + 4 * bk : 2 * bq + 2 * bk;
 }
 
+size_t fl_cudnn_sdpa_dqacc_bytes(const fl_attn_desc *a) {
+    return al256((size_t)a->B * a->Tq * a->NH * a->HD * sizeof(float));
+}
+
 size_t fl_cudnn_sdpa_scratch_bytes(int B, int T, int NH, int NKV, int HD) {
     fl_attn_desc a = {0};
     a.B = B, a.Tq = a.Tk = T, a.NH = NH, a.NKV = NKV, a.HD = HD, a.causal = 1, a.ldo = (size_t)NH * HD;
     if (fl_cudnn_sdpa_refuse(&a, NULL, NULL)) return 0;
-    return fl_cudnn_sdpa_copy_bytes(&a, 1) + al256((size_t)B * T * NH * HD * sizeof(float));
+    /* the backward's copies, its fp32 dQ accumulator, and the allowance for the plan's own workspace */
+    return fl_cudnn_sdpa_copy_bytes(&a, 1) + fl_cudnn_sdpa_dqacc_bytes(&a) + al256((size_t)B * T * NH * HD * sizeof(float));
 }
