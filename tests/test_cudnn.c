@@ -100,6 +100,23 @@ FL_TEST(cudnn_refuse_and_layout) {
     FL_CHECK(L.io_dtype == 9 && L.causal == 0 && L.scale == 0.125f); /* CUDNN_DATA_BFLOAT16 */
     fl_cudnn_sdpa_layout_of(&a, FL_F16, &L);
     FL_CHECK(L.io_dtype == 2); /* CUDNN_DATA_HALF */
+    FL_CHECK(!memcmp(&L.dq, &L.q, sizeof L.q) && !memcmp(&L.dk, &L.k, sizeof L.k) && !memcmp(&L.dv, &L.v, sizeof L.v));
+    /* read in place: a bf16 run's q|k|v rows, (B, T, NH + 2 NKV, HD) interleaved: element (b, h, t, d) of q at
+     * b*T*ld + t*ld + h*HD + d with ld = (4 + 2*2)*64; the gradients stay compact */
+    a.ldq = a.ldk = a.ldv = (4 + 2 * 2) * 64;
+    fl_cudnn_sdpa_layout_rows(&a, FL_BF16, &L);
+    const int64_t ld = (4 + 2 * 2) * 64, qr[8] = {3, 4, 5, 64, 5 * ld, 64, ld, 1}, kr[8] = {3, 2, 7, 64, 7 * ld, 64, ld, 1};
+    FL_CHECK(!memcmp(L.q.dim, qr, 32) && !memcmp(L.q.stride, qr + 4, 32));
+    FL_CHECK(!memcmp(L.k.dim, kr, 32) && !memcmp(L.k.stride, kr + 4, 32) && !memcmp(L.v.stride, kr + 4, 32));
+    FL_CHECK(!memcmp(L.dq.stride, q + 4, 32) && !memcmp(L.dk.stride, k + 4, 32) && !memcmp(L.dv.stride, k + 4, 32));
+    FL_CHECK(!memcmp(L.o.stride, q + 4, 32) && L.io_dtype == 9);
+    /* in place only at 16-byte aligned pointers and row strides of whole 16-byte units */
+    _Alignas(16) uint16_t rows[64];
+    FL_CHECK(fl_cudnn_sdpa_direct_ok(&a, rows, rows + 8, rows + 16));
+    FL_CHECK(!fl_cudnn_sdpa_direct_ok(&a, rows, rows + 4, rows + 16));
+    FL_CHECK(!fl_cudnn_sdpa_direct_ok(&a, rows, rows + 8, NULL));
+    a.ldk = 8 * 64 + 4;
+    FL_CHECK(!fl_cudnn_sdpa_direct_ok(&a, rows, rows + 8, rows + 16));
 }
 
 #ifdef FL_HAVE_CUDNN_H

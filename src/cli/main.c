@@ -133,10 +133,13 @@ static void usage(FILE *f) {
                "               host cannot read outside its ops (same results as the CPU; default: cpu)\n");
     fprintf(f, "\n  FITLLM_CUDA_ATTN=auto|cudnn|own|legacy|fp32 (environment): a bf16 run's attention on the GPU at\n"
                "               head size 64 or 128: auto (default) = NVIDIA cuDNN's fused attention where libcudnn.so.9\n"
-               "               loads and takes the shape (EXPERIMENTAL: not yet run on a GPU; FITLLM_CUDNN_LIB names the\n"
-               "               file), else own, said once; cudnn = require it; own = FlashAttention-2-structured\n"
-               "               kernels, EXPERIMENTAL (checked on the CUDA emulator, not yet timed on a GPU); legacy =\n"
-               "               the earlier tensor-core kernels; fp32 = the fp32 kernels. `fitllm selftest` compares them\n");
+               "               loads and takes the shape (EXPERIMENTAL: the graphs as cuDNN's frontend writes them, not\n"
+               "               yet run on a GPU in this form; FITLLM_CUDNN_LIB names the file), else own, said once;\n"
+               "               cudnn = require it; own = FlashAttention-2-structured kernels, EXPERIMENTAL (correct on an\n"
+               "               H200, ~5x slower than cuDNN there); legacy = the earlier tensor-core kernels; fp32 = the\n"
+               "               fp32 kernels. `fitllm selftest` compares them\n");
+    fprintf(f, "\n  FITLLM_CUDA_CUDNN_DIRECT=1|0 (environment): 1 (default) = cuDNN's attention reads a bf16 run's stored\n"
+               "               q, k, v (and o) in place; 0 = compact copies first (EXPERIMENTAL, for an A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_DETERMINISTIC=1 (environment): the own attention backward adds dq across key blocks in a\n"
                "               fixed order (the same bits every run, somewhat slower; cuDNN's backward is then not used)\n");
     fprintf(f, "\n  FITLLM_CUDA_HEAD_DBF16=1|0 (environment): 1 (default) = the LM head's cross-entropy writes its gradient\n"

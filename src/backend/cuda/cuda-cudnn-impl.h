@@ -28,6 +28,7 @@ typedef struct flb_cudnn {
     int nplans;
     void *buf; /* device: the 16-bit copies, then cuDNN's workspace (when the lent scratch is too small) */
     size_t buf_bytes;
+    int direct;   /* FITLLM_CUDA_CUDNN_DIRECT (default 1): a bf16 run's stored q, k, v (and o) read in place */
     int said;     /* a refusal said once */
     int said_buf; /* a lent region too small, said once */
 } flb_cudnn;
@@ -41,6 +42,11 @@ static void flb_dnn_say(flb_impl *im, const char *what, const char *why) {
 
 static fl_status flb_attn_init(flb_impl *im) {
     if (!fl_cudnn_attn_wants(im->attn)) return FL_OK;
+    /* FITLLM_CUDA_CUDNN_DIRECT (unset, empty or 1: on; 0: off, an A/B): a bf16 run's stored q, k, v read in place */
+    const char *ed = getenv("FITLLM_CUDA_CUDNN_DIRECT");
+    if (ed && *ed && strcmp(ed, "1") && strcmp(ed, "0"))
+        return fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_CUDNN_DIRECT=%s: expected 1 (cuDNN reads a bf16 "
+                         "run's stored q, k, v in place, the default) or 0 (compact copies first)", FLB_NAME, ed);
     char why[400];
     flb_cudnn *d = (flb_cudnn *)calloc(1, sizeof *d);
     if (!d) return fl_errorf(FL_ERR_OOM, "%s backend: out of host memory", FLB_NAME);
@@ -63,6 +69,7 @@ static fl_status flb_attn_init(flb_impl *im) {
         im->attn = FL_CUDNN_ATTN_OWN;
         return FL_OK;
     }
+    d->direct = !ed || !*ed || !strcmp(ed, "1");
     im->dnn = d;
     return FL_OK;
 }
@@ -136,8 +143,11 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
         flb_dnn_say(im, "refused a shape", no);
         return 0;
     }
+    /* a bf16 run's stored q, k, v at their own row strides: read in place, no compact copy */
+    const int direct = im->dnn->direct && it == FL_BF16 && fl_cudnn_sdpa_direct_ok(a, q, k, v);
     fl_cudnn_sdpa_layout L;
-    fl_cudnn_sdpa_layout_of(a, FL_BF16, &L);
+    if (direct) fl_cudnn_sdpa_layout_rows(a, FL_BF16, &L);
+    else fl_cudnn_sdpa_layout_of(a, FL_BF16, &L);
     fl_cudnn_plan *p = flb_dnn_plan(im, &L, 0);
     if (!p) return 0;
     const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
@@ -151,9 +161,14 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
     /* out16 (bf16 stored): cuDNN's bf16 O goes there directly (the refused shapes leave compact rows, ldo = cq) */
     ptr[FL_CUDNN_UID_O] = out16 && a->ldo == (size_t)cq ? out16 : (void *)(buf + bq + 2 * bk);
     ptr[FL_CUDNN_UID_STATS] = lse;
-    int rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, it, a->ldq, rq, cq, STREAM);
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, it, a->ldk, rk, ck, STREAM);
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, it, a->ldv, rk, ck, STREAM);
+    int rc = 0;
+    if (direct) {
+        ptr[FL_CUDNN_UID_Q] = (void *)q, ptr[FL_CUDNN_UID_K] = (void *)k, ptr[FL_CUDNN_UID_V] = (void *)v;
+    } else {
+        rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, it, a->ldq, rq, cq, STREAM);
+        if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, it, a->ldk, rk, ck, STREAM);
+        if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, it, a->ldv, rk, ck, STREAM);
+    }
     if (rc) return (*st = flb_attn_status(be, rc, "attention_forward (cuDNN)")), 1;
     int s = fl_cudnn_plan_run(&im->dnn->api, im->dnn->handle, p, ptr, buf + 2 * bq + 2 * bk);
     if (s) {
@@ -178,8 +193,11 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
     flb_impl *im = FLB_IMPL(be);
     /* FITLLM_CUDA_DETERMINISTIC: the own backward, whose dq adds run in a fixed order */
     if (!im->dnn || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, bias, kmask)) return 0;
+    /* stored bf16 q, k, v read in place (o too: its rows are compact, fl_cudnn_sdpa_refuse) */
+    const int direct = im->dnn->direct && it == FL_BF16 && fl_cudnn_sdpa_direct_ok(a, q, k, v) && (uintptr_t)out % 16 == 0;
     fl_cudnn_sdpa_layout L;
-    fl_cudnn_sdpa_layout_of(a, FL_BF16, &L);
+    if (direct) fl_cudnn_sdpa_layout_rows(a, FL_BF16, &L);
+    else fl_cudnn_sdpa_layout_of(a, FL_BF16, &L);
     fl_cudnn_plan *p = flb_dnn_plan(im, &L, 1);
     if (!p) return 0;
     const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
@@ -200,11 +218,17 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
     ptr[FL_CUDNN_UID_STATS] = (void *)lse;
     ptr[FL_CUDNN_UID_DSUM] = work; /* rowsum(dO * O), B*NH*Tq floats: the op's work area */
     ptr[FL_CUDNN_UID_DQACC] = buf + copies;
-    int rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, it, a->ldq, rq, cq, STREAM);
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, out, it, a->ldo, rq, cq, STREAM);
+    int rc = 0;
+    if (direct) {
+        ptr[FL_CUDNN_UID_Q] = (void *)q, ptr[FL_CUDNN_UID_K] = (void *)k, ptr[FL_CUDNN_UID_V] = (void *)v;
+        ptr[FL_CUDNN_UID_O] = (void *)out;
+    } else {
+        rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, it, a->ldq, rq, cq, STREAM);
+        if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, out, it, a->ldo, rq, cq, STREAM);
+        if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, it, a->ldk, rk, ck, STREAM);
+        if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, it, a->ldv, rk, ck, STREAM);
+    }
     if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_DO], FL_BF16, (size_t)cq, dout, FL_F32, a->ldo, rq, cq, STREAM);
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, it, a->ldk, rk, ck, STREAM);
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, it, a->ldv, rk, ck, STREAM);
     if (!rc && fl_cudnn_dqacc_needs_zero(im->dnn->api.version)) /* cuDNN < 9.6: the accumulator starts at 0 */
         rc = flb_memset(ptr[FL_CUDNN_UID_DQACC], 0, fl_cudnn_sdpa_dqacc_bytes(a), STREAM);
     if (rc) return (*st = flb_attn_status(be, rc, "attention_backward (cuDNN)")), 1;

@@ -97,6 +97,7 @@ typedef struct {
  * (natural log of the scaled scores' row sum), viewed (B, NH, Tq, 1). */
 typedef struct {
     fl_cudnn_t4 q, k, v, o, stats;
+    fl_cudnn_t4 dq, dk, dv; /* the backward's outputs: compact (B, T, heads, HD) rows, whatever q, k, v's rows */
     int io_dtype; /* cudnnDataType_t of q, k, v, o: CUDNN_DATA_BFLOAT16 or CUDNN_DATA_HALF */
     int causal;
     float scale;
@@ -104,6 +105,13 @@ typedef struct {
 
 /* The layout of a call with 16-bit copies of type `dt` (FL_BF16 / FL_F16). Pure. */
 void fl_cudnn_sdpa_layout_of(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_layout *L);
+/* As fl_cudnn_sdpa_layout_of, but q, k, v at the call's own row strides (a->ldq, ldk, ldv): cuDNN reads a bf16 run's
+ * stored 16-bit rows in place, no compact copy (FITLLM_CUDA_CUDNN_DIRECT, the default); o, dO and the gradients stay
+ * compact. Usable when fl_cudnn_sdpa_direct_ok. Pure. */
+void fl_cudnn_sdpa_layout_rows(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_layout *L);
+/* whether q, k, v can be read in place: each 16-byte aligned with a row stride of whole 16-byte units (cuDNN's
+ * tensors are declared 16-byte aligned). Pure. */
+int fl_cudnn_sdpa_direct_ok(const fl_attn_desc *a, const void *q, const void *k, const void *v);
 /* NULL when cuDNN's graphs take the call, else why not (a phrase): the head size (64, 128), a bias,
  * a key mask, causal with Tq != Tk (the graphs' mask is top-left aligned), NH % NKV, an empty shape,
  * a non-compact output row (ldo != NH*HD). Pure. */

@@ -244,7 +244,7 @@ static void gb_backward(gb *g, const fl_cudnn_sdpa_layout *L, void *q, void *kt,
     gb_pw(g, CUDNN_POINTWISE_EXP, s, NULL, NULL, p, -1, "pointwise P = exp");
     const fl_cudnn_t4 ps = packed(B, H, SQ, SK);
     void *pt = gb_transpose(g, p, io, &ps, "reshape P^T");
-    gb_matmul_grouped(g, L, pt, dout, FL_CUDNN_UID_DV, &L->v, "matmul dV = P^T.dO");
+    gb_matmul_grouped(g, L, pt, dout, FL_CUDNN_UID_DV, &L->dv, "matmul dV = P^T.dO");
     void *rs = gb_virt(g, f, B, H, SQ, 1, "tensor rowsum(dO*O)");
     gb_reduce(g, CUDNN_REDUCE_TENSOR_ADD, doo, rs, "reduction rowsum(dO*O)");
     void *dsum = gb_t4(g, FL_CUDNN_UID_DSUM, f, &L->stats, "tensor Dsum");
@@ -258,11 +258,11 @@ static void gb_backward(gb *g, const fl_cudnn_sdpa_layout *L, void *q, void *kt,
     const fl_cudnn_t4 qa = packed(B, H, SQ, D);
     void *dqacc = gb_t4(g, FL_CUDNN_UID_DQACC, f, &qa, "tensor dQ accumulator");
     gb_matmul(g, dsf, k, dqacc, "matmul dQ = dS.K");
-    void *dq = gb_t4(g, FL_CUDNN_UID_DQ, io, &L->q, "tensor dQ");
+    void *dq = gb_t4(g, FL_CUDNN_UID_DQ, io, &L->dq, "tensor dQ");
     gb_pw(g, CUDNN_POINTWISE_IDENTITY, dqacc, NULL, NULL, dq, -1, "pointwise dQ = identity(dQ accumulator)");
     const fl_cudnn_t4 dss = packed(B, H, SQ, SK);
     void *dst = gb_transpose(g, dsf, io, &dss, "reshape dS^T");
-    gb_matmul_grouped(g, L, dst, q, FL_CUDNN_UID_DK, &L->k, "matmul dK = dS^T.Q");
+    gb_matmul_grouped(g, L, dst, q, FL_CUDNN_UID_DK, &L->dk, "matmul dK = dS^T.Q");
 }
 
 /* the execution plan of the finalized operation graph: heuristics (mode A), the first

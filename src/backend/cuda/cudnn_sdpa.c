@@ -50,9 +50,23 @@ void fl_cudnn_sdpa_layout_of(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_l
     t4(&L->k, B, NKV, Tk, HD, Tk * NKV * HD, HD, NKV * HD, 1);
     t4(&L->v, B, NKV, Tk, HD, Tk * NKV * HD, HD, NKV * HD, 1);
     t4(&L->stats, B, NH, Tq, 1, NH * Tq, Tq, 1, 1); /* the contract's lse (B, NH, Tq) */
+    L->dq = L->q, L->dk = L->k, L->dv = L->v;
     L->io_dtype = dt == FL_F16 ? 2 /* CUDNN_DATA_HALF */ : 9 /* CUDNN_DATA_BFLOAT16 */;
     L->causal = a->causal ? 1 : 0;
     L->scale = a->scale;
+}
+
+void fl_cudnn_sdpa_layout_rows(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_layout *L) {
+    fl_cudnn_sdpa_layout_of(a, dt, L);
+    const int64_t Tq = a->Tq, Tk = a->Tk, HD = a->HD, lq = (int64_t)a->ldq, lk = (int64_t)a->ldk, lv = (int64_t)a->ldv;
+    t4(&L->q, a->B, a->NH, Tq, HD, Tq * lq, HD, lq, 1);
+    t4(&L->k, a->B, a->NKV, Tk, HD, Tk * lk, HD, lk, 1);
+    t4(&L->v, a->B, a->NKV, Tk, HD, Tk * lv, HD, lv, 1);
+}
+
+int fl_cudnn_sdpa_direct_ok(const fl_attn_desc *a, const void *q, const void *k, const void *v) {
+    const uintptr_t m = (uintptr_t)q | (uintptr_t)k | (uintptr_t)v;
+    return q && k && v && m % 16 == 0 && a->ldq % 8 == 0 && a->ldk % 8 == 0 && a->ldv % 8 == 0; /* 8 bf16 = 16 bytes */
 }
 
 const char *fl_cudnn_sdpa_refuse(const fl_attn_desc *a, const float *bias, const uint8_t *kmask) {
