@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# A lent GPU's last few minutes: the checks and timings of one change, most important first, inside a budget.
+# Prepared here with tools/gpu_pack.sh; on the device, from the repository root, with .gpupack carried:
+#   tests/cuda/device_quick.sh [budget-seconds]      (default 180)
+# Writes every log to $OUT (default /tmp/fitllm-quick-out) and prints a summary. Each step gets its own timeout,
+# no more than what is left of the budget (a step that cannot get 15 s is skipped, said so), in this order:
+#   1. `fitllm selftest --accelerator cuda --only attention_choices`: cuDNN's fused attention (and the own kernels)
+#      against float64 at small shapes, forward + backward, then timed at TinyLlama's shape (the copies path: the
+#      selftest's operands are fp32);
+#   2. the TinyLlama-1.1B bf16-true step (B 4, T 2048) with --profile (the attention's share, whether cuDNN ran);
+#   3. the `small` preset (head size 64: cuDNN's graphs, reading the stored bf16 q, k, v in place), 8 bf16-true
+#      training steps on the CPU and on the GPU: the largest relative step-loss difference (bound 2e-2, as
+#      gpu_check_all.sh);
+#   4. the TinyLlama LoRA r 8 step; 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (the copies, A/B);
+#   6. the TinyLlama QLoRA nf4 step (the default 4-bit mode); 7. fitllm_cuda_check with what is left.
+# tests/cuda/device_quick.sh --small-ref (here, after tools/gpu_pack.sh): step 3's CPU side with the packed binary,
+# written to .gpupack/ref/small-cpu-metrics.csv and carried with the pack (the device then trains on the GPU only).
+set -u
+SMALL_COMMON="--data Synthetic --train.max_steps 8 --train.global_batch_size 8 --train.micro_batch_size 4 \
+--train.max_seq_length 128 --train.save_interval 100 --eval.interval 100 --train.log_interval 1 --seed 3 --overwrite true"
+if [ "${1:-}" = --small-ref ]; then
+    R=$(mktemp -d /tmp/fitllm-ref-XXXXXX)
+    # shellcheck disable=SC2086
+    .gpupack/bin/fitllm finetune_full small --precision bf16-true $SMALL_COMMON --accelerator cpu --out_dir "$R" \
+        >"$R.log" 2>&1 || { tail -5 "$R.log"; exit 1; }
+    mkdir -p .gpupack/ref && cp "$R/logs/metrics.csv" .gpupack/ref/small-cpu-metrics.csv && rm -rf "$R" "$R.log"
+    echo "device_quick: .gpupack/ref/small-cpu-metrics.csv written"; cat .gpupack/ref/small-cpu-metrics.csv
+    exit 0
+fi
+BUDGET=${1:-180}
+OUT=${OUT:-/tmp/fitllm-quick-out}
+mkdir -p "$OUT"
+PACK=.gpupack
+F=$PACK/bin/fitllm
+[ -x "$F" ] || { echo "device_quick: $F missing: run tools/gpu_pack.sh here first"; exit 1; }
+LIB=$(mktemp -d /tmp/fitllm-libs-XXXXXX)
+tar -xJf "$PACK/libs.tar.xz" -C "$LIB"
+for f in "$LIB"/*; do if ldconfig -p | grep -q "/$(basename "$f")\$"; then rm -f "$f"; fi; done
+export LD_LIBRARY_PATH="$LIB:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if ! ldconfig -p | grep -q 'libcudnn.so.9' && [ -z "${FITLLM_CUDNN_LIB:-}" ]; then # cuDNN: PyTorch's wheel's
+    D=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
+    [ -n "$D" ] && [ -f "$D/libcudnn.so.9" ] && export LD_LIBRARY_PATH="$D${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; "$F" --version | grep -E "fitllm|cuda"; } \
+    2>&1 | tee "$OUT/env.txt"
+left() { echo $((BUDGET - SECONDS)); }
+# run NAME WANT-SECONDS command...: under min(WANT, what is left); the log in $OUT/NAME.log
+run() {
+    local name=$1 want=$2 t
+    shift 2
+    t=$(left)
+    [ "$t" -gt "$want" ] && t=$want
+    if [ "$t" -lt 15 ]; then echo "== $name: skipped (${t} s left of the budget)"; return 1; fi
+    timeout "$t" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name exit $rc (limit $t s, at ${SECONDS} s)" >>"$OUT/$name.log"
+    return $rc
+}
+step() { # the TinyLlama step: NAME WANT extra-args...
+    local name=$1 want=$2
+    shift 2
+    run "$name" "$want" "$F" bench-step tinyllama-1.1b --accelerator cuda --precision bf16-true --micro-batch 4 \
+        --seq 2048 --steps 5 --warmup 2 "$@"
+    [ -f "$OUT/$name.log" ] && grep -E "^median [0-9]|^MFU|cuDNN|exit" "$OUT/$name.log" | head -6
+}
+
+echo "== 1. attention choices (cuDNN, own, legacy against float64; timed at TinyLlama's shape)"
+run attn 45 "$F" selftest --accelerator cuda --only attention_choices
+grep -E "attention |cuDNN|not available|exit" "$OUT/attn.log"
+
+echo "== 2. TinyLlama-1.1B bf16-true step with the profile"
+step full 35 --profile
+sed -n '/^profile/,/^  GEMM shapes/p' "$OUT/full.log" | grep -E "attention|GEMM  |norm  |elementwise|embedding|optimizer|copies|sum of ops"
+
+echo "== 3. the small preset (HD 64: cuDNN in a training), 8 bf16-true steps, cuda against cpu"
+T=$(mktemp -d /tmp/fitllm-quick-XXXXXX)
+ok=1
+accs="cuda cpu"
+# the CPU side made ahead on the machine that packed (the same binary: tools/gpu_pack.sh --small-ref) saves device time
+if [ -f "$PACK/ref/small-cpu-metrics.csv" ]; then
+    mkdir -p "$T/cpu/logs" && cp "$PACK/ref/small-cpu-metrics.csv" "$T/cpu/logs/metrics.csv" && accs=cuda
+    echo "   (the CPU side from $PACK/ref/small-cpu-metrics.csv)"
+fi
+for acc in $accs; do
+    # shellcheck disable=SC2086
+    run "small-$acc" 60 "$F" finetune_full small --precision bf16-true $SMALL_COMMON --accelerator $acc --out_dir "$T/$acc" ||
+        ok=0
+    [ -f "$OUT/small-$acc.log" ] && grep -E "cuDNN|error" "$OUT/small-$acc.log" | head -3
+done
+if [ $ok = 1 ]; then
+    d=$(paste -d' ' <(cut -d, -f4 "$T/cpu/logs/metrics.csv" | tail -n +2) <(cut -d, -f4 "$T/cuda/logs/metrics.csv" | tail -n +2) |
+        awk 'NF == 2 && $1 != 0 {r=($1-$2)/$1; if(r<0)r=-r; if(r>m)m=r} END{printf "%.2e", m}')
+    awk -v d="$d" 'BEGIN{exit !(d <= 2e-2)}' && echo "ok   small-bf16: max relative loss difference $d (bound 2e-2)" ||
+        echo "FAIL small-bf16: max relative loss difference $d (bound 2e-2)"
+    paste -d' ' <(cut -d, -f4 "$T/cpu/logs/metrics.csv") <(cut -d, -f4 "$T/cuda/logs/metrics.csv") >"$OUT/small-losses.txt"
+fi
+rm -rf "$T"
+
+echo "== 4. TinyLlama LoRA r 8"
+step lora 30 --lora 8
+echo "== 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (compact copies first)"
+FITLLM_CUDA_CUDNN_DIRECT=0 step copies 30
+echo "== 6. TinyLlama QLoRA nf4 r 8 (the default 4-bit mode)"
+step qlora 30 --lora 8 --quantize bnb.nf4
+echo "== 7. fitllm_cuda_check"
+if run check 150 "$PACK/bin/fitllm_cuda_check"; then :; fi
+[ -f "$OUT/check.log" ] && grep -E "FAIL|all ok|FAILED|exit" "$OUT/check.log" | head -20
+echo "device_quick: done after ${SECONDS} s (budget ${BUDGET} s)"
