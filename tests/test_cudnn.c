@@ -64,6 +64,30 @@ static fl_attn_desc desc(int B, int Tq, int Tk, int NH, int NKV, int HD, int cau
     return a;
 }
 
+/* Where cuDNN is looked for off the loader's path: PyTorch's nvidia-cudnn wheel in a virtualenv first */
+FL_TEST(cudnn_search_places) {
+    char dir[] = "/tmp/fitllm-cudnn-XXXXXX", lib[200], got[600], cmd[700];
+    FL_REQUIRE(mkdtemp(dir));
+    snprintf(lib, sizeof lib, "%s/lib/python3.11/site-packages/nvidia/cudnn/lib", dir);
+    snprintf(cmd, sizeof cmd, "mkdir -p %s && touch %s/libcudnn.so.9", lib, lib);
+    FL_REQUIRE(system(cmd) == 0);
+    const char *old = getenv("VIRTUAL_ENV");
+    char *keep = old ? strdup(old) : NULL;
+    setenv("VIRTUAL_ENV", dir, 1);
+    FL_CHECK(fl_cudnn_search(got, sizeof got) == 1);
+    snprintf(cmd, sizeof cmd, "%s/libcudnn.so.9", lib);
+    FL_CHECKF(!strcmp(got, cmd), "found %s", got);
+    /* without it: the next places (a system's wheel or toolkit may exist: then not the virtualenv's) */
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    FL_REQUIRE(system(cmd) == 0);
+    got[0] = '\0';
+    fl_cudnn_search(got, sizeof got);
+    FL_CHECK(!strstr(got, dir));
+    if (keep) setenv("VIRTUAL_ENV", keep, 1);
+    else unsetenv("VIRTUAL_ENV");
+    free(keep);
+}
+
 FL_TEST(cudnn_refuse_and_layout) {
     fl_attn_desc a = desc(2, 16, 16, 8, 2, 64, 1);
     FL_CHECK(fl_cudnn_sdpa_refuse(&a, NULL, NULL) == NULL);

@@ -6,6 +6,7 @@
 #include "fitllm/comm.h"
 #include "fitllm/comm_nccl.h"
 #include "fitllm/cpu.h"
+#include "backend/cuda/cudnn-impl.h"
 #include "fitllm/cuda.h"
 
 /* Build facts come from CMake (CMakeLists.txt, "CLI"); defaults for other build systems. */
@@ -119,6 +120,11 @@ static int version(void) {
     if (fl_cuda_built()) /* several GPUs: NCCL, one process per GPU under mpirun */
         printf("nccl:     %s%s\n", fl_comm_nccl_built() ? fl_comm_nccl_library() : "not compiled in (one GPU per run)",
                fl_comm_nccl_built() ? " (experimental: several GPUs, one process per GPU under mpirun)" : "");
+    if (fl_cuda_built()) { /* cuDNN's fused attention for bf16 runs (FITLLM_CUDA_ATTN=auto), opened at run time */
+        char dn[1024];
+        fl_cudnn_describe(dn, sizeof dn);
+        printf("cudnn:    %s\n", dn);
+    }
     return 0;
 }
 

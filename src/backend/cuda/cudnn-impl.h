@@ -52,10 +52,18 @@ typedef struct fl_cudnn_api {
 } fl_cudnn_api;
 
 /* The library: `path` (NULL: $FITLLM_CUDNN_LIB, else libcudnn.so.9 then libcudnn.so on the loader's
- * search path) opened and every symbol above resolved, and its version checked. 0, or -1 with the
- * reason in why (the file not found, a missing symbol, a version below FL_CUDNN_MIN_VERSION);
- * nothing stays mapped on failure. */
+ * search path, else the first of fl_cudnn_search's places) opened and every symbol above resolved, and its
+ * version checked. 0, or -1 with the reason in why (the file not found, a missing symbol, a version below
+ * FL_CUDNN_MIN_VERSION); nothing stays mapped on failure. */
 int fl_cudnn_load(fl_cudnn_api *api, const char *path, char *why, size_t n);
+/* Where cuDNN 9 usually is when it is not on the loader's path, first found written to out: PyTorch's
+ * nvidia-cudnn wheel (nvidia/cudnn/lib/libcudnn.so.9 under $VIRTUAL_ENV, $CONDA_PREFIX, ~/.local and the
+ * system's python3* site- / dist-packages), conda's $CONDA_PREFIX/lib, and the CUDA toolkit's
+ * /usr/local/cuda/lib64 and lib. 1 found, 0 not. */
+int fl_cudnn_search(char *out, size_t n);
+/* One line for `fitllm --version`: "9.19.0 (/path/libcudnn.so.9)" of the library fl_cudnn_load(NULL) opens, or why
+ * none opens. */
+void fl_cudnn_describe(char *out, size_t n);
 void fl_cudnn_unload(fl_cudnn_api *api);
 /* "CUDNN_STATUS_NOT_SUPPORTED" (the library's own name when loaded), else "cudnn status N" */
 const char *fl_cudnn_status_name(const fl_cudnn_api *api, int status, char *buf, size_t n);
