@@ -40,37 +40,46 @@ FL_CU_DEV void rope_put(float *row, uint16_t *r16, size_t c, float v, int keep) 
     v = rope16(r16, c, v, keep);
     if (row) row[c] = v;
 }
-__global__ static void fl_cu_rope_k(float *x, const float *in, uint16_t *x16, int B, int T, int nh, int HD,
-                                    size_t row_stride, int width, const float *cos_t, const float *sin_t, int pos0,
-                                    float sign, int keep) {
-    const int H = HD / 2;
-    const size_t pairs = (size_t)nh * H, items = pairs + (x16 ? (size_t)width - (size_t)nh * HD : 0);
-    const size_t total = (size_t)B * T * items;
-    FL_CU_GRID_STRIDE(i, total) {
-        const size_t n = i / items, r = i % items;
-        const float *rin = in + n * row_stride;
-        float *row = x ? x + n * row_stride : NULL;
-        uint16_t *r16 = x16 ? x16 + n * (size_t)width : NULL;
+/* A block per row (n = b * T + t), its threads over the row's rotated pairs (h, j) and then its stored-only columns:
+ * consecutive threads take consecutive j (coalesced reads of x[h*HD + j] and x[h*HD + j + H]), the indices are 32-bit
+ * within the row (a grid-stride loop over B*T*items paid 64-bit divisions per element); each element's arithmetic is
+ * the same as before, so the same bits. */
+__global__ static void fl_cu_rope_k(float *x, const float *in, uint16_t *x16, int T, int nh, int HD, size_t row_stride,
+                                    int width, const float *cos_t, const float *sin_t, int pos0, float sign, int keep) {
+    const int H = HD / 2, pairs = nh * H, items = pairs + (x16 ? width - nh * HD : 0);
+    const size_t n = blockIdx.x;
+    const int t = (int)(n % (size_t)T);
+    const float *rin = in + n * row_stride;
+    float *row = x ? x + n * row_stride : NULL;
+    uint16_t *r16 = x16 ? x16 + n * (size_t)width : NULL;
+    const float *ct = cos_t + (size_t)(pos0 + t) * H, *st = sin_t + (size_t)(pos0 + t) * H;
+    for (int r = threadIdx.x; r < items; r += blockDim.x) {
         if (r >= pairs) { /* past the rotated heads: stored only */
-            const size_t c = (size_t)nh * HD + (r - pairs);
+            const size_t c = (size_t)nh * HD + (size_t)(r - pairs);
             rope_put(row, r16, c, rin[c], keep);
             continue;
         }
-        const int j = (int)(r % H), h = (int)(r / H), t = (int)(n % T);
-        float c = cos_t[(size_t)(pos0 + t) * H + j], sn = sign * sin_t[(size_t)(pos0 + t) * H + j];
+        const int h = r / H, j = r - h * H;
+        float c = ct[j], sn = sign * st[j];
         const size_t o = (size_t)h * HD;
         float x0 = rin[o + j], x1 = rin[o + j + H];
         rope_put(row, r16, o + j, x0 * c - x1 * sn, keep);
         rope_put(row, r16, o + j + H, x1 * c + x0 * sn, keep);
     }
 }
+/* threads per row block: the row's items rounded up to a warp, at most 256 */
+static unsigned rope_threads(size_t items) {
+    size_t t = (items + 31) / 32 * 32;
+    return (unsigned)(t > 256 ? 256 : t ? t : 32);
+}
 
 extern "C" int FL_CUK(rope)(float *x, int B, int T, int nh, int HD, size_t row_stride, const float *cos_t,
                             const float *sin_t, int pos0, int backward, void *stream) {
     size_t total = (size_t)B * T * nh * (HD / 2);
     if (total == 0) return 0;
-    FL_CU_LAUNCH(fl_cu_rope_k, dim3(ew_grid(total)), dim3(256), 0, (fl_cu_stream)stream, x, (const float *)x,
-                 (uint16_t *)NULL, B, T, nh, HD, row_stride, 0, cos_t, sin_t, pos0, backward ? -1.0f : 1.0f, 1);
+    FL_CU_LAUNCH(fl_cu_rope_k, dim3((unsigned)((size_t)B * T)), dim3(rope_threads((size_t)nh * (HD / 2))), 0,
+                 (fl_cu_stream)stream, x, (const float *)x, (uint16_t *)NULL, T, nh, HD, row_stride, 0, cos_t, sin_t,
+                 pos0, backward ? -1.0f : 1.0f, 1);
     return fl_cu_launch_error();
 }
 
@@ -78,11 +87,12 @@ extern "C" int FL_CUK(rope)(float *x, int B, int T, int nh, int HD, size_t row_s
 static int rope16_launch(float *out, void *x16, const float *x, int B, int T, int nh, int HD, int width,
                          const float *cos_t, const float *sin_t, int pos0, int backward, void *stream) {
     if (B < 0 || T < 0 || nh < 0 || HD < 0 || HD % 2 || width < nh * HD) return -1;
-    const size_t total = (size_t)B * T * ((size_t)nh * (HD / 2) + (size_t)(width - nh * HD));
+    const size_t items = (size_t)nh * (HD / 2) + (size_t)(width - nh * HD), total = (size_t)B * T * items;
     if (total == 0) return 0;
     if (!x || (!out && !x16)) return -1;
-    FL_CU_LAUNCH(fl_cu_rope_k, dim3(ew_grid(total)), dim3(256), 0, (fl_cu_stream)stream, out, x, (uint16_t *)x16, B,
-                 T, nh, HD, (size_t)width, width, cos_t, sin_t, pos0, backward ? -1.0f : 1.0f, !backward);
+    FL_CU_LAUNCH(fl_cu_rope_k, dim3((unsigned)((size_t)B * T)), dim3(rope_threads(items)), 0, (fl_cu_stream)stream,
+                 out, x, (uint16_t *)x16, T, nh, HD, (size_t)width, width, cos_t, sin_t, pos0,
+                 backward ? -1.0f : 1.0f, !backward);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(rope_forward16)(float *out, void *x16, const float *x, int B, int T, int nh, int HD, int width,
