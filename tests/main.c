@@ -232,12 +232,16 @@ int fl_test_record_step(void *ud, long step, double loss, const void *params, si
     return 0;
 }
 
-static fl_status knob_run(fl_test_step_rec *rec, const char *knob, const char *v, const char *tag,
-                          const char *preset, const char *prec, int ckpt, int lora) {
+fl_status fl_test_emu_knob_run(fl_test_step_rec *rec, const char *knob, const char *v, const char *tag,
+                               const char *preset, const char *prec, int ckpt, int lora) {
+    return fl_test_emu_knob_run_t(rec, knob, v, tag, preset, prec, ckpt, lora, 8);
+}
+fl_status fl_test_emu_knob_run_t(fl_test_step_rec *rec, const char *knob, const char *v, const char *tag,
+                                 const char *preset, const char *prec, int ckpt, int lora, int T) {
     fl_run_config c;
     char out[160];
     snprintf(out, sizeof out, "%s-%s-%s-%s%s%s", tag, preset, prec, v, ckpt ? "-ckpt" : "", lora ? "-lora" : "");
-    fl_test_tiny_run_config(&c, lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL, preset, out, 8);
+    fl_test_tiny_run_config(&c, lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL, preset, out, T);
     c.train.global_batch_size = 2;
     c.train.max_norm = 1.0f;
     if (lora) c.lora.query = c.lora.value = 1, c.lora.mlp = 0;
@@ -250,12 +254,23 @@ static fl_status knob_run(fl_test_step_rec *rec, const char *knob, const char *v
     unsetenv("FITLLM_BACKEND");
     return s;
 }
+void fl_test_emu_knob_refused(const char *knob) {
+    setenv(knob, "yes", 1); /* another value than 0 / 1: refused at set-up, by name */
+    fl_backend be;
+    fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv(knob);
+    char want[96];
+    snprintf(want, sizeof want, "%s=yes", knob);
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), want), "%s=yes: status %d: %s", knob, (int)s,
+              fl_error_message());
+    if (s == FL_OK) fl_backend_free(&be);
+}
 void fl_test_emu_knob_ab(const char *knob, const char *tag, const char *preset, const char *prec, int ckpt, int lora) {
     fl_test_step_rec off, on;
     memset(&off, 0, sizeof off), memset(&on, 0, sizeof on);
-    fl_status s = knob_run(&off, knob, "0", tag, preset, prec, ckpt, lora);
+    fl_status s = fl_test_emu_knob_run(&off, knob, "0", tag, preset, prec, ckpt, lora);
     FL_CHECKF(s == FL_OK, "%s %s %s=0: %s", preset, prec, knob, fl_error_message());
-    if (s == FL_OK) s = knob_run(&on, knob, "1", tag, preset, prec, ckpt, lora);
+    if (s == FL_OK) s = fl_test_emu_knob_run(&on, knob, "1", tag, preset, prec, ckpt, lora);
     FL_CHECKF(s == FL_OK, "%s %s %s=1: %s", preset, prec, knob, fl_error_message());
     if (s == FL_OK) {
         FL_CHECKF(off.steps == 1 && on.steps == 1 && off.n && off.n == on.n && !memcmp(off.params, on.params, off.n),

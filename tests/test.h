@@ -75,9 +75,17 @@ typedef struct {
     long steps;
 } fl_test_step_rec;
 int fl_test_record_step(void *ud, long step, double loss, const void *params, size_t bytes);
+/* One step of `preset` (T 8, global batch 2, clipping at 1) on cuda-emu with the environment knob set to v, recorded
+ * into rec (fl_test_emu_knob_ab's run; tag names the out folder) */
+fl_status fl_test_emu_knob_run(fl_test_step_rec *rec, const char *knob, const char *v, const char *tag,
+                               const char *preset, const char *prec, int ckpt, int lora);
+fl_status fl_test_emu_knob_run_t(fl_test_step_rec *rec, const char *knob, const char *v, const char *tag,
+                                 const char *preset, const char *prec, int ckpt, int lora, int T); /* T tokens */
 /* An A/B knob's bits (FITLLM_CUDA_<NAME>=0 against 1): 1 step of 2 micro-batches of 1 x 8 tokens of `preset` (LoRA:
  * on q, v) trained on cuda-emu with the environment's `knob` 0, then 1; checks the same loss and parameter bits and
  * prints them (`tag`: the runs' folder names, what the messages call the setting) */
+/* cuda-emu refuses the knob set to "yes" (neither 0 nor 1) at set-up, naming it */
+void fl_test_emu_knob_refused(const char *knob);
 void fl_test_emu_knob_ab(const char *knob, const char *tag, const char *preset, const char *prec, int ckpt, int lora);
 /* The tensor data of a safetensors file (after the 8-byte length and the JSON header), malloc'd; NULL if the
  * file cannot be read. Checkpoints of two runs compare on it (their headers differ: wall times). */

@@ -110,6 +110,10 @@ enum {
                                      * cuda, cuda-emu; FITLLM_CUDA_STREAM16=0 off): the residual adds read the stored
                                      * bf16 rows (add_norm_forward16_b16), so the stream's fp32 rows buffers and the
                                      * mid residual's view share one WORKSPACE buffer (fl_block_stream16, acts.c) */
+    FL_CAP_HEAD_GROUP = 1u << 8,    /* a trained bf16 LM head's dW over several loss chunks in one GEMM (cuda, cuda-emu;
+                                     * FITLLM_CUDA_HEAD_GROUP=0 off): the chunks' bf16 dlogits fill the dy scratch side
+                                     * by side and one dW GEMM reads them all (K = rows of the group instead of a chunk's
+                                     * ~262: 41% of cuBLASLt's peak on the H200), no extra memory; transformer.c */
 };
 
 /* Shape of one attention call (the attention_forward / attention_backward ops).

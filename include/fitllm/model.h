@@ -535,6 +535,8 @@ void fl_model_detach_adapters(fl_model *m);
 /* Rows of the (rows, V) logits chunk the head processes at once for N = B*T rows (fl_act_sizes.logits_chunk_rows;
  * a head adapter's activations hold one chunk). */
 int fl_logits_chunk_rows(int vocab_size, int N);
+/* tests only: > 0 forces the chunk's rows (several chunks at a tiny model's shapes); 0 (default): the rule above */
+extern int fl_logits_chunk_rows_test;
 
 /* The storage of the flat layout, whichever dtype holds it (fl_model_store_dtype: fp32 or 16-bit; device memory
  * on a device backend; under FSDP this rank's shard): code outside the model reaches the store through these

@@ -148,6 +148,8 @@ static void usage(FILE *f) {
                "               q, k, v (and o) in place; 0 = compact copies first (EXPERIMENTAL, for an A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_DETERMINISTIC=1 (environment): the own attention backward adds dq across key blocks in a\n"
                "               fixed order (the same bits every run, somewhat slower; cuDNN's backward is then not used)\n");
+    fprintf(f, "\n  FITLLM_CUDA_HEAD_GROUP=1|0 (environment): 1 (default) = a trained bf16 LM head's weight gradient over\n"
+               "               a group of loss chunks in one GEMM (EXPERIMENTAL: not yet timed on a GPU); 0 = one per chunk\n");
     fprintf(f, "\n  FITLLM_CUDA_HEAD_DBF16=1|0 (environment): 1 (default) = the LM head's cross-entropy writes its gradient\n"
                "               in bf16 for the head's bf16 GEMMs; 0 = in fp32, then converted (the same bits; for timing)\n");
     fprintf(f, "\n  FITLLM_CUDA_EPILOGUE=1|0 (environment): 1 (default) = a linear's bias, and GPT-2's bias + GELU, in the\n"

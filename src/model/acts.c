@@ -31,11 +31,13 @@ static void *carve_bytes(carver *cv, size_t nbytes) {
 
 static float *carve(carver *cv, size_t nfloats) { return carve_bytes(cv, nfloats * sizeof(float)); }
 
+int fl_logits_chunk_rows_test;
 int fl_logits_chunk_rows(int vocab_size, int N) {
     /* About 32 MiB of logits per chunk: large enough for an efficient lm_head
      * GEMM, small enough that (N, V) never exists at once. */
     long rows = (32L << 20) / ((long)vocab_size * 4);
     if (rows < 32) rows = 32;
+    if (fl_logits_chunk_rows_test > 0) rows = fl_logits_chunk_rows_test; /* tests: several chunks at tiny shapes */
     if (rows > N) rows = N;
     return (int)rows;
 }
@@ -360,6 +362,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
         a->head_w = head_w; a->head_x = head_x; a->head_t16 = head_t16;
         a->xb16 = xb16;
         a->dyb16 = dyb16;
+        a->dyb16_elems = dyb16 ? dyn : 0;
         a->dres = dres; a->buf1 = buf1; a->buf2 = buf2; a->gbuf_more[0] = more[0]; a->gbuf_more[1] = more[1]; a->logits = logits; a->losses = losses; a->ids = (int32_t *)ids;
         a->rope_cos = rc; a->rope_sin = rs; a->rope_T = T;
         a->sp_dnorm = sp_dnorm;

@@ -59,6 +59,7 @@ struct fl_acts {
     int rope_T;
     void *xb16;             /* (N, max(C, QD, F)) bf16 layer input for bf16 dW GEMMs, or NULL */
     void *dyb16;            /* (N, max(C, QKV, FCW)) or (chunk, V) bf16 output gradient for them */
+    size_t dyb16_elems;     /* its capacity in bf16 elements (the head's chunks grouped in it: FL_CAP_HEAD_GROUP) */
     /* the lm_head widened once per forward (fl_act_opts.head_widen; NULL when off) */
     fl_dtype head_dt;       /* the head weight's 16-bit dtype (FL_F32: off) */
     float *head_w;          /* (V, C) fp32 copy of the 16-bit head weight */

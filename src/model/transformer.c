@@ -648,20 +648,37 @@ fl_status fl_model_encode_backward(fl_model *m, const float *dhidden) {
  * rounded to bf16 once (xb16) for the forward and dW GEMMs, the loss's gradient written as bf16 straight into
  * dyb16 for the dx and dW GEMMs. Those are the operands the generic path's GEMMs round from fp32 (the same bits),
  * without its fp32 gradient's (rows, V) write and the converts that read it back. */
-/* x16: NULL (the chunk rounded here into xb16), or the chunk's rows of the final norm's bf16 copy */
+/* x16: NULL (the chunk rounded here into xb16), or the chunk's rows of the final norm's bf16 copy. slot (grouped,
+ * FL_CAP_HEAD_GROUP, > 0 chunks): the chunk's place in its group: its dlogits at slot chunks into dyb16 and its rounded
+ * x at slot chunks into xb16 (R rows each), dx here and dW left to head_group_dw; -1: one chunk, dx and dW here. */
 static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx, const float *x, const void *x16,
-                                  const int32_t *tg, float *losses, int rows, float grad_scale, float *logits_out) {
+                                  const int32_t *tg, float *losses, int rows, float grad_scale, float *logits_out,
+                                  int slot) {
     const fl_backend *be = m->be;
     float *logits = m->acts->logits;
-    if (!x16 && head->xb16) FL_TRY(FL_RUN(be, convert, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
+    const size_t R = (size_t)m->sizes.logits_chunk_rows, at = slot > 0 ? (size_t)slot * R : 0;
     fl_linear hx = *head; /* frozen (no xb16): the forward GEMM rounds x itself, the same operand */
+    if (hx.xb16) hx.xb16 = (uint16_t *)hx.xb16 + at * hx.in;
+    if (hx.dyb16) hx.dyb16 = (uint16_t *)hx.dyb16 + at * hx.out;
+    if (!x16 && hx.xb16) FL_TRY(FL_RUN(be, convert, hx.xb16, FL_BF16, x, FL_F32, (size_t)rows * hx.in));
     if (x16) hx.xb16 = (void *)x16;
     head = &hx;
     FL_TRY(fl_linear_forward_ex(be, logits, x, head->xb16, head, rows)); // (rows, V) fp32
     if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out, logits, rows));
     FL_TRY(FL_RUN(be, cross_entropy_dbf16, losses, head->dyb16, logits, tg, rows, head->out, grad_scale,
                   FL_IGNORE_INDEX));
-    return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW from dyb16 */
+    if (slot < 0) return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW */
+    /* dx (rows, C) = dy (rows, V) @ W (V, C), as fl_linear_backward_dy16's dx GEMM */
+    const void *w = head->wc ? head->wc : (const void *)head->w;
+    return FL_RUN(be, gemm, 0, 0, rows, head->in, head->out, 1.0f, head->dyb16, FL_BF16, head->out, w,
+                  head->wc ? head->wct : FL_F32, head->in, 0.0f, dx, FL_F32, head->in);
+}
+/* A group's dW (V, C) += dy^T (V, K) @ x (K, C) over its K rows: dyb16's first K rows and x16's (the final norm's bf16
+ * copy from the group's first row, or xb16 where the chunks were rounded), as fl_linear_backward_dy16's dW GEMM */
+static fl_status head_group_dw(fl_model *m, const fl_linear *head, const void *x16, int K) {
+    return FL_RUN(m->be, gemm, 1, 0, head->out, head->in, K, 1.0f, head->dyb16, FL_BF16, head->out,
+                  x16 ? x16 : head->xb16, FL_BF16, head->in, 1.0f, head->dw16 ? head->dw16 : (void *)head->dw,
+                  head->dw16 ? FL_BF16 : FL_F32, head->in);
 }
 
 /* The bf16 head's training chunks through cross_entropy_dbf16 (a plain bf16 weight, trained or frozen with the dy
@@ -724,13 +741,21 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
         hw.xb16 = hw.dyb16 = NULL; /* dW += dy^T x in fp32 on the rounded operands */
     }
     const int dbf16 = head_dbf16(m, &head, train && targets, wide);
+    /* FL_CAP_HEAD_GROUP: a trained head's chunks grouped G at a time in the dy scratch, their dW one GEMM */
+    size_t G = 1;
+    if (dbf16 && (be->caps & FL_CAP_HEAD_GROUP) && fl_linear_wants_dy16(&head) && a->dyb16_elems)
+        G = a->dyb16_elems / ((size_t)R * d.V);
+    const int grouped = G > 1;
     for (int r0 = 0; r0 < N; r0 += R) {
         int rows = N - r0 < R ? N - r0 : R;
         const float *xr = a->lnf + (size_t)r0 * d.C;
         if (dbf16) {
             const void *x16 = lnf16 ? (const uint16_t *)lnf16 + (size_t)r0 * d.C : NULL;
+            const int slot = grouped ? (int)((size_t)(r0 / R) % G) : -1, g0 = grouped ? r0 - slot * R : r0;
             FL_TRY(head_chunk_dbf16(m, &head, dlnf + (size_t)r0 * d.C, xr, x16, tg + r0, a->losses + r0, rows, grad_scale,
-                                    logits_out ? logits_out + (size_t)r0 * m->cfg.vocab_size : NULL));
+                                    logits_out ? logits_out + (size_t)r0 * m->cfg.vocab_size : NULL, slot));
+            if (grouped && ((size_t)slot == G - 1 || r0 + rows >= N)) /* the group's last chunk: its dW */
+                FL_TRY(head_group_dw(m, &head, lnf16 ? (const uint16_t *)lnf16 + (size_t)g0 * d.C : NULL, r0 + rows - g0));
             continue;
         }
         if (round_bf16) { /* x (rows, C) -> bf16 -> fp32 */

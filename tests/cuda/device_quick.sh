@@ -12,7 +12,8 @@
 #      training steps on the CPU and on the GPU: the largest relative step-loss difference (bound 2e-2, as
 #      gpu_check_all.sh);
 #   4. the TinyLlama LoRA r 8 step; 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (the copies, A/B);
-#   6. the TinyLlama QLoRA nf4 step (the default 4-bit mode); 7. fitllm_cuda_check with what is left.
+#   6. the TinyLlama QLoRA nf4 step (the default 4-bit mode); 7. the full step with FITLLM_CUDA_HEAD_GROUP=0 (A/B,
+#   with the profile's head GEMM rows); 8. fitllm_cuda_check with what is left.
 # tests/cuda/device_quick.sh --small-ref (here, after tools/gpu_pack.sh): step 3's CPU side with the packed binary,
 # written to .gpupack/ref/small-cpu-metrics.csv and carried with the pack (the device then trains on the GPU only).
 set -u
@@ -105,7 +106,10 @@ echo "== 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (compact copies first)
 FITLLM_CUDA_CUDNN_DIRECT=0 step copies 30
 echo "== 6. TinyLlama QLoRA nf4 r 8 (the default 4-bit mode)"
 step qlora 30 --lora 8 --quantize bnb.nf4
-echo "== 7. fitllm_cuda_check"
+echo "== 7. the full step with FITLLM_CUDA_HEAD_GROUP=0 (the LM head's dW one GEMM per chunk, A/B)"
+FITLLM_CUDA_HEAD_GROUP=0 step headchunk 30 --profile
+[ -f "$OUT/headchunk.log" ] && grep -E "^ +32000 +2048 " "$OUT/headchunk.log" "$OUT/full.log" | head -4
+echo "== 8. fitllm_cuda_check"
 if run check 150 "$PACK/bin/fitllm_cuda_check"; then :; fi
 [ -f "$OUT/check.log" ] && grep -E "FAIL|all ok|FAILED|exit" "$OUT/check.log" | head -20
 echo "device_quick: done after ${SECONDS} s (budget ${BUDGET} s)"

@@ -786,6 +786,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
              : !strcmp(eq, "scratch") ? FLB_Q4_SCRATCH : -1;
     /* FITLLM_CUDA_Q4X16 (issue 30 items 1 and 7; unset or 1: on, 0: off, A/B): under tc / scratch the 4-bit matmuls
      * over bf16 x / dy (q4_matmul_forward16 / _backward16, FL_CAP_Q4X16), so QLoRA's bases read the stored copies */
+    /* FITLLM_CUDA_HEAD_GROUP (unset or 1: on, 0: off, A/B): a trained bf16 LM head's dW over several loss chunks in
+     * one GEMM (FL_CAP_HEAD_GROUP, transformer.c); bits differ from one GEMM per chunk (fp32 sums in another order) */
+    const char *ehg = getenv("FITLLM_CUDA_HEAD_GROUP");
+    const int head_group = !ehg || !*ehg || !strcmp(ehg, "1");
     const char *eqx = getenv("FITLLM_CUDA_Q4X16");
     const int q4x16 = !eqx || !*eqx || !strcmp(eqx, "1") ? 1 : !strcmp(eqx, "0") ? 0 : -1;
     im->graph.state = im->graph.on ? FLB_G_FIRST : FLB_G_OFF;
@@ -824,6 +828,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                         "stored slots whose fp32 view nothing reads are written in bf16 only, their views not "
                         "allocated, and fp32 results nothing reads are not written) or 1 (every fp32 view and result "
                         "kept)", FLB_NAME, ev)
+        : ehg && *ehg && !head_group && strcmp(ehg, "0")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_HEAD_GROUP=%s: expected 1 (the default: a trained bf16 "
+                        "LM head's weight gradient over a group of loss chunks in one GEMM) or 0 (one GEMM per chunk)",
+                        FLB_NAME, ehg)
         : es16 && *es16 && strcmp(es16, "0") && strcmp(es16, "1")
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_STREAM16=%s: expected 1 (the default: a bf16 run's "
                         "residual adds read the stream's stored bf16 rows, its fp32 rows in one buffer) or 0 (the fp32 "
@@ -861,7 +869,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->scratch_bytes = FLB_SCRATCH_BYTES;
     be->caps = FL_CAP_ASYNC | FL_CAP_COMPUTE_BF16 | (views32 ? 0u : FL_CAP_VIEWS16) | (stream16 ? FL_CAP_STREAM16 : 0u) |
                (FLB_HOST_MEMORY ? FL_CAP_HOST_MEMORY : FL_CAP_DEVICE_MEMORY) |
-               (q4x16 && (im->q4 == FLB_Q4_TC || im->q4 == FLB_Q4_SCRATCH) ? FL_CAP_Q4X16 : 0u);
+               (q4x16 && (im->q4 == FLB_Q4_TC || im->q4 == FLB_Q4_SCRATCH) ? FL_CAP_Q4X16 : 0u) |
+               (head_group ? FL_CAP_HEAD_GROUP : 0u);
     be->set_compute_dtype = flb_set_compute_dtype;
     be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */
     be->gemm = flb_gemm;
