@@ -28,6 +28,7 @@ int fl_cuda_check_fused(void); /* tests/cuda/check_fused.c: issue 30 item 4's fu
 int fl_cuda_check_gemm_epi(void); /* tests/cuda/check_gemm_epi.c: issue 30 item 3's epilogues and GEMM bench */
 int fl_cuda_check_vec16(void); /* tests/cuda/check_vec16.c: LayerNorm w16, the 128-bit elementwise paths */
 int fl_cuda_check_ss(void);    /* tests/cuda/check_ss.c: the step scalars (norm, clip scale, loss sums) */
+int fl_cuda_check_normce(void); /* tests/cuda/check_normce.c: the split column sums and cross-entropy */
 
 static void *dev_copy(const void *h, size_t bytes) {
     void *d = NULL;
@@ -237,6 +238,7 @@ int main(void) {
     g_fail += fl_cuda_check_gemm_epi();
     g_fail += fl_cuda_check_vec16();
     g_fail += fl_cuda_check_ss();
+    g_fail += fl_cuda_check_normce();
     printf("%s\n", g_fail ? "FAILED" : "all ok");
     return g_fail ? 1 : 0;
 }
