@@ -243,7 +243,8 @@ __global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, uint16_t *dinp16, con
  *      row where C % 4 == 0 and the rows are aligned, else the same 4 elements one by one: the same sums), four rows'
  *      loads in flight; then thread j < 128 adds the 8 warps' sums of its column in warp order and writes the
  *      tile's partial to work (P x C floats for dw, then P x C for db), or adds it to dw / db when P = 1;
- *   2. fl_cu_colsum_fin_k, one thread per column: the P partials in tile order, added to dw / db.
+ *   2. fl_cu_colsum_fin_k, 32 columns x 8 slices per block: slice q sums the tiles q, q + 8, ... in order, then
+ *      the 8 slice sums in slice order, added to dw / db.
  * P = ceil(N / 128) within [1, min(256, FL_CU_NORM_WORK_BYTES / (8 C))]: a function of (N, C) alone, so the order of
  * every sum (and the bits) is the same on every device; for N 8192, C 2048: P 64, 1024 blocks of 256 threads. */
 #define FL_CU_CS_COLS 128
@@ -278,14 +279,16 @@ __global__ static void fl_cu_colsum_part_k(float *pw, float *pb, float *dw, floa
     const int r1 = (p + 1) * R < N ? (p + 1) * R : N;
     float aw[4] = {0.0f, 0.0f, 0.0f, 0.0f}, ab[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (c < C) {
-        int n = p * R + warp;
-        for (; n < r1; n += 4 * FL_CU_CS_WARPS) { /* four rows' loads in flight; summed in row order */
+        for (int n = p * R + warp; n < r1; n += 4 * FL_CU_CS_WARPS) { /* four rows' loads in flight; in row order */
             float d[4][4], x[4][4];
-            int m = 0;
-            for (; m < 4 && n + m * FL_CU_CS_WARPS < r1; m++)
-                cs_load(dout, dw ? inp : NULL, xt, (size_t)(n + m * FL_CU_CS_WARPS), c, C, vec, d[m], x[m]);
-            for (int j = 0; j < m; j++) {
+FL_CU_UNROLL
+            for (int j = 0; j < 4; j++) /* constant trip counts: the arrays stay in registers */
+                if (n + j * FL_CU_CS_WARPS < r1)
+                    cs_load(dout, dw ? inp : NULL, xt, (size_t)(n + j * FL_CU_CS_WARPS), c, C, vec, d[j], x[j]);
+FL_CU_UNROLL
+            for (int j = 0; j < 4; j++) {
                 const int nj = n + j * FL_CU_CS_WARPS;
+                if (nj >= r1) break;
                 if (d16) {
                     float t[4] = {d[j][0], d[j][1], d[j][2], d[j][3]};
                     if (vec) {
@@ -294,6 +297,7 @@ __global__ static void fl_cu_colsum_part_k(float *pw, float *pb, float *dw, floa
                         for (int k = 0; k < 4 && c + k < C; k++) d16[(size_t)nj * C + c + k] = fl_cu_f32_to_bf16(t[k]);
                     }
                 }
+FL_CU_UNROLL
                 for (int k = 0; k < 4; k++) {
                     if (dw) aw[k] += d[j][k] * cs_xhat(x[j][k], mean, rstd, nj);
                     ab[k] += d[j][k];
@@ -322,14 +326,24 @@ __global__ static void fl_cu_colsum_part_k(float *pw, float *pb, float *dw, floa
         }
     }
 }
+/* block: 32 columns x 8 slices; slice q sums the partials q, q + 8, ... in order, then slice 0 adds the 8 slice sums
+ * in slice order (16 K threads for C 2048, 8 loads each: the partials, just written, come from the L2) */
+#define FL_CU_CS_SLICES 8
 __global__ static void fl_cu_colsum_fin_k(float *dw, float *db, const float *pw, const float *pb, int P, int C) {
-    const int c = (int)(blockIdx.x * blockDim.x + threadIdx.x);
-    if (c >= C) return;
+    __shared__ float sw[FL_CU_CS_SLICES * 32], sb[FL_CU_CS_SLICES * 32];
+    const int lc = (int)threadIdx.x & 31, q = (int)threadIdx.x >> 5, c = (int)blockIdx.x * 32 + lc;
     float tw = 0.0f, tb = 0.0f;
-    for (int p = 0; p < P; p++) {
-        if (dw) tw += pw[(size_t)p * C + c];
-        if (db) tb += pb[(size_t)p * C + c];
-    }
+    if (c < C)
+        for (int p = q; p < P; p += FL_CU_CS_SLICES) {
+            if (dw) tw += pw[(size_t)p * C + c];
+            if (db) tb += pb[(size_t)p * C + c];
+        }
+    sw[threadIdx.x] = tw;
+    sb[threadIdx.x] = tb;
+    __syncthreads();
+    if (q != 0 || c >= C) return;
+    tw = tb = 0.0f;
+    for (int k = 0; k < FL_CU_CS_SLICES; k++) tw += sw[k * 32 + lc], tb += sb[k * 32 + lc];
     if (dw) dw[c] += tw;
     if (db) db[c] += tb;
 }
@@ -352,8 +366,8 @@ static int colsum(float *dw, float *db, const float *dout, const void *inp, fl_d
                  dim3(32 * FL_CU_CS_WARPS), 0, (fl_cu_stream)stream, pw, pb, dw, db, dout, inp, (int)xt, mean, rstd, N,
                  C, R, d16, vec);
     if (P > 1)
-        FL_CU_LAUNCH(fl_cu_colsum_fin_k, dim3((unsigned)((C + 255) / 256)), dim3(256), 0, (fl_cu_stream)stream, dw,
-                     db, (const float *)pw, (const float *)pb, P, C);
+        FL_CU_LAUNCH(fl_cu_colsum_fin_k, dim3((unsigned)((C + 31) / 32)), dim3(32 * FL_CU_CS_SLICES), 0,
+                     (fl_cu_stream)stream, dw, db, (const float *)pw, (const float *)pb, P, C);
     return 0;
 }
 

@@ -27,6 +27,7 @@ static int xent_threads(int V) {
 /* the thread's 8 columns of its chunk (their indices in ix; past the row: -inf) */
 FL_CU_DEV void xent_load(const float *x, int base, int V, int vec, float *v, int *ix) {
     const int T = (int)blockDim.x, t = (int)threadIdx.x;
+    FL_CU_UNROLL
     for (int h = 0; h < 2; h++) {
         const int c = base + h * 4 * T + 4 * t;
         for (int k = 0; k < 4; k++) ix[4 * h + k] = c + k;
@@ -59,8 +60,10 @@ __global__ static void fl_cu_xent_stats_k(float *st, const float *logits, const 
     float v[8], m = -INFINITY, s = 0.0f;
     int ix[8];
     xent_load(x, base, V, vec, v, ix);
+    FL_CU_UNROLL
     for (int k = 0; k < 8; k++) m = fmaxf(m, v[k]);
     m = xent_block_max(m, buf);
+    FL_CU_UNROLL
     for (int k = 0; k < 8; k++) s += ix[k] < V ? expf(v[k] - m) : 0.0f;
     s = fl_cu_block_sum(s, buf);
     float *o = st + row * (size_t)(2 * S + 1);
@@ -84,6 +87,7 @@ __global__ static void fl_cu_xent_grad_k(float *loss, float *dlogits, uint16_t *
     int ix[8];
     if (tgt == ignore_index) { /* the whole block takes this branch */
         if (chunk == 0 && t == 0) loss[row] = 0.0f;
+        FL_CU_UNROLL
         for (int k = 0; k < 8; k++) d[k] = 0.0f; /* +0.0 */
     } else {
         const float grad_scale = grad_scale_dev ? *grad_scale_dev : grad_scale_arg;
@@ -98,11 +102,13 @@ __global__ static void fl_cu_xent_grad_k(float *loss, float *dlogits, uint16_t *
         if (chunk == 0 && t == 0) loss[row] = lse - o[2 * S];
         if (!dx && !dx16) return;
         xent_load(logits + row * V, base, V, vec, d, ix);
+        FL_CU_UNROLL
         for (int k = 0; k < 8; k++) {
             d[k] = grad_scale * expf(d[k] - lse);
             if (ix[k] == tgt) d[k] -= grad_scale;
         }
     }
+    FL_CU_UNROLL
     for (int h = 0; h < 2 && (dx || dx16); h++) {
         const int c = base + h * 4 * T + 4 * t;
         float *dh = d + 4 * h;
