@@ -173,12 +173,11 @@ static void check_xent(int N, int V, int timed) {
 }
 
 int fl_cuda_check_normce(void) {
+    /* (rows, columns or V, timed): odd shapes, then TinyLlama's */
+    static const int norm[][3] = {{7, 13, 0}, {1000, 130, 0}, {8192, 2048, 1}};
+    static const int xent[][3] = {{5, 7, 0}, {9, 4099, 0}, {262, 32000, 1}};
     g_nbad = 0;
-    check_norm(7, 13, 0);
-    check_norm(1000, 130, 0);
-    check_norm(8192, 2048, 1);
-    check_xent(5, 7, 0);
-    check_xent(9, 4099, 0);
-    check_xent(262, 32000, 1);
+    for (int k = 0; k < 3; k++) check_norm(norm[k][0], norm[k][1], norm[k][2]);
+    for (int k = 0; k < 3; k++) check_xent(xent[k][0], xent[k][1], xent[k][2]);
     return g_nbad;
 }
