@@ -109,11 +109,11 @@ typedef struct {
     float *loss, *x;
     uint16_t *d16;
     int32_t *tg;
-    int N, V;
+    int N, V, rc;
 } nc_xent;
 static void nc_xent_run(void *p) {
     nc_xent *a = p;
-    fl_cuk_cross_entropy_dbf16(a->loss, a->d16, a->x, a->tg, a->N, a->V, 0.37f, -100, g_dev_work, NULL);
+    a->rc |= fl_cuk_cross_entropy_dbf16(a->loss, a->d16, a->x, a->tg, a->N, a->V, 0.37f, -100, g_dev_work, NULL);
 }
 
 /* cross_entropy_dbf16 (every third row ignored): the loss and the bf16 gradient against the emulator, its speed */
@@ -126,9 +126,10 @@ static void check_xent(int N, int V, int timed) {
     for (int n = 0; n < N; n++) tg[n] = n % 3 == 2 ? -100 : (int32_t)(((unsigned)n * 2654435761u) % (unsigned)V);
     uint16_t *d16 = malloc(nv * 2), *g16 = malloc(nv * 2);
     fl_cuemu_cross_entropy_dbf16(loss, d16, x, tg, N, V, gs, -100, g_emu_work, NULL);
-    nc_xent a = {nc_dev(NULL, (size_t)N * 4), nc_dev(x, nv * 4), nc_dev(NULL, nv * 2), nc_dev(tg, (size_t)N * 4), N, V};
+    nc_xent a = {nc_dev(NULL, (size_t)N * 4), nc_dev(x, nv * 4), nc_dev(NULL, nv * 2), nc_dev(tg, (size_t)N * 4), N, V,
+                 0};
     nc_xent_run(&a);
-    if (cudaDeviceSynchronize() != cudaSuccess) {
+    if (a.rc || cudaDeviceSynchronize() != cudaSuccess) {
         printf("cross_entropy_dbf16 %dx%d: launch failed\n", N, V);
         g_nbad++;
         return;
