@@ -52,24 +52,24 @@ static void rms_in16_case(fl_dtype wt, int N, int C, int with16) {
     float *dx1 = dup4(dx0, nc), *dw1 = dup4(dw0, (size_t)C), *dx2 = malloc(nc * 4), *dw2 = malloc((size_t)C * 4);
     uint16_t *d1 = malloc(nc * 2), *d2 = malloc(nc * 2);
     if (wt == FL_F32) {
-        EMU_OK(fl_cuemu_rmsnorm_backward(dx1, dw1, dy, x, w, rs, N, C, NULL));
+        EMU_OK(fl_cuemu_rmsnorm_backward(dx1, dw1, dy, x, w, rs, N, C, EMU_WORK, NULL));
         FL_REQUIRE_OK(fl_convert(d1, FL_BF16, dx1, FL_F32, nc));
     } else {
-        EMU_OK(fl_cuemu_rmsnorm_backward_w16(dx1, d1, dw1, dy, x, NULL, w16, wt, rs, N, C, NULL));
+        EMU_OK(fl_cuemu_rmsnorm_backward_w16(dx1, d1, dw1, dy, x, NULL, w16, wt, rs, N, C, EMU_WORK, NULL));
     }
     for (int k = 0; k < 2; k++) {
         fl_cu_emu_set_seed(k_seeds[k]);
         memcpy(dx2, dx0, nc * 4);
         memcpy(dw2, dw0, (size_t)C * 4);
         memset(d2, 0xff, nc * 2);
-        EMU_OK(fl_cuemu_rmsnorm_backward_w16(dx2, with16 ? d2 : NULL, dw2, dy, NULL, x16, wp, wt, rs, N, C, NULL));
+        EMU_OK(fl_cuemu_rmsnorm_backward_w16(dx2, with16 ? d2 : NULL, dw2, dy, NULL, x16, wp, wt, rs, N, C, EMU_WORK, NULL));
         FL_CHECKF(!memcmp(dx1, dx2, nc * 4) && !memcmp(dw1, dw2, (size_t)C * 4) &&
                       (!with16 || !memcmp(d1, d2, nc * 2)),
                   "rmsnorm_backward_w16 inp16 (w %s N=%d C=%d): not the bits over the widened input", fl_dtype_name(wt),
                   N, C);
     }
     /* an fp32 weight is taken only with a bf16 copy to read or write (the fp32 ops are rmsnorm_forward / _backward) */
-    FL_CHECK(fl_cuemu_rmsnorm_backward_w16(dx2, NULL, dw2, dy, x, NULL, w, FL_F32, rs, N, C, NULL) != 0);
+    FL_CHECK(fl_cuemu_rmsnorm_backward_w16(dx2, NULL, dw2, dy, x, NULL, w, FL_F32, rs, N, C, EMU_WORK, NULL) != 0);
     FL_CHECK(fl_cuemu_rmsnorm_forward_w16(dx2, NULL, rs, x, w, FL_F32, N, C, 1e-5f, NULL) != 0);
     if (wt == FL_F32) { /* bf16-mixed's forward: out16 = round16 of the fp32 kernel's output, out its widening */
         float *o2 = malloc(nc * 4), *r2 = malloc((size_t)N * 4);

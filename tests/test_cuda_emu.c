@@ -145,10 +145,10 @@ static void rmsnorm_case(int N, int C) {
         EMU_OK(fl_cuemu_rmsnorm_forward(out, rstd, x, w, N, C, eps, NULL));
         FL_CHECK(fl_test_allclose("emu rmsnorm out", out, want, (size_t)N * C, 1e-5, 1e-6));
         FL_CHECK(fl_test_allclose("emu rmsnorm rstd", rstd, wr, N, 1e-5, 0));
-        EMU_OK(fl_cuemu_rmsnorm_backward(dx, dw, dy, x, w, rstd, N, C, NULL));
+        EMU_OK(fl_cuemu_rmsnorm_backward(dx, dw, dy, x, w, rstd, N, C, EMU_WORK, NULL));
         FL_CHECKF(grad_close("emu rmsnorm dinp", dx, cdx, (size_t)N * C), "N%d C%d dinp", N, C);
         FL_CHECKF(grad_close("emu rmsnorm dw", dw, cdw, C), "N%d C%d dw", N, C);
-        EMU_OK(fl_cuemu_rmsnorm_backward(dx2, NULL, dy, x, w, rstd, N, C, NULL)); /* NULL dw: skipped */
+        EMU_OK(fl_cuemu_rmsnorm_backward(dx2, NULL, dy, x, w, rstd, N, C, EMU_WORK, NULL)); /* NULL dw: skipped */
         FL_CHECK(memcmp(dx2, dx, (size_t)N * C * 4) == 0);
         free(out); free(rstd); free(dx); free(dw); free(dx2);
     }
@@ -194,17 +194,17 @@ static void xent_case(int N, int V, float spread, int ramp) {
         fl_cu_emu_set_seed(k_seeds[k]);
         float *loss = malloc((size_t)N * 4), *dl = malloc((size_t)N * V * 4), *loss2 = malloc((size_t)N * 4);
         for (size_t i = 0; i < (size_t)N * V; i++) dl[i] = NAN; /* every entry must be written */
-        EMU_OK(fl_cuemu_cross_entropy(loss, dl, x, tg, N, V, gs, FL_IGNORE_INDEX, NULL));
+        EMU_OK(fl_cuemu_cross_entropy(loss, dl, x, tg, N, V, gs, FL_IGNORE_INDEX, EMU_WORK, NULL));
         FL_CHECKF(fl_test_allclose(what, loss, want, N, 1e-5, 1e-6), "%s: loss", what);
         FL_CHECKF(grad_close(what, dl, cdl, (size_t)N * V), "%s: dlogits", what);
         int zero_ok = 1;
         for (int v = 0; v < V; v++) zero_ok &= dl[(size_t)V + v] == 0.0f && dl[(size_t)(N - 1) * V + v] == 0.0f;
         FL_CHECKF(zero_ok, "%s: ignored rows must have zero gradient", what);
         /* loss only, and in place (dlogits aliases logits): the same bits */
-        EMU_OK(fl_cuemu_cross_entropy(loss2, NULL, x, tg, N, V, gs, FL_IGNORE_INDEX, NULL));
+        EMU_OK(fl_cuemu_cross_entropy(loss2, NULL, x, tg, N, V, gs, FL_IGNORE_INDEX, EMU_WORK, NULL));
         FL_CHECK(memcmp(loss2, loss, (size_t)N * 4) == 0);
         float *xa = fl_test_fdup(x, (size_t)N * V);
-        EMU_OK(fl_cuemu_cross_entropy(loss2, xa, xa, tg, N, V, gs, FL_IGNORE_INDEX, NULL));
+        EMU_OK(fl_cuemu_cross_entropy(loss2, xa, xa, tg, N, V, gs, FL_IGNORE_INDEX, EMU_WORK, NULL));
         FL_CHECKF(memcmp(loss2, loss, (size_t)N * 4) == 0 && memcmp(xa, dl, (size_t)N * V * 4) == 0,
                   "%s: in place differs", what);
         /* cross_entropy_dbf16 (the LM head's bf16 path): the same loss bits, the gradient only in bf16, each
@@ -212,7 +212,7 @@ static void xent_case(int N, int V, float spread, int ramp) {
         uint16_t *d16 = malloc((size_t)N * V * 2);
         memset(d16, 0xff, (size_t)N * V * 2);
         memset(loss2, 0xff, (size_t)N * 4);
-        EMU_OK(fl_cuemu_cross_entropy_dbf16(loss2, d16, x, tg, N, V, gs, FL_IGNORE_INDEX, NULL));
+        EMU_OK(fl_cuemu_cross_entropy_dbf16(loss2, d16, x, tg, N, V, gs, FL_IGNORE_INDEX, EMU_WORK, NULL));
         size_t bad16 = 0;
         for (size_t i = 0; i < (size_t)N * V; i++) bad16 += d16[i] != fl_f32_to_bf16(dl[i]);
         FL_CHECKF(memcmp(loss2, loss, (size_t)N * 4) == 0 && bad16 == 0,
@@ -370,7 +370,7 @@ static void layernorm_case(int N, int C, int with_bias) {
         FL_CHECK(fl_test_allclose("emu layernorm out", out, want, nc, 1e-5, 1e-6));
         FL_CHECK(fl_test_allclose("emu layernorm rstd", rstd, wr, N, 1e-5, 0));
         FL_CHECK(fl_test_allclose("emu layernorm mean", mean, wm, N, 1e-5, 1e-6));
-        EMU_OK(fl_cuemu_layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, N, C, NULL));
+        EMU_OK(fl_cuemu_layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, N, C, EMU_WORK, NULL));
         FL_CHECKF(grad_close("emu layernorm dinp", dx, cdx, nc), "N%d C%d dinp", N, C);
         FL_CHECKF(grad_close("emu layernorm dw", dw, cdw, C), "N%d C%d dw", N, C);
         FL_CHECKF(grad_close("emu layernorm db", db, cdb, C), "N%d C%d db", N, C);
@@ -573,7 +573,7 @@ FL_TEST(cuda_emu_add_scale_bias) {
     be.bias_forward(&be, co, bias, N, OC);
     FL_CHECK(memcmp(o, co, n * 4) == 0);
     float *db = fl_test_frand(&r, OC, -1, 1), *cdb = fl_test_fdup(db, OC);
-    EMU_OK(fl_cuemu_bias_backward(db, a, N, OC, NULL));
+    EMU_OK(fl_cuemu_bias_backward(db, a, N, OC, EMU_WORK, NULL));
     be.bias_backward(&be, cdb, a, N, OC);
     FL_CHECK(grad_close("emu bias db", db, cdb, OC));
     free(a); free(b); free(o); free(co); free(bias); free(db); free(cdb);

@@ -54,7 +54,7 @@ static void ln16_case(fl_dtype wt, int N, int C, int with_bias) {
     float *o1 = malloc(nc * 4), *m1 = malloc((size_t)N * 4), *r1 = malloc((size_t)N * 4);
     float *dx1 = dup4(dx0, nc), *dw1 = dup4(dw0, (size_t)C), *db1 = dup4(db0, (size_t)C);
     EMU_OK(fl_cuemu_layernorm_forward(o1, m1, r1, x, w, bf, N, C, eps, NULL));
-    EMU_OK(fl_cuemu_layernorm_backward(dx1, dw1, db1, dy, x, w, m1, r1, N, C, NULL));
+    EMU_OK(fl_cuemu_layernorm_backward(dx1, dw1, db1, dy, x, w, m1, r1, N, C, EMU_WORK, NULL));
     uint16_t *o16w = malloc(nc * 2), *dx16w = malloc(nc * 2);
     FL_REQUIRE_OK(fl_convert(dx16w, FL_BF16, dx1, FL_F32, nc));
     float *o1w = dup4(o1, nc);
@@ -97,7 +97,7 @@ static void ln16_case(fl_dtype wt, int N, int C, int with_bias) {
             memcpy(db2, db0, (size_t)C * 4);
             memset(g16, 0xff, nc * 2);
             EMU_OK(fl_cuemu_layernorm_backward_w16(dx2, g16, dw2, db2, dy, in16 ? NULL : x, in16 ? x16 : NULL, wp, wt,
-                                                   m1, r1, N, C, NULL));
+                                                   m1, r1, N, C, EMU_WORK, NULL));
             FL_CHECKF(!memcmp(dx1, dx2, nc * 4) && !memcmp(dw1, dw2, (size_t)C * 4) &&
                           !memcmp(db1, db2, (size_t)C * 4) && !memcmp(g16, dx16w, nc * 2),
                       "layernorm_backward_w16 (%s N=%d C=%d in16 %d): not the fp32 kernel's bits + dinp16 = RNE(dx)",
@@ -108,7 +108,7 @@ static void ln16_case(fl_dtype wt, int N, int C, int with_bias) {
     FL_CHECK(fl_test_allclose("layernorm w16 mean vs cpu", m1, mc, (size_t)N, 1e-5, 1e-6));
     /* refused: an fp32 weight without a bf16 copy (the fp32 ops are layernorm_forward / _backward), other dtypes */
     FL_CHECK(fl_cuemu_layernorm_forward_w16(o2, NULL, m2, r2, x, w, bf, FL_F32, N, C, eps, NULL) != 0);
-    FL_CHECK(fl_cuemu_layernorm_backward_w16(dx2, NULL, dw2, db2, dy, x, NULL, w, FL_F32, m1, r1, N, C, NULL) != 0);
+    FL_CHECK(fl_cuemu_layernorm_backward_w16(dx2, NULL, dw2, db2, dy, x, NULL, w, FL_F32, m1, r1, N, C, EMU_WORK, NULL) != 0);
     FL_CHECK(fl_cuemu_layernorm_forward_w16(o2, g16, m2, r2, x, w, bf, FL_F64, N, C, eps, NULL) != 0);
     FL_CHECK(fl_cuemu_layernorm_forward_w16(NULL, NULL, m2, r2, x, wp, bp, wt, N, C, eps, NULL) != 0); /* no output */
     free(x); free(w); free(b); free(dy); free(dx0); free(dw0); free(db0); free(x16); free(w16); free(b16);

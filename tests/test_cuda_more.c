@@ -208,14 +208,14 @@ static void rmsnorm_w16_case(fl_dtype dt, int N, int C, int off) {
     float *dx1 = dup_bytes(dx0, nc * 4), *dx2 = dup_bytes(dx0, nc * 4);
     float *dw1 = dup_bytes(dw0, (size_t)C * 4), *dw2 = dup_bytes(dw0, (size_t)C * 4);
     EMU_OK(fl_cuemu_rmsnorm_forward(o1, r1, x, w, N, C, 1e-5f, NULL));
-    EMU_OK(fl_cuemu_rmsnorm_backward(dx1, dw1, dy, x, w, r1, N, C, NULL));
+    EMU_OK(fl_cuemu_rmsnorm_backward(dx1, dw1, dy, x, w, r1, N, C, EMU_WORK, NULL));
     for (int k = 0; k < 2; k++) {
         fl_cu_emu_set_seed(k_seeds[k]);
         memset(o2, 0xff, nc * 4);
         memcpy(dx2, dx0, nc * 4);
         memcpy(dw2, dw0, (size_t)C * 4);
         EMU_OK(fl_cuemu_rmsnorm_forward_w16(o2, NULL, r2, x, w16, dt, N, C, 1e-5f, NULL));
-        EMU_OK(fl_cuemu_rmsnorm_backward_w16(dx2, NULL, dw2, dy, x, NULL, w16, dt, r2, N, C, NULL));
+        EMU_OK(fl_cuemu_rmsnorm_backward_w16(dx2, NULL, dw2, dy, x, NULL, w16, dt, r2, N, C, EMU_WORK, NULL));
         FL_CHECKF(!memcmp(o1, o2, nc * 4) && !memcmp(r1, r2, (size_t)N * 4) && !memcmp(dx1, dx2, nc * 4) &&
                       !memcmp(dw1, dw2, (size_t)C * 4),
                   "rmsnorm w16 (%s N=%d C=%d off=%d): not the fp32-weight kernels' bits", fl_dtype_name(dt), N, C, off);
@@ -256,7 +256,7 @@ static void rmsnorm_w16_case(fl_dtype dt, int N, int C, int off) {
     memcpy(dw2, dw0, (size_t)C * 4);
     memset(g16, 0xff, nc * 2);
     FL_REQUIRE_OK(fl_convert(c16, FL_BF16, dx1, FL_F32, nc));
-    EMU_OK(fl_cuemu_rmsnorm_backward_w16(dx2, g16, dw2, dy, x, NULL, w16, dt, r2, N, C, NULL));
+    EMU_OK(fl_cuemu_rmsnorm_backward_w16(dx2, g16, dw2, dy, x, NULL, w16, dt, r2, N, C, EMU_WORK, NULL));
     FL_CHECKF(!memcmp(g16, c16, nc * 2) && !memcmp(dx2, dx1, nc * 4) && !memcmp(dw2, dw1, (size_t)C * 4),
               "rmsnorm w16 (%s N=%d C=%d off=%d): dinp16 not the rounded dx, or dx / dw changed", fl_dtype_name(dt), N, C,
               off);

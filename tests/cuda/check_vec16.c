@@ -21,6 +21,7 @@
 int fl_cuda_check_vec16(void);
 
 static int g_bad;
+extern void *g_dev_work, *g_emu_work; /* cuda_check.c: the norm backwards' work (FL_CU_NORM_WORK_BYTES) */
 
 static float *frnd(unsigned *s, size_t n, float lo, float hi) {
     float *x = malloc(n * sizeof(float) + 16);
@@ -79,7 +80,7 @@ static void check_ln16(int N, int C) {
     float *dw = calloc((size_t)C, 4), *db = calloc((size_t)C, 4);
     uint16_t *o16 = malloc(nc * 2), *dx16 = malloc(nc * 2);
     fl_cuemu_layernorm_forward_w16(o, o16, m, r, x, w16, b16, FL_BF16, N, C, 1e-5f, NULL);
-    fl_cuemu_layernorm_backward_w16(dx, dx16, dw, db, dy, NULL, x16, w16, FL_BF16, m, r, N, C, NULL);
+    fl_cuemu_layernorm_backward_w16(dx, dx16, dw, db, dy, NULL, x16, w16, FL_BF16, m, r, N, C, g_emu_work, NULL);
     float *dX = dnew(x, nc * 4, 0), *dO = dnew(NULL, nc * 4, 0), *dM = dnew(NULL, (size_t)N * 4, 0);
     float *dR = dnew(NULL, (size_t)N * 4, 0), *dDY = dnew(dy, nc * 4, 0), *dDX = dnew(NULL, nc * 4, 0);
     float *dDW = dnew(NULL, (size_t)C * 4, 0), *dDB = dnew(NULL, (size_t)C * 4, 0);
@@ -92,7 +93,7 @@ static void check_ln16(int N, int C) {
     /* the backward from the emulator's statistics (the GPU's may differ in the last bit) */
     cudaMemcpy(dM, m, (size_t)N * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(dR, r, (size_t)N * 4, cudaMemcpyHostToDevice);
-    rc |= fl_cuk_layernorm_backward_w16(dDX, dDX16, dDW, dDB, dDY, NULL, dX16, dW16, FL_BF16, dM, dR, N, C, NULL);
+    rc |= fl_cuk_layernorm_backward_w16(dDX, dDX16, dDW, dDB, dDY, NULL, dX16, dW16, FL_BF16, dM, dR, N, C, g_dev_work, NULL);
     if (rc || cudaDeviceSynchronize() != cudaSuccess) {
         printf("layernorm w16 %dx%d: launch failed\n", N, C);
         g_bad++;

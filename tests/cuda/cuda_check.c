@@ -19,12 +19,16 @@
 int fl_cuda_check_attn(void); /* check_attn.c: the attention kernels */
 
 static int g_fail;
+/* the norm backwards' / cross-entropy's work (FL_CU_NORM_WORK_BYTES): the device's, the emulator's (host memory);
+ * check_vec16.c and check_normce.c use them too */
+void *g_dev_work, *g_emu_work;
 
 int fl_cuda_check_more(void); /* tests/cuda/check_more.c: the cu_kernels_train.h kernels */
 int fl_cuda_check_fused(void); /* tests/cuda/check_fused.c: issue 30 item 4's fused and 128-bit kernels */
 int fl_cuda_check_gemm_epi(void); /* tests/cuda/check_gemm_epi.c: issue 30 item 3's epilogues and GEMM bench */
 int fl_cuda_check_vec16(void); /* tests/cuda/check_vec16.c: LayerNorm w16, the 128-bit elementwise paths */
 int fl_cuda_check_ss(void);    /* tests/cuda/check_ss.c: the step scalars (norm, clip scale, loss sums) */
+int fl_cuda_check_normce(void); /* tests/cuda/check_normce.c: the split column sums and cross-entropy */
 
 static void *dev_copy(const void *h, size_t bytes) {
     void *d = NULL;
@@ -62,13 +66,13 @@ static void check_rmsnorm(int N, int C) {
     size_t nc = (size_t)N * C;
     float *out = malloc(nc * 4), *rstd = malloc(N * 4), *dx = calloc(nc, 4), *dw = calloc(C, 4);
     fl_cuemu_rmsnorm_forward(out, rstd, x, w, N, C, 1e-5f, NULL);
-    fl_cuemu_rmsnorm_backward(dx, dw, dy, x, w, rstd, N, C, NULL);
+    fl_cuemu_rmsnorm_backward(dx, dw, dy, x, w, rstd, N, C, g_emu_work, NULL);
     float *dX = dev_copy(x, nc * 4), *dW = dev_copy(w, C * 4), *dDY = dev_copy(dy, nc * 4), *dO = dev_copy(NULL, nc * 4);
     float *dR = dev_copy(NULL, N * 4), *dDX = dev_copy(NULL, nc * 4), *dDW = dev_copy(NULL, C * 4);
     cudaMemset(dDX, 0, nc * 4);
     cudaMemset(dDW, 0, C * 4);
     int rc = fl_cuk_rmsnorm_forward(dO, dR, dX, dW, N, C, 1e-5f, NULL);
-    rc |= fl_cuk_rmsnorm_backward(dDX, dDW, dDY, dX, dW, dR, N, C, NULL);
+    rc |= fl_cuk_rmsnorm_backward(dDX, dDW, dDY, dX, dW, dR, N, C, g_dev_work, NULL);
     if (rc || cudaDeviceSynchronize() != cudaSuccess) { printf("rmsnorm: launch failed\n"); g_fail++; return; }
     float *g = malloc(nc * 4);
     to_host(g, dO, nc * 4); report("rmsnorm_forward out", g, out, nc, 1e-5, 1e-6);
@@ -84,10 +88,10 @@ static void check_xent(int N, int V) {
     float *x = frand(&s, nv, -3, 3), *loss = malloc(N * 4), *dl = malloc(nv * 4);
     int32_t *tg = malloc(N * 4);
     for (int n = 0; n < N; n++) tg[n] = n == 1 ? -100 : (int32_t)((n * 7919) % V);
-    fl_cuemu_cross_entropy(loss, dl, x, tg, N, V, 0.37f, -100, NULL);
+    fl_cuemu_cross_entropy(loss, dl, x, tg, N, V, 0.37f, -100, g_emu_work, NULL);
     float *dX = dev_copy(x, nv * 4), *dL = dev_copy(NULL, N * 4), *dDL = dev_copy(NULL, nv * 4);
     int32_t *dT = dev_copy(tg, N * 4);
-    if (fl_cuk_cross_entropy(dL, dDL, dX, dT, N, V, 0.37f, -100, NULL) || cudaDeviceSynchronize() != cudaSuccess) {
+    if (fl_cuk_cross_entropy(dL, dDL, dX, dT, N, V, 0.37f, -100, g_dev_work, NULL) || cudaDeviceSynchronize() != cudaSuccess) {
         printf("cross_entropy: launch failed\n"); g_fail++; return;
     }
     float *g = malloc(nv * 4);
@@ -166,7 +170,7 @@ static void check_layernorm(int N, int C) {
     float *out = malloc(nc * 4), *mean = malloc(N * 4), *rstd = malloc(N * 4), *dx = calloc(nc, 4), *dw = calloc(C, 4);
     float *db = calloc(C, 4);
     fl_cuemu_layernorm_forward(out, mean, rstd, x, w, b, N, C, 1e-5f, NULL);
-    fl_cuemu_layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, N, C, NULL);
+    fl_cuemu_layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, N, C, g_emu_work, NULL);
     float *dX = dev_copy(x, nc * 4), *dW = dev_copy(w, C * 4), *dB = dev_copy(b, C * 4), *dDY = dev_copy(dy, nc * 4);
     float *dO = dev_copy(NULL, nc * 4), *dM = dev_copy(NULL, N * 4), *dR = dev_copy(NULL, N * 4);
     float *dDX = dev_copy(NULL, nc * 4), *dDW = dev_copy(NULL, C * 4), *dDB = dev_copy(NULL, C * 4);
@@ -174,7 +178,7 @@ static void check_layernorm(int N, int C) {
     cudaMemset(dDW, 0, C * 4);
     cudaMemset(dDB, 0, C * 4);
     int rc = fl_cuk_layernorm_forward(dO, dM, dR, dX, dW, dB, N, C, 1e-5f, NULL);
-    rc |= fl_cuk_layernorm_backward(dDX, dDW, dDB, dDY, dX, dW, dM, dR, N, C, NULL);
+    rc |= fl_cuk_layernorm_backward(dDX, dDW, dDB, dDY, dX, dW, dM, dR, N, C, g_dev_work, NULL);
     if (rc || cudaDeviceSynchronize() != cudaSuccess) { printf("layernorm: launch failed\n"); g_fail++; return; }
     float *g = malloc(nc * 4);
     to_host(g, dO, nc * 4); report("layernorm_forward out", g, out, nc, 1e-5, 1e-6);
@@ -217,6 +221,8 @@ int main(void) {
         return 0;
     }
     printf("fitllm_cuda_check: %s\n", desc);
+    g_dev_work = dev_copy(NULL, FL_CU_NORM_WORK_BYTES);
+    g_emu_work = malloc(FL_CU_NORM_WORK_BYTES);
     check_rmsnorm(7, 13);
     check_rmsnorm(64, 4096);
     check_xent(9, 101);
@@ -232,6 +238,7 @@ int main(void) {
     g_fail += fl_cuda_check_gemm_epi();
     g_fail += fl_cuda_check_vec16();
     g_fail += fl_cuda_check_ss();
+    g_fail += fl_cuda_check_normce();
     printf("%s\n", g_fail ? "FAILED" : "all ok");
     return g_fail ? 1 : 0;
 }

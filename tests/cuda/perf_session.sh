@@ -74,6 +74,10 @@
 #      FITLLM_CUDA_RESGEMM=1 (the default: o and down write the residual sum's bf16 rows, cuBLASLt's C the stored
 #      residual, D the sum) against 0 (their fp32 outputs, then the add: 256 MiB more traffic per block and forward
 #      pass), with the profile's GEMM rows (gemm_res16's shapes).
+#  23. the split column sums and cross-entropy (the 2026-11-30 18:00 wave; no knob: the old kernels are gone): the
+#      TinyLlama step's profile rows of rmsnorm_backward_w16 (152 us per call at main b188d93 on the H200; expected
+#      ~45-60 us) and cross_entropy_dbf16 (97 us; expected ~15-25 us), and fitllm_cuda_check's timing lines of both
+#      (GB/s at 8192 x 2048 and 262 x 32000).
 # PERF_DRY=1: the plumbing only, on any machine (tests/cli_test.sh perf_session_dry): each command is written to its
 # log as "DRY <the FITLLM_CUDA_* settings> <command>" instead of run (bin-dir may be a CPU build's).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
@@ -340,4 +344,13 @@ for v in 1 0; do
     FITLLM_CUDA_RESGEMM=$v bench resgemm-$v 60 --profile
     sed -n '/^profile/,/^PROFILE/p' "$OUT/resgemm-$v.log" | grep -E "gemm|norm" | head -8
 done
+fi
+if want_step 23; then
+echo "== 23. the split column sums and cross-entropy: the profile's rows and the kernel timings (no knob, EXPERIMENTAL)"
+bench normce 60 --profile
+sed -n '/^profile/,/^PROFILE/p' "$OUT/normce.log" | grep -E "^ *(norm|embedding\+loss|rmsnorm_backward|cross_entropy|layernorm_backward|bias_backward)" | head -8
+if [ -x "$BIN/fitllm_cuda_check" ]; then
+    timeout 150 "$BIN/fitllm_cuda_check" >"$OUT/cuda_check-normce.log" 2>&1
+    grep -E "rmsnorm_backward_w16|cross_entropy_dbf16|FAILED|all ok" "$OUT/cuda_check-normce.log"
+fi
 fi

@@ -207,6 +207,12 @@ static inline int fl_cu_aligned16(const void *a, const void *b, const void *c, c
 
 /* ---- shared by both worlds ---------------------------------------------------------------- */
 #define FL_CU_FULL_MASK 0xffffffffu
+/* Fully unrolled loops over register arrays (a dynamically indexed array goes to local memory) */
+#ifdef __CUDACC__
+#define FL_CU_UNROLL _Pragma("unroll")
+#else
+#define FL_CU_UNROLL
+#endif
 
 /* bf16 <-> fp32 exactly as include/fitllm/dtype.h (round to nearest even, NaN kept quiet). */
 FL_CU_DEV float fl_cu_bf16_to_f32(uint16_t h) { return fl_cu_bits_float((uint32_t)h << 16); }

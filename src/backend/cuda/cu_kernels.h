@@ -26,6 +26,10 @@ extern "C" {
 #define FL_CU_SS_LOSS 3
 /* Segments one convert_many launch takes (backend.h's FL_CONVERT_MANY_MAX) */
 #define FL_CU_CONVERT_MANY_MAX 16
+/* Work bytes the column sums (the norm backwards' dw / db, bias_backward) and the split cross-entropy use at most
+ * (their partial sums; the backend lends its op work area, FLB_WORK_BYTES >= this on both builds). The tile counts
+ * are bounded by it, so the order of every sum is a function of the shape alone. */
+#define FL_CU_NORM_WORK_BYTES ((size_t)1 << 20)
 /* act_forward16's kinds (backend.h's FL_ACT16_*) */
 #define FL_CU_ACT16_SWIGLU 0
 #define FL_CU_ACT16_GELU 1
@@ -39,8 +43,10 @@ extern "C" {
      * every pointer is 16-byte aligned */                                                                   \
     int P##add_rmsnorm_forward(float *res, float *out, float *rstd, const float *a, const float *b,             \
                                const float *w, int N, int C, float eps, void *stream);                         \
+    /* work (the norm backwards, bias_backward, the cross-entropies): FL_CU_NORM_WORK_BYTES of device memory for \
+     * the partial sums (the backend's op work area; NULL: -1 where the shape needs it) */                     \
     int P##rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,        \
-                            const float *rstd, int N, int C, void *stream);                                    \
+                            const float *rstd, int N, int C, void *work, void *stream);                        \
     /* the same two over a 16-bit weight (wt BF16/F16; -1 otherwise), widened exactly in the kernel; out16    \
      * (NULL or) the output's bf16 copy, out then its exact widening (round16's bits); dinp16 (NULL or) bf16  \
      * of dinp after the accumulation, dinp not rounded (the next LINEAR's dy operand); inp16 (NULL or) the   \
@@ -49,17 +55,17 @@ extern "C" {
                                fl_dtype wt, int N, int C, float eps, void *stream);                            \
     int P##rmsnorm_backward_w16(float *dinp, void *dinp16, float *dw, const float *dout, const float *inp,      \
                                 const void *inp16, const void *w, fl_dtype wt, const float *rstd, int N, int C, \
-                                void *stream);                                                                 \
+                                void *work, void *stream);                                                     \
     int P##cross_entropy(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, \
-                         float grad_scale, int ignore_index, void *stream);                                    \
+                         float grad_scale, int ignore_index, void *work, void *stream);                        \
     /* the same with the gradient written as bf16 only (dlogits16 (N, V), not overlapping logits) */         \
     int P##cross_entropy_dbf16(float *loss, void *dlogits16, const float *logits, const int32_t *targets, int N, \
-                               int V, float grad_scale, int ignore_index, void *stream);                       \
+                               int V, float grad_scale, int ignore_index, void *work, void *stream);           \
     /* either of the two (dlogits or dlogits16, or neither) with grad_scale read from device memory when it runs  \
      * (a CUDA graph's per-step scalar) */                                                                      \
     int P##cross_entropy_dev(float *loss, float *dlogits, void *dlogits16, const float *logits,                 \
                              const int32_t *targets, int N, int V, const float *grad_scale, int ignore_index,   \
-                             void *stream);                                                                     \
+                             void *work, void *stream);                                                         \
     int P##adamw_update(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,          \
                         float beta2, float eps, float weight_decay, int step, float grad_scale, void *stream);  \
     /* dtypes as the backend's adamw_update; unsupported ones return -1 (checked on the host) */             \
@@ -102,14 +108,15 @@ extern "C" {
     int P##layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,            \
                              const float *b, int N, int C, float eps, void *stream);                           \
     int P##layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,            \
-                              const float *w, const float *mean, const float *rstd, int N, int C, void *stream); \
+                              const float *w, const float *mean, const float *rstd, int N, int C, void *work,   \
+                              void *stream);                                                                    \
     /* the same over 16-bit w and b and a 16-bit saved input, as rmsnorm_forward_w16 / rmsnorm_backward_w16 */  \
     int P##layernorm_forward_w16(float *out, void *out16, float *mean, float *rstd, const float *inp,          \
                                  const void *w, const void *b, fl_dtype wt, int N, int C, float eps,           \
                                  void *stream);                                                                \
     int P##layernorm_backward_w16(float *dinp, void *dinp16, float *dw, float *db, const float *dout,          \
                                   const float *inp, const void *inp16, const void *w, fl_dtype wt,             \
-                                  const float *mean, const float *rstd, int N, int C, void *stream);           \
+                                  const float *mean, const float *rstd, int N, int C, void *work, void *stream); \
     int P##swiglu_forward(float *out, const float *gu, int N, int F, void *stream);                             \
     int P##swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int F, void *stream);          \
     int P##gelu_forward(float *out, const float *inp, size_t n, void *stream);                                  \
@@ -164,8 +171,8 @@ extern "C" {
     int P##bias_forward(float *y, const float *b, int N, int OC, void *stream);                                 \
     /* bias_forward with a bias of type bt: F32 (bias_forward) or BF16 (widened exactly; another type: -1) */     \
     int P##bias_forward_t(float *y, const void *b, fl_dtype bt, int N, int OC, void *stream);                   \
-    int P##bias_backward(float *db, const float *dy, int N, int OC, void *stream);                              \
-    int P##bias_backward16(float *db, void *dy16, const float *dy, int N, int OC, void *stream);                \
+    int P##bias_backward(float *db, const float *dy, int N, int OC, void *work, void *stream);                  \
+    int P##bias_backward16(float *db, void *dy16, const float *dy, int N, int OC, void *work, void *stream);    \
     /* emulator self-test kernels (tests/test_cuda_emu.c): out[i] = in[i-1] of a block-wide shift through     \
      * shared memory (in[n-1] for i = 0), with or without the __syncthreads between the write and the read;    \
      * and every shuffle of cu_compat.h on lane ids (see kernels/selftest.cu) */                                \

@@ -47,6 +47,12 @@
 #include "fitllm/lora.h"
 #include "fitllm/perf.h"
 
+/* the op scratch's work area (cuda-work-ops-impl.h) */
+static void *flb_work(const fl_backend *be, size_t bytes, const char *op);
+/* the column sums' and the cross-entropy's partial sums (cu_kernels.h), in that work area */
+_Static_assert(FLB_WORK_BYTES >= FL_CU_NORM_WORK_BYTES, "the op work area holds the norm / cross-entropy partials");
+#define FLB_NWORK(be, op) flb_work((be), FL_CU_NORM_WORK_BYTES, (op))
+
 #include "backend/cuda/cuda-stage-impl.h"
 #include "backend/cuda/cuda-input-impl.h"
 #include "backend/cuda/cuda-graph-impl.h"
@@ -277,7 +283,7 @@ static fl_status flb_add_rmsnorm_forward(const fl_backend *be, void *res, void *
 }
 static void flb_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                  const float *w, const float *rstd, int N, int C) {
-    FLB_RUN(be, FLB_K(rmsnorm_backward)(dinp, dw, dout, inp, w, rstd, N, C, STREAM), "rmsnorm_backward");
+    FLB_RUN(be, FLB_K(rmsnorm_backward)(dinp, dw, dout, inp, w, rstd, N, C, FLB_NWORK(be, "rmsnorm_backward"), STREAM), "rmsnorm_backward");
 }
 static void flb_rmsnorm_forward_w16(const fl_backend *be, float *out, void *out16, float *rstd, const float *inp,
                                     const void *w, fl_dtype wt, int N, int C, float eps) {
@@ -287,7 +293,8 @@ static void flb_rmsnorm_forward_w16(const fl_backend *be, float *out, void *out1
 static void flb_rmsnorm_backward_w16(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,
                                      const float *inp, const void *inp16, const void *w, fl_dtype wt,
                                      const float *rstd, int N, int C) {
-    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dinp16, dw, dout, inp, inp16, w, wt, rstd, N, C, STREAM),
+    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dinp16, dw, dout, inp, inp16, w, wt, rstd, N, C,
+                                            FLB_NWORK(be, "rmsnorm_backward_w16"), STREAM),
             "rmsnorm_backward_w16");
 }
 static void flb_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
@@ -298,7 +305,9 @@ static void flb_layernorm_forward(const fl_backend *be, float *out, float *mean,
 static void flb_layernorm_backward(const fl_backend *be, float *dinp, float *dw, float *db, const float *dout,
                                    const float *inp, const float *w, const float *mean, const float *rstd, int N,
                                    int C) {
-    FLB_RUN(be, FLB_K(layernorm_backward)(dinp, dw, db, dout, inp, w, mean, rstd, N, C, STREAM), "layernorm_backward");
+    FLB_RUN(be, FLB_K(layernorm_backward)(dinp, dw, db, dout, inp, w, mean, rstd, N, C, FLB_NWORK(be, "layernorm_backward"),
+                                          STREAM),
+            "layernorm_backward");
 }
 static void flb_layernorm_forward_w16(const fl_backend *be, float *out, void *out16, float *mean, float *rstd,
                                       const float *inp, const void *w, const void *b, fl_dtype wt, int N, int C,
@@ -310,7 +319,8 @@ static void flb_layernorm_forward_w16(const fl_backend *be, float *out, void *ou
 static void flb_layernorm_backward_w16(const fl_backend *be, float *dinp, void *dinp16, float *dw, float *db,
                                        const float *dout, const float *inp, const void *inp16, const void *w,
                                        fl_dtype wt, const float *mean, const float *rstd, int N, int C) {
-    FLB_RUN(be, FLB_K(layernorm_backward_w16)(dinp, dinp16, dw, db, dout, inp, inp16, w, wt, mean, rstd, N, C, STREAM),
+    FLB_RUN(be, FLB_K(layernorm_backward_w16)(dinp, dinp16, dw, db, dout, inp, inp16, w, wt, mean, rstd, N, C,
+                                              FLB_NWORK(be, "layernorm_backward_w16"), STREAM),
             "layernorm_backward_w16");
 }
 static void flb_rope_forward(const fl_backend *be, float *x, int B, int T, int nh, int HD, size_t row_stride,
@@ -367,19 +377,21 @@ static void flb_bias_forward(const fl_backend *be, float *y, const float *b, int
     FLB_RUN(be, FLB_K(bias_forward)(y, b, N, OC, STREAM), "bias_forward");
 }
 static void flb_bias_backward(const fl_backend *be, float *db, const float *dy, int N, int OC) {
-    FLB_RUN(be, FLB_K(bias_backward)(db, dy, N, OC, STREAM), "bias_backward");
+    FLB_RUN(be, FLB_K(bias_backward)(db, dy, N, OC, FLB_NWORK(be, "bias_backward"), STREAM), "bias_backward");
 }
 static void flb_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
                               const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
     if (flb_in_check(be, targets, "cross_entropy")) return;
-    FLB_RUN(be, FLB_K(cross_entropy)(loss, dlogits, logits, targets, N, V, grad_scale, ignore_index, STREAM),
+    FLB_RUN(be, FLB_K(cross_entropy)(loss, dlogits, logits, targets, N, V, grad_scale, ignore_index,
+                                     FLB_NWORK(be, "cross_entropy"), STREAM),
             "cross_entropy");
 }
 static fl_status flb_cross_entropy_dbf16(const fl_backend *be, float *loss, void *dlogits16, const float *logits,
                                          const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
     FL_TRY(flb_sticky(be));
     FL_TRY(flb_in_check(be, targets, "cross_entropy_dbf16"));
-    FLB_RUN_S(be, FLB_K(cross_entropy_dbf16)(loss, dlogits16, logits, targets, N, V, grad_scale, ignore_index, STREAM),
+    FLB_RUN_S(be, FLB_K(cross_entropy_dbf16)(loss, dlogits16, logits, targets, N, V, grad_scale, ignore_index,
+                                             FLB_NWORK(be, "cross_entropy_dbf16"), STREAM),
               "cross_entropy_dbf16");
     return FL_OK;
 }

@@ -181,7 +181,8 @@ static fl_status flb_bias_backward16(const fl_backend *be, float *db, void *dy16
     if (!db || !dy16 || !dy || N < 0 || OC < 0)
         return fl_errorf(FL_ERR_INVALID, "%s bias_backward16: %s NULL or a negative shape (N %d, OC %d)", FLB_NAME,
                          !db ? "db" : !dy16 ? "dy16" : !dy ? "dy" : "nothing", N, OC);
-    FLB_RUN_S(be, FLB_K(bias_backward16)(db, dy16, dy, N, OC, STREAM), "bias_backward16");
+    FLB_RUN_S(be, FLB_K(bias_backward16)(db, dy16, dy, N, OC, FLB_NWORK(be, "bias_backward16"), STREAM),
+              "bias_backward16");
     return FL_OK;
 }
 static fl_status flb_add_norm_forward16(const fl_backend *be, int ln, float *res, void *res16, float *out, void *out16,

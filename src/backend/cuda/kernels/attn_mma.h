@@ -6,12 +6,7 @@
 
 #include "backend/cuda/cu_mma.h"
 
-/* Fully unrolled loops over register arrays (a dynamically indexed array goes to local memory) */
-#ifdef __CUDACC__
-#define FL_CU_UNROLL _Pragma("unroll")
-#else
-#define FL_CU_UNROLL
-#endif
+/* (FL_CU_UNROLL: cu_compat.h) */
 
 #define FL_CU_TC_THREADS 128
 #define FL_CU_LOG2E 1.4426950408889634f

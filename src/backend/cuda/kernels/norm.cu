@@ -2,14 +2,11 @@
  *
  * Forward and the input gradient: one block per row, the row's sum of squares (resp. the dot
  * product of backward) by a block reduction (warp shuffles, then one value per warp through
- * shared memory). The weight (and LayerNorm's bias) gradient is a sum over rows, fl_cu_colsum_k:
- * deterministic without atomics or work space, each block takes 16 columns and G row groups (G = N /
- * 128 within [1, 32]; row group g: rows g, g + G, ...; each thread sums its rows in order, loads four
- * rows ahead), then one thread per column adds the G group sums in order through shared memory. Rows with
- * C % 4 == 0 and aligned pointers are read and written 4 floats per 128-bit access (issue 30 item 4). (One thread per column
- * over all rows, the first version, ran 16 blocks for C = 2048: 1 ms per call at TinyLlama's
- * 8192 x 2048 on an H100, 10% of a bf16-true step.) Sums in float: a row of a few thousand values
- * loses ~1e-6 relative, inside the op tests' 1e-5. */
+ * shared memory). The weight (and LayerNorm's bias, and the linears' bias) gradient is a sum over
+ * rows, colsum below: per-tile partial sums into the caller's work, then a fixed-order sum of the
+ * tiles (deterministic without atomics; the order a function of the shape). Rows with C % 4 == 0 and
+ * aligned pointers are read and written 4 floats per 128-bit access (issue 30 item 4). Sums in float:
+ * a row of a few thousand values loses ~1e-6 relative, inside the op tests' 1e-5. */
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels.h"
 
@@ -237,72 +234,142 @@ __global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, uint16_t *dinp16, con
 }
 
 /* Column sums over N rows of C: dw[c] += sum_n dy[n,c] * xhat[n,c], db[c] += sum_n dy[n,c], with
- * xhat = x * rstd[n] (RMSNorm: mean NULL) or (x - mean[n]) * rstd[n] (LayerNorm). dw / db may be NULL. */
-#define FL_CU_CS_COLS 16
-#define FL_CU_CS_GROUPS 32
-FL_CU_DEV float cs_xhat(const void *inp, int xt, const float *mean, const float *rstd, size_t i, int n) {
-    const float x = xt == (int)FL_F32 ? ((const float *)inp)[i] : fl_cu_bf16_to_f32(((const uint16_t *)inp)[i]);
+ * xhat = x * rstd[n] (RMSNorm: mean NULL) or (x - mean[n]) * rstd[n] (LayerNorm). dw / db may be NULL.
+ * Two launches, deterministic without atomics (the 2026-11-30 18:00 wave; the one-launch version ran C / 16 blocks,
+ * each walking all N rows with four 4-byte loads in flight per thread: latency-bound, TinyLlama's rmsnorm_backward_w16
+ * (dx and dw) took 152 us per call on an H200):
+ *   1. fl_cu_colsum_part_k, grid (ceil(C / 128), P): block (x, p) sums the 128 columns [128 x, 128 x + 128) over the
+ *      row tile [p R, min(N, (p + 1) R)), R = ceil(N / P); 8 warps, warp w takes the tile's rows w, w + 8, ... in
+ *      order, lane l its 4 columns 128 x + 4 l.. (one 128-bit dout load, one 64-bit bf16 / 128-bit fp32 x load per
+ *      row where C % 4 == 0 and the rows are aligned, else the same 4 elements one by one: the same sums), four rows'
+ *      loads in flight; then thread j < 128 adds the 8 warps' sums of its column in warp order and writes the
+ *      tile's partial to work (P x C floats for dw, then P x C for db), or adds it to dw / db when P = 1;
+ *   2. fl_cu_colsum_fin_k, 32 columns x 8 slices per block: slice q sums the tiles q, q + 8, ... in order, then
+ *      the 8 slice sums in slice order, added to dw / db.
+ * P = ceil(N / 128) within [1, min(256, FL_CU_NORM_WORK_BYTES / (8 C))]: a function of (N, C) alone, so the order of
+ * every sum (and the bits) is the same on every device; for N 8192, C 2048: P 64, 1024 blocks of 256 threads. */
+#define FL_CU_CS_COLS 128
+#define FL_CU_CS_WARPS 8
+#define FL_CU_CS_ROWS 128 /* rows per tile aimed at */
+FL_CU_DEV float cs_xhat(float x, const float *mean, const float *rstd, int n) {
     return mean ? (x - mean[n]) * rstd[n] : x * rstd[n];
 }
-/* inp of type xt (F32 or BF16, as the dx kernel's); d16 (NULL or): each dout element read is also stored there in
- * bf16 (bias_backward16: a linear's bf16 dy) */
-__global__ static void fl_cu_colsum_k(float *dw, float *db, const float *dout, const void *inp, int xt,
-                                      const float *mean, const float *rstd, int N, int C, uint16_t *d16) {
-    __shared__ float sw[FL_CU_CS_GROUPS * FL_CU_CS_COLS], sb[FL_CU_CS_GROUPS * FL_CU_CS_COLS];
-    const int lc = (int)threadIdx.x % FL_CU_CS_COLS, g = (int)threadIdx.x / FL_CU_CS_COLS;
-    const int G = (int)blockDim.x / FL_CU_CS_COLS; /* row groups: cs_threads(N) */
-    const int c = (int)blockIdx.x * FL_CU_CS_COLS + lc;
-    float aw = 0.0f, ab = 0.0f;
-    if (c < C) {
-        int n = g;
-        for (; n + 3 * G < N; n += 4 * G) { /* four rows' loads in flight; summed in row order */
-            size_t i0 = (size_t)n * C + c, i1 = i0 + (size_t)G * C, i2 = i1 + (size_t)G * C, i3 = i2 + (size_t)G * C;
-            float d0 = dout[i0], d1 = dout[i1], d2 = dout[i2], d3 = dout[i3];
-            if (d16) {
-                d16[i0] = fl_cu_f32_to_bf16(d0), d16[i1] = fl_cu_f32_to_bf16(d1);
-                d16[i2] = fl_cu_f32_to_bf16(d2), d16[i3] = fl_cu_f32_to_bf16(d3);
-            }
-            if (dw) {
-                float x0 = cs_xhat(inp, xt, mean, rstd, i0, n), x1 = cs_xhat(inp, xt, mean, rstd, i1, n + G);
-                float x2 = cs_xhat(inp, xt, mean, rstd, i2, n + 2 * G), x3 = cs_xhat(inp, xt, mean, rstd, i3, n + 3 * G);
-                aw += d0 * x0;
-                aw += d1 * x1;
-                aw += d2 * x2;
-                aw += d3 * x3;
-            }
-            ab += d0;
-            ab += d1;
-            ab += d2;
-            ab += d3;
-        }
-        for (; n < N; n += G) {
-            size_t i = (size_t)n * C + c;
-            float d = dout[i];
-            if (d16) d16[i] = fl_cu_f32_to_bf16(d);
-            if (dw) aw += d * cs_xhat(inp, xt, mean, rstd, i, n);
-            ab += d;
-        }
+/* row n's 4 columns from c of dout (d) and the input (x; xt F32 or BF16, not read when !x): vec one wide load each */
+FL_CU_DEV void cs_load(const float *dout, const void *inp, int xt, size_t n, int c, int C, int vec, float *d,
+                       float *x) {
+    const size_t i = n * (size_t)C + (size_t)c;
+    if (vec) {
+        fl_cu_ld4(dout + i, d);
+        if (inp) nw4(row_at(inp, xt, i), xt, 0, x);
+        return;
     }
-    sw[threadIdx.x] = aw;
-    sb[threadIdx.x] = ab;
-    __syncthreads();
-    if (g == 0 && c < C) {
-        float tw = 0.0f, tb = 0.0f;
-        for (int k = 0; k < G; k++) {
-            tw += sw[k * FL_CU_CS_COLS + lc];
-            tb += sb[k * FL_CU_CS_COLS + lc];
-        }
-        if (dw) dw[c] += tw;
-        if (db) db[c] += tb;
+    for (int k = 0; k < 4; k++) {
+        const int in = c + k < C;
+        d[k] = in ? dout[i + k] : 0.0f;
+        x[k] = in && inp ? nw(row_at(inp, xt, i), xt, k) : 0.0f;
     }
 }
-static unsigned colsum_blocks(int C) { return (unsigned)((C + FL_CU_CS_COLS - 1) / FL_CU_CS_COLS); }
-/* Threads per block: 16 columns x G row groups, G = N / 128 within [1, 32] (a function of N alone, so
- * the sums' order, and bits, do not depend on the device; few rows need no more groups). */
-static unsigned cs_threads(int N) {
-    int G = N / 128;
-    G = G < 1 ? 1 : G > FL_CU_CS_GROUPS ? FL_CU_CS_GROUPS : G;
-    return (unsigned)(G * FL_CU_CS_COLS);
+/* inp of type xt (F32 or BF16, as the dx kernel's; NULL: no dw); d16 (NULL or): each dout element read is also
+ * stored there in bf16 (bias_backward16: a linear's bf16 dy) */
+__global__ static void fl_cu_colsum_part_k(float *pw, float *pb, float *dw, float *db, const float *dout,
+                                           const void *inp, int xt, const float *mean, const float *rstd, int N,
+                                           int C, int R, uint16_t *d16, int vec) {
+    __shared__ float sw[FL_CU_CS_WARPS * FL_CU_CS_COLS], sb[FL_CU_CS_WARPS * FL_CU_CS_COLS];
+    const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+    const int c = (int)blockIdx.x * FL_CU_CS_COLS + 4 * lane, p = (int)blockIdx.y;
+    const int r1 = (p + 1) * R < N ? (p + 1) * R : N;
+    float aw[4] = {0.0f, 0.0f, 0.0f, 0.0f}, ab[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (c < C) {
+        for (int n = p * R + warp; n < r1; n += 4 * FL_CU_CS_WARPS) { /* four rows' loads in flight; in row order */
+            float d[4][4], x[4][4];
+FL_CU_UNROLL
+            for (int j = 0; j < 4; j++) /* constant trip counts: the arrays stay in registers */
+                if (n + j * FL_CU_CS_WARPS < r1)
+                    cs_load(dout, dw ? inp : NULL, xt, (size_t)(n + j * FL_CU_CS_WARPS), c, C, vec, d[j], x[j]);
+FL_CU_UNROLL
+            for (int j = 0; j < 4; j++) {
+                const int nj = n + j * FL_CU_CS_WARPS;
+                if (nj >= r1) break;
+                if (d16) {
+                    float t[4] = {d[j][0], d[j][1], d[j][2], d[j][3]};
+                    if (vec) {
+                        fl_cu_keep16x4(d16, (size_t)nj * C + c, t);
+                    } else {
+                        for (int k = 0; k < 4 && c + k < C; k++) d16[(size_t)nj * C + c + k] = fl_cu_f32_to_bf16(t[k]);
+                    }
+                }
+FL_CU_UNROLL
+                for (int k = 0; k < 4; k++) {
+                    if (dw) aw[k] += d[j][k] * cs_xhat(x[j][k], mean, rstd, nj);
+                    ab[k] += d[j][k];
+                }
+            }
+        }
+    }
+    for (int k = 0; k < 4; k++) {
+        sw[warp * FL_CU_CS_COLS + 4 * lane + k] = aw[k];
+        sb[warp * FL_CU_CS_COLS + 4 * lane + k] = ab[k];
+    }
+    __syncthreads();
+    const int j = (int)threadIdx.x, cj = (int)blockIdx.x * FL_CU_CS_COLS + j;
+    if (j < FL_CU_CS_COLS && cj < C) {
+        float tw = 0.0f, tb = 0.0f;
+        for (int w = 0; w < FL_CU_CS_WARPS; w++) {
+            tw += sw[w * FL_CU_CS_COLS + j];
+            tb += sb[w * FL_CU_CS_COLS + j];
+        }
+        if (gridDim.y == 1) { /* one tile: the column's sum */
+            if (dw) dw[cj] += tw;
+            if (db) db[cj] += tb;
+        } else {
+            if (dw) pw[(size_t)p * C + cj] = tw;
+            if (db) pb[(size_t)p * C + cj] = tb;
+        }
+    }
+}
+/* block: 32 columns x 8 slices; slice q sums the partials q, q + 8, ... in order, then slice 0 adds the 8 slice sums
+ * in slice order (16 K threads for C 2048, 8 loads each: the partials, just written, come from the L2) */
+#define FL_CU_CS_SLICES 8
+__global__ static void fl_cu_colsum_fin_k(float *dw, float *db, const float *pw, const float *pb, int P, int C) {
+    __shared__ float sw[FL_CU_CS_SLICES * 32], sb[FL_CU_CS_SLICES * 32];
+    const int lc = (int)threadIdx.x & 31, q = (int)threadIdx.x >> 5, c = (int)blockIdx.x * 32 + lc;
+    float tw = 0.0f, tb = 0.0f;
+    if (c < C)
+        for (int p = q; p < P; p += FL_CU_CS_SLICES) {
+            if (dw) tw += pw[(size_t)p * C + c];
+            if (db) tb += pb[(size_t)p * C + c];
+        }
+    sw[threadIdx.x] = tw;
+    sb[threadIdx.x] = tb;
+    __syncthreads();
+    if (q != 0 || c >= C) return;
+    tw = tb = 0.0f;
+    for (int k = 0; k < FL_CU_CS_SLICES; k++) tw += sw[k * 32 + lc], tb += sb[k * 32 + lc];
+    if (dw) dw[c] += tw;
+    if (db) db[c] += tb;
+}
+/* The row tiles of an (N, C) column sum (see above) */
+static int colsum_tiles(int N, int C) {
+    const size_t cap = FL_CU_NORM_WORK_BYTES / (2 * sizeof(float) * (size_t)C);
+    int P = (N + FL_CU_CS_ROWS - 1) / FL_CU_CS_ROWS;
+    const int pmax = cap < 1 ? 1 : cap > 256 ? 256 : (int)cap;
+    return P < 1 ? 1 : P > pmax ? pmax : P;
+}
+/* the launches; work: FL_CU_NORM_WORK_BYTES of device memory (NULL only where one tile does: -1 otherwise) */
+static int colsum(float *dw, float *db, const float *dout, const void *inp, fl_dtype xt, const float *mean,
+                   const float *rstd, int N, int C, uint16_t *d16, void *work, void *stream) {
+    const int P = colsum_tiles(N, C);
+    if (P > 1 && !work) return -1;
+    const int R = (N + P - 1) / P;
+    const int vec = C % 4 == 0 && fl_cu_aligned16(dout, xt == FL_F32 ? inp : NULL, NULL, NULL, NULL);
+    float *pw = (float *)work, *pb = pw ? pw + (size_t)P * C : NULL;
+    FL_CU_LAUNCH(fl_cu_colsum_part_k, dim3((unsigned)((C + FL_CU_CS_COLS - 1) / FL_CU_CS_COLS), (unsigned)P),
+                 dim3(32 * FL_CU_CS_WARPS), 0, (fl_cu_stream)stream, pw, pb, dw, db, dout, inp, (int)xt, mean, rstd, N,
+                 C, R, d16, vec);
+    if (P > 1)
+        FL_CU_LAUNCH(fl_cu_colsum_fin_k, dim3((unsigned)((C + 31) / 32)), dim3(32 * FL_CU_CS_SLICES), 0,
+                     (fl_cu_stream)stream, dw, db, (const float *)pw, (const float *)pb, P, C);
+    return 0;
 }
 
 /* wt F32 (rmsnorm_forward) or BF16/F16 (rmsnorm_forward_w16, out16 NULL or the bf16 copy) */
@@ -342,31 +409,29 @@ extern "C" int FL_CUK(add_rmsnorm_forward)(float *res, float *out, float *rstd, 
 
 /* inp of xt F32 or BF16 */
 static int rmsnorm_bwd(float *dinp, void *dinp16, float *dw, const float *dout, const void *inp, fl_dtype xt,
-                       const void *w, fl_dtype wt, const float *rstd, int N, int C, void *stream) {
+                       const void *w, fl_dtype wt, const float *rstd, int N, int C, void *work, void *stream) {
     if (N <= 0 || C <= 0) return 0;
+    if (dw && colsum_tiles(N, C) > 1 && !work) return -1;
     const int vec =
         C % 4 == 0 && fl_cu_aligned16(dinp, dout, xt == FL_F32 ? inp : NULL, wt == FL_F32 ? w : NULL, NULL);
     if (dinp)
         FL_CU_LAUNCH(fl_cu_rmsnorm_bwd_dx_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0,
                      (fl_cu_stream)stream, dinp, (uint16_t *)dinp16, dout, inp, (int)xt, w, (int)wt, rstd, C, vec);
-    if (dw)
-        FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(C)), dim3(cs_threads(N)), 0,
-                     (fl_cu_stream)stream, dw, (float *)NULL, dout, inp, (int)xt, (const float *)NULL, rstd, N, C,
-                     (uint16_t *)NULL);
+    if (dw) colsum(dw, NULL, dout, inp, xt, NULL, rstd, N, C, NULL, work, stream);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                                        const float *rstd, int N, int C, void *stream) {
-    return rmsnorm_bwd(dinp, NULL, dw, dout, inp, FL_F32, w, FL_F32, rstd, N, C, stream);
+                                        const float *rstd, int N, int C, void *work, void *stream) {
+    return rmsnorm_bwd(dinp, NULL, dw, dout, inp, FL_F32, w, FL_F32, rstd, N, C, work, stream);
 }
 /* inp16 (NULL or the input's bf16 copy): read instead of inp; wt: F32 only with inp16 or dinp16 (a bf16-mixed run's
  * fp32 norm weight over its bf16-stored input, or writing the next LINEAR's bf16 dy) */
 extern "C" int FL_CUK(rmsnorm_backward_w16)(float *dinp, void *dinp16, float *dw, const float *dout, const float *inp,
                                             const void *inp16, const void *w, fl_dtype wt, const float *rstd, int N,
-                                            int C, void *stream) {
+                                            int C, void *work, void *stream) {
     if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && (inp16 || dinp16))) return -1;
     return rmsnorm_bwd(dinp, dinp16, dw, dout, inp16 ? inp16 : inp, inp16 ? FL_BF16 : FL_F32, w, wt, rstd, N, C,
-                       stream);
+                       work, stream);
 }
 
 /* ---- LayerNorm (GPT-2, OPT): two block sums per row (mean, then the two-pass variance) ------------- */
@@ -513,39 +578,38 @@ extern "C" int FL_CUK(add_norm_forward16_b16)(int ln, float *res, void *res16, f
 
 static int layernorm_bwd(float *dinp, void *dinp16, float *dw, float *db, const float *dout, const void *inp,
                          fl_dtype xt, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N, int C,
-                         void *stream) {
+                         void *work, void *stream) {
     if (N <= 0 || C <= 0) return 0;
+    if ((dw || db) && colsum_tiles(N, C) > 1 && !work) return -1;
     if (dinp)
         FL_CU_LAUNCH(fl_cu_layernorm_bwd_dx_k, dim3((unsigned)N), dim3(row_threads(C)), 0, (fl_cu_stream)stream, dinp,
                      (uint16_t *)dinp16, dout, inp, (int)xt, w, (int)wt, mean, rstd, C);
-    if (dw || db)
-        FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(C)), dim3(cs_threads(N)), 0,
-                     (fl_cu_stream)stream, dw, db, dout, inp, (int)xt, mean, rstd, N, C, (uint16_t *)NULL);
+    if (dw || db) colsum(dw, db, dout, dw ? inp : NULL, xt, mean, rstd, N, C, NULL, work, stream);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(layernorm_backward)(float *dinp, float *dw, float *db, const float *dout, const float *inp,
                                           const float *w, const float *mean, const float *rstd, int N, int C,
-                                          void *stream) {
-    return layernorm_bwd(dinp, NULL, dw, db, dout, inp, FL_F32, w, FL_F32, mean, rstd, N, C, stream);
+                                          void *work, void *stream) {
+    return layernorm_bwd(dinp, NULL, dw, db, dout, inp, FL_F32, w, FL_F32, mean, rstd, N, C, work, stream);
 }
 /* as rmsnorm_backward_w16: inp16 (NULL or) the input's bf16 copy read instead of inp; wt BF16/F16, or F32 with inp16
  * or dinp16 */
 extern "C" int FL_CUK(layernorm_backward_w16)(float *dinp, void *dinp16, float *dw, float *db, const float *dout,
                                               const float *inp, const void *inp16, const void *w, fl_dtype wt,
-                                              const float *mean, const float *rstd, int N, int C, void *stream) {
+                                              const float *mean, const float *rstd, int N, int C, void *work,
+                                              void *stream) {
     if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && (inp16 || dinp16))) return -1;
     return layernorm_bwd(dinp, dinp16, dw, db, dout, inp16 ? inp16 : inp, inp16 ? FL_BF16 : FL_F32, w, wt, mean, rstd,
-                         N, C, stream);
+                         N, C, work, stream);
 }
 
 /* db[c] += sum over the N rows of dy (the linears' bias gradient): the same column sum; dy16 (NULL or): bf16(dy) */
-extern "C" int FL_CUK(bias_backward16)(float *db, void *dy16, const float *dy, int N, int OC, void *stream) {
-    if (db && N > 0 && OC > 0)
-        FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(OC)), dim3(cs_threads(N)), 0,
-                     (fl_cu_stream)stream, (float *)NULL, db, dy, (const void *)NULL, (int)FL_F32,
-                     (const float *)NULL, (const float *)NULL, N, OC, (uint16_t *)dy16);
+extern "C" int FL_CUK(bias_backward16)(float *db, void *dy16, const float *dy, int N, int OC, void *work,
+                                        void *stream) {
+    if (db && N > 0 && OC > 0 && colsum(NULL, db, dy, NULL, FL_F32, NULL, NULL, N, OC, (uint16_t *)dy16, work, stream))
+        return -1;
     return fl_cu_launch_error();
 }
-extern "C" int FL_CUK(bias_backward)(float *db, const float *dy, int N, int OC, void *stream) {
-    return FL_CUK(bias_backward16)(db, NULL, dy, N, OC, stream);
+extern "C" int FL_CUK(bias_backward)(float *db, const float *dy, int N, int OC, void *work, void *stream) {
+    return FL_CUK(bias_backward16)(db, NULL, dy, N, OC, work, stream);
 }
