@@ -5,7 +5,7 @@
 /* gemm_epilogue (issue 30 item 3): one matmul of rows of C with the bias (+ GELU) in cuBLASLt's epilogue; where
  * cuBLASLt refuses it (said once; epilogues are off for this backend from then on, or for a bf16 output only) or
  * FITLLM_CUDA_EPILOGUE=0, the GEMM then the bias and GELU kernels: the bits the stand-in's epilogue has (the emulator's
- * kernels' formulas). cuBLASLt takes a bias of D's type only (cu_gemm_check_bias_type, cu_gemm.h): it is never asked
+ * kernels' formulas). cuBLASLt takes a bias of D's type only (fl_cu_gemm_lt_bias_ok, cu_gemm.h): it is never asked
  * for another. A bf16 bias with an fp32 D (a bf16 store's bias, GPT-2's c_proj / c_fc) is widened (exact) into the
  * work area first, one launch of N elements, then fused as an fp32 bias; an fp32 bias with a bf16 D (bf16-mixed's
  * c_attn) is fused into the fp32 scratch aux, then rounded into C (RNE of the same fp32 value: the same bits). */
