@@ -48,19 +48,15 @@ FL_TEST(cuda_gemm_epilogue_standin) {
             }
         FL_CHECKF(same, "bias epilogue (beta %g): not the plain sum + one fp32 add", (double)beta);
         for (int i = m; i < ldc; i++) FL_CHECK(C[i] == C0[i]); /* padding rows untouched */
-        /* a BF16 bias (BIAS_DATA_TYPE CUDA_R_16BF): the bits of its exact widening's fp32 add */
+        /* a BF16 bias with an F32 D: refused as cuBLASLt refuses it (a bias of D's type only), C untouched */
         uint16_t b16[m];
         for (int i = 0; i < m; i++) b16[i] = fl_f32_to_bf16(bias[i]);
         memcpy(C, C0, sizeof(float) * ldc * n);
         d.bias = b16, d.bias_t = FL_BF16;
-        FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &d));
-        same = 1;
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < m; i++) {
-                float want = P[i + j * ldc] + fl_bf16_to_f32(b16[i]);
-                same &= !memcmp(&want, &C[i + j * ldc], sizeof want);
-            }
-        FL_CHECKF(same, "bf16 bias epilogue (beta %g): not the plain sum + the widened bias", (double)beta);
+        e0 = fl_cu_gemm_standin_epilogues;
+        FL_CHECK(fl_cu_gemm_standin(NULL, &d) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "bias of D's type") &&
+                 strstr(fl_error_message(), "BF16 bias with a F32 D"));
+        FL_CHECK(fl_cu_gemm_standin_epilogues == e0 && !memcmp(C, C0, sizeof(float) * ldc * n));
         d.bias_t = FL_F16;
         FL_CHECK(fl_cu_gemm_standin(NULL, &d) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "F16 bias"));
     }
@@ -86,20 +82,32 @@ FL_TEST(cuda_gemm_epilogue_standin) {
         }
     FL_CHECK(aux_ok);
     FL_CHECKF(gelu_ok, "GELU epilogue: worst error %.3g of the bound", worst);
-    /* a BF16 D with the bias epilogue (beta 0): RNE of the plain sum + one fp32 add, one rounding */
     {
-        uint16_t D16[ldc * n], A16[m * k], B16[k * n];
+        fl_cu_gemm_desc g = d; /* a BF16 bias with the F32 D: refused */
+        uint16_t g16[m];
+        for (int i = 0; i < m; i++) g16[i] = fl_f32_to_bf16(bias[i]);
+        g.bias = g16, g.bias_t = FL_BF16;
+        FL_CHECK(fl_cu_gemm_standin(NULL, &g) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "bias+GELU"));
+    }
+    /* a BF16 D with the bias epilogue (beta 0) and a BF16 bias: RNE of the plain sum + the bias's exact widening, one
+     * fp32 add, one rounding; an F32 bias with the BF16 D refused (a bias of D's type only) */
+    {
+        uint16_t D16[ldc * n], A16[m * k], B16[k * n], b16[m];
+        for (int i = 0; i < m; i++) b16[i] = fl_f32_to_bf16(bias[i]);
         for (int i = 0; i < m * k; i++) A16[i] = fl_f32_to_bf16(A[i]);
         for (int i = 0; i < k * n; i++) B16[i] = fl_f32_to_bf16(B[i]);
         fl_cu_gemm_desc b = d; /* bf16 operands: the plain sum into P, then the epilogue into D16 */
         b.A = A16, b.ta = FL_BF16, b.B = B16, b.tb = FL_BF16, b.C = P, b.epilogue = FL_CU_EPI_NONE;
         FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &b));
         b.epilogue = FL_CU_EPI_BIAS, b.aux = NULL, b.C = D16, b.tc = FL_BF16;
+        FL_CHECK(fl_cu_gemm_standin(NULL, &b) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "F32 bias with a BF16 D"));
+        b.bias = b16, b.bias_t = FL_BF16;
         FL_REQUIRE_OK(fl_cu_gemm_standin(NULL, &b));
         int same16 = 1;
         for (int j = 0; j < n; j++)
-            for (int i = 0; i < m; i++) same16 &= D16[i + j * ldc] == fl_f32_to_bf16(P[i + j * ldc] + bias[i]);
-        FL_CHECKF(same16, "bias epilogue with a BF16 D: not RNE(the sum + the bias)");
+            for (int i = 0; i < m; i++)
+                same16 &= D16[i + j * ldc] == fl_f32_to_bf16(P[i + j * ldc] + fl_bf16_to_f32(b16[i]));
+        FL_CHECKF(same16, "bias epilogue with a BF16 D: not RNE(the sum + the widened bf16 bias)");
         b.epilogue = FL_CU_EPI_GELU_AUX_BIAS, b.aux = aux; /* not built for a BF16 D */
         FL_CHECK(fl_cu_gemm_standin(NULL, &b) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "BF16"));
         b.epilogue = FL_CU_EPI_BIAS, b.beta = 1.0f;
@@ -303,6 +311,38 @@ FL_TEST(cuda_emu_gemm_epilogue_same_bits) {
     FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_EPILOGUE=on"), "status %d: %s", (int)s,
               fl_error_message());
     if (s == FL_OK) fl_backend_free(&be);
+}
+
+/* The bias type (the 2026-11-30 H200 check): cuBLASLt takes an epilogue's bias of D's type only, and the stand-in
+ * refuses the others as it does (fl_cu_gemm_lt_bias_ok, FL_ERR_UNSUPPORTED). The backend never asks for one: a bf16
+ * store's bias with an fp32 output (bias, bias + GELU) and an fp32 bias with a bf16 output run fused all the same (the
+ * bias widened first / the fp32 result in aux, then rounded), with the separate ops' bits, and the backend's
+ * epilogues stay on after them (a refusal would have turned them off: the next fp32 case fused). */
+FL_TEST(cuda_emu_gemm_epilogue_bias_type) {
+    float a[6] = {1, 2, 3, 4, 5, 6}, c[4] = {0};
+    uint16_t a16[6], b16[2] = {0x3f80, 0xbf00}, c16[4] = {0}; /* bf16 1, -0.5 */
+    for (int i = 0; i < 6; i++) a16[i] = fl_f32_to_bf16(a[i]);
+    FL_CHECK(fl_cu_gemm_rowmajor_epi(fl_cu_gemm_standin, NULL, FL_CU_EPI_BIAS, b16, FL_BF16, NULL, 2, 0, 1, 2, 2, 3,
+                                     1.0f, a16, FL_BF16, 3, a16, FL_BF16, 3, 0.0f, c, FL_F32, 2) == FL_ERR_UNSUPPORTED &&
+             strstr(fl_error_message(), "BF16 bias with a F32 D"));
+    FL_CHECK(fl_cu_gemm_rowmajor_epi(fl_cu_gemm_standin, NULL, FL_CU_EPI_BIAS, a, FL_F32, NULL, 2, 0, 1, 2, 2, 3, 1.0f,
+                                     a16, FL_BF16, 3, a16, FL_BF16, 3, 0.0f, c16, FL_BF16, 2) == FL_ERR_UNSUPPORTED &&
+             strstr(fl_error_message(), "F32 bias with a BF16 D"));
+    FL_CHECK(c[0] == 0 && c16[0] == 0); /* nothing written */
+    FL_REQUIRE_OK(fl_cu_gemm_rowmajor_epi(fl_cu_gemm_standin, NULL, FL_CU_EPI_BIAS, b16, FL_BF16, NULL, 2, 0, 1, 2, 2, 3,
+                                          1.0f, a16, FL_BF16, 3, a16, FL_BF16, 3, 0.0f, c16, FL_BF16, 2));
+    FL_CHECK(c16[0] == fl_f32_to_bf16(1 + 4 + 9 + 1.0f) && c16[1] == fl_f32_to_bf16(4 + 10 + 18 - 0.5f));
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    int fused = -1;
+    epi_case(&be, FL_GEMM_EPI_BIAS | FL_GEMM_EPI_BIAS_BF16, 0, FL_BF16, FL_BF16, 21, 0.0f, &fused);
+    FL_CHECKF(fused == 1, "bf16 bias, fp32 output: fused %d", fused);
+    epi_case(&be, FL_GEMM_EPI_BIAS_GELU | FL_GEMM_EPI_BIAS_BF16, 0, FL_BF16, FL_BF16, 21, 0.0f, &fused);
+    FL_CHECKF(fused == 1, "bf16 bias + GELU, fp32 output: fused %d", fused);
+    out16_case(&be, 11, 9, 21, 0, 1); /* an fp32 bias, a bf16 output */
+    epi_case(&be, FL_GEMM_EPI_BIAS, 0, FL_F32, FL_F32, 21, 0.0f, &fused);
+    FL_CHECKF(fused == 1, "the epilogues turned off after the mixed bias types (fused %d)", fused);
+    fl_backend_free(&be);
 }
 
 /* Issue 30 item 3: bf16 activations' bias + GELU (fl_backend.gelu16_epilogue, FITLLM_CUDA_GELU16). The model stores

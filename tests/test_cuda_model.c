@@ -24,11 +24,16 @@
  * the final norm stored their bf16 copies; GPT-2 117 before the lookup's, 36 before the linears' biases were read in
  * bf16 by the GEMM's epilogue (18 widening launches: 2 blocks x 9 passes), 18 before c_attn's bias gradient wrote its
  * bf16 dy (bias_backward16: 2 blocks x 4 backward passes), 10 before c_attn's GEMM wrote q|k|v in bf16 only and the
- * attention read them so (gemm_to_attn16, attention_forward_in16); OPT the same */
+ * attention read them so (gemm_to_attn16, attention_forward_in16); OPT the same. GPT-2 / OPT 0 -> 30 when the H200
+ * showed cuBLASLt refusing a bf16 bias with an fp32 output (a bias of D's type only, fl_cu_gemm_lt_bias_ok; the
+ * emulator had taken it, so the 0 was never the GPU's: there those linears fell back to the GEMM + the bias kernel, an
+ * M x N pass each): the bf16 bias of each linear with an fp32 output is widened first (N elements, then the fused
+ * fp32 bias), 3 per block and forward pass (c_proj, c_fc, the MLP's c_proj; c_attn's bf16 output takes its bf16 bias
+ * as stored): 2 blocks x 3 x 5 passes */
 #define FL_BF16_CONVERT_CEIL 0
 #define FL_BF16_CONVERT2D_CEIL 1
-#define FL_BF16_GPT2_CONVERT_CEIL 0
-#define FL_BF16_OPT_CONVERT_CEIL 0
+#define FL_BF16_GPT2_CONVERT_CEIL 30
+#define FL_BF16_OPT_CONVERT_CEIL 30
 /* Ratchets (issue 30 item 4): launches of the residual add, the norms' forward and the fused add + norm kernels
  * (fl_cu_emu_norm_add_launches) in the same 2-step bf16-true runs (5 forward passes: 2 steps x 2 micro-batches and
  * the validation). 105 (stories260K, 5 blocks) / 45 (GPT-2 and OPT micro, 2 blocks) before the add into res_mid and

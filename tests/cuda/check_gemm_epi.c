@@ -38,13 +38,34 @@ static void cmp(const char *what, const float *gpu, const float *ref, size_t n, 
 }
 
 /* row-major C (M, N) = A (M, K) B^T (B stored N x K) + bias [-> GELU], through cuBLASLt and the stand-in; bt the
- * bias's type (BF16: BIAS_DATA_TYPE), tc C's (BF16: a bf16 D with the bias epilogue; issue 30 item 1) */
+ * bias's type (BF16: BIAS_DATA_TYPE), tc C's (BF16: a bf16 D with the bias epilogue; issue 30 item 1). A bias of
+ * another type than D's: both must refuse it (fl_cu_gemm_lt_bias_ok), then the backend's way is compared (prod):
+ * a BF16 bias widened to fp32 (exact: the convert kernel's bits), fused with an F32 D; an F32 bias fused with the F32
+ * D aux, then rounded to bf16 (RNE: the convert kernel's bits) */
+static void epi_case_t(fl_cu_blas *b, int epi, fl_dtype t, float beta, fl_dtype bt, fl_dtype tc);
+static void epi_case_refused(fl_cu_blas *b, int epi, fl_dtype t, float beta, fl_dtype bt, fl_dtype tc, fl_status hs,
+                             fl_status ds, const char *what) {
+    const int refused = hs == FL_ERR_UNSUPPORTED && ds == FL_ERR_UNSUPPORTED;
+    if (refused) printf("%-44s ok    (refused as cuBLASLt does)\n", what);
+    else {
+        printf("%-44s FAIL  (the stand-in %s, cuBLASLt %s: fl_cu_gemm_lt_bias_ok no longer models cuBLASLt)\n", what,
+               hs == FL_OK ? "ran it" : "refused it", ds == FL_OK ? "ran it" : "refused it");
+        epi_fail++;
+    }
+    epi_case_t(b, epi | 0x100, t, beta, bt, tc); /* the backend's way (0x100: prod) */
+}
 static void epi_case_t(fl_cu_blas *b, int epi, fl_dtype t, float beta, fl_dtype bt, fl_dtype tc) {
+    const int prod = epi & 0x100; /* a refused combination's production path: a bias or D of the other's type */
+    epi &= 0xff;
     enum { M = 67, N = 96, K = 80 };
     unsigned s = 11u + (unsigned)epi * 7u + (unsigned)t;
     float *A = rnd(&s, (size_t)M * K), *B = rnd(&s, (size_t)N * K), *bias = rnd(&s, N), *C0 = rnd(&s, (size_t)M * N);
     uint16_t *bias16 = malloc((size_t)N * 2), *C16 = malloc((size_t)M * N * 2);
     for (int j = 0; j < N; j++) bias16[j] = fl_f32_to_bf16(bias[j]);
+    if (prod && bt == FL_BF16) /* the widened bf16 bias */
+        for (int j = 0; j < N; j++) bias[j] = fl_bf16_to_f32(bias16[j]);
+    const int round_d = prod && tc == FL_BF16; /* F32 D, then rounded to bf16 */
+    if (prod) bt = FL_F32, tc = FL_F32;
     const void *hb = bt == FL_BF16 ? (const void *)bias16 : bias;
     const size_t bbytes = (size_t)N * fl_dtype_size(bt);
     const size_t es = fl_dtype_size(t);
@@ -69,9 +90,15 @@ static void epi_case_t(fl_cu_blas *b, int epi, fl_dtype t, float beta, fl_dtype 
     fl_status ds = fl_cu_gemm_rowmajor_epi(fl_cu_gemm_cublaslt, b, cu, dbias, bt, dX, N, 0, 1, M, N, K, 1.0f, dA, t, K,
                                            dB, t, K, beta, dC, tc, N);
     char what[96];
-    snprintf(what, sizeof what, "gemm epilogue %s %s%s%s beta %g (cuBLASLt)", epi == 2 ? "bias+gelu" : "bias",
-             fl_dtype_name(t), bt == FL_BF16 ? " bf16-bias" : "", d16 ? " bf16-D" : "", (double)beta);
-    if (hs != FL_OK || ds != FL_OK || cudaDeviceSynchronize() != cudaSuccess) {
+    if (prod)
+        snprintf(what, sizeof what, "  its backend path (%s)", round_d ? "fp32 D, rounded" : "bias widened");
+    else
+        snprintf(what, sizeof what, "gemm epilogue %s %s%s%s beta %g (cuBLASLt)", epi == 2 ? "bias+gelu" : "bias",
+                 fl_dtype_name(t), bt == FL_BF16 ? " bf16-bias" : "", d16 ? " bf16-D" : "", (double)beta);
+    if (!prod && bt != tc) {
+        (void)cudaDeviceSynchronize();
+        epi_case_refused(b, epi, t, beta, bt, tc, hs, ds, what);
+    } else if (hs != FL_OK || ds != FL_OK || cudaDeviceSynchronize() != cudaSuccess) {
         printf("%-44s FAIL  (%s)\n", what, fl_error_message());
         epi_fail++;
     } else {
@@ -83,7 +110,10 @@ static void epi_case_t(fl_cu_blas *b, int epi, fl_dtype t, float beta, fl_dtype 
             free(G16);
         } else
             cudaMemcpy(G, dC, (size_t)M * N * 4, cudaMemcpyDeviceToHost);
-        cmp(what, G, C, (size_t)M * N, d16 ? 0x1p-7 : epi == 2 ? 2e-5 : 1e-5);
+        if (round_d) /* the convert kernel's RNE of both fp32 results */
+            for (size_t i = 0; i < (size_t)M * N; i++)
+                G[i] = fl_bf16_to_f32(fl_f32_to_bf16(G[i])), C[i] = fl_bf16_to_f32(fl_f32_to_bf16(C[i]));
+        cmp(what, G, C, (size_t)M * N, d16 || round_d ? 0x1p-7 : epi == 2 ? 2e-5 : 1e-5);
         if (epi == 2) {
             cudaMemcpy(GX, dX, (size_t)M * N * 4, cudaMemcpyDeviceToHost);
             cmp("  its aux (the pre-activation)", GX, X, (size_t)M * N, 1e-5);

@@ -7,7 +7,8 @@
  *     alignment) at TinyLlama's shapes (N 8192, C 2048, F 5632; AdamW over 64M parameters), GB/s of the bytes
  *     each kernel must move (median of 9 after 2 warm-ups, cudaEvent).
  * Tolerances: conversions, roundings and adds must be bit-identical (one IEEE rounding on both sides); the rest
- * relative 1e-5 (the GPU's expf / FMA contraction), bf16 copies within one bf16 ulp (2^-7 relative). */
+ * relative 1e-5 (the GPU's expf / FMA contraction), bf16 copies (and an fp32 output that is a bf16 copy's widening)
+ * within one bf16 ulp (2^-7 relative). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -100,10 +101,41 @@ static void check_ln16(int N, int C) {
         return;
     }
     char nm[96];
+    /* with out16, out is its exact widening (ln_finish_row's fl_cu_keep16, round16's bits): on the GPU bit for bit,
+     * and against the emulator the bound of out16, one bf16 ulp. The GPU contracts (x - m) r w + b into an FMA
+     * (nvcc's default; the emulator does not) and sums the variance with FMAs: fp32 results a few ulps apart, which
+     * the bf16 rounding turns into a one-ulp difference wherever they straddle a rounding boundary (about 2^-15 of
+     * the elements: at 1024 x 768 the H200 showed some, the smaller shapes by chance none). The fp32 kernel math is
+     * held to 1e-5 by the out-only run below (out16 NULL: no rounding). */
+    {
+        uint16_t *g16 = malloc(nc * 2);
+        float *g = malloc(nc * 4);
+        cudaMemcpy(g16, dO16, nc * 2, cudaMemcpyDeviceToHost);
+        cudaMemcpy(g, dO, nc * 4, cudaMemcpyDeviceToHost);
+        int wid = 1;
+        for (size_t i = 0; i < nc; i++) wid &= g[i] == fl_bf16_to_f32(g16[i]);
+        snprintf(nm, sizeof nm, "layernorm_forward_w16 out = out16 %dx%d", N, C);
+        printf("%-40s %s  (bits: out the widening of out16 on the GPU)\n", nm, wid ? "ok  " : "FAIL");
+        g_bad += !wid;
+        free(g16), free(g);
+    }
     snprintf(nm, sizeof nm, "layernorm_forward_w16 out %dx%d", N, C);
-    cmpv(nm, dO, o, nc, 0, 1e-5);
+    cmpv(nm, dO, o, nc, 0, 0x1p-7);
     snprintf(nm, sizeof nm, "layernorm_forward_w16 out16 %dx%d", N, C);
     cmpv(nm, dO16, o16, nc, 1, 1);
+    { /* out only (out16 NULL): the fp32 result, relative 1e-5 */
+        float *o32 = malloc(nc * 4);
+        fl_cuemu_layernorm_forward_w16(o32, NULL, m, r, x, w16, b16, FL_BF16, N, C, 1e-5f, NULL);
+        float *dM2 = dnew(NULL, (size_t)N * 4, 0), *dR2 = dnew(NULL, (size_t)N * 4, 0);
+        const int rc2 = fl_cuk_layernorm_forward_w16(dO, NULL, dM2, dR2, dX, dW16, dB16, FL_BF16, N, C, 1e-5f, NULL);
+        snprintf(nm, sizeof nm, "layernorm_forward_w16 out32 %dx%d", N, C);
+        if (rc2 || cudaDeviceSynchronize() != cudaSuccess) {
+            printf("%-40s FAIL  (launch failed)\n", nm);
+            g_bad++;
+        } else
+            cmpv(nm, dO, o32, nc, 0, 1e-5);
+        cudaFree(dM2), cudaFree(dR2), free(o32);
+    }
     snprintf(nm, sizeof nm, "layernorm_backward_w16 dinp %dx%d", N, C);
     cmpv(nm, dDX, dx, nc, 0, 2e-4);
     snprintf(nm, sizeof nm, "layernorm_backward_w16 dw %dx%d", N, C);

@@ -75,6 +75,15 @@ static double ld_elem(const void *p, fl_dtype t, int64_t i) {
 
 unsigned long fl_cu_gemm_standin_epilogues, fl_cu_gemm_standin_gelus;
 
+fl_status fl_cu_gemm_lt_bias_ok(const fl_cu_gemm_desc *d) {
+    if (d->epilogue == FL_CU_EPI_NONE || d->bias_t == d->tc) return FL_OK;
+    return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt matmul m=%d n=%d k=%d (%s,%s,%s) batch %d %s epilogue: a %s bias with "
+                     "a %s D (cuBLASLt takes a bias of D's type: an unsupported value or parameter was passed to the "
+                     "function)", d->m, d->n, d->k, fl_dtype_name(d->ta), fl_dtype_name(d->tb), fl_dtype_name(d->tc),
+                     d->batch, d->epilogue == FL_CU_EPI_GELU_AUX_BIAS ? "bias+GELU" : "bias",
+                     fl_dtype_name(d->bias_t), fl_dtype_name(d->tc));
+}
+
 /* One element of C from its fp64 sum over p (in order from p = 0): alpha, beta C, the epilogue, C's type; written to
  * D (C's layout: C itself in place) */
 static void standin_store(const fl_cu_gemm_desc *d, char *C, char *D, int i, int j, double acc) {
@@ -120,6 +129,7 @@ static void standin_tile(const float *a, const float *b, int k, double *acc) {
 fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
     (void)ctx;
     fl_status s = fl_cu_gemm_check(d);
+    if (s == FL_OK) s = fl_cu_gemm_lt_bias_ok(d); /* what cuBLASLt refuses at the call (CUBLAS_STATUS_INVALID_VALUE) */
     if (s != FL_OK) return s;
     if (d->epilogue != FL_CU_EPI_NONE) fl_cu_gemm_standin_epilogues++;
     if (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS) fl_cu_gemm_standin_gelus++;

@@ -49,9 +49,8 @@ typedef struct {
      * fp32 add: a GEMM then the bias kernel, the same bits on the stand-in); FL_CU_EPI_GELU_AUX_BIAS (beta 0):
      * aux[i, j] = s + bias[i] (m x n, leading dimension ldaux >= m, fp32: the pre-activation the backward reads)
      * and D[i, j] = gelu_tanh(aux[i, j]) (the stand-in: the GELU kernels' formula, x sigmoid(2u)). bias has m
-     * elements (the row-major output's columns) of type bias_t: F32 (0, the default) or BF16 (a bf16 model's stored
-     * bias, read as cuBLASLt's CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE CUDA_R_16BF: each element widened exactly, then
-     * the same fp32 add). FL_CU_EPI_BIAS also takes a BF16 C with beta 0 (tc BF16: D = RNE of the fp32 s + bias, one
+     * elements (the row-major output's columns) of type bias_t, D's type (fl_cu_gemm_lt_bias_ok: another is refused):
+     * F32 (0, the default) or BF16 with a BF16 D (each element widened exactly, then the same fp32 add). FL_CU_EPI_BIAS also takes a BF16 C with beta 0 (tc BF16: D = RNE of the fp32 s + bias, one
      * rounding, as PyTorch's bf16 addmm). FL_CU_EPI_NONE (0): none. */
     int epilogue;
     const void *bias;
@@ -71,6 +70,14 @@ typedef fl_status (*fl_cu_gemm_fn)(void *ctx, const fl_cu_gemm_desc *d);
 /* The checks cuBLASLt applies, with messages: m, n, k >= 0, batch >= 1, leading dimensions at least
  * the stored row counts (and >= 1), a supported type triple, non-NULL pointers when there is work. */
 fl_status fl_cu_gemm_check(const fl_cu_gemm_desc *d);
+/* cuBLASLt's rule for the epilogue's bias type (checked on cuBLASLt 13.0, sm_90, A/B BF16, compute 32F: a BF16 bias
+ * with an F32 D and an F32 bias with a BF16 D are refused, CUBLAS_STATUS_INVALID_VALUE; matching types run). Its
+ * documentation: CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE defaults to D's type, and its table of supported type
+ * combinations gives a non-FP8 matmul only the bias type of D (other bias types are for the FP8 matmuls). FL_OK
+ * without an epilogue or with bias_t == tc, else FL_ERR_UNSUPPORTED (the real wrapper's status for a cuBLASLt
+ * refusal) naming both types. The stand-in applies it (it refuses what cuBLASLt refuses); the real wrapper leaves it
+ * to cuBLASLt; the backend never asks for another combination (cuda-gemm-more-impl.h). */
+fl_status fl_cu_gemm_lt_bias_ok(const fl_cu_gemm_desc *d);
 /* Host stand-in (ctx unused): the contract above on host memory. */
 fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d);
 /* The stand-in's calls with an epilogue so far, and those with the GELU one (tests: that a run took the fused path). */

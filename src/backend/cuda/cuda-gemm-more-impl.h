@@ -3,29 +3,44 @@
  * Included by cuda-backend-impl.h after flb_gemm (written once, compiled twice). */
 
 /* gemm_epilogue (issue 30 item 3): one matmul of rows of C with the bias (+ GELU) in cuBLASLt's epilogue; where
- * cuBLASLt refuses it (said once; epilogues are off for this backend from then on) or FITLLM_CUDA_EPILOGUE=0, the
- * GEMM then the bias and GELU kernels: the bits the stand-in's epilogue has (the emulator's kernels' formulas). */
+ * cuBLASLt refuses it (said once; epilogues are off for this backend from then on, or for a bf16 output only) or
+ * FITLLM_CUDA_EPILOGUE=0, the GEMM then the bias and GELU kernels: the bits the stand-in's epilogue has (the emulator's
+ * kernels' formulas). cuBLASLt takes a bias of D's type only (fl_cu_gemm_lt_bias_ok, cu_gemm.h): it is never asked
+ * for another. A bf16 bias with an fp32 D (a bf16 store's bias, GPT-2's c_proj / c_fc) is widened (exact) into the
+ * work area first, one launch of N elements, then fused as an fp32 bias; an fp32 bias with a bf16 D (bf16-mixed's
+ * c_attn) is fused into the fp32 scratch aux, then rounded into C (RNE of the same fp32 value: the same bits). */
+static void *flb_work(const fl_backend *be, size_t bytes, const char *op); /* cuda-work-ops-impl.h */
 static fl_status flb_epi_part(const fl_backend *be, int epi, const void *bias, fl_dtype bt, float *aux, int trans_a,
                               int trans_b, int M, int N, int K, float alpha, const void *A, fl_dtype ta, int lda,
                               const void *B, fl_dtype tb, int ldb, float beta, float *C, int c16) {
     flb_impl *im = FLB_IMPL(be);
     const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
-    /* a bf16 bias and a bf16 D have their own switches: a cuBLASLt that refuses one keeps the others fused */
-    if (im->epi > 0 && (bt == FL_F32 || !(im->epi & 2)) && (!c16 || !(im->epi & 4))) {
+    /* the fused call's bias and D: of one type (c16 with an fp32 bias: D the fp32 aux, rounded into C after) */
+    const int d16 = c16 && bt == FL_BF16, via_aux = c16 && !d16;
+    const void *fb = bias;
+    if (im->epi > 0 && bt == FL_BF16 && !c16 && (size_t)N * sizeof(float) <= FLB_WORK_BYTES) {
+        float *w = (float *)flb_work(be, (size_t)N * sizeof(float), "gemm_epilogue (bias widening)");
+        if (!w) return flb_sticky(be);
+        FLB_RUN_S(be, FLB_K(convert)(w, FL_F32, bias, FL_BF16, (size_t)N, im->stream), "gemm_epilogue (bias widening)");
+        fb = w;
+    }
+    const fl_dtype fbt = fb == bias ? bt : FL_F32;
+    if (im->epi > 0 && fbt == (d16 ? FL_BF16 : FL_F32) && (!via_aux || aux) && (!d16 || !(im->epi & 4))) {
         fl_cu_blas *ctx = flb_blas(be);
         if (!ctx) return flb_sticky(be);
-        fl_status st = fl_cu_gemm_rowmajor_epi(flb_gemm_fn, ctx, gelu ? FL_CU_EPI_GELU_AUX_BIAS : FL_CU_EPI_BIAS, bias,
-                                               bt, gelu ? aux : NULL, N, trans_a, trans_b, M, N, K, alpha, A, ta, lda,
-                                               B, tb, ldb, beta, C, c16 ? FL_BF16 : FL_F32, N);
+        fl_status st = fl_cu_gemm_rowmajor_epi(flb_gemm_fn, ctx, gelu ? FL_CU_EPI_GELU_AUX_BIAS : FL_CU_EPI_BIAS, fb,
+                                               fbt, gelu ? aux : NULL, N, trans_a, trans_b, M, N, K, alpha, A, ta, lda,
+                                               B, tb, ldb, beta, via_aux ? aux : C, d16 ? FL_BF16 : FL_F32, N);
+        if (st == FL_OK && via_aux)
+            FLB_RUN_S(be, FLB_K(convert)(C, FL_BF16, aux, FL_F32, (size_t)M * N, im->stream), "gemm_epilogue (bf16)");
         if (st != FL_ERR_UNSUPPORTED) {
             if (st != FL_OK) flb_set_error(be, st, "gemm_epilogue", fl_error_message());
             return st;
         }
         fprintf(stderr, "fitllm: %s backend: cuBLASLt refused an epilogue%s (%s); the bias and GELU of the linears run "
-                        "as kernels after their GEMMs from here on\n", FLB_NAME,
-                c16 ? " with a bf16 output" : bt == FL_BF16 ? " with a bf16 bias" : "", fl_error_message());
-        if (c16) im->epi |= 4;
-        else if (bt == FL_BF16) im->epi |= 2;
+                        "as kernels after their GEMMs from here on\n", FLB_NAME, d16 ? " with a bf16 output" : "",
+                fl_error_message());
+        if (d16) im->epi |= 4;
         else im->epi = 0;
     }
     if (c16 && !aux)

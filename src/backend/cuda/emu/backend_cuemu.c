@@ -44,6 +44,7 @@ static void flb_emu_gemm_run(void *a) {
 static fl_status flb_emu_gemm(void *ctx, const fl_cu_gemm_desc *d) {
     if (!fl_cu_emu_capturing()) return fl_cu_gemm_standin(ctx, d);
     FL_TRY(fl_cu_gemm_check(d)); /* what cuBLASLt refuses at the call, refused at the capture */
+    FL_TRY(fl_cu_gemm_lt_bias_ok(d));
     fl_cu_emu_capture_call(flb_emu_gemm_run, d, sizeof *d);
     return FL_OK;
 }

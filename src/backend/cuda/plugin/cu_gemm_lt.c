@@ -69,9 +69,10 @@ static cublasStatus_t layout(cublasLtMatrixLayout_t *l, fl_dtype t, int64_t rows
 
 /* The epilogue's attributes (issue 30 item 3): its kind, aux's leading dimension and the bias type once per plan
  * (all: 1), the bias and aux pointers every call (all: 0; the plan's descriptor is reused across calls). An fp32
- * bias with an F32 D (and a BF16 one with a BF16 D) takes the default type, D's; another (a bf16 model's stored bias
- * with an F32 D, an fp32 bias with a BF16 D) is declared with CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE (a refusal:
- * NOT_SUPPORTED from the heuristic, the caller's fallback). */
+ * bias with an F32 D (and a BF16 one with a BF16 D) takes the default type, D's; another (a BF16 bias with an F32 D,
+ * an F32 bias with a BF16 D) is declared with CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE and cuBLASLt refuses it
+ * (CUBLAS_STATUS_INVALID_VALUE on 13.0 / sm_90: fl_cu_gemm_lt_bias_ok, cu_gemm.h): the backend never asks for one,
+ * fitllm_cuda_check does, to see the refusal the stand-in copies. */
 static cublasStatus_t lt_epilogue(cublasLtMatmulDesc_t op, const fl_cu_gemm_desc *d, int all) {
     const int gelu = d->epilogue == FL_CU_EPI_GELU_AUX_BIAS;
     cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
