@@ -155,7 +155,7 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_STEP_SCALARS=1|0 (environment): 1 (default) = EXPERIMENTAL: a step's gradient norm, clip\n"
                "               scale and loss sums stay on the GPU, read once at the step's end (the same values);\n"
                "               0 = read on the host per micro-batch and before the update\n");
-    fprintf(f, "\n  FITLLM_CUDA_Q4=scratch|tc|fp32 (environment): a bf16 run's (bf16-true, bf16-mixed) QLoRA 4-bit matmuls:\n"
+    fprintf(f, "\n  FITLLM_CUDA_Q4=scratch|tc|fp32 (environment): a bf16-true run's QLoRA 4-bit matmuls:\n"
                "               scratch (default) = NF4/FP4 dequantized into a bf16 panel, then cuBLASLt (bf16 operands, as\n"
                "               bitsandbytes with a bf16 compute dtype); tc = EXPERIMENTAL: tensor cores, dequantized in the\n"
                "               GEMM's load; fp32 = the fp32 kernels (exact fp32 products, slow). Other precisions: fp32\n");
