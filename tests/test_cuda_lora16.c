@@ -22,13 +22,13 @@
 #ifdef FL_HAVE_CUDA_EMU
 typedef fl_test_step_rec l16_rec;
 
-/* L16_Q4TC, L16_Q4SCRATCH: QLoRA with FITLLM_CUDA_Q4=tc / scratch, the knob FITLLM_CUDA_Q4X16 (the 4-bit bases over
+/* L16_QLORA: QLoRA with FITLLM_CUDA_Q4=fp32; L16_Q4TC, L16_Q4SCRATCH: with FITLLM_CUDA_Q4=tc / scratch, the knob FITLLM_CUDA_Q4X16 (the 4-bit bases over
  * the stored bf16 x and the bf16 dy: q4_matmul_forward16 / _backward16) */
 enum { L16_QV = 1, L16_ALL = 2, L16_QLORA = 3, L16_CKPT = 4, L16_Q4TC = 5, L16_Q4SCRATCH = 6, L16_Q4ALL = 7 };
 static const char *l16_name(int kind) {
     return kind == L16_QV ? "LoRA q,v" : kind == L16_ALL ? "LoRA all" : kind == L16_CKPT ? "LoRA q,v ckpt"
            : kind == L16_Q4TC ? "QLoRA tc" : kind == L16_Q4SCRATCH ? "QLoRA scratch"
-           : kind == L16_Q4ALL ? "QLoRA tc all" : "QLoRA";
+           : kind == L16_Q4ALL ? "QLoRA tc all" : "QLoRA fp32";
 }
 static const char *l16_knob(int kind) { return kind >= L16_Q4TC ? "FITLLM_CUDA_Q4X16" : "FITLLM_CUDA_LORA16"; }
 
@@ -44,6 +44,7 @@ static fl_status l16_run(l16_rec *r, int kind, const char *knob, unsigned long *
     FL_TRY(fl_cfg_set(&c, "precision", "bf16-true"));
     if (kind == L16_QLORA || kind >= L16_Q4TC) FL_TRY(fl_cfg_set(&c, "quantize", "bnb.nf4"));
     if (kind >= L16_Q4TC) setenv("FITLLM_CUDA_Q4", kind == L16_Q4SCRATCH ? "scratch" : "tc", 1);
+    if (kind == L16_QLORA) setenv("FITLLM_CUDA_Q4", "fp32", 1); /* the fp32 4-bit kernels (a bf16 run's default: scratch) */
     if (kind == L16_CKPT) { /* the recompute's views, the adapters reading the stored copies */
         c.lora.dropout = 0.0f;
         FL_TRY(fl_cfg_set(&c, "train.activation_checkpointing", "true"));

@@ -646,7 +646,7 @@ FL_TEST(cuda_more_q4_bf16_paths) {
     fl_backend be;
     setenv("FITLLM_CUDA_Q4", "bf16", 1);
     FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_ERR_INVALID);
-    FL_CHECKF(strstr(fl_error_message(), "FITLLM_CUDA_Q4=bf16: expected fp32") != NULL, "'%s'", fl_error_message());
+    FL_CHECKF(strstr(fl_error_message(), "FITLLM_CUDA_Q4=bf16: expected scratch") != NULL, "'%s'", fl_error_message());
     unsetenv("FITLLM_CUDA_Q4");
 }
 
@@ -655,7 +655,7 @@ FL_TEST(cuda_more_q4_bf16_paths) {
  * to bf16 before any product: the claim checked bit for bit, each output element), N past the 64-row tile, rows and
  * columns at and across the 64-element blocks, a cut part (row map), row strides that take the 128-bit loads (a
  * multiple of 8) and those that do not, beta 0 and 1; scratch with K past the emulator's GEMM panel (its row panels).
- * Refused in an fp32 run; absent with FITLLM_CUDA_Q4=fp32 (the default) or FITLLM_CUDA_Q4X16=0; a bad knob named. */
+ * Refused in an fp32 run; absent with FITLLM_CUDA_Q4=fp32 or FITLLM_CUDA_Q4X16=0; a bad knob named. */
 static void q416_check(const fl_backend *be, const q4_fixture *f, int N, int ldy, const char *what, fl_test_rng *r) {
     const int OUT = f->w.rows, IN = f->w.cols;
     const size_t nx = (size_t)N * IN, ny = (size_t)N * ldy;
@@ -724,9 +724,9 @@ FL_TEST(cuda_more_q416_bits) {
         FL_CHECK(be.q4_matmul_forward16(&be, &y, 3, &x16, NULL, 1, 0.0f) == FL_ERR_INVALID);
         fl_backend_free(&be);
     }
-    /* absent: the fp32 path (the default), the knob off; a bad knob value named */
-    const char *env[3][2] = {{NULL, NULL}, {"tc", "0"}, {"scratch", "0"}};
-    for (int k = 0; k < 3; k++) {
+    /* absent: the fp32 path, the knob off (with the default path too); a bad knob value named */
+    const char *env[4][2] = {{"fp32", NULL}, {"tc", "0"}, {"scratch", "0"}, {NULL, "0"}};
+    for (int k = 0; k < 4; k++) {
         fl_backend be;
         if (env[k][0]) setenv("FITLLM_CUDA_Q4", env[k][0], 1);
         else unsetenv("FITLLM_CUDA_Q4");
@@ -745,6 +745,58 @@ FL_TEST(cuda_more_q416_bits) {
              strstr(fl_error_message(), "FITLLM_CUDA_Q4X16=yes: expected 1"));
     unsetenv("FITLLM_CUDA_Q4X16");
     unsetenv("FITLLM_CUDA_Q4");
+}
+
+/* FITLLM_CUDA_Q4 unset: a bf16 compute dtype's (bf16-true, bf16-mixed) 4-bit matmuls take scratch (bitsandbytes' way
+ * with a bf16 compute dtype: the weight dequantized to bf16, bf16 operands, fp32 sums), every other one's (32-true and
+ * 16-mixed: F32, 16-true: F16) the fp32 kernels. Checked through the backend's slots, bit for bit against the mode named
+ * explicitly, each output element of the forward and the backward; the two modes differ on this case (else the check
+ * could not fail); the bf16-input slots there by default, and the planner's facts (fl_backend_facts_of "cuda") say so */
+FL_TEST(cuda_more_q4_default_mode) {
+    enum { N = 19, OUT = 37, IN = 131, NY = N * OUT, NO = N * (OUT + IN) };
+    fl_test_rng r = {4000};
+    q4_fixture f;
+    FL_REQUIRE(q4_make(&f, OUT, IN, FL_Q4_NF4, 1, &r));
+    float *x = fl_test_frand(&r, (size_t)N * IN, -2, 2), *dy = fl_test_frand(&r, NY, -2, 2);
+    const char *env[3] = {NULL, "fp32", "scratch"};
+    const fl_dtype dt[3] = {FL_BF16, FL_F32, FL_F16};
+    float *o[3][3]; /* [env][compute dtype]: y (N x OUT) then dx (N x IN) */
+    for (int e = 0; e < 3; e++) {
+        fl_backend be;
+        if (env[e]) setenv("FITLLM_CUDA_Q4", env[e], 1);
+        else unsetenv("FITLLM_CUDA_Q4");
+        FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+        fl_backend_facts fa;
+        FL_REQUIRE_OK(fl_backend_facts_of("cuda", &fa));
+        FL_CHECKF(!(be.caps & FL_CAP_Q4X16) == (e == 1) && !(fa.caps & FL_CAP_Q4X16) == (e == 1),
+                  "FITLLM_CUDA_Q4=%s: FL_CAP_Q4X16 %s on cuda-emu, %s in the planned cuda's facts", env[e] ? env[e] : "",
+                  be.caps & FL_CAP_Q4X16 ? "set" : "not set", fa.caps & FL_CAP_Q4X16 ? "set" : "not set");
+        for (int d = 0; d < 3; d++) {
+            o[e][d] = calloc(NO, sizeof(float));
+            be.set_compute_dtype(&be, dt[d]);
+            FL_CHECKF(be.q4_matmul_forward(&be, o[e][d], OUT, x, &f.w, N, 0.0f) == FL_OK &&
+                          be.q4_matmul_backward(&be, o[e][d] + NY, dy, OUT, &f.w, N, 0.0f) == FL_OK &&
+                          be.sync(&be) == FL_OK,
+                      "FITLLM_CUDA_Q4=%s %s: %s", env[e] ? env[e] : "", fl_dtype_name(dt[d]), fl_error_message());
+        }
+        fl_backend_free(&be);
+    }
+    unsetenv("FITLLM_CUDA_Q4");
+    for (int d = 0; d < 3; d++) {
+        const int want = d == 0 ? 2 : 1; /* bf16: scratch; F32, F16: fp32 */
+        size_t diff = 0, modes = 0;
+        for (size_t i = 0; i < NO; i++) {
+            diff += memcmp(&o[0][d][i], &o[want][d][i], 4) != 0;
+            modes += memcmp(&o[1][0][i], &o[2][0][i], 4) != 0;
+        }
+        FL_CHECKF(diff == 0, "FITLLM_CUDA_Q4 unset, compute %s: %zu of %d outputs differ in bits from FITLLM_CUDA_Q4=%s",
+                  fl_dtype_name(dt[d]), diff, (int)NO, env[want]);
+        FL_CHECKF(modes > 0, "bf16 compute: FITLLM_CUDA_Q4=fp32 and scratch give the same bits (the check cannot fail)");
+    }
+    for (int e = 0; e < 3; e++)
+        for (int d = 0; d < 3; d++) free(o[e][d]);
+    free(x), free(dy);
+    q4_free(&f);
 }
 
 FL_TEST(cuda_more_q4) {

@@ -215,7 +215,9 @@ FL_TEST(cuda_emu_views16_late_adapter_refused) {
  * written, per step of micro cut to 2 LLaMA blocks: forward RoPE, backward SwiGLU and RoPE in each block (checkpointing:
  * RoPE again in the recompute); LoRA on q, v: the forward's RoPE and the backward's SwiGLU (the frozen gate|up base
  * reads its dy in bf16 alone: fl_act_opts.dy_bf16), not the backward's RoPE (the q|k|v linear's adapters read
- * d(q|k|v) in fp32); QLoRA: the forward's RoPE only (4-bit bases read dy in fp32); every view kept (FITLLM_CUDA_VIEWS32=1): none (a step in
+ * d(q|k|v) in fp32); QLoRA under FITLLM_CUDA_Q4=fp32: the forward's RoPE only (the fp32 4-bit kernels read dy in
+ * fp32); QLoRA at a bf16 run's default (scratch, its 4-bit bases reading the bf16 dy: FL_CAP_Q4X16): LoRA's two, the
+ * frozen 4-bit gate|up reading its dy in bf16 alone; every view kept (FITLLM_CUDA_VIEWS32=1): none (a step in
  * the full tier; the quick tier checks that the knob drops FL_CAP_VIEWS16, which fl_block_only16 requires). Each
  * step also succeeds, so no op was handed a NULL it reads. */
 #ifdef FL_HAVE_CUDA_EMU
@@ -249,7 +251,10 @@ FL_TEST(cuda_emu_only16_ratchet) {
     only16_case("bf16-mixed", 1, 0, 0, 4 * L - 1, (2 * L - 1) * rope + L * (rope + swiglu)); /* block L-1 kept live */
     if (!fl_test_asan_light()) {
         only16_case("bf16-true", 0, 1, 0, 2 * L, L * (rope + swiglu));
+        setenv("FITLLM_CUDA_Q4", "fp32", 1);
         only16_case("bf16-mixed", 0, 2, 0, L, L * rope);
+        unsetenv("FITLLM_CUDA_Q4");
+        only16_case("bf16-mixed", 0, 2, 0, 2 * L, L * (rope + swiglu));
     }
     if (!fl_test_quick()) only16_case("bf16-true", 0, 0, 1, 0, 0); /* full tier; quick: VIEWS32 drops the capability */
     fl_backend be;
@@ -264,7 +269,8 @@ FL_TEST(cuda_emu_only16_ratchet) {
 
 /* A frozen bf16 base's dy scratch (fl_act_opts.dy_bf16: LoRA on an FL_CAP_COMPUTE_BF16 backend; test_cuda_lora16.c
  * checks its bits): WORKSPACE grows by exactly max(N x max(C, QKV, FCW), a logits chunk x V) bf16 against
- * FITLLM_CUDA_LORA16=0 (QLoRA: the chunk's alone, for the head), less LoRA's d(gate|up) gradient width (held in
+ * FITLLM_CUDA_LORA16=0 (QLoRA under FITLLM_CUDA_Q4=fp32: the chunk's alone, for the head; its default bf16 path:
+ * cuda_emu_q416_workspace), less LoRA's d(gate|up) gradient width (held in
  * bf16 only once its frozen base reads a bf16 dy: cuda_emu_grads16_sizing), planned (the null backend standing in for cuda-emu)
  * = measured on cuda-emu for every tag, both ways. */
 FL_TEST(cuda_emu_lora16_workspace) {
@@ -274,6 +280,7 @@ FL_TEST(cuda_emu_lora16_workspace) {
     g_layers = 2;
     for (int lora = 1; lora <= (fl_test_asan_light() ? 1 : 2); lora++) {
         fl_trainer_result r[2][2]; /* [knob on][null] */
+        if (lora == 2) setenv("FITLLM_CUDA_Q4", "fp32", 1); /* the fp32 4-bit kernels (a bf16 run's default: scratch) */
         for (int on = 0; on < 2; on++)
             for (int n = 1; n >= 0; n--) {
                 fl_backend be;
@@ -298,6 +305,7 @@ FL_TEST(cuda_emu_lora16_workspace) {
                   lora == 1 ? "LoRA" : "QLoRA", w1, w0, (ptrdiff_t)(w1 - w0), want, gsave);
         printf("      micro %s bf16-true WORKSPACE %zu -> %zu bytes (the dy scratch: %zu; d(gate|up) in bf16 only: -%zu)\n",
                lora == 1 ? "LoRA" : "QLoRA", w0, w1, want, gsave);
+        unsetenv("FITLLM_CUDA_Q4");
     }
     g_layers = 0;
 #else
@@ -345,6 +353,23 @@ FL_TEST(cuda_emu_q416_workspace) {
                           on, t, r[on][1].peak[t], r[on][0].peak[t]);
         }
     unsetenv("FITLLM_CUDA_Q4");
+    /* the variable unset: a bf16 run's default (scratch; its panel is the work area's, already counted) plans and
+     * measures alike, every tag, and binds as tc does (the same views and dy scratch: tc's WORKSPACE) */
+    fl_trainer_result rd[2]; /* [null] */
+    for (int n = 1; n >= 0; n--) {
+        fl_backend be;
+        FL_REQUIRE_OK(backend(n, 0, &be));
+        memset(&rd[n], 0, sizeof rd[n]);
+        fl_status s = step(&be, "micro", "bf16-true", 0, 2, &rd[n]);
+        backend_free(n, &be);
+        FL_REQUIRE_OK(s);
+    }
+    for (int t = 0; t < FL_TAG_COUNT; t++)
+        FL_CHECKF(rd[1].peak[t] == rd[0].peak[t], "QLoRA default tag %d: planned %zu, measured %zu", t, rd[1].peak[t],
+                  rd[0].peak[t]);
+    FL_CHECKF(rd[0].peak[FL_TAG_WORKSPACE] == r[1][0].peak[FL_TAG_WORKSPACE],
+              "QLoRA bf16-true WORKSPACE %zu at the default (scratch), %zu under tc", rd[0].peak[FL_TAG_WORKSPACE],
+              r[1][0].peak[FL_TAG_WORKSPACE]);
     const size_t w0 = r[0][0].peak[FL_TAG_WORKSPACE], w1 = r[1][0].peak[FL_TAG_WORKSPACE];
     const ptrdiff_t want = (ptrdiff_t)(blocks > head ? blocks - head : 0) - (ptrdiff_t)views - (ptrdiff_t)gsave;
     FL_CHECKF((ptrdiff_t)(w1 - w0) == want,

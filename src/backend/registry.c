@@ -56,9 +56,11 @@ static void cuda_facts(fl_backend_facts *f) {
     const int v32 = ev && !strcmp(ev, "1");
     f->caps = FL_CAP_ASYNC | FL_CAP_DEVICE_MEMORY | FL_CAP_COMPUTE_BF16 | (v32 ? 0u : FL_CAP_VIEWS16) |
               (v32 || (es && !strcmp(es, "0")) ? 0u : FL_CAP_STREAM16);
-    /* FITLLM_CUDA_Q4=tc|scratch and FITLLM_CUDA_Q4X16 not 0: the 4-bit matmuls over bf16 inputs, as the backend */
+    /* FITLLM_CUDA_Q4 unset (scratch, the default), scratch or tc, and FITLLM_CUDA_Q4X16 not 0: the 4-bit matmuls over
+     * bf16 inputs, as the backend */
     const char *eq = getenv("FITLLM_CUDA_Q4"), *ex = getenv("FITLLM_CUDA_Q4X16");
-    if (eq && (!strcmp(eq, "tc") || !strcmp(eq, "scratch")) && !(ex && !strcmp(ex, "0"))) f->caps |= FL_CAP_Q4X16;
+    if ((!eq || !*eq || !strcmp(eq, "tc") || !strcmp(eq, "scratch")) && !(ex && !strcmp(ex, "0")))
+        f->caps |= FL_CAP_Q4X16;
     f->device = FL_DEV_CUDA;
     f->scratch_bytes = fl_cuda_scratch_bytes();
     f->gemm_widens16 = fl_cuda_gemm_widens16();

@@ -166,10 +166,11 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_STEP_SCALARS=1|0 (environment): 1 (default) = EXPERIMENTAL: a step's gradient norm, clip\n"
                "               scale and loss sums stay on the GPU, read once at the step's end (the same values);\n"
                "               0 = read on the host per micro-batch and before the update\n");
-    fprintf(f, "\n  FITLLM_CUDA_Q4=fp32|tc|scratch (environment): EXPERIMENTAL, a bf16 run's QLoRA 4-bit matmuls on bf16\n"
-               "               operands: tc = tensor cores, NF4/FP4 dequantized in the GEMM's load; scratch = dequantized\n"
-               "               into a bf16 panel, then cuBLASLt; fp32 (default) = the fp32 kernels\n");
-    fprintf(f, "\n  FITLLM_CUDA_Q4X16=1|0 (environment): 1 (default) = EXPERIMENTAL: under FITLLM_CUDA_Q4=tc|scratch the\n"
+    fprintf(f, "\n  FITLLM_CUDA_Q4=scratch|tc|fp32 (environment): a bf16-true run's QLoRA 4-bit matmuls:\n"
+               "               scratch (default) = NF4/FP4 dequantized into a bf16 panel, then cuBLASLt (bf16 operands, as\n"
+               "               bitsandbytes with a bf16 compute dtype); tc = EXPERIMENTAL: tensor cores, dequantized in the\n"
+               "               GEMM's load; fp32 = the fp32 kernels (exact fp32 products, slow). Other precisions: fp32\n");
+    fprintf(f, "\n  FITLLM_CUDA_Q4X16=1|0 (environment): 1 (default) = EXPERIMENTAL: under FITLLM_CUDA_Q4=scratch|tc the\n"
                "               4-bit linears read their input's and their dy's stored bf16 copies (fp32 copies nothing\n"
                "               else reads not written or allocated; the same bits); 0 = their fp32 values (A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_PREFETCH=1|0 (environment): 1 (default) = EXPERIMENTAL: the next micro-batch's ids and\n"

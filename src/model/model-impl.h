@@ -190,7 +190,7 @@ int fl_linear_adapters_x16(const fl_backend *be, const fl_linear *lin);
  * no bf16 dy): else dy may be NULL there (an fp32 gradient written in bf16 only, fl_block_only16). */
 int fl_linear_reads_dy32(const fl_linear *lin);
 /* Whether m's 4-bit linears read bf16 x / dy (fl_linear.q416): a bf16-compute QLoRA run on a backend with
- * q4_matmul_forward16 / _backward16 (FL_CAP_Q4X16: cuda, cuda-emu under FITLLM_CUDA_Q4=tc|scratch, FITLLM_CUDA_Q4X16) */
+ * q4_matmul_forward16 / _backward16 (FL_CAP_Q4X16: cuda, cuda-emu under FITLLM_CUDA_Q4=scratch (default)|tc, FITLLM_CUDA_Q4X16) */
 int fl_model_q4x16(const fl_model *m);
 /* Testing only (0 otherwise): the blocks' 4-bit linears bound without q416 although set-up took them with it, so a test
  * shows that the views set-up left out fail the step by name */

@@ -65,10 +65,15 @@ train() { # name bound args...
 train micro-fp32 1e-5 finetune_full micro --precision 32-true
 train micro-bf16 2e-2 finetune_full micro --precision bf16-true
 train micro-8bit 1e-5 finetune_full micro --precision 32-true --optimizer bnb.optim.AdamW8bit
-train micro-qlora 1e-5 finetune_lora micro --quantize bnb.nf4-dq
-# the bf16 4-bit matmuls (FITLLM_CUDA_Q4=tc / scratch, EXPERIMENTAL: x and the dequantized NF4 weight in bf16)
+# QLoRA with FITLLM_CUDA_Q4 at its default (empty: a value exported in the caller's shell does not leak in): 32-true
+# takes the fp32 4-bit kernels, bf16-true scratch (the NF4 weight dequantized into a bf16 panel, then cuBLASLt)
+FITLLM_CUDA_Q4= train micro-qlora 1e-5 finetune_lora micro --quantize bnb.nf4-dq
+FITLLM_CUDA_Q4= train micro-qlora-bf16 2e-2 finetune_lora micro --quantize bnb.nf4 --precision bf16-true
+# each bf16 4-bit path named (tc EXPERIMENTAL: x and the dequantized NF4 weight in bf16 on the tensor cores; fp32: the
+# fp32 kernels, the default before 2026-11-30 evening)
 FITLLM_CUDA_Q4=tc train micro-qlora-bf16-tc 2e-2 finetune_lora micro --quantize bnb.nf4 --precision bf16-true
 FITLLM_CUDA_Q4=scratch train micro-qlora-bf16-scratch 2e-2 finetune_lora micro --quantize bnb.nf4 --precision bf16-true
+FITLLM_CUDA_Q4=fp32 train micro-qlora-bf16-fp32 2e-2 finetune_lora micro --quantize bnb.nf4 --precision bf16-true
 # CPU offload: on the GPU the update is staged through the page-locked host tier and runs on the host's cores
 train micro-offload 1e-5 finetune_full micro --precision 32-true --strategy deepspeed_stage_2_offload
 train micro-offload-nvme 1e-5 finetune_full micro --precision 32-true --strategy deepspeed_stage_2_offload \

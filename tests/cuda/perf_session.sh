@@ -39,6 +39,8 @@
 #  13. QLoRA's 4-bit matmuls (issue 30 item 7): the TinyLlama QLoRA step (nf4, LoRA r 8) with FITLLM_CUDA_Q4=fp32 (the
 #      fp32 kernels), tc (bf16 tensor cores, NF4 dequantized in the load) and scratch (dequantized into a bf16 panel,
 #      then cuBLASLt), and step 1's kernel timings of both 4-bit kernels (q4_matmul_* lines of fitllm_cuda_check).
+#      Each mode is named: since the 2026-11-30 evening wave a bf16 run's default is scratch (H200: 324 ms a step
+#      against fp32's 1530 ms and tc's 1613 ms), so the unset knob is the scratch row, fp32 the former default.
 #  14. tensor parallelism's device ops (issue 35, EXPERIMENTAL: emulator-verified): `fitllm selftest --accelerator cuda
 #      --only vocab_xent` and `--only dropout_rows` (the vocabulary-parallel cross-entropy's row statistics and combine
 #      kernels, the row-strided dropout, on the GPU against the CPU backend at a 32000-token vocabulary over 8 slices).

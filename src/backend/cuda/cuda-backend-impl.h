@@ -82,7 +82,7 @@ typedef struct {
     flb_graph graph;       /* FITLLM_CUDA_GRAPHS=1: the step's CUDA graphs (cuda-graph-impl.h) */
     flb_input in;          /* the input slots and the second stream (cuda-input-impl.h) */
     int ss_on;             /* FITLLM_CUDA_STEP_SCALARS (1 default): the step scalars' slots (backend.h) */
-    int q4;                /* FITLLM_CUDA_Q4: a bf16 run's 4-bit matmuls (FLB_Q4_*, cuda-work-ops-impl.h; experimental) */
+    int q4;                /* FITLLM_CUDA_Q4: a bf16 run's 4-bit matmuls (FLB_Q4_*, cuda-work-ops-impl.h; default scratch) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
@@ -790,12 +790,14 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
      * FL_CAP_STREAM16; the same bits; A/B). Off with FITLLM_CUDA_VIEWS32=1 too. */
     const char *es16 = getenv("FITLLM_CUDA_STREAM16");
     const int stream16 = !views32 && (!es16 || !*es16 || !strcmp(es16, "1"));
-    /* FITLLM_CUDA_Q4 (experimental, issue 30 item 7): a bf16 run's 4-bit matmuls on bf16 tensor cores with the NF4 / FP4
-     * dequantization fused into the B load (tc), or dequantized a panel of rows at a time into a bf16 scratch for the
-     * GEMM (scratch); fp32 (the default): the fp32 kernels whatever the dtype */
+    /* FITLLM_CUDA_Q4 (issue 30 item 7): a bf16 run's 4-bit matmuls dequantized a panel of rows at a time into a bf16
+     * scratch for the GEMM (scratch, the default: bitsandbytes' way with a bf16 compute dtype), on bf16 tensor cores
+     * with the NF4 / FP4 dequantization fused into the B load (tc, experimental), or the fp32 kernels (fp32). A run
+     * whose compute dtype is not bf16 (32-true, 16-mixed, 16-true) takes the fp32 kernels whatever it says
+     * (flb_q4_mode) */
     const char *eq = getenv("FITLLM_CUDA_Q4");
-    im->q4 = !eq || !*eq || !strcmp(eq, "fp32") ? FLB_Q4_FP32 : !strcmp(eq, "tc") ? FLB_Q4_TC
-             : !strcmp(eq, "scratch") ? FLB_Q4_SCRATCH : -1;
+    im->q4 = !eq || !*eq || !strcmp(eq, "scratch") ? FLB_Q4_SCRATCH : !strcmp(eq, "tc") ? FLB_Q4_TC
+             : !strcmp(eq, "fp32") ? FLB_Q4_FP32 : -1;
     /* FITLLM_CUDA_Q4X16 (issue 30 items 1 and 7; unset or 1: on, 0: off, A/B): under tc / scratch the 4-bit matmuls
      * over bf16 x / dy (q4_matmul_forward16 / _backward16, FL_CAP_Q4X16), so QLoRA's bases read the stored copies */
     /* FITLLM_CUDA_HEAD_GROUP (unset or 1: on, 0: off, A/B): a trained bf16 LM head's dW over several loss chunks in
@@ -849,9 +851,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                         "residual adds read the stream's stored bf16 rows, its fp32 rows in one buffer) or 0 (the fp32 "
                         "rows, two buffers and the mid residual's view)", FLB_NAME, es16)
         : im->q4 < 0
-            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4=%s: expected fp32 (the default: the fp32 4-bit "
-                        "matmul kernels), tc (experimental: a bf16 run's on bf16 tensor cores, dequantized in the load) "
-                        "or scratch (experimental: dequantized into a bf16 scratch for the GEMM)", FLB_NAME, eq)
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4=%s: expected scratch (the default: a bf16 "
+                        "run's 4-bit weights dequantized into a bf16 scratch for the GEMM), tc (experimental: on bf16 "
+                        "tensor cores, dequantized in the load) or fp32 (the fp32 4-bit matmul kernels, as every "
+                        "other precision's)", FLB_NAME, eq)
         : q4x16 < 0
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4X16=%s: expected 1 (the default: under "
                         "FITLLM_CUDA_Q4=tc or scratch a 4-bit linear reads its input's and its dy's stored bf16 "

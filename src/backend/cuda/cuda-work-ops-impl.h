@@ -230,7 +230,7 @@ static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp,
                                          STREAM), "adam8bit_update");
     return FL_OK;
 }
-/* FITLLM_CUDA_Q4=scratch (a bf16 run): W dequantized a panel of rows at a time into a bf16 scratch (the work area), each
+/* FITLLM_CUDA_Q4=scratch (a bf16 run's default): W dequantized a panel of rows at a time into a bf16 scratch (the work area), each
  * panel one GEMM of the F32 x bf16 kind (flb_gemm: the activations rounded to bf16 in its panel, fp32 accumulation);
  * forward: y[:, panel] = x @ panel^T; backward: dx (+)= dy[:, panel] @ panel, the panels accumulated in dx. A BF16 `in`
  * (q4_matmul_forward16 / _backward16: the stored copy, the RNE that panel holds) is the GEMM's A as it is, in the row
@@ -260,7 +260,8 @@ static fl_status flb_q4_scratch(const fl_backend *be, int bwd, float *out, int l
     }
     return FL_OK;
 }
-/* a bf16 run's 4-bit matmul path (FITLLM_CUDA_Q4): FLB_Q4_FP32 for an fp32 run whatever it says */
+/* a bf16 run's 4-bit matmul path (FITLLM_CUDA_Q4, default scratch): FLB_Q4_FP32 for any other compute dtype (32-true,
+ * 16-mixed, 16-true) whatever it says */
 static int flb_q4_mode(const fl_backend *be) {
     return FLB_IMPL(be)->compute == FL_BF16 ? FLB_IMPL(be)->q4 : FLB_Q4_FP32;
 }
