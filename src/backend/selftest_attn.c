@@ -82,18 +82,42 @@ typedef struct {
     const fl_backend *be;
     fl_attn_desc a;
     float *d[9]; /* device: q k v out lse dout dq dk dv */
+    /* in16: a bf16 run's stored operands: q|k|v bf16 rows of W = (NH + 2 NKV) HD (attention_forward_in16 /
+     * attention_backward16, the calls a bf16 model makes: cuDNN reads them in place), O's bf16 copy, and dq|dk|dv
+     * accumulated in fp32 rows of the same width */
+    int in16, W;
+    uint16_t *qkv16, *out16;
+    float *dqkv;
 } at_run;
 static void at_step(st_ctx *c, void *arg) {
     (void)c;
     at_run *r = arg;
     const fl_backend *be = r->be;
+    if (r->in16) {
+        const size_t ok = (size_t)r->a.NH * r->a.HD, ov = ok + (size_t)r->a.NKV * r->a.HD;
+        if (be->attention_forward_in16(be, &r->a, r->d[3], r->out16, r->d[4], r->qkv16, r->qkv16 + ok, r->qkv16 + ov,
+                                       NULL) == FL_OK)
+            be->attention_backward16(be, &r->a, r->dqkv, r->dqkv + ok, r->dqkv + ov, r->d[5], r->qkv16, r->qkv16 + ok,
+                                     r->qkv16 + ov, NULL, r->out16, r->d[4]);
+        return;
+    }
     if (be->attention_forward(be, &r->a, r->d[3], r->d[4], r->d[0], r->d[1], r->d[2], NULL, NULL) == FL_OK)
         be->attention_backward(be, &r->a, r->d[6], r->d[7], r->d[8], NULL, r->d[5], r->d[0], r->d[1], r->d[2], NULL,
                                NULL, r->d[3], r->d[4]);
 }
 
-/* one choice at one shape: 0 ok (or not compared), 1 mismatch or failure */
-static int at_case(st_ctx *c, const char *choice, const at_shape *s, FILE *out) {
+/* rows (B T, W) <-> the compact (B T, n) columns [off, off + n) of them; to_rows 1: compact -> rows (bf16) */
+static void at_rows(const at_shape *s, int W, size_t off, size_t n, float *compact, uint16_t *rows16, float *rows32,
+                    int to_rows) {
+    for (size_t r = 0; r < (size_t)s->B * s->T; r++)
+        for (size_t e = 0; e < n; e++) {
+            if (to_rows) rows16[r * W + off + e] = fl_f32_to_bf16(compact[r * n + e]);
+            else compact[r * n + e] = rows32[r * W + off + e];
+        }
+}
+
+/* one choice at one shape (in16: through the bf16-stored calls): 0 ok (or not compared), 1 mismatch or failure */
+static int at_case(st_ctx *c, const char *choice, const at_shape *s, int in16, FILE *out) {
     const fl_backend *be = c->dev;
     const size_t nq = (size_t)s->B * s->T * s->NH * s->HD, nk = (size_t)s->B * s->T * s->NKV * s->HD,
                  nl = (size_t)s->B * s->NH * s->T;
@@ -101,15 +125,36 @@ static int at_case(st_ctx *c, const char *choice, const at_shape *s, FILE *out) 
     const size_t len[9] = {nq, nk, nk, nq, nl, nq, nq, nk, nk};
     st_bufs bufs = {0};
     at_run r = {be, {s->B, s->T, s->T, s->NH, s->NKV, s->HD, (size_t)s->NH * s->HD, (size_t)s->NKV * s->HD,
-                     (size_t)s->NKV * s->HD, (size_t)s->NH * s->HD, (float)(1.0 / sqrt((double)s->HD)), 1, 0, 0}, {0}};
+                     (size_t)s->NKV * s->HD, (size_t)s->NH * s->HD, (float)(1.0 / sqrt((double)s->HD)), 1, 0, 0}, {0}, 0, 0, NULL, NULL,
+                NULL};
     for (int i = 0; i < 9; i++) {
         h[i] = i < 3 || i == 5 ? fl_st_frand(c, len[i], -1.0f, 1.0f) : calloc(len[i], sizeof(float));
         if (i < 3 || i == 5)
             for (size_t e = 0; h[i] && e < len[i]; e++) h[i][e] = fl_bf16_to_f32(fl_f32_to_bf16(h[i][e]));
         r.d[i] = fl_st_up(c, &bufs, h[i], len[i] * sizeof(float));
     }
+    const size_t qn = (size_t)s->NH * s->HD, kn = (size_t)s->NKV * s->HD, rows = (size_t)s->B * s->T;
+    float *dqkv_h = NULL;
+    if (in16) { /* q|k|v interleaved in bf16 (the values are bf16 already: exact), their gradients' fp32 rows */
+        r.in16 = 1, r.W = (int)(qn + 2 * kn);
+        r.a.ldq = r.a.ldk = r.a.ldv = (size_t)r.W;
+        uint16_t *qkv = calloc(rows * r.W, sizeof(uint16_t));
+        dqkv_h = calloc(rows * r.W, sizeof(float));
+        if (qkv && dqkv_h) {
+            at_rows(s, r.W, 0, qn, h[0], qkv, NULL, 1);
+            at_rows(s, r.W, qn, kn, h[1], qkv, NULL, 1);
+            at_rows(s, r.W, qn + kn, kn, h[2], qkv, NULL, 1);
+        } else {
+            bufs.failed = 1;
+        }
+        r.qkv16 = qkv ? fl_st_up(c, &bufs, qkv, rows * r.W * sizeof(uint16_t)) : NULL;
+        r.out16 = fl_st_up(c, &bufs, NULL, nq * sizeof(uint16_t));
+        r.dqkv = fl_st_up(c, &bufs, NULL, rows * r.W * sizeof(float));
+        free(qkv);
+    }
     char name[96];
-    snprintf(name, sizeof name, "attention %-6s B%d T%d NH%d NKV%d HD%d causal", choice, s->B, s->T, s->NH, s->NKV, s->HD);
+    snprintf(name, sizeof name, "attention %-6s B%d T%d NH%d NKV%d HD%d causal%s", choice, s->B, s->T, s->NH, s->NKV,
+             s->HD, in16 ? " in16" : "");
     int bad = bufs.failed;
     if (!bad) at_step(c, &r);
     fl_status st = bad ? FL_ERR_OOM : be->sync(be);
@@ -118,9 +163,15 @@ static int at_case(st_ctx *c, const char *choice, const at_shape *s, FILE *out) 
         double *ref[9] = {0};
         for (int i = 3; i < 9; i++) ref[i] = i == 5 ? NULL : calloc(len[i], sizeof(double));
         at_ref(s, h[0], h[1], h[2], h[5], ref[3], ref[4], ref[6], ref[7], ref[8]);
+        if (in16) { /* dq, dk, dv from their rows */
+            fl_st_down(c, &bufs, dqkv_h, r.dqkv, rows * r.W * sizeof(float));
+            at_rows(s, r.W, 0, qn, h[6], NULL, dqkv_h, 0);
+            at_rows(s, r.W, qn, kn, h[7], NULL, dqkv_h, 0);
+            at_rows(s, r.W, qn + kn, kn, h[8], NULL, dqkv_h, 0);
+        }
         for (int i = 3; i < 9; i++) {
             if (i == 5) continue;
-            fl_st_down(c, &bufs, h[i], r.d[i], len[i] * sizeof(float));
+            if (i < 6 || !in16) fl_st_down(c, &bufs, h[i], r.d[i], len[i] * sizeof(float));
             worst = fmax(worst, at_worst(h[i], ref[i], len[i], i == 4));
             free(ref[i]);
         }
@@ -135,6 +186,7 @@ static int at_case(st_ctx *c, const char *choice, const at_shape *s, FILE *out) 
     else fprintf(out, "  %-52s time  %10.1f us  %6.1f TFLOP/s (forward + backward)\n", name, t * 1e6, flop / t * 1e-12);
     fl_st_free(c, &bufs);
     for (int i = 0; i < 9; i++) free(h[i]);
+    free(dqkv_h);
     return st != FL_OK || bad;
 }
 
@@ -161,10 +213,13 @@ fl_status fl_selftest_attention_choices(const char *name, int small, FILE *out, 
         c.dev = &be, c.out = out, c.rng = 0xa77e;
         if (be.pool_init(&be, &c.pool, "selftest-attn", 0) == FL_OK) {
             if (be.set_compute_dtype) be.set_compute_dtype(&be, FL_BF16);
-            for (int i = 0; i < nshapes; i++) {
-                res->n_cases += shapes[i].check;
-                res->n_fail += at_case(&c, choices[k], &shapes[i], out);
-            }
+            /* each shape through the fp32 calls, then through a bf16 run's stored-operand calls where the backend has
+             * them (cuDNN reads those in place) */
+            for (int in16 = 0; in16 < 1 + (be.attention_forward_in16 && be.attention_backward16); in16++)
+                for (int i = 0; i < nshapes; i++) {
+                    res->n_cases += shapes[i].check;
+                    res->n_fail += at_case(&c, choices[k], &shapes[i], in16, out);
+                }
             if (be.set_compute_dtype) be.set_compute_dtype(&be, FL_F32);
             fl_mem_pool_free(&c.pool);
         }
