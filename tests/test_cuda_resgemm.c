@@ -142,12 +142,7 @@ FL_TEST(cuda_emu_resgemm_op) {
     FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
     FL_CHECK(be.gemm_res16 == NULL);
     fl_backend_free(&be);
-    setenv("FITLLM_CUDA_RESGEMM", "yes", 1);
-    s = fl_backend_init_by_name("cuda-emu", &be, 1);
-    unsetenv("FITLLM_CUDA_RESGEMM");
-    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_RESGEMM=yes"), "status %d: %s", (int)s,
-              fl_error_message());
-    if (s == FL_OK) fl_backend_free(&be);
+    fl_test_emu_knob_refused("FITLLM_CUDA_RESGEMM");
     fl_backend cpu;
     FL_REQUIRE_OK(fl_backend_init_by_name("cpu", &cpu, 1));
     FL_CHECK(cpu.gemm_res16 == NULL);

@@ -191,13 +191,7 @@ FL_TEST(cuda_emu_stream16_workspace) {
     ws_case("micro", "bf16-true", 0, 1, 0);
     ws_case("gpt2-micro", "bf16-true", 0, 0, 0);
     ws_case("opt-micro", "bf16-true", 0, 0, 0);
-    setenv("FITLLM_CUDA_STREAM16", "yes", 1); /* another value than 0 / 1: refused at set-up, by name */
-    fl_backend be;
-    fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
-    unsetenv("FITLLM_CUDA_STREAM16");
-    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_STREAM16=yes"), "status %d: %s", (int)s,
-              fl_error_message());
-    if (s == FL_OK) fl_backend_free(&be);
+    fl_test_emu_knob_refused("FITLLM_CUDA_STREAM16");
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif

@@ -34,17 +34,8 @@ mkdir -p "$OUT"
 PACK=.gpupack
 F=$PACK/bin/fitllm
 [ -x "$F" ] || { echo "device_quick: $F missing: run tools/gpu_pack.sh here first"; exit 1; }
-LIB=$(mktemp -d /tmp/fitllm-libs-XXXXXX)
-tar -xJf "$PACK/libs.tar.xz" -C "$LIB"
-for f in "$LIB"/*; do if ldconfig -p | grep -q "/$(basename "$f")\$"; then rm -f "$f"; fi; done
-export LD_LIBRARY_PATH="$LIB:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# cuDNN: fitllm looks for PyTorch's nvidia-cudnn wheel itself (fl_cudnn_search); only if that finds nothing, the
-# wheel's folder as python3 names it goes on the loader's path
-if "$F" --version 2>/dev/null | grep -q '^cudnn: *cuDNN not found' && [ -z "${FITLLM_CUDNN_LIB:-}" ]; then
-    D=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
-    [ -n "$D" ] && [ -f "$D/libcudnn.so.9" ] && export LD_LIBRARY_PATH="$D${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    echo "device_quick: fitllm did not find cuDNN itself; LD_LIBRARY_PATH gets ${D:-nothing}"
-fi
+. "$(dirname "$0")/gpupack_env.sh"
+gpupack_env "$PACK" "$F"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; "$F" --version | grep -E "fitllm|cuda|cudnn"; } \
     2>&1 | tee "$OUT/env.txt"
 left() { echo $((BUDGET - SECONDS)); }

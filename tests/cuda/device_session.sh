@@ -11,19 +11,9 @@ OUT=${OUT:-/tmp/fitllm-device-out}
 mkdir -p "$OUT"
 PACK=.gpupack
 [ -x "$PACK/bin/fitllm" ] || { echo "device_session: $PACK/bin/fitllm missing: run tools/gpu_pack.sh here first"; exit 1; }
-LIB=$(mktemp -d /tmp/fitllm-libs-XXXXXX)
-tar -xJf "$PACK/libs.tar.xz" -C "$LIB"
-# keep only what the machine lacks: its own libstdc++ (torch's) and friends must win for python3
-for f in "$LIB"/*; do
-    n=$(basename "$f")
-    if ldconfig -p | grep -q "/$n\$"; then rm -f "$f"; fi
-done
-export LD_LIBRARY_PATH="$LIB:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# cuDNN for the attention (opened at run time): the system's, else the one inside PyTorch's wheel (as perf_session.sh)
-if ! ldconfig -p | grep -q 'libcudnn.so.9' && [ -z "${FITLLM_CUDNN_LIB:-}" ]; then
-    D=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
-    [ -n "$D" ] && [ -f "$D/libcudnn.so.9" ] && export LD_LIBRARY_PATH="$D${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
+. "$(dirname "$0")/gpupack_env.sh"
+gpupack_env "$PACK" "$PACK/bin/fitllm"
+LIB=$GPUPACK_LIBS
 {
     date -u; nvidia-smi; lscpu | grep -m1 'Model name'; echo "libraries taken from the pack: $(ls "$LIB" | tr '\n' ' ')"
     ldd "$PACK/bin/fitllm" | grep 'not found' || echo "ldd: nothing missing"

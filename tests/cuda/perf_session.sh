@@ -94,16 +94,9 @@ if [ "${PERF_DRY:-0}" = 1 ]; then
 fi
 F=$BIN/fitllm
 [ -x "$F" ] || { echo "perf_session: $F missing (tools/gpu_pack.sh here first, or name a CUDA build folder)"; exit 1; }
-if [ -f .gpupack/libs.tar.xz ] && [ "$BIN" = .gpupack/bin ]; then # the pack's libraries the machine lacks
-    LIB=$(mktemp -d /tmp/fitllm-libs-XXXXXX)
-    tar -xJf .gpupack/libs.tar.xz -C "$LIB"
-    for f in "$LIB"/*; do if ldconfig -p | grep -q "/$(basename "$f")\$"; then rm -f "$f"; fi; done
-    export LD_LIBRARY_PATH="$LIB:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
-# cuDNN for the attention (opened at run time): the system's, else the one inside PyTorch's wheel
-if ! ldconfig -p | grep -q 'libcudnn.so.9' && [ -z "${FITLLM_CUDNN_LIB:-}" ]; then
-    D=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
-    [ -n "$D" ] && [ -f "$D/libcudnn.so.9" ] && export LD_LIBRARY_PATH="$D${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. "$(dirname "$0")/gpupack_env.sh"
+if [ "${PERF_DRY:-0}" != 1 ]; then # the pack's libraries the machine lacks (a CUDA build folder: none), cuDNN
+    if [ "$BIN" = .gpupack/bin ]; then gpupack_env .gpupack "$F"; else gpupack_env /nonexistent "$F"; fi
 fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader; "$F" --version | grep -i cuda; } \
     | tee "$OUT/env.txt"
@@ -114,6 +107,27 @@ bench() { # name timeout args...
         --steps 5 --warmup 2 "$@" >"$OUT/$name.log" 2>&1
     echo "bench-step $name exit $?" >>"$OUT/$name.log"
     grep -E "^median|^MFU|^RESULT|exit" "$OUT/$name.log"
+}
+# ab_both KNOB TAG: the TinyLlama step and GPT-2's bf16-true step with KNOB=1 then 0
+ab_both() {
+    local v
+    for v in 1 0; do
+        export "$1=$v"
+        bench "$2-$v" 60
+        gpt2_ab bf16-true "$2$v" "$1=$v"
+        unset "$1"
+    done
+}
+# ab_profile KNOB TAG ROWS [args]: the TinyLlama step with --profile, KNOB=1 then 0, and the profile's ROWS (egrep)
+ab_profile() {
+    local knob=$1 tag=$2 rows=$3 v
+    shift 3
+    for v in 1 0; do
+        export "$knob=$v"
+        bench "$tag-$v" 60 --profile "$@"
+        unset "$knob"
+        sed -n '/^profile/,/^PROFILE/p' "$OUT/$tag-$v.log" | grep -E "$rows" | head -8
+    done
 }
 gpt2_ab() { # precision log-tag label (the A/B switch set by the caller): a GPT-2 step (124M, B 8, T 1024)
     timeout 60 "$F" bench-step gpt2 --accelerator cuda --precision "$1" --micro-batch 8 --seq 1024 --steps 5 \
@@ -298,24 +312,15 @@ done
 fi
 if want_step 16; then
 echo "== 16. bf16 storage without the unread fp32 views: FITLLM_CUDA_VIEWS32=1 (every view kept) against 0 (EXPERIMENTAL)"
-for v in 1 0; do
-    FITLLM_CUDA_VIEWS32=$v bench views32-$v 60
-    FITLLM_CUDA_VIEWS32=$v gpt2_ab bf16-true views32$v FITLLM_CUDA_VIEWS32=$v
-done
+ab_both FITLLM_CUDA_VIEWS32 views32
 fi
 if want_step 17; then
 echo "== 17. the cross-block add + norm: FITLLM_CUDA_XBLOCK_NORM=1 (the default) against 0 (EXPERIMENTAL)"
-for v in 1 0; do
-    FITLLM_CUDA_XBLOCK_NORM=$v bench xblock-$v 60
-    FITLLM_CUDA_XBLOCK_NORM=$v gpt2_ab bf16-true xblock$v FITLLM_CUDA_XBLOCK_NORM=$v
-done
+ab_both FITLLM_CUDA_XBLOCK_NORM xblock
 fi
 if want_step 18; then
 echo "== 18. bf16 weight gradients by their GEMMs: FITLLM_CUDA_DW16=1 (the default) against 0 (EXPERIMENTAL)"
-for v in 1 0; do
-    FITLLM_CUDA_DW16=$v bench dw16-$v 60 --profile
-    sed -n '/^profile/,/^PROFILE/p' "$OUT/dw16-$v.log" | grep -E "GEMM|accumulate16|zero" | head -6
-done
+ab_profile FITLLM_CUDA_DW16 dw16 "GEMM|accumulate16|zero"
 fi
 if want_step 19; then
 echo "== 19. LoRA / QLoRA bf16 without conversions: FITLLM_CUDA_LORA16=1 (the default) against 0 (EXPERIMENTAL)"
@@ -335,17 +340,11 @@ done
 fi
 if want_step 21; then
 echo "== 21. the residual stream held in bf16: FITLLM_CUDA_STREAM16=1 (the default) against 0 (EXPERIMENTAL)"
-for v in 1 0; do
-    FITLLM_CUDA_STREAM16=$v bench stream16-$v 60
-    FITLLM_CUDA_STREAM16=$v gpt2_ab bf16-true stream16$v FITLLM_CUDA_STREAM16=$v
-done
+ab_both FITLLM_CUDA_STREAM16 stream16
 fi
 if want_step 22; then
 echo "== 22. the residual add inside its projection's GEMM: FITLLM_CUDA_RESGEMM=1 (the default) against 0 (EXPERIMENTAL)"
-for v in 1 0; do
-    FITLLM_CUDA_RESGEMM=$v bench resgemm-$v 60 --profile
-    sed -n '/^profile/,/^PROFILE/p' "$OUT/resgemm-$v.log" | grep -E "gemm|norm" | head -8
-done
+ab_profile FITLLM_CUDA_RESGEMM resgemm "gemm|norm"
 fi
 if want_step 23; then
 echo "== 23. the split column sums and cross-entropy: the profile's rows and the kernel timings (no knob, EXPERIMENTAL)"

@@ -130,6 +130,16 @@ static char *flb_dnn_buf(const fl_backend *be, size_t bytes) {
     return (char *)d->buf;
 }
 static size_t flb_al256(size_t b) { return (b + 255) & ~(size_t)255; }
+/* A call's layout: a bf16 run's stored q, k, v (and the backward's o: NULL forward, compact rows per
+ * fl_cudnn_sdpa_refuse) read in place at their own row strides where FITLLM_CUDA_CUDNN_DIRECT and the alignment allow
+ * (returns 1), else the compact copies' (0) */
+static int flb_dnn_layout(const flb_impl *im, const fl_attn_desc *a, fl_dtype it, const void *q, const void *k,
+                          const void *v, const void *o, fl_cudnn_sdpa_layout *L) {
+    const int direct = im->dnn->direct && it == FL_BF16 && fl_cudnn_sdpa_direct_ok(a, q, k, v) && (uintptr_t)o % 16 == 0;
+    if (direct) fl_cudnn_sdpa_layout_rows(a, FL_BF16, L);
+    else fl_cudnn_sdpa_layout_of(a, FL_BF16, L);
+    return direct;
+}
 
 /* 1: cuDNN ran it (or failed: *st says); 0: run the own kernels */
 /* q, k, v of type it: F32, or BF16 (attention_forward_in16: a bf16 run's stored q|k|v, copied compact) */
@@ -143,11 +153,8 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
         flb_dnn_say(im, "refused a shape", no);
         return 0;
     }
-    /* a bf16 run's stored q, k, v at their own row strides: read in place, no compact copy */
-    const int direct = im->dnn->direct && it == FL_BF16 && fl_cudnn_sdpa_direct_ok(a, q, k, v);
     fl_cudnn_sdpa_layout L;
-    if (direct) fl_cudnn_sdpa_layout_rows(a, FL_BF16, &L);
-    else fl_cudnn_sdpa_layout_of(a, FL_BF16, &L);
+    const int direct = flb_dnn_layout(im, a, it, q, k, v, NULL, &L);
     fl_cudnn_plan *p = flb_dnn_plan(im, &L, 0);
     if (!p) return 0;
     const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
@@ -193,11 +200,8 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
     flb_impl *im = FLB_IMPL(be);
     /* FITLLM_CUDA_DETERMINISTIC: the own backward, whose dq adds run in a fixed order */
     if (!im->dnn || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, bias, kmask)) return 0;
-    /* stored bf16 q, k, v read in place (o too: its rows are compact, fl_cudnn_sdpa_refuse) */
-    const int direct = im->dnn->direct && it == FL_BF16 && fl_cudnn_sdpa_direct_ok(a, q, k, v) && (uintptr_t)out % 16 == 0;
     fl_cudnn_sdpa_layout L;
-    if (direct) fl_cudnn_sdpa_layout_rows(a, FL_BF16, &L);
-    else fl_cudnn_sdpa_layout_of(a, FL_BF16, &L);
+    const int direct = flb_dnn_layout(im, a, it, q, k, v, out, &L);
     fl_cudnn_plan *p = flb_dnn_plan(im, &L, 1);
     if (!p) return 0;
     const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
