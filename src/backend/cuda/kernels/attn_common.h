@@ -34,6 +34,9 @@ struct fl_cu_attn_p {
     float *o, *l, *dq, *dk, *dv, *dbias, *Dsum; /* forward outputs; gradients; D scratch (B,NH,Tq) */
     uint16_t *o16; /* forward: NULL or the output's bf16 copy (out's layout), o then its widening (issue 30 item 1) */
     int *dq_lock; /* the fa2 backward's deterministic dq: one counter per (b, h, query tile), else NULL */
+    /* the fa2 kernels' 128-bit paths (attn_fa2.cu, fl_cu_fa_vec): vq: q, k, v 16-byte aligned with whole 16-byte
+     * row strides (cp.async when bf16); vo: dout likewise (fp32); dq2: dq's element pairs 8-byte aligned */
+    int vq, vo, dq2;
     size_t ldq, ldk, ldv, ldo;
     int B, Tq, Tk, NH, NKV, HD, rep, causal;
     float scale;

@@ -30,24 +30,96 @@ template <> struct fl_cu_fa_cfg<128> {
     enum { D = 128, BQ = 64, MT = 1, BK = 64, BBQ = 32 };
 };
 
+/* ---- the tiles' loads ------------------------------------------------------------------------- */
+
+/* Rows 0..n-1 of a (rows, D) view of q, k, v (or dO) into a bf16 tile (pitch P), rows >= n zero: cp.async from a
+ * bf16 view, 128-bit loads from an fp32 one (vec: the launcher found every view 16-byte aligned, fl_cu_fa_vec),
+ * else fl_cu_tc_load's element pairs. The same bits all three ways. */
+template <int D, int R>
+FL_CU_DEV void fl_cu_fa_tile(uint16_t *dst, int P, fl_cu_fptr src, size_t ld, int n, int vec) {
+    if (vec && src.b16) fl_cu_tc_cp_tile<D, R>(dst, P, (const uint16_t *)src.p, ld, n);
+    else if (vec) fl_cu_tc_ld_tile32<D, R>(dst, P, (const float *)src.p, ld, n);
+    else fl_cu_tc_load<D, R>(dst, P, NULL, 0, src, ld, n);
+}
+
 /* ---- forward ---------------------------------------------------------------------------------- */
 
+/* Key tile k0 (kn keys) into a buffer of keys (BK, P) then values (BK, P), and its key mask. */
+template <int D, int BK>
+FL_CU_DEV void fl_cu_fa_kv(const fl_cu_attn_p &p, uint16_t *buf, int *km, fl_cu_fptr K, fl_cu_fptr V, int k0, int kn,
+                           int b) {
+    enum { P = D + FL_CU_TC_PAD };
+    fl_cu_fa_tile<D, BK>(buf, P, K + (size_t)k0 * p.ldk, p.ldk, kn, p.vq);
+    fl_cu_fa_tile<D, BK>(buf + BK * P, P, V + (size_t)k0 * p.ldv, p.ldv, kn, p.vq);
+    for (int j = threadIdx.x; j < BK; j += FL_CU_TC_THREADS)
+        km[j] = j < kn && (!p.kmask || p.kmask[(size_t)b * p.Tk + k0 + j]);
+}
+
+/* One m-tile's online-softmax update for a key tile (FlashAttention-2's): the scores s (log2 units after scaling;
+ * invisible ones -inf unless full: every one visible), the running max m and sum l of the lane's two rows, the
+ * output accumulator o rescaled, and P = exp2(s - m) as the bf16 A fragments of P V. */
+template <int NT, int DT>
+FL_CU_DEV void fl_cu_fa_softmax(float (&s)[NT][4], float (&m_)[2], float (&l_)[2], float (&o)[DT][4],
+                                uint32_t (&pa)[NT / 2][4], const int *kmc, int k0, const int (&lim)[2], int full,
+                                float sl2) {
+    const int tq = threadIdx.x & 3;
+    float mx[2] = {-INFINITY, -INFINITY};
+    FL_CU_UNROLL
+    for (int nt = 0; nt < NT; nt++)
+        FL_CU_UNROLL
+        for (int i = 0; i < 4; i++) {
+            const int j = nt * 8 + 2 * tq + (i & 1), x = i >> 1;
+            const int vis = full || (kmc[j] && k0 + j < lim[x]);
+            s[nt][i] = vis ? s[nt][i] * sl2 : -INFINITY;
+            mx[x] = fmaxf(mx[x], s[nt][i]);
+        }
+    float c[2], ps[2] = {0.0f, 0.0f};
+    FL_CU_UNROLL
+    for (int x = 0; x < 2; x++) {
+        for (int off = 1; off < 4; off <<= 1) mx[x] = fmaxf(mx[x], __shfl_xor_sync(FL_CU_FULL_MASK, mx[x], off));
+        const float mn = fmaxf(m_[x], mx[x]);
+        /* nothing visible yet: the state stays (m = -inf, l = 0, o = 0) */
+        c[x] = mn == -INFINITY ? 1.0f : exp2f(m_[x] - mn);
+        m_[x] = mn;
+    }
+    FL_CU_UNROLL
+    for (int nt = 0; nt < NT; nt++)
+        FL_CU_UNROLL
+        for (int i = 0; i < 4; i++) {
+            const int x = i >> 1;
+            const float pv = !full && s[nt][i] == -INFINITY ? 0.0f : exp2f(s[nt][i] - m_[x]);
+            s[nt][i] = pv;
+            ps[x] += pv;
+        }
+    FL_CU_UNROLL
+    for (int x = 0; x < 2; x++) l_[x] = l_[x] * c[x] + ps[x];
+    FL_CU_UNROLL
+    for (int dt = 0; dt < DT; dt++)
+        FL_CU_UNROLL
+        for (int i = 0; i < 4; i++) o[dt][i] *= c[i >> 1];
+    FL_CU_UNROLL
+    for (int kk = 0; kk < NT / 2; kk++) fl_cu_tc_acc_to_a(pa[kk], s[2 * kk], s[2 * kk + 1]);
+}
+
+/* Key tiles double-buffered: tile i+1's copies (cp.async from a bf16 run's stored q|k|v) are issued before tile
+ * i's products, and land while they run. A warp's m-tile whose rows all see all of a whole tile (no key mask,
+ * below the causal diagonal) skips the per-element visibility tests (the same values: every score visible). */
 template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
     enum { BQ = fl_cu_fa_cfg<D>::BQ, MT = fl_cu_fa_cfg<D>::MT, BK = fl_cu_fa_cfg<D>::BK, P = D + FL_CU_TC_PAD,
            NT = BK / 8, DT = D / 8, DK = D / 16, PK = BK / 16 };
     FL_CU_DYN_SMEM(uint16_t, sm);
-    uint16_t *Qs = sm;           // (BQ, P) the query tile
-    uint16_t *Ks = Qs + BQ * P;  // (BK, P) keys
-    uint16_t *Vs = Ks + BK * P;  // (BK, P) values (row-major: ldmatrix.trans gives P V's B fragments)
-    __shared__ int km[BK];       // key exists and is not padding
+    uint16_t *Qs = sm;            // (BQ, P) the query tile
+    uint16_t *KVs = Qs + BQ * P;  // 2 buffers of (BK, P) keys then (BK, P) values (row-major: ldmatrix.trans
+                                  // gives P V's B fragments)
+    __shared__ int km[2][BK];     // key exists and is not padding
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int qt = (int)gridDim.x - 1 - (int)blockIdx.x; /* causal: the heaviest tiles start first */
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / p.rep;
     const int q0 = qt * BQ, qn = p.Tq - q0 < BQ ? p.Tq - q0 : BQ;
-    fl_cu_tc_load<D, BQ>(Qs, P, NULL, 0, p.q + ((size_t)b * p.Tq + q0) * p.ldq + (size_t)h * D, p.ldq, qn);
+    fl_cu_fa_tile<D, BQ>(Qs, P, p.q + ((size_t)b * p.Tq + q0) * p.ldq + (size_t)h * D, p.ldq, qn, p.vq);
     /* m-tile mt of the warp: rows w0 + 16 mt ..; lane rows r[mt][0] = .. + g, r[mt][1] = .. + g + 8 */
     const int w0 = warp * 16 * MT;
-    int lim[MT][2], mend[MT];
+    int lim[MT][2], mend[MT], mfull[MT];
     FL_CU_UNROLL
     for (int mt = 0; mt < MT; mt++) {
         FL_CU_UNROLL
@@ -57,6 +129,8 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
         }
         const int first = w0 + 16 * mt, last = first + 15 < qn ? first + 15 : qn - 1;
         mend[mt] = last >= first ? fl_cu_attn_key_limit(p, q0 + last) : 0; /* keys the m-tile sees */
+        /* keys every row of the m-tile sees (the first row's limit: the least), 0 with a padding row */
+        mfull[mt] = first + 15 < qn && !p.kmask ? fl_cu_attn_key_limit(p, q0 + first) : 0;
     }
     const int kend = qn > 0 ? fl_cu_attn_key_limit(p, q0 + qn - 1) : 0;
     const float sl2 = p.scale * FL_CU_LOG2E; /* scores in log2 units: exp2f */
@@ -72,93 +146,67 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
     }
     const fl_cu_fptr K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * D;
     const fl_cu_fptr V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * D;
-    for (int k0 = 0; k0 < kend; k0 += BK) {
-        const int kn = kend - k0 < BK ? kend - k0 : BK;
-        __syncthreads(); /* the previous tile's Ks / Vs are read */
-        fl_cu_tc_load<D, BK>(Ks, P, NULL, 0, K + (size_t)k0 * p.ldk, p.ldk, kn);
-        fl_cu_tc_load<D, BK>(Vs, P, NULL, 0, V + (size_t)k0 * p.ldv, p.ldv, kn);
-        for (int j = threadIdx.x; j < BK; j += FL_CU_TC_THREADS)
-            km[j] = j < kn && (!p.kmask || p.kmask[(size_t)b * p.Tk + k0 + j]);
-        __syncthreads(); /* also: Qs written (first tile) */
-        if (k0 >= mend[0] && k0 >= mend[MT - 1]) continue; /* no row of this warp sees the tile */
-        float s[MT][NT][4];
-        FL_CU_UNROLL
-        for (int mt = 0; mt < MT; mt++)
-            FL_CU_UNROLL
-            for (int nt = 0; nt < NT; nt++)
-                FL_CU_UNROLL
-                for (int i = 0; i < 4; i++) s[mt][nt][i] = 0.0f;
-        FL_CU_UNROLL
-        for (int kk = 0; kk < DK; kk++) {
-            uint32_t qa[MT][4];
-            FL_CU_UNROLL
-            for (int mt = 0; mt < MT; mt++) fl_cu_ldm_a(qa[mt], Qs, P, w0 + 16 * mt, kk * 16);
-            FL_CU_UNROLL
-            for (int np = 0; np < NT / 2; np++) {
-                uint32_t bf[4];
-                fl_cu_ldm_b(bf, Ks, P, np * 16, kk * 16);
-                FL_CU_UNROLL
-                for (int mt = 0; mt < MT; mt++) {
-                    if (k0 >= mend[mt]) continue; /* warp-uniform */
-                    fl_cu_mma_bf16_16816(s[mt][2 * np], qa[mt], bf, s[mt][2 * np]);
-                    fl_cu_mma_bf16_16816(s[mt][2 * np + 1], qa[mt], bf + 2, s[mt][2 * np + 1]);
-                }
-            }
+    const int nkt = (kend + BK - 1) / BK;
+    if (nkt > 0) fl_cu_fa_kv<D, BK>(p, KVs, km[0], K, V, 0, kend < BK ? kend : BK, b);
+    fl_cu_cp_commit(); /* the query tile and key tile 0 */
+    for (int it = 0; it < nkt; it++) {
+        const int k0 = it * BK, kn = kend - k0 < BK ? kend - k0 : BK, cur = it & 1;
+        if (it + 1 < nkt) { /* into the buffer every warp finished with at the end of tile it - 1 */
+            const int k1 = k0 + BK;
+            fl_cu_fa_kv<D, BK>(p, KVs + (cur ^ 1) * 2 * BK * P, km[cur ^ 1], K, V, k1, kend - k1 < BK ? kend - k1 : BK, b);
         }
-        uint32_t pa[MT][PK][4];
-        FL_CU_UNROLL
-        for (int mt = 0; mt < MT; mt++) {
-            float mx[2] = {-INFINITY, -INFINITY};
+        fl_cu_cp_commit();
+        fl_cu_cp_wait<1>(); /* all but the newest group: tile it (and the query tile) landed */
+        __syncthreads();
+        const uint16_t *Ks = KVs + cur * 2 * BK * P, *Vs = Ks + BK * P;
+        const int *kmc = km[cur];
+        if (k0 < mend[0] || k0 < mend[MT - 1]) { /* some row of this warp sees the tile */
+            float s[MT][NT][4];
             FL_CU_UNROLL
-            for (int nt = 0; nt < NT; nt++)
+            for (int mt = 0; mt < MT; mt++)
                 FL_CU_UNROLL
-                for (int i = 0; i < 4; i++) {
-                    const int j = nt * 8 + 2 * tq + (i & 1), x = i >> 1;
-                    const int vis = km[j] && k0 + j < lim[mt][x];
-                    s[mt][nt][i] = vis ? s[mt][nt][i] * sl2 : -INFINITY;
-                    mx[x] = fmaxf(mx[x], s[mt][nt][i]);
-                }
-            float c[2], ps[2] = {0.0f, 0.0f};
+                for (int nt = 0; nt < NT; nt++)
+                    FL_CU_UNROLL
+                    for (int i = 0; i < 4; i++) s[mt][nt][i] = 0.0f;
             FL_CU_UNROLL
-            for (int x = 0; x < 2; x++) {
-                for (int off = 1; off < 4; off <<= 1) mx[x] = fmaxf(mx[x], __shfl_xor_sync(FL_CU_FULL_MASK, mx[x], off));
-                const float mn = fmaxf(m_[mt][x], mx[x]);
-                /* nothing visible yet: the state stays (m = -inf, l = 0, o = 0) */
-                c[x] = mn == -INFINITY ? 1.0f : exp2f(m_[mt][x] - mn);
-                m_[mt][x] = mn;
+            for (int kk = 0; kk < DK; kk++) {
+                uint32_t qa[MT][4];
+                FL_CU_UNROLL
+                for (int mt = 0; mt < MT; mt++) fl_cu_ldm_a(qa[mt], Qs, P, w0 + 16 * mt, kk * 16);
+                FL_CU_UNROLL
+                for (int np = 0; np < NT / 2; np++) {
+                    uint32_t bf[4];
+                    fl_cu_ldm_b(bf, Ks, P, np * 16, kk * 16);
+                    FL_CU_UNROLL
+                    for (int mt = 0; mt < MT; mt++) {
+                        if (k0 >= mend[mt]) continue; /* warp-uniform */
+                        fl_cu_mma_bf16_16816(s[mt][2 * np], qa[mt], bf, s[mt][2 * np]);
+                        fl_cu_mma_bf16_16816(s[mt][2 * np + 1], qa[mt], bf + 2, s[mt][2 * np + 1]);
+                    }
+                }
             }
+            uint32_t pa[MT][PK][4];
             FL_CU_UNROLL
-            for (int nt = 0; nt < NT; nt++)
+            for (int mt = 0; mt < MT; mt++) /* full: warp-uniform, every score of the m-tile visible */
+                fl_cu_fa_softmax<NT, DT>(s[mt], m_[mt], l_[mt], o[mt], pa[mt], kmc, k0, lim[mt],
+                                         kn == BK && k0 + BK <= mfull[mt], sl2);
+            FL_CU_UNROLL
+            for (int kk = 0; kk < PK; kk++)
                 FL_CU_UNROLL
-                for (int i = 0; i < 4; i++) {
-                    const int x = i >> 1;
-                    const float pv = s[mt][nt][i] == -INFINITY ? 0.0f : exp2f(s[mt][nt][i] - m_[mt][x]);
-                    s[mt][nt][i] = pv;
-                    ps[x] += pv;
+                for (int dp = 0; dp < DT / 2; dp++) {
+                    uint32_t bf[4];
+                    fl_cu_ldm_bt(bf, Vs, P, dp * 16, kk * 16);
+                    FL_CU_UNROLL
+                    for (int mt = 0; mt < MT; mt++) {
+                        if (k0 >= mend[mt]) continue;
+                        fl_cu_mma_bf16_16816(o[mt][2 * dp], pa[mt][kk], bf, o[mt][2 * dp]);
+                        fl_cu_mma_bf16_16816(o[mt][2 * dp + 1], pa[mt][kk], bf + 2, o[mt][2 * dp + 1]);
+                    }
                 }
-            FL_CU_UNROLL
-            for (int x = 0; x < 2; x++) l_[mt][x] = l_[mt][x] * c[x] + ps[x];
-            FL_CU_UNROLL
-            for (int dt = 0; dt < DT; dt++)
-                FL_CU_UNROLL
-                for (int i = 0; i < 4; i++) o[mt][dt][i] *= c[i >> 1];
-            FL_CU_UNROLL
-            for (int kk = 0; kk < PK; kk++) fl_cu_tc_acc_to_a(pa[mt][kk], s[mt][2 * kk], s[mt][2 * kk + 1]);
         }
-        FL_CU_UNROLL
-        for (int kk = 0; kk < PK; kk++)
-            FL_CU_UNROLL
-            for (int dp = 0; dp < DT / 2; dp++) {
-                uint32_t bf[4];
-                fl_cu_ldm_bt(bf, Vs, P, dp * 16, kk * 16);
-                FL_CU_UNROLL
-                for (int mt = 0; mt < MT; mt++) {
-                    if (k0 >= mend[mt]) continue;
-                    fl_cu_mma_bf16_16816(o[mt][2 * dp], pa[mt][kk], bf, o[mt][2 * dp]);
-                    fl_cu_mma_bf16_16816(o[mt][2 * dp + 1], pa[mt][kk], bf + 2, o[mt][2 * dp + 1]);
-                }
-            }
+        __syncthreads(); /* every warp is done with buffer cur: tile it + 2 may go there */
     }
+    fl_cu_cp_wait<0>(); /* no copy outlives the block (no key tile: the query tile's) */
     const size_t at = ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * D;
     float *O = p.o ? p.o + at : NULL; /* NULL: the bf16 copy only */
     uint16_t *O16 = p.o16 ? p.o16 + at : NULL; /* bf16 stored: the output's copy too */
@@ -212,29 +260,68 @@ FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, cons
     FL_CU_UNROLL
     for (int nt = 0; nt < NTW; nt++)
         FL_CU_UNROLL
-        for (int i = 0; i < 4; i++) {
-            const int r = mq * 16 + g + 8 * (i >> 1), d = n0 + nt * 8 + 2 * tq + (i & 1);
-            if (r < rn) fl_cu_atomic_add(dQ + (size_t)r * p.ldq + d, p.scale * acc[nt][i]);
+        for (int x = 0; x < 2; x++) {
+            const int r = mq * 16 + g + 8 * x, d = n0 + nt * 8 + 2 * tq;
+            if (r < rn)
+                fl_cu_atomic_add2(dQ + (size_t)r * p.ldq + d, p.scale * acc[nt][2 * x], p.scale * acc[nt][2 * x + 1],
+                                  p.dq2);
         }
 }
 
+/* P^T = exp2(S^T - lse) and dS^T = P^T (dP^T - D) in place of S^T, dP^T (the warp's keys j0 / j1 against the tile's
+ * rows), zero where a row does not see the key, unless full (every row sees every key of the warp). */
+template <int NQ>
+FL_CU_DEV void fl_cu_fa_pds(float (&s)[NQ][4], float (&dp)[NQ][4], const int *km, const int *lc, const float *Lc,
+                            const float *Dc, int k0, int j0, int j1, float sl2, int full) {
+    const int tq = threadIdx.x & 3;
+    /* element i of n-tile nt: key j0 (i < 2) or j1, query row nt*8 + 2tq + (i & 1) */
+    FL_CU_UNROLL
+    for (int nt = 0; nt < NQ; nt++)
+        FL_CU_UNROLL
+        for (int i = 0; i < 4; i++) {
+            const int r = nt * 8 + 2 * tq + (i & 1), j = i < 2 ? j0 : j1;
+            float pv = 0.0f, ds = 0.0f;
+            if (full || (km[j] && k0 + j < lc[r])) {
+                pv = exp2f(s[nt][i] * sl2 - Lc[r]);
+                ds = pv * (dp[nt][i] - Dc[r]);
+            }
+            s[nt][i] = pv;
+            dp[nt][i] = ds;
+        }
+}
+
+/* The row statistics of query tile t0 (rn rows) of head h into one buffer: lse (log2 units), D, key limits. */
+template <int BQ>
+FL_CU_DEV void fl_cu_fa_rows(const fl_cu_attn_p &p, float *Ls, float *Ds, int *lims, int b, int h, int t0, int rn) {
+    for (int r = threadIdx.x; r < BQ; r += FL_CU_TC_THREADS) {
+        const size_t row = ((size_t)b * p.NH + h) * p.Tq + t0 + r;
+        Ls[r] = r < rn ? p.lse[row] * FL_CU_LOG2E : 0.0f;
+        Ds[r] = r < rn ? p.Dsum[row] : 0.0f;
+        lims[r] = r < rn ? fl_cu_attn_key_limit(p, t0 + r) : 0;
+    }
+}
+
+/* The block walks its (query head, query tile) pairs as one sequence, double-buffered: pair i+1's Q tile is
+ * issued (cp.async from a bf16 run's stored q) and, at HD 64 with an aligned dO, its dO tile's fp32 loads are in
+ * registers (PF) before pair i's products; dO is packed and the row statistics stored after them. A warp whose
+ * 16 keys every row of the tile sees (no key mask, below the causal diagonal) skips the visibility tests. */
 template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     enum { BK = 64, BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD, SP = BQ + FL_CU_TC_PAD, NQ = BQ / 8, DT = D / 8,
-           DK = D / 16, QK = BQ / 16 };
+           DK = D / 16, QK = BQ / 16, GI = BQ * (D / 8) / FL_CU_TC_THREADS, PF = D == 64 };
     FL_CU_DYN_SMEM(uint16_t, sm);
-    uint16_t *Ks = sm;           // (BK, P) keys
-    uint16_t *Vs = Ks + BK * P;  // (BK, P) values
-    uint16_t *Qs = Vs + BK * P;  // (BQ, P) the query tile
-    uint16_t *Gs = Qs + BQ * P;  // (BQ, P) its dO
-    uint16_t *dSs = Gs + BQ * P; // (BK, SP) dS^T: keys x query rows
-    __shared__ float Ls[BQ], Ds[BQ]; // lse (log2 units), D of the tile's rows
-    __shared__ int lims[BQ];         // one past each row's last visible key (0: padding row)
+    uint16_t *Ks = sm;               // (BK, P) keys
+    uint16_t *Vs = Ks + BK * P;      // (BK, P) values
+    uint16_t *Q2 = Vs + BK * P;      // 2 x (BQ, P) query tiles
+    uint16_t *G2 = Q2 + 2 * BQ * P;  // 2 x (BQ, P) their dO
+    uint16_t *dSs = G2 + 2 * BQ * P; // (BK, SP) dS^T: keys x query rows
+    __shared__ float Ls[2][BQ], Ds[2][BQ]; // lse (log2 units), D of the tile's rows
+    __shared__ int lims[2][BQ];            // one past each row's last visible key (0: padding row)
     __shared__ int km[BK];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int kvh = blockIdx.y, b = blockIdx.z;
     const int k0 = blockIdx.x * BK, kn = p.Tk - k0 < BK ? p.Tk - k0 : BK;
-    fl_cu_tc_load<D, BK>(Ks, P, NULL, 0, p.k + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D, p.ldk, kn);
-    fl_cu_tc_load<D, BK>(Vs, P, NULL, 0, p.v + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * D, p.ldv, kn);
+    fl_cu_fa_tile<D, BK>(Ks, P, p.k + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D, p.ldk, kn, p.vq);
+    fl_cu_fa_tile<D, BK>(Vs, P, p.v + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * D, p.ldv, kn, p.vq);
     for (int j = threadIdx.x; j < BK; j += FL_CU_TC_THREADS)
         km[j] = j < kn && (!p.kmask || p.kmask[(size_t)b * p.Tk + k0 + j]);
     const int kw = warp * 16; /* the warp's keys kw..kw+15 of the tile */
@@ -249,88 +336,102 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     int tstart = fl_cu_attn_first_row(p, k0);
     if (p.dq_lock) tstart -= tstart % BQ; /* deterministic dq: tiles at multiples of BQ, one counter each */
     const int ntiles = (p.Tq + BQ - 1) / BQ;
-    for (int h = kvh * p.rep; h < (kvh + 1) * p.rep; h++) {
-        for (int t0 = tstart; t0 < p.Tq; t0 += BQ) {
-            const int rn = p.Tq - t0 < BQ ? p.Tq - t0 : BQ;
-            __syncthreads(); /* the previous tile's Qs / Gs / dSs / Ls / Ds are read */
-            fl_cu_tc_load<D, BQ>(Qs, P, NULL, 0, p.q + ((size_t)b * p.Tq + t0) * p.ldq + (size_t)h * D, p.ldq, rn);
-            fl_cu_tc_load<D, BQ>(Gs, P, NULL, 0, p.dout + ((size_t)b * p.Tq + t0) * p.ldo + (size_t)h * D, p.ldo, rn);
-            for (int r = threadIdx.x; r < BQ; r += FL_CU_TC_THREADS) {
-                const size_t row = ((size_t)b * p.NH + h) * p.Tq + t0 + r;
-                Ls[r] = r < rn ? p.lse[row] * FL_CU_LOG2E : 0.0f;
-                Ds[r] = r < rn ? p.Dsum[row] : 0.0f;
-                lims[r] = r < rn ? fl_cu_attn_key_limit(p, t0 + r) : 0;
-            }
-            __syncthreads();
-            float s[NQ][4], dp[NQ][4];
+    /* pair i: query head kvh rep + i / nth, tile tstart + (i % nth) BQ */
+    const int nth = tstart < p.Tq ? (p.Tq - tstart + BQ - 1) / BQ : 0, npair = p.rep * nth;
+    const size_t qrow = (size_t)b * p.Tq;
+    if (npair > 0) {
+        const int h = kvh * p.rep, rn = p.Tq - tstart < BQ ? p.Tq - tstart : BQ;
+        fl_cu_fa_tile<D, BQ>(Q2, P, p.q + (qrow + tstart) * p.ldq + (size_t)h * D, p.ldq, rn, p.vq);
+        const fl_cu_fptr G0 = fl_cu_fptr(p.dout + (qrow + tstart) * p.ldo + (size_t)h * D);
+        fl_cu_fa_tile<D, BQ>(G2, P, G0, p.ldo, rn, p.vo);
+        fl_cu_fa_rows<BQ>(p, Ls[0], Ds[0], lims[0], b, h, tstart, rn);
+    }
+    fl_cu_cp_commit(); /* K, V and pair 0's Q */
+    for (int pi = 0; pi < npair; pi++) {
+        const int cur = pi & 1, h = kvh * p.rep + pi / nth, t0 = tstart + (pi % nth) * BQ;
+        const int rn = p.Tq - t0 < BQ ? p.Tq - t0 : BQ;
+        float gx[PF ? GI : 1][8]; /* pair pi + 1's dO in flight (PF) */
+        if (pi + 1 < npair) { /* into the buffers every warp finished with in pair pi - 1 */
+            const int h1 = kvh * p.rep + (pi + 1) / nth, t1 = tstart + ((pi + 1) % nth) * BQ;
+            const int rn1 = p.Tq - t1 < BQ ? p.Tq - t1 : BQ;
+            fl_cu_fa_tile<D, BQ>(Q2 + (cur ^ 1) * BQ * P, P, p.q + (qrow + t1) * p.ldq + (size_t)h1 * D, p.ldq, rn1,
+                                 p.vq);
+            if (PF && p.vo) fl_cu_tc_ld32_regs<D, BQ, PF ? GI : 1>(gx, 0, p.dout + (qrow + t1) * p.ldo + (size_t)h1 * D,
+                                                                   p.ldo, rn1);
+        }
+        fl_cu_cp_commit();
+        fl_cu_cp_wait<1>(); /* all but the newest group: K, V and pair pi's Q landed */
+        __syncthreads();
+        const uint16_t *Qs = Q2 + cur * BQ * P, *Gs = G2 + cur * BQ * P;
+        const float *Lc = Ls[cur], *Dc = Ds[cur];
+        const int *lc = lims[cur];
+        float s[NQ][4], dp[NQ][4];
+        FL_CU_UNROLL
+        for (int nt = 0; nt < NQ; nt++)
             FL_CU_UNROLL
-            for (int nt = 0; nt < NQ; nt++)
+            for (int i = 0; i < 4; i++) s[nt][i] = dp[nt][i] = 0.0f;
+        /* warp-uniform: keys past the tile end, or no row of the tile sees them: dS^T = 0 */
+        const int active = kw < kn && t0 + rn > wfirst;
+        if (active) {
+            FL_CU_UNROLL
+            for (int kk = 0; kk < DK; kk++) { /* S^T = K Q^T, dP^T = V dO^T */
+                uint32_t ka[4], va[4];
+                fl_cu_ldm_a(ka, Ks, P, kw, kk * 16);
+                fl_cu_ldm_a(va, Vs, P, kw, kk * 16);
                 FL_CU_UNROLL
-                for (int i = 0; i < 4; i++) s[nt][i] = dp[nt][i] = 0.0f;
-            /* warp-uniform: keys past the tile end, or no row of the tile sees them: dS^T = 0 */
-            const int active = kw < kn && t0 + rn > wfirst;
-            if (active) {
-                FL_CU_UNROLL
-                for (int kk = 0; kk < DK; kk++) { /* S^T = K Q^T, dP^T = V dO^T */
-                    uint32_t ka[4], va[4];
-                    fl_cu_ldm_a(ka, Ks, P, kw, kk * 16);
-                    fl_cu_ldm_a(va, Vs, P, kw, kk * 16);
-                    FL_CU_UNROLL
-                    for (int np = 0; np < NQ / 2; np++) {
-                        uint32_t bf[4];
-                        fl_cu_ldm_b(bf, Qs, P, np * 16, kk * 16);
-                        fl_cu_mma_bf16_16816(s[2 * np], ka, bf, s[2 * np]);
-                        fl_cu_mma_bf16_16816(s[2 * np + 1], ka, bf + 2, s[2 * np + 1]);
-                        fl_cu_ldm_b(bf, Gs, P, np * 16, kk * 16);
-                        fl_cu_mma_bf16_16816(dp[2 * np], va, bf, dp[2 * np]);
-                        fl_cu_mma_bf16_16816(dp[2 * np + 1], va, bf + 2, dp[2 * np + 1]);
-                    }
-                }
-                /* element i of n-tile nt: key j0 (i < 2) or j1, query row nt*8 + 2tq + (i & 1) */
-                FL_CU_UNROLL
-                for (int nt = 0; nt < NQ; nt++)
-                    FL_CU_UNROLL
-                    for (int i = 0; i < 4; i++) {
-                        const int r = nt * 8 + 2 * tq + (i & 1), j = i < 2 ? j0 : j1;
-                        float pv = 0.0f, ds = 0.0f;
-                        if (km[j] && k0 + j < lims[r]) {
-                            pv = exp2f(s[nt][i] * sl2 - Ls[r]);
-                            ds = pv * (dp[nt][i] - Ds[r]);
-                        }
-                        s[nt][i] = pv;
-                        dp[nt][i] = ds;
-                    }
-                FL_CU_UNROLL
-                for (int kk = 0; kk < QK; kk++) { /* dV += P^T dO, dK += dS^T Q */
-                    uint32_t pa[4], da[4];
-                    fl_cu_tc_acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
-                    fl_cu_tc_acc_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
-                    FL_CU_UNROLL
-                    for (int np = 0; np < DT / 2; np++) {
-                        uint32_t bf[4];
-                        fl_cu_ldm_bt(bf, Gs, P, np * 16, kk * 16);
-                        fl_cu_mma_bf16_16816(av[2 * np], pa, bf, av[2 * np]);
-                        fl_cu_mma_bf16_16816(av[2 * np + 1], pa, bf + 2, av[2 * np + 1]);
-                        fl_cu_ldm_bt(bf, Qs, P, np * 16, kk * 16);
-                        fl_cu_mma_bf16_16816(ak[2 * np], da, bf, ak[2 * np]);
-                        fl_cu_mma_bf16_16816(ak[2 * np + 1], da, bf + 2, ak[2 * np + 1]);
-                    }
+                for (int np = 0; np < NQ / 2; np++) {
+                    uint32_t bf[4];
+                    fl_cu_ldm_b(bf, Qs, P, np * 16, kk * 16);
+                    fl_cu_mma_bf16_16816(s[2 * np], ka, bf, s[2 * np]);
+                    fl_cu_mma_bf16_16816(s[2 * np + 1], ka, bf + 2, s[2 * np + 1]);
+                    fl_cu_ldm_b(bf, Gs, P, np * 16, kk * 16);
+                    fl_cu_mma_bf16_16816(dp[2 * np], va, bf, dp[2 * np]);
+                    fl_cu_mma_bf16_16816(dp[2 * np + 1], va, bf + 2, dp[2 * np + 1]);
                 }
             }
-            /* dS^T (bf16, as the A operand above) to shared memory: rows j0 / j1, query pairs */
+            /* every row sees the warp's 16 keys: the first row's limit is the least */
+            fl_cu_fa_pds<NQ>(s, dp, km, lc, Lc, Dc, k0, j0, j1, sl2,
+                             !p.kmask && kw + 16 <= kn && rn == BQ && lc[0] >= k0 + kw + 16);
             FL_CU_UNROLL
-            for (int nt = 0; nt < NQ; nt++) {
-                const int c = nt * 8 + 2 * tq;
-                *reinterpret_cast<uint32_t *>(dSs + j0 * SP + c) = fl_cu_pack_bf16(dp[nt][0], dp[nt][1]);
-                *reinterpret_cast<uint32_t *>(dSs + j1 * SP + c) = fl_cu_pack_bf16(dp[nt][2], dp[nt][3]);
+            for (int kk = 0; kk < QK; kk++) { /* dV += P^T dO, dK += dS^T Q */
+                uint32_t pa[4], da[4];
+                fl_cu_tc_acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+                fl_cu_tc_acc_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
+                FL_CU_UNROLL
+                for (int np = 0; np < DT / 2; np++) {
+                    uint32_t bf[4];
+                    fl_cu_ldm_bt(bf, Gs, P, np * 16, kk * 16);
+                    fl_cu_mma_bf16_16816(av[2 * np], pa, bf, av[2 * np]);
+                    fl_cu_mma_bf16_16816(av[2 * np + 1], pa, bf + 2, av[2 * np + 1]);
+                    fl_cu_ldm_bt(bf, Qs, P, np * 16, kk * 16);
+                    fl_cu_mma_bf16_16816(ak[2 * np], da, bf, ak[2 * np]);
+                    fl_cu_mma_bf16_16816(ak[2 * np + 1], da, bf + 2, ak[2 * np + 1]);
+                }
             }
-            __syncthreads(); /* dS^T of every warp */
-            int *lock = p.dq_lock ? p.dq_lock + ((size_t)b * p.NH + h) * ntiles + t0 / BQ : NULL;
-            if (lock) fl_cu_dq_wait(lock, (int)blockIdx.x); /* key blocks 0..x-1 all visit this tile */
-            fl_cu_fa_dq_tile<D, BQ, BK>(p, dSs, Ks, p.dq + ((size_t)b * p.Tq + t0) * p.ldq + (size_t)h * D, rn);
-            if (lock) fl_cu_dq_post(lock);
+        }
+        /* dS^T (bf16, as the A operand above) to shared memory: rows j0 / j1, query pairs */
+        FL_CU_UNROLL
+        for (int nt = 0; nt < NQ; nt++) {
+            const int c = nt * 8 + 2 * tq;
+            *reinterpret_cast<uint32_t *>(dSs + j0 * SP + c) = fl_cu_pack_bf16(dp[nt][0], dp[nt][1]);
+            *reinterpret_cast<uint32_t *>(dSs + j1 * SP + c) = fl_cu_pack_bf16(dp[nt][2], dp[nt][3]);
+        }
+        __syncthreads(); /* dS^T of every warp; every warp is done with pair pi - 1's buffers long since */
+        int *lock = p.dq_lock ? p.dq_lock + ((size_t)b * p.NH + h) * ntiles + t0 / BQ : NULL;
+        if (lock) fl_cu_dq_wait(lock, (int)blockIdx.x); /* key blocks 0..x-1 all visit this tile */
+        fl_cu_fa_dq_tile<D, BQ, BK>(p, dSs, Ks, p.dq + (qrow + t0) * p.ldq + (size_t)h * D, rn);
+        if (lock) fl_cu_dq_post(lock);
+        if (pi + 1 < npair) { /* pair pi + 1's dO and row statistics into the other buffers */
+            const int h1 = kvh * p.rep + (pi + 1) / nth, t1 = tstart + ((pi + 1) % nth) * BQ;
+            const int rn1 = p.Tq - t1 < BQ ? p.Tq - t1 : BQ;
+            uint16_t *Gn = G2 + (cur ^ 1) * BQ * P;
+            if (PF && p.vo) fl_cu_tc_st32_regs<D, BQ, PF ? GI : 1>(Gn, P, gx, 0);
+            else fl_cu_fa_tile<D, BQ>(Gn, P, fl_cu_fptr(p.dout + (qrow + t1) * p.ldo + (size_t)h1 * D), p.ldo, rn1,
+                                      p.vo);
+            fl_cu_fa_rows<BQ>(p, Ls[cur ^ 1], Ds[cur ^ 1], lims[cur ^ 1], b, h1, t1, rn1);
         }
     }
+    fl_cu_cp_wait<0>();
     float *dK = p.dk + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D;
     float *dV = p.dv + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * D;
     FL_CU_UNROLL
@@ -350,7 +451,7 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
 
 template <int D> static int fl_cu_fa_fwd_launch(const fl_cu_attn_p &p, void *stream) {
     enum { BQ = fl_cu_fa_cfg<D>::BQ, BK = fl_cu_fa_cfg<D>::BK, P = D + FL_CU_TC_PAD };
-    const size_t smem = 2 * ((size_t)BQ * P + 2 * (size_t)BK * P);
+    const size_t smem = 2 * ((size_t)BQ * P + 4 * (size_t)BK * P); /* bf16: Qs, 2 x (Ks, Vs) */
     if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_fa_fwd_k<D>, smem)) return fl_cu_launch_error();
     dim3 grid((unsigned)((p.Tq + BQ - 1) / BQ), (unsigned)p.NH, (unsigned)p.B);
     FL_CU_LAUNCH(fl_cu_fa_fwd_k<D>, grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
@@ -371,11 +472,22 @@ template <int D> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *str
                      (fl_cu_stream)stream, p.dq_lock, n);
         if ((rc = fl_cu_launch_error())) return rc;
     }
-    const size_t smem = 2 * (2 * (size_t)64 * P + 2 * (size_t)BQ * P + (size_t)64 * (BQ + FL_CU_TC_PAD));
+    const size_t smem = 2 * (2 * (size_t)64 * P + 4 * (size_t)BQ * P + (size_t)64 * (BQ + FL_CU_TC_PAD)); /* bf16 */
     if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_fa_bwd_k<D>, smem)) return fl_cu_launch_error();
     dim3 grid((unsigned)((p.Tk + 63) / 64), (unsigned)p.NKV, (unsigned)p.B);
     FL_CU_LAUNCH(fl_cu_fa_bwd_k<D>, grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();
+}
+
+/* The 128-bit paths' conditions (p.vq, p.vo, p.dq2): base pointers aligned and row strides whole 16-byte (dq: 8-byte)
+ * units, so that every row (and head: HD is 64 or 128) starts aligned. Otherwise the element-pair loads: the same
+ * bits (tests/test_cuda_attn.c cuda_attn_fa2_paths). */
+static void fl_cu_fa_vec(fl_cu_attn_p *p, int in16) {
+    const size_t e = in16 ? 8 : 4; /* elements per 16 bytes */
+    p->vq = fl_cu_aligned16(p->q.p, p->k.p, p->v.p, NULL, NULL) && p->ldq % e == 0 && p->ldk % e == 0 &&
+            p->ldv % e == 0;
+    p->vo = p->dout && fl_cu_aligned16(p->dout, NULL, NULL, NULL, NULL) && p->ldo % 4 == 0;
+    p->dq2 = p->dq && ((uintptr_t)p->dq & 7u) == 0 && p->ldq % 2 == 0;
 }
 
 static int fa_fwd(const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q, const void *k,
@@ -383,6 +495,7 @@ static int fa_fwd(const fl_attn_desc *a, float *out, void *out16, float *lse, co
     fl_cu_attn_p p;
     int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, NULL, kmask, 1, in16);
     if (rc) return rc < 0 ? rc : 0;
+    fl_cu_fa_vec(&p, in16);
     return a->HD == 64 ? fl_cu_fa_fwd_launch<64>(p, stream) : fl_cu_fa_fwd_launch<128>(p, stream);
 }
 extern "C" int FL_CUK(attention_forward_fa2)(const fl_attn_desc *a, float *out, void *out16, float *lse,
@@ -411,6 +524,7 @@ static int fa_bwd(const fl_attn_desc *a, float *dq, float *dk, float *dv, const 
     if (rc) return rc < 0 ? rc : 0;
     /* the counters after D's rows (work of fl_cu_attention_work_bytes_det) */
     if (deterministic) p.dq_lock = (int *)(p.Dsum + (size_t)a->B * a->NH * a->Tq);
+    fl_cu_fa_vec(&p, in16);
     return a->HD == 64 ? fl_cu_fa_bwd_launch<64>(p, stream) : fl_cu_fa_bwd_launch<128>(p, stream);
 }
 extern "C" int FL_CUK(attention_backward_fa2_ex)(const fl_attn_desc *a, float *dq, float *dk, float *dv,

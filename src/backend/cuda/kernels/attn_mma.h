@@ -147,4 +147,118 @@ FL_CU_DEV void fl_cu_ldm_bt(uint32_t b[4], const uint16_t *s, int P, int n0, int
     const int l = threadIdx.x & 31, m = l >> 3;
     fl_cu_ldm_x4(b, s + (k0 + (l & 7) + 8 * (m & 1)) * P + n0 + 8 * (m >> 1), 1);
 }
+
+/* ---- the tiles' 128-bit loads (attn_fa2.cu) ----------------------------------------------------
+ * cp.async.cg (sm_80+): 16 bytes global -> shared without passing through registers, zero-filled when
+ * !valid (src-size 0: nothing is read); a thread's copies complete at fl_cu_cp_wait<N> (all but its N newest
+ * commit groups), the block sees them after the __syncthreads that follows. The emulator copies at once
+ * (the fibers switch only at barriers, so a buffer another warp still reads is overwritten there too, as on a
+ * GPU: the kernels' barrier discipline is what keeps it right), checking the 16-byte alignment a GPU needs. */
+#ifdef __CUDACC__
+FL_CU_DEV void fl_cu_cp16(void *sdst, const void *gsrc, int valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(sdst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gsrc), "r"(valid ? 16 : 0));
+#else
+    *reinterpret_cast<uint4 *>(sdst) = valid ? *reinterpret_cast<const uint4 *>(gsrc) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+FL_CU_DEV void fl_cu_cp_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N> FL_CU_DEV void fl_cu_cp_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+/* 8 bf16 (4 packed words) to a 16-byte aligned shared address: one 128-bit store */
+FL_CU_DEV void fl_cu_st16w(uint16_t *p, const uint32_t w[4]) {
+    *reinterpret_cast<uint4 *>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+#else
+FL_CU_DEV void fl_cu_cp16(void *sdst, const void *gsrc, int valid) {
+    fl_cu_check16(sdst);
+    fl_cu_check16(gsrc);
+    if (valid) memcpy(sdst, gsrc, 16);
+    else memset(sdst, 0, 16);
+}
+FL_CU_DEV void fl_cu_cp_commit() {}
+template <int N> FL_CU_DEV void fl_cu_cp_wait() {}
+FL_CU_DEV void fl_cu_st16w(uint16_t *p, const uint32_t w[4]) {
+    fl_cu_check16(p);
+    memcpy(p, w, 16);
+}
+#endif
+
+/* dst (R rows, pitch P) <- rows 0..n-1 of a bf16 (rows, D) view, rows >= n zero, by cp.async: chunk i of 8
+ * elements (row i / (D/8)) per thread and step, consecutive threads on consecutive chunks (coalesced). The
+ * caller checked 16-byte alignment of src and of ld * 2 bytes. The same bits as fl_cu_tc_load (bf16 -> fp32 ->
+ * bf16 is exact). */
+template <int D, int R>
+FL_CU_DEV void fl_cu_tc_cp_tile(uint16_t *dst, int P, const uint16_t *src, size_t ld, int n) {
+    enum { CPR = D / 8, IT = R * CPR / FL_CU_TC_THREADS };
+    static_assert(R * CPR % FL_CU_TC_THREADS == 0, "whole steps of 128 chunks");
+    FL_CU_UNROLL
+    for (int it = 0; it < IT; it++) {
+        const int i = it * FL_CU_TC_THREADS + (int)threadIdx.x, r = i / CPR, c = 8 * (i % CPR);
+        fl_cu_cp16(dst + r * P + c, r < n ? src + (size_t)r * ld + c : src, r < n);
+    }
+}
+/* The same from an fp32 view (16-byte aligned src, ld % 4 == 0), in two halves so that a tile's loads can be in
+ * flight while the block computes (the backward's dO): steps g0..g0+G-1 of the tile's chunks (8 elements, two
+ * float4) into registers x (rows >= n zero), then packed to bf16 and stored (rounded as fl_cu_tc_load). */
+template <int D, int R, int G>
+FL_CU_DEV void fl_cu_tc_ld32_regs(float (*x)[8], int g0, const float *src, size_t ld, int n) {
+    enum { CPR = D / 8 };
+    FL_CU_UNROLL
+    for (int j = 0; j < G; j++) {
+        const int i = (g0 + j) * FL_CU_TC_THREADS + (int)threadIdx.x, r = i / CPR, c = 8 * (i % CPR);
+        if (r < n) {
+            fl_cu_ld4(src + (size_t)r * ld + c, x[j]);
+            fl_cu_ld4(src + (size_t)r * ld + c + 4, x[j] + 4);
+        } else {
+            FL_CU_UNROLL
+            for (int e = 0; e < 8; e++) x[j][e] = 0.0f;
+        }
+    }
+}
+template <int D, int R, int G>
+FL_CU_DEV void fl_cu_tc_st32_regs(uint16_t *dst, int P, float (*x)[8], int g0) {
+    enum { CPR = D / 8 };
+    FL_CU_UNROLL
+    for (int j = 0; j < G; j++) {
+        const int i = (g0 + j) * FL_CU_TC_THREADS + (int)threadIdx.x, r = i / CPR, c = 8 * (i % CPR);
+        uint32_t w[4];
+        FL_CU_UNROLL
+        for (int e = 0; e < 4; e++) w[e] = fl_cu_pack_bf16(x[j][2 * e], x[j][2 * e + 1]);
+        fl_cu_st16w(dst + r * P + c, w);
+    }
+}
+/* The whole tile, each group of (at most) 4 steps' loads issued before its stores. */
+template <int D, int R>
+FL_CU_DEV void fl_cu_tc_ld_tile32(uint16_t *dst, int P, const float *src, size_t ld, int n) {
+    enum { IT = R * (D / 8) / FL_CU_TC_THREADS, G = IT < 4 ? IT : 4 };
+    static_assert(R * (D / 8) % FL_CU_TC_THREADS == 0 && IT % G == 0, "whole steps of 128 chunks");
+    FL_CU_UNROLL
+    for (int g0 = 0; g0 < IT; g0 += G) {
+        float x[G][8];
+        fl_cu_tc_ld32_regs<D, R, G>(x, g0, src, ld, n);
+        fl_cu_tc_st32_regs<D, R, G>(dst, P, x, g0);
+    }
+}
+/* dq's two adjacent elements p[0], p[1] (the fa2 backward's dQ tile): one 64-bit atomic on sm_90 when pair (p
+ * 8-byte aligned), else two (the emulator: plain adds, as fl_cu_atomic_add) */
+FL_CU_DEV void fl_cu_atomic_add2(float *p, float a, float b, int pair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (pair) {
+        atomicAdd(reinterpret_cast<float2 *>(p), make_float2(a, b));
+        return;
+    }
+#endif
+    (void)pair;
+    fl_cu_atomic_add(p, a);
+    fl_cu_atomic_add(p + 1, b);
+}
 #endif
