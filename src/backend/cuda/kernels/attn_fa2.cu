@@ -180,8 +180,7 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
                     FL_CU_UNROLL
                     for (int mt = 0; mt < MT; mt++) {
                         if (k0 >= mend[mt]) continue; /* warp-uniform */
-                        fl_cu_mma_bf16_16816(s[mt][2 * np], qa[mt], bf, s[mt][2 * np]);
-                        fl_cu_mma_bf16_16816(s[mt][2 * np + 1], qa[mt], bf + 2, s[mt][2 * np + 1]);
+                        fl_cu_mma_pair(s[mt][2 * np], s[mt][2 * np + 1], qa[mt], bf);
                     }
                 }
             }
@@ -199,8 +198,7 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
                     FL_CU_UNROLL
                     for (int mt = 0; mt < MT; mt++) {
                         if (k0 >= mend[mt]) continue;
-                        fl_cu_mma_bf16_16816(o[mt][2 * dp], pa[mt][kk], bf, o[mt][2 * dp]);
-                        fl_cu_mma_bf16_16816(o[mt][2 * dp + 1], pa[mt][kk], bf + 2, o[mt][2 * dp + 1]);
+                        fl_cu_mma_pair(o[mt][2 * dp], o[mt][2 * dp + 1], pa[mt][kk], bf);
                     }
                 }
         }
@@ -253,8 +251,7 @@ FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, cons
         for (int np = 0; np < NTW / 2; np++) {
             uint32_t bf[4];
             fl_cu_ldm_bt(bf, Ks, P, n0 + np * 16, kk * 16);
-            fl_cu_mma_bf16_16816(acc[2 * np], a, bf, acc[2 * np]);
-            fl_cu_mma_bf16_16816(acc[2 * np + 1], a, bf + 2, acc[2 * np + 1]);
+            fl_cu_mma_pair(acc[2 * np], acc[2 * np + 1], a, bf);
         }
     }
     FL_CU_UNROLL
@@ -382,11 +379,9 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
                 for (int np = 0; np < NQ / 2; np++) {
                     uint32_t bf[4];
                     fl_cu_ldm_b(bf, Qs, P, np * 16, kk * 16);
-                    fl_cu_mma_bf16_16816(s[2 * np], ka, bf, s[2 * np]);
-                    fl_cu_mma_bf16_16816(s[2 * np + 1], ka, bf + 2, s[2 * np + 1]);
+                    fl_cu_mma_pair(s[2 * np], s[2 * np + 1], ka, bf);
                     fl_cu_ldm_b(bf, Gs, P, np * 16, kk * 16);
-                    fl_cu_mma_bf16_16816(dp[2 * np], va, bf, dp[2 * np]);
-                    fl_cu_mma_bf16_16816(dp[2 * np + 1], va, bf + 2, dp[2 * np + 1]);
+                    fl_cu_mma_pair(dp[2 * np], dp[2 * np + 1], va, bf);
                 }
             }
             /* every row sees the warp's 16 keys: the first row's limit is the least */
@@ -401,11 +396,9 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
                 for (int np = 0; np < DT / 2; np++) {
                     uint32_t bf[4];
                     fl_cu_ldm_bt(bf, Gs, P, np * 16, kk * 16);
-                    fl_cu_mma_bf16_16816(av[2 * np], pa, bf, av[2 * np]);
-                    fl_cu_mma_bf16_16816(av[2 * np + 1], pa, bf + 2, av[2 * np + 1]);
+                    fl_cu_mma_pair(av[2 * np], av[2 * np + 1], pa, bf);
                     fl_cu_ldm_bt(bf, Qs, P, np * 16, kk * 16);
-                    fl_cu_mma_bf16_16816(ak[2 * np], da, bf, ak[2 * np]);
-                    fl_cu_mma_bf16_16816(ak[2 * np + 1], da, bf + 2, ak[2 * np + 1]);
+                    fl_cu_mma_pair(ak[2 * np], ak[2 * np + 1], da, bf);
                 }
             }
         }

@@ -131,6 +131,11 @@ FL_CU_DEV void fl_cu_dq_post(int *lock) {
     if (threadIdx.x == 0) *lock += 1;
 }
 #endif
+/* Two n-tiles' products with one A fragment: c0 += a b[0..1], c1 += a b[2..3] (b from fl_cu_ldm_b / _bt) */
+FL_CU_DEV void fl_cu_mma_pair(float c0[4], float c1[4], const uint32_t a[4], const uint32_t b[4]) {
+    fl_cu_mma_bf16_16816(c0, a, b, c0);
+    fl_cu_mma_bf16_16816(c1, a, b + 2, c1);
+}
 FL_CU_DEV void fl_cu_ldm_a(uint32_t a[4], const uint16_t *s, int P, int r0, int k0) {
     const int l = threadIdx.x & 31, m = l >> 3;
     fl_cu_ldm_x4(a, s + (r0 + (l & 7) + 8 * (m & 1)) * P + k0 + 8 * (m >> 1), 0);
