@@ -576,6 +576,18 @@ typedef int (*tc_bwd_fn)(const fl_attn_desc *, float *, float *, float *, const 
 static tc_fwd_fn g_tc_fwd = fl_cuemu_attention_forward_tc;
 static tc_bwd_fn g_tc_bwd = fl_cuemu_attention_backward_tc;
 static double g_dq_adds; /* key blocks adding into dq separately (0: one add) */
+/* the _fa2 backward in 128-key blocks of 8 warps (FITLLM_CUDA_FA2_BK=128) */
+static int fa2_bwd_bk128(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, const float *q,
+                         const float *k, const float *v, const uint8_t *m, const float *o, const float *l, void *w,
+                         void *st) {
+    return fl_cuemu_attention_backward_fa2_ex(a, dq, dk, dv, dout, q, k, v, m, o, l, w, FL_CU_FA2_BK128, st);
+}
+/* key blocks of the backward under test adding into dq separately */
+static double dq_adds(const fl_attn_desc *a) {
+    return g_tc_bwd == fl_cuemu_attention_backward_tc ? 0.0
+           : g_tc_bwd == fa2_bwd_bk128                ? (a->Tk + 127) / 128
+                                                      : (a->Tk + 63) / 64;
+}
 
 static int check_b16(const char *what, const float *got, const float *pre, size_t rows, size_t row, size_t ld,
                      const double *want, const double *M, double fM, const double *M2, double fM2, double *worst) {
@@ -598,7 +610,10 @@ static int check_b16(const char *what, const float *got, const float *pre, size_
 static void tc_run(const tc_case *cs) {
     char name[160];
     snprintf(name, sizeof name, "%s B%d Tq%d Tk%d NH%d/%d HD%d%s%s%s%s",
-             g_tc_fwd == fl_cuemu_attention_forward_tc ? "tc" : "fa2", cs->B, cs->Tq, cs->Tk, cs->NH, cs->NKV, cs->HD,
+             g_tc_fwd == fl_cuemu_attention_forward_tc ? "tc"
+             : g_tc_bwd == fa2_bwd_bk128              ? "fa2-bk128"
+                                                      : "fa2",
+             cs->B, cs->Tq, cs->Tk, cs->NH, cs->NKV, cs->HD,
              cs->causal ? " causal" : "", cs->mask ? " kmask" : "", cs->strided ? " strided" : "",
              cs->exact_in ? " bf16-inputs" : " fp32-inputs");
     fl_test_rng rng = {(unsigned long long)(cs->Tq * 131 + cs->Tk * 7 + cs->HD + cs->NKV * 1000 + cs->exact_in)};
@@ -684,7 +699,7 @@ static void tc_run(const tc_case *cs) {
     FL_CHECKF(rc == 0, "%s: backward launcher -> %d", name, rc);
     FL_CHECKF(!memcmp(dq1, dq2, nq * 4) && !memcmp(dk1, dk2, nk * 4) && !memcmp(dv1, dv2, nv * 4),
               "%s: backward bits differ between runs", name);
-    g_dq_adds = g_tc_bwd == fl_cuemu_attention_backward_tc ? 0.0 : (a.Tk + 63) / 64;
+    g_dq_adds = dq_adds(&a);
     FL_CHECKF(check_b16("tc dq vs float64", dq1, dq0, rows, wq, a.ldq, R.dq, R.Mq, fqk, R.Mq2, fqk2, &wdq), "%s: dq", name);
     g_dq_adds = 0;
     FL_CHECKF(check_b16("tc dk vs float64", dk1, dk0, krows, wk, a.ldk, R.dk, R.Mk, fqk, R.Mk2, fqk2, &wdk), "%s: dk", name);
@@ -706,7 +721,7 @@ static void tc_run(const tc_case *cs) {
         rc |= emu_call(g_tc_bwd(&a, dq3, dk3, dv3, dout, q, k, v, kmask, o3, l3, work, NULL), name);
         FL_CHECK(rc == 0);
         double w3 = 0;
-        g_dq_adds = g_tc_bwd == fl_cuemu_attention_backward_tc ? 0.0 : (a.Tk + 63) / 64;
+        g_dq_adds = dq_adds(&a);
         FL_CHECKF(check_b16("tc dq after fp32 fwd", dq3, dq0, rows, wq, a.ldq, R.dq, R.Mq, fqk, R.Mq2, fqk2, &w3) &&
                       check_b16("tc dk after fp32 fwd", dk3, dk0, krows, wk, a.ldk, R.dk, R.Mk, fqk, R.Mk2, fqk2, &w3) &&
                       check_b16("tc dv after fp32 fwd", dv3, dv0, krows, wk, a.ldv, R.dv, R.Mv, fv, NULL, 0, &w3),
@@ -752,6 +767,11 @@ FL_TEST(cuda_attn_fa2) {
     const size_t asan_skip = fl_test_asan_light() ? 5 : (size_t)-1;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         if (i != asan_skip) tc_run(&cases[i]);
+    /* the backward in 128-key blocks, 8 warps (dQ's tile split over m-tiles and dims by 2 / 4 warps): every case
+     * (the 131-key ones: 2 blocks, the second partial); under ASan the HD-128 77 x 131 one */
+    g_tc_bwd = fa2_bwd_bk128;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (!fl_test_asan_light() || i == 6) tc_run(&cases[i]);
     g_tc_fwd = fl_cuemu_attention_forward_tc;
     g_tc_bwd = fl_cuemu_attention_backward_tc;
 }

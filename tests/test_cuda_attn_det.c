@@ -28,8 +28,9 @@ static float *det_rand(size_t n, uint64_t *s) {
     return x;
 }
 
-/* B, Tq, Tk, NH, NKV, HD, causal */
-static void det_case(const int c[7]) {
+/* B, Tq, Tk, NH, NKV, HD, causal; bk: the backward's key blocks (64, or 128: FL_CU_FA2_BK128) */
+static void det_case(const int c[7], int bk) {
+    const int bkf = bk == 128 ? FL_CU_FA2_BK128 : 0;
     const int B = c[0], Tq = c[1], Tk = c[2], NH = c[3], NKV = c[4], HD = c[5];
     fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, (size_t)NH * HD, (size_t)NKV * HD, (size_t)NKV * HD, (size_t)NH * HD,
                       (float)(1.0 / sqrt((double)HD)), c[6], 0, 0};
@@ -43,20 +44,20 @@ static void det_case(const int c[7]) {
     const size_t wb = fl_cu_attention_work_bytes_det(B, NH, Tq);
     float *work = malloc(wb);
     FL_REQUIRE(fl_cuemu_attention_forward_fa2(&a, out, NULL, lse, q, k, v, NULL, NULL) == 0);
-    FL_REQUIRE(fl_cuemu_attention_backward_fa2(&a, g[0][0], g[0][1], g[0][2], dout, q, k, v, NULL, out, lse, work,
-                                               NULL) == 0);
+    FL_REQUIRE(fl_cuemu_attention_backward_fa2_ex(&a, g[0][0], g[0][1], g[0][2], dout, q, k, v, NULL, out, lse, work,
+                                                  bkf, NULL) == 0);
     memset(work, 0x7f, wb); /* the launch zeroes its counters itself */
-    FL_REQUIRE(fl_cuemu_attention_backward_fa2_ex(&a, g[1][0], g[1][1], g[1][2], dout, q, k, v, NULL, out, lse, work, 1,
-                                                  NULL) == 0);
+    FL_REQUIRE(fl_cuemu_attention_backward_fa2_ex(&a, g[1][0], g[1][1], g[1][2], dout, q, k, v, NULL, out, lse, work,
+                                                  FL_CU_FA2_DET | bkf, NULL) == 0);
     for (int i = 0; i < 3; i++) {
         size_t n = i ? nk : nq, bad = 0;
         for (size_t e = 0; e < n; e++) bad += !(g[0][i][e] == g[1][i][e]);
-        FL_CHECKF(bad == 0, "B%d Tq%d Tk%d %d/%d HD%d: %zu of %zu %s values differ", B, Tq, Tk, NH, NKV, HD, bad, n,
-                  i == 0 ? "dq" : i == 1 ? "dk" : "dv");
+        FL_CHECKF(bad == 0, "B%d Tq%d Tk%d %d/%d HD%d bk %d: %zu of %zu %s values differ", B, Tq, Tk, NH, NKV, HD, bk, bad,
+                  n, i == 0 ? "dq" : i == 1 ? "dk" : "dv");
     }
     /* the counters: BQ = 64 rows (HD 64) or 32 (HD 128); key block kb visits tiles from its first visible
      * row rounded down to a tile */
-    const int BQ = HD == 64 ? 64 : 32, nt = (Tq + BQ - 1) / BQ, nkb = (Tk + 63) / 64;
+    const int BQ = HD == 64 ? 64 : 32, nt = (Tq + BQ - 1) / BQ, nkb = (Tk + bk - 1) / bk;
     const int *cnt = (const int *)(work + nl);
     int bad = 0;
     for (int b = 0; b < B; b++)
@@ -64,13 +65,13 @@ static void det_case(const int c[7]) {
             for (int t = 0; t < nt; t++) {
                 int want = 0;
                 for (int kb = 0; kb < nkb; kb++) {
-                    long fr = c[6] ? (long)kb * 64 - (Tk - Tq) : 0;
+                    long fr = c[6] ? (long)kb * bk - (Tk - Tq) : 0;
                     fr = fr < 0 ? 0 : fr > Tq ? Tq : fr;
                     want += t * BQ >= fr - fr % BQ;
                 }
                 bad += cnt[((size_t)b * NH + h) * nt + t] != want;
             }
-    FL_CHECKF(bad == 0, "B%d Tq%d Tk%d: %d tile counters off", B, Tq, Tk, bad);
+    FL_CHECKF(bad == 0, "B%d Tq%d Tk%d bk %d: %d tile counters off", B, Tq, Tk, bk, bad);
     free(q), free(k), free(v), free(dout), free(out), free(lse), free(work);
     for (int r = 0; r < 2; r++)
         for (int i = 0; i < 3; i++) free(g[r][i]);
@@ -84,6 +85,8 @@ FL_TEST(cuda_attn_fa2_deterministic) {
         {1, 200, 70, 2, 2, 64, 1},   /* causal Tq > Tk */
         {1, 67, 131, 2, 2, 64, 0},   /* non-causal: every block visits every tile */
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) det_case(cases[i]);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) det_case(cases[i], 64);
+    /* 128-key blocks (FITLLM_CUDA_FA2_BK=128): 2 blocks of 131 / 200 keys, 1 of 70 / 67 */
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) det_case(cases[i], 128);
 }
 #endif

@@ -6,7 +6,9 @@
  * dO: the mixed case) give the same out, lse, dq, dk, dv bit for bit, and leave the row padding alone. The values
  * themselves are checked against float64 in test_cuda_attn.c (cuda_attn_fa2) and test_cuda_bf16_bwd.c. Several
  * key tiles and (head, query tile) pairs per block run through both buffers of the double-buffered loops; the
- * emulator's 128-bit access count (the ldmatrix rows, the same in every layout, plus the loads) says which ran. */
+ * emulator's 128-bit access count (the ldmatrix rows, the same in every layout, plus the loads) says which ran.
+ * The 128-key backward blocks (FL_CU_FA2_BK128) likewise, and against the 64-key blocks: the same out, dK, dV bits
+ * (a key's warp walks the same pairs), dq's partial sums grouped otherwise; the backend's FITLLM_CUDA_FA2_BK. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -22,7 +24,7 @@
 #include "backend/cuda/emu/cu_emu.h"
 
 typedef struct {
-    int B, Tq, Tk, NH, NKV, HD, causal, mask, in16, det;
+    int B, Tq, Tk, NH, NKV, HD, causal, mask, in16, flags; /* flags: FL_CU_FA2_DET, FL_CU_FA2_BK128 */
 } path_case;
 
 static void prand(float *x, size_t n, uint64_t *s) {
@@ -63,7 +65,7 @@ typedef struct {
 
 /* One layout: q, k, v (and dq, dk, dv) rows padded by pqkv elements, out / dO rows by po */
 static path_out path_run(const path_case *c, const float *q, const float *k, const float *v, const float *dout,
-                         const float *g0[3], const uint8_t *kmask, int pqkv, int po) {
+                         const float *g0[3], const uint8_t *kmask, int pqkv, int po, int flags) {
     const size_t wq = (size_t)c->NH * c->HD, wk = (size_t)c->NKV * c->HD, rq = (size_t)c->B * c->Tq,
                  rk = (size_t)c->B * c->Tk, nl = (size_t)c->B * c->NH * c->Tq;
     fl_attn_desc a = {c->B, c->Tq, c->Tk, c->NH, c->NKV, c->HD, wq + pqkv, wk + pqkv, wk + pqkv, wq + po,
@@ -79,10 +81,10 @@ static path_out path_run(const path_case *c, const float *q, const float *k, con
     int rc;
     if (c->in16) {
         rc = fl_cuemu_attention_forward_fa2_16(&a, ol, o16, lse, ql, kl, vl, kmask, NULL);
-        rc |= fl_cuemu_attention_backward_fa2_16(&a, dql, dkl, dvl, dol, ql, kl, vl, kmask, o16, lse, work, c->det, NULL);
+        rc |= fl_cuemu_attention_backward_fa2_16(&a, dql, dkl, dvl, dol, ql, kl, vl, kmask, o16, lse, work, flags, NULL);
     } else {
         rc = fl_cuemu_attention_forward_fa2(&a, ol, NULL, lse, ql, kl, vl, kmask, NULL);
-        rc |= fl_cuemu_attention_backward_fa2_ex(&a, dql, dkl, dvl, dol, ql, kl, vl, kmask, ol, lse, work, c->det, NULL);
+        rc |= fl_cuemu_attention_backward_fa2_ex(&a, dql, dkl, dvl, dol, ql, kl, vl, kmask, ol, lse, work, flags, NULL);
     }
     FL_CHECKF(rc == 0, "fa2 paths: a launcher failed (%d)", rc);
     path_out r;
@@ -113,12 +115,13 @@ static void path_case_run(const path_case *c) {
     }
     const float *g0[3] = {g[0], g[1], g[2]};
     char name[128];
-    snprintf(name, sizeof name, "fa2 %s B%d Tq%d Tk%d NH%d/%d HD%d%s%s%s", c->in16 ? "bf16 q|k|v" : "fp32", c->B, c->Tq,
-             c->Tk, c->NH, c->NKV, c->HD, c->causal ? " causal" : "", c->mask ? " kmask" : "", c->det ? " det" : "");
+    snprintf(name, sizeof name, "fa2 %s B%d Tq%d Tk%d NH%d/%d HD%d%s%s%s%s", c->in16 ? "bf16 q|k|v" : "fp32", c->B,
+             c->Tq, c->Tk, c->NH, c->NKV, c->HD, c->causal ? " causal" : "", c->mask ? " kmask" : "",
+             c->flags & FL_CU_FA2_DET ? " det" : "", c->flags & FL_CU_FA2_BK128 ? " bk128" : "");
     /* layouts: 128-bit everywhere; element pairs everywhere (rows + 2); q|k|v 128-bit with dO / out by pairs */
     const int pads[3][2] = {{0, 0}, {2, 2}, {0, 2}};
     path_out r[3];
-    for (int l = 0; l < 3; l++) r[l] = path_run(c, q, k, v, dout, g0, kmask, pads[l][0], pads[l][1]);
+    for (int l = 0; l < 3; l++) r[l] = path_run(c, q, k, v, dout, g0, kmask, pads[l][0], pads[l][1], c->flags);
     /* the emulator counts ldmatrix's row addresses too (the same in every layout): the loads make the difference */
     FL_CHECKF(r[0].vec > r[2].vec && r[2].vec > r[1].vec, "%s: 128-bit accesses unpadded %lu, mixed %lu, padded %lu",
               name, r[0].vec, r[2].vec, r[1].vec);
@@ -127,6 +130,16 @@ static void path_case_run(const path_case *c) {
                   name, l);
         FL_CHECKF(same_bits(r[0].dq, r[l].dq, nq) && same_bits(r[0].dk, r[l].dk, nk) && same_bits(r[0].dv, r[l].dv, nk),
                   "%s: backward bits, layout %d", name, l);
+    }
+    if (c->flags & FL_CU_FA2_BK128) { /* against the 64-key blocks: a key's warp walks the same (head, tile) pairs, so
+                                        * dK, dV are the same bits; dq's per-block partial sums are grouped otherwise */
+        path_out r64 = path_run(c, q, k, v, dout, g0, kmask, 0, 0, c->flags & ~FL_CU_FA2_BK128);
+        size_t dq_differ = 0;
+        for (size_t i = 0; i < nq; i++) dq_differ += r64.dq[i] != r[0].dq[i];
+        FL_CHECKF(same_bits(r64.out, r[0].out, nq) && same_bits(r64.dk, r[0].dk, nk) && same_bits(r64.dv, r[0].dv, nk),
+                  "%s: out / dk / dv not the 64-key blocks' bits", name);
+        FL_CHECKF(dq_differ > 0, "%s: dq the 64-key blocks' bits everywhere (did the 128-key kernel run?)", name);
+        free(r64.out), free(r64.lse), free(r64.dq), free(r64.dk), free(r64.dv);
     }
     /* not vacuous: the backward added something everywhere a row sees a key */
     size_t moved = 0;
@@ -145,11 +158,63 @@ FL_TEST(cuda_attn_fa2_paths) {
         /* HD 128: 32-row backward tiles, dO by 128-bit loads without the register prefetch; kmask; Tq < Tk */
         {1, 77, 150, 2, 1, 128, 1, 1, 1, 0},
         /* non-causal, odd lengths, kmask, the deterministic dq's counters between the double-buffered pairs */
-        {1, 130, 67, 2, 2, 64, 0, 1, 0, 1},
+        {1, 130, 67, 2, 2, 64, 0, 1, 0, FL_CU_FA2_DET},
+        /* 128-key blocks of 8 warps (256 threads: the loaders' steps, the dQ tile's warp split): 2 blocks */
+        {1, 200, 200, 4, 2, 64, 1, 0, 1, FL_CU_FA2_BK128},
+        {1, 77, 150, 2, 1, 128, 1, 1, 0, FL_CU_FA2_BK128 | FL_CU_FA2_DET},
     };
-    const size_t n = fl_test_asan_light() ? 2 : sizeof cases / sizeof cases[0];
-    for (size_t i = 0; i < n; i++) path_case_run(&cases[i]);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (!fl_test_asan_light() || i == 2 || i == 5) path_case_run(&cases[i]);
+}
+
+/* The backend's knob FITLLM_CUDA_FA2_BK (read at set-up): 128 runs the 128-key blocks, 64 or unset the 64-key ones
+ * (the bits of the direct launches; at T 150 dq tells them apart), any other value is refused by name. */
+static void bk_knob_case(const char *env, int flags) {
+    if (env) setenv("FITLLM_CUDA_FA2_BK", env, 1);
+    else unsetenv("FITLLM_CUDA_FA2_BK");
+    fl_backend be;
+    fl_status st = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_FA2_BK");
+    FL_CHECKF(st == FL_OK, "cuda-emu with FITLLM_CUDA_FA2_BK=%s: %s", env ? env : "(unset)", fl_error_message());
+    if (st != FL_OK) return;
+    be.set_compute_dtype(&be, FL_BF16); /* the tensor-core kernels: fa2 by default */
+    const int B = 1, T = 150, NH = 2, NKV = 1, HD = 64, OW = NH * HD;
+    const size_t nx = (size_t)B * T * (NH + 2 * NKV) * HD, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
+    uint64_t s = 0xb128;
+    float *qkv = malloc(nx * 4), *dout = malloc(no * 4), *o[2], *l[2], *g[3];
+    prand(qkv, nx, &s), prand(dout, no, &s);
+    for (int i = 0; i < 2; i++) o[i] = malloc(no * 4), l[i] = malloc(nl * 4);
+    for (int i = 0; i < 3; i++) g[i] = calloc(nx, 4);
+    void *work = malloc(fl_cu_attention_work_bytes(B, NH, T));
+    const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
+    const float *q = qkv, *k = qkv + OW, *v = qkv + OW + NKV * HD;
+    FL_CHECK(fl_attention_qkv_forward(&be, o[0], l[0], qkv, B, T, NH, NKV, HD) == FL_OK);
+    FL_CHECK(fl_attention_qkv_backward(&be, g[0], dout, qkv, o[0], l[0], B, T, NH, NKV, HD) == FL_OK);
+    FL_CHECK(be.sync(&be) == FL_OK);
+    FL_CHECK(fl_cuemu_attention_forward_fa2(&a, o[1], NULL, l[1], q, k, v, NULL, NULL) == 0);
+    for (int i = 1; i < 3; i++) {
+        const int f = i == 1 ? flags : flags ^ FL_CU_FA2_BK128; /* the chosen blocks, then the others */
+        FL_CHECK(fl_cuemu_attention_backward_fa2_ex(&a, g[i], g[i] + OW, g[i] + OW + NKV * HD, dout, q, k, v, NULL, o[1],
+                                                    l[1], work, f, NULL) == 0);
+    }
+    FL_CHECKF(same_bits(o[0], o[1], no) && same_bits(l[0], l[1], nl) && same_bits(g[0], g[1], nx),
+              "FITLLM_CUDA_FA2_BK=%s: not the bits of the %d-key blocks", env ? env : "(unset)",
+              flags ? 128 : 64);
+    FL_CHECKF(!same_bits(g[0], g[2], nx), "FITLLM_CUDA_FA2_BK=%s: the other blocks' bits too (dq should differ)",
+              env ? env : "(unset)");
+    fl_backend_free(&be);
+    free(qkv), free(dout), free(work);
+    for (int i = 0; i < 2; i++) free(o[i]), free(l[i]);
+    for (int i = 0; i < 3; i++) free(g[i]);
+}
+
+FL_TEST(cuda_attn_fa2_bk_knob) {
+    bk_knob_case(NULL, 0);
+    bk_knob_case("64", 0);
+    bk_knob_case("128", FL_CU_FA2_BK128);
+    fl_test_emu_knob_refused("FITLLM_CUDA_FA2_BK");
 }
 #else
 FL_TEST(cuda_attn_fa2_paths) { fl_test_skip("no CUDA emulator in this build"); }
+FL_TEST(cuda_attn_fa2_bk_knob) { fl_test_skip("no CUDA emulator in this build"); }
 #endif

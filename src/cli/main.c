@@ -142,8 +142,11 @@ static void usage(FILE *f) {
                "               loads and takes the shape (EXPERIMENTAL: the graphs as cuDNN's frontend writes them, not\n"
                "               yet run on a GPU in this form; FITLLM_CUDNN_LIB names the file), else own, said once;\n"
                "               cudnn = require it; own = FlashAttention-2-structured kernels, EXPERIMENTAL (correct on an\n"
-               "               H200, ~5x slower than cuDNN there); legacy = the earlier tensor-core kernels; fp32 = the\n"
-               "               fp32 kernels. `fitllm selftest` compares them\n");
+               "               H200, ~5x slower than cuDNN there before their tiles' loads were pipelined, not yet timed\n"
+               "               since); legacy = the earlier tensor-core kernels; fp32 = the fp32 kernels. `fitllm\n"
+               "               selftest` compares them\n");
+    fprintf(f, "\n  FITLLM_CUDA_FA2_BK=64|128 (environment): the own attention backward's key blocks: 64 (default, 4 warps)\n"
+               "               or 128 (8 warps, half the dq atomic adds; EXPERIMENTAL: not yet timed on a GPU)\n");
     fprintf(f, "\n  FITLLM_CUDA_CUDNN_DIRECT=1|0 (environment): 1 (default) = cuDNN's attention reads a bf16 run's stored\n"
                "               q, k, v (and o) in place; 0 = compact copies first (EXPERIMENTAL, for an A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_DETERMINISTIC=1 (environment): the own attention backward adds dq across key blocks in a\n"

@@ -274,7 +274,8 @@ static void a_err_report(const char *op, a_err e, double tol) {
 }
 
 /* the fused ops, fp32 (tc 0) or tensor-core kernels (tc 1: attention_tc.cu, 2: attn_fa2.cu, 3: attn_fa2.cu with
- * the deterministic dq of FITLLM_CUDA_DETERMINISTIC; inputs
+ * the deterministic dq of FITLLM_CUDA_DETERMINISTIC, 4: attn_fa2.cu's 128-key backward blocks of FITLLM_CUDA_FA2_BK=128,
+ * 5: both; inputs
  * rounded to bf16 first, so that the bf16 error left is P's and dS's rounding, <= 2^-8 of the
  * |term| sums per element) */
 static int a_fwd(int tc, float *o, float *l, const float *x, int B, int T, int NH, int NKV, int HD) {
@@ -287,8 +288,11 @@ static int a_bwd(int tc, float *dx, const float *dout, const float *x, const flo
     if (!tc) return fl_cuk_attention_backward(dx, dout, x, o, l, B, T, NH, NKV, HD, w, NULL);
     const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
     const size_t ko = (size_t)NH * HD, vo = (size_t)(NH + NKV) * HD;
-    if (tc == 3)
-        return fl_cuk_attention_backward_fa2_ex(&a, dx, dx + ko, dx + vo, dout, x, x + ko, x + vo, NULL, o, l, w, 1, NULL);
+    if (tc >= 3) {
+        const int flags = (tc == 3 || tc == 5 ? FL_CU_FA2_DET : 0) | (tc >= 4 ? FL_CU_FA2_BK128 : 0);
+        return fl_cuk_attention_backward_fa2_ex(&a, dx, dx + ko, dx + vo, dout, x, x + ko, x + vo, NULL, o, l, w, flags,
+                                                NULL);
+    }
     return (tc == 2 ? fl_cuk_attention_backward_fa2 : fl_cuk_attention_backward_tc)(&a, dx, dx + ko, dx + vo, dout, x, x + ko, x + vo, NULL, o, l, w, NULL);
 }
 static void a_round_bf16(float *x, size_t n) {
@@ -297,8 +301,9 @@ static void a_round_bf16(float *x, size_t n) {
 
 static void check_large(int B, int T, int NH, int NKV, int HD, int tc) {
     char nm[96], op[160];
-    snprintf(nm, sizeof nm, "attn%s B%d T%d %d/%d HD%d", tc == 3 ? "_fa2det" : tc == 2 ? "_fa2" : tc ? "_tc" : "", B,
-             T, NH, NKV, HD);
+    static const char *const tags[] = {"", "_tc", "_fa2", "_fa2det", "_fa2bk128", "_fa2det128"};
+    snprintf(nm, sizeof nm, "attn%s B%d T%d %d/%d HD%d", tags[tc], B, T, NH, NKV, HD);
+    const int atomic_dq = tc == 2 || tc == 4; /* the fa2 backward's dq: atomic adds in a varying order */
     unsigned s = (unsigned)(T + NKV * 7 + HD);
     const size_t W = (size_t)(NH + 2 * NKV) * HD, OW = (size_t)NH * HD;
     const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
@@ -322,14 +327,14 @@ static void check_large(int B, int T, int NH, int NKV, int HD, int tc) {
     {
         float *out = malloc(no * 4), *lse = malloc(nl * 4), *dx = malloc(nx * 4), *dx2 = malloc(nx * 4);
         a_host(out, go, no * 4), a_host(lse, gl, nl * 4), a_host(dx, gdx, nx * 4), a_host(dx2, gdx2, nx * 4);
-        snprintf(op, sizeof op, "%s backward bits%s", nm, tc == 2 ? " (dk, dv; dq adds atomically)" : "");
-        if (tc == 2) /* the fa2 backward's dq: atomic adds in a varying order */
+        snprintf(op, sizeof op, "%s backward bits%s", nm, atomic_dq ? " (dk, dv; dq adds atomically)" : "");
+        if (atomic_dq)
             for (size_t r = 0; r < (size_t)B * T; r++) {
                 memset(dx + r * W, 0, OW * 4);
                 memset(dx2 + r * W, 0, OW * 4);
             }
         a_bits(op, dx, dx2, nx * 4);
-        if (tc == 2) a_host(dx, gdx, nx * 4);
+        if (atomic_dq) a_host(dx, gdx, nx * 4);
         /* float64 slice: batch b = B-1, kv head g = NKV-1 and its query heads */
         const int b = B - 1, g = NKV - 1, rep = NH / NKV;
         const double scale = 1.0 / sqrt((double)HD);
@@ -441,7 +446,7 @@ int fl_cuda_check_attn(void) {
     check_decode(1, 6, 2, 64);
     check_decode(77, 8, 2, 128);
     check_decode(300, 4, 4, 256);
-    for (int tc = 0; tc < 4; tc++) { /* 3: the deterministic dq, whose bits must repeat too */
+    for (int tc = 0; tc < 6; tc++) { /* 3, 5: the deterministic dq, whose bits must repeat too */
         check_large(2, 1024, 16, 4, 64, tc);
         check_large(2, 1024, 16, 16, 64, tc);
         check_large(2, 1024, 16, 4, 128, tc);
@@ -459,9 +464,13 @@ int fl_cuda_check_attn(void) {
     const int Ts[2] = {1024, 2048}, kv[2] = {32, 8};
     for (int i = 0; i < 2; i++)
         for (int j = 0; j < 2; j++)
-            for (int tc = 0; tc < 3; tc++) {
+            for (int tc = 0; tc < 5; tc++) {
+                if (tc == 3) continue;
                 printf("attention time B 2 T %d NH 32 NKV %d HD 64 (causal, %s):\n", Ts[i], kv[j],
-                       tc == 2 ? "bf16 tensor cores, fa2 (own)" : tc ? "bf16 tensor cores, tc (legacy)" : "fp32");
+                       tc == 4   ? "bf16 tensor cores, fa2 (own), 128-key backward blocks"
+                       : tc == 2 ? "bf16 tensor cores, fa2 (own)"
+                       : tc      ? "bf16 tensor cores, tc (legacy)"
+                                 : "fp32");
                 time_attn(2, Ts[i], 32, kv[j], 64, tc);
             }
     for (int tc = 1; tc < 3; tc++) {

@@ -8,6 +8,8 @@
 #      against float64 at small shapes, forward + backward, then timed at TinyLlama's shape (the copies path: the
 #      selftest's operands are fp32);
 #   2. the TinyLlama-1.1B bf16-true step (B 4, T 2048) with --profile (the attention's share, whether cuDNN ran);
+#   2b. the same step on the own kernels (FITLLM_CUDA_ATTN=own: their tiles' pipelined loads), and with
+#      FITLLM_CUDA_FA2_BK=128 (the backward's 128-key blocks, A/B), each with the profile's attention rows;
 #   3. the `small` preset (head size 64: cuDNN's graphs, reading the stored bf16 q, k, v in place), 8 bf16-true
 #      training steps on the CPU and on the GPU: the largest relative step-loss difference (bound 2e-2, as
 #      gpu_check_all.sh);
@@ -66,6 +68,12 @@ grep -E "attention |cuDNN|not available|exit" "$OUT/attn.log"
 echo "== 2. TinyLlama-1.1B bf16-true step with the profile"
 step full 35 --profile
 sed -n '/^profile/,/^  GEMM shapes/p' "$OUT/full.log" | grep -E "attention|GEMM  |norm  |elementwise|embedding|optimizer|copies|sum of ops"
+
+echo "== 2b. the step on the own attention kernels, 64- then 128-key backward blocks"
+FITLLM_CUDA_ATTN=own step own 35 --profile
+[ -f "$OUT/own.log" ] && grep -E "^ +attention" "$OUT/own.log" | head -4
+FITLLM_CUDA_ATTN=own FITLLM_CUDA_FA2_BK=128 step own128 35 --profile
+[ -f "$OUT/own128.log" ] && grep -E "^ +attention" "$OUT/own128.log" | head -4
 
 echo "== 3. the small preset (HD 64: cuDNN in a training), 8 bf16-true steps, cuda against cpu"
 T=$(mktemp -d /tmp/fitllm-quick-XXXXXX)

@@ -33,7 +33,10 @@ extern "C" {
 static inline size_t fl_cu_attention_work_bytes(int B, int NH, int Tq) {
     return (B > 0 && NH > 0 && Tq > 0) ? (size_t)B * (size_t)NH * (size_t)Tq * sizeof(float) : 0;
 }
-/* The same for attention_backward_fa2_ex with deterministic 1: then the dq counters (one int per query
+/* attention_backward_fa2_ex / _fa2_16's flags */
+#define FL_CU_FA2_DET 1   /* dq's adds in key-block order (FITLLM_CUDA_DETERMINISTIC=1) */
+#define FL_CU_FA2_BK128 2 /* 128-key blocks of 8 warps (FITLLM_CUDA_FA2_BK=128) */
+/* The same for attention_backward_fa2_ex with FL_CU_FA2_DET: then the dq counters (one int per query
  * tile of at least 16 rows) after D's rows. */
 static inline size_t fl_cu_attention_work_bytes_det(int B, int NH, int Tq) {
     return (B > 0 && NH > 0 && Tq > 0) ? (size_t)B * (size_t)NH * ((size_t)Tq + ((size_t)Tq + 15) / 16) * sizeof(float)
@@ -79,11 +82,12 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
     int P##attention_backward_fa2(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,    \
                                   const float *q, const float *k, const float *v, const uint8_t *kmask,        \
                                   const float *out, const float *lse, void *work, void *stream);               \
-    /* _fa2 backward with deterministic 1: dq's adds across key blocks in key-block order (a counter per     \
-     * query tile; the same bits every run, at some speed), 0: atomics, as attention_backward_fa2 */        \
+    /* _fa2 backward, flags: FL_CU_FA2_DET: dq's adds across key blocks in key-block order (a counter per      \
+     * query tile; the same bits every run, at some speed), else atomics, as attention_backward_fa2;          \
+     * FL_CU_FA2_BK128: blocks of 128 keys (8 warps: half the dq adds), else 64 (4 warps) */                  \
     int P##attention_backward_fa2_ex(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, \
                                      const float *q, const float *k, const float *v, const uint8_t *kmask,     \
-                                     const float *out, const float *lse, void *work, int deterministic,        \
+                                     const float *out, const float *lse, void *work, int flags,                \
                                      void *stream);                                                          \
     /* The three backwards above (the fp32 kernels without bias, _tc, _fa2_ex) reading q, k, v and out in bf16    \
      * (the same layouts and strides, in elements): a bf16 run's stored activations without their widening;    \
@@ -96,7 +100,7 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
                                    const void *out16, const float *lse, void *work, void *stream);              \
     int P##attention_backward_fa2_16(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, \
                                      const void *q16, const void *k16, const void *v16, const uint8_t *kmask,   \
-                                     const void *out16, const float *lse, void *work, int deterministic,        \
+                                     const void *out16, const float *lse, void *work, int flags,                \
                                      void *stream);                                                             \
     /* the forwards (no bias) reading q16, k16, v16 in bf16 (the layouts and strides of q, k, v, in elements): \
      * a bf16 run's stored q|k|v written by its GEMM in bf16 only; each element widened exactly, so the bits of \

@@ -151,11 +151,13 @@ static fl_status flb_attn_bwd(const fl_backend *be, const fl_attn_desc *a, float
     if (tc == FLB_ATTN_OWN + 1 &&
         flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, it, bias, kmask, out, lse, work, &st))
         return st;
-    const int det = FLB_IMPL(be)->det;
+    const int fa_flags = (FLB_IMPL(be)->det ? FL_CU_FA2_DET : 0) | FLB_IMPL(be)->fa2_bk; /* the fa2 backward's flags */
     int rc;
     if (tc == FLB_ATTN_OWN + 1)
-        rc = in16 ? FLB_K(attention_backward_fa2_16)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, det, STREAM)
-                  : FLB_K(attention_backward_fa2_ex)(a, dq, dk, dv, dout, qf, kf, vf, kmask, of, lse, work, det, STREAM);
+        rc = in16 ? FLB_K(attention_backward_fa2_16)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, fa_flags,
+                                                     STREAM)
+                  : FLB_K(attention_backward_fa2_ex)(a, dq, dk, dv, dout, qf, kf, vf, kmask, of, lse, work, fa_flags,
+                                                     STREAM);
     else if (tc)
         rc = in16 ? FLB_K(attention_backward_tc16)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, STREAM)
                   : FLB_K(attention_backward_tc)(a, dq, dk, dv, dout, qf, kf, vf, kmask, of, lse, work, STREAM);

@@ -35,11 +35,11 @@ template <> struct fl_cu_fa_cfg<128> {
 /* Rows 0..n-1 of a (rows, D) view of q, k, v (or dO) into a bf16 tile (pitch P), rows >= n zero: cp.async from a
  * bf16 view, 128-bit loads from an fp32 one (vec: the launcher found every view 16-byte aligned, fl_cu_fa_vec),
  * else fl_cu_tc_load's element pairs. The same bits all three ways. */
-template <int D, int R>
+template <int D, int R, int NTH = FL_CU_TC_THREADS>
 FL_CU_DEV void fl_cu_fa_tile(uint16_t *dst, int P, fl_cu_fptr src, size_t ld, int n, int vec) {
-    if (vec && src.b16) fl_cu_tc_cp_tile<D, R>(dst, P, (const uint16_t *)src.p, ld, n);
-    else if (vec) fl_cu_tc_ld_tile32<D, R>(dst, P, (const float *)src.p, ld, n);
-    else fl_cu_tc_load<D, R>(dst, P, NULL, 0, src, ld, n);
+    if (vec && src.b16) fl_cu_tc_cp_tile<D, R, NTH>(dst, P, (const uint16_t *)src.p, ld, n);
+    else if (vec) fl_cu_tc_ld_tile32<D, R, NTH>(dst, P, (const float *)src.p, ld, n);
+    else fl_cu_tc_load<D, R, NTH>(dst, P, NULL, 0, src, ld, n);
 }
 
 /* ---- forward ---------------------------------------------------------------------------------- */
@@ -232,10 +232,11 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
 /* ---- backward: one pass, dQ by atomic adds ---------------------------------------------------- */
 
 /* The block's dQ contribution of one query tile: dS (in dSs as (keys, queries) row-major) times K,
- * warps split over the tile's m-tiles and, when there are fewer than 4, over the dims. */
+ * the block's BK / 16 warps split over the tile's m-tiles and, when there are more warps, over the dims. */
 template <int D, int BQ, int BK>
 FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, const uint16_t *Ks, float *dQ, int rn) {
-    enum { P = D + FL_CU_TC_PAD, SP = BQ + FL_CU_TC_PAD, MQ = BQ / 16, WPM = 4 / MQ, NTW = D / 8 / WPM };
+    enum { P = D + FL_CU_TC_PAD, SP = BQ + FL_CU_TC_PAD, MQ = BQ / 16, WPM = BK / 16 / MQ, NTW = D / 8 / WPM };
+    static_assert(WPM * MQ == BK / 16 && NTW % 2 == 0, "the warps cover the tile's m-tiles and dims");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int mq = warp / WPM, n0 = (warp % WPM) * NTW * 8;
     float acc[NTW][4];
@@ -288,9 +289,9 @@ FL_CU_DEV void fl_cu_fa_pds(float (&s)[NQ][4], float (&dp)[NQ][4], const int *km
 }
 
 /* The row statistics of query tile t0 (rn rows) of head h into one buffer: lse (log2 units), D, key limits. */
-template <int BQ>
+template <int BQ, int NTH>
 FL_CU_DEV void fl_cu_fa_rows(const fl_cu_attn_p &p, float *Ls, float *Ds, int *lims, int b, int h, int t0, int rn) {
-    for (int r = threadIdx.x; r < BQ; r += FL_CU_TC_THREADS) {
+    for (int r = threadIdx.x; r < BQ; r += NTH) {
         const size_t row = ((size_t)b * p.NH + h) * p.Tq + t0 + r;
         Ls[r] = r < rn ? p.lse[row] * FL_CU_LOG2E : 0.0f;
         Ds[r] = r < rn ? p.Dsum[row] : 0.0f;
@@ -302,9 +303,9 @@ FL_CU_DEV void fl_cu_fa_rows(const fl_cu_attn_p &p, float *Ls, float *Ds, int *l
  * issued (cp.async from a bf16 run's stored q) and, at HD 64 with an aligned dO, its dO tile's fp32 loads are in
  * registers (PF) before pair i's products; dO is packed and the row statistics stored after them. A warp whose
  * 16 keys every row of the tile sees (no key mask, below the causal diagonal) skips the visibility tests. */
-template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
-    enum { BK = 64, BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD, SP = BQ + FL_CU_TC_PAD, NQ = BQ / 8, DT = D / 8,
-           DK = D / 16, QK = BQ / 16, GI = BQ * (D / 8) / FL_CU_TC_THREADS, PF = D == 64 };
+template <int D, int BK> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
+    enum { NTH = 2 * BK, BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD, SP = BQ + FL_CU_TC_PAD, NQ = BQ / 8,
+           DT = D / 8, DK = D / 16, QK = BQ / 16, GI = BQ * (D / 8) / NTH, PF = D == 64 };
     FL_CU_DYN_SMEM(uint16_t, sm);
     uint16_t *Ks = sm;               // (BK, P) keys
     uint16_t *Vs = Ks + BK * P;      // (BK, P) values
@@ -317,9 +318,9 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int kvh = blockIdx.y, b = blockIdx.z;
     const int k0 = blockIdx.x * BK, kn = p.Tk - k0 < BK ? p.Tk - k0 : BK;
-    fl_cu_fa_tile<D, BK>(Ks, P, p.k + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D, p.ldk, kn, p.vq);
-    fl_cu_fa_tile<D, BK>(Vs, P, p.v + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * D, p.ldv, kn, p.vq);
-    for (int j = threadIdx.x; j < BK; j += FL_CU_TC_THREADS)
+    fl_cu_fa_tile<D, BK, NTH>(Ks, P, p.k + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D, p.ldk, kn, p.vq);
+    fl_cu_fa_tile<D, BK, NTH>(Vs, P, p.v + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * D, p.ldv, kn, p.vq);
+    for (int j = threadIdx.x; j < BK; j += NTH)
         km[j] = j < kn && (!p.kmask || p.kmask[(size_t)b * p.Tk + k0 + j]);
     const int kw = warp * 16; /* the warp's keys kw..kw+15 of the tile */
     const int j0 = kw + g, j1 = j0 + 8;
@@ -338,10 +339,10 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     const size_t qrow = (size_t)b * p.Tq;
     if (npair > 0) {
         const int h = kvh * p.rep, rn = p.Tq - tstart < BQ ? p.Tq - tstart : BQ;
-        fl_cu_fa_tile<D, BQ>(Q2, P, p.q + (qrow + tstart) * p.ldq + (size_t)h * D, p.ldq, rn, p.vq);
+        fl_cu_fa_tile<D, BQ, NTH>(Q2, P, p.q + (qrow + tstart) * p.ldq + (size_t)h * D, p.ldq, rn, p.vq);
         const fl_cu_fptr G0 = fl_cu_fptr(p.dout + (qrow + tstart) * p.ldo + (size_t)h * D);
-        fl_cu_fa_tile<D, BQ>(G2, P, G0, p.ldo, rn, p.vo);
-        fl_cu_fa_rows<BQ>(p, Ls[0], Ds[0], lims[0], b, h, tstart, rn);
+        fl_cu_fa_tile<D, BQ, NTH>(G2, P, G0, p.ldo, rn, p.vo);
+        fl_cu_fa_rows<BQ, NTH>(p, Ls[0], Ds[0], lims[0], b, h, tstart, rn);
     }
     fl_cu_cp_commit(); /* K, V and pair 0's Q */
     for (int pi = 0; pi < npair; pi++) {
@@ -351,9 +352,9 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
         if (pi + 1 < npair) { /* into the buffers every warp finished with in pair pi - 1 */
             const int h1 = kvh * p.rep + (pi + 1) / nth, t1 = tstart + ((pi + 1) % nth) * BQ;
             const int rn1 = p.Tq - t1 < BQ ? p.Tq - t1 : BQ;
-            fl_cu_fa_tile<D, BQ>(Q2 + (cur ^ 1) * BQ * P, P, p.q + (qrow + t1) * p.ldq + (size_t)h1 * D, p.ldq, rn1,
+            fl_cu_fa_tile<D, BQ, NTH>(Q2 + (cur ^ 1) * BQ * P, P, p.q + (qrow + t1) * p.ldq + (size_t)h1 * D, p.ldq, rn1,
                                  p.vq);
-            if (PF && p.vo) fl_cu_tc_ld32_regs<D, BQ, PF ? GI : 1>(gx, 0, p.dout + (qrow + t1) * p.ldo + (size_t)h1 * D,
+            if (PF && p.vo) fl_cu_tc_ld32_regs<D, BQ, PF ? GI : 1, NTH>(gx, 0, p.dout + (qrow + t1) * p.ldo + (size_t)h1 * D,
                                                                    p.ldo, rn1);
         }
         fl_cu_cp_commit();
@@ -418,10 +419,10 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
             const int h1 = kvh * p.rep + (pi + 1) / nth, t1 = tstart + ((pi + 1) % nth) * BQ;
             const int rn1 = p.Tq - t1 < BQ ? p.Tq - t1 : BQ;
             uint16_t *Gn = G2 + (cur ^ 1) * BQ * P;
-            if (PF && p.vo) fl_cu_tc_st32_regs<D, BQ, PF ? GI : 1>(Gn, P, gx, 0);
-            else fl_cu_fa_tile<D, BQ>(Gn, P, fl_cu_fptr(p.dout + (qrow + t1) * p.ldo + (size_t)h1 * D), p.ldo, rn1,
+            if (PF && p.vo) fl_cu_tc_st32_regs<D, BQ, PF ? GI : 1, NTH>(Gn, P, gx, 0);
+            else fl_cu_fa_tile<D, BQ, NTH>(Gn, P, fl_cu_fptr(p.dout + (qrow + t1) * p.ldo + (size_t)h1 * D), p.ldo, rn1,
                                       p.vo);
-            fl_cu_fa_rows<BQ>(p, Ls[cur ^ 1], Ds[cur ^ 1], lims[cur ^ 1], b, h1, t1, rn1);
+            fl_cu_fa_rows<BQ, NTH>(p, Ls[cur ^ 1], Ds[cur ^ 1], lims[cur ^ 1], b, h1, t1, rn1);
         }
     }
     fl_cu_cp_wait<0>();
@@ -455,8 +456,17 @@ __global__ static void fl_cu_fa_zero_k(int *x, size_t n) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) x[i] = 0;
 }
 
-template <int D> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *stream) {
+/* FL_CU_FA_NO_SMEM (nothing launched) when the device refuses the 128-key blocks' shared memory (HD 128: 115 KB,
+ * over the 99 KB of sm_86/89): the caller runs the 64-key blocks then. Else 0 or a CUDA error. */
+#define FL_CU_FA_NO_SMEM (-100)
+template <int D, int BK> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *stream) {
     enum { BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD };
+    /* bf16: Ks, Vs, 2 x (Qs, Gs), dS^T */
+    const size_t smem = 2 * (2 * (size_t)BK * P + 4 * (size_t)BQ * P + (size_t)BK * (BQ + FL_CU_TC_PAD));
+    if (FL_CU_ATTN_SMEM_OPTIN((fl_cu_fa_bwd_k<D, BK>), smem)) {
+        const int rc = fl_cu_launch_error(); /* (consumed) */
+        return BK > 64 ? FL_CU_FA_NO_SMEM : rc;
+    }
     int rc = fl_cu_attn_dsum_launch(p, stream);
     if (rc || p.Tk == 0) return rc;
     if (p.dq_lock) {
@@ -465,10 +475,8 @@ template <int D> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *str
                      (fl_cu_stream)stream, p.dq_lock, n);
         if ((rc = fl_cu_launch_error())) return rc;
     }
-    const size_t smem = 2 * (2 * (size_t)64 * P + 4 * (size_t)BQ * P + (size_t)64 * (BQ + FL_CU_TC_PAD)); /* bf16 */
-    if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_fa_bwd_k<D>, smem)) return fl_cu_launch_error();
-    dim3 grid((unsigned)((p.Tk + 63) / 64), (unsigned)p.NKV, (unsigned)p.B);
-    FL_CU_LAUNCH(fl_cu_fa_bwd_k<D>, grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
+    dim3 grid((unsigned)((p.Tk + BK - 1) / BK), (unsigned)p.NKV, (unsigned)p.B);
+    FL_CU_LAUNCH((fl_cu_fa_bwd_k<D, BK>), grid, dim3(2 * BK), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();
 }
 
@@ -511,24 +519,28 @@ extern "C" int FL_CUK(attention_backward_fa2)(const fl_attn_desc *a, float *dq, 
 /* in16: q, k, v and out bf16 (attention_backward_fa2_16) */
 static int fa_bwd(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, const void *q,
                   const void *k, const void *v, const uint8_t *kmask, const void *out, const float *lse, void *work,
-                  int deterministic, int in16, void *stream) {
+                  int flags, int in16, void *stream) {
     fl_cu_attn_p p;
     int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, 1, in16);
     if (rc) return rc < 0 ? rc : 0;
     /* the counters after D's rows (work of fl_cu_attention_work_bytes_det) */
-    if (deterministic) p.dq_lock = (int *)(p.Dsum + (size_t)a->B * a->NH * a->Tq);
+    if (flags & FL_CU_FA2_DET) p.dq_lock = (int *)(p.Dsum + (size_t)a->B * a->NH * a->Tq);
     fl_cu_fa_vec(&p, in16);
-    return a->HD == 64 ? fl_cu_fa_bwd_launch<64>(p, stream) : fl_cu_fa_bwd_launch<128>(p, stream);
+    if (flags & FL_CU_FA2_BK128) {
+        rc = a->HD == 64 ? fl_cu_fa_bwd_launch<64, 128>(p, stream) : fl_cu_fa_bwd_launch<128, 128>(p, stream);
+        if (rc != FL_CU_FA_NO_SMEM) return rc;
+    }
+    return a->HD == 64 ? fl_cu_fa_bwd_launch<64, 64>(p, stream) : fl_cu_fa_bwd_launch<128, 64>(p, stream);
 }
 extern "C" int FL_CUK(attention_backward_fa2_ex)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                                  const float *dout, const float *q, const float *k, const float *v,
                                                  const uint8_t *kmask, const float *out, const float *lse, void *work,
-                                                 int deterministic, void *stream) {
-    return fa_bwd(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, deterministic, 0, stream);
+                                                 int flags, void *stream) {
+    return fa_bwd(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, flags, 0, stream);
 }
 extern "C" int FL_CUK(attention_backward_fa2_16)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                                  const float *dout, const void *q16, const void *k16, const void *v16,
                                                  const uint8_t *kmask, const void *out16, const float *lse, void *work,
-                                                 int deterministic, void *stream) {
-    return fa_bwd(a, dq, dk, dv, dout, q16, k16, v16, kmask, out16, lse, work, deterministic, 1, stream);
+                                                 int flags, void *stream) {
+    return fa_bwd(a, dq, dk, dv, dout, q16, k16, v16, kmask, out16, lse, work, flags, 1, stream);
 }

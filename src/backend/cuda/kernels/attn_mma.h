@@ -24,9 +24,9 @@ FL_CU_DEV uint32_t fl_cu_tc_ld2(fl_cu_fptr base, size_t ld, int r, int n, int c)
 /* dst (R rows, pitch P elements; NULL: none) <- bf16 of rows 0..n-1 of a (rows, D) fp32 view,
  * rows >= n zero; and, when dt is given, the transpose (D rows of pitch PT) likewise. Consecutive threads take
  * consecutive column pairs (coalesced reads). */
-template <int D, int R>
+template <int D, int R, int NTH = FL_CU_TC_THREADS>
 FL_CU_DEV void fl_cu_tc_load(uint16_t *dst, int P, uint16_t *dt, int PT, fl_cu_fptr src, size_t ld, int n) {
-    for (int i = threadIdx.x; i < R * D / 2; i += FL_CU_TC_THREADS) {
+    for (int i = threadIdx.x; i < R * D / 2; i += NTH) {
         const int r = i / (D / 2), c = 2 * (i % (D / 2));
         const uint32_t w = fl_cu_tc_ld2(src, ld, r, n, c);
         if (dst) *reinterpret_cast<uint32_t *>(dst + r * P + c) = w;
@@ -201,25 +201,25 @@ FL_CU_DEV void fl_cu_st16w(uint16_t *p, const uint32_t w[4]) {
  * elements (row i / (D/8)) per thread and step, consecutive threads on consecutive chunks (coalesced). The
  * caller checked 16-byte alignment of src and of ld * 2 bytes. The same bits as fl_cu_tc_load (bf16 -> fp32 ->
  * bf16 is exact). */
-template <int D, int R>
+template <int D, int R, int NTH = FL_CU_TC_THREADS>
 FL_CU_DEV void fl_cu_tc_cp_tile(uint16_t *dst, int P, const uint16_t *src, size_t ld, int n) {
-    enum { CPR = D / 8, IT = R * CPR / FL_CU_TC_THREADS };
-    static_assert(R * CPR % FL_CU_TC_THREADS == 0, "whole steps of 128 chunks");
+    enum { CPR = D / 8, IT = R * CPR / NTH };
+    static_assert(R * CPR % NTH == 0, "whole steps of NTH chunks");
     FL_CU_UNROLL
     for (int it = 0; it < IT; it++) {
-        const int i = it * FL_CU_TC_THREADS + (int)threadIdx.x, r = i / CPR, c = 8 * (i % CPR);
+        const int i = it * NTH + (int)threadIdx.x, r = i / CPR, c = 8 * (i % CPR);
         fl_cu_cp16(dst + r * P + c, r < n ? src + (size_t)r * ld + c : src, r < n);
     }
 }
 /* The same from an fp32 view (16-byte aligned src, ld % 4 == 0), in two halves so that a tile's loads can be in
  * flight while the block computes (the backward's dO): steps g0..g0+G-1 of the tile's chunks (8 elements, two
  * float4) into registers x (rows >= n zero), then packed to bf16 and stored (rounded as fl_cu_tc_load). */
-template <int D, int R, int G>
+template <int D, int R, int G, int NTH = FL_CU_TC_THREADS>
 FL_CU_DEV void fl_cu_tc_ld32_regs(float (*x)[8], int g0, const float *src, size_t ld, int n) {
     enum { CPR = D / 8 };
     FL_CU_UNROLL
     for (int j = 0; j < G; j++) {
-        const int i = (g0 + j) * FL_CU_TC_THREADS + (int)threadIdx.x, r = i / CPR, c = 8 * (i % CPR);
+        const int i = (g0 + j) * NTH + (int)threadIdx.x, r = i / CPR, c = 8 * (i % CPR);
         if (r < n) {
             fl_cu_ld4(src + (size_t)r * ld + c, x[j]);
             fl_cu_ld4(src + (size_t)r * ld + c + 4, x[j] + 4);
@@ -229,12 +229,12 @@ FL_CU_DEV void fl_cu_tc_ld32_regs(float (*x)[8], int g0, const float *src, size_
         }
     }
 }
-template <int D, int R, int G>
+template <int D, int R, int G, int NTH = FL_CU_TC_THREADS>
 FL_CU_DEV void fl_cu_tc_st32_regs(uint16_t *dst, int P, float (*x)[8], int g0) {
     enum { CPR = D / 8 };
     FL_CU_UNROLL
     for (int j = 0; j < G; j++) {
-        const int i = (g0 + j) * FL_CU_TC_THREADS + (int)threadIdx.x, r = i / CPR, c = 8 * (i % CPR);
+        const int i = (g0 + j) * NTH + (int)threadIdx.x, r = i / CPR, c = 8 * (i % CPR);
         uint32_t w[4];
         FL_CU_UNROLL
         for (int e = 0; e < 4; e++) w[e] = fl_cu_pack_bf16(x[j][2 * e], x[j][2 * e + 1]);
@@ -242,15 +242,15 @@ FL_CU_DEV void fl_cu_tc_st32_regs(uint16_t *dst, int P, float (*x)[8], int g0) {
     }
 }
 /* The whole tile, each group of (at most) 4 steps' loads issued before its stores. */
-template <int D, int R>
+template <int D, int R, int NTH = FL_CU_TC_THREADS>
 FL_CU_DEV void fl_cu_tc_ld_tile32(uint16_t *dst, int P, const float *src, size_t ld, int n) {
-    enum { IT = R * (D / 8) / FL_CU_TC_THREADS, G = IT < 4 ? IT : 4 };
-    static_assert(R * (D / 8) % FL_CU_TC_THREADS == 0 && IT % G == 0, "whole steps of 128 chunks");
+    enum { IT = R * (D / 8) / NTH, G = IT < 4 ? IT : 4 };
+    static_assert(R * (D / 8) % NTH == 0 && IT % G == 0, "whole steps of NTH chunks");
     FL_CU_UNROLL
     for (int g0 = 0; g0 < IT; g0 += G) {
         float x[G][8];
-        fl_cu_tc_ld32_regs<D, R, G>(x, g0, src, ld, n);
-        fl_cu_tc_st32_regs<D, R, G>(dst, P, x, g0);
+        fl_cu_tc_ld32_regs<D, R, G, NTH>(x, g0, src, ld, n);
+        fl_cu_tc_st32_regs<D, R, G, NTH>(dst, P, x, g0);
     }
 }
 /* dq's two adjacent elements p[0], p[1] (the fa2 backward's dQ tile): one 64-bit atomic on sm_90 when pair (p
