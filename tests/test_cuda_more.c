@@ -417,6 +417,27 @@ static void q4_check(q4_fixture *f_, int N, const char *mode, fl_test_rng *rp) {
         }
     FL_CHECKF(bad32 == 0 && bad16 == 0, "q4_dequantize %s (%d x %d): %d f32 / %d bf16 values differ", mode, OUT, IN, bad32,
               bad16);
+    /* and into rows of whole 16-byte units (ldd a multiple of 8: the 128-bit stores of the runs of 8 that start at a
+     * multiple of 8), every row */
+    {
+        const int ld8 = (IN + 7) & ~7;
+        float *e32 = malloc((size_t)OUT * ld8 * 4);
+        uint16_t *e16 = malloc((size_t)OUT * ld8 * 2);
+        const unsigned long v0 = fl_cu_emu_vec_accesses;
+        EMU_OK(fl_cuemu_q4_dequantize(e32, FL_F32, ld8, &f.w, 0, OUT, NULL));
+        EMU_OK(fl_cuemu_q4_dequantize(e16, FL_BF16, ld8, &f.w, 0, OUT, NULL));
+        int bad = 0;
+        for (int i = 0; i < OUT; i++)
+            for (int c = 0; c < IN; c++) {
+                const float want = f.deq[(size_t)i * IN + c];
+                bad += memcmp(&e32[(size_t)i * ld8 + c], &want, 4) != 0 || e16[(size_t)i * ld8 + c] != fl_f32_to_bf16(want);
+            }
+        FL_CHECKF(bad == 0, "q4_dequantize %s (%d x %d) into rows of %d: %d values differ", mode, OUT, IN, ld8, bad);
+        /* a row map or odd row lengths may leave no run aligned; whole 64-element rows always are */
+        FL_CHECKF(IN % 64 || f.w.row_start || fl_cu_emu_vec_accesses > v0, "q4_dequantize %s (%d x %d): no 128-bit store",
+                  mode, OUT, IN);
+        free(e32), free(e16);
+    }
 
     /* forward: y (N, OUT; ldy) = x @ deq^T + beta y */
     const int ldy = OUT + 5;

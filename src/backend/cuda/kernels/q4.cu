@@ -257,17 +257,52 @@ __global__ static void fl_cu_q4_gemm_tc_k(float *Cm, int ldc, const void *Av, in
             }
 }
 
-__global__ static void fl_cu_q4_dequant_k(void *dst, int dt, int ldd, fl_cu_q4w w, int r0, int nr) {
+/* deq(W)[r0 + r, c0 .. c0+7] for rows r = blockIdx.y, + gridDim.y, ...: a thread per run of 8 elements of a row (a
+ * block: 2048 columns), so no division per element. A run whose first stored element is a multiple of 8 (all 8 in
+ * one quantization block: one absmax) takes its 4 packed bytes in one load (pk4: the packed array 4-byte aligned)
+ * and, with vec (dst 16-byte aligned, ldd whole 16-byte units), one 128-bit store (two for F32); other runs (a row's
+ * tail, a row map starting mid-run) go element by element. Every value as q4_value: the same bits either way. */
+__global__ static void fl_cu_q4_dequant_k(void *dst, int dt, int ldd, fl_cu_q4w w, int r0, int nr, int vec, int pk4) {
     __shared__ float lut[16];
     const float off = w.dq ? *w.offset : 0.0f;
     q4_load_lut(lut, w.type);
     __syncthreads();
-    const size_t total = (size_t)nr * w.cols;
-    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
-        const size_t r = e / (size_t)w.cols, c = e % (size_t)w.cols;
-        const float v = q4_value(w, lut, off, q4_row(w, r0 + (int)r) + c);
-        if (dt == FL_F32) ((float *)dst)[r * ldd + c] = v;
-        else ((uint16_t *)dst)[r * ldd + c] = fl_cu_f32_to_bf16(v);
+    const int c0 = ((int)blockIdx.x * (int)blockDim.x + (int)threadIdx.x) * 8;
+    if (c0 >= w.cols) return;
+    for (int r = (int)blockIdx.y; r < nr; r += (int)gridDim.y) {
+        const size_t i0 = q4_row(w, r0 + r) + (size_t)c0, o = (size_t)r * ldd + (size_t)c0;
+        if (c0 + 8 > w.cols || (i0 & 7u)) {
+            for (int j = 0; j < 8 && c0 + j < w.cols; j++) {
+                const float v = q4_value(w, lut, off, i0 + (size_t)j);
+                if (dt == FL_F32) ((float *)dst)[o + j] = v;
+                else ((uint16_t *)dst)[o + j] = fl_cu_f32_to_bf16(v);
+            }
+            continue;
+        }
+        const uint8_t *pb = w.packed + (i0 >> 1);
+        const uint32_t bytes = pk4 ? *reinterpret_cast<const uint32_t *>(pb)
+                                   : (uint32_t)pb[0] | (uint32_t)pb[1] << 8 | (uint32_t)pb[2] << 16 | (uint32_t)pb[3] << 24;
+        const float am = q4_absmax(w, off, i0 / FL_Q4_BLOCK);
+        float v[8];
+        FL_CU_UNROLL
+        for (int j = 0; j < 8; j++) { /* element i0 + j: byte j / 2, its high nibble first */
+            const unsigned byte = (bytes >> (8 * (j >> 1))) & 255u;
+            v[j] = lut[(j & 1) ? (byte & 15u) : (byte >> 4)] * am;
+        }
+        if (dt == FL_F32) {
+            float *d = (float *)dst + o;
+            if (vec) fl_cu_st4(d, v), fl_cu_st4(d + 4, v + 4);
+            else
+                for (int j = 0; j < 8; j++) d[j] = v[j];
+        } else {
+            uint16_t h[8];
+            FL_CU_UNROLL
+            for (int j = 0; j < 8; j++) h[j] = fl_cu_f32_to_bf16(v[j]);
+            uint16_t *d = (uint16_t *)dst + o;
+            if (vec) fl_cu_st8h(d, h);
+            else
+                for (int j = 0; j < 8; j++) d[j] = h[j];
+        }
     }
 }
 
@@ -342,8 +377,9 @@ extern "C" int FL_CUK(q4_dequantize)(void *dst, fl_dtype dt, int ldd, const fl_q
     if (q4_view(w, &v) || (dt != FL_F32 && dt != FL_BF16) || ldd < w->cols || r0 < 0 || nr < 0 || r0 + nr > w->rows)
         return -1;
     if (nr == 0) return 0;
-    const size_t total = (size_t)nr * w->cols, blocks = (total + 255) / 256;
-    FL_CU_LAUNCH(fl_cu_q4_dequant_k, dim3((unsigned)(blocks > 4096 ? 4096 : blocks)), dim3(256), 0,
-                 (fl_cu_stream)stream, dst, (int)dt, ldd, v, r0, nr);
+    const int vec = ((uintptr_t)dst & 15u) == 0 && ldd % (dt == FL_F32 ? 4 : 8) == 0;
+    const int pk4 = ((uintptr_t)w->packed & 3u) == 0;
+    const dim3 grid((unsigned)((w->cols + 2047) / 2048), (unsigned)(nr < 65535 ? nr : 65535));
+    FL_CU_LAUNCH(fl_cu_q4_dequant_k, grid, dim3(256), 0, (fl_cu_stream)stream, dst, (int)dt, ldd, v, r0, nr, vec, pk4);
     return fl_cu_launch_error();
 }
