@@ -210,8 +210,10 @@ static inline int fl_cu_aligned16(const void *a, const void *b, const void *c, c
 /* Fully unrolled loops over register arrays (a dynamically indexed array goes to local memory) */
 #ifdef __CUDACC__
 #define FL_CU_UNROLL _Pragma("unroll")
+#define FL_CU_NO_UNROLL _Pragma("unroll 1") /* a loop kept rolled (its body: one group of loads in flight) */
 #else
 #define FL_CU_UNROLL
+#define FL_CU_NO_UNROLL
 #endif
 
 /* bf16 <-> fp32 exactly as include/fitllm/dtype.h (round to nearest even, NaN kept quiet). */

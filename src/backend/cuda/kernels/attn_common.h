@@ -102,14 +102,28 @@ FL_CU_DEV int fl_cu_attn_first_row(const fl_cu_attn_p &p, int k) {
 }
 
 /* dst (R, D+1) <- rows r0..r0+n-1 of a (rows, HD) view (row stride ld) times mul; rows >= n and
- * dims >= HD zero. Consecutive threads read consecutive dims (coalesced). */
+ * dims >= HD zero. Consecutive threads read consecutive dims (coalesced). A thread's loads go in groups of
+ * FL_CU_ATTN_LOADS issued before the group's shared stores: a load followed at once by the store of its value
+ * (the loop as first written) waits out one memory latency per element (the fa2 kernels' lesson,
+ * docs/ARCHITECTURE.md "The tiles' loads"). The group loop stays rolled (unrolled, HD 128 / 256 spill). */
+#define FL_CU_ATTN_LOADS 4 /* loads in flight per thread (8: HD-32 dq 208 registers against 128) */
 template <int D, int R>
 FL_CU_DEV void fl_cu_attn_load_tile(float *dst, fl_cu_fptr src, size_t ld, int n, int HD, float mul) {
-    for (int i = threadIdx.x; i < R * D; i += FL_CU_ATTN_THREADS) {
-        int r = i / D, d = i % D;
-        float x = 0.0f;
-        if (r < n && d < HD) x = src[(size_t)r * ld + d] * mul;
-        dst[r * (D + 1) + d] = x;
+    enum { IT = R * D / FL_CU_ATTN_THREADS, G = IT < FL_CU_ATTN_LOADS ? IT : FL_CU_ATTN_LOADS };
+    static_assert(R * D % FL_CU_ATTN_THREADS == 0 && IT % G == 0, "whole steps of the block's threads");
+    FL_CU_NO_UNROLL
+    for (int g0 = 0; g0 < IT; g0 += G) {
+        float x[G];
+        FL_CU_UNROLL
+        for (int j = 0; j < G; j++) {
+            const int i = (g0 + j) * FL_CU_ATTN_THREADS + (int)threadIdx.x, r = i / D, d = i % D;
+            x[j] = r < n && d < HD ? src[(size_t)r * ld + d] * mul : 0.0f;
+        }
+        FL_CU_UNROLL
+        for (int j = 0; j < G; j++) {
+            const int i = (g0 + j) * FL_CU_ATTN_THREADS + (int)threadIdx.x;
+            dst[(i / D) * (D + 1) + i % D] = x[j];
+        }
     }
 }
 
