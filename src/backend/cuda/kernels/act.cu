@@ -254,8 +254,9 @@ FL_CU_DEV size_t act16_fwd8(int kind, float *out, uint16_t *o16, float *in, cons
     const size_t S = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const size_t total = (size_t)N * F, F8 = (size_t)F / 8;
     if (kind == FL_CU_ACT16_SWIGLU) {
-        for (size_t q = t0; q < (size_t)N * F8; q += S) {
-            const size_t n = q / F8, f = 8 * (q % F8);
+        fl_cu_rowcol rc = fl_cu_rc_start(t0, S, F8);
+        for (size_t q = t0; q < (size_t)N * F8; q += S, fl_cu_rc_next(rc)) {
+            const size_t n = rc.n, f = 8 * rc.c;
             float g[8], u[8];
             act_in8(in, in16, n * 2 * F + f, g, rnd);
             act_in8(in, in16, n * 2 * F + F + f, u, rnd);
@@ -335,8 +336,9 @@ FL_CU_DEV size_t act16_bwd8(int kind, float *din, uint16_t *d16, const float *do
     const size_t S = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const size_t total = (size_t)N * F, F8 = (size_t)F / 8;
     if (kind == FL_CU_ACT16_SWIGLU) {
-        for (size_t q = t0; q < (size_t)N * F8; q += S) {
-            const size_t n = q / F8, f = 8 * (q % F8), ig = n * 2 * F + f, iu = ig + F;
+        fl_cu_rowcol rc = fl_cu_rc_start(t0, S, F8);
+        for (size_t q = t0; q < (size_t)N * F8; q += S, fl_cu_rc_next(rc)) {
+            const size_t n = rc.n, f = 8 * rc.c, ig = n * 2 * F + f, iu = ig + F;
             float g[8], u[8], d[8], dg[8], du[8];
             act_x8(in, in16, ig, g);
             act_x8(in, in16, iu, u);
