@@ -903,6 +903,9 @@ fl_status fl_backend_add_rmsnorm_composed(const fl_backend *be, void *res, void 
 fl_status fl_attn_check_args(const char *op, const fl_attn_desc *a, int max_hd, const char *why_max, const void *out,
                              const void *lse, const float *q, const float *k, const float *v, const float *bias,
                              const float *dbias);
+/* The checks of lora_forward / lora_backward's sizes (N >= 0, in, out, r > 0, ldy >= out) and dropout in [0, 1):
+ * FL_ERR_INVALID naming the op (who). Every backend calls it first. */
+fl_status fl_lora_check_args(const char *who, int N, int in, int out, int r, int ldy, float dropout);
 /* The descriptor of the decoder's causal self-attention over a fused QKV buffer (B, T,
  * (NH+2*NKV)*HD) with out (B, T, NH*HD): Tq = Tk = T, ldq = ldk = ldv = (NH+2*NKV)*HD, ldo =
  * NH*HD, scale 1/sqrt(HD), causal. */

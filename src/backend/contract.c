@@ -65,6 +65,14 @@ const char *fl_op_name(fl_op op) {
     return (unsigned)op < FL_OP_COUNT ? names[op] : "?";
 }
 
+fl_status fl_lora_check_args(const char *who, int N, int in, int out, int r, int ldy, float dropout) {
+    if (N < 0 || in <= 0 || out <= 0 || r <= 0 || ldy < out)
+        return fl_errorf(FL_ERR_INVALID, "%s: bad sizes N=%d in=%d out=%d r=%d ldy=%d", who, N, in, out, r, ldy);
+    if (!(dropout >= 0.0f && dropout < 1.0f))
+        return fl_errorf(FL_ERR_INVALID, "%s: dropout %g outside [0, 1)", who, (double)dropout);
+    return FL_OK;
+}
+
 fl_status fl_attn_check_args(const char *op, const fl_attn_desc *a, int max_hd, const char *why_max, const void *out,
                              const void *lse, const float *q, const float *k, const float *v, const float *bias,
                              const float *dbias) {

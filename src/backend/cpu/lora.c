@@ -6,18 +6,10 @@
 #include "backend/cpu/cpu-impl.h"
 #include "fitllm/lora.h"
 
-static fl_status lora_check(const char *who, int N, int in, int out, int r, int ldy, float dropout) {
-    if (N < 0 || in <= 0 || out <= 0 || r <= 0 || ldy < out)
-        return fl_errorf(FL_ERR_INVALID, "%s: bad sizes N=%d in=%d out=%d r=%d ldy=%d", who, N, in, out, r, ldy);
-    if (!(dropout >= 0.0f && dropout < 1.0f))
-        return fl_errorf(FL_ERR_INVALID, "%s: dropout %g outside [0, 1)", who, (double)dropout);
-    return FL_OK;
-}
-
 fl_status fl_cpu_lora_forward(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
                               const float *A, const float *B, int N, int in, int out, int r, float scaling,
                               float dropout, uint64_t seed) {
-    FL_TRY(lora_check("lora_forward", N, in, out, r, ldy, dropout));
+    FL_TRY(fl_lora_check_args("lora_forward", N, in, out, r, ldy, dropout));
     if (N == 0) return FL_OK;
     const float *xb = x;
     if (dropout > 0.0f) {
@@ -38,7 +30,7 @@ fl_status fl_cpu_lora_forward(const fl_backend *be, float *y, int ldy, float *h,
 fl_status fl_cpu_lora_backward(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
                                const float *xb, const float *h, const float *A, const float *B, int N, int in,
                                int out, int r, float scaling, float dropout, uint64_t seed, float *work) {
-    FL_TRY(lora_check("lora_backward", N, in, out, r, ldy, dropout));
+    FL_TRY(fl_lora_check_args("lora_backward", N, in, out, r, ldy, dropout));
     if (N == 0) return FL_OK;
     if (!work) return fl_errorf(FL_ERR_INVALID, "lora_backward: NULL work buffer");
     /* dB (out, r) += scaling * dy^T (out, N) @ h (N, r) */

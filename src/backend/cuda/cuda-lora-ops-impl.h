@@ -2,19 +2,12 @@
  * compiled twice: the plugin and the emulator). */
 /* LoRA: the CPU backend's composition (four GEMMs through this backend's gemm) with the dropout
  * mask as kernels (the same pure function of (seed, index) as fitllm/lora.h). */
-static fl_status flb_lora_check(const char *who, int N, int in, int out, int r, int ldy, float dropout) {
-    if (N < 0 || in <= 0 || out <= 0 || r <= 0 || ldy < out)
-        return fl_errorf(FL_ERR_INVALID, "%s: bad sizes N=%d in=%d out=%d r=%d ldy=%d", who, N, in, out, r, ldy);
-    if (!(dropout >= 0.0f && dropout < 1.0f))
-        return fl_errorf(FL_ERR_INVALID, "%s: dropout %g outside [0, 1)", who, (double)dropout);
-    return FL_OK;
-}
 /* dseed (NULL or) device memory holding the seed (a CUDA graph's per-step slot: cuda-graph-impl.h) */
 static fl_status flb_lora_forward_s(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
                                     const float *A, const float *B, int N, int in, int out, int r, float scaling,
                                     float dropout, uint64_t seed, const uint64_t *dseed) {
     FL_TRY(flb_sticky(be));
-    FL_TRY(flb_lora_check("lora_forward", N, in, out, r, ldy, dropout));
+    FL_TRY(fl_lora_check_args("lora_forward", N, in, out, r, ldy, dropout));
     if (N == 0) return FL_OK;
     const float *xb = x;
     if (dropout > 0.0f) {
@@ -35,7 +28,7 @@ static fl_status flb_lora_backward_s(const fl_backend *be, float *dx, float *dA,
                                      int out, int r, float scaling, float dropout, uint64_t seed, float *work,
                                      const uint64_t *dseed) {
     FL_TRY(flb_sticky(be));
-    FL_TRY(flb_lora_check("lora_backward", N, in, out, r, ldy, dropout));
+    FL_TRY(fl_lora_check_args("lora_backward", N, in, out, r, ldy, dropout));
     if (N == 0) return FL_OK;
     if (!work) return fl_errorf(FL_ERR_INVALID, "lora_backward: NULL work buffer");
     if (dB) FL_TRY(flb_gemm(be, 1, 0, out, r, N, scaling, dy, FL_F32, ldy, h, FL_F32, r, 1.0f, dB, FL_F32, r));
