@@ -148,7 +148,8 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_FA2_BK=64|128 (environment): the own attention backward's key blocks: 64 (default, 4 warps)\n"
                "               or 128 (8 warps, half the dq atomic adds; EXPERIMENTAL: not yet timed on a GPU)\n");
     fprintf(f, "\n  FITLLM_CUDA_CUDNN_DIRECT=1|0 (environment): 1 (default) = cuDNN's attention reads a bf16 run's stored\n"
-               "               q, k, v (and o) in place; 0 = compact copies first (EXPERIMENTAL, for an A/B)\n");
+               "               q, k, v (and o) in place, else (refused there) compact copies; 0 = compact copies first\n"
+               "               (EXPERIMENTAL, for an A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_DETERMINISTIC=1 (environment): the own attention backward adds dq across key blocks in a\n"
                "               fixed order (the same bits every run, somewhat slower; cuDNN's backward is then not used)\n");
     fprintf(f, "\n  FITLLM_CUDA_HEAD_GROUP=1|0 (environment): 1 (default) = a trained bf16 LM head's weight gradient over\n"

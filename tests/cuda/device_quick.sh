@@ -15,7 +15,9 @@
 #      gpu_check_all.sh);
 #   4. the TinyLlama LoRA r 8 step; 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (the copies, A/B);
 #   6. the TinyLlama QLoRA nf4 step (the default 4-bit mode); 7. the full step with FITLLM_CUDA_HEAD_GROUP=0 (A/B,
-#   with the profile's head GEMM rows); 8. fitllm_cuda_check with what is left.
+#   with the profile's head GEMM rows); 7b. GPT-2 124M bf16-true (B 8, T 1024) with --profile (72.8 ms a step on the
+#   H200 of 2026-11-30, ~2x what its GEMMs and attention account for: the profile says where the rest goes);
+#   8. fitllm_cuda_check with what is left.
 # tests/cuda/device_quick.sh --small-ref (here, after tools/gpu_pack.sh): step 3's CPU side with the packed binary,
 # written to .gpupack/ref/small-cpu-metrics.csv and carried with the pack (the device then trains on the GPU only).
 set -u
@@ -108,6 +110,10 @@ step qlora 30 --lora 8 --quantize bnb.nf4
 echo "== 7. the full step with FITLLM_CUDA_HEAD_GROUP=0 (the LM head's dW one GEMM per chunk, A/B)"
 FITLLM_CUDA_HEAD_GROUP=0 step headchunk 30 --profile
 [ -f "$OUT/headchunk.log" ] && grep -E "^ +32000 +2048 " "$OUT/headchunk.log" "$OUT/full.log" | head -4
+echo "== 7b. GPT-2 124M bf16-true, B 8, T 1024, with the profile"
+run gpt2 30 "$F" bench-step gpt2 --accelerator cuda --precision bf16-true --micro-batch 8 --seq 1024 --steps 5 \
+    --warmup 2 --profile
+[ -f "$OUT/gpt2.log" ] && grep -E "^median [0-9]|^MFU|cuDNN|^  [A-Za-z+]+ +[0-9.]+ +[0-9.]+%|exit" "$OUT/gpt2.log" | head -14
 echo "== 8. fitllm_cuda_check"
 if run check 150 "$PACK/bin/fitllm_cuda_check"; then :; fi
 [ -f "$OUT/check.log" ] && grep -E "FAIL|all ok|FAILED|exit" "$OUT/check.log" | head -20

@@ -31,6 +31,7 @@ typedef struct flb_cudnn {
     int direct;   /* FITLLM_CUDA_CUDNN_DIRECT (default 1): a bf16 run's stored q, k, v (and o) read in place */
     int said;     /* a refusal said once */
     int said_buf; /* a lent region too small, said once */
+    int said_direct; /* an in-place layout refused, said once */
 } flb_cudnn;
 
 static void flb_dnn_say(flb_impl *im, const char *what, const char *why) {
@@ -84,15 +85,22 @@ static void flb_attn_free(flb_impl *im) {
     im->dnn = NULL;
 }
 
-/* the cached plan of a layout (built on first use), or NULL when cuDNN refuses it (said once) */
-static fl_cudnn_plan *flb_dnn_plan(flb_impl *im, const fl_cudnn_sdpa_layout *L, int backward) {
+/* the cached plan of a layout (built on first use), or NULL when cuDNN refuses it (said once; direct: an in-place
+ * layout, whose refusal sends the call to the compact copies, flb_dnn_plan_of) */
+static fl_cudnn_plan *flb_dnn_plan(flb_impl *im, const fl_cudnn_sdpa_layout *L, int backward, int direct) {
     flb_cudnn *d = im->dnn;
     for (int i = 0; i < d->nplans; i++)
         if (d->plans[i].backward == backward && !memcmp(&d->plans[i].L, L, sizeof *L)) return d->plans[i].plan;
     char why[400];
     fl_cudnn_plan *p = NULL;
     if (fl_cudnn_sdpa_build(&d->api, d->handle, L, backward, &p, why, sizeof why) != 0) {
-        flb_dnn_say(im, backward ? "backward graph refused" : "forward graph refused", why);
+        if (!direct) flb_dnn_say(im, backward ? "backward graph refused" : "forward graph refused", why);
+        else if (!d->said_direct) {
+            d->said_direct = 1;
+            fprintf(stderr, "fitllm: %s backend: cuDNN attention %s graph refused the stored bf16 q, k, v in place (%s): "
+                    "compact copies are tried (FITLLM_CUDA_CUDNN_DIRECT=0 goes there at once)\n", FLB_NAME,
+                    backward ? "backward" : "forward", why);
+        }
         p = NULL;
     }
     int slot = d->nplans < FLB_DNN_PLANS ? d->nplans++ : FLB_DNN_PLANS - 1; /* full: the last slot is reused */
@@ -140,6 +148,17 @@ static int flb_dnn_layout(const flb_impl *im, const fl_attn_desc *a, fl_dtype it
     else fl_cudnn_sdpa_layout_of(a, FL_BF16, L);
     return direct;
 }
+/* A call's layout and its plan: an in-place layout cuDNN refuses (its strides) falls back to the compact copies'
+ * (*direct cleared, the refusal cached like any other). NULL: the own kernels run the call. */
+static fl_cudnn_plan *flb_dnn_plan_of(flb_impl *im, const fl_attn_desc *a, fl_dtype it, const void *q, const void *k,
+                                      const void *v, const void *o, int backward, fl_cudnn_sdpa_layout *L, int *direct) {
+    *direct = flb_dnn_layout(im, a, it, q, k, v, o, L);
+    fl_cudnn_plan *p = flb_dnn_plan(im, L, backward, *direct);
+    if (p || !*direct) return p;
+    *direct = 0;
+    fl_cudnn_sdpa_layout_of(a, FL_BF16, L);
+    return flb_dnn_plan(im, L, backward, 0);
+}
 
 /* 1: cuDNN ran it (or failed: *st says); 0: run the own kernels */
 /* q, k, v of type it: F32, or BF16 (attention_forward_in16: a bf16 run's stored q|k|v, copied compact) */
@@ -154,8 +173,8 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
         return 0;
     }
     fl_cudnn_sdpa_layout L;
-    const int direct = flb_dnn_layout(im, a, it, q, k, v, NULL, &L);
-    fl_cudnn_plan *p = flb_dnn_plan(im, &L, 0);
+    int direct;
+    fl_cudnn_plan *p = flb_dnn_plan_of(im, a, it, q, k, v, NULL, 0, &L, &direct);
     if (!p) return 0;
     const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
     const size_t bq = flb_al256((size_t)rq * cq * 2), bk = flb_al256((size_t)rk * ck * 2);
@@ -201,8 +220,8 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
     /* FITLLM_CUDA_DETERMINISTIC: the own backward, whose dq adds run in a fixed order */
     if (!im->dnn || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, bias, kmask)) return 0;
     fl_cudnn_sdpa_layout L;
-    const int direct = flb_dnn_layout(im, a, it, q, k, v, out, &L);
-    fl_cudnn_plan *p = flb_dnn_plan(im, &L, 1);
+    int direct;
+    fl_cudnn_plan *p = flb_dnn_plan_of(im, a, it, q, k, v, out, 1, &L, &direct);
     if (!p) return 0;
     const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
     const size_t bq = flb_al256((size_t)rq * cq * 2), bk = flb_al256((size_t)rk * ck * 2);
