@@ -10,6 +10,8 @@
 #   2. the TinyLlama-1.1B bf16-true step (B 4, T 2048) with --profile (the attention's share, whether cuDNN ran);
 #   2b. the same step on the own kernels (FITLLM_CUDA_ATTN=own: their tiles' pipelined loads), and with
 #      FITLLM_CUDA_FA2_BK=128 (the backward's 128-key blocks, A/B), each with the profile's attention rows;
+#   2c. only when cuDNN refused a graph: cuDNN's debug logs (CUDNN_LOGLEVEL_DBG=3) of our graphs (selftest) and of
+#      PyTorch's sdpa at TinyLlama's shape, xz-compressed in $OUT: the evidence for the next graph fix;
 #   3. the `small` preset (head size 64: cuDNN's graphs, reading the stored bf16 q, k, v in place), 8 bf16-true
 #      training steps on the CPU and on the GPU: the largest relative step-loss difference (bound 2e-2, as
 #      gpu_check_all.sh);
@@ -77,6 +79,18 @@ FITLLM_CUDA_ATTN=own step own 35 --profile
 FITLLM_CUDA_ATTN=own FITLLM_CUDA_FA2_BK=128 step own128 35 --profile
 [ -f "$OUT/own128.log" ] && grep -E "^ +attention" "$OUT/own128.log" | head -4
 
+if grep -q "cuDNN attention.*refused" "$OUT/attn.log" "$OUT/full.log" 2>/dev/null; then
+    # cuDNN matches its fused engines' graphs node for node: the next fix compares its debug log of our graphs with
+    # the one of PyTorch's (the frontend's) at the same shape, as the 2026-11-30 session did by hand
+    echo "== 2c. cuDNN refused a graph: its debug logs of ours and of PyTorch's sdpa (compressed in \$OUT)"
+    CUDNN_LOGLEVEL_DBG=3 CUDNN_LOGDEST_DBG="$OUT/cudnn-ours.txt" run cudnn-ours 40 "$F" selftest --accelerator cuda \
+        --only attention_choices
+    CUDNN_LOGLEVEL_DBG=3 CUDNN_LOGDEST_DBG="$OUT/cudnn-torch.txt" run cudnn-torch 45 python3 bench/sdpa_torch.py
+    for f in "$OUT/cudnn-ours.txt" "$OUT/cudnn-torch.txt"; do
+        [ -f "$f" ] && head -c 30000000 "$f" | xz -6 >"$f.xz" && rm -f "$f" && ls -l "$f.xz"
+    done
+fi
+
 echo "== 3. the small preset (HD 64: cuDNN in a training), 8 bf16-true steps, cuda against cpu"
 T=$(mktemp -d /tmp/fitllm-quick-XXXXXX)
 ok=1
@@ -91,6 +105,11 @@ for acc in $accs; do
     run "small-$acc" 60 "$F" finetune_full small --precision bf16-true $SMALL_COMMON --accelerator $acc --out_dir "$T/$acc" ||
         ok=0
     [ -f "$OUT/small-$acc.log" ] && grep -E "cuDNN|error" "$OUT/small-$acc.log" | head -3
+done
+for acc in cpu cuda; do # a run that wrote no step losses is no comparison (not a pass)
+    if [ "$(tail -n +2 "$T/$acc/logs/metrics.csv" 2>/dev/null | wc -l)" -lt 8 ]; then
+        ok=0 && echo "FAIL small-bf16: $acc wrote no 8 steps' losses ($T/$acc/logs/metrics.csv)"
+    fi
 done
 if [ $ok = 1 ]; then
     d=$(paste -d' ' <(cut -d, -f4 "$T/cpu/logs/metrics.csv" | tail -n +2) <(cut -d, -f4 "$T/cuda/logs/metrics.csv" | tail -n +2) |

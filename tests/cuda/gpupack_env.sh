@@ -12,7 +12,7 @@ gpupack_env() {
         for d in "$GPUPACK_LIBS"/*; do if ldconfig -p | grep -q "/$(basename "$d")\$"; then rm -f "$d"; fi; done
         export LD_LIBRARY_PATH="$GPUPACK_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     fi
-    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/targets/x86_64-linux/lib"
+    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/targets/x86_64-linux/lib"
     [ -n "${FITLLM_CUDNN_LIB:-}" ] && return 0
     if [ -n "$f" ] && ! "$f" --version 2>/dev/null | grep -q '^cudnn: *cuDNN not found'; then return 0; fi
     d=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
