@@ -9,7 +9,7 @@ JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 # libcurl4-openssl-dev: `fitllm download` (src/io/hf_hub.c); the build also works without it
 # libjpeg62-turbo-dev, libpng-dev: image decoding (src/image/)
 DEB_PKGS   := cmake make gcc g++ libc6-dev libopenblas-dev libdnnl-dev libyaml-dev libpcre2-dev openmpi-bin libopenmpi-dev \
-              libcurl4-openssl-dev libjpeg62-turbo-dev libpng-dev
+              libcurl4-openssl-dev libjpeg62-turbo-dev libpng-dev xz-utils
 # optional: gnuplot-nox, the lab's PNG charts (without it `fitllm lab` writes the data and notes it in report.md);
 # iproute2, the two-node test's network namespaces (tests/netns_test.sh skips without it)
 DEB_OPT_PKGS := gnuplot-nox iproute2

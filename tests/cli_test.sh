@@ -1854,6 +1854,10 @@ expect perf_session_dry_tp_ops 0 "^plumbing ok$" -- bash -c 'PERF_DRY=1 OUT="$1"
 expect perf_session_steps 0 "^steps ok$" -- bash -c 'PERF_DRY=1 PERF_STEPS=2,18-22 OUT="$1" tests/cuda/perf_session.sh \
     "$(dirname "$2")" 2>&1 | grep "^== " | cut -d. -f1 | tr "\n" " " | grep -qx "== 2 == 18 == 19 == 20 == 21 == 22 " && echo "steps ok"' \
     _ "$T/psteps" "$FITLLM"
+# tests/cuda/device_quick.sh (a lent GPU's first call) with stand-ins for the packed fitllm, nvidia-smi and python3: a
+# cuDNN refusal brings back both debug logs (step 2c), the small preset's CPU / GPU losses pass when equal and fail on
+# a NaN GPU loss or on no losses at all
+expect device_quick_plumbing 0 "^device_quick plumbing ok$" -- tests/cuda/device_quick_test.sh "$T/dquick"
 # fitllm_emu (the command line over the CUDA emulator, a developer's tool: tests/cuda/fitllm_emu.c): a bf16-true step's
 # profile lists every op the CUDA backend issues; no conversion op among them (issue 30 item 1's ratchet, as
 # cuda_emu_bf16_true_convert_launches counts the kernels)

@@ -113,7 +113,9 @@ for acc in cpu cuda; do # a run that wrote no step losses is no comparison (not 
 done
 if [ $ok = 1 ]; then
     d=$(paste -d' ' <(cut -d, -f4 "$T/cpu/logs/metrics.csv" | tail -n +2) <(cut -d, -f4 "$T/cuda/logs/metrics.csv" | tail -n +2) |
-        awk 'NF == 2 && $1 != 0 {r=($1-$2)/$1; if(r<0)r=-r; if(r>m)m=r} END{printf "%.2e", m}')
+        awk 'NF == 2 && $1 != 0 {if ($2 !~ /^-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?$/) {bad=1; next}
+                                  r=($1-$2)/$1; if(r<0)r=-r; if(r>m)m=r}
+             END{if (bad) printf "nan"; else printf "%.2e", m}')
     awk -v d="$d" 'BEGIN{exit !(d <= 2e-2)}' && echo "ok   small-bf16: max relative loss difference $d (bound 2e-2)" ||
         echo "FAIL small-bf16: max relative loss difference $d (bound 2e-2)"
     paste -d' ' <(cut -d, -f4 "$T/cpu/logs/metrics.csv") <(cut -d, -f4 "$T/cuda/logs/metrics.csv") >"$OUT/small-losses.txt"

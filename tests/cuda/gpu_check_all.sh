@@ -55,10 +55,17 @@ train() { # name bound args...
             echo "FAIL $k on $acc: $(grep -i error "$T/$k-$acc.log" | head -1)"; fail=1; return
         fi
     done
-    local d
+    local d acc
+    for acc in cpu cuda; do # no step losses is no comparison (not a pass)
+        if [ "$(tail -n +2 "$T/$k-$acc/logs/metrics.csv" 2>/dev/null | wc -l)" -lt 8 ]; then
+            echo "FAIL $k: $acc wrote no 8 steps' losses"; fail=1; return
+        fi
+    done
     d=$(paste -d' ' <(cut -d, -f4 "$T/$k-cpu/logs/metrics.csv" | tail -n +2) \
                     <(cut -d, -f4 "$T/$k-cuda/logs/metrics.csv" | tail -n +2) |
-        awk '{r=($1-$2)/$1; if(r<0)r=-r; if(r>m)m=r} END{printf "%.2e", m}')
+        awk 'NF == 2 && $1 != 0 {if ($2 !~ /^-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?$/) {bad=1; next}
+                                  r=($1-$2)/$1; if(r<0)r=-r; if(r>m)m=r}
+             END{if (bad) printf "nan"; else printf "%.2e", m}')
     if awk -v d="$d" -v b="$bound" 'BEGIN{exit !(d <= b)}'; then echo "ok   $k: max relative loss difference $d (bound $bound)"
     else echo "FAIL $k: max relative loss difference $d (bound $bound)"; fail=1; fi
 }
