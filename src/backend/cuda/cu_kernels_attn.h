@@ -50,6 +50,13 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
     return a && (a->HD == 64 || a->HD == 128) && !bias && !(a->drop_p > 0); /* dropout: the fp32 kernels */
 }
 
+/* The FlashAttention-2-structured kernels (kernels/attn_fa2.cu) take more head sizes: 64, and any even size in
+ * (64, 128], zero-padded to 128 in their tiles (BLIP-2 OPT-2.7b's 80, its ViT-g's 88, OpenLLaMA 3B's 100): the
+ * tensor cores at up to 128 / HD the products instead of the fp32 kernels. */
+static inline int fl_cu_attention_fa2_supported(const fl_attn_desc *a, const float *bias) {
+    return a && (a->HD == 64 || (a->HD > 64 && a->HD <= 128 && a->HD % 2 == 0)) && !bias && !(a->drop_p > 0);
+}
+
 #define FL_CU_DECLARE_ATTN_KERNELS(P)                                                                          \
     /* causal self-attention, qkv rows [q (NH*HD) | k (NKV*HD) | v (NKV*HD)], scale 1/sqrt(HD) */              \
     int P##attention_forward(float *out /*(B,T,NH*HD)*/, float *lse /*(B,NH,T)*/, const float *qkv, int B,     \

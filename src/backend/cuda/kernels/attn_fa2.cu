@@ -1,6 +1,8 @@
 /* FlashAttention-2-structured tensor-core attention ("own" kernels, FITLLM_CUDA_ATTN=own, the
  * default for bf16 runs): the semantics and roundings of attention_tc.cu (bf16 operands Q, K, V,
- * P, dO, dS; fp32 scores, online softmax, lse, accumulators), HD 64 and 128, no bias.
+ * P, dO, dS; fp32 scores, online softmax, lse, accumulators), no bias; HD 64, or any even HD in (64, 128] run by the
+ * 128 tiles with the head zero-padded (loads zero its columns >= HD, stores skip them: the padding adds exact zeros
+ * to every product, so the semantics are those of the tc kernels at HD).
  * EXPERIMENTAL: verified under the CUDA emulator and compiled for sm_90; not yet timed on a GPU.
  *
  * What differs from attention_tc.cu (the "legacy" tensor-core kernels):
@@ -32,25 +34,29 @@ template <> struct fl_cu_fa_cfg<128> {
 
 /* ---- the tiles' loads ------------------------------------------------------------------------- */
 
-/* Rows 0..n-1 of a (rows, D) view of q, k, v (or dO) into a bf16 tile (pitch P), rows >= n zero: cp.async from a
- * bf16 view, 128-bit loads from an fp32 one (vec: the launcher found every view 16-byte aligned, fl_cu_fa_vec),
- * else fl_cu_tc_load's element pairs. The same bits all three ways. */
-template <int D, int R, int NTH = FL_CU_TC_THREADS>
-FL_CU_DEV void fl_cu_fa_tile(uint16_t *dst, int P, fl_cu_fptr src, size_t ld, int n, int vec) {
-    if (vec && src.b16) fl_cu_tc_cp_tile<D, R, NTH>(dst, P, (const uint16_t *)src.p, ld, n);
-    else if (vec) fl_cu_tc_ld_tile32<D, R, NTH>(dst, P, (const float *)src.p, ld, n);
-    else fl_cu_tc_load<D, R, NTH>(dst, P, NULL, 0, src, ld, n);
+/* Rows 0..n-1 of a (rows, hd) view of q, k, v (or dO) into a bf16 tile (pitch P), rows >= n and columns >= hd zero
+ * (hd < D: a head size padded to the tile's D). vec (fl_cu_fa_vec): 1 (hd = D, every view 16-byte aligned with whole
+ * 16-byte row strides): cp.async from a bf16 view, 128-bit loads from an fp32 one; 2 (hd < D, hd % 4 == 0, rows 8-
+ * (bf16) or 16-byte (fp32) aligned): the same in chunks of 4 elements; 0: fl_cu_tc_load's element pairs. The same
+ * bits every way. */
+template <int D, int R, int NTH = FL_CU_TC_THREADS, int PADH = 0>
+FL_CU_DEV void fl_cu_fa_tile(uint16_t *dst, int P, fl_cu_fptr src, size_t ld, int n, int vec, int hd) {
+    if (!PADH && vec && src.b16) fl_cu_tc_cp_tile<D, R, NTH>(dst, P, (const uint16_t *)src.p, ld, n);
+    else if (!PADH && vec) fl_cu_tc_ld_tile32<D, R, NTH>(dst, P, (const float *)src.p, ld, n);
+    else if (PADH && vec && src.b16) fl_cu_tc_cp8_tile<D, R, NTH>(dst, P, (const uint16_t *)src.p, ld, n, hd);
+    else if (PADH && vec) fl_cu_tc_ld_tile32n<D, R, NTH>(dst, P, (const float *)src.p, ld, n, hd);
+    else fl_cu_tc_load<D, R, NTH>(dst, P, NULL, 0, src, ld, n, PADH ? hd : D);
 }
 
 /* ---- forward ---------------------------------------------------------------------------------- */
 
 /* Key tile k0 (kn keys) into a buffer of keys (BK, P) then values (BK, P), and its key mask. */
-template <int D, int BK>
+template <int D, int BK, int PADH>
 FL_CU_DEV void fl_cu_fa_kv(const fl_cu_attn_p &p, uint16_t *buf, int *km, fl_cu_fptr K, fl_cu_fptr V, int k0, int kn,
                            int b) {
     enum { P = D + FL_CU_TC_PAD };
-    fl_cu_fa_tile<D, BK>(buf, P, K + (size_t)k0 * p.ldk, p.ldk, kn, p.vq);
-    fl_cu_fa_tile<D, BK>(buf + BK * P, P, V + (size_t)k0 * p.ldv, p.ldv, kn, p.vq);
+    fl_cu_fa_tile<D, BK, FL_CU_TC_THREADS, PADH>(buf, P, K + (size_t)k0 * p.ldk, p.ldk, kn, p.vq, p.HD);
+    fl_cu_fa_tile<D, BK, FL_CU_TC_THREADS, PADH>(buf + BK * P, P, V + (size_t)k0 * p.ldv, p.ldv, kn, p.vq, p.HD);
     for (int j = threadIdx.x; j < BK; j += FL_CU_TC_THREADS)
         km[j] = j < kn && (!p.kmask || p.kmask[(size_t)b * p.Tk + k0 + j]);
 }
@@ -104,7 +110,7 @@ FL_CU_DEV void fl_cu_fa_softmax(float (&s)[NT][4], float (&m_)[2], float (&l_)[2
 /* Key tiles double-buffered: tile i+1's copies (cp.async from a bf16 run's stored q|k|v) are issued before tile
  * i's products, and land while they run. A warp's m-tile whose rows all see all of a whole tile (no key mask,
  * below the causal diagonal) skips the per-element visibility tests (the same values: every score visible). */
-template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
+template <int D, int PADH> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
     enum { BQ = fl_cu_fa_cfg<D>::BQ, MT = fl_cu_fa_cfg<D>::MT, BK = fl_cu_fa_cfg<D>::BK, P = D + FL_CU_TC_PAD,
            NT = BK / 8, DT = D / 8, DK = D / 16, PK = BK / 16 };
     FL_CU_DYN_SMEM(uint16_t, sm);
@@ -116,7 +122,9 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
     const int qt = (int)gridDim.x - 1 - (int)blockIdx.x; /* causal: the heaviest tiles start first */
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / p.rep;
     const int q0 = qt * BQ, qn = p.Tq - q0 < BQ ? p.Tq - q0 : BQ;
-    fl_cu_fa_tile<D, BQ>(Qs, P, p.q + ((size_t)b * p.Tq + q0) * p.ldq + (size_t)h * D, p.ldq, qn, p.vq);
+    const int hd = PADH ? p.HD : D; /* PADH: a head padded to D's tiles */
+    fl_cu_fa_tile<D, BQ, FL_CU_TC_THREADS, PADH>(Qs, P, p.q + ((size_t)b * p.Tq + q0) * p.ldq + (size_t)h * hd, p.ldq, qn,
+                                                 p.vq, hd);
     /* m-tile mt of the warp: rows w0 + 16 mt ..; lane rows r[mt][0] = .. + g, r[mt][1] = .. + g + 8 */
     const int w0 = warp * 16 * MT;
     int lim[MT][2], mend[MT], mfull[MT];
@@ -144,16 +152,17 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
             FL_CU_UNROLL
             for (int i = 0; i < 4; i++) o[mt][dt][i] = 0.0f;
     }
-    const fl_cu_fptr K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * D;
-    const fl_cu_fptr V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * D;
+    const fl_cu_fptr K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * hd;
+    const fl_cu_fptr V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * hd;
     const int nkt = (kend + BK - 1) / BK;
-    if (nkt > 0) fl_cu_fa_kv<D, BK>(p, KVs, km[0], K, V, 0, kend < BK ? kend : BK, b);
+    if (nkt > 0) fl_cu_fa_kv<D, BK, PADH>(p, KVs, km[0], K, V, 0, kend < BK ? kend : BK, b);
     fl_cu_cp_commit(); /* the query tile and key tile 0 */
     for (int it = 0; it < nkt; it++) {
         const int k0 = it * BK, kn = kend - k0 < BK ? kend - k0 : BK, cur = it & 1;
         if (it + 1 < nkt) { /* into the buffer every warp finished with at the end of tile it - 1 */
             const int k1 = k0 + BK;
-            fl_cu_fa_kv<D, BK>(p, KVs + (cur ^ 1) * 2 * BK * P, km[cur ^ 1], K, V, k1, kend - k1 < BK ? kend - k1 : BK, b);
+            fl_cu_fa_kv<D, BK, PADH>(p, KVs + (cur ^ 1) * 2 * BK * P, km[cur ^ 1], K, V, k1,
+                                     kend - k1 < BK ? kend - k1 : BK, b);
         }
         fl_cu_cp_commit();
         fl_cu_cp_wait<1>(); /* all but the newest group: tile it (and the query tile) landed */
@@ -205,7 +214,7 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
         __syncthreads(); /* every warp is done with buffer cur: tile it + 2 may go there */
     }
     fl_cu_cp_wait<0>(); /* no copy outlives the block (no key tile: the query tile's) */
-    const size_t at = ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * D;
+    const size_t at = ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * hd;
     float *O = p.o ? p.o + at : NULL; /* NULL: the bf16 copy only */
     uint16_t *O16 = p.o16 ? p.o16 + at : NULL; /* bf16 stored: the output's copy too */
     float *L = p.l + ((size_t)b * p.NH + h) * p.Tq + q0;
@@ -221,6 +230,7 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
             FL_CU_UNROLL
             for (int dt = 0; dt < DT; dt++) {
                 const int d = dt * 8 + 2 * tq;
+                if (PADH && d >= hd) continue; /* a padded head's zero columns (HD even: the pair's both) */
                 const size_t i = (size_t)r * p.ldo + d;
                 fl_cu_put16(O, O16, i, o[mt][dt][2 * x] * inv);
                 fl_cu_put16(O, O16, i + 1, o[mt][dt][2 * x + 1] * inv);
@@ -233,8 +243,9 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
 
 /* The block's dQ contribution of one query tile: dS (in dSs as (keys, queries) row-major) times K,
  * the block's BK / 16 warps split over the tile's m-tiles and, when there are more warps, over the dims. */
-template <int D, int BQ, int BK>
-FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, const uint16_t *Ks, float *dQ, int rn) {
+template <int D, int BQ, int BK, int PADH>
+FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, const uint16_t *Ks, float *dQ, int rn,
+                                int hd) {
     enum { P = D + FL_CU_TC_PAD, SP = BQ + FL_CU_TC_PAD, MQ = BQ / 16, WPM = BK / 16 / MQ, NTW = D / 8 / WPM };
     static_assert(WPM * MQ == BK / 16 && NTW % 2 == 0, "the warps cover the tile's m-tiles and dims");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
@@ -260,7 +271,7 @@ FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, cons
         FL_CU_UNROLL
         for (int x = 0; x < 2; x++) {
             const int r = mq * 16 + g + 8 * x, d = n0 + nt * 8 + 2 * tq;
-            if (r < rn)
+            if (r < rn && (!PADH || d < hd))
                 fl_cu_atomic_add2(dQ + (size_t)r * p.ldq + d, p.scale * acc[nt][2 * x], p.scale * acc[nt][2 * x + 1],
                                   p.dq2);
         }
@@ -303,7 +314,7 @@ FL_CU_DEV void fl_cu_fa_rows(const fl_cu_attn_p &p, float *Ls, float *Ds, int *l
  * issued (cp.async from a bf16 run's stored q) and, at HD 64 with an aligned dO, its dO tile's fp32 loads are in
  * registers (PF) before pair i's products; dO is packed and the row statistics stored after them. A warp whose
  * 16 keys every row of the tile sees (no key mask, below the causal diagonal) skips the visibility tests. */
-template <int D, int BK> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
+template <int D, int BK, int PADH> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     enum { NTH = 2 * BK, BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD, SP = BQ + FL_CU_TC_PAD, NQ = BQ / 8,
            DT = D / 8, DK = D / 16, QK = BQ / 16, GI = BQ * (D / 8) / NTH, PF = D == 64 };
     FL_CU_DYN_SMEM(uint16_t, sm);
@@ -318,8 +329,12 @@ template <int D, int BK> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int kvh = blockIdx.y, b = blockIdx.z;
     const int k0 = blockIdx.x * BK, kn = p.Tk - k0 < BK ? p.Tk - k0 : BK;
-    fl_cu_fa_tile<D, BK, NTH>(Ks, P, p.k + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D, p.ldk, kn, p.vq);
-    fl_cu_fa_tile<D, BK, NTH>(Vs, P, p.v + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * D, p.ldv, kn, p.vq);
+    const int hd = PADH ? p.HD : D; /* PADH: a head padded to D's tiles */
+    /* dO's vector loads (p.vo), except in a padded head's 64-key blocks: there its chunks of 4 beside Q's 8-byte
+     * cp.async need more than the 255 registers (ptxas spills; element pairs, the same bits) */
+    const int vo = PADH && BK == 64 ? 0 : p.vo;
+    fl_cu_fa_tile<D, BK, NTH, PADH>(Ks, P, p.k + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * hd, p.ldk, kn, p.vq, hd);
+    fl_cu_fa_tile<D, BK, NTH, PADH>(Vs, P, p.v + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * hd, p.ldv, kn, p.vq, hd);
     for (int j = threadIdx.x; j < BK; j += NTH)
         km[j] = j < kn && (!p.kmask || p.kmask[(size_t)b * p.Tk + k0 + j]);
     const int kw = warp * 16; /* the warp's keys kw..kw+15 of the tile */
@@ -339,9 +354,9 @@ template <int D, int BK> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     const size_t qrow = (size_t)b * p.Tq;
     if (npair > 0) {
         const int h = kvh * p.rep, rn = p.Tq - tstart < BQ ? p.Tq - tstart : BQ;
-        fl_cu_fa_tile<D, BQ, NTH>(Q2, P, p.q + (qrow + tstart) * p.ldq + (size_t)h * D, p.ldq, rn, p.vq);
-        const fl_cu_fptr G0 = fl_cu_fptr(p.dout + (qrow + tstart) * p.ldo + (size_t)h * D);
-        fl_cu_fa_tile<D, BQ, NTH>(G2, P, G0, p.ldo, rn, p.vo);
+        fl_cu_fa_tile<D, BQ, NTH, PADH>(Q2, P, p.q + (qrow + tstart) * p.ldq + (size_t)h * hd, p.ldq, rn, p.vq, hd);
+        const fl_cu_fptr G0 = fl_cu_fptr(p.dout + (qrow + tstart) * p.ldo + (size_t)h * hd);
+        fl_cu_fa_tile<D, BQ, NTH, PADH>(G2, P, G0, p.ldo, rn, vo, hd);
         fl_cu_fa_rows<BQ, NTH>(p, Ls[0], Ds[0], lims[0], b, h, tstart, rn);
     }
     fl_cu_cp_commit(); /* K, V and pair 0's Q */
@@ -352,10 +367,11 @@ template <int D, int BK> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
         if (pi + 1 < npair) { /* into the buffers every warp finished with in pair pi - 1 */
             const int h1 = kvh * p.rep + (pi + 1) / nth, t1 = tstart + ((pi + 1) % nth) * BQ;
             const int rn1 = p.Tq - t1 < BQ ? p.Tq - t1 : BQ;
-            fl_cu_fa_tile<D, BQ, NTH>(Q2 + (cur ^ 1) * BQ * P, P, p.q + (qrow + t1) * p.ldq + (size_t)h1 * D, p.ldq, rn1,
-                                 p.vq);
-            if (PF && p.vo) fl_cu_tc_ld32_regs<D, BQ, PF ? GI : 1, NTH>(gx, 0, p.dout + (qrow + t1) * p.ldo + (size_t)h1 * D,
-                                                                   p.ldo, rn1);
+            fl_cu_fa_tile<D, BQ, NTH, PADH>(Q2 + (cur ^ 1) * BQ * P, P, p.q + (qrow + t1) * p.ldq + (size_t)h1 * hd,
+                                            p.ldq, rn1, p.vq, hd);
+            if (PF && p.vo)
+                fl_cu_tc_ld32_regs<D, BQ, PF ? GI : 1, NTH>(gx, 0, p.dout + (qrow + t1) * p.ldo + (size_t)h1 * hd,
+                                                           p.ldo, rn1);
         }
         fl_cu_cp_commit();
         fl_cu_cp_wait<1>(); /* all but the newest group: K, V and pair pi's Q landed */
@@ -413,24 +429,25 @@ template <int D, int BK> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
         __syncthreads(); /* dS^T of every warp; every warp is done with pair pi - 1's buffers long since */
         int *lock = p.dq_lock ? p.dq_lock + ((size_t)b * p.NH + h) * ntiles + t0 / BQ : NULL;
         if (lock) fl_cu_dq_wait(lock, (int)blockIdx.x); /* key blocks 0..x-1 all visit this tile */
-        fl_cu_fa_dq_tile<D, BQ, BK>(p, dSs, Ks, p.dq + (qrow + t0) * p.ldq + (size_t)h * D, rn);
+        fl_cu_fa_dq_tile<D, BQ, BK, PADH>(p, dSs, Ks, p.dq + (qrow + t0) * p.ldq + (size_t)h * hd, rn, hd);
         if (lock) fl_cu_dq_post(lock);
         if (pi + 1 < npair) { /* pair pi + 1's dO and row statistics into the other buffers */
             const int h1 = kvh * p.rep + (pi + 1) / nth, t1 = tstart + ((pi + 1) % nth) * BQ;
             const int rn1 = p.Tq - t1 < BQ ? p.Tq - t1 : BQ;
             uint16_t *Gn = G2 + (cur ^ 1) * BQ * P;
             if (PF && p.vo) fl_cu_tc_st32_regs<D, BQ, PF ? GI : 1, NTH>(Gn, P, gx, 0);
-            else fl_cu_fa_tile<D, BQ, NTH>(Gn, P, fl_cu_fptr(p.dout + (qrow + t1) * p.ldo + (size_t)h1 * D), p.ldo, rn1,
-                                      p.vo);
+            else fl_cu_fa_tile<D, BQ, NTH, PADH>(Gn, P, fl_cu_fptr(p.dout + (qrow + t1) * p.ldo + (size_t)h1 * hd), p.ldo,
+                                                 rn1, vo, hd);
             fl_cu_fa_rows<BQ, NTH>(p, Ls[cur ^ 1], Ds[cur ^ 1], lims[cur ^ 1], b, h1, t1, rn1);
         }
     }
     fl_cu_cp_wait<0>();
-    float *dK = p.dk + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D;
-    float *dV = p.dv + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * D;
+    float *dK = p.dk + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * hd;
+    float *dV = p.dv + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * hd;
     FL_CU_UNROLL
     for (int dt = 0; dt < DT; dt++) {
         const int d = dt * 8 + 2 * tq;
+        if (PADH && d >= hd) continue; /* a padded head's zero columns */
         FL_CU_UNROLL
         for (int i = 0; i < 4; i++) {
             const int j = i < 2 ? j0 : j1;
@@ -443,12 +460,12 @@ template <int D, int BK> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
 
 /* ---- launchers -------------------------------------------------------------------------------- */
 
-template <int D> static int fl_cu_fa_fwd_launch(const fl_cu_attn_p &p, void *stream) {
+template <int D, int PADH> static int fl_cu_fa_fwd_launch(const fl_cu_attn_p &p, void *stream) {
     enum { BQ = fl_cu_fa_cfg<D>::BQ, BK = fl_cu_fa_cfg<D>::BK, P = D + FL_CU_TC_PAD };
     const size_t smem = 2 * ((size_t)BQ * P + 4 * (size_t)BK * P); /* bf16: Qs, 2 x (Ks, Vs) */
-    if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_fa_fwd_k<D>, smem)) return fl_cu_launch_error();
+    if (FL_CU_ATTN_SMEM_OPTIN((fl_cu_fa_fwd_k<D, PADH>), smem)) return fl_cu_launch_error();
     dim3 grid((unsigned)((p.Tq + BQ - 1) / BQ), (unsigned)p.NH, (unsigned)p.B);
-    FL_CU_LAUNCH(fl_cu_fa_fwd_k<D>, grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
+    FL_CU_LAUNCH((fl_cu_fa_fwd_k<D, PADH>), grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();
 }
 
@@ -459,11 +476,11 @@ __global__ static void fl_cu_fa_zero_k(int *x, size_t n) {
 /* FL_CU_FA_NO_SMEM (nothing launched) when the device refuses the 128-key blocks' shared memory (HD 128: 115 KB,
  * over the 99 KB of sm_86/89): the caller runs the 64-key blocks then. Else 0 or a CUDA error. */
 #define FL_CU_FA_NO_SMEM (-100)
-template <int D, int BK> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *stream) {
+template <int D, int BK, int PADH> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *stream) {
     enum { BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD };
     /* bf16: Ks, Vs, 2 x (Qs, Gs), dS^T */
     const size_t smem = 2 * (2 * (size_t)BK * P + 4 * (size_t)BQ * P + (size_t)BK * (BQ + FL_CU_TC_PAD));
-    if (FL_CU_ATTN_SMEM_OPTIN((fl_cu_fa_bwd_k<D, BK>), smem)) {
+    if (FL_CU_ATTN_SMEM_OPTIN((fl_cu_fa_bwd_k<D, BK, PADH>), smem)) {
         const int rc = fl_cu_launch_error(); /* (consumed) */
         return BK > 64 ? FL_CU_FA_NO_SMEM : rc;
     }
@@ -476,28 +493,40 @@ template <int D, int BK> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, v
         if ((rc = fl_cu_launch_error())) return rc;
     }
     dim3 grid((unsigned)((p.Tk + BK - 1) / BK), (unsigned)p.NKV, (unsigned)p.B);
-    FL_CU_LAUNCH((fl_cu_fa_bwd_k<D, BK>), grid, dim3(2 * BK), smem, (fl_cu_stream)stream, p);
+    FL_CU_LAUNCH((fl_cu_fa_bwd_k<D, BK, PADH>), grid, dim3(2 * BK), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();
 }
 
-/* The 128-bit paths' conditions (p.vq, p.vo, p.dq2): base pointers aligned and row strides whole 16-byte (dq: 8-byte)
- * units, so that every row (and head: HD is 64 or 128) starts aligned. Otherwise the element-pair loads: the same
- * bits (tests/test_cuda_attn.c cuda_attn_fa2_paths). */
+/* The vector paths' conditions (p.vq, p.vo, p.dq2): base pointers aligned and row strides whole 16-byte (dq: 8-byte)
+ * units, so that every row (and head: HD is 64 or 128) starts aligned; for a padded head, chunks of 4 elements
+ * (8 bytes bf16, 16 fp32). Otherwise the element-pair loads: the same bits (tests/test_cuda_attn_paths.c). */
 static void fl_cu_fa_vec(fl_cu_attn_p *p, int in16) {
-    const size_t e = in16 ? 8 : 4; /* elements per 16 bytes */
-    p->vq = fl_cu_aligned16(p->q.p, p->k.p, p->v.p, NULL, NULL) && p->ldq % e == 0 && p->ldk % e == 0 &&
-            p->ldv % e == 0;
-    p->vo = p->dout && fl_cu_aligned16(p->dout, NULL, NULL, NULL, NULL) && p->ldo % 4 == 0;
+    if (p->HD == 64 || p->HD == 128) { /* whole 16-byte chunks of 8 elements (1) */
+        const size_t e = in16 ? 8 : 4; /* elements per 16 bytes */
+        p->vq = fl_cu_aligned16(p->q.p, p->k.p, p->v.p, NULL, NULL) && p->ldq % e == 0 && p->ldk % e == 0 &&
+                p->ldv % e == 0;
+        p->vo = p->dout && fl_cu_aligned16(p->dout, NULL, NULL, NULL, NULL) && p->ldo % 4 == 0;
+    } else { /* a padded head (fl_cu_attention_fa2_supported): chunks of 4 elements (2), rows 8- (bf16) / 16-byte
+              * (fp32) aligned when the views are and HD, the strides are multiples of 4 (head h starts h HD on) */
+        const uintptr_t m = (uintptr_t)p->q.p | (uintptr_t)p->k.p | (uintptr_t)p->v.p;
+        p->vq = p->HD % 4 == 0 && m % (in16 ? 8u : 16u) == 0 && p->ldq % 4 == 0 && p->ldk % 4 == 0 && p->ldv % 4 == 0
+                    ? 2
+                    : 0;
+        p->vo = p->dout && p->HD % 4 == 0 && fl_cu_aligned16(p->dout, NULL, NULL, NULL, NULL) && p->ldo % 4 == 0 ? 2 : 0;
+    }
     p->dq2 = p->dq && ((uintptr_t)p->dq & 7u) == 0 && p->ldq % 2 == 0;
 }
 
 static int fa_fwd(const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q, const void *k,
                   const void *v, const uint8_t *kmask, int in16, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, NULL, kmask, 1, in16);
+    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, NULL, kmask, 2, in16);
     if (rc) return rc < 0 ? rc : 0;
     fl_cu_fa_vec(&p, in16);
-    return a->HD == 64 ? fl_cu_fa_fwd_launch<64>(p, stream) : fl_cu_fa_fwd_launch<128>(p, stream);
+    /* HD 64 / 128: their own tiles; another size (fl_cu_attention_fa2_supported) padded to 128's (PADH) */
+    return a->HD == 64    ? fl_cu_fa_fwd_launch<64, 0>(p, stream)
+           : a->HD == 128 ? fl_cu_fa_fwd_launch<128, 0>(p, stream)
+                          : fl_cu_fa_fwd_launch<128, 1>(p, stream);
 }
 extern "C" int FL_CUK(attention_forward_fa2)(const fl_attn_desc *a, float *out, void *out16, float *lse,
                                              const float *q, const float *k, const float *v, const uint8_t *kmask, void *stream) {
@@ -521,16 +550,20 @@ static int fa_bwd(const fl_attn_desc *a, float *dq, float *dk, float *dv, const 
                   const void *k, const void *v, const uint8_t *kmask, const void *out, const float *lse, void *work,
                   int flags, int in16, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, 1, in16);
+    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, 2, in16);
     if (rc) return rc < 0 ? rc : 0;
     /* the counters after D's rows (work of fl_cu_attention_work_bytes_det) */
     if (flags & FL_CU_FA2_DET) p.dq_lock = (int *)(p.Dsum + (size_t)a->B * a->NH * a->Tq);
     fl_cu_fa_vec(&p, in16);
     if (flags & FL_CU_FA2_BK128) {
-        rc = a->HD == 64 ? fl_cu_fa_bwd_launch<64, 128>(p, stream) : fl_cu_fa_bwd_launch<128, 128>(p, stream);
+        rc = a->HD == 64    ? fl_cu_fa_bwd_launch<64, 128, 0>(p, stream)
+             : a->HD == 128 ? fl_cu_fa_bwd_launch<128, 128, 0>(p, stream)
+                            : fl_cu_fa_bwd_launch<128, 128, 1>(p, stream);
         if (rc != FL_CU_FA_NO_SMEM) return rc;
     }
-    return a->HD == 64 ? fl_cu_fa_bwd_launch<64, 64>(p, stream) : fl_cu_fa_bwd_launch<128, 64>(p, stream);
+    return a->HD == 64    ? fl_cu_fa_bwd_launch<64, 64, 0>(p, stream)
+           : a->HD == 128 ? fl_cu_fa_bwd_launch<128, 64, 0>(p, stream)
+                          : fl_cu_fa_bwd_launch<128, 64, 1>(p, stream);
 }
 extern "C" int FL_CUK(attention_backward_fa2_ex)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                                  const float *dout, const float *q, const float *k, const float *v,

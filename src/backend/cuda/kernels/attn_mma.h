@@ -23,12 +23,13 @@ FL_CU_DEV uint32_t fl_cu_tc_ld2(fl_cu_fptr base, size_t ld, int r, int n, int c)
 
 /* dst (R rows, pitch P elements; NULL: none) <- bf16 of rows 0..n-1 of a (rows, D) fp32 view,
  * rows >= n zero; and, when dt is given, the transpose (D rows of pitch PT) likewise. Consecutive threads take
- * consecutive column pairs (coalesced reads). */
+ * consecutive column pairs (coalesced reads). hd (even, at most D): the view's columns, those from hd on zero (a head
+ * size the fa2 kernels pad to D). */
 template <int D, int R, int NTH = FL_CU_TC_THREADS>
-FL_CU_DEV void fl_cu_tc_load(uint16_t *dst, int P, uint16_t *dt, int PT, fl_cu_fptr src, size_t ld, int n) {
+FL_CU_DEV void fl_cu_tc_load(uint16_t *dst, int P, uint16_t *dt, int PT, fl_cu_fptr src, size_t ld, int n, int hd = D) {
     for (int i = threadIdx.x; i < R * D / 2; i += NTH) {
         const int r = i / (D / 2), c = 2 * (i % (D / 2));
-        const uint32_t w = fl_cu_tc_ld2(src, ld, r, n, c);
+        const uint32_t w = c < hd ? fl_cu_tc_ld2(src, ld, r, n, c) : 0u;
         if (dst) *reinterpret_cast<uint32_t *>(dst + r * P + c) = w;
         if (dt) {
             dt[c * PT + r] = (uint16_t)(w & 0xffffu);
@@ -168,6 +169,15 @@ FL_CU_DEV void fl_cu_cp16(void *sdst, const void *gsrc, int valid) {
     *reinterpret_cast<uint4 *>(sdst) = valid ? *reinterpret_cast<const uint4 *>(gsrc) : make_uint4(0u, 0u, 0u, 0u);
 #endif
 }
+/* the same for 8 bytes (cp.async.ca: .cg copies 16 only), 8-byte aligned addresses */
+FL_CU_DEV void fl_cu_cp8(void *sdst, const void *gsrc, int valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(sdst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gsrc), "r"(valid ? 8 : 0));
+#else
+    *reinterpret_cast<uint2 *>(sdst) = valid ? *reinterpret_cast<const uint2 *>(gsrc) : make_uint2(0u, 0u);
+#endif
+}
 FL_CU_DEV void fl_cu_cp_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::);
@@ -182,6 +192,8 @@ template <int N> FL_CU_DEV void fl_cu_cp_wait() {
 FL_CU_DEV void fl_cu_st16w(uint16_t *p, const uint32_t w[4]) {
     *reinterpret_cast<uint4 *>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
+/* 4 bf16 (2 packed words) to an 8-byte aligned shared address: one 64-bit store */
+FL_CU_DEV void fl_cu_st2w(uint16_t *p, uint32_t w0, uint32_t w1) { *reinterpret_cast<uint2 *>(p) = make_uint2(w0, w1); }
 #else
 FL_CU_DEV void fl_cu_cp16(void *sdst, const void *gsrc, int valid) {
     fl_cu_check16(sdst);
@@ -189,11 +201,30 @@ FL_CU_DEV void fl_cu_cp16(void *sdst, const void *gsrc, int valid) {
     if (valid) memcpy(sdst, gsrc, 16);
     else memset(sdst, 0, 16);
 }
+/* an 8-byte access (counted with the 128-bit ones: fl_cu_emu_vec_accesses), aligned as a GPU needs */
+FL_CU_DEV void fl_cu_check8(const void *p) {
+    fl_cu_emu_vec_accesses++;
+    if ((uintptr_t)p & 7u) {
+        fprintf(stderr, "cuda emulator: 64-bit access at %p, not 8-byte aligned (a GPU faults)\n", p);
+        abort();
+    }
+}
+FL_CU_DEV void fl_cu_cp8(void *sdst, const void *gsrc, int valid) {
+    fl_cu_check8(sdst);
+    fl_cu_check8(gsrc);
+    if (valid) memcpy(sdst, gsrc, 8);
+    else memset(sdst, 0, 8);
+}
 FL_CU_DEV void fl_cu_cp_commit() {}
 template <int N> FL_CU_DEV void fl_cu_cp_wait() {}
 FL_CU_DEV void fl_cu_st16w(uint16_t *p, const uint32_t w[4]) {
     fl_cu_check16(p);
     memcpy(p, w, 16);
+}
+FL_CU_DEV void fl_cu_st2w(uint16_t *p, uint32_t w0, uint32_t w1) {
+    const uint32_t w[2] = {w0, w1};
+    fl_cu_check8(p);
+    memcpy(p, w, 8);
 }
 #endif
 
@@ -251,6 +282,40 @@ FL_CU_DEV void fl_cu_tc_ld_tile32(uint16_t *dst, int P, const float *src, size_t
         float x[G][8];
         fl_cu_tc_ld32_regs<D, R, G, NTH>(x, g0, src, ld, n);
         fl_cu_tc_st32_regs<D, R, G, NTH>(dst, P, x, g0);
+    }
+}
+/* A head of hd < D columns (hd % 4 == 0; the fa2 kernels pad it to D, fl_cu_fa_tile): rows 0..n-1, columns 0..hd-1
+ * into the tile, the rest zero, in chunks of 4 elements (row i / (D/4)). bf16: cp.async of 8 bytes (rows 8-byte
+ * aligned: hd * 2 bytes need not be a 16-byte multiple, e.g. OpenLLaMA 3B's 100); fp32: 128-bit loads (rows 16-byte
+ * aligned), a group of 4 in flight before their 64-bit packed stores. The same bits as fl_cu_tc_load. */
+template <int D, int R, int NTH = FL_CU_TC_THREADS>
+FL_CU_DEV void fl_cu_tc_cp8_tile(uint16_t *dst, int P, const uint16_t *src, size_t ld, int n, int hd) {
+    enum { CPR = D / 4, IT = R * CPR / NTH };
+    static_assert(R * CPR % NTH == 0, "whole steps of NTH chunks");
+    FL_CU_UNROLL
+    for (int it = 0; it < IT; it++) {
+        const int i = it * NTH + (int)threadIdx.x, r = i / CPR, c = 4 * (i % CPR), ok = r < n && c < hd;
+        fl_cu_cp8(dst + r * P + c, ok ? src + (size_t)r * ld + c : src, ok);
+    }
+}
+template <int D, int R, int NTH = FL_CU_TC_THREADS>
+FL_CU_DEV void fl_cu_tc_ld_tile32n(uint16_t *dst, int P, const float *src, size_t ld, int n, int hd) {
+    enum { CPR = D / 4, IT = R * CPR / NTH, G = IT < 4 ? IT : 4 };
+    static_assert(R * CPR % NTH == 0 && IT % G == 0, "whole steps of NTH chunks");
+    FL_CU_NO_UNROLL
+    for (int g0 = 0; g0 < IT; g0 += G) {
+        float x[G][4];
+        FL_CU_UNROLL
+        for (int j = 0; j < G; j++) {
+            const int i = (g0 + j) * NTH + (int)threadIdx.x, r = i / CPR, c = 4 * (i % CPR);
+            if (r < n && c < hd) fl_cu_ld4(src + (size_t)r * ld + c, x[j]);
+            else x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.0f;
+        }
+        FL_CU_UNROLL
+        for (int j = 0; j < G; j++) {
+            const int i = (g0 + j) * NTH + (int)threadIdx.x, r = i / CPR, c = 4 * (i % CPR);
+            fl_cu_st2w(dst + r * P + c, fl_cu_pack_bf16(x[j][0], x[j][1]), fl_cu_pack_bf16(x[j][2], x[j][3]));
+        }
     }
 }
 /* dq's two adjacent elements p[0], p[1] (the fa2 backward's dQ tile): one 64-bit atomic on sm_90 when pair (p
