@@ -93,8 +93,13 @@ FL_TEST(cudnn_refuse_and_layout) {
     FL_CHECK(fl_cudnn_sdpa_refuse(&a, NULL, NULL) == NULL);
     a.HD = 128, a.ldq = a.ldo = 8 * 128, a.ldk = a.ldv = 2 * 128;
     FL_CHECK(fl_cudnn_sdpa_refuse(&a, NULL, NULL) == NULL);
-    a.HD = 96;
-    FL_CHECK(strstr(fl_cudnn_sdpa_refuse(&a, NULL, NULL), "head size"));
+    a.HD = 80, a.ldq = a.ldo = 8 * 80, a.ldk = a.ldv = 2 * 80; /* BLIP-2 OPT-2.7b's: a multiple of 8 */
+    FL_CHECK(fl_cudnn_sdpa_refuse(&a, NULL, NULL) == NULL);
+    const int no_hd[] = {100, 136, 4, 66}; /* OpenLLaMA 3B's 100: the own kernels, padded */
+    for (int i = 0; i < 4; i++) {
+        a.HD = no_hd[i];
+        FL_CHECKF(strstr(fl_cudnn_sdpa_refuse(&a, NULL, NULL), "head size"), "HD %d", a.HD);
+    }
     a = desc(2, 16, 16, 8, 3, 64, 1);
     FL_CHECK(strstr(fl_cudnn_sdpa_refuse(&a, NULL, NULL), "multiple"));
     a = desc(2, 16, 16, 8, 2, 64, 1);
@@ -365,8 +370,9 @@ FL_TEST(cudnn_graph_real_library) {
         return;
     }
     printf("      cuDNN %zu\n", api.version);
-    const int shapes[][7] = {{2, 64, 64, 8, 2, 64, 1}, {1, 128, 128, 4, 4, 128, 1}, {2, 17, 40, 8, 1, 64, 0}};
-    for (int i = 0; i < 3; i++)
+    const int shapes[][7] = {{2, 64, 64, 8, 2, 64, 1}, {1, 128, 128, 4, 4, 128, 1}, {2, 17, 40, 8, 1, 64, 0},
+                             {1, 40, 40, 4, 2, 80, 1}};
+    for (int i = 0; i < 4; i++)
         for (int bwd = 0; bwd < 2; bwd++) {
             const int *s = shapes[i];
             fl_attn_desc a = desc(s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
@@ -443,8 +449,8 @@ FL_TEST(cudnn_selftest_choices_emu) {
     fclose(f);
     FL_CHECK(!strcmp(getenv("FITLLM_CUDA_ATTN"), "fp32"));
     unsetenv("FITLLM_CUDA_ATTN");
-    /* 3 shapes (HD 64, 128, 100) x own, legacy x the fp32 calls and a bf16 run's stored-operand calls (in16) */
-    FL_CHECKF(r.n_cases == 12 && r.n_fail == 0, "%d cases, %d failed:\n%s", r.n_cases, r.n_fail, buf);
+    /* 4 shapes (HD 64, 128, 100, 80) x own, legacy x the fp32 calls and a bf16 run's stored-operand calls (in16) */
+    FL_CHECKF(r.n_cases == 16 && r.n_fail == 0, "%d cases, %d failed:\n%s", r.n_cases, r.n_fail, buf);
     FL_CHECKF(strstr(buf, "cudnn  not available") && strstr(buf, "attention own    B1 T40") &&
                   strstr(buf, "attention legacy B1 T33") && strstr(buf, "HD128 causal in16   ok") &&
                   strstr(buf, "attention own    B1 T37 NH4 NKV2 HD100 causal in16   ok"), "%s", buf);

@@ -192,12 +192,14 @@ static int at_case(st_ctx *c, const char *choice, const at_shape *s, int in16, F
 
 fl_status fl_selftest_attention_choices(const char *name, int small, FILE *out, fl_selftest_result *res) {
     static const char *choices[] = {"cudnn", "own", "legacy"};
-    /* HD 100 (OpenLLaMA 3B): the own kernels pad it to their 128 tiles; cuDNN refuses it, legacy runs the fp32 kernels */
-    const at_shape small_shapes[] = {{1, 40, 4, 2, 64, 1}, {1, 33, 2, 1, 128, 1}, {1, 37, 4, 2, 100, 1}};
+    /* HD 100 (OpenLLaMA 3B): the own kernels pad it to their 128 tiles, cuDNN refuses it (not a multiple of 8); HD 80
+     * (BLIP-2 OPT-2.7b): cuDNN where its engines take it, else the own kernels padded; legacy: the fp32 kernels */
+    const at_shape small_shapes[] = {{1, 40, 4, 2, 64, 1}, {1, 33, 2, 1, 128, 1}, {1, 37, 4, 2, 100, 1},
+                                     {1, 29, 2, 2, 80, 1}};
     const at_shape big_shapes[] = {{1, 512, 8, 2, 64, 1}, {1, 256, 4, 4, 128, 1}, {1, 256, 4, 2, 100, 1},
-                                   {4, 2048, 32, 4, 64, 0}, {1, 2048, 32, 32, 100, 0}};
+                                   {1, 256, 4, 2, 80, 1}, {4, 2048, 32, 4, 64, 0}, {1, 2048, 32, 32, 100, 0}};
     const at_shape *shapes = small ? small_shapes : big_shapes;
-    const int nshapes = small ? 3 : 5;
+    const int nshapes = small ? 4 : 6;
     memset(res, 0, sizeof *res);
     const char *env = getenv("FITLLM_CUDA_ATTN");
     char *saved = env ? strdup(env) : NULL;

@@ -48,7 +48,7 @@ static void flb_embedding_backward(const fl_backend *be, float *dwte, float *dwp
     FLB_RUN(be, FLB_K(embedding_backward)(dwte, dwpe, dout, ids, B, T, C, work, STREAM), "embedding_backward");
 }
 /* FITLLM_CUDA_ATTN (read at init: fl_cudnn_attn_parse, cudnn-impl.h): which kernels a bf16 run's
- * attention of a shape the tensor-core kernels take (no bias) gets: cuDNN's fused SDPA graphs (HD 64 / 128;
+ * attention of a shape the tensor-core kernels take (no bias) gets: cuDNN's fused SDPA graphs (HD 64, 80, ..., 128;
  * "auto", the default, and "cudnn"; the plugin only, EXPERIMENTAL: cuda-cudnn-impl.h), the
  * FlashAttention-2-structured ones (kernels/attn_fa2.cu, HD 64 or an even HD in (64, 128]; "own", and "auto"
  * where cuDNN is absent or refuses the shape; experimental: not yet timed on a GPU), the earlier ones
@@ -60,7 +60,7 @@ static int flb_attn_tc(const fl_backend *be, const fl_attn_desc *a, const float 
     const flb_impl *im = FLB_IMPL(be);
     if (im->compute != FL_BF16 || im->attn == FL_CUDNN_ATTN_FP32) return 0;
     if (im->attn == FL_CUDNN_ATTN_LEGACY) return fl_cu_attention_tc_supported(a, bias) ? FLB_ATTN_LEGACY + 1 : 0;
-    /* own, auto, cudnn: HD 64 / 128 may go to cuDNN, the fa2 kernels take the padded head sizes too */
+    /* own, auto, cudnn: cuDNN first where it takes the size (a multiple of 8), else the fa2 kernels (padded sizes too) */
     return fl_cu_attention_fa2_supported(a, bias) ? FLB_ATTN_OWN + 1 : 0;
 }
 static void flb_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,

@@ -71,7 +71,9 @@ int fl_cudnn_sdpa_direct_ok(const fl_attn_desc *a, const void *q, const void *k,
 
 const char *fl_cudnn_sdpa_refuse(const fl_attn_desc *a, const float *bias, const uint8_t *kmask) {
     if (!a || a->B <= 0 || a->Tq <= 0 || a->Tk <= 0 || a->NH <= 0 || a->NKV <= 0) return "an empty shape";
-    if (a->HD != 64 && a->HD != 128) return "head size not 64 or 128";
+    /* the fused flash engines' head sizes (multiples of 8 up to 128 on every GPU generation cuDNN 9 runs them; a size
+     * its heuristics still refuse falls back to the own kernels at run time, said once) */
+    if (a->HD % 8 || a->HD < 8 || a->HD > 128) return "head size not a multiple of 8 up to 128";
     if (a->NH % a->NKV) return "query heads not a multiple of key/value heads";
     if (bias) return "an attention bias";
     if (kmask) return "a key padding mask";
