@@ -118,14 +118,16 @@ static void path_case_run(const path_case *c) {
     char name[128];
     snprintf(name, sizeof name, "fa2 %s B%d Tq%d Tk%d NH%d/%d HD%d%s%s%s%s", c->in16 ? "bf16 q|k|v" : "fp32", c->B,
              c->Tq, c->Tk, c->NH, c->NKV, c->HD, c->causal ? " causal" : "", c->mask ? " kmask" : "",
-             c->flags & FL_CU_FA2_DET ? " det" : "", c->flags & FL_CU_FA2_BK128 ? " bk128" : "");
+             c->flags & FL_CU_FA2_DET ? " det" : "",
+             c->flags & FL_CU_FA2_BK128 ? " bk128" : c->flags & FL_CU_FA2_BK64 ? " bk64" : "");
     /* layouts: 128-bit everywhere; element pairs everywhere (rows + 2); q|k|v 128-bit with dO / out by pairs */
     const int pads[3][2] = {{0, 0}, {2, 2}, {0, 2}};
     path_out r[3];
     for (int l = 0; l < 3; l++) r[l] = path_run(c, q, k, v, dout, g0, kmask, pads[l][0], pads[l][1], c->flags);
     /* the emulator counts ldmatrix's row addresses too (the same in every layout): the loads make the difference; a
-     * padded head's 64-key backward blocks read dO by element pairs in every layout (attn_fa2.cu: registers) */
-    const int dov = (c->HD == 64 || c->HD == 128) || (c->flags & FL_CU_FA2_BK128);
+     * padded head's 64-key backward blocks (FL_CU_FA2_BK64; 128 are its default) read dO by element pairs in every
+     * layout (attn_fa2.cu: registers) */
+    const int dov = c->HD == 64 || c->HD == 128 || !(c->flags & FL_CU_FA2_BK64);
     FL_CHECKF(r[0].vec >= r[2].vec && (r[0].vec > r[2].vec) == dov && r[2].vec > r[1].vec,
               "%s: 128-bit accesses unpadded %lu, mixed %lu, padded %lu", name, r[0].vec, r[2].vec, r[1].vec);
     for (int l = 1; l < 3; l++) {
@@ -136,7 +138,7 @@ static void path_case_run(const path_case *c) {
     }
     if (c->flags & FL_CU_FA2_BK128) { /* against the 64-key blocks: a key's warp walks the same (head, tile) pairs, so
                                         * dK, dV are the same bits; dq's per-block partial sums are grouped otherwise */
-        path_out r64 = path_run(c, q, k, v, dout, g0, kmask, 0, 0, c->flags & ~FL_CU_FA2_BK128);
+        path_out r64 = path_run(c, q, k, v, dout, g0, kmask, 0, 0, (c->flags & ~FL_CU_FA2_BK128) | FL_CU_FA2_BK64);
         size_t dq_differ = 0;
         for (size_t i = 0; i < nq; i++) dq_differ += r64.dq[i] != r[0].dq[i];
         FL_CHECKF(same_bits(r64.out, r[0].out, nq) && same_bits(r64.dk, r[0].dk, nk) && same_bits(r64.dv, r[0].dv, nk),
@@ -167,8 +169,8 @@ FL_TEST(cuda_attn_fa2_paths) {
         {1, 77, 150, 2, 1, 128, 1, 1, 0, FL_CU_FA2_BK128 | FL_CU_FA2_DET},
         /* a head padded to the 128 tiles (OpenLLaMA 3B's 100): chunks of 4 (cp.async of 8 bytes from bf16, 128-bit
          * loads from fp32) against element pairs; the 128-key blocks */
-        {1, 150, 150, 4, 2, 100, 1, 0, 1, 0},
-        {1, 77, 150, 2, 1, 100, 1, 1, 0, 0},
+        {1, 150, 150, 4, 2, 100, 1, 0, 1, 0},              /* the default: 128-key blocks */
+        {1, 77, 150, 2, 1, 100, 1, 1, 0, FL_CU_FA2_BK64},  /* 64-key blocks (FITLLM_CUDA_FA2_BK=64) */
         {1, 150, 150, 2, 1, 100, 1, 0, 1, FL_CU_FA2_BK128},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)

@@ -148,7 +148,8 @@ static void usage(FILE *f) {
                "               since); legacy = the earlier tensor-core kernels; fp32 = the fp32 kernels. `fitllm\n"
                "               selftest` compares them\n");
     fprintf(f, "\n  FITLLM_CUDA_FA2_BK=64|128 (environment): the own attention backward's key blocks: 64 (default, 4 warps)\n"
-               "               or 128 (8 warps, half the dq atomic adds; EXPERIMENTAL: not yet timed on a GPU)\n");
+               "               or 128 (8 warps, half the dq atomic adds; EXPERIMENTAL: not yet timed on a GPU); a padded\n"
+               "               head size (66..126) defaults to 128 where the GPU has the shared memory\n");
     fprintf(f, "\n  FITLLM_CUDA_CUDNN_DIRECT=1|0 (environment): 1 (default) = cuDNN's attention reads a bf16 run's stored\n"
                "               q, k, v (and o) in place, else (refused there) compact copies; 0 = compact copies first\n"
                "               (EXPERIMENTAL, for an A/B)\n");

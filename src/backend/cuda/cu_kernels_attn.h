@@ -36,6 +36,7 @@ static inline size_t fl_cu_attention_work_bytes(int B, int NH, int Tq) {
 /* attention_backward_fa2_ex / _fa2_16's flags */
 #define FL_CU_FA2_DET 1   /* dq's adds in key-block order (FITLLM_CUDA_DETERMINISTIC=1) */
 #define FL_CU_FA2_BK128 2 /* 128-key blocks of 8 warps (FITLLM_CUDA_FA2_BK=128) */
+#define FL_CU_FA2_BK64 4  /* 64-key blocks even for a padded head (FITLLM_CUDA_FA2_BK=64 set) */
 /* The same for attention_backward_fa2_ex with FL_CU_FA2_DET: then the dq counters (one int per query
  * tile of at least 16 rows) after D's rows. */
 static inline size_t fl_cu_attention_work_bytes_det(int B, int NH, int Tq) {
@@ -91,7 +92,9 @@ static inline int fl_cu_attention_fa2_supported(const fl_attn_desc *a, const flo
                                   const float *out, const float *lse, void *work, void *stream);               \
     /* _fa2 backward, flags: FL_CU_FA2_DET: dq's adds across key blocks in key-block order (a counter per      \
      * query tile; the same bits every run, at some speed), else atomics, as attention_backward_fa2;          \
-     * FL_CU_FA2_BK128: blocks of 128 keys (8 warps: half the dq adds), else 64 (4 warps) */                  \
+     * FL_CU_FA2_BK128: blocks of 128 keys (8 warps: half the dq adds); FL_CU_FA2_BK64: 64 (4 warps); neither:  \
+     * 64 at HD 64 / 128, 128 for a padded head (the 64-key one reads dO by element pairs: registers) where the   \
+     * device has the shared memory (sm_80 / sm_90; else 64) */                                                 \
     int P##attention_backward_fa2_ex(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, \
                                      const float *q, const float *k, const float *v, const uint8_t *kmask,     \
                                      const float *out, const float *lse, void *work, int flags,                \

@@ -72,7 +72,7 @@ typedef struct {
     int attn;              /* FITLLM_CUDA_ATTN: fl_cudnn_attn_choice (cudnn-impl.h; cuda-work-ops-impl.h) */
     int epi;               /* FITLLM_CUDA_EPILOGUE (1 default); 0 after a refusal, | 2 / 4 after a bf16 bias's / D's */
     int det;               /* FITLLM_CUDA_DETERMINISTIC=1: the fa2 backward's dq in key-block order, no cuDNN backward */
-    int fa2_bk;            /* FITLLM_CUDA_FA2_BK=128: FL_CU_FA2_BK128 (the fa2 backward's 128-key blocks), else 0 */
+    int fa2_bk;            /* FITLLM_CUDA_FA2_BK: 128 FL_CU_FA2_BK128, 64 FL_CU_FA2_BK64, unset 0 (fa2's own choice) */
     struct flb_cudnn *dnn; /* cuDNN's attention (the plugin, when it loaded: cuda-cudnn-impl.h), else NULL */
     fl_status err;         /* sticky: the first failure */
     char errmsg[384];
@@ -691,9 +691,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     im->attn = fl_cudnn_attn_parse(ea);
     const char *ed = getenv("FITLLM_CUDA_DETERMINISTIC");
     im->det = ed && *ed && strcmp(ed, "0") != 0;
-    /* FITLLM_CUDA_FA2_BK=128: the own attention backward in blocks of 128 keys, 8 warps (half the dq atomics; A/B) */
+    /* FITLLM_CUDA_FA2_BK=128: the own attention backward in blocks of 128 keys, 8 warps (half the dq atomics; A/B);
+     * =64: 64 even for a padded head size (whose default is 128 where the device has the shared memory) */
     const char *ebk = getenv("FITLLM_CUDA_FA2_BK");
-    im->fa2_bk = ebk && !strcmp(ebk, "128") ? FL_CU_FA2_BK128 : 0;
+    im->fa2_bk = !ebk ? 0 : !strcmp(ebk, "128") ? FL_CU_FA2_BK128 : !strcmp(ebk, "64") ? FL_CU_FA2_BK64 : 0;
     /* FITLLM_CUDA_HEAD_DBF16=0: the LM head's loss gradient in fp32 then converted (the same bits; for A/B timing) */
     const char *eh = getenv("FITLLM_CUDA_HEAD_DBF16");
     const int head_dbf16 = !eh || !*eh || !strcmp(eh, "1");
@@ -786,9 +787,9 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                         "tensor cores, dequantized in the load) or fp32 (the fp32 4-bit matmul kernels, as every "
                         "other precision's)", FLB_NAME, eq)
         : ebk && *ebk && strcmp(ebk, "64") && strcmp(ebk, "128")
-            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_FA2_BK=%s: expected 64 (the default: the own "
-                        "attention backward in blocks of 64 keys, 4 warps) or 128 (8 warps, half the dq adds; "
-                        "experimental)", FLB_NAME, ebk)
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_FA2_BK=%s: expected 64 (the default at head size 64 "
+                        "/ 128: the own attention backward in blocks of 64 keys, 4 warps) or 128 (8 warps, half the dq "
+                        "adds; experimental; a padded head size's default)", FLB_NAME, ebk)
         : q4x16 < 0
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4X16=%s: expected 1 (the default: under "
                         "FITLLM_CUDA_Q4=tc or scratch a 4-bit linear reads its input's and its dy's stored bf16 "

@@ -555,7 +555,9 @@ static int fa_bwd(const fl_attn_desc *a, float *dq, float *dk, float *dv, const 
     /* the counters after D's rows (work of fl_cu_attention_work_bytes_det) */
     if (flags & FL_CU_FA2_DET) p.dq_lock = (int *)(p.Dsum + (size_t)a->B * a->NH * a->Tq);
     fl_cu_fa_vec(&p, in16);
-    if (flags & FL_CU_FA2_BK128) {
+    /* a padded head: 128-key blocks unless 64 were asked for (their dO by element pairs: the registers) */
+    const int padded = a->HD != 64 && a->HD != 128;
+    if ((flags & FL_CU_FA2_BK128) || (padded && !(flags & FL_CU_FA2_BK64))) {
         rc = a->HD == 64    ? fl_cu_fa_bwd_launch<64, 128, 0>(p, stream)
              : a->HD == 128 ? fl_cu_fa_bwd_launch<128, 128, 0>(p, stream)
                             : fl_cu_fa_bwd_launch<128, 128, 1>(p, stream);
