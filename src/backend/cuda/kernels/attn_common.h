@@ -34,9 +34,9 @@ struct fl_cu_attn_p {
     float *o, *l, *dq, *dk, *dv, *dbias, *Dsum; /* forward outputs; gradients; D scratch (B,NH,Tq) */
     uint16_t *o16; /* forward: NULL or the output's bf16 copy (out's layout), o then its widening (issue 30 item 1) */
     int *dq_lock; /* the fa2 backward's deterministic dq: one counter per (b, h, query tile), else NULL */
-    /* the fa2 kernels' vector paths (attn_fa2.cu, fl_cu_fa_vec): vq: 1, q, k, v 16-byte aligned with whole 16-byte
-     * row strides (cp.async when bf16); 2, a padded head's chunks of 4 elements; 0, element pairs; vo: dout likewise
-     * (fp32); dq2: dq's element pairs 8-byte aligned */
+    /* the fa2 kernels' vector paths (attn_fa2.cu, fl_cu_fa_vec): vq: q, k, v aligned for them (16-byte rows, or a
+     * padded head's chunks of 4; cp.async when bf16), else element pairs; vo: dout likewise (fp32); dq2: dq's element
+     * pairs 8-byte aligned */
     int vq, vo, dq2;
     size_t ldq, ldk, ldv, ldo;
     int B, Tq, Tk, NH, NKV, HD, rep, causal;
@@ -199,9 +199,15 @@ static inline fl_cu_attn_p fl_cu_attn_params(const fl_attn_desc *a) {
     return p;
 }
 
+/* the shapes a launcher's kernels take: tc 0, the fp32 kernels (every one the checks pass); 1, the tensor-core ones
+ * (fl_cu_attention_tc_supported); 2, the fa2 ones (fl_cu_attention_fa2_supported) */
+static inline int fl_cu_attn_takes(int tc, const fl_attn_desc *a, const float *bias) {
+    return !tc || (tc == 2 ? fl_cu_attention_fa2_supported(a, bias) : fl_cu_attention_tc_supported(a, bias));
+}
+
 /* The launchers' shared prologue (attention.cu, attention_bwd.cu, attention_tc.cu, attn_fa2.cu): the
  * argument checks in their one order and the parameter block. tc: the tensor-core kernels' shapes
- * only (1: fl_cu_attention_tc_supported; 2, the fa2 kernels: fl_cu_attention_fa2_supported). Returns 0 (*p ready), 1 (nothing to run: B or Tq is 0), or
+ * only (fl_cu_attn_takes). Returns 0 (*p ready), 1 (nothing to run: B or Tq is 0), or
  * an FL_CU_ATTN_* code. */
 /* in16: q, k, v bf16 (attention_forward_*16; no bias then), else fp32 */
 static inline int fl_cu_attn_fwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, float *out, void *out16, float *lse,
@@ -212,8 +218,7 @@ static inline int fl_cu_attn_fwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, f
                               (const float *)v, bias, NULL);
     if (rc) return rc;
     if (in16 && bias) return FL_CU_ATTN_INVALID;
-    if (tc && !(tc == 2 ? fl_cu_attention_fa2_supported(a, bias) : fl_cu_attention_tc_supported(a, bias)))
-        return FL_CU_ATTN_UNSUPPORTED;
+    if (!fl_cu_attn_takes(tc, a, bias)) return FL_CU_ATTN_UNSUPPORTED;
     if (a->B == 0 || a->Tq == 0) return 1;
     *p = fl_cu_attn_params(a);
     p->q = fl_cu_fptr(q, in16), p->k = fl_cu_fptr(k, in16), p->v = fl_cu_fptr(v, in16);
@@ -229,8 +234,7 @@ static inline int fl_cu_attn_bwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, f
     int rc = fl_cu_attn_check(a, out, lse, (const float *)q, (const float *)k, (const float *)v, bias, dbias);
     if (rc) return rc;
     if (!dq || !dk || !dv || !dout) return FL_CU_ATTN_INVALID;
-    if (tc && !(tc == 2 ? fl_cu_attention_fa2_supported(a, bias) : fl_cu_attention_tc_supported(a, bias)))
-        return FL_CU_ATTN_UNSUPPORTED;
+    if (!fl_cu_attn_takes(tc, a, bias)) return FL_CU_ATTN_UNSUPPORTED;
     if (a->B == 0 || a->Tq == 0) return 1;
     if (!work) return FL_CU_ATTN_INVALID;
     *p = fl_cu_attn_params(a);

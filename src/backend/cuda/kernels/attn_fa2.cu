@@ -35,10 +35,10 @@ template <> struct fl_cu_fa_cfg<128> {
 /* ---- the tiles' loads ------------------------------------------------------------------------- */
 
 /* Rows 0..n-1 of a (rows, hd) view of q, k, v (or dO) into a bf16 tile (pitch P), rows >= n and columns >= hd zero
- * (hd < D: a head size padded to the tile's D). vec (fl_cu_fa_vec): 1 (hd = D, every view 16-byte aligned with whole
- * 16-byte row strides): cp.async from a bf16 view, 128-bit loads from an fp32 one; 2 (hd < D, hd % 4 == 0, rows 8-
- * (bf16) or 16-byte (fp32) aligned): the same in chunks of 4 elements; 0: fl_cu_tc_load's element pairs. The same
- * bits every way. */
+ * (PADH: hd < D, a head size padded to the tile's D). vec (fl_cu_fa_vec): cp.async from a bf16 view, 128-bit loads
+ * from an fp32 one, in chunks of 8 elements (every view 16-byte aligned with whole 16-byte row strides) or, PADH, of
+ * 4 (hd % 4 == 0, rows 8- (bf16) or 16-byte (fp32) aligned); else fl_cu_tc_load's element pairs. The same bits every
+ * way. */
 template <int D, int R, int NTH = FL_CU_TC_THREADS, int PADH = 0>
 FL_CU_DEV void fl_cu_fa_tile(uint16_t *dst, int P, fl_cu_fptr src, size_t ld, int n, int vec, int hd) {
     if (!PADH && vec && src.b16) fl_cu_tc_cp_tile<D, R, NTH>(dst, P, (const uint16_t *)src.p, ld, n);
@@ -500,19 +500,20 @@ template <int D, int BK, int PADH> static int fl_cu_fa_bwd_launch(const fl_cu_at
 /* The vector paths' conditions (p.vq, p.vo, p.dq2): base pointers aligned and row strides whole 16-byte (dq: 8-byte)
  * units, so that every row (and head: HD is 64 or 128) starts aligned; for a padded head, chunks of 4 elements
  * (8 bytes bf16, 16 fp32). Otherwise the element-pair loads: the same bits (tests/test_cuda_attn_paths.c). */
+/* a head size the kernels pad to their 128 tiles (fl_cu_attention_fa2_supported's sizes but 64 and 128) */
+static int fl_cu_fa_padded(int HD) { return HD != 64 && HD != 128; }
+
 static void fl_cu_fa_vec(fl_cu_attn_p *p, int in16) {
-    if (p->HD == 64 || p->HD == 128) { /* whole 16-byte chunks of 8 elements (1) */
+    if (!fl_cu_fa_padded(p->HD)) { /* whole 16-byte chunks of 8 elements */
         const size_t e = in16 ? 8 : 4; /* elements per 16 bytes */
         p->vq = fl_cu_aligned16(p->q.p, p->k.p, p->v.p, NULL, NULL) && p->ldq % e == 0 && p->ldk % e == 0 &&
                 p->ldv % e == 0;
         p->vo = p->dout && fl_cu_aligned16(p->dout, NULL, NULL, NULL, NULL) && p->ldo % 4 == 0;
-    } else { /* a padded head (fl_cu_attention_fa2_supported): chunks of 4 elements (2), rows 8- (bf16) / 16-byte
-              * (fp32) aligned when the views are and HD, the strides are multiples of 4 (head h starts h HD on) */
+    } else { /* chunks of 4 elements, rows 8- (bf16) / 16-byte (fp32) aligned when the views are and HD, the strides
+              * are multiples of 4 (head h starts h HD on) */
         const uintptr_t m = (uintptr_t)p->q.p | (uintptr_t)p->k.p | (uintptr_t)p->v.p;
-        p->vq = p->HD % 4 == 0 && m % (in16 ? 8u : 16u) == 0 && p->ldq % 4 == 0 && p->ldk % 4 == 0 && p->ldv % 4 == 0
-                    ? 2
-                    : 0;
-        p->vo = p->dout && p->HD % 4 == 0 && fl_cu_aligned16(p->dout, NULL, NULL, NULL, NULL) && p->ldo % 4 == 0 ? 2 : 0;
+        p->vq = p->HD % 4 == 0 && m % (in16 ? 8u : 16u) == 0 && p->ldq % 4 == 0 && p->ldk % 4 == 0 && p->ldv % 4 == 0;
+        p->vo = p->dout && p->HD % 4 == 0 && fl_cu_aligned16(p->dout, NULL, NULL, NULL, NULL) && p->ldo % 4 == 0;
     }
     p->dq2 = p->dq && ((uintptr_t)p->dq & 7u) == 0 && p->ldq % 2 == 0;
 }
@@ -556,8 +557,7 @@ static int fa_bwd(const fl_attn_desc *a, float *dq, float *dk, float *dv, const 
     if (flags & FL_CU_FA2_DET) p.dq_lock = (int *)(p.Dsum + (size_t)a->B * a->NH * a->Tq);
     fl_cu_fa_vec(&p, in16);
     /* a padded head: 128-key blocks unless 64 were asked for (their dO by element pairs: the registers) */
-    const int padded = a->HD != 64 && a->HD != 128;
-    if ((flags & FL_CU_FA2_BK128) || (padded && !(flags & FL_CU_FA2_BK64))) {
+    if ((flags & FL_CU_FA2_BK128) || (fl_cu_fa_padded(a->HD) && !(flags & FL_CU_FA2_BK64))) {
         rc = a->HD == 64    ? fl_cu_fa_bwd_launch<64, 128, 0>(p, stream)
              : a->HD == 128 ? fl_cu_fa_bwd_launch<128, 128, 0>(p, stream)
                             : fl_cu_fa_bwd_launch<128, 128, 1>(p, stream);
