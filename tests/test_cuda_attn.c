@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "fitllm/backend.h"
+#include "fitllm/lora.h"
 #include "fitllm/model.h"
 #include "fitllm/precision.h"
 #include "test.h"
@@ -64,10 +65,18 @@ typedef struct {
      * dbias (NH,Tq,Tk); M* the |term| sums of the bound; sabs the largest score magnitude */
     double *out, *lse, *dq, *dk, *dv, *dbias, *Mo, *Mq, *Mk, *Mv, *Mb;
     double sabs;
-    /* optional (NULL: not computed), for the bf16 bound: as Mq / Mk with P1 + P2 replaced by
+    /* optional (NULL: not computed), for the bf16 bound: as Mq / Mk (Mb2: Mb) with P1 + P2 replaced by
      * Qt = sum_j p_tj P1_tj (how far an error of out, hence of D, reaches dS) */
-    double *Mq2, *Mk2;
+    double *Mq2, *Mk2, *Mb2;
 } ref_t;
+
+/* dropout's factor of key j of query row t, head h, batch b (a->drop_p > 0): backend.h's contract, the mask of
+ * fitllm/lora.h at ((b NH + h) Tq + t) Tk + j times 1 / (1 - p) (the fp32 value the ops use), else 1 */
+static double drop_f(const fl_attn_desc *a, int b, int h, int t, int j) {
+    if (!(a->drop_p > 0)) return 1.0;
+    const size_t i = (((size_t)b * a->NH + h) * a->Tq + t) * a->Tk + j;
+    return fl_lora_dropout_keep(a->drop_seed, i, a->drop_p) ? (double)fl_lora_dropout_scale(a->drop_p) : 0.0;
+}
 
 static int visible(const fl_attn_desc *a, const uint8_t *kmask, int b, int t, int j) {
     if (kmask && !kmask[(size_t)b * a->Tk + j]) return 0;
@@ -113,12 +122,14 @@ static void ref_run(ref_t *R) {
                 }
                 for (int j = 0; j < Tk; j++) p[j] /= l;
                 R->lse[lrow] = m + log(l);
+                double *f = s; /* the scores are done with: dropout's factors (1 without) */
+                for (int j = 0; j < Tk; j++) f[j] = drop_f(a, b, h, t, j);
                 for (int j = 0; j < Tk; j++) {
                     if (p[j] == 0) continue;
                     const float *v = R->v + ((size_t)b * Tk + j) * a->ldv + (size_t)g * HD;
                     for (int d = 0; d < HD; d++) {
-                        o[d] += p[j] * v[d];
-                        R->Mo[orow + d] += p[j] * fabs((double)v[d]);
+                        o[d] += p[j] * f[j] * v[d];
+                        R->Mo[orow + d] += p[j] * f[j] * fabs((double)v[d]);
                     }
                 }
                 if (!R->dout) continue;
@@ -133,13 +144,13 @@ static void ref_run(ref_t *R) {
                         dp[j] += (double)dO[d] * v[d];
                         P1[j] += fabs((double)dO[d] * v[d]);
                     }
-                    D += p[j] * dp[j];
+                    D += p[j] * f[j] * dp[j];
                 }
                 double Qt = 0;
-                for (int j = 0; j < Tk; j++) Qt += p[j] * P1[j];
+                for (int j = 0; j < Tk; j++) Qt += p[j] * f[j] * P1[j];
                 for (int j = 0; j < Tk; j++) {
                     if (p[j] == 0) continue;
-                    const double ds = p[j] * (dp[j] - D), w = p[j] * (P1[j] + P2);
+                    const double ds = p[j] * (f[j] * dp[j] - D), w = p[j] * (f[j] * P1[j] + P2);
                     const float *k = R->k + ((size_t)b * Tk + j) * a->ldk + (size_t)g * HD;
                     const size_t krow = (((size_t)b * Tk + j) * a->NKV + g) * HD;
                     for (int d = 0; d < HD; d++) {
@@ -147,14 +158,15 @@ static void ref_run(ref_t *R) {
                         R->Mq[orow + d] += a->scale * w * fabs((double)k[d]);
                         R->dk[krow + d] += a->scale * ds * q[d];
                         R->Mk[krow + d] += a->scale * w * fabs((double)q[d]);
-                        R->dv[krow + d] += p[j] * dO[d];
-                        R->Mv[krow + d] += p[j] * fabs((double)dO[d]);
+                        R->dv[krow + d] += p[j] * f[j] * dO[d];
+                        R->Mv[krow + d] += p[j] * f[j] * fabs((double)dO[d]);
                         if (R->Mq2) R->Mq2[orow + d] += a->scale * p[j] * Qt * fabs((double)k[d]);
                         if (R->Mk2) R->Mk2[krow + d] += a->scale * p[j] * Qt * fabs((double)q[d]);
                     }
                     if (R->dbias) {
                         R->dbias[((size_t)h * Tq + t) * Tk + j] += ds;
                         R->Mb[((size_t)h * Tq + t) * Tk + j] += w;
+                        if (R->Mb2) R->Mb2[((size_t)h * Tq + t) * Tk + j] += p[j] * Qt;
                     }
                 }
             }
@@ -252,7 +264,8 @@ static void run_case(const attn_case *cs) {
         }
     }
     /* reference */
-    ref_t R = {a, q, k, v, bias, dout, kmask, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL};
+    ref_t R = {a, q, k, v, bias, dout, kmask, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL,
+               NULL};
     const size_t cq = (size_t)a.B * a.Tq * wq, ck = (size_t)a.B * a.Tk * wk;
     R.out = dzeros(cq), R.lse = dzeros(nl), R.dq = dzeros(cq), R.dk = dzeros(ck), R.dv = dzeros(ck);
     R.Mo = dzeros(cq), R.Mq = dzeros(cq), R.Mk = dzeros(ck), R.Mv = dzeros(ck);
@@ -393,7 +406,7 @@ FL_TEST(cuda_attn_fused) {
     float *qkv = fl_test_frand(&rng, nx, -1.5f, 1.5f), *dout = fl_test_frand(&rng, no, -1, 1);
     fl_attn_desc a = {B, T, T, NH, NKV, HD, W, W, W, OW, 1.0f / sqrtf((float)HD), 1, 0, 0};
     ref_t R = {a, qkv, qkv + NH * HD, qkv + (NH + NKV) * HD, NULL, dout, NULL, NULL, NULL, NULL, NULL, NULL,
-               NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL};
+               NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL};
     R.out = dzeros(no), R.lse = dzeros(nl), R.dq = dzeros(no), R.Mo = dzeros(no), R.Mq = dzeros(no);
     const size_t ck = (size_t)B * T * NKV * HD;
     R.dk = dzeros(ck), R.dv = dzeros(ck), R.Mk = dzeros(ck), R.Mv = dzeros(ck);
@@ -563,6 +576,8 @@ FL_TEST(cuda_attn_mma) {
 
 typedef struct {
     int B, Tq, Tk, NH, NKV, HD, causal, mask, strided, exact_in;
+    /* the fa2 kernels' EX cases (attention_*_fa2_b): a bias (NH, Tq, Tk), its gradient, dropout p = 0.2, T5's scale 1 */
+    int bias, dbias, drop, t5;
 } tc_case;
 
 /* The kernels under test: the tensor-core (_tc, "legacy") or the FlashAttention-2-structured
@@ -613,20 +628,27 @@ static int check_b16(const char *what, const float *got, const float *pre, size_
     return 1;
 }
 
+/* the _fa2 backward's flags of the launcher under test (the EX cases call attention_backward_fa2_b) */
+static int fa2_flags(void) { return g_tc_bwd == fa2_bwd_bk128 ? FL_CU_FA2_BK128 : g_tc_bwd == fa2_bwd_bk64 ? FL_CU_FA2_BK64 : 0; }
+
 static void tc_run(const tc_case *cs) {
-    char name[160];
-    snprintf(name, sizeof name, "%s B%d Tq%d Tk%d NH%d/%d HD%d%s%s%s%s",
+    char name[200];
+    const int ex = cs->bias || cs->drop; /* the EX kernels (attention_*_fa2_b) */
+    snprintf(name, sizeof name, "%s B%d Tq%d Tk%d NH%d/%d HD%d%s%s%s%s%s%s%s%s",
              g_tc_fwd == fl_cuemu_attention_forward_tc ? "tc"
              : g_tc_bwd == fa2_bwd_bk128              ? "fa2-bk128"
                                                       : "fa2",
              cs->B, cs->Tq, cs->Tk, cs->NH, cs->NKV, cs->HD,
              cs->causal ? " causal" : "", cs->mask ? " kmask" : "", cs->strided ? " strided" : "",
-             cs->exact_in ? " bf16-inputs" : " fp32-inputs");
-    fl_test_rng rng = {(unsigned long long)(cs->Tq * 131 + cs->Tk * 7 + cs->HD + cs->NKV * 1000 + cs->exact_in)};
+             cs->exact_in ? " bf16-inputs" : " fp32-inputs", cs->bias ? " bias" : "", cs->dbias ? " dbias" : "",
+             cs->drop ? " dropout" : "", cs->t5 ? " scale-1" : "");
+    fl_test_rng rng = {(unsigned long long)(cs->Tq * 131 + cs->Tk * 7 + cs->HD + cs->NKV * 1000 + cs->exact_in +
+                                            cs->bias * 17 + cs->drop * 29)};
     fl_attn_desc a = {0};
     a.B = cs->B, a.Tq = cs->Tq, a.Tk = cs->Tk, a.NH = cs->NH, a.NKV = cs->NKV, a.HD = cs->HD;
-    a.scale = 1.0f / sqrtf((float)cs->HD);
+    a.scale = cs->t5 ? 1.0f : 1.0f / sqrtf((float)cs->HD);
     a.causal = cs->causal;
+    a.drop_p = cs->drop ? 0.2f : 0.0f, a.drop_seed = 0x7e57d209ull + (uint64_t)cs->Tq;
     const size_t wq = (size_t)a.NH * a.HD, wk = (size_t)a.NKV * a.HD;
     a.ldq = wq + (cs->strided ? 2 : 0);
     a.ldk = wk + (cs->strided ? 4 : 0);
@@ -634,8 +656,11 @@ static void tc_run(const tc_case *cs) {
     a.ldo = wq + (cs->strided ? 2 : 0);
     const size_t nq = (size_t)a.B * a.Tq * a.ldq, nk = (size_t)a.B * a.Tk * a.ldk, nv = (size_t)a.B * a.Tk * a.ldv;
     const size_t no = (size_t)a.B * a.Tq * a.ldo, nl = (size_t)a.B * a.NH * a.Tq;
-    float *q = fl_test_frand(&rng, nq, -1.5f, 1.5f), *k = fl_test_frand(&rng, nk, -1.5f, 1.5f);
+    const float qk = cs->t5 ? 0.4f : 1.5f; /* scale 1: smaller q, k (T5's scores are of a few units) */
+    float *q = fl_test_frand(&rng, nq, -qk, qk), *k = fl_test_frand(&rng, nk, -qk, qk);
     float *v = fl_test_frand(&rng, nv, -1, 1), *dout = fl_test_frand(&rng, no, -1, 1);
+    const size_t nb = (size_t)a.NH * a.Tq * a.Tk;
+    float *bias = cs->bias ? fl_test_frand(&rng, nb, -2, 2) : NULL;
     if (cs->exact_in) {
         for (size_t i = 0; i < nq; i++) q[i] = bfround(q[i]);
         for (size_t i = 0; i < nk; i++) k[i] = bfround(k[i]);
@@ -648,19 +673,22 @@ static void tc_run(const tc_case *cs) {
         for (size_t i = 0; i < (size_t)a.B * a.Tk; i++) kmask[i] = (fl_test_rng_u64(&rng) % 5) != 0;
         if (a.B > 1) memset(kmask + a.Tk, 0, a.Tk); /* b = 1: every key padding, no row sees anything */
     }
-    ref_t R = {a, q, k, v, NULL, dout, kmask, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0,
-               NULL, NULL};
+    ref_t R = {a, q, k, v, bias, dout, kmask, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0,
+               NULL, NULL, NULL};
     const size_t cq = (size_t)a.B * a.Tq * wq, ck = (size_t)a.B * a.Tk * wk;
     R.out = dzeros(cq), R.lse = dzeros(nl), R.dq = dzeros(cq), R.dk = dzeros(ck), R.dv = dzeros(ck);
     R.Mo = dzeros(cq), R.Mq = dzeros(cq), R.Mk = dzeros(ck), R.Mv = dzeros(ck), R.Mq2 = dzeros(cq), R.Mk2 = dzeros(ck);
+    if (cs->dbias) R.dbias = dzeros(nb), R.Mb = dzeros(nb), R.Mb2 = dzeros(nb);
     ref_run(&R);
     /* the bound (see above) */
     const double ui = cs->exact_in ? 0.0 : U16, u = U16, rep = a.NH / a.NKV, sab = R.sabs;
     const double Ls = 1 + sab + log(a.Tk + 1.0);
     const double ES = (2 * ui + ui * ui) * sab + 2 * U32 * (a.HD + 8) * (1 + sab);
     const double EL = ES + 4 * U32 * (a.Tk + 8) * Ls;
-    const double wP = exp(2 * ES) * (1 + u) * (1 + ui) - 1, eo = wP + 2 * U32 * (a.Tk + a.HD + 16) * (1 + wP);
-    const double rp = exp(ES + EL + 2 * U32 * Ls) - 1, c = (1 + u) * (1 + ui) * (1 + rp);
+    /* dropout: P f and dP f take one more fp32 rounding each (the factor f is the ops' fp32 value, exact) */
+    const double ud = cs->drop ? U32 : 0.0;
+    const double wP = exp(2 * ES) * (1 + u) * (1 + ui) * (1 + ud) - 1, eo = wP + 2 * U32 * (a.Tk + a.HD + 16) * (1 + wP);
+    const double rp = exp(ES + EL + 2 * U32 * Ls) - 1, c = (1 + u) * (1 + ui) * (1 + rp) * (1 + ud);
     const double fqk = (rp + 2 * ui + ui * ui + 2 * U32 * a.HD) * c + ((1 + u) * (1 + ui) - 1) +
                        4 * U32 * (a.Tk + a.Tq * rep + 16) * c;
     const double fqk2 = (eo + 2 * U32 * a.HD) * c, fv = c - 1 + 4 * U32 * (a.Tq * rep + 16) * c;
@@ -668,9 +696,11 @@ static void tc_run(const tc_case *cs) {
     float *out1 = fl_test_frand(&rng, no, 7, 8), *out2 = fl_test_fdup(out1, no), *out0 = fl_test_fdup(out1, no);
     float *lse1 = malloc(nl * 4), *lse2 = malloc(nl * 4);
     fl_cu_emu_set_seed(k_seed_a);
-    int rc = emu_call(g_tc_fwd(&a, out1, NULL, lse1, q, k, v, kmask, NULL), name);
+    int rc = emu_call(ex ? fl_cuemu_attention_forward_fa2_b(&a, out1, NULL, lse1, q, k, v, bias, kmask, NULL)
+                         : g_tc_fwd(&a, out1, NULL, lse1, q, k, v, kmask, NULL), name);
     fl_cu_emu_set_seed(k_seed_b);
-    rc |= emu_call(g_tc_fwd(&a, out2, NULL, lse2, q, k, v, kmask, NULL), name);
+    rc |= emu_call(ex ? fl_cuemu_attention_forward_fa2_b(&a, out2, NULL, lse2, q, k, v, bias, kmask, NULL)
+                      : g_tc_fwd(&a, out2, NULL, lse2, q, k, v, kmask, NULL), name);
     FL_CHECKF(rc == 0, "%s: forward launcher -> %d", name, rc);
     FL_CHECKF(!memcmp(out1, out2, no * 4) && !memcmp(lse1, lse2, nl * 4), "%s: forward bits differ between runs", name);
     const size_t rows = (size_t)a.B * a.Tq, krows = (size_t)a.B * a.Tk;
@@ -697,19 +727,34 @@ static void tc_run(const tc_case *cs) {
     float *dq0 = fl_test_frand(&rng, nq, -0.5f, 0.5f), *dk0 = fl_test_frand(&rng, nk, -0.5f, 0.5f), *dv0 = fl_test_frand(&rng, nv, -0.5f, 0.5f);
     float *dq1 = fl_test_fdup(dq0, nq), *dk1 = fl_test_fdup(dk0, nk), *dv1 = fl_test_fdup(dv0, nv);
     float *dq2 = fl_test_fdup(dq0, nq), *dk2 = fl_test_fdup(dk0, nk), *dv2 = fl_test_fdup(dv0, nv);
+    float *db0 = cs->dbias ? fl_test_frand(&rng, nb, -0.5f, 0.5f) : NULL;
+    float *db1 = db0 ? fl_test_fdup(db0, nb) : NULL, *db2 = db0 ? fl_test_fdup(db0, nb) : NULL;
     float *work = malloc(nl * 4 + 4);
     fl_cu_emu_set_seed(k_seed_a);
-    rc = emu_call(g_tc_bwd(&a, dq1, dk1, dv1, dout, q, k, v, kmask, out1, lse1, work, NULL), name);
+    rc = emu_call(ex ? fl_cuemu_attention_backward_fa2_b(&a, dq1, dk1, dv1, db1, dout, q, k, v, bias, kmask, out1, lse1,
+                                                         work, fa2_flags(), NULL)
+                     : g_tc_bwd(&a, dq1, dk1, dv1, dout, q, k, v, kmask, out1, lse1, work, NULL), name);
     fl_cu_emu_set_seed(k_seed_b);
-    rc |= emu_call(g_tc_bwd(&a, dq2, dk2, dv2, dout, q, k, v, kmask, out1, lse1, work, NULL), name);
+    rc |= emu_call(ex ? fl_cuemu_attention_backward_fa2_b(&a, dq2, dk2, dv2, db2, dout, q, k, v, bias, kmask, out1, lse1,
+                                                          work, fa2_flags(), NULL)
+                      : g_tc_bwd(&a, dq2, dk2, dv2, dout, q, k, v, kmask, out1, lse1, work, NULL), name);
     FL_CHECKF(rc == 0, "%s: backward launcher -> %d", name, rc);
-    FL_CHECKF(!memcmp(dq1, dq2, nq * 4) && !memcmp(dk1, dk2, nk * 4) && !memcmp(dv1, dv2, nv * 4),
+    FL_CHECKF(!memcmp(dq1, dq2, nq * 4) && !memcmp(dk1, dk2, nk * 4) && !memcmp(dv1, dv2, nv * 4) &&
+                  (!db1 || !memcmp(db1, db2, nb * 4)),
               "%s: backward bits differ between runs", name);
     g_dq_adds = dq_adds(&a);
     FL_CHECKF(check_b16("tc dq vs float64", dq1, dq0, rows, wq, a.ldq, R.dq, R.Mq, fqk, R.Mq2, fqk2, &wdq), "%s: dq", name);
     g_dq_adds = 0;
     FL_CHECKF(check_b16("tc dk vs float64", dk1, dk0, krows, wk, a.ldk, R.dk, R.Mk, fqk, R.Mk2, fqk2, &wdk), "%s: dk", name);
     FL_CHECKF(check_b16("tc dv vs float64", dv1, dv0, krows, wk, a.ldv, R.dv, R.Mv, fv, NULL, 0, &wdv), "%s: dv", name);
+    double wdb = 0;
+    if (db1) { /* dS itself (dq's factors, which hold dS K's too) summed over the batch: B adds in fp32 */
+        g_dq_adds = a.B;
+        FL_CHECKF(check_b16("fa2 dbias vs float64", db1, db0, nb / a.Tk, a.Tk, a.Tk, R.dbias, R.Mb, fqk, R.Mb2, fqk2,
+                            &wdb),
+                  "%s: dbias", name);
+        g_dq_adds = 0;
+    }
     pad_ok = 1;
     for (size_t r = 0; r < rows; r++)
         for (size_t cc = wq; cc < a.ldq; cc++) pad_ok &= dq1[r * a.ldq + cc] == dq0[r * a.ldq + cc];
@@ -718,13 +763,15 @@ static void tc_run(const tc_case *cs) {
         for (size_t cc = wk; cc < a.ldv; cc++) pad_ok &= dv1[r * a.ldv + cc] == dv0[r * a.ldv + cc];
     }
     FL_CHECKF(pad_ok, "%s: backward wrote into the stride padding", name);
-    printf("      %s: worst err/bound out %.3f lse %.3f dq %.3f dk %.3f dv %.3f (bounds: out %.2g, dq/dk %.2g + %.2g, dv %.2g relative)\n",
-           name, wo, wl, wdq, wdk, wdv, eo, fqk, fqk2, fv);
-    if (cs->exact_in && cs->strided) { /* the tc backward after the fp32 forward: the same bound */
+    printf("      %s: worst err/bound out %.3f lse %.3f dq %.3f dk %.3f dv %.3f dbias %.3f (bounds: out %.2g, dq/dk %.2g + "
+           "%.2g, dv %.2g relative)\n", name, wo, wl, wdq, wdk, wdv, wdb, eo, fqk, fqk2, fv);
+    if (cs->exact_in && cs->strided) { /* the tc backward after the fp32 forward (its bias, dropout): the same bound */
         float *o3 = fl_test_fdup(out0, no), *l3 = malloc(nl * 4);
         float *dq3 = fl_test_fdup(dq0, nq), *dk3 = fl_test_fdup(dk0, nk), *dv3 = fl_test_fdup(dv0, nv);
-        rc = emu_call(fl_cuemu_attention_forward_ex(&a, o3, NULL, l3, q, k, v, NULL, kmask, NULL), name);
-        rc |= emu_call(g_tc_bwd(&a, dq3, dk3, dv3, dout, q, k, v, kmask, o3, l3, work, NULL), name);
+        rc = emu_call(fl_cuemu_attention_forward_ex(&a, o3, NULL, l3, q, k, v, bias, kmask, NULL), name);
+        rc |= emu_call(ex ? fl_cuemu_attention_backward_fa2_b(&a, dq3, dk3, dv3, NULL, dout, q, k, v, bias, kmask, o3, l3,
+                                                              work, fa2_flags(), NULL)
+                          : g_tc_bwd(&a, dq3, dk3, dv3, dout, q, k, v, kmask, o3, l3, work, NULL), name);
         FL_CHECK(rc == 0);
         double w3 = 0;
         g_dq_adds = dq_adds(&a);
@@ -735,20 +782,20 @@ static void tc_run(const tc_case *cs) {
         g_dq_adds = 0;
         free(o3), free(l3), free(dq3), free(dk3), free(dv3);
     }
-    free(q), free(k), free(v), free(dout), free(kmask);
+    free(q), free(k), free(v), free(dout), free(kmask), free(bias);
     free(R.out), free(R.lse), free(R.dq), free(R.dk), free(R.dv), free(R.Mo), free(R.Mq), free(R.Mk), free(R.Mv);
-    free(R.Mq2), free(R.Mk2);
+    free(R.Mq2), free(R.Mk2), free(R.dbias), free(R.Mb), free(R.Mb2), free(db0), free(db1), free(db2);
     free(out1), free(out2), free(out0), free(lse1), free(lse2);
     free(dq0), free(dk0), free(dv0), free(dq1), free(dk1), free(dv1), free(dq2), free(dk2), free(dv2), free(work);
 }
 
 FL_TEST(cuda_attn_tc) {
     const tc_case cases[] = {
-        {2, 33, 33, 4, 2, 64, 1, 0, 1, 1},  /* causal self, GQA, strided views */
-        {1, 70, 7, 2, 2, 64, 1, 0, 0, 1},   /* causal Tq > Tk: rows t < 63 see nothing; 2 query tiles */
-        {2, 7, 70, 2, 1, 64, 0, 1, 1, 1},   /* cross, kmask (b = 1 all padding), 2 key tiles */
-        {1, 40, 40, 2, 1, 128, 1, 1, 0, 1}, /* HD 128: 32-row / 32-key backward tiles */
-        {1, 33, 33, 2, 2, 64, 1, 0, 0, 0},  /* fp32 inputs: their rounding inside the bound */
+        {2, 33, 33, 4, 2, 64, 1, 0, 1, 1, 0, 0, 0, 0},  /* causal self, GQA, strided views */
+        {1, 70, 7, 2, 2, 64, 1, 0, 0, 1, 0, 0, 0, 0},   /* causal Tq > Tk: rows t < 63 see nothing; 2 query tiles */
+        {2, 7, 70, 2, 1, 64, 0, 1, 1, 1, 0, 0, 0, 0},   /* cross, kmask (b = 1 all padding), 2 key tiles */
+        {1, 40, 40, 2, 1, 128, 1, 1, 0, 1, 0, 0, 0, 0}, /* HD 128: 32-row / 32-key backward tiles */
+        {1, 33, 33, 2, 2, 64, 1, 0, 0, 0, 0, 0, 0, 0},  /* fp32 inputs: their rounding inside the bound */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) tc_run(&cases[i]);
 }
@@ -757,20 +804,29 @@ FL_TEST(cuda_attn_tc) {
  * (128 rows), several 64-key blocks adding into dq, odd lengths, Tq != Tk, GQA 4:1. */
 FL_TEST(cuda_attn_fa2) {
     const tc_case cases[] = {
-        {2, 33, 33, 4, 2, 64, 1, 0, 1, 1},   /* causal self, GQA, strided views */
-        {1, 70, 7, 2, 2, 64, 1, 0, 0, 1},    /* causal Tq > Tk: rows t < 63 see nothing */
-        {2, 7, 70, 2, 1, 64, 0, 1, 1, 1},    /* cross, kmask (b = 1 all padding), 2 key blocks */
-        {1, 40, 40, 2, 1, 128, 1, 1, 0, 1},  /* HD 128: 32-row backward tiles, warps split dQ's dims */
-        {1, 33, 33, 2, 2, 64, 1, 0, 0, 0},   /* fp32 inputs: their rounding inside the bound */
-        {1, 131, 131, 4, 1, 64, 1, 0, 0, 1}, /* 2 forward tiles of 128, 3 key blocks, GQA 4:1 */
-        {1, 77, 131, 2, 1, 128, 1, 0, 1, 1}, /* HD 128 causal Tq < Tk, odd lengths, 3 key blocks */
-        {1, 131, 67, 2, 2, 64, 0, 0, 0, 1},  /* non-causal, odd lengths */
+        {2, 33, 33, 4, 2, 64, 1, 0, 1, 1, 0, 0, 0, 0},   /* causal self, GQA, strided views */
+        {1, 70, 7, 2, 2, 64, 1, 0, 0, 1, 0, 0, 0, 0},    /* causal Tq > Tk: rows t < 63 see nothing */
+        {2, 7, 70, 2, 1, 64, 0, 1, 1, 1, 0, 0, 0, 0},    /* cross, kmask (b = 1 all padding), 2 key blocks */
+        {1, 40, 40, 2, 1, 128, 1, 1, 0, 1, 0, 0, 0, 0},  /* HD 128: 32-row backward tiles, warps split dQ's dims */
+        {1, 33, 33, 2, 2, 64, 1, 0, 0, 0, 0, 0, 0, 0},   /* fp32 inputs: their rounding inside the bound */
+        {1, 131, 131, 4, 1, 64, 1, 0, 0, 1, 0, 0, 0, 0}, /* 2 forward tiles of 128, 3 key blocks, GQA 4:1 */
+        {1, 77, 131, 2, 1, 128, 1, 0, 1, 1, 0, 0, 0, 0}, /* HD 128 causal Tq < Tk, odd lengths, 3 key blocks */
+        {1, 131, 67, 2, 2, 64, 0, 0, 0, 1, 0, 0, 0, 0},  /* non-causal, odd lengths */
         /* head sizes padded to the 128 tiles (fl_cu_attention_fa2_supported): OpenLLaMA 3B's 100 (chunks of 4),
          * OPT-2.7b's 80 with a key mask over 2 key blocks, 66 (HD % 4 = 2: element pairs), 100 from fp32 inputs */
-        {1, 70, 70, 4, 2, 100, 1, 0, 0, 1},
-        {2, 40, 75, 2, 1, 80, 0, 1, 1, 1},
-        {1, 33, 33, 2, 2, 66, 1, 0, 0, 1},
-        {1, 33, 45, 2, 1, 100, 1, 0, 0, 0},
+        {1, 70, 70, 4, 2, 100, 1, 0, 0, 1, 0, 0, 0, 0},
+        {2, 40, 75, 2, 1, 80, 0, 1, 1, 1, 0, 0, 0, 0},
+        {1, 33, 33, 2, 2, 66, 1, 0, 0, 1, 0, 0, 0, 0},
+        {1, 33, 45, 2, 1, 100, 1, 0, 0, 0, 0, 0, 0, 0},
+        /* the EX kernels (attention_*_fa2_b): T5's encoder (scale 1, a key mask, bias and its gradient over a batch of
+         * 2, dropout) over 2 key blocks; its decoder's causal self-attention; the Q-Former's cross-attention (dropout
+         * alone); HD 128 with GQA 2:1; a bias from fp32 inputs; a bias and dbias without dropout over 3 query tiles */
+        {2, 70, 70, 2, 2, 64, 0, 1, 1, 1, 1, 1, 1, 1},
+        {2, 45, 45, 2, 2, 64, 1, 0, 0, 1, 1, 1, 1, 1},
+        {2, 40, 75, 2, 2, 64, 0, 1, 0, 1, 0, 0, 1, 0},
+        {1, 40, 70, 2, 1, 128, 1, 0, 1, 1, 1, 1, 1, 0},
+        {1, 33, 33, 2, 2, 64, 1, 0, 0, 0, 1, 0, 0, 0},
+        {1, 131, 67, 2, 2, 64, 0, 0, 0, 1, 1, 1, 0, 0},
     };
     g_tc_fwd = fl_cuemu_attention_forward_fa2;
     g_tc_bwd = fa2_bwd_bk64; /* the padded heads' 64-key blocks too (their default: 128) */
@@ -778,7 +834,8 @@ FL_TEST(cuda_attn_fa2) {
      * in the 131 x 67 case, its 3 key blocks in the 77 x 131 one, GQA's head mapping at 2:1 in the first */
     const size_t asan_skip = fl_test_asan_light() ? 5 : (size_t)-1;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        if (i != asan_skip && (!fl_test_asan_light() || i < 8 || i == 9)) tc_run(&cases[i]); /* ASan: one padded */
+        if (i != asan_skip && (!fl_test_asan_light() || i < 8 || i == 9 || i == 12))
+            tc_run(&cases[i]); /* ASan: one padded, one EX */
     /* the backward in 128-key blocks, 8 warps (dQ's tile split over m-tiles and dims by 2 / 4 warps): every case
      * (the 131-key ones: 2 blocks, the second partial); under ASan the HD-128 77 x 131 one */
     g_tc_bwd = fa2_bwd_bk128;
@@ -800,7 +857,13 @@ FL_TEST(cuda_attn_tc_unsupported) {
     const int fa2_ok[] = {64, 66, 80, 88, 100, 128}, fa2_no[] = {32, 48, 62, 81, 130, 256};
     for (int i = 0; i < 6; i++) {
         a.HD = fa2_ok[i];
-        FL_CHECKF(fl_cu_attention_fa2_supported(&a, NULL) && !fl_cu_attention_fa2_supported(&a, x), "fa2 HD %d", a.HD);
+        /* a bias or dropout: the EX kernels, at HD 64 and 128 only */
+        const int ex = a.HD == 64 || a.HD == 128;
+        FL_CHECKF(fl_cu_attention_fa2_supported(&a, NULL) && fl_cu_attention_fa2_supported(&a, x) == ex, "fa2 HD %d",
+                  a.HD);
+        a.drop_p = 0.1f;
+        FL_CHECKF(fl_cu_attention_fa2_supported(&a, NULL) == ex, "fa2 HD %d with dropout", a.HD);
+        a.drop_p = 0.0f;
         a.HD = fa2_no[i];
         FL_CHECKF(!fl_cu_attention_fa2_supported(&a, NULL), "fa2 takes HD %d", a.HD);
     }
@@ -829,9 +892,10 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
     FL_CHECK(be.set_compute_dtype != NULL);
     be.set_compute_dtype(&be, FL_BF16);
     const int legacy = env && !strcmp(env, "legacy");
-    /* legacy: HD 64 / 128; own / auto: the fa2 kernels' sizes (64, even (64, 128]) */
-    const int expect_tc = !(env && !strcmp(env, "fp32")) && !use_bias &&
-                          (legacy ? HD == 64 || HD == 128 : HD == 64 || (HD > 64 && HD <= 128 && HD % 2 == 0));
+    /* legacy: HD 64 / 128 without a bias; own / auto: the fa2 kernels' sizes (64, even (64, 128]; a bias at 64 / 128) */
+    const int expect_tc = !(env && !strcmp(env, "fp32")) &&
+                          (legacy ? !use_bias && (HD == 64 || HD == 128)
+                                  : HD == 64 || HD == 128 || (!use_bias && HD > 64 && HD <= 128 && HD % 2 == 0));
     tc_fwd_fn fwd = legacy ? fl_cuemu_attention_forward_tc : fl_cuemu_attention_forward_fa2;
     tc_bwd_fn bwd = legacy ? fl_cuemu_attention_backward_tc : fl_cuemu_attention_backward_fa2;
     const int B = 1, T = 9, NH = 2, NKV = 1, W = (NH + 2 * NKV) * HD, OW = NH * HD;
@@ -854,13 +918,23 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
             FL_CHECK(fl_cuemu_attention_forward(o2, l2, qkv, B, T, NH, NKV, HD, NULL) == 0);
             FL_CHECK(fl_cuemu_attention_backward(g2, dout, qkv, o2, l2, B, T, NH, NKV, HD, work, NULL) == 0);
         }
-    } else { /* the general ops with a bias: always fp32 */
+    } else { /* the general ops with a bias (and its gradient): the fa2 EX kernels at HD 64 / 128, else fp32 */
+        float *db1 = calloc((size_t)NH * T * T, 4), *db2 = calloc((size_t)NH * T * T, 4);
         FL_CHECK(be.attention_forward(&be, &a, o1, l1, q, k, v, bias, NULL) == FL_OK);
-        FL_CHECK(be.attention_backward(&be, &a, g1, g1 + OW, g1 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
+        FL_CHECK(be.attention_backward(&be, &a, g1, g1 + OW, g1 + OW + NKV * HD, db1, dout, q, k, v, bias, NULL,
                                           o1, l1) == FL_OK);
-        FL_CHECK(fl_cuemu_attention_forward_ex(&a, o2, NULL, l2, q, k, v, bias, NULL, NULL) == 0);
-        FL_CHECK(fl_cuemu_attention_backward_ex(&a, g2, g2 + OW, g2 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
-                                                o2, l2, work, NULL) == 0);
+        FL_CHECK(be.sync(&be) == FL_OK);
+        if (expect_tc) {
+            FL_CHECK(fl_cuemu_attention_forward_fa2_b(&a, o2, NULL, l2, q, k, v, bias, NULL, NULL) == 0);
+            FL_CHECK(fl_cuemu_attention_backward_fa2_b(&a, g2, g2 + OW, g2 + OW + NKV * HD, db2, dout, q, k, v, bias,
+                                                       NULL, o2, l2, work, 0, NULL) == 0);
+        } else {
+            FL_CHECK(fl_cuemu_attention_forward_ex(&a, o2, NULL, l2, q, k, v, bias, NULL, NULL) == 0);
+            FL_CHECK(fl_cuemu_attention_backward_ex(&a, g2, g2 + OW, g2 + OW + NKV * HD, db2, dout, q, k, v, bias,
+                                                    NULL, o2, l2, work, NULL) == 0);
+        }
+        FL_CHECKF(same(db1, db2, (size_t)NH * T * T), "dispatch env %s HD %d: dbias", env ? env : "(unset)", HD);
+        free(db1), free(db2);
     }
     FL_CHECKF(same(o1, o2, no) && same(l1, l2, nl) && same(g1, g2, nx), "dispatch env %s HD %d bias %d: expected the %s "
               "kernels", env ? env : "(unset)", HD, use_bias, expect_tc ? (legacy ? "legacy tensor-core" : "fa2") : "fp32");
@@ -884,7 +958,10 @@ FL_TEST(cuda_attn_tc_dispatch) {
     dispatch_case("legacy", 128, 0);
     dispatch_case("legacy", 64, 1);
     dispatch_case(NULL, 24, 0);
-    dispatch_case(NULL, 64, 1);
+    dispatch_case(NULL, 64, 1);  /* a bias: the fa2 EX kernels */
+    dispatch_case("own", 128, 1);
+    dispatch_case("fp32", 64, 1); /* which fp32 keeps on the fp32 kernels */
+    dispatch_case(NULL, 100, 1);  /* and a padded head with a bias: the fp32 kernels */
     dispatch_case("fp32", 64, 0);
     dispatch_case(NULL, 100, 0);     /* a padded head: the fa2 kernels */
     dispatch_case("legacy", 100, 0); /* which the legacy ones do not take: fp32 */

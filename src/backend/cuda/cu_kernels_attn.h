@@ -53,9 +53,11 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
 
 /* The FlashAttention-2-structured kernels (kernels/attn_fa2.cu) take more head sizes: 64, and any even size in
  * (64, 128], zero-padded to 128 in their tiles (BLIP-2 OPT-2.7b's 80, its ViT-g's 88, OpenLLaMA 3B's 100): the
- * tensor cores at up to 128 / HD the products instead of the fp32 kernels. */
+ * tensor cores at up to 128 / HD the products instead of the fp32 kernels. At HD 64 and 128 also a bias (with its
+ * gradient) and dropout on the weights (T5 / Flan-T5's attention, BLIP-2's Q-Former): their EX kernels. */
 static inline int fl_cu_attention_fa2_supported(const fl_attn_desc *a, const float *bias) {
-    return a && (a->HD == 64 || (a->HD > 64 && a->HD <= 128 && a->HD % 2 == 0)) && !bias && !(a->drop_p > 0);
+    if (!a || !(a->HD == 64 || (a->HD > 64 && a->HD <= 128 && a->HD % 2 == 0))) return 0;
+    return (!bias && !(a->drop_p > 0)) || a->HD == 64 || a->HD == 128;
 }
 
 #define FL_CU_DECLARE_ATTN_KERNELS(P)                                                                          \
@@ -99,6 +101,16 @@ static inline int fl_cu_attention_fa2_supported(const fl_attn_desc *a, const flo
                                      const float *q, const float *k, const float *v, const uint8_t *kmask,     \
                                      const float *out, const float *lse, void *work, int flags,                \
                                      void *stream);                                                          \
+    /* _fa2 with a bias (NULL or, (NH, Tq, Tk) as attention_forward_ex's) and dbias (NULL or; a block then walks \
+     * the batch: its adds have one owner, the same bits every run); dropout (a->drop_p) in every _fa2 launcher: \
+     * the fp32 kernels' mask bits. A bias or dropout: HD 64 or 128 (fl_cu_attention_fa2_supported) */          \
+    int P##attention_forward_fa2_b(const fl_attn_desc *a, float *out, void *out16, float *lse, const float *q,  \
+                                   const float *k, const float *v, const float *bias, const uint8_t *kmask,    \
+                                   void *stream);                                                              \
+    int P##attention_backward_fa2_b(const fl_attn_desc *a, float *dq, float *dk, float *dv, float *dbias,       \
+                                    const float *dout, const float *q, const float *k, const float *v,         \
+                                    const float *bias, const uint8_t *kmask, const float *out, const float *lse, \
+                                    void *work, int flags, void *stream);                                     \
     /* The three backwards above (the fp32 kernels without bias, _tc, _fa2_ex) reading q, k, v and out in bf16    \
      * (the same layouts and strides, in elements): a bf16 run's stored activations without their widening;    \
      * each element widened exactly, so the bits of the fp32 launcher over the widened copies (issue 30 item 1) */ \

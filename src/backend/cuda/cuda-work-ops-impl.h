@@ -48,12 +48,13 @@ static void flb_embedding_backward(const fl_backend *be, float *dwte, float *dwp
     FLB_RUN(be, FLB_K(embedding_backward)(dwte, dwpe, dout, ids, B, T, C, work, STREAM), "embedding_backward");
 }
 /* FITLLM_CUDA_ATTN (read at init: fl_cudnn_attn_parse, cudnn-impl.h): which kernels a bf16 run's
- * attention of a shape the tensor-core kernels take (no bias) gets: cuDNN's fused SDPA graphs (HD 64, 80, ..., 128;
- * "auto", the default, and "cudnn"; the plugin only, EXPERIMENTAL: cuda-cudnn-impl.h), the
- * FlashAttention-2-structured ones (kernels/attn_fa2.cu, HD 64 or an even HD in (64, 128]; "own", and "auto"
- * where cuDNN is absent or refuses the shape; experimental: not yet timed on a GPU), the earlier ones
- * (kernels/attention_tc.cu, HD 64 / 128; "legacy"), or none ("fp32": the fp32 kernels whatever the dtype).
- * Other shapes and fp32 runs take the fp32 kernels. */
+ * attention of a shape the tensor-core kernels take gets: cuDNN's fused SDPA graphs (HD 64, 80, ..., 128, no bias,
+ * mask or dropout; "auto", the default, and "cudnn"; the plugin only, EXPERIMENTAL: cuda-cudnn-impl.h), the
+ * FlashAttention-2-structured ones (kernels/attn_fa2.cu, HD 64 or an even HD in (64, 128]; at HD 64 / 128 also a
+ * bias and dropout: T5's, the Q-Former's; "own", and "auto" where cuDNN is absent or refuses the shape;
+ * experimental: not yet timed on a GPU), the earlier ones (kernels/attention_tc.cu, HD 64 / 128, no bias or
+ * dropout; "legacy"), or none ("fp32": the fp32 kernels whatever the dtype). Other shapes and fp32 runs take the
+ * fp32 kernels. */
 enum { FLB_ATTN_OWN = 0, FLB_ATTN_LEGACY = 1 };
 /* 0: the fp32 kernels; else the FLB_ATTN_* + 1 of the tensor-core kernels to run */
 static int flb_attn_tc(const fl_backend *be, const fl_attn_desc *a, const float *bias) {
@@ -106,7 +107,7 @@ static fl_status flb_attn_fwd(const fl_backend *be, const fl_attn_desc *a, float
     int rc;
     if (tc == FLB_ATTN_OWN + 1)
         rc = in16 ? FLB_K(attention_forward_fa2_16)(a, out, out16, lse, qv, kv, vv, kmask, STREAM)
-                  : FLB_K(attention_forward_fa2)(a, out, out16, lse, q, k, v, kmask, STREAM);
+                  : FLB_K(attention_forward_fa2_b)(a, out, out16, lse, q, k, v, bias, kmask, STREAM);
     else if (tc)
         rc = in16 ? FLB_K(attention_forward_tc16)(a, out, out16, lse, qv, kv, vv, kmask, STREAM)
                   : FLB_K(attention_forward_tc)(a, out, out16, lse, q, k, v, kmask, STREAM);
@@ -147,7 +148,7 @@ static fl_status flb_attn_bwd(const fl_backend *be, const fl_attn_desc *a, float
     void *work = flb_work(be, FLB_IMPL(be)->det ? fl_cu_attention_work_bytes_det(a->B, a->NH, a->Tq)
                                                 : fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward");
     if (!work) return flb_sticky(be);
-    const int tc = flb_attn_tc(be, a, bias); /* no bias: no dbias either (checked above) */
+    const int tc = flb_attn_tc(be, a, bias); /* the fa2 kernels take a bias (and dbias) at HD 64 / 128 */
     const fl_dtype it = in16 ? FL_BF16 : FL_F32;
     (void)it; /* the emulator has no cuDNN path */
     if (tc == FLB_ATTN_OWN + 1 &&
@@ -158,8 +159,8 @@ static fl_status flb_attn_bwd(const fl_backend *be, const fl_attn_desc *a, float
     if (tc == FLB_ATTN_OWN + 1)
         rc = in16 ? FLB_K(attention_backward_fa2_16)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, fa_flags,
                                                      STREAM)
-                  : FLB_K(attention_backward_fa2_ex)(a, dq, dk, dv, dout, qf, kf, vf, kmask, of, lse, work, fa_flags,
-                                                     STREAM);
+                  : FLB_K(attention_backward_fa2_b)(a, dq, dk, dv, dbias, dout, qf, kf, vf, bias, kmask, of, lse, work,
+                                                    fa_flags, STREAM);
     else if (tc)
         rc = in16 ? FLB_K(attention_backward_tc16)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, STREAM)
                   : FLB_K(attention_backward_tc)(a, dq, dk, dv, dout, qf, kf, vf, kmask, of, lse, work, STREAM);

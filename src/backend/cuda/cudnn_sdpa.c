@@ -76,6 +76,7 @@ const char *fl_cudnn_sdpa_refuse(const fl_attn_desc *a, const float *bias, const
     if (a->HD % 8 || a->HD < 8 || a->HD > 128) return "head size not a multiple of 8 up to 128";
     if (a->NH % a->NKV) return "query heads not a multiple of key/value heads";
     if (bias) return "an attention bias";
+    if (a->drop_p > 0) return "dropout on the attention weights";
     if (kmask) return "a key padding mask";
     if (a->causal && a->Tq != a->Tk) return "causal with Tq != Tk (bottom-right alignment)";
     if (a->ldo != (size_t)a->NH * a->HD) return "output rows with a stride";

@@ -31,6 +31,10 @@ template <> struct fl_cu_fa_cfg<64> {
 template <> struct fl_cu_fa_cfg<128> {
     enum { D = 128, BQ = 64, MT = 1, BK = 64, BBQ = 32 };
 };
+/* The forward's query tile: EX kernels (a bias or dropout: their per-score registers) one m-tile per warp */
+template <int D, int EX> struct fl_cu_fa_fcfg {
+    enum { BQ = EX ? 64 : fl_cu_fa_cfg<D>::BQ, MT = EX ? 1 : fl_cu_fa_cfg<D>::MT };
+};
 
 /* ---- the tiles' loads ------------------------------------------------------------------------- */
 
@@ -64,10 +68,12 @@ FL_CU_DEV void fl_cu_fa_kv(const fl_cu_attn_p &p, uint16_t *buf, int *km, fl_cu_
 /* One m-tile's online-softmax update for a key tile (FlashAttention-2's): the scores s (log2 units after scaling;
  * invisible ones -inf unless full: every one visible), the running max m and sum l of the lane's two rows, the
  * output accumulator o rescaled, and P = exp2(s - m) as the bf16 A fragments of P V. */
-template <int NT, int DT>
+/* EX (fl_cu_fa_ex: a bias or dropout): bv, the bias of the lane's scores (natural units), joins the visible ones;
+ * P V takes P times dropout's factors of rows t0 / t0 + 8 (global), l the softmax's own sum (the CPU's order). */
+template <int NT, int DT, int EX>
 FL_CU_DEV void fl_cu_fa_softmax(float (&s)[NT][4], float (&m_)[2], float (&l_)[2], float (&o)[DT][4],
                                 uint32_t (&pa)[NT / 2][4], const int *kmc, int k0, const int (&lim)[2], int full,
-                                float sl2) {
+                                float sl2, const float (&bv)[NT][4], const fl_cu_attn_p &p, int b, int h, int t0) {
     const int tq = threadIdx.x & 3;
     float mx[2] = {-INFINITY, -INFINITY};
     FL_CU_UNROLL
@@ -76,7 +82,8 @@ FL_CU_DEV void fl_cu_fa_softmax(float (&s)[NT][4], float (&m_)[2], float (&l_)[2
         for (int i = 0; i < 4; i++) {
             const int j = nt * 8 + 2 * tq + (i & 1), x = i >> 1;
             const int vis = full || (kmc[j] && k0 + j < lim[x]);
-            s[nt][i] = vis ? s[nt][i] * sl2 : -INFINITY;
+            if (EX && p.bias) s[nt][i] = vis ? s[nt][i] * sl2 + bv[nt][i] * FL_CU_LOG2E : -INFINITY;
+            else s[nt][i] = vis ? s[nt][i] * sl2 : -INFINITY;
             mx[x] = fmaxf(mx[x], s[nt][i]);
         }
     float c[2], ps[2] = {0.0f, 0.0f};
@@ -96,6 +103,7 @@ FL_CU_DEV void fl_cu_fa_softmax(float (&s)[NT][4], float (&m_)[2], float (&l_)[2
             const float pv = !full && s[nt][i] == -INFINITY ? 0.0f : exp2f(s[nt][i] - m_[x]);
             s[nt][i] = pv;
             ps[x] += pv;
+            if (EX && p.drop_p > 0.0f) s[nt][i] = pv * fl_cu_attn_dropf(p, b, h, t0 + 8 * x, k0 + nt * 8 + 2 * tq + (i & 1));
         }
     FL_CU_UNROLL
     for (int x = 0; x < 2; x++) l_[x] = l_[x] * c[x] + ps[x];
@@ -110,9 +118,9 @@ FL_CU_DEV void fl_cu_fa_softmax(float (&s)[NT][4], float (&m_)[2], float (&l_)[2
 /* Key tiles double-buffered: tile i+1's copies (cp.async from a bf16 run's stored q|k|v) are issued before tile
  * i's products, and land while they run. A warp's m-tile whose rows all see all of a whole tile (no key mask,
  * below the causal diagonal) skips the per-element visibility tests (the same values: every score visible). */
-template <int D, int PADH> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
-    enum { BQ = fl_cu_fa_cfg<D>::BQ, MT = fl_cu_fa_cfg<D>::MT, BK = fl_cu_fa_cfg<D>::BK, P = D + FL_CU_TC_PAD,
-           NT = BK / 8, DT = D / 8, DK = D / 16, PK = BK / 16 };
+template <int D, int PADH, int EX> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
+    enum { BQ = fl_cu_fa_fcfg<D, EX>::BQ, MT = fl_cu_fa_fcfg<D, EX>::MT, BK = fl_cu_fa_cfg<D>::BK,
+           P = D + FL_CU_TC_PAD, NT = BK / 8, DT = D / 8, DK = D / 16, PK = BK / 16 };
     FL_CU_DYN_SMEM(uint16_t, sm);
     uint16_t *Qs = sm;            // (BQ, P) the query tile
     uint16_t *KVs = Qs + BQ * P;  // 2 buffers of (BK, P) keys then (BK, P) values (row-major: ldmatrix.trans
@@ -156,6 +164,8 @@ template <int D, int PADH> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p)
     const fl_cu_fptr V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * hd;
     const int nkt = (kend + BK - 1) / BK;
     if (nkt > 0) fl_cu_fa_kv<D, BK, PADH>(p, KVs, km[0], K, V, 0, kend < BK ? kend : BK, b);
+    /* EX with a bias: its (h, row, key) entries of the lane's scores, loaded before the tile's products */
+    const float *Bq = EX && p.bias ? p.bias + ((size_t)h * p.Tq + q0) * p.Tk : NULL;
     fl_cu_cp_commit(); /* the query tile and key tile 0 */
     for (int it = 0; it < nkt; it++) {
         const int k0 = it * BK, kn = kend - k0 < BK ? kend - k0 : BK, cur = it & 1;
@@ -170,7 +180,17 @@ template <int D, int PADH> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p)
         const uint16_t *Ks = KVs + cur * 2 * BK * P, *Vs = Ks + BK * P;
         const int *kmc = km[cur];
         if (k0 < mend[0] || k0 < mend[MT - 1]) { /* some row of this warp sees the tile */
-            float s[MT][NT][4];
+            float s[MT][NT][4], bv[MT][NT][4];
+            if (EX && Bq)
+                FL_CU_UNROLL
+                for (int mt = 0; mt < MT; mt++)
+                    FL_CU_UNROLL
+                    for (int nt = 0; nt < NT; nt++)
+                        FL_CU_UNROLL
+                        for (int i = 0; i < 4; i++) {
+                            const int r = w0 + 16 * mt + g + 8 * (i >> 1), j = nt * 8 + 2 * tq + (i & 1);
+                            bv[mt][nt][i] = r < qn && j < kn ? Bq[(size_t)r * p.Tk + k0 + j] : 0.0f;
+                        }
             FL_CU_UNROLL
             for (int mt = 0; mt < MT; mt++)
                 FL_CU_UNROLL
@@ -196,8 +216,9 @@ template <int D, int PADH> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p)
             uint32_t pa[MT][PK][4];
             FL_CU_UNROLL
             for (int mt = 0; mt < MT; mt++) /* full: warp-uniform, every score of the m-tile visible */
-                fl_cu_fa_softmax<NT, DT>(s[mt], m_[mt], l_[mt], o[mt], pa[mt], kmc, k0, lim[mt],
-                                         kn == BK && k0 + BK <= mfull[mt], sl2);
+                fl_cu_fa_softmax<NT, DT, EX>(s[mt], m_[mt], l_[mt], o[mt], pa[mt], kmc, k0, lim[mt],
+                                             kn == BK && k0 + BK <= mfull[mt], sl2, bv[mt], p, b, h,
+                                             q0 + w0 + 16 * mt + g);
             FL_CU_UNROLL
             for (int kk = 0; kk < PK; kk++)
                 FL_CU_UNROLL
@@ -278,10 +299,14 @@ FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, cons
 }
 
 /* P^T = exp2(S^T - lse) and dS^T = P^T (dP^T - D) in place of S^T, dP^T (the warp's keys j0 / j1 against the tile's
- * rows), zero where a row does not see the key, unless full (every row sees every key of the warp). */
-template <int NQ>
+ * rows), zero where a row does not see the key, unless full (every row sees every key of the warp).
+ * EX (fl_cu_fa_ex): the bias of those scores (natural units, read here) joins S^T; with dropout's factors f of the forward's
+ * (row t0 + r, key k0 + j) P^T becomes f P^T (dV's) and dS^T = P^T (f dP^T - D); dbias (one owner: the block walks
+ * the batch) += dS^T in fp32. */
+template <int NQ, int EX>
 FL_CU_DEV void fl_cu_fa_pds(float (&s)[NQ][4], float (&dp)[NQ][4], const int *km, const int *lc, const float *Lc,
-                            const float *Dc, int k0, int j0, int j1, float sl2, int full) {
+                            const float *Dc, int k0, int j0, int j1, float sl2, int full, const fl_cu_attn_p &p, int b,
+                            int h, int t0) {
     const int tq = threadIdx.x & 3;
     /* element i of n-tile nt: key j0 (i < 2) or j1, query row nt*8 + 2tq + (i & 1) */
     FL_CU_UNROLL
@@ -290,9 +315,20 @@ FL_CU_DEV void fl_cu_fa_pds(float (&s)[NQ][4], float (&dp)[NQ][4], const int *km
         for (int i = 0; i < 4; i++) {
             const int r = nt * 8 + 2 * tq + (i & 1), j = i < 2 ? j0 : j1;
             float pv = 0.0f, ds = 0.0f;
-            if (full || (km[j] && k0 + j < lc[r])) {
+            if (!EX && (full || (km[j] && k0 + j < lc[r]))) {
                 pv = exp2f(s[nt][i] * sl2 - Lc[r]);
                 ds = pv * (dp[nt][i] - Dc[r]);
+            } else if (EX && (full || (km[j] && k0 + j < lc[r]))) {
+                const size_t e = ((size_t)h * p.Tq + t0 + r) * p.Tk + k0 + j; /* bias / dbias entry */
+                pv = exp2f((p.bias ? s[nt][i] * sl2 + p.bias[e] * FL_CU_LOG2E : s[nt][i] * sl2) - Lc[r]);
+                if (p.drop_p > 0.0f) {
+                    const float f = fl_cu_attn_dropf(p, b, h, t0 + r, k0 + j);
+                    ds = pv * (dp[nt][i] * f - Dc[r]);
+                    pv *= f;
+                } else {
+                    ds = pv * (dp[nt][i] - Dc[r]);
+                }
+                if (p.dbias) p.dbias[e] += ds;
             }
             s[nt][i] = pv;
             dp[nt][i] = ds;
@@ -310,24 +346,21 @@ FL_CU_DEV void fl_cu_fa_rows(const fl_cu_attn_p &p, float *Ls, float *Ds, int *l
     }
 }
 
-/* The block walks its (query head, query tile) pairs as one sequence, double-buffered: pair i+1's Q tile is
- * issued (cp.async from a bf16 run's stored q) and, at HD 64 with an aligned dO, its dO tile's fp32 loads are in
- * registers (PF) before pair i's products; dO is packed and the row statistics stored after them. A warp whose
- * 16 keys every row of the tile sees (no key mask, below the causal diagonal) skips the visibility tests. */
-template <int D, int BK, int PADH> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
+/* One batch element b of the block's keys (fl_cu_fa_bwd_k): the shared buffers and the block's registers start
+ * afresh (the caller syncs between elements). */
+template <int D, int BK, int PADH, int EX>
+FL_CU_DEV void fl_cu_fa_bwd_b(const fl_cu_attn_p &p, int b, uint16_t *sm, float (&Ls)[2][fl_cu_fa_cfg<D>::BBQ],
+                              float (&Ds)[2][fl_cu_fa_cfg<D>::BBQ], int (&lims)[2][fl_cu_fa_cfg<D>::BBQ],
+                              int (&km)[BK]) {
     enum { NTH = 2 * BK, BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD, SP = BQ + FL_CU_TC_PAD, NQ = BQ / 8,
-           DT = D / 8, DK = D / 16, QK = BQ / 16, GI = BQ * (D / 8) / NTH, PF = D == 64 };
-    FL_CU_DYN_SMEM(uint16_t, sm);
+           DT = D / 8, DK = D / 16, QK = BQ / 16, GI = BQ * (D / 8) / NTH, PF = D == 64 && !EX };
     uint16_t *Ks = sm;               // (BK, P) keys
     uint16_t *Vs = Ks + BK * P;      // (BK, P) values
     uint16_t *Q2 = Vs + BK * P;      // 2 x (BQ, P) query tiles
     uint16_t *G2 = Q2 + 2 * BQ * P;  // 2 x (BQ, P) their dO
     uint16_t *dSs = G2 + 2 * BQ * P; // (BK, SP) dS^T: keys x query rows
-    __shared__ float Ls[2][BQ], Ds[2][BQ]; // lse (log2 units), D of the tile's rows
-    __shared__ int lims[2][BQ];            // one past each row's last visible key (0: padding row)
-    __shared__ int km[BK];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int kvh = blockIdx.y;
     const int k0 = blockIdx.x * BK, kn = p.Tk - k0 < BK ? p.Tk - k0 : BK;
     const int hd = PADH ? p.HD : D; /* PADH: a head padded to D's tiles */
     /* dO's vector loads (p.vo), except in a padded head's 64-key blocks: there its chunks of 4 beside Q's 8-byte
@@ -402,8 +435,8 @@ template <int D, int BK, int PADH> __global__ static void fl_cu_fa_bwd_k(fl_cu_a
                 }
             }
             /* every row sees the warp's 16 keys: the first row's limit is the least */
-            fl_cu_fa_pds<NQ>(s, dp, km, lc, Lc, Dc, k0, j0, j1, sl2,
-                             !p.kmask && kw + 16 <= kn && rn == BQ && lc[0] >= k0 + kw + 16);
+            fl_cu_fa_pds<NQ, EX>(s, dp, km, lc, Lc, Dc, k0, j0, j1, sl2,
+                                 !p.kmask && kw + 16 <= kn && rn == BQ && lc[0] >= k0 + kw + 16, p, b, h, t0);
             FL_CU_UNROLL
             for (int kk = 0; kk < QK; kk++) { /* dV += P^T dO, dK += dS^T Q */
                 uint32_t pa[4], da[4];
@@ -458,14 +491,35 @@ template <int D, int BK, int PADH> __global__ static void fl_cu_fa_bwd_k(fl_cu_a
     }
 }
 
+/* The block walks its (query head, query tile) pairs as one sequence, double-buffered: pair i+1's Q tile is
+ * issued (cp.async from a bf16 run's stored q) and, at HD 64 with an aligned dO, its dO tile's fp32 loads are in
+ * registers (PF) before pair i's products; dO is packed and the row statistics stored after them. A warp whose
+ * 16 keys every row of the tile sees (no key mask, below the causal diagonal) skips the visibility tests.
+ * EX with dbias: the block walks the batch (grid z 1), so every dbias element has one owner (plain adds in batch
+ * order: the same bits every run); else batch element blockIdx.z. */
+template <int D, int BK, int PADH, int EX> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
+    enum { BQ = fl_cu_fa_cfg<D>::BBQ };
+    FL_CU_DYN_SMEM(uint16_t, sm);
+    __shared__ float Ls[2][BQ], Ds[2][BQ]; // lse (log2 units), D of the tile's rows
+    __shared__ int lims[2][BQ];            // one past each row's last visible key (0: padding row)
+    __shared__ int km[BK];
+    if (!EX || !p.dbias)
+        fl_cu_fa_bwd_b<D, BK, PADH, EX>(p, (int)blockIdx.z, sm, Ls, Ds, lims, km);
+    else
+        for (int b = 0; b < p.B; b++) {
+            if (b) __syncthreads(); /* every warp done with the previous element's tiles */
+            fl_cu_fa_bwd_b<D, BK, PADH, EX>(p, b, sm, Ls, Ds, lims, km);
+        }
+}
+
 /* ---- launchers -------------------------------------------------------------------------------- */
 
-template <int D, int PADH> static int fl_cu_fa_fwd_launch(const fl_cu_attn_p &p, void *stream) {
-    enum { BQ = fl_cu_fa_cfg<D>::BQ, BK = fl_cu_fa_cfg<D>::BK, P = D + FL_CU_TC_PAD };
+template <int D, int PADH, int EX> static int fl_cu_fa_fwd_launch(const fl_cu_attn_p &p, void *stream) {
+    enum { BQ = fl_cu_fa_fcfg<D, EX>::BQ, BK = fl_cu_fa_cfg<D>::BK, P = D + FL_CU_TC_PAD };
     const size_t smem = 2 * ((size_t)BQ * P + 4 * (size_t)BK * P); /* bf16: Qs, 2 x (Ks, Vs) */
-    if (FL_CU_ATTN_SMEM_OPTIN((fl_cu_fa_fwd_k<D, PADH>), smem)) return fl_cu_launch_error();
+    if (FL_CU_ATTN_SMEM_OPTIN((fl_cu_fa_fwd_k<D, PADH, EX>), smem)) return fl_cu_launch_error();
     dim3 grid((unsigned)((p.Tq + BQ - 1) / BQ), (unsigned)p.NH, (unsigned)p.B);
-    FL_CU_LAUNCH((fl_cu_fa_fwd_k<D, PADH>), grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
+    FL_CU_LAUNCH((fl_cu_fa_fwd_k<D, PADH, EX>), grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();
 }
 
@@ -476,11 +530,11 @@ __global__ static void fl_cu_fa_zero_k(int *x, size_t n) {
 /* FL_CU_FA_NO_SMEM (nothing launched) when the device refuses the 128-key blocks' shared memory (HD 128: 115 KB,
  * over the 99 KB of sm_86/89): the caller runs the 64-key blocks then. Else 0 or a CUDA error. */
 #define FL_CU_FA_NO_SMEM (-100)
-template <int D, int BK, int PADH> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *stream) {
+template <int D, int BK, int PADH, int EX> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *stream) {
     enum { BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD };
     /* bf16: Ks, Vs, 2 x (Qs, Gs), dS^T */
     const size_t smem = 2 * (2 * (size_t)BK * P + 4 * (size_t)BQ * P + (size_t)BK * (BQ + FL_CU_TC_PAD));
-    if (FL_CU_ATTN_SMEM_OPTIN((fl_cu_fa_bwd_k<D, BK, PADH>), smem)) {
+    if (FL_CU_ATTN_SMEM_OPTIN((fl_cu_fa_bwd_k<D, BK, PADH, EX>), smem)) {
         const int rc = fl_cu_launch_error(); /* (consumed) */
         return BK > 64 ? FL_CU_FA_NO_SMEM : rc;
     }
@@ -492,8 +546,9 @@ template <int D, int BK, int PADH> static int fl_cu_fa_bwd_launch(const fl_cu_at
                      (fl_cu_stream)stream, p.dq_lock, n);
         if ((rc = fl_cu_launch_error())) return rc;
     }
-    dim3 grid((unsigned)((p.Tk + BK - 1) / BK), (unsigned)p.NKV, (unsigned)p.B);
-    FL_CU_LAUNCH((fl_cu_fa_bwd_k<D, BK, PADH>), grid, dim3(2 * BK), smem, (fl_cu_stream)stream, p);
+    /* EX with dbias: a block walks the batch (one owner per dbias element) */
+    dim3 grid((unsigned)((p.Tk + BK - 1) / BK), (unsigned)p.NKV, (unsigned)(EX && p.dbias ? 1 : p.B));
+    FL_CU_LAUNCH((fl_cu_fa_bwd_k<D, BK, PADH, EX>), grid, dim3(2 * BK), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();
 }
 
@@ -518,25 +573,36 @@ static void fl_cu_fa_vec(fl_cu_attn_p *p, int in16) {
     p->dq2 = p->dq && ((uintptr_t)p->dq & 7u) == 0 && p->ldq % 2 == 0;
 }
 
+/* ex (fl_cu_fa_ex): a bias or dropout, HD 64 / 128 only (fl_cu_attention_fa2_supported) */
+static int fl_cu_fa_ex(const fl_attn_desc *a, const float *bias) { return bias || a->drop_p > 0.0f; }
+
+/* in16: q, k, v bf16 (no bias then: the setup refuses it) */
 static int fa_fwd(const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q, const void *k,
-                  const void *v, const uint8_t *kmask, int in16, void *stream) {
+                  const void *v, const float *bias, const uint8_t *kmask, int in16, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, NULL, kmask, 2, in16);
+    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, bias, kmask, 2, in16);
     if (rc) return rc < 0 ? rc : 0;
     fl_cu_fa_vec(&p, in16);
+    if (fl_cu_fa_ex(a, bias)) /* a bias or dropout: HD 64 or 128 */
+        return a->HD == 64 ? fl_cu_fa_fwd_launch<64, 0, 1>(p, stream) : fl_cu_fa_fwd_launch<128, 0, 1>(p, stream);
     /* HD 64 / 128: their own tiles; another size (fl_cu_attention_fa2_supported) padded to 128's (PADH) */
-    return a->HD == 64    ? fl_cu_fa_fwd_launch<64, 0>(p, stream)
-           : a->HD == 128 ? fl_cu_fa_fwd_launch<128, 0>(p, stream)
-                          : fl_cu_fa_fwd_launch<128, 1>(p, stream);
+    return a->HD == 64    ? fl_cu_fa_fwd_launch<64, 0, 0>(p, stream)
+           : a->HD == 128 ? fl_cu_fa_fwd_launch<128, 0, 0>(p, stream)
+                          : fl_cu_fa_fwd_launch<128, 1, 0>(p, stream);
 }
 extern "C" int FL_CUK(attention_forward_fa2)(const fl_attn_desc *a, float *out, void *out16, float *lse,
                                              const float *q, const float *k, const float *v, const uint8_t *kmask, void *stream) {
-    return fa_fwd(a, out, out16, lse, q, k, v, kmask, 0, stream);
+    return fa_fwd(a, out, out16, lse, q, k, v, NULL, kmask, 0, stream);
+}
+extern "C" int FL_CUK(attention_forward_fa2_b)(const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                               const float *q, const float *k, const float *v, const float *bias,
+                                               const uint8_t *kmask, void *stream) {
+    return fa_fwd(a, out, out16, lse, q, k, v, bias, kmask, 0, stream);
 }
 extern "C" int FL_CUK(attention_forward_fa2_16)(const fl_attn_desc *a, float *out, void *out16, float *lse,
                                                 const void *q16, const void *k16, const void *v16,
                                                 const uint8_t *kmask, void *stream) {
-    return fa_fwd(a, out, out16, lse, q16, k16, v16, kmask, 1, stream);
+    return fa_fwd(a, out, out16, lse, q16, k16, v16, NULL, kmask, 1, stream);
 }
 
 extern "C" int FL_CUK(attention_backward_fa2)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
@@ -546,36 +612,55 @@ extern "C" int FL_CUK(attention_backward_fa2)(const fl_attn_desc *a, float *dq, 
     return FL_CUK(attention_backward_fa2_ex)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, 0, stream);
 }
 
-/* in16: q, k, v and out bf16 (attention_backward_fa2_16) */
-static int fa_bwd(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, const void *q,
-                  const void *k, const void *v, const uint8_t *kmask, const void *out, const float *lse, void *work,
-                  int flags, int in16, void *stream) {
+static int fa_bwd_run(const fl_cu_attn_p &p, int HD, int flags, void *stream) {
+    int rc;
+    /* a padded head: 128-key blocks unless 64 were asked for (their dO by element pairs: the registers) */
+    if ((flags & FL_CU_FA2_BK128) || (fl_cu_fa_padded(HD) && !(flags & FL_CU_FA2_BK64))) {
+        rc = HD == 64    ? fl_cu_fa_bwd_launch<64, 128, 0, 0>(p, stream)
+             : HD == 128 ? fl_cu_fa_bwd_launch<128, 128, 0, 0>(p, stream)
+                         : fl_cu_fa_bwd_launch<128, 128, 1, 0>(p, stream);
+        if (rc != FL_CU_FA_NO_SMEM) return rc;
+    }
+    return HD == 64    ? fl_cu_fa_bwd_launch<64, 64, 0, 0>(p, stream)
+           : HD == 128 ? fl_cu_fa_bwd_launch<128, 64, 0, 0>(p, stream)
+                       : fl_cu_fa_bwd_launch<128, 64, 1, 0>(p, stream);
+}
+/* a bias or dropout (EX): HD 64 or 128, never padded; 128-key blocks at HD 64 only when asked for (HD 128's spill) */
+static int fa_bwd_run_ex(const fl_cu_attn_p &p, int HD, int flags, void *stream) {
+    if (HD == 64 && (flags & FL_CU_FA2_BK128)) {
+        const int rc = fl_cu_fa_bwd_launch<64, 128, 0, 1>(p, stream);
+        if (rc != FL_CU_FA_NO_SMEM) return rc;
+    }
+    return HD == 64 ? fl_cu_fa_bwd_launch<64, 64, 0, 1>(p, stream) : fl_cu_fa_bwd_launch<128, 64, 0, 1>(p, stream);
+}
+
+/* in16: q, k, v and out bf16 (attention_backward_fa2_16; no bias then) */
+static int fa_bwd(const fl_attn_desc *a, float *dq, float *dk, float *dv, float *dbias, const float *dout,
+                  const void *q, const void *k, const void *v, const float *bias, const uint8_t *kmask,
+                  const void *out, const float *lse, void *work, int flags, int in16, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, 2, in16);
+    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse, work, 2, in16);
     if (rc) return rc < 0 ? rc : 0;
     /* the counters after D's rows (work of fl_cu_attention_work_bytes_det) */
     if (flags & FL_CU_FA2_DET) p.dq_lock = (int *)(p.Dsum + (size_t)a->B * a->NH * a->Tq);
     fl_cu_fa_vec(&p, in16);
-    /* a padded head: 128-key blocks unless 64 were asked for (their dO by element pairs: the registers) */
-    if ((flags & FL_CU_FA2_BK128) || (fl_cu_fa_padded(a->HD) && !(flags & FL_CU_FA2_BK64))) {
-        rc = a->HD == 64    ? fl_cu_fa_bwd_launch<64, 128, 0>(p, stream)
-             : a->HD == 128 ? fl_cu_fa_bwd_launch<128, 128, 0>(p, stream)
-                            : fl_cu_fa_bwd_launch<128, 128, 1>(p, stream);
-        if (rc != FL_CU_FA_NO_SMEM) return rc;
-    }
-    return a->HD == 64    ? fl_cu_fa_bwd_launch<64, 64, 0>(p, stream)
-           : a->HD == 128 ? fl_cu_fa_bwd_launch<128, 64, 0>(p, stream)
-                          : fl_cu_fa_bwd_launch<128, 64, 1>(p, stream);
+    return fl_cu_fa_ex(a, bias) ? fa_bwd_run_ex(p, a->HD, flags, stream) : fa_bwd_run(p, a->HD, flags, stream);
 }
 extern "C" int FL_CUK(attention_backward_fa2_ex)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                                  const float *dout, const float *q, const float *k, const float *v,
                                                  const uint8_t *kmask, const float *out, const float *lse, void *work,
                                                  int flags, void *stream) {
-    return fa_bwd(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, flags, 0, stream);
+    return fa_bwd(a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, flags, 0, stream);
+}
+extern "C" int FL_CUK(attention_backward_fa2_b)(const fl_attn_desc *a, float *dq, float *dk, float *dv, float *dbias,
+                                                const float *dout, const float *q, const float *k, const float *v,
+                                                const float *bias, const uint8_t *kmask, const float *out,
+                                                const float *lse, void *work, int flags, void *stream) {
+    return fa_bwd(a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse, work, flags, 0, stream);
 }
 extern "C" int FL_CUK(attention_backward_fa2_16)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                                  const float *dout, const void *q16, const void *k16, const void *v16,
                                                  const uint8_t *kmask, const void *out16, const float *lse, void *work,
                                                  int flags, void *stream) {
-    return fa_bwd(a, dq, dk, dv, dout, q16, k16, v16, kmask, out16, lse, work, flags, 1, stream);
+    return fa_bwd(a, dq, dk, dv, NULL, dout, q16, k16, v16, NULL, kmask, out16, lse, work, flags, 1, stream);
 }
