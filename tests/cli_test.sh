@@ -535,6 +535,11 @@ expect_saved plan_t5_bf16true_variant 3 "bf16-true +does not fit: bf16 parameter
 expect plan_t5_qlora_variant 3 "qlora +does not fit: LoRA on a 4-bit base" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB --precision bf16-mixed
 expect_saved plan_t5_param_offload_variant 3 "param_offload +does not fit: the parameters, gradients and optimizer state in files" "$t5p_out" "$t5p_rc"
 expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16, 32-true" -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 2 --warmup 1 --threads 2
+# --dropout: the step with config.json's dropout as fine-tuning applies it (T5's 0.1 on every site); a model without
+# dropout of its own and BLIP-2's steps refuse it by name
+expect bench_step_t5_dropout 0 "32-true, AdamW, dropout 0.1 / attention 0.1, " -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 2 --warmup 1 --threads 2 --dropout
+expect bench_step_dropout_refused 1 "LLaMA has no dropout of its own" -- "$FITLLM" bench-step micro --dropout --steps 1
+expect bench_step_blip2_dropout_refused 2 "--dropout: BLIP-2 steps run" -- "$FITLLM" bench-step blip2-micro --dropout --steps 1
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
 expect t5_finetune_act_ckpt_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5ckpt/final/model.safetensors"
@@ -1870,6 +1875,16 @@ if [ -x "$EMU" ]; then
         echo "$out" | grep -E "^ +(convert|convert_many|round16) " && exit 1; echo "no conversion op: ok"' _ "$EMU"
 else
     echo "skip emu_bf16_step_no_convert: no fitllm_emu beside $FITLLM (a build without the CUDA emulator)"; skip=$((skip+1))
+fi
+# T5's attention (a learned relative bias, dropout on the weights) on the fa2 kernels' EX path: a bf16-true fine-tune
+# of a T5 with head size 64 and dropout_rate 0.1 on cuda-emu; its losses differ from the fp32 attention kernels'
+# (FITLLM_CUDA_ATTN=fp32: so the EX kernels ran) and both stay within 2^-8 relative (bf16's rounding of the stored
+# activations, the precision's own limit) of the CPU backend's at every step (the kernels against float64:
+# tests/test_cuda_attn.c cuda_attn_fa2)
+if [ -x "$EMU" ]; then
+    expect t5_fa2_bias_dropout_emu 0 "^t5 fa2 ok" -- tests/t5_fa2_emu_test.sh "$FITLLM" "$EMU" "$T/t5e"
+else
+    echo "skip t5_fa2_bias_dropout_emu: no fitllm_emu beside $FITLLM"; skip=$((skip+1))
 fi
 echo
 echo "$pass passed, $fail failed, $skip skipped"

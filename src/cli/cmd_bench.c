@@ -31,6 +31,9 @@ static void help(void) {
            "                        an H100; single GPU; README)\n"
            "  --max-memory SIZE     allocator budget, e.g. 2GB, 512MiB (default: unlimited)\n"
            "  --act-ckpt            activation checkpointing (recompute blocks in backward)\n"
+           "  --dropout             config.json's dropout in the step, as fine-tuning applies it (T5 / Flan-T5,\n"
+           "                        OPT; default: none, as the peer benchmarks run); a model without dropout of\n"
+           "                        its own is refused\n"
            "  --precision NAME      32-true (default), bf16-true, bf16-mixed, 16-true, 16-mixed\n"
            "  --lora R              LoRA fine-tuning: rank R, alpha 2R, on q_proj,v_proj (base frozen)\n"
            "  --quantize MODE       with --lora: QLoRA, block linears in 4 bits (bnb.nf4, bnb.nf4-dq, bnb.fp4,\n"
@@ -68,7 +71,7 @@ enum { PH_TOTAL, PH_FWD, PH_HEAD, PH_BWD, PH_OPT, PH_COUNT };
 /* bench-step's options. */
 typedef struct {
     const char *model_path;
-    int B, T, Ts, steps, warmup, threads, seed, random_init, act_ckpt, lora_r;
+    int B, T, Ts, steps, warmup, threads, seed, random_init, act_ckpt, lora_r, dropout;
     float lr;
     size_t budget;
     fl_optim_kind okind;
@@ -101,6 +104,8 @@ static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
             i++;
         } else if (!strcmp(a, "--act-ckpt")) {
             o->act_ckpt = 1;
+        } else if (!strcmp(a, "--dropout")) {
+            o->dropout = 1;
         } else if (!strcmp(a, "--profile")) {
             o->profile = 1;
         } else if (!strcmp(a, "--preset")) {
@@ -127,7 +132,7 @@ static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
                 return fl_cli_usage(cmd, "--max-memory: %s", fl_bytes_refusal(v, why, sizeof why));
             }
             i++;
-        } else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--act-ckpt", "--help", "--init", "--lora", "--lr", "--max-memory", "--micro-batch", "--optimizer", "--precision", "--preset", "--profile", "--quantize", "--seed", "--seq", "--source-seq", "--steps", "--threads", "--warmup", NULL});
+        } else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--act-ckpt", "--dropout", "--help", "--init", "--lora", "--lr", "--max-memory", "--micro-batch", "--optimizer", "--precision", "--preset", "--profile", "--quantize", "--seed", "--seq", "--source-seq", "--steps", "--threads", "--warmup", NULL});
         else if (!o->model_path) o->model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
@@ -141,11 +146,11 @@ static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
 
 /* A BLIP-2 folder or preset: image-caption fine-tuning's steps (cmd_blip2_plan.c); --seq is the caption's tokens. */
 static int blip2(const bench_opts *o, const char *cmd) {
-    const char *no = o->quant ? "--quantize" : o->Ts ? "--source-seq" : o->profile ? "--profile"
+    const char *no = o->quant ? "--quantize" : o->Ts ? "--source-seq" : o->profile ? "--profile" : o->dropout ? "--dropout"
                      : strcmp(o->prec.name, "32-true") && strcmp(o->prec.name, "bf16-mixed") &&
                        strcmp(o->prec.name, "bf16-true") ? "--precision" : NULL;
-    if (no) return fl_cli_usage(cmd, "%s: BLIP-2 steps run 32-true, bf16-true or bf16-mixed without quantization or "
-                                "the op profile so far", no);
+    if (no) return fl_cli_usage(cmd, "%s: BLIP-2 steps run 32-true, bf16-true or bf16-mixed without quantization, "
+                                "the op profile or dropout so far", no);
     fl_cli_b2_bench b = {.model = o->model_path, .B = o->B, .L = o->T, .steps = o->steps, .warmup = o->warmup,
                          .threads = o->threads, .seed = o->seed, .lora_r = o->lora_r, .sgd = o->okind == FL_OPT_SGD,
                          .random_init = o->random_init, .lr = o->lr, .budget = o->budget, .precision = o->prec.name,
@@ -196,6 +201,8 @@ int fl_cmd_bench_step(int argc, char **argv) {
     if (o.okind == FL_OPT_ADAMW) oc.weight_decay = 0.1f;
     if ((s = fl_optim_init(&opt, &m, &oc)) != FL_OK) goto fail;
     m.act_ckpt = o.act_ckpt;
+    /* --dropout: config.json's rates in the training passes (before the arena: the blocks' graphs change) */
+    if (o.dropout && (s = fl_model_set_dropout(&m, 1)) != FL_OK) goto fail;
     const int s2s = fl_model_is_s2s(&m.cfg), Ts = s2s ? (o.Ts ? o.Ts : o.T) : 0; /* an encoder-decoder's source */
     if (!s2s && o.Ts) {
         s = fl_errorf(FL_ERR_INVALID, "--source-seq: %s is not an encoder-decoder (it has no source)", o.model_path);
@@ -234,17 +241,21 @@ int fl_cmd_bench_step(int argc, char **argv) {
     else snprintf(shape, sizeof shape, "B=%d T=%d", o.B, o.T);
     if (s2s) snprintf(lay, sizeof lay, "L=%d+%d", c->n_layers, c->n_dec_layers);
     else snprintf(lay, sizeof lay, "L=%d", c->n_layers);
-    printf("bench-step: %s (%s, %zu params, %s C=%d NH=%d NKV=%d F=%d V=%d), %s, %s, %s%s%s, %d threads, gemm=%s\n",
+    char drop[64] = "";
+    if (o.dropout) snprintf(drop, sizeof drop, ", dropout %g / attention %g", (double)c->dropout_rate,
+                            (double)(fl_model_is_s2s(c) ? c->dropout_rate : c->attn_dropout_rate));
+    printf("bench-step: %s (%s, %zu params, %s C=%d NH=%d NKV=%d F=%d V=%d), %s, %s, %s%s%s%s, %d threads, gemm=%s\n",
            o.model_path, fl_arch_get(c->arch)->name, m.layout.numel, lay, c->dim, c->n_heads,
            c->n_kv_heads, c->ffn_dim, c->vocab_size, shape, o.prec.name, fl_optim_name(o.okind), o.act_ckpt ? ", act-ckpt" : "", o.lora_r ? ", LoRA q,v" : "",
-           be.n_threads, be.gemm_name);
+           drop, be.n_threads, be.gemm_name);
     /* the step training runs (fl_step_run), in one process: one micro-batch, every target valid */
     fl_micro_batch mb = {.ids = ids, .targets = tg, .B = o.B, .T = o.T, .src = src, .src_mask = smask, .Ts = Ts};
     fl_step_result res;
     for (int k = 0; k < o.warmup + o.steps; k++) {
         if (o.profile && k == o.warmup && (s = fl_profiler_attach(&be, &prof)) != FL_OK) goto fail;
+        /* seeded: each step's dropout masks differ, as training's micro-batches' (--dropout) */
         fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = (long)N, .lr = o.lr, .max_norm = 1.0f,
-                          .phase_times = 1};
+                          .phase_times = 1, .seeded = o.dropout, .seed = (uint64_t)o.seed, .iter0 = k};
         if ((s = fl_step_run(&m, &opt, &sc, &res)) != FL_OK) goto fail;
         if (prof && (s = fl_profiler_collect(prof)) != FL_OK) goto fail;
         if (k >= o.warmup) {

@@ -138,8 +138,9 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_BACKEND=opaque (environment; a testing aid): run on the test backend whose tensor memory the\n"
                "               host cannot read outside its ops (same results as the CPU; default: cpu)\n");
     fprintf(f, "\n  FITLLM_CUDA_ATTN=auto|cudnn|own|legacy|fp32 (environment): a bf16 run's attention on the GPU at\n"
-               "               head size 64 or 128 (own: any even size from 66 to 128 too, padded to 128; cuDNN: the\n"
-               "               multiples of 8 up to 128; EXPERIMENTAL):\n"
+               "               head size 64 or 128 (own: any even size from 66 to 128 too, padded to 128, and at 64 /\n"
+               "               128 an attention bias and dropout: T5's, the Q-Former's; cuDNN: the multiples of 8 up to\n"
+               "               128, no bias or dropout; EXPERIMENTAL):\n"
                "               auto (default) = NVIDIA cuDNN's fused attention where libcudnn.so.9\n"
                "               loads and takes the shape (EXPERIMENTAL: the graphs as cuDNN's frontend writes them, not\n"
                "               yet run on a GPU in this form; FITLLM_CUDNN_LIB names the file), else own, said once;\n"

@@ -85,7 +85,7 @@ static void check_ex(int B, int Tq, int Tk, int NH, int NKV, int HD, int causal,
              use_bias ? " b" : "", use_mask ? " m" : "");
     unsigned s = (unsigned)(Tq * 31 + Tk + HD);
     fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, (size_t)NH * HD + 1, (size_t)NKV * HD + 3, (size_t)NKV * HD,
-                      (size_t)NH * HD, 1.0f / sqrtf((float)HD), causal};
+                      (size_t)NH * HD, 1.0f / sqrtf((float)HD), causal, 0.0f, 0};
     size_t nq = (size_t)B * Tq * a.ldq, nk = (size_t)B * Tk * a.ldk, nv = (size_t)B * Tk * a.ldv;
     size_t no = (size_t)B * Tq * a.ldo, nl = (size_t)B * NH * Tq, nb = (size_t)NH * Tq * Tk;
     float *q = a_rand(&s, nq, -1.5f, 1.5f), *k = a_rand(&s, nk, -1.5f, 1.5f), *v = a_rand(&s, nv, -1, 1);
@@ -210,18 +210,22 @@ static void check_mma(void) {
  * run takes seconds). Both round the same bf16 operands, but a P or dS whose fp32 value differs
  * by an ulp (the mma's order, the device exp2f) can round to the neighbouring bf16: differences
  * of up to 2^-8 of a term, so 1e-2 relative plus 2e-3 of the largest value (a layout or masking
- * error is 1e-1 or more). kmask with b = 1's key 0 hidden. */
+ * error is 1e-1 or more). kmask with b = 1's key 0 hidden. fa2: 0 the legacy kernels, 1 fa2, 2 fa2's EX kernels
+ * (attention_*_fa2_b: T5's scale 1, a bias (NH, Tq, Tk) with its gradient, dropout 0.1 on the weights). */
 static void check_tc_ex(int fa2, int B, int Tq, int Tk, int NH, int NKV, int HD, int causal, int use_mask) {
     char nm[96], op[128];
-    snprintf(nm, sizeof nm, "attn_%s B%d Tq%d Tk%d %d/%d HD%d%s%s", fa2 ? "fa2" : "tc", B, Tq, Tk, NH, NKV, HD, causal ? " c" : "",
-             use_mask ? " m" : "");
+    snprintf(nm, sizeof nm, "attn_%s B%d Tq%d Tk%d %d/%d HD%d%s%s", fa2 == 2 ? "fa2ex" : fa2 ? "fa2" : "tc", B, Tq, Tk,
+             NH, NKV, HD, causal ? " c" : "", use_mask ? " m" : "");
     unsigned s = (unsigned)(Tq * 37 + Tk + HD);
     fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, (size_t)NH * HD + 2, (size_t)NKV * HD + 4, (size_t)NKV * HD,
-                      (size_t)NH * HD, 1.0f / sqrtf((float)HD), causal};
+                      (size_t)NH * HD, fa2 == 2 ? 1.0f : 1.0f / sqrtf((float)HD), causal, fa2 == 2 ? 0.1f : 0.0f,
+                      0x5eedull + (uint64_t)Tq};
     size_t nq = (size_t)B * Tq * a.ldq, nk = (size_t)B * Tk * a.ldk, nv = (size_t)B * Tk * a.ldv;
-    size_t no = (size_t)B * Tq * a.ldo, nl = (size_t)B * NH * Tq;
-    float *q = a_rand(&s, nq, -1.5f, 1.5f), *k = a_rand(&s, nk, -1.5f, 1.5f), *v = a_rand(&s, nv, -1, 1);
+    size_t no = (size_t)B * Tq * a.ldo, nl = (size_t)B * NH * Tq, nb = (size_t)NH * Tq * Tk;
+    const float qk = fa2 == 2 ? 0.4f : 1.5f; /* scale 1: T5's scores of a few units */
+    float *q = a_rand(&s, nq, -qk, qk), *k = a_rand(&s, nk, -qk, qk), *v = a_rand(&s, nv, -1, 1);
     float *dout = a_rand(&s, no, -1, 1);
+    float *bias = fa2 == 2 ? a_rand(&s, nb, -2, 2) : NULL, *db = fa2 == 2 ? calloc(nb, 4) : NULL;
     uint8_t *mask = NULL;
     if (use_mask) {
         mask = malloc((size_t)B * Tk);
@@ -230,32 +234,47 @@ static void check_tc_ex(int fa2, int B, int Tq, int Tk, int NH, int NKV, int HD,
     }
     float *out = malloc(no * 4), *lse = malloc(nl * 4), *work = malloc(fl_cu_attention_work_bytes(B, NH, Tq));
     float *dq = calloc(nq, 4), *dk = calloc(nk, 4), *dv = calloc(nv, 4);
-    int rc = (fa2 ? fl_cuemu_attention_forward_fa2 : fl_cuemu_attention_forward_tc)(&a, out, NULL, lse, q, k, v, mask, NULL);
-    rc |= (fa2 ? fl_cuemu_attention_backward_fa2 : fl_cuemu_attention_backward_tc)(&a, dq, dk, dv, dout, q, k, v, mask,
-                                                                                 out, lse, work, NULL);
+    int rc;
+    if (fa2 == 2) {
+        rc = fl_cuemu_attention_forward_fa2_b(&a, out, NULL, lse, q, k, v, bias, mask, NULL);
+        rc |= fl_cuemu_attention_backward_fa2_b(&a, dq, dk, dv, db, dout, q, k, v, bias, mask, out, lse, work, 0, NULL);
+    } else {
+        rc = (fa2 ? fl_cuemu_attention_forward_fa2 : fl_cuemu_attention_forward_tc)(&a, out, NULL, lse, q, k, v, mask, NULL);
+        rc |= (fa2 ? fl_cuemu_attention_backward_fa2 : fl_cuemu_attention_backward_tc)(&a, dq, dk, dv, dout, q, k, v, mask,
+                                                                                     out, lse, work, NULL);
+    }
     float *gq = a_dev(q, nq * 4), *gk = a_dev(k, nk * 4), *gv = a_dev(v, nv * 4), *gdo = a_dev(dout, no * 4);
     float *go = a_dev(NULL, no * 4), *gl = a_dev(NULL, nl * 4), *gw = a_dev(NULL, fl_cu_attention_work_bytes(B, NH, Tq));
     uint8_t *gm = mask ? a_dev(mask, (size_t)B * Tk) : NULL;
     float *gdq = a_dev(NULL, nq * 4), *gdk = a_dev(NULL, nk * 4), *gdv = a_dev(NULL, nv * 4);
     cudaMemset(gdq, 0, nq * 4), cudaMemset(gdk, 0, nk * 4), cudaMemset(gdv, 0, nv * 4);
-    rc |= (fa2 ? fl_cuk_attention_forward_fa2 : fl_cuk_attention_forward_tc)(&a, go, NULL, gl, gq, gk, gv, gm, NULL);
-    rc |= (fa2 ? fl_cuk_attention_backward_fa2 : fl_cuk_attention_backward_tc)(&a, gdq, gdk, gdv, gdo, gq, gk, gv, gm,
-                                                                             go, gl, gw, NULL);
+    float *gb = bias ? a_dev(bias, nb * 4) : NULL, *gdb = db ? a_dev(NULL, nb * 4) : NULL;
+    if (gdb) cudaMemset(gdb, 0, nb * 4);
+    if (fa2 == 2) {
+        rc |= fl_cuk_attention_forward_fa2_b(&a, go, NULL, gl, gq, gk, gv, gb, gm, NULL);
+        rc |= fl_cuk_attention_backward_fa2_b(&a, gdq, gdk, gdv, gdb, gdo, gq, gk, gv, gb, gm, go, gl, gw, 0, NULL);
+    } else {
+        rc |= (fa2 ? fl_cuk_attention_forward_fa2 : fl_cuk_attention_forward_tc)(&a, go, NULL, gl, gq, gk, gv, gm, NULL);
+        rc |= (fa2 ? fl_cuk_attention_backward_fa2 : fl_cuk_attention_backward_tc)(&a, gdq, gdk, gdv, gdo, gq, gk, gv, gm,
+                                                                                 go, gl, gw, NULL);
+    }
     if (rc || cudaDeviceSynchronize() != cudaSuccess) {
         printf("%-40s FAIL (launch: %d, %s)\n", nm, rc, cudaGetErrorString(cudaGetLastError()));
         a_fail++;
     } else {
-        float *h = malloc((nq > nk ? (nq > nv ? nq : nv) : (nk > nv ? nk : nv)) * 4 + no * 4 + nl * 4);
+        float *h = malloc((nq > nk ? (nq > nv ? nq : nv) : (nk > nv ? nk : nv)) * 4 + no * 4 + nl * 4 + nb * 4);
         a_host(h, go, no * 4), snprintf(op, sizeof op, "%s out", nm), a_report(op, h, out, no, 1e-2, 2e-3);
         a_host(h, gl, nl * 4), snprintf(op, sizeof op, "%s lse", nm), a_report(op, h, lse, nl, 1e-4, 1e-5);
         a_host(h, gdq, nq * 4), snprintf(op, sizeof op, "%s dq", nm), a_report(op, h, dq, nq, 1e-2, 2e-3);
         a_host(h, gdk, nk * 4), snprintf(op, sizeof op, "%s dk", nm), a_report(op, h, dk, nk, 1e-2, 2e-3);
         a_host(h, gdv, nv * 4), snprintf(op, sizeof op, "%s dv", nm), a_report(op, h, dv, nv, 1e-2, 2e-3);
+        if (gdb) a_host(h, gdb, nb * 4), snprintf(op, sizeof op, "%s dbias", nm), a_report(op, h, db, nb, 1e-2, 2e-3);
         free(h);
     }
     cudaFree(gq), cudaFree(gk), cudaFree(gv), cudaFree(gdo), cudaFree(go), cudaFree(gl), cudaFree(gw), cudaFree(gm);
-    cudaFree(gdq), cudaFree(gdk), cudaFree(gdv);
+    cudaFree(gdq), cudaFree(gdk), cudaFree(gdv), cudaFree(gb), cudaFree(gdb);
     free(q), free(k), free(v), free(dout), free(mask), free(out), free(lse), free(work), free(dq), free(dk), free(dv);
+    free(bias), free(db);
 }
 
 /* ---- large shapes: GPU against a float64 slice ------------------------------------------------ */
@@ -461,6 +480,10 @@ int fl_cuda_check_attn(void) {
         check_tc_ex(fa2, 1, 100, 100, 2, 1, 128, 0, 0);
         check_tc_ex(fa2, 1, 200, 200, 4, 1, 64, 1, 0);
     }
+    /* fa2's EX kernels: T5's encoder (key mask, bias, dbias over a batch of 2, dropout), its causal decoder, HD 128 */
+    check_tc_ex(2, 2, 70, 70, 4, 4, 64, 0, 1);
+    check_tc_ex(2, 2, 45, 45, 4, 4, 64, 1, 0);
+    check_tc_ex(2, 2, 40, 90, 2, 2, 128, 0, 1);
     const int Ts[2] = {1024, 2048}, kv[2] = {32, 8};
     for (int i = 0; i < 2; i++)
         for (int j = 0; j < 2; j++)

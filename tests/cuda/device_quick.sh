@@ -19,6 +19,8 @@
 #   6. the TinyLlama QLoRA nf4 step (the default 4-bit mode); 7. the full step with FITLLM_CUDA_HEAD_GROUP=0 (A/B,
 #   with the profile's head GEMM rows); 7b. GPT-2 124M bf16-true (B 8, T 1024) with --profile (72.8 ms a step on the
 #   H200 of 2026-11-30, ~2x what its GEMMs and attention account for: the profile says where the rest goes);
+#   7c. Flan-T5-base bf16-true with --dropout (B 8, source 512, target 128): its attention (relative bias, dropout)
+#   on the fa2 EX kernels, then FITLLM_CUDA_ATTN=fp32 (the fp32 kernels it ran before; A/B);
 #   8. fitllm_cuda_check with what is left.
 # tests/cuda/device_quick.sh --small-ref (here, after tools/gpu_pack.sh): step 3's CPU side with the packed binary,
 # written to .gpupack/ref/small-cpu-metrics.csv and carried with the pack (the device then trains on the GPU only).
@@ -135,6 +137,15 @@ echo "== 7b. GPT-2 124M bf16-true, B 8, T 1024, with the profile"
 run gpt2 30 "$F" bench-step gpt2 --accelerator cuda --precision bf16-true --micro-batch 8 --seq 1024 --steps 5 \
     --warmup 2 --profile
 [ -f "$OUT/gpt2.log" ] && grep -E "^median [0-9]|^MFU|cuDNN|^  [A-Za-z+]+ +[0-9.]+ +[0-9.]+%|exit" "$OUT/gpt2.log" | head -14
+echo "== 7c. Flan-T5-base bf16-true with dropout (B 8, source 512, target 128): T5's attention (bias, dropout) on"
+echo "       the fa2 EX kernels, then on the fp32 kernels (FITLLM_CUDA_ATTN=fp32: A/B)"
+T5S=(bench-step flan-t5-base --accelerator cuda --precision bf16-true --micro-batch 8 --source-seq 512 --seq 128
+     --steps 5 --warmup 2 --dropout --profile)
+run t5 30 "$F" "${T5S[@]}"
+FITLLM_CUDA_ATTN=fp32 run t5fp32 30 "$F" "${T5S[@]}"
+for n in t5 t5fp32; do
+    [ -f "$OUT/$n.log" ] && grep -E "^median [0-9]|^  attention +[0-9.]+|exit" "$OUT/$n.log" | sed "s/^/$n: /" | head -4
+done
 echo "== 8. fitllm_cuda_check"
 if run check 150 "$PACK/bin/fitllm_cuda_check"; then :; fi
 [ -f "$OUT/check.log" ] && grep -E "FAIL|all ok|FAILED|exit" "$OUT/check.log" | head -20

@@ -4,7 +4,8 @@
 #   tests/cuda/device_quick_test.sh WORKDIR      prints "device_quick plumbing ok" and exits 0, else what failed
 # Cases: (1) cuDNN refusing a graph triggers step 2c, whose two debug logs come back xz-compressed; (2) the small
 # preset's CPU / GPU comparison passes on equal losses, (3) fails on a NaN GPU loss, (4) fails when a side wrote no
-# losses (not a vacuous pass), (5) without a refusal there is no step 2c.
+# losses (not a vacuous pass), (5) without a refusal there is no step 2c, (6) step 7c times Flan-T5-base with
+# --dropout on the default kernels, then with FITLLM_CUDA_ATTN=fp32.
 set -u
 W=${1:?usage: device_quick_test.sh WORKDIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -26,7 +27,7 @@ finetune_full)
     mkdir -p "$out/logs" && echo "iter,step,epoch,loss" >"$out/logs/metrics.csv"
     loss=5.5; [ "$acc" = cuda ] && loss=${FAKE_LOSS:-5.5}
     for i in 1 2 3 4 5 6 7 8; do echo "$i,$i,0,$loss" >>"$out/logs/metrics.csv"; done ;;
-*) echo "median 1.0 ms/step" ;;
+*) echo "median 1.0 ms/step"; echo "attention kernels ${FITLLM_CUDA_ATTN:-auto}: $*" ;;
 esac
 exit 0
 EOF
@@ -45,6 +46,9 @@ for f in cudnn-ours cudnn-torch; do
     [ -e "$W/o1/$f.txt" ] && no "$f.txt left uncompressed"
 done
 grep -q "^ok   small-bf16: max relative loss difference 0.00e+00" <<<"$s" || no "equal losses did not pass"
+grep -q "^attention kernels auto: bench-step flan-t5-base .*--dropout" "$W/o1/t5.log" 2>/dev/null || no "step 7c: no t5 run"
+grep -q "^attention kernels fp32: bench-step flan-t5-base .*--dropout" "$W/o1/t5fp32.log" 2>/dev/null ||
+    no "step 7c: no FITLLM_CUDA_ATTN=fp32 run"
 s=$(quick o2 FAKE_LOSS=nan)
 grep -q "^== 2c\." <<<"$s" && no "step 2c without a refusal"
 grep -q "^FAIL small-bf16: max relative loss difference nan" <<<"$s" || no "a NaN GPU loss did not fail"
