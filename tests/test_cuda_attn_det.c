@@ -6,6 +6,8 @@
  *    rows before a block's first visible row add zeros),
  *  - every counter ends at the number of key blocks that visited its tile, computed here from the
  *    causal limits (a block that skipped its turn, or posted twice, would hang or corrupt the GPU run).
+ * The EX kernels (a bias with its gradient, dropout: T5's attention) the same, dbias too (one owner per element: its
+ * block walks the batch, so the counters see each batch element's visits in turn).
  * Not checked here: the order itself on a GPU (tests/cuda/check_attn.c's dq-bits comparison on a GPU). */
 #include <math.h>
 #include <stdint.h>
@@ -28,32 +30,37 @@ static float *det_rand(size_t n, uint64_t *s) {
     return x;
 }
 
-/* B, Tq, Tk, NH, NKV, HD, causal; bk: the backward's key blocks (64, or 128: FL_CU_FA2_BK128) */
-static void det_case(const int c[7], int bk) {
+/* B, Tq, Tk, NH, NKV, HD, causal; bk: the backward's key blocks (64, or 128: FL_CU_FA2_BK128); ex: the EX kernels
+ * (attention_*_fa2_b: a bias with its gradient, dropout 0.1; HD 64 here, whose blocks walk the batch: the counters'
+ * order per batch element) */
+static void det_case(const int c[7], int bk, int ex) {
     const int bkf = bk == 128 ? FL_CU_FA2_BK128 : 0;
     const int B = c[0], Tq = c[1], Tk = c[2], NH = c[3], NKV = c[4], HD = c[5];
     fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, (size_t)NH * HD, (size_t)NKV * HD, (size_t)NKV * HD, (size_t)NH * HD,
-                      (float)(1.0 / sqrt((double)HD)), c[6], 0, 0};
+                      (float)(1.0 / sqrt((double)HD)), c[6], ex ? 0.1f : 0.0f, 0xd209u};
     const size_t nq = (size_t)B * Tq * NH * HD, nk = (size_t)B * Tk * NKV * HD, nl = (size_t)B * NH * Tq;
+    const size_t nb = ex ? (size_t)NH * Tq * Tk : 0;
     uint64_t s = 0x1234 + (uint64_t)Tq * 7 + Tk;
     float *q = det_rand(nq, &s), *k = det_rand(nk, &s), *v = det_rand(nk, &s), *dout = det_rand(nq, &s);
+    float *bias = ex ? det_rand(nb, &s) : NULL;
     float *out = calloc(nq, 4), *lse = calloc(nl, 4);
-    float *g[2][3];
-    for (int r = 0; r < 2; r++) g[r][0] = det_rand(nq, &s), g[r][1] = det_rand(nk, &s), g[r][2] = det_rand(nk, &s);
-    for (int i = 0; i < 3; i++) memcpy(g[1][i], g[0][i], (i ? nk : nq) * 4); /* the same pre-filled gradients */
+    float *g[2][4];
+    for (int r = 0; r < 2; r++)
+        g[r][0] = det_rand(nq, &s), g[r][1] = det_rand(nk, &s), g[r][2] = det_rand(nk, &s), g[r][3] = det_rand(nb, &s);
+    for (int i = 0; i < 4; i++) memcpy(g[1][i], g[0][i], (i == 0 ? nq : i < 3 ? nk : nb) * 4); /* the same pre-fills */
     const size_t wb = fl_cu_attention_work_bytes_det(B, NH, Tq);
     float *work = malloc(wb);
-    FL_REQUIRE(fl_cuemu_attention_forward_fa2(&a, out, NULL, lse, q, k, v, NULL, NULL) == 0);
-    FL_REQUIRE(fl_cuemu_attention_backward_fa2_ex(&a, g[0][0], g[0][1], g[0][2], dout, q, k, v, NULL, out, lse, work,
-                                                  bkf, NULL) == 0);
+    FL_REQUIRE(fl_cuemu_attention_forward_fa2_b(&a, out, NULL, lse, q, k, v, bias, NULL, NULL) == 0);
+    FL_REQUIRE(fl_cuemu_attention_backward_fa2_b(&a, g[0][0], g[0][1], g[0][2], ex ? g[0][3] : NULL, dout, q, k, v, bias,
+                                                 NULL, out, lse, work, bkf, NULL) == 0);
     memset(work, 0x7f, wb); /* the launch zeroes its counters itself */
-    FL_REQUIRE(fl_cuemu_attention_backward_fa2_ex(&a, g[1][0], g[1][1], g[1][2], dout, q, k, v, NULL, out, lse, work,
-                                                  FL_CU_FA2_DET | bkf, NULL) == 0);
-    for (int i = 0; i < 3; i++) {
-        size_t n = i ? nk : nq, bad = 0;
+    FL_REQUIRE(fl_cuemu_attention_backward_fa2_b(&a, g[1][0], g[1][1], g[1][2], ex ? g[1][3] : NULL, dout, q, k, v, bias,
+                                                 NULL, out, lse, work, FL_CU_FA2_DET | bkf, NULL) == 0);
+    for (int i = 0; i < 4; i++) {
+        size_t n = i == 0 ? nq : i < 3 ? nk : nb, bad = 0;
         for (size_t e = 0; e < n; e++) bad += !(g[0][i][e] == g[1][i][e]);
-        FL_CHECKF(bad == 0, "B%d Tq%d Tk%d %d/%d HD%d bk %d: %zu of %zu %s values differ", B, Tq, Tk, NH, NKV, HD, bk, bad,
-                  n, i == 0 ? "dq" : i == 1 ? "dk" : "dv");
+        FL_CHECKF(bad == 0, "B%d Tq%d Tk%d %d/%d HD%d bk %d%s: %zu of %zu %s values differ", B, Tq, Tk, NH, NKV, HD, bk,
+                  ex ? " ex" : "", bad, n, i == 0 ? "dq" : i == 1 ? "dk" : i == 2 ? "dv" : "dbias");
     }
     /* the counters: BQ = 64 rows (HD 64) or 32 (HD 128); key block kb visits tiles from its first visible
      * row rounded down to a tile */
@@ -72,9 +79,9 @@ static void det_case(const int c[7], int bk) {
                 bad += cnt[((size_t)b * NH + h) * nt + t] != want;
             }
     FL_CHECKF(bad == 0, "B%d Tq%d Tk%d bk %d: %d tile counters off", B, Tq, Tk, bk, bad);
-    free(q), free(k), free(v), free(dout), free(out), free(lse), free(work);
+    free(q), free(k), free(v), free(dout), free(bias), free(out), free(lse), free(work);
     for (int r = 0; r < 2; r++)
-        for (int i = 0; i < 3; i++) free(g[r][i]);
+        for (int i = 0; i < 4; i++) free(g[r][i]);
 }
 
 FL_TEST(cuda_attn_fa2_deterministic) {
@@ -85,8 +92,12 @@ FL_TEST(cuda_attn_fa2_deterministic) {
         {1, 200, 70, 2, 2, 64, 1},   /* causal Tq > Tk */
         {1, 67, 131, 2, 2, 64, 0},   /* non-causal: every block visits every tile */
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) det_case(cases[i], 64);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) det_case(cases[i], 64, 0);
     /* 128-key blocks (FITLLM_CUDA_FA2_BK=128): 2 blocks of 131 / 200 keys, 1 of 70 / 67 */
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) det_case(cases[i], 128);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) det_case(cases[i], 128, 0);
+    /* the EX kernels (T5's bias and dropout) over a batch of 2: causal GQA 2:1, and non-causal, 64- and 128-key */
+    const int ex_cases[][7] = {{2, 131, 131, 2, 1, 64, 1}, {2, 70, 131, 2, 2, 64, 0}};
+    for (int bk = 64; bk <= 128; bk += 64)
+        for (size_t i = 0; i < sizeof ex_cases / sizeof ex_cases[0]; i++) det_case(ex_cases[i], bk, 1);
 }
 #endif
