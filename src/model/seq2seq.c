@@ -869,6 +869,7 @@ fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *target
     fl_get_outer(m, &op);
     fl_linear head = {.in = C, .out = Vr, .w = op.head, .dw = op.dhead};
     fl_linear_set_weight(m, &head, op.head_idx);
+    fl_linear_set_dw_scratch(m, &head); /* the arena's bf16 dW scratch (an encoder-decoder's: seq2seq_acts.c), or none */
     const int32_t *tg = targets;
     if (targets && h->dtargets) {
         FL_TRY(FL_RUN(be, to_device, h->dtargets, targets, (size_t)N * sizeof *targets));

@@ -122,6 +122,26 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
     const int tpr = m->cfg.tp_size > 1 ? a->chunk : 0; /* tensor parallel: the cross-entropy's statistics (tp_vocab.c) */
     double *tps = tpr ? take(&cv, (size_t)(m->cfg.tp_size + 1) * 3 * (size_t)tpr * sizeof(double)) : NULL;
     if (base) m->acts->tp_stats = tps, m->acts->tp_stats_rows = tpr;
+    /* bf16 weight-gradient GEMMs when the matmuls compute in bf16 and the weights train (the decoder-only passes'
+     * dw_bf16, acts.c): dW += bf16(dy)^T bf16(x), PyTorch autocast's and bf16-true's operands (fp32 dW GEMMs before).
+     * Scratch for the widest LINEAR input and output over the stacks at their longest rows (a cross-attention's k|v
+     * read the earlier stack's rows) and the head's chunk (x: C, dy: the rank's vocabulary rows); store.c's
+     * fl_linear_set_dw_scratch hands them to every bf16 linear, fl_head_loss to the head. */
+    void *xb16 = NULL, *dyb16 = NULL;
+    size_t dyn = 0;
+    if (m->prec.name && m->prec.compute_dtype == FL_BF16 && fl_model_grads_data(m) != NULL) {
+        size_t in_max = C, out_max = C;
+        for (int s = 0; s < a->n_stacks; s++) {
+            if ((size_t)a->st[s].g.lin_in_max > in_max) in_max = (size_t)a->st[s].g.lin_in_max;
+            if ((size_t)a->st[s].g.lin_out_max > out_max) out_max = (size_t)a->st[s].g.lin_out_max;
+        }
+        const size_t rows = B * (size_t)Tx, hrows = (size_t)a->chunk, Vr = (size_t)fl_config_vocab_rows(&m->cfg, NULL);
+        const size_t xn = rows * in_max > hrows * C ? rows * in_max : hrows * C;
+        dyn = rows * out_max > hrows * Vr ? rows * out_max : hrows * Vr;
+        xb16 = take(&cv, xn * sizeof(uint16_t));
+        dyb16 = take(&cv, dyn * sizeof(uint16_t));
+    }
+    if (base) m->acts->xb16 = xb16, m->acts->dyb16 = dyb16, m->acts->dyb16_elems = dyb16 ? dyn : 0;
     const size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
                                                 m->be->scratch_bytes);
     void *sc = bes ? take(&cv, bes) : NULL;
