@@ -134,6 +134,51 @@ static void vs_mixed(const char *dir, int t5) {
     b2_env_close(&env);
 }
 
+/* bf16 compute: the weight gradients of every part's blocks and of the language model's head come from bf16 operands,
+ * dW += bf16(dy)^T bf16(x) (the decoder-only passes' dw_bf16; on a GPU fp32 x fp32 runs on the CUDA cores): a
+ * bf16-mixed training pass issues exactly 2 fp32 x fp32 GEMMs, the two outer linears outside any block and head (the
+ * patch embedding's and the language projection's dW, small), against every GEMM in fp32 under 32-true. The values:
+ * the autocast comparisons (tests/test_blip2_prec.c) and vs_mixed above. */
+static fl_status (*g_gemm_real)(const fl_backend *, int, int, int, int, int, float, const void *, fl_dtype, int,
+                                const void *, fl_dtype, int, float, void *, fl_dtype, int);
+static int g_f32f32, g_all;
+static fl_status gemm_rec(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                          const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
+                          fl_dtype tc, int ldc) {
+    g_all++;
+    g_f32f32 += ta == FL_F32 && tb == FL_F32;
+    return g_gemm_real(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+}
+static void dw_operands(const char *dir, int t5) {
+    for (int mixed = 0; mixed < 2; mixed++) {
+        b2_env env;
+        b2_env_open(&env);
+        b2_batch c;
+        b2_batch_open(&c, dir, t5);
+        fl_blip2 *a = NULL;
+        FL_REQUIRE_OK(fl_blip2_load(&a, dir, &env.be, &env.pool));
+        set_prec(a, mixed ? "bf16-mixed" : "32-true");
+        g_gemm_real = env.be.gemm;
+        env.be.gemm = gemm_rec;
+        g_f32f32 = g_all = 0;
+        float loss;
+        b2_batch_fwd_bwd(a, &c, NULL, &loss);
+        env.be.gemm = g_gemm_real;
+        printf("      %s %s: %d GEMMs, %d fp32 x fp32, loss %.6f\n", t5 ? "T5" : "OPT", mixed ? "bf16-mixed" : "32-true",
+               g_all, g_f32f32, loss);
+        FL_CHECK(g_all > 10 && isfinite(loss));
+        FL_CHECKF(mixed ? g_f32f32 == 2 : g_f32f32 == g_all, "%s %s: %d of %d GEMMs fp32 x fp32", dir,
+                  mixed ? "bf16-mixed" : "32-true", g_f32f32, g_all);
+        b2_batch_close(&c);
+        fl_blip2_free(a);
+        b2_env_close(&env);
+    }
+}
+FL_TEST(blip2_bf16_weight_gradients_read_bf16) {
+    dw_operands("tests/fixtures/blip2-tiny-opt", 0);
+    dw_operands("tests/fixtures/blip2-tiny-t5", 1);
+}
+
 FL_TEST(blip2_opt_bf16_true_vs_mixed) { vs_mixed("tests/fixtures/blip2-tiny-opt", 0); }
 FL_TEST(blip2_t5_bf16_true_vs_mixed) { vs_mixed("tests/fixtures/blip2-tiny-t5", 1); }
 

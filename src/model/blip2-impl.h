@@ -44,6 +44,8 @@ struct fl_blip2 {
     int Bp, Tp, fwd_train;
     int drop;               /* the last forward dropped (a training forward with dropout on): so does its backward */
     float *temp;            /* WORKSPACE: the blocks' TEMP slots (a dropped projection's output), one buffer for all */
+    void *xb16, *dyb16;     /* WORKSPACE, bf16 compute with trained weights: the bf16 dW GEMMs' x and dy scratch (the
+                             * decoder-only passes' dw_bf16), bound to every trained bf16 linear in the backward; NULL */
     long n_valid;
     double loss_sum;
 };

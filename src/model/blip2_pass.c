@@ -129,6 +129,29 @@ static size_t carve_work(fl_blip2 *b, char *base) {
                 if (b->st[k].g[j].slot[i].kind == FL_GSLOT_TEMP && B * b->st[k].T * b->st[k].g[j].slot[i].width > tmp_n)
                     tmp_n = B * b->st[k].T * (size_t)b->st[k].g[j].slot[i].width;
     float *tmp = TAKEF(&cv, tmp_n);
+    /* bf16 weight-gradient GEMMs (dW += bf16(dy)^T bf16(x), as the decoder-only passes' dw_bf16 and an encoder-
+     * decoder's): when a part here computes in bf16 and trains its weights, scratch for the widest LINEAR input and
+     * output of every part's graphs at the longest rows (the Q-Former's cross-attention k|v read the image rows) */
+    size_t xn = 0, dn = 0;
+    for (int k = 0; k < parts_here(b); k++) {
+        const fl_model *m = &b->part[k];
+        if (!(m->prec.name && m->prec.compute_dtype == FL_BF16 && fl_model_grads_data(m) != NULL)) continue;
+        for (int j = 0; j < parts_here(b); j++) /* rows: any part's (a cross-attention reads another part's) */
+            for (int i = 0; i < 2; i++) {
+                const fl_block_graph *g = &b->st[k].g[i];
+                const size_t r = B * (size_t)(b->st[j].T > (int)P + 1 ? b->st[j].T : (int)P + 1);
+                const size_t in = (size_t)(g->lin_in_max > m->cfg.dim ? g->lin_in_max : m->cfg.dim);
+                const size_t out = (size_t)(g->lin_out_max > m->cfg.dim ? g->lin_out_max : m->cfg.dim);
+                if (r * in > xn) xn = r * in;
+                if (r * out > dn) dn = r * out;
+            }
+    }
+    if (NL && xn) { /* the language model's head (fl_head_loss): a chunk of its rows, in and out */
+        if ((size_t)b->chunk * Ct > xn) xn = (size_t)b->chunk * Ct;
+        if ((size_t)b->chunk * V > dn) dn = (size_t)b->chunk * V;
+    }
+    void *xb = xn ? fl_carve(&cv, xn * sizeof(uint16_t)) : NULL, *db = dn ? fl_carve(&cv, dn * sizeof(uint16_t)) : NULL;
+    if (base) b->xb16 = xb, b->dyb16 = db;
     if (base) {
         b->temp = tmp;
         for (int k = 0; k < parts_here(b); k++)
@@ -525,6 +548,12 @@ static fl_status blocks_backward(fl_blip2 *b, int k) {
         }
         live[v] = g;
         fl_block_ctx x = ctx_of(b, k, l, dxs);
+        if (b->xb16) /* bf16 dW GEMMs: every trained bf16 linear takes the scratch (store.c's fl_linear_set_dw_scratch) */
+            for (int i = 0; i < g->n_ops; i++) {
+                if (g->op[i].kind != FL_GOP_LINEAR) continue;
+                fl_linear *lin = &bp.lin[g->op[i].p];
+                if (lin->dw && lin->wc && lin->wct == FL_BF16 && !lin->n_q4) lin->xb16 = b->xb16, lin->dyb16 = b->dyb16;
+            }
         stage_open(&b->part[k], l + 1, 0);
         FL_TRY(fl_block_backward(&b->part[k], g, &bp, st->layer[l].s, b->gb, &x));
         FL_TRY(stage_close(&b->part[k], l + 1, 0));
@@ -560,7 +589,7 @@ fl_status fl_blip2_set_act_ckpt(fl_blip2 *b, int on) {
 /* The head and the loss over the language model's final norm output (d(its input) in gb[1] in training). */
 static fl_status head_loss(fl_blip2 *b, const int32_t *targets, float grad_scale, float *logits_out) {
     fl_model *m = &b->part[2];
-    const fl_head_bufs h = {b->st[2].nout, b->gb[1], b->logits, b->losses, b->dtargets, b->chunk};
+    const fl_head_bufs h = {b->st[2].nout, b->gb[1], b->logits, b->losses, b->dtargets, b->chunk, b->xb16, b->dyb16};
     /* 16-bit storage: the head's gradient staged alone, added into its 16-bit gradient after */
     fl_outer_params op;
     fl_get_outer(m, &op);

@@ -348,12 +348,14 @@ void fl_blip2_qformer_block(const fl_model_config *c, int xattn, struct fl_block
 
 /* The chunked LM head + cross-entropy (exec.c) over x (N, C): logits / losses (chunk x V, N) scratch, dtargets a device
  * copy of the targets or NULL (host memory), dx (N, C) d(x) in training (grad_scale > 0 with targets); the valid
- * targets' losses summed into *loss_sum, counted in *n_valid. */
+ * targets' losses summed into *loss_sum, counted in *n_valid. xb16 / dyb16: bf16 dW scratch of at least (chunk, C) /
+ * (chunk, V) for a trained bf16 head (dW += bf16(dy)^T bf16(x)), or NULL: the model's arena's (m->acts), if any. */
 typedef struct {
     const float *x;
     float *dx, *logits, *losses;
     int32_t *dtargets;
     int chunk;
+    void *xb16, *dyb16;
 } fl_head_bufs;
 /* One stack's HEAD_LM over the final norm's output (m->acts->lnf, N rows): logits chunk by chunk (logits_out: to
  * the host), with targets the per-token losses, in training (grad_scale > 0) the head's backward too, leaving

@@ -242,7 +242,7 @@ static fl_status head_run(fl_model *m, const int32_t *targets, int N, float grad
     struct fl_s2s_acts *a = m->acts->s2s;
     float *x = a->st[a->n_stacks - 1].nout;
     if (m->cfg.head_scale) FL_RUN(m->be, scale, x, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
-    const fl_head_bufs h = {x, a->gb[1], a->logits, a->losses, a->targets, a->chunk};
+    const fl_head_bufs h = {x, a->gb[1], a->logits, a->losses, a->targets, a->chunk, NULL, NULL};
     if (grad_scale > 0 && targets) { /* sharded: the root units' gradient buffers, open until the backward ends */
         FL_TRY(fl_store_grads_begin(m->store, m->layout.n_groups - 1));
         FL_TRY(fl_store_grads_begin(m->store, 0));
@@ -870,6 +870,7 @@ fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *target
     fl_linear head = {.in = C, .out = Vr, .w = op.head, .dw = op.dhead};
     fl_linear_set_weight(m, &head, op.head_idx);
     fl_linear_set_dw_scratch(m, &head); /* the arena's bf16 dW scratch (an encoder-decoder's: seq2seq_acts.c), or none */
+    if (h->xb16 && head.dw && head.wc && head.wct == FL_BF16) head.xb16 = h->xb16, head.dyb16 = h->dyb16; /* BLIP-2's */
     const int32_t *tg = targets;
     if (targets && h->dtargets) {
         FL_TRY(FL_RUN(be, to_device, h->dtargets, targets, (size_t)N * sizeof *targets));
