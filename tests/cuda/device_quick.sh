@@ -20,7 +20,8 @@
 #   with the profile's head GEMM rows); 7b. GPT-2 124M bf16-true (B 8, T 1024) with --profile (72.8 ms a step on the
 #   H200 of 2026-11-30, ~2x what its GEMMs and attention account for: the profile says where the rest goes);
 #   7c. Flan-T5-base bf16-true with --dropout (B 8, source 512, target 128): its attention (relative bias, dropout)
-#   on the fa2 EX kernels, then FITLLM_CUDA_ATTN=fp32 (the fp32 kernels it ran before; A/B);
+#   on the fa2 EX kernels, then FITLLM_CUDA_ATTN=fp32 (the fp32 kernels it ran before; A/B), and PyTorch's step at the
+#   same settings (bench/bench_t5_torch.py --device cuda --dtype bf16 --dropout 0.1);
 #   8. fitllm_cuda_check with what is left.
 # tests/cuda/device_quick.sh --small-ref (here, after tools/gpu_pack.sh): step 3's CPU side with the packed binary,
 # written to .gpupack/ref/small-cpu-metrics.csv and carried with the pack (the device then trains on the GPU only).
@@ -143,6 +144,10 @@ T5S=(bench-step flan-t5-base --accelerator cuda --precision bf16-true --micro-ba
      --steps 5 --warmup 2 --dropout --profile)
 run t5 30 "$F" "${T5S[@]}"
 FITLLM_CUDA_ATTN=fp32 run t5fp32 30 "$F" "${T5S[@]}"
+# PyTorch beside it (transformers' T5, bf16 weights, eager attention: T5's position bias; fused AdamW)
+run t5torch 45 python3 bench/bench_t5_torch.py --device cuda --dtype bf16 --dropout 0.1 --shape flan-t5-base \
+    --batch 8 --source 512 --target 128 --attn eager --steps 5 --warmup 2
+[ -f "$OUT/t5torch.log" ] && grep -E "^RESULT|Error|exit" "$OUT/t5torch.log" | head -3
 for n in t5 t5fp32; do
     [ -f "$OUT/$n.log" ] && grep -E "^median [0-9]|^  attention +[0-9.]+|exit" "$OUT/$n.log" | sed "s/^/$n: /" | head -4
 done

@@ -31,7 +31,7 @@ finetune_full)
 esac
 exit 0
 EOF
-printf '#!/usr/bin/env bash\n[ -n "${CUDNN_LOGDEST_DBG:-}" ] && echo "torch graph" >"$CUDNN_LOGDEST_DBG"\nexit 0\n' >"$W/shim/python3"
+printf '#!/usr/bin/env bash\n[ -n "${CUDNN_LOGDEST_DBG:-}" ] && echo "torch graph" >"$CUDNN_LOGDEST_DBG"\necho "python3 $*"\nexit 0\n' >"$W/shim/python3"
 printf '#!/usr/bin/env bash\necho "stand-in GPU, 0, 1 MiB"\n' >"$W/shim/nvidia-smi"
 chmod +x "$W/repo/.gpupack/bin/fitllm" "$W/shim/python3" "$W/shim/nvidia-smi"
 quick() { # OUT-NAME env...: the script's summary
@@ -49,6 +49,8 @@ grep -q "^ok   small-bf16: max relative loss difference 0.00e+00" <<<"$s" || no 
 grep -q "^attention kernels auto: bench-step flan-t5-base .*--dropout" "$W/o1/t5.log" 2>/dev/null || no "step 7c: no t5 run"
 grep -q "^attention kernels fp32: bench-step flan-t5-base .*--dropout" "$W/o1/t5fp32.log" 2>/dev/null ||
     no "step 7c: no FITLLM_CUDA_ATTN=fp32 run"
+grep -q "^python3 bench/bench_t5_torch.py --device cuda --dtype bf16 --dropout 0.1 --shape flan-t5-base" "$W/o1/t5torch.log" \
+    2>/dev/null || no "step 7c: no PyTorch T5 run"
 s=$(quick o2 FAKE_LOSS=nan)
 grep -q "^== 2c\." <<<"$s" && no "step 2c without a refusal"
 grep -q "^FAIL small-bf16: max relative loss difference nan" <<<"$s" || no "a NaN GPU loss did not fail"
