@@ -56,18 +56,26 @@ static void train_pass(fl_model *m, const t5_batch *b, float *lg, double *loss) 
 
 /* bf16-mixed (tag "bf16") or 16-mixed ("fp16": the same check against autocast to float16, whose unit roundoff is
  * 2^-11: the fp16 copy the matmuls read puts fitllm's distance 8x below bf16-mixed's, still beyond fp32's) */
+/* the suite's backend and pools, the fixture's model under policy kind (bf16-true: bf16 storage) with its gradients,
+ * and the batch's arena */
+static void open_model(const char *dir, fl_precision_kind kind, fl_backend *be, fl_mem_pool *pool, fl_mem_pool *host,
+                       fl_model *m, t5_batch *b) {
+    FL_REQUIRE_OK(fl_test_backend(be, 2));
+    FL_REQUIRE_OK(fl_backend_pools_init(be, pool, host, be->name, 0));
+    const fl_model_storage bf16 = {.param_dtype = FL_BF16};
+    FL_REQUIRE_OK(fl_hf_load_model_ex(m, dir, be, pool, kind == FL_PREC_BF16_TRUE ? &bf16 : NULL));
+    FL_REQUIRE_OK(fl_model_set_precision(m, fl_precision_get(kind)));
+    FL_REQUIRE_OK(fl_model_alloc_grads(m));
+    open_batch(b, dir);
+    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(m, b->B, b->Ts, b->Tt));
+}
+
 static void check_mixed(const char *dir, fl_precision_kind kind, const char *tag) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
     fl_model m;
-    FL_REQUIRE_OK(fl_hf_load_model(&m, dir, &be, &pool));
-    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(kind)));
-    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
     t5_batch b;
-    open_batch(&b, dir);
-    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&m, b.B, b.Ts, b.Tt));
+    open_model(dir, kind, &be, &pool, &host, &m, &b);
     char p[256];
     snprintf(p, sizeof p, "%s/expected-%s.safetensors", dir, tag);
     fl_st_file y;
@@ -139,19 +147,11 @@ static fl_status gemm_rec(const fl_backend *be, int trans_a, int trans_b, int M,
     return g_gemm_real(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
 }
 static void dw_operands(fl_precision_kind kind) {
-    const char *dir = "tests/fixtures/t5-tiny-gated";
     fl_backend be;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
     fl_model m;
-    const fl_model_storage bf16 = {.param_dtype = FL_BF16}; /* bf16-true: bf16 storage */
-    FL_REQUIRE_OK(fl_hf_load_model_ex(&m, dir, &be, &pool, kind == FL_PREC_BF16_TRUE ? &bf16 : NULL));
-    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(kind)));
-    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
     t5_batch b;
-    open_batch(&b, dir);
-    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&m, b.B, b.Ts, b.Tt));
+    open_model("tests/fixtures/t5-tiny-gated", kind, &be, &pool, &host, &m, &b);
     int linears = 0; /* the trained 2-D weights: one dW GEMM each per pass (fused q|k|v, k|v: one run, one GEMM) */
     for (int i = 0; i < m.layout.n; i++) {
         const fl_param_info *pi = &m.layout.params[i];
