@@ -6,8 +6,9 @@
  *    rows before a block's first visible row add zeros),
  *  - every counter ends at the number of key blocks that visited its tile, computed here from the
  *    causal limits (a block that skipped its turn, or posted twice, would hang or corrupt the GPU run).
- * The EX kernels (a bias with its gradient, dropout: T5's attention) the same, dbias too (one owner per element: its
- * block walks the batch, so the counters see each batch element's visits in turn).
+ * The EX kernels (a bias with its gradient, dropout: T5's attention) the same, dbias too: by atomics from a block per
+ * batch element, deterministic by one block walking the batch (one owner per element; the counters see each batch
+ * element's visits in turn); the emulator runs the blocks in batch order, so the two give the same bits here.
  * Not checked here: the order itself on a GPU (tests/cuda/check_attn.c's dq-bits comparison on a GPU). */
 #include <math.h>
 #include <stdint.h>

@@ -101,9 +101,10 @@ static inline int fl_cu_attention_fa2_supported(const fl_attn_desc *a, const flo
                                      const float *q, const float *k, const float *v, const uint8_t *kmask,     \
                                      const float *out, const float *lse, void *work, int flags,                \
                                      void *stream);                                                          \
-    /* _fa2 with a bias (NULL or, (NH, Tq, Tk) as attention_forward_ex's) and dbias (NULL or; a block then walks \
-     * the batch: its adds have one owner, the same bits every run); dropout (a->drop_p) in every _fa2 launcher: \
-     * the fp32 kernels' mask bits. A bias or dropout: HD 64 or 128 (fl_cu_attention_fa2_supported) */          \
+    /* _fa2 with a bias (NULL or, (NH, Tq, Tk) as attention_forward_ex's) and dbias (NULL or; added by atomics \
+     * as dq, or with FL_CU_FA2_DET by a block walking the batch: one owner, the same bits every run); dropout   \
+     * (a->drop_p) in every _fa2 launcher, the fp32 kernels' mask bits. A bias or dropout: HD 64 or 128       \
+     * (fl_cu_attention_fa2_supported) */                                                                        \
     int P##attention_forward_fa2_b(const fl_attn_desc *a, float *out, void *out16, float *lse, const float *q,  \
                                    const float *k, const float *v, const float *bias, const uint8_t *kmask,    \
                                    void *stream);                                                              \

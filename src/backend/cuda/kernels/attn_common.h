@@ -34,6 +34,8 @@ struct fl_cu_attn_p {
     float *o, *l, *dq, *dk, *dv, *dbias, *Dsum; /* forward outputs; gradients; D scratch (B,NH,Tq) */
     uint16_t *o16; /* forward: NULL or the output's bf16 copy (out's layout), o then its widening (issue 30 item 1) */
     int *dq_lock; /* the fa2 backward's deterministic dq: one counter per (b, h, query tile), else NULL */
+    int dbias_walk; /* the fa2 EX backward's dbias: 1, a block walks the batch (one owner, plain adds: deterministic);
+                     * 0, a block per batch element adding by atomics (B times the blocks; bits may vary on a GPU) */
     /* the fa2 kernels' vector paths (attn_fa2.cu, fl_cu_fa_vec): vq: q, k, v aligned for them (16-byte rows, or a
      * padded head's chunks of 4; cp.async when bf16), else element pairs; vo: dout likewise (fp32); dq2: dq's element
      * pairs 8-byte aligned */

@@ -301,8 +301,8 @@ FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, cons
 /* P^T = exp2(S^T - lse) and dS^T = P^T (dP^T - D) in place of S^T, dP^T (the warp's keys j0 / j1 against the tile's
  * rows), zero where a row does not see the key, unless full (every row sees every key of the warp).
  * EX (fl_cu_fa_ex): the bias of those scores (natural units, read here) joins S^T; with dropout's factors f of the forward's
- * (row t0 + r, key k0 + j) P^T becomes f P^T (dV's) and dS^T = P^T (f dP^T - D); dbias (one owner: the block walks
- * the batch) += dS^T in fp32. */
+ * (row t0 + r, key k0 + j) P^T becomes f P^T (dV's) and dS^T = P^T (f dP^T - D); dbias += dS^T in fp32 (p.dbias_walk:
+ * one owner, the block walking the batch; else by atomics, as dq's). */
 template <int NQ, int EX>
 FL_CU_DEV void fl_cu_fa_pds(float (&s)[NQ][4], float (&dp)[NQ][4], const int *km, const int *lc, const float *Lc,
                             const float *Dc, int k0, int j0, int j1, float sl2, int full, const fl_cu_attn_p &p, int b,
@@ -328,7 +328,8 @@ FL_CU_DEV void fl_cu_fa_pds(float (&s)[NQ][4], float (&dp)[NQ][4], const int *km
                 } else {
                     ds = pv * (dp[nt][i] - Dc[r]);
                 }
-                if (p.dbias) p.dbias[e] += ds;
+                if (p.dbias && p.dbias_walk) p.dbias[e] += ds;
+                else if (p.dbias) fl_cu_atomic_add(p.dbias + e, ds);
             }
             s[nt][i] = pv;
             dp[nt][i] = ds;
@@ -495,15 +496,15 @@ FL_CU_DEV void fl_cu_fa_bwd_b(const fl_cu_attn_p &p, int b, uint16_t *sm, float 
  * issued (cp.async from a bf16 run's stored q) and, at HD 64 with an aligned dO, its dO tile's fp32 loads are in
  * registers (PF) before pair i's products; dO is packed and the row statistics stored after them. A warp whose
  * 16 keys every row of the tile sees (no key mask, below the causal diagonal) skips the visibility tests.
- * EX with dbias: the block walks the batch (grid z 1), so every dbias element has one owner (plain adds in batch
- * order: the same bits every run); else batch element blockIdx.z. */
+ * EX with dbias under FL_CU_FA2_DET (p.dbias_walk): the block walks the batch (grid z 1), so every dbias element has
+ * one owner (plain adds in batch order: the same bits every run); else batch element blockIdx.z (dbias by atomics). */
 template <int D, int BK, int PADH, int EX> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     enum { BQ = fl_cu_fa_cfg<D>::BBQ };
     FL_CU_DYN_SMEM(uint16_t, sm);
     __shared__ float Ls[2][BQ], Ds[2][BQ]; // lse (log2 units), D of the tile's rows
     __shared__ int lims[2][BQ];            // one past each row's last visible key (0: padding row)
     __shared__ int km[BK];
-    if (!EX || !p.dbias)
+    if (!EX || !p.dbias_walk)
         fl_cu_fa_bwd_b<D, BK, PADH, EX>(p, (int)blockIdx.z, sm, Ls, Ds, lims, km);
     else
         for (int b = 0; b < p.B; b++) {
@@ -546,8 +547,8 @@ template <int D, int BK, int PADH, int EX> static int fl_cu_fa_bwd_launch(const 
                      (fl_cu_stream)stream, p.dq_lock, n);
         if ((rc = fl_cu_launch_error())) return rc;
     }
-    /* EX with dbias: a block walks the batch (one owner per dbias element) */
-    dim3 grid((unsigned)((p.Tk + BK - 1) / BK), (unsigned)p.NKV, (unsigned)(EX && p.dbias ? 1 : p.B));
+    /* EX with dbias, deterministic: a block walks the batch (one owner per dbias element) */
+    dim3 grid((unsigned)((p.Tk + BK - 1) / BK), (unsigned)p.NKV, (unsigned)(EX && p.dbias_walk ? 1 : p.B));
     FL_CU_LAUNCH((fl_cu_fa_bwd_k<D, BK, PADH, EX>), grid, dim3(2 * BK), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();
 }
@@ -643,6 +644,7 @@ static int fa_bwd(const fl_attn_desc *a, float *dq, float *dk, float *dv, float 
     if (rc) return rc < 0 ? rc : 0;
     /* the counters after D's rows (work of fl_cu_attention_work_bytes_det) */
     if (flags & FL_CU_FA2_DET) p.dq_lock = (int *)(p.Dsum + (size_t)a->B * a->NH * a->Tq);
+    p.dbias_walk = dbias && (flags & FL_CU_FA2_DET); /* else dbias by atomics over a block per batch element */
     fl_cu_fa_vec(&p, in16);
     return fl_cu_fa_ex(a, bias) ? fa_bwd_run_ex(p, a->HD, flags, stream) : fa_bwd_run(p, a->HD, flags, stream);
 }
