@@ -155,7 +155,8 @@ static void usage(FILE *f) {
                "               q, k, v (and o) in place, else (refused there) compact copies; 0 = compact copies first\n"
                "               (EXPERIMENTAL, for an A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_DETERMINISTIC=1 (environment): the own attention backward adds dq across key blocks in a\n"
-               "               fixed order (the same bits every run, somewhat slower; cuDNN's backward is then not used)\n");
+               "               fixed order, and a bias's gradient (T5) in batch order (the same bits every run, somewhat\n"
+               "               slower; cuDNN's backward is then not used)\n");
     fprintf(f, "\n  FITLLM_CUDA_HEAD_GROUP=1|0 (environment): 1 (default) = a trained bf16 LM head's weight gradient over\n"
                "               a group of loss chunks in one GEMM (EXPERIMENTAL: not yet timed on a GPU); 0 = one per chunk\n");
     fprintf(f, "\n  FITLLM_CUDA_HEAD_DBF16=1|0 (environment): 1 (default) = the LM head's cross-entropy writes its gradient\n"
