@@ -5,8 +5,8 @@
 # Writes every log to $OUT (default /tmp/fitllm-quick-out) and prints a summary. Each step gets its own timeout,
 # no more than what is left of the budget (a step that cannot get 15 s is skipped, said so), in this order:
 #   1. `fitllm selftest --accelerator cuda --only attention_choices`: cuDNN's fused attention (and the own kernels)
-#      against float64 at small shapes, forward + backward, then timed at TinyLlama's shape (the copies path: the
-#      selftest's operands are fp32);
+#      against float64 at small shapes, forward + backward (T5's bias, dbias and dropout too), then timed at
+#      TinyLlama's shape and Flan-T5-base's (the copies path: the selftest's operands are fp32);
 #   2. the TinyLlama-1.1B bf16-true step (B 4, T 2048) with --profile (the attention's share, whether cuDNN ran);
 #   2b. the same step on the own kernels (FITLLM_CUDA_ATTN=own: their tiles' pipelined loads), and with
 #      FITLLM_CUDA_FA2_BK=128 (the backward's 128-key blocks, A/B), each with the profile's attention rows;
