@@ -132,19 +132,19 @@ static size_t carve_work(fl_blip2 *b, char *base) {
     /* bf16 weight-gradient GEMMs (dW += bf16(dy)^T bf16(x), as the decoder-only passes' dw_bf16 and an encoder-
      * decoder's): when a part here computes in bf16 and trains its weights, scratch for the widest LINEAR input and
      * output of every part's graphs at the longest rows (the Q-Former's cross-attention k|v read the image rows) */
-    size_t xn = 0, dn = 0;
+    size_t xn = 0, dn = 0, r = P + 1; /* rows: any part's (a cross-attention reads another part's: the image rows) */
+    for (int k = 0; k < parts_here(b); k++) r = (size_t)b->st[k].T > r ? (size_t)b->st[k].T : r;
+    r *= B;
     for (int k = 0; k < parts_here(b); k++) {
         const fl_model *m = &b->part[k];
         if (!(m->prec.name && m->prec.compute_dtype == FL_BF16 && fl_model_grads_data(m) != NULL)) continue;
-        for (int j = 0; j < parts_here(b); j++) /* rows: any part's (a cross-attention reads another part's) */
-            for (int i = 0; i < 2; i++) {
-                const fl_block_graph *g = &b->st[k].g[i];
-                const size_t r = B * (size_t)(b->st[j].T > (int)P + 1 ? b->st[j].T : (int)P + 1);
-                const size_t in = (size_t)(g->lin_in_max > m->cfg.dim ? g->lin_in_max : m->cfg.dim);
-                const size_t out = (size_t)(g->lin_out_max > m->cfg.dim ? g->lin_out_max : m->cfg.dim);
-                if (r * in > xn) xn = r * in;
-                if (r * out > dn) dn = r * out;
-            }
+        for (int i = 0; i < 2; i++) {
+            const fl_block_graph *g = &b->st[k].g[i];
+            const size_t in = (size_t)(g->lin_in_max > m->cfg.dim ? g->lin_in_max : m->cfg.dim);
+            const size_t out = (size_t)(g->lin_out_max > m->cfg.dim ? g->lin_out_max : m->cfg.dim);
+            xn = r * in > xn ? r * in : xn;
+            dn = r * out > dn ? r * out : dn;
+        }
     }
     if (NL && xn) { /* the language model's head (fl_head_loss): a chunk of its rows, in and out */
         if ((size_t)b->chunk * Ct > xn) xn = (size_t)b->chunk * Ct;
@@ -548,12 +548,8 @@ static fl_status blocks_backward(fl_blip2 *b, int k) {
         }
         live[v] = g;
         fl_block_ctx x = ctx_of(b, k, l, dxs);
-        if (b->xb16) /* bf16 dW GEMMs: every trained bf16 linear takes the scratch (store.c's fl_linear_set_dw_scratch) */
-            for (int i = 0; i < g->n_ops; i++) {
-                if (g->op[i].kind != FL_GOP_LINEAR) continue;
-                fl_linear *lin = &bp.lin[g->op[i].p];
-                if (lin->dw && lin->wc && lin->wct == FL_BF16 && !lin->n_q4) lin->xb16 = b->xb16, lin->dyb16 = b->dyb16;
-            }
+        for (int i = 0; b->xb16 && i < g->n_ops; i++) /* bf16 dW GEMMs: every trained bf16 linear takes the scratch */
+            if (g->op[i].kind == FL_GOP_LINEAR) fl_linear_bind_dw16(&bp.lin[g->op[i].p], b->xb16, b->dyb16);
         stage_open(&b->part[k], l + 1, 0);
         FL_TRY(fl_block_backward(&b->part[k], g, &bp, st->layer[l].s, b->gb, &x));
         FL_TRY(stage_close(&b->part[k], l + 1, 0));

@@ -232,6 +232,9 @@ void fl_get_block(const fl_model *m, const fl_block_graph *g, int l, fl_block_pa
 void fl_linear_set_weight(const fl_model *m, fl_linear *lin, int wi);
 /* bf16 dW scratch for a linear whose weights the matmuls read in bf16 (fl_act_opts.dw_bf16). */
 void fl_linear_set_dw_scratch(const fl_model *m, fl_linear *lin);
+/* A trained bf16 linear (a BF16 compute weight with a gradient, not 4-bit) takes bf16 dW scratch xb16 / dyb16 (an
+ * arena of its own: an encoder-decoder's head, BLIP-2's parts); NULL xb16: nothing changes */
+void fl_linear_bind_dw16(fl_linear *lin, void *xb16, void *dyb16);
 void fl_get_outer(const fl_model *m, fl_outer_params *o);
 /* Embedding lookup / backward for either storage (16-bit: rows widened one at a time;
  * gradients through gstage). out is (B, T, C); positions start at pos0. */

@@ -870,7 +870,7 @@ fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *target
     fl_linear head = {.in = C, .out = Vr, .w = op.head, .dw = op.dhead};
     fl_linear_set_weight(m, &head, op.head_idx);
     fl_linear_set_dw_scratch(m, &head); /* the arena's bf16 dW scratch (an encoder-decoder's: seq2seq_acts.c), or none */
-    if (h->xb16 && head.dw && head.wc && head.wct == FL_BF16) head.xb16 = h->xb16, head.dyb16 = h->dyb16; /* BLIP-2's */
+    fl_linear_bind_dw16(&head, h->xb16, h->dyb16); /* a caller's own (BLIP-2's) */
     const int32_t *tg = targets;
     if (targets && h->dtargets) {
         FL_TRY(FL_RUN(be, to_device, h->dtargets, targets, (size_t)N * sizeof *targets));

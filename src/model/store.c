@@ -302,6 +302,10 @@ void fl_linear_set_dw_scratch(const fl_model *m, fl_linear *lin) {
     lin->dyb16 = on ? m->acts->dyb16 : NULL; /* without xb16 (fl_act_opts.dy_bf16): a frozen base's dy (fl_linear_dx16) */
 }
 
+void fl_linear_bind_dw16(fl_linear *lin, void *xb16, void *dyb16) {
+    if (xb16 && lin->dw && lin->wc && lin->wct == FL_BF16 && !lin->n_q4) lin->xb16 = xb16, lin->dyb16 = dyb16;
+}
+
 /* A linear layer from its weight and bias entries (indices; bias -1: none). */
 static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, int wi, int bi, float **cur,
                        fl_store_widen *wb) {

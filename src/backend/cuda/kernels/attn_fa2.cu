@@ -315,21 +315,23 @@ FL_CU_DEV void fl_cu_fa_pds(float (&s)[NQ][4], float (&dp)[NQ][4], const int *km
         for (int i = 0; i < 4; i++) {
             const int r = nt * 8 + 2 * tq + (i & 1), j = i < 2 ? j0 : j1;
             float pv = 0.0f, ds = 0.0f;
-            if (!EX && (full || (km[j] && k0 + j < lc[r]))) {
-                pv = exp2f(s[nt][i] * sl2 - Lc[r]);
-                ds = pv * (dp[nt][i] - Dc[r]);
-            } else if (EX && (full || (km[j] && k0 + j < lc[r]))) {
-                const size_t e = ((size_t)h * p.Tq + t0 + r) * p.Tk + k0 + j; /* bias / dbias entry */
-                pv = exp2f((p.bias ? s[nt][i] * sl2 + p.bias[e] * FL_CU_LOG2E : s[nt][i] * sl2) - Lc[r]);
-                if (p.drop_p > 0.0f) {
-                    const float f = fl_cu_attn_dropf(p, b, h, t0 + r, k0 + j);
-                    ds = pv * (dp[nt][i] * f - Dc[r]);
-                    pv *= f;
-                } else {
+            if (full || (km[j] && k0 + j < lc[r])) {
+                if (!EX) {
+                    pv = exp2f(s[nt][i] * sl2 - Lc[r]);
                     ds = pv * (dp[nt][i] - Dc[r]);
+                } else {
+                    const size_t e = ((size_t)h * p.Tq + t0 + r) * p.Tk + k0 + j; /* bias / dbias entry */
+                    pv = exp2f((p.bias ? s[nt][i] * sl2 + p.bias[e] * FL_CU_LOG2E : s[nt][i] * sl2) - Lc[r]);
+                    if (p.drop_p > 0.0f) {
+                        const float f = fl_cu_attn_dropf(p, b, h, t0 + r, k0 + j);
+                        ds = pv * (dp[nt][i] * f - Dc[r]);
+                        pv *= f;
+                    } else {
+                        ds = pv * (dp[nt][i] - Dc[r]);
+                    }
+                    if (p.dbias && p.dbias_walk) p.dbias[e] += ds;
+                    else if (p.dbias) fl_cu_atomic_add(p.dbias + e, ds);
                 }
-                if (p.dbias && p.dbias_walk) p.dbias[e] += ds;
-                else if (p.dbias) fl_cu_atomic_add(p.dbias + e, ds);
             }
             s[nt][i] = pv;
             dp[nt][i] = ds;
