@@ -41,6 +41,9 @@ extern "C" {
 #define FL_IGNORE_INDEX (-100)
 /* Segments one fl_backend.convert_many call takes at most. */
 #define FL_CONVERT_MANY_MAX 16
+/* relbias_backward's largest bucket count (T5: 32) */
+#define FL_RELBIAS_MAX_BUCKETS 1024
+
 /* fl_backend.act_forward16's kinds */
 enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
 /* act_forward16's kind | FL_ACT16_ROUND_IN: the fp32 input in is a stored slot not rounded yet: in16 = RNE(in) and in =
@@ -467,6 +470,19 @@ struct fl_backend {
                               int C);
     void (*embedding_backward)(const fl_backend *be, float *dwte /*(V,C) or NULL*/, float *dwpe /*(maxT,C) or NULL*/,
                                const float *dout /*(B,T,C)*/, const int32_t *ids /*(B,T)*/, int B, int T, int C);
+    /* T5's relative position bias (an encoder-decoder's RELBIAS op: seq2seq.c). Query i and key j take bucket
+     * rb[j - i + Tq - 1] (rb: Tq + Tk - 1 int32 in [0, nb), one per diagonal: T5's buckets depend on j - i only).
+     * relbias_forward: bias[h][i][j] (NH, Tq, Tk) = tab[h nb + bucket(i, j)], copies.
+     * relbias_backward: dtab[h nb + b] += A(h, b), A the fp32 sum from 0, in increasing r, of S(h, r) over the
+     * diagonals r = j - i with rb[r + Tq - 1] == b, added to dtab once. S(h, r), the diagonal's sum: its elements
+     * dbias[h][i][i + r] dealt to 32 partials by row, P_s the fp32 sum from 0 of those with i mod 32 == s in
+     * increasing i, then combined as a warp's butterfly (for off = 16, 8, 4, 2, 1: P_s = P_s + P_(s + off), s < off;
+     * S = P_0). One order on every backend (the same bits on cpu and cuda); O(NH Tq Tk) work with no atomics, where
+     * a per-head embedding_backward over the Tq Tk elements ranked them in O((Tq Tk)^2) on the GPU. */
+    void (*relbias_forward)(const fl_backend *be, float *bias /*(NH,Tq,Tk)*/, const float *tab /*(NH,nb)*/,
+                            const int32_t *rb /*(Tq+Tk-1)*/, int NH, int Tq, int Tk, int nb);
+    fl_status (*relbias_backward)(const fl_backend *be, float *dtab /*(NH,nb)*/, const float *dbias /*(NH,Tq,Tk)*/,
+                                  const int32_t *rb /*(Tq+Tk-1)*/, int NH, int Tq, int Tk, int nb);
 
     /* ---- normalization --------------------------------------------------
      * RMSNorm: out = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps)  (LLaMA).

@@ -49,7 +49,7 @@ extern "C" {
     X(sgd_update_ss) X(check_finite_dev) X(input_upload) X(input_wait) X(adam8bit_update_ss)                 \
     X(dropout_rows) X(vocab_stats) X(vocab_xent) X(bias_backward16)     \
     X(attention_forward_in16) X(add_norm_forward16) X(add_norm_forward16_b16) X(q4_matmul_forward16) \
-    X(q4_matmul_backward16) X(gemm_res16)
+    X(q4_matmul_backward16) X(gemm_res16) X(relbias_forward) X(relbias_backward)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -176,6 +176,8 @@ struct fl_op_gemm_epilogue { int epi; const void *bias; float *aux; int ldaux; i
 
 struct fl_op_gemm_res16 { int trans_a, trans_b, M, N, K; float alpha; const void *A; int lda; const void *B; int ldb;
     const void *c16; void *d16; int ldc; };
+struct fl_op_relbias_forward { float *bias; const float *tab; const int32_t *rb; int NH, Tq, Tk, nb; };
+struct fl_op_relbias_backward { float *dtab; const float *dbias; const int32_t *rb; int NH, Tq, Tk, nb; };
 
 struct fl_oprec {
     fl_opk kind;
@@ -246,6 +248,8 @@ struct fl_oprec {
         struct fl_op_attention_qkv_backward attention_qkv_backward;
         struct fl_op_gemm_epilogue gemm_epilogue;
         struct fl_op_gemm_res16 gemm_res16;
+        struct fl_op_relbias_forward relbias_forward;
+        struct fl_op_relbias_backward relbias_backward;
         struct fl_op_grad_norm_dev grad_norm_dev;
         struct fl_op_loss_sum_dev loss_sum_dev;
         struct fl_op_adamw_update_ss adamw_update_ss;

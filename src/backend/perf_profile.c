@@ -44,7 +44,8 @@
     X(vocab_stats, FL_PROF_LOSS) X(vocab_xent, FL_PROF_LOSS) X(dropout_rows, FL_PROF_ELEM)                             \
     X(bias_backward16, FL_PROF_ELEM) X(attention_forward_in16, FL_PROF_ATTN)                          \
     X(add_norm_forward16, FL_PROF_NORM) X(add_norm_forward16_b16, FL_PROF_NORM) X(q4_matmul_forward16, FL_PROF_GEMM) \
-    X(q4_matmul_backward16, FL_PROF_GEMM) X(gemm_res16, FL_PROF_GEMM)
+    X(q4_matmul_backward16, FL_PROF_GEMM) X(gemm_res16, FL_PROF_GEMM)                                                 \
+    X(relbias_forward, FL_PROF_ATTN) X(relbias_backward, FL_PROF_ATTN)
 
 #define PROF_ENUM(op, g) OP_##op,
 enum { PROF_OPS(PROF_ENUM) OP_COUNT };
@@ -288,6 +289,10 @@ WRAP_V(embedding_forward, 0,
 WRAP_V(embedding_backward, 0,
        (BE, float *dwte, float *dwpe, const float *dout, const int32_t *ids, int B, int T, int C),
        (be, dwte, dwpe, dout, ids, B, T, C))
+WRAP_V(relbias_forward, 0, (BE, float *bias, const float *tab, const int32_t *rb, int NH, int Tq, int Tk, int nb),
+       (be, bias, tab, rb, NH, Tq, Tk, nb))
+WRAP_S(relbias_backward, 0, (BE, float *dtab, const float *dbias, const int32_t *rb, int NH, int Tq, int Tk, int nb),
+       (be, dtab, dbias, rb, NH, Tq, Tk, nb))
 WRAP_V(cross_entropy, 0,
        (BE, float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, float gs, int ii),
        (be, loss, dlogits, logits, targets, N, V, gs, ii))

@@ -334,6 +334,15 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
         be->embedding_backward(be, r->dwte, r->dwpe, r->dout, r->ids, r->B, r->T, r->C);
         return FL_OK;
     }
+    case FL_OPK_relbias_forward: {
+        DOOR(relbias_forward);
+        be->relbias_forward(be, r->bias, r->tab, r->rb, r->NH, r->Tq, r->Tk, r->nb);
+        return FL_OK;
+    }
+    case FL_OPK_relbias_backward: {
+        DOOR(relbias_backward);
+        return be->relbias_backward(be, r->dtab, r->dbias, r->rb, r->NH, r->Tq, r->Tk, r->nb);
+    }
     case FL_OPK_rmsnorm_forward: {
         DOOR(rmsnorm_forward);
         be->rmsnorm_forward(be, r->out, r->rstd, r->inp, r->w, r->N, r->C, r->eps);

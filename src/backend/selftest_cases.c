@@ -375,6 +375,53 @@ static void st_case_embedding(st_ctx *c, int B, int T, int C, int V) {
     free(ids); free(wte); free(wpe); free(dout); free(or_); free(od); free(gr); free(gd); free(pr); free(pd);
 }
 
+/* T5's relative position bias: relbias_forward (copies: exact) and relbias_backward (the contract's order, the
+ * CPU's bits; checked within the fp32 summation bound of each bucket's terms), timed at the shape given */
+static void st_case_relbias(st_ctx *c, int NH, int T, int nb) {
+    char name[80];
+    snprintf(name, sizeof name, "relbias_forward+backward NH%d T%d buckets %d", NH, T, nb);
+    if (!fl_st_want(c, name)) return;
+    const int nd = 2 * T - 1;
+    const size_t nbias = (size_t)NH * T * T, ntab = (size_t)NH * nb;
+    int32_t *rb = malloc((size_t)nd * 4);
+    for (int k = 0; k < nd; k++) { /* a T5-like map: one bucket each near the diagonal, then wider bins */
+        const int rel = k - (T - 1), n = rel < 0 ? -rel : rel, half = nb / 2, near = half / 2;
+        const int bin = n < near ? n : near + (int)(log2((double)n / near) * 2);
+        rb[k] = (rel > 0 ? half : 0) + (bin < half - 1 ? bin : half - 1);
+    }
+    float *tab = fl_st_frand(c, ntab, -1, 1), *dbias = fl_st_frand(c, nbias, -1, 1);
+    float *br = calloc(nbias, 4), *bd = calloc(nbias, 4), *gr = fl_st_frand(c, ntab, -1, 1);
+    float *gd = fl_st_dup(gr, ntab);
+    double *mag = calloc(ntab, sizeof *mag);
+    int terms = 0;
+    for (size_t e = 0; e < ntab; e++) mag[e] = fabs(gr[e]);
+    for (int h = 0; h < NH; h++)
+        for (int i = 0; i < T; i++)
+            for (int j = 0; j < T; j++) mag[(size_t)h * nb + rb[j - i + T - 1]] += fabs(dbias[((size_t)h * T + i) * T + j]);
+    for (int k = 0; k < nd; k++) terms += T - (k < T ? T - 1 - k : k - (T - 1)); /* every element: a loose L */
+    c->ref->relbias_forward(c->ref, br, tab, rb, NH, T, T, nb);
+    fl_status s = c->ref->relbias_backward(c->ref, gr, dbias, rb, NH, T, T, nb);
+    st_bufs b = {0};
+    int32_t *drb = fl_st_up(c, &b, rb, (size_t)nd * 4);
+    float *dtab = fl_st_up(c, &b, tab, ntab * 4), *dbi = fl_st_up(c, &b, NULL, nbias * 4);
+    float *ddb = fl_st_up(c, &b, dbias, nbias * 4), *dg = fl_st_up(c, &b, gd, ntab * 4);
+    double t0 = fl_st_now();
+    if (!b.failed && s == FL_OK) {
+        c->dev->relbias_forward(c->dev, dbi, dtab, drb, NH, T, T, nb);
+        s = c->dev->relbias_backward(c->dev, dg, ddb, drb, NH, T, T, nb);
+    }
+    fl_status s2 = c->dev->sync(c->dev);
+    double t = fl_st_now() - t0;
+    fl_st_down(c, &b, bd, dbi, nbias * 4);
+    fl_st_down(c, &b, gd, dg, ntab * 4);
+    st_cmp r = {0, 1};
+    fl_st_compare(&r, bd, br, NULL, 0, nbias, 0, 1, U32, 0); /* copies: exact */
+    fl_st_compare(&r, gd, gr, mag, 0, ntab, 1, terms / NH, U32, 0);
+    fl_st_report(c, name, &r, s != FL_OK || s2 != FL_OK || b.failed, t);
+    fl_st_free(c, &b);
+    free(rb); free(tab); free(dbias); free(br); free(bd); free(gr); free(gd); free(mag);
+}
+
 /* attention (fused causal QKV): forward out/lse and backward dqkv */
 static void st_case_attention(st_ctx *c, int B, int T, int NH, int NKV, int HD) {
     char name[80];
@@ -717,6 +764,7 @@ void fl_st_run_all(st_ctx *c) {
     st_cases_generic(c);
     st_case_xent(c, sm ? 5 : 67, sm ? 1001 : 32000);
     st_case_embedding(c, sm ? 2 : 4, sm ? 17 : 257, sm ? 40 : 768, sm ? 301 : 32000);
+    st_case_relbias(c, sm ? 3 : 12, sm ? 45 : 512, 32); /* full: Flan-T5-base's encoder at source 512 */
     st_case_attention(c, 2, sm ? 37 : 257, sm ? 4 : 8, 2, sm ? 16 : 64);
     if (!sm) st_case_attention(c, 1, 1024, 16, 16, 128);
     st_case_attention(c, sm ? 1 : 2, sm ? 9 : 33, 6, 3, sm ? 24 : 48);

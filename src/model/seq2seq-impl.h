@@ -13,7 +13,7 @@ typedef struct {
     fl_layer_acts *layer; /* L */
     float *nout, *nrstd;  /* the final norm's output (B Tmax, C) and rstd (B Tmax) */
     float *bias, *dbias;  /* (NH, T, T) relative position bias and its gradient */
-    int32_t *buckets;     /* (T, T) bucket of each (query, key) (device memory) */
+    int32_t *buckets;     /* (2T - 1) bucket of each diagonal key - query (device memory; backend.h's relbias) */
     int32_t *ids;         /* (B T) (device memory) */
     fl_block_graph gtp;   /* sequence parallel: the tensor-parallel graph generation runs (its rows per token) */
 } s2s_stack;

@@ -27,11 +27,11 @@
 
 /* ---- relative position bias (T5) ------------------------------------------------------------- */
 
-/* transformers' T5Attention._relative_position_bucket for key j and query i, in its float32 arithmetic:
+/* transformers' T5Attention._relative_position_bucket of rel = key j - query i, in its float32 arithmetic:
  * bidirectional (the encoder) halves the buckets between keys after and before the query; causal (the decoder)
  * sees only keys before it. Small distances get a bucket each, larger ones logarithmic bins up to max_dist. */
-static int32_t rel_bucket(int i, int j, int bidir, int buckets, int max_dist) {
-    int rel = j - i, ret = 0, nb = buckets, n;
+static int32_t rel_bucket(int rel, int bidir, int buckets, int max_dist) {
+    int ret = 0, nb = buckets, n;
     if (bidir) {
         nb /= 2;
         ret = rel > 0 ? nb : 0;
@@ -46,34 +46,33 @@ static int32_t rel_bucket(int i, int j, int bidir, int buckets, int max_dist) {
     return ret + (v < nb - 1 ? v : nb - 1);
 }
 
-static fl_status relbias_table(const fl_model *m, const s2s_stack *st, int grad, float **tab);
-
-/* bias (NH, T, T) = table (NH, buckets) at each (query, key)'s bucket: one embedding lookup of width 1 per head */
-static fl_status relbias_forward(fl_model *m, s2s_stack *st, int T, int bidir) {
-    const fl_backend *be = m->be;
-    const int nb = m->cfg.rel_buckets, NH = m->cfg.n_heads;
-    int32_t *bk = malloc((size_t)T * T * sizeof *bk);
-    if (!bk) return fl_errorf(FL_ERR_OOM, "relative position buckets: out of host memory");
-    for (int i = 0; i < T; i++)
-        for (int j = 0; j < T; j++) bk[(size_t)i * T + j] = rel_bucket(i, j, bidir, nb, m->cfg.rel_max_dist);
-    fl_status s = FL_RUN(be, to_device, st->buckets, bk, (size_t)T * T * sizeof *bk);
-    free(bk);
-    FL_TRY(s);
-    float *tab;
-    FL_TRY(relbias_table(m, st, 0, &tab));
-    for (int h = 0; h < NH; h++)
-        FL_RUN(be, embedding_forward, st->bias + (size_t)h * T * T, st->buckets, tab + (size_t)h * nb, NULL, 1, T * T,
-               1);
-    return FL_OK;
+/* The buckets of Tq queries at positions q0 .. q0 + Tq - 1 and keys 0 .. Tk - 1, one per diagonal (the backend's
+ * relbias ops: query i, key j take rb[j - i + Tq - 1]), into the stack's device array. */
+static fl_status relbias_buckets(fl_model *m, s2s_stack *st, int q0, int Tq, int Tk, int bidir) {
+    const int nd = Tq + Tk - 1;
+    int32_t *rb = malloc((size_t)nd * sizeof *rb);
+    if (!rb) return fl_errorf(FL_ERR_OOM, "relative position buckets: out of host memory");
+    for (int k = 0; k < nd; k++) rb[k] = rel_bucket(k - (Tq - 1) - q0, bidir, m->cfg.rel_buckets, m->cfg.rel_max_dist);
+    fl_status s = FL_RUN(m->be, to_device, st->buckets, rb, (size_t)nd * sizeof *rb);
+    free(rb);
+    return s;
 }
 
-static void relbias_backward(fl_model *m, s2s_stack *st, int T) {
+static fl_status relbias_table(const fl_model *m, const s2s_stack *st, int grad, float **tab);
+
+/* bias (NH, T, T) = table (NH, buckets) at each (query, key)'s bucket (the backend's relbias_forward) */
+static fl_status relbias_forward(fl_model *m, s2s_stack *st, int T, int bidir) {
+    FL_TRY(relbias_buckets(m, st, 0, T, T, bidir));
+    float *tab;
+    FL_TRY(relbias_table(m, st, 0, &tab));
+    return FL_RUN(m->be, relbias_forward, st->bias, tab, st->buckets, m->cfg.n_heads, T, T, m->cfg.rel_buckets);
+}
+
+/* d(table) += dbias summed per bucket (the backend's relbias_backward: no atomics, one order on every backend) */
+static fl_status relbias_backward(fl_model *m, s2s_stack *st, int T) {
     float *dtab = NULL;
-    if (relbias_table(m, st, 1, &dtab) != FL_OK || !dtab) return; /* the base is frozen (LoRA) */
-    const int nb = m->cfg.rel_buckets;
-    for (int h = 0; h < m->cfg.n_heads; h++)
-        FL_RUN(m->be, embedding_backward, dtab + (size_t)h * nb, NULL, st->dbias + (size_t)h * T * T, st->buckets, 1,
-               T * T, 1);
+    if (relbias_table(m, st, 1, &dtab) != FL_OK || !dtab) return FL_OK; /* the base is frozen (LoRA) */
+    return FL_RUN(m->be, relbias_backward, dtab, st->dbias, st->buckets, m->cfg.n_heads, T, T, m->cfg.rel_buckets);
 }
 
 /* ---- rows from the caller (fl_model.emb_inject: BLIP-2's queries) ----------------------------------- */
@@ -479,7 +478,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
         x.dattn_bias = st->dbias;
         stage_open(m, st->l0 + l + 1);
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
-        if (l == 0) relbias_backward(m, st, T); /* the first block's group holds the table; dbias is complete */
+        if (l == 0) FL_TRY(relbias_backward(m, st, T)); /* the first block's group holds the table; dbias complete */
         FL_TRY(stage_close(m, g));
         fl_store_release(m->store, g);
         FL_TRY(fl_store_grads_ready(m->store, g));
@@ -570,20 +569,11 @@ static fl_status s2s_backward(fl_model *m) {
 /* The relative bias row of decoder query n-1, (NH, 1, n) in the last stack's bias: the same for every sequence of a
  * batch (the positions are). */
 static fl_status decode_bias(fl_model *m, s2s_stack *st, int n) {
-    const fl_backend *be = m->be;
-    const int NH = m->cfg.n_heads, nb = m->cfg.rel_buckets;
-    int32_t *bk = malloc((size_t)n * sizeof *bk);
-    if (!bk) return fl_errorf(FL_ERR_OOM, "relative position buckets: out of host memory");
-    for (int j = 0; j < n; j++) bk[j] = rel_bucket(n - 1, j, 0, nb, m->cfg.rel_max_dist);
-    fl_status rc = FL_RUN(be, to_device, st->buckets, bk, (size_t)n * sizeof *bk);
-    free(bk);
-    FL_TRY(rc);
+    FL_TRY(relbias_buckets(m, st, n - 1, 1, n, 0)); /* query n - 1, keys 0 .. n - 1 */
     float *tab;
     FL_TRY(block_gather(m, st->l0 + 1));
     FL_TRY(relbias_table(m, st, 0, &tab));
-    for (int h = 0; h < NH; h++)
-        FL_RUN(be, embedding_forward, st->bias + (size_t)h * n, st->buckets, tab + (size_t)h * nb, NULL, 1, n, 1);
-    return FL_OK;
+    return FL_RUN(m->be, relbias_forward, st->bias, tab, st->buckets, m->cfg.n_heads, 1, n, m->cfg.rel_buckets);
 }
 
 /* One decoder token of sequence b of the batch with the cache: row n-1 of that sequence's region of the last stack

@@ -86,7 +86,7 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
         s2s_stack *st = &a->st[s];
         const size_t T = (size_t)st->Tmax;
         float *bi = TAKEF(&cv, NH * T * T), *db = TAKEF(&cv, NH * T * T);
-        int32_t *bk = take(&cv, T * T * sizeof(int32_t)), *ids = take(&cv, B * T * sizeof(int32_t));
+        int32_t *bk = take(&cv, (2 * T - 1) * sizeof(int32_t)), *ids = take(&cv, B * T * sizeof(int32_t));
         if (base) st->bias = bi, st->dbias = db, st->buckets = bk, st->ids = ids;
         if (st->Tmax > Tx) Tx = st->Tmax;
         if (st->g.n_gbuf > ngb) ngb = st->g.n_gbuf;
@@ -244,7 +244,7 @@ void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work)
         const size_t nb = st->L > 0 ? (m->act_ckpt ? 1 : (size_t)st->L) : 0;
         ac += (((size_t)st->L + 1) * NS * C + nb * blk + NS) * f + nb * blk16 * sizeof(uint16_t);
         if (s + 1 < a->n_stacks && a->st[s + 1].xslot >= 0) ac += N * C * f;
-        wk += NH * T * T * f + T * T * sizeof(int32_t) + N * sizeof(int32_t);
+        wk += NH * T * T * f + (2 * T - 1) * sizeof(int32_t) + N * sizeof(int32_t);
     }
     if (train) wk += (a->kmask_on ? B * (size_t)a->T[0] : 0) + B * (size_t)a->T[a->n_stacks - 1] * C * f;
     *acts = ac;

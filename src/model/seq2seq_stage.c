@@ -133,7 +133,7 @@ static int regions(const fl_model *m, void **at, size_t *bytes) {
         const size_t T = (size_t)a->st[k].Tmax;
         at[n] = a->st[k].ids, bytes[n++] = B * T * sizeof(int32_t);
         at[n] = a->st[k].bias, bytes[n++] = NH * T * T * sizeof(float);
-        at[n] = a->st[k].buckets, bytes[n++] = T * T * sizeof(int32_t);
+        at[n] = a->st[k].buckets, bytes[n++] = (2 * T - 1) * sizeof(int32_t);
     }
     at[n] = a->kmask, bytes[n++] = B * (size_t)a->st[0].Tmax;
     if (!m->stage.out) at[n] = a->gb[1], bytes[n++] = B * (size_t)a->st[a->n_stacks - 1].Tmax * m->cfg.dim * sizeof(float);

@@ -2,7 +2,7 @@
  * tests/test_cuda_more.c checks against the CPU backend) at small odd shapes, and against the CPU
  * backend at realistic shapes, with cudaEvent timings of the latter (called from cuda_check.c's
  * main; one line per check, like its report()). Expectations:
- *   - embeddings, 8-bit AdamW, the F32 dequantization, the dropout kernels: the same bits (the
+ *   - embeddings, T5's relative bias, 8-bit AdamW, the F32 dequantization, the dropout kernels: the same bits (the
  *     kernels use no contraction-prone expression: explicit __fmul_rn / __fadd_rn where the CPU
  *     rounds twice, IEEE division and sqrt);
  *   - the 4-bit matmuls: the same FMA sequence as the emulator (fmaf in a fixed order), so the
@@ -468,6 +468,84 @@ static void lora_check(size_t n) {
     free(x); free(t); free(dx); free(xd); free(g); free(want);
 }
 
+/* ---- T5's relative position bias -------------------------------------------------------------
+ * relbias_forward / relbias_backward (backend.h: the contract's order, the CPU backend's bits) at a small odd
+ * shape (against the emulator) and at Flan-T5-base's encoder (12 heads, T 512, 32 buckets; against the CPU
+ * backend), timed, with the per-head embedding_backward over the T^2 elements the model ran before (its rank is
+ * O((T^2)^2): one head, one run). */
+static int32_t rb_t5(int rel, int nb) { /* bidirectional, max distance 128 (T5's) */
+    const int half = nb / 2, me = half / 2, ret = rel > 0 ? half : 0, n = rel < 0 ? -rel : rel;
+    if (n < me) return ret + n;
+    const int v = me + (int)(logf((float)n / me) / (float)log(128.0 / me) * (float)(half - me));
+    return ret + (v < half - 1 ? v : half - 1);
+}
+static void relbias_check(int NH, int T, int nb, int big) {
+    const int nd = 2 * T - 1;
+    const size_t nbias = (size_t)NH * T * T, ntab = (size_t)NH * nb;
+    unsigned s = 31 + big;
+    int32_t *rb = malloc((size_t)nd * 4);
+    for (int k = 0; k < nd; k++) rb[k] = rb_t5(k - (T - 1), nb);
+    float *tab = rnd(&s, ntab, -1, 1), *dbias = rnd(&s, nbias, -1, 1), *dtab = rnd(&s, ntab, -1, 1);
+    float *bias = malloc(nbias * 4), *dt = malloc(ntab * 4), *g = malloc(nbias * 4);
+    memcpy(dt, dtab, ntab * 4);
+    fl_backend be;
+    fl_cpu_backend_init(&be, 0);
+    if (big) {
+        be.relbias_forward(&be, bias, tab, rb, NH, T, T, nb);
+        be.relbias_backward(&be, dt, dbias, rb, NH, T, T, nb);
+    } else {
+        float *w = malloc(FL_CU_RELBIAS_WORK_FLOATS(NH, T, T) * 4);
+        fl_cuemu_relbias_forward(bias, tab, rb, NH, T, T, nb, NULL);
+        fl_cuemu_relbias_backward(dt, dbias, rb, NH, T, T, nb, w, NULL);
+        free(w);
+    }
+    int32_t *dRb = dcopy(rb, (size_t)nd * 4);
+    float *dTab = dcopy(tab, ntab * 4), *dBias = dcopy(NULL, nbias * 4), *dDbias = dcopy(dbias, nbias * 4);
+    float *dDt = dcopy(dtab, ntab * 4), *dW = dcopy(NULL, FL_CU_RELBIAS_WORK_FLOATS(NH, T, T) * 4);
+    char name[64];
+    int ok = synced(fl_cuk_relbias_forward(dBias, dTab, dRb, NH, T, T, nb, NULL));
+    hcopy(g, dBias, nbias * 4);
+    snprintf(name, sizeof name, "relbias_forward %dx%d", NH, T);
+    bits(name, ok, g, bias, nbias * 4);
+    ok = synced(fl_cuk_relbias_backward(dDt, dDbias, dRb, NH, T, T, nb, dW, NULL));
+    hcopy(g, dDt, ntab * 4);
+    snprintf(name, sizeof name, "relbias_backward %dx%d", NH, T);
+    bits(name, ok, g, dt, ntab * 4);
+    if (big) {
+        cudaEvent_t e0, e1;
+        cudaEventCreate(&e0);
+        cudaEventCreate(&e1);
+        const int reps = 20;
+        cudaEventRecord(e0, 0);
+        for (int i = 0; i < reps; i++) fl_cuk_relbias_backward(dDt, dDbias, dRb, NH, T, T, nb, dW, NULL);
+        cudaEventRecord(e1, 0);
+        const float mb = elapsed(e0, e1) / reps;
+        cudaEventRecord(e0, 0);
+        for (int i = 0; i < reps; i++) fl_cuk_relbias_forward(dBias, dTab, dRb, NH, T, T, nb, NULL);
+        cudaEventRecord(e1, 0);
+        const float mf = elapsed(e0, e1) / reps;
+        /* before: per head, embedding_backward over T^2 "tokens" of width 1 (the (T, T) bucket of each element) */
+        const size_t tt = (size_t)T * T;
+        int32_t *bk = malloc(tt * 4);
+        for (int i = 0; i < T; i++)
+            for (int j = 0; j < T; j++) bk[(size_t)i * T + j] = rb[j - i + T - 1];
+        int32_t *dBk = dcopy(bk, tt * 4), *dEw = dcopy(NULL, FL_CU_EMB_WORK_INTS(tt) * 4);
+        cudaEventRecord(e0, 0);
+        fl_cuk_embedding_backward(dDt, NULL, dDbias, dBk, 1, (int)tt, 1, dEw, NULL);
+        cudaEventRecord(e1, 0);
+        const float me = elapsed(e0, e1);
+        printf("%-28s time %.3f ms backward (%.0f GB/s of dbias read), %.3f ms forward; before: %.3f ms a head "
+               "(embedding_backward over T^2), x %d heads = %.1f ms\n", "  relbias", mb, nbias * 4 / (mb * 1e-3) / 1e9,
+               mf, me, NH, me * NH);
+        cudaEventDestroy(e0); cudaEventDestroy(e1);
+        cudaFree(dBk); cudaFree(dEw);
+        free(bk);
+    }
+    cudaFree(dRb); cudaFree(dTab); cudaFree(dBias); cudaFree(dDbias); cudaFree(dDt); cudaFree(dW);
+    fl_cpu_backend_free(&be);
+    free(rb); free(tab); free(dbias); free(dtab); free(bias); free(dt); free(g);
+}
+
 int fl_cuda_check_more(void) {
     m_fail = 0;
     float codes[512], *dC = dcopy(NULL, sizeof codes);
@@ -480,6 +558,8 @@ int fl_cuda_check_more(void) {
     emb_small(4, 75, 300, 17);
     emb_big(0);
     emb_big(1);
+    relbias_check(3, 45, 32, 0);
+    relbias_check(12, 512, 32, 1); /* Flan-T5-base's encoder at source 512 */
     adam8bit_check(2 * FL_ADAM8BIT_MIN_SIZE + 77, FL_BF16, 0);
     adam8bit_check(1000, FL_F32, 0);
     adam8bit_check(FL_ADAM8BIT_MIN_SIZE + 5, FL_F16, 0); /* 16-true: fp16 parameters (not yet run on a GPU) */

@@ -23,6 +23,8 @@ fl_status fl_cpu_gemm_sized(const fl_backend *be, int trans_a, int trans_b, int 
 static void fill_ops(fl_backend *be) {
     be->embedding_forward = fl_cpu_embedding_forward;
     be->embedding_backward = fl_cpu_embedding_backward;
+    be->relbias_forward = fl_cpu_relbias_forward;
+    be->relbias_backward = fl_cpu_relbias_backward;
     be->rmsnorm_forward = fl_cpu_rmsnorm_forward;
     be->rmsnorm_backward = fl_cpu_rmsnorm_backward;
     be->add_rmsnorm_forward = fl_backend_add_rmsnorm_composed;

@@ -157,6 +157,10 @@ void fl_cpu_embedding_forward(const fl_backend *be, float *out, const int32_t *i
                               const float *wpe, int B, int T, int C);
 void fl_cpu_embedding_backward(const fl_backend *be, float *dwte, float *dwpe, const float *dout,
                                const int32_t *ids, int B, int T, int C);
+void fl_cpu_relbias_forward(const fl_backend *be, float *bias, const float *tab, const int32_t *rb, int NH, int Tq,
+                            int Tk, int nb);
+fl_status fl_cpu_relbias_backward(const fl_backend *be, float *dtab, const float *dbias, const int32_t *rb, int NH,
+                                  int Tq, int Tk, int nb);
 
 /* ---- norm.c --------------------------------------------------------------- */
 void fl_cpu_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, const float *inp, const float *w, int N,

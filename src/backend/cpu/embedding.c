@@ -61,3 +61,63 @@ void fl_cpu_embedding_backward(const fl_backend *be, float *dwte /*(V,C) or NULL
         }
     }
 }
+
+/* ---- T5's relative position bias (backend.h's relbias_forward / relbias_backward) ----------------------------------
+ * Query i and key j take bucket rb[j - i + Tq - 1]. The backward's order is the contract's (the GPU kernel's): per
+ * diagonal r = j - i, 32 partial sums dealt by row (i mod 32), each in increasing i, combined as a warp's butterfly;
+ * then each bucket's sum over its diagonals in increasing r, added to dtab once. Here a block of RB_DIAG diagonals at
+ * a time: row i's elements on them are contiguous (j = i + r), so each row adds one vector into partial i mod 32. */
+#define RB_DIAG 64
+
+void fl_cpu_relbias_forward(const fl_backend *be, float *bias /*(NH,Tq,Tk)*/, const float *tab /*(NH,nb)*/,
+                            const int32_t *rb /*(Tq+Tk-1)*/, int NH, int Tq, int Tk, int nb) {
+    if (NH <= 0 || Tq <= 0 || Tk <= 0) return;
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)NH * Tq * Tk >= FL_CPU_PAR_MIN)
+    for (int hi = 0; hi < NH * Tq; hi++) {
+        const int h = hi / Tq, i = hi % Tq;
+        const int32_t *r = rb + (Tq - 1 - i); /* r[j]: bucket of (i, j) */
+        const float *t = tab + (size_t)h * nb;
+        float *o = bias + (size_t)hi * Tk;
+        for (int j = 0; j < Tk; j++) o[j] = r[j] >= 0 && r[j] < nb ? t[r[j]] : 0.0f;
+    }
+}
+
+fl_status fl_cpu_relbias_backward(const fl_backend *be, float *dtab /*(NH,nb)*/, const float *dbias /*(NH,Tq,Tk)*/,
+                                  const int32_t *rb /*(Tq+Tk-1)*/, int NH, int Tq, int Tk, int nb) {
+    if (NH < 0 || Tq < 0 || Tk < 0 || nb <= 0 || nb > FL_RELBIAS_MAX_BUCKETS)
+        return fl_errorf(FL_ERR_INVALID, "%s relbias_backward: bad shape (NH %d, Tq %d, Tk %d, %d buckets: 1 .. %d)",
+                         be->name, NH, Tq, Tk, nb, FL_RELBIAS_MAX_BUCKETS);
+    if (NH == 0 || Tq == 0 || Tk == 0) return FL_OK;
+    const int nd = Tq + Tk - 1;
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)NH * Tq * Tk >= FL_CPU_PAR_MIN)
+    for (int h = 0; h < NH; h++) {
+        float acc[FL_RELBIAS_MAX_BUCKETS];
+        float P[32][RB_DIAG];
+        memset(acc, 0, (size_t)nb * sizeof *acc);
+        for (int k0 = 0; k0 < nd; k0 += RB_DIAG) {
+            const int kn = nd - k0 < RB_DIAG ? nd - k0 : RB_DIAG, r0 = k0 - (Tq - 1);
+            memset(P, 0, sizeof P);
+            for (int i = 0; i < Tq; i++) {
+                /* diagonal r0 + kk meets row i at j = i + r0 + kk, inside [0, Tk) for kk in [lo, hi) */
+                const int j0 = i + r0, lo = j0 < 0 ? -j0 : 0, hi = Tk - j0 < kn ? Tk - j0 : kn;
+                if (lo >= hi) continue;
+                float *p = P[i & 31];
+                const float *d = dbias + ((size_t)h * Tq + i) * Tk + j0;
+                /* FL_VECTORIZE: relbias_bwd_rows */
+#pragma omp simd
+                for (int kk = lo; kk < hi; kk++) p[kk] += d[kk];
+            }
+            for (int kk = 0; kk < kn; kk++) {
+                float w[32];
+                for (int s = 0; s < 32; s++) w[s] = P[s][kk];
+                for (int off = 16; off > 0; off >>= 1)
+                    for (int s = 0; s < off; s++) w[s] = w[s] + w[s + off];
+                const int b = rb[k0 + kk];
+                if (b >= 0 && b < nb) acc[b] += w[0];
+            }
+        }
+        float *t = dtab + (size_t)h * nb;
+        for (int b = 0; b < nb; b++) t[b] += acc[b];
+    }
+    return FL_OK;
+}

@@ -24,6 +24,9 @@ extern "C" {
 
 /* int32 scratch of embedding_backward for N = B*T tokens (device memory, no initialization). */
 #define FL_CU_EMB_WORK_INTS(N) (3 * (size_t)(N))
+/* relbias_backward's work: the diagonals' sums, NH (Tq + Tk - 1) floats; its bucket count's limit (one thread each) */
+#define FL_CU_RELBIAS_WORK_FLOATS(NH, Tq, Tk) ((size_t)(NH) * ((size_t)(Tq) + (size_t)(Tk) - 1))
+#define FL_CU_RELBIAS_MAX_BUCKETS 1024
 
 #define FL_CU_DECLARE_KERNELS_MORE(P)                                                                          \
     int P##embedding_forward(float *out, const int32_t *ids, const float *wte, const float *wpe, int B, int T,  \
@@ -36,6 +39,12 @@ extern "C" {
      * element is the CPU's fp32 sum in token order: the same bits as the CPU backend. */                    \
     int P##embedding_backward(float *dwte, float *dwpe, const float *dout, const int32_t *ids, int B, int T,     \
                               int C, int32_t *work, void *stream);                                              \
+    /* backend.h's relbias_forward / relbias_backward (rb: Tq + Tk - 1 buckets, device memory); the backward's  \
+     * work: FL_CU_RELBIAS_WORK_FLOATS(NH, Tq, Tk) floats. The contract's order: the CPU backend's bits. */     \
+    int P##relbias_forward(float *bias, const float *tab, const int32_t *rb, int NH, int Tq, int Tk, int nb,     \
+                           void *stream);                                                                       \
+    int P##relbias_backward(float *dtab, const float *dbias, const int32_t *rb, int NH, int Tq, int Tk, int nb,  \
+                            float *work, void *stream);                                                         \
     /* p, g in {F32, BF16}; the state's arrays are device memory (a fresh state is zeroed memory). The same   \
      * fp32 operation sequence as the CPU backend (no contraction): the same bits. */                         \
     int P##adam8bit_update(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,       \

@@ -829,6 +829,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->embedding_forward = flb_embedding_forward;
     be->embedding_forward16 = flb_embedding_forward16;
     be->embedding_backward = flb_embedding_backward;
+    be->relbias_forward = flb_relbias_forward;
+    be->relbias_backward = flb_relbias_backward;
     be->rmsnorm_forward = flb_rmsnorm_forward;
     be->rmsnorm_backward = flb_rmsnorm_backward;
     be->rmsnorm_forward_w16 = flb_rmsnorm_forward_w16;

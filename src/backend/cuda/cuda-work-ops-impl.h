@@ -47,6 +47,25 @@ static void flb_embedding_backward(const fl_backend *be, float *dwte, float *dwp
     }
     FLB_RUN(be, FLB_K(embedding_backward)(dwte, dwpe, dout, ids, B, T, C, work, STREAM), "embedding_backward");
 }
+/* T5's relative position bias (backend.h; kernels/embedding.cu): the backward's diagonal sums in the work area */
+_Static_assert(FL_CU_RELBIAS_MAX_BUCKETS == FL_RELBIAS_MAX_BUCKETS, "relbias_backward: one bucket limit");
+static void flb_relbias_forward(const fl_backend *be, float *bias, const float *tab, const int32_t *rb, int NH, int Tq,
+                                int Tk, int nb) {
+    if ((size_t)NH * Tq * Tk == 0 || FLB_NULL(be, "relbias_forward", bias, tab, rb)) return;
+    FLB_RUN(be, FLB_K(relbias_forward)(bias, tab, rb, NH, Tq, Tk, nb, STREAM), "relbias_forward");
+}
+static fl_status flb_relbias_backward(const fl_backend *be, float *dtab, const float *dbias, const int32_t *rb, int NH,
+                                      int Tq, int Tk, int nb) {
+    if (NH < 0 || Tq < 0 || Tk < 0 || nb <= 0 || nb > FL_RELBIAS_MAX_BUCKETS)
+        return fl_errorf(FL_ERR_INVALID, "%s relbias_backward: bad shape (NH %d, Tq %d, Tk %d, %d buckets: 1 .. %d)",
+                         FLB_NAME, NH, Tq, Tk, nb, FL_RELBIAS_MAX_BUCKETS);
+    if (NH == 0 || Tq == 0 || Tk == 0) return FL_OK;
+    if (FLB_NULL(be, "relbias_backward", dtab, dbias, rb)) return flb_sticky(be);
+    float *work = (float *)flb_work(be, FL_CU_RELBIAS_WORK_FLOATS(NH, Tq, Tk) * sizeof(float), "relbias_backward");
+    if (!work) return flb_sticky(be);
+    FLB_RUN_S(be, FLB_K(relbias_backward)(dtab, dbias, rb, NH, Tq, Tk, nb, work, STREAM), "relbias_backward");
+    return FL_OK;
+}
 /* FITLLM_CUDA_ATTN (read at init: fl_cudnn_attn_parse, cudnn-impl.h): which kernels a bf16 run's
  * attention of a shape the tensor-core kernels take gets: cuDNN's fused SDPA graphs (HD 64, 80, ..., 128, no bias,
  * mask or dropout; "auto", the default, and "cudnn"; the plugin only, EXPERIMENTAL: cuda-cudnn-impl.h), the

@@ -63,6 +63,15 @@ static void n_embedding_backward(const fl_backend *be, float *dwte, float *dwpe,
                                  const int32_t *ids, int B, int T, int C) {
     (void)be; (void)dwte; (void)dwpe; (void)dout; (void)ids; (void)B; (void)T; (void)C;
 }
+static void n_relbias_forward(const fl_backend *be, float *bias, const float *tab, const int32_t *rb, int NH, int Tq,
+                              int Tk, int nb) {
+    (void)be; (void)bias; (void)tab; (void)rb; (void)NH; (void)Tq; (void)Tk; (void)nb;
+}
+static fl_status n_relbias_backward(const fl_backend *be, float *dtab, const float *dbias, const int32_t *rb, int NH,
+                                    int Tq, int Tk, int nb) {
+    (void)be; (void)dtab; (void)dbias; (void)rb; (void)NH; (void)Tq; (void)Tk; (void)nb;
+    return FL_OK;
+}
 static void n_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, const float *inp, const float *w, int N,
                               int C, float eps) {
     (void)be; (void)out; (void)rstd; (void)inp; (void)w; (void)N; (void)C; (void)eps;
@@ -307,6 +316,8 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->gemm = n_gemm;
     be->embedding_forward = n_embedding_forward;
     be->embedding_backward = n_embedding_backward;
+    be->relbias_forward = n_relbias_forward;
+    be->relbias_backward = n_relbias_backward;
     be->rmsnorm_forward = n_rmsnorm_forward;
     be->rmsnorm_backward = n_rmsnorm_backward;
     be->add_rmsnorm_forward = n_add_rmsnorm_forward;

@@ -303,6 +303,14 @@ static void op_embedding_backward(const fl_backend *be, float *dwte, float *dwpe
                                   const int32_t *ids, int B, int T, int C) {
     IN->embedding_backward(IN, D(dwte), D(dwpe), D(dout), D(ids), B, T, C);
 }
+static void op_relbias_forward(const fl_backend *be, float *bias, const float *tab, const int32_t *rb, int NH, int Tq,
+                               int Tk, int nb) {
+    IN->relbias_forward(IN, D(bias), D(tab), D(rb), NH, Tq, Tk, nb);
+}
+static fl_status op_relbias_backward(const fl_backend *be, float *dtab, const float *dbias, const int32_t *rb, int NH,
+                                     int Tq, int Tk, int nb) {
+    return IN->relbias_backward(IN, D(dtab), D(dbias), D(rb), NH, Tq, Tk, nb);
+}
 static void op_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, const float *inp, const float *w, int N,
                                int C, float eps) {
     IN->rmsnorm_forward(IN, D(out), D(rstd), D(inp), D(w), N, C, eps);
@@ -538,6 +546,8 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->gemm = op_gemm;
     be->embedding_forward = op_embedding_forward;
     be->embedding_backward = op_embedding_backward;
+    be->relbias_forward = op_relbias_forward;
+    be->relbias_backward = op_relbias_backward;
     be->rmsnorm_forward = op_rmsnorm_forward;
     be->rmsnorm_backward = op_rmsnorm_backward;
     be->add_rmsnorm_forward = op_add_rmsnorm_forward;

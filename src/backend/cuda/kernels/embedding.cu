@@ -201,3 +201,105 @@ extern "C" int FL_CUK(embedding_backward)(float *dwte, float *dwpe, const float 
     }
     return fl_cu_launch_error();
 }
+
+/* ---- T5's relative position bias (backend.h's relbias_forward / relbias_backward; the CPU's: cpu/embedding.c) -----
+ * Query i and key j take bucket rb[j - i + Tq - 1], one per diagonal r = j - i.
+ * Forward: one thread per element, a copy from the head's table row.
+ * Backward, two launches and no atomics: (1) a block of 32 warps per (32 diagonals, head): lane l walks diagonal
+ * k0 + l, warp w its rows i = w, w + 32, ... (row i's 32 elements on the block's diagonals are contiguous: each
+ * load is one coalesced 128-byte row piece), so warp w's lane l holds the contract's partial P_w of diagonal k0 + l;
+ * through shared memory warp w then takes diagonal k0 + w's 32 partials (lane s: P_s) and combines them by the xor
+ * butterfly, whose lane 0 is the contract's tree (fp32 adds commute: v_s + v_(s^off) has the same bits on both
+ * lanes); S(h, k) into the work area. (2) a block per head, thread b its bucket: the diagonals in increasing k,
+ * staged through shared memory, acc += S where rb == b; dtab += acc. NH Tq Tk loads in all, against the per-head
+ * embedding_backward's O((Tq Tk)^2) rank over the T^2 elements (~10 ms a head at T 512 on an H200, estimated). */
+__global__ static void fl_cu_relbias_fwd_k(float *bias, const float *tab, const int32_t *rb, int NH, int Tq, int Tk,
+                                           int nb) {
+    const size_t n = (size_t)NH * Tq * Tk;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
+        const int j = (int)(e % (size_t)Tk);
+        const size_t hi = e / (size_t)Tk;
+        const int i = (int)(hi % (size_t)Tq), h = (int)(hi / (size_t)Tq);
+        const int b = rb[j - i + Tq - 1];
+        bias[e] = b >= 0 && b < nb ? tab[(size_t)h * nb + b] : 0.0f;
+    }
+}
+
+__global__ static void fl_cu_relbias_diag_k(float *S, const float *dbias, int Tq, int Tk) {
+    __shared__ float part[32][33];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = blockIdx.y, nd = Tq + Tk - 1;
+    const int k0 = blockIdx.x * 32, r0 = k0 - (Tq - 1), j = r0 + lane; /* row i's element on diagonal k0 + lane: i + j */
+    const float *d = dbias + (size_t)h * Tq * Tk;
+    /* the rows where some lane's diagonal is inside: i + r0 + 31 >= 0 and i + r0 < Tk */
+    int i = warp;
+    const int first = -r0 - 31;
+    if (i < first) i += (first - i + 31) / 32 * 32;
+    const int iend = Tk - r0 < Tq ? Tk - r0 : Tq;
+    float p = 0.0f;
+    const int ok_k = k0 + lane < nd;
+    for (; i + 96 < iend; i += 128) { /* four rows' loads in flight, then their adds in row order */
+        float x[4];
+        int ok[4];
+        FL_CU_UNROLL
+        for (int u = 0; u < 4; u++) {
+            const int ii = i + 32 * u, jj = ii + j;
+            ok[u] = ok_k && jj >= 0 && jj < Tk;
+            x[u] = ok[u] ? d[(size_t)ii * Tk + jj] : 0.0f;
+        }
+        FL_CU_UNROLL
+        for (int u = 0; u < 4; u++)
+            if (ok[u]) p += x[u];
+    }
+    for (; i < iend; i += 32) {
+        const int jj = i + j;
+        if (ok_k && jj >= 0 && jj < Tk) p += d[(size_t)i * Tk + jj];
+    }
+    part[warp][lane] = p;
+    __syncthreads();
+    float v = part[lane][warp]; /* diagonal k0 + warp's P_lane */
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FL_CU_FULL_MASK, v, off);
+    if (lane == 0 && k0 + warp < nd) S[(size_t)h * nd + k0 + warp] = v;
+}
+
+#define RB_CHUNK 1024
+
+__global__ static void fl_cu_relbias_bucket_k(float *dtab, const float *S, const int32_t *rb, int nd, int nb) {
+    __shared__ int sb[RB_CHUNK];
+    __shared__ float ss[RB_CHUNK];
+    const int h = blockIdx.x, b = threadIdx.x;
+    const float *s = S + (size_t)h * nd;
+    float acc = 0.0f;
+    for (int c0 = 0; c0 < nd; c0 += RB_CHUNK) {
+        const int n = nd - c0 < RB_CHUNK ? nd - c0 : RB_CHUNK;
+        for (int k = threadIdx.x; k < n; k += blockDim.x) sb[k] = rb[c0 + k], ss[k] = s[c0 + k];
+        __syncthreads();
+        for (int k = 0; k < n; k++)
+            if (sb[k] == b) acc += ss[k];
+        __syncthreads();
+    }
+    if (b < nb) dtab[(size_t)h * nb + b] += acc;
+}
+
+extern "C" int FL_CUK(relbias_forward)(float *bias, const float *tab, const int32_t *rb, int NH, int Tq, int Tk, int nb,
+                                       void *stream) {
+    if (NH < 0 || Tq < 0 || Tk < 0 || nb <= 0) return -1;
+    const size_t n = (size_t)NH * Tq * Tk;
+    if (n == 0) return 0;
+    const size_t blocks = (n + 255) / 256;
+    FL_CU_LAUNCH(fl_cu_relbias_fwd_k, dim3((unsigned)(blocks > 8192 ? 8192 : blocks)), dim3(256), 0,
+                 (fl_cu_stream)stream, bias, tab, rb, NH, Tq, Tk, nb);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(relbias_backward)(float *dtab, const float *dbias, const int32_t *rb, int NH, int Tq, int Tk,
+                                        int nb, float *work, void *stream) {
+    if (NH < 0 || Tq < 0 || Tk < 0 || nb <= 0 || nb > FL_CU_RELBIAS_MAX_BUCKETS || NH > 65535) return -1;
+    if (NH == 0 || Tq == 0 || Tk == 0) return 0;
+    if (!work) return -1;
+    const int nd = Tq + Tk - 1;
+    FL_CU_LAUNCH(fl_cu_relbias_diag_k, dim3((unsigned)(nd + 31) / 32, (unsigned)NH), dim3(1024), 0,
+                 (fl_cu_stream)stream, work, dbias, Tq, Tk);
+    FL_CU_LAUNCH(fl_cu_relbias_bucket_k, dim3((unsigned)NH), dim3((unsigned)(nb + 31) / 32 * 32), 0,
+                 (fl_cu_stream)stream, dtab, work, rb, nd, nb);
+    return fl_cu_launch_error();
+}
