@@ -19,6 +19,7 @@
 #include "fitllm/lora.h"
 #include "fitllm/model.h"
 #include "fitllm/train.h"
+#include "model/seq2seq-impl.h"
 #include "test.h"
 
 typedef struct {
@@ -183,6 +184,85 @@ FL_TEST(t5_bf16_weight_gradients_read_bf16) {
     dw_operands(FL_PREC_32_TRUE);
     dw_operands(FL_PREC_BF16_MIXED);
     dw_operands(FL_PREC_BF16_TRUE);
+}
+
+/* The bf16 saved slots in the passes (issue 30 item 1; seq2seq.c's ctx16): the slots only bf16-weight GEMMs read
+ * (each norm's output, the attention outputs, the FFN's activation) stored in bf16 by the op that writes them, which
+ * those GEMMs then read instead of rounding their fp32 input themselves, and the backward reading the saved copies
+ * where its ops take bf16 (the weight gradients' x, the norms' inputs, ReLU's input on cuda-emu) instead of
+ * widening them first. Both fixtures, bf16-mixed and bf16-true, on the CPU backend and cuda-emu: the logits, loss
+ * and every gradient bit for bit those of the passes without them (fl_s2s_test_no16), and, on the CPU (the GEMM
+ * recorder), the GEMMs with an fp32 A and a bf16 weight that are not the backward's dW fewer by exactly the
+ * stored slots' readers: per encoder block 4 (q|k|v, o, wi, wo), per decoder block 6 (+ the cross-attention's q, o);
+ * what is left reads the encoder's output (the cross k|v) or the final norm's (the head). */
+static int g_f32a;
+static fl_status gemm_rec_a(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                            const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
+                            fl_dtype tc, int ldc) {
+    g_f32a += !trans_a && ta == FL_F32 && tb == FL_BF16;
+    return g_gemm_real(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+}
+static void stored16_bits(const char *dir, fl_precision_kind kind, const char *bename) {
+    fl_backend be;
+    fl_mem_pool pool, host;
+    fl_model m;
+    t5_batch b;
+    fl_status st = fl_backend_init_by_name(bename, &be, 2);
+    if (st == FL_ERR_UNSUPPORTED || st == FL_ERR_NOT_FOUND) return; /* no emulator in this build */
+    FL_REQUIRE_OK(st);
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    const fl_model_storage bf16 = {.param_dtype = FL_BF16};
+    FL_REQUIRE_OK(fl_hf_load_model_ex(&m, dir, &be, &pool, kind == FL_PREC_BF16_TRUE ? &bf16 : NULL));
+    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(kind)));
+    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
+    open_batch(&b, dir);
+    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&m, b.B, b.Ts, b.Tt));
+    const size_t nl = (size_t)b.B * b.Tt * m.cfg.vocab_size;
+    const size_t gbytes = m.layout.numel * (fl_model_grads_f32(&m) ? 4 : 2);
+    float *lg[2] = {malloc(nl * 4), malloc(nl * 4)};
+    char *g[2] = {malloc(gbytes), malloc(gbytes)};
+    double loss[2] = {0, 0};
+    int f32a[2] = {0, 0};
+    const int rec = !strcmp(bename, "cpu");
+    unsigned char *poison = malloc(m.sizes.acts_bytes);
+    FL_REQUIRE(poison != NULL);
+    memset(poison, 0xff, m.sizes.acts_bytes); /* NaN in every fp32 and bf16 slot: a copy read before it is written shows */
+    for (int on = 1; on >= 0; on--) {
+        FL_REQUIRE_OK(be.to_device(&be, m.acts_arena, poison, m.sizes.acts_bytes));
+        fl_s2s_test_no16 = !on;
+        g_gemm_real = be.gemm;
+        if (rec) be.gemm = gemm_rec_a;
+        g_f32a = 0;
+        train_pass(&m, &b, lg[on], &loss[on]);
+        be.gemm = g_gemm_real;
+        f32a[on] = g_f32a;
+        FL_REQUIRE_OK(be.to_host(&be, g[on], fl_model_grads_data(&m), gbytes));
+    }
+    fl_s2s_test_no16 = 0;
+    const char *pn = fl_precision_get(kind)->name;
+    FL_CHECKF(memcmp(lg[0], lg[1], nl * 4) == 0 && loss[0] == loss[1], "%s %s %s: the logits or loss differ with the "
+              "bf16 saved slots in the passes (%.9g vs %.9g)", dir, pn, bename, loss[1], loss[0]);
+    FL_CHECKF(memcmp(g[0], g[1], gbytes) == 0, "%s %s %s: the gradients differ with the bf16 saved slots in the "
+              "passes", dir, pn, bename);
+    if (rec) {
+        const int want = 4 * m.cfg.n_layers + 6 * m.cfg.n_dec_layers;
+        printf("      %s %s: fp32-A GEMMs on bf16 weights %d -> %d (the stored slots' readers: %d)\n", dir, pn, f32a[0],
+               f32a[1], want);
+        FL_CHECKF(f32a[0] - f32a[1] == want, "%s %s: %d -> %d fp32-A GEMMs, %d fewer expected", dir, pn, f32a[0],
+                  f32a[1], want);
+    }
+    free(lg[0]), free(lg[1]), free(g[0]), free(g[1]), free(poison);
+    fl_st_close(&b.x);
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+}
+FL_TEST(t5_bf16_saved_slots_in_the_passes_keep_the_bits) {
+    static const char *const dirs[] = {"tests/fixtures/t5-tiny-relu", "tests/fixtures/t5-tiny-gated"};
+    for (int d = 0; d < 2; d++)
+        for (int k = 0; k < 2; k++)
+            for (int e = 0; e < 2; e++)
+                stored16_bits(dirs[d], k ? FL_PREC_BF16_TRUE : FL_PREC_BF16_MIXED, e ? "cuda-emu" : "cpu");
 }
 
 FL_TEST(t5_relu_fp16_mixed_vs_autocast) { check_mixed("tests/fixtures/t5-tiny-relu", FL_PREC_16_MIXED, "fp16"); }

@@ -409,6 +409,26 @@ static fl_status residual_add(const fl_model *m, const fl_block_graph *g, const 
     return FL_OK;
 }
 
+unsigned fl_block_gemm16_slots(const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x) {
+    if (!x->gemm16 || !x->s16 || x->store16) return 0;
+    unsigned r = 0;
+    for (int k = 0; k < g->n_slots; k++) {
+        if (g->slot[k].kind != FL_GSLOT_WIDE || !x->s16[k]) continue;
+        int w = -1; /* the last writer */
+        for (int i = 0; i < g->n_ops; i++)
+            if (g->op[i].out == k || (fl_gop_modifies(&g->op[i]) && g->op[i].in == k)) w = i;
+        int readers = 0, ok = w >= 0;
+        for (int i = w + 1; ok && i < g->n_ops; i++) {
+            const fl_gop *o = &g->op[i];
+            if (o->in != k && !(o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS && o->in2 == k)) continue;
+            readers++;
+            ok = o->kind == FL_GOP_LINEAR && lin_x16(&bp->lin[o->p]) && bp->lin[o->p].n_adapters == 0;
+        }
+        if (ok && readers) r |= 1u << k;
+    }
+    return r;
+}
+
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s0,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -417,6 +437,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
     int pendq = -1;  /* q|k|v stored in bf16 only (gemm_to_attn16, a bf16-only RoPE): the attention reads that copy */
     const unsigned only16 = fl_block_only16(m, g, bp, x, 0);
     const unsigned resgemm = fl_block_resgemm(m, g, bp, x); /* ADDs whose sum their projection's GEMM writes */
+    const unsigned g16 = fl_block_gemm16_slots(g, bp, x); /* gemm16: the slots only bf16 GEMMs read, stored in bf16 */
     float *s[FL_GRAPH_MAX_SLOTS]; /* the slots' fp32 views; NULL once stale (a bf16-only RoPE's) */
     memcpy(s, s0, (size_t)g->n_slots * sizeof *s);
 #define S(k) ((k) >= 0 ? s[k] : NULL)
@@ -439,7 +460,8 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         float *in = s[o->in], *out = s[o->out];
         const int N = rows(g, o->in, x);
         const size_t wi = (size_t)g->slot[o->in].width, wo = (size_t)g->slot[o->out].width;
-        const int last = x->store16 && final_after(g, i, o->out); /* the output is stored in bf16 after this op */
+        /* the output is stored in bf16 after this op */
+        const int last = (x->store16 || (g16 >> o->out & 1u)) && final_after(g, i, o->out);
         void *o16 = last && stored16(g, o->out, x) ? x->s16[o->out] : NULL; /* its bf16 copy */
         int done16 = 0; /* the op wrote that bf16 copy itself */
         if (act16_kind(o->kind) >= 0 && be->act_forward16 && (o16 || pend16 == o->in || pendr == o->in)) {
@@ -461,7 +483,8 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (x->xs_ready && g->slot[o->in].kind == FL_GSLOT_XSTREAM) break; /* kept from an earlier pass */
             /* stored in bf16: the input's copy is the GEMM's bf16 operand (a BF16 weight rounds an F32 x to it);
              * a slot still to be changed by a later op is not stored yet (the GEMM rounds the fp32 view itself) */
-            const void *in16 = x->store16 && lin_x16(lin) && final_after(g, i, o->in) ? x->s16[o->in] : NULL;
+            const void *in16 =
+                (x->store16 || (g16 >> o->in & 1u)) && lin_x16(lin) && final_after(g, i, o->in) ? x->s16[o->in] : NULL;
             FL_TRY(lin_in32(g, i, in, in16, lin));
             const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
             if (resgemm >> (i + 1) & 1u) { /* out + residual in one GEMM: C the residual's bf16 rows, D the sum's */
@@ -516,6 +539,8 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_ADD: {
             int fused = 0; /* the next op, a norm of the sum, done with it */
             FL_TRY(residual_add(m, g, bp, s, x, i, N, o16, resgemm >> i & 1u, &done16, &fused));
+            const int nk = fused ? g->op[i + 1].out : -1; /* gemm16: the fused norm's output, stored as its op would */
+            if (nk >= 0 && (g16 >> nk & 1u) && final_after(g, i + 1, nk)) FL_TRY(store16(be, g, nk, s, x));
             i += fused;
             break;
         }

@@ -257,6 +257,12 @@ typedef struct {
      * residual adds read the other operand's bf16 rows (add_norm_forward16_b16). A pass that would read one of those
      * views after another slot overwrote it fails naming it. 0: every slot its own view */
     unsigned stream16;
+    /* forward with s16 and store16 off (an encoder-decoder's bf16 saved slots; issue 30 item 1): the WIDE slots only
+     * bf16-weight LINEARs without adapters read after their last writer (fl_block_gemm16_slots) are stored in bf16
+     * there as store16 stores every slot (the writer's bf16-output variant, else round16) and those LINEARs read the
+     * copy: the rounding each GEMM did to its fp32 input, moved into the producer, so the same bits; every other slot
+     * keeps its fp32 values (the residual adds, the attention's q|k|v, the activations' inputs) */
+    int gemm16;
 } fl_block_ctx;
 
 /* The seed of dropout site `site` under base seed `base` (a micro-batch's block, or a stack's embedding / final
@@ -279,6 +285,10 @@ void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp);
  * only through the backend's bf16-input ops (issue 30 item 1) is not among them, so its widening is skipped. */
 unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
                               const fl_block_ctx *x);
+/* The slots (bit k) a forward with context x stores in bf16 under gemm16 (fl_block_ctx.gemm16), else 0: WIDE, with a
+ * bf16 copy in x->s16, and read after their last writer only by LINEARs whose GEMM rounds x to bf16 anyway (a BF16
+ * weight, or a 4-bit base with q416) and that carry no adapter. */
+unsigned fl_block_gemm16_slots(const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x);
 /* bf16 stored on an FL_CAP_VIEWS16 backend (issue 30 item 1): the slots whose fp32 views a pass with context x writes
  * or reads, forward and backward (~0u: every one, another backend; exec.c); fl_block_views_dropped (acts.c): the WIDE
  * slots no block of the model's training arena needs, which acts.c does not carve (their views NULL, the ops writing

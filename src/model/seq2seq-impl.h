@@ -71,6 +71,9 @@ fl_status fl_s2s_stage_dout(fl_model *m, const float *dy);
 fl_status fl_s2s_stage_dinput(const fl_model *m, float *dx);
 typedef struct fl_s2s_stash fl_s2s_stash;
 size_t fl_s2s_stash_bytes(const fl_model *m);
+/* Testing only (0 otherwise): 1 turns off the bf16 saved slots' use by the block passes (seq2seq.c's ctx16: the
+ * forward's gemm16 stores, the backward's bf16 reads), so a test compares the passes' bits with and without them. */
+extern int fl_s2s_test_no16;
 fl_status fl_s2s_stash_new(fl_model *m, fl_s2s_stash **out);
 void fl_s2s_stash_free(fl_model *m, fl_s2s_stash *s);
 fl_status fl_s2s_stash_save(fl_model *m, fl_s2s_stash *s);

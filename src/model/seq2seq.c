@@ -202,15 +202,16 @@ static fl_block_ctx stack_ctx(const fl_model *m, const struct fl_s2s_acts *a, in
 }
 
 /* 16-bit saved activations: block l of stack st's WIDE slots from the shared fp32 buffer into its 16-bit copies
- * (narrow, after its training forward) or back (before its backward); no-ops otherwise */
-static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narrow) {
+ * (narrow, after its training forward) or back (before its backward); no-ops otherwise. skip (bit k): slots left
+ * alone (narrow: the forward stored them already, gemm16; widen: the backward reads their bf16 copies only). */
+static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narrow, unsigned skip) {
     const struct fl_s2s_acts *a = m->acts->s2s;
     if (!a->act16) return FL_OK;
     const int s = (int)(st - a->st);
     const fl_layer_acts *la = &st->layer[l];
     for (int k = 0; k < st->g.n_prod; k++) {
         const int sl = st->g.prod[k];
-        if (st->g.slot[sl].kind != FL_GSLOT_WIDE) continue;
+        if (st->g.slot[sl].kind != FL_GSLOT_WIDE || (skip >> sl & 1u)) continue;
         const size_t n = slot_n(a, s, sl, a->T, (size_t)a->Bp) * (size_t)st->g.slot[sl].width;
         if (narrow)
             FL_TRY(FL_RUN(m->be, convert, la->s16[sl], a->act16, la->s[sl], FL_F32, n));
@@ -218,6 +219,17 @@ static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narr
             FL_TRY(FL_RUN(m->be, convert, la->s[sl], FL_F32, la->s16[sl], a->act16, n));
     }
     return FL_OK;
+}
+
+/* bf16 saved slots (issue 30 item 1): block l's copies as the pass's s16, so the forward stores the slots only bf16
+ * GEMMs read as it writes them (fl_block_ctx.gemm16) and the backward reads the copies where the backend's ops take
+ * bf16 (the weight gradients' x, the norms' inputs), widening only the slots it reads in fp32; the same bits */
+int fl_s2s_test_no16;
+static void ctx16(const struct fl_s2s_acts *a, const s2s_stack *st, int l, fl_block_ctx *x, int fwd) {
+    if (a->act16 != FL_BF16) return;
+    if (fl_s2s_test_no16) return;
+    x->s16 = st->layer[l].s16;
+    x->gemm16 = fwd;
 }
 
 static fl_status check_model(const fl_model *m, const char *fn) {
@@ -294,8 +306,9 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
                 fl_block_params bp;
                 fl_get_block(m, &st->g, st->l0 + l, &bp);
                 fl_block_ctx x = stack_ctx(m, a, s, l, NULL);
+                if (grad_scale > 0) ctx16(a, st, l, &x, 1);
                 FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
-                if (grad_scale > 0) FL_TRY(saved16(m, st, l, 1));
+                if (grad_scale > 0) FL_TRY(saved16(m, st, l, 1, fl_block_gemm16_slots(&st->g, &bp, &x)));
                 fl_store_release(m->store, st->l0 + l + 1);
             }
             break;
@@ -474,7 +487,8 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
             FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
             m->ckpt_recomputed++;
         }
-        FL_TRY(saved16(m, st, l, 0));
+        if (!m->act_ckpt) ctx16(a, st, l, &x, 0);
+        FL_TRY(saved16(m, st, l, 0, x.s16 ? ~fl_block_bwd_reads32(m, &st->g, &bp, &x) : 0u));
         x.dattn_bias = st->dbias;
         stage_open(m, st->l0 + l + 1);
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
