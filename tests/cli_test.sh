@@ -529,7 +529,7 @@ expect plan_t5_len_options 0 "global batch 16, source 64, target 16," -- "$FITLL
 expect plan_t5_needs_source 2 "an encoder-decoder \(t5-small\) needs a source length: give --seq-len or --data.max_source_length" -- "$FITLLM" plan t5-small --data.max_source_length 0
 # (t5-small's dropout_rate 0.1 trains with dropout: its TEMP buffer, B x source x d_model floats of WORKSPACE, moved
 # the suggestion from 881 to 875 tokens)
-expect plan_t5_suggests_source 3 "max_seq_length +fits: --data.max_source_length 875 " -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
+expect plan_t5_suggests_source 3 "max_seq_length +fits: --data.max_source_length 877 " -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
 t5p_out=$EXPECT_OUT t5p_rc=$EXPECT_RC   # the same plan (2.6 CPU s) for the two variant checks below
 expect_saved plan_t5_bf16true_variant 3 "bf16-true +does not fit: bf16 parameters" "$t5p_out" "$t5p_rc"
 expect plan_t5_qlora_variant 3 "qlora +does not fit: LoRA on a 4-bit base" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB --precision bf16-mixed

@@ -47,24 +47,37 @@ static int near64(const char *what, const float *got, const double *want, size_t
     return 1;
 }
 
+/* the fp32 kernels of each kind (emulated): the reference bits of the act16 ops; paired: [gate | up] rows of 2F */
+static int act_paired(int kind) { return kind == FL_CU_ACT16_SWIGLU || kind == FL_CU_ACT16_GEGLU; }
+static void act_fwd32(int kind, float *y, const float *x, int N, int F) {
+    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_forward(y, x, N, F, NULL));
+    else if (kind == FL_CU_ACT16_GEGLU) EMU_OK(fl_cuemu_geglu_forward(y, x, N, F, NULL));
+    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_forward(y, x, (size_t)N * F, NULL));
+    else EMU_OK(fl_cuemu_relu_forward(y, x, (size_t)N * F, NULL));
+}
+static void act_bwd32(int kind, float *dx, const float *dy, const float *x, int N, int F) {
+    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_backward(dx, dy, x, N, F, NULL));
+    else if (kind == FL_CU_ACT16_GEGLU) EMU_OK(fl_cuemu_geglu_backward(dx, dy, x, N, F, NULL));
+    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_backward(dx, dy, x, (size_t)N * F, NULL));
+    else EMU_OK(fl_cuemu_relu_backward(dx, dy, x, (size_t)N * F, NULL));
+}
+
 static double act64(int kind, double g, double u) {
     if (kind == FL_CU_ACT16_SWIGLU) return g / (1.0 + exp(-g)) * u;
+    if (kind == FL_CU_ACT16_GEGLU) return 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u;
     if (kind == FL_CU_ACT16_GELU) return 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)));
     return g < 0 ? 0.0 : g;
 }
 
 /* act_forward16 of kind over N rows of F outputs; bf16_in: the input given as its bf16 copy only */
 static void act16_case(int kind, int N, int F, int bf16_in) {
-    const int W = kind == FL_CU_ACT16_SWIGLU ? 2 * F : F; /* input row width */
+    const int W = act_paired(kind) ? 2 * F : F; /* input row width */
     const size_t ni = (size_t)N * W, no = (size_t)N * F;
     fl_test_rng r = {(uint64_t)(kind * 1009 + N * 31 + F + bf16_in)};
     float *x = fl_test_frand(&r, ni, -6, 6), *y1 = malloc(no * 4), *y2 = malloc(no * 4), *xin = malloc(ni * 4);
     uint16_t *x16 = malloc(ni * 2), *want16 = malloc(no * 2), *got16 = malloc(no * 2);
     if (bf16_in) round_ref(x, x16, ni); /* x: the widened input the fp32 kernel sees */
-    /* the fp32 kernel, then the rounding */
-    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_forward(y1, x, N, F, NULL));
-    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_forward(y1, x, no, NULL));
-    else EMU_OK(fl_cuemu_relu_forward(y1, x, no, NULL));
+    act_fwd32(kind, y1, x, N, F); /* the fp32 kernel, then the rounding */
     round_ref(y1, want16, no);
     for (int k = 0; k < 2; k++) {
         fl_cu_emu_set_seed(k_seeds[k]);
@@ -91,16 +104,14 @@ static void act16_case(int kind, int N, int F, int bf16_in) {
     for (int n = 0; n < N; n++)
         for (int f = 0; f < F; f++) {
             const float *row = x + (size_t)n * W;
-            want[(size_t)n * F + f] = act64(kind, row[f], kind == FL_CU_ACT16_SWIGLU ? row[F + f] : 1.0);
+            want[(size_t)n * F + f] = act64(kind, row[f], act_paired(kind) ? row[F + f] : 1.0);
         }
     FL_CHECK(near64("act_forward16", y2, want, no, 1e-12));
     /* out16 NULL: the fp32 kernel's bits (the bf16-input-only use) */
     if (bf16_in) {
         EMU_OK(fl_cuemu_act_forward16(kind, y2, NULL, xin, x16, N, F, NULL));
         float *y0 = malloc(no * 4);
-        if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_forward(y0, x, N, F, NULL));
-        else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_forward(y0, x, no, NULL));
-        else EMU_OK(fl_cuemu_relu_forward(y0, x, no, NULL));
+        act_fwd32(kind, y0, x, N, F);
         FL_CHECKF(!memcmp(y0, y2, no * 4), "act_forward16 kind %d without out16: not the fp32 kernel's bits", kind);
         free(y0);
     }
@@ -113,6 +124,8 @@ FL_TEST(cuda_bf16_act_forward16) {
         act16_case(FL_CU_ACT16_SWIGLU, 1, 1, in16);
         act16_case(FL_CU_ACT16_GELU, 130, 300, in16); /* several blocks */
         act16_case(FL_CU_ACT16_RELU, 7, 33, in16);
+        act16_case(FL_CU_ACT16_GEGLU, 3, 37, in16); /* T5 v1.1's: scalar (F % 8), then the 128-bit path */
+        act16_case(FL_CU_ACT16_GEGLU, 9, 64, in16);
     }
     act16_case(FL_CU_ACT16_SWIGLU, 5, 60001, 1); /* more than one grid stride (1024 x 256) */
     float y = 0, x = 0;
@@ -228,16 +241,14 @@ FL_TEST(cuda_bf16_rope_forward16) {
 /* act_backward16: din += the fp32 backward's terms (accumulating into a nonzero din) and din16 = RNE(din), din
  * itself unrounded: the bits of the fp32 kernel followed by a convert */
 static void act16_bwd_case(int kind, int N, int F) {
-    const int W = kind == FL_CU_ACT16_SWIGLU ? 2 * F : F;
+    const int W = act_paired(kind) ? 2 * F : F;
     const size_t ni = (size_t)N * W, no = (size_t)N * F;
     fl_test_rng r = {(uint64_t)(kind * 7919 + N * 13 + F)};
     float *x = fl_test_frand(&r, ni, -6, 6), *dy = fl_test_frand(&r, no, -1, 1), *d0 = fl_test_frand(&r, ni, -1, 1);
     float *want = malloc(ni * 4), *got = malloc(ni * 4);
     uint16_t *w16 = malloc(ni * 2), *g16 = malloc(ni * 2);
     memcpy(want, d0, ni * 4);
-    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_backward(want, dy, x, N, F, NULL));
-    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_backward(want, dy, x, no, NULL));
-    else EMU_OK(fl_cuemu_relu_backward(want, dy, x, no, NULL));
+    act_bwd32(kind, want, dy, x, N, F);
     FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, ni));
     for (int k = 0; k < 2; k++) {
         fl_cu_emu_set_seed(k_seeds[k]);
@@ -273,9 +284,7 @@ static void act16_bwd_case(int kind, int N, int F) {
     uint16_t *x16 = malloc(ni * 2);
     round_ref(x, x16, ni); /* x: the widened input */
     memcpy(want, d0, ni * 4);
-    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_backward(want, dy, x, N, F, NULL));
-    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_backward(want, dy, x, no, NULL));
-    else EMU_OK(fl_cuemu_relu_backward(want, dy, x, no, NULL));
+    act_bwd32(kind, want, dy, x, N, F);
     FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, ni));
     for (int with16 = 0; with16 < 2; with16++) {
         memcpy(got, d0, ni * 4);
@@ -294,6 +303,8 @@ FL_TEST(cuda_bf16_act_backward16) {
     act16_bwd_case(FL_CU_ACT16_GELU, 130, 300);
     act16_bwd_case(FL_CU_ACT16_RELU, 7, 33);
     act16_bwd_case(FL_CU_ACT16_SWIGLU, 1, 1);
+    act16_bwd_case(FL_CU_ACT16_GEGLU, 3, 37); /* T5 v1.1's: scalar, then the 128-bit path */
+    act16_bwd_case(FL_CU_ACT16_GEGLU, 9, 64);
 }
 /* attention_forward16 (the three forward kernels' out16): out16 = RNE(out of the same launcher without it) and out
  * its exact widening, lse unchanged, the padding columns of a strided out16 untouched; causal GQA with a partial

@@ -189,7 +189,7 @@ FL_TEST(t5_bf16_weight_gradients_read_bf16) {
 /* The bf16 saved slots in the passes (issue 30 item 1; seq2seq.c's ctx16): the slots only bf16-weight GEMMs read
  * (each norm's output, the attention outputs, the FFN's activation) stored in bf16 by the op that writes them, which
  * those GEMMs then read instead of rounding their fp32 input themselves, and the backward reading the saved copies
- * where its ops take bf16 (the weight gradients' x, the norms' inputs, ReLU's input on cuda-emu) instead of
+ * where its ops take bf16 (the weight gradients' x, the norms' inputs, ReLU's / GEGLU's on cuda-emu) instead of
  * widening them first. Both fixtures, bf16-mixed and bf16-true, on the CPU backend and cuda-emu: the logits, loss
  * and every gradient bit for bit those of the passes without them (fl_s2s_test_no16), and, on the CPU (the GEMM
  * recorder), the GEMMs with an fp32 A and a bf16 weight that are not the backward's dW fewer by exactly the

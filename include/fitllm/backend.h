@@ -45,7 +45,7 @@ extern "C" {
 #define FL_RELBIAS_MAX_BUCKETS 1024
 
 /* fl_backend.act_forward16's kinds */
-enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
+enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2, FL_ACT16_GEGLU = 3 };
 /* act_forward16's kind | FL_ACT16_ROUND_IN: the fp32 input in is a stored slot not rounded yet: in16 = RNE(in) and in =
  * its widening first (round16's bits), then the activation of that (a biased LINEAR's output, issue 30 item 1) */
 #define FL_ACT16_ROUND_IN 0x100
@@ -223,7 +223,8 @@ struct fl_backend {
     /* Optional bf16-stored outputs (NULL: the fp32 op, then round16; issue 30 item 1). Each writes out16, the
      * output's bf16 copy (RNE), and leaves in the fp32 output its exact widening: the fp32 op's value rounded as
      * round16 rounds it, without the round16 launch. UNSUPPORTED for a kind or dtype they do not take.
-     * act_forward16: kind FL_ACT16_SWIGLU (out (N,F) from [gate | up] rows (N,2F)), FL_ACT16_GELU (tanh),
+     * act_forward16: kind FL_ACT16_SWIGLU (out (N,F) from [gate | up] rows (N,2F)), FL_ACT16_GEGLU (the same rows:
+     * geglu_forward's gelu_tanh(gate) * lin, T5 v1.1 / Flan-T5), FL_ACT16_GELU (tanh),
      * FL_ACT16_RELU (out and in (N,F)); in16 (NULL or the input's bf16 copy, of in's shape): the input is read
      * from it and its exact widening written to in (an input a GEMM stored in bf16 only, graph.c).
      * add16: out = a + b (out may alias a or b), n elements.

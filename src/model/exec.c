@@ -468,7 +468,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             /* its fp32 view is filled here (and first rounded, pendr) */
             const void *in16 = pend16 == o->in || pendr == o->in ? x->s16[o->in] : NULL;
             const int kind = act16_kind(o->kind) | (pendr == o->in ? FL_ACT16_ROUND_IN : 0);
-            FL_TRY(FL_RUN(be, act_forward16, kind, out, o16, in, in16, N, o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            FL_TRY(FL_RUN(be, act_forward16, kind, out, o16, in, in16, N, act16_paired(o->kind) ? (int)wo : (int)wi));
             pend16 = pendr = -1;
             continue;
         }
@@ -617,7 +617,8 @@ static int bwd_reads16_p(const fl_model *m, const fl_block_graph *g, const fl_go
         return fused_causal(o, x) && !x->kv && (plan || be->attention_backward16) && stored16(g, o->out, x);
     case FL_GOP_SWIGLU:
     case FL_GOP_GELU:
-    case FL_GOP_RELU: return plan || be->act_backward16 != NULL;
+    case FL_GOP_RELU:
+    case FL_GOP_GEGLU: return plan || be->act_backward16 != NULL;
     default: return 0;
     }
 }
@@ -781,7 +782,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         const int in16 = bwd_reads16_p(m, g, o, x, 0); /* the saved input read in bf16 (its fp32 view not widened) */
         if ((dy16 || in16) && act16_kind(o->kind) >= 0) {
             FL_TRY(FL_RUN(be, act_backward16, act16_kind(o->kind), din, dy16, dout, s[o->in],
-                          in16 ? x->s16[o->in] : NULL, N, o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+                          in16 ? x->s16[o->in] : NULL, N, act16_paired(o->kind) ? (int)wo : (int)wi));
             dy16_ready = dy16 != NULL;
             continue;
         }

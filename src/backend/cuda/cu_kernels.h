@@ -34,6 +34,7 @@ extern "C" {
 #define FL_CU_ACT16_SWIGLU 0
 #define FL_CU_ACT16_GELU 1
 #define FL_CU_ACT16_RELU 2
+#define FL_CU_ACT16_GEGLU 3 /* [gate | lin] rows as SwiGLU's: gelu_tanh(gate) * lin (T5 v1.1, Flan-T5) */
 #define FL_CU_ACT16_ROUND_IN 0x100 /* backend.h's FL_ACT16_ROUND_IN: in16 = RNE(in), in its widening, first */
 
 #define FL_CU_DECLARE_KERNELS(P)                                                                              \

@@ -22,13 +22,14 @@ static fl_status flb_round16(const fl_backend *be, void *dst, fl_dtype dt, float
 /* bf16-stored outputs (backend.h act_forward16 / add16 / rope_forward16): refused shapes and kinds answer
  * UNSUPPORTED here, before any launch */
 _Static_assert(FL_CU_ACT16_SWIGLU == FL_ACT16_SWIGLU && FL_CU_ACT16_GELU == FL_ACT16_GELU &&
-                   FL_CU_ACT16_RELU == FL_ACT16_RELU && FL_CU_ACT16_ROUND_IN == FL_ACT16_ROUND_IN,
+                   FL_CU_ACT16_RELU == FL_ACT16_RELU && FL_CU_ACT16_GEGLU == FL_ACT16_GEGLU &&
+                   FL_CU_ACT16_ROUND_IN == FL_ACT16_ROUND_IN,
                "act_forward16: the kernels' kinds");
 static fl_status flb_act_forward16(const fl_backend *be, int kind, float *out, void *out16, float *in,
                                    const void *in16, int N, int F) {
     FL_TRY(flb_sticky(be));
     const int k = kind & ~FL_ACT16_ROUND_IN;
-    if ((k != FL_ACT16_SWIGLU && k != FL_ACT16_GELU && k != FL_ACT16_RELU) || ((kind & FL_ACT16_ROUND_IN) && !in16))
+    if (k < FL_ACT16_SWIGLU || k > FL_ACT16_GEGLU || ((kind & FL_ACT16_ROUND_IN) && !in16))
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_forward16: kind %d", FLB_NAME, kind);
     if ((!out && !out16) || (!in && (!in16 || (kind & FL_ACT16_ROUND_IN))))
         return fl_errorf(FL_ERR_INVALID, "%s act_forward16: NULL %s", FLB_NAME, !out && !out16 ? "output" : "input");
@@ -73,7 +74,7 @@ static fl_status flb_rope_backward16(const fl_backend *be, float *dout, void *dx
 static fl_status flb_act_backward16(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
                                     const float *in, const void *in16, int N, int F) {
     FL_TRY(flb_sticky(be));
-    if ((kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU) || (!din16 && !in16))
+    if (kind < FL_ACT16_SWIGLU || kind > FL_ACT16_GEGLU || (!din16 && !in16))
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_backward16: kind %d%s", FLB_NAME, kind,
                          din16 || in16 ? "" : ", neither a bf16 copy nor a bf16 input");
     /* din NULL: the bf16 copy alone (of a zero din's update) */
@@ -81,7 +82,8 @@ static fl_status flb_act_backward16(const fl_backend *be, int kind, float *din, 
                            FLB_NULL(be, "act_backward16", in16 ? in16 : (const void *)in)))
         return flb_sticky(be);
     FLB_RUN_S(be, FLB_K(act_backward16)(kind, din, din16, dout, in, in16, N, F, STREAM), "act_backward16");
-    if (!din && N > 0 && F > 0) flb_count_only16(be, (size_t)N * F * (kind == FL_ACT16_SWIGLU ? 2 : 1));
+    const int pair = kind == FL_ACT16_SWIGLU || kind == FL_ACT16_GEGLU; /* (N, 2F) gradients */
+    if (!din && N > 0 && F > 0) flb_count_only16(be, (size_t)N * F * (pair ? 2 : 1));
     return FL_OK;
 }
 _Static_assert(FL_CU_CONVERT_MANY_MAX == FL_CONVERT_MANY_MAX, "convert_many: the kernel's segment list");

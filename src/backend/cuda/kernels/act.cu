@@ -25,6 +25,24 @@ FL_CU_DEV float gelu_grad(float x) {
     float u = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x), sg = fl_cu_sigmoidf(2.0f * u);
     return sg + 2.0f * x * sg * (1.0f - sg) * FL_CU_GELU_K * (1.0f + 3.0f * FL_CU_GELU_A * x * x);
 }
+/* GEGLU (T5 v1.1) of a gate / lin pair: gelu_tanh(gate) * lin, and its backward's updates */
+FL_CU_DEV float geglu_f(float x, float u) {
+    const float t = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x);
+    return x * fl_cu_sigmoidf(2.0f * t) * u;
+}
+FL_CU_DEV void geglu_b(float x, float u, float d, float *dg, float *du) {
+    const float t = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x), sg = fl_cu_sigmoidf(2.0f * t);
+    const float dgl = sg + 2.0f * x * sg * (1.0f - sg) * FL_CU_GELU_K * (1.0f + 3.0f * FL_CU_GELU_A * x * x);
+    *dg += d * u * dgl;
+    *du += d * x * sg;
+}
+/* the paired kinds ([gate | up] rows of 2F in, F out) of act_forward16 / act_backward16 */
+FL_CU_DEV float pair_f(int kind, float g, float u) { return kind == FL_CU_ACT16_GEGLU ? geglu_f(g, u) : swiglu_f(g, u); }
+FL_CU_DEV void pair_b(int kind, float g, float u, float d, float *dg, float *du) {
+    if (kind == FL_CU_ACT16_GEGLU) geglu_b(g, u, d, dg, du);
+    else swiglu_b(g, u, d, dg, du);
+}
+static inline __host__ __device__ int paired(int kind) { return kind == FL_CU_ACT16_SWIGLU || kind == FL_CU_ACT16_GEGLU; }
 
 /* SwiGLU over (N, 2F) [gate | up] rows. vec (F % 4 == 0, the pointers 16-byte aligned): a thread takes 4
  * consecutive columns with 128-bit loads and stores; else one element. Grid-stride either way. */
@@ -137,20 +155,18 @@ __global__ static void fl_cu_geglu_fwd_k(float *out, const float *gu, int N, int
     size_t total = (size_t)N * F;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         size_t n = i / F, f = i % F;
-        float x = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f], t = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x);
-        out[i] = x * fl_cu_sigmoidf(2.0f * t) * u;
+        out[i] = geglu_f(gu[n * 2 * F + f], gu[n * 2 * F + F + f]);
     }
 }
 
 __global__ static void fl_cu_geglu_bwd_k(float *dgu, const float *dout, const float *gu, int N, int F) {
     size_t total = (size_t)N * F;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        size_t n = i / F, f = i % F;
-        float x = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f], d = dout[i];
-        float t = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x), sg = fl_cu_sigmoidf(2.0f * t);
-        float dg = sg + 2.0f * x * sg * (1.0f - sg) * FL_CU_GELU_K * (1.0f + 3.0f * FL_CU_GELU_A * x * x);
-        dgu[n * 2 * F + f] += d * u * dg;
-        dgu[n * 2 * F + F + f] += d * x * sg;
+        size_t n = i / F, f = i % F, ig = n * 2 * F + f, iu = ig + F;
+        float dg = dgu[ig], du = dgu[iu];
+        geglu_b(gu[ig], gu[iu], dout[i], &dg, &du);
+        dgu[ig] = dg;
+        dgu[iu] = du;
     }
 }
 
@@ -253,14 +269,14 @@ FL_CU_DEV size_t act16_fwd8(int kind, float *out, uint16_t *o16, float *in, cons
                             int rnd) {
     const size_t S = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const size_t total = (size_t)N * F, F8 = (size_t)F / 8;
-    if (kind == FL_CU_ACT16_SWIGLU) {
+    if (paired(kind)) {
         fl_cu_rowcol rc = fl_cu_rc_start(t0, S, F8);
         for (size_t q = t0; q < (size_t)N * F8; q += S, fl_cu_rc_next(rc)) {
             const size_t n = rc.n, f = 8 * rc.c;
             float g[8], u[8];
             act_in8(in, in16, n * 2 * F + f, g, rnd);
             act_in8(in, in16, n * 2 * F + F + f, u, rnd);
-            for (int k = 0; k < 8; k++) g[k] = swiglu_f(g[k], u[k]);
+            for (int k = 0; k < 8; k++) g[k] = pair_f(kind, g[k], u[k]);
             fl_cu_keep16x8(o16, n * F + f, g);
             if (out) fl_cu_st8t(out, FL_F32, n * F + f, g);
         }
@@ -280,9 +296,9 @@ __global__ static void fl_cu_act16_k(int kind, float *out, uint16_t *o16, float 
     const size_t total = (size_t)N * F, i0 = vec ? act16_fwd8(kind, out, o16, in, in16, N, F, rnd) : 0;
     for (size_t i = i0 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         float y;
-        if (kind == FL_CU_ACT16_SWIGLU) {
+        if (paired(kind)) {
             const size_t n = i / F, f = i % F;
-            y = swiglu_f(act_in(in, in16, n * 2 * F + f, rnd), act_in(in, in16, n * 2 * F + F + f, rnd));
+            y = pair_f(kind, act_in(in, in16, n * 2 * F + f, rnd), act_in(in, in16, n * 2 * F + F + f, rnd));
         } else {
             const float x = act_in(in, in16, i, rnd);
             y = kind == FL_CU_ACT16_GELU ? gelu_f(x) : x < 0.0f ? 0.0f : x;
@@ -296,11 +312,11 @@ extern "C" int FL_CUK(act_forward16)(int kind, float *out, void *out16, float *i
                                      void *stream) {
     const int rnd = (kind & FL_CU_ACT16_ROUND_IN) != 0;
     kind &= ~FL_CU_ACT16_ROUND_IN;
-    if ((kind != FL_CU_ACT16_SWIGLU && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) || (rnd && !in16)) return -1;
+    if ((!paired(kind) && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) || (rnd && !in16)) return -1;
     /* out NULL: out16 only; in NULL: read from in16 (not rounded here), its fp32 view not filled (issue 30 item 1) */
     if ((!out && !out16) || (!in && (!in16 || rnd))) return -1;
     if (N <= 0 || F <= 0) return 0;
-    const int vec = (kind != FL_CU_ACT16_SWIGLU || F % 8 == 0) && fl_cu_aligned16(out, out16, in, in16, NULL);
+    const int vec = (!paired(kind) || F % 8 == 0) && fl_cu_aligned16(out, out16, in, in16, NULL);
     FL_CU_LAUNCH(fl_cu_act16_k, dim3(act_blocks((size_t)N * F / (vec ? 8 : 1))), dim3(256), 0, (fl_cu_stream)stream,
                  kind, out, (uint16_t *)out16, in, (const uint16_t *)in16, N, F, vec, rnd);
     return fl_cu_launch_error();
@@ -335,7 +351,7 @@ FL_CU_DEV size_t act16_bwd8(int kind, float *din, uint16_t *d16, const float *do
                             const uint16_t *in16, int N, int F) {
     const size_t S = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const size_t total = (size_t)N * F, F8 = (size_t)F / 8;
-    if (kind == FL_CU_ACT16_SWIGLU) {
+    if (paired(kind)) {
         fl_cu_rowcol rc = fl_cu_rc_start(t0, S, F8);
         for (size_t q = t0; q < (size_t)N * F8; q += S, fl_cu_rc_next(rc)) {
             const size_t n = rc.n, f = 8 * rc.c, ig = n * 2 * F + f, iu = ig + F;
@@ -345,7 +361,7 @@ FL_CU_DEV size_t act16_bwd8(int kind, float *din, uint16_t *d16, const float *do
             fl_cu_ld8t(dout, FL_F32, n * F + f, d);
             act_din8(din, ig, dg);
             act_din8(din, iu, du);
-            for (int k = 0; k < 8; k++) swiglu_b(g[k], u[k], d[k], &dg[k], &du[k]);
+            for (int k = 0; k < 8; k++) pair_b(kind, g[k], u[k], d[k], &dg[k], &du[k]);
             if (din) fl_cu_st8t(din, FL_F32, ig, dg), fl_cu_st8t(din, FL_F32, iu, du);
             if (d16) fl_cu_st8t(d16, FL_BF16, ig, dg), fl_cu_st8t(d16, FL_BF16, iu, du);
         }
@@ -369,10 +385,10 @@ __global__ static void fl_cu_act16_bwd_k(int kind, float *din, uint16_t *d16, co
                                          const uint16_t *in16, int N, int F, int vec) {
     const size_t total = (size_t)N * F, i0 = vec ? act16_bwd8(kind, din, d16, dout, in, in16, N, F) : 0;
     for (size_t i = i0 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        if (kind == FL_CU_ACT16_SWIGLU) {
+        if (paired(kind)) {
             const size_t n = i / F, f = i % F, ig = n * 2 * F + f, iu = ig + F;
             float dg = din ? din[ig] : 0.0f, du = din ? din[iu] : 0.0f;
-            swiglu_b(act_x(in, in16, ig), act_x(in, in16, iu), dout[i], &dg, &du);
+            pair_b(kind, act_x(in, in16, ig), act_x(in, in16, iu), dout[i], &dg, &du);
             act_dput(din, d16, ig, dg);
             act_dput(din, d16, iu, du);
         } else {
@@ -387,12 +403,10 @@ __global__ static void fl_cu_act16_bwd_k(int kind, float *din, uint16_t *d16, co
 
 extern "C" int FL_CUK(act_backward16)(int kind, float *din, void *din16, const float *dout, const float *in,
                                       const void *in16, int N, int F, void *stream) {
-    if ((kind != FL_CU_ACT16_SWIGLU && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) || (!din16 && !in16))
-        return -1;
+    if ((!paired(kind) && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) || (!din16 && !in16)) return -1;
     if (N <= 0 || F <= 0) return 0;
     if ((!din && !din16) || !dout || (!in && !in16)) return -1; /* no output, or an input missing */
-    const int vec =
-        (kind != FL_CU_ACT16_SWIGLU || F % 8 == 0) && fl_cu_aligned16(din, din16, dout, in16 ? NULL : in, in16);
+    const int vec = (!paired(kind) || F % 8 == 0) && fl_cu_aligned16(din, din16, dout, in16 ? NULL : in, in16);
     FL_CU_LAUNCH(fl_cu_act16_bwd_k, dim3(act_blocks((size_t)N * F / (vec ? 8 : 1))), dim3(256), 0,
                  (fl_cu_stream)stream, kind, din, (uint16_t *)din16, dout, in, (const uint16_t *)in16, N, F, vec);
     return fl_cu_launch_error();
