@@ -209,15 +209,21 @@ static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narr
     if (!a->act16) return FL_OK;
     const int s = (int)(st - a->st);
     const fl_layer_acts *la = &st->layer[l];
+    void *dst[FL_GRAPH_MAX_SLOTS];
+    const void *src[FL_GRAPH_MAX_SLOTS];
+    size_t len[FL_GRAPH_MAX_SLOTS];
+    int cnt = 0;
     for (int k = 0; k < st->g.n_prod; k++) {
         const int sl = st->g.prod[k];
         if (st->g.slot[sl].kind != FL_GSLOT_WIDE || (skip >> sl & 1u)) continue;
-        const size_t n = slot_n(a, s, sl, a->T, (size_t)a->Bp) * (size_t)st->g.slot[sl].width;
-        if (narrow)
-            FL_TRY(FL_RUN(m->be, convert, la->s16[sl], a->act16, la->s[sl], FL_F32, n));
-        else
-            FL_TRY(FL_RUN(m->be, convert, la->s[sl], FL_F32, la->s16[sl], a->act16, n));
+        dst[cnt] = narrow ? (void *)la->s16[sl] : (void *)la->s[sl];
+        src[cnt] = narrow ? (const void *)la->s[sl] : (const void *)la->s16[sl];
+        len[cnt++] = slot_n(a, s, sl, a->T, (size_t)a->Bp) * (size_t)st->g.slot[sl].width;
     }
+    const fl_dtype dt = narrow ? a->act16 : FL_F32, sd = narrow ? FL_F32 : a->act16;
+    if (m->be->convert_many && cnt > 1 && cnt <= FL_CONVERT_MANY_MAX) /* one launch (the same bits) */
+        return FL_RUN(m->be, convert_many, cnt, dst, dt, src, sd, len);
+    for (int k = 0; k < cnt; k++) FL_TRY(FL_RUN(m->be, convert, dst[k], dt, src[k], sd, len[k]));
     return FL_OK;
 }
 

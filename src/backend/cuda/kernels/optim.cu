@@ -272,16 +272,18 @@ extern "C" int FL_CUK(convert_many)(int count, void *const *dst, fl_dtype dt, co
     fl_cu_segs s;
     memset(&s, 0, sizeof s);
     size_t most = 0;
+    int vec = 1; /* every segment on the 8-element path: a thread takes 8 at a time, 1/8 of the blocks */
     for (int k = 0; k < count; k++) {
         s.dst[k] = dst[k], s.src[k] = src[k], s.n[k] = n[k];
         if (n[k] > most) most = n[k];
+        vec &= fl_cu_aligned16(dst[k], src[k], NULL, NULL, NULL);
     }
     if (most == 0) return 0;
 #if FL_CU_EMULATED
     fl_cu_emu_convert_launches++; /* one conversion kernel for the whole list */
 #endif
-    FL_CU_LAUNCH(fl_cu_convert_many_k, dim3(ew_blocks(most), (unsigned)count), dim3(256), 0, (fl_cu_stream)stream, s,
-                 (int)dt, (int)st);
+    FL_CU_LAUNCH(fl_cu_convert_many_k, dim3(ew_blocks(vec ? (most + 7) / 8 : most), (unsigned)count), dim3(256), 0,
+                 (fl_cu_stream)stream, s, (int)dt, (int)st);
     return fl_cu_launch_error();
 }
 
