@@ -265,6 +265,70 @@ FL_TEST(t5_bf16_saved_slots_in_the_passes_keep_the_bits) {
                 stored16_bits(dirs[d], k ? FL_PREC_BF16_TRUE : FL_PREC_BF16_MIXED, e ? "cuda-emu" : "cpu");
 }
 
+/* bf16-true's block weight gradients written into the bf16 gradient by their dW GEMMs (FL_OP_GEMM_ACC16: bf16(fp32
+ * sum + g), rounded once; FITLLM_CUDA_DW16, the decoder-only passes' way) instead of an fp32 stage added in after
+ * (accumulate16: the same sum, the same rounding): on cuda-emu (the CPU backend has no ACC16 GEMM) both fixtures'
+ * logits, loss and bf16 gradients bit for bit those of the staged pass, and the elements accumulate16 adds fewer by
+ * exactly the blocks' linear weights (what stays staged: the norms' weights, the relative bias tables, the head and
+ * the embedding). */
+static fl_status (*g_acc_real)(const fl_backend *, uint16_t *, fl_dtype, const float *, size_t);
+static size_t g_acc_n;
+static fl_status acc_rec(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
+    g_acc_n += n;
+    return g_acc_real(be, dst, t, src, n);
+}
+static void dw16_bits(const char *dir) {
+    fl_backend be;
+    fl_mem_pool pool, host;
+    fl_model m;
+    t5_batch b;
+    fl_status st = fl_backend_init_by_name("cuda-emu", &be, 2);
+    if (st == FL_ERR_UNSUPPORTED || st == FL_ERR_NOT_FOUND) return; /* no emulator in this build */
+    FL_REQUIRE_OK(st);
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    const fl_model_storage bf16 = {.param_dtype = FL_BF16};
+    FL_REQUIRE_OK(fl_hf_load_model_ex(&m, dir, &be, &pool, &bf16));
+    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_TRUE)));
+    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
+    open_batch(&b, dir);
+    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&m, b.B, b.Ts, b.Tt));
+    const size_t nl = (size_t)b.B * b.Tt * m.cfg.vocab_size, gbytes = m.layout.numel * 2;
+    float *lg[2] = {malloc(nl * 4), malloc(nl * 4)};
+    char *g[2] = {malloc(gbytes), malloc(gbytes)};
+    double loss[2] = {0, 0};
+    size_t acc[2] = {0, 0}, lin = 0;
+    for (int i = 0; i < m.layout.n; i++) { /* the blocks' linear weights: 2-D, not the embedding, head or tables */
+        const fl_param_info *pi = &m.layout.params[i];
+        if (pi->ndim == 2 && strstr(pi->name, "block.") && !strstr(pi->name, "relative_attention_bias")) lin += pi->numel;
+    }
+    for (int on = 0; on < 2; on++) {
+        FL_REQUIRE(setenv("FITLLM_CUDA_DW16", on ? "1" : "0", 1) == 0);
+        g_acc_real = be.accumulate16;
+        be.accumulate16 = acc_rec;
+        g_acc_n = 0;
+        train_pass(&m, &b, lg[on], &loss[on]);
+        be.accumulate16 = g_acc_real;
+        acc[on] = g_acc_n;
+        FL_REQUIRE_OK(be.to_host(&be, g[on], fl_model_grads_data(&m), gbytes));
+    }
+    unsetenv("FITLLM_CUDA_DW16");
+    printf("      %s bf16-true cuda-emu: accumulate16 over %zu -> %zu elements (the blocks' linear weights: %zu)\n", dir,
+           acc[0], acc[1], lin);
+    FL_CHECKF(memcmp(lg[0], lg[1], nl * 4) == 0 && loss[0] == loss[1] && memcmp(g[0], g[1], gbytes) == 0,
+              "%s: the dW GEMMs into the bf16 gradient change the logits, loss or gradients", dir);
+    FL_CHECKF(lin > 0 && acc[0] - acc[1] == lin, "%s: accumulate16 %zu -> %zu elements, %zu fewer expected", dir, acc[0],
+              acc[1], lin);
+    free(lg[0]), free(lg[1]), free(g[0]), free(g[1]);
+    fl_st_close(&b.x);
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+}
+FL_TEST(t5_bf16_true_dw_gemms_into_the_bf16_gradient) {
+    dw16_bits("tests/fixtures/t5-tiny-relu");
+    dw16_bits("tests/fixtures/t5-tiny-gated");
+}
+
 FL_TEST(t5_relu_fp16_mixed_vs_autocast) { check_mixed("tests/fixtures/t5-tiny-relu", FL_PREC_16_MIXED, "fp16"); }
 FL_TEST(t5_gated_fp16_mixed_vs_autocast) { check_mixed("tests/fixtures/t5-tiny-gated", FL_PREC_16_MIXED, "fp16"); }
 

@@ -199,7 +199,8 @@ static void usage(FILE *f) {
                "               residual add runs fused with the next block's first norm (or the final norm), one launch\n"
                "               (the same bits); 0 = each block does its own add (A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_DW16=0|1 (environment): 1 (default) = EXPERIMENTAL: under bf16-true a block's bias-free\n"
-               "               linears' dW GEMMs add into the bf16 gradient in place, rounded once (the same bits);\n"
+               "               linears' (LLaMA's, T5's) dW GEMMs add into the bf16 gradient in place, rounded once\n"
+               "               (the same bits);\n"
                "               0 = staged in fp32, zeroed and added back by accumulate16 (A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_LORA16=1|0 (environment): 1 (default) = EXPERIMENTAL: LoRA / QLoRA with bf16 compute: a\n"
                "               frozen base's dx GEMM reads a bf16 dy written by the op that makes dy, and adapters\n"

@@ -475,6 +475,9 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
      * shared embedding's after the first stack's embedding */
     if (s == 0) FL_TRY(fl_store_grads_ready(m->store, G));
     FL_RUN(be, zero, st->dbias, (size_t)m->cfg.n_heads * T * T * sizeof(float));
+    int dw16 = 0; /* bf16-true: the block linears' weight gradients written into the bf16 gradient by their GEMMs
+                   * (FL_OP_GEMM_ACC16, FITLLM_CUDA_DW16; the decoder-only passes' way, store.c) */
+    if (fl_store_dw16_model(m)) FL_TRY(fl_store_dw16_knob(&dw16));
     float *dxs[FL_GRAPH_MAX_SLOTS] = {0};
     if (st->xslot >= 0) { /* a pipeline stage before the decoder's end adds to the sum the next stage sent */
         dxs[st->xslot] = a->dstream;
@@ -496,10 +499,14 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
         if (!m->act_ckpt) ctx16(a, st, l, &x, 0);
         FL_TRY(saved16(m, st, l, 0, x.s16 ? ~fl_block_bwd_reads32(m, &st->g, &bp, &x) : 0u));
         x.dattn_bias = st->dbias;
-        stage_open(m, st->l0 + l + 1);
+        /* the fp32 stage of the group's gradients: all of it, or (dw16) what the linears' dW GEMMs do not write into
+         * the bf16 gradient themselves (the relative bias table among it) */
+        size_t rng[FL_STAGE_RANGES_MAX][2] = {{0, fl_group_numel(m, g)}};
+        const int nr = dw16 ? fl_store_direct16(m, &st->g, &bp, g, rng) : 1;
+        fl_store_stage_begin_ranges(m->store, (const size_t(*)[2])rng, nr);
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
         if (l == 0) FL_TRY(relbias_backward(m, st, T)); /* the first block's group holds the table; dbias complete */
-        FL_TRY(stage_close(m, g));
+        FL_TRY(fl_store_stage_flush_ranges(m->store, m->layout.group_offset[g], (const size_t(*)[2])rng, nr));
         fl_store_release(m->store, g);
         FL_TRY(fl_store_grads_ready(m->store, g));
     }
