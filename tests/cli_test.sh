@@ -538,6 +538,8 @@ expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16
 # --dropout: the step with config.json's dropout as fine-tuning applies it (T5's 0.1 on every site); a model without
 # dropout of its own and BLIP-2's steps refuse it by name
 expect bench_step_t5_dropout 0 "32-true, AdamW, dropout 0.1 / attention 0.1, " -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 2 --warmup 1 --threads 2 --dropout
+# the profile times the dropout kernels too (its "elementwise" group; T5 / OPT / BLIP-2 training with dropout)
+expect bench_step_t5_dropout_profile 0 "    dropout +[0-9.]+ +[0-9.]+% +[1-9]" -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 1 --warmup 0 --threads 2 --dropout --profile
 expect bench_step_dropout_refused 1 "LLaMA has no dropout of its own" -- "$FITLLM" bench-step micro --dropout --steps 1
 expect bench_step_blip2_dropout_refused 2 "--dropout: BLIP-2 steps run" -- "$FITLLM" bench-step blip2-micro --dropout --steps 1
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1

@@ -45,7 +45,11 @@
     X(bias_backward16, FL_PROF_ELEM) X(attention_forward_in16, FL_PROF_ATTN)                          \
     X(add_norm_forward16, FL_PROF_NORM) X(add_norm_forward16_b16, FL_PROF_NORM) X(q4_matmul_forward16, FL_PROF_GEMM) \
     X(q4_matmul_backward16, FL_PROF_GEMM) X(gemm_res16, FL_PROF_GEMM)                                                 \
-    X(relbias_forward, FL_PROF_ATTN) X(relbias_backward, FL_PROF_ATTN)
+    X(relbias_forward, FL_PROF_ATTN) X(relbias_backward, FL_PROF_ATTN)                                                 \
+    /* dropout (T5 / OPT / BLIP-2 training with a config's dropout), the exact GELU (BLIP-2's ViT and Q-Former), the
+     * step scalars' 8-bit AdamW */                                                                                   \
+    X(dropout, FL_PROF_ELEM) X(gelu_erf_forward, FL_PROF_ELEM) X(gelu_erf_backward, FL_PROF_ELEM)                     \
+    X(adam8bit_update_ss, FL_PROF_OPTIM)
 
 #define PROF_ENUM(op, g) OP_##op,
 enum { PROF_OPS(PROF_ENUM) OP_COUNT };
@@ -289,6 +293,13 @@ WRAP_V(embedding_forward, 0,
 WRAP_V(embedding_backward, 0,
        (BE, float *dwte, float *dwpe, const float *dout, const int32_t *ids, int B, int T, int C),
        (be, dwte, dwpe, dout, ids, B, T, C))
+WRAP_S(dropout, 0, (BE, float *y, const float *x, size_t n, float pr, uint64_t seed, int acc), (be, y, x, n, pr, seed, acc))
+WRAP_V(gelu_erf_forward, 0, (BE, float *out, const float *inp, size_t n), (be, out, inp, n))
+WRAP_V(gelu_erf_backward, 0, (BE, float *dinp, const float *dout, const float *inp, size_t n), (be, dinp, dout, inp, n))
+WRAP_S(adam8bit_update_ss, 0,
+       (BE, void *pp, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st, float lr, float b1,
+        float b2, float eps, float wd, int step, const double *ss),
+       (be, pp, tp, g, tg, st, lr, b1, b2, eps, wd, step, ss))
 WRAP_V(relbias_forward, 0, (BE, float *bias, const float *tab, const int32_t *rb, int NH, int Tq, int Tk, int nb),
        (be, bias, tab, rb, NH, Tq, Tk, nb))
 WRAP_S(relbias_backward, 0, (BE, float *dtab, const float *dbias, const int32_t *rb, int NH, int Tq, int Tk, int nb),
