@@ -16,7 +16,7 @@ fl_status fl_cpu_lora_forward(const fl_backend *be, float *y, int ldy, float *h,
         if (!xd) return fl_errorf(FL_ERR_INVALID, "lora_forward: dropout %g needs the xd buffer", (double)dropout);
         const float sc = fl_lora_dropout_scale(dropout);
         const size_t n = (size_t)N * in;
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
         for (size_t i = 0; i < n; i++) xd[i] = fl_lora_dropout_keep(seed, i, dropout) ? x[i] * sc : 0.0f;
         xb = xd;
     }
@@ -51,7 +51,7 @@ fl_status fl_cpu_lora_backward(const fl_backend *be, float *dx, float *dA, float
     FL_TRY(be->gemm(be, 0, 0, N, in, r, scaling, g, FL_F32, r, A, FL_F32, in, 0.0f, t, FL_F32, in));
     const float sc = fl_lora_dropout_scale(dropout);
     const size_t n = (size_t)N * in;
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
     for (size_t i = 0; i < n; i++)
         if (fl_lora_dropout_keep(seed, i, dropout)) dx[i] += t[i] * sc;
     return FL_OK;
@@ -63,12 +63,13 @@ fl_status fl_cpu_dropout(const fl_backend *be, float *y, const float *x, size_t 
     if (!(p >= 0.0f && p < 1.0f)) return fl_errorf(FL_ERR_INVALID, "dropout: p %g outside [0, 1)", (double)p);
     if (n && (!y || !x)) return fl_errorf(FL_ERR_INVALID, "dropout: NULL buffer (n=%zu)", n);
     const float sc = fl_lora_dropout_scale(p);
+    /* (a small tensor on one thread: each element's mask is a function of its index alone, so the same bits) */
     if (accumulate) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
         for (size_t i = 0; i < n; i++)
             if (fl_lora_dropout_keep(seed, i, p)) y[i] += x[i] * sc;
     } else {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
         for (size_t i = 0; i < n; i++) y[i] = fl_lora_dropout_keep(seed, i, p) ? x[i] * sc : 0.0f;
     }
     return FL_OK;
@@ -84,7 +85,7 @@ fl_status fl_cpu_dropout_rows(const fl_backend *be, float *y, const float *x, in
                          stride);
     if (rows && w && (!y || !x)) return fl_errorf(FL_ERR_INVALID, "dropout_rows: NULL buffer (%d rows)", rows);
     const float sc = fl_lora_dropout_scale(p);
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)rows * w >= FL_CPU_PAR_MIN)
     for (int r = 0; r < rows; r++) {
         float *yr = y + (size_t)r * w;
         const float *xr = x + (size_t)r * w;
