@@ -86,6 +86,15 @@ static float elapsed(cudaEvent_t a, cudaEvent_t b) {
     return ms;
 }
 
+/* out = the mean ms of `call` over reps launches on the default stream (events e0, e1 around them) */
+#define TIMED_MS(out, e0, e1, reps, call)                                                                             \
+    do {                                                                                                              \
+        cudaEventRecord((e0), 0);                                                                                     \
+        for (int t_ = 0; t_ < (reps); t_++) (void)(call);                                                            \
+        cudaEventRecord((e1), 0);                                                                                     \
+        (out) = elapsed((e0), (e1)) / (float)(reps);                                                                 \
+    } while (0)
+
 /* ---- embeddings ---------------------------------------------------------------------------- */
 static void emb_small(int B, int T, int C, int V) {
     unsigned s = 11;
@@ -142,18 +151,13 @@ static void emb_big(int zipf) {
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     const int reps = 20;
-    cudaEventRecord(e0, 0);
-    for (int i = 0; i < reps; i++) fl_cuk_embedding_backward(dDwte, NULL, dDo, dI, B, T, C, dWk, NULL);
-    cudaEventRecord(e1, 0);
-    float ms = elapsed(e0, e1) / reps;
+    float ms;
+    TIMED_MS(ms, e0, e1, reps, fl_cuk_embedding_backward(dDwte, NULL, dDo, dI, B, T, C, dWk, NULL));
     /* bytes that must move: dout once, and each touched dwte row read and written */
     printf("%-28s time %.3f ms  (%s ids, %.0f GB/s of dout read)\n", "  embedding_backward", ms, zipf ? "zipf" : "uniform",
            nc * 4 / (ms * 1e-3) / 1e9);
     float *dOut = dcopy(NULL, nc * 4), *dWte = dcopy(NULL, vc * 4);
-    cudaEventRecord(e0, 0);
-    for (int i = 0; i < reps; i++) fl_cuk_embedding_forward(dOut, dI, dWte, NULL, B, T, C, NULL);
-    cudaEventRecord(e1, 0);
-    ms = elapsed(e0, e1) / reps;
+    TIMED_MS(ms, e0, e1, reps, fl_cuk_embedding_forward(dOut, dI, dWte, NULL, B, T, C, NULL));
     printf("%-28s time %.3f ms  (%.0f GB/s read+write)\n", "  embedding_forward", ms, 2.0 * nc * 4 / (ms * 1e-3) / 1e9);
     cudaEventDestroy(e0); cudaEventDestroy(e1);
     cudaFree(dI); cudaFree(dWk); cudaFree(dDo); cudaFree(dDwte); cudaFree(dOut); cudaFree(dWte);
@@ -515,25 +519,16 @@ static void relbias_check(int NH, int T, int nb, int big) {
         cudaEvent_t e0, e1;
         cudaEventCreate(&e0);
         cudaEventCreate(&e1);
-        const int reps = 20;
-        cudaEventRecord(e0, 0);
-        for (int i = 0; i < reps; i++) fl_cuk_relbias_backward(dDt, dDbias, dRb, NH, T, T, nb, dW, NULL);
-        cudaEventRecord(e1, 0);
-        const float mb = elapsed(e0, e1) / reps;
-        cudaEventRecord(e0, 0);
-        for (int i = 0; i < reps; i++) fl_cuk_relbias_forward(dBias, dTab, dRb, NH, T, T, nb, NULL);
-        cudaEventRecord(e1, 0);
-        const float mf = elapsed(e0, e1) / reps;
+        float mb, mf, me;
+        TIMED_MS(mb, e0, e1, 20, fl_cuk_relbias_backward(dDt, dDbias, dRb, NH, T, T, nb, dW, NULL));
+        TIMED_MS(mf, e0, e1, 20, fl_cuk_relbias_forward(dBias, dTab, dRb, NH, T, T, nb, NULL));
         /* before: per head, embedding_backward over T^2 "tokens" of width 1 (the (T, T) bucket of each element) */
         const size_t tt = (size_t)T * T;
         int32_t *bk = malloc(tt * 4);
         for (int i = 0; i < T; i++)
             for (int j = 0; j < T; j++) bk[(size_t)i * T + j] = rb[j - i + T - 1];
         int32_t *dBk = dcopy(bk, tt * 4), *dEw = dcopy(NULL, FL_CU_EMB_WORK_INTS(tt) * 4);
-        cudaEventRecord(e0, 0);
-        fl_cuk_embedding_backward(dDt, NULL, dDbias, dBk, 1, (int)tt, 1, dEw, NULL);
-        cudaEventRecord(e1, 0);
-        const float me = elapsed(e0, e1);
+        TIMED_MS(me, e0, e1, 1, fl_cuk_embedding_backward(dDt, NULL, dDbias, dBk, 1, (int)tt, 1, dEw, NULL));
         printf("%-28s time %.3f ms backward (%.0f GB/s of dbias read), %.3f ms forward; before: %.3f ms a head "
                "(embedding_backward over T^2), x %d heads = %.1f ms\n", "  relbias", mb, nbias * 4 / (mb * 1e-3) / 1e9,
                mf, me, NH, me * NH);
