@@ -31,9 +31,9 @@ static inline int stored16(const fl_block_graph *g, int k, const fl_block_ctx *x
 static inline int fused_causal(const fl_gop *o, const fl_block_ctx *x) {
     return o->attn == FL_ATTN_CAUSAL && !o->attn_flags && !(o->p >= 0 && x->attn_drop_p > 0);
 }
-/* act_forward16 / act_backward16's kind of an activation op, -1: none */
 /* a paired activation ([gate | up] rows of 2F in, F out: act_forward16's F is its output's width) */
 static inline int act16_paired(uint8_t k) { return k == FL_GOP_SWIGLU || k == FL_GOP_GEGLU; }
+/* act_forward16 / act_backward16's kind of an activation op, -1: none */
 static inline int act16_kind(uint8_t k) {
     return k == FL_GOP_SWIGLU  ? FL_ACT16_SWIGLU
            : k == FL_GOP_GELU  ? FL_ACT16_GELU
