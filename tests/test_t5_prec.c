@@ -59,9 +59,14 @@ static void train_pass(fl_model *m, const t5_batch *b, float *lg, double *loss) 
  * 2^-11: the fp16 copy the matmuls read puts fitllm's distance 8x below bf16-mixed's, still beyond fp32's) */
 /* the suite's backend and pools, the fixture's model under policy kind (bf16-true: bf16 storage) with its gradients,
  * and the batch's arena */
-static void open_model(const char *dir, fl_precision_kind kind, fl_backend *be, fl_mem_pool *pool, fl_mem_pool *host,
-                       fl_model *m, t5_batch *b) {
-    FL_REQUIRE_OK(fl_test_backend(be, 2));
+/* on the backend named bename (NULL: the suite's); *opened 1 once all is set up (0: this build lacks the backend, the
+ * emulator, or a set-up step failed the test) */
+static void open_model_on(const char *bename, const char *dir, fl_precision_kind kind, fl_backend *be,
+                          fl_mem_pool *pool, fl_mem_pool *host, fl_model *m, t5_batch *b, int *opened) {
+    *opened = 0;
+    const fl_status st = bename ? fl_backend_init_by_name(bename, be, 2) : fl_test_backend(be, 2);
+    if (bename && (st == FL_ERR_UNSUPPORTED || st == FL_ERR_NOT_FOUND)) return;
+    FL_REQUIRE_OK(st);
     FL_REQUIRE_OK(fl_backend_pools_init(be, pool, host, be->name, 0));
     const fl_model_storage bf16 = {.param_dtype = FL_BF16};
     FL_REQUIRE_OK(fl_hf_load_model_ex(m, dir, be, pool, kind == FL_PREC_BF16_TRUE ? &bf16 : NULL));
@@ -69,6 +74,12 @@ static void open_model(const char *dir, fl_precision_kind kind, fl_backend *be, 
     FL_REQUIRE_OK(fl_model_alloc_grads(m));
     open_batch(b, dir);
     FL_REQUIRE_OK(fl_model_alloc_acts_s2s(m, b->B, b->Ts, b->Tt));
+    *opened = 1;
+}
+static void open_model(const char *dir, fl_precision_kind kind, fl_backend *be, fl_mem_pool *pool, fl_mem_pool *host,
+                       fl_model *m, t5_batch *b) {
+    int opened;
+    open_model_on(NULL, dir, kind, be, pool, host, m, b, &opened);
 }
 
 static void check_mixed(const char *dir, fl_precision_kind kind, const char *tag) {
@@ -207,16 +218,9 @@ static void stored16_bits(const char *dir, fl_precision_kind kind, const char *b
     fl_mem_pool pool, host;
     fl_model m;
     t5_batch b;
-    fl_status st = fl_backend_init_by_name(bename, &be, 2);
-    if (st == FL_ERR_UNSUPPORTED || st == FL_ERR_NOT_FOUND) return; /* no emulator in this build */
-    FL_REQUIRE_OK(st);
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
-    const fl_model_storage bf16 = {.param_dtype = FL_BF16};
-    FL_REQUIRE_OK(fl_hf_load_model_ex(&m, dir, &be, &pool, kind == FL_PREC_BF16_TRUE ? &bf16 : NULL));
-    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(kind)));
-    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
-    open_batch(&b, dir);
-    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&m, b.B, b.Ts, b.Tt));
+    int opened;
+    open_model_on(bename, dir, kind, &be, &pool, &host, &m, &b, &opened);
+    if (!opened) return; /* no emulator in this build */
     const size_t nl = (size_t)b.B * b.Tt * m.cfg.vocab_size;
     const size_t gbytes = m.layout.numel * (fl_model_grads_f32(&m) ? 4 : 2);
     float *lg[2] = {malloc(nl * 4), malloc(nl * 4)};
@@ -282,16 +286,9 @@ static void dw16_bits(const char *dir) {
     fl_mem_pool pool, host;
     fl_model m;
     t5_batch b;
-    fl_status st = fl_backend_init_by_name("cuda-emu", &be, 2);
-    if (st == FL_ERR_UNSUPPORTED || st == FL_ERR_NOT_FOUND) return; /* no emulator in this build */
-    FL_REQUIRE_OK(st);
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
-    const fl_model_storage bf16 = {.param_dtype = FL_BF16};
-    FL_REQUIRE_OK(fl_hf_load_model_ex(&m, dir, &be, &pool, &bf16));
-    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_TRUE)));
-    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
-    open_batch(&b, dir);
-    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&m, b.B, b.Ts, b.Tt));
+    int opened;
+    open_model_on("cuda-emu", dir, FL_PREC_BF16_TRUE, &be, &pool, &host, &m, &b, &opened);
+    if (!opened) return; /* no emulator in this build */
     const size_t nl = (size_t)b.B * b.Tt * m.cfg.vocab_size, gbytes = m.layout.numel * 2;
     float *lg[2] = {malloc(nl * 4), malloc(nl * 4)};
     char *g[2] = {malloc(gbytes), malloc(gbytes)};

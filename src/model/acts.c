@@ -275,7 +275,11 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned d
         src[cnt] = narrow ? (const void *)la->s[sl] : (const void *)la->s16[sl];
         len[cnt++] = slot_rows(g, sl, N) * g->slot[sl].width;
     }
-    const fl_dtype dt = narrow ? a->act_dtype : FL_F32, st = narrow ? FL_F32 : a->act_dtype;
+    return fl_convert_list(be, cnt, dst, narrow ? a->act_dtype : FL_F32, src, narrow ? FL_F32 : a->act_dtype, len);
+}
+
+fl_status fl_convert_list(const fl_backend *be, int cnt, void *const *dst, fl_dtype dt, const void *const *src,
+                          fl_dtype st, const size_t *len) {
     if (be->convert_many && cnt > 1 && cnt <= FL_CONVERT_MANY_MAX)
         return FL_RUN(be, convert_many, cnt, dst, dt, src, st, len);
     for (int k = 0; k < cnt; k++) FL_TRY(FL_RUN(be, convert, dst[k], dt, src[k], st, len[k]));

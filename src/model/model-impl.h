@@ -110,6 +110,10 @@ void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts
 void *fl_model_grads_buffer(const fl_model *m);
 /* skip (bit k: slot k, FL_GSLOT_IN the input too): views not widened, their readers take the bf16 copies */
 fl_status fl_acts_widen(fl_model *m, int l, int N, unsigned skip);
+/* cnt conversions dst[k] (len[k], dt) = src[k] (len[k], st): one convert_many launch where the backend has it (and
+ * 1 < cnt <= FL_CONVERT_MANY_MAX), else a convert each; convert's bits either way (acts.c; seq2seq.c's saved slots) */
+fl_status fl_convert_list(const fl_backend *be, int cnt, void *const *dst, fl_dtype dt, const void *const *src,
+                          fl_dtype st, const size_t *len);
 /* bf16 stored: residual rows res[l] (N rows, written by the embeddings) stored in res16[l], and the fp32 view
  * rounded to the same values (no-op otherwise). */
 fl_status fl_acts_store_stream(fl_model *m, int l, int N);
@@ -213,6 +217,13 @@ fl_status fl_store_dw16_knob(int *on);
 int fl_store_dw16_model(const fl_model *m);
 int fl_store_direct16(const fl_model *m, const fl_block_graph *g, fl_block_params *bp, int grp,
                       size_t rng[FL_STAGE_RANGES_MAX][2]);
+/* *on: the model takes the direct bf16 weight gradients (fl_store_dw16_model) and FITLLM_CUDA_DW16 allows them (an
+ * error naming a bad value). fl_store_block_stage_begin: block group grp's fp32 stage opened before its backward, all
+ * of it, or under dw16 what fl_store_direct16 leaves staged; rng receives the ranges, the count is returned (what
+ * fl_store_stage_flush_ranges takes after the backward; the decoder-only and the encoder-decoder passes). */
+fl_status fl_store_dw16_on(const fl_model *m, int *on);
+int fl_store_block_stage_begin(const fl_model *m, const fl_block_graph *g, fl_block_params *bp, int grp, int dw16,
+                               size_t rng[FL_STAGE_RANGES_MAX][2]);
 
 /* Embeddings, final norm and head (head == wte when tied). */
 typedef struct {

@@ -220,11 +220,7 @@ static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narr
         src[cnt] = narrow ? (const void *)la->s[sl] : (const void *)la->s16[sl];
         len[cnt++] = slot_n(a, s, sl, a->T, (size_t)a->Bp) * (size_t)st->g.slot[sl].width;
     }
-    const fl_dtype dt = narrow ? a->act16 : FL_F32, sd = narrow ? FL_F32 : a->act16;
-    if (m->be->convert_many && cnt > 1 && cnt <= FL_CONVERT_MANY_MAX) /* one launch (the same bits) */
-        return FL_RUN(m->be, convert_many, cnt, dst, dt, src, sd, len);
-    for (int k = 0; k < cnt; k++) FL_TRY(FL_RUN(m->be, convert, dst[k], dt, src[k], sd, len[k]));
-    return FL_OK;
+    return fl_convert_list(m->be, cnt, dst, narrow ? a->act16 : FL_F32, src, narrow ? FL_F32 : a->act16, len);
 }
 
 /* bf16 saved slots (issue 30 item 1): block l's copies as the pass's s16, so the forward stores the slots only bf16
@@ -232,8 +228,7 @@ static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narr
  * bf16 (the weight gradients' x, the norms' inputs), widening only the slots it reads in fp32; the same bits */
 int fl_s2s_test_no16;
 static void ctx16(const struct fl_s2s_acts *a, const s2s_stack *st, int l, fl_block_ctx *x, int fwd) {
-    if (a->act16 != FL_BF16) return;
-    if (fl_s2s_test_no16) return;
+    if (a->act16 != FL_BF16 || fl_s2s_test_no16) return;
     x->s16 = st->layer[l].s16;
     x->gemm16 = fwd;
 }
@@ -475,9 +470,8 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
      * shared embedding's after the first stack's embedding */
     if (s == 0) FL_TRY(fl_store_grads_ready(m->store, G));
     FL_RUN(be, zero, st->dbias, (size_t)m->cfg.n_heads * T * T * sizeof(float));
-    int dw16 = 0; /* bf16-true: the block linears' weight gradients written into the bf16 gradient by their GEMMs
-                   * (FL_OP_GEMM_ACC16, FITLLM_CUDA_DW16; the decoder-only passes' way, store.c) */
-    if (fl_store_dw16_model(m)) FL_TRY(fl_store_dw16_knob(&dw16));
+    int dw16; /* bf16-true: the block linears' weight gradients written into the bf16 gradient by their GEMMs */
+    FL_TRY(fl_store_dw16_on(m, &dw16));
     float *dxs[FL_GRAPH_MAX_SLOTS] = {0};
     if (st->xslot >= 0) { /* a pipeline stage before the decoder's end adds to the sum the next stage sent */
         dxs[st->xslot] = a->dstream;
@@ -499,11 +493,8 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, fl
         if (!m->act_ckpt) ctx16(a, st, l, &x, 0);
         FL_TRY(saved16(m, st, l, 0, x.s16 ? ~fl_block_bwd_reads32(m, &st->g, &bp, &x) : 0u));
         x.dattn_bias = st->dbias;
-        /* the fp32 stage of the group's gradients: all of it, or (dw16) what the linears' dW GEMMs do not write into
-         * the bf16 gradient themselves (the relative bias table among it) */
-        size_t rng[FL_STAGE_RANGES_MAX][2] = {{0, fl_group_numel(m, g)}};
-        const int nr = dw16 ? fl_store_direct16(m, &st->g, &bp, g, rng) : 1;
-        fl_store_stage_begin_ranges(m->store, (const size_t(*)[2])rng, nr);
+        size_t rng[FL_STAGE_RANGES_MAX][2]; /* the staged ranges (the relative bias table among them) */
+        const int nr = fl_store_block_stage_begin(m, &st->g, &bp, g, dw16, rng);
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
         if (l == 0) FL_TRY(relbias_backward(m, st, T)); /* the first block's group holds the table; dbias complete */
         FL_TRY(fl_store_stage_flush_ranges(m->store, m->layout.group_offset[g], (const size_t(*)[2])rng, nr));

@@ -655,6 +655,19 @@ int fl_store_dw16_model(const fl_model *m) {
            be->supports_op(be, FL_OP_GEMM_ACC16, FL_BF16, FL_BF16, FL_BF16);
 }
 
+fl_status fl_store_dw16_on(const fl_model *m, int *on) {
+    *on = 0;
+    return fl_store_dw16_model(m) ? fl_store_dw16_knob(on) : FL_OK;
+}
+
+int fl_store_block_stage_begin(const fl_model *m, const fl_block_graph *g, fl_block_params *bp, int grp, int dw16,
+                               size_t rng[FL_STAGE_RANGES_MAX][2]) {
+    rng[0][0] = 0, rng[0][1] = fl_group_numel(m, grp);
+    const int nr = dw16 ? fl_store_direct16(m, g, bp, grp, rng) : 1;
+    fl_store_stage_begin_ranges(m->store, (const size_t(*)[2])rng, nr);
+    return nr;
+}
+
 int fl_store_direct16(const fl_model *m, const fl_block_graph *g, fl_block_params *bp, int grp,
                       size_t rng[FL_STAGE_RANGES_MAX][2]) {
     fl_param_store *s = m->store;

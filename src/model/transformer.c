@@ -329,12 +329,11 @@ static fl_status blocks_backward(fl_model *m, int B, int T, int dres16) {
     fl_acts *a = m->acts;
     const int L = m->cfg.n_layers, N = B * T;
     float *const gb[FL_GRAPH_MAX_GBUF] = {a->dres, a->buf1, a->buf2, a->gbuf_more[0], a->gbuf_more[1]};
-    int dw16 = 0; /* the linears' weight gradients written in the bf16 gradient by their GEMMs (FL_OP_GEMM_ACC16) */
-    if (fl_store_dw16_model(m)) FL_TRY(fl_store_dw16_knob(&dw16));
+    int dw16; /* the linears' weight gradients written in the bf16 gradient by their GEMMs (FL_OP_GEMM_ACC16) */
+    FL_TRY(fl_store_dw16_on(m, &dw16));
     for (int l = L - 1; l >= 0; l--) {
         PP_GATHER(l + 1, l >= 1 ? l : -1); /* the embeddings' weights are not read in backward */
         PP_GRADS(l + 1);
-        const size_t gn = fl_group_numel(m, l + 1);
         /* 16-bit saved activations: widen this block's back into the shared fp32 buffer (bf16 stored: its input too,
          * which a recompute starts from, so before it); bf16 stored without checkpointing: below, only what the
          * block's backward reads in fp32 */
@@ -351,11 +350,8 @@ static fl_status blocks_backward(fl_model *m, int B, int T, int dres16) {
         /* the block's ops in reverse (graph.c): d res[l+1] in dres becomes d res[l] */
         fl_block_params bp;
         fl_get_block(m, a->graph, l, &bp);
-        /* the fp32 stage of the group's gradients: all of it, or (dw16) what the linears' dW GEMMs do not write in
-         * the bf16 gradient themselves */
-        size_t rng[FL_STAGE_RANGES_MAX][2] = {{0, gn}};
-        const int nr = dw16 ? fl_store_direct16(m, a->graph, &bp, l + 1, rng) : 1;
-        fl_store_stage_begin_ranges(m->store, (const size_t(*)[2])rng, nr);
+        size_t rng[FL_STAGE_RANGES_MAX][2];
+        const int nr = fl_store_block_stage_begin(m, a->graph, &bp, l + 1, dw16, rng);
         fl_block_ctx x = train_ctx(m, B, T, l);
         if (a->act_dtype == FL_BF16) x.s16 = a->layer[l].s16;
         x.gdrop = a->gdrop; /* the gradient buffers sized without these slots' fp32 (acts.c) */
