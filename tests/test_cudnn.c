@@ -5,12 +5,19 @@
  * here from the fl_attn_desc contract); the graphs' descriptors through injected functions that
  * record them (every tensor's dims and strides, the variant pack's ids and pointers); and, where the
  * real libcudnn.so.9 is installed, every tensor and operation descriptor of both graphs finalized by
- * cuDNN itself (that needs no GPU; the operation graph, the engines and the run do:
- * `fitllm selftest --accelerator cuda`). */
+ * cuDNN itself, and both graphs planned for an H200 and an A100 without either (cuDNN >= 9.8's device
+ * properties, the toolkit's stub libcuda: cuDNN ranks, checks and compiles; the engine it ranks first
+ * must be the one it gives its own frontend's graphs, tests/fixtures/cudnn-engines.txt). The run needs a
+ * GPU: `fitllm selftest --accelerator cuda`. */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <dlfcn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "backend/cuda/cudnn-impl.h"
 #include "fitllm/backend.h"
@@ -390,6 +397,181 @@ FL_TEST(cudnn_graph_real_library) {
         printf("      cudnnCreate without a GPU: %s\n", fl_cudnn_status_name(&api, st, b, sizeof b));
     } else api.destroy(h);
     fl_cudnn_unload(&api);
+}
+
+/* tests/fixtures/cudnn-engines.txt (tests/ref/cudnn_engines.py): devices as cuDNN's JSON, shapes, and the engine
+ * cuDNN ranks first for its own frontend's SDPA graphs of each (cuDNN and frontend versions on its first line) */
+enum { REF_DEV = 4, REF_SHAPES = 12 };
+typedef struct {
+    size_t cudnn;
+    int ndev, nshape;
+    char dev[REF_DEV][16];
+    char json[REF_DEV][1024];
+    int shape[REF_SHAPES][8];          /* B, Tq, Tk, NH, NKV, HD, causal, interleaved q|k|v rows */
+    long long engine[REF_DEV][REF_SHAPES][2];
+} engines_ref;
+
+static int read_engines_ref(engines_ref *r, char *why, size_t n) {
+    memset(r, 0, sizeof *r);
+    const char *path = "tests/fixtures/cudnn-engines.txt";
+    FILE *f = fopen(path, "r");
+    if (!f) return snprintf(why, n, "%s: cannot open", path), -1;
+    char line[2048];
+    int bad = 0;
+    while (!bad && fgets(line, sizeof line, f)) {
+        char a[16], b[16];
+        int i, k[8];
+        long long e;
+        if (sscanf(line, "cudnn %zu", &r->cudnn) == 1) continue;
+        if (sscanf(line, "device %15s %1023[^\n]", a, r->json[r->ndev < REF_DEV ? r->ndev : 0]) == 2 && r->ndev < REF_DEV)
+            memcpy(r->dev[r->ndev++], a, sizeof a);
+        else if (sscanf(line, "shape %d %d %d %d %d %d %d %d %d", &i, &k[0], &k[1], &k[2], &k[3], &k[4], &k[5], &k[6],
+                        &k[7]) == 9 && i == r->nshape && i < REF_SHAPES)
+            memcpy(r->shape[r->nshape++], k, sizeof k);
+        else if (sscanf(line, "engine %15s %d %15s %lld", a, &i, b, &e) == 4 && i >= 0 && i < r->nshape) {
+            int d = 0;
+            while (d < r->ndev && strcmp(r->dev[d], a)) d++;
+            if (d == r->ndev) bad = 1;
+            else r->engine[d][i][!strcmp(b, "bwd")] = e;
+        } else bad = 1;
+    }
+    fclose(f);
+    if (bad || !r->cudnn || !r->ndev || !r->nshape)
+        return snprintf(why, n, "%s: not as tests/ref/cudnn_engines.py writes it: %.200s", path, line), -1;
+    return 0;
+}
+
+/* The graphs on the fixture's devices (an H200, an A100) without either (fl_cudnn_sdpa_probe, cuDNN >= 9.8), in a
+ * child process with the CUDA toolkit's stub libcuda.so.1 loaded (so cuDNN's checks run; only loading the compiled
+ * kernel fails), and a control cuDNN must refuse or send elsewhere (fp32 operands: its fused engines are 16-bit).
+ * One line a probe: "device shape bwd rc engine why" (shape -1: the control). */
+static int probe_child(const engines_ref *r, const char *stub, int wfd) {
+    if (!dlopen(stub, RTLD_NOW | RTLD_GLOBAL)) return 2;
+    fl_cudnn_api api;
+    char why[512], line[768];
+    if (fl_cudnn_load(&api, NULL, why, sizeof why) != 0) return 3;
+    for (int d = 0; d < r->ndev; d++) {
+        void *dp = NULL;
+        if (fl_cudnn_devprop_json(&api, r->json[d], &dp, why, sizeof why) != 0) {
+            snprintf(line, sizeof line, "%s 0 0 -2 -1 %s\n", r->dev[d], why);
+            if (write(wfd, line, strlen(line)) < 0) return 4;
+            continue;
+        }
+        for (int i = 0; i <= r->nshape; i++)
+            for (int bwd = 0; bwd < 2; bwd++) {
+                const int *sh = r->shape[i < r->nshape ? i : 0];
+                fl_attn_desc a = desc(sh[0], sh[1], sh[2], sh[3], sh[4], sh[5], sh[6]);
+                a.scale = 1.0f / sqrtf((float)sh[5]);
+                fl_cudnn_sdpa_layout L;
+                if (sh[7]) { /* a bf16 run's q|k|v rows, read in place */
+                    a.ldq = a.ldk = a.ldv = (size_t)(sh[3] + 2 * sh[4]) * sh[5];
+                    fl_cudnn_sdpa_layout_rows(&a, FL_BF16, &L);
+                } else {
+                    fl_cudnn_sdpa_layout_of(&a, FL_BF16, &L);
+                }
+                if (i == r->nshape) L.io_dtype = CUDNN_DATA_FLOAT; /* the control */
+                int64_t eng = -1;
+                int rc = fl_cudnn_sdpa_probe(&api, dp, &L, bwd, &eng, why, sizeof why);
+                snprintf(line, sizeof line, "%s %d %d %d %lld %s\n", r->dev[d], i == r->nshape ? -1 : i, bwd, rc,
+                         (long long)eng, why);
+                if (write(wfd, line, strlen(line)) < 0) return 4;
+            }
+        api.be_destroy(dp);
+    }
+    fl_cudnn_unload(&api);
+    return 0;
+}
+
+/* Does cuDNN take fitllm's SDPA graphs on an H200 / A100, and on the engine it gives its own frontend's? Every
+ * shape of the fixture (TinyLlama's GQA at a bf16 run's in-place q|k|v rows and through the compact copies, HD 128,
+ * 80, 88, bidirectional, Tq != Tk), forward and backward, must compile on cuDNN's first-ranked engine, and with the
+ * fixture's cuDNN version that engine must be the one cuDNN ranks first for the frontend's graph of the same call
+ * (for a bidirectional forward, the frontend of 1.32 writes cuDNN's unified SDPA node, another engine: there, the
+ * engine of the fixture's causal forward, the composite graph's). A control, fp32 operands, must be refused or sent
+ * elsewhere. The first graphs (K^T as a reshape node of K: "no engine for the graph" on an H200 on 2026-11-30) get
+ * the same refusal here. */
+FL_TEST(cudnn_plan_without_a_device) {
+    if (!fl_test_asan_budget()) return; /* ~17 s of NVRTC compiles in the release pass */
+    fl_cudnn_api api;
+    char why[512];
+    if (fl_cudnn_load(&api, NULL, why, sizeof why) != 0) {
+        printf("      skipped: %s\n", why);
+        return;
+    }
+    const size_t version = api.version;
+    fl_cudnn_unload(&api);
+    const char *stub = "/usr/local/cuda/lib64/stubs/libcuda.so";
+    if (version < 90800 || access(stub, R_OK) != 0) {
+        printf("      skipped: %s\n", version < 90800 ? "cuDNN before 9.8 plans only on a device"
+                                                    : "no CUDA toolkit stub (/usr/local/cuda/lib64/stubs/libcuda.so)");
+        return;
+    }
+    static engines_ref ref;
+    if (read_engines_ref(&ref, why, sizeof why) != 0) {
+        FL_CHECKF(0, "%s", why);
+        return;
+    }
+    const int same = ref.cudnn == version;
+    printf("      cuDNN %zu, the fixture's %zu: %s\n", version, ref.cudnn,
+           same ? "engines compared" : "engines not compared (another cuDNN ranks its own)");
+    int fd[2];
+    FL_REQUIRE(pipe(fd) == 0);
+    fflush(stdout);
+    pid_t pid = fork();
+    FL_REQUIRE(pid >= 0);
+    if (pid == 0) {
+        close(fd[0]);
+        _exit(probe_child(&ref, stub, fd[1]));
+    }
+    close(fd[1]);
+    static char out[32768];
+    size_t got = 0;
+    ssize_t rd;
+    while (got + 1 < sizeof out && (rd = read(fd[0], out + got, sizeof out - 1 - got)) > 0) got += (size_t)rd;
+    out[got] = '\0';
+    close(fd[0]);
+    int st = 0;
+    FL_REQUIRE(waitpid(pid, &st, 0) == pid);
+    FL_CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the probe's child: status %d", st);
+    int compiled = 0, controls = 0, lines = 0, fwd_told = 0;
+    char *save = NULL;
+    for (char *l = strtok_r(out, "\n", &save); l; l = strtok_r(NULL, "\n", &save)) {
+        char dev[16], rest[600] = "";
+        int shape = 0, bwd = 0, rc = 0, d = 0;
+        long long eng = -1;
+        lines++;
+        if (sscanf(l, "%15s %d %d %d %lld %599[^\n]", dev, &shape, &bwd, &rc, &eng, rest) < 5) {
+            FL_CHECKF(0, "probe: %s", l);
+            continue;
+        }
+        while (d < ref.ndev && strcmp(ref.dev[d], dev)) d++;
+        FL_REQUIRE(d < ref.ndev);
+        FL_CHECKF(rc != -2, "%s: %s", dev, rest);
+        const int s = shape < 0 ? 0 : shape;
+        const long long want = ref.shape[s][6] || bwd ? ref.engine[d][s][bwd] : ref.engine[d][0][0];
+        char tag[16];
+        snprintf(tag, sizeof tag, shape < 0 ? "fp32" : "shape %d", shape);
+        printf("      %s %-8s %s: %s (frontend's: engine %lld)\n", dev, tag, bwd ? "bwd" : "fwd",
+               rc == 0 ? "plan finalized" : rest, ref.engine[d][s][bwd]);
+        if (shape < 0) {
+            /* no SDPA backward engine takes fp32 operands; forward, cuDNN's generic runtime-fusion engine may compile
+             * them, and on sm_80 it is also the one cuDNN ranks first for the frontend's bf16 graph (A100: engine 1),
+             * so there the forward control cannot tell: it must then be the H200's that does */
+            if (bwd) FL_CHECKF(rc == -1, "%s backward: fp32 operands not refused (engine %lld)", dev, eng);
+            else if (rc >= 0 && eng == want) printf("      (%s's engine %lld compiles fp32 graphs too)\n", dev, eng);
+            else fwd_told++;
+            controls++;
+        } else {
+            FL_CHECKF(rc >= 0, "%s shape %d %s: %s", dev, shape, bwd ? "backward" : "forward", rest);
+            FL_CHECKF(!same || rc < 0 || eng == want, "%s shape %d %s: engine %lld, cuDNN's frontend gets %lld", dev,
+                      shape, bwd ? "backward" : "forward", eng, want);
+            compiled += rc >= 0;
+        }
+    }
+    FL_CHECKF(lines == ref.ndev * (ref.nshape + 1) * 2 && compiled == ref.ndev * ref.nshape * 2 &&
+                  controls == ref.ndev * 2,
+              "%d lines, %d compiled, %d controls", lines, compiled, controls);
+    FL_CHECKF(!same || fwd_told > 0, "no device's forward told the fp32 control from the bf16 graphs");
 }
 #endif
 

@@ -145,7 +145,28 @@ typedef struct fl_cudnn_plan fl_cudnn_plan;
  * cuDNN's status: a shape no engine takes ends here). */
 int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sdpa_layout *L, int backward,
                         fl_cudnn_plan **out, char *why, size_t n);
+/* Without a GPU (cuDNN >= 9.8's ahead-of-time path): the graphs, the engine heuristics and the plan for the device
+ * `devprop` describes (fl_cudnn_devprop_json) instead of a handle's. cuDNN's fused attention engines compile their
+ * kernels through NVRTC when the plan is finalized, then load them through the driver: on a machine without one,
+ * heuristics rank nothing (every configuration fails cuDNN's support check with
+ * CUDNN_STATUS_NOT_SUPPORTED_RUNTIME_PREREQUISITE_MISSING, before any graph check); with the CUDA toolkit's stub
+ * libcuda.so.1 loaded, the graph and shape checks run, the kernel compiles and only loading it fails
+ * (CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER). So, with the stub: a graph cuDNN refuses on a GPU (the first graphs
+ * of 2026-11-30, "no engine for the graph" on an H200) is refused here alike, and one it takes compiles.
+ * fl_cudnn_sdpa_build_on: the plan (0 and *out; -1 and why), as fl_cudnn_sdpa_build. fl_cudnn_sdpa_probe: the
+ * heuristics' first configuration only: 0 its plan finalized (a GPU was there), 1 it compiled and only its loading
+ * failed (why says so), -1 refused (why: the step and cuDNN's status); *engine: its engine's global index. */
+int fl_cudnn_sdpa_build_on(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
+                           fl_cudnn_plan **out, char *why, size_t n);
+int fl_cudnn_sdpa_probe(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
+                        int64_t *engine, char *why, size_t n);
+/* A device property descriptor from cuDNN's JSON (the keys of cudnnDeviceProp: deviceVer 900 for sm_90,
+ * multiProcessorCount, the shared memory and register limits, ...), finalized; free with api->be_destroy.
+ * 0, or -1 and why (cuDNN before 9.8, a JSON cuDNN refuses). */
+int fl_cudnn_devprop_json(const fl_cudnn_api *api, const char *json, void **out, char *why, size_t n);
 size_t fl_cudnn_plan_workspace(const fl_cudnn_plan *p);
+/* the engine a plan runs (cuDNN's global index, -1 when not told) and *rank, its place in the heuristics' list */
+int64_t fl_cudnn_plan_engine(const fl_cudnn_plan *p, int *rank);
 void fl_cudnn_plan_free(const fl_cudnn_api *api, fl_cudnn_plan *p);
 /* Runs a plan. ptr[uid] for each FL_CUDNN_UID_* the graph reads or writes (device pointers; SCALE
  * and NEG are taken from the plan itself), workspace of fl_cudnn_plan_workspace bytes. 0 or the

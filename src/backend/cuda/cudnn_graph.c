@@ -2,7 +2,9 @@
  * cudnn_sdpa.c's header comment). Compiled with cuDNN's headers where CMake found them
  * (FL_HAVE_CUDNN_H: the enum values come from cudnn_backend.h, nothing is linked); without them,
  * stubs that say so. EXPERIMENTAL: tests/test_cudnn.c finalizes every descriptor here against the
- * real library on a machine without a GPU; the operation graph, the engines and the execution need
+ * real library on a machine without a GPU, and plans both graphs for an H200 and an A100 described
+ * by cuDNN's device-properties JSON (fl_cudnn_sdpa_probe: with the toolkit's stub libcuda, cuDNN's
+ * checks run and its chosen kernel compiles; only loading it needs the GPU); the execution needs
  * one (`fitllm selftest --accelerator cuda`). */
 #include <float.h>
 #include <stdbool.h>
@@ -20,6 +22,8 @@
 struct fl_cudnn_plan {
     void *plan;       /* CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR */
     size_t workspace; /* bytes */
+    int64_t engine;   /* the engine's global index (-1: not told), and its configuration's place in the */
+    int rank;         /* heuristics' list (0 = their first choice) */
     int backward, causal;
     float scale, lowest, one; /* the by-value scalars' host values */
 };
@@ -265,13 +269,36 @@ static void gb_backward(gb *g, const fl_cudnn_sdpa_layout *L, void *q, void *kt,
     gb_matmul_grouped(g, L, dst, q, FL_CUDNN_UID_DK, &L->dk, "matmul dK = dS^T.Q");
 }
 
-/* the execution plan of the finalized operation graph: heuristics (mode A), the first
- * configuration that finalizes */
-static void *gb_plan(gb *g, void *handle, void *graph, size_t *ws) {
+/* the engine (global index) behind an engine configuration; -1 when cuDNN does not say */
+static int64_t cfg_engine(const fl_cudnn_api *api, void *cfg) {
+    void *eng = NULL;
+    int64_t ne = 0, idx = -1;
+    if (api->be_create(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng)) return -1;
+    if (api->be_get(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &ne, &eng) ||
+        api->be_get(eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &ne, &idx))
+        idx = -1;
+    api->be_destroy(eng);
+    return idx;
+}
+
+typedef struct {
+    size_t ws;
+    int64_t engine;
+    int rank, status; /* status: the last plan's finalize (the first's when first_only) */
+} gb_result;
+
+/* the execution plan of the finalized operation graph: heuristics (mode A), the first configuration that
+ * finalizes (first_only: the first configuration only, its status in r whatever it is). devprop (not NULL):
+ * the heuristics and the plan for the device it describes, no handle (cuDNN >= 9.8) */
+static void *gb_plan(gb *g, void *handle, void *devprop, void *graph, int first_only, gb_result *r) {
     cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
     void *h = gb_new(g, CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, "engine heuristics");
     gb_set(g, h, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph, "engine heuristics");
     gb_set(g, h, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, "engine heuristics");
+#if CUDNN_MAJOR > 9 || (CUDNN_MAJOR == 9 && CUDNN_MINOR >= 8)
+    if (devprop)
+        gb_set(g, h, CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &devprop, "engine heuristics");
+#endif
     gb_fin(g, h, "engine heuristics");
     enum { NCFG = 8 };
     void *cfg[NCFG];
@@ -287,25 +314,33 @@ static void *gb_plan(gb *g, void *handle, void *graph, size_t *ws) {
     for (int64_t i = 0; i < got && i < NCFG; i++) {
         void *plan = NULL;
         if ((last = g->api->be_create(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &plan)) != 0) break;
-        last = g->api->be_set(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+#if CUDNN_MAJOR > 9 || (CUDNN_MAJOR == 9 && CUDNN_MINOR >= 8)
+        if (devprop)
+            last = g->api->be_set(plan, CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &devprop);
+        else
+#endif
+            last = g->api->be_set(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
         if (!last) last = g->api->be_set(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
                                          &cfg[i]);
         if (!last) last = g->api->be_finalize(plan);
         int64_t w = 0, nw = 0;
         if (!last) last = g->api->be_get(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &nw, &w);
+        r->status = last, r->rank = (int)i, r->engine = cfg_engine(g->api, cfg[i]);
         if (!last) {
-            *ws = (size_t)(w > 0 ? w : 0);
+            r->ws = (size_t)(w > 0 ? w : 0);
             return plan; /* the caller owns it */
         }
         g->api->be_destroy(plan);
+        if (first_only) break;
     }
     gb_fail(g, got ? "execution plan (no engine configuration finalized)" : "engine heuristics (no engine for the graph)",
             last);
     return NULL;
 }
 
-int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sdpa_layout *L, int backward,
-                        fl_cudnn_plan **out, char *why, size_t n) {
+/* the graphs, and their plan when handle or devprop is given (probe: the first configuration only, r->status) */
+static int sdpa_build(const fl_cudnn_api *api, void *handle, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
+                      int probe, fl_cudnn_plan **out, gb_result *r, char *why, size_t n) {
     *out = NULL;
     gb g;
     memset(&g, 0, sizeof g);
@@ -328,28 +363,88 @@ int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sd
     }
     void *graph = gb_new(&g, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "operation graph");
     gb_set(&g, graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, g.nops, g.ops, "operation graph");
-    if (!handle || g.bad) { /* no handle: everything up to the graph checked (the tests) */
+    if ((!handle && !devprop) || g.bad) { /* neither: everything up to the graph checked (the tests) */
         gb_free(&g);
         return g.bad ? -1 : 0;
     }
-    gb_set(&g, graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle, "operation graph");
+    if (!devprop) gb_set(&g, graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle, "operation graph");
     gb_fin(&g, graph, "operation graph");
-    size_t ws = 0;
-    void *plan = g.bad ? NULL : gb_plan(&g, handle, graph, &ws);
+    void *plan = g.bad ? NULL : gb_plan(&g, handle, devprop, graph, probe, r);
     gb_free(&g);
     if (!plan) return -1;
+    if (probe) {
+        api->be_destroy(plan);
+        return 0;
+    }
     fl_cudnn_plan *p = (fl_cudnn_plan *)calloc(1, sizeof *p);
     if (!p) {
         api->be_destroy(plan);
         snprintf(why, n, "out of host memory");
         return -1;
     }
-    p->plan = plan, p->workspace = ws, p->backward = backward, p->causal = L->causal, p->scale = L->scale, p->lowest = -FLT_MAX, p->one = 1.0f;
+    p->plan = plan, p->workspace = r->ws, p->engine = r->engine, p->rank = r->rank, p->backward = backward, p->causal = L->causal, p->scale = L->scale, p->lowest = -FLT_MAX, p->one = 1.0f;
     *out = p;
     return 0;
 }
 
+int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sdpa_layout *L, int backward,
+                        fl_cudnn_plan **out, char *why, size_t n) {
+    gb_result r = {0, -1, 0, 0};
+    return sdpa_build(api, handle, NULL, L, backward, 0, out, &r, why, n);
+}
+
+int fl_cudnn_sdpa_build_on(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
+                           fl_cudnn_plan **out, char *why, size_t n) {
+    gb_result r = {0, -1, 0, 0};
+    return sdpa_build(api, NULL, devprop, L, backward, 0, out, &r, why, n);
+}
+
+int fl_cudnn_sdpa_probe(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
+                        int64_t *engine, char *why, size_t n) {
+    gb_result r = {0, -1, 0, CUDNN_STATUS_NOT_SUPPORTED};
+    fl_cudnn_plan *p = NULL;
+    *engine = -1;
+    if (sdpa_build(api, NULL, devprop, L, backward, 1, &p, &r, why, n) == 0) return *engine = r.engine, 0;
+    if (r.status != CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER) return -1; /* why: the failing step */
+    *engine = r.engine;
+    char b[48];
+    snprintf(why, n, "engine %lld compiled, not loaded: %s", (long long)r.engine,
+             fl_cudnn_status_name(api, r.status, b, sizeof b));
+    return 1;
+}
+
 size_t fl_cudnn_plan_workspace(const fl_cudnn_plan *p) { return p ? p->workspace : 0; }
+int64_t fl_cudnn_plan_engine(const fl_cudnn_plan *p, int *rank) {
+    if (rank) *rank = p ? p->rank : 0;
+    return p ? p->engine : -1;
+}
+
+int fl_cudnn_devprop_json(const fl_cudnn_api *api, const char *json, void **out, char *why, size_t n) {
+    *out = NULL;
+#if CUDNN_MAJOR > 9 || (CUDNN_MAJOR == 9 && CUDNN_MINOR >= 8)
+    if (api->version < 90800) {
+        snprintf(why, n, "cuDNN %zu: device properties without a device need 9.8 or newer", api->version);
+        return -1;
+    }
+    void *d = NULL;
+    char b[48];
+    int s = api->be_create(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR, &d);
+    if (!s) s = api->be_set(d, CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION, CUDNN_TYPE_CHAR, (int64_t)strlen(json), json);
+    if (!s) s = api->be_finalize(d);
+    if (s) {
+        snprintf(why, n, "device properties from JSON: %s", fl_cudnn_status_name(api, s, b, sizeof b));
+        if (d) api->be_destroy(d);
+        return -1;
+    }
+    *out = d;
+    return 0;
+#else
+    (void)api, (void)json;
+    snprintf(why, n, "built with cuDNN %d.%d's headers: device properties without a device need 9.8 or newer",
+             CUDNN_MAJOR, CUDNN_MINOR);
+    return -1;
+#endif
+}
 void fl_cudnn_plan_free(const fl_cudnn_api *api, fl_cudnn_plan *p) {
     if (!p) return;
     api->be_destroy(p->plan);
@@ -392,7 +487,30 @@ int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sd
     snprintf(why, n, "this fitllm was built without cuDNN's headers (cudnn_backend.h)");
     return -1;
 }
+int fl_cudnn_sdpa_build_on(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
+                           fl_cudnn_plan **out, char *why, size_t n) {
+    (void)devprop;
+    return fl_cudnn_sdpa_build(api, NULL, L, backward, out, why, n);
+}
+int fl_cudnn_sdpa_probe(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
+                        int64_t *engine, char *why, size_t n) {
+    (void)api, (void)devprop, (void)L, (void)backward;
+    *engine = -1;
+    snprintf(why, n, "this fitllm was built without cuDNN's headers (cudnn_backend.h)");
+    return -1;
+}
 size_t fl_cudnn_plan_workspace(const fl_cudnn_plan *p) { (void)p; return 0; }
+int64_t fl_cudnn_plan_engine(const fl_cudnn_plan *p, int *rank) {
+    (void)p;
+    if (rank) *rank = 0;
+    return -1;
+}
+int fl_cudnn_devprop_json(const fl_cudnn_api *api, const char *json, void **out, char *why, size_t n) {
+    (void)api, (void)json;
+    *out = NULL;
+    snprintf(why, n, "this fitllm was built without cuDNN's headers (cudnn_backend.h)");
+    return -1;
+}
 void fl_cudnn_plan_free(const fl_cudnn_api *api, fl_cudnn_plan *p) { (void)api, (void)p; }
 int fl_cudnn_plan_run(const fl_cudnn_api *api, void *handle, fl_cudnn_plan *p, void *const ptr[FL_CUDNN_UID_COUNT],
                       void *workspace) {
