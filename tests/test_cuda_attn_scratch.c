@@ -16,18 +16,32 @@
 
 static size_t up256(size_t b) { return (b + 255) / 256 * 256; }
 
+/* cuDNN's workspace allowance written from its contract (cudnn-impl.h): rows up to 64, an fp32 dQ-sized array, with
+ * grouped heads two 16-bit full-head dK / dV arrays, 1 KiB */
+static size_t allow(size_t B, size_t Tq, size_t Tk, size_t NH, size_t NKV, size_t HD) {
+    const size_t rq = (Tq + 63) / 64 * 64, rk = (Tk + 63) / 64 * 64;
+    return up256(B * NH * rq * HD * 4) + (NKV < NH ? 2 * up256(B * NH * rk * HD * 2) : 0) + 1024;
+}
+
 FL_TEST(cudnn_sdpa_scratch_bytes_counts) {
     /* B 1, T 7, NH 3, NKV 1, HD 64: q-sized copies 1*7*3*64*2 = 2688 -> 2816 bytes, k-sized 896 -> 1024; the
-     * backward's q o dO dQ | k v dK dV, the graph's fp32 dQ accumulator 7*3*64*4 = 5376 bytes, then an allowance
-     * of the same size for the plan's own workspace */
-    FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 64) == 4 * 2816 + 4 * 1024 + 2 * 5376);
-    FL_CHECK(fl_cudnn_sdpa_scratch_bytes(2, 33, 8, 2, 128) ==
-             4 * up256(2 * 33 * 8 * 128 * 2) + 4 * up256(2 * 33 * 2 * 128 * 2) + 2 * up256(2 * 33 * 8 * 128 * 4));
+     * backward's q o dO dQ | k v dK dV, the graph's fp32 dQ accumulator 7*3*64*4 = 5376 bytes, then the allowance
+     * for the plan's own workspace: rows 7 -> 64, 3*64*64*4 = 49152 + 2 * 3*64*64*2 + 1024 = 99328 */
+    FL_CHECK(allow(1, 7, 7, 3, 1, 64) == 99328);
+    FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 64) == 4 * 2816 + 4 * 1024 + 5376 + 99328);
+    FL_CHECK(fl_cudnn_sdpa_scratch_bytes(2, 33, 8, 2, 128) == 4 * up256(2 * 33 * 8 * 128 * 2) +
+                                                                 4 * up256(2 * 33 * 2 * 128 * 2) +
+                                                                 up256(2 * 33 * 8 * 128 * 4) + allow(2, 33, 33, 8, 2, 128));
     /* HD 80 (a multiple of 8) is asked for now; 100 is not, nor NH % NKV != 0 */
     FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 80) ==
-             4 * up256(7 * 3 * 80 * 2) + 4 * up256(7 * 80 * 2) + 2 * up256(7 * 3 * 80 * 4));
+             4 * up256(7 * 3 * 80 * 2) + 4 * up256(7 * 80 * 2) + up256(7 * 3 * 80 * 4) + allow(1, 7, 7, 3, 1, 80));
     FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 100) == 0);
     FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 2, 64) == 0);
+    /* TinyLlama-1.1B (B 4, T 2048, 32 / 4 heads, HD 64): cuDNN 9.19 asks 128 MiB + 128 on an A100, 64 MiB + 256 on an
+     * H200 (tests/test_cudnn.c: cudnn_plan_without_a_device) */
+    fl_attn_desc tl = {.B = 4, .Tq = 2048, .Tk = 2048, .NH = 32, .NKV = 4, .HD = 64};
+    FL_CHECK(fl_cudnn_sdpa_workspace_allowance(&tl) == (size_t)128 * 1024 * 1024 + 1024);
+    FL_CHECK(fl_cudnn_sdpa_workspace_allowance(&tl) >= (size_t)134217856 && fl_cudnn_sdpa_workspace_allowance(&tl) >= 67109120);
     fl_attn_desc a = {.B = 1, .Tq = 5, .Tk = 9, .NH = 4, .NKV = 2, .HD = 64};
     FL_CHECK(fl_cudnn_sdpa_copy_bytes(&a, 0) == 2 * up256(5 * 4 * 64 * 2) + 2 * up256(9 * 2 * 64 * 2));
     FL_CHECK(fl_cudnn_sdpa_copy_bytes(&a, 1) == 4 * up256(5 * 4 * 64 * 2) + 4 * up256(9 * 2 * 64 * 2));

@@ -471,9 +471,10 @@ static int probe_child(const engines_ref *r, const char *stub, int wfd) {
                 }
                 if (i == r->nshape) L.io_dtype = CUDNN_DATA_FLOAT; /* the control */
                 int64_t eng = -1;
-                int rc = fl_cudnn_sdpa_probe(&api, dp, &L, bwd, &eng, why, sizeof why);
-                snprintf(line, sizeof line, "%s %d %d %d %lld %s\n", r->dev[d], i == r->nshape ? -1 : i, bwd, rc,
-                         (long long)eng, why);
+                size_t ws = 0;
+                int rc = fl_cudnn_sdpa_probe(&api, dp, &L, bwd, &eng, &ws, why, sizeof why);
+                snprintf(line, sizeof line, "%s %d %d %d %lld %zu %s\n", r->dev[d], i == r->nshape ? -1 : i, bwd, rc,
+                         (long long)eng, ws, why);
                 if (write(wfd, line, strlen(line)) < 0) return 4;
             }
         api.be_destroy(dp);
@@ -539,8 +540,9 @@ FL_TEST(cudnn_plan_without_a_device) {
         char dev[16], rest[600] = "";
         int shape = 0, bwd = 0, rc = 0, d = 0;
         long long eng = -1;
+        size_t ws = 0;
         lines++;
-        if (sscanf(l, "%15s %d %d %d %lld %599[^\n]", dev, &shape, &bwd, &rc, &eng, rest) < 5) {
+        if (sscanf(l, "%15s %d %d %d %lld %zu %599[^\n]", dev, &shape, &bwd, &rc, &eng, &ws, rest) < 6) {
             FL_CHECKF(0, "probe: %s", l);
             continue;
         }
@@ -551,8 +553,8 @@ FL_TEST(cudnn_plan_without_a_device) {
         const long long want = ref.shape[s][6] || bwd ? ref.engine[d][s][bwd] : ref.engine[d][0][0];
         char tag[16];
         snprintf(tag, sizeof tag, shape < 0 ? "fp32" : "shape %d", shape);
-        printf("      %s %-8s %s: %s (frontend's: engine %lld)\n", dev, tag, bwd ? "bwd" : "fwd",
-               rc == 0 ? "plan finalized" : rest, ref.engine[d][s][bwd]);
+        printf("      %s %-8s %s: %s, workspace %zu B (frontend's: engine %lld)\n", dev, tag, bwd ? "bwd" : "fwd",
+               rc == 0 ? "plan finalized" : rest, ws, ref.engine[d][s][bwd]);
         if (shape < 0) {
             /* no SDPA backward engine takes fp32 operands; forward, cuDNN's generic runtime-fusion engine may compile
              * them, and on sm_80 it is also the one cuDNN ranks first for the frontend's bf16 graph (A100: engine 1),
@@ -565,6 +567,11 @@ FL_TEST(cudnn_plan_without_a_device) {
             FL_CHECKF(rc >= 0, "%s shape %d %s: %s", dev, shape, bwd ? "backward" : "forward", rest);
             FL_CHECKF(!same || rc < 0 || eng == want, "%s shape %d %s: engine %lld, cuDNN's frontend gets %lld", dev,
                       shape, bwd ? "backward" : "forward", eng, want);
+            /* what the plan lends for cuDNN's workspace covers what the configuration asks */
+            const int *sh = ref.shape[shape];
+            fl_attn_desc a = desc(sh[0], sh[1], sh[2], sh[3], sh[4], sh[5], sh[6]);
+            FL_CHECKF(ws <= fl_cudnn_sdpa_workspace_allowance(&a), "%s shape %d %s: workspace %zu > the allowance %zu",
+                      dev, shape, bwd ? "backward" : "forward", ws, fl_cudnn_sdpa_workspace_allowance(&a));
             compiled += rc >= 0;
         }
     }

@@ -131,10 +131,18 @@ size_t fl_cudnn_sdpa_copy_bytes(const fl_attn_desc *a, int backward);
  * before 9.6.0 needs it zeroed before each run (fl_cudnn_dqacc_needs_zero), later versions initialize it. */
 size_t fl_cudnn_sdpa_dqacc_bytes(const fl_attn_desc *a);
 static inline int fl_cudnn_dqacc_needs_zero(size_t version) { return version < 90600; }
+/* The allowance for cuDNN's own workspace in a call's backward (its forward asks less: 0 or 256 bytes), from
+ * the figures cuDNN 9.19 states for the engines it ranks first (CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE, planned
+ * without a GPU by tests/test_cudnn.c's cudnn_plan_without_a_device, which checks this bound): on sm_80 (A100,
+ * engine 7) an fp32 dQ accumulator of its own, B NH Tq' HD floats (rows rounded up to 8: Tq' <= Tq rounded up to
+ * 64 here), plus with grouped K / V heads full-head 16-bit dK and dV (2 x B NH Tk' HD x 2 bytes) before their
+ * reduction; on sm_90 (H200, engine 6) the full-head dK / dV only; each + 128 or 256 bytes. The larger, + 1 KiB:
+ * TinyLlama-1.1B's B 4, T 2048, 32 / 4 heads, HD 64: 128 MiB + 1 KiB (the A100's 128 MiB + 128). Pure. */
+size_t fl_cudnn_sdpa_workspace_allowance(const fl_attn_desc *a);
 /* fl_backend.attn_scratch_bytes of the cuda backend with cuDNN: a model's causal self-attention (B, T, NH, NKV,
- * HD) lends the backward's copies (the larger) plus an allowance for cuDNN's workspace, an fp32 array of dQ's
- * size (FlashAttention-2-style backward engines accumulate dQ in fp32). An estimate until timed on a GPU: a plan
- * asking more makes the backend grow a buffer of its own, outside the pools, said once. 0: a refused shape. */
+ * HD) lends the backward's copies (the larger), the graph's fp32 dQ accumulator and the workspace allowance
+ * above. A plan asking more (another GPU or cuDNN) makes the backend grow a buffer of its own, outside the
+ * pools, said once. 0: a refused shape. */
 size_t fl_cudnn_sdpa_scratch_bytes(int B, int T, int NH, int NKV, int HD);
 
 /* A built plan (forward or backward) and the workspace bytes it needs. */
@@ -155,11 +163,13 @@ int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sd
  * of 2026-11-30, "no engine for the graph" on an H200) is refused here alike, and one it takes compiles.
  * fl_cudnn_sdpa_build_on: the plan (0 and *out; -1 and why), as fl_cudnn_sdpa_build. fl_cudnn_sdpa_probe: the
  * heuristics' first configuration only: 0 its plan finalized (a GPU was there), 1 it compiled and only its loading
- * failed (why says so), -1 refused (why: the step and cuDNN's status); *engine: its engine's global index. */
+ * failed (why says so), -1 refused (why: the step and cuDNN's status); *engine: its engine's global index,
+ * *workspace: the bytes the configuration says it needs (CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE; the plan's when it
+ * finalized). */
 int fl_cudnn_sdpa_build_on(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
                            fl_cudnn_plan **out, char *why, size_t n);
 int fl_cudnn_sdpa_probe(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
-                        int64_t *engine, char *why, size_t n);
+                        int64_t *engine, size_t *workspace, char *why, size_t n);
 /* A device property descriptor from cuDNN's JSON (the keys of cudnnDeviceProp: deviceVer 900 for sm_90,
  * multiProcessorCount, the shared memory and register limits, ...), finalized; free with api->be_destroy.
  * 0, or -1 and why (cuDNN before 9.8, a JSON cuDNN refuses). */

@@ -326,6 +326,11 @@ static void *gb_plan(gb *g, void *handle, void *devprop, void *graph, int first_
         int64_t w = 0, nw = 0;
         if (!last) last = g->api->be_get(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &nw, &w);
         r->status = last, r->rank = (int)i, r->engine = cfg_engine(g->api, cfg[i]);
+        if (first_only) { /* the configuration's own workspace figure (the plan's, when it finalizes) */
+            int64_t cw = 0, nc = 0;
+            if (!g->api->be_get(cfg[i], CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &nc, &cw) && nc == 1)
+                r->ws = (size_t)(cw > 0 ? cw : 0);
+        }
         if (!last) {
             r->ws = (size_t)(w > 0 ? w : 0);
             return plan; /* the caller owns it */
@@ -400,13 +405,14 @@ int fl_cudnn_sdpa_build_on(const fl_cudnn_api *api, void *devprop, const fl_cudn
 }
 
 int fl_cudnn_sdpa_probe(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
-                        int64_t *engine, char *why, size_t n) {
+                        int64_t *engine, size_t *workspace, char *why, size_t n) {
     gb_result r = {0, -1, 0, CUDNN_STATUS_NOT_SUPPORTED};
     fl_cudnn_plan *p = NULL;
-    *engine = -1;
-    if (sdpa_build(api, NULL, devprop, L, backward, 1, &p, &r, why, n) == 0) return *engine = r.engine, 0;
+    *engine = -1, *workspace = 0;
+    if (sdpa_build(api, NULL, devprop, L, backward, 1, &p, &r, why, n) == 0)
+        return *engine = r.engine, *workspace = r.ws, 0;
     if (r.status != CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER) return -1; /* why: the failing step */
-    *engine = r.engine;
+    *engine = r.engine, *workspace = r.ws;
     char b[48];
     snprintf(why, n, "engine %lld compiled, not loaded: %s", (long long)r.engine,
              fl_cudnn_status_name(api, r.status, b, sizeof b));
@@ -493,9 +499,9 @@ int fl_cudnn_sdpa_build_on(const fl_cudnn_api *api, void *devprop, const fl_cudn
     return fl_cudnn_sdpa_build(api, NULL, L, backward, out, why, n);
 }
 int fl_cudnn_sdpa_probe(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
-                        int64_t *engine, char *why, size_t n) {
+                        int64_t *engine, size_t *workspace, char *why, size_t n) {
     (void)api, (void)devprop, (void)L, (void)backward;
-    *engine = -1;
+    *engine = -1, *workspace = 0;
     snprintf(why, n, "this fitllm was built without cuDNN's headers (cudnn_backend.h)");
     return -1;
 }

@@ -94,10 +94,17 @@ size_t fl_cudnn_sdpa_dqacc_bytes(const fl_attn_desc *a) {
     return al256((size_t)a->B * a->Tq * a->NH * a->HD * sizeof(float));
 }
 
+size_t fl_cudnn_sdpa_workspace_allowance(const fl_attn_desc *a) {
+    const size_t rq = ((size_t)a->Tq + 63) / 64 * 64, rk = ((size_t)a->Tk + 63) / 64 * 64; /* rows as tiled */
+    const size_t dq = al256((size_t)a->B * a->NH * rq * a->HD * sizeof(float));             /* sm_80's own dQ */
+    const size_t full = a->NKV < a->NH ? 2 * al256((size_t)a->B * a->NH * rk * a->HD * 2) : 0; /* dK, dV per head */
+    return dq + full + 1024;
+}
+
 size_t fl_cudnn_sdpa_scratch_bytes(int B, int T, int NH, int NKV, int HD) {
     fl_attn_desc a = {0};
     a.B = B, a.Tq = a.Tk = T, a.NH = NH, a.NKV = NKV, a.HD = HD, a.causal = 1, a.ldo = (size_t)NH * HD;
     if (fl_cudnn_sdpa_refuse(&a, NULL, NULL)) return 0;
     /* the backward's copies, its fp32 dQ accumulator, and the allowance for the plan's own workspace */
-    return fl_cudnn_sdpa_copy_bytes(&a, 1) + fl_cudnn_sdpa_dqacc_bytes(&a) + al256((size_t)B * T * NH * HD * sizeof(float));
+    return fl_cudnn_sdpa_copy_bytes(&a, 1) + fl_cudnn_sdpa_dqacc_bytes(&a) + fl_cudnn_sdpa_workspace_allowance(&a);
 }
