@@ -8,6 +8,7 @@
  * CUDA run must stay within 16x that distance of the CPU run (plus 8 fp32 ulps), step by step;
  * in a 16-bit precision, or within twice the CPU run's distance to the same run in fp32 (the
  * precision's own error), whichever is larger: see compare(). */
+#include <dlfcn.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,7 @@
 
 #ifdef FL_HAVE_CUDA_EMU
 #include "backend/cuda/emu/cu_emu.h"
+#include "backend/cuda/cudnn-impl.h"
 #endif
 
 /* Ratchets (issue 30 item 1): 29 before the backward kernels read the bf16 saved activations, 9 before the lookup and
@@ -310,6 +312,42 @@ FL_TEST(cuda_emu_train_bf16_true_hd64_attn) {
 }
 FL_TEST(cuda_emu_train_bf16_true_hd100_attn) {
     hd_attn_train(100, "cuda_attn_fa2 (HD 100, 80, 66 against float64), cuda_attn_fa2_paths");
+}
+
+/* cuDNN's attention path in a whole bf16-true training (cuda-cudnn-impl.h: the plans per layout, the copies and
+ * cuDNN's workspace in the region the model lends from its WORKSPACE, fl_backend.attn_scratch_bytes): cuda-emu with
+ * tests/cuda/sim_cudnn.c standing in for libcudnn (the graphs run on the host in double precision) against the CPU
+ * under compare()'s bound, every attention call through it (the stand-in counts its runs), the stand-in asking the
+ * whole workspace allowance and getting it inside the lent region (no buffer of the backend's own). */
+FL_TEST(cuda_emu_train_bf16_true_cudnn_sim) {
+#if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (emulated kernels under ASan: minutes)");
+#elif defined(FL_HAVE_CUDA_EMU) && defined(FL_SIM_CUDNN)
+    setenv("FITLLM_CUDNN_LIB", FL_SIM_CUDNN, 1);
+    setenv("FITLLM_CUDA_ATTN", "cudnn", 1);
+    /* the stand-in asks exactly the allowance the plan lends for this shape (B 2, T 67, 4 / 2 heads, HD 64) */
+    fl_attn_desc shape = {.B = 2, .Tq = 67, .Tk = 67, .NH = 4, .NKV = 2, .HD = 64};
+    char ws[32];
+    snprintf(ws, sizeof ws, "%zu", fl_cudnn_sdpa_workspace_allowance(&shape));
+    setenv("FITLLM_SIM_CUDNN_WS", ws, 1);
+    const unsigned long own0 = fl_cu_emu_dnn_own_buffers;
+    void *lib = dlopen(FL_SIM_CUDNN, RTLD_NOW);
+    long (*runs)(void) = lib ? (long (*)(void))dlsym(lib, "sim_cudnn_runs") : NULL;
+    FL_REQUIRE(runs != NULL);
+    const long r0 = runs();
+    g_hd64 = 64;
+    compare("bf16-true", "AdamW", 0);
+    g_hd64 = 0;
+    const long n = runs() - r0;
+    /* 2 steps x 2 micro-batches x 2 layers, forward and backward, plus the evaluation's forwards */
+    printf("      %ld attention calls through the stand-in cuDNN\n", n);
+    FL_CHECKF(n >= 16, "%ld attention calls went through cuDNN's path (want >= 16)", n);
+    FL_CHECKF(fl_cu_emu_dnn_own_buffers == own0, "cuDNN's workspace (%s bytes) did not fit the region the model lent", ws);
+    unsetenv("FITLLM_CUDNN_LIB"), unsetenv("FITLLM_CUDA_ATTN"), unsetenv("FITLLM_SIM_CUDNN_WS");
+    dlclose(lib);
+#else
+    fl_test_skip("no CUDA emulator or no cuDNN headers in this build");
+#endif
 }
 
 /* Issue 30 item 1 (work in progress): a bf16-true step should launch no convert kernels (fp32

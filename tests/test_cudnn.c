@@ -586,6 +586,119 @@ FL_TEST(cudnn_plan_without_a_device) {
 #include "backend/cuda/cu_kernels_attn.h"
 #include "fitllm/dtype.h"
 
+#ifdef FL_SIM_CUDNN
+/* The emulated backend's cuDNN path end to end (cuda-cudnn-impl.h, which otherwise runs only on a GPU) with
+ * tests/cuda/sim_cudnn.c standing in for libcudnn: it runs the graphs the backend builds on the host in double
+ * precision through their own tensors' dims and strides, so the layouts (a bf16 run's q|k|v rows read in place, the
+ * compact copies of fp32 operands), the variant pack's pointers, the workspace in the backend's buffer, the fp32 dQ
+ * accumulator, the bf16 outputs' return and the gradients' accumulation are checked against the CPU backend's
+ * attention of the same (bf16-representable) inputs: outputs and gradients within 8 u max|ref| (u = 2^-8, bf16; the
+ * bound `fitllm selftest` puts on cuDNN against float64), every call counted by the stand-in (no silent fall-back). */
+static double maxabs(const float *x, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) m = fmax(m, fabs((double)x[i]));
+    return m;
+}
+static double maxdiff(const float *x, const float *y, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) m = fmax(m, fabs((double)x[i] - (double)y[i]));
+    return m;
+}
+
+static void sim_case(int B, int T, int NH, int NKV, int HD, int causal, int in16) {
+    setenv("FITLLM_CUDNN_LIB", FL_SIM_CUDNN, 1);
+    setenv("FITLLM_CUDA_ATTN", "cudnn", 1);
+    setenv("FITLLM_SIM_CUDNN_WS", "4096", 1);
+    fl_backend be, cpu;
+    fl_status st = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_ATTN");
+    if (st != FL_OK) {
+        FL_CHECKF(0, "cuda-emu with the stand-in cuDNN: %s", fl_error_message());
+        unsetenv("FITLLM_CUDNN_LIB");
+        return;
+    }
+    FL_REQUIRE_OK(fl_cpu_backend_init(&cpu, 1));
+    be.set_compute_dtype(&be, FL_BF16);
+    void *lib = dlopen(FL_SIM_CUDNN, RTLD_NOW | RTLD_NOLOAD);
+    long (*runs)(void) = lib ? (long (*)(void))dlsym(lib, "sim_cudnn_runs") : NULL;
+    FL_REQUIRE(runs != NULL);
+    const long r0 = runs();
+    /* q|k|v interleaved rows (a model's fused projection), fp32 values on bf16's grid */
+    const size_t row = (size_t)(NH + 2 * NKV) * HD, N = (size_t)B * T, nq = N * NH * HD;
+    float *qkv = (float *)aligned_alloc(256, N * row * 4), *dqkv_e = (float *)aligned_alloc(256, N * row * 4);
+    float *dqkv_c = (float *)aligned_alloc(256, N * row * 4), *out_e = (float *)aligned_alloc(256, nq * 4);
+    float *out_c = (float *)aligned_alloc(256, nq * 4), *dout = (float *)aligned_alloc(256, nq * 4);
+    float *lse_e = (float *)aligned_alloc(256, (size_t)B * NH * T * 4 + 256);
+    float *lse_c = (float *)aligned_alloc(256, (size_t)B * NH * T * 4 + 256);
+    uint16_t *qkv16 = (uint16_t *)aligned_alloc(256, N * row * 2), *out16 = (uint16_t *)aligned_alloc(256, nq * 2);
+    FL_REQUIRE(qkv && dqkv_e && dqkv_c && out_e && out_c && dout && lse_e && lse_c && qkv16 && out16);
+    uint64_t r = 0x9e3779b97f4a7c15ull;
+    for (size_t i = 0; i < N * row; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        qkv16[i] = fl_f32_to_bf16((float)((double)(r >> 11) / 9007199254740992.0 * 2 - 1));
+        qkv[i] = fl_bf16_to_f32(qkv16[i]);
+        dqkv_e[i] = dqkv_c[i] = 0.25f * (float)((i % 7) - 3); /* the op accumulates into what is there */
+    }
+    for (size_t i = 0; i < nq; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        dout[i] = fl_bf16_to_f32(fl_f32_to_bf16((float)((double)(r >> 11) / 9007199254740992.0 - 0.5)));
+    }
+    fl_attn_desc a = {B, T, T, NH, NKV, HD, row, row, row, (size_t)NH * HD, 1.0f / sqrtf((float)HD), causal, 0, 0};
+    const float *q = qkv, *k = qkv + NH * HD, *v = qkv + (NH + NKV) * HD;
+    FL_REQUIRE_OK(cpu.attention_forward(&cpu, &a, out_c, lse_c, q, k, v, NULL, NULL));
+    if (in16) FL_REQUIRE_OK(be.attention_forward_in16(&be, &a, out_e, out16, lse_e, qkv16, qkv16 + NH * HD,
+                                                      qkv16 + (NH + NKV) * HD, NULL));
+    else FL_REQUIRE_OK(be.attention_forward(&be, &a, out_e, lse_e, q, k, v, NULL, NULL));
+    FL_CHECKF(runs() == r0 + 1, "the forward ran %ld plans through the stand-in cuDNN (want 1)", runs() - r0);
+    const double u = 1.0 / 256, mo = maxabs(out_c, nq);
+    FL_CHECKF(maxdiff(out_e, out_c, nq) <= 8 * u * mo, "out: %g off the CPU's (bound %g)", maxdiff(out_e, out_c, nq),
+              8 * u * mo);
+    FL_CHECKF(maxdiff(lse_e, lse_c, (size_t)B * NH * T) <= 1e-4 * (1 + maxabs(lse_c, (size_t)B * NH * T)),
+              "lse: %g off the CPU's", maxdiff(lse_e, lse_c, (size_t)B * NH * T));
+    /* the backward reads what the forward saved: the CPU its fp32 output, cuDNN its bf16 output */
+    for (size_t i = 0; i < nq; i++) out_c[i] = fl_bf16_to_f32(fl_f32_to_bf16(out_c[i]));
+    FL_REQUIRE_OK(cpu.attention_backward(&cpu, &a, dqkv_c, dqkv_c + NH * HD, dqkv_c + (NH + NKV) * HD, NULL, dout, q,
+                                         k, v, NULL, NULL, out_c, lse_c));
+    if (in16) {
+        for (size_t i = 0; i < nq; i++) out16[i] = fl_f32_to_bf16(out_c[i]);
+        FL_REQUIRE_OK(be.attention_backward16(&be, &a, dqkv_e, dqkv_e + NH * HD, dqkv_e + (NH + NKV) * HD, dout, qkv16,
+                                              qkv16 + NH * HD, qkv16 + (NH + NKV) * HD, NULL, out16, lse_e));
+    } else {
+        FL_REQUIRE_OK(be.attention_backward(&be, &a, dqkv_e, dqkv_e + NH * HD, dqkv_e + (NH + NKV) * HD, NULL, dout, q,
+                                            k, v, NULL, NULL, out_c, lse_e));
+    }
+    FL_CHECKF(runs() == r0 + 2, "the backward ran %ld plans through the stand-in cuDNN (want 1)", runs() - r0 - 1);
+    const char *name[3] = {"dq", "dk", "dv"};
+    const int off[3] = {0, NH * HD, (NH + NKV) * HD}, w[3] = {NH * HD, NKV * HD, NKV * HD};
+    for (int t = 0; t < 3; t++) {
+        double m = 0, d = 0;
+        for (size_t i = 0; i < N; i++)
+            for (int c = 0; c < w[t]; c++) {
+                const size_t j = i * row + off[t] + c;
+                const double base = 0.25 * (double)((j % 7) - 3);
+                m = fmax(m, fabs(dqkv_c[j] - base));
+                d = fmax(d, fabs((double)dqkv_e[j] - dqkv_c[j]));
+            }
+        FL_CHECKF(m > 0 && d <= 8 * u * m, "%s: %g off the CPU's (bound %g, %s, B %d T %d heads %d/%d HD %d)", name[t], d,
+                  8 * u * m, in16 ? "bf16 in place" : "fp32 copies", B, T, NH, NKV, HD);
+    }
+    printf("      B %d T %d heads %d/%d HD %d %s %s: through the stand-in cuDNN, within 8 u of the CPU's\n", B, T, NH,
+           NKV, HD, causal ? "causal" : "bidirectional", in16 ? "bf16 q|k|v in place" : "fp32 q|k|v copied");
+    free(qkv), free(dqkv_e), free(dqkv_c), free(out_e), free(out_c), free(dout), free(lse_e), free(lse_c), free(qkv16);
+    free(out16);
+    fl_backend_free(&be);
+    fl_backend_free(&cpu);
+    unsetenv("FITLLM_CUDNN_LIB");
+    unsetenv("FITLLM_SIM_CUDNN_WS");
+}
+
+FL_TEST(cudnn_emu_sim_ops) {
+    sim_case(2, 33, 4, 2, 64, 1, 1);  /* GQA, causal, a bf16 run's q|k|v read in place */
+    sim_case(2, 33, 4, 2, 64, 1, 0);  /* the same from fp32 operands: compact bf16 copies */
+    sim_case(1, 40, 2, 2, 128, 0, 1); /* HD 128, bidirectional */
+}
+#endif
+
 /* the emulator has no cuDNN: "cudnn" refuses to start, naming why; "auto" runs the own kernels
  * (tests/test_cuda_attn.c's dispatch test checks their bits) */
 FL_TEST(cudnn_emu_choice) {

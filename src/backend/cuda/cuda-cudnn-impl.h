@@ -1,6 +1,8 @@
 /* fitllm CUDA backend object: cuDNN's fused attention (EXPERIMENTAL; included by
- * cuda-work-ops-impl.h). Only the plugin defines FLB_HAVE_CUDNN (backend_cudart.c): the emulator has
- * no cuDNN, so there "auto" is "own" and "cudnn" refuses to start.
+ * cuda-work-ops-impl.h). The plugin (backend_cudart.c) and the emulator (backend_cuemu.c) define
+ * FLB_HAVE_CUDNN. The emulator opens only a library $FITLLM_CUDNN_LIB names (FLB_CUDNN_NAMED_ONLY): the
+ * stand-in tests/cuda/sim_cudnn.c, which runs the graphs on the host, so this path runs in make test;
+ * without it there "auto" is "own" and "cudnn" refuses to start.
  *
  * The attention ops take fp32 operands with row strides (fl_attn_desc); cuDNN's graphs take 16-bit
  * ones. So a call copies Q, K, V (and O, dO backward) into compact bf16 buffers (convert2d), runs the
@@ -43,6 +45,16 @@ static void flb_dnn_say(flb_impl *im, const char *what, const char *why) {
 
 static fl_status flb_attn_init(flb_impl *im) {
     if (!fl_cudnn_attn_wants(im->attn)) return FL_OK;
+#ifdef FLB_CUDNN_NAMED_ONLY
+    const char *named = getenv("FITLLM_CUDNN_LIB");
+    if (!named || !*named) {
+        if (im->attn == FL_CUDNN_ATTN_CUDNN)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "%s backend: FITLLM_CUDA_ATTN=cudnn: cuDNN's attention runs in the "
+                             "CUDA plugin on a GPU only (use auto or own here)", FLB_NAME);
+        im->attn = FL_CUDNN_ATTN_OWN; /* nothing to say: no cuDNN is expected */
+        return FL_OK;
+    }
+#endif
     /* FITLLM_CUDA_CUDNN_DIRECT (unset, empty or 1: on; 0: off, an A/B): a bf16 run's stored q, k, v read in place */
     const char *ed = getenv("FITLLM_CUDA_CUDNN_DIRECT");
     if (ed && *ed && strcmp(ed, "1") && strcmp(ed, "0"))
@@ -126,6 +138,9 @@ static char *flb_dnn_buf(const fl_backend *be, size_t bytes) {
                 "the memory plan holds them\n", FLB_NAME, bytes, im->scratch_lent - FLB_SCRATCH_BYTES);
     }
     if (d->buf_bytes >= bytes) return (char *)d->buf;
+#ifdef FLB_CUDNN_NAMED_ONLY
+    if (im->scratch_lent > FLB_SCRATCH_BYTES) fl_cu_emu_dnn_own_buffers++; /* the emulator's count (cu_emu.h) */
+#endif
     flb_stream_sync(im->stream);
     if (d->buf) flb_dev_free(d->buf);
     d->buf = flb_dev_alloc(bytes);
@@ -270,15 +285,4 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
     *st = flb_attn_status(be, rc, "attention_backward (cuDNN)");
     return 1;
 }
-#else /* the emulator: no cuDNN */
-static fl_status flb_attn_init(flb_impl *im) {
-    if (im->attn == FL_CUDNN_ATTN_CUDNN)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s backend: FITLLM_CUDA_ATTN=cudnn: cuDNN's attention runs in the CUDA "
-                         "plugin on a GPU only (use auto or own here)", FLB_NAME);
-    if (im->attn == FL_CUDNN_ATTN_AUTO) im->attn = FL_CUDNN_ATTN_OWN; /* nothing to say: no cuDNN is expected */
-    return FL_OK;
-}
-static void flb_attn_free(flb_impl *im) { (void)im; }
-#define flb_cudnn_forward(be, a, out, out16, lse, q, k, v, it, bias, kmask, st) 0
-#define flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, it, bias, kmask, out, lse, work, st) 0
 #endif

@@ -25,6 +25,9 @@ void fl_cuemu_set_host_memory(int on) { g_host_memory = on; }
 #define FLB_WORK_BYTES (1u << 20)
 #define flb_gemm_fn flb_emu_gemm
 #define flb_gemm_bench_fn fl_cu_gemm_standin_bench
+/* cuDNN's attention path (cuda-cudnn-impl.h) only with a library $FITLLM_CUDNN_LIB names: tests/cuda/sim_cudnn.c */
+#define FLB_HAVE_CUDNN 1
+#define FLB_CUDNN_NAMED_ONLY 1
 
 /* Stream work under a capture (cu_emu.h) becomes a graph node: a copy or fill, a stand-in GEMM. */
 typedef struct {

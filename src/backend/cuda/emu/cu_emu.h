@@ -84,6 +84,9 @@ extern unsigned long fl_cu_emu_graph_launches;
  * widen/narrow panels), counted by the kernels' host entry points under the emulator only: the
  * bf16-step test (tests/test_cuda_model.c) measures how many a bf16 training step still pays. */
 extern unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches;
+/* cuDNN's attention path (the stand-in tests/cuda/sim_cudnn.c): buffers of the backend's own it grew because the
+ * model lent too small a region (cuda-cudnn-impl.h's flb_dnn_buf; a test wants 0: the plan holds the workspace) */
+extern unsigned long fl_cu_emu_dnn_own_buffers;
 /* 128-bit accesses (fl_cu_ld4 / st4 / ld8h / st8h) made so far (not atomic: a test reads it around its own single-
  * threaded launches to see that a vector path ran) */
 extern unsigned long fl_cu_emu_vec_accesses;
