@@ -145,7 +145,8 @@ static void usage(FILE *f) {
                "               loads and takes the shape (EXPERIMENTAL: the graphs as cuDNN's frontend writes them, not\n"
                "               yet run on a GPU in this form, planned by cuDNN 9.19 for an H200 / A100 without one;\n"
                "               FITLLM_CUDNN_LIB names the file), else own, said once;\n"
-               "               cudnn = require it; own = FlashAttention-2-structured kernels, EXPERIMENTAL (correct on an\n"
+               "               cudnn = require it (the engine and workspace of its first forward / backward plan said on\n"
+               "               stderr); own = FlashAttention-2-structured kernels, EXPERIMENTAL (correct on an\n"
                "               H200, ~5x slower than cuDNN there before their tiles' loads were pipelined, not yet timed\n"
                "               since); legacy = the earlier tensor-core kernels; fp32 = the fp32 kernels. `fitllm\n"
                "               selftest` compares them\n");

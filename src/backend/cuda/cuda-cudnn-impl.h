@@ -34,6 +34,7 @@ typedef struct flb_cudnn {
     int said;     /* a refusal said once */
     int said_buf; /* a lent region too small, said once */
     int said_direct; /* an in-place layout refused, said once */
+    int said_plan[2]; /* FITLLM_CUDA_ATTN=cudnn: the first forward / backward plan's engine, said once */
 } flb_cudnn;
 
 static void flb_dnn_say(flb_impl *im, const char *what, const char *why) {
@@ -114,6 +115,13 @@ static fl_cudnn_plan *flb_dnn_plan(flb_impl *im, const fl_cudnn_sdpa_layout *L, 
                     backward ? "backward" : "forward", why);
         }
         p = NULL;
+    } else if (im->attn == FL_CUDNN_ATTN_CUDNN && !d->said_plan[backward]) { /* asked for by name: which engine */
+        int rank = 0;
+        const long long eng = (long long)fl_cudnn_plan_engine(p, &rank);
+        d->said_plan[backward] = 1;
+        fprintf(stderr, "fitllm: %s backend: cuDNN attention %s plan: engine %lld (heuristics' choice %d), workspace %zu "
+                "bytes, %s q, k, v\n", FLB_NAME, backward ? "backward" : "forward", eng, rank + 1,
+                fl_cudnn_plan_workspace(p), direct ? "in place" : "compact copies of");
     }
     int slot = d->nplans < FLB_DNN_PLANS ? d->nplans++ : FLB_DNN_PLANS - 1; /* full: the last slot is reused */
     if (slot == FLB_DNN_PLANS - 1 && d->plans[slot].plan) fl_cudnn_plan_free(&d->api, d->plans[slot].plan);
