@@ -522,6 +522,7 @@ FL_TEST(cudnn_plan_without_a_device) {
     FL_REQUIRE(pid >= 0);
     if (pid == 0) {
         close(fd[0]);
+        alarm(300); /* ~17 s of compiles here: a child that hangs dies by SIGALRM, and the check below says so */
         _exit(probe_child(&ref, stub, fd[1]));
     }
     close(fd[1]);
@@ -533,7 +534,8 @@ FL_TEST(cudnn_plan_without_a_device) {
     close(fd[0]);
     int st = 0;
     FL_REQUIRE(waitpid(pid, &st, 0) == pid);
-    FL_CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the probe's child: status %d", st);
+    FL_CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the probe's child: %s %d", WIFSIGNALED(st) ? "killed by signal" : "exit",
+              WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
     int compiled = 0, controls = 0, lines = 0, fwd_told = 0;
     char *save = NULL;
     for (char *l = strtok_r(out, "\n", &save); l; l = strtok_r(NULL, "\n", &save)) {
