@@ -194,12 +194,18 @@ static uint16_t d_to_bf16(double x) {
     u += 0x7fffu + ((u >> 16) & 1);
     return (uint16_t)(u >> 16);
 }
-static uint16_t d_to_half(double x) {
-    float f = (float)x; /* round to nearest even on fp16's grid via float's conversion */
-    _Float16 h = (_Float16)f;
-    uint16_t r;
-    memcpy(&r, &h, 2);
-    return r;
+static uint16_t d_to_half(double x) { /* round to nearest even on fp16's grid (subnormals, overflow to inf) */
+    const uint16_t sgn = signbit(x) ? 0x8000 : 0;
+    double a = fabs(x);
+    if (isnan(a)) return 0x7e00;
+    if (a >= 65520.0) return sgn | 0x7c00;
+    int e;
+    frexp(a, &e); /* a = m 2^e, m in [0.5, 1) */
+    const int ex = e - 1 < -14 ? -14 : e - 1; /* the unbiased exponent, or the subnormals' */
+    const double q = nearbyint(ldexp(a, 10 - ex)); /* the significand in units of 2^(ex - 10), ties to even */
+    if (q >= 2048) return sgn | (uint16_t)((ex + 16) << 10); /* rounded up into the next binade */
+    if (q < 1024) return sgn | (uint16_t)q;                  /* subnormal (ex == -14) */
+    return sgn | (uint16_t)(((ex + 15) << 10) | ((uint16_t)q - 1024));
 }
 /* element (b, h, i, j) of tensor t at ptr, with t's own dims (b, h, i, j) and strides */
 static double get(const sim_desc *t, const void *ptr, int64_t b, int64_t h, int64_t i, int64_t j) {
