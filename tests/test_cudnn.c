@@ -607,6 +607,9 @@ static double maxdiff(const float *x, const float *y, size_t n) {
     return m;
 }
 
+/* 256-aligned (C11's aligned_alloc: the size a multiple of the alignment) */
+static void *sim_alloc(size_t bytes) { return aligned_alloc(256, (bytes + 255) / 256 * 256); }
+
 static void sim_case(int B, int T, int NH, int NKV, int HD, int causal, int in16) {
     setenv("FITLLM_CUDNN_LIB", FL_SIM_CUDNN, 1);
     setenv("FITLLM_CUDA_ATTN", "cudnn", 1);
@@ -627,12 +630,12 @@ static void sim_case(int B, int T, int NH, int NKV, int HD, int causal, int in16
     const long r0 = runs();
     /* q|k|v interleaved rows (a model's fused projection), fp32 values on bf16's grid */
     const size_t row = (size_t)(NH + 2 * NKV) * HD, N = (size_t)B * T, nq = N * NH * HD;
-    float *qkv = (float *)aligned_alloc(256, N * row * 4), *dqkv_e = (float *)aligned_alloc(256, N * row * 4);
-    float *dqkv_c = (float *)aligned_alloc(256, N * row * 4), *out_e = (float *)aligned_alloc(256, nq * 4);
-    float *out_c = (float *)aligned_alloc(256, nq * 4), *dout = (float *)aligned_alloc(256, nq * 4);
-    float *lse_e = (float *)aligned_alloc(256, (size_t)B * NH * T * 4 + 256);
-    float *lse_c = (float *)aligned_alloc(256, (size_t)B * NH * T * 4 + 256);
-    uint16_t *qkv16 = (uint16_t *)aligned_alloc(256, N * row * 2), *out16 = (uint16_t *)aligned_alloc(256, nq * 2);
+    float *qkv = (float *)sim_alloc(N * row * 4), *dqkv_e = (float *)sim_alloc(N * row * 4);
+    float *dqkv_c = (float *)sim_alloc(N * row * 4), *out_e = (float *)sim_alloc(nq * 4);
+    float *out_c = (float *)sim_alloc(nq * 4), *dout = (float *)sim_alloc(nq * 4);
+    float *lse_e = (float *)sim_alloc((size_t)B * NH * T * 4 + 256);
+    float *lse_c = (float *)sim_alloc((size_t)B * NH * T * 4 + 256);
+    uint16_t *qkv16 = (uint16_t *)sim_alloc(N * row * 2), *out16 = (uint16_t *)sim_alloc(nq * 2);
     FL_REQUIRE(qkv && dqkv_e && dqkv_c && out_e && out_c && dout && lse_e && lse_c && qkv16 && out16);
     uint64_t r = 0x9e3779b97f4a7c15ull;
     for (size_t i = 0; i < N * row; i++) {
