@@ -323,8 +323,6 @@ FL_TEST(cuda_emu_train_bf16_true_cudnn_sim) {
 #if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
     fl_test_skip("the release pass runs it (emulated kernels under ASan: minutes)");
 #elif defined(FL_HAVE_CUDA_EMU) && defined(FL_SIM_CUDNN)
-    setenv("FITLLM_CUDNN_LIB", FL_SIM_CUDNN, 1);
-    setenv("FITLLM_CUDA_ATTN", "cudnn", 1);
     /* the stand-in asks exactly the allowance the plan lends for this shape (B 2, T 67, 4 / 2 heads, HD 64) */
     fl_attn_desc shape = {.B = 2, .Tq = 67, .Tk = 67, .NH = 4, .NKV = 2, .HD = 64};
     char ws[32];
@@ -335,15 +333,17 @@ FL_TEST(cuda_emu_train_bf16_true_cudnn_sim) {
     long (*runs)(void) = lib ? (long (*)(void))dlsym(lib, "sim_cudnn_runs") : NULL;
     FL_REQUIRE(runs != NULL);
     const long r0 = runs();
+    setenv("FITLLM_CUDNN_LIB", FL_SIM_CUDNN, 1); /* for the cuda-emu run compare() makes (the others ignore them) */
+    setenv("FITLLM_CUDA_ATTN", "cudnn", 1);
     g_hd64 = 64;
     compare("bf16-true", "AdamW", 0);
     g_hd64 = 0;
+    unsetenv("FITLLM_CUDNN_LIB"), unsetenv("FITLLM_CUDA_ATTN"), unsetenv("FITLLM_SIM_CUDNN_WS");
     const long n = runs() - r0;
     /* 2 steps x 2 micro-batches x 2 layers, forward and backward, plus the evaluation's forwards */
     printf("      %ld attention calls through the stand-in cuDNN\n", n);
     FL_CHECKF(n >= 16, "%ld attention calls went through cuDNN's path (want >= 16)", n);
     FL_CHECKF(fl_cu_emu_dnn_own_buffers == own0, "cuDNN's workspace (%s bytes) did not fit the region the model lent", ws);
-    unsetenv("FITLLM_CUDNN_LIB"), unsetenv("FITLLM_CUDA_ATTN"), unsetenv("FITLLM_SIM_CUDNN_WS");
     dlclose(lib);
 #else
     fl_test_skip("no CUDA emulator or no cuDNN headers in this build");

@@ -616,10 +616,9 @@ static void sim_case(int B, int T, int NH, int NKV, int HD, int causal, int in16
     setenv("FITLLM_SIM_CUDNN_WS", "4096", 1);
     fl_backend be, cpu;
     fl_status st = fl_backend_init_by_name("cuda-emu", &be, 1);
-    unsetenv("FITLLM_CUDA_ATTN");
+    unsetenv("FITLLM_CUDA_ATTN"), unsetenv("FITLLM_CUDNN_LIB"); /* read at the backend's start */
     if (st != FL_OK) {
         FL_CHECKF(0, "cuda-emu with the stand-in cuDNN: %s", fl_error_message());
-        unsetenv("FITLLM_CUDNN_LIB");
         return;
     }
     FL_REQUIRE_OK(fl_cpu_backend_init(&cpu, 1));
@@ -693,7 +692,6 @@ static void sim_case(int B, int T, int NH, int NKV, int HD, int causal, int in16
     free(out16);
     fl_backend_free(&be);
     fl_backend_free(&cpu);
-    unsetenv("FITLLM_CUDNN_LIB");
     unsetenv("FITLLM_SIM_CUDNN_WS");
 }
 
