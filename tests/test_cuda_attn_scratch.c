@@ -32,11 +32,14 @@ FL_TEST(cudnn_sdpa_scratch_bytes_counts) {
     FL_CHECK(fl_cudnn_sdpa_scratch_bytes(2, 33, 8, 2, 128) == 4 * up256(2 * 33 * 8 * 128 * 2) +
                                                                  4 * up256(2 * 33 * 2 * 128 * 2) +
                                                                  up256(2 * 33 * 8 * 128 * 4) + allow(2, 33, 33, 8, 2, 128));
-    /* HD 80 (a multiple of 8) is asked for now; 100 is not, nor NH % NKV != 0 */
+    /* HD 80 (a multiple of 8) as it is; 100 at cuDNN's 104 (its copies zero-padded per head); not NH % NKV != 0, nor
+     * a head above 128 */
     FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 80) ==
              4 * up256(7 * 3 * 80 * 2) + 4 * up256(7 * 80 * 2) + up256(7 * 3 * 80 * 4) + allow(1, 7, 7, 3, 1, 80));
-    FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 100) == 0);
+    FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 100) ==
+             4 * up256(7 * 3 * 104 * 2) + 4 * up256(7 * 104 * 2) + up256(7 * 3 * 104 * 4) + allow(1, 7, 7, 3, 1, 104));
     FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 2, 64) == 0);
+    FL_CHECK(fl_cudnn_sdpa_scratch_bytes(1, 7, 3, 1, 136) == 0);
     /* TinyLlama-1.1B (B 4, T 2048, 32 / 4 heads, HD 64): cuDNN 9.19 asks 128 MiB + 128 on an A100, 64 MiB + 256 on an
      * H200 (tests/test_cudnn.c: cudnn_plan_without_a_device) */
     fl_attn_desc tl = {.B = 4, .Tq = 2048, .Tk = 2048, .NH = 32, .NKV = 4, .HD = 64};

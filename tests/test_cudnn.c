@@ -102,11 +102,26 @@ FL_TEST(cudnn_refuse_and_layout) {
     FL_CHECK(fl_cudnn_sdpa_refuse(&a, NULL, NULL) == NULL);
     a.HD = 80, a.ldq = a.ldo = 8 * 80, a.ldk = a.ldv = 2 * 80; /* BLIP-2 OPT-2.7b's: a multiple of 8 */
     FL_CHECK(fl_cudnn_sdpa_refuse(&a, NULL, NULL) == NULL);
-    const int no_hd[] = {100, 136, 4, 66}; /* OpenLLaMA 3B's 100: the own kernels, padded */
-    for (int i = 0; i < 4; i++) {
-        a.HD = no_hd[i];
+    const int no_hd[] = {136, 0};
+    for (int i = 0; i < 2; i++) {
+        a.HD = no_hd[i], a.ldq = a.ldo = 8 * 136, a.ldk = a.ldv = 2 * 136;
         FL_CHECKF(strstr(fl_cudnn_sdpa_refuse(&a, NULL, NULL), "head size"), "HD %d", a.HD);
     }
+    /* other sizes up to 128 run zero-padded to the next multiple of 8 (OpenLLaMA 3B's 100 at 104), through copies */
+    const int pad_hd[][2] = {{100, 104}, {4, 8}, {66, 72}, {20, 24}, {64, 64}};
+    for (int i = 0; i < 5; i++) {
+        a.HD = pad_hd[i][0], a.ldq = a.ldo = (size_t)8 * a.HD, a.ldk = a.ldv = (size_t)2 * a.HD;
+        FL_CHECKF(fl_cudnn_sdpa_refuse(&a, NULL, NULL) == NULL, "HD %d", a.HD);
+        fl_attn_desc p;
+        const int padded = fl_cudnn_sdpa_pad(&a, &p);
+        FL_CHECKF(padded == (pad_hd[i][1] != pad_hd[i][0]) && p.HD == pad_hd[i][1] && p.ldq == (size_t)8 * p.HD &&
+                      p.ldo == p.ldq && p.ldk == (size_t)2 * p.HD && p.ldv == p.ldk && p.B == a.B && p.Tq == a.Tq &&
+                      p.Tk == a.Tk && p.NH == a.NH && p.NKV == a.NKV && p.scale == a.scale && p.causal == a.causal,
+                  "HD %d: padded to %d", a.HD, p.HD);
+    }
+    _Alignas(16) uint16_t al[8];
+    a.HD = 100, a.ldq = a.ldk = a.ldv = 1200; /* 16-byte units, but a head of 100: no reading in place */
+    FL_CHECK(!fl_cudnn_sdpa_direct_ok(&a, al, al, al));
     a = desc(2, 16, 16, 8, 3, 64, 1);
     FL_CHECK(strstr(fl_cudnn_sdpa_refuse(&a, NULL, NULL), "multiple"));
     a = desc(2, 16, 16, 8, 2, 64, 1);
@@ -653,7 +668,7 @@ static void sim_case(int B, int T, int NH, int NKV, int HD, int causal, int in16
     if (in16) FL_REQUIRE_OK(be.attention_forward_in16(&be, &a, out_e, out16, lse_e, qkv16, qkv16 + NH * HD,
                                                       qkv16 + (NH + NKV) * HD, NULL));
     else FL_REQUIRE_OK(be.attention_forward(&be, &a, out_e, lse_e, q, k, v, NULL, NULL));
-    FL_CHECKF(runs() == r0 + 1, "the forward ran %ld plans through the stand-in cuDNN (want 1)", runs() - r0);
+    FL_CHECKF(runs() == r0 + 1, "HD %d: the forward ran %ld plans through the stand-in cuDNN (want 1)", HD, runs() - r0);
     const double u = 1.0 / 256, mo = maxabs(out_c, nq);
     FL_CHECKF(maxdiff(out_e, out_c, nq) <= 8 * u * mo, "out: %g off the CPU's (bound %g)", maxdiff(out_e, out_c, nq),
               8 * u * mo);
@@ -699,6 +714,53 @@ FL_TEST(cudnn_emu_sim_ops) {
     sim_case(2, 33, 4, 2, 64, 1, 1);  /* GQA, causal, a bf16 run's q|k|v read in place */
     sim_case(2, 33, 4, 2, 64, 1, 0);  /* the same from fp32 operands: compact bf16 copies */
     sim_case(1, 40, 2, 2, 128, 0, 1); /* HD 128, bidirectional */
+    sim_case(2, 37, 4, 2, 100, 1, 1); /* OpenLLaMA 3B's 100: at 104, the copies zero-padded per head */
+    sim_case(1, 29, 2, 2, 100, 0, 0);
+    sim_case(2, 21, 6, 3, 20, 1, 1); /* lab-3b's 20: at 24 */
+}
+
+/* attention_heads2d against the contract written as loops: per head, the first w columns moved (widened, rounded to
+ * bf16, or added), the rest up to wdst zeros; odd sizes, strides wider than the rows, every type pair */
+FL_TEST(cudnn_emu_heads2d) {
+    const int rows = 5, heads = 3;
+    const struct { int w, shs, wdst, dhs; } g[] = {{5, 7, 8, 8}, {8, 8, 5, 5}, {4, 4, 4, 6}};
+    const fl_dtype sts[3] = {FL_F32, FL_BF16, FL_F16};
+    for (int gi = 0; gi < 3; gi++)
+        for (int si = 0; si < 3; si++)
+            for (int mode = 0; mode < 3; mode++) { /* 0: into bf16, 1: into fp32, 2: added to fp32 */
+                const int w = g[gi].w < g[gi].wdst ? g[gi].w : g[gi].wdst, shs = g[gi].shs, wdst = g[gi].wdst;
+                const int dhs = g[gi].dhs;
+                const size_t lds = (size_t)heads * shs + 3, ldd = (size_t)heads * dhs + 2;
+                float srcf[256], dstf[256], want[256];
+                uint16_t src16[256], dst16[256], want16[256];
+                for (int i = 0; i < 256; i++) {
+                    srcf[i] = (float)((i * 37) % 23 - 11) / 8.0f + (float)i / 1024.0f;
+                    src16[i] = sts[si] == FL_BF16 ? fl_f32_to_bf16(srcf[i]) : fl_f32_to_f16(srcf[i]);
+                    dstf[i] = want[i] = (float)(i % 5) - 2.0f;
+                    dst16[i] = want16[i] = 0x7fc1; /* untouched outside the heads' columns */
+                }
+                for (int r = 0; r < rows; r++)
+                    for (int h = 0; h < heads; h++)
+                        for (int c = 0; c < wdst; c++) {
+                            const size_t so = (size_t)r * lds + (size_t)h * shs + c, o = (size_t)r * ldd + (size_t)h * dhs + c;
+                            const float v = c >= w ? 0.0f
+                                            : sts[si] == FL_F32 ? srcf[so]
+                                            : sts[si] == FL_BF16 ? fl_bf16_to_f32(src16[so]) : fl_f16_to_f32(src16[so]);
+                            if (mode == 0) want16[o] = fl_f32_to_bf16(v);
+                            else want[o] = mode == 2 ? want[o] + v : v;
+                        }
+                const void *src = sts[si] == FL_F32 ? (const void *)srcf : (const void *)src16;
+                void *dst = mode == 0 ? (void *)dst16 : (void *)dstf;
+                FL_CHECK(fl_cuemu_attention_heads2d(dst, mode == 0 ? FL_BF16 : FL_F32, ldd, dhs, src, sts[si], lds, shs,
+                                                    rows, heads, w, wdst, mode == 2, NULL) == 0);
+                FL_CHECKF(mode == 0 ? !memcmp(dst16, want16, sizeof want16) : !memcmp(dstf, want, sizeof want),
+                          "heads2d: w %d wdst %d src %s mode %d", w, wdst, fl_dtype_name(sts[si]), mode);
+            }
+    /* what it refuses: acc into bf16, w > wdst, a destination row too short */
+    float d[64];
+    FL_CHECK(fl_cuemu_attention_heads2d(d, FL_BF16, 16, 8, d, FL_F32, 16, 8, 1, 2, 8, 8, 1, NULL) != 0);
+    FL_CHECK(fl_cuemu_attention_heads2d(d, FL_F32, 16, 8, d, FL_F32, 16, 8, 1, 2, 8, 4, 0, NULL) != 0);
+    FL_CHECK(fl_cuemu_attention_heads2d(d, FL_F32, 12, 8, d, FL_F32, 16, 8, 1, 2, 8, 8, 0, NULL) != 0);
 }
 #endif
 

@@ -213,7 +213,7 @@ static int at_case(st_ctx *c, const char *choice, const at_shape *s, int in16, F
 
 fl_status fl_selftest_attention_choices(const char *name, int small, FILE *out, fl_selftest_result *res) {
     static const char *choices[] = {"cudnn", "own", "legacy"};
-    /* HD 100 (OpenLLaMA 3B): the own kernels pad it to their 128 tiles, cuDNN refuses it (not a multiple of 8); HD 80
+    /* HD 100 (OpenLLaMA 3B): the own kernels pad it to their 128 tiles, cuDNN to 104 (zero-padded copies); HD 80
      * (BLIP-2 OPT-2.7b): cuDNN where its engines take it, else the own kernels padded; legacy: the fp32 kernels */
     /* and T5's (Flan-T5-base's heads: 12 of 64; timed at its B 8, source 512) */
     const at_shape small_shapes[] = {{1, 40, 4, 2, 64, 1, 0}, {1, 33, 2, 1, 128, 1, 0}, {1, 37, 4, 2, 100, 1, 0},

@@ -139,8 +139,8 @@ static void usage(FILE *f) {
                "               host cannot read outside its ops (same results as the CPU; default: cpu)\n");
     fprintf(f, "\n  FITLLM_CUDA_ATTN=auto|cudnn|own|legacy|fp32 (environment): a bf16 run's attention on the GPU at\n"
                "               head size 64 or 128 (own: any even size from 66 to 128 too, padded to 128, and at 64 /\n"
-               "               128 an attention bias and dropout: T5's, the Q-Former's; cuDNN: the multiples of 8 up to\n"
-               "               128, no bias or dropout; EXPERIMENTAL):\n"
+               "               128 an attention bias and dropout: T5's, the Q-Former's; cuDNN: any size up to 128, padded\n"
+               "               to a multiple of 8 (OpenLLaMA 3B's 100 at 104), no bias or dropout; EXPERIMENTAL):\n"
                "               auto (default) = NVIDIA cuDNN's fused attention where libcudnn.so.9\n"
                "               loads and takes the shape (EXPERIMENTAL: the graphs as cuDNN's frontend writes them, not\n"
                "               yet run on a GPU in this form, planned by cuDNN 9.19 for an H200 / A100 without one;\n"

@@ -47,6 +47,7 @@ SHAPES = [
     (2, 1024, 1024, 32, 32, 80, 1, 1),  # BLIP-2 OPT-2.7b's 80
     (2, 257, 257, 16, 16, 88, 0, 0),    # ViT-g's 88, bidirectional
     (2, 77, 300, 8, 8, 64, 0, 0),       # a cross-attention, Tq != Tk
+    (1, 2048, 2048, 32, 32, 104, 1, 0),  # OpenLLaMA 3B's 100, run at 104 from zero-padded copies
 ]
 BF16, F32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
 

@@ -138,6 +138,11 @@ static inline int fl_cu_attention_fa2_supported(const fl_attn_desc *a, const flo
      * 16-bit attention gradients into the fp32 ones (kernels/attn_cudnn.cu) */                           \
     int P##attention_acc2d(float *dst, size_t ldd, const uint16_t *src, fl_dtype st, size_t lds, int rows,     \
                            int cols, void *stream);                                                         \
+    /* per head h < heads of rows r < rows: dst[r ldd + h dhs + c] (+= with acc: fp32 dst) the value of          \
+     * src[r lds + h shs + c] for c < w and 0 for w <= c < wdst (dst F32 or BF16 (RNE), src F32, BF16 or F16):   \
+     * a call's head size to cuDNN's padded one (wdst > w: zeros) and back (kernels/attn_cudnn.cu) */           \
+    int P##attention_heads2d(void *dst, fl_dtype dt, size_t ldd, int dhs, const void *src, fl_dtype st,         \
+                             size_t lds, int shs, int rows, int heads, int w, int wdst, int acc, void *stream);  \
     /* one warp: d (16x8) = a (16x16) b (16x8) + c through fl_cu_mma_bf16_16816 (row-major, bf16 a, b) */     \
     int P##mma_bf16_check(float *d, const uint16_t *a, const uint16_t *b, const float *c, void *stream);
 

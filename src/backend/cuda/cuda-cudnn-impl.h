@@ -161,14 +161,34 @@ static char *flb_dnn_buf(const fl_backend *be, size_t bytes) {
     return (char *)d->buf;
 }
 static size_t flb_al256(size_t b) { return (b + 255) & ~(size_t)255; }
+/* an operand (rows, heads x hd at row stride ld, type t) into cuDNN's compact bf16 copy (rows, heads x hp; hp > hd:
+ * each head zero-padded) */
+static int flb_dnn_in(const fl_backend *be, void *dst, int hp, const void *src, fl_dtype t, size_t ld, int rows,
+                      int heads, int hd) {
+    if (hp == hd) return FLB_K(convert2d)(dst, FL_BF16, (size_t)heads * hd, src, t, ld, rows, heads * hd, STREAM);
+    return FLB_K(attention_heads2d)(dst, FL_BF16, (size_t)heads * hp, hp, src, t, ld, hd, rows, heads, hd, hp, 0,
+                                    STREAM);
+}
+/* cuDNN's compact bf16 result (rows, heads x hp) into the call's (rows, heads x hd at row stride ld, type t; acc: added
+ * to an fp32 one), each head's padding dropped */
+static int flb_dnn_out(const fl_backend *be, void *dst, fl_dtype t, size_t ld, const void *src, int hp, int rows,
+                       int heads, int hd, int acc) {
+    const size_t ls = (size_t)heads * hp;
+    if (hp == hd)
+        return acc ? FLB_K(attention_acc2d)((float *)dst, ld, (const uint16_t *)src, FL_BF16, ls, rows, heads * hd, STREAM)
+                   : FLB_K(convert2d)(dst, t, ld, src, FL_BF16, ls, rows, heads * hd, STREAM);
+    return FLB_K(attention_heads2d)(dst, t, ld, hd, src, FL_BF16, ls, hp, rows, heads, hd, hd, acc, STREAM);
+}
 /* A call's layout: a bf16 run's stored q, k, v (and the backward's o: NULL forward, compact rows per
  * fl_cudnn_sdpa_refuse) read in place at their own row strides where FITLLM_CUDA_CUDNN_DIRECT and the alignment allow
  * (returns 1), else the compact copies' (0) */
 static int flb_dnn_layout(const flb_impl *im, const fl_attn_desc *a, fl_dtype it, const void *q, const void *k,
                           const void *v, const void *o, fl_cudnn_sdpa_layout *L) {
     const int direct = im->dnn->direct && it == FL_BF16 && fl_cudnn_sdpa_direct_ok(a, q, k, v) && (uintptr_t)o % 16 == 0;
+    fl_attn_desc p;
+    fl_cudnn_sdpa_pad(a, &p); /* the copies' layout: cuDNN's head size */
     if (direct) fl_cudnn_sdpa_layout_rows(a, FL_BF16, L);
-    else fl_cudnn_sdpa_layout_of(a, FL_BF16, L);
+    else fl_cudnn_sdpa_layout_of(&p, FL_BF16, L);
     return direct;
 }
 /* A call's layout and its plan: an in-place layout cuDNN refuses (its strides) falls back to the compact copies'
@@ -178,7 +198,7 @@ static fl_cudnn_plan *flb_dnn_plan_of(flb_impl *im, const fl_attn_desc *a, fl_dt
     *direct = flb_dnn_layout(im, a, it, q, k, v, o, L);
     fl_cudnn_plan *p = flb_dnn_plan(im, L, backward, *direct);
     if (p || !*direct) return p;
-    *direct = 0;
+    *direct = 0; /* (in place implies a head size of a multiple of 8: the compact copies are a's) */
     fl_cudnn_sdpa_layout_of(a, FL_BF16, L);
     return flb_dnn_plan(im, L, backward, 0);
 }
@@ -199,24 +219,26 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
     int direct;
     fl_cudnn_plan *p = flb_dnn_plan_of(im, a, it, q, k, v, NULL, 0, &L, &direct);
     if (!p) return 0;
-    const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
+    fl_attn_desc pa; /* cuDNN's call: the head size padded to a multiple of 8 (hp), compact rows */
+    const int padded = fl_cudnn_sdpa_pad(a, &pa), hp = pa.HD;
+    const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * hp, ck = a->NKV * hp;
     const size_t bq = flb_al256((size_t)rq * cq * 2), bk = flb_al256((size_t)rk * ck * 2);
-    char *buf = flb_dnn_buf(be, fl_cudnn_sdpa_copy_bytes(a, 0) + fl_cudnn_plan_workspace(p)); /* 2 bq + 2 bk + ws */
+    char *buf = flb_dnn_buf(be, fl_cudnn_sdpa_copy_bytes(&pa, 0) + fl_cudnn_plan_workspace(p)); /* 2 bq + 2 bk + ws */
     if (!buf) return (*st = flb_sticky(be)), 1;
     void *ptr[FL_CUDNN_UID_COUNT] = {0};
     ptr[FL_CUDNN_UID_Q] = buf;
     ptr[FL_CUDNN_UID_K] = buf + bq;
     ptr[FL_CUDNN_UID_V] = buf + bq + bk;
     /* out16 (bf16 stored): cuDNN's bf16 O goes there directly (the refused shapes leave compact rows, ldo = cq) */
-    ptr[FL_CUDNN_UID_O] = out16 && a->ldo == (size_t)cq ? out16 : (void *)(buf + bq + 2 * bk);
+    ptr[FL_CUDNN_UID_O] = out16 && !padded && a->ldo == (size_t)cq ? out16 : (void *)(buf + bq + 2 * bk);
     ptr[FL_CUDNN_UID_STATS] = lse;
     int rc = 0;
     if (direct) {
         ptr[FL_CUDNN_UID_Q] = (void *)q, ptr[FL_CUDNN_UID_K] = (void *)k, ptr[FL_CUDNN_UID_V] = (void *)v;
     } else {
-        rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, it, a->ldq, rq, cq, STREAM);
-        if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, it, a->ldk, rk, ck, STREAM);
-        if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, it, a->ldv, rk, ck, STREAM);
+        rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_Q], hp, q, it, a->ldq, rq, a->NH, a->HD);
+        if (!rc) rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_K], hp, k, it, a->ldk, rk, a->NKV, a->HD);
+        if (!rc) rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_V], hp, v, it, a->ldv, rk, a->NKV, a->HD);
     }
     if (rc) return (*st = flb_attn_status(be, rc, "attention_forward (cuDNN)")), 1;
     int s = fl_cudnn_plan_run(&im->dnn->api, im->dnn->handle, p, ptr, buf + 2 * bq + 2 * bk);
@@ -227,9 +249,9 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
         return (*st = flb_sticky(be)), 1;
     }
     if (out) /* NULL: the bf16 copy only */
-        rc = FLB_K(convert2d)(out, FL_F32, a->ldo, ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, rq, cq, STREAM);
-    if (!rc && out16 && ptr[FL_CUDNN_UID_O] != out16) /* not compact (not taken today): the copy */
-        rc = FLB_K(convert2d)(out16, FL_BF16, a->ldo, ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, rq, cq, STREAM);
+        rc = flb_dnn_out(be, out, FL_F32, a->ldo, ptr[FL_CUDNN_UID_O], hp, rq, a->NH, a->HD, 0);
+    if (!rc && out16 && ptr[FL_CUDNN_UID_O] != out16) /* a padded head size (or rows not compact): the copy */
+        rc = flb_dnn_out(be, out16, FL_BF16, a->ldo, ptr[FL_CUDNN_UID_O], hp, rq, a->NH, a->HD, 0);
     *st = flb_attn_status(be, rc, "attention_forward (cuDNN)");
     return 1;
 }
@@ -246,10 +268,12 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
     int direct;
     fl_cudnn_plan *p = flb_dnn_plan_of(im, a, it, q, k, v, out, 1, &L, &direct);
     if (!p) return 0;
-    const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
+    fl_attn_desc pa; /* cuDNN's call: the head size padded to a multiple of 8 (hp), compact rows */
+    fl_cudnn_sdpa_pad(a, &pa);
+    const int hp = pa.HD, rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * hp, ck = a->NKV * hp;
     const size_t bq = flb_al256((size_t)rq * cq * 2), bk = flb_al256((size_t)rk * ck * 2);
     /* 4 bq + 4 bk: q o do dq | k v dk dv, then the fp32 dQ accumulator */
-    const size_t copies = fl_cudnn_sdpa_copy_bytes(a, 1), used = copies + fl_cudnn_sdpa_dqacc_bytes(a);
+    const size_t copies = fl_cudnn_sdpa_copy_bytes(&pa, 1), used = copies + fl_cudnn_sdpa_dqacc_bytes(&pa);
     char *buf = flb_dnn_buf(be, used + fl_cudnn_plan_workspace(p));
     if (!buf) return (*st = flb_sticky(be)), 1;
     void *ptr[FL_CUDNN_UID_COUNT] = {0};
@@ -269,14 +293,14 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
         ptr[FL_CUDNN_UID_Q] = (void *)q, ptr[FL_CUDNN_UID_K] = (void *)k, ptr[FL_CUDNN_UID_V] = (void *)v;
         ptr[FL_CUDNN_UID_O] = (void *)out;
     } else {
-        rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, it, a->ldq, rq, cq, STREAM);
-        if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, out, it, a->ldo, rq, cq, STREAM);
-        if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, it, a->ldk, rk, ck, STREAM);
-        if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, it, a->ldv, rk, ck, STREAM);
+        rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_Q], hp, q, it, a->ldq, rq, a->NH, a->HD);
+        if (!rc) rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_O], hp, out, it, a->ldo, rq, a->NH, a->HD);
+        if (!rc) rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_K], hp, k, it, a->ldk, rk, a->NKV, a->HD);
+        if (!rc) rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_V], hp, v, it, a->ldv, rk, a->NKV, a->HD);
     }
-    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_DO], FL_BF16, (size_t)cq, dout, FL_F32, a->ldo, rq, cq, STREAM);
+    if (!rc) rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_DO], hp, dout, FL_F32, a->ldo, rq, a->NH, a->HD);
     if (!rc && fl_cudnn_dqacc_needs_zero(im->dnn->api.version)) /* cuDNN < 9.6: the accumulator starts at 0 */
-        rc = flb_memset(ptr[FL_CUDNN_UID_DQACC], 0, fl_cudnn_sdpa_dqacc_bytes(a), STREAM);
+        rc = flb_memset(ptr[FL_CUDNN_UID_DQACC], 0, fl_cudnn_sdpa_dqacc_bytes(&pa), STREAM);
     if (rc) return (*st = flb_attn_status(be, rc, "attention_backward (cuDNN)")), 1;
     int s = fl_cudnn_plan_run(&im->dnn->api, im->dnn->handle, p, ptr, buf + used);
     if (s) {
@@ -285,11 +309,9 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
         flb_set_error(be, FL_ERR_UNSUPPORTED, "attention_backward (cuDNN)", why);
         return (*st = flb_sticky(be)), 1;
     }
-    rc = FLB_K(attention_acc2d)(dq, a->ldq, (const uint16_t *)ptr[FL_CUDNN_UID_DQ], FL_BF16, (size_t)cq, rq, cq, STREAM);
-    if (!rc) rc = FLB_K(attention_acc2d)(dk, a->ldk, (const uint16_t *)ptr[FL_CUDNN_UID_DK], FL_BF16, (size_t)ck, rk, ck,
-                                         STREAM);
-    if (!rc) rc = FLB_K(attention_acc2d)(dv, a->ldv, (const uint16_t *)ptr[FL_CUDNN_UID_DV], FL_BF16, (size_t)ck, rk, ck,
-                                         STREAM);
+    rc = flb_dnn_out(be, dq, FL_F32, a->ldq, ptr[FL_CUDNN_UID_DQ], hp, rq, a->NH, a->HD, 1);
+    if (!rc) rc = flb_dnn_out(be, dk, FL_F32, a->ldk, ptr[FL_CUDNN_UID_DK], hp, rk, a->NKV, a->HD, 1);
+    if (!rc) rc = flb_dnn_out(be, dv, FL_F32, a->ldv, ptr[FL_CUDNN_UID_DV], hp, rk, a->NKV, a->HD, 1);
     *st = flb_attn_status(be, rc, "attention_backward (cuDNN)");
     return 1;
 }

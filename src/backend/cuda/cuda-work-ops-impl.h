@@ -80,7 +80,8 @@ static int flb_attn_tc(const fl_backend *be, const fl_attn_desc *a, const float 
     const flb_impl *im = FLB_IMPL(be);
     if (im->compute != FL_BF16 || im->attn == FL_CUDNN_ATTN_FP32) return 0;
     if (im->attn == FL_CUDNN_ATTN_LEGACY) return fl_cu_attention_tc_supported(a, bias) ? FLB_ATTN_LEGACY + 1 : 0;
-    /* own, auto, cudnn: cuDNN first where it takes the size (a multiple of 8), else the fa2 kernels (padded sizes too) */
+    /* own, auto, cudnn: the fa2 kernels (padded sizes too), after cuDNN where it loaded (flb_cudnn_forward /
+     * _backward: any size up to 128, padded to a multiple of 8) */
     return fl_cu_attention_fa2_supported(a, bias) ? FLB_ATTN_OWN + 1 : 0;
 }
 static void flb_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
@@ -119,10 +120,9 @@ static fl_status flb_attn_fwd(const fl_backend *be, const fl_attn_desc *a, float
     }
     FL_TRY(st);
     if (in16 && bias) return fl_errorf(FL_ERR_UNSUPPORTED, "%s attention_forward_in16: no bias", FLB_NAME);
+    /* cuDNN first where it loaded (a bf16 compute, no bias, ...: flb_cudnn_forward says), whatever the head size */
+    if (flb_cudnn_forward(be, a, out, out16, lse, qv, kv, vv, in16 ? FL_BF16 : FL_F32, bias, kmask, &st)) return st;
     const int tc = flb_attn_tc(be, a, bias);
-    if (tc == FLB_ATTN_OWN + 1 &&
-        flb_cudnn_forward(be, a, out, out16, lse, qv, kv, vv, in16 ? FL_BF16 : FL_F32, bias, kmask, &st))
-        return st;
     int rc;
     if (tc == FLB_ATTN_OWN + 1)
         rc = in16 ? FLB_K(attention_forward_fa2_16)(a, out, out16, lse, qv, kv, vv, kmask, STREAM)
@@ -169,10 +169,7 @@ static fl_status flb_attn_bwd(const fl_backend *be, const fl_attn_desc *a, float
     if (!work) return flb_sticky(be);
     const int tc = flb_attn_tc(be, a, bias); /* the fa2 kernels take a bias (and dbias) at HD 64 / 128 */
     const fl_dtype it = in16 ? FL_BF16 : FL_F32;
-    (void)it; /* the emulator has no cuDNN path */
-    if (tc == FLB_ATTN_OWN + 1 &&
-        flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, it, bias, kmask, out, lse, work, &st))
-        return st;
+    if (flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, it, bias, kmask, out, lse, work, &st)) return st;
     const int fa_flags = (FLB_IMPL(be)->det ? FL_CU_FA2_DET : 0) | FLB_IMPL(be)->fa2_bk; /* the fa2 backward's flags */
     int rc;
     if (tc == FLB_ATTN_OWN + 1)

@@ -117,10 +117,15 @@ void fl_cudnn_sdpa_layout_of(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_l
  * stored 16-bit rows in place, no compact copy (FITLLM_CUDA_CUDNN_DIRECT, the default); o, dO and the gradients stay
  * compact. Usable when fl_cudnn_sdpa_direct_ok. Pure. */
 void fl_cudnn_sdpa_layout_rows(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_layout *L);
-/* whether q, k, v can be read in place: each 16-byte aligned with a row stride of whole 16-byte units (cuDNN's
- * tensors are declared 16-byte aligned). Pure. */
+/* whether q, k, v can be read in place: a head size of whole 16-byte units, each 16-byte aligned with a row stride
+ * of whole 16-byte units (cuDNN's tensors are declared 16-byte aligned). Pure. */
 int fl_cudnn_sdpa_direct_ok(const fl_attn_desc *a, const void *q, const void *k, const void *v);
-/* NULL when cuDNN's graphs take the call, else why not (a phrase): the head size (64, 128), a bias,
+/* The call cuDNN runs for a: its head size HD rounded up to a multiple of 8 (the fused engines' sizes: OpenLLaMA
+ * 3B's 100 runs at 104), compact rows at that size (ldq = ldo = NH HD', ldk = ldv = NKV HD'); the operands' copies
+ * are zero-padded per head (so the scores, and with V's zero columns the outputs' first HD columns, are the call's;
+ * the scale stays a's) and the results' padding dropped (attention_heads2d). 1 when HD' != HD. Pure. */
+int fl_cudnn_sdpa_pad(const fl_attn_desc *a, fl_attn_desc *p);
+/* NULL when cuDNN's graphs take the call, else why not (a phrase): the head size (up to 128), a bias,
  * a key mask, causal with Tq != Tk (the graphs' mask is top-left aligned), NH % NKV, an empty shape,
  * a non-compact output row (ldo != NH*HD). Pure. */
 const char *fl_cudnn_sdpa_refuse(const fl_attn_desc *a, const float *bias, const uint8_t *kmask);

@@ -66,14 +66,24 @@ void fl_cudnn_sdpa_layout_rows(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa
 
 int fl_cudnn_sdpa_direct_ok(const fl_attn_desc *a, const void *q, const void *k, const void *v) {
     const uintptr_t m = (uintptr_t)q | (uintptr_t)k | (uintptr_t)v;
-    return q && k && v && m % 16 == 0 && a->ldq % 8 == 0 && a->ldk % 8 == 0 && a->ldv % 8 == 0; /* 8 bf16 = 16 bytes */
+    return q && k && v && m % 16 == 0 && a->HD % 8 == 0 && a->ldq % 8 == 0 && a->ldk % 8 == 0 &&
+           a->ldv % 8 == 0; /* 8 bf16 = 16 bytes; a padded head size has only copies */
+}
+
+int fl_cudnn_sdpa_pad(const fl_attn_desc *a, fl_attn_desc *p) {
+    *p = *a;
+    const int hp = (a->HD + 7) / 8 * 8;
+    p->HD = hp;
+    p->ldq = p->ldo = (size_t)a->NH * hp, p->ldk = p->ldv = (size_t)a->NKV * hp;
+    return hp != a->HD;
 }
 
 const char *fl_cudnn_sdpa_refuse(const fl_attn_desc *a, const float *bias, const uint8_t *kmask) {
     if (!a || a->B <= 0 || a->Tq <= 0 || a->Tk <= 0 || a->NH <= 0 || a->NKV <= 0) return "an empty shape";
-    /* the fused flash engines' head sizes (multiples of 8 up to 128 on every GPU generation cuDNN 9 runs them; a size
-     * its heuristics still refuse falls back to the own kernels at run time, said once) */
-    if (a->HD % 8 || a->HD < 8 || a->HD > 128) return "head size not a multiple of 8 up to 128";
+    /* the fused flash engines' head sizes: multiples of 8 up to 128 on every GPU generation cuDNN 9 runs them (others
+     * run zero-padded to the next multiple of 8: fl_cudnn_sdpa_pad; a size its heuristics still refuse falls back to
+     * the own kernels at run time, said once) */
+    if (a->HD < 1 || a->HD > 128) return "head size above 128";
     if (a->NH % a->NKV) return "query heads not a multiple of key/value heads";
     if (bias) return "an attention bias";
     if (a->drop_p > 0) return "dropout on the attention weights";
@@ -102,9 +112,10 @@ size_t fl_cudnn_sdpa_workspace_allowance(const fl_attn_desc *a) {
 }
 
 size_t fl_cudnn_sdpa_scratch_bytes(int B, int T, int NH, int NKV, int HD) {
-    fl_attn_desc a = {0};
+    fl_attn_desc a = {0}, p;
     a.B = B, a.Tq = a.Tk = T, a.NH = NH, a.NKV = NKV, a.HD = HD, a.causal = 1, a.ldo = (size_t)NH * HD;
     if (fl_cudnn_sdpa_refuse(&a, NULL, NULL)) return 0;
+    fl_cudnn_sdpa_pad(&a, &p); /* cuDNN's head size */
     /* the backward's copies, its fp32 dQ accumulator, and the allowance for the plan's own workspace */
-    return fl_cudnn_sdpa_copy_bytes(&a, 1) + fl_cudnn_sdpa_dqacc_bytes(&a) + fl_cudnn_sdpa_workspace_allowance(&a);
+    return fl_cudnn_sdpa_copy_bytes(&p, 1) + fl_cudnn_sdpa_dqacc_bytes(&p) + fl_cudnn_sdpa_workspace_allowance(&p);
 }

@@ -1,6 +1,8 @@
-/* The one kernel of the cuDNN attention path (cuda-cudnn-impl.h): cuDNN's SDPA backward writes
+/* The kernels of the cuDNN attention path (cuda-cudnn-impl.h). attention_acc2d: cuDNN's SDPA backward writes
  * dQ, dK, dV as compact 16-bit tensors, while the backend's attention_backward ACCUMULATES into
- * fp32 gradients with row strides; this adds one into the other. */
+ * fp32 gradients with row strides; this adds one into the other. attention_heads2d: the same moves per head
+ * between a call's head size and cuDNN's (a multiple of 8: OpenLLaMA 3B's 100 runs at 104), zero-padding the
+ * operands' copies and dropping the padding of the results. */
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels_attn.h"
 
@@ -24,5 +26,40 @@ extern "C" int FL_CUK(attention_acc2d)(float *dst, size_t ldd, const uint16_t *s
     dim3 grid((unsigned)((cols + 255) / 256), (unsigned)(rows < 65535 ? rows : 65535));
     FL_CU_LAUNCH(fl_cu_attn_acc2d_k, grid, dim3(256), 0, (fl_cu_stream)stream, dst, ldd, src, st == FL_BF16 ? 1 : 0,
                  lds, rows, cols);
+    return fl_cu_launch_error();
+}
+
+/* grid (ceil(heads * wdst / 256), min(rows, 65535)); element (r, h, c), c < wdst: c < w ? src[r lds + h shs + c] : 0,
+ * into (or, acc, added to) dst[r ldd + h dhs + c] */
+__global__ static void fl_cu_attn_heads2d_k(void *dst, int dt, size_t ldd, int dhs, const void *src, int st, size_t lds,
+                                            int shs, int rows, int heads, int w, int wdst, int acc) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= heads * wdst) return;
+    const int h = i / wdst, c = i - h * wdst;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        float v = 0.0f;
+        if (c < w) {
+            const size_t o = (size_t)r * lds + (size_t)h * shs + c;
+            v = st == FL_F32 ? ((const float *)src)[o]
+                : st == FL_BF16 ? fl_cu_bf16_to_f32(((const uint16_t *)src)[o]) : fl_cu_f16_to_f32(((const uint16_t *)src)[o]);
+        }
+        const size_t o = (size_t)r * ldd + (size_t)h * dhs + c;
+        if (dt == FL_F32) ((float *)dst)[o] = acc ? ((float *)dst)[o] + v : v;
+        else ((uint16_t *)dst)[o] = fl_cu_f32_to_bf16(v);
+    }
+}
+
+extern "C" int FL_CUK(attention_heads2d)(void *dst, fl_dtype dt, size_t ldd, int dhs, const void *src, fl_dtype st,
+                                         size_t lds, int shs, int rows, int heads, int w, int wdst, int acc,
+                                         void *stream) {
+    if ((dt != FL_F32 && dt != FL_BF16) || (st != FL_F32 && st != FL_BF16 && st != FL_F16) || (acc && dt != FL_F32) ||
+        rows < 0 || heads < 0 || w < 0 || wdst < w || dhs < wdst || shs < w ||
+        (heads && (ldd < (size_t)(heads - 1) * dhs + wdst || lds < (size_t)(heads - 1) * shs + w)))
+        return FL_CU_ATTN_INVALID;
+    if (!rows || !heads || !wdst) return 0;
+    if (!dst || !src) return FL_CU_ATTN_INVALID;
+    dim3 grid((unsigned)((heads * wdst + 255) / 256), (unsigned)(rows < 65535 ? rows : 65535));
+    FL_CU_LAUNCH(fl_cu_attn_heads2d_k, grid, dim3(256), 0, (fl_cu_stream)stream, dst, (int)dt, ldd, dhs, src, (int)st,
+                 lds, shs, rows, heads, w, wdst, acc);
     return fl_cu_launch_error();
 }
