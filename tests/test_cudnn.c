@@ -825,4 +825,26 @@ FL_TEST(cudnn_selftest_choices_emu) {
                   strstr(buf, "attention own    B2 T35 NH2 NKV2 HD64 t5 bias dropout ok"), "%s", buf);
     free(buf);
 }
+
+#ifdef FL_SIM_CUDNN
+/* `fitllm selftest`'s cudnn rows, as a GPU would run them, through the stand-in: every shape (HD 64, 128, 100 padded
+ * to 104, 80) against float64 within 8 u, the fp32 calls and the stored-operand ones; T5's bias falls back to own */
+FL_TEST(cudnn_selftest_choices_sim) {
+    if (!fl_test_asan_budget()) return; /* the own and legacy rows again: cudnn_selftest_choices_emu runs them */
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    fl_selftest_result r;
+    setenv("FITLLM_CUDNN_LIB", FL_SIM_CUDNN, 1);
+    fl_status st = fl_selftest_attention_choices("cuda-emu", 1, f, &r);
+    unsetenv("FITLLM_CUDNN_LIB");
+    fclose(f);
+    FL_REQUIRE_OK(st);
+    FL_CHECKF(r.n_cases == 27 && r.n_fail == 0, "%d cases, %d failed:\n%s", r.n_cases, r.n_fail, buf);
+    FL_CHECKF(!strstr(buf, "cudnn  not available") && strstr(buf, "attention cudnn  B1 T37 NH4 NKV2 HD100 causal in16   ok") &&
+                  strstr(buf, "attention cudnn  B1 T33 NH2 NKV1 HD128 causal in16   ok") &&
+                  strstr(buf, "attention cudnn  B1 T29 NH2 NKV2 HD80 causal in16    ok"), "%s", buf);
+    free(buf);
+}
+#endif
 #endif
