@@ -11,7 +11,8 @@
  *            dV = P^T dO, grouped heads' dK / dV summed over their group.
  * Every tensor is read and written through its own dims and strides (K and V as the swapped views the graphs
  * declare). Descriptors record what the graphs set; heuristics offer one configuration, whose workspace is
- * $FITLLM_SIM_CUDNN_WS bytes (default 0; the plan's workspace pointer is checked to hold it: filled, then read back).
+ * $FITLLM_SIM_CUDNN_WS bytes (default 0; the plan's workspace pointer is checked to hold it: filled, then read back);
+ * $FITLLM_SIM_CUDNN_COMPACT_ONLY=1 refuses a Q read in place (a row stride other than its compact one).
  * A graph it does not recognize (no Q / K / V, a dtype other than bf16 / fp16) gets no engine, as cuDNN would say. */
 #include <math.h>
 #include <stdint.h>
@@ -68,7 +69,9 @@ typedef struct sim_desc {
 } sim_desc;
 
 size_t cudnnGetVersion(void) { return 91900; }
-const char *cudnnGetErrorString(int s) { return s ? "CUDNN_STATUS_SIM_ERROR" : "CUDNN_STATUS_SUCCESS"; }
+const char *cudnnGetErrorString(int s) {
+    return !s ? "CUDNN_STATUS_SUCCESS" : s == CUDNN_STATUS_NOT_SUPPORTED ? "CUDNN_STATUS_NOT_SUPPORTED" : "CUDNN_STATUS_SIM_ERROR";
+}
 static int g_handle;
 int cudnnCreate(void **h) { *h = &g_handle; return 0; }
 int cudnnDestroy(void *h) { (void)h; return 0; }
@@ -160,6 +163,15 @@ int cudnnBackendGetAttribute(void *d, int name, int type, int64_t req, int64_t *
                     q |= (t->dtype == CUDNN_DATA_BFLOAT16 || t->dtype == CUDNN_DATA_HALF) << (t->uid - 1);
             }
         *n = q == 7 ? 1 : 0;
+        /* $FITLLM_SIM_CUDNN_COMPACT_ONLY=1: Q read at a row stride other than its compact one gets no engine (as cuDNN
+         * might refuse a layout), so the backend's fall-back to its compact copies runs */
+        const char *co = getenv("FITLLM_SIM_CUDNN_COMPACT_ONLY");
+        for (int i = 0; co && *co == '1' && g && i < g->nops; i++)
+            for (int r = 0; r < g->ops[i]->nrefs; r++) {
+                const sim_desc *t = g->ops[i]->refs[r];
+                if (t->type == CUDNN_BACKEND_TENSOR_DESCRIPTOR && t->uid == 1 && t->stride[2] != t->dim[1] * t->dim[3])
+                    *n = 0;
+            }
         if (*n && req >= 1) ((sim_desc **)v)[0]->graph = s->graph;
         return 0;
     }
