@@ -13,7 +13,9 @@
  * declare). Descriptors record what the graphs set; heuristics offer one configuration, whose workspace is
  * $FITLLM_SIM_CUDNN_WS bytes (default 0; the plan's workspace pointer is checked to hold it: filled, then read back);
  * $FITLLM_SIM_CUDNN_COMPACT_ONLY=1 refuses a Q read in place (a row stride other than its compact one).
- * A graph it does not recognize (no Q / K / V, a dtype other than bf16 / fp16) gets no engine, as cuDNN would say. */
+ * A graph it does not recognize (no Q / K / V, a dtype other than bf16 / fp16) gets no engine, as cuDNN would say.
+ * It checks the backend's side of the graphs, not their nodes' arithmetic (tests/test_cudnn.c's
+ * cudnn_graph_follows_frontend compares those with cuDNN's frontend; a GPU's selftest, the results with float64). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
