@@ -71,8 +71,8 @@ step() { # the TinyLlama step: NAME WANT extra-args...
 echo "== 1. attention choices (cuDNN, own, legacy against float64; timed at TinyLlama's shape)"
 run attn 45 "$F" selftest --accelerator cuda --only attention_choices
 grep -E "attention |cuDNN|not available|exit" "$OUT/attn.log"
-echo "   (planned without a GPU, tests/fixtures/cudnn-engines.txt: an H100 / H200 gets engine 2 forward, 6 backward; an"
-echo "    A100 1 and 7; the cuDNN lines above name the engines this GPU's heuristics chose)"
+echo "   (planned without a GPU, tests/fixtures/cudnn-engines.txt: an H200 gets engine 2 forward, 6 backward (an H100,"
+echo "    sm_90 too, was not planned); an A100 1 and 7; the cuDNN lines above name the engines this GPU's heuristics chose)"
 
 echo "== 2. TinyLlama-1.1B bf16-true step with the profile"
 step full 35 --profile
