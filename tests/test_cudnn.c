@@ -785,8 +785,9 @@ FL_TEST(cudnn_emu_choice) {
     unsetenv("FITLLM_CUDA_ATTN");
 }
 
-/* the kernel that adds cuDNN's 16-bit gradients into the fp32 ones: strided rows, both 16-bit types,
- * partial blocks; exact (a 16-bit value widens exactly, one fp32 add) */
+/* attention_heads2d adding cuDNN's 16-bit gradients into the fp32 ones as the backend calls it where the head sizes
+ * agree (one "head" of the whole row): strided rows, both 16-bit types, partial blocks; exact (a 16-bit value widens
+ * exactly, one fp32 add) */
 FL_TEST(cudnn_acc2d_kernel) {
     const int rows = 5, cols = 300, ldd = 333, lds = 301;
     float *dst = malloc(sizeof(float) * rows * ldd), *want = malloc(sizeof(float) * rows * ldd);
@@ -800,11 +801,13 @@ FL_TEST(cudnn_acc2d_kernel) {
                 src[r * lds + c] = t ? fl_f32_to_f16(x) : fl_f32_to_bf16(x);
                 if (c < cols) want[r * ldd + c] += t ? fl_f16_to_f32(src[r * lds + c]) : fl_bf16_to_f32(src[r * lds + c]);
             }
-        FL_CHECK(fl_cuemu_attention_acc2d(dst, ldd, src, st, lds, rows, cols, NULL) == 0);
+        FL_CHECK(fl_cuemu_attention_heads2d(dst, FL_F32, ldd, cols, src, st, lds, cols, rows, 1, cols, cols, 1, NULL) == 0);
         FL_CHECK(!memcmp(dst, want, sizeof(float) * rows * ldd)); /* the gaps between rows untouched */
     }
-    FL_CHECK(fl_cuemu_attention_acc2d(dst, ldd, src, FL_F32, lds, rows, cols, NULL) == FL_CU_ATTN_INVALID);
-    FL_CHECK(fl_cuemu_attention_acc2d(dst, 10, src, FL_BF16, lds, rows, cols, NULL) == FL_CU_ATTN_INVALID);
+    FL_CHECK(fl_cuemu_attention_heads2d(dst, FL_F32, ldd, cols, src, FL_U8, lds, cols, rows, 1, cols, cols, 1, NULL) ==
+             FL_CU_ATTN_INVALID); /* a source type it does not read */
+    FL_CHECK(fl_cuemu_attention_heads2d(dst, FL_F32, 10, cols, src, FL_BF16, lds, cols, rows, 1, cols, cols, 1, NULL) ==
+             FL_CU_ATTN_INVALID);
     free(dst), free(want), free(src);
 }
 #endif

@@ -134,10 +134,6 @@ static inline int fl_cu_attention_fa2_supported(const fl_attn_desc *a, const flo
                                   const void *k16, const void *v16, const uint8_t *kmask, void *stream);       \
     int P##attention_forward_fa2_16(const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q16, \
                                     const void *k16, const void *v16, const uint8_t *kmask, void *stream);     \
-    /* dst (rows, cols; fp32, row stride ldd) += src (rows, cols; bf16 or fp16, row stride lds): cuDNN's      \
-     * 16-bit attention gradients into the fp32 ones (kernels/attn_cudnn.cu) */                           \
-    int P##attention_acc2d(float *dst, size_t ldd, const uint16_t *src, fl_dtype st, size_t lds, int rows,     \
-                           int cols, void *stream);                                                         \
     /* per head h < heads of rows r < rows: dst[r ldd + h dhs + c] (+= with acc: fp32 dst) the value of          \
      * src[r lds + h shs + c] for c < w and 0 for w <= c < wdst (dst F32 or BF16 (RNE), src F32, BF16 or F16):   \
      * a call's head size to cuDNN's padded one (wdst > w: zeros) and back (kernels/attn_cudnn.cu) */           \

@@ -7,7 +7,7 @@
  * The attention ops take fp32 operands with row strides (fl_attn_desc); cuDNN's graphs take 16-bit
  * ones. So a call copies Q, K, V (and O, dO backward) into compact bf16 buffers (convert2d), runs the
  * plan (cached per shape), and brings the result back: O to fp32 with ldo, dQ/dK/dV added into the
- * fp32 gradients (attention_acc2d: the op accumulates); the log-sum-exp is written by cuDNN in place
+ * fp32 gradients (attention_heads2d: the op accumulates); the log-sum-exp is written by cuDNN in place
  * (fp32 (B, NH, Tq), the contract's layout). The bf16 copies and cuDNN's workspace live in the region of
  * the op scratch beyond FLB_SCRATCH_BYTES, which a model lends for its attention shape
  * (fl_backend.attn_scratch_bytes: in its WORKSPACE, so the planner counts it), else (a call outside a model,
@@ -174,9 +174,8 @@ static int flb_dnn_in(const fl_backend *be, void *dst, int hp, const void *src, 
 static int flb_dnn_out(const fl_backend *be, void *dst, fl_dtype t, size_t ld, const void *src, int hp, int rows,
                        int heads, int hd, int acc) {
     const size_t ls = (size_t)heads * hp;
-    if (hp == hd)
-        return acc ? FLB_K(attention_acc2d)((float *)dst, ld, (const uint16_t *)src, FL_BF16, ls, rows, heads * hd, STREAM)
-                   : FLB_K(convert2d)(dst, t, ld, src, FL_BF16, ls, rows, heads * hd, STREAM);
+    if (hp == hd && !acc) return FLB_K(convert2d)(dst, t, ld, src, FL_BF16, ls, rows, heads * hd, STREAM);
+    if (hp == hd) heads = 1, hd = hp = (int)ls; /* one "head" of the whole row */
     return FLB_K(attention_heads2d)(dst, t, ld, hd, src, FL_BF16, ls, hp, rows, heads, hd, hd, acc, STREAM);
 }
 /* A call's layout: a bf16 run's stored q, k, v (and the backward's o: NULL forward, compact rows per

@@ -167,9 +167,9 @@ static fl_status flb_attn_bwd(const fl_backend *be, const fl_attn_desc *a, float
     void *work = flb_work(be, FLB_IMPL(be)->det ? fl_cu_attention_work_bytes_det(a->B, a->NH, a->Tq)
                                                 : fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward");
     if (!work) return flb_sticky(be);
-    const int tc = flb_attn_tc(be, a, bias); /* the fa2 kernels take a bias (and dbias) at HD 64 / 128 */
     const fl_dtype it = in16 ? FL_BF16 : FL_F32;
     if (flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, it, bias, kmask, out, lse, work, &st)) return st;
+    const int tc = flb_attn_tc(be, a, bias); /* the fa2 kernels take a bias (and dbias) at HD 64 / 128 */
     const int fa_flags = (FLB_IMPL(be)->det ? FL_CU_FA2_DET : 0) | FLB_IMPL(be)->fa2_bk; /* the fa2 backward's flags */
     int rc;
     if (tc == FLB_ATTN_OWN + 1)

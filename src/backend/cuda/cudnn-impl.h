@@ -158,21 +158,18 @@ typedef struct fl_cudnn_plan fl_cudnn_plan;
  * cuDNN's status: a shape no engine takes ends here). */
 int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sdpa_layout *L, int backward,
                         fl_cudnn_plan **out, char *why, size_t n);
-/* Without a GPU (cuDNN >= 9.8's ahead-of-time path): the graphs, the engine heuristics and the plan for the device
- * `devprop` describes (fl_cudnn_devprop_json) instead of a handle's. cuDNN's fused attention engines compile their
+/* Without a GPU (cuDNN >= 9.8's ahead-of-time path): the graphs, the engine heuristics and the plan of the
+ * heuristics' first configuration for the device `devprop` describes (fl_cudnn_devprop_json) instead of a handle's. cuDNN's fused attention engines compile their
  * kernels through NVRTC when the plan is finalized, then load them through the driver: on a machine without one,
  * heuristics rank nothing (every configuration fails cuDNN's support check with
  * CUDNN_STATUS_NOT_SUPPORTED_RUNTIME_PREREQUISITE_MISSING, before any graph check); with the CUDA toolkit's stub
  * libcuda.so.1 loaded, the graph and shape checks run, the kernel compiles and only loading it fails
  * (CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER). So, with the stub: a graph cuDNN refuses on a GPU (the first graphs
  * of 2026-11-30, "no engine for the graph" on an H200) is refused here alike, and one it takes compiles.
- * fl_cudnn_sdpa_build_on: the plan (0 and *out; -1 and why), as fl_cudnn_sdpa_build. fl_cudnn_sdpa_probe: the
- * heuristics' first configuration only: 0 its plan finalized (a GPU was there), 1 it compiled and only its loading
+ * 0: the plan finalized (a GPU was there), 1 it compiled and only its loading
  * failed (why says so), -1 refused (why: the step and cuDNN's status); *engine: its engine's global index,
  * *workspace: the bytes the configuration says it needs (CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE; the plan's when it
  * finalized). */
-int fl_cudnn_sdpa_build_on(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
-                           fl_cudnn_plan **out, char *why, size_t n);
 int fl_cudnn_sdpa_probe(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
                         int64_t *engine, size_t *workspace, char *why, size_t n);
 /* A device property descriptor from cuDNN's JSON (the keys of cudnnDeviceProp: deviceVer 900 for sm_90,

@@ -325,7 +325,8 @@ static void *gb_plan(gb *g, void *handle, void *devprop, void *graph, int first_
         if (!last) last = g->api->be_finalize(plan);
         int64_t w = 0, nw = 0;
         if (!last) last = g->api->be_get(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &nw, &w);
-        r->status = last, r->rank = (int)i, r->engine = cfg_engine(g->api, cfg[i]);
+        r->status = last, r->rank = (int)i;
+        if (!last || first_only) r->engine = cfg_engine(g->api, cfg[i]);
         if (first_only) { /* the configuration's own workspace figure (the plan's, when it finalizes) */
             int64_t cw = 0, nc = 0;
             if (!g->api->be_get(cfg[i], CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &nc, &cw) && nc == 1)
@@ -396,12 +397,6 @@ int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sd
                         fl_cudnn_plan **out, char *why, size_t n) {
     gb_result r = {0, -1, 0, 0};
     return sdpa_build(api, handle, NULL, L, backward, 0, out, &r, why, n);
-}
-
-int fl_cudnn_sdpa_build_on(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
-                           fl_cudnn_plan **out, char *why, size_t n) {
-    gb_result r = {0, -1, 0, 0};
-    return sdpa_build(api, NULL, devprop, L, backward, 0, out, &r, why, n);
 }
 
 int fl_cudnn_sdpa_probe(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
@@ -492,11 +487,6 @@ int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sd
     *out = NULL;
     snprintf(why, n, "this fitllm was built without cuDNN's headers (cudnn_backend.h)");
     return -1;
-}
-int fl_cudnn_sdpa_build_on(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
-                           fl_cudnn_plan **out, char *why, size_t n) {
-    (void)devprop;
-    return fl_cudnn_sdpa_build(api, NULL, L, backward, out, why, n);
 }
 int fl_cudnn_sdpa_probe(const fl_cudnn_api *api, void *devprop, const fl_cudnn_sdpa_layout *L, int backward,
                         int64_t *engine, size_t *workspace, char *why, size_t n) {
