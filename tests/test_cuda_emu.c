@@ -212,12 +212,35 @@ static void xent_case(int N, int V, float spread, int ramp) {
         uint16_t *d16 = malloc((size_t)N * V * 2);
         memset(d16, 0xff, (size_t)N * V * 2);
         memset(loss2, 0xff, (size_t)N * 4);
-        EMU_OK(fl_cuemu_cross_entropy_dbf16(loss2, d16, x, tg, N, V, gs, FL_IGNORE_INDEX, EMU_WORK, NULL));
+        EMU_OK(fl_cuemu_cross_entropy_dbf16(loss2, d16, x, tg, N, V, V, gs, FL_IGNORE_INDEX, EMU_WORK, NULL));
         size_t bad16 = 0;
         for (size_t i = 0; i < (size_t)N * V; i++) bad16 += d16[i] != fl_f32_to_bf16(dl[i]);
         FL_CHECKF(memcmp(loss2, loss, (size_t)N * 4) == 0 && bad16 == 0,
                   "%s: cross_entropy_dbf16: loss %s, %zu gradient elements not bf16(fp32 gradient)", what,
                   memcmp(loss2, loss, (size_t)N * 4) ? "differs" : "equal", bad16);
+        /* padded rows (the LM head's fl_logits_ld: V rounded up to 8, or 8 more where it is one): the same loss and
+         * gradient bits in each row's first V columns, the padding neither read (NaN logits there) nor written (a
+         * sentinel kept); 16-byte aligned rows take the 128-bit path up to the row's last whole run of 4 */
+        const int ld = V % 8 ? (V + 7) / 8 * 8 : V + 8;
+        float *xp = aligned_alloc(64, ((size_t)N * ld * 4 + 63) / 64 * 64);
+        uint16_t *dp = aligned_alloc(64, ((size_t)N * ld * 2 + 63) / 64 * 64);
+        for (int n = 0; n < N; n++)
+            for (int v = 0; v < ld; v++) xp[(size_t)n * ld + v] = v < V ? x[(size_t)n * V + v] : NAN;
+        for (size_t i = 0; i < (size_t)N * ld; i++) dp[i] = 0x7e5a;
+        memset(loss2, 0xff, (size_t)N * 4);
+        EMU_OK(fl_cuemu_cross_entropy_dbf16(loss2, dp, xp, tg, N, V, ld, gs, FL_IGNORE_INDEX, EMU_WORK, NULL));
+        size_t badp = 0, padw = 0;
+        for (int n = 0; n < N; n++)
+            for (int v = 0; v < ld; v++) {
+                const uint16_t g = dp[(size_t)n * ld + v];
+                if (v < V) badp += g != d16[(size_t)n * V + v];
+                else padw += g != 0x7e5a;
+            }
+        FL_CHECKF(memcmp(loss2, loss, (size_t)N * 4) == 0 && badp == 0 && padw == 0,
+                  "%s: cross_entropy_dbf16 over rows of %d: loss %s, %zu gradient elements differ from the compact "
+                  "rows', %zu padding elements written", what, ld, memcmp(loss2, loss, (size_t)N * 4) ? "differs" : "equal",
+                  badp, padw);
+        free(xp), free(dp);
         free(d16);
         free(loss); free(dl); free(loss2); free(xa);
     }

@@ -154,6 +154,37 @@ FL_TEST(cuda_gemm_errors) {
     }
 }
 
+/* fl_cu_gemm_panel_rows (cu_gemm.h): against its contract, by brute force over rows 1..3000 and buffers of 1..1500
+ * rows (every 7th): what fits is one panel; otherwise the panel is at most the buffer, a multiple of 128 (a buffer of
+ * >= 1024 rows) or 8 (>= 8), so every panel's offset is (16-byte alignment for elements of >= 2 bytes); the count is
+ * the fewest such panels can give (the largest such multiple that fits, dividing rows up); the last is not empty.
+ * Named cases: TinyLlama's down projection (2,048 rows of 5,632 bf16 columns in a 16 MiB work area: 1,489 fit, the
+ * split 1,489 + 559 put the second panel at a 2-byte offset) -> 1,024 + 1,024; nothing fits -> 0. */
+FL_TEST(cuda_gemm_panel_rows) {
+    FL_CHECK(fl_cu_gemm_panel_rows(2048, (int)((16u << 20) / (5632 * 2))) == 1024);
+    FL_CHECK(fl_cu_gemm_panel_rows(2048, 2048) == 2048 && fl_cu_gemm_panel_rows(100, 5000) == 100);
+    FL_CHECK(fl_cu_gemm_panel_rows(10, 0) == 0 && fl_cu_gemm_panel_rows(0, 4) == 1);
+    FL_CHECK(fl_cu_gemm_panel_rows(200, 174) == 104 && fl_cu_gemm_panel_rows(400, 204) == 200);
+    long cases = 0;
+    for (int rows = 1; rows <= 3000; rows += 1 + rows / 64)
+        for (int max = 1; max <= 1500; max += 7) {
+            const int p = fl_cu_gemm_panel_rows(rows, max);
+            cases++;
+            if (rows <= max) {
+                FL_CHECKF(p == rows, "rows %d max %d: %d (want one panel)", rows, max, p);
+                continue;
+            }
+            const int q = max >= 1024 ? 128 : max >= 8 ? 8 : max >= 4 ? 4 : 1, cap = max / q * q;
+            const int np = (rows + p - 1) / p, fewest = (rows + cap - 1) / cap;
+            if (!(p >= 1 && p <= max && p % q == 0 && np == fewest && rows - (np - 1) * p > 0)) {
+                FL_CHECKF(0, "rows %d max %d: panel %d (multiple of %d, %d panels, fewest %d)", rows, max, p, q, np,
+                          fewest);
+                return;
+            }
+        }
+    FL_CHECK(cases > 10000);
+}
+
 /* The cuBLASLt plan cache (cu_gemm.h): every field the descriptors or the heuristic depend on
  * separates two keys, pointers of equal alignment do not; LRU eviction destroys exactly the least
  * recently used plan; free destroys the rest. */

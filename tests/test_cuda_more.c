@@ -768,6 +768,97 @@ FL_TEST(cuda_more_q416_bits) {
     unsetenv("FITLLM_CUDA_Q4");
 }
 
+/* 256-byte aligned host memory (aligned_alloc wants a size that is a multiple of the alignment) */
+static void *al256_alloc(size_t n) { return aligned_alloc(256, (n + 255) / 256 * 256); }
+
+/* Panels keep the GEMMs aligned (fl_cu_gemm_panel_rows; issue 30 item 3): cuBLASLt takes its fast kernels only for
+ * 16-byte aligned operands and leading dimensions, so an op that cuts a matrix into panels must cut at offsets that
+ * keep them so. The emulator counts every stand-in GEMM whose operands are not (fl_cu_emu_gemm_misaligned). Over
+ * aligned buffers with leading dimensions of whole 16 bytes: FITLLM_CUDA_Q4=scratch at a 200 x 3000 4-bit weight,
+ * more than one dequantized panel of the emulator's areas (1 MiB of work: 174 rows of 3000, which put the second
+ * panel's y / dy at 8- / 4-byte offsets before; now 104 + 96), fp32 and bf16 inputs, forward and backward: no
+ * misaligned GEMM, two panels each (the fewest), and the two inputs' bits equal (the same panels); the mixed-type
+ * GEMM panels of flb_gemm (F32 x F16 with B's rows or K cut in panels of the emulator's 64 KiB: 42 rows of 384 fp32
+ * before, 40 now; F32 x BF16 with A stored (K, M), K cut at 204 before, 200 now): no misaligned GEMM, the values within the fp32 dot-product
+ * bound of float64 sums. */
+FL_TEST(cuda_more_gemm_panels_aligned) {
+    fl_test_rng r = {2100};
+    q4_fixture f;
+    FL_REQUIRE(q4_make(&f, 200, 3000, FL_Q4_NF4, 1, &r));
+    fl_backend be;
+    setenv("FITLLM_CUDA_Q4", "scratch", 1);
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    unsetenv("FITLLM_CUDA_Q4");
+    be.set_compute_dtype(&be, FL_BF16);
+    enum { N = 8 };
+    const int OUT = 200, IN = 3000;
+    float *x = al256_alloc((size_t)N * IN * 4), *dy = al256_alloc((size_t)N * OUT * 4);
+    float *o = al256_alloc((size_t)N * IN * 4);
+    uint16_t *x16 = al256_alloc((size_t)N * IN * 2), *dy16 = al256_alloc((size_t)N * OUT * 2);
+    for (int i = 0; i < N * IN; i++) x[i] = fl_bf16_to_f32(x16[i] = fl_f32_to_bf16(fl_test_rng_uniform(&r, -1, 1)));
+    for (int i = 0; i < N * OUT; i++) dy[i] = fl_bf16_to_f32(dy16[i] = fl_f32_to_bf16(fl_test_rng_uniform(&r, -1, 1)));
+    float *ref[2] = {NULL, NULL};
+    for (int in16 = 0; in16 <= 1; in16++)
+        for (int bwd = 0; bwd <= 1; bwd++) {
+            const unsigned long c0 = fl_cu_emu_gemm_calls, m0 = fl_cu_emu_gemm_misaligned;
+            fl_status st = bwd ? (in16 ? be.q4_matmul_backward16(&be, o, dy16, OUT, &f.w, N, 0.0f)
+                                       : be.q4_matmul_backward(&be, o, dy, OUT, &f.w, N, 0.0f))
+                               : (in16 ? be.q4_matmul_forward16(&be, o, OUT, x16, &f.w, N, 0.0f)
+                                       : be.q4_matmul_forward(&be, o, OUT, x, &f.w, N, 0.0f));
+            FL_CHECKF(st == FL_OK && be.sync(&be) == FL_OK, "%s %s: %s", in16 ? "bf16" : "fp32",
+                      bwd ? "backward" : "forward", fl_error_message());
+            const unsigned long calls = fl_cu_emu_gemm_calls - c0, bad = fl_cu_emu_gemm_misaligned - m0;
+            FL_CHECKF(bad == 0 && calls == 2, "q4 scratch %s %s 200 x 3000: %lu GEMMs (want 2 panels), %lu misaligned "
+                      "(last: %s)", in16 ? "bf16" : "fp32", bwd ? "backward" : "forward", calls, bad,
+                      fl_cu_emu_gemm_misaligned_what);
+            const size_t n = (size_t)N * (bwd ? IN : OUT);
+            if (!in16) ref[bwd] = dup_bytes(o, n * 4);
+            else FL_CHECKF(ref[bwd] && memcmp(ref[bwd], o, n * 4) == 0, "q4 scratch %s: bf16 and fp32 inputs differ "
+                           "in bits", bwd ? "backward" : "forward");
+        }
+    free(ref[0]), free(ref[1]);
+    /* flb_gemm's mixed-type panels: (trans_a, trans_b, A type, B type, M, N, K) */
+    const struct { int ta, tb; fl_dtype a, b; int M, N, K; } g[] = {
+        {0, 1, FL_F32, FL_F16, 8, 100, 384},  /* B (N, K) widened 40 rows at a time (C + j0) */
+        {0, 0, FL_F32, FL_F16, 8, 100, 400},  /* B (K, N): K in panels of 136 (A + k0; 163 before) */
+        {1, 1, FL_F32, FL_BF16, 160, 8, 400}, /* A (K, M) rounded: K in panels of 200 (B + k0; 204 before) */
+    };
+    for (size_t i = 0; i < sizeof g / sizeof g[0]; i++) {
+        const int M = g[i].M, Nn = g[i].N, K = g[i].K;
+        const int lda = g[i].ta ? M : K, ldb = g[i].tb ? K : Nn;
+        float *A = al256_alloc((size_t)M * K * 4);
+        uint16_t *B = al256_alloc((size_t)K * Nn * 2);
+        float *C = al256_alloc((size_t)M * Nn * 4);
+        double *want = calloc((size_t)M * Nn, 8), *absum = calloc((size_t)M * Nn, 8);
+        for (int k = 0; k < M * K; k++) A[k] = fl_test_rng_uniform(&r, -1, 1);
+        for (int k = 0; k < K * Nn; k++)
+            B[k] = g[i].b == FL_F16 ? fl_f32_to_f16(fl_test_rng_uniform(&r, -1, 1)) : fl_f32_to_bf16(fl_test_rng_uniform(&r, -1, 1));
+        for (int m = 0; m < M; m++)
+            for (int nn = 0; nn < Nn; nn++)
+                for (int k = 0; k < K; k++) {
+                    const float av = g[i].ta ? A[(size_t)k * lda + m] : A[(size_t)m * lda + k];
+                    const uint16_t bv = g[i].tb ? B[(size_t)nn * ldb + k] : B[(size_t)k * ldb + nn];
+                    const double p = (double)(g[i].b == FL_BF16 ? fl_bf16_to_f32(fl_f32_to_bf16(av)) : av) *
+                                     (g[i].b == FL_F16 ? fl_f16_to_f32(bv) : fl_bf16_to_f32(bv));
+                    want[(size_t)m * Nn + nn] += p, absum[(size_t)m * Nn + nn] += fabs(p);
+                }
+        const unsigned long c0 = fl_cu_emu_gemm_calls, m0 = fl_cu_emu_gemm_misaligned;
+        FL_CHECKF(be.gemm(&be, g[i].ta, g[i].tb, M, Nn, K, 1.0f, A, FL_F32, lda, B, g[i].b, ldb, 0.0f, C, FL_F32, Nn) ==
+                          FL_OK && be.sync(&be) == FL_OK, "gemm case %zu: %s", i, fl_error_message());
+        const unsigned long calls = fl_cu_emu_gemm_calls - c0, bad = fl_cu_emu_gemm_misaligned - m0;
+        FL_CHECKF(calls >= 2 && bad == 0, "gemm case %zu (%s x %s, %d x %d x %d): %lu GEMMs (want panels), %lu "
+                  "misaligned (last: %s)", i, fl_dtype_name(g[i].a), fl_dtype_name(g[i].b), M, Nn, K, calls, bad,
+                  fl_cu_emu_gemm_misaligned_what);
+        char what[48];
+        snprintf(what, sizeof what, "gemm panels case %zu", i);
+        FL_CHECK(dot_close(what, C, want, absum, (size_t)M * Nn, K));
+        free(A), free(B), free(C), free(want), free(absum);
+    }
+    free(x), free(dy), free(o), free(x16), free(dy16);
+    fl_backend_free(&be);
+    q4_free(&f);
+}
+
 /* FITLLM_CUDA_Q4 unset: a bf16 compute dtype's (bf16-true, bf16-mixed) 4-bit matmuls take scratch (bitsandbytes' way
  * with a bf16 compute dtype: the weight dequantized to bf16, bf16 operands, fp32 sums), every other one's (32-true and
  * 16-mixed: F32, 16-true: F16) the fp32 kernels. Checked through the backend's slots, bit for bit against the mode named

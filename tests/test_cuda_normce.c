@@ -155,7 +155,7 @@ static void xent_case(int N, int V, int dbf16, int alias) {
         d16[r] = dbf16 ? (uint16_t *)malloc(nv * 2 + 16) + off : NULL;
         fl_cu_emu_set_seed(r ? 0x9e3779b9ull : 0x5eedull);
         if (dbf16)
-            EMU_OK(fl_cuemu_cross_entropy_dbf16(loss[r], d16[r], xr, tg, N, V, gs, FL_IGNORE_INDEX, EMU_WORK, NULL));
+            EMU_OK(fl_cuemu_cross_entropy_dbf16(loss[r], d16[r], xr, tg, N, V, V, gs, FL_IGNORE_INDEX, EMU_WORK, NULL));
         else
             EMU_OK(fl_cuemu_cross_entropy(loss[r], dl[r], xr, tg, N, V, gs, FL_IGNORE_INDEX, EMU_WORK, NULL));
         if (!alias) free(xr - off);

@@ -303,10 +303,12 @@ struct fl_backend {
      * gradient
      * written ONLY as bf16, dlogits16 (N, V) = RNE of the fp32 value cross_entropy would write (not
      * overlapping logits); the loss as cross_entropy's. The LM head's bf16 GEMMs read it (fl_lm_head_loss:
-     * issue 30 item 4), so no fp32 (N, V) gradient is written and read back. (cuda, cuda-emu) */
-    fl_status (*cross_entropy_dbf16)(const fl_backend *be, float *loss /*(N)*/, void *dlogits16 /*(N,V) bf16*/,
-                                     const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
-                                     float grad_scale, int ignore_index);
+     * issue 30 item 4), so no fp32 (N, V) gradient is written and read back. Rows of logits and dlogits16 are ld
+     * >= V elements apart (the head's padded rows, fl_logits_ld: a vocabulary of 50,257 in rows of 50,264 keeps the
+     * head's GEMM operands 16-byte aligned); columns V .. ld-1 are neither read nor written. (cuda, cuda-emu) */
+    fl_status (*cross_entropy_dbf16)(const fl_backend *be, float *loss /*(N)*/, void *dlogits16 /*(N,ld) bf16*/,
+                                     const float *logits /*(N,ld)*/, const int32_t *targets /*(N)*/, int N, int V,
+                                     int ld, float grad_scale, int ignore_index);
     /* Optional, above gemm as the others (issue 33): elements [k0, k1) of a tensor's random-init stream
      * (fl_model_init_random: splitmix64 as a counter from state s, one Box-Muller pair per two elements; kind 0 zeros,
      * 1 ones, 2 normal(0, sd)) written to dst[0 .. k1-k0) in dtype dt on the device, the same values as the host's

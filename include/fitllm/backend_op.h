@@ -123,7 +123,7 @@ struct fl_op_dropout { float *y; const float *x; size_t n; float p; uint64_t see
 struct fl_op_cross_entropy { float *loss, *dlogits; const float *logits; const int32_t *targets; int N, V;
     float grad_scale; int ignore_index; };
 struct fl_op_cross_entropy_dbf16 { float *loss; void *dlogits16; const float *logits; const int32_t *targets;
-    int N, V; float grad_scale; int ignore_index; };
+    int N, V, ld; float grad_scale; int ignore_index; };
 struct fl_op_convert { void *dst; fl_dtype dt; const void *src; fl_dtype st; size_t n; };
 struct fl_op_convert_many { int count; void *const *dst; fl_dtype dt; const void *const *src; fl_dtype st;
     const size_t *len; };

@@ -535,6 +535,12 @@ void fl_model_detach_adapters(fl_model *m);
 /* Rows of the (rows, V) logits chunk the head processes at once for N = B*T rows (fl_act_sizes.logits_chunk_rows;
  * a head adapter's activations hold one chunk). */
 int fl_logits_chunk_rows(int vocab_size, int N);
+/* The row stride of the head's logits chunk and of its bf16 gradient (issue 30 item 3): the vocabulary rounded up to
+ * a multiple of 8, so that the head's GEMMs read and write 16-byte aligned rows (GPT-2's 50,257 in rows of 50,264:
+ * every row of an odd vocabulary otherwise starts 2- or 4-byte aligned, where cuBLASLt has only its slow kernels;
+ * llm.c pads the vocabulary itself to 50,304 for the same reason). The bf16 training head (cross_entropy_dbf16's
+ * chunks) uses it; the other paths keep rows of vocab_size in the same buffer. */
+int fl_logits_ld(int vocab_size);
 /* tests only: > 0 forces the chunk's rows (several chunks at a tiny model's shapes); 0 (default): the rule above */
 extern int fl_logits_chunk_rows_test;
 

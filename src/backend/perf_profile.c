@@ -308,8 +308,9 @@ WRAP_V(cross_entropy, 0,
        (BE, float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, float gs, int ii),
        (be, loss, dlogits, logits, targets, N, V, gs, ii))
 WRAP_S(cross_entropy_dbf16, 0,
-       (BE, float *loss, void *dl16, const float *logits, const int32_t *targets, int N, int V, float gs, int ii),
-       (be, loss, dl16, logits, targets, N, V, gs, ii))
+       (BE, float *loss, void *dl16, const float *logits, const int32_t *targets, int N, int V, int ld, float gs,
+        int ii),
+       (be, loss, dl16, logits, targets, N, V, ld, gs, ii))
 WRAP_S(adamw_update, 0,
        (BE, void *pp, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts, size_t n, float lr,
         float b1, float b2, float eps, float wd, int step, float gs),

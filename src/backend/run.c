@@ -292,8 +292,8 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_cross_entropy_dbf16: {
         DOOR(cross_entropy_dbf16);
-        return be->cross_entropy_dbf16(be, r->loss, r->dlogits16, r->logits, r->targets, r->N, r->V, r->grad_scale,
-                                       r->ignore_index);
+        return be->cross_entropy_dbf16(be, r->loss, r->dlogits16, r->logits, r->targets, r->N, r->V, r->ld,
+                                       r->grad_scale, r->ignore_index);
     }
     default:
         return run_memory(be, op);

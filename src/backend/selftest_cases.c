@@ -291,7 +291,7 @@ static void st_cases_generic(st_ctx *c) {
 static void st_xent_dbf16(st_ctx *c, int N, int V, const float *dx, const int32_t *dt, float *dl, uint16_t *d16,
                           const float *lr, const float *gr, float *ld, float *gd) {
     st_bufs b = {0};
-    fl_status s = c->dev->cross_entropy_dbf16(c->dev, dl, d16, dx, dt, N, V, 0.25f, FL_IGNORE_INDEX);
+    fl_status s = c->dev->cross_entropy_dbf16(c->dev, dl, d16, dx, dt, N, V, V, 0.25f, FL_IGNORE_INDEX);
     if (s == FL_OK) s = c->dev->sync(c->dev);
     uint16_t *h16 = malloc((size_t)N * V * 2);
     fl_st_down(c, &b, ld, dl, (size_t)N * 4);

@@ -43,6 +43,7 @@ int fl_logits_chunk_rows(int vocab_size, int N) {
 }
 
 static int logits_chunk_rows(const fl_model_config *c, int N) { return fl_logits_chunk_rows(c->vocab_size, N); }
+int fl_logits_ld(int vocab_size) { return (vocab_size + 7) / 8 * 8; }
 
 /* Rows of the residual stream and of slot k for a pass of N rows: sequence parallel (g->sp > 1), the stream and the
  * slots computed from it before a GATHER hold the rank's N / sp rows */
@@ -330,7 +331,8 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
     float *buf2 = carve(&cv, N * (size_t)gw[FL_GBUF_2]);
     float *more[2] = {NULL, NULL}; /* a graph with slots read by several ops: its further buffers */
     for (int k = FL_N_GBUF; k < g->n_gbuf; k++) more[k - FL_N_GBUF] = carve(&cv, N * (size_t)gw[k]);
-    float *logits = carve(&cv, (size_t)logits_chunk_rows(c, (int)N) * d.V);
+    const size_t Vp = (size_t)fl_logits_ld((int)d.V); /* the bf16 head's padded rows (fl_logits_ld; d.V: a TP rank's slice) */
+    float *logits = carve(&cv, (size_t)logits_chunk_rows(c, (int)N) * Vp);
     float *sp_dnorm = g->sp > 1 ? carve(&cv, 2 * (size_t)d.C) : NULL; /* sequence parallel: a norm's gradient part */
     const size_t tpr = c->tp_size > 1 ? (size_t)logits_chunk_rows(c, (int)N) : 0; /* tensor parallel: the statistics */
     double *tp_stats = tpr ? carve_bytes(&cv, (size_t)(c->tp_size + 1) * 3 * tpr * sizeof(double)) : NULL;
@@ -340,8 +342,8 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
     float *rc = carve(&cv, half), *rs = carve(&cv, half);
     /* bf16 dW scratch: the widest linear input and output (the head's: (N, C) and a logits chunk) */
     void *xb16 = dw_bf16 ? carve_bytes(&cv, N * imax(d.C, (size_t)g->lin_in_max) * sizeof(uint16_t)) : NULL;
-    size_t dyn = imax(N * imax(d.C, (size_t)g->lin_out_max), (size_t)logits_chunk_rows(c, (int)N) * d.V);
-    if (!dw_bf16 && dy_bf16 == 2) dyn = (size_t)logits_chunk_rows(c, (int)N) * d.V; /* QLoRA: the head's alone */
+    size_t dyn = imax(N * imax(d.C, (size_t)g->lin_out_max), (size_t)logits_chunk_rows(c, (int)N) * Vp);
+    if (!dw_bf16 && dy_bf16 == 2) dyn = (size_t)logits_chunk_rows(c, (int)N) * Vp; /* QLoRA: the head's alone */
     void *dyb16 = dw_bf16 || dy_bf16 ? carve_bytes(&cv, dyn * sizeof(uint16_t)) : NULL;
     if (handoff) *handoff = N * d.C * sizeof(float) + N * sizeof(int32_t);
     if (constant) *constant = 2 * half * sizeof(float);

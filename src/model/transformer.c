@@ -643,7 +643,9 @@ fl_status fl_model_encode_backward(fl_model *m, const float *dhidden) {
 /* One training chunk of a bf16 head on a backend with cross_entropy_dbf16 (issue 30 item 4): the chunk's input
  * rounded to bf16 once (xb16) for the forward and dW GEMMs, the loss's gradient written as bf16 straight into
  * dyb16 for the dx and dW GEMMs. Those are the operands the generic path's GEMMs round from fp32 (the same bits),
- * without its fp32 gradient's (rows, V) write and the converts that read it back. */
+ * without its fp32 gradient's (rows, V) write and the converts that read it back. The logits and dyb16 rows are
+ * fl_logits_ld(V) apart (V rounded up to 8: GPT-2's 50,257 in rows of 50,264), so that the three GEMMs' operands stay
+ * 16-byte aligned; columns past V are never read. */
 /* x16: NULL (the chunk rounded here into xb16), or the chunk's rows of the final norm's bf16 copy. slot (grouped,
  * FL_CAP_HEAD_GROUP, > 0 chunks): the chunk's place in its group: its dlogits at slot chunks into dyb16 and its rounded
  * x at slot chunks into xb16 (R rows each), dx here and dW left to head_group_dw; -1: one chunk, dx and dW here. */
@@ -652,27 +654,42 @@ static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx,
                                   int slot) {
     const fl_backend *be = m->be;
     float *logits = m->acts->logits;
+    const int ld = fl_logits_ld(head->out);
     const size_t R = (size_t)m->sizes.logits_chunk_rows, at = slot > 0 ? (size_t)slot * R : 0;
     fl_linear hx = *head; /* frozen (no xb16): the forward GEMM rounds x itself, the same operand */
     if (hx.xb16) hx.xb16 = (uint16_t *)hx.xb16 + at * hx.in;
-    if (hx.dyb16) hx.dyb16 = (uint16_t *)hx.dyb16 + at * hx.out;
+    if (hx.dyb16) hx.dyb16 = (uint16_t *)hx.dyb16 + at * ld;
     if (!x16 && hx.xb16) FL_TRY(FL_RUN(be, convert, hx.xb16, FL_BF16, x, FL_F32, (size_t)rows * hx.in));
     if (x16) hx.xb16 = (void *)x16;
     head = &hx;
-    FL_TRY(fl_linear_forward_ex(be, logits, x, head->xb16, head, rows)); // (rows, V) fp32
-    if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out, logits, rows));
-    FL_TRY(FL_RUN(be, cross_entropy_dbf16, losses, head->dyb16, logits, tg, rows, head->out, grad_scale,
-                  FL_IGNORE_INDEX));
-    if (slot < 0) return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW */
-    /* dx (rows, C) = dy (rows, V) @ W (V, C), as fl_linear_backward_dy16's dx GEMM */
+    /* logits (rows, V; rows ld apart) = x @ W^T: a plain bf16 weight (head_dbf16: no bias, adapter or 4-bit part), its
+     * GEMM on the bf16 x where there is one, else rounding the fp32 x itself (fl_linear_forward_ex's GEMM) */
     const void *w = head->wc ? head->wc : (const void *)head->w;
-    return FL_RUN(be, gemm, 0, 0, rows, head->in, head->out, 1.0f, head->dyb16, FL_BF16, head->out, w,
-                  head->wc ? head->wct : FL_F32, head->in, 0.0f, dx, FL_F32, head->in);
+    const fl_dtype wt = head->wc ? head->wct : FL_F32;
+    const int a16 = head->xb16 && wt == FL_BF16;
+    FL_TRY(FL_RUN(be, gemm, 0, 1, rows, head->out, head->in, 1.0f, a16 ? head->xb16 : (const void *)x,
+                  a16 ? FL_BF16 : FL_F32, head->in, w, wt, head->in, 0.0f, logits, FL_F32, ld));
+    if (logits_out) {
+        if (ld == head->out) FL_TRY(fl_head_logits_out(m, logits_out, logits, rows));
+        else
+            for (int r = 0; r < rows; r++)
+                FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r * head->out, logits + (size_t)r * ld, 1));
+    }
+    FL_TRY(FL_RUN(be, cross_entropy_dbf16, losses, head->dyb16, logits, tg, rows, head->out, ld, grad_scale,
+                  FL_IGNORE_INDEX));
+    /* dx (rows, C) = dy (rows, V) @ W (V, C), fl_linear_backward_dy16's dx GEMM on the bf16 dy */
+    FL_TRY(FL_RUN(be, gemm, 0, 0, rows, head->in, head->out, 1.0f, head->dyb16, FL_BF16, ld, w, wt, head->in, 0.0f, dx,
+                  FL_F32, head->in));
+    if (slot >= 0 || !fl_linear_wants_dy16(head)) return FL_OK; /* grouped: head_group_dw; frozen: no dW */
+    /* dW (V, C) += dy^T @ x over the chunk's rows, as fl_linear_backward_dy16's dW GEMM */
+    return FL_RUN(be, gemm, 1, 0, head->out, head->in, rows, 1.0f, head->dyb16, FL_BF16, ld, head->xb16, FL_BF16,
+                  head->in, 1.0f, head->dw16 ? head->dw16 : (void *)head->dw, head->dw16 ? FL_BF16 : FL_F32, head->in);
 }
-/* A group's dW (V, C) += dy^T (V, K) @ x (K, C) over its K rows: dyb16's first K rows and x16's (the final norm's bf16
- * copy from the group's first row, or xb16 where the chunks were rounded), as fl_linear_backward_dy16's dW GEMM */
+/* A group's dW (V, C) += dy^T (V, K) @ x (K, C) over its K rows: dyb16's first K rows (fl_logits_ld apart) and x16's
+ * (the final norm's bf16 copy from the group's first row, or xb16 where the chunks were rounded), as
+ * fl_linear_backward_dy16's dW GEMM */
 static fl_status head_group_dw(fl_model *m, const fl_linear *head, const void *x16, int K) {
-    return FL_RUN(m->be, gemm, 1, 0, head->out, head->in, K, 1.0f, head->dyb16, FL_BF16, head->out,
+    return FL_RUN(m->be, gemm, 1, 0, head->out, head->in, K, 1.0f, head->dyb16, FL_BF16, fl_logits_ld(head->out),
                   x16 ? x16 : head->xb16, FL_BF16, head->in, 1.0f, head->dw16 ? head->dw16 : (void *)head->dw,
                   head->dw16 ? FL_BF16 : FL_F32, head->in);
 }
@@ -740,7 +757,7 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
     /* FL_CAP_HEAD_GROUP: a trained head's chunks grouped G at a time in the dy scratch, their dW one GEMM */
     size_t G = 1;
     if (dbf16 && (be->caps & FL_CAP_HEAD_GROUP) && fl_linear_wants_dy16(&head) && a->dyb16_elems)
-        G = a->dyb16_elems / ((size_t)R * d.V);
+        G = a->dyb16_elems / ((size_t)R * fl_logits_ld(d.V));
     const int grouped = G > 1;
     for (int r0 = 0; r0 < N; r0 += R) {
         int rows = N - r0 < R ? N - r0 : R;

@@ -109,15 +109,17 @@ typedef struct {
     float *loss, *x;
     uint16_t *d16;
     int32_t *tg;
-    int N, V, rc;
+    int N, V, ld, rc;
 } nc_xent;
 static void nc_xent_run(void *p) {
     nc_xent *a = p;
-    a->rc |= fl_cuk_cross_entropy_dbf16(a->loss, a->d16, a->x, a->tg, a->N, a->V, 0.37f, -100, g_dev_work, NULL);
+    a->rc |= fl_cuk_cross_entropy_dbf16(a->loss, a->d16, a->x, a->tg, a->N, a->V, a->ld, 0.37f, -100, g_dev_work, NULL);
 }
 
-/* cross_entropy_dbf16 (every third row ignored): the loss and the bf16 gradient against the emulator, its speed */
-static void check_xent(int N, int V, int timed) {
+/* cross_entropy_dbf16 (every third row ignored): the loss and the bf16 gradient against the emulator, its speed. ld
+ * > V: the device's rows padded (the LM head's fl_logits_ld: GPT-2's 50,257 in rows of 50,264), NaN logits and a
+ * sentinel gradient in the padding, which must stay unread and unwritten; the emulator's compact rows the reference */
+static void check_xent(int N, int V, int ld, int timed) {
     unsigned s = 29u + (unsigned)V;
     const size_t nv = (size_t)N * V;
     const float R = 6.0f, gs = 0.37f;
@@ -125,9 +127,13 @@ static void check_xent(int N, int V, int timed) {
     int32_t *tg = malloc((size_t)N * 4);
     for (int n = 0; n < N; n++) tg[n] = n % 3 == 2 ? -100 : (int32_t)(((unsigned)n * 2654435761u) % (unsigned)V);
     uint16_t *d16 = malloc(nv * 2), *g16 = malloc(nv * 2);
-    fl_cuemu_cross_entropy_dbf16(loss, d16, x, tg, N, V, gs, -100, g_emu_work, NULL);
-    nc_xent a = {nc_dev(NULL, (size_t)N * 4), nc_dev(x, nv * 4), nc_dev(NULL, nv * 2), nc_dev(tg, (size_t)N * 4), N, V,
-                 0};
+    fl_cuemu_cross_entropy_dbf16(loss, d16, x, tg, N, V, V, gs, -100, g_emu_work, NULL);
+    const size_t np = (size_t)N * ld;
+    float *xp = malloc(np * 4);
+    uint16_t *p16 = malloc(np * 2);
+    for (size_t i = 0; i < np; i++) xp[i] = i % ld < (size_t)V ? x[i / ld * V + i % ld] : NAN, p16[i] = 0x7e5a;
+    nc_xent a = {nc_dev(NULL, (size_t)N * 4), nc_dev(xp, np * 4), nc_dev(p16, np * 2), nc_dev(tg, (size_t)N * 4), N, V,
+                 ld, 0};
     nc_xent_run(&a);
     if (a.rc || cudaDeviceSynchronize() != cudaSuccess) {
         printf("cross_entropy_dbf16 %dx%d: launch failed\n", N, V);
@@ -135,7 +141,12 @@ static void check_xent(int N, int V, int timed) {
         return;
     }
     cudaMemcpy(gl, a.loss, (size_t)N * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(g16, a.d16, nv * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(p16, a.d16, np * 2, cudaMemcpyDeviceToHost);
+    int pad_ok = 1;
+    for (size_t i = 0; i < np; i++) {
+        if (i % ld < (size_t)V) g16[i / ld * V + i % ld] = p16[i];
+        else pad_ok &= p16[i] == 0x7e5a;
+    }
     const double es = (V + 8) * NC_U / (1.0 - (V + 8) * NC_U) + 2 * NC_U * (2 * R + 2) + 4 * NC_U;
     int ok_l = 1, ok_d = 1;
     double wl = 0, wd = 0;
@@ -158,27 +169,31 @@ static void check_xent(int N, int V, int timed) {
             ok_d &= fabs(g - e) <= tol;
         }
     }
-    char nm[96];
-    snprintf(nm, sizeof nm, "cross_entropy_dbf16 loss %dx%d", N, V);
+    char nm[96], rows[32] = "";
+    if (ld != V) snprintf(rows, sizeof rows, " (rows of %d)", ld);
+    snprintf(nm, sizeof nm, "cross_entropy_dbf16 loss %dx%d%s", N, V, rows);
     nc_verdict(nm, ok_l, wl, !memcmp(gl, loss, (size_t)N * 4));
-    snprintf(nm, sizeof nm, "cross_entropy_dbf16 dlogits16 %dx%d", N, V);
-    nc_verdict(nm, ok_d, wd, !memcmp(g16, d16, nv * 2));
+    snprintf(nm, sizeof nm, "cross_entropy_dbf16 dlogits16 %dx%d%s", N, V, rows);
+    nc_verdict(nm, ok_d && pad_ok, wd, !memcmp(g16, d16, nv * 2));
+    if (!pad_ok) printf("  cross_entropy_dbf16 %dx%d: the padding past column %d was written\n", N, V, V);
     if (timed) {
         const float t = fl_cuda_check_time_ms(nc_xent_run, &a);
         /* the logits read once and the bf16 gradient written: what the call must move (it reads them twice) */
-        printf("  cross_entropy_dbf16 %dx%d: %.3f ms (%.0f GB/s of 6 bytes per logit)\n", N, V, t,
+        printf("  cross_entropy_dbf16 %dx%d%s: %.3f ms (%.0f GB/s of 6 bytes per logit)\n", N, V, rows, t,
                6.0 * nv / (t * 1e-3) / 1e9);
     }
     cudaFree(a.loss), cudaFree(a.x), cudaFree(a.d16), cudaFree(a.tg);
-    free(x), free(loss), free(gl), free(tg), free(d16), free(g16);
+    free(x), free(loss), free(gl), free(tg), free(d16), free(g16), free(xp), free(p16);
 }
 
 int fl_cuda_check_normce(void) {
     /* (rows, columns or V, timed): odd shapes, then TinyLlama's */
     static const int norm[][3] = {{7, 13, 0}, {1000, 130, 0}, {8192, 2048, 1}};
-    static const int xent[][3] = {{5, 7, 0}, {9, 4099, 0}, {262, 32000, 1}};
+    /* (rows, V, the rows' stride, timed): GPT-2's head chunk (166 rows of 50,257 in rows of 50,264) timed too */
+    static const int xent[][4] = {{5, 7, 7, 0}, {9, 4099, 4099, 0}, {9, 4099, 4104, 0}, {262, 32000, 32000, 1},
+                                  {166, 50257, 50264, 1}};
     g_nbad = 0;
     for (int k = 0; k < 3; k++) check_norm(norm[k][0], norm[k][1], norm[k][2]);
-    for (int k = 0; k < 3; k++) check_xent(xent[k][0], xent[k][1], xent[k][2]);
+    for (int k = 0; k < 5; k++) check_xent(xent[k][0], xent[k][1], xent[k][2], xent[k][3]);
     return g_nbad;
 }

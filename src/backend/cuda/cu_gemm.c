@@ -226,6 +226,16 @@ fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, con
 
 /* ---- the plan cache (cu_gemm.h) ---------------------------------------------------------------- */
 
+int fl_cu_gemm_panel_rows(int rows, int max_rows) {
+    if (max_rows < 1) return 0;
+    if (rows <= max_rows) return rows > 0 ? rows : 1;
+    const int q = max_rows >= 1024 ? 128 : max_rows >= 8 ? 8 : max_rows >= 4 ? 4 : 1; /* 128: <= 1/8 unused */
+    const int cap = max_rows / q * q;               /* >= q */
+    const int np = (int)(((int64_t)rows + cap - 1) / cap); /* the fewest panels of at most cap rows */
+    const int per = (int)(((int64_t)rows + np - 1) / np);  /* balanced: <= cap */
+    return (per + q - 1) / q * q;                   /* a multiple of q, still <= cap */
+}
+
 uint32_t fl_cu_gemm_align_of(const void *p) {
     uintptr_t a = (uintptr_t)p;
     uint32_t al = 256;

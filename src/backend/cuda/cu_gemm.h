@@ -126,6 +126,13 @@ void fl_cu_gemm_key_of(const fl_cu_gemm_desc *d, size_t workspace_bytes, fl_cu_g
 int fl_cu_gemm_key_eq(const fl_cu_gemm_key *a, const fl_cu_gemm_key *b);
 /* Largest power of two (<= 256) dividing the address. */
 uint32_t fl_cu_gemm_align_of(const void *p);
+/* Panels of a matrix of `rows` rows (or columns) of which at most `max_rows` fit a buffer: the rows of every panel but
+ * the last. The fewest panels, balanced, each a multiple of 128 rows (of 8 where max_rows < 1024, of 4 where < 8: a
+ * buffer that small exists only in the emulator), so that a panel's offset into its matrix keeps the operands of its
+ * GEMM 16-byte aligned (multiples of 8 for elements of >= 2 bytes, of 4 for fp32 ones): cuBLASLt's fast kernels want
+ * 16 bytes; a panel of 1,489 rows put the next panel's operands at 2- or 4-byte alignment, where cuBLASLt can only
+ * take its slow kernels. `rows` itself when it fits; 0 when max_rows < 1 (nothing fits). */
+int fl_cu_gemm_panel_rows(int rows, int max_rows);
 
 typedef struct {
     fl_cu_gemm_key key;

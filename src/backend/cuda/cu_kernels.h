@@ -59,14 +59,15 @@ extern "C" {
                                 void *work, void *stream);                                                     \
     int P##cross_entropy(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, \
                          float grad_scale, int ignore_index, void *work, void *stream);                        \
-    /* the same with the gradient written as bf16 only (dlogits16 (N, V), not overlapping logits) */         \
+    /* the same with the gradient written as bf16 only (dlogits16 (N, V), not overlapping logits); logits and \
+     * dlogits16 rows ld >= V apart (columns V .. ld-1 neither read nor written) */                             \
     int P##cross_entropy_dbf16(float *loss, void *dlogits16, const float *logits, const int32_t *targets, int N, \
-                               int V, float grad_scale, int ignore_index, void *work, void *stream);           \
+                               int V, int ld, float grad_scale, int ignore_index, void *work, void *stream);   \
     /* either of the two (dlogits or dlogits16, or neither) with grad_scale read from device memory when it runs  \
      * (a CUDA graph's per-step scalar) */                                                                      \
     int P##cross_entropy_dev(float *loss, float *dlogits, void *dlogits16, const float *logits,                 \
-                             const int32_t *targets, int N, int V, const float *grad_scale, int ignore_index,   \
-                             void *work, void *stream);                                                         \
+                             const int32_t *targets, int N, int V, int ld, const float *grad_scale,             \
+                             int ignore_index, void *work, void *stream);                                       \
     int P##adamw_update(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,          \
                         float beta2, float eps, float weight_decay, int step, float grad_scale, void *stream);  \
     /* dtypes as the backend's adamw_update; unsupported ones return -1 (checked on the host) */             \

@@ -212,7 +212,7 @@ static fl_status flb_gemm(const fl_backend *be, int trans_a, int trans_b, int M,
         /* A rounded to bf16 (RNE) a panel at a time, then a bf16 x bf16 -> fp32 GEMM: the CPU's
          * semantics (an F32 A is rounded to bf16 first; products exact, fp32 accumulation). */
         if (!trans_a) { /* A (M, K): panels of rows of A = rows of C */
-            int rows = (int)(pb / ((size_t)K * 2));
+            int rows = fl_cu_gemm_panel_rows(M, (int)(pb / ((size_t)K * 2)));
             if (rows < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: K = %d too large for the panel", FLB_NAME, K);
             for (int i0 = 0; i0 < M; i0 += rows) {
                 int mr = M - i0 < rows ? M - i0 : rows;
@@ -222,7 +222,7 @@ static fl_status flb_gemm(const fl_backend *be, int trans_a, int trans_b, int M,
                                        (float *)C + (size_t)i0 * ldc, tc, ldc));
             }
         } else { /* A stored (K, M): panels over K, accumulated into C */
-            int kr_max = (int)(pb / ((size_t)M * 2));
+            int kr_max = fl_cu_gemm_panel_rows(K, (int)(pb / ((size_t)M * 2))); /* aligned offsets k0 */
             if (kr_max < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: M = %d too large for the panel", FLB_NAME, M);
             for (int k0 = 0; k0 < K; k0 += kr_max) {
                 int kr = K - k0 < kr_max ? K - k0 : kr_max;
@@ -237,7 +237,7 @@ static fl_status flb_gemm(const fl_backend *be, int trans_a, int trans_b, int M,
     }
     /* (F32, F16, F32): B widened exactly to fp32 a panel at a time, then an fp32 GEMM */
     if (trans_b) { /* B stored (N, K): panels of rows of B = columns of C */
-        int rows = (int)(pb / ((size_t)K * 4));
+        int rows = fl_cu_gemm_panel_rows(N, (int)(pb / ((size_t)K * 4))); /* C + j0 aligned */
         if (rows < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: K = %d too large for the panel", FLB_NAME, K);
         for (int j0 = 0; j0 < N; j0 += rows) {
             int nr = N - j0 < rows ? N - j0 : rows;
@@ -247,7 +247,7 @@ static fl_status flb_gemm(const fl_backend *be, int trans_a, int trans_b, int M,
                                    (float *)C + j0, tc, ldc));
         }
     } else { /* B stored (K, N): panels over K, accumulated */
-        int kr_max = (int)(pb / ((size_t)N * 4));
+        int kr_max = fl_cu_gemm_panel_rows(K, (int)(pb / ((size_t)N * 4))); /* A + k0 aligned */
         if (kr_max < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: N = %d too large for the panel", FLB_NAME, N);
         for (int k0 = 0; k0 < K; k0 += kr_max) {
             int kr = K - k0 < kr_max ? K - k0 : kr_max;
@@ -388,10 +388,13 @@ static void flb_cross_entropy(const fl_backend *be, float *loss, float *dlogits,
             "cross_entropy");
 }
 static fl_status flb_cross_entropy_dbf16(const fl_backend *be, float *loss, void *dlogits16, const float *logits,
-                                         const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
+                                         const int32_t *targets, int N, int V, int ld, float grad_scale,
+                                         int ignore_index) {
     FL_TRY(flb_sticky(be));
     FL_TRY(flb_in_check(be, targets, "cross_entropy_dbf16"));
-    FLB_RUN_S(be, FLB_K(cross_entropy_dbf16)(loss, dlogits16, logits, targets, N, V, grad_scale, ignore_index,
+    if (ld < V)
+        return fl_errorf(FL_ERR_INVALID, "%s cross_entropy_dbf16: row stride %d below the vocabulary %d", FLB_NAME, ld, V);
+    FLB_RUN_S(be, FLB_K(cross_entropy_dbf16)(loss, dlogits16, logits, targets, N, V, ld, grad_scale, ignore_index,
                                              FLB_NWORK(be, "cross_entropy_dbf16"), STREAM),
               "cross_entropy_dbf16");
     return FL_OK;

@@ -85,7 +85,7 @@ static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const void *bi
         void *s = flb_scratch(be);
         if (!s) return flb_sticky(be);
         char *panel = (char *)s + FLB_LT_WS_BYTES;
-        const int rows = (int)(FLB_PANEL_BYTES / ((size_t)K * 2));
+        const int rows = fl_cu_gemm_panel_rows(M, (int)(FLB_PANEL_BYTES / ((size_t)K * 2)));
         if (rows < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: K = %d too large for the panel", FLB_NAME, K);
         for (int i0 = 0; i0 < M; i0 += rows) {
             const int mr = M - i0 < rows ? M - i0 : rows;

@@ -409,11 +409,11 @@ static fl_status flb_graph_slot_run(flb_graph *g, const fl_backend *be, flb_gseg
         rc = FLB_K(adamw_update_dss)(u->p, u->tp, u->g, u->tg, u->m, u->v, u->ts, u->n, d, u->ss, g->stream);
     } else if (!rc && op->kind == FL_OPK_cross_entropy) {
         const struct fl_op_cross_entropy *c = &op->cross_entropy;
-        rc = FLB_K(cross_entropy_dev)(c->loss, c->dlogits, NULL, c->logits, c->targets, c->N, c->V,
+        rc = FLB_K(cross_entropy_dev)(c->loss, c->dlogits, NULL, c->logits, c->targets, c->N, c->V, c->V,
                                       (const float *)d, c->ignore_index, FLB_NWORK(be, "cross_entropy"), g->stream);
     } else if (!rc) {
         const struct fl_op_cross_entropy_dbf16 *c = &op->cross_entropy_dbf16;
-        rc = FLB_K(cross_entropy_dev)(c->loss, NULL, c->dlogits16, c->logits, c->targets, c->N, c->V,
+        rc = FLB_K(cross_entropy_dev)(c->loss, NULL, c->dlogits16, c->logits, c->targets, c->N, c->V, c->ld,
                                       (const float *)d, c->ignore_index, FLB_NWORK(be, "cross_entropy_dbf16"),
                                       g->stream);
     }

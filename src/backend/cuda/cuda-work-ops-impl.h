@@ -251,19 +251,35 @@ static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp,
                                          STREAM), "adam8bit_update");
     return FL_OK;
 }
-/* FITLLM_CUDA_Q4=scratch (a bf16 run's default): W dequantized a panel of rows at a time into a bf16 scratch (the work area), each
- * panel one GEMM of the F32 x bf16 kind (flb_gemm: the activations rounded to bf16 in its panel, fp32 accumulation);
- * forward: y[:, panel] = x @ panel^T; backward: dx (+)= dy[:, panel] @ panel, the panels accumulated in dx. A BF16 `in`
- * (q4_matmul_forward16 / _backward16: the stored copy, the RNE that panel holds) is the GEMM's A as it is, in the row
- * panels flb_gemm's F32 A takes (the same GEMM shapes, hence the library's same algorithm and bits) */
+/* FITLLM_CUDA_Q4=scratch (a bf16 run's default): W dequantized a panel of rows at a time into a bf16 scratch, each
+ * panel one GEMM (fp32 accumulation); forward: y[:, panel] = x @ panel^T; backward: dx (+)= dy[:, panel] @ panel, the
+ * panels accumulated in dx. An F32 `in` (q4_matmul_forward / _backward) is the F32 x bf16 GEMM's A, which flb_gemm
+ * rounds to bf16 in its mixed-type panels: the weight's panel then lives in the work area. A BF16 `in`
+ * (q4_matmul_forward16 / _backward16: the stored copy, the RNE those panels hold) is the GEMM's A as it is, one GEMM
+ * over all its rows, and the weight's panel may take the mixed-type panels' area too (unused by a bf16 x bf16 GEMM):
+ * FLB_PANEL_BYTES + FLB_WORK_BYTES, 48 MiB on a GPU, so each of TinyLlama's 4-bit weights (5,632 x 2,048 at most,
+ * 22 MiB) is one dequantization and one GEMM. Panels from fl_cu_gemm_panel_rows (balanced, whole 128s or 8s): each
+ * panel's offsets into y, dy and dx keep the GEMM's operands 16-byte aligned (the H200's profile of 2026-11-30 had
+ * these GEMMs at 214 / 263 TFLOP/s against ~690 for the bf16 bases of LoRA: TinyLlama's down projection, 2,048 x
+ * 5,632, split at 1,489 rows, put its second panel's y and dy at 4- and 2-byte alignment). Both inputs give the same
+ * bits where the weight is one panel either way (on the emulator always: its GEMM's sums do not depend on the
+ * shapes' split but for the backward's accumulation over panels). */
 static fl_status flb_q4_scratch(const fl_backend *be, int bwd, float *out, int ldo, const void *in, fl_dtype it,
                                 int ldi, const fl_q4_weight *w, int N, float beta, const char *op) {
     const size_t row_bytes = (size_t)w->cols * sizeof(uint16_t);
-    const int rows = (int)(FLB_WORK_BYTES / row_bytes < (size_t)w->rows ? FLB_WORK_BYTES / row_bytes : (size_t)w->rows);
+    const size_t area = it == FL_BF16 ? (size_t)FLB_PANEL_BYTES + FLB_WORK_BYTES : FLB_WORK_BYTES;
+    const size_t fit = area / row_bytes;
+    const int rows = fl_cu_gemm_panel_rows(w->rows, fit < (size_t)w->rows ? (int)fit : w->rows);
     if (rows < 1)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s %s: FITLLM_CUDA_Q4=scratch: a row of %d columns exceeds the work area",
                          FLB_NAME, op, w->cols);
-    uint16_t *panel = (uint16_t *)flb_work(be, (size_t)rows * row_bytes, op);
+    uint16_t *panel;
+    if (it == FL_BF16) { /* the mixed-type panels and the work area: contiguous in the scratch (flb_work) */
+        char *s = (char *)flb_scratch(be);
+        panel = s ? (uint16_t *)(s + FLB_LT_WS_BYTES) : NULL;
+    } else {
+        panel = (uint16_t *)flb_work(be, (size_t)rows * row_bytes, op);
+    }
     if (!panel) return flb_sticky(be);
     const size_t es = it == FL_F32 ? sizeof(float) : sizeof(uint16_t);
     for (int r0 = 0; r0 < w->rows && N > 0; r0 += rows) {
@@ -273,11 +289,7 @@ static fl_status flb_q4_scratch(const fl_backend *be, int bwd, float *out, int l
         float *o = bwd ? out : out + r0;
         const float b = bwd && r0 ? 1.0f : beta;
         FLB_RUN_S(be, FLB_K(q4_dequantize)(panel, FL_BF16, w->cols, w, r0, nr, STREAM), op);
-        const int pr = it == FL_F32 ? N : (int)(FLB_PANEL_BYTES / ((size_t)K * 2)); /* flb_gemm's F32 A panels */
-        if (pr < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s %s: K = %d too large for the panel", FLB_NAME, op, K);
-        for (int i0 = 0; i0 < N; i0 += pr)
-            FL_TRY(flb_gemm(be, 0, !bwd, N - i0 < pr ? N - i0 : pr, Nc, K, 1.0f, a + (size_t)i0 * ldi * es, it, ldi,
-                            panel, FL_BF16, w->cols, b, o + (size_t)i0 * ldo, FL_F32, ldo));
+        FL_TRY(flb_gemm(be, 0, !bwd, N, Nc, K, 1.0f, a, it, ldi, panel, FL_BF16, w->cols, b, o, FL_F32, ldo));
     }
     return FL_OK;
 }

@@ -44,7 +44,27 @@ static void flb_emu_copy_run(void *a) {
 static void flb_emu_gemm_run(void *a) {
     if (fl_cu_gemm_standin(NULL, (const fl_cu_gemm_desc *)a) != FL_OK) fl_cu_emu_capture_invalidate("gemm");
 }
+/* the alignment audit (cu_emu.h): what cuBLASLt's fast kernels need of every operand */
+static void flb_emu_gemm_audit(const fl_cu_gemm_desc *d) {
+    fl_cu_emu_gemm_calls++;
+    const size_t ea = fl_dtype_size(d->ta), eb = fl_dtype_size(d->tb), ec = fl_dtype_size(d->tc);
+    const void *D = d->D ? d->D : d->C;
+    const int bad = fl_cu_gemm_align_of(d->A) < 16 || fl_cu_gemm_align_of(d->B) < 16 ||
+                    fl_cu_gemm_align_of(d->C) < 16 || fl_cu_gemm_align_of(D) < 16 ||
+                    (d->epilogue && fl_cu_gemm_align_of(d->bias) < 16) || (size_t)d->lda * ea % 16 ||
+                    (size_t)d->ldb * eb % 16 || (size_t)d->ldc * ec % 16;
+    if (!bad) return;
+    fl_cu_emu_gemm_misaligned++;
+    snprintf(fl_cu_emu_gemm_misaligned_what, sizeof fl_cu_emu_gemm_misaligned_what,
+             "m %d n %d k %d %s%s%s, alignment A %u B %u C %u D %u, ld %lld %lld %lld", d->m, d->n, d->k,
+             fl_dtype_name(d->ta), fl_dtype_name(d->tb), fl_dtype_name(d->tc), (unsigned)fl_cu_gemm_align_of(d->A),
+             (unsigned)fl_cu_gemm_align_of(d->B), (unsigned)fl_cu_gemm_align_of(d->C),
+             (unsigned)fl_cu_gemm_align_of(D), (long long)d->lda, (long long)d->ldb, (long long)d->ldc);
+    const char *e = getenv("FITLLM_EMU_GEMM_AUDIT");
+    if (e && *e == '1') fprintf(stderr, "cuda-emu: misaligned GEMM: %s\n", fl_cu_emu_gemm_misaligned_what);
+}
 static fl_status flb_emu_gemm(void *ctx, const fl_cu_gemm_desc *d) {
+    flb_emu_gemm_audit(d);
     if (!fl_cu_emu_capturing()) return fl_cu_gemm_standin(ctx, d);
     FL_TRY(fl_cu_gemm_check(d)); /* what cuBLASLt refuses at the call, refused at the capture */
     FL_TRY(fl_cu_gemm_lt_bias_ok(d));

@@ -438,6 +438,8 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
 unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches, fl_cu_emu_vec_accesses;
 unsigned long fl_cu_emu_dnn_own_buffers;
 unsigned long fl_cu_emu_norm_add_launches;
+unsigned long fl_cu_emu_gemm_calls, fl_cu_emu_gemm_misaligned;
+char fl_cu_emu_gemm_misaligned_what[192];
 
 /* ---- stream capture (CUDA Graphs) ----
  * While this OS thread captures, launches and stream copies are recorded as nodes (a kernel's closure with its

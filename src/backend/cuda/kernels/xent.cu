@@ -15,7 +15,9 @@
  * The work holds (2 S + 1) floats per row; rows go in groups that fit FL_CU_NORM_WORK_BYTES (each row on its own:
  * the grouping changes no bits). With dlogits16 (cross_entropy_dbf16) the gradient is written as bf16 only (RNE of
  * the same fp32 value): the LM head's bf16 GEMMs read it, and no fp32 (N, V) gradient is written and read back by
- * a convert (issue 30 item 4). */
+ * a convert (issue 30 item 4). Rows may be padded (cross_entropy_dbf16 / _dev's ld > V: the LM head's logits rows of
+ * a vocabulary such as GPT-2's 50,257 padded to a multiple of 8, so that its GEMMs' operands stay 16-byte aligned):
+ * the kernels read and write columns 0 .. V-1 of each row only. */
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels.h"
 
@@ -24,14 +26,16 @@ static int xent_threads(int V) {
     int t = ((V + 7) / 8 + 31) & ~31;
     return t < 32 ? 32 : t > 256 ? 256 : t;
 }
-/* the thread's 8 columns of its chunk (their indices in ix; past the row: -inf) */
+/* the thread's 8 columns of its chunk (their indices in ix; past the row: -inf). vec: 128-bit loads of runs of 4 that
+ * lie wholly in the row (a row of V % 4 != 0 in padded rows, ld % 4 == 0, takes its last run one by one: no column
+ * past V is read) */
 FL_CU_DEV void xent_load(const float *x, int base, int V, int vec, float *v, int *ix) {
     const int T = (int)blockDim.x, t = (int)threadIdx.x;
     FL_CU_UNROLL
     for (int h = 0; h < 2; h++) {
         const int c = base + h * 4 * T + 4 * t;
         for (int k = 0; k < 4; k++) ix[4 * h + k] = c + k;
-        if (vec && c < V) {
+        if (vec && c + 3 < V) {
             fl_cu_ld4(x + c, v + 4 * h);
         } else {
             for (int k = 0; k < 4; k++) v[4 * h + k] = c + k < V ? x[c + k] : -INFINITY;
@@ -50,13 +54,13 @@ FL_CU_DEV float xent_block_max(float v, float *buf) {
 }
 
 /* st: per row (2 S + 1) floats: (M, sum) of each chunk, then the target's logit */
-__global__ static void fl_cu_xent_stats_k(float *st, const float *logits, const int32_t *targets, int V, int S,
-                                          int ignore_index, int vec) {
+__global__ static void fl_cu_xent_stats_k(float *st, const float *logits, const int32_t *targets, int V, int ld,
+                                          int S, int ignore_index, int vec) {
     __shared__ float buf[32];
     const size_t row = blockIdx.y;
     const int tgt = targets[row], chunk = (int)blockIdx.x, base = chunk * 8 * (int)blockDim.x;
     if (tgt == ignore_index) return; /* the whole block takes this branch */
-    const float *x = logits + row * V;
+    const float *x = logits + row * ld;
     float v[8], m = -INFINITY, s = 0.0f;
     int ix[8];
     xent_load(x, base, V, vec, v, ix);
@@ -75,14 +79,14 @@ __global__ static void fl_cu_xent_stats_k(float *st, const float *logits, const 
 }
 
 __global__ static void fl_cu_xent_grad_k(float *loss, float *dlogits, uint16_t *dlogits16, const float *st,
-                                         const float *logits, const int32_t *targets, int V, int S,
+                                         const float *logits, const int32_t *targets, int V, int ld, int S,
                                          float grad_scale_arg, const float *grad_scale_dev, int ignore_index,
                                          int vec) {
     const size_t row = blockIdx.y;
     const int tgt = targets[row], chunk = (int)blockIdx.x, base = chunk * 8 * (int)blockDim.x;
     const int T = (int)blockDim.x, t = (int)threadIdx.x;
-    float *dx = dlogits ? dlogits + row * V : NULL;
-    uint16_t *dx16 = dlogits16 ? dlogits16 + row * V : NULL;
+    float *dx = dlogits ? dlogits + row * ld : NULL;
+    uint16_t *dx16 = dlogits16 ? dlogits16 + row * ld : NULL;
     float d[8];
     int ix[8];
     if (tgt == ignore_index) { /* the whole block takes this branch */
@@ -101,7 +105,7 @@ __global__ static void fl_cu_xent_grad_k(float *loss, float *dlogits, uint16_t *
         const float lse = m + logf(s);
         if (chunk == 0 && t == 0) loss[row] = lse - o[2 * S];
         if (!dx && !dx16) return;
-        xent_load(logits + row * V, base, V, vec, d, ix);
+        xent_load(logits + row * ld, base, V, vec, d, ix);
         FL_CU_UNROLL
         for (int k = 0; k < 8; k++) {
             d[k] = grad_scale * expf(d[k] - lse);
@@ -112,7 +116,7 @@ __global__ static void fl_cu_xent_grad_k(float *loss, float *dlogits, uint16_t *
     for (int h = 0; h < 2 && (dx || dx16); h++) {
         const int c = base + h * 4 * T + 4 * t;
         float *dh = d + 4 * h;
-        if (vec && c < V) {
+        if (vec && c + 3 < V) {
             if (dx) fl_cu_st4(dx + c, dh);
             else fl_cu_keep16x4(dx16, (size_t)c, dh);
         } else {
@@ -124,45 +128,48 @@ __global__ static void fl_cu_xent_grad_k(float *loss, float *dlogits, uint16_t *
     }
 }
 
+/* ld: the row stride of logits and of the gradient (>= V; the LM head's padded rows, fl_logits_ld): columns V .. ld-1
+ * are neither read nor written */
 static int xent_launch(float *loss, float *dlogits, uint16_t *dlogits16, const float *logits, const int32_t *targets,
-                       int N, int V, float grad_scale, const float *grad_scale_dev, int ignore_index, void *work,
+                       int N, int V, int ld, float grad_scale, const float *grad_scale_dev, int ignore_index, void *work,
                        void *stream) {
     if (N <= 0 || V <= 0) return 0;
+    if (ld < V) return -1;
     const int T = xent_threads(V), S = (V + 8 * T - 1) / (8 * T);
     const size_t row_bytes = (size_t)(2 * S + 1) * sizeof(float);
     if (!work || row_bytes > FL_CU_NORM_WORK_BYTES) return -1;
     const size_t g = FL_CU_NORM_WORK_BYTES / row_bytes;
     const int G = g > 65535 ? 65535 : (int)g; /* rows per group (a grid's y: at most 65535) */
-    const int vec = V % 4 == 0 && fl_cu_aligned16(logits, dlogits, NULL, NULL, NULL) &&
+    const int vec = ld % 4 == 0 && fl_cu_aligned16(logits, dlogits, NULL, NULL, NULL) &&
                     ((uintptr_t)dlogits16 & 7u) == 0;
     for (int r0 = 0; r0 < N; r0 += G) {
         const int rows = N - r0 < G ? N - r0 : G;
-        const size_t off = (size_t)r0 * V;
+        const size_t off = (size_t)r0 * ld;
         FL_CU_LAUNCH(fl_cu_xent_stats_k, dim3((unsigned)S, (unsigned)rows), dim3((unsigned)T), 0, (fl_cu_stream)stream,
-                     (float *)work, logits + off, targets + r0, V, S, ignore_index, vec);
+                     (float *)work, logits + off, targets + r0, V, ld, S, ignore_index, vec);
         FL_CU_LAUNCH(fl_cu_xent_grad_k, dim3((unsigned)S, (unsigned)rows), dim3((unsigned)T), 0, (fl_cu_stream)stream,
                      loss + r0, dlogits ? dlogits + off : NULL, dlogits16 ? dlogits16 + off : NULL,
-                     (const float *)work, logits + off, targets + r0, V, S, grad_scale, grad_scale_dev, ignore_index,
-                     vec);
+                     (const float *)work, logits + off, targets + r0, V, ld, S, grad_scale, grad_scale_dev,
+                     ignore_index, vec);
     }
     return fl_cu_launch_error();
 }
 
 extern "C" int FL_CUK(cross_entropy)(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N,
                                      int V, float grad_scale, int ignore_index, void *work, void *stream) {
-    return xent_launch(loss, dlogits, NULL, logits, targets, N, V, grad_scale, NULL, ignore_index, work, stream);
+    return xent_launch(loss, dlogits, NULL, logits, targets, N, V, V, grad_scale, NULL, ignore_index, work, stream);
 }
 
 extern "C" int FL_CUK(cross_entropy_dbf16)(float *loss, void *dlogits16, const float *logits, const int32_t *targets,
-                                           int N, int V, float grad_scale, int ignore_index, void *work,
+                                           int N, int V, int ld, float grad_scale, int ignore_index, void *work,
                                            void *stream) {
-    return xent_launch(loss, NULL, (uint16_t *)dlogits16, logits, targets, N, V, grad_scale, NULL, ignore_index, work,
-                       stream);
+    return xent_launch(loss, NULL, (uint16_t *)dlogits16, logits, targets, N, V, ld, grad_scale, NULL, ignore_index,
+                       work, stream);
 }
 
 extern "C" int FL_CUK(cross_entropy_dev)(float *loss, float *dlogits, void *dlogits16, const float *logits,
-                                         const int32_t *targets, int N, int V, const float *grad_scale,
+                                         const int32_t *targets, int N, int V, int ld, const float *grad_scale,
                                          int ignore_index, void *work, void *stream) {
-    return xent_launch(loss, dlogits, (uint16_t *)dlogits16, logits, targets, N, V, 0.0f, grad_scale, ignore_index,
+    return xent_launch(loss, dlogits, (uint16_t *)dlogits16, logits, targets, N, V, ld, 0.0f, grad_scale, ignore_index,
                        work, stream);
 }
