@@ -183,7 +183,8 @@ static void usage(FILE *f) {
                "               GEMM's load; fp32 = the fp32 kernels (exact fp32 products, slow). Other precisions: fp32\n");
     fprintf(f, "\n  FITLLM_CUDA_Q4X16=1|0 (environment): 1 (default) = EXPERIMENTAL: under FITLLM_CUDA_Q4=scratch|tc the\n"
                "               4-bit linears read their input's and their dy's stored bf16 copies (fp32 copies nothing\n"
-               "               else reads not written or allocated; the same bits); 0 = their fp32 values (A/B)\n");
+               "               else reads not written or allocated; the same values, and the same bits where a weight\n"
+               "               is one scratch panel either way); 0 = their fp32 values (A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_PREFETCH=1|0 (environment): 1 (default) = EXPERIMENTAL: the next micro-batch's ids and\n"
                "               targets uploaded ahead on a second stream while the current one computes (inside the\n"
                "               graphs under FITLLM_CUDA_GRAPHS=1); 0 = uploaded on the stream before each micro-batch\n");
