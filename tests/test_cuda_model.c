@@ -82,8 +82,8 @@ static int g_ffn, g_vocab;
 static const char *g_base;
 /* the out_dir of the last run_on */
 static char g_last_out[4096 + 64];
-/* nonzero: no validation (its forward-only head keeps rows of vocab_size), no sample */
-static int g_noeval;
+/* nonzero: no sample generated (its one-row head GEMMs keep rows of vocab_size) */
+static int g_nosample;
 
 static fl_status run_on(const char *backend, const char *prec, const char *opt, int lora, const char *out, crec *r) {
     fl_run_config c;
@@ -126,10 +126,9 @@ static fl_status run_on(const char *backend, const char *prec, const char *opt, 
     c.train.save_interval = 2;
     c.train.max_seq_length = g_hd64 && !g_seq ? 67 : g_seq ? g_seq : 24; /* hd64: 2 key blocks, odd */
     c.train.max_norm = 1.0f;
-    c.eval.interval = g_noeval ? 1000 : 2;
-    if (g_noeval) c.eval.final_validation = 0, c.eval.initial_validation = 0;
+    c.eval.interval = 2;
     c.eval.max_iters = 1;
-    c.eval.max_new_tokens = g_noeval ? 0 : 2;
+    c.eval.max_new_tokens = g_nosample ? 0 : 2;
     c.optimizer.lr = 3e-3f;
     c.threads = 2;
     c.seed = 5;
@@ -257,14 +256,38 @@ FL_TEST(cuda_emu_train_lora_bf16_mixed) {
  * with fewer conversion launches: full fine-tunes in bf16-true (bf16 weights and gradients) and bf16-mixed (fp32
  * master gradients). A value other than 0 or 1 is refused by name. */
 #ifdef FL_HAVE_CUDA_EMU
+/* the validation losses of run `dir` (logs/metrics.csv's val_loss column, as written), ';'-separated into out */
+static int val_losses(const char *dir, char *out, size_t n) {
+    char path[4200], line[1024];
+    snprintf(path, sizeof path, "%s/logs/metrics.csv", dir);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    out[0] = '\0';
+    int col = -1, k = 0;
+    while (fgets(line, sizeof line, f)) {
+        char *save = NULL, *tok;
+        int i = 0;
+        for (char *p = line; (tok = strsep(&p, ",\n")) != NULL; i++) {
+            if (col < 0 && !strcmp(tok, "val_loss")) col = i;
+            else if (k > 0 && i == col && *tok) strncat(out, tok, n - strlen(out) - 2), strcat(out, ";");
+        }
+        (void)save;
+        k++;
+    }
+    fclose(f);
+    return col >= 0;
+}
+
 static void head_dbf16_case(const char *prec, int lora) {
     crec on = {0}, off = {0};
+    char v_on[512], v_off[512], d_on[sizeof g_last_out];
     g_seq = 8; /* one head chunk at 24 tokens or 8 (fl_logits_chunk_rows): the same ops, a third of the rows (an HD-64
                 * model: T 8 instead of 67) */
     unsigned long c0 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
     fl_status s = run_on("cuda-emu", prec, "AdamW", lora, "-dbf16", &on);
     if (s != FL_OK) g_seq = 0;
     FL_REQUIRE_OK(s);
+    snprintf(d_on, sizeof d_on, "%s", g_last_out);
     unsigned long c1 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
     setenv("FITLLM_CUDA_HEAD_DBF16", "0", 1);
     s = run_on("cuda-emu", prec, "AdamW", lora, "-f32", &off);
@@ -277,10 +300,14 @@ static void head_dbf16_case(const char *prec, int lora) {
               "%s%s: losses %.9g %.9g with the bf16 gradient, %.9g %.9g without", prec, lora ? " lora" : "",
               on.loss[0], on.loss[1], off.loss[0], off.loss[1]);
     FL_CHECKF(memcmp(on.params, off.params, on.n) == 0, "%s%s: trained parameters differ", prec, lora ? " lora" : "");
+    /* the validation's losses too (an odd vocabulary: head_chunk_eval16's padded rows against rows of V) */
+    FL_CHECKF(val_losses(d_on, v_on, sizeof v_on) && val_losses(g_last_out, v_off, sizeof v_off) && *v_on &&
+                  !strcmp(v_on, v_off), "%s%s: validation losses '%s' with the bf16 head, '%s' without", prec,
+              lora ? " lora" : "", v_on, v_off);
     FL_CHECKF(c1 - c0 < c2 - c1, "%s%s: %lu conversion launches with the bf16 gradient, %lu without", prec,
               lora ? " lora" : "", c1 - c0, c2 - c1);
-    printf("      %s%s 2 steps: the same bits; conversion launches %lu (bf16 gradient) vs %lu\n", prec,
-           lora ? " lora" : "", c1 - c0, c2 - c1);
+    printf("      %s%s 2 steps: the same bits, validation losses %s; conversion launches %lu (bf16 gradient) vs %lu\n",
+           prec, lora ? " lora" : "", v_on, c1 - c0, c2 - c1);
     free(on.params);
     free(off.params);
 }
@@ -379,8 +406,8 @@ FL_TEST(cuda_emu_train_bf16_true_cudnn_sim) {
  * each operand 16-byte aligned, each leading dimension whole 16 bytes): a model whose widths are multiples of 8 (the
  * HD-64 LLaMA, 2 layers, C 256, 4 / 2 heads; F 2,560, so that its 4-bit down projection, 256 rows of 2,560, takes two
  * of the emulator's dequantized panels; a vocabulary of 1,001, GPT-2's kind of odd size, where the bf16 head pads
- * its rows) trained one step (2 micro-batches; no validation: its forward-only head, at eval intervals, keeps rows of
- * V and so one misaligned GEMM a chunk with an odd vocabulary) on cuda-emu: full
+ * its rows, the training's and the validation's) trained one step (2 micro-batches, the validation; no sample: its
+ * one-row head GEMMs keep rows of V) on cuda-emu: full
  * bf16-true from random weights, then from its checkpoint QLoRA nf4 bf16-true (the scratch path: the split that put
  * TinyLlama's second down panel at 2- / 4-byte offsets on the H200), LoRA bf16-true, full bf16-mixed, 16-mixed (the
  * F16 weights widened in panels: they were cut at 4- / 8-byte offsets) and 32-true. Not a single misaligned GEMM;
@@ -399,7 +426,7 @@ FL_TEST(cuda_emu_step_gemms_aligned) {
         {"bf16-mixed", 0, NULL, 1001}, {"16-mixed", 0, NULL, 512},        {"32-true", 0, NULL, 512},
     };
     char base[sizeof g_last_out + 8] = "";
-    g_hd64 = 64, g_ffn = 2560, g_steps = 1, g_noeval = 1;
+    g_hd64 = 64, g_ffn = 2560, g_steps = 1, g_nosample = 1;
     for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
         g_quant = c[i].quant;
         g_vocab = c[i].vocab;
@@ -417,7 +444,7 @@ FL_TEST(cuda_emu_step_gemms_aligned) {
         free(r.params);
         if (st != FL_OK) break;
     }
-    g_hd64 = 0, g_ffn = 0, g_steps = 0, g_quant = NULL, g_base = NULL, g_vocab = 0, g_noeval = 0;
+    g_hd64 = 0, g_ffn = 0, g_steps = 0, g_quant = NULL, g_base = NULL, g_vocab = 0, g_nosample = 0;
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif

@@ -305,7 +305,8 @@ struct fl_backend {
      * overlapping logits); the loss as cross_entropy's. The LM head's bf16 GEMMs read it (fl_lm_head_loss:
      * issue 30 item 4), so no fp32 (N, V) gradient is written and read back. Rows of logits and dlogits16 are ld
      * >= V elements apart (the head's padded rows, fl_logits_ld: a vocabulary of 50,257 in rows of 50,264 keeps the
-     * head's GEMM operands 16-byte aligned); columns V .. ld-1 are neither read nor written. (cuda, cuda-emu) */
+     * head's GEMM operands 16-byte aligned); columns V .. ld-1 are neither read nor written. dlogits16 NULL: the loss
+     * alone (a forward-only pass's padded rows). (cuda, cuda-emu) */
     fl_status (*cross_entropy_dbf16)(const fl_backend *be, float *loss /*(N)*/, void *dlogits16 /*(N,ld) bf16*/,
                                      const float *logits /*(N,ld)*/, const int32_t *targets /*(N)*/, int N, int V,
                                      int ld, float grad_scale, int ignore_index);

@@ -701,6 +701,26 @@ static int head_dbf16(const fl_model *m, const fl_linear *head, int train_target
     return train_targets && m->be->cross_entropy_dbf16 && !wide && fl_linear_dx16(head) && head->wc &&
            head->wct == FL_BF16 && head->n_q4 == 0 && !(m->adapt && m->adapt->head) && !m->tp_ops;
 }
+/* A forward-only pass's bf16 head (the validation, `fitllm loss`) whose vocabulary is not a multiple of 8, on a backend
+ * with cross_entropy_dbf16: its logits in rows of fl_logits_ld(V) too (head_chunk_eval16), so that its GEMM's output
+ * rows stay 16-byte aligned; the loss alone (no gradient), the same bits as cross_entropy's */
+static int head_eval16(const fl_model *m, const fl_linear *head, int eval_targets, int wide) {
+    return eval_targets && m->be->cross_entropy_dbf16 && !wide && head->wc && head->wct == FL_BF16 &&
+           head->n_q4 == 0 && !(m->adapt && m->adapt->head) && !m->tp_ops && fl_logits_ld(head->out) != head->out;
+}
+static fl_status head_chunk_eval16(fl_model *m, const fl_linear *head, const float *x, const int32_t *tg,
+                                   float *losses, int rows, float *logits_out) {
+    const fl_backend *be = m->be;
+    float *logits = m->acts->logits;
+    const int ld = fl_logits_ld(head->out);
+    /* logits (rows, V; rows ld apart) = x @ W^T, the GEMM rounding the fp32 x as fl_linear_forward's does */
+    FL_TRY(FL_RUN(be, gemm, 0, 1, rows, head->out, head->in, 1.0f, x, FL_F32, head->in, head->wc, FL_BF16, head->in,
+                  0.0f, logits, FL_F32, ld));
+    if (logits_out)
+        for (int r = 0; r < rows; r++)
+            FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r * head->out, logits + (size_t)r * ld, 1));
+    return FL_RUN(be, cross_entropy_dbf16, losses, NULL, logits, tg, rows, head->out, ld, 0.0f, FL_IGNORE_INDEX);
+}
 static void head_linear(fl_model *m, const fl_outer_params *op, fl_linear *head) {
     fl_dims d = fl_model_dims(&m->cfg);
     *head = (fl_linear){.in = d.C, .out = d.V, .w = op->head, .dw = op->dhead};
@@ -754,6 +774,7 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
         hw.xb16 = hw.dyb16 = NULL; /* dW += dy^T x in fp32 on the rounded operands */
     }
     const int dbf16 = head_dbf16(m, &head, train && targets, wide);
+    const int eval16 = !dbf16 && head_eval16(m, &head, !train && targets, wide);
     /* FL_CAP_HEAD_GROUP: a trained head's chunks grouped G at a time in the dy scratch, their dW one GEMM */
     size_t G = 1;
     if (dbf16 && (be->caps & FL_CAP_HEAD_GROUP) && fl_linear_wants_dy16(&head) && a->dyb16_elems)
@@ -769,6 +790,11 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
                                     logits_out ? logits_out + (size_t)r0 * m->cfg.vocab_size : NULL, slot));
             if (grouped && ((size_t)slot == G - 1 || r0 + rows >= N)) /* the group's last chunk: its dW */
                 FL_TRY(head_group_dw(m, &head, lnf16 ? (const uint16_t *)lnf16 + (size_t)g0 * d.C : NULL, r0 + rows - g0));
+            continue;
+        }
+        if (eval16) {
+            FL_TRY(head_chunk_eval16(m, &head, xr, tg + r0, a->losses + r0, rows,
+                                     logits_out ? logits_out + (size_t)r0 * m->cfg.vocab_size : NULL));
             continue;
         }
         if (round_bf16) { /* x (rows, C) -> bf16 -> fp32 */

@@ -18,7 +18,8 @@
 #   4. the TinyLlama LoRA r 8 step; 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (the copies, A/B);
 #   6. the TinyLlama QLoRA nf4 step (the default 4-bit mode); 7. the full step with FITLLM_CUDA_HEAD_GROUP=0 (A/B,
 #   with the profile's head GEMM rows); 7b. GPT-2 124M bf16-true (B 8, T 1024) with --profile (72.8 ms a step on the
-#   H200 of 2026-11-30, ~2x what its GEMMs and attention account for: the profile says where the rest goes);
+#   H200 of 2026-11-30, ~2x what its GEMMs and attention account for: the profile says where the rest goes; since
+#   2026-12-01 the head's logits rows are padded to 50,264, whose three GEMMs were misaligned: the head's gemm rows);
 #   7c. Flan-T5-base bf16-true with --dropout (B 8, source 512, target 128): its attention (relative bias, dropout)
 #   on the fa2 EX kernels, then FITLLM_CUDA_ATTN=fp32 (the fp32 kernels it ran before; A/B), and PyTorch's step at the
 #   same settings (bench/bench_t5_torch.py --device cuda --dtype bf16 --dropout 0.1);
