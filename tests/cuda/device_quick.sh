@@ -140,7 +140,8 @@ FITLLM_CUDA_HEAD_GROUP=0 step headchunk 30 --profile
 echo "== 7b. GPT-2 124M bf16-true, B 8, T 1024, with the profile"
 run gpt2 30 "$F" bench-step gpt2 --accelerator cuda --precision bf16-true --micro-batch 8 --seq 1024 --steps 5 \
     --warmup 2 --profile
-[ -f "$OUT/gpt2.log" ] && grep -E "^median [0-9]|^MFU|cuDNN|^  [A-Za-z+]+ +[0-9.]+ +[0-9.]+%|exit" "$OUT/gpt2.log" | head -14
+[ -f "$OUT/gpt2.log" ] && grep -E "^median [0-9]|^MFU|cuDNN|^  [A-Za-z+]+ +[0-9.]+ +[0-9.]+%|exit| 50257 " "$OUT/gpt2.log" |
+    head -20
 echo "== 7c. Flan-T5-base bf16-true with dropout (B 8, source 512, target 128): T5's attention (bias, dropout) on"
 echo "       the fa2 EX kernels, then on the fp32 kernels (FITLLM_CUDA_ATTN=fp32: A/B)"
 T5S=(bench-step flan-t5-base --accelerator cuda --precision bf16-true --micro-batch 8 --source-seq 512 --seq 128
