@@ -256,7 +256,7 @@ FL_TEST(cuda_emu_train_lora_bf16_mixed) {
  * with fewer conversion launches: full fine-tunes in bf16-true (bf16 weights and gradients) and bf16-mixed (fp32
  * master gradients). A value other than 0 or 1 is refused by name. */
 #ifdef FL_HAVE_CUDA_EMU
-/* the validation losses of run `dir` (logs/metrics.csv's val_loss column, as written), ';'-separated into out */
+/* the validation losses of run `dir` (logs/metrics.csv's val_loss column, as written), space-separated into out */
 static int val_losses(const char *dir, char *out, size_t n) {
     char path[4200], line[1024];
     snprintf(path, sizeof path, "%s/logs/metrics.csv", dir);
@@ -265,13 +265,15 @@ static int val_losses(const char *dir, char *out, size_t n) {
     out[0] = '\0';
     int col = -1, k = 0;
     while (fgets(line, sizeof line, f)) {
-        char *save = NULL, *tok;
+        char *tok;
         int i = 0;
         for (char *p = line; (tok = strsep(&p, ",\n")) != NULL; i++) {
             if (col < 0 && !strcmp(tok, "val_loss")) col = i;
-            else if (k > 0 && i == col && *tok) strncat(out, tok, n - strlen(out) - 2), strcat(out, ";");
+            else if (k > 0 && i == col && *tok) {
+                if (*out) strcat(out, " ");
+                strncat(out, tok, n - strlen(out) - 2);
+            }
         }
-        (void)save;
         k++;
     }
     fclose(f);
@@ -284,10 +286,16 @@ static void head_dbf16_case(const char *prec, int lora) {
     g_seq = 8; /* one head chunk at 24 tokens or 8 (fl_logits_chunk_rows): the same ops, a third of the rows (an HD-64
                 * model: T 8 instead of 67) */
     unsigned long c0 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
+    const unsigned long g0 = fl_cu_emu_gemm_calls, m0 = fl_cu_emu_gemm_misaligned;
     fl_status s = run_on("cuda-emu", prec, "AdamW", lora, "-dbf16", &on);
     if (s != FL_OK) g_seq = 0;
     FL_REQUIRE_OK(s);
     snprintf(d_on, sizeof d_on, "%s", g_last_out);
+    /* widths that are multiples of 8 but the vocabulary (the HD-64 model; no sample generated): the bf16 head's
+     * padded rows leave no GEMM misaligned, the training's or the validation's (cuda_emu_step_gemms_aligned: more) */
+    if (g_hd64 && g_nosample)
+        FL_CHECKF(fl_cu_emu_gemm_misaligned == m0 && fl_cu_emu_gemm_calls > g0, "%s: %lu of %lu GEMMs misaligned (last: %s)",
+                  prec, fl_cu_emu_gemm_misaligned - m0, fl_cu_emu_gemm_calls - g0, fl_cu_emu_gemm_misaligned_what);
     unsigned long c1 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
     setenv("FITLLM_CUDA_HEAD_DBF16", "0", 1);
     s = run_on("cuda-emu", prec, "AdamW", lora, "-f32", &off);
@@ -322,10 +330,10 @@ FL_TEST(cuda_emu_head_dbf16_same_bits) {
     head_dbf16_case("bf16-mixed", 0);
     /* an odd vocabulary (1,001: the head's logits and bf16 gradient in rows of fl_logits_ld = 1,008), in chunks of 2
      * rows grouped 3 at a time in the dy scratch (16 rows x 448: slots past the first at offsets of whole padded
-     * rows): the bits of the fp32 gradient's path, which keeps rows of 1,001 */
-    g_hd64 = 64, g_vocab = 1001, fl_logits_chunk_rows_test = 2;
+     * rows): the bits of the fp32 gradient's path, which keeps rows of 1,001; and not one GEMM misaligned */
+    g_hd64 = 64, g_vocab = 1001, fl_logits_chunk_rows_test = 2, g_nosample = 1;
     head_dbf16_case("bf16-true", 0);
-    g_hd64 = 0, g_vocab = 0, fl_logits_chunk_rows_test = 0;
+    g_hd64 = 0, g_vocab = 0, fl_logits_chunk_rows_test = 0, g_nosample = 0;
     setenv("FITLLM_CUDA_HEAD_DBF16", "yes", 1);
     fl_backend be;
     fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
