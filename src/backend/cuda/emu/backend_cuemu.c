@@ -51,7 +51,9 @@ static void flb_emu_gemm_audit(const fl_cu_gemm_desc *d) {
     const void *D = d->D ? d->D : d->C;
     const int bad = fl_cu_gemm_align_of(d->A) < 16 || fl_cu_gemm_align_of(d->B) < 16 ||
                     fl_cu_gemm_align_of(d->C) < 16 || fl_cu_gemm_align_of(D) < 16 ||
-                    (d->epilogue && fl_cu_gemm_align_of(d->bias) < 16) || (size_t)d->lda * ea % 16 ||
+                    (d->epilogue && fl_cu_gemm_align_of(d->bias) < 16) ||
+                    (d->epilogue == FL_CU_EPI_GELU_AUX_BIAS && (fl_cu_gemm_align_of(d->aux) < 16 || d->ldaux * 4 % 16)) ||
+                    (size_t)d->lda * ea % 16 ||
                     (size_t)d->ldb * eb % 16 || (size_t)d->ldc * ec % 16;
     if (!bad) return;
     fl_cu_emu_gemm_misaligned++;

@@ -95,7 +95,7 @@ extern unsigned long fl_cu_emu_vec_accesses;
  * the emulator only: the launch-count ratchets of issue 30 item 4 (tests/test_cuda_model.c) */
 extern unsigned long fl_cu_emu_norm_add_launches;
 /* GEMMs through the cuBLASLt stand-in since the process started, and those cuBLASLt could not give its fast kernels: an
- * operand (A, B, C, D, the bias) not 16-byte aligned or a leading dimension not a multiple of 16 bytes (Hopper's TMA
+ * operand (A, B, C, D, the bias, GELU's aux) not 16-byte aligned or a leading dimension not a multiple of 16 bytes (Hopper's TMA
  * kernels and the 128-bit loads of the others need both; cuBLASLt then falls back to kernels of a smaller alignment,
  * several times slower). The last such call is described in fl_cu_emu_gemm_misaligned_what; with
  * FITLLM_EMU_GEMM_AUDIT=1 each one is printed to stderr (the audit of a whole step's GEMMs, issue 30 item 3). */
