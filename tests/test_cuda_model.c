@@ -52,6 +52,7 @@ typedef struct {
     float *params;
     size_t n;
     long steps;
+    double val_loss; /* the final validation's (fl_trainer_result; NaN if none) */
 } crec;
 
 static int crecord(void *ud, long step, double loss, const void *params, size_t bytes) {
@@ -137,7 +138,9 @@ static fl_status run_on(const char *backend, const char *prec, const char *opt, 
     FL_TRY(fl_cfg_set(&c, "precision", prec));
     FL_TRY(fl_cfg_set(&c, "optimizer", opt));
     setenv("FITLLM_BACKEND", backend, 1);
-    fl_status s = fl_trainer_run(&c, NULL, 0, crecord, r, NULL);
+    fl_trainer_result res;
+    fl_status s = fl_trainer_run(&c, NULL, 0, crecord, r, &res);
+    r->val_loss = s == FL_OK ? res.val_loss : NAN;
     unsetenv("FITLLM_BACKEND");
     return s;
 }
@@ -256,33 +259,8 @@ FL_TEST(cuda_emu_train_lora_bf16_mixed) {
  * with fewer conversion launches: full fine-tunes in bf16-true (bf16 weights and gradients) and bf16-mixed (fp32
  * master gradients). A value other than 0 or 1 is refused by name. */
 #ifdef FL_HAVE_CUDA_EMU
-/* the validation losses of run `dir` (logs/metrics.csv's val_loss column, as written), space-separated into out */
-static int val_losses(const char *dir, char *out, size_t n) {
-    char path[4200], line[1024];
-    snprintf(path, sizeof path, "%s/logs/metrics.csv", dir);
-    FILE *f = fopen(path, "r");
-    if (!f) return 0;
-    out[0] = '\0';
-    int col = -1, k = 0;
-    while (fgets(line, sizeof line, f)) {
-        char *tok;
-        int i = 0;
-        for (char *p = line; (tok = strsep(&p, ",\n")) != NULL; i++) {
-            if (col < 0 && !strcmp(tok, "val_loss")) col = i;
-            else if (k > 0 && i == col && *tok) {
-                if (*out) strcat(out, " ");
-                strncat(out, tok, n - strlen(out) - 2);
-            }
-        }
-        k++;
-    }
-    fclose(f);
-    return col >= 0;
-}
-
 static void head_dbf16_case(const char *prec, int lora) {
     crec on = {0}, off = {0};
-    char v_on[512], v_off[512], d_on[sizeof g_last_out];
     g_seq = 8; /* one head chunk at 24 tokens or 8 (fl_logits_chunk_rows): the same ops, a third of the rows (an HD-64
                 * model: T 8 instead of 67) */
     unsigned long c0 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
@@ -290,7 +268,6 @@ static void head_dbf16_case(const char *prec, int lora) {
     fl_status s = run_on("cuda-emu", prec, "AdamW", lora, "-dbf16", &on);
     if (s != FL_OK) g_seq = 0;
     FL_REQUIRE_OK(s);
-    snprintf(d_on, sizeof d_on, "%s", g_last_out);
     /* widths that are multiples of 8 but the vocabulary (the HD-64 model; no sample generated): the bf16 head's
      * padded rows leave no GEMM misaligned, the training's or the validation's (cuda_emu_step_gemms_aligned: more) */
     if (g_hd64 && g_nosample)
@@ -309,13 +286,13 @@ static void head_dbf16_case(const char *prec, int lora) {
               on.loss[0], on.loss[1], off.loss[0], off.loss[1]);
     FL_CHECKF(memcmp(on.params, off.params, on.n) == 0, "%s%s: trained parameters differ", prec, lora ? " lora" : "");
     /* the validation's losses too (an odd vocabulary: head_chunk_eval16's padded rows against rows of V) */
-    FL_CHECKF(val_losses(d_on, v_on, sizeof v_on) && val_losses(g_last_out, v_off, sizeof v_off) && *v_on &&
-                  !strcmp(v_on, v_off), "%s%s: validation losses '%s' with the bf16 head, '%s' without", prec,
-              lora ? " lora" : "", v_on, v_off);
+    FL_CHECKF(!isnan(on.val_loss) && memcmp(&on.val_loss, &off.val_loss, sizeof on.val_loss) == 0,
+              "%s%s: validation loss %.9g with the bf16 head, %.9g without", prec, lora ? " lora" : "", on.val_loss,
+              off.val_loss);
     FL_CHECKF(c1 - c0 < c2 - c1, "%s%s: %lu conversion launches with the bf16 gradient, %lu without", prec,
               lora ? " lora" : "", c1 - c0, c2 - c1);
-    printf("      %s%s 2 steps: the same bits, validation losses %s; conversion launches %lu (bf16 gradient) vs %lu\n",
-           prec, lora ? " lora" : "", v_on, c1 - c0, c2 - c1);
+    printf("      %s%s 2 steps: the same bits, validation loss %.9g; conversion launches %lu (bf16 gradient) vs %lu\n",
+           prec, lora ? " lora" : "", on.val_loss, c1 - c0, c2 - c1);
     free(on.params);
     free(off.params);
 }

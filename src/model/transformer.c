@@ -640,12 +640,27 @@ fl_status fl_model_encode_backward(fl_model *m, const float *dhidden) {
 
 /* ---- HEAD_LM: the decoder-only stack's chunked head, its loss and backward (the head's ops: exec.c) ---------- */
 
+/* The bf16 head's logits chunk (rows, V) = x @ W^T in rows fl_logits_ld(V) apart (V rounded up to 8: GPT-2's 50,257 in
+ * rows of 50,264), so that the head's GEMMs read and write 16-byte aligned rows; columns past V are never read. A
+ * plain bf16 weight (head_plain16: no bias, adapter or 4-bit part), its GEMM on x16 where there is one, else rounding
+ * the fp32 x itself (fl_linear_forward_ex's GEMM); logits_out (NULL or) gets the rows compact (rows of V). */
+static fl_status head_logits_ld(fl_model *m, const fl_linear *head, const float *x, const void *x16, int rows,
+                                float *logits_out) {
+    float *logits = m->acts->logits;
+    const int ld = fl_logits_ld(head->out);
+    FL_TRY(FL_RUN(m->be, gemm, 0, 1, rows, head->out, head->in, 1.0f, x16 ? x16 : (const void *)x,
+                  x16 ? FL_BF16 : FL_F32, head->in, head->wc, FL_BF16, head->in, 0.0f, logits, FL_F32, ld));
+    if (logits_out && ld == head->out) return fl_head_logits_out(m, logits_out, logits, rows);
+    for (int r = 0; logits_out && r < rows; r++)
+        FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r * head->out, logits + (size_t)r * ld, 1));
+    return FL_OK;
+}
+
 /* One training chunk of a bf16 head on a backend with cross_entropy_dbf16 (issue 30 item 4): the chunk's input
  * rounded to bf16 once (xb16) for the forward and dW GEMMs, the loss's gradient written as bf16 straight into
  * dyb16 for the dx and dW GEMMs. Those are the operands the generic path's GEMMs round from fp32 (the same bits),
  * without its fp32 gradient's (rows, V) write and the converts that read it back. The logits and dyb16 rows are
- * fl_logits_ld(V) apart (V rounded up to 8: GPT-2's 50,257 in rows of 50,264), so that the three GEMMs' operands stay
- * 16-byte aligned; columns past V are never read. */
+ * fl_logits_ld(V) apart (head_logits_ld). */
 /* x16: NULL (the chunk rounded here into xb16), or the chunk's rows of the final norm's bf16 copy. slot (grouped,
  * FL_CAP_HEAD_GROUP, > 0 chunks): the chunk's place in its group: its dlogits at slot chunks into dyb16 and its rounded
  * x at slot chunks into xb16 (R rows each), dx here and dW left to head_group_dw; -1: one chunk, dx and dW here. */
@@ -653,7 +668,6 @@ static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx,
                                   const int32_t *tg, float *losses, int rows, float grad_scale, float *logits_out,
                                   int slot) {
     const fl_backend *be = m->be;
-    float *logits = m->acts->logits;
     const int ld = fl_logits_ld(head->out);
     const size_t R = (size_t)m->sizes.logits_chunk_rows, at = slot > 0 ? (size_t)slot * R : 0;
     fl_linear hx = *head; /* frozen (no xb16): the forward GEMM rounds x itself, the same operand */
@@ -662,24 +676,12 @@ static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx,
     if (!x16 && hx.xb16) FL_TRY(FL_RUN(be, convert, hx.xb16, FL_BF16, x, FL_F32, (size_t)rows * hx.in));
     if (x16) hx.xb16 = (void *)x16;
     head = &hx;
-    /* logits (rows, V; rows ld apart) = x @ W^T: a plain bf16 weight (head_dbf16: no bias, adapter or 4-bit part), its
-     * GEMM on the bf16 x where there is one, else rounding the fp32 x itself (fl_linear_forward_ex's GEMM) */
-    const void *w = head->wc ? head->wc : (const void *)head->w;
-    const fl_dtype wt = head->wc ? head->wct : FL_F32;
-    const int a16 = head->xb16 && wt == FL_BF16;
-    FL_TRY(FL_RUN(be, gemm, 0, 1, rows, head->out, head->in, 1.0f, a16 ? head->xb16 : (const void *)x,
-                  a16 ? FL_BF16 : FL_F32, head->in, w, wt, head->in, 0.0f, logits, FL_F32, ld));
-    if (logits_out) {
-        if (ld == head->out) FL_TRY(fl_head_logits_out(m, logits_out, logits, rows));
-        else
-            for (int r = 0; r < rows; r++)
-                FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r * head->out, logits + (size_t)r * ld, 1));
-    }
-    FL_TRY(FL_RUN(be, cross_entropy_dbf16, losses, head->dyb16, logits, tg, rows, head->out, ld, grad_scale,
+    FL_TRY(head_logits_ld(m, head, x, head->xb16, rows, logits_out));
+    FL_TRY(FL_RUN(be, cross_entropy_dbf16, losses, head->dyb16, m->acts->logits, tg, rows, head->out, ld, grad_scale,
                   FL_IGNORE_INDEX));
     /* dx (rows, C) = dy (rows, V) @ W (V, C), fl_linear_backward_dy16's dx GEMM on the bf16 dy */
-    FL_TRY(FL_RUN(be, gemm, 0, 0, rows, head->in, head->out, 1.0f, head->dyb16, FL_BF16, ld, w, wt, head->in, 0.0f, dx,
-                  FL_F32, head->in));
+    FL_TRY(FL_RUN(be, gemm, 0, 0, rows, head->in, head->out, 1.0f, head->dyb16, FL_BF16, ld, head->wc, FL_BF16,
+                  head->in, 0.0f, dx, FL_F32, head->in));
     if (slot >= 0 || !fl_linear_wants_dy16(head)) return FL_OK; /* grouped: head_group_dw; frozen: no dW */
     /* dW (V, C) += dy^T @ x over the chunk's rows, as fl_linear_backward_dy16's dW GEMM */
     return FL_RUN(be, gemm, 1, 0, head->out, head->in, rows, 1.0f, head->dyb16, FL_BF16, ld, head->xb16, FL_BF16,
@@ -694,32 +696,27 @@ static fl_status head_group_dw(fl_model *m, const fl_linear *head, const void *x
                   head->dw16 ? FL_BF16 : FL_F32, head->in);
 }
 
-/* The bf16 head's training chunks through cross_entropy_dbf16 (a plain bf16 weight, trained or frozen with the dy
- * scratch (fl_linear_dx16: LoRA's, fl_act_opts.dy_bf16), one vocabulary); wide: the head widened to fp32
- * (fl_act_opts.head_widen) */
-static int head_dbf16(const fl_model *m, const fl_linear *head, int train_targets, int wide) {
-    return train_targets && m->be->cross_entropy_dbf16 && !wide && fl_linear_dx16(head) && head->wc &&
-           head->wct == FL_BF16 && head->n_q4 == 0 && !(m->adapt && m->adapt->head) && !m->tp_ops;
+/* A plain bf16 head (a BF16 weight, no 4-bit part or head adapter, one vocabulary) on a backend with
+ * cross_entropy_dbf16; wide: the head widened to fp32 (fl_act_opts.head_widen) */
+static int head_plain16(const fl_model *m, const fl_linear *head, int wide) {
+    return m->be->cross_entropy_dbf16 && !wide && head->wc && head->wct == FL_BF16 && head->n_q4 == 0 &&
+           !(m->adapt && m->adapt->head) && !m->tp_ops;
 }
-/* A forward-only pass's bf16 head (the validation, `fitllm loss`) whose vocabulary is not a multiple of 8, on a backend
- * with cross_entropy_dbf16: its logits in rows of fl_logits_ld(V) too (head_chunk_eval16), so that its GEMM's output
- * rows stay 16-byte aligned; the loss alone (no gradient), the same bits as cross_entropy's */
+/* Its training chunks through cross_entropy_dbf16 (trained, or frozen with the dy scratch: fl_linear_dx16, LoRA's,
+ * fl_act_opts.dy_bf16) */
+static int head_dbf16(const fl_model *m, const fl_linear *head, int train_targets, int wide) {
+    return train_targets && head_plain16(m, head, wide) && fl_linear_dx16(head);
+}
+/* A forward-only pass (the validation, `fitllm loss`) whose vocabulary is not a multiple of 8: its logits in the padded
+ * rows too (head_chunk_eval16), the loss alone (no gradient), the same bits as cross_entropy's */
 static int head_eval16(const fl_model *m, const fl_linear *head, int eval_targets, int wide) {
-    return eval_targets && m->be->cross_entropy_dbf16 && !wide && head->wc && head->wct == FL_BF16 &&
-           head->n_q4 == 0 && !(m->adapt && m->adapt->head) && !m->tp_ops && fl_logits_ld(head->out) != head->out;
+    return eval_targets && head_plain16(m, head, wide) && fl_logits_ld(head->out) != head->out;
 }
 static fl_status head_chunk_eval16(fl_model *m, const fl_linear *head, const float *x, const int32_t *tg,
                                    float *losses, int rows, float *logits_out) {
-    const fl_backend *be = m->be;
-    float *logits = m->acts->logits;
-    const int ld = fl_logits_ld(head->out);
-    /* logits (rows, V; rows ld apart) = x @ W^T, the GEMM rounding the fp32 x as fl_linear_forward's does */
-    FL_TRY(FL_RUN(be, gemm, 0, 1, rows, head->out, head->in, 1.0f, x, FL_F32, head->in, head->wc, FL_BF16, head->in,
-                  0.0f, logits, FL_F32, ld));
-    if (logits_out)
-        for (int r = 0; r < rows; r++)
-            FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r * head->out, logits + (size_t)r * ld, 1));
-    return FL_RUN(be, cross_entropy_dbf16, losses, NULL, logits, tg, rows, head->out, ld, 0.0f, FL_IGNORE_INDEX);
+    FL_TRY(head_logits_ld(m, head, x, NULL, rows, logits_out));
+    return FL_RUN(m->be, cross_entropy_dbf16, losses, NULL, m->acts->logits, tg, rows, head->out,
+                  fl_logits_ld(head->out), 0.0f, FL_IGNORE_INDEX);
 }
 static void head_linear(fl_model *m, const fl_outer_params *op, fl_linear *head) {
     fl_dims d = fl_model_dims(&m->cfg);
