@@ -691,8 +691,8 @@ static void q416_check(const fl_backend *be, const q4_fixture *f, int N, int ldy
             float *a = dup_bytes(bwd ? dx0 : y0, n * 4), *b = dup_bytes(bwd ? dx0 : y0, n * 4);
             fl_status s0 = bwd ? be->q4_matmul_backward(be, a, dy, ldy, &f->w, N, (float)beta)
                                : be->q4_matmul_forward(be, a, ldy, x, &f->w, N, (float)beta);
-            fl_status s1 = bwd ? be->q4_matmul_backward16(be, b, dy16, ldy, &f->w, N, (float)beta)
-                               : be->q4_matmul_forward16(be, b, ldy, x16, &f->w, N, (float)beta);
+            fl_status s1 = bwd ? be->q4_matmul_backward16(be, b, dy16, ldy, &f->w, 1, N, (float)beta)
+                               : be->q4_matmul_forward16(be, b, ldy, x16, &f->w, 1, N, (float)beta);
             FL_CHECKF(s0 == FL_OK && s1 == FL_OK && be->sync(be) == FL_OK, "%s %s: %s", what,
                       bwd ? "backward16" : "forward16", fl_error_message());
             size_t diff = 0;
@@ -725,7 +725,7 @@ FL_TEST(cuda_more_q416_bits) {
         fl_test_rng r = {3000 + (unsigned)k};
         q4_fixture f;
         FL_REQUIRE(q4_make(&f, 3, 5, FL_Q4_NF4, 0, &r));
-        FL_CHECK(be.q4_matmul_forward16(&be, &y, 3, &x16, &f.w, 1, 0.0f) == FL_ERR_UNSUPPORTED &&
+        FL_CHECK(be.q4_matmul_forward16(&be, &y, 3, &x16, &f.w, 1, 1, 0.0f) == FL_ERR_UNSUPPORTED &&
                  strstr(fl_error_message(), "FITLLM_CUDA_Q4=tc or scratch only"));
         q4_free(&f);
         be.set_compute_dtype(&be, FL_BF16);
@@ -742,7 +742,7 @@ FL_TEST(cuda_more_q416_bits) {
         q416_check(&be, &part, 33, 80, modes[k], &r); /* the row map (a tensor-parallel part cutting the blocks) */
         q4_free(&part);
         q4_free(&whole);
-        FL_CHECK(be.q4_matmul_forward16(&be, &y, 3, &x16, NULL, 1, 0.0f) == FL_ERR_INVALID);
+        FL_CHECK(be.q4_matmul_forward16(&be, &y, 3, &x16, NULL, 1, 1, 0.0f) == FL_ERR_INVALID);
         fl_backend_free(&be);
     }
     /* absent: the fp32 path, the knob off (with the default path too); a bad knob value named */
@@ -770,6 +770,109 @@ FL_TEST(cuda_more_q416_bits) {
 
 /* 256-byte aligned host memory (aligned_alloc wants a size that is a multiple of the alignment) */
 static void *al256_alloc(size_t n) { return aligned_alloc(256, (n + 255) / 256 * 256); }
+
+/* q4_matmul_forward16 / _backward16 over nw stacked parts (a fused output: q|k|v, gate|up; backend.h): scratch
+ * dequantizes the parts side by side into its panels, one GEMM a panel (TinyLlama's q|k|v and gate|up one GEMM each
+ * where a GEMM a part took 3 and 2, the backward accumulating dx part after part); tc runs part after part. Two
+ * stacks: rows 40 + 16 + 16 of 136 columns (one panel: 1 GEMM where the parts took 3), and 100 + 60 + 72 of 3,000
+ * (232 rows over the emulator's bf16 area of 185: two panels of 120 + 112, the first ending inside part 1, the second
+ * holding part 1's last 20 rows and part 2: 2 GEMMs where the parts took 3). The forward: the bits of a call a part
+ * (the emulator's GEMM sums do not depend on the split), no misaligned GEMM; the backward, beta 0 and 1: within the
+ * fp32 dot-product bound (K the stacked rows) of float64 sums over the parts' bf16-rounded dequantized rows (and tc:
+ * the bits of a call a part, beta 1 after the first). Bad counts, unequal columns and a short ldy refused by name. */
+static void q416_parts_case(const fl_backend *be, int scratch, const int *rows, int IN, int want_gemms,
+                            fl_test_rng *r) {
+    enum { N = 8, NW = 3 };
+    q4_fixture f[NW];
+    fl_q4_weight ws[NW];
+    int R = 0;
+    for (int k = 0; k < NW; k++) {
+        FL_REQUIRE(q4_make(&f[k], rows[k], IN, k == 1 ? FL_Q4_FP4 : FL_Q4_NF4, k != 2, r));
+        ws[k] = f[k].w, R += rows[k];
+    }
+    const int ldy = R; /* y, dy rows: the stacked width (a multiple of 8 in both cases: aligned rows) */
+    float *x = al256_alloc((size_t)N * IN * 4), *dy = al256_alloc((size_t)N * ldy * 4);
+    uint16_t *x16 = al256_alloc((size_t)N * IN * 2), *dy16 = al256_alloc((size_t)N * ldy * 2);
+    for (int i = 0; i < N * IN; i++) x[i] = fl_bf16_to_f32(x16[i] = fl_f32_to_bf16(fl_test_rng_uniform(r, -1, 1)));
+    for (int i = 0; i < N * ldy; i++) dy[i] = fl_bf16_to_f32(dy16[i] = fl_f32_to_bf16(fl_test_rng_uniform(r, -1, 1)));
+    const size_t ny = (size_t)N * ldy, nx = (size_t)N * IN;
+    float *y[2], *dx[2];
+    for (int i = 0; i < 2; i++) y[i] = al256_alloc(ny * 4), dx[i] = al256_alloc(nx * 4);
+    const char *mode = scratch ? "scratch" : "tc";
+    /* forward: stacked, then a call a part */
+    unsigned long c0 = fl_cu_emu_gemm_calls, m0 = fl_cu_emu_gemm_misaligned;
+    FL_CHECKF(be->q4_matmul_forward16(be, y[0], ldy, x16, ws, NW, N, 0.0f) == FL_OK && be->sync(be) == FL_OK,
+              "%s forward16 of %d parts: %s", mode, NW, fl_error_message());
+    if (scratch)
+        FL_CHECKF(fl_cu_emu_gemm_calls - c0 == (unsigned long)want_gemms && fl_cu_emu_gemm_misaligned == m0,
+                  "scratch forward16 %d rows of %d: %lu GEMMs (want %d), %lu misaligned (%s)", R, IN,
+                  fl_cu_emu_gemm_calls - c0, want_gemms, fl_cu_emu_gemm_misaligned - m0, fl_cu_emu_gemm_misaligned_what);
+    for (int k = 0, p0 = 0; k < NW; p0 += rows[k], k++)
+        FL_CHECK(be->q4_matmul_forward16(be, y[1] + p0, ldy, x16, &ws[k], 1, N, 0.0f) == FL_OK);
+    FL_CHECK(be->sync(be) == FL_OK);
+    FL_CHECKF(!memcmp(y[0], y[1], ny * 4), "%s forward16: %d stacked parts not the bits of a call a part", mode, NW);
+    /* backward, beta 0 then 1 (dx0 kept in dx[1]) */
+    double *want = malloc(nx * 8), *absum = malloc(nx * 8);
+    for (int beta = 0; beta <= 1; beta++) {
+        for (size_t i = 0; i < nx; i++) dx[0][i] = dx[1][i] = fl_test_rng_uniform(r, -1, 1);
+        for (int n = 0; n < N; n++)
+            for (int c = 0; c < IN; c++) {
+                double s = beta ? dx[1][(size_t)n * IN + c] : 0, a = fabs(s);
+                for (int k = 0, p0 = 0; k < NW; p0 += rows[k], k++)
+                    for (int j = 0; j < rows[k]; j++) {
+                        const double p = (double)dy[(size_t)n * ldy + p0 + j] *
+                                         fl_bf16_to_f32(fl_f32_to_bf16(f[k].deq[(size_t)j * IN + c]));
+                        s += p, a += fabs(p);
+                    }
+                want[(size_t)n * IN + c] = s, absum[(size_t)n * IN + c] = a;
+            }
+        c0 = fl_cu_emu_gemm_calls, m0 = fl_cu_emu_gemm_misaligned;
+        FL_CHECKF(be->q4_matmul_backward16(be, dx[0], dy16, ldy, ws, NW, N, (float)beta) == FL_OK &&
+                      be->sync(be) == FL_OK, "%s backward16 of %d parts: %s", mode, NW, fl_error_message());
+        if (scratch)
+            FL_CHECKF(fl_cu_emu_gemm_calls - c0 == (unsigned long)want_gemms && fl_cu_emu_gemm_misaligned == m0,
+                      "scratch backward16 %d rows of %d: %lu GEMMs (want %d), %lu misaligned", R, IN,
+                      fl_cu_emu_gemm_calls - c0, want_gemms, fl_cu_emu_gemm_misaligned - m0);
+        char what[64];
+        snprintf(what, sizeof what, "%s backward16 %d stacked rows beta %d", mode, R, beta);
+        FL_CHECK(dot_close(what, dx[0], want, absum, nx, R));
+        if (!scratch) { /* tc: part after part, the bits of the calls a part */
+            for (int k = 0, p0 = 0; k < NW; p0 += rows[k], k++)
+                FL_CHECK(be->q4_matmul_backward16(be, dx[1], dy16 + p0, ldy, &ws[k], 1, N, k ? 1.0f : (float)beta) ==
+                         FL_OK);
+            FL_CHECK(be->sync(be) == FL_OK);
+            FL_CHECKF(!memcmp(dx[0], dx[1], nx * 4), "tc backward16: stacked parts not the bits of a call a part");
+        }
+    }
+    /* refused: no part, more than FL_Q4_MAX_PARTS, unequal columns, ldy short of the stacked rows */
+    FL_CHECK(be->q4_matmul_forward16(be, y[0], ldy, x16, ws, 0, N, 0.0f) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "0 parts"));
+    FL_CHECK(be->q4_matmul_backward16(be, dx[0], dy16, ldy, ws, FL_Q4_MAX_PARTS + 1, N, 0.0f) == FL_ERR_INVALID);
+    fl_q4_weight odd[2] = {ws[0], ws[1]};
+    odd[1].cols = IN - 1;
+    FL_CHECK(be->q4_matmul_forward16(be, y[0], ldy, x16, odd, 2, N, 0.0f) == FL_ERR_INVALID);
+    FL_CHECK(be->q4_matmul_forward16(be, y[0], R - 1, x16, ws, NW, N, 0.0f) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "ldy"));
+    free(want), free(absum), free(x), free(dy), free(x16), free(dy16);
+    for (int i = 0; i < 2; i++) free(y[i]), free(dx[i]);
+    for (int k = 0; k < NW; k++) q4_free(&f[k]);
+}
+
+FL_TEST(cuda_more_q416_parts) {
+    static const int small[3] = {40, 16, 16}, two_panels[3] = {100, 60, 72};
+    for (int scratch = 0; scratch <= 1; scratch++) {
+        fl_backend be;
+        setenv("FITLLM_CUDA_Q4", scratch ? "scratch" : "tc", 1);
+        FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+        unsetenv("FITLLM_CUDA_Q4");
+        be.set_compute_dtype(&be, FL_BF16);
+        fl_test_rng r = {5100 + (unsigned)scratch};
+        q416_parts_case(&be, scratch, small, 136, 1, &r);
+        if (scratch) q416_parts_case(&be, scratch, two_panels, 3000, 2, &r); /* tc: no panels, its loop above */
+        fl_backend_free(&be);
+    }
+}
+
 
 /* Panels keep the GEMMs aligned (fl_cu_gemm_panel_rows; issue 30 item 3): cuBLASLt takes its fast kernels only for
  * 16-byte aligned operands and leading dimensions, so an op that cuts a matrix into panels must cut at offsets that
@@ -801,9 +904,9 @@ FL_TEST(cuda_more_gemm_panels_aligned) {
     for (int in16 = 0; in16 <= 1; in16++)
         for (int bwd = 0; bwd <= 1; bwd++) {
             const unsigned long c0 = fl_cu_emu_gemm_calls, m0 = fl_cu_emu_gemm_misaligned;
-            fl_status st = bwd ? (in16 ? be.q4_matmul_backward16(&be, o, dy16, OUT, &f.w, N, 0.0f)
+            fl_status st = bwd ? (in16 ? be.q4_matmul_backward16(&be, o, dy16, OUT, &f.w, 1, N, 0.0f)
                                        : be.q4_matmul_backward(&be, o, dy, OUT, &f.w, N, 0.0f))
-                               : (in16 ? be.q4_matmul_forward16(&be, o, OUT, x16, &f.w, N, 0.0f)
+                               : (in16 ? be.q4_matmul_forward16(&be, o, OUT, x16, &f.w, 1, N, 0.0f)
                                        : be.q4_matmul_forward(&be, o, OUT, x, &f.w, N, 0.0f));
             FL_CHECKF(st == FL_OK && be.sync(&be) == FL_OK, "%s %s: %s", in16 ? "bf16" : "fp32",
                       bwd ? "backward" : "forward", fl_error_message());

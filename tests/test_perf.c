@@ -81,8 +81,13 @@ static int g_rig_sgd = 0;
  * time) */
 static int g_rig_layers = 0;
 
+/* 1: QLoRA (nf4-dq blocks; the adapters of `lora`) whatever the caller's lora says, with a precision (set around a
+ * case: the graphs' 4-bit records, whose fused q|k|v and gate|up parts are one op each) */
+static int g_rig_q4 = 0;
+
 /* lora: adapters (r 4) on q_proj and v_proj, the base frozen */
 static int rig_init_ex(perf_rig *r, const char *name, const char *prec, int B, int T, int lora) {
+    lora |= g_rig_q4;
     fl_model_config c;
     FL_REQUIRE_OK_R(fl_preset_find("micro", &c), 0);
     if (g_rig_layers > 0) c.n_layers = g_rig_layers;
@@ -94,6 +99,7 @@ static int rig_init_ex(perf_rig *r, const char *name, const char *prec, int B, i
         fl_model_storage stg;
         FL_REQUIRE_OK_R(fl_precision_find(prec, &p), 0);
         fl_model_storage_for(&p, &stg);
+        if (g_rig_q4) stg.quant4 = 1, stg.q4_type = FL_Q4_NF4, stg.q4_double_quant = 1;
         FL_REQUIRE_OK_R(fl_model_init_ex(&r->m, &c, &r->be, &r->pool, &stg), 0);
         fl_model_init_random(&r->m, 7);
         FL_REQUIRE_OK_R(fl_model_set_precision(&r->m, &p), 0);
@@ -106,7 +112,7 @@ static int rig_init_ex(perf_rig *r, const char *name, const char *prec, int B, i
         FL_REQUIRE_OK_R(fl_lora_config_init(&lc, &c, 4, 8.0f, 0.0f, 0, "q_proj,v_proj"), 0);
         FL_REQUIRE_OK_R(fl_model_lora_init(&r->m, &lc, 11), 0);
     }
-    FL_REQUIRE_OK_R(fl_model_alloc_grads(&r->m), 0);
+    if (!g_rig_q4) FL_REQUIRE_OK_R(fl_model_alloc_grads(&r->m), 0); /* QLoRA: the adapters' gradients alone */
     FL_REQUIRE_OK_R(fl_model_alloc_acts(&r->m, B, T), 0);
     fl_optim_config oc;
     fl_optim_config_default(&oc, g_rig_sgd == 1 ? FL_OPT_SGD : g_rig_sgd == 2 ? FL_OPT_ADAMW8BIT : FL_OPT_ADAMW);
@@ -476,20 +482,22 @@ FL_TEST(cuda_emu_graphs_replay) {
         int miss, sgd; /* sgd: SGD with momentum (sgd_update_ss inside the last graph, its lr from a slot), 2: 8-bit
                         * AdamW (adam8bit_update_ss per tensor inside the last graph, one slot for the step's tensors) */
         int steps;     /* 0: GR_STEPS (8-bit AdamW's emulated kernel is slow: 3, i.e. one capture, one replay) */
-    } cases[] = {{"32-true", 2, 1.0f, 1, 0, 0}, {"bf16-true", 1, 0.0f, 0, 0, 0}, {"32-true", 1, 1.0f, 0, 1, 0},
-                 {"bf16-true", 1, 1.0f, 0, 2, 3}};
+        int q4;        /* QLoRA: the 4-bit records (q4_matmul_forward16 / _backward16 of q|k|v's three weights and
+                        * gate|up's two: their headers kept and compared in the replays) */
+    } cases[] = {{"32-true", 2, 1.0f, 1, 0, 0, 0}, {"bf16-true", 1, 0.0f, 0, 0, 0, 0}, {"32-true", 1, 1.0f, 0, 1, 0, 0},
+                 {"bf16-true", 1, 1.0f, 0, 2, 3, 0}, {"bf16-true", 2, 1.0f, 0, 0, 4, 1}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         graph_run on = {.steps = cases[c].steps}, off = {.steps = cases[c].steps};
         const int nm = cases[c].n_micro, steps = cases[c].steps ? cases[c].steps : GR_STEPS;
-        g_rig_sgd = cases[c].sgd;
+        g_rig_sgd = cases[c].sgd, g_rig_q4 = cases[c].q4;
         int ok = graph_case(1, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &on);
         ok = ok && graph_case(0, cases[c].prec, nm, cases[c].max_norm, cases[c].miss, &off);
-        g_rig_sgd = 0;
+        g_rig_sgd = 0, g_rig_q4 = 0;
         if (ok) {
             const fl_cu_graph_stats *g = &on.st;
             printf("      %s x%d clip %.0f%s%s: %s; captured %ld, replayed %ld, missed %ld, %ld graphs, %ld nodes, "
                    "%ld launches, %ld ops captured, %ld outside, %ld updates in graphs\n", cases[c].prec, nm,
-                   (double)cases[c].max_norm, cases[c].miss ? " (step 4 shorter)" : "", cases[c].sgd == 1 ? " SGD" : cases[c].sgd ? " 8-bit AdamW" : "",
+                   (double)cases[c].max_norm, cases[c].miss ? " (step 4 shorter)" : "", cases[c].sgd == 1 ? " SGD" : cases[c].sgd ? " 8-bit AdamW" : cases[c].q4 ? " QLoRA" : "",
                    on.verdict, g->captured_steps,
                    g->replayed_steps,
                    g->missed_steps, g->graphs, g->nodes, g->launches, g->captured_ops, g->outside_ops, g->graph_updates);

@@ -445,11 +445,15 @@ struct fl_backend {
      * the fp32 op in a bf16 run on the widened input, the bf16 paths (FITLLM_CUDA_Q4=tc: the tensor-core kernels;
      * scratch: the dequantized bf16 panel's GEMM) rounding x / dy to bf16 (RNE) before any product, so a stored copy
      * (the RNE of the fp32 value) is the same operand, read without an fp32 copy. Refused (UNSUPPORTED) where the op
-     * would not round (an fp32 run, FITLLM_CUDA_Q4=fp32). */
+     * would not round (an fp32 run, FITLLM_CUDA_Q4=fp32).
+     * w: nw (1 .. FL_Q4_MAX_PARTS) consecutive weights of equal cols whose rows stack, W = [w[0]; w[1]; ...] (a fused
+     * output's parts: q|k|v, gate|up), y's / dy's columns in that order: one product over the stacked rows (the
+     * scratch path: the parts dequantized side by side into one panel, one GEMM, instead of a GEMM per part and, in
+     * the backward, dx accumulated part after part). */
     fl_status (*q4_matmul_forward16)(const fl_backend *be, float *y, int ldy, const void *x16, const fl_q4_weight *w,
-                                     int N, float beta);
+                                     int nw, int N, float beta);
     fl_status (*q4_matmul_backward16)(const fl_backend *be, float *dx, const void *dy16, int ldy,
-                                      const fl_q4_weight *w, int N, float beta);
+                                      const fl_q4_weight *w, int nw, int N, float beta);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with

@@ -112,9 +112,10 @@ struct fl_op_attention_forward16 { const fl_attn_desc *a; float *out; void *out1
 struct fl_op_attention_backward16 { const fl_attn_desc *a; float *dq, *dk, *dv; const float *dout;
     const void *q16, *k16, *v16; const uint8_t *kmask; const void *out16; const float *lse; };
 struct fl_op_q4_matmul_forward { float *y; int ldy; const float *x; const fl_q4_weight *w; int N; float beta; };
-struct fl_op_q4_matmul_forward16 { float *y; int ldy; const void *x16; const fl_q4_weight *w; int N; float beta; };
+struct fl_op_q4_matmul_forward16 { float *y; int ldy; const void *x16; const fl_q4_weight *w; int nw; int N; float beta; };
 struct fl_op_q4_matmul_backward { float *dx; const float *dy; int ldy; const fl_q4_weight *w; int N; float beta; };
-struct fl_op_q4_matmul_backward16 { float *dx; const void *dy16; int ldy; const fl_q4_weight *w; int N; float beta; };
+struct fl_op_q4_matmul_backward16 { float *dx; const void *dy16; int ldy; const fl_q4_weight *w; int nw; int N;
+    float beta; };
 struct fl_op_lora_forward { float *y; int ldy; float *h, *xd; const float *x, *A, *B; int N, in, out, r;
     float scaling, dropout; uint64_t seed; };
 struct fl_op_lora_backward { float *dx, *dA, *dB; const float *dy; int ldy; const float *xb, *h, *A, *B;

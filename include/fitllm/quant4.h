@@ -40,6 +40,8 @@ extern "C" {
 
 #define FL_Q4_BLOCK 64
 #define FL_Q4_DQ_BLOCK 256
+/* the most 4-bit parts a fused linear's output has (q|k|v; gate|up: 2) */
+#define FL_Q4_MAX_PARTS 3
 
 typedef enum { FL_Q4_NF4 = 0, FL_Q4_FP4 = 1 } fl_q4_type;
 

@@ -236,11 +236,18 @@ WRAP_S(q4_matmul_forward, 2.0 * N * (double)w->n, (BE, float *y, int ldy, const 
        (be, y, ldy, x, w, N, beta))
 WRAP_S(q4_matmul_backward, 2.0 * N * (double)w->n,
        (BE, float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N, float beta), (be, dx, dy, ldy, w, N, beta))
-WRAP_S(q4_matmul_forward16, 2.0 * N * (double)w->n,
-       (BE, float *y, int ldy, const void *x16, const fl_q4_weight *w, int N, float beta), (be, y, ldy, x16, w, N, beta))
-WRAP_S(q4_matmul_backward16, 2.0 * N * (double)w->n,
-       (BE, float *dx, const void *dy16, int ldy, const fl_q4_weight *w, int N, float beta),
-       (be, dx, dy16, ldy, w, N, beta))
+/* the stacked parts' elements (a NULL w or a bad nw: 0, the op refuses it) */
+static double q4_parts_n(const fl_q4_weight *w, int nw) {
+    double n = 0;
+    for (int k = 0; w && k < nw && k < FL_Q4_MAX_PARTS; k++) n += (double)w[k].n;
+    return n;
+}
+WRAP_S(q4_matmul_forward16, 2.0 * N * q4_parts_n(w, nw),
+       (BE, float *y, int ldy, const void *x16, const fl_q4_weight *w, int nw, int N, float beta),
+       (be, y, ldy, x16, w, nw, N, beta))
+WRAP_S(q4_matmul_backward16, 2.0 * N * q4_parts_n(w, nw),
+       (BE, float *dx, const void *dy16, int ldy, const fl_q4_weight *w, int nw, int N, float beta),
+       (be, dx, dy16, ldy, w, nw, N, beta))
 WRAP_S(attention_forward, attn_flops(a),
        (BE, const fl_attn_desc *a, float *out, float *lse, const float *q, const float *k, const float *v,
         const float *bias, const uint8_t *kmask),

@@ -234,11 +234,11 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_q4_matmul_forward16: {
         DOOR(q4_matmul_forward16);
-        return be->q4_matmul_forward16(be, r->y, r->ldy, r->x16, r->w, r->N, r->beta);
+        return be->q4_matmul_forward16(be, r->y, r->ldy, r->x16, r->w, r->nw, r->N, r->beta);
     }
     case FL_OPK_q4_matmul_backward16: {
         DOOR(q4_matmul_backward16);
-        return be->q4_matmul_backward16(be, r->dx, r->dy16, r->ldy, r->w, r->N, r->beta);
+        return be->q4_matmul_backward16(be, r->dx, r->dy16, r->ldy, r->w, r->nw, r->N, r->beta);
     }
     case FL_OPK_lora_forward: {
         DOOR(lora_forward);

@@ -46,7 +46,7 @@ void fl_st_compare(st_cmp *r, const float *dev, const float *ref, const double *
                    int L, double u, double atol);
 /* one result line; time_s < 0: not timed */
 void fl_st_report(st_ctx *c, const char *name, const st_cmp *r, int launch_failed, double time_s);
-/* median of 5 synchronized runs of fn */
+/* median of 5 synchronized runs of fn (the CUDA emulator: one run) */
 typedef void (*st_run_fn)(st_ctx *c, void *arg);
 double fl_st_time(st_ctx *c, st_run_fn fn, void *arg);
 /* whether --only selects the case */

@@ -18,11 +18,12 @@ fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, c
                                int N) {
     /* y (N,out) = x (N,in) @ W^T (in,out) */
     int biased = 0;
-    if (lin->n_q4) { /* 4-bit base: each part fills its rows of the (fused) output, dequantized tile by tile; q416: from
-                      * x's bf16 copy, the operand the bf16 path rounds x to (q4_matmul_forward16) */
+    if (lin->n_q4 && lin->q416 && x16) { /* 4-bit base from x's bf16 copy, the operand the bf16 path rounds x to: the
+                                          * parts stacked in one op (q4_matmul_forward16) */
+        FL_TRY(FL_RUN(be, q4_matmul_forward16, y, lin->out, x16, lin->q4[0], lin->n_q4, N, 0.0f));
+    } else if (lin->n_q4) { /* 4-bit base: each part fills its rows of the (fused) output, dequantized tile by tile */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
-            FL_TRY(lin->q416 && x16 ? FL_RUN(be, q4_matmul_forward16, y + r0, lin->out, x16, lin->q4[k], N, 0.0f)
-                                    : FL_RUN(be, q4_matmul_forward, y + r0, lin->out, x, lin->q4[k], N, 0.0f));
+            FL_TRY(FL_RUN(be, q4_matmul_forward, y + r0, lin->out, x, lin->q4[k], N, 0.0f));
     } else {
         /* mixed precision: the weight's compute copy (bf16), fp32 accumulation */
         const void *w = lin->wc ? lin->wc : (const void *)lin->w;
@@ -107,12 +108,13 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
         db_done = 1;
     } else if (dx16 && !dy16_ready && (dy16 || dx))
         FL_TRY(FL_RUN(be, convert, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
-    if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part); dx16 (q416): from dy's bf16 copy */
+    if (dx && lin->n_q4 && dx16) /* dx (N,in) = dy's bf16 copy (N,out) @ deq([W_0; W_1; ...]) (out,in), one op (q416) */
+        FL_TRY(FL_RUN(be, q4_matmul_backward16, dx, lin->dyb16, lin->out, lin->q4[0], lin->n_q4, N,
+                      dx_accumulate ? 1.0f : 0.0f));
+    else if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
-            FL_TRY(dx16 ? FL_RUN(be, q4_matmul_backward16, dx, (const uint16_t *)lin->dyb16 + r0, lin->out, lin->q4[k],
-                                 N, (k > 0 || dx_accumulate) ? 1.0f : 0.0f)
-                        : FL_RUN(be, q4_matmul_backward, dx, dy + r0, lin->out, lin->q4[k], N,
-                                 (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
+            FL_TRY(FL_RUN(be, q4_matmul_backward, dx, dy + r0, lin->out, lin->q4[k], N,
+                          (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
     } else if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
         FL_TRY(FL_RUN(be, gemm, 0, 0, N, lin->in, lin->out, 1.0f, dx16 ? (const void *)lin->dyb16 : (const void *)dy,
                       dx16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, FL_F32,

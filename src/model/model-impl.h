@@ -123,7 +123,9 @@ fl_status fl_acts_store_stream(fl_model *m, int l, int N);
  * the model code does not change. */
 typedef struct {
     int in, out;
-    const fl_q4_weight *q4[3]; /* 4-bit base (QLoRA): parts of the fused output, in row order */
+    const fl_q4_weight *q4[FL_Q4_MAX_PARTS]; /* 4-bit base (QLoRA): parts of the fused output, in row order,
+                                              * consecutive in the store (q4[k] == q4[0] + k: the 16 ops
+                                              * take them stacked, backend.h) */
     int n_q4;
     int q416;         /* the 4-bit parts read bf16 x / dy (q4_matmul_forward16 / _backward16: FL_CAP_Q4X16 in a bf16 run,
                        * FITLLM_CUDA_Q4X16; fl_linear_q416) */

@@ -43,7 +43,7 @@ void fl_store_bind_weight(const fl_param_store *s, int wi, int out, fl_weight_vi
     if (wi < 0) return;
     if (fl_store_is_q4(s, wi)) {
         /* 4-bit base: a fused output (q|k|v, gate|up) is consecutive 4-bit entries, in row order */
-        for (int r = 0, i = wi; r < out && i < s->lay->n && v->n_q4 < 3 && fl_store_is_q4(s, i); i++) {
+        for (int r = 0, i = wi; r < out && i < s->lay->n && v->n_q4 < FL_Q4_MAX_PARTS && fl_store_is_q4(s, i); i++) {
             v->q4[v->n_q4++] = &s->q4[i];
             r += (int)s->lay->params[i].shape[0];
         }

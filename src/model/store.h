@@ -34,7 +34,7 @@ typedef struct {
     const float *w;
     const void *wc;
     fl_dtype wct;
-    const fl_q4_weight *q4[3];
+    const fl_q4_weight *q4[FL_Q4_MAX_PARTS];
     int n_q4;
 } fl_weight_view;
 

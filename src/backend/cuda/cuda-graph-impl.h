@@ -44,8 +44,8 @@ typedef struct {
     int slot;           /* its per-step scalars' slot (flb_graph_slot_op), -1: none */
     int share;          /* 8-bit AdamW's next tensor: the slot of the record before it (the same constants) */
 #define FLB_GMAX_(a, b) (sizeof(a) > sizeof(b) ? sizeof(a) : sizeof(b))
-    _Alignas(16) unsigned char aux[FLB_GMAX_(fl_attn_desc, fl_q4_weight) > sizeof(fl_adam8bit_state)
-                                       ? FLB_GMAX_(fl_attn_desc, fl_q4_weight)
+    _Alignas(16) unsigned char aux[FLB_GMAX_(fl_attn_desc, fl_q4_weight[FL_Q4_MAX_PARTS]) > sizeof(fl_adam8bit_state)
+                                       ? FLB_GMAX_(fl_attn_desc, fl_q4_weight[FL_Q4_MAX_PARTS])
                                        : sizeof(fl_adam8bit_state)];
 #undef FLB_GMAX_
 } flb_grec;
@@ -173,7 +173,10 @@ static size_t flb_graph_recbytes(fl_opk k) {
 #define FLB_CLEAR_PADDING(p) ((void)(p))
 #endif
 
-/* The header a record points to (an attention's descriptor, a 4-bit weight), its size; NULL: none. */
+/* a record's count of 4-bit parts as the graph keeps them: 1 .. FL_Q4_MAX_PARTS */
+static int flb_q4_nw(int nw) { return nw < 1 ? 1 : nw > FL_Q4_MAX_PARTS ? FL_Q4_MAX_PARTS : nw; }
+
+/* The header a record points to (an attention's descriptor, 4-bit weights), its size; NULL: none. */
 static const void **flb_graph_hdr(fl_oprec *r, size_t *hb) {
     *hb = sizeof(fl_attn_desc);
     switch (r->kind) {
@@ -184,8 +187,12 @@ static const void **flb_graph_hdr(fl_oprec *r, size_t *hb) {
     case FL_OPK_attention_forward_in16: return (const void **)&r->attention_forward_in16.a;
     case FL_OPK_q4_matmul_forward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_forward.w;
     case FL_OPK_q4_matmul_backward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_backward.w;
-    case FL_OPK_q4_matmul_forward16: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_forward16.w;
-    case FL_OPK_q4_matmul_backward16: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_backward16.w;
+    case FL_OPK_q4_matmul_forward16: /* nw stacked parts (the op refuses a count outside 1 .. FL_Q4_MAX_PARTS) */
+        *hb = sizeof(fl_q4_weight) * (size_t)flb_q4_nw(r->q4_matmul_forward16.nw);
+        return (const void **)&r->q4_matmul_forward16.w;
+    case FL_OPK_q4_matmul_backward16:
+        *hb = sizeof(fl_q4_weight) * (size_t)flb_q4_nw(r->q4_matmul_backward16.nw);
+        return (const void **)&r->q4_matmul_backward16.w;
     case FL_OPK_adam8bit_update_ss: *hb = sizeof(fl_adam8bit_state); return (const void **)&r->adam8bit_update_ss.st;
     default: return NULL;
     }
@@ -211,7 +218,8 @@ static void flb_graph_keep(flb_grec *d, const fl_oprec *op) {
         memcpy(d->aux, *hp, hb);
         if (op->kind == FL_OPK_adam8bit_update_ss) FLB_CLEAR_PADDING((fl_adam8bit_state *)(void *)d->aux);
         else if (hb == sizeof(fl_attn_desc)) FLB_CLEAR_PADDING((fl_attn_desc *)(void *)d->aux);
-        else FLB_CLEAR_PADDING((fl_q4_weight *)(void *)d->aux);
+        else
+            for (size_t k = 0; k < hb / sizeof(fl_q4_weight); k++) FLB_CLEAR_PADDING((fl_q4_weight *)(void *)d->aux + k);
         *hp = NULL;
         d->has_hdr = 1;
     }

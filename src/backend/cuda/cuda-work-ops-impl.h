@@ -257,19 +257,22 @@ static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp,
  * rounds to bf16 in its mixed-type panels: the weight's panel then lives in the work area. A BF16 `in`
  * (q4_matmul_forward16 / _backward16: the stored copy, the RNE those panels hold) is the GEMM's A as it is, one GEMM
  * over all its rows, and the weight's panel may take the mixed-type panels' area too (unused by a bf16 x bf16 GEMM):
- * FLB_PANEL_BYTES + FLB_WORK_BYTES, 48 MiB on a GPU, so each of TinyLlama's 4-bit weights (5,632 x 2,048 at most,
- * 22 MiB) is one dequantization and one GEMM. Panels from fl_cu_gemm_panel_rows (balanced, whole 128s or 8s): each
- * panel's offsets into y, dy and dx keep the GEMM's operands 16-byte aligned (the H200's profile of 2026-11-30 had
+ * FLB_PANEL_BYTES + FLB_WORK_BYTES, 48 MiB on a GPU, so each of TinyLlama's 4-bit linears (its stacked parts: gate|up
+ * 11,264 x 2,048 at most, 44 MiB) is one GEMM after a dequantization a part (nw parts stacked, backend.h). Panels
+ * from fl_cu_gemm_panel_rows (balanced, whole 128s or 8s) of the stacked rows: each panel's offsets into y, dy and dx
+ * keep the GEMM's operands 16-byte aligned (the H200's profile of 2026-11-30 had
  * these GEMMs at 214 / 263 TFLOP/s against ~690 for the bf16 bases of LoRA: TinyLlama's down projection, 2,048 x
  * 5,632, split at 1,489 rows, put its second panel's y and dy at 4- and 2-byte alignment). Both inputs give the same
  * bits where the weight is one panel either way (on the emulator always: its GEMM's sums do not depend on the
  * shapes' split but for the backward's accumulation over panels). */
 static fl_status flb_q4_scratch(const fl_backend *be, int bwd, float *out, int ldo, const void *in, fl_dtype it,
-                                int ldi, const fl_q4_weight *w, int N, float beta, const char *op) {
+                                int ldi, const fl_q4_weight *w, int nw, int N, float beta, const char *op) {
+    int R = 0; /* the stacked rows */
+    for (int k = 0; k < nw; k++) R += w[k].rows;
     const size_t row_bytes = (size_t)w->cols * sizeof(uint16_t);
     const size_t area = it == FL_BF16 ? (size_t)FLB_PANEL_BYTES + FLB_WORK_BYTES : FLB_WORK_BYTES;
     const size_t fit = area / row_bytes;
-    const int rows = fl_cu_gemm_panel_rows(w->rows, fit < (size_t)w->rows ? (int)fit : w->rows);
+    const int rows = fl_cu_gemm_panel_rows(R, fit < (size_t)R ? (int)fit : R);
     if (rows < 1)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s %s: FITLLM_CUDA_Q4=scratch: a row of %d columns exceeds the work area",
                          FLB_NAME, op, w->cols);
@@ -282,13 +285,19 @@ static fl_status flb_q4_scratch(const fl_backend *be, int bwd, float *out, int l
     }
     if (!panel) return flb_sticky(be);
     const size_t es = it == FL_F32 ? sizeof(float) : sizeof(uint16_t);
-    for (int r0 = 0; r0 < w->rows && N > 0; r0 += rows) {
-        const int nr = w->rows - r0 < rows ? w->rows - r0 : rows;
+    for (int r0 = 0; r0 < R && N > 0; r0 += rows) {
+        const int nr = R - r0 < rows ? R - r0 : rows;
         const int K = bwd ? nr : w->cols, Nc = bwd ? w->cols : nr;
         const char *a = (const char *)in + (bwd ? (size_t)r0 * es : 0);
         float *o = bwd ? out : out + r0;
         const float b = bwd && r0 ? 1.0f : beta;
-        FLB_RUN_S(be, FLB_K(q4_dequantize)(panel, FL_BF16, w->cols, w, r0, nr, STREAM), op);
+        /* the panel's stacked rows [r0, r0 + nr): each part's share, side by side */
+        for (int k = 0, p0 = 0; k < nw; p0 += w[k].rows, k++) {
+            const int lo = r0 > p0 ? r0 : p0, hi = r0 + nr < p0 + w[k].rows ? r0 + nr : p0 + w[k].rows;
+            if (lo < hi)
+                FLB_RUN_S(be, FLB_K(q4_dequantize)(panel + (size_t)(lo - r0) * w->cols, FL_BF16, w->cols, &w[k],
+                                                   lo - p0, hi - lo, STREAM), op);
+        }
         FL_TRY(flb_gemm(be, 0, !bwd, N, Nc, K, 1.0f, a, it, ldi, panel, FL_BF16, w->cols, b, o, FL_F32, ldo));
     }
     return FL_OK;
@@ -315,7 +324,7 @@ static fl_status flb_q4_matmul_forward(const fl_backend *be, float *y, int ldy, 
     const int mode = flb_q4_mode(be);
     if (mode == FLB_Q4_SCRATCH && w && w->rows > 0 && w->cols > 0 && ldy >= w->rows && N >= 0 &&
         (beta == 0.0f || beta == 1.0f))
-        return flb_q4_scratch(be, 0, y, ldy, x, FL_F32, w->cols, w, N, beta, "q4_matmul_forward");
+        return flb_q4_scratch(be, 0, y, ldy, x, FL_F32, w->cols, w, 1, N, beta, "q4_matmul_forward");
     if (mode == FLB_Q4_TC)
         FLB_RUN_S(be, FLB_K(q4_matmul_forward_tc)(y, ldy, x, w, N, beta, STREAM), "q4_matmul_forward");
     else
@@ -328,7 +337,7 @@ static fl_status flb_q4_matmul_backward(const fl_backend *be, float *dx, const f
     const int mode = flb_q4_mode(be);
     if (mode == FLB_Q4_SCRATCH && w && w->rows > 0 && w->cols > 0 && ldy >= w->rows && N >= 0 &&
         (beta == 0.0f || beta == 1.0f))
-        return flb_q4_scratch(be, 1, dx, w->cols, dy, FL_F32, ldy, w, N, beta, "q4_matmul_backward");
+        return flb_q4_scratch(be, 1, dx, w->cols, dy, FL_F32, ldy, w, 1, N, beta, "q4_matmul_backward");
     if (mode == FLB_Q4_TC)
         FLB_RUN_S(be, FLB_K(q4_matmul_backward_tc)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
     else
@@ -336,29 +345,41 @@ static fl_status flb_q4_matmul_backward(const fl_backend *be, float *dx, const f
     return FL_OK;
 }
 /* backend.h q4_matmul_forward16 / _backward16 (FL_CAP_Q4X16): a bf16 run's tc or scratch path over the bf16 x / dy
- * (the same operand those paths round the fp32 one to); refused where the path computes in fp32 (FLB_Q4_FP32) */
+ * (the same operand those paths round the fp32 one to); refused where the path computes in fp32 (FLB_Q4_FP32). nw
+ * stacked parts: scratch dequantizes them side by side into its panels (one GEMM a panel over all of them: TinyLlama's
+ * q|k|v 2,560 x 2,048 and gate|up 11,264 x 2,048 each one GEMM, where a GEMM a part took 3 and 2, the backward's
+ * accumulating dx in turn); tc runs part after part. */
 static fl_status flb_q4_16(const fl_backend *be, int bwd, float *out, int ldo, const void *in, int ldi, int ldy,
-                           const fl_q4_weight *w, int N, float beta) {
+                           const fl_q4_weight *w, int nw, int N, float beta) {
     const char *op = bwd ? "q4_matmul_backward16" : "q4_matmul_forward16";
     FL_TRY(flb_sticky(be));
     const int mode = flb_q4_mode(be);
     if (mode != FLB_Q4_TC && mode != FLB_Q4_SCRATCH)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s %s: a bf16 run's FITLLM_CUDA_Q4=tc or scratch only (this one computes "
                          "its 4-bit matmuls in fp32)", FLB_NAME, op);
-    if (!w || w->rows <= 0 || w->cols <= 0 || ldy < w->rows || N < 0 || (beta != 0.0f && beta != 1.0f) ||
-        (N > 0 && (!out || !in)))
-        return fl_errorf(FL_ERR_INVALID, "%s %s: NULL argument or a bad shape (N %d, ldy %d, beta %g)", FLB_NAME, op, N,
-                         ldy, (double)beta);
-    if (mode == FLB_Q4_SCRATCH) return flb_q4_scratch(be, bwd, out, ldo, in, FL_BF16, ldi, w, N, beta, op);
-    if (bwd) FLB_RUN_S(be, FLB_K(q4_matmul_backward16_tc)(out, in, ldy, w, N, beta, STREAM), op);
-    else FLB_RUN_S(be, FLB_K(q4_matmul_forward16_tc)(out, ldy, in, w, N, beta, STREAM), op);
+    long R = 0;
+    int bad = !w || nw < 1 || nw > FL_Q4_MAX_PARTS;
+    for (int k = 0; !bad && k < nw; k++) {
+        bad = w[k].rows <= 0 || w[k].cols <= 0 || w[k].cols != w[0].cols;
+        R += w[k].rows;
+    }
+    if (bad || ldy < R || N < 0 || (beta != 0.0f && beta != 1.0f) || (N > 0 && (!out || !in)))
+        return fl_errorf(FL_ERR_INVALID, "%s %s: NULL argument or a bad shape (%d parts of rows %ld in all, N %d, ldy "
+                         "%d, beta %g)", FLB_NAME, op, nw, R, N, ldy, (double)beta);
+    if (mode == FLB_Q4_SCRATCH) return flb_q4_scratch(be, bwd, out, ldo, in, FL_BF16, ldi, w, nw, N, beta, op);
+    for (int k = 0, p0 = 0; k < nw; p0 += w[k].rows, k++) {
+        const float b = bwd && k ? 1.0f : beta;
+        if (bwd)
+            FLB_RUN_S(be, FLB_K(q4_matmul_backward16_tc)(out, (const uint16_t *)in + p0, ldy, &w[k], N, b, STREAM), op);
+        else FLB_RUN_S(be, FLB_K(q4_matmul_forward16_tc)(out + p0, ldy, in, &w[k], N, b, STREAM), op);
+    }
     return FL_OK;
 }
 static fl_status flb_q4_matmul_forward16(const fl_backend *be, float *y, int ldy, const void *x16,
-                                         const fl_q4_weight *w, int N, float beta) {
-    return flb_q4_16(be, 0, y, ldy, x16, w ? w->cols : 0, ldy, w, N, beta);
+                                         const fl_q4_weight *w, int nw, int N, float beta) {
+    return flb_q4_16(be, 0, y, ldy, x16, w ? w->cols : 0, ldy, w, nw, N, beta);
 }
 static fl_status flb_q4_matmul_backward16(const fl_backend *be, float *dx, const void *dy16, int ldy,
-                                          const fl_q4_weight *w, int N, float beta) {
-    return flb_q4_16(be, 1, dx, w ? w->cols : 0, dy16, ldy, ldy, w, N, beta);
+                                          const fl_q4_weight *w, int nw, int N, float beta) {
+    return flb_q4_16(be, 1, dx, w ? w->cols : 0, dy16, ldy, ldy, w, nw, N, beta);
 }

@@ -174,13 +174,13 @@ static fl_status n_q4_matmul_backward(const fl_backend *be, float *dx, const flo
 }
 /* FL_CAP_Q4X16's 4-bit matmuls over bf16 inputs, where the planned backend has them */
 static fl_status n_q4_matmul_forward16(const fl_backend *be, float *y, int ldy, const void *x16, const fl_q4_weight *w,
-                                       int N, float beta) {
-    (void)be; (void)y; (void)ldy; (void)x16; (void)w; (void)N; (void)beta;
+                                       int nw, int N, float beta) {
+    (void)be; (void)y; (void)ldy; (void)x16; (void)w; (void)nw; (void)N; (void)beta;
     return FL_OK;
 }
 static fl_status n_q4_matmul_backward16(const fl_backend *be, float *dx, const void *dy16, int ldy,
-                                        const fl_q4_weight *w, int N, float beta) {
-    (void)be; (void)dx; (void)dy16; (void)ldy; (void)w; (void)N; (void)beta;
+                                        const fl_q4_weight *w, int nw, int N, float beta) {
+    (void)be; (void)dx; (void)dy16; (void)ldy; (void)w; (void)nw; (void)N; (void)beta;
     return FL_OK;
 }
 static fl_status n_lora_forward(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
