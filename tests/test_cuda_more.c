@@ -773,7 +773,8 @@ static void *al256_alloc(size_t n) { return aligned_alloc(256, (n + 255) / 256 *
 
 /* q4_matmul_forward16 / _backward16 over nw stacked parts (a fused output: q|k|v, gate|up; backend.h): scratch
  * dequantizes the parts side by side into its panels, one GEMM a panel (TinyLlama's q|k|v and gate|up one GEMM each
- * where a GEMM a part took 3 and 2, the backward accumulating dx part after part); tc runs part after part. Two
+ * where a GEMM a part took 3 and 2, the backward accumulating dx part after part); tc runs part after part, and so
+ * does scratch with FITLLM_CUDA_Q4_STACK=0 (A/B: 3 GEMMs for the first stack, the same forward bits). Two
  * stacks: rows 40 + 16 + 16 of 136 columns (one panel: 1 GEMM where the parts took 3), and 100 + 60 + 72 of 3,000
  * (232 rows over the emulator's bf16 area of 185: two panels of 120 + 112, the first ending inside part 1, the second
  * holding part 1's last 20 rows and part 2: 2 GEMMs where the parts took 3). The forward: the bits of a call a part
@@ -860,17 +861,20 @@ static void q416_parts_case(const fl_backend *be, int scratch, const int *rows, 
 
 FL_TEST(cuda_more_q416_parts) {
     static const int small[3] = {40, 16, 16}, two_panels[3] = {100, 60, 72};
-    for (int scratch = 0; scratch <= 1; scratch++) {
+    /* tc, scratch, scratch with FITLLM_CUDA_Q4_STACK=0 (A/B: a GEMM a part, 3 GEMMs either stack) */
+    for (int m = 0; m < 3; m++) {
         fl_backend be;
-        setenv("FITLLM_CUDA_Q4", scratch ? "scratch" : "tc", 1);
+        setenv("FITLLM_CUDA_Q4", m ? "scratch" : "tc", 1);
+        if (m == 2) setenv("FITLLM_CUDA_Q4_STACK", "0", 1);
         FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
-        unsetenv("FITLLM_CUDA_Q4");
+        unsetenv("FITLLM_CUDA_Q4"), unsetenv("FITLLM_CUDA_Q4_STACK");
         be.set_compute_dtype(&be, FL_BF16);
-        fl_test_rng r = {5100 + (unsigned)scratch};
-        q416_parts_case(&be, scratch, small, 136, 1, &r);
-        if (scratch) q416_parts_case(&be, scratch, two_panels, 3000, 2, &r); /* tc: no panels, its loop above */
+        fl_test_rng r = {5100 + (unsigned)m};
+        q416_parts_case(&be, m > 0, small, 136, m == 2 ? 3 : 1, &r);
+        if (m == 1) q416_parts_case(&be, 1, two_panels, 3000, 2, &r); /* tc, a part at a time: no panels */
         fl_backend_free(&be);
     }
+    fl_test_emu_knob_refused("FITLLM_CUDA_Q4_STACK");
 }
 
 

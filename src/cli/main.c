@@ -185,6 +185,9 @@ static void usage(FILE *f) {
                "               4-bit linears read their input's and their dy's stored bf16 copies (fp32 copies nothing\n"
                "               else reads not written or allocated; the same values, and the same bits where a weight\n"
                "               is one scratch panel either way); 0 = their fp32 values (A/B)\n");
+    fprintf(f, "\n  FITLLM_CUDA_Q4_STACK=1|0 (environment): 1 (default) = EXPERIMENTAL: scratch dequantizes a fused\n"
+               "               output's 4-bit parts (q|k|v, gate|up) side by side and multiplies them in one GEMM (not yet\n"
+               "               timed on a GPU); 0 = one GEMM per part (A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_PREFETCH=1|0 (environment): 1 (default) = EXPERIMENTAL: the next micro-batch's ids and\n"
                "               targets uploaded ahead on a second stream while the current one computes (inside the\n"
                "               graphs under FITLLM_CUDA_GRAPHS=1); 0 = uploaded on the stream before each micro-batch\n");

@@ -16,8 +16,9 @@
 #      training steps on the CPU and on the GPU: the largest relative step-loss difference (bound 2e-2, as
 #      gpu_check_all.sh);
 #   4. the TinyLlama LoRA r 8 step; 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (the copies, A/B);
-#   6. the TinyLlama QLoRA nf4 step (the default 4-bit mode); 7. the full step with FITLLM_CUDA_HEAD_GROUP=0 (A/B,
-#   with the profile's head GEMM rows); 7b. GPT-2 124M bf16-true (B 8, T 1024) with --profile (72.8 ms a step on the
+#   6. the TinyLlama QLoRA nf4 step (the default 4-bit mode) with its profile (the 4-bit GEMMs' rows), 6b. (run after
+#   7c) with FITLLM_CUDA_Q4_STACK=0 (a GEMM per 4-bit part: A/B); 7. the full step with FITLLM_CUDA_HEAD_GROUP=0 (A/B, with
+#   the profile's head GEMM rows); 7b. GPT-2 124M bf16-true (B 8, T 1024) with --profile (72.8 ms a step on the
 #   H200 of 2026-11-30, ~2x what its GEMMs and attention account for: the profile says where the rest goes; since
 #   2026-12-01 the head's logits rows are padded to 50,264, whose three GEMMs were misaligned: the head's gemm rows);
 #   7c. Flan-T5-base bf16-true with --dropout (B 8, source 512, target 128): its attention (relative bias, dropout)
@@ -132,8 +133,9 @@ echo "== 4. TinyLlama LoRA r 8"
 step lora 30 --lora 8
 echo "== 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (compact copies first)"
 FITLLM_CUDA_CUDNN_DIRECT=0 step copies 30
-echo "== 6. TinyLlama QLoRA nf4 r 8 (the default 4-bit mode)"
-step qlora 30 --lora 8 --quantize bnb.nf4
+echo "== 6. TinyLlama QLoRA nf4 r 8 (the default 4-bit mode, scratch), with the profile (6b below: the A/B)"
+step qlora 30 --lora 8 --quantize bnb.nf4 --profile
+[ -f "$OUT/qlora.log" ] && grep -E "^ +q4_matmul_(forward|backward)16 " "$OUT/qlora.log" | head -2
 echo "== 7. the full step with FITLLM_CUDA_HEAD_GROUP=0 (the LM head's dW one GEMM per chunk, A/B)"
 FITLLM_CUDA_HEAD_GROUP=0 step headchunk 30 --profile
 [ -f "$OUT/headchunk.log" ] && grep -E "^ +32000 +2048 " "$OUT/headchunk.log" "$OUT/full.log" | head -4
@@ -155,6 +157,9 @@ run t5torch 45 python3 bench/bench_t5_torch.py --device cuda --dtype bf16 --drop
 for n in t5 t5fp32; do
     [ -f "$OUT/$n.log" ] && grep -E "^median [0-9]|^  attention +[0-9.]+|exit" "$OUT/$n.log" | sed "s/^/$n: /" | head -4
 done
+echo "== 6b. QLoRA with FITLLM_CUDA_Q4_STACK=0 (a GEMM per 4-bit part instead of q|k|v and gate|up stacked: A/B)"
+FITLLM_CUDA_Q4_STACK=0 step qlora-parts 30 --lora 8 --quantize bnb.nf4 --profile
+[ -f "$OUT/qlora-parts.log" ] && grep -E "^ +q4_matmul_(forward|backward)16 " "$OUT/qlora-parts.log" | head -2
 echo "== 8. fitllm_cuda_check"
 if run check 150 "$PACK/bin/fitllm_cuda_check"; then :; fi
 [ -f "$OUT/check.log" ] && grep -E "FAIL|all ok|FAILED|exit" "$OUT/check.log" | head -20

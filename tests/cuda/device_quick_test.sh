@@ -5,7 +5,8 @@
 # Cases: (1) cuDNN refusing a graph triggers step 2c, whose two debug logs come back xz-compressed; (2) the small
 # preset's CPU / GPU comparison passes on equal losses, (3) fails on a NaN GPU loss, (4) fails when a side wrote no
 # losses (not a vacuous pass), (5) without a refusal there is no step 2c, (6) step 7c times Flan-T5-base with
-# --dropout on the default kernels, then with FITLLM_CUDA_ATTN=fp32.
+# --dropout on the default kernels, then with FITLLM_CUDA_ATTN=fp32; (7) step 6 / 6b run QLoRA with the profile,
+# FITLLM_CUDA_Q4_STACK unset then 0.
 set -u
 W=${1:?usage: device_quick_test.sh WORKDIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -27,7 +28,8 @@ finetune_full)
     mkdir -p "$out/logs" && echo "iter,step,epoch,loss" >"$out/logs/metrics.csv"
     loss=5.5; [ "$acc" = cuda ] && loss=${FAKE_LOSS:-5.5}
     for i in 1 2 3 4 5 6 7 8; do echo "$i,$i,0,$loss" >>"$out/logs/metrics.csv"; done ;;
-*) echo "median 1.0 ms/step"; echo "attention kernels ${FITLLM_CUDA_ATTN:-auto}: $*" ;;
+*) echo "median 1.0 ms/step"; echo "attention kernels ${FITLLM_CUDA_ATTN:-auto}: $*"
+   echo "q4 stack ${FITLLM_CUDA_Q4_STACK:-1}" ;;
 esac
 exit 0
 EOF
@@ -51,6 +53,10 @@ grep -q "^attention kernels fp32: bench-step flan-t5-base .*--dropout" "$W/o1/t5
     no "step 7c: no FITLLM_CUDA_ATTN=fp32 run"
 grep -q "^python3 bench/bench_t5_torch.py --device cuda --dtype bf16 --dropout 0.1 --shape flan-t5-base" "$W/o1/t5torch.log" \
     2>/dev/null || no "step 7c: no PyTorch T5 run"
+for n in qlora:1 qlora-parts:0; do # step 6 / 6b: QLoRA with the profile, stacked then a GEMM a part
+    grep -q "^attention kernels auto: bench-step tinyllama-1.1b .*--quantize bnb.nf4 --profile" "$W/o1/${n%:*}.log" \
+        2>/dev/null && grep -q "^q4 stack ${n#*:}$" "$W/o1/${n%:*}.log" || no "step 6: no ${n%:*} run (FITLLM_CUDA_Q4_STACK=${n#*:})"
+done
 s=$(quick o2 FAKE_LOSS=nan)
 grep -q "^== 2c\." <<<"$s" && no "step 2c without a refusal"
 grep -q "^FAIL small-bf16: max relative loss difference nan" <<<"$s" || no "a NaN GPU loss did not fail"

@@ -84,6 +84,8 @@ typedef struct {
     flb_input in;          /* the input slots and the second stream (cuda-input-impl.h) */
     int ss_on;             /* FITLLM_CUDA_STEP_SCALARS (1 default): the step scalars' slots (backend.h) */
     int q4;                /* FITLLM_CUDA_Q4: a bf16 run's 4-bit matmuls (FLB_Q4_*, cuda-work-ops-impl.h; default scratch) */
+    int q4_stack;          /* FITLLM_CUDA_Q4_STACK: scratch multiplies a fused output's 4-bit parts stacked (1) or one
+                            * GEMM a part (0, A/B) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
@@ -738,6 +740,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
      * one GEMM (FL_CAP_HEAD_GROUP, transformer.c); bits differ from one GEMM per chunk (fp32 sums in another order) */
     const char *ehg = getenv("FITLLM_CUDA_HEAD_GROUP");
     const int head_group = !ehg || !*ehg || !strcmp(ehg, "1");
+    /* FITLLM_CUDA_Q4_STACK (unset or 1: on, 0: off, A/B): scratch dequantizes a fused output's 4-bit parts (q|k|v,
+     * gate|up) side by side and multiplies them in one GEMM; 0: a GEMM a part, the backward adding into dx in turn */
+    const char *eqs = getenv("FITLLM_CUDA_Q4_STACK");
+    im->q4_stack = !eqs || !*eqs || !strcmp(eqs, "1") ? 1 : !strcmp(eqs, "0") ? 0 : -1;
     const char *eqx = getenv("FITLLM_CUDA_Q4X16");
     const int q4x16 = !eqx || !*eqx || !strcmp(eqx, "1") ? 1 : !strcmp(eqx, "0") ? 0 : -1;
     im->graph.state = im->graph.on ? FLB_G_FIRST : FLB_G_OFF;
@@ -793,6 +799,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_FA2_BK=%s: expected 64 (the default at head size 64 "
                         "/ 128: the own attention backward in blocks of 64 keys, 4 warps) or 128 (8 warps, half the dq "
                         "adds; experimental; a padded head size's default)", FLB_NAME, ebk)
+        : im->q4_stack < 0
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4_STACK=%s: expected 1 (the default: a fused output's "
+                        "4-bit parts dequantized side by side and multiplied in one GEMM) or 0 (one GEMM a part)",
+                        FLB_NAME, eqs)
         : q4x16 < 0
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_Q4X16=%s: expected 1 (the default: under "
                         "FITLLM_CUDA_Q4=tc or scratch a 4-bit linear reads its input's and its dy's stored bf16 "

@@ -366,10 +366,14 @@ static fl_status flb_q4_16(const fl_backend *be, int bwd, float *out, int ldo, c
     if (bad || ldy < R || N < 0 || (beta != 0.0f && beta != 1.0f) || (N > 0 && (!out || !in)))
         return fl_errorf(FL_ERR_INVALID, "%s %s: NULL argument or a bad shape (%d parts of rows %ld in all, N %d, ldy "
                          "%d, beta %g)", FLB_NAME, op, nw, R, N, ldy, (double)beta);
-    if (mode == FLB_Q4_SCRATCH) return flb_q4_scratch(be, bwd, out, ldo, in, FL_BF16, ldi, w, nw, N, beta, op);
-    for (int k = 0, p0 = 0; k < nw; p0 += w[k].rows, k++) {
+    if (mode == FLB_Q4_SCRATCH && FLB_IMPL(be)->q4_stack)
+        return flb_q4_scratch(be, bwd, out, ldo, in, FL_BF16, ldi, w, nw, N, beta, op);
+    for (int k = 0, p0 = 0; k < nw; p0 += w[k].rows, k++) { /* a part at a time (tc; FITLLM_CUDA_Q4_STACK=0) */
         const float b = bwd && k ? 1.0f : beta;
-        if (bwd)
+        const void *ik = bwd ? (const void *)((const uint16_t *)in + p0) : in; /* dy's columns of part k */
+        if (mode == FLB_Q4_SCRATCH)
+            FL_TRY(flb_q4_scratch(be, bwd, bwd ? out : out + p0, ldo, ik, FL_BF16, ldi, &w[k], 1, N, b, op));
+        else if (bwd)
             FLB_RUN_S(be, FLB_K(q4_matmul_backward16_tc)(out, (const uint16_t *)in + p0, ldy, &w[k], N, b, STREAM), op);
         else FLB_RUN_S(be, FLB_K(q4_matmul_forward16_tc)(out + p0, ldy, in, &w[k], N, b, STREAM), op);
     }
