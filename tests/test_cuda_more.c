@@ -1076,6 +1076,61 @@ FL_TEST(cuda_more_lora_dropout) {
         bad += !(fabs(cdx[i] - want) <= 2 * u * (fabs(dx0[i]) + fabs(ts)) * (1 + u));
     }
     FL_CHECKF(bad == 0, "lora_dropout_dx: %d elements off", bad);
+    /* the fused form the CUDA backend runs (lora_dx_fused: g @ A inside the masked update, no t): within the fp32
+     * bound of float64 (r products and sums, the scaling, the 1 / (1 - p) and the add: gamma(r + 3) of the magnitudes),
+     * dropped elements untouched bit for bit, the same bits under another emulator shuffle seed, with the seed read
+     * from device memory, and through the cuda-emu backend's lora_backward (its GEMMs for g, then this kernel) */
+    float *fx[3];
+    for (int k = 0; k < 3; k++) {
+        fl_cu_emu_set_seed(k_seeds[k & 1]);
+        fx[k] = dup_bytes(dx0, n * 4);
+        EMU_OK(fl_cuemu_lora_dx_fused(fx[k], g, A, N, in, rk, scaling, p, k == 2 ? 0 : seed, k == 2 ? &seed : NULL,
+                                      NULL));
+    }
+    FL_CHECK(!memcmp(fx[0], fx[1], n * 4) && !memcmp(fx[0], fx[2], n * 4));
+    fl_backend emu;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &emu, 1));
+    float *edx = dup_bytes(dx0, n * 4), *ework = malloc(((size_t)N * rk + n) * 4);
+    FL_REQUIRE_OK(emu.lora_backward(&emu, edx, NULL, NULL, dy, out, cxd, h, A, Bm, N, in, out, rk, scaling, p, seed, ework));
+    FL_REQUIRE_OK(emu.sync(&emu));
+    fl_backend_free(&emu);
+    const double gm = (rk + 3) * u / (1 - (rk + 3) * u);
+    int fbad = 0, ebad = 0;
+    size_t moved = 0;
+    for (int nn = 0; nn < N; nn++)
+        for (int c = 0; c < in; c++) {
+            const size_t i = (size_t)nn * in + c;
+            if (!fl_lora_dropout_keep(seed, i, p)) {
+                fbad += memcmp(&fx[0][i], &dx0[i], 4) != 0;
+                ebad += memcmp(&edx[i], &dx0[i], 4) != 0;
+                continue;
+            }
+            double dot = 0, mag = 0, edot = 0, emag = 0, gerr = 0;
+            for (int k = 0; k < rk; k++) {
+                const double pr = (double)g[(size_t)nn * rk + k] * A[(size_t)k * in + c];
+                dot += pr, mag += fabs(pr);
+                double ge = 0, gs = 0; /* g in float64 from dy and B, and its fp32 GEMM's bound gamma(out) sum |dy B| */
+                for (int j = 0; j < out; j++) {
+                    const double t2 = (double)dy[(size_t)nn * out + j] * Bm[(size_t)j * rk + k];
+                    ge += t2, gs += fabs(t2);
+                }
+                edot += ge * A[(size_t)k * in + c], emag += fabs(ge * A[(size_t)k * in + c]);
+                gerr += out * u / (1 - out * u) * gs * fabs(A[(size_t)k * in + c]);
+            }
+            const double want = dx0[i] + dot * scaling * sc, bound = gm * (fabs(dx0[i]) + mag * scaling * sc) + 1e-30;
+            fbad += !(fabs(fx[0][i] - want) <= bound);
+            moved += fx[0][i] != dx0[i];
+            /* the backend's lora_backward: its g from its own GEMM (float64 g here, within that GEMM's bound) */
+            const double ewant = dx0[i] + edot * scaling * sc;
+            ebad += !(fabs(edx[i] - ewant) <= gm * (fabs(dx0[i]) + (emag + gerr) * scaling * sc) +
+                                                   (1 + gm) * gerr * scaling * sc + 1e-30);
+        }
+    FL_CHECKF(fbad == 0 && ebad == 0 && moved > n / 3, "lora_dx_fused: %d elements off (the backend's lora_backward: %d); "
+              "%zu of %zu moved", fbad, ebad, moved, n);
+    FL_CHECK(fl_cuemu_lora_dx_fused(fx[0], g, A, N, in, rk, scaling, 0.0f, seed, NULL, NULL) == -1 &&
+             fl_cuemu_lora_dx_fused(fx[0], g, A, N, in, 0, scaling, p, seed, NULL, NULL) == -1);
+    for (int k = 0; k < 3; k++) free(fx[k]);
+    free(edx), free(ework);
     FL_CHECK(fl_cuemu_lora_dropout(xd[0], x, n, 0.0f, seed, NULL, NULL) == -1); /* p = 0: no dropout kernel */
     /* the seed read from device memory (a CUDA graph's per-step slot) instead of the argument: the same bits */
     float *xs = malloc(n * 4), *dxs = dup_bytes(dx0, n * 4);

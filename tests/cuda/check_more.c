@@ -468,6 +468,17 @@ static void lora_check(size_t n) {
     ok = synced(fl_cuk_lora_dropout_dx(dDx, dT, n, p, seed, NULL, NULL));
     hcopy(g, dDx, n * 4);
     bits("lora_dropout_dx", ok, g, dx, n * 4);
+    /* the backward's fused form (g @ A inside the masked update): the emulator's bits (each operation rounded, k in
+     * order), at a LoRA rank of 8 over rows of 256 (n / 256 rows; rank 8's A and g from the same draws) */
+    const int in = 256, N = (int)(n / 256), rk = 8;
+    float *gr = rnd(&s, (size_t)N * rk, -1, 1), *A = rnd(&s, (size_t)rk * in, -1, 1), *fdx = rnd(&s, n, -1, 1);
+    float *dG = dcopy(gr, (size_t)N * rk * 4), *dA = dcopy(A, (size_t)rk * in * 4), *dF = dcopy(fdx, n * 4);
+    fl_cuemu_lora_dx_fused(fdx, gr, A, N, in, rk, 2.0f, p, seed, NULL, NULL);
+    ok = synced(fl_cuk_lora_dx_fused(dF, dG, dA, N, in, rk, 2.0f, p, seed, NULL, NULL));
+    hcopy(g, dF, n * 4);
+    bits("lora_dx_fused (rank 8)", ok, g, fdx, (size_t)N * in * 4);
+    cudaFree(dG); cudaFree(dA); cudaFree(dF);
+    free(gr); free(A); free(fdx);
     cudaFree(dX); cudaFree(dT); cudaFree(dDx); cudaFree(dXd);
     free(x); free(t); free(dx); free(xd); free(g); free(want);
 }

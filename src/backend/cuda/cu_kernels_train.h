@@ -93,6 +93,10 @@ extern "C" {
      * (the GEMM's alpha applies the scaling, as the CPU backend's lora_backward). */                        \
     int P##lora_dropout_dx(float *dx, const float *t, size_t n, float p, uint64_t seed,                        \
                            const uint64_t *seed_dev, void *stream);                                             \
+    /* the same update with t's product inside (no temporary): dx (N, in) += keep ? (scaling * g @ A) / (1-p),  \
+     * g (N, r), A (r, in), the k sum in order, each operation rounded (lora.cu); 0 < p < 1, r >= 1 */          \
+    int P##lora_dx_fused(float *dx, const float *g, const float *A, int N, int in, int r, float scaling,       \
+                         float p, uint64_t seed, const uint64_t *seed_dev, void *stream);                        \
     /* backend.h's dropout_rows (0 <= p < 1; p 0 copies or adds): row r's mask indices r stride + j */          \
     int P##dropout_rows(float *y, const float *x, int rows, size_t w, size_t stride, float p, uint64_t seed,     \
                         int accumulate, void *stream);                                                          \

@@ -1,7 +1,8 @@
 /* fitllm CUDA backend object: LoRA's forward / backward and dropout (included by cuda-backend-impl.h, written once,
  * compiled twice: the plugin and the emulator). */
-/* LoRA: the CPU backend's composition (four GEMMs through this backend's gemm) with the dropout
- * mask as kernels (the same pure function of (seed, index) as fitllm/lora.h). */
+/* LoRA: the CPU backend's composition (GEMMs through this backend's gemm) with the dropout mask as kernels (the same
+ * pure function of (seed, index) as fitllm/lora.h); with dropout the dx product is inside the masked update's kernel
+ * (lora_dx_fused: its r-term sums in order, where the CPU's GEMM sums in its own). */
 /* dseed (NULL or) device memory holding the seed (a CUDA graph's per-step slot: cuda-graph-impl.h) */
 static fl_status flb_lora_forward_s(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
                                     const float *A, const float *B, int N, int in, int out, int r, float scaling,
@@ -38,9 +39,9 @@ static fl_status flb_lora_backward_s(const fl_backend *be, float *dx, float *dA,
     if (dA) FL_TRY(flb_gemm(be, 1, 0, r, in, N, scaling, g, FL_F32, r, xb, FL_F32, in, 1.0f, dA, FL_F32, in));
     if (!dx) return FL_OK;
     if (dropout == 0.0f) return flb_gemm(be, 0, 0, N, in, r, scaling, g, FL_F32, r, A, FL_F32, in, 1.0f, dx, FL_F32, in);
-    float *t = work + (size_t)N * r;
-    FL_TRY(flb_gemm(be, 0, 0, N, in, r, scaling, g, FL_F32, r, A, FL_F32, in, 0.0f, t, FL_F32, in));
-    FLB_RUN_S(be, FLB_K(lora_dropout_dx)(dx, t, (size_t)N * in, dropout, seed, dseed, STREAM),
+    /* dx += drop(scaling g @ A): the r-term products inside the masked update (lora_dx_fused), no N x in temporary
+     * written and read back (the work's second part, N x in floats, stays in the contract for other backends) */
+    FLB_RUN_S(be, FLB_K(lora_dx_fused)(dx, g, A, N, in, r, scaling, dropout, seed, dseed, STREAM),
               "lora_backward (dropout)");
     return FL_OK;
 }

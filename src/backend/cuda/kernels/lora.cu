@@ -58,6 +58,38 @@ extern "C" int FL_CUK(lora_dropout_dx)(float *dx, const float *t, size_t n, floa
     return fl_cu_launch_error();
 }
 
+/* The backward's masked input gradient with its product inside (the fused form of lora_dropout_dx after the t = scaling
+ * g @ A GEMM): dx[n, c] += (scaling * sum_k g[n, k] A[k, c]) / (1 - p) where keep(n in + c), the sum in k order, every
+ * product and sum rounded on its own (no FMA: the GPU and the emulator agree bit for bit). A thread a column, the block
+ * rows strided over grid.y: A's column (r values) comes from L1 / L2, g's row is the same for the whole block, dx is
+ * read and written once; the dropped elements compute nothing. No temporary: the N x in fp32 t the GEMM wrote and the
+ * kernel read back (2 x 64 MiB a TinyLlama adapter and layer) is gone. */
+__global__ static void fl_cu_lora_dx_k(float *dx, const float *g, const float *A, int N, int in, int r, float scaling,
+                                       float p, float sc, uint64_t seed_arg, const uint64_t *seed_dev) {
+    const uint64_t seed = seed_dev ? *seed_dev : seed_arg;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= in) return;
+    for (int n = blockIdx.y; n < N; n += gridDim.y) {
+        const size_t i = (size_t)n * in + c;
+        if (!lora_keep(seed, i, p)) continue;
+        const float *gr = g + (size_t)n * r;
+        float t = 0.0f;
+        for (int k = 0; k < r; k++) t = fl_cu_add_rn(t, fl_cu_mul_rn(gr[k], A[(size_t)k * in + c]));
+        dx[i] = fl_cu_add_rn(dx[i], fl_cu_mul_rn(fl_cu_mul_rn(t, scaling), sc));
+    }
+}
+
+extern "C" int FL_CUK(lora_dx_fused)(float *dx, const float *g, const float *A, int N, int in, int r, float scaling,
+                                     float p, uint64_t seed, const uint64_t *seed_dev, void *stream) {
+    if (!(p > 0.0f && p < 1.0f) || N < 0 || in < 0 || r < 1) return -1;
+    if (N == 0 || in == 0) return 0;
+    const float sc = 1.0f / (1.0f - p);
+    const unsigned bx = (unsigned)((in + 255) / 256), by = (unsigned)(N < 512 ? N : 512);
+    FL_CU_LAUNCH(fl_cu_lora_dx_k, dim3(bx, by), dim3(256), 0, (fl_cu_stream)stream, dx, g, A, N, in, r, scaling, p, sc,
+                 seed, seed_dev);
+    return fl_cu_launch_error();
+}
+
 /* backend.h dropout_rows: rows of w values whose mask indices are r stride + j (the same mask bits as one dropout call
  * per row at a shifted seed; accumulate: the lora_dropout_dx kernel's separate roundings) */
 __global__ static void fl_cu_dropout_rows_k(float *y, const float *x, size_t n, size_t w, size_t stride, float p,
