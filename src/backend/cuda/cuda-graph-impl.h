@@ -216,10 +216,13 @@ static void flb_graph_keep(flb_grec *d, const fl_oprec *op) {
     const void **hp = flb_graph_hdr(&d->rec, &hb);
     if (hp && *hp) {
         memcpy(d->aux, *hp, hb);
+        const int q4 = op->kind == FL_OPK_q4_matmul_forward || op->kind == FL_OPK_q4_matmul_backward ||
+                       op->kind == FL_OPK_q4_matmul_forward16 || op->kind == FL_OPK_q4_matmul_backward16;
         if (op->kind == FL_OPK_adam8bit_update_ss) FLB_CLEAR_PADDING((fl_adam8bit_state *)(void *)d->aux);
-        else if (hb == sizeof(fl_attn_desc)) FLB_CLEAR_PADDING((fl_attn_desc *)(void *)d->aux);
-        else
-            for (size_t k = 0; k < hb / sizeof(fl_q4_weight); k++) FLB_CLEAR_PADDING((fl_q4_weight *)(void *)d->aux + k);
+        else if (!q4) FLB_CLEAR_PADDING((fl_attn_desc *)(void *)d->aux);
+        else /* by the record's kind, not the header's size: nw weights */
+            for (size_t k = 0; k < hb / sizeof(fl_q4_weight); k++)
+                FLB_CLEAR_PADDING((fl_q4_weight *)(void *)d->aux + k);
         *hp = NULL;
         d->has_hdr = 1;
     }
