@@ -192,7 +192,10 @@ static fl_cu_a8_consts a8_consts(float lr, float beta1, float beta2, float eps, 
  * kd (device, or NULL: k): the constants read when the kernel runs (a CUDA graph's per-step slot) */
 static int a8_launch(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,
                      const fl_cu_a8_consts *k, const fl_cu_a8_consts *kd, const double *ss, void *stream) {
-    if (!fl_adam8bit_dtype_ok(tp) || !fl_adam8bit_dtype_ok(tg) || !st) return -1;
+    if (!fl_adam8bit_dtype_ok(tp) || !fl_adam8bit_dtype_ok(tg) || !st || !k) return -1;
+    /* the constants by value: the emulator's launch captures its arguments' expressions, evaluated when the kernel runs
+     * (a captured graph's replay, after the caller's k has gone out of scope: ASan's stack-use-after-scope) */
+    const fl_cu_a8_consts kv = *k;
     const size_t n = st->n;
     if (n == 0) return 0;
     if (!p || !g) return -1;
@@ -201,7 +204,7 @@ static int a8_launch(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_
         if (!st->m || !st->v) return -1;
         size_t blocks = (n + 255) / 256;
         FL_CU_LAUNCH(fl_cu_adam32_k, dim3((unsigned)blocks), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g,
-                     (int)tg, st->m, st->v, n, *k, kd, ss);
+                     (int)tg, st->m, st->v, n, kv, kd, ss);
         return fl_cu_launch_error();
     }
     if (!st->q_m || !st->q_v || !st->absmax_m || !st->absmax_v ||
@@ -212,7 +215,8 @@ static int a8_launch(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_
     size_t grid = st->n_blocks < 2048 ? st->n_blocks : 2048;
     if (st->n_blocks / grid > 16) grid = (st->n_blocks + 15) / 16;
     FL_CU_LAUNCH(fl_cu_adam8bit_k, dim3((unsigned)grid), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg,
-                 st->q_m, st->q_v, st->absmax_m, st->absmax_v, st->floor_m, st->floor_v, n, st->n_blocks, *k, kd, ss);
+                 st->q_m, st->q_v, st->absmax_m, st->absmax_v, st->floor_m, st->floor_v, n, st->n_blocks, kv, kd,
+                 ss);
     return fl_cu_launch_error();
 }
 
