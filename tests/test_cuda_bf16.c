@@ -185,9 +185,24 @@ static void rope16_same(int bwd, const float *x, float *got, uint16_t *g16, cons
                   "rope_%s16 out NULL B=%d T=%d nh=%d HD=%d width=%d: %s", bwd ? "backward" : "forward", B, T, nh, HD,
                   width, memcmp(got, x, n * 4) ? "wrote its input" : "not the full path's bf16 copy");
     }
+    if (bwd) { /* x and out NULL (attention_backward_b16's bf16 gradients): x16 rotated in place, the bits of the call
+                * over its widening, the columns past the heads untouched */
+        uint16_t *x16 = malloc(n * 2), *r16 = malloc(n * 2);
+        float *xw = malloc(n * 4);
+        FL_REQUIRE_OK(fl_convert(x16, FL_BF16, x, FL_F32, n));
+        FL_REQUIRE_OK(fl_convert(xw, FL_F32, x16, FL_BF16, n));
+        EMU_OK(fl_cuemu_rope_backward16(NULL, r16, xw, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        EMU_OK(fl_cuemu_rope_backward16(NULL, x16, NULL, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        FL_CHECKF(!memcmp(x16, r16, n * 2), "rope_backward16 in place on bf16 B=%d T=%d nh=%d HD=%d width=%d: not the "
+                  "bits over its widening", B, T, nh, HD, width);
+        free(x16), free(r16), free(xw);
+        /* in place with an fp32 output: refused */
+        FL_CHECK(fl_cuemu_rope_backward16(got, g16, NULL, B, T, nh, HD, width, cs, sn, pos0, NULL) != 0);
+    }
     /* no output at all, or no input: refused */
     FL_CHECK(fl_cuemu_rope_forward16(NULL, NULL, got, B, T, nh, HD, width, cs, sn, pos0, NULL) != 0);
-    FL_CHECK(fl_cuemu_rope_backward16(got, g16, NULL, B, T, nh, HD, width, cs, sn, pos0, NULL) != 0);
+    FL_CHECK(fl_cuemu_rope_forward16(NULL, g16, NULL, B, T, nh, HD, width, cs, sn, pos0, NULL) != 0);
+    FL_CHECK(fl_cuemu_rope_backward16(NULL, NULL, NULL, B, T, nh, HD, width, cs, sn, pos0, NULL) != 0);
 }
 
 /* rope_forward16 over fused q|k|v rows: nh rotated heads of HD, then tail floats stored only */

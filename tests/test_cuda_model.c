@@ -387,6 +387,67 @@ FL_TEST(cuda_emu_train_bf16_true_cudnn_sim) {
 #endif
 }
 
+/* Issue 30 item 1: cuDNN's attention backward in bf16 around its graphs (attention_backward_b16, exec.c's attn_b16):
+ * the output projection's dx GEMM writes dO in bf16 for cuDNN to read in place, and where RoPE hands the q|k|v
+ * linear a bf16-only d(q|k|v), cuDNN writes its bf16 gradients straight into that linear's dy rows and RoPE rotates
+ * them in place. The bits of FITLLM_CUDA_CUDNN_B16=0 (fp32 dO converted, the gradients added into a zeroed fp32
+ * d(q|k|v)), every loss and parameter, through the stand-in cuDNN: stories260K full bf16-true (the in-place
+ * gradients), LoRA on q, v (their linear reads dy in fp32: the gradients stay fp32, dO bf16) and gpt2-micro (no RoPE;
+ * c_attn's bias reads dy in fp32). The counts say which path ran. A value other than 0 / 1 is refused by name. */
+#if defined(FL_HAVE_CUDA_EMU) && defined(FL_SIM_CUDNN)
+static void cudnn_b16_case(const char *preset, int lora, int want_grads) {
+    crec on = {0}, off = {0};
+    g_preset = preset;
+    g_seq = 16;
+    setenv("FITLLM_CUDNN_LIB", FL_SIM_CUDNN, 1);
+    setenv("FITLLM_CUDA_ATTN", "cudnn", 1);
+    const unsigned long b0 = fl_cu_emu_dnn_b16, g0 = fl_cu_emu_dnn_b16_grads, d0 = fl_cu_emu_dnn_b16_dout;
+    fl_status s = run_on("cuda-emu", "bf16-true", "AdamW", lora, "-b16", &on);
+    const unsigned long b1 = fl_cu_emu_dnn_b16, g1 = fl_cu_emu_dnn_b16_grads, d1 = fl_cu_emu_dnn_b16_dout;
+    setenv("FITLLM_CUDA_CUDNN_B16", "0", 1);
+    if (s == FL_OK) s = run_on("cuda-emu", "bf16-true", "AdamW", lora, "-f32", &off);
+    unsetenv("FITLLM_CUDA_CUDNN_B16");
+    unsetenv("FITLLM_CUDNN_LIB"), unsetenv("FITLLM_CUDA_ATTN");
+    g_preset = NULL;
+    g_seq = 0;
+    FL_REQUIRE_OK(s);
+    const char *name = preset ? preset : lora ? "stories260K LoRA" : "stories260K";
+    FL_REQUIRE(on.steps == 2 && off.steps == 2 && on.n == off.n);
+    /* 2 steps x 2 micro-batches x the layers' backwards, each through attention_backward_b16 */
+    FL_CHECKF(b1 - b0 >= 8 && fl_cu_emu_dnn_b16 == b1, "%s: %lu bf16 backwards on, %lu with FITLLM_CUDA_CUDNN_B16=0",
+              name, b1 - b0, fl_cu_emu_dnn_b16 - b1);
+    FL_CHECKF(d1 - d0 == b1 - b0, "%s: dO read in place in %lu of %lu", name, d1 - d0, b1 - b0);
+    FL_CHECKF(want_grads ? g1 - g0 == b1 - b0 : g1 == g0, "%s: the gradients written in place by cuDNN in %lu of %lu "
+              "(want %s)", name, g1 - g0, b1 - b0, want_grads ? "all" : "none");
+    FL_CHECKF(!memcmp(on.loss, off.loss, 2 * sizeof on.loss[0]), "%s: losses %.9g %.9g in bf16, %.9g %.9g in fp32",
+              name, on.loss[0], on.loss[1], off.loss[0], off.loss[1]);
+    FL_CHECKF(!memcmp(on.params, off.params, on.n), "%s: trained parameters differ", name);
+    FL_CHECKF(!memcmp(&on.val_loss, &off.val_loss, sizeof on.val_loss), "%s: validation loss %.9g vs %.9g", name,
+              on.val_loss, off.val_loss);
+    printf("      %s bf16-true 2 steps: the same bits; %lu backwards in bf16 (%lu with cuDNN's gradients in place); "
+           "losses %.7g %.7g\n", name, b1 - b0, g1 - g0, on.loss[0], on.loss[1]);
+    free(on.params);
+    free(off.params);
+}
+#endif
+FL_TEST(cuda_emu_cudnn_b16_same_bits) {
+#if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (emulated kernels under ASan: minutes)");
+#elif defined(FL_HAVE_CUDA_EMU) && defined(FL_SIM_CUDNN)
+    cudnn_b16_case(NULL, 0, 1);
+    cudnn_b16_case(NULL, 1, 0);
+    cudnn_b16_case("gpt2-micro", 0, 0);
+    fl_backend be;
+    setenv("FITLLM_CUDNN_LIB", FL_SIM_CUDNN, 1);
+    setenv("FITLLM_CUDA_CUDNN_B16", "yes", 1);
+    FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "FITLLM_CUDA_CUDNN_B16=yes"), "%s", fl_error_message());
+    unsetenv("FITLLM_CUDA_CUDNN_B16"), unsetenv("FITLLM_CUDNN_LIB");
+#else
+    fl_test_skip("no CUDA emulator or no cuDNN headers in this build");
+#endif
+}
+
 /* Every GEMM of a training run aligned as cuBLASLt's fast kernels need (issue 30 item 3; fl_cu_emu_gemm_misaligned:
  * each operand 16-byte aligned, each leading dimension whole 16 bytes): a model whose widths are multiples of 8 (the
  * HD-64 LLaMA, 2 layers, C 256, 4 / 2 heads; F 2,560, so that its 4-bit down projection, 256 rows of 2,560, takes two

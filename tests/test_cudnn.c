@@ -704,6 +704,41 @@ static void sim_case(int B, int T, int NH, int NKV, int HD, int causal, int in16
         FL_CHECKF(m > 0 && d <= 8 * u * m, "%s: %g off the CPU's (bound %g, %s, B %d T %d heads %d/%d HD %d)", name[t], d,
                   8 * u * m, in16 ? "bf16 in place" : "fp32 copies", B, T, NH, NKV, HD);
     }
+    if (in16) { /* attention_backward_b16 (a bf16 dO): its fp32 gradients the bits of attention_backward16's, its
+                 * bf16 ones (written at q|k|v's strides, the columns between untouched) those values rounded */
+        FL_REQUIRE(be.attention_backward_b16 && be.attention_b16_ok);
+        const uint16_t *k16 = qkv16 + NH * HD, *v16 = qkv16 + (NH + NKV) * HD;
+        FL_CHECK(be.attention_b16_ok(&be, &a, qkv16, k16, v16, out16));
+        uint16_t *dout16 = (uint16_t *)sim_alloc(nq * 2), *d16 = (uint16_t *)sim_alloc(N * row * 2);
+        float *dz = (float *)sim_alloc(N * row * 4), *db = (float *)sim_alloc(N * row * 4);
+        FL_REQUIRE(dout16 && d16 && dz && db);
+        for (size_t i = 0; i < nq; i++) dout16[i] = fl_f32_to_bf16(dout[i]); /* dout is on bf16's grid */
+        for (size_t i = 0; i < N * row; i++) db[i] = 0.25f * (float)((i % 7) - 3), dz[i] = 0, d16[i] = 0x7fc1;
+        const long r1 = runs();
+        FL_REQUIRE_OK(be.attention_backward_b16(&be, &a, db, db + NH * HD, db + (NH + NKV) * HD, NULL, NULL, NULL,
+                                                dout16, qkv16, k16, v16, out16, lse_e));
+        FL_CHECKF(!memcmp(db, dqkv_e, N * row * 4), "attention_backward_b16 (fp32 gradients): not attention_backward16's "
+                  "bits (B %d T %d heads %d/%d HD %d)", B, T, NH, NKV, HD);
+        FL_REQUIRE_OK(be.attention_backward16(&be, &a, dz, dz + NH * HD, dz + (NH + NKV) * HD, dout, qkv16, k16, v16,
+                                              NULL, out16, lse_e));
+        FL_REQUIRE_OK(be.attention_backward_b16(&be, &a, NULL, NULL, NULL, d16, d16 + NH * HD, d16 + (NH + NKV) * HD,
+                                                dout16, qkv16, k16, v16, out16, lse_e));
+        size_t bad = 0;
+        for (size_t i = 0; i < N * row; i++) bad += !(fl_bf16_to_f32(d16[i]) == dz[i]); /* (+0 == -0: 0 + -0 is +0) */
+        FL_CHECKF(bad == 0, "attention_backward_b16 (bf16 gradients): %zu of %zu elements not the fp32 path's values "
+                  "(B %d T %d heads %d/%d HD %d)", bad, N * row, B, T, NH, NKV, HD);
+        FL_CHECKF(runs() == r1 + 3, "the bf16 backwards ran %ld plans through the stand-in (want 3)", runs() - r1);
+        /* refused: no dO; a shape cuDNN does not take (attention_b16_ok says no; the op names it) */
+        FL_CHECK(be.attention_backward_b16(&be, &a, db, db, db, NULL, NULL, NULL, NULL, qkv16, k16, v16, out16,
+                                           lse_e) == FL_ERR_INVALID);
+        fl_attn_desc nc = a;
+        nc.drop_p = 0.1f;
+        FL_CHECK(!be.attention_b16_ok(&be, &nc, qkv16, k16, v16, out16));
+        FL_CHECK(be.attention_backward_b16(&be, &nc, db, db, db, NULL, NULL, NULL, dout16, qkv16, k16, v16, out16,
+                                           lse_e) == FL_ERR_UNSUPPORTED);
+        FL_CHECKF(strstr(fl_error_message(), "attention_b16_ok"), "%s", fl_error_message());
+        free(dout16), free(d16), free(dz), free(db);
+    }
     printf("      B %d T %d heads %d/%d HD %d %s %s: through the stand-in cuDNN, within 8 u of the CPU's\n", B, T, NH,
            NKV, HD, causal ? "causal" : "bidirectional", in16 ? "bf16 q|k|v (in place where it can)" : "fp32 q|k|v copied");
     free(qkv), free(dqkv_e), free(dqkv_c), free(out_e), free(out_c), free(dout), free(lse_e), free(lse_c), free(qkv16);
@@ -838,7 +873,8 @@ FL_TEST(cudnn_selftest_choices_emu) {
 
 #ifdef FL_SIM_CUDNN
 /* `fitllm selftest`'s cudnn rows, as a GPU would run them, through the stand-in: every shape (HD 64, 128, 100 padded
- * to 104, 80) against float64 within 8 u, the fp32 calls and the stored-operand ones; T5's bias falls back to own */
+ * to 104, 80) against float64 within 8 u, the fp32 calls, the stored-operand ones and the backward in bf16
+ * (attention_backward_b16); T5's bias falls back to own */
 FL_TEST(cudnn_selftest_choices_sim) {
     if (!fl_test_full_only("cudnn_emu_sim_ops (the cuDNN path at these sizes), cudnn_selftest_choices_emu")) return;
     char *buf = NULL;
@@ -850,10 +886,12 @@ FL_TEST(cudnn_selftest_choices_sim) {
     unsetenv("FITLLM_CUDNN_LIB");
     fclose(f);
     FL_REQUIRE_OK(st);
-    FL_CHECKF(r.n_cases == 27 && r.n_fail == 0, "%d cases, %d failed:\n%s", r.n_cases, r.n_fail, buf);
+    FL_CHECKF(r.n_cases == 31 && r.n_fail == 0, "%d cases, %d failed:\n%s", r.n_cases, r.n_fail, buf);
     FL_CHECKF(!strstr(buf, "cudnn  not available") && strstr(buf, "attention cudnn  B1 T37 NH4 NKV2 HD100 causal in16   ok") &&
                   strstr(buf, "attention cudnn  B1 T33 NH2 NKV1 HD128 causal in16   ok") &&
-                  strstr(buf, "attention cudnn  B1 T29 NH2 NKV2 HD80 causal in16    ok"), "%s", buf);
+                  strstr(buf, "attention cudnn  B1 T29 NH2 NKV2 HD80 causal in16    ok") &&
+                  strstr(buf, "attention cudnn  B1 T40 NH4 NKV2 HD64 causal b16     ok") &&
+                  strstr(buf, "attention cudnn  B1 T37 NH4 NKV2 HD100 causal b16    ok"), "%s", buf);
     free(buf);
 }
 #endif

@@ -246,7 +246,10 @@ struct fl_backend {
      * element of the rows. act_backward16's in16 (NULL or the input's bf16 copy, in's shape): the input read from
      * it instead of in (widened exactly: a bf16 run's stored activation without the widen-before-backward); din16
      * may then be NULL (no copy). FL_CAP_VIEWS16: din (act_backward16: the update of a zero din) and dout
-     * (rope_backward16) may be NULL, the bf16 copy alone with the same bits (an fp32 gradient no op reads). */
+     * (rope_backward16) may be NULL, the bf16 copy alone with the same bits (an fp32 gradient no op reads).
+     * rope_backward16 with dx NULL too (a backend with attention_backward_b16, whose bf16 gradients are in dx16
+     * already): the rows read from dx16, each element widened exactly, and the nh heads' rotated values rounded back
+     * into dx16 in place, the columns past them untouched: the bits of the call over dx = dx16 widened. */
     fl_status (*act_backward16)(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
                                 const float *in, const void *in16, int N, int F);
     fl_status (*rope_backward16)(const fl_backend *be, float *dout, void *dx16, const float *dx, int B, int T, int nh,
@@ -271,6 +274,22 @@ struct fl_backend {
     fl_status (*attention_forward_in16)(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16,
                                         float *lse, const void *q16, const void *k16, const void *v16,
                                         const uint8_t *kmask);
+    /* Optional, with attention_b16_ok (NULL: attention_backward16 over an fp32 dO; issue 30 item 1, cuda with cuDNN):
+     * attention_backward16 (no bias, no key mask) whose dO is bf16, dout16 in out16's layout (ldo), and whose
+     * gradients, when dq16 is not NULL, are bf16 too: dq16, dk16, dv16 in q16, k16, v16's layouts and strides,
+     * written (not added; cuDNN's 16-bit results as its graphs write them), dq, dk, dv neither read nor written (may
+     * be NULL); dq16 NULL: the gradients added into the fp32 dq, dk, dv as attention_backward16 does. A decoder's
+     * attention without an fp32 dO (its output projection's dx GEMM writes it in bf16), without the zeroed fp32
+     * d(q|k|v) and the conversions around cuDNN's 16-bit graphs (exec.c). Only for a call attention_b16_ok takes:
+     * FL_ERR_UNSUPPORTED, nothing written, otherwise. */
+    fl_status (*attention_backward_b16)(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                        void *dq16, void *dk16, void *dv16, const void *dout16, const void *q16,
+                                        const void *k16, const void *v16, const void *out16, const float *lse);
+    /* Whether attention_backward_b16 runs this call (cuDNN's bf16 graphs take the shape and the operands' layout:
+     * FITLLM_CUDA_ATTN, FITLLM_CUDA_CUDNN_B16, FITLLM_CUDA_DETERMINISTIC and the compute dtype say): a host-side
+     * question, no op issued; the same answer for the same descriptor and pointers for the backend's life. */
+    int (*attention_b16_ok)(const fl_backend *be, const fl_attn_desc *a, const void *q16, const void *k16,
+                            const void *v16, const void *out16);
     /* Optional (NULL: bias_backward, and the caller converts dy; issue 30 item 1): bias_backward (db += the column
      * sums of dy, its bits) that also writes dy16 (N, OC) = bf16(dy) (RNE) as it reads dy: a biased linear's bf16
      * dy for its dx and dW GEMMs without a convert launch (GPT-2's c_attn, whose dy the attention writes in fp32).

@@ -49,7 +49,7 @@ extern "C" {
     X(sgd_update_ss) X(check_finite_dev) X(input_upload) X(input_wait) X(adam8bit_update_ss)                 \
     X(dropout_rows) X(vocab_stats) X(vocab_xent) X(bias_backward16)     \
     X(attention_forward_in16) X(add_norm_forward16) X(add_norm_forward16_b16) X(q4_matmul_forward16) \
-    X(q4_matmul_backward16) X(gemm_res16) X(relbias_forward) X(relbias_backward)
+    X(q4_matmul_backward16) X(gemm_res16) X(relbias_forward) X(relbias_backward) X(attention_backward_b16)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -155,6 +155,8 @@ struct fl_op_vocab_stats { double *stats; const float *logits; const int32_t *ta
 struct fl_op_attention_forward_in16 { const fl_attn_desc *a; float *out; void *out16; float *lse; const void *q16,
     *k16, *v16; const uint8_t *kmask; };
 struct fl_op_bias_backward16 { float *db; void *dy16; const float *dy; int N, OC; };
+struct fl_op_attention_backward_b16 { const fl_attn_desc *a; float *dq, *dk, *dv; void *dq16, *dk16, *dv16;
+    const void *dout16, *q16, *k16, *v16, *out16; const float *lse; };
 struct fl_op_add_norm_forward16 { int ln; float *res; void *res16; float *out; void *out16; float *mean, *rstd;
     const float *a, *b; const void *w, *bias; fl_dtype wt; int N, C; float eps; };
 struct fl_op_add_norm_forward16_b16 { int ln; float *res; void *res16; float *out; void *out16; float *mean, *rstd;
@@ -251,6 +253,7 @@ struct fl_oprec {
         struct fl_op_gemm_res16 gemm_res16;
         struct fl_op_relbias_forward relbias_forward;
         struct fl_op_relbias_backward relbias_backward;
+        struct fl_op_attention_backward_b16 attention_backward_b16;
         struct fl_op_grad_norm_dev grad_norm_dev;
         struct fl_op_loss_sum_dev loss_sum_dev;
         struct fl_op_adamw_update_ss adamw_update_ss;

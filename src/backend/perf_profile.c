@@ -42,7 +42,7 @@
     X(loss_sum_dev, FL_PROF_LOSS) X(check_finite_dev, FL_PROF_OPTIM)                                                   \
     /* tensor parallelism's (issue 35): the vocabulary-parallel cross-entropy's halves, the row-strided dropout */     \
     X(vocab_stats, FL_PROF_LOSS) X(vocab_xent, FL_PROF_LOSS) X(dropout_rows, FL_PROF_ELEM)                             \
-    X(bias_backward16, FL_PROF_ELEM) X(attention_forward_in16, FL_PROF_ATTN)                          \
+    X(bias_backward16, FL_PROF_ELEM) X(attention_forward_in16, FL_PROF_ATTN) X(attention_backward_b16, FL_PROF_ATTN)  \
     X(add_norm_forward16, FL_PROF_NORM) X(add_norm_forward16_b16, FL_PROF_NORM) X(q4_matmul_forward16, FL_PROF_GEMM) \
     X(q4_matmul_backward16, FL_PROF_GEMM) X(gemm_res16, FL_PROF_GEMM)                                                 \
     X(relbias_forward, FL_PROF_ATTN) X(relbias_backward, FL_PROF_ATTN)                                                 \
@@ -393,6 +393,10 @@ WRAP_S(attention_forward_in16, attn_flops(a),
        (BE, const fl_attn_desc *a, float *out, void *out16, float *lse, const void *q16, const void *k16,
         const void *v16, const uint8_t *kmask),
        (be, a, out, out16, lse, q16, k16, v16, kmask))
+WRAP_S(attention_backward_b16, 2.0 * attn_flops(a),
+       (BE, const fl_attn_desc *a, float *dq, float *dk, float *dv, void *dq16, void *dk16, void *dv16,
+        const void *dout16, const void *q16, const void *k16, const void *v16, const void *out16, const float *lse),
+       (be, a, dq, dk, dv, dq16, dk16, dv16, dout16, q16, k16, v16, out16, lse))
 WRAP_S(bias_backward16, 0, (BE, float *db, void *dy16, const float *dy, int N, int OC), (be, db, dy16, dy, N, OC))
 WRAP_S(add_norm_forward16, 0,
        (BE, int ln, float *res, void *res16, float *out, void *out16, float *mean, float *rstd, const float *a,

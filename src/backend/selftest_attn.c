@@ -109,6 +109,8 @@ typedef struct {
     int in16, W;
     uint16_t *qkv16, *out16;
     float *dqkv;
+    /* in16 2: attention_backward_b16 (cuDNN's backward in bf16: dO and d(q|k|v) rows in bf16, written) */
+    uint16_t *dout16, *dqkv16;
 } at_run;
 static void at_step(st_ctx *c, void *arg) {
     (void)c;
@@ -117,7 +119,12 @@ static void at_step(st_ctx *c, void *arg) {
     if (r->in16) {
         const size_t ok = (size_t)r->a.NH * r->a.HD, ov = ok + (size_t)r->a.NKV * r->a.HD;
         if (be->attention_forward_in16(be, &r->a, r->d[3], r->out16, r->d[4], r->qkv16, r->qkv16 + ok, r->qkv16 + ov,
-                                       NULL) == FL_OK)
+                                       NULL) != FL_OK)
+            return;
+        if (r->in16 == 2)
+            be->attention_backward_b16(be, &r->a, NULL, NULL, NULL, r->dqkv16, r->dqkv16 + ok, r->dqkv16 + ov, r->dout16,
+                                       r->qkv16, r->qkv16 + ok, r->qkv16 + ov, r->out16, r->d[4]);
+        else
             be->attention_backward16(be, &r->a, r->dqkv, r->dqkv + ok, r->dqkv + ov, r->d[5], r->qkv16, r->qkv16 + ok,
                                      r->qkv16 + ov, NULL, r->out16, r->d[4]);
         return;
@@ -137,7 +144,8 @@ static void at_rows(const at_shape *s, int W, size_t off, size_t n, float *compa
         }
 }
 
-/* one choice at one shape (in16: through the bf16-stored calls): 0 ok (or not compared), 1 mismatch or failure */
+/* one choice at one shape (in16 1: through the bf16-stored calls; 2: with the backward in bf16, attention_backward_b16):
+ * 0 ok (or not compared), 1 mismatch or failure, -1 not run (in16 2: the backend does not take the call so) */
 static int at_case(st_ctx *c, const char *choice, const at_shape *s, int in16, FILE *out) {
     const fl_backend *be = c->dev;
     const size_t nq = (size_t)s->B * s->T * s->NH * s->HD, nk = (size_t)s->B * s->T * s->NKV * s->HD,
@@ -146,7 +154,7 @@ static int at_case(st_ctx *c, const char *choice, const at_shape *s, int in16, F
     float *h[11] = {0};
     const size_t len[11] = {nq, nk, nk, nq, nl, nq, nq, nk, nk, nb, nb};
     st_bufs bufs = {0};
-    at_run r = {be, at_desc(s), {0}, 0, 0, NULL, NULL, NULL};
+    at_run r = {be, at_desc(s), {0}, 0, 0, NULL, NULL, NULL, NULL, NULL};
     for (int i = 0; i < 11; i++) {
         if (!len[i]) continue;
         h[i] = i < 3 || i == 5 || i == 9 ? fl_st_frand(c, len[i], -1.0f, 1.0f) : calloc(len[i], sizeof(float));
@@ -157,7 +165,7 @@ static int at_case(st_ctx *c, const char *choice, const at_shape *s, int in16, F
     const size_t qn = (size_t)s->NH * s->HD, kn = (size_t)s->NKV * s->HD, rows = (size_t)s->B * s->T;
     float *dqkv_h = NULL;
     if (in16) { /* q|k|v interleaved in bf16 (the values are bf16 already: exact), their gradients' fp32 rows */
-        r.in16 = 1, r.W = (int)(qn + 2 * kn);
+        r.in16 = in16, r.W = (int)(qn + 2 * kn);
         r.a.ldq = r.a.ldk = r.a.ldv = (size_t)r.W;
         uint16_t *qkv = calloc(rows * r.W, sizeof(uint16_t));
         dqkv_h = calloc(rows * r.W, sizeof(float));
@@ -172,10 +180,26 @@ static int at_case(st_ctx *c, const char *choice, const at_shape *s, int in16, F
         r.out16 = fl_st_up(c, &bufs, NULL, nq * sizeof(uint16_t));
         r.dqkv = fl_st_up(c, &bufs, NULL, rows * r.W * sizeof(float));
         free(qkv);
+        if (in16 == 2) { /* dO in bf16 (its values are bf16's already), the gradients' bf16 rows */
+            uint16_t *d16 = calloc(nq, sizeof(uint16_t));
+            for (size_t e = 0; d16 && e < nq; e++) d16[e] = fl_f32_to_bf16(h[5][e]);
+            r.dout16 = d16 ? fl_st_up(c, &bufs, d16, nq * sizeof(uint16_t)) : NULL;
+            r.dqkv16 = fl_st_up(c, &bufs, NULL, rows * r.W * sizeof(uint16_t));
+            if (!d16) bufs.failed = 1;
+            free(d16);
+            const int ok = !bufs.failed && be->attention_b16_ok &&
+                           be->attention_b16_ok(be, &r.a, r.qkv16, r.qkv16 + qn, r.qkv16 + qn + kn, r.out16);
+            if (!ok) { /* not this backend's call: nothing to compare */
+                fl_st_free(c, &bufs);
+                for (int i = 0; i < 11; i++) free(h[i]);
+                free(dqkv_h);
+                return -1;
+            }
+        }
     }
     char name[96];
     snprintf(name, sizeof name, "attention %-6s B%d T%d NH%d NKV%d HD%d %s%s", choice, s->B, s->T, s->NH, s->NKV,
-             s->HD, s->t5 ? "t5 bias dropout" : "causal", in16 ? " in16" : "");
+             s->HD, s->t5 ? "t5 bias dropout" : "causal", in16 == 2 ? " b16" : in16 ? " in16" : "");
     int bad = bufs.failed;
     if (!bad) at_step(c, &r);
     fl_status st = bad ? FL_ERR_OOM : be->sync(be);
@@ -184,8 +208,16 @@ static int at_case(st_ctx *c, const char *choice, const at_shape *s, int in16, F
         double *ref[11] = {0};
         for (int i = 3; i < 11; i++) ref[i] = i == 5 || i == 9 || !len[i] ? NULL : calloc(len[i], sizeof(double));
         at_ref(s, h[0], h[1], h[2], h[5], h[9], ref[3], ref[4], ref[6], ref[7], ref[8], ref[10]);
-        if (in16) { /* dq, dk, dv from their rows */
+        if (in16 == 2) { /* the bf16 rows, widened */
+            uint16_t *d16 = calloc(rows * r.W, sizeof(uint16_t));
+            if (d16) fl_st_down(c, &bufs, d16, r.dqkv16, rows * r.W * sizeof(uint16_t));
+            for (size_t e = 0; d16 && e < rows * r.W; e++) dqkv_h[e] = fl_bf16_to_f32(d16[e]);
+            if (!d16) bufs.failed = 1;
+            free(d16);
+        } else if (in16) {
             fl_st_down(c, &bufs, dqkv_h, r.dqkv, rows * r.W * sizeof(float));
+        }
+        if (in16) { /* dq, dk, dv from their rows */
             at_rows(s, r.W, 0, qn, h[6], NULL, dqkv_h, 0);
             at_rows(s, r.W, qn, kn, h[7], NULL, dqkv_h, 0);
             at_rows(s, r.W, qn + kn, kn, h[8], NULL, dqkv_h, 0);
@@ -242,11 +274,15 @@ fl_status fl_selftest_attention_choices(const char *name, int small, FILE *out, 
             if (be.set_compute_dtype) be.set_compute_dtype(&be, FL_BF16);
             /* each shape through the fp32 calls, then through a bf16 run's stored-operand calls where the backend has
              * them (cuDNN reads those in place) */
-            for (int in16 = 0; in16 < 1 + (be.attention_forward_in16 && be.attention_backward16); in16++)
+            /* and (in16 2) with cuDNN's backward in bf16 where the backend runs it (attention_backward_b16) */
+            const int modes = 1 + (be.attention_forward_in16 && be.attention_backward16) + (be.attention_backward_b16 != NULL);
+            for (int in16 = 0; in16 < modes; in16++)
                 for (int i = 0; i < nshapes; i++) {
                     if (in16 && shapes[i].t5) continue; /* a bias has no stored-operand call */
+                    const int rc = at_case(&c, choices[k], &shapes[i], in16, out);
+                    if (rc < 0) continue;
                     res->n_cases += shapes[i].check;
-                    res->n_fail += at_case(&c, choices[k], &shapes[i], in16, out);
+                    res->n_fail += rc;
                 }
             if (be.set_compute_dtype) be.set_compute_dtype(&be, FL_F32);
             fl_mem_pool_free(&c.pool);

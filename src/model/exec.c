@@ -32,7 +32,7 @@ static fl_status rope(const fl_model *m, float *x, void *x16, int *done16, int b
     if (x16 && (bwd ? be->rope_backward16 : be->rope_forward16) && rope16_fused(m)) {
         *done16 = 1;
         const int nh = d.NH + d.NKV, w = (int)row;
-        float *o = only16 ? NULL : x;
+        float *o = only16 ? NULL : x; /* x NULL (the backward): x16 rotated in place (attention_backward_b16's) */
         return bwd ? FL_RUN(be, rope_backward16, o, x16, x, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0)
                    : FL_RUN(be, rope_forward16, o, x16, x, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0);
     }
@@ -209,12 +209,59 @@ static float *dslot(const fl_block_graph *g, int k, float *const *gb, const fl_b
     return g->slot[k].kind == FL_GSLOT_XSTREAM ? (x->dxs ? x->dxs[k] : NULL) : gb[g->slot[k].grad];
 }
 
-/* in16: the fused causal op's q|k|v rows and output read from their bf16 copies (attention_backward16) */
+/* Issue 30 item 1, cuDNN's backward in bf16 around its graphs (attention_backward_b16): the fused causal attention
+ * (op ia) whose output only the next op, a plain bf16 LINEAR (the output projection), reads gets its dO in bf16 from
+ * that linear's dx GEMM (fl_linear_backward_b16, into the fp32 d(out) buffer, which nothing else reads), no fp32 dO
+ * and no conversion; and where RoPE (op ia - 1) writes d(q|k|v) for the q|k|v linear in bf16 alone (fl_block_only16),
+ * cuDNN's bf16 gradients go straight into that linear's dy copy (dqkv16) and RoPE rotates them there in place: no
+ * zeroed fp32 d(q|k|v), no widening add, no fp32 read. The bits of the fp32 path: RNE of the same fp32 dx sums, cuDNN's
+ * bf16 gradients widened exactly, the same rotation. ia < 0: not taken (another backend, cuDNN not running the call,
+ * FITLLM_CUDA_CUDNN_B16=0, an adapter or a 4-bit part on the output projection, sequence parallelism). */
+static int regather_at(const fl_block_graph *g, int i);
+static int bwd_reads16_p(const fl_model *m, const fl_block_graph *g, const fl_gop *o, const fl_block_ctx *x, int plan);
+typedef struct {
+    int ia;           /* the ATTN op, or -1 */
+    uint16_t *dqkv16; /* NULL: the gradients in fp32 (a q|k|v linear reading its dy in fp32: LoRA's, a bias) */
+} attn_b16;
+static void attn_b16_of(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_block_ctx *x,
+                        unsigned only16, attn_b16 *r) {
+    const fl_backend *be = m->be;
+    r->ia = -1, r->dqkv16 = NULL;
+    if (!be->attention_backward_b16 || !be->attention_b16_ok || !x->s16 || x->kv || g->sp > 1) return;
+    const fl_dims d = fl_model_dims(&m->cfg);
+    for (int i = 0; i + 1 < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i], *pj = &g->op[i + 1];
+        if (o->kind != FL_GOP_ATTN || !fused_causal(o, x) || !bwd_reads16_p(m, g, o, x, 0)) continue;
+        if (pj->kind != FL_GOP_LINEAR || pj->in != o->out || pj->acc || !unread_after(g, i + 1, o->out) ||
+            regather_at(g, i + 1) >= 0 || !fl_linear_dx_b16(&bp->lin[pj->p]))
+            return;
+        const fl_attn_desc a = fl_attn_desc_qkv(x->B, x->T, d.NH, d.NKV, d.HD);
+        const uint16_t *q16 = x->s16[o->in];
+        if (!be->attention_b16_ok(be, &a, q16, q16 + d.QD, q16 + d.QD + d.KVD, x->s16[o->out])) return;
+        r->ia = i;
+        const fl_gop *pv = i > 0 ? &g->op[i - 1] : NULL;
+        if (pv && pv->kind == FL_GOP_ROPE && pv->in == o->in && pv->out == o->in && !o->acc && (only16 >> (i - 1) & 1u))
+            r->dqkv16 = dy16_for(be, g, bp, i - 1);
+        return;
+    }
+}
+
+/* in16: the fused causal op's q|k|v rows and output read from their bf16 copies (attention_backward16); b16 (NULL
+ * or): attention_backward_b16's dO in dout's buffer in bf16, its gradients into b16->dqkv16 (or fp32 din) */
 static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
-                               float *const *gb, const fl_block_ctx *x, float *din, float *dout, int in16) {
+                               float *const *gb, const fl_block_ctx *x, float *din, float *dout, int in16,
+                               const attn_b16 *b16) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
     const float *lse = o->a1 >= 0 ? s[o->a1] : NULL;
+    if (fused_causal(o, x) && in16 && b16) { /* dO in bf16 (in dout's buffer), d(q|k|v) in bf16 (dqkv16) or fp32 */
+        const fl_attn_desc a = fl_attn_desc_qkv(x->B, x->T, d.NH, d.NKV, d.HD);
+        const uint16_t *q16 = x->s16[o->in], *d16 = b16->dqkv16;
+        return FL_RUN(be, attention_backward_b16, &a, d16 ? NULL : din, d16 ? NULL : din + d.QD,
+                      d16 ? NULL : din + d.QD + d.KVD, (void *)d16, d16 ? (void *)(d16 + d.QD) : NULL,
+                      d16 ? (void *)(d16 + d.QD + d.KVD) : NULL, (const void *)dout, q16, q16 + d.QD, q16 + d.QD + d.KVD,
+                      x->s16[o->out], lse);
+    }
     if (fused_causal(o, x) && in16) {
         const fl_attn_desc a = fl_attn_desc_qkv(x->B, x->T, d.NH, d.NKV, d.HD);
         const uint16_t *q16 = x->s16[o->in];
@@ -746,6 +793,8 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
                              "residual stream's buffer (fl_block_stream16: set up before the adapters it has now?)",
                              g->slot[k].name);
     int stale = -1; /* the slot whose gradient the op before wrote in bf16 only (fl_block_only16) */
+    attn_b16 ab; /* cuDNN's backward in bf16 (attention_backward_b16) */
+    attn_b16_of(m, g, bp, x, only16, &ab);
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {
         const fl_gop *o = &g->op[i];
@@ -777,7 +826,9 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         void *dy16 = dy16_for(be, g, bp, i);
         if (b16 && act16_kind(o->kind) >= 0) din = NULL;
         if (b16) stale = o->in;
-        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !moves && !fl_gop_modifies(o) && din)
+        const int ab16 = ab.ia >= 0 && i == ab.ia && ab.dqkv16; /* the gradients in bf16 alone: din not written */
+        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !moves && !fl_gop_modifies(o) && din &&
+            !ab16)
             FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         const int in16 = bwd_reads16_p(m, g, o, x, 0); /* the saved input read in bf16 (its fp32 view not widened) */
         if ((dy16 || in16) && act16_kind(o->kind) >= 0) {
@@ -801,11 +852,17 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             break;
         }
         case FL_GOP_LINEAR: /* x NULL: its fp32 view not widened (bwd_reads32), the adapters read x16 */
-            FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, reads32 >> o->in & 1u ? s[o->in] : NULL,
-                                           x->s16 ? x->s16[o->in] : NULL, &bp->lin[o->p], N));
+            if (ab.ia >= 0 && i == ab.ia + 1 && din) /* the attention's dO in bf16, in its fp32 buffer */
+                FL_TRY(fl_linear_backward_b16(be, din, dout, ready, reads32 >> o->in & 1u ? s[o->in] : NULL,
+                                              x->s16 ? x->s16[o->in] : NULL, &bp->lin[o->p], N));
+            else
+                FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, reads32 >> o->in & 1u ? s[o->in] : NULL,
+                                               x->s16 ? x->s16[o->in] : NULL, &bp->lin[o->p], N));
             break;
-        case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi, b16)); break;
-        case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout, in16)); break;
+        case FL_GOP_ROPE: /* after attention_backward_b16's bf16 gradients: rotated in place in the linear's copy */
+            FL_TRY(rope(m, ab.ia >= 0 && i == ab.ia - 1 && ab.dqkv16 ? NULL : din, dy16, &dy16_ready, 1, x, wi, b16));
+            break;
+        case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout, in16, i == ab.ia ? &ab : NULL)); break;
         case FL_GOP_SWIGLU: FL_RUN(be, swiglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: FL_RUN(be, gelu_backward, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_RELU: FL_RUN(be, relu_backward, din, dout, s[o->in], (size_t)N * wi); break;

@@ -89,8 +89,25 @@ int fl_model_q4x16(const fl_model *m) {
     return (m->be->caps & FL_CAP_Q4X16) && m->prec.name && m->prec.compute_dtype == FL_BF16 && fl_model_quant4(m);
 }
 
+static fl_status linear_backward(const fl_backend *be, void *dx, fl_dtype dxt, int dx_accumulate, const float *dy,
+                                 int dy16_ready, const float *x, const void *x16, const fl_linear *lin, int N);
 fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
                                   const float *x, const void *x16, const fl_linear *lin, int N) {
+    return linear_backward(be, dx, FL_F32, dx_accumulate, dy, dy16_ready, x, x16, lin, N);
+}
+int fl_linear_dx_b16(const fl_linear *lin) {
+    return lin->n_adapters == 0 && lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && fl_linear_dx16(lin);
+}
+fl_status fl_linear_backward_b16(const fl_backend *be, void *dx16, const float *dy, int dy16_ready, const float *x,
+                                 const void *x16, const fl_linear *lin, int N) {
+    if (!dx16 || !fl_linear_dx_b16(lin))
+        return fl_errorf(FL_ERR_INVALID, "linear backward: a bf16 dx takes a bf16 weight, its dy in bf16 and no adapter "
+                         "or 4-bit part");
+    return linear_backward(be, dx16, FL_BF16, 0, dy, dy16_ready, x, x16, lin, N);
+}
+/* dx of type dxt: F32, or BF16 (fl_linear_backward_b16: the plain bf16 GEMM's output rounded, not accumulated) */
+static fl_status linear_backward(const fl_backend *be, void *dx, fl_dtype dxt, int dx_accumulate, const float *dy,
+                                 int dy16_ready, const float *x, const void *x16, const fl_linear *lin, int N) {
     const void *w = lin->wc ? lin->wc : (const void *)lin->w;
     fl_dtype wt = lin->wc ? lin->wct : FL_F32;
     /* bf16 compute with a trainable weight (lin->xb16 set only with a BF16 weight): dy rounded to bf16
@@ -109,15 +126,15 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
     } else if (dx16 && !dy16_ready && (dy16 || dx))
         FL_TRY(FL_RUN(be, convert, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
     if (dx && lin->n_q4 && dx16) /* dx (N,in) = dy's bf16 copy (N,out) @ deq([W_0; W_1; ...]) (out,in), one op (q416) */
-        FL_TRY(FL_RUN(be, q4_matmul_backward16, dx, lin->dyb16, lin->out, lin->q4[0], lin->n_q4, N,
+        FL_TRY(FL_RUN(be, q4_matmul_backward16, (float *)dx, lin->dyb16, lin->out, lin->q4[0], lin->n_q4, N,
                       dx_accumulate ? 1.0f : 0.0f));
     else if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
-            FL_TRY(FL_RUN(be, q4_matmul_backward, dx, dy + r0, lin->out, lin->q4[k], N,
+            FL_TRY(FL_RUN(be, q4_matmul_backward, (float *)dx, dy + r0, lin->out, lin->q4[k], N,
                           (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
     } else if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
         FL_TRY(FL_RUN(be, gemm, 0, 0, N, lin->in, lin->out, 1.0f, dx16 ? (const void *)lin->dyb16 : (const void *)dy,
-                      dx16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, FL_F32,
+                      dx16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, dxt,
                       lin->in));
     if (dy16) { /* dW += bf16(dy)^T @ bf16(x), fp32 accumulation; bf16(x): the saved copy when there is one */
         if (!x16) FL_TRY(FL_RUN(be, convert, lin->xb16, FL_BF16, x, FL_F32, (size_t)N * lin->in));
@@ -132,9 +149,9 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
     for (int k = 0; k < lin->n_adapters; k++) { /* after the base dx: each adapter's branch adds to it */
         const fl_linear_adapter *a = lin->adapters[k];
         if (!x && x16 && a->ops->x16_only && a->ops->x16_only(a, be)) /* x's view not widened: its stored copy */
-            FL_TRY(a->ops->backward16(a, be, dx, dy, lin->out, x16, N, lin->row_base));
+            FL_TRY(a->ops->backward16(a, be, (float *)dx, dy, lin->out, x16, N, lin->row_base));
         else
-            FL_TRY(a->ops->backward(a, be, dx, dy, lin->out, x, N, lin->row_base));
+            FL_TRY(a->ops->backward(a, be, (float *)dx, dy, lin->out, x, N, lin->row_base));
     }
     return FL_OK;
 }

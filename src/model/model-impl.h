@@ -192,6 +192,13 @@ int fl_linear_dx16(const fl_linear *lin);
 /* Whether it has adapters and every one reads its input in bf16 alone on be (fl_linear_adapter_ops.x16_only): the
  * backward then need not widen x's fp32 view (fl_linear_backward_dy16 takes x NULL and the stored x16) */
 int fl_linear_adapters_x16(const fl_backend *be, const fl_linear *lin);
+/* Whether its dx can be written in bf16 by its GEMM alone (fl_linear_backward_b16): a bf16 weight, dy read in bf16
+ * (fl_linear_dx16), no adapter or 4-bit part adding to an fp32 dx */
+int fl_linear_dx_b16(const fl_linear *lin);
+/* fl_linear_backward_dy16 with dx (N, in) written in bf16 (RNE of the dx GEMM's fp32 sums, not accumulated) into dx16:
+ * the fused causal attention's bf16 dO (attention_backward_b16, exec.c). Refused unless fl_linear_dx_b16. */
+fl_status fl_linear_backward_b16(const fl_backend *be, void *dx16, const float *dy, int dy16_ready, const float *x,
+                                 const void *x16, const fl_linear *lin, int N);
 /* Whether its backward reads dy in fp32 even with dy16_ready (a bias gradient, an adapter, a 4-bit base without q416,
  * no bf16 dy): else dy may be NULL there (an fp32 gradient written in bf16 only, fl_block_only16). */
 int fl_linear_reads_dy32(const fl_linear *lin);

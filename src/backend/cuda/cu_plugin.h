@@ -29,7 +29,7 @@ extern "C" {
 
 /* Bumped whenever this table, fl_backend, fl_mem_pool or fl_nccl_api change in a way the sizes
  * below would not catch. */
-#define FL_CUDA_PLUGIN_ABI 9 /* 9: q4_matmul_forward16 / _backward16 take nw stacked parts */
+#define FL_CUDA_PLUGIN_ABI 10 /* 10: attention_backward_b16 / attention_b16_ok; 9: q4 ops take nw stacked parts */
 #define FL_CUDA_PLUGIN_ENTRY "fl_cuda_plugin_entry"
 #define FL_CUDA_PLUGIN_FILE "libfitllm_cuda.so"
 

@@ -876,6 +876,9 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->cross_entropy_dbf16 = head_dbf16 ? flb_cross_entropy_dbf16 : NULL;
 #ifdef FLB_HAVE_CUDNN /* cuDNN's attention copies in the model's lent scratch (the planner counts them) */
     be->attn_scratch_bytes = im->dnn ? fl_cudnn_sdpa_scratch_bytes : NULL;
+    /* the bf16 dO and gradients around cuDNN's graphs (FITLLM_CUDA_CUDNN_B16: the query says no when off) */
+    be->attention_backward_b16 = im->dnn ? flb_attention_backward_b16 : NULL;
+    be->attention_b16_ok = im->dnn ? flb_attention_b16_ok : NULL;
 #endif
     be->adamw_update = flb_adamw_update;
     be->sgd_update = flb_sgd_update;

@@ -47,12 +47,15 @@ static void flb_count_only16(const fl_backend *be, size_t n) {
     FLB_IMPL(be)->count.only16++;
     FLB_IMPL(be)->count.only16_bytes += (long)(n * sizeof(float));
 }
-/* out (NULL: the bf16 copy alone, x16 then required) from the rows of x (in place: out == x) */
+/* out (NULL: the bf16 copy alone, x16 then required) from the rows of x (in place: out == x); the backward with x and
+ * out NULL: x16 in place (cuDNN's bf16 gradients, attention_backward_b16) */
 static fl_status flb_rope16(const fl_backend *be, float *out, void *x16, const float *x, int B, int T, int nh, int HD,
                             int width, const float *cos_t, const float *sin_t, int pos0, int backward) {
     FL_TRY(flb_sticky(be));
     const char *op = backward ? "rope_backward16" : "rope_forward16";
-    if (B > 0 && T > 0 && (FLB_NULL(be, op, x) || (!out && FLB_NULL(be, op, x16)))) return flb_sticky(be);
+    const int inplace16 = backward && !x && !out;
+    if (B > 0 && T > 0 && (inplace16 ? FLB_NULL(be, op, x16) : FLB_NULL(be, op, x) || (!out && FLB_NULL(be, op, x16))))
+        return flb_sticky(be);
     if (B < 0 || T < 0 || nh < 0 || HD < 0 || HD % 2 || width < nh * HD)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s rope_%s16: %d heads of %d in rows of %d", FLB_NAME,
                          backward ? "backward" : "forward", nh, HD, width);
@@ -60,7 +63,7 @@ static fl_status flb_rope16(const fl_backend *be, float *out, void *x16, const f
         FLB_RUN_S(be, FLB_K(rope_backward16)(out, x16, x, B, T, nh, HD, width, cos_t, sin_t, pos0, STREAM), op);
     else
         FLB_RUN_S(be, FLB_K(rope_forward16)(out, x16, x, B, T, nh, HD, width, cos_t, sin_t, pos0, STREAM), op);
-    if (!out) flb_count_only16(be, (size_t)B * T * width);
+    if (!out && !inplace16) flb_count_only16(be, (size_t)B * T * width);
     return FL_OK;
 }
 static fl_status flb_rope_forward16(const fl_backend *be, float *out, void *x16, const float *x, int B, int T, int nh,

@@ -31,9 +31,11 @@ typedef struct flb_cudnn {
     void *buf; /* device: the 16-bit copies, then cuDNN's workspace (when the lent scratch is too small) */
     size_t buf_bytes;
     int direct;   /* FITLLM_CUDA_CUDNN_DIRECT (default 1): a bf16 run's stored q, k, v (and o) read in place */
+    int b16;      /* FITLLM_CUDA_CUDNN_B16 (default 1): attention_backward_b16 offered (attention_b16_ok) */
     int said;     /* a refusal said once */
     int said_buf; /* a lent region too small, said once */
     int said_direct; /* an in-place layout refused, said once */
+    int said_grads;  /* the gradients' in-place layout refused, said once */
     int said_plan[2]; /* FITLLM_CUDA_ATTN=cudnn: the first forward / backward plan's engine, said once */
 } flb_cudnn;
 
@@ -61,6 +63,12 @@ static fl_status flb_attn_init(flb_impl *im) {
     if (ed && *ed && strcmp(ed, "1") && strcmp(ed, "0"))
         return fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_CUDNN_DIRECT=%s: expected 1 (cuDNN reads a bf16 "
                          "run's stored q, k, v in place, the default) or 0 (compact copies first)", FLB_NAME, ed);
+    /* FITLLM_CUDA_CUDNN_B16 (unset, empty or 1: on; 0: off, an A/B): the backward in bf16 around cuDNN's graphs */
+    const char *eb = getenv("FITLLM_CUDA_CUDNN_B16");
+    if (eb && *eb && strcmp(eb, "1") && strcmp(eb, "0"))
+        return fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_CUDNN_B16=%s: expected 1 (a bf16 run's attention "
+                         "backward takes a bf16 dO and writes bf16 gradients around cuDNN's graphs, the default) or 0 "
+                         "(fp32 dO and gradients, converted)", FLB_NAME, eb);
     char why[400];
     flb_cudnn *d = (flb_cudnn *)calloc(1, sizeof *d);
     if (!d) return fl_errorf(FL_ERR_OOM, "%s backend: out of host memory", FLB_NAME);
@@ -84,6 +92,7 @@ static fl_status flb_attn_init(flb_impl *im) {
         return FL_OK;
     }
     d->direct = !ed || !*ed || !strcmp(ed, "1");
+    d->b16 = !eb || !*eb || !strcmp(eb, "1");
     im->dnn = d;
     return FL_OK;
 }
@@ -98,8 +107,9 @@ static void flb_attn_free(flb_impl *im) {
     im->dnn = NULL;
 }
 
-/* the cached plan of a layout (built on first use), or NULL when cuDNN refuses it (said once; direct: an in-place
- * layout, whose refusal sends the call to the compact copies, flb_dnn_plan_of) */
+/* the cached plan of a layout (built on first use), or NULL when cuDNN refuses it (said once; direct 1: an in-place
+ * layout, whose refusal sends the call to the compact copies, flb_dnn_plan_of; 2: its gradients in place too, whose
+ * refusal sends them to compact buffers) */
 static fl_cudnn_plan *flb_dnn_plan(flb_impl *im, const fl_cudnn_sdpa_layout *L, int backward, int direct) {
     flb_cudnn *d = im->dnn;
     for (int i = 0; i < d->nplans; i++)
@@ -108,7 +118,11 @@ static fl_cudnn_plan *flb_dnn_plan(flb_impl *im, const fl_cudnn_sdpa_layout *L, 
     fl_cudnn_plan *p = NULL;
     if (fl_cudnn_sdpa_build(&d->api, d->handle, L, backward, &p, why, sizeof why) != 0) {
         if (!direct) flb_dnn_say(im, backward ? "backward graph refused" : "forward graph refused", why);
-        else if (!d->said_direct) {
+        else if (direct == 2 && !d->said_grads) {
+            d->said_grads = 1;
+            fprintf(stderr, "fitllm: %s backend: cuDNN attention backward graph refused its bf16 gradients written in "
+                    "place (%s): compact ones are copied out\n", FLB_NAME, why);
+        } else if (direct == 1 && !d->said_direct) {
             d->said_direct = 1;
             fprintf(stderr, "fitllm: %s backend: cuDNN attention %s graph refused the stored bf16 q, k, v in place (%s): "
                     "compact copies are tried (FITLLM_CUDA_CUDNN_DIRECT=0 goes there at once)\n", FLB_NAME,
@@ -191,10 +205,19 @@ static int flb_dnn_layout(const flb_impl *im, const fl_attn_desc *a, fl_dtype it
     return direct;
 }
 /* A call's layout and its plan: an in-place layout cuDNN refuses (its strides) falls back to the compact copies'
- * (*direct cleared, the refusal cached like any other). NULL: the own kernels run the call. */
+ * (*direct cleared, the refusal cached like any other). grads (the backward with bf16 gradients at q, k, v's
+ * strides, attention_backward_b16): in place, the gradients' in-place layout first (*direct 2). NULL: the own
+ * kernels run the call. */
 static fl_cudnn_plan *flb_dnn_plan_of(flb_impl *im, const fl_attn_desc *a, fl_dtype it, const void *q, const void *k,
-                                      const void *v, const void *o, int backward, fl_cudnn_sdpa_layout *L, int *direct) {
+                                      const void *v, const void *o, int backward, int grads, fl_cudnn_sdpa_layout *L,
+                                      int *direct) {
     *direct = flb_dnn_layout(im, a, it, q, k, v, o, L);
+    if (*direct && grads) {
+        fl_cudnn_sdpa_layout G;
+        fl_cudnn_sdpa_layout_grad_rows(a, FL_BF16, &G);
+        fl_cudnn_plan *p = flb_dnn_plan(im, &G, 1, 2);
+        if (p) return *L = G, *direct = 2, p;
+    }
     fl_cudnn_plan *p = flb_dnn_plan(im, L, backward, *direct);
     if (p || !*direct) return p;
     *direct = 0; /* (in place implies a head size of a multiple of 8: the compact copies are a's) */
@@ -216,7 +239,7 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
     }
     fl_cudnn_sdpa_layout L;
     int direct;
-    fl_cudnn_plan *p = flb_dnn_plan_of(im, a, it, q, k, v, NULL, 0, &L, &direct);
+    fl_cudnn_plan *p = flb_dnn_plan_of(im, a, it, q, k, v, NULL, 0, 0, &L, &direct);
     if (!p) return 0;
     fl_attn_desc pa; /* cuDNN's call: the head size padded to a multiple of 8 (hp), compact rows */
     const int padded = fl_cudnn_sdpa_pad(a, &pa), hp = pa.HD;
@@ -255,17 +278,19 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
     return 1;
 }
 
-/* q, k, v, out of type it: F32, or BF16 (attention_backward16: a bf16 run's stored activations, copied compact) */
-static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
-                              const float *dout, const void *q, const void *k, const void *v, fl_dtype it,
-                              const float *bias, const uint8_t *kmask, const void *out, const float *lse, void *work,
-                              fl_status *st) {
+/* The backward through cuDNN. q, k, v, out of type it: F32, or BF16 (a bf16 run's stored activations: read in place
+ * where they can be, else copied compact); dout of type dt: F32 (converted) or BF16 (attention_backward_b16: read in
+ * place where it can be). d16 NULL: the gradients added into the fp32 dq, dk, dv; else (attention_backward_b16) the
+ * bf16 gradients written to d16[0..2] at q, k, v's strides, by cuDNN itself where its graph takes them there. */
+static int flb_cudnn_bwd(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv, void *const *d16,
+                         const void *dout, fl_dtype dt, const void *q, const void *k, const void *v, fl_dtype it,
+                         const void *out, const float *lse, void *work, fl_status *st) {
     flb_impl *im = FLB_IMPL(be);
-    /* FITLLM_CUDA_DETERMINISTIC: the own backward, whose dq adds run in a fixed order */
-    if (!im->dnn || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, bias, kmask)) return 0;
+    /* d16 in place: at q, k, v's strides, each 16-byte aligned (as the in-place q, k, v) */
+    const int grads = d16 && fl_cudnn_sdpa_direct_ok(a, d16[0], d16[1], d16[2]);
     fl_cudnn_sdpa_layout L;
     int direct;
-    fl_cudnn_plan *p = flb_dnn_plan_of(im, a, it, q, k, v, out, 1, &L, &direct);
+    fl_cudnn_plan *p = flb_dnn_plan_of(im, a, it, q, k, v, out, 1, grads, &L, &direct);
     if (!p) return 0;
     fl_attn_desc pa; /* cuDNN's call: the head size padded to a multiple of 8 (hp), compact rows */
     fl_cudnn_sdpa_pad(a, &pa);
@@ -297,21 +322,83 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
         if (!rc) rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_K], hp, k, it, a->ldk, rk, a->NKV, a->HD);
         if (!rc) rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_V], hp, v, it, a->ldv, rk, a->NKV, a->HD);
     }
-    if (!rc) rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_DO], hp, dout, FL_F32, a->ldo, rq, a->NH, a->HD);
+    if (direct == 2)
+        ptr[FL_CUDNN_UID_DQ] = d16[0], ptr[FL_CUDNN_UID_DK] = d16[1], ptr[FL_CUDNN_UID_DV] = d16[2];
+    /* dO in O's layout: a bf16 one in place when the layout is O's own (compact rows, in place) and it is aligned */
+    if (direct && dt == FL_BF16 && (uintptr_t)dout % 16 == 0) ptr[FL_CUDNN_UID_DO] = (void *)dout;
+    else if (!rc) rc = flb_dnn_in(be, ptr[FL_CUDNN_UID_DO], hp, dout, dt, a->ldo, rq, a->NH, a->HD);
     if (!rc && fl_cudnn_dqacc_needs_zero(im->dnn->api.version)) /* cuDNN < 9.6: the accumulator starts at 0 */
         rc = flb_memset(ptr[FL_CUDNN_UID_DQACC], 0, fl_cudnn_sdpa_dqacc_bytes(&pa), STREAM);
-    if (rc) return (*st = flb_attn_status(be, rc, "attention_backward (cuDNN)")), 1;
+    const char *what = dt == FL_BF16 ? "attention_backward_b16 (cuDNN)" : "attention_backward (cuDNN)";
+    if (rc) return (*st = flb_attn_status(be, rc, what)), 1;
     int s = fl_cudnn_plan_run(&im->dnn->api, im->dnn->handle, p, ptr, buf + used);
     if (s) {
         char b[48], why[96];
         snprintf(why, sizeof why, "cudnnBackendExecute: %s", fl_cudnn_status_name(&im->dnn->api, s, b, sizeof b));
-        flb_set_error(be, FL_ERR_UNSUPPORTED, "attention_backward (cuDNN)", why);
+        flb_set_error(be, FL_ERR_UNSUPPORTED, what, why);
         return (*st = flb_sticky(be)), 1;
     }
-    rc = flb_dnn_out(be, dq, FL_F32, a->ldq, ptr[FL_CUDNN_UID_DQ], hp, rq, a->NH, a->HD, 1);
-    if (!rc) rc = flb_dnn_out(be, dk, FL_F32, a->ldk, ptr[FL_CUDNN_UID_DK], hp, rk, a->NKV, a->HD, 1);
-    if (!rc) rc = flb_dnn_out(be, dv, FL_F32, a->ldv, ptr[FL_CUDNN_UID_DV], hp, rk, a->NKV, a->HD, 1);
-    *st = flb_attn_status(be, rc, "attention_backward (cuDNN)");
+    if (direct != 2) { /* the compact results: added into fp32 ones, or copied into the bf16 ones */
+        void *dst[3] = {dq, dk, dv};
+        const fl_dtype t = d16 ? FL_BF16 : FL_F32;
+        if (d16) dst[0] = d16[0], dst[1] = d16[1], dst[2] = d16[2];
+        rc = flb_dnn_out(be, dst[0], t, a->ldq, ptr[FL_CUDNN_UID_DQ], hp, rq, a->NH, a->HD, !d16);
+        if (!rc) rc = flb_dnn_out(be, dst[1], t, a->ldk, ptr[FL_CUDNN_UID_DK], hp, rk, a->NKV, a->HD, !d16);
+        if (!rc) rc = flb_dnn_out(be, dst[2], t, a->ldv, ptr[FL_CUDNN_UID_DV], hp, rk, a->NKV, a->HD, !d16);
+    }
+#ifdef FLB_CUDNN_NAMED_ONLY
+    if (dt == FL_BF16) /* attention_backward_b16: the emulator's counts (cu_emu.h) */
+        fl_cu_emu_dnn_b16++, fl_cu_emu_dnn_b16_grads += direct == 2,
+            fl_cu_emu_dnn_b16_dout += ptr[FL_CUDNN_UID_DO] == dout;
+#endif
+    *st = flb_attn_status(be, rc, what);
     return 1;
+}
+
+/* 1: cuDNN ran it (or failed: *st says); 0: run the own kernels */
+static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                              const float *dout, const void *q, const void *k, const void *v, fl_dtype it,
+                              const float *bias, const uint8_t *kmask, const void *out, const float *lse, void *work,
+                              fl_status *st) {
+    flb_impl *im = FLB_IMPL(be);
+    /* FITLLM_CUDA_DETERMINISTIC: the own backward, whose dq adds run in a fixed order */
+    if (!im->dnn || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, bias, kmask)) return 0;
+    return flb_cudnn_bwd(be, a, dq, dk, dv, NULL, dout, FL_F32, q, k, v, it, out, lse, work, st);
+}
+
+/* attention_b16_ok: cuDNN present and offered (FITLLM_CUDA_CUDNN_B16), bf16 compute, not deterministic, the shape
+ * taken and a backward plan for the operands' layout */
+static int flb_attention_b16_ok(const fl_backend *be, const fl_attn_desc *a, const void *q16, const void *k16,
+                                const void *v16, const void *out16) {
+    flb_impl *im = FLB_IMPL(be);
+    if (!a || !im->dnn || !im->dnn->b16 || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, NULL, NULL) ||
+        !q16 || !k16 || !v16 || !out16 || flb_sticky(be) != FL_OK)
+        return 0;
+    fl_cudnn_sdpa_layout L;
+    int direct;
+    return flb_dnn_plan_of(im, a, FL_BF16, q16, k16, v16, out16, 1, 0, &L, &direct) != NULL;
+}
+static fl_status flb_attention_backward_b16(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
+                                            float *dv, void *dq16, void *dk16, void *dv16, const void *dout16,
+                                            const void *q16, const void *k16, const void *v16, const void *out16,
+                                            const float *lse) {
+    FL_TRY(flb_sticky(be));
+    FL_TRY(fl_attn_check_args("attention_backward_b16", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles",
+                              (const float *)out16, lse, (const float *)q16, (const float *)k16, (const float *)v16,
+                              NULL, NULL));
+    if (!dout16 || (dq16 ? !dk16 || !dv16 : !dq || !dk || !dv))
+        return fl_errorf(FL_ERR_INVALID, "%s attention_backward_b16: NULL %s", FLB_NAME,
+                         !dout16 ? "dout16" : dq16 ? "dk16 / dv16" : "gradient tensor");
+    if (!flb_attention_b16_ok(be, a, q16, k16, v16, out16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s attention_backward_b16: cuDNN's bf16 backward does not take this call "
+                         "(attention_b16_ok)", FLB_NAME);
+    void *work = flb_work(be, fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward_b16");
+    if (!work) return flb_sticky(be);
+    void *d16[3] = {dq16, dk16, dv16};
+    fl_status st = FL_OK;
+    if (!flb_cudnn_bwd(be, a, dq, dk, dv, dq16 ? d16 : NULL, dout16, FL_BF16, q16, k16, v16, FL_BF16, out16, lse, work,
+                       &st))
+        return fl_errorf(FL_ERR_INTERNAL, "%s attention_backward_b16: cuDNN's plan went away", FLB_NAME);
+    return st;
 }
 #endif

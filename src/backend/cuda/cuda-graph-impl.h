@@ -185,6 +185,7 @@ static const void **flb_graph_hdr(fl_oprec *r, size_t *hb) {
     case FL_OPK_attention_forward16: return (const void **)&r->attention_forward16.a;
     case FL_OPK_attention_backward16: return (const void **)&r->attention_backward16.a;
     case FL_OPK_attention_forward_in16: return (const void **)&r->attention_forward_in16.a;
+    case FL_OPK_attention_backward_b16: return (const void **)&r->attention_backward_b16.a;
     case FL_OPK_q4_matmul_forward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_forward.w;
     case FL_OPK_q4_matmul_backward: *hb = sizeof(fl_q4_weight); return (const void **)&r->q4_matmul_backward.w;
     case FL_OPK_q4_matmul_forward16: /* nw stacked parts (the op refuses a count outside 1 .. FL_Q4_MAX_PARTS) */

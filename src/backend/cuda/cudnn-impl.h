@@ -105,7 +105,7 @@ typedef struct {
  * (natural log of the scaled scores' row sum), viewed (B, NH, Tq, 1). */
 typedef struct {
     fl_cudnn_t4 q, k, v, o, stats;
-    fl_cudnn_t4 dq, dk, dv; /* the backward's outputs: compact (B, T, heads, HD) rows, whatever q, k, v's rows */
+    fl_cudnn_t4 dq, dk, dv; /* the backward's outputs: compact (B, T, heads, HD) rows, or q, k, v's (grad_rows) */
     int io_dtype; /* cudnnDataType_t of q, k, v, o: CUDNN_DATA_BFLOAT16 or CUDNN_DATA_HALF */
     int causal;
     float scale;
@@ -117,6 +117,9 @@ void fl_cudnn_sdpa_layout_of(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_l
  * stored 16-bit rows in place, no compact copy (FITLLM_CUDA_CUDNN_DIRECT, the default); o, dO and the gradients stay
  * compact. Usable when fl_cudnn_sdpa_direct_ok. Pure. */
 void fl_cudnn_sdpa_layout_rows(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_layout *L);
+/* As fl_cudnn_sdpa_layout_rows, and the backward's dQ, dK, dV written at the same row strides as q, k, v
+ * (attention_backward_b16: into the q|k|v linear's bf16 dy rows, no compact copies brought back). Pure. */
+void fl_cudnn_sdpa_layout_grad_rows(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_layout *L);
 /* whether q, k, v can be read in place: a head size of whole 16-byte units, each 16-byte aligned with a row stride
  * of whole 16-byte units (cuDNN's tensors are declared 16-byte aligned). Pure. */
 int fl_cudnn_sdpa_direct_ok(const fl_attn_desc *a, const void *q, const void *k, const void *v);

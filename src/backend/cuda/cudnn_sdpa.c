@@ -64,6 +64,11 @@ void fl_cudnn_sdpa_layout_rows(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa
     t4(&L->v, a->B, a->NKV, Tk, HD, Tk * lv, HD, lv, 1);
 }
 
+void fl_cudnn_sdpa_layout_grad_rows(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_layout *L) {
+    fl_cudnn_sdpa_layout_rows(a, dt, L);
+    L->dq = L->q, L->dk = L->k, L->dv = L->v;
+}
+
 int fl_cudnn_sdpa_direct_ok(const fl_attn_desc *a, const void *q, const void *k, const void *v) {
     const uintptr_t m = (uintptr_t)q | (uintptr_t)k | (uintptr_t)v;
     return q && k && v && m % 16 == 0 && a->HD % 8 == 0 && a->ldq % 8 == 0 && a->ldk % 8 == 0 &&

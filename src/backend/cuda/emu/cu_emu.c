@@ -436,7 +436,7 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
 }
 
 unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches, fl_cu_emu_vec_accesses;
-unsigned long fl_cu_emu_dnn_own_buffers;
+unsigned long fl_cu_emu_dnn_own_buffers, fl_cu_emu_dnn_b16, fl_cu_emu_dnn_b16_grads, fl_cu_emu_dnn_b16_dout;
 unsigned long fl_cu_emu_norm_add_launches;
 unsigned long fl_cu_emu_gemm_calls, fl_cu_emu_gemm_misaligned;
 char fl_cu_emu_gemm_misaligned_what[192];

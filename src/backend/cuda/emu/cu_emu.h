@@ -87,6 +87,9 @@ extern unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches;
 /* cuDNN's attention path (the stand-in tests/cuda/sim_cudnn.c): buffers of the backend's own it grew because the
  * model lent too small a region (cuda-cudnn-impl.h's flb_dnn_buf; a test wants 0: the plan holds the workspace) */
 extern unsigned long fl_cu_emu_dnn_own_buffers;
+/* attention_backward_b16 calls cuDNN ran (fl_cu_emu_dnn_b16), those with the gradients written in place by its graph
+ * (_b16_grads: the q|k|v linear's bf16 dy rows) and with dO read in place (_b16_dout) */
+extern unsigned long fl_cu_emu_dnn_b16, fl_cu_emu_dnn_b16_grads, fl_cu_emu_dnn_b16_dout;
 /* 128-bit accesses (fl_cu_ld4 / st4 / ld8h / st8h) made so far (not atomic: a test reads it around its own single-
  * threaded launches to see that a vector path ran) */
 extern unsigned long fl_cu_emu_vec_accesses;

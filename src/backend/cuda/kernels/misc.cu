@@ -30,7 +30,8 @@ static int is_float(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_
  * them is stored in bf16, with its exact widening left in x (keep, the forward: fl_cu_keep16) or x unrounded
  * (the backward's dy16 copy): a thread per rotated pair, then one per element past the nh heads. The rows are read
  * from in and written to x (in place: x == in); x NULL: the bf16 copy only (issue 30 item 1: an fp32 result nothing
- * reads), the same bits in x16. */
+ * reads), the same bits in x16. in NULL too (the backward over cuDNN's bf16 gradients, attention_backward_b16): the
+ * rotated pairs read from x16 (widened exactly) and written back there, the columns past them left as they are. */
 FL_CU_DEV float rope16(uint16_t *r16, size_t c, float v, int keep) {
     if (keep || !r16) return fl_cu_keep16(r16, c, v);
     r16[c] = fl_cu_f32_to_bf16(v);
@@ -40,16 +41,19 @@ FL_CU_DEV void rope_put(float *row, uint16_t *r16, size_t c, float v, int keep) 
     v = rope16(r16, c, v, keep);
     if (row) row[c] = v;
 }
+FL_CU_DEV float rope_in(const float *rin, const uint16_t *r16, size_t c) {
+    return rin ? rin[c] : fl_cu_bf16_to_f32(r16[c]);
+}
 /* A block per row (n = b * T + t), its threads over the row's rotated pairs (h, j) and then its stored-only columns:
  * consecutive threads take consecutive j (coalesced reads of x[h*HD + j] and x[h*HD + j + H]), the indices are 32-bit
  * within the row (a grid-stride loop over B*T*items paid 64-bit divisions per element); each element's arithmetic is
  * the same as before, so the same bits. */
 __global__ static void fl_cu_rope_k(float *x, const float *in, uint16_t *x16, int T, int nh, int HD, size_t row_stride,
                                     int width, const float *cos_t, const float *sin_t, int pos0, float sign, int keep) {
-    const int H = HD / 2, pairs = nh * H, items = pairs + (x16 ? width - nh * HD : 0);
+    const int H = HD / 2, pairs = nh * H, items = pairs + (x16 && in ? width - nh * HD : 0);
     const size_t n = blockIdx.x;
     const int t = (int)(n % (size_t)T);
-    const float *rin = in + n * row_stride;
+    const float *rin = in ? in + n * row_stride : NULL;
     float *row = x ? x + n * row_stride : NULL;
     uint16_t *r16 = x16 ? x16 + n * (size_t)width : NULL;
     const float *ct = cos_t + (size_t)(pos0 + t) * H, *st = sin_t + (size_t)(pos0 + t) * H;
@@ -62,7 +66,7 @@ __global__ static void fl_cu_rope_k(float *x, const float *in, uint16_t *x16, in
         const int h = r / H, j = r - h * H;
         float c = ct[j], sn = sign * st[j];
         const size_t o = (size_t)h * HD;
-        float x0 = rin[o + j], x1 = rin[o + j + H];
+        float x0 = rope_in(rin, r16, o + j), x1 = rope_in(rin, r16, o + j + H);
         rope_put(row, r16, o + j, x0 * c - x1 * sn, keep);
         rope_put(row, r16, o + j + H, x1 * c + x0 * sn, keep);
     }
@@ -83,13 +87,14 @@ extern "C" int FL_CUK(rope)(float *x, int B, int T, int nh, int HD, size_t row_s
     return fl_cu_launch_error();
 }
 
-/* out (NULL: x16 only, then required) and x16 (NULL or) from the rows of x; in place: out == x */
+/* out (NULL: x16 only, then required) and x16 (NULL or) from the rows of x; in place: out == x; the backward with x
+ * and out NULL: x16 in place */
 static int rope16_launch(float *out, void *x16, const float *x, int B, int T, int nh, int HD, int width,
                          const float *cos_t, const float *sin_t, int pos0, int backward, void *stream) {
     if (B < 0 || T < 0 || nh < 0 || HD < 0 || HD % 2 || width < nh * HD) return -1;
-    const size_t items = (size_t)nh * (HD / 2) + (size_t)(width - nh * HD), total = (size_t)B * T * items;
+    const size_t items = (size_t)nh * (HD / 2) + (x ? (size_t)(width - nh * HD) : 0), total = (size_t)B * T * items;
     if (total == 0) return 0;
-    if (!x || (!out && !x16)) return -1;
+    if (x ? !out && !x16 : !backward || out || !x16) return -1;
     FL_CU_LAUNCH(fl_cu_rope_k, dim3((unsigned)((size_t)B * T)), dim3(rope_threads(items)), 0, (fl_cu_stream)stream,
                  out, x, (uint16_t *)x16, T, nh, HD, (size_t)width, width, cos_t, sin_t, pos0,
                  backward ? -1.0f : 1.0f, !backward);
