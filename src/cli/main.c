@@ -156,6 +156,10 @@ static void usage(FILE *f) {
     fprintf(f, "\n  FITLLM_CUDA_CUDNN_DIRECT=1|0 (environment): 1 (default) = cuDNN's attention reads a bf16 run's stored\n"
                "               q, k, v (and o) in place, else (refused there) compact copies; 0 = compact copies first\n"
                "               (EXPERIMENTAL, for an A/B)\n");
+    fprintf(f, "\n  FITLLM_CUDA_CUDNN_B16=1|0 (environment): 1 (default) = a bf16 run's attention backward through cuDNN\n"
+               "               takes dO from the output projection in bf16 and writes bf16 gradients (into the q|k|v\n"
+               "               projection's dy where RoPE follows), no fp32 copies between (the same bits;\n"
+               "               EXPERIMENTAL: not yet timed on a GPU); 0 = fp32 dO and gradients, converted (an A/B)\n");
     fprintf(f, "\n  FITLLM_CUDA_DETERMINISTIC=1 (environment): the own attention backward adds dq across key blocks in a\n"
                "               fixed order, and a bias's gradient (T5) in batch order (the same bits every run, somewhat\n"
                "               slower; cuDNN's backward is then not used)\n");

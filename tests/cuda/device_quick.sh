@@ -15,7 +15,8 @@
 #   3. the `small` preset (head size 64: cuDNN's graphs, reading the stored bf16 q, k, v in place), 8 bf16-true
 #      training steps on the CPU and on the GPU: the largest relative step-loss difference (bound 2e-2, as
 #      gpu_check_all.sh);
-#   4. the TinyLlama LoRA r 8 step; 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (the copies, A/B);
+#   4. the TinyLlama LoRA r 8 step; 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (the copies, A/B); 5b. with
+#   FITLLM_CUDA_CUDNN_B16=0 (cuDNN's backward with fp32 dO and gradients around it, A/B, the profile's rows);
 #   6. the TinyLlama QLoRA nf4 step (the default 4-bit mode) with its profile (the 4-bit GEMMs' rows), 6b. (run after
 #   7c) with FITLLM_CUDA_Q4_STACK=0 (a GEMM per 4-bit part: A/B); 7. the full step with FITLLM_CUDA_HEAD_GROUP=0 (A/B, with
 #   the profile's head GEMM rows); 7b. GPT-2 124M bf16-true (B 8, T 1024) with --profile (72.8 ms a step on the
@@ -133,6 +134,11 @@ echo "== 4. TinyLlama LoRA r 8"
 step lora 30 --lora 8
 echo "== 5. the full step with FITLLM_CUDA_CUDNN_DIRECT=0 (compact copies first)"
 FITLLM_CUDA_CUDNN_DIRECT=0 step copies 30
+echo "== 5b. the full step with FITLLM_CUDA_CUDNN_B16=0 (cuDNN's backward with fp32 dO and gradients, converted: A/B)"
+FITLLM_CUDA_CUDNN_B16=0 step f32grads 30 --profile
+for n in full f32grads; do
+    [ -f "$OUT/$n.log" ] && grep -E "^ +(attention_backward(16|_b16)|rope_backward16|zero) " "$OUT/$n.log" | sed "s/^/$n: /"
+done
 echo "== 6. TinyLlama QLoRA nf4 r 8 (the default 4-bit mode, scratch), with the profile (6b below: the A/B)"
 step qlora 30 --lora 8 --quantize bnb.nf4 --profile
 [ -f "$OUT/qlora.log" ] && grep -E "^ +q4_matmul_(forward|backward)16 " "$OUT/qlora.log" | head -2

@@ -6,7 +6,7 @@
 # preset's CPU / GPU comparison passes on equal losses, (3) fails on a NaN GPU loss, (4) fails when a side wrote no
 # losses (not a vacuous pass), (5) without a refusal there is no step 2c, (6) step 7c times Flan-T5-base with
 # --dropout on the default kernels, then with FITLLM_CUDA_ATTN=fp32; (7) step 6 / 6b run QLoRA with the profile,
-# FITLLM_CUDA_Q4_STACK unset then 0.
+# FITLLM_CUDA_Q4_STACK unset then 0; (8) step 5b runs the full step with FITLLM_CUDA_CUDNN_B16=0 and the profile.
 set -u
 W=${1:?usage: device_quick_test.sh WORKDIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,7 +29,7 @@ finetune_full)
     loss=5.5; [ "$acc" = cuda ] && loss=${FAKE_LOSS:-5.5}
     for i in 1 2 3 4 5 6 7 8; do echo "$i,$i,0,$loss" >>"$out/logs/metrics.csv"; done ;;
 *) echo "median 1.0 ms/step"; echo "attention kernels ${FITLLM_CUDA_ATTN:-auto}: $*"
-   echo "q4 stack ${FITLLM_CUDA_Q4_STACK:-1}" ;;
+   echo "q4 stack ${FITLLM_CUDA_Q4_STACK:-1}"; echo "cudnn b16 ${FITLLM_CUDA_CUDNN_B16:-1}" ;;
 esac
 exit 0
 EOF
@@ -57,6 +57,8 @@ for n in qlora:1 qlora-parts:0; do # step 6 / 6b: QLoRA with the profile, stacke
     grep -q "^attention kernels auto: bench-step tinyllama-1.1b .*--quantize bnb.nf4 --profile" "$W/o1/${n%:*}.log" \
         2>/dev/null && grep -q "^q4 stack ${n#*:}$" "$W/o1/${n%:*}.log" || no "step 6: no ${n%:*} run (FITLLM_CUDA_Q4_STACK=${n#*:})"
 done
+grep -q "^attention kernels auto: bench-step tinyllama-1.1b .*--profile" "$W/o1/f32grads.log" 2>/dev/null &&
+    grep -q "^cudnn b16 0$" "$W/o1/f32grads.log" || no "step 5b: no FITLLM_CUDA_CUDNN_B16=0 run with the profile"
 s=$(quick o2 FAKE_LOSS=nan)
 grep -q "^== 2c\." <<<"$s" && no "step 2c without a refusal"
 grep -q "^FAIL small-bf16: max relative loss difference nan" <<<"$s" || no "a NaN GPU loss did not fail"
