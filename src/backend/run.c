@@ -276,11 +276,6 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         return be->add_norm_forward16_b16(be, r->ln, r->res, r->res16, r->out, r->out16, r->mean, r->rstd, r->a, r->b16,
                                           r->w, r->bias, r->wt, r->N, r->C, r->eps);
     }
-    case FL_OPK_attention_backward_b16: {
-        DOOR(attention_backward_b16);
-        return be->attention_backward_b16(be, r->a, r->dq, r->dk, r->dv, r->dq16, r->dk16, r->dv16, r->dout16, r->q16,
-                                          r->k16, r->v16, r->out16, r->lse);
-    }
     case FL_OPK_bias_backward16: {
         DOOR(bias_backward16);
         return be->bias_backward16(be, r->db, r->dy16, r->dy, r->N, r->OC);
@@ -408,6 +403,11 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
         DOOR(rope_backward);
         be->rope_backward(be, r->dx, r->B, r->T, r->nh, r->HD, r->row_stride, r->cos_t, r->sin_t, r->pos0);
         return FL_OK;
+    }
+    case FL_OPK_attention_backward_b16: {
+        DOOR(attention_backward_b16);
+        return be->attention_backward_b16(be, r->a, r->dq, r->dk, r->dv, r->dq16, r->dk16, r->dv16, r->dout16, r->q16,
+                                          r->k16, r->v16, r->out16, r->lse);
     }
     case FL_OPK_rope_backward16: {
         DOOR(rope_backward16);
