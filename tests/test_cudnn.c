@@ -473,22 +473,24 @@ static int probe_child(const engines_ref *r, const char *stub, int wfd, int quic
             continue;
         }
         for (int i = 0; i <= r->nshape; i++)
-            for (int bwd = 0; bwd < 2; bwd++) {
+            for (int bwd = 0; bwd < 3; bwd++) { /* 2: the backward with its gradients at q|k|v's rows too */
                 if (quick && i > 0 && i < r->nshape - 1) continue; /* the first and last shapes and the control */
                 const int *sh = r->shape[i < r->nshape ? i : 0];
+                if (bwd == 2 && (!sh[7] || i == r->nshape)) continue;
                 fl_attn_desc a = desc(sh[0], sh[1], sh[2], sh[3], sh[4], sh[5], sh[6]);
                 a.scale = 1.0f / sqrtf((float)sh[5]);
                 fl_cudnn_sdpa_layout L;
-                if (sh[7]) { /* a bf16 run's q|k|v rows, read in place */
+                if (sh[7]) { /* a bf16 run's q|k|v rows, read in place (and written: attention_backward_b16) */
                     a.ldq = a.ldk = a.ldv = (size_t)(sh[3] + 2 * sh[4]) * sh[5];
-                    fl_cudnn_sdpa_layout_rows(&a, FL_BF16, &L);
+                    if (bwd == 2) fl_cudnn_sdpa_layout_grad_rows(&a, FL_BF16, &L);
+                    else fl_cudnn_sdpa_layout_rows(&a, FL_BF16, &L);
                 } else {
                     fl_cudnn_sdpa_layout_of(&a, FL_BF16, &L);
                 }
                 if (i == r->nshape) L.io_dtype = CUDNN_DATA_FLOAT; /* the control */
                 int64_t eng = -1;
                 size_t ws = 0;
-                int rc = fl_cudnn_sdpa_probe(&api, dp, &L, bwd, &eng, &ws, why, sizeof why);
+                int rc = fl_cudnn_sdpa_probe(&api, dp, &L, bwd > 0, &eng, &ws, why, sizeof why);
                 snprintf(line, sizeof line, "%s %d %d %d %lld %zu %s\n", r->dev[d], i == r->nshape ? -1 : i, bwd, rc,
                          (long long)eng, ws, why);
                 if (write(wfd, line, strlen(line)) < 0) return 4;
@@ -506,7 +508,9 @@ static int probe_child(const engines_ref *r, const char *stub, int wfd, int quic
  * (for a bidirectional forward, the frontend of 1.32 writes cuDNN's unified SDPA node, another engine: there, the
  * engine of the fixture's causal forward, the composite graph's). A control, fp32 operands, must be refused or sent
  * elsewhere. The first graphs (K^T as a reshape node of K: "no engine for the graph" on an H200 on 2026-11-30) get
- * the same refusal here. */
+ * the same refusal here. A shape with interleaved q|k|v rows is probed a third time: the backward writing dQ, dK, dV
+ * at those rows' strides (attention_backward_b16's graph, fl_cudnn_sdpa_layout_grad_rows), which must compile on the
+ * same engine. */
 FL_TEST(cudnn_plan_without_a_device) {
     if (!fl_test_asan_budget()) return; /* NVRTC compiles: ~8 s in the quick tier, ~25 s in the full one */
     fl_cudnn_api api;
@@ -555,7 +559,9 @@ FL_TEST(cudnn_plan_without_a_device) {
     FL_REQUIRE(waitpid(pid, &st, 0) == pid);
     FL_CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the probe's child: %s %d", WIFSIGNALED(st) ? "killed by signal" : "exit",
               WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
-    int compiled = 0, controls = 0, lines = 0, fwd_told = 0;
+    int compiled = 0, controls = 0, lines = 0, fwd_told = 0, nrows = 0, want_rows = 0;
+    for (int i = 0; i < ref.nshape; i++) /* the probed shapes with interleaved q|k|v rows: a third probe each */
+        want_rows += ref.shape[i][7] && !(quick && i > 0 && i < ref.nshape - 1);
     char *save = NULL;
     for (char *l = strtok_r(out, "\n", &save); l; l = strtok_r(NULL, "\n", &save)) {
         char dev[16], rest[600] = "";
@@ -570,12 +576,15 @@ FL_TEST(cudnn_plan_without_a_device) {
         while (d < ref.ndev && strcmp(ref.dev[d], dev)) d++;
         FL_REQUIRE(d < ref.ndev);
         FL_CHECKF(rc != -2, "%s: %s", dev, rest);
-        const int s = shape < 0 ? 0 : shape;
+        const int s = shape < 0 ? 0 : shape, grads = bwd == 2; /* grads: dQ, dK, dV at q|k|v's rows */
+        bwd = bwd > 0;
         const long long want = ref.shape[s][6] || bwd ? ref.engine[d][s][bwd] : ref.engine[d][0][0];
         char tag[16];
         snprintf(tag, sizeof tag, shape < 0 ? "fp32" : "shape %d", shape);
-        printf("      %s %-8s %s: %s, workspace %zu B (frontend's: engine %lld)\n", dev, tag, bwd ? "bwd" : "fwd",
-               rc == 0 ? "plan finalized" : rest, ws, ref.engine[d][s][bwd]);
+        printf("      %s %-8s %s: %s, workspace %zu B (frontend's: engine %lld)\n", dev, tag,
+               grads ? "bwd, gradients in the rows" : bwd ? "bwd" : "fwd", rc == 0 ? "plan finalized" : rest, ws,
+               ref.engine[d][s][bwd]);
+        nrows += grads;
         if (shape < 0) {
             /* no SDPA backward engine takes fp32 operands; forward, cuDNN's generic runtime-fusion engine may compile
              * them, and on sm_80 it is also the one cuDNN ranks first for the frontend's bf16 graph (A100: engine 1),
@@ -596,8 +605,9 @@ FL_TEST(cudnn_plan_without_a_device) {
             compiled += rc >= 0;
         }
     }
-    FL_CHECKF(lines == ref.ndev * (nprobed + 1) * 2 && compiled == ref.ndev * nprobed * 2 && controls == ref.ndev * 2,
-              "%d lines, %d compiled, %d controls", lines, compiled, controls);
+    FL_CHECKF(lines == ref.ndev * ((nprobed + 1) * 2 + want_rows) && compiled == ref.ndev * (nprobed * 2 + want_rows) &&
+                  controls == ref.ndev * 2 && nrows == ref.ndev * want_rows,
+              "%d lines, %d compiled, %d controls, %d with the gradients in the rows", lines, compiled, controls, nrows);
     FL_CHECKF(!same || fwd_told > 0, "no device's forward told the fp32 control from the bf16 graphs");
 }
 #endif
