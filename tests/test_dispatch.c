@@ -46,7 +46,7 @@ FL_TEST(dispatch_cpu_levels) {
     FL_CHECK(fl_cpu_features() == (f & ~(unsigned)(FL_CPU_F_AVX2 | FL_CPU_F_FMA | FL_CPU_F_F16C | FL_CPU_F_AVX512F |
                                                    FL_CPU_F_AVX512BW | FL_CPU_F_AVX512VL | FL_CPU_F_AVX512BF16)));
     FL_CHECK(!fl_cpu_has_avx512bf16());
-    FL_CHECK(!strcmp(fl_cvt_path(), "scalar") && !strcmp(fl_cpu_adam8bit_quantizer_path(), "scalar"));
+    FL_CHECK(!strcmp(fl_cvt_path(), "scalar") && !strcmp(fl_cpu_adam8bit_quantizer_path(), "scalar-table"));
     fl_cpu_kernel_info k;
     fl_cpu_kernels(&k);
     FL_CHECK(!strcmp(k.cpu_level, "generic") && !strcmp(k.gemm_library, fl_cpu_gemm_library()) && k.threads >= 1);
@@ -200,6 +200,45 @@ FL_TEST(dispatch_convert_variants_bit_exact) {
     free(x), free(all16), free(rb), free(rh), free(got16), free(rr), free(wb), free(wh), free(gotf);
 }
 
+/* The table quantizer (backend/cpu/adam8bit.c) against bnb's search over every float bit pattern, both code tables, at
+ * every level this CPU has: 2 x 2^32 values, ~2 minutes a level, so only with FITLLM_TEST_EXHAUSTIVE=1 (run when the
+ * table was written: 0 differ, AVX2 and generic; the quick tier checks every code, midpoint and neighbour and random
+ * bit patterns in dispatch_adam8bit_variants_bit_exact). */
+FL_TEST(dispatch_adam8bit_table_exhaustive) {
+    const char *e = getenv("FITLLM_TEST_EXHAUSTIVE");
+    if (!e || strcmp(e, "1")) {
+        fl_test_skip("FITLLM_TEST_EXHAUSTIVE=1 runs it (every float, ~2 minutes a level)");
+        return;
+    }
+    int lv[3], nl = test_levels(lv);
+    enum { CH = 1 << 16 };
+    float *x = malloc(CH * 4);
+    uint8_t *got = malloc(CH);
+    FL_REQUIRE(x && got);
+    for (int li = 0; li < nl; li++) {
+        fl_cpu_set_level(lv[li]);
+        for (int sgn = 0; sgn < 2; sgn++) {
+            const float *code = sgn ? fl_adam8bit_code_signed : fl_adam8bit_code_unsigned;
+            uint64_t bad = 0, first = 0;
+            for (uint64_t u0 = 0; u0 < (1ull << 32); u0 += CH) {
+                for (uint32_t i = 0; i < CH; i++) {
+                    const uint32_t u = (uint32_t)(u0 + i);
+                    memcpy(&x[i], &u, 4);
+                }
+                fl_adam8bit_quantize_n(code, sgn, x, CH, got);
+                for (uint32_t i = 0; i < CH; i++)
+                    if (got[i] != fl_adam8bit_quantize(code, sgn, x[i]) && !bad++) first = u0 + i;
+            }
+            FL_CHECKF(bad == 0, "%s %s: %llu of 2^32 differ, first bits 0x%08llx", fl_cpu_level_name((fl_cpu_level_t)lv[li]),
+                      sgn ? "signed" : "unsigned", (unsigned long long)bad, (unsigned long long)first);
+            printf("      %s %s quantizer (%s): every float, %llu differ\n", fl_cpu_level_name((fl_cpu_level_t)lv[li]),
+                   sgn ? "signed" : "unsigned", fl_cpu_adam8bit_quantizer_path(), (unsigned long long)bad);
+        }
+    }
+    fl_cpu_set_level(FL_CPU_AVX512 + 5);
+    free(x), free(got);
+}
+
 FL_TEST(dispatch_adam8bit_variants_bit_exact) {
     int lv[3], nl = test_levels(lv);
     /* the quantizer on random values, every code, every midpoint and its neighbours, NaN, inf */
@@ -220,6 +259,10 @@ FL_TEST(dispatch_adam8bit_variants_bit_exact) {
         }
         const float sp[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1.5f, -1.5f, 1e-30f, -1e-30f};
         for (size_t i = 0; i < sizeof sp / sizeof sp[0]; i++) x[n++] = sp[i];
+        for (int i = 0; i < 50000; i++) { /* any bit pattern: NaN payloads, denormals, huge values, every bucket */
+            uint32_t u = (uint32_t)(fl_test_rng_u64(&rng) >> 32);
+            memcpy(&x[n++], &u, 4);
+        }
         n -= 5; /* odd length: the scalar tail too */
         for (size_t i = 0; i < n; i++) want[i] = fl_adam8bit_quantize(code, sgn, x[i]);
         for (int li = 0; li < nl; li++) {
