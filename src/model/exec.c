@@ -4,9 +4,9 @@
  *   - the block table's ops in order (fl_block_forward: training, the checkpointed recompute, prefill,
  *     decode) and in reverse, each op's own backward (fl_block_backward);
  *   - the ops around the blocks: the norms (RMSNorm / LayerNorm, fp32 or 16-bit weights, the sequence-parallel
- *     gradient sums; exec_outer.c, with the embeddings), the linear layer (dense in any dtype, 4-bit, with its adapters' branches), the embeddings
- *     forward and backward, the head's cross-entropy (dense or vocabulary-parallel) and the chunked head of the
- *     stacks of seq2seq.c / blip2_pass.c (fl_head_loss, in seq2seq.c); the decoder-only stack's own HEAD_LM
+ *     gradient sums) and the embeddings forward and backward (exec_outer.c), the linear layer (dense in any dtype,
+ *     4-bit, with its adapters' branches), the head's cross-entropy (dense or vocabulary-parallel) and the chunked
+ *     head of the stacks of seq2seq.c / blip2_pass.c (fl_head_loss, in seq2seq.c); the decoder-only stack's own HEAD_LM
  *     (fl_lm_head_loss: the widened 16-bit head, the bf16 loss gradient) is transformer.c's, with the pass that ends
  *     in it.
  * The model files describe (which slot, which weight, which op kind); the executor turns a description
