@@ -819,6 +819,11 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     im->compute = FL_F32;
     if (im->graph.on && FLB_HOST_MEMORY) /* the host would read what a pending graph has not yet written */
         flb_graph_give_up(&im->graph, "the backend's memory is the host's");
+#if defined(FLB_HAVE_CUDNN) && defined(FLB_CUDNN_NAMED_ONLY)
+    /* the emulator's cuDNN (tests/cuda/sim_cudnn.c) computes on the host as it is called: a capture would not record
+     * it, and a replay would leave the attention's results as the capture's (on a GPU cuDNN's kernels are captured) */
+    if (im->graph.on && im->dnn) flb_graph_give_up(&im->graph, "the emulator's cuDNN runs on the host, not captured");
+#endif
     if (im->graph.on && im->graph.state != FLB_G_EAGER) flb_graph_slots_init(&im->graph); /* per-step scalars */
     flb_device_name(im->devname, sizeof im->devname);
     be->device_name = im->devname;

@@ -34,7 +34,8 @@
  * (`cuda_emu_graphs_replay` checks losses, norms and weights over several steps, with accumulation and a changing
  * learning rate). Not with several ranks (the collectives are not captured: the door stays op by op once a
  * communicator is made), nor where the device memory is the host's (cuda-emu's default; the host would read
- * results the graph has not yet written). FLB_PREFIX(backend_graph_verdict) says what happens;
+ * results the graph has not yet written), nor on cuda-emu with a cuDNN library (its stand-in computes on the host as
+ * it is called: not captured). FLB_PREFIX(backend_graph_verdict) says what happens;
  * FLB_PREFIX(backend_graph_stats) counts. The including file defines flb_capture_begin / _end, flb_graph_launch /
  * _free / _nodes and flb_capture_clear. */
 
