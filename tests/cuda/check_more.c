@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/cuda/cu_kernels.h"
 #include "backend/cuda/cu_kernels_train.h"
 #include "fitllm/backend.h"
 #include "fitllm/dtype.h"
@@ -483,6 +484,39 @@ static void lora_check(size_t n) {
     free(x); free(t); free(dx); free(xd); free(g); free(want);
 }
 
+/* ---- RoPE's backward in place on bf16 rows (attention_backward_b16's gradients, exec.c) ------------------------
+ * rope_backward16 with no fp32 input or output: the rotated pairs read from the bf16 rows and rounded back there, the
+ * columns past them untouched (bit for bit); the rotated values within one bf16 unit of the emulator's (nvcc fuses
+ * x0 c - x1 s into an FMA where the emulator, -ffp-contract=off, rounds the product: an fp32 difference that can move
+ * a bf16 rounding), TinyLlama's q|k|v rows: 32 + 4 rotated heads of 64, then v */
+static void rope16_inplace_check(int B, int T, int nh, int HD, int width) {
+    const int H = HD / 2;
+    const size_t n = (size_t)B * T * width;
+    unsigned s = 61;
+    float *x = rnd(&s, n, -2, 2), *cs = malloc((size_t)T * H * 4), *sn = malloc((size_t)T * H * 4);
+    uint16_t *h16 = malloc(n * 2), *g16 = malloc(n * 2);
+    for (size_t i = 0; i < n; i++) h16[i] = fl_f32_to_bf16(x[i]);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < H; j++) {
+            const double th = t * pow(10000.0, -2.0 * j / HD);
+            cs[(size_t)t * H + j] = (float)cos(th), sn[(size_t)t * H + j] = (float)sin(th);
+        }
+    void *d16 = dcopy(h16, n * 2);
+    float *dC = dcopy(cs, (size_t)T * H * 4), *dS = dcopy(sn, (size_t)T * H * 4);
+    const int ok = synced(fl_cuk_rope_backward16(NULL, d16, NULL, B, T, nh, HD, width, dC, dS, 0, NULL));
+    size_t vdiff = 0;
+    hcopy(g16, d16, n * 2);
+    for (size_t r = 0; r < (size_t)B * T; r++) /* v: as it was */
+        for (int c = nh * HD; c < width; c++) vdiff += g16[r * width + c] != h16[r * width + c];
+    fl_cuemu_rope_backward16(NULL, h16, NULL, B, T, nh, HD, width, cs, sn, 0, NULL);
+    float *gf = malloc(n * 4), *ef = malloc(n * 4);
+    for (size_t i = 0; i < n; i++) gf[i] = fl_bf16_to_f32(g16[i]), ef[i] = fl_bf16_to_f32(h16[i]);
+    close_to("rope_backward16 bf16 in place", ok && vdiff == 0, gf, ef, n, 1.0 / 128);
+    if (vdiff) printf("%-28s       %zu of v's elements written\n", "", vdiff);
+    cudaFree(d16); cudaFree(dC); cudaFree(dS);
+    free(x); free(cs); free(sn); free(h16); free(g16); free(gf); free(ef);
+}
+
 /* ---- T5's relative position bias -------------------------------------------------------------
  * relbias_forward / relbias_backward (backend.h: the contract's order, the CPU backend's bits) at a small odd
  * shape (against the emulator) and at Flan-T5-base's encoder (12 heads, T 512, 32 buckets; against the CPU
@@ -577,5 +611,6 @@ int fl_cuda_check_more(void) {
     q4_cut(5, Q4P_FUSED, 90, 45, 40, 45, 3, 60, FL_Q4_NF4, 0);
     q4_big();
     lora_check(100003);
+    rope16_inplace_check(2, 37, 36, 64, 40 * 64); /* TinyLlama's q|k|v rows: 32 + 4 heads rotated, v after */
     return m_fail;
 }
