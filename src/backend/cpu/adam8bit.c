@@ -21,74 +21,11 @@
 #include "fitllm/cpu.h"
 
 
-/* Vector quantizers: N lanes of fl_adam8bit_quantize at once, the same comparisons and
- * selects per lane (so the same codes; NaN compares false everywhere and ends at code 0 as in
- * the scalar code), with the search's dependent loads as gathers, which turns a latency-bound
- * chain per element into one per 8 or 16 elements. Chosen at run time (fl_cpu_level): the
- * AVX-512 variant on AVX-512 CPUs, AVX2 on AVX2 CPUs, the scalar loop otherwise. The only
- * arithmetic is mid = (a + b) * 0.5f, an add then a multiply as in the scalar code (this file is
- * compiled with -ffp-contract=off and the variants do not enable FMA). */
+/* The SIMD kernels below (the table quantizer, the update's first pass) are AVX2, chosen at run time (fl_cpu_level);
+ * this file is compiled with -ffp-contract=off and they use no FMA, so their arithmetic is the scalar code's. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define FL_Q8_X86 1
-
-__attribute__((target("avx2"))) static void quantize8_avx2(const float *code, int is_signed, const float *x,
-                                                             uint8_t *out) {
-    __m256 vx = _mm256_loadu_ps(x);
-    __m256i pivot = _mm256_set1_epi32(127), up_p = _mm256_set1_epi32(255), lo_p = _mm256_setzero_si256();
-    __m256 lower = _mm256_set1_ps(is_signed ? -1.0f : 0.0f), upper = _mm256_set1_ps(1.0f);
-    __m256 val = _mm256_i32gather_ps(code, pivot, 4);
-    for (int i = 64; i > 0; i >>= 1) {
-        __m256 gt = _mm256_cmp_ps(vx, val, _CMP_GT_OQ);
-        __m256i gti = _mm256_castps_si256(gt);
-        lo_p = _mm256_blendv_epi8(lo_p, pivot, gti);
-        lower = _mm256_blendv_ps(lower, val, gt);
-        up_p = _mm256_blendv_epi8(pivot, up_p, gti);
-        upper = _mm256_blendv_ps(val, upper, gt);
-        /* gt ? pivot + i : pivot - i  ==  pivot - i + (gt & 2i) */
-        pivot = _mm256_add_epi32(_mm256_sub_epi32(pivot, _mm256_set1_epi32(i)),
-                                 _mm256_and_si256(gti, _mm256_set1_epi32(2 * i)));
-        val = _mm256_i32gather_ps(code, pivot, 4);
-    }
-    __m256 gt = _mm256_cmp_ps(vx, val, _CMP_GT_OQ);
-    __m256i gti = _mm256_castps_si256(gt);
-    __m256 mid = _mm256_mul_ps(_mm256_add_ps(_mm256_blendv_ps(lower, upper, gt), val), _mm256_set1_ps(0.5f));
-    __m256i up = _mm256_castps_si256(_mm256_cmp_ps(vx, mid, _CMP_GT_OQ));
-    __m256i down = _mm256_castps_si256(_mm256_cmp_ps(vx, mid, _CMP_LT_OQ));
-    /* gt: up ? upper_pivot : pivot;  !gt: down ? lower_pivot : pivot */
-    __m256i r = _mm256_blendv_epi8(pivot, up_p, _mm256_and_si256(gti, up));
-    r = _mm256_blendv_epi8(r, lo_p, _mm256_andnot_si256(gti, down));
-    /* the low byte of each 32-bit lane -> 8 bytes */
-    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
-                                          -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(r, pick), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
-    _mm_storel_epi64((__m128i *)out, _mm256_castsi256_si128(b));
-}
-
-__attribute__((target("avx512f"))) static void quantize16_avx512(const float *code, int is_signed, const float *x,
-                                                                   uint8_t *out) {
-    __m512 vx = _mm512_loadu_ps(x);
-    __m512i pivot = _mm512_set1_epi32(127), up_p = _mm512_set1_epi32(255), lo_p = _mm512_setzero_si512();
-    __m512 lower = _mm512_set1_ps(is_signed ? -1.0f : 0.0f), upper = _mm512_set1_ps(1.0f);
-    __m512 val = _mm512_i32gather_ps(pivot, code, 4);
-    for (int i = 64; i > 0; i >>= 1) {
-        __mmask16 gt = _mm512_cmp_ps_mask(vx, val, _CMP_GT_OQ);
-        lo_p = _mm512_mask_mov_epi32(lo_p, gt, pivot);
-        lower = _mm512_mask_mov_ps(lower, gt, val);
-        up_p = _mm512_mask_mov_epi32(pivot, gt, up_p);
-        upper = _mm512_mask_mov_ps(val, gt, upper);
-        __m512i step = _mm512_set1_epi32(i);
-        pivot = _mm512_mask_add_epi32(_mm512_sub_epi32(pivot, step), gt, pivot, step);
-        val = _mm512_i32gather_ps(pivot, code, 4);
-    }
-    __mmask16 gt = _mm512_cmp_ps_mask(vx, val, _CMP_GT_OQ);
-    __m512 mid = _mm512_mul_ps(_mm512_add_ps(_mm512_mask_mov_ps(lower, gt, upper), val), _mm512_set1_ps(0.5f));
-    __mmask16 up = _mm512_cmp_ps_mask(vx, mid, _CMP_GT_OQ), down = _mm512_cmp_ps_mask(vx, mid, _CMP_LT_OQ);
-    /* gt: up ? upper_pivot : pivot;  !gt: down ? lower_pivot : pivot */
-    __m512i r = _mm512_mask_mov_epi32(pivot, gt & up, up_p);
-    r = _mm512_mask_mov_epi32(r, (__mmask16)(~gt) & down, lo_p);
-    _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(r));
-}
 #endif
 
 /* ---- the quantizer as a table (the same codes, no search) ----------------------------------------------------
@@ -100,8 +37,9 @@ __attribute__((target("avx512f"))) static void quantize16_avx512(const float *co
  * the code at their start and their first transition; no bucket holds more than 3 transitions (built and checked
  * at start-up, else the search runs), so code = base + (key >= t[i]) + (key >= t[i + 1]) + (key >= t[i + 2]), the
  * list padded with keys no float has. Checked against the search over all 2^32 bit patterns for both code tables
- * (adam8bit_table_exhaustive, FITLLM_TEST_EXHAUSTIVE=1: 0 differ) and every transition and its neighbours in the
- * quick tier. Three compares and two dependent loads instead of eight dependent comparisons and loads. */
+ * (dispatch_adam8bit_table_exhaustive, FITLLM_TEST_EXHAUSTIVE=1: 0 differ) and, in the quick tier, at every code,
+ * midpoint and neighbour, the specials and random bit patterns. Three compares and two dependent loads instead of
+ * eight dependent comparisons and loads (the gather search this replaced). Another code table: the scalar search. */
 #define Q8_SHIFT 18
 #define Q8_BUCKETS (1u << (32 - Q8_SHIFT))
 typedef struct {
@@ -208,25 +146,15 @@ void fl_adam8bit_quantize_n(const float *code, int is_signed, const float *x, in
         for (; j < n; j++) out[j] = q8_lookup(T, x[j]);
         return;
     }
-#if defined(FL_Q8_X86)
-    fl_cpu_level_t l = fl_cpu_level();
-    if (l >= FL_CPU_AVX512)
-        for (; j + 16 <= n; j += 16) quantize16_avx512(code, is_signed, x + j, out + j);
-    else if (l >= FL_CPU_AVX2)
-        for (; j + 8 <= n; j += 8) quantize8_avx2(code, is_signed, x + j, out + j);
-#endif
     for (; j < n; j++) out[j] = fl_adam8bit_quantize(code, is_signed, x[j]);
 }
 
 const char *fl_cpu_adam8bit_quantizer_path(void) {
-    const int table = q8_table_for(fl_adam8bit_code_signed, 1) && q8_table_for(fl_adam8bit_code_unsigned, 0);
+    if (!q8_table_for(fl_adam8bit_code_signed, 1) || !q8_table_for(fl_adam8bit_code_unsigned, 0)) return "scalar";
 #if defined(FL_Q8_X86)
-    fl_cpu_level_t l = fl_cpu_level();
-    if (l >= FL_CPU_AVX2 && table) return "avx2-table";
-    if (l >= FL_CPU_AVX512) return "avx512-gather";
-    if (l >= FL_CPU_AVX2) return "avx2-gather";
+    if (fl_cpu_level() >= FL_CPU_AVX2) return "avx2-table";
 #endif
-    return table ? "scalar-table" : "scalar";
+    return "scalar-table";
 }
 
 static inline float load_f(const void *x, fl_dtype t, size_t i) {

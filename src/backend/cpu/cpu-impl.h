@@ -128,8 +128,7 @@ fl_status fl_cpu_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, con
                                  const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                  float weight_decay, int step, float grad_scale);
 /* The 8-bit quantizer variant fl_adam8bit_quantize_n runs for the two code tables: "avx2-table" (AVX2 and AVX-512
- * CPUs) or "scalar-table", else (the table not built) "avx512-gather", "avx2-gather" or "scalar" (run-time dispatch,
- * fitllm/cpu.h). */
+ * CPUs) or "scalar-table" (run-time dispatch, fitllm/cpu.h), "scalar" (the search) if the table was not built. */
 const char *fl_cpu_adam8bit_quantizer_path(void);
 
 /* ---- quant4.c / q4matmul.c / lora.c (LoRA and QLoRA; semantics in backend.h) ---------- */

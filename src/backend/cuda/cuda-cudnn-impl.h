@@ -355,14 +355,17 @@ static int flb_cudnn_bwd(const fl_backend *be, const fl_attn_desc *a, float *dq,
     return 1;
 }
 
+/* whether cuDNN's backward may take the call: loaded, bf16 compute, a shape its graphs take, and not
+ * FITLLM_CUDA_DETERMINISTIC (the own backward, whose dq adds run in a fixed order) */
+static int flb_dnn_bwd_takes(const flb_impl *im, const fl_attn_desc *a, const float *bias, const uint8_t *kmask) {
+    return im->dnn && !im->det && im->compute == FL_BF16 && !fl_cudnn_sdpa_refuse(a, bias, kmask);
+}
 /* 1: cuDNN ran it (or failed: *st says); 0: run the own kernels */
 static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
                               const float *dout, const void *q, const void *k, const void *v, fl_dtype it,
                               const float *bias, const uint8_t *kmask, const void *out, const float *lse, void *work,
                               fl_status *st) {
-    flb_impl *im = FLB_IMPL(be);
-    /* FITLLM_CUDA_DETERMINISTIC: the own backward, whose dq adds run in a fixed order */
-    if (!im->dnn || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, bias, kmask)) return 0;
+    if (!flb_dnn_bwd_takes(FLB_IMPL(be), a, bias, kmask)) return 0;
     return flb_cudnn_bwd(be, a, dq, dk, dv, NULL, dout, FL_F32, q, k, v, it, out, lse, work, st);
 }
 
@@ -371,8 +374,8 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
 static int flb_attention_b16_ok(const fl_backend *be, const fl_attn_desc *a, const void *q16, const void *k16,
                                 const void *v16, const void *out16) {
     flb_impl *im = FLB_IMPL(be);
-    if (!a || !im->dnn || !im->dnn->b16 || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, NULL, NULL) ||
-        !q16 || !k16 || !v16 || !out16 || flb_sticky(be) != FL_OK)
+    if (!a || !flb_dnn_bwd_takes(im, a, NULL, NULL) || !im->dnn->b16 || !q16 || !k16 || !v16 || !out16 ||
+        flb_sticky(be) != FL_OK)
         return 0;
     fl_cudnn_sdpa_layout L;
     int direct;
