@@ -19,7 +19,7 @@ FUZZ_DEB_PKGS := clang libclang-rt-dev libomp-dev
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
-.PHONY: all setup build test test-full test-fast asan asan-build demo bench bench-t5 bench-pp-compose bitident clean help fuzz fuzz-build fuzz-smoke
+.PHONY: all setup build test test-full test-fast asan asan-build demo bench bench-t5 bench-adam8bit bench-pp-compose bitident clean help fuzz fuzz-build fuzz-smoke
 
 all: build
 
@@ -33,6 +33,7 @@ help:
 	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
 	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
 	@echo "make bench-t5 - a t5-small training step, fitllm vs transformers' T5ForConditionalGeneration (torch venv)"
+	@echo "make bench-adam8bit - 8-bit AdamW on the CPU, fitllm vs bitsandbytes' AdamW8bit (PY=a python with torch + bitsandbytes)"
 	@echo "make bench-pp-compose - issue 35's compositions on 4 CPU ranks (TP x interleaved PP, DP x PP offload, T5 stages) vs torch.distributed.pipelining (torch venv, mpirun)"
 	@echo "make fuzz   - libFuzzer (clang) on every input parser, FUZZ_TIME s each (default 600), FUZZ_JOBS at a time"
 	@echo "make fuzz-smoke - the same, 30 s each"
@@ -119,6 +120,10 @@ bench: build
 # issue 31: fitllm's T5 step against transformers' (docs/BENCHMARKS.md); not part of make test
 bench-t5: build
 	bench/run_bench_t5.sh
+
+# 8-bit AdamW on the CPU against bitsandbytes' AdamW8bit (a python with torch and bitsandbytes: PY=...); not in make test
+bench-adam8bit: build
+	BUILD=$(BUILD) bench/run_adam8bit_bench.sh
 
 # issue 35: TP inside the interleaved schedule and offload on DP x PP grids, fitllm (mpirun, 4 CPU ranks) against
 # torch.distributed.pipelining with DTensor TP / FSDP2 CPUOffloadPolicy stages (docs/BENCHMARKS.md); not in make test
