@@ -225,7 +225,45 @@ FL_TEST(cuda_attn_fa2_bk_knob) {
     bk_knob_case("128", FL_CU_FA2_BK128);
     fl_test_emu_knob_refused("FITLLM_CUDA_FA2_BK");
 }
+/* A device with 99 KiB of shared memory a block (sm_86 / 89: RTX 30xx / 40xx, L40S; the emulator's FL_CU_SMEM_OPTIN
+ * refuses above it): the 128-key backward blocks at HD 128 and the padded HD 100 (112 KiB) are refused and the 64-key
+ * blocks run (their bits exactly), one refusal a call; at HD 64 (90 KiB) the 128-key blocks still run (dq's bits
+ * differ from the 64-key blocks'). */
+static void small_smem_case(int HD, int want_fallback) {
+    const int B = 1, T = 96, NH = 2, NKV = 1, OW = NH * HD;
+    const size_t nx = (size_t)B * T * (NH + 2 * NKV) * HD, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
+    uint64_t s = 0x5e0 + (uint64_t)HD;
+    float *qkv = malloc(nx * 4), *dout = malloc(no * 4), *o = malloc(no * 4), *l = malloc(nl * 4), *g[2];
+    prand(qkv, nx, &s), prand(dout, no, &s);
+    for (int i = 0; i < 2; i++) g[i] = calloc(nx, 4);
+    void *work = malloc(fl_cu_attention_work_bytes(B, NH, T));
+    const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
+    const float *q = qkv, *k = qkv + OW, *v = qkv + OW + NKV * HD;
+    FL_CHECK(fl_cuemu_attention_forward_fa2(&a, o, NULL, l, q, k, v, NULL, NULL) == 0);
+    FL_CHECK(fl_cuemu_attention_backward_fa2_ex(&a, g[0], g[0] + OW, g[0] + OW + NKV * HD, dout, q, k, v, NULL, o, l,
+                                                work, FL_CU_FA2_BK64, NULL) == 0);
+    fl_cu_emu_set_smem_max(101376);
+    const unsigned long refused = fl_cu_emu_smem_refusals;
+    const int rc = fl_cuemu_attention_backward_fa2_ex(&a, g[1], g[1] + OW, g[1] + OW + NKV * HD, dout, q, k, v, NULL,
+                                                      o, l, work, FL_CU_FA2_BK128, NULL);
+    const unsigned long nref = fl_cu_emu_smem_refusals - refused;
+    fl_cu_emu_set_smem_max(0);
+    FL_CHECKF(rc == 0 && fl_cu_emu_error() == NULL, "HD %d on a 99 KiB device: rc %d, %s", HD, rc,
+              fl_cu_emu_error() ? fl_cu_emu_error() : "no emulator error");
+    FL_CHECKF(nref == (unsigned long)want_fallback, "HD %d: %lu opt-ins refused, want %d", HD, nref, want_fallback);
+    FL_CHECKF(same_bits(g[0], g[1], nx) == want_fallback, "HD %d: %s", HD,
+              want_fallback ? "not the 64-key blocks' bits after the refusal" : "the 64-key blocks' bits (the 128-key "
+                                                                                "blocks should have run)");
+    free(qkv), free(dout), free(o), free(l), free(work), free(g[0]), free(g[1]);
+}
+
+FL_TEST(cuda_attn_fa2_small_smem_device) {
+    small_smem_case(128, 1);
+    small_smem_case(100, 1);
+    if (!fl_test_asan_light()) small_smem_case(64, 0);
+}
 #else
+FL_TEST(cuda_attn_fa2_small_smem_device) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_attn_fa2_paths) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_attn_fa2_bk_knob) { fl_test_skip("no CUDA emulator in this build"); }
 #endif

@@ -117,6 +117,45 @@ FL_TEST(cuda_emu_errors_are_reported) {
     fl_cu_emu_clear_error();
 }
 
+/* What a GPU refuses at launch (cu_emu.h fl_cu_emu_launch_ok): dynamic shared memory over 48 KiB without the kernel's
+ * opt-in, an opt-in over the device's maximum (sm_86 / 89's 99 KiB: refused once, not sticky, nothing launched), a
+ * grid's y over 65,535; each named in the error. Within the limits the kernel runs and shifts its input. */
+static int smem_shift_ok(const float *o, const float *in, int n) {
+    for (int i = 0; i < n; i++)
+        if (o[i] != in[(i + n - 1) % n]) return 0;
+    return 1;
+}
+FL_TEST(cuda_emu_launch_limits) {
+    enum { N = 64 };
+    float in[N], o[N];
+    for (int i = 0; i < N; i++) in[i] = (float)(i + 1);
+    fl_cu_emu_clear_error();
+    memset(o, 0, sizeof o);
+    FL_CHECK(fl_cuemu_selftest_smem(o, in, N, 48 << 10, 0, 1, NULL) == 0 && smem_shift_ok(o, in, N));
+    FL_CHECK(fl_cuemu_selftest_smem(o, in, N, 64 << 10, 0, 1, NULL) != 0); /* no opt-in */
+    FL_CHECKF(fl_cu_emu_error() && strstr(fl_cu_emu_error(), "dynamic shared memory"), "got: %s",
+              fl_cu_emu_error() ? fl_cu_emu_error() : "no error");
+    fl_cu_emu_clear_error();
+    memset(o, 0, sizeof o);
+    FL_CHECK(fl_cuemu_selftest_smem(o, in, N, 64 << 10, 1, 1, NULL) == 0 && smem_shift_ok(o, in, N));
+    FL_CHECK(fl_cuemu_selftest_smem(o, in, N, 200 << 10, 1, 1, NULL) == 0); /* under sm_90's 227 KiB */
+    FL_CHECK(fl_cu_emu_error() == NULL);
+    /* a device of 99 KiB a block: the opt-in refused, returned once, nothing launched, nothing sticky */
+    fl_cu_emu_set_smem_max(101376);
+    const unsigned long refused = fl_cu_emu_smem_refusals;
+    memset(o, 0, sizeof o);
+    FL_CHECK(fl_cuemu_selftest_smem(o, in, N, 128 << 10, 1, 1, NULL) != 0);
+    FL_CHECK(fl_cu_emu_smem_refusals == refused + 1 && fl_cu_emu_error() == NULL && o[0] == 0.0f);
+    FL_CHECK(fl_cuemu_selftest_smem(o, in, N, 96 << 10, 1, 1, NULL) == 0 && smem_shift_ok(o, in, N));
+    fl_cu_emu_set_smem_max(0);
+    FL_CHECK(fl_cu_emu_smem_max() == 232448);
+    FL_CHECK(fl_cuemu_selftest_smem(o, in, 1, 4096, 0, 65535, NULL) == 0 && fl_cu_emu_error() == NULL);
+    FL_CHECK(fl_cuemu_selftest_smem(o, in, 1, 4096, 0, 65536, NULL) != 0);
+    FL_CHECKF(fl_cu_emu_error() && strstr(fl_cu_emu_error(), "grid (1, 65536, 1)"), "got: %s",
+              fl_cu_emu_error() ? fl_cu_emu_error() : "no error");
+    fl_cu_emu_clear_error();
+}
+
 /* ---- RMSNorm -------------------------------------------------------------------------------- */
 
 static void rmsnorm_case(int N, int C) {

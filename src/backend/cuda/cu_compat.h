@@ -111,11 +111,22 @@ typedef fl_cu_emu_dim uint3;
 #define __syncwarp(...) fl_cu_emu_syncwarp()
 typedef void *fl_cu_stream;
 #define FL_CU_DEV static inline
-static inline int fl_cu_launch_error(void) { return fl_cu_emu_error() ? 1 : 0; }
+/* cudaGetLastError's: a launch's error, or an opt-in's refusal (returned once, as CUDA clears it) */
+static inline int fl_cu_launch_error(void) {
+    const int pending = fl_cu_emu_take_pending();
+    return fl_cu_emu_error() ? 1 : pending;
+}
+/* a kernel's address as the launch checks' key (fl_cu_emu_launch_ok, fl_cu_emu_smem_optin) */
+template <class K> static inline uintptr_t fl_cu_emu_key(K k) {
+    uintptr_t u = 0;
+    memcpy(&u, &k, sizeof k < sizeof u ? sizeof k : sizeof u);
+    return u;
+}
 
 template <class F> static void fl_cu_emu_tramp(void *f) { (*(F *)f)(); }
 template <class F> static void fl_cu_emu_del(void *f) { delete (F *)f; }
-template <class F> static void fl_cu_emu_launch_fn(dim3 g, dim3 b, size_t smem, F f) {
+template <class F> static void fl_cu_emu_launch_fn(dim3 g, dim3 b, size_t smem, uintptr_t key, F f) {
+    if (!fl_cu_emu_launch_ok(key, fl_cu_emu_dim{g.x, g.y, g.z}, fl_cu_emu_dim{b.x, b.y, b.z}, smem)) return;
     if (fl_cu_emu_capturing()) { /* a graph node: the closure (the arguments by value) kept for the replays */
         fl_cu_emu_capture_kernel(fl_cu_emu_dim{g.x, g.y, g.z}, fl_cu_emu_dim{b.x, b.y, b.z}, smem, fl_cu_emu_tramp<F>,
                                  new F(f), fl_cu_emu_del<F>);
@@ -126,7 +137,7 @@ template <class F> static void fl_cu_emu_launch_fn(dim3 g, dim3 b, size_t smem, 
 /* The arguments are captured by value, as a launch passes them (a stream capture keeps them for its replays);
  * each CUDA thread gets its own copy as the kernel's parameters. */
 #define FL_CU_LAUNCH(kernel, grid, block, smem, stream, ...)                                      \
-    fl_cu_emu_launch_fn((grid), (block), (smem), [=]() { kernel(__VA_ARGS__); })
+    fl_cu_emu_launch_fn((grid), (block), (smem), fl_cu_emu_key(kernel), [=]() { kernel(__VA_ARGS__); })
 #define FL_CU_DYN_SMEM(T, name) T *name = (T *)fl_cu_emu_dyn_smem()
 
 /* Warp shuffles: the value travels as 64 bits through the warp's exchange slots. `mask` is not
@@ -200,6 +211,17 @@ FL_CU_DEV void fl_cu_st8h(uint16_t *p, const uint16_t *h) {
     memcpy(p, h, 8 * sizeof(uint16_t));
 }
 #endif
+/* Raise a kernel's dynamic shared memory limit above the default 48 KB (host side): 0, or an error that
+ * fl_cu_launch_error then returns once (a device whose per-block maximum is smaller: sm_86 / 89's 99 KiB against
+ * sm_90's 227). Under the emulator the opt-in is recorded for the launch's check and refused above the emulated
+ * device's maximum (cu_emu.h fl_cu_emu_smem_optin: sm_90's by default, FITLLM_EMU_SMEM_MAX). */
+#if FL_CU_EMULATED
+#define FL_CU_SMEM_OPTIN(kernel, bytes) fl_cu_emu_smem_optin(fl_cu_emu_key(kernel), (size_t)(bytes))
+#else
+#define FL_CU_SMEM_OPTIN(kernel, bytes)                                                                          \
+    (int)cudaFuncSetAttribute((const void *)(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, (int)(bytes))
+#endif
+
 /* 1 when every pointer is 16-byte aligned (NULL counts as aligned): the 128-bit paths may run. */
 static inline int fl_cu_aligned16(const void *a, const void *b, const void *c, const void *d, const void *e) {
     return (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e) & 15u) == 0;

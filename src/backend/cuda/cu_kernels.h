@@ -180,6 +180,9 @@ extern "C" {
      * and every shuffle of cu_compat.h on lane ids (see kernels/selftest.cu) */                                \
     int P##selftest_shift(float *out, const float *in, int n, int with_barrier, void *stream);                  \
     int P##selftest_shuffles(int *out /*(block, 4)*/, int block, void *stream);                                \
+    /* the shift through smem bytes of dynamic shared memory in a (1, gy) grid, its opt-in first or not (the      \
+     * emulator's launch checks: cu_emu.h fl_cu_emu_launch_ok) */                                               \
+    int P##selftest_smem(float *out, const float *in, int n, size_t smem, int optin, unsigned gy, void *stream); \
     /* a barrier in divergent code (emulator only: reported as a deadlock; never run it on a GPU) */           \
     int P##selftest_divergent(int *out /*(32)*/, void *stream);
 

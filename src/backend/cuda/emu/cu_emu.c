@@ -435,6 +435,86 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
 #endif
 }
 
+/* ---- launch limits and the dynamic shared memory opt-ins (cu_emu.h fl_cu_emu_launch_ok) ---- */
+#define FL_EMU_SMEM_DEFAULT 49152u    /* what every kernel may ask without an opt-in */
+#define FL_EMU_SMEM_MAX_SM90 232448u  /* cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 */
+enum { FL_EMU_OPTINS = 512 };
+static struct {
+    uintptr_t key;
+    size_t bytes;
+} g_optin[FL_EMU_OPTINS];
+static int g_noptin;
+static size_t g_smem_max; /* 0 until first read: FITLLM_EMU_SMEM_MAX (bytes) or sm_90's */
+static pthread_mutex_t g_optin_mu = PTHREAD_MUTEX_INITIALIZER;
+static size_t smem_max_locked(void) {
+    if (!g_smem_max) {
+        const char *e = getenv("FITLLM_EMU_SMEM_MAX");
+        char *end = NULL;
+        const unsigned long long v = e && *e ? strtoull(e, &end, 10) : 0;
+        g_smem_max = v >= FL_EMU_SMEM_DEFAULT && end && !*end ? (size_t)v : FL_EMU_SMEM_MAX_SM90;
+    }
+    return g_smem_max;
+}
+static __thread int g_pending;
+unsigned long fl_cu_emu_smem_refusals;
+
+void fl_cu_emu_set_smem_max(size_t bytes) {
+    pthread_mutex_lock(&g_optin_mu);
+    g_smem_max = bytes ? bytes : FL_EMU_SMEM_MAX_SM90;
+    pthread_mutex_unlock(&g_optin_mu);
+}
+size_t fl_cu_emu_smem_max(void) {
+    pthread_mutex_lock(&g_optin_mu);
+    const size_t m = smem_max_locked();
+    pthread_mutex_unlock(&g_optin_mu);
+    return m;
+}
+int fl_cu_emu_take_pending(void) {
+    const int p = g_pending;
+    g_pending = 0;
+    return p;
+}
+int fl_cu_emu_smem_optin(uintptr_t kernel, size_t bytes) {
+    int rc = 0;
+    pthread_mutex_lock(&g_optin_mu);
+    if (bytes > smem_max_locked()) {
+        fl_cu_emu_smem_refusals++;
+        g_pending = 1;
+        rc = -1;
+    } else {
+        int i = 0;
+        while (i < g_noptin && g_optin[i].key != kernel) i++;
+        if (i == g_noptin && g_noptin < FL_EMU_OPTINS) g_noptin++;
+        if (i < FL_EMU_OPTINS) g_optin[i].key = kernel, g_optin[i].bytes = bytes;
+    }
+    pthread_mutex_unlock(&g_optin_mu);
+    return rc;
+}
+int fl_cu_emu_launch_ok(uintptr_t kernel, fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem) {
+    if (grid.x > 0x7fffffffu || grid.y > 65535u || grid.z > 65535u) {
+        set_err("launch: grid (%u, %u, %u) over CUDA's (2^31 - 1, 65535, 65535)", grid.x, grid.y, grid.z);
+        return 0;
+    }
+    if (block.x > 1024u || block.y > 1024u || block.z > 64u ||
+        (size_t)block.x * block.y * block.z > FL_EMU_MAX_THREADS) {
+        set_err("launch: block (%u, %u, %u): over CUDA's 1024 threads per block or (1024, 1024, 64)", block.x,
+                block.y, block.z);
+        return 0;
+    }
+    if (dyn_smem <= FL_EMU_SMEM_DEFAULT) return 1;
+    size_t have = 0;
+    pthread_mutex_lock(&g_optin_mu);
+    for (int i = 0; i < g_noptin; i++)
+        if (g_optin[i].key == kernel) have = g_optin[i].bytes;
+    pthread_mutex_unlock(&g_optin_mu);
+    if (have < dyn_smem) {
+        set_err("launch: %zu bytes of dynamic shared memory, over 48 KiB, with the kernel's opt-in at %zu "
+                "(cudaFuncSetAttribute(MaxDynamicSharedMemorySize) first)", dyn_smem, have ? have : (size_t)FL_EMU_SMEM_DEFAULT);
+        return 0;
+    }
+    return 1;
+}
+
 unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches, fl_cu_emu_vec_accesses;
 unsigned long fl_cu_emu_dnn_own_buffers, fl_cu_emu_dnn_b16, fl_cu_emu_dnn_b16_grads, fl_cu_emu_dnn_b16_dout;
 unsigned long fl_cu_emu_norm_add_launches;

@@ -26,6 +26,25 @@ typedef struct { unsigned x, y, z; } fl_cu_emu_dim;
  * threads of its block or warp) are recorded for fl_cu_emu_error() and end the launch. */
 void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, void (*fn)(void *), void *ctx);
 
+/* What a GPU refuses at launch and the emulator otherwise would not (tests/test_cuda_emu.c cuda_emu_launch_limits):
+ * fl_cu_emu_launch_ok is called by every FL_CU_LAUNCH (run or captured) with the kernel's address as its key. A grid
+ * of more than 2^31 - 1 blocks in x or 65,535 in y or z, a block over 1,024 threads or 1,024 / 1,024 / 64 in x / y /
+ * z, or dynamic shared memory over 48 KiB without the kernel's opt-in of at least that much
+ * (cudaFuncSetAttribute(MaxDynamicSharedMemorySize): FL_CU_ATTN_SMEM_OPTIN, fl_cu_emu_smem_optin) records an error
+ * naming it and returns 0 (nothing runs, as cudaErrorInvalidConfiguration / InvalidValue). */
+int fl_cu_emu_launch_ok(uintptr_t kernel, fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem);
+/* The opt-in: 0, or -1 when bytes exceeds the emulated device's per-block maximum (cudaFuncSetAttribute's refusal:
+ * then fl_cu_emu_take_pending returns 1 once, as cudaGetLastError returns and clears the refusal, and the kernel's
+ * previous opt-in stays). The maximum is process-wide: 232,448 bytes (sm_90's 227 KiB) unless set
+ * (fl_cu_emu_set_smem_max: sm_80's 166,912, sm_86 / 89's 101,376; 0 restores the default) or given by
+ * FITLLM_EMU_SMEM_MAX=BYTES (read at the first opt-in; values under 49,152 ignored). */
+int fl_cu_emu_smem_optin(uintptr_t kernel, size_t bytes);
+void fl_cu_emu_set_smem_max(size_t bytes);
+size_t fl_cu_emu_smem_max(void);
+int fl_cu_emu_take_pending(void);
+/* dynamic shared memory opt-ins refused so far (a test reads it to see that a fall-back was taken) */
+extern unsigned long fl_cu_emu_smem_refusals;
+
 /* The running CUDA thread's coordinates (valid inside a launch). */
 const fl_cu_emu_dim *fl_cu_emu_thread_idx(void);
 const fl_cu_emu_dim *fl_cu_emu_block_idx(void);

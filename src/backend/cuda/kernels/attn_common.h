@@ -72,14 +72,8 @@ template <> struct fl_cu_attn_cfg<256> {
 };
 #define FL_CU_ATTN_THREADS 128
 
-/* Raise a kernel's dynamic shared memory limit above the default 48 KB (host side; no-op
- * under the emulator, whose shared memory is a malloc). */
-#if FL_CU_EMULATED
-#define FL_CU_ATTN_SMEM_OPTIN(kernel, bytes) 0
-#else
-#define FL_CU_ATTN_SMEM_OPTIN(kernel, bytes)                                                       \
-    (int)cudaFuncSetAttribute((const void *)(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, (int)(bytes))
-#endif
+/* Raise a kernel's dynamic shared memory limit above the default 48 KB: cu_compat.h's FL_CU_SMEM_OPTIN */
+#define FL_CU_ATTN_SMEM_OPTIN(kernel, bytes) FL_CU_SMEM_OPTIN(kernel, bytes)
 
 /* One past the last key query row t may see (causal: bottom-right aligned), in [0, Tk]. */
 FL_CU_DEV int fl_cu_attn_key_limit(const fl_cu_attn_p &p, int t) {
