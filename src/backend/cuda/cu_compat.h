@@ -35,6 +35,9 @@
     extern __shared__ __align__(16) unsigned char fl_cu_dyn_smem_raw[];                            \
     T *name = reinterpret_cast<T *>(fl_cu_dyn_smem_raw)
 typedef cudaStream_t fl_cu_stream;
+/* A kernel launched with more than 256 threads a block: ptxas holds its registers to what n threads may have (65,536
+ * / n), so the launch cannot fail for registers (tools/cuda_regs.sh; up to 256 threads even 255 registers fit) */
+#define FL_CU_BOUNDS(n) __launch_bounds__(n)
 #define FL_CU_DEV static __device__ __forceinline__
 static inline int fl_cu_launch_error(void) { return (int)cudaGetLastError(); }
 
@@ -110,6 +113,7 @@ typedef fl_cu_emu_dim uint3;
 #define __syncthreads() fl_cu_emu_syncthreads()
 #define __syncwarp(...) fl_cu_emu_syncwarp()
 typedef void *fl_cu_stream;
+#define FL_CU_BOUNDS(n)
 #define FL_CU_DEV static inline
 /* cudaGetLastError's: a launch's error, or an opt-in's refusal (returned once, as CUDA clears it) */
 static inline int fl_cu_launch_error(void) {

@@ -225,7 +225,7 @@ __global__ static void fl_cu_relbias_fwd_k(float *bias, const float *tab, const 
     }
 }
 
-__global__ static void fl_cu_relbias_diag_k(float *S, const float *dbias, int Tq, int Tk) {
+__global__ static void FL_CU_BOUNDS(1024) fl_cu_relbias_diag_k(float *S, const float *dbias, int Tq, int Tk) {
     __shared__ float part[32][33];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = blockIdx.y, nd = Tq + Tk - 1;
     const int k0 = blockIdx.x * 32, r0 = k0 - (Tq - 1), j = r0 + lane; /* row i's element on diagonal k0 + lane: i + j */
@@ -263,7 +263,7 @@ __global__ static void fl_cu_relbias_diag_k(float *S, const float *dbias, int Tq
 
 #define RB_CHUNK 1024
 
-__global__ static void fl_cu_relbias_bucket_k(float *dtab, const float *S, const int32_t *rb, int nd, int nb) {
+__global__ static void FL_CU_BOUNDS(1024) fl_cu_relbias_bucket_k(float *dtab, const float *S, const int32_t *rb, int nd, int nb) {
     __shared__ int sb[RB_CHUNK];
     __shared__ float ss[RB_CHUNK];
     const int h = blockIdx.x, b = threadIdx.x;

@@ -6,7 +6,7 @@
 /* out[i] = in[(i + n - 1) % n]: each thread stores its element in shared memory and reads its
  * left neighbour's. Without the barrier the read races the neighbour's write: run in thread
  * order the neighbour has always written already (the bug hides); shuffled, it often has not. */
-__global__ static void fl_cu_selftest_shift_k(float *out, const float *in, int n, int with_barrier) {
+__global__ static void FL_CU_BOUNDS(1024) fl_cu_selftest_shift_k(float *out, const float *in, int n, int with_barrier) {
     FL_CU_DYN_SMEM(float, s);
     int i = threadIdx.x;
     if (i < n) s[i] = in[i];
@@ -16,7 +16,7 @@ __global__ static void fl_cu_selftest_shift_k(float *out, const float *in, int n
 
 /* Per thread t (lane l): [xor 5 of l, down 3 of l (l itself past the warp's end), lane 7's id,
  * warp sum of the lane ids]. */
-__global__ static void fl_cu_selftest_shuffles_k(int *out) {
+__global__ static void FL_CU_BOUNDS(1024) fl_cu_selftest_shuffles_k(int *out) {
     int t = threadIdx.x, l = t & 31;
     out[t * 4 + 0] = __shfl_xor_sync(FL_CU_FULL_MASK, l, 5);
     out[t * 4 + 1] = __shfl_down_sync(FL_CU_FULL_MASK, l, 3);
@@ -46,7 +46,7 @@ extern "C" int FL_CUK(selftest_shift)(float *out, const float *in, int n, int wi
 /* The launch checks' kernel (tests/test_cuda_emu.c cuda_emu_launch_limits): the shift above through smem bytes of
  * dynamic shared memory (>= n floats, the rest unused) in a (1, gy) grid whose first block writes out; optin: the
  * kernel's limit raised to smem first (refused by a device whose maximum is smaller: nothing launched) */
-__global__ static void fl_cu_selftest_smem_k(float *out, const float *in, int n) {
+__global__ static void FL_CU_BOUNDS(1024) fl_cu_selftest_smem_k(float *out, const float *in, int n) {
     FL_CU_DYN_SMEM(float, s);
     int i = threadIdx.x;
     if (i < n) s[i] = in[i];
