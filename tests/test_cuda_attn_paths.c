@@ -173,8 +173,12 @@ FL_TEST(cuda_attn_fa2_paths) {
         {1, 77, 150, 2, 1, 100, 1, 1, 0, FL_CU_FA2_BK64},  /* 64-key blocks (FITLLM_CUDA_FA2_BK=64) */
         {1, 150, 150, 2, 1, 100, 1, 0, 1, FL_CU_FA2_BK128},
     };
+    /* the quick tier's release pass leaves out the fp32 twin of the first case (fp32 views at HD 64: the non-causal
+     * case) and the padded head's explicit 128-key blocks (its default's, case 6; the 64-key comparison: case 5);
+     * under ASan case 5 (HD 128 with a key mask, 128-key blocks and the deterministic dq) and the padded default */
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        if (!fl_test_asan_light() || i == 2 || i == 5 || i == 6) path_case_run(&cases[i]);
+        if (fl_test_asan_light() ? i == 5 || i == 6 : !fl_test_quick() || (i != 1 && i != 8))
+            path_case_run(&cases[i]);
 }
 
 /* The backend's knob FITLLM_CUDA_FA2_BK (read at set-up): 128 runs the 128-key blocks, 64 or unset the 64-key ones

@@ -156,6 +156,32 @@ FL_TEST(cuda_emu_launch_limits) {
     fl_cu_emu_clear_error();
 }
 
+/* cp.async (cu_emu.h fl_cu_emu_cp_async): the bytes land at the wait that completes their group, the destination holds
+ * NaN bytes until then, and a thread that returns with copies in flight is an error */
+FL_TEST(cuda_emu_cp_async) {
+    float in[128], o[128];
+    const uint64_t seed0 = fl_cu_emu_get_seed();
+    for (int i = 0; i < 128; i++) in[i] = (float)i;
+    for (size_t k = 0; k < sizeof k_seeds / sizeof k_seeds[0]; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        fl_cu_emu_clear_error();
+        int ok[3] = {1, 1, 1};
+        FL_CHECK(fl_cuemu_selftest_cp(o, in, 0, NULL) == 0);
+        for (int i = 0; i < 128; i++) ok[0] &= o[i] == in[(i + 4) % 128];
+        FL_CHECK(fl_cuemu_selftest_cp(o, in, 1, NULL) == 0);
+        for (int i = 0; i < 128; i++) ok[1] &= isnan(o[i]);
+        FL_CHECK(fl_cuemu_selftest_cp(o, in, 2, NULL) == 0); /* group 1 (chunks 0-15) landed, group 2 not */
+        for (int i = 0; i < 128; i++) ok[2] &= ((i + 4) % 128 < 64) ? o[i] == in[(i + 4) % 128] : isnan(o[i]);
+        FL_CHECKF(ok[0] && ok[1] && ok[2] && !fl_cu_emu_error(), "seed %zu: waited %d, none %d, all but the newest %d%s%s",
+                  k, ok[0], ok[1], ok[2], fl_cu_emu_error() ? ": " : "", fl_cu_emu_error() ? fl_cu_emu_error() : "");
+        FL_CHECK(fl_cuemu_selftest_cp(o, in, 3, NULL) != 0);
+        FL_CHECKF(fl_cu_emu_error() && strstr(fl_cu_emu_error(), "cp.async copies not waited for"), "got: %s",
+                  fl_cu_emu_error() ? fl_cu_emu_error() : "no error");
+        fl_cu_emu_clear_error();
+    }
+    fl_cu_emu_set_seed(seed0);
+}
+
 /* ---- RMSNorm -------------------------------------------------------------------------------- */
 
 static void rmsnorm_case(int N, int C) {

@@ -183,6 +183,8 @@ extern "C" {
     /* the shift through smem bytes of dynamic shared memory in a (1, gy) grid, its opt-in first or not (the      \
      * emulator's launch checks: cu_emu.h fl_cu_emu_launch_ok) */                                               \
     int P##selftest_smem(float *out, const float *in, int n, size_t smem, int optin, unsigned gy, void *stream); \
+    /* cp.async's copies as the emulator holds them, out (128) from in (128); modes 1-3 emulator only */        \
+    int P##selftest_cp(float *out, const float *in, int mode, void *stream);                                    \
     /* a barrier in divergent code (emulator only: reported as a deadlock; never run it on a GPU) */           \
     int P##selftest_divergent(int *out /*(32)*/, void *stream);
 

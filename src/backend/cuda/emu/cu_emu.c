@@ -80,6 +80,7 @@ typedef struct {
 #endif
     fl_cu_emu_dim tid;
     int linear, state;
+    int ncp, cp_groups; /* cp.async copies in flight (emu.cp's row), groups committed (see fl_cu_emu_cp_async) */
 #ifdef FL_EMU_ASAN
     void *fake; /* ASan's fake stack of this fiber while it is switched out */
 #endif
@@ -100,6 +101,7 @@ typedef struct {
     void (*fn)(void *);
     void *ctx;
     unsigned char *smem;
+    struct cp_rec *cp; /* FL_EMU_CP_MAX a fiber (NULL until a launch's first cp.async) */
     uint64_t xchg[FL_EMU_MAX_THREADS];
     unsigned char gat[FL_EMU_MAX_THREADS][FL_CU_EMU_GATHER_MAX]; /* fl_cu_emu_warp_gather's slots */
     int order[FL_EMU_MAX_THREADS];
@@ -109,6 +111,15 @@ typedef struct {
     size_t sched_size;
 #endif
 } emu;
+
+/* cp.async in flight (fl_cu_emu_cp_async): a copy's destination, its bytes as read at the issue, its group (0: not
+ * committed yet) */
+#define FL_EMU_CP_MAX 256
+typedef struct cp_rec {
+    unsigned char *dst;
+    unsigned char data[16];
+    int bytes, group;
+} cp_rec;
 
 static __thread emu *g_emu;
 static __thread uint64_t g_seed = 0x9e3779b97f4a7c15ull, g_rng, g_switches;
@@ -168,6 +179,9 @@ static void fiber_main(void) {
     __sanitizer_finish_switch_fiber(NULL, &e->sched_bottom, &e->sched_size);
 #endif
     e->fn(e->ctx);
+    if (e->cur->ncp) /* on a GPU they would land in shared memory the SM may have given to the next block */
+        set_err("thread %d of block (%u,%u,%u) returned with %d cp.async copies not waited for (cp.async.wait_group)",
+                e->cur->linear, e->bid.x, e->bid.y, e->bid.z, e->cur->ncp);
     e->cur->state = DONE;
     g_switches++;
 #ifdef FL_EMU_ASAN
@@ -218,6 +232,49 @@ void fl_cu_emu_warp_gather(const void *mine, size_t bytes, void *all) {
         memset(all, 0, 32 * bytes);
     }
     fl_cu_emu_syncwarp();
+}
+
+/* ---- cp.async (attn_mma.h fl_cu_cp16 / fl_cu_cp8 under the emulator) ----
+ * As the GPU promises no more: the destination is undefined from the issue until the issuing thread's
+ * cp.async.wait_group completes the copy's group, and the block sees it after a barrier that follows. So the emulator
+ * fills the destination with 0xff bytes (a float NaN) at the issue, which a reader of the buffer's previous contents
+ * (a missing barrier before the reuse of a double buffer) then gets, and lands the bytes read at the issue only at the
+ * wait that completes their group, which a reader before it (a missing wait, or a barrier before the wait) misses. */
+void fl_cu_emu_cp_async(void *dst, const void *src, int bytes, int valid) {
+    emu *e = g_emu;
+    fiber *f = e->cur;
+    if (!e->cp) {
+        set_err("cp.async: no record space (out of host memory)");
+        return;
+    }
+    if (f->ncp == FL_EMU_CP_MAX || bytes < 1 || bytes > 16) {
+        set_err("cp.async: thread %d: %d bytes, %d copies in flight (the emulator holds %d)", f->linear, bytes, f->ncp,
+                FL_EMU_CP_MAX);
+        return;
+    }
+    cp_rec *r = &e->cp[(size_t)f->linear * FL_EMU_CP_MAX + (size_t)f->ncp++];
+    r->dst = dst, r->bytes = bytes, r->group = 0;
+    if (valid) memcpy(r->data, src, (size_t)bytes);
+    else memset(r->data, 0, (size_t)bytes);
+    memset(dst, 0xff, (size_t)bytes);
+}
+void fl_cu_emu_cp_commit(void) { /* the uncommitted copies as one group (an empty one when there are none, as PTX) */
+    fiber *f = g_emu->cur;
+    cp_rec *r = g_emu->cp ? &g_emu->cp[(size_t)f->linear * FL_EMU_CP_MAX] : NULL;
+    f->cp_groups++;
+    for (int i = 0; i < f->ncp; i++)
+        if (r[i].group == 0) r[i].group = f->cp_groups;
+}
+void fl_cu_emu_cp_wait(int n) { /* every committed group but the newest n lands; the others stay in flight */
+    fiber *f = g_emu->cur;
+    if (!g_emu->cp || !f->ncp) return;
+    cp_rec *r = &g_emu->cp[(size_t)f->linear * FL_EMU_CP_MAX];
+    int k = 0;
+    for (int i = 0; i < f->ncp; i++) {
+        if (r[i].group != 0 && r[i].group <= f->cp_groups - n) memcpy(r[i].dst, r[i].data, (size_t)r[i].bytes);
+        else r[k++] = r[i];
+    }
+    f->ncp = k;
 }
 
 static void run_fiber(emu *e, fiber *f) {
@@ -310,6 +367,8 @@ typedef struct {
     size_t stacks_bytes;
     unsigned char *smem;
     size_t smem_bytes;
+    cp_rec *cp; /* FL_EMU_CP_MAX records a fiber, ncp fibers' worth */
+    size_t ncp;
 } emu_cache;
 static __thread emu_cache t_cache;
 static pthread_key_t g_cache_key;
@@ -319,6 +378,7 @@ static void cache_release(void *p) {
     emu_cache *c = p;
     if (c->stacks) munmap(c->stacks, c->stacks_bytes);
     free(c->smem);
+    free(c->cp);
     free(c->f);
     free(c->e);
     memset(c, 0, sizeof *c);
@@ -353,6 +413,11 @@ static int cache_get(size_t nt, size_t dyn_smem) {
         if (!m) return 0;
         c->smem = m, c->smem_bytes = dyn_smem ? dyn_smem : 1;
     }
+    if (c->ncp < nt) { /* the cp.async records (a failure here: a launch that issues one records an error) */
+        free(c->cp);
+        c->cp = malloc(nt * FL_EMU_CP_MAX * sizeof *c->cp);
+        c->ncp = c->cp ? nt : 0;
+    }
     return 1;
 }
 
@@ -385,6 +450,7 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
     e->fn = fn;
     e->ctx = ctx;
     e->smem = smem;
+    e->cp = t_cache.cp;
     g_emu = e;
     if (g_rng == 0) g_rng = g_seed;
     int failed = 0;
@@ -399,6 +465,7 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
                     fb->tid = (fl_cu_emu_dim){(unsigned)(i % block.x), (unsigned)(i / block.x % block.y),
                                               (unsigned)(i / ((size_t)block.x * block.y))};
                     fb->state = RUNNABLE;
+                    fb->ncp = fb->cp_groups = 0;
 #ifdef FL_EMU_FAST_SWITCH
                     /* the top of the stack as fl_emu_switch leaves it: six callee-saved registers
                      * (zero), then fiber_main as the return address; the zero above it stands for

@@ -66,6 +66,13 @@ uint64_t fl_cu_emu_exchange(uint64_t mine, int src_lane);
  * (as mma.sync needs): otherwise the launch records an error and `all` is zeros. */
 #define FL_CU_EMU_GATHER_MAX 64
 void fl_cu_emu_warp_gather(const void *mine, size_t bytes, void *all);
+/* cp.async (attn_mma.h's fl_cu_cp16 / fl_cu_cp8 under the emulator): the destination holds 0xff bytes from the issue
+ * until the calling thread's cp.async.wait_group (fl_cu_emu_cp_wait: every committed group but the newest n) lands the
+ * bytes read at the issue; fl_cu_emu_cp_commit closes a group (PTX's commit_group). A thread that returns with copies in
+ * flight is an error. docs/ARCHITECTURE.md "The tiles' loads". */
+void fl_cu_emu_cp_async(void *dst, const void *src, int bytes, int valid);
+void fl_cu_emu_cp_commit(void);
+void fl_cu_emu_cp_wait(int n);
 /* Lane of the calling thread (0..31). */
 int fl_cu_emu_lane(void);
 

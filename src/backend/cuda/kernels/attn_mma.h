@@ -157,9 +157,10 @@ FL_CU_DEV void fl_cu_ldm_bt(uint32_t b[4], const uint16_t *s, int P, int n0, int
 /* ---- the tiles' 128-bit loads (attn_fa2.cu) ----------------------------------------------------
  * cp.async.cg (sm_80+): 16 bytes global -> shared without passing through registers, zero-filled when
  * !valid (src-size 0: nothing is read); a thread's copies complete at fl_cu_cp_wait<N> (all but its N newest
- * commit groups), the block sees them after the __syncthreads that follows. The emulator copies at once
- * (the fibers switch only at barriers, so a buffer another warp still reads is overwritten there too, as on a
- * GPU: the kernels' barrier discipline is what keeps it right), checking the 16-byte alignment a GPU needs. */
+ * commit groups), the block sees them after the __syncthreads that follows. The emulator checks the alignment a
+ * GPU needs and holds the copy as a GPU may (cu_emu.h fl_cu_emu_cp_async): the destination NaN bytes from the issue
+ * (a buffer another warp still reads is spoilt at once) and the bytes landing only at the wait that completes the
+ * group (a read before the wait and its barrier gets NaNs). */
 #ifdef __CUDACC__
 FL_CU_DEV void fl_cu_cp16(void *sdst, const void *gsrc, int valid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -198,8 +199,7 @@ FL_CU_DEV void fl_cu_st2w(uint16_t *p, uint32_t w0, uint32_t w1) { *reinterpret_
 FL_CU_DEV void fl_cu_cp16(void *sdst, const void *gsrc, int valid) {
     fl_cu_check16(sdst);
     fl_cu_check16(gsrc);
-    if (valid) memcpy(sdst, gsrc, 16);
-    else memset(sdst, 0, 16);
+    fl_cu_emu_cp_async(sdst, gsrc, 16, valid);
 }
 /* an 8-byte access (counted with the 128-bit ones: fl_cu_emu_vec_accesses), aligned as a GPU needs */
 FL_CU_DEV void fl_cu_check8(const void *p) {
@@ -212,11 +212,10 @@ FL_CU_DEV void fl_cu_check8(const void *p) {
 FL_CU_DEV void fl_cu_cp8(void *sdst, const void *gsrc, int valid) {
     fl_cu_check8(sdst);
     fl_cu_check8(gsrc);
-    if (valid) memcpy(sdst, gsrc, 8);
-    else memset(sdst, 0, 8);
+    fl_cu_emu_cp_async(sdst, gsrc, 8, valid);
 }
-FL_CU_DEV void fl_cu_cp_commit() {}
-template <int N> FL_CU_DEV void fl_cu_cp_wait() {}
+FL_CU_DEV void fl_cu_cp_commit() { fl_cu_emu_cp_commit(); }
+template <int N> FL_CU_DEV void fl_cu_cp_wait() { fl_cu_emu_cp_wait(N); }
 FL_CU_DEV void fl_cu_st16w(uint16_t *p, const uint32_t w[4]) {
     fl_cu_check16(p);
     memcpy(p, w, 16);

@@ -2,6 +2,8 @@
  * barrier or shuffle semantics are wrong, or when a kernel forgets a barrier. */
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels.h"
+#include "backend/cuda/kernels/attn_common.h"
+#include "backend/cuda/kernels/attn_mma.h" /* fl_cu_cp16, fl_cu_cp_commit, fl_cu_cp_wait */
 
 /* out[i] = in[(i + n - 1) % n]: each thread stores its element in shared memory and reads its
  * left neighbour's. Without the barrier the read races the neighbour's write: run in thread
@@ -59,6 +61,33 @@ extern "C" int FL_CUK(selftest_smem)(float *out, const float *in, int n, size_t 
     if (n < 1 || n > 1024 || smem < (size_t)n * sizeof(float)) return -1;
     if (optin && FL_CU_SMEM_OPTIN(fl_cu_selftest_smem_k, smem)) return fl_cu_launch_error();
     FL_CU_LAUNCH(fl_cu_selftest_smem_k, dim3(1, gy), dim3((unsigned)n), smem, (fl_cu_stream)stream, out, in, n);
+    return fl_cu_launch_error();
+}
+
+/* cp.async as the emulator holds it (cu_emu.h fl_cu_emu_cp_async; modes 1-3 for the emulator only: on a GPU they read a
+ * copy before it is known to have landed, or leave one in flight): 32 threads each copy in's 4 floats at 4 t into shared
+ * memory, in two groups (threads 0-15 first), and thread t reads thread (t + 1) % 32's chunk into out after a barrier.
+ * mode 0: both groups waited for (out = in shifted by one chunk); 1: none waited for before the barrier (then all);
+ * 2: all but the newest group (threads 16-31's chunks not landed); 3: the thread returns with its copies in flight. */
+__global__ static void fl_cu_selftest_cp_k(float *out, const float *in, int mode) {
+    FL_CU_DYN_SMEM(float, s); /* 32 x 4 floats, 16-byte aligned */
+    const int t = threadIdx.x;
+    if (t < 16) fl_cu_cp16(s + 4 * t, in + 4 * t, 1);
+    fl_cu_cp_commit();
+    if (t >= 16) fl_cu_cp16(s + 4 * t, in + 4 * t, 1);
+    fl_cu_cp_commit();
+    if (mode == 3) return;
+    if (mode == 0) fl_cu_cp_wait<0>();
+    if (mode == 2) fl_cu_cp_wait<1>();
+    __syncthreads();
+    const int u = (t + 1) % 32;
+    for (int k = 0; k < 4; k++) out[4 * t + k] = s[4 * u + k];
+    __syncthreads(); /* every read done before any copy left in flight lands */
+    fl_cu_cp_wait<0>();
+}
+
+extern "C" int FL_CUK(selftest_cp)(float *out, const float *in, int mode, void *stream) {
+    FL_CU_LAUNCH(fl_cu_selftest_cp_k, dim3(1), dim3(32), 32 * 4 * sizeof(float), (fl_cu_stream)stream, out, in, mode);
     return fl_cu_launch_error();
 }
 
