@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "fitllm/backend.h"
 #include "test.h"
@@ -154,6 +156,30 @@ FL_TEST(cuda_emu_launch_limits) {
     FL_CHECKF(fl_cu_emu_error() && strstr(fl_cu_emu_error(), "grid (1, 65536, 1)"), "got: %s",
               fl_cu_emu_error() ? fl_cu_emu_error() : "no error");
     fl_cu_emu_clear_error();
+}
+
+/* Under ASan, shared memory past what the launch asked is out of bounds, although the emulator's buffer (kept from a
+ * launch of more) is larger: a kernel writing 64 floats into 128 bytes is an ASan error (in a child process). */
+FL_TEST(cuda_emu_smem_bounds_asan) {
+#if defined(__SANITIZE_ADDRESS__)
+    float in[64] = {0}, o[64];
+    FL_REQUIRE(fl_cuemu_selftest_smem(o, in, 64, 32 << 10, 0, 1, NULL) == 0); /* the cached buffer: 32 KiB */
+    fflush(stdout);
+    const pid_t pid = fork();
+    FL_REQUIRE(pid >= 0);
+    if (pid == 0) {
+        FILE *quiet = freopen("/dev/null", "w", stderr); /* the report: its exit status is what is checked */
+        (void)quiet;
+        fl_cuemu_selftest_smem(o, in, 64, 128, -1, 1, NULL);
+        _exit(0);
+    }
+    int st = 0;
+    FL_REQUIRE(waitpid(pid, &st, 0) == pid);
+    FL_CHECKF(!(WIFEXITED(st) && WEXITSTATUS(st) == 0), "a kernel wrote past its dynamic shared memory unnoticed");
+    FL_CHECK(fl_cuemu_selftest_smem(o, in, 64, 256, 0, 1, NULL) == 0); /* within its size: fine */
+#else
+    fl_test_skip("ASan builds only (make asan)");
+#endif
 }
 
 /* cp.async (cu_emu.h fl_cu_emu_cp_async): the bytes land at the wait that completes their group, the destination holds

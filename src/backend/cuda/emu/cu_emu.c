@@ -377,6 +377,9 @@ static pthread_once_t g_cache_once = PTHREAD_ONCE_INIT;
 static void cache_release(void *p) {
     emu_cache *c = p;
     if (c->stacks) munmap(c->stacks, c->stacks_bytes);
+#ifdef FL_EMU_ASAN
+    if (c->smem) __asan_unpoison_memory_region(c->smem, c->smem_bytes);
+#endif
     free(c->smem);
     free(c->cp);
     free(c->f);
@@ -409,6 +412,9 @@ static int cache_get(size_t nt, size_t dyn_smem) {
         c->stacks = st, c->stacks_bytes = sbytes;
     }
     if (c->smem_bytes < dyn_smem || !c->smem) {
+#ifdef FL_EMU_ASAN
+        if (c->smem) __asan_unpoison_memory_region(c->smem, c->smem_bytes);
+#endif
         unsigned char *m = realloc(c->smem, dyn_smem ? dyn_smem : 1);
         if (!m) return 0;
         c->smem = m, c->smem_bytes = dyn_smem ? dyn_smem : 1;
@@ -440,6 +446,13 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
     fiber *f = t_cache.f;
     char *stacks = t_cache.stacks;
     unsigned char *smem = t_cache.smem;
+#ifdef FL_EMU_ASAN
+    /* the cached buffer outlives launches of more shared memory: what lies past this launch's dyn_smem bytes is not
+     * the block's, so an access there (a kernel indexing past the size its launcher asked) is an ASan error here, as
+     * it is out of bounds or another block's memory on a GPU */
+    __asan_unpoison_memory_region(smem, dyn_smem);
+    if (t_cache.smem_bytes > dyn_smem) __asan_poison_memory_region(smem + dyn_smem, t_cache.smem_bytes - dyn_smem);
+#endif
     e->f = f;
     e->nthreads = (int)nt;
     e->stacks = stacks;
@@ -558,6 +571,11 @@ int fl_cu_emu_smem_optin(uintptr_t kernel, size_t bytes) {
     return rc;
 }
 int fl_cu_emu_launch_ok(uintptr_t kernel, fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem) {
+    if (!grid.x || !grid.y || !grid.z || !block.x || !block.y || !block.z) { /* cudaErrorInvalidConfiguration */
+        set_err("launch: an empty grid (%u, %u, %u) or block (%u, %u, %u): CUDA refuses it (guard the empty case)",
+                grid.x, grid.y, grid.z, block.x, block.y, block.z);
+        return 0;
+    }
     if (grid.x > 0x7fffffffu || grid.y > 65535u || grid.z > 65535u) {
         set_err("launch: grid (%u, %u, %u) over CUDA's (2^31 - 1, 65535, 65535)", grid.x, grid.y, grid.z);
         return 0;

@@ -47,7 +47,8 @@ extern "C" int FL_CUK(selftest_shift)(float *out, const float *in, int n, int wi
 
 /* The launch checks' kernel (tests/test_cuda_emu.c cuda_emu_launch_limits): the shift above through smem bytes of
  * dynamic shared memory (>= n floats, the rest unused) in a (1, gy) grid whose first block writes out; optin: the
- * kernel's limit raised to smem first (refused by a device whose maximum is smaller: nothing launched) */
+ * kernel's limit raised to smem first (refused by a device whose maximum is smaller: nothing launched); optin < 0 (the
+ * emulator's ASan test only, never on a GPU): smem not checked against n, the kernel writes past it */
 __global__ static void FL_CU_BOUNDS(1024) fl_cu_selftest_smem_k(float *out, const float *in, int n) {
     FL_CU_DYN_SMEM(float, s);
     int i = threadIdx.x;
@@ -58,8 +59,8 @@ __global__ static void FL_CU_BOUNDS(1024) fl_cu_selftest_smem_k(float *out, cons
 
 extern "C" int FL_CUK(selftest_smem)(float *out, const float *in, int n, size_t smem, int optin, unsigned gy,
                                      void *stream) {
-    if (n < 1 || n > 1024 || smem < (size_t)n * sizeof(float)) return -1;
-    if (optin && FL_CU_SMEM_OPTIN(fl_cu_selftest_smem_k, smem)) return fl_cu_launch_error();
+    if (n < 1 || n > 1024 || (optin >= 0 && smem < (size_t)n * sizeof(float))) return -1;
+    if (optin > 0 && FL_CU_SMEM_OPTIN(fl_cu_selftest_smem_k, smem)) return fl_cu_launch_error();
     FL_CU_LAUNCH(fl_cu_selftest_smem_k, dim3(1, gy), dim3((unsigned)n), smem, (fl_cu_stream)stream, out, in, n);
     return fl_cu_launch_error();
 }
