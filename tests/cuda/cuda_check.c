@@ -14,6 +14,7 @@
 
 #include "backend/cuda/cu_gemm.h"
 #include "backend/cuda/cu_kernels.h"
+#include "backend/cuda/emu/cu_emu.h"
 #include "fitllm/cuda.h"
 
 int fl_cuda_check_attn(void); /* check_attn.c: the attention kernels */
@@ -213,6 +214,56 @@ static void check_sumsq(size_t n) {
     free(x);
 }
 
+/* The emulator's launch model (cu_emu.h fl_cu_emu_launch_ok, fl_cu_emu_smem_optin, fl_cu_emu_cp_async) against the
+ * GPU's: each case refused or run on both alike, the shift's result where it runs; the device's opt-in maximum beside
+ * the emulator's sm_90 default. cp.async: the waited-for mode only (the others read unlanded copies on purpose). */
+static void check_launch_model(void) {
+    enum { N = 64 };
+    float in[N], o[N], oe[N];
+    for (int i = 0; i < N; i++) in[i] = (float)(i + 1);
+    float *din = dev_copy(in, sizeof in), *dout = dev_copy(NULL, sizeof o);
+    int dev = 0, optmax = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&optmax, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    fl_cu_emu_set_smem_max((size_t)optmax);
+    const struct { const char *what; size_t smem; int optin, n; unsigned gy; } cs[] = {
+        {"48 KiB, no opt-in", 48 << 10, 0, N, 1},          {"64 KiB, no opt-in", 64 << 10, 0, N, 1},
+        {"64 KiB, opt-in", 64 << 10, 1, N, 1},             {"the device's maximum, opt-in", (size_t)optmax, 1, N, 1},
+        {"1 KiB over it, opt-in", (size_t)optmax + 1024, 1, N, 1}, {"grid y 65535", 4096, 0, 1, 65535},
+        {"grid y 65536", 4096, 0, 1, 65536},
+    };
+    int ok = 1;
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        cudaMemset(dout, 0, sizeof o);
+        const int rg = fl_cuk_selftest_smem(dout, din, cs[i].n, cs[i].smem, cs[i].optin, cs[i].gy, NULL);
+        cudaDeviceSynchronize();
+        cudaGetLastError();
+        fl_cu_emu_clear_error();
+        const int re = fl_cuemu_selftest_smem(oe, in, cs[i].n, cs[i].smem, cs[i].optin, cs[i].gy, NULL);
+        fl_cu_emu_clear_error();
+        to_host(o, dout, sizeof o);
+        int same = (rg != 0) == (re != 0);
+        for (int k = 0; same && rg == 0 && k < cs[i].n; k++) same = o[k] == in[(k + cs[i].n - 1) % cs[i].n];
+        printf("launch model: %-32s GPU %s, emulator %s %s\n", cs[i].what, rg ? "refused" : "ran", re ? "refused" : "ran",
+               same ? "ok" : "FAIL");
+        ok &= same;
+    }
+    fl_cu_emu_set_smem_max(0);
+    printf("launch model: the device's opt-in maximum %d bytes (the emulator's default: sm_90's %zu)\n", optmax,
+           fl_cu_emu_smem_max());
+    float cin[128], co[128];
+    for (int i = 0; i < 128; i++) cin[i] = (float)i;
+    float *dcin = dev_copy(cin, sizeof cin), *dco = dev_copy(NULL, sizeof co);
+    int rc = fl_cuk_selftest_cp(dco, dcin, 0, NULL);
+    cudaDeviceSynchronize();
+    to_host(co, dco, sizeof co);
+    int cp_ok = rc == 0;
+    for (int i = 0; cp_ok && i < 128; i++) cp_ok = co[i] == cin[(i + 4) % 128];
+    printf("launch model: cp.async waited for              %s\n", cp_ok ? "ok" : "FAIL");
+    if (!ok || !cp_ok) g_fail++;
+    cudaFree(din), cudaFree(dout), cudaFree(dcin), cudaFree(dco);
+}
+
 int main(void) {
     char why[256], desc[1024];
     fl_cuda_describe(desc, sizeof desc);
@@ -232,6 +283,7 @@ int main(void) {
     check_layernorm(33, 769);
     check_sumsq(3000017);
     check_gemm();
+    check_launch_model();
     g_fail += fl_cuda_check_attn();
     g_fail += fl_cuda_check_more();
     g_fail += fl_cuda_check_fused();
