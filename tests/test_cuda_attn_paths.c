@@ -61,7 +61,8 @@ static float *unlay(const float *y, size_t rows, size_t w, size_t ld, int *pad_o
 
 typedef struct {
     float *out, *lse, *dq, *dk, *dv;
-    unsigned long vec; /* 128-bit accesses of the two launches */
+    unsigned long vec;     /* 128-bit accesses of the two launches */
+    unsigned long refused; /* shared memory opt-ins refused (an emulated device too small for the 128-key blocks) */
 } path_out;
 
 /* One layout: q, k, v (and dq, dk, dv) rows padded by pqkv elements, out / dO rows by po */
@@ -78,7 +79,7 @@ static path_out path_run(const path_case *c, const float *q, const float *k, con
     uint16_t *o16 = c->in16 ? malloc(rq * a.ldo * 2 + 16) : NULL;
     float *lse = malloc(nl * 4);
     void *work = malloc(fl_cu_attention_work_bytes_det(c->B, c->NH, c->Tq));
-    const unsigned long v0 = fl_cu_emu_vec_accesses;
+    const unsigned long v0 = fl_cu_emu_vec_accesses, r0 = fl_cu_emu_smem_refusals;
     int rc;
     if (c->in16) {
         rc = fl_cuemu_attention_forward_fa2_16(&a, ol, o16, lse, ql, kl, vl, kmask, NULL);
@@ -90,6 +91,7 @@ static path_out path_run(const path_case *c, const float *q, const float *k, con
     FL_CHECKF(rc == 0, "fa2 paths: a launcher failed (%d)", rc);
     path_out r;
     r.vec = fl_cu_emu_vec_accesses - v0;
+    r.refused = fl_cu_emu_smem_refusals - r0;
     int pad_ok = 1;
     r.out = unlay(ol, rq, wq, a.ldo, &pad_ok), r.lse = lse;
     r.dq = unlay(dql, rq, wq, a.ldq, &pad_ok), r.dk = unlay(dkl, rk, wk, a.ldk, &pad_ok);
@@ -127,7 +129,9 @@ static void path_case_run(const path_case *c) {
     /* the emulator counts ldmatrix's row addresses too (the same in every layout): the loads make the difference; a
      * padded head's 64-key backward blocks (FL_CU_FA2_BK64; 128 are its default) read dO by element pairs in every
      * layout (attn_fa2.cu: registers) */
-    const int dov = c->HD == 64 || c->HD == 128 || !(c->flags & FL_CU_FA2_BK64);
+    /* (the 64-key blocks also where an emulated device refused the 128-key ones' shared memory: FITLLM_EMU_SMEM_MAX) */
+    const int bk128 = !(c->flags & FL_CU_FA2_BK64) && !r[0].refused;
+    const int dov = c->HD == 64 || c->HD == 128 || bk128;
     FL_CHECKF(r[0].vec >= r[2].vec && (r[0].vec > r[2].vec) == dov && r[2].vec > r[1].vec,
               "%s: 128-bit accesses unpadded %lu, mixed %lu, padded %lu", name, r[0].vec, r[2].vec, r[1].vec);
     for (int l = 1; l < 3; l++) {
@@ -136,8 +140,9 @@ static void path_case_run(const path_case *c) {
         FL_CHECKF(same_bits(r[0].dq, r[l].dq, nq) && same_bits(r[0].dk, r[l].dk, nk) && same_bits(r[0].dv, r[l].dv, nk),
                   "%s: backward bits, layout %d", name, l);
     }
-    if (c->flags & FL_CU_FA2_BK128) { /* against the 64-key blocks: a key's warp walks the same (head, tile) pairs, so
-                                        * dK, dV are the same bits; dq's per-block partial sums are grouped otherwise */
+    /* against the 64-key blocks: a key's warp walks the same (head, tile) pairs, so dK, dV are the same bits; dq's
+     * per-block partial sums are grouped otherwise (not where the 128-key blocks were refused: they are the 64-key) */
+    if ((c->flags & FL_CU_FA2_BK128) && !r[0].refused) {
         path_out r64 = path_run(c, q, k, v, dout, g0, kmask, 0, 0, (c->flags & ~FL_CU_FA2_BK128) | FL_CU_FA2_BK64);
         size_t dq_differ = 0;
         for (size_t i = 0; i < nq; i++) dq_differ += r64.dq[i] != r[0].dq[i];
