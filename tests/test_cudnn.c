@@ -5,7 +5,7 @@
  * here from the fl_attn_desc contract); the graphs' descriptors through injected functions that
  * record them (every tensor's dims and strides, the variant pack's ids and pointers); and, where the
  * real libcudnn.so.9 is installed, every tensor and operation descriptor of both graphs finalized by
- * cuDNN itself, and both graphs planned for an H200 and an A100 without either (cuDNN >= 9.8's device
+ * cuDNN itself, and both graphs planned for an H200, an A100 and an RTX 4090 without any (cuDNN >= 9.8's device
  * properties, the toolkit's stub libcuda: cuDNN ranks, checks and compiles; the engine it ranks first
  * must be the one it gives its own frontend's graphs, tests/fixtures/cudnn-engines.txt). The run needs a
  * GPU: `fitllm selftest --accelerator cuda`. */
@@ -457,11 +457,11 @@ static int read_engines_ref(engines_ref *r, char *why, size_t n) {
 }
 
 /* Which of the fixture's shapes (i == nshape: the control) device d probes: every one in the full tier; in the quick
- * tier the first device (the H200) the first and last shapes and the control, the others the first shape alone
- * (TinyLlama's layer in place: NVRTC compiles ~1 s a probe) */
+ * tier the first device (the H200) the first and last shapes and the control, the second (the A100) the first shape
+ * alone (TinyLlama's layer in place: NVRTC compiles ~1 s a probe), the others (the RTX 4090's sm_89) none */
 static int probed(int quick, int d, int i, int nshape) {
     if (!quick) return 1;
-    return d == 0 ? i == 0 || i >= nshape - 1 : i == 0;
+    return d == 0 ? i == 0 || i >= nshape - 1 : d == 1 && i == 0;
 }
 
 /* The graphs on the fixture's devices (an H200, an A100) without either (fl_cudnn_sdpa_probe, cuDNN >= 9.8), in a
@@ -509,8 +509,8 @@ static int probe_child(const engines_ref *r, const char *stub, int wfd, int quic
     return 0;
 }
 
-/* Does cuDNN take fitllm's SDPA graphs on an H200 / A100, and on the engine it gives its own frontend's? Every
- * shape of the fixture (TinyLlama's GQA at a bf16 run's in-place q|k|v rows and through the compact copies, HD 128,
+/* Does cuDNN take fitllm's SDPA graphs on an H200 / A100 / RTX 4090 (sm_89), and on the engine it gives its own
+ * frontend's? Every shape of the fixture (TinyLlama's GQA at a bf16 run's in-place q|k|v rows and through the compact copies, HD 128,
  * 80, 88, bidirectional, Tq != Tk), forward and backward, must compile on cuDNN's first-ranked engine, and with the
  * fixture's cuDNN version that engine must be the one cuDNN ranks first for the frontend's graph of the same call
  * (for a bidirectional forward, the frontend of 1.32 writes cuDNN's unified SDPA node, another engine: there, the

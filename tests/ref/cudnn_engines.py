@@ -26,7 +26,7 @@ import sys
 import cudnn
 
 # the devices: cudnnDeviceProp's keys as cuDNN's JSON has them (deviceVer = 100 major + 10 minor), values from
-# NVIDIA's data sheets / cudaGetDeviceProperties of an H200 SXM and an A100 SXM 80 GB
+# NVIDIA's data sheets / cudaGetDeviceProperties of an H200 SXM, an A100 SXM 80 GB and an RTX 4090
 COMMON = {"cudaDeviceId": 0, "driverVer": 13000, "maxGridSize": [2147483647, 65535, 65535],
           "maxBlockSize": [1024, 1024, 64], "regsPerBlock": 65536, "warpSize": 32, "maxSharedMemoryPerBlock": 49152,
           "reservedSharedMemoryPerBlock": 1024, "maxRegistersPerSM": 65536, "maxCtasPerSM": 32,
@@ -38,6 +38,10 @@ DEVICES = [
     ("A100", dict(deviceName="NVIDIA A100-SXM4-80GB", deviceVer=800, multiProcessorCount=108,
                   maxSharedMemoryPerBlockOptin=166912, l2CacheSize=41943040, totalGlobalMem=85097971712,
                   smClockRateKHz=1410000, memClockRateKHz=1593000)),
+    # sm_89 (Ada: an RTX 4090; an L40S is the same SM): 99 KiB a block, 1,536 threads and 24 blocks an SM
+    ("RTX4090", dict(deviceName="NVIDIA GeForce RTX 4090", deviceVer=890, multiProcessorCount=128,
+                     maxSharedMemoryPerBlockOptin=101376, l2CacheSize=75497472, totalGlobalMem=25386352640,
+                     smClockRateKHz=2520000, memClockRateKHz=10501000, maxThreadsPerSM=1536, maxCtasPerSM=24)),
 ]
 # B, Tq, Tk, NH, NKV, HD, causal, interleaved
 SHAPES = [
