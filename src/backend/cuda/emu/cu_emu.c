@@ -101,7 +101,7 @@ typedef struct {
     void (*fn)(void *);
     void *ctx;
     unsigned char *smem;
-    struct cp_rec *cp; /* FL_EMU_CP_MAX a fiber (NULL until a launch's first cp.async) */
+    struct cp_rec *cp; /* FL_EMU_CP_MAX a fiber (the launch cache's; NULL if it could not be allocated) */
     uint64_t xchg[FL_EMU_MAX_THREADS];
     unsigned char gat[FL_EMU_MAX_THREADS][FL_CU_EMU_GATHER_MAX]; /* fl_cu_emu_warp_gather's slots */
     int order[FL_EMU_MAX_THREADS];
@@ -429,7 +429,9 @@ static int cache_get(size_t nt, size_t dyn_smem) {
 
 void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, void (*fn)(void *), void *ctx) {
     size_t nt = (size_t)block.x * block.y * block.z;
-    if (nt == 0 || (size_t)grid.x * grid.y * grid.z == 0) return; /* CUDA: invalid configuration; nothing runs */
+    /* FL_CU_LAUNCH reported an empty or oversized configuration already (fl_cu_emu_launch_ok); these guard the
+     * scheduler's arrays for any other caller */
+    if (nt == 0 || (size_t)grid.x * grid.y * grid.z == 0) return;
     if (nt > FL_EMU_MAX_THREADS) {
         set_err("launch: %zu threads per block (at most %d)", nt, FL_EMU_MAX_THREADS);
         return;
@@ -594,7 +596,8 @@ int fl_cu_emu_launch_ok(uintptr_t kernel, fl_cu_emu_dim grid, fl_cu_emu_dim bloc
     pthread_mutex_unlock(&g_optin_mu);
     if (have < dyn_smem) {
         set_err("launch: %zu bytes of dynamic shared memory, over 48 KiB, with the kernel's opt-in at %zu "
-                "(cudaFuncSetAttribute(MaxDynamicSharedMemorySize) first)", dyn_smem, have ? have : (size_t)FL_EMU_SMEM_DEFAULT);
+                "(cudaFuncSetAttribute(MaxDynamicSharedMemorySize) first)",
+                dyn_smem, have ? have : (size_t)FL_EMU_SMEM_DEFAULT);
         return 0;
     }
     return 1;

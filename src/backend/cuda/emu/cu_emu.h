@@ -30,7 +30,7 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
  * fl_cu_emu_launch_ok is called by every FL_CU_LAUNCH (run or captured) with the kernel's address as its key. A grid
  * of more than 2^31 - 1 blocks in x or 65,535 in y or z, a block over 1,024 threads or 1,024 / 1,024 / 64 in x / y /
  * z, or dynamic shared memory over 48 KiB without the kernel's opt-in of at least that much
- * (cudaFuncSetAttribute(MaxDynamicSharedMemorySize): FL_CU_ATTN_SMEM_OPTIN, fl_cu_emu_smem_optin) records an error
+ * (cudaFuncSetAttribute(MaxDynamicSharedMemorySize): FL_CU_SMEM_OPTIN, fl_cu_emu_smem_optin) records an error
  * naming it and returns 0 (nothing runs, as cudaErrorInvalidConfiguration / InvalidValue). */
 int fl_cu_emu_launch_ok(uintptr_t kernel, fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem);
 /* The opt-in: 0, or -1 when bytes exceeds the emulated device's per-block maximum (cudaFuncSetAttribute's refusal:

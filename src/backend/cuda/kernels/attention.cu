@@ -116,7 +116,7 @@ template <class C> __global__ static void fl_cu_attn_fwd_k(fl_cu_attn_p p) {
 template <class C> static int fl_cu_attn_fwd_launch(const fl_cu_attn_p &p, void *stream) {
     enum { D = C::D, BQ = C::BQ, BK = C::BK };
     const size_t smem = sizeof(float) * ((size_t)BQ * (D + 1) + 2 * (size_t)BK * (D + 1) + (size_t)BQ * (BK + 1));
-    if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_attn_fwd_k<C>, smem)) return fl_cu_launch_error();
+    if (FL_CU_SMEM_OPTIN(fl_cu_attn_fwd_k<C>, smem)) return fl_cu_launch_error();
     dim3 grid((unsigned)((p.Tq + BQ - 1) / BQ), (unsigned)p.NH, (unsigned)p.B);
     FL_CU_LAUNCH(fl_cu_attn_fwd_k<C>, grid, dim3(FL_CU_ATTN_THREADS), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();

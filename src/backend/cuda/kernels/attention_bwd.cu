@@ -241,14 +241,14 @@ template <class C> static int fl_cu_attn_bwd_launch(const fl_cu_attn_p &p, void 
     if (p.Tk > 0) {
         const size_t smem = sizeof(float) * (2 * (size_t)C::KBK * (D + 1) + 2 * (size_t)C::KBQ * (D + 1) +
                                              2 * (size_t)C::KBK * (C::KBQ + 1));
-        if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_attn_dkdv_k<C>, smem)) return fl_cu_launch_error();
+        if (FL_CU_SMEM_OPTIN(fl_cu_attn_dkdv_k<C>, smem)) return fl_cu_launch_error();
         dim3 grid((unsigned)((p.Tk + C::KBK - 1) / C::KBK), (unsigned)p.NKV, (unsigned)p.B);
         FL_CU_LAUNCH(fl_cu_attn_dkdv_k<C>, grid, dim3(FL_CU_ATTN_THREADS), smem, (fl_cu_stream)stream, p);
         if ((rc = fl_cu_launch_error())) return rc;
     }
     const size_t smem = sizeof(float) * (2 * (size_t)C::QBQ * (D + 1) + 2 * (size_t)C::QBK * (D + 1) +
                                          (size_t)C::QBQ * (C::QBK + 1));
-    if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_attn_dq_k<C>, smem)) return fl_cu_launch_error();
+    if (FL_CU_SMEM_OPTIN(fl_cu_attn_dq_k<C>, smem)) return fl_cu_launch_error();
     dim3 grid((unsigned)((p.Tq + C::QBQ - 1) / C::QBQ), (unsigned)p.NH, (unsigned)(p.dbias ? 1 : p.B));
     FL_CU_LAUNCH(fl_cu_attn_dq_k<C>, grid, dim3(FL_CU_ATTN_THREADS), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();

@@ -354,7 +354,7 @@ template <int D> __global__ static void fl_cu_tc_dq_k(fl_cu_attn_p p) {
 template <int D> static int fl_cu_tc_fwd_launch(const fl_cu_attn_p &p, void *stream) {
     enum { BK = fl_cu_tc_cfg<D>::FBK };
     const size_t smem = 2 * ((size_t)BK * (D + FL_CU_TC_PAD) + (size_t)D * (BK + FL_CU_TC_PAD));
-    if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_tc_fwd_k<D>, smem)) return fl_cu_launch_error();
+    if (FL_CU_SMEM_OPTIN(fl_cu_tc_fwd_k<D>, smem)) return fl_cu_launch_error();
     dim3 grid((unsigned)((p.Tq + 63) / 64), (unsigned)p.NH, (unsigned)p.B);
     FL_CU_LAUNCH(fl_cu_tc_fwd_k<D>, grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();
@@ -366,13 +366,13 @@ template <int D> static int fl_cu_tc_bwd_launch(const fl_cu_attn_p &p, void *str
     if (rc) return rc;
     if (p.Tk > 0) {
         const size_t smem = 2 * (2 * (size_t)64 * KP + 2 * (size_t)KBQ * KP + 2 * (size_t)D * (KBQ + FL_CU_TC_PAD));
-        if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_tc_dkdv_k<D>, smem)) return fl_cu_launch_error();
+        if (FL_CU_SMEM_OPTIN(fl_cu_tc_dkdv_k<D>, smem)) return fl_cu_launch_error();
         dim3 grid((unsigned)((p.Tk + 63) / 64), (unsigned)p.NKV, (unsigned)p.B);
         FL_CU_LAUNCH(fl_cu_tc_dkdv_k<D>, grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
         if ((rc = fl_cu_launch_error())) return rc;
     }
     const size_t smem = 2 * (2 * (size_t)64 * KP + 2 * (size_t)QBK * KP + (size_t)D * (QBK + FL_CU_TC_PAD));
-    if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_tc_dq_k<D>, smem)) return fl_cu_launch_error();
+    if (FL_CU_SMEM_OPTIN(fl_cu_tc_dq_k<D>, smem)) return fl_cu_launch_error();
     dim3 grid((unsigned)((p.Tq + 63) / 64), (unsigned)p.NH, (unsigned)p.B);
     FL_CU_LAUNCH(fl_cu_tc_dq_k<D>, grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();

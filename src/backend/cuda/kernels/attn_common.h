@@ -72,9 +72,6 @@ template <> struct fl_cu_attn_cfg<256> {
 };
 #define FL_CU_ATTN_THREADS 128
 
-/* Raise a kernel's dynamic shared memory limit above the default 48 KB: cu_compat.h's FL_CU_SMEM_OPTIN */
-#define FL_CU_ATTN_SMEM_OPTIN(kernel, bytes) FL_CU_SMEM_OPTIN(kernel, bytes)
-
 /* One past the last key query row t may see (causal: bottom-right aligned), in [0, Tk]. */
 FL_CU_DEV int fl_cu_attn_key_limit(const fl_cu_attn_p &p, int t) {
     if (!p.causal) return p.Tk;

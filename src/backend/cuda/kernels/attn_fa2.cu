@@ -520,7 +520,7 @@ template <int D, int BK, int PADH, int EX> __global__ static void fl_cu_fa_bwd_k
 template <int D, int PADH, int EX> static int fl_cu_fa_fwd_launch(const fl_cu_attn_p &p, void *stream) {
     enum { BQ = fl_cu_fa_fcfg<D, EX>::BQ, BK = fl_cu_fa_cfg<D>::BK, P = D + FL_CU_TC_PAD };
     const size_t smem = 2 * ((size_t)BQ * P + 4 * (size_t)BK * P); /* bf16: Qs, 2 x (Ks, Vs) */
-    if (FL_CU_ATTN_SMEM_OPTIN((fl_cu_fa_fwd_k<D, PADH, EX>), smem)) return fl_cu_launch_error();
+    if (FL_CU_SMEM_OPTIN((fl_cu_fa_fwd_k<D, PADH, EX>), smem)) return fl_cu_launch_error();
     dim3 grid((unsigned)((p.Tq + BQ - 1) / BQ), (unsigned)p.NH, (unsigned)p.B);
     FL_CU_LAUNCH((fl_cu_fa_fwd_k<D, PADH, EX>), grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
     return fl_cu_launch_error();
@@ -537,7 +537,7 @@ template <int D, int BK, int PADH, int EX> static int fl_cu_fa_bwd_launch(const 
     enum { BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD };
     /* bf16: Ks, Vs, 2 x (Qs, Gs), dS^T */
     const size_t smem = 2 * (2 * (size_t)BK * P + 4 * (size_t)BQ * P + (size_t)BK * (BQ + FL_CU_TC_PAD));
-    if (FL_CU_ATTN_SMEM_OPTIN((fl_cu_fa_bwd_k<D, BK, PADH, EX>), smem)) {
+    if (FL_CU_SMEM_OPTIN((fl_cu_fa_bwd_k<D, BK, PADH, EX>), smem)) {
         const int rc = fl_cu_launch_error(); /* (consumed) */
         return BK > 64 ? FL_CU_FA_NO_SMEM : rc;
     }
