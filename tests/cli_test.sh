@@ -5,7 +5,7 @@
 set -u
 FITLLM=${1:-./build/fitllm}
 DATA=${FITLLM_DATA:-../shared/data}
-T=$(mktemp -d /tmp/fitllm-cli-XXXXXX)
+T=$(mktemp -d "${TMPDIR:-/tmp}"/fitllm-cli-XXXXXX)
 pass=0; fail=0; skip=0
 source "$(dirname "$0")/suite_lib.sh"   # per-case wall times ("ok NAME ... T ms"), the tier (full_tier, tier_skip)
 trap 'rm -rf "$T"; fl_case_laps_end' EXIT
@@ -1104,7 +1104,7 @@ expect lab_real_report 0 "" -- bash -c "grep -q '^## Scale: real' '$T/labreal/re
 # data/alpaca2k/alpaca2k.json when the working directory has it): short records make batches shorter than T (the
 # metrics' tokens), the real scale plans at max_seq_length 512 with the given tokenizer; bad paths name themselves
 printf '[{"instruction": "Say hi.", "input": "", "output": "hi"}, {"instruction": "Add 1 and 2.", "input": "", "output": "3"}]\n' >"$T/lab-short.json"
-expect lab_data_rows 0 "the rows fine-tune on .*lab-short.json \(tokenizer: the built-in +bytes\).* reduced-batch +fits" -- bash -c "'$FITLLM' lab --only reduced-batch --steps 1 --data '$T/lab-short.json' --keep-runs --out_dir '$T/labdata' | tr '\n' ' '"
+expect lab_data_rows 0 "the rows fine-tune on .*lab-short.json \(tokenizer: +the +built-in +bytes\).* reduced-batch +fits" -- bash -c "'$FITLLM' lab --only reduced-batch --steps 1 --data '$T/lab-short.json' --keep-runs --out_dir '$T/labdata' | tr '\n' ' '"
 expect lab_data_tokens 0 "" -- bash -c "awk -F, 'NR == 2 { exit !(\$6 > 0 && \$6 < 8 * 62) }' '$T/labdata/runs/reduced-batch/logs/metrics.csv'"
 expect lab_data_auto 0 "real scale: the rows fine-tune on data/alpaca2k/alpaca2k.json \(tokenizer: .*llama2-tokenizer\), each sample cut +to +max_seq_length +512" -- bash -c "mkdir -p '$T/labauto/data/alpaca2k' && cp '$T/lab-short.json' '$T/labauto/data/alpaca2k/alpaca2k.json' && cd '$T/labauto' && '$(readlink -f "$FITLLM")' lab --scale real --plan-only --only reduced-batch --tokenizer '$(readlink -f "$DATA")/llama2-tokenizer' --out_dir '$T/labauto/out' | tr '\n' ' '"
 expect lab_data_missing 1 "lab --data .*/nope.json: no such file" -- "$FITLLM" lab --only baseline --data "$T/nope.json" --out_dir "$T/labdx"

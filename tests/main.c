@@ -283,20 +283,36 @@ void fl_test_emu_knob_ab(const char *knob, const char *tag, const char *preset, 
     free(off.params), free(on.params);
 }
 
+/* the folders fl_test_tmpdir made in this process are g_tmp_root/0 .. g_tmp_next - 1; run_one removes a passed
+ * test's own (the suite writes ~6 GB of checkpoints and offload files in all: kept to the run's end they would hold
+ * ~5 GB at once, too much for a TMPDIR in memory, tests/run_all.sh) */
+static int g_tmp_next;
+static void remove_tmp_since(int k0) {
+    char p[sizeof g_tmp_root + 16];
+    if (!g_tmp_root[0] || getenv("FITLLM_KEEP_TMP")) return;
+    for (int j = k0; j < g_tmp_next; j++) {
+        snprintf(p, sizeof p, "%s/%d", g_tmp_root, j);
+        nftw(p, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    }
+}
+
 const char *fl_test_tmpdir(void) {
     static char buf[256];
-    static int k;
+    int k = g_tmp_next;
     if (!g_tmp_root[0]) {
         /* a fresh folder (mkdtemp), never one a killed run of a process with the same id left behind: the tests
          * that count a folder's entries would see its files */
-        snprintf(g_tmp_root, sizeof g_tmp_root, "/tmp/fitllm-test-%d-XXXXXX", (int)getpid());
+        const char *td = getenv("TMPDIR");
+        if (!td || !*td || strlen(td) > 80) td = "/tmp";
+        snprintf(g_tmp_root, sizeof g_tmp_root, "%s/fitllm-test-%d-XXXXXX", td, (int)getpid());
         if (!mkdtemp(g_tmp_root)) {
-            fprintf(stderr, "fitllm_tests: cannot create a folder under /tmp: %s\n", strerror(errno));
+            fprintf(stderr, "fitllm_tests: cannot create a folder under %s (TMPDIR): %s\n", td, strerror(errno));
             exit(2);
         }
         atexit(remove_tmp_root);
     }
-    snprintf(buf, sizeof buf, "%s/%d", g_tmp_root, k++);
+    g_tmp_next = k + 1;
+    snprintf(buf, sizeof buf, "%s/%d", g_tmp_root, k);
     mkdir(buf, 0700);
     return buf;
 }
@@ -374,7 +390,9 @@ static int run_one(int i) {
     struct timespec t0, t1;
     const double c0 = cpu_ms();
     clock_gettime(CLOCK_MONOTONIC, &t0);
+    const int k0 = g_tmp_next;
     g_tests[i].fn();
+    if (!g_failed) remove_tmp_since(k0); /* a failed test's files stay to the run's end (FITLLM_KEEP_TMP=1: after it) */
     clock_gettime(CLOCK_MONOTONIC, &t1);
     double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
     const double cpu = cpu_ms() - c0;

@@ -22,7 +22,7 @@ if [ ! -x "$BUILD/fitllm_comm_mpi_test" ] || ! command -v mpirun >/dev/null 2>&1
 fi
 source "$(dirname "$0")/mpi_env.sh"   # root, oversubscription, 1 OpenMP thread, Open MPI's start-up
 pass=0; fail=0
-T=$(mktemp -d /tmp/fitllm-mpi-sp-XXXXXX)
+T=$(mktemp -d "${TMPDIR:-/tmp}"/fitllm-mpi-sp-XXXXXX)
 trap '[ -n "${KEEP:-}" ] || rm -rf "$T"' EXIT
 ok()  { echo "ok   $1"; pass=$((pass+1)); }
 bad() { echo "FAIL $1: $2"; sed 's/^/     /' "$T/out" | tail -15; fail=$((fail+1)); }

@@ -40,7 +40,7 @@ fi
 # root, oversubscription, one OpenMP thread per rank, Open MPI's start-up trimmed to shared memory
 source "$(dirname "$0")/mpi_env.sh"
 pass=0; fail=0; skip=0
-T=$(mktemp -d /tmp/fitllm-mpi-XXXXXX)
+T=$(mktemp -d "${TMPDIR:-/tmp}"/fitllm-mpi-XXXXXX)
 source "$(dirname "$0")/suite_lib.sh"   # per-case wall times ("ok NAME ... T ms"), the tier (full_tier, tier_skip)
 trap 'rm -rf "$T"; fl_case_laps_end' EXIT
 

@@ -25,7 +25,7 @@ command -v mpirun >/dev/null 2>&1 || skip "mpirun not found (apt-get install ope
 command -v ip >/dev/null 2>&1 || skip "the ip command is missing (apt-get install iproute2)"
 
 NA=fitllm-na-$$ NB=fitllm-nb-$$ VA=flva$$ VB=flvb$$ IPA=10.231.0.1 IPB=10.231.0.2 NET=10.231.0.0/24
-T=$(mktemp -d /tmp/fitllm-netns-XXXXXX)
+T=$(mktemp -d "${TMPDIR:-/tmp}"/fitllm-netns-XXXXXX)
 cleanup() {
     ip netns del "$NA" 2>/dev/null # deleting a namespace deletes its end of the veth pair, and so the pair
     ip netns del "$NB" 2>/dev/null

@@ -72,6 +72,27 @@ export FITLLM_TEST_JOBS
 LOGS=$BUILD/test-logs
 mkdir -p "$LOGS"
 
+# The tests' scratch files (checkpoints, offload files, the CLI's and MPI's runs: ~6 GB written by the unit stage,
+# ~1.5 GB at once by the CLI's) go to a memory folder when there is room: on a disk the writes and the checkpoints'
+# fsyncs cost the unit stage 21% of its wall time and the CLI / MPI stages 12% (docs/BENCHMARKS.md "make test's
+# scratch in memory"). FITLLM_TEST_TMP=auto (default): a fresh folder under /dev/shm when it has 4 GiB free and
+# the machine 8 GiB available, else TMPDIR (or /tmp) as before; =disk: never; a TMPDIR set by the caller is kept.
+FITLLM_TEST_TMP=${FITLLM_TEST_TMP:-auto}
+case $FITLLM_TEST_TMP in
+auto | disk) ;;
+*) echo "tests/run_all.sh: FITLLM_TEST_TMP must be auto or disk (got '$FITLLM_TEST_TMP')"; exit 2 ;;
+esac
+if [ "$FITLLM_TEST_TMP" = auto ] && [ -z "${TMPDIR:-}" ] && [ -d /dev/shm ] && [ -w /dev/shm ]; then
+    shm_free=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 { print $4 }')
+    mem_avail=$(awk '/^MemAvailable:/ { print $2 }' /proc/meminfo 2>/dev/null)
+    if [ "${shm_free:-0}" -ge $((4 * 1024 * 1024)) ] && [ "${mem_avail:-0}" -ge $((8 * 1024 * 1024)) ] &&
+        FL_TEST_SHM=$(mktemp -d /dev/shm/fitllm-make-test-XXXXXX 2>/dev/null); then
+        export TMPDIR=$FL_TEST_SHM
+        trap 'rm -rf "$FL_TEST_SHM"' EXIT
+    fi
+fi
+echo "tests/run_all.sh: scratch files under ${TMPDIR:-/tmp} (FITLLM_TEST_TMP=$FITLLM_TEST_TMP)"
+
 STAGES=(tracked-sizes unit alloc-check cuda-check vectorized cli mpi fuzz-smoke asan)
 stage_cmd() {
     case $1 in

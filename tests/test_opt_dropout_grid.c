@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ddp_ref.h"
 #include "fitllm/comm.h"
@@ -21,7 +22,7 @@ enum { OD_STEPS = 4 };
 static const char *od_config(float p) {
     static char path[2][700];
     char *out = path[p > 0];
-    if (out[0]) return out;
+    if (out[0] && access(out, R_OK) == 0) return out; /* a passed test's folder is removed after it (tests/main.c) */
     snprintf(out, sizeof path[0], "%s/opt4-drop%g.json", fl_test_tmpdir(), (double)p);
     FILE *f = fopen(out, "w");
     FL_REQUIRE_R(f != NULL, NULL);

@@ -97,7 +97,7 @@ typedef struct {
                             * by the row's precision), none on a CPU */
     int threads;           /* 0 = all cores */
     int steps;             /* optimizer steps per runnable experiment; 0 = the suite's */
-    const char *run_dir;   /* where the runs' out_dirs go (logs); NULL = a temporary folder, removed */
+    const char *run_dir;   /* where the runs' out_dirs go (logs); NULL = a temporary folder ($TMPDIR or /tmp), removed */
     size_t budget;         /* per-device budget in bytes; 0 = the scaled one (fl_lab_scale); the tests set a
                             * smaller one to reach the OOM at a small micro batch */
     int real_scale;        /* 1: the real models (tinyllama-1.1b, open-llama-3b/7b) at T 1024 on an 80 GB budget,

@@ -49,6 +49,7 @@ static void help(void) {
            "                    is visible, else the CPU; cuda is EXPERIMENTAL (single GPU; README)\n"
            "  --steps N         (default: the suite's)  optimizer steps per runnable experiment\n"
            "  --keep-runs       (default off)  keep each run's out_dir (logs/metrics.csv) under DIR/runs\n"
+           "                    (default: a temporary folder under $TMPDIR or /tmp, removed at the end)\n"
            "  --run-oom         (default off)  also train the rows the plan says OOM, to see the allocator refuse\n"
            "                    them; off: such a row is decided by its plan before any model memory is touched\n"
            "                    (under a second; its note says \"planned; not run\")\n"

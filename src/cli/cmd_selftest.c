@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "core/fs.h"
 #include "fitllm/cuda.h"
 #include "fitllm/selftest.h"
 #include "fitllm/trainer.h"
@@ -74,9 +75,10 @@ static fl_status st_train(const char *backend, const char *dir, const char *tag,
 
 /* 0 pass, 1 mismatch or failure; prints one line per case like the op cases */
 static int st_train_cases(const char *name, const char *ref_name, const char *only, int threads, FILE *f, int *n_cases) {
-    char dir[] = "/tmp/fitllm-selftest-XXXXXX";
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s/fitllm-selftest-XXXXXX", fl_fs_tmpdir());
     if (!mkdtemp(dir)) {
-        fprintf(f, "FAIL train_step: cannot make a folder under /tmp\n");
+        fprintf(f, "FAIL train_step: cannot make a folder under %s (TMPDIR)\n", fl_fs_tmpdir());
         ++*n_cases;
         return 1;
     }

@@ -155,3 +155,8 @@ fl_status fl_fs_read_file(const char *path, size_t max_bytes, char **out, size_t
     *len = n;
     return FL_OK;
 }
+
+const char *fl_fs_tmpdir(void) {
+    const char *t = getenv("TMPDIR");
+    return t && t[0] == '/' && strlen(t) < 200 ? t : "/tmp";
+}

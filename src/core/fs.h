@@ -22,6 +22,9 @@ void fl_fs_remove_dir(const char *path);
 /* fsync a directory so a rename inside it is durable; best effort. */
 void fl_fs_sync_dir(const char *path);
 
+/* The folder for temporary files: $TMPDIR when it is set to an absolute path (of a usable length), else "/tmp". */
+const char *fl_fs_tmpdir(void);
+
 /* write() all n bytes (retrying EINTR, honouring the injected fault); 0 or -1 (errno). */
 int fl_fs_write_all(int fd, const void *data, size_t n);
 /* mkdir -p. */

@@ -903,8 +903,10 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     char tmp[FL_CFG_PATH];
     const char *run_dir = o->run_dir;
     if (!run_dir) {
-        snprintf(tmp, sizeof tmp, "/tmp/fitllm-lab-XXXXXX");
-        if (!mkdtemp(tmp)) return fl_errorf(FL_ERR_IO, "cannot create a temporary folder for the runs");
+        snprintf(tmp, sizeof tmp, "%s/fitllm-lab-XXXXXX", fl_fs_tmpdir());
+        if (!mkdtemp(tmp))
+            return fl_errorf(FL_ERR_IO, "cannot create a temporary folder for the runs under %s (TMPDIR): %s",
+                             fl_fs_tmpdir(), strerror(errno));
         run_dir = tmp;
     }
     if (!rep->sweep) FL_TRY(course_data(o, rep));
