@@ -380,6 +380,42 @@ FL_TEST(lab_rows_write_no_checkpoint) {
     fl_lab_report_free(&rep);
 }
 
+/* The lab's runs go to a temporary folder under $TMPDIR (fl_fs_tmpdir) when no --keep-runs folder is given; an error
+ * after it was made (here: a --data file that is not there) removes it as a finished run does (it was left behind,
+ * one empty folder per failed lab run). */
+static int g_tmp_entries;
+static int count_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)path, (void)st, (void)flag;
+    if (ftw->level > 0) g_tmp_entries++;
+    return 0;
+}
+FL_TEST(lab_temporary_folder_removed_on_error) {
+    char td[600];
+    snprintf(td, sizeof td, "%s/lab-tmpdir", fl_test_tmpdir());
+    FL_REQUIRE(mkdir(td, 0700) == 0);
+    const char *had = getenv("TMPDIR");
+    char keep[600] = "";
+    if (had) snprintf(keep, sizeof keep, "%s", had);
+    FL_REQUIRE(setenv("TMPDIR", td, 1) == 0);
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "ci";
+    o.only = "reduced-batch";
+    o.steps = 1;
+    char data[700];
+    snprintf(data, sizeof data, "%s/no-such-data.json", td);
+    o.data = data;
+    fl_lab_report rep;
+    const fl_status s = fl_lab_run(&o, NULL, &rep);
+    fl_lab_report_free(&rep);
+    if (had) setenv("TMPDIR", keep, 1);
+    else unsetenv("TMPDIR");
+    FL_CHECKF(s != FL_OK && strstr(fl_error_message(), "no-such-data.json"), "%d: %s", (int)s, fl_error_message());
+    g_tmp_entries = 0;
+    FL_REQUIRE(nftw(td, count_entry, 16, FTW_PHYS) == 0);
+    FL_CHECKF(g_tmp_entries == 0, "%d entries left under the lab's TMPDIR", g_tmp_entries);
+}
+
 /* The random init (every lab row's weights) splits each block of the stream over all of the backend's threads
  * (more than 8 on a GPU machine's host); the values must not depend on the count: 1, 2, 13 and 16 threads give
  * the same bytes, fp32 and bf16, over tensors of several blocks (an 8191 x 64 embedding, odd in blocks). */

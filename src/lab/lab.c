@@ -836,6 +836,73 @@ static void banner(const fl_lab_opts *o, const fl_lab_report *rep, long steps, F
     fflush(out);
 }
 
+/* fl_lab_run's data, rows and plans, its runs' out_dirs under run_dir */
+static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, int bit, int precs, long steps,
+                          const char *run_dir) {
+    if (!rep->sweep) FL_TRY(course_data(o, rep));
+    else if ((o->data && *o->data) || (o->tokenizer && *o->tokenizer))
+        return fl_errorf(FL_ERR_INVALID, "lab --data / --tokenizer: the quick and full suites' rows fine-tune on the "
+                         "course's data; the fsdp suite's benchmark runs fixed lengths");
+    if (rep->real_scale && !rep->sweep && !rep->data[0]) FL_TRY(real_lengths(o, rep));
+    if (rep->real_scale && !rep->lengths[0] && !rep->data[0]) {
+        int max_global = 1;
+        for (int i = 0; i < N_EXPS; i++) max_global = k_exps[i].global > max_global ? k_exps[i].global : max_global;
+        if (rep->sweep) max_global = 4 * k_sweep_b[SWEEP_B_CKPT - 1];
+        snprintf(rep->text_dir, sizeof rep->text_dir, "%s/real-scale-text", run_dir);
+        FL_TRY(fl_error_prefix(write_text_dir(rep->text_dir, rep->T, steps, max_global), "lab --scale real: its data"));
+    }
+    rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
+    if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    char a[32];
+    if (out) banner(o, rep, steps, out);
+    double t0 = now_s();
+    int n_cand = bit == SUITE_FSDP ? SWEEP_N : N_EXPS, stopped = 0, group = -1;
+    char lab_model[40];
+    snprintf(lab_model, sizeof lab_model, "lab-%s", rep->sweep_model);
+    for (int i = 0; i < n_cand; i++) {
+        lab_exp sx;
+        const lab_exp *e = &k_exps[i < N_EXPS ? i : 0];
+        if (bit == SUITE_FSDP) {
+            int prec, ck, B;
+            sweep_cand(i, &prec, &ck, &B);
+            if (!(precs & (1 << prec))) continue;
+            if (group != 2 * prec + ck) stopped = 0, group = 2 * prec + ck; /* each setting starts at batch 1 */
+            sx = sweep_exp(i, rep->sweep_model, lab_model);
+            e = &sx;
+            if (o->only && *o->only ? !fl_lab_in_list(o->only, e->name) : stopped) continue;
+        } else if (o->only && *o->only ? !fl_lab_in_list(o->only, e->name) : !(e->suites & bit)) continue;
+        fl_lab_row *r = &rep->rows[rep->n++];
+        run_row(e, rep, steps, run_dir, o->threads, o->run_oom, r);
+        if (bit == SUITE_FSDP) { /* the sweep's reference is the plan: planned == measured */
+            r->expected = r->planned == FL_PLAN_OOM ? FL_LAB_OOM : FL_LAB_FITS;
+            snprintf(r->lab_step, sizeof r->lab_step, "%s 4x FSDP, %s, micro batch %d, act ckpt %s",
+                     rep->sweep_model, r->precision, r->B, r->act_ckpt ? "on" : "off");
+            if (r->planned != FL_PLAN_FITS) stopped = 1;
+        }
+        if (r->verdict == FL_LAB_ERROR) rep->n_errors++;
+        if (out) {
+            char pre[64];
+            snprintf(pre, sizeof pre, "  %-17s %-6s %8.1f s  ", r->name, fl_lab_verdict_name(r->verdict), r->wall_s);
+            fl_lab_wrap(out, pre, r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note, 120, 6);
+            fflush(out);
+        }
+    }
+    /* the largest micro batch that fits, per precision and checkpointing setting */
+    for (int g = 0; g < 4; g++) {
+        int best = -1;
+        for (int i = 0; i < rep->n; i++) {
+            const fl_lab_row *r = &rep->rows[i];
+            if (rep->sweep && r->act_ckpt == (g & 1) && !strcmp(r->precision, k_sweep_prec[g >> 1]) &&
+                r->verdict == FL_LAB_FITS && (best < 0 || r->B > rep->rows[best].B))
+                best = i;
+        }
+        if (best >= 0) rep->rows[best].largest = 1;
+    }
+    if (bit == SUITE_QUICK || bit == SUITE_FULL) FL_TRY(fl_lab_course_plans(rep)); /* plans only: < 2 s */
+    rep->wall_s = now_s() - t0;
+    return FL_OK;
+}
+
 fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     memset(rep, 0, sizeof *rep);
     int bit = suite_bit(o->suite);
@@ -909,69 +976,9 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
                              fl_fs_tmpdir(), strerror(errno));
         run_dir = tmp;
     }
-    if (!rep->sweep) FL_TRY(course_data(o, rep));
-    else if ((o->data && *o->data) || (o->tokenizer && *o->tokenizer))
-        return fl_errorf(FL_ERR_INVALID, "lab --data / --tokenizer: the quick and full suites' rows fine-tune on the "
-                         "course's data; the fsdp suite's benchmark runs fixed lengths");
-    if (rep->real_scale && !rep->sweep && !rep->data[0]) FL_TRY(real_lengths(o, rep));
-    if (rep->real_scale && !rep->lengths[0] && !rep->data[0]) {
-        int max_global = 1;
-        for (int i = 0; i < N_EXPS; i++) max_global = k_exps[i].global > max_global ? k_exps[i].global : max_global;
-        if (rep->sweep) max_global = 4 * k_sweep_b[SWEEP_B_CKPT - 1];
-        snprintf(rep->text_dir, sizeof rep->text_dir, "%s/real-scale-text", run_dir);
-        FL_TRY(fl_error_prefix(write_text_dir(rep->text_dir, rep->T, steps, max_global), "lab --scale real: its data"));
-    }
-    rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
-    if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");
-    char a[32];
-    if (out) banner(o, rep, steps, out);
-    double t0 = now_s();
-    int n_cand = bit == SUITE_FSDP ? SWEEP_N : N_EXPS, stopped = 0, group = -1;
-    char lab_model[40];
-    snprintf(lab_model, sizeof lab_model, "lab-%s", rep->sweep_model);
-    for (int i = 0; i < n_cand; i++) {
-        lab_exp sx;
-        const lab_exp *e = &k_exps[i < N_EXPS ? i : 0];
-        if (bit == SUITE_FSDP) {
-            int prec, ck, B;
-            sweep_cand(i, &prec, &ck, &B);
-            if (!(precs & (1 << prec))) continue;
-            if (group != 2 * prec + ck) stopped = 0, group = 2 * prec + ck; /* each setting starts at batch 1 */
-            sx = sweep_exp(i, rep->sweep_model, lab_model);
-            e = &sx;
-            if (o->only && *o->only ? !fl_lab_in_list(o->only, e->name) : stopped) continue;
-        } else if (o->only && *o->only ? !fl_lab_in_list(o->only, e->name) : !(e->suites & bit)) continue;
-        fl_lab_row *r = &rep->rows[rep->n++];
-        run_row(e, rep, steps, run_dir, o->threads, o->run_oom, r);
-        if (bit == SUITE_FSDP) { /* the sweep's reference is the plan: planned == measured */
-            r->expected = r->planned == FL_PLAN_OOM ? FL_LAB_OOM : FL_LAB_FITS;
-            snprintf(r->lab_step, sizeof r->lab_step, "%s 4x FSDP, %s, micro batch %d, act ckpt %s",
-                     rep->sweep_model, r->precision, r->B, r->act_ckpt ? "on" : "off");
-            if (r->planned != FL_PLAN_FITS) stopped = 1;
-        }
-        if (r->verdict == FL_LAB_ERROR) rep->n_errors++;
-        if (out) {
-            char pre[64];
-            snprintf(pre, sizeof pre, "  %-17s %-6s %8.1f s  ", r->name, fl_lab_verdict_name(r->verdict), r->wall_s);
-            fl_lab_wrap(out, pre, r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note, 120, 6);
-            fflush(out);
-        }
-    }
-    /* the largest micro batch that fits, per precision and checkpointing setting */
-    for (int g = 0; g < 4; g++) {
-        int best = -1;
-        for (int i = 0; i < rep->n; i++) {
-            const fl_lab_row *r = &rep->rows[i];
-            if (rep->sweep && r->act_ckpt == (g & 1) && !strcmp(r->precision, k_sweep_prec[g >> 1]) &&
-                r->verdict == FL_LAB_FITS && (best < 0 || r->B > rep->rows[best].B))
-                best = i;
-        }
-        if (best >= 0) rep->rows[best].largest = 1;
-    }
-    if (bit == SUITE_QUICK || bit == SUITE_FULL) FL_TRY(fl_lab_course_plans(rep)); /* plans only: < 2 s */
-    rep->wall_s = now_s() - t0;
-    if (!o->run_dir) nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-    return FL_OK;
+    const fl_status st = lab_rows(o, out, rep, bit, precs, steps, run_dir);
+    if (!o->run_dir) nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS); /* on an error too (the real scale's text) */
+    return st;
 }
 
 void fl_lab_report_free(fl_lab_report *rep) {
