@@ -10,6 +10,13 @@
 # the TextFiles pretrain cases skip the final validation pass none of their checks reads (8-14 s each), lab_quick
 # trains one step per row (its verdicts and files are those of two).
 FITLLM_TEST_TIER=${FITLLM_TEST_TIER:-quick}
+# The runtimes' settings fl_cpu_process_init gives a fitllm process by executing itself again (OMP_WAIT_POLICY=passive,
+# and OPENBLAS_THREAD_TIMEOUT=4 for an OpenBLAS build), exported once here when the caller chose none: each fitllm
+# process the scripts start then starts once, with the same settings (a start costs ~22 ms of CPU with its 50 shared
+# libraries: `fitllm --version` 45 -> 23 ms; the CLI stage 181.9 -> 172.3 CPU s, MPI 140.6 -> 134.2, one run each on
+# 2 Zen 3 vCPUs, docs/BENCHMARKS.md "make test's time"). The CLI's omp_* cases unset them to check the default.
+if [ -z "${OMP_WAIT_POLICY:-}${GOMP_SPINCOUNT:-}${KMP_BLOCKTIME:-}" ]; then export OMP_WAIT_POLICY=passive; fi
+if [ -z "${OPENBLAS_THREAD_TIMEOUT:-}" ]; then export OPENBLAS_THREAD_TIMEOUT=4; fi
 full_tier() { [ "$FITLLM_TEST_TIER" = full ]; }
 tier_skip() { echo "skip $1: full tier only (FITLLM_TEST_TIER=full); the quick tier covers it in $2"; skip=$((skip + 1)); }
 
