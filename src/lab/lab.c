@@ -836,6 +836,13 @@ static void banner(const fl_lab_opts *o, const fl_lab_report *rep, long steps, F
     fflush(out);
 }
 
+void fl_lab_print_row(FILE *out, const fl_lab_row *r) {
+    char pre[64], a[32];
+    snprintf(pre, sizeof pre, "  %-17s %-6s %8.1f s  ", r->name, fl_lab_verdict_name(r->verdict), r->wall_s);
+    fl_lab_wrap(out, pre, r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note, 120, 6);
+    fflush(out);
+}
+
 /* fl_lab_run's data, rows and plans, its runs' out_dirs under run_dir */
 static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, int bit, int precs, long steps,
                           const char *run_dir) {
@@ -853,7 +860,6 @@ static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, i
     }
     rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
     if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");
-    char a[32];
     if (out) banner(o, rep, steps, out);
     double t0 = now_s();
     int n_cand = bit == SUITE_FSDP ? SWEEP_N : N_EXPS, stopped = 0, group = -1;
@@ -880,12 +886,7 @@ static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, i
             if (r->planned != FL_PLAN_FITS) stopped = 1;
         }
         if (r->verdict == FL_LAB_ERROR) rep->n_errors++;
-        if (out) {
-            char pre[64];
-            snprintf(pre, sizeof pre, "  %-17s %-6s %8.1f s  ", r->name, fl_lab_verdict_name(r->verdict), r->wall_s);
-            fl_lab_wrap(out, pre, r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note, 120, 6);
-            fflush(out);
-        }
+        if (out) fl_lab_print_row(out, r);
     }
     /* the largest micro batch that fits, per precision and checkpointing setting */
     for (int g = 0; g < 4; g++) {

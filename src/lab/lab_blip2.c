@@ -486,12 +486,7 @@ fl_status fl_lab_blip2_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) 
         fl_lab_row *r = &rep->rows[rep->n++];
         b2_row(&k_b2[i], rep, o, steps, r);
         if (r->verdict == FL_LAB_ERROR) rep->n_errors++;
-        if (out) {
-            char pre[64];
-            snprintf(pre, sizeof pre, "  %-17s %-6s %8.1f s  ", r->name, fl_lab_verdict_name(r->verdict), r->wall_s);
-            fl_lab_wrap(out, pre, r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note, 120, 6);
-            fflush(out);
-        }
+        if (out) fl_lab_print_row(out, r);
     }
     rep->wall_s = now_s() - t0;
     return FL_OK;
