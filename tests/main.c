@@ -19,6 +19,7 @@
 #include "fitllm/status.h"
 #include "fitllm/trainer.h"
 #include "test.h"
+#include "core/fs.h" /* fl_fs_tmpdir */
 #ifdef FL_HAVE_CUDA_EMU
 #include "backend/cuda/cuda-impl.h"
 #endif
@@ -172,7 +173,7 @@ const char *fl_test_data_path(const char *rel) {
 
 /* Every test's scratch folder lives under one root per run, removed at exit
  * (set FITLLM_KEEP_TMP=1 to keep it for debugging). */
-static char g_tmp_root[128];
+static char g_tmp_root[256];
 
 static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
     (void)st; (void)flag; (void)ftw;
@@ -297,13 +298,12 @@ static void remove_tmp_since(int k0) {
 }
 
 const char *fl_test_tmpdir(void) {
-    static char buf[256];
+    static char buf[sizeof g_tmp_root + 16];
     int k = g_tmp_next;
     if (!g_tmp_root[0]) {
         /* a fresh folder (mkdtemp), never one a killed run of a process with the same id left behind: the tests
          * that count a folder's entries would see its files */
-        const char *td = getenv("TMPDIR");
-        if (!td || !*td || strlen(td) > 80) td = "/tmp";
+        const char *td = fl_fs_tmpdir(); /* $TMPDIR (under 200 bytes) or /tmp, as the lab's and selftest's */
         snprintf(g_tmp_root, sizeof g_tmp_root, "%s/fitllm-test-%d-XXXXXX", td, (int)getpid());
         if (!mkdtemp(g_tmp_root)) {
             fprintf(stderr, "fitllm_tests: cannot create a folder under %s (TMPDIR): %s\n", td, strerror(errno));

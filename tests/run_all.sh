@@ -75,7 +75,7 @@ mkdir -p "$LOGS"
 # The tests' scratch files (checkpoints, offload files, the CLI's and MPI's runs: ~6 GB written by the unit stage,
 # ~1.5 GB at once by the CLI's) go to a memory folder when there is room: on a disk the writes and the checkpoints'
 # fsyncs cost the unit stage 21% of its wall time and the CLI / MPI stages 12% (docs/BENCHMARKS.md "make test's
-# scratch in memory"). FITLLM_TEST_TMP=auto (default): a fresh folder under /dev/shm when it has 4 GiB free and
+# time"). FITLLM_TEST_TMP=auto (default): a fresh folder under /dev/shm when it has 4 GiB free and
 # the machine 8 GiB available, else TMPDIR (or /tmp) as before; =disk: never; a TMPDIR set by the caller is kept.
 FITLLM_TEST_TMP=${FITLLM_TEST_TMP:-auto}
 case $FITLLM_TEST_TMP in
