@@ -886,6 +886,41 @@ expect blip2_sigterm_resumes 0 "^step $((b2s + 2))/$((b2s + 2)) loss" -- "$FITLL
 start_run blip2_sigterm_no_save "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 100000 --train.save_interval 1000000 --train.save_on_signal false --out_dir "$T/b2sns"
 wait_for "$T/blip2_sigterm_no_save.log" "^step 3/100000 " && kill -TERM $BG
 stopped blip2_sigterm_no_save 143 "stopped by SIGTERM after step [0-9]+, before any checkpoint was committed \(train.save_interval 1000000, train.save_on_signal false\)"
+# fitllm lab under a stop signal: the row's step finishes, no report is written, the runs' temporary folder (TMPDIR)
+# is removed, exit 128 + the signal; a second signal stops at once and removes it too. Steps of ~1 s (grad-accum,
+# one thread), the signal sent inside step 2 (after step 1's metrics row).
+LT="$T/labsig_tmp"; mkdir -p "$LT"
+LABSIG=(lab --only grad-accum --steps 256 --threads 1)
+lab_step1() {
+    local i f
+    for i in $(seq 3000); do
+        f=$(ls "$LT"/fitllm-lab-*/grad-accum/logs/metrics.csv 2>/dev/null | head -1)
+        [ -n "$f" ] && grep -qE -- "$FIRST_STEP" "$f" && return 0
+        kill -0 "$BG" 2>/dev/null || return 1; sleep 0.1
+    done
+    return 1
+}
+# lab_left NAME OUT: nothing left in the temporary folder, no report in OUT
+lab_left() {
+    if [ -n "$(ls -A "$LT")" ] || [ -e "$2/report.md" ]; then
+        echo "FAIL $1_left: $(ls -A "$LT" | head -3) $(ls "$2" 2>/dev/null | head -3)"; fail=$((fail+1)); rm -rf "${LT:?}"/*
+    else echo "ok   $1_left"; pass=$((pass+1)); fi
+}
+start_run lab_ctrl_c env TMPDIR="$LT" "$FITLLM" "${LABSIG[@]}" --out_dir "$T/labsig1"
+lab_step1; kill -INT $BG
+stopped lab_ctrl_c 130 "stopped by SIGINT \(Ctrl-C\) after 0 rows; no report written$"
+lab_left lab_ctrl_c "$T/labsig1"
+start_run lab_sigterm_twice env TMPDIR="$LT" "$FITLLM" "${LABSIG[@]}" --out_dir "$T/labsig2"
+lab_step1; sleep 0.2; kill -TERM $BG
+wait_for "$T/lab_sigterm_twice.err" "SIGTERM: stopping the lab after this step"; kill -TERM $BG
+stopped lab_sigterm_twice 143 "stopped at once by SIGTERM; no report written; its temporary folder removed$"
+lab_left lab_sigterm_twice "$T/labsig2"
+# a reader that goes away (| head): the lab ends at the next row it prints, removes its folder, dies of SIGPIPE
+env TMPDIR="$LT" "$FITLLM" lab --only baseline,reduced-batch,grad-accum --out_dir "$T/labsig3" 2>"$T/lab_pipe.err" | head -1 >/dev/null
+rc=${PIPESTATUS[0]}
+if [ "$rc" -eq 141 ] && [ ! -s "$T/lab_pipe.err" ]; then echo "ok   lab_pipe_closed"; pass=$((pass+1))
+else echo "FAIL lab_pipe_closed: exit $rc, want 141 (SIGPIPE), stderr: $(head -c 300 "$T/lab_pipe.err")"; fail=$((fail+1)); fi
+lab_left lab_pipe_closed "$T/labsig3"
 # --devices 2: the launcher stays, forwards the stop to the ranks and exits as one process would
 if "$FITLLM" --version | grep -q "comm: *MPI (Open MPI" && command -v mpirun >/dev/null; then
     MPIENV=("${NOLAUNCH[@]}" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1)

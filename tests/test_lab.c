@@ -5,6 +5,7 @@
  * tests/cli_test.sh runs the whole quick suite through the CLI. */
 #define _XOPEN_SOURCE 700 /* nanosleep, setenv, open_memstream, nftw */
 #include <dlfcn.h>
+#include <errno.h>
 #include <ftw.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -389,14 +390,25 @@ static int count_entry(const char *path, const struct stat *st, int flag, struct
     if (ftw->level > 0) g_tmp_entries++;
     return 0;
 }
-FL_TEST(lab_temporary_folder_removed_on_error) {
-    char td[600];
-    snprintf(td, sizeof td, "%s/lab-tmpdir", fl_test_tmpdir());
+/* TMPDIR set to a fresh folder name under the test's (td), the caller's kept in keep ("" = none) for tmpdir_end;
+ * tmpdir_end restores it and counts what is left in td */
+static void tmpdir_begin(const char *name, char *td, size_t n, char *keep, size_t kn) {
+    snprintf(td, n, "%s/%s", fl_test_tmpdir(), name);
     FL_REQUIRE(mkdir(td, 0700) == 0);
     const char *had = getenv("TMPDIR");
-    char keep[600] = "";
-    if (had) snprintf(keep, sizeof keep, "%s", had);
+    snprintf(keep, kn, "%s", had ? had : "");
     FL_REQUIRE(setenv("TMPDIR", td, 1) == 0);
+}
+static int tmpdir_end(const char *td, const char *keep) {
+    if (*keep) setenv("TMPDIR", keep, 1);
+    else unsetenv("TMPDIR");
+    g_tmp_entries = 0;
+    return nftw(td, count_entry, 16, FTW_PHYS) == 0 ? g_tmp_entries : -1; /* -1: td itself is gone */
+}
+
+FL_TEST(lab_temporary_folder_removed_on_error) {
+    char td[600], keep[600];
+    tmpdir_begin("lab-tmpdir", td, sizeof td, keep, sizeof keep);
     fl_lab_opts o;
     fl_lab_opts_default(&o);
     o.suite = "ci";
@@ -408,12 +420,80 @@ FL_TEST(lab_temporary_folder_removed_on_error) {
     fl_lab_report rep;
     const fl_status s = fl_lab_run(&o, NULL, &rep);
     fl_lab_report_free(&rep);
-    if (had) setenv("TMPDIR", keep, 1);
-    else unsetenv("TMPDIR");
+    const int left = tmpdir_end(td, keep);
     FL_CHECKF(s != FL_OK && strstr(fl_error_message(), "no-such-data.json"), "%d: %s", (int)s, fl_error_message());
-    g_tmp_entries = 0;
-    FL_REQUIRE(nftw(td, count_entry, 16, FTW_PHYS) == 0);
-    FL_CHECKF(g_tmp_entries == 0, "%d entries left under the lab's TMPDIR", g_tmp_entries);
+    FL_CHECKF(left == 0, "%d entries left under the lab's TMPDIR", left);
+}
+
+/* fl_lab_opts.stop (the CLI's stop signals): polled before each row and after each step, on every rank of a
+ * data-parallel row (the ranks as threads agree: no hang); the run ends there with FL_OK, rep.stopped its value, the
+ * rows finished before it kept (the stopped row dropped), the temporary folder removed */
+typedef struct {
+    int calls, at; /* the call that says stop (SIGINT's number, then every later call) */
+} stop_after;
+static int stop_cb(void *ud) {
+    stop_after *a = ud;
+    return ++a->calls >= a->at ? 2 : 0;
+}
+FL_TEST(lab_stop_callback_ends_the_run) {
+    static const struct { const char *only; int at, rows; } k[] = {
+        {"reduced-batch,grad-accum", 1, 0}, /* before the first row */
+        {"reduced-batch,grad-accum", 6, 1}, /* row 1 (a poll before it, after its steps 1 and 2: the last is not
+                                               * asked) kept; row 2 (polled before it) stopped after its step 1:
+                                               * dropped */
+        {"ddp", 3, 0},                      /* the ranks' polls after step 1 (each rank's thread calls it: the
+                                               * second says stop; the trainer's ranks agree) */
+    };
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+        char td[600], keep[600], name[32];
+        snprintf(name, sizeof name, "lab-stop-%zu", i);
+        tmpdir_begin(name, td, sizeof td, keep, sizeof keep);
+        fl_lab_opts o;
+        fl_lab_opts_default(&o);
+        o.suite = "quick"; /* its course plans come after the rows: not made when stopped */
+        o.only = k[i].only;
+        o.steps = 3;
+        stop_after a = {0, k[i].at};
+        o.stop = stop_cb;
+        o.stop_ud = &a;
+        fl_lab_report rep;
+        const fl_status s = fl_lab_run(&o, NULL, &rep);
+        const int n = rep.n, stopped = rep.stopped, planned = rep.n_course;
+        fl_lab_report_free(&rep);
+        const int left = tmpdir_end(td, keep);
+        FL_CHECKF(s == FL_OK, "%s, stop at call %d: %s", k[i].only, k[i].at, fl_error_message());
+        FL_CHECKF(stopped == 2 && n == k[i].rows && planned == 0,
+                  "%s, stop at call %d (of %d): stopped %d, %d rows (want %d), %d course plans", k[i].only, k[i].at,
+                  a.calls, stopped, n, k[i].rows, planned);
+        FL_CHECKF(left == 0, "%s: %d entries left under the lab's TMPDIR", k[i].only, left);
+    }
+}
+
+/* A failed write of the progress (a full device here; EPIPE from `| head` in the CLI): FL_ERR_IO naming it, the errno
+ * in the report, the temporary folder removed */
+FL_TEST(lab_output_write_error_ends_the_run) {
+    FILE *full = fopen("/dev/full", "w");
+    if (!full) {
+        fl_test_skip("no /dev/full here");
+        return;
+    }
+    char td[600], keep[600];
+    tmpdir_begin("lab-full", td, sizeof td, keep, sizeof keep);
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "ci";
+    o.only = "reduced-batch,grad-accum";
+    o.steps = 1;
+    fl_lab_report rep;
+    const fl_status s = fl_lab_run(&o, full, &rep);
+    const int n = rep.n, err = rep.out_errno;
+    fl_lab_report_free(&rep);
+    fclose(full);
+    const int left = tmpdir_end(td, keep);
+    FL_CHECKF(s == FL_ERR_IO && err == ENOSPC && n == 1 &&
+              strstr(fl_error_message(), "writing its progress failed after row reduced-batch"),
+              "status %d, errno %d (%s), %d rows: %s", (int)s, err, strerror(err), n, fl_error_message());
+    FL_CHECKF(left == 0, "%d entries left under the lab's TMPDIR", left);
 }
 
 /* The random init (every lab row's weights) splits each block of the stream over all of the backend's threads

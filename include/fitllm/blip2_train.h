@@ -53,7 +53,7 @@ typedef struct {
     FILE *report;                 /* the memory report at the end (per part, per tag, the snapshots); NULL: none */
     /* polled on every rank after each step but the last: non-zero (a signal number) stops the run there (the MAX over
      * the ranks), with a step checkpoint when train.save_on_signal (unless train.save_interval just wrote one); no
-     * final evaluation or folder. NULL: never */
+     * final evaluation or folder (a rehearsal: it ends there). NULL: never */
     int (*stop)(void *ud);
     void *stop_ud;
     double *step_ms, *step_loss;  /* NULL, or n_step_out entries: each step of this session's wall time and loss */

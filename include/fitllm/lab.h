@@ -121,6 +121,10 @@ typedef struct {
                             * scale data/alpaca2k/alpaca2k.json when it is present in the working directory, else none */
     const char *tokenizer; /* with data: the tokenizer folder (the real model's, e.g. TinyLlama's); NULL = the built-in
                             * bytes (each byte a token: samples about 4x longer than with the LLaMA tokenizer) */
+    int (*stop)(void *ud); /* NULL, or polled before each row and after each training step (on every rank of a
+                            * row's): non-zero (the CLI's: a stop signal's number) ends the run there, the row in
+                            * training dropped; fl_lab_run returns FL_OK with fl_lab_report.stopped set */
+    void *stop_ud;
 } fl_lab_opts;
 
 void fl_lab_opts_default(fl_lab_opts *o);
@@ -247,6 +251,10 @@ typedef struct {
                                 * theirs, not ref_T); "" at lab scale (Synthetic, whose samples are longer than T) */
     char data[4096];           /* fl_lab_opts.data as used ("" = synthetic): the rows' Alpaca-style JSON */
     char tokenizer[4096];      /* with data: its tokenizer folder ("" = the built-in bytes) */
+    int stopped;               /* fl_lab_opts.stop's value that ended the run (0: it ran to the end); rows holds the
+                                * rows finished before it, the course's plans are not made */
+    int out_errno;             /* a write to fl_lab_run's out failed (EPIPE: its reader went away): the errno; the
+                                * run ended there with FL_ERR_IO */
 } fl_lab_report;
 
 /* LLaMA or GPT-2 shapes, a full fine-tune with AdamW at precision (else FL_ERR_UNSUPPORTED naming what is not

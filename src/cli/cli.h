@@ -84,7 +84,7 @@ void fl_cli_faults_end(void);
 /* A rank of several ended by the launcher's SIGTERM (from the thread that took it): rank 0 names the
  * last committed checkpoint; the process dies of sig. Does not return. */
 void fl_cli_faults_term(int sig);
-/* "SIGINT (Ctrl-C)", "SIGTERM", "SIGUSR1", ... (cmd_train.c) */
+/* "SIGINT (Ctrl-C)", "SIGTERM", "SIGUSR1", ... (signals.c) */
 const char *fl_cli_signal_name(int sig);
 /* After a training run failed with FL_ERR_OOM: the breakdown at the failure and
  * what to try, planned for the same config and budget (src/cli/cmd_plan.c). */
@@ -155,7 +155,28 @@ int fl_cmd_download(int argc, char **argv);
 /* finetune_full / finetune_lora on a BLIP-2 folder (cmd_blip2_train.c over the library's fl_blip2_train):
  * image-caption fine-tuning, in one process (comm NULL) or DDP over comm's ranks; the exit code. */
 int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm);
-/* The first stop signal's number (SIGINT, SIGTERM, SIGUSR1; SIGUSR2: fitllm's launcher), 0 = none (cmd_train.c). */
+/* Stop signals of a long command (signals.c): SIGINT (Ctrl-C), SIGTERM (Slurm's scancel and time limit, Kubernetes,
+ * systemd), SIGUSR1 (Slurm's pre-emption notice) and, launched, SIGUSR2 (fitllm's launcher's stop request) are blocked
+ * in this thread and the OpenMP pool (started here: `threads`) and taken by a thread of their own. The first sets
+ * fl_cli_interrupted and prints "fitllm: SIGINT (Ctrl-C): <stop_what> ..." on rank 0; the command stops after its
+ * step. The second stops at once: at_once(sig) says what was left (NULL: the last checkpoint in out_dir, the training
+ * commands'), then the process dies of the signal (the shell's 128 + number). */
+typedef struct {
+    const char *cmd;
+    const char *out_dir;       /* with at_once NULL: where the last step-* checkpoint is looked for */
+    int world, rank, threads, launched;
+    const char *at_once_msg;   /* the second signal taken by a thread that does not block it (MPI's): written as is */
+    const char *stop_what;     /* NULL: "stopping after this step" */
+    void (*at_once)(int sig);  /* NULL: the training commands' message */
+} fl_cli_signals;
+void fl_cli_signals_begin(const fl_cli_signals *s);
+void fl_cli_signals_end(void);
+/* sig taken as a first stop signal before fl_cli_signals_begin (a rank of fitllm's launcher: its SIGUSR2 while MPI
+ * starts) */
+void fl_cli_signals_early(int sig);
+/* The process dies of sig now: its default action, unblocked in this thread only (signals.c) */
+void fl_cli_die_of(int sig);
+/* The first stop signal's number (SIGINT, SIGTERM, SIGUSR1; SIGUSR2: fitllm's launcher), 0 = none. */
 int fl_cli_interrupted(void);
 /* `fitllm plan` of BLIP-2 fine-tuning (a folder or a preset, fl_cli_is_blip2): the exit code. */
 int fl_cli_is_blip2(const char *name);

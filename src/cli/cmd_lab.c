@@ -2,12 +2,19 @@
  * (also `make demo`). Exit codes: 0 when every experiment ran (OOM and "not
  * available" are results), 1 when one failed or the files could not be
  * written, 2 usage error. */
+#define _XOPEN_SOURCE 700
+#include <errno.h>
+#include <ftw.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli.h"
+#include "core/fs.h"
+#include "fitllm/cpu.h"
 #include "fitllm/lab.h"
 
 static void help(void) {
@@ -84,8 +91,38 @@ static void help(void) {
            "                    GPT-3 2.7B's shape, 2.65 B parameters)\n"
            "  --precision LIST  (default 32-true,16-mixed)  fsdp suite: the precisions swept (16-mixed: the course's AMP)\n"
            "  --fsdp.backward_prefetch on|off  (default on)  fsdp suite: the backward's next all-gather posted ahead\n\n"
+           "Stopping: Ctrl-C (SIGINT) or SIGTERM stops after the step in progress, writes no report and removes the\n"
+           "runs' temporary folder; the same signal again stops at once (the folder removed too). A reader that goes\n"
+           "away (| head) ends the lab at the next row it prints, its folder removed, killed by SIGPIPE as a filter is.\n\n"
            "exit codes: 0 every experiment ran (OOM and n/a are results), 1 an experiment failed or the files\n"
-           "could not be written, 2 usage error\n");
+           "could not be written, 2 usage error, 130 SIGINT, 143 SIGTERM\n");
+}
+
+/* The runs' folder: fl_cmd_lab's, removed by stop_at_once when it is temporary (g_runs_temp) */
+static char g_runs[4200];
+static int g_runs_temp;
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st, (void)flag, (void)ftw;
+    remove(path);
+    return 0;
+}
+
+static int poll_stop(void *ud) {
+    (void)ud;
+    return fl_cli_interrupted();
+}
+
+/* The second stop signal (from the signals' thread; the rows' threads still run, and the process dies after this):
+ * the temporary folder removed, best effort (a file a row creates meanwhile may keep it), and said. */
+static void stop_at_once(int sig) {
+    if (g_runs_temp) nftw(g_runs, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    struct stat st;
+    const int left = g_runs_temp && stat(g_runs, &st) == 0;
+    fprintf(stderr, "fitllm lab: stopped at once by %s; no report written%s%s%s\n", fl_cli_signal_name(sig),
+            g_runs_temp ? (left ? "; its temporary folder is left: remove '" : "; its temporary folder removed")
+                        : "; the runs so far are in '",
+            g_runs_temp && !left ? "" : g_runs, g_runs_temp && !left ? "" : "'");
 }
 
 int fl_cmd_lab(int argc, char **argv) {
@@ -158,17 +195,50 @@ int fl_cmd_lab(int argc, char **argv) {
         }
         else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--data", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--peer", "--only", "--plan-only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", "--tokenizer", NULL});
     }
-    char runs[4200];
-    if (keep) {
-        snprintf(runs, sizeof runs, "%s/runs", out_dir);
-        o.run_dir = runs;
+    /* the runs' out_dirs: DIR/runs (--keep-runs) or a temporary folder of this command's (the library would make
+     * one, but a stop at once must know it to remove it) */
+    if (keep) snprintf(g_runs, sizeof g_runs, "%s/runs", out_dir);
+    else {
+        snprintf(g_runs, sizeof g_runs, "%s/fitllm-lab-XXXXXX", fl_fs_tmpdir());
+        if (!mkdtemp(g_runs)) {
+            fprintf(stderr, "fitllm %s: error: cannot create a temporary folder for the runs under %s (TMPDIR): %s\n",
+                    cmd, fl_fs_tmpdir(), strerror(errno));
+            return FL_EXIT_RUNTIME;
+        }
     }
+    g_runs_temp = !keep;
+    o.run_dir = g_runs;
+    o.stop = poll_stop;
     fl_lab_report rep;
+    /* a reader that goes away (`fitllm lab | head`): the write fails (EPIPE) instead of killing the process, the lab
+     * ends at the row and removes its folder, then the process ends as a filter does (SIGPIPE) */
+    signal(SIGPIPE, SIG_IGN);
+    const fl_cli_signals sigs = {.cmd = cmd, .threads = o.threads > 0 ? o.threads : fl_cpu_default_threads(),
+                                 .at_once_msg = "fitllm lab: stopped at once\n",
+                                 .stop_what = "stopping the lab after this step, no report written",
+                                 .at_once = stop_at_once};
+    fl_cli_signals_begin(&sigs);
     fl_status s = fl_lab_run(&o, stdout, &rep);
+    fl_cli_signals_end();
+    if (g_runs_temp) nftw(g_runs, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    if (s != FL_OK && rep.out_errno == EPIPE) {
+        fl_lab_report_free(&rep);
+        fl_cli_die_of(SIGPIPE);
+        return FL_EXIT_RUNTIME;
+    }
     if (s != FL_OK) {
         fl_lab_report_free(&rep);
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         return s == FL_ERR_INVALID ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+    }
+    if (rep.stopped) {
+        const int n = rep.n;
+        fl_lab_report_free(&rep);
+        fflush(stdout);
+        fprintf(stderr, "fitllm %s: stopped by %s after %d row%s; no report written%s%s%s\n", cmd,
+                fl_cli_signal_name(rep.stopped), n, n == 1 ? "" : "s", keep ? " (the runs so far are in '" : "",
+                keep ? g_runs : "", keep ? "')" : "");
+        return 128 + rep.stopped;
     }
     fl_lab_print_table(&rep, stdout);
     int charts = 0;
@@ -190,6 +260,9 @@ int fl_cmd_lab(int argc, char **argv) {
            charts ? pngs : " (no charts: see report.md)", rep.wall_s);
     int errors = rep.n_errors;
     fl_lab_report_free(&rep);
+    errno = 0;
+    /* the reader left during the table: as a filter ends */
+    if ((fflush(stdout) != 0 || ferror(stdout)) && errno == EPIPE) fl_cli_die_of(SIGPIPE);
     if (errors) {
         fprintf(stderr, "fitllm %s: %d experiment(s) failed (see the table)\n", cmd, errors);
         return FL_EXIT_RUNTIME;

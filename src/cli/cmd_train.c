@@ -1,7 +1,5 @@
 /* fitllm finetune_full / pretrain: LitGPT-compatible command lines and YAML
  * recipes driving the trainer. finetune_lora / finetune are reserved. */
-#include <omp.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -195,127 +193,12 @@ done:
     return rc;
 }
 
-/* Stopping by a signal: SIGINT (Ctrl-C), SIGTERM (Slurm's scancel and time limit, Kubernetes, systemd)
- * and SIGUSR1 (Slurm's pre-emption notice, sbatch --signal=B:USR1@120 / srun --signal=USR1@120) all
- * stop the run after the current step, committing its checkpoint under train.save_on_signal; a
- * second one stops at once. The exit status is the shell's for a process killed by the first signal,
- * 128 + its number: 130, 143, 138 (SIGUSR1: non-zero, so a batch script does not take the run for a
- * finished one, and apart from errors (1), so it can requeue it with --resume auto).
- * SIGUSR2 is fitllm's launcher asking its ranks to stop (it took the user's signal: launch.c). */
-static volatile sig_atomic_t g_interrupted; /* the first signal's number; 0 = none */
-static int g_world = 1, g_rank0 = 1; /* g_rank0: this process speaks (rank 0, or one process) */
-static const char *g_cmd_name = "train", *g_out_dir = ".";
-
-const char *fl_cli_signal_name(int sig) {
-    return sig == SIGINT ? "SIGINT (Ctrl-C)" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" :
-           sig == SIGUSR2 ? "SIGUSR2" : sig == SIGHUP ? "SIGHUP" : "a signal";
-}
-
-/* The first signal (a handler where no thread takes it by sigwait: only async-signal-safe calls). */
-static char g_resume_msg[FL_CFG_PATH + 256];
-
-static void on_signal(int sig) {
-    if (g_interrupted) { /* the second, in a thread that does not block it (one MPI started): stop now */
-        if (write(STDERR_FILENO, g_resume_msg, strlen(g_resume_msg)) < 0) { /* nothing to do */ }
-        signal(sig, SIG_DFL);
-        raise(sig);
-        return;
-    }
-    g_interrupted = sig;
-    if (sig == SIGUSR2 || !g_rank0) return; /* the launcher said it; rank 0 speaks for the ranks */
-    char m[256];
-    const char *name = fl_cli_signal_name(sig);
-    size_t n = 0;
-#define PUT(str) do { size_t l_ = strlen(str); if (n + l_ < sizeof m) { memcpy(m + n, str, l_); n += l_; } } while (0)
-    PUT("\nfitllm: ");
-    PUT(name);
-    PUT(": stopping after this step (the same signal again, or Ctrl-C, stops now)\n");
-#undef PUT
-    if (write(STDERR_FILENO, m, n) < 0) { /* nothing to do */ }
-}
-
-/* The signals are taken by a thread of its own (sigwait), blocked in every other thread: the
- * training thread and the OpenMP pool, whose threads are started here and inherit the mask. With
- * the signal delivered asynchronously to the training threads, the heap was corrupted in about 1 run
- * of 5 (`finetune_ctrl_c` at 2 threads: a oneDNN GEMM's free aborted; never with --threads 1). */
-static volatile sig_atomic_t g_sig_done;
-static pthread_t g_sig_thread;
-static sigset_t g_sig_old, g_sig_set;
-
-/* Stop now: what was printed is flushed whole (stdio's lock: no line is cut), the message names the
- * last committed checkpoint, and the process dies of the signal (the shell's 128 + number). */
-static void stop_now(int sig) {
-    char where[2 * FL_CFG_PATH];
-    fflush(stdout);
-    fl_cli_last_checkpoint(g_out_dir, where, sizeof where);
-    fprintf(stderr, "fitllm %s: stopped at once by %s; %s\n", g_cmd_name, fl_cli_signal_name(sig), where);
-    fflush(stderr);
-    signal(sig, SIG_DFL);
-    /* unblock this signal only: the training thread may be ending the run at this moment, and
-     * signals_end's SIGINT (sent to wake this thread) would otherwise be taken here by on_signal,
-     * which prints a second message and dies of SIGINT (exit 130 for a SIGTERM: the CLI case
-     * sigterm_twice failed so, about 1 run in 10 under load) */
-    sigset_t one;
-    sigemptyset(&one);
-    sigaddset(&one, sig);
-    pthread_sigmask(SIG_UNBLOCK, &one, NULL);
-    raise(sig);
-}
-
-static void *signal_thread(void *arg) {
-    (void)arg;
-    for (;;) {
-        int sig;
-        if (sigwait(&g_sig_set, &sig) != 0) continue;
-        if (g_sig_done) return NULL;
-        /* several ranks: mpirun and srun end every rank with SIGTERM when one fails (the others
-         * would wait for it in a collective): rank 0 names the last checkpoint and all end now */
-        if (sig == SIGTERM && g_world > 1) fl_cli_faults_term(sig);
-        if (g_interrupted) { /* the second: stop now */
-            stop_now(sig == SIGUSR2 ? SIGTERM : sig);
-            return NULL;
-        }
-        on_signal(sig);
-    }
-}
-
-/* launched: by fitllm's launcher (SIGUSR2 is its stop request) */
-static void signals_begin(int nt, int launched) {
-    sigemptyset(&g_sig_set);
-    sigaddset(&g_sig_set, SIGINT);
-    sigaddset(&g_sig_set, SIGTERM);
-    sigaddset(&g_sig_set, SIGUSR1);
-    if (launched) sigaddset(&g_sig_set, SIGUSR2);
-    pthread_sigmask(SIG_BLOCK, &g_sig_set, &g_sig_old);
-    if (omp_get_max_threads() > nt) nt = omp_get_max_threads();
-#pragma omp parallel num_threads(nt)
-    { /* nothing: the pool's threads exist from now on, the signals blocked */ }
-    /* a thread started before this (MPI's) still takes them the old way */
-    signal(SIGINT, on_signal);
-    signal(SIGUSR1, on_signal);
-    if (g_world == 1) signal(SIGTERM, on_signal);
-    if (launched) signal(SIGUSR2, on_signal);
-    g_sig_done = 0;
-    if (pthread_create(&g_sig_thread, NULL, signal_thread, NULL) != 0) pthread_sigmask(SIG_SETMASK, &g_sig_old, NULL);
-}
-
-static void signals_end(int launched) {
-    g_sig_done = 1;
-    pthread_kill(g_sig_thread, SIGINT);
-    pthread_join(g_sig_thread, NULL);
-    signal(SIGINT, SIG_DFL);
-    signal(SIGTERM, SIG_DFL);
-    signal(SIGUSR1, SIG_DFL);
-    if (launched) signal(SIGUSR2, SIG_DFL);
-    pthread_sigmask(SIG_SETMASK, &g_sig_old, NULL);
-}
-
 /* 0 = go on; 1 = stop; 2 = stop after committing this step's checkpoint (train.save_on_signal) */
 static int stop_if_interrupted(void *ud, long step, double loss, const void *params, size_t bytes) {
     const fl_run_config *cfg = ud;
     (void)loss, (void)params, (void)bytes;
     fl_cli_faults_step(cfg, step);
-    return g_interrupted ? (cfg->train.save_on_signal ? 2 : 1) : 0;
+    return fl_cli_interrupted() ? (cfg->train.save_on_signal ? 2 : 1) : 0;
 }
 
 /* --devices / --num_nodes against the launcher; the communicator for more than one rank.
@@ -360,7 +243,7 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     int rc = fl_cli_parse_run(cmd, kind, argc, argv, &cfg, NULL, NULL, help);
     if (rc) return rc < 0 ? 0 : rc;
     /* a rank of fitllm's launcher: its stop request may come while MPI starts; kept for the first step */
-    if (getenv("FITLLM_LAUNCHED")) signal(SIGUSR2, on_signal);
+    if (getenv("FITLLM_LAUNCHED")) fl_cli_signals_early(SIGUSR2);
     /* a BLIP-2 folder: image-caption fine-tuning, its own loop (fl_blip2_train, through cmd_blip2_train.c) */
     const int blip2 = kind != FL_CMD_PRETRAIN && fl_blip2_is_folder(cfg.checkpoint_dir);
     fl_comm *comm = NULL;
@@ -382,13 +265,13 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
     const int launched = getenv("FITLLM_LAUNCHED") != NULL && world > 1; /* by fitllm's own mpirun */
     int bar = !cfg.quiet && rank == 0 && fl_cli_stdout_is_terminal(world);
     fl_trainer_result res;
-    snprintf(g_resume_msg, sizeof g_resume_msg,
+    char resume_msg[FL_CFG_PATH + 256];
+    snprintf(resume_msg, sizeof resume_msg,
              "fitllm %s: stopped at once; to continue from the last step-* checkpoint in '%s', run the same command "
              "with --resume auto\n", cmd, cfg.out_dir);
-    g_world = world;
-    g_rank0 = rank == 0;
-    g_cmd_name = cmd;
-    g_out_dir = cfg_in->out_dir;
+    const fl_cli_signals sigs = {.cmd = cmd, .out_dir = cfg_in->out_dir, .world = world, .rank = rank,
+                                 .threads = cfg.threads > 0 ? cfg.threads : fl_cpu_default_threads(),
+                                 .launched = launched, .at_once_msg = resume_msg};
     /* --strategy auto on a TP / PP grid: the data axis's strategy by the per-rank plan (fitllm/plan.h); every rank
      * plans alike (the plan is deterministic), rank 0 says why */
     fl_backend_facts af;
@@ -406,7 +289,7 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
         fl_cli_fail(cmd, FL_ERR_INVALID, NULL);
         return FL_EXIT_USAGE;
     }
-    signals_begin(cfg.threads > 0 ? cfg.threads : fl_cpu_default_threads(), launched);
+    fl_cli_signals_begin(&sigs);
     fl_cli_faults_begin(cmd, &cfg, rank, world);
     /* on a GPU, rank 0 samples its utilization and memory through NVML for the summary (the course's nvtop);
      * FITLLM_GPU_MONITOR=off never, on always (the tests: an NVML stand-in beside a CPU run) */
@@ -427,7 +310,7 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
         else printf("GPU utilization: not sampled (%s)\n", gpu_why[0] ? gpu_why : "no sample");
     }
     fl_cli_faults_end();
-    signals_end(launched);
+    fl_cli_signals_end();
     fflush(stdout); /* the log ends with its last whole line before any message */
     /* configuration problems found while setting up (bad values, a checkpoint_dir or data file
      * that does not exist, a technique this build lacks) are usage errors */
@@ -445,7 +328,7 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
             fl_comm_abort(comm, code, msg); /* MPI: does not return */
         }
     }
-    const int sig = g_interrupted;
+    const int sig = fl_cli_interrupted();
     if (s == FL_OK && sig && res.final_dir[0]) { /* it came after the last step: the run is complete */
         if (rank == 0)
             fprintf(stderr, "fitllm %s: %s came after the last step; the run finished and saved '%s'\n", cmd,
@@ -489,22 +372,20 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
     return 0;
 }
 
-int fl_cli_interrupted(void) { return g_interrupted; }
-
 /* BLIP-2's loop (fl_blip2_train through cmd_blip2_train.c) under the same signal handling: it polls fl_cli_interrupted after each step. */
 static int blip2_run(const char *cmd, const fl_run_config *cfg, fl_comm *comm) {
     const int rank = comm ? fl_comm_rank(comm) : 0, world = comm ? fl_comm_size(comm) : 1;
     const int launched = getenv("FITLLM_LAUNCHED") != NULL && world > 1;
-    snprintf(g_resume_msg, sizeof g_resume_msg,
+    char resume_msg[FL_CFG_PATH + 256];
+    snprintf(resume_msg, sizeof resume_msg,
              "fitllm %s: stopped at once; to continue from the last step-* checkpoint in '%s', run the same command "
              "with --resume auto\n", cmd, cfg->out_dir);
-    g_world = world;
-    g_rank0 = rank == 0;
-    g_cmd_name = cmd;
-    g_out_dir = cfg->out_dir;
-    signals_begin(cfg->threads > 0 ? cfg->threads : fl_cpu_default_threads(), launched);
+    const fl_cli_signals sigs = {.cmd = cmd, .out_dir = cfg->out_dir, .world = world, .rank = rank,
+                                 .threads = cfg->threads > 0 ? cfg->threads : fl_cpu_default_threads(),
+                                 .launched = launched, .at_once_msg = resume_msg};
+    fl_cli_signals_begin(&sigs);
     const int rc = fl_cli_blip2_train(cmd, cfg, comm);
-    signals_end(launched);
+    fl_cli_signals_end();
     return rc;
 }
 

@@ -7,7 +7,6 @@
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <fcntl.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -228,12 +227,7 @@ void fl_cli_faults_term(int sig) {
     size_t n = (size_t)g_term_len;
     fflush(stdout); /* the log's lines whole */
     if (g_rank == 0 && n && write(STDERR_FILENO, g_term_msg[g_term_buf], n) < 0) { /* nothing to do */ }
-    signal(sig, SIG_DFL);
-    sigset_t one;
-    sigemptyset(&one);
-    sigaddset(&one, sig);
-    pthread_sigmask(SIG_UNBLOCK, &one, NULL);
-    raise(sig);
+    fl_cli_die_of(sig);
 }
 
 void fl_cli_faults_end(void) {

@@ -34,7 +34,11 @@ void fl_lab_set_oom(fl_lab_row *r, const fl_mem_oom *oom, const char *suffix);
 void fl_lab_gpu_cells(const fl_lab_row *r, char *u, size_t un, char *m, size_t mn); /* "mean +- std" or "-" */
 /* text in lines of at most width columns, the first after prefix, the rest indented (never cut) */
 void fl_lab_wrap(FILE *f, const char *prefix, const char *text, int width, int indent); /* "fits", "OOM", "n/a", "?" */
-void fl_lab_print_row(FILE *out, const fl_lab_row *r); /* a row's console line: name, verdict, time, peak or note */
+/* a row's console line: name, verdict, time, peak or note; a failed write (EPIPE: the reader went away) FL_ERR_IO with
+ * rep->out_errno */
+fl_status fl_lab_print_row(FILE *out, const fl_lab_row *r, fl_lab_report *rep);
+/* o->stop polled into rep->stopped (once set, kept): non-zero = stop */
+int fl_lab_stop_polled(const fl_lab_opts *o, fl_lab_report *rep);
 /* lab_sweep.c: the fsdp suite's tables, chart data and script; a row's setting (2 x 16-bit + checkpointing) */
 int fl_lab_sweep_group(const fl_lab_row *r);
 void fl_lab_sweep_print(const fl_lab_report *rep, FILE *f);

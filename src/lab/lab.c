@@ -237,6 +237,8 @@ typedef struct {
     long steps, want;
     double t[256];
     double last_loss;
+    const fl_lab_opts *o; /* its stop callback */
+    int stopped;          /* its value when it ended the row's training */
 } step_log;
 
 static int on_step(void *ud, long step, double loss, const void *p, size_t n) {
@@ -245,7 +247,10 @@ static int on_step(void *ud, long step, double loss, const void *p, size_t n) {
     if (step - 1 < 256) l->t[step - 1] = now_s();
     l->steps = step;
     l->last_loss = loss;
-    return step >= l->want; /* stop after the last step: no final checkpoint to write */
+    /* stop after the last step: no final checkpoint to write; or at the user's stop (the row dropped) */
+    if (step >= l->want) return 1;
+    if (l->o && l->o->stop && !l->stopped) l->stopped = l->o->stop(l->o->stop_ud);
+    return l->stopped != 0;
 }
 
 /* The grid rows (techniques tensor_parallel, pipeline_parallel): their DP x TP x PP sizes */
@@ -425,6 +430,8 @@ static fl_status train_row(const fl_run_config *c, int ranks, step_log *log, fl_
     for (int r = 0; r < ranks && s != FL_OK; r++)
         if (x->st[r] == s) { pick = r; break; }
     *log = x->log[pick];
+    for (int r = 0; r < ranks; r++) /* the ranks stop together when any one's poll said so */
+        if (x->log[r].stopped) log->stopped = x->log[r].stopped;
     *res = x->res[pick];
     for (int r = 0; r < ranks; r++) { /* the peak's range over the ranks */
         size_t pk = x->res[r].peak_total;
@@ -535,8 +542,11 @@ static void row_measured(const lab_exp *e, const fl_lab_report *rep, const char 
     }
 }
 
-static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, const char *run_dir, int threads,
-                    int run_oom, fl_lab_row *r) {
+/* Returns o->stop's value when it ended the row's training (its figures partial), else 0 */
+static int run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, const char *run_dir,
+                   const fl_lab_opts *o, fl_lab_row *r) {
+    const int threads = o->threads, run_oom = o->run_oom;
+    int stopped = 0;
     memset(r, 0, sizeof *r);
     lab_exp ex = *e0;
     const lab_exp *e = &ex;
@@ -636,11 +646,13 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     step_log log;
     memset(&log, 0, sizeof log);
     log.want = steps;
+    log.o = o;
     fl_trainer_result res;
     memset(&res, 0, sizeof res);
     char why[200];
     fl_gpu_monitor *gpu = !strncmp(rep->gpu_note, "NVML,", 5) ? fl_gpu_monitor_start(100, why, sizeof why) : NULL;
     fl_status s = train_row(c, r->ranks, &log, &res, &r->peak_min, &r->peak_max);
+    stopped = s == FL_OK ? log.stopped : 0;
     fl_lab_gpu_stop(gpu, r);
     memcpy(r->peak, res.peak, sizeof r->peak);
     r->peak_total = res.peak_total;
@@ -659,6 +671,7 @@ done:
     free(c);
     free(p);
     r->wall_s = now_s() - t0;
+    return stopped;
 }
 
 /* ---- the suite ------------------------------------------------------------------------ */
@@ -836,11 +849,19 @@ static void banner(const fl_lab_opts *o, const fl_lab_report *rep, long steps, F
     fflush(out);
 }
 
-void fl_lab_print_row(FILE *out, const fl_lab_row *r) {
+fl_status fl_lab_print_row(FILE *out, const fl_lab_row *r, fl_lab_report *rep) {
     char pre[64], a[32];
     snprintf(pre, sizeof pre, "  %-17s %-6s %8.1f s  ", r->name, fl_lab_verdict_name(r->verdict), r->wall_s);
     fl_lab_wrap(out, pre, r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note, 120, 6);
-    fflush(out);
+    errno = 0;
+    if (fflush(out) == 0 && !ferror(out)) return FL_OK;
+    rep->out_errno = errno ? errno : EIO; /* the banner's failure is kept in ferror: its errno may be gone */
+    return fl_errorf(FL_ERR_IO, "lab: writing its progress failed after row %s: %s", r->name, strerror(rep->out_errno));
+}
+
+int fl_lab_stop_polled(const fl_lab_opts *o, fl_lab_report *rep) {
+    if (!rep->stopped && o->stop) rep->stopped = o->stop(o->stop_ud);
+    return rep->stopped;
 }
 
 /* fl_lab_run's data, rows and plans, its runs' out_dirs under run_dir */
@@ -877,8 +898,12 @@ static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, i
             e = &sx;
             if (o->only && *o->only ? !fl_lab_in_list(o->only, e->name) : stopped) continue;
         } else if (o->only && *o->only ? !fl_lab_in_list(o->only, e->name) : !(e->suites & bit)) continue;
+        if (fl_lab_stop_polled(o, rep)) break;
         fl_lab_row *r = &rep->rows[rep->n++];
-        run_row(e, rep, steps, run_dir, o->threads, o->run_oom, r);
+        if ((rep->stopped = run_row(e, rep, steps, run_dir, o, r)) != 0) { /* in its training: its figures partial */
+            rep->n--;
+            break;
+        }
         if (bit == SUITE_FSDP) { /* the sweep's reference is the plan: planned == measured */
             r->expected = r->planned == FL_PLAN_OOM ? FL_LAB_OOM : FL_LAB_FITS;
             snprintf(r->lab_step, sizeof r->lab_step, "%s 4x FSDP, %s, micro batch %d, act ckpt %s",
@@ -886,8 +911,9 @@ static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, i
             if (r->planned != FL_PLAN_FITS) stopped = 1;
         }
         if (r->verdict == FL_LAB_ERROR) rep->n_errors++;
-        if (out) fl_lab_print_row(out, r);
+        if (out) FL_TRY(fl_lab_print_row(out, r, rep));
     }
+    if (rep->stopped) return FL_OK;
     /* the largest micro batch that fits, per precision and checkpointing setting */
     for (int g = 0; g < 4; g++) {
         int best = -1;

@@ -193,13 +193,15 @@ typedef struct {
     double ms[4][64], loss[4][64];
     fl_blip2_train_result res[4];
     fl_status st[4];
+    const fl_lab_opts *lab; /* its stop callback */
 } b2_ranks_run;
 
 static fl_status b2_rank(fl_comm *comm, int rank, void *ud) {
     b2_ranks_run *x = ud;
     long n = x->steps < 64 ? x->steps : 64;
     fl_blip2_train_opts o = {.shape = x->shape, .budget = x->budget, .synth_len = x->L, .rehearse_steps = x->steps,
-                             .comm = comm, .step_ms = x->ms[rank], .step_loss = x->loss[rank], .n_step_out = n};
+                             .comm = comm, .step_ms = x->ms[rank], .step_loss = x->loss[rank], .n_step_out = n,
+                             .stop = x->lab->stop, .stop_ud = x->lab->stop_ud};
     x->st[rank] = fl_blip2_train(x->cfg, &o, &x->res[rank]);
     return x->st[rank];
 }
@@ -354,7 +356,9 @@ static void b2_measured(const lab_exp *e, const fl_blip2_config *shape, const b2
     offload_note(res, r);
 }
 
-static void b2_row(const lab_exp *e, const fl_lab_report *rep, const fl_lab_opts *o, long steps, fl_lab_row *r) {
+/* Returns o->stop's value when it ended the row's training (its figures partial), else 0 */
+static int b2_row(const lab_exp *e, const fl_lab_report *rep, const fl_lab_opts *o, long steps, fl_lab_row *r) {
+    int stopped = 0;
     memset(r, 0, sizeof *r);
     double t0 = now_s();
     snprintf(r->name, sizeof r->name, "%s", e->name);
@@ -413,9 +417,10 @@ static void b2_row(const lab_exp *e, const fl_lab_report *rep, const fl_lab_opts
     }
     b2_config(c, e, r->T, steps, rep->budget, o->threads, 0);
     if (r->ranks > 1) c->threads = o->threads > r->ranks ? o->threads / r->ranks : 1; /* the ranks share the cores */
-    x->cfg = c, x->shape = &shape, x->budget = rep->budget, x->L = r->T, x->steps = steps;
+    x->cfg = c, x->shape = &shape, x->budget = rep->budget, x->L = r->T, x->steps = steps, x->lab = o;
     r->ran = 1;
     s = b2_train(x, r->ranks, r);
+    stopped = s == FL_OK ? x->res[0].stopped : 0;
     if (s == FL_OK) b2_measured(e, &shape, x, r);
     else if (s == FL_ERR_OOM && x->res[0].oom.valid) {
         memcpy(r->peak, x->res[0].oom.cur, sizeof r->peak);
@@ -429,6 +434,7 @@ done:
     free(c);
     free(x);
     r->wall_s = now_s() - t0;
+    return stopped;
 }
 
 void fl_lab_blip2_short(char *model) {
@@ -483,10 +489,14 @@ fl_status fl_lab_blip2_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) 
     const double t0 = now_s();
     for (int i = 0; i < N_B2; i++) {
         if (o->only && *o->only && !fl_lab_in_list(o->only, k_b2[i].name)) continue;
+        if (fl_lab_stop_polled(o, rep)) break;
         fl_lab_row *r = &rep->rows[rep->n++];
-        b2_row(&k_b2[i], rep, o, steps, r);
+        if ((rep->stopped = b2_row(&k_b2[i], rep, o, steps, r)) != 0) { /* in its training: its figures partial */
+            rep->n--;
+            break;
+        }
         if (r->verdict == FL_LAB_ERROR) rep->n_errors++;
-        if (out) fl_lab_print_row(out, r);
+        if (out) FL_TRY(fl_lab_print_row(out, r, rep));
     }
     rep->wall_s = now_s() - t0;
     return FL_OK;

@@ -686,7 +686,7 @@ static fl_status agree_setup(b2run *r, fl_status s, int *quiet) {
     return FL_OK;
 }
 
-/* A rehearsal: o->rehearse_steps steps at the configured LR, no checkpoint, validation or files. */
+/* A rehearsal: o->rehearse_steps steps at the configured LR, no checkpoint, validation or files; o->stop polled. */
 static fl_status rehearse(b2run *r) {
     int B = 1, accum = 1;
     FL_TRY(batch_shape(r->cfg, &B, &accum));
@@ -703,6 +703,8 @@ static fl_status rehearse(b2run *r) {
         s = step(r, &p, B, accum, it, r->cfg->optimizer.lr, it == 0, &loss);
         if (s == FL_OK) record_step(r, it, now_ms() - t0, loss);
         if (s == FL_OK) r->res->steps = it + 1;
+        if (s == FL_OK && it + 1 < r->o->rehearse_steps && r->o->stop && (s = stop_signal(r)) == FL_OK && r->stopped)
+            break; /* the lab's stop (its rows rehearse): every rank at the same step */
     }
     if (s == FL_OK && r->o->report && !r->rank) fl_mem_print_report(&r->pool, r->o->report);
     free(p.order);
