@@ -807,6 +807,11 @@ expect zero_stage2_one_process 0 "Saved the final model" -- "$FITLLM" finetune_f
 expect ddp_strategy_unknown 2 "strategy 'horovod': unknown" -- "$FITLLM" pretrain --model_name micro --strategy horovod --out_dir "$T/d3"
 expect finetune_full_quantize 2 "'quantize' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --quantize bnb.nf4 --out_dir "$T/o1"
 expect finetune_full_lora_r 2 "'lora_r' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --lora_r 4 --out_dir "$T/o1"
+# pretrain's ways of naming the model on a fine-tune: --initial_checkpoint_dir replaced the positional model unsaid,
+# --model_name / --model_config were ignored
+expect finetune_full_initial_checkpoint_dir 2 "option 'initial_checkpoint_dir' applies to pretrain only .*finetune_full takes its model from checkpoint_dir" -- \
+    "$FITLLM" finetune_full micro --initial_checkpoint_dir "$DATA/stories260K-hf" --out_dir "$T/o1"
+expect finetune_lora_model_name 2 "option 'model_name' applies to pretrain only" -- "$FITLLM" finetune_lora micro --model_name gpt2 --out_dir "$T/o1"
 expect pretrain_lora_r 2 "pretrain trains without LoRA" -- "$FITLLM" pretrain --model_name micro --lora_alpha 4 --out_dir "$T/o1"
 printf 'quantize: bnb.nf4\n' > "$T/q.yaml"
 expect finetune_full_yaml_quantize 2 "q.yaml:1: option 'quantize' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --config "$T/q.yaml" --out_dir "$T/o1"
@@ -875,6 +880,15 @@ for _ in $(seq 300); do [ -e "$T/s2x/step-000002/COMMITTED" ] && break; sleep 0.
 sleep 0.5; kill -TERM $BG
 wait_for "$T/sigterm_twice.err" "SIGTERM: stopping after this step"; kill -TERM $BG
 stopped sigterm_twice 143 "stopped at once by SIGTERM; the last committed checkpoint is '.*/step-0+[1-9]'"
+# a second signal while the first one's checkpoint is being written (slowed): stops at once and removes the
+# checkpoint's temporary folder (it was left behind, its model.safetensors.tmp half written)
+start_run ctrl_c_twice_in_save env FITLLM_FAULT_WRITE_DELAY_MS=300 "$FITLLM" "${SIGRUN[@]}" --train.save_interval 100000 --out_dir "$T/s2s"
+wait_for "$T/s2s/logs/metrics.csv" "$FIRST_STEP"; kill -INT $BG
+for _ in $(seq 600); do compgen -G "$T/s2s/.tmp-*" >/dev/null && break; kill -0 $BG 2>/dev/null || break; sleep 0.05; done
+kill -INT $BG
+stopped ctrl_c_twice_in_save 130 "stopped at once by SIGINT \(Ctrl-C\); no checkpoint was committed" &&
+    { compgen -G "$T/s2s/.tmp-*" >/dev/null && { echo "FAIL ctrl_c_twice_in_save_left: $(ls -a "$T/s2s")"; fail=$((fail+1)); } ||
+      { echo "ok   ctrl_c_twice_in_save_left"; pass=$((pass+1)); }; }
 # BLIP-2 fine-tuning under a stop signal (its own loop, the trainer's handler): after the step, that step's checkpoint
 # committed (train.save_on_signal), exit 143, no final/; --resume auto goes on from it; save_on_signal false: none
 start_run blip2_sigterm "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 100000 --train.save_interval 1000000 --out_dir "$T/b2sig"
@@ -1223,6 +1237,32 @@ expect merge_lora_base_missing 2 "peft-llama/adapter_config.json: base model 'go
 expect generate_adapter_base_missing 1 "base model 'golden-llama' .*not found.*fitllm generate <base_dir> --adapter tests/fixtures/peft-llama" -- "$FITLLM" generate tests/fixtures/peft-llama --prompt-ids "1 2"
 expect merge_lora_wrong_base 2 "peft-llama" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --base tests/fixtures/golden-gpt2 --out_dir "$T/m3"
 expect merge_lora_not_adapter 2 "adapter_config.json" -- "$FITLLM" merge_lora "$T" --base tests/fixtures/golden-llama
+# --out_dir the base model's folder (an adapter naming it would then merge onto merged weights) or the adapter's:
+# refused, the base unchanged
+cp -r tests/fixtures/golden-llama "$T/base-copy"; cp -r tests/fixtures/peft-llama "$T/peft-copy"
+expect merge_lora_out_is_base 2 "--out_dir '.*/base-copy' is the base model's folder .*: the merge would overwrite it" -- \
+    "$FITLLM" merge_lora "$T/peft-copy" --base "$T/base-copy" --out_dir "$T/base-copy"
+expect merge_lora_out_is_base_unchanged 0 "" -- cmp tests/fixtures/golden-llama/model.safetensors "$T/base-copy/model.safetensors"
+expect merge_lora_out_is_adapter 2 "--out_dir '.*/peft-copy/' is the adapter's folder" -- \
+    "$FITLLM" merge_lora "$T/peft-copy" --base "$T/base-copy" --out_dir "$T/peft-copy/"
+# Ctrl-C / SIGTERM while convert, merge_lora or a checkpoint writes (each write slowed by the testing aid
+# FITLLM_FAULT_WRITE_DELAY_MS so that the signal lands inside it): the file or folder under way is removed, the message
+# says what is left, exit 128 + the signal. stop_write NAME SIG RC ERE GLOB -- cmd...: the signal once GLOB exists;
+# afterwards nothing may match it
+stop_write() {
+    local name=$1 sig=$2 want=$3 pat=$4 glob=$5 i rc; shift 6
+    env FITLLM_FAULT_WRITE_DELAY_MS=200 "$@" >"$T/$name.log" 2>"$T/$name.err" & BG=$!
+    for i in $(seq 600); do compgen -G "$glob" >/dev/null && break; kill -0 $BG 2>/dev/null || break; sleep 0.05; done
+    kill -"$sig" $BG; wait $BG; rc=$?
+    if [ $rc -ne "$want" ] || ! grep -qE -- "$pat" "$T/$name.err" || compgen -G "$glob" >/dev/null; then
+        echo "FAIL $name: exit $rc (want $want); left: $(compgen -G "$glob" | head -2 | tr '\n' ' ')"
+        sed 's/^/     /' "$T/$name.err" | tail -3; fail=$((fail+1))
+    else echo "ok   $name"; pass=$((pass+1)); fi
+}
+stop_write convert_ctrl_c INT 130 "fitllm convert: stopped by SIGINT \(Ctrl-C\); nothing was written$" "$T/cv-int*" -- \
+    "$FITLLM" convert tests/fixtures/golden-llama "$T/cv-int"
+stop_write merge_lora_sigterm TERM 143 "fitllm merge_lora: stopped by SIGTERM; nothing was written$" "$T/mg-int*" -- \
+    "$FITLLM" merge_lora "$T/peft-copy" --base "$T/base-copy" --out_dir "$T/mg-int"
 
 # sharded checkpoints (--fsdp.state_dict_type sharded) in one process: one shard file, no model.safetensors in a step
 # checkpoint; merge_shards writes the model.safetensors a full checkpoint holds; bad input named, exit 2

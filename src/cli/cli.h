@@ -159,8 +159,9 @@ int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm)
  * systemd), SIGUSR1 (Slurm's pre-emption notice) and, launched, SIGUSR2 (fitllm's launcher's stop request) are blocked
  * in this thread and the OpenMP pool (started here: `threads`) and taken by a thread of their own. The first sets
  * fl_cli_interrupted and prints "fitllm: SIGINT (Ctrl-C): <stop_what> ..." on rank 0; the command stops after its
- * step. The second stops at once: at_once(sig) says what was left (NULL: the last checkpoint in out_dir, the training
- * commands'), then the process dies of the signal (the shell's 128 + number). */
+ * step. The second stops at once: the temporary files of a write under way are removed (a checkpoint's folder:
+ * fl_fs_tmp_track), at_once(sig) says what was left (NULL: the last checkpoint in out_dir, the training commands'),
+ * then the process dies of the signal (the shell's 128 + number). */
 typedef struct {
     const char *cmd;
     const char *out_dir;       /* with at_once NULL: where the last step-* checkpoint is looked for */
@@ -168,13 +169,17 @@ typedef struct {
     const char *at_once_msg;   /* the second signal taken by a thread that does not block it (MPI's): written as is */
     const char *stop_what;     /* NULL: "stopping after this step" */
     void (*at_once)(int sig);  /* NULL: the training commands' message */
+    int first_stops;           /* 1: the first signal stops at once (a command without steps: convert, merge_lora) */
+    const char *left;          /* first_stops, at_once NULL: what is left, said after the signal (NULL: "nothing was
+                                * written") */
 } fl_cli_signals;
 void fl_cli_signals_begin(const fl_cli_signals *s);
 void fl_cli_signals_end(void);
 /* sig taken as a first stop signal before fl_cli_signals_begin (a rank of fitllm's launcher: its SIGUSR2 while MPI
  * starts) */
 void fl_cli_signals_early(int sig);
-/* The process dies of sig now: its default action, unblocked in this thread only (signals.c) */
+/* The process dies of sig now: the temporary files a write had under way removed (fl_fs_tmp_track), then its
+ * default action, unblocked in this thread only (signals.c) */
 void fl_cli_die_of(int sig);
 /* The first stop signal's number (SIGINT, SIGTERM, SIGUSR1; SIGUSR2: fitllm's launcher), 0 = none. */
 int fl_cli_interrupted(void);

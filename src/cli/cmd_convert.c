@@ -15,7 +15,8 @@ static void help(void) {
            "                         pytorch_model.bin (or pytorch_model-*.bin + pytorch_model.bin.index.json),\n"
            "                         or LitGPT's lit_model.pth\n"
            "  <dst_dir>              the new Hugging Face folder (must not exist; written beside itself\n"
-           "                         and renamed into place, so a failure leaves nothing)\n"
+           "                         and renamed into place, so a failure or a stop (Ctrl-C, SIGTERM: exit\n"
+           "                         130, 143) leaves nothing)\n"
            "  --max-shard-size SIZE  shard above SIZE bytes (suffix KB, MB, GB as 1000s; default 5GB, as\n"
            "                         save_pretrained): model-0000i-of-0000N.safetensors + index\n\n"
            "Tensors keep their dtype on disk (bf16 stays bf16) and are streamed from the mapped source;\n"
@@ -55,7 +56,11 @@ int fl_cmd_convert(int argc, char **argv) {
     if (!src || !dst) return fl_cli_usage(cmd, "needs <src_dir> and <dst_dir>");
     fl_hf_set_max_shard_bytes(shard);
     int n = 0;
+    /* Ctrl-C / SIGTERM: the folder under way removed, nothing written (dst appears whole or not at all) */
+    const fl_cli_signals sigs = {.cmd = cmd, .threads = 1, .first_stops = 1};
+    fl_cli_signals_begin(&sigs);
     fl_status s = fl_hf_convert(src, dst, &n);
+    fl_cli_signals_end();
     fl_hf_set_max_shard_bytes(0);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     printf("converted %s -> %s (%d tensors, safetensors)\n", src, dst, n);

@@ -5,12 +5,15 @@
  * adapter folder, a LoRA checkpoint (step-N/, final/ -> final/adapter) or a
  * finetune_lora run folder; the base comes from --base or the adapter's
  * base_model_name_or_path. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
+#include "core/fs.h"
 #include "fitllm/hub.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/lora.h"
@@ -30,7 +33,10 @@ static void help(void) {
            "                    visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n\n"
            "Every adapted weight becomes W + scaling * B @ A (scaling = lora_alpha / r, or / sqrt(r) with\n"
            "use_rslora). The output holds config.json, model.safetensors and the tokenizer files (from the\n"
-           "checkpoint, else the base), so `fitllm generate DIR` and transformers load it as it is.\n");
+           "checkpoint, else the base), so `fitllm generate DIR` and transformers load it as it is.\n"
+           "--out_dir may not be the base model's folder or the adapter's. A new --out_dir is written beside itself and\n"
+           "renamed into place: a failure or a stop (Ctrl-C, SIGTERM: exit 130, 143) leaves nothing; an existing one\n"
+           "gets its files replaced one by one.\n");
 }
 
 static int is_dir(const char *p) {
@@ -49,6 +55,13 @@ static int join(char *dst, size_t n, const char *dir, const char *name) {
     }
     dst[a + b] = 0;
     return 0;
+}
+
+/* 1 when a and b name the same existing folder */
+static int same_dir(const char *a, const char *b) {
+    struct stat sa, sb;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && S_ISDIR(sa.st_mode) && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
 }
 
 static int has_file(const char *dir, const char *name) {
@@ -234,9 +247,46 @@ int fl_cmd_merge_lora(int argc, char **argv) {
     if (s == FL_OK && !loaded)
         s = fl_errorf(FL_ERR_INVALID, "the base model '%s' has no weights to merge into (a preset is randomly "
                       "initialized): give the base model folder with --base <dir>", info.base);
-    if (s == FL_OK) s = fl_hf_save_model(&m, out);
+    /* the merged model written over the base it was merged from (an adapter naming that folder would then merge onto
+     * merged weights), or into the adapter's folder (a full model beside the adapter): refused */
+    if (s == FL_OK && (same_dir(out, info.base) || same_dir(out, info.adapter)))
+        s = fl_errorf(FL_ERR_INVALID, "--out_dir '%s' is the %s folder ('%s'): the merge would overwrite it; give "
+                      "another --out_dir", out, same_dir(out, info.base) ? "base model's" : "adapter's",
+                      same_dir(out, info.base) ? info.base : info.adapter);
+    /* Ctrl-C / SIGTERM while writing: the files under way removed (a new folder appears whole or not at all) */
+    const int existed = is_dir(out);
+    const fl_cli_signals sigs = {.cmd = cmd, .threads = 1, .first_stops = 1,
+                                 .left = existed ? "the existing output folder may mix old and new files"
+                                                 : "nothing was written"};
+    fl_cli_signals_begin(&sigs);
+    /* a new folder: the model and the tokenizer files into out.tmp-PID, renamed into place whole */
+    char tmp[FL_CLI_PATH + 32];
+    const char *dst = out;
+    if (s == FL_OK && !existed) {
+        size_t dl = strlen(out);
+        while (dl > 1 && out[dl - 1] == '/') dl--;
+        if (snprintf(tmp, sizeof tmp, "%.*s.tmp-%ld", (int)dl, out, (long)getpid()) >= (int)sizeof tmp)
+            s = fl_errorf(FL_ERR_INVALID, "--out_dir '%s': path too long", out);
+        else {
+            fl_fs_remove_dir(tmp); /* a crashed merge's leftover with this pid */
+            fl_fs_tmp_track(tmp);
+            dst = tmp;
+            if (mkdir(tmp, 0755) != 0)
+                s = fl_errorf(FL_ERR_IO, "%s: cannot create folder %s: %s", out, tmp, strerror(errno));
+        }
+    }
+    if (s == FL_OK) s = fl_hf_save_model(&m, dst);
     if (s == FL_OK && (tok_src = fl_cli_adapter_tokenizer(&info, tok_buf, sizeof tok_buf)) != NULL)
-        s = fl_io_copy_tokenizer_files(tok_src, out, &n_tok);
+        s = fl_io_copy_tokenizer_files(tok_src, dst, &n_tok);
+    if (dst != out) {
+        if (s == FL_OK) {
+            fl_fs_sync_dir(tmp);
+            if (rename(tmp, out) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", out, tmp, strerror(errno));
+        }
+        if (s != FL_OK) fl_fs_remove_dir(tmp);
+        fl_fs_tmp_untrack(tmp);
+    }
+    fl_cli_signals_end();
     if (s != FL_OK) {
         rc = fl_cli_fail(cmd, s, &pool);
     } else {
@@ -287,7 +337,10 @@ int fl_cmd_merge_shards(int argc, char **argv) {
         out = out_buf;
     }
     int n_tok = 0;
+    const fl_cli_signals sigs = {.cmd = cmd, .threads = 1, .first_stops = 1}; /* as merge_lora's */
+    fl_cli_signals_begin(&sigs);
     fl_status s = fl_ckpt_merge_shards(ckpt, out, &n_tok);
+    fl_cli_signals_end();
     if (s != FL_OK) {
         int rc = fl_cli_fail(cmd, s, NULL);
         return s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_FORMAT ? FL_EXIT_USAGE : rc;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "core/fs.h"
 #include "fitllm/config.h"
 
 /* Stopping by a signal: SIGINT (Ctrl-C), SIGTERM (Slurm's scancel and time limit, Kubernetes, systemd)
@@ -26,7 +27,8 @@ const char *fl_cli_signal_name(int sig) {
            sig == SIGUSR2 ? "SIGUSR2" : sig == SIGHUP ? "SIGHUP" : "a signal";
 }
 
-/* The first signal (a handler where no thread takes it by sigwait: only async-signal-safe calls). */
+/* The first signal, from the signals' thread (or as the handler before that thread exists, or after its
+ * pthread_create failed: only async-signal-safe calls). */
 static char g_resume_msg[FL_CFG_PATH + 256], g_stop_what[256];
 
 static void on_signal(int sig) {
@@ -55,8 +57,20 @@ static void on_signal(int sig) {
  * training thread and the OpenMP pool, whose threads are started here and inherit the mask. With
  * the signal delivered asynchronously to the training threads, the heap was corrupted in about 1 run
  * of 5 (`finetune_ctrl_c` at 2 threads: a oneDNN GEMM's free aborted; never with --threads 1). */
-static volatile sig_atomic_t g_sig_done;
+static volatile sig_atomic_t g_sig_done, g_thread_live;
 static pthread_t g_sig_thread;
+
+/* The handler, for a thread that does not block the signals (started before fl_cli_signals_begin: MPI's, or the
+ * OpenMP pool of a command that made its backend first): the signal goes on to the signals' thread, which takes it
+ * as any other (a stop at once removes the temporary files there: nothing a handler may do); before that thread
+ * exists (fl_cli_signals_early), on_signal. pthread_kill is async-signal-safe. */
+static void on_signal_async(int sig) {
+    if (g_thread_live) {
+        pthread_kill(g_sig_thread, sig);
+        return;
+    }
+    on_signal(sig);
+}
 static sigset_t g_sig_old, g_sig_set;
 
 /* Stop now: what was printed is flushed whole (stdio's lock: no line is cut), the message names the
@@ -64,7 +78,11 @@ static sigset_t g_sig_old, g_sig_set;
  * 128 + number). */
 static void stop_now(int sig) {
     fflush(stdout);
+    fl_fs_tmp_remove_all(); /* before the message: what it says is left is what is left */
     if (g_sigs.at_once) g_sigs.at_once(sig);
+    else if (g_sigs.first_stops)
+        fprintf(stderr, "fitllm %s: stopped by %s; %s\n", g_sigs.cmd, fl_cli_signal_name(sig),
+                g_sigs.left ? g_sigs.left : "nothing was written");
     else {
         char where[2 * FL_CFG_PATH];
         fl_cli_last_checkpoint(g_sigs.out_dir, where, sizeof where);
@@ -75,6 +93,7 @@ static void stop_now(int sig) {
 }
 
 void fl_cli_die_of(int sig) {
+    fl_fs_tmp_remove_all(); /* no half-written file or folder left (a checkpoint's, a convert's, a merge's) */
     signal(sig, SIG_DFL);
     /* unblock this signal only: the training thread may be ending the run at this moment, and
      * signals_end's SIGINT (sent to wake this thread) would otherwise be taken here by on_signal,
@@ -96,7 +115,7 @@ static void *signal_thread(void *arg) {
         /* several ranks: mpirun and srun end every rank with SIGTERM when one fails (the others
          * would wait for it in a collective): rank 0 names the last checkpoint and all end now */
         if (sig == SIGTERM && g_sigs.world > 1) fl_cli_faults_term(sig);
-        if (g_interrupted) { /* the second: stop now */
+        if (g_interrupted || g_sigs.first_stops) { /* the second (or the first of a command without steps): now */
             stop_now(sig == SIGUSR2 ? SIGTERM : sig);
             return NULL;
         }
@@ -119,20 +138,25 @@ void fl_cli_signals_begin(const fl_cli_signals *s) {
     if (omp_get_max_threads() > nt) nt = omp_get_max_threads();
 #pragma omp parallel num_threads(nt)
     { /* nothing: the pool's threads exist from now on, the signals blocked */ }
-    /* a thread started before this (MPI's) still takes them the old way */
-    signal(SIGINT, on_signal);
-    signal(SIGUSR1, on_signal);
-    if (g_sigs.world <= 1) signal(SIGTERM, on_signal);
-    if (launched) signal(SIGUSR2, on_signal);
+    /* a thread started before this (MPI's, an earlier OpenMP pool) takes them by the handler, which passes them on */
+    signal(SIGINT, on_signal_async);
+    signal(SIGUSR1, on_signal_async);
+    if (g_sigs.world <= 1) signal(SIGTERM, on_signal_async);
+    if (launched) signal(SIGUSR2, on_signal_async);
     g_sig_done = 0;
     if (pthread_create(&g_sig_thread, NULL, signal_thread, NULL) != 0) pthread_sigmask(SIG_SETMASK, &g_sig_old, NULL);
+    else g_thread_live = 1;
 }
 
 void fl_cli_signals_end(void) {
     const int launched = g_sigs.launched;
+    const int live = g_thread_live;
+    g_thread_live = 0;
     g_sig_done = 1;
-    pthread_kill(g_sig_thread, SIGINT);
-    pthread_join(g_sig_thread, NULL);
+    if (live) {
+        pthread_kill(g_sig_thread, SIGINT);
+        pthread_join(g_sig_thread, NULL);
+    }
     signal(SIGINT, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
     signal(SIGUSR1, SIG_DFL);
@@ -140,6 +164,6 @@ void fl_cli_signals_end(void) {
     pthread_sigmask(SIG_SETMASK, &g_sig_old, NULL);
 }
 
-void fl_cli_signals_early(int sig) { signal(sig, on_signal); }
+void fl_cli_signals_early(int sig) { signal(sig, on_signal_async); }
 
 int fl_cli_interrupted(void) { return g_interrupted; }

@@ -200,11 +200,14 @@ static const fl_cfg_key k_keys[] = {
 static const char *key_owner(const fl_cfg_key *k) {
     if (!strncmp(k->name, "lora_", 5) || !strcmp(k->name, "use_rslora") || !strcmp(k->name, "quantize"))
         return "finetune_lora";
+    if (!strcmp(k->name, "model_name") || !strcmp(k->name, "model_config") || !strcmp(k->name, "initial_checkpoint_dir"))
+        return "pretrain";
     return NULL;
 }
 
 static int key_applies(const fl_cfg_key *k, fl_cmd_kind cmd) {
-    return !key_owner(k) || cmd == FL_CMD_FINETUNE_LORA;
+    const char *o = key_owner(k);
+    return !o || cmd == (!strcmp(o, "pretrain") ? FL_CMD_PRETRAIN : FL_CMD_FINETUNE_LORA);
 }
 
 
@@ -507,6 +510,14 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         const char *near = nearest_key(key);
         return fl_errorf(FL_ERR_INVALID, "unknown option '%s'%s%s%s", key_in, near ? " (did you mean '" : "",
                          near ? near : "", near ? "'?)" : "");
+    }
+    /* pretrain's ways of naming the model to create (or its initial weights): a fine-tune takes its model from
+     * checkpoint_dir, and these were silently ignored (model_name, model_config) or replaced it unsaid
+     * (initial_checkpoint_dir is the same field); null (a recipe's "no value") is harmless */
+    if (!key_applies(k, c->command) && !strcmp(key_owner(k), "pretrain")) {
+        if (is_null(v)) return FL_OK;
+        return fl_errorf(FL_ERR_INVALID, "option '%s' applies to pretrain only (the model to create); %s takes its "
+                         "model from checkpoint_dir (its first argument)", key_in, fl_cfg_command_name(c->command));
     }
     if (!key_applies(k, c->command))
         return fl_errorf(FL_ERR_INVALID,

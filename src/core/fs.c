@@ -5,10 +5,12 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 /* Fault injection for tests: -1 = off, else writes left before one fails. */
@@ -24,8 +26,25 @@ int fl_fs_write_fault(void) {
     return 0;
 }
 
+/* A testing aid: FITLLM_FAULT_WRITE_DELAY_MS=N makes every fl_fs_write_all wait N ms first (a slow disk: the tests
+ * stop a write under way by a signal at a point they can see); read once. */
+static void write_delay(void) {
+    static long ms = -1;
+    if (ms < 0) {
+        const char *v = getenv("FITLLM_FAULT_WRITE_DELAY_MS");
+        char *end = NULL;
+        long x = v ? strtol(v, &end, 10) : 0;
+        ms = v && end != v && !*end && x > 0 && x <= 60000 ? x : 0;
+    }
+    if (ms > 0) {
+        struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+        while (nanosleep(&t, &t) != 0 && errno == EINTR) {}
+    }
+}
+
 int fl_fs_write_all(int fd, const void *data, size_t n) {
     const char *c = data;
+    write_delay();
     while (n) {
         ssize_t w = fl_fs_write_fault() ? -1 : write(fd, c, n);
         if (w < 0) {
@@ -72,6 +91,47 @@ int fl_fs_is_file(const char *path) {
     return stat(path, &st) == 0 && S_ISREG(st.st_mode);
 }
 
+static pthread_mutex_t g_tmp_lock = PTHREAD_MUTEX_INITIALIZER;
+static char g_tmp_paths[FL_FS_TMP_SLOTS][4096];
+
+void fl_fs_tmp_track(const char *path) {
+    if (!path || !*path || strlen(path) >= sizeof g_tmp_paths[0]) return;
+    pthread_mutex_lock(&g_tmp_lock);
+    for (int i = 0; i < FL_FS_TMP_SLOTS; i++)
+        if (!g_tmp_paths[i][0]) {
+            strcpy(g_tmp_paths[i], path);
+            break;
+        }
+    pthread_mutex_unlock(&g_tmp_lock);
+}
+
+void fl_fs_tmp_untrack(const char *path) {
+    if (!path) return;
+    pthread_mutex_lock(&g_tmp_lock);
+    for (int i = 0; i < FL_FS_TMP_SLOTS; i++)
+        if (!strcmp(g_tmp_paths[i], path)) {
+            g_tmp_paths[i][0] = 0;
+            break;
+        }
+    pthread_mutex_unlock(&g_tmp_lock);
+}
+
+int fl_fs_tmp_remove_all(void) {
+    int n = 0;
+    pthread_mutex_lock(&g_tmp_lock);
+    for (int i = 0; i < FL_FS_TMP_SLOTS; i++) {
+        const char *p = g_tmp_paths[i];
+        struct stat st;
+        if (!p[0] || lstat(p, &st) != 0) continue;
+        n++;
+        /* a writer still running may create a file in the folder meanwhile: a second pass */
+        for (int k = 0; k < 2 && S_ISDIR(st.st_mode) && lstat(p, &st) == 0; k++) fl_fs_remove_dir(p);
+        if (!S_ISDIR(st.st_mode)) unlink(p);
+    }
+    pthread_mutex_unlock(&g_tmp_lock);
+    return n;
+}
+
 fl_status fl_fs_write_file_atomic(const char *path, const void *data, size_t len) {
     size_t pl = strlen(path);
     char *tmp = malloc(pl + 5);
@@ -79,9 +139,11 @@ fl_status fl_fs_write_file_atomic(const char *path, const void *data, size_t len
     memcpy(tmp, path, pl);
     memcpy(tmp + pl, ".tmp", 5);
     fl_status s = FL_OK;
+    fl_fs_tmp_track(tmp);
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
         s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+        fl_fs_tmp_untrack(tmp);
         free(tmp);
         return s;
     }
@@ -90,6 +152,7 @@ fl_status fl_fs_write_file_atomic(const char *path, const void *data, size_t len
     if (close(fd) != 0 && s == FL_OK) s = fl_errorf(FL_ERR_IO, "%s: close failed: %s", tmp, strerror(errno));
     if (s == FL_OK && rename(tmp, path) != 0) s = fl_errorf(FL_ERR_IO, "%s: rename to %s failed: %s", tmp, path, strerror(errno));
     if (s != FL_OK) unlink(tmp);
+    fl_fs_tmp_untrack(tmp);
     free(tmp);
     return s;
 }

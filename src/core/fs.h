@@ -19,6 +19,15 @@ fl_status fl_fs_write_file_atomic(const char *path, const void *data, size_t len
 /* Remove a directory with its files and subfolders (a few levels deep; symlinks are
  * removed, not followed), then itself; best effort. */
 void fl_fs_remove_dir(const char *path);
+/* Temporary paths a write renames into place when it completes (a file's path.tmp, a folder's X.tmp-PID or a
+ * checkpoint's .tmp-step-N): tracked while they may exist, so that a command stopped by a signal removes them before
+ * it dies (fl_fs_tmp_remove_all, from the CLI's signal thread: the writer may still run, so best effort) instead of
+ * leaving a half-written file or folder. Thread-safe; FL_FS_TMP_SLOTS paths at once (more are not tracked). */
+#define FL_FS_TMP_SLOTS 16
+void fl_fs_tmp_track(const char *path);
+void fl_fs_tmp_untrack(const char *path);
+/* Removes every tracked path (a folder with its content, or a file); the number that existed. */
+int fl_fs_tmp_remove_all(void);
 /* fsync a directory so a rename inside it is durable; best effort. */
 void fl_fs_sync_dir(const char *path);
 

@@ -91,9 +91,11 @@ fl_status fl_hf_convert(const char *src, const char *dst, int *n_tensors) {
     }
     if (s == FL_OK) {
         fl_fs_remove_dir(tmp); /* a crashed convert's leftover with this pid */
-        s = fl_hf_save_tensors(tmp, &cfg, &lay, t); /* creates tmp (itself atomically) */
+        fl_fs_tmp_track(tmp); /* a stop by a signal removes it (the CLI) */
         made = 1;
+        if (mkdir(tmp, 0755) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot create folder %s: %s", dst, tmp, strerror(errno));
     }
+    if (s == FL_OK) s = fl_hf_save_tensors(tmp, &cfg, &lay, t); /* into tmp, which exists: in place */
     if (s == FL_OK && cfg_bytes) s = fl_fs_join(path, sizeof path, tmp, "config.json");
     if (s == FL_OK && cfg_bytes) s = fl_fs_write_file_atomic(path, cfg_bytes, cfg_len);
     if (s == FL_OK) s = fl_io_copy_tokenizer_files(src, tmp, NULL);
@@ -102,6 +104,7 @@ fl_status fl_hf_convert(const char *src, const char *dst, int *n_tensors) {
         if (rename(tmp, dst) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", dst, tmp, strerror(errno));
     }
     if (s != FL_OK && made) fl_fs_remove_dir(tmp);
+    if (made) fl_fs_tmp_untrack(tmp);
     if (s == FL_OK && n_tensors) *n_tensors = lay.n;
     fl_hf_close_weight_files(fs, nf);
     free(t);

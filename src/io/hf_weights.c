@@ -536,12 +536,14 @@ static fl_status fl_hf_save_folder(const char *dir, const fl_model *m, const fl_
     if (w < 0 || (size_t)w >= sizeof tmp) return fl_errorf(FL_ERR_INVALID, "%s: path too long", dir);
     fl_fs_remove_dir(tmp); /* stale leftover of a crashed save by this pid */
     if (mkdir(tmp, 0755) != 0) return fl_errorf(FL_ERR_IO, "%s: cannot create folder %s: %s", dir, tmp, strerror(errno));
+    fl_fs_tmp_track(tmp); /* a stop by a signal removes it (the CLI) */
     fl_status s = m ? fl_hf_write_files(m, tmp) : fl_hf_write_tensor_files(tmp, cfg, lay, t);
     if (s == FL_OK) {
         fl_fs_sync_dir(tmp);
         if (rename(tmp, dir) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
     }
     if (s != FL_OK) fl_fs_remove_dir(tmp);
+    fl_fs_tmp_untrack(tmp);
     return s;
 }
 

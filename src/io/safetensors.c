@@ -450,9 +450,11 @@ fl_status fl_st_write(const char *path, const fl_st_write_tensor *t, int n, cons
     memcpy(tmp, path, plen);
     memcpy(tmp + plen, ".tmp", 5);
     fl_status s = FL_OK;
+    fl_fs_tmp_track(tmp); /* a stop by a signal removes it (the CLI) */
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
         s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+        fl_fs_tmp_untrack(tmp);
         free(h.b);
         free(tmp);
         return s;
@@ -467,6 +469,7 @@ fl_status fl_st_write(const char *path, const fl_st_write_tensor *t, int n, cons
     if (close(fd) != 0 && s == FL_OK) s = fl_errorf(FL_ERR_IO, "%s: close failed: %s", tmp, strerror(errno));
     if (s == FL_OK && rename(tmp, path) != 0) s = fl_errorf(FL_ERR_IO, "%s: rename to %s failed: %s", tmp, path, strerror(errno));
     if (s != FL_OK) unlink(tmp);
+    fl_fs_tmp_untrack(tmp);
     free(tmp);
     return s;
 }

@@ -310,6 +310,7 @@ static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g) 
     snprintf(tname, sizeof tname, ".tmp-%s", name);
     FL_TRY(fl_fs_join(tmp, sizeof tmp, r->cfg->out_dir, tname)); /* a too-long out_dir is refused, not cut */
     fl_fs_remove_dir(tmp);
+    fl_fs_tmp_track(tmp); /* a stop by a signal removes it (the CLI) */
     fl_status s = fl_fs_mkdir_p(tmp);
     if (s == FL_OK) s = fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt
                             ? save_adapter(r, tmp)
@@ -326,10 +327,9 @@ static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g) 
         snprintf(path, sizeof path, "%s/COMMITTED", dst);
         s = fl_fs_write_file_atomic(path, "fitllm checkpoint v1\n", 21);
     }
-    if (s != FL_OK) {
-        fl_fs_remove_dir(tmp);
-        return fl_error_prefix(s, "saving checkpoint %s", dst);
-    }
+    if (s != FL_OK) fl_fs_remove_dir(tmp);
+    fl_fs_tmp_untrack(tmp);
+    if (s != FL_OK) return fl_error_prefix(s, "saving checkpoint %s", dst);
     if (r->cfg->train.keep_checkpoints > 0) fl_ckpt_rotate(r->cfg->out_dir, r->cfg->train.keep_checkpoints);
     fl_b2t_say(r, "saved checkpoint %s\n", dst);
     return FL_OK;

@@ -173,16 +173,18 @@ static fl_status save(const char *out_dir, const char *name, const fl_model *m, 
     snprintf(tmp, sizeof tmp, "%s/" TMP_PREFIX "%s-%d", out_dir, name, (int)getpid());
     snprintf(dst, sizeof dst, "%s/%s", out_dir, name);
     remove_tree(tmp);
-    fl_status s;
+    fl_fs_tmp_track(tmp); /* a stop by a signal removes it (the CLI) */
+    /* the folder first: the savers below write into it in place (else each would build its own X.tmp-PID inside) */
+    fl_status s = mkdir(tmp, 0755) == 0 ? FL_OK : fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
     const char *base = cfg ? cfg->checkpoint_dir : NULL;
-    if (m->lora && o) {
+    if (s != FL_OK) {
+    } else if (m->lora && o) {
         /* a LoRA training checkpoint: the base is frozen and stays in checkpoint_dir, so only
          * the training state (adapters included) and the PEFT adapter, so that merge_lora,
          * generate and PEFT use this step without waiting for final/. No config.json: as in
          * PEFT's checkpoint-N/ folders; transformers takes a folder holding one for a full
          * model and would not load the base that adapter_config.json names. */
-        if (mkdir(tmp, 0755) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-        else s = fl_ckpt_save_adapter(m, tmp, base);
+        s = fl_ckpt_save_adapter(m, tmp, base);
     } else if (model) { /* produced tensor by tensor as they are written */
         s = fl_hf_save_tensors(tmp, &m->cfg, &m->layout, model);
     } else {
@@ -199,11 +201,9 @@ static fl_status save(const char *out_dir, const char *name, const fl_model *m, 
     /* every checkpoint carries the run's tokenizer (NULL: the built-in bytes, as tokenizer.json) */
     if (s == FL_OK) s = fl_io_write_tokenizer(tokenizer_src, tmp, NULL);
     if (s == FL_OK) s = fl_ckpt_commit(out_dir, name, tmp);
-    if (s != FL_OK) {
-        remove_tree(tmp);
-        return fl_error_prefix(s, "saving checkpoint %s", dst);
-    }
-    return FL_OK;
+    if (s != FL_OK) remove_tree(tmp);
+    fl_fs_tmp_untrack(tmp);
+    return s == FL_OK ? FL_OK : fl_error_prefix(s, "saving checkpoint %s", dst);
 }
 
 fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,

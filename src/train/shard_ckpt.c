@@ -737,6 +737,7 @@ fl_status fl_shard_ckpt_save(fl_dp *dp, const fl_shard_set *set, const char *out
     fl_status s = FL_OK;
     if (dp->rank == 0) { /* the folder and the shared files first */
         fl_fs_remove_dir(tmp);
+        fl_fs_tmp_track(tmp); /* a stop by a signal removes it (the CLI) */
         if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
             s = fl_errorf(FL_ERR_IO, "%s: cannot create output folder: %s", out_dir, strerror(errno));
         if (s == FL_OK && mkdir(tmp, 0755) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
@@ -761,5 +762,6 @@ fl_status fl_shard_ckpt_save(fl_dp *dp, const fl_shard_set *set, const char *out
         s = fl_dp_agree(dp, c);
     }
     if (s != FL_OK && dp->rank == 0) fl_fs_remove_dir(tmp);
+    if (dp->rank == 0) fl_fs_tmp_untrack(tmp);
     return s == FL_OK ? FL_OK : fl_error_prefix(s, "saving sharded checkpoint %s", dst);
 }
