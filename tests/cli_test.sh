@@ -46,19 +46,19 @@ expect loss_unreadable_tokens 1 "nope.txt: cannot open" -- "$FITLLM" loss micro 
 printf '1 2 x 4\n' > "$T/bad.txt"
 expect loss_bad_token 1 "bad.txt: token 3" -- "$FITLLM" loss micro --tokens-file "$T/bad.txt"
 printf '1 2 999999 4\n' > "$T/oov.txt"
-expect loss_token_out_of_vocab 1 "outside the vocabulary" -- "$FITLLM" loss micro --tokens-file "$T/oov.txt"
-expect loss_not_a_model 1 "neither a file, a folder nor a model preset" -- "$FITLLM" loss no-such-model --tokens-file "$T/oov.txt"
+expect loss_token_out_of_vocab 2 "outside the vocabulary" -- "$FITLLM" loss micro --tokens-file "$T/oov.txt"
+expect loss_not_a_model 2 "neither a file, a folder nor a model preset" -- "$FITLLM" loss no-such-model --tokens-file "$T/oov.txt"
 mkdir -p "$T/notmodel"
-expect loss_folder_without_config 1 "config.json" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
+expect loss_folder_without_config 2 "config.json" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
 printf '{"model_type": "mamba", "hidden_size": 8}' > "$T/notmodel/config.json"
-expect loss_unknown_architecture 1 "mamba" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
+expect loss_unknown_architecture 2 "mamba" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
 # an encoder-decoder (T5): the target's loss given the source; transformers' T5ForConditionalGeneration(input_ids=
 # [5 17 33 2 90 41 7], labels=[12 44 3 1]).loss of the same folder is 5.189550
 echo "5 17 33 2 90 41 7" > "$T/t5src.txt"
 echo "12 44 3 1" > "$T/t5tgt.txt"
 expect loss_t5_target 0 "^loss 5\.18955[0-9]  ppl" -- "$FITLLM" loss tests/fixtures/t5-tiny-gated --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
-expect loss_t5_needs_target 1 "encoder-decoder: give the target with --target-tokens-file" -- "$FITLLM" loss tests/fixtures/t5-tiny-gated --tokens-file "$T/t5src.txt"
-expect loss_target_needs_s2s 1 "not an encoder-decoder" -- "$FITLLM" loss micro --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
+expect loss_t5_needs_target 2 "encoder-decoder: give the target with --target-tokens-file" -- "$FITLLM" loss tests/fixtures/t5-tiny-gated --tokens-file "$T/t5src.txt"
+expect loss_target_needs_s2s 2 "not an encoder-decoder" -- "$FITLLM" loss micro --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
 # greedy decoding of an encoder-decoder: the ids of transformers' generate(do_sample=False, max_new_tokens=12) for
 # the fixture's first source (tests/ref/make_t5_fixture.py: gen0)
 expect generate_t5_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 0
@@ -82,7 +82,7 @@ expect version_cuda 0 "cuda: +(not compiled in \(.*\); this machine: .+|compiled
 expect accelerator_auto_ok 0 "RESULT impl=fitllm" -- "$FITLLM" bench-step micro --micro-batch 1 --seq 16 --steps 1 --warmup 0 --accelerator auto
 expect accelerator_bad 2 "--accelerator must be auto, cpu or cuda \(got 'gpu'\)" -- "$FITLLM" bench-step micro --accelerator gpu
 CUDA_WHY="(this fitllm was built without CUDA|no NVIDIA driver|NVIDIA driver too old|no GPU|no CUDA device visible|the CUDA plugin .* is missing)"
-expect accelerator_cuda_refused 1 "--accelerator cuda: $CUDA_WHY" -- \
+expect accelerator_cuda_refused 2 "--accelerator cuda: $CUDA_WHY" -- \
     "$FITLLM" finetune_full micro --accelerator cuda --out_dir "$T/xcuda"
 expect accelerator_help 0 "EXPERIMENTAL" -- "$FITLLM" generate --help
 # fitllm selftest: the CPU backend against the reference (the CUDA one needs a GPU)
@@ -133,7 +133,7 @@ if [ -x /usr/bin/time ] && ! ldconfig -p 2>/dev/null | grep -q "libcuda\.so\.1 "
     if [ "${rss:-999999}" -lt 20480 ]; then echo "ok   version_rss (${rss} KB)"; pass=$((pass+1))
     else echo "FAIL version_rss: fitllm --version peaked at ${rss:-?} KB (want < 20 MB)"; fail=$((fail+1)); fi
 else echo "skip version_rss: no /usr/bin/time, or an NVIDIA driver here"; skip=$((skip+1)); fi
-expect selftest_bad_backend 1 "unknown backend 'nope'" -- "$FITLLM" selftest --backend nope
+expect selftest_bad_backend 2 "unknown backend 'nope'" -- "$FITLLM" selftest --backend nope
 # plan for a GPU without one: the CUDA backend's op scratch (80 MiB) in WORKSPACE
 expect plan_cuda 0 "peak +reserved" -- "$FITLLM" plan micro --accelerator cuda --precision bf16-true --train.micro_batch_size 1
 # issue 33: Synthetic samples with lengths drawn from Alpaca's measured table; plan sizes T for the longest draw
@@ -169,12 +169,12 @@ expect image_info_size 0 "rgba_37x53.png: 37 x 53 RGB" -- "$FITLLM" image-info "
 expect image_info_pixel_values 0 "pixel_values: 3 x 30 x 40 float32 \(resize bicubic, rescale on, normalize on\).*fnv1a64 [0-9a-f]{16}" -- \
     "$FITLLM" image-info "$IMG/prog_50x33.jpg" --processor "$IMG" --dump "$T/pv.f32"
 expect image_info_dump_size 0 "^14400$" -- stat -c %s "$T/pv.f32"
-expect image_info_missing 1 "nope.png: cannot open image" -- "$FITLLM" image-info "$T/nope.png"
-expect image_info_cmyk 1 "bad_cmyk_8x8.jpg: CMYK JPEG is not supported" -- "$FITLLM" image-info "$IMG/bad_cmyk_8x8.jpg"
+expect image_info_missing 2 "nope.png: cannot open image" -- "$FITLLM" image-info "$T/nope.png"
+expect image_info_cmyk 2 "bad_cmyk_8x8.jpg: CMYK JPEG is not supported" -- "$FITLLM" image-info "$IMG/bad_cmyk_8x8.jpg"
 head -c 1000 "$IMG/rgb420_97x61.jpg" > "$T/trunc.jpg"
 expect image_info_truncated 1 "trunc.jpg: truncated JPEG" -- "$FITLLM" image-info "$T/trunc.jpg"
 expect image_info_dump_needs_processor 2 "--dump needs --processor" -- "$FITLLM" image-info "$IMG/one_1x1.png" --dump "$T/x"
-expect image_info_bad_processor 1 "preprocessor_config.json" -- "$FITLLM" image-info "$IMG/one_1x1.png" --processor "$T"
+expect image_info_bad_processor 2 "preprocessor_config.json" -- "$FITLLM" image-info "$IMG/one_1x1.png" --processor "$T"
 expect image_info_help 0 "BlipImageProcessorPil" -- "$FITLLM" image-info --help
 # BLIP-2 (issue 32 items 1 and 4): loss of a caption after the image's query tokens and greedy captioning against
 # transformers (tests/fixtures/blip2-tiny-opt/expected-cli.json: loss 5.6369219, generate 32 x 8); bad input named
@@ -182,20 +182,20 @@ B2=tests/fixtures/blip2-tiny-opt
 printf '2 45 17 88 9 61\n' > "$T/cap.txt"
 expect blip2_loss_image 0 "loss 5\.6369(0[7-9]|[12][0-9]|3[0-7])  ppl [0-9.]+  tokens 5  image" -- "$FITLLM" loss "$B2" --image "$IMG/palette_45x31.png" --tokens-file "$T/cap.txt"
 expect blip2_generate_image 0 "^32 32 32 32 32 32 32 32$" -- "$FITLLM" generate "$B2" --image "$IMG/palette_45x31.png" --max_new_tokens 8
-expect blip2_loss_needs_image 1 "model_type 'blip-2' is a composite" -- "$FITLLM" loss "$B2" --tokens-file "$T/cap.txt"
-expect blip2_loss_missing_image 1 "nope.png: cannot open image" -- "$FITLLM" loss "$B2" --image "$T/nope.png" --tokens-file "$T/cap.txt"
-expect blip2_loss_cmyk 1 "bad_cmyk_8x8.jpg: CMYK JPEG is not supported" -- "$FITLLM" loss "$B2" --image "$IMG/bad_cmyk_8x8.jpg" --tokens-file "$T/cap.txt"
-expect blip2_image_not_blip2 1 "--image: .* is not a BLIP-2 folder" -- "$FITLLM" loss tests/fixtures/golden-opt --image "$IMG/one_1x1.png" --tokens-file "$T/cap.txt"
-expect blip2_generate_prompt_needs_tokenizer 1 "no tokenizer found" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --prompt "a photo of"
-expect blip2_generate_sampling 1 "captioning is greedy only" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --temperature 0.7
+expect blip2_loss_needs_image 2 "model_type 'blip-2' is a composite" -- "$FITLLM" loss "$B2" --tokens-file "$T/cap.txt"
+expect blip2_loss_missing_image 2 "nope.png: cannot open image" -- "$FITLLM" loss "$B2" --image "$T/nope.png" --tokens-file "$T/cap.txt"
+expect blip2_loss_cmyk 2 "bad_cmyk_8x8.jpg: CMYK JPEG is not supported" -- "$FITLLM" loss "$B2" --image "$IMG/bad_cmyk_8x8.jpg" --tokens-file "$T/cap.txt"
+expect blip2_image_not_blip2 2 "--image: .* is not a BLIP-2 folder" -- "$FITLLM" loss tests/fixtures/golden-opt --image "$IMG/one_1x1.png" --tokens-file "$T/cap.txt"
+expect blip2_generate_prompt_needs_tokenizer 2 "no tokenizer found" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --prompt "a photo of"
+expect blip2_generate_sampling 2 "captioning is greedy only" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --temperature 0.7
 B2T=tests/fixtures/blip2-tiny-t5
 printf '17 29\n' > "$T/t5src.txt"; printf '45 17 88 1\n' > "$T/t5tgt.txt"
 expect blip2_t5_loss_image 0 "loss 4\.5621(3[4-9]|[45][0-9]|6[0-4])  ppl [0-9.]+  tokens 4  image" -- "$FITLLM" loss "$B2T" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
 expect blip2_t5_generate_image 0 "^95 19 59 19 73 19$" -- "$FITLLM" generate "$B2T" --image "$IMG/palette_45x31.png" --prompt-ids "17 29" --max_new_tokens 6
-expect blip2_t5_loss_needs_target 1 "give the target with --target-tokens-file" -- "$FITLLM" loss "$B2T" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt"
-expect blip2_opt_loss_no_target 1 "has a decoder-only language model" -- "$FITLLM" loss "$B2" --image "$IMG/palette_45x31.png" --tokens-file "$T/cap.txt" --target-tokens-file "$T/t5tgt.txt"
+expect blip2_t5_loss_needs_target 2 "give the target with --target-tokens-file" -- "$FITLLM" loss "$B2T" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt"
+expect blip2_opt_loss_no_target 2 "has a decoder-only language model" -- "$FITLLM" loss "$B2" --image "$IMG/palette_45x31.png" --tokens-file "$T/cap.txt" --target-tokens-file "$T/t5tgt.txt"
 mkdir -p "$T/b2np" && cp "$B2/config.json" "$B2/model.safetensors" "$T/b2np/"
-expect blip2_no_processor 1 "no preprocessor_config.json" -- "$FITLLM" loss "$T/b2np" --image "$IMG/one_1x1.png" --tokens-file "$T/cap.txt"
+expect blip2_no_processor 2 "no preprocessor_config.json" -- "$FITLLM" loss "$T/b2np" --image "$IMG/one_1x1.png" --tokens-file "$T/cap.txt"
 # BLIP-2 image-caption fine-tuning (issue 32 item 3, fl_blip2_train: src/train/blip2_train.c): the 14 shipped test images, each
 # with a NAME.txt caption of token ids (the fixture has no tokenizer); 8 AdamW steps of micro batch 2 on the Q-Former
 # and the language model (vision frozen). The loss falls (step 8 below step 1 by > 0.5 nats), the saved folder
@@ -413,7 +413,7 @@ expect tokenize_t5_info 0 "kind spm-unigram, vocab 500, bos -1, eos 1, pad 0" --
 expect tokenize_t5_decode 0 "^Hello world$" -- "$FITLLM" tokenize "$T/t5spm" --decode "63 46 9 153 123 499 1" --skip-special 1
 printf 'garbage' > "$T/t5spm/spiece.model"
 expect tokenize_t5_bad_spiece 1 "t5spm/spiece.model: " -- "$FITLLM" tokenize "$T/t5spm" --text x
-expect tokenize_decode_out_of_range 1 "token id 99999 \(position 2\) is outside the vocabulary of [0-9]+ ids" -- "$FITLLM" tokenize bytes --decode "65 99999"
+expect tokenize_decode_out_of_range 2 "token id 99999 \(position 2\) is outside the vocabulary of [0-9]+ ids" -- "$FITLLM" tokenize bytes --decode "65 99999"
 expect finetune_zero_batch 2 "must be positive" -- "$FITLLM" finetune_full micro --train.micro_batch_size 0 --out_dir "$T/x4"
 expect finetune_lora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/lora" --quiet
 expect finetune_qlora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --quantize bnb.nf4-dq --precision bf16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/l2" --quiet
@@ -445,7 +445,7 @@ t5_p=("question: what is two plus two?" "question: what colour is the sky?" "hi"
 t5_alone=$(for p in "${t5_p[@]}"; do "$FITLLM" generate "$T/t5run/final" --prompt "$p" --max_new_tokens 6 --temperature 0 2>/dev/null; done)
 expect t5_generate_batch 0 "3 sources \(longest [0-9]+ tokens, padded\) \+ [0-9]+ new tokens at most \(greedy\)" -- "$FITLLM" generate "$T/t5run/final" --prompt "${t5_p[0]}" --prompt "${t5_p[1]}" --prompt "${t5_p[2]}" --max_new_tokens 6 --temperature 0
 expect t5_generate_batch_rows_alone 0 "" -- bash -c '[ "$(printf "%s\n" "$1" | wc -l)" = 3 ] && [ "$1" = "$("$2" generate "$3" --prompt "$4" --prompt "$5" --prompt "$6" --max_new_tokens 6 --temperature 0 2>/dev/null)" ]' _ "$t5_alone" "$FITLLM" "$T/t5run/final" "${t5_p[@]}"
-expect t5_generate_batch_decoder_only 1 "2 --prompt: several prompts are decoded as one batch for an encoder-decoder \(T5\) only" -- "$FITLLM" generate micro --prompt a --prompt b --max_new_tokens 2
+expect t5_generate_batch_decoder_only 2 "2 --prompt: several prompts are decoded as one batch for an encoder-decoder \(T5\) only" -- "$FITLLM" generate micro --prompt a --prompt b --max_new_tokens 2
 expect t5_finetune_lora 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5lora" --lora_query true --lora_key true --lora_value true --lora_projection true --lora_mlp true
 expect t5_finetune_lora_targets 0 '"target_modules": \["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"\]' -- cat "$T/t5lora/final/adapter/adapter_config.json"
 # a LoRA run (dropout 0.1: its masks are seeded by the global micro-batch) resumed from step 10 ends on the
@@ -540,9 +540,9 @@ expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16
 expect bench_step_t5_dropout 0 "32-true, AdamW, dropout 0.1 / attention 0.1, " -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 2 --warmup 1 --threads 2 --dropout
 # the profile times the dropout kernels too (its "elementwise" group; T5 / OPT / BLIP-2 training with dropout)
 expect bench_step_t5_dropout_profile 0 "    dropout +[0-9.]+ +[0-9.]+% +[1-9]" -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 1 --warmup 0 --threads 2 --dropout --profile
-expect bench_step_dropout_refused 1 "LLaMA has no dropout of its own" -- "$FITLLM" bench-step micro --dropout --steps 1
+expect bench_step_dropout_refused 2 "LLaMA has no dropout of its own" -- "$FITLLM" bench-step micro --dropout --steps 1
 expect bench_step_blip2_dropout_refused 2 "--dropout: BLIP-2 steps run" -- "$FITLLM" bench-step blip2-micro --dropout --steps 1
-expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
+expect bench_step_source_seq_decoder_only 2 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
 expect t5_finetune_act_ckpt_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5ckpt/final/model.safetensors"
 # config.json's dropout_rate: read, written back, range-checked; applied in training (tests/test_t5_dropout.c, and
@@ -1234,7 +1234,7 @@ a=$("$FITLLM" generate "$T/merged-head" --prompt-ids "1 2 3" --max_new_tokens 6 
 b=$("$FITLLM" generate tests/fixtures/golden-llama --adapter tests/fixtures/peft-llama-head --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
 if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   generate_head_adapter_equals_merged"; pass=$((pass+1)); else echo "FAIL generate_head_adapter_equals_merged: '$a' '$b' '$c'"; fail=$((fail+1)); fi
 expect merge_lora_base_missing 2 "peft-llama/adapter_config.json: base model 'golden-llama' \(base_model_name_or_path\) not found.*give the base model folder with --base <dir>" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --out_dir "$T/m2"
-expect generate_adapter_base_missing 1 "base model 'golden-llama' .*not found.*fitllm generate <base_dir> --adapter tests/fixtures/peft-llama" -- "$FITLLM" generate tests/fixtures/peft-llama --prompt-ids "1 2"
+expect generate_adapter_base_missing 2 "base model 'golden-llama' .*not found.*fitllm generate <base_dir> --adapter tests/fixtures/peft-llama" -- "$FITLLM" generate tests/fixtures/peft-llama --prompt-ids "1 2"
 expect merge_lora_wrong_base 2 "peft-llama" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --base tests/fixtures/golden-gpt2 --out_dir "$T/m3"
 expect merge_lora_not_adapter 2 "adapter_config.json" -- "$FITLLM" merge_lora "$T" --base tests/fixtures/golden-llama
 # --out_dir the base model's folder (an adapter naming it would then merge onto merged weights) or the adapter's:
@@ -1286,7 +1286,7 @@ expect merge_shards_not_sharded 2 "shf/step-000002: not a sharded checkpoint .*h
 cp -r "$T/shs/step-000002" "$T/shbad" && rm -f "$T/shbad/shard-00000-of-00001.safetensors"
 expect merge_shards_missing_file 2 "shbad/shard-00000-of-00001.safetensors: missing" -- "$FITLLM" merge_shards "$T/shbad" --out "$T/shx"
 expect resume_sharded_missing_file 2 "shard-00000-of-00001.safetensors: missing" -- "$FITLLM" finetune_full "${SH[@]}" --resume "$T/shbad" --out_dir "$T/shr"
-expect generate_sharded_hint 1 "a sharded checkpoint: write its Hugging Face folder with fitllm merge_shards" -- "$FITLLM" generate "$T/shs/step-000002" --prompt-ids "1 2"
+expect generate_sharded_hint 2 "a sharded checkpoint: write its Hugging Face folder with fitllm merge_shards" -- "$FITLLM" generate "$T/shs/step-000002" --prompt-ids "1 2"
 expect sharded_bad_value 2 "fsdp.state_dict_type 'shard': unknown \(full or sharded\)" -- "$FITLLM" finetune_full "${SH[@]}" --fsdp.state_dict_type shard --out_dir "$T/shy"
 expect sharded_lora_refused 2 "finetune_lora's checkpoints are PEFT adapters" -- "$FITLLM" finetune_lora "${SH[@]}" --fsdp.state_dict_type sharded --out_dir "$T/shz"
 [ ! -e "$T/shx" ] && [ ! -e "$T/shr/final" ] && { echo "ok   sharded_bad_input_writes_nothing"; pass=$((pass+1)); } || { echo "FAIL sharded_bad_input_writes_nothing"; fail=$((fail+1)); }
@@ -1404,7 +1404,7 @@ if [ -d "$DATA/stories260K-hf" ]; then
     e=$(FITLLM_BACKEND=opaque gen "$T/lo/step-000004")
     [ -n "$e" ] && [ "$e" = "$b" ] || { echo "     generate differs: '$e' vs '$b'"; ok=0; }
     if [ $ok = 1 ]; then echo "ok   opaque_backend_same_bytes_as_cpu"; pass=$((pass+1)); else echo "FAIL opaque_backend_same_bytes_as_cpu"; fail=$((fail+1)); fi
-    expect backend_env_unknown 1 "unknown backend 'nope' \(this build has: cpu, ref, opaque" -- env FITLLM_BACKEND=nope "$FITLLM" loss "$T/lo/final" --tokens-file "$T/lo-ids.txt"
+    expect backend_env_unknown 2 "unknown backend 'nope' \(this build has: cpu, ref, opaque" -- env FITLLM_BACKEND=nope "$FITLLM" loss "$T/lo/final" --tokens-file "$T/lo-ids.txt"
     # from another working directory (the run used a relative checkpoint_dir)
     expect merge_lora_other_cwd 0 "merged -> m-cwd" -- bash -c "cd '$T' && '$FL_ABS' merge_lora lo/step-000002 --out_dir m-cwd"
     expect generate_merged_other_cwd 0 "" -- bash -c "cd / && '$FL_ABS' generate '$T/m-cwd' --prompt Once --max_new_tokens 4"
@@ -1413,7 +1413,7 @@ if [ -d "$DATA/stories260K-hf" ]; then
     sed -i 's|"base_model_name_or_path": "[^"]*"|"base_model_name_or_path": "nowhere/base-model"|' "$T/lo-bad/adapter_config.json"
     expect merge_lora_bad_base 2 "lo-bad/adapter_config.json: base model 'nowhere/base-model' \(base_model_name_or_path\) not found .*--base <dir>" -- "$FITLLM" merge_lora "$T/lo-bad"
     expect merge_lora_bad_base_rescued 0 "base: $DATA/stories260K-hf" -- "$FITLLM" merge_lora "$T/lo-bad" --base "$DATA/stories260K-hf"
-    expect loss_on_adapter_folder 1 "a PEFT LoRA adapter folder .*fitllm merge_lora .*step-000002" -- "$FITLLM" loss "$T/lo/step-000002" --tokens-file "$T/lo-ids.txt"
+    expect loss_on_adapter_folder 2 "a PEFT LoRA adapter folder .*fitllm merge_lora .*step-000002" -- "$FITLLM" loss "$T/lo/step-000002" --tokens-file "$T/lo-ids.txt"
     expect merge_lora_not_lora 2 "a model folder, not a LoRA adapter" -- "$FITLLM" merge_lora "$DATA/stories260K-hf" --out_dir "$T/lo-x"
     # resume from a step folder (holding a merge_lora output); rotation removes old steps whole
     expect lora_resume_from_step 0 "Resuming training from .*step-000004" -- "$FITLLM" finetune_lora "${LR[@]}" --train.max_steps 6 \
@@ -1497,7 +1497,7 @@ else echo "FAIL preset_random_note_names_download: first line '$out'"; fail=$((f
 # a repo id that is not downloaded is not a random model: where it looked, what to run, the preset for its shape
 expect repo_id_not_downloaded 2 "TinyLlama-1.1B-Chat-v1.0 is not downloaded: .*$HT/empty-cache.*run \`fitllm download TinyLlama/TinyLlama-1.1B-Chat-v1.0\` first \(or give the preset name 'tinyllama-1.1b'" -- \
     env -C "$HT/work" "$FLA" finetune_full TinyLlama/TinyLlama-1.1B-Chat-v1.0 --data Synthetic --out_dir "$T/nd"
-expect repo_id_not_downloaded_loss 1 "run \`fitllm download karpathy/stories260K\` first" -- \
+expect repo_id_not_downloaded_loss 2 "run \`fitllm download karpathy/stories260K\` first" -- \
     env -C "$HT/work" "$FLA" loss karpathy/stories260K --tokens-file "$T/oov.txt"
 # the TinyLlama recipe's checkpoints/ORG/NAME: the download command, no preset (random weights) suggested
 out=$(env -C "$HT/work" "$FLA" finetune_full --config "$PWD/recipes/tiny-llama-full.yaml" 2>&1); rc=$?
@@ -1534,15 +1534,15 @@ if [ -x "$HUBSRV" ] && [ -f "$DATA/stories260K-hf/model.safetensors" ]; then
            && [ -f "$CK/config.json" ] && [ -z "$(find "$CK" -name '*.part')" ]; then echo "ok   download_files_identical"; pass=$((pass+1))
         else echo "FAIL download_files_identical"; ls -la "$CK" | sed 's/^/     /'; fail=$((fail+1)); fi
         expect download_again_skips 0 "model.safetensors: already complete" -- D fitllm-test/stories260K
-        expect download_401_gated 1 "fitllm-test/gated is gated or private \(HTTP 401.*no access token was given.*--access_token" -- D fitllm-test/gated
-        expect download_403_bad_token 1 "HTTP 403.*the token given was refused" -- D fitllm-test/gated --access_token wrong
+        expect download_401_gated 2 "fitllm-test/gated is gated or private \(HTTP 401.*no access token was given.*--access_token" -- D fitllm-test/gated
+        expect download_403_bad_token 2 "HTTP 403.*the token given was refused" -- D fitllm-test/gated --access_token wrong
         [ ! -e "$HT/work/checkpoints/fitllm-test/gated" ] && echo "ok   download_refused_leaves_nothing" && pass=$((pass+1)) \
             || { echo "FAIL download_refused_leaves_nothing"; fail=$((fail+1)); }
         expect download_token_ok 0 "Saved fitllm-test/gated" -- D fitllm-test/gated --access_token hf_secret
         expect download_hf_token_env 0 "Saved fitllm-test/gated" -- env HF_TOKEN=hf_secret HF_ENDPOINT="$HUBURL" "$FITLLM" download fitllm-test/gated --checkpoint_dir "$HT/alt"
-        expect download_404 1 "no model repo fitllm-test/nope on http://127.0.0.1:[0-9]+ \(HTTP 404" -- D fitllm-test/nope
-        expect download_bad_revision 1 "has no revision 'v9'" -- D fitllm-test/stories260K --revision v9
-        expect download_no_weights 1 "no weights fitllm reads" -- D fitllm-test/noweights
+        expect download_404 2 "no model repo fitllm-test/nope on http://127.0.0.1:[0-9]+ \(HTTP 404" -- D fitllm-test/nope
+        expect download_bad_revision 2 "has no revision 'v9'" -- D fitllm-test/stories260K --revision v9
+        expect download_no_weights 2 "no weights fitllm reads" -- D fitllm-test/noweights
         expect download_checksum_mismatch 1 "model.safetensors: checksum mismatch: the Hub says sha256 [0-9a-f]{64}, the download has $(sha256sum "$SRC/model.safetensors" | cut -c1-64)" -- D fitllm-test/bad
         [ -z "$(find "$HT/work/checkpoints" -path '*bad*' -type f)" ] && echo "ok   download_checksum_mismatch_no_files" && pass=$((pass+1)) \
             || { echo "FAIL download_checksum_mismatch_no_files"; find "$HT/work/checkpoints" -path '*bad*'; fail=$((fail+1)); }
@@ -1575,7 +1575,7 @@ if [ -x "$HUBSRV" ] && [ -f "$DATA/stories260K-hf/model.safetensors" ]; then
         expect download_interrupted 1 "network error downloading model.safetensors at 600000 of 1044984 bytes.*kept in .*model.safetensors.part: run the same command again to resume" -- D fitllm-test/stories260K
         [ -f "$CK/model.safetensors.part" ] && [ ! -e "$CK/model.safetensors" ] && [ ! -e "$CK/config.json" ] \
             && echo "ok   download_interrupted_no_final_files" && pass=$((pass+1)) || { echo "FAIL download_interrupted_no_final_files"; ls -la "$CK"; fail=$((fail+1)); }
-        expect download_interrupted_not_a_model 1 "karpathy|fitllm-test/stories260K is not downloaded" -- env -C "$HT/work" "$FLA" loss fitllm-test/stories260K --tokens-file "$T/oov.txt"
+        expect download_interrupted_not_a_model 2 "karpathy|fitllm-test/stories260K is not downloaded" -- env -C "$HT/work" "$FLA" loss fitllm-test/stories260K --tokens-file "$T/oov.txt"
         hub_stop
         : > "$HT/log"; hub_start
         expect download_resume_next_run 0 "model.safetensors: resuming at 600.0 kB of 1.0 MB" -- D fitllm-test/stories260K
@@ -1657,7 +1657,7 @@ mkdir -p "$T/tg-none"
 expect tg_generate_not_a_model 2 "tg-none: not a model folder \(no config.json\), a PEFT adapter folder" -- "$FITLLM" generate "$T/tg-none"
 # a checkpoint of an older fitllm (no tokenizer file): the way out is named, and works
 cp -r "$T/tg/final" "$T/tg-old"; rm -f "$T/tg-old"/tokenizer*
-expect tg_generate_old_checkpoint 1 "no tokenizer found .*--tokenizer bytes" -- "$FITLLM" generate "$T/tg-old" --prompt Once
+expect tg_generate_old_checkpoint 2 "no tokenizer found .*--tokenizer bytes" -- "$FITLLM" generate "$T/tg-old" --prompt Once
 a=$(gq "$T/tg/final"); b=$(gq "$T/tg-old" --tokenizer bytes)
 if [ -n "$a" ] && [ "$a" = "$b" ]; then echo "ok   tg_tokenizer_bytes_equals_written"; pass=$((pass+1)); else echo "FAIL tg_tokenizer_bytes_equals_written: '$a' '$b'"; fail=$((fail+1)); fi
 # merge_lora onto a trained byte-tokenizer base: the merged folder carries the tokenizer and generates
@@ -1698,7 +1698,7 @@ expect convert_lit_sharded 0 "converted" -- "$FITLLM" convert "$TF/tiny-lit-old"
 expect convert_sharded_back 0 "converted" -- "$FITLLM" convert "$T/cv-lit" "$T/cv-lit1"
 cmp -s "$T/cv-lit1/model.safetensors" "$TF/tiny-st/model.safetensors" \
     && { echo "ok   convert_lit_bytes_equal_safetensors"; pass=$((pass+1)); } || { echo "FAIL convert_lit_bytes_equal_safetensors"; fail=$((fail+1)); }
-expect convert_dst_exists 1 "cv-bin: already exists" -- "$FITLLM" convert "$TF/tiny-sharded" "$T/cv-bin"
+expect convert_dst_exists 2 "cv-bin: already exists" -- "$FITLLM" convert "$TF/tiny-sharded" "$T/cv-bin"
 expect convert_usage 2 "needs <src_dir> and <dst_dir>" -- "$FITLLM" convert "$TF/tiny-bin"
 expect convert_bad_size 2 "needs a size such as 5GB" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-x" --max-shard-size 5XB
 expect convert_help 0 "usage: fitllm convert" -- "$FITLLM" convert --help
@@ -1712,9 +1712,9 @@ expect loss_evil_refused 1 "pickle global posix.system is not allowed" -- "$FITL
 printf '1 5 9 13 7 3\n' > "$T/tiny-ids.txt"
 expect loss_lit_yaml_folder 0 "loss [0-9.]+" -- "$FITLLM" loss "$TF/tiny-lit-yaml" --tokens-file "$T/tiny-ids.txt"
 mkdir -p "$T/litpar"; cp "$TF/tiny-lit-yaml"/* "$T/litpar/"; sed -i 's/^parallel_residual: false/parallel_residual: true/' "$T/litpar/model_config.yaml"
-expect loss_lit_yaml_unsupported 1 "model_config.yaml.*parallel_residual" -- "$FITLLM" loss "$T/litpar" --tokens-file "$T/tiny-ids.txt"
+expect loss_lit_yaml_unsupported 2 "model_config.yaml.*parallel_residual" -- "$FITLLM" loss "$T/litpar" --tokens-file "$T/tiny-ids.txt"
 mkdir -p "$T/legacy"; cp "$TF/tiny-bin/config.json" "$T/legacy/"; cp "$TF/legacy.bin" "$T/legacy/pytorch_model.bin"
-expect loss_legacy_refused 1 "legacy/pytorch_model.bin: a legacy \(non-zip\) torch.save file" -- "$FITLLM" loss "$T/legacy" --tokens-file "$T/oov.txt"
+expect loss_legacy_refused 2 "legacy/pytorch_model.bin: a legacy \(non-zip\) torch.save file" -- "$FITLLM" loss "$T/legacy" --tokens-file "$T/oov.txt"
 if [ -d "$DATA/stories260K-hf" ]; then
     # stories260K in bf16 as pytorch_model.bin: loss, the same loss after convert, a short fine-tune from it
     mkdir -p "$T/sbin"; cp "$TF/stories260K-bf16"/* "$DATA/stories260K-hf/tokenizer.json" "$T/sbin/"

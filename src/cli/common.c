@@ -31,15 +31,18 @@ int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool) {
                             "model\n");
         return FL_EXIT_OOM;
     }
-    return FL_EXIT_RUNTIME;
+    /* the documented codes: a bad value, a file or name that is not there, a request this build cannot do (2), as the
+     * training commands map them; anything else that failed while running (1) */
+    return s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
 }
 
 int fl_cli_accelerator(const char *cmd, const char *val) {
     fl_accel want, use;
     if (fl_accel_parse(val, &want)) return fl_cli_usage(cmd, "--accelerator must be auto, cpu or cuda (got '%s')", val ? val : "");
-    if (fl_accel_resolve(want, &use) != FL_OK) {
+    const fl_status s = fl_accel_resolve(want, &use);
+    if (s != FL_OK) { /* this build without CUDA: 2, as another request it cannot do; no GPU visible: 1 */
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
-        return FL_EXIT_RUNTIME;
+        return s == FL_ERR_UNSUPPORTED || s == FL_ERR_INVALID ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
     }
     fl_backend_set_default_name(fl_accel_backend(use));
     return 0;

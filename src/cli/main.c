@@ -216,7 +216,9 @@ static void usage(FILE *f) {
                "               frozen base's dx GEMM reads a bf16 dy written by the op that makes dy, and adapters\n"
                "               with dropout read their dropped copy, the input not widened (no conversion kernels;\n"
                "               the same bits); 0 = the GEMM rounds the fp32 dy, the input is widened first (A/B)\n");
-    fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
+    fprintf(f, "\nexit codes: 0 ok; 1 runtime error (I/O, a malformed file, a diverged run); 2 usage or configuration\n"
+               "error (a bad value, a file or name that is not there, a request this build cannot do: the command\n"
+               "must change); 3 out of memory; the training commands and lab: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1\n");
 }
 
 int main(int argc, char **argv) {

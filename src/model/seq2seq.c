@@ -850,8 +850,8 @@ fl_status fl_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_ma
 
 fl_status fl_model_set_dropout(fl_model *m, int on) {
     if (!fl_model_is_s2s(&m->cfg) && m->cfg.arch != FL_ARCH_OPT)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_set_dropout: %s has no dropout of its own (encoder-decoders "
-                         "and OPT)", fl_arch_get(m->cfg.arch)->display);
+        return fl_errorf(FL_ERR_UNSUPPORTED, "dropout: %s has no dropout of its own (the encoder-decoders and OPT "
+                         "have)", fl_arch_get(m->cfg.arch)->display);
     if (on && (m->cfg.dropout_rate > 0 || m->cfg.attn_dropout_rate > 0) && !m->be->dropout)
         return fl_errorf(FL_ERR_UNSUPPORTED, "config.json dropout_rate %g: backend %s has no dropout op",
                          (double)m->cfg.dropout_rate, m->be->name);
