@@ -815,6 +815,11 @@ expect finetune_lora_model_name 2 "option 'model_name' applies to pretrain only"
 expect pretrain_lora_r 2 "pretrain trains without LoRA" -- "$FITLLM" pretrain --model_name micro --lora_alpha 4 --out_dir "$T/o1"
 printf 'quantize: bnb.nf4\n' > "$T/q.yaml"
 expect finetune_full_yaml_quantize 2 "q.yaml:1: option 'quantize' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --config "$T/q.yaml" --out_dir "$T/o1"
+# a key given twice in one mapping of a recipe (a leaf, or a second train: mapping that PyYAML would take whole and
+# fitllm merged): refused, naming both lines
+printf 'train:\n  max_steps: 2\n  max_steps: 5\n' > "$T/dup1.yaml"; printf 'train:\n  global_batch_size: 4\ntrain:\n  max_steps: 5\n' > "$T/dup2.yaml"
+expect yaml_duplicate_leaf 2 "dup1.yaml:3: 'train.max_steps' is given twice in the same mapping \(first at line 2\)" -- "$FITLLM" finetune_full micro --config "$T/dup1.yaml" --out_dir "$T/o1"
+expect yaml_duplicate_mapping 2 "dup2.yaml:3: 'train' is given twice in the same mapping \(first at line 1\)" -- "$FITLLM" finetune_full micro --config "$T/dup2.yaml" --out_dir "$T/o1"
 expect plan_quantize_without_lora 2 "plan ... --lora" -- "$FITLLM" plan tinyllama-1.1b --quantize bnb.nf4
 # no LoRA / quantize option (prose may name the finetune_lora command, as --pipeline_parallel's does)
 if "$FITLLM" finetune_full --help | grep -qE -- "--(lora|quantize)" || "$FITLLM" pretrain --help | grep -qE -- "--(lora|quantize)"; then
@@ -880,6 +885,12 @@ for _ in $(seq 300); do [ -e "$T/s2x/step-000002/COMMITTED" ] && break; sleep 0.
 sleep 0.5; kill -TERM $BG
 wait_for "$T/sigterm_twice.err" "SIGTERM: stopping after this step"; kill -TERM $BG
 stopped sigterm_twice 143 "stopped at once by SIGTERM; the last committed checkpoint is '.*/step-0+[1-9]'"
+# --resume auto over an out_dir whose only step folder was never committed: a fresh start, said (it was silent)
+RA=(finetune_full micro --data Synthetic --train.global_batch_size 1 --eval.max_new_tokens 0 --train.max_steps 1)
+"$FITLLM" "${RA[@]}" --train.save_interval 1 --quiet true --out_dir "$T/ra" >/dev/null 2>&1
+rm -rf "$T/ra/final"; rm -f "$T/ra/step-000001/COMMITTED"
+expect resume_auto_uncommitted_said 0 "note: --resume auto: no committed checkpoint in '.*/ra' \(step-000001 has no COMMITTED marker" -- \
+    "$FITLLM" "${RA[@]}" --out_dir "$T/ra" --resume auto
 # a second signal while the first one's checkpoint is being written (slowed): stops at once and removes the
 # checkpoint's temporary folder (it was left behind, its model.safetensors.tmp half written)
 start_run ctrl_c_twice_in_save env FITLLM_FAULT_WRITE_DELAY_MS=300 "$FITLLM" "${SIGRUN[@]}" --train.save_interval 100000 --out_dir "$T/s2s"

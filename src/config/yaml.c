@@ -50,6 +50,18 @@ static fl_status walk(fl_cfg_entries *c, yaml_document_t *doc, yaml_node_t *node
          * itself through an alias under an empty key recursed until the stack overflowed */
         if (k->data.scalar.length == 0)
             return fl_errorf(FL_ERR_INVALID, "%s:%lu: empty option name", source, (unsigned long)k->start_mark.line + 1);
+        /* a key given twice in one mapping: libyaml keeps both, PyYAML (LitGPT) the last one whole (a second train:
+         * mapping replaces the first), fitllm merged them; either way one of the two is not what was meant. Bounded:
+         * a mapping with more keys than a recipe can have (entries.c: 4096) is refused there anyway */
+        for (yaml_node_pair_t *q = node->data.mapping.pairs.start; q < p && p - q <= 4096; q++) {
+            yaml_node_t *k0 = yaml_document_get_node(doc, q->key);
+            if (k0 && k0->type == YAML_SCALAR_NODE && k0->data.scalar.length == k->data.scalar.length &&
+                !memcmp(k0->data.scalar.value, k->data.scalar.value, k->data.scalar.length))
+                return fl_errorf(FL_ERR_INVALID, "%s:%lu: '%s%s%s' is given twice in the same mapping (first at line "
+                                 "%lu); give it once", source, (unsigned long)k->start_mark.line + 1, prefix,
+                                 *prefix ? "." : "", (const char *)k->data.scalar.value,
+                                 (unsigned long)k0->start_mark.line + 1);
+        }
         char key[256];
         int n = snprintf(key, sizeof key, "%s%s%s", prefix, *prefix ? "." : "", (const char *)k->data.scalar.value);
         if (n < 0 || (size_t)n >= sizeof key) return fl_errorf(FL_ERR_INVALID, "%s: key too long", source);

@@ -1,4 +1,5 @@
 /* The trainer's checkpoints, resume and divergence reports (src/train/trainer-impl.h). */
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +63,24 @@ fl_status fl_tr_save_step(trainer *t, int lead, int rotate) {
     return FL_OK;
 }
 
+/* --resume auto found nothing committed: a step-* folder without its COMMITTED marker (a save that did not finish)
+ * is said, so that the fresh start is not taken for a resume */
+static void note_uncommitted(trainer *t) {
+    DIR *d = t->out ? opendir(t->cfg->out_dir) : NULL;
+    if (!d) return;
+    struct dirent *e;
+    char newest[256] = "", p[FL_CFG_PATH + 300];
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, "step-", 5) || strlen(e->d_name) >= sizeof newest) continue;
+        snprintf(p, sizeof p, "%s/%s", t->cfg->out_dir, e->d_name);
+        if (!fl_ckpt_is_committed(p) && strcmp(e->d_name, newest) > 0) snprintf(newest, sizeof newest, "%s", e->d_name);
+    }
+    closedir(d);
+    if (newest[0])
+        fprintf(t->out, "note: --resume auto: no committed checkpoint in '%s' (%s has no COMMITTED marker: a save that "
+                "did not finish); starting from the beginning\n", t->cfg->out_dir, newest);
+}
+
 fl_status fl_tr_resume(trainer *t, int *resumed) {
     const char *r = t->cfg->resume;
     char path[FL_CFG_PATH + 300];
@@ -69,7 +88,10 @@ fl_status fl_tr_resume(trainer *t, int *resumed) {
     if (!strcmp(r, "false")) return FL_OK;
     if (!strcmp(r, "true") || !strcmp(r, "auto")) {
         fl_status s = fl_ckpt_find_latest(t->cfg->out_dir, path, sizeof path);
-        if (s == FL_ERR_NOT_FOUND && !strcmp(r, "auto")) return FL_OK;
+        if (s == FL_ERR_NOT_FOUND && !strcmp(r, "auto")) {
+            note_uncommitted(t);
+            return FL_OK;
+        }
         if (s != FL_OK) return fl_error_prefix(s, "--resume true");
     } else {
         snprintf(path, sizeof path, "%s", r);
