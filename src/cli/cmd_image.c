@@ -1,6 +1,7 @@
 /* fitllm image-info: decode an image as the library does (PIL + transformers' convert_to_rgb) and,
  * with a model folder's image processor, print the pixel_values' shape and checksums so a user can
  * compare their preprocessing with Hugging Face's (--dump writes the raw float32 values). */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,10 +77,15 @@ int fl_cmd_image_info(int argc, char **argv) {
     int rc = 0;
     if (dump) {
         FILE *f = fopen(dump, "wb");
+        int why = f ? 0 : errno;
         if (!f || fwrite(pv, sizeof(float), n, f) != n) rc = 1; /* x86/ARM hosts are little-endian */
-        if (f && fclose(f) != 0) rc = 1;
+        if (rc && f && !why) why = errno;
+        if (f && fclose(f) != 0) {
+            if (!rc) why = errno;
+            rc = 1;
+        }
         if (rc) {
-            fprintf(stderr, "fitllm image-info: %s: cannot write\n", dump);
+            fprintf(stderr, "fitllm image-info: error: %s: cannot write: %s\n", dump, why ? strerror(why) : "write failed");
             remove(dump);
         } else {
             printf("wrote %s (%zu float32)\n", dump, n);

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "core/fs.h"
 #include "fitllm/tokenizer.h"
 
 static void help(void) {
@@ -22,30 +23,6 @@ static void help(void) {
            "  --skip-special 0|1 when decoding, drop special tokens (default 0)\n"
            "  --info             print kind, vocab size, BOS/EOS/PAD ids to stderr\n\n"
            "Encoding prints the ids space-separated on one line.\n");
-}
-
-static fl_status read_file(const char *path, char **out, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    size_t cap = 1 << 16, len = 0;
-    char *b = malloc(cap);
-    while (b) {
-        size_t r = fread(b + len, 1, cap - len, f);
-        len += r;
-        if (r == 0) break;
-        if (len == cap) {
-            char *nb = realloc(b, cap *= 2);
-            if (!nb) free(b);
-            b = nb;
-        }
-    }
-    int err = ferror(f);
-    fclose(f);
-    if (!b) return fl_errorf(FL_ERR_OOM, "%s: out of memory", path);
-    if (err) { free(b); return fl_errorf(FL_ERR_IO, "%s: read error", path); }
-    *out = b;
-    *n = len;
-    return FL_OK;
 }
 
 int fl_cmd_tokenize(int argc, char **argv) {
@@ -117,7 +94,7 @@ int fl_cmd_tokenize(int argc, char **argv) {
     } else {
         char *buf = NULL;
         size_t n = text ? strlen(text) : 0;
-        if (file && (s = read_file(file, &buf, &n)) != FL_OK) {
+        if (file && (s = fl_fs_read_file(file, 0, &buf, &n)) != FL_OK) {
             fl_tok_free(t);
             return fl_cli_fail(cmd, s, NULL);
         }

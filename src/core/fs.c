@@ -190,6 +190,7 @@ void fl_fs_sync_dir(const char *path) {
 fl_status fl_fs_read_file(const char *path, size_t max_bytes, char **out, size_t *len) {
     *out = NULL;
     *len = 0;
+    if (fl_fs_is_dir(path)) return fl_errorf(FL_ERR_INVALID, "%s: is a folder, not a file", path);
     FILE *f = fopen(path, "rb");
     if (!f) return fl_errorf(errno == ENOENT ? FL_ERR_NOT_FOUND : FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     char *buf = NULL;
@@ -211,9 +212,9 @@ fl_status fl_fs_read_file(const char *path, size_t max_bytes, char **out, size_t
         }
         if (r == 0) break;
     }
-    int err = ferror(f);
+    const int err = ferror(f) ? errno : 0;
     fclose(f);
-    if (err) { free(buf); return fl_errorf(FL_ERR_IO, "%s: read error", path); }
+    if (err) { free(buf); return fl_errorf(FL_ERR_IO, "%s: read error: %s", path, strerror(err)); }
     *out = buf;
     *len = n;
     return FL_OK;

@@ -17,6 +17,7 @@ static int blank(const char *s) {
 
 /* One "quantile length" line into row t->n; errors name path:line. */
 static fl_status parse_row(fl_lengths *t, const char *path, int line, char *s) {
+    s[strcspn(s, "\r\n")] = '\0'; /* the line's end is not part of what it says (a message quoting it was cut in two) */
     char *end;
     errno = 0;
     double q = strtod(s, &end);

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 /* after stdio.h: jpeglib.h uses FILE and size_t without including them */
 #include <jpeglib.h>
 #include <jerror.h>
@@ -212,6 +213,8 @@ fl_status fl_img_decode(const void *data, size_t n, const char *source, fl_img *
 fl_status fl_img_read_file(const char *path, const char *what, uint8_t **data, size_t *size) {
     *data = NULL;
     *size = 0;
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) return fl_errorf(FL_ERR_INVALID, "%s: is a folder; the %s must be a file", path, what);
     FILE *f = fopen(path, "rb");
     if (!f) return fl_errorf(errno == ENOENT ? FL_ERR_NOT_FOUND : FL_ERR_IO, "%s: cannot open %s: %s", path, what,
                              strerror(errno));
@@ -232,11 +235,11 @@ fl_status fl_img_read_file(const char *path, const char *what, uint8_t **data, s
         n += r;
         if (r == 0) break;
     }
-    int err = ferror(f);
+    const int err = ferror(f) ? errno : 0;
     fclose(f);
     if (err) {
         free(buf);
-        return fl_errorf(FL_ERR_IO, "%s: read error", path);
+        return fl_errorf(FL_ERR_IO, "%s: read error: %s", path, strerror(err));
     }
     buf[n] = 0; /* room kept: text readers get a terminated string */
     *data = buf;

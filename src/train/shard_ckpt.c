@@ -378,6 +378,7 @@ typedef struct {
     fl_st_file *f; /* (world) */
     int *open;
     char (*path)[FL_CFG_PATH + 64];
+    const char *undone; /* what a refusal left undone: "nothing was resumed" (a resume), "nothing was written" (merge_shards) */
 } shards;
 
 static void shards_close(shards *sh) {
@@ -392,8 +393,9 @@ static void shards_close(shards *sh) {
 
 /* Open dir's metadata and every shard file; each must be of the same checkpoint (world size, step,
  * layout fingerprint fp) and say which rank wrote it. */
-static fl_status shards_open(shards *sh, const char *dir, uint64_t fp, size_t numel) {
+static fl_status shards_open(shards *sh, const char *dir, uint64_t fp, size_t numel, const char *undone) {
     memset(sh, 0, sizeof *sh);
+    sh->undone = undone;
     snprintf(sh->dir, sizeof sh->dir, "%s", dir);
     char mp[FL_CFG_PATH + 64];
     FL_TRY(fl_fs_join(mp, sizeof mp, dir, FL_SHARD_META_FILE));
@@ -430,7 +432,7 @@ static fl_status shards_open(shards *sh, const char *dir, uint64_t fp, size_t nu
         if (s != FL_OK) break;
         if (!fl_fs_is_file(sh->path[r])) {
             s = fl_errorf(FL_ERR_NOT_FOUND, "%s: missing: this checkpoint was saved by %d rank%s and needs every rank's "
-                          "shard file (nothing was resumed)", sh->path[r], sh->world, sh->world == 1 ? "" : "s");
+                          "shard file (%s)", sh->path[r], sh->world, sh->world == 1 ? "" : "s", sh->undone);
             break;
         }
         s = fl_st_open(&sh->f[r], sh->path[r]);
@@ -567,7 +569,7 @@ static fl_status covered(const shards *sh, const fl_shard_buf *b, const frange *
             snprintf(after, sizeof after, "; it follows %s's range", slash ? slash + 1 : sh->path[before]);
         }
         return fl_errorf(FL_ERR_FORMAT, "%s: buffer %s: elements [%zu, %zu) of %zu are in none of the %d shard "
-                         "files%s (nothing was resumed)", sh->dir, b->name, pos, next, b->count, sh->world, after);
+                         "files%s (%s)", sh->dir, b->name, pos, next, b->count, sh->world, after, sh->undone);
     }
     return FL_OK;
 }
@@ -577,7 +579,7 @@ fl_status fl_shard_ckpt_load(const char *dir, const fl_shard_set *set, const fl_
     if (!fl_ckpt_is_committed(dir))
         return fl_errorf(FL_ERR_FORMAT, "%s: not a committed checkpoint (no COMMITTED file: a save that did not finish)", dir);
     shards sh;
-    FL_TRY(shards_open(&sh, dir, fl_shard_fingerprint(lay, set->split_n), set->split_n));
+    FL_TRY(shards_open(&sh, dir, fl_shard_fingerprint(lay, set->split_n), set->split_n, "nothing was resumed"));
     fl_status s = FL_OK;
     const char *opt = meta(&sh.meta, "optimizer");
     if (o && opt && strcmp(opt, fl_optim_name(o->cfg.kind)))
@@ -662,7 +664,7 @@ static fl_status export_hf(const char *ckpt, const char *out, int *n_tok) {
     fl_param_layout lay;
     FL_TRY(fl_layout_build(&lay, &mc));
     shards sh;
-    fl_status s = shards_open(&sh, ckpt, fl_shard_fingerprint(&lay, lay.numel), lay.numel);
+    fl_status s = shards_open(&sh, ckpt, fl_shard_fingerprint(&lay, lay.numel), lay.numel, "nothing was written");
     if (s != FL_OK) {
         fl_layout_free(&lay);
         return s;

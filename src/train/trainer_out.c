@@ -198,7 +198,8 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
     long bpe = (long)fl_tr_batches_per_epoch(t);
     if (bpe < t->sch.G) /* the epoch counter then moves every few iterations, inside one step */
         fprintf(t->out, "note: the training split is %ld micro-batch%s of %d, fewer than the %d of one optimizer "
-                "step: every step goes over it %.3g times (epochs are counted per micro-batch)\n",
+                "step: every step goes over it %.3g times (the log's epoch counter moves with each pass; train.epochs and "
+                "the warm-up fraction count one step per epoch)\n",
                 bpe, bpe == 1 ? "" : "es", t->sch.B, t->sch.G, (double)t->sch.G / (double)bpe);
 }
 

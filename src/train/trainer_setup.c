@@ -332,9 +332,7 @@ void fl_tr_schedule(trainer *t) {
         add_note(t, "the warm-up of %ld steps (%s) is longer than the run's %ld steps: the learning rate rises over "
                  "all %ld and never decays", w, a->lr_warmup_fraction >= 0 ? "train.lr_warmup_fraction" :
                  "train.lr_warmup_steps", ms, ms);
-    if (bpe < t->sch.G)
-        add_note(t, "the training split has %ld micro-batches, fewer than the %d of one optimizer step: an epoch is "
-                 "counted as one step", bpe, t->sch.G);
+    /* bpe < G (fewer micro-batches than one step): said once with the data (trainer_out.c) */
 }
 
 fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_model_storage *st) {
