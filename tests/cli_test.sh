@@ -1300,6 +1300,10 @@ if [ -d "$DATA/stories260K-hf" ]; then
     }
     mkdir -p "$T/nanmodel"; cp "$DATA/stories260K-hf"/* "$T/nanmodel/"; poke_nan "$T/nanmodel/model.safetensors"
     expect load_nan_weights 1 "tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" generate "$T/nanmodel" --prompt "Once" --max_new_tokens 2
+    # convert refuses it as the loaders do (it copied it without a word): exit 1, nothing written
+    expect convert_nan_weights 1 "nanmodel/model.safetensors: tensor '[a-z_.0-9]+' holds a non-finite value \(inf/NaN\) at element 0" -- \
+        "$FITLLM" convert "$T/nanmodel" "$T/nanconv"
+    [ -z "$(ls -d "$T"/nanconv* 2>/dev/null)" ] && { echo "ok   convert_nan_wrote_nothing"; pass=$((pass+1)); } || { echo "FAIL convert_nan_wrote_nothing"; fail=$((fail+1)); }
     poke_nan "$T/div/step-000001/model.safetensors"
     expect resume_nan_weights 1 "step-000001/model.safetensors: tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \
