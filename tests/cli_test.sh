@@ -1672,6 +1672,14 @@ cmp -s "$T/cv-lit1/model.safetensors" "$TF/tiny-st/model.safetensors" \
 expect convert_dst_exists 1 "cv-bin: already exists" -- "$FITLLM" convert "$TF/tiny-sharded" "$T/cv-bin"
 expect convert_usage 2 "needs <src_dir> and <dst_dir>" -- "$FITLLM" convert "$TF/tiny-bin"
 expect convert_bad_size 2 "needs a size such as 5GB" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-x" --max-shard-size 5XB
+# the units README documents for sizes (save_pretrained's "5GiB" too); a bare number is refused, never taken as bytes
+expect convert_shard_kib 0 "converted" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-kib" --max-shard-size 20KiB
+[ -f "$T/cv-kib/model-00003-of-00003.safetensors" ] && [ -f "$T/cv-kib/model.safetensors.index.json" ] \
+    && { echo "ok   convert_shard_kib_shards"; pass=$((pass+1)); } || { echo "FAIL convert_shard_kib_shards"; ls "$T/cv-kib" | sed 's/^/     /'; fail=$((fail+1)); }
+expect convert_shard_gib 0 "converted" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-gib" --max-shard-size 5GiB
+expect convert_shard_mib_lower 0 "converted" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-mib" --max-shard-size 500mib
+expect convert_shard_bare_number 2 "'1000000' has no unit: write 1000000GB" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-bare" --max-shard-size 1000000
+expect convert_shard_zero 2 "0 bytes would put no tensor in a shard" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-bare" --max-shard-size 0GB
 expect convert_help 0 "usage: fitllm convert" -- "$FITLLM" convert --help
 mkdir -p "$T/evil"; cp "$TF/tiny-bin/config.json" "$T/evil/"; cp "$TF/evil.bin" "$T/evil/pytorch_model.bin"; rm -f /tmp/fitllm-torch-pwned
 expect convert_evil_refused 1 "evil/pytorch_model.bin: pickle global posix.system is not allowed \(only torch state dicts are read" -- \
