@@ -984,6 +984,15 @@ if [ -f "$DATA/stories260K/stories260K.bin" ] && [ -f "$DATA/stories260K/tok512.
         --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --out_dir "$T/tokb"
     cmp -s "$DATA/stories260K/tok512.bin" "$T/tokb/final/tok512.bin" && { echo "ok   tok_beside_model_file_copied"; pass=$((pass+1)); } \
         || { echo "FAIL tok_beside_model_file_copied"; fail=$((fail+1)); }
+    # the same file alone: its pretrained vocabulary is not the byte tokenizer's: refused as generate refuses it (the
+    # bytes' ids trained it on the wrong tokens, reported as divergence), nothing written; --tokenizer_dir gives it
+    mkdir -p "$T/lb2"; cp "$DATA/stories260K/stories260K.bin" "$T/lb2/"
+    expect tok_model_file_alone_refused 2 "lb2/stories260K.bin: no tokenizer found beside the model file .*vocab_size 512.*--tokenizer_dir" -- \
+        "$FITLLM" finetune_full "$T/lb2/stories260K.bin" --data Synthetic --train.max_steps 1 --train.global_batch_size 1 --out_dir "$T/obin"
+    [ ! -e "$T/obin" ] && { echo "ok   tok_model_file_alone_wrote_nothing"; pass=$((pass+1)); } || { echo "FAIL tok_model_file_alone_wrote_nothing"; fail=$((fail+1)); }
+    expect tok_model_file_alone_given 0 "tokenizer: llama2c from '.*tok512.bin'" -- "$FITLLM" finetune_full "$T/lb2/stories260K.bin" \
+        --tokenizer_dir "$DATA/stories260K/tok512.bin" --data Synthetic --train.max_steps 1 --train.global_batch_size 1 --eval.max_new_tokens 0 \
+        --eval.final_validation false --out_dir "$T/obin2"
 else
     echo "skip tok_beside_model_file: no $DATA/stories260K/stories260K.bin and tok512.bin"; skip=$((skip+1))
 fi

@@ -100,7 +100,7 @@ static const fl_cfg_key k_keys[] = {
     {"logger_name", FL_CK_LOGGER, OFF(logger_name), "csv | jsonl (metrics in out_dir/logs/); tensorboard, wandb, mlflow: csv"},
     {"model_name", FL_CK_STR64, OFF(model_name), "pretrain: model preset (or its LitGPT / HF name)"},
     {"model_config", FL_CK_MODEL_CONFIG, OFF(model_config), "pretrain: config.json, or LitGPT's mapping (model_config.n_layer ...)"},
-    {"tokenizer_dir", FL_CK_PATH, OFF(tokenizer_dir), "pretrain: tokenizer folder (default: built-in bytes)"},
+    {"tokenizer_dir", FL_CK_PATH, OFF(tokenizer_dir), "tokenizer folder or file (default: the model folder's, or the one beside a model file; a preset: built-in bytes)"},
     {"initial_checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "pretrain: start from these weights"},
     {"data", FL_CK_DATA, 0, "Synthetic | Alpaca | JSON | TextFiles (or litgpt.data.* class_path)"},
     {"data.class_path", FL_CK_DATA, 0, "same as data"},
