@@ -162,6 +162,13 @@ expect finetune_unknown_key 2 "did you mean 'train.micro_batch_size'" -- "$FITLL
 expect finetune_not_divisible 2 "not divisible" -- "$FITLLM" finetune_full micro --train.global_batch_size 6 --train.micro_batch_size 4 --out_dir "$T/x3"
 expect finetune_negative_batch 2 "'-1' must be positive: an integer in \[1, " -- "$FITLLM" finetune_full micro --train.micro_batch_size -1 --out_dir "$T/x4"
 expect finetune_unknown_option_last 2 "unknown option 'bogus'" -- "$FITLLM" finetune_full micro --bogus
+# a negative or too high LR floor, a negative clipping norm: refused before training (were run: gradient ascent)
+expect finetune_negative_min_lr 2 "train.min_lr -1 must be a finite number >= 0" -- "$FITLLM" finetune_full micro --data Synthetic --train.global_batch_size 1 --train.max_steps 12 --train.lr_warmup_steps 2 --train.min_lr -1 --out_dir "$T/oz"
+expect finetune_min_lr_above_lr 2 "train.min_lr 0.01 is above optimizer.lr 0.003" -- "$FITLLM" finetune_full micro --optimizer.lr 3e-3 --train.min_lr 1e-2 --out_dir "$T/oz"
+expect finetune_negative_max_norm 2 "train.max_norm -1: give a positive gradient clipping norm, or 0 / null for no clipping" -- "$FITLLM" finetune_full micro --train.max_norm -1 --out_dir "$T/oz"
+[ ! -e "$T/oz" ] && echo "ok   finetune_lr_refusals_write_nothing" && pass=$((pass+1)) || { echo "FAIL finetune_lr_refusals_write_nothing"; fail=$((fail+1)); }
+expect demo_negative_lr 2 "option --lr: '-1' must be a positive finite number" -- "$FITLLM" demo --lr -1 --steps 1
+expect demo_inf_lr 2 "option --lr: 'inf' must be a positive finite number" -- "$FITLLM" demo --lr inf --steps 1
 expect finetune_missing_value 2 "option --train.max_steps needs a value" -- "$FITLLM" finetune_full micro --train.max_steps
 # images (src/image): decode, the BLIP processor's pixel_values and its dump, bad files named
 IMG=tests/fixtures/images
@@ -1002,6 +1009,15 @@ if [ -f "$DATA/stories260K/stories260K.bin" ] && [ -f "$DATA/stories260K/tok512.
         --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --out_dir "$T/tokb"
     cmp -s "$DATA/stories260K/tok512.bin" "$T/tokb/final/tok512.bin" && { echo "ok   tok_beside_model_file_copied"; pass=$((pass+1)); } \
         || { echo "FAIL tok_beside_model_file_copied"; fail=$((fail+1)); }
+    # the same file alone: its pretrained vocabulary is not the byte tokenizer's: refused as generate refuses it (the
+    # bytes' ids trained it on the wrong tokens, reported as divergence), nothing written; --tokenizer_dir gives it
+    mkdir -p "$T/lb2"; cp "$DATA/stories260K/stories260K.bin" "$T/lb2/"
+    expect tok_model_file_alone_refused 2 "lb2/stories260K.bin: no tokenizer found beside the model file .*vocab_size 512.*--tokenizer_dir" -- \
+        "$FITLLM" finetune_full "$T/lb2/stories260K.bin" --data Synthetic --train.max_steps 1 --train.global_batch_size 1 --out_dir "$T/obin"
+    [ ! -e "$T/obin" ] && { echo "ok   tok_model_file_alone_wrote_nothing"; pass=$((pass+1)); } || { echo "FAIL tok_model_file_alone_wrote_nothing"; fail=$((fail+1)); }
+    expect tok_model_file_alone_given 0 "tokenizer: llama2c from '.*tok512.bin'" -- "$FITLLM" finetune_full "$T/lb2/stories260K.bin" \
+        --tokenizer_dir "$DATA/stories260K/tok512.bin" --data Synthetic --train.max_steps 1 --train.global_batch_size 1 --eval.max_new_tokens 0 \
+        --eval.final_validation false --out_dir "$T/obin2"
 else
     echo "skip tok_beside_model_file: no $DATA/stories260K/stories260K.bin and tok512.bin"; skip=$((skip+1))
 fi
@@ -1344,6 +1360,10 @@ if [ -d "$DATA/stories260K-hf" ]; then
     }
     mkdir -p "$T/nanmodel"; cp "$DATA/stories260K-hf"/* "$T/nanmodel/"; poke_nan "$T/nanmodel/model.safetensors"
     expect load_nan_weights 1 "tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" generate "$T/nanmodel" --prompt "Once" --max_new_tokens 2
+    # convert refuses it as the loaders do (it copied it without a word): exit 1, nothing written
+    expect convert_nan_weights 1 "nanmodel/model.safetensors: tensor '[a-z_.0-9]+' holds a non-finite value \(inf/NaN\) at element 0" -- \
+        "$FITLLM" convert "$T/nanmodel" "$T/nanconv"
+    [ -z "$(ls -d "$T"/nanconv* 2>/dev/null)" ] && { echo "ok   convert_nan_wrote_nothing"; pass=$((pass+1)); } || { echo "FAIL convert_nan_wrote_nothing"; fail=$((fail+1)); }
     poke_nan "$T/div/step-000001/model.safetensors"
     expect resume_nan_weights 1 "step-000001/model.safetensors: tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \
@@ -1712,6 +1732,14 @@ cmp -s "$T/cv-lit1/model.safetensors" "$TF/tiny-st/model.safetensors" \
 expect convert_dst_exists 2 "cv-bin: already exists" -- "$FITLLM" convert "$TF/tiny-sharded" "$T/cv-bin"
 expect convert_usage 2 "needs <src_dir> and <dst_dir>" -- "$FITLLM" convert "$TF/tiny-bin"
 expect convert_bad_size 2 "needs a size such as 5GB" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-x" --max-shard-size 5XB
+# the units README documents for sizes (save_pretrained's "5GiB" too); a bare number is refused, never taken as bytes
+expect convert_shard_kib 0 "converted" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-kib" --max-shard-size 20KiB
+[ -f "$T/cv-kib/model-00003-of-00003.safetensors" ] && [ -f "$T/cv-kib/model.safetensors.index.json" ] \
+    && { echo "ok   convert_shard_kib_shards"; pass=$((pass+1)); } || { echo "FAIL convert_shard_kib_shards"; ls "$T/cv-kib" | sed 's/^/     /'; fail=$((fail+1)); }
+expect convert_shard_gib 0 "converted" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-gib" --max-shard-size 5GiB
+expect convert_shard_mib_lower 0 "converted" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-mib" --max-shard-size 500mib
+expect convert_shard_bare_number 2 "'1000000' has no unit: write 1000000GB" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-bare" --max-shard-size 1000000
+expect convert_shard_zero 2 "0 bytes would put no tensor in a shard" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-bare" --max-shard-size 0GB
 expect convert_help 0 "usage: fitllm convert" -- "$FITLLM" convert --help
 mkdir -p "$T/evil"; cp "$TF/tiny-bin/config.json" "$T/evil/"; cp "$TF/evil.bin" "$T/evil/pytorch_model.bin"; rm -f /tmp/fitllm-torch-pwned
 expect convert_evil_refused 1 "evil/pytorch_model.bin: pickle global posix.system is not allowed \(only torch state dicts are read" -- \

@@ -337,6 +337,8 @@ FL_TEST(blip2_refusals) {
          "not found"},
         {"\"num_hidden_layers\": 3", "\"num_hidden_layers\": 2", "unexpected tensor 'qformer.encoder.layer.2."},
         {"\"cross_attention_frequency\": 2", "\"cross_attention_frequency\": 1", "'qformer.encoder.layer.1.crossattention"},
+        {"\"layer_norm_eps\": 1e-06", "\"layer_norm_eps\": 0", "'vision_config.layer_norm_eps' = 0 must be a positive"},
+        {"\"layer_norm_eps\": 1e-12", "\"layer_norm_eps\": -1e-12", "'qformer_config.layer_norm_eps' = -1e-12 must be"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         fl_blip2 *b = NULL;

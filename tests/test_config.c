@@ -609,3 +609,39 @@ FL_TEST(cfg_long_values_refused) {
     FL_REQUIRE_OK(fl_cfg_set(&c, "model_name", name));
     FL_CHECK(strlen(c.model_name) == 63);
 }
+
+/* A negative train.min_lr ran with negative learning rates (gradient ascent); one above optimizer.lr, a negative
+ * clipping norm: refused naming the values. max_norm 0 and null keep meaning "no clipping". */
+FL_TEST(cfg_lr_floor_and_clip_norm_refused) {
+    static const struct { const char *key, *val, *msg; } bad[] = {
+        {"train.min_lr", "-1", "train.min_lr -1 must be a finite number >= 0"},
+        {"train.min_lr", "0.01", "train.min_lr 0.01 is above optimizer.lr 0.001"},
+        {"train.max_norm", "-1", "train.max_norm -1: give a positive gradient clipping norm, or 0 / null"},
+    };
+    fl_run_config c;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+        FL_REQUIRE_OK(fl_cfg_set(&c, "checkpoint_dir", "micro"));
+        FL_REQUIRE_OK(fl_cfg_set(&c, bad[i].key, bad[i].val));
+        FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID);
+        FL_CHECKF(strstr(fl_error_message(), bad[i].msg), "%s", fl_error_message());
+    }
+    static const struct { const char *key, *val; } good[] = {
+        {"train.min_lr", "0"}, {"train.min_lr", "0.001"}, {"train.max_norm", "0"}, {"train.max_norm", "null"},
+        {"train.max_norm", "1.0"},
+    };
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+        FL_REQUIRE_OK(fl_cfg_set(&c, "checkpoint_dir", "micro"));
+        FL_REQUIRE_OK(fl_cfg_set(&c, good[i].key, good[i].val));
+        FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s %s: %s", good[i].key, good[i].val, fl_error_message());
+    }
+    /* a value set in code, past the option parser */
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "checkpoint_dir", "micro"));
+    c.train.max_norm = INFINITY;
+    FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID && strstr(fl_error_message(), "train.max_norm inf"));
+    c.train.max_norm = 0;
+    c.optimizer.lr = INFINITY;
+    FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID && strstr(fl_error_message(), "optimizer.lr must be positive"));
+}

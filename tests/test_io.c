@@ -552,6 +552,45 @@ FL_TEST(config_llama_and_errors) {
     FL_CHECK(fl_hf_load_config(pj(d, "absent.json"), &c) == FL_ERR_NOT_FOUND);
 }
 
+/* Epsilons, RoPE's base and its scaling factors at 0 or below were replaced by defaults (or divided by): refused,
+ * naming the file and the key, in every architecture's parser. */
+FL_TEST(config_nonpositive_floats_refused) {
+#define LL "{\"model_type\": \"llama\", \"hidden_size\": 16, \"intermediate_size\": 24, \"num_hidden_layers\": 2," \
+           " \"num_attention_heads\": 4, \"vocab_size\": 32, \"max_position_embeddings\": 32"
+    static const struct { const char *json, *key; } cases[] = {
+        {LL ", \"rms_norm_eps\": %s}", "'rms_norm_eps'"},
+        {LL ", \"rms_norm_eps\": 1e-5, \"rope_theta\": %s}", "'rope_theta'"},
+        {LL ", \"rms_norm_eps\": 1e-5, \"rope_parameters\": {\"rope_theta\": %s, \"rope_type\": \"default\"}}",
+         "'rope_theta'"},
+        {LL ", \"rms_norm_eps\": 1e-5, \"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": %s}}", "'factor'"},
+        {"{\"model_type\": \"gpt2\", \"n_embd\": 16, \"n_layer\": 2, \"n_head\": 2, \"n_ctx\": 64, \"vocab_size\": 50,"
+         " \"layer_norm_epsilon\": %s}", "'layer_norm_epsilon'"},
+        {"{\"model_type\": \"t5\", \"d_model\": 16, \"d_ff\": 32, \"num_layers\": 1, \"num_heads\": 2, \"d_kv\": 8,"
+         " \"vocab_size\": 40, \"layer_norm_epsilon\": %s}", "'layer_norm_epsilon'"},
+        {"{\"model_type\": \"bert\", \"hidden_size\": 16, \"intermediate_size\": 32, \"num_hidden_layers\": 1,"
+         " \"num_attention_heads\": 2, \"max_position_embeddings\": 32, \"vocab_size\": 40, \"layer_norm_eps\": %s}",
+         "'layer_norm_eps'"},
+    };
+#undef LL
+    static const char *bad[] = {"0", "-1e-5", "0.0"};
+    const char *p = pj(tdir(), "config.json");
+    char buf[1024];
+    fl_model_config c;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(buf, sizeof buf, cases[i].json, "0.5"); /* the fixture itself loads */
+        FL_REQUIRE(write_text(p, buf) == 0);
+        FL_CHECKF(fl_hf_load_config(p, &c) == FL_OK, "case %zu: %s", i, fl_error_message());
+        for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+            snprintf(buf, sizeof buf, cases[i].json, bad[b]);
+            FL_REQUIRE(write_text(p, buf) == 0);
+            FL_CHECKF(fl_hf_load_config(p, &c) == FL_ERR_FORMAT, "case %zu value %s loaded", i, bad[b]);
+            CHECK_MSG(p);
+            CHECK_MSG(cases[i].key);
+            CHECK_MSG("must be a positive number");
+        }
+    }
+}
+
 FL_TEST(config_gpt2_defaults) {
     const char *p = pj(tdir(), "config.json");
     FL_REQUIRE(write_text(p, "{\"model_type\": \"gpt2\", \"n_embd\": 16, \"n_layer\": 2, \"n_head\": 2, \"n_ctx\": 64,"

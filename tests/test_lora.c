@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "backend/cpu/cpu-impl.h"
 #include "fitllm/generate.h"
@@ -1008,4 +1009,52 @@ FL_TEST(lora_block0_input_grad_skipped) {
     block0_skip_case("micro", "q_proj, v_proj");
     block0_skip_case("micro", "all-linear");
     block0_skip_case("gpt2-micro", "c_attn");
+}
+
+/* adapter_config.json's booleans: "use_rslora": "yes" was read as false (merged with alpha / r unsaid). Anything but
+ * true / false / null is refused naming the file and key; DoRA and a LoRA bias (true) are refused as unsupported. */
+FL_TEST(peft_config_booleans) {
+    char dir[512], p[600];
+    snprintf(dir, sizeof dir, "%s/a", fl_test_tmpdir());
+    FL_REQUIRE(mkdir(dir, 0755) == 0);
+    size_t nw = 0, nc = 0;
+    char *w = fl_test_slurp("tests/fixtures/peft-llama/adapter_model.safetensors", &nw);
+    char *cfg = fl_test_slurp("tests/fixtures/peft-llama/adapter_config.json", &nc);
+    FL_REQUIRE(w && cfg);
+    snprintf(p, sizeof p, "%s/adapter_model.safetensors", dir);
+    FILE *o = fopen(p, "wb");
+    FL_REQUIRE(o && fwrite(w, 1, nw, o) == nw && fclose(o) == 0);
+    /* the fixture's `key: false` (from) written as `to` */
+    static const struct { const char *from, *to; fl_status want; const char *msg; int rslora; } cases[] = {
+        {"\"use_rslora\": false", "\"use_rslora\": \"yes\"", FL_ERR_FORMAT, "key 'use_rslora': must be true or false (got a string)", 0},
+        {"\"use_rslora\": false", "\"use_rslora\": 1", FL_ERR_FORMAT, "key 'use_rslora': must be true or false (got a number)", 0},
+        {"\"fan_in_fan_out\": false", "\"fan_in_fan_out\": \"false\"", FL_ERR_FORMAT, "key 'fan_in_fan_out': must be true or false", 0},
+        {"\"inference_mode\": true", "\"inference_mode\": \"true\"", FL_ERR_FORMAT, "key 'inference_mode': must be true or false", 0},
+        {"\"use_dora\": false", "\"use_dora\": \"no\"", FL_ERR_FORMAT, "key 'use_dora': must be true or false", 0},
+        {"\"use_dora\": false", "\"use_dora\": true", FL_ERR_UNSUPPORTED, "key 'use_dora': true is not supported", 0},
+        {"\"lora_bias\": false", "\"lora_bias\": []", FL_ERR_FORMAT, "key 'lora_bias': must be true or false (got a list)", 0},
+        {"\"lora_bias\": false", "\"lora_bias\": true", FL_ERR_UNSUPPORTED, "key 'lora_bias': true is not supported", 0},
+        {"\"use_rslora\": false", "\"use_rslora\": true", FL_OK, NULL, 1},
+        {"\"use_rslora\": false", "\"use_rslora\": null", FL_OK, NULL, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *hit = strstr(cfg, cases[i].from);
+        FL_REQUIRE(hit);
+        snprintf(p, sizeof p, "%s/adapter_config.json", dir);
+        o = fopen(p, "wb");
+        FL_REQUIRE(o);
+        fprintf(o, "%.*s%s%s", (int)(hit - cfg), cfg, cases[i].to, hit + strlen(cases[i].from));
+        FL_REQUIRE(fclose(o) == 0);
+        fl_peft_adapter a;
+        const fl_status s = fl_peft_load(dir, &a);
+        FL_CHECKF(s == cases[i].want, "%s: got %s: %s", cases[i].to, fl_status_name(s), fl_error_message());
+        if (cases[i].msg) {
+            CHECK_MSG("a/adapter_config.json");
+            CHECK_MSG(cases[i].msg);
+        } else if (s == FL_OK) {
+            FL_CHECKF(a.cfg.lora.use_rslora == cases[i].rslora, "%s: use_rslora %d", cases[i].to, a.cfg.lora.use_rslora);
+            fl_peft_free(&a);
+        }
+    }
+    free(w), free(cfg);
 }

@@ -3,6 +3,8 @@
  * twins; hostile or broken files (crafted here with a small zip/pickle writer) are refused
  * by name and nothing in them runs. */
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -386,4 +388,38 @@ FL_TEST(torch_protocol4_and_parameters) {
     FL_REQUIRE_OK(fl_torch_open(&f, "fuzz/seeds-torch/param.bin"));
     FL_CHECK(f.n_tensors == 1 && !strcmp(f.tensors[0].name, "x") && f.tensors[0].shape[0] == 2);
     fl_st_close(&f);
+}
+
+/* convert refused an inf/NaN weight no more than the loaders do: it copied it without a word. The loaders' refusal,
+ * naming file, tensor and element, and nothing written. */
+FL_TEST(torch_convert_refuses_nonfinite) {
+    const char *td = fl_test_tmpdir();
+    char src[512], p[600], dst[512];
+    snprintf(src, sizeof src, "%s/nan", td);
+    FL_REQUIRE(mkdir(src, 0755) == 0);
+    size_t nc = 0, nw = 0;
+    char *cfg = fl_test_slurp(FX "tiny-st/config.json", &nc), *w = fl_test_slurp(FX "tiny-st/model.safetensors", &nw);
+    FL_REQUIRE(cfg && w);
+    fl_st_file f;
+    FL_REQUIRE_OK(fl_st_open(&f, FX "tiny-st/model.safetensors"));
+    const char *name = "model.layers.1.mlp.down_proj.weight";
+    const fl_st_tensor *t = fl_st_find(&f, name);
+    FL_REQUIRE(t && t->dtype == FL_F16); /* the fixture mixes F32, BF16 and F16 */
+    const uint16_t inf16 = 0x7c00;
+    memcpy(w + ((const char *)t->data - (const char *)f.map) + 3 * sizeof inf16, &inf16, sizeof inf16); /* element 3 */
+    fl_st_close(&f);
+    snprintf(p, sizeof p, "%s/config.json", src);
+    FILE *o = fopen(p, "wb");
+    FL_REQUIRE(o && fwrite(cfg, 1, nc, o) == nc && fclose(o) == 0);
+    snprintf(p, sizeof p, "%s/model.safetensors", src);
+    o = fopen(p, "wb");
+    FL_REQUIRE(o && fwrite(w, 1, nw, o) == nw && fclose(o) == 0);
+    free(cfg), free(w);
+    snprintf(dst, sizeof dst, "%s/out", td);
+    FL_CHECK(fl_hf_convert(src, dst, NULL) == FL_ERR_FORMAT);
+    CHECK_MSG("nan/model.safetensors: tensor 'model.layers.1.mlp.down_proj.weight' holds a non-finite value (inf/NaN) "
+              "at element 3");
+    char cmd[700]; /* only the source folder: no out, no temp folder */
+    snprintf(cmd, sizeof cmd, "test \"$(ls -A '%s')\" = nan", td);
+    FL_CHECK(system(cmd) == 0);
 }

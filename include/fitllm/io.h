@@ -129,6 +129,9 @@ fl_status fl_hf_save_tensors(const char *dir, const fl_model_config *cfg, const 
                              const fl_st_write_tensor *t);
 /* The HF shape of layout entry p into t (GPT-2 Conv1D weights transposed on disk). */
 void fl_hf_tensor_shape(const fl_param_info *p, fl_st_write_tensor *t);
+/* FL_ERR_FORMAT naming file, tensor and element when the n values of `data` (dtype dt, any
+ * alignment) hold an inf or NaN: the loaders' and convert's one refusal of a corrupt weight. */
+fl_status fl_hf_check_finite(const char *file, const char *tensor, const void *data, fl_dtype dt, size_t n);
 /* Shard size for fl_hf_save_model (0 = the 5 GB default); tests use small values. */
 void fl_hf_set_max_shard_bytes(size_t bytes);
 

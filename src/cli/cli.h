@@ -31,6 +31,8 @@ int fl_cli_unknown_option(const char *cmd, const char *arg, const char *const *k
 /* Parse helpers: return 0 on success, -1 with a usage message printed. */
 int fl_cli_int(const char *cmd, const char *opt, const char *val, long lo, long hi, int *out);
 int fl_cli_float(const char *cmd, const char *opt, const char *val, float *out);
+/* fl_cli_float that must be > 0 and finite (a learning rate) */
+int fl_cli_pos_float(const char *cmd, const char *opt, const char *val, float *out);
 /* --accelerator VALUE (auto|cpu|cuda, fitllm/cuda.h): 0 when the command runs on the CPU (auto,
  * cpu); else prints why not (bad value: usage error 2; cuda without a CUDA build, a visible device
  * or a complete CUDA backend: runtime error 1) and returns the exit code. */

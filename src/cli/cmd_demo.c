@@ -54,7 +54,7 @@ int fl_cmd_demo(int argc, char **argv) {
         else if (!strcmp(a, "--seq")) { if (fl_cli_int(cmd, a, v, 2, 1 << 24, &T)) return 2; i++; }
         else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
-        else if (!strcmp(a, "--lr")) { if (fl_cli_float(cmd, a, v, &lr)) return 2; i++; }
+        else if (!strcmp(a, "--lr")) { if (fl_cli_pos_float(cmd, a, v, &lr)) return 2; i++; }
         else if (!strcmp(a, "--max-memory")) {
             if (!v || fl_parse_bytes(v, &budget)) {
                 char why[300];

@@ -1,5 +1,6 @@
 /* Shared CLI helpers: error reporting, option parsing, model loading. */
 #include <errno.h>
+#include <math.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -77,6 +78,17 @@ int fl_cli_float(const char *cmd, const char *opt, const char *val, float *out) 
     char *end;
     float v = strtof(val, &end);
     if (end == val || *end) { fl_cli_usage(cmd, "option %s: '%s' is not a number", opt, val); return -1; }
+    *out = v;
+    return 0;
+}
+
+int fl_cli_pos_float(const char *cmd, const char *opt, const char *val, float *out) {
+    float v;
+    if (fl_cli_float(cmd, opt, val, &v)) return -1;
+    if (!(v > 0) || !isfinite(v)) {
+        fl_cli_usage(cmd, "option %s: '%s' must be a positive finite number", opt, val);
+        return -1;
+    }
     *out = v;
     return 0;
 }

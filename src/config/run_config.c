@@ -100,7 +100,7 @@ static const fl_cfg_key k_keys[] = {
     {"logger_name", FL_CK_LOGGER, OFF(logger_name), "csv | jsonl (metrics in out_dir/logs/); tensorboard, wandb, mlflow: csv"},
     {"model_name", FL_CK_STR64, OFF(model_name), "pretrain: model preset (or its LitGPT / HF name)"},
     {"model_config", FL_CK_MODEL_CONFIG, OFF(model_config), "pretrain: config.json, or LitGPT's mapping (model_config.n_layer ...)"},
-    {"tokenizer_dir", FL_CK_PATH, OFF(tokenizer_dir), "pretrain: tokenizer folder (default: built-in bytes)"},
+    {"tokenizer_dir", FL_CK_PATH, OFF(tokenizer_dir), "tokenizer folder or file (default: the model folder's, or the one beside a model file; a preset: built-in bytes)"},
     {"initial_checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "pretrain: start from these weights"},
     {"data", FL_CK_DATA, 0, "Synthetic | Alpaca | JSON | TextFiles (or litgpt.data.* class_path)"},
     {"data.class_path", FL_CK_DATA, 0, "same as data"},
@@ -133,7 +133,7 @@ static const fl_cfg_key k_keys[] = {
     {"train.max_time", FL_CK_FLOAT_OPT, OFF(train.max_time), "stop after this many seconds of training, then finish as at max_steps"},
     {"train.max_seq_length", FL_CK_INT_OPT, OFF(train.max_seq_length), "truncate samples to this length"},
     {"train.tie_embeddings", FL_CK_BOOL_OPT, OFF(train.tie_embeddings), "tie embedding and head weights"},
-    {"train.max_norm", FL_CK_FLOAT_OPT0, OFF(train.max_norm), "gradient clipping norm"},
+    {"train.max_norm", FL_CK_FLOAT_OPT0, OFF(train.max_norm), "gradient clipping norm (positive; 0 or null: no clipping)"},
     {"train.min_lr", FL_CK_FLOAT, OFF(train.min_lr), "final learning rate of the cosine decay"},
     {"train.learning_rate", FL_CK_FLOAT, OFF(optimizer.lr), "(older LitGPT recipes) same as optimizer.lr"},
     {"train.weight_decay", FL_CK_FLOAT, OFF(optimizer.weight_decay), "(older LitGPT recipes) optimizer.weight_decay"},
@@ -727,7 +727,20 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
                          c->train.memory_snapshot_interval);
     if (c->eval.interval <= 0) return fl_errorf(FL_ERR_INVALID, "eval.interval must be positive");
     if (c->eval.max_iters <= 0) return fl_errorf(FL_ERR_INVALID, "eval.max_iters must be positive");
-    if (!(c->optimizer.lr > 0)) return fl_errorf(FL_ERR_INVALID, "optimizer.lr must be positive");
+    if (!(c->optimizer.lr > 0) || !isfinite(c->optimizer.lr))
+        return fl_errorf(FL_ERR_INVALID, "optimizer.lr must be positive");
+    /* a negative floor makes the cosine decay's tail negative (gradient ascent); one above the peak makes it rise */
+    if (!(t->min_lr >= 0) || !isfinite(t->min_lr))
+        return fl_errorf(FL_ERR_INVALID, "train.min_lr %g must be a finite number >= 0 (the final learning rate of the "
+                         "cosine decay)", (double)t->min_lr);
+    if (t->min_lr > c->optimizer.lr)
+        return fl_errorf(FL_ERR_INVALID, "train.min_lr %g is above optimizer.lr %g: the learning rate decays from "
+                         "optimizer.lr down to train.min_lr; give a train.min_lr at most the learning rate (a lowered "
+                         "optimizer.lr needs a train.min_lr lowered with it)",
+                         (double)t->min_lr, (double)c->optimizer.lr);
+    if (!(t->max_norm >= 0) || !isfinite(t->max_norm))
+        return fl_errorf(FL_ERR_INVALID, "train.max_norm %g: give a positive gradient clipping norm, or 0 / null for "
+                         "no clipping", (double)t->max_norm);
     if (c->optimizer.weight_decay < 0) return fl_errorf(FL_ERR_INVALID, "optimizer.weight_decay must be >= 0");
     if (c->data.val_split_fraction < 0 || c->data.val_split_fraction >= 1)
         return fl_errorf(FL_ERR_INVALID, "data.val_split_fraction must be in [0, 1)");

@@ -28,7 +28,9 @@ static fl_status cv_collect(const fl_param_layout *lay, const fl_model_config *c
     for (int k = 0; k < lay->n; k++) {
         const fl_param_info *p = &lay->params[k];
         const fl_st_tensor *x = NULL;
-        for (int i = 0; i < nf && !x; i++) x = fl_st_find(&fs[i], p->name);
+        int fi = 0; /* the file holding it */
+        for (int i = 0; i < nf && !x; i++)
+            if ((x = fl_st_find(&fs[i], p->name))) fi = i;
         if (!x) return fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", src, p->name);
         fl_st_write_tensor w = {0};
         fl_hf_tensor_shape(p, &w); /* the shape on disk */
@@ -38,6 +40,8 @@ static fl_status cv_collect(const fl_param_layout *lay, const fl_model_config *c
         if (x->dtype != FL_F32 && x->dtype != FL_BF16 && x->dtype != FL_F16 && x->dtype != FL_F64)
             return fl_errorf(FL_ERR_UNSUPPORTED, "tensor '%s': dtype %s is not a parameter dtype (F32, BF16, F16, F64)",
                              p->name, fl_dtype_name(x->dtype));
+        /* an inf/NaN weight is refused as the loaders refuse it: nothing is written */
+        FL_TRY(fl_hf_check_finite(fs[fi].path, p->name, x->data, x->dtype, p->numel));
         t[k] = (fl_st_write_tensor){.name = p->name, .dtype = x->dtype, .src_dtype = x->dtype, .ndim = x->ndim,
                                     .data = x->data};
         memcpy(t[k].shape, x->shape, sizeof t[k].shape); /* as on disk: no transpose */

@@ -52,6 +52,15 @@ static fl_status fl_hf_float(const char *path, const fl_json *o, const char *key
     return FL_OK;
 }
 
+/* A float key that must be positive (an epsilon, RoPE's base, a scaling factor): 0 or below would be replaced by a
+ * default downstream, or divide by zero, so it is refused here, naming the key. */
+static fl_status fl_hf_pos_float(const char *path, const fl_json *o, const char *key, const float *def, float *out) {
+    FL_TRY(fl_hf_float(path, o, key, def, out));
+    if (!(*out > 0))
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' = %g must be a positive number", path, key, (double)*out);
+    return FL_OK;
+}
+
 static fl_status fl_hf_bool(const char *path, const fl_json *o, const char *key, int def, int *out) {
     const fl_json *j = fl_hf_key(o, key);
     if (!j) { *out = def; return FL_OK; }
@@ -87,14 +96,14 @@ static fl_status fl_hf_rope_scaling(const char *path, const fl_json *root, const
     if (strcmp(type, "default") == 0) return FL_OK;
     if (strcmp(type, "linear") == 0) {
         rs->type = FL_ROPE_LINEAR;
-        FL_TRY(fl_hf_float(path, j, "factor", NULL, &rs->factor));
+        FL_TRY(fl_hf_pos_float(path, j, "factor", NULL, &rs->factor));
         return FL_OK;
     }
     if (strcmp(type, "llama3") == 0) {
         rs->type = FL_ROPE_LLAMA3;
-        FL_TRY(fl_hf_float(path, j, "factor", NULL, &rs->factor));
-        FL_TRY(fl_hf_float(path, j, "low_freq_factor", NULL, &rs->low_freq_factor));
-        FL_TRY(fl_hf_float(path, j, "high_freq_factor", NULL, &rs->high_freq_factor));
+        FL_TRY(fl_hf_pos_float(path, j, "factor", NULL, &rs->factor));
+        FL_TRY(fl_hf_pos_float(path, j, "low_freq_factor", NULL, &rs->low_freq_factor));
+        FL_TRY(fl_hf_pos_float(path, j, "high_freq_factor", NULL, &rs->high_freq_factor));
         FL_TRY(fl_hf_int(path, j, "original_max_position_embeddings", NULL, &rs->original_max_position));
         if (!(rs->high_freq_factor > rs->low_freq_factor))
             return fl_errorf(FL_ERR_FORMAT, "%s: key 'rope_scaling.high_freq_factor' must exceed low_freq_factor", path);
@@ -126,14 +135,14 @@ static fl_status fl_hf_parse_llama(const char *path, const fl_json *r, fl_model_
     int hd_def = c->n_heads > 0 ? c->dim / c->n_heads : 0;
     FL_TRY(fl_hf_int(path, r, "head_dim", &hd_def, &c->head_dim));
     FL_TRY(fl_hf_int(path, r, "num_hidden_layers", NULL, &c->n_layers));
-    FL_TRY(fl_hf_float(path, r, "rms_norm_eps", NULL, &c->norm_eps));
+    FL_TRY(fl_hf_pos_float(path, r, "rms_norm_eps", NULL, &c->norm_eps));
     const float theta = 10000.0f;
     const fl_json *rp = fl_hf_key(r, "rope_parameters");
     if (rp && rp->type == FL_JSON_OBJECT && !fl_hf_key(r, "rope_theta") && !fl_hf_key(r, "rope_scaling")) {
-        FL_TRY(fl_hf_float(path, rp, "rope_theta", &theta, &c->rope_theta));
+        FL_TRY(fl_hf_pos_float(path, rp, "rope_theta", &theta, &c->rope_theta));
         FL_TRY(fl_hf_rope_scaling(path, r, "rope_parameters", &c->rope_scaling));
     } else {
-        FL_TRY(fl_hf_float(path, r, "rope_theta", &theta, &c->rope_theta));
+        FL_TRY(fl_hf_pos_float(path, r, "rope_theta", &theta, &c->rope_theta));
         FL_TRY(fl_hf_rope_scaling(path, r, "rope_scaling", &c->rope_scaling));
     }
     FL_TRY(fl_hf_int(path, r, "vocab_size", NULL, &c->vocab_size));
@@ -162,7 +171,7 @@ static fl_status fl_hf_parse_gpt2(const char *path, const fl_json *r, fl_model_c
     else return fl_errorf(FL_ERR_FORMAT, "%s: missing key 'n_positions'", path);
     FL_TRY(fl_hf_int(path, r, "vocab_size", NULL, &c->vocab_size));
     const float eps = 1e-5f;
-    FL_TRY(fl_hf_float(path, r, "layer_norm_epsilon", &eps, &c->norm_eps));
+    FL_TRY(fl_hf_pos_float(path, r, "layer_norm_epsilon", &eps, &c->norm_eps));
     int inner = 4 * c->dim;
     FL_TRY(fl_hf_int(path, r, "n_inner", &inner, &c->ffn_dim));
     FL_TRY(fl_hf_bool(path, r, "tie_word_embeddings", 1, &c->tie_embeddings));
@@ -259,7 +268,7 @@ static fl_status fl_hf_parse_t5(const char *path, const fl_json *r, fl_model_con
     c->n_kv_heads = c->n_heads;
     FL_TRY(fl_hf_int(path, r, "relative_attention_num_buckets", &buckets, &c->rel_buckets));
     FL_TRY(fl_hf_int(path, r, "relative_attention_max_distance", &maxd, &c->rel_max_dist));
-    FL_TRY(fl_hf_float(path, r, "layer_norm_epsilon", &eps, &c->norm_eps));
+    FL_TRY(fl_hf_pos_float(path, r, "layer_norm_epsilon", &eps, &c->norm_eps));
     const float drop = 0.1f;
     FL_TRY(fl_hf_float(path, r, "dropout_rate", &drop, &c->dropout_rate));
     if (c->dropout_rate < 0 || c->dropout_rate >= 1)
@@ -324,7 +333,7 @@ static fl_status fl_hf_parse_keys(const char *path, const fl_json *r, fl_arch a,
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
         if (ints[i].key) FL_TRY(fl_hf_int(path, r, ints[i].key, ints[i].def, ints[i].field));
-    if (k->eps) FL_TRY(fl_hf_float(path, r, k->eps, &k->eps_default, &c->norm_eps));
+    if (k->eps) FL_TRY(fl_hf_pos_float(path, r, k->eps, &k->eps_default, &c->norm_eps));
     return FL_OK;
 }
 

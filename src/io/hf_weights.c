@@ -41,6 +41,17 @@ static void fl_hf_fmt_shape(char *buf, size_t n, int ndim, const int64_t *shape)
     if (k < n) snprintf(buf + k, n - k, "]");
 }
 
+/* a NaN weight poisons every output: refused naming the tensor, instead of training or generating NaN silently */
+static fl_status fl_hf_non_finite(const char *file, const char *tensor, long long at) {
+    return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld: the file is "
+                     "corrupt or was saved from a diverged run", file, tensor, at);
+}
+
+fl_status fl_hf_check_finite(const char *file, const char *tensor, const void *data, fl_dtype dt, size_t n) {
+    const long long bad = fl_dtype_first_nonfinite(data, dt, n);
+    return bad >= 0 ? fl_hf_non_finite(file, tensor, bad) : FL_OK;
+}
+
 /* A sharded model (fl_model_provider, FSDP FULL_SHARD): only this rank's piece of entry pi, its elements
  * [k0, k1) (fl_model_param_piece), read from the mapped file: only those elements' bytes are
  * touched (a contiguous run; for a Conv1D weight stored transposed, the strided disk elements of the
@@ -83,8 +94,7 @@ static fl_status fl_hf_copy_tensor_range(fl_model *m, int pi, const fl_st_file *
             if (bad < 0) fl_convert(cv, dt, row, FL_F32, n);
         }
         if (bad >= 0) {
-            s = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld: the "
-                          "file is corrupt or was saved from a diverged run", f->path, t->name, bad);
+            s = fl_hf_non_finite(f->path, t->name, bad);
         } else if (s == FL_OK) {
             const fl_backend *pbe = fl_model_params_be(m); /* parameter offload: the host tier's */
             if (pbe) s = FL_RUN(pbe, to_device, dst + (a - k0) * ds, cv, n * ds);
@@ -129,12 +139,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
     size_t es = fl_dtype_size(t->dtype), ds = fl_dtype_size(dt);
     const void *src = t->data;
     fl_status s = FL_OK;
-    /* a NaN weight poisons every output: refuse it here, naming the tensor,
-     * instead of training or generating NaN silently */
-    long long bad = fl_dtype_first_nonfinite(src, t->dtype, p->numel);
-    if (bad >= 0)
-        return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld: the "
-                         "file is corrupt or was saved from a diverged run", f->path, t->name, bad);
+    FL_TRY(fl_hf_check_finite(f->path, t->name, src, t->dtype, p->numel));
     if (q4src && !(p->ndim == 2 && p->transposed_on_disk) && (uintptr_t)src % es == 0) {
         /* into the host staging of a 4-bit entry */
         if (fl_convert(dst, dt, src, t->dtype, p->numel))

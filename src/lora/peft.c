@@ -108,6 +108,18 @@ void fl_peft_free(fl_peft_adapter *a) {
     memset(a, 0, sizeof *a);
 }
 
+/* A boolean key of adapter_config.json: absent or null keeps *out; anything but true / false is refused (a "yes"
+ * read as false would merge with another scaling unsaid). */
+static fl_status peft_bool(const char *path, const fl_json *j, const char *key, int *out) {
+    static const char *const types[] = {"null", "a boolean", "a number", "a string", "a list", "an object"};
+    const fl_json *v = fl_json_get(j, key);
+    if (!v || v->type == FL_JSON_NULL) return FL_OK;
+    if (v->type != FL_JSON_BOOL)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s': must be true or false (got %s)", path, key, types[v->type]);
+    *out = v->b;
+    return FL_OK;
+}
+
 static fl_status read_config(const char *path, fl_peft_config *c) {
     fl_json *j = NULL;
     FL_TRY(fl_json_parse_file(path, &j));
@@ -140,12 +152,18 @@ static fl_status read_config(const char *path, fl_peft_config *c) {
         st = fl_errorf(FL_ERR_INVALID, "%s: key 'lora_dropout': must be in [0, 1)", path);
         goto done;
     }
-    v = fl_json_get(j, "use_rslora");
-    if (v && v->type == FL_JSON_BOOL) c->lora.use_rslora = v->b;
-    v = fl_json_get(j, "fan_in_fan_out");
-    if (v && v->type == FL_JSON_BOOL) c->fan_in_fan_out = v->b;
-    v = fl_json_get(j, "inference_mode");
-    if (v && v->type == FL_JSON_BOOL) c->inference_mode = v->b;
+    int dora = 0, lbias = 0;
+    if ((st = peft_bool(path, j, "use_rslora", &c->lora.use_rslora)) != FL_OK ||
+        (st = peft_bool(path, j, "fan_in_fan_out", &c->fan_in_fan_out)) != FL_OK ||
+        (st = peft_bool(path, j, "inference_mode", &c->inference_mode)) != FL_OK ||
+        (st = peft_bool(path, j, "use_dora", &dora)) != FL_OK || (st = peft_bool(path, j, "lora_bias", &lbias)) != FL_OK)
+        goto done;
+    /* a magnitude vector per module (DoRA) or a bias on B besides A and B: merging A and B alone would be wrong */
+    if (dora || lbias) {
+        st = fl_errorf(FL_ERR_UNSUPPORTED, "%s: key '%s': true is not supported (plain LoRA adapters only)", path,
+                       dora ? "use_dora" : "lora_bias");
+        goto done;
+    }
     v = fl_json_get(j, "bias");
     if (v && v->type == FL_JSON_STRING && strcmp(v->str, "none") != 0) {
         st = fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'bias': \"%s\" not supported (only \"none\")", path, v->str);

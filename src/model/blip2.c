@@ -1,5 +1,6 @@
 /* BLIP-2 (fitllm/blip2.h): its config.json, presets, the three parts' creation and the loader of an HF folder. The
  * passes are src/model/blip2_pass.c. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,6 +73,9 @@ static fl_status part_common(const char *path, const fl_json *o, const char *sec
     FL_TRY(cfg_int(path, o, sec, "num_hidden_layers", layers, &c->n_layers));
     FL_TRY(cfg_int(path, o, sec, "num_attention_heads", heads, &c->n_heads));
     FL_TRY(cfg_num(path, o, sec, "layer_norm_eps", eps, &c->norm_eps));
+    if (!(c->norm_eps > 0) || c->norm_eps == INFINITY) /* 0 or below would fall back to a default in validation */
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%slayer_norm_eps' = %g must be a positive finite number", path, sec,
+                         (double)c->norm_eps);
     c->vocab_size = 1; /* no token table: the parts read pixels and learned queries */
     return cfg_act(path, o, sec, &c->gelu_exact);
 }

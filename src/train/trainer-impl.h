@@ -39,6 +39,8 @@ typedef struct {
 typedef struct {
     fl_tokenizer *tok;
     char tok_dir[FL_CFG_PATH];  /* where tokenizer files come from ("" = built-in) */
+    int weights_loaded;         /* the model's weights were read from files (fl_tr_load_model): their vocabulary is
+                                 * not the built-in bytes', so a tokenizer must come with them */
     fl_dataset *data;
     fl_loader *train, *val;
     /* an encoder-decoder (fl_model_is_s2s): the source/target pairs and their loader instead */

@@ -134,7 +134,7 @@ fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m
         return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir%s",
                          c->command == FL_CMD_PRETRAIN ? ", model_name or model_config" : "");
     }
-    (void)have_weights;
+    if (have_weights) t->in.weights_loaded = 1;
     if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != m->cfg.tie_embeddings)
         return fl_errorf(FL_ERR_UNSUPPORTED, "train.tie_embeddings=%d differs from the model's tie_word_embeddings=%d",
                          c->train.tie_embeddings, m->cfg.tie_embeddings);
@@ -162,6 +162,15 @@ fl_status fl_tr_load_tokenizer(trainer *t) {
         snprintf(t->in.tok_dir, sizeof t->in.tok_dir, "%s", td);
     } else {
         FL_TRY(fl_tok_builtin_bytes(&t->in.tok));
+        /* pretrained weights (a llama2.c .bin alone) learned another vocabulary: the bytes' ids would train them on
+         * the wrong tokens (and "diverge"); refused as generate refuses it. Random weights (presets) keep the bytes;
+         * a model of exactly the bytes' vocabulary may have been trained with them. */
+        if (t->in.weights_loaded && t->model.cfg.vocab_size != fl_tok_vocab_size(t->in.tok))
+            return fl_errorf(FL_ERR_NOT_FOUND, "%s: no tokenizer found beside the model file (tokenizer.json, "
+                             "tokenizer.model, spiece.model or tok*.bin), and its pretrained weights (vocab_size %d) "
+                             "do not use the built-in byte tokenizer: give the model's with --tokenizer_dir (a folder "
+                             "or a file such as tok512.bin)",
+                             ck[0] ? ck : "the model", t->model.cfg.vocab_size);
     }
     if (fl_tok_vocab_size(t->in.tok) > t->model.cfg.vocab_size)
         return fl_errorf(FL_ERR_INVALID, "tokenizer (%s, %d ids%s%s%s) does not fit the model's vocab_size %d%s",
