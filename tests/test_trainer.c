@@ -132,6 +132,11 @@ FL_TEST(cfg_lr_schedule_values) {
     FL_CHECK(fabs(fl_lr_schedule(1e-3, 1e-4, 60, 10, 110) - 5.5e-4) < 1e-12); /* halfway: mean of lr and min */
     FL_CHECK(fabs(fl_lr_schedule(1e-3, 1e-4, 110, 10, 110) - 1e-4) < 1e-15);
     FL_CHECK(fabs(fl_lr_schedule(1e-3, 1e-4, 35, 10, 110) - (1e-4 + 0.45e-3 * (1 + cos(M_PI * 0.25)))) < 1e-12);
+    /* a floor above the rate (train.min_lr's default 6e-5 under lr 1e-5): the warm-up as ever, then the rate itself at
+     * every step, never rising to the floor (LitGPT's formula did) */
+    FL_CHECK(fabs(fl_lr_schedule(1e-5, 6e-5, 5, 10, 110) - 5e-6) < 1e-18);
+    for (long s = 10; s <= 120; s += 11) FL_CHECKF(fl_lr_schedule(1e-5, 6e-5, s, 10, 110) == 1e-5, "step %ld: %g", s,
+                                                   fl_lr_schedule(1e-5, 6e-5, s, 10, 110));
 }
 
 /* ---- training runs ----------------------------------------------------------- */

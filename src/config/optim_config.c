@@ -25,6 +25,7 @@ const char *fl_optim_name(fl_optim_kind kind) {
 }
 
 double fl_lr_schedule(double lr, double min_lr, long step, long warmup, long max_steps) {
+    if (min_lr > lr) min_lr = lr; /* a floor above the rate: constant after the warm-up (LitGPT's formula rose to it) */
     if (warmup > 0 && step < warmup) return lr * (double)step / (double)warmup;
     if (max_steps <= warmup) return lr;
     double progress = (double)(step - warmup) / (double)(max_steps - warmup);

@@ -733,11 +733,9 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (!(t->min_lr >= 0) || !isfinite(t->min_lr))
         return fl_errorf(FL_ERR_INVALID, "train.min_lr %g must be a finite number >= 0 (the final learning rate of the "
                          "cosine decay)", (double)t->min_lr);
-    if (t->min_lr > c->optimizer.lr)
-        return fl_errorf(FL_ERR_INVALID, "train.min_lr %g is above optimizer.lr %g: the learning rate decays from "
-                         "optimizer.lr down to train.min_lr; give a train.min_lr at most the learning rate (a lowered "
-                         "optimizer.lr needs a train.min_lr lowered with it)",
-                         (double)t->min_lr, (double)c->optimizer.lr);
+    /* a train.min_lr above optimizer.lr (the default 6e-5 under a fine-tune's lr 1e-5, or a run's own
+     * hyperparameters.yaml that records it): not refused, the schedule never rises above the rate (fl_lr_schedule),
+     * and the run's header says so */
     if (!(t->max_norm >= 0) || !isfinite(t->max_norm))
         return fl_errorf(FL_ERR_INVALID, "train.max_norm %g: give a positive gradient clipping norm, or 0 / null for "
                          "no clipping", (double)t->max_norm);

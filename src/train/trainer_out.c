@@ -171,9 +171,11 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
     char ranks[48] = "";
     if (t->dp.world > 1) snprintf(ranks, sizeof ranks, " x %d ranks", t->dp.world);
     fprintf(t->out, "micro_batch %d x accumulation %d%s = global batch %d; %ld steps/epoch, %ld steps, warmup %ld; "
-            "%s lr %g, min_lr %g\n",
+            "%s lr %g, min_lr %g%s\n",
             t->sch.B, t->sch.accum, ranks, cfg->train.global_batch_size, t->sch.steps_per_epoch, t->sch.max_steps, t->sch.warmup,
-            fl_optim_name(cfg->optimizer.kind), cfg->optimizer.lr, cfg->train.min_lr);
+            fl_optim_name(cfg->optimizer.kind), cfg->optimizer.lr, cfg->train.min_lr,
+            cfg->train.min_lr > cfg->optimizer.lr ? " (above lr: the rate stays at lr after the warm-up, no decay; give "
+                                                    "--train.min_lr below it to decay)" : "");
     fputs(t->notes, t->out);
     if (t->dp.world > 1) {
         char lb[300];
