@@ -42,11 +42,11 @@ expect version_comm_launcher 0 "launched by Slurm \(srun\): rank 2 of 4, local r
     env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK SLURM_PROCID=2 SLURM_STEP_NUM_TASKS=4 SLURM_LOCALID=0 "$FITLLM" --version
 expect unknown_command 2 "unknown command" -- "$FITLLM" frobnicate
 expect loss_missing_tokens_file 2 "missing --tokens-file" -- "$FITLLM" loss micro
-expect loss_unreadable_tokens 1 "nope.txt: cannot open" -- "$FITLLM" loss micro --tokens-file "$T/nope.txt"
+expect loss_unreadable_tokens 2 "nope.txt: cannot open" -- "$FITLLM" loss micro --tokens-file "$T/nope.txt"
 printf '1 2 x 4\n' > "$T/bad.txt"
 expect loss_bad_token 1 "bad.txt: token 3" -- "$FITLLM" loss micro --tokens-file "$T/bad.txt"
 printf '1 2 999999 4\n' > "$T/oov.txt"
-expect loss_token_out_of_vocab 2 "outside the vocabulary" -- "$FITLLM" loss micro --tokens-file "$T/oov.txt"
+expect loss_token_out_of_vocab 2 "oov.txt: token [0-9]+ \(id [0-9]+\) is outside micro.s vocabulary \[0, 512\)" -- "$FITLLM" loss micro --tokens-file "$T/oov.txt"
 expect loss_not_a_model 2 "neither a file, a folder nor a model preset" -- "$FITLLM" loss no-such-model --tokens-file "$T/oov.txt"
 mkdir -p "$T/notmodel"
 expect loss_folder_without_config 2 "config.json" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
@@ -134,6 +134,8 @@ if [ -x /usr/bin/time ] && ! ldconfig -p 2>/dev/null | grep -q "libcuda\.so\.1 "
     else echo "FAIL version_rss: fitllm --version peaked at ${rss:-?} KB (want < 20 MB)"; fail=$((fail+1)); fi
 else echo "skip version_rss: no /usr/bin/time, or an NVIDIA driver here"; skip=$((skip+1)); fi
 expect selftest_bad_backend 2 "unknown backend 'nope'" -- "$FITLLM" selftest --backend nope
+expect selftest_null_backend 2 "--backend null: the null backend computes nothing" -- "$FITLLM" selftest --backend null
+expect pretrain_initial_checkpoint_missing 2 "/nonexistent-fitllm: no such folder" -- "$FITLLM" pretrain --initial_checkpoint_dir /nonexistent-fitllm --model_name micro --data Synthetic --out_dir "$T/pz"
 # plan for a GPU without one: the CUDA backend's op scratch (80 MiB) in WORKSPACE
 expect plan_cuda 0 "peak +reserved" -- "$FITLLM" plan micro --accelerator cuda --precision bf16-true --train.micro_batch_size 1
 # issue 33: Synthetic samples with lengths drawn from Alpaca's measured table; plan sizes T for the longest draw
@@ -1395,6 +1397,9 @@ if [ -d "$DATA/stories260K-hf" ]; then
     LR=("$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 64
         --train.micro_batch_size 2 --train.global_batch_size 2 --train.save_interval 2 --optimizer.lr 0.05 --eval.max_new_tokens 0 --quiet)
     expect lora_run_steps 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${LR[@]}" --train.max_steps 4 --out_dir "$T/lo"
+    # the adapter's floats as PEFT writes them (0.05, not the float's %.9g 0.0500000007)
+    expect lora_config_floats 0 '"lora_alpha": 16,$' -- grep -A1 '"lora_alpha"' "$T/lo/step-000002/adapter_config.json"
+    expect lora_config_dropout 0 '"lora_dropout": 0.05,$' -- grep '"lora_dropout"' "$T/lo/step-000002/adapter_config.json"
     ok=1
     for s in step-000002 step-000004; do for f in adapter_config.json adapter_model.safetensors training_state.safetensors tokenizer.json; do
         [ -f "$T/lo/$s/$f" ] || { echo "     missing $s/$f"; ok=0; }; done

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "core/fs.h"
 #include "fitllm/trainer.h"
 
 static void help(void) {
@@ -35,8 +36,9 @@ static void help(void) {
 }
 
 static fl_status read_tokens(const char *path, int min, int32_t **out, int *n) {
+    if (fl_fs_is_dir(path)) return fl_errorf(FL_ERR_INVALID, "%s: is a folder, not a file", path);
     FILE *f = fopen(path, "r");
-    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    if (!f) return fl_errorf(errno == ENOENT ? FL_ERR_NOT_FOUND : FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     int cap = 1024, k = 0;
     int32_t *ids = malloc((size_t)cap * sizeof *ids);
     char tok[64];
@@ -126,6 +128,17 @@ int fl_cmd_loss(int argc, char **argv) {
                                                "(--tokens-file is the source)", model_path);
         goto fail;
     }
+    /* ids outside the vocabulary: the file and the token's place in it, counted as read_tokens counts (from 1) */
+    for (int f = 0; f < (target ? 2 : 1) && s == FL_OK; f++) {
+        const int32_t *v = f ? tids : ids;
+        for (int k = 0; k < (f ? nt : n); k++)
+            if (v[k] >= m.cfg.vocab_size) {
+                s = fl_errorf(FL_ERR_INVALID, "%s: token %d (id %d) is outside %s's vocabulary [0, %d)", f ? target : tokens,
+                              k + 1, (int)v[k], model_path, m.cfg.vocab_size);
+                break;
+            }
+    }
+    if (s != FL_OK) goto fail;
     int T = target ? nt : n - 1;
     if (!target && T > m.cfg.max_seq) {
         s = fl_errorf(FL_ERR_INVALID, "%s: %d positions exceed the model's context of %d", tokens, T, m.cfg.max_seq);

@@ -154,10 +154,13 @@ int fl_cmd_selftest(int argc, char **argv) {
             return fl_cli_usage(cmd, "--accelerator must be auto, cpu or cuda (got '%s')", accel);
         if (fl_accel_resolve(want, &use) != FL_OK) {
             fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
-            return FL_EXIT_RUNTIME;
+            return FL_EXIT_USAGE; /* as --accelerator's refusal everywhere (fl_cli_accelerator) */
         }
         name = fl_accel_backend(use);
     }
+    if (!strcmp(name, "null")) /* every case would fail: there is nothing to compare */
+        return fl_cli_usage(cmd, "--backend null: the null backend computes nothing (the planner's stand-in for a "
+                            "device's memory): there is nothing to check");
     fl_backend_facts facts; /* the reference it is compared against; a line on its device */
     fl_status s = fl_backend_facts_of(name, &facts);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "core/text.h"
 #include "data-impl.h"
 
 typedef struct {
@@ -60,12 +61,8 @@ fl_status fl_data_torch_randperm(uint64_t seed, size_t n, size_t **perm) {
 
 double fl_data_float_to_double(float f) {
     char buf[64];
-    for (int prec = 1; prec <= 9; prec++) {
-        snprintf(buf, sizeof buf, "%.*g", prec, (double)f);
-        double d = strtod(buf, NULL);
-        if ((float)d == f) return d;
-    }
-    return (double)f;
+    fl_text_float(f, buf, sizeof buf);
+    return strtod(buf, NULL);
 }
 
 void fl_data_split_lengths(size_t n, float val_fraction, size_t *n_train, size_t *n_val) {

@@ -274,6 +274,7 @@ static fl_status fl_hf_open_shards(const char *dir, const fl_model_config *cfg, 
     static const char *const index[] = {NULL, "model.safetensors.index.json", NULL, "pytorch_model.bin.index.json", NULL};
     char path[FL_HF_PATH_MAX];
     memset(sh, 0, sizeof *sh);
+    if (!fl_fs_is_dir(dir)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no such folder", dir);
     for (int i = 0; i < 5; i++) {
         FL_TRY(fl_fs_join(path, sizeof path, dir, single[i] ? single[i] : index[i]));
         if (!fl_fs_is_file(path)) continue;

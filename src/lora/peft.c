@@ -6,6 +6,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "core/text.h"
 #include "fitllm/io.h"
 #include "fitllm/json.h"
 #include "fitllm/peft.h"
@@ -75,15 +76,18 @@ fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft
     size_t cap = 8192 + strlen(cfg->base_model) * 6, k = 0;
     char *js = malloc(cap);
     if (!js) return fl_errorf(FL_ERR_OOM, "%s: adapter_config.json", dir);
+    char alpha_s[32], dropout_s[32]; /* 0.05 as 0.05 (PEFT's own file), not 0.0500000007 */
+    fl_text_float(cfg->lora.alpha, alpha_s, sizeof alpha_s);
+    fl_text_float(cfg->lora.dropout, dropout_s, sizeof dropout_s);
     k += snprintf(js + k, cap - k, "{\n  \"base_model_name_or_path\": ");
     if (cfg->base_model[0]) json_str(js, cap, &k, cfg->base_model);
     else k += snprintf(js + k, cap - k, "null");
     k += snprintf(js + k, cap - k,
                   ",\n  \"bias\": \"none\",\n  \"fan_in_fan_out\": %s,\n  \"inference_mode\": %s,\n"
-                  "  \"init_lora_weights\": true,\n  \"lora_alpha\": %.9g,\n  \"lora_dropout\": %.9g,\n"
+                  "  \"init_lora_weights\": true,\n  \"lora_alpha\": %s,\n  \"lora_dropout\": %s,\n"
                   "  \"modules_to_save\": null,\n  \"peft_type\": \"LORA\",\n  \"r\": %d,\n  \"target_modules\": [",
                   cfg->fan_in_fan_out ? "true" : "false", cfg->inference_mode ? "true" : "false",
-                  (double)cfg->lora.alpha, (double)cfg->lora.dropout, r);
+                  alpha_s, dropout_s, r);
     for (int i = 0; i < cfg->lora.n_targets; i++) {
         k += snprintf(js + k, cap - k, "%s", i ? ", " : "");
         json_str(js, cap, &k, cfg->lora.targets[i]);
