@@ -91,7 +91,7 @@ expect selftest_cpu_small 0 "selftest: [0-9]+ of [0-9]+ cases ok$" -- "$FITLLM" 
 expect selftest_opaque_training 0 "ok +train_step offload \(deepspeed_stage_2_offload\) +max relative loss difference 0\.00e\+00" -- \
     "$FITLLM" selftest --backend opaque --only train_step
 expect selftest_only_none 2 "no case matches --only 'no-such-op'" -- "$FITLLM" selftest --accelerator cpu --small --only no-such-op
-expect selftest_cuda_refused 1 "--accelerator cuda: $CUDA_WHY" -- \
+expect selftest_cuda_refused 2 "--accelerator cuda: $CUDA_WHY" -- \
     "$FITLLM" selftest --accelerator cuda
 # The CUDA plugin (docs/ARCHITECTURE.md "CUDA plugin"): fitllm maps nothing of CUDA until a GPU is
 # asked for and usable, and tells the driver's states apart. A stand-in libcuda.so.1 built with the
