@@ -305,7 +305,7 @@ static fl_status stage_input(fl_model *m, const float *x, const fl_micro_batch *
  * values are the null backend's zeros that nobody reads, the stage's memory is its pool's either way, and the order
  * of the messages, which the ranks wait on, is kept. Copied, a 7B stage's (T, C) fp32 stream (32 MiB at T 2048) went
  * through the threads communicator's mailbox (malloc, memcpy, memcpy, free) at every forward and backward of every
- * micro-batch: 3/4 of a pipelined plan's time and most of its host memory (docs/BENCHMARKS.md, 2026-12-02). */
+ * micro-batch: nearly all of a pipelined plan's time and host memory (docs/BENCHMARKS.md, 2026-12-02). */
 static fl_status stream_send(fl_pp *p, size_t n, int peer, int tag) {
     return fl_comm_send(p->comm, p->hx, p->discard ? 0 : n, FL_F32, peer, tag);
 }
