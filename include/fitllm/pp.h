@@ -188,8 +188,10 @@ typedef struct {
     fl_pp_chunk ch[FL_PP_MAX_CHUNKS];
     int n_stash;               /* stash slots over the chunks */
     int peak_in_flight;        /* the most chunk-micro-batches whose forward ran and backward did not, measured */
-    float *hx;                 /* host staging of one micro-batch's (B T, C) stream */
+    float *hx;                 /* host staging of one micro-batch's (B T, C) stream (hx_n elements; none on a
+                                * discarding backend, whose stream travels empty: the planner's) */
     size_t hx_n;
+    int discard;               /* the stage's backend discards (fl_backend_discards: a plan's rehearsal) */
     fl_optim_dist dist;        /* the optimizer's hooks: the clipping norm and overflow verdict over the stages */
     const fl_optim_dist *inner; /* the data-parallel axis' (DDP), or NULL */
     int adapters;              /* the optimizer trains the stage's LoRA adapters (fl_pp_optim_attach) */

@@ -49,7 +49,8 @@ fl_status fl_pp_init_v(fl_pp *p, fl_model *const *ms, int chunks, fl_comm *comm,
         if (n > most) most = n;
     }
     p->hx_n = most;
-    p->hx = malloc(p->hx_n * sizeof *p->hx + 1);
+    p->discard = fl_backend_discards(ms[0]->be);
+    p->hx = malloc((p->discard ? 0 : p->hx_n) * sizeof *p->hx + 1); /* a plan's stream travels empty (stream_send) */
     if (!p->hx) return fl_errorf(FL_ERR_OOM, "pipeline stage %d: out of host memory for the stream's staging", p->stage);
     const size_t chunk = (size_t)1 << 20;
     fl_status s = FL_OK;
@@ -299,6 +300,19 @@ static fl_status stage_input(fl_model *m, const float *x, const fl_micro_batch *
     return fl_model_stage_input(m, x, mb->B, mb->T);
 }
 
+/* The stream's messages (n elements of p->hx to / from rank peer). On the planner's null backend (p->discard) they
+ * carry no elements and the copies between the stage's arena and p->hx are skipped (the callers' !p->discard): the
+ * values are the null backend's zeros that nobody reads, the stage's memory is its pool's either way, and the order
+ * of the messages, which the ranks wait on, is kept. Copied, a 7B stage's (T, C) fp32 stream (32 MiB at T 2048) went
+ * through the threads communicator's mailbox (malloc, memcpy, memcpy, free) at every forward and backward of every
+ * micro-batch: nearly all of a pipelined plan's time and host memory (docs/BENCHMARKS.md, 2026-12-02). */
+static fl_status stream_send(fl_pp *p, size_t n, int peer, int tag) {
+    return fl_comm_send(p->comm, p->hx, p->discard ? 0 : n, FL_F32, peer, tag);
+}
+static fl_status stream_recv(fl_pp *p, size_t n, int peer, int tag) {
+    return fl_comm_recv(p->comm, p->hx, p->discard ? 0 : n, FL_F32, peer, tag);
+}
+
 static fl_status fwd(run *r, int ch, int k) {
     fl_pp *p = r->p;
     fl_pp_chunk *h = &p->ch[ch];
@@ -309,8 +323,8 @@ static fl_status fwd(run *r, int ch, int k) {
     if (r->live[ch] >= 0) FL_TRY(park(p, h, r->live[ch], r->slot_of[ch])); /* its backward comes later */
     r->live[ch] = -1;
     if (v > 0) {
-        FL_TRY(fl_comm_recv(p->comm, p->hx, stream_elems(m, mb, 0), FL_F32, (v - 1) % S, tag_act(p, ch)));
-        FL_TRY(stage_input(m, p->hx, mb));
+        FL_TRY(stream_recv(p, stream_elems(m, mb, 0), (v - 1) % S, tag_act(p, ch)));
+        if (!p->discard) FL_TRY(stage_input(m, p->hx, mb));
     }
     const double t0 = now_ms();
     FL_TRY(fl_model_forward_micro(m, mb, r->grad_scale, NULL)); /* either kind, up to the head's input */
@@ -320,8 +334,8 @@ static fl_status fwd(run *r, int ch, int k) {
     p->n_fwd++, h->n_fwd++;
     r->live[ch] = k;
     if (v < NV - 1) {
-        FL_TRY(fl_model_stage_output(m, p->hx));
-        FL_TRY(fl_comm_send(p->comm, p->hx, stream_elems(m, mb, 1), FL_F32, (v + 1) % S, tag_act(p, (v + 1) / S)));
+        if (!p->discard) FL_TRY(fl_model_stage_output(m, p->hx));
+        FL_TRY(stream_send(p, stream_elems(m, mb, 1), (v + 1) % S, tag_act(p, (v + 1) / S)));
     } else {
         r->stats[2 * k] = m->loss_sum;
         r->stats[2 * k + 1] = (double)m->n_valid;
@@ -375,8 +389,8 @@ static fl_status bwd(run *r, int ch, int k) {
         r->live[ch] = k;
     }
     if (v < NV - 1) {
-        FL_TRY(fl_comm_recv(p->comm, p->hx, stream_elems(m, mb, 1), FL_F32, (v + 1) % S, tag_grad(p, ch)));
-        FL_TRY(fl_model_stage_dout(m, p->hx));
+        FL_TRY(stream_recv(p, stream_elems(m, mb, 1), (v + 1) % S, tag_grad(p, ch)));
+        if (!p->discard) FL_TRY(fl_model_stage_dout(m, p->hx));
     }
     seed_micro(r, m, k);
     /* DDP's buckets hang on chunk 0's model: its last backward (the rank's last operation) reduces them; the later
@@ -391,8 +405,8 @@ static fl_status bwd(run *r, int ch, int k) {
     p->n_bwd++, h->n_bwd++;
     r->live[ch] = -1;
     if (v > 0) {
-        FL_TRY(fl_model_stage_dinput(m, p->hx, mb->B, mb->T));
-        FL_TRY(fl_comm_send(p->comm, p->hx, stream_elems(m, mb, 0), FL_F32, (v - 1) % S, tag_grad(p, (v - 1) / S)));
+        if (!p->discard) FL_TRY(fl_model_stage_dinput(m, p->hx, mb->B, mb->T));
+        FL_TRY(stream_send(p, stream_elems(m, mb, 0), (v - 1) % S, tag_grad(p, (v - 1) / S)));
     }
     return FL_OK;
 }
@@ -428,6 +442,8 @@ static fl_status tied_sum(fl_pp *p, fl_optimizer *o0) {
     size_t fo[FL_PP_MAX_UNITS], so[FL_PP_MAX_UNITS], ln[FL_PP_MAX_UNITS];
     const int fsdp = fsdp_units(p, ch, fo, so, ln) > 0;
     if (fsdp) n = ln[0], g = (char *)o->w.g + so[0] * es;
+    if (p->discard) n = 0; /* a plan's: the same messages and reduction, empty (stream_send; a V x C table's 3 host
+                            * copies otherwise, 1.5 GiB each for Llama-3.2-3B) */
     float *a = malloc(n * sizeof *a + 1), *b = malloc(n * sizeof *b + 1);
     void *raw = malloc(n * es + 1);
     fl_status s = a && b && raw ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline: out of host memory (tied embeddings)");
@@ -521,6 +537,9 @@ static fl_status s2s_shared_sum(fl_pp *p, fl_optimizer *o) {
     if (p->stages < 2 || p->adapters) return FL_OK;
     const size_t nt = (size_t)m->cfg.n_heads * m->cfg.rel_buckets;
     const size_t len[3] = {(size_t)fl_config_vocab_rows(&m->cfg, NULL) * m->cfg.dim, nt, nt}, tot = len[0] + 2 * nt;
+    if (p->discard) /* a plan's: the same all-reduce, empty (stream_send; the tables' host copies otherwise) */
+        return fl_error_prefix(fl_comm_all_reduce(p->comm, NULL, NULL, 0, FL_F32, FL_COMM_SUM),
+                               "pipeline: the shared embedding's and relative bias tables' gradients");
     float *a = calloc(tot + len[0] + 1, sizeof *a), *tmp = a ? a + tot : NULL;
     void *raw = malloc(len[0] * sizeof(double) + 1); /* the widest gradient dtype's bytes */
     fl_status s = a && raw ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline: out of host memory (the shared gradients)");
@@ -722,16 +741,16 @@ fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B
         const int v = c * S + p->stage;
         m = p->ch[c].m;
         if (v > 0) {
-            FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, (v - 1) % S, tag_act(p, c)));
-            FL_TRY(fl_model_stage_input(m, p->hx, B, T));
+            FL_TRY(stream_recv(p, n, (v - 1) % S, tag_act(p, c)));
+            if (!p->discard) FL_TRY(fl_model_stage_input(m, p->hx, B, T));
         }
         if (c > 0) fl_model_lora_set_train(m, 0); /* LoRA: no dropout (the caller turns chunk 0's off) */
         fl_status s = fl_model_forward(m, ids, targets, B, T, 0.0f, NULL);
         if (c > 0) fl_model_lora_set_train(m, 1);
         FL_TRY(s);
         if (v < NV - 1) {
-            FL_TRY(fl_model_stage_output(m, p->hx));
-            FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, (v + 1) % S, tag_act(p, (v + 1) / S)));
+            if (!p->discard) FL_TRY(fl_model_stage_output(m, p->hx));
+            FL_TRY(stream_send(p, n, (v + 1) % S, tag_act(p, (v + 1) / S)));
         }
     }
     double v[2] = {m->loss_sum, (double)m->n_valid};
@@ -751,14 +770,14 @@ fl_status fl_pp_eval_s2s(fl_pp *p, const fl_micro_batch *mb) {
     if (stream_elems(m, mb, 0) > p->hx_n || stream_elems(m, mb, 1) > p->hx_n)
         return fl_errorf(FL_ERR_INVALID, "pipeline: batch (%d, %d, %d) exceeds the stage's arena", mb->B, mb->Ts, mb->T);
     if (s > 0) {
-        FL_TRY(fl_comm_recv(p->comm, p->hx, stream_elems(m, mb, 0), FL_F32, s - 1, TAG_ACT));
-        FL_TRY(stage_input(m, p->hx, mb));
+        FL_TRY(stream_recv(p, stream_elems(m, mb, 0), s - 1, TAG_ACT));
+        if (!p->discard) FL_TRY(stage_input(m, p->hx, mb));
     }
     FL_TRY(fl_model_forward_micro(m, mb, 0.0f, NULL));
     FL_TRY(fl_model_forward_head(m, NULL));
     if (s < S - 1) {
-        FL_TRY(fl_model_stage_output(m, p->hx));
-        FL_TRY(fl_comm_send(p->comm, p->hx, stream_elems(m, mb, 1), FL_F32, s + 1, TAG_ACT));
+        if (!p->discard) FL_TRY(fl_model_stage_output(m, p->hx));
+        FL_TRY(stream_send(p, stream_elems(m, mb, 1), s + 1, TAG_ACT));
     }
     double v[2] = {m->loss_sum, (double)m->n_valid};
     FL_TRY(fl_comm_broadcast(p->comm, v, 4, FL_F32, S - 1));

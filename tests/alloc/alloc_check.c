@@ -10,6 +10,14 @@
  * evaluation, then the QLoRA run again from the HF folder the 32-true run saved (the loader's
  * staging). Built only without sanitizers (they interpose malloc themselves); `make test` runs it.
  *
+ * Then plans (fl_plan_run, the trainer's set-up and step rehearsed on the null backend, the ranks as threads) whose
+ * pipeline stages once copied host memory sized like the model through the stream between the stages and the tied
+ * tables' sums: open-llama-7b at PP 2 and T 2048 (a stage's (T, C) fp32 stream: 32 MiB per micro-batch), GPT-2 at
+ * PP 2 under ZeRO-2 (its tied V x C table: 147 MiB in fp32) and Flan-T5-small at PP 2 (the shared embedding's and
+ * relative bias tables' sum: 63 MiB), the last two at T 128 (a stream of 384 and 256 KiB: under the limit, so they
+ * check the tables alone). A plan touches no memory: any allocation above 1 MiB outside the pool there fails too (1 MiB
+ * is under 1/100 of any of these stages' parameters: nothing proportional to the model passes it).
+ *
  * Exempt, by the allocating function's name (the executable exports its symbols): the
  * tokenizer's tables (fl_tok_*: host-side text processing, sized by the tokenizer file, not by
  * the model, and never on a device); they are listed, not failed. */
@@ -23,6 +31,7 @@
 
 #include "fitllm/backend.h"
 #include "fitllm/config.h"
+#include "fitllm/plan.h"
 #include "fitllm/trainer.h"
 
 #define LIMIT ((size_t)1 << 20)
@@ -77,6 +86,19 @@ void *realloc(void *p, size_t n) {
     return __libc_realloc(p, n);
 }
 
+static int report(const char *label, int n) {
+    for (int i = 0; i < n && i < 64; i++) {
+        Dl_info di;
+        const char *fn = dladdr(g_hits[i].caller, &di) && di.dli_sname ? di.dli_sname : "?";
+        unsigned long off = di.dli_fbase ? (unsigned long)((char *)g_hits[i].caller - (char *)di.dli_fbase) : 0;
+        printf("  %s: %zu bytes allocated outside the pool by %s (addr2line -f -e %s 0x%lx)\n", label,
+               g_hits[i].bytes, fn, g_exe, off);
+    }
+    printf("%s %s: %d allocation(s) above 1 MiB outside the pool (%d exempt: tokenizer tables)\n", n ? "FAIL" : "ok  ",
+           label, n, atomic_load(&g_exempt));
+    return n != 0;
+}
+
 static int run(const char *label, fl_cmd_kind cmd, const char *ckpt, const char *prec, const char *quant,
                const char *out_dir) {
     fl_run_config c;
@@ -109,17 +131,36 @@ static int run(const char *label, fl_cmd_kind cmd, const char *ckpt, const char 
         printf("FAIL %s: the run failed: %s\n", label, fl_error_message());
         return 1;
     }
-    int n = atomic_load(&g_n);
-    for (int i = 0; i < n && i < 64; i++) {
-        Dl_info di;
-        const char *fn = dladdr(g_hits[i].caller, &di) && di.dli_sname ? di.dli_sname : "?";
-        unsigned long off = di.dli_fbase ? (unsigned long)((char *)g_hits[i].caller - (char *)di.dli_fbase) : 0;
-        printf("  %s: %zu bytes allocated outside the pool by %s (addr2line -f -e %s 0x%lx)\n", label,
-               g_hits[i].bytes, fn, g_exe, off);
+    return report(label, atomic_load(&g_n));
+}
+
+/* a plan of model on `devices` ranks as `pp` pipeline stages (its rank 0), without a budget */
+static int plan(const char *label, const char *model, const char *prec, const char *strategy, int devices, int pp,
+                int seq) {
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", model);
+    snprintf(c.precision, sizeof c.precision, "%s", prec);
+    snprintf(c.strategy, sizeof c.strategy, "%s", strategy);
+    c.devices = devices;
+    c.pipeline_parallel = pp;
+    c.train.max_seq_length = seq;
+    fl_plan_opts o;
+    fl_plan_opts_default(&o);
+    fl_plan *p = calloc(1, sizeof *p);
+    if (!p) return 1;
+    atomic_store(&g_n, 0);
+    atomic_store(&g_exempt, 0);
+    atomic_store(&g_on, 1);
+    fl_status s = fl_plan_run(&c, &o, p);
+    atomic_store(&g_on, 0);
+    const size_t peak = p->peak_total;
+    free(p);
+    if (s != FL_OK || !peak) {
+        printf("FAIL %s: the plan failed: %s\n", label, s != FL_OK ? fl_error_message() : "no peak");
+        return 1;
     }
-    printf("%s %s: %d allocation(s) above 1 MiB outside the pool (%d exempt: tokenizer tables)\n", n ? "FAIL" : "ok  ",
-           label, n, atomic_load(&g_exempt));
-    return n != 0;
+    return report(label, atomic_load(&g_n));
 }
 
 int main(int argc, char **argv) {
@@ -155,6 +196,10 @@ int main(int argc, char **argv) {
         skipped++;
         printf("skip QLoRA from the saved HF folder: %s/llama2-tokenizer/tokenizer.model not found (FITLLM_DATA)\n", data);
     }
+    bad += plan("plan open-llama-7b bf16-true PP 2 (8 ranks, DDP)", "open-llama-7b", "bf16-true", "ddp", 8, 2, 2048);
+    bad += plan("plan gpt2 bf16-true PP 2 (tied, ZeRO-2)", "gpt2", "bf16-true", "deepspeed_stage_2", 4, 2, 128);
+    bad += plan("plan flan-t5-small 32-true PP 2 (shared tables)", "flan-t5-small", "32-true", "ddp", 2, 2, 128);
+    nrun += 3;
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
     if (system(cmd) != 0) fprintf(stderr, "note: could not remove %s\n", tmp);
     printf("%s\n", bad ? "alloc_check: FAILED" : "alloc_check: every allocation above 1 MiB went through the pool");
