@@ -849,21 +849,6 @@ static void banner(const fl_lab_opts *o, const fl_lab_report *rep, long steps, F
     fflush(out);
 }
 
-fl_status fl_lab_print_row(FILE *out, const fl_lab_row *r, fl_lab_report *rep) {
-    char pre[64], a[32];
-    snprintf(pre, sizeof pre, "  %-17s %-6s %8.1f s  ", r->name, fl_lab_verdict_name(r->verdict), r->wall_s);
-    fl_lab_wrap(out, pre, r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note, 120, 6);
-    errno = 0;
-    if (fflush(out) == 0 && !ferror(out)) return FL_OK;
-    rep->out_errno = errno ? errno : EIO; /* the banner's failure is kept in ferror: its errno may be gone */
-    return fl_errorf(FL_ERR_IO, "lab: writing its progress failed after row %s: %s", r->name, strerror(rep->out_errno));
-}
-
-int fl_lab_stop_polled(const fl_lab_opts *o, fl_lab_report *rep) {
-    if (!rep->stopped && o->stop) rep->stopped = o->stop(o->stop_ud);
-    return rep->stopped;
-}
-
 /* fl_lab_run's data, rows and plans, its runs' out_dirs under run_dir */
 static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, int bit, int precs, long steps,
                           const char *run_dir) {
