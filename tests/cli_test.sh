@@ -897,6 +897,12 @@ wait_for "$T/sigterm_twice.err" "SIGTERM: stopping after this step"; kill -TERM 
 stopped sigterm_twice 143 "stopped at once by SIGTERM; the last committed checkpoint is '.*/step-0+[1-9]'"
 # --resume auto over an out_dir whose only step folder was never committed: a fresh start, said (it was silent)
 RA=(finetune_full micro --data Synthetic --train.global_batch_size 1 --eval.max_new_tokens 0 --train.max_steps 1)
+# --overwrite starts over: the previous run's checkpoints go (they stayed beside the new run's, and --resume auto
+# took the old run's newest)
+"$FITLLM" "${RA[@]}" --train.max_steps 4 --train.save_interval 2 --quiet true --out_dir "$T/ovw" >/dev/null 2>&1
+expect overwrite_removes_old_checkpoints 0 "note: --overwrite: the previous run's checkpoints in '.*/ovw' removed \((step-00000[24]|final)(, (step-00000[24]|final)){2}\)" -- \
+    "$FITLLM" "${RA[@]}" --out_dir "$T/ovw" --overwrite true
+expect overwrite_left_only_its_own 0 "^final logs $" -- bash -c "ls '$T/ovw' | tr '\\n' ' '"
 "$FITLLM" "${RA[@]}" --train.save_interval 1 --quiet true --out_dir "$T/ra" >/dev/null 2>&1
 rm -rf "$T/ra/final"; rm -f "$T/ra/step-000001/COMMITTED"
 expect resume_auto_uncommitted_said 0 "note: --resume auto: no committed checkpoint in '.*/ra' \(step-000001 has no COMMITTED marker" -- \

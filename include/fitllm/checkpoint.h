@@ -84,6 +84,10 @@ fl_status fl_ckpt_merge_shards(const char *ckpt_dir, const char *out_dir, int *n
 void fl_ckpt_rotate(const char *out_dir, int keep);
 /* Remove leftover temporary folders of interrupted saves in out_dir. */
 void fl_ckpt_clean_tmp(const char *out_dir);
+/* --overwrite: a previous run's checkpoints in out_dir (its step-* folders and final/) removed, so that the new run's
+ * --resume auto or a reader of the folder cannot take the old run's for the new one's; their names into said
+ * (comma-separated, cut at n). Returns how many were removed. Other files are left. */
+int fl_ckpt_remove_run(const char *out_dir, char *said, size_t n);
 
 #ifdef __cplusplus
 }

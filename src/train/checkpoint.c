@@ -151,6 +151,26 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
 
 static void remove_tree(const char *dir) { fl_fs_remove_dir(dir); }
 
+int fl_ckpt_remove_run(const char *out_dir, char *said, size_t n) {
+    int k = 0;
+    size_t o = 0;
+    if (n) said[0] = 0;
+    DIR *d = opendir(out_dir);
+    if (!d) return 0;
+    struct dirent *e;
+    char p[FL_CFG_PATH + 300];
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, "step-", 5) && strcmp(e->d_name, "final")) continue;
+        snprintf(p, sizeof p, "%s/%s", out_dir, e->d_name);
+        if (!fl_fs_is_dir(p)) continue;
+        remove_tree(p);
+        k++;
+        if (o < n) o += (size_t)snprintf(said + o, n - o, "%s%s", o ? ", " : "", e->d_name);
+    }
+    closedir(d);
+    return k;
+}
+
 void fl_ckpt_clean_tmp(const char *out_dir) {
     DIR *d = opendir(out_dir);
     if (!d) return;

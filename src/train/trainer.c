@@ -290,6 +290,11 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     if (lead) {
         FL_TRY(fl_fs_mkdir_p(cfg->out_dir));
         fl_ckpt_clean_tmp(cfg->out_dir);
+        char gone[512];
+        /* start over: the old run's checkpoints went on beside the new one's, and --resume auto took them */
+        if (cfg->overwrite && !strcmp(cfg->resume, "false") && fl_ckpt_remove_run(cfg->out_dir, gone, sizeof gone) &&
+            t->out)
+            fprintf(t->out, "note: --overwrite: the previous run's checkpoints in '%s' removed (%s)\n", cfg->out_dir, gone);
     }
     AGREE(); /* out_dir is ready before any rank looks for checkpoints in it */
     FL_TRY(fl_tr_resume(t, resumed)); /* every rank reads the same checkpoint (a shared file system) */
