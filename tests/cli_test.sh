@@ -1428,6 +1428,9 @@ if [ -d "$DATA/stories260K-hf" ]; then
     # final/ -> final/adapter; the run folder -> final/adapter; merging final/adapter gives final/ (same arithmetic: identical logits)
     expect merge_lora_final 0 "adapter: .*/lo/final/adapter \(the PEFT adapter of the checkpoint\)" -- "$FITLLM" merge_lora "$T/lo/final" --out_dir "$T/lo-m-final"
     expect merge_lora_run_folder 0 "adapter: .*/lo/final/adapter \(the final adapter of the run\)" -- "$FITLLM" merge_lora "$T/lo" --out_dir "$T/lo-m-run"
+    # final/ is the merged model: its own adapter on top would apply it twice (it did, silently)
+    expect generate_final_with_its_adapter 2 "lo/final already has the adapter .*lo/final/adapter merged in" -- \
+        "$FITLLM" generate "$T/lo/final" --adapter "$T/lo/final/adapter" --prompt-ids "1 2" --max_new_tokens 1
     printf '1 403 407 261 378 434 2 9 19 5\n' > "$T/lo-ids.txt"
     "$FITLLM" loss "$T/lo/final" --tokens-file "$T/lo-ids.txt" --dump-logits "$T/lo-l1.f32" >/dev/null 2>&1
     "$FITLLM" loss "$T/lo-m-final" --tokens-file "$T/lo-ids.txt" --dump-logits "$T/lo-l2.f32" >/dev/null 2>&1

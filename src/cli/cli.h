@@ -19,6 +19,8 @@ enum { FL_EXIT_OK = 0, FL_EXIT_RUNTIME = 1, FL_EXIT_USAGE = 2, FL_EXIT_OOM = 3 }
 
 /* Print "fitllm <cmd>: error: <message>" (+ a hint for OOM) and return the exit code for s. */
 int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool);
+/* 1 when a and b name the same existing folder (whatever the spelling: the inode) */
+int fl_cli_same_dir(const char *a, const char *b);
 /* Usage error: prints the message and "see fitllm <cmd> --help"; returns 2. */
 int fl_cli_usage(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* The candidate nearest to word by edit distance (case-insensitive), or NULL when none is near

@@ -481,6 +481,15 @@ int fl_cmd_generate(int argc, char **argv) {
     }
     fl_cli_adapter_info info;
     char hint[FL_CLI_PATH + 64];
+    /* a LoRA run's final/ is its merged model: its own adapter/ on top would apply the adapter twice */
+    char own[FL_CLI_PATH + 16];
+    snprintf(own, sizeof own, "%s/adapter", o.model_path);
+    if (o.adapter && base && fl_cli_find_adapter(o.adapter, &info) == FL_OK && fl_cli_same_dir(info.adapter, own)) {
+        s = fl_errorf(FL_ERR_INVALID, "%s already has the adapter %s merged in (a finetune_lora final/ is the merged "
+                      "model): generate %s alone, or the base model with --adapter %s", o.model_path, info.adapter,
+                      o.model_path, info.adapter);
+        goto fail;
+    }
     snprintf(hint, sizeof hint, "`fitllm generate <base_dir> --adapter %s`", o.model_path);
     /* the model first: a broken config.json is reported as the model's, not as a tokenizer
      * problem (the tokenizer also reads config.json for its special ids) */

@@ -57,13 +57,6 @@ static int join(char *dst, size_t n, const char *dir, const char *name) {
     return 0;
 }
 
-/* 1 when a and b name the same existing folder */
-static int same_dir(const char *a, const char *b) {
-    struct stat sa, sb;
-    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && S_ISDIR(sa.st_mode) && sa.st_dev == sb.st_dev &&
-           sa.st_ino == sb.st_ino;
-}
-
 static int has_file(const char *dir, const char *name) {
     char p[FL_CLI_PATH + 64];
     struct stat st;
@@ -249,10 +242,10 @@ int fl_cmd_merge_lora(int argc, char **argv) {
                       "initialized): give the base model folder with --base <dir>", info.base);
     /* the merged model written over the base it was merged from (an adapter naming that folder would then merge onto
      * merged weights), or into the adapter's folder (a full model beside the adapter): refused */
-    if (s == FL_OK && (same_dir(out, info.base) || same_dir(out, info.adapter)))
+    if (s == FL_OK && (fl_cli_same_dir(out, info.base) || fl_cli_same_dir(out, info.adapter)))
         s = fl_errorf(FL_ERR_INVALID, "--out_dir '%s' is the %s folder ('%s'): the merge would overwrite it; give "
-                      "another --out_dir", out, same_dir(out, info.base) ? "base model's" : "adapter's",
-                      same_dir(out, info.base) ? info.base : info.adapter);
+                      "another --out_dir", out, fl_cli_same_dir(out, info.base) ? "base model's" : "adapter's",
+                      fl_cli_same_dir(out, info.base) ? info.base : info.adapter);
     /* Ctrl-C / SIGTERM while writing: the files under way removed (a new folder appears whole or not at all) */
     const int existed = is_dir(out);
     const fl_cli_signals sigs = {.cmd = cmd, .threads = 1, .first_stops = 1,

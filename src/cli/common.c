@@ -182,3 +182,9 @@ int fl_cli_unknown_option(const char *cmd, const char *arg, const char *const *k
     if (near) return fl_cli_usage(cmd, "unknown option '%s' (did you mean '%s'?)", key, near);
     return fl_cli_usage(cmd, "unknown option '%s'", key);
 }
+
+int fl_cli_same_dir(const char *a, const char *b) {
+    struct stat sa, sb;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && S_ISDIR(sa.st_mode) && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
+}
