@@ -581,6 +581,12 @@ expect plan_recipe_devices_eq 0 "FITS" -- "$FITLLM" plan llama-2-7b --config "$R
 expect plan_recipe_devices_4 0 "FSDP FULL_SHARD \(ZeRO-3\) over 4 ranks" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --device-memory 80GB
 # several ranks are rehearsed as threads: too many is a clear refusal (exit 2), not the threads communicator's limit
 expect plan_too_many_ranks 2 "4800 ranks \(devices 8 x num_nodes 600\): a plan rehearses every rank as a thread of this process, at most 4096" -- "$FITLLM" plan micro --devices 8 --num_nodes 600 --train.global_batch_size 4800
+# --rank beyond a one-device run's was planned as rank 0, unsaid; an unknown model exits 2 as everywhere; a path that is
+# not there is said so (not an unknown preset); --largest has no JSON form (it printed its table)
+expect plan_rank_one_device 2 "plan --rank 5: the run has one rank \(0\)" -- "$FITLLM" plan micro --rank 5
+expect plan_unknown_model 2 "is neither a model folder nor a preset" -- "$FITLLM" plan no-such-model-x
+expect plan_path_missing 2 "checkpoint_dir './no/such/dir': no such file or folder" -- "$FITLLM" plan ./no/such/dir
+expect plan_largest_json_refused 2 "--largest prints a table only \(no JSON form yet\)" -- "$FITLLM" plan --largest tiny --json
 expect plan_litgpt_model_name 0 "FITS" -- "$FITLLM" plan TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T --device-memory 80GB
 # OPT (BLIP-2's language model): the plan of its real shape, a full fine-tune of the test shape saved as an HF
 # folder whose loss `fitllm loss` reads back, and LoRA with OPT's module names
@@ -905,6 +911,7 @@ expect overwrite_removes_old_checkpoints 0 "note: --overwrite: the previous run'
 expect overwrite_left_only_its_own 0 "^final logs $" -- bash -c "ls '$T/ovw' | tr '\\n' ' '"
 "$FITLLM" "${RA[@]}" --train.save_interval 1 --quiet true --out_dir "$T/ra" >/dev/null 2>&1
 rm -rf "$T/ra/final"; rm -f "$T/ra/step-000001/COMMITTED"
+expect resume_path_missing 2 "--resume 'yes': no such checkpoint folder" -- "$FITLLM" "${RA[@]}" --out_dir "$T/ra-y" --resume yes
 expect resume_auto_uncommitted_said 0 "note: --resume auto: no committed checkpoint in '.*/ra' \(step-000001 has no COMMITTED marker" -- \
     "$FITLLM" "${RA[@]}" --out_dir "$T/ra" --resume auto
 # a second signal while the first one's checkpoint is being written (slowed): stops at once and removes the
@@ -1136,6 +1143,13 @@ if [ -f "$FAKE_NVML" ]; then
 fi
 # ---- fitllm lab: the quick suite (make demo) with its verdicts, files and charts ----
 expect lab_bad_suite 2 "not quick, full, ci or fsdp" -- "$FITLLM" lab --suite huge
+# an --out_dir that cannot hold the report is refused before any row runs (the rows ran, then the writing failed);
+# an empty --only ran the whole suite
+echo x > "$T/labfile"
+expect lab_out_dir_is_file 2 "--out_dir '.*labfile' is a file, not a folder" -- "$FITLLM" lab --only sgd --out_dir "$T/labfile"
+expect lab_out_dir_under_file 2 "--out_dir '.*labfile/sub': '.*labfile' is a file, not a folder" -- "$FITLLM" lab --only sgd --out_dir "$T/labfile/sub"
+expect lab_only_empty 2 "--only needs a list of experiment names" -- "$FITLLM" lab --only ""
+expect lab_help_by_name 0 "tp2-pp2 tp2-sp" -- "$FITLLM" lab --help
 expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_dir "$T/lab0"
 # a row the plan says OOM is decided by its plan (not trained); --run-oom trains it to the same refusal
 expect lab_oom_planned 0 "baseline: OOM during setup: ACTS 312.64 MiB requested, 232.75 MiB available \(planned; not run\)" -- "$FITLLM" lab --only baseline --out_dir "$T/lab-oom1"

@@ -47,7 +47,7 @@ static void help(void) {
     printf("\n                    blip2 suite:");
     for (int i = 0; n[i]; i++) printf(" %s", n[i]);
     printf("\n                    by name only (issue 35, each rank's memory and step time of a split of lab-7b):\n"
-           "                    tp-2 tp-4 pp-2 pp-4 dp2-tp2 tp2-pp2");
+           "                    tp-2 tp-4 pp-2 pp-4 dp2-tp2 tp2-pp2 tp2-sp");
     printf("\n                    fsdp suite: b1 b2 b4 b7 b8 b9 b16 .. b128, b1-ckpt .. b512-ckpt (32-true),\n"
            "                    amp-b1 .. amp-b512-ckpt (16-mixed)\n"
            "  --out_dir DIR     (default lab)  where the report, CSV, JSON and charts go\n"
@@ -138,7 +138,8 @@ int fl_cmd_lab(int argc, char **argv) {
             o.suite = v;
             i++;
         } else if (!strcmp(a, "--only")) {
-            if (!v) return fl_cli_usage(cmd, "--only needs a list of experiment names");
+            if (!v || !*v) return fl_cli_usage(cmd, "--only needs a list of experiment names (an empty one ran the "
+                                               "whole suite)");
             o.only = v;
             i++;
         } else if (!strcmp(a, "--out_dir") || !strcmp(a, "--out-dir")) {
@@ -194,6 +195,19 @@ int fl_cmd_lab(int argc, char **argv) {
             i++;
         }
         else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--data", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--peer", "--only", "--plan-only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", "--tokenizer", NULL});
+    }
+    /* --out_dir that cannot hold the report: said before the rows run (they ran for minutes, then the writing failed) */
+    {
+        char probe[4200];
+        snprintf(probe, sizeof probe, "%s", out_dir);
+        struct stat st;
+        if (stat(out_dir, &st) == 0 && !S_ISDIR(st.st_mode))
+            return fl_cli_usage(cmd, "--out_dir '%s' is a file, not a folder", out_dir);
+        for (char *sl = strrchr(probe, '/'); sl && stat(out_dir, &st) != 0; sl = NULL) { /* its parent must be a folder */
+            *sl = 0;
+            if (*probe && stat(probe, &st) == 0 && !S_ISDIR(st.st_mode))
+                return fl_cli_usage(cmd, "--out_dir '%s': '%s' is a file, not a folder", out_dir, probe);
+        }
     }
     /* the runs' out_dirs: DIR/runs (--keep-runs) or a temporary folder of this command's (the library would make
      * one, but a stop at once must know it to remove it) */

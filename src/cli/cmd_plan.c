@@ -174,7 +174,7 @@ static int extra(void *ud, int argc, char **argv, int *i) {
 static int machine_failed(fl_status s, void *buf) {
     free(buf);
     fprintf(stderr, "fitllm plan: error: %s\n", fl_error_message());
-    return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+    return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED || s == FL_ERR_NOT_FOUND ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
 }
 
 static int suggest_grid(const fl_run_config *cfg, const plan_args *a) {
@@ -224,6 +224,11 @@ int fl_cmd_plan(int argc, char **argv) {
         fl_cli_usage("plan", "--largest and --suggest are two questions: ask one at a time");
         return FL_EXIT_USAGE;
     }
+    if (a.largest && a.json) { /* it printed its table and exited 0: a JSON reader got text */
+        fl_cli_usage("plan", "--largest prints a table only (no JSON form yet): drop --json, or ask a plain plan "
+                     "(with the micro batch and length it finds) for JSON");
+        return FL_EXIT_USAGE;
+    }
     if (a.largest) return largest(&cfg, &a);
     if (a.suggest) return suggest_grid(&cfg, &a);
     if (fl_cli_is_blip2(cfg.checkpoint_dir)) { /* image-caption fine-tuning: its own loop (cmd_blip2_plan.c) */
@@ -240,7 +245,7 @@ int fl_cmd_plan(int argc, char **argv) {
     if (s != FL_OK) {
         free(p);
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
-        return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+        return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED || s == FL_ERR_NOT_FOUND ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
     }
     if (a.json) fl_plan_write_json(p, stdout);
     else fl_plan_print(p, stdout);

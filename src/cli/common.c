@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "core/fs.h"
 #include "fitllm/cuda.h"
 
 int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool) {
@@ -116,6 +117,7 @@ fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, u
     FL_TRY(fl_cli_resolve_model(NULL, path, named, sizeof named, 0)); /* a Hugging Face repo id: its folder */
     path = named;
     if (!exists(path)) {
+        if (fl_fs_is_path_form(path)) return fl_errorf(FL_ERR_NOT_FOUND, "'%s': no such file or folder", path);
         fl_status s = fl_preset_find(path, &cfg);
         if (s != FL_OK) {
             char why[1024]; /* copy first: fl_errorf rewrites the message buffer it would read */

@@ -224,3 +224,8 @@ const char *fl_fs_tmpdir(void) {
     const char *t = getenv("TMPDIR");
     return t && t[0] == '/' && strlen(t) < 200 ? t : "/tmp";
 }
+
+int fl_fs_is_path_form(const char *s) {
+    return s && (s[0] == '/' || s[0] == '~' || !strncmp(s, "./", 2) || !strncmp(s, "../", 3) || !strcmp(s, ".") ||
+                 !strcmp(s, ".."));
+}

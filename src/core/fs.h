@@ -31,6 +31,9 @@ int fl_fs_tmp_remove_all(void);
 /* fsync a directory so a rename inside it is durable; best effort. */
 void fl_fs_sync_dir(const char *path);
 
+/* 1 when s can only be a path (it starts with '/', "./", "../" or "~"), never a preset name or a Hugging Face repo id:
+ * a model argument that does not exist is then "no such file or folder", not an unknown preset with suggestions. */
+int fl_fs_is_path_form(const char *s);
 /* The folder for temporary files: $TMPDIR when it is set to an absolute path (of a usable length), else "/tmp". */
 const char *fl_fs_tmpdir(void);
 

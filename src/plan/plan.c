@@ -20,6 +20,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "core/fs.h"
 #include "fitllm/comm.h"
 #include "fitllm/data.h"
 #include "fitllm/generate.h"
@@ -119,6 +120,7 @@ static fl_status resolve_model(const fl_run_config *c, fl_model_config *mc, char
     } else if (!ck[0]) {
         return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir (a model folder or a preset name)");
     } else if (!path_exists(ck)) {
+        if (fl_fs_is_path_form(ck)) return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s': no such file or folder", ck);
         fl_status s = fl_preset_find(ck, mc);
         if (s != FL_OK) {
             char why[1024]; /* fl_errorf must not read the message it is writing */
@@ -687,8 +689,11 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     fl_strategy_choice sc; /* --strategy auto: the trainer's choice (fl_cfg_resolve_strategy) */
     FL_TRY(fl_cfg_resolve_strategy(c, opts.cuda, &sc));
     const int stage = sc.stage;
-    if (p->devices > 1 && (opts.rank < 0 || opts.rank >= p->devices))
-        return fl_errorf(FL_ERR_INVALID, "plan --rank %d: the run has ranks 0..%d", opts.rank, p->devices - 1);
+    if (opts.rank < 0 || opts.rank >= p->devices) /* one device too: rank 5 of 1 was planned as rank 0, unsaid */
+        return p->devices > 1 ? fl_errorf(FL_ERR_INVALID, "plan --rank %d: the run has ranks 0..%d", opts.rank,
+                                          p->devices - 1)
+                              : fl_errorf(FL_ERR_INVALID, "plan --rank %d: the run has one rank (0); --devices N plans "
+                                          "N ranks", opts.rank);
     p->rank = p->devices > 1 ? opts.rank : 0;
     p->zero_stage = p->devices > 1 ? stage : 0;
     if (p->zero_stage == 3 && c->command == FL_CMD_FINETUNE_LORA) p->zero_stage = 2; /* adapters: ZeRO-2 */

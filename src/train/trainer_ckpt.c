@@ -1,5 +1,6 @@
 /* The trainer's checkpoints, resume and divergence reports (src/train/trainer-impl.h). */
 #include <dirent.h>
+#include <sys/stat.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,6 +96,10 @@ fl_status fl_tr_resume(trainer *t, int *resumed) {
         if (s != FL_OK) return fl_error_prefix(s, "--resume true");
     } else {
         snprintf(path, sizeof path, "%s", r);
+        struct stat st;
+        if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) /* was "not a committed checkpoint (no COMMITTED file)" */
+            return fl_errorf(FL_ERR_NOT_FOUND, "--resume '%s': no such checkpoint folder (--resume takes auto, true, "
+                             "false or a checkpoint folder such as out/step-000100)", r);
     }
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_ckpt_load(t, path)); /* the whole checkpoint, then this rank's slice */
     else if (t->pp.size > 1) FL_TRY(fl_tr_pp_ckpt_load(t, path)); /* the whole checkpoint, then this stage */

@@ -104,6 +104,7 @@ fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m
         if (ck[0]) { FL_TRY(fl_hf_load_weights(m, ck)); have_weights = 1; }
     } else if (ck[0] && !exists(ck)) {
         /* A preset name: random init (for speed/memory experiments without weights). */
+        if (fl_fs_is_path_form(ck)) return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s': no such file or folder", ck);
         fl_status s = fl_preset_find(ck, &mc);
         if (s != FL_OK) {
             char why[1024]; /* fl_errorf must not read the message it is writing */
