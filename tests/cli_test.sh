@@ -584,7 +584,6 @@ expect plan_too_many_ranks 2 "4800 ranks \(devices 8 x num_nodes 600\): a plan r
 # --rank beyond a one-device run's was planned as rank 0, unsaid; an unknown model exits 2 as everywhere; a path that is
 # not there is said so (not an unknown preset); --largest has no JSON form (it printed its table)
 expect plan_rank_one_device 2 "plan --rank 5: the run has one rank \(0\)" -- "$FITLLM" plan micro --rank 5
-expect plan_unknown_model 2 "is neither a model folder nor a preset" -- "$FITLLM" plan no-such-model-x
 expect plan_path_missing 2 "checkpoint_dir './no/such/dir': no such file or folder" -- "$FITLLM" plan ./no/such/dir
 expect plan_largest_json_refused 2 "--largest prints a table only \(no JSON form yet\)" -- "$FITLLM" plan --largest tiny --json
 expect plan_litgpt_model_name 0 "FITS" -- "$FITLLM" plan TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T --device-memory 80GB
@@ -1099,7 +1098,7 @@ expect plan_fsdp_rank2_of_3 0 '"GRADS": 1466731148, "OPTIM": 2933462296, "ACTS"'
 expect plan_zero2_optim_rank2_of_3 0 '"OPTIM": 2933462352, "ACTS"' -- \
     "$FITLLM" plan tinyllama-1.1b --devices 3 --train.global_batch_size 3 --strategy deepspeed_stage_2 --rank 2 --json
 expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots
-expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
+expect plan_unknown_model 2 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
 expect plan_help 0 "--device-memory" -- "$FITLLM" plan --help
 expect plan_7b_full_oom 3 "OUT OF MEMORY" -- "$FITLLM" plan open-llama-7b --device-memory 80GB --train.max_seq_length 513
 expect plan_7b_lora_fits 0 "verdict: FITS" -- "$FITLLM" plan open-llama-7b --lora --device-memory 80GB --train.max_seq_length 513
@@ -1481,7 +1480,7 @@ if [ -d "$DATA/stories260K-hf" ]; then
     if [ ! -e "$T/lo/step-000002" ] && [ ! -e "$T/lo/step-000004" ] && [ -f "$T/lo/step-000006/adapter_config.json" ] && \
        [ -z "$(ls -A "$T/lo" | grep -E 'trash|^\.tmp')" ]; then echo "ok   lora_rotation_removes_whole_steps"; pass=$((pass+1))
     else echo "FAIL lora_rotation_removes_whole_steps"; ls -A "$T/lo" | sed 's/^/     /'; fail=$((fail+1)); fi
-    expect finetune_not_a_model 2 "neither a model folder nor a preset" -- "$FITLLM" finetune_full "$T/nope-model" --out_dir "$T/x1"
+    expect finetune_not_a_model 2 "checkpoint_dir .*nope-model.: no such file or folder" -- "$FITLLM" finetune_full "$T/nope-model" --out_dir "$T/x1"
     expect finetune_missing_data 2 "nope.json" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$T/nope.json" --out_dir "$T/x2"
     # ---- LitGPT's config_hub recipes, unedited (tests/fixtures/litgpt-recipes): only the data and
     # checkpoint paths (and sizes, to keep this fast) are given on the command line
