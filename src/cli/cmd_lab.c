@@ -125,6 +125,22 @@ static void stop_at_once(int sig) {
             g_runs_temp && !left ? "" : g_runs, g_runs_temp && !left ? "" : "'");
 }
 
+/* An --out_dir that cannot hold the report (a file, or under one): said before the rows run (they ran for minutes,
+ * then the writing failed). 1 when refused (printed). */
+static int out_dir_refused(const char *cmd, const char *out_dir) {
+    char probe[4200];
+    snprintf(probe, sizeof probe, "%s", out_dir);
+    struct stat st;
+    if (stat(out_dir, &st) == 0 && !S_ISDIR(st.st_mode))
+        return fl_cli_usage(cmd, "--out_dir '%s' is a file, not a folder", out_dir) != 0;
+    char *sl = strrchr(probe, '/');
+    if (!sl || stat(out_dir, &st) == 0) return 0;
+    *sl = 0; /* a folder still to make: its parent must not be a file */
+    if (*probe && stat(probe, &st) == 0 && !S_ISDIR(st.st_mode))
+        return fl_cli_usage(cmd, "--out_dir '%s': '%s' is a file, not a folder", out_dir, probe) != 0;
+    return 0;
+}
+
 int fl_cmd_lab(int argc, char **argv) {
     const char *cmd = "lab", *out_dir = "lab";
     fl_lab_opts o;
@@ -196,19 +212,7 @@ int fl_cmd_lab(int argc, char **argv) {
         }
         else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--data", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--peer", "--only", "--plan-only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", "--tokenizer", NULL});
     }
-    /* --out_dir that cannot hold the report: said before the rows run (they ran for minutes, then the writing failed) */
-    {
-        char probe[4200];
-        snprintf(probe, sizeof probe, "%s", out_dir);
-        struct stat st;
-        if (stat(out_dir, &st) == 0 && !S_ISDIR(st.st_mode))
-            return fl_cli_usage(cmd, "--out_dir '%s' is a file, not a folder", out_dir);
-        for (char *sl = strrchr(probe, '/'); sl && stat(out_dir, &st) != 0; sl = NULL) { /* its parent must be a folder */
-            *sl = 0;
-            if (*probe && stat(probe, &st) == 0 && !S_ISDIR(st.st_mode))
-                return fl_cli_usage(cmd, "--out_dir '%s': '%s' is a file, not a folder", out_dir, probe);
-        }
-    }
+    if (out_dir_refused(cmd, out_dir)) return FL_EXIT_USAGE;
     /* the runs' out_dirs: DIR/runs (--keep-runs) or a temporary folder of this command's (the library would make
      * one, but a stop at once must know it to remove it) */
     if (keep) snprintf(g_runs, sizeof g_runs, "%s/runs", out_dir);

@@ -100,16 +100,6 @@ static int config_unavailable(const fl_run_config *c, char *msg, size_t n) {
 
 /* ---- resolving the model and the run's shapes --------------------------------------- */
 
-static int path_exists(const char *p) {
-    struct stat st;
-    return stat(p, &st) == 0;
-}
-
-static int is_dir(const char *p) {
-    struct stat st;
-    return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
-}
-
 /* The model the trainer would build (load_model_and_tokenizer), without weights. */
 static fl_status resolve_model(const fl_run_config *c, fl_model_config *mc, char *src, size_t n) {
     const char *ck = c->checkpoint_dir;
@@ -119,7 +109,7 @@ static fl_status resolve_model(const fl_run_config *c, fl_model_config *mc, char
         snprintf(src, n, "%s", c->n_model_fields ? "model_config" : c->model_config[0] ? "config.json" : "preset");
     } else if (!ck[0]) {
         return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir (a model folder or a preset name)");
-    } else if (!path_exists(ck)) {
+    } else if (!fl_fs_is_dir(ck) && !fl_fs_is_file(ck)) {
         if (fl_fs_is_path_form(ck)) return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s': no such file or folder", ck);
         fl_status s = fl_preset_find(ck, mc);
         if (s != FL_OK) {
@@ -132,7 +122,7 @@ static fl_status resolve_model(const fl_run_config *c, fl_model_config *mc, char
     } else {
         char path[FL_CFG_PATH + 16];
         size_t len = strlen(ck);
-        if (is_dir(ck)) snprintf(path, sizeof path, "%s/config.json", ck);
+        if (fl_fs_is_dir(ck)) snprintf(path, sizeof path, "%s/config.json", ck);
         else if (len > 5 && !strcmp(ck + len - 5, ".json")) snprintf(path, sizeof path, "%s", ck);
         else
             return fl_errorf(FL_ERR_UNSUPPORTED,
@@ -155,7 +145,7 @@ static fl_status gen_prompt_tokens(const fl_run_config *c, int *n_out) {
         return FL_OK;
     }
     const char *td = c->tokenizer_dir[0] ? c->tokenizer_dir : NULL;
-    if (!td && c->checkpoint_dir[0] && is_dir(c->checkpoint_dir)) td = c->checkpoint_dir;
+    if (!td && c->checkpoint_dir[0] && fl_fs_is_dir(c->checkpoint_dir)) td = c->checkpoint_dir;
     fl_tokenizer *tok = NULL;
     char *prompt = NULL;
     int32_t *ids = NULL;
@@ -176,7 +166,7 @@ static int has_val_split(const fl_run_config *c) {
     switch (c->data.kind) {
     case FL_DATA_SYNTHETIC: return c->data.synthetic_val > 0;
     case FL_DATA_TEXTFILES: return 1; /* the first train file becomes val when no val folder is given */
-    default: return c->data.val_split_fraction > 0 || is_dir(c->data.json_path);
+    default: return c->data.val_split_fraction > 0 || fl_fs_is_dir(c->data.json_path);
     }
 }
 
@@ -690,10 +680,8 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     FL_TRY(fl_cfg_resolve_strategy(c, opts.cuda, &sc));
     const int stage = sc.stage;
     if (opts.rank < 0 || opts.rank >= p->devices) /* one device too: rank 5 of 1 was planned as rank 0, unsaid */
-        return p->devices > 1 ? fl_errorf(FL_ERR_INVALID, "plan --rank %d: the run has ranks 0..%d", opts.rank,
-                                          p->devices - 1)
-                              : fl_errorf(FL_ERR_INVALID, "plan --rank %d: the run has one rank (0); --devices N plans "
-                                          "N ranks", opts.rank);
+        return fl_errorf(FL_ERR_INVALID, p->devices > 1 ? "plan --rank %d: the run has ranks 0..%d" : "plan --rank %d: "
+                         "the run has one rank (0); --devices N plans N ranks", opts.rank, p->devices - 1);
     p->rank = p->devices > 1 ? opts.rank : 0;
     p->zero_stage = p->devices > 1 ? stage : 0;
     if (p->zero_stage == 3 && c->command == FL_CMD_FINETUNE_LORA) p->zero_stage = 2; /* adapters: ZeRO-2 */
