@@ -188,7 +188,7 @@ static const fl_cfg_key k_keys[] = {
     {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget with its unit, e.g. 8GB or 8GiB; a bare number is refused (fitllm)"},
     {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm)"},
     {"quiet", FL_CK_BOOL, OFF(quiet), "no progress bar (fitllm)"},
-    {"overwrite", FL_CK_BOOL, OFF(overwrite), "reuse an out_dir that holds another run (fitllm)"},
+    {"overwrite", FL_CK_BOOL, OFF(overwrite), "start over in an out_dir that holds another run: its checkpoints (step-*, final/) are removed (fitllm)"},
     {"blip2.train", FL_CK_STR32, OFF(blip2_train), "a BLIP-2 checkpoint's parts that train: vision, qformer (with the query tokens and the language projection), lm, comma-separated (default qformer,lm; adapter fine-tuning: lm, its adapters; the vision tower frozen) (fitllm)"},
 };
 #undef OFF
