@@ -908,6 +908,9 @@ RA=(finetune_full micro --data Synthetic --train.global_batch_size 1 --eval.max_
 expect overwrite_removes_old_checkpoints 0 "note: --overwrite: the previous run's checkpoints in '.*/ovw' removed \((step-00000[24]|final)(, (step-00000[24]|final)){2}\)" -- \
     "$FITLLM" "${RA[@]}" --out_dir "$T/ovw" --overwrite true
 expect overwrite_left_only_its_own 0 "^final logs $" -- bash -c "ls '$T/ovw' | tr '\\n' ' '"
+# resuming with another optimizer is a configuration error (2, was 1), naming the option
+expect resume_other_optimizer 2 "saved with optimizer AdamW, this run uses SGD \(--optimizer: resume with the checkpoint's\)" -- \
+    "$FITLLM" "${RA[@]}" --optimizer SGD --resume "$T/ovw/final" --out_dir "$T/ovw-sgd"
 "$FITLLM" "${RA[@]}" --train.save_interval 1 --quiet true --out_dir "$T/ra" >/dev/null 2>&1
 rm -rf "$T/ra/final"; rm -f "$T/ra/step-000001/COMMITTED"
 expect resume_path_missing 2 "--resume 'yes': no such checkpoint folder" -- "$FITLLM" "${RA[@]}" --out_dir "$T/ra-y" --resume yes

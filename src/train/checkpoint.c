@@ -362,8 +362,10 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
     const int lora = fl_model_lora_adapters(m, &ad);
     size_t tn = lora ? ad.numel : m->layout.numel;
     if (s == FL_OK && (!numel || strtoull(numel, NULL, 10) != tn))
-        s = fl_errorf(FL_ERR_FORMAT, "%s: state is for %s trainable parameters, this run has %zu", p,
-                      numel ? numel : "?", tn);
+        s = numel ? fl_errorf(FL_ERR_INVALID, "%s: state is for %s trainable parameters, this run has %zu (another "
+                              "model, or other LoRA settings: lora_r, the targets; resume with the checkpoint's)", p,
+                              numel, tn)
+                  : fl_errorf(FL_ERR_FORMAT, "%s: state has no trainable-parameter count", p);
     if (s == FL_OK && m->lora) {
         const fl_st_tensor *lt = fl_st_find(&f, "lora.params");
         if (!lt || lt->dtype != FL_F32 || lt->end - lt->begin != tn * sizeof(float))
@@ -375,7 +377,8 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
     }
     const char *opt = meta(&f, "optimizer");
     if (s == FL_OK && o && opt && strcmp(opt, fl_optim_name(o->cfg.kind)))
-        s = fl_errorf(FL_ERR_FORMAT, "%s: saved with optimizer %s, this run uses %s", p, opt, fl_optim_name(o->cfg.kind));
+        s = fl_errorf(FL_ERR_INVALID, "%s: saved with optimizer %s, this run uses %s (--optimizer: resume with the "
+                      "checkpoint's)", p, opt, fl_optim_name(o->cfg.kind));
     size_t es = o && o->cfg.state_dtype == FL_BF16 ? 2 : 4;
     fl_dtype sd = es == 2 ? FL_BF16 : FL_F32;
     struct { const char *name; void *dst; size_t bytes; fl_dtype dt; } want[4] = {

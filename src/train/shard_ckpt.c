@@ -583,8 +583,8 @@ fl_status fl_shard_ckpt_load(const char *dir, const fl_shard_set *set, const fl_
     fl_status s = FL_OK;
     const char *opt = meta(&sh.meta, "optimizer");
     if (o && opt && strcmp(opt, fl_optim_name(o->cfg.kind)))
-        s = fl_errorf(FL_ERR_FORMAT, "%s/" FL_SHARD_META_FILE ": saved with optimizer %s, this run uses %s", dir, opt,
-                      fl_optim_name(o->cfg.kind));
+        s = fl_errorf(FL_ERR_INVALID, "%s/" FL_SHARD_META_FILE ": saved with optimizer %s, this run uses %s (--optimizer: "
+                      "resume with the checkpoint's)", dir, opt, fl_optim_name(o->cfg.kind));
     frange **fr = calloc((size_t)set->n + 1, sizeof *fr);
     int *nfr = calloc((size_t)set->n + 1, sizeof *nfr);
     if (s == FL_OK && (!fr || !nfr)) s = fl_errorf(FL_ERR_OOM, "%s: out of host memory", dir);
