@@ -4,7 +4,6 @@
  * written, 2 usage error. */
 #define _XOPEN_SOURCE 700
 #include <errno.h>
-#include <ftw.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -102,12 +101,6 @@ static void help(void) {
 static char g_runs[4200];
 static int g_runs_temp;
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
-    (void)st, (void)flag, (void)ftw;
-    remove(path);
-    return 0;
-}
-
 static int poll_stop(void *ud) {
     (void)ud;
     return fl_cli_interrupted();
@@ -116,7 +109,7 @@ static int poll_stop(void *ud) {
 /* The second stop signal (from the signals' thread; the rows' threads still run, and the process dies after this):
  * the temporary folder removed, best effort (a file a row creates meanwhile may keep it), and said. */
 static void stop_at_once(int sig) {
-    if (g_runs_temp) nftw(g_runs, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    if (g_runs_temp) fl_fs_remove_dir(g_runs);
     struct stat st;
     const int left = g_runs_temp && stat(g_runs, &st) == 0;
     fprintf(stderr, "fitllm lab: stopped at once by %s; no report written%s%s%s\n", fl_cli_signal_name(sig),
@@ -238,7 +231,7 @@ int fl_cmd_lab(int argc, char **argv) {
     fl_cli_signals_begin(&sigs);
     fl_status s = fl_lab_run(&o, stdout, &rep);
     fl_cli_signals_end();
-    if (g_runs_temp) nftw(g_runs, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    if (g_runs_temp) fl_fs_remove_dir(g_runs);
     if (s != FL_OK && rep.out_errno == EPIPE) {
         fl_lab_report_free(&rep);
         fl_cli_die_of(SIGPIPE);
