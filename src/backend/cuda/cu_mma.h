@@ -50,24 +50,28 @@ FL_CU_DEV uint32_t fl_cu_pack_bf16(float lo, float hi) {
 #else /* the emulator */
 
 FL_CU_DEV void fl_cu_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
-    uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]}, all[32][6];
-    fl_cu_emu_warp_gather(mine, sizeof mine, all);
+    const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    const unsigned char *v = fl_cu_emu_warp_gather_begin(mine, sizeof mine); /* lane l's 6 words at l * GATHER_MAX */
+    static const unsigned char zeros[32 * FL_CU_EMU_GATHER_MAX] = {0};
+    if (!v) v = zeros;
     const int lane = fl_cu_emu_lane(), g = lane >> 2, t = lane & 3;
     float out[4];
     for (int i = 0; i < 4; i++) {
         const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
         float acc = c[i];
         for (int k = 0; k < 16; k++) {
+            uint32_t aw, bw;
             /* A[row][k]: lane (row % 8) * 4 + (k % 8) / 2, register (row >= 8) + 2 (k >= 8) */
-            const uint32_t aw = all[(row & 7) * 4 + ((k & 7) >> 1)][(row >> 3) + 2 * (k >> 3)];
+            memcpy(&aw, v + ((row & 7) * 4 + ((k & 7) >> 1)) * FL_CU_EMU_GATHER_MAX + 4 * ((row >> 3) + 2 * (k >> 3)), 4);
             /* B[k][col]: lane col * 4 + (k % 8) / 2, register 4 + (k >= 8) */
-            const uint32_t bw = all[col * 4 + ((k & 7) >> 1)][4 + (k >> 3)];
+            memcpy(&bw, v + (col * 4 + ((k & 7) >> 1)) * FL_CU_EMU_GATHER_MAX + 4 * (4 + (k >> 3)), 4);
             const float av = fl_cu_bf16_to_f32((uint16_t)(k & 1 ? aw >> 16 : aw & 0xffffu));
             const float bv = fl_cu_bf16_to_f32((uint16_t)(k & 1 ? bw >> 16 : bw & 0xffffu));
             acc += av * bv;
         }
         out[i] = acc;
     }
+    fl_cu_emu_warp_gather_end();
     for (int i = 0; i < 4; i++) d[i] = out[i]; /* d may be c */
 }
 FL_CU_DEV uint32_t fl_cu_pack_bf16(float lo, float hi) {

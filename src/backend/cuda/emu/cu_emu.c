@@ -218,20 +218,27 @@ uint64_t fl_cu_emu_exchange(uint64_t mine, int src_lane) {
     return r;
 }
 
-void fl_cu_emu_warp_gather(const void *mine, size_t bytes, void *all) {
+const unsigned char *fl_cu_emu_warp_gather_begin(const void *mine, size_t bytes) {
     emu *e = g_emu;
     int me = e->cur->linear, base = me & ~31, ok = base + 32 <= e->nthreads && bytes <= FL_CU_EMU_GATHER_MAX;
     if (ok) memcpy(e->gat[me], mine, bytes);
     fl_cu_emu_syncwarp();
     for (int l = 0; l < 32 && ok; l++) ok = e->f[base + l].state != DONE;
-    if (ok)
-        for (int l = 0; l < 32; l++) memcpy((unsigned char *)all + (size_t)l * bytes, e->gat[base + l], bytes);
-    else {
-        set_err("warp gather (mma): thread %d: the whole warp must be live and converged, at most %d bytes", me,
-                FL_CU_EMU_GATHER_MAX);
+    if (ok) return e->gat[base];
+    set_err("warp gather (mma): thread %d: the whole warp must be live and converged, at most %d bytes", me,
+            FL_CU_EMU_GATHER_MAX);
+    return NULL;
+}
+
+void fl_cu_emu_warp_gather_end(void) { fl_cu_emu_syncwarp(); }
+
+void fl_cu_emu_warp_gather(const void *mine, size_t bytes, void *all) {
+    const unsigned char *v = fl_cu_emu_warp_gather_begin(mine, bytes);
+    if (v)
+        for (int l = 0; l < 32; l++) memcpy((unsigned char *)all + (size_t)l * bytes, v + (size_t)l * FL_CU_EMU_GATHER_MAX, bytes);
+    else
         memset(all, 0, 32 * bytes);
-    }
-    fl_cu_emu_syncwarp();
+    fl_cu_emu_warp_gather_end();
 }
 
 /* ---- cp.async (attn_mma.h fl_cu_cp16 / fl_cu_cp8 under the emulator) ----

@@ -66,6 +66,11 @@ uint64_t fl_cu_emu_exchange(uint64_t mine, int src_lane);
  * (as mma.sync needs): otherwise the launch records an error and `all` is zeros. */
 #define FL_CU_EMU_GATHER_MAX 64
 void fl_cu_emu_warp_gather(const void *mine, size_t bytes, void *all);
+/* The same gather read in place (the emulated mma's, without 32 copies a lane): returns the warp's slots, lane l's
+ * bytes at l * FL_CU_EMU_GATHER_MAX, readable until fl_cu_emu_warp_gather_end (the warp barrier after which a lane
+ * may publish again), which every lane must call; NULL (the error recorded) where the gather above gives zeros. */
+const unsigned char *fl_cu_emu_warp_gather_begin(const void *mine, size_t bytes);
+void fl_cu_emu_warp_gather_end(void);
 /* cp.async (attn_mma.h's fl_cu_cp16 / fl_cu_cp8 under the emulator): the destination holds 0xff bytes from the issue
  * until the calling thread's cp.async.wait_group (fl_cu_emu_cp_wait: every committed group but the newest n) lands the
  * bytes read at the issue; fl_cu_emu_cp_commit closes a group (PTX's commit_group). A thread that returns with copies in

@@ -109,15 +109,20 @@ FL_CU_DEV void fl_cu_dq_post(int *lock) {
 }
 #else
 FL_CU_DEV void fl_cu_ldm_x4(uint32_t r[4], const uint16_t *row, int trans) {
-    const uint16_t *all[32];
     fl_cu_check16(row);
-    fl_cu_emu_warp_gather(&row, sizeof row, all);
+    const unsigned char *v = fl_cu_emu_warp_gather_begin(&row, sizeof row); /* lane l's row pointer */
     const int lane = fl_cu_emu_lane(), g = lane >> 2, t = lane & 3;
     for (int j = 0; j < 4; j++) {
-        const uint16_t lo = trans ? all[8 * j + 2 * t][g] : all[8 * j + g][2 * t];
-        const uint16_t hi = trans ? all[8 * j + 2 * t + 1][g] : all[8 * j + g][2 * t + 1];
+        const uint16_t *lo_row = NULL, *hi_row = NULL;
+        if (v) {
+            memcpy(&lo_row, v + (trans ? 8 * j + 2 * t : 8 * j + g) * FL_CU_EMU_GATHER_MAX, sizeof lo_row);
+            memcpy(&hi_row, v + (trans ? 8 * j + 2 * t + 1 : 8 * j + g) * FL_CU_EMU_GATHER_MAX, sizeof hi_row);
+        }
+        const uint16_t lo = !v ? 0 : trans ? lo_row[g] : lo_row[2 * t];
+        const uint16_t hi = !v ? 0 : trans ? hi_row[g] : hi_row[2 * t + 1];
         r[j] = (uint32_t)lo | ((uint32_t)hi << 16);
     }
+    fl_cu_emu_warp_gather_end();
 }
 /* the blocks of a launch run one after another and fibers switch only at barriers: a plain add */
 FL_CU_DEV void fl_cu_atomic_add(float *p, float v) { *p += v; }
