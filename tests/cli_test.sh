@@ -179,6 +179,11 @@ expect image_info_size 0 "rgba_37x53.png: 37 x 53 RGB" -- "$FITLLM" image-info "
 expect image_info_pixel_values 0 "pixel_values: 3 x 30 x 40 float32 \(resize bicubic, rescale on, normalize on\).*fnv1a64 [0-9a-f]{16}" -- \
     "$FITLLM" image-info "$IMG/prog_50x33.jpg" --processor "$IMG" --dump "$T/pv.f32"
 expect image_info_dump_size 0 "^14400$" -- stat -c %s "$T/pv.f32"
+if rm -f "$T/pv-null" && mknod "$T/pv-null" c 1 3 2>/dev/null; then # root: a node of /dev/null's numbers, written in place
+    expect image_info_dump_null_device 0 "wrote .*pv-null" -- "$FITLLM" image-info "$IMG/prog_50x33.jpg" --processor "$IMG" --dump "$T/pv-null"
+    [ -c "$T/pv-null" ] && { echo "ok   image_info_dump_null_device_kept"; pass=$((pass+1)); } ||
+        { echo "FAIL image_info_dump_null_device_kept"; fail=$((fail+1)); }
+fi
 expect image_info_missing 2 "nope.png: cannot open image" -- "$FITLLM" image-info "$T/nope.png"
 expect image_info_cmyk 2 "bad_cmyk_8x8.jpg: CMYK JPEG is not supported" -- "$FITLLM" image-info "$IMG/bad_cmyk_8x8.jpg"
 head -c 1000 "$IMG/rgb420_97x61.jpg" > "$T/trunc.jpg"
@@ -1349,6 +1354,23 @@ if [ -d "$DATA/stories260K-hf" ]; then
     sz=$(stat -c %s "$T/logits.f32" 2>/dev/null || echo 0)
     if [ "$sz" -eq $((9 * 512 * 4)) ]; then echo "ok   dump_logits_size"; pass=$((pass+1)); else echo "FAIL dump_logits_size: $sz bytes"; fail=$((fail+1)); fi
     expect loss_dump_unwritable 1 "cannot write logits" -- "$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/ids.txt" --dump-logits /proc/nope/x.f32
+    # a dump through a symlink replaces its target (the link kept); into a FIFO or a device node it writes in place
+    # (as root a rename replaced /dev/full by a regular file, and reported success)
+    echo old > "$T/dl-real.f32"; ln -sfn dl-real.f32 "$T/dl-link.f32"; rm -f "$T/dl-pipe"; mkfifo "$T/dl-pipe"
+    "$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/ids.txt" --dump-logits "$T/dl-link.f32" >/dev/null 2>&1
+    ( exec 3<"$T/dl-pipe"; wc -c <&3 >"$T/dl-pipe.n" ) & rdr=$!
+    "$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/ids.txt" --dump-logits "$T/dl-pipe" >/dev/null 2>&1 &
+    wtr=$!; { sleep 60; kill $rdr $wtr 2>/dev/null; } & guard=$!; wait $wtr; wait $rdr; kill $guard 2>/dev/null
+    if [ -L "$T/dl-link.f32" ] && [ "$(stat -c %s "$T/dl-real.f32")" -eq $((9 * 512 * 4)) ] && [ -p "$T/dl-pipe" ] &&
+        [ "$(cat "$T/dl-pipe.n" 2>/dev/null)" = $((9 * 512 * 4)) ]; then
+        echo "ok   loss_dump_link_and_fifo_kept"; pass=$((pass+1))
+    else echo "FAIL loss_dump_link_and_fifo_kept: $(ls -l "$T"/dl-* | tr '\n' ' ')"; fail=$((fail+1)); fi
+    if rm -f "$T/dl-full" && mknod "$T/dl-full" c 1 7 2>/dev/null; then # root: a node of /dev/full's numbers
+        expect loss_dump_full_device 1 "cannot write logits: .*dl-full: write failed: No space left on device" -- \
+            "$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/ids.txt" --dump-logits "$T/dl-full"
+        [ -c "$T/dl-full" ] && { echo "ok   loss_dump_full_device_kept"; pass=$((pass+1)); } ||
+            { echo "FAIL loss_dump_full_device_kept: $(ls -l "$T/dl-full")"; fail=$((fail+1)); }
+    fi
     # a truncated safetensors copy of a real model
     mkdir -p "$T/trunc"; cp "$DATA/stories260K-hf/config.json" "$T/trunc/"
     head -c 5000 "$DATA/stories260K-hf/model.safetensors" > "$T/trunc/model.safetensors"

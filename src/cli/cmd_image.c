@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "core/fs.h"
 #include "fitllm/image.h"
 
 static void help(void) {
@@ -76,17 +77,11 @@ int fl_cmd_image_info(int argc, char **argv) {
            p.do_rescale ? "on" : "off", p.do_normalize ? "on" : "off", sum, mn, mx, (unsigned long long)hash);
     int rc = 0;
     if (dump) {
-        FILE *f = fopen(dump, "wb");
-        int why = f ? 0 : errno;
-        if (!f || fwrite(pv, sizeof(float), n, f) != n) rc = 1; /* x86/ARM hosts are little-endian */
-        if (rc && f && !why) why = errno;
-        if (f && fclose(f) != 0) {
-            if (!rc) why = errno;
-            rc = 1;
-        }
-        if (rc) {
-            fprintf(stderr, "fitllm image-info: error: %s: cannot write: %s\n", dump, why ? strerror(why) : "write failed");
-            remove(dump);
+        /* x86/ARM hosts are little-endian; a file: through dump.tmp, renamed; a device or a pipe: written in place */
+        if (fl_fs_write_file_atomic(dump, pv, n * sizeof(float)) != FL_OK) {
+            char why[1024];
+            snprintf(why, sizeof why, "%s", fl_error_message());
+            rc = fl_cli_fail(cmd, fl_errorf(FL_ERR_IO, "cannot write pixel_values: %s", why), NULL);
         } else {
             printf("wrote %s (%zu float32)\n", dump, n);
         }

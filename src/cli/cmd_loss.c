@@ -154,18 +154,11 @@ int fl_cmd_loss(int argc, char **argv) {
     printf("loss %.6f  ppl %.4f  tokens %d  model %s%s\n", loss, fl_trainer_perplexity(loss), T, model_path,
            loaded ? "" : " (random init)");
     if (dump) {
-        char tmp[4096];
-        snprintf(tmp, sizeof tmp, "%s.tmp", dump);
-        FILE *f = fopen(tmp, "wb");
-        size_t cnt = (size_t)T * m.cfg.vocab_size;
-        if (!f || fwrite(logits, sizeof(float), cnt, f) != cnt || fclose(f) != 0) {
-            s = fl_errorf(FL_ERR_IO, "%s: cannot write logits: %s", dump, strerror(errno));
-            remove(tmp);
-            goto fail;
-        }
-        if (rename(tmp, dump) != 0) {
-            s = fl_errorf(FL_ERR_IO, "%s: cannot rename: %s", dump, strerror(errno));
-            remove(tmp);
+        /* a file: through dump.tmp, renamed; a device or a pipe (/dev/stdout, a FIFO): written in place */
+        if (fl_fs_write_file_atomic(dump, logits, (size_t)T * m.cfg.vocab_size * sizeof(float)) != FL_OK) {
+            char why[1024];
+            snprintf(why, sizeof why, "%s", fl_error_message());
+            s = fl_errorf(FL_ERR_IO, "cannot write logits: %s", why);
             goto fail;
         }
         printf("logits (%d x %d float32) written to %s\n", T, m.cfg.vocab_size, dump);

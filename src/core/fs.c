@@ -132,11 +132,37 @@ int fl_fs_tmp_remove_all(void) {
     return n;
 }
 
+/* An existing path that is neither a regular file nor a folder (a device such as /dev/null or /dev/stdout, a FIFO, a
+ * terminal, a socket), or a dangling link (create: its target made): written where it is. No fsync (a pipe or a terminal has none) and nothing removed on failure. */
+static fl_status write_in_place(const char *path, const void *data, size_t len, int create) {
+    int fd = open(path, O_WRONLY | O_TRUNC | O_CLOEXEC | (create ? O_CREAT : 0), 0644);
+    if (fd < 0) return fl_errorf(FL_ERR_IO, "%s: cannot open for writing: %s", path, strerror(errno));
+    fl_status s = FL_OK;
+    if (fl_fs_write_all(fd, data, len) != 0) s = fl_errorf(FL_ERR_IO, "%s: write failed: %s", path, strerror(errno));
+    if (close(fd) != 0 && s == FL_OK) s = fl_errorf(FL_ERR_IO, "%s: close failed: %s", path, strerror(errno));
+    return s;
+}
+
 fl_status fl_fs_write_file_atomic(const char *path, const void *data, size_t len) {
-    size_t pl = strlen(path);
+    struct stat st;
+    char *real = NULL;
+    if (lstat(path, &st) == 0) {
+        if (S_ISLNK(st.st_mode)) { /* the link's target is what gets replaced (the link kept); a dangling one: created */
+            if (stat(path, &st) != 0) return write_in_place(path, data, len, 1);
+            if (S_ISREG(st.st_mode) && !(real = realpath(path, NULL)))
+                return fl_errorf(FL_ERR_IO, "%s: cannot resolve the link: %s", path, strerror(errno));
+        }
+        if (S_ISDIR(st.st_mode)) return fl_errorf(FL_ERR_IO, "%s: is a folder, not a file", path);
+        if (!S_ISREG(st.st_mode)) return write_in_place(path, data, len, 0);
+    }
+    const char *target = real ? real : path;
+    size_t pl = strlen(target);
     char *tmp = malloc(pl + 5);
-    if (!tmp) return fl_errorf(FL_ERR_OOM, "%s: out of memory", path);
-    memcpy(tmp, path, pl);
+    if (!tmp) {
+        free(real);
+        return fl_errorf(FL_ERR_OOM, "%s: out of memory", path);
+    }
+    memcpy(tmp, target, pl);
     memcpy(tmp + pl, ".tmp", 5);
     fl_status s = FL_OK;
     fl_fs_tmp_track(tmp);
@@ -145,15 +171,18 @@ fl_status fl_fs_write_file_atomic(const char *path, const void *data, size_t len
         s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
         fl_fs_tmp_untrack(tmp);
         free(tmp);
+        free(real);
         return s;
     }
     if (fl_fs_write_all(fd, data, len) != 0) s = fl_errorf(FL_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
     if (s == FL_OK && fsync(fd) != 0) s = fl_errorf(FL_ERR_IO, "%s: fsync failed: %s", tmp, strerror(errno));
     if (close(fd) != 0 && s == FL_OK) s = fl_errorf(FL_ERR_IO, "%s: close failed: %s", tmp, strerror(errno));
-    if (s == FL_OK && rename(tmp, path) != 0) s = fl_errorf(FL_ERR_IO, "%s: rename to %s failed: %s", tmp, path, strerror(errno));
+    if (s == FL_OK && rename(tmp, target) != 0)
+        s = fl_errorf(FL_ERR_IO, "%s: rename to %s failed: %s", tmp, target, strerror(errno));
     if (s != FL_OK) unlink(tmp);
     fl_fs_tmp_untrack(tmp);
     free(tmp);
+    free(real);
     return s;
 }
 

@@ -13,8 +13,10 @@ fl_status fl_fs_join(char *buf, size_t n, const char *dir, const char *name);
 /* 1 if path exists and is a directory / regular file. */
 int fl_fs_is_dir(const char *path);
 int fl_fs_is_file(const char *path);
-/* Write len bytes to path atomically: path.tmp, fsync, rename; the temp file
- * is removed on failure. */
+/* Write len bytes to path atomically: path.tmp, fsync, rename; the temp file is removed on failure. A symlink's
+ * target is what gets replaced (the link kept). A path that exists and is neither a regular file nor a folder (a
+ * device such as /dev/null or /dev/stdout, a FIFO, a terminal) is written in place: replacing a device node or a
+ * pipe by a file would be wrong, and as root it is possible. A folder: FL_ERR_IO naming it. */
 fl_status fl_fs_write_file_atomic(const char *path, const void *data, size_t len);
 /* Remove a directory with its files and subfolders (a few levels deep; symlinks are
  * removed, not followed), then itself; best effort. */
