@@ -585,6 +585,8 @@ expect plan_recipe_devices_space 0 "FITS" -- "$FITLLM" plan llama-2-7b --config 
 expect plan_recipe_devices_eq 0 "FITS" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --devices=auto --device-memory 80GB
 expect plan_recipe_devices_4 0 "FSDP FULL_SHARD \(ZeRO-3\) over 4 ranks" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --device-memory 80GB
 # several ranks are rehearsed as threads: too many is a clear refusal (exit 2), not the threads communicator's limit
+# the run line as the run's header: the batch over the data-parallel ranks (it printed a rank's 4 as the global batch)
+expect plan_devices_global_batch 0 "run: micro_batch 2 x accumulation 2 x 2 ranks = global batch 8," -- "$FITLLM" plan micro --devices 2 --train.micro_batch_size 2 --train.global_batch_size 8
 expect plan_too_many_ranks 2 "4800 ranks \(devices 8 x num_nodes 600\): a plan rehearses every rank as a thread of this process, at most 4096" -- "$FITLLM" plan micro --devices 8 --num_nodes 600 --train.global_batch_size 4800
 # --rank beyond a one-device run's was planned as rank 0, unsaid; an unknown model exits 2 as everywhere; a path that is
 # not there is said so (not an unknown preset); --largest has no JSON form (it printed its table)

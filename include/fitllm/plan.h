@@ -111,6 +111,7 @@ typedef struct {
     char model_source[64];     /* "preset", "config.json" */
     size_t n_params;
     int B, accum, global_batch, T; /* per rank: global_batch = the run's / devices; T (an encoder-decoder: the target's) */
+    int dp_ranks;                  /* the data-parallel ranks the run's global batch is split over (1: none) */
     int Ts;                    /* an encoder-decoder: the source length planned; 0 otherwise */
     int devices;               /* ranks (DDP: the plan is one rank's memory) */
     int rank, zero_stage;      /* the rank planned; ZeRO stage of the strategy (0: DDP or one process, 3: FSDP

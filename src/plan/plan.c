@@ -732,7 +732,8 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     p->T = x.T;
     p->Ts = x.Ts;
     p->B = c->train.micro_batch_size;
-    p->global_batch = c->train.global_batch_size / fl_cfg_dp_ranks(c); /* per data-parallel rank */
+    p->dp_ranks = fl_cfg_dp_ranks(c);
+    p->global_batch = c->train.global_batch_size / p->dp_ranks; /* per data-parallel rank */
     p->accum = p->global_batch / p->B;
     if (c->pipeline_parallel > 1) { /* the bubble and the expected step (fitllm/pp.h) */
         char pp[1200];
@@ -821,10 +822,12 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
     char len[64];
     if (p->Ts) snprintf(len, sizeof len, "source %d, target %d", p->Ts, p->T);
     else snprintf(len, sizeof len, "T=%d", p->T);
-    fprintf(f, "run: micro_batch %d x accumulation %d = global batch %d, %s, precision %s, %s, activation "
+    char ranks[48] = ""; /* as the run's header says it */
+    if (p->dp_ranks > 1) snprintf(ranks, sizeof ranks, " x %d ranks", p->dp_ranks);
+    fprintf(f, "run: micro_batch %d x accumulation %d%s = global batch %d, %s, precision %s, %s, activation "
                "checkpointing %s, eval sample generation %s\n",
-            p->B, p->accum, p->global_batch, len, p->precision, p->optimizer, p->act_ckpt ? "on" : "off",
-            p->generation ? "on" : "off");
+            p->B, p->accum, ranks, p->global_batch * (p->dp_ranks > 1 ? p->dp_ranks : 1), len, p->precision,
+            p->optimizer, p->act_ckpt ? "on" : "off", p->generation ? "on" : "off");
     for (int i = 0; i < p->n_notes; i++) fprintf(f, "note: %s\n", p->notes[i]);
     if (p->verdict == FL_PLAN_UNAVAILABLE) {
         fprintf(f, "\nverdict: NOT AVAILABLE: %s\n", p->unavailable);
@@ -870,8 +873,9 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
                     t + 1 < FL_TAG_COUNT ? "," : "\n");
     }
     if (p->max_micro_batch_size > 0)
-        fprintf(f, "largest micro_batch_size that fits: %d (accumulation %d for global batch %d)\n",
-                p->max_micro_batch_size, p->global_batch / p->max_micro_batch_size, p->global_batch);
+        fprintf(f, "largest micro_batch_size that fits: %d (accumulation %d%s for global batch %d)\n",
+                p->max_micro_batch_size, p->global_batch / p->max_micro_batch_size, ranks,
+                p->global_batch * (p->dp_ranks > 1 ? p->dp_ranks : 1));
     else if (p->max_micro_batch_size == 0)
         fprintf(f, "largest micro_batch_size that fits: none (even 1 is out of memory)\n");
     if (p->n_sugg) {
@@ -915,9 +919,9 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
                "\"n_heads\": %d, \"n_kv_heads\": %d, \"ffn_dim\": %d, \"context\": %d},\n",
             fl_arch_get(p->model.arch)->name, p->n_params, p->model.vocab_size, p->model.dim,
             p->model.n_layers, p->model.n_heads, p->model.n_kv_heads, p->model.ffn_dim, p->model.max_seq);
-    fprintf(f, "  \"config\": {\"micro_batch_size\": %d, \"accumulation\": %d, \"global_batch_size\": %d, "
-               "\"seq_len\": %d, ",
-            p->B, p->accum, p->global_batch, p->T);
+    fprintf(f, "  \"config\": {\"micro_batch_size\": %d, \"accumulation\": %d, \"data_parallel_ranks\": %d, "
+               "\"global_batch_size\": %d, \"seq_len\": %d, ",
+            p->B, p->accum, p->dp_ranks > 1 ? p->dp_ranks : 1, p->global_batch * (p->dp_ranks > 1 ? p->dp_ranks : 1), p->T);
     if (p->Ts) fprintf(f, "\"source_len\": %d, \"precision\": ", p->Ts); /* an encoder-decoder: seq_len is the target's */
     else fprintf(f, "\"source_len\": null, \"precision\": ");
     fl_plan_json_str(f, p->precision);
