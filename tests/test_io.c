@@ -772,10 +772,11 @@ FL_TEST(weights_errors) {
     const char *d = tdir();
     FL_REQUIRE_OK(fl_hf_save_config(pj(d, "config.json"), &cfg));
     const char *st = pj(d, "model.safetensors");
-    /* missing tensor */
+    /* missing tensor: a malformed model folder (the CLI's exit 1, as an unexpected or misshapen tensor; a missing
+     * folder or file is FL_ERR_NOT_FOUND, exit 2) */
     FL_REQUIRE_OK(write_subset(&m, st, 0, m.layout.n, "model.layers.1.mlp.up_proj.weight", NULL, FL_F32, NULL, 0));
     memset(&m2, 0xab, sizeof m2);
-    FL_CHECK(fl_hf_load_model(&m2, d, NULL, &pool) == FL_ERR_NOT_FOUND);
+    FL_CHECK(fl_hf_load_model(&m2, d, NULL, &pool) == FL_ERR_FORMAT);
     CHECK_MSG("model.layers.1.mlp.up_proj.weight");
     CHECK_MSG(d);
     FL_CHECK(fl_mem_live_count(&pool) == 1);

@@ -31,7 +31,7 @@ static fl_status cv_collect(const fl_param_layout *lay, const fl_model_config *c
         int fi = 0; /* the file holding it */
         for (int i = 0; i < nf && !x; i++)
             if ((x = fl_st_find(&fs[i], p->name))) fi = i;
-        if (!x) return fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", src, p->name);
+        if (!x) return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' not found in the model files", src, p->name);
         fl_st_write_tensor w = {0};
         fl_hf_tensor_shape(p, &w); /* the shape on disk */
         int ok = x->ndim == w.ndim;

@@ -123,7 +123,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
                          t->name, a, b);
     }
     if (t->dtype != FL_F32 && t->dtype != FL_BF16 && t->dtype != FL_F16 && t->dtype != FL_F64)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': dtype %s cannot be loaded as a parameter (F32, BF16, F16)",
+        return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': dtype %s cannot be loaded as a parameter (F32, BF16, F16)",
                          f->path, t->name, fl_dtype_name(t->dtype));
     int pi = (int)(p - m->layout.params);
     if (fl_model_provider(m)) return fl_hf_copy_tensor_range(m, pi, f, t); /* sharded: this rank's piece alone */
@@ -333,7 +333,7 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
         }
     }
     for (int k = 0; k < lay->n && s == FL_OK; k++)
-        if (!seen[k]) s = fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", dir, lay->params[k].name);
+        if (!seen[k]) s = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' not found in the model files", dir, lay->params[k].name);
     free(seen);
     fl_mem_free(fl_mem_host_pool(m->pool), q4stage);
     fl_hf_shards_free(&sh);

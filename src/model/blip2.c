@@ -361,7 +361,7 @@ static fl_status load_split_qkv_bias(const st_set *f, const fl_param_info *p, fl
     snprintf(qn, sizeof qn, "%.*sq_bias", (int)stem, p->name);
     snprintf(vn, sizeof vn, "%.*sv_bias", (int)stem, p->name);
     const fl_st_tensor *q = find_tensor(f, qn), *v = find_tensor(f, vn);
-    if (!q || !v) return fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' (or '%s' and '%s') not found in the model files",
+    if (!q || !v) return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' (or '%s' and '%s') not found in the model files",
                                    dir, p->name, qn, vn);
     if (q->ndim != 1 || q->shape[0] != (int64_t)C || v->ndim != 1 || v->shape[0] != (int64_t)C)
         return fl_errorf(FL_ERR_FORMAT, "%s: tensors '%s' / '%s' must have shape [%zu]", dir, qn, vn, C);
@@ -391,7 +391,7 @@ static fl_status load_part(fl_model *m, const st_set *f, const char *prefix, con
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
         const fl_st_tensor *t = find_tensor(f, name);
         const int split = !t && m->cfg.arch == FL_ARCH_BLIP2_VISION && strstr(name, "qkv.bias") != NULL;
-        if (!t && !split) return fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", dir, name);
+        if (!t && !split) return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' not found in the model files", dir, name);
         if (t && !shape_ok(t, p))
             return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' has a shape that does not match config.json (%lld x %lld "
                              "expected)", dir, name, (long long)p->shape[0], (long long)(p->ndim == 2 ? p->shape[1] : 1));

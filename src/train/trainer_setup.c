@@ -339,9 +339,10 @@ void fl_tr_schedule(trainer *t) {
     else if (a->lr_warmup_steps > 0) w = a->lr_warmup_steps;
     t->sch.warmup = w < ms ? w : ms;
     if (w > ms)
-        add_note(t, "the warm-up of %ld steps (%s) is longer than the run's %ld steps: the learning rate rises over "
-                 "all %ld and never decays", w, a->lr_warmup_fraction >= 0 ? "train.lr_warmup_fraction" :
-                 "train.lr_warmup_steps", ms, ms);
+        add_note(t, "the warm-up of %ld steps (%s) is longer than the run's %ld steps: it is cut to %ld (LitGPT's "
+                 "min(max_iters, warm-up)), so the learning rate reaches optimizer.lr at the last step and never "
+                 "decays", w, a->lr_warmup_fraction >= 0 ? "train.lr_warmup_fraction" : "train.lr_warmup_steps", ms,
+                 ms);
     /* bpe < G (fewer micro-batches than one step): said once with the data (trainer_out.c) */
 }
 
