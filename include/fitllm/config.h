@@ -262,6 +262,9 @@ fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_st
 
 /* Write the effective configuration as YAML (hyperparameters.yaml). */
 void fl_cfg_write_yaml(const fl_run_config *c, FILE *f);
+/* One option's value as fl_cfg_write_yaml writes it ("0.0001", "true", "null", "[0.9, 0.95]"; aliases and
+ * data.init_args.X spellings accepted) into buf; an unknown key is FL_ERR_INVALID. */
+fl_status fl_cfg_value_text(const fl_run_config *c, const char *key, char *buf, size_t n);
 /* Print every option with its default (for --help). */
 void fl_cfg_print_help(fl_cmd_kind cmd, FILE *f);
 
