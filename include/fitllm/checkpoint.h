@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-/* Everything besides parameters and optimizer tensors a bit-exact resume needs. */
+/* Everything besides parameters and optimizer tensors a bit-exact resume needs (zero-initialize it). */
 typedef struct {
     long step;               /* optimizer steps done */
     long iter;               /* micro-batch iterations done */
@@ -38,6 +38,15 @@ typedef struct {
     long long tokens_real, tokens_prompt, tokens_padded; /* counters of the final report */
     double train_seconds;    /* wall time spent training so far */
     double flops;            /* model FLOPs done so far */
+    /* The running loss the log lines show (LitGPT's RunningMean over the G = accumulation x ranks iterations of a
+     * step): a ring of loss_window_size losses, the n-th loss pushed (from 0) at n % loss_window_size, loss_window_n
+     * pushed so far. The buffer is the caller's (the trainer's; NULL: none, nothing saved). Saved as the metadata
+     * loss_window (the last min(n, size) losses, oldest first) and loss_window_n; a load fills the buffer the caller
+     * set (keeping it and its size), the same ring when the size is the saved one, else the last losses that fit; a
+     * checkpoint without them (older ones) leaves it empty (n = 0). */
+    double *loss_window;
+    int loss_window_size;
+    long loss_window_n;
 } fl_train_state;
 
 /* Save to out_dir/<name>. o and st may be NULL (weights-only, e.g. an export).
