@@ -191,6 +191,8 @@ fl_status fl_cfg_entries_load_yaml_file(fl_cfg_entries *l, const char *path);
 /* Apply the merged options (class keys first). On error *failed (may be NULL) is the
  * entry's index; the message is prefixed with its source when that is a file. */
 fl_status fl_cfg_apply_entries(fl_run_config *c, const fl_cfg_entries *l, int *failed);
+/* The value of the option `name` (any spelling: aliases, X.init_args.Y) in l, as written; NULL when absent. */
+const char *fl_cfg_entries_value(const fl_cfg_entries *l, const char *name);
 
 /* The model a pretrain run creates: model_config fields (LitGPT Config semantics:
  * unset fields take litgpt.Config's defaults), else a model_config config.json, else
