@@ -916,8 +916,26 @@ expect overwrite_removes_old_checkpoints 0 "note: --overwrite: the previous run'
     "$FITLLM" "${RA[@]}" --out_dir "$T/ovw" --overwrite true
 expect overwrite_left_only_its_own 0 "^final logs $" -- bash -c "ls '$T/ovw' | tr '\\n' ' '"
 # resuming with another optimizer is a configuration error (2, was 1), naming the option
-expect resume_other_optimizer 2 "saved with optimizer AdamW, this run uses SGD \(--optimizer: resume with the checkpoint's\)" -- \
+expect resume_other_optimizer 2 "the checkpoint's run had optimizer AdamW, this run gives SGD \(the saved state is that optimizer's\)\. Resume it with the checkpoint's settings \(--optimizer AdamW\)" -- \
     "$FITLLM" "${RA[@]}" --optimizer SGD --resume "$T/ovw/final" --out_dir "$T/ovw-sgd"
+# another model's checkpoint (same tensor shapes) or settings the saved state depends on: refused (2) naming both
+# values and the way on; a copy of the model in another folder, or a setting that only changes the steps to come: a
+# note (src/train/resume_check.c; they were all taken without a word)
+for m in m-copy m-rope; do
+    mkdir -p "$T/$m" && cp "$T/ovw/final/"{config.json,model.safetensors,tokenizer.json,tokenizer_config.json} "$T/$m/"
+done
+sed -i 's/"rope_theta": 10000.0/"rope_theta": 500000.0/' "$T/m-rope/config.json"
+expect resume_other_model 2 "trained from model 'micro', this run's model is '.*/m-rope', another architecture \(its config.json: rope_theta 10000 there, 500000 here\)" -- \
+    "$FITLLM" finetune_full "$T/m-rope" "${RA[@]:2}" --resume "$T/ovw/final" --out_dir "$T/ovw-rope"
+expect resume_model_copy_said 0 "note: --resume: the checkpoint was trained from 'micro', this run names '.*/m-copy': the same architecture" -- \
+    "$FITLLM" finetune_full "$T/m-copy" "${RA[@]:2}" --train.max_steps 2 --resume "$T/ovw/final" --out_dir "$T/ovw-copy"
+expect resume_other_data_seed 2 "the checkpoint's run had data.seed 42, this run gives 3 .*Resume it with the checkpoint's settings \(--data.seed 42\), or start a new run without --resume \(with --overwrite" -- \
+    "$FITLLM" "${RA[@]}" --data.seed 3 --resume "$T/ovw/final" --out_dir "$T/ovw-seed"
+"$FITLLM" finetune_lora micro "${RA[@]:2}" --train.save_interval 1 --quiet true --out_dir "$T/lra" >/dev/null 2>&1
+expect resume_other_lora_alpha 2 "the checkpoint's run had lora_alpha 16.0, this run gives 32.0 \(the saved adapters are scaled by lora_alpha / r" -- \
+    "$FITLLM" finetune_lora micro "${RA[@]:2}" --lora_alpha 32 --resume "$T/lra/step-000001" --out_dir "$T/lra-a"
+expect resume_lora_dropout_said 0 "note: --resume: the checkpoint's run had lora_dropout 0.05, this run gives 0.1: the resumed steps drop" -- \
+    "$FITLLM" finetune_lora micro "${RA[@]:2}" --train.max_steps 2 --lora_dropout 0.1 --resume "$T/lra/step-000001" --out_dir "$T/lra-d"
 "$FITLLM" "${RA[@]}" --train.save_interval 1 --quiet true --out_dir "$T/ra" >/dev/null 2>&1
 rm -rf "$T/ra/final"; rm -f "$T/ra/step-000001/COMMITTED"
 expect resume_path_missing 2 "--resume 'yes': no such checkpoint folder" -- "$FITLLM" "${RA[@]}" --out_dir "$T/ra-y" --resume yes

@@ -390,6 +390,17 @@ FL_TEST(shard_ckpt_bad_input_refused_naming_file_and_range) {
     zr_config(&c, ZR_SGDM, 3, 1, 1, "auto", NULL, d);
     snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "gpt2-micro");
     memcpy(c.resume, s2, strlen(s2) + 1); /* s2 is shorter than c.resume */
+    /* named by the checkpoint's hyperparameters.yaml (src/train/resume_check.c) */
+    FL_CHECKF(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL) == FL_ERR_INVALID &&
+                  strstr(fl_error_message(), "trained from model 'micro', this run's model is 'gpt2-micro'"),
+              "another model: %s", fl_error_message());
+    /* without it, by the state's element count */
+    snprintf(d, sizeof d, "%s/no-hparams", fl_test_tmpdir());
+    copy_dir(s2, d);
+    snprintf(p, sizeof p, "%s/hyperparameters.yaml", d);
+    FL_REQUIRE(unlink(p) == 0);
+    memcpy(c.resume, d, strlen(d) + 1);
+    snprintf(c.out_dir, sizeof c.out_dir, "%s/other-model-2", fl_test_tmpdir());
     FL_CHECKF(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL) == FL_ERR_FORMAT &&
                   strstr(fl_error_message(), "sharded_state.safetensors: saved for 260032 trainable elements"),
               "another model: %s", fl_error_message());

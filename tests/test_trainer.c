@@ -167,6 +167,7 @@ typedef struct {
     size_t numel;  /* bytes / 4 */
     long steps;
     long stop_at;
+    char dir[600]; /* the run's out_dir (resume_case_ex) */
 } rec;
 
 static int record(void *ud, long step, double loss, const void *params, size_t bytes) {
@@ -282,6 +283,23 @@ static size_t check_adapter_bytes(const fl_model_config *mc, const fl_run_config
     return n;
 }
 
+/* The training rows of out_dir's metrics.csv as "iter loss" lines (the loss as logged: the running mean over the
+ * last G iterations), malloc'd; NULL when it cannot be read. */
+static char *logged_losses(const char *out_dir) {
+    char p[700];
+    size_t n = 0;
+    snprintf(p, sizeof p, "%s/logs/metrics.csv", out_dir);
+    char *text = fl_test_slurp(p, &n), *res = text ? calloc(1, n + 1) : NULL;
+    size_t o = 0;
+    for (char *save = NULL, *l = text && res ? strtok_r(text, "\n", &save) : NULL; l; l = strtok_r(NULL, "\n", &save)) {
+        char iter[32] = "", loss[64] = "";
+        if (sscanf(l, "%31[^,],%*[^,],%*[^,],%63[^,]", iter, loss) == 2 && strcmp(iter, "iter"))
+            o += (size_t)snprintf(res + o, n + 1 - o, "%s %s\n", iter, loss); /* evaluation rows have no loss */
+    }
+    free(text);
+    return res;
+}
+
 static void resume_case_ex(const char *optimizer, const char *state_dtype, const char *precision, int act_ckpt) {
     fl_run_config c;
     char out[512];
@@ -304,6 +322,7 @@ static void resume_case_ex(const char *optimizer, const char *state_dtype, const
         c.optimizer.lr = 0.1f;
     }
     FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &full, NULL)); /* 8 steps, checkpoints at 4 and 8 */
+    snprintf(full.dir, sizeof full.dir, "%s", out);
     snprintf(out, sizeof out, "%s/part", fl_test_tmpdir());
     snprintf(c.out_dir, sizeof c.out_dir, "%s", out);
     part.stop_at = 4; /* "crash" right after step 4's checkpoint */
@@ -323,6 +342,14 @@ static void resume_case_ex(const char *optimizer, const char *state_dtype, const
                   full.loss[k]);
     FL_CHECKF(rest.numel == full.numel && memcmp(rest.params, full.params, full.numel * sizeof(float)) == 0,
               "%s: parameters after resume differ", optimizer);
+    /* the log too: the resumed run's lines (2 micro-batches a step: the running loss of the step's first iteration
+     * averages the last step's second) are the uninterrupted run's, every iteration once */
+    char *lf = logged_losses(full.dir), *lp = logged_losses(out);
+    FL_REQUIRE(lf && lp);
+    FL_CHECKF(strlen(lf) > 0 && !strcmp(lf, lp), "%s: logged losses after resume differ:\n%s\nvs uninterrupted:\n%s",
+              optimizer, lp, lf);
+    free(lf);
+    free(lp);
     if (c.command == FL_CMD_FINETUNE_LORA) { /* adapters-only step checkpoints: no copy of the frozen base */
         char st[700];
         snprintf(st, sizeof st, "%s/step-000004/model.safetensors", out);

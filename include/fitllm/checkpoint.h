@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-/* Everything besides parameters and optimizer tensors a bit-exact resume needs. */
+/* Everything besides parameters and optimizer tensors a bit-exact resume needs (zero-initialize it). */
 typedef struct {
     long step;               /* optimizer steps done */
     long iter;               /* micro-batch iterations done */
@@ -38,6 +38,15 @@ typedef struct {
     long long tokens_real, tokens_prompt, tokens_padded; /* counters of the final report */
     double train_seconds;    /* wall time spent training so far */
     double flops;            /* model FLOPs done so far */
+    /* The running loss the log lines show (LitGPT's RunningMean over the G = accumulation x ranks iterations of a
+     * step): a ring of loss_window_size losses, the n-th loss pushed (from 0) at n % loss_window_size, loss_window_n
+     * pushed so far. The buffer is the caller's (the trainer's; NULL: none, nothing saved). Saved as the metadata
+     * loss_window (the last min(n, size) losses, oldest first) and loss_window_n; a load fills the buffer the caller
+     * set (keeping it and its size), the same ring when the size is the saved one, else the last losses that fit; a
+     * checkpoint without them (older ones) leaves it empty (n = 0). */
+    double *loss_window;
+    int loss_window_size;
+    long loss_window_n;
 } fl_train_state;
 
 /* Save to out_dir/<name>. o and st may be NULL (weights-only, e.g. an export).
@@ -70,6 +79,19 @@ fl_status fl_ckpt_find_latest(const char *out_dir, char *path, size_t n);
 /* Load parameters, optimizer state and train state from a committed
  * checkpoint into an initialized model/optimizer of the same shape. */
 fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st);
+/* Whether the checkpoint dir is the run cfg's to resume, from the checkpoint's hyperparameters.yaml (written by every
+ * checkpoint with a configuration; none: nothing is checked), before anything is loaded. mc: the run's model (the
+ * whole model's config, not a tensor- or pipeline-parallel slice's). The model is compared by name (a fine-tune's
+ * checkpoint_dir, pretrain's model_name / model_config), then where the names differ by config.json's architecture
+ * (the checkpoint's, or its model's: a LoRA step has none); the settings the saved state depends on (the optimizer and
+ * its state dtype, the adapters' rank, targets and scale: lora_alpha, use_rslora; the data set, data.seed, its split,
+ * its size) must be the checkpoint's. Each of those differences is FL_ERR_INVALID naming the key, the checkpoint's
+ * value, this run's and the way on (the checkpoint's values, or a new run); another model name of the same
+ * architecture (a copy in another folder) and settings that only change the steps to come (lora_dropout, seed, the
+ * learning rate and its schedule, the batch, the precision, ...) are "note: --resume: ..." lines in notes (cut at
+ * n). src/train/resume_check.c holds the table. */
+fl_status fl_ckpt_check_resume(const char *dir, const fl_run_config *cfg, const fl_model_config *mc, char *notes,
+                               size_t n);
 /* 1 if dir is a sharded checkpoint (--fsdp.state_dict_type sharded: shard-RRRRR-of-NNNNN.safetensors
  * per rank + sharded_state.safetensors); committed or not. */
 int fl_ckpt_is_sharded(const char *dir);

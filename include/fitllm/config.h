@@ -191,6 +191,8 @@ fl_status fl_cfg_entries_load_yaml_file(fl_cfg_entries *l, const char *path);
 /* Apply the merged options (class keys first). On error *failed (may be NULL) is the
  * entry's index; the message is prefixed with its source when that is a file. */
 fl_status fl_cfg_apply_entries(fl_run_config *c, const fl_cfg_entries *l, int *failed);
+/* The value of the option `name` (any spelling: aliases, X.init_args.Y) in l, as written; NULL when absent. */
+const char *fl_cfg_entries_value(const fl_cfg_entries *l, const char *name);
 
 /* The model a pretrain run creates: model_config fields (LitGPT Config semantics:
  * unset fields take litgpt.Config's defaults), else a model_config config.json, else
@@ -262,6 +264,9 @@ fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_st
 
 /* Write the effective configuration as YAML (hyperparameters.yaml). */
 void fl_cfg_write_yaml(const fl_run_config *c, FILE *f);
+/* One option's value as fl_cfg_write_yaml writes it ("0.0001", "true", "null", "[0.9, 0.95]"; aliases and
+ * data.init_args.X spellings accepted) into buf; an unknown key is FL_ERR_INVALID. */
+fl_status fl_cfg_value_text(const fl_run_config *c, const char *key, char *buf, size_t n);
 /* Print every option with its default (for --help). */
 void fl_cfg_print_help(fl_cmd_kind cmd, FILE *f);
 

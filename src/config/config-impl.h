@@ -26,6 +26,11 @@ void fl_cfg_canonical_key(const char *key, char *out, size_t n);
 /* model_config.<field>: a litgpt.Config field name and a value of its type. */
 fl_status fl_cfg_model_field_check(const char *field, const char *value);
 int fl_cfg_is_null(const char *v);
+/* The key table (run_config.c): its n entries; one entry by its exact name (NULL: none); whether a key is the
+ * command's (lora_* are finetune_lora's, model_name / model_config pretrain's). */
+const fl_cfg_key *fl_cfg_keys(size_t *n);
+const fl_cfg_key *fl_cfg_find_key(const char *key);
+int fl_cfg_key_applies(const fl_cfg_key *k, fl_cmd_kind cmd);
 /* Whether a model_config field holds a string (written quoted where YAML needs it). */
 int fl_cfg_model_field_is_str(const char *field);
 

@@ -104,3 +104,11 @@ fl_status fl_cfg_apply_entries(fl_run_config *c, const fl_cfg_entries *l, int *f
         }
     return FL_OK;
 }
+
+const char *fl_cfg_entries_value(const fl_cfg_entries *l, const char *name) {
+    char key[256];
+    fl_cfg_canonical_key(name, key, sizeof key);
+    for (int i = 0; i < l->n; i++)
+        if (!strcmp(l->e[i].key, key)) return l->e[i].value;
+    return NULL;
+}

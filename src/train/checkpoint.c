@@ -62,11 +62,28 @@ fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *b
     return s;
 }
 
-/* The training state's metadata (format, optimizer, counters, data position, loss scale) into
- * keys/vals (storage v); returns how many. numel: the trainable elements. */
+/* The running loss's window (fl_train_state.loss_window) as metadata text: its last min(n, size) losses, oldest
+ * first, comma-separated, exactly ("%.17g"); *text malloc'd, NULL when there is none or it is empty. */
+static fl_status window_text(const fl_train_state *st, char **text) {
+    *text = NULL;
+    const long S = st->loss_window_size, n = st->loss_window_n;
+    if (!st->loss_window || S <= 0 || n <= 0) return FL_OK;
+    const long cnt = n < S ? n : S;
+    char *t = malloc((size_t)cnt * 32 + 1);
+    if (!t) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    size_t o = 0;
+    for (long p = n - cnt; p < n; p++)
+        o += (size_t)snprintf(t + o, 32, "%s%.17g", p > n - cnt ? "," : "", st->loss_window[p % S]);
+    *text = t;
+    return FL_OK;
+}
+
+/* The training state's metadata (format, optimizer, counters, data position, loss scale, the running loss's window)
+ * into keys/vals (storage v; win: the window's text, window_text's); returns how many. numel: the trainable
+ * elements. */
 #define STATE_META_MAX 24
 static int state_meta(const char *format, const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
-                      size_t numel, char v[][64], const char **keys, const char **vals) {
+                      size_t numel, const char *win, char v[][64], const char **keys, const char **vals) {
     int k = 0;
 #define META(key, ...) (keys[k] = key, snprintf(v[k], 64, __VA_ARGS__), vals[k] = v[k], k++)
     META("format", "%s", format);
@@ -89,6 +106,10 @@ static int state_meta(const char *format, const fl_optimizer *o, const fl_train_
         META("loss_scale", "%.9g", (double)o->amp.ls.scale);
         META("loss_scale_growth_tracker", "%d", o->amp.ls.growth_tracker);
     }
+    if (st->loss_window && st->loss_window_size > 0) {
+        META("loss_window_n", "%ld", st->loss_window_n);
+        if (win) keys[k] = "loss_window", vals[k++] = win;
+    }
 #undef META
     return k;
 }
@@ -96,17 +117,16 @@ static int state_meta(const char *format, const fl_optimizer *o, const fl_train_
 fl_status fl_ckpt_write_state_meta(const char *path, const char *format, const fl_optimizer *o,
                                    const fl_train_state *st, const fl_run_config *cfg, size_t numel,
                                    const char *const *xk, const char *const *xv, int nx) {
-    char v[STATE_META_MAX][64];
+    char v[STATE_META_MAX][64], *win = NULL;
     const char **keys = malloc((size_t)(STATE_META_MAX + nx) * sizeof *keys);
     const char **vals = malloc((size_t)(STATE_META_MAX + nx) * sizeof *vals);
-    if (!keys || !vals) {
-        free(keys);
-        free(vals);
-        return fl_errorf(FL_ERR_OOM, "%s: out of host memory", path);
+    fl_status s = keys && vals ? window_text(st, &win) : fl_errorf(FL_ERR_OOM, "%s: out of host memory", path);
+    if (s == FL_OK) {
+        int k = state_meta(format, o, st, cfg, numel, win, v, keys, vals);
+        for (int i = 0; i < nx; i++) keys[k] = xk[i], vals[k++] = xv[i];
+        s = fl_st_write(path, NULL, 0, keys, vals, k);
     }
-    int k = state_meta(format, o, st, cfg, numel, v, keys, vals);
-    for (int i = 0; i < nx; i++) keys[k] = xk[i], vals[k++] = xv[i];
-    fl_status s = fl_st_write(path, NULL, 0, keys, vals, k);
+    free(win);
     free(keys);
     free(vals);
     return s;
@@ -143,10 +163,13 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
         /* block-wise 8-bit state of every tensor, bound in layout order: one raw blob */
         t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->q8.state_bytes}, o->q8.state, FL_U8, 0, NULL, NULL, m->be, NULL};
     }
-    char v[STATE_META_MAX][64];
+    char v[STATE_META_MAX][64], *win = NULL;
     const char *keys[STATE_META_MAX], *vals[STATE_META_MAX];
-    int k = state_meta("fitllm-training-state", o, st, cfg, (size_t)n, v, keys, vals);
-    return fl_st_write(path, t, nt, keys, vals, k);
+    FL_TRY(window_text(st, &win));
+    int k = state_meta("fitllm-training-state", o, st, cfg, (size_t)n, win, v, keys, vals);
+    fl_status s = fl_st_write(path, t, nt, keys, vals, k);
+    free(win);
+    return s;
 }
 
 static void remove_tree(const char *dir) { fl_fs_remove_dir(dir); }
@@ -428,6 +451,42 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
     return s;
 }
 
+/* The running loss's window from the metadata into st's buffer (its size kept): the same ring when the size is the
+ * saved one, else the last losses that fit (pushed anew when fewer than the window's were saved); none saved: empty. */
+static fl_status window_read(const fl_st_file *f, const char *p, fl_train_state *st) {
+    const long S = st->loss_window_size;
+    const char *nx = meta(f, "loss_window_n"), *vx = meta(f, "loss_window");
+    if (!st->loss_window || S <= 0) return FL_OK;
+    memset(st->loss_window, 0, (size_t)S * sizeof *st->loss_window);
+    if (!nx) return FL_OK; /* an older checkpoint: an empty window */
+    char *end;
+    const long n = strtol(nx, &end, 10);
+    long cnt = vx && *vx ? 1 : 0;
+    for (const char *q = vx; cnt && *q; q++) cnt += *q == ',';
+    if (*end || n < 0 || cnt > n) return fl_errorf(FL_ERR_FORMAT, "%s: malformed metadata 'loss_window_n'", p);
+    double *v = malloc((size_t)cnt * sizeof *v + 1);
+    if (!v) return fl_errorf(FL_ERR_OOM, "%s: out of host memory", p);
+    const char *q = vx;
+    for (long i = 0; i < cnt; i++) {
+        v[i] = strtod(q, &end);
+        if (end == q || (*end != ',' && *end != 0) || (*end == 0 && i != cnt - 1)) {
+            free(v);
+            return fl_errorf(FL_ERR_FORMAT, "%s: malformed metadata 'loss_window' (value %ld)", p, i + 1);
+        }
+        q = end + (*end == ',');
+    }
+    const long lim = n < S ? n : S;
+    if (cnt >= lim) { /* the last lim losses where the ring of S holds them */
+        for (long i = 0; i < lim; i++) st->loss_window[(n - lim + i) % S] = v[cnt - lim + i];
+        st->loss_window_n = n;
+    } else { /* fewer saved than this window holds (a smaller one): those, pushed anew */
+        for (long i = 0; i < cnt; i++) st->loss_window[i] = v[i];
+        st->loss_window_n = cnt;
+    }
+    free(v);
+    return FL_OK;
+}
+
 fl_status fl_ckpt_read_state_meta(const fl_st_file *f, const char *p, fl_optimizer *o, fl_train_state *st) {
     fl_status s = FL_OK;
     {
@@ -436,7 +495,10 @@ fl_status fl_ckpt_read_state_meta(const fl_st_file *f, const char *p, fl_optimiz
             if (!meta(f, need[i])) { s = fl_errorf(FL_ERR_FORMAT, "%s: missing metadata '%s'", p, need[i]); break; }
     }
     if (s == FL_OK) {
+        double *win = st->loss_window; /* the caller's buffer */
+        const int ws = st->loss_window_size;
         memset(st, 0, sizeof *st);
+        st->loss_window = win, st->loss_window_size = ws;
         st->step = strtol(meta(f, "step"), NULL, 10);
         st->iter = strtol(meta(f, "iter"), NULL, 10);
         st->loader.seed = strtoull(meta(f, "loader_seed"), NULL, 10);
@@ -453,6 +515,7 @@ fl_status fl_ckpt_read_state_meta(const fl_st_file *f, const char *p, fl_optimiz
             o->amp.ls.scale = strtof(x, NULL);
             if ((x = meta(f, "loss_scale_growth_tracker"))) o->amp.ls.growth_tracker = (int)strtol(x, NULL, 10);
         }
+        s = window_read(f, p, st);
     }
     return s;
 }

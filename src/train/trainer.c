@@ -210,8 +210,6 @@ typedef struct {
     int resumed, stopped;
     double val_loss;
     long val_step;            /* the step of the last evaluation in the loop */
-    double *window;           /* running mean of per-iteration losses over the last G iterations (LitGPT's RunningMean) */
-    long wn;
     fl_trainer_diverge dv;    /* finite divergence: the loss stays above a uniform guess's */
     double t_start;           /* training time's origin (evaluation time is taken out of it) */
     double train0;            /* a resumed run measures its own steps for the ETA */
@@ -297,6 +295,10 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
             fprintf(t->out, "note: --overwrite: the previous run's checkpoints in '%s' removed (%s)\n", cfg->out_dir, gone);
     }
     AGREE(); /* out_dir is ready before any rank looks for checkpoints in it */
+    /* the running loss's window: training state, restored by a resume */
+    t->st.loss_window = calloc((size_t)t->sch.G, sizeof *t->st.loss_window);
+    if (!t->st.loss_window) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    t->st.loss_window_size = t->sch.G;
     FL_TRY(fl_tr_resume(t, resumed)); /* every rank reads the same checkpoint (a shared file system) */
     fl_model_sync_compute_copy(&t->model); /* resumed master weights -> compute copy */
     AGREE();
@@ -394,10 +396,13 @@ static fl_status log_iterations(trainer *t, run_loop *L, float lr, long long tok
         tokens0 += t->buf.mb_tokens[j]; /* tokens through this iteration */
         *step_loss += ls_k;
         double it_loss = nv_k > 0 ? ls_k / nv_k : NAN;
-        if (nv_k > 0) L->window[L->wn++ % t->sch.G] = it_loss; /* a fully masked micro-batch has no loss */
+        /* the running mean over the last G iterations (LitGPT's RunningMean; part of the training state, so that a
+         * resumed run logs what the uninterrupted one does); a fully masked micro-batch has no loss */
+        double *win = t->st.loss_window;
+        if (nv_k > 0) win[t->st.loss_window_n++ % t->st.loss_window_size] = it_loss;
         double run = 0;
-        long cnt = L->wn < t->sch.G ? L->wn : t->sch.G;
-        for (long q = 0; q < cnt; q++) run += L->window[q];
+        long cnt = t->st.loss_window_n < t->st.loss_window_size ? t->st.loss_window_n : t->st.loss_window_size;
+        for (long q = 0; q < cnt; q++) run += win[q];
         run = cnt ? run / cnt : NAN;
         L->r.last_loss = run;
         double it_time = t->buf.mb_ms[k] / 1e3; /* rank 0's micro-batch of the same round */
@@ -597,8 +602,6 @@ static fl_status run_loop_all(trainer *t, run_loop *L) {
         if (t->out) fprintf(t->out, "initial validation | val loss: %.3f | val ppl: %.3f\n", L->val_loss,
                             fl_trainer_perplexity(L->val_loss));
     }
-    L->window = calloc((size_t)t->sch.G, sizeof *L->window);
-    if (!L->window) return fl_errorf(FL_ERR_OOM, "out of host memory");
     fl_trainer_diverge_init(&L->dv, t->model.cfg.vocab_size, t->sch.warmup);
     L->t_start = fl_tr_now_s() - t->st.train_seconds;
     L->train0 = t->st.train_seconds;
@@ -661,7 +664,6 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     if (s != FL_OK && !in_setup && t.dp.comm) fl_comm_release_peers(fl_dp_dcomm(&t.dp), fl_error_message());
     if (s != FL_OK && !in_setup && t.tp.world) fl_comm_release_peers(t.tp.world, fl_error_message());
     L.r.error_all_ranks = in_setup;
-    free(L.window);
     if (t.hw.pool_ok) result_memory(&t, s, &L.r); /* also on failure: what was reached, and the OOM record */
     if (t.opt.model && t.opt.amp.on) {
         L.r.loss_scale = t.opt.amp.ls.scale;

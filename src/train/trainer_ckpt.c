@@ -101,11 +101,16 @@ fl_status fl_tr_resume(trainer *t, int *resumed) {
             return fl_errorf(FL_ERR_NOT_FOUND, "--resume '%s': no such checkpoint folder (--resume takes auto, true, "
                              "false or a checkpoint folder such as out/step-000100)", r);
     }
+    /* another model's or another run's checkpoint is refused before anything is read (resume_check.c) */
+    const fl_model_config *whole = t->pp.size > 1 ? &t->pp.whole /* TP x PP: t->tp.whole is the stage */
+                                   : t->tp.size > 1 ? &t->tp.whole : &t->model.cfg;
+    char notes[4096];
+    FL_TRY(fl_ckpt_check_resume(path, t->cfg, whole, notes, sizeof notes));
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_ckpt_load(t, path)); /* the whole checkpoint, then this rank's slice */
     else if (t->pp.size > 1) FL_TRY(fl_tr_pp_ckpt_load(t, path)); /* the whole checkpoint, then this stage */
     else FL_TRY(fl_dp_ckpt_load(&t->dp, path, &t->model, &t->opt, &t->st)); /* ZeRO: each rank keeps its chunk */
     FL_TRY(fl_tr_loader_set_state(t, &t->st.loader));
-    if (t->out) fprintf(t->out, "Resuming training from %s (step %ld, iter %ld)\n", path, t->st.step, t->st.iter);
+    if (t->out) fprintf(t->out, "Resuming training from %s (step %ld, iter %ld)\n%s", path, t->st.step, t->st.iter, notes);
     *resumed = 1;
     return FL_OK;
 }

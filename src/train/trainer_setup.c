@@ -487,6 +487,8 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
 
 void fl_tr_cleanup(trainer *t) {
     fl_metrics_close(&t->metrics);
+    free(t->st.loss_window);
+    t->st.loss_window = NULL;
     if (t->hw.pool_ok) {
         fl_mem_free(fl_mem_host_pool(&t->hw.pool), t->buf.ids);
         fl_mem_free(fl_mem_host_pool(&t->hw.pool), t->buf.tgt);
