@@ -516,6 +516,12 @@ FL_TEST(config_llama_and_errors) {
     FL_CHECK(fl_hf_load_config(p, &c) == FL_ERR_FORMAT);
     CHECK_MSG(p);
     CHECK_MSG("missing key 'hidden_size'");
+    /* a null value is said as null, not missing */
+    FL_REQUIRE(write_text(p, "{\"model_type\": \"llama\", \"hidden_size\": 16, \"intermediate_size\": 24, "
+                             "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"vocab_size\": 32, "
+                             "\"max_position_embeddings\": 32, \"rms_norm_eps\": null}") == 0);
+    FL_CHECK(fl_hf_load_config(p, &c) == FL_ERR_FORMAT);
+    CHECK_MSG("null key 'rms_norm_eps' (a number is needed)");
     /* mistyped key */
     snprintf(buf, sizeof buf, LLAMA_CFG, "null", ", \"num_hidden_layers\": \"2\"");
     FL_REQUIRE(write_text(p, buf) == 0);

@@ -26,7 +26,8 @@ static fl_status fl_hf_int(const char *path, const fl_json *o, const char *key, 
     const fl_json *j = fl_hf_key(o, key);
     if (!j) {
         if (def) { *out = *def; return FL_OK; }
-        return fl_errorf(FL_ERR_FORMAT, "%s: missing key '%s'", path, key);
+        return fl_errorf(FL_ERR_FORMAT, "%s: %s key '%s' (an integer is needed)", path,
+                         fl_json_get(o, key) ? "null" : "missing", key);
     }
     if (j->type != FL_JSON_NUMBER || !j->is_int)
         return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' must be an integer (got %s)", path, key,
@@ -41,7 +42,8 @@ static fl_status fl_hf_float(const char *path, const fl_json *o, const char *key
     const fl_json *j = fl_hf_key(o, key);
     if (!j) {
         if (def) { *out = *def; return FL_OK; }
-        return fl_errorf(FL_ERR_FORMAT, "%s: missing key '%s'", path, key);
+        return fl_errorf(FL_ERR_FORMAT, "%s: %s key '%s' (a number is needed)", path,
+                         fl_json_get(o, key) ? "null" : "missing", key);
     }
     if (j->type != FL_JSON_NUMBER)
         return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' must be a number (got %s)", path, key, fl_hf_type_name(j));
