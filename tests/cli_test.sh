@@ -144,6 +144,17 @@ expect plan_data_lengths 0 "T = 402: the longest of the 2000 \+ 100 samples whos
 printf '0\t10\n0.5\tabc\n1\t20\n' > "$T/bad-lengths.tsv"
 expect plan_data_lengths_bad 1 "data.lengths: .*/bad-lengths.tsv:2: quantile 0.5 has no length" -- "$FITLLM" plan micro --data.lengths "$T/bad-lengths.tsv"
 expect train_data_lengths_bad 1 "data.lengths: .*/bad-lengths.tsv:2: quantile 0.5 has no length" -- "$FITLLM" finetune_full micro --data.lengths "$T/bad-lengths.tsv" --out_dir "$T/badlen" --train.max_steps 1
+# a data option of another data class was ignored without a word (Alpaca trained, the table unread): refused as
+# LitGPT's jsonargparse refuses init_args a class does not have, naming the option, the class and what it takes
+expect data_option_other_class 2 "option 'data.lengths' is not an option of data class Alpaca, which takes json_path, .*; data.lengths is an option of Synthetic" -- \
+    "$FITLLM" finetune_full micro --data Alpaca --data.lengths recipes/data/alpaca-lengths.tsv --out_dir "$T/dk1"
+expect data_option_n_train_alpaca 2 "option 'data.n_train' is not an option of data class Alpaca2k" -- "$FITLLM" plan micro --data Alpaca2k --data.n_train 16
+expect data_option_default_class 2 "option 'data.json_path' is not an option of data class Synthetic \(finetune_full's default\)" -- \
+    "$FITLLM" finetune_full micro --data.json_path "$T/a.json" --out_dir "$T/dk2"
+expect data_option_textfiles 2 "option 'data.prompt_style' is not an option of data class TextFiles, which takes train_data_path, val_data_path" -- \
+    "$FITLLM" pretrain --model_name micro --data TextFiles --data.train_data_path "$T" --data.prompt_style alpaca --out_dir "$T/dk3"
+printf 'data:\n  class_path: Synthetic\n  init_args:\n    json_path: a.json\n' > "$T/dk.yaml"
+expect data_option_recipe 2 "dk.yaml:4: option 'data.json_path' is not an option of data class Synthetic" -- "$FITLLM" finetune_full micro --config "$T/dk.yaml" --out_dir "$T/dk4"
 # Idle OpenMP workers sleep by default (fl_cpu_process_init re-executes with OMP_WAIT_POLICY=passive);
 # an explicit choice of the user stands. libgomp prints its settings with OMP_DISPLAY_ENV (the last
 # block is the one of the process that runs).

@@ -102,16 +102,16 @@ static const fl_cfg_key k_keys[] = {
     {"model_config", FL_CK_MODEL_CONFIG, OFF(model_config), "pretrain: config.json, or LitGPT's mapping (model_config.n_layer ...)"},
     {"tokenizer_dir", FL_CK_PATH, OFF(tokenizer_dir), "tokenizer folder or file (default: the model folder's, or the one beside a model file; a preset: built-in bytes)"},
     {"initial_checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "pretrain: start from these weights"},
-    {"data", FL_CK_DATA, 0, "Synthetic | Alpaca | JSON | TextFiles (or litgpt.data.* class_path)"},
+    {"data", FL_CK_DATA, 0, "Synthetic | Alpaca | JSON | TextFiles (or litgpt.data.* class_path); each class takes its own data.* options (the help of each names its classes), another class's is refused"},
     {"data.class_path", FL_CK_DATA, 0, "same as data"},
     {"data.json_path", FL_CK_PATH, OFF(data.json_path), "Alpaca/JSON: .json, .jsonl, or folder with train.json/val.json"},
     {"data.download_dir", FL_CK_DOWNLOAD_DIR, 0, "Alpaca: folder holding file_name (no downloads: must exist)"},
     {"data.file_name", FL_CK_FILE_NAME, 0, "Alpaca: file inside download_dir"},
     {"data.train_data_path", FL_CK_PATH, OFF(data.train_data_path), "TextFiles: training text folder (or one .txt file: its last val_split_fraction validates)"},
     {"data.val_data_path", FL_CK_PATH, OFF(data.val_data_path), "TextFiles: validation text folder or .txt file (null: the first train .txt in sorted order, as LitGPT; the run names it)"},
-    {"data.prompt_style", FL_CK_STR32, OFF(data.prompt_style), "prompt style (alpaca)"},
-    {"data.mask_prompt", FL_CK_BOOL, OFF(data.mask_prompt), "prompt tokens get ignore_index labels"},
-    {"data.ignore_index", FL_CK_SINT, OFF(data.ignore_index), "label of masked tokens"},
+    {"data.prompt_style", FL_CK_STR32, OFF(data.prompt_style), "Synthetic/Alpaca/JSON: prompt style (alpaca)"},
+    {"data.mask_prompt", FL_CK_BOOL, OFF(data.mask_prompt), "Synthetic/Alpaca/JSON: prompt tokens get ignore_index labels"},
+    {"data.ignore_index", FL_CK_SINT, OFF(data.ignore_index), "Synthetic/Alpaca/JSON: label of masked tokens"},
     {"data.val_split_fraction", FL_CK_FLOAT, OFF(data.val_split_fraction), "fraction held out for validation (Alpaca/JSON; TextFiles with one train file); its default is the data class's: Alpaca 0.03865 (LitGPT's), Alpaca2k and JSON 0.05"},
     {"data.max_source_length", FL_CK_SINT, OFF(data.max_source_length), "encoder-decoder (T5): source tokens kept, EOS included (cut as HF's truncation=True; <= 0: no limit)"},
     {"data.max_target_length", FL_CK_SINT, OFF(data.max_target_length), "encoder-decoder (T5): target tokens kept, EOS included (<= 0: no limit)"},
@@ -962,7 +962,8 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
         if (args) {
             size_t pl = strlen(k->name);
             for (size_t j = 0; j < N_KEYS; j++)
-                if (dumped(&k_keys[j]) && !strncmp(k_keys[j].name, k->name, pl) && k_keys[j].name[pl] == '.') {
+                if (dumped(&k_keys[j]) && !strncmp(k_keys[j].name, k->name, pl) && k_keys[j].name[pl] == '.' &&
+                    fl_cfg_data_key_applies(c->data.kind, k_keys[j].name)) { /* a class's own options only */
                     value_str(c, &k_keys[j], v, sizeof v);
                     fprintf(f, "    %s: %s\n", k_keys[j].name + pl + 1, v);
                 }
