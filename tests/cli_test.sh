@@ -1852,6 +1852,19 @@ if [ -d "$DATA/text" ]; then
     expect clamp_longest_sample_said 0 "note: the longest sample has 1030 input tokens, more than the model's 512 positions" -- \
         "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_steps 1 \
         --train.global_batch_size 1 --eval.max_iters 1 --eval.final_validation false --eval.max_new_tokens 0 --out_dir "$T/cl3" --quiet
+    # the data line counts every sample not used whole, cut by train.max_seq_length or by the model's context: 18 of
+    # alpaca-tiny's 100 have more than 513 tokens with this tokenizer (max_seq_length 513: the dataset cuts them all),
+    # and null or 600 (the context cuts them to 513 tokens) counted 0 and 10; the notes say what was given and used
+    expect_saved data_cut_count_null 0 "^data: JSON, 95 train / 5 val samples, 18 truncated to 513 tokens \(the model's context: 512 inputs\)" "$EXPECT_OUT" "$EXPECT_RC"
+    expect_saved note_cut_count_null 0 "are cut to that \(train.max_seq_length null\): 18 of them" "$EXPECT_OUT" "$EXPECT_RC"
+    CUT=(finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_steps 1
+         --train.global_batch_size 1 --eval.max_iters 1 --eval.final_validation false --eval.max_new_tokens 0 --quiet)
+    expect data_cut_count_513 0 "^data: JSON, 95 train / 5 val samples, 18 truncated to 513 tokens \(train.max_seq_length\)" -- \
+        "$FITLLM" "${CUT[@]}" --train.max_seq_length 513 --out_dir "$T/cl4"
+    expect_saved note_max_seq_length_513 0 "note: train.max_seq_length 513 is more than the model's 512 positions \(its context\), but a sample of 513 tokens has 512 inputs .*: the limit is used as given" "$EXPECT_OUT" "$EXPECT_RC"
+    expect data_cut_count_600 0 "^data: JSON, 95 train / 5 val samples, 18 truncated to 513 tokens \(the model's context: 512 inputs\)" -- \
+        "$FITLLM" "${CUT[@]}" --train.max_seq_length 600 --out_dir "$T/cl5"
+    expect_saved note_max_seq_length_600 0 "note: train.max_seq_length 600 is more than .* samples longer than 513 tokens \(512 inputs and the last one's target\) are cut to that, not to 600 tokens: 18 of them" "$EXPECT_OUT" "$EXPECT_RC"
     # the CPU recipe validates on TinyStories (its one train file's last 5%), not on Shakespeare
     mkdir -p "$T/rcp/run" && ln -s "$(cd "$DATA/.." && pwd)" "$T/rcp/shared"
     expect recipe_validates_on_tinystories 0 "^validation: the last 5% of the blocks of tinystories-val-prefix.txt" -- \
