@@ -1827,6 +1827,14 @@ expect optimizer_paged_refused 2 "PagedAdamW' is not implemented: paged optimize
 expect optimizer_paged8_refused 2 "PagedAdamW8bit' is not implemented" -- "$FITLLM" finetune_full micro --optimizer bnb.optim.PagedAdamW8bit --out_dir "$T/pg"
 expect did_you_mean_generate_flag 2 "unknown option '--max_new_tokns' \(did you mean '--max_new_tokens'\?\)" -- "$FITLLM" generate micro --max_new_tokns 3
 expect generate_flag_needs_value 2 "option '--prompt' needs a value" -- "$FITLLM" generate micro --prompt
+# a prompt that fills the context (micro: 512) leaves no position for a new token: refused as a longer one is, where
+# it ended at once with 0 new tokens; --max_new_tokens 0 prints it; 511 tokens get the one new token there is room for
+P511=$(for i in $(seq 511); do printf '%d ' $((i % 500 + 1)); done)
+expect generate_prompt_fills_context 2 "prompt of 512 tokens fills the model's context of 512, leaving no position for a new token: shorten the prompt \(--prompt / --prompt-ids\) to at most 511 tokens" -- \
+    "$FITLLM" generate micro --prompt-ids "$P511 7" --max_new_tokens 5 --temperature 0
+expect generate_prompt_over_context 2 "prompt of 513 tokens exceeds the model's context of 512: shorten the prompt" -- "$FITLLM" generate micro --prompt-ids "$P511 7 8" --max_new_tokens 5
+expect generate_prompt_fills_context_none_asked 0 "512 prompt \+ 0 new tokens \(stop: max_new_tokens\)" -- "$FITLLM" generate micro --prompt-ids "$P511 7" --max_new_tokens 0
+expect generate_prompt_one_position_left 0 "511 prompt \+ 1 new tokens \(stop: context limit\)" -- "$FITLLM" generate micro --prompt-ids "$P511" --max_new_tokens 5 --temperature 0
 expect did_you_mean_command 2 "unknown command 'finetune_ful' \(did you mean 'finetune_full'\?\)" -- "$FITLLM" finetune_ful micro
 expect did_you_mean_bench_flag 2 "unknown option '--micro-bach' \(did you mean '--micro-batch'\?\)" -- "$FITLLM" bench-step micro --micro-bach 2
 expect did_you_mean_plan_flag 2 "unknown option 'device-memroy' \(did you mean '--device-memory'\?\)" -- "$FITLLM" plan micro --device-memroy 80GB

@@ -49,8 +49,10 @@ static void help(void) {
            "  --threads N            CPU threads (default: all cores)\n"
            "  --accelerator A        auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
            "                         visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n\n"
-           "Stops at max_new_tokens, at an EOS token or at the model's context. The text streams to\n"
-           "stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too (--max-new-tokens).\n"
+           "Stops at max_new_tokens, at an EOS token or at the model's context. A prompt as long as the\n"
+           "context or longer is exit 2 (no position for a new token; --max_new_tokens 0 prints it). The text\n"
+           "streams to stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too\n"
+           "(--max-new-tokens).\n"
            "A <model> that names nothing is exit 2: \"no such folder: PATH\", or neither a folder nor a preset\n"
            "(with the nearest preset names).\n"
            "--image FILE: <model> is a BLIP-2 folder (model_type blip-2): the image (JPEG / PNG, preprocessed\n"
@@ -536,8 +538,14 @@ int fl_cmd_generate(int argc, char **argv) {
     /* The cache holds o.prompt + new tokens (LitGPT's max_returned_tokens), capped at the context. */
     long want = (long)n_ids + o.gp.max_new_tokens;
     int cap_T = want < m.cfg.max_seq ? (int)want : m.cfg.max_seq;
-    if (n_ids > m.cfg.max_seq) {
-        s = fl_errorf(FL_ERR_INVALID, "prompt of %d tokens exceeds the model's context of %d", n_ids, m.cfg.max_seq);
+    /* a prompt that fills the context leaves no position for a new token: refused as a longer one is, not a run
+     * that ends at once with 0 new tokens (--max_new_tokens 0 asks for none: the prompt is printed) */
+    if (n_ids > m.cfg.max_seq || (n_ids == m.cfg.max_seq && o.gp.max_new_tokens > 0)) {
+        s = fl_errorf(FL_ERR_INVALID, "prompt of %d tokens %s the model's context of %d%s: shorten the prompt (--prompt "
+                      "/ --prompt-ids) to at most %d tokens, so that a new token has a position%s", n_ids,
+                      n_ids > m.cfg.max_seq ? "exceeds" : "fills", m.cfg.max_seq,
+                      n_ids > m.cfg.max_seq ? "" : ", leaving no position for a new token", m.cfg.max_seq - 1,
+                      n_ids > m.cfg.max_seq ? "" : " (--max_new_tokens 0 prints the prompt alone)");
         goto fail;
     }
     if ((s = fl_kv_cache_init(&kv, &m, cap_T)) != FL_OK) goto fail;
