@@ -428,6 +428,17 @@ static fl_status s2s_generate_batch(fl_model *m, const char *const *prompts, int
     return s;
 }
 
+/* A decoder-only model's prompt of n tokens and its context ctx: a prompt that fills the context leaves no position
+ * for a new token, refused as a longer one is (not a run that ends at once with 0 new tokens); --max_new_tokens 0 asks
+ * for none: the prompt is printed. */
+static fl_status prompt_fits(int n, int ctx, int max_new) {
+    if (n < ctx || (n == ctx && max_new == 0)) return FL_OK;
+    return fl_errorf(FL_ERR_INVALID, "prompt of %d tokens %s the model's context of %d%s: shorten the prompt (--prompt / "
+                     "--prompt-ids) to at most %d tokens, so that a new token has a position%s", n,
+                     n > ctx ? "exceeds" : "fills", ctx, n > ctx ? "" : ", leaving no position for a new token", ctx - 1,
+                     n > ctx ? "" : " (--max_new_tokens 0 prints the prompt alone)");
+}
+
 /* --image: a BLIP-2 folder captions the image (greedy), after the prompt when one is given */
 static int image_generate(const char *cmd, const gen_opts *o) {
     if (o->adapter) return fl_cli_usage(cmd, "--image does not take --adapter yet");
@@ -538,16 +549,7 @@ int fl_cmd_generate(int argc, char **argv) {
     /* The cache holds o.prompt + new tokens (LitGPT's max_returned_tokens), capped at the context. */
     long want = (long)n_ids + o.gp.max_new_tokens;
     int cap_T = want < m.cfg.max_seq ? (int)want : m.cfg.max_seq;
-    /* a prompt that fills the context leaves no position for a new token: refused as a longer one is, not a run
-     * that ends at once with 0 new tokens (--max_new_tokens 0 asks for none: the prompt is printed) */
-    if (n_ids > m.cfg.max_seq || (n_ids == m.cfg.max_seq && o.gp.max_new_tokens > 0)) {
-        s = fl_errorf(FL_ERR_INVALID, "prompt of %d tokens %s the model's context of %d%s: shorten the prompt (--prompt "
-                      "/ --prompt-ids) to at most %d tokens, so that a new token has a position%s", n_ids,
-                      n_ids > m.cfg.max_seq ? "exceeds" : "fills", m.cfg.max_seq,
-                      n_ids > m.cfg.max_seq ? "" : ", leaving no position for a new token", m.cfg.max_seq - 1,
-                      n_ids > m.cfg.max_seq ? "" : " (--max_new_tokens 0 prints the prompt alone)");
-        goto fail;
-    }
+    if ((s = prompt_fits(n_ids, m.cfg.max_seq, o.gp.max_new_tokens)) != FL_OK) goto fail;
     if ((s = fl_kv_cache_init(&kv, &m, cap_T)) != FL_OK) goto fail;
     if (!(out = malloc(((size_t)o.gp.max_new_tokens + 1) * sizeof *out))) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto fail; }
     /* every EOS id of the tokenizer (some have several, e.g. <|eot_id|> and <|end_of_text|>) */
