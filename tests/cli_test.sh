@@ -66,6 +66,16 @@ expect generate_t5_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM"
 # top-k 1 is greedy at any temperature; a seed is named in the report
 expect generate_t5_topk1_is_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 1.5 --top_k 1
 expect generate_t5_sampling 0 "12 new tokens \(temperature 0.8, top_k 50, top_p 0.9, seed 5, stop" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --top_p 0.9 --seed 5
+# T5 decoding in generation's arena (fl_model_alloc_gen_s2s: the decoder's K/V cache and cross k|v, one row of the rest):
+# the greedy ids of 2,000 / 300 new tokens are the training arena's (md5 of the earlier implementation's output), and
+# --max_new_tokens 50000 plans linear bytes (it asked for 74.63 GiB of WORKSPACE, the decoder's NH x T x T bias and its
+# gradient, and failed), sampling the ids 300 gave until its EOS
+T5P=(--prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89")
+expect generate_t5_micro_greedy_2000_unchanged 0 "^ad6ad5818401a6147d24b391870ce1c9" -- bash -c '"$1" generate t5-micro "${@:2}" --max_new_tokens 2000 --temperature 0 2>/dev/null | md5sum' _ "$FITLLM" "${T5P[@]}"
+expect generate_t5_gated_greedy_300_unchanged 0 "^89a1461ddcd322dcaa07ff1d6f43a6af" -- bash -c '"$1" generate tests/fixtures/t5-tiny-gated "${@:2}" --max_new_tokens 300 --temperature 0 2>/dev/null | md5sum' _ "$FITLLM" "${T5P[@]}"
+expect generate_t5_relu_greedy_300_unchanged 0 "^1d157a1c008b3611216a81abe9ddd791" -- bash -c '"$1" generate tests/fixtures/t5-tiny-relu "${@:2}" --max_new_tokens 300 --temperature 0 2>/dev/null | md5sum' _ "$FITLLM" "${T5P[@]}"
+expect generate_t5_max_new_50000 0 "13 source \+ 109 new tokens \(temperature 0.8, top_k 50, top_p 1, seed 5, stop: EOS\)" -- "$FITLLM" generate t5-micro "${T5P[@]}" --max_new_tokens 50000 --seed 5
+expect generate_t5_max_new_50000_ids 0 "" -- bash -c '[ "$("$1" generate t5-micro "${@:2}" --max_new_tokens 50000 --seed 5 2>/dev/null)" = "$("$1" generate t5-micro "${@:2}" --max_new_tokens 300 --seed 5 2>/dev/null)" ]' _ "$FITLLM" "${T5P[@]}"
 expect bench_bad_option 2 "unknown option" -- "$FITLLM" bench-step micro --frobnicate 3
 expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro-batch x
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB

@@ -349,7 +349,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const 
     if (!out) return fl_errorf(FL_ERR_OOM, "out of host memory");
     int n = 0;
     double t0 = fl_cli_now_ms();
-    fl_status s = fl_model_alloc_acts_s2s(m, 1, n_ids, gp->max_new_tokens);
+    fl_status s = fl_model_alloc_gen_s2s(m, 1, n_ids, gp->max_new_tokens); /* linear in max_new_tokens */
     if (s == FL_OK) s = fl_generate_s2s(m, ids, NULL, n_ids, gp, out, &n);
     double t1 = fl_cli_now_ms();
     if (s == FL_OK && tok) {
@@ -404,7 +404,7 @@ static fl_status s2s_generate_batch(fl_model *m, const char *const *prompts, int
         }
     int n = 0;
     double t0 = fl_cli_now_ms();
-    if (s == FL_OK) s = fl_model_alloc_acts_s2s(m, B, Ts, gp->max_new_tokens);
+    if (s == FL_OK) s = fl_model_alloc_gen_s2s(m, B, Ts, gp->max_new_tokens);
     if (s == FL_OK) s = fl_generate_s2s_batch(m, src, mask, B, Ts, gp, out, &n);
     double t1 = fl_cli_now_ms();
     int ended = 0;
