@@ -76,6 +76,12 @@ expect generate_t5_gated_greedy_300_unchanged 0 "^89a1461ddcd322dcaa07ff1d6f43a6
 expect generate_t5_relu_greedy_300_unchanged 0 "^1d157a1c008b3611216a81abe9ddd791" -- bash -c '"$1" generate tests/fixtures/t5-tiny-relu "${@:2}" --max_new_tokens 300 --temperature 0 2>/dev/null | md5sum' _ "$FITLLM" "${T5P[@]}"
 expect generate_t5_max_new_50000 0 "13 source \+ 109 new tokens \(temperature 0.8, top_k 50, top_p 1, seed 5, stop: EOS\)" -- "$FITLLM" generate t5-micro "${T5P[@]}" --max_new_tokens 50000 --seed 5
 expect generate_t5_max_new_50000_ids 0 "" -- bash -c '[ "$("$1" generate t5-micro "${@:2}" --max_new_tokens 50000 --seed 5 2>/dev/null)" = "$("$1" generate t5-micro "${@:2}" --max_new_tokens 300 --seed 5 2>/dev/null)" ]' _ "$FITLLM" "${T5P[@]}"
+# --max_new_tokens 0 as a decoder-only model takes it (no new token; the T5 output is the new tokens: an empty line),
+# where an encoder-decoder refused it ("must be positive")
+expect generate_t5_zero_new_tokens 0 "^13 source \+ 0 new tokens \(greedy, stop: max_new_tokens\)" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated "${T5P[@]}" --max_new_tokens 0 --temperature 0
+expect generate_t5_zero_new_tokens_empty 0 "" -- bash -c '[ "$("$1" generate tests/fixtures/t5-tiny-gated "${@:2}" --max_new_tokens 0 2>/dev/null | od -An -c | tr -d " ")" = "\n" ]' _ "$FITLLM" "${T5P[@]}"
+expect generate_t5_zero_new_tokens_batch 0 "^2 sources \(longest [0-9]+ tokens, padded\) \+ 0 new tokens at most" -- "$FITLLM" generate t5-micro --prompt a --prompt "b c" --max_new_tokens 0
+expect generate_zero_new_tokens_decoder_only 0 "^4 prompt \+ 0 new tokens \(stop: max_new_tokens\)" -- "$FITLLM" generate micro --prompt-ids "5 6 7 8" --max_new_tokens 0
 expect bench_bad_option 2 "unknown option" -- "$FITLLM" bench-step micro --frobnicate 3
 expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro-batch x
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB

@@ -178,3 +178,34 @@ FL_TEST(t5_generation_arena_linear) {
            "ACTS %zu / %zu / %zu / %zu B (linear); measured WORKSPACE = planned + %zu B\n", dir, w[0], w[1], w[2], w5,
            a[0], a[1], a[2], a5, mw[0] - w[0]);
 }
+
+/* max_new 0 (`fitllm generate --max_new_tokens 0`, which a decoder-only model takes: the prompt printed, no token):
+ * the start token alone, nothing run, in either arena; it was refused ("must be positive") for an encoder-decoder */
+FL_TEST(t5_generate_zero_new_tokens) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    fl_model m;
+    FL_REQUIRE_OK(fl_hf_load_model(&m, "tests/fixtures/t5-tiny-gated", &be, &pool));
+    static const int32_t src[] = {51, 17, 68, 69, 57, 71, 45, 10, 4, 92, 4, 91, 89, 5, 6, 7};
+    fl_gen_params gp;
+    fl_gen_params_default(&gp);
+    gp.max_new_tokens = 0, gp.temperature = 0.0f;
+    for (int gen = 0; gen < 2; gen++) {
+        FL_REQUIRE_OK(gen ? fl_model_alloc_gen_s2s(&m, 2, 8, 0) : fl_model_alloc_acts_s2s(&m, 2, 8, 4));
+        int32_t out[2] = {-1, -1};
+        int n = -1;
+        FL_REQUIRE_OK(fl_generate_s2s(&m, src, NULL, 8, &gp, out, &n));
+        FL_CHECKF(n == 1 && out[0] == m.cfg.dec_start_id, "arena %d: %d ids, first %d", gen, n, out[0]);
+        n = -1, out[0] = out[1] = -1;
+        FL_REQUIRE_OK(fl_generate_s2s_batch(&m, src, NULL, 2, 8, &gp, out, &n));
+        FL_CHECK(n == 1 && out[0] == m.cfg.dec_start_id && out[1] == m.cfg.dec_start_id);
+        FL_REQUIRE_OK(fl_model_generate_s2s(&m, src, NULL, 8, 0, 1, out, &n));
+        FL_CHECK(n == 1 && out[0] == m.cfg.dec_start_id);
+        FL_CHECK(fl_model_generate_s2s(&m, src, NULL, 8, -1, 1, out, &n) == FL_ERR_INVALID);
+    }
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+}

@@ -746,7 +746,8 @@ fl_status fl_model_backward_s2s(fl_model *m);
  * token by token from the start token until eos or max_new tokens (as generate(do_sample=False)); out (max_new + 1)
  * gets the start token and the generated ids, *n_out their count. kv_cache: each token runs its row alone (the
  * self-attention's keys and values of the earlier tokens kept, the cross-attention's computed once); 0: the
- * decoder reruns its whole prefix (the reference). The arena must hold source >= Ts and target >= max_new. */
+ * decoder reruns its whole prefix (the reference). The arena must hold source >= Ts and target >= max_new. max_new 0:
+ * the start token alone (*n_out 1), nothing run. */
 fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
                                 int kv_cache, int32_t *out, int *n_out);
 /* The same for B sources at once (src (B, Ts) right-padded, src_mask (B, Ts) 0 at the padding, or NULL): the encoder

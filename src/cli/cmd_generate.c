@@ -35,7 +35,8 @@ static void help(void) {
            "                         does by default) (default \"%s\")\n"
            "  --prompt-ids \"IDS\"     prompt as whitespace-separated token ids instead of text; the\n"
            "                         generated ids are printed (no tokenizer needed)\n"
-           "  --max_new_tokens N     number of tokens to generate (default %d)\n"
+           "  --max_new_tokens N     number of tokens to generate (default %d; 0: none, the prompt printed,\n"
+           "                         an encoder-decoder's output empty)\n"
            "  --temperature T        0 = greedy; else logits / T (default %.1f)\n"
            "  --top_k K              sample from the K most likely tokens; 0 = all (default %d)\n"
            "  --top_p P              nucleus sampling: the most likely tokens covering P (default %.1f)\n"
@@ -344,7 +345,6 @@ static int parse_opts(int argc, char **argv, const char *cmd, gen_opts *o) {
  * top-k, top-p, seed: fl_generate_s2s). Prints the generated ids (or, with a tokenizer, their text), without the
  * decoder's start token. */
 static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const fl_gen_params *gp, const fl_tokenizer *tok) {
-    if (gp->max_new_tokens <= 0) return fl_errorf(FL_ERR_INVALID, "--max_new_tokens must be positive");
     int32_t *out = malloc(((size_t)gp->max_new_tokens + 1) * sizeof *out);
     if (!out) return fl_errorf(FL_ERR_OOM, "out of host memory");
     int n = 0;
@@ -368,7 +368,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const 
                   (double)gp->top_p, (unsigned long long)gp->seed);
     if (s == FL_OK)
         fprintf(stderr, "%d source + %d new tokens (%s, stop: %s); %.1f ms\n", n_ids, n - 1, how,
-                out[n - 1] == m->cfg.eos_id ? "EOS" : "max_new_tokens", t1 - t0);
+                n > 1 && out[n - 1] == m->cfg.eos_id ? "EOS" : "max_new_tokens", t1 - t0);
     free(out);
     return s;
 }
@@ -378,7 +378,6 @@ static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const 
  * prompt, in order. */
 static fl_status s2s_generate_batch(fl_model *m, const char *const *prompts, int B, const fl_gen_params *gp,
                                     const fl_tokenizer *tok) {
-    if (gp->max_new_tokens <= 0) return fl_errorf(FL_ERR_INVALID, "--max_new_tokens must be positive");
     int32_t *ids[GEN_MAX_PROMPTS] = {0};
     size_t len[GEN_MAX_PROMPTS] = {0};
     int Ts = 0;

@@ -644,7 +644,7 @@ static fl_status check_sources(const fl_model *m, const int32_t *src, const uint
                                int max_new) {
     const struct fl_s2s_acts *a = m->acts->s2s;
     const int V = m->cfg.vocab_size;
-    if (B <= 0 || B > a->B || Ts <= 0 || Ts > a->st[0].Tmax || max_new <= 0 || max_new > a->st[1].Tmax)
+    if (B <= 0 || B > a->B || Ts <= 0 || Ts > a->st[0].Tmax || max_new < 0 || max_new > a->st[1].Tmax)
         return fl_errorf(FL_ERR_INVALID, "fl_model_generate_s2s: %d source(s) of %d tokens and %d new tokens need an "
                          "arena of batch >= %d, source >= %d and target >= %d (it has %d, %d, %d)", B, Ts, max_new, B,
                          Ts, max_new, a->B, a->st[0].Tmax, a->st[1].Tmax);
@@ -695,6 +695,11 @@ static fl_status s2s_generate_run(fl_model *m, const int32_t *src, const uint8_t
     const int V = m->cfg.vocab_size, W = max_new + 1;
     *n_out = 0;
     FL_TRY(check_sources(m, src, src_mask, B, Ts, max_new));
+    if (max_new == 0) { /* no new token asked for (as a decoder-only generate): the start token alone, nothing run */
+        for (int b = 0; b < B; b++) out[b] = m->cfg.dec_start_id;
+        *n_out = 1;
+        return FL_OK;
+    }
     /* 16-bit saved activations: the blocks share one fp32 buffer of the WIDE slots (q|k|v among them), so the decoder
      * reruns its prefix for each token (the cache's ids: the same computation on the same keys) */
     if (a->act16) kv_cache = 0;
