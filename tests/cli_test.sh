@@ -66,6 +66,22 @@ expect generate_t5_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM"
 # top-k 1 is greedy at any temperature; a seed is named in the report
 expect generate_t5_topk1_is_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 1.5 --top_k 1
 expect generate_t5_sampling 0 "12 new tokens \(temperature 0.8, top_k 50, top_p 0.9, seed 5, stop" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --top_p 0.9 --seed 5
+# T5 decoding in generation's arena (fl_model_alloc_gen_s2s: the decoder's K/V cache and cross k|v, one row of the rest):
+# the greedy ids of 2,000 / 300 new tokens are the training arena's (md5 of the earlier implementation's output), and
+# --max_new_tokens 50000 plans linear bytes (it asked for 74.63 GiB of WORKSPACE, the decoder's NH x T x T bias and its
+# gradient, and failed), sampling the ids 300 gave until its EOS
+T5P=(--prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89")
+expect generate_t5_micro_greedy_2000_unchanged 0 "^ad6ad5818401a6147d24b391870ce1c9" -- bash -c '"$1" generate t5-micro "${@:2}" --max_new_tokens 2000 --temperature 0 2>/dev/null | md5sum' _ "$FITLLM" "${T5P[@]}"
+expect generate_t5_gated_greedy_300_unchanged 0 "^89a1461ddcd322dcaa07ff1d6f43a6af" -- bash -c '"$1" generate tests/fixtures/t5-tiny-gated "${@:2}" --max_new_tokens 300 --temperature 0 2>/dev/null | md5sum' _ "$FITLLM" "${T5P[@]}"
+expect generate_t5_relu_greedy_300_unchanged 0 "^1d157a1c008b3611216a81abe9ddd791" -- bash -c '"$1" generate tests/fixtures/t5-tiny-relu "${@:2}" --max_new_tokens 300 --temperature 0 2>/dev/null | md5sum' _ "$FITLLM" "${T5P[@]}"
+expect generate_t5_max_new_50000 0 "13 source \+ 109 new tokens \(temperature 0.8, top_k 50, top_p 1, seed 5, stop: EOS\)" -- "$FITLLM" generate t5-micro "${T5P[@]}" --max_new_tokens 50000 --seed 5
+expect generate_t5_max_new_50000_ids 0 "" -- bash -c '[ "$("$1" generate t5-micro "${@:2}" --max_new_tokens 50000 --seed 5 2>/dev/null)" = "$("$1" generate t5-micro "${@:2}" --max_new_tokens 300 --seed 5 2>/dev/null)" ]' _ "$FITLLM" "${T5P[@]}"
+# --max_new_tokens 0 as a decoder-only model takes it (no new token; the T5 output is the new tokens: an empty line),
+# where an encoder-decoder refused it ("must be positive")
+expect generate_t5_zero_new_tokens 0 "^13 source \+ 0 new tokens \(greedy, stop: max_new_tokens\)" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated "${T5P[@]}" --max_new_tokens 0 --temperature 0
+expect generate_t5_zero_new_tokens_empty 0 "" -- bash -c '[ "$("$1" generate tests/fixtures/t5-tiny-gated "${@:2}" --max_new_tokens 0 2>/dev/null | od -An -c | tr -d " ")" = "\n" ]' _ "$FITLLM" "${T5P[@]}"
+expect generate_t5_zero_new_tokens_batch 0 "^2 sources \(longest [0-9]+ tokens, padded\) \+ 0 new tokens at most" -- "$FITLLM" generate t5-micro --prompt a --prompt "b c" --max_new_tokens 0
+expect generate_zero_new_tokens_decoder_only 0 "^4 prompt \+ 0 new tokens \(stop: max_new_tokens\)" -- "$FITLLM" generate micro --prompt-ids "5 6 7 8" --max_new_tokens 0
 expect bench_bad_option 2 "unknown option" -- "$FITLLM" bench-step micro --frobnicate 3
 expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro-batch x
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB
@@ -144,6 +160,17 @@ expect plan_data_lengths 0 "T = 402: the longest of the 2000 \+ 100 samples whos
 printf '0\t10\n0.5\tabc\n1\t20\n' > "$T/bad-lengths.tsv"
 expect plan_data_lengths_bad 1 "data.lengths: .*/bad-lengths.tsv:2: quantile 0.5 has no length" -- "$FITLLM" plan micro --data.lengths "$T/bad-lengths.tsv"
 expect train_data_lengths_bad 1 "data.lengths: .*/bad-lengths.tsv:2: quantile 0.5 has no length" -- "$FITLLM" finetune_full micro --data.lengths "$T/bad-lengths.tsv" --out_dir "$T/badlen" --train.max_steps 1
+# a data option of another data class was ignored without a word (Alpaca trained, the table unread): refused as
+# LitGPT's jsonargparse refuses init_args a class does not have, naming the option, the class and what it takes
+expect data_option_other_class 2 "option 'data.lengths' is not an option of data class Alpaca, which takes json_path, .*; data.lengths is an option of Synthetic" -- \
+    "$FITLLM" finetune_full micro --data Alpaca --data.lengths recipes/data/alpaca-lengths.tsv --out_dir "$T/dk1"
+expect data_option_n_train_alpaca 2 "option 'data.n_train' is not an option of data class Alpaca2k" -- "$FITLLM" plan micro --data Alpaca2k --data.n_train 16
+expect data_option_default_class 2 "option 'data.json_path' is not an option of data class Synthetic \(finetune_full's default\)" -- \
+    "$FITLLM" finetune_full micro --data.json_path "$T/a.json" --out_dir "$T/dk2"
+expect data_option_textfiles 2 "option 'data.prompt_style' is not an option of data class TextFiles, which takes train_data_path, val_data_path" -- \
+    "$FITLLM" pretrain --model_name micro --data TextFiles --data.train_data_path "$T" --data.prompt_style alpaca --out_dir "$T/dk3"
+printf 'data:\n  class_path: Synthetic\n  init_args:\n    json_path: a.json\n' > "$T/dk.yaml"
+expect data_option_recipe 2 "dk.yaml:4: option 'data.json_path' is not an option of data class Synthetic" -- "$FITLLM" finetune_full micro --config "$T/dk.yaml" --out_dir "$T/dk4"
 # Idle OpenMP workers sleep by default (fl_cpu_process_init re-executes with OMP_WAIT_POLICY=passive);
 # an explicit choice of the user stands. libgomp prints its settings with OMP_DISPLAY_ENV (the last
 # block is the one of the process that runs).
@@ -1858,6 +1885,14 @@ expect optimizer_paged_refused 2 "PagedAdamW' is not implemented: paged optimize
 expect optimizer_paged8_refused 2 "PagedAdamW8bit' is not implemented" -- "$FITLLM" finetune_full micro --optimizer bnb.optim.PagedAdamW8bit --out_dir "$T/pg"
 expect did_you_mean_generate_flag 2 "unknown option '--max_new_tokns' \(did you mean '--max_new_tokens'\?\)" -- "$FITLLM" generate micro --max_new_tokns 3
 expect generate_flag_needs_value 2 "option '--prompt' needs a value" -- "$FITLLM" generate micro --prompt
+# a prompt that fills the context (micro: 512) leaves no position for a new token: refused as a longer one is, where
+# it ended at once with 0 new tokens; --max_new_tokens 0 prints it; 511 tokens get the one new token there is room for
+P511=$(for i in $(seq 511); do printf '%d ' $((i % 500 + 1)); done)
+expect generate_prompt_fills_context 2 "prompt of 512 tokens fills the model's context of 512, leaving no position for a new token: shorten the prompt \(--prompt / --prompt-ids\) to at most 511 tokens" -- \
+    "$FITLLM" generate micro --prompt-ids "$P511 7" --max_new_tokens 5 --temperature 0
+expect generate_prompt_over_context 2 "prompt of 513 tokens exceeds the model's context of 512: shorten the prompt" -- "$FITLLM" generate micro --prompt-ids "$P511 7 8" --max_new_tokens 5
+expect generate_prompt_fills_context_none_asked 0 "512 prompt \+ 0 new tokens \(stop: max_new_tokens\)" -- "$FITLLM" generate micro --prompt-ids "$P511 7" --max_new_tokens 0
+expect generate_prompt_one_position_left 0 "511 prompt \+ 1 new tokens \(stop: context limit\)" -- "$FITLLM" generate micro --prompt-ids "$P511" --max_new_tokens 5 --temperature 0
 expect did_you_mean_command 2 "unknown command 'finetune_ful' \(did you mean 'finetune_full'\?\)" -- "$FITLLM" finetune_ful micro
 expect did_you_mean_bench_flag 2 "unknown option '--micro-bach' \(did you mean '--micro-batch'\?\)" -- "$FITLLM" bench-step micro --micro-bach 2
 expect did_you_mean_plan_flag 2 "unknown option 'device-memroy' \(did you mean '--device-memory'\?\)" -- "$FITLLM" plan micro --device-memroy 80GB
@@ -1883,6 +1918,19 @@ if [ -d "$DATA/text" ]; then
     expect clamp_longest_sample_said 0 "note: the longest sample has 1030 input tokens, more than the model's 512 positions" -- \
         "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_steps 1 \
         --train.global_batch_size 1 --eval.max_iters 1 --eval.final_validation false --eval.max_new_tokens 0 --out_dir "$T/cl3" --quiet
+    # the data line counts every sample not used whole, cut by train.max_seq_length or by the model's context: 18 of
+    # alpaca-tiny's 100 have more than 513 tokens with this tokenizer (max_seq_length 513: the dataset cuts them all),
+    # and null or 600 (the context cuts them to 513 tokens) counted 0 and 10; the notes say what was given and used
+    expect_saved data_cut_count_null 0 "^data: JSON, 95 train / 5 val samples, 18 truncated to 513 tokens \(the model's context: 512 inputs\)" "$EXPECT_OUT" "$EXPECT_RC"
+    expect_saved note_cut_count_null 0 "are cut to that \(train.max_seq_length null\): 18 of them" "$EXPECT_OUT" "$EXPECT_RC"
+    CUT=(finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_steps 1
+         --train.global_batch_size 1 --eval.max_iters 1 --eval.final_validation false --eval.max_new_tokens 0 --quiet)
+    expect data_cut_count_513 0 "^data: JSON, 95 train / 5 val samples, 18 truncated to 513 tokens \(train.max_seq_length\)" -- \
+        "$FITLLM" "${CUT[@]}" --train.max_seq_length 513 --out_dir "$T/cl4"
+    expect_saved note_max_seq_length_513 0 "note: train.max_seq_length 513 is more than the model's 512 positions \(its context\), but a sample of 513 tokens has 512 inputs .*: the limit is used as given" "$EXPECT_OUT" "$EXPECT_RC"
+    expect data_cut_count_600 0 "^data: JSON, 95 train / 5 val samples, 18 truncated to 513 tokens \(the model's context: 512 inputs\)" -- \
+        "$FITLLM" "${CUT[@]}" --train.max_seq_length 600 --out_dir "$T/cl5"
+    expect_saved note_max_seq_length_600 0 "note: train.max_seq_length 600 is more than .* samples longer than 513 tokens \(512 inputs and the last one's target\) are cut to that, not to 600 tokens: 18 of them" "$EXPECT_OUT" "$EXPECT_RC"
     # the CPU recipe validates on TinyStories (its one train file's last 5%), not on Shakespeare
     mkdir -p "$T/rcp/run" && ln -s "$(cd "$DATA/.." && pwd)" "$T/rcp/shared"
     expect recipe_validates_on_tinystories 0 "^validation: the last 5% of the blocks of tinystories-val-prefix.txt" -- \

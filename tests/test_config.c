@@ -15,6 +15,7 @@
 #include "fitllm/precision.h"
 #include "test.h"
 #include "train/dp.h"
+#include "config/config-impl.h"
 
 #define RECIPES "tests/fixtures/litgpt-recipes"
 
@@ -645,4 +646,102 @@ FL_TEST(cfg_lr_floor_and_clip_norm_refused) {
     c.train.max_norm = 0;
     c.optimizer.lr = INFINITY;
     FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID && strstr(fl_error_message(), "optimizer.lr must be positive"));
+}
+
+/* A data option of another data class (data.lengths on Alpaca, data.json_path on Synthetic, data.prompt_style on
+ * TextFiles) was ignored without a word; LitGPT's jsonargparse refuses init_args a class does not have. Refused here
+ * (FL_ERR_INVALID: exit 2) naming the option, the class and the options the class takes, from the command line and
+ * from a recipe's data: init_args: alike; every class takes each of its own options; the class's default counts when
+ * no --data was given; and every data.* option of --help has a row in the table. */
+static fl_status data_entries(fl_cmd_kind cmd, const char *yaml, const char *const *kv, int n, fl_run_config *c) {
+    fl_cfg_entries l;
+    fl_cfg_entries_init(&l);
+    fl_cfg_defaults(c, cmd);
+    fl_status s = yaml ? fl_cfg_entries_load_yaml(&l, yaml, strlen(yaml), "r.yaml") : FL_OK;
+    for (int i = 0; s == FL_OK && i < n; i++) s = fl_cfg_entries_add(&l, kv[2 * i], kv[2 * i + 1], "command line", 1);
+    if (s == FL_OK) s = fl_cfg_apply_entries(c, &l, NULL);
+    fl_cfg_entries_free(&l);
+    return s;
+}
+
+FL_TEST(cfg_data_option_of_another_class_refused) {
+    static const struct { const char *cls, *key, *val, *owner, *takes; } bad[] = {
+        {"Alpaca", "data.lengths", "recipes/data/alpaca-lengths.tsv", "Synthetic", "json_path"},
+        {"Alpaca2k", "data.n_train", "16", "Synthetic", "download_dir"},
+        {"Synthetic", "data.json_path", "x.json", "Alpaca, JSON", "n_train"},
+        {"TextFiles", "data.prompt_style", "flan", "Synthetic, Alpaca, JSON", "train_data_path"},
+        {"JSON", "data.train_data_path", "t", "TextFiles", "json_path"},
+        {"litgpt.data.JSON", "data.download_dir", "d", "Alpaca", "mask_prompt"},
+    };
+    fl_run_config c;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        const char *kv[] = {"data", bad[i].cls, bad[i].key, bad[i].val};
+        const char *cls = strrchr(bad[i].cls, '.') ? strrchr(bad[i].cls, '.') + 1 : bad[i].cls;
+        FL_CHECK(data_entries(FL_CMD_FINETUNE_FULL, NULL, kv, 2, &c) == FL_ERR_INVALID);
+        const char *m = fl_error_message();
+        FL_CHECKF(strstr(m, bad[i].key) && strstr(m, cls) && strstr(m, bad[i].owner) && strstr(m, bad[i].takes), "%s: %s",
+                  bad[i].key, m);
+        /* a recipe's data: init_args: the same, named by file and line */
+        char y[256];
+        snprintf(y, sizeof y, "data:\n  class_path: %s\n  init_args:\n    %s: %s\n", bad[i].cls, bad[i].key + 5, bad[i].val);
+        FL_CHECKF(data_entries(FL_CMD_FINETUNE_FULL, y, NULL, 0, &c) == FL_ERR_INVALID, "%s in a recipe: accepted", bad[i].key);
+        m = fl_error_message();
+        FL_CHECKF(strstr(m, "r.yaml:4") && strstr(m, bad[i].key) && strstr(m, cls), "%s", m);
+    }
+    /* a recipe's option of another class at the value the chosen class's defaults give it changes nothing: accepted
+     * (hyperparameters.yaml before this check listed every data.* option, e.g. a TextFiles run's prompt_style: alpaca);
+     * typed on the command line it is refused whatever its value (above: TextFiles --data.prompt_style) */
+    const char *old_yaml = "data:\n  class_path: TextFiles\n  init_args:\n    json_path: null\n    prompt_style: alpaca\n"
+                           "    mask_prompt: false\n    ignore_index: -100\n    n_train: 2000\n    lengths: null\n";
+    FL_CHECKF(data_entries(FL_CMD_PRETRAIN, old_yaml, NULL, 0, &c) == FL_OK, "%s", fl_error_message());
+    const char *ps_cli[] = {"data", "TextFiles", "data.prompt_style", "alpaca"};
+    FL_CHECK(data_entries(FL_CMD_PRETRAIN, NULL, ps_cli, 2, &c) == FL_ERR_INVALID);
+    /* no --data: the command's default class (finetune: Synthetic, pretrain: TextFiles) */
+    const char *jp[] = {"data.json_path", "x.json"}, *ps[] = {"data.prompt_style", "alpaca"};
+    FL_CHECK(data_entries(FL_CMD_FINETUNE_FULL, NULL, jp, 1, &c) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "Synthetic") && strstr(fl_error_message(), "--data"), "%s", fl_error_message());
+    FL_CHECK(data_entries(FL_CMD_PRETRAIN, NULL, ps, 1, &c) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "TextFiles"), "%s", fl_error_message());
+    /* the class given after its option, and the command line's class replacing a recipe's with its init_args */
+    const char *late[] = {"data.json_path", "x.json", "data", "JSON"};
+    FL_REQUIRE_OK(data_entries(FL_CMD_FINETUNE_FULL, NULL, late, 2, &c));
+    FL_CHECK(c.data.kind == FL_DATA_JSON && !strcmp(c.data.json_path, "x.json"));
+    const char *syn[] = {"data", "Synthetic"};
+    FL_REQUIRE_OK(data_entries(FL_CMD_FINETUNE_FULL, "data:\n  class_path: JSON\n  init_args:\n    json_path: x\n", syn, 1, &c));
+    /* every class takes its own options */
+    static const struct { const char *cls, *kv[14]; } good[] = {
+        {"Synthetic", {"data.n_train", "8", "data.n_val", "2", "data.lengths", "t.tsv", "data.prompt_style", "flan",
+                       "data.mask_prompt", "true", "data.seed", "3", "data.cache_dir", "c"}},
+        {"Alpaca", {"data.json_path", "a.json", "data.download_dir", "d", "data.file_name", "f.json",
+                    "data.val_split_fraction", "0.1", "data.ignore_index", "-1", "data.num_workers", "4",
+                    "data.prompt_style", "alpaca"}},
+        {"JSON", {"data.json_path", "a.json", "data.mask_prompt", "true", "data.val_split_fraction", "0.2",
+                  "data.max_source_length", "8", "data.max_target_length", "4", "data.seed", "1", "data.cache_dir", "c"}},
+        {"TextFiles", {"data.train_data_path", "t", "data.val_data_path", "v", "data.val_split_fraction", "0.1",
+                       "data.seed", "1", "data.num_workers", "2", "data.cache_dir", "c", "data.cache_dir", "c"}},
+    };
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        const char *kv[16] = {"data", good[i].cls};
+        memcpy(kv + 2, good[i].kv, sizeof good[i].kv);
+        FL_CHECKF(data_entries(FL_CMD_FINETUNE_FULL, NULL, kv, 8, &c) == FL_OK, "%s: %s", good[i].cls, fl_error_message());
+        /* and hyperparameters.yaml, which writes the class's own options only, reads back */
+        check_roundtrip(&c, good[i].cls);
+    }
+    /* every data.* option of --help has its classes in the table */
+    char *help = NULL;
+    size_t hn = 0;
+    FILE *f = open_memstream(&help, &hn);
+    FL_REQUIRE(f != NULL);
+    fl_cfg_print_help(FL_CMD_FINETUNE_FULL, f);
+    fclose(f);
+    int n = 0;
+    for (const char *p = help; (p = strstr(p, "--data.")); p++) {
+        char key[64];
+        sscanf(p + 2, "%63s", key);
+        if (!strcmp(key, "data.class_path")) continue;
+        n++;
+        FL_CHECKF(fl_cfg_data_key_classes(key + 5) != 0, "%s: no data class takes it", key);
+    }
+    FL_CHECKF(n >= 16, "%d data options in --help", n);
+    free(help);
 }

@@ -162,6 +162,7 @@ FL_TEST(fuzz_regress_cfg_written_yaml_quotes_strings) {
         fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
         FL_REQUIRE_OK(fl_cfg_set(&c, "checkpoint_dir", "ckpt"));
         FL_REQUIRE_OK(fl_cfg_set(&c, "out_dir", vals[i]));
+        FL_REQUIRE_OK(fl_cfg_set(&c, "data", "JSON")); /* json_path is an option of JSON (and Alpaca) */
         FL_REQUIRE_OK(fl_cfg_set(&c, "data.json_path", vals[i]));
         char *y = NULL;
         size_t n = 0;

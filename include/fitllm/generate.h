@@ -119,8 +119,9 @@ int32_t fl_sampler_sample(fl_sampler *s, float *logits);
  * the decoder token by token with its KV cache (fl_model_generate_s2s's; without it when the arena checkpoints)
  * from the start token, each token chosen by the sampler of gp (temperature 0: greedy, the first of equal maxima;
  * else temperature, top-k, top-p, seeded), until eos or gp->max_new_tokens; out (max_new_tokens + 1) gets the start
- * token and the generated ids, *n_out their count. The arena (fl_model_alloc_acts_s2s) must hold source >= Ts and
- * target >= max_new_tokens; the sampler's probabilities and indices are WORKSPACE while it runs. */
+ * token and the generated ids, *n_out their count (max_new_tokens 0: the start token alone, nothing run). The arena
+ * (fl_model_alloc_gen_s2s: linear in max_new_tokens; or a training one, fl_model_alloc_acts_s2s) must hold source >= Ts
+ * and target >= max_new_tokens; the sampler's probabilities and indices are WORKSPACE while it runs. */
 fl_status fl_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, const fl_gen_params *gp,
                           int32_t *out, int *n_out);
 /* fl_generate_s2s for B sources (B, Ts) with their mask (B, Ts) or NULL, as fl_model_generate_s2s_batch lays out

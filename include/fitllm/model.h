@@ -718,6 +718,12 @@ fl_status fl_model_encode_backward(fl_model *m, const float *dhidden);
 /* Encoder-decoders (T5: src/model/seq2seq.c, the model graph's two stacks interpreted). The arena for B sequences
  * of at most Ts source and Tt target tokens (fl_model_alloc_acts(m, B, T) of such a model: Ts = Tt = T). */
 fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt);
+/* The arena for generating up to max_new tokens from B sources of at most Ts tokens (fl_generate_s2s*,
+ * fl_model_generate_s2s* with the cache): the encoder's pass over B x Ts rows; the decoder's K/V cache (each block's
+ * self-attention q|k|v rows, B x max_new) and cross k|v (B x Ts rows, computed once), every other decoder buffer one
+ * row per sequence, its relative bias one query row (NH x max_new); no gradient buffers. Bytes linear in max_new (the
+ * training arena's decoder bias is NH x max_new x max_new, twice). The training passes refuse it. */
+fl_status fl_model_alloc_gen_s2s(fl_model *m, int B, int Ts, int max_new);
 /* The forward over src_ids (B, Ts) with its key padding mask src_mask ((B, Ts), nonzero = a token; NULL: all) and
  * dec_ids (B, Tt) (the decoder input: the start token, then the target shifted right): the logits (B, Tt, V) into
  * logits_out (host memory, may be NULL); with targets (B, Tt; FL_IGNORE_INDEX masks) the summed loss into
@@ -740,7 +746,8 @@ fl_status fl_model_backward_s2s(fl_model *m);
  * token by token from the start token until eos or max_new tokens (as generate(do_sample=False)); out (max_new + 1)
  * gets the start token and the generated ids, *n_out their count. kv_cache: each token runs its row alone (the
  * self-attention's keys and values of the earlier tokens kept, the cross-attention's computed once); 0: the
- * decoder reruns its whole prefix (the reference). The arena must hold source >= Ts and target >= max_new. */
+ * decoder reruns its whole prefix (the reference). The arena must hold source >= Ts and target >= max_new. max_new 0:
+ * the start token alone (*n_out 1), nothing run. */
 fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
                                 int kv_cache, int32_t *out, int *n_out);
 /* The same for B sources at once (src (B, Ts) right-padded, src_mask (B, Ts) 0 at the padding, or NULL): the encoder

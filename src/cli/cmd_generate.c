@@ -35,7 +35,8 @@ static void help(void) {
            "                         does by default) (default \"%s\")\n"
            "  --prompt-ids \"IDS\"     prompt as whitespace-separated token ids instead of text; the\n"
            "                         generated ids are printed (no tokenizer needed)\n"
-           "  --max_new_tokens N     number of tokens to generate (default %d)\n"
+           "  --max_new_tokens N     number of tokens to generate (default %d; 0: none, the prompt printed,\n"
+           "                         an encoder-decoder's output empty)\n"
            "  --temperature T        0 = greedy; else logits / T (default %.1f)\n"
            "  --top_k K              sample from the K most likely tokens; 0 = all (default %d)\n"
            "  --top_p P              nucleus sampling: the most likely tokens covering P (default %.1f)\n"
@@ -49,8 +50,10 @@ static void help(void) {
            "  --threads N            CPU threads (default: all cores)\n"
            "  --accelerator A        auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
            "                         visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n\n"
-           "Stops at max_new_tokens, at an EOS token or at the model's context. The text streams to\n"
-           "stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too (--max-new-tokens).\n"
+           "Stops at max_new_tokens, at an EOS token or at the model's context. A prompt as long as the\n"
+           "context or longer is exit 2 (no position for a new token; --max_new_tokens 0 prints it). The text\n"
+           "streams to stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too\n"
+           "(--max-new-tokens).\n"
            "A <model> that names nothing is exit 2: \"no such folder: PATH\", or neither a folder nor a preset\n"
            "(with the nearest preset names).\n"
            "--image FILE: <model> is a BLIP-2 folder (model_type blip-2): the image (JPEG / PNG, preprocessed\n"
@@ -342,12 +345,11 @@ static int parse_opts(int argc, char **argv, const char *cmd, gen_opts *o) {
  * top-k, top-p, seed: fl_generate_s2s). Prints the generated ids (or, with a tokenizer, their text), without the
  * decoder's start token. */
 static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const fl_gen_params *gp, const fl_tokenizer *tok) {
-    if (gp->max_new_tokens <= 0) return fl_errorf(FL_ERR_INVALID, "--max_new_tokens must be positive");
     int32_t *out = malloc(((size_t)gp->max_new_tokens + 1) * sizeof *out);
     if (!out) return fl_errorf(FL_ERR_OOM, "out of host memory");
     int n = 0;
     double t0 = fl_cli_now_ms();
-    fl_status s = fl_model_alloc_acts_s2s(m, 1, n_ids, gp->max_new_tokens);
+    fl_status s = fl_model_alloc_gen_s2s(m, 1, n_ids, gp->max_new_tokens); /* linear in max_new_tokens */
     if (s == FL_OK) s = fl_generate_s2s(m, ids, NULL, n_ids, gp, out, &n);
     double t1 = fl_cli_now_ms();
     if (s == FL_OK && tok) {
@@ -366,7 +368,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const 
                   (double)gp->top_p, (unsigned long long)gp->seed);
     if (s == FL_OK)
         fprintf(stderr, "%d source + %d new tokens (%s, stop: %s); %.1f ms\n", n_ids, n - 1, how,
-                out[n - 1] == m->cfg.eos_id ? "EOS" : "max_new_tokens", t1 - t0);
+                n > 1 && out[n - 1] == m->cfg.eos_id ? "EOS" : "max_new_tokens", t1 - t0);
     free(out);
     return s;
 }
@@ -376,7 +378,6 @@ static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const 
  * prompt, in order. */
 static fl_status s2s_generate_batch(fl_model *m, const char *const *prompts, int B, const fl_gen_params *gp,
                                     const fl_tokenizer *tok) {
-    if (gp->max_new_tokens <= 0) return fl_errorf(FL_ERR_INVALID, "--max_new_tokens must be positive");
     int32_t *ids[GEN_MAX_PROMPTS] = {0};
     size_t len[GEN_MAX_PROMPTS] = {0};
     int Ts = 0;
@@ -402,7 +403,7 @@ static fl_status s2s_generate_batch(fl_model *m, const char *const *prompts, int
         }
     int n = 0;
     double t0 = fl_cli_now_ms();
-    if (s == FL_OK) s = fl_model_alloc_acts_s2s(m, B, Ts, gp->max_new_tokens);
+    if (s == FL_OK) s = fl_model_alloc_gen_s2s(m, B, Ts, gp->max_new_tokens);
     if (s == FL_OK) s = fl_generate_s2s_batch(m, src, mask, B, Ts, gp, out, &n);
     double t1 = fl_cli_now_ms();
     int ended = 0;
@@ -424,6 +425,17 @@ static fl_status s2s_generate_batch(fl_model *m, const char *const *prompts, int
     for (int b = 0; b < B; b++) free(ids[b]);
     free(src), free(mask), free(out);
     return s;
+}
+
+/* A decoder-only model's prompt of n tokens and its context ctx: a prompt that fills the context leaves no position
+ * for a new token, refused as a longer one is (not a run that ends at once with 0 new tokens); --max_new_tokens 0 asks
+ * for none: the prompt is printed. */
+static fl_status prompt_fits(int n, int ctx, int max_new) {
+    if (n < ctx || (n == ctx && max_new == 0)) return FL_OK;
+    return fl_errorf(FL_ERR_INVALID, "prompt of %d tokens %s the model's context of %d%s: shorten the prompt (--prompt / "
+                     "--prompt-ids) to at most %d tokens, so that a new token has a position%s", n,
+                     n > ctx ? "exceeds" : "fills", ctx, n > ctx ? "" : ", leaving no position for a new token", ctx - 1,
+                     n > ctx ? "" : " (--max_new_tokens 0 prints the prompt alone)");
 }
 
 /* --image: a BLIP-2 folder captions the image (greedy), after the prompt when one is given */
@@ -536,10 +548,7 @@ int fl_cmd_generate(int argc, char **argv) {
     /* The cache holds o.prompt + new tokens (LitGPT's max_returned_tokens), capped at the context. */
     long want = (long)n_ids + o.gp.max_new_tokens;
     int cap_T = want < m.cfg.max_seq ? (int)want : m.cfg.max_seq;
-    if (n_ids > m.cfg.max_seq) {
-        s = fl_errorf(FL_ERR_INVALID, "prompt of %d tokens exceeds the model's context of %d", n_ids, m.cfg.max_seq);
-        goto fail;
-    }
+    if ((s = prompt_fits(n_ids, m.cfg.max_seq, o.gp.max_new_tokens)) != FL_OK) goto fail;
     if ((s = fl_kv_cache_init(&kv, &m, cap_T)) != FL_OK) goto fail;
     if (!(out = malloc(((size_t)o.gp.max_new_tokens + 1) * sizeof *out))) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto fail; }
     /* every EOS id of the tokenizer (some have several, e.g. <|eot_id|> and <|end_of_text|>) */

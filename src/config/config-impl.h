@@ -33,5 +33,11 @@ const fl_cfg_key *fl_cfg_find_key(const char *key);
 int fl_cfg_key_applies(const fl_cfg_key *k, fl_cmd_kind cmd);
 /* Whether a model_config field holds a string (written quoted where YAML needs it). */
 int fl_cfg_model_field_is_str(const char *field);
+/* data_keys.c: the data classes (bits 1 << fl_data_kind) that take data.<field>, 0 for no such option; whether
+ * `key` (data.X; any other key: 1) is an option of data class `kind`; and the merged options' data.* ones checked
+ * against the class they chose (FL_ERR_INVALID naming the option, the class and its options; *failed its index). */
+unsigned fl_cfg_data_key_classes(const char *field);
+int fl_cfg_data_key_applies(fl_data_kind kind, const char *key);
+fl_status fl_cfg_data_check(const fl_run_config *c, const fl_cfg_entries *l, int *failed);
 
 #endif

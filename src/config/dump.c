@@ -195,7 +195,8 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
         if (args) {
             size_t pl = strlen(k->name);
             for (size_t j = 0; j < n_keys; j++)
-                if (dumped(&keys[j]) && !strncmp(keys[j].name, k->name, pl) && keys[j].name[pl] == '.') {
+                if (dumped(&keys[j]) && !strncmp(keys[j].name, k->name, pl) && keys[j].name[pl] == '.' &&
+                    fl_cfg_data_key_applies(c->data.kind, keys[j].name)) { /* a class's own options only */
                     value_str(c, &keys[j], v, sizeof v);
                     fprintf(f, "    %s: %s\n", keys[j].name + pl + 1, v);
                 }

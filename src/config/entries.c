@@ -102,7 +102,7 @@ fl_status fl_cfg_apply_entries(fl_run_config *c, const fl_cfg_entries *l, int *f
                 return e->from_cli ? s : fl_error_prefix(s, "%s", e->source);
             }
         }
-    return FL_OK;
+    return fl_cfg_data_check(c, l, failed); /* each data.* option one of the chosen class's */
 }
 
 const char *fl_cfg_entries_value(const fl_cfg_entries *l, const char *name) {

@@ -24,6 +24,10 @@ struct fl_s2s_acts {
     int spp;              /* the pass in progress runs the sequence-parallel graphs (a->sp; generation: 0) */
     int32_t *pad;         /* sequence parallel: a pass's sequences padded to rows the group divides (host memory) */
     fl_dtype act16;       /* the WIDE slots saved in this 16-bit dtype (a bf16 policy without checkpointing), else 0 */
+    int gen;              /* generation's arena (fl_model_alloc_gen_s2s): the last stack's per-row buffers hold one row
+                           * per sequence (the token being decoded) but its self-attention's q|k|v slot (the K/V cache:
+                           * every row) and the cross k|v (the source's rows, computed once); its bias one query row;
+                           * no gradient buffers. The training passes refuse it. */
     int Bp;               /* the last forward's sequences (<= B) */
     s2s_stack st[FL_MODEL_GRAPH_MAX_STACKS];
     int T[FL_MODEL_GRAPH_MAX_STACKS]; /* the last forward's rows per sequence */
@@ -55,6 +59,20 @@ static inline size_t slot_n(const struct fl_s2s_acts *a, int s, int k, const int
     return a->sp > 1 && a->st[s].g.slot[k].srows ? n / (size_t)a->sp : n;
 }
 static inline size_t stream_n(const struct fl_s2s_acts *a, size_t N) { return a->sp > 1 ? N / (size_t)a->sp : N; }
+
+/* Whether slot k of a block graph is a self-attention's q|k|v input: decoding reads its earlier rows as the keys and
+ * values (fl_block_ctx.kv_rows), so the generation arena keeps every row of it. */
+static inline int s2s_kv_slot(const fl_block_graph *g, int k) {
+    for (int i = 0; i < g->n_ops; i++)
+        if (g->op[i].kind == FL_GOP_ATTN && g->op[i].attn != FL_ATTN_CROSS && g->op[i].in == k) return 1;
+    return 0;
+}
+
+/* The generation arena's one row per sequence: slot k of stack s holds it (a->gen, the last stack, neither the cache
+ * nor the source's rows) */
+static inline int s2s_one_row(const struct fl_s2s_acts *a, int s, int k) {
+    return a->gen && s == a->n_stacks - 1 && !a->st[s].g.slot[k].xrows && !s2s_kv_slot(&a->st[s].g, k);
+}
 
 /* The encoder-decoder's passes behind the model's step entries (fl_model_kind, fitllm/model.h): seq2seq.c's table,
  * installed with the arena (seq2seq_acts.c), whose live-byte and adapter-row queries it names */

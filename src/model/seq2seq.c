@@ -385,6 +385,9 @@ static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t 
                              int defer) {
     FL_TRY(check_model(m, "fl_model_forward_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
+    if (a->gen)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_forward_s2s: the arena is generation's (fl_model_alloc_gen_s2s); a "
+                         "forward needs fl_model_alloc_acts_s2s's");
     a->head.open = 0;
     if (B > a->B || Ts > a->st[0].Tmax || Tt > a->st[1].Tmax || B <= 0 || Ts <= 0 || Tt <= 0)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward_s2s: batch %d x source %d x target %d exceeds the arena's "
@@ -605,14 +608,15 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, int b, const
     const int s = mg->n_stacks - 1, C = m->cfg.dim, Ts = a->T[s - 1];
     s2s_stack *st = &a->st[s];
     const size_t r = (size_t)b * st->Tmax + (size_t)n - 1, xr = (size_t)b * Ts; /* this row; the sequence's source */
+    const size_t r1 = a->gen ? (size_t)b : r; /* generation's arena: the per-row buffers hold one row per sequence */
     fl_outer_params op;
     fl_get_outer(m, &op);
-    FL_TRY(FL_RUN(be, to_device, st->ids + r, tok, sizeof *tok));
-    FL_TRY(fl_embed_forward(m, &op, st->res[0] + r * C, st->ids + r, tok, 1, 1, 0));
+    FL_TRY(FL_RUN(be, to_device, st->ids + r1, tok, sizeof *tok));
+    FL_TRY(fl_embed_forward(m, &op, st->res[0] + r1 * C, st->ids + r1, tok, 1, 1, 0));
     for (int l = 0; l < st->L; l++) {
         float *sv[FL_GRAPH_MAX_SLOTS];
-        for (int k = 0; k < st->g.n_slots; k++) /* row r of the per-row slots; the sequence's source rows of the rest */
-            sv[k] = st->layer[l].s[k] + (st->g.slot[k].xrows ? xr : r) * st->g.slot[k].width;
+        for (int k = 0; k < st->g.n_slots; k++) /* row r of the per-row slots (the cache's); the sequence's source rows */
+            sv[k] = st->layer[l].s[k] + (st->g.slot[k].xrows ? xr : s2s_one_row(a, s, k) ? r1 : r) * st->g.slot[k].width;
         FL_TRY(block_gather(m, st->l0 + l + 1));
         fl_block_params bp;
         fl_get_block(m, &st->g, st->l0 + l, &bp);
@@ -626,8 +630,8 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, int b, const
     int role = -1;
     for (int i = 0; i < mg->n_ops; i++)
         if (mg->op[i].stack == s && mg->op[i].kind == FL_MOP_NORM) role = mg->op[i].role_w;
-    float *no = st->nout + r * C;
-    fl_norm_forward(m, no, NULL, st->nrstd + r, st->res[st->L] + r * C, param_of(m, G, role, 0), NULL, 1);
+    float *no = st->nout + r1 * C;
+    fl_norm_forward(m, no, NULL, st->nrstd + r1, st->res[st->L] + r1 * C, param_of(m, G, role, 0), NULL, 1);
     if (m->cfg.head_scale) FL_RUN(be, scale, no, (size_t)C, 1.0f / sqrtf((float)C));
     fl_linear head = {.in = C, .out = fl_config_vocab_rows(&m->cfg, NULL), .w = op.head}; /* TP: the rank's rows */
     fl_linear_set_weight(m, &head, op.head_idx);
@@ -640,7 +644,7 @@ static fl_status check_sources(const fl_model *m, const int32_t *src, const uint
                                int max_new) {
     const struct fl_s2s_acts *a = m->acts->s2s;
     const int V = m->cfg.vocab_size;
-    if (B <= 0 || B > a->B || Ts <= 0 || Ts > a->st[0].Tmax || max_new <= 0 || max_new > a->st[1].Tmax)
+    if (B <= 0 || B > a->B || Ts <= 0 || Ts > a->st[0].Tmax || max_new < 0 || max_new > a->st[1].Tmax)
         return fl_errorf(FL_ERR_INVALID, "fl_model_generate_s2s: %d source(s) of %d tokens and %d new tokens need an "
                          "arena of batch >= %d, source >= %d and target >= %d (it has %d, %d, %d)", B, Ts, max_new, B,
                          Ts, max_new, a->B, a->st[0].Tmax, a->st[1].Tmax);
@@ -691,10 +695,18 @@ static fl_status s2s_generate_run(fl_model *m, const int32_t *src, const uint8_t
     const int V = m->cfg.vocab_size, W = max_new + 1;
     *n_out = 0;
     FL_TRY(check_sources(m, src, src_mask, B, Ts, max_new));
+    if (max_new == 0) { /* no new token asked for (as a decoder-only generate): the start token alone, nothing run */
+        for (int b = 0; b < B; b++) out[b] = m->cfg.dec_start_id;
+        *n_out = 1;
+        return FL_OK;
+    }
     /* 16-bit saved activations: the blocks share one fp32 buffer of the WIDE slots (q|k|v among them), so the decoder
      * reruns its prefix for each token (the cache's ids: the same computation on the same keys) */
     if (a->act16) kv_cache = 0;
-    if (kv_cache && m->act_ckpt) /* the blocks share one set of slots there: no room for each block's keys */
+    if (a->gen && !kv_cache) /* its decoder keeps one row per sequence: no prefix to rerun */
+        return fl_errorf(FL_ERR_INVALID, "fl_model_generate_s2s: generation's arena (fl_model_alloc_gen_s2s) decodes with "
+                         "the KV cache only (kv_cache 1)");
+    if (kv_cache && m->act_ckpt && !a->gen) /* the blocks share one set of slots there: no room for each block's keys */
         return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_generate_s2s: the KV cache needs an arena without activation "
                          "checkpointing (or kv_cache 0)");
     fl_model_graph mg;
@@ -837,7 +849,8 @@ fl_status fl_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *
     fl_sampler sp;
     FL_TRY(fl_sampler_init(&sp, fl_mem_host_pool(m->pool), m->cfg.vocab_size, gp));
     s2s_lend(m, 1);
-    fl_status s = s2s_generate(m, src, src_mask, B, Ts, gp->max_new_tokens, !m->act_ckpt, &sp, out, n_out);
+    const int gen = m->acts && m->acts->s2s && m->acts->s2s->gen; /* generation's arena: the cache, always */
+    fl_status s = s2s_generate(m, src, src_mask, B, Ts, gp->max_new_tokens, gen || !m->act_ckpt, &sp, out, n_out);
     s2s_lend(m, 0);
     fl_sampler_free(&sp);
     return s;

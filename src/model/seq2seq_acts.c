@@ -37,7 +37,8 @@ static size_t carve_acts(const fl_model *m, struct fl_s2s_acts *a, char *base) {
     for (int s = 0; s < a->n_stacks; s++) T[s] = a->st[s].Tmax;
     for (int s = 0; s < a->n_stacks; s++) {
         s2s_stack *st = &a->st[s];
-        const size_t N = B * (size_t)st->Tmax, NS = stream_n(a, N);
+        const int one = a->gen && s == a->n_stacks - 1; /* generation's decoder: one row per sequence (s2s_one_row) */
+        const size_t N = B * (one ? 1 : (size_t)st->Tmax), NS = stream_n(a, N);
         for (int l = 0; l <= st->L; l++) {
             float *r = TAKEF(&cv, NS * C);
             if (base) st->res[l] = r;
@@ -53,11 +54,11 @@ static size_t carve_acts(const fl_model *m, struct fl_s2s_acts *a, char *base) {
                 sh.s[sl] = TAKEF(&cv, slot_n(a, s, sl, T, B) * (size_t)st->g.slot[sl].width);
         }
         for (int l = 0; l < st->L; l++) {
-            if (l == 0 || !m->act_ckpt) {
+            if (l == 0 || !m->act_ckpt || a->gen) { /* generation: each block its own cache */
                 la = sh;
                 for (int k = 0; k < st->g.n_prod; k++) {
                     const int sl = st->g.prod[k];
-                    const size_t n = slot_n(a, s, sl, T, B) * (size_t)st->g.slot[sl].width;
+                    const size_t n = (s2s_one_row(a, s, sl) ? B : slot_n(a, s, sl, T, B)) * (size_t)st->g.slot[sl].width;
                     if (st->g.slot[sl].kind == FL_GSLOT_TEMP) continue; /* not saved: WORKSPACE's (carve_work) */
                     if (a->act16 && st->g.slot[sl].kind == FL_GSLOT_WIDE) la.s16[sl] = take(&cv, n * sizeof(uint16_t));
                     else la.s[sl] = TAKEF(&cv, n);
@@ -85,8 +86,10 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
     for (int s = 0; s < a->n_stacks; s++) {
         s2s_stack *st = &a->st[s];
         const size_t T = (size_t)st->Tmax;
-        float *bi = TAKEF(&cv, NH * T * T), *db = TAKEF(&cv, NH * T * T);
-        int32_t *bk = take(&cv, (2 * T - 1) * sizeof(int32_t)), *ids = take(&cv, B * T * sizeof(int32_t));
+        /* generation: no gradient; its decoder's bias is one query's (decode_bias: NH x 1 x n keys, n <= T buckets) */
+        const int one = a->gen && s == a->n_stacks - 1;
+        float *bi = TAKEF(&cv, NH * (one ? 1 : T) * T), *db = a->gen ? NULL : TAKEF(&cv, NH * T * T);
+        int32_t *bk = take(&cv, (one ? T : 2 * T - 1) * sizeof(int32_t)), *ids = take(&cv, B * (one ? 1 : T) * sizeof(int32_t));
         if (base) st->bias = bi, st->dbias = db, st->buckets = bk, st->ids = ids;
         if (st->Tmax > Tx) Tx = st->Tmax;
         if (st->g.n_gbuf > ngb) ngb = st->g.n_gbuf;
@@ -98,7 +101,8 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
     size_t tmp_n[FL_GRAPH_MAX_SLOTS] = {0};
     for (int s = 0; s < a->n_stacks; s++)
         for (int k = 0; k < a->st[s].g.n_slots; k++) {
-            const size_t n = B * a->st[s].Tmax * a->st[s].g.slot[k].width, j = a->sp > 1 ? (size_t)k : 0;
+            const size_t rows = s2s_one_row(a, s, k) ? 1 : (size_t)a->st[s].Tmax;
+            const size_t n = B * rows * a->st[s].g.slot[k].width, j = a->sp > 1 ? (size_t)k : 0;
             if (a->st[s].g.slot[k].kind == FL_GSLOT_TEMP && n > tmp_n[j]) tmp_n[j] = n;
         }
     float *tmp[FL_GRAPH_MAX_SLOTS] = {0};
@@ -109,16 +113,17 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
                 a->st[s].layer[l].s[k] = tmp[a->sp > 1 ? k : 0];
     float *spd = a->sp > 1 ? TAKEF(&cv, 2 * C) : NULL; /* sequence parallel: a norm's gradient part (exec.c) */
     if (base) m->acts->sp_dnorm = spd;
-    const size_t T0 = (size_t)a->st[0].Tmax, Tl = (size_t)a->st[a->n_stacks - 1].Tmax;
+    /* generation: no backward (d(stream), the gradient buffers, losses, targets); the logits of a token per sequence */
+    const size_t T0 = (size_t)a->st[0].Tmax, Tl = a->gen ? 1 : (size_t)a->st[a->n_stacks - 1].Tmax;
     uint8_t *km = take(&cv, B * T0);
-    float *ds = TAKEF(&cv, B * T0 * C);
-    for (int k = 0; k < ngb; k++) { /* dres and buf1 (d(final norm out)) at least C wide */
+    float *ds = a->gen ? NULL : TAKEF(&cv, B * T0 * C);
+    for (int k = 0; k < ngb && !a->gen; k++) { /* dres and buf1 (d(final norm out)) at least C wide */
         float *g = TAKEF(&cv, B * (size_t)Tx * (size_t)(k < 2 && width[k] < (int)C ? (int)C : width[k]));
         if (base) a->gb[k] = g;
     }
     a->chunk = fl_logits_chunk_rows(m->cfg.vocab_size, (int)(B * Tl)); /* one process's chunks; the rank's columns */
-    float *lg = TAKEF(&cv, (size_t)a->chunk * fl_config_vocab_rows(&m->cfg, NULL)), *ls = TAKEF(&cv, B * Tl);
-    int32_t *tg = fl_backend_host_memory(m->be) ? NULL : take(&cv, B * Tl * sizeof(int32_t));
+    float *lg = TAKEF(&cv, (size_t)a->chunk * fl_config_vocab_rows(&m->cfg, NULL)), *ls = a->gen ? NULL : TAKEF(&cv, B * Tl);
+    int32_t *tg = fl_backend_host_memory(m->be) || a->gen ? NULL : take(&cv, B * Tl * sizeof(int32_t));
     const int tpr = m->cfg.tp_size > 1 ? a->chunk : 0; /* tensor parallel: the cross-entropy's statistics (tp_vocab.c) */
     double *tps = tpr ? take(&cv, (size_t)(m->cfg.tp_size + 1) * 3 * (size_t)tpr * sizeof(double)) : NULL;
     if (base) m->acts->tp_stats = tps, m->acts->tp_stats_rows = tpr;
@@ -129,7 +134,7 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
      * fl_linear_set_dw_scratch hands them to every bf16 linear, fl_head_loss to the head. */
     void *xb16 = NULL, *dyb16 = NULL;
     size_t dyn = 0;
-    if (m->prec.name && m->prec.compute_dtype == FL_BF16 && fl_model_grads_data(m) != NULL) {
+    if (m->prec.name && m->prec.compute_dtype == FL_BF16 && fl_model_grads_data(m) != NULL && !a->gen) {
         size_t in_max = C, out_max = C;
         for (int s = 0; s < a->n_stacks; s++) {
             if ((size_t)a->st[s].g.lin_in_max > in_max) in_max = (size_t)a->st[s].g.lin_in_max;
@@ -149,12 +154,15 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
     return cv.off;
 }
 
-fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
+/* gen: generation's arena (fl_s2s_acts.gen), else training's */
+static fl_status alloc_s2s(fl_model *m, int B, int Ts, int Tt, int gen) {
+    const char *fn = gen ? "fl_model_alloc_gen_s2s" : "fl_model_alloc_acts_s2s";
     if (!fl_model_is_s2s(&m->cfg))
-        return fl_errorf(FL_ERR_INVALID, "fl_model_alloc_acts_s2s: %s has one stack (fl_model_alloc_acts)",
+        return fl_errorf(FL_ERR_INVALID, "%s: %s has one stack (fl_model_alloc_acts)", fn,
                          fl_arch_get(m->cfg.arch)->display);
     if (B <= 0 || Ts <= 0 || Tt <= 0)
-        return fl_errorf(FL_ERR_INVALID, "micro-batch must be positive (B=%d, source %d, target %d)", B, Ts, Tt);
+        return fl_errorf(FL_ERR_INVALID, "%s: %s must be positive (B=%d, source %d, target %d)", fn,
+                         gen ? "sources, their length and max_new" : "micro-batch", B, Ts, Tt);
     fl_model_free_acts(m);
     fl_acts *acts = calloc(1, sizeof *acts);
     struct fl_s2s_acts *a = calloc(1, sizeof *a);
@@ -166,11 +174,12 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
     acts->kind = &fl_s2s_kind;
     /* the bf16 policies save the blocks' WIDE slots in bf16 (not with checkpointing, which saves the stream only) */
     const fl_dtype adt = m->prec.name ? m->prec.act_dtype : FL_F32;
-    a->act16 = adt != FL_F32 && !m->act_ckpt ? adt : (fl_dtype)0;
+    a->gen = gen; /* generation saves nothing for a backward: fp32 slots, each block its own (the cache) */
+    a->act16 = adt != FL_F32 && !m->act_ckpt && !gen ? adt : (fl_dtype)0;
     acts->act_dtype = a->act16 ? adt : FL_F32;
     m->acts = acts;
     m->act_dtype = acts->act_dtype;
-    a->sp = m->sp ? m->cfg.tp_size : 0;
+    a->sp = m->sp && !gen ? m->cfg.tp_size : 0; /* generation runs the tensor-parallel graphs (gtp) */
     if (a->sp > 1) B = (B + a->sp - 1) / a->sp * a->sp; /* room for a pass's padding sequences (s2s_forward) */
     a->B = B;
     fl_model_graph mg;
@@ -185,8 +194,11 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
         st->l0 = k ? Ls[0] : 0;
         st->Tmax = Tm[k];
         st->xslot = -1;
-        for (int j = 0; j < st->g.n_slots; j++)
+        for (int j = 0; j < st->g.n_slots; j++) {
             if (st->g.slot[j].kind == FL_GSLOT_XSTREAM) st->xslot = j;
+            if (gen && k == a->n_stacks - 1 && st->g.slot[j].kind == FL_GSLOT_TEMP && (s2s_kv_slot(&st->g, j) || st->g.slot[j].xrows))
+                s = fl_errorf(FL_ERR_INTERNAL, "%s: slot %d, kept across the tokens, is a shared TEMP slot", fn, j);
+        }
         st->res = calloc((size_t)st->L + 1, sizeof *st->res);
         st->layer = calloc((size_t)st->L, sizeof *st->layer);
         if (s == FL_OK && (!st->res || !st->layer)) s = fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
@@ -203,19 +215,27 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) {
         fl_model_free_acts(m);
-        return fl_error_prefix(s, "allocating activations for B=%d, source %d, target %d", B, Ts, Tt);
+        return fl_error_prefix(s, "allocating %s for B=%d, source %d, target %d", gen ? "generation's arena" : "activations",
+                               B, Ts, Tt);
     }
     carve_acts(m, a, (char *)m->acts_arena);
     carve_work(m, a, (char *)m->work_arena);
     m->B = B;
     m->T = Tt > Ts ? Tt : Ts;
-    /* the adapters' activations: rows of the longer stack (a cross k|v adapter sees the source's) */
-    s = m->adapt && m->adapt->h.alloc_acts ? m->adapt->h.alloc_acts(m, B, m->T) : FL_OK;
+    /* the adapters' activations: rows of the longer stack (a cross k|v adapter sees the source's); generation's
+     * longest pass is the encoder's (a decoding step runs one row) */
+    s = m->adapt && m->adapt->h.alloc_acts ? m->adapt->h.alloc_acts(m, B, gen ? Ts : m->T) : FL_OK;
     if (s != FL_OK) {
         fl_model_free_acts(m);
         return fl_error_prefix(s, "allocating the adapters' activations");
     }
     return FL_OK;
+}
+
+fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) { return alloc_s2s(m, B, Ts, Tt, 0); }
+
+fl_status fl_model_alloc_gen_s2s(fl_model *m, int B, int Ts, int max_new) {
+    return alloc_s2s(m, B, Ts, max_new > 0 ? max_new : 1, 1); /* max_new 0: no decoding step, the smallest arena */
 }
 
 /* Live bytes after the last pass (fl_model_kind.live_bytes of an encoder-decoder), counted at that pass's (B, T) of each

@@ -42,6 +42,8 @@ typedef struct {
     int weights_loaded;         /* the model's weights were read from files (fl_tr_load_model): their vocabulary is
                                  * not the built-in bytes', so a tokenizer must come with them */
     fl_dataset *data;
+    size_t n_cut;               /* samples (both splits) not used whole: cut to cut_to tokens (count_cuts) */
+    int cut_to, cut_by_ctx;     /* ... by train.max_seq_length, or (cut_by_ctx) by the model's context */
     fl_loader *train, *val;
     /* an encoder-decoder (fl_model_is_s2s): the source/target pairs and their loader instead */
     fl_s2s_data *s2s, *s2s_vdata; /* the training pairs; the validation pairs (data.val_split_fraction), or NULL */

@@ -159,9 +159,14 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
                      (double)cfg->data.val_split_fraction, ss->n_records);
     } else {
         const fl_data_stats *ds = fl_data_get_stats(t->in.data);
-        fprintf(t->out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
+        char cut[96] = "";
+        if (t->in.n_cut && t->in.cut_by_ctx)
+            snprintf(cut, sizeof cut, " to %d tokens (the model's context: %d inputs)", t->in.cut_to, t->in.cut_to - 1);
+        else if (t->in.n_cut)
+            snprintf(cut, sizeof cut, " to %d tokens (train.max_seq_length)", t->in.cut_to);
+        fprintf(t->out, "data: %s, %zu train / %zu val samples, %zu truncated%s; longest input %d\n",
                 fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
-                ds->n_truncated, t->sch.T);
+                t->in.n_cut, cut, t->sch.T);
         if (ds->val_source[0]) fprintf(t->out, "validation: %s\n", ds->val_source);
     }
     if (strcmp(cfg->logger_name, "csv") && strcmp(cfg->logger_name, "jsonl"))

@@ -181,7 +181,6 @@ fl_status fl_tr_load_tokenizer(trainer *t) {
     return FL_OK;
 }
 
-static int ds_truncated(const fl_dataset *d) { return fl_data_get_stats(d)->n_truncated > 0; }
 
 /* An encoder-decoder's data: the pairs of data.json_path (fl_s2s_load, cut to data.max_source_length /
  * max_target_length tokens: 512 / 128 as HF's run_summarization; train.max_seq_length, LitGPT's sample limit, caps
@@ -266,6 +265,38 @@ fl_status fl_tr_loader_set_state(trainer *t, const fl_loader_state *s) {
     return t->in.s2s_train ? fl_s2s_loader_set_state(t->in.s2s_train, s) : fl_loader_set_state(t->in.train, s);
 }
 
+/* The samples not used whole: cut to train.max_seq_length tokens by the dataset (its count), or to T + 1 tokens (T
+ * inputs and the last one's target) by the loader where the model's context is shorter (max_seq_length null or more
+ * than the context). A sample the dataset cut is longer than T + 1 whenever the loader cuts any (T is then the context,
+ * below max_seq_length), so the count is the loader's when it cuts, else the dataset's. The notes say what was given
+ * and what is used. */
+static void count_cuts(trainer *t, fl_data_kind kind, int T, int longest) {
+    const int ctx = t->model.cfg.max_seq, msl = t->cfg->train.max_seq_length;
+    size_t over = 0;
+    for (int s = 0; s < FL_SPLIT_COUNT; s++)
+        for (size_t i = 0; i < fl_data_count(t->in.data, (fl_split)s); i++)
+            over += fl_data_get(t->in.data, (fl_split)s, i)->len > T + 1;
+    t->in.n_cut = over ? over : fl_data_get_stats(t->in.data)->n_truncated;
+    t->in.cut_to = over ? T + 1 : msl;
+    t->in.cut_by_ctx = over > 0;
+    if (kind == FL_DATA_TEXTFILES) {
+        if (msl > ctx)
+            add_note(t, "train.max_seq_length %d is more than the model's %d positions (its context): the text is cut "
+                     "into blocks of %d tokens (%d inputs) instead of %d", msl, ctx, ctx + 1, ctx, msl + 1);
+    } else if (msl > ctx + 1) {
+        add_note(t, "train.max_seq_length %d is more than the model's %d positions (its context): samples longer than "
+                 "%d tokens (%d inputs and the last one's target) are cut to that, not to %d tokens: %zu of them",
+                 msl, ctx, ctx + 1, ctx, msl, over);
+    } else if (msl == ctx + 1) {
+        add_note(t, "train.max_seq_length %d is more than the model's %d positions (its context), but a sample of %d "
+                 "tokens has %d inputs (its last token is only a target): the limit is used as given", msl, ctx, msl, ctx);
+    } else if (msl <= 0 && longest - 1 > ctx) { /* null: the longest sample would decide */
+        add_note(t, "the longest sample has %d input tokens, more than the model's %d positions (its context): "
+                 "samples longer than %d tokens (%d inputs and the last one's target) are cut to that "
+                 "(train.max_seq_length null): %zu of them", longest - 1, ctx, ctx + 1, ctx, over);
+    }
+}
+
 fl_status fl_tr_load_data(trainer *t) {
     const fl_run_config *c = t->cfg;
     if (fl_model_is_s2s(&t->model.cfg)) return load_data_s2s(t);
@@ -275,12 +306,8 @@ fl_status fl_tr_load_data(trainer *t) {
      * (model.max_seq_length = block_size) unless train.max_seq_length says less */
     if (dc.kind == FL_DATA_TEXTFILES && dc.max_seq_length <= 0) dc.max_seq_length = t->model.cfg.max_seq;
     const int ctx = t->model.cfg.max_seq;
-    if (c->train.max_seq_length > ctx) {
-        /* LitGPT's pretrain: min(train.max_seq_length, block_size); longer blocks would only be cut */
-        if (dc.kind == FL_DATA_TEXTFILES) dc.max_seq_length = ctx;
-        add_note(t, "train.max_seq_length %d is more than the model's %d positions (its context): samples are cut to "
-                 "%d tokens", c->train.max_seq_length, ctx, ctx);
-    }
+    /* LitGPT's pretrain: min(train.max_seq_length, block_size); longer blocks would only be cut */
+    if (c->train.max_seq_length > ctx && dc.kind == FL_DATA_TEXTFILES) dc.max_seq_length = ctx;
     if (dc.kind == FL_DATA_ALPACA && !dc.json_path[0])
         snprintf(dc.json_path, sizeof dc.json_path, "data/alpaca/alpaca_data_cleaned_archive.json");
     FL_TRY(fl_data_load(&t->in.data, &dc, t->in.tok));
@@ -295,9 +322,7 @@ fl_status fl_tr_load_data(trainer *t) {
     int T = longest - 1; /* inputs are the sample minus its last token */
     if (c->train.max_seq_length > 0 && T > c->train.max_seq_length) T = c->train.max_seq_length;
     if (T > t->model.cfg.max_seq) T = t->model.cfg.max_seq;
-    if (c->train.max_seq_length <= 0 && longest - 1 > ctx) /* null: the longest sample would decide */
-        add_note(t, "the longest sample has %d input tokens, more than the model's %d positions (its context): "
-                 "samples are cut to %d tokens (train.max_seq_length null)", longest - 1, ctx, ctx);
+    count_cuts(t, dc.kind, T, longest);
     t->sch.T = T;
     t->sch.B = c->train.micro_batch_size;
     /* every target masked (an empty response with mask_prompt, responses cut away by
@@ -312,7 +337,7 @@ fl_status fl_tr_load_data(trainer *t) {
                          "nothing to learn from: every target token of the %zu training samples is masked "
                          "(ignore_index %d)%s; check data.mask_prompt, the responses of the dataset and "
                          "train.max_seq_length", n_train, dc.ignore_index,
-                         ds_truncated(t->in.data) ? ", some after truncation to max_seq_length" : "");
+                         t->in.n_cut ? ", some after truncation (the data line's count)" : "");
     FL_TRY(fl_loader_init(&t->in.train, t->in.data, FL_SPLIT_TRAIN, t->sch.B, T, c->seed, 1));
     if (fl_data_count(t->in.data, FL_SPLIT_VAL) > 0) FL_TRY(fl_loader_init(&t->in.val, t->in.data, FL_SPLIT_VAL, t->sch.B, T, c->seed, 0));
     return FL_OK;
