@@ -1931,6 +1931,11 @@ if [ -d "$DATA/text" ]; then
     expect data_cut_count_600 0 "^data: JSON, 95 train / 5 val samples, 18 truncated to 513 tokens \(the model's context: 512 inputs\)" -- \
         "$FITLLM" "${CUT[@]}" --train.max_seq_length 600 --out_dir "$T/cl5"
     expect_saved note_max_seq_length_600 0 "note: train.max_seq_length 600 is more than .* samples longer than 513 tokens \(512 inputs and the last one's target\) are cut to that, not to 600 tokens: 18 of them" "$EXPECT_OUT" "$EXPECT_RC"
+    # samples cut inside their prompt (the Alpaca template is longer than 48 tokens here) train on the template alone:
+    # said (every sample's loss was the same, with no word why)
+    expect note_cut_inside_prompt 0 "note: 2000 of the 2000 training samples keep none of their response: cut to 48 tokens inside their prompt \(prompt style alpaca\)" -- \
+        "$FITLLM" finetune_full "$DATA/stories260K-hf" --data Synthetic --train.max_seq_length 48 --train.max_steps 1 \
+        --train.global_batch_size 1 --eval.max_iters 1 --eval.final_validation false --eval.max_new_tokens 0 --out_dir "$T/cl6" --quiet
     # the CPU recipe validates on TinyStories (its one train file's last 5%), not on Shakespeare
     mkdir -p "$T/rcp/run" && ln -s "$(cd "$DATA/.." && pwd)" "$T/rcp/shared"
     expect recipe_validates_on_tinystories 0 "^validation: the last 5% of the blocks of tinystories-val-prefix.txt" -- \

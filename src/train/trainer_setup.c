@@ -279,6 +279,19 @@ static void count_cuts(trainer *t, fl_data_kind kind, int T, int longest) {
     t->in.n_cut = over ? over : fl_data_get_stats(t->in.data)->n_truncated;
     t->in.cut_to = over ? T + 1 : msl;
     t->in.cut_by_ctx = over > 0;
+    if (kind != FL_DATA_TEXTFILES && t->in.n_cut) { /* instruction samples cut inside their prompt: no response left */
+        const size_t n = fl_data_count(t->in.data, FL_SPLIT_TRAIN);
+        size_t bare = 0;
+        for (size_t i = 0; i < n; i++) {
+            const fl_sample *x = fl_data_get(t->in.data, FL_SPLIT_TRAIN, i);
+            bare += x->prompt_len >= (x->len < T + 1 ? x->len : T + 1); /* prompt_len: the prompt's tokens kept */
+        }
+        if (bare)
+            add_note(t, "%zu of the %zu training samples keep none of their response: cut to %d tokens inside their "
+                     "prompt (prompt style %s), they train on the prompt alone%s; give a train.max_seq_length above "
+                     "the prompts' length", bare, n, t->in.cut_to, t->cfg->data.prompt_style,
+                     bare == n ? " (every one: the same template text step after step)" : "");
+    }
     if (kind == FL_DATA_TEXTFILES) {
         if (msl > ctx)
             add_note(t, "train.max_seq_length %d is more than the model's %d positions (its context): the text is cut "
