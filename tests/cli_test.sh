@@ -487,6 +487,11 @@ t5_p=("question: what is two plus two?" "question: what colour is the sky?" "hi"
 t5_alone=$(for p in "${t5_p[@]}"; do "$FITLLM" generate "$T/t5run/final" --prompt "$p" --max_new_tokens 6 --temperature 0 2>/dev/null; done)
 expect t5_generate_batch 0 "3 sources \(longest [0-9]+ tokens, padded\) \+ [0-9]+ new tokens at most \(greedy\)" -- "$FITLLM" generate "$T/t5run/final" --prompt "${t5_p[0]}" --prompt "${t5_p[1]}" --prompt "${t5_p[2]}" --max_new_tokens 6 --temperature 0
 expect t5_generate_batch_rows_alone 0 "" -- bash -c '[ "$(printf "%s\n" "$1" | wc -l)" = 3 ] && [ "$1" = "$("$2" generate "$3" --prompt "$4" --prompt "$5" --prompt "$6" --max_new_tokens 6 --temperature 0 2>/dev/null)" ]' _ "$t5_alone" "$FITLLM" "$T/t5run/final" "${t5_p[@]}"
+# the source ends with </s> as transformers' tokenizer(text) ends it (the ids `tokenize` prints) and as training's
+# sources do; an empty prompt is the source [</s>] (it was refused: "encodes to no tokens")
+t5_n=$("$FITLLM" tokenize "$T/t5m" --text "question: what is two plus two?" 2>/dev/null | wc -w)
+expect t5_generate_source_ends_with_eos 0 "^$t5_n source \+ 5 new tokens" -- "$FITLLM" generate "$T/t5run/final" --prompt "question: what is two plus two?" --max_new_tokens 5 --temperature 0
+expect t5_generate_empty_prompt 0 "^1 source \+ 3 new tokens" -- "$FITLLM" generate "$T/t5run/final" --prompt "" --max_new_tokens 3 --temperature 0
 expect t5_generate_batch_decoder_only 2 "2 --prompt: several prompts are decoded as one batch for an encoder-decoder \(T5\) only" -- "$FITLLM" generate micro --prompt a --prompt b --max_new_tokens 2
 expect t5_finetune_lora 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5lora" --lora_query true --lora_key true --lora_value true --lora_projection true --lora_mlp true
 expect t5_finetune_lora_targets 0 '"target_modules": \["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"\]' -- cat "$T/t5lora/final/adapter/adapter_config.json"

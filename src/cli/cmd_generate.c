@@ -383,7 +383,7 @@ static fl_status s2s_generate_batch(fl_model *m, const char *const *prompts, int
     int Ts = 0;
     fl_status s = FL_OK;
     for (int b = 0; s == FL_OK && b < B; b++) {
-        s = fl_tok_encode(tok, prompts[b], strlen(prompts[b]), -1, 0, &ids[b], &len[b]);
+        s = fl_tok_encode(tok, prompts[b], strlen(prompts[b]), -1, 1, &ids[b], &len[b]); /* the EOS as one source */
         if (s == FL_OK && len[b] == 0) s = fl_errorf(FL_ERR_INVALID, "--prompt %d encodes to no tokens", b + 1);
         for (size_t i = 0; s == FL_OK && i < len[b]; i++)
             if (ids[b][i] >= m->cfg.vocab_size)
@@ -517,7 +517,10 @@ int fl_cmd_generate(int argc, char **argv) {
     } else {
         if ((s = gen_tokenizer(&tok, o.tok_path, &gm, o.adapter ? &info : NULL, base ? base : info.base)) != FL_OK) goto fail;
         size_t n = 0;
-        if ((s = fl_tok_encode(tok, o.prompt, strlen(o.prompt), -1, 0, &ids, &n)) != FL_OK) goto fail;
+        /* an encoder-decoder's source ends with EOS (T5's </s>: transformers' tokenizer(text), the
+         * sources it was trained on, and the training data here); a decoder-only prompt is continued, never ended */
+        if ((s = fl_tok_encode(tok, o.prompt, strlen(o.prompt), -1, fl_model_is_s2s(&m.cfg) ? 1 : 0, &ids, &n)) != FL_OK)
+            goto fail;
         n_ids = (int)n;
         if (n_ids == 0) {
             s = fl_errorf(FL_ERR_INVALID, "the prompt encodes to no tokens (and the tokenizer adds no BOS)");
