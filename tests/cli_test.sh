@@ -1917,6 +1917,11 @@ for be in ref opaque; do
 done
 if [ -d "$DATA/text" ]; then
     # (--eval.final_validation false: the final pass over $DATA/text's 21,011 validation blocks took 8-14 s; small cases run it)
+    # too little train text: the message names the train files and the file LitGPT's rule took for validation
+    mkdir -p "$T/tfsmall" && printf 'Once upon a time there was a cat.\n' > "$T/tfsmall/a.txt" && : > "$T/tfsmall/b.txt"
+    expect textfiles_too_short_names_files 1 "1 tokens in the train files \(b.txt\), fewer than one block of max_seq_length\+1 = 9; a.txt validates" -- \
+        "$FITLLM" pretrain --model_name micro --data TextFiles --data.train_data_path "$T/tfsmall" --tokenizer_dir "$DATA/stories260K-hf" \
+        --train.max_steps 1 --train.global_batch_size 1 --train.micro_batch_size 1 --train.max_seq_length 8 --out_dir "$T/tfs" --quiet
     expect textfiles_names_val_file 0 "^validation: tinyshakespeare.txt, the first .txt of train_data_path in sorted order" -- \
         "$FITLLM" pretrain --model_name micro --data TextFiles --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/stories260K-hf" \
         --train.max_steps 1 --train.global_batch_size 1 --train.micro_batch_size 1 --train.max_seq_length 32 --eval.final_validation false --out_dir "$T/tf1" --quiet

@@ -86,9 +86,19 @@ static fl_status tokenize_split(const fl_data_files *fs, size_t from, size_t to,
     size_t block = (size_t)cfg->max_seq_length + 1;
     if (s == FL_OK) {
         size_t nb = n_all / block;
-        if (nb == 0 && is_train)
-            s = fl_errorf(FL_ERR_FORMAT, "%s: %zu tokens in the train files, fewer than one block of max_seq_length+1 = %zu",
-                          cfg->train_data_path, n_all, block);
+        if (nb == 0 && is_train) { /* which files those are, and the one validating (LitGPT's rule) */
+            char which[512] = "";
+            size_t o = 0;
+            for (size_t i = from; i < to && i < from + 3 && o < sizeof which; i++)
+                o += (size_t)snprintf(which + o, sizeof which - o, "%s%s", i > from ? ", " : "", base_name(fs->f[i].path));
+            if (to - from > 3 && o < sizeof which) snprintf(which + o, sizeof which - o, ", ... (%zu files)", to - from);
+            const int val_taken = to < fs->n && !cfg->val_data_path[0]; /* the first .txt of train_data_path */
+            s = fl_errorf(FL_ERR_FORMAT, "%s: %zu tokens in the train files (%s), fewer than one block of "
+                          "max_seq_length+1 = %zu%s%s%s", cfg->train_data_path, n_all, which, block,
+                          val_taken ? "; " : "", val_taken ? base_name(fs->f[to].path) : "",
+                          val_taken ? " validates (the first .txt in sorted order, as LitGPT; choose with "
+                                      "data.val_data_path)" : "");
+        }
         if (nb == 0 && !is_train) st->n_warnings++;
         if (n_all % block) st->n_warnings++;
         size_t n_train = nb, n_val = 0;
