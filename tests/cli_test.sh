@@ -1917,6 +1917,12 @@ for be in ref opaque; do
 done
 if [ -d "$DATA/text" ]; then
     # (--eval.final_validation false: the final pass over $DATA/text's 21,011 validation blocks took 8-14 s; small cases run it)
+    # plan = measured for TextFiles: its blocks are max_seq_length + 1 tokens, so T = max_seq_length (the plan used
+    # max_seq_length - 1, as for instruction samples: 5.41 MiB planned for a 5.46 MiB run)
+    TFP=(--data TextFiles --data.train_data_path "$DATA/text" --train.max_seq_length 32 --train.micro_batch_size 2 --train.global_batch_size 2)
+    tf_plan=$("$FITLLM" plan micro "${TFP[@]}" --generation off 2>/dev/null | awk '$1 == "peak" { print $(NF-1), $NF }')
+    expect plan_textfiles_equals_run 0 "peak total +$tf_plan \|" -- "$FITLLM" pretrain --model_name micro "${TFP[@]}" --tokenizer_dir "$DATA/stories260K-hf" \
+        --train.max_steps 1 --eval.final_validation false --out_dir "$T/tfp"
     # too little train text: the message names the train files and the file LitGPT's rule took for validation
     mkdir -p "$T/tfsmall" && printf 'Once upon a time there was a cat.\n' > "$T/tfsmall/a.txt" && : > "$T/tfsmall/b.txt"
     expect textfiles_too_short_names_files 1 "1 tokens in the train files \(b.txt\), fewer than one block of max_seq_length\+1 = 9; a.txt validates" -- \

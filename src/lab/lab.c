@@ -293,7 +293,7 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     snprintf(c->out_dir, sizeof c->out_dir, "%s", out_dir);
     snprintf(c->precision, sizeof c->precision, "%s", e->precision);
     c->data.kind = FL_DATA_SYNTHETIC;
-    if (text_dir && *text_dir) { /* real scale: samples of exactly T + 1 tokens (write_text_dir) */
+    if (text_dir && *text_dir) { /* samples of exactly T + 1 tokens of random letters (write_text_dir) */
         c->data.kind = FL_DATA_TEXTFILES;
         snprintf(c->data.train_data_path, sizeof c->data.train_data_path, "%s", text_dir);
     }
@@ -302,7 +302,9 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     c->train.global_batch_size = e->global;
     c->train.micro_batch_size = e->B;
     c->train.max_steps = (int)steps;
-    c->train.max_seq_length = T + 1; /* every synthetic sample is longer: the trainer's T is exactly T */
+    /* the trainer's T is exactly T: TextFiles blocks of max_seq_length + 1 tokens (T inputs and the last one's target);
+     * Synthetic records (below) are longer than T + 1 tokens and cut to it */
+    c->train.max_seq_length = c->data.kind == FL_DATA_TEXTFILES ? T : T + 1;
     if (rep->lengths[0]) { /* real scale at the course's settings: Alpaca's lengths, cut to its max_seq_length */
         c->data.kind = FL_DATA_SYNTHETIC;
         snprintf(c->data.lengths, sizeof c->data.lengths, "%s", rep->lengths);
@@ -842,7 +844,8 @@ static void banner(const fl_lab_opts *o, const fl_lab_report *rep, long steps, F
                  : "recipes/data/alpaca-lengths.tsv not found; give --lengths", fl_fmt_bytes(rep->budget, a, sizeof a), steps);
     else
         snprintf(line, sizeof line, "suite %s: budget %s (80 GB x params(%s)/params(%s) = 80 GB x %.5f), T = %d "
-                 "(activations per parameter of one sample as %s at T = %d), %ld steps per run", rep->suite,
+                 "(activations per parameter of one sample as %s at T = %d), samples of T + 1 random letters (--data: "
+                 "the course's), %ld steps per run", rep->suite,
                  fl_fmt_bytes(rep->budget, a, sizeof a), LAB_MODEL, REF_MODEL, rep->param_ratio, rep->T, REF_MODEL,
                  REF_T, steps);
     fl_lab_wrap(out, "fitllm lab, ", line, 120, 4);
@@ -857,12 +860,15 @@ static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, i
         return fl_errorf(FL_ERR_INVALID, "lab --data / --tokenizer: the quick and full suites' rows fine-tune on the "
                          "course's data; the fsdp suite's benchmark runs fixed lengths");
     if (rep->real_scale && !rep->sweep && !rep->data[0]) FL_TRY(real_lengths(o, rep));
-    if (rep->real_scale && !rep->lengths[0] && !rep->data[0]) {
+    /* no course data and no drawn lengths: blocks of T + 1 tokens of random letters (TextFiles), every token a target
+     * and every sample its own; Synthetic's instruction records cut to T + 1 tokens kept only their Alpaca template
+     * at the lab scale's T (62): every row trained on one text, the loss column and DDP = accumulation meant nothing */
+    if (!rep->lengths[0] && !rep->data[0]) {
         int max_global = 1;
         for (int i = 0; i < N_EXPS; i++) max_global = k_exps[i].global > max_global ? k_exps[i].global : max_global;
         if (rep->sweep) max_global = 4 * k_sweep_b[SWEEP_B_CKPT - 1];
         snprintf(rep->text_dir, sizeof rep->text_dir, "%s/real-scale-text", run_dir);
-        FL_TRY(fl_error_prefix(write_text_dir(rep->text_dir, rep->T, steps, max_global), "lab --scale real: its data"));
+        FL_TRY(fl_error_prefix(write_text_dir(rep->text_dir, rep->T, steps, max_global), "lab: its data"));
     }
     rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
     if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");

@@ -664,7 +664,13 @@ static const fl_lab_row *row_named(const fl_lab_report *rep, const char *name) {
 
 /* report.md: how the lab is scaled to this machine (and the real scale, when asked). */
 static void md_scaling(FILE *f, const fl_lab_report *rep) {
-    char a[32];
+    char a[32], data_words[800];
+    if (rep->data[0]) /* the rows' data as they trained on it */
+        snprintf(data_words, sizeof data_words, "the course's data `%.300s`, each sample cut to max_seq_length, tokenizer "
+                 "%.300s", rep->data, rep->tokenizer[0] ? rep->tokenizer : "the built-in bytes");
+    else
+        snprintf(data_words, sizeof data_words, "samples of T + 1 tokens of random letters (every token a target, every "
+                 "sample its own), built-in byte tokenizer");
     if (rep->blip2) {
         fl_lab_blip2_md_scaling(f, rep);
         return;
@@ -686,7 +692,7 @@ static void md_scaling(FILE *f, const fl_lab_report *rep) {
     else if (rep->real_scale)
         fprintf(f, "## Scale: real (`--scale real`)\n\n"
                    "Every row ran the lab's real model (tinyllama-1.1b, open-llama-3b, open-llama-7b; random init, "
-                   "Synthetic data) at T = %d with a budget of %s per device (the lab's 80 GB GPU), on the backend "
+                   "samples of T + 1 tokens of random letters) at T = %d with a budget of %s per device (the lab's 80 GB GPU), on the backend "
                    "named in the run (`--accelerator`). The data-parallel rows are n/a: their 4 ranks need 4 devices "
                    "(`mpirun -np 4`). The `planned` column is the planner's peak for the same run; the sections below "
                    "describe the lab-scale defaults, which this report does not use.\n\n",
@@ -705,13 +711,13 @@ static void md_scaling(FILE *f, const fl_lab_report *rep) {
                "pads Alpaca batches to the longest sample, about 1K tokens with the LLaMA tokenizer). Both come from "
                "`fl_sizing_acts`, the runtime's own sizing.\n"
                "- Micro batches, accumulation, optimizers and the order of the experiments are the lab's. Every "
-               "runnable row trains for real (`fl_trainer_run`, Synthetic data, built-in byte tokenizer, random init) "
+               "runnable row trains for real (`fl_trainer_run`, %s, random init) "
                "with the budget as `max_memory`; an out-of-memory is the allocator refusing an allocation, a verdict "
                "not a failure.\n"
                "- **Real-scale plan**: each row is also planned (`fitllm plan`) for the real model at T=%d on an 80 GB "
                "device, so the scaled verdicts can be compared with what the real run would do with fitllm.\n\n",
             rep->param_ratio, fl_fmt_bytes(rep->budget, a, sizeof a), rep->budget, rep->T, rep->act_ratio_lab,
-            rep->ref_T, rep->act_ratio_ref, rep->ref_T);
+            rep->ref_T, rep->act_ratio_ref, data_words, rep->ref_T);
 }
 
 /* report.md: the results table, its notes, the gradient-accumulation comparison. */

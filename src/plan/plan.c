@@ -717,6 +717,12 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
         note(p, "T = %d from --seq-len%s", x.T, opts.seq_len > ctx ? " (capped by the model context)" : "");
     } else if (c->data.kind == FL_DATA_SYNTHETIC && c->data.lengths[0]) {
         FL_TRY(drawn_lengths(c, ctx, &x, p));
+    } else if (c->train.max_seq_length > 0 && c->data.kind == FL_DATA_TEXTFILES) {
+        /* TextFiles: the text in blocks of max_seq_length + 1 tokens, max_seq_length inputs each (LitGPT's) */
+        x.T = c->train.max_seq_length < ctx ? c->train.max_seq_length : ctx;
+        note(p, "T = %d = train.max_seq_length%s: TextFiles cuts the text into blocks of max_seq_length + 1 tokens "
+                "(max_seq_length inputs and the last one's target)", x.T,
+             c->train.max_seq_length > ctx ? ", capped by the model context" : "");
     } else if (c->train.max_seq_length > 0) {
         /* samples are cut to max_seq_length tokens; inputs are a sample minus its last token */
         int msl = c->train.max_seq_length > 1 ? c->train.max_seq_length - 1 : 1;
