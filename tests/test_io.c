@@ -6,6 +6,7 @@
 
 #include "fitllm/io.h"
 #include "fitllm/json.h"
+#include "core/fs.h"
 #include "test.h"
 
 /* ---- helpers ---------------------------------------------------------------- */
@@ -499,6 +500,12 @@ FL_TEST(config_llama_and_errors) {
     fl_model_config c2;
     FL_REQUIRE_OK(fl_hf_load_config(p2, &c2));
     FL_CHECK(memcmp(&c, &c2, sizeof c) == 0);
+    /* floats written as transformers writes them: the shortest decimal (1e-06, not 9.99999997e-07) */
+    char *txt = NULL;
+    size_t tl = 0;
+    FL_REQUIRE_OK(fl_fs_read_file(p2, 0, &txt, &tl));
+    FL_CHECKF(strstr(txt, "\"rms_norm_eps\": 1e-06,") && strstr(txt, "\"rope_theta\": 500000.0"), "%s", txt);
+    free(txt);
     /* linear scaling with legacy "type" */
     snprintf(buf, sizeof buf, LLAMA_CFG, "{\"type\": \"linear\", \"factor\": 2.0}", "");
     FL_REQUIRE(write_text(p, buf) == 0);

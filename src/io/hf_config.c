@@ -3,6 +3,7 @@
 #include "fitllm/json.h"
 
 #include "core/fs.h"
+#include "core/text.h"
 
 #include <limits.h>
 #include <math.h>
@@ -392,8 +393,10 @@ fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
 
 /* ---- writing ------------------------------------------------------------ */
 
+/* the shortest decimal that reads back as the same float (1e-05, not %.9g's 9.99999975e-06: what transformers writes) */
 static void fl_hf_fmt_float(char *buf, size_t n, float v) {
-    snprintf(buf, n, "%.9g", (double)v);
+    if (v == floorf(v) && fabsf(v) < 1e15f) snprintf(buf, n, "%.1f", (double)v); /* 500000.0, not 5e+05 */
+    else fl_text_float(v, buf, n);
     if (!strpbrk(buf, ".eEn")) strncat(buf, ".0", n - strlen(buf) - 1);
 }
 
