@@ -1264,6 +1264,11 @@ expect lab_real_report 0 "" -- bash -c "grep -q '^## Scale: real' '$T/labreal/re
 printf '[{"instruction": "Say hi.", "input": "", "output": "hi"}, {"instruction": "Add 1 and 2.", "input": "", "output": "3"}]\n' >"$T/lab-short.json"
 expect lab_data_rows 0 "the rows fine-tune on .*lab-short.json \(tokenizer: +the +built-in +bytes\).* reduced-batch +fits" -- bash -c "'$FITLLM' lab --only reduced-batch --steps 1 --data '$T/lab-short.json' --keep-runs --out_dir '$T/labdata' | tr '\n' ' '"
 expect lab_data_tokens 0 "" -- bash -c "awk -F, 'NR == 2 { exit !(\$6 > 0 && \$6 < 8 * 62) }' '$T/labdata/runs/reduced-batch/logs/metrics.csv'"
+# a real model's tokenizer at the lab scale (its models have the vocabulary / 16): refused before any row (every row
+# failed, exit 1); the lab-scale rows' default data: different samples, so DDP's and accumulation's losses differ from
+# one micro batch's and agree with each other (the rows trained on one template text, every loss the same)
+expect lab_tokenizer_lab_scale 2 "lab --tokenizer .*llama2-tokenizer: its 32000 ids do not fit the lab scale's models \(lab-1b ... have 2000" -- "$FITLLM" lab --only reduced-batch --steps 1 --data "$T/lab-short.json" --tokenizer "$DATA/llama2-tokenizer" --out_dir "$T/labtok"
+expect lab_default_data_samples_differ 0 "" -- bash -c "'$FITLLM' lab --only grad-accum --steps 1 --keep-runs --out_dir '$T/labdd' >/dev/null && awk -F, 'NR > 1 { n++; v[\$4] = 1 } END { exit !(n == 4 && length(v) == 4) }' '$T/labdd/runs/grad-accum/logs/metrics.csv'"
 expect lab_data_auto 0 "real scale: the rows fine-tune on data/alpaca2k/alpaca2k.json \(tokenizer: .*llama2-tokenizer\), each sample cut +to +max_seq_length +512" -- bash -c "mkdir -p '$T/labauto/data/alpaca2k' && cp '$T/lab-short.json' '$T/labauto/data/alpaca2k/alpaca2k.json' && cd '$T/labauto' && '$(readlink -f "$FITLLM")' lab --scale real --plan-only --only reduced-batch --tokenizer '$(readlink -f "$DATA")/llama2-tokenizer' --out_dir '$T/labauto/out' | tr '\n' ' '"
 expect lab_data_missing 1 "lab --data .*/nope.json: no such file" -- "$FITLLM" lab --only baseline --data "$T/nope.json" --out_dir "$T/labdx"
 expect lab_tokenizer_alone 2 "lab --tokenizer .*: only with --data" -- "$FITLLM" lab --only baseline --tokenizer "$T" --out_dir "$T/labdx"

@@ -22,6 +22,16 @@ typedef struct {
 } lab_exp;
 
 
+#define LAB_MODEL "lab-1b"
+#define COURSE_MAX_SEQ_LENGTH 512 /* the course's recipes (LitGPT config_hub: Alpaca2k, max_seq_length 512) */
+
+/* lab_data.c: the rows' data. A TextFiles folder of random letters (0-val.txt, 1-train.txt) long enough for every
+ * row; the real scale's sample-length table (rep->lengths, rep->table); the course's file and tokenizer (rep->data,
+ * rep->tokenizer), checked before any row. */
+fl_status fl_lab_write_text_dir(const char *dir, int T, long steps, int max_global);
+fl_status fl_lab_real_lengths(const fl_lab_opts *o, fl_lab_report *rep);
+fl_status fl_lab_course_data(const fl_lab_opts *o, fl_lab_report *rep);
+
 /* a row with timings: it fit and trained (not --plan-only) */
 #define FL_LAB_TIMED(r) ((r)->verdict == FL_LAB_FITS && (r)->ran)
 #define FL_LAB_MIB(x) ((double)(x) / 1048576.0)

@@ -181,10 +181,9 @@ void fl_lab_opts_default(fl_lab_opts *o) {
 /* ---- scaling ------------------------------------------------------------------------ */
 
 #define REF_MODEL "tinyllama-1.1b"
-#define LAB_MODEL "lab-1b"
+/* LAB_MODEL, COURSE_MAX_SEQ_LENGTH: lab-impl.h */
 #define REF_DEVICE ((size_t)80000000000ULL) /* 80 GB */
 #define REF_T 1024
-#define COURSE_MAX_SEQ_LENGTH 512 /* the course's recipes (LitGPT config_hub: Alpaca2k, max_seq_length 512) */
 
 static double act_per_param(const fl_model_config *c, int T) {
     fl_act_sizes a;
@@ -695,82 +694,6 @@ int fl_lab_in_list(const char *list, const char *name) {
     return 0;
 }
 
-/* The real scale's data: a TextFiles folder (the first file, in name order, is the validation split)
- * of deterministic lowercase byte text, long enough for every row (the largest global batch x steps
- * samples of T + 1 tokens, plus the trainer's margin), so each sample is exactly T + 1 tokens. */
-static fl_status write_text_dir(const char *dir, int T, long steps, int max_global) {
-    FL_TRY(fl_fs_mkdir_p(dir));
-    static const char *names[2] = {"0-val.txt", "1-train.txt"};
-    const size_t per = (size_t)T + 1, want[2] = {8 * per, ((size_t)max_global * (size_t)steps + 16) * per};
-    uint64_t st = 0x243f6a8885a308d3ULL;
-    char path[4300], line[128];
-    for (int f = 0; f < 2; f++) {
-        snprintf(path, sizeof path, "%s/%s", dir, names[f]);
-        FILE *fp = fopen(path, "w");
-        if (!fp) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
-        for (size_t done = 0; done < want[f];) {
-            int n = 0;
-            while (n < 79) {
-                st = st * 6364136223846793005ULL + 1442695040888963407ULL;
-                int k = (int)((st >> 33) % 27);
-                line[n++] = k == 26 ? ' ' : (char)('a' + k);
-            }
-            line[n++] = '\n';
-            if (fwrite(line, 1, (size_t)n, fp) != (size_t)n) {
-                fclose(fp);
-                return fl_errorf(FL_ERR_IO, "%s: write failed", path);
-            }
-            done += (size_t)n;
-        }
-        if (fclose(fp) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
-    }
-    return FL_OK;
-}
-
-/* The real scale's sample lengths (quick, full suites): --lengths, else the bundled Alpaca table found from the
- * working directory or next to the executable (build/fitllm -> recipes/ beside build/), else fixed lengths, said. */
-static fl_status real_lengths(const fl_lab_opts *o, fl_lab_report *rep) {
-    static const char *rel = "recipes/data/alpaca-lengths.tsv";
-    char path[4096] = "", exe[2048];
-    if (o->lengths && !strcmp(o->lengths, "fixed")) return FL_OK;
-    if (o->lengths && *o->lengths) snprintf(path, sizeof path, "%s", o->lengths);
-    else if (access(rel, R_OK) == 0) snprintf(path, sizeof path, "%s", rel);
-    else {
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        char *slash = n > 0 ? (exe[n] = '\0', strrchr(exe, '/')) : NULL;
-        if (slash) {
-            *slash = '\0';
-            snprintf(path, sizeof path, "%s/../%s", exe, rel);
-            if (access(path, R_OK) != 0) path[0] = '\0';
-        }
-    }
-    if (!path[0]) return FL_OK; /* the banner says: fixed lengths */
-    FL_TRY(fl_error_prefix(fl_lengths_load(path, &rep->table), "lab --lengths"));
-    snprintf(rep->lengths, sizeof rep->lengths, "%s", path);
-    rep->max_seq_length = COURSE_MAX_SEQ_LENGTH;
-    return FL_OK;
-}
-
-/* The course's own data: --data, else at the real scale the recipes' data/alpaca2k/alpaca2k.json when the working
- * directory has it; its tokenizer (--tokenizer; else the built-in bytes). */
-static fl_status course_data(const fl_lab_opts *o, fl_lab_report *rep) {
-    static const char *recipe = "data/alpaca2k/alpaca2k.json";
-    const char *d = o->data && *o->data ? o->data : rep->real_scale && access(recipe, R_OK) == 0 ? recipe : NULL;
-    const char *tok = o->tokenizer && *o->tokenizer ? o->tokenizer : "";
-    if (!d && tok[0])
-        return fl_errorf(FL_ERR_INVALID, "lab --tokenizer %s: only with --data (the course's data it tokenizes)", tok);
-    if (!d) return FL_OK;
-    if (!fl_fs_is_file(d))
-        return fl_errorf(FL_ERR_NOT_FOUND, "lab --data %s: no such file (an Alpaca-style JSON or JSONL file, e.g. the "
-                         "recipes' data/alpaca2k/alpaca2k.json)", d);
-    if (tok[0] && !fl_fs_is_dir(tok))
-        return fl_errorf(FL_ERR_NOT_FOUND, "lab --tokenizer %s: no such folder (a tokenizer folder: tokenizer.json or "
-                         "tokenizer.model)", tok);
-    snprintf(rep->data, sizeof rep->data, "%s", d);
-    snprintf(rep->tokenizer, sizeof rep->tokenizer, "%s", tok);
-    return FL_OK;
-}
-
 /* The device's peak TFLOP/s for MFU: --peak-tflops, else a known GPU's by its name (dense, SXM: 16-bit tensor
  * cores for 16-bit rows, the fp32 units for 32-true), else none (a CPU). */
 static void device_peak(const fl_lab_opts *o, fl_lab_report *rep) {
@@ -855,11 +778,11 @@ static void banner(const fl_lab_opts *o, const fl_lab_report *rep, long steps, F
 /* fl_lab_run's data, rows and plans, its runs' out_dirs under run_dir */
 static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, int bit, int precs, long steps,
                           const char *run_dir) {
-    if (!rep->sweep) FL_TRY(course_data(o, rep));
+    if (!rep->sweep) FL_TRY(fl_lab_course_data(o, rep));
     else if ((o->data && *o->data) || (o->tokenizer && *o->tokenizer))
         return fl_errorf(FL_ERR_INVALID, "lab --data / --tokenizer: the quick and full suites' rows fine-tune on the "
                          "course's data; the fsdp suite's benchmark runs fixed lengths");
-    if (rep->real_scale && !rep->sweep && !rep->data[0]) FL_TRY(real_lengths(o, rep));
+    if (rep->real_scale && !rep->sweep && !rep->data[0]) FL_TRY(fl_lab_real_lengths(o, rep));
     /* no course data and no drawn lengths: blocks of T + 1 tokens of random letters (TextFiles), every token a target
      * and every sample its own; Synthetic's instruction records cut to T + 1 tokens kept only their Alpaca template
      * at the lab scale's T (62): every row trained on one text, the loss column and DDP = accumulation meant nothing */
@@ -868,7 +791,7 @@ static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, i
         for (int i = 0; i < N_EXPS; i++) max_global = k_exps[i].global > max_global ? k_exps[i].global : max_global;
         if (rep->sweep) max_global = 4 * k_sweep_b[SWEEP_B_CKPT - 1];
         snprintf(rep->text_dir, sizeof rep->text_dir, "%s/real-scale-text", run_dir);
-        FL_TRY(fl_error_prefix(write_text_dir(rep->text_dir, rep->T, steps, max_global), "lab: its data"));
+        FL_TRY(fl_error_prefix(fl_lab_write_text_dir(rep->text_dir, rep->T, steps, max_global), "lab: its data"));
     }
     rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
     if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");

@@ -717,12 +717,10 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
         note(p, "T = %d from --seq-len%s", x.T, opts.seq_len > ctx ? " (capped by the model context)" : "");
     } else if (c->data.kind == FL_DATA_SYNTHETIC && c->data.lengths[0]) {
         FL_TRY(drawn_lengths(c, ctx, &x, p));
-    } else if (c->train.max_seq_length > 0 && c->data.kind == FL_DATA_TEXTFILES) {
-        /* TextFiles: the text in blocks of max_seq_length + 1 tokens, max_seq_length inputs each (LitGPT's) */
+    } else if (c->train.max_seq_length > 0 && c->data.kind == FL_DATA_TEXTFILES) { /* blocks of max_seq_length + 1 */
         x.T = c->train.max_seq_length < ctx ? c->train.max_seq_length : ctx;
         note(p, "T = %d = train.max_seq_length%s: TextFiles cuts the text into blocks of max_seq_length + 1 tokens "
-                "(max_seq_length inputs and the last one's target)", x.T,
-             c->train.max_seq_length > ctx ? ", capped by the model context" : "");
+                "(max_seq_length inputs and the last one's target)", x.T, x.T < c->train.max_seq_length ? ", capped by the model context" : "");
     } else if (c->train.max_seq_length > 0) {
         /* samples are cut to max_seq_length tokens; inputs are a sample minus its last token */
         int msl = c->train.max_seq_length > 1 ? c->train.max_seq_length - 1 : 1;
@@ -817,18 +815,16 @@ static void row(FILE *f, const char *name, const char *kind, const size_t *b, si
 }
 
 void fl_plan_print(const fl_plan *p, FILE *f) {
-    char a[32], b[32], d[32];
-    char lay[32];
+    char a[32], b[32], d[32], lay[32];
     if (p->model.n_dec_layers) snprintf(lay, sizeof lay, "L=%d+%d", p->model.n_layers, p->model.n_dec_layers);
     else snprintf(lay, sizeof lay, "L=%d", p->model.n_layers);
     fprintf(f, "model: %s (%s), %zu parameters; %s, %s C=%d F=%d heads %d/%d, vocab %d, context %d\n",
             p->model.name[0] ? p->model.name : "?", p->model_source, p->n_params,
             fl_arch_get(p->model.arch)->display, lay, p->model.dim, p->model.ffn_dim,
             p->model.n_heads, p->model.n_kv_heads, p->model.vocab_size, p->model.max_seq);
-    char len[64];
+    char len[64], ranks[48] = ""; /* ranks: as the run's header says it */
     if (p->Ts) snprintf(len, sizeof len, "source %d, target %d", p->Ts, p->T);
     else snprintf(len, sizeof len, "T=%d", p->T);
-    char ranks[48] = ""; /* as the run's header says it */
     if (p->dp_ranks > 1) snprintf(ranks, sizeof ranks, " x %d ranks", p->dp_ranks);
     fprintf(f, "run: micro_batch %d x accumulation %d%s = global batch %d, %s, precision %s, %s, activation "
                "checkpointing %s, eval sample generation %s\n",
