@@ -388,6 +388,12 @@ expect blip2_resume_other_data 2 "saved with 14 training records, this run has 1
 expect blip2_resume_not_committed 2 "--resume .*b2ra/final: not a committed checkpoint \(no COMMITTED file\)" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume "$T/b2ra/final" --out_dir "$T/b2x"
 expect blip2_resume_true_none 2 "--resume true: .*b2none: no such output folder" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume true --out_dir "$T/b2none"
 expect blip2_resume_auto_none 0 "^step 8/8 loss" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume auto --out_dir "$T/b2none"
+# a full disk while saving (fault injection: every write after step 1's checkpoint fails) as the trainer's: the error
+# names the last committed checkpoint and --resume auto; nothing of the failed save is left (the temporary folder
+# removed), the committed step whole with its hyperparameters.yaml (tests/test_blip2_entry.c sweeps every write)
+expect blip2_disk_full_names_checkpoint 1 "error: saving checkpoint .*/b2df/step-000002: .*No space left on device; the last committed checkpoint is '.*/b2df/step-000001' \(to continue from it, run the same command with --resume auto\)" -- \
+    env FITLLM_FAULT_DISK_FULL_AFTER_STEP=1 "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 3 --train.save_interval 1 --out_dir "$T/b2df"
+expect blip2_disk_full_leaves_nothing 0 "" -- bash -c '[ "$(ls -A "$1" | tr "\n" " ")" = "logs step-000001 " ] && [ -f "$1/step-000001/COMMITTED" ] && [ -f "$1/step-000001/hyperparameters.yaml" ] || { ls -A "$1"; exit 1; }' _ "$T/b2df"
 # validation (data.val_split_fraction: the last floor(n f) shuffled records, random_split's lengths): the val loss every
 # eval.interval steps and the final evaluation; the training split is what resume checks
 b2out=$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.val_split_fraction 0.25 --eval.interval 2 --out_dir "$T/b2val" 2>&1)

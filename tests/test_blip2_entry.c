@@ -3,15 +3,19 @@
  * resumed to the end equals the uninterrupted run bit for bit; a rehearsal's result (steps, losses, times, snapshots,
  * peaks per tag, bytes per part) and its OOM verdict under a budget below its own peak; refusals by name. The CLI
  * suite checks the commands over this entry (tests/cli_test.sh blip2_*). */
+#include <dirent.h>
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "fitllm/blip2_train.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/comm.h"
 #include "fitllm/config.h"
+#include "fitllm/io.h"
 #include "test.h"
 
 #define FIX "tests/fixtures/blip2-tiny-opt"
@@ -97,6 +101,83 @@ FL_TEST(blip2_train_entry_run_stop_resume) {
     unsigned char *da = fl_test_st_data(fa, &na), *db = fl_test_st_data(fb, &nb);
     FL_CHECKF(da && db && na == nb && !memcmp(da, db, na), "%s and %s differ", fa, fb);
     free(da), free(db);
+    fl_backend_free(&be);
+}
+
+/* What a save leaves in out_dir: logs/ and whole committed folders (step-*, final/), each with hyperparameters.yaml
+ * (final/ of a LoRA run also adapter/); never a temporary or an uncommitted folder. 0 and a message otherwise. */
+static int out_dir_whole(const char *out, int lora, char *why, size_t n) {
+    DIR *d = opendir(out);
+    if (!d) return snprintf(why, n, "%s: cannot open", out), 0;
+    struct dirent *e;
+    int ok = 1;
+    char p[4400], q[4500];
+    while (ok && (e = readdir(d)) != NULL) {
+        const char *nm = e->d_name;
+        if (!strcmp(nm, ".") || !strcmp(nm, "..") || !strcmp(nm, "logs")) continue;
+        snprintf(p, sizeof p, "%s/%s", out, nm);
+        if (strncmp(nm, "step-", 5) && strcmp(nm, "final")) ok = 0, snprintf(why, n, "%s left", p);
+        else if (!fl_ckpt_is_committed(p)) ok = 0, snprintf(why, n, "%s is not committed", p);
+        for (int k = 0; ok && k < 3; k++) {
+            static const char *const need[3] = {"hyperparameters.yaml", "training_state.safetensors", "adapter"};
+            if (k && !strcmp(nm, "final") && !lora) break; /* final/: no training state; adapter/ under LoRA */
+            if (k == 1 && !strcmp(nm, "final")) continue;
+            if (k == 2 && strcmp(nm, "final")) continue;
+            snprintf(q, sizeof q, "%s/%s", p, need[k]);
+            if (access(q, F_OK) != 0) ok = 0, snprintf(why, n, "%s has no %s", p, need[k]);
+        }
+    }
+    closedir(d);
+    return ok;
+}
+
+/* BLIP-2's saves are the trainer's (a temporary folder, renamed, COMMITTED; hyperparameters.yaml in each): a run saving
+ * step-000001, step-000002 and final/ commits all three; each of its file writes made to fail in turn (ENOSPC:
+ * fl_io_fail_writes_after) fails the run with the I/O error and leaves no temporary and no uncommitted folder, the
+ * checkpoints committed before it whole. Full fine-tuning (HF folders) and LoRA (the adapter's folders). */
+FL_TEST(blip2_train_entry_failed_saves_leave_nothing) {
+    const char *tmp = fl_test_tmpdir();
+    char caps[4200], out[1024], why[9000];
+    FL_REQUIRE(write_captions(tmp, caps, sizeof caps));
+    fl_backend be;
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
+    for (int lora = 0; lora < 2; lora++) {
+        fl_run_config c;
+        snprintf(out, sizeof out, "%s/b2save%d", tmp, lora);
+        run_config(&c, caps, out, 2);
+        if (lora) { /* finetune_lora's defaults (the lab's q, v on the language model), rank 4 */
+            fl_run_config d;
+            fl_cfg_defaults(&d, FL_CMD_FINETUNE_LORA);
+            c.command = d.command, c.lora = d.lora, c.lora.r = 4;
+        }
+        c.train.save_interval = 1;
+        c.train.global_batch_size = 2;
+        fl_blip2_train_opts o = {.be = &be};
+        fl_blip2_train_result r;
+        fl_io_fail_writes_after(1L << 40);
+        FL_REQUIRE_OK(fl_blip2_train(&c, &o, &r));
+        const long total = (1L << 40) - fl_io_writes_left();
+        fl_io_fail_writes_after(-1);
+        FL_CHECKF(out_dir_whole(out, lora, why, sizeof why), "%s", why);
+        snprintf(why, sizeof why, "%s/final", out);
+        FL_CHECKF(fl_ckpt_is_committed(why), "%s is not committed", why);
+        FL_REQUIRE(total > 30);
+        /* every write (456 with full fine-tuning, 195 with LoRA: most of them model.safetensors' tensors); the quick
+         * tier every 5th and the last 20 (final/'s adapter, hyperparameters.yaml and marker), under ASan every 17th
+         * and the last 8 */
+        const long stride = fl_test_asan_light() ? 17 : fl_test_quick() ? 5 : 1, tail = fl_test_asan_light() ? 8 : 20;
+        for (long k = 0; k < total; k = k >= total - tail ? k + 1 : k + stride < total - tail ? k + stride : total - tail) {
+            snprintf(out, sizeof out, "%s/b2save%d-%ld", tmp, lora, k);
+            snprintf(c.out_dir, sizeof c.out_dir, "%s", out);
+            fl_io_fail_writes_after(k);
+            const fl_status s = fl_blip2_train(&c, &o, &r);
+            fl_io_fail_writes_after(-1);
+            FL_CHECKF(s == FL_ERR_IO && strstr(fl_error_message(), "No space left"), "lora %d, write %ld of %ld failing: "
+                      "status %d, %s", lora, k, total, (int)s, fl_error_message());
+            FL_CHECKF(out_dir_whole(out, lora, why, sizeof why), "lora %d, write %ld of %ld failing: %s", lora, k, total,
+                      why);
+        }
+    }
     fl_backend_free(&be);
 }
 

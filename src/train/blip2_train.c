@@ -600,6 +600,7 @@ static fl_status train(b2run *r) {
     r->steps_done = p.step;
     /* logs/metrics.csv (LitGPT's columns; a resumed run keeps the rows up to its checkpoint's step) */
     if (s == FL_OK && !r->rank) s = fl_fs_mkdir_p(c->out_dir);
+    if (s == FL_OK && !r->rank) fl_ckpt_clean_tmp(c->out_dir); /* what an interrupted save left */
     if (s == FL_OK && !r->rank) s = fl_metrics_open(&r->metrics, c->out_dir, c->logger_name, resumed, resumed ? p.step : -1);
     const long first = p.step;
     for (long it = p.step; s == FL_OK && it < max_steps; it++) {
@@ -624,6 +625,7 @@ static fl_status train(b2run *r) {
         }
         const int saved = c->train.save_interval > 0 && p.step % c->train.save_interval == 0;
         if (s == FL_OK && saved) s = fl_b2t_save_step(r, &p); /* rank 0 writes (ZeRO: the state gathered first) */
+        if (s == FL_OK && p.step < max_steps && r->o->after_step) r->o->after_step(r->o->stop_ud, p.step);
         if (s == FL_OK && p.step < max_steps && (s = stop_signal(r)) == FL_OK && r->stopped) {
             if (c->train.save_on_signal && !saved) s = fl_b2t_save_step(r, &p);
             break;
@@ -645,8 +647,8 @@ static fl_status train(b2run *r) {
     if (s == FL_OK && r->o->report && !r->rank) memory_report(r, r->o->report);
     free(p.order);
     char dir[4096];
-    if (s == FL_OK && (!r->rank || fl_b2t_fsdp(r))) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
-    if (s == FL_OK && (!r->rank || fl_b2t_fsdp(r))) s = fl_b2t_save_final(r, dir); /* FSDP: the ranks gather */
+    if (s == FL_OK) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
+    if (s == FL_OK) s = fl_b2t_save_final(r); /* rank 0 writes (FSDP: the ranks gather first) */
     if (s == FL_OK && !r->rank) snprintf(r->res->final_dir, sizeof r->res->final_dir, "%s", dir);
     if (s == FL_OK) fl_b2t_say(r, "saved %s%s\n", dir, r->lora ? " (weights with the LoRA adapters merged; adapter/: PEFT)" : "");
     return s;
