@@ -198,6 +198,10 @@ expect blip2_loss_cmyk 2 "bad_cmyk_8x8.jpg: CMYK JPEG is not supported" -- "$FIT
 expect blip2_image_not_blip2 2 "--image: .* is not a BLIP-2 folder" -- "$FITLLM" loss tests/fixtures/golden-opt --image "$IMG/one_1x1.png" --tokens-file "$T/cap.txt"
 expect blip2_generate_prompt_needs_tokenizer 2 "no tokenizer found" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --prompt "a photo of"
 expect blip2_generate_sampling 2 "captioning is greedy only" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --temperature 0.7
+# --max_new_tokens as the LM path takes it: 0 generates nothing; beyond the context the caption stops there (the 5
+# queries, BOS and 58 new tokens fill the OPT fixture's 64 positions: tests/test_blip2_train.c blip2_generate_stops_at_context)
+expect blip2_generate_zero_new 0 "^0 new tokens \(greedy, stop: max_new_tokens\)" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --max_new_tokens 0
+expect blip2_generate_context_limit 0 "^58 new tokens \(greedy, stop: context limit\)" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --max_new_tokens 100000
 B2T=tests/fixtures/blip2-tiny-t5
 printf '17 29\n' > "$T/t5src.txt"; printf '45 17 88 1\n' > "$T/t5tgt.txt"
 expect blip2_t5_loss_image 0 "loss 4\.5621(3[4-9]|[45][0-9]|6[0-4])  ppl [0-9.]+  tokens 4  image" -- "$FITLLM" loss "$B2T" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"

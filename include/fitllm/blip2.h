@@ -15,6 +15,7 @@
 #ifndef FITLLM_BLIP2_H
 #define FITLLM_BLIP2_H
 
+#include "fitllm/generate.h"
 #include "fitllm/model.h"
 
 #ifdef __cplusplus
@@ -123,10 +124,12 @@ fl_status fl_blip2_forward_s2s(fl_blip2 *b, const float *pixels, const int32_t *
 /* Every part's gradients (+=) from the last training forward. */
 fl_status fl_blip2_backward(fl_blip2 *b);
 /* Greedy captioning of one image: the language model's input (the Flan-T5 variant's source) is the placeholders (or
- * nothing), BOS (OPT), then the prompt's ids; up to max_new tokens (stopping after EOS) into out, their count in
- * *n_out. */
+ * nothing), BOS (OPT), then the prompt's ids; up to max_new (>= 0) tokens into out, their count in *n_out. It stops
+ * after EOS, at max_new, or (OPT) when the sequence (the queries, BOS, the prompt and the new tokens) reaches the
+ * language model's context, as fl_generate does (a prompt beyond it: FL_ERR_INVALID); *why (may be NULL) says which.
+ * out holds min(max_new, the context) ids (the Flan-T5 variant: max_new). */
 fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *prompt, int n_prompt, int max_new,
-                            int32_t *out, int *n_out);
+                            int32_t *out, int *n_out, fl_gen_stop *why);
 
 #ifdef __cplusplus
 }

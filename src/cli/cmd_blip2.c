@@ -105,17 +105,19 @@ int fl_cli_blip2_generate(const char *cmd, const char *dir, const char *image, c
     int n = 0;
     fl_status s = temperature != 0.0f ? fl_errorf(FL_ERR_UNSUPPORTED, "--temperature %g: captioning is greedy only so "
                                                   "far (--temperature 0)", (double)temperature)
-                  : max_new <= 0 ? fl_errorf(FL_ERR_INVALID, "--max_new_tokens must be positive")
-                                 : open_blip2(dir, image, be, pool, &b, &px);
+                                      : open_blip2(dir, image, be, pool, &b, &px);
     if (s == FL_OK && (prompt || fl_io_has_tokenizer(dir))) s = fl_tok_load(&tok, dir);
     if (s == FL_OK && prompt) s = fl_tok_encode(tok, prompt, strlen(prompt), -1, 0, &pids, &np);
     const fl_blip2_config *c = b ? fl_blip2_get_config(b) : NULL;
     const int32_t *p = prompt ? pids : prompt_ids;
     int npr = prompt ? (int)np : n_prompt_ids;
     if (s == FL_OK && npr > 0 && p[0] == c->bos_id) p++, npr--; /* BOS is the model's own, before the prompt */
-    if (s == FL_OK && !(out = malloc((size_t)max_new * sizeof *out))) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+    /* OPT: at most the context's ids (generation stops there) */
+    const int cap = c && !fl_model_is_s2s(&c->text) && max_new > c->text.max_seq ? c->text.max_seq : max_new;
+    if (s == FL_OK && !(out = malloc(((size_t)cap + 1) * sizeof *out))) s = fl_errorf(FL_ERR_OOM, "out of host memory");
     const double t0 = fl_cli_now_ms();
-    if (s == FL_OK) s = fl_blip2_generate(b, px, p, npr, max_new, out, &n);
+    fl_gen_stop why = FL_GEN_STOP_MAX_TOKENS;
+    if (s == FL_OK) s = fl_blip2_generate(b, px, p, npr, max_new, out, &n, &why);
     if (s == FL_OK && tok) {
         char *text = NULL;
         size_t len = 0;
@@ -128,7 +130,8 @@ int fl_cli_blip2_generate(const char *cmd, const char *dir, const char *image, c
     }
     if (s == FL_OK)
         fprintf(stderr, "%d new tokens (greedy, stop: %s); %.1f ms\n", n,
-                n && out[n - 1] == c->eos_id ? "EOS" : "max_new_tokens", fl_cli_now_ms() - t0);
+                why == FL_GEN_STOP_EOS || (n && out[n - 1] == c->eos_id) ? "EOS"
+                : why == FL_GEN_STOP_CONTEXT ? "context limit" : "max_new_tokens", fl_cli_now_ms() - t0);
     const int rc = s == FL_OK ? 0 : fl_cli_fail(cmd, s, pool);
     free(out), free(pids), free(px);
     if (tok) fl_tok_free(tok);
