@@ -318,6 +318,23 @@ if [ $rc -eq 0 ] && [ -n "$l8" ] && [ -n "$lf" ] && awk -v a="$l1" -v b="$l8" -v
 else echo "FAIL blip2_t5_finetune_full: rc $rc, steps $l1 -> $l8, reloaded $lb -> $lf"; echo "$b2out" | tail -3; fail=$((fail+1)); fi
 expect blip2_t5_finetune_lora 0 "saved .*b2t5l/final" -- "$FITLLM" finetune_lora tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --lora_r 4 --out_dir "$T/b2t5l"
 expect blip2_t5_lora_adapter 0 '"task_type": "SEQ_2_SEQ_LM"' -- cat "$T/b2t5l/final/adapter/adapter_config.json"
+# a BLIP-2 LoRA checkpoint outside --resume (the adapter's modules language_model.<module>, as PEFT names them):
+# merge_lora merges the last step's adapter into its BLIP-2 base, the run's final/ byte for byte
+# (tests/test_blip2_entry.c blip2_merge_peft_equals_final); generate --image takes the merged folder, the step folder,
+# a run folder without final/ (its newest step) and --adapter on the base alike (the trained caption, not the base's)
+"$FITLLM" finetune_lora "$B2T" "${B2RUN[@]}" --lora_r 4 --optimizer.lr 0.05 --train.save_interval 8 --out_dir "$T/b2t5s" >/dev/null 2>&1
+expect blip2_merge_lora 0 "merged -> .*b2t5m \(config.json, model.safetensors, the processor's files: a BLIP-2 folder" -- "$FITLLM" merge_lora "$T/b2t5s/step-000008" --out_dir "$T/b2t5m"
+expect blip2_merge_lora_equals_final 0 "" -- cmp "$T/b2t5s/final/model.safetensors" "$T/b2t5m/model.safetensors"
+B2GEN=(--image "$IMG/palette_45x31.png" --prompt-ids "17 29" --max_new_tokens 6)
+b2cap=$("$FITLLM" generate "$T/b2t5s/final" "${B2GEN[@]}" 2>/dev/null)
+expect blip2_lora_caption_trained 0 "" -- bash -c '[ -n "$1" ] && [ "$1" != "$2" ]' _ "$b2cap" "$("$FITLLM" generate "$B2T" "${B2GEN[@]}" 2>/dev/null)"
+mkdir -p "$T/b2t5r" && cp -r "$T/b2t5s/step-000008" "$T/b2t5r/"
+for w in merged:"$T/b2t5m" step:"$T/b2t5s/step-000008" run:"$T/b2t5r"; do
+    expect "blip2_generate_lora_${w%%:*}" 0 "^$b2cap\$" -- "$FITLLM" generate "${w#*:}" "${B2GEN[@]}"
+done
+expect blip2_generate_adapter 0 "^$b2cap\$" -- "$FITLLM" generate "$B2T" --adapter "$T/b2t5s/final/adapter" "${B2GEN[@]}"
+expect blip2_generate_final_own_adapter 2 "already has the adapter .*final/adapter merged in" -- "$FITLLM" generate "$T/b2t5s/final" --adapter "$T/b2t5s/final/adapter" "${B2GEN[@]}"
+expect blip2_merge_lora_not_blip2_base 2 "the adapter's base model '.*golden-opt' is not a BLIP-2 folder" -- "$FITLLM" merge_lora "$T/b2t5s/step-000008" --base tests/fixtures/golden-opt --out_dir "$T/b2x"
 expect blip2_t5_finetune_needs_lm 2 "the Flan-T5 variant trains its language model" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train qformer --out_dir "$T/b2x"
 printf '{"image": "one_1x1.png", "caption": "3 4"}\n{"image": "one_1x1.png"}\n' > "$T/b2bad/c.jsonl"
 expect blip2_finetune_jsonl_key 1 'c.jsonl: line 2: key "text" \(or "caption"\): missing' -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad/c.jsonl" --out_dir "$T/b2x"

@@ -16,6 +16,7 @@
 #include "fitllm/comm.h"
 #include "fitllm/config.h"
 #include "fitllm/io.h"
+#include "fitllm/peft.h"
 #include "test.h"
 
 #define FIX "tests/fixtures/blip2-tiny-opt"
@@ -104,6 +105,13 @@ FL_TEST(blip2_train_entry_run_stop_resume) {
     fl_backend_free(&be);
 }
 
+/* finetune_lora's command and defaults (the lab's q, v on the language model), rank 4 */
+static void lora_config(fl_run_config *c) {
+    fl_run_config d;
+    fl_cfg_defaults(&d, FL_CMD_FINETUNE_LORA);
+    c->command = d.command, c->lora = d.lora, c->lora.r = 4;
+}
+
 /* What a save leaves in out_dir: logs/ and whole committed folders (step-*, final/), each with hyperparameters.yaml
  * (final/ of a LoRA run also adapter/); never a temporary or an uncommitted folder. 0 and a message otherwise. */
 static int out_dir_whole(const char *out, int lora, char *why, size_t n) {
@@ -145,11 +153,7 @@ FL_TEST(blip2_train_entry_failed_saves_leave_nothing) {
         fl_run_config c;
         snprintf(out, sizeof out, "%s/b2save%d", tmp, lora);
         run_config(&c, caps, out, 2);
-        if (lora) { /* finetune_lora's defaults (the lab's q, v on the language model), rank 4 */
-            fl_run_config d;
-            fl_cfg_defaults(&d, FL_CMD_FINETUNE_LORA);
-            c.command = d.command, c.lora = d.lora, c.lora.r = 4;
-        }
+        if (lora) lora_config(&c);
         c.train.save_interval = 1;
         c.train.global_batch_size = 2;
         fl_blip2_train_opts o = {.be = &be};
@@ -178,6 +182,62 @@ FL_TEST(blip2_train_entry_failed_saves_leave_nothing) {
                       why);
         }
     }
+    fl_backend_free(&be);
+}
+
+/* A BLIP-2 PEFT adapter merged by the library (fl_blip2_merge_peft: what merge_lora and generate --adapter run on a
+ * BLIP-2 base): a LoRA run's last step adapter (modules language_model.<module>) merged into the base and saved is the
+ * run's final/ (the trainer's own merge) byte for byte, OPT and Flan-T5; an adapter module the model lacks, or of
+ * another shape, is refused by name. */
+FL_TEST(blip2_merge_peft_equals_final) {
+    const char *tmp = fl_test_tmpdir();
+    static const char *const fix[2] = {FIX, "tests/fixtures/blip2-tiny-t5"};
+    char caps[4200], out[1024], p[1200], q[1200];
+    FL_REQUIRE(write_captions(tmp, caps, sizeof caps));
+    fl_backend be;
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    for (int v = 0; v < 2; v++) {
+        fl_run_config c;
+        snprintf(out, sizeof out, "%s/b2merge%d", tmp, v);
+        run_config(&c, caps, out, 2);
+        snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", fix[v]);
+        lora_config(&c);
+        c.train.save_interval = 2;
+        c.optimizer.lr = 0.05f;
+        const fl_blip2_train_opts o = {.be = &be};
+        fl_blip2_train_result r;
+        FL_REQUIRE_OK(fl_blip2_train(&c, &o, &r));
+        fl_peft_adapter a;
+        snprintf(p, sizeof p, "%s/step-000002", out);
+        FL_REQUIRE_OK(fl_peft_load(p, &a));
+        FL_CHECKF(a.n > 0 && !strncmp(a.mods[0].name, "language_model.", 15), "%d modules, '%s'", a.n, a.mods[0].name);
+        fl_blip2 *b = NULL;
+        FL_REQUIRE_OK(fl_blip2_load(&b, fix[v], &be, &pool));
+        FL_REQUIRE_OK(fl_blip2_merge_peft(b, &a));
+        snprintf(p, sizeof p, "%s/merged", out);
+        FL_REQUIRE_OK(fl_blip2_save(b, fix[v], p));
+        snprintf(p, sizeof p, "%s/merged/model.safetensors", out);
+        snprintf(q, sizeof q, "%s/final/model.safetensors", out);
+        size_t np = 0, nq = 0;
+        unsigned char *dp = fl_test_st_data(p, &np), *dq = fl_test_st_data(q, &nq);
+        FL_CHECKF(dp && dq && np == nq && !memcmp(dp, dq, np), "%s: the merged step adapter differs from %s", fix[v], q);
+        free(dp), free(dq);
+        /* refusals: a module the model lacks, one of another shape */
+        char keep[sizeof a.mods[0].name];
+        memcpy(keep, a.mods[0].name, sizeof keep);
+        snprintf(a.mods[0].name, sizeof a.mods[0].name, "language_model.no.such.proj");
+        FL_CHECK(fl_blip2_merge_peft(b, &a) == FL_ERR_INVALID && strstr(fl_error_message(), "'language_model.no.such.proj' "
+                                                                        "is not a linear layer of this BLIP-2 model"));
+        memcpy(a.mods[0].name, keep, sizeof keep);
+        a.mods[0].in--;
+        FL_CHECK(fl_blip2_merge_peft(b, &a) == FL_ERR_INVALID && strstr(fl_error_message(), "the model's"));
+        a.mods[0].in++;
+        fl_blip2_free(b);
+        fl_peft_free(&a);
+    }
+    fl_backend_pools_free(&pool, &host);
     fl_backend_free(&be);
 }
 

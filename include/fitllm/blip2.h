@@ -17,6 +17,7 @@
 
 #include "fitllm/generate.h"
 #include "fitllm/model.h"
+#include "fitllm/peft.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -78,6 +79,11 @@ fl_status fl_blip2_save(const fl_blip2 *b, const char *src_dir, const char *dst_
  * an FSDP part's gathered parameters) where whole[k] is not NULL. */
 fl_status fl_blip2_save_whole(const fl_blip2 *b, const char *src_dir, const char *dst_dir,
                               const void *const whole[FL_BLIP2_PARTS]);
+/* A PEFT LoRA adapter (fl_peft_load) merged into the weights: W = (its saved base layer, else W) + scaling B A for
+ * every module. The language model's modules are named language_model.<module> (as PEFT names them on
+ * Blip2ForConditionalGeneration, and as fine-tuning saves them), the image parts' by their full names; a module that
+ * is no linear layer of the model, or of another shape, is FL_ERR_INVALID naming it. */
+fl_status fl_blip2_merge_peft(fl_blip2 *b, const fl_peft_adapter *a);
 void fl_blip2_zero_grads(fl_blip2 *b);
 /* ACTS bytes of part k in the arena allocated now: its residual stream, saved slots and norms (the Flan-T5 language
  * model: its own encoder-decoder arena); LoRA adapters' activations not included. 0 without an arena. */

@@ -12,14 +12,14 @@
 #include "fitllm/tokenizer.h"
 #include "fitllm/trainer.h"
 
-/* The model and the image's pixel_values (3 x S x S, S the vision tower's image_size). */
+/* The model (*b: the caller's, else loaded from dir) and the image's pixel_values (3 x S x S, S the vision tower's
+ * image_size) by dir's preprocessor_config.json. */
 static fl_status open_blip2(const char *dir, const char *image, const fl_backend *be, fl_mem_pool *pool, fl_blip2 **b,
                             float **px) {
-    *b = NULL;
     *px = NULL;
-    if (!fl_blip2_is_folder(dir))
+    if (!*b && !fl_blip2_is_folder(dir))
         return fl_errorf(FL_ERR_INVALID, "--image: %s is not a BLIP-2 folder (config.json with model_type \"blip-2\")", dir);
-    FL_TRY(fl_blip2_load(b, dir, be, pool));
+    if (!*b) FL_TRY(fl_blip2_load(b, dir, be, pool));
     char pp[4096];
     FL_TRY(fl_fs_join(pp, sizeof pp, dir, "preprocessor_config.json"));
     fl_img_proc proc;
@@ -94,10 +94,9 @@ int fl_cli_blip2_loss(const char *cmd, const char *dir, const char *image, const
     return rc;
 }
 
-int fl_cli_blip2_generate(const char *cmd, const char *dir, const char *image, const char *prompt,
+int fl_cli_blip2_generate(const char *cmd, const char *dir, fl_blip2 *b, const char *image, const char *prompt,
                           const int32_t *prompt_ids, int n_prompt_ids, int max_new, float temperature,
                           const fl_backend *be, fl_mem_pool *pool) {
-    fl_blip2 *b = NULL;
     fl_tokenizer *tok = NULL;
     float *px = NULL;
     int32_t *pids = NULL, *out = NULL;

@@ -585,3 +585,37 @@ fl_status fl_blip2_save_whole(const fl_blip2 *b, const char *src_dir, const char
     if (s == FL_OK && fl_io_has_tokenizer(src_dir)) s = fl_io_copy_tokenizer_files(src_dir, dst_dir, &nc);
     return s == FL_OK ? FL_OK : fl_error_prefix(s, "saving BLIP-2 to %s", dst_dir);
 }
+
+/* ---- PEFT adapters ---------------------------------------------------------------------------- */
+
+fl_status fl_blip2_merge_peft(fl_blip2 *b, const fl_peft_adapter *a) {
+    static const char lm[] = "language_model.";
+    const float sc = fl_lora_scaling(&a->cfg.lora);
+    for (int j = 0; j < a->n; j++) {
+        const fl_peft_module *md = &a->mods[j];
+        const int text = !strncmp(md->name, lm, sizeof lm - 1);
+        char w[FL_PARAM_NAME_MAX + 8];
+        snprintf(w, sizeof w, "%s.weight", text ? md->name + sizeof lm - 1 : md->name);
+        fl_model *m = NULL;
+        int i = -1;
+        for (int k = 0; k < FL_BLIP2_PARTS && i < 0; k++) /* the language model's under its prefix, else the image parts' */
+            if ((k == FL_BLIP2_TEXT) == text && (i = fl_layout_find(&b->part[k].layout, w)) >= 0) m = &b->part[k];
+        if (i < 0)
+            return fl_errorf(FL_ERR_INVALID, "LoRA module '%s' is not a linear layer of this BLIP-2 model (the language "
+                             "model's are named language_model.<module>, as PEFT names them on "
+                             "Blip2ForConditionalGeneration)", md->name);
+        const fl_param_info *p = &m->layout.params[i];
+        if (p->ndim != 2 || p->shape[0] != md->out || p->shape[1] != md->in)
+            return fl_errorf(FL_ERR_INVALID, "LoRA module '%s' is %d x %d, the model's %s %lld x %lld", md->name,
+                             md->out, md->in, w, (long long)p->shape[0], (long long)(p->ndim == 2 ? p->shape[1] : 1));
+        const size_t n = (size_t)md->out * md->in;
+        float *tmp = malloc(n * sizeof *tmp);
+        if (!tmp) return fl_errorf(FL_ERR_OOM, "merging the LoRA adapter: out of host memory");
+        if (md->W) memcpy(tmp, md->W, n * sizeof *tmp); /* PEFT's saved base layer replaces the weight */
+        else fl_model_read_param(m, i, tmp);
+        fl_lora_merge(tmp, md->in, md->A, md->B, a->cfg.lora.r, md->in, md->out, sc);
+        fl_model_write_param(m, i, tmp);
+        free(tmp);
+    }
+    return FL_OK;
+}
