@@ -241,6 +241,66 @@ FL_TEST(blip2_merge_peft_equals_final) {
     fl_backend_free(&be);
 }
 
+/* The live rows of the memory report follow the decoder trainer's rule per tag (docs/ARCHITECTURE.md "Reserved and
+ * live memory"): PARAMS, OPTIM and OTHER (the patch staging, in every phase row) live in full; ACTS nothing before the
+ * forward, after a training forward what the backward reads (less than the arena: the OPT head's norm output is not),
+ * after the backward nothing; WORKSPACE after the forward the OPT head's d(final norm out) and ids (N (C + 1) floats),
+ * else nothing; GRADS 0 after zeroing, the tied head's V x C after the forward (the first micro-batch of 2), all after
+ * the backward, 0 after the update. LoRA: the adapters' gradients all after the backward; the Flan-T5 variant: its
+ * language model's arena counted as a T5's. */
+FL_TEST(blip2_train_entry_live_by_phase) {
+    const char *tmp = fl_test_tmpdir();
+    char caps[4200], out[1024];
+    FL_REQUIRE(write_captions(tmp, caps, sizeof caps));
+    fl_backend be;
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
+    static const char *const fix[2] = {FIX, "tests/fixtures/blip2-tiny-t5"};
+    for (int v = 0; v < 3; v++) { /* OPT full, OPT LoRA, Flan-T5 full */
+        fl_run_config c;
+        snprintf(out, sizeof out, "%s/b2live%d", tmp, v);
+        run_config(&c, caps, out, 1);
+        snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", fix[v == 2]);
+        if (v == 1) lora_config(&c);
+        const fl_blip2_train_opts o = {.be = &be};
+        fl_blip2_train_result r;
+        FL_REQUIRE_OK(fl_blip2_train(&c, &o, &r));
+        FL_REQUIRE(r.n_phases >= 5);
+        const fl_mem_phase *ph = r.phases; /* after_load, before_fwd, after_fwd, after_bwd, after_opt_step */
+        for (int i = 1; i < 5; i++) {
+            for (int t = 0; t < FL_TAG_COUNT; t++)
+                FL_CHECKF(ph[i].live[t] <= ph[i].cur[t], "v %d %s: %s live %zu > %zu", v, ph[i].name,
+                          fl_mem_tag_name((fl_mem_tag)t), ph[i].live[t], ph[i].cur[t]);
+            FL_CHECKF(ph[i].live[FL_TAG_PARAMS] == ph[i].cur[FL_TAG_PARAMS] &&
+                          ph[i].live[FL_TAG_OPTIM] == ph[i].cur[FL_TAG_OPTIM] &&
+                          ph[i].live[FL_TAG_OTHER] == ph[i].cur[FL_TAG_OTHER] && ph[i].cur[FL_TAG_OTHER] > 0,
+                      "v %d %s: PARAMS, OPTIM, OTHER not live in full (OTHER %zu of %zu)", v, ph[i].name,
+                      ph[i].live[FL_TAG_OTHER], ph[i].cur[FL_TAG_OTHER]);
+        }
+        FL_CHECKF(r.peak[FL_TAG_OTHER] == ph[1].cur[FL_TAG_OTHER], "v %d: OTHER peak %zu, in the phase rows %zu", v,
+                  r.peak[FL_TAG_OTHER], ph[1].cur[FL_TAG_OTHER]);
+        const size_t *b0 = ph[1].live, *f = ph[2].live, *bw = ph[3].live, *u = ph[4].live;
+        FL_CHECKF(b0[FL_TAG_ACTS] == 0 && b0[FL_TAG_GRADS] == 0 && b0[FL_TAG_WORKSPACE] == 0, "v %d before_fwd: ACTS %zu "
+                  "GRADS %zu WORKSPACE %zu", v, b0[FL_TAG_ACTS], b0[FL_TAG_GRADS], b0[FL_TAG_WORKSPACE]);
+        FL_CHECKF(f[FL_TAG_ACTS] > 0 && f[FL_TAG_ACTS] < ph[2].cur[FL_TAG_ACTS], "v %d after_fwd: ACTS live %zu of %zu", v,
+                  f[FL_TAG_ACTS], ph[2].cur[FL_TAG_ACTS]);
+        FL_CHECKF(bw[FL_TAG_ACTS] == 0 && bw[FL_TAG_WORKSPACE] == 0 && bw[FL_TAG_GRADS] == ph[3].cur[FL_TAG_GRADS] &&
+                      bw[FL_TAG_GRADS] > 0, "v %d after_bwd: ACTS %zu WORKSPACE %zu GRADS %zu of %zu", v,
+                  bw[FL_TAG_ACTS], bw[FL_TAG_WORKSPACE], bw[FL_TAG_GRADS], ph[3].cur[FL_TAG_GRADS]);
+        FL_CHECKF(u[FL_TAG_GRADS] == 0 && u[FL_TAG_ACTS] == 0, "v %d after_opt_step: GRADS %zu ACTS %zu", v,
+                  u[FL_TAG_GRADS], u[FL_TAG_ACTS]);
+        if (v == 2) continue;
+        /* OPT: 2 captions of BOS + 5 ids after the 5 queries, N = 22 rows; the tied head V x C (LoRA: no head adapter) */
+        fl_blip2_config bc;
+        FL_REQUIRE_OK(fl_blip2_config_load(FIX "/config.json", &bc));
+        const size_t N = 2 * (size_t)(bc.n_queries + 6), C = (size_t)bc.text.dim, V = (size_t)bc.text.vocab_size;
+        FL_CHECKF(f[FL_TAG_WORKSPACE] == N * C * 4 + (v ? 0 : N * 4), "v %d after_fwd: WORKSPACE live %zu, want %zu", v,
+                  f[FL_TAG_WORKSPACE], N * C * 4 + (v ? 0 : N * 4));
+        FL_CHECKF(f[FL_TAG_GRADS] == (v ? 0 : V * C * 4), "v %d after_fwd: GRADS live %zu, the head's %zu", v,
+                  f[FL_TAG_GRADS], v ? 0 : V * C * 4);
+    }
+    fl_backend_free(&be);
+}
+
 FL_TEST(blip2_train_entry_rehearsal_and_oom) {
     fl_blip2_config bc;
     FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));

@@ -109,6 +109,14 @@ fl_status fl_blip2_set_act_ckpt(fl_blip2 *b, int on);
  * checkpointed recompute regenerate them; a rate of 0 drops nothing (the bits without). FL_ERR_UNSUPPORTED: a
  * backend without the dropout op while a rate is positive. */
 fl_status fl_blip2_set_dropout(fl_blip2 *b, int on);
+/* What the model holds live after each phase of a training step (fitllm/model.h fl_model_live for one model;
+ * docs/ARCHITECTURE.md "Reserved and live memory"), the regions into out (FL_BLIP2_LIVE_MAX), their count returned;
+ * the fine-tuning records them at its phase boundaries (fl_mem_phase_edge). ZEROED / UPDATED: every part's gradients
+ * 0. FORWARD (a training forward): the arena's saved activations the backward reads, the OPT head's d(final norm out)
+ * and ids (WORKSPACE), the LoRA adapters' activations, the OPT head's gradient (at least); the Flan-T5 language
+ * model's own arena as fl_model_live. BACKWARD: the activations 0, every trained part's gradients in full. */
+#define FL_BLIP2_LIVE_MAX (FL_MODEL_LIVE_MAX + 2 + 2 * FL_BLIP2_PARTS)
+int fl_blip2_live(const fl_blip2 *b, fl_live_phase phase, fl_live_region *out);
 /* The arena for B images and T language-model ids per sequence. */
 fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T);
 

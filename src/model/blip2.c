@@ -619,3 +619,58 @@ fl_status fl_blip2_merge_peft(fl_blip2 *b, const fl_peft_adapter *a) {
     }
     return FL_OK;
 }
+
+/* ---- live memory (docs/ARCHITECTURE.md "Reserved and live memory") ------------------------------- */
+
+/* The bytes a view carved at p holds up to the view carved after it (q): fl_carve's share of the arena. */
+static size_t carved(const void *p, const void *q) { return p && q ? (size_t)((const char *)q - (const char *)p) : 0; }
+
+/* The arena's ACTS the backward reads after a training forward: each part's saved activations (0 for a lean part;
+ * under checkpointing the shared block slots, recomputed, are not), less the OPT language model's final norm output
+ * (only its head reads it, and the head's backward ran in the forward), plus a lean vision tower's output (the image
+ * features) when the Q-Former trains: its cross-attention's backward reads them. */
+static size_t acts_live(const fl_blip2 *b, int here) {
+    size_t n = 0;
+    for (int k = 0; k < here; k++) n += b->acts_saved[k];
+    if (here == 3 && !b->lean[2]) n -= carved(b->st[2].nout, b->st[2].nmean);
+    if (b->lean[0] && !b->lean[1]) n += carved(b->st[0].nout, b->st[0].nmean);
+    return n;
+}
+
+int fl_blip2_live(const fl_blip2 *b, fl_live_phase phase, fl_live_region *out) {
+    int n = 0;
+    const int s2s = fl_model_is_s2s(&b->cfg.text), here = s2s ? 2 : 3;
+    const int train = phase == FL_LIVE_FORWARD && b->fwd_train, passes = phase == FL_LIVE_FORWARD || phase == FL_LIVE_BACKWARD;
+    if (s2s) n += fl_model_live(&b->part[2], phase, out); /* the Flan-T5 language model: its own arena, as a T5's */
+    if (b->acts && passes) {
+        const fl_model *lm = &b->part[2];
+        const size_t N = (size_t)b->Bp * (size_t)b->st[2].T;
+        /* WORKSPACE: the OPT head's d(final norm out) and, when the embeddings train, the ids their backward reads */
+        const size_t hand = train && !s2s ? N * (size_t)lm->cfg.dim * sizeof(float) +
+                                                (fl_model_grads_data(lm) ? N * sizeof(int32_t) : 0) : 0;
+        out[n++] = (fl_live_region){b->acts, train ? acts_live(b, here) : 0, 0};
+        out[n++] = (fl_live_region){b->work, hand, 0};
+    }
+    for (int k = 0; k < here; k++) {
+        const fl_model *m = &b->part[k];
+        const void *lbuf = NULL;
+        /* LoRA adapters' activations: the rows fl_model_adapter_live_rows gives for the part's last forward */
+        const size_t lb = passes && m->adapt && m->adapt->h.live_acts ? m->adapt->h.live_acts(m, train, &lbuf) : 0;
+        if (lbuf) out[n++] = (fl_live_region){lbuf, lb, 0};
+        void *g = fl_model_grads_buffer(m);
+        if (!g) continue;
+        if (phase == FL_LIVE_ZEROED || phase == FL_LIVE_UPDATED) { /* zeros, or consumed */
+            out[n++] = (fl_live_region){g, 0, 0};
+        } else if (phase == FL_LIVE_BACKWARD) {
+            out[n++] = (fl_live_region){g, SIZE_MAX, 0}; /* every gradient of a part that trains holds the sum */
+        } else if (train && k == FL_BLIP2_TEXT && !fl_model_provider(m)) { /* the head's, written in the forward */
+            fl_outer_params op;
+            fl_get_outer(m, &op);
+            const size_t hg = m->adapt ? m->adapt->h.head_grad_bytes
+                              : op.dhead ? (size_t)m->cfg.vocab_size * m->cfg.dim *
+                                               (fl_model_grads_16(m) ? sizeof(uint16_t) : sizeof(float)) : 0;
+            out[n++] = (fl_live_region){g, hg, 1};
+        }
+    }
+    return n;
+}
