@@ -432,6 +432,9 @@ expect blip2_plan_opt27b_64_oom 3 "OUT OF MEMORY during setup \(before_fwd\): WO
 expect blip2_plan_json 0 '"source": "BLIP-2 preset"' -- "$FITLLM" plan blip2-micro --json
 expect blip2_plan_fsdp_rank 0 "FULL_SHARD over 2 ranks: each rank holds its shard of every part" -- "$FITLLM" plan "$B2" --devices 2 --strategy fsdp
 expect blip2_plan_ddp_rank 0 "DDP over 2 ranks: each rank holds the whole model" -- "$FITLLM" plan "$B2" --devices 2
+# --help's BLIP-2 paragraph names what fine-tuning runs (bf16-true, FULL_SHARD / ZeRO-3, HYBRID_SHARD, parameter and
+# NVMe offload) and the strategy auto rule the plan above and the run follow (DDP)
+expect blip2_help_current 0 "" -- bash -c 'h=$("$1" finetune_full --help | sed -n "/BLIP-2 folders/,/exit codes/p"); for w in "32-true, bf16-true or bf16-mixed" "FSDP FULL_SHARD" HYBRID_SHARD "parameter offload" deepspeed_stage_3_offload_nvme "strategy auto is DDP here"; do grep -q -- "$w" <<<"$h" || { echo "lacks: $w"; exit 1; }; done' _ "$FITLLM"
 expect blip2_plan_refuses_target_len 2 "--target-len: a BLIP-2 plan sizes the caption with --seq-len" -- "$FITLLM" plan blip2-micro --target-len 8
 expect blip2_plan_seq_len 0 "captions of 7 tokens" -- "$FITLLM" plan "$B2" --seq-len 7
 # bench-step times fine-tuning steps on random pixels and captions (the folder's weights, or a preset's random ones)
