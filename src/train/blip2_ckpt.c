@@ -328,9 +328,10 @@ static fl_status write_state(b2run *r, const b2pos *p, const char *path, const b
 }
 
 /* out_dir/step-NNNNNN: the model as an HF BLIP-2 folder (under LoRA the PEFT adapter of the language model), the
- * training state and hyperparameters.yaml, then COMMITTED: built in .tmp-step-NNNNNN-PID, renamed into place (what
- * --resume true picks: fl_ckpt_find_latest; save_folder), the newest train.keep_checkpoints kept. Every rank calls it; rank 0 writes (under DDP every
- * rank holds the same weights and state; under ZeRO the state is gathered first). */
+ * training state and hyperparameters.yaml, then COMMITTED: built in .tmp-step-NNNNNN-PID, renamed into place
+ * (save_folder; what --resume true picks: fl_ckpt_find_latest), the newest train.keep_checkpoints kept. Every rank
+ * calls it; rank 0 writes (under DDP every rank holds the same weights and state; under ZeRO the state is gathered
+ * first). */
 fl_status fl_b2t_save_step(b2run *r, const b2pos *p) {
     b2gathered g;
     fl_status s = gather_state(r, &g);
