@@ -435,6 +435,9 @@ fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
     if (!fl_ckpt_is_committed(dir))
         return fl_errorf(FL_ERR_NOT_FOUND, "--resume %s: not a committed checkpoint (no COMMITTED file)", dir);
     FL_TRY(fl_fs_join(path, sizeof path, dir, B2_STATE));
+    if (!fl_fs_is_file(path)) /* a committed final/: the finished run's model, no state to go on from */
+        return fl_errorf(FL_ERR_NOT_FOUND, "--resume %s: no training state (%s) there: a final/ folder holds the "
+                         "finished run's model only; resume from a step-* checkpoint", dir, B2_STATE);
     fl_st_file f;
     FL_TRY(fl_error_prefix(fl_st_open(&f, path), "--resume"));
     char want[32];
