@@ -230,6 +230,10 @@ expect blip2_loss_cmyk 2 "bad_cmyk_8x8.jpg: CMYK JPEG is not supported" -- "$FIT
 expect blip2_image_not_blip2 2 "--image: .* is not a BLIP-2 folder" -- "$FITLLM" loss tests/fixtures/golden-opt --image "$IMG/one_1x1.png" --tokens-file "$T/cap.txt"
 expect blip2_generate_prompt_needs_tokenizer 2 "no tokenizer found" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --prompt "a photo of"
 expect blip2_generate_sampling 2 "captioning is greedy only" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --temperature 0.7
+# --max_new_tokens as the LM path takes it: 0 generates nothing; beyond the context the caption stops there (the 5
+# queries, BOS and 58 new tokens fill the OPT fixture's 64 positions: tests/test_blip2_train.c blip2_generate_stops_at_context)
+expect blip2_generate_zero_new 0 "^0 new tokens \(greedy, stop: max_new_tokens\)" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --max_new_tokens 0
+expect blip2_generate_context_limit 0 "^58 new tokens \(greedy, stop: context limit\)" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --max_new_tokens 100000
 B2T=tests/fixtures/blip2-tiny-t5
 printf '17 29\n' > "$T/t5src.txt"; printf '45 17 88 1\n' > "$T/t5tgt.txt"
 expect blip2_t5_loss_image 0 "loss 4\.5621(3[4-9]|[45][0-9]|6[0-4])  ppl [0-9.]+  tokens 4  image" -- "$FITLLM" loss "$B2T" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
@@ -346,6 +350,23 @@ if [ $rc -eq 0 ] && [ -n "$l8" ] && [ -n "$lf" ] && awk -v a="$l1" -v b="$l8" -v
 else echo "FAIL blip2_t5_finetune_full: rc $rc, steps $l1 -> $l8, reloaded $lb -> $lf"; echo "$b2out" | tail -3; fail=$((fail+1)); fi
 expect blip2_t5_finetune_lora 0 "saved .*b2t5l/final" -- "$FITLLM" finetune_lora tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --lora_r 4 --out_dir "$T/b2t5l"
 expect blip2_t5_lora_adapter 0 '"task_type": "SEQ_2_SEQ_LM"' -- cat "$T/b2t5l/final/adapter/adapter_config.json"
+# a BLIP-2 LoRA checkpoint outside --resume (the adapter's modules language_model.<module>, as PEFT names them):
+# merge_lora merges the last step's adapter into its BLIP-2 base, the run's final/ byte for byte
+# (tests/test_blip2_entry.c blip2_merge_peft_equals_final); generate --image takes the merged folder, the step folder,
+# a run folder without final/ (its newest step) and --adapter on the base alike (the trained caption, not the base's)
+"$FITLLM" finetune_lora "$B2T" "${B2RUN[@]}" --lora_r 4 --optimizer.lr 0.05 --train.save_interval 8 --out_dir "$T/b2t5s" >/dev/null 2>&1
+expect blip2_merge_lora 0 "merged -> .*b2t5m \(config.json, model.safetensors, the processor's files: a BLIP-2 folder" -- "$FITLLM" merge_lora "$T/b2t5s/step-000008" --out_dir "$T/b2t5m"
+expect blip2_merge_lora_equals_final 0 "" -- cmp "$T/b2t5s/final/model.safetensors" "$T/b2t5m/model.safetensors"
+B2GEN=(--image "$IMG/palette_45x31.png" --prompt-ids "17 29" --max_new_tokens 6)
+b2cap=$("$FITLLM" generate "$T/b2t5s/final" "${B2GEN[@]}" 2>/dev/null)
+expect blip2_lora_caption_trained 0 "" -- bash -c '[ -n "$1" ] && [ "$1" != "$2" ]' _ "$b2cap" "$("$FITLLM" generate "$B2T" "${B2GEN[@]}" 2>/dev/null)"
+mkdir -p "$T/b2t5r" && cp -r "$T/b2t5s/step-000008" "$T/b2t5r/"
+for w in merged:"$T/b2t5m" step:"$T/b2t5s/step-000008" run:"$T/b2t5r"; do
+    expect "blip2_generate_lora_${w%%:*}" 0 "^$b2cap\$" -- "$FITLLM" generate "${w#*:}" "${B2GEN[@]}"
+done
+expect blip2_generate_adapter 0 "^$b2cap\$" -- "$FITLLM" generate "$B2T" --adapter "$T/b2t5s/final/adapter" "${B2GEN[@]}"
+expect blip2_generate_final_own_adapter 2 "already has the adapter .*final/adapter merged in" -- "$FITLLM" generate "$T/b2t5s/final" --adapter "$T/b2t5s/final/adapter" "${B2GEN[@]}"
+expect blip2_merge_lora_not_blip2_base 2 "the adapter's base model '.*golden-opt' is not a BLIP-2 folder" -- "$FITLLM" merge_lora "$T/b2t5s/step-000008" --base tests/fixtures/golden-opt --out_dir "$T/b2x"
 expect blip2_t5_finetune_needs_lm 2 "the Flan-T5 variant trains its language model" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train qformer --out_dir "$T/b2x"
 printf '{"image": "one_1x1.png", "caption": "3 4"}\n{"image": "one_1x1.png"}\n' > "$T/b2bad/c.jsonl"
 expect blip2_finetune_jsonl_key 1 'c.jsonl: line 2: key "text" \(or "caption"\): missing' -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad/c.jsonl" --out_dir "$T/b2x"
@@ -417,9 +438,17 @@ expect blip2_metrics_rows_kept_on_resume 0 "" -- bash -c '[ "$(awk -F, "NR > 1 &
 expect blip2_resume_other_parts 2 "training_state.safetensors: saved by a run training other parts \(blip2.train or LoRA changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
 expect blip2_resume_other_optimizer 2 "saved with optimizer AdamW, this run uses SGD" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --optimizer SGD --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
 expect blip2_resume_other_data 2 "saved with 14 training records, this run has 11 \(data changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --data.val_split_fraction 0.25 --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
-expect blip2_resume_not_committed 2 "--resume .*b2ra/final: not a committed checkpoint \(no COMMITTED file\)" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume "$T/b2ra/final" --out_dir "$T/b2x"
+rm -rf "$T/b2unc" && cp -r "$T/b2ra/step-000003" "$T/b2unc" && rm "$T/b2unc/COMMITTED"
+expect blip2_resume_not_committed 2 "--resume .*b2unc: not a committed checkpoint \(no COMMITTED file\)" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume "$T/b2unc" --out_dir "$T/b2x"
+expect blip2_resume_final_no_state 2 "--resume .*b2ra/final: no training state \(training_state.safetensors\) there: a final/ folder holds the finished run's model only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume "$T/b2ra/final" --out_dir "$T/b2x"
 expect blip2_resume_true_none 2 "--resume true: .*b2none: no such output folder" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume true --out_dir "$T/b2none"
 expect blip2_resume_auto_none 0 "^step 8/8 loss" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume auto --out_dir "$T/b2none"
+# a full disk while saving (fault injection: every write after step 1's checkpoint fails) as the trainer's: the error
+# names the last committed checkpoint and --resume auto; nothing of the failed save is left (the temporary folder
+# removed), the committed step whole with its hyperparameters.yaml (tests/test_blip2_entry.c sweeps every write)
+expect blip2_disk_full_names_checkpoint 1 "error: saving checkpoint .*/b2df/step-000002: .*No space left on device; the last committed checkpoint is '.*/b2df/step-000001' \(to continue from it, run the same command with --resume auto\)" -- \
+    env FITLLM_FAULT_DISK_FULL_AFTER_STEP=1 "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 3 --train.save_interval 1 --out_dir "$T/b2df"
+expect blip2_disk_full_leaves_nothing 0 "" -- bash -c '[ "$(ls -A "$1" | tr "\n" " ")" = "logs step-000001 " ] && [ -f "$1/step-000001/COMMITTED" ] && [ -f "$1/step-000001/hyperparameters.yaml" ] || { ls -A "$1"; exit 1; }' _ "$T/b2df"
 # validation (data.val_split_fraction: the last floor(n f) shuffled records, random_split's lengths): the val loss every
 # eval.interval steps and the final evaluation; the training split is what resume checks
 b2out=$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.val_split_fraction 0.25 --eval.interval 2 --out_dir "$T/b2val" 2>&1)
@@ -437,6 +466,9 @@ expect blip2_plan_opt27b_64_oom 3 "OUT OF MEMORY during setup \(before_fwd\): WO
 expect blip2_plan_json 0 '"source": "BLIP-2 preset"' -- "$FITLLM" plan blip2-micro --json
 expect blip2_plan_fsdp_rank 0 "FULL_SHARD over 2 ranks: each rank holds its shard of every part" -- "$FITLLM" plan "$B2" --devices 2 --strategy fsdp
 expect blip2_plan_ddp_rank 0 "DDP over 2 ranks: each rank holds the whole model" -- "$FITLLM" plan "$B2" --devices 2
+# --help's BLIP-2 paragraph names what fine-tuning runs (bf16-true, FULL_SHARD / ZeRO-3, HYBRID_SHARD, parameter and
+# NVMe offload) and the strategy auto rule the plan above and the run follow (DDP)
+expect blip2_help_current 0 "" -- bash -c 'h=$("$1" finetune_full --help | sed -n "/BLIP-2 folders/,/exit codes/p"); for w in "32-true, bf16-true or bf16-mixed" "FSDP FULL_SHARD" HYBRID_SHARD "parameter offload" deepspeed_stage_3_offload_nvme "strategy auto is DDP here"; do grep -q -- "$w" <<<"$h" || { echo "lacks: $w"; exit 1; }; done' _ "$FITLLM"
 expect blip2_plan_refuses_target_len 2 "--target-len: a BLIP-2 plan sizes the caption with --seq-len" -- "$FITLLM" plan blip2-micro --target-len 8
 expect blip2_plan_seq_len 0 "captions of 7 tokens" -- "$FITLLM" plan "$B2" --seq-len 7
 # bench-step times fine-tuning steps on random pixels and captions (the folder's weights, or a preset's random ones)
@@ -1285,8 +1317,9 @@ expect lab_blip2_bad_only 2 "unknown experiment 'nope' in suite blip2" -- "$FITL
 # --peer pytorch for BLIP-2 (HF Blip2ForConditionalGeneration, tests/ref/pytorch_alloc.py blip2): every row at the
 # real shapes, even those fitllm refuses; LoRA / QLoRA rows say they are not modelled
 expect lab_blip2_peer 0 "baseline +blip2-opt-2.7b +50 +64.10 fits +\| +[0-9.]+ OOM .*bf16-true +blip2-opt-2.7b +50 +[0-9.]+ fits .*even-larger +blip2-flan-t5-xxl +50 +[0-9.]+ OOM .*lora +blip2-flan-t5-xxl +50 +[0-9.]+ fits .*measured: 32-true, adamw, LoRA r16.*why fitllm differs: fitllm - PyTorch = .*qlora +blip2-flan-t5-xxl +50 +[0-9.]+ fits .*QLoRA NF4 r16" -- bash -c "'$FITLLM' lab --suite blip2 --scale real --plan-only --peer pytorch --out_dir '$T/labb2p' | tr '\n' ' '"
-expect lab_blip2_peer_files 0 "" -- bash -c "grep -q '^### PyTorch would need' '$T/labb2p/report.md' && grep -q '\"pytorch_basis\": \"measured: 32-true, adamw, checkpointing' '$T/labb2p/results.json' && grep -q '\"pytorch_why\": \"why fitllm differs: verdicts: the course OOM, fitllm OOM, PyTorch fits' '$T/labb2p/results.json' && grep -q '| why fitllm differs |' '$T/labb2p/report.md' && grep -q \"title 'PyTorch'\" '$T/labb2p/charts.gp' && grep -q '\"ddp \[reserved\]\"' '$T/labb2p/charts.gp' && grep -q 'the run marks no live bytes' '$T/labb2p/charts.gp'"
-# a run that marks its live bytes (the language lab's) draws them, with no [reserved] mark
+expect lab_blip2_peer_files 0 "" -- bash -c "grep -q '^### PyTorch would need' '$T/labb2p/report.md' && grep -q '\"pytorch_basis\": \"measured: 32-true, adamw, checkpointing' '$T/labb2p/results.json' && grep -q '\"pytorch_why\": \"why fitllm differs: verdicts: the course OOM, fitllm OOM, PyTorch fits' '$T/labb2p/results.json' && grep -q '| why fitllm differs |' '$T/labb2p/report.md' && grep -q \"title 'PyTorch'\" '$T/labb2p/charts.gp' && grep -q '\"ddp\"' '$T/labb2p/charts.gp' && ! grep -q 'reserved\]' '$T/labb2p/charts.gp'"
+# a run that marks its live bytes (the language lab's; BLIP-2's above too: fl_blip2_live) draws them, with no
+# [reserved] mark
 expect lab_phases_live_marked 0 "" -- bash -c "'$FITLLM' lab --suite ci --only reduced-batch --steps 1 --out_dir '$T/labph' >/dev/null && grep -q '\"reduced-batch\"' '$T/labph/charts.gp' && ! grep -q 'reserved\]' '$T/labph/charts.gp'"
 # tests/cuda/lab_session.sh (issue 33's GPU session: the plans, the quick suite, the fsdp and blip2 suites) without a
 # GPU: on the CPU with every step --plan-only, each step's exit 0 and files where the device tool fetches them

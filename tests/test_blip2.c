@@ -235,7 +235,7 @@ FL_TEST(blip2_generate_vs_transformers) {
         int32_t out[8];
         int n = 0;
         FL_REQUIRE_OK(fl_blip2_generate(c.b, (const float *)c.pixels->data + (k == 1 ? img : 0), k == 2 ? prompt : NULL,
-                                        k == 2 ? 3 : 0, 8, out, &n));
+                                        k == 2 ? 3 : 0, 8, out, &n, NULL));
         const int nr = (int)r->shape[0];
         int same = n == nr;
         for (int i = 0; same && i < n; i++) same = out[i] == ((const int32_t *)r->data)[i];
@@ -421,7 +421,7 @@ FL_TEST(blip2_t5_vs_transformers) {
     int32_t out[16];
     int n = 0;
     const int np = Ts - b->cfg.n_queries;
-    FL_REQUIRE_OK(fl_blip2_generate(b, px->data, (const int32_t *)ids->data + b->cfg.n_queries, np, 6, out, &n));
+    FL_REQUIRE_OK(fl_blip2_generate(b, px->data, (const int32_t *)ids->data + b->cfg.n_queries, np, 6, out, &n, NULL));
     int same = n == (int)g0->shape[0];
     for (int i = 0; same && i < n; i++) same = out[i] == ((const int32_t *)g0->data)[i];
     FL_CHECKF(same, "T5 variant greedy: %d tokens, first %d (reference %d, first %d)", n, n ? out[0] : -1,

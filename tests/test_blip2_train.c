@@ -208,7 +208,7 @@ FL_TEST(blip2_generate_cache_equals_full_forward) {
     for (int img = 0; img < c.B; img++) {
         const float *px = c.px + (size_t)img * 3 * S * S;
         int n = 0;
-        FL_REQUIRE_OK(fl_blip2_generate(c.b, px, NULL, 0, MAX, out, &n));
+        FL_REQUIRE_OK(fl_blip2_generate(c.b, px, NULL, 0, MAX, out, &n, NULL));
         int T = 0;
         for (int i = 0; i < NQ; i++) ids[T++] = c.b->cfg.image_token;
         ids[T++] = c.b->cfg.bos_id;
@@ -270,4 +270,32 @@ FL_TEST(blip2_frozen_parts_save_nothing) {
     FL_CHECK(fl_blip2_acts_saved_bytes(none.b, FL_BLIP2_VISION) == 0 &&
              fl_blip2_acts_saved_bytes(none.b, FL_BLIP2_TEXT) > 0);
     close_tc(&none);
+}
+
+/* Captioning stops as fl_generate does (`fitllm generate`'s LM path): max_new 0 gives no token; a max_new beyond the
+ * context stops when the sequence (queries, BOS, new tokens) reaches the language model's context (why: the context
+ * limit), its ids the first of a shorter run's; a prompt filling the context leaves no room (0 tokens, the context
+ * limit), one beyond it is refused. */
+FL_TEST(blip2_generate_stops_at_context) {
+    tc c;
+    open_tc(&c, 0);
+    const int NQ = c.b->cfg.n_queries, ctx = c.b->cfg.text.max_seq, head = NQ + 1;
+    int32_t *out = malloc((size_t)ctx * sizeof *out), *prompt = calloc((size_t)ctx + 1, sizeof *prompt), few[8];
+    FL_REQUIRE(out && prompt);
+    int n = -1, nf = 0;
+    fl_gen_stop why = FL_GEN_STOP_CALLBACK;
+    FL_REQUIRE_OK(fl_blip2_generate(c.b, c.px, NULL, 0, 0, out, &n, &why));
+    FL_CHECKF(n == 0 && why == FL_GEN_STOP_MAX_TOKENS, "max_new 0: %d tokens, why %d", n, (int)why);
+    FL_REQUIRE_OK(fl_blip2_generate(c.b, c.px, NULL, 0, 100000, out, &n, &why));
+    FL_REQUIRE_OK(fl_blip2_generate(c.b, c.px, NULL, 0, 8, few, &nf, NULL));
+    FL_CHECKF(n == ctx - head && why == FL_GEN_STOP_CONTEXT && nf == 8 && !memcmp(out, few, sizeof few),
+              "max_new 100000: %d tokens (the context leaves %d), why %d", n, ctx - head, (int)why);
+    for (int i = 0; i < ctx; i++) prompt[i] = 3 + i % 7;
+    FL_REQUIRE_OK(fl_blip2_generate(c.b, c.px, prompt, ctx - head, 5, out, &n, &why));
+    FL_CHECKF(n == 0 && why == FL_GEN_STOP_CONTEXT, "a prompt filling the context: %d tokens, why %d", n, (int)why);
+    FL_CHECK(fl_blip2_generate(c.b, c.px, prompt, ctx - head + 1, 5, out, &n, &why) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "exceed the language model's context of"));
+    FL_CHECK(fl_blip2_generate(c.b, c.px, NULL, 0, -1, out, &n, &why) == FL_ERR_INVALID);
+    free(out), free(prompt);
+    close_tc(&c);
 }

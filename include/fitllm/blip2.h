@@ -15,7 +15,9 @@
 #ifndef FITLLM_BLIP2_H
 #define FITLLM_BLIP2_H
 
+#include "fitllm/generate.h"
 #include "fitllm/model.h"
+#include "fitllm/peft.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -77,6 +79,11 @@ fl_status fl_blip2_save(const fl_blip2 *b, const char *src_dir, const char *dst_
  * an FSDP part's gathered parameters) where whole[k] is not NULL. */
 fl_status fl_blip2_save_whole(const fl_blip2 *b, const char *src_dir, const char *dst_dir,
                               const void *const whole[FL_BLIP2_PARTS]);
+/* A PEFT LoRA adapter (fl_peft_load) merged into the weights: W = (its saved base layer, else W) + scaling B A for
+ * every module. The language model's modules are named language_model.<module> (as PEFT names them on
+ * Blip2ForConditionalGeneration, and as fine-tuning saves them), the image parts' by their full names; a module that
+ * is no linear layer of the model, or of another shape, is FL_ERR_INVALID naming it. */
+fl_status fl_blip2_merge_peft(fl_blip2 *b, const fl_peft_adapter *a);
 void fl_blip2_zero_grads(fl_blip2 *b);
 /* ACTS bytes of part k in the arena allocated now: its residual stream, saved slots and norms (the Flan-T5 language
  * model: its own encoder-decoder arena); LoRA adapters' activations not included. 0 without an arena. */
@@ -102,6 +109,14 @@ fl_status fl_blip2_set_act_ckpt(fl_blip2 *b, int on);
  * checkpointed recompute regenerate them; a rate of 0 drops nothing (the bits without). FL_ERR_UNSUPPORTED: a
  * backend without the dropout op while a rate is positive. */
 fl_status fl_blip2_set_dropout(fl_blip2 *b, int on);
+/* What the model holds live after each phase of a training step (fitllm/model.h fl_model_live for one model;
+ * docs/ARCHITECTURE.md "Reserved and live memory"), the regions into out (FL_BLIP2_LIVE_MAX), their count returned;
+ * the fine-tuning records them at its phase boundaries (fl_mem_phase_edge). ZEROED / UPDATED: every part's gradients
+ * 0. FORWARD (a training forward): the arena's saved activations the backward reads, the OPT head's d(final norm out)
+ * and ids (WORKSPACE), the LoRA adapters' activations, the OPT head's gradient (at least); the Flan-T5 language
+ * model's own arena as fl_model_live. BACKWARD: the activations 0, every trained part's gradients in full. */
+#define FL_BLIP2_LIVE_MAX (FL_MODEL_LIVE_MAX + 2 + 2 * FL_BLIP2_PARTS)
+int fl_blip2_live(const fl_blip2 *b, fl_live_phase phase, fl_live_region *out);
 /* The arena for B images and T language-model ids per sequence. */
 fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T);
 
@@ -123,10 +138,12 @@ fl_status fl_blip2_forward_s2s(fl_blip2 *b, const float *pixels, const int32_t *
 /* Every part's gradients (+=) from the last training forward. */
 fl_status fl_blip2_backward(fl_blip2 *b);
 /* Greedy captioning of one image: the language model's input (the Flan-T5 variant's source) is the placeholders (or
- * nothing), BOS (OPT), then the prompt's ids; up to max_new tokens (stopping after EOS) into out, their count in
- * *n_out. */
+ * nothing), BOS (OPT), then the prompt's ids; up to max_new (>= 0) tokens into out, their count in *n_out. It stops
+ * after EOS, at max_new, or (OPT) when the sequence (the queries, BOS, the prompt and the new tokens) reaches the
+ * language model's context, as fl_generate does (a prompt beyond it: FL_ERR_INVALID); *why (may be NULL) says which.
+ * out holds min(max_new, the context) ids (the Flan-T5 variant: max_new). */
 fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *prompt, int n_prompt, int max_new,
-                            int32_t *out, int *n_out);
+                            int32_t *out, int *n_out, fl_gen_stop *why);
 
 #ifdef __cplusplus
 }

@@ -60,6 +60,10 @@ typedef struct {
     long n_step_out;
     int plan_rank;                /* a FULL_SHARD plan (plan_world ranks, or cfg->devices, rehearsed as threads on the
                                    * borrowed null backend): whose memory the result is, 0 .. ranks - 1 */
+    /* called on every rank of a run after each step but the last, its checkpoint (if due) committed, before stop is
+     * polled: step the steps done (a resumed run's count from its checkpoint's); stop_ud is its ud. NULL: never (the
+     * CLI: the training commands' fault hooks, FITLLM_FAULT_DISK_FULL_AFTER_STEP) */
+    void (*after_step)(void *ud, long step);
 } fl_blip2_train_opts;
 
 typedef struct {

@@ -525,7 +525,8 @@ fl_status fl_model_set_dropout(fl_model *m, int on);
 /* Rows of the input of the adapted LINEAR at `param_index` (the weight's index in m->layout) of block `layer` that
  * an adapter's saved activations hold after the model's last pass (train: a training forward whose backward reads
  * them; otherwise 0): B*T of that pass (an encoder-decoder: of the stack whose rows the LINEAR reads), 0 for the
- * head (it runs chunk by chunk inside the forward) and, under checkpointing, for the recomputed blocks. */
+ * head (it runs chunk by chunk inside the forward) and, under checkpointing, for the recomputed blocks. A model run in
+ * another's arena (a BLIP-2 part) answers from the fwd_B, fwd_T and fwd_train its owner's forward sets. */
 size_t fl_model_adapter_live_rows(const fl_model *m, int layer, int param_index, int train);
 /* The adapters were merged into the base weights: the model is then for saving only (fl_model_forward refuses;
  * 4-bit entries read back merged through read_merged). */

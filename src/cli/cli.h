@@ -113,6 +113,7 @@ typedef struct {
     char adapter[FL_CLI_PATH]; /* the PEFT adapter folder */
     char base[FL_CLI_PATH];    /* the base model */
     const char *how;           /* how the adapter was found from the path given ("": it is that folder) */
+    int blip2;                 /* its modules are a BLIP-2 model's (language_model.<module>) */
 } fl_cli_adapter_info;
 /* The PEFT adapter folder a path means: the folder itself (adapter_config.json), a LoRA
  * checkpoint's adapter/ (final/ -> final/adapter), or a finetune_lora run folder (final/adapter,
@@ -123,6 +124,14 @@ fl_status fl_cli_find_adapter(const char *path, fl_cli_adapter_info *info);
  * that is not found the error names it and says `hint`, how to give the base). */
 fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *adapter_path, const char *hint,
                                    const fl_backend *be, fl_mem_pool *pool, int *loaded, fl_cli_adapter_info *info);
+/* The adapter (as fl_cli_load_with_adapter finds it) and its base into info, nothing loaded: what the base is decides
+ * how to load it (a BLIP-2 folder: fl_cli_blip2_with_adapter). */
+fl_status fl_cli_resolve_adapter(const char *base, const char *adapter_path, const char *hint,
+                                 fl_cli_adapter_info *info);
+/* A BLIP-2 base (base, else the adapter's base_model_name_or_path: a BLIP-2 folder) with the PEFT adapter at
+ * adapter_path (fl_cli_find_adapter) merged in memory (fl_blip2_merge_peft); *b NULL on failure. */
+fl_status fl_cli_blip2_with_adapter(fl_blip2 **b, const char *base, const char *adapter_path, const char *hint,
+                                    const fl_backend *be, fl_mem_pool *pool, fl_cli_adapter_info *info);
 /* The folder whose tokenizer goes with the adapter: the base's (with its config.json's special
  * ids, as training used it), else the adapter folder's (fitllm's step checkpoints carry a copy of
  * the run's), else the checkpoint holding an adapter/ (final/); NULL if none has one. */
@@ -201,7 +210,9 @@ typedef struct {
 int fl_cli_blip2_bench(const fl_cli_b2_bench *o);
 int fl_cli_blip2_loss(const char *cmd, const char *dir, const char *image, const int32_t *caption, int n,
                       const int32_t *tgt, int nt, const fl_backend *be, fl_mem_pool *pool);
-int fl_cli_blip2_generate(const char *cmd, const char *dir, const char *image, const char *prompt,
+/* Greedy captioning of image by the BLIP-2 model b (the caller's, an adapter merged: freed here), else loaded from
+ * dir; dir's preprocessor_config.json and tokenizer (a BLIP-2 folder: b's base). */
+int fl_cli_blip2_generate(const char *cmd, const char *dir, fl_blip2 *b, const char *image, const char *prompt,
                           const int32_t *prompt_ids, int n_prompt_ids, int max_new, float temperature,
                           const fl_backend *be, fl_mem_pool *pool);
 

@@ -12,14 +12,14 @@
 #include "fitllm/tokenizer.h"
 #include "fitllm/trainer.h"
 
-/* The model and the image's pixel_values (3 x S x S, S the vision tower's image_size). */
+/* The model (*b: the caller's, else loaded from dir) and the image's pixel_values (3 x S x S, S the vision tower's
+ * image_size) by dir's preprocessor_config.json. */
 static fl_status open_blip2(const char *dir, const char *image, const fl_backend *be, fl_mem_pool *pool, fl_blip2 **b,
                             float **px) {
-    *b = NULL;
     *px = NULL;
-    if (!fl_blip2_is_folder(dir))
+    if (!*b && !fl_blip2_is_folder(dir))
         return fl_errorf(FL_ERR_INVALID, "--image: %s is not a BLIP-2 folder (config.json with model_type \"blip-2\")", dir);
-    FL_TRY(fl_blip2_load(b, dir, be, pool));
+    if (!*b) FL_TRY(fl_blip2_load(b, dir, be, pool));
     char pp[4096];
     FL_TRY(fl_fs_join(pp, sizeof pp, dir, "preprocessor_config.json"));
     fl_img_proc proc;
@@ -94,10 +94,9 @@ int fl_cli_blip2_loss(const char *cmd, const char *dir, const char *image, const
     return rc;
 }
 
-int fl_cli_blip2_generate(const char *cmd, const char *dir, const char *image, const char *prompt,
+int fl_cli_blip2_generate(const char *cmd, const char *dir, fl_blip2 *b, const char *image, const char *prompt,
                           const int32_t *prompt_ids, int n_prompt_ids, int max_new, float temperature,
                           const fl_backend *be, fl_mem_pool *pool) {
-    fl_blip2 *b = NULL;
     fl_tokenizer *tok = NULL;
     float *px = NULL;
     int32_t *pids = NULL, *out = NULL;
@@ -105,17 +104,19 @@ int fl_cli_blip2_generate(const char *cmd, const char *dir, const char *image, c
     int n = 0;
     fl_status s = temperature != 0.0f ? fl_errorf(FL_ERR_UNSUPPORTED, "--temperature %g: captioning is greedy only so "
                                                   "far (--temperature 0)", (double)temperature)
-                  : max_new <= 0 ? fl_errorf(FL_ERR_INVALID, "--max_new_tokens must be positive")
-                                 : open_blip2(dir, image, be, pool, &b, &px);
+                                      : open_blip2(dir, image, be, pool, &b, &px);
     if (s == FL_OK && (prompt || fl_io_has_tokenizer(dir))) s = fl_tok_load(&tok, dir);
     if (s == FL_OK && prompt) s = fl_tok_encode(tok, prompt, strlen(prompt), -1, 0, &pids, &np);
     const fl_blip2_config *c = b ? fl_blip2_get_config(b) : NULL;
     const int32_t *p = prompt ? pids : prompt_ids;
     int npr = prompt ? (int)np : n_prompt_ids;
     if (s == FL_OK && npr > 0 && p[0] == c->bos_id) p++, npr--; /* BOS is the model's own, before the prompt */
-    if (s == FL_OK && !(out = malloc((size_t)max_new * sizeof *out))) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+    /* OPT: at most the context's ids (generation stops there) */
+    const int cap = c && !fl_model_is_s2s(&c->text) && max_new > c->text.max_seq ? c->text.max_seq : max_new;
+    if (s == FL_OK && !(out = malloc(((size_t)cap + 1) * sizeof *out))) s = fl_errorf(FL_ERR_OOM, "out of host memory");
     const double t0 = fl_cli_now_ms();
-    if (s == FL_OK) s = fl_blip2_generate(b, px, p, npr, max_new, out, &n);
+    fl_gen_stop why = FL_GEN_STOP_MAX_TOKENS;
+    if (s == FL_OK) s = fl_blip2_generate(b, px, p, npr, max_new, out, &n, &why);
     if (s == FL_OK && tok) {
         char *text = NULL;
         size_t len = 0;
@@ -128,7 +129,8 @@ int fl_cli_blip2_generate(const char *cmd, const char *dir, const char *image, c
     }
     if (s == FL_OK)
         fprintf(stderr, "%d new tokens (greedy, stop: %s); %.1f ms\n", n,
-                n && out[n - 1] == c->eos_id ? "EOS" : "max_new_tokens", fl_cli_now_ms() - t0);
+                why == FL_GEN_STOP_EOS || (n && out[n - 1] == c->eos_id) ? "EOS"
+                : why == FL_GEN_STOP_CONTEXT ? "context limit" : "max_new_tokens", fl_cli_now_ms() - t0);
     const int rc = s == FL_OK ? 0 : fl_cli_fail(cmd, s, pool);
     free(out), free(pids), free(px);
     if (tok) fl_tok_free(tok);

@@ -14,6 +14,10 @@ static int poll_signal(void *ud) {
     return fl_cli_interrupted();
 }
 
+/* after each step but the last (its checkpoint committed): the training commands' fault hooks (ranks.c: testing a
+ * full disk with FITLLM_FAULT_DISK_FULL_AFTER_STEP) */
+static void after_step(void *ud, long step) { fl_cli_faults_step(ud, step); }
+
 /* Stopped by a signal: rank 0 names the checkpoint to continue from; the exit status the shell's for a process killed
  * by it (130 SIGINT, 143 SIGTERM, 138 SIGUSR1), 0 for fitllm's launcher's request (it reports itself). */
 static int stopped_message(const fl_run_config *cfg, const fl_blip2_train_result *res, int rank, const char *cmd) {
@@ -43,6 +47,8 @@ int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm)
     o.out = stdout;
     o.report = cfg->quiet ? NULL : stdout;
     o.stop = poll_signal;
+    o.stop_ud = (void *)cfg;
+    o.after_step = after_step;
     fl_blip2_train_result res;
     const fl_status s = fl_blip2_train(cfg, &o, &res);
     /* the training commands' exit codes: configuration problems (bad values, a missing file, what is not built) 2.
@@ -56,8 +62,27 @@ int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm)
         fl_mem_pool oom; /* the breakdown of an out-of-memory failure (fl_mem_print_oom reads the record alone) */
         memset(&oom, 0, sizeof oom);
         oom.oom = res.oom;
-        if (!res.quiet && (!rank || !res.set_up || !usage)) fl_cli_fail(cmd, s, usage ? NULL : &oom);
-        if (world > 1 && res.set_up && !usage) fl_comm_abort(comm, rc, fl_error_message());
+        /* a failure after the set-up (a full disk, a file that cannot be written) names the checkpoint to continue
+         * from, as the trainer's commands do (cmd_train.c) */
+        char msg[1024 + 3 * FL_CLI_PATH];
+        const int where = res.set_up && !usage && s != FL_ERR_OOM && s != FL_ERR_NONFINITE;
+        if (where) {
+            char err[1024], last[2 * FL_CLI_PATH];
+            snprintf(err, sizeof err, "%s", fl_error_message()); /* before the checkpoint scan sets another */
+            fl_cli_last_checkpoint(cfg->out_dir, last, sizeof last);
+            snprintf(msg, sizeof msg, "%s; %s", err, last);
+        } else {
+            snprintf(msg, sizeof msg, "%s", fl_error_message());
+        }
+        if (!res.quiet && (!rank || !res.set_up || !usage)) {
+            if (where) {
+                fflush(stdout);
+                fprintf(stderr, "fitllm %s: error: %s\n", cmd, msg);
+            } else {
+                fl_cli_fail(cmd, s, usage ? NULL : &oom);
+            }
+        }
+        if (world > 1 && res.set_up && !usage) fl_comm_abort(comm, rc, msg);
     }
     if (s == FL_OK && res.stopped) rc = stopped_message(cfg, &res, rank, cmd);
     return rc;

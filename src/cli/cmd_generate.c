@@ -42,7 +42,8 @@ static void help(void) {
            "  --top_p P              nucleus sampling: the most likely tokens covering P (default %.1f)\n"
            "  --seed N               sampling seed (and preset init seed) (default %llu)\n"
            "  --adapter DIR          PEFT LoRA adapter merged into <model> in memory (an adapter folder,\n"
-           "                         a finetune_lora checkpoint or run folder, as merge_lora takes)\n"
+           "                         a finetune_lora checkpoint or run folder, as merge_lora takes; with --image\n"
+           "                         a BLIP-2 adapter on its BLIP-2 base)\n"
            "  --tokenizer PATH       tokenizer file or folder, or \"bytes\" for the built-in byte tokenizer\n"
            "                         (default: the model folder's, which every fitllm checkpoint carries,\n"
            "                         the byte tokenizer as tokenizer.json included; for an adapter, its base's\n"
@@ -58,7 +59,8 @@ static void help(void) {
            "(with the nearest preset names).\n"
            "--image FILE: <model> is a BLIP-2 folder (model_type blip-2): the image (JPEG / PNG, preprocessed\n"
            "by its preprocessor_config.json) is captioned greedily (the default here), after --prompt's text (its\n"
-           "tokenizer) or --prompt-ids when given; the new ids (or, with a tokenizer, their text) print at the end.\n"
+           "tokenizer) or --prompt-ids when given; the new ids (or, with a tokenizer, their text) print at the end;\n"
+           "it stops as above (the OPT variant's context holds the image's query tokens, BOS and the prompt too).\n"
            "An encoder-decoder (T5): the prompt is the source, decoded with the decoder's KV cache, greedily\n"
            "(--temperature 0) or sampled (--temperature, --top_k, --top_p, --seed); the generated ids (or text)\n"
            "print at the end. Several --prompt (up to 256; an encoder-decoder only) are decoded as one batch, the\n"
@@ -438,20 +440,46 @@ static fl_status prompt_fits(int n, int ctx, int max_new) {
                      n > ctx ? "" : " (--max_new_tokens 0 prints the prompt alone)");
 }
 
-/* --image: a BLIP-2 folder captions the image (greedy), after the prompt when one is given */
+/* --image: a BLIP-2 folder captions the image (greedy), after the prompt when one is given. <model> as the LM path
+ * takes it (resolve_model): a run folder's final/ or newest committed step; a PEFT adapter folder (a finetune_lora
+ * step-N/) or --adapter: the adapter merged into its BLIP-2 base in memory. */
 static int image_generate(const char *cmd, const gen_opts *o) {
-    if (o->adapter) return fl_cli_usage(cmd, "--image does not take --adapter yet");
+    gen_model gm;
+    if (resolve_model(o->model_path, &gm) != FL_OK) {
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_USAGE;
+    }
+    if (gm.note[0]) fprintf(stderr, "fitllm generate: %s\n", gm.note);
+    const char *adapter = o->adapter, *base = gm.path;
+    if (!adapter && is_adapter_dir(gm.path)) adapter = gm.path, base = NULL;
+    fl_cli_adapter_info info;
+    char own[FL_CLI_PATH + 16], hint[FL_CLI_PATH + 64];
+    snprintf(own, sizeof own, "%s/adapter", gm.path); /* a LoRA run's final/ is its merged model */
+    if (adapter && base && fl_cli_find_adapter(adapter, &info) == FL_OK && fl_cli_same_dir(info.adapter, own)) {
+        fprintf(stderr, "fitllm %s: error: %s already has the adapter %s merged in (a finetune_lora final/ is the merged "
+                "model): generate %s alone, or the base model with --adapter %s\n", cmd, gm.path, info.adapter,
+                gm.path, info.adapter);
+        return FL_EXIT_USAGE;
+    }
+    snprintf(hint, sizeof hint, "`fitllm generate <base_dir> --adapter %s --image FILE`", gm.path);
     fl_backend be;
     fl_mem_pool pool, hpool;
     int32_t *ids = NULL;
     int n = 0;
+    fl_blip2 *b = NULL;
     fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, o->threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    int rc = o->prompt_ids && (s = parse_ids(o->prompt_ids, &ids, &n)) != FL_OK
-                 ? fl_cli_fail(cmd, s, &pool)
-                 : fl_cli_blip2_generate(cmd, o->model_path, o->image, o->prompt, ids, n, o->gp.max_new_tokens,
-                                         o->temp_given ? o->gp.temperature : 0.0f, &be, &pool);
+    if (adapter) s = fl_cli_blip2_with_adapter(&b, base, adapter, hint, &be, &pool, &info);
+    if (s == FL_OK && adapter && !base)
+        fprintf(stderr, "fitllm generate: %s is a LoRA adapter: base model %s with it merged in memory\n", info.adapter,
+                info.base);
+    if (s == FL_OK && o->prompt_ids) s = parse_ids(o->prompt_ids, &ids, &n);
+    int rc = s != FL_OK ? fl_cli_fail(cmd, s, &pool)
+                        : fl_cli_blip2_generate(cmd, adapter ? info.base : gm.path, b, o->image, o->prompt, ids, n,
+                                                o->gp.max_new_tokens, o->temp_given ? o->gp.temperature : 0.0f, &be,
+                                                &pool);
+    if (s != FL_OK) fl_blip2_free(b); /* else fl_cli_blip2_generate's */
     free(ids);
     fl_backend_pools_free(&pool, &hpool);
     fl_backend_free(&be);

@@ -14,8 +14,9 @@
 
 #include "cli.h"
 #include "core/fs.h"
-#include "fitllm/hub.h"
+#include "fitllm/blip2.h"
 #include "fitllm/checkpoint.h"
+#include "fitllm/hub.h"
 #include "fitllm/lora.h"
 #include "fitllm/peft.h"
 
@@ -34,6 +35,10 @@ static void help(void) {
            "Every adapted weight becomes W + scaling * B @ A (scaling = lora_alpha / r, or / sqrt(r) with\n"
            "use_rslora). The output holds config.json, model.safetensors and the tokenizer files (from the\n"
            "checkpoint, else the base), so `fitllm generate DIR` and transformers load it as it is.\n"
+           "A BLIP-2 adapter (finetune_lora on a BLIP-2 folder: modules language_model.<module>, as PEFT names them\n"
+           "on Blip2ForConditionalGeneration) merges into its BLIP-2 base: the output is a BLIP-2 folder (its\n"
+           "preprocessor_config.json too) for `fitllm generate DIR --image FILE`, `fitllm loss`, fine-tuning and\n"
+           "transformers.\n"
            "--out_dir may not be the base model's folder or the adapter's. A new --out_dir is written beside itself and\n"
            "renamed into place: a failure or a stop (Ctrl-C, SIGTERM: exit 130, 143) leaves nothing; an existing one\n"
            "gets its files replaced one by one.\n");
@@ -159,20 +164,38 @@ static fl_status merge_on_device(const fl_peft_adapter *a, fl_model *m) {
     return FL_OK;
 }
 
+/* The adapter folder (fl_cli_find_adapter) read into *a, and its base model (base, else the adapter's
+ * base_model_name_or_path) into info->base, checked to exist. */
+static fl_status open_adapter(const char *base, const char *adapter_path, const char *hint, fl_peft_adapter *a,
+                              fl_cli_adapter_info *info) {
+    memset(a, 0, sizeof *a);
+    memset(info, 0, sizeof *info);
+    info->how = "";
+    FL_TRY(fl_cli_find_adapter(adapter_path, info));
+    FL_TRY(fl_peft_load(info->adapter, a));
+    for (int j = 0; j < a->n; j++) info->blip2 |= !strncmp(a->mods[j].name, "language_model.", 15);
+    fl_status s = resolve_base(a, info, base, hint ? hint : "--base <dir>", info->base, sizeof info->base);
+    if (s != FL_OK) fl_peft_free(a);
+    return s;
+}
+
+fl_status fl_cli_resolve_adapter(const char *base, const char *adapter_path, const char *hint,
+                                 fl_cli_adapter_info *info) {
+    fl_peft_adapter a;
+    FL_TRY(open_adapter(base, adapter_path, hint, &a, info));
+    fl_peft_free(&a);
+    return FL_OK;
+}
+
 fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *adapter_path, const char *hint,
                                    const fl_backend *be, fl_mem_pool *pool, int *loaded, fl_cli_adapter_info *info) {
     fl_peft_adapter a;
     memset(&a, 0, sizeof a);
     memset(info, 0, sizeof *info);
     info->how = "";
-    if (adapter_path) {
-        FL_TRY(fl_cli_find_adapter(adapter_path, info));
-        FL_TRY(fl_peft_load(info->adapter, &a));
-    }
-    fl_status s = FL_OK;
-    if (!adapter_path) snprintf(info->base, sizeof info->base, "%s", base ? base : "");
-    else s = resolve_base(&a, info, base, hint ? hint : "--base <dir>", info->base, sizeof info->base);
-    if (s == FL_OK && !info->base[0]) s = fl_errorf(FL_ERR_INVALID, "no base model given");
+    if (adapter_path) FL_TRY(open_adapter(base, adapter_path, hint, &a, info));
+    else snprintf(info->base, sizeof info->base, "%s", base ? base : "");
+    fl_status s = info->base[0] ? FL_OK : fl_errorf(FL_ERR_INVALID, "no base model given");
     if (s == FL_OK) s = fl_cli_load_model(m, info->base, 0, 1337, be, pool, loaded);
     if (s == FL_OK && adapter_path) {
         int *idx = NULL;
@@ -183,6 +206,22 @@ fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *ad
         if (s != FL_OK) fl_error_prefix(s, "%s", info->adapter);
         if (s != FL_OK) fl_model_free(m);
     }
+    fl_peft_free(&a);
+    return s;
+}
+
+fl_status fl_cli_blip2_with_adapter(fl_blip2 **b, const char *base, const char *adapter_path, const char *hint,
+                                    const fl_backend *be, fl_mem_pool *pool, fl_cli_adapter_info *info) {
+    fl_peft_adapter a;
+    *b = NULL;
+    FL_TRY(open_adapter(base, adapter_path, hint, &a, info));
+    fl_status s = fl_blip2_is_folder(info->base)
+                      ? fl_blip2_load(b, info->base, be, pool)
+                      : fl_errorf(FL_ERR_INVALID, "%s: the adapter's base model '%s' is not a BLIP-2 folder (config.json "
+                                  "with model_type \"blip-2\"): give the BLIP-2 folder with %s", info->adapter, info->base,
+                                  hint ? hint : "--base <dir>");
+    if (s == FL_OK) s = fl_error_prefix(fl_blip2_merge_peft(*b, &a), "%s", info->adapter);
+    if (s != FL_OK) fl_blip2_free(*b), *b = NULL;
     fl_peft_free(&a);
     return s;
 }
@@ -229,6 +268,7 @@ int fl_cmd_merge_lora(int argc, char **argv) {
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m;
     memset(&m, 0, sizeof m);
+    fl_blip2 *b2 = NULL; /* the base is a BLIP-2 folder: the adapter goes into its parts (language_model.<module>) */
     fl_cli_adapter_info info;
     int loaded = 0, rc = 0, n_tok = 0;
     char tok_buf[FL_CLI_PATH];
@@ -236,7 +276,11 @@ int fl_cmd_merge_lora(int argc, char **argv) {
     fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    s = fl_cli_load_with_adapter(&m, base, adapter, "--base <dir>", &be, &pool, &loaded, &info);
+    s = fl_cli_resolve_adapter(base, adapter, "--base <dir>", &info);
+    const int blip2 = s == FL_OK && (info.blip2 || fl_blip2_is_folder(info.base));
+    if (s == FL_OK && blip2) s = fl_cli_blip2_with_adapter(&b2, base, adapter, "--base <dir>", &be, &pool, &info);
+    else if (s == FL_OK) s = fl_cli_load_with_adapter(&m, base, adapter, "--base <dir>", &be, &pool, &loaded, &info);
+    loaded |= b2 != NULL;
     if (s == FL_OK && !loaded)
         s = fl_errorf(FL_ERR_INVALID, "the base model '%s' has no weights to merge into (a preset is randomly "
                       "initialized): give the base model folder with --base <dir>", info.base);
@@ -268,7 +312,9 @@ int fl_cmd_merge_lora(int argc, char **argv) {
                 s = fl_errorf(FL_ERR_IO, "%s: cannot create folder %s: %s", out, tmp, strerror(errno));
         }
     }
-    if (s == FL_OK) s = fl_hf_save_model(&m, dst);
+    /* BLIP-2: every part's tensors under the names its loader reads, with the base's config.json, processor and
+     * tokenizer files (fl_blip2_save) */
+    if (s == FL_OK) s = blip2 ? fl_blip2_save(b2, info.base, dst) : fl_hf_save_model(&m, dst);
     if (s == FL_OK && (tok_src = fl_cli_adapter_tokenizer(&info, tok_buf, sizeof tok_buf)) != NULL)
         s = fl_io_copy_tokenizer_files(tok_src, dst, &n_tok);
     if (dst != out) {
@@ -286,13 +332,15 @@ int fl_cmd_merge_lora(int argc, char **argv) {
         if (info.how[0]) printf("adapter: %s (%s)\n", info.adapter, info.how);
         else printf("adapter: %s\n", info.adapter);
         printf("base: %s\n", info.base);
-        printf("merged -> %s (config.json, model.safetensors", out);
+        printf("merged -> %s (config.json, model.safetensors%s", out, blip2 ? ", the processor's files: a BLIP-2 "
+               "folder" : "");
         if (tok_src) printf(", %d tokenizer file%s from %s)\n", n_tok, n_tok == 1 ? "" : "s", tok_src);
         else printf("; no tokenizer found next to the adapter or in the base: give generate --tokenizer)\n");
         if (strcmp(info.adapter, adapter) && has_file(adapter, "model.safetensors") && has_file(adapter, "COMMITTED"))
             printf("note: %s itself is already this merged model (a finetune_lora final/)\n", adapter);
     }
     if (m.pool) fl_model_free(&m);
+    fl_blip2_free(b2);
     fl_backend_pools_free(&pool, &hpool);
     fl_backend_free(&be);
     return rc == 0 ? 0 : (s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND ? FL_EXIT_USAGE : rc);

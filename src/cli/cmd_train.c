@@ -42,7 +42,8 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  without a launcher prints the whole command). Needs a build with MPI (fitllm --version).\n"
            "  --strategy auto (the default) is LitGPT's: finetune_full FSDP FULL_SHARD, pretrain HYBRID_SHARD\n"
            "  (FULL_SHARD within each node of --devices ranks, replicated across the --num_nodes nodes; on one node\n"
-           "  FULL_SHARD), adapter fine-tuning DDP over the adapters, on CPUs and GPUs (NCCL);\n"
+           "  FULL_SHARD), adapter fine-tuning DDP over the adapters, on CPUs and GPUs (NCCL); a BLIP-2 folder\n"
+           "  DDP (below);\n"
            "  the run's \"data parallel (...)\" line names what auto chose and why.\n");
     printf("\n  Stopping: SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (Slurm's --signal=USR1@SECONDS pre-emption notice) finish\n"
            "  the current step, commit its checkpoint (--train.save_on_signal, default true), name it, and exit\n"
@@ -60,16 +61,25 @@ static void help(const char *cmd, fl_cmd_kind kind) {
                "  --data.json_path CAPTIONS (.json/.jsonl {\"image\", \"text\"} records, or an image folder with\n"
                "  captions.jsonl, captions.tsv or NAME.txt beside each image; token ids when the folder has no tokenizer);\n"
                "  --blip2.train vision,qformer,lm picks the parts that train (vision frozen by default%s).\n"
-               "  Captions cut to train.max_seq_length tokens (default 50). 32-true or bf16-mixed, activation\n"
-               "  checkpointing, AdamW / SGD / AdamW8bit; one process, DDP, ZeRO-1/2 (--devices N, --strategy\n"
-               "  auto|ddp|deepspeed_stage_1|deepspeed_stage_2), CPU optimizer offload (deepspeed_stage_{1,2}_offload);\n"
-               "  logs/metrics.csv; final/\n"
-               "  is an HF BLIP-2 folder%s; step-N/ (train.save_interval) one too (the language model's adapter\n"
-               "  under LoRA) with the training state, which --resume continues from bit-exactly;\n"
-               "  data.val_split_fraction holds out validation captions. `fitllm plan` and `bench-step` take BLIP-2\n"
-               "  folders and presets too.\n",
+               "  Captions cut to train.max_seq_length tokens (default 50). 32-true, bf16-true or bf16-mixed\n"
+               "  (16-true, 16-mixed refused), activation checkpointing, AdamW / SGD / AdamW8bit%s;\n"
+               "  one process or --devices N [--num_nodes M]: DDP, ZeRO-1/2 (deepspeed_stage_1|2), FSDP FULL_SHARD /\n"
+               "  ZeRO-3 (fsdp, deepspeed_stage_3; finetune_lora: the adapters as ZeRO-2), HYBRID_SHARD\n"
+               "  (--fsdp.sharding_strategy HYBRID_SHARD), CPU optimizer offload (deepspeed_stage_{1,2,3}_offload;\n"
+               "  NVMe: --offload_optimizer_device nvme), parameter offload (fsdp_cpu_offload, --offload_param_device\n"
+               "  cpu|nvme, deepspeed_stage_3_offload_nvme; finetune_full). --strategy auto is DDP here, in `plan` as\n"
+               "  in the run (Lightning's Trainer default, what the course's BLIP-2 script runs; FSDP: --strategy\n"
+               "  fsdp), so train.activation_checkpointing null is off. logs/metrics.csv.\n"
+               "  final/ is an HF BLIP-2 folder%s; step-N/ (train.save_interval) one too (the language model's\n"
+               "  adapter under LoRA) with the training state, which --resume continues from bit-exactly; each\n"
+               "  folder is committed as the trainer's (hyperparameters.yaml, COMMITTED; a failed save leaves\n"
+               "  nothing).%s data.val_split_fraction holds out validation captions. `fitllm plan` and\n"
+               "  `bench-step` take BLIP-2 folders and presets too.\n",
                kind == FL_CMD_FINETUNE_LORA ? "; default lm: LoRA on the language model" : "",
-               kind == FL_CMD_FINETUNE_LORA ? " (LoRA merged) + adapter/ (PEFT)" : "");
+               kind == FL_CMD_FINETUNE_LORA ? ", QLoRA (--quantize)" : "",
+               kind == FL_CMD_FINETUNE_LORA ? " (LoRA merged) + adapter/ (PEFT)" : "",
+               kind == FL_CMD_FINETUNE_LORA ? "\n  A step-N/ or final/adapter works with merge_lora and generate --image (the adapter\n"
+                                              "  merged into the BLIP-2 base)." : "");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory, 130 SIGINT, 143 SIGTERM,\n"
            "138 SIGUSR1\n");
 }

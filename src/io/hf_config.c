@@ -370,7 +370,8 @@ fl_status fl_hf_config_from_json(const char *path, const fl_json *root, fl_model
         s = fl_hf_parse_t5(path, root, &c);
     else if (mt && strcmp(mt, "blip-2") == 0)
         s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type 'blip-2' is a composite (vision tower, Q-Former, language "
-                      "model): load it as BLIP-2 (fl_blip2_load; fitllm loss/generate with --image)", path);
+                      "model): its commands take it as BLIP-2 (fitllm loss / generate with --image, finetune_full, "
+                      "finetune_lora, merge_lora, plan, bench-step)", path);
     else if (mt)
         s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, gpt2, opt, t5%s)", path, mt,
                       fl_hf_keyed_names());

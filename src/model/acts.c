@@ -472,8 +472,9 @@ int fl_model_live(const fl_model *m, fl_live_phase phase, fl_live_region *out) {
 }
 
 size_t fl_model_adapter_live_rows(const fl_model *m, int layer, int param_index, int train) {
-    if (!train || layer < 0 || !m->acts) return 0; /* the head's run chunk by chunk inside the forward */
-    if (m->acts->kind) return m->acts->kind->adapter_live_rows(m, layer, param_index);
+    if (!train || layer < 0) return 0; /* the head's run chunk by chunk inside the forward */
+    /* without an arena of its own (a BLIP-2 part, in its owner's): the owner's last forward (fwd_B, fwd_T) */
+    if (m->acts && m->acts->kind) return m->acts->kind->adapter_live_rows(m, layer, param_index);
     return m->act_ckpt ? 0 : (size_t)m->fwd_B * (size_t)m->fwd_T; /* checkpointed: recomputed before the backward */
 }
 

@@ -30,6 +30,7 @@ struct fl_blip2 {
     size_t acts_saved[FL_BLIP2_PARTS]; /* of which kept for the backward (0 for a lean part) */
     int lean[FL_BLIP2_PARTS]; /* carved without saved activations: the part and every part before it train nothing */
     float *patches, *pe;    /* (B P, 3 p p) the pixels patch by patch, (B P, Cv) their projection */
+    float *hpatches;        /* host pool, OTHER (B P, 3 p p): patches arranged on the host, copied to patches */
     float *qproj, *dqproj;  /* (B NQ, Ct) the projected queries, their gradient */
     float *dimg;            /* (B (P + 1), Cv) d(image features) */
     float *wstage;          /* 16-bit storage: the entries the passes read as fp32, widened (par), else unused */

@@ -585,3 +585,92 @@ fl_status fl_blip2_save_whole(const fl_blip2 *b, const char *src_dir, const char
     if (s == FL_OK && fl_io_has_tokenizer(src_dir)) s = fl_io_copy_tokenizer_files(src_dir, dst_dir, &nc);
     return s == FL_OK ? FL_OK : fl_error_prefix(s, "saving BLIP-2 to %s", dst_dir);
 }
+
+/* ---- PEFT adapters ---------------------------------------------------------------------------- */
+
+fl_status fl_blip2_merge_peft(fl_blip2 *b, const fl_peft_adapter *a) {
+    static const char lm[] = "language_model.";
+    const float sc = fl_lora_scaling(&a->cfg.lora);
+    for (int j = 0; j < a->n; j++) {
+        const fl_peft_module *md = &a->mods[j];
+        const int text = !strncmp(md->name, lm, sizeof lm - 1);
+        char w[FL_PARAM_NAME_MAX + 8];
+        snprintf(w, sizeof w, "%s.weight", text ? md->name + sizeof lm - 1 : md->name);
+        fl_model *m = NULL;
+        int i = -1;
+        for (int k = 0; k < FL_BLIP2_PARTS && i < 0; k++) /* the language model's under its prefix, else the image parts' */
+            if ((k == FL_BLIP2_TEXT) == text && (i = fl_layout_find(&b->part[k].layout, w)) >= 0) m = &b->part[k];
+        if (i < 0)
+            return fl_errorf(FL_ERR_INVALID, "LoRA module '%s' is not a linear layer of this BLIP-2 model (the language "
+                             "model's are named language_model.<module>, as PEFT names them on "
+                             "Blip2ForConditionalGeneration)", md->name);
+        const fl_param_info *p = &m->layout.params[i];
+        if (p->ndim != 2 || p->shape[0] != md->out || p->shape[1] != md->in)
+            return fl_errorf(FL_ERR_INVALID, "LoRA module '%s' is %d x %d, the model's %s %lld x %lld", md->name,
+                             md->out, md->in, w, (long long)p->shape[0], (long long)(p->ndim == 2 ? p->shape[1] : 1));
+        const size_t n = (size_t)md->out * md->in;
+        float *tmp = malloc(n * sizeof *tmp);
+        if (!tmp) return fl_errorf(FL_ERR_OOM, "merging the LoRA adapter: out of host memory");
+        if (md->W) memcpy(tmp, md->W, n * sizeof *tmp); /* PEFT's saved base layer replaces the weight */
+        else fl_model_read_param(m, i, tmp);
+        fl_lora_merge(tmp, md->in, md->A, md->B, a->cfg.lora.r, md->in, md->out, sc);
+        fl_model_write_param(m, i, tmp);
+        free(tmp);
+    }
+    return FL_OK;
+}
+
+/* ---- live memory (docs/ARCHITECTURE.md "Reserved and live memory") ------------------------------- */
+
+/* The bytes a view carved at p holds up to the view carved after it (q): fl_carve's share of the arena. */
+static size_t carved(const void *p, const void *q) { return p && q ? (size_t)((const char *)q - (const char *)p) : 0; }
+
+/* The arena's ACTS the backward reads after a training forward: each part's saved activations (0 for a lean part;
+ * under checkpointing the shared block slots, recomputed, are not), less the OPT language model's final norm output
+ * (only its head reads it, and the head's backward ran in the forward), plus a lean vision tower's output (the image
+ * features) when the Q-Former trains: its cross-attention's backward reads them. */
+static size_t acts_live(const fl_blip2 *b, int here) {
+    size_t n = 0;
+    for (int k = 0; k < here; k++) n += b->acts_saved[k];
+    if (here == 3 && !b->lean[2]) n -= carved(b->st[2].nout, b->st[2].nmean);
+    if (b->lean[0] && !b->lean[1]) n += carved(b->st[0].nout, b->st[0].nmean);
+    return n;
+}
+
+int fl_blip2_live(const fl_blip2 *b, fl_live_phase phase, fl_live_region *out) {
+    int n = 0;
+    const int s2s = fl_model_is_s2s(&b->cfg.text), here = s2s ? 2 : 3;
+    const int train = phase == FL_LIVE_FORWARD && b->fwd_train, passes = phase == FL_LIVE_FORWARD || phase == FL_LIVE_BACKWARD;
+    if (s2s) n += fl_model_live(&b->part[2], phase, out); /* the Flan-T5 language model: its own arena, as a T5's */
+    if (b->acts && passes) {
+        const fl_model *lm = &b->part[2];
+        const size_t N = (size_t)b->Bp * (size_t)b->st[2].T;
+        /* WORKSPACE: the OPT head's d(final norm out) and, when the embeddings train, the ids their backward reads */
+        const size_t hand = train && !s2s ? N * (size_t)lm->cfg.dim * sizeof(float) +
+                                                (fl_model_grads_data(lm) ? N * sizeof(int32_t) : 0) : 0;
+        out[n++] = (fl_live_region){b->acts, train ? acts_live(b, here) : 0, 0};
+        out[n++] = (fl_live_region){b->work, hand, 0};
+    }
+    for (int k = 0; k < here; k++) {
+        const fl_model *m = &b->part[k];
+        const void *lbuf = NULL;
+        /* LoRA adapters' activations: the rows fl_model_adapter_live_rows gives for the part's last forward */
+        const size_t lb = passes && m->adapt && m->adapt->h.live_acts ? m->adapt->h.live_acts(m, train, &lbuf) : 0;
+        if (lbuf) out[n++] = (fl_live_region){lbuf, lb, 0};
+        void *g = fl_model_grads_buffer(m);
+        if (!g) continue;
+        if (phase == FL_LIVE_ZEROED || phase == FL_LIVE_UPDATED) { /* zeros, or consumed */
+            out[n++] = (fl_live_region){g, 0, 0};
+        } else if (phase == FL_LIVE_BACKWARD) {
+            out[n++] = (fl_live_region){g, SIZE_MAX, 0}; /* every gradient of a part that trains holds the sum */
+        } else if (train && k == FL_BLIP2_TEXT && !fl_model_provider(m)) { /* the head's, written in the forward */
+            fl_outer_params op;
+            fl_get_outer(m, &op);
+            const size_t hg = m->adapt ? m->adapt->h.head_grad_bytes
+                              : op.dhead ? (size_t)m->cfg.vocab_size * m->cfg.dim *
+                                               (fl_model_grads_16(m) ? sizeof(uint16_t) : sizeof(float)) : 0;
+            out[n++] = (fl_live_region){g, hg, 1};
+        }
+    }
+    return n;
+}

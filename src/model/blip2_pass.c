@@ -192,8 +192,9 @@ void fl_blip2_free_acts(fl_blip2 *b) {
     }
     if (b->acts) fl_mem_free(b->pool, b->acts);
     if (b->work) fl_mem_free(b->pool, b->work);
+    if (b->hpatches) fl_mem_free(fl_mem_host_pool(b->pool), b->hpatches);
     free(b->hids), free(b->qrow);
-    b->acts = b->work = NULL, b->hids = NULL, b->qrow = NULL;
+    b->acts = b->work = NULL, b->hids = NULL, b->qrow = NULL, b->hpatches = NULL;
     b->B = 0;
 }
 
@@ -236,6 +237,11 @@ static fl_status alloc_parts(fl_blip2 *b, int B, int T, int Tt) {
     if (s == FL_OK && (!b->hids || !b->qrow)) s = fl_errorf(FL_ERR_OOM, "BLIP-2: out of host memory");
     if (s == FL_OK) s = fl_mem_alloc(b->pool, FL_TAG_ACTS, carve_acts(b, NULL), &b->acts);
     if (s == FL_OK) s = fl_mem_alloc(b->pool, FL_TAG_WORKSPACE, carve_work(b, NULL), &b->work);
+    /* the pixels patch by patch on the host (B P, 3 p p), as the arena lives: OTHER (megabytes at real sizes) */
+    const size_t pk = (size_t)3 * b->cfg.vision.patch_size * b->cfg.vision.patch_size;
+    if (s == FL_OK)
+        s = fl_mem_alloc(fl_mem_host_pool(b->pool), FL_TAG_OTHER, (size_t)B * npatch(b) * pk * sizeof(float),
+                         (void **)&b->hpatches);
     if (s != FL_OK) {
         fl_blip2_free_acts(b);
         return fl_error_prefix(s, "BLIP-2 activations for B=%d, T=%d", B, T);
@@ -367,9 +373,7 @@ static fl_status patch_forward(fl_blip2 *b, const float *pixels) {
     const fl_model *m = &b->part[0];
     const int S = m->cfg.image_size, ps = m->cfg.patch_size, G = S / ps, P = G * G, K = 3 * ps * ps, C = m->cfg.dim;
     const int T0 = P + 1, B = b->Bp;
-    fl_mem_pool *hp = fl_mem_host_pool(b->pool); /* (B P, 3 p p): megabytes at real sizes */
-    float *h = NULL;
-    FL_TRY(fl_mem_alloc(hp, FL_TAG_OTHER, (size_t)B * P * K * sizeof *h, (void **)&h));
+    float *h = b->hpatches; /* arranged on the host (the arena's staging), then copied to the device */
     for (int n = 0; n < B; n++)
         for (int gy = 0; gy < G; gy++)
             for (int gx = 0; gx < G; gx++) {
@@ -380,9 +384,7 @@ static fl_status patch_forward(fl_blip2 *b, const float *pixels) {
                                pixels + (((size_t)n * 3 + ch) * S + (size_t)gy * ps + y) * S + (size_t)gx * ps,
                                (size_t)ps * sizeof *row);
             }
-    fl_status s = FL_RUN(be, to_device, b->patches, h, (size_t)B * P * K * sizeof *h);
-    fl_mem_free(hp, h);
-    FL_TRY(s);
+    FL_TRY(FL_RUN(be, to_device, b->patches, h, (size_t)B * P * K * sizeof *h));
     float *cur = b->wstage;
     fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B, &cur);
     FL_TRY(fl_linear_forward(be, b->pe, b->patches, &lin, B * P)); // (B P, C)
@@ -682,6 +684,15 @@ static fl_status place_queries(fl_blip2 *b, const int32_t *ids, int B, int T) {
     return FL_OK;
 }
 
+/* Each part in this arena: the shape of its last forward and whether it was a training one (what the LoRA adapters'
+ * live rows follow: fl_model_adapter_live_rows; fl_blip2_live). */
+static void mark_parts(fl_blip2 *b, int train) {
+    for (int k = 0; k < parts_here(b); k++) {
+        b->part[k].fwd_B = b->Bp, b->part[k].fwd_T = b->st[k].T;
+        b->part[k].fwd_train = train;
+    }
+}
+
 /* The image parts: checks, the queries' rows among the language model's, the vision tower, the Q-Former and the
  * projection (qproj). */
 static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const int32_t *ids, const int32_t *targets,
@@ -734,6 +745,7 @@ fl_status fl_blip2_forward(fl_blip2 *b, const float *pixels, const int32_t *ids,
     if (s != FL_OK) return s;
     if (loss) *loss = b->n_valid ? (float)(b->loss_sum / b->n_valid) : 0.0f;
     b->fwd_train = grad_scale > 0;
+    mark_parts(b, b->fwd_train);
     return FL_OK;
 }
 
@@ -757,6 +769,7 @@ fl_status fl_blip2_forward_s2s(fl_blip2 *b, const float *pixels, const int32_t *
     FL_TRY(fl_model_forward_s2s(lm, b->hids, NULL, dec, targets, B, b->st[2].T, Tt, grad_scale, logits_out));
     if (loss) *loss = lm->n_valid ? (float)(lm->loss_sum / (double)lm->n_valid) : 0.0f;
     b->fwd_train = grad_scale > 0;
+    mark_parts(b, b->fwd_train);
     return FL_OK;
 }
 
@@ -782,6 +795,7 @@ fl_status fl_blip2_backward(fl_blip2 *b) {
     if (!b->fwd_train) return fl_errorf(FL_ERR_INVALID, "fl_blip2_backward: needs a preceding training forward");
     const fl_backend *be = b->be;
     b->fwd_train = 0;
+    mark_parts(b, 0);
     for (int k = 0; k < parts_here(b); k++) b->part[k].ckpt_recomputed = 0;
     /* the language model: d(final norm out) in gb[1] from the head */
     fl_model *lm = &b->part[2], *qf = &b->part[1], *vm = &b->part[0];
@@ -827,10 +841,10 @@ fl_status fl_blip2_backward(fl_blip2 *b) {
 static fl_status gen_s2s(fl_blip2 *b, const float *pixels, const int32_t *src, int ns, int max_new, int32_t *out,
                          int *n_out) {
     int32_t *o = malloc(((size_t)max_new + 1) * sizeof *o);
-    if (!o) return fl_errorf(FL_ERR_OOM, "fl_blip2_generate: out of host memory");
+    if (!o) return fl_errorf(FL_ERR_OOM, "BLIP-2 captioning: out of host memory");
     int n = 0;
     fl_status s = fl_blip2_alloc_acts_s2s(b, 1, ns, max_new);
-    if (s == FL_OK) s = front(b, "fl_blip2_generate", pixels, src, NULL, 1, ns, 0);
+    if (s == FL_OK) s = front(b, "BLIP-2 captioning", pixels, src, NULL, 1, ns, 0);
     if (s == FL_OK) {
         set_inject(b);
         s = fl_model_generate_s2s(&b->part[2], b->hids, NULL, ns, max_new, 1, o, &n);
@@ -841,47 +855,69 @@ static fl_status gen_s2s(fl_blip2 *b, const float *pixels, const int32_t *src, i
 }
 
 fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *prompt, int n_prompt, int max_new,
-                            int32_t *out, int *n_out) {
+                            int32_t *out, int *n_out, fl_gen_stop *why) {
     *n_out = 0;
-    if (max_new <= 0 || n_prompt < 0) return fl_errorf(FL_ERR_INVALID, "fl_blip2_generate: max_new must be positive");
+    if (why) *why = FL_GEN_STOP_MAX_TOKENS;
+    if (max_new < 0 || n_prompt < 0)
+        return fl_errorf(FL_ERR_INVALID, "BLIP-2 captioning: max_new_tokens must be >= 0 (got %d)", max_new);
     const int NQ = b->cfg.n_queries, it = b->cfg.image_token, V = b->cfg.text.vocab_size;
-    const int head = (it >= 0 ? NQ : 0) + 1 + n_prompt, total = head + max_new;
-    int32_t *ids = malloc((size_t)total * sizeof *ids);
+    /* the ids: the placeholders (when the config has image_token_index), BOS, the prompt; the language model's rows
+     * also hold the queries in front without it */
+    const int head = (it >= 0 ? NQ : 0) + (b->cfg.bos_id >= 0 ? 1 : 0) + n_prompt, rows = head + (it >= 0 ? 0 : NQ);
+    const int s2s = fl_model_is_s2s(&b->cfg.text), ctx = b->cfg.text.max_seq;
+    if (!s2s && rows > ctx) /* as fl_generate refuses a prompt longer than the context */
+        return fl_errorf(FL_ERR_INVALID, "BLIP-2 captioning: the %d query tokens, BOS and a prompt of %d tokens (%d "
+                         "positions) exceed the language model's context of %d", NQ, n_prompt, rows, ctx);
+    if (max_new == 0) return FL_OK;
+    int32_t *ids = malloc((size_t)head * sizeof *ids);
     float *lg = malloc((size_t)V * sizeof *lg); /* the last row's logits */
     if (!ids || !lg) {
         free(ids), free(lg);
-        return fl_errorf(FL_ERR_OOM, "fl_blip2_generate: out of host memory");
+        return fl_errorf(FL_ERR_OOM, "BLIP-2 captioning: out of host memory");
     }
     int n = 0;
     for (int i = 0; it >= 0 && i < NQ; i++) ids[n++] = it;
     if (b->cfg.bos_id >= 0) ids[n++] = b->cfg.bos_id;
     for (int i = 0; i < n_prompt; i++) ids[n++] = prompt[i];
     fl_status s = FL_OK;
-    if (fl_model_is_s2s(&b->cfg.text)) { /* the source once, then the decoder's cache */
+    if (s2s) { /* the source once, then the decoder's cache */
         free(lg);
         s = gen_s2s(b, pixels, ids, n, max_new, out, n_out);
         free(ids);
         return s;
     }
-    /* the image parts once, then the language model with its KV cache: the prefill takes the projected queries in
-     * their rows (fl_model.emb_inject), each new token one decode step */
+    /* the image parts once, then the language model with its KV cache (the sequence up to the context, as
+     * fl_generate's): the prefill takes the projected queries in their rows (fl_model.emb_inject), each new token one
+     * decode step */
     fl_model *lm = &b->part[2];
     fl_kv_cache kv;
     memset(&kv, 0, sizeof kv);
     s = fl_blip2_alloc_acts(b, 1, n);
-    if (s == FL_OK) s = front(b, "fl_blip2_generate", pixels, ids, NULL, 1, n, 0);
-    if (s == FL_OK) s = fl_kv_cache_init(&kv, lm, b->TL + max_new);
+    if (s == FL_OK) s = front(b, "BLIP-2 captioning", pixels, ids, NULL, 1, n, 0);
+    if (s == FL_OK) s = fl_kv_cache_init(&kv, lm, (long)b->TL + max_new < ctx ? b->TL + max_new : ctx);
     if (s == FL_OK) {
         lm->emb_inject.rows = b->qrow, lm->emb_inject.n = NQ, lm->emb_inject.src = b->qproj, lm->emb_inject.dsrc = NULL;
         s = fl_model_prefill(lm, &kv, b->hids, b->TL, lg);
         lm->emb_inject.n = 0;
     }
     while (s == FL_OK && *n_out < max_new) {
+        if (kv.pos >= kv.max_T) { /* the prompt filled the context: no room for a token */
+            if (why) *why = FL_GEN_STOP_CONTEXT;
+            break;
+        }
         int best = 0;
         for (int v = 1; v < V; v++)
             if (lg[v] > lg[best]) best = v; /* the first of equal maxima, as torch.argmax */
         out[(*n_out)++] = best;
-        if (best == b->cfg.eos_id || *n_out == max_new) break;
+        if (best == b->cfg.eos_id) {
+            if (why) *why = FL_GEN_STOP_EOS;
+            break;
+        }
+        if (*n_out == max_new) break;
+        if (kv.pos + 1 >= kv.max_T) { /* the sequence reached the context: stop without a wasted decode */
+            if (why) *why = FL_GEN_STOP_CONTEXT;
+            break;
+        }
         s = fl_model_decode(lm, &kv, best, lg);
     }
     fl_kv_cache_free(&kv);

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core/fs.h"
 #include "fitllm/adam8bit.h"
@@ -12,6 +13,7 @@
 #include "fitllm/lora.h"
 #include "fitllm/peft.h"
 #include "blip2_train-impl.h"
+#include "shard_ckpt.h"
 
 
 /* The language model's adapters as PEFT saves them on Blip2ForConditionalGeneration (language_model.<module>). */
@@ -77,24 +79,59 @@ static void free_params(void *whole[FL_BLIP2_PARTS]) {
     for (int k = 0; k < FL_BLIP2_PARTS; k++) free(whole[k]), whole[k] = NULL;
 }
 
-fl_status fl_b2t_save_final(b2run *r, const char *dir) {
-    fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
-    if (fl_b2t_fsdp(r)) { /* every rank gathers, rank 0 writes */
-        void *whole[FL_BLIP2_PARTS];
-        fl_status s = gather_params(r, whole);
-        if (s == FL_OK && !r->rank) s = fl_fs_mkdir_p(dir);
-        if (s == FL_OK && !r->rank) s = fl_blip2_save_whole(r->b, r->cfg->checkpoint_dir, dir, (const void *const *)whole);
-        free_params(whole);
-        return s;
+/* The tokenizer files of the run's checkpoint_dir into dir (none there: nothing), as every checkpoint of the trainer
+ * carries its run's tokenizer: a LoRA step's or final/adapter/ folder then serves generate on its own. */
+static fl_status copy_tokenizer(const b2run *r, const char *dir) {
+    int n = 0;
+    return fl_io_has_tokenizer(r->cfg->checkpoint_dir) ? fl_io_copy_tokenizer_files(r->cfg->checkpoint_dir, dir, &n)
+                                                       : FL_OK;
+}
+
+/* out_dir/name as the trainer's checkpoints are written (checkpoint.c): built in out_dir/.tmp-<name>-<pid> (tracked:
+ * a stop by a signal removes it) by fill, with hyperparameters.yaml, then renamed into place and COMMITTED
+ * (fl_ckpt_commit: a folder of that name moved aside first, kept when the new one fails); on a failure nothing of the
+ * new folder is left. Rank 0. */
+typedef fl_status (*b2fill)(b2run *r, const char *dir, const void *ud);
+static fl_status save_folder(b2run *r, const char *name, b2fill fill, const void *ud) {
+    const char *out = r->cfg->out_dir;
+    char tname[96], tmp[4200], dst[4200];
+    snprintf(tname, sizeof tname, ".tmp-%s-%d", name, (int)getpid());
+    FL_TRY(fl_fs_join(dst, sizeof dst, out, name));
+    FL_TRY(fl_fs_join(tmp, sizeof tmp, out, tname)); /* a too-long out_dir is refused, not cut */
+    fl_status s = fl_fs_mkdir_p(out);
+    if (s == FL_OK) {
+        fl_fs_remove_dir(tmp);
+        fl_fs_tmp_track(tmp);
+        s = fl_fs_mkdir_p(tmp);
+        if (s == FL_OK) s = fill(r, tmp, ud);
+        if (s == FL_OK) s = fl_ckpt_write_hparams(tmp, r->cfg);
+        if (s == FL_OK) s = fl_ckpt_commit(out, name, tmp);
+        if (s != FL_OK) fl_fs_remove_dir(tmp);
+        fl_fs_tmp_untrack(tmp);
     }
-    FL_TRY(fl_fs_mkdir_p(dir));
+    return s == FL_OK ? FL_OK : fl_error_prefix(s, "saving checkpoint %s", dst);
+}
+
+/* final/'s content: the weights (FSDP: whole[], gathered), LoRA merged, and under LoRA adapter/ (PEFT) first */
+static fl_status fill_final(b2run *r, const char *dir, const void *ud) {
+    const void *const *whole = ud;
+    fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
     if (lm->adapt) {
-        char ad[4096];
+        char ad[4200];
         FL_TRY(fl_fs_join(ad, sizeof ad, dir, "adapter"));
         FL_TRY(save_adapter(r, ad));
+        FL_TRY(copy_tokenizer(r, ad));
         FL_TRY(fl_model_lora_merge(lm)); /* the folder's weights: the adapters merged */
     }
-    return fl_blip2_save(r->b, r->cfg->checkpoint_dir, dir);
+    return fl_blip2_save_whole(r->b, r->cfg->checkpoint_dir, dir, whole);
+}
+
+fl_status fl_b2t_save_final(b2run *r) {
+    void *whole[FL_BLIP2_PARTS] = {0};
+    fl_status s = fl_b2t_fsdp(r) ? gather_params(r, whole) : FL_OK; /* FSDP: every rank gathers, rank 0 writes */
+    if (s == FL_OK && !r->rank) s = save_folder(r, "final", fill_final, (const void *)whole);
+    free_params(whole);
+    return s;
 }
 
 /* ---- step checkpoints and resume -------------------------------------------------------------------- */
@@ -291,9 +328,10 @@ static fl_status write_state(b2run *r, const b2pos *p, const char *path, const b
 }
 
 /* out_dir/step-NNNNNN: the model as an HF BLIP-2 folder (under LoRA the PEFT adapter of the language model), the
- * training state, then COMMITTED: built in .tmp-step-NNNNNN, renamed into place (what --resume true picks:
- * fl_ckpt_find_latest), the newest train.keep_checkpoints kept. Every rank calls it; rank 0 writes (under DDP every
- * rank holds the same weights and state; under ZeRO the state is gathered first). */
+ * training state and hyperparameters.yaml, then COMMITTED: built in .tmp-step-NNNNNN-PID, renamed into place
+ * (save_folder; what --resume true picks: fl_ckpt_find_latest), the newest train.keep_checkpoints kept. Every rank
+ * calls it; rank 0 writes (under DDP every rank holds the same weights and state; under ZeRO the state is gathered
+ * first). */
 fl_status fl_b2t_save_step(b2run *r, const b2pos *p) {
     b2gathered g;
     fl_status s = gather_state(r, &g);
@@ -302,35 +340,34 @@ fl_status fl_b2t_save_step(b2run *r, const b2pos *p) {
     return s;
 }
 
+typedef struct {
+    const b2pos *p;
+    const b2gathered *g;
+} b2step;
+
+/* a step checkpoint's content: the model (under LoRA the language model's PEFT adapter, with the tokenizer), the
+ * training state */
+static fl_status fill_step(b2run *r, const char *dir, const void *ud) {
+    const b2step *st = ud;
+    char path[4200];
+    if (fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt) {
+        FL_TRY(save_adapter(r, dir));
+        FL_TRY(copy_tokenizer(r, dir));
+    } else {
+        FL_TRY(fl_blip2_save_whole(r->b, r->cfg->checkpoint_dir, dir, (const void *const *)st->g->p));
+    }
+    FL_TRY(fl_fs_join(path, sizeof path, dir, B2_STATE));
+    return write_state(r, st->p, path, st->g);
+}
+
 static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g) {
-    char name[40], tmp[4096], dst[4096], path[4200];
+    char name[40];
     snprintf(name, sizeof name, "step-%06ld", p->step);
-    FL_TRY(fl_fs_join(dst, sizeof dst, r->cfg->out_dir, name));
-    char tname[48];
-    snprintf(tname, sizeof tname, ".tmp-%s", name);
-    FL_TRY(fl_fs_join(tmp, sizeof tmp, r->cfg->out_dir, tname)); /* a too-long out_dir is refused, not cut */
-    fl_fs_remove_dir(tmp);
-    fl_fs_tmp_track(tmp); /* a stop by a signal removes it (the CLI) */
-    fl_status s = fl_fs_mkdir_p(tmp);
-    if (s == FL_OK) s = fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt
-                            ? save_adapter(r, tmp)
-                            : fl_blip2_save_whole(r->b, r->cfg->checkpoint_dir, tmp, (const void *const *)g->p);
-    if (s == FL_OK) s = fl_fs_join(path, sizeof path, tmp, B2_STATE);
-    if (s == FL_OK) s = write_state(r, p, path, g);
-    if (s == FL_OK) {
-        fl_fs_sync_dir(tmp);
-        fl_fs_remove_dir(dst); /* a run writing into an out_dir that has this step already */
-        if (rename(tmp, dst) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place", dst, tmp);
-    }
-    if (s == FL_OK) {
-        fl_fs_sync_dir(r->cfg->out_dir);
-        snprintf(path, sizeof path, "%s/COMMITTED", dst);
-        s = fl_fs_write_file_atomic(path, "fitllm checkpoint v1\n", 21);
-    }
-    if (s != FL_OK) fl_fs_remove_dir(tmp);
-    fl_fs_tmp_untrack(tmp);
-    if (s != FL_OK) return fl_error_prefix(s, "saving checkpoint %s", dst);
+    const b2step st = {p, g};
+    FL_TRY(save_folder(r, name, fill_step, &st));
     if (r->cfg->train.keep_checkpoints > 0) fl_ckpt_rotate(r->cfg->out_dir, r->cfg->train.keep_checkpoints);
+    char dst[4200];
+    FL_TRY(fl_fs_join(dst, sizeof dst, r->cfg->out_dir, name));
     fl_b2t_say(r, "saved checkpoint %s\n", dst);
     return FL_OK;
 }
@@ -398,6 +435,9 @@ fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
     if (!fl_ckpt_is_committed(dir))
         return fl_errorf(FL_ERR_NOT_FOUND, "--resume %s: not a committed checkpoint (no COMMITTED file)", dir);
     FL_TRY(fl_fs_join(path, sizeof path, dir, B2_STATE));
+    if (!fl_fs_is_file(path)) /* a committed final/: the finished run's model, no state to go on from */
+        return fl_errorf(FL_ERR_NOT_FOUND, "--resume %s: no training state (%s) there: a final/ folder holds the "
+                         "finished run's model only; resume from a step-* checkpoint", dir, B2_STATE);
     fl_st_file f;
     FL_TRY(fl_error_prefix(fl_st_open(&f, path), "--resume"));
     char want[32];

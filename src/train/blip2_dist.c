@@ -19,8 +19,9 @@
  * part sharded, the frozen ones too (no gradient, no optimizer); the passes (blip2_pass.c) gather and release each
  * unit around its use and reduce-scatter its gradient when its backward ends. Each part's optimizer runs on its
  * shard. LoRA under FULL_SHARD: the base stays whole on every rank and the adapters (and a part trained whole) train
- * as ZeRO-2, as the trainer's LoRA does. What is not built is refused by name: HYBRID_SHARD, NVMe and parameter
- * offload, 8-bit AdamW under FULL_SHARD, checkpoints of 8-bit AdamW's state divided over the ranks. */
+ * as ZeRO-2, as the trainer's LoRA does. HYBRID_SHARD, 8-bit AdamW on the shards and parameter offload (host or
+ * NVMe) under FULL_SHARD: docs/ARCHITECTURE.md "BLIP-2". --strategy auto is DDP (Lightning's Trainer default, the
+ * course's BLIP-2 script), in the plan as in the run. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

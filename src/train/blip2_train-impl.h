@@ -96,11 +96,13 @@ int fl_b2t_fsdp(const b2run *r);
 void fl_b2t_dist_free(b2run *r);
 
 /* ---- checkpoints (blip2_ckpt.c) ---- */
-/* out_dir/step-NNNNNN (an HF BLIP-2 folder, or the PEFT adapter under LoRA, + training_state.safetensors), committed. */
+/* out_dir/step-NNNNNN (an HF BLIP-2 folder, or the PEFT adapter under LoRA, + training_state.safetensors and
+ * hyperparameters.yaml), built in a temporary folder, renamed into place, then committed (nothing left on a failure). */
 fl_status fl_b2t_save_step(b2run *r, const b2pos *p);
 /* --resume: the trained parts' parameters and optimizer state, the data position (*resumed 1 when one was read). */
 fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed);
-/* The final folder dir: the weights (LoRA merged), adapter/ (PEFT) under LoRA. */
-fl_status fl_b2t_save_final(b2run *r, const char *dir);
+/* out_dir/final, committed as a step checkpoint is (hyperparameters.yaml, COMMITTED; nothing left on a failure): the
+ * weights (LoRA merged), adapter/ (PEFT) under LoRA. Every rank calls it; rank 0 writes (FSDP: gathered first). */
+fl_status fl_b2t_save_final(b2run *r);
 
 #endif

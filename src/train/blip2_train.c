@@ -388,6 +388,13 @@ static void phase_line(b2run *r, long step, const char *phase) {
     fprintf(f, "\n");
 }
 
+/* A phase boundary, as the trainer's step (step.c): the regions the model leaves live after phase ph (fl_blip2_live;
+ * ph < 0: nothing to record), the snapshot `tag` (NULL: none), the label of the phase that follows (NULL: kept). */
+static void edge(b2run *r, int ph, const char *tag, const char *next) {
+    fl_live_region g[FL_BLIP2_LIVE_MAX];
+    fl_mem_phase_edge(&r->pool, g, ph < 0 ? 0 : fl_blip2_live(r->b, (fl_live_phase)ph, g), tag, next);
+}
+
 static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, int snap, double *loss) {
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
     const int S = bc->vision.image_size, s2s = fl_model_is_s2s(&bc->text), NQ = bc->n_queries;
@@ -397,6 +404,7 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
     float *ml = calloc((size_t)accum, sizeof *ml); /* its mean loss, 0 where another rank ran it */
     fl_status s = px && starts && mv && ml ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
     fl_blip2_zero_grads(r->b);
+    edge(r, FL_LIVE_ZEROED, NULL, NULL);
     double lsum = 0;
     long vsum = 0; /* the step's valid targets: each micro-batch is scaled by 1 / vsum (one big batch) */
     for (int a = 0; s == FL_OK && a < accum; a++) {
@@ -421,20 +429,23 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
         s = make_batch(r, p->order, starts[a], B, px, &ids, &tg, &T, &n_valid);
         /* the micro-batch's seed: LoRA dropout's and the Flan-T5 language model's own dropout masks */
         fl_model_adapters_seed(fl_blip2_part(r->b, FL_BLIP2_TEXT), r->cfg->seed * 1000003u + (uint64_t)it * accum + a);
+        /* the arena of this micro-batch's length: the session's first one's is the set-up's (a plan's OOM says so),
+         * the others' the forward's */
+        if (s == FL_OK && !(snap && a == mine)) fl_mem_set_phase(&r->pool, "forward");
         if (s == FL_OK) s = s2s ? fl_blip2_alloc_acts_s2s(r->b, B, NQ, T) : fl_blip2_alloc_acts(r->b, B, T);
-        if (s == FL_OK && snap && a == mine) fl_mem_snapshot(&r->pool, "before_fwd");
+        if (s == FL_OK) edge(r, -1, snap && a == mine ? "before_fwd" : NULL, "forward");
         if (s == FL_OK && a == mine) phase_line(r, it + 1, "before_fwd");
         if (s == FL_OK)
             s = s2s ? fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l)
                     : fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
+        if (s == FL_OK) edge(r, FL_LIVE_FORWARD, snap && a == mine ? "after_fwd" : NULL, "backward");
         if (s == FL_OK && a == mine) phase_line(r, it + 1, "after_fwd");
         if (s == FL_OK && snap && a == mine) {
-            fl_mem_snapshot(&r->pool, "after_fwd");
             for (int k = 0; k < FL_BLIP2_PARTS; k++) r->acts_part[k] = fl_blip2_acts_bytes(r->b, k);
             r->acts_total = r->pool.cur[FL_TAG_ACTS];
         }
         if (s == FL_OK) s = fl_blip2_backward(r->b);
-        if (s == FL_OK && snap && a == last) fl_mem_snapshot(&r->pool, "after_bwd");
+        if (s == FL_OK) edge(r, FL_LIVE_BACKWARD, snap && a == last ? "after_bwd" : NULL, NULL);
         if (s == FL_OK && a == last) phase_line(r, it + 1, "after_bwd");
         ml[a] = l;
         free(ids), free(tg);
@@ -442,9 +453,10 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
     if (s == FL_OK && w > 1) s = fl_b2t_reduce(r, ml, accum);
     for (int a = 0; a < accum; a++) lsum += (double)ml[a] * (double)mv[a];
     if (s == FL_OK && r->cfg->train.max_norm > 0) s = fl_b2t_clip(r, r->cfg->train.max_norm);
+    if (s == FL_OK) edge(r, -1, NULL, "optimizer step");
     for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++)
         if (r->has_opt[k]) s = fl_optim_step(&r->opt[k], (float)lr, 0.0f, NULL);
-    if (s == FL_OK && snap) fl_mem_snapshot(&r->pool, "after_opt_step");
+    if (s == FL_OK) edge(r, FL_LIVE_UPDATED, snap ? "after_opt_step" : NULL, NULL); /* the gradients consumed */
     if (s == FL_OK) phase_line(r, it + 1, "after_opt_step");
     free(px), free(starts), free(mv), free(ml);
     *loss = vsum ? lsum / (double)vsum : 0;
@@ -600,6 +612,7 @@ static fl_status train(b2run *r) {
     r->steps_done = p.step;
     /* logs/metrics.csv (LitGPT's columns; a resumed run keeps the rows up to its checkpoint's step) */
     if (s == FL_OK && !r->rank) s = fl_fs_mkdir_p(c->out_dir);
+    if (s == FL_OK && !r->rank) fl_ckpt_clean_tmp(c->out_dir); /* what an interrupted save left */
     if (s == FL_OK && !r->rank) s = fl_metrics_open(&r->metrics, c->out_dir, c->logger_name, resumed, resumed ? p.step : -1);
     const long first = p.step;
     for (long it = p.step; s == FL_OK && it < max_steps; it++) {
@@ -624,6 +637,7 @@ static fl_status train(b2run *r) {
         }
         const int saved = c->train.save_interval > 0 && p.step % c->train.save_interval == 0;
         if (s == FL_OK && saved) s = fl_b2t_save_step(r, &p); /* rank 0 writes (ZeRO: the state gathered first) */
+        if (s == FL_OK && p.step < max_steps && r->o->after_step) r->o->after_step(r->o->stop_ud, p.step);
         if (s == FL_OK && p.step < max_steps && (s = stop_signal(r)) == FL_OK && r->stopped) {
             if (c->train.save_on_signal && !saved) s = fl_b2t_save_step(r, &p);
             break;
@@ -645,8 +659,8 @@ static fl_status train(b2run *r) {
     if (s == FL_OK && r->o->report && !r->rank) memory_report(r, r->o->report);
     free(p.order);
     char dir[4096];
-    if (s == FL_OK && (!r->rank || fl_b2t_fsdp(r))) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
-    if (s == FL_OK && (!r->rank || fl_b2t_fsdp(r))) s = fl_b2t_save_final(r, dir); /* FSDP: the ranks gather */
+    if (s == FL_OK) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
+    if (s == FL_OK) s = fl_b2t_save_final(r); /* rank 0 writes (FSDP: the ranks gather first) */
     if (s == FL_OK && !r->rank) snprintf(r->res->final_dir, sizeof r->res->final_dir, "%s", dir);
     if (s == FL_OK) fl_b2t_say(r, "saved %s%s\n", dir, r->lora ? " (weights with the LoRA adapters merged; adapter/: PEFT)" : "");
     return s;

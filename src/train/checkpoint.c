@@ -297,7 +297,13 @@ fl_status fl_ckpt_commit(const char *out_dir, const char *name, const char *tmp)
         snprintf(p, sizeof p, "%s/" MARKER, dst);
         s = fl_fs_write_file_atomic(p, "fitllm checkpoint v1\n", 21);
         fl_fs_sync_dir(dst);
-        if (had_old) remove_tree(trash);
+        /* no marker (a full disk): the folder goes back to tmp, which the caller removes, and the previous one of
+         * this name returns, so a failed save leaves nothing of itself */
+        if (s != FL_OK) {
+            if (rename(dst, tmp) == 0 && had_old) rename(trash, dst);
+        } else if (had_old) {
+            remove_tree(trash);
+        }
     }
     return s;
 }

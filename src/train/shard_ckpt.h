@@ -36,7 +36,8 @@ fl_status fl_ckpt_read_state_meta(const fl_st_file *f, const char *path, fl_opti
 /* dir/hyperparameters.yaml (fl_cfg_write_yaml), atomically. */
 fl_status fl_ckpt_write_hparams(const char *dir, const fl_run_config *cfg);
 /* Commit the finished folder tmp as out_dir/name: fsync, move an old one aside, rename, then the
- * COMMITTED marker (atomic). */
+ * COMMITTED marker (atomic). When the marker cannot be written the folder goes back to tmp (the caller
+ * removes it) and the old one returns: a failed commit leaves no uncommitted out_dir/name. */
 fl_status fl_ckpt_commit(const char *out_dir, const char *name, const char *tmp);
 
 /* ---- flat buffers ------------------------------------------------------------------------------ */
