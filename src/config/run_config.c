@@ -128,7 +128,7 @@ static const fl_cfg_key k_keys[] = {
     {"train.lr_warmup_steps", FL_CK_INT_OPT, OFF(train.lr_warmup_steps), "optimizer steps of linear warmup"},
     {"train.lr_warmup_fraction", FL_CK_FLOAT_OPT, OFF(train.lr_warmup_fraction), "warmup as a fraction of an epoch (given alone, it replaces the default lr_warmup_steps)"},
     {"train.epochs", FL_CK_INT_OPT, OFF(train.epochs), "epochs to train"},
-    {"train.max_tokens", FL_CK_LL_OPT, OFF(train.max_tokens), "stop after this many tokens"},
+    {"train.max_tokens", FL_CK_LL_OPT, OFF(train.max_tokens), "stop after this many tokens: max_tokens // (global_batch_size x T) steps, as LitGPT (at least one)"},
     {"train.max_steps", FL_CK_INT_OPT, OFF(train.max_steps), "stop after this many optimizer steps"},
     {"train.max_time", FL_CK_FLOAT_OPT, OFF(train.max_time), "stop after this many seconds of training, then finish as at max_steps"},
     {"train.max_seq_length", FL_CK_INT_OPT, OFF(train.max_seq_length), "truncate samples to this length"},

@@ -247,7 +247,8 @@ fl_status fl_tr_generate_example_s2s(trainer *t) {
     size_t n = 0, len = 0;
     char *text = NULL;
     int n_out = 0;
-    fl_status s = fl_tok_encode(t->in.tok, instruction, strlen(instruction), -1, 0, &ids, &n);
+    /* the source ends with EOS as the training sources (data/s2s.c) and `fitllm generate`'s do */
+    fl_status s = fl_tok_encode(t->in.tok, instruction, strlen(instruction), -1, 1, &ids, &n);
     if (s == FL_OK && ((int)n > t->sch.Ts || c->eval.max_new_tokens > t->sch.T)) {
         if (fo) fprintf(fo, "(sample generation skipped: a source of %zu tokens and eval.max_new_tokens %d do not fit "
                         "the training arena's source %d / target %d tokens)\n", n, c->eval.max_new_tokens, t->sch.Ts,

@@ -365,10 +365,18 @@ void fl_tr_schedule(trainer *t) {
     long ms = -1;
     if (a->epochs > 0) ms = a->epochs * t->sch.steps_per_epoch;
     if (a->max_steps >= 0 && (ms < 0 || a->max_steps < ms)) ms = a->max_steps;
-    if (a->max_tokens > 0) {
-        long by_tokens = (long)((a->max_tokens + (long long)a->global_batch_size * t->sch.T - 1) /
-                                ((long long)a->global_batch_size * t->sch.T));
-        if (ms < 0 || by_tokens < ms) ms = by_tokens;
+    if (a->max_tokens > 0) { /* LitGPT's max_tokens // tokens per step: never past the limit (at least one step) */
+        const long long per = (long long)a->global_batch_size * t->sch.T;
+        long by_tokens = (long)(a->max_tokens / per);
+        if (by_tokens < 1) by_tokens = 1;
+        if (ms < 0 || by_tokens < ms) {
+            ms = by_tokens;
+            if (a->max_tokens % per)
+                add_note(t, "train.max_tokens %lld is %ld step%s of %lld tokens (global batch %d x T %d) = %lld tokens%s",
+                         (long long)a->max_tokens, by_tokens, by_tokens == 1 ? "" : "s", per, a->global_batch_size,
+                         t->sch.T, per * by_tokens, per > a->max_tokens ? ": less than one step, one is run" :
+                         " (LitGPT's max_tokens // tokens per step: the part step left is not run)");
+        }
     }
     if (ms < 0) ms = t->sch.steps_per_epoch;
     t->sch.max_steps = ms;
