@@ -17,7 +17,7 @@
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
 #     every rank must end, the job non-zero, within seconds, the output naming the rank; a training
 #     rank killed: the same, and rank 0 names the last committed checkpoint; ranks with different
-#     configurations, model files or fitllm builds refuse at start-up naming the difference;
+#     configurations, model files, fitllm builds or data refuse at start-up naming the difference;
 #   - torchrun-style variables without mpirun, srun without an MPI plugin, another MPI's launcher:
 #     refused, naming what to run instead;
 #   - two nodes: one rank in each of two network namespaces over TCP (tests/netns_test.sh);
@@ -422,6 +422,30 @@ else
     else
         bad "ddp_version_mismatch" "exit $rc"
     fi
+fi
+
+# ... or different data: each rank reads data.json_path relative to its own working directory, rank 1's holds the
+# same records reversed (the same samples and tokens, another training split): refused after loading, naming the
+# rank, the split's fingerprints and the file it read, before anything is written; the same copy on both trains
+mkdir -p "$T/da" "$T/db" "$T/dc"
+for i in $(seq 1 24); do printf '{"instruction": "Name the number %d.", "input": "", "output": "It is %d."}\n' $i $i; done >"$T/da/d.jsonl"
+tac "$T/da/d.jsonl" >"$T/db/d.jsonl" && cp "$T/da/d.jsonl" "$T/dc/d.jsonl"
+DARGS=(micro --data JSON --data.json_path d.jsonl --data.prompt_style default --train.micro_batch_size 2 --train.global_batch_size 4 --train.max_steps 2
+       --train.max_seq_length 48 --eval.max_new_tokens 0 --threads 1 --strategy ddp --devices 2)
+timeout 120 mpirun -np 2 sh -c 'cd "$1/$([ "$OMPI_COMM_WORLD_RANK" = 1 ] && echo "$2" || echo da)" && shift 2 && exec "$0" "$@"' \
+    "$(readlink -f "$FL")" "$T" db finetune_full "${DARGS[@]}" --out_dir "$T/cli7" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 2 ] && [ "$(grep -c "rank 1 of 2: the ranks read different data: rank 1 has 'training set: 23 samples, [0-9]* tokens, fingerprint [0-9a-f]*' where rank 0 has 'training set: 23 samples, [0-9]* tokens, fingerprint [0-9a-f]*' (rank 1 read data.json_path 'd.jsonl' (.*/db/d.jsonl); every rank must read the same data files" "$T/out")" = 1 ] \
+    && [ ! -e "$T/cli7" ]; then
+    ok "ddp_data_mismatch (exit $rc)"
+else
+    bad "ddp_data_mismatch" "exit $rc"
+fi
+timeout 120 mpirun -np 2 sh -c 'cd "$1/$([ "$OMPI_COMM_WORLD_RANK" = 1 ] && echo "$2" || echo da)" && shift 2 && exec "$0" "$@"' \
+    "$(readlink -f "$FL")" "$T" dc finetune_full "${DARGS[@]}" --out_dir "$T/cli8" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && [ -f "$T/cli8/final/model.safetensors" ]; then
+    ok "ddp_data_same_copies"
+else
+    bad "ddp_data_same_copies" "exit $rc"
 fi
 
 # a rank that dies during training (SIGKILL, after a checkpoint was committed): the job ends within

@@ -136,6 +136,10 @@ int fl_tr_dir_has_run(const char *dir);
 fl_status fl_tr_load_tokenizer(trainer *t);
 /* The dataset, the loaders, and (B, T): T the longest sample's inputs within max_seq_length. */
 fl_status fl_tr_load_data(trainer *t);
+/* Data-parallel runs: every rank's training and validation sets (counts, tokens, fl_data_fingerprint) must be rank
+ * 0's, else FL_ERR_INVALID on every rank naming the lowest rank that differs and its data files (fl_dp_check_data;
+ * collective, agreed). One rank: nothing. */
+fl_status fl_tr_check_data(trainer *t);
 /* An encoder-decoder's run: what it does not support yet refused, naming the option. */
 fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_strategy_choice *sc);
 /* The training loader's micro-batches per epoch and its state (either loader). */

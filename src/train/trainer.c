@@ -285,6 +285,9 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     FL_TRY(fl_tr_setup_training(t, rcfg, sc));
     FL_TRY(fl_tr_tp_attach(t)); /* tensor parallel: the clipping norm and overflow verdicts over the group */
     AGREE(); /* every rank holds its model, data and buffers; nothing was written yet */
+    *agreed = 1; /* every rank read rank 0's data (an agreed error names the lowest rank that did not) */
+    FL_TRY(fl_tr_check_data(t));
+    *agreed = 0;
     if (lead) {
         FL_TRY(fl_fs_mkdir_p(cfg->out_dir));
         fl_ckpt_clean_tmp(cfg->out_dir);
