@@ -462,6 +462,15 @@ expect t5_generate_batch 0 "3 sources \(longest [0-9]+ tokens, padded\) \+ [0-9]
 expect t5_generate_batch_rows_alone 0 "" -- bash -c '[ "$(printf "%s\n" "$1" | wc -l)" = 3 ] && [ "$1" = "$("$2" generate "$3" --prompt "$4" --prompt "$5" --prompt "$6" --max_new_tokens 6 --temperature 0 2>/dev/null)" ]' _ "$t5_alone" "$FITLLM" "$T/t5run/final" "${t5_p[@]}"
 expect t5_generate_batch_decoder_only 2 "2 --prompt: several prompts are decoded as one batch for an encoder-decoder \(T5\) only" -- "$FITLLM" generate micro --prompt a --prompt b --max_new_tokens 2
 expect t5_finetune_lora 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5lora" --lora_query true --lora_key true --lora_value true --lora_projection true --lora_mlp true
+# a LoRA run on random weights (--init random) keeps them once in out_dir/base, which its adapters name: a step
+# checkpoint generates and merges, and the last step's adapter (final/adapter's) merged into base/ is final/ byte for byte
+expect_saved t5_lora_random_base_said 0 "note: the base model's weights are random \(--init random, seed 1337\): saved once to '.*t5lora/base'" "$EXPECT_OUT" "$EXPECT_RC"
+expect t5_lora_random_base_named 0 '"base_model_name_or_path": ".*/t5lora/base"' -- cat "$T/t5lora/step-000010/adapter_config.json"
+expect t5_lora_random_base_generate 0 "is a LoRA adapter: base model .*t5lora/base with it merged" -- "$FITLLM" generate "$T/t5lora/step-000010" --prompt hi --max_new_tokens 3
+expect t5_lora_random_base_merge 0 "" -- bash -c '"$1" merge_lora "$2/step-000020" --out_dir "$3" >/dev/null && cmp "$3/model.safetensors" "$2/final/model.safetensors"' _ "$FITLLM" "$T/t5lora" "$T/t5lora-m"
+# an adapter of an older fitllm names the --init random folder (config.json alone): refused, saying why
+cp -r "$T/t5lora/step-000010" "$T/t5old" && sed -i "s|\"base_model_name_or_path\": \"[^\"]*\"|\"base_model_name_or_path\": \"$T/t5m\"|" "$T/t5old/adapter_config.json"
+expect t5_lora_old_random_base 2 "the base model '.*t5m' \(base_model_name_or_path\) is a model shape without weights .*init random, seed 1337" -- "$FITLLM" merge_lora "$T/t5old" --out_dir "$T/t5old-m"
 expect t5_finetune_lora_targets 0 '"target_modules": \["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"\]' -- cat "$T/t5lora/final/adapter/adapter_config.json"
 # a LoRA run (dropout 0.1: its masks are seeded by the global micro-batch) resumed from step 10 ends on the
 # uninterrupted run's adapter bits

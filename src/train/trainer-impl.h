@@ -41,6 +41,7 @@ typedef struct {
     char tok_dir[FL_CFG_PATH];  /* where tokenizer files come from ("" = built-in) */
     int weights_loaded;         /* the model's weights were read from files (fl_tr_load_model): their vocabulary is
                                  * not the built-in bytes', so a tokenizer must come with them */
+    int base_kept;              /* LoRA on random weights: out_dir/base holds them (fl_tr_save_base) */
     fl_dataset *data;
     fl_loader *train, *val;
     /* an encoder-decoder (fl_model_is_s2s): the source/target pairs and their loader instead */
@@ -257,5 +258,11 @@ fl_status fl_tr_diverged(const trainer *t, fl_status s, long step, long iter);
 fl_status fl_tr_check_weights(trainer *t);
 fl_status fl_tr_save_step(trainer *t, int lead, int rotate);
 fl_status fl_tr_resume(trainer *t, int *resumed);
+/* The lead: a LoRA run whose base weights were not read from files (--init random, a preset) saves them once to
+ * out_dir/base (fl_ckpt_save_base), which its adapters then name. Called at set-up (setup 1: a resumed run keeps the
+ * committed one; tensor / pipeline parallel save there, making the whole model again as the load did, while the
+ * memory is free) and before each adapter is saved (a step checkpoint, final/ before the merge: a whole model saves
+ * its own base then, so that a run that saves no adapter, the lab's rows, writes none). Said on t->out. */
+fl_status fl_tr_save_base(trainer *t, int setup, int resumed);
 
 #endif

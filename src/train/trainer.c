@@ -306,6 +306,7 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     fl_model_sync_compute_copy(&t->model); /* resumed master weights -> compute copy */
     AGREE();
     FL_TRY(fl_dp_broadcast_params(&t->dp, &t->opt)); /* rank 0's weights everywhere, as DDP starts */
+    if (lead) FL_TRY(fl_tr_save_base(t, 1, *resumed)); /* LoRA on random weights: the base its adapters name */
     if (lead) FL_TRY(fl_metrics_open(&t->metrics, cfg->out_dir, cfg->logger_name, *resumed, *resumed ? t->st.iter : -1));
     AGREE();
 #undef AGREE
@@ -583,6 +584,7 @@ static fl_status finish(trainer *t, run_loop *L) {
     FL_TRY(fl_tr_diverged(t, fl_tr_check_weights(t), t->st.step, t->st.iter));
     /* LoRA: the lead merges (tensor parallel: every rank its slice, gathered merged; pipeline stages: stage 0 merges
      * the gathered adapters into the gathered base, fl_tr_pp_save) */
+    if (L->lead) FL_TRY(fl_tr_save_base(t, 0, 0)); /* LoRA on random weights: the base final/adapter names, unmerged */
     if (t->model.lora && t->pp.size <= 1 && (L->lead || t->tp.size > 1)) FL_TRY(fl_model_lora_merge(&t->model));
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_save(t, L->lead, "final", t->model.lora ? NULL : &t->opt,
                                              t->model.lora ? NULL : &t->st));

@@ -11,6 +11,7 @@
 
 #include "trainer-impl.h"
 #include "core/fs.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
 #include "fitllm/lora.h"
 #include "fitllm/tokenizer.h"
@@ -34,7 +35,9 @@ int fl_tr_dir_has_run(const char *dir) {
     struct dirent *e;
     int found = 0;
     while ((e = readdir(d)) != NULL)
-        if (!strncmp(e->d_name, "step-", 5) || !strcmp(e->d_name, "final") || !strcmp(e->d_name, "logs")) found = 1;
+        if (!strncmp(e->d_name, "step-", 5) || !strcmp(e->d_name, "final") || !strcmp(e->d_name, "logs") ||
+            !strcmp(e->d_name, FL_CKPT_BASE))
+            found = 1;
     closedir(d);
     return found;
 }
