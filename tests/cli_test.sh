@@ -386,7 +386,8 @@ done
 expect blip2_step_checkpoint_loads 0 "^loss [0-9.]+  ppl" -- "$FITLLM" loss "$T/b2ra/step-000003" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
 expect blip2_resume_true_newest 0 "Resuming training from .*b2ra/step-000006 \(step 6\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --train.max_steps 6 --train.global_batch_size 4 --blip2.train vision,qformer,lm --resume true --out_dir "$T/b2ra"
 # logs/metrics.csv (LitGPT's columns): one row per step; the resume from the last step keeps rows 1-6 once each
-expect blip2_metrics_rows_kept_on_resume 0 "" -- bash -c '[ "$(awk -F, "NR > 1 && \$4 != \"\" { printf \"%s \", \$1 }" "$1")" = "1 2 3 4 5 6 " ]' _ "$T/b2ra/logs/metrics.csv"
+# (iter counts the micro-batches: 2 a step at global batch 4, micro-batch 2)
+expect blip2_metrics_rows_kept_on_resume 0 "" -- bash -c '[ "$(awk -F, "NR > 1 && \$4 != \"\" { printf \"%s \", \$1 }" "$1")" = "2 4 6 8 10 12 " ]' _ "$T/b2ra/logs/metrics.csv"
 expect blip2_resume_other_parts 2 "training_state.safetensors: saved by a run training other parts \(blip2.train or LoRA changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
 expect blip2_resume_other_optimizer 2 "saved with optimizer AdamW, this run uses SGD" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --optimizer SGD --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
 expect blip2_resume_other_data 2 "saved with 14 training records, this run has 11 \(data changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --data.val_split_fraction 0.25 --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
@@ -402,6 +403,17 @@ expect blip2_val_final 0 "^Final evaluation \| val loss: [0-9.]+ \| val ppl: [0-
 # metrics.csv of the validated run: 8 step rows (loss, iter_time, learning_rate, the step's caption targets) and the
 # val_loss rows of steps 2, 4, 6 and the final evaluation
 expect blip2_metrics_csv 0 "" -- bash -c 'h=$(head -1 "$1"); [ "${h%%,mem_params*}" = "iter,step,epoch,loss,iter_time,tokens,total_tokens,learning_rate,val_loss,val_ppl,tok_s" ] && [ "$(awk -F, "NR > 1 && \$4 != \"\" && \$5 > 0 && \$6 > 0 && \$8 > 0" "$1" | wc -l)" = 8 ] && [ "$(awk -F, "NR > 1 && \$9 != \"\" { printf \"%s \", \$2 }" "$1")" = "2 4 6 8 " ]' _ "$T/b2val/logs/metrics.csv"
+# one schema for BLIP-2 and language-model runs (README "Logs and metrics"), LitGPT's meanings: iter counts the
+# micro-batches, step the optimizer steps done after it (0 before the first step ends), tokens this rank's share of
+# total_tokens (one rank: equal); at global batch 4 of micro-batches of 2 the LM logs iters 1 (step 0) and 2 (step 1),
+# BLIP-2 (a row per step) iter 2 at step 1, 4 at step 2
+"$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 2 --train.global_batch_size 4 --out_dir "$T/b2sch" >/dev/null 2>&1
+"$FITLLM" finetune_full micro --data.n_train 20 --data.n_val 2 --train.micro_batch_size 2 --train.global_batch_size 4 \
+    --train.max_steps 2 --train.max_seq_length 32 --eval.max_new_tokens 0 --out_dir "$T/lmsch" >/dev/null 2>&1
+expect metrics_schema_lm_blip2 0 "" -- bash -c '[ "$(head -1 "$1")" = "$(head -1 "$2")" ] &&
+    [ "$(awk -F, "NR > 1 && \$4 != \"\" && \$6 == \$7 { printf \"%s:%s \", \$1, \$2 }" "$1")" = "2:1 4:2 " ] &&
+    [ "$(awk -F, "NR > 1 && \$4 != \"\" && \$6 == \$7 { printf \"%s:%s \", \$1, \$2 }" "$2")" = "1:0 2:1 3:1 4:2 " ]' \
+    _ "$T/b2sch/logs/metrics.csv" "$T/lmsch/logs/metrics.csv"
 # the lab's real shapes anywhere: blip2-opt-2.7b at micro batch 8 fits 80 GB (32 is the largest micro-batch of a global
 # 64: the frozen vision tower saves no activations), 64 at once is out of memory (the course's baseline 64/1 32-true
 # OOM: 81.57 GB planned, the arena's WORKSPACE the allocation that fails); refusals name the option

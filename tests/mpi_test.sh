@@ -127,6 +127,16 @@ if [ -n "$nparam" ] && [ -n "$col" ] && [ "$(wc -l <<<"$sent")" = 1 ] && [ -n "$
 else
     bad "ddp_cli_bytes_sent_per_step" "parameters '$nparam', comm_sent '$sent'"
 fi
+# metrics.csv at 2 ranks (README "Logs and metrics", LitGPT's meanings): total_tokens counts both ranks' micro-batches,
+# tokens is a rank's share (half); iter counts every rank's micro-batch (4 a step here: 2 ranks x accumulation 2), step
+# the steps done after it (0 at iter 1); the validation rows too
+if awk -F, 'NR > 1 { if ($7 == "" || $7 != 2 * $6) bad = 1; if ($4 != "") { n++; if (n == 1 && !($1 == 1 && $2 == 0)) bad = 1
+    if ($2 != int($1 / 4)) bad = 1 } } END { exit bad || n != 16 }' "$T/cli/logs/metrics.csv"; then
+    ok "ddp_cli_metrics_tokens_per_rank"
+else
+    sed 's/^/     /' "$T/cli/logs/metrics.csv" | cut -d, -f1-7 | head -8
+    bad "ddp_cli_metrics_tokens_per_rank" "metrics.csv's iter, step, tokens, total_tokens"
+fi
 timeout 300 "$FL" finetune_full "${ARGS[@]}" --resume "$T/cli/step-000002" --out_dir "$T/cli1" >"$T/out" 2>&1; rc=$?
 if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out"; then
     ok "ddp_checkpoint_resumes_in_one_process"

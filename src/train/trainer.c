@@ -308,6 +308,7 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     FL_TRY(fl_dp_broadcast_params(&t->dp, &t->opt)); /* rank 0's weights everywhere, as DDP starts */
     if (lead) FL_TRY(fl_tr_save_base(t, 1, *resumed)); /* LoRA on random weights: the base its adapters name */
     if (lead) FL_TRY(fl_metrics_open(&t->metrics, cfg->out_dir, cfg->logger_name, *resumed, *resumed ? t->st.iter : -1));
+    t->metrics.ranks = t->dp.world; /* tokens = total_tokens / the data-parallel ranks */
     AGREE();
 #undef AGREE
     return FL_OK;
@@ -426,10 +427,11 @@ static fl_status log_iterations(trainer *t, run_loop *L, float lr, long long tok
         if (t->out)
             fprintf(t->out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | %s%s\n",
                     (long long)t->buf.mb_epoch[j] + 1, t->st.iter, step_now, run, vbuf, tbuf, last ? " (step)" : "");
-        /* tokens: cumulative through this iteration (LitGPT's iter_num x micro batch x T) */
-        fl_metrics_values mv = {t->st.iter, step_now, t->buf.mb_epoch[j], run, it_time, lr, NAN,
-                                t->buf.mb_tokens[j] / (it_time > 0 ? it_time : 1e-9),
-                                tokens0, tokens0, {0}, 0, NAN};
+        /* total_tokens: every rank's padded tokens through this iteration (LitGPT's iter_num x micro batch x T x world
+         * size; metrics.c writes tokens, this rank's share); tok_s: this micro-batch's on its rank */
+        fl_metrics_values mv = {.iter = t->st.iter, .step = step_now, .epoch = t->buf.mb_epoch[j], .loss = run,
+                                .iter_time = it_time, .learning_rate = lr, .val_loss = NAN,
+                                .tok_s = t->buf.mb_tokens[j] / (it_time > 0 ? it_time : 1e-9), .total_tokens = tokens0};
         fl_tr_mem_values(&t->hw.pool, &mv);
         if (last && t->dp.world > 1) mv.comm_sent = step_sent;
         fl_metrics_row(&t->metrics, &mv);
