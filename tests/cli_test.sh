@@ -1761,13 +1761,14 @@ if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   tg_run_fo
 # a run folder without final/ yet: its newest committed step (step-000002 uncommitted: step-000001)
 mkdir -p "$T/tg-nof"; cp -r "$T/tg/step-000001" "$T/tg/step-000002" "$T/tg-nof/"; rm "$T/tg-nof/step-000002/COMMITTED"
 expect tg_generate_run_no_final 0 "newest checkpoint .*tg-nof/step-000001 \(no final/ yet\)" -- "$FITLLM" generate "$T/tg-nof" --prompt Once --max_new_tokens 2
-# LoRA run: the run folder is final/ (the merged model), which equals the base preset + final/adapter in memory;
-# without final/ the newest step, a PEFT adapter on the preset base with the run's byte tokenizer
+# LoRA run: the run folder is final/ (the merged model), which equals the base + final/adapter in memory (the preset's
+# random weights, kept in the run's base/); without final/ the newest step, a PEFT adapter on that base with the run's
+# byte tokenizer
 expect tg_generate_lora_run 0 "is a run folder: its final checkpoint .*/tgl/final" -- "$FITLLM" generate "$T/tgl" --prompt Once --max_new_tokens 2
 a=$(gq "$T/tgl"); b=$(gq "$T/tgl/final/adapter"); c=$(gq micro)
 if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   tg_lora_final_equals_base_plus_adapter"; pass=$((pass+1)); else echo "FAIL tg_lora_final_equals_base_plus_adapter: '$a' '$b' '$c'"; fail=$((fail+1)); fi
 mkdir -p "$T/tgl-nof"; cp -r "$T/tgl/step-000001" "$T/tgl/step-000002" "$T/tgl-nof/"
-expect tg_generate_lora_run_no_final 0 "step-000002 is a LoRA adapter: base model micro" -- "$FITLLM" generate "$T/tgl-nof" --prompt Once --max_new_tokens 2
+expect tg_generate_lora_run_no_final 0 "step-000002 is a LoRA adapter: base model .*/tgl/base with it merged" -- "$FITLLM" generate "$T/tgl-nof" --prompt Once --max_new_tokens 2
 # presets: random init with the built-in byte tokenizer, said first
 expect tg_generate_preset 0 "^fitllm generate: random initialization \(no weights were loaded\): 'micro' is a model preset" -- "$FITLLM" generate micro --max_new_tokens 2
 # (the run of preset_random_note_names_download above: building the 124M preset takes seconds)
