@@ -607,7 +607,8 @@ done
 lora_files_case() {
     local w; w=$(loss_rel "$2" "$3" 2>/dev/null)
     if [ $rc -eq 0 ] && [ "$(grep -c "Saved the PEFT adapter" "$T/out")" = 1 ] && [ "$(ls "$2/final")" = "$(ls "$3/final")" ] \
-        && [ "$(ls "$2/final/adapter")" = "$(ls "$3/final/adapter")" ] && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
+        && [ "$(ls "$2/final/adapter")" = "$(ls "$3/final/adapter")" ] && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }' \
+        && cmp -s "$2/base/model.safetensors" "$3/base/model.safetensors"; then
         ok "$1 (losses within $w of one process)"
     else
         bad "$1" "exit $rc, losses within '$w'"
@@ -617,14 +618,16 @@ lora_files_case() {
 lora_bits_case() {
     local w; w=$(loss_rel "$2" "$3" 2>/dev/null)
     if [ $rc -eq 0 ] && [ "$w" = 0 ] && cmp -s "$2/final/model.safetensors" "$3/final/model.safetensors" \
-        && cmp -s "$2/final/adapter/adapter_model.safetensors" "$3/final/adapter/adapter_model.safetensors"; then
+        && cmp -s "$2/final/adapter/adapter_model.safetensors" "$3/final/adapter/adapter_model.safetensors" \
+        && cmp -s "$2/base/model.safetensors" "$3/base/model.safetensors"; then
         ok "$1 (losses and final/ one process's bits)"
     else
         bad "$1" "exit $rc, losses within '$w'"
     fi
 }
 # LoRA on the slices through the CLI (finetune_lora --tensor_parallel 2 at 2 ranks, adapters on q, v and the MLP,
-# dropout 0): one process's losses within 1e-6 relative, final/ and final/adapter with one process's files
+# dropout 0): one process's losses within 1e-6 relative, final/ and final/adapter with one process's files; the
+# preset's random base kept in base/ (the whole model made again on rank 0) one process's bytes
 LARGS=("${TARGS[@]}" --lora_mlp true --lora_dropout 0)
 timeout 300 "$FL" finetune_lora "${LARGS[@]}" --out_dir "$T/tpl-one" >"$T/out" 2>&1 || bad "tp_lora_cli_one_process" "exit $?"
 timeout 300 mpirun -np 2 "$FL" finetune_lora "${LARGS[@]}" --devices 2 --tensor_parallel 2 --strategy ddp \
