@@ -434,7 +434,8 @@ done
 expect blip2_step_checkpoint_loads 0 "^loss [0-9.]+  ppl" -- "$FITLLM" loss "$T/b2ra/step-000003" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
 expect blip2_resume_true_newest 0 "Resuming training from .*b2ra/step-000006 \(step 6\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --train.max_steps 6 --train.global_batch_size 4 --blip2.train vision,qformer,lm --resume true --out_dir "$T/b2ra"
 # logs/metrics.csv (LitGPT's columns): one row per step; the resume from the last step keeps rows 1-6 once each
-expect blip2_metrics_rows_kept_on_resume 0 "" -- bash -c '[ "$(awk -F, "NR > 1 && \$4 != \"\" { printf \"%s \", \$1 }" "$1")" = "1 2 3 4 5 6 " ]' _ "$T/b2ra/logs/metrics.csv"
+# (iter counts the micro-batches: 2 a step at global batch 4, micro-batch 2)
+expect blip2_metrics_rows_kept_on_resume 0 "" -- bash -c '[ "$(awk -F, "NR > 1 && \$4 != \"\" { printf \"%s \", \$1 }" "$1")" = "2 4 6 8 10 12 " ]' _ "$T/b2ra/logs/metrics.csv"
 expect blip2_resume_other_parts 2 "training_state.safetensors: saved by a run training other parts \(blip2.train or LoRA changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
 expect blip2_resume_other_optimizer 2 "saved with optimizer AdamW, this run uses SGD" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --optimizer SGD --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
 expect blip2_resume_other_data 2 "saved with 14 training records, this run has 11 \(data changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --data.val_split_fraction 0.25 --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
@@ -458,6 +459,17 @@ expect blip2_val_final 0 "^Final evaluation \| val loss: [0-9.]+ \| val ppl: [0-
 # metrics.csv of the validated run: 8 step rows (loss, iter_time, learning_rate, the step's caption targets) and the
 # val_loss rows of steps 2, 4, 6 and the final evaluation
 expect blip2_metrics_csv 0 "" -- bash -c 'h=$(head -1 "$1"); [ "${h%%,mem_params*}" = "iter,step,epoch,loss,iter_time,tokens,total_tokens,learning_rate,val_loss,val_ppl,tok_s" ] && [ "$(awk -F, "NR > 1 && \$4 != \"\" && \$5 > 0 && \$6 > 0 && \$8 > 0" "$1" | wc -l)" = 8 ] && [ "$(awk -F, "NR > 1 && \$9 != \"\" { printf \"%s \", \$2 }" "$1")" = "2 4 6 8 " ]' _ "$T/b2val/logs/metrics.csv"
+# one schema for BLIP-2 and language-model runs (README "Logs and metrics"), LitGPT's meanings: iter counts the
+# micro-batches, step the optimizer steps done after it (0 before the first step ends), tokens this rank's share of
+# total_tokens (one rank: equal); at global batch 4 of micro-batches of 2 the LM logs iters 1 (step 0) and 2 (step 1),
+# BLIP-2 (a row per step) iter 2 at step 1, 4 at step 2
+"$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 2 --train.global_batch_size 4 --out_dir "$T/b2sch" >/dev/null 2>&1
+"$FITLLM" finetune_full micro --data.n_train 20 --data.n_val 2 --train.micro_batch_size 2 --train.global_batch_size 4 \
+    --train.max_steps 2 --train.max_seq_length 32 --eval.max_new_tokens 0 --out_dir "$T/lmsch" >/dev/null 2>&1
+expect metrics_schema_lm_blip2 0 "" -- bash -c '[ "$(head -1 "$1")" = "$(head -1 "$2")" ] &&
+    [ "$(awk -F, "NR > 1 && \$4 != \"\" && \$6 == \$7 { printf \"%s:%s \", \$1, \$2 }" "$1")" = "2:1 4:2 " ] &&
+    [ "$(awk -F, "NR > 1 && \$4 != \"\" && \$6 == \$7 { printf \"%s:%s \", \$1, \$2 }" "$2")" = "1:0 2:1 3:1 4:2 " ]' \
+    _ "$T/b2sch/logs/metrics.csv" "$T/lmsch/logs/metrics.csv"
 # the lab's real shapes anywhere: blip2-opt-2.7b at micro batch 8 fits 80 GB (32 is the largest micro-batch of a global
 # 64: the frozen vision tower saves no activations), 64 at once is out of memory (the course's baseline 64/1 32-true
 # OOM: 81.57 GB planned, the arena's WORKSPACE the allocation that fails); refusals name the option
@@ -526,6 +538,15 @@ expect t5_generate_source_ends_with_eos 0 "^$t5_n source \+ 5 new tokens" -- "$F
 expect t5_generate_empty_prompt 0 "^1 source \+ 3 new tokens" -- "$FITLLM" generate "$T/t5run/final" --prompt "" --max_new_tokens 3 --temperature 0
 expect t5_generate_batch_decoder_only 2 "2 --prompt: several prompts are decoded as one batch for an encoder-decoder \(T5\) only" -- "$FITLLM" generate micro --prompt a --prompt b --max_new_tokens 2
 expect t5_finetune_lora 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5lora" --lora_query true --lora_key true --lora_value true --lora_projection true --lora_mlp true
+# a LoRA run on random weights (--init random) keeps them once in out_dir/base, which its adapters name: a step
+# checkpoint generates and merges, and the last step's adapter (final/adapter's) merged into base/ is final/ byte for byte
+expect_saved t5_lora_random_base_said 0 "note: the base model's weights are random \(--init random, seed 1337\): saved once to '.*t5lora/base'" "$EXPECT_OUT" "$EXPECT_RC"
+expect t5_lora_random_base_named 0 '"base_model_name_or_path": ".*/t5lora/base"' -- cat "$T/t5lora/step-000010/adapter_config.json"
+expect t5_lora_random_base_generate 0 "is a LoRA adapter: base model .*t5lora/base with it merged" -- "$FITLLM" generate "$T/t5lora/step-000010" --prompt hi --max_new_tokens 3
+expect t5_lora_random_base_merge 0 "" -- bash -c '"$1" merge_lora "$2/step-000020" --out_dir "$3" >/dev/null && cmp "$3/model.safetensors" "$2/final/model.safetensors"' _ "$FITLLM" "$T/t5lora" "$T/t5lora-m"
+# an adapter of an older fitllm names the --init random folder (config.json alone): refused, saying why
+cp -r "$T/t5lora/step-000010" "$T/t5old" && sed -i "s|\"base_model_name_or_path\": \"[^\"]*\"|\"base_model_name_or_path\": \"$T/t5m\"|" "$T/t5old/adapter_config.json"
+expect t5_lora_old_random_base 2 "the base model '.*t5m' \(base_model_name_or_path\) is a model shape without weights .*init random, seed 1337" -- "$FITLLM" merge_lora "$T/t5old" --out_dir "$T/t5old-m"
 expect t5_finetune_lora_targets 0 '"target_modules": \["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"\]' -- cat "$T/t5lora/final/adapter/adapter_config.json"
 # a LoRA run (dropout 0.1: its masks are seeded by the global micro-batch) resumed from step 10 ends on the
 # uninterrupted run's adapter bits
@@ -1810,13 +1831,14 @@ if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   tg_run_fo
 # a run folder without final/ yet: its newest committed step (step-000002 uncommitted: step-000001)
 mkdir -p "$T/tg-nof"; cp -r "$T/tg/step-000001" "$T/tg/step-000002" "$T/tg-nof/"; rm "$T/tg-nof/step-000002/COMMITTED"
 expect tg_generate_run_no_final 0 "newest checkpoint .*tg-nof/step-000001 \(no final/ yet\)" -- "$FITLLM" generate "$T/tg-nof" --prompt Once --max_new_tokens 2
-# LoRA run: the run folder is final/ (the merged model), which equals the base preset + final/adapter in memory;
-# without final/ the newest step, a PEFT adapter on the preset base with the run's byte tokenizer
+# LoRA run: the run folder is final/ (the merged model), which equals the base + final/adapter in memory (the preset's
+# random weights, kept in the run's base/); without final/ the newest step, a PEFT adapter on that base with the run's
+# byte tokenizer
 expect tg_generate_lora_run 0 "is a run folder: its final checkpoint .*/tgl/final" -- "$FITLLM" generate "$T/tgl" --prompt Once --max_new_tokens 2
 a=$(gq "$T/tgl"); b=$(gq "$T/tgl/final/adapter"); c=$(gq micro)
 if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   tg_lora_final_equals_base_plus_adapter"; pass=$((pass+1)); else echo "FAIL tg_lora_final_equals_base_plus_adapter: '$a' '$b' '$c'"; fail=$((fail+1)); fi
 mkdir -p "$T/tgl-nof"; cp -r "$T/tgl/step-000001" "$T/tgl/step-000002" "$T/tgl-nof/"
-expect tg_generate_lora_run_no_final 0 "step-000002 is a LoRA adapter: base model micro" -- "$FITLLM" generate "$T/tgl-nof" --prompt Once --max_new_tokens 2
+expect tg_generate_lora_run_no_final 0 "step-000002 is a LoRA adapter: base model .*/tgl/base with it merged" -- "$FITLLM" generate "$T/tgl-nof" --prompt Once --max_new_tokens 2
 # presets: random init with the built-in byte tokenizer, said first
 expect tg_generate_preset 0 "^fitllm generate: random initialization \(no weights were loaded\): 'micro' is a model preset" -- "$FITLLM" generate micro --max_new_tokens 2
 # (the run of preset_random_note_names_download above: building the 124M preset takes seconds)

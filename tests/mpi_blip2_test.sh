@@ -87,6 +87,12 @@ if [ $rc -eq 0 ] && grep -q "^fitllm: starting 2 ranks: .*mpirun -np 2" "$T/out"
     [ "$(losses "$T/out")" = "$(losses "$T/ddp-opt-full.log")" ]; then
     ok "blip2_ddp_self_launched"
 else bad "blip2_ddp_self_launched" "exit $rc"; fi
+# metrics.csv: the schema of one process (README "Logs and metrics"): iter (micro-batches: 2 a step), step and
+# total_tokens (every rank's caption targets) one process's, tokens a rank's share (half; one process: all)
+cols() { awk -F, -v h="$2" 'NR > 1 && $4 != "" { printf "%s,%s,%s ", $1, $2, $7; if ($6 * h != $7) printf "BAD " }' "$1/logs/metrics.csv"; }
+a=$(cols "$T/one-opt-full" 1); b=$(cols "$T/ddp-opt-full" 2)
+if [ -n "$a" ] && [ "$a" = "$b" ] && [[ "$a" == 2,1,* ]] && [[ "$a" != *BAD* ]]; then ok "blip2_ddp_metrics_schema"
+else echo "one process: $a; DDP: $b" >"$T/out"; bad "blip2_ddp_metrics_schema" "iter, step, tokens or total_tokens"; fi
 # DDP's checkpoint in one process: steps 4-6 as one process's within reduction noise
 timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --resume "$T/ddp-opt-full/step-000003" --out_dir "$T/res" >"$T/out" 2>&1; rc=$?
 a=$(grep -E '^step [4-6]/6 loss' "$T/out" | awk '{ print $4 }'); b=$(losses "$T/one-opt-full.log" | tail -3)

@@ -17,7 +17,7 @@
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
 #     every rank must end, the job non-zero, within seconds, the output naming the rank; a training
 #     rank killed: the same, and rank 0 names the last committed checkpoint; ranks with different
-#     configurations, model files or fitllm builds refuse at start-up naming the difference;
+#     configurations, model files, fitllm builds or data refuse at start-up naming the difference;
 #   - torchrun-style variables without mpirun, srun without an MPI plugin, another MPI's launcher:
 #     refused, naming what to run instead;
 #   - two nodes: one rank in each of two network namespaces over TCP (tests/netns_test.sh);
@@ -126,6 +126,16 @@ if [ -n "$nparam" ] && [ -n "$col" ] && [ "$(wc -l <<<"$sent")" = 1 ] && [ -n "$
     ok "ddp_cli_bytes_sent_per_step ($sent bytes per step, psi = $((4 * nparam)))"
 else
     bad "ddp_cli_bytes_sent_per_step" "parameters '$nparam', comm_sent '$sent'"
+fi
+# metrics.csv at 2 ranks (README "Logs and metrics", LitGPT's meanings): total_tokens counts both ranks' micro-batches,
+# tokens is a rank's share (half); iter counts every rank's micro-batch (4 a step here: 2 ranks x accumulation 2), step
+# the steps done after it (0 at iter 1); the validation rows too
+if awk -F, 'NR > 1 { if ($7 == "" || $7 != 2 * $6) bad = 1; if ($4 != "") { n++; if (n == 1 && !($1 == 1 && $2 == 0)) bad = 1
+    if ($2 != int($1 / 4)) bad = 1 } } END { exit bad || n != 16 }' "$T/cli/logs/metrics.csv"; then
+    ok "ddp_cli_metrics_tokens_per_rank"
+else
+    sed 's/^/     /' "$T/cli/logs/metrics.csv" | cut -d, -f1-7 | head -8
+    bad "ddp_cli_metrics_tokens_per_rank" "metrics.csv's iter, step, tokens, total_tokens"
 fi
 timeout 300 "$FL" finetune_full "${ARGS[@]}" --resume "$T/cli/step-000002" --out_dir "$T/cli1" >"$T/out" 2>&1; rc=$?
 if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out"; then
@@ -424,6 +434,30 @@ else
     fi
 fi
 
+# ... or different data: each rank reads data.json_path relative to its own working directory, rank 1's holds the
+# same records reversed (the same samples and tokens, another training split): refused after loading, naming the
+# rank, the split's fingerprints and the file it read, before anything is written; the same copy on both trains
+mkdir -p "$T/da" "$T/db" "$T/dc"
+for i in $(seq 1 24); do printf '{"instruction": "Name the number %d.", "input": "", "output": "It is %d."}\n' $i $i; done >"$T/da/d.jsonl"
+tac "$T/da/d.jsonl" >"$T/db/d.jsonl" && cp "$T/da/d.jsonl" "$T/dc/d.jsonl"
+DARGS=(micro --data JSON --data.json_path d.jsonl --data.prompt_style default --train.micro_batch_size 2 --train.global_batch_size 4 --train.max_steps 2
+       --train.max_seq_length 48 --eval.max_new_tokens 0 --threads 1 --strategy ddp --devices 2)
+timeout 120 mpirun -np 2 sh -c 'cd "$1/$([ "$OMPI_COMM_WORLD_RANK" = 1 ] && echo "$2" || echo da)" && shift 2 && exec "$0" "$@"' \
+    "$(readlink -f "$FL")" "$T" db finetune_full "${DARGS[@]}" --out_dir "$T/cli7" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 2 ] && [ "$(grep -c "rank 1 of 2: the ranks read different data: rank 1 has 'training set: 23 samples, [0-9]* tokens, fingerprint [0-9a-f]*' where rank 0 has 'training set: 23 samples, [0-9]* tokens, fingerprint [0-9a-f]*' (rank 1 read data.json_path 'd.jsonl' (.*/db/d.jsonl); every rank must read the same data files" "$T/out")" = 1 ] \
+    && [ ! -e "$T/cli7" ]; then
+    ok "ddp_data_mismatch (exit $rc)"
+else
+    bad "ddp_data_mismatch" "exit $rc"
+fi
+timeout 120 mpirun -np 2 sh -c 'cd "$1/$([ "$OMPI_COMM_WORLD_RANK" = 1 ] && echo "$2" || echo da)" && shift 2 && exec "$0" "$@"' \
+    "$(readlink -f "$FL")" "$T" dc finetune_full "${DARGS[@]}" --out_dir "$T/cli8" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && [ -f "$T/cli8/final/model.safetensors" ]; then
+    ok "ddp_data_same_copies"
+else
+    bad "ddp_data_same_copies" "exit $rc"
+fi
+
 # a rank that dies during training (SIGKILL, after a checkpoint was committed): the job ends within
 # seconds, non-zero; the launcher names the rank, rank 0 the last committed checkpoint (the newest
 # step-* with its COMMITTED marker; training goes on between the kill and the end). Started without a
@@ -573,7 +607,8 @@ done
 lora_files_case() {
     local w; w=$(loss_rel "$2" "$3" 2>/dev/null)
     if [ $rc -eq 0 ] && [ "$(grep -c "Saved the PEFT adapter" "$T/out")" = 1 ] && [ "$(ls "$2/final")" = "$(ls "$3/final")" ] \
-        && [ "$(ls "$2/final/adapter")" = "$(ls "$3/final/adapter")" ] && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
+        && [ "$(ls "$2/final/adapter")" = "$(ls "$3/final/adapter")" ] && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }' \
+        && cmp -s "$2/base/model.safetensors" "$3/base/model.safetensors"; then
         ok "$1 (losses within $w of one process)"
     else
         bad "$1" "exit $rc, losses within '$w'"
@@ -583,14 +618,16 @@ lora_files_case() {
 lora_bits_case() {
     local w; w=$(loss_rel "$2" "$3" 2>/dev/null)
     if [ $rc -eq 0 ] && [ "$w" = 0 ] && cmp -s "$2/final/model.safetensors" "$3/final/model.safetensors" \
-        && cmp -s "$2/final/adapter/adapter_model.safetensors" "$3/final/adapter/adapter_model.safetensors"; then
+        && cmp -s "$2/final/adapter/adapter_model.safetensors" "$3/final/adapter/adapter_model.safetensors" \
+        && cmp -s "$2/base/model.safetensors" "$3/base/model.safetensors"; then
         ok "$1 (losses and final/ one process's bits)"
     else
         bad "$1" "exit $rc, losses within '$w'"
     fi
 }
 # LoRA on the slices through the CLI (finetune_lora --tensor_parallel 2 at 2 ranks, adapters on q, v and the MLP,
-# dropout 0): one process's losses within 1e-6 relative, final/ and final/adapter with one process's files
+# dropout 0): one process's losses within 1e-6 relative, final/ and final/adapter with one process's files; the
+# preset's random base kept in base/ (the whole model made again on rank 0) one process's bytes
 LARGS=("${TARGS[@]}" --lora_mlp true --lora_dropout 0)
 timeout 300 "$FL" finetune_lora "${LARGS[@]}" --out_dir "$T/tpl-one" >"$T/out" 2>&1 || bad "tp_lora_cli_one_process" "exit $?"
 timeout 300 mpirun -np 2 "$FL" finetune_lora "${LARGS[@]}" --devices 2 --tensor_parallel 2 --strategy ddp \

@@ -727,3 +727,61 @@ FL_TEST(data_loader_epochs_shuffle_resume) {
     fl_data_free(d);
     fl_tok_free(tok);
 }
+
+/* ---- fingerprint (the data-parallel start-up check) -------------------------------------------- */
+
+/* write_records' records in reverse order: the same samples and tokens */
+static const char *write_records_reversed(const char *dir, const char *name, int n) {
+    size_t cap = 256 + (size_t)n * 128, k = 0;
+    char *t = malloc(cap);
+    t[k++] = '[';
+    for (int i = n - 1; i >= 0; i--)
+        k += (size_t)snprintf(t + k, cap - k, "%s{\"instruction\": \"instruction %d\", \"input\": \"%s\", \"output\": \"answer %d\"}",
+                              i < n - 1 ? ",\n" : "", i, i % 3 == 0 ? "some input" : "", i);
+    t[k++] = ']';
+    const char *p = write_file(dir, name, t, k);
+    free(t);
+    return p;
+}
+
+FL_TEST(data_fingerprint_ids_labels_boundaries) {
+    fl_tokenizer *tok = bytes_tok();
+    FL_REQUIRE(tok);
+    const char *dir = fl_test_tmpdir();
+    fl_data_config c;
+    fl_data_config_default(&c, FL_DATA_JSON);
+    snprintf(c.json_path, sizeof c.json_path, "%s", write_records(dir, "a.json", 40, 0));
+    snprintf(c.cache_dir, sizeof c.cache_dir, "%s/cache", dir);
+    fl_dataset *a = NULL, *b = NULL, *r = NULL, *m = NULL;
+    FL_REQUIRE_OK(fl_data_load(&a, &c, tok));
+    FL_REQUIRE_OK(fl_data_load(&b, &c, tok)); /* from the cache: the same numbers */
+    FL_CHECK(fl_data_get_stats(b)->cache_hit == 1);
+    for (int sp = 0; sp < FL_SPLIT_COUNT; sp++) FL_CHECK(fl_data_fingerprint(a, sp) == fl_data_fingerprint(b, sp));
+    FL_CHECK(fl_data_fingerprint(a, FL_SPLIT_TRAIN) != fl_data_fingerprint(a, FL_SPLIT_VAL));
+    /* the same records reversed: the same tokens, other samples in each split */
+    snprintf(c.json_path, sizeof c.json_path, "%s", write_records_reversed(dir, "r.json", 40));
+    FL_REQUIRE_OK(fl_data_load(&r, &c, tok));
+    FL_CHECK(fl_data_get_stats(r)->n_tokens == fl_data_get_stats(a)->n_tokens);
+    FL_CHECK(fl_data_fingerprint(a, FL_SPLIT_TRAIN) != fl_data_fingerprint(r, FL_SPLIT_TRAIN));
+    /* the labels count (the prompt masked: the same ids) */
+    snprintf(c.json_path, sizeof c.json_path, "%s/a.json", dir);
+    c.mask_prompt = 1;
+    FL_REQUIRE_OK(fl_data_load(&m, &c, tok));
+    FL_CHECK(samples_equal(a, m) == 0 && fl_data_fingerprint(a, FL_SPLIT_TRAIN) != fl_data_fingerprint(m, FL_SPLIT_TRAIN));
+    /* the boundaries count: two samples of ids [1 2] [3] differ from [1] [2 3] */
+    fl_dataset *x = NULL, *y = NULL;
+    FL_REQUIRE_OK(fl_data_new(&x));
+    FL_REQUIRE_OK(fl_data_new(&y));
+    const int32_t ids[3] = {1, 2, 3};
+    FL_REQUIRE_OK(fl_data_split_push(&x->split[FL_SPLIT_TRAIN], ids, ids, 2, 0));
+    FL_REQUIRE_OK(fl_data_split_push(&x->split[FL_SPLIT_TRAIN], ids + 2, ids + 2, 1, 0));
+    FL_REQUIRE_OK(fl_data_split_push(&y->split[FL_SPLIT_TRAIN], ids, ids, 1, 0));
+    FL_REQUIRE_OK(fl_data_split_push(&y->split[FL_SPLIT_TRAIN], ids + 1, ids + 1, 2, 0));
+    FL_CHECK(fl_data_fingerprint(x, FL_SPLIT_TRAIN) != fl_data_fingerprint(y, FL_SPLIT_TRAIN));
+    /* an empty split and a missing dataset: the basis, never a crash */
+    FL_CHECK(fl_data_fingerprint(x, FL_SPLIT_VAL) == fl_data_fingerprint(y, FL_SPLIT_VAL));
+    FL_CHECK(fl_data_fingerprint(NULL, FL_SPLIT_TRAIN) == fl_data_fingerprint(NULL, FL_SPLIT_VAL));
+    fl_data_free(x), fl_data_free(y);
+    fl_data_free(a), fl_data_free(b), fl_data_free(r), fl_data_free(m);
+    fl_tok_free(tok);
+}

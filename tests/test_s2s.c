@@ -262,3 +262,25 @@ FL_TEST(s2s_split_as_torch_random_split) {
     fl_s2s_free(d);
     fl_tok_free(tok);
 }
+
+/* fl_s2s_fingerprint: equal for the same pairs, another for the pairs in another order or a pair's boundary moved */
+FL_TEST(s2s_fingerprint) {
+    fl_tokenizer *tok = NULL;
+    FL_REQUIRE_OK(fl_tok_builtin_bytes(&tok));
+    static const char fwd[] = "[{\"input\": \"ab\", \"output\": \"x\"}, {\"input\": \"c\", \"output\": \"yz\"}]";
+    static const char rev[] = "[{\"input\": \"c\", \"output\": \"yz\"}, {\"input\": \"ab\", \"output\": \"x\"}]";
+    static const char cut[] = "[{\"input\": \"a\", \"output\": \"bx\"}, {\"input\": \"c\", \"output\": \"yz\"}]";
+    fl_s2s_config c;
+    fl_s2s_config_default(&c);
+    fl_s2s_data *a = NULL, *b = NULL, *r = NULL, *k = NULL;
+    FL_REQUIRE_OK(fl_s2s_load_mem(&a, fwd, strlen(fwd), "a.json", &c, tok));
+    FL_REQUIRE_OK(fl_s2s_load_mem(&b, fwd, strlen(fwd), "b.json", &c, tok));
+    FL_REQUIRE_OK(fl_s2s_load_mem(&r, rev, strlen(rev), "r.json", &c, tok));
+    FL_REQUIRE_OK(fl_s2s_load_mem(&k, cut, strlen(cut), "k.json", &c, tok));
+    FL_CHECK(fl_s2s_fingerprint(a) == fl_s2s_fingerprint(b));
+    FL_CHECK(fl_s2s_fingerprint(a) != fl_s2s_fingerprint(r));
+    FL_CHECK(fl_s2s_fingerprint(a) != fl_s2s_fingerprint(k));
+    FL_CHECK(fl_s2s_fingerprint(NULL) != fl_s2s_fingerprint(a));
+    fl_s2s_free(a), fl_s2s_free(b), fl_s2s_free(r), fl_s2s_free(k);
+    fl_tok_free(tok);
+}

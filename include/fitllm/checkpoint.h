@@ -71,6 +71,15 @@ fl_status fl_ckpt_save_streamed(const char *out_dir, const char *name, const fl_
  * path as its absolute path (found from any working directory), anything else (a preset
  * name) as given; NULL or "" = null. */
 fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *base_model);
+/* A LoRA run whose base weights were not read from files (--init random, a preset, pretrain's shape) keeps them once
+ * in out_dir/base (FL_CKPT_BASE: config.json, model.safetensors, the tokenizer; committed as a checkpoint): its
+ * adapters' base_model_name_or_path names it, so that merge_lora, generate and PEFT find the weights they were trained
+ * on. fl_ckpt_save_base writes m's weights as they are (a LoRA model's base before any merge, 4-bit ones dequantized)
+ * there, replacing an older one. fl_ckpt_adapter_base: what the adapters saved into out_dir name (buf, n: room for
+ * the path): out_dir/base when it is committed, else cfg's checkpoint_dir. */
+#define FL_CKPT_BASE "base"
+fl_status fl_ckpt_save_base(const char *out_dir, const fl_model *m, const char *tokenizer_src);
+const char *fl_ckpt_adapter_base(const char *out_dir, const fl_run_config *cfg, char *buf, size_t n);
 /* 1 if dir holds a committed checkpoint. */
 int fl_ckpt_is_committed(const char *dir);
 /* Newest committed step-* checkpoint in out_dir (by step number) into path.
@@ -106,7 +115,7 @@ fl_status fl_ckpt_merge_shards(const char *ckpt_dir, const char *out_dir, int *n
 void fl_ckpt_rotate(const char *out_dir, int keep);
 /* Remove leftover temporary folders of interrupted saves in out_dir. */
 void fl_ckpt_clean_tmp(const char *out_dir);
-/* --overwrite: a previous run's checkpoints in out_dir (its step-* folders and final/) removed, so that the new run's
+/* --overwrite: a previous run's checkpoints in out_dir (its step-* folders, final/ and base/) removed, so that the new run's
  * --resume auto or a reader of the folder cannot take the old run's for the new one's; their names into said
  * (comma-separated, cut at n). Returns how many were removed. Other files are left. */
 int fl_ckpt_remove_run(const char *out_dir, char *said, size_t n);

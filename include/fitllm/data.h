@@ -68,6 +68,11 @@ void fl_data_free(fl_dataset *d);
 size_t fl_data_count(const fl_dataset *d, fl_split split);
 const fl_sample *fl_data_get(const fl_dataset *d, fl_split split, size_t i);
 const fl_data_stats *fl_data_get_stats(const fl_dataset *d);
+/* A fingerprint of one split as tokenized (not a security hash): its sample count, each sample's length and
+ * prompt length, then every id and label, in order. Equal splits give equal numbers on any machine (the values are
+ * hashed, not their bytes); a cache hit gives the load's. Computed on each call (one pass over the tokens): the
+ * data-parallel trainer compares the ranks' at start-up. */
+uint64_t fl_data_fingerprint(const fl_dataset *d, fl_split split);
 
 /* Format one instruction record with a prompt style ("alpaca": LitGPT's text).
  * *out is malloc'd. */
@@ -152,6 +157,8 @@ size_t fl_s2s_count(const fl_s2s_data *d);
 /* Pair i: views valid while d lives. */
 void fl_s2s_get(const fl_s2s_data *d, size_t i, const int32_t **src, int *n_src, const int32_t **tgt, int *n_tgt);
 const fl_s2s_stats *fl_s2s_get_stats(const fl_s2s_data *d);
+/* fl_data_fingerprint for pairs: the count, then each pair's source and target lengths and ids, in order. */
+uint64_t fl_s2s_fingerprint(const fl_s2s_data *d);
 /* LitGPT's split of one JSON file (random_split with torch.Generator().manual_seed(seed), as the decoder-only JSON
  * data): the pairs in torch.randperm(n) order, the first n_train of them *train (the lengths as random_split's: floors,
  * the remainder round-robin from train), the rest *val; when that leaves no validation pairs, *train keeps d's order

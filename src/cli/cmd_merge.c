@@ -108,6 +108,49 @@ fl_status fl_cli_find_adapter(const char *path, fl_cli_adapter_info *info) {
                      "final/) or a finetune_lora run folder", path);
 }
 
+/* "KEY: VALUE" of the hyperparameters.yaml beside an adapter (a step checkpoint's own, final/adapter's in final/) into
+ * v (n bytes); 0 when there is none. */
+static int hparam(const char *adapter, const char *key, char *v, size_t n) {
+    char p[FL_CLI_PATH + 64], line[FL_CLI_PATH + 64];
+    const size_t k = strlen(key);
+    for (int up = 0; up < 2; up++) {
+        if (join(p, sizeof p, adapter, up ? "../hyperparameters.yaml" : "hyperparameters.yaml") != 0) return 0;
+        FILE *f = fopen(p, "r");
+        if (!f) continue;
+        int found = 0;
+        while (!found && fgets(line, sizeof line, f))
+            if (!strncmp(line, key, k) && line[k] == ':' && line[k + 1] == ' ') {
+                line[strcspn(line, "\r\n")] = 0;
+                snprintf(v, n, "%s", line + k + 2);
+                found = 1;
+            }
+        fclose(f);
+        if (found) return 1;
+    }
+    return 0;
+}
+
+/* A base folder of config.json alone (a model shape: no weights to merge into): refused, saying why. A random-init
+ * LoRA run of an older fitllm named its --init random folder so (runs now keep the weights in out_dir/base). */
+static fl_status check_base_weights(const fl_cli_adapter_info *info, const char *b, const char *hint) {
+    static const char *const w[] = {"model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                                    "pytorch_model.bin.index.json", "lit_model.pth"};
+    if (!is_dir(b) || !has_file(b, "config.json")) return FL_OK;
+    for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
+        if (has_file(b, w[i])) return FL_OK;
+    char init[32] = "", seed[32] = "?", why[512] = "";
+    if (hparam(info->adapter, "init", init, sizeof init) && !strcmp(init, "random")) {
+        hparam(info->adapter, "seed", seed, sizeof seed);
+        snprintf(why, sizeof why, ": the run that wrote this adapter trained it on random weights of that shape "
+                 "(hyperparameters.yaml: init random, seed %s), which it did not save (fitllm now saves them to the "
+                 "run's out_dir/base, which the adapters name); use the run's final/ (the adapter merged into those "
+                 "weights) or train again", seed);
+    }
+    return fl_errorf(FL_ERR_NOT_FOUND, "%s/adapter_config.json: the base model '%s' (base_model_name_or_path) is a model "
+                     "shape without weights (config.json, no model.safetensors)%s; give a base model with its weights "
+                     "with %s", info->adapter, b, why, hint);
+}
+
 /* The base named by the adapter (or given), checked to exist before anything is loaded, so
  * that a missing one is reported with the path tried and how to give another. */
 static fl_status resolve_base(const fl_peft_adapter *a, const fl_cli_adapter_info *info, const char *base,
@@ -137,6 +180,7 @@ static fl_status resolve_base(const fl_peft_adapter *a, const fl_cli_adapter_inf
                          "base model folder with %s", info->adapter, b,
                          relative ? " (a relative path is looked up from the current directory)" : "", hint);
     }
+    FL_TRY(check_base_weights(info, b, hint));
     snprintf(out, n, "%s", b);
     return FL_OK;
 }

@@ -14,6 +14,21 @@
  * cache files then simply miss. */
 #define FL_DATA_FORMAT_VERSION 1
 
+/* fl_data_fingerprint / fl_s2s_fingerprint: 64-bit FNV-1a over 32-bit values (with a shift to spread the high
+ * bits), taken by value so that every machine gets the same number for the same ids. */
+#define FL_DATA_FP_BASIS 0xcbf29ce484222325ULL
+static inline uint64_t fl_data_fp_words(uint64_t h, const int32_t *p, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        h = (h ^ (uint32_t)p[i]) * 0x100000001b3ULL;
+        h ^= h >> 29;
+    }
+    return h;
+}
+static inline uint64_t fl_data_fp_count(uint64_t h, uint64_t v) {
+    const int32_t w[2] = {(int32_t)(uint32_t)v, (int32_t)(uint32_t)(v >> 32)};
+    return fl_data_fp_words(h, w, 2);
+}
+
 /* ---- one split's samples: tokens in two flat arrays ------------------------ */
 
 typedef struct {

@@ -113,6 +113,19 @@ const fl_sample *fl_data_get(const fl_dataset *d, fl_split split, size_t i) {
 
 const fl_data_stats *fl_data_get_stats(const fl_dataset *d) { return &d->stats; }
 
+uint64_t fl_data_fingerprint(const fl_dataset *d, fl_split split) {
+    uint64_t h = FL_DATA_FP_BASIS;
+    if (!d || split < 0 || split >= FL_SPLIT_COUNT) return h;
+    const fl_data_split_buf *b = &d->split[split];
+    /* the count, each sample's length and prompt length (the boundaries), then every id and label in order */
+    h = fl_data_fp_count(h, b->n);
+    h = fl_data_fp_words(h, b->len, b->n);
+    h = fl_data_fp_words(h, b->plen, b->n);
+    h = fl_data_fp_count(h, b->n_tok);
+    h = fl_data_fp_words(h, b->ids, b->n_tok);
+    return fl_data_fp_words(h, b->labels, b->n_tok);
+}
+
 /* ---- load ------------------------------------------------------------------------ */
 
 static fl_status check_config(const fl_data_config *cfg, const fl_tokenizer *tok) {

@@ -53,6 +53,20 @@ void fl_s2s_free(fl_s2s_data *d) {
 size_t fl_s2s_count(const fl_s2s_data *d) { return d ? d->n : 0; }
 const fl_s2s_stats *fl_s2s_get_stats(const fl_s2s_data *d) { return d ? &d->stats : NULL; }
 
+uint64_t fl_s2s_fingerprint(const fl_s2s_data *d) {
+    uint64_t h = fl_data_fp_count(FL_DATA_FP_BASIS, fl_s2s_count(d));
+    for (size_t i = 0; i < fl_s2s_count(d); i++) { /* each pair's lengths (its boundaries), then its ids */
+        const int32_t *a, *b;
+        int na, nb;
+        fl_s2s_get(d, i, &a, &na, &b, &nb);
+        const int32_t n[2] = {na, nb};
+        h = fl_data_fp_words(h, n, 2);
+        h = fl_data_fp_words(h, a, (size_t)na);
+        h = fl_data_fp_words(h, b, (size_t)nb);
+    }
+    return h;
+}
+
 void fl_s2s_get(const fl_s2s_data *d, size_t i, const int32_t **src, int *n_src, const int32_t **tgt, int *n_tgt) {
     *src = d->tok + d->off[i];
     *n_src = d->ns[i];

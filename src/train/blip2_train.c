@@ -551,11 +551,18 @@ static void record_step(b2run *r, long k, double ms, double loss) {
     else res->step_ms_mean = k == 1 ? ms : (res->step_ms_mean * (double)(k - 1) + ms) / (double)k;
 }
 
-/* A row of metrics.csv (rank 0): a step's (loss, its time, the LR, its valid targets and their rate) or a
- * validation's (val_loss), with the pool's bytes per tag now and its peak. */
-static void metrics_row(b2run *r, const b2pos *p, double loss, double secs, double lr, long long tokens, double val) {
-    fl_metrics_values mv = {p->step, p->step, p->epoch, loss, secs, lr, val, secs > 0 ? (double)tokens / secs : NAN,
-                            tokens, p->tokens, {0}, 0, NAN};
+/* A row of metrics.csv (rank 0), the language-model trainer's schema (metrics.h, README): one per step, at its last
+ * iteration (iter = steps x the accum micro-batches of a step, every rank's), with the step's loss, the mean time of
+ * the iterations a rank ran in it (secs / (accum / world), the update included), the LR, the caption targets so far
+ * over every rank (total_tokens; tokens: a rank's share) and the step's per rank per second; or a validation's
+ * (val_loss); with the pool's bytes per tag now and its peak. */
+static void metrics_row(b2run *r, const b2pos *p, int accum, double loss, double secs, double lr, long long tokens,
+                        double val) {
+    const double per_rank = (double)accum / (r->world > 1 ? r->world : 1); /* a rank's iterations of a step */
+    fl_metrics_values mv = {.iter = p->step * accum, .step = p->step, .epoch = p->epoch, .loss = loss,
+                            .iter_time = secs / per_rank, .learning_rate = lr, .val_loss = val,
+                            .tok_s = secs > 0 ? (double)tokens / (r->world > 1 ? r->world : 1) / secs : NAN,
+                            .total_tokens = p->tokens, .comm_sent = NAN};
     for (int k = 0; k < 6; k++) mv.mem[k] = (double)r->pool.cur[k];
     mv.mem_peak = (double)r->pool.peak_total;
     fl_metrics_row(&r->metrics, &mv);
@@ -613,7 +620,9 @@ static fl_status train(b2run *r) {
     /* logs/metrics.csv (LitGPT's columns; a resumed run keeps the rows up to its checkpoint's step) */
     if (s == FL_OK && !r->rank) s = fl_fs_mkdir_p(c->out_dir);
     if (s == FL_OK && !r->rank) fl_ckpt_clean_tmp(c->out_dir); /* what an interrupted save left */
-    if (s == FL_OK && !r->rank) s = fl_metrics_open(&r->metrics, c->out_dir, c->logger_name, resumed, resumed ? p.step : -1);
+    if (s == FL_OK && !r->rank)
+        s = fl_metrics_open(&r->metrics, c->out_dir, c->logger_name, resumed, resumed ? p.step * accum : -1);
+    r->metrics.ranks = r->world; /* tokens = total_tokens / the ranks */
     const long first = p.step;
     for (long it = p.step; s == FL_OK && it < max_steps; it++) {
         const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
@@ -626,14 +635,14 @@ static fl_status train(b2run *r) {
         const double ms = now_ms() - t0;
         if (s == FL_OK) record_step(r, it - first, ms, loss);
         p.step = it + 1;
-        if (s == FL_OK) metrics_row(r, &p, loss, ms / 1e3, lr, p.tokens - tok0, NAN);
+        if (s == FL_OK) metrics_row(r, &p, accum, loss, ms / 1e3, lr, p.tokens - tok0, NAN);
         r->steps_done = p.step;
         if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
             fl_b2t_say(r, "step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
         if (s == FL_OK && r->n_val && p.step % c->eval.interval == 0 && p.step < max_steps) {
             s = validate(r, B, &vl);
             if (s == FL_OK) fl_b2t_say(r, "step %ld val loss %.6f\n", p.step, vl);
-            if (s == FL_OK) metrics_row(r, &p, NAN, NAN, NAN, p.tokens, vl);
+            if (s == FL_OK) metrics_row(r, &p, accum, NAN, NAN, NAN, 0, vl);
         }
         const int saved = c->train.save_interval > 0 && p.step % c->train.save_interval == 0;
         if (s == FL_OK && saved) s = fl_b2t_save_step(r, &p); /* rank 0 writes (ZeRO: the state gathered first) */
@@ -652,7 +661,7 @@ static fl_status train(b2run *r) {
         double vl = 0;
         s = validate(r, B, &vl);
         if (s == FL_OK) r->res->val_loss = vl;
-        if (s == FL_OK) metrics_row(r, &p, NAN, NAN, NAN, p.tokens, vl);
+        if (s == FL_OK) metrics_row(r, &p, accum, NAN, NAN, NAN, 0, vl);
         if (s == FL_OK) fl_b2t_say(r, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", vl, exp(vl));
     }
     if (s == FL_OK) fl_mem_snapshot(&r->pool, "end");

@@ -183,7 +183,7 @@ int fl_ckpt_remove_run(const char *out_dir, char *said, size_t n) {
     struct dirent *e;
     char p[FL_CFG_PATH + 300];
     while ((e = readdir(d)) != NULL) {
-        if (strncmp(e->d_name, "step-", 5) && strcmp(e->d_name, "final")) continue;
+        if (strncmp(e->d_name, "step-", 5) && strcmp(e->d_name, "final") && strcmp(e->d_name, FL_CKPT_BASE)) continue;
         snprintf(p, sizeof p, "%s/%s", out_dir, e->d_name);
         if (!fl_fs_is_dir(p)) continue;
         remove_tree(p);
@@ -219,10 +219,12 @@ static fl_status save(const char *out_dir, const char *name, const fl_model *m, 
     fl_fs_tmp_track(tmp); /* a stop by a signal removes it (the CLI) */
     /* the folder first: the savers below write into it in place (else each would build its own X.tmp-PID inside) */
     fl_status s = mkdir(tmp, 0755) == 0 ? FL_OK : fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-    const char *base = cfg ? cfg->checkpoint_dir : NULL;
+    char base_dir[FL_CFG_PATH + 300];
+    const char *base = cfg ? fl_ckpt_adapter_base(out_dir, cfg, base_dir, sizeof base_dir) : NULL;
     if (s != FL_OK) {
     } else if (m->lora && o) {
-        /* a LoRA training checkpoint: the base is frozen and stays in checkpoint_dir, so only
+        /* a LoRA training checkpoint: the base is frozen and stays in checkpoint_dir (random
+         * weights: in out_dir/base, fl_ckpt_save_base), so only
          * the training state (adapters included) and the PEFT adapter, so that merge_lora,
          * generate and PEFT use this step without waiting for final/. No config.json: as in
          * PEFT's checkpoint-N/ folders; transformers takes a folder holding one for a full
@@ -247,6 +249,27 @@ static fl_status save(const char *out_dir, const char *name, const fl_model *m, 
     if (s != FL_OK) remove_tree(tmp);
     fl_fs_tmp_untrack(tmp);
     return s == FL_OK ? FL_OK : fl_error_prefix(s, "saving checkpoint %s", dst);
+}
+
+const char *fl_ckpt_adapter_base(const char *out_dir, const fl_run_config *cfg, char *buf, size_t n) {
+    snprintf(buf, n, "%s/" FL_CKPT_BASE, out_dir);
+    return fl_ckpt_is_committed(buf) ? buf : cfg->checkpoint_dir;
+}
+
+fl_status fl_ckpt_save_base(const char *out_dir, const fl_model *m, const char *tokenizer_src) {
+    char tmp[FL_CFG_PATH + 300];
+    FL_TRY(fl_fs_mkdir_p(out_dir));
+    snprintf(tmp, sizeof tmp, "%s/" TMP_PREFIX FL_CKPT_BASE "-%d", out_dir, (int)getpid());
+    remove_tree(tmp);
+    fl_fs_tmp_track(tmp); /* a stop by a signal removes it (the CLI) */
+    /* the weights as the model holds them now: a LoRA model's base (not merged yet; 4-bit dequantized) */
+    fl_status s = mkdir(tmp, 0755) == 0 ? FL_OK : fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+    if (s == FL_OK) s = fl_hf_save_model(m, tmp);
+    if (s == FL_OK) s = fl_io_write_tokenizer(tokenizer_src, tmp, NULL);
+    if (s == FL_OK) s = fl_ckpt_commit(out_dir, FL_CKPT_BASE, tmp);
+    if (s != FL_OK) remove_tree(tmp);
+    fl_fs_tmp_untrack(tmp);
+    return s == FL_OK ? FL_OK : fl_error_prefix(s, "saving the base model to %s/" FL_CKPT_BASE, out_dir);
 }
 
 fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,

@@ -259,24 +259,39 @@ fl_status fl_dp_agree(fl_dp *dp, fl_status mine) {
     return fl_errorf((fl_status)v, "rank %d of %d: %s", bad, world, msg);
 }
 
+/* Rank 0's text (its length, then the text as 2-byte words: a broadcast copies bits) into *root (malloc'd,
+ * NUL-terminated); *differs: whether this rank's text is another. */
+static fl_status root_text(fl_comm *c, const char *mine, size_t len, char **root, int *differs) {
+    *root = NULL;
+    *differs = 0;
+    float lw = (float)len; /* exact below 2^24 */
+    FL_TRY(fl_comm_broadcast(c, &lw, 1, FL_F32, 0));
+    size_t n0 = (size_t)lw, words = (n0 + 2) / 2;
+    char *r = calloc(words, 2);
+    if (!r) return fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
+    if (fl_comm_rank(c) == 0) memcpy(r, mine, len);
+    fl_status s = fl_comm_broadcast(c, r, words, FL_BF16, 0);
+    if (s != FL_OK) {
+        free(r);
+        return s;
+    }
+    *root = r;
+    *differs = n0 != len || memcmp(r, mine, len);
+    return FL_OK;
+}
+
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg) {
     fl_comm *c = dp->grid ? dp->grid : dp->comm;
     if (!c) return FL_OK;
-    char *mine = NULL;
+    char *mine = NULL, *root = NULL;
     size_t len = 0;
     FILE *f = open_memstream(&mine, &len);
     if (!f) return fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
     fl_cfg_write_yaml(cfg, f);
     fclose(f);
-    /* rank 0's length, then its text (as 2-byte words: a broadcast copies bits) */
-    float lw = (float)len; /* exact below 2^24 */
-    fl_status s = fl_comm_broadcast(c, &lw, 1, FL_F32, 0);
-    size_t n0 = (size_t)lw, words = (n0 + 2) / 2;
-    char *root = s == FL_OK ? calloc(words, 2) : NULL;
-    if (s == FL_OK && !root) s = fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
-    if (s == FL_OK && fl_comm_rank(c) == 0) memcpy(root, mine, len);
-    if (s == FL_OK) s = fl_comm_broadcast(c, root, words, FL_BF16, 0);
-    if (s == FL_OK && (n0 != len || memcmp(root, mine, len))) {
+    int differs = 0;
+    fl_status s = root_text(c, mine, len, &root, &differs);
+    if (s == FL_OK && differs) {
         char here[200], there[200];
         fl_text_first_diff(mine, root, here, there, sizeof here);
         s = fl_errorf(FL_ERR_INVALID, "the ranks were started with different configurations: rank %d has '%s' where "
@@ -285,4 +300,22 @@ fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg) {
     free(root);
     free(mine);
     return s;
+}
+
+fl_status fl_dp_check_data(fl_dp *dp, const char *mine, const char *files) {
+    fl_comm *c = dp->grid ? dp->grid : dp->comm;
+    if (!c) return FL_OK;
+    char *root = NULL;
+    int differs = 0;
+    fl_status s = root_text(c, mine, strlen(mine), &root, &differs);
+    if (s != FL_OK) return s; /* a collective failed: every rank's fails */
+    if (differs) {
+        char here[200], there[200];
+        fl_text_first_diff(mine, root, here, there, sizeof here);
+        s = fl_errorf(FL_ERR_INVALID, "the ranks read different data: rank %d has '%s' where rank 0 has '%s' (rank %d "
+                      "read %s; every rank must read the same data files: check each rank's working directory and "
+                      "copy of the data)", fl_comm_rank(c), here, there, fl_comm_rank(c), files);
+    }
+    free(root);
+    return fl_dp_agree(dp, s); /* the lowest rank that differs, on every rank */
 }

@@ -182,6 +182,10 @@ fl_status fl_zero8_take(fl_optimizer *o, const void *full);
 /* Every rank's run configuration must be rank 0's (the YAML dump compared line by line):
  * FL_ERR_INVALID on the ranks that differ, naming the first differing line. Collective. */
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);
+/* Every rank must read rank 0's data: mine, a text describing what this rank read (fl_tr_check_data: each split's
+ * samples, tokens and fingerprint), compared with rank 0's line by line; files names this rank's data files for the
+ * message. Collective and agreed (fl_dp_agree): every rank returns the lowest differing rank's FL_ERR_INVALID. */
+fl_status fl_dp_check_data(fl_dp *dp, const char *mine, const char *files);
 /* What data parallelism cannot run (gradient dtypes other than F32, BF16, F16), checked at set-up. */
 fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
 /* Sum the trainable gradients (o->w.g, F32, BF16 or F16) over ranks in place: DDP and ZeRO-1 of the full

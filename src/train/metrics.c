@@ -79,8 +79,9 @@ fl_status fl_metrics_open(fl_metrics *mt, const char *out_dir, const char *kind,
 
 void fl_metrics_row(fl_metrics *mt, const fl_metrics_values *v) {
     if (!mt->f) return;
+    const int ranks = mt->ranks > 1 ? mt->ranks : 1;
     double vals[N_COLS] = {(double)v->iter, (double)v->step, (double)v->epoch, v->loss, v->iter_time,
-                           (double)v->tokens, (double)v->total_tokens, v->learning_rate, v->val_loss,
+                           (double)v->total_tokens / ranks, (double)v->total_tokens, v->learning_rate, v->val_loss,
                            fl_trainer_perplexity(v->val_loss), v->tok_s}; /* beyond a sane range: inf */
     for (int t = 0; t < 6; t++) vals[11 + t] = (double)v->mem[t];
     vals[17] = (double)v->mem_peak;

@@ -9,14 +9,19 @@
 typedef struct {
     FILE *f;
     int jsonl;
+    int ranks;          /* data-parallel ranks (the opener sets it; 0 counts as 1): tokens = total_tokens / ranks */
     char path[4300];
 } fl_metrics;
 
-/* NaN = column absent in this row. */
+/* One row; NaN = column absent in this row. The columns and their units are README's "Logs and metrics" (one schema
+ * for every trainer, LitGPT's meanings): iter = iterations so far (micro-batches, every rank's counted), step =
+ * optimizer steps done after this iteration (0 until the first step's last micro-batch), epoch from 0, iter_time in
+ * seconds, tok_s tokens per second on one rank, tokens = this rank's share of total_tokens (total / ranks, LitGPT's
+ * total_tokens = tokens x world size), mem_* bytes, comm_sent bytes. */
 typedef struct {
     long iter, step, epoch;
     double loss, iter_time, learning_rate, val_loss, tok_s;
-    long long tokens, total_tokens;
+    long long total_tokens; /* every rank's tokens so far */
     double mem[6];
     double mem_peak;
     double comm_sent;   /* bytes this rank sent in the step (fl_comm_traffic), on the step's last row of a

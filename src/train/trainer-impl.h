@@ -41,6 +41,7 @@ typedef struct {
     char tok_dir[FL_CFG_PATH];  /* where tokenizer files come from ("" = built-in) */
     int weights_loaded;         /* the model's weights were read from files (fl_tr_load_model): their vocabulary is
                                  * not the built-in bytes', so a tokenizer must come with them */
+    int base_kept;              /* LoRA on random weights: out_dir/base holds them (fl_tr_save_base) */
     fl_dataset *data;
     size_t n_cut;               /* samples (both splits) not used whole: cut to cut_to tokens (count_cuts) */
     int cut_to, cut_by_ctx;     /* ... by train.max_seq_length, or (cut_by_ctx) by the model's context */
@@ -138,6 +139,10 @@ int fl_tr_dir_has_run(const char *dir);
 fl_status fl_tr_load_tokenizer(trainer *t);
 /* The dataset, the loaders, and (B, T): T the longest sample's inputs within max_seq_length. */
 fl_status fl_tr_load_data(trainer *t);
+/* Data-parallel runs: every rank's training and validation sets (counts, tokens, fl_data_fingerprint) must be rank
+ * 0's, else FL_ERR_INVALID on every rank naming the lowest rank that differs and its data files (fl_dp_check_data;
+ * collective, agreed). One rank: nothing. */
+fl_status fl_tr_check_data(trainer *t);
 /* An encoder-decoder's run: what it does not support yet refused, naming the option. */
 fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_strategy_choice *sc);
 /* The training loader's micro-batches per epoch and its state (either loader). */
@@ -255,5 +260,11 @@ fl_status fl_tr_diverged(const trainer *t, fl_status s, long step, long iter);
 fl_status fl_tr_check_weights(trainer *t);
 fl_status fl_tr_save_step(trainer *t, int lead, int rotate);
 fl_status fl_tr_resume(trainer *t, int *resumed);
+/* The lead: a LoRA run whose base weights were not read from files (--init random, a preset) saves them once to
+ * out_dir/base (fl_ckpt_save_base), which its adapters then name. Called at set-up (setup 1: a resumed run keeps the
+ * committed one; tensor / pipeline parallel save there, making the whole model again as the load did, while the
+ * memory is free) and before each adapter is saved (a step checkpoint, final/ before the merge: a whole model saves
+ * its own base then, so that a run that saves no adapter, the lab's rows, writes none). Said on t->out. */
+fl_status fl_tr_save_base(trainer *t, int setup, int resumed);
 
 #endif

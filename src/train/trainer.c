@@ -285,6 +285,9 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     FL_TRY(fl_tr_setup_training(t, rcfg, sc));
     FL_TRY(fl_tr_tp_attach(t)); /* tensor parallel: the clipping norm and overflow verdicts over the group */
     AGREE(); /* every rank holds its model, data and buffers; nothing was written yet */
+    *agreed = 1; /* every rank read rank 0's data (an agreed error names the lowest rank that did not) */
+    FL_TRY(fl_tr_check_data(t));
+    *agreed = 0;
     if (lead) {
         FL_TRY(fl_fs_mkdir_p(cfg->out_dir));
         fl_ckpt_clean_tmp(cfg->out_dir);
@@ -303,7 +306,9 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     fl_model_sync_compute_copy(&t->model); /* resumed master weights -> compute copy */
     AGREE();
     FL_TRY(fl_dp_broadcast_params(&t->dp, &t->opt)); /* rank 0's weights everywhere, as DDP starts */
+    if (lead) FL_TRY(fl_tr_save_base(t, 1, *resumed)); /* LoRA on random weights: the base its adapters name */
     if (lead) FL_TRY(fl_metrics_open(&t->metrics, cfg->out_dir, cfg->logger_name, *resumed, *resumed ? t->st.iter : -1));
+    t->metrics.ranks = t->dp.world; /* tokens = total_tokens / the data-parallel ranks */
     AGREE();
 #undef AGREE
     return FL_OK;
@@ -422,10 +427,11 @@ static fl_status log_iterations(trainer *t, run_loop *L, float lr, long long tok
         if (t->out)
             fprintf(t->out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | %s%s\n",
                     (long long)t->buf.mb_epoch[j] + 1, t->st.iter, step_now, run, vbuf, tbuf, last ? " (step)" : "");
-        /* tokens: cumulative through this iteration (LitGPT's iter_num x micro batch x T) */
-        fl_metrics_values mv = {t->st.iter, step_now, t->buf.mb_epoch[j], run, it_time, lr, NAN,
-                                t->buf.mb_tokens[j] / (it_time > 0 ? it_time : 1e-9),
-                                tokens0, tokens0, {0}, 0, NAN};
+        /* total_tokens: every rank's padded tokens through this iteration (LitGPT's iter_num x micro batch x T x world
+         * size; metrics.c writes tokens, this rank's share); tok_s: this micro-batch's on its rank */
+        fl_metrics_values mv = {.iter = t->st.iter, .step = step_now, .epoch = t->buf.mb_epoch[j], .loss = run,
+                                .iter_time = it_time, .learning_rate = lr, .val_loss = NAN,
+                                .tok_s = t->buf.mb_tokens[j] / (it_time > 0 ? it_time : 1e-9), .total_tokens = tokens0};
         fl_tr_mem_values(&t->hw.pool, &mv);
         if (last && t->dp.world > 1) mv.comm_sent = step_sent;
         fl_metrics_row(&t->metrics, &mv);
@@ -580,6 +586,7 @@ static fl_status finish(trainer *t, run_loop *L) {
     FL_TRY(fl_tr_diverged(t, fl_tr_check_weights(t), t->st.step, t->st.iter));
     /* LoRA: the lead merges (tensor parallel: every rank its slice, gathered merged; pipeline stages: stage 0 merges
      * the gathered adapters into the gathered base, fl_tr_pp_save) */
+    if (L->lead) FL_TRY(fl_tr_save_base(t, 0, 0)); /* LoRA on random weights: the base final/adapter names, unmerged */
     if (t->model.lora && t->pp.size <= 1 && (L->lead || t->tp.size > 1)) FL_TRY(fl_model_lora_merge(&t->model));
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_save(t, L->lead, "final", t->model.lora ? NULL : &t->opt,
                                              t->model.lora ? NULL : &t->st));

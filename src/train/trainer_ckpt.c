@@ -56,11 +56,52 @@ fl_status fl_tr_save_step(trainer *t, int lead, int rotate) {
     FL_TRY(fl_tr_diverged(t, fl_tr_check_weights(t), t->st.step, t->st.iter));
     /* the ranks hold the same weights (and, but under ZeRO, state): one writer, the single-process
      * format; ZeRO's state chunks travel to rank 0 first (collective) */
+    if (lead) FL_TRY(fl_tr_save_base(t, 0, 0)); /* LoRA on random weights: the base its adapters name, once */
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_save(t, lead, name, &t->opt, &t->st)); /* gathered from the slices */
     else if (t->pp.size > 1) FL_TRY(fl_tr_pp_save(t, lead, name, &t->opt, &t->st)); /* from the stages */
     else FL_TRY(fl_dp_ckpt_save(&t->dp, lead, cfg->out_dir, name, &t->model, &t->opt, &t->st, cfg,
                                 t->in.tok_dir[0] ? t->in.tok_dir : NULL));
     if (lead && rotate) fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
+    return FL_OK;
+}
+
+fl_status fl_tr_save_base(trainer *t, int setup, int resumed) {
+    const fl_run_config *cfg = t->cfg;
+    if (!t->model.lora || t->in.weights_loaded || t->in.base_kept) return FL_OK; /* checkpoint_dir's files, or done */
+    char dir[FL_CFG_PATH + 300];
+    snprintf(dir, sizeof dir, "%s/" FL_CKPT_BASE, cfg->out_dir);
+    if (setup && resumed && fl_ckpt_is_committed(dir)) { /* written by the run this one continues */
+        t->in.base_kept = 1;
+        return FL_OK;
+    }
+    const int whole = t->tp.size <= 1 && t->pp.size <= 1;
+    if (setup == whole) return FL_OK; /* a whole model's when an adapter is saved; slices' and stages' now */
+    const char *tok = t->in.tok_dir[0] ? t->in.tok_dir : NULL;
+    fl_status s;
+    if (whole) {
+        s = fl_ckpt_save_base(cfg->out_dir, &t->model, tok); /* the run's own base, whole on every rank */
+    } else { /* slices or stages: the whole model made again as the load made it (the same seed), then freed */
+        tp_whole w;
+        memset(&w, 0, sizeof w);
+        s = fl_backend_pools_init(&t->hw.be, &w.pool, &w.hpool, "the base model (whole)", 0);
+        w.pool_ok = s == FL_OK;
+        const fl_model_storage keep = t->stg;
+        t->stg.shard = NULL;
+        if (s == FL_OK) s = fl_tr_load_model(t, NULL, &w.m, &w.pool, &w.m_ok);
+        t->stg = keep;
+        if (s == FL_OK) s = fl_ckpt_save_base(cfg->out_dir, &w.m, tok);
+        fl_tr_whole_free(&w);
+    }
+    FL_TRY(s);
+    t->in.base_kept = 1;
+    struct stat st;
+    if (t->out)
+        fprintf(t->out, "note: the base model's weights are random (%s%s%s, seed %llu): saved once to '%s' (config.json, "
+                "model.safetensors, tokenizer), which the adapters of step-*/ and final/adapter name as their base "
+                "(base_model_name_or_path), so that merge_lora, generate and PEFT load the weights they were trained "
+                "on\n", cfg->init_random ? "--init random" : "'", cfg->init_random ? "" : cfg->checkpoint_dir,
+                cfg->init_random ? "" : stat(cfg->checkpoint_dir, &st) == 0 ? "' holds no weights" : "' is a model preset",
+                (unsigned long long)cfg->seed, dir);
     return FL_OK;
 }
 

@@ -270,10 +270,9 @@ void fl_tr_print_memory(trainer *t) {
 
 /* A metrics row of a validation loss. */
 void fl_tr_val_row(trainer *t, double val_loss) {
-    fl_metrics_values mv = {t->st.iter, t->st.step, (long)t->st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1,
-                            {0}, 0, NAN};
+    fl_metrics_values mv = {.iter = t->st.iter, .step = t->st.step, .epoch = (long)t->st.loader.epoch, .loss = NAN,
+                            .iter_time = NAN, .learning_rate = NAN, .val_loss = val_loss, .tok_s = NAN,
+                            .total_tokens = t->st.tokens_padded}; /* every rank's, as the training rows' */
     fl_tr_mem_values(&t->hw.pool, &mv);
-    mv.tokens = t->st.tokens_padded;
-    mv.total_tokens = t->st.tokens_padded;
     fl_metrics_row(&t->metrics, &mv);
 }

@@ -1,6 +1,7 @@
 /* The trainer's set-up and tear-down: model, tokenizer, data, schedule, gradients, optimizer,
  * activations, the step's buffers (src/train/trainer-impl.h). */
 #include <dirent.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <sys/stat.h>
 #include <math.h>
@@ -10,6 +11,7 @@
 
 #include "trainer-impl.h"
 #include "core/fs.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
 #include "fitllm/lora.h"
 #include "fitllm/tokenizer.h"
@@ -33,7 +35,9 @@ int fl_tr_dir_has_run(const char *dir) {
     struct dirent *e;
     int found = 0;
     while ((e = readdir(d)) != NULL)
-        if (!strncmp(e->d_name, "step-", 5) || !strcmp(e->d_name, "final") || !strcmp(e->d_name, "logs")) found = 1;
+        if (!strncmp(e->d_name, "step-", 5) || !strcmp(e->d_name, "final") || !strcmp(e->d_name, "logs") ||
+            !strcmp(e->d_name, FL_CKPT_BASE))
+            found = 1;
     closedir(d);
     return found;
 }
@@ -354,6 +358,73 @@ fl_status fl_tr_load_data(trainer *t) {
     FL_TRY(fl_loader_init(&t->in.train, t->in.data, FL_SPLIT_TRAIN, t->sch.B, T, c->seed, 1));
     if (fl_data_count(t->in.data, FL_SPLIT_VAL) > 0) FL_TRY(fl_loader_init(&t->in.val, t->in.data, FL_SPLIT_VAL, t->sch.B, T, c->seed, 0));
     return FL_OK;
+}
+
+/* One line per split: "NAME: N samples, T tokens, fingerprint HEX" (fl_data_fingerprint: the ids, labels and
+ * sample boundaries as tokenized). */
+static void describe_split(FILE *f, const char *name, const fl_dataset *d, fl_split sp) {
+    size_t n = fl_data_count(d, sp), tok = 0;
+    for (size_t i = 0; i < n; i++) tok += (size_t)fl_data_get(d, sp, i)->len;
+    fprintf(f, "%s: %zu samples, %zu tokens, fingerprint %016llx\n", name, n, tok,
+            (unsigned long long)fl_data_fingerprint(d, sp));
+}
+
+static void describe_pairs(FILE *f, const char *name, const fl_s2s_data *d) {
+    size_t tok = 0;
+    for (size_t i = 0; i < fl_s2s_count(d); i++) {
+        const int32_t *a, *b;
+        int na, nb;
+        fl_s2s_get(d, i, &a, &na, &b, &nb);
+        tok += (size_t)na + (size_t)nb;
+    }
+    fprintf(f, "%s: %zu pairs, %zu tokens, fingerprint %016llx\n", name, fl_s2s_count(d), tok,
+            (unsigned long long)fl_s2s_fingerprint(d));
+}
+
+/* "OPTION 'PATH' (ABSOLUTE)": a data path as this rank resolves it (relative to its working directory). */
+static size_t name_path(char *buf, size_t n, const char *option, const char *path) {
+    char abs[PATH_MAX];
+    const char *r = realpath(path, abs);
+    int w = snprintf(buf, n, "%s '%s'%s%s%s", option, path, r && strcmp(r, path) ? " (" : "",
+                     r && strcmp(r, path) ? r : "", r && strcmp(r, path) ? ")" : r ? "" : " (missing here)");
+    return w < 0 ? 0 : (size_t)w < n ? (size_t)w : n - 1;
+}
+
+fl_status fl_tr_check_data(trainer *t) {
+    if (!t->dp.grid && !t->dp.comm) return FL_OK; /* one rank */
+    const fl_data_config *dc = &t->cfg->data;
+    char *mine = NULL, files[3 * FL_CFG_PATH + 64];
+    size_t len = 0;
+    FILE *f = open_memstream(&mine, &len);
+    if (!f) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    if (t->in.s2s) {
+        describe_pairs(f, "training set", t->in.s2s);
+        describe_pairs(f, "validation set", t->in.s2s_vdata);
+    } else {
+        describe_split(f, "training set", t->in.data, FL_SPLIT_TRAIN);
+        describe_split(f, "validation set", t->in.data, FL_SPLIT_VAL);
+    }
+    fclose(f);
+    /* the files this rank read, for the message (the command line, compared already, gives the same names) */
+    size_t o = 0;
+    if (t->in.s2s || dc->kind == FL_DATA_ALPACA || dc->kind == FL_DATA_JSON) {
+        const char *jp = dc->json_path[0] ? dc->json_path : "data/alpaca/alpaca_data_cleaned_archive.json";
+        o = name_path(files, sizeof files, "data.json_path", jp);
+    } else if (dc->kind == FL_DATA_TEXTFILES) {
+        o = name_path(files, sizeof files, "data.train_data_path", dc->train_data_path);
+        if (dc->val_data_path[0] && o + 8 < sizeof files) {
+            o += (size_t)snprintf(files + o, sizeof files - o, " and ");
+            o += name_path(files + o, sizeof files - o, "data.val_data_path", dc->val_data_path);
+        }
+    } else {
+        o = (size_t)snprintf(files, sizeof files, "the Synthetic data");
+        if (dc->lengths[0]) name_path(files + o, sizeof files - o, " of data.lengths", dc->lengths);
+    }
+    if (dc->cache_dir[0] && o < sizeof files)
+        name_path(files + strlen(files), sizeof files - strlen(files), " through data.cache_dir", dc->cache_dir);
+    fl_status s = fl_dp_check_data(&t->dp, mine, files);
+    free(mine);
+    return s;
 }
 
 void fl_tr_schedule(trainer *t) {
