@@ -1186,3 +1186,24 @@ FL_TEST(lab_real_scale_plans_match_course) {
     FL_CHECK(with_gb == 3); /* reduced-batch, grad-accum, grad-accum-lr */
     fl_lab_report_free(&rep);
 }
+
+/* "extra time per sample" names what makes a row slower than reduced-batch's plain fp32 AdamW: a row no slower per
+ * sample keeps no note (the lab said DDP's ranks cost time when DDP was the fastest row); a slower row keeps its own */
+FL_TEST(lab_time_notes_only_for_slower_rows) {
+    fl_lab_row rows[3];
+    memset(rows, 0, sizeof rows);
+    const char *names[3] = {"reduced-batch", "ddp", "act-ckpt"};
+    const double step_ms[3] = {400.0, 1200.0, 900.0}; /* per sample: 50, 37.5 (8 x 1 x 4), 112.5 */
+    for (int i = 0; i < 3; i++) {
+        snprintf(rows[i].name, sizeof rows[i].name, "%s", names[i]);
+        rows[i].verdict = FL_LAB_FITS, rows[i].ran = 1, rows[i].B = 8, rows[i].accum = 1, rows[i].step_ms = step_ms[i];
+        snprintf(rows[i].time_note, sizeof rows[i].time_note, "note %d", i);
+    }
+    rows[1].ranks = 4;
+    fl_lab_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.rows = rows, rep.n = 3;
+    fl_lab_time_notes_settle(&rep);
+    FL_CHECKF(!strcmp(rows[0].time_note, "note 0") && !rows[1].time_note[0] && !strcmp(rows[2].time_note, "note 2"),
+              "notes: '%s' '%s' '%s'", rows[0].time_note, rows[1].time_note, rows[2].time_note);
+}

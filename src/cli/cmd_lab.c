@@ -17,7 +17,7 @@
 #include "fitllm/lab.h"
 
 static void help(void) {
-    printf("usage: fitllm lab [--suite quick|full|fsdp|blip2] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
+    printf("usage: fitllm lab [--suite quick|full|ci|fsdp|blip2] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
            "                  [--keep-runs] [--run-oom] [--plan-only] [--scale lab|real] [--lengths TABLE|fixed]\n"
            "                  [--peer pytorch] [--peak-tflops X]\n"
            "                  fsdp suite: [--model gpt2-xl|gpt2-xxl] [--precision LIST] [--fsdp.backward_prefetch on|off]\n\n"

@@ -839,6 +839,7 @@ static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, i
         }
         if (best >= 0) rep->rows[best].largest = 1;
     }
+    if (!rep->sweep) fl_lab_time_notes_settle(rep);
     if (bit == SUITE_QUICK || bit == SUITE_FULL) FL_TRY(fl_lab_course_plans(rep)); /* plans only: < 2 s */
     rep->wall_s = now_s() - t0;
     return FL_OK;
