@@ -152,6 +152,15 @@ else echo "skip version_rss: no /usr/bin/time, or an NVIDIA driver here"; skip=$
 expect selftest_bad_backend 2 "unknown backend 'nope'" -- "$FITLLM" selftest --backend nope
 expect selftest_null_backend 2 "--backend null: the null backend computes nothing" -- "$FITLLM" selftest --backend null
 expect pretrain_initial_checkpoint_missing 2 "/nonexistent-fitllm: no such folder" -- "$FITLLM" pretrain --initial_checkpoint_dir /nonexistent-fitllm --model_name micro --data Synthetic --out_dir "$T/pz"
+# an initial checkpoint of another shape than model_name's: a configuration error naming both shapes (it was a tensor's
+# "expected shape ... (from config.json)", the checkpoint's config.json blamed for model_name's shape, exit 1)
+if [ -d "$DATA/stories260K-hf" ]; then
+    expect pretrain_initial_checkpoint_other_shape 2 "initial_checkpoint_dir .*stories260K-hf holds another shape than the model pretrain builds \(tiny\): its config.json has vocab 512, dim 64" -- \
+        "$FITLLM" pretrain --model_name tiny --initial_checkpoint_dir "$DATA/stories260K-hf" --data Synthetic --train.max_steps 1 --out_dir "$T/pz2"
+    expect pretrain_initial_checkpoint_same_shape 0 "Saved the final model" -- "$FITLLM" pretrain --model_config "$DATA/stories260K-hf/config.json" \
+        --initial_checkpoint_dir "$DATA/stories260K-hf" --tokenizer_dir "$DATA/stories260K-hf" --data TextFiles --data.train_data_path "$DATA/text" \
+        --train.max_seq_length 32 --train.max_steps 1 --train.global_batch_size 1 --train.micro_batch_size 1 --eval.final_validation false --out_dir "$T/pz3"
+fi
 # plan for a GPU without one: the CUDA backend's op scratch (80 MiB) in WORKSPACE
 expect plan_cuda 0 "peak +reserved" -- "$FITLLM" plan micro --accelerator cuda --precision bf16-true --train.micro_batch_size 1
 # issue 33: Synthetic samples with lengths drawn from Alpaca's measured table; plan sizes T for the longest draw

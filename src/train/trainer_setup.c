@@ -87,6 +87,27 @@ fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *
     return fl_lora_config_init(lc, mc, a->r, a->alpha, a->dropout, a->use_rslora, t);
 }
 
+/* pretrain --initial_checkpoint_dir: its config.json's shape against the model model_name / model_config build (a
+ * mismatch was a tensor's shape "expected (from config.json)", the wrong file named, exit 1): a configuration error */
+static fl_status initial_fits(const char *ck, const fl_model_config *mc) {
+    char cp[FL_CFG_PATH + 16];
+    fl_model_config kc;
+    snprintf(cp, sizeof cp, "%s/config.json", ck);
+    if (!fl_fs_is_file(cp) || fl_hf_load_config(cp, &kc) != FL_OK) {
+        fl_error_clear(); /* no or another config.json: the weights' own checks decide */
+        return FL_OK;
+    }
+    if (kc.vocab_size == mc->vocab_size && kc.dim == mc->dim && kc.n_layers == mc->n_layers && kc.ffn_dim == mc->ffn_dim &&
+        kc.n_heads == mc->n_heads && kc.n_kv_heads == mc->n_kv_heads)
+        return FL_OK;
+    return fl_errorf(FL_ERR_INVALID, "initial_checkpoint_dir %s holds another shape than the model pretrain builds (%s): "
+                     "its config.json has vocab %d, dim %d, %d layers, MLP %d, heads %d/%d, the run's model vocab %d, "
+                     "dim %d, %d layers, MLP %d, heads %d/%d: give the model_name or model_config that matches it",
+                     ck, mc->name[0] ? mc->name : "model_config", kc.vocab_size, kc.dim, kc.n_layers, kc.ffn_dim,
+                     kc.n_heads, kc.n_kv_heads, mc->vocab_size, mc->dim, mc->n_layers, mc->ffn_dim, mc->n_heads,
+                     mc->n_kv_heads);
+}
+
 /* The run's model. given (the planner's, fl_trainer_rehearse): that configuration, created and
  * randomly initialized as a preset is (no weights read: the loader's allocations are the random
  * init's, one 4-bit weight's fp32 staging at most). */
@@ -105,7 +126,11 @@ fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m
         FL_TRY(fl_model_init_ex(m, &mc, &t->hw.be, pool, &t->stg));
         *ok = 1;
         FL_TRY(fl_model_init_random_ex(m, c->seed));
-        if (ck[0]) { FL_TRY(fl_hf_load_weights(m, ck)); have_weights = 1; }
+        if (ck[0]) {
+            FL_TRY(initial_fits(ck, &mc));
+            FL_TRY(fl_hf_load_weights(m, ck));
+            have_weights = 1;
+        }
     } else if (ck[0] && !exists(ck)) {
         /* A preset name: random init (for speed/memory experiments without weights). */
         if (fl_fs_is_path_form(ck)) return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s': no such file or folder", ck);
