@@ -745,3 +745,26 @@ FL_TEST(cfg_data_option_of_another_class_refused) {
     FL_CHECKF(n >= 16, "%d data options in --help", n);
     free(help);
 }
+
+/* Two names of one setting (an older LitGPT recipe's train.learning_rate beside optimizer.lr) with other values from one
+ * origin: refused naming both (one silently won); the same value in two spellings, or a command line over a recipe,
+ * is fine */
+FL_TEST(cfg_alias_conflict_refused) {
+    fl_run_config c;
+    const char *both[] = {"train.learning_rate", "0.5", "optimizer.lr", "0.001"};
+    FL_CHECK(data_entries(FL_CMD_FINETUNE_FULL, NULL, both, 2, &c) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "train.learning_rate 0.5 and optimizer.lr 0.001 name the same setting"), "%s",
+              fl_error_message());
+    const char *wd[] = {"optimizer.weight_decay", "0", "train.weight_decay", "3"};
+    FL_CHECK(data_entries(FL_CMD_FINETUNE_FULL, NULL, wd, 2, &c) == FL_ERR_INVALID);
+    const char *same[] = {"train.learning_rate", "0.001", "optimizer.lr", "1e-3"};
+    FL_CHECKF(data_entries(FL_CMD_FINETUNE_FULL, NULL, same, 2, &c) == FL_OK, "%s", fl_error_message());
+    FL_CHECK(c.optimizer.lr == 1e-3f);
+    const char *yaml = "train:\n  learning_rate: 0.5\n";
+    const char *over[] = {"optimizer.lr", "0.01"};
+    FL_CHECKF(data_entries(FL_CMD_FINETUNE_FULL, yaml, over, 1, &c) == FL_OK, "%s", fl_error_message());
+    FL_CHECK(c.optimizer.lr == 0.01f);
+    FL_CHECK(data_entries(FL_CMD_FINETUNE_FULL, "train:\n  learning_rate: 0.5\noptimizer:\n  lr: 0.001\n", NULL, 0, &c) ==
+             FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "r.yaml"), "%s", fl_error_message());
+}

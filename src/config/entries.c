@@ -44,6 +44,21 @@ static const char *class_name(const char *v) {
     return dot ? dot + 1 : v;
 }
 
+/* "r.yaml:4" and "r.yaml:9": one file; "command line" */
+static int same_origin(const char *a, const char *b) {
+    const char *ca = strrchr(a, ':'), *cb = strrchr(b, ':');
+    size_t na = ca ? (size_t)(ca - a) : strlen(a), nb = cb ? (size_t)(cb - b) : strlen(b);
+    return na == nb && !strncmp(a, b, na);
+}
+
+/* "0.001" and "1e-3": one number */
+static int same_value(const char *a, const char *b) {
+    char *ea, *eb;
+    const double x = strtod(a, &ea), y = strtod(b, &eb);
+    if (ea != a && !*ea && eb != b && !*eb) return x == y;
+    return !strcmp(a, b);
+}
+
 fl_status fl_cfg_entries_add(fl_cfg_entries *l, const char *name, const char *value, const char *source, int from_cli) {
     char key[256];
     fl_cfg_canonical_key(name, key, sizeof key);
@@ -61,7 +76,16 @@ fl_status fl_cfg_entries_add(fl_cfg_entries *l, const char *name, const char *va
             if (!l->e[i].from_cli && !strncmp(l->e[i].key, key, kn) && l->e[i].key[kn] == '.') drop(l, i);
     }
     for (int i = 0; i < l->n; i++)
-        if (!strcmp(l->e[i].key, key)) drop(l, i--);
+        if (!strcmp(l->e[i].key, key)) {
+            /* two names of one setting (an older LitGPT recipe's train.learning_rate beside optimizer.lr) given with
+             * other values by the same origin: one silently won; a command line over a recipe overrides, as always */
+            const fl_cfg_entry *o = &l->e[i];
+            if (o->from_cli == from_cli && same_origin(o->source, source) && strcmp(o->name, name) &&
+                !same_value(o->value, value))
+                return fl_errorf(FL_ERR_INVALID, "%s: %s %s and %s %s name the same setting: give one", source,
+                                 o->name, o->value, name, value);
+            drop(l, i--);
+        }
     /* LitGPT's recipes have ~50 leaves; a document with thousands is not a recipe (and
      * the replace-by-key scan above is quadratic) */
     if (l->n >= FL_CFG_MAX_ENTRIES)
