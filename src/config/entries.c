@@ -78,10 +78,11 @@ fl_status fl_cfg_entries_add(fl_cfg_entries *l, const char *name, const char *va
     for (int i = 0; i < l->n; i++)
         if (!strcmp(l->e[i].key, key)) {
             /* two names of one setting (an older LitGPT recipe's train.learning_rate beside optimizer.lr) given with
-             * other values by the same origin: one silently won; a command line over a recipe overrides, as always */
+             * other values by the same origin: one silently won; a command line over a recipe overrides, as always
+             * (the model's names, checkpoint_dir / initial_checkpoint_dir, have their own command check) */
             const fl_cfg_entry *o = &l->e[i];
             if (o->from_cli == from_cli && same_origin(o->source, source) && strcmp(o->name, name) &&
-                !same_value(o->value, value))
+                !same_value(o->value, value) && (!strncmp(key, "optimizer.", 10) || !strncmp(key, "train.", 6)))
                 return fl_errorf(FL_ERR_INVALID, "%s: %s %s and %s %s name the same setting: give one", source,
                                  o->name, o->value, name, value);
             drop(l, i--);

@@ -32,7 +32,7 @@ fl_status fl_lab_write_text_dir(const char *dir, int T, long steps, int max_glob
 fl_status fl_lab_real_lengths(const fl_lab_opts *o, fl_lab_report *rep);
 fl_status fl_lab_course_data(const fl_lab_opts *o, fl_lab_report *rep);
 
-/* lab_report.c: drops the time notes of rows no slower per sample than the reduced-batch row */
+/* lab_report.c: drops the time notes of data-parallel rows no slower per sample than the reduced-batch row */
 void fl_lab_time_notes_settle(fl_lab_report *rep);
 
 /* a row with timings: it fit and trained (not --plan-only) */

@@ -30,16 +30,18 @@ static double ms_per_sample(const fl_lab_row *r) {
     return r->step_ms / ((double)r->B * r->accum * (r->ranks > 1 ? r->ranks : 1));
 }
 
-/* A row's "extra time per sample" names the work that makes it slower than plain fp32 AdamW at micro batch 8 (the
- * reduced-batch row); a row that ran no slower per sample than that row has nothing to explain: its note is dropped
- * (DDP's ranks on this machine's cores were said to cost time when the row was the fastest). */
+/* A data-parallel row's "extra time per sample" (its ranks share this machine's cores) is a cost that may not show: a
+ * row that ran no slower per sample than plain fp32 AdamW at micro batch 8 (the reduced-batch row) has nothing to
+ * explain, its note is dropped (DDP was said to lose time when it was the fastest row). A technique's own work
+ * (checkpointing's recompute, LoRA's adapters) is said whatever the batch size made of it. */
 void fl_lab_time_notes_settle(fl_lab_report *rep) {
     const fl_lab_row *ref = NULL;
     for (int i = 0; i < rep->n; i++)
         if (!strcmp(rep->rows[i].name, "reduced-batch") && FL_LAB_TIMED(&rep->rows[i])) ref = &rep->rows[i];
     for (int i = 0; ref && i < rep->n; i++) {
         fl_lab_row *r = &rep->rows[i];
-        if (r != ref && FL_LAB_TIMED(r) && r->time_note[0] && ms_per_sample(r) <= ms_per_sample(ref)) r->time_note[0] = 0;
+        if (r != ref && r->ranks > 1 && FL_LAB_TIMED(r) && r->time_note[0] && ms_per_sample(r) <= ms_per_sample(ref))
+            r->time_note[0] = 0;
     }
 }
 
