@@ -16,13 +16,23 @@
 #include "fitllm/model.h"
 #include "test.h"
 
+/* The test backend (2 threads), its pools and the fixture folder's model; t5_close frees them */
+static fl_status t5_open(const char *dir, fl_backend *be, fl_mem_pool *pool, fl_mem_pool *host, fl_model *m) {
+    FL_TRY(fl_test_backend(be, 2));
+    FL_TRY(fl_backend_pools_init(be, pool, host, be->name, 0));
+    return fl_hf_load_model(m, dir, be, pool);
+}
+static void t5_close(fl_backend *be, fl_mem_pool *pool, fl_mem_pool *host, fl_model *m) {
+    fl_model_free(m);
+    fl_backend_pools_free(pool, host);
+    fl_backend_free(be);
+}
+
 static void check_batch(const char *dir) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
     fl_model m;
-    FL_REQUIRE_OK(fl_hf_load_model(&m, dir, &be, &pool));
+    FL_REQUIRE_OK(t5_open(dir, &be, &pool, &host, &m));
     char p[256];
     snprintf(p, sizeof p, "%s/expected-gen-batch.safetensors", dir);
     fl_st_file x;
@@ -118,9 +128,7 @@ static void check_batch(const char *dir) {
               fl_error_message());
     free(bad), free(out), free(out2), free(one);
     fl_st_close(&x);
-    fl_model_free(&m);
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    t5_close(&be, &pool, &host, &m);
 }
 
 FL_TEST(t5_relu_batch_generate) { check_batch("tests/fixtures/t5-tiny-relu"); }
@@ -133,11 +141,9 @@ FL_TEST(t5_gated_batch_generate) { check_batch("tests/fixtures/t5-tiny-gated"); 
  * tokens plan under 64 MiB of WORKSPACE and 8 KiB of ACTS per token (the K/V cache). */
 static void gen_bytes(const char *dir, int max_new, int run, size_t *acts, size_t *work, size_t *measured) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
     fl_model m;
-    FL_REQUIRE_OK(fl_hf_load_model(&m, dir, &be, &pool));
+    FL_REQUIRE_OK(t5_open(dir, &be, &pool, &host, &m));
     m.cfg.eos_id = -1; /* decode every one of max_new tokens */
     static const int32_t src[] = {51, 17, 68, 69, 57, 71, 45, 10, 4, 92, 4, 91, 89};
     const int Ts = (int)(sizeof src / sizeof src[0]);
@@ -156,9 +162,7 @@ static void gen_bytes(const char *dir, int max_new, int run, size_t *acts, size_
         *measured = pool.peak[FL_TAG_WORKSPACE] - before;
         free(out);
     }
-    fl_model_free(&m);
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    t5_close(&be, &pool, &host, &m);
 }
 
 FL_TEST(t5_generation_arena_linear) {
@@ -183,11 +187,9 @@ FL_TEST(t5_generation_arena_linear) {
  * the start token alone, nothing run, in either arena; it was refused ("must be positive") for an encoder-decoder */
 FL_TEST(t5_generate_zero_new_tokens) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
     fl_model m;
-    FL_REQUIRE_OK(fl_hf_load_model(&m, "tests/fixtures/t5-tiny-gated", &be, &pool));
+    FL_REQUIRE_OK(t5_open("tests/fixtures/t5-tiny-gated", &be, &pool, &host, &m));
     static const int32_t src[] = {51, 17, 68, 69, 57, 71, 45, 10, 4, 92, 4, 91, 89, 5, 6, 7};
     fl_gen_params gp;
     fl_gen_params_default(&gp);
@@ -205,7 +207,5 @@ FL_TEST(t5_generate_zero_new_tokens) {
         FL_CHECK(n == 1 && out[0] == m.cfg.dec_start_id);
         FL_CHECK(fl_model_generate_s2s(&m, src, NULL, 8, -1, 1, out, &n) == FL_ERR_INVALID);
     }
-    fl_model_free(&m);
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    t5_close(&be, &pool, &host, &m);
 }

@@ -78,10 +78,9 @@ int fl_cmd_image_info(int argc, char **argv) {
     int rc = 0;
     if (dump) {
         /* x86/ARM hosts are little-endian; a file: through dump.tmp, renamed; a device or a pipe: written in place */
-        if (fl_fs_write_file_atomic(dump, pv, n * sizeof(float)) != FL_OK) {
-            char why[1024];
-            snprintf(why, sizeof why, "%s", fl_error_message());
-            rc = fl_cli_fail(cmd, fl_errorf(FL_ERR_IO, "cannot write pixel_values: %s", why), NULL);
+        fl_status ws = fl_fs_write_file_atomic(dump, pv, n * sizeof(float));
+        if (ws != FL_OK) {
+            rc = fl_cli_fail(cmd, fl_error_prefix(ws, "cannot write pixel_values"), NULL);
         } else {
             printf("wrote %s (%zu float32)\n", dump, n);
         }

@@ -155,10 +155,9 @@ int fl_cmd_loss(int argc, char **argv) {
            loaded ? "" : " (random init)");
     if (dump) {
         /* a file: through dump.tmp, renamed; a device or a pipe (/dev/stdout, a FIFO): written in place */
-        if (fl_fs_write_file_atomic(dump, logits, (size_t)T * m.cfg.vocab_size * sizeof(float)) != FL_OK) {
-            char why[1024];
-            snprintf(why, sizeof why, "%s", fl_error_message());
-            s = fl_errorf(FL_ERR_IO, "cannot write logits: %s", why);
+        s = fl_fs_write_file_atomic(dump, logits, (size_t)T * m.cfg.vocab_size * sizeof(float));
+        if (s != FL_OK) {
+            s = fl_error_prefix(s, "cannot write logits");
             goto fail;
         }
         printf("logits (%d x %d float32) written to %s\n", T, m.cfg.vocab_size, dump);
