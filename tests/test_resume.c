@@ -254,22 +254,29 @@ FL_TEST(resume_compares_lora_target_sets) {
               strstr(err, "--lora_target_modules q_proj,v_proj"), "status %d: %s", (int)s, err);
 }
 
+/* a step hook: stop after step 2, its checkpoint committed (as a signal under train.save_on_signal) */
+static int stop_after_2(void *ud, long step, double loss, const void *params, size_t bytes) {
+    (void)ud, (void)loss, (void)params, (void)bytes;
+    return step == 2 ? 2 : 0;
+}
+
 /* A LoRA run on random base weights (the micro preset) resumed with another seed: the base is read back from
  * out_dir/base (said), so that the resumed run ends on the uninterrupted run's final/ byte for byte (lora_dropout 0:
  * the seed changes nothing else); it made seed 8's base and trained the saved adapters on it. */
 FL_TEST(resume_random_base_read_back) {
     static char out[65536], err[8192];
     static fl_run_config c, r;
-    char a[700], b[700];
+    char a[4200], b[4200];
     two_steps(&c, FL_CMD_FINETUNE_LORA, "micro", "rb-whole");
     c.lora.dropout = 0;
     c.train.max_steps = 3;
     FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
+    snprintf(a, sizeof a, "%.4000s/final/model.safetensors", c.out_dir);
     two_steps(&c, FL_CMD_FINETUNE_LORA, "micro", "rb-first");
     c.lora.dropout = 0;
-    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
+    c.train.max_steps = 3; /* the same schedule, stopped after step 2's checkpoint */
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, stop_after_2, NULL, NULL));
     r = c; /* the same out_dir, --resume auto, seed 8 */
-    r.train.max_steps = 3;
     r.seed = 8;
     snprintf(r.resume, sizeof r.resume, "auto");
     fl_status s = run_said(&r, out, sizeof out, err, sizeof err);
@@ -277,8 +284,7 @@ FL_TEST(resume_random_base_read_back) {
     FL_CHECKF(strstr(out, "note: --resume: the base model's weights are random ('micro'): they are read from '") &&
               strstr(out, "rb-first/base', the base the checkpoint's adapters were trained on, not made anew from seed 8"),
               "output:\n%s", out);
-    snprintf(a, sizeof a, "%s/rb-whole/final/model.safetensors", fl_test_tmpdir());
-    snprintf(b, sizeof b, "%s/rb-first/final/model.safetensors", fl_test_tmpdir());
+    snprintf(b, sizeof b, "%.4000s/final/model.safetensors", c.out_dir);
     size_t na = 0, nb = 0;
     char *x = fl_test_slurp(a, &na), *y = fl_test_slurp(b, &nb);
     FL_CHECKF(x && y && na == nb && !memcmp(x, y, na), "the resumed run's final/ is not the uninterrupted run's (%zu, "

@@ -282,6 +282,7 @@ static void check_keys(const fl_run_config *cfg, int b2, const fl_cfg_entries *c
         const int lora = !strncmp(key, "lora_", 5) || !strcmp(key, "use_rslora") || !strcmp(key, "quantize");
         const char *v = fl_cfg_entries_value(ck, key);
         if (!(k_resume_keys[i].runs & (b2 ? RS_B2 : RS_LM))) continue; /* not what this kind of run reads */
+        if (!v && !strcmp(key, "blip2.train")) v = ""; /* written only when given: absent is the default */
         if (!v || (lora && cfg->command != FL_CMD_FINETUNE_LORA)) continue; /* not in that run's, or not this run's */
         if (fl_cfg_value_text(cfg, key, here, sizeof here) != FL_OK) continue;
         *tmp = *cfg;

@@ -111,11 +111,28 @@ static fl_status initial_fits(const char *ck, const fl_model_config *mc) {
 /* The run's model. given (the planner's, fl_trainer_rehearse): that configuration, created and
  * randomly initialized as a preset is (no weights read: the loader's allocations are the random
  * init's, one 4-bit weight's fp32 staging at most). */
-/* A LoRA run on random base weights (a preset, --init random, a config.json folder without weights) that resumes: the
- * base its checkpoint's adapters were trained on, the committed base/ beside the checkpoint (the run's out_dir for
- * --resume auto / true), into dir; 0 when there is none (a fresh run, or a checkpoint of another kind of run). The
- * seed would make another base when it is not the checkpoint's run's. */
-static int resumed_base(const fl_run_config *c, char *dir, size_t n) {
+/* The seed in the checkpoint dir's hyperparameters.yaml into *seed; 0 when it holds none (a library caller's). */
+static int ckpt_seed(const char *dir, unsigned long long *seed) {
+    char p[FL_CFG_PATH + 340];
+    snprintf(p, sizeof p, "%.*s/hyperparameters.yaml", FL_CFG_PATH + 300, dir);
+    fl_cfg_entries e;
+    fl_cfg_entries_init(&e);
+    const char *v = fl_fs_is_file(p) && fl_cfg_entries_load_yaml_file(&e, p) == FL_OK ? fl_cfg_entries_value(&e, "seed")
+                                                                                   : NULL;
+    char *end = NULL;
+    if (v) *seed = strtoull(v, &end, 10);
+    const int ok = v && end != v;
+    fl_cfg_entries_free(&e);
+    fl_error_clear();
+    return ok;
+}
+
+/* A LoRA run on random base weights (a preset, --init random, a config.json alone) that resumes with another seed than
+ * its checkpoint's run: the base the checkpoint's adapters were trained on, the committed base/ beside the checkpoint
+ * (the run's out_dir for --resume auto / true), into dir (room: FL_CFG_PATH); 0 when there is none (a fresh
+ * run, a checkpoint of another kind of run) or the seed makes the checkpoint's base again (bit for bit: a 4-bit base
+ * read back from base/, stored dequantized, would be quantized anew). */
+static int resumed_base(const fl_run_config *c, char *dir) {
     char ck[FL_CFG_PATH + 300];
     struct stat st;
     if (c->command != FL_CMD_FINETUNE_LORA || !strcmp(c->resume, "false") || !c->resume[0]) return 0;
@@ -127,11 +144,13 @@ static int resumed_base(const fl_run_config *c, char *dir, size_t n) {
     if (!strcmp(c->resume, "true") || !strcmp(c->resume, "auto")) {
         if (fl_ckpt_find_latest(c->out_dir, ck, sizeof ck) != FL_OK) return fl_error_clear(), 0;
     } else {
-        snprintf(ck, sizeof ck, "%s", c->resume);
+        snprintf(ck, sizeof ck, "%.*s", FL_CFG_PATH + 200, c->resume);
     }
+    unsigned long long seed = 0;
+    if (ckpt_seed(ck, &seed) && seed == (unsigned long long)c->seed) return 0;
     char *slash = strrchr(ck, '/');
     if (slash) *slash = 0;
-    snprintf(dir, n, "%s/" FL_CKPT_BASE, slash ? ck : ".");
+    snprintf(dir, FL_CFG_PATH, "%.*s/" FL_CKPT_BASE, FL_CFG_PATH - 8, slash ? ck : ".");
     return fl_ckpt_is_committed(dir);
 }
 
@@ -139,8 +158,8 @@ fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m
     const fl_run_config *c = t->cfg;
     fl_model_config mc;
     const char *ck = c->checkpoint_dir;
-    char base[FL_CFG_PATH + 300];
-    if (!given && resumed_base(c, base, sizeof base)) { /* its weights, not the seed's */
+    char base[FL_CFG_PATH];
+    if (!given && resumed_base(c, base)) { /* its weights, not the seed's */
         ck = base;
         if (t->out && !t->in.base_said)
             fprintf(t->out, "note: --resume: the base model's weights are random (%s%s%s): they are read from '%s', "
