@@ -445,12 +445,22 @@ expect blip2_resume_true_newest 0 "Resuming training from .*b2ra/step-000006 \(s
 # logs/metrics.csv (LitGPT's columns): one row per step; the resume from the last step keeps rows 1-6 once each
 # (iter counts the micro-batches: 2 a step at global batch 4, micro-batch 2)
 expect blip2_metrics_rows_kept_on_resume 0 "" -- bash -c '[ "$(awk -F, "NR > 1 && \$4 != \"\" { printf \"%s \", \$1 }" "$1")" = "2 4 6 8 10 12 " ]' _ "$T/b2ra/logs/metrics.csv"
-expect blip2_resume_other_parts 2 "training_state.safetensors: saved by a run training other parts \(blip2.train or LoRA changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
-expect blip2_resume_other_optimizer 2 "saved with optimizer AdamW, this run uses SGD" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --optimizer SGD --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
-expect blip2_resume_other_data 2 "saved with 14 training records, this run has 11 \(data changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --data.val_split_fraction 0.25 --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
+# the resume checks of the trainer (src/train/resume_check.c) with BLIP-2's model and keys: refused with the key, both
+# values and the way on (exit 2), notes for what only changes the steps to come
+B2T5=(finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}")
+expect blip2_resume_other_parts 2 "the checkpoint's run had blip2.train vision,qformer,lm, this run gives qformer,lm \(the saved state holds those parts' weights and optimizer state\)\. Resume it with the checkpoint's settings \(--blip2.train vision,qformer,lm\)" -- "$FITLLM" "${B2T5[@]}" --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
+expect blip2_resume_other_optimizer 2 "the checkpoint's run had optimizer AdamW, this run gives SGD \(the saved state is that optimizer's\)" -- "$FITLLM" "${B2T5[@]}" --blip2.train vision,qformer,lm --optimizer SGD --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
+expect blip2_resume_other_data 2 "the checkpoint's run had data.val_split_fraction 0.05, this run gives 0.25 \(it decides which samples train" -- "$FITLLM" "${B2T5[@]}" --blip2.train vision,qformer,lm --data.val_split_fraction 0.25 --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
+expect blip2_resume_other_seed 2 "the checkpoint's run had seed 1337, this run gives 3 \(it shuffles the captions" -- "$FITLLM" "${B2T5[@]}" --blip2.train vision,qformer,lm --seed 3 --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
+expect blip2_resume_other_model 2 "the checkpoint was trained from model 'tests/fixtures/blip2-tiny-t5', this run's model is 'tests/fixtures/blip2-tiny-opt', another architecture \(its config.json: text_config.model_type t5 there, opt here\)" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --blip2.train vision,qformer,lm --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
+expect blip2_resume_lr_said 0 "note: --resume: the checkpoint's run had optimizer.lr 0.003, this run gives 0.002: the resumed steps' learning-rate" -- "$FITLLM" "${B2T5[@]}" --blip2.train vision,qformer,lm --train.max_steps 4 --optimizer.lr 0.002 --resume "$T/b2ra/step-000003" --out_dir "$T/b2lr"
 rm -rf "$T/b2unc" && cp -r "$T/b2ra/step-000003" "$T/b2unc" && rm "$T/b2unc/COMMITTED"
 expect blip2_resume_not_committed 2 "--resume .*b2unc: not a committed checkpoint \(no COMMITTED file\)" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume "$T/b2unc" --out_dir "$T/b2x"
-expect blip2_resume_final_no_state 2 "--resume .*b2ra/final: no training state \(training_state.safetensors\) there: a final/ folder holds the finished run's model only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume "$T/b2ra/final" --out_dir "$T/b2x"
+# final/ as the trainer's: full fine-tuning's holds the training state (--resume final/ goes on), a LoRA run's the
+# merged model and its adapter only (refused by name)
+expect blip2_resume_final 0 "Resuming training from .*b2ra/final \(step 6\)" -- "$FITLLM" "${B2T5[@]}" --blip2.train vision,qformer,lm --train.max_steps 7 --train.global_batch_size 4 --resume "$T/b2ra/final" --out_dir "$T/b2fin"
+"$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --train.max_steps 1 --out_dir "$T/b2lf" >/dev/null 2>&1
+expect blip2_resume_lora_final_no_state 2 "--resume .*b2lf/final: no training state \(training_state.safetensors\) there: a LoRA run's final/ folder holds the merged model and its adapter only" -- "$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --resume "$T/b2lf/final" --out_dir "$T/b2x"
 expect blip2_resume_true_none 2 "--resume true: .*b2none: no such output folder" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume true --out_dir "$T/b2none"
 expect blip2_resume_auto_none 0 "^step 8/8 loss" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume auto --out_dir "$T/b2none"
 # a full disk while saving (fault injection: every write after step 1's checkpoint fails) as the trainer's: the error

@@ -15,6 +15,7 @@
 #   - DDP's step checkpoint resumes in one process (its weights are one process's: the same training state);
 #   - rank 0's memory report = `plan --devices 2` (every phase, reserved and live per tag);
 #   - ZeRO-1 / ZeRO-2 (and with CPU offload) = DDP bit for bit, their checkpoints DDP's byte for byte;
+#   - ranks that read different captions are refused at start-up (exit 2, naming the rank and the folder it read);
 #   - what DDP does not run is refused on every rank, exit 2, naming the option; a corrupt image read by one rank ends
 #     the job non-zero within seconds, naming the file.
 # Usage: tests/mpi_blip2_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
@@ -160,6 +161,23 @@ timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt --dat
     --train.micro_batch_size 1 --train.global_batch_size 2 --threads 1 --devices 2 --out_dir "$T/x2" >"$T/out" 2>&1; rc=$?
 if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q "zz.jpg: corrupt JPEG" "$T/out" && [ ! -d "$T/x2/final" ]; then
     ok "blip2_ddp_corrupt_image_ends_job (exit $rc)"; else bad "blip2_ddp_corrupt_image_ends_job" "exit $rc"; fi
+
+# ranks that read different captions (each reads data.json_path relative to its own working directory; rank 1's copy
+# has one caption's ids changed): refused after loading, naming the rank, the split's fingerprints and the folder it
+# read, before anything is written (exit 2, said once); the same copy on both trains
+mkdir -p "$T/ra" "$T/rb" "$T/rc" && cp -r "$T/caps" "$T/ra/caps" && cp -r "$T/caps" "$T/rb/caps" && cp -r "$T/caps" "$T/rc/caps"
+f=$(ls "$T/rb/caps"/*.txt | head -1); printf '5 6 7 8\n' > "$f"
+DRUN=(finetune_full "$(readlink -f tests/fixtures/blip2-tiny-opt)" --data JSON --data.json_path caps --train.max_steps 1
+      --train.micro_batch_size 2 --train.global_batch_size 4 --threads 1 --quiet true --devices 2)
+timeout 120 mpirun -np 2 sh -c 'cd "$1/$([ "$OMPI_COMM_WORLD_RANK" = 1 ] && echo "$2" || echo ra)" && shift 2 && exec "$0" "$@"' \
+    "$(readlink -f "$FL")" "$T" rb "${DRUN[@]}" --out_dir "$T/dx" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 2 ] && [ "$(grep -c "rank 1 of 2: the ranks read different data: rank 1 has 'training set: 14 records, [0-9]* caption tokens, fingerprint [0-9a-f]*' where rank 0 has 'training set: 14 records, [0-9]* caption tokens, fingerprint [0-9a-f]*' (rank 1 read data.json_path 'caps' (.*/rb/caps); every rank must read the same data files" "$T/out")" = 1 ] \
+    && [ ! -e "$T/dx" ]; then
+    ok "blip2_ddp_data_mismatch (exit $rc)"; else bad "blip2_ddp_data_mismatch" "exit $rc"; fi
+timeout 120 mpirun -np 2 sh -c 'cd "$1/$([ "$OMPI_COMM_WORLD_RANK" = 1 ] && echo "$2" || echo ra)" && shift 2 && exec "$0" "$@"' \
+    "$(readlink -f "$FL")" "$T" rc "${DRUN[@]}" --out_dir "$T/dy" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && [ -f "$T/dy/final/model.safetensors" ]; then
+    ok "blip2_ddp_data_same_copies"; else bad "blip2_ddp_data_same_copies" "exit $rc"; fi
 
 # FSDP FULL_SHARD / ZeRO-3 (src/train/blip2_dist.c: every part sharded unit by unit, the passes gather and
 # reduce-scatter each unit): at one micro-batch per rank and step without clipping each element's reduced gradient is

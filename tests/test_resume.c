@@ -3,6 +3,7 @@
  * depends on (lora_alpha, use_rslora, data.seed) is refused naming the key, both values and the way on, one that only
  * changes the steps to come (lora_dropout, seed) is resumed with a note. And the running loss's window in the training
  * state (src/train/checkpoint.c). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -228,4 +229,92 @@ FL_TEST(resume_architecture_round_trips_every_preset) {
                   "%s: another eps: status %d (%s)", *name, (int)s, s ? fl_error_message() : "");
     }
     FL_CHECK(n > 20);
+}
+
+/* The LoRA targets compared as the module sets they make: LitGPT's switches lora_query / lora_value and the PEFT list
+ * v_proj,q_proj are one set on LLaMA (resumed; it was refused as lora_query true -> false), another set is refused
+ * naming both sets and the checkpoint's as the way on. */
+FL_TEST(resume_compares_lora_target_sets) {
+    static char out[65536], err[8192];
+    static fl_run_config c, r;
+    two_steps(&c, FL_CMD_FINETUNE_LORA, "micro", "lora-sets");
+    c.lora.query = c.lora.value = 1, c.lora.key = c.lora.projection = c.lora.mlp = c.lora.head = 0;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
+    resumed_by(&r, &c, "micro", "lora-sets-same");
+    r.lora.query = r.lora.value = 0;
+    snprintf(r.lora.target_modules, sizeof r.lora.target_modules, "v_proj,q_proj");
+    fl_status s = run_said(&r, out, sizeof out, err, sizeof err);
+    FL_CHECKF(s == FL_OK && !strstr(out, "note: --resume: the checkpoint's run had lora_"), "status %d (%s):\n%s",
+              (int)s, err, out);
+    resumed_by(&r, &c, "micro", "lora-sets-other");
+    snprintf(r.lora.target_modules, sizeof r.lora.target_modules, "q_proj,k_proj");
+    s = run_said(&r, out, sizeof out, err, sizeof err);
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(err, "the checkpoint's adapters are on the modules q_proj,v_proj, this run's "
+                                                 "LoRA targets are k_proj,q_proj") &&
+              strstr(err, "--lora_target_modules q_proj,v_proj"), "status %d: %s", (int)s, err);
+}
+
+/* a step hook: stop after step 2, its checkpoint committed (as a signal under train.save_on_signal) */
+static int stop_after_2(void *ud, long step, double loss, const void *params, size_t bytes) {
+    (void)ud, (void)loss, (void)params, (void)bytes;
+    return step == 2 ? 2 : 0;
+}
+
+/* A LoRA run on random base weights (the micro preset) resumed with another seed: the base is read back from
+ * out_dir/base (said), so that the resumed run ends on the uninterrupted run's final/ byte for byte (lora_dropout 0:
+ * the seed changes nothing else); it made seed 8's base and trained the saved adapters on it. */
+FL_TEST(resume_random_base_read_back) {
+    static char out[65536], err[8192];
+    static fl_run_config c, r;
+    char a[4200], b[4200];
+    two_steps(&c, FL_CMD_FINETUNE_LORA, "micro", "rb-whole");
+    c.lora.dropout = 0;
+    c.train.max_steps = 3;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
+    snprintf(a, sizeof a, "%.4000s/final/model.safetensors", c.out_dir);
+    two_steps(&c, FL_CMD_FINETUNE_LORA, "micro", "rb-first");
+    c.lora.dropout = 0;
+    c.train.max_steps = 3; /* the same schedule, stopped after step 2's checkpoint */
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, stop_after_2, NULL, NULL));
+    r = c; /* the same out_dir, --resume auto, seed 8 */
+    r.seed = 8;
+    snprintf(r.resume, sizeof r.resume, "auto");
+    fl_status s = run_said(&r, out, sizeof out, err, sizeof err);
+    FL_REQUIRE(s == FL_OK);
+    FL_CHECKF(strstr(out, "note: --resume: the base model's weights are random ('micro'): they are read from '") &&
+              strstr(out, "rb-first/base', the base the checkpoint's adapters were trained on, not made anew from seed 8"),
+              "output:\n%s", out);
+    snprintf(b, sizeof b, "%.4000s/final/model.safetensors", c.out_dir);
+    size_t na = 0, nb = 0;
+    char *x = fl_test_slurp(a, &na), *y = fl_test_slurp(b, &nb);
+    FL_CHECKF(x && y && na == nb && !memcmp(x, y, na), "the resumed run's final/ is not the uninterrupted run's (%zu, "
+              "%zu bytes)", na, nb);
+    free(x);
+    free(y);
+}
+
+/* The divergence detector's window in the training state: written when the trainer set it, read back exactly (the
+ * EMA's bits, NaN before a loss), absent in an older state (dv_set 0). */
+FL_TEST(resume_divergence_window_in_training_state) {
+    char p[600];
+    snprintf(p, sizeof p, "%s/dv.safetensors", fl_test_tmpdir());
+    const double emas[2] = {1.0 / 3 + 8, NAN};
+    for (int i = 0; i < 3; i++) {
+        fl_train_state st = {.step = 30, .iter = 60, .dv_set = i < 2, .dv_ema = i < 2 ? emas[i] : 0, .dv_above = 7,
+                             .dv_since = 24, .dv_last_good = 22};
+        FL_REQUIRE_OK(fl_ckpt_write_state_meta(p, "fitllm-training-state", NULL, &st, NULL, 0, NULL, NULL, 0));
+        fl_train_state got = {.dv_set = 1, .dv_above = -1};
+        fl_st_file f;
+        FL_REQUIRE_OK(fl_st_open(&f, p));
+        fl_status s = fl_ckpt_read_state_meta(&f, p, NULL, &got);
+        fl_st_close(&f);
+        FL_REQUIRE_OK(s);
+        if (i == 2) {
+            FL_CHECK(!got.dv_set && got.step == 30);
+            continue;
+        }
+        FL_CHECKF(got.dv_set && (i ? isnan(got.dv_ema) : got.dv_ema == emas[0]) && got.dv_above == 7 &&
+                  got.dv_since == 24 && got.dv_last_good == 22, "case %d: ema %.17g above %d since %ld good %ld", i,
+                  got.dv_ema, got.dv_above, got.dv_since, got.dv_last_good);
+    }
 }

@@ -47,6 +47,15 @@ typedef struct {
     double *loss_window;
     int loss_window_size;
     long loss_window_n;
+    /* The divergence detector's running state (fl_trainer_diverge, fitllm/trainer.h: the smoothed loss, the counted
+     * steps above the limit, since when, the last good step), set by the trainer as it goes (dv_set 1), so that a
+     * resumed run's detector goes on where the checkpoint's stopped. Saved as the metadata diverge_ema,
+     * diverge_above, diverge_since, diverge_last_good when dv_set; a checkpoint without them (older ones) loads with
+     * dv_set 0 (the detector starts afresh). */
+    int dv_set;
+    double dv_ema;
+    int dv_above;
+    long dv_since, dv_last_good;
 } fl_train_state;
 
 /* Save to out_dir/<name>. o and st may be NULL (weights-only, e.g. an export).

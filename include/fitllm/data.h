@@ -73,6 +73,10 @@ const fl_data_stats *fl_data_get_stats(const fl_dataset *d);
  * hashed, not their bytes); a cache hit gives the load's. Computed on each call (one pass over the tokens): the
  * data-parallel trainer compares the ranks' at start-up. */
 uint64_t fl_data_fingerprint(const fl_dataset *d, fl_split split);
+/* The fingerprints' hash, for other data of the same kind (BLIP-2's captions and images): h (FL_DATA_FP_BASIS to start)
+ * extended by n 32-bit values, taken by value (the same number on every machine). */
+#define FL_DATA_FP_BASIS 0xcbf29ce484222325ULL
+uint64_t fl_data_fp_extend(uint64_t h, const int32_t *v, size_t n);
 
 /* Format one instruction record with a prompt style ("alpaca": LitGPT's text).
  * *out is malloc'd. */

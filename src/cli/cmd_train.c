@@ -71,9 +71,12 @@ static void help(const char *cmd, fl_cmd_kind kind) {
                "  in the run (Lightning's Trainer default, what the course's BLIP-2 script runs; FSDP: --strategy\n"
                "  fsdp), so train.activation_checkpointing null is off. logs/metrics.csv.\n"
                "  final/ is an HF BLIP-2 folder%s; step-N/ (train.save_interval) one too (the language model's\n"
-               "  adapter under LoRA) with the training state, which --resume continues from bit-exactly; each\n"
-               "  folder is committed as the trainer's (hyperparameters.yaml, COMMITTED; a failed save leaves\n"
-               "  nothing).%s data.val_split_fraction holds out validation captions. `fitllm plan` and\n"
+               "  adapter under LoRA) with the training state, which --resume continues from bit-exactly (full\n"
+               "  fine-tuning's final/ too); --resume is checked as the trainer's (another model, optimizer,\n"
+               "  blip2.train, seed, data split or LoRA setting refused, exit 2); ranks that read other captions\n"
+               "  or images refused at start-up; each folder is committed as the trainer's (hyperparameters.yaml,\n"
+               "  COMMITTED; a failed save leaves nothing).%s data.val_split_fraction holds out validation\n"
+               "  captions. `fitllm plan` and\n"
                "  `bench-step` take BLIP-2 folders and presets too.\n",
                kind == FL_CMD_FINETUNE_LORA ? "; default lm: LoRA on the language model" : "",
                kind == FL_CMD_FINETUNE_LORA ? ", QLoRA (--quantize)" : "",

@@ -203,11 +203,12 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
         }
     }
     /* groups without a head key */
-    static const char *groups[] = {"train", "eval", "fsdp"};
+    static const char *groups[] = {"train", "eval", "fsdp", "blip2"};
     for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
         size_t pl = strlen(groups[g]);
         if (!strcmp(groups[g], "fsdp") && !c->sharding_strategy[0] && !strcmp(c->state_dict_type, "full"))
             continue; /* only when given */
+        if (!strcmp(groups[g], "blip2") && !c->blip2_train[0]) continue; /* only when given (BLIP-2 runs) */
         fprintf(f, "%s:\n", groups[g]);
         for (size_t j = 0; j < n_keys; j++)
             if (dumped(&keys[j]) && !strncmp(keys[j].name, groups[g], pl) && keys[j].name[pl] == '.') {

@@ -16,7 +16,6 @@
 
 /* fl_data_fingerprint / fl_s2s_fingerprint: 64-bit FNV-1a over 32-bit values (with a shift to spread the high
  * bits), taken by value so that every machine gets the same number for the same ids. */
-#define FL_DATA_FP_BASIS 0xcbf29ce484222325ULL
 static inline uint64_t fl_data_fp_words(uint64_t h, const int32_t *p, size_t n) {
     for (size_t i = 0; i < n; i++) {
         h = (h ^ (uint32_t)p[i]) * 0x100000001b3ULL;

@@ -113,6 +113,8 @@ const fl_sample *fl_data_get(const fl_dataset *d, fl_split split, size_t i) {
 
 const fl_data_stats *fl_data_get_stats(const fl_dataset *d) { return &d->stats; }
 
+uint64_t fl_data_fp_extend(uint64_t h, const int32_t *v, size_t n) { return fl_data_fp_words(h, v, n); }
+
 uint64_t fl_data_fingerprint(const fl_dataset *d, fl_split split) {
     uint64_t h = FL_DATA_FP_BASIS;
     if (!d || split < 0 || split >= FL_SPLIT_COUNT) return h;

@@ -13,6 +13,7 @@
 #include "fitllm/lora.h"
 #include "fitllm/peft.h"
 #include "blip2_train-impl.h"
+#include "resume_check.h"
 #include "shard_ckpt.h"
 
 
@@ -110,28 +111,6 @@ static fl_status save_folder(b2run *r, const char *name, b2fill fill, const void
         fl_fs_tmp_untrack(tmp);
     }
     return s == FL_OK ? FL_OK : fl_error_prefix(s, "saving checkpoint %s", dst);
-}
-
-/* final/'s content: the weights (FSDP: whole[], gathered), LoRA merged, and under LoRA adapter/ (PEFT) first */
-static fl_status fill_final(b2run *r, const char *dir, const void *ud) {
-    const void *const *whole = ud;
-    fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
-    if (lm->adapt) {
-        char ad[4200];
-        FL_TRY(fl_fs_join(ad, sizeof ad, dir, "adapter"));
-        FL_TRY(save_adapter(r, ad));
-        FL_TRY(copy_tokenizer(r, ad));
-        FL_TRY(fl_model_lora_merge(lm)); /* the folder's weights: the adapters merged */
-    }
-    return fl_blip2_save_whole(r->b, r->cfg->checkpoint_dir, dir, whole);
-}
-
-fl_status fl_b2t_save_final(b2run *r) {
-    void *whole[FL_BLIP2_PARTS] = {0};
-    fl_status s = fl_b2t_fsdp(r) ? gather_params(r, whole) : FL_OK; /* FSDP: every rank gathers, rank 0 writes */
-    if (s == FL_OK && !r->rank) s = save_folder(r, "final", fill_final, (const void *)whole);
-    free_params(whole);
-    return s;
 }
 
 /* ---- step checkpoints and resume -------------------------------------------------------------------- */
@@ -372,6 +351,36 @@ static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g) 
     return FL_OK;
 }
 
+/* final/'s content: the weights (FSDP: gathered), LoRA merged, and under LoRA adapter/ (PEFT) first; full
+ * fine-tuning: the training state too, as the trainer's final/ (--resume final/ goes on from the finished run) */
+static fl_status fill_final(b2run *r, const char *dir, const void *ud) {
+    const b2step *st = ud;
+    fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
+    if (lm->adapt) {
+        char ad[4200];
+        FL_TRY(fl_fs_join(ad, sizeof ad, dir, "adapter"));
+        FL_TRY(save_adapter(r, ad));
+        FL_TRY(copy_tokenizer(r, ad));
+        FL_TRY(fl_model_lora_merge(lm)); /* the folder's weights: the adapters merged */
+    }
+    FL_TRY(fl_blip2_save_whole(r->b, r->cfg->checkpoint_dir, dir, (const void *const *)st->g->p));
+    if (lm->adapt) return FL_OK; /* a LoRA run's final/ holds no state, as the trainer's */
+    char path[4200];
+    FL_TRY(fl_fs_join(path, sizeof path, dir, B2_STATE));
+    return write_state(r, st->p, path, st->g);
+}
+
+fl_status fl_b2t_save_final(b2run *r, const b2pos *p) {
+    b2gathered g;
+    memset(&g, 0, sizeof g);
+    /* every rank gathers (FSDP: the parameters; full fine-tuning under ZeRO / FSDP: the state), rank 0 writes */
+    fl_status s = r->lora ? (fl_b2t_fsdp(r) ? gather_params(r, g.p) : FL_OK) : gather_state(r, &g);
+    const b2step st = {p, &g};
+    if (s == FL_OK && !r->rank) s = save_folder(r, "final", fill_final, &st);
+    gathered_free(&g);
+    return s;
+}
+
 static const char *meta_of(const fl_st_file *f, const char *key) {
     for (int i = 0; i < f->n_meta; i++)
         if (!strcmp(f->meta_keys[i], key)) return f->meta_vals[i];
@@ -434,10 +443,13 @@ fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
     }
     if (!fl_ckpt_is_committed(dir))
         return fl_errorf(FL_ERR_NOT_FOUND, "--resume %s: not a committed checkpoint (no COMMITTED file)", dir);
+    /* another model's or another run's checkpoint is refused before anything is read, as the trainer's */
+    char notes[4096];
+    FL_TRY(fl_ckpt_check_resume_blip2(dir, r->cfg, fl_blip2_get_config(r->b), notes, sizeof notes));
     FL_TRY(fl_fs_join(path, sizeof path, dir, B2_STATE));
-    if (!fl_fs_is_file(path)) /* a committed final/: the finished run's model, no state to go on from */
-        return fl_errorf(FL_ERR_NOT_FOUND, "--resume %s: no training state (%s) there: a final/ folder holds the "
-                         "finished run's model only; resume from a step-* checkpoint", dir, B2_STATE);
+    if (!fl_fs_is_file(path)) /* a LoRA run's final/ (the merged model and adapter/), as the trainer's: no state */
+        return fl_errorf(FL_ERR_NOT_FOUND, "--resume %s: no training state (%s) there: a LoRA run's final/ folder holds "
+                         "the merged model and its adapter only; resume from a step-* checkpoint", dir, B2_STATE);
     fl_st_file f;
     FL_TRY(fl_error_prefix(fl_st_open(&f, path), "--resume"));
     char want[32];
@@ -485,7 +497,7 @@ fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
         p->epoch_sum = strtod(meta_of(&f, "epoch_sum"), NULL);
         p->epoch_n = atol(meta_of(&f, "epoch_n"));
         p->tokens = atoll(meta_of(&f, "tokens")); /* absent in an older checkpoint: 0 */
-        fl_b2t_say(r, "Resuming training from %s (step %ld)\n", dir, p->step);
+        fl_b2t_say(r, "Resuming training from %s (step %ld)\n%s", dir, p->step, notes);
         *resumed = 1;
     }
     fl_st_close(&f);

@@ -22,9 +22,12 @@
  * as ZeRO-2, as the trainer's LoRA does. HYBRID_SHARD, 8-bit AdamW on the shards and parameter offload (host or
  * NVMe) under FULL_SHARD: docs/ARCHITECTURE.md "BLIP-2". --strategy auto is DDP (Lightning's Trainer default, the
  * course's BLIP-2 script), in the plan as in the run. */
+#include <limits.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "blip2_train-impl.h"
 #include "core/fs.h"
@@ -331,4 +334,45 @@ void fl_b2t_dist_free(b2run *r) {
     if (r->opool_ok) fl_mem_pool_free(&r->opool);
     if (r->hbe_ok) fl_backend_free(&r->hbe);
     r->opool_ok = r->hbe_ok = r->dpool_ok = 0;
+}
+
+/* One line per split: "NAME: N records, T caption tokens, fingerprint HEX": the captions' ids (as tokenized and cut)
+ * and each image's file name and size, in record order (the images are not read here: a pass over every image at
+ * set-up would cost a pass over the data set). */
+static void describe_records(const b2run *r, FILE *f, const char *name, size_t i0, size_t n) {
+    uint64_t h = FL_DATA_FP_BASIS;
+    size_t tok = 0;
+    for (size_t i = i0; i < i0 + n; i++) {
+        const char *img = r->caps.image[i], *base = strrchr(img, '/') ? strrchr(img, '/') + 1 : img;
+        struct stat st;
+        const long long size = stat(img, &st) == 0 ? (long long)st.st_size : -1;
+        const int32_t w[3] = {r->n_ids[i], (int32_t)(uint32_t)size, (int32_t)(uint32_t)((unsigned long long)size >> 32)};
+        h = fl_data_fp_extend(h, w, 3);
+        h = fl_data_fp_extend(h, r->ids[i], (size_t)r->n_ids[i]);
+        for (const char *c = base; *c; c++) {
+            const int32_t ch = (unsigned char)*c;
+            h = fl_data_fp_extend(h, &ch, 1);
+        }
+        tok += (size_t)r->n_ids[i];
+    }
+    fprintf(f, "%s: %zu records, %zu caption tokens, fingerprint %016llx\n", name, n, tok, (unsigned long long)h);
+}
+
+fl_status fl_b2t_check_data(b2run *r) {
+    if (r->world <= 1 || r->synth || !r->dp.comm) return FL_OK;
+    char *mine = NULL, files[3 * FL_CFG_PATH + 64], abs[PATH_MAX];
+    size_t len = 0;
+    FILE *f = open_memstream(&mine, &len);
+    if (!f) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    describe_records(r, f, "training set", 0, r->n_rec);
+    describe_records(r, f, "validation set", r->n_rec, r->n_val);
+    fclose(f);
+    const char *jp = r->cfg->data.json_path, *rp = realpath(jp, abs);
+    snprintf(files, sizeof files, "data.json_path '%s'%s%s%s", jp, rp && strcmp(rp, jp) ? " (" : "",
+             rp && strcmp(rp, jp) ? rp : "", rp && strcmp(rp, jp) ? ")" : rp ? "" : " (missing here)");
+    /* the same command line and recipe, as the trainer's (agreed: the data check that follows is collective) */
+    fl_status s = fl_dp_agree(&r->dp, fl_dp_check_config(&r->dp, r->cfg));
+    if (s == FL_OK) s = fl_dp_check_data(&r->dp, mine, files);
+    free(mine);
+    return s;
 }

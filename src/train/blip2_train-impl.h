@@ -94,6 +94,10 @@ int fl_b2t_plan_ranks(const fl_run_config *c, const fl_blip2_train_opts *o);
 fl_status fl_b2t_plan_fsdp(const fl_run_config *c, const fl_blip2_train_opts *o, int n, fl_blip2_train_result *res);
 int fl_b2t_fsdp(const b2run *r);
 void fl_b2t_dist_free(b2run *r);
+/* Several ranks (not a rehearsal): every rank's configuration and data must be rank 0's, as the trainer's
+ * (fl_dp_check_config, then fl_dp_check_data over each split's records: the captions' ids, the images' file names and
+ * sizes). Collective and agreed: every rank returns the lowest differing rank's FL_ERR_INVALID. */
+fl_status fl_b2t_check_data(b2run *r);
 
 /* ---- checkpoints (blip2_ckpt.c) ---- */
 /* out_dir/step-NNNNNN (an HF BLIP-2 folder, or the PEFT adapter under LoRA, + training_state.safetensors and
@@ -102,7 +106,8 @@ fl_status fl_b2t_save_step(b2run *r, const b2pos *p);
 /* --resume: the trained parts' parameters and optimizer state, the data position (*resumed 1 when one was read). */
 fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed);
 /* out_dir/final, committed as a step checkpoint is (hyperparameters.yaml, COMMITTED; nothing left on a failure): the
- * weights (LoRA merged), adapter/ (PEFT) under LoRA. Every rank calls it; rank 0 writes (FSDP: gathered first). */
-fl_status fl_b2t_save_final(b2run *r);
+ * weights (LoRA merged), adapter/ (PEFT) under LoRA; full fine-tuning's with the training state at position p (as the
+ * trainer's final/: --resume final/ goes on). Every rank calls it; rank 0 writes (FSDP, ZeRO: gathered first). */
+fl_status fl_b2t_save_final(b2run *r, const b2pos *p);
 
 #endif

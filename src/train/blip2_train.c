@@ -666,10 +666,10 @@ static fl_status train(b2run *r) {
     }
     if (s == FL_OK) fl_mem_snapshot(&r->pool, "end");
     if (s == FL_OK && r->o->report && !r->rank) memory_report(r, r->o->report);
-    free(p.order);
     char dir[4096];
     if (s == FL_OK) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
-    if (s == FL_OK) s = fl_b2t_save_final(r); /* rank 0 writes (FSDP: the ranks gather first) */
+    if (s == FL_OK) s = fl_b2t_save_final(r, &p); /* rank 0 writes (FSDP: the ranks gather first) */
+    free(p.order);
     if (s == FL_OK && !r->rank) snprintf(r->res->final_dir, sizeof r->res->final_dir, "%s", dir);
     if (s == FL_OK) fl_b2t_say(r, "saved %s%s\n", dir, r->lora ? " (weights with the LoRA adapters merged; adapter/: PEFT)" : "");
     return s;
@@ -785,6 +785,7 @@ fl_status fl_blip2_train(const fl_run_config *cfg, const fl_blip2_train_opts *o,
                       o->synth_len);
     if (s == FL_OK) s = setup(&r);
     s = agree_setup(&r, s, &res->quiet);
+    if (s == FL_OK && (s = fl_b2t_check_data(&r)) != FL_OK) res->quiet = r.rank != 0; /* agreed: rank 0 says it */
     res->set_up = s == FL_OK;
     if (s == FL_OK) s = o->rehearse_steps > 0 ? rehearse(&r) : train(&r);
     if (o->rehearse_steps <= 0) res->steps = r.steps_done;

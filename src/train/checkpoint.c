@@ -81,7 +81,7 @@ static fl_status window_text(const fl_train_state *st, char **text) {
 /* The training state's metadata (format, optimizer, counters, data position, loss scale, the running loss's window)
  * into keys/vals (storage v; win: the window's text, window_text's); returns how many. numel: the trainable
  * elements. */
-#define STATE_META_MAX 24
+#define STATE_META_MAX 28
 static int state_meta(const char *format, const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                       size_t numel, const char *win, char v[][64], const char **keys, const char **vals) {
     int k = 0;
@@ -105,6 +105,12 @@ static int state_meta(const char *format, const fl_optimizer *o, const fl_train_
     if (o && o->amp.on) { /* fp16 loss scaler: resumed exactly */
         META("loss_scale", "%.9g", (double)o->amp.ls.scale);
         META("loss_scale_growth_tracker", "%d", o->amp.ls.growth_tracker);
+    }
+    if (st->dv_set) { /* the divergence detector's window: exactly (the EMA's bits in hex floats; NaN before a loss) */
+        META("diverge_ema", "%a", st->dv_ema);
+        META("diverge_above", "%d", st->dv_above);
+        META("diverge_since", "%ld", st->dv_since);
+        META("diverge_last_good", "%ld", st->dv_last_good);
     }
     if (st->loss_window && st->loss_window_size > 0) {
         META("loss_window_n", "%ld", st->loss_window_n);
@@ -545,6 +551,20 @@ fl_status fl_ckpt_read_state_meta(const fl_st_file *f, const char *p, fl_optimiz
             if ((x = meta(f, "loss_scale_growth_tracker"))) o->amp.ls.growth_tracker = (int)strtol(x, NULL, 10);
         }
         s = window_read(f, p, st);
+    }
+    const char *dv[4] = {meta(f, "diverge_ema"), meta(f, "diverge_above"), meta(f, "diverge_since"),
+                         meta(f, "diverge_last_good")};
+    if (s == FL_OK && dv[0] && dv[1] && dv[2] && dv[3]) { /* none: an older checkpoint, the detector starts afresh */
+        char *e[4];
+        st->dv_ema = strtod(dv[0], &e[0]);
+        st->dv_above = (int)strtol(dv[1], &e[1], 10);
+        st->dv_since = strtol(dv[2], &e[2], 10);
+        st->dv_last_good = strtol(dv[3], &e[3], 10);
+        for (int i = 0; i < 4 && s == FL_OK; i++)
+            if (e[i] == dv[i] || *e[i])
+                s = fl_errorf(FL_ERR_FORMAT, "%s: malformed metadata '%s'", p,
+                              (const char *[]){"diverge_ema", "diverge_above", "diverge_since", "diverge_last_good"}[i]);
+        st->dv_set = s == FL_OK;
     }
     return s;
 }

@@ -17,68 +17,74 @@
 #include <string.h>
 
 #include "core/fs.h"
+#include "fitllm/blip2.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
+#include "fitllm/lora.h"
+#include "fitllm/trainer.h"
+#include "resume_check.h"
 
 typedef enum { RS_REFUSE, RS_NOTE } rs_action;
+enum { RS_LM = 1, RS_B2 = 2, RS_ALL = 3 }; /* the runs a key applies to: the language-model trainer's, BLIP-2's */
 
-/* what a difference in `key` does, and why (said after the two values) */
+/* what a difference in `key` does in the runs it applies to, and why (said after the two values). The LoRA targets
+ * (lora_query ... lora_head, lora_target_modules) are compared as the module sets they make (check_targets). */
 static const struct {
     const char *key;
     rs_action act;
+    unsigned char runs;
     const char *why;
 } k_resume_keys[] = {
-    {"optimizer", RS_REFUSE, "the saved state is that optimizer's"},
-    {"optimizer.state_dtype", RS_REFUSE, "the saved optimizer state is held in that type"},
-    {"lora_r", RS_REFUSE, "the saved adapters have that rank"},
-    {"lora_alpha", RS_REFUSE, "the saved adapters are scaled by lora_alpha / r: another scale makes another model of them"},
-    {"use_rslora", RS_REFUSE, "the saved adapters are scaled by lora_alpha / sqrt(r) with it, lora_alpha / r without: "
-                              "another scale makes another model of them"},
-    {"lora_query", RS_REFUSE, "the saved adapters are those modules'"},
-    {"lora_key", RS_REFUSE, "the saved adapters are those modules'"},
-    {"lora_value", RS_REFUSE, "the saved adapters are those modules'"},
-    {"lora_projection", RS_REFUSE, "the saved adapters are those modules'"},
-    {"lora_mlp", RS_REFUSE, "the saved adapters are those modules'"},
-    {"lora_head", RS_REFUSE, "the saved adapters are those modules'"},
-    {"lora_target_modules", RS_REFUSE, "the saved adapters are those modules'"},
-    {"data", RS_REFUSE, "the saved data position indexes that data set"},
-    {"data.seed", RS_REFUSE, "it draws the train/validation split (JSON, Alpaca) or the samples (Synthetic): the saved "
-                             "data position would index other samples"},
-    {"data.val_split_fraction", RS_REFUSE, "it decides which samples train: the saved data position would index "
-                                           "others"},
-    {"data.n_train", RS_REFUSE, "the saved data position indexes that many samples"},
-    {"lora_dropout", RS_NOTE, "the resumed steps drop the adapters' input at the new rate"},
-    {"quantize", RS_NOTE, "the adapters go on over the base weights stored the new way"},
-    {"seed", RS_NOTE, "the resumed steps' dropout masks follow the new seed (the sample order stays the checkpoint's)"},
-    {"precision", RS_NOTE, "the resumed steps compute in the new precision"},
-    {"tokenizer_dir", RS_NOTE, "the samples are tokenized by the new one: it must be the checkpoint's tokenizer"},
-    {"data.json_path", RS_NOTE, "the data is read from there: it must be the checkpoint's for the saved position to "
-                                "mean the same samples"},
-    {"data.train_data_path", RS_NOTE, "the data is read from there: it must be the checkpoint's for the saved position "
-                                      "to mean the same samples"},
-    {"data.prompt_style", RS_NOTE, "the resumed steps' samples are prepared the new way"},
-    {"data.mask_prompt", RS_NOTE, "the resumed steps' samples are prepared the new way"},
-    {"data.ignore_index", RS_NOTE, "the resumed steps' samples are prepared the new way"},
-    {"data.max_source_length", RS_NOTE, "the resumed steps' samples are prepared the new way"},
-    {"data.max_target_length", RS_NOTE, "the resumed steps' samples are prepared the new way"},
-    {"data.lengths", RS_NOTE, "the resumed steps' samples are prepared the new way"},
-    {"train.max_seq_length", RS_NOTE, "the resumed steps' samples are prepared the new way"},
-    {"train.global_batch_size", RS_NOTE, "the resumed steps take the new batch"},
-    {"train.micro_batch_size", RS_NOTE, "the resumed steps take the new batch"},
-    {"optimizer.lr", RS_NOTE, "the resumed steps' learning-rate schedule is the new one's"},
-    {"train.lr_warmup_steps", RS_NOTE, "the resumed steps' learning-rate schedule is the new one's"},
-    {"train.lr_warmup_fraction", RS_NOTE, "the resumed steps' learning-rate schedule is the new one's"},
-    {"train.min_lr", RS_NOTE, "the resumed steps' learning-rate schedule is the new one's"},
-    {"train.max_steps", RS_NOTE, "the resumed steps' learning-rate schedule is the new one's"},
-    {"train.epochs", RS_NOTE, "the resumed steps' learning-rate schedule is the new one's"},
-    {"train.max_tokens", RS_NOTE, "the resumed steps' learning-rate schedule is the new one's"},
-    {"optimizer.weight_decay", RS_NOTE, "the resumed updates use the new value"},
-    {"optimizer.betas", RS_NOTE, "the resumed updates use the new value"},
-    {"optimizer.eps", RS_NOTE, "the resumed updates use the new value"},
-    {"optimizer.momentum", RS_NOTE, "the resumed updates use the new value"},
-    {"optimizer.dampening", RS_NOTE, "the resumed updates use the new value"},
-    {"optimizer.nesterov", RS_NOTE, "the resumed updates use the new value"},
-    {"train.max_norm", RS_NOTE, "the resumed updates clip at the new norm"},
+    {"optimizer", RS_REFUSE, RS_ALL, "the saved state is that optimizer's"},
+    {"optimizer.state_dtype", RS_REFUSE, RS_ALL, "the saved optimizer state is held in that type"},
+    {"lora_r", RS_REFUSE, RS_ALL, "the saved adapters have that rank"},
+    {"lora_alpha", RS_REFUSE, RS_ALL, "the saved adapters are scaled by lora_alpha / r: another scale makes another model "
+                                      "of them"},
+    {"use_rslora", RS_REFUSE, RS_ALL, "the saved adapters are scaled by lora_alpha / sqrt(r) with it, lora_alpha / r "
+                                      "without: another scale makes another model of them"},
+    {"data", RS_REFUSE, RS_ALL, "the saved data position indexes that data set"},
+    {"data.seed", RS_REFUSE, RS_LM, "it draws the train/validation split (JSON, Alpaca) or the samples (Synthetic): the "
+                                    "saved data position would index other samples"},
+    {"data.val_split_fraction", RS_REFUSE, RS_ALL, "it decides which samples train: the saved data position would "
+                                                   "index others"},
+    {"data.n_train", RS_REFUSE, RS_LM, "the saved data position indexes that many samples"},
+    {"lora_dropout", RS_NOTE, RS_ALL, "the resumed steps drop the adapters' input at the new rate"},
+    {"quantize", RS_NOTE, RS_ALL, "the adapters go on over the base weights stored the new way"},
+    {"seed", RS_NOTE, RS_LM, "the resumed steps' dropout masks follow the new seed (the sample order stays the "
+                             "checkpoint's)"},
+    {"seed", RS_REFUSE, RS_B2, "it shuffles the captions (which records train, which validate) and orders each epoch: the "
+                               "saved data position would index other records"},
+    {"precision", RS_NOTE, RS_ALL, "the resumed steps compute in the new precision"},
+    {"tokenizer_dir", RS_NOTE, RS_LM, "the samples are tokenized by the new one: it must be the checkpoint's "
+                                      "tokenizer"},
+    {"data.json_path", RS_NOTE, RS_ALL, "the data is read from there: it must be the checkpoint's for the saved position "
+                                        "to mean the same samples"},
+    {"data.train_data_path", RS_NOTE, RS_LM, "the data is read from there: it must be the checkpoint's for the saved "
+                                             "position to mean the same samples"},
+    {"data.prompt_style", RS_NOTE, RS_LM, "the resumed steps' samples are prepared the new way"},
+    {"data.mask_prompt", RS_NOTE, RS_LM, "the resumed steps' samples are prepared the new way"},
+    {"data.ignore_index", RS_NOTE, RS_LM, "the resumed steps' samples are prepared the new way"},
+    {"data.max_source_length", RS_NOTE, RS_LM, "the resumed steps' samples are prepared the new way"},
+    {"data.max_target_length", RS_NOTE, RS_LM, "the resumed steps' samples are prepared the new way"},
+    {"data.lengths", RS_NOTE, RS_LM, "the resumed steps' samples are prepared the new way"},
+    {"train.max_seq_length", RS_NOTE, RS_ALL, "the resumed steps' samples are prepared the new way"},
+    {"train.global_batch_size", RS_NOTE, RS_ALL, "the resumed steps take the new batch"},
+    {"train.micro_batch_size", RS_NOTE, RS_ALL, "the resumed steps take the new batch"},
+    {"optimizer.lr", RS_NOTE, RS_ALL, "the resumed steps' learning-rate schedule is the new one's"},
+    {"train.lr_warmup_steps", RS_NOTE, RS_ALL, "the resumed steps' learning-rate schedule is the new one's"},
+    {"train.lr_warmup_fraction", RS_NOTE, RS_LM, "the resumed steps' learning-rate schedule is the new one's"},
+    {"train.min_lr", RS_NOTE, RS_ALL, "the resumed steps' learning-rate schedule is the new one's"},
+    {"train.max_steps", RS_NOTE, RS_ALL, "the resumed steps' learning-rate schedule is the new one's"},
+    {"train.epochs", RS_NOTE, RS_ALL, "the resumed steps' learning-rate schedule is the new one's"},
+    {"train.max_tokens", RS_NOTE, RS_LM, "the resumed steps' learning-rate schedule is the new one's"},
+    {"optimizer.weight_decay", RS_NOTE, RS_ALL, "the resumed updates use the new value"},
+    {"optimizer.betas", RS_NOTE, RS_ALL, "the resumed updates use the new value"},
+    {"optimizer.eps", RS_NOTE, RS_ALL, "the resumed updates use the new value"},
+    {"optimizer.momentum", RS_NOTE, RS_ALL, "the resumed updates use the new value"},
+    {"optimizer.dampening", RS_NOTE, RS_ALL, "the resumed updates use the new value"},
+    {"optimizer.nesterov", RS_NOTE, RS_ALL, "the resumed updates use the new value"},
+    {"train.max_norm", RS_NOTE, RS_ALL, "the resumed updates clip at the new norm"},
+    {"blip2.train", RS_REFUSE, RS_B2, "the saved state holds those parts' weights and optimizer state"},
 };
 #define N_RESUME_KEYS (sizeof k_resume_keys / sizeof k_resume_keys[0])
 
@@ -139,16 +145,26 @@ static fl_status model_names(const fl_run_config *cfg, const fl_cfg_entries *ck,
     return FL_OK;
 }
 
+/* The run's model as resume compares it: a language model's config, or a BLIP-2 model's (bc set). */
+typedef struct {
+    const fl_model_config *mc;
+    const fl_blip2_config *bc;
+} rs_model;
+
 /* The checkpoint's architecture: its config.json (a full checkpoint), else its model's (a LoRA step: the base's
- * folder, or a preset); 0 when neither can be read here. src: where it came from. */
-static int ckpt_model_config(const char *dir, const char *ck_dir, fl_model_config *mc, char *src, size_t n) {
+ * folder, or a preset); 0 when neither can be read here. src: where it came from. BLIP-2 (run->bc): into *bc. */
+static int ckpt_model_config(const char *dir, const char *ck_dir, const rs_model *run, fl_model_config *mc,
+                             fl_blip2_config *bc, char *src, size_t n) {
     char p[FL_CFG_PATH + 32];
-    snprintf(p, sizeof p, "%s/config.json", dir);
-    if (fl_fs_is_file(p) && fl_hf_load_config(p, mc) == FL_OK) return snprintf(src, n, "its config.json"), 1;
-    if (is_null(ck_dir)) return 0;
-    snprintf(p, sizeof p, "%s/config.json", ck_dir);
-    if (fl_fs_is_file(p) && fl_hf_load_config(p, mc) == FL_OK) return snprintf(src, n, "'%s'", p), 1;
-    if (!fl_fs_is_path_form(ck_dir) && !fl_fs_is_dir(ck_dir) && fl_preset_find(ck_dir, mc) == FL_OK)
+    for (int k = 0; k < 2; k++) {
+        const char *d = k ? ck_dir : dir;
+        if (k && is_null(ck_dir)) return 0;
+        snprintf(p, sizeof p, "%s/config.json", d);
+        if (fl_fs_is_file(p) && (run->bc ? fl_blip2_config_load(p, bc) : fl_hf_load_config(p, mc)) == FL_OK)
+            return k ? snprintf(src, n, "'%s'", p) : snprintf(src, n, "its config.json"), 1;
+    }
+    if (!fl_fs_is_path_form(ck_dir) && !fl_fs_is_dir(ck_dir) &&
+        (run->bc ? fl_blip2_preset(ck_dir, bc) : fl_preset_find(ck_dir, mc)) == FL_OK)
         return snprintf(src, n, "the preset's"), 1;
     return 0;
 }
@@ -191,6 +207,20 @@ static int arch_differs(const fl_model_config *a, const fl_model_config *b, char
     return 0;
 }
 
+/* arch_differs over a BLIP-2 model's parts (their config.json sections) and how they join */
+static int b2_arch_differs(const fl_blip2_config *a, const fl_blip2_config *b, char *diff, size_t n) {
+    static const char *const part[3] = {"vision_config.", "qformer_config.", "text_config."};
+    const fl_model_config *pa[3] = {&a->vision, &a->qformer, &a->text}, *pb[3] = {&b->vision, &b->qformer, &b->text};
+    char d[200];
+    for (int k = 0; k < 3; k++)
+        if (arch_differs(pa[k], pb[k], d, sizeof d)) return snprintf(diff, n, "%s%s", part[k], d), 1;
+    if (a->n_queries != b->n_queries)
+        return snprintf(diff, n, "num_query_tokens %d there, %d here", b->n_queries, a->n_queries), 1;
+    if (a->image_token != b->image_token)
+        return snprintf(diff, n, "image_token_index %d there, %d here", b->image_token, a->image_token), 1;
+    return 0;
+}
+
 static int same_model(const char *a, const char *b) {
     if (!strcmp(a, b)) return 1;
     char ra[PATH_MAX], rb[PATH_MAX];
@@ -198,16 +228,18 @@ static int same_model(const char *a, const char *b) {
 }
 
 /* The model: refused (a part of why, its fix in fix) or noted. */
-static fl_status check_model(const char *dir, const fl_run_config *cfg, const fl_model_config *mc,
-                             const fl_cfg_entries *ck, char *why, char *fix, size_t wn, char *notes, size_t n) {
+static fl_status check_model(const char *dir, const fl_run_config *cfg, const rs_model *rm, const fl_cfg_entries *ck,
+                             char *why, char *fix, size_t wn, char *notes, size_t n) {
     char run[FL_CFG_PATH + 64], was[FL_CFG_PATH + 64], src[FL_CFG_PATH + 64], diff[256];
     const char *ck_dir = NULL;
     FL_TRY(model_names(cfg, ck, run, was, sizeof run, &ck_dir));
     if (!was[0] || same_model(run, was)) return FL_OK;
     fl_model_config cm;
+    fl_blip2_config cb;
     memset(&cm, 0, sizeof cm);
-    const int known = ckpt_model_config(dir, ck_dir, &cm, src, sizeof src);
-    if (known && arch_differs(mc, &cm, diff, sizeof diff)) {
+    memset(&cb, 0, sizeof cb);
+    const int known = ckpt_model_config(dir, ck_dir, rm, &cm, &cb, src, sizeof src);
+    if (known && (rm->bc ? b2_arch_differs(rm->bc, &cb, diff, sizeof diff) : arch_differs(rm->mc, &cm, diff, sizeof diff))) {
         say(why, wn, "%sthe checkpoint was trained from model '%s', this run's model is '%s', another architecture "
             "(%s: %s)", why[0] ? "; " : "", was, run, src, diff);
         say(fix, wn, "%sthe model '%s'", fix[0] ? ", " : "", was);
@@ -220,23 +252,47 @@ static fl_status check_model(const char *dir, const fl_run_config *cfg, const fl
             "architecture cannot be read here: no config.json in it or its model's folder), taken for the same model\n",
             was, run);
     }
+    fl_error_clear(); /* a config.json that is not this kind of model's: read as unknown */
     return FL_OK;
 }
 
-/* Each key of the table: refused or noted when the checkpoint's value is not this run's (both as
- * hyperparameters.yaml writes them, the checkpoint's read back through the run's parser). */
-static void check_keys(const fl_run_config *cfg, const fl_cfg_entries *ck, fl_run_config *tmp, char *why, char *fix,
-                       size_t wn, char *notes, size_t n) {
+/* --blip2.train as the parts it trains, in a fixed order ("" is the command's default) */
+static void b2_parts(const char *v, int lora, char *out, size_t n) {
+    if (!v[0]) v = lora ? "lm" : "qformer,lm";
+    static const char *const names[3] = {"vision", "qformer", "lm"};
+    out[0] = 0;
+    for (int k = 0; k < 3; k++) {
+        char buf[64];
+        snprintf(buf, sizeof buf, "%s", v);
+        int on = 0;
+        for (char *save = NULL, *w = strtok_r(buf, ", ", &save); w && !on; w = strtok_r(NULL, ", ", &save))
+            on = !strcmp(w, names[k]);
+        if (on) say(out, n, "%s%s", out[0] ? "," : "", names[k]);
+    }
+    if (!out[0]) snprintf(out, n, "%s", v); /* none known: as given (the run refuses it) */
+}
+
+/* Each key of the table that applies to this run (b2: a BLIP-2 run's): refused or noted when the checkpoint's value
+ * is not this run's (both as hyperparameters.yaml writes them, the checkpoint's read back through the run's parser). */
+static void check_keys(const fl_run_config *cfg, int b2, const fl_cfg_entries *ck, fl_run_config *tmp, char *why,
+                       char *fix, size_t wn, char *notes, size_t n) {
     char here[512], there[512];
     for (size_t i = 0; i < N_RESUME_KEYS; i++) {
         const char *key = k_resume_keys[i].key;
         const int lora = !strncmp(key, "lora_", 5) || !strcmp(key, "use_rslora") || !strcmp(key, "quantize");
         const char *v = fl_cfg_entries_value(ck, key);
+        if (!(k_resume_keys[i].runs & (b2 ? RS_B2 : RS_LM))) continue; /* not what this kind of run reads */
+        if (!v && !strcmp(key, "blip2.train")) v = ""; /* written only when given: absent is the default */
         if (!v || (lora && cfg->command != FL_CMD_FINETUNE_LORA)) continue; /* not in that run's, or not this run's */
         if (fl_cfg_value_text(cfg, key, here, sizeof here) != FL_OK) continue;
         *tmp = *cfg;
         if (fl_cfg_set(tmp, key, v) != FL_OK || fl_cfg_value_text(tmp, key, there, sizeof there) != FL_OK)
             snprintf(there, sizeof there, "%s", v); /* a value this build does not take: as written */
+        if (!strcmp(key, "blip2.train")) { /* the parts, not their spelling ("" is the command's default) */
+            const int l = cfg->command == FL_CMD_FINETUNE_LORA;
+            b2_parts(cfg->blip2_train, l, here, sizeof here);
+            b2_parts(tmp->blip2_train, l, there, sizeof there);
+        }
         if (!strcmp(here, there)) continue;
         if (k_resume_keys[i].act == RS_NOTE) {
             say(notes, n, "note: --resume: the checkpoint's run had %s %s, this run gives %s: %s\n", key, there, here,
@@ -250,8 +306,48 @@ static void check_keys(const fl_run_config *cfg, const fl_cfg_entries *ck, fl_ru
     }
 }
 
-fl_status fl_ckpt_check_resume(const char *dir, const fl_run_config *cfg, const fl_model_config *mc, char *notes,
-                               size_t n) {
+/* The modules c's LoRA switches or lora_target_modules make on model mc, sorted, comma-separated ("" when they make
+ * none: the run refuses that itself). */
+static void lora_targets(const fl_run_config *c, const fl_model_config *mc, char *out, size_t n) {
+    fl_lora_config lc;
+    out[0] = 0;
+    if (fl_trainer_lora_config(c, mc, &lc) != FL_OK) {
+        fl_error_clear();
+        return;
+    }
+    const char *t[FL_LORA_MAX_TARGETS];
+    for (int i = 0; i < lc.n_targets; i++) t[i] = lc.targets[i];
+    qsort(t, (size_t)lc.n_targets, sizeof *t, cmp_str);
+    for (int i = 0; i < lc.n_targets; i++) say(out, n, "%s%s", i ? "," : "", t[i]);
+}
+
+/* LoRA: the modules the checkpoint's adapters are on against this run's, as sets (lora_query true and
+ * lora_target_modules q_proj are one target on LLaMA); mc: the model the adapters go on (BLIP-2's language model). */
+static void check_targets(const fl_run_config *cfg, const fl_model_config *mc, const fl_cfg_entries *ck,
+                          fl_run_config *tmp, char *why, char *fix, size_t wn) {
+    static const char *const keys[] = {"lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp",
+                                       "lora_head", "lora_target_modules"};
+    if (cfg->command != FL_CMD_FINETUNE_LORA) return;
+    *tmp = *cfg;
+    int given = 0;
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        const char *v = fl_cfg_entries_value(ck, keys[i]);
+        if (!v) continue;
+        given = 1;
+        if (fl_cfg_set(tmp, keys[i], is_null(v) && i + 1 == sizeof keys / sizeof keys[0] ? "" : v) != FL_OK)
+            fl_error_clear();
+    }
+    if (!given) return; /* not written by that run */
+    char here[512], there[512];
+    lora_targets(cfg, mc, here, sizeof here);
+    lora_targets(tmp, mc, there, sizeof there);
+    if (!here[0] || !there[0] || !strcmp(here, there)) return;
+    say(why, wn, "%sthe checkpoint's adapters are on the modules %s, this run's LoRA targets are %s (the saved adapters "
+        "are those modules')", why[0] ? "; " : "", there, here);
+    say(fix, wn, "%s--lora_target_modules %s", fix[0] ? " " : "", there);
+}
+
+static fl_status check_resume(const char *dir, const fl_run_config *cfg, const rs_model *rm, char *notes, size_t n) {
     char p[FL_CFG_PATH + 32];
     if (n) notes[0] = 0;
     snprintf(p, sizeof p, "%s/hyperparameters.yaml", dir);
@@ -263,8 +359,9 @@ fl_status fl_ckpt_check_resume(const char *dir, const fl_run_config *cfg, const 
     char *why = calloc(1, wn), *fix = calloc(1, wn);
     fl_run_config *tmp = malloc(sizeof *tmp);
     if (s == FL_OK && (!why || !fix || !tmp)) s = fl_errorf(FL_ERR_OOM, "out of host memory");
-    if (s == FL_OK) s = check_model(dir, cfg, mc, &ck, why, fix, wn, notes, n);
-    if (s == FL_OK) check_keys(cfg, &ck, tmp, why, fix, wn, notes, n);
+    if (s == FL_OK) s = check_model(dir, cfg, rm, &ck, why, fix, wn, notes, n);
+    if (s == FL_OK) check_keys(cfg, rm->bc != NULL, &ck, tmp, why, fix, wn, notes, n);
+    if (s == FL_OK) check_targets(cfg, rm->bc ? &rm->bc->text : rm->mc, &ck, tmp, why, fix, wn);
     if (s == FL_OK && why[0])
         s = fl_errorf(FL_ERR_INVALID, "--resume '%s' continues another run: %s. Resume it with the checkpoint's "
                       "settings (%s), or start a new run without --resume (with --overwrite when '%s' holds a run)", dir,
@@ -276,4 +373,16 @@ fl_status fl_ckpt_check_resume(const char *dir, const fl_run_config *cfg, const 
     free(tmp);
     fl_cfg_entries_free(&ck);
     return s;
+}
+
+fl_status fl_ckpt_check_resume(const char *dir, const fl_run_config *cfg, const fl_model_config *mc, char *notes,
+                               size_t n) {
+    const rs_model rm = {mc, NULL};
+    return check_resume(dir, cfg, &rm, notes, n);
+}
+
+fl_status fl_ckpt_check_resume_blip2(const char *dir, const fl_run_config *cfg, const fl_blip2_config *bc, char *notes,
+                                     size_t n) {
+    const rs_model rm = {NULL, bc};
+    return check_resume(dir, cfg, &rm, notes, n);
 }

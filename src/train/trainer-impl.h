@@ -42,6 +42,7 @@ typedef struct {
     int weights_loaded;         /* the model's weights were read from files (fl_tr_load_model): their vocabulary is
                                  * not the built-in bytes', so a tokenizer must come with them */
     int base_kept;              /* LoRA on random weights: out_dir/base holds them (fl_tr_save_base) */
+    int base_said;              /* LoRA on random weights, resumed: their reading from base/ said */
     fl_dataset *data;
     size_t n_cut;               /* samples (both splits) not used whole: cut to cut_to tokens (count_cuts) */
     int cut_to, cut_by_ctx;     /* ... by train.max_seq_length, or (cut_by_ctx) by the model's context */

@@ -439,6 +439,18 @@ static fl_status log_iterations(trainer *t, run_loop *L, float lr, long long tok
     return FL_OK;
 }
 
+/* The divergence detector's running state kept in the training state (saved with every checkpoint), and taken back
+ * from a resumed one (an older checkpoint's has none: the detector starts afresh). */
+static void dv_keep(trainer *t, const fl_trainer_diverge *d) {
+    t->st.dv_set = 1;
+    t->st.dv_ema = d->ema, t->st.dv_above = d->above, t->st.dv_since = d->since, t->st.dv_last_good = d->last_good;
+}
+
+static void dv_restore(fl_trainer_diverge *d, const fl_train_state *st) {
+    if (!st->dv_set) return;
+    d->ema = st->dv_ema, d->above = st->dv_above, d->since = st->dv_since, d->last_good = st->dv_last_good;
+}
+
 /* The step's loss judged: a non-finite one that fp16 loss scaling let through, finite divergence,
  * an update the loss scale skipped (said). */
 static fl_status check_step(trainer *t, run_loop *L, const fl_step_result *sr, double step_loss, long step_valid) {
@@ -450,6 +462,7 @@ static fl_status check_step(trainer *t, run_loop *L, const fl_step_result *sr, d
     if (cfg->train.divergence_check && step_valid > 0 && !sr->skipped &&
         fl_trainer_diverge_train(&L->dv, t->st.step + 1, step_loss / (double)step_valid))
         FL_TRY(fl_trainer_diverge_error(&L->dv, cfg->out_dir, cfg->optimizer.lr, t->st.step + 1, t->st.iter));
+    dv_keep(t, &L->dv);
     if (sr->skipped && t->out) { /* loss scaling: overflow, the update was skipped and the scale halved */
         fl_tr_bar_clear(t);
         fprintf(t->out, "step %ld: inf/NaN in the fp16 gradients: update skipped, loss scale -> %g\n", t->st.step + 1,
@@ -470,6 +483,7 @@ static fl_status evaluate(trainer *t, run_loop *L) {
         fprintf(t->out, "iter %ld: val loss %.4f, val time: %.2f ms\n", t->st.iter, L->val_loss, (fl_tr_now_s() - e0) * 1e3);
     if (cfg->train.divergence_check && fl_trainer_diverge_val(&L->dv, t->st.step, L->val_loss))
         FL_TRY(fl_trainer_diverge_error(&L->dv, cfg->out_dir, cfg->optimizer.lr, t->st.step, t->st.iter));
+    dv_keep(t, &L->dv);
     fl_tr_val_row(t, L->val_loss);
     L->val_step = t->st.step;
     L->t_start += fl_tr_now_s() - e0; /* evaluation time is not training time */
@@ -579,6 +593,7 @@ static fl_status finish(trainer *t, run_loop *L) {
                             fl_trainer_perplexity(L->val_loss));
         if (cfg->train.divergence_check && fl_trainer_diverge_val(&L->dv, t->st.step, L->val_loss))
             FL_TRY(fl_trainer_diverge_error(&L->dv, cfg->out_dir, cfg->optimizer.lr, t->st.step, t->st.iter));
+        dv_keep(t, &L->dv);
         if (!have_final) fl_tr_val_row(t, L->val_loss);
     }
     FL_TRY(fl_tr_pp_report(t)); /* pipeline parallel: the stages' times and the schedule on them */
@@ -610,6 +625,7 @@ static fl_status run_loop_all(trainer *t, run_loop *L) {
                             fl_trainer_perplexity(L->val_loss));
     }
     fl_trainer_diverge_init(&L->dv, t->model.cfg.vocab_size, t->sch.warmup);
+    dv_restore(&L->dv, &t->st); /* resumed: where the checkpoint's run had it */
     L->t_start = fl_tr_now_s() - t->st.train_seconds;
     L->train0 = t->st.train_seconds;
     L->step0 = t->st.step;

@@ -111,10 +111,63 @@ static fl_status initial_fits(const char *ck, const fl_model_config *mc) {
 /* The run's model. given (the planner's, fl_trainer_rehearse): that configuration, created and
  * randomly initialized as a preset is (no weights read: the loader's allocations are the random
  * init's, one 4-bit weight's fp32 staging at most). */
+/* The seed in the checkpoint dir's hyperparameters.yaml into *seed; 0 when it holds none (a library caller's). */
+static int ckpt_seed(const char *dir, unsigned long long *seed) {
+    char p[FL_CFG_PATH + 340];
+    snprintf(p, sizeof p, "%.*s/hyperparameters.yaml", FL_CFG_PATH + 300, dir);
+    fl_cfg_entries e;
+    fl_cfg_entries_init(&e);
+    const char *v = fl_fs_is_file(p) && fl_cfg_entries_load_yaml_file(&e, p) == FL_OK ? fl_cfg_entries_value(&e, "seed")
+                                                                                   : NULL;
+    char *end = NULL;
+    if (v) *seed = strtoull(v, &end, 10);
+    const int ok = v && end != v;
+    fl_cfg_entries_free(&e);
+    fl_error_clear();
+    return ok;
+}
+
+/* A LoRA run on random base weights (a preset, --init random, a config.json alone) that resumes with another seed than
+ * its checkpoint's run: the base the checkpoint's adapters were trained on, the committed base/ beside the checkpoint
+ * (the run's out_dir for --resume auto / true), into dir (room: FL_CFG_PATH); 0 when there is none (a fresh
+ * run, a checkpoint of another kind of run) or the seed makes the checkpoint's base again (bit for bit: a 4-bit base
+ * read back from base/, stored dequantized, would be quantized anew). */
+static int resumed_base(const fl_run_config *c, char *dir) {
+    char ck[FL_CFG_PATH + 300];
+    struct stat st;
+    if (c->command != FL_CMD_FINETUNE_LORA || !strcmp(c->resume, "false") || !c->resume[0]) return 0;
+    const char *m = c->checkpoint_dir;
+    const size_t ml = strlen(m);
+    const int random = c->init_random || (m[0] && !exists(m)) || /* --init random, a preset, a config.json alone */
+                       (stat(m, &st) == 0 && !S_ISDIR(st.st_mode) && ml > 5 && !strcmp(m + ml - 5, ".json"));
+    if (!random) return 0;
+    if (!strcmp(c->resume, "true") || !strcmp(c->resume, "auto")) {
+        if (fl_ckpt_find_latest(c->out_dir, ck, sizeof ck) != FL_OK) return fl_error_clear(), 0;
+    } else {
+        snprintf(ck, sizeof ck, "%.*s", FL_CFG_PATH + 200, c->resume);
+    }
+    unsigned long long seed = 0;
+    if (ckpt_seed(ck, &seed) && seed == (unsigned long long)c->seed) return 0;
+    char *slash = strrchr(ck, '/');
+    if (slash) *slash = 0;
+    snprintf(dir, FL_CFG_PATH, "%.*s/" FL_CKPT_BASE, FL_CFG_PATH - 8, slash ? ck : ".");
+    return fl_ckpt_is_committed(dir);
+}
+
 fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m, fl_mem_pool *pool, int *ok) {
     const fl_run_config *c = t->cfg;
     fl_model_config mc;
     const char *ck = c->checkpoint_dir;
+    char base[FL_CFG_PATH];
+    if (!given && resumed_base(c, base)) { /* its weights, not the seed's */
+        ck = base;
+        if (t->out && !t->in.base_said)
+            fprintf(t->out, "note: --resume: the base model's weights are random (%s%s%s): they are read from '%s', "
+                    "the base the checkpoint's adapters were trained on, not made anew from seed %llu\n",
+                    c->init_random ? "--init random" : "'", c->init_random ? "" : c->checkpoint_dir,
+                    c->init_random ? "" : "'", base, (unsigned long long)c->seed);
+        t->in.base_said = 1; /* said once (TP / PP make the whole model again to save it) */
+    }
     int have_weights = 0;
     int have_cfg = 0; /* pretrain: model_config fields, a config.json, or model_name */
     if (!given && c->command == FL_CMD_PRETRAIN) FL_TRY(fl_cfg_model_config(c, &mc, &have_cfg));
@@ -144,7 +197,7 @@ fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m
         FL_TRY(fl_model_init_ex(m, &mc, &t->hw.be, pool, &t->stg));
         *ok = 1;
         FL_TRY(fl_model_init_random_ex(m, c->seed));
-    } else if (ck[0] && c->init_random) {
+    } else if (ck[0] && c->init_random && ck == c->checkpoint_dir) {
         /* --init random: the folder's (or config.json's) shape, fresh weights */
         char cp[FL_CFG_PATH + 16];
         struct stat st;
@@ -164,7 +217,7 @@ fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m
         return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir%s",
                          c->command == FL_CMD_PRETRAIN ? ", model_name or model_config" : "");
     }
-    if (have_weights) t->in.weights_loaded = 1;
+    if (have_weights && ck == c->checkpoint_dir) t->in.weights_loaded = 1; /* not a random base read back */
     if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != m->cfg.tie_embeddings)
         return fl_errorf(FL_ERR_UNSUPPORTED, "train.tie_embeddings=%d differs from the model's tie_word_embeddings=%d",
                          c->train.tie_embeddings, m->cfg.tie_embeddings);
