@@ -59,9 +59,10 @@ typedef struct {
     fl_micro_batch *mbs;        /* (accum) this rank's micro-batches of the step */
     long *mb_epoch;             /* (G) epoch each global micro-batch of the step was drawn from */
     long long *mb_tokens;       /* (G) padded tokens of each global micro-batch */
-    double *mb_stats;           /* (2 G) loss sum and valid targets of each global micro-batch, rank-major */
-    double *mb_ms;              /* (accum) wall ms of this rank's micro-batches */
+    double *mb_stats;           /* (3 G) rank-major, FL_TR_MB_SLOTS x accum a rank: its micro-batches' (loss sum, valid
+                                 * targets) pairs, then their wall ms; gathered after each step (the metrics' iter_time) */
 } trainer_bufs;
+#define FL_TR_MB_SLOTS 3 /* doubles a micro-batch in trainer_bufs.mb_stats */
 
 /* The shape of a step and the schedule. */
 typedef struct {

@@ -620,9 +620,8 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
     t->buf.mbs = calloc((size_t)t->sch.accum, sizeof *t->buf.mbs);
     t->buf.mb_epoch = calloc((size_t)t->sch.G, sizeof *t->buf.mb_epoch);
     t->buf.mb_tokens = calloc((size_t)t->sch.G, sizeof *t->buf.mb_tokens);
-    t->buf.mb_stats = calloc((size_t)t->sch.G * 2, sizeof *t->buf.mb_stats);
-    t->buf.mb_ms = calloc((size_t)t->sch.accum, sizeof *t->buf.mb_ms);
-    if (!t->buf.mbs || !t->buf.mb_epoch || !t->buf.mb_tokens || !t->buf.mb_stats || !t->buf.mb_ms)
+    t->buf.mb_stats = calloc((size_t)t->sch.G * FL_TR_MB_SLOTS, sizeof *t->buf.mb_stats);
+    if (!t->buf.mbs || !t->buf.mb_epoch || !t->buf.mb_tokens || !t->buf.mb_stats)
         return fl_errorf(FL_ERR_OOM, "out of host memory");
     return FL_OK;
 }
@@ -641,7 +640,6 @@ void fl_tr_cleanup(trainer *t) {
     free(t->buf.mb_epoch);
     free(t->buf.mb_tokens);
     free(t->buf.mb_stats);
-    free(t->buf.mb_ms);
     fl_dp_done(&t->dp);
     fl_loader_free(t->in.train);
     fl_loader_free(t->in.val);
