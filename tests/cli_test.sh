@@ -1165,6 +1165,13 @@ expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memo
 if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL finetune_oom_no_output"; fail=$((fail+1)); else echo "ok   finetune_oom_no_output"; pass=$((pass+1)); fi
 expect finetune_tiny_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x7" --quiet
 expect pretrain_ok 0 "Saved the final model" -- "$FITLLM" pretrain --model_name micro --data Synthetic --train.max_steps 2 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x8" --quiet
+# --threads above the CPUs this process may run on (nproc): warned once, naming both; not at nproc
+NCPU=$(nproc)
+printf '1 2 3 4 5\n' > "$T/ids5.txt"
+expect threads_above_cores_warned 0 "warning: --threads $((NCPU + 1)) is more than the $NCPU CPU cores this process can run on: .*slows the run down" -- \
+    "$FITLLM" loss micro --tokens-file "$T/ids5.txt" --threads $((NCPU + 1))
+expect threads_at_cores_not_warned 0 "" -- bash -c '! "$1" loss micro --tokens-file "$2" --threads "$3" 2>&1 | grep -q "warning: --threads"' _ "$FITLLM" "$T/ids5.txt" "$NCPU"
+expect threads_above_cores_train_once 0 "^1$" -- bash -c '"$1" pretrain --model_name micro --data Synthetic --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --eval.final_validation false --threads "$2" --out_dir "$3" 2>&1 | grep -c "warning: --threads $2 is more than"' _ "$FITLLM" $((NCPU + 1)) "$T/thr"
 
 # ---- fitllm plan: exit 0 fits, 3 OOM, 2 usage / not available ----
 expect plan_fits 0 "verdict: FITS" -- "$FITLLM" plan tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 4 --train.global_batch_size 32 --train.max_seq_length 1025

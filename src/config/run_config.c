@@ -186,7 +186,7 @@ static const fl_cfg_key k_keys[] = {
     {"use_rslora", FL_CK_BOOL, OFF(lora.use_rslora), "finetune_lora: scaling alpha / sqrt(r)"},
     {"quantize", FL_CK_STR32, OFF(lora.quantize), "finetune_lora (QLoRA): bnb.nf4 | bnb.nf4-dq | bnb.fp4 | bnb.fp4-dq"},
     {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget with its unit, e.g. 8GB or 8GiB; a bare number is refused (fitllm)"},
-    {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm)"},
+    {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm; more than the cores: a warning)"},
     {"quiet", FL_CK_BOOL, OFF(quiet), "no progress bar (fitllm)"},
     {"overwrite", FL_CK_BOOL, OFF(overwrite), "start over in an out_dir that holds another run: its checkpoints (step-*, final/) are removed (fitllm)"},
     {"blip2.train", FL_CK_STR32, OFF(blip2_train), "a BLIP-2 checkpoint's parts that train: vision, qformer (with the query tokens and the language projection), lm, comma-separated (default qformer,lm; adapter fine-tuning: lm, its adapters; the vision tower frozen) (fitllm)"},
