@@ -1172,6 +1172,12 @@ expect threads_above_cores_warned 0 "warning: --threads $((NCPU + 1)) is more th
     "$FITLLM" loss micro --tokens-file "$T/ids5.txt" --threads $((NCPU + 1))
 expect threads_at_cores_not_warned 0 "" -- bash -c '! "$1" loss micro --tokens-file "$2" --threads "$3" 2>&1 | grep -q "warning: --threads"' _ "$FITLLM" "$T/ids5.txt" "$NCPU"
 expect threads_above_cores_train_once 0 "^1$" -- bash -c '"$1" pretrain --model_name micro --data Synthetic --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --eval.final_validation false --threads "$2" --out_dir "$3" 2>&1 | grep -c "warning: --threads $2 is more than"' _ "$FITLLM" $((NCPU + 1)) "$T/thr"
+# a model_config with two bad fields: both in one refusal (exit 2), not one a run; their types too
+printf 'model_config:\n  n_layer: 2\n  n_embd: 32\n  n_head: 4\n  intermediate_size: 64\n  vocab_size: 512\n  block_size: 64\n  norm_class_name: RMSNorm\n  mlp_class_name: LLaMAMLP\n  rotary_percentage: 1.0\n  parallel_residual: false\n  bias: false\n' > "$T/mc.yaml"
+expect model_config_two_unbuildable_fields 2 "model_config.rope_interleave = true \(set rope_interleave: false\); model_config.bias = true \(set bias: false\): fitllm builds LLaMA-style" -- \
+    "$FITLLM" pretrain --config "$T/mc.yaml" --data Synthetic --model_config.bias true --model_config.rope_interleave true --out_dir "$T/mc3"
+expect model_config_two_bad_types 2 "model_config.n_layer': 'two' is not an integer; option 'model_config.bias': 'maybe' is not a boolean" -- \
+    "$FITLLM" pretrain --config "$T/mc.yaml" --model_config.n_layer two --model_config.bias maybe --out_dir "$T/mc3"
 
 # ---- fitllm plan: exit 0 fits, 3 OOM, 2 usage / not available ----
 expect plan_fits 0 "verdict: FITS" -- "$FITLLM" plan tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 4 --train.global_batch_size 32 --train.max_seq_length 1025
