@@ -1178,6 +1178,13 @@ expect model_config_two_unbuildable_fields 2 "model_config.rope_interleave = tru
     "$FITLLM" pretrain --config "$T/mc.yaml" --data Synthetic --model_config.bias true --model_config.rope_interleave true --out_dir "$T/mc3"
 expect model_config_two_bad_types 2 "model_config.n_layer': 'two' is not an integer; option 'model_config.bias': 'maybe' is not a boolean" -- \
     "$FITLLM" pretrain --config "$T/mc.yaml" --model_config.n_layer two --model_config.bias maybe --out_dir "$T/mc3"
+# a pretrain from that model_config mapping (no name): the header says where the model came from (it printed
+# "model: model_config, N parameters ()")
+MC=(--data Synthetic --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --eval.final_validation false)
+expect pretrain_model_config_header_source 0 "^model: model_config, [0-9]+ parameters \(model_config: 11 fields set, the rest litgpt.Config's defaults\); tokenizer" -- \
+    "$FITLLM" pretrain --config "$T/mc.yaml" "${MC[@]}" --out_dir "$T/mc1"
+expect pretrain_initial_weights_header 0 "^model: model_config, [0-9]+ parameters \(model_config: 11 fields set, the rest litgpt.Config's defaults; weights from [^ ]*/mc1/final\); " -- \
+    "$FITLLM" pretrain --config "$T/mc.yaml" "${MC[@]}" --initial_checkpoint_dir "$T/mc1/final" --out_dir "$T/mc2"
 
 # ---- fitllm plan: exit 0 fits, 3 OOM, 2 usage / not available ----
 expect plan_fits 0 "verdict: FITS" -- "$FITLLM" plan tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 4 --train.global_batch_size 32 --train.max_seq_length 1025
