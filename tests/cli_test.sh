@@ -1185,6 +1185,10 @@ expect pretrain_model_config_header_source 0 "^model: model_config, [0-9]+ param
     "$FITLLM" pretrain --config "$T/mc.yaml" "${MC[@]}" --out_dir "$T/mc1"
 expect pretrain_initial_weights_header 0 "^model: model_config, [0-9]+ parameters \(model_config: 11 fields set, the rest litgpt.Config's defaults; weights from [^ ]*/mc1/final\); " -- \
     "$FITLLM" pretrain --config "$T/mc.yaml" "${MC[@]}" --initial_checkpoint_dir "$T/mc1/final" --out_dir "$T/mc2"
+# hyperparameters.yaml's init: what the run started from (a from-scratch pretrain said "pretrained"); from that
+# run's weights (initial_checkpoint_dir) it says pretrained
+expect pretrain_scratch_hparams_init_random 0 "" -- grep -qx "init: random" "$T/mc1/final/hyperparameters.yaml"
+expect pretrain_initial_weights_hparams_init_pretrained 0 "" -- grep -qx "init: pretrained" "$T/mc2/final/hyperparameters.yaml"
 
 # ---- fitllm plan: exit 0 fits, 3 OOM, 2 usage / not available ----
 expect plan_fits 0 "verdict: FITS" -- "$FITLLM" plan tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 4 --train.global_batch_size 32 --train.max_seq_length 1025

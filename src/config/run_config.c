@@ -172,7 +172,7 @@ static const fl_cfg_key k_keys[] = {
     {"log.log_model", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
     {"log.save_logs", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
     {"log.checkpoint_name", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
-    {"init", FL_CK_INIT, OFF(init_random), "pretrained | random: random weights of the model's shape (fitllm; finetune_lora saves them once to out_dir/base, which its adapters name)"},
+    {"init", FL_CK_INIT, OFF(init_random), "pretrained | random: random weights of the model's shape (fitllm; finetune_lora saves them once to out_dir/base, which its adapters name); hyperparameters.yaml records what the run started from (random: no weights read)"},
     {"lora_r", FL_CK_INT, OFF(lora.r), "finetune_lora: LoRA rank"},
     {"lora_alpha", FL_CK_FLOAT, OFF(lora.alpha), "finetune_lora: LoRA alpha (scaling alpha / r)"},
     {"lora_dropout", FL_CK_FLOAT, OFF(lora.dropout), "finetune_lora: dropout on the LoRA branch input"},

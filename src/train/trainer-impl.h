@@ -108,6 +108,8 @@ typedef struct {
 
 typedef struct {
     const fl_run_config *cfg;
+    fl_run_config *saved_cfg;   /* what checkpoints record (hyperparameters.yaml): cfg with `init` what the model's
+                                 * load did (random: no weights read), set by fl_tr_load_model; fl_tr_saved_cfg */
     FILE *out;
     int bar;
     char notes[1024];           /* user settings the run could not take as given, one "note: ..." line each */
@@ -126,6 +128,9 @@ typedef struct {
     fl_train_state st;
     fl_fault_fn (*fault_at)(int rank, long step); /* fitllm/fault.h's query when a test armed a fault, else NULL */
 } trainer;
+
+/* The configuration a checkpoint's hyperparameters.yaml records (trainer.saved_cfg, else cfg). */
+static inline const fl_run_config *fl_tr_saved_cfg(const trainer *t) { return t->saved_cfg ? t->saved_cfg : t->cfg; }
 
 static inline double fl_tr_now_s(void) {
     struct timespec ts;

@@ -595,7 +595,7 @@ static fl_status finish(trainer *t, run_loop *L) {
     else if (t->pp.size > 1) FL_TRY(fl_tr_pp_save(t, L->lead, "final", t->model.lora ? NULL : &t->opt,
                                                   t->model.lora ? NULL : &t->st));
     else FL_TRY(fl_dp_ckpt_save(&t->dp, L->lead, cfg->out_dir, "final", &t->model, t->model.lora ? NULL : &t->opt,
-                                t->model.lora ? NULL : &t->st, cfg, t->in.tok_dir[0] ? t->in.tok_dir : NULL));
+                                t->model.lora ? NULL : &t->st, fl_tr_saved_cfg(t), t->in.tok_dir[0] ? t->in.tok_dir : NULL));
     snprintf(r->final_dir, sizeof r->final_dir, "%s/final", cfg->out_dir);
     /* fl_ckpt_save wrote final/adapter (the PEFT adapter) with final/ */
     if (t->model.lora && L->lead && t->out) fprintf(t->out, "Saved the PEFT adapter to '%s/adapter'\n", r->final_dir);

@@ -165,6 +165,11 @@ fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m
                          c->command == FL_CMD_PRETRAIN ? ", model_name or model_config" : "");
     }
     if (have_weights) t->in.weights_loaded = 1;
+    /* hyperparameters.yaml's init: what happened (a from-scratch pretrain, a preset, a folder without weights: random
+     * weights; LitGPT's pretrain starts from random weights unless initial_checkpoint_dir), not what was asked */
+    if (!t->saved_cfg && !(t->saved_cfg = malloc(sizeof *t->saved_cfg))) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    *t->saved_cfg = *c;
+    t->saved_cfg->init_random = !have_weights;
     if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != m->cfg.tie_embeddings)
         return fl_errorf(FL_ERR_UNSUPPORTED, "train.tie_embeddings=%d differs from the model's tie_word_embeddings=%d",
                          c->train.tie_embeddings, m->cfg.tie_embeddings);
@@ -640,6 +645,8 @@ void fl_tr_cleanup(trainer *t) {
     free(t->buf.mb_epoch);
     free(t->buf.mb_tokens);
     free(t->buf.mb_stats);
+    free(t->saved_cfg);
+    t->saved_cfg = NULL;
     fl_dp_done(&t->dp);
     fl_loader_free(t->in.train);
     fl_loader_free(t->in.val);
