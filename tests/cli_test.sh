@@ -35,6 +35,9 @@ expect version_gemm_library 0 "GEMM library (onednn|openblas|naive)" -- "$FITLLM
 expect version_backends 0 "backends: cpu, ref" -- "$FITLLM" --version
 expect version_bf16_path 0 "bf16 gemm (onednn-matmul-bf16|(avx512-|avx2-)?widen\+sgemm|tiled)" -- "$FITLLM" --version
 expect version_cpu_cap 0 "in use: generic\)" -- env FITLLM_CPU=generic "$FITLLM" --version
+# the default thread count's source: OMP_NUM_THREADS's value when set (it was called "default"), else the CPUs
+expect version_threads_omp_set 0 "^threads:  3 \(OMP_NUM_THREADS=3; " -- env OMP_NUM_THREADS=3 "$FITLLM" --version
+expect version_threads_omp_unset 0 "^threads:  [0-9]+ \(OMP_NUM_THREADS unset: the $(nproc) CPUs this process may run on" -- env -u OMP_NUM_THREADS "$FITLLM" --version
 expect version_cpu_cap_kernels 0 "adam8bit quantizer scalar-table, 16-bit conversions scalar, attention tiles portable" -- env FITLLM_CPU=generic "$FITLLM" --version
 expect version_comm 0 "comm: +(MPI \(.+\)|single process only \(built without MPI\)); launched by none: single process" -- \
     env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u SLURM_PROCID -u RANK "$FITLLM" --version
