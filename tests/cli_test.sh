@@ -35,6 +35,9 @@ expect version_gemm_library 0 "GEMM library (onednn|openblas|naive)" -- "$FITLLM
 expect version_backends 0 "backends: cpu, ref" -- "$FITLLM" --version
 expect version_bf16_path 0 "bf16 gemm (onednn-matmul-bf16|(avx512-|avx2-)?widen\+sgemm|tiled)" -- "$FITLLM" --version
 expect version_cpu_cap 0 "in use: generic\)" -- env FITLLM_CPU=generic "$FITLLM" --version
+# the default thread count's source: OMP_NUM_THREADS's value when set (it was called "default"), else the CPUs
+expect version_threads_omp_set 0 "^threads:  3 \(OMP_NUM_THREADS=3; " -- env OMP_NUM_THREADS=3 "$FITLLM" --version
+expect version_threads_omp_unset 0 "^threads:  [0-9]+ \(OMP_NUM_THREADS unset: the $(nproc) CPUs this process may run on" -- env -u OMP_NUM_THREADS "$FITLLM" --version
 expect version_cpu_cap_kernels 0 "adam8bit quantizer scalar-table, 16-bit conversions scalar, attention tiles portable" -- env FITLLM_CPU=generic "$FITLLM" --version
 expect version_comm 0 "comm: +(MPI \(.+\)|single process only \(built without MPI\)); launched by none: single process" -- \
     env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u SLURM_PROCID -u RANK "$FITLLM" --version
@@ -1176,6 +1179,30 @@ expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memo
 if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL finetune_oom_no_output"; fail=$((fail+1)); else echo "ok   finetune_oom_no_output"; pass=$((pass+1)); fi
 expect finetune_tiny_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x7" --quiet
 expect pretrain_ok 0 "Saved the final model" -- "$FITLLM" pretrain --model_name micro --data Synthetic --train.max_steps 2 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x8" --quiet
+# --threads above the CPUs this process may run on (nproc): warned once, naming both; not at nproc
+NCPU=$(nproc)
+printf '1 2 3 4 5\n' > "$T/ids5.txt"
+expect threads_above_cores_warned 0 "warning: --threads $((NCPU + 1)) is more than the $NCPU CPU cores this process can run on: .*slows the run down" -- \
+    "$FITLLM" loss micro --tokens-file "$T/ids5.txt" --threads $((NCPU + 1))
+expect threads_at_cores_not_warned 0 "" -- bash -c '! "$1" loss micro --tokens-file "$2" --threads "$3" 2>&1 | grep -q "warning: --threads"' _ "$FITLLM" "$T/ids5.txt" "$NCPU"
+expect threads_above_cores_train_once 0 "^1$" -- bash -c '"$1" pretrain --model_name micro --data Synthetic --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --eval.final_validation false --threads "$2" --out_dir "$3" 2>&1 | grep -c "warning: --threads $2 is more than"' _ "$FITLLM" $((NCPU + 1)) "$T/thr"
+# a model_config with two bad fields: both in one refusal (exit 2), not one a run; their types too
+printf 'model_config:\n  n_layer: 2\n  n_embd: 32\n  n_head: 4\n  intermediate_size: 64\n  vocab_size: 512\n  block_size: 64\n  norm_class_name: RMSNorm\n  mlp_class_name: LLaMAMLP\n  rotary_percentage: 1.0\n  parallel_residual: false\n  bias: false\n' > "$T/mc.yaml"
+expect model_config_two_unbuildable_fields 2 "model_config.rope_interleave = true \(set rope_interleave: false\); model_config.bias = true \(set bias: false\): fitllm builds LLaMA-style" -- \
+    "$FITLLM" pretrain --config "$T/mc.yaml" --data Synthetic --model_config.bias true --model_config.rope_interleave true --out_dir "$T/mc3"
+expect model_config_two_bad_types 2 "model_config.n_layer': 'two' is not an integer; option 'model_config.bias': 'maybe' is not a boolean" -- \
+    "$FITLLM" pretrain --config "$T/mc.yaml" --model_config.n_layer two --model_config.bias maybe --out_dir "$T/mc3"
+# a pretrain from that model_config mapping (no name): the header says where the model came from (it printed
+# "model: model_config, N parameters ()")
+MC=(--data Synthetic --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --eval.final_validation false)
+expect pretrain_model_config_header_source 0 "^model: model_config, [0-9]+ parameters \(model_config: 11 fields set, the rest litgpt.Config's defaults\); tokenizer" -- \
+    "$FITLLM" pretrain --config "$T/mc.yaml" "${MC[@]}" --out_dir "$T/mc1"
+expect pretrain_initial_weights_header 0 "^model: model_config, [0-9]+ parameters \(model_config: 11 fields set, the rest litgpt.Config's defaults; weights from [^ ]*/mc1/final\); " -- \
+    "$FITLLM" pretrain --config "$T/mc.yaml" "${MC[@]}" --initial_checkpoint_dir "$T/mc1/final" --out_dir "$T/mc2"
+# hyperparameters.yaml's init: what the run started from (a from-scratch pretrain said "pretrained"); from that
+# run's weights (initial_checkpoint_dir) it says pretrained
+expect pretrain_scratch_hparams_init_random 0 "" -- grep -qx "init: random" "$T/mc1/final/hyperparameters.yaml"
+expect pretrain_initial_weights_hparams_init_pretrained 0 "" -- grep -qx "init: pretrained" "$T/mc2/final/hyperparameters.yaml"
 
 # ---- fitllm plan: exit 0 fits, 3 OOM, 2 usage / not available ----
 expect plan_fits 0 "verdict: FITS" -- "$FITLLM" plan tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 4 --train.global_batch_size 32 --train.max_seq_length 1025

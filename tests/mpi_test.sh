@@ -137,6 +137,14 @@ else
     sed 's/^/     /' "$T/cli/logs/metrics.csv" | cut -d, -f1-7 | head -8
     bad "ddp_cli_metrics_tokens_per_rank" "metrics.csv's iter, step, tokens, total_tokens"
 fi
+# each row's iter_time is the micro-batch's time on the rank that ran it (iteration i: rank (i - 1) % 2), gathered
+# with the losses; rank 1's rows repeated rank 0's time of the same round
+if awk -F, 'NR > 1 && $4 != "" { if ($1 % 2 == 1) t0 = $5; else if ($5 != t0) d++; n++ } END { exit !(n == 16 && d > 0) }' \
+    "$T/cli/logs/metrics.csv"; then
+    ok "ddp_cli_metrics_iter_time_per_rank"
+else
+    bad "ddp_cli_metrics_iter_time_per_rank" "rank 1's rows repeat rank 0's iter_time"
+fi
 timeout 300 "$FL" finetune_full "${ARGS[@]}" --resume "$T/cli/step-000002" --out_dir "$T/cli1" >"$T/out" 2>&1; rc=$?
 if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out"; then
     ok "ddp_checkpoint_resumes_in_one_process"

@@ -324,6 +324,50 @@ FL_TEST(cfg_model_names_and_model_config) {
     FL_CHECK(fl_cfg_set(&c, "model_config.n_layer", "two") == FL_ERR_INVALID);
 }
 
+/* A model_config with several bad fields is refused naming every one of them in one message, at each of its three
+ * checks: the values' types (a recipe's mapping), the fields fitllm cannot build, the model's own checks (a
+ * config.json's values too). One field a run made a user fix and rerun once per field. */
+static void expect_both(fl_status got, fl_status want, const char *a, const char *b, const char *what) {
+    const char *m = fl_error_message();
+    FL_CHECKF(got == want && strstr(m, a) && strstr(m, b), "%s: status %s, '%s' (want both '%s' and '%s')", what,
+              fl_status_name(got), m, a, b);
+}
+
+FL_TEST(cfg_model_config_refuses_every_bad_field_at_once) {
+    fl_run_config c;
+    fl_model_config mc;
+    int have;
+    static const char *good = "model_config:\n  name: two-bad\n  n_embd: 64\n  n_head: 4\n"
+                              "  intermediate_size: 172\n  vocab_size: 512\n  norm_class_name: RMSNorm\n"
+                              "  mlp_class_name: LLaMAMLP\n  rotary_percentage: 1.0\n  parallel_residual: false\n";
+    char y[1024];
+    /* the types: two values that are no integer / boolean, and a field litgpt.Config does not have */
+    fl_cfg_defaults(&c, FL_CMD_PRETRAIN);
+    snprintf(y, sizeof y, "%s  n_layer: two\n  bias: maybe\n  block_sise: 64\n", good);
+    fl_status s = fl_cfg_apply_yaml(&c, y, strlen(y), "r.yaml");
+    expect_both(s, FL_ERR_INVALID, "model_config.n_layer': 'two' is not an integer",
+                "model_config.bias': 'maybe' is not a boolean", "types");
+    FL_CHECKF(strstr(fl_error_message(), "block_sise"), "%s", fl_error_message());
+    /* what fitllm cannot build: two fields that differ from its LLaMA shape */
+    fl_cfg_defaults(&c, FL_CMD_PRETRAIN);
+    snprintf(y, sizeof y, "%s  n_layer: 2\n  bias: true\n  rope_interleave: true\n", good);
+    FL_REQUIRE_OK(fl_cfg_apply_yaml(&c, y, strlen(y), "r.yaml"));
+    expect_both(fl_cfg_model_config(&c, &mc, &have), FL_ERR_UNSUPPORTED, "model_config.bias = true (set bias: false)",
+                "model_config.rope_interleave = true (set rope_interleave: false)", "unbuildable");
+    /* the model's checks: two bad values, a user's values (exit 2) */
+    fl_cfg_defaults(&c, FL_CMD_PRETRAIN);
+    snprintf(y, sizeof y, "%s  bias: false\n  n_layer: 0\n  block_size: 0\n", good);
+    FL_REQUIRE_OK(fl_cfg_apply_yaml(&c, y, strlen(y), "r.yaml"));
+    expect_both(fl_cfg_model_config(&c, &mc, &have), FL_ERR_INVALID, "'num_hidden_layers' must be positive (got 0)",
+                "'max_position_embeddings' must be positive (got 0)", "values");
+    /* a config.json's (fl_config_validate): both, as FL_ERR_FORMAT (a file's contents) */
+    memset(&mc, 0, sizeof mc);
+    mc.arch = FL_ARCH_LLAMA, mc.vocab_size = 512, mc.dim = 60, mc.n_layers = 2, mc.n_heads = 7, mc.max_seq = 64;
+    mc.ffn_dim = 1 << 21;
+    expect_both(fl_config_validate(&mc), FL_ERR_FORMAT, "hidden_size 60 is not divisible by num_attention_heads 7",
+                "'intermediate_size' = 2097152 is beyond any real model", "config.json");
+}
+
 /* ---- every vendored LitGPT recipe ------------------------------------------ */
 
 typedef struct {

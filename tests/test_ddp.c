@@ -28,6 +28,45 @@ static fl_status ddp_rank(fl_comm *c, int rank, void *ud) {
     return s;
 }
 
+/* metrics.csv of a DDP run (rank 0 writes it, a row per iteration, every rank's iterations: iteration i is rank
+ * (i - 1) % world's, a round the world's consecutive rows): each row's iter_time is the micro-batch's time on the
+ * rank that ran it (README "Logs and metrics"), not rank 0's time of the same round repeated on the other ranks'
+ * rows; tok_s is that row's tokens (the total_tokens it adds) over that time. The ranks time their own micro-batches
+ * with a nanosecond clock: every other rank's row equal to its round's rank-0 row to 10 digits is what the repeat
+ * gives and what independent measurements never do. */
+static void check_iter_time_per_rank(const char *out, int world, long rows) {
+    char path[800], line[1024];
+    snprintf(path, sizeof path, "%s/logs/metrics.csv", out);
+    FILE *f = fopen(path, "r");
+    FL_REQUIRE(f != NULL);
+    double time = 0, round0 = 0, prev_total = 0;
+    long n = 0, differ = 0;
+    while (fgets(line, sizeof line, f)) {
+        double col[11];
+        int got = 0;
+        for (char *p = line; got < 11; got++) { /* iter .. tok_s; an empty field is NaN */
+            char *end;
+            col[got] = strtod(p, &end);
+            if (end == p) col[got] = NAN;
+            if (!(p = strchr(end, ','))) break;
+            p++;
+        }
+        if (got < 10 || isnan(col[0]) || isnan(col[3])) continue; /* the header; an evaluation row */
+        n++;
+        FL_CHECKF(col[0] == n, "%s: row %ld is iter %g", path, n, col[0]);
+        time = col[4];
+        const double toks = col[6] - prev_total;
+        prev_total = col[6];
+        FL_CHECKF(time > 0 && fabs(col[10] * time - toks) <= 1e-6 * toks, "%s: iter %ld: iter_time %g, tok_s %g, its "
+                  "tokens %g", path, n, time, col[10], toks);
+        if ((n - 1) % world == 0) round0 = time;
+        else differ += time != round0;
+    }
+    fclose(f);
+    FL_CHECKF(n == rows, "%s: %ld training rows, want %ld", path, n, rows);
+    FL_CHECKF(differ > 0, "%s: every other rank's row repeats its round's rank-0 iter_time", path);
+}
+
 static void scenario(int sc, int world) {
     char out[700];
     ddp_job *j = calloc(1, sizeof *j);
@@ -37,6 +76,7 @@ static void scenario(int sc, int world) {
     long steps = j->cfg.train.max_steps;
     fl_status s = fl_comm_threads_run(world, ddp_rank, j);
     FL_CHECKF(s == FL_OK, "%s at %d ranks: %s", dr_names[sc], world, fl_error_message());
+    if (s == FL_OK) check_iter_time_per_rank(out, world, steps * 2 * world); /* accumulation 2 a rank */
     /* the ranks end with the same bits */
     for (int r = 1; r < world && s == FL_OK; r++)
         FL_CHECKF(j->rec[r].numel == j->rec[0].numel &&

@@ -38,6 +38,19 @@ fl_status fl_errorf(fl_status s, const char *fmt, ...)
 fl_status fl_error_prefix(fl_status s, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
+/* Several refusals in one message (a config with two bad fields names both at once, not one a run):
+ * fl_errlist_add records a clause (the list's status is its first clause's); fl_errlist_fail records the message
+ * "<clause>; <clause>; ..." and returns that status (FL_OK, the message left alone, when nothing was added). Start
+ * from a zeroed list; a text past the buffer is cut, the count kept. */
+typedef struct {
+    char text[2048];
+    size_t len;
+    int n;
+    fl_status first;
+} fl_errlist;
+void fl_errlist_add(fl_errlist *l, fl_status s, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+fl_status fl_errlist_fail(const fl_errlist *l);
+
 /* The last message recorded on this thread ("" if none). */
 const char *fl_error_message(void);
 void fl_error_clear(void);

@@ -35,6 +35,14 @@ int fl_cli_int(const char *cmd, const char *opt, const char *val, long lo, long 
 int fl_cli_float(const char *cmd, const char *opt, const char *val, float *out);
 /* fl_cli_float that must be > 0 and finite (a learning rate) */
 int fl_cli_pos_float(const char *cmd, const char *opt, const char *val, float *out);
+/* --threads N: fl_cli_int in [0, hi], then fl_cli_warn_threads. */
+int fl_cli_threads(const char *cmd, const char *val, long hi, int *out);
+/* threads (--threads / the `threads` key; 0 = the default, all cores) above the CPUs this process may run on: a
+ * warning on stderr, once a process, naming both (the threads take turns on the cores). */
+void fl_cli_warn_threads(const char *cmd, int threads);
+/* The CPUs this process may run on (its affinity mask); *physical: their cores (hardware threads of one core
+ * counted once, as Open MPI counts slots). src/cli/launch.c. */
+int fl_cli_usable_cpus(int *physical);
 /* --accelerator VALUE (auto|cpu|cuda, fitllm/cuda.h): 0 when the command runs on the CPU (auto,
  * cpu); else prints why not (bad value: usage error 2; cuda without a CUDA build, a visible device
  * or a complete CUDA backend: runtime error 1) and returns the exit code. */

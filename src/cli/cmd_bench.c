@@ -116,7 +116,7 @@ static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
         else if (!strcmp(a, "--source-seq")) { if (fl_cli_int(cmd, a, v, 1, 1 << 24, &o->Ts)) return 2; i++; }
         else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &o->steps)) return 2; i++; }
         else if (!strcmp(a, "--warmup")) { if (fl_cli_int(cmd, a, v, 0, 1 << 20, &o->warmup)) return 2; i++; }
-        else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &o->threads)) return 2; i++; }
+        else if (!strcmp(a, "--threads")) { if (fl_cli_threads(cmd, v, 1024, &o->threads)) return 2; i++; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &o->seed)) return 2; i++; }
         else if (!strcmp(a, "--lr")) { if (fl_cli_pos_float(cmd, a, v, &o->lr)) return 2; i++; }

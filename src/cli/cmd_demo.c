@@ -52,7 +52,7 @@ int fl_cmd_demo(int argc, char **argv) {
         else if (!strcmp(a, "--micro-batch")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &B)) return 2; i++; }
         else if (!strcmp(a, "--accum")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &accum)) return 2; i++; }
         else if (!strcmp(a, "--seq")) { if (fl_cli_int(cmd, a, v, 2, 1 << 24, &T)) return 2; i++; }
-        else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
+        else if (!strcmp(a, "--threads")) { if (fl_cli_threads(cmd, v, 1024, &threads)) return 2; i++; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--lr")) { if (fl_cli_pos_float(cmd, a, v, &lr)) return 2; i++; }
         else if (!strcmp(a, "--max-memory")) {

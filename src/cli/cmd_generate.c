@@ -322,7 +322,7 @@ static int parse_opts(int argc, char **argv, const char *cmd, gen_opts *o) {
         else if (opt(a, "--temperature")) { if (fl_cli_float(cmd, a, v, &o->gp.temperature)) return 2; i++; o->temp_given = 1; }
         else if (opt(a, "--top_p")) { if (fl_cli_float(cmd, a, v, &o->gp.top_p)) return 2; i++; }
         else if (opt(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &o->seed)) return 2; i++; }
-        else if (opt(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &o->threads)) return 2; i++; }
+        else if (opt(a, "--threads")) { if (fl_cli_threads(cmd, v, 1024, &o->threads)) return 2; i++; }
         else if (opt(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (a[0] == '-')
             return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--adapter", "--help", "--image", "--max_new_tokens",

@@ -155,7 +155,7 @@ int fl_cmd_lab(int argc, char **argv) {
             if (!v) return fl_cli_usage(cmd, "--out_dir needs a folder");
             out_dir = v;
             i++;
-        } else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &o.threads)) return FL_EXIT_USAGE; i++; }
+        } else if (!strcmp(a, "--threads")) { if (fl_cli_threads(cmd, v, 1024, &o.threads)) return FL_EXIT_USAGE; i++; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 256, &o.steps)) return FL_EXIT_USAGE; i++; }
         else if (!strcmp(a, "--keep-runs")) keep = 1;

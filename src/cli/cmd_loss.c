@@ -91,7 +91,7 @@ int fl_cmd_loss(int argc, char **argv) {
         else if (!strcmp(a, "--target-tokens-file") && i + 1 < argc) target = argv[++i];
         else if (!strcmp(a, "--dump-logits") && i + 1 < argc) dump = argv[++i];
         else if (!strcmp(a, "--image") && i + 1 < argc) image = argv[++i];
-        else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1024, &threads)) return 2; }
+        else if (!strcmp(a, "--threads")) { if (fl_cli_threads(cmd, i + 1 < argc ? argv[++i] : NULL, 1024, &threads)) return 2; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, i + 1 < argc ? argv[++i] : NULL); if (rc) return rc; }
         else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1 << 30, &seed)) return 2; }
         else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--dump-logits", "--help", "--image", "--seed", "--target-tokens-file", "--threads", "--tokens-file", NULL});

@@ -296,7 +296,7 @@ int fl_cmd_merge_lora(int argc, char **argv) {
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
         else if (!strcmp(a, "--base") || !strcmp(a, "--checkpoint_dir")) { if (!v) return fl_cli_usage(cmd, "%s needs a folder", a); base = v; i++; }
         else if (!strcmp(a, "--out_dir")) { if (!v) return fl_cli_usage(cmd, "--out_dir needs a folder"); out = v; i++; }
-        else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
+        else if (!strcmp(a, "--threads")) { if (fl_cli_threads(cmd, v, 1024, &threads)) return 2; i++; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--base", "--checkpoint_dir", "--help", "--out_dir", "--threads", NULL});
         else if (!adapter) adapter = a;

@@ -145,7 +145,7 @@ int fl_cmd_selftest(int argc, char **argv) {
         else if (!strcmp(a, "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(a, "--small")) small = 1;
         else if (!strcmp(a, "--threads")) {
-            if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 4096, &threads)) return FL_EXIT_USAGE;
+            if (fl_cli_threads(cmd, i + 1 < argc ? argv[++i] : NULL, 4096, &threads)) return FL_EXIT_USAGE;
         } else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--backend", "--help", "--only", "--small", "--threads", NULL});
     }
     if (!name) {

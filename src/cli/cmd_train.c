@@ -261,7 +261,9 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     const int blip2 = kind != FL_CMD_PRETRAIN && fl_blip2_is_folder(cfg.checkpoint_dir);
     fl_comm *comm = NULL;
     if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc < 0 ? 0 : rc;
-    if (!blip2 && (!comm || fl_comm_rank(comm) == 0)) fl_cli_note_run_weights(cmd, &cfg); /* the first line */
+    const int rank0 = !comm || fl_comm_rank(comm) == 0;
+    if (!blip2 && rank0) fl_cli_note_run_weights(cmd, &cfg); /* the first line */
+    if (rank0) fl_cli_warn_threads(cmd, cfg.threads);
     if (comm && (rc = fl_cli_check_ranks(cmd, &cfg, comm)) != 0) {
         fl_comm_destroy(comm);
         return rc;

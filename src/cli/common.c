@@ -74,6 +74,23 @@ int fl_cli_int(const char *cmd, const char *opt, const char *val, long lo, long 
     return 0;
 }
 
+void fl_cli_warn_threads(const char *cmd, int threads) {
+    static int warned;
+    int phys, cpus = fl_cli_usable_cpus(&phys);
+    if (threads <= cpus || warned) return;
+    warned = 1;
+    fflush(stdout);
+    fprintf(stderr, "fitllm %s: warning: --threads %d is more than the %d CPU cores this process can run on: the "
+            "threads take turns on them, which slows the run down (more so on a shared machine); give --threads %d "
+            "or fewer (0 or none: all cores)\n", cmd, threads, cpus, cpus);
+}
+
+int fl_cli_threads(const char *cmd, const char *val, long hi, int *out) {
+    if (fl_cli_int(cmd, "--threads", val, 0, hi, out)) return -1;
+    fl_cli_warn_threads(cmd, *out);
+    return 0;
+}
+
 int fl_cli_float(const char *cmd, const char *opt, const char *val, float *out) {
     if (!val) { fl_cli_usage(cmd, "option %s needs a value", opt); return -1; }
     char *end;

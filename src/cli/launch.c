@@ -24,7 +24,7 @@
 
 /* Cores this process may run on, counted as Open MPI counts slots: physical cores (hardware
  * threads of one core share a thread_siblings_list), within our affinity mask. */
-static int usable_cpus(int *physical) {
+int fl_cli_usable_cpus(int *physical) {
     cpu_set_t set;
     int n = 0, phys = 0;
     char seen[256][32];
@@ -189,7 +189,7 @@ static int run_ranks(const char *cmd, const fl_run_config *cfg, const char *mpir
 
 int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char **argv) {
     const int want = cfg->devices * cfg->num_nodes, root = geteuid() == 0;
-    int phys, cpus = usable_cpus(&phys);
+    int phys, cpus = fl_cli_usable_cpus(&phys);
     char exe[FL_CLI_PATH], args[8192];
     self_exe(exe, sizeof exe);
     size_t ao = 0;

@@ -1,5 +1,6 @@
 /* fitllm command-line entry point: dispatches to the subcommands; --version. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
@@ -103,7 +104,14 @@ static int version(void) {
     printf("kernels:  gemm %s, bf16 gemm %s, f16 gemm %s, adam8bit quantizer %s, 16-bit conversions %s, attention "
            "tiles %s\n",
            k.gemm_library, k.bf16_gemm, k.f16_gemm, k.adam8bit, k.convert, k.attention);
-    printf("threads:  %d (default; OMP_NUM_THREADS or --threads where a command has it)\n", k.threads);
+    /* the default's source: OMP_NUM_THREADS as set (OpenMP read it), else the CPUs this process may run on */
+    const char *omp = getenv("OMP_NUM_THREADS");
+    int phys, cpus = fl_cli_usable_cpus(&phys);
+    if (omp && *omp)
+        printf("threads:  %d (OMP_NUM_THREADS=%s; --threads N where a command has it overrides)\n", k.threads, omp);
+    else
+        printf("threads:  %d (OMP_NUM_THREADS unset: the %d CPUs this process may run on; --threads N where a command "
+               "has it)\n", k.threads, cpus);
     printf("backends:");
     for (int i = 0; i < fl_backend_count(); i++) printf("%s %s", i ? "," : "", fl_backend_name(i));
     printf(" (the CLI runs cpu; the op tests run every one)\n");

@@ -117,16 +117,23 @@ static int is_head(const char *key) {
 
 fl_status fl_cfg_apply_entries(fl_run_config *c, const fl_cfg_entries *l, int *failed) {
     if (failed) *failed = -1;
+    fl_errlist fields = {0}; /* pretrain's model_config.* fields: every bad one named at once */
     for (int pass = 0; pass < 2; pass++)
         for (int i = 0; i < l->n; i++) {
             const fl_cfg_entry *e = &l->e[i];
             if (is_head(e->key) != (pass == 0)) continue;
             fl_status s = fl_cfg_set(c, e->name, e->value);
-            if (s != FL_OK) {
-                if (failed) *failed = i;
-                return e->from_cli ? s : fl_error_prefix(s, "%s", e->source);
+            if (s == FL_OK) continue;
+            if (failed && *failed < 0) *failed = i;
+            if (c->command == FL_CMD_PRETRAIN && !strncmp(e->key, "model_config.", 13)) {
+                fl_errlist_add(&fields, s, "%s%s%s", e->from_cli ? "" : e->source, e->from_cli ? "" : ": ",
+                               fl_error_message());
+                continue;
             }
+            if (fields.n) return fl_errlist_fail(&fields);
+            return e->from_cli ? s : fl_error_prefix(s, "%s", e->source);
         }
+    FL_TRY(fl_errlist_fail(&fields));
     return fl_cfg_data_check(c, l, failed); /* each data.* option one of the chosen class's */
 }
 

@@ -177,43 +177,51 @@ static int same(const mfield *f, const char *v, const char *need) {
     return !strcmp(v, need);
 }
 
+/* Every field fitllm cannot build and every bad value, in one message (a field a run made a user fix them one rerun
+ * at a time). */
 static fl_status from_fields(const fl_run_config *c, fl_model_config *mc) {
+    fl_errlist need = {0}, bad = {0};
     for (size_t i = 0; i < N_FIELDS; i++) {
         const mfield *f = &k_fields[i];
         if (!f->need) continue;
         const char *v = get(c, f->name);
         if (!same(f, v, f->need))
-            return fl_errorf(FL_ERR_UNSUPPORTED,
-                             "model_config.%s = %s%s: fitllm builds LLaMA-style models from a model_config "
-                             "(norm_class_name RMSNorm, mlp_class_name LLaMAMLP, rotary_percentage 1.0, "
-                             "parallel_residual false, bias false, ...): set %s: %s, or use a preset (model_name)",
-                             f->name, v ? v : "null",
-                             c->n_model_fields && v == f->def && f->def ? " (litgpt.Config's default)" : "", f->name,
-                             f->need);
+            fl_errlist_add(&need, FL_ERR_UNSUPPORTED, "model_config.%s = %s (%sset %s: %s)", f->name, v ? v : "null",
+                           c->n_model_fields && v == f->def && f->def ? "litgpt.Config's default; " : "", f->name,
+                           f->need);
     }
+    if (need.n) /* what fitllm builds, once after the fields that differ from it */
+        fl_errlist_add(&bad, FL_ERR_UNSUPPORTED, "%s: fitllm builds LLaMA-style models from a model_config "
+                       "(norm_class_name RMSNorm, mlp_class_name LLaMAMLP, rotary_percentage 1.0, parallel_residual "
+                       "false, bias false, ...), or use a preset (model_name)", need.text);
     memset(mc, 0, sizeof *mc);
     mc->arch = FL_ARCH_LLAMA;
     const char *name = get(c, "name");
     if ((!name || !*name) && get(c, "hf_config.name")) name = get(c, "hf_config.name");
     snprintf(mc->name, sizeof mc->name, "%s", name && *name ? name : "model_config");
     long n_embd = geti(c, "n_embd", 0), n_head = geti(c, "n_head", 0);
-    if (n_head <= 0 || n_embd <= 0) return fl_errorf(FL_ERR_INVALID, "model_config: n_embd and n_head must be positive");
     long head_size = geti(c, "head_size", -1);
-    if (head_size < 0) {
-        if (n_embd % n_head)
-            return fl_errorf(FL_ERR_INVALID, "model_config: n_embd %ld is not divisible by n_head %ld (set head_size)",
-                             n_embd, n_head);
+    if (n_head <= 0 || n_embd <= 0)
+        fl_errlist_add(&bad, FL_ERR_INVALID, "model_config: n_embd and n_head must be positive");
+    else if (head_size < 0 && n_embd % n_head)
+        fl_errlist_add(&bad, FL_ERR_INVALID, "model_config: n_embd %ld is not divisible by n_head %ld (set head_size)",
+                       n_embd, n_head);
+    else if (head_size < 0)
         head_size = n_embd / n_head;
-    }
     long vocab = geti(c, "vocab_size", 0), mult = geti(c, "padding_multiple", 512);
     long padded = geti(c, "padded_vocab_size", -1);
-    if (padded < 0) {
-        if (mult <= 0) return fl_errorf(FL_ERR_INVALID, "model_config.padding_multiple must be positive");
+    if (padded < 0 && mult <= 0) fl_errlist_add(&bad, FL_ERR_INVALID, "model_config.padding_multiple must be positive");
+    else if (padded < 0)
         padded = vocab % mult ? vocab + mult - vocab % mult : vocab;
-    }
     long ffn = geti(c, "intermediate_size", -1);
     if (ffn < 0) /* litgpt.Config raises the same */
-        return fl_errorf(FL_ERR_INVALID, "model_config: LLaMAMLP needs intermediate_size");
+        fl_errlist_add(&bad, FL_ERR_INVALID, "model_config: LLaMAMLP needs intermediate_size");
+    if (get(c, "rope_adjustments.factor") &&
+        (!get(c, "rope_adjustments.low_freq_factor") || !get(c, "rope_adjustments.high_freq_factor") ||
+         !get(c, "rope_adjustments.original_max_seq_len")))
+        fl_errlist_add(&bad, FL_ERR_UNSUPPORTED, "model_config.rope_adjustments: fitllm supports Llama 3's form "
+                       "(factor, low_freq_factor, high_freq_factor, original_max_seq_len)");
+    if (bad.n > (need.n > 0)) return fl_errlist_fail(&bad); /* the shape's own fields: no model to check further */
     long groups = geti(c, "n_query_groups", n_head);
     mc->vocab_size = (int)padded;
     mc->dim = (int)n_embd;
@@ -226,10 +234,6 @@ static fl_status from_fields(const fl_run_config *c, fl_model_config *mc) {
     mc->norm_eps = (float)getf(c, "norm_eps", 1e-5);
     mc->rope_theta = (float)getf(c, "rope_base", 10000);
     if (get(c, "rope_adjustments.factor")) { /* Llama 3.1 / 3.2 frequency scaling */
-        if (!get(c, "rope_adjustments.low_freq_factor") || !get(c, "rope_adjustments.high_freq_factor") ||
-            !get(c, "rope_adjustments.original_max_seq_len"))
-            return fl_errorf(FL_ERR_UNSUPPORTED, "model_config.rope_adjustments: fitllm supports Llama 3's form "
-                             "(factor, low_freq_factor, high_freq_factor, original_max_seq_len)");
         mc->rope_scaling.type = FL_ROPE_LLAMA3;
         mc->rope_scaling.factor = (float)getf(c, "rope_adjustments.factor", 1);
         mc->rope_scaling.low_freq_factor = (float)getf(c, "rope_adjustments.low_freq_factor", 1);
@@ -238,9 +242,9 @@ static fl_status from_fields(const fl_run_config *c, fl_model_config *mc) {
     }
     /* LitGPT's GPT has a separate lm_head; pretrain ties it when train.tie_embeddings */
     mc->tie_embeddings = c->train.tie_embeddings == 1;
-    fl_status s = fl_config_validate(mc);
-    if (s != FL_OK) return fl_error_prefix(s, "model_config");
-    return FL_OK;
+    /* the model's own checks (a value in a recipe or a model_config.yaml: a bad value, exit 2) */
+    if (fl_config_validate(mc) != FL_OK) fl_errlist_add(&bad, FL_ERR_INVALID, "model_config: %s", fl_error_message());
+    return fl_errlist_fail(&bad);
 }
 
 fl_status fl_cfg_model_config(const fl_run_config *c, fl_model_config *mc, int *have) {

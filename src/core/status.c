@@ -30,6 +30,20 @@ fl_status fl_error_prefix(fl_status s, const char *fmt, ...) {
     return s;
 }
 
+void fl_errlist_add(fl_errlist *l, fl_status s, const char *fmt, ...) {
+    if (!l->n++) l->first = s;
+    if (l->len + 1 >= sizeof l->text) return;
+    if (l->n > 1) l->len += (size_t)snprintf(l->text + l->len, sizeof l->text - l->len, "; ");
+    if (l->len + 1 >= sizeof l->text) { l->len = sizeof l->text - 1; return; }
+    va_list ap;
+    va_start(ap, fmt);
+    int w = vsnprintf(l->text + l->len, sizeof l->text - l->len, fmt, ap);
+    va_end(ap);
+    l->len = w < 0 ? l->len : l->len + (size_t)w < sizeof l->text ? l->len + (size_t)w : sizeof l->text - 1;
+}
+
+fl_status fl_errlist_fail(const fl_errlist *l) { return l->n ? fl_errorf(l->first, "%s", l->text) : FL_OK; }
+
 const char *fl_error_message(void) { return g_msg; }
 void fl_error_clear(void) { g_msg[0] = '\0'; }
 

@@ -7,43 +7,44 @@
 
 #include "fitllm/model.h"
 
+/* Every bad field is named, in one message (FL_ERR_FORMAT's, "model config: a; b"): the independent checks all run,
+ * those that need a field checked before it (the head split needs hidden_size and the heads) when that one passed. */
 fl_status fl_config_validate(fl_model_config *c) {
-#define NEED_POS(field, key)                                                                        \
-    if (c->field <= 0) return fl_errorf(FL_ERR_FORMAT, "model config: '%s' must be positive (got %d)", key, c->field)
+    fl_errlist bad = {0};
+#define NEED_POS(field, key) \
+    if (c->field <= 0) fl_errlist_add(&bad, FL_ERR_FORMAT, "'%s' must be positive (got %d)", key, c->field)
     if (c->arch < 0 || c->arch >= FL_ARCH_COUNT) return fl_errorf(FL_ERR_UNSUPPORTED, "model config: unknown architecture %d", (int)c->arch);
     NEED_POS(vocab_size, "vocab_size");
     NEED_POS(dim, "hidden_size");
     if (c->pp_enc <= 0 || c->n_layers < 0) NEED_POS(n_layers, "num_hidden_layers"); /* an encoder-decoder's pipeline
                                                                                         * stage may hold decoder blocks only */
     NEED_POS(n_heads, "num_attention_heads");
-    if (c->n_kv_heads <= 0) c->n_kv_heads = c->n_heads;
-    if (c->head_dim <= 0) {
-        if (c->dim % c->n_heads)
-            return fl_errorf(FL_ERR_FORMAT, "model config: hidden_size %d is not divisible by num_attention_heads %d",
-                             c->dim, c->n_heads);
-        c->head_dim = c->dim / c->n_heads;
-    }
-    if (c->n_heads % c->n_kv_heads)
-        return fl_errorf(FL_ERR_FORMAT,
-                         "model config: num_attention_heads %d is not a multiple of num_key_value_heads %d",
-                         c->n_heads, c->n_kv_heads);
     const fl_arch_info *ai = fl_arch_get(c->arch);
-    if (c->head_dim % 2 && ai->rope)
-        return fl_errorf(FL_ERR_FORMAT, "model config: head_dim %d must be even for RoPE", c->head_dim);
+    if (c->n_heads > 0) {
+        if (c->n_kv_heads <= 0) c->n_kv_heads = c->n_heads;
+        if (c->head_dim <= 0 && c->dim > 0 && c->dim % c->n_heads)
+            fl_errlist_add(&bad, FL_ERR_FORMAT, "hidden_size %d is not divisible by num_attention_heads %d", c->dim,
+                           c->n_heads);
+        else if (c->head_dim <= 0 && c->dim > 0)
+            c->head_dim = c->dim / c->n_heads;
+        if (c->n_heads % c->n_kv_heads)
+            fl_errlist_add(&bad, FL_ERR_FORMAT, "num_attention_heads %d is not a multiple of num_key_value_heads %d",
+                           c->n_heads, c->n_kv_heads);
+        if (c->head_dim > 0 && c->head_dim % 2 && ai->rope)
+            fl_errlist_add(&bad, FL_ERR_FORMAT, "head_dim %d must be even for RoPE", c->head_dim);
+    }
     if (c->ffn_dim <= 0) c->ffn_dim = ai->ffn_mult * c->dim;
-    NEED_POS(ffn_dim, "intermediate_size");
+    if (c->dim > 0) NEED_POS(ffn_dim, "intermediate_size");
     NEED_POS(max_seq, "max_position_embeddings");
     if (!(c->norm_eps > 0)) c->norm_eps = 1e-5f;
     if (ai->rope && !(c->rope_theta > 0)) c->rope_theta = 10000.0f;
-    if (ai->check) FL_TRY(ai->check(c));
     if (c->rope_scaling.type != FL_ROPE_NONE && !(c->rope_scaling.factor > 0))
-        return fl_errorf(FL_ERR_FORMAT, "model config: rope_scaling.factor must be positive");
+        fl_errlist_add(&bad, FL_ERR_FORMAT, "rope_scaling.factor must be positive");
     /* sanity limits, far above any real model (405B: 126 layers, 16384 wide, 53248 MLP, 128256
      * tokens): past them a config is corrupt, and building its layout would run for minutes */
-#define LIMIT(field, key, max)                                                                               \
-    if (c->field > (max))                                                                                     \
-        return fl_errorf(FL_ERR_FORMAT, "model config: '%s' = %d is beyond any real model (at most %d here)", key, \
-                         c->field, (max))
+#define LIMIT(field, key, max) \
+    if (c->field > (max)) \
+        fl_errlist_add(&bad, FL_ERR_FORMAT, "'%s' = %d is beyond any real model (at most %d here)", key, c->field, (max))
     LIMIT(n_layers, "num_hidden_layers", 1 << 14);
     LIMIT(dim, "hidden_size", 1 << 18);
     LIMIT(ffn_dim, "intermediate_size", 1 << 20);
@@ -52,8 +53,10 @@ fl_status fl_config_validate(fl_model_config *c) {
     LIMIT(vocab_size, "vocab_size", 1 << 24);
     LIMIT(max_seq, "max_position_embeddings", 1 << 26);
 #undef LIMIT
-    return FL_OK;
 #undef NEED_POS
+    if (bad.n) return fl_error_prefix(fl_errlist_fail(&bad), "model config");
+    if (ai->check) FL_TRY(ai->check(c));
+    return FL_OK;
 }
 
 struct fl_layout_builder {

@@ -60,9 +60,10 @@ typedef struct {
     fl_micro_batch *mbs;        /* (accum) this rank's micro-batches of the step */
     long *mb_epoch;             /* (G) epoch each global micro-batch of the step was drawn from */
     long long *mb_tokens;       /* (G) padded tokens of each global micro-batch */
-    double *mb_stats;           /* (2 G) loss sum and valid targets of each global micro-batch, rank-major */
-    double *mb_ms;              /* (accum) wall ms of this rank's micro-batches */
+    double *mb_stats;           /* (3 G) rank-major, FL_TR_MB_SLOTS x accum a rank: its micro-batches' (loss sum, valid
+                                 * targets) pairs, then their wall ms; gathered after each step (the metrics' iter_time) */
 } trainer_bufs;
+#define FL_TR_MB_SLOTS 3 /* doubles a micro-batch in trainer_bufs.mb_stats */
 
 /* The shape of a step and the schedule. */
 typedef struct {
@@ -108,6 +109,8 @@ typedef struct {
 
 typedef struct {
     const fl_run_config *cfg;
+    fl_run_config *saved_cfg;   /* what checkpoints record (hyperparameters.yaml): cfg with `init` what the model's
+                                 * load did (random: no weights read), set by fl_tr_load_model; fl_tr_saved_cfg */
     FILE *out;
     int bar;
     char notes[1024];           /* user settings the run could not take as given, one "note: ..." line each */
@@ -126,6 +129,9 @@ typedef struct {
     fl_train_state st;
     fl_fault_fn (*fault_at)(int rank, long step); /* fitllm/fault.h's query when a test armed a fault, else NULL */
 } trainer;
+
+/* The configuration a checkpoint's hyperparameters.yaml records (trainer.saved_cfg, else cfg). */
+static inline const fl_run_config *fl_tr_saved_cfg(const trainer *t) { return t->saved_cfg ? t->saved_cfg : t->cfg; }
 
 static inline double fl_tr_now_s(void) {
     struct timespec ts;

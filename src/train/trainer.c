@@ -20,15 +20,17 @@
 /* One optimizer step over this rank's fetched micro-batches t->buf.mbs (fl_step_run, the step
  * bench-step times): iter0: global micro-batches before this step; step_valid: the valid targets
  * of the whole step (0: nothing to learn, no update). (loss sum, valid) per micro-batch go to this
- * rank's slots of t->buf.mb_stats. A diverged micro-batch or update is said with its step and iteration. */
+ * rank's slots of t->buf.mb_stats, their wall ms after them. A diverged micro-batch or update is said with its step
+ * and iteration. */
 static fl_step_ctx step_ctx(trainer *t, long iter0, long step_valid, float lr) {
     const fl_run_config *cfg = t->cfg;
     const int grid_rank = t->tp.world ? fl_comm_rank(t->tp.world) : t->dp.rank; /* a test's fault (fitllm/fault.h) */
+    double *mine = t->buf.mb_stats + (size_t)t->dp.rank * FL_TR_MB_SLOTS * t->sch.accum;
     return (fl_step_ctx){.fault = t->fault_at ? t->fault_at(grid_rank, t->st.step + 1) : NULL,
                          .mbs = t->buf.mbs, .n_micro = t->sch.accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
                          .max_norm = cfg->train.max_norm, .dp = &t->dp, .sync = &t->dp.sync, .seeded = 1,
                          .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
-                         .mb_stats = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum, .mb_ms = t->buf.mb_ms};
+                         .mb_stats = mine, .mb_ms = mine + 2 * t->sch.accum};
 }
 
 /* The global iteration (1-based) a failed step failed at, so the caller (the loop, the rehearsal) can report a
@@ -384,16 +386,16 @@ static fl_status fetch_step(trainer *t, long *step_valid) {
 static fl_status log_iterations(trainer *t, run_loop *L, float lr, long long tokens0, unsigned long long sent0,
                                 double *step_loss) {
     const fl_run_config *cfg = t->cfg;
-    double *mine = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum; /* (loss sum, valid) per k */
-    /* every rank's (loss sum, valid) per micro-batch, for the log and the step loss */
-    FL_TRY(fl_dp_gather(&t->dp, mine, 2 * t->sch.accum, t->buf.mb_stats));
+    const int slots = FL_TR_MB_SLOTS * t->sch.accum; /* a rank's (loss sum, valid) per k, then its ms per k */
+    /* every rank's (loss sum, valid) and wall ms per micro-batch, for the log, the step loss and each row's iter_time */
+    FL_TRY(fl_dp_gather(&t->dp, t->buf.mb_stats + (size_t)t->dp.rank * slots, slots, t->buf.mb_stats));
     const double step_sent = (double)(fl_dp_sent(&t->dp) - sent0);
     if (t->dp.world > 1) L->r.comm_sent_last_step = (unsigned long long)step_sent;
     int timed_k = -1; /* the round whose time a printed line has shown */
     *step_loss = 0;
     for (int j = 0; j < t->sch.G; j++) {
         int k = j / t->dp.world;
-        const double *st = t->buf.mb_stats + ((size_t)(j % t->dp.world) * t->sch.accum + k) * 2;
+        const double *rk = t->buf.mb_stats + (size_t)(j % t->dp.world) * slots, *st = rk + 2 * k;
         double ls_k = st[0];
         long nv_k = (long)st[1];
         int last = j == t->sch.G - 1;
@@ -410,15 +412,15 @@ static fl_status log_iterations(trainer *t, run_loop *L, float lr, long long tok
         for (long q = 0; q < cnt; q++) run += win[q];
         run = cnt ? run / cnt : NAN;
         L->r.last_loss = run;
-        double it_time = t->buf.mb_ms[k] / 1e3; /* rank 0's micro-batch of the same round */
+        double it_time = rk[2 * t->sch.accum + k] / 1e3; /* the micro-batch on the rank that ran it */
         if (t->st.iter % cfg->train.log_interval) continue;
         long step_now = t->st.step + (last ? 1 : 0);
         char vbuf[32];
         if (isnan(L->val_loss)) snprintf(vbuf, sizeof vbuf, "n/a");
         else snprintf(vbuf, sizeof vbuf, "%.3f", L->val_loss);
         fl_tr_bar_clear(t);
-        /* several ranks: the iterations of one round ran at once, one per rank, and took
-         * rank 0's time: printed once, on the round's first printed line */
+        /* several ranks: the iterations of one round ran at once, one per rank: the time printed once, on the round's
+         * first printed line (that rank's; each iteration's row in metrics.csv holds its own rank's) */
         char tbuf[64];
         if (timed_k != k) snprintf(tbuf, sizeof tbuf, "iter time: %.2f ms", it_time * 1e3);
         else snprintf(tbuf, sizeof tbuf, "rank %d's micro-batch, in parallel with iter %ld", j % t->dp.world,
@@ -608,7 +610,7 @@ static fl_status finish(trainer *t, run_loop *L) {
     else if (t->pp.size > 1) FL_TRY(fl_tr_pp_save(t, L->lead, "final", t->model.lora ? NULL : &t->opt,
                                                   t->model.lora ? NULL : &t->st));
     else FL_TRY(fl_dp_ckpt_save(&t->dp, L->lead, cfg->out_dir, "final", &t->model, t->model.lora ? NULL : &t->opt,
-                                t->model.lora ? NULL : &t->st, cfg, t->in.tok_dir[0] ? t->in.tok_dir : NULL));
+                                t->model.lora ? NULL : &t->st, fl_tr_saved_cfg(t), t->in.tok_dir[0] ? t->in.tok_dir : NULL));
     snprintf(r->final_dir, sizeof r->final_dir, "%s/final", cfg->out_dir);
     /* fl_ckpt_save wrote final/adapter (the PEFT adapter) with final/ */
     if (t->model.lora && L->lead && t->out) fprintf(t->out, "Saved the PEFT adapter to '%s/adapter'\n", r->final_dir);

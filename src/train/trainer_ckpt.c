@@ -59,7 +59,7 @@ fl_status fl_tr_save_step(trainer *t, int lead, int rotate) {
     if (lead) FL_TRY(fl_tr_save_base(t, 0, 0)); /* LoRA on random weights: the base its adapters name, once */
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_save(t, lead, name, &t->opt, &t->st)); /* gathered from the slices */
     else if (t->pp.size > 1) FL_TRY(fl_tr_pp_save(t, lead, name, &t->opt, &t->st)); /* from the stages */
-    else FL_TRY(fl_dp_ckpt_save(&t->dp, lead, cfg->out_dir, name, &t->model, &t->opt, &t->st, cfg,
+    else FL_TRY(fl_dp_ckpt_save(&t->dp, lead, cfg->out_dir, name, &t->model, &t->opt, &t->st, fl_tr_saved_cfg(t),
                                 t->in.tok_dir[0] ? t->in.tok_dir : NULL));
     if (lead && rotate) fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
     return FL_OK;

@@ -138,14 +138,32 @@ void fl_tr_mem_values(const fl_mem_pool *p, fl_metrics_values *v) {
     v->comm_sent = NAN;
 }
 
+/* Where the header's model came from, in words ("" when nothing names it): a fine-tuning run's checkpoint_dir; a
+ * pretrain run's shape (fl_cfg_model_config's order: model_config fields, a config.json, model_name) and the
+ * initial_checkpoint_dir its weights start from. */
+static void model_source(const fl_run_config *cfg, char *buf, size_t n) {
+    const char *ck = cfg->checkpoint_dir;
+    if (cfg->command != FL_CMD_PRETRAIN || (!cfg->n_model_fields && !cfg->model_config[0] && !cfg->model_name[0])) {
+        snprintf(buf, n, "%s", ck);
+        return;
+    }
+    size_t o = 0;
+    if (cfg->n_model_fields)
+        o = (size_t)snprintf(buf, n, "model_config: %d field%s set, the rest litgpt.Config's defaults",
+                             cfg->n_model_fields, cfg->n_model_fields == 1 ? "" : "s");
+    else o = (size_t)snprintf(buf, n, "%s", cfg->model_config[0] ? cfg->model_config : cfg->model_name);
+    if (ck[0] && o < n) snprintf(buf + o, n - o, "; weights from %s", ck);
+}
+
 /* The run's header: model, data, precision, batch and schedule, the notes, data parallelism. */
 void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, const fl_strategy_choice *sc) {
     const fl_run_config *cfg = t->cfg;
     if (!t->out) return;
-    fprintf(t->out, "model: %s, %zu parameters (%s); tokenizer: %s%s%s%s\n", t->model.cfg.name[0] ? t->model.cfg.name : "?",
+    char src[2 * FL_CFG_PATH + 96];
+    model_source(cfg, src, sizeof src);
+    fprintf(t->out, "model: %s, %zu parameters%s%s%s; tokenizer: %s%s%s%s\n", t->model.cfg.name[0] ? t->model.cfg.name : "?",
             t->tp.size > 1 ? t->tp.whole_numel : t->pp.size > 1 ? t->pp.whole_numel : t->model.layout.numel,
-            cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
-            fl_tok_kind(t->in.tok), t->in.tok_dir[0] ? " from '" : " (built in: no tokenizer files with the model; "
+            src[0] ? " (" : "", src, src[0] ? ")" : "", fl_tok_kind(t->in.tok), t->in.tok_dir[0] ? " from '" : " (built in: no tokenizer files with the model; "
             "--tokenizer_dir gives one", t->in.tok_dir[0] ? t->in.tok_dir : "", t->in.tok_dir[0] ? "'" : ")");
     if (t->in.s2s) {
         const fl_s2s_stats *ss = fl_s2s_get_stats(t->in.s2s);

@@ -554,7 +554,8 @@ fl_status fl_tr_pp_save_stage_v(trainer *t, int lead, const char *name, const fl
         w.o.amp = o->amp;
     }
     if (s == FL_OK && lead)
-        s = fl_ckpt_save(t->cfg->out_dir, name, &w.m, o ? &w.o : NULL, st, t->cfg, t->in.tok_dir[0] ? t->in.tok_dir : NULL);
+        s = fl_ckpt_save(t->cfg->out_dir, name, &w.m, o ? &w.o : NULL, st, fl_tr_saved_cfg(t),
+                         t->in.tok_dir[0] ? t->in.tok_dir : NULL);
     fl_tr_whole_free(&w);
     return s;
 }

@@ -218,6 +218,12 @@ fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m
                          c->command == FL_CMD_PRETRAIN ? ", model_name or model_config" : "");
     }
     if (have_weights && ck == c->checkpoint_dir) t->in.weights_loaded = 1; /* not a random base read back */
+    /* hyperparameters.yaml's init: what happened (a from-scratch pretrain, a preset, a folder without weights, a
+     * random base read back from base/: random weights; LitGPT's pretrain starts from random weights unless
+     * initial_checkpoint_dir), not what was asked */
+    if (!t->saved_cfg && !(t->saved_cfg = malloc(sizeof *t->saved_cfg))) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    *t->saved_cfg = *c;
+    t->saved_cfg->init_random = !have_weights || ck != c->checkpoint_dir;
     if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != m->cfg.tie_embeddings)
         return fl_errorf(FL_ERR_UNSUPPORTED, "train.tie_embeddings=%d differs from the model's tie_word_embeddings=%d",
                          c->train.tie_embeddings, m->cfg.tie_embeddings);
@@ -673,9 +679,8 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
     t->buf.mbs = calloc((size_t)t->sch.accum, sizeof *t->buf.mbs);
     t->buf.mb_epoch = calloc((size_t)t->sch.G, sizeof *t->buf.mb_epoch);
     t->buf.mb_tokens = calloc((size_t)t->sch.G, sizeof *t->buf.mb_tokens);
-    t->buf.mb_stats = calloc((size_t)t->sch.G * 2, sizeof *t->buf.mb_stats);
-    t->buf.mb_ms = calloc((size_t)t->sch.accum, sizeof *t->buf.mb_ms);
-    if (!t->buf.mbs || !t->buf.mb_epoch || !t->buf.mb_tokens || !t->buf.mb_stats || !t->buf.mb_ms)
+    t->buf.mb_stats = calloc((size_t)t->sch.G * FL_TR_MB_SLOTS, sizeof *t->buf.mb_stats);
+    if (!t->buf.mbs || !t->buf.mb_epoch || !t->buf.mb_tokens || !t->buf.mb_stats)
         return fl_errorf(FL_ERR_OOM, "out of host memory");
     return FL_OK;
 }
@@ -694,7 +699,8 @@ void fl_tr_cleanup(trainer *t) {
     free(t->buf.mb_epoch);
     free(t->buf.mb_tokens);
     free(t->buf.mb_stats);
-    free(t->buf.mb_ms);
+    free(t->saved_cfg);
+    t->saved_cfg = NULL;
     fl_dp_done(&t->dp);
     fl_loader_free(t->in.train);
     fl_loader_free(t->in.val);

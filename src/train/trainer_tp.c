@@ -477,7 +477,8 @@ static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimi
         fl_model_set_stage(&w.m, t->pp.stage > 0, t->pp.stage < t->pp.size * V - 1);
         s = fl_tr_pp_save_stage_v(t, lead, name, &w.m, o ? &w.o : NULL, xm, xo, st);
     } else if (t->dp.rank == 0 && s == FL_OK && lead)
-        s = fl_ckpt_save(c->out_dir, name, &w.m, o ? &w.o : NULL, st, c, t->in.tok_dir[0] ? t->in.tok_dir : NULL);
+        s = fl_ckpt_save(c->out_dir, name, &w.m, o ? &w.o : NULL, st, fl_tr_saved_cfg(t),
+                         t->in.tok_dir[0] ? t->in.tok_dir : NULL);
     for (int ch = 1; ch < V; ch++) whole_free(&wc[ch]);
     whole_free(&w);
     return s;
