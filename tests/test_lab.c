@@ -287,6 +287,42 @@ FL_TEST(lab_fsdp_sweep_stops) {
     fl_lab_report_free(&rep);
 }
 
+/* The fsdp suite's "as in the lab" is the course's verdict where its table has the row (16-mixed micro 8: fits at
+ * 14992 MB; micro 9: OOM), "-" where it has none (32-true): fitllm fits micro 9 (its largest, marked) where the course
+ * ran out of memory, so the column says NO and the note says why, with the real-scale plan (it said "yes" beside the
+ * course's OOM, the reference being fitllm's own plan). Plans only: milliseconds. */
+FL_TEST(lab_fsdp_as_in_the_lab_is_the_course) {
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "fsdp", o.plan_only = 1, o.only = "b9,amp-b8,amp-b9";
+    fl_lab_report rep;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+    const fl_lab_row *b9 = row(&rep, "b9"), *a8 = row(&rep, "amp-b8"), *a9 = row(&rep, "amp-b9");
+    FL_REQUIRE(b9 && a8 && a9);
+    FL_CHECK(b9->expected == FL_LAB_NA && !b9->course_why[0]);
+    FL_CHECK(a8->expected == FL_LAB_FITS && a8->verdict == FL_LAB_FITS && !a8->course_why[0]);
+    FL_CHECKF(a9->expected == FL_LAB_OOM && a9->verdict == FL_LAB_FITS && a9->largest && a9->ref_planned == FL_PLAN_FITS,
+              "amp-b9: expected %s, verdict %s", fl_lab_verdict_name(a9->expected), fl_lab_verdict_name(a9->verdict));
+    FL_CHECKF(strstr(a9->course_why, "the course ran out of memory at micro batch 9") &&
+                  strstr(a9->course_why, "largest fitting micro batch: 8") && strstr(a9->course_why, "fitllm fits"),
+              "%s", a9->course_why);
+    char dir[600], p[700];
+    snprintf(dir, sizeof dir, "%s/lab-fsdp-course", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_lab_write(&rep, dir, NULL));
+    snprintf(p, sizeof p, "%s/results.csv", dir);
+    size_t n;
+    char *csv = fl_test_slurp(p, &n);
+    FL_REQUIRE(csv);
+    static const char *const want[3][2] = {{"\nb9,", ",fits,n/a,-,"}, {"\namp-b8,", ",fits,fits,yes,"},
+                                           {"\namp-b9,", ",fits,OOM,NO,"}};
+    for (int i = 0; i < 3; i++) { /* verdict, lab_verdict, matches_lab on the row's line */
+        const char *l = strstr(csv, want[i][0]), *e = l ? strchr(l + 1, '\n') : NULL, *m = l ? strstr(l, want[i][1]) : NULL;
+        FL_CHECKF(m && (!e || m < e), "%s: %s", want[i][0] + 1, csv);
+    }
+    free(csv);
+    fl_lab_report_free(&rep);
+}
+
 /* A row the plan says OOM is decided by that plan (ran 0: no trainer, no model memory touched; at the real scale
  * this skips the model's load and random init), and the verdict is the one the run reaches: with run_oom the same
  * rows train until the allocator refuses the same allocation (tag, bytes requested, bytes in use, phase). */

@@ -55,6 +55,8 @@ int fl_lab_stop_polled(const fl_lab_opts *o, fl_lab_report *rep);
 /* lab_sweep.c: the fsdp suite's tables, chart data and script; a row's setting (2 x 16-bit + checkpointing) */
 int fl_lab_sweep_group(const fl_lab_row *r);
 void fl_lab_sweep_print(const fl_lab_report *rep, FILE *f);
+/* the row's "as in the lab": the course's verdict where it ran the row, else none (FL_LAB_NA); why they differ */
+void fl_lab_sweep_course_verdict(const fl_lab_report *rep, fl_lab_row *r);
 void fl_lab_sweep_md(FILE *f, const fl_lab_report *rep, int charts);
 int fl_lab_sweep_data(const fl_lab_report *rep, FILE *f, int idx[4], int fit[4]);
 void fl_lab_sweep_script(const fl_lab_report *rep, FILE *f, const int idx[4], const int fit[4]);

@@ -818,8 +818,8 @@ static fl_status lab_rows(const fl_lab_opts *o, FILE *out, fl_lab_report *rep, i
             rep->n--;
             break;
         }
-        if (bit == SUITE_FSDP) { /* the sweep's reference is the plan: planned == measured */
-            r->expected = r->planned == FL_PLAN_OOM ? FL_LAB_OOM : FL_LAB_FITS;
+        if (bit == SUITE_FSDP) { /* "as in the lab": the course's verdict where its table has the row */
+            fl_lab_sweep_course_verdict(rep, r);
             snprintf(r->lab_step, sizeof r->lab_step, "%s 4x FSDP, %s, micro batch %d, act ckpt %s",
                      rep->sweep_model, r->precision, r->B, r->act_ckpt ? "on" : "off");
             if (r->planned != FL_PLAN_FITS) stopped = 1;

@@ -21,6 +21,7 @@
 static const char *match(const fl_lab_row *r) {
     if (r->verdict == FL_LAB_NA) return "n/a";
     if (r->verdict == FL_LAB_ERROR) return "error";
+    if (r->expected == FL_LAB_NA) return "-"; /* the fsdp suite: a row the course's table does not have */
     return r->verdict == r->expected ? "yes" : "NO";
 }
 
@@ -775,6 +776,8 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
                "rows with different samples per step compare per sample; \"extra time per sample\" names the work "
                "the row does beyond fp32 AdamW on %s (its technique on this CPU, a larger model).\n\n",
             rep->blip2 ? "OOM for the baseline and Flan-T5-XXL with AdamW, fits otherwise"
+            : rep->sweep ? "the course's benchmark table: OOM where it has no memory figure, fits where it has one; "
+                           "\"-\": a row its table does not have (32-true, batches it did not run)"
                        : "OOM for baseline and the largest model, fits otherwise",
             rep->blip2 ? "the BLIP-2 OPT-2.7B model" : "lab-1b");
     int notes = 0;
