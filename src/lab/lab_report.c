@@ -696,8 +696,9 @@ static void md_scaling(FILE *f, const fl_lab_report *rep) {
                    "Every row ran the lab's real model (tinyllama-1.1b, open-llama-3b, open-llama-7b; random init) at the "
                    "course's settings: Synthetic samples whose lengths are drawn from `%s` (Alpaca's measured lengths: "
                    "median %d, p95 %d, max %d tokens; `data.lengths`, deterministic per seed), cut to max_seq_length %d, "
-                   "no packing, each micro batch padded to its longest sample (LitGPT's SFT collate). A row's T (the "
-                   "`seq_len` column of results.csv) is its longest drawn sample - 1, which sizes the activations; the "
+                   "no packing, each micro batch padded to its longest sample (LitGPT's SFT collate). Every row "
+                   "draws from one sample set (the most samples any row reads), so every row's T (the `seq_len` column "
+                   "of results.csv) is the comparison's longest drawn sample - 1, which sizes the activations; the "
                    "plan draws the same lengths, so `planned` is the run's peak. tok/s counts the samples' own tokens "
                    "(their mean length - 1), not padding. Budget %s per device (the lab's 80 GB GPU), on the backend "
                    "named in the run (`--accelerator`). The data-parallel rows are n/a: their 4 ranks need 4 devices "
@@ -856,7 +857,7 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
     if (rep->sweep) fl_lab_sweep_md(f, rep, charts);
     md_phases(f, rep, charts);
     if (rep->lengths[0])
-        fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, lengths drawn from `%s`: each row's T in "
+        fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, lengths drawn from `%s`: one T for every row, in "
                    "results.csv)\n\n| experiment | model | plan | planned peak |\n|---|---|---|---|\n", rep->lengths);
     else
         fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "
