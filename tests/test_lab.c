@@ -1254,3 +1254,14 @@ FL_TEST(lab_time_notes_only_for_slower_rows) {
     FL_CHECKF(!strcmp(rows[0].time_note, "note 0") && !rows[1].time_note[0] && !strcmp(rows[2].time_note, "note 2"),
               "notes: '%s' '%s' '%s'", rows[0].time_note, rows[1].time_note, rows[2].time_note);
 }
+
+/* --peer pytorch's "why fitllm differs" names the category that explains most of the difference in its direction:
+ * fitllm + 0.75 GB is mostly its weights (+7.49), never the rest where fitllm holds 10.66 GB less (the blip2 suite's
+ * "+0.75 GB, most of it the rest (-10.66 GB)"), and - 0.48 GB its rest (-1.20), not its gradients (+1.56, the fsdp
+ * suite's); with no category of the difference's sign, the largest in size. */
+FL_TEST(lab_peer_why_names_a_category_of_the_differences_sign) {
+    const double up[5] = {7.49, 0.5, 0, -2.0, -10.66}, down[5] = {0, 1.56, 0, -0.3, -1.2}, none[5] = {0.1, 0.4, 0, 0, 0.2};
+    FL_CHECK(fl_lab_peer_why_category(up, 0.75) == 0);
+    FL_CHECK(fl_lab_peer_why_category(down, -0.48) == 4);
+    FL_CHECK(fl_lab_peer_why_category(none, -0.2) == 1);
+}

@@ -77,6 +77,9 @@ void fl_lab_peer_rows_md(FILE *f, const fl_lab_report *rep);
 void fl_lab_peer_json(FILE *f, const fl_lab_peer *q);
 /* why fitllm's plan of r differs from PyTorch's figure, in GB by category ("" when fitllm has no real-scale plan) */
 void fl_lab_peer_why(const fl_lab_report *rep, const fl_lab_row *r, char *b, size_t n);
+/* the category (weights, gradients, optimizer state, activations, the rest: d[i] = fitllm - PyTorch) the "why" names
+ * for a difference total: the largest with total's sign */
+int fl_lab_peer_why_category(const double d[5], double total);
 /* real scale: where the row's plan p differs from the course (its verdict e->expected; its memory reading), why */
 void fl_lab_row_course_diff(const lab_exp *e, const fl_plan *p, fl_lab_row *r);
 /* lab_gpu.c: GPU utilization and memory through NVML (fitllm/gpu_monitor.h) */
