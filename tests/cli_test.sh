@@ -799,6 +799,12 @@ expect plan_suggest_grid_cpu_host_tier 0 " 4 +1 +2 +deepspeed_stage_2_offload +3
     --train.global_batch_size 16 --train.max_seq_length 33 --host-memory 24MiB
 expect plan_suggest_grid_host_replaces_device 0 "note: --host-memory 24\.00 MiB replaces --device-memory 3\.00 MiB: a CPU rank's memory is the host's RAM \(3\.00 MiB for each of 8 rank" -- \
     "$FITLLM" plan --suggest "${GRID[@]}" --host-memory 24MiB --device-memory 3MiB
+# the largest micro batch searched from the global batch down: said when that cap binds (a larger one might fit)
+expect plan_largest_micro_capped 0 "largest micro_batch_size that fits: 4 \(accumulation 1 for global batch 4; capped at the global batch 4\)" -- \
+    "$FITLLM" plan micro --device-memory 1GB --train.global_batch_size 4 --train.micro_batch_size 1 --train.max_seq_length 33
+# a CPU run: its host tier is its device's RAM, so offloading the optimizer there frees nothing (said); the disk does
+expect plan_cpu_offload_on_cpu 3 "cpu_offload +not with this run: on a CPU the device is the host's RAM.*nvme_offload +does not fit: the optimizer state \(OPTIM 1\.98 MiB\) in files on a disk" -- \
+    bash -c "'$FITLLM' plan micro --device-memory 3MiB --train.global_batch_size 4 --train.micro_batch_size 1 --train.max_seq_length 33 | tr '\n' ' '; exit \${PIPESTATUS[0]}"
 expect plan_suggest_grid_no_memory 2 "each rank's memory is needed \(--device-memory SIZE" -- "$FITLLM" plan --suggest "${GRID[@]}"
 # the lab's grid rows (full suite): lab-7b, which no single 298 MiB device holds, split by TP 2 and PP 2; each rank's
 # measured peak equals its plan (PP: the largest stage's)

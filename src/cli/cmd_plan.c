@@ -300,7 +300,8 @@ void fl_cli_oom_advice(const fl_run_config *cfg, const fl_mem_oom *oom, FILE *f)
     fprintf(f, "planned peak of this run: %s (fitllm plan with the same arguments shows the table)\n",
             fl_fmt_bytes(p->peak_total, a, sizeof a));
     if (p->max_micro_batch_size > 0)
-        fprintf(f, "largest micro_batch_size that fits: %d\n", p->max_micro_batch_size);
+        fprintf(f, "largest micro_batch_size that fits: %d%s\n", p->max_micro_batch_size,
+                p->max_micro_batch_size == p->global_batch ? " (capped at the global batch: its share per rank)" : "");
     fprintf(f, "what to try:\n");
     for (int i = 0; i < p->n_sugg; i++) {
         const fl_plan_suggestion *s = &p->sugg[i];
