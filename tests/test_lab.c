@@ -1265,3 +1265,28 @@ FL_TEST(lab_peer_why_names_a_category_of_the_differences_sign) {
     FL_CHECK(fl_lab_peer_why_category(down, -0.48) == 4);
     FL_CHECK(fl_lab_peer_why_category(none, -0.2) == 1);
 }
+
+/* report.md says the reserved bytes are the same at every phase only where they are: FSDP's gathered units (GATHER)
+ * come and go, so a report with the fsdp row names it and the tag; one without says the same for every row. Plans only. */
+FL_TEST(lab_report_reserved_sentence_computed) {
+    static const char *const only[2] = {"reduced-batch,fsdp", "reduced-batch"};
+    for (int k = 0; k < 2; k++) {
+        fl_lab_opts o;
+        fl_lab_opts_default(&o);
+        o.plan_only = 1, o.only = only[k];
+        fl_lab_report rep;
+        FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+        char dir[600], p[700];
+        snprintf(dir, sizeof dir, "%s/lab-reserved-%d", fl_test_tmpdir(), k);
+        FL_REQUIRE_OK(fl_lab_write(&rep, dir, NULL));
+        snprintf(p, sizeof p, "%s/report.md", dir);
+        size_t n;
+        char *md = fl_test_slurp(p, &n);
+        FL_REQUIRE(md);
+        const int same = strstr(md, "the same at every phase (after the load) of every row below") != NULL,
+                  named = strstr(md, "The reserved bytes change between the phases of fsdp (the tags: GATHER") != NULL;
+        FL_CHECKF(k == 0 ? named && !same : same && !named, "%s: same %d named %d", only[k], same, named);
+        free(md);
+        fl_lab_report_free(&rep);
+    }
+}

@@ -802,11 +802,51 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
 }
 
 /* report.md: reserved and live memory per phase of a step. */
+/* The tags whose reserved bytes differ between the phases of a step after the load (a bit per tag; 0: the same at
+ * every phase): FSDP's gathered units (GATHER) are allocated around each unit's use, so its rows' reserved moves. */
+static unsigned reserved_varies(const fl_lab_row *r) {
+    unsigned v = 0;
+    const fl_mem_phase *first = NULL;
+    for (int j = 0; j < r->n_phases; j++) {
+        const fl_mem_phase *ph = &r->phases[j];
+        if (!strcmp(ph->name, "after_load")) continue;
+        if (!first) first = ph;
+        for (int t = 0; t < LAB_TAGS; t++)
+            if (ph->cur[t] != first->cur[t]) v |= 1u << t;
+    }
+    return v;
+}
+
+/* report.md's sentence on the reserved bytes: the same at every phase only where they are (computed per row) */
+static void md_reserved_sentence(FILE *f, const fl_lab_report *rep) {
+    unsigned tags = 0;
+    int n = 0;
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        if (!r->n_phases || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) continue;
+        unsigned v = reserved_varies(r);
+        if (v && n++ < 8) fprintf(f, "%s%s", n == 1 ? "The reserved bytes change between the phases of " : ", ", r->name);
+        tags |= v;
+    }
+    if (!n) {
+        fprintf(f, "Everything a step needs is allocated (**reserved**) before the first step, so the reserved bytes "
+                   "are the same at every phase (after the load) of every row below. ");
+        return;
+    }
+    if (n > 8) fprintf(f, " and %d more rows", n - 8);
+    fprintf(f, " (the tags:");
+    for (int t = 0; t < LAB_TAGS; t++)
+        if (tags & (1u << t)) fprintf(f, " %s", fl_mem_tag_name((fl_mem_tag)t));
+    fprintf(f, "%s); every other row allocates (**reserves**) what a step needs before the first step, so its "
+               "reserved bytes are the same at every phase after the load. ",
+            tags & (1u << FL_TAG_GATHER) ? ": FSDP's gathered units, allocated around each unit's forward and backward" : "");
+}
+
 static void md_phases(FILE *f, const fl_lab_report *rep, int charts) {
     /* reserved vs live per phase */
-    fprintf(f, "## Reserved and live memory per phase of a step\n\n"
-               "Everything a step needs is allocated (**reserved**) before the first step, so the reserved "
-               "bytes are the same at every phase. **Live** bytes hold data a later phase still reads: "
+    fprintf(f, "## Reserved and live memory per phase of a step\n\n");
+    md_reserved_sentence(f, rep);
+    fprintf(f, "**Live** bytes hold data a later phase still reads: "
                "activations saved for the backward are live after the forward and gone after the backward; "
                "gradients are live from the backward (the lm_head's from inside the forward, where its "
                "backward runs) until the optimizer step consumes them; weights, optimizer state and the token "
