@@ -489,9 +489,8 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         a8.lr = oc->lr;
         sugg_variant(p, x, s, c, &a8, "--optimizer bnb.optim.AdamW8bit", "about 2 bytes of state per parameter instead of 8");
     }
-    /* 4b. CPU offload (ZeRO-Offload): the optimizer state off the device; AdamW and SGD with momentum; under
-     * ZeRO-3 / FULL_SHARD deepspeed_stage_3_offload (the parameters' shards stay on the devices; not for
-     * HYBRID_SHARD, whose sharding no offload strategy has) */
+    /* 4b. CPU offload (ZeRO-Offload): the optimizer state off the device; AdamW and SGD with momentum; under ZeRO-3 /
+     * FULL_SHARD deepspeed_stage_3_offload (the parameters' shards stay on the devices; not for HYBRID_SHARD) */
     const int z3 = p->zero_stage == 3;
     if (!fl_cfg_offload(c->strategy) && !fl_cfg_hybrid_shard(c->strategy, c->sharding_strategy) &&
         (oc->kind == FL_OPT_ADAMW || (oc->kind == FL_OPT_SGD && oc->momentum != 0.0f)) && (s = sugg(p, "cpu_offload"))) {
@@ -499,24 +498,20 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         const char *st = z3 ? "deepspeed_stage_3_offload" : "deepspeed_stage_2_offload";
         snprintf(v.strategy, sizeof v.strategy, "%s", st);
         v.sharding_strategy[0] = '\0';
-        char change[160], a[32];
-        if (x->cuda) {
-            snprintf(change, sizeof change, "--strategy %s", st);
-            sugg_variant(p, x, s, &v, oc, change, "the optimizer state in host memory and the update on the host's "
-                         "cores (slower: gradients down and parameters up every step)");
-        } else { /* a CPU run's host tier is the same RAM as its "device": offloading to it frees nothing */
-            snprintf(s->change, sizeof s->change, "--strategy %s", st);
+        char change[160], a[32], note[256];
+        snprintf(change, sizeof change, "--strategy %s", st);
+        if (x->cuda) sugg_variant(p, x, s, &v, oc, change, "the optimizer state in host memory and the update on the "
+                                  "host's cores (slower: gradients down and parameters up every step)");
+        else { /* a CPU run's host tier is the same RAM as its "device": offloading to it frees nothing */
+            snprintf(s->change, sizeof s->change, "%s", change);
             snprintf(s->note, sizeof s->note, "on a CPU the device is the host's RAM, where ZeRO-Offload would put the "
                      "optimizer state: it frees nothing (nvme_offload moves it to a disk)");
-            if ((s = sugg(p, "nvme_offload"))) {
-                snprintf(v.offload_device, sizeof v.offload_device, "nvme");
-                snprintf(change, sizeof change, "--strategy %s --offload_optimizer_device nvme --nvme_path DIR", st);
-                char note[256];
-                snprintf(note, sizeof note, "the optimizer state (OPTIM %s) in files on a disk, out of the RAM that is "
-                         "this CPU run's device memory, paged through a few pieces of it (slower: read and written every "
-                         "step)", fl_fmt_bytes(p->peak[FL_TAG_OPTIM], a, sizeof a));
-                sugg_variant(p, x, s, &v, oc, change, note);
-            }
+            snprintf(v.offload_device, sizeof v.offload_device, "nvme");
+            snprintf(change + strlen(change), sizeof change - strlen(change), " --offload_optimizer_device nvme --nvme_path DIR");
+            snprintf(note, sizeof note, "the optimizer state (OPTIM %s) in files on a disk, out of the RAM that is this "
+                     "CPU run's device memory, paged through a few pieces of it (slower: read and written every step)",
+                     fl_fmt_bytes(p->peak[FL_TAG_OPTIM], a, sizeof a));
+            if ((s = sugg(p, "nvme_offload"))) sugg_variant(p, x, s, &v, oc, change, note);
         }
     }
     /* 4c. parameter offload: where even ZeRO-3's shards (or one process's whole model) do not fit the device, the
@@ -886,14 +881,10 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
             fprintf(f, " %s %s%s", fl_mem_tag_name((fl_mem_tag)t), fl_fmt_bytes(o->cur[t], a, sizeof a),
                     t + 1 < FL_TAG_COUNT ? "," : "\n");
     }
+    char cap[96] = ""; /* the search starts at the rank's share of the global batch: said where that stops it */
     if (p->max_micro_batch_size > 0) {
-        /* the search starts at the rank's share of the global batch: a larger one might fit too, say where it stops */
-        char cap[96] = "";
-        if (p->max_micro_batch_size == p->global_batch && p->dp_ranks > 1)
-            snprintf(cap, sizeof cap, "; capped at the global batch %d / %d ranks",
-                     p->global_batch * p->dp_ranks, p->dp_ranks);
-        else if (p->max_micro_batch_size == p->global_batch)
-            snprintf(cap, sizeof cap, "; capped at the global batch %d", p->global_batch);
+        if (p->max_micro_batch_size == p->global_batch) snprintf(cap, sizeof cap, "; capped at the global batch %d%s",
+                     p->global_batch * (p->dp_ranks > 1 ? p->dp_ranks : 1), p->dp_ranks > 1 ? " / its ranks" : "");
         fprintf(f, "largest micro_batch_size that fits: %d (accumulation %d%s for global batch %d%s)\n",
                 p->max_micro_batch_size, p->global_batch / p->max_micro_batch_size, ranks,
                 p->global_batch * (p->dp_ranks > 1 ? p->dp_ranks : 1), cap);
@@ -912,18 +903,6 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
             else fprintf(f, "  - %-26s does not fit: %s\n", s->technique, s->note);
         }
     }
-}
-
-void fl_plan_json_str(FILE *f, const char *s) {
-    fputc('"', f);
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
-        else if (ch == '\n') fputs("\\n", f);
-        else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
-        else fputc(ch, f);
-    }
-    fputc('"', f);
 }
 
 static void jtags(FILE *f, const size_t *b, size_t total) {

@@ -167,6 +167,18 @@ fl_status fl_plan_suggest_grid(const fl_run_config *base, const fl_plan_machine 
     return fl_error_prefix(s, "grid suggestion");
 }
 
+void fl_plan_json_str(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
+        else if (ch == '\n') fputs("\\n", f);
+        else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
+        else fputc(ch, f);
+    }
+    fputc('"', f);
+}
+
 /* the options that run a grid (devices x num_nodes is the run's) */
 static void grid_options(const fl_plan_grid_row *r, char *buf, size_t cap) {
     int n = snprintf(buf, cap, "%s", "");
