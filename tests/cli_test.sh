@@ -805,6 +805,19 @@ expect plan_suggest_grid_refusals 0 " 1 +8 +1 .*not with this run: --tensor_para
 expect plan_suggest_grid_json 0 '"suggested": \{"dp": 4, "tp": 2, "pp": 1\}' -- bash -c "'$FITLLM' plan --suggest ${GRID[*]} \
     --device-memory 3MiB --json | tr '\n' ' ' | grep '\"kind\": \"grid_suggestion\"' | grep '\"dp\": 1, \"tp\": 8, \"pp\": 1, \"verdict\": \"refused\", \"why\": \"--tensor_parallel 8'"
 expect plan_suggest_grid_none 3 "suggested grid: none fits" -- "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 1MiB
+# CPU ranks share the host's RAM: a grid that does not fit names it (with an offload's host tier, the same RAM, added),
+# and --host-memory replacing --device-memory is said, not silent
+expect plan_suggest_grid_cpu_host_tier 0 " 4 +1 +2 +deepspeed_stage_2_offload +3\.03 MiB .*out of host memory: 3\.03 MiB \+ host tier 330\.38 KiB \(offload: the same RAM\) per rank > 3\.00 MiB \(the host's RAM shared by the ranks\)" -- \
+    "$FITLLM" plan --suggest micro --devices 8 --strategy deepspeed_stage_2_offload --train.micro_batch_size 1 \
+    --train.global_batch_size 16 --train.max_seq_length 33 --host-memory 24MiB
+expect plan_suggest_grid_host_replaces_device 0 "note: --host-memory 24\.00 MiB replaces --device-memory 3\.00 MiB: a CPU rank's memory is the host's RAM \(3\.00 MiB for each of 8 rank" -- \
+    "$FITLLM" plan --suggest "${GRID[@]}" --host-memory 24MiB --device-memory 3MiB
+# the largest micro batch searched from the global batch down: said when that cap binds (a larger one might fit)
+expect plan_largest_micro_capped 0 "largest micro_batch_size that fits: 4 \(accumulation 1 for global batch 4; capped at the global batch 4\)" -- \
+    "$FITLLM" plan micro --device-memory 1GB --train.global_batch_size 4 --train.micro_batch_size 1 --train.max_seq_length 33
+# a CPU run: its host tier is its device's RAM, so offloading the optimizer there frees nothing (said); the disk does
+expect plan_cpu_offload_on_cpu 3 "cpu_offload +not with this run: on a CPU the device is the host's RAM.*nvme_offload +does not fit: the optimizer state \(OPTIM 1\.98 MiB\) in files on a disk" -- \
+    bash -c "'$FITLLM' plan micro --device-memory 3MiB --train.global_batch_size 4 --train.micro_batch_size 1 --train.max_seq_length 33 | tr '\n' ' '; exit \${PIPESTATUS[0]}"
 expect plan_suggest_grid_no_memory 2 "each rank's memory is needed \(--device-memory SIZE" -- "$FITLLM" plan --suggest "${GRID[@]}"
 # the lab's grid rows (full suite): lab-7b, which no single 298 MiB device holds, split by TP 2 and PP 2; each rank's
 # measured peak equals its plan (PP: the largest stage's)

@@ -82,7 +82,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "                                 or --host-memory shared by them), then TP within a node, then the\n"
            "                                 smallest pipeline bubble, then the smallest peak; grids the trainer\n"
            "                                 refuses are listed with the reason; exit 0 when one fits, 3 when none\n"
-           "  --host-memory SIZE             (--largest, --suggest)  the host's RAM (a CPU machine: its \"device\"; required there)\n"
+           "  --host-memory SIZE             (--largest, --suggest)  the host's RAM (a CPU machine: its \"device\"; required there;\n"
+           "                                 on CPU ranks it replaces --device-memory, a note says so; a grid that does\n"
+           "                                 not fit names the memory it runs out of, host or device)\n"
            "  --disk SIZE                    (--largest, default not limited)  the NVMe folder's free space\n"
            "  --json                         (default off)  machine-readable output (schema version %d,\n"
            "                                 docs/ARCHITECTURE.md \"Planner and lab\")\n\n"
@@ -177,7 +179,19 @@ static int machine_failed(fl_status s, void *buf) {
     return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED || s == FL_ERR_NOT_FOUND ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
 }
 
+/* --suggest / --largest on CPU ranks: their memory is the host's RAM, so --host-memory is the budget and a
+ * --device-memory beside it is not used: said, not silently dropped */
+static void host_replaces_device(const plan_args *a, int ranks) {
+    if (a->cuda || !a->host_memory || !a->device_memory) return;
+    char h[32], d[32], e[32];
+    fprintf(stderr, "note: --host-memory %s replaces --device-memory %s: a CPU rank's memory is the host's RAM (%s for "
+            "each of %d rank(s)); --device-memory is a GPU's (--accelerator cuda)\n",
+            fl_fmt_bytes(a->host_memory, h, sizeof h), fl_fmt_bytes(a->device_memory, d, sizeof d),
+            fl_fmt_bytes(a->host_memory / (size_t)(ranks > 1 ? ranks : 1), e, sizeof e), ranks > 1 ? ranks : 1);
+}
+
 static int suggest_grid(const fl_run_config *cfg, const plan_args *a) {
+    host_replaces_device(a, cfg->devices);
     fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len};
     fl_plan_grid *g = malloc(sizeof *g);
     fl_status s = g ? fl_plan_suggest_grid(cfg, &mc, g) : fl_errorf(FL_ERR_OOM, "out of host memory");
@@ -190,6 +204,7 @@ static int suggest_grid(const fl_run_config *cfg, const plan_args *a) {
 }
 
 static int largest(const fl_run_config *cfg, const plan_args *a) {
+    host_replaces_device(a, cfg->devices);
     fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len};
     fl_plan_fit *f = malloc(sizeof *f);
     fl_status s = f ? fl_plan_largest(cfg, &mc, f) : fl_errorf(FL_ERR_OOM, "out of host memory");
@@ -285,7 +300,8 @@ void fl_cli_oom_advice(const fl_run_config *cfg, const fl_mem_oom *oom, FILE *f)
     fprintf(f, "planned peak of this run: %s (fitllm plan with the same arguments shows the table)\n",
             fl_fmt_bytes(p->peak_total, a, sizeof a));
     if (p->max_micro_batch_size > 0)
-        fprintf(f, "largest micro_batch_size that fits: %d\n", p->max_micro_batch_size);
+        fprintf(f, "largest micro_batch_size that fits: %d%s\n", p->max_micro_batch_size,
+                p->max_micro_batch_size == p->global_batch ? " (capped at the global batch: its share per rank)" : "");
     fprintf(f, "what to try:\n");
     for (int i = 0; i < p->n_sugg; i++) {
         const fl_plan_suggestion *s = &p->sugg[i];

@@ -55,6 +55,8 @@ int fl_lab_stop_polled(const fl_lab_opts *o, fl_lab_report *rep);
 /* lab_sweep.c: the fsdp suite's tables, chart data and script; a row's setting (2 x 16-bit + checkpointing) */
 int fl_lab_sweep_group(const fl_lab_row *r);
 void fl_lab_sweep_print(const fl_lab_report *rep, FILE *f);
+/* the row's "as in the lab": the course's verdict where it ran the row, else none (FL_LAB_NA); why they differ */
+void fl_lab_sweep_course_verdict(const fl_lab_report *rep, fl_lab_row *r);
 void fl_lab_sweep_md(FILE *f, const fl_lab_report *rep, int charts);
 int fl_lab_sweep_data(const fl_lab_report *rep, FILE *f, int idx[4], int fit[4]);
 void fl_lab_sweep_script(const fl_lab_report *rep, FILE *f, const int idx[4], const int fit[4]);
@@ -75,6 +77,9 @@ void fl_lab_peer_rows_md(FILE *f, const fl_lab_report *rep);
 void fl_lab_peer_json(FILE *f, const fl_lab_peer *q);
 /* why fitllm's plan of r differs from PyTorch's figure, in GB by category ("" when fitllm has no real-scale plan) */
 void fl_lab_peer_why(const fl_lab_report *rep, const fl_lab_row *r, char *b, size_t n);
+/* the category (weights, gradients, optimizer state, activations, the rest: d[i] = fitllm - PyTorch) the "why" names
+ * for a difference total: the largest with total's sign */
+int fl_lab_peer_why_category(const double d[5], double total);
 /* real scale: where the row's plan p differs from the course (its verdict e->expected; its memory reading), why */
 void fl_lab_row_course_diff(const lab_exp *e, const fl_plan *p, fl_lab_row *r);
 /* lab_gpu.c: GPU utilization and memory through NVML (fitllm/gpu_monitor.h) */

@@ -63,6 +63,18 @@ int fl_lab_b2_peer_of(const lab_exp *e, int ranks, const fl_blip2_config *real, 
     return fl_lab_peer_pytorch_blip2(real, &u, q) == FL_OK;
 }
 
+/* The category that explains most of a difference total = fitllm - PyTorch: the largest of the differences d[5] with
+ * total's sign (fitllm needs more because of what it holds more of); none with that sign: the largest in size. */
+int fl_lab_peer_why_category(const double d[5], double total) {
+    int big = -1;
+    for (int i = 0; i < 5; i++)
+        if ((total >= 0 ? d[i] > 0 : d[i] < 0) && (big < 0 || fabs(d[i]) > fabs(d[big]))) big = i;
+    if (big < 0)
+        for (int i = 0; i < 5; i++)
+            if (big < 0 || fabs(d[i]) > fabs(d[big])) big = i;
+    return big;
+}
+
 /* Why fitllm's plan of the row differs from PyTorch's figure, in numbers: the verdicts (the course's, fitllm's,
  * PyTorch's) and each category at its own peak, fitllm's tags against PyTorch's measured / modelled parts. "" when
  * fitllm has no plan of the row at the real scale. */
@@ -91,9 +103,8 @@ void fl_lab_peer_why(const fl_lab_report *rep, const fl_lab_row *r, char *b, siz
     static const char *const cat[5] = {"weights", "gradients", "optimizer state", "activations", "the rest"};
     static const char *const when[4] = {"the start of its backward", "the end of its backward", "its optimizer step",
                                         "a checkpointed block's recompute"};
-    int big = 0;
-    for (int i = 1; i < 5; i++)
-        if (fabs(d[i]) > fabs(d[big])) big = i;
+    const double total = (double)r->ref_peak - (double)q->peak;
+    int big = fl_lab_peer_why_category(d, total);
     /* PyTorch's rest at its peak, item by item (what model_peak adds at that point) */
     char rest[160] = "";
     const double logits = at == FL_PEER_AT_BWD_START || at == FL_PEER_AT_BWD_END ? (double)q->logits : 0,
@@ -116,7 +127,7 @@ void fl_lab_peer_why(const fl_lab_report *rep, const fl_lab_row *r, char *b, siz
              "own peak) vs PyTorch at its peak, GB: weights %.2f vs %.2f%s, gradients %.2f vs %.2f, optimizer state "
              "%.2f vs %.2f, activations (fitllm ACTS; PyTorch's saved tensors) %.2f vs %.2f, the rest (fitllm "
              "WORKSPACE + OTHER + GATHER; PyTorch: %s) %.2f vs %.2f; PyTorch's peak is at %s%s", v,
-             ((double)r->ref_peak - (double)q->peak) / G, cat[big], d[big] / G, fw / G, pw / G, nf4, fg / G, pg / G,
+             total / G, cat[big], d[big] / G, fw / G, pw / G, nf4, fg / G, pg / G,
              fo / G, po / G, fa / G, pa / G, rest, fr / G, pr / G, when[at], freed);
 }
 

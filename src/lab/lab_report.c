@@ -21,6 +21,7 @@
 static const char *match(const fl_lab_row *r) {
     if (r->verdict == FL_LAB_NA) return "n/a";
     if (r->verdict == FL_LAB_ERROR) return "error";
+    if (r->expected == FL_LAB_NA) return "-"; /* the fsdp suite: a row the course's table does not have */
     return r->verdict == r->expected ? "yes" : "NO";
 }
 
@@ -695,8 +696,9 @@ static void md_scaling(FILE *f, const fl_lab_report *rep) {
                    "Every row ran the lab's real model (tinyllama-1.1b, open-llama-3b, open-llama-7b; random init) at the "
                    "course's settings: Synthetic samples whose lengths are drawn from `%s` (Alpaca's measured lengths: "
                    "median %d, p95 %d, max %d tokens; `data.lengths`, deterministic per seed), cut to max_seq_length %d, "
-                   "no packing, each micro batch padded to its longest sample (LitGPT's SFT collate). A row's T (the "
-                   "`seq_len` column of results.csv) is its longest drawn sample - 1, which sizes the activations; the "
+                   "no packing, each micro batch padded to its longest sample (LitGPT's SFT collate). Every row "
+                   "draws from one sample set (the most samples any row reads), so every row's T (the `seq_len` column "
+                   "of results.csv) is the comparison's longest drawn sample - 1, which sizes the activations; the "
                    "plan draws the same lengths, so `planned` is the run's peak. tok/s counts the samples' own tokens "
                    "(their mean length - 1), not padding. Budget %s per device (the lab's 80 GB GPU), on the backend "
                    "named in the run (`--accelerator`). The data-parallel rows are n/a: their 4 ranks need 4 devices "
@@ -775,6 +777,8 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
                "rows with different samples per step compare per sample; \"extra time per sample\" names the work "
                "the row does beyond fp32 AdamW on %s (its technique on this CPU, a larger model).\n\n",
             rep->blip2 ? "OOM for the baseline and Flan-T5-XXL with AdamW, fits otherwise"
+            : rep->sweep ? "the course's benchmark table: OOM where it has no memory figure, fits where it has one; "
+                           "\"-\": a row its table does not have (32-true, batches it did not run)"
                        : "OOM for baseline and the largest model, fits otherwise",
             rep->blip2 ? "the BLIP-2 OPT-2.7B model" : "lab-1b");
     int notes = 0;
@@ -798,11 +802,51 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
 }
 
 /* report.md: reserved and live memory per phase of a step. */
+/* The tags whose reserved bytes differ between the phases of a step after the load (a bit per tag; 0: the same at
+ * every phase): FSDP's gathered units (GATHER) are allocated around each unit's use, so its rows' reserved moves. */
+static unsigned reserved_varies(const fl_lab_row *r) {
+    unsigned v = 0;
+    const fl_mem_phase *first = NULL;
+    for (int j = 0; j < r->n_phases; j++) {
+        const fl_mem_phase *ph = &r->phases[j];
+        if (!strcmp(ph->name, "after_load")) continue;
+        if (!first) first = ph;
+        for (int t = 0; t < LAB_TAGS; t++)
+            if (ph->cur[t] != first->cur[t]) v |= 1u << t;
+    }
+    return v;
+}
+
+/* report.md's sentence on the reserved bytes: the same at every phase only where they are (computed per row) */
+static void md_reserved_sentence(FILE *f, const fl_lab_report *rep) {
+    unsigned tags = 0;
+    int n = 0;
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        if (!r->n_phases || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) continue;
+        unsigned v = reserved_varies(r);
+        if (v && n++ < 8) fprintf(f, "%s%s", n == 1 ? "The reserved bytes change between the phases of " : ", ", r->name);
+        tags |= v;
+    }
+    if (!n) {
+        fprintf(f, "Everything a step needs is allocated (**reserved**) before the first step, so the reserved bytes "
+                   "are the same at every phase (after the load) of every row below. ");
+        return;
+    }
+    if (n > 8) fprintf(f, " and %d more rows", n - 8);
+    fprintf(f, " (the tags:");
+    for (int t = 0; t < LAB_TAGS; t++)
+        if (tags & (1u << t)) fprintf(f, " %s", fl_mem_tag_name((fl_mem_tag)t));
+    fprintf(f, "%s); every other row allocates (**reserves**) what a step needs before the first step, so its "
+               "reserved bytes are the same at every phase after the load. ",
+            tags & (1u << FL_TAG_GATHER) ? ": FSDP's gathered units, allocated around each unit's forward and backward" : "");
+}
+
 static void md_phases(FILE *f, const fl_lab_report *rep, int charts) {
     /* reserved vs live per phase */
-    fprintf(f, "## Reserved and live memory per phase of a step\n\n"
-               "Everything a step needs is allocated (**reserved**) before the first step, so the reserved "
-               "bytes are the same at every phase. **Live** bytes hold data a later phase still reads: "
+    fprintf(f, "## Reserved and live memory per phase of a step\n\n");
+    md_reserved_sentence(f, rep);
+    fprintf(f, "**Live** bytes hold data a later phase still reads: "
                "activations saved for the backward are live after the forward and gone after the backward; "
                "gradients are live from the backward (the lm_head's from inside the forward, where its "
                "backward runs) until the optimizer step consumes them; weights, optimizer state and the token "
@@ -853,7 +897,7 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
     if (rep->sweep) fl_lab_sweep_md(f, rep, charts);
     md_phases(f, rep, charts);
     if (rep->lengths[0])
-        fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, lengths drawn from `%s`: each row's T in "
+        fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, lengths drawn from `%s`: one T for every row, in "
                    "results.csv)\n\n| experiment | model | plan | planned peak |\n|---|---|---|---|\n", rep->lengths);
     else
         fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "

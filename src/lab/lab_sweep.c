@@ -43,6 +43,32 @@ int fl_lab_course_fsdp(const fl_lab_report *rep, const fl_lab_row *r, double *me
     return 1;
 }
 
+/* The fsdp suite's "as in the lab": the course's verdict where its table has the row (its 16-mixed batches; a memory
+ * figure: fits, none: OOM), none elsewhere (FL_LAB_NA: "-"). Where fitllm's verdict differs, why, in the row's
+ * course_why: the course's run is PyTorch's on 4x V100 16 GB, fitllm's plan of the same run at the real scale. */
+void fl_lab_sweep_course_verdict(const fl_lab_report *rep, fl_lab_row *r) {
+    const course_row *c = course_of(rep, r);
+    r->expected = FL_LAB_NA;
+    r->course_why[0] = 0;
+    if (!c) return;
+    r->expected = c->mem_mb > 0 ? FL_LAB_FITS : FL_LAB_OOM;
+    if (r->verdict == r->expected || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) return;
+    const course_row *last = NULL; /* the course's largest batch that fit in this setting */
+    for (size_t i = 0; i < sizeof k_course / sizeof k_course[0]; i++) {
+        const course_row *k = &k_course[i];
+        if (!strcmp(k->model, c->model) && k->ckpt == c->ckpt && k->mem_mb > 0 && (!last || k->B > last->B)) last = k;
+    }
+    char a[32], lastb[96] = "";
+    if (last) snprintf(lastb, sizeof lastb, "; the course's largest fitting micro batch: %d at %.0f MB", last->B,
+                       last->mem_mb);
+    snprintf(r->course_why, sizeof r->course_why, "the course %s at micro batch %d (PyTorch FSDP, 4x V100 16 GB%s); "
+             "fitllm %s at the %s scale, its real-scale plan (%s, T %d, 16 GiB per rank) %s at %s per rank: fitllm's "
+             "verdict, not the course's (PyTorch's CUDA context and caching allocator are not in fitllm's figure)",
+             c->mem_mb > 0 ? "fit" : "ran out of memory", r->B, lastb, fl_lab_verdict_name(r->verdict),
+             rep->real_scale ? "real" : "lab", rep->sweep_model, REF_SWEEP_T_PUBLIC, fl_lab_plan_name(r->ref_planned),
+             fl_fmt_bytes(r->ref_peak, a, sizeof a));
+}
+
 int fl_lab_sweep_group(const fl_lab_row *r) { return 2 * (strcmp(r->precision, "32-true") != 0) + r->act_ckpt; }
 
 static const char *group_name(int g) {
@@ -63,8 +89,8 @@ void fl_lab_sweep_print(const fl_lab_report *rep, FILE *f) {
         int any = 0;
         for (int i = 0; i < rep->n; i++) any |= fl_lab_sweep_group(&rep->rows[i]) == g;
         if (!any) continue;
-        fprintf(f, "\nbatch-size sweep, %s, %s (per rank, min-max over the ranks; * largest fitting)\n"
-                   "  real: %s planned at T %d, %.0f GiB per rank; course: its figures on 4x V100 16 GB (16-mixed)\n%6s %-7s %13s %8s %9s %8s %8s %6s | %-4s %7s | %6s %5s %7s %7s\n",
+        fprintf(f, "\nbatch-size sweep, %s, %s (per rank, min-max over the ranks)\n  *: fitllm's largest "
+                   "fitting; real: %s planned at T %d, %.0f GiB per rank; course: 4x V100 16 GB, 16-mixed\n%6s %-7s %13s %8s %9s %8s %8s %6s | %-4s %7s | %6s %5s %7s %7s\n",
                 group_name(g), rep->sweep_model, rep->sweep_model, REF_SWEEP_T_PUBLIC, 16.0, "micro", "verdict",
                 "peak MiB", "planned", "iter ms", "tok/s", "TFLOP/s", "MFU", "real", "GiB", "MB", "util%", "TFLOP/s",
                 "iter ms");
@@ -100,8 +126,8 @@ void fl_lab_sweep_md(FILE *f, const fl_lab_report *rep, int charts) {
                "backward prefetch %s. Memory per rank in MiB, **min-max over the 4 ranks**; OOM rows: what the plan "
                "had in use at the failure, the planned column what the run would need. Iteration = one optimizer step "
                "of the global batch (micro batch x 4 ranks); TFLOP/s = model FLOPs (6 x parameters per token + "
-               "attention, no recompute) / iteration time; MFU = TFLOP/s / the device's peak (%s). **Bold**: the "
-               "largest micro batch that fits. *real*: fitllm's plan of the real model at the course's settings "
+               "attention, no recompute) / iteration time; MFU = TFLOP/s / the device's peak (%s). **Bold**: "
+               "fitllm's largest micro batch that fits (where the course's verdict differs, the notes say why). *real*: fitllm's plan of the real model at the course's settings "
                "(%s, T %d, 16 GiB per rank); *course*: the course's figures (16-mixed rows only; the checkpointed "
                "batch 64 row by the prefetch setting).\n\n",
             rep->sweep_model, rep->real_scale ? "at the real scale" : "at lab scale", rep->real_scale ? "" : "lab-",

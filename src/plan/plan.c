@@ -49,6 +49,8 @@ static const fl_plan_technique k_tech[] = {
     {"lora", 1, "fitllm finetune_lora", "adapters only: the base needs no gradients or optimizer state"},
     {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
     {"cpu_offload", 1, "--strategy deepspeed_stage_2_offload", "ZeRO-Offload: the optimizer state in host memory, the update on the host's cores"},
+    {"nvme_offload", 1, "--strategy deepspeed_stage_2_offload --offload_optimizer_device nvme --nvme_path DIR",
+     "ZeRO-Infinity's: the optimizer state in files on a disk (a CPU run's offload: its host tier is its device's RAM)"},
     {"param_offload", 1, "--strategy deepspeed_stage_3_offload --offload_param_device cpu",
      "ZeRO-3 with the parameters' and gradients' shards in host memory (or NVMe files), each unit fetched ahead of its use"},
     {"ddp", 1, "mpirun -np N fitllm ... --devices N (--strategy ddp)", "each rank holds everything; the lab runs its ranks as threads of one process"},
@@ -401,7 +403,7 @@ static void suggest_shape(fl_plan *p, const plan_ctx *x, const fl_run_config *c)
             s->peak = peak;
             snprintf(s->change, sizeof s->change, "--train.micro_batch_size %d", mb);
             snprintf(s->note, sizeof s->note, "accumulation %d keeps the global batch of %d", p->global_batch / mb,
-                     p->global_batch);
+                     p->global_batch * (p->dp_ranks > 1 ? p->dp_ranks : 1));
         } else {
             s->fits = 0;
             snprintf(s->note, sizeof s->note, "even micro_batch_size 1 does not fit");
@@ -487,9 +489,8 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         a8.lr = oc->lr;
         sugg_variant(p, x, s, c, &a8, "--optimizer bnb.optim.AdamW8bit", "about 2 bytes of state per parameter instead of 8");
     }
-    /* 4b. CPU offload (ZeRO-Offload): the optimizer state off the device; AdamW and SGD with momentum; under
-     * ZeRO-3 / FULL_SHARD deepspeed_stage_3_offload (the parameters' shards stay on the devices; not for
-     * HYBRID_SHARD, whose sharding no offload strategy has) */
+    /* 4b. CPU offload (ZeRO-Offload): the optimizer state off the device; AdamW and SGD with momentum; under ZeRO-3 /
+     * FULL_SHARD deepspeed_stage_3_offload (the parameters' shards stay on the devices; not for HYBRID_SHARD) */
     const int z3 = p->zero_stage == 3;
     if (!fl_cfg_offload(c->strategy) && !fl_cfg_hybrid_shard(c->strategy, c->sharding_strategy) &&
         (oc->kind == FL_OPT_ADAMW || (oc->kind == FL_OPT_SGD && oc->momentum != 0.0f)) && (s = sugg(p, "cpu_offload"))) {
@@ -497,15 +498,21 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         const char *st = z3 ? "deepspeed_stage_3_offload" : "deepspeed_stage_2_offload";
         snprintf(v.strategy, sizeof v.strategy, "%s", st);
         v.sharding_strategy[0] = '\0';
-        /* a CPU run's host tier is the same RAM as its "device": only files free it (the nvme tier) */
-        if (!x->cuda) snprintf(v.offload_device, sizeof v.offload_device, "nvme");
-        char change[128];
-        snprintf(change, sizeof change, "--strategy %s%s", st,
-                 x->cuda ? "" : " --offload_optimizer_device nvme --nvme_path DIR");
-        sugg_variant(p, x, s, &v, oc, change,
-                     x->cuda ? "the optimizer state in host memory and the update on the host's cores (slower: gradients "
-                     "down and parameters up every step)" : "the optimizer state in files on a disk, paged through a few "
-                     "pieces of RAM (slower: read and written every step)");
+        char change[160], a[32], note[256];
+        snprintf(change, sizeof change, "--strategy %s", st);
+        if (x->cuda) sugg_variant(p, x, s, &v, oc, change, "the optimizer state in host memory and the update on the "
+                                  "host's cores (slower: gradients down and parameters up every step)");
+        else { /* a CPU run's host tier is the same RAM as its "device": offloading to it frees nothing */
+            snprintf(s->change, sizeof s->change, "%s", change);
+            snprintf(s->note, sizeof s->note, "on a CPU the device is the host's RAM, where ZeRO-Offload would put the "
+                     "optimizer state: it frees nothing (nvme_offload moves it to a disk)");
+            snprintf(v.offload_device, sizeof v.offload_device, "nvme");
+            snprintf(change + strlen(change), sizeof change - strlen(change), " --offload_optimizer_device nvme --nvme_path DIR");
+            snprintf(note, sizeof note, "the optimizer state (OPTIM %s) in files on a disk, out of the RAM that is this "
+                     "CPU run's device memory, paged through a few pieces of it (slower: read and written every step)",
+                     fl_fmt_bytes(p->peak[FL_TAG_OPTIM], a, sizeof a));
+            if ((s = sugg(p, "nvme_offload"))) sugg_variant(p, x, s, &v, oc, change, note);
+        }
     }
     /* 4c. parameter offload: where even ZeRO-3's shards (or one process's whole model) do not fit the device, the
      * shards of the parameters and gradients go to the host (a CPU run: to files, its host being its "device") with
@@ -874,10 +881,14 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
             fprintf(f, " %s %s%s", fl_mem_tag_name((fl_mem_tag)t), fl_fmt_bytes(o->cur[t], a, sizeof a),
                     t + 1 < FL_TAG_COUNT ? "," : "\n");
     }
-    if (p->max_micro_batch_size > 0)
-        fprintf(f, "largest micro_batch_size that fits: %d (accumulation %d%s for global batch %d)\n",
+    char cap[96] = ""; /* the search starts at the rank's share of the global batch: said where that stops it */
+    if (p->max_micro_batch_size > 0) {
+        if (p->max_micro_batch_size == p->global_batch) snprintf(cap, sizeof cap, "; capped at the global batch %d%s",
+                     p->global_batch * (p->dp_ranks > 1 ? p->dp_ranks : 1), p->dp_ranks > 1 ? " / its ranks" : "");
+        fprintf(f, "largest micro_batch_size that fits: %d (accumulation %d%s for global batch %d%s)\n",
                 p->max_micro_batch_size, p->global_batch / p->max_micro_batch_size, ranks,
-                p->global_batch * (p->dp_ranks > 1 ? p->dp_ranks : 1));
+                p->global_batch * (p->dp_ranks > 1 ? p->dp_ranks : 1), cap);
+    }
     else if (p->max_micro_batch_size == 0)
         fprintf(f, "largest micro_batch_size that fits: none (even 1 is out of memory)\n");
     if (p->n_sugg) {
@@ -892,18 +903,6 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
             else fprintf(f, "  - %-26s does not fit: %s\n", s->technique, s->note);
         }
     }
-}
-
-void fl_plan_json_str(FILE *f, const char *s) {
-    fputc('"', f);
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
-        else if (ch == '\n') fputs("\\n", f);
-        else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
-        else fputc(ch, f);
-    }
-    fputc('"', f);
 }
 
 static void jtags(FILE *f, const size_t *b, size_t total) {
@@ -973,7 +972,9 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     fprintf(f, "  \"unavailable\": ");
     if (p->verdict == FL_PLAN_UNAVAILABLE) fl_plan_json_str(f, p->unavailable);
     else fprintf(f, "null");
-    if (p->max_micro_batch_size >= 0) fprintf(f, ",\n  \"max_micro_batch_size\": %d", p->max_micro_batch_size);
+    if (p->max_micro_batch_size >= 0)
+        fprintf(f, ",\n  \"max_micro_batch_size\": %d,\n  \"max_micro_batch_size_capped\": %s", p->max_micro_batch_size,
+                p->max_micro_batch_size > 0 && p->max_micro_batch_size == p->global_batch ? "true" : "false");
     else fprintf(f, ",\n  \"max_micro_batch_size\": null");
     fprintf(f, ",\n  \"suggestions\": [");
     for (int i = 0; i < p->n_sugg; i++) {

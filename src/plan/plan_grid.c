@@ -66,6 +66,29 @@ static int grid_fits(const fl_plan_grid_row *r, const fl_plan_machine *mc) {
     return !mc->cuda || !mc->host_memory || ranks * (double)r->host_peak <= (double)mc->host_memory;
 }
 
+/* Which memory a grid that does not fit runs out of, in words: a CPU rank's is the host's RAM (its device and host
+ * tiers together), a GPU's its device memory or, with --host-memory, the host tier its ranks share. "host" or
+ * "device" in *tier. */
+static void oom_why(const fl_plan_grid_row *r, const fl_plan_machine *mc, char *b, size_t n, const char **tier) {
+    char x[32], y[32], z[32], w[32];
+    const int ranks = mc->devices > 1 ? mc->devices : 1;
+    if (!mc->cuda) {
+        *tier = "host";
+        snprintf(b, n, "out of host memory: %s%s%s%s per rank > %s (%s)", fl_fmt_bytes(r->peak, x, sizeof x),
+                 r->host_peak ? " + host tier " : "", r->host_peak ? fl_fmt_bytes(r->host_peak, y, sizeof y) : "",
+                 r->host_peak ? " (offload: the same RAM)" : "", fl_fmt_bytes(rank_budget(mc), z, sizeof z),
+                 mc->host_memory ? "the host's RAM shared by the ranks" : "--device-memory: a CPU rank's RAM");
+    } else if (r->peak > rank_budget(mc)) {
+        *tier = "device";
+        snprintf(b, n, "out of device memory: %s > %s per GPU", fl_fmt_bytes(r->peak, x, sizeof x),
+                 fl_fmt_bytes(rank_budget(mc), z, sizeof z));
+    } else {
+        *tier = "host";
+        snprintf(b, n, "out of host memory: host tier %s x %d ranks > --host-memory %s",
+                 fl_fmt_bytes(r->host_peak, y, sizeof y), ranks, fl_fmt_bytes(mc->host_memory, w, sizeof w));
+    }
+}
+
 /* 1 when a is the better grid (the order in the file's comment) */
 static int better(const fl_plan_grid_row *a, const fl_plan_grid_row *b, int per_node) {
     if (a->tp * a->pp != b->tp * b->pp) return a->tp * a->pp < b->tp * b->pp;
@@ -144,6 +167,18 @@ fl_status fl_plan_suggest_grid(const fl_run_config *base, const fl_plan_machine 
     return fl_error_prefix(s, "grid suggestion");
 }
 
+void fl_plan_json_str(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
+        else if (ch == '\n') fputs("\\n", f);
+        else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
+        else fputc(ch, f);
+    }
+    fputc('"', f);
+}
+
 /* the options that run a grid (devices x num_nodes is the run's) */
 static void grid_options(const fl_plan_grid_row *r, char *buf, size_t cap) {
     int n = snprintf(buf, cap, "%s", "");
@@ -167,8 +202,11 @@ void fl_plan_grid_print(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *
             continue;
         }
         snprintf(b, sizeof b, "%.1f%%", 100.0 * r->bubble);
+        char why[200] = "fits";
+        const char *tier;
+        if (!r->fits) oom_why(r, mc, why, sizeof why, &tier);
         fprintf(out, "  %4d %4d %4d  %-17s %12s %6d %7s  %s%s\n", r->dp, r->tp, r->pp, r->strategy[0] ? r->strategy : "-",
-                fl_fmt_bytes(r->peak, a, sizeof a), r->peak_rank, r->pp > 1 ? b : "-", r->fits ? "fits" : "out of memory",
+                fl_fmt_bytes(r->peak, a, sizeof a), r->peak_rank, r->pp > 1 ? b : "-", why,
                 i == g->best ? "  <- suggested" : "");
     }
     if (g->best < 0) {
@@ -196,6 +234,12 @@ void fl_plan_grid_write_json(const fl_plan_grid *g, const fl_plan_machine *mc, F
             fprintf(out, ", \"peak\": %zu, \"peak_rank\": %d, \"host_peak\": %zu, \"micro_batches\": %d, "
                     "\"bubble\": %.6f, \"strategy\": ", r->peak, r->peak_rank, r->host_peak, r->micro_batches, r->bubble);
             fl_plan_json_str(out, r->strategy);
+            if (!r->fits) { /* the memory that runs out: "host" (a CPU rank's RAM, a GPU's host tier) or "device" */
+                char why[200];
+                const char *tier;
+                oom_why(r, mc, why, sizeof why, &tier);
+                fprintf(out, ", \"oom_tier\": \"%s\"", tier);
+            }
         }
         fputc('}', out);
     }
