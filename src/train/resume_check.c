@@ -21,6 +21,7 @@
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
 #include "fitllm/lora.h"
+#include "fitllm/peft.h"
 #include "fitllm/trainer.h"
 #include "resume_check.h"
 
@@ -311,14 +312,83 @@ static void check_keys(const fl_run_config *cfg, int b2, const fl_cfg_entries *c
 static void lora_targets(const fl_run_config *c, const fl_model_config *mc, char *out, size_t n) {
     fl_lora_config lc;
     out[0] = 0;
-    if (fl_trainer_lora_config(c, mc, &lc) != FL_OK) {
+    if (fl_trainer_lora_config(c, mc, &lc) != FL_OK || fl_lora_describe(&lc, mc, out, n) != FL_OK) {
+        out[0] = 0;
         fl_error_clear();
-        return;
     }
-    const char *t[FL_LORA_MAX_TARGETS];
-    for (int i = 0; i < lc.n_targets; i++) t[i] = lc.targets[i];
-    qsort(t, (size_t)lc.n_targets, sizeof *t, cmp_str);
-    for (int i = 0; i < lc.n_targets; i++) say(out, n, "%s%s", i ? "," : "", t[i]);
+}
+
+/* Part p (of parts) of B (out, r) is all zero */
+static int part_zero(const fl_peft_module *m, int r, int p, int parts) {
+    const size_t rows = (size_t)(m->out / parts), from = (size_t)p * rows * r;
+    for (size_t i = 0; i < rows * r; i++)
+        if (m->B[from + i] != 0.0f) return 0;
+    return 1;
+}
+
+/* Whether the adapter modules' B rows match what this run trains (mods): 1 when a part this run freezes
+ * (fl_lora_module.frozen) is not 0 in some module (an older fitllm's adapter trained it), 2 when a part it trains is 0 in
+ * all of them while their others are not (the checkpoint's run froze it), else 0. */
+static int rows_differ(const fl_peft_adapter *a, const fl_lora_module *mods, int n, const int *at, int r) {
+    for (int p = 0; p < 3; p++) {
+        int kind = 0, zero = 1, other = 0; /* among the fused modules: p all zero; some other part not */
+        for (int j = 0; j < n; j++) {
+            if (mods[j].parts != 3) continue;
+            const int z = part_zero(&a->mods[at[j]], r, p, 3);
+            if ((mods[j].frozen >> p & 1u) && !z) return 1; /* trained there, frozen here */
+            if (mods[j].frozen >> p & 1u) continue;
+            kind = 1;
+            zero &= z;
+            for (int q = 0; q < 3; q++) other |= q != p && !part_zero(&a->mods[at[j]], r, q, 3);
+        }
+        if (kind && zero && other) return 2; /* frozen there, trained here */
+    }
+    return 0;
+}
+
+/* The checkpoint's own PEFT adapter (dir/adapter_config.json: what its run trained) against this run's LoRA modules
+ * (mc: the whole model): the same modules, and the fused q|k|v's rows trained where this run trains them (an adapter
+ * saved before the disabled parts of GPT-2's c_attn were frozen trained them all; one saved on "c_proj" before
+ * --lora_projection meant attn.c_proj alone is on both projections); 1 when that decides, 0 when the checkpoint has no
+ * adapter to read or its run froze parts this run trains (its hyperparameters.yaml says which: check_targets). */
+static int check_adapter(const char *dir, const fl_run_config *cfg, const fl_model_config *mc, char *why, char *fix,
+                         size_t wn) {
+    char p[FL_CFG_PATH + 32];
+    snprintf(p, sizeof p, "%s/adapter_config.json", dir);
+    fl_peft_adapter a;
+    if (!fl_fs_is_file(p) || fl_peft_load(dir, &a) != FL_OK) return fl_error_clear(), 0;
+    fl_lora_config lc;
+    fl_param_layout lay;
+    fl_lora_module *mods = NULL;
+    int n = 0, done = 0, same = 0, rows = 0, *at = NULL;
+    if (fl_trainer_lora_config(cfg, mc, &lc) == FL_OK && fl_layout_build(&lay, mc) == FL_OK) {
+        if (fl_lora_modules(&lc, &lay, mc, &mods, &n) == FL_OK && (at = calloc((size_t)n + 1, sizeof *at)) != NULL) {
+            done = 1;
+            same = n == a.n;
+            for (int j = 0; j < n && same; j++) {
+                for (at[j] = 0; at[j] < a.n && strcmp(a.mods[at[j]].name, mods[j].name); at[j]++) {}
+                same = at[j] < a.n && a.mods[at[j]].out == mods[j].out && fl_peft_module_r(&a, &a.mods[at[j]]) == lc.r;
+            }
+            rows = same ? rows_differ(&a, mods, n, at, lc.r) : 0;
+            done = rows != 2;
+            same = same && !rows;
+        }
+        fl_layout_free(&lay);
+    }
+    fl_error_clear();
+    if (done && !same) {
+        char t[FL_LORA_MAX_TARGETS * 34] = "", here[1024] = "";
+        for (int i = 0; i < a.cfg.lora.n_targets; i++) say(t, sizeof t, "%s%s", i ? "," : "", a.cfg.lora.targets[i]);
+        if (fl_lora_describe(&lc, mc, here, sizeof here) != FL_OK) fl_error_clear();
+        say(why, wn, "%sthe checkpoint's adapter (adapter_config.json: target_modules %s, its lora_B rows) is not on "
+            "the modules this run's LoRA trains (%s): the saved adapters are those modules' (an adapter of an older "
+            "fitllm trained the whole GPT-2 c_attn, and its \"c_proj\" both projections)", why[0] ? "; " : "", t, here);
+        say(fix, wn, "%s--lora_target_modules %s", fix[0] ? " " : "", t);
+    }
+    free(at);
+    free(mods);
+    fl_peft_free(&a);
+    return done;
 }
 
 /* LoRA: the modules the checkpoint's adapters are on against this run's, as sets (lora_query true and
@@ -342,9 +412,15 @@ static void check_targets(const fl_run_config *cfg, const fl_model_config *mc, c
     lora_targets(cfg, mc, here, sizeof here);
     lora_targets(tmp, mc, there, sizeof there);
     if (!here[0] || !there[0] || !strcmp(here, there)) return;
-    say(why, wn, "%sthe checkpoint's adapters are on the modules %s, this run's LoRA targets are %s (the saved adapters "
+    say(why, wn, "%sthe checkpoint's adapters are on the modules %s, this run's LoRA trains %s (the saved adapters "
         "are those modules')", why[0] ? "; " : "", there, here);
-    say(fix, wn, "%s--lora_target_modules %s", fix[0] ? " " : "", there);
+    const char *tm = fl_cfg_entries_value(ck, "lora_target_modules");
+    if (!is_null(tm)) /* the checkpoint's own list, else its switches */
+        say(fix, wn, "%s--lora_target_modules %s", fix[0] ? " " : "", tm);
+    for (size_t i = 0; i + 1 < sizeof keys / sizeof keys[0] && is_null(tm); i++) {
+        const char *v = fl_cfg_entries_value(ck, keys[i]);
+        if (v) say(fix, wn, "%s--%s %s", fix[0] ? " " : "", keys[i], v);
+    }
 }
 
 static fl_status check_resume(const char *dir, const fl_run_config *cfg, const rs_model *rm, char *notes, size_t n) {
@@ -361,7 +437,9 @@ static fl_status check_resume(const char *dir, const fl_run_config *cfg, const r
     if (s == FL_OK && (!why || !fix || !tmp)) s = fl_errorf(FL_ERR_OOM, "out of host memory");
     if (s == FL_OK) s = check_model(dir, cfg, rm, &ck, why, fix, wn, notes, n);
     if (s == FL_OK) check_keys(cfg, rm->bc != NULL, &ck, tmp, why, fix, wn, notes, n);
-    if (s == FL_OK) check_targets(cfg, rm->bc ? &rm->bc->text : rm->mc, &ck, tmp, why, fix, wn);
+    /* the language model's LoRA: its adapter as saved, else (none, a BLIP-2 run's) the switches it was saved with */
+    if (s == FL_OK && (rm->bc || cfg->command != FL_CMD_FINETUNE_LORA || !check_adapter(dir, cfg, rm->mc, why, fix, wn)))
+        check_targets(cfg, rm->bc ? &rm->bc->text : rm->mc, &ck, tmp, why, fix, wn);
     if (s == FL_OK && why[0])
         s = fl_errorf(FL_ERR_INVALID, "--resume '%s' continues another run: %s. Resume it with the checkpoint's "
                       "settings (%s), or start a new run without --resume (with --overwrite when '%s' holds a run)", dir,
