@@ -181,17 +181,19 @@ FL_TEST(lora_gpt2_adapter_target_forms_load) {
     FL_REQUIRE(A && B && params);
     for (int i = 0; i < r * F; i++) A[i] = 0.01f * (float)(i % 7 + 1);
     for (int i = 0; i < C * r; i++) B[i] = 0.02f * (float)(i % 5 + 1);
-    for (int form = 0; form < 2; form++) {
+    for (int form = 0; form < 3; form++) { /* ["attn.c_proj"], ["attn.c_proj", "mlp.c_proj"], ["c_proj"] */
         char dir[600];
         snprintf(dir, sizeof dir, "%s/lg-form%d", fl_test_tmpdir(), form);
         fl_peft_config pc;
         memset(&pc, 0, sizeof pc);
         pc.lora.r = r, pc.lora.alpha = 4, pc.fan_in_fan_out = 1;
-        pc.lora.n_targets = 1;
-        snprintf(pc.lora.targets[0], sizeof pc.lora.targets[0], "%s", form ? "c_proj" : "attn.c_proj");
+        pc.lora.n_targets = form == 1 ? 2 : 1;
+        snprintf(pc.lora.targets[0], sizeof pc.lora.targets[0], "%s", form == 2 ? "c_proj" : "attn.c_proj");
+        snprintf(pc.lora.targets[1], sizeof pc.lora.targets[1], "mlp.c_proj");
         fl_peft_module m[2] = {{"transformer.h.1.attn.c_proj", C, C, A, B, NULL, 0, 0, 0, 0},
                                {"transformer.h.1.mlp.c_proj", F, C, A, B, NULL, 0, 0, 0, 0}};
         FL_REQUIRE_OK(fl_peft_save(dir, &pc, m, form ? 2 : 1));
+        const int both = form > 0;
         fl_peft_adapter a;
         FL_REQUIRE_OK(fl_peft_load(dir, &a));
         FL_CHECKF(fl_peft_check_model(&a, &mc, &lay, NULL, NULL) == FL_OK, "target_modules [\"%s\"]: %s",
@@ -205,8 +207,8 @@ FL_TEST(lora_gpt2_adapter_target_forms_load) {
             double want = 0; /* element (0, 0): scaling (alpha / r = 2) * sum_j B[0, j] A[j, 0] */
             for (int j = 0; j < r; j++) want += 2.0 * B[j] * A[(size_t)j * in];
             const double got = params[pi->offset];
-            FL_CHECKF(k > form ? got == 0 : fabs(got - want) <= 1e-6, "[\"%s\"]: %s[0,0] %g, want %g",
-                      pc.lora.targets[0], w[k], got, k > form ? 0.0 : want);
+            FL_CHECKF(k > both ? got == 0 : fabs(got - want) <= 1e-6, "[\"%s\"]: %s[0,0] %g, want %g",
+                      pc.lora.targets[0], w[k], got, k > both ? 0.0 : want);
         }
         fl_peft_free(&a);
     }
