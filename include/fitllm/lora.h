@@ -49,7 +49,8 @@ typedef struct {
     unsigned qkv_parts;    /* a fused q|k|v module (GPT-2's c_attn): the parts that train, bit 0 q, 1 k, 2 v (LitGPT's
                             * lora_query / _key / _value, fl_trainer_lora_config); 0: the whole module (PEFT's meaning of
                             * a target). The others' lora_B rows stay exactly 0: their gradient is zeroed each backward,
-                            * so the optimizer never moves them, and the PEFT adapter on the whole module is LitGPT's */
+                            * so the optimizer never moves them, and the PEFT adapter on the whole module changes the
+                            * enabled parts alone, as LitGPT's does (whose parts have an A each; here they share one) */
 } fl_lora_config;
 
 /* scaling = alpha / r, or alpha / sqrt(r) with use_rslora (fp32, as PEFT stores a Python float:

@@ -176,7 +176,7 @@ static void print_lora(const trainer *t) {
         const char *dot = strrchr(ad.mods[j].name, '.');
         fprintf(t->out, "note: %s's q, k and v are one module (%s): LoRA trains its %s rows only (lora_query, lora_key, "
                 "lora_value, as LitGPT); the PEFT adapter is saved on the whole %s (PEFT cannot adapt a part of a "
-                "module) with lora_B's %s rows zero\n", fl_arch_get(t->model.cfg.arch)->display,
+                "module) with lora_B's %s rows zero and one A for the trained parts\n", fl_arch_get(t->model.cfg.arch)->display,
                 dot ? dot + 1 : ad.mods[j].name, on, dot ? dot + 1 : ad.mods[j].name, off);
         break;
     }

@@ -87,7 +87,7 @@ fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *
     if (!t[0]) return fl_errorf(FL_ERR_INVALID, "finetune_lora: no target modules (set lora_query/lora_value/... or lora_target_modules)");
     FL_TRY(fl_lora_config_init(lc, mc, a->r, a->alpha, a->dropout, a->use_rslora, t));
     /* a fused q|k|v (the same target for the three switches: GPT-2's c_attn): LitGPT's LoRAQKVLinear trains the
-     * enabled parts alone; PEFT adapts the whole module, so the others are frozen at 0 in it */
+     * enabled parts alone; PEFT adapts the whole module, so the others' lora_B rows are frozen at 0 in it */
     const fl_arch_info *ai = fl_arch_get(mc->arch);
     const unsigned qkv = (a->query ? 1u : 0u) | (a->key ? 2u : 0u) | (a->value ? 4u : 0u);
     if (!a->target_modules[0] && qkv && qkv != 7u && !strcmp(ai->lora_switch[0], ai->lora_switch[1]) &&
