@@ -36,6 +36,15 @@ static void gpt2_micro(fl_model_config *mc, fl_param_layout *lay) {
     FL_REQUIRE_OK(fl_layout_build(lay, mc));
 }
 
+/* c's run, then its final/adapter read into *a */
+static fl_status train_load(const fl_run_config *c, fl_peft_adapter *a) {
+    fl_trainer_result res;
+    FL_TRY(fl_trainer_run(c, NULL, 0, NULL, NULL, &res));
+    char p[PATH_MAX + 64];
+    snprintf(p, sizeof p, "%s/adapter", res.final_dir);
+    return fl_peft_load(p, a);
+}
+
 /* Every switch combination: the modules (and the c_attn parts that train) are LitGPT's, the trainable count is theirs,
  * and the targets PEFT resolves are the modules trained (no more, no fewer). */
 FL_TEST(lora_gpt2_switches_make_litgpt_modules) {
@@ -119,12 +128,8 @@ FL_TEST(lora_gpt2_disabled_qkv_rows_stay_zero) {
         c.optimizer.lr = 1e-2f;
         c.optimizer.weight_decay = 0.1f;
         if (o) c.optimizer.kind = FL_OPT_ADAMW8BIT;
-        fl_trainer_result res;
-        FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, &res));
-        char p[PATH_MAX + 64];
-        snprintf(p, sizeof p, "%s/adapter", res.final_dir);
         fl_peft_adapter a;
-        FL_REQUIRE_OK(fl_peft_load(p, &a));
+        FL_REQUIRE_OK(train_load(&c, &a));
         FL_CHECK(a.cfg.lora.n_targets == 1 && !strcmp(a.cfg.lora.targets[0], "c_attn"));
         FL_CHECK(a.n == 2); /* gpt2-micro's 2 blocks' c_attn */
         for (int j = 0; j < a.n; j++) {
@@ -150,12 +155,8 @@ FL_TEST(lora_gpt2_projection_and_mlp_targets) {
         c.lora.query = c.lora.key = c.lora.value = c.lora.head = 0;
         c.lora.projection = !w, c.lora.mlp = w;
         c.train.max_steps = 1;
-        fl_trainer_result res;
-        FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, &res));
-        char p[PATH_MAX + 64];
-        snprintf(p, sizeof p, "%s/adapter", res.final_dir);
         fl_peft_adapter a;
-        FL_REQUIRE_OK(fl_peft_load(p, &a));
+        FL_REQUIRE_OK(train_load(&c, &a));
         FL_CHECKF(a.n == (w ? 4 : 2), "%s: %d modules saved", w ? "lora_mlp" : "lora_projection", a.n);
         for (int j = 0; j < a.n; j++) {
             const char *n = a.mods[j].name;
