@@ -1463,6 +1463,12 @@ expect merge_lora_head_ok 0 "merged" -- "$FITLLM" merge_lora tests/fixtures/peft
 a=$("$FITLLM" generate "$T/merged-head" --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
 b=$("$FITLLM" generate tests/fixtures/golden-llama --adapter tests/fixtures/peft-llama-head --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
 if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   generate_head_adapter_equals_merged"; pass=$((pass+1)); else echo "FAIL generate_head_adapter_equals_merged: '$a' '$b' '$c'"; fail=$((fail+1)); fi
+# per-module r and alpha (PEFT's rank_pattern / alpha_pattern; test_lora.c peft_rank_pattern_merge_vs_peft): merged on
+# the opaque backend (merge_lora's device path) == generate --adapter (the host's)
+expect merge_lora_rank_pattern 0 "merged" -- env FITLLM_BACKEND=opaque "$FITLLM" merge_lora tests/fixtures/peft-llama-pattern --base tests/fixtures/golden-llama --out_dir "$T/merged-pat"
+a=$("$FITLLM" generate "$T/merged-pat" --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
+b=$("$FITLLM" generate tests/fixtures/golden-llama --adapter tests/fixtures/peft-llama-pattern --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
+if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   generate_rank_pattern_adapter_equals_merged"; pass=$((pass+1)); else echo "FAIL generate_rank_pattern_adapter_equals_merged: '$a' '$b' '$c'"; fail=$((fail+1)); fi
 expect merge_lora_base_missing 2 "peft-llama/adapter_config.json: base model 'golden-llama' \(base_model_name_or_path\) not found.*give the base model folder with --base <dir>" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --out_dir "$T/m2"
 expect generate_adapter_base_missing 2 "base model 'golden-llama' .*not found.*fitllm generate <base_dir> --adapter tests/fixtures/peft-llama" -- "$FITLLM" generate tests/fixtures/peft-llama --prompt-ids "1 2"
 expect merge_lora_wrong_base 2 "peft-llama" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --base tests/fixtures/golden-gpt2 --out_dir "$T/m3"

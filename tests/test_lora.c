@@ -500,7 +500,7 @@ FL_TEST(lora_bad_input) {
     FL_REQUIRE_OK(fl_preset_find("gpt2", &g));
     FL_REQUIRE_OK(fl_config_validate(&g));
     FL_CHECK(fl_lora_config_init(&lc, &g, 8, 16, 0, 0, "q_proj") == FL_ERR_INVALID);
-    CHECK_MSG("c_attn, c_proj, c_fc, lm_head");
+    CHECK_MSG("c_attn, c_proj, attn.c_proj, mlp.c_proj, c_fc, lm_head");
     FL_CHECK(fl_lora_config_init(&lc, &g, 8, 16, 0, 0, "lm_head") == FL_ERR_INVALID); /* tied */
     CHECK_MSG("tied");
     FL_REQUIRE_OK(fl_lora_config_init(&lc, &g, 8, 16, 0, 0, "c_proj"));
@@ -535,8 +535,8 @@ FL_TEST(peft_round_trip) {
     fl_test_fill(&rg, B0, 24, -1, 1);
     fl_test_fill(&rg, A1, 30, -1, 1);
     fl_test_fill(&rg, B1, 12, -1, 1);
-    fl_peft_module mods[2] = {{"model.layers.0.self_attn.q_proj", 10, 8, A0, B0, NULL, 0, 0},
-                              {"model.layers.0.self_attn.v_proj", 10, 4, A1, B1, NULL, 0, 0}};
+    fl_peft_module mods[2] = {{"model.layers.0.self_attn.q_proj", 10, 8, A0, B0, NULL, 0, 0, 0, 0},
+                              {"model.layers.0.self_attn.v_proj", 10, 4, A1, B1, NULL, 0, 0, 0, 0}};
     FL_REQUIRE_OK(fl_peft_save(dir, &pc, mods, 2));
     fl_peft_adapter a;
     FL_REQUIRE_OK(fl_peft_load(dir, &a));
@@ -614,6 +614,22 @@ FL_TEST(peft_llama_adapter_merge_vs_peft) {
 FL_TEST(peft_gpt2_conv1d_adapter_merge_vs_peft) {
     merged_vs_peft("tests/fixtures/peft-gpt2", "tests/fixtures/golden-gpt2", "golden-gpt2");
 }
+/* rank_pattern {"v_proj": 2, "layers.1.self_attn.q_proj": 6}, alpha_pattern {"down_proj": 3, "q_proj": 12}: each
+ * module's r and scaling as PEFT gives them (it failed on v_proj's r 2 A as "expected (r=4, in)") */
+FL_TEST(peft_rank_pattern_merge_vs_peft) {
+    merged_vs_peft("tests/fixtures/peft-llama-pattern", "tests/fixtures/golden-llama", "golden-llama");
+    fl_peft_adapter a;
+    FL_REQUIRE_OK(fl_peft_load("tests/fixtures/peft-llama-pattern", &a));
+    for (int j = 0; j < a.n; j++) {
+        const char *n = a.mods[j].name;
+        const int q = strstr(n, "q_proj") != NULL, q1 = q && strstr(n, "layers.1.") != NULL;
+        const int want_r = strstr(n, "v_proj") ? 2 : q1 ? 6 : 4;
+        const float want_s = (float)((q ? 12.0 : strstr(n, "down_proj") ? 3.0 : 8.0) / want_r);
+        FL_CHECKF(a.mods[j].r == want_r && a.mods[j].scaling == want_s, "%s: r %d scaling %g, want %d, %g", n,
+                  a.mods[j].r, (double)a.mods[j].scaling, want_r, (double)want_s);
+    }
+    fl_peft_free(&a);
+}
 
 FL_TEST(peft_bad_adapters) {
     const char *d = fl_test_tmpdir();
@@ -635,7 +651,7 @@ FL_TEST(peft_bad_adapters) {
     fl_peft_adapter a;
     int *idx;
     /* shapes not matching the base model: v_proj is (KVD, C), adapter says out = C */
-    fl_peft_module m1 = {"model.layers.1.self_attn.v_proj", C, C, A, B, NULL, 0, 0};
+    fl_peft_module m1 = {"model.layers.1.self_attn.v_proj", C, C, A, B, NULL, 0, 0, 0, 0};
     FL_REQUIRE_OK(fl_peft_save(dir, &pc, &m1, 1));
     FL_REQUIRE_OK(fl_peft_load(dir, &a));
     FL_CHECK(fl_peft_check_model(&a, &mc, &lay, NULL, &idx) == FL_ERR_INVALID);
@@ -646,7 +662,7 @@ FL_TEST(peft_bad_adapters) {
     CHECK_MSG("other-model");
     fl_peft_free(&a);
     /* a module the model does not have */
-    fl_peft_module m2 = {"model.layers.7.self_attn.v_proj", C, KVD, A, B, NULL, 0, 0};
+    fl_peft_module m2 = {"model.layers.7.self_attn.v_proj", C, KVD, A, B, NULL, 0, 0, 0, 0};
     FL_REQUIRE_OK(fl_peft_save(dir, &pc, &m2, 1));
     FL_REQUIRE_OK(fl_peft_load(dir, &a));
     FL_CHECK(fl_peft_check_model(&a, &mc, &lay, NULL, &idx) == FL_ERR_INVALID);
@@ -654,7 +670,7 @@ FL_TEST(peft_bad_adapters) {
     fl_peft_free(&a);
     /* unknown target module name in the config */
     strcpy(pc.lora.targets[0], "v_prj");
-    fl_peft_module m3 = {"model.layers.0.self_attn.v_proj", C, KVD, A, B, NULL, 0, 0};
+    fl_peft_module m3 = {"model.layers.0.self_attn.v_proj", C, KVD, A, B, NULL, 0, 0, 0, 0};
     FL_REQUIRE_OK(fl_peft_save(dir, &pc, &m3, 1));
     FL_REQUIRE_OK(fl_peft_load(dir, &a));
     FL_CHECK(fl_peft_check_model(&a, &mc, &lay, NULL, &idx) == FL_ERR_INVALID);
@@ -947,7 +963,7 @@ FL_TEST(lora_head_config_and_peft_io) {
     fl_test_fill(&rg, A, 12, -1, 1);
     fl_test_fill(&rg, Bm, 18, -1, 1);
     fl_test_fill(&rg, W, 54, -1, 1);
-    fl_peft_module pm = {"lm_head", 6, 9, A, Bm, W, 0, 0};
+    fl_peft_module pm = {"lm_head", 6, 9, A, Bm, W, 0, 0, 0, 0};
     FL_REQUIRE_OK(fl_peft_save(dir, &pc, &pm, 1));
     fl_peft_adapter a;
     FL_REQUIRE_OK(fl_peft_load(dir, &a));

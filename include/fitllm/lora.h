@@ -45,7 +45,12 @@ typedef struct {
     float dropout;         /* in [0, 1) */
     int use_rslora;        /* scaling alpha / sqrt(r) instead of alpha / r */
     int n_targets;
-    char targets[FL_LORA_MAX_TARGETS][32]; /* module suffixes: "q_proj", "c_attn", ... */
+    char targets[FL_LORA_MAX_TARGETS][32]; /* module suffixes: "q_proj", "c_attn", "attn.c_proj", ... */
+    unsigned qkv_parts;    /* a fused q|k|v module (GPT-2's c_attn): the parts that train, bit 0 q, 1 k, 2 v (LitGPT's
+                            * lora_query / _key / _value, fl_trainer_lora_config); 0: the whole module (PEFT's meaning of
+                            * a target). The others' lora_B rows stay exactly 0: their gradient is zeroed each backward,
+                            * so the optimizer never moves them, and the PEFT adapter on the whole module changes the
+                            * enabled parts alone, as LitGPT's does (whose parts have an A each; here they share one) */
 } fl_lora_config;
 
 /* scaling = alpha / r, or alpha / sqrt(r) with use_rslora (fp32, as PEFT stores a Python float:
@@ -53,8 +58,9 @@ typedef struct {
 float fl_lora_scaling(const fl_lora_config *c);
 
 /* Module suffixes an architecture accepts (NULL-terminated). LLaMA: q_proj k_proj v_proj o_proj
- * gate_proj up_proj down_proj lm_head; GPT-2: c_attn c_proj c_fc lm_head ("c_proj" matches both
- * attn.c_proj and mlp.c_proj, as PEFT's suffix match). */
+ * gate_proj up_proj down_proj lm_head; GPT-2: c_attn c_proj attn.c_proj mlp.c_proj c_fc lm_head. A target
+ * matches a module as PEFT's check_target_module_exists does: the module's name is the target or ends with
+ * "." + target, so "c_proj" is both attn.c_proj and mlp.c_proj, "attn.c_proj" the attention's alone. */
 const char *const *fl_lora_valid_targets(fl_arch arch);
 
 /* Fill c from options: targets is a comma-separated list (spaces ignored) or "all-linear" (every
@@ -78,6 +84,9 @@ typedef struct {
                                       fl_linear multiplies: q 0, k QD, v QD+KVD (fused QKV);
                                       gate 0, up F (fused gate/up); 0 otherwise */
     int fused_rows;                /* rows of that fused matrix (QKV, 2F, ...): the y/dy row stride */
+    int parts;                     /* a module that is itself a fused q|k|v (GPT-2's c_attn): 3, else 0 */
+    unsigned frozen;               /* of those parts, the ones that never train (bit i: B rows [i out/parts,
+                                      (i+1) out/parts) stay 0; fl_lora_config.qkv_parts' complement) */
 } fl_lora_module;
 
 /* List the modules the config adapts, in layout order (layer by layer; q, k, v, o, gate, up,
@@ -85,6 +94,16 @@ typedef struct {
  * A/B of module j live at adapter offsets from fl_lora_adapter_offsets. */
 fl_status fl_lora_modules(const fl_lora_config *c, const fl_param_layout *lay, const fl_model_config *mc,
                           fl_lora_module **mods, int *n_mods);
+
+/* The adapter elements that train: each module's A and the rows of its B that are not frozen (fl_lora_module.frozen):
+ * what a LitGPT run counts as trainable. */
+size_t fl_lora_trainable(const fl_lora_module *mods, int n_mods, int r);
+
+/* The modules c adapts on mc, one per kind, in the architecture's table order: their names with the block number as
+ * '*' ("transformer.h.*.attn.c_attn[q+v]": the parts that train of a module with frozen parts; "lm_head"),
+ * comma-separated, into out (n bytes; "" on error, with the error set). Two configurations adapt the same modules the
+ * same way iff their descriptions are equal. */
+fl_status fl_lora_describe(const fl_lora_config *c, const fl_model_config *mc, char *out, size_t n);
 
 /* Adapter parameter layout: A_j at off[2j], B_j at off[2j+1] (elements), total returned in *total.
  * One flat buffer: adapters PARAMS, their GRADS and OPTIM use the same layout. */

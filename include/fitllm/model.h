@@ -124,6 +124,7 @@ typedef struct {
     const char *fmt;      /* the module's HF name for block %d (of its stack) */
     int row0, rows;       /* its rows of the fused output (q|k|v, gate|up), and the fused output's rows */
     int stack;            /* the stack whose blocks have it (an encoder-decoder: 0 encoder, 1 decoder; else 0) */
+    int parts;            /* the module is a fused q|k|v itself (GPT-2's c_attn): 3 (fl_lora_config.qkv_parts), else 0 */
 } fl_arch_lora_module;
 #define FL_ARCH_MAX_LORA_MODULES 24
 /* LINEAR ops a block may have (the block graph's linear index: 0 qkv, 1 o, 2 fc, 3 proj; T5's decoder block adds
@@ -157,7 +158,9 @@ typedef struct {
     const char *hf_layers_key; /* config.json's layer count key ("num_hidden_layers", "n_layer"): messages */
     const char *const *lora_targets; /* the valid PEFT target names, NULL-terminated (lm_head included) */
     const char *lora_default;  /* the default target list of `fitllm bench --lora` ("q_proj,v_proj") */
-    /* the PEFT targets of LitGPT's --lora_query, _key, _value, _projection, _mlp switches (comma lists) */
+    /* the PEFT targets of LitGPT's --lora_query, _key, _value, _projection, _mlp switches (comma lists); the same
+     * target for query, key and value is a fused q|k|v module (its table entry's parts: 3), whose disabled parts are
+     * frozen (fl_lora_config.qkv_parts) */
     const char *lora_switch[5];
     /* the architecture's own config rules, after the generic ones (forced fields, extra checks) */
     fl_status (*check)(fl_model_config *c);

@@ -42,6 +42,8 @@ typedef struct {
     float *B;   /* (out, r) */
     float *W;   /* (out, in) "<module>.base_layer.weight" (PEFT saves it for lm_head), or NULL */
     int w_out, w_in; /* loaded: W's shape (checked to be (out, in)) */
+    int r;          /* loaded: the module's rank (rank_pattern's, else the config's r); 0: the config's */
+    float scaling;  /* loaded: its scaling (alpha_pattern's lora_alpha, else the config's, over r or sqrt(r)) */
 } fl_peft_module;
 
 typedef struct {
@@ -56,10 +58,18 @@ fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft
 
 /* Read an adapter folder. Checks: peft_type LORA, r > 0, lora_alpha > 0, bias "none", every
  * tensor named base_model.model.<module>.lora_{A,B}.weight (or <module>.base_layer.weight),
- * 2-D F32/BF16/F16 (converted to f32), A (r, in) and B (out, r) with the config's r, each module
- * with both A and B, a base_layer weight (out, in). */
+ * 2-D F32/BF16/F16 (converted to f32), A (r, in) and B (out, r) with the module's r, each module
+ * with both A and B, a base_layer weight (out, in). A module's r and lora_alpha are rank_pattern's and
+ * alpha_pattern's when a key of theirs matches its name as PEFT's get_pattern_key does (the first key, in the
+ * file's order, for which the regular expression "(.*\.)?(KEY)$" matches the whole name), else r and lora_alpha
+ * (fl_peft_module.r, .scaling); a key that is no regular expression, or a value that is no positive integer
+ * (rank_pattern) / number (alpha_pattern), is refused naming the key. */
 fl_status fl_peft_load(const char *dir, fl_peft_adapter *a);
 void fl_peft_free(fl_peft_adapter *a);
+
+/* Module m's rank and scaling: its own (fl_peft_load's), else the config's (a module filled by hand). */
+int fl_peft_module_r(const fl_peft_adapter *a, const fl_peft_module *m);
+float fl_peft_module_scaling(const fl_peft_adapter *a, const fl_peft_module *m);
 
 /* Check an adapter against a model: every module must be a 2-D weight "<module>.weight" of the
  * layout with shape (out, in); target_modules must be valid for the architecture. When
@@ -68,7 +78,7 @@ void fl_peft_free(fl_peft_adapter *a);
 fl_status fl_peft_check_model(const fl_peft_adapter *a, const fl_model_config *mc, const fl_param_layout *lay,
                               const char *expect_base, int **param_index);
 
-/* Merge every module into the model's flat parameters: W += scaling * B @ A (W = the module's
+/* Merge every module into the model's flat parameters: W += scaling * B @ A (its r and scaling; W = the module's
  * base_layer weight first when the adapter holds one, as PEFT loads it). */
 fl_status fl_peft_merge_into(const fl_peft_adapter *a, const fl_param_layout *lay, float *params);
 

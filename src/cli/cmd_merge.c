@@ -188,7 +188,6 @@ static fl_status resolve_base(const fl_peft_adapter *a, const fl_cli_adapter_inf
 /* fl_peft_merge_into for a model whose weights are device memory: each adapted weight comes to
  * the host (fl_model_read_param), is merged there and written back (one weight at a time). */
 static fl_status merge_on_device(const fl_peft_adapter *a, fl_model *m) {
-    const float sc = fl_lora_scaling(&a->cfg.lora);
     for (int k = 0; k < a->n; k++) {
         const fl_peft_module *md = &a->mods[k];
         char w[FL_PARAM_NAME_MAX + 8];
@@ -201,7 +200,7 @@ static fl_status merge_on_device(const fl_peft_adapter *a, fl_model *m) {
         if (!tmp) return fl_errorf(FL_ERR_OOM, "merge: out of host memory");
         if (md->W) memcpy(tmp, md->W, n * sizeof(float)); /* PEFT's saved base layer replaces the weight */
         else fl_model_read_param(m, i, tmp);
-        fl_lora_merge(tmp, md->in, md->A, md->B, a->cfg.lora.r, md->in, md->out, sc);
+        fl_lora_merge(tmp, md->in, md->A, md->B, fl_peft_module_r(a, md), md->in, md->out, fl_peft_module_scaling(a, md));
         fl_model_write_param(m, i, tmp);
         free(tmp);
     }

@@ -18,6 +18,8 @@ typedef struct {
     float *h;             /* (N, r) saved LoRA intermediate (ACTS); lm_head: (chunk rows, r) */
     float *xd;            /* (N, in) dropped input (ACTS) when dropout > 0, else NULL; lm_head: (chunk rows, in) */
     int row0, out, in, r; /* slice [row0, row0+out) of the linear's output */
+    int parts;            /* a fused q|k|v module's adapter: B's rows in 3 parts, of which ... */
+    unsigned frozen;      /* ... these never train: their dB rows are zeroed after each backward (fl_lora_module) */
     float scaling, dropout;
     int index;            /* module index (st->mods) */
     int stream;           /* the whole model's module index: part of the init and dropout seeds (a pipeline stage's

@@ -85,9 +85,11 @@ fl_status fl_lora_config_init(fl_lora_config *c, const fl_model_config *mc, int 
         while (*e && *e != ',' && !isspace((unsigned char)*e)) e++;
         if (e > s) {
             if ((size_t)(e - s) == 10 && strncmp(s, "all-linear", 10) == 0) {
+                /* the plain names: a dotted one ("attn.c_proj") is a part of a plain one's modules */
                 const char *const *v = fl_lora_valid_targets(mc->arch);
                 for (int i = 0; v[i]; i++)
-                    if (strcmp(v[i], "lm_head") != 0) FL_TRY(add_target(c, v[i], strlen(v[i]), mc->arch));
+                    if (strcmp(v[i], "lm_head") != 0 && !strchr(v[i], '.'))
+                        FL_TRY(add_target(c, v[i], strlen(v[i]), mc->arch));
             } else {
                 FL_TRY(add_target(c, s, (size_t)(e - s), mc->arch));
             }
@@ -97,10 +99,23 @@ fl_status fl_lora_config_init(fl_lora_config *c, const fl_model_config *mc, int 
     return fl_lora_config_validate(c, mc);
 }
 
-static int has_target(const fl_lora_config *c, const char *t) {
-    for (int i = 0; i < c->n_targets; i++)
-        if (strcmp(c->targets[i], t) == 0) return 1;
+/* Whether c adapts the module named name whose table target is t: a config target equal to t, or PEFT's rule
+ * (check_target_module_exists): the name is the target or ends with "." + target ("c_proj" is
+ * transformer.h.0.attn.c_proj and transformer.h.0.mlp.c_proj, "attn.c_proj" the first alone). */
+static int has_target(const fl_lora_config *c, const char *t, const char *name) {
+    const size_t nl = strlen(name);
+    for (int i = 0; i < c->n_targets; i++) {
+        const char *g = c->targets[i];
+        const size_t gl = strlen(g);
+        if (strcmp(g, t) == 0 || strcmp(g, name) == 0) return 1;
+        if (nl > gl && name[nl - gl - 1] == '.' && strcmp(name + nl - gl, g) == 0) return 1;
+    }
     return 0;
+}
+
+/* The frozen parts of a module of table entry e (fl_lora_module.frozen) */
+static unsigned frozen_parts(const fl_lora_config *c, const fl_arch_lora_module *e) {
+    return e->parts == 3 && c->qkv_parts ? ~c->qkv_parts & 7u : 0u;
 }
 
 fl_status fl_lora_modules(const fl_lora_config *c, const fl_param_layout *lay, const fl_model_config *mc,
@@ -117,15 +132,18 @@ fl_status fl_lora_modules(const fl_lora_config *c, const fl_param_layout *lay, c
     for (int l = 0; l < L; l++)
         for (int t = 0; t < nt; t++) {
             const int stack = l >= mc->n_layers, l_in = stack ? l - mc->n_layers : l;
-            if (!has_target(c, tab[t].target) || tab[t].stack != stack) continue;
+            if (tab[t].stack != stack) continue;
             fl_lora_module *e = &m[n];
             snprintf(e->name, sizeof e->name, tab[t].fmt, l_in);
+            if (!has_target(c, tab[t].target, e->name)) continue;
             e->layer = l;
             e->fused_row0 = tab[t].row0;
             e->fused_rows = tab[t].rows;
+            e->parts = tab[t].parts;
+            e->frozen = frozen_parts(c, &tab[t]);
             n++;
         }
-    if (has_target(c, "lm_head")) {
+    if (has_target(c, "lm_head", "lm_head")) {
         fl_lora_module *e = &m[n++];
         snprintf(e->name, sizeof e->name, "lm_head");
         e->layer = -1;
@@ -147,6 +165,43 @@ fl_status fl_lora_modules(const fl_lora_config *c, const fl_param_layout *lay, c
     }
     *mods = m;
     *n_mods = n;
+    return FL_OK;
+}
+
+size_t fl_lora_trainable(const fl_lora_module *mods, int n_mods, int r) {
+    size_t n = 0;
+    for (int j = 0; j < n_mods; j++) {
+        int rows = mods[j].out;
+        for (int p = 0; p < mods[j].parts; p++)
+            if (mods[j].frozen >> p & 1u) rows -= mods[j].out / mods[j].parts;
+        n += (size_t)r * mods[j].in + (size_t)rows * r;
+    }
+    return n;
+}
+
+fl_status fl_lora_describe(const fl_lora_config *c, const fl_model_config *mc, char *out, size_t n) {
+    static const char *const part_names[3] = {"q", "k", "v"};
+    if (n) out[0] = 0;
+    FL_TRY(fl_lora_config_validate(c, mc));
+    fl_arch_lora_module tab[FL_ARCH_MAX_LORA_MODULES];
+    const int nt = fl_arch_get(mc->arch)->lora_modules(mc, tab);
+    size_t k = 0;
+#define SAY(...) (k += (size_t)snprintf(out + k, k < n ? n - k : 0, __VA_ARGS__))
+    for (int t = 0; t < nt; t++) {
+        char name[FL_PARAM_NAME_MAX], star[FL_PARAM_NAME_MAX];
+        const char *d = strstr(tab[t].fmt, "%d");
+        snprintf(name, sizeof name, tab[t].fmt, 0);
+        if (!d || !has_target(c, tab[t].target, name)) continue;
+        snprintf(star, sizeof star, "%.*s*%s", (int)(d - tab[t].fmt), tab[t].fmt, d + 2);
+        SAY("%s%s", k ? "," : "", star);
+        const unsigned fr = frozen_parts(c, &tab[t]);
+        for (int p = 0, first = 1; fr && p < 3; p++)
+            if (!(fr >> p & 1u)) SAY("%s%s", first ? "[" : "+", part_names[p]), first = 0;
+        if (fr) SAY("]");
+    }
+    if (has_target(c, "lm_head", "lm_head")) SAY("%slm_head", k ? "," : "");
+#undef SAY
+    if (k >= n && n) out[n - 1] = 0;
     return FL_OK;
 }
 

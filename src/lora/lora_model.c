@@ -68,12 +68,23 @@ static fl_status cols_forward(const fl_lora_slot *a, const fl_backend *be, float
                   0.0f, 0);
 }
 
+/* The frozen parts' rows of dB back to 0 after a backward: B's rows there stay 0 whatever the optimizer (no
+ * gradient, no moments, no decay of a 0), so the fused module's adapter is LitGPT's of its enabled parts */
+static fl_status zero_frozen(const fl_lora_slot *a, const fl_backend *be) {
+    const int rows = a->parts ? a->out / a->parts : 0;
+    for (int p = 0; p < a->parts; p++)
+        if (a->frozen >> p & 1u)
+            FL_TRY(FL_RUN(be, zero, a->dB + (size_t)p * rows * a->r, (size_t)rows * a->r * sizeof(float)));
+    return FL_OK;
+}
+
 static fl_status cols_backward(const fl_lora_slot *a, const fl_backend *be, float *dx, const float *dy, int ldy, int N,
                                int row_base) {
     float *t = a->st->work + (size_t)N * a->r; /* the branch's d(x) before the mask (the kernel's g before it) */
     if (dx) FL_RUN(be, zero, t, (size_t)N * a->in * sizeof(float));
     FL_TRY(FL_RUN(be, lora_backward, dx ? t : NULL, a->dA, a->dB, dy + a->row0, ldy, a->xd, a->h, a->A, a->B, N, a->in,
                   a->out, a->r, a->scaling, 0.0f, 0, a->st->work));
+    FL_TRY(zero_frozen(a, be));
     if (!dx) return FL_OK;
     return FL_RUN(be, dropout_rows, dx, t, N, (size_t)a->in, (size_t)a->tp_n, a->dropout, cols_seed(a, row_base), 1);
 }
@@ -92,8 +103,9 @@ static fl_status slot_backward(const fl_linear_adapter *ad, const fl_backend *be
                                const float *x, int N, int row_base) {
     const fl_lora_slot *a = (const fl_lora_slot *)ad;
     if (a->tp_n && a->dropout > 0) return cols_backward(a, be, dx, dy, ldy, N, row_base);
-    return FL_RUN(be, lora_backward, dx, a->dA, a->dB, dy + a->row0, ldy, a->xd ? a->xd : x, a->h, a->A, a->B, N, a->in,
-                             a->out, a->r, a->scaling, a->dropout, slot_seed(a, row_base), a->st->work);
+    FL_TRY(FL_RUN(be, lora_backward, dx, a->dA, a->dB, dy + a->row0, ldy, a->xd ? a->xd : x, a->h, a->A, a->B, N, a->in,
+                  a->out, a->r, a->scaling, a->dropout, slot_seed(a, row_base), a->st->work));
+    return zero_frozen(a, be);
 }
 
 /* backward16 (issue 30 items 1 and 7): with dropout the branch's backward reads its own dropped copy (xd, made in the
@@ -184,6 +196,8 @@ fl_status fl_model_lora_init_at(fl_model *m, const fl_lora_config *cfg, uint64_t
                 sl->row0 = md->fused_row0;
                 sl->out = md->out;
                 sl->in = md->in;
+                sl->parts = md->parts;
+                sl->frozen = md->frozen;
                 sl->r = cfg->r;
                 sl->scaling = st->scaling;
                 sl->dropout = cfg->dropout;

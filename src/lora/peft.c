@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
 
 #include "core/text.h"
 #include "fitllm/io.h"
@@ -124,9 +126,8 @@ static fl_status peft_bool(const char *path, const fl_json *j, const char *key, 
     return FL_OK;
 }
 
-static fl_status read_config(const char *path, fl_peft_config *c) {
-    fl_json *j = NULL;
-    FL_TRY(fl_json_parse_file(path, &j));
+/* adapter_config.json (parsed: j) into c */
+static fl_status read_config(const char *path, const fl_json *j, fl_peft_config *c) {
     fl_status st = FL_OK;
     const fl_json *v;
     memset(c, 0, sizeof *c);
@@ -191,8 +192,85 @@ static fl_status read_config(const char *path, fl_peft_config *c) {
     }
 #undef BAD
 done:
-    fl_json_free(j);
     return st;
+}
+
+/* rank_pattern / alpha_pattern: {pattern: value}, each pattern compiled as PEFT's get_pattern_key matches it */
+typedef struct {
+    const char *key;
+    pcre2_code *re;
+    double v;
+} peft_pat;
+typedef struct {
+    peft_pat *p;
+    int n;
+} peft_pats;
+
+static void pats_free(peft_pats *ps) {
+    for (int i = 0; i < ps->n; i++) pcre2_code_free(ps->p[i].re);
+    free(ps->p);
+    memset(ps, 0, sizeof *ps);
+}
+
+/* key (rank_pattern: ints, else alpha_pattern) of adapter_config.json j into *ps (empty when absent, null or {}) */
+static fl_status read_pats(const char *path, const fl_json *j, const char *key, int ints, peft_pats *ps) {
+    const fl_json *o = fl_json_get(j, key);
+    memset(ps, 0, sizeof *ps);
+    if (!o || o->type == FL_JSON_NULL) return FL_OK;
+    if (o->type != FL_JSON_OBJECT)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s': not an object of module patterns and their %s", path, key,
+                         ints ? "ranks" : "alphas");
+    ps->p = calloc(o->len + 1, sizeof *ps->p);
+    if (!ps->p) return fl_errorf(FL_ERR_OOM, "%s: key '%s'", path, key);
+    fl_status st = FL_OK;
+    for (const fl_json *e = o->child; e && st == FL_OK; e = e->next) {
+        const double v = e->type == FL_JSON_NUMBER ? (e->is_int ? (double)e->i : e->num) : 0;
+        if (e->type != FL_JSON_NUMBER || (ints && !e->is_int)) {
+            st = fl_errorf(FL_ERR_FORMAT, "%s: key '%s': pattern '%s': the value is not %s", path, key, e->key,
+                           ints ? "an integer rank" : "a number");
+            break;
+        }
+        if (!(v > 0) || (ints && v > (double)(1 << 20))) {
+            st = fl_errorf(FL_ERR_INVALID, "%s: key '%s': pattern '%s': %s must be > 0 (got %g)", path, key, e->key,
+                           ints ? "the rank" : "lora_alpha", v);
+            break;
+        }
+        const size_t kl = strlen(e->key);
+        char *rx = malloc(kl + 32);
+        if (!rx) { st = fl_errorf(FL_ERR_OOM, "%s: key '%s'", path, key); break; }
+        snprintf(rx, kl + 32, "^(?:.*\\.)?(?:%s)$", e->key); /* re.match(rf"(.*\.)?({key})$", name) */
+        int err = 0;
+        PCRE2_SIZE off = 0;
+        pcre2_code *re = pcre2_compile((PCRE2_SPTR)rx, PCRE2_ZERO_TERMINATED, 0, &err, &off, NULL);
+        free(rx);
+        if (!re) {
+            PCRE2_UCHAR msg[160];
+            pcre2_get_error_message(err, msg, sizeof msg);
+            st = fl_errorf(FL_ERR_INVALID, "%s: key '%s': pattern '%s' is not a regular expression (%s)", path, key,
+                           e->key, (const char *)msg);
+            break;
+        }
+        ps->p[ps->n++] = (peft_pat){e->key, re, v};
+    }
+    if (st != FL_OK) pats_free(ps);
+    return st;
+}
+
+/* The first pattern of ps matching the module name (PEFT's get_pattern_key), or NULL */
+static const peft_pat *pats_find(const peft_pats *ps, const char *name) {
+    for (int i = 0; i < ps->n; i++) {
+        pcre2_match_data *md = pcre2_match_data_create_from_pattern(ps->p[i].re, NULL);
+        const int rc = md ? pcre2_match(ps->p[i].re, (PCRE2_SPTR)name, PCRE2_ZERO_TERMINATED, 0, 0, md, NULL) : -1;
+        pcre2_match_data_free(md);
+        if (rc >= 0) return &ps->p[i];
+    }
+    return NULL;
+}
+
+int fl_peft_module_r(const fl_peft_adapter *a, const fl_peft_module *m) { return m->r > 0 ? m->r : a->cfg.lora.r; }
+
+float fl_peft_module_scaling(const fl_peft_adapter *a, const fl_peft_module *m) {
+    return m->r > 0 ? m->scaling : fl_lora_scaling(&a->cfg.lora);
 }
 
 /* A copy of tensor t as n fp32 values (malloc'd into *out). */
@@ -207,14 +285,30 @@ static fl_status read_f32(const char *path, const char *nm, const fl_st_tensor *
     return FL_OK;
 }
 
+static fl_status load_tensors(const char *dir, fl_peft_adapter *a, const peft_pats *rp, const peft_pats *ap);
+
 fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
     if (!dir || !a) return fl_errorf(FL_ERR_INVALID, "fl_peft_load: NULL argument");
     memset(a, 0, sizeof *a);
     char path[4096];
     FL_TRY(fl_fs_join(path, sizeof path, dir, "adapter_config.json"));
     if (!fl_fs_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no adapter_config.json (not a PEFT adapter folder)", dir);
-    FL_TRY(read_config(path, &a->cfg));
-    const int r = a->cfg.lora.r;
+    fl_json *j = NULL;
+    peft_pats rp = {0}, ap = {0};
+    FL_TRY(fl_json_parse_file(path, &j));
+    fl_status st = read_config(path, j, &a->cfg);
+    if (st == FL_OK) st = read_pats(path, j, "rank_pattern", 1, &rp);
+    if (st == FL_OK) st = read_pats(path, j, "alpha_pattern", 0, &ap);
+    if (st == FL_OK) st = load_tensors(dir, a, &rp, &ap);
+    pats_free(&rp);
+    pats_free(&ap);
+    fl_json_free(j); /* after the patterns: their keys are its strings */
+    return st;
+}
+
+/* fl_peft_load's tensors, each module's r and scaling from the patterns (rank_pattern rp, alpha_pattern ap) */
+static fl_status load_tensors(const char *dir, fl_peft_adapter *a, const peft_pats *rp, const peft_pats *ap) {
+    char path[4096];
     FL_TRY(fl_fs_join(path, sizeof path, dir, "adapter_model.safetensors"));
     if (!fl_fs_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no adapter_model.safetensors", dir);
     fl_st_file f;
@@ -261,8 +355,20 @@ fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
         int k;
         for (k = 0; k < a->n; k++)
             if (strcmp(a->mods[k].name, mod) == 0) break;
-        if (k == a->n) snprintf(a->mods[a->n++].name, FL_PARAM_NAME_MAX, "%s", mod);
+        const peft_pat *pr = pats_find(rp, mod);
+        if (k == a->n) { /* a new module: its rank and scaling (rank_pattern, alpha_pattern) */
+            const peft_pat *pa = pats_find(ap, mod);
+            fl_lora_config lc = a->cfg.lora;
+            if (pr) lc.r = (int)pr->v;
+            if (pa) lc.alpha = (float)pa->v;
+            snprintf(a->mods[a->n].name, FL_PARAM_NAME_MAX, "%s", mod);
+            a->mods[a->n].r = lc.r;
+            a->mods[a->n++].scaling = fl_lora_scaling(&lc);
+        }
         fl_peft_module *m = &a->mods[k];
+        const int r = m->r;
+        char from[FL_PARAM_NAME_MAX + 40] = ""; /* where the expected r comes from */
+        if (pr) snprintf(from, sizeof from, " from rank_pattern '%.*s'", FL_PARAM_NAME_MAX, pr->key);
         int64_t d0 = t->shape[0], d1 = t->shape[1];
         if (isB == 2) {
             if (m->W) {
@@ -282,13 +388,13 @@ fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
             continue;
         }
         if (!isB && d0 != r) {
-            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': shape (%lld, %lld), expected (r=%d, in)", path, nm,
-                           (long long)d0, (long long)d1, r);
+            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': shape (%lld, %lld), expected (r=%d%s, in)", path, nm,
+                           (long long)d0, (long long)d1, r, from);
             break;
         }
         if (isB && d1 != r) {
-            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': shape (%lld, %lld), expected (out, r=%d)", path, nm,
-                           (long long)d0, (long long)d1, r);
+            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': shape (%lld, %lld), expected (out, r=%d%s)", path, nm,
+                           (long long)d0, (long long)d1, r, from);
             break;
         }
         if ((isB ? m->B : m->A) != NULL) {
@@ -361,7 +467,6 @@ fl_status fl_peft_check_model(const fl_peft_adapter *a, const fl_model_config *m
 }
 
 fl_status fl_peft_merge_into(const fl_peft_adapter *a, const fl_param_layout *lay, float *params) {
-    const float s = fl_lora_scaling(&a->cfg.lora);
     for (int k = 0; k < a->n; k++) {
         const fl_peft_module *m = &a->mods[k];
         char w[FL_PARAM_NAME_MAX + 8];
@@ -372,7 +477,8 @@ fl_status fl_peft_merge_into(const fl_peft_adapter *a, const fl_param_layout *la
                              m->name);
         if (m->W) /* PEFT loads the saved base layer into the model, then merges */
             memcpy(params + lay->params[i].offset, m->W, (size_t)m->out * m->in * sizeof(float));
-        fl_lora_merge(params + lay->params[i].offset, m->in, m->A, m->B, a->cfg.lora.r, m->in, m->out, s);
+        fl_lora_merge(params + lay->params[i].offset, m->in, m->A, m->B, fl_peft_module_r(a, m), m->in, m->out,
+                      fl_peft_module_scaling(a, m));
     }
     return FL_OK;
 }

@@ -67,12 +67,12 @@ static int layout(fl_layout_builder *b, const fl_model_config *c) {
 static int lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL_ARCH_MAX_LORA_MODULES]) {
     const int C = c->dim, F = c->ffn_dim;
     const fl_arch_lora_module t[] = {
-        {"query", "bert.encoder.layer.%d.attention.self.query", 0, 3 * C, 0},
-        {"key", "bert.encoder.layer.%d.attention.self.key", C, 3 * C, 0},
-        {"value", "bert.encoder.layer.%d.attention.self.value", 2 * C, 3 * C, 0},
-        {"dense", "bert.encoder.layer.%d.attention.output.dense", 0, C, 0},
-        {"dense", "bert.encoder.layer.%d.intermediate.dense", 0, F, 0},
-        {"dense", "bert.encoder.layer.%d.output.dense", 0, C, 0},
+        {"query", "bert.encoder.layer.%d.attention.self.query", 0, 3 * C, 0, 0},
+        {"key", "bert.encoder.layer.%d.attention.self.key", C, 3 * C, 0, 0},
+        {"value", "bert.encoder.layer.%d.attention.self.value", 2 * C, 3 * C, 0, 0},
+        {"dense", "bert.encoder.layer.%d.attention.output.dense", 0, C, 0, 0},
+        {"dense", "bert.encoder.layer.%d.intermediate.dense", 0, F, 0, 0},
+        {"dense", "bert.encoder.layer.%d.output.dense", 0, C, 0, 0},
     };
     const int n = (int)(sizeof t / sizeof t[0]);
     for (int i = 0; i < n; i++) out[i] = t[i];

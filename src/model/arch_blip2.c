@@ -135,10 +135,10 @@ static int qf_layout(fl_layout_builder *b, const fl_model_config *c) {
 static int vis_lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL_ARCH_MAX_LORA_MODULES]) {
     const int C = c->dim, F = c->ffn_dim;
     const fl_arch_lora_module t[] = {
-        {"qkv", "vision_model.encoder.layers.%d.self_attn.qkv", 0, 3 * C, 0},
-        {"projection", "vision_model.encoder.layers.%d.self_attn.projection", 0, C, 0},
-        {"fc1", "vision_model.encoder.layers.%d.mlp.fc1", 0, F, 0},
-        {"fc2", "vision_model.encoder.layers.%d.mlp.fc2", 0, C, 0},
+        {"qkv", "vision_model.encoder.layers.%d.self_attn.qkv", 0, 3 * C, 0, 3}, /* q|k|v in one module */
+        {"projection", "vision_model.encoder.layers.%d.self_attn.projection", 0, C, 0, 0},
+        {"fc1", "vision_model.encoder.layers.%d.mlp.fc1", 0, F, 0, 0},
+        {"fc2", "vision_model.encoder.layers.%d.mlp.fc2", 0, C, 0, 0},
     };
     const int n = (int)(sizeof t / sizeof t[0]);
     for (int i = 0; i < n; i++) out[i] = t[i];
@@ -148,12 +148,12 @@ static int vis_lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL
 static int qf_lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL_ARCH_MAX_LORA_MODULES]) {
     const int C = c->dim, F = c->ffn_dim;
     const fl_arch_lora_module t[] = {
-        {"query", "qformer.encoder.layer.%d.attention.attention.query", 0, 3 * C, 0},
-        {"key", "qformer.encoder.layer.%d.attention.attention.key", C, 3 * C, 0},
-        {"value", "qformer.encoder.layer.%d.attention.attention.value", 2 * C, 3 * C, 0},
-        {"dense", "qformer.encoder.layer.%d.attention.output.dense", 0, C, 0},
-        {"dense", "qformer.encoder.layer.%d.intermediate_query.dense", 0, F, 0},
-        {"dense", "qformer.encoder.layer.%d.output_query.dense", 0, C, 0},
+        {"query", "qformer.encoder.layer.%d.attention.attention.query", 0, 3 * C, 0, 0},
+        {"key", "qformer.encoder.layer.%d.attention.attention.key", C, 3 * C, 0, 0},
+        {"value", "qformer.encoder.layer.%d.attention.attention.value", 2 * C, 3 * C, 0, 0},
+        {"dense", "qformer.encoder.layer.%d.attention.output.dense", 0, C, 0, 0},
+        {"dense", "qformer.encoder.layer.%d.intermediate_query.dense", 0, F, 0, 0},
+        {"dense", "qformer.encoder.layer.%d.output_query.dense", 0, C, 0, 0},
     };
     const int n = (int)(sizeof t / sizeof t[0]);
     for (int i = 0; i < n; i++) out[i] = t[i];

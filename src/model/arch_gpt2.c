@@ -2,7 +2,8 @@
  * attention; HF names and Conv1D (in, out) weights of transformers' GPT2LMHeadModel. See fl_arch_info. */
 #include "fitllm/model.h"
 
-static const char *const targets[] = {"c_attn", "c_proj", "c_fc", "lm_head", NULL};
+/* "c_proj" is both attn.c_proj and mlp.c_proj (PEFT's suffix match), "attn.c_proj" / "mlp.c_proj" one of them */
+static const char *const targets[] = {"c_attn", "c_proj", "attn.c_proj", "mlp.c_proj", "c_fc", "lm_head", NULL};
 
 static fl_status check(fl_model_config *c) {
     c->attention_bias = 1;
@@ -44,14 +45,15 @@ static int layout(fl_layout_builder *b, const fl_model_config *c) {
     return err;
 }
 
-/* PEFT matches target names as suffixes: "c_proj" adapts both attn.c_proj and mlp.c_proj */
+/* PEFT matches target names as suffixes of the module names: "c_proj" adapts both attn.c_proj and mlp.c_proj,
+ * "attn.c_proj" the attention's alone (fl_lora_modules). c_attn is q|k|v in one module: 3 parts. */
 static int lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL_ARCH_MAX_LORA_MODULES]) {
     const int C = c->dim, F = c->ffn_dim;
     const fl_arch_lora_module t[] = {
-        {"c_attn", "transformer.h.%d.attn.c_attn", 0, 3 * C, 0},
-        {"c_proj", "transformer.h.%d.attn.c_proj", 0, C, 0},
-        {"c_fc", "transformer.h.%d.mlp.c_fc", 0, F, 0},
-        {"c_proj", "transformer.h.%d.mlp.c_proj", 0, C, 0},
+        {"c_attn", "transformer.h.%d.attn.c_attn", 0, 3 * C, 0, 3},
+        {"attn.c_proj", "transformer.h.%d.attn.c_proj", 0, C, 0, 0},
+        {"c_fc", "transformer.h.%d.mlp.c_fc", 0, F, 0, 0},
+        {"mlp.c_proj", "transformer.h.%d.mlp.c_proj", 0, C, 0, 0},
     };
     const int n = (int)(sizeof t / sizeof t[0]);
     for (int i = 0; i < n; i++) out[i] = t[i];
@@ -71,8 +73,9 @@ const fl_arch_info fl_arch_gpt2 = {
     .hf_layers_key = "n_layer",
     .lora_targets = targets,
     .lora_default = "c_attn",
-    /* PEFT suffix match: c_proj is attn.c_proj and mlp.c_proj */
-    .lora_switch = {"c_attn", "c_attn", "c_attn", "c_proj", "c_proj,c_fc"},
+    /* LitGPT: query / key / value are the parts of the fused c_attn (only the enabled ones train: qkv_parts),
+     * projection the attention's c_proj, mlp c_fc and the MLP's c_proj */
+    .lora_switch = {"c_attn", "c_attn", "c_attn", "attn.c_proj", "c_fc,mlp.c_proj"},
     .check = check,
     .layout = layout,
     .lora_modules = lora_modules,

@@ -48,13 +48,13 @@ static int lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL_ARC
     const int C = c->dim, F = c->ffn_dim, QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim;
     const int QKV = QD + 2 * KVD;
     const fl_arch_lora_module t[] = {
-        {"q_proj", "model.layers.%d.self_attn.q_proj", 0, QKV, 0},
-        {"k_proj", "model.layers.%d.self_attn.k_proj", QD, QKV, 0},
-        {"v_proj", "model.layers.%d.self_attn.v_proj", QD + KVD, QKV, 0},
-        {"o_proj", "model.layers.%d.self_attn.o_proj", 0, C, 0},
-        {"gate_proj", "model.layers.%d.mlp.gate_proj", 0, 2 * F, 0},
-        {"up_proj", "model.layers.%d.mlp.up_proj", F, 2 * F, 0},
-        {"down_proj", "model.layers.%d.mlp.down_proj", 0, C, 0},
+        {"q_proj", "model.layers.%d.self_attn.q_proj", 0, QKV, 0, 0},
+        {"k_proj", "model.layers.%d.self_attn.k_proj", QD, QKV, 0, 0},
+        {"v_proj", "model.layers.%d.self_attn.v_proj", QD + KVD, QKV, 0, 0},
+        {"o_proj", "model.layers.%d.self_attn.o_proj", 0, C, 0, 0},
+        {"gate_proj", "model.layers.%d.mlp.gate_proj", 0, 2 * F, 0, 0},
+        {"up_proj", "model.layers.%d.mlp.up_proj", F, 2 * F, 0, 0},
+        {"down_proj", "model.layers.%d.mlp.down_proj", 0, C, 0, 0},
     };
     const int n = (int)(sizeof t / sizeof t[0]);
     for (int i = 0; i < n; i++) out[i] = t[i];

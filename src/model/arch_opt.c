@@ -59,12 +59,12 @@ static int lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL_ARC
     /* the fused q|k|v output is 3 x heads x head_dim wide: C for a whole model, C / N for a tensor-parallel slice */
     const int C = c->dim, F = c->ffn_dim, QD = c->n_heads * c->head_dim;
     const fl_arch_lora_module t[] = {
-        {"q_proj", "model.decoder.layers.%d.self_attn.q_proj", 0, 3 * QD, 0},
-        {"k_proj", "model.decoder.layers.%d.self_attn.k_proj", QD, 3 * QD, 0},
-        {"v_proj", "model.decoder.layers.%d.self_attn.v_proj", 2 * QD, 3 * QD, 0},
-        {"out_proj", "model.decoder.layers.%d.self_attn.out_proj", 0, C, 0},
-        {"fc1", "model.decoder.layers.%d.fc1", 0, F, 0},
-        {"fc2", "model.decoder.layers.%d.fc2", 0, C, 0},
+        {"q_proj", "model.decoder.layers.%d.self_attn.q_proj", 0, 3 * QD, 0, 0},
+        {"k_proj", "model.decoder.layers.%d.self_attn.k_proj", QD, 3 * QD, 0, 0},
+        {"v_proj", "model.decoder.layers.%d.self_attn.v_proj", 2 * QD, 3 * QD, 0, 0},
+        {"out_proj", "model.decoder.layers.%d.self_attn.out_proj", 0, C, 0, 0},
+        {"fc1", "model.decoder.layers.%d.fc1", 0, F, 0, 0},
+        {"fc2", "model.decoder.layers.%d.fc2", 0, C, 0, 0},
     };
     const int n = (int)(sizeof t / sizeof t[0]);
     for (int i = 0; i < n; i++) out[i] = t[i];

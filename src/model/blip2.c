@@ -590,7 +590,6 @@ fl_status fl_blip2_save_whole(const fl_blip2 *b, const char *src_dir, const char
 
 fl_status fl_blip2_merge_peft(fl_blip2 *b, const fl_peft_adapter *a) {
     static const char lm[] = "language_model.";
-    const float sc = fl_lora_scaling(&a->cfg.lora);
     for (int j = 0; j < a->n; j++) {
         const fl_peft_module *md = &a->mods[j];
         const int text = !strncmp(md->name, lm, sizeof lm - 1);
@@ -613,7 +612,7 @@ fl_status fl_blip2_merge_peft(fl_blip2 *b, const fl_peft_adapter *a) {
         if (!tmp) return fl_errorf(FL_ERR_OOM, "merging the LoRA adapter: out of host memory");
         if (md->W) memcpy(tmp, md->W, n * sizeof *tmp); /* PEFT's saved base layer replaces the weight */
         else fl_model_read_param(m, i, tmp);
-        fl_lora_merge(tmp, md->in, md->A, md->B, a->cfg.lora.r, md->in, md->out, sc);
+        fl_lora_merge(tmp, md->in, md->A, md->B, fl_peft_module_r(a, md), md->in, md->out, fl_peft_module_scaling(a, md));
         fl_model_write_param(m, i, tmp);
         free(tmp);
     }

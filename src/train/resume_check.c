@@ -21,6 +21,7 @@
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
 #include "fitllm/lora.h"
+#include "fitllm/peft.h"
 #include "fitllm/trainer.h"
 #include "resume_check.h"
 
@@ -306,28 +307,108 @@ static void check_keys(const fl_run_config *cfg, int b2, const fl_cfg_entries *c
     }
 }
 
-/* The modules c's LoRA switches or lora_target_modules make on model mc, sorted, comma-separated ("" when they make
- * none: the run refuses that itself). */
-static void lora_targets(const fl_run_config *c, const fl_model_config *mc, char *out, size_t n) {
+/* The modules c's LoRA switches or lora_target_modules make on model mc: as fl_lora_describe says them into mods (the
+ * comparison), and as their targets, sorted, comma-separated, a fused q|k|v's trained parts after it ("c_attn[q+v]")
+ * into out (the message); "" when they make none (the run refuses that itself). *parts: the fused parts c trains. */
+static void lora_targets(const fl_run_config *c, const fl_model_config *mc, char *out, size_t n, char *mods,
+                         size_t mn, unsigned *parts) {
     fl_lora_config lc;
-    out[0] = 0;
-    if (fl_trainer_lora_config(c, mc, &lc) != FL_OK) {
+    out[0] = mods[0] = 0;
+    *parts = 0;
+    if (fl_trainer_lora_config(c, mc, &lc) != FL_OK || fl_lora_describe(&lc, mc, mods, mn) != FL_OK) {
+        mods[0] = 0;
         fl_error_clear();
         return;
     }
+    *parts = lc.qkv_parts;
     const char *t[FL_LORA_MAX_TARGETS];
     for (int i = 0; i < lc.n_targets; i++) t[i] = lc.targets[i];
     qsort(t, (size_t)lc.n_targets, sizeof *t, cmp_str);
-    for (int i = 0; i < lc.n_targets; i++) say(out, n, "%s%s", i ? "," : "", t[i]);
+    const char *fused = fl_arch_get(mc->arch)->lora_switch[0];
+    for (int i = 0; i < lc.n_targets; i++) {
+        say(out, n, "%s%s", i ? "," : "", t[i]);
+        for (int p = 0, first = 1; lc.qkv_parts && !strcmp(t[i], fused) && p < 3; p++)
+            if (lc.qkv_parts >> p & 1u) say(out, n, "%s%s", first ? "[" : "+", (const char *[]){"q", "k", "v"}[p]), first = 0;
+        if (lc.qkv_parts && !strcmp(t[i], fused)) say(out, n, "]");
+    }
+}
+
+/* Part p (of parts) of B (out, r) is all zero */
+static int part_zero(const fl_peft_module *m, int r, int p, int parts) {
+    const size_t rows = (size_t)(m->out / parts), from = (size_t)p * rows * r;
+    for (size_t i = 0; i < rows * r; i++)
+        if (m->B[from + i] != 0.0f) return 0;
+    return 1;
+}
+
+/* Whether the adapter modules' B rows match what this run trains (mods): 1 when a part this run freezes
+ * (fl_lora_module.frozen) is not 0 in some module (an older fitllm's adapter trained it), 2 when a part it trains is 0 in
+ * all of them while their others are not (the checkpoint's run froze it), else 0. */
+static int rows_differ(const fl_peft_adapter *a, const fl_lora_module *mods, int n, const int *at, int r) {
+    for (int p = 0; p < 3; p++) {
+        int kind = 0, zero = 1, other = 0; /* among the fused modules: p all zero; some other part not */
+        for (int j = 0; j < n; j++) {
+            if (mods[j].parts != 3) continue;
+            const int z = part_zero(&a->mods[at[j]], r, p, 3);
+            if ((mods[j].frozen >> p & 1u) && !z) return 1; /* trained there, frozen here */
+            if (mods[j].frozen >> p & 1u) continue;
+            kind = 1;
+            zero &= z;
+            for (int q = 0; q < 3; q++) other |= q != p && !part_zero(&a->mods[at[j]], r, q, 3);
+        }
+        if (kind && zero && other) return 2; /* frozen there, trained here */
+    }
+    return 0;
+}
+
+/* The checkpoint's own PEFT adapter (dir/adapter_config.json: what its run trained) against this run's LoRA modules
+ * (mc: the whole model): 1 when it is on the same modules with the fused q|k|v's rows trained where this run trains
+ * them, 2 when not (its target_modules into t), 0 when the checkpoint has no adapter to read or its run froze parts
+ * this run trains (its hyperparameters.yaml says which). */
+static int adapter_fits(const char *dir, const fl_run_config *cfg, const fl_model_config *mc, char *t, size_t tn) {
+    char p[FL_CFG_PATH + 32];
+    snprintf(p, sizeof p, "%s/adapter_config.json", dir);
+    fl_peft_adapter a;
+    if (!fl_fs_is_file(p) || fl_peft_load(dir, &a) != FL_OK) return fl_error_clear(), 0;
+    fl_lora_config lc;
+    fl_param_layout lay;
+    fl_lora_module *mods = NULL;
+    int n = 0, res = 0, same = 0, rows = 0, *at = NULL;
+    if (fl_trainer_lora_config(cfg, mc, &lc) == FL_OK && fl_layout_build(&lay, mc) == FL_OK) {
+        if (fl_lora_modules(&lc, &lay, mc, &mods, &n) == FL_OK && (at = calloc((size_t)n + 1, sizeof *at)) != NULL) {
+            same = n == a.n;
+            for (int j = 0; j < n && same; j++) {
+                for (at[j] = 0; at[j] < a.n && strcmp(a.mods[at[j]].name, mods[j].name); at[j]++) {}
+                same = at[j] < a.n && a.mods[at[j]].out == mods[j].out && fl_peft_module_r(&a, &a.mods[at[j]]) == lc.r;
+            }
+            rows = same ? rows_differ(&a, mods, n, at, lc.r) : 0;
+            res = rows == 2 ? 0 : same && !rows ? 1 : 2;
+        }
+        fl_layout_free(&lay);
+    }
+    fl_error_clear();
+    t[0] = 0;
+    for (int i = 0; i < a.cfg.lora.n_targets; i++) say(t, tn, "%s%s", i ? "," : "", a.cfg.lora.targets[i]);
+    free(at);
+    free(mods);
+    fl_peft_free(&a);
+    return res;
 }
 
 /* LoRA: the modules the checkpoint's adapters are on against this run's, as sets (lora_query true and
- * lora_target_modules q_proj are one target on LLaMA); mc: the model the adapters go on (BLIP-2's language model). */
-static void check_targets(const fl_run_config *cfg, const fl_model_config *mc, const fl_cfg_entries *ck,
-                          fl_run_config *tmp, char *why, char *fix, size_t wn) {
+ * lora_target_modules q_proj are one target on LLaMA; GPT-2's lora_query and lora_value the q and v parts of c_attn);
+ * mc: the model the adapters go on (BLIP-2's language model). The checkpoint's own adapter (dir/adapter_config.json, a
+ * language model's) first: the same modules and rows as this run's are resumed whatever its switches say (an older
+ * fitllm's whole-c_attn / both-c_proj adapter resumed with --lora_target_modules), other ones that its switches
+ * make as this run's are an older fitllm's, refused with the target_modules that resume them as trained. */
+static void check_targets(const char *dir, const fl_run_config *cfg, const fl_model_config *mc, int b2,
+                          const fl_cfg_entries *ck, fl_run_config *tmp, char *why, char *fix, size_t wn) {
     static const char *const keys[] = {"lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp",
                                        "lora_head", "lora_target_modules"};
     if (cfg->command != FL_CMD_FINETUNE_LORA) return;
+    char at[FL_LORA_MAX_TARGETS * 34];
+    const int fits = b2 ? 0 : adapter_fits(dir, cfg, mc, at, sizeof at);
+    if (fits == 1) return;
     *tmp = *cfg;
     int given = 0;
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
@@ -337,14 +418,27 @@ static void check_targets(const fl_run_config *cfg, const fl_model_config *mc, c
         if (fl_cfg_set(tmp, keys[i], is_null(v) && i + 1 == sizeof keys / sizeof keys[0] ? "" : v) != FL_OK)
             fl_error_clear();
     }
-    if (!given) return; /* not written by that run */
-    char here[512], there[512];
-    lora_targets(cfg, mc, here, sizeof here);
-    lora_targets(tmp, mc, there, sizeof there);
-    if (!here[0] || !there[0] || !strcmp(here, there)) return;
+    char here[512], there[512], hm[1024], tm_[1024];
+    unsigned hp, tp;
+    lora_targets(cfg, mc, here, sizeof here, hm, sizeof hm, &hp);
+    lora_targets(tmp, mc, there, sizeof there, tm_, sizeof tm_, &tp);
+    if (fits == 2 && (!given || !strcmp(hm, tm_))) { /* its switches are this run's, its adapter is not: older */
+        say(why, wn, "%sthe checkpoint's adapter (adapter_config.json target_modules %s) is not on the modules this "
+            "run's LoRA trains (%s): an older fitllm trained the whole GPT-2 c_attn for lora_query / lora_value, and "
+            "c_proj (both projections) for lora_projection / lora_mlp", why[0] ? "; " : "", at, here);
+        say(fix, wn, "%s--lora_target_modules %s", fix[0] ? " " : "", at);
+        return;
+    }
+    if (!given || !hm[0] || !tm_[0] || !strcmp(hm, tm_)) return; /* not written by that run, or the same */
     say(why, wn, "%sthe checkpoint's adapters are on the modules %s, this run's LoRA targets are %s (the saved adapters "
         "are those modules')", why[0] ? "; " : "", there, here);
-    say(fix, wn, "%s--lora_target_modules %s", fix[0] ? " " : "", there);
+    const char *tm = fl_cfg_entries_value(ck, "lora_target_modules");
+    if (!is_null(tm) || !tp) /* its target list, else (a fused module's parts, which no list says) its switches */
+        say(fix, wn, "%s--lora_target_modules %s", fix[0] ? " " : "", is_null(tm) ? there : tm);
+    for (size_t i = 0; i + 1 < sizeof keys / sizeof keys[0] && is_null(tm) && tp; i++) {
+        const char *v = fl_cfg_entries_value(ck, keys[i]);
+        if (v) say(fix, wn, "%s--%s %s", fix[0] ? " " : "", keys[i], v);
+    }
 }
 
 static fl_status check_resume(const char *dir, const fl_run_config *cfg, const rs_model *rm, char *notes, size_t n) {
@@ -361,7 +455,7 @@ static fl_status check_resume(const char *dir, const fl_run_config *cfg, const r
     if (s == FL_OK && (!why || !fix || !tmp)) s = fl_errorf(FL_ERR_OOM, "out of host memory");
     if (s == FL_OK) s = check_model(dir, cfg, rm, &ck, why, fix, wn, notes, n);
     if (s == FL_OK) check_keys(cfg, rm->bc != NULL, &ck, tmp, why, fix, wn, notes, n);
-    if (s == FL_OK) check_targets(cfg, rm->bc ? &rm->bc->text : rm->mc, &ck, tmp, why, fix, wn);
+    if (s == FL_OK) check_targets(dir, cfg, rm->bc ? &rm->bc->text : rm->mc, rm->bc != NULL, &ck, tmp, why, fix, wn);
     if (s == FL_OK && why[0])
         s = fl_errorf(FL_ERR_INVALID, "--resume '%s' continues another run: %s. Resume it with the checkpoint's "
                       "settings (%s), or start a new run without --resume (with --overwrite when '%s' holds a run)", dir,

@@ -155,6 +155,33 @@ static void model_source(const fl_run_config *cfg, char *buf, size_t n) {
     if (ck[0] && o < n) snprintf(buf + o, n - o, "; weights from %s", ck);
 }
 
+/* A LoRA run's adapters: what they are on and what trains (a fused q|k|v's frozen parts count for nothing), and how a
+ * fused module with frozen parts is saved. */
+static void print_lora(const trainer *t) {
+    fl_lora_adapters ad;
+    if (!fl_model_lora_adapters(&t->model, &ad)) return;
+    char d[1024], alpha[32];
+    if (fl_lora_describe(ad.cfg, &t->model.cfg, d, sizeof d) != FL_OK) fl_error_clear();
+    snprintf(alpha, sizeof alpha, "%g", (double)ad.cfg->alpha);
+    fprintf(t->out, "LoRA r %d, alpha %s on %s: %zu trainable parameters%s\n", ad.cfg->r, alpha, d,
+            fl_lora_trainable(ad.mods, ad.n_mods, ad.cfg->r), t->tp.size > 1 || t->pp.size > 1 ? " (this rank's)" : "");
+    static const char *const part_names[3] = {"q", "k", "v"};
+    for (int j = 0; j < ad.n_mods; j++) {
+        if (!ad.mods[j].frozen) continue;
+        char on[16] = "", off[16] = "";
+        for (int p = 0; p < ad.mods[j].parts && p < 3; p++) {
+            char *w = ad.mods[j].frozen >> p & 1u ? off : on;
+            snprintf(w + strlen(w), 16 - strlen(w), "%s%s", w[0] ? "," : "", part_names[p]);
+        }
+        const char *dot = strrchr(ad.mods[j].name, '.');
+        fprintf(t->out, "note: %s's q, k and v are one module (%s): LoRA trains its %s rows only (lora_query, lora_key, "
+                "lora_value, as LitGPT); the PEFT adapter is saved on the whole %s (PEFT cannot adapt a part of a "
+                "module) with lora_B's %s rows zero and one A for the trained parts\n", fl_arch_get(t->model.cfg.arch)->display,
+                dot ? dot + 1 : ad.mods[j].name, on, dot ? dot + 1 : ad.mods[j].name, off);
+        break;
+    }
+}
+
 /* The run's header: model, data, precision, batch and schedule, the notes, data parallelism. */
 void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, const fl_strategy_choice *sc) {
     const fl_run_config *cfg = t->cfg;
@@ -191,6 +218,7 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
         fprintf(t->out, "logger_name %s: fitllm writes CSV metrics (%s/logs/metrics.csv); the %s logger is not "
                 "available in this build\n", cfg->logger_name, cfg->out_dir, cfg->logger_name);
     fprintf(t->out, "precision %s%s\n", prec->name, t->model.act_ckpt ? ", activation checkpointing" : "");
+    print_lora(t);
     char ranks[48] = "";
     if (t->dp.world > 1) snprintf(ranks, sizeof ranks, " x %d ranks", t->dp.world);
     fprintf(t->out, "micro_batch %d x accumulation %d%s = global batch %d; %ld steps/epoch, %ld steps, warmup %ld; "

@@ -67,7 +67,8 @@ fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *
         snprintf(t, sizeof t, "%s", a->target_modules);
     } else {
         /* each switch's targets in the architecture's names (fl_arch_info.lora_switch), each module once, in
-         * switch order (GPT-2: q, k, v are all c_attn; PEFT's suffix match makes c_proj both projections) */
+         * switch order (GPT-2: q, k, v are all c_attn, trained in the enabled parts only: qkv_parts below;
+         * projection attn.c_proj, mlp c_fc and mlp.c_proj) */
         const fl_arch_info *ai = fl_arch_get(mc->arch);
         const int on[5] = {a->query, a->key, a->value, a->projection, a->mlp};
         size_t o = 0;
@@ -84,7 +85,15 @@ fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *
 #undef ADD
     }
     if (!t[0]) return fl_errorf(FL_ERR_INVALID, "finetune_lora: no target modules (set lora_query/lora_value/... or lora_target_modules)");
-    return fl_lora_config_init(lc, mc, a->r, a->alpha, a->dropout, a->use_rslora, t);
+    FL_TRY(fl_lora_config_init(lc, mc, a->r, a->alpha, a->dropout, a->use_rslora, t));
+    /* a fused q|k|v (the same target for the three switches: GPT-2's c_attn): LitGPT's LoRAQKVLinear trains the
+     * enabled parts alone; PEFT adapts the whole module, so the others' lora_B rows are frozen at 0 in it */
+    const fl_arch_info *ai = fl_arch_get(mc->arch);
+    const unsigned qkv = (a->query ? 1u : 0u) | (a->key ? 2u : 0u) | (a->value ? 4u : 0u);
+    if (!a->target_modules[0] && qkv && qkv != 7u && !strcmp(ai->lora_switch[0], ai->lora_switch[1]) &&
+        !strcmp(ai->lora_switch[0], ai->lora_switch[2]))
+        lc->qkv_parts = qkv;
+    return FL_OK;
 }
 
 /* pretrain --initial_checkpoint_dir: its config.json's shape against the model model_name / model_config build (a

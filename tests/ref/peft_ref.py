@@ -7,7 +7,10 @@ merge_and_unload() and the merged model's logits for fixed ids, plus two merged 
 merged-ref.safetensors in the same folder.
 GPT-2: the golden-gpt2 model, target c_attn and c_fc (Conv1D: fan_in_fan_out=True), same
 procedure; merged Conv1D weights are stored as HF holds them, (in, out).
-Usage (repo root): /work/venv/bin/python tests/ref/peft_ref.py
+LLaMA with per-module ranks and alphas -> tests/fixtures/peft-llama-pattern/: the LLaMA adapter's targets with
+rank_pattern {"v_proj": 2, "layers.1.self_attn.q_proj": 6} and alpha_pattern {"down_proj": 3, "q_proj": 12}
+(PEFT's get_pattern_key: the first key whose "(.*\.)?(KEY)$" matches the module name).
+Usage (repo root): /work/venv/bin/python tests/ref/peft_ref.py [pattern]  (pattern: that fixture alone)
 """
 import os
 
@@ -18,12 +21,13 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 
 
-def run(src, dst, targets, fan_in_fan_out, keep, ids):
+def run(src, dst, targets, fan_in_fan_out, keep, ids, rank_pattern=None, alpha_pattern=None):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     model.eval()
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, bias="none",
-                     task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)
+                     task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out, rank_pattern=rank_pattern or {},
+                     alpha_pattern=alpha_pattern or {})
     pm = get_peft_model(model, cfg)
     g = torch.Generator().manual_seed(1234)
     with torch.no_grad():
@@ -52,7 +56,14 @@ def run(src, dst, targets, fan_in_fan_out, keep, ids):
 
 
 def main():
+    import sys
     ids = [1, 17, 42, 99, 3, 250, 7, 128, 64, 5, 200, 31]
+    run("tests/fixtures/golden-llama", "tests/fixtures/peft-llama-pattern", ["q_proj", "v_proj", "down_proj"], False,
+        ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+         "model.layers.2.mlp.down_proj.weight"], ids,
+        rank_pattern={"v_proj": 2, "layers.1.self_attn.q_proj": 6}, alpha_pattern={"down_proj": 3, "q_proj": 12})
+    if sys.argv[1:] == ["pattern"]:
+        return
     run("tests/fixtures/golden-llama", "tests/fixtures/peft-llama", ["q_proj", "v_proj", "down_proj"], False,
         ["model.layers.0.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"], ids)
     run("tests/fixtures/golden-gpt2", "tests/fixtures/peft-gpt2", ["c_attn", "c_fc"], True,
