@@ -37,9 +37,12 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "                                CPU stand-in only)\n");
     printf("\n  Data parallel (--devices N, --num_nodes M, --strategy): started without a launcher on one machine,\n"
            "  fitllm runs itself as N ranks through Open MPI's mpirun (printed first; FITLLM_MPIRUN=PATH picks the\n"
-           "  mpirun, FITLLM_MPIRUN=none only prints the command); under mpirun or srun --mpi=pmix, devices x\n"
-           "  num_nodes must equal the rank count. Several machines: mpirun -np N*M --hostfile HOSTS (the error\n"
-           "  without a launcher prints the whole command). Needs a build with MPI (fitllm --version).\n"
+           "  mpirun; FITLLM_MPIRUN=none starts nothing: it prints the command and exits 2); under mpirun or srun\n"
+           "  --mpi=pmix, devices x num_nodes must equal the rank count. Several machines: mpirun -np N*M --hostfile\n"
+           "  HOSTS (the error without a launcher prints the whole command). Needs a build with MPI (fitllm\n"
+           "  --version). A rank that waits FITLLM_COMM_TIMEOUT seconds (default 600; 0: never) for the others in one\n"
+           "  collective (a rank stopped or hung) names the wait, the step and the last committed checkpoint and\n"
+           "  ends the job (exit 1).\n"
            "  --strategy auto (the default) is LitGPT's: finetune_full FSDP FULL_SHARD, pretrain HYBRID_SHARD\n"
            "  (FULL_SHARD within each node of --devices ranks, replicated across the --num_nodes nodes; on one node\n"
            "  FULL_SHARD), adapter fine-tuning DDP over the adapters, on CPUs and GPUs (NCCL); a BLIP-2 folder\n"
@@ -48,8 +51,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
     printf("\n  Stopping: SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (Slurm's --signal=USR1@SECONDS pre-emption notice) finish\n"
            "  the current step, commit its checkpoint (--train.save_on_signal, default true), name it, and exit\n"
            "  128 + the signal: 130, 143, 138; a second signal stops at once. Several ranks: signal the fitllm\n"
-           "  that started them (it forwards the stop), or send SIGUSR1 to every rank; SIGTERM to the ranks\n"
-           "  themselves ends them at once (it is how mpirun and srun end a job whose rank failed).\n");
+           "  that started them (it forwards the stop), or send SIGUSR1 to every rank or to your own mpirun (kill\n"
+           "  -USR1 <its pid>: it forwards it); SIGTERM to the ranks ends them at once (it is how mpirun and srun end\n"
+           "  a job whose rank failed), and so does Ctrl-C or SIGTERM to your own mpirun (exit 1, the step lost).\n");
     printf("\n  Divergence (--train.divergence_check, default true): after the warm-up, a validation loss, or a\n"
            "  training loss smoothed by an EMA (weight %.1f) for %d steps in a row, above ln(vocab_size) + %.0f\n"
            "  (a uniform guess's loss + %.0f nats: the model predicts far worse than knowing nothing) stops\n"
