@@ -835,7 +835,7 @@ pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T
 
 # sequence parallelism (--sequence_parallel with --tensor_parallel) over 2 and 4 ranks (tests/mpi_sp_test.sh: against one
 # process and TP alone, the checkpoint resumed in one process, rank 0's peaks = the plan, TP 2 x PP 2, T5 with its
-# evaluation sample, LoRA dropout on the row-parallel linears, the sequence-length refusal)
+# evaluation sample, LoRA dropout on the row-parallel linears, a sequence length the group does not divide)
 t_sub=$SECONDS  # its lines come out together at its end: the first one's lap time is the whole script's
 "$(dirname "$0")/mpi_sp_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
 grep -E "^(ok|FAIL|     )" "$T/out"
