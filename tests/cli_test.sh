@@ -747,6 +747,13 @@ for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfi
            "^  mpirun -np 4 --hostfile HOSTS --map-by ppr:2:node .*fitllm finetune_full micro --devices 2 --num_nodes 2 --out_dir"; do
     expect ddp_nodes_without_launcher 2 "$pat" -- "${NOLAUNCH[@]}" "$FITLLM" finetune_full micro --devices 2 --num_nodes 2 --out_dir "$T/d1"
 done
+# torchrun's variables: fitllm's ranks need mpirun, said at once (it advised --devices 2 first, which then said this)
+expect torchrun_says_mpirun 2 "launched with torchrun-style variables \(RANK=0, WORLD_SIZE=2\) but without an MPI launcher.*start them with mpirun instead: \`mpirun -np 2 fitllm" -- \
+    "${NOLAUNCH[@]}" RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 "$FITLLM" finetune_full micro --out_dir "$T/d1"
+# --devices auto is this process's one device, said so, against a launcher's 2 ranks (rank 0's view: it stops before
+# MPI starts); "1 rank", not "1 ranks"
+expect devices_auto_under_launcher 2 "--devices 1 \(auto: this process's one CPU device\) x --num_nodes 1 = 1 rank, but Open MPI \(mpirun\) started 2: give --devices 2 .* or start 1 rank$" -- \
+    "${NOLAUNCH[@]}" OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 "$FITLLM" finetune_full micro --devices auto --out_dir "$T/d1"
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
 # parameter offload (issue 34 item 2): the shards of the parameters and gradients in the host tier or NVMe files;
 # the memory report says so; refused with a strategy that keeps stage 3's optimizer on the device
@@ -866,7 +873,7 @@ expect offload_nvme_full_disk 1 "NVMe offload: .* cannot reserve [0-9]+ bytes in
 # --tensor_parallel (the runs themselves: tests/mpi_test.sh, tests/test_tp_train.c): a grid it does not divide, a
 # model it does not split (naming the key); the plan of one rank's slice; with offload (DP 2 x TP 2 under ZeRO-2
 # offload) the host tier's row holds the rank's chunk of its slice's AdamW state: 130368 floats x 2 / 2 = 509.25 KiB
-expect tp_not_dividing_devices 2 "tensor_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
+expect tp_not_dividing_devices 2 "tensor_parallel 2 does not divide devices x num_nodes = 1 rank \(" -- \
     "$FITLLM" finetune_full micro --tensor_parallel 2 --out_dir "$T/tp1"
 expect tp_plan_heads_not_divisible 2 "--tensor_parallel 3: the model's 8 attention heads \(num_attention_heads\) do not split evenly over 3 ranks" -- \
     "$FITLLM" plan micro --devices 3 --tensor_parallel 3
@@ -886,7 +893,7 @@ expect tp_plan_lora_dropout_row_parallel 0 "^after_load +reserved" -- \
     "$FITLLM" plan micro --lora --devices 2 --tensor_parallel 2 --lora_mlp true --lora_dropout 0.1
 # --pipeline_parallel (EXPERIMENTAL; the runs: tests/mpi_test.sh, tests/test_pp_train.c): a grid it does not divide, an
 # unknown schedule, the plan of one stage, the help's label
-expect pp_not_dividing_devices 2 "--pipeline_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
+expect pp_not_dividing_devices 2 "--pipeline_parallel 2 does not divide devices x num_nodes = 1 rank \(" -- \
     "$FITLLM" finetune_full micro --pipeline_parallel 2 --out_dir "$T/pp1"
 expect pp_unknown_schedule 2 "--pipeline_schedule 'zigzag': expected gpipe, 1f1b or interleaved" -- \
     "$FITLLM" finetune_full micro --devices 2 --pipeline_parallel 2 --pipeline_schedule zigzag --out_dir "$T/pp2"

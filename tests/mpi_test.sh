@@ -699,6 +699,23 @@ pp_refused() { # name, pattern, ranks, arguments...
     timeout 120 mpirun -np "$np" "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?
     if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q -- "$pat" "$T/out"; then ok "$name"; else bad "$name" "exit $rc"; fi
 }
+# refused_once NAME PATTERN ARGS...: what every rank refuses alike (a grid the ranks do not fill, a batch the ranks do
+# not divide) is said once, by rank 0, and the job exits 2 (a usage error) cleanly: no MPI_Abort banner, no advice
+# about checkpoints (the grid's refusal was each rank's own error before: both aborted the job, advising
+# --overwrite; the batch's was printed by every rank)
+refused_once() {
+    local name=$1 pat=$2; shift 2
+    timeout 120 mpirun -np 2 "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?
+    if [ $rc -eq 2 ] && [ "$(grep -c -- "$pat" "$T/out")" = 1 ] && ! grep -Eq "MPI_ABORT|aborting|no checkpoint was committed" "$T/out"; then
+        ok "$name"
+    else
+        bad "$name" "exit $rc, $(grep -c -- "$pat" "$T/out") lines with the reason"
+    fi
+}
+refused_once grid_refused_once_exit_2 "fitllm finetune_full: error: --tensor_parallel 2 with --pipeline_parallel 2: this run has 2 ranks, not a multiple of 4" \
+    finetune_full micro --devices 2 --tensor_parallel 2 --pipeline_parallel 2 --out_dir "$T/g2"
+refused_once batch_refused_once_exit_2 "train.global_batch_size 6 is not divisible by devices x micro_batch_size = 2 x 2" \
+    finetune_full micro --devices 2 --train.global_batch_size 6 --train.micro_batch_size 2 --out_dir "$T/g3"
 pp_refused pp_more_stages_than_layers "--pipeline_parallel 6: the model has 5 layers" 6 finetune_full micro --devices 6 \
     --pipeline_parallel 6 --train.global_batch_size 6 --out_dir "$T/pp-x1"
 # HYBRID_SHARD on the data axis runs where a node holds whole pipelines: nodes of one rank do not (QLoRA where a rank's

@@ -470,6 +470,7 @@ FL_TEST(comm_launch_detect) {
     FL_CHECK(fl_comm_init(&c, NULL, NULL) == FL_ERR_UNSUPPORTED && c == NULL);
     FL_CHECKF(strstr(fl_error_message(), "WORLD_SIZE=4") && strstr(fl_error_message(), "mpirun -np 4 fitllm"), "'%s'",
               fl_error_message());
+    FL_CHECK(fl_launch_check(&li) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "mpirun -np 4 fitllm"));
 
     clear_env();
     setenv("WORLD_SIZE", "1", 1);

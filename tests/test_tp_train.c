@@ -940,9 +940,13 @@ static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, 
         edit(&j->cfg[r]);
     }
     FL_CHECK(fl_comm_threads_run(W, dr_job_rank, j) != FL_OK);
-    for (int r = 0; r < W; r++)
+    for (int r = 0; r < W; r++) {
         FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], a) && (!b || strstr(j->msg[r], b)), "rank %d: '%s' (wanted "
                   "'%s' and '%s')", r, j->msg[r], a, b ? b : "");
+        /* every rank refuses alike, before any collective: the CLI lets rank 0 say it and exits 2 (the grid's sizes
+         * were reported as one rank's own error before: every rank aborted the job, each advising --overwrite) */
+        FL_CHECKF(j->res[r].error_all_ranks, "rank %d: '%s' not marked as every rank's error", r, j->msg[r]);
+    }
     free(j);
 }
 

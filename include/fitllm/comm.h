@@ -100,6 +100,9 @@ typedef struct {
  * FL_ERR_INVALID, naming the variable, when a variable is present but not a valid number or
  * the rank is outside [0, size). */
 fl_status fl_launch_detect(fl_launch_info *out);
+/* Whether fitllm's ranks can join under this launcher: torchrun-style variables of more than one rank without an
+ * MPI launcher cannot (FL_ERR_UNSUPPORTED, naming the mpirun / srun command to run instead); else FL_OK. */
+fl_status fl_launch_check(const fl_launch_info *li);
 /* "Open MPI (mpirun)", "Slurm (srun)", ..., "none". */
 const char *fl_launch_kind_name(fl_launch_kind k);
 /* One line for the CLI: "Open MPI (mpirun): rank 1 of 4, local rank 1 of 4" or "none: single

@@ -104,6 +104,17 @@ static int unknown_flag(const char *cmd, const char *key) {
     return near ? fl_cli_usage(cmd, "unknown option '%s' (did you mean '--%s'?)", key, near) : 0;
 }
 
+/* A value every rank of a launcher's job refuses alike (the same command line): rank 0 says it, once for the job (it
+ * was printed once per rank). Another rank first waits a moment, in which the launcher ends it when rank 0 has exited
+ * with the error; one still running then says its own (a rank whose files differ). */
+static void config_error(const char *cmd) {
+    char msg[2048];
+    snprintf(msg, sizeof msg, "%s", fl_error_message());
+    fl_launch_info li;
+    if (fl_launch_detect(&li) == FL_OK && li.kind != FL_LAUNCH_NONE && li.rank != 0) sleep(3);
+    fprintf(stderr, "fitllm %s: error: %s\n", cmd, msg);
+}
+
 /* defaults < every --config (in order) < the command line, merged BEFORE any value
  * is checked: a recipe's unsupported value (data: TinyStories) can be overridden. */
 int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, fl_run_config *cfg,
@@ -182,12 +193,12 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
             if ((rc = unknown_flag(cmd, opts.e[failed].name)) != 0) goto done;
             USAGE("%s", fl_error_message());
         }
-        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        config_error(cmd);
         rc = FL_EXIT_USAGE;
         goto done;
     }
     if (fl_cfg_validate(cfg) != FL_OK) {
-        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        config_error(cmd);
         rc = FL_EXIT_USAGE;
     }
     /* models by name: a Hugging Face repo id -> the folder it was downloaded to (src/cli/model_name.c);
@@ -227,6 +238,10 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         return FL_EXIT_USAGE;
     }
+    if (fl_launch_check(&li) != FL_OK) { /* torchrun's ranks: mpirun is the answer, whatever --devices says */
+        if (li.rank == 0) fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_USAGE;
+    }
     int want = cfg->devices * cfg->num_nodes, have = li.kind == FL_LAUNCH_NONE ? 1 : li.size;
     /* no launcher: start the ranks through mpirun (their status once they end), or say what to run */
     if (want > 1 && li.kind == FL_LAUNCH_NONE) { /* the run's status, or -1 for 0: nothing left to do here */
@@ -235,10 +250,11 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
     }
     if (want != have) {
         if (li.rank == 0) /* every rank sees the same mismatch: one message */
-            fprintf(stderr, "fitllm %s: error: --devices %d x --num_nodes %d = %d ranks, but %s started %d: give "
-                    "--devices %d (ranks per node x nodes = the launcher's rank count) or start %d ranks\n", cmd,
-                    cfg->devices, cfg->num_nodes, want, fl_launch_kind_name(li.kind), have, have / cfg->num_nodes > 0 ?
-                    have / cfg->num_nodes : have, want);
+            fprintf(stderr, "fitllm %s: error: --devices %d%s x --num_nodes %d = %d rank%s, but %s started %d: give "
+                    "--devices %d (ranks per node x nodes = the launcher's rank count) or start %d rank%s\n", cmd,
+                    cfg->devices, cfg->devices_auto ? " (auto: this process's one CPU device)" : "", cfg->num_nodes,
+                    want, want == 1 ? "" : "s", fl_launch_kind_name(li.kind), have,
+                    have / cfg->num_nodes > 0 ? have / cfg->num_nodes : have, want, want == 1 ? "" : "s");
         return FL_EXIT_USAGE;
     }
     if (want == 1) return 0;

@@ -664,6 +664,17 @@ int fl_comm_mpi_built(void) {
 const char *fl_comm_mpi_library(void) { return "none"; }
 #endif
 
+fl_status fl_launch_check(const fl_launch_info *li) {
+    if (li->kind != FL_LAUNCH_TORCHRUN || li->size <= 1) return FL_OK;
+    return fl_errorf(FL_ERR_UNSUPPORTED,
+                     "comm: launched with torchrun-style variables (RANK=%d, WORLD_SIZE=%d%s%s) but without an MPI "
+                     "launcher; fitllm's ranks talk through MPI, so start them with mpirun instead: "
+                     "`mpirun -np %d fitllm ...` on one machine, `mpirun -np %d --hostfile HOSTS fitllm ...` or "
+                     "`srun --mpi=pmix -n %d fitllm ...` across nodes",
+                     li->rank, li->size, li->master_addr[0] ? ", MASTER_ADDR=" : "", li->master_addr, li->size,
+                     li->size, li->size);
+}
+
 fl_status fl_comm_init(fl_comm **out, int *argc, char ***argv) {
     *out = NULL;
     fl_launch_info li;
@@ -674,14 +685,7 @@ fl_status fl_comm_init(fl_comm **out, int *argc, char ***argv) {
         (*out)->launch = li;
         return FL_OK;
     }
-    if (li.kind == FL_LAUNCH_TORCHRUN)
-        return fl_errorf(FL_ERR_UNSUPPORTED,
-                         "comm: launched with torchrun-style variables (RANK=%d, WORLD_SIZE=%d%s%s) but without an MPI "
-                         "launcher; fitllm's ranks talk through MPI, so start them with mpirun instead: "
-                         "`mpirun -np %d fitllm ...` on one machine, `mpirun -np %d --hostfile HOSTS fitllm ...` or "
-                         "`srun --mpi=pmix -n %d fitllm ...` across nodes",
-                         li.rank, li.size, li.master_addr[0] ? ", MASTER_ADDR=" : "", li.master_addr, li.size, li.size,
-                         li.size);
+    FL_TRY(fl_launch_check(&li));
 #ifdef FL_HAVE_MPI
     return fl_comm_mpi_init(out, &li, argc, argv);
 #else

@@ -441,9 +441,9 @@ static fl_status set_special(fl_run_config *c, const fl_cfg_key *k, const char *
         return FL_OK;
     case FL_CK_DEVICES:
         /* LitGPT: "auto" (or -1) = every device there is; this build trains on one CPU device */
-        if (!strcasecmp(v, "auto") || !strcmp(v, "-1")) { c->devices = 1; return FL_OK; }
+        if (!strcasecmp(v, "auto") || !strcmp(v, "-1")) { c->devices = 1, c->devices_auto = 1; return FL_OK; }
         FL_TRY(parse_int(key, v, 1, 1 << 20, &x));
-        c->devices = (int)x;
+        c->devices = (int)x, c->devices_auto = 0;
         return FL_OK;
     case FL_CK_MODEL_CONFIG:
         /* a config.json path, or null; either replaces a model_config mapping */
@@ -697,13 +697,13 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (t->micro_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.micro_batch_size must be positive");
     if (t->global_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size must be positive");
     if ((c->devices * c->num_nodes) % c->tensor_parallel)
-        return fl_errorf(FL_ERR_INVALID, "tensor_parallel %d does not divide devices x num_nodes = %d ranks (the ranks "
+        return fl_errorf(FL_ERR_INVALID, "tensor_parallel %d does not divide devices x num_nodes = %d rank%s (the ranks "
                          "are data-parallel groups of tensor_parallel ranks each)", c->tensor_parallel,
-                         c->devices * c->num_nodes);
+                         c->devices * c->num_nodes, c->devices * c->num_nodes == 1 ? "" : "s");
     if (c->pipeline_parallel > 1 && (c->devices * c->num_nodes) % c->pipeline_parallel)
-        return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d does not divide devices x num_nodes = %d ranks (the "
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d does not divide devices x num_nodes = %d rank%s (the "
                          "ranks are pipelines of pipeline_parallel stages each)", c->pipeline_parallel,
-                         c->devices * c->num_nodes);
+                         c->devices * c->num_nodes, c->devices * c->num_nodes == 1 ? "" : "s");
     if (strcmp(c->pipeline_schedule, "gpipe") && strcmp(c->pipeline_schedule, "1f1b") &&
         strcmp(c->pipeline_schedule, "interleaved"))
         return fl_errorf(FL_ERR_INVALID, "--pipeline_schedule '%s': expected gpipe, 1f1b or interleaved",

@@ -654,6 +654,12 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     fl_status s = fl_tr_tp_begin(&t, world, NULL, &comm); /* tensor parallel: comm := the data-parallel axis */
     if (s != FL_OK) {
         fl_tr_tp_end(&t);
+        if (res) { /* the grid's checks (sizes, shapes, options) fail alike on every rank before any collective: rank 0
+                    * reports them; a split's failure (I/O, memory) is this rank's own */
+            memset(res, 0, sizeof *res);
+            res->val_loss = NAN;
+            res->error_all_ranks = s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED || s == FL_ERR_NOT_FOUND;
+        }
         return s;
     }
     run_loop L;
