@@ -846,6 +846,9 @@ expect nvme_path_needs_nvme 2 "nvme_path '$T/nvme' is the folder of offload_opti
     "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --nvme_path "$T/nvme" --out_dir "$T/d2"
 expect sharding_needs_fsdp 2 "fsdp.sharding_strategy FULL_SHARD applies to --strategy fsdp; this run's strategy is 'deepspeed_stage_2'" -- \
     "$FITLLM" finetune_full micro --strategy deepspeed_stage_2 --fsdp.sharding_strategy FULL_SHARD --out_dir "$T/d2"
+# fsdp.backward_prefetch likewise (it was ignored under ddp)
+expect prefetch_needs_fsdp 2 "fsdp.backward_prefetch false applies to the units FSDP gathers .*this run's strategy is 'ddp'" -- \
+    "$FITLLM" finetune_full micro --strategy ddp --fsdp.backward_prefetch false --out_dir "$T/d2"
 # CPU offload (ZeRO-Offload): trains, reports the host tier beside the device's memory; the planner
 # prints the host tier's row and suggests it where the optimizer state does not fit; 8-bit AdamW refused
 expect offload_trains_with_host_tier 0 "host tier \(offload\) OPTIM +1\.98 MiB" -- "$FITLLM" finetune_full micro \
@@ -1313,6 +1316,9 @@ expect null_backend_lora_run 0 "peak total" -- env FITLLM_BACKEND=null "$FITLLM"
 
 # a multi-rank run's summary gives the peak as the range over its ranks (the course's convention)
 expect ranks_peak_range 0 "peak total, ranks min - max +[0-9.]+ [KMG]iB - [0-9.]+ [KMG]iB" -- "$FITLLM" finetune_full micro --devices 2 --strategy fsdp --train.max_steps 1 --data Synthetic --out_dir "$T/ranks-range"
+# ... and its throughput as the whole job's (metrics.csv's tok_s is one rank's)
+expect_saved ranks_throughput_all_ranks 0 "tokens/s \(with prompt\) +[0-9.]+ \(all 2 ranks\)" "$EXPECT_OUT" "$EXPECT_RC"
+expect_saved ranks_tflops_all_ranks 0 "TFLOP/s \(model FLOPs\) +[0-9.]+ \(all 2 ranks\)" "$EXPECT_OUT" "$EXPECT_RC"
 # on a GPU the training summary adds NVML's utilization and memory (FITLLM_GPU_MONITOR=on forces it beside a CPU
 # run): without NVML it says why; with the tests' NVML stand-in (10 % and 30 % alternately, 5 GiB) the mean +- std
 expect gpu_monitor_absent 0 "GPU utilization: not sampled .NVML not loaded ./nonexistent/libnvidia-ml.so.1" -- env FITLLM_GPU_MONITOR=on FITLLM_NVML_LIB=/nonexistent/libnvidia-ml.so.1 "$FITLLM" finetune_full micro --devices 1 --train.max_steps 1 --data Synthetic --out_dir "$T/gpumon1"
@@ -1613,6 +1619,13 @@ if [ -d "$DATA/stories260K-hf" ]; then
     # nothing to learn from: every target masked (prompts masked, responses cut by max_seq_length)
     expect finetune_all_masked 2 "nothing to learn from: every target token of the 95 training samples is masked" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --data.mask_prompt true --train.max_seq_length 8 --train.max_steps 2 --out_dir "$T/masked"
+    # a first micro-batch whose every target is masked (its samples cut inside their prompts) has no loss yet: the log
+    # says so (it printed "nan"; metrics.csv leaves the cell empty)
+    expect mask_prompt_no_target_yet 0 "^Epoch 1 \| iter 1 step 1 \| loss train: n/a \(no target tokens\), val: n/a" -- \
+        "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" \
+        --data.mask_prompt true --train.max_seq_length 128 --train.micro_batch_size 2 --train.global_batch_size 2 \
+        --train.max_steps 1 --train.log_interval 1 --eval.max_new_tokens 0 --eval.final_validation false --threads 1 \
+        --out_dir "$T/masked1"
     # ---- LoRA outputs: every step-N/ is a PEFT adapter that merge_lora and generate take as it is;
     # final/ and the run folder lead to final/adapter; merge_lora writes a complete HF folder ----
     FL_ABS=$(cd "$(dirname "$FITLLM")" && pwd)/$(basename "$FITLLM")

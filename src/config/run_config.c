@@ -632,12 +632,9 @@ int fl_cfg_backward_prefetch(const fl_run_config *c) {
     return !strcmp(v, "false") || !strcmp(v, "off") ? 0 : -1;
 }
 
-fl_status fl_cfg_validate(const fl_run_config *c) {
-    const fl_train_args *t = &c->train;
-    if (c->devices < 1 || c->num_nodes < 1)
-        return fl_errorf(FL_ERR_INVALID, "devices=%d num_nodes=%d must be >= 1", c->devices, c->num_nodes);
-    fl_strategy_choice sc; /* auto: resolvable (its errors are the strategy's) */
-    FL_TRY(fl_cfg_resolve_strategy(c, 0, &sc));
+/* fsdp.sharding_strategy and fsdp.backward_prefetch: known values, and refused (never ignored) under a strategy that
+ * does not use them (sc: the run's strategy resolved). */
+static fl_status check_fsdp_options(const fl_run_config *c, const fl_strategy_choice *sc) {
     if (c->sharding_strategy[0] && strcmp(c->sharding_strategy, "NO_SHARD") &&
         strcmp(c->sharding_strategy, "SHARD_GRAD_OP") && strcmp(c->sharding_strategy, "FULL_SHARD") &&
         strcmp(c->sharding_strategy, "HYBRID_SHARD") && strcmp(c->sharding_strategy, "_HYBRID_SHARD_ZERO2"))
@@ -651,6 +648,22 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (c->backward_prefetch[0] && fl_cfg_backward_prefetch(c) < 0)
         return fl_errorf(FL_ERR_INVALID, "fsdp.backward_prefetch '%s': unknown (BACKWARD_PRE or true, the default; off or false)",
                          c->backward_prefetch);
+    /* like fsdp.sharding_strategy: refused where no unit is gathered (it was ignored under ddp) */
+    if (c->backward_prefetch[0] && sc->stage != 3 && (strcmp(strat, "auto") || c->devices * c->num_nodes > 1))
+        return fl_errorf(FL_ERR_INVALID, "fsdp.backward_prefetch %s applies to the units FSDP gathers (ZeRO-3: --strategy "
+                         "fsdp with FULL_SHARD or HYBRID_SHARD, deepspeed_stage_3*, fsdp_cpu_offload); this run's "
+                         "strategy is %s%s%s (ZeRO stage %d)", c->backward_prefetch, strcmp(strat, "auto") ? "'" : "",
+                         strcmp(strat, "auto") ? strat : sc->desc, strcmp(strat, "auto") ? "'" : "", sc->stage);
+    return FL_OK;
+}
+
+fl_status fl_cfg_validate(const fl_run_config *c) {
+    const fl_train_args *t = &c->train;
+    if (c->devices < 1 || c->num_nodes < 1)
+        return fl_errorf(FL_ERR_INVALID, "devices=%d num_nodes=%d must be >= 1", c->devices, c->num_nodes);
+    fl_strategy_choice sc; /* auto: resolvable (its errors are the strategy's) */
+    FL_TRY(fl_cfg_resolve_strategy(c, 0, &sc));
+    FL_TRY(check_fsdp_options(c, &sc));
     if (c->offload_device[0] && strcmp(c->offload_device, "cpu") && strcmp(c->offload_device, "nvme"))
         return fl_errorf(FL_ERR_INVALID, "offload_optimizer_device '%s': unknown (cpu or nvme)", c->offload_device);
     /* an option the run would not use is refused, never ignored (--strategy deepspeed_stage_3

@@ -426,9 +426,12 @@ static fl_status log_iterations(trainer *t, run_loop *L, float lr, long long tok
         else snprintf(tbuf, sizeof tbuf, "rank %d's micro-batch, in parallel with iter %ld", j % t->dp.world,
                       t->st.iter - j % t->dp.world);
         timed_k = k;
+        char lbuf[40]; /* no loss yet: every micro-batch so far was fully masked (metrics.csv leaves the cell empty) */
+        if (isnan(run)) snprintf(lbuf, sizeof lbuf, "n/a (no target tokens)");
+        else snprintf(lbuf, sizeof lbuf, "%.3f", run);
         if (t->out)
-            fprintf(t->out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | %s%s\n",
-                    (long long)t->buf.mb_epoch[j] + 1, t->st.iter, step_now, run, vbuf, tbuf, last ? " (step)" : "");
+            fprintf(t->out, "Epoch %lld | iter %ld step %ld | loss train: %s, val: %s | %s%s\n",
+                    (long long)t->buf.mb_epoch[j] + 1, t->st.iter, step_now, lbuf, vbuf, tbuf, last ? " (step)" : "");
         /* total_tokens: every rank's padded tokens through this iteration (LitGPT's iter_num x micro batch x T x world
          * size; metrics.c writes tokens, this rank's share); tok_s: this micro-batch's on its rank */
         fl_metrics_values mv = {.iter = t->st.iter, .step = step_now, .epoch = t->buf.mb_epoch[j], .loss = run,
