@@ -949,7 +949,7 @@ expect offload_nvme_needs_offload 2 "offload_optimizer_device nvme offloads the 
     "$FITLLM" finetune_full micro --offload_optimizer_device nvme --out_dir "$T/off5"
 expect plan_offload_nvme_row 0 "^nvme \(offload\) +reserved +0 B +0 B +1\.98 MiB" -- "$FITLLM" plan micro \
     --strategy deepspeed_stage_2_offload --offload_optimizer_device nvme
-expect zero_hybrid_zero2_not_yet 2 "fsdp.sharding_strategy '_HYBRID_SHARD_ZERO2' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy _HYBRID_SHARD_ZERO2 --out_dir "$T/d2"
+expect zero_hybrid_zero2_not_yet 2 "fsdp.sharding_strategy '_HYBRID_SHARD_ZERO2' is not implemented yet \(SHARD_GRAD_OP within a node" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy _HYBRID_SHARD_ZERO2 --out_dir "$T/d2"
 expect zero_sharding_unknown 2 "fsdp.sharding_strategy 'ZERO9': unknown" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy ZERO9 --out_dir "$T/d2"
 # one process: every strategy trains as one process does (FULL_SHARD of one rank holds everything)
 expect fsdp_one_process 0 "Saved the final model" -- "$FITLLM" finetune_full micro --strategy fsdp --train.max_steps 1 \
