@@ -48,6 +48,17 @@ trap 'rm -rf "$T"; fl_case_laps_end' EXIT
 ok()  { echo "ok   $1"; pass=$((pass+1)); }
 bad() { echo "FAIL $1: $2"; sed 's/^/     /' "$T/out" | tail -15; fail=$((fail+1)); }
 now() { date +%s.%N; }
+# signal_rank JOB PID SIG: send SIG to the rank PID of JOB, wait up to 60 s for JOB to end (still running: end it and
+# its mpirun, so that the time check fails and nothing is left behind); sets rc (JOB's status) and secs (signal to end)
+signal_rank() {
+    local t0 mp
+    mp=$(awk '/^PPid:/ { print $2 }' "/proc/$2/status" 2>/dev/null)
+    t0=$(now); kill -"$3" "$2"
+    for _ in $(seq 600); do kill -0 "$1" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$1" 2>/dev/null && { kill -CONT "$2" 2>/dev/null; kill "$mp" 2>/dev/null; sleep 2; kill -9 "$1" 2>/dev/null; }
+    wait "$1"; rc=$?
+    secs=$(awk -v a="$t0" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }')
+}
 # rank_pid JOB R: the pid of world rank R of the job started in the background as JOB (timeout -> mpirun -> rank, or
 # fitllm -> mpirun -> rank: a child or grandchild of JOB)
 rank_pid() {
@@ -491,11 +502,7 @@ if [ -z "$r1" ]; then
     kill "$job" 2>/dev/null; wait "$job"
     bad "ddp_dead_rank_names_checkpoint" "rank 1 not found (step-000002 committed: $([ -f "$T/die/step-000002/COMMITTED" ] && echo yes || echo no))"
 else
-    t0=$(now); kill -9 "$r1"
-    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$job" 2>/dev/null && kill -9 "$job" # hung for 60 s: the time check below fails
-    wait "$job"; rc=$?; t1=$(now)
-    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    signal_rank "$job" "$r1" 9
     last=$(sed -n "s/.*rank 0 of 2: ended by the launcher .*the last committed checkpoint is '\([^']*\)' (to continue from it, run the same command with --resume auto).*/\1/p" "$T/out")
     if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 1 .* exited on signal 9" "$T/out" \
         && [ -n "$last" ] && [ -f "$last/COMMITTED" ] && case "$last" in "$T/die/step-"*) true ;; *) false ;; esac; then
@@ -521,11 +528,7 @@ if [ -z "$r1" ]; then
     kill "$job" 2>/dev/null; wait "$job"
     bad "param_offload_dead_rank_names_checkpoint" "rank 1 was not held in a fetch"
 else
-    t0=$(now); kill -9 "$r1"
-    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$job" 2>/dev/null && kill -9 "$job"
-    wait "$job"; rc=$?; t1=$(now)
-    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    signal_rank "$job" "$r1" 9
     last=$(sed -n "s/.*rank 0 of 2: ended by the launcher .*the last committed checkpoint is '\([^']*\)' (to continue from it, run the same command with --resume auto).*/\1/p" "$T/out")
     if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 1 .* exited on signal 9" "$T/out" \
         && [ -n "$last" ] && [ -f "$last/COMMITTED" ] && case "$last" in "$T/pdie/step-"*) true ;; *) false ;; esac \
@@ -736,11 +739,7 @@ if [ -z "$r3" ]; then
     kill "$job" 2>/dev/null; wait "$job"
     bad "tp_dead_rank_ends_the_grid" "rank 3 not found"
 else
-    t0=$(now); kill -9 "$r3"
-    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$job" 2>/dev/null && kill -9 "$job"
-    wait "$job"; rc=$?; t1=$(now)
-    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    signal_rank "$job" "$r3" 9
     if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 3 .* exited on signal 9" "$T/out"; then
         ok "tp_dead_rank_ends_the_grid (exit $rc in $secs s)"
     else
@@ -760,12 +759,7 @@ if [ -z "$r1" ]; then
     kill "$job" 2>/dev/null; wait "$job"
     bad "mpi_stopped_rank_times_out" "rank 1 not found"
 else
-    mp=$(awk '/^PPid:/ { print $2 }' "/proc/$r1/status") # mpirun
-    t0=$(now); kill -STOP "$r1"
-    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$job" 2>/dev/null && { kill -CONT "$r1"; kill "$mp"; sleep 2; kill -9 "$job"; } # still waiting: end it
-    wait "$job"; rc=$?; t1=$(now)
-    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    signal_rank "$job" "$r1" STOP
     if [ $rc -eq 1 ] && awk -v s="$secs" 'BEGIN { exit !(s >= 2 && s <= 20) }' \
         && grep -Eq "rank 0 of 2: .* did not complete in 2 s: another rank stopped.*FITLLM_COMM_TIMEOUT.*this rank was past step [0-9]+; the last committed checkpoint is '$T/stop/step-0000[0-9][0-9]'" "$T/out"; then
         ok "mpi_stopped_rank_times_out (exit $rc in $secs s)"
@@ -782,10 +776,7 @@ timeout 300 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 2 --train.ma
 job=$!
 for _ in $(seq 600); do [ -f "$T/term/step-000002/COMMITTED" ] && break; sleep 0.1; done
 r0=$(rank_pid "$job" 0)
-[ -n "$r0" ] && kill -TERM "$r0"
-for _ in $(seq 300); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-kill -0 "$job" 2>/dev/null && { kill "$(awk '/^PPid:/ { print $2 }' "/proc/$r0/status" 2>/dev/null)" 2>/dev/null; kill -9 "$job"; }
-wait "$job"; rc=$?
+if [ -n "$r0" ]; then signal_rank "$job" "$r0" TERM; else kill "$job"; wait "$job"; rc=$?; fi
 if [ -n "$r0" ] && [ $rc -ne 0 ] && grep -q "rank 0 of 2: ended by the launcher .*the last committed checkpoint is '$T/term/step-0000[0-9]*' .*; to stop a run after its step instead, send SIGUSR1 to mpirun (kill -USR1 <its pid>)" "$T/out"; then
     ok "mpi_sigterm_names_checkpoint_and_sigusr1"
 else
