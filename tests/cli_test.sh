@@ -747,6 +747,13 @@ for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfi
            "^  mpirun -np 4 --hostfile HOSTS --map-by ppr:2:node .*fitllm finetune_full micro --devices 2 --num_nodes 2 --out_dir"; do
     expect ddp_nodes_without_launcher 2 "$pat" -- "${NOLAUNCH[@]}" "$FITLLM" finetune_full micro --devices 2 --num_nodes 2 --out_dir "$T/d1"
 done
+# torchrun's variables: fitllm's ranks need mpirun, said at once (it advised --devices 2 first, which then said this)
+expect torchrun_says_mpirun 2 "launched with torchrun-style variables \(RANK=0, WORLD_SIZE=2\) but without an MPI launcher.*start them with mpirun instead: \`mpirun -np 2 fitllm" -- \
+    "${NOLAUNCH[@]}" RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 "$FITLLM" finetune_full micro --out_dir "$T/d1"
+# --devices auto is this process's one device, said so, against a launcher's 2 ranks (rank 0's view: it stops before
+# MPI starts); "1 rank", not "1 ranks"
+expect devices_auto_under_launcher 2 "--devices 1 \(auto: this process's one CPU device\) x --num_nodes 1 = 1 rank, but Open MPI \(mpirun\) started 2: give --devices 2 .* or start 1 rank$" -- \
+    "${NOLAUNCH[@]}" OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 "$FITLLM" finetune_full micro --devices auto --out_dir "$T/d1"
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
 # parameter offload (issue 34 item 2): the shards of the parameters and gradients in the host tier or NVMe files;
 # the memory report says so; refused with a strategy that keeps stage 3's optimizer on the device
@@ -839,6 +846,9 @@ expect nvme_path_needs_nvme 2 "nvme_path '$T/nvme' is the folder of offload_opti
     "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --nvme_path "$T/nvme" --out_dir "$T/d2"
 expect sharding_needs_fsdp 2 "fsdp.sharding_strategy FULL_SHARD applies to --strategy fsdp; this run's strategy is 'deepspeed_stage_2'" -- \
     "$FITLLM" finetune_full micro --strategy deepspeed_stage_2 --fsdp.sharding_strategy FULL_SHARD --out_dir "$T/d2"
+# fsdp.backward_prefetch likewise (it was ignored under ddp)
+expect prefetch_needs_fsdp 2 "fsdp.backward_prefetch false applies to the units FSDP gathers .*this run's strategy is 'ddp'" -- \
+    "$FITLLM" finetune_full micro --strategy ddp --fsdp.backward_prefetch false --out_dir "$T/d2"
 # CPU offload (ZeRO-Offload): trains, reports the host tier beside the device's memory; the planner
 # prints the host tier's row and suggests it where the optimizer state does not fit; 8-bit AdamW refused
 expect offload_trains_with_host_tier 0 "host tier \(offload\) OPTIM +1\.98 MiB" -- "$FITLLM" finetune_full micro \
@@ -866,7 +876,7 @@ expect offload_nvme_full_disk 1 "NVMe offload: .* cannot reserve [0-9]+ bytes in
 # --tensor_parallel (the runs themselves: tests/mpi_test.sh, tests/test_tp_train.c): a grid it does not divide, a
 # model it does not split (naming the key); the plan of one rank's slice; with offload (DP 2 x TP 2 under ZeRO-2
 # offload) the host tier's row holds the rank's chunk of its slice's AdamW state: 130368 floats x 2 / 2 = 509.25 KiB
-expect tp_not_dividing_devices 2 "tensor_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
+expect tp_not_dividing_devices 2 "tensor_parallel 2 does not divide devices x num_nodes = 1 rank \(" -- \
     "$FITLLM" finetune_full micro --tensor_parallel 2 --out_dir "$T/tp1"
 expect tp_plan_heads_not_divisible 2 "--tensor_parallel 3: the model's 8 attention heads \(num_attention_heads\) do not split evenly over 3 ranks" -- \
     "$FITLLM" plan micro --devices 3 --tensor_parallel 3
@@ -886,7 +896,7 @@ expect tp_plan_lora_dropout_row_parallel 0 "^after_load +reserved" -- \
     "$FITLLM" plan micro --lora --devices 2 --tensor_parallel 2 --lora_mlp true --lora_dropout 0.1
 # --pipeline_parallel (EXPERIMENTAL; the runs: tests/mpi_test.sh, tests/test_pp_train.c): a grid it does not divide, an
 # unknown schedule, the plan of one stage, the help's label
-expect pp_not_dividing_devices 2 "--pipeline_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
+expect pp_not_dividing_devices 2 "--pipeline_parallel 2 does not divide devices x num_nodes = 1 rank \(" -- \
     "$FITLLM" finetune_full micro --pipeline_parallel 2 --out_dir "$T/pp1"
 expect pp_unknown_schedule 2 "--pipeline_schedule 'zigzag': expected gpipe, 1f1b or interleaved" -- \
     "$FITLLM" finetune_full micro --devices 2 --pipeline_parallel 2 --pipeline_schedule zigzag --out_dir "$T/pp2"
@@ -939,7 +949,7 @@ expect offload_nvme_needs_offload 2 "offload_optimizer_device nvme offloads the 
     "$FITLLM" finetune_full micro --offload_optimizer_device nvme --out_dir "$T/off5"
 expect plan_offload_nvme_row 0 "^nvme \(offload\) +reserved +0 B +0 B +1\.98 MiB" -- "$FITLLM" plan micro \
     --strategy deepspeed_stage_2_offload --offload_optimizer_device nvme
-expect zero_hybrid_zero2_not_yet 2 "fsdp.sharding_strategy '_HYBRID_SHARD_ZERO2' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy _HYBRID_SHARD_ZERO2 --out_dir "$T/d2"
+expect zero_hybrid_zero2_not_yet 2 "fsdp.sharding_strategy '_HYBRID_SHARD_ZERO2' is not implemented yet \(SHARD_GRAD_OP within a node" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy _HYBRID_SHARD_ZERO2 --out_dir "$T/d2"
 expect zero_sharding_unknown 2 "fsdp.sharding_strategy 'ZERO9': unknown" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy ZERO9 --out_dir "$T/d2"
 # one process: every strategy trains as one process does (FULL_SHARD of one rank holds everything)
 expect fsdp_one_process 0 "Saved the final model" -- "$FITLLM" finetune_full micro --strategy fsdp --train.max_steps 1 \
@@ -1306,6 +1316,9 @@ expect null_backend_lora_run 0 "peak total" -- env FITLLM_BACKEND=null "$FITLLM"
 
 # a multi-rank run's summary gives the peak as the range over its ranks (the course's convention)
 expect ranks_peak_range 0 "peak total, ranks min - max +[0-9.]+ [KMG]iB - [0-9.]+ [KMG]iB" -- "$FITLLM" finetune_full micro --devices 2 --strategy fsdp --train.max_steps 1 --data Synthetic --out_dir "$T/ranks-range"
+# ... and its throughput as the whole job's (metrics.csv's tok_s is one rank's)
+expect_saved ranks_throughput_all_ranks 0 "tokens/s \(with prompt\) +[0-9.]+ \(all 2 ranks\)" "$EXPECT_OUT" "$EXPECT_RC"
+expect_saved ranks_tflops_all_ranks 0 "TFLOP/s \(model FLOPs\) +[0-9.]+ \(all 2 ranks\)" "$EXPECT_OUT" "$EXPECT_RC"
 # on a GPU the training summary adds NVML's utilization and memory (FITLLM_GPU_MONITOR=on forces it beside a CPU
 # run): without NVML it says why; with the tests' NVML stand-in (10 % and 30 % alternately, 5 GiB) the mean +- std
 expect gpu_monitor_absent 0 "GPU utilization: not sampled .NVML not loaded ./nonexistent/libnvidia-ml.so.1" -- env FITLLM_GPU_MONITOR=on FITLLM_NVML_LIB=/nonexistent/libnvidia-ml.so.1 "$FITLLM" finetune_full micro --devices 1 --train.max_steps 1 --data Synthetic --out_dir "$T/gpumon1"
@@ -1614,6 +1627,13 @@ if [ -d "$DATA/stories260K-hf" ]; then
     # nothing to learn from: every target masked (prompts masked, responses cut by max_seq_length)
     expect finetune_all_masked 2 "nothing to learn from: every target token of the 95 training samples is masked" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --data.mask_prompt true --train.max_seq_length 8 --train.max_steps 2 --out_dir "$T/masked"
+    # a first micro-batch whose every target is masked (its samples cut inside their prompts) has no loss yet: the log
+    # says so (it printed "nan"; metrics.csv leaves the cell empty)
+    expect mask_prompt_no_target_yet 0 "^Epoch 1 \| iter 1 step 1 \| loss train: n/a \(no target tokens\), val: n/a" -- \
+        "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" \
+        --data.mask_prompt true --train.max_seq_length 128 --train.micro_batch_size 2 --train.global_batch_size 2 \
+        --train.max_steps 1 --train.log_interval 1 --eval.max_new_tokens 0 --eval.final_validation false --threads 1 \
+        --out_dir "$T/masked1"
     # ---- LoRA outputs: every step-N/ is a PEFT adapter that merge_lora and generate take as it is;
     # final/ and the run folder lead to final/adapter; merge_lora writes a complete HF folder ----
     FL_ABS=$(cd "$(dirname "$FITLLM")" && pwd)/$(basename "$FITLLM")

@@ -16,7 +16,8 @@
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
 #     every rank must end, the job non-zero, within seconds, the output naming the rank; a training
-#     rank killed: the same, and rank 0 names the last committed checkpoint; ranks with different
+#     rank killed: the same, and rank 0 names the last committed checkpoint; a training rank stopped
+#     (kill -STOP): the job ends after FITLLM_COMM_TIMEOUT, naming the wait, the step and the checkpoint; ranks with different
 #     configurations, model files, fitllm builds or data refuse at start-up naming the difference;
 #   - torchrun-style variables without mpirun, srun without an MPI plugin, another MPI's launcher:
 #     refused, naming what to run instead;
@@ -47,6 +48,29 @@ trap 'rm -rf "$T"; fl_case_laps_end' EXIT
 ok()  { echo "ok   $1"; pass=$((pass+1)); }
 bad() { echo "FAIL $1: $2"; sed 's/^/     /' "$T/out" | tail -15; fail=$((fail+1)); }
 now() { date +%s.%N; }
+# signal_rank JOB PID SIG: send SIG to the rank PID of JOB, wait up to 60 s for JOB to end (still running: end it and
+# its mpirun, so that the time check fails and nothing is left behind); sets rc (JOB's status) and secs (signal to end)
+signal_rank() {
+    local t0 mp
+    mp=$(awk '/^PPid:/ { print $2 }' "/proc/$2/status" 2>/dev/null)
+    t0=$(now); kill -"$3" "$2"
+    for _ in $(seq 600); do kill -0 "$1" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$1" 2>/dev/null && { kill -CONT "$2" 2>/dev/null; kill "$mp" 2>/dev/null; sleep 2; kill -9 "$1" 2>/dev/null; }
+    wait "$1"; rc=$?
+    secs=$(awk -v a="$t0" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }')
+}
+# rank_pid JOB R: the pid of world rank R of the job started in the background as JOB (timeout -> mpirun -> rank, or
+# fitllm -> mpirun -> rank: a child or grandchild of JOB)
+rank_pid() {
+    local st p pp gp
+    for st in /proc/[0-9]*/status; do
+        p=${st#/proc/}; p=${p%/status}
+        pp=$(awk '/^PPid:/ { print $2 }' "$st" 2>/dev/null); gp=""
+        [ -n "$pp" ] && gp=$(awk '/^PPid:/ { print $2 }' "/proc/$pp/status" 2>/dev/null)
+        [ "$pp" = "$1" ] || [ "$gp" = "$1" ] || continue
+        tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2" && echo "$p"
+    done
+}
 # run_case NAME SECS CMD...: runs CMD under `timeout SECS` (SIGKILL 15 s after that) with its output in $T/out; sets
 # rc to CMD's own exit status, captured at once (`cmd || { x=0; bad ... "exit $?"; }` read the assignment's 0). On
 # failure reports NAME as FAIL, naming a time-out as one (124/137: still running at SECS), and returns 1.
@@ -473,24 +497,12 @@ fi
 "${SELF_ENV[@]}" "$FL" finetune_full "${ARGS[@]}" --train.max_steps 100000 --train.epochs 100000 --devices 2 --out_dir "$T/die" >"$T/out" 2>&1 &
 job=$! # fitllm, then (exec) mpirun
 for _ in $(seq 600); do [ -f "$T/die/step-000002/COMMITTED" ] && break; sleep 0.1; done
-r1=""
-for st in /proc/[0-9]*/status; do
-    p=${st#/proc/}; p=${p%/status}
-    # a descendant of fitllm (fitllm -> mpirun -> rank: the launcher stays as mpirun's parent)
-    pp=$(awk '/^PPid:/ { print $2 }' "$st" 2>/dev/null); gp=""
-    [ -n "$pp" ] && gp=$(awk '/^PPid:/ { print $2 }' "/proc/$pp/status" 2>/dev/null)
-    [ "$pp" = "$job" ] || [ "$gp" = "$job" ] || continue
-    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1 && r1=$p
-done
+r1=$(rank_pid "$job" 1) # (the launcher stays as mpirun's parent)
 if [ -z "$r1" ]; then
     kill "$job" 2>/dev/null; wait "$job"
     bad "ddp_dead_rank_names_checkpoint" "rank 1 not found (step-000002 committed: $([ -f "$T/die/step-000002/COMMITTED" ] && echo yes || echo no))"
 else
-    t0=$(now); kill -9 "$r1"
-    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$job" 2>/dev/null && kill -9 "$job" # hung for 60 s: the time check below fails
-    wait "$job"; rc=$?; t1=$(now)
-    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    signal_rank "$job" "$r1" 9
     last=$(sed -n "s/.*rank 0 of 2: ended by the launcher .*the last committed checkpoint is '\([^']*\)' (to continue from it, run the same command with --resume auto).*/\1/p" "$T/out")
     if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 1 .* exited on signal 9" "$T/out" \
         && [ -n "$last" ] && [ -f "$last/COMMITTED" ] && case "$last" in "$T/die/step-"*) true ;; *) false ;; esac; then
@@ -516,11 +528,7 @@ if [ -z "$r1" ]; then
     kill "$job" 2>/dev/null; wait "$job"
     bad "param_offload_dead_rank_names_checkpoint" "rank 1 was not held in a fetch"
 else
-    t0=$(now); kill -9 "$r1"
-    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$job" 2>/dev/null && kill -9 "$job"
-    wait "$job"; rc=$?; t1=$(now)
-    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    signal_rank "$job" "$r1" 9
     last=$(sed -n "s/.*rank 0 of 2: ended by the launcher .*the last committed checkpoint is '\([^']*\)' (to continue from it, run the same command with --resume auto).*/\1/p" "$T/out")
     if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 1 .* exited on signal 9" "$T/out" \
         && [ -n "$last" ] && [ -f "$last/COMMITTED" ] && case "$last" in "$T/pdie/step-"*) true ;; *) false ;; esac \
@@ -694,6 +702,23 @@ pp_refused() { # name, pattern, ranks, arguments...
     timeout 120 mpirun -np "$np" "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?
     if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q -- "$pat" "$T/out"; then ok "$name"; else bad "$name" "exit $rc"; fi
 }
+# refused_once NAME PATTERN ARGS...: what every rank refuses alike (a grid the ranks do not fill, a batch the ranks do
+# not divide) is said once, by rank 0, and the job exits 2 (a usage error) cleanly: no MPI_Abort banner, no advice
+# about checkpoints (the grid's refusal was each rank's own error before: both aborted the job, advising
+# --overwrite; the batch's was printed by every rank)
+refused_once() {
+    local name=$1 pat=$2; shift 2
+    timeout 120 mpirun -np 2 "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?
+    if [ $rc -eq 2 ] && [ "$(grep -c -- "$pat" "$T/out")" = 1 ] && ! grep -Eq "MPI_ABORT|aborting|no checkpoint was committed" "$T/out"; then
+        ok "$name"
+    else
+        bad "$name" "exit $rc, $(grep -c -- "$pat" "$T/out") lines with the reason"
+    fi
+}
+refused_once grid_refused_once_exit_2 "fitllm finetune_full: error: --tensor_parallel 2 with --pipeline_parallel 2: this run has 2 ranks, not a multiple of 4" \
+    finetune_full micro --devices 2 --tensor_parallel 2 --pipeline_parallel 2 --out_dir "$T/g2"
+refused_once batch_refused_once_exit_2 "train.global_batch_size 6 is not divisible by devices x micro_batch_size = 2 x 2" \
+    finetune_full micro --devices 2 --train.global_batch_size 6 --train.micro_batch_size 2 --out_dir "$T/g3"
 pp_refused pp_more_stages_than_layers "--pipeline_parallel 6: the model has 5 layers" 6 finetune_full micro --devices 6 \
     --pipeline_parallel 6 --train.global_batch_size 6 --out_dir "$T/pp-x1"
 # HYBRID_SHARD on the data axis runs where a node holds whole pipelines: nodes of one rank do not (QLoRA where a rank's
@@ -709,28 +734,53 @@ timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_
     --train.max_steps 100000 --train.epochs 100000 --out_dir "$T/tp-die" >"$T/out" 2>&1 &
 job=$!
 for _ in $(seq 600); do [ -f "$T/tp-die/step-000002/COMMITTED" ] && break; sleep 0.1; done
-r3=""
-for st in /proc/[0-9]*/status; do
-    p=${st#/proc/}; p=${p%/status}
-    pp=$(awk '/^PPid:/ { print $2 }' "$st" 2>/dev/null); gp="" # timeout -> mpirun -> rank
-    [ -n "$pp" ] && gp=$(awk '/^PPid:/ { print $2 }' "/proc/$pp/status" 2>/dev/null)
-    [ "$pp" = "$job" ] || [ "$gp" = "$job" ] || continue
-    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=3 && r3=$p
-done
+r3=$(rank_pid "$job" 3)
 if [ -z "$r3" ]; then
     kill "$job" 2>/dev/null; wait "$job"
     bad "tp_dead_rank_ends_the_grid" "rank 3 not found"
 else
-    t0=$(now); kill -9 "$r3"
-    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$job" 2>/dev/null && kill -9 "$job"
-    wait "$job"; rc=$?; t1=$(now)
-    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    signal_rank "$job" "$r3" 9
     if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 3 .* exited on signal 9" "$T/out"; then
         ok "tp_dead_rank_ends_the_grid (exit $rc in $secs s)"
     else
         bad "tp_dead_rank_ends_the_grid" "exit $rc in $secs s"
     fi
+fi
+
+# a rank that stops without dying (kill -STOP: no error, no exit, so the launcher sees nothing): the other's wait for
+# it ends after FITLLM_COMM_TIMEOUT seconds (here 2; default 600), naming the collective, the step and the last
+# committed checkpoint, and ends the job non-zero (it waited forever, silently, before)
+FITLLM_COMM_TIMEOUT=2 timeout 300 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 2 --train.max_steps 100000 \
+    --train.epochs 100000 --out_dir "$T/stop" >"$T/out" 2>&1 &
+job=$!
+for _ in $(seq 600); do [ -f "$T/stop/step-000002/COMMITTED" ] && break; sleep 0.1; done
+r1=$(rank_pid "$job" 1)
+if [ -z "$r1" ]; then
+    kill "$job" 2>/dev/null; wait "$job"
+    bad "mpi_stopped_rank_times_out" "rank 1 not found"
+else
+    signal_rank "$job" "$r1" STOP
+    if [ $rc -eq 1 ] && awk -v s="$secs" 'BEGIN { exit !(s >= 2 && s <= 20) }' \
+        && grep -Eq "rank 0 of 2: .* did not complete in 2 s: another rank stopped.*FITLLM_COMM_TIMEOUT.*this rank was past step [0-9]+; the last committed checkpoint is '$T/stop/step-0000[0-9][0-9]'" "$T/out"; then
+        ok "mpi_stopped_rank_times_out (exit $rc in $secs s)"
+    else
+        bad "mpi_stopped_rank_times_out" "exit $rc in $secs s"
+    fi
+fi
+
+# SIGTERM to your own mpirun's ranks (what its Ctrl-C sends them, a second before SIGKILL) ends them at once: rank 0
+# names the last committed checkpoint and says what stops after the step instead (SIGUSR1 to mpirun); sent here to
+# rank 0 itself, which takes it as mpirun's
+timeout 300 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 2 --train.max_steps 100000 --train.epochs 100000 \
+    --out_dir "$T/term" >"$T/out" 2>&1 &
+job=$!
+for _ in $(seq 600); do [ -f "$T/term/step-000002/COMMITTED" ] && break; sleep 0.1; done
+r0=$(rank_pid "$job" 0)
+if [ -n "$r0" ]; then signal_rank "$job" "$r0" TERM; else kill "$job"; wait "$job"; rc=$?; fi
+if [ -n "$r0" ] && [ $rc -ne 0 ] && grep -q "rank 0 of 2: ended by the launcher .*the last committed checkpoint is '$T/term/step-0000[0-9]*' .*; to stop a run after its step instead, send SIGUSR1 to mpirun (kill -USR1 <its pid>)" "$T/out"; then
+    ok "mpi_sigterm_names_checkpoint_and_sigusr1"
+else
+    bad "mpi_sigterm_names_checkpoint_and_sigusr1" "exit $rc (rank 0: '$r0')"
 fi
 
 # faults: every rank ends promptly, non-zero, and the output names the rank at fault
@@ -793,7 +843,7 @@ pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T
 
 # sequence parallelism (--sequence_parallel with --tensor_parallel) over 2 and 4 ranks (tests/mpi_sp_test.sh: against one
 # process and TP alone, the checkpoint resumed in one process, rank 0's peaks = the plan, TP 2 x PP 2, T5 with its
-# evaluation sample, LoRA dropout on the row-parallel linears, the sequence-length refusal)
+# evaluation sample, LoRA dropout on the row-parallel linears, a sequence length the group does not divide)
 t_sub=$SECONDS  # its lines come out together at its end: the first one's lap time is the whole script's
 "$(dirname "$0")/mpi_sp_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
 grep -E "^(ok|FAIL|     )" "$T/out"

@@ -347,6 +347,30 @@ FL_TEST(comm_threads_timeout) {
     FL_CHECKF(x.t[0] < 5, "%.1f s", x.t[0]);
 }
 
+/* FITLLM_COMM_TIMEOUT (comm.h: one limit for every implementation) is the threads group's when its creator gives none
+ * (0): a rank waiting for an absent one gives up after it (before: a fixed 120 s, the variable ignored); a value that
+ * is not a number is refused by fl_comm_init, naming the variable (the getter keeps the default) */
+FL_TEST(comm_threads_timeout_from_env) {
+    const char *had = getenv("FITLLM_COMM_TIMEOUT");
+    char keep[64];
+    snprintf(keep, sizeof keep, "%s", had ? had : "");
+    setenv("FITLLM_COMM_TIMEOUT", "0.05", 1);
+    fail_ctx x = {.abort_rank = -1, .absent = 1};
+    run_fail(&x, 2, 0);
+    FL_CHECK(x.st[0] == FL_ERR_IO);
+    FL_CHECKF(strstr(x.msg[0], "gave up") && strstr(x.msg[0], "after 0.05 s"), "'%s'", x.msg[0]);
+    FL_CHECKF(x.t[0] < 5, "%.1f s", x.t[0]);
+    setenv("FITLLM_COMM_TIMEOUT", "ten", 1);
+    FL_CHECK(fl_comm_timeout() == 600.0);
+    fl_comm *c = NULL;
+    FL_CHECK(fl_comm_init(&c, NULL, NULL) == FL_ERR_INVALID && c == NULL);
+    FL_CHECKF(strstr(fl_error_message(), "FITLLM_COMM_TIMEOUT='ten' is not a number of seconds"), "'%s'",
+              fl_error_message());
+    if (keep[0]) setenv("FITLLM_COMM_TIMEOUT", keep, 1);
+    else unsetenv("FITLLM_COMM_TIMEOUT");
+    FL_CHECK(keep[0] || fl_comm_timeout() == 600.0);
+}
+
 /* ---- argument checks ----------------------------------------------------------------------- */
 
 FL_TEST(comm_bad_arguments) {
@@ -446,6 +470,7 @@ FL_TEST(comm_launch_detect) {
     FL_CHECK(fl_comm_init(&c, NULL, NULL) == FL_ERR_UNSUPPORTED && c == NULL);
     FL_CHECKF(strstr(fl_error_message(), "WORLD_SIZE=4") && strstr(fl_error_message(), "mpirun -np 4 fitllm"), "'%s'",
               fl_error_message());
+    FL_CHECK(fl_launch_check(&li) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "mpirun -np 4 fitllm"));
 
     clear_env();
     setenv("WORLD_SIZE", "1", 1);

@@ -940,9 +940,13 @@ static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, 
         edit(&j->cfg[r]);
     }
     FL_CHECK(fl_comm_threads_run(W, dr_job_rank, j) != FL_OK);
-    for (int r = 0; r < W; r++)
+    for (int r = 0; r < W; r++) {
         FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], a) && (!b || strstr(j->msg[r], b)), "rank %d: '%s' (wanted "
                   "'%s' and '%s')", r, j->msg[r], a, b ? b : "");
+        /* every rank refuses alike, before any collective: the CLI lets rank 0 say it and exits 2 (the grid's sizes
+         * were reported as one rank's own error before: every rank aborted the job, each advising --overwrite) */
+        FL_CHECKF(j->res[r].error_all_ranks, "rank %d: '%s' not marked as every rank's error", r, j->msg[r]);
+    }
     free(j);
 }
 
@@ -1238,13 +1242,50 @@ FL_TEST(sp_train_threads_3d_resume_and_opaque) {
     g_sp = g_t20 = 0, g_pp = 1;
 }
 
-static void e_sp_t19(fl_run_config *c) { c->sequence_parallel = 1; c->train.max_seq_length = 20; } /* T = 19 */
 static void e_sp_alone(fl_run_config *c) { c->sequence_parallel = 1; c->tensor_parallel = 1; }
 
 FL_TEST(sp_train_threads_refusals) {
-    expect_refusal(2, e_sp_t19, "--sequence_parallel with --tensor_parallel 2: the sequence length 19 is not a "
-                   "multiple of 2", NULL);
     expect_refusal(2, e_sp_alone, "--sequence_parallel", "--tensor_parallel N");
+}
+
+/* One step of scenario sc at TP 2 on the cpu backend (out_dir: tmpdir/name), then each rank's peaks per tag = the plan's
+ * (tag names the case in the messages). The job (rank 0's result in res[0]) for the caller to free with tp2_free;
+ * NULL when it could not be allocated. */
+static dr_job *tp2_step_plan(int sc, const char *name, const char *tag) {
+    dr_job *j = calloc(1, sizeof *j);
+    FL_CHECK(j != NULL);
+    if (!j) return NULL;
+    char out[700];
+    snprintf(out, sizeof out, "%s/%s", fl_test_tmpdir(), name);
+    for (int r = 0; r < 2; r++) {
+        tp_config(&j->cfg[r], sc, 1, 2, out);
+        j->cfg[r].train.max_steps = 1;
+    }
+    const char *forced = g_forced;
+    g_forced = "cpu";
+    backend_on();
+    fl_status s = fl_comm_threads_run(2, dr_job_rank, j);
+    backend_off();
+    g_forced = forced;
+    FL_CHECKF(s == FL_OK, "%s: %s", tag, j->msg[0]);
+    for (int r = 0; r < 2 && s == FL_OK; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], tag);
+    return j;
+}
+static void tp2_free(dr_job *j) {
+    for (int r = 0; j && r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
+}
+
+/* Any sequence length runs under SP (a user review: every even --train.max_seq_length of instruction data, T = length
+ * - 1, was refused, "the sequence length 127 is not a multiple of 2"): the arena's T is rounded up to a multiple of N
+ * and a pass whose rows N does not divide is padded at each sequence's end, exact for the causal decoders. At T = 19:
+ * TP 4 (arena T 20, the B 2 x T 19 batches padded to 2 x 20) against one process at T 19 (scenario's bars), and TP 2's
+ * peaks per rank and tag = the plan's (the planner sizes the same rounded arena). */
+FL_TEST(sp_train_threads_any_sequence_length) {
+    g_sp = 1; /* g_t20 0: max_seq_length 20, T = 19 */
+    scenario(DR_SGD, 1, 4);
+    tp2_free(tp2_step_plan(DR_ADAMW, "sp-t19-plan", "TP 2 + SP at T 19"));
+    g_sp = 0;
 }
 
 /* Offload on the slices (issue 35: --strategy deepspeed_stage_1/2/3_offload, fsdp_cpu_offload,
@@ -1604,21 +1645,8 @@ FL_TEST(tp_train_qlora_cut_blocks_cuda_emu_dp2) {
  * part's own elements at 4.5 bits (fl_tp_q4_map's blocks, the row map) are in both */
 FL_TEST(tp_train_threads_qlora_cut_blocks_plan_equals_measured) {
     g_quant = "bnb.nf4-dq";
-    g_forced = "cpu";
-    dr_job *j = calloc(1, sizeof *j);
+    dr_job *j = tp2_step_plan(DR_LORA, "q4cut-plan", "QLoRA cut TP 2");
     FL_REQUIRE(j != NULL);
-    char out[700];
-    snprintf(out, sizeof out, "%s/q4cut-plan", fl_test_tmpdir());
-    for (int r = 0; r < 2; r++) {
-        tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
-        j->cfg[r].train.max_steps = 1;
-    }
-    backend_on();
-    fl_status s = fl_comm_threads_run(2, dr_job_rank, j);
-    backend_off();
-    FL_CHECKF(s == FL_OK, "QLoRA micro at TP 2: %s", j->msg[0]);
-    for (int r = 0; r < 2 && s == FL_OK; r++)
-        (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "QLoRA cut TP 2");
     /* the cut entries' extra bytes on rank 0 */
     fl_model_config whole, slice;
     fl_param_layout lay;
@@ -1638,9 +1666,7 @@ FL_TEST(tp_train_threads_qlora_cut_blocks_plan_equals_measured) {
         printf("    QLoRA micro TP 2: %zu cut entries keep %zu bytes more than their parts at 4.5 bits; rank 0 PARAMS "
                "%zu (planned = measured)\n", cut, extra, j->res[0].peak[FL_TAG_PARAMS]);
     fl_layout_free(&lay);
-    for (int r = 0; r < DR_JOB_RANKS; r++) dr_free(&j->rec[r]);
-    free(j);
-    g_forced = NULL;
+    tp2_free(j);
     g_quant = NULL;
 }
 

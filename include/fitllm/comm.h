@@ -100,6 +100,9 @@ typedef struct {
  * FL_ERR_INVALID, naming the variable, when a variable is present but not a valid number or
  * the rank is outside [0, size). */
 fl_status fl_launch_detect(fl_launch_info *out);
+/* Whether fitllm's ranks can join under this launcher: torchrun-style variables of more than one rank without an
+ * MPI launcher cannot (FL_ERR_UNSUPPORTED, naming the mpirun / srun command to run instead); else FL_OK. */
+fl_status fl_launch_check(const fl_launch_info *li);
 /* "Open MPI (mpirun)", "Slurm (srun)", ..., "none". */
 const char *fl_launch_kind_name(fl_launch_kind k);
 /* One line for the CLI: "Open MPI (mpirun): rank 1 of 4, local rank 1 of 4" or "none: single
@@ -194,8 +197,8 @@ const char *fl_comm_mpi_library(void);
 
 /* The threads implementation: n handles of one group, comms[r] for rank r, each to be driven by
  * its own thread. Destroy each with fl_comm_destroy (the group goes with the last). A rank that
- * waits longer than timeout_s (0 = 120 s) for the others fails with an error naming the ranks
- * that did not join (a test bug, not a hang). */
+ * waits longer than timeout_s (0 = fl_comm_timeout(): FITLLM_COMM_TIMEOUT, default 600 s) for the others fails
+ * with an error naming the ranks that did not join (a test bug or a stuck rank, not a hang). */
 fl_status fl_comm_threads_create(int n, double timeout_s, fl_comm **comms);
 /* Convenience for tests: create a group of n, run fn(comm, rank, ctx) on n threads, join,
  * destroy. Returns the first non-OK status of a rank (its message on this thread). */
@@ -319,6 +322,22 @@ void fl_comm_abort(fl_comm *c, int code, const char *msg);
  * single rank: nothing (0); the failing process's exit ends an MPI job. Never exits. msg may be
  * fl_error_message(): this thread's message is msg afterwards. */
 int fl_comm_release_peers(fl_comm *c, const char *msg);
+
+/* ---- a wait that never ends ----------------------------------------------------------------- */
+
+/* FITLLM_COMM_TIMEOUT: the seconds one rank waits for one collective, barrier or receive before it gives up on the
+ * others (a rank stopped without dying - kill -STOP, a hung file system -, or the ranks' collectives differ);
+ * default 600 (PyTorch's NCCL watchdog's), 0 or less: never. mpi: the rank prints which wait, what it waited for
+ * and fl_comm_set_timeout_note's words, and ends the job (MPI_Abort, exit 1); threads: the group breaks (every
+ * rank's call fails naming the ranks that did not arrive; fl_comm_threads_create's explicit timeout wins); nccl:
+ * the communicator is aborted and the wait fails (FITLLM_NCCL_TIMEOUT, where set, wins for it). A value that is not
+ * a number: fl_comm_timeout_check's error (fl_comm_init returns it); the getter then says 600. */
+double fl_comm_timeout(void);
+fl_status fl_comm_timeout_check(void);
+/* What a timeout's message adds after the wait (the CLI: the step the rank was in and the last committed
+ * checkpoint): fn writes a phrase into buf (n bytes). Process-wide; NULL: nothing. Called on the waiting thread. */
+typedef void (*fl_comm_note_fn)(char *buf, size_t n);
+void fl_comm_set_timeout_note(fl_comm_note_fn fn);
 
 #ifdef __cplusplus
 }

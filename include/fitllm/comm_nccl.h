@@ -123,7 +123,8 @@ typedef struct fl_nccl_api {
  * Collective over host: rank 0 creates the unique id and broadcasts it (its failure reaches every
  * rank). host must outlive the result; fl_comm_destroy(*out) does not destroy host. */
 fl_status fl_comm_nccl_create(fl_comm *host, const fl_nccl_api *api, void *stream, fl_comm **out);
-/* The watchdog's limit new communicators take: FITLLM_NCCL_TIMEOUT (seconds), default 600. */
+/* The watchdog's limit new communicators take: FITLLM_NCCL_TIMEOUT (seconds) where set, else FITLLM_COMM_TIMEOUT's
+ * (fl_comm_timeout: default 600). */
 double fl_comm_nccl_timeout(void);
 
 /* The real NCCL table (NULL in a build without NCCL) and the CPU stand-in (always built). */

@@ -82,6 +82,7 @@ typedef struct {
     char out_dir[FL_CFG_PATH];
     char precision[16];               /* "32-true", "bf16-true", "bf16-mixed", "16-mixed", ... */
     int devices, num_nodes;           /* ranks = devices x num_nodes (data parallel over MPI) */
+    int devices_auto;                 /* devices was given as auto (or -1): 1 here, one CPU device (for messages) */
     int tensor_parallel;              /* tensor_parallel: ranks per tensor-parallel group (1: none); the ranks are
                                        * (devices x num_nodes / tensor_parallel) data-parallel groups of it */
     int pipeline_parallel;            /* pipeline_parallel: stages per pipeline (1: none; EXPERIMENTAL), each a

@@ -37,9 +37,12 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "                                CPU stand-in only)\n");
     printf("\n  Data parallel (--devices N, --num_nodes M, --strategy): started without a launcher on one machine,\n"
            "  fitllm runs itself as N ranks through Open MPI's mpirun (printed first; FITLLM_MPIRUN=PATH picks the\n"
-           "  mpirun, FITLLM_MPIRUN=none only prints the command); under mpirun or srun --mpi=pmix, devices x\n"
-           "  num_nodes must equal the rank count. Several machines: mpirun -np N*M --hostfile HOSTS (the error\n"
-           "  without a launcher prints the whole command). Needs a build with MPI (fitllm --version).\n"
+           "  mpirun; FITLLM_MPIRUN=none starts nothing: it prints the command and exits 2); under mpirun or srun\n"
+           "  --mpi=pmix, devices x num_nodes must equal the rank count. Several machines: mpirun -np N*M --hostfile\n"
+           "  HOSTS (the error without a launcher prints the whole command). Needs a build with MPI (fitllm\n"
+           "  --version). A rank that waits FITLLM_COMM_TIMEOUT seconds (default 600; 0: never) for the others in one\n"
+           "  collective (a rank stopped or hung) names the wait, the step and the last committed checkpoint and\n"
+           "  ends the job (exit 1).\n"
            "  --strategy auto (the default) is LitGPT's: finetune_full FSDP FULL_SHARD, pretrain HYBRID_SHARD\n"
            "  (FULL_SHARD within each node of --devices ranks, replicated across the --num_nodes nodes; on one node\n"
            "  FULL_SHARD), adapter fine-tuning DDP over the adapters, on CPUs and GPUs (NCCL); a BLIP-2 folder\n"
@@ -48,8 +51,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
     printf("\n  Stopping: SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (Slurm's --signal=USR1@SECONDS pre-emption notice) finish\n"
            "  the current step, commit its checkpoint (--train.save_on_signal, default true), name it, and exit\n"
            "  128 + the signal: 130, 143, 138; a second signal stops at once. Several ranks: signal the fitllm\n"
-           "  that started them (it forwards the stop), or send SIGUSR1 to every rank; SIGTERM to the ranks\n"
-           "  themselves ends them at once (it is how mpirun and srun end a job whose rank failed).\n");
+           "  that started them (it forwards the stop), or send SIGUSR1 to every rank or to your own mpirun (kill\n"
+           "  -USR1 <its pid>: it forwards it); SIGTERM to the ranks ends them at once (it is how mpirun and srun end\n"
+           "  a job whose rank failed), and so does Ctrl-C or SIGTERM to your own mpirun (exit 1, the step lost).\n");
     printf("\n  Divergence (--train.divergence_check, default true): after the warm-up, a validation loss, or a\n"
            "  training loss smoothed by an EMA (weight %.1f) for %d steps in a row, above ln(vocab_size) + %.0f\n"
            "  (a uniform guess's loss + %.0f nats: the model predicts far worse than knowing nothing) stops\n"
@@ -98,6 +102,17 @@ static int unknown_flag(const char *cmd, const char *key) {
     if (strncmp(m, "unknown option", 14) || strstr(m, "did you mean")) return 0;
     const char *near = fl_cli_nearest(key, strcmp(cmd, "plan") ? run_flags : plan_flags);
     return near ? fl_cli_usage(cmd, "unknown option '%s' (did you mean '--%s'?)", key, near) : 0;
+}
+
+/* A value every rank of a launcher's job refuses alike (the same command line): rank 0 says it, once for the job (it
+ * was printed once per rank). Another rank first waits a moment, in which the launcher ends it when rank 0 has exited
+ * with the error; one still running then says its own (a rank whose files differ). */
+static void config_error(const char *cmd) {
+    char msg[2048];
+    snprintf(msg, sizeof msg, "%s", fl_error_message());
+    fl_launch_info li;
+    if (fl_launch_detect(&li) == FL_OK && li.kind != FL_LAUNCH_NONE && li.rank != 0) sleep(3);
+    fprintf(stderr, "fitllm %s: error: %s\n", cmd, msg);
 }
 
 /* defaults < every --config (in order) < the command line, merged BEFORE any value
@@ -178,12 +193,12 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
             if ((rc = unknown_flag(cmd, opts.e[failed].name)) != 0) goto done;
             USAGE("%s", fl_error_message());
         }
-        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        config_error(cmd);
         rc = FL_EXIT_USAGE;
         goto done;
     }
     if (fl_cfg_validate(cfg) != FL_OK) {
-        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        config_error(cmd);
         rc = FL_EXIT_USAGE;
     }
     /* models by name: a Hugging Face repo id -> the folder it was downloaded to (src/cli/model_name.c);
@@ -223,6 +238,10 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         return FL_EXIT_USAGE;
     }
+    if (fl_launch_check(&li) != FL_OK) { /* torchrun's ranks: mpirun is the answer, whatever --devices says */
+        if (li.rank == 0) fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_USAGE;
+    }
     int want = cfg->devices * cfg->num_nodes, have = li.kind == FL_LAUNCH_NONE ? 1 : li.size;
     /* no launcher: start the ranks through mpirun (their status once they end), or say what to run */
     if (want > 1 && li.kind == FL_LAUNCH_NONE) { /* the run's status, or -1 for 0: nothing left to do here */
@@ -231,10 +250,11 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
     }
     if (want != have) {
         if (li.rank == 0) /* every rank sees the same mismatch: one message */
-            fprintf(stderr, "fitllm %s: error: --devices %d x --num_nodes %d = %d ranks, but %s started %d: give "
-                    "--devices %d (ranks per node x nodes = the launcher's rank count) or start %d ranks\n", cmd,
-                    cfg->devices, cfg->num_nodes, want, fl_launch_kind_name(li.kind), have, have / cfg->num_nodes > 0 ?
-                    have / cfg->num_nodes : have, want);
+            fprintf(stderr, "fitllm %s: error: --devices %d%s x --num_nodes %d = %d rank%s, but %s started %d: give "
+                    "--devices %d (ranks per node x nodes = the launcher's rank count) or start %d rank%s\n", cmd,
+                    cfg->devices, cfg->devices_auto ? " (auto: this process's one CPU device)" : "", cfg->num_nodes,
+                    want, want == 1 ? "" : "s", fl_launch_kind_name(li.kind), have,
+                    have / cfg->num_nodes > 0 ? have / cfg->num_nodes : have, want, want == 1 ? "" : "s");
         return FL_EXIT_USAGE;
     }
     if (want == 1) return 0;

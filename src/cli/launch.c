@@ -226,7 +226,7 @@ int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char
                  fl_comm_mpi_library());
     else if (!find_mpirun(mpirun, sizeof mpirun, looked, sizeof looked)) {
         const char *e = getenv("FITLLM_MPIRUN");
-        if (e && (!strcmp(e, "none") || !strcmp(e, "0"))) snprintf(why, sizeof why, "FITLLM_MPIRUN=%s", e);
+        if (e && (!strcmp(e, "none") || !strcmp(e, "0"))) snprintf(why, sizeof why, "FITLLM_MPIRUN=%s: told not to", e);
         else snprintf(why, sizeof why, "no mpirun found at %s: apt-get install openmpi-bin, or set FITLLM_MPIRUN", looked);
     }
     if (why[0]) {

@@ -170,6 +170,7 @@ static volatile sig_atomic_t g_term_len, g_term_buf;
 static const char *g_out_dir;
 static char g_cmd[64];
 static int g_rank = -1, g_size;
+static volatile long g_step; /* the last step the trainer's hook saw (0: none yet) */
 
 /* Writes the message computed beforehand (a handler may only write), then dies of the signal. */
 static void on_term(int sig) {
@@ -194,12 +195,22 @@ void fl_cli_last_checkpoint(const char *out_dir, char *buf, size_t n) {
     free(keep);
 }
 
+/* A wait for the other ranks that timed out (FITLLM_COMM_TIMEOUT, fl_comm_set_timeout_note): where the run was and
+ * where it can continue from (this rank's look at out_dir: the waiting rank may be any). */
+static void timeout_note(char *buf, size_t n) {
+    char where[2 * FL_CLI_PATH];
+    fl_cli_last_checkpoint(g_out_dir, where, sizeof where);
+    if (g_step > 0) snprintf(buf, n, "this rank was past step %ld; %s", (long)g_step, where);
+    else snprintf(buf, n, "this rank was in the run's first step (or its set-up); %s", where);
+}
+
 void fl_cli_faults_begin(const char *cmd, const fl_run_config *cfg, int rank, int size) {
     g_out_dir = cfg->out_dir;
     g_rank = rank;
     g_size = size;
     snprintf(g_cmd, sizeof g_cmd, "%s", cmd);
     fl_cli_faults_step(cfg, 0);
+    if (size > 1) fl_comm_set_timeout_note(timeout_note);
     /* mpirun (and srun) end every rank with SIGTERM when one dies or fails: rank 0 says where to
      * resume from; the others stay quiet (the launcher names the rank that failed) */
     if (rank == 0 && size > 1) signal(SIGTERM, on_term);
@@ -210,14 +221,19 @@ void fl_cli_faults_step(const fl_run_config *cfg, long step) {
      * checkpoint fail with ENOSPC (as fl_io_fail_writes_after; tests/cli_test.sh) */
     const char *df = getenv("FITLLM_FAULT_DISK_FULL_AFTER_STEP");
     if (df && *df && step > 0 && step == atol(df)) fl_io_fail_writes_after(0);
+    g_step = step;
     if (g_rank != 0 || g_size < 2) return;
     /* the trainer's hook runs after a due checkpoint was committed: rescan only then */
     if (step != 0 && (cfg->train.save_interval <= 0 || step % cfg->train.save_interval != 0)) return;
     char where[2 * FL_CLI_PATH];
     fl_cli_last_checkpoint(g_out_dir, where, sizeof where);
     int b = !g_term_buf;
+    /* your own mpirun's Ctrl-C ends the ranks this way too (fitllm's own launcher turns the first signal into a stop
+     * after the step): say what stops after the step instead */
+    const char *hint = getenv("FITLLM_LAUNCHED") ? "" : "; to stop a run after its step instead, send SIGUSR1 to "
+                                                        "mpirun (kill -USR1 <its pid>), not Ctrl-C or SIGTERM";
     int w = snprintf(g_term_msg[b], sizeof g_term_msg[b], "fitllm %s: rank 0 of %d: ended by the launcher (a rank "
-                     "failed or the job was cancelled: see the launcher's message); %s\n", g_cmd, g_size, where);
+                     "failed or the job was cancelled: see the launcher's message); %s%s\n", g_cmd, g_size, where, hint);
     g_term_len = 0; /* a signal between these lines writes nothing rather than half a message */
     g_term_buf = b;
     g_term_len = w > 0 ? ((size_t)w < sizeof g_term_msg[b] ? w : (int)sizeof g_term_msg[b] - 1) : 0;
@@ -232,6 +248,8 @@ void fl_cli_faults_term(int sig) {
 
 void fl_cli_faults_end(void) {
     if (g_rank == 0 && g_size > 1) signal(SIGTERM, SIG_DFL);
+    fl_comm_set_timeout_note(NULL);
+    g_step = 0;
     g_term_len = 0;
     g_rank = -1;
 }

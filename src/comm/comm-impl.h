@@ -54,6 +54,12 @@ fl_status fl_comm_split_members(fl_comm *c, int color, int key, int *new_rank, i
  * stand-in's blocking wait (src/comm/nccl_standin.c), so its ranks sleep instead of polling. */
 fl_status fl_comm_threads_idle_wait(fl_comm_req *req, double max_s);
 
+/* The message of a wait that reached fl_comm_timeout(): "comm <impl>: rank R of N: <what> did not complete in L s
+ * (...): ...; <the note>". Returns buf. */
+const char *fl_comm_timeout_text(const fl_comm *c, const char *what, double limit_s, char *buf, size_t n);
+/* CLOCK_MONOTONIC in seconds. */
+double fl_comm_now_s(void);
+
 #ifdef FL_HAVE_MPI
 fl_status fl_comm_mpi_init(fl_comm **out, const fl_launch_info *li, int *argc, char ***argv);
 #endif

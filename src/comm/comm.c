@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "comm/comm-impl.h"
 #include "core/cvt.h"
@@ -46,6 +47,52 @@ fl_status fl_comm_fail(const fl_comm *c, fl_status s, const char *what, const ch
     va_end(ap);
     if (!c) return fl_errorf(s, "comm: %s: %s", what, msg);
     return fl_errorf(s, "comm %s: rank %d of %d: %s: %s", c->vt->name, c->rank, c->size, what, msg);
+}
+
+/* ---- a wait that never ends (comm.h) -------------------------------------------------------- */
+
+static fl_comm_note_fn g_note;
+
+void fl_comm_set_timeout_note(fl_comm_note_fn fn) { g_note = fn; }
+
+static int parse_timeout(double *out) {
+    const char *e = getenv("FITLLM_COMM_TIMEOUT");
+    *out = 600.0;
+    if (!e || !*e) return 1;
+    char *end;
+    double v = strtod(e, &end);
+    while (*end == ' ') end++;
+    if (end == e || *end || v != v) return 0;
+    *out = v;
+    return 1;
+}
+
+double fl_comm_timeout(void) {
+    double v;
+    parse_timeout(&v);
+    return v;
+}
+
+fl_status fl_comm_timeout_check(void) {
+    double v;
+    if (parse_timeout(&v)) return FL_OK;
+    return fl_errorf(FL_ERR_INVALID, "FITLLM_COMM_TIMEOUT='%s' is not a number of seconds (the longest wait for the "
+                     "other ranks in one collective; default 600, 0: never)", getenv("FITLLM_COMM_TIMEOUT"));
+}
+
+double fl_comm_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+const char *fl_comm_timeout_text(const fl_comm *c, const char *what, double limit_s, char *buf, size_t n) {
+    char note[1024] = "";
+    if (g_note) g_note(note, sizeof note);
+    snprintf(buf, n, "comm %s: rank %d of %d: %s did not complete in %.4g s: another rank stopped or hangs, or the "
+             "ranks' collectives differ (FITLLM_COMM_TIMEOUT sets the limit, default 600 s)%s%s", c->vt->name, c->rank,
+             c->size, what, limit_s, note[0] ? "; " : "", note);
+    return buf;
 }
 
 /* ---- chunk layout -------------------------------------------------------------------------- */
@@ -617,23 +664,28 @@ int fl_comm_mpi_built(void) {
 const char *fl_comm_mpi_library(void) { return "none"; }
 #endif
 
+fl_status fl_launch_check(const fl_launch_info *li) {
+    if (li->kind != FL_LAUNCH_TORCHRUN || li->size <= 1) return FL_OK;
+    return fl_errorf(FL_ERR_UNSUPPORTED,
+                     "comm: launched with torchrun-style variables (RANK=%d, WORLD_SIZE=%d%s%s) but without an MPI "
+                     "launcher; fitllm's ranks talk through MPI, so start them with mpirun instead: "
+                     "`mpirun -np %d fitllm ...` on one machine, `mpirun -np %d --hostfile HOSTS fitllm ...` or "
+                     "`srun --mpi=pmix -n %d fitllm ...` across nodes",
+                     li->rank, li->size, li->master_addr[0] ? ", MASTER_ADDR=" : "", li->master_addr, li->size,
+                     li->size, li->size);
+}
+
 fl_status fl_comm_init(fl_comm **out, int *argc, char ***argv) {
     *out = NULL;
     fl_launch_info li;
     FL_TRY(fl_launch_detect(&li));
+    FL_TRY(fl_comm_timeout_check());
     if (li.size <= 1) {
         FL_TRY(fl_comm_init_single(out));
         (*out)->launch = li;
         return FL_OK;
     }
-    if (li.kind == FL_LAUNCH_TORCHRUN)
-        return fl_errorf(FL_ERR_UNSUPPORTED,
-                         "comm: launched with torchrun-style variables (RANK=%d, WORLD_SIZE=%d%s%s) but without an MPI "
-                         "launcher; fitllm's ranks talk through MPI, so start them with mpirun instead: "
-                         "`mpirun -np %d fitllm ...` on one machine, `mpirun -np %d --hostfile HOSTS fitllm ...` or "
-                         "`srun --mpi=pmix -n %d fitllm ...` across nodes",
-                         li.rank, li.size, li.master_addr[0] ? ", MASTER_ADDR=" : "", li.master_addr, li.size, li.size,
-                         li.size);
+    FL_TRY(fl_launch_check(&li));
 #ifdef FL_HAVE_MPI
     return fl_comm_mpi_init(out, &li, argc, argv);
 #else

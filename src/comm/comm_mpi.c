@@ -17,7 +17,10 @@
  *
  * Errors: the duplicated communicator uses MPI_ERRORS_RETURN, so a failed call becomes an
  * fl_status naming rank and operation. A rank that dies makes the launcher (mpirun, srun) end
- * the others. */
+ * the others. A rank that stops without dying (kill -STOP, a hung file system) shows as nothing at all: every wait
+ * (m_wait, m_barrier, m_recv) polls, so it watches its own clock, and one that has not completed after
+ * FITLLM_COMM_TIMEOUT seconds (default 600) says which wait and the CLI's note (the step, the last committed
+ * checkpoint) and ends the job with MPI_Abort (exit 1). */
 #define _GNU_SOURCE
 #include <mpi.h>
 #include <sched.h>
@@ -59,6 +62,7 @@ typedef struct {
     unsigned long long seq;
     mreq *head;
     int nout;
+    double timeout_s; /* FITLLM_COMM_TIMEOUT (fl_comm_timeout): a longer wait ends the job; <= 0: never */
 } mcomm;
 
 static char g_lib[128];
@@ -305,6 +309,22 @@ static fl_status m_broadcast(fl_comm *c, void *buf, size_t count, fl_dtype dt, i
     return finish_post(c, r, s, req);
 }
 
+/* The watchdog: whether a wait that began at t0 has passed the limit; timed_out then ends the job. */
+static int expired(const fl_comm *c, double t0) {
+    const mcomm *m = c->impl;
+    return m->timeout_s > 0 && fl_comm_now_s() - t0 > m->timeout_s;
+}
+
+static void timed_out(fl_comm *c, const char *what) {
+    const mcomm *m = c->impl;
+    char msg[2048];
+    fl_comm_timeout_text(c, what, m->timeout_s, msg, sizeof msg);
+    fflush(stdout); /* the log's lines whole before the message */
+    fprintf(stderr, "fitllm: %s; ending the job\n", msg);
+    fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1); /* the whole job, whichever group waited */
+}
+
 /* A collective of at most this many bytes moves in a few protocol steps (Open MPI's eager sizes: 4 KiB shared memory,
  * 64 KiB TCP): a long wait for it is a wait for a peer that has not sent yet (rank 0 writing a checkpoint or running
  * alone, a slower or descheduled rank), not for a transfer that needs MPI called to move. A larger one may (pipelined
@@ -318,6 +338,7 @@ static fl_status m_wait(fl_comm *c, fl_comm_req *base) {
     mcomm *m = c->impl;
     mreq *r = (mreq *)base;
     long idle = 0;
+    const double t0 = fl_comm_now_s();
     while (r->stage < 3 && r->err == FL_OK) {
         int large = m->nout == 1 && r->base.count * fl_dtype_size(r->base.dtype) > SMALL_WAIT;
         int before = r->stage;
@@ -326,6 +347,10 @@ static fl_status m_wait(fl_comm *c, fl_comm_req *base) {
         else if (++idle > 200) {
             struct timespec ts = {0, idle > 2000 && !large ? 200000 : 20000};
             nanosleep(&ts, NULL);
+            if (expired(c, t0)) {
+                char what[128];
+                timed_out(c, req_what(r, what, sizeof what));
+            }
         } else {
             sched_yield();
         }
@@ -356,6 +381,7 @@ static fl_status m_barrier(fl_comm *c) {
     if (rc != MPI_SUCCESS) return mpi_fail(c, "barrier", "MPI_Ibarrier", rc);
     long idle = 0; /* polled with the same back-off as m_wait even when nothing else is outstanding: MPI_Wait
                     * spins at full speed while e.g. rank 0 writes a checkpoint */
+    const double t0 = fl_comm_now_s();
     for (;;) {
         int flag = 0;
         rc = MPI_Test(&q, &flag, MPI_STATUS_IGNORE);
@@ -365,6 +391,7 @@ static fl_status m_barrier(fl_comm *c) {
         if (++idle > 200) {
             struct timespec ts = {0, 100000};
             nanosleep(&ts, NULL);
+            if (expired(c, t0)) timed_out(c, "barrier");
         } else {
             sched_yield();
         }
@@ -468,6 +495,7 @@ static fl_status m_recv(fl_comm *c, void *buf, size_t bytes, int peer, int tag) 
     }
     /* poll: our outstanding collectives and buffered sends must move while we wait (a peer may wait on them) */
     long idle = 0;
+    const double t0 = fl_comm_now_s();
     for (int flag = 0; s == FL_OK && !flag;) {
         rc = MPI_Testall(np, q, &flag, st);
         if (rc != MPI_SUCCESS) s = mpi_fail(c, what, "MPI_Testall", rc); /* a longer message: MPI_ERR_TRUNCATE */
@@ -477,6 +505,7 @@ static fl_status m_recv(fl_comm *c, void *buf, size_t bytes, int peer, int tag) 
         if (++idle > 200) {
             struct timespec ts = {0, idle > 2000 ? 200000 : 20000};
             nanosleep(&ts, NULL);
+            if (expired(c, t0)) timed_out(c, what);
         }
     }
     for (int i = 0; s == FL_OK && i < np; i++) {
@@ -540,6 +569,7 @@ static fl_status m_split(fl_comm *c, int color, int key, fl_comm **out) {
     sc->impl = sm;
     sc->launch = c->launch;
     sm->comm = nc; /* owns_init 0: only the first communicator finalizes MPI */
+    sm->timeout_s = m->timeout_s;
     rc = ask_local(sc, nc);
     if (rc != MPI_SUCCESS) {
         fl_status s = mpi_fail(c, "split", "MPI_Comm_split_type", rc);
@@ -595,6 +625,7 @@ fl_status fl_comm_mpi_init(fl_comm **out, const fl_launch_info *li, int *argc, c
     }
     c->impl = m;
     m->owns_init = owns;
+    m->timeout_s = fl_comm_timeout();
     c->launch = *li;
     /* our own communicator: our tags never meet anyone else's messages */
     rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->comm);

@@ -37,13 +37,14 @@ typedef struct {
     double timeout_s;  /* a wait that sees no completion for this long aborts (fl_comm_nccl_timeout) */
 } ncomm;
 
-/* FITLLM_NCCL_TIMEOUT seconds (default 600, PyTorch's NCCL watchdog default; 0 or less: never). */
+/* FITLLM_NCCL_TIMEOUT seconds where set, else FITLLM_COMM_TIMEOUT's (default 600, PyTorch's NCCL watchdog default; 0
+ * or less: never). */
 double fl_comm_nccl_timeout(void) {
     const char *e = getenv("FITLLM_NCCL_TIMEOUT");
-    if (!e || !*e) return 600.0;
+    if (!e || !*e) return fl_comm_timeout();
     char *end;
     double v = strtod(e, &end);
-    return end != e ? v : 600.0;
+    return end != e ? v : fl_comm_timeout();
 }
 
 static double mono_s(void) {
@@ -258,7 +259,7 @@ static fl_status n_wait(fl_comm *c, fl_comm_req *base) {
             m->nc = NULL;
             s = fl_comm_fail(c, FL_ERR_IO, what,
                              "no completion after %.4g s: a peer stopped or the ranks' collectives differ; the "
-                             "communicator was aborted (FITLLM_NCCL_TIMEOUT sets the limit)", m->timeout_s);
+                             "communicator was aborted (FITLLM_COMM_TIMEOUT or FITLLM_NCCL_TIMEOUT sets the limit)", m->timeout_s);
             break;
         }
     }

@@ -257,7 +257,7 @@ static fl_status wait_until(fl_comm *c, int (*cond)(fl_comm *, void *), void *ar
             if (cond(c, arg)) return FL_OK;
             char miss[128] = "the other ranks did not join";
             if (r) missing_ranks(g, r, miss, sizeof miss);
-            break_group(g, "rank %d gave up on %s (collective #%llu) after %.0f s: %s", c->rank, what,
+            break_group(g, "rank %d gave up on %s (collective #%llu) after %.4g s: %s", c->rank, what,
                         (unsigned long long)(r ? r->seq : t->next_seq), g->timeout_s, miss);
             return fl_comm_fail(c, FL_ERR_IO, what, "%s", g->why);
         }
@@ -460,7 +460,9 @@ static group *group_new(int n, double timeout_s, family *fam) {
     pthread_mutex_unlock(&fam->mu);
     g->n = n;
     g->refs = n;
-    g->timeout_s = timeout_s > 0 ? timeout_s : 120;
+    /* 0: FITLLM_COMM_TIMEOUT's (default 600 s; "never": a deadline no run reaches) */
+    const double env_s = fl_comm_timeout();
+    g->timeout_s = timeout_s > 0 ? timeout_s : env_s > 0 ? env_s : 1e9;
     pthread_mutex_init(&g->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);

@@ -80,7 +80,7 @@ static const fl_cfg_key k_keys[] = {
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
     {"tensor_parallel", FL_CK_POS, OFF(tensor_parallel), "ranks per tensor-parallel group (Megatron-style: attention heads and MLP columns split over them, and the token embeddings, lm_head and cross-entropy vocabulary-parallel (V/N rows each; the counts differ by one when N does not divide the vocabulary); finetune_full, pretrain and LoRA fine-tuning (the adapters split with their linears) of LLaMA, GPT-2, OPT and T5 (both stacks; the cross-attention and relative position bias by heads); checkpoints consolidated, resumable at any size); devices x num_nodes = data-parallel groups x tensor_parallel (DDP, ZeRO-1, ZeRO-2, FULL_SHARD / ZeRO-3 or HYBRID_SHARD (a node holding whole groups) on the data-parallel axis; the optimizer and parameter offload strategies (*_offload, fsdp_cpu_offload, ..._nvme: each rank's part of its slice in the host tier or NVMe files, the same bits; on the 3D grid too); QLoRA: a rank's part of a 4-bit weight that cuts the blocks of 64 keeps the whole blocks covering it, CPU backends and CUDA (EXPERIMENTAL: emulator-verified)); with pipeline_parallel the 3D grid (EXPERIMENTAL): data-parallel groups x tensor_parallel x pipeline_parallel, each rank its slice of its stage; default 1"},
-    {"sequence_parallel", FL_CK_BOOL, OFF(sequence_parallel), "with tensor_parallel N > 1: Megatron-LM's sequence parallelism: between the tensor-parallel linears (norms, residual adds) each rank holds T/N of the sequence's rows instead of a replicated copy, so the residual stream, the mid residual and the norms' statistics saved for the backward are 1/N; a reduce-scatter after each row-parallel linear and an all-gather before each column-parallel one replace the all-reduces (the same bytes moved). The sequence length must be a multiple of N; LLaMA, GPT-2, OPT (also with pipeline_parallel, the interleaved schedule too: a stage sends the next its rank's rows) and T5 / Flan-T5 (both stacks; batches whose rows N does not divide run masked padding sequences); default false"},
+    {"sequence_parallel", FL_CK_BOOL, OFF(sequence_parallel), "with tensor_parallel N > 1: Megatron-LM's sequence parallelism: between the tensor-parallel linears (norms, residual adds) each rank holds T/N of the sequence's rows instead of a replicated copy, so the residual stream, the mid residual and the norms' statistics saved for the backward are 1/N; a reduce-scatter after each row-parallel linear and an all-gather before each column-parallel one replace the all-reduces (the same bytes moved). Any sequence length (the activations' T rounded up to a multiple of N, a batch padded at each sequence's end where N does not divide its rows); LLaMA, GPT-2, OPT (also with pipeline_parallel, the interleaved schedule too: a stage sends the next its rank's rows) and T5 / Flan-T5 (both stacks; batches whose rows N does not divide run masked padding sequences); default false"},
     {"pipeline_parallel", FL_CK_POS, OFF(pipeline_parallel), "EXPERIMENTAL: stages per pipeline (GPipe / 1F1B pipeline parallelism): each rank of a pipeline holds a contiguous range of the decoder's blocks (balanced by their training FLOPs, lm_head's counted on the last; the first also runs the embeddings, the last the final norm, lm_head and loss), the micro-batches of a step are its gradient accumulation steps, activations and their gradients travel between neighbouring stages; finetune_full, pretrain and LoRA / QLoRA fine-tuning (each stage keeps the whole model's 4-bit stores) of LLaMA, GPT-2, OPT, and finetune_full / finetune_lora of T5 / Flan-T5 (the stages split [encoder blocks; decoder blocks]; gpipe, 1f1b or interleaved, any strategy between pipelines, tensor_parallel and sequence_parallel too); devices x num_nodes = pipelines (DDP, ZeRO-1, ZeRO-2, FULL_SHARD / ZeRO-3 or HYBRID_SHARD between them) x pipeline_parallel; the offload strategies (*_offload, fsdp_cpu_offload, ..._nvme) too under every schedule, each stage's (chunk's) optimizer state, and under parameter offload its pieces, in the host tier or NVMe files, the same bits as without (T5's stages too); checkpoints consolidated as one process writes them; default 1"},
     {"pipeline_schedule", FL_CK_STR32, OFF(pipeline_schedule), "EXPERIMENTAL, with --pipeline_parallel: gpipe (every forward, then every backward: each stage keeps all the step's micro-batches in flight) | 1f1b (default: stage s keeps at most min(stages - s, micro-batches) in flight) | interleaved (Megatron's interleaved 1F1B: each rank holds pipeline_chunks model chunks of non-contiguous blocks, chunk c of stage s being virtual stage c x stages + s; the bubble shrinks to (stages - 1) / (micro-batches x chunks + stages - 1); the micro-batches must be a multiple of the stages; DDP, ZeRO-1, ZeRO-2, FULL_SHARD / ZeRO-3 or HYBRID_SHARD on the data-parallel axis, 16-mixed loss scaling; finetune_full, finetune_lora (QLoRA too) and pretrain; T5 / Flan-T5 too; --tensor_parallel and --sequence_parallel (any data-parallel strategy above), each chunk a slice of its virtual stage (T5's too))"},
     {"pipeline_chunks", FL_CK_POS, OFF(pipeline_chunks), "EXPERIMENTAL, with --pipeline_schedule interleaved: model chunks (virtual stages) per rank, 1 to 8 (stages x chunks <= the blocks); default 2"},
@@ -441,9 +441,9 @@ static fl_status set_special(fl_run_config *c, const fl_cfg_key *k, const char *
         return FL_OK;
     case FL_CK_DEVICES:
         /* LitGPT: "auto" (or -1) = every device there is; this build trains on one CPU device */
-        if (!strcasecmp(v, "auto") || !strcmp(v, "-1")) { c->devices = 1; return FL_OK; }
+        if (!strcasecmp(v, "auto") || !strcmp(v, "-1")) { c->devices = 1, c->devices_auto = 1; return FL_OK; }
         FL_TRY(parse_int(key, v, 1, 1 << 20, &x));
-        c->devices = (int)x;
+        c->devices = (int)x, c->devices_auto = 0;
         return FL_OK;
     case FL_CK_MODEL_CONFIG:
         /* a config.json path, or null; either replaces a model_config mapping */
@@ -632,12 +632,9 @@ int fl_cfg_backward_prefetch(const fl_run_config *c) {
     return !strcmp(v, "false") || !strcmp(v, "off") ? 0 : -1;
 }
 
-fl_status fl_cfg_validate(const fl_run_config *c) {
-    const fl_train_args *t = &c->train;
-    if (c->devices < 1 || c->num_nodes < 1)
-        return fl_errorf(FL_ERR_INVALID, "devices=%d num_nodes=%d must be >= 1", c->devices, c->num_nodes);
-    fl_strategy_choice sc; /* auto: resolvable (its errors are the strategy's) */
-    FL_TRY(fl_cfg_resolve_strategy(c, 0, &sc));
+/* fsdp.sharding_strategy and fsdp.backward_prefetch: known values, and refused (never ignored) under a strategy that
+ * does not use them (sc: the run's strategy resolved). */
+static fl_status check_fsdp_options(const fl_run_config *c, const fl_strategy_choice *sc) {
     if (c->sharding_strategy[0] && strcmp(c->sharding_strategy, "NO_SHARD") &&
         strcmp(c->sharding_strategy, "SHARD_GRAD_OP") && strcmp(c->sharding_strategy, "FULL_SHARD") &&
         strcmp(c->sharding_strategy, "HYBRID_SHARD") && strcmp(c->sharding_strategy, "_HYBRID_SHARD_ZERO2"))
@@ -651,6 +648,22 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (c->backward_prefetch[0] && fl_cfg_backward_prefetch(c) < 0)
         return fl_errorf(FL_ERR_INVALID, "fsdp.backward_prefetch '%s': unknown (BACKWARD_PRE or true, the default; off or false)",
                          c->backward_prefetch);
+    /* like fsdp.sharding_strategy: refused where no unit is gathered (it was ignored under ddp) */
+    if (c->backward_prefetch[0] && sc->stage != 3 && (strcmp(strat, "auto") || c->devices * c->num_nodes > 1))
+        return fl_errorf(FL_ERR_INVALID, "fsdp.backward_prefetch %s applies to the units FSDP gathers (ZeRO-3: --strategy "
+                         "fsdp with FULL_SHARD or HYBRID_SHARD, deepspeed_stage_3*, fsdp_cpu_offload); this run's "
+                         "strategy is %s%s%s (ZeRO stage %d)", c->backward_prefetch, strcmp(strat, "auto") ? "'" : "",
+                         strcmp(strat, "auto") ? strat : sc->desc, strcmp(strat, "auto") ? "'" : "", sc->stage);
+    return FL_OK;
+}
+
+fl_status fl_cfg_validate(const fl_run_config *c) {
+    const fl_train_args *t = &c->train;
+    if (c->devices < 1 || c->num_nodes < 1)
+        return fl_errorf(FL_ERR_INVALID, "devices=%d num_nodes=%d must be >= 1", c->devices, c->num_nodes);
+    fl_strategy_choice sc; /* auto: resolvable (its errors are the strategy's) */
+    FL_TRY(fl_cfg_resolve_strategy(c, 0, &sc));
+    FL_TRY(check_fsdp_options(c, &sc));
     if (c->offload_device[0] && strcmp(c->offload_device, "cpu") && strcmp(c->offload_device, "nvme"))
         return fl_errorf(FL_ERR_INVALID, "offload_optimizer_device '%s': unknown (cpu or nvme)", c->offload_device);
     /* an option the run would not use is refused, never ignored (--strategy deepspeed_stage_3
@@ -697,13 +710,13 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (t->micro_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.micro_batch_size must be positive");
     if (t->global_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size must be positive");
     if ((c->devices * c->num_nodes) % c->tensor_parallel)
-        return fl_errorf(FL_ERR_INVALID, "tensor_parallel %d does not divide devices x num_nodes = %d ranks (the ranks "
+        return fl_errorf(FL_ERR_INVALID, "tensor_parallel %d does not divide devices x num_nodes = %d rank%s (the ranks "
                          "are data-parallel groups of tensor_parallel ranks each)", c->tensor_parallel,
-                         c->devices * c->num_nodes);
+                         c->devices * c->num_nodes, c->devices * c->num_nodes == 1 ? "" : "s");
     if (c->pipeline_parallel > 1 && (c->devices * c->num_nodes) % c->pipeline_parallel)
-        return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d does not divide devices x num_nodes = %d ranks (the "
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d does not divide devices x num_nodes = %d rank%s (the "
                          "ranks are pipelines of pipeline_parallel stages each)", c->pipeline_parallel,
-                         c->devices * c->num_nodes);
+                         c->devices * c->num_nodes, c->devices * c->num_nodes == 1 ? "" : "s");
     if (strcmp(c->pipeline_schedule, "gpipe") && strcmp(c->pipeline_schedule, "1f1b") &&
         strcmp(c->pipeline_schedule, "interleaved"))
         return fl_errorf(FL_ERR_INVALID, "--pipeline_schedule '%s': expected gpipe, 1f1b or interleaved",

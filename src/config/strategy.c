@@ -58,8 +58,8 @@ fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
         /* FULL_SHARD within each node (--devices ranks), replicated across nodes: src/train/fsdp.c */
         if (!strcmp(ss, "HYBRID_SHARD")) { *stage = 3; return FL_OK; }
         if (!strcmp(ss, "_HYBRID_SHARD_ZERO2"))
-            return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.sharding_strategy '%s' is not implemented yet (issue #14: "
-                             "SHARD_GRAD_OP within a node, replicated across nodes); use HYBRID_SHARD (FULL_SHARD "
+            return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.sharding_strategy '%s' is not implemented yet "
+                             "(SHARD_GRAD_OP within a node, replicated across nodes); use HYBRID_SHARD (FULL_SHARD "
                              "within a node) or SHARD_GRAD_OP over all ranks", ss);
         return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
                          "HYBRID_SHARD)", ss);

@@ -499,10 +499,18 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (T > m->cfg.max_seq)
         return fl_errorf(FL_ERR_INVALID, "sequence length %d exceeds the model's max_position_embeddings %d", T,
                          m->cfg.max_seq);
-    if (m->sp && T % m->cfg.tp_size)
-        return fl_errorf(FL_ERR_INVALID, "--sequence_parallel with --tensor_parallel %d: the sequence length %d is not a "
-                         "multiple of %d (each rank holds 1/%d of the stream's rows: give a sequence length that %d divides)",
-                         m->cfg.tp_size, T, m->cfg.tp_size, m->cfg.tp_size, m->cfg.tp_size);
+    if (m->sp && T % m->cfg.tp_size) {
+        /* sequence parallel: each rank holds 1/N of a pass's rows, so the arena's T is rounded up to a multiple of N and
+         * a pass whose rows N does not divide is padded at each sequence's end (sp_pad, transformer.c: token 0, ignored
+         * targets; exact for the causal decoders): any --train.max_seq_length runs (the planner sizes the same arena) */
+        const int n = m->cfg.tp_size, Tr = (T + n - 1) / n * n;
+        if (Tr > m->cfg.max_seq)
+            return fl_errorf(FL_ERR_INVALID, "--sequence_parallel with --tensor_parallel %d: the sequence length %d, padded "
+                             "to %d (a multiple of %d: each rank holds 1/%d of the stream's rows), exceeds the model's "
+                             "max_position_embeddings %d: give a shorter --train.max_seq_length (sequences of at most %d "
+                             "tokens)", n, T, Tr, n, n, m->cfg.max_seq, m->cfg.max_seq / n * n);
+        T = Tr;
+    }
     fl_model_free_acts(m);
     m->act_dtype = m->prec.name ? m->prec.act_dtype : FL_F32; /* zeroed policy = 32-true */
     /* bf16 weight-gradient GEMMs when the matmuls compute in bf16 and the weights train */

@@ -426,9 +426,12 @@ static fl_status log_iterations(trainer *t, run_loop *L, float lr, long long tok
         else snprintf(tbuf, sizeof tbuf, "rank %d's micro-batch, in parallel with iter %ld", j % t->dp.world,
                       t->st.iter - j % t->dp.world);
         timed_k = k;
+        char lbuf[40]; /* no loss yet: every micro-batch so far was fully masked (metrics.csv leaves the cell empty) */
+        if (isnan(run)) snprintf(lbuf, sizeof lbuf, "n/a (no target tokens)");
+        else snprintf(lbuf, sizeof lbuf, "%.3f", run);
         if (t->out)
-            fprintf(t->out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | %s%s\n",
-                    (long long)t->buf.mb_epoch[j] + 1, t->st.iter, step_now, run, vbuf, tbuf, last ? " (step)" : "");
+            fprintf(t->out, "Epoch %lld | iter %ld step %ld | loss train: %s, val: %s | %s%s\n",
+                    (long long)t->buf.mb_epoch[j] + 1, t->st.iter, step_now, lbuf, vbuf, tbuf, last ? " (step)" : "");
         /* total_tokens: every rank's padded tokens through this iteration (LitGPT's iter_num x micro batch x T x world
          * size; metrics.c writes tokens, this rank's share); tok_s: this micro-batch's on its rank */
         fl_metrics_values mv = {.iter = t->st.iter, .step = step_now, .epoch = t->buf.mb_epoch[j], .loss = run,
@@ -654,6 +657,12 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     fl_status s = fl_tr_tp_begin(&t, world, NULL, &comm); /* tensor parallel: comm := the data-parallel axis */
     if (s != FL_OK) {
         fl_tr_tp_end(&t);
+        if (res) { /* the grid's checks (sizes, shapes, options) fail alike on every rank before any collective: rank 0
+                    * reports them; a split's failure (I/O, memory) is this rank's own */
+            memset(res, 0, sizeof *res);
+            res->val_loss = NAN;
+            res->error_all_ranks = s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED || s == FL_ERR_NOT_FOUND;
+        }
         return s;
     }
     run_loop L;

@@ -79,12 +79,17 @@ void fl_tr_print_box(trainer *t, const fl_trainer_result *r) {
         snprintf(ls, sizeof ls, "%lld skipped, scale %g", (long long)t->opt.amp.ls.n_skipped, (double)t->opt.amp.ls.scale);
         fprintf(t->out, "| %-28s %30s |\n", "fp16 steps (loss scaling)", ls);
     }
-    fprintf(t->out, "| %-28s %30.1f |\n", "tokens/s (with prompt)", r->tokens_real / secs);
-    fprintf(t->out, "| %-28s %30.4f |\n", "TFLOP/s (model FLOPs)", t->st.flops / secs / 1e12);
+    /* the job's throughput (every rank's tokens and FLOPs; metrics.csv's tok_s is one rank's): said so at N ranks */
+    const int W = t->tp.world ? fl_comm_size(t->tp.world) : t->dp.world;
+    char all[32] = "", v[64];
+    if (W > 1) snprintf(all, sizeof all, " (all %d ranks)", W);
+    snprintf(v, sizeof v, "%.1f%s", r->tokens_real / secs, all);
+    fprintf(t->out, "| %-28s %30s |\n", "tokens/s (with prompt)", v);
+    snprintf(v, sizeof v, "%.4f%s", t->st.flops / secs / 1e12, all);
+    fprintf(t->out, "| %-28s %30s |\n", "TFLOP/s (model FLOPs)", v);
     fl_gpu_peak pk;
     if (t->hw.be_ok && fl_backend_peak(&t->hw.be, &pk)) {
         /* a GPU run: MFU against the device's dense 16-bit peak (fitllm/perf.h), or why there is none */
-        char v[64];
         if (pk.tflops > 0)
             snprintf(v, sizeof v, "%.1f%% of %.0f (%.28s)", 100.0 * t->st.flops / secs / 1e12 / pk.tflops, pk.tflops,
                      pk.model);
