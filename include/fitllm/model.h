@@ -91,6 +91,11 @@ typedef struct {
      * encoder blocks, pp_first the stage's first block among the whole's [encoder; decoder] blocks. n_layers and
      * n_dec_layers are the stage's (either may be 0). Never read from or written to config.json. */
     int pp_enc, pp_first;
+    /* The decoder's LM head: rows of its (rows, V) logits chunk (0: FL_LOGITS_CHUNK_BYTES of logits,
+     * fl_logits_chunk_rows). The lab's scaled presets (lab-*) set the real model's rows / 16: the tokens scale by 1/16
+     * with the widths, so the chunk keeps the real one's share of the memory (a fixed 32 MiB chunk would be ~256x it).
+     * Never read from or written to config.json. */
+    int logits_chunk_rows;
 } fl_model_config;
 
 /* The token-embedding / lm_head rows a config holds: a tensor-parallel slice (tp_size > 1) holds rows
@@ -537,8 +542,10 @@ void fl_model_adapters_merged(fl_model *m);
 /* Remove every adapter (their owner's release runs). */
 void fl_model_detach_adapters(fl_model *m);
 /* Rows of the (rows, V) logits chunk the head processes at once for N = B*T rows (fl_act_sizes.logits_chunk_rows;
- * a head adapter's activations hold one chunk). */
+ * a head adapter's activations hold one chunk); a decoder config's logits_chunk_rows > 0 replaces it (capped at N). */
 int fl_logits_chunk_rows(int vocab_size, int N);
+/* The chunk's bytes of fp32 logits that fl_logits_chunk_rows aims at. */
+#define FL_LOGITS_CHUNK_BYTES (32L << 20)
 /* The row stride of the head's logits chunk and of its bf16 gradient (issue 30 item 3): the vocabulary rounded up to
  * a multiple of 8, so that the head's GEMMs read and write 16-byte aligned rows (GPT-2's 50,257 in rows of 50,264:
  * every row of an odd vocabulary otherwise starts 2- or 4-byte aligned, where cuBLASLt has only its slow kernels;

@@ -106,7 +106,10 @@ static void peak_cell(const fl_lab_row *r, char *b, size_t n) {
 /* The console table: 120 columns (the bytes per tag, phases and notes in full are in report.md). */
 void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
     char a[32];
-    fprintf(f, "\n%-17s %-14s %-7s %-10s %-9s %-7s %-3s %13s %7s %9s %7s %6s\n", "experiment", "model", "BxAcc",
+    /* the scale of the verdict and of every column after it (the real-scale plans: report.md) */
+    fprintf(f, "\n%61s %s\n", "", rep->real_scale ? "at the real scale (the real models and budget) -----------"
+                                                  : "at lab scale (the lab-* models, the scaled budget) -------");
+    fprintf(f, "%-17s %-14s %-7s %-10s %-9s %-7s %-3s %13s %7s %9s %7s %6s\n", "experiment", "model", "BxAcc",
             "precision", "optim", "verdict", "lab", "peak MiB", "planned", "ms/sample", "tok/s", "loss");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
@@ -282,11 +285,14 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
     jstr(f, cpu);
     fprintf(f, ", \"cores\": %ld, \"ram_gib\": %.1f, \"os\": ", cores, ram);
     jstr(f, os);
+    char sweep_lab[48]; /* the fsdp suite's models: the sweep's and its lab- preset */
+    snprintf(sweep_lab, sizeof sweep_lab, "lab-%s", rep->sweep_model);
     fprintf(f, "},\n  \"scaling\": {\"scale\": \"%s\", \"budget\": %zu, \"ref_device\": %zu, \"ref_model\": \"%s\", "
                "\"lab_model\": \"%s\", \"param_ratio\": %.8g, \"seq_len\": %d, \"ref_seq_len\": %d, "
                "\"act_per_param_ref\": %.8g, \"act_per_param_lab\": %.8g, \"lengths\": ",
-            rep->real_scale ? "real" : "lab", rep->budget, rep->ref_device, rep->blip2 ? "blip2-opt-2.7b" : "tinyllama-1.1b",
-            rep->blip2 ? "lab-blip2-opt-2.7b" : "lab-1b", rep->param_ratio, rep->T, rep->ref_T,
+            rep->real_scale ? "real" : "lab", rep->budget, rep->ref_device,
+            rep->blip2 ? "blip2-opt-2.7b" : rep->sweep ? rep->sweep_model : "tinyllama-1.1b",
+            rep->blip2 ? "lab-blip2-opt-2.7b" : rep->sweep ? sweep_lab : "lab-1b", rep->param_ratio, rep->T, rep->ref_T,
             rep->act_ratio_ref, rep->act_ratio_lab);
     if (rep->lengths[0]) { /* real scale: the drawn lengths (each row's seq_len is its longest - 1) */
         jstr(f, rep->lengths);
@@ -718,7 +724,8 @@ static void md_scaling(FILE *f, const fl_lab_report *rep) {
                "The course lab fine-tunes TinyLlama-1.1B on one 80 GB GPU. Here every model is its `lab-*` preset: "
                "the real shape with every width (hidden size, MLP size, heads x head dim, vocabulary) divided by 16 and "
                "the depth and head structure kept, so it has about 1/256 of the parameters "
-               "(`fitllm plan lab-1b` shows the shapes).\n\n"
+               "(`fitllm plan lab-1b` shows the shapes); the LM head's logits chunk is the real model's rows / 16, as "
+               "the tokens, so its bytes scale by 1/256 as well.\n\n"
                "- **Budget** = 80 GB x params(lab-1b) / params(tinyllama-1.1b) = 80 GB x %.6f = **%s** "
                "(%zu bytes): the budget relates to the scaled model as the GPU to TinyLlama (weights, gradients and "
                "AdamW state are a fixed number of bytes per parameter).\n"
@@ -741,8 +748,9 @@ static void md_scaling(FILE *f, const fl_lab_report *rep) {
 static void md_results(FILE *f, const fl_lab_report *rep) {
     char a[32], b[32];
     fprintf(f, "## Results\n\n| experiment | lab's change | model | micro x acc | precision | optimizer | act ckpt | "
-               "verdict | as in the lab | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | OTHER | GATHER | peak | planned | "
-               "ms/sample | tok/s | final loss | GPU util %% | GPU memory | extra time per sample |\n|");
+               "verdict (%s scale) | as in the lab | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | OTHER | GATHER | peak | "
+               "planned (%s scale) | ms/sample | tok/s | final loss | GPU util %% | GPU memory | extra time per sample |\n|",
+            rep->real_scale ? "real" : "lab", rep->real_scale ? "real" : "lab");
     for (int k = 0; k < 24; k++) fprintf(f, "---|");
     fprintf(f, "\n");
     for (int i = 0; i < rep->n; i++) {
@@ -898,10 +906,12 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
     md_phases(f, rep, charts);
     if (rep->lengths[0])
         fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, lengths drawn from `%s`: one T for every row, in "
-                   "results.csv)\n\n| experiment | model | plan | planned peak |\n|---|---|---|---|\n", rep->lengths);
+                   "results.csv)\n\n| experiment | model | real-scale plan | real-scale planned peak |\n|---|---|---|---|\n",
+                rep->lengths);
     else
-        fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "
-                   "planned peak |\n|---|---|---|---|\n", rep->ref_T);
+        fprintf(f, "## Real scale (planned with fitllm's sizing, %s, T=%d)\n\n| experiment | model | real-scale "
+                   "plan | real-scale planned peak |\n|---|---|---|---|\n", rep->sweep ? "16 GiB per rank" : "80 GB device",
+                rep->ref_T);
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         fprintf(f, "| %s | %s | %s | %s |\n", r->name, r->ref_model, fl_lab_plan_name(r->ref_planned),

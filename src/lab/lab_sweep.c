@@ -90,8 +90,12 @@ void fl_lab_sweep_print(const fl_lab_report *rep, FILE *f) {
         for (int i = 0; i < rep->n; i++) any |= fl_lab_sweep_group(&rep->rows[i]) == g;
         if (!any) continue;
         fprintf(f, "\nbatch-size sweep, %s, %s (per rank, min-max over the ranks)\n  *: fitllm's largest "
-                   "fitting; real: %s planned at T %d, %.0f GiB per rank; course: 4x V100 16 GB, 16-mixed\n%6s %-7s %13s %8s %9s %8s %8s %6s | %-4s %7s | %6s %5s %7s %7s\n",
-                group_name(g), rep->sweep_model, rep->sweep_model, REF_SWEEP_T_PUBLIC, 16.0, "micro", "verdict",
+                   "fitting; real: %s planned at T %d, %.0f GiB per rank; course: 4x V100 16 GB, 16-mixed\n"
+                   "%-72s | %-12s | %s\n%6s %-7s %13s %8s %9s %8s %8s %6s | %-4s %7s | %6s %5s %7s %7s\n",
+                group_name(g), rep->sweep_model, rep->sweep_model, REF_SWEEP_T_PUBLIC, 16.0,
+                rep->real_scale ? "       at the real scale -----------------------------------------------"
+                                : "       at lab scale ----------------------------------------------------",
+                "real scale", "the course", "micro", "verdict",
                 "peak MiB", "planned", "iter ms", "tok/s", "TFLOP/s", "MFU", "real", "GiB", "MB", "util%", "TFLOP/s",
                 "iter ms");
         for (int i = 0; i < rep->n; i++) {
@@ -142,9 +146,11 @@ void fl_lab_sweep_md(FILE *f, const fl_lab_report *rep, int charts) {
         int any = 0;
         for (int i = 0; i < rep->n; i++) any |= fl_lab_sweep_group(&rep->rows[i]) == g;
         if (!any) continue;
-        fprintf(f, "### %s\n\n| micro batch | verdict | planned | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | GATHER | "
-                   "peak (min-max) | planned peak | iteration ms | tok/s | TFLOP/s | MFU | GPU util %% | real: plan | real: peak | "
-                   "course: memory MB | course: GPU util %% | course: TFLOP/s | course: iteration ms |\n|", group_name(g));
+        const char *sc = rep->real_scale ? "real scale" : "lab scale";
+        fprintf(f, "### %s\n\n| micro batch | verdict (%s) | planned (%s) | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | "
+                   "GATHER | peak (min-max) | planned peak | iteration ms | tok/s | TFLOP/s | MFU | GPU util %% | real "
+                   "scale: plan | real scale: peak | course: memory MB | course: GPU util %% | course: TFLOP/s | course: "
+                   "iteration ms |\n|", group_name(g), sc, sc);
         for (int k = 0; k < 22; k++) fprintf(f, "---|");
         fprintf(f, "\n");
         for (int i = 0; i < rep->n; i++) {

@@ -35,14 +35,18 @@ int fl_logits_chunk_rows_test;
 int fl_logits_chunk_rows(int vocab_size, int N) {
     /* About 32 MiB of logits per chunk: large enough for an efficient lm_head
      * GEMM, small enough that (N, V) never exists at once. */
-    long rows = (32L << 20) / ((long)vocab_size * 4);
+    long rows = FL_LOGITS_CHUNK_BYTES / ((long)vocab_size * 4);
     if (rows < 32) rows = 32;
     if (fl_logits_chunk_rows_test > 0) rows = fl_logits_chunk_rows_test; /* tests: several chunks at tiny shapes */
     if (rows > N) rows = N;
     return (int)rows;
 }
 
-static int logits_chunk_rows(const fl_model_config *c, int N) { return fl_logits_chunk_rows(c->vocab_size, N); }
+/* the config's rows (the lab's scaled presets: the real model's / 16) unless a test forces its own */
+static int logits_chunk_rows(const fl_model_config *c, int N) {
+    if (c->logits_chunk_rows > 0 && fl_logits_chunk_rows_test <= 0) return c->logits_chunk_rows < N ? c->logits_chunk_rows : N;
+    return fl_logits_chunk_rows(c->vocab_size, N);
+}
 int fl_logits_ld(int vocab_size) { return (vocab_size + 7) / 8 * 8; }
 
 /* Rows of the residual stream and of slot k for a pass of N rows: sequence parallel (g->sp > 1), the stream and the

@@ -12,10 +12,13 @@ typedef struct {
     fl_model_config c;
 } preset;
 
-#define LLAMA(nm, V, C, F, L, NH, NKV, HD, MAXT, EPS, THETA, TIE)                                                    \
+/* HEAD: fl_model_config.logits_chunk_rows (0: the default chunk; the lab's presets: LAB_HEAD) */
+#define LLAMA_H(nm, V, C, F, L, NH, NKV, HD, MAXT, EPS, THETA, TIE, HEAD)                                            \
     {nm, {.arch = FL_ARCH_LLAMA, .name = nm, .vocab_size = V, .dim = C, .ffn_dim = F, .n_layers = L, .n_heads = NH, \
           .n_kv_heads = NKV, .head_dim = HD, .max_seq = MAXT, .norm_eps = EPS, .rope_theta = THETA,                 \
-          .tie_embeddings = TIE}}
+          .tie_embeddings = TIE, .logits_chunk_rows = HEAD}}
+#define LLAMA(nm, V, C, F, L, NH, NKV, HD, MAXT, EPS, THETA, TIE)                                                    \
+    LLAMA_H(nm, V, C, F, L, NH, NKV, HD, MAXT, EPS, THETA, TIE, 0)
 #define LLAMA3(nm, V, C, F, L, NH, NKV, HD, MAXT, TIE)                                                               \
     {nm, {.arch = FL_ARCH_LLAMA, .name = nm, .vocab_size = V, .dim = C, .ffn_dim = F, .n_layers = L, .n_heads = NH, \
           .n_kv_heads = NKV, .head_dim = HD, .max_seq = MAXT, .norm_eps = 1e-5f, .rope_theta = 500000.0f,            \
@@ -25,6 +28,12 @@ typedef struct {
     {nm, {.arch = FL_ARCH_GPT2, .name = nm, .vocab_size = 50257, .dim = C, .ffn_dim = 4 * C, .n_layers = L,          \
           .n_heads = NH, .n_kv_heads = NH, .head_dim = C / NH, .max_seq = 1024, .norm_eps = 1e-5f,                   \
           .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}}
+
+/* The lab's scaled presets (lab-*): the LM head's logits chunk is the real model's (vocabulary VR) rows / 16, as
+ * the tokens (fl_model_config.logits_chunk_rows), so its bytes are the real chunk's / 256 as the parameters' */
+#define LAB_HEAD(VR) ((int)(FL_LOGITS_CHUNK_BYTES / ((VR) * 4L) / 16))
+#define LAB_LLAMA(nm, V, C, F, L, NH, NKV, HD, MAXT, EPS, THETA, TIE)                                                \
+    LLAMA_H(nm, V, C, F, L, NH, NKV, HD, MAXT, EPS, THETA, TIE, LAB_HEAD(32000))
 
 /* T5: vocabulary 32128, d_kv 64, 32 buckets up to distance 128, eps 1e-6, pad 0 = decoder start, eos 1 */
 #define T5(nm, C, F, L, NH, GATED)                                                                                    \
@@ -54,19 +63,19 @@ static const preset k_presets[] = {
     /* The lab's models scaled for a CPU (`fitllm lab`, docs/ARCHITECTURE.md "Planner and lab"):
      * every width (C, F, heads x head_dim, vocabulary) / 16, depth and head structure kept,
      * so parameters scale by ~1/256 and one token's activations per parameter by 16. */
-    LLAMA("lab-1b", 2000, 128, 352, 22, 8, 1, 16, 2048, 1e-5f, 10000.0f, 0),   /* tinyllama-1.1b / 16 */
-    LLAMA("lab-3b", 2000, 200, 540, 26, 10, 10, 20, 2048, 1e-6f, 10000.0f, 0), /* open-llama-3b / 16 (HD even) */
-    LLAMA("lab-7b", 2000, 256, 688, 32, 8, 8, 32, 2048, 1e-6f, 10000.0f, 0),   /* open-llama-7b / 16 */
-    LLAMA("lab-13b", 2000, 320, 864, 40, 10, 10, 32, 2048, 1e-6f, 10000.0f, 0), /* open-llama-13b / 16 */
+    LAB_LLAMA("lab-1b", 2000, 128, 352, 22, 8, 1, 16, 2048, 1e-5f, 10000.0f, 0),   /* tinyllama-1.1b / 16 */
+    LAB_LLAMA("lab-3b", 2000, 200, 540, 26, 10, 10, 20, 2048, 1e-6f, 10000.0f, 0), /* open-llama-3b / 16 (HD even) */
+    LAB_LLAMA("lab-7b", 2000, 256, 688, 32, 8, 8, 32, 2048, 1e-6f, 10000.0f, 0),   /* open-llama-7b / 16 */
+    LAB_LLAMA("lab-13b", 2000, 320, 864, 40, 10, 10, 32, 2048, 1e-6f, 10000.0f, 0), /* open-llama-13b / 16 */
     /* gpt2-xl / 16 (`fitllm lab --suite fsdp`): 25 heads x 64 -> 5 x 20 (25 does not divide by 4 as the
      * LLaMA presets' heads do), vocabulary 50257 / 16 */
     {"lab-gpt2-xl", {.arch = FL_ARCH_GPT2, .name = "lab-gpt2-xl", .vocab_size = 3141, .dim = 100, .ffn_dim = 400,
                      .n_layers = 48, .n_heads = 5, .n_kv_heads = 5, .head_dim = 20, .max_seq = 1024, .norm_eps = 1e-5f,
-                     .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}},
+                     .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1, .logits_chunk_rows = LAB_HEAD(50257)}},
     /* gpt2-xxl / 16 (`fitllm lab --suite fsdp --model gpt2-xxl`): 32 heads x 80 -> 8 x 20 */
     {"lab-gpt2-xxl", {.arch = FL_ARCH_GPT2, .name = "lab-gpt2-xxl", .vocab_size = 3141, .dim = 160, .ffn_dim = 640,
                       .n_layers = 32, .n_heads = 8, .n_kv_heads = 8, .head_dim = 20, .max_seq = 1024, .norm_eps = 1e-5f,
-                      .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}},
+                      .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1, .logits_chunk_rows = LAB_HEAD(50257)}},
     LLAMA("tinyllama-1.1b", 32000, 2048, 5632, 22, 32, 4, 64, 2048, 1e-5f, 10000.0f, 0),
     LLAMA("open-llama-3b", 32000, 3200, 8640, 26, 32, 32, 100, 2048, 1e-6f, 10000.0f, 0),
     LLAMA("open-llama-7b", 32000, 4096, 11008, 32, 32, 32, 128, 2048, 1e-6f, 10000.0f, 0),
