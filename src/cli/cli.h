@@ -56,6 +56,12 @@ fl_status fl_cli_load_model(fl_model *m, const char *path, int random_init, uint
 fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, uint64_t seed, const fl_backend *be,
                                fl_mem_pool *pool, const fl_model_storage *st, int *weights_loaded);
 
+/* A training run folder given as a model (a folder with no config.json, adapter_config.json or model_config.yaml):
+ * its final/ (committed), else its newest committed step-N/, into path (n bytes), and how it was resolved into note
+ * (nn bytes, "" when arg is not a run folder: path = arg). A run folder without a committed checkpoint yet, or a
+ * folder that is none of these: FL_ERR_NOT_FOUND saying which. */
+fl_status fl_cli_run_folder(const char *arg, char *path, size_t n, char *note, size_t nn);
+
 double fl_cli_now_ms(void);
 /* Peak resident set size of this process in MiB. */
 double fl_cli_peak_rss_mb(void);
