@@ -65,6 +65,11 @@ expect loss_target_needs_s2s 2 "not an encoder-decoder" -- "$FITLLM" loss micro 
 # greedy decoding of an encoder-decoder: the ids of transformers' generate(do_sample=False, max_new_tokens=12) for
 # the fixture's first source (tests/ref/make_t5_fixture.py: gen0)
 expect generate_t5_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 0
+# an encoder-decoder stops at every id of generation_config.json's eos_token_id list too (as transformers' generate:
+# the greedy ids above end at 87 when it is one); it stopped at config.json's eos_token_id alone
+mkdir -p "$T/t5eos" && cp tests/fixtures/t5-tiny-gated/config.json tests/fixtures/t5-tiny-gated/model.safetensors "$T/t5eos/"
+printf '{"decoder_start_token_id": 0, "eos_token_id": [1, 87]}' > "$T/t5eos/generation_config.json"
+expect generate_t5_eos_list 0 "^45 10 45 87$" -- "$FITLLM" generate "$T/t5eos" --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 0
 # sampling (issue 31 item 4; tests/test_t5_sample.c: seeded, the first token's distribution = the logits' softmax):
 # top-k 1 is greedy at any temperature; a seed is named in the report
 expect generate_t5_topk1_is_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 1.5 --top_k 1
@@ -629,6 +634,11 @@ mkdir -p "$T/t5nv"
 for st in deepspeed_stage_3_offload fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do
     extra=(); [ $st = deepspeed_stage_3_offload_nvme ] && extra=(--nvme_path "$T/t5nv")
     expect "t5_finetune_${st}" 0 "Saved|saved" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5-$st" --strategy $st "${extra[@]}"
+    # the memory report names the tier of each (OPTIM was "in the offload tier"; the nvme tier's pages said to be
+    # "a few pieces of host memory" the host tier showed none of)
+    [ $st = deepspeed_stage_3_offload_nvme ] && expect_saved t5_nvme_report_names_tiers 0 \
+        "of PARAMS and GRADS in the nvme tier below, of OPTIM in the nvme tier below;.*nvme tier \(.*mapped: the kernel pages in" \
+        "$(tr '\n' ' ' <<<"$EXPECT_OUT")" "$EXPECT_RC"
     expect "t5_finetune_${st}_bitexact" 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5-$st/final/model.safetensors"
 done
 expect t5_finetune_zero3_poff_cpu 0 "Saved|saved" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy deepspeed_stage_3_offload --offload_param_device cpu
@@ -1666,7 +1676,10 @@ if [ -d "$DATA/stories260K-hf" ]; then
     want_base=$(cd "$DATA/stories260K-hf" && pwd -P)
     grep -q "\"base_model_name_or_path\": \"$want_base\"" "$T/lo/step-000002/adapter_config.json" || { echo "     base not absolute:"; grep base_model "$T/lo/step-000002/adapter_config.json"; ok=0; }
     if [ $ok = 1 ]; then echo "ok   lora_step_holds_adapter"; pass=$((pass+1)); else echo "FAIL lora_step_holds_adapter"; fail=$((fail+1)); fi
+    # the tokenizer files: the checkpoint's own (the run's tokenizer, as its help says), named so (they came from the
+    # base, said to be its folder, though the step carries the run's)
     expect merge_lora_step 0 "adapter: .*/lo/step-000004$" -- "$FITLLM" merge_lora "$T/lo/step-000004"
+    expect_saved merge_lora_step_tokenizer_own 0 "2 tokenizer files from .*/lo/step-000004: the checkpoint's, the run's\)" "$EXPECT_OUT" "$EXPECT_RC"
     ok=1
     for f in config.json model.safetensors tokenizer.json tokenizer_config.json; do [ -f "$T/lo/step-000004/merged/$f" ] || { echo "     merged/ lacks $f"; ok=0; }; done
     if [ $ok = 1 ]; then echo "ok   merge_lora_output_is_complete"; pass=$((pass+1)); else echo "FAIL merge_lora_output_is_complete"; fail=$((fail+1)); fi

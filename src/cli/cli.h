@@ -147,9 +147,11 @@ fl_status fl_cli_resolve_adapter(const char *base, const char *adapter_path, con
 fl_status fl_cli_blip2_with_adapter(fl_blip2 **b, const char *base, const char *adapter_path, const char *hint,
                                     const fl_backend *be, fl_mem_pool *pool, fl_cli_adapter_info *info);
 /* The folder whose tokenizer goes with the adapter: the base's (with its config.json's special
- * ids, as training used it), else the adapter folder's (fitllm's step checkpoints carry a copy of
- * the run's), else the checkpoint holding an adapter/ (final/); NULL if none has one. */
-const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, char *buf, size_t n);
+ * ids), else the adapter folder's (fitllm's step checkpoints carry a copy of the run's), else the
+ * checkpoint holding an adapter/ (final/); NULL if none has one. own_first: the checkpoint's (the
+ * adapter folder's, then final/'s: the tokenizer the run trained with, --tokenizer_dir's too) before
+ * the base's (merge_lora's output carries the run's tokenizer). */
+const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, int own_first, char *buf, size_t n);
 
 /* Models by name (src/cli/model_name.c). A model argument that is not a file or folder here and
  * names a Hugging Face repo (ORG/NAME, checkpoints/ORG/NAME) -> the folder fitllm's download

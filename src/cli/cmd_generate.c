@@ -195,7 +195,7 @@ static fl_status gen_tokenizer(fl_tokenizer **tok, const char *tok_path, const g
     int bytes = 0;
     if (tok_path) bytes = !strcmp(tok_path, "bytes"), snprintf(tp, sizeof tp, "%s", tok_path);
     else if (gm->preset) bytes = 1;
-    else if (info && (ts = fl_cli_adapter_tokenizer(info, tp, sizeof tp)) != NULL) snprintf(tp, sizeof tp, "%s", ts);
+    else if (info && (ts = fl_cli_adapter_tokenizer(info, 0, tp, sizeof tp)) != NULL) snprintf(tp, sizeof tp, "%s", ts);
     else if (info && stat(info->base, &sb) != 0) bytes = 1;
     else default_tokenizer(model, tp, sizeof tp);
     fl_status s = bytes ? fl_tok_builtin_bytes(tok) : fl_tok_load(tok, tp);
