@@ -65,6 +65,11 @@ expect loss_target_needs_s2s 2 "not an encoder-decoder" -- "$FITLLM" loss micro 
 # greedy decoding of an encoder-decoder: the ids of transformers' generate(do_sample=False, max_new_tokens=12) for
 # the fixture's first source (tests/ref/make_t5_fixture.py: gen0)
 expect generate_t5_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 0
+# an encoder-decoder stops at every id of generation_config.json's eos_token_id list too (as transformers' generate:
+# the greedy ids above end at 87 when it is one); it stopped at config.json's eos_token_id alone
+mkdir -p "$T/t5eos" && cp tests/fixtures/t5-tiny-gated/config.json tests/fixtures/t5-tiny-gated/model.safetensors "$T/t5eos/"
+printf '{"decoder_start_token_id": 0, "eos_token_id": [1, 87]}' > "$T/t5eos/generation_config.json"
+expect generate_t5_eos_list 0 "^45 10 45 87$" -- "$FITLLM" generate "$T/t5eos" --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 0
 # sampling (issue 31 item 4; tests/test_t5_sample.c: seeded, the first token's distribution = the logits' softmax):
 # top-k 1 is greedy at any temperature; a seed is named in the report
 expect generate_t5_topk1_is_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 1.5 --top_k 1
@@ -629,6 +634,11 @@ mkdir -p "$T/t5nv"
 for st in deepspeed_stage_3_offload fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do
     extra=(); [ $st = deepspeed_stage_3_offload_nvme ] && extra=(--nvme_path "$T/t5nv")
     expect "t5_finetune_${st}" 0 "Saved|saved" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5-$st" --strategy $st "${extra[@]}"
+    # the memory report names the tier of each (OPTIM was "in the offload tier"; the nvme tier's pages said to be
+    # "a few pieces of host memory" the host tier showed none of)
+    [ $st = deepspeed_stage_3_offload_nvme ] && expect_saved t5_nvme_report_names_tiers 0 \
+        "of PARAMS and GRADS in the nvme tier below, of OPTIM in the nvme tier below;.*nvme tier \(.*mapped: the kernel pages in" \
+        "$(tr '\n' ' ' <<<"$EXPECT_OUT")" "$EXPECT_RC"
     expect "t5_finetune_${st}_bitexact" 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5-$st/final/model.safetensors"
 done
 expect t5_finetune_zero3_poff_cpu 0 "Saved|saved" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy deepspeed_stage_3_offload --offload_param_device cpu
@@ -1572,6 +1582,11 @@ if [ -d "$DATA/stories260K-hf" ]; then
     expect finetune_synthetic 0 "Saved the final model" -- "$FITLLM" finetune_full --config recipes/cpu/stories260k-full-synthetic.yaml \
         --out_dir "$T/ft-syn" --train.max_steps 10 --eval.interval 5 --train.save_interval 5 --quiet
     expect generate_from_final 0 "" -- "$FITLLM" generate "$T/ft-syn/final" --prompt "Once upon a time" --max_new_tokens 8 --temperature 0
+    # loss takes a run folder as generate does: its final/ (it said "folder has no config.json")
+    expect loss_run_folder 0 "is a run folder: its final checkpoint .*ft-syn/final" -- "$FITLLM" loss "$T/ft-syn" --tokens-file "$T/ids.txt"
+    expect loss_run_folder_same 0 "" -- bash -c '[ "$("$1" loss "$2" --tokens-file "$3" 2>/dev/null | cut -d" " -f1-4)" = "$("$1" loss "$2/final" --tokens-file "$3" 2>/dev/null | cut -d" " -f1-4)" ]' _ "$FITLLM" "$T/ft-syn" "$T/ids.txt"
+    mkdir -p "$T/ft-empty/logs"
+    expect loss_run_folder_no_ckpt 2 "ft-empty: a run folder without a committed checkpoint yet" -- "$FITLLM" loss "$T/ft-empty" --tokens-file "$T/ids.txt"
     expect finetune_alpaca 0 "Final evaluation" -- "$FITLLM" finetune_full --config recipes/cpu/stories260k-full-alpaca.yaml \
         --data.json_path "$DATA/instruct/alpaca-tiny.json" --out_dir "$T/ft-alp" --train.epochs 1 --quiet
     expect finetune_used_out_dir 2 "holds another run" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --out_dir "$T/ft-syn" --train.max_steps 1
@@ -1613,6 +1628,43 @@ if [ -d "$DATA/stories260K-hf" ]; then
     "$FITLLM" generate "$DATA/stories260K-hf" --prompt "Once" --max_new_tokens 4 --temperature 0 > "$T/gen.txt" 2>&1
     if sed -n 2p "$T/gen.txt" | grep -qE "^[0-9]+ prompt \+ [0-9]+ new tokens"; then echo "ok   generate_stats_own_line"; pass=$((pass+1));
     else echo "FAIL generate_stats_own_line"; sed 's/^/     /' "$T/gen.txt"; fail=$((fail+1)); fi
+    # generate stops at every EOS id of generation_config.json (else config.json), an id or a list, plus the
+    # tokenizer's, as transformers' generate: greedy from BOS with eos_token_id [2, 13] it stops at the first 13, a
+    # sequence of 63 tokens, BOS and 62 new (transformers' generate(do_sample=False) on this folder); --prompt-ids loads
+    # no tokenizer, so the ids are the files' alone (it stopped at none and ran to 100)
+    mkdir -p "$T/eosl" && cp "$DATA/stories260K-hf"/* "$T/eosl/"
+    sed -i 's/"eos_token_id": 2,/"eos_token_id": [2, 13],/' "$T/eosl/config.json"
+    EOSG=(--prompt-ids 1 --temperature 0 --max_new_tokens 100)
+    expect generate_eos_config_list 0 "^1 prompt \+ 62 new tokens \(stop: EOS\).*; EOS ids 2 13 \(config.json\)$" -- "$FITLLM" generate "$T/eosl" "${EOSG[@]}"
+    expect generate_eos_config_list_last 0 " 13$" -- bash -c '"$1" generate "$2" "${@:3}" 2>/dev/null' _ "$FITLLM" "$T/eosl" "${EOSG[@]}"
+    # generation_config.json's list wins over config.json's (transformers' GenerationConfig.from_pretrained)
+    printf '{"bos_token_id": 1, "eos_token_id": [2]}' > "$T/eosl/generation_config.json"
+    expect generate_eos_generation_config_first 0 "^1 prompt \+ 100 new tokens \(stop: max_new_tokens\).*EOS ids 2 \(generation_config.json\)$" -- "$FITLLM" generate "$T/eosl" "${EOSG[@]}"
+    printf '{"eos_token_id": 13}' > "$T/eosl/generation_config.json"
+    sed -i 's/"eos_token_id": \[2, 13\],/"eos_token_id": 2,/' "$T/eosl/config.json"
+    expect generate_eos_generation_config 0 "^1 prompt \+ 62 new tokens \(stop: EOS\).*EOS ids 13 \(generation_config.json\)$" -- "$FITLLM" generate "$T/eosl" "${EOSG[@]}"
+    # with the text (the tokenizer's EOS added; the streamed text stops where the ids did)
+    expect generate_eos_with_tokenizer 0 "^1 prompt \+ 62 new tokens \(stop: EOS\).*EOS ids 13 2 \(generation_config.json \+ the tokenizer\)$" -- \
+        "$FITLLM" generate "$T/eosl" --prompt "" --temperature 0 --max_new_tokens 100
+    printf '{"eos_token_id": "</s>"}' > "$T/eosl/generation_config.json"
+    expect generate_eos_bad_generation_config 1 "generation_config.json: key 'eos_token_id' must be a token id or a list of token ids" -- "$FITLLM" generate "$T/eosl" "${EOSG[@]}"
+    # an empty prompt with a tokenizer that adds no BOS (GPT-2's): the hint names the model's id to start from
+    expect generate_empty_prompt_hint 2 "the prompt encodes to no tokens \(and the tokenizer adds no BOS\): to start from nothing, give --prompt-ids 50256 \(the model's BOS token\)" -- \
+        "$FITLLM" generate "$DATA/tiny-gpt2-hf" --prompt "" --max_new_tokens 2
+    # --max_new_tokens 0: a prompt longer than the context (1,499 tokens here, the context 512) printed as it is
+    LONGP=$(head -c 3000 "$DATA/text/tinystories-val-prefix.txt")
+    expect generate_long_prompt_none_asked 0 "^[0-9]{4} prompt \+ 0 new tokens \(stop: max_new_tokens\); nothing run" -- "$FITLLM" generate "$DATA/stories260K-hf" --prompt "$LONGP" --max_new_tokens 0
+    expect generate_long_prompt_printed 0 "" -- bash -c '[ "$("$1" generate "$2" --prompt "$3" --max_new_tokens 0 2>/dev/null)" = "$3" ]' _ "$FITLLM" "$DATA/stories260K-hf" "$LONGP"
+    # convert takes a llama2.c .bin (as README's "Checkpoints in" says): the folder's logits are the .bin's (the loss of
+    # the same ids, printed to 6 decimals, and the dumped logits byte for byte), its tokenizer (tok512.bin) copied
+    expect convert_llama2c_bin 0 "converted .*stories260K.bin -> .*cv260 \([0-9]+ tensors, safetensors\)" -- "$FITLLM" convert "$DATA/stories260K/stories260K.bin" "$T/cv260"
+    lb=$("$FITLLM" loss "$DATA/stories260K/stories260K.bin" --tokens-file "$T/ids.txt" --dump-logits "$T/lg-bin.f32" 2>&1 | head -1 | cut -d' ' -f1-4)
+    lc=$("$FITLLM" loss "$T/cv260" --tokens-file "$T/ids.txt" --dump-logits "$T/lg-cv.f32" 2>&1 | head -1 | cut -d' ' -f1-4)
+    if [ -n "$lb" ] && [ "$lb" = "$lc" ] && cmp -s "$T/lg-bin.f32" "$T/lg-cv.f32" && [ -f "$T/cv260/tok512.bin" ]; then
+        echo "ok   convert_llama2c_bin_same_logits"; pass=$((pass+1))
+    else echo "FAIL convert_llama2c_bin_same_logits: '$lb' vs '$lc'"; ls "$T/cv260" | sed 's/^/     /'; fail=$((fail+1)); fi
+    expect convert_llama2c_generates 0 "^Once upon a time" -- "$FITLLM" generate "$T/cv260" --prompt "Once upon a time" --max_new_tokens 4 --temperature 0
+    expect convert_not_a_bin 2 "notes.txt: a file: convert takes a model folder or a llama2.c .bin" -- bash -c 'echo x > "$2/notes.txt"; "$1" convert "$2/notes.txt" "$2/cvx"' _ "$FITLLM" "$T"
     "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 \
         --train.micro_batch_size 4 --train.max_steps 3 --optimizer.lr 1e30 --eval.max_new_tokens 0 --out_dir "$T/div2" > "$T/div2.txt" 2>&1
     if tail -n 1 "$T/div2.txt" | grep -q "error: training diverged" && grep -q "^Epoch" "$T/div2.txt"; then echo "ok   error_after_training_lines"; pass=$((pass+1));
@@ -1653,7 +1705,10 @@ if [ -d "$DATA/stories260K-hf" ]; then
     want_base=$(cd "$DATA/stories260K-hf" && pwd -P)
     grep -q "\"base_model_name_or_path\": \"$want_base\"" "$T/lo/step-000002/adapter_config.json" || { echo "     base not absolute:"; grep base_model "$T/lo/step-000002/adapter_config.json"; ok=0; }
     if [ $ok = 1 ]; then echo "ok   lora_step_holds_adapter"; pass=$((pass+1)); else echo "FAIL lora_step_holds_adapter"; fail=$((fail+1)); fi
+    # the tokenizer files: the checkpoint's own (the run's tokenizer, as its help says), named so (they came from the
+    # base, said to be its folder, though the step carries the run's)
     expect merge_lora_step 0 "adapter: .*/lo/step-000004$" -- "$FITLLM" merge_lora "$T/lo/step-000004"
+    expect_saved merge_lora_step_tokenizer_own 0 "2 tokenizer files from .*/lo/step-000004: the checkpoint's, the run's\)" "$EXPECT_OUT" "$EXPECT_RC"
     ok=1
     for f in config.json model.safetensors tokenizer.json tokenizer_config.json; do [ -f "$T/lo/step-000004/merged/$f" ] || { echo "     merged/ lacks $f"; ok=0; }; done
     if [ $ok = 1 ]; then echo "ok   merge_lora_output_is_complete"; pass=$((pass+1)); else echo "FAIL merge_lora_output_is_complete"; fail=$((fail+1)); fi
@@ -2047,6 +2102,10 @@ expect generate_prompt_fills_context 2 "prompt of 512 tokens fills the model's c
 expect generate_prompt_over_context 2 "prompt of 513 tokens exceeds the model's context of 512: shorten the prompt" -- "$FITLLM" generate micro --prompt-ids "$P511 7 8" --max_new_tokens 5
 expect generate_prompt_fills_context_none_asked 0 "512 prompt \+ 0 new tokens \(stop: max_new_tokens\)" -- "$FITLLM" generate micro --prompt-ids "$P511 7" --max_new_tokens 0
 expect generate_prompt_one_position_left 0 "511 prompt \+ 1 new tokens \(stop: context limit\)" -- "$FITLLM" generate micro --prompt-ids "$P511" --max_new_tokens 5 --temperature 0
+# --max_new_tokens 0 prints any prompt, nothing run: one past the context was refused (as with new tokens asked) while
+# one that filled it was printed; the one new token above is timed without a per-token rate (it was "0.00 ms/token")
+expect generate_prompt_over_context_none_asked 0 "^513 prompt \+ 0 new tokens \(stop: max_new_tokens\); nothing run" -- "$FITLLM" generate micro --prompt-ids "$P511 7 8" --max_new_tokens 0
+expect generate_one_token_no_rate 0 "" -- bash -c '! "$1" generate micro --prompt-ids "$2" --max_new_tokens 5 --temperature 0 2>&1 | grep -q "ms/token"' _ "$FITLLM" "$P511"
 expect did_you_mean_command 2 "unknown command 'finetune_ful' \(did you mean 'finetune_full'\?\)" -- "$FITLLM" finetune_ful micro
 expect did_you_mean_bench_flag 2 "unknown option '--micro-bach' \(did you mean '--micro-batch'\?\)" -- "$FITLLM" bench-step micro --micro-bach 2
 expect did_you_mean_plan_flag 2 "unknown option 'device-memroy' \(did you mean '--device-memory'\?\)" -- "$FITLLM" plan micro --device-memroy 80GB

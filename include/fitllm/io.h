@@ -100,8 +100,27 @@ fl_status fl_hf_load_config(const char *config_json_path, fl_model_config *cfg);
 /* The same from a parsed object (a composite's text_config; path: for messages). */
 struct fl_json;
 fl_status fl_hf_config_from_json(const char *path, const struct fl_json *obj, fl_model_config *cfg);
-/* Write config.json for cfg. */
+/* Write config.json for cfg, its weights' dtype dt (F32, BF16, F16) as "torch_dtype" (what transformers 4 reads
+ * and writes) and "dtype" (transformers 5's name): from_pretrained(dtype="auto"), transformers 5's default, loads
+ * them as they are stored. fl_hf_save_config: float32. */
 fl_status fl_hf_save_config(const char *path, const fl_model_config *cfg);
+fl_status fl_hf_save_config_dtype(const char *path, const fl_model_config *cfg, fl_dtype dt);
+/* config.json's text (n bytes) with the value of every "torch_dtype" and "dtype" key that holds a string (the top
+ * level's and a composite's parts') set to dt's name, into *out (malloc'd, *out_n bytes): a config copied beside
+ * weights written in dt. Nothing else changes. */
+fl_status fl_hf_config_text_set_dtype(const char *text, size_t n, fl_dtype dt, char **out, size_t *out_n);
+/* The ids that end generation in a model folder, as transformers' generate takes them: generation_config.json's
+ * eos_token_id when the file has that key (not null), else config.json's (else its text_config's: a composite such
+ * as BLIP-2), an id or a list (Llama-3: [128001, 128008, 128009]). Up to cap distinct ids into ids, *n their count
+ * (0: none given, no such file, or dir is not a folder: a llama2.c .bin, a preset); *from (may be NULL) the file
+ * they came from ("" none). A file that is not JSON, or an id that is not a non-negative integer: FL_ERR_FORMAT
+ * naming the file and key. */
+fl_status fl_hf_eos_ids(const char *dir, int32_t *ids, int cap, int *n, const char **from);
+/* fl_hf_eos_ids, then the tokenizer's EOS ids (tok may be NULL) not among them: every id that ends generation;
+ * *from names both sources ("generation_config.json + the tokenizer", "the tokenizer", ...). */
+struct fl_tokenizer;
+fl_status fl_hf_stop_ids(const char *dir, const struct fl_tokenizer *tok, int32_t *ids, int cap, int *n,
+                         const char **from);
 
 /* Load all parameters of m from a folder's model.safetensors or sharded index (or, when the
  * folder has none, pytorch_model.bin, its sharded index or lit_model.pth: fitllm/torch_ckpt.h).
@@ -127,6 +146,9 @@ fl_status fl_hf_save_model(const fl_model *m, const char *dir);
  * them; config.json from cfg. */
 fl_status fl_hf_save_tensors(const char *dir, const fl_model_config *cfg, const fl_param_layout *lay,
                              const fl_st_write_tensor *t);
+/* The dtype most of the tensors t[0..lay->n) are written in (by elements; the first of a tie): the torch_dtype of
+ * the config.json beside them, what from_pretrained(dtype="auto") loads them as (a bf16-true run's: bfloat16). */
+fl_dtype fl_hf_tensors_dtype(const fl_param_layout *lay, const fl_st_write_tensor *t);
 /* The HF shape of layout entry p into t (GPT-2 Conv1D weights transposed on disk). */
 void fl_hf_tensor_shape(const fl_param_info *p, fl_st_write_tensor *t);
 /* FL_ERR_FORMAT naming file, tensor and element when the n values of `data` (dtype dt, any

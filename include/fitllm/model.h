@@ -402,6 +402,8 @@ typedef struct fl_param_provider {
     const size_t *flat_off, *shard_off, *len;
 } fl_param_provider;
 
+#define FL_MODEL_MAX_EOS 32 /* the ids that may end generation (fl_model.eos) */
+
 typedef struct {
     fl_model_config cfg;
     fl_param_layout layout;
@@ -464,7 +466,16 @@ typedef struct {
      * model's index of its block 0 (the blocks' dropout seeds: one process's masks; 0 for a whole model). */
     struct { int in, out, first; } stage;
     uint64_t drop_seed;         /* the micro-batch's dropout seed (fl_model_adapters_seed: its masks, cfg.dropout_on) */
+    /* The ids that end a generated sequence of an encoder-decoder (fl_model_generate_s2s) and of BLIP-2's language
+     * model, as fl_model_set_eos_ids sets them (generation_config.json's eos_token_id list and the tokenizer's:
+     * fl_hf_stop_ids); n 0: cfg.eos_id alone. fl_generate takes its ids as arguments. */
+    struct { int32_t ids[FL_MODEL_MAX_EOS]; int n; } eos;
 } fl_model;
+
+/* Set m->eos (at most FL_MODEL_MAX_EOS ids; n 0: back to cfg.eos_id alone). */
+void fl_model_set_eos_ids(fl_model *m, const int32_t *ids, int n);
+/* Does id end a generated sequence of m (m->eos, else cfg.eos_id)? */
+int fl_model_is_eos(const fl_model *m, int32_t id);
 
 /* ---- adapters on LINEAR ops: a graph rewrite --------------------------------------------------
  * An adapter is a trainable branch attached to a LINEAR op of the block graph (or to the lm_head):

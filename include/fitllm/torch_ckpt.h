@@ -49,10 +49,13 @@ void fl_hf_close_weight_files(fl_st_file *files, int n_files);
 
 /* fitllm convert: the model folder src_dir (any of the weight formats above, config.json)
  * written as a new folder dst_dir with model.safetensors (shards + index above the shard
- * size, fl_hf_set_max_shard_bytes), every tensor in its dtype on disk, config.json and the
- * tokenizer/generation files copied as they are. dst_dir must not exist; it is built beside
- * itself and renamed into place, so a failure leaves nothing. *n_tensors (may be NULL) gets
- * the number written. */
+ * size, fl_hf_set_max_shard_bytes), every tensor in its dtype on disk, config.json copied
+ * (its torch_dtype / dtype set to the tensors' dtype: fl_hf_config_text_set_dtype) and the
+ * tokenizer/generation files copied as they are. src_dir may be a llama2.c .bin instead: its
+ * model as fl_llama2c_load_model loads it (fp32), with the tokenizer files of its folder
+ * (tok512.bin) when there are any. dst_dir must not exist; it is built beside itself and
+ * renamed into place, so a failure leaves nothing. *n_tensors (may be NULL) gets the number
+ * written. */
 fl_status fl_hf_convert(const char *src_dir, const char *dst_dir, int *n_tensors);
 
 /* LitGPT's model_config.yaml (litgpt.Config fields: n_layer, n_embd, n_head, n_query_groups,

@@ -56,6 +56,12 @@ fl_status fl_cli_load_model(fl_model *m, const char *path, int random_init, uint
 fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, uint64_t seed, const fl_backend *be,
                                fl_mem_pool *pool, const fl_model_storage *st, int *weights_loaded);
 
+/* A training run folder given as a model (a folder with no config.json, adapter_config.json or model_config.yaml):
+ * its final/ (committed), else its newest committed step-N/, into path (n bytes), and how it was resolved into note
+ * (nn bytes, "" when arg is not a run folder: path = arg). A run folder without a committed checkpoint yet, or a
+ * folder that is none of these: FL_ERR_NOT_FOUND saying which. */
+fl_status fl_cli_run_folder(const char *arg, char *path, size_t n, char *note, size_t nn);
+
 double fl_cli_now_ms(void);
 /* Peak resident set size of this process in MiB. */
 double fl_cli_peak_rss_mb(void);
@@ -141,9 +147,11 @@ fl_status fl_cli_resolve_adapter(const char *base, const char *adapter_path, con
 fl_status fl_cli_blip2_with_adapter(fl_blip2 **b, const char *base, const char *adapter_path, const char *hint,
                                     const fl_backend *be, fl_mem_pool *pool, fl_cli_adapter_info *info);
 /* The folder whose tokenizer goes with the adapter: the base's (with its config.json's special
- * ids, as training used it), else the adapter folder's (fitllm's step checkpoints carry a copy of
- * the run's), else the checkpoint holding an adapter/ (final/); NULL if none has one. */
-const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, char *buf, size_t n);
+ * ids), else the adapter folder's (fitllm's step checkpoints carry a copy of the run's), else the
+ * checkpoint holding an adapter/ (final/); NULL if none has one. own_first: the checkpoint's (the
+ * adapter folder's, then final/'s: the tokenizer the run trained with, --tokenizer_dir's too) before
+ * the base's (merge_lora's output carries the run's tokenizer). */
+const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, int own_first, char *buf, size_t n);
 
 /* Models by name (src/cli/model_name.c). A model argument that is not a file or folder here and
  * names a Hugging Face repo (ORG/NAME, checkpoints/ORG/NAME) -> the folder fitllm's download

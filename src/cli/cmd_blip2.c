@@ -107,6 +107,10 @@ int fl_cli_blip2_generate(const char *cmd, const char *dir, fl_blip2 *b, const c
                                       : open_blip2(dir, image, be, pool, &b, &px);
     if (s == FL_OK && (prompt || fl_io_has_tokenizer(dir))) s = fl_tok_load(&tok, dir);
     if (s == FL_OK && prompt) s = fl_tok_encode(tok, prompt, strlen(prompt), -1, 0, &pids, &np);
+    int32_t stop[FL_MODEL_MAX_EOS]; /* generation_config.json's eos_token_id (else text_config's) and the tokenizer's */
+    int n_stop = 0;
+    if (s == FL_OK) s = fl_hf_stop_ids(dir, tok, stop, FL_MODEL_MAX_EOS, &n_stop, NULL);
+    if (s == FL_OK) fl_model_set_eos_ids(fl_blip2_part(b, FL_BLIP2_TEXT), stop, n_stop);
     const fl_blip2_config *c = b ? fl_blip2_get_config(b) : NULL;
     const int32_t *p = prompt ? pids : prompt_ids;
     int npr = prompt ? (int)np : n_prompt_ids;
@@ -129,7 +133,8 @@ int fl_cli_blip2_generate(const char *cmd, const char *dir, fl_blip2 *b, const c
     }
     if (s == FL_OK)
         fprintf(stderr, "%d new tokens (greedy, stop: %s); %.1f ms\n", n,
-                why == FL_GEN_STOP_EOS || (n && out[n - 1] == c->eos_id) ? "EOS"
+                why == FL_GEN_STOP_EOS || (n && (out[n - 1] == c->eos_id ||
+                                                 fl_model_is_eos(fl_blip2_part(b, FL_BLIP2_TEXT), out[n - 1]))) ? "EOS"
                 : why == FL_GEN_STOP_CONTEXT ? "context limit" : "max_new_tokens", fl_cli_now_ms() - t0);
     const int rc = s == FL_OK ? 0 : fl_cli_fail(cmd, s, pool);
     free(out), free(pids), free(px);

@@ -1,19 +1,21 @@
 /* fitllm convert: a model folder in any weight format fitllm reads (Hugging Face
- * safetensors, pytorch_model.bin or its shards, LitGPT lit_model.pth) written as a
- * Hugging Face safetensors folder; the work is fl_hf_convert (src/io/convert.c). */
+ * safetensors, pytorch_model.bin or its shards, LitGPT lit_model.pth) or a llama2.c .bin
+ * written as a Hugging Face safetensors folder; the work is fl_hf_convert (src/io/convert.c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
+#include "fitllm/io.h"
 #include "fitllm/mem.h"
 #include "fitllm/torch_ckpt.h"
 
 static void help(void) {
-    printf("usage: fitllm convert <src_dir> <dst_dir> [--max-shard-size SIZE]\n\n"
+    printf("usage: fitllm convert <src_dir|model.bin> <dst_dir> [--max-shard-size SIZE]\n\n"
            "  <src_dir>              a model folder: config.json with model.safetensors (or its shards),\n"
            "                         pytorch_model.bin (or pytorch_model-*.bin + pytorch_model.bin.index.json),\n"
-           "                         or LitGPT's lit_model.pth\n"
+           "                         or LitGPT's lit_model.pth; or a llama2.c .bin (stories260K.bin): its\n"
+           "                         tokenizer is the tok*.bin / tokenizer files of its folder, copied\n"
            "  <dst_dir>              the new Hugging Face folder (must not exist; written beside itself\n"
            "                         and renamed into place, so a failure or a stop (Ctrl-C, SIGTERM: exit\n"
            "                         130, 143) leaves nothing)\n"
@@ -21,7 +23,9 @@ static void help(void) {
            "                         GiB as 1024s, B bytes; default 5GB, as save_pretrained):\n"
            "                         model-0000i-of-0000N.safetensors + index\n\n"
            "Tensors keep their dtype on disk (bf16 stays bf16) and are streamed from the mapped source;\n"
-           "config.json and the tokenizer/generation files are copied unchanged. PyTorch files are read\n"
+           "config.json is copied with its torch_dtype / dtype set to the tensors' dtype, the tokenizer and\n"
+           "generation files unchanged. A llama2.c .bin is loaded as generate loads it (the RoPE rows in\n"
+           "Hugging Face's order) and written as float32 with a new config.json. PyTorch files are read\n"
            "by a restricted unpickler: nothing in them is executed (docs/ARCHITECTURE.md).\n");
 }
 
@@ -55,5 +59,8 @@ int fl_cmd_convert(int argc, char **argv) {
     fl_hf_set_max_shard_bytes(0);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     printf("converted %s -> %s (%d tensors, safetensors)\n", src, dst, n);
+    if (!fl_io_has_tokenizer(dst)) /* a llama2.c .bin alone, or a folder without one */
+        printf("note: no tokenizer beside %s: %s has none (generate takes --tokenizer PATH; llama2.c's tok512.bin "
+               "comes with its repository)\n", src, dst);
     return 0;
 }

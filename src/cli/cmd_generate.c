@@ -51,10 +51,12 @@ static void help(void) {
            "  --threads N            CPU threads (default: all cores)\n"
            "  --accelerator A        auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
            "                         visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n\n"
-           "Stops at max_new_tokens, at an EOS token or at the model's context. A prompt as long as the\n"
-           "context or longer is exit 2 (no position for a new token; --max_new_tokens 0 prints it). The text\n"
-           "streams to stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too\n"
-           "(--max-new-tokens).\n"
+           "Stops at max_new_tokens, at an EOS id or at the model's context. The EOS ids: generation_config.json's\n"
+           "eos_token_id (an id or a list, as transformers), else config.json's, and the tokenizer's; the\n"
+           "statistics line names them. A prompt as long as the context or longer is exit 2 (no position for a\n"
+           "new token); with --max_new_tokens 0 any prompt is printed as it is (nothing run). The text streams\n"
+           "to stdout as it is generated; the statistics (prefill time, ms/token) go to stderr. Dashes work\n"
+           "too (--max-new-tokens).\n"
            "A <model> that names nothing is exit 2: \"no such folder: PATH\", or neither a folder nor a preset\n"
            "(with the nearest preset names).\n"
            "--image FILE: <model> is a BLIP-2 folder (model_type blip-2): the image (JPEG / PNG, preprocessed\n"
@@ -109,13 +111,6 @@ static int is_adapter_dir(const char *p) {
     return stat(q, &st) == 0 && S_ISREG(st.st_mode);
 }
 
-static int has(const char *dir, const char *name) {
-    char q[FL_CLI_PATH + 64];
-    struct stat st;
-    snprintf(q, sizeof q, "%s/%s", dir, name);
-    return stat(q, &st) == 0;
-}
-
 /* Default tokenizer: the model folder itself; for a .bin model, tok512.bin next to it (else its
  * folder: another tok*.bin). */
 static void default_tokenizer(const char *model, char *buf, size_t n) {
@@ -165,25 +160,7 @@ static fl_status resolve_model(const char *arg, gen_model *g) {
         snprintf(why, sizeof why, "%s", fl_error_message());
         return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a folder nor a model preset (%s)", arg, why);
     }
-    if (!S_ISDIR(st.st_mode) || has(arg, "config.json") || has(arg, "adapter_config.json")) return FL_OK;
-    /* a run folder: final/, else the newest committed step (arg is short enough for both) */
-    char p[FL_CLI_PATH];
-    snprintf(p, sizeof p, "%s/final", arg);
-    if (is_dir(p) && fl_ckpt_is_committed(p)) {
-        snprintf(g->path, sizeof g->path, "%s", p);
-        snprintf(g->note, sizeof g->note, "%s is a run folder: its final checkpoint %s", arg, p);
-        return FL_OK;
-    }
-    if (fl_ckpt_find_latest(arg, p, sizeof p) == FL_OK) {
-        snprintf(g->path, sizeof g->path, "%s", p);
-        snprintf(g->note, sizeof g->note, "%s is a run folder: its newest checkpoint %s (no final/ yet)", arg, p);
-        return FL_OK;
-    }
-    if (is_dir(p) || has(arg, "logs") || has(arg, "hyperparameters.yaml"))
-        return fl_errorf(FL_ERR_NOT_FOUND, "%s: a run folder without a committed checkpoint yet (no final/, no "
-                         "step-*/ with its COMMITTED marker): wait for the first save (train.save_interval)", arg);
-    return fl_errorf(FL_ERR_NOT_FOUND, "%s: not a model folder (no config.json), a PEFT adapter folder (no "
-                     "adapter_config.json) nor a training run folder (no final/ or step-*/)", arg);
+    return fl_cli_run_folder(arg, g->path, sizeof g->path, g->note, sizeof g->note);
 }
 
 /* Says, first, when no weights were loaded (a preset, or an adapter on a preset base), as
@@ -218,7 +195,7 @@ static fl_status gen_tokenizer(fl_tokenizer **tok, const char *tok_path, const g
     int bytes = 0;
     if (tok_path) bytes = !strcmp(tok_path, "bytes"), snprintf(tp, sizeof tp, "%s", tok_path);
     else if (gm->preset) bytes = 1;
-    else if (info && (ts = fl_cli_adapter_tokenizer(info, tp, sizeof tp)) != NULL) snprintf(tp, sizeof tp, "%s", ts);
+    else if (info && (ts = fl_cli_adapter_tokenizer(info, 0, tp, sizeof tp)) != NULL) snprintf(tp, sizeof tp, "%s", ts);
     else if (info && stat(info->base, &sb) != 0) bytes = 1;
     else default_tokenizer(model, tp, sizeof tp);
     fl_status s = bytes ? fl_tok_builtin_bytes(tok) : fl_tok_load(tok, tp);
@@ -370,7 +347,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const 
                   (double)gp->top_p, (unsigned long long)gp->seed);
     if (s == FL_OK)
         fprintf(stderr, "%d source + %d new tokens (%s, stop: %s); %.1f ms\n", n_ids, n - 1, how,
-                n > 1 && out[n - 1] == m->cfg.eos_id ? "EOS" : "max_new_tokens", t1 - t0);
+                n > 1 && fl_model_is_eos(m, out[n - 1]) ? "EOS" : "max_new_tokens", t1 - t0);
     free(out);
     return s;
 }
@@ -412,8 +389,8 @@ static fl_status s2s_generate_batch(fl_model *m, const char *const *prompts, int
     for (int b = 0; s == FL_OK && b < B; b++) { /* the row up to its eos (pad after it) */
         const int32_t *o = out + (size_t)b * W;
         int k = 1; /* o[1 .. k]: up to its eos, included (decoded as nothing: a special token), else the whole row */
-        while (k < n - 1 && o[k] != m->cfg.eos_id) k++;
-        ended += k < n && o[k] == m->cfg.eos_id;
+        while (k < n - 1 && !fl_model_is_eos(m, o[k])) k++;
+        ended += k < n && fl_model_is_eos(m, o[k]);
         char *text = NULL;
         size_t tl = 0;
         s = fl_tok_decode(tok, o + 1, (size_t)(n > 1 ? k : 0), 1, &text, &tl);
@@ -429,15 +406,15 @@ static fl_status s2s_generate_batch(fl_model *m, const char *const *prompts, int
     return s;
 }
 
-/* A decoder-only model's prompt of n tokens and its context ctx: a prompt that fills the context leaves no position
- * for a new token, refused as a longer one is (not a run that ends at once with 0 new tokens); --max_new_tokens 0 asks
- * for none: the prompt is printed. */
-static fl_status prompt_fits(int n, int ctx, int max_new) {
-    if (n < ctx || (n == ctx && max_new == 0)) return FL_OK;
+/* A decoder-only model's prompt of n tokens and its context ctx, max_new >= 1 new tokens asked for: a prompt that fills
+ * the context leaves no position for a new token, refused as a longer one is (not a run that ends at once with 0 new
+ * tokens); --max_new_tokens 0 asks for none: the prompt is printed, whatever its length (decoder_generate). */
+static fl_status prompt_fits(int n, int ctx) {
+    if (n < ctx) return FL_OK;
     return fl_errorf(FL_ERR_INVALID, "prompt of %d tokens %s the model's context of %d%s: shorten the prompt (--prompt / "
-                     "--prompt-ids) to at most %d tokens, so that a new token has a position%s", n,
-                     n > ctx ? "exceeds" : "fills", ctx, n > ctx ? "" : ", leaving no position for a new token", ctx - 1,
-                     n > ctx ? "" : " (--max_new_tokens 0 prints the prompt alone)");
+                     "--prompt-ids) to at most %d tokens, so that a new token has a position (--max_new_tokens 0 prints "
+                     "the prompt alone)", n, n > ctx ? "exceeds" : "fills", ctx,
+                     n > ctx ? "" : ", leaving no position for a new token", ctx - 1);
 }
 
 /* --image: a BLIP-2 folder captions the image (greedy), after the prompt when one is given. <model> as the LM path
@@ -486,6 +463,72 @@ static int image_generate(const char *cmd, const gen_opts *o) {
     return rc;
 }
 
+/* The ids that end generation (fl_hf_stop_ids) and where they came from, for the statistics line. */
+typedef struct {
+    int32_t ids[FL_MODEL_MAX_EOS];
+    int n;
+    const char *from;
+} gen_stop_ids;
+
+/* "EOS ids 2 13 (config.json + the tokenizer)" into buf */
+static void stop_ids_text(const gen_stop_ids *st, char *buf, size_t size) {
+    size_t w = (size_t)snprintf(buf, size, "%s", st->n ? "EOS ids" : "no EOS id (no tokenizer, no eos_token_id)");
+    for (int i = 0; i < st->n && w < size; i++) w += (size_t)snprintf(buf + w, size - w, " %d", (int)st->ids[i]);
+    if (st->n && w < size) snprintf(buf + w, size - w, " (%s)", st->from);
+}
+
+/* A decoder-only model: the prompt printed (streamed as text with a tokenizer, else its ids), then each new token
+ * (fl_generate with a KV cache of prompt + max_new_tokens positions, capped at the context) until max_new_tokens, an
+ * id of stop or the context; the statistics on stderr. --max_new_tokens 0: the prompt alone, nothing run (any length:
+ * no position is needed). */
+static fl_status decoder_generate(fl_model *m, const int32_t *ids, int n_ids, const fl_gen_params *gp,
+                                  const fl_tokenizer *tok, const gen_stop_ids *stop, int threads) {
+    fl_status s = gp->max_new_tokens ? prompt_fits(n_ids, m->cfg.max_seq) : FL_OK;
+    if (s != FL_OK) return s;
+    fl_kv_cache kv = {0};
+    stream_state st = {0};
+    int32_t *out = malloc(((size_t)gp->max_new_tokens + 1) * sizeof *out);
+    if (!out) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    st.tok = tok;
+    if (tok) {
+        st.cap = n_ids + gp->max_new_tokens;
+        if (!(st.all = malloc((size_t)st.cap * sizeof *st.all))) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+        if (s == FL_OK) memcpy(st.all, ids, (size_t)n_ids * sizeof *ids);
+        st.n = n_ids;
+    }
+    /* The cache holds the prompt + new tokens (LitGPT's max_returned_tokens), capped at the context. */
+    long want = (long)n_ids + gp->max_new_tokens;
+    if (s == FL_OK && gp->max_new_tokens) s = fl_kv_cache_init(&kv, m, want < m->cfg.max_seq ? (int)want : m->cfg.max_seq);
+    if (s == FL_OK && tok) stream_flush(&st, 0); /* the prompt */
+    for (int i = 0; s == FL_OK && !tok && i < n_ids; i++) printf(i ? " %d" : "%d", (int)ids[i]);
+    fflush(stdout);
+    double t0 = fl_cli_now_ms();
+    int n_out = 0;
+    fl_gen_stop why = FL_GEN_STOP_MAX_TOKENS;
+    if (s == FL_OK && gp->max_new_tokens)
+        s = fl_generate(m, &kv, ids, n_ids, gp, stop->ids, stop->n, out, &n_out, &why, tok ? on_text : on_id, &st);
+    double t1 = fl_cli_now_ms();
+    if (tok && st.all) stream_flush(&st, 1);
+    printf("\n");
+    fflush(stdout); /* the text and its newline before the statistics on stderr, also when both go to one file */
+    static const char *const k_why[] = {"max_new_tokens", "EOS", "context limit", "callback"};
+    char ids_text[64 + FL_MODEL_MAX_EOS * 12], rate[96] = "";
+    stop_ids_text(stop, ids_text, sizeof ids_text);
+    if (n_out > 1) /* the rate of the tokens after the first (the prefill's) */
+        snprintf(rate, sizeof rate, ", %.2f ms/token (%.1f tok/s)", (t1 - st.t_first) / (n_out - 1),
+                 (n_out - 1) * 1e3 / (t1 - st.t_first));
+    if (s == FL_OK && !gp->max_new_tokens)
+        fprintf(stderr, "%d prompt + 0 new tokens (stop: max_new_tokens); nothing run; %s\n", n_ids, ids_text);
+    else if (s == FL_OK)
+        fprintf(stderr, "%d prompt + %d new tokens (stop: %s); prefill %.1f ms%s, %d threads; %s\n", n_ids, n_out,
+                k_why[why], st.count ? st.t_first - t0 : t1 - t0, rate, threads, ids_text);
+    free(st.all);
+    free(st.shown);
+    free(out);
+    fl_kv_cache_free(&kv);
+    return s;
+}
+
 int fl_cmd_generate(int argc, char **argv) {
     const char *cmd = "generate";
     gen_opts o;
@@ -503,10 +546,9 @@ int fl_cmd_generate(int argc, char **argv) {
     fl_backend be;
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};
-    fl_kv_cache kv = {0};
     fl_tokenizer *tok = NULL;
-    int32_t *ids = NULL, *out = NULL, *eos = NULL;
-    stream_state st = {0};
+    int32_t *ids = NULL;
+    gen_stop_ids stop = {.n = 0};
     int n_ids = 0, loaded = 0, rc = 0;
     fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, o.threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
@@ -550,8 +592,12 @@ int fl_cmd_generate(int argc, char **argv) {
         if ((s = fl_tok_encode(tok, o.prompt, strlen(o.prompt), -1, fl_model_is_s2s(&m.cfg) ? 1 : 0, &ids, &n)) != FL_OK)
             goto fail;
         n_ids = (int)n;
-        if (n_ids == 0) {
-            s = fl_errorf(FL_ERR_INVALID, "the prompt encodes to no tokens (and the tokenizer adds no BOS)");
+        if (n_ids == 0) { /* GPT-2's tokenizer adds no BOS: its <|endoftext|> starts a text */
+            const int b = fl_tok_bos_id(tok) >= 0 ? fl_tok_bos_id(tok) : fl_tok_eos_id(tok);
+            char h[96] = "";
+            if (b >= 0) snprintf(h, sizeof h, ": to start from nothing, give --prompt-ids %d (the model's %s token)", b,
+                                 fl_tok_bos_id(tok) >= 0 ? "BOS" : "EOS");
+            s = fl_errorf(FL_ERR_INVALID, "the prompt encodes to no tokens (and the tokenizer adds no BOS)%s", h);
             goto fail;
         }
     }
@@ -571,61 +617,22 @@ int fl_cmd_generate(int argc, char **argv) {
                       "(T5) only so far; give one --prompt", o.n_prompts);
         goto fail;
     }
+    /* the ids that end generation: generation_config.json's eos_token_id (else config.json's) and the tokenizer's */
+    if ((s = fl_hf_stop_ids(base ? base : info.base, tok, stop.ids, FL_MODEL_MAX_EOS, &stop.n, &stop.from)) != FL_OK)
+        goto fail;
+    fl_model_set_eos_ids(&m, stop.ids, stop.n); /* an encoder-decoder's (else its config's eos_token_id) */
     if (fl_model_is_s2s(&m.cfg)) { /* an encoder-decoder: the prompt is the source (several: one batch) */
         s = o.n_prompts > 1 ? s2s_generate_batch(&m, o.prompts, o.n_prompts, &o.gp, tok) : s2s_generate(&m, ids, n_ids, &o.gp, tok);
         if (s != FL_OK) goto fail;
         goto done;
     }
-    /* The cache holds o.prompt + new tokens (LitGPT's max_returned_tokens), capped at the context. */
-    long want = (long)n_ids + o.gp.max_new_tokens;
-    int cap_T = want < m.cfg.max_seq ? (int)want : m.cfg.max_seq;
-    if ((s = prompt_fits(n_ids, m.cfg.max_seq, o.gp.max_new_tokens)) != FL_OK) goto fail;
-    if ((s = fl_kv_cache_init(&kv, &m, cap_T)) != FL_OK) goto fail;
-    if (!(out = malloc(((size_t)o.gp.max_new_tokens + 1) * sizeof *out))) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto fail; }
-    /* every EOS id of the tokenizer (some have several, e.g. <|eot_id|> and <|end_of_text|>) */
-    int n_eos = 0;
-    if (tok) {
-        int tv = fl_tok_vocab_size(tok);
-        if (!(eos = malloc((size_t)tv * sizeof *eos))) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto fail; }
-        for (int32_t i = 0; i < tv; i++)
-            if (fl_tok_is_eos(tok, i)) eos[n_eos++] = i;
-    }
-    st.tok = tok;
-    if (tok) {
-        st.cap = n_ids + o.gp.max_new_tokens;
-        if (!(st.all = malloc((size_t)st.cap * sizeof *st.all))) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto fail; }
-        memcpy(st.all, ids, (size_t)n_ids * sizeof *ids);
-        st.n = n_ids;
-        stream_flush(&st, 0); /* the o.prompt */
-    } else {
-        for (int i = 0; i < n_ids; i++) printf(i ? " %d" : "%d", (int)ids[i]);
-        fflush(stdout);
-    }
-    double t0 = fl_cli_now_ms();
-    int n_out = 0;
-    fl_gen_stop why;
-    s = fl_generate(&m, &kv, ids, n_ids, &o.gp, eos, n_eos, out, &n_out, &why, tok ? on_text : on_id, &st);
-    double t1 = fl_cli_now_ms();
-    if (tok) stream_flush(&st, 1);
-    printf("\n");
-    fflush(stdout); /* the text and its newline before the statistics on stderr, also when both go to one file */
-    if (s != FL_OK) goto fail;
-    static const char *const k_why[] = {"max_new_tokens", "EOS", "context limit", "callback"};
-    double prefill_ms = st.count ? st.t_first - t0 : t1 - t0;
-    fprintf(stderr, "%d prompt + %d new tokens (stop: %s); prefill %.1f ms, %.2f ms/token (%.1f tok/s), %d threads\n",
-            n_ids, n_out, k_why[why], prefill_ms, n_out > 1 ? (t1 - st.t_first) / (n_out - 1) : 0.0,
-            n_out > 1 ? (n_out - 1) * 1e3 / (t1 - st.t_first) : 0.0, be.n_threads);
+    if ((s = decoder_generate(&m, ids, n_ids, &o.gp, tok, &stop, be.n_threads)) != FL_OK) goto fail;
     goto done;
 fail:
     rc = fl_cli_fail(cmd, s, &pool);
 done:
-    free(st.all);
-    free(st.shown);
-    free(out);
-    free(eos);
     free(ids);
     fl_tok_free(tok);
-    fl_kv_cache_free(&kv);
     fl_model_free(&m);
     fl_backend_pools_free(&pool, &hpool);
     fl_backend_free(&be);

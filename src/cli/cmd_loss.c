@@ -15,8 +15,9 @@ static void help(void) {
     printf("usage: fitllm loss <model> --tokens-file ids.txt [--target-tokens-file tgt.txt] [--dump-logits out.f32]\n"
            "                  [--image FILE] [--threads N]\n\n"
            "  <model>              HF folder (config.json + safetensors or pytorch_model*.bin; or LitGPT's\n"
-           "                       lit_model.pth), a Hugging Face repo id ORG/NAME (downloaded, `fitllm\n"
-           "                       download --help`), llama2.c .bin, or preset name\n"
+           "                       lit_model.pth), a run folder (its final/, else its newest committed\n"
+           "                       step-N/, as generate takes it), a Hugging Face repo id ORG/NAME (downloaded,\n"
+           "                       `fitllm download --help`), llama2.c .bin, or preset name\n"
            "                       (presets are randomly initialized: --seed)\n"
            "  --tokens-file FILE   whitespace-separated token ids (at least 2; an encoder-decoder's source: 1)\n"
            "  --target-tokens-file FILE  an encoder-decoder (T5): the target's token ids (at least 1)\n"
@@ -100,6 +101,13 @@ int fl_cmd_loss(int argc, char **argv) {
     }
     if (!model_path) return fl_cli_usage(cmd, "missing <model>");
     if (!tokens) return fl_cli_usage(cmd, "missing --tokens-file");
+    char resolved[FL_CLI_PATH], note[FL_CLI_PATH + 128]; /* a run folder: its final/ or newest step, as generate's */
+    if (fl_cli_run_folder(model_path, resolved, sizeof resolved, note, sizeof note) != FL_OK) {
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_USAGE;
+    }
+    if (note[0]) fprintf(stderr, "fitllm %s: %s\n", cmd, note);
+    model_path = resolved;
 
     fl_backend be;
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */

@@ -33,8 +33,9 @@ static void help(void) {
            "  --accelerator A   auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
            "                    visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n\n"
            "Every adapted weight becomes W + scaling * B @ A (scaling = lora_alpha / r, or / sqrt(r) with\n"
-           "use_rslora). The output holds config.json, model.safetensors and the tokenizer files (from the\n"
-           "checkpoint, else the base), so `fitllm generate DIR` and transformers load it as it is.\n"
+           "use_rslora). The output holds config.json, model.safetensors and the tokenizer files (the\n"
+           "checkpoint's, the run's tokenizer, else the base's; the output says which), so `fitllm generate DIR`\n"
+           "and transformers load it as it is.\n"
            "A BLIP-2 adapter (finetune_lora on a BLIP-2 folder: modules language_model.<module>, as PEFT names them\n"
            "on Blip2ForConditionalGeneration) merges into its BLIP-2 base: the output is a BLIP-2 folder (its\n"
            "preprocessor_config.json too) for `fitllm generate DIR --image FILE`, `fitllm loss`, fine-tuning and\n"
@@ -269,13 +270,10 @@ fl_status fl_cli_blip2_with_adapter(fl_blip2 **b, const char *base, const char *
     return s;
 }
 
-const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, char *buf, size_t n) {
-    /* the base's first: with its config.json (bos/eos ids) it is the tokenizer a run uses
-     * unless given another tokenizer_dir */
-    if (is_dir(info->base) && fl_io_has_tokenizer(info->base)) return info->base;
-    /* fitllm's step checkpoints carry the run's tokenizer next to the adapter */
+/* The checkpoint's own tokenizer: the adapter folder's (fitllm's step checkpoints carry the run's), else final/'s for
+ * final/adapter; NULL if none. */
+static const char *own_tokenizer(const fl_cli_adapter_info *info, char *buf, size_t n) {
     if (fl_io_has_tokenizer(info->adapter)) return info->adapter;
-    /* final/adapter: the tokenizer is in final/ */
     snprintf(buf, n, "%s", info->adapter);
     size_t len = strlen(buf);
     while (len > 1 && buf[len - 1] == '/') buf[--len] = 0;
@@ -285,6 +283,14 @@ const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, char *buf,
         if (has_file(buf, "COMMITTED") && fl_io_has_tokenizer(buf)) return buf;
     }
     return NULL;
+}
+
+const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, int own_first, char *buf, size_t n) {
+    const char *own = own_first ? own_tokenizer(info, buf, n) : NULL;
+    if (own) return own;
+    /* the base's: with its config.json (bos/eos ids) */
+    if (is_dir(info->base) && fl_io_has_tokenizer(info->base)) return info->base;
+    return own_first ? NULL : own_tokenizer(info, buf, n);
 }
 
 int fl_cmd_merge_lora(int argc, char **argv) {
@@ -358,7 +364,7 @@ int fl_cmd_merge_lora(int argc, char **argv) {
     /* BLIP-2: every part's tensors under the names its loader reads, with the base's config.json, processor and
      * tokenizer files (fl_blip2_save) */
     if (s == FL_OK) s = blip2 ? fl_blip2_save(b2, info.base, dst) : fl_hf_save_model(&m, dst);
-    if (s == FL_OK && (tok_src = fl_cli_adapter_tokenizer(&info, tok_buf, sizeof tok_buf)) != NULL)
+    if (s == FL_OK && (tok_src = fl_cli_adapter_tokenizer(&info, 1, tok_buf, sizeof tok_buf)) != NULL)
         s = fl_io_copy_tokenizer_files(tok_src, dst, &n_tok);
     if (dst != out) {
         if (s == FL_OK) {
@@ -377,7 +383,8 @@ int fl_cmd_merge_lora(int argc, char **argv) {
         printf("base: %s\n", info.base);
         printf("merged -> %s (config.json, model.safetensors%s", out, blip2 ? ", the processor's files: a BLIP-2 "
                "folder" : "");
-        if (tok_src) printf(", %d tokenizer file%s from %s)\n", n_tok, n_tok == 1 ? "" : "s", tok_src);
+        if (tok_src) printf(", %d tokenizer file%s from %s: %s)\n", n_tok, n_tok == 1 ? "" : "s", tok_src,
+                            tok_src == info.base ? "the base's (the checkpoint carries none)" : "the checkpoint's, the run's");
         else printf("; no tokenizer found next to the adapter or in the base: give generate --tokenizer)\n");
         if (strcmp(info.adapter, adapter) && has_file(adapter, "model.safetensors") && has_file(adapter, "COMMITTED"))
             printf("note: %s itself is already this merged model (a finetune_lora final/)\n", adapter);

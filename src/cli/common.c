@@ -13,6 +13,7 @@
 
 #include "cli.h"
 #include "core/fs.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/cuda.h"
 
 int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool) {
@@ -162,6 +163,41 @@ fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, u
         return FL_OK;
     }
     return fl_model_load_auto_ex(m, path, be, pool, stg, weights_loaded);
+}
+
+static int cli_has(const char *dir, const char *name) {
+    char q[4096];
+    struct stat st;
+    return fl_fs_join(q, sizeof q, dir, name) == FL_OK && stat(q, &st) == 0;
+}
+
+fl_status fl_cli_run_folder(const char *arg, char *path, size_t n, char *note, size_t nn) {
+    struct stat st;
+    snprintf(path, n, "%s", arg);
+    if (nn) note[0] = 0;
+    if (stat(arg, &st) != 0 || !S_ISDIR(st.st_mode) || cli_has(arg, "config.json") ||
+        cli_has(arg, "adapter_config.json") || cli_has(arg, "model_config.yaml"))
+        return FL_OK;
+    /* a run folder: final/, else the newest committed step */
+    char p[4096];
+    snprintf(p, sizeof p, "%s/final", arg);
+    if (fl_fs_is_dir(p) && fl_ckpt_is_committed(p)) {
+        snprintf(path, n, "%s", p);
+        snprintf(note, nn, "%s is a run folder: its final checkpoint %s", arg, p);
+        return FL_OK;
+    }
+    if (fl_ckpt_find_latest(arg, p, sizeof p) == FL_OK) {
+        snprintf(path, n, "%s", p);
+        snprintf(note, nn, "%s is a run folder: its newest checkpoint %s (no final/ yet)", arg, p);
+        return FL_OK;
+    }
+    fl_error_clear();
+    snprintf(p, sizeof p, "%s/final", arg);
+    if (fl_fs_is_dir(p) || cli_has(arg, "logs") || cli_has(arg, "hyperparameters.yaml"))
+        return fl_errorf(FL_ERR_NOT_FOUND, "%s: a run folder without a committed checkpoint yet (no final/, no "
+                         "step-*/ with its COMMITTED marker): wait for the first save (train.save_interval)", arg);
+    return fl_errorf(FL_ERR_NOT_FOUND, "%s: not a model folder (no config.json), a PEFT adapter folder (no "
+                     "adapter_config.json) nor a training run folder (no final/ or step-*/)", arg);
 }
 
 double fl_cli_now_ms(void) {

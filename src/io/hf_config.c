@@ -401,29 +401,40 @@ static void fl_hf_fmt_float(char *buf, size_t n, float v) {
     if (!strpbrk(buf, ".eEn")) strncat(buf, ".0", n - strlen(buf) - 1);
 }
 
-fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
+/* config.json's rope_scaling value of a LLaMA config */
+static void fl_hf_rope_scaling_text(const fl_model_config *c, char *rs, size_t n) {
+    char f[48], lo[48], hi[48];
+    fl_hf_fmt_float(f, sizeof f, c->rope_scaling.factor);
+    if (c->rope_scaling.type == FL_ROPE_LINEAR) {
+        snprintf(rs, n, "{\"rope_type\": \"linear\", \"factor\": %s}", f);
+    } else if (c->rope_scaling.type == FL_ROPE_LLAMA3) {
+        fl_hf_fmt_float(lo, sizeof lo, c->rope_scaling.low_freq_factor);
+        fl_hf_fmt_float(hi, sizeof hi, c->rope_scaling.high_freq_factor);
+        snprintf(rs, n,
+                 "{\"rope_type\": \"llama3\", \"factor\": %s, \"low_freq_factor\": %s, \"high_freq_factor\": %s, "
+                 "\"original_max_position_embeddings\": %d}",
+                 f, lo, hi, c->rope_scaling.original_max_position);
+    } else {
+        snprintf(rs, n, "null");
+    }
+}
+
+fl_status fl_hf_save_config(const char *path, const fl_model_config *c) { return fl_hf_save_config_dtype(path, c, FL_F32); }
+
+/* transformers' name of a parameter dtype (config.json's torch_dtype / dtype) */
+static const char *fl_hf_torch_dtype(fl_dtype dt) {
+    return dt == FL_BF16 ? "bfloat16" : dt == FL_F16 ? "float16" : dt == FL_F64 ? "float64" : "float32";
+}
+
+fl_status fl_hf_save_config_dtype(const char *path, const fl_model_config *c, fl_dtype dt) {
+    const char *dn = fl_hf_torch_dtype(dt); /* written as torch_dtype (transformers 4) and dtype (transformers 5) */
     char buf[4096], eps[48], theta[48];
     int w;
     fl_hf_fmt_float(eps, sizeof eps, c->norm_eps);
     if (c->arch == FL_ARCH_LLAMA) {
         char rs[512];
         fl_hf_fmt_float(theta, sizeof theta, c->rope_theta > 0 ? c->rope_theta : 10000.0f);
-        if (c->rope_scaling.type == FL_ROPE_LINEAR) {
-            char f[48];
-            fl_hf_fmt_float(f, sizeof f, c->rope_scaling.factor);
-            snprintf(rs, sizeof rs, "{\"rope_type\": \"linear\", \"factor\": %s}", f);
-        } else if (c->rope_scaling.type == FL_ROPE_LLAMA3) {
-            char f[48], lo[48], hi[48];
-            fl_hf_fmt_float(f, sizeof f, c->rope_scaling.factor);
-            fl_hf_fmt_float(lo, sizeof lo, c->rope_scaling.low_freq_factor);
-            fl_hf_fmt_float(hi, sizeof hi, c->rope_scaling.high_freq_factor);
-            snprintf(rs, sizeof rs,
-                     "{\"rope_type\": \"llama3\", \"factor\": %s, \"low_freq_factor\": %s, \"high_freq_factor\": %s, "
-                     "\"original_max_position_embeddings\": %d}",
-                     f, lo, hi, c->rope_scaling.original_max_position);
-        } else {
-            snprintf(rs, sizeof rs, "null");
-        }
+        fl_hf_rope_scaling_text(c, rs, sizeof rs);
         w = snprintf(buf, sizeof buf,
                      "{\n"
                      "  \"architectures\": [\"LlamaForCausalLM\"],\n"
@@ -445,11 +456,12 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
                      "  \"tie_word_embeddings\": %s,\n"
                      "  \"initializer_range\": 0.02,\n"
                      "  \"use_cache\": true,\n"
-                     "  \"torch_dtype\": \"float32\"\n"
+                     "  \"torch_dtype\": \"%s\",\n"
+                     "  \"dtype\": \"%s\"\n"
                      "}\n",
                      c->dim, c->ffn_dim, c->n_layers, c->n_heads, c->n_kv_heads, c->head_dim, c->vocab_size, c->max_seq,
                      eps, theta, rs, c->attention_bias ? "true" : "false", c->mlp_bias ? "true" : "false",
-                     c->tie_embeddings ? "true" : "false");
+                     c->tie_embeddings ? "true" : "false", dn, dn);
     } else if (c->arch == FL_ARCH_GPT2) {
         w = snprintf(buf, sizeof buf,
                      "{\n"
@@ -471,10 +483,11 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
                      "  \"initializer_range\": 0.02,\n"
                      "  \"scale_attn_weights\": true,\n"
                      "  \"use_cache\": true,\n"
-                     "  \"torch_dtype\": \"float32\"\n"
+                     "  \"torch_dtype\": \"%s\",\n"
+                     "  \"dtype\": \"%s\"\n"
                      "}\n",
                      c->dim, c->n_layers, c->n_heads, c->ffn_dim, c->max_seq, c->max_seq, c->vocab_size, eps,
-                     c->tie_embeddings ? "true" : "false");
+                     c->tie_embeddings ? "true" : "false", dn, dn);
     } else if (c->arch == FL_ARCH_OPT) {
         char drop[48], adrop[48]; /* written back as read (the trainer applies them) */
         fl_hf_fmt_float(drop, sizeof drop, c->dropout_rate);
@@ -500,10 +513,11 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
                      "  \"layerdrop\": 0.0,\n"
                      "  \"init_std\": 0.02,\n"
                      "  \"use_cache\": true,\n"
-                     "  \"torch_dtype\": \"float32\"\n"
+                     "  \"torch_dtype\": \"%s\",\n"
+                     "  \"dtype\": \"%s\"\n"
                      "}\n",
                      c->dim, c->dim, c->ffn_dim, c->n_layers, c->n_heads, c->max_seq, c->vocab_size,
-                     c->attention_bias ? "true" : "false", c->tie_embeddings ? "true" : "false", drop, adrop);
+                     c->attention_bias ? "true" : "false", c->tie_embeddings ? "true" : "false", drop, adrop, dn, dn);
     } else if (c->arch == FL_ARCH_T5) {
         char sc[64] = "";
         if (c->head_scale != c->tie_embeddings) /* only transformers 5 writes it; the checkpoints' meaning otherwise */
@@ -534,16 +548,58 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
                      "  \"dropout_rate\": %g,\n"
                      "  \"initializer_factor\": 1.0,\n"
                      "  \"use_cache\": true,\n"
-                     "  \"torch_dtype\": \"float32\"\n"
+                     "  \"torch_dtype\": \"%s\",\n"
+                     "  \"dtype\": \"%s\"\n"
                      "}\n",
                      c->dim, c->head_dim, c->ffn_dim, c->n_layers, c->n_dec_layers, c->n_heads, c->rel_buckets,
                      c->rel_max_dist, c->ffn_gated ? "gated-gelu" : "relu", c->ffn_gated ? "gelu_new" : "relu",
                      c->ffn_gated ? "true" : "false", eps, c->vocab_size, c->max_seq,
                      c->tie_embeddings ? "true" : "false", sc, c->dec_start_id, c->pad_id, c->eos_id,
-                     (double)c->dropout_rate);
+                     (double)c->dropout_rate, dn, dn);
     } else {
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: cannot write a config for architecture %d", path, (int)c->arch);
     }
     if (w < 0 || (size_t)w >= sizeof buf) return fl_errorf(FL_ERR_INTERNAL, "%s: config text too long", path);
     return fl_fs_write_file_atomic(path, buf, (size_t)w);
+}
+
+/* the string token starting at text[i] == '"': index just past its closing quote (n if unterminated) */
+static size_t fl_hf_str_end(const char *text, size_t n, size_t i) {
+    for (i++; i < n && text[i] != '"'; i++)
+        if (text[i] == '\\') i++;
+    return i < n ? i + 1 : n;
+}
+
+static size_t fl_hf_skip_ws(const char *text, size_t n, size_t i) {
+    while (i < n && (text[i] == ' ' || text[i] == '\t' || text[i] == '\n' || text[i] == '\r')) i++;
+    return i;
+}
+
+fl_status fl_hf_config_text_set_dtype(const char *text, size_t n, fl_dtype dt, char **out, size_t *out_n) {
+    const char *dn = fl_hf_torch_dtype(dt);
+    const size_t dl = strlen(dn);
+    /* each value replaced follows a key of 7 bytes at least: at most n / 7 of them, each grown by dl + 2 at most */
+    size_t cap = n + (n / 7 + 1) * (dl + 2) + 1, w = 0, i = 0;
+    char *o = malloc(cap);
+    if (!o) return fl_errorf(FL_ERR_OOM, "config.json: out of host memory");
+    while (i < n) {
+        if (text[i] != '"') { o[w++] = text[i++]; continue; }
+        size_t e = fl_hf_str_end(text, n, i), c = fl_hf_skip_ws(text, n, e), v = c < n ? fl_hf_skip_ws(text, n, c + 1) : n;
+        int key = ((e - i == 13 && !memcmp(text + i, "\"torch_dtype\"", 13)) || (e - i == 7 && !memcmp(text + i, "\"dtype\"", 7)))
+                  && c < n && text[c] == ':' && v < n && text[v] == '"';
+        size_t upto = key ? v : e; /* the key and what follows it up to the value's opening quote, copied */
+        memcpy(o + w, text + i, upto - i);
+        w += upto - i;
+        i = upto;
+        if (key) { /* the value: the written dtype's name */
+            o[w++] = '"';
+            memcpy(o + w, dn, dl);
+            w += dl;
+            o[w++] = '"';
+            i = fl_hf_str_end(text, n, v);
+        }
+    }
+    *out = o;
+    *out_n = w;
+    return FL_OK;
 }

@@ -430,6 +430,16 @@ static fl_status fl_hf_fill_q4(void *ud, float *dst) {
     return FL_OK;
 }
 
+fl_dtype fl_hf_tensors_dtype(const fl_param_layout *lay, const fl_st_write_tensor *t) {
+    size_t n[FL_DTYPE_COUNT] = {0};
+    fl_dtype best = FL_F32;
+    for (int k = 0; k < lay->n; k++)
+        if ((int)t[k].dtype >= 0 && t[k].dtype < FL_DTYPE_COUNT) n[t[k].dtype] += lay->params[k].numel;
+    for (int d = 0; d < FL_DTYPE_COUNT; d++)
+        if (n[d] > n[best]) best = (fl_dtype)d;
+    return best;
+}
+
 /* config.json + the layout's tensors t[0..lay->n) (layout order) into dir: model.safetensors, or
  * shards of at most g_max_shard_bytes (of the written dtypes) + model.safetensors.index.json. */
 static fl_status fl_hf_write_tensor_files(const char *dir, const fl_model_config *cfg, const fl_param_layout *lay,
@@ -480,7 +490,7 @@ static fl_status fl_hf_write_tensor_files(const char *dir, const fl_model_config
     }
     free(shard);
     if (s == FL_OK) s = fl_fs_join(path, sizeof path, dir, "config.json");
-    if (s == FL_OK) s = fl_hf_save_config(path, cfg);
+    if (s == FL_OK) s = fl_hf_save_config_dtype(path, cfg, fl_hf_tensors_dtype(lay, t));
     return s;
 }
 

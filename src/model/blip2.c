@@ -20,8 +20,11 @@ static fl_status cfg_int(const char *path, const fl_json *o, const char *sec, co
         *out = def;
         return FL_OK;
     }
+    if (j->type == FL_JSON_ARRAY && j->child && !strcmp(key, "eos_token_id")) j = j->child; /* a list: its first (the
+                                                                  * captioning stops at any: fl_hf_stop_ids) */
     if (j->type != FL_JSON_NUMBER || !j->is_int || j->i < -1 || j->i > (1 << 30))
-        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s%s' must be a non-negative integer", path, sec, key);
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s%s' must be a non-negative integer%s", path, sec, key,
+                         strcmp(key, "eos_token_id") ? "" : " or a list of them");
     *out = (int)j->i;
     return FL_OK;
 }

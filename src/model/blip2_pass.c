@@ -909,7 +909,7 @@ fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *pro
         for (int v = 1; v < V; v++)
             if (lg[v] > lg[best]) best = v; /* the first of equal maxima, as torch.argmax */
         out[(*n_out)++] = best;
-        if (best == b->cfg.eos_id) {
+        if (best == b->cfg.eos_id || (lm->eos.n && fl_model_is_eos(lm, best))) {
             if (why) *why = FL_GEN_STOP_EOS;
             break;
         }

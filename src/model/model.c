@@ -157,6 +157,18 @@ void fl_model_free(fl_model *m) {
     memset(m, 0, sizeof *m);
 }
 
+void fl_model_set_eos_ids(fl_model *m, const int32_t *ids, int n) {
+    m->eos.n = 0;
+    for (int i = 0; i < n && m->eos.n < FL_MODEL_MAX_EOS; i++) m->eos.ids[m->eos.n++] = ids[i];
+}
+
+int fl_model_is_eos(const fl_model *m, int32_t id) {
+    if (!m->eos.n) return id == m->cfg.eos_id;
+    for (int i = 0; i < m->eos.n; i++)
+        if (m->eos.ids[i] == id) return 1;
+    return 0;
+}
+
 /* ---- random init ---------------------------------------------------------- */
 
 static uint64_t splitmix(uint64_t *s) {

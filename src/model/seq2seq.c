@@ -758,7 +758,7 @@ static fl_status s2s_generate_run(fl_model *m, const int32_t *src, const uint8_t
                 for (int v = 1; v < V; v++)
                     if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
             o[n] = best;
-            if (best == m->cfg.eos_id) done[b] = 1, left--;
+            if (fl_model_is_eos(m, best)) done[b] = 1, left--;
         }
         n++;
     }

@@ -744,7 +744,7 @@ fl_status fl_shard_ckpt_save(fl_dp *dp, const fl_shard_set *set, const char *out
             s = fl_errorf(FL_ERR_IO, "%s: cannot create output folder: %s", out_dir, strerror(errno));
         if (s == FL_OK && mkdir(tmp, 0755) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
         if (s == FL_OK) s = fl_fs_join(p, sizeof p, tmp, "config.json");
-        if (s == FL_OK) s = fl_hf_save_config(p, &m->cfg);
+        if (s == FL_OK) s = fl_hf_save_config_dtype(p, &m->cfg, fl_model_store_dtype(m)); /* the shards' dtype */
         if (s == FL_OK && cfg) s = fl_ckpt_write_hparams(tmp, cfg);
         if (s == FL_OK) s = fl_io_write_tokenizer(tok_dir, tmp, NULL); /* NULL: the built-in bytes */
         if (s == FL_OK) s = write_meta(tmp, dp, set, o, st, cfg, fp);

@@ -39,6 +39,8 @@ typedef struct {
 typedef struct {
     fl_tokenizer *tok;
     char tok_dir[FL_CFG_PATH];  /* where tokenizer files come from ("" = built-in) */
+    int32_t stop_ids[FL_MODEL_MAX_EOS]; /* the ids that end the evaluation sample (fl_hf_stop_ids: the model folder's */
+    int n_stop;                 /* generation_config.json / config.json eos_token_id and the tokenizer's) */
     int weights_loaded;         /* the model's weights were read from files (fl_tr_load_model): their vocabulary is
                                  * not the built-in bytes', so a tokenizer must come with them */
     int base_kept;              /* LoRA on random weights: out_dir/base holds them (fl_tr_save_base) */
@@ -169,8 +171,8 @@ fl_status fl_tr_validate(trainer *t, int max_iters, double *loss);
 /* The run has a validation split (the decoder-only loader's, or an encoder-decoder's pairs); its batches. */
 int fl_tr_has_val(const trainer *t);
 long fl_tr_val_batches(const trainer *t);
-fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int32_t *gen, int *n_out,
-                              fl_gen_callback cb, void *ud);
+fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int n_eos, int32_t *gen,
+                              int *n_out, fl_gen_callback cb, void *ud);
 fl_status fl_tr_generate_example(trainer *t);
 fl_status fl_tr_generate_example_s2s(trainer *t); /* an encoder-decoder's, in the training arena */
 

@@ -184,7 +184,7 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     gen = malloc(((size_t)cfg->eval.max_new_tokens + 1) * sizeof *gen);
     if (s == FL_OK && (!prompt || !gen)) s = fl_errorf(FL_ERR_OOM, "out of host memory");
     int n_out = 0;
-    if (s == FL_OK) s = fl_tr_sample_tokens(&t, prompt, gen_prompt, NULL, gen, &n_out, snapshot_eval_generate, &t.hw.pool);
+    if (s == FL_OK) s = fl_tr_sample_tokens(&t, prompt, gen_prompt, NULL, 0, gen, &n_out, snapshot_eval_generate, &t.hw.pool);
 done:
     /* several ranks: a failure anywhere (this rank's OOM under its budget) breaks the group, so the
      * others' next collective fails at once instead of waiting for this rank */

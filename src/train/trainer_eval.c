@@ -99,7 +99,7 @@ fl_status fl_tr_validate(trainer *t, int max_iters, double *loss) {
 
 /* The evaluation sample's model part (generate_example's, and the planner's): the adapters in
  * evaluation mode, a KV cache of n + eval.max_new_tokens positions, fl_generate at temperature
- * 0.8 from the n prompt ids, the cache freed. eos: NULL or one id. cb, ud: fl_generate's. */
+ * 0.8 from the n prompt ids, the cache freed. eos: the n_eos ids that end it (n_eos may be 0). cb, ud: fl_generate's. */
 /* the evaluation sample's sampling settings (decoder-only and encoder-decoder alike) */
 static fl_gen_params eval_gen_params(const fl_run_config *c) {
     fl_gen_params gp;
@@ -117,8 +117,8 @@ static uint64_t test_seed_skew(const trainer *t) {
     return e && e[0] && atoi(e) == t->dp.rank && t->dp.world > 1 ? 1 : 0;
 }
 
-fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int32_t *gen, int *n_out,
-                               fl_gen_callback cb, void *ud) {
+fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int n_eos, int32_t *gen,
+                               int *n_out, fl_gen_callback cb, void *ud) {
     const fl_run_config *c = t->cfg;
     fl_kv_cache kv;
     memset(&kv, 0, sizeof kv);
@@ -128,7 +128,7 @@ fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32
         fl_gen_params gp = eval_gen_params(c);
         gp.seed += test_seed_skew(t);
         fl_gen_stop why;
-        s = fl_generate(&t->model, &kv, ids, n, &gp, eos, eos ? 1 : 0, gen, n_out, &why, cb, ud);
+        s = fl_generate(&t->model, &kv, ids, n, &gp, eos, n_eos, gen, n_out, &why, cb, ud);
         fl_kv_cache_free(&kv);
     }
     fl_model_lora_set_train(&t->model, 1);
@@ -187,7 +187,6 @@ fl_status fl_tr_generate_example(trainer *t) {
     int32_t *ids = NULL, *gen = NULL;
     size_t n = 0, len = 0;
     int n_out = 0;
-    int32_t eos = -1;
     fl_status s = FL_OK;
     if (c->command == FL_CMD_PRETRAIN && t->in.data && fl_data_count(t->in.data, FL_SPLIT_VAL) > 0) {
         const fl_sample *sm = fl_data_get(t->in.data, FL_SPLIT_VAL, 0);
@@ -211,11 +210,11 @@ fl_status fl_tr_generate_example(trainer *t) {
     }
     gen = malloc((size_t)c->eval.max_new_tokens * sizeof *gen);
     if (s == FL_OK && !gen) s = fl_errorf(FL_ERR_OOM, "out of host memory");
-    if (s == FL_OK) eos = fl_tok_eos_id(t->in.tok);
     tok_agree ag = {t, 0, FL_OK};
     const int check = t->dp.fsdp && t->dp.world > 1; /* sharded: every rank decodes (above) */
     if (s == FL_OK)
-        s = fl_tr_sample_tokens(t, ids, (int)n, eos >= 0 ? &eos : NULL, gen, &n_out, check ? agree_token : NULL, &ag);
+        s = fl_tr_sample_tokens(t, ids, (int)n, t->in.stop_ids, t->in.n_stop, gen, &n_out, check ? agree_token : NULL,
+                                &ag);
     if (s == FL_OK) s = ag.s;
     if (s == FL_OK) s = fl_tok_decode(t->in.tok, gen, (size_t)n_out, 1, &text, &len);
     /* pretrain: the text prefix and its continuation read as one text */

@@ -292,8 +292,9 @@ void fl_tr_print_memory(trainer *t) {
                 "scratch)\n");
     else if (t->dp.fsdp && t->dp.ptier.pool)
         fprintf(t->out, "memory of rank 0 (ZeRO-3 with parameter offload: its shard, %zu of %zu elements, of PARAMS "
-                "and GRADS in the %s tier below, of OPTIM in the offload tier; GATHER the units fetched and gathered at "
-                "a time and their unreduced gradients)\n", t->opt.w.n, t->model.layout.numel, t->dp.ptier.disk ? "nvme" : "host");
+                "and GRADS in the %s tier below, of OPTIM in the %s tier below; GATHER the units fetched and gathered at "
+                "a time and their unreduced gradients)\n", t->opt.w.n, t->model.layout.numel, t->dp.ptier.disk ? "nvme" : "host",
+                t->hw.off.state_pool ? "nvme" : "host");
     else if (t->dp.fsdp)
         fprintf(t->out, "memory of rank 0 (%s: PARAMS, GRADS and OPTIM hold its shard, %zu of %zu elements; "
                 "GATHER the units gathered at a time and their unreduced gradients; WORKSPACE includes the "
@@ -307,11 +308,13 @@ void fl_tr_print_memory(trainer *t) {
         fprintf(t->out, "\nhost tier (CPU offload: %s%s%s, outside the device's budget)\n",
                 t->hw.off.state_pool ? "the optimizer state is in the nvme tier below" : "the optimizer state",
                 t->opt.home.hp ? "; the update's staging of one piece" : "",
-                !t->dp.ptier.pool ? "" : t->dp.ptier.disk ? "; the gradients' way down" : "; the parameters' and gradients' shards");
+                !t->dp.ptier.pool ? "" : t->dp.ptier.disk ? "; the gradients' staging on their way down, when they "
+                "accumulate or a device stages them (none: 0 B)" : "; the parameters' and gradients' shards");
         fl_mem_print_report(&t->hw.opool, t->out);
     }
     if (t->hw.dpool_ok) {
-        fprintf(t->out, "\nnvme tier (%s in files under '%s', paged through a few pieces of host memory)\n",
+        fprintf(t->out, "\nnvme tier (%s in files under '%s', mapped: the kernel pages in the pieces being read or "
+                "updated through its page cache, host memory that is not the host tier's)\n",
                 !t->dp.ptier.disk ? "the optimizer state" : t->hw.off.state_pool ? "the parameters' and gradients' shards and the optimizer state"
                 : "the parameters' and gradients' shards", cfg->nvme_path[0] ? cfg->nvme_path : cfg->out_dir);
         fl_mem_print_report(&t->hw.dpool, t->out);

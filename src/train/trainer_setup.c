@@ -275,6 +275,10 @@ fl_status fl_tr_load_tokenizer(trainer *t) {
                          fl_tok_kind(t->in.tok), fl_tok_vocab_size(t->in.tok), td ? ", from '" : "", td ? td : "",
                          td ? "'" : "", t->model.cfg.vocab_size, td && td == beside ? "; give the model's with "
                          "--tokenizer_dir" : "");
+    /* the ids that end the evaluation sample, as generate's: the model folder's generation_config.json eos_token_id
+     * (else config.json's) and the tokenizer's; an encoder-decoder's sample reads them from the model */
+    FL_TRY(fl_hf_stop_ids(ck[0] ? ck : NULL, t->in.tok, t->in.stop_ids, FL_MODEL_MAX_EOS, &t->in.n_stop, NULL));
+    fl_model_set_eos_ids(&t->model, t->in.stop_ids, t->in.n_stop);
     return FL_OK;
 }
 
