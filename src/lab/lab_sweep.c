@@ -222,12 +222,16 @@ void fl_lab_sweep_script(const fl_lab_report *rep, FILE *f, const int idx[4], co
             any_tok ? " and tokens/s (dashed, right)" : " (planned: no row trained, so no tokens/s)",
             any_tok ? "set y2label 'tokens/s (global batch)'\nset ytics nomirror\nset y2tics\nset y2range [0:*]\n" : "",
             FL_LAB_MIB(rep->budget), FL_LAB_MIB(rep->budget), FL_LAB_MIB(rep->budget));
+    int placed[4], np = 0; /* the labels' batches: two settings' labels at one batch stack, not overlap */
     for (int i = 0, n = 2; i < rep->n; i++) { /* the largest fitting batch of each setting */
         const fl_lab_row *r = &rep->rows[i];
         const int g = fl_lab_sweep_group(r);
-        if (r->largest && g >= 0 && g < 4 && r->verdict == FL_LAB_FITS)
-            fprintf(f, "set label %d 'largest: %d' at first %d, first %.3f center offset 0,1.2 tc rgb '%s'\n", n++,
-                    r->B, r->B, FL_LAB_MIB(r->peak_max), col[g]);
+        if (!(r->largest && g >= 0 && g < 4 && r->verdict == FL_LAB_FITS) || np >= 4) continue;
+        int above = 0;
+        for (int k = 0; k < np; k++) above += placed[k] == r->B;
+        placed[np++] = r->B;
+        fprintf(f, "set label %d 'largest: %d (%s)' at first %d, first %.3f center offset 0,%.1f tc rgb '%s'\n", n++,
+                r->B, nm[g], r->B, FL_LAB_MIB(r->peak_max), 1.2 + 1.3 * above, col[g]);
     }
     fprintf(f, "plot");
     int k = 0;
