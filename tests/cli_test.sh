@@ -1594,6 +1594,18 @@ if [ -d "$DATA/stories260K-hf" ]; then
         --out_dir "$T/ft-syn" --train.max_steps 12 --train.save_interval 5 --resume auto --quiet
     expect finetune_init_random 0 "loss train: 6\.2" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --init random \
         --train.max_steps 1 --train.global_batch_size 1 --eval.final_validation false --out_dir "$T/x9" --quiet
+    # a LoRA run's resume over another base than its adapters were trained on: random weights (--init random) then
+    # the folder's pretrained ones, and the reverse, refused naming the --init that resumes it (the adapters went on
+    # over the new base silently and named the old one)
+    LI=(finetune_lora "$DATA/stories260K-hf" --data Synthetic --train.max_steps 2 --train.save_interval 1
+        --train.global_batch_size 1 --eval.final_validation false --eval.max_new_tokens 0 --quiet)
+    "$FITLLM" "${LI[@]}" --init random --train.max_steps 1 --out_dir "$T/li-r" >/dev/null 2>&1
+    "$FITLLM" "${LI[@]}" --train.max_steps 1 --out_dir "$T/li-p" >/dev/null 2>&1
+    expect lora_resume_random_base_as_pretrained 2 "trained over random base weights \(init random\), this run would train them over the pretrained ones.*--init random" -- \
+        "$FITLLM" "${LI[@]}" --out_dir "$T/li-r" --resume auto
+    expect lora_resume_pretrained_base_as_random 2 "trained over pretrained base weights \(init pretrained\), this run would train them over random ones.*--init pretrained" -- \
+        "$FITLLM" "${LI[@]}" --init random --out_dir "$T/li-p" --resume auto
+    expect lora_resume_random_base_same_init 0 "Resuming training from" -- "$FITLLM" "${LI[@]}" --init random --out_dir "$T/li-r" --resume auto
     # pretrain's evaluation sample continues a validation text (the first .txt file), not the Alpaca instruction
     mkdir -p "$T/ptxt"
     for i in $(seq 40); do echo "Lily and Ben went to the park to play with a big red ball. They ran and laughed all day."; done > "$T/ptxt/a.txt"

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "core/fs.h"
 #include "fitllm/blip2.h"
@@ -441,6 +442,27 @@ static void check_targets(const char *dir, const fl_run_config *cfg, const fl_mo
     }
 }
 
+/* A LoRA run's base weights: the checkpoint's adapters were trained over random ones (hyperparameters.yaml's init:
+ * what the run started from) and this run would read pretrained weights, or the reverse: refused (the adapters would
+ * go on over another base, and name the wrong one). A run reads weights when --init random is not given and its
+ * checkpoint_dir is a model folder or a llama2.c .bin (a preset name or a config.json: random weights either way, as
+ * an older build's "init: pretrained" of such a run said). */
+static void check_init(const fl_run_config *cfg, const fl_cfg_entries *ck, char *why, char *fix, size_t wn) {
+    const char *v = fl_cfg_entries_value(ck, "init");
+    if (cfg->command != FL_CMD_FINETUNE_LORA || !v) return;
+    struct stat st;
+    const char *p = cfg->checkpoint_dir;
+    const size_t pl = strlen(p);
+    const int has_weights = stat(p, &st) == 0 && (S_ISDIR(st.st_mode) || (pl > 4 && !strcmp(p + pl - 4, ".bin")));
+    const int was_random = !strcmp(v, "random");
+    if (was_random == cfg->init_random || !has_weights) return; /* !has_weights: random here too, whatever --init */
+    say(why, wn, "%sthe checkpoint's adapters were trained over %s base weights (init %s), this run would train them "
+        "over %s ones%s (the adapters go on over their own base only)", why[0] ? "; " : "",
+        was_random ? "random" : "pretrained", v, was_random ? "the pretrained" : "random",
+        was_random ? " read from checkpoint_dir" : " (--init random)");
+    say(fix, wn, "%s--init %s", fix[0] ? " " : "", was_random ? "random" : "pretrained");
+}
+
 static fl_status check_resume(const char *dir, const fl_run_config *cfg, const rs_model *rm, char *notes, size_t n) {
     char p[FL_CFG_PATH + 32];
     if (n) notes[0] = 0;
@@ -455,6 +477,7 @@ static fl_status check_resume(const char *dir, const fl_run_config *cfg, const r
     if (s == FL_OK && (!why || !fix || !tmp)) s = fl_errorf(FL_ERR_OOM, "out of host memory");
     if (s == FL_OK) s = check_model(dir, cfg, rm, &ck, why, fix, wn, notes, n);
     if (s == FL_OK) check_keys(cfg, rm->bc != NULL, &ck, tmp, why, fix, wn, notes, n);
+    if (s == FL_OK && !rm->bc) check_init(cfg, &ck, why, fix, wn);
     if (s == FL_OK) check_targets(dir, cfg, rm->bc ? &rm->bc->text : rm->mc, rm->bc != NULL, &ck, tmp, why, fix, wn);
     if (s == FL_OK && why[0])
         s = fl_errorf(FL_ERR_INVALID, "--resume '%s' continues another run: %s. Resume it with the checkpoint's "
