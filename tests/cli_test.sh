@@ -812,11 +812,14 @@ expect plan_largest_gpu 0 "open-llama-13b +13.02 B parameters: fits --strategy d
     "$FITLLM" plan --largest tiny --accelerator cuda --device-memory 24GB --host-memory 128GB --precision bf16-true \
     --train.micro_batch_size 1 --train.max_seq_length 512
 expect plan_largest_none 3 "largest model that fits: none of the presets" -- "$FITLLM" plan --largest tiny --host-memory 1GB --disk 1GB
-# the DP x TP x PP grid for micro on 8 CPU ranks of 3 MiB under DDP (DP 8 needs 4.86 MiB, PP 2 3.59, TP 2 2.52, TP 4 1.35:
+# the DP x TP x PP grid for micro on 8 CPU ranks of 3 MiB under DDP, the evaluation sample's generation planned as the
+# run makes it (DP 8 needs 5.70 MiB, PP 2 3.96, TP 2 2.98, TP 4 1.67; without the sample 4.86, 3.59, 2.52, 1.35:
 # tests/test_plan_grid.c checks each against the per-rank plans); TP 8 and PP 8 are refused with the trainer's words
 GRID=(micro --devices 8 --strategy ddp --train.micro_batch_size 1 --train.global_batch_size 16 --train.max_seq_length 33)
-expect plan_suggest_grid 0 "suggested grid: DP 4 x TP 2 x PP 1: --tensor_parallel 2 \(largest rank 0 needs 2.52 MiB\)" -- \
+expect plan_suggest_grid 0 "suggested grid: DP 4 x TP 2 x PP 1: --tensor_parallel 2 \(largest rank 0 needs 2.98 MiB\)" -- \
     "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 3MiB
+expect plan_suggest_grid_generation_off 0 "suggested grid: DP 4 x TP 2 x PP 1: --tensor_parallel 2 \(largest rank 0 needs 2.52 MiB\)" -- \
+    "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 3MiB --generation off
 expect plan_suggest_grid_refusals 0 " 1 +8 +1 .*not with this run: --tensor_parallel 8: the model's 4 key/value heads" -- \
     "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 3MiB
 expect plan_suggest_grid_json 0 '"suggested": \{"dp": 4, "tp": 2, "pp": 1\}' -- bash -c "'$FITLLM' plan --suggest ${GRID[*]} \
@@ -1467,6 +1470,10 @@ fi
 # suite is a usage error
 expect lab_fsdp_bad_only 2 "unknown experiment 'sgd' in suite fsdp" -- "$FITLLM" lab --suite fsdp --only sgd --out_dir "$T/labf0"
 expect lab_fsdp_rows 0 "batch-size sweep, activation checkpointing on" -- "$FITLLM" lab --suite fsdp --only b1,b1-ckpt --steps 1 --out_dir "$T/labf"
+# its report.md describes the course's FSDP benchmark's scaling (16 GiB per rank of gpt2-xl), not TinyLlama's 80 GB
+expect lab_fsdp_report_scaling 0 "Budget per rank\*\* = 16 GiB x params\(lab-gpt2-xl\) / params\(gpt2-xl\)" -- cat "$T/labf/report.md"
+if grep -q "TinyLlama-1.1B on one 80 GB GPU\|on an 80 GB" "$T/labf/report.md"; then echo "FAIL lab_fsdp_report_not_tinyllama"; fail=$((fail+1))
+else echo "ok   lab_fsdp_report_not_tinyllama"; pass=$((pass+1)); fi
 expect lab_fsdp_bad_precision 2 "not 32-true or 16-mixed" -- "$FITLLM" lab --suite fsdp --precision bf16-true --out_dir "$T/labf1"
 expect lab_fsdp_bad_model 2 "not gpt2-xl or gpt2-xxl" -- "$FITLLM" lab --suite fsdp --model gpt2-huge --out_dir "$T/labf1"
 expect lab_fsdp_bad_prefetch 2 "is not on .BACKWARD_PRE, true. or off" -- "$FITLLM" lab --suite fsdp --fsdp.backward_prefetch maybe --out_dir "$T/labf1"
@@ -1663,6 +1670,9 @@ if [ -d "$DATA/stories260K-hf" ]; then
     # an empty prompt with a tokenizer that adds no BOS (GPT-2's): the hint names the model's id to start from
     expect generate_empty_prompt_hint 2 "the prompt encodes to no tokens \(and the tokenizer adds no BOS\): to start from nothing, give --prompt-ids 50256 \(the model's BOS token\)" -- \
         "$FITLLM" generate "$DATA/tiny-gpt2-hf" --prompt "" --max_new_tokens 2
+    # ... and with none asked, the empty prompt is printed as it is, as any prompt is (--help)
+    expect generate_empty_prompt_none_asked 0 "0 prompt \+ 0 new tokens \(stop: max_new_tokens\); nothing run" -- \
+        "$FITLLM" generate "$DATA/tiny-gpt2-hf" --prompt "" --max_new_tokens 0
     # --max_new_tokens 0: a prompt longer than the context (1,499 tokens here, the context 512) printed as it is
     LONGP=$(head -c 3000 "$DATA/text/tinystories-val-prefix.txt")
     expect generate_long_prompt_none_asked 0 "^[0-9]{4} prompt \+ 0 new tokens \(stop: max_new_tokens\); nothing run" -- "$FITLLM" generate "$DATA/stories260K-hf" --prompt "$LONGP" --max_new_tokens 0
@@ -1764,7 +1774,11 @@ if [ -d "$DATA/stories260K-hf" ]; then
     sed -i 's|"base_model_name_or_path": "[^"]*"|"base_model_name_or_path": "nowhere/base-model"|' "$T/lo-bad/adapter_config.json"
     expect merge_lora_bad_base 2 "lo-bad/adapter_config.json: base model 'nowhere/base-model' \(base_model_name_or_path\) not found .*--base <dir>" -- "$FITLLM" merge_lora "$T/lo-bad"
     expect merge_lora_bad_base_rescued 0 "base: $DATA/stories260K-hf" -- "$FITLLM" merge_lora "$T/lo-bad" --base "$DATA/stories260K-hf"
-    expect loss_on_adapter_folder 2 "a PEFT LoRA adapter folder .*fitllm merge_lora .*step-000002" -- "$FITLLM" loss "$T/lo/step-000002" --tokens-file "$T/lo-ids.txt"
+    # a step folder's adapter merged in memory (as generate): the loss of merge_lora's output of the same step
+    expect loss_on_adapter_folder 0 "is a LoRA adapter: base model .* with it merged in memory" -- "$FITLLM" loss "$T/lo/step-000002" --tokens-file "$T/lo-ids.txt"
+    a=$("$FITLLM" loss "$T/lo/step-000002" --tokens-file "$T/lo-ids.txt" 2>/dev/null); b=$("$FITLLM" loss "$T/m-cwd" --tokens-file "$T/lo-ids.txt" 2>/dev/null)
+    if [ -n "$a" ] && [ "$a" = "$b" ]; then echo "ok   loss_on_adapter_equals_merged"; pass=$((pass+1))
+    else echo "FAIL loss_on_adapter_equals_merged: '$a' vs merge_lora's '$b'"; fail=$((fail+1)); fi
     expect merge_lora_not_lora 2 "a model folder, not a LoRA adapter" -- "$FITLLM" merge_lora "$DATA/stories260K-hf" --out_dir "$T/lo-x"
     # resume from a step folder (holding a merge_lora output); rotation removes old steps whole
     expect lora_resume_from_step 0 "Resuming training from .*step-000004" -- "$FITLLM" finetune_lora "${LR[@]}" --train.max_steps 6 \

@@ -201,6 +201,22 @@ if [ $rc -ne 0 ] && [ "$(grep -c "devices 3 x --num_nodes 1 = 3 ranks, but Open 
 else
     bad "ddp_devices_mismatch" "exit $rc"
 fi
+# the same mismatch with a global batch 3 does not divide: the launcher's count is said, not the batch (review round 6:
+# "train.global_batch_size 8 is not divisible by devices x micro_batch_size = 3 x 1" sent the user to the batch)
+timeout 120 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 3 --train.global_batch_size 8 --out_dir "$T/cli3b" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 2 ] && [ "$(grep -c "but Open MPI (mpirun) started 2: give --devices 2" "$T/out")" = 1 ] && ! grep -q "not divisible" "$T/out"; then
+    ok "ddp_devices_mismatch_before_the_batch (exit $rc, one message)"
+else
+    bad "ddp_devices_mismatch_before_the_batch" "exit $rc: $(grep -m1 error "$T/out")"
+fi
+# a usage error and --help under mpirun: said once (rank 0), not once per rank
+timeout 120 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 2 --bogus 1 --out_dir "$T/cli3c" >"$T/out" 2>&1; rc=$?
+timeout 120 mpirun -np 2 "$FL" finetune_full --help >"$T/out2" 2>&1; rc2=$?
+if [ $rc -eq 2 ] && [ "$(grep -c "unknown option" "$T/out")" = 1 ] && [ $rc2 -eq 0 ] && [ "$(grep -c "^usage: fitllm finetune_full" "$T/out2")" = 1 ]; then
+    ok "usage_error_and_help_once_under_mpirun"
+else
+    bad "usage_error_and_help_once_under_mpirun" "exit $rc / $rc2: $(grep -c "unknown option" "$T/out") messages, $(grep -c "^usage: fitllm finetune_full" "$T/out2") usages"
+fi
 
 # ZeRO through the CLI at 3 ranks (SGD with momentum, so there is a sharded state to save): rank 0
 # gathers the state chunks, so ZeRO-1's and ZeRO-2's checkpoints hold the bits of DDP's (weights and

@@ -25,8 +25,9 @@ static void pa_config(fl_run_config *c, int dp, int tp, int pp) {
     c->eval.max_new_tokens = 0;
 }
 
-/* the largest rank's planned peak of c under strategy s (no budget); SIZE_MAX: the grid refuses s (an offload the
- * grid does not run) */
+/* the largest rank's planned peak of c under strategy s (no budget), its host tier added (CPU ranks: the same RAM) unless
+ * g_device_only; SIZE_MAX: the grid refuses s (an offload the grid does not run) */
+static int g_device_only;
 static size_t largest(const fl_run_config *c0, const char *s, fl_plan *p) {
     fl_run_config c = *c0;
     snprintf(c.strategy, sizeof c.strategy, "%s", s);
@@ -40,7 +41,7 @@ static size_t largest(const fl_run_config *c0, const char *s, fl_plan *p) {
         return SIZE_MAX;
     }
     for (int r = 0; r < W; r++)
-        if (pk[r] > mx) mx = pk[r];
+        if (pk[r] + (g_device_only ? 0 : pk[8 + r]) > mx) mx = pk[r] + (g_device_only ? 0 : pk[8 + r]);
     return mx;
 }
 
@@ -89,6 +90,14 @@ FL_TEST(plan_auto_strategy_by_the_per_rank_plan) {
             if (peak[i] <= b) want = i;
         expect_choice(&c, b, k_order[want], peak[want] <= b, g[k].grid, p);
         if (k == 0) expect_choice(&c, least - 1, k_order[argmin], 0, g[k].grid, p); /* none fits */
+        /* CPU ranks: an offload's device part alone under the budget is no fit (its host tier is the same RAM; auto
+         * chose deepspeed_stage_3_offload at its device peak, review round 6): none fits, the least */
+        g_device_only = 1;
+        const size_t dev3 = largest(&c, "deepspeed_stage_3_offload", p);
+        g_device_only = 0;
+        if (k == 0 && dev3 < least) expect_choice(&c, dev3, k_order[argmin], 0, g[k].grid, p);
+        FL_CHECKF(k != 0 || dev3 < least, "ZeRO-3 offload's device part %zu, the least need %zu: the check cannot tell",
+                  dev3, least);
     }
     free(p);
 }

@@ -138,3 +138,45 @@ FL_TEST(plan_grid_suggestion_errors) {
     FL_CHECK(strstr(fl_error_message(), "no-such-preset-xyz"));
     free(g);
 }
+
+/* The grids are planned with the run's evaluation sample (its generation phase, mc.generation -1: as the CLI run makes
+ * it): a grid whose rank peaks while generating is not suggested on the training phases alone (review round 6:
+ * `plan gpt2 --devices 4 --suggest` chose TP 4 at 759.81 MiB where the plain plan of that grid needs 768.49 MiB in
+ * eval_generate). Each fitting row's need equals its ranks' own plans with the generation, and the chosen grid's
+ * largest rank fits under the budget by the planner's own verdict. */
+FL_TEST(plan_grid_suggestion_plans_the_generation) {
+    fl_run_config c;
+    grid_cfg(&c);
+    c.devices = 4;
+    c.eval.max_new_tokens = 64; /* the sample: T + 64 positions of KV cache */
+    fl_plan_machine mc = {(size_t)1 << 40, 0, 0, 4, 0, 0, -1};
+    fl_plan_grid *g = malloc(sizeof *g);
+    fl_plan *p = malloc(sizeof *p);
+    FL_REQUIRE(g && p);
+    FL_REQUIRE_OK(fl_plan_suggest_grid(&c, &mc, g));
+    int gen_peaks = 0, rows = 0;
+    for (int i = 0; i < g->n; i++) {
+        const fl_plan_grid_row *r = &g->rows[i];
+        if (r->fits < 0) continue;
+        size_t want = 0, train = 0;
+        for (int k = 0; k < 4; k++) {
+            fl_run_config rc = c;
+            rc.tensor_parallel = r->tp, rc.pipeline_parallel = r->pp;
+            fl_plan_opts o;
+            fl_plan_opts_default(&o);
+            o.rank = k, o.generation = -1, o.no_suggestions = 1;
+            FL_REQUIRE_OK(fl_plan_run(&rc, &o, p));
+            if (p->peak_total > want) want = p->peak_total;
+            o.generation = 0;
+            FL_REQUIRE_OK(fl_plan_run(&rc, &o, p));
+            if (p->peak_total > train) train = p->peak_total;
+        }
+        FL_CHECKF(r->peak == want, "DP %d x TP %d x PP %d: need %zu, its ranks' plans with the sample %zu (without %zu)",
+                  r->dp, r->tp, r->pp, r->peak, want, train);
+        gen_peaks += want > train, rows++;
+    }
+    /* the check can tell: some grid's rank peaks while generating (else the test would pass without the sample) */
+    FL_CHECKF(gen_peaks > 0, "no grid of %d peaks in its generation phase", rows);
+    free(g);
+    free(p);
+}

@@ -173,6 +173,8 @@ typedef struct {
     int devices;           /* ranks on the machine (0, 1: one) */
     int cuda;              /* 1: GPUs (the device pool is theirs), 0: CPU ranks */
     int seq_len;           /* > 0: T to plan for (else the run's) */
+    int generation;        /* --suggest: the evaluation sample's generation as fl_plan_opts.generation (-1 as the
+                            * CLI run makes it, 1 on); 0 off (--largest plans without it) */
 } fl_plan_machine;
 typedef struct {
     char model[32];

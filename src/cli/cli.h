@@ -28,6 +28,8 @@ int fl_cli_usage(const char *cmd, const char *fmt, ...) __attribute__((format(pr
 const char *fl_cli_nearest(const char *word, const char *const *known);
 /* "unknown option '--micro-bach' (did you mean '--micro-batch'?)" as a usage error; known: the
  * command's options, NULL-ended. Returns FL_EXIT_USAGE. */
+/* this process's rank under a launcher (mpirun, srun ...; 0 without one) */
+int fl_cli_launched_rank(void);
 int fl_cli_unknown_option(const char *cmd, const char *arg, const char *const *known);
 
 /* Parse helpers: return 0 on success, -1 with a usage message printed. */

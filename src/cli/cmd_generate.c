@@ -592,6 +592,11 @@ int fl_cmd_generate(int argc, char **argv) {
         if ((s = fl_tok_encode(tok, o.prompt, strlen(o.prompt), -1, fl_model_is_s2s(&m.cfg) ? 1 : 0, &ids, &n)) != FL_OK)
             goto fail;
         n_ids = (int)n;
+        if (n_ids == 0 && o.gp.max_new_tokens == 0) { /* none asked: the (empty) prompt printed as it is */
+            printf("\n");
+            fprintf(stderr, "0 prompt + 0 new tokens (stop: max_new_tokens); nothing run\n");
+            goto done;
+        }
         if (n_ids == 0) { /* GPT-2's tokenizer adds no BOS: its <|endoftext|> starts a text */
             const int b = fl_tok_bos_id(tok) >= 0 ? fl_tok_bos_id(tok) : fl_tok_eos_id(tok);
             char h[96] = "";

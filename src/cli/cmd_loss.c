@@ -16,7 +16,9 @@ static void help(void) {
            "                  [--image FILE] [--threads N]\n\n"
            "  <model>              HF folder (config.json + safetensors or pytorch_model*.bin; or LitGPT's\n"
            "                       lit_model.pth), a run folder (its final/, else its newest committed\n"
-           "                       step-N/, as generate takes it), a Hugging Face repo id ORG/NAME (downloaded,\n"
+           "                       step-N/, as generate takes it; a finetune_lora step or adapter folder: its\n"
+           "                       base with the PEFT adapter merged in memory, as generate), a Hugging Face repo\n"
+           "                       id ORG/NAME (downloaded,\n"
            "                       `fitllm download --help`), llama2.c .bin, or preset name\n"
            "                       (presets are randomly initialized: --seed)\n"
            "  --tokens-file FILE   whitespace-separated token ids (at least 2; an encoder-decoder's source: 1)\n"
@@ -128,7 +130,17 @@ int fl_cmd_loss(int argc, char **argv) {
         rc = fl_cli_blip2_loss(cmd, model_path, image, ids, n, tids, nt, &be, &pool);
         goto done;
     }
-    if ((s = fl_cli_load_model(&m, model_path, 0, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK) goto fail;
+    char ac[FL_CLI_PATH + 32];
+    snprintf(ac, sizeof ac, "%s/adapter_config.json", model_path);
+    if (fl_fs_is_file(ac)) { /* a PEFT adapter (a finetune_lora step-N/): its base with it merged, as generate does */
+        fl_cli_adapter_info info;
+        char hint[FL_CLI_PATH + 64];
+        snprintf(hint, sizeof hint, "`fitllm merge_lora %s --base <base_dir>`, then the loss of its output", model_path);
+        if ((s = fl_cli_load_with_adapter(&m, NULL, model_path, hint, &be, &pool, &loaded, &info)) != FL_OK) goto fail;
+        fprintf(stderr, "fitllm %s: %s is a LoRA adapter: base model %s with it merged in memory\n", cmd, info.adapter,
+                info.base);
+    } else if ((s = fl_cli_load_model(&m, model_path, 0, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK)
+        goto fail;
     if (fl_model_is_s2s(&m.cfg) != (target != NULL)) {
         s = fl_errorf(FL_ERR_INVALID, target ? "--target-tokens-file: %s is not an encoder-decoder (its loss is of "
                                                "--tokens-file alone)"

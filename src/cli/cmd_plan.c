@@ -192,7 +192,8 @@ static void host_replaces_device(const plan_args *a, int ranks) {
 
 static int suggest_grid(const fl_run_config *cfg, const plan_args *a) {
     host_replaces_device(a, cfg->devices);
-    fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len};
+    fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len,
+                          a->generation}; /* the evaluation's sample as the run (or --generation) makes it */
     fl_plan_grid *g = malloc(sizeof *g);
     fl_status s = g ? fl_plan_suggest_grid(cfg, &mc, g) : fl_errorf(FL_ERR_OOM, "out of host memory");
     if (s != FL_OK) return machine_failed(s, g);

@@ -107,6 +107,21 @@ static int unknown_flag(const char *cmd, const char *key) {
 /* A value every rank of a launcher's job refuses alike (the same command line): rank 0 says it, once for the job (it
  * was printed once per rank). Another rank first waits a moment, in which the launcher ends it when rank 0 has exited
  * with the error; one still running then says its own (a rank whose files differ). */
+/* --devices x --num_nodes against a launcher's rank count: the message once (rank 0), 1 when they differ. */
+static int launcher_mismatch(const char *cmd, const fl_run_config *cfg, const fl_launch_info *li) {
+    const int want = cfg->devices * cfg->num_nodes, have = li->kind == FL_LAUNCH_NONE ? 1 : li->size;
+    if (li->kind == FL_LAUNCH_NONE || want == have) return 0;
+    if (li->rank == 0) /* every rank sees the same mismatch: one message */
+        fprintf(stderr, "fitllm %s: error: --devices %d%s x --num_nodes %d = %d rank%s, but %s started %d: give "
+                "--devices %d (ranks per node x nodes = the launcher's rank count) or start %d rank%s\n", cmd,
+                cfg->devices, cfg->devices_auto ? " (auto: this process's one CPU device)" : "", cfg->num_nodes, want,
+                want == 1 ? "" : "s", fl_launch_kind_name(li->kind), have,
+                have / cfg->num_nodes > 0 ? have / cfg->num_nodes : have, want, want == 1 ? "" : "s");
+    else
+        sleep(3); /* the launcher ends this rank once rank 0 has said it and exited (config_error's rule) */
+    return 1;
+}
+
 static void config_error(const char *cmd) {
     char msg[2048];
     snprintf(msg, sizeof msg, "%s", fl_error_message());
@@ -126,7 +141,11 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
 #define USAGE(...) do { rc = fl_cli_usage(cmd, __VA_ARGS__); goto done; } while (0)
     /* first pass: --help and the recipes */
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { help_fn(cmd, kind); rc = -1; goto done; }
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { /* once under a launcher (rank 0) */
+            if (fl_cli_launched_rank() == 0) help_fn(cmd, kind);
+            rc = -1;
+            goto done;
+        }
         if (!strcmp(argv[i], "--config") || !strncmp(argv[i], "--config=", 9)) {
             const char *path = argv[i][8] == '=' ? argv[i] + 9 : (i + 1 < argc ? argv[++i] : NULL);
             if (!path) USAGE("--config needs a file");
@@ -198,7 +217,11 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
         goto done;
     }
     if (fl_cfg_validate(cfg) != FL_OK) {
-        config_error(cmd);
+        /* a launcher that started another number of ranks than --devices says: that first (a batch that "is not
+         * divisible by 3 x 1" under `mpirun -np 2 ... --devices 3` would send the user to the wrong option) */
+        fl_launch_info lm;
+        if (!(fl_launch_detect(&lm) == FL_OK && fl_launch_check(&lm) == FL_OK && launcher_mismatch(cmd, cfg, &lm)))
+            config_error(cmd);
         rc = FL_EXIT_USAGE;
     }
     /* models by name: a Hugging Face repo id -> the folder it was downloaded to (src/cli/model_name.c);
@@ -249,12 +272,7 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
         return rc ? rc : -1;
     }
     if (want != have) {
-        if (li.rank == 0) /* every rank sees the same mismatch: one message */
-            fprintf(stderr, "fitllm %s: error: --devices %d%s x --num_nodes %d = %d rank%s, but %s started %d: give "
-                    "--devices %d (ranks per node x nodes = the launcher's rank count) or start %d rank%s\n", cmd,
-                    cfg->devices, cfg->devices_auto ? " (auto: this process's one CPU device)" : "", cfg->num_nodes,
-                    want, want == 1 ? "" : "s", fl_launch_kind_name(li.kind), have,
-                    have / cfg->num_nodes > 0 ? have / cfg->num_nodes : have, want, want == 1 ? "" : "s");
+        launcher_mismatch(cmd, cfg, &li);
         return FL_EXIT_USAGE;
     }
     if (want == 1) return 0;

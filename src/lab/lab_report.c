@@ -697,6 +697,29 @@ static void md_scaling(FILE *f, const fl_lab_report *rep) {
         fl_lab_blip2_md_scaling(f, rep);
         return;
     }
+    if (rep->sweep) { /* the fsdp suite: the course's FSDP benchmark (its model on 4x V100 16 GB), not TinyLlama's lab */
+        if (rep->real_scale) { /* (the lab scale's budget and T are not computed in such a run) */
+            fprintf(f, "## Scale: real (`--scale real`)\n\nEvery row ran %s itself at T = %d with a budget of %s per "
+                       "rank (the course's 16 GB V100), on the backend named in the run (`--accelerator`).\n\n",
+                    rep->sweep_model, rep->T, fl_fmt_bytes(rep->budget, a, sizeof a));
+            return;
+        }
+        fprintf(f, "## How the lab is scaled to this machine\n\n"
+                   "The course's FSDP benchmark trains %s on 4x V100 16 GB (FULL_SHARD, 16-mixed, T %d). Here the model "
+                   "is `lab-%s`: every width divided by 16, the depth and heads kept (about 1/256 of the parameters; "
+                   "the LM head's logits chunk the real one's rows / 16), on 4 ranks.\n\n"
+                   "- **Budget per rank** = 16 GiB x params(lab-%s) / params(%s) = 16 GiB x %.6f = **%s** (%zu "
+                   "bytes).\n"
+                   "- **Sequence length** T = **%d**: the length at which one sample's activations + workspace per "
+                   "parameter of lab-%s (%.4g bytes) equal those of a %d-token sample of %s (%.4g bytes), by "
+                   "`fl_sizing_acts`, the runtime's own sizing.\n"
+                   "- **Real-scale plan**: each row is also planned (`fitllm plan`) for %s at T=%d with 16 GiB per rank, "
+                   "so the scaled verdicts can be compared with what the real run would do with fitllm.\n\n",
+                rep->sweep_model, rep->ref_T, rep->sweep_model, rep->sweep_model, rep->sweep_model, rep->param_ratio,
+                fl_fmt_bytes(rep->budget, a, sizeof a), rep->budget, rep->T, rep->sweep_model, rep->act_ratio_lab,
+                rep->ref_T, rep->sweep_model, rep->act_ratio_ref, rep->sweep_model, rep->ref_T);
+        return;
+    }
     if (rep->real_scale && rep->lengths[0])
         fprintf(f, "## Scale: real (`--scale real`)\n\n"
                    "Every row ran the lab's real model (tinyllama-1.1b, open-llama-3b, open-llama-7b; random init) at the "

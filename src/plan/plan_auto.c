@@ -14,7 +14,7 @@ static const char *const k_cand[] = {"ddp", "deepspeed_stage_1", "deepspeed_stag
                                      "deepspeed_stage_2_offload", "deepspeed_stage_3_offload"};
 enum { N_CAND = sizeof k_cand / sizeof k_cand[0] };
 
-/* candidate k's largest rank: its peak and rank; FL_ERR_* when the rehearsal refuses it (its message set) */
+/* candidate k's largest rank: its peak (CPU ranks: with its host tier) and rank; FL_ERR_* when the rehearsal refuses it (its message set) */
 static fl_status cand_peak(const fl_run_config *c, int k, int cuda, fl_plan *p, size_t *pk, size_t *peak, int *at) {
     const int W = c->devices * c->num_nodes;
     fl_run_config *x = malloc(sizeof *x);
@@ -29,8 +29,10 @@ static fl_status cand_peak(const fl_run_config *c, int k, int cuda, fl_plan *p, 
     fl_status s = fl_plan_run(x, &o, p);
     free(x);
     if (s == FL_OK && p->verdict == FL_PLAN_UNAVAILABLE) s = fl_errorf(FL_ERR_UNSUPPORTED, "%s", p->unavailable);
-    for (int r = 0; s == FL_OK && r < W; r++)
-        if (r == 0 || pk[r] > *peak) *peak = pk[r], *at = r;
+    for (int r = 0; s == FL_OK && r < W; r++) { /* CPU ranks: the host tier is the same RAM (an offload frees none) */
+        const size_t need = pk[r] + (cuda ? 0 : pk[W + r]);
+        if (r == 0 || need > *peak) *peak = need, *at = r;
+    }
     return s;
 }
 

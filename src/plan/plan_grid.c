@@ -33,7 +33,7 @@ static fl_status plan_ranks(const fl_run_config *c, const fl_plan_machine *mc, f
     fl_plan_opts o;
     fl_plan_opts_default(&o);
     o.devices = 0; /* c->devices: the machine's */
-    o.cuda = mc->cuda, o.seq_len = mc->seq_len, o.generation = 0, o.no_suggestions = 1;
+    o.cuda = mc->cuda, o.seq_len = mc->seq_len, o.generation = mc->generation, o.no_suggestions = 1;
     o.rank_peaks = pk, o.rank_host_peaks = pk + W;
     fl_status s = fl_plan_run(c, &o, p);
     if (s == FL_OK && p->verdict == FL_PLAN_UNAVAILABLE) s = fl_errorf(FL_ERR_UNSUPPORTED, "%s", p->unavailable);
@@ -153,7 +153,7 @@ fl_status fl_plan_suggest_grid(const fl_run_config *base, const fl_plan_machine 
         if (as[0]) snprintf(c->strategy, sizeof c->strategy, "%s", as);
         fl_plan_opts o;
         fl_plan_opts_default(&o);
-        o.cuda = mc->cuda, o.seq_len = mc->seq_len, o.generation = 0, o.no_suggestions = 1, o.rank = r->peak_rank;
+        o.cuda = mc->cuda, o.seq_len = mc->seq_len, o.generation = mc->generation, o.no_suggestions = 1, o.rank = r->peak_rank;
         o.device_memory = rank_budget(mc) - (mc->cuda ? 0 : (r->host_peak < rank_budget(mc) ? r->host_peak : 0));
         if (s == FL_OK) s = fl_plan_run(c, &o, p);
         out->verdict = s == FL_OK ? p->verdict : FL_PLAN_UNAVAILABLE;
@@ -202,9 +202,11 @@ void fl_plan_grid_print(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *
             continue;
         }
         snprintf(b, sizeof b, "%.1f%%", 100.0 * r->bubble);
-        char why[200] = "fits";
+        char why[200] = "fits", h[32];
         const char *tier;
         if (!r->fits) oom_why(r, mc, why, sizeof why, &tier);
+        else if (!mc->cuda && r->host_peak) /* a CPU rank's host tier is the same RAM: its need is both */
+            snprintf(why, sizeof why, "fits with its host tier %s (the same RAM)", fl_fmt_bytes(r->host_peak, h, sizeof h));
         fprintf(out, "  %4d %4d %4d  %-17s %12s %6d %7s  %s%s\n", r->dp, r->tp, r->pp, r->strategy[0] ? r->strategy : "-",
                 fl_fmt_bytes(r->peak, a, sizeof a), r->peak_rank, r->pp > 1 ? b : "-", why,
                 i == g->best ? "  <- suggested" : "");
@@ -215,8 +217,9 @@ void fl_plan_grid_print(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *
     }
     const fl_plan_grid_row *r = &g->rows[g->best];
     grid_options(r, opt, sizeof opt);
-    fprintf(out, "suggested grid: DP %d x TP %d x PP %d: %s (largest rank %d needs %s)\n", r->dp, r->tp, r->pp, opt,
-            r->peak_rank, fl_fmt_bytes(r->peak, a, sizeof a));
+    fprintf(out, "suggested grid: DP %d x TP %d x PP %d: %s (largest rank %d needs %s%s%s)\n", r->dp, r->tp, r->pp, opt,
+            r->peak_rank, fl_fmt_bytes(r->peak, a, sizeof a), !mc->cuda && r->host_peak ? " + its host tier " : "",
+            !mc->cuda && r->host_peak ? fl_fmt_bytes(r->host_peak, b, sizeof b) : "");
 }
 
 /* `plan --suggest --json`: the machine, every grid's row and the suggestion (schema: docs/ARCHITECTURE.md "Which grid") */

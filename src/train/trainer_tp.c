@@ -625,10 +625,13 @@ void fl_tr_tp_print(const trainer *t, fl_comm *world) {
                                   "row-parallel; each stack's relative position bias split by heads; d(encoder output) "
                                   "summed once per backward)" : "");
     if (t->model.sp)
-        fprintf(t->out, "sequence parallel: between the linears each rank holds %d of every pass's %d x %d rows (the "
+        fprintf(t->out, "sequence parallel: between the linears each rank holds %d of every pass's %d x %d rows%s (the "
                 "residual stream, the norms, the residual adds; the saved stream and statistics 1/%d); a reduce-scatter "
                 "after each row-parallel linear and an all-gather before each column-parallel one in place of the "
-                "all-reduces; the norms' weight gradients summed over the group%s\n", t->sch.B * t->sch.T / t->tp.size,
-                t->sch.B, t->sch.T, t->tp.size, t->sch.Ts ? " (T5: both stacks, the target's rows shown; the encoder "
+                "all-reduces; the norms' weight gradients summed over the group%s\n",
+                /* the arena's T is rounded up to a multiple of N (fl_model_alloc_acts): a rank holds B x T_N / N rows */
+                t->sch.B * ((t->sch.T + t->tp.size - 1) / t->tp.size), t->sch.B,
+                (t->sch.T + t->tp.size - 1) / t->tp.size * t->tp.size,
+                t->sch.T % t->tp.size ? " (each sequence padded at its end to a multiple of the group)" : "", t->tp.size, t->sch.Ts ? " (T5: both stacks, the target's rows shown; the encoder "
                 "output gathered once per pass for the cross-attention)" : "");
 }
