@@ -88,10 +88,17 @@ static fl_status cv_folder(const char *src, const char *tmp, int *n_tensors) {
     if (s == FL_OK) s = fl_hf_open_weight_files(src, &cfg, &fs, &nf);
     if (s == FL_OK) s = cv_collect(&lay, &cfg, src, fs, nf, t);
     if (s == FL_OK) s = fl_hf_save_tensors(tmp, &cfg, &lay, t); /* into tmp, which exists: in place */
-    /* the source's config.json, its torch_dtype / dtype those of the tensors as written (they keep theirs: a
-     * config that said otherwise would have from_pretrained(dtype="auto") load them as another dtype) */
-    if (s == FL_OK && cfg_bytes)
+    /* the source's config.json, its torch_dtype / dtype those of the tensors as written when they share one (they
+     * keep theirs: a config that said otherwise would have from_pretrained(dtype="auto") load them as another dtype);
+     * tensors of several dtypes: the source's word kept, a copy byte for byte (no one dtype is theirs) */
+    int one = 1;
+    for (int k = 1; s == FL_OK && k < lay.n; k++) one &= t[k].dtype == t[0].dtype;
+    if (s == FL_OK && cfg_bytes && one)
         s = fl_hf_config_text_set_dtype(cfg_bytes, cfg_len, fl_hf_tensors_dtype(&lay, t), &cfg_out, &out_len);
+    else if (s == FL_OK && cfg_bytes && !(cfg_out = malloc(cfg_len + 1)))
+        s = fl_errorf(FL_ERR_OOM, "%s: out of memory", src);
+    else if (s == FL_OK && cfg_bytes)
+        memcpy(cfg_out, cfg_bytes, cfg_len), out_len = cfg_len;
     if (s == FL_OK && cfg_bytes) s = fl_fs_join(path, sizeof path, tmp, "config.json");
     if (s == FL_OK && cfg_bytes) s = fl_fs_write_file_atomic(path, cfg_out, out_len);
     if (s == FL_OK) s = fl_io_copy_tokenizer_files(src, tmp, NULL);
