@@ -30,6 +30,9 @@ const char *fl_cli_nearest(const char *word, const char *const *known);
  * command's options, NULL-ended. Returns FL_EXIT_USAGE. */
 /* this process's rank under a launcher (mpirun, srun ...; 0 without one) */
 int fl_cli_launched_rank(void);
+/* an error every rank meets, about to be printed: ranks other than 0 first give rank 0 3 s to say it and exit (the
+ * launcher then ends them), so a job prints it once */
+void fl_cli_after_rank0(void);
 int fl_cli_unknown_option(const char *cmd, const char *arg, const char *const *known);
 
 /* Parse helpers: return 0 on success, -1 with a usage message printed. */

@@ -118,15 +118,14 @@ static int launcher_mismatch(const char *cmd, const fl_run_config *cfg, const fl
                 want == 1 ? "" : "s", fl_launch_kind_name(li->kind), have,
                 have / cfg->num_nodes > 0 ? have / cfg->num_nodes : have, want, want == 1 ? "" : "s");
     else
-        sleep(3); /* the launcher ends this rank once rank 0 has said it and exited (config_error's rule) */
+        fl_cli_after_rank0(); /* rank 0 says it */
     return 1;
 }
 
 static void config_error(const char *cmd) {
     char msg[2048];
     snprintf(msg, sizeof msg, "%s", fl_error_message());
-    fl_launch_info li;
-    if (fl_launch_detect(&li) == FL_OK && li.kind != FL_LAUNCH_NONE && li.rank != 0) sleep(3);
+    fl_cli_after_rank0();
     fprintf(stderr, "fitllm %s: error: %s\n", cmd, msg);
 }
 
@@ -226,8 +225,7 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
     }
     /* models by name: a Hugging Face repo id -> the folder it was downloaded to (src/cli/model_name.c);
      * said once per job (rank 0 of a launcher's ranks) */
-    fl_launch_info li;
-    const char *say = fl_launch_detect(&li) == FL_OK && li.rank != 0 ? NULL : cmd;
+    const char *say = fl_cli_launched_rank() != 0 ? NULL : cmd;
     char *paths[2] = {cfg->checkpoint_dir, cfg->tokenizer_dir};
     for (int k = 0; k < 2 && !rc; k++) {
         char buf[FL_CFG_PATH];

@@ -51,16 +51,20 @@ int fl_cli_accelerator(const char *cmd, const char *val) {
     return 0;
 }
 
-/* Under a launcher every rank parses the same command line: a usage error (and --help) said by rank 0 alone; the
- * others wait for the launcher to end them once rank 0 has exited (an error of their own still shows after 3 s). */
 int fl_cli_launched_rank(void) {
     fl_launch_info li;
     return fl_launch_detect(&li) == FL_OK && li.kind != FL_LAUNCH_NONE ? li.rank : 0;
 }
 
+/* Under a launcher every rank parses the same command line: an error every rank meets is said by rank 0; the others
+ * wait for the launcher to end them once rank 0 has exited (an error of their own still shows after 3 s). */
+void fl_cli_after_rank0(void) {
+    if (fl_cli_launched_rank() != 0) sleep(3);
+}
+
 int fl_cli_usage(const char *cmd, const char *fmt, ...) {
     va_list ap;
-    if (fl_cli_launched_rank() != 0) sleep(3);
+    fl_cli_after_rank0();
     fflush(stdout);
     fprintf(stderr, "fitllm %s: ", cmd);
     va_start(ap, fmt);

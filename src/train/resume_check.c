@@ -447,13 +447,16 @@ static void check_targets(const char *dir, const fl_run_config *cfg, const fl_mo
  * go on over another base, and name the wrong one). A run reads weights when --init random is not given and its
  * checkpoint_dir is a model folder or a llama2.c .bin (a preset name or a config.json: random weights either way, as
  * an older build's "init: pretrained" of such a run said). */
+int fl_rs_has_weights(const char *p) {
+    struct stat st;
+    const size_t pl = strlen(p);
+    return stat(p, &st) == 0 && (S_ISDIR(st.st_mode) || (pl > 4 && !strcmp(p + pl - 4, ".bin")));
+}
+
 static void check_init(const fl_run_config *cfg, const fl_cfg_entries *ck, char *why, char *fix, size_t wn) {
     const char *v = fl_cfg_entries_value(ck, "init");
     if (cfg->command != FL_CMD_FINETUNE_LORA || !v) return;
-    struct stat st;
-    const char *p = cfg->checkpoint_dir;
-    const size_t pl = strlen(p);
-    const int has_weights = stat(p, &st) == 0 && (S_ISDIR(st.st_mode) || (pl > 4 && !strcmp(p + pl - 4, ".bin")));
+    const int has_weights = fl_rs_has_weights(cfg->checkpoint_dir);
     const int was_random = !strcmp(v, "random");
     if (was_random == cfg->init_random || !has_weights) return; /* !has_weights: random here too, whatever --init */
     say(why, wn, "%sthe checkpoint's adapters were trained over %s base weights (init %s), this run would train them "

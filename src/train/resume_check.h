@@ -13,4 +13,8 @@
 fl_status fl_ckpt_check_resume_blip2(const char *dir, const fl_run_config *cfg, const fl_blip2_config *bc, char *notes,
                                      size_t n);
 
+/* Whether a run's checkpoint_dir holds weights the loader reads (a model folder: HF or LitGPT; a llama2.c .bin), as
+ * against a preset name or a config.json alone, which give random weights of their shape whatever --init says. */
+int fl_rs_has_weights(const char *checkpoint_dir);
+
 #endif

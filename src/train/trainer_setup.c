@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "trainer-impl.h"
+#include "resume_check.h"
 #include "core/fs.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
@@ -143,13 +144,9 @@ static int ckpt_seed(const char *dir, unsigned long long *seed) {
  * read back from base/, stored dequantized, would be quantized anew). */
 static int resumed_base(const fl_run_config *c, char *dir) {
     char ck[FL_CFG_PATH + 300];
-    struct stat st;
     if (c->command != FL_CMD_FINETUNE_LORA || !strcmp(c->resume, "false") || !c->resume[0]) return 0;
-    const char *m = c->checkpoint_dir;
-    const size_t ml = strlen(m);
-    const int random = c->init_random || (m[0] && !exists(m)) || /* --init random, a preset, a config.json alone */
-                       (stat(m, &st) == 0 && !S_ISDIR(st.st_mode) && ml > 5 && !strcmp(m + ml - 5, ".json"));
-    if (!random) return 0;
+    /* --init random, a preset, a config.json alone */
+    if (!c->init_random && (!c->checkpoint_dir[0] || fl_rs_has_weights(c->checkpoint_dir))) return 0;
     if (!strcmp(c->resume, "true") || !strcmp(c->resume, "auto")) {
         if (fl_ckpt_find_latest(c->out_dir, ck, sizeof ck) != FL_OK) return fl_error_clear(), 0;
     } else {
